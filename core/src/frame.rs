@@ -1,0 +1,167 @@
+//! The frames efabus peers exchange, as plain values.
+//!
+//! Control frames (handshake, subscriptions, errors, keepalive) are rare and
+//! carry structured data, so they are serde types encoded with bincode.
+//! Data frames (publish, message, fragment, credit) are on the hot path and
+//! have a fixed little-endian header so payloads are sliced out of the
+//! receive buffer, never copied. See [`crate::codec`] for the byte layout.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::caps::Offer;
+
+/// Version of the wire protocol spoken by this build. A peer whose hello
+/// carries another major version is refused with [`ErrorCode::Version`].
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// How a subscription wants its messages carried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum DeliveryClass {
+    /// Every accepted message delivered once, in publisher order per subject.
+    #[default]
+    Reliable,
+    /// May be dropped (e.g. over EFA DGRAM); only whole messages are delivered.
+    BestEffort,
+}
+
+/// First frame a connecting side sends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    pub version: u16,
+    /// Human-readable name of the sender (node name or client name).
+    pub name: String,
+    /// Shared secret, if the server requires one.
+    pub credentials: Option<String>,
+    /// Data paths the sender can open, best first as configured.
+    pub offers: Vec<Offer>,
+}
+
+/// The accepting side's answer to a valid [`Hello`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    pub version: u16,
+    pub name: String,
+    /// Data paths the accepting side can open.
+    pub offers: Vec<Offer>,
+    /// Largest payload the server accepts in one publish.
+    pub max_payload: u64,
+}
+
+/// Register interest in a subject pattern.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Subscribe {
+    /// Subscription id, chosen by the subscriber, unique per connection.
+    pub sid: u64,
+    pub pattern: String,
+    /// Queue group: each message goes to one member of the group.
+    pub queue: Option<String>,
+    pub class: DeliveryClass,
+}
+
+/// A message sent by a publisher towards the broker (or between brokers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Publish {
+    pub subject: String,
+    pub reply: Option<String>,
+    /// Per-publisher sequence number; 0 when the link does not need one.
+    pub seq: u64,
+    pub payload: Bytes,
+}
+
+/// A message delivered to a subscriber.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// The subscription this delivery is for.
+    pub sid: u64,
+    pub subject: String,
+    pub reply: Option<String>,
+    /// Per-link sequence number; 0 when the link does not need one.
+    pub seq: u64,
+    pub payload: Bytes,
+}
+
+/// One piece of a frame too large for the link's message size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fragment {
+    /// Identifies the fragmented frame within its sender.
+    pub msg_id: u64,
+    /// Index of this piece, from 0.
+    pub index: u32,
+    /// Number of pieces in the frame.
+    pub count: u32,
+    /// Total length of the reassembled frame.
+    pub total_len: u32,
+    pub data: Bytes,
+}
+
+/// Flow control: grants the receiver of this frame permission to send more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Credit {
+    /// Additional messages the peer may send.
+    pub messages: u32,
+    /// Additional payload bytes the peer may send.
+    pub bytes: u64,
+    /// Highest sequence number received in order, for acknowledgement.
+    pub ack_seq: u64,
+}
+
+/// Error codes carried by [`ErrorFrame`]; stable across versions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// The frame could not be decoded.
+    Malformed,
+    /// Wire protocol version not supported.
+    Version,
+    /// Credentials missing or wrong.
+    Auth,
+    /// Subject or pattern is not valid.
+    InvalidSubject,
+    /// Payload larger than the server's limit.
+    PayloadTooLarge,
+    /// Too many subscriptions for this connection.
+    TooManySubscriptions,
+    /// The server has reached its connection limit.
+    TooManyConnections,
+    /// The handshake did not complete in time.
+    HandshakeTimeout,
+    /// The peer fell too far behind and was disconnected.
+    SlowConsumer,
+    /// A frame arrived that the protocol does not allow at this point.
+    Protocol,
+    /// No responder for a request.
+    NoResponders,
+    /// Anything else; the text says what.
+    Internal,
+}
+
+/// Reports a problem to the peer. `fatal` means the sender closes the link.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorFrame {
+    pub code: ErrorCode,
+    pub text: String,
+    pub fatal: bool,
+}
+
+/// Why a side is leaving.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Goodbye {
+    pub reason: String,
+}
+
+/// Every frame of the efabus wire protocol.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    Hello(Hello),
+    Welcome(Welcome),
+    Subscribe(Subscribe),
+    Unsubscribe { sid: u64 },
+    Publish(Publish),
+    Message(Message),
+    Fragment(Fragment),
+    Credit(Credit),
+    Ping { nonce: u64 },
+    Pong { nonce: u64 },
+    Error(ErrorFrame),
+    Goodbye(Goodbye),
+}

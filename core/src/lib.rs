@@ -1,0 +1,22 @@
+//! efabus-core: the sans-IO heart of efabus.
+//!
+//! Everything here is pure logic, fed with inputs and the current time and
+//! drained for outputs: no sockets, no threads, no clocks. That keeps every
+//! protocol rule testable deterministically.
+//!
+//! - [`subject`]: NATS-style subject and pattern syntax, validation, limits.
+//! - [`index`]: the subscription index (token trie, literal cache, queue groups).
+//! - [`caps`]: the capability model mirroring libfabric's `fi_info`, its
+//!   `fi_info -v` printer and parser, hint matching and peer negotiation.
+//! - [`frame`] and [`codec`]: the wire frames and their encoding.
+//! - [`fragment`] and [`reorder`]: link logic for small-MTU and unordered links.
+//! - [`transport`]: the `Transport` and `Endpoint` traits every transport implements.
+
+pub mod caps;
+pub mod codec;
+pub mod fragment;
+pub mod frame;
+pub mod index;
+pub mod reorder;
+pub mod subject;
+pub mod transport;

@@ -1,0 +1,265 @@
+//! The traits every efabus transport implements.
+//!
+//! A [`Transport`] is a factory: it names its scheme, describes what it can do
+//! as [`FabricInfo`]s, and opens [`Endpoint`]s. An endpoint is
+//! message-oriented and peer-addressed, the shape of a libfabric RDM endpoint
+//! with an address vector: stream transports such as TCP hide their framing
+//! behind it.
+//!
+//! # Calling order
+//!
+//! 1. `Transport::open(config)` gives an endpoint, already listening when the
+//!    config names a bind address.
+//! 2. Register [`Endpoint::readiness`] with the caller's poller: a file
+//!    descriptor that becomes readable when `poll` has work, or
+//!    [`Readiness::MustPoll`] when the endpoint only makes progress when
+//!    polled (libfabric completion queues without a wait object).
+//! 3. `connect`/`insert_peer` give a [`PeerId`] at once; frames may be sent to
+//!    it immediately (they queue until the link is up, within the bound).
+//! 4. `send` never blocks: a full queue returns [`SendError::WouldBlock`] with
+//!    the frame handed back, and an [`Event::Writable`] for that peer follows
+//!    once there is room again.
+//! 5. `poll` drains what is ready into the caller's vector without blocking:
+//!    accepted peers, whole received frames, writable peers, closed peers.
+//! 6. `close(peer)` flushes what is queued, then releases the peer; dropping
+//!    the endpoint releases everything.
+
+use std::fmt;
+use std::os::fd::RawFd;
+
+use bytes::Bytes;
+use thiserror::Error;
+
+use crate::caps::FabricInfo;
+
+/// A peer of one endpoint. Ids are never reused by an endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(pub u64);
+
+impl fmt::Display for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "peer#{}", self.0)
+    }
+}
+
+/// One encoded frame on its way out, in two parts so a payload can be sent
+/// without being copied behind its header. The frame is `head` followed by
+/// `body`; `body` may be empty.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutFrame {
+    pub head: Bytes,
+    pub body: Bytes,
+}
+
+impl OutFrame {
+    /// A frame held in one buffer.
+    pub fn whole(bytes: Bytes) -> Self {
+        OutFrame {
+            head: bytes,
+            body: Bytes::new(),
+        }
+    }
+
+    /// Total length on the wire.
+    pub fn len(&self) -> usize {
+        self.head.len() + self.body.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The frame as one contiguous buffer (copies only when it has a body).
+    pub fn to_bytes(&self) -> Bytes {
+        if self.body.is_empty() {
+            return self.head.clone();
+        }
+        let mut all = Vec::with_capacity(self.len());
+        all.extend_from_slice(&self.head);
+        all.extend_from_slice(&self.body);
+        all.into()
+    }
+}
+
+/// How the caller learns that an endpoint has work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readiness {
+    /// Becomes readable (level-triggered) when `poll` would return events.
+    Fd(RawFd),
+    /// Make progress only by calling `poll` repeatedly (busy-poll with backoff).
+    MustPoll,
+}
+
+/// Why a peer's link ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CloseReason {
+    /// `close` was called on this side.
+    Local,
+    /// The peer closed the link in an orderly way.
+    PeerClosed,
+    /// The link failed; the text names the cause.
+    Error(String),
+}
+
+impl fmt::Display for CloseReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CloseReason::Local => f.write_str("closed locally"),
+            CloseReason::PeerClosed => f.write_str("closed by peer"),
+            CloseReason::Error(text) => write!(f, "link error: {text}"),
+        }
+    }
+}
+
+/// What `poll` reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A remote side connected to a listening endpoint.
+    Accepted { peer: PeerId, remote: String },
+    /// One whole frame, exactly as the peer encoded it.
+    Frame { peer: PeerId, frame: Bytes },
+    /// The peer's send queue has room again after a `WouldBlock`.
+    Writable { peer: PeerId },
+    /// The peer is gone; its id will not appear again.
+    Closed { peer: PeerId, reason: CloseReason },
+}
+
+/// Parameters for opening an endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointConfig {
+    /// What follows the scheme in an endpoint string (`127.0.0.1:7420` for
+    /// `tcp/127.0.0.1:7420`); `None` opens an endpoint that only connects out.
+    pub bind: Option<String>,
+    /// Largest frame the endpoint accepts or sends, header included.
+    pub max_frame: usize,
+    /// Frames queued per peer before `send` returns `WouldBlock`.
+    pub queue_frames: usize,
+    /// Bytes queued per peer before `send` returns `WouldBlock`.
+    pub queue_bytes: usize,
+    /// Transport-specific settings (e.g. the libfabric provider), by name.
+    pub options: Vec<(String, String)>,
+}
+
+impl Default for EndpointConfig {
+    fn default() -> Self {
+        EndpointConfig {
+            bind: None,
+            max_frame: 8 << 20,
+            queue_frames: 4096,
+            queue_bytes: 16 << 20,
+            options: Vec::new(),
+        }
+    }
+}
+
+impl EndpointConfig {
+    /// The value of a transport-specific option, if set.
+    pub fn option(&self, name: &str) -> Option<&str> {
+        self.options
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.as_str())
+    }
+}
+
+/// Errors from opening endpoints and managing peers.
+#[derive(Debug, Error)]
+pub enum TransportError {
+    #[error("transport {scheme} is unavailable: {reason}")]
+    Unavailable { scheme: String, reason: String },
+    #[error("invalid address {addr:?}: {reason}")]
+    InvalidAddress { addr: String, reason: String },
+    #[error("cannot bind {addr}: {source}")]
+    Bind {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("unknown {0}")]
+    UnknownPeer(PeerId),
+    #[error("{operation} is not supported by the {scheme} transport")]
+    Unsupported {
+        scheme: String,
+        operation: &'static str,
+    },
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Errors from [`Endpoint::send`].
+#[derive(Debug, Error)]
+pub enum SendError {
+    /// The peer's queue is full; the frame is handed back untouched.
+    #[error("send queue full")]
+    WouldBlock(OutFrame),
+    #[error("frame of {len} bytes exceeds the link limit of {max}")]
+    TooLarge { len: usize, max: usize },
+    #[error("unknown or closed {0}")]
+    Closed(PeerId),
+    #[error("{0}")]
+    Transport(#[from] TransportError),
+}
+
+/// A factory of endpoints for one scheme.
+pub trait Transport: Send + Sync {
+    /// The scheme selecting this transport in endpoint strings (`tcp`, `mem`, `efa-rdm`).
+    fn scheme(&self) -> &str;
+
+    /// What this transport offers, in fi_info terms. An unavailable transport
+    /// returns [`TransportError::Unavailable`] with the reason.
+    fn infos(&self) -> Result<Vec<FabricInfo>, TransportError>;
+
+    /// Open an endpoint.
+    fn open(&self, config: &EndpointConfig) -> Result<Box<dyn Endpoint>, TransportError>;
+}
+
+/// A message-oriented, peer-addressed endpoint. See the module docs for the
+/// calling order.
+pub trait Endpoint: Send {
+    /// The scheme of the transport that opened this endpoint.
+    fn scheme(&self) -> &str;
+
+    /// The address peers use to reach this endpoint: text for sockets
+    /// (`127.0.0.1:7420`), provider bytes for fabrics.
+    fn local_addr(&self) -> Vec<u8>;
+
+    /// Largest frame one `send` may carry on this endpoint, header included.
+    fn max_frame(&self) -> usize;
+
+    /// Start a link to a peer named by its textual address.
+    fn connect(&mut self, addr: &str) -> Result<PeerId, TransportError>;
+
+    /// Add a peer by its raw address bytes (as `local_addr` returned them on
+    /// the peer), for connectionless endpoints such as libfabric RDM/DGRAM.
+    fn insert_peer(&mut self, addr: &[u8]) -> Result<PeerId, TransportError> {
+        let _ = addr;
+        Err(TransportError::Unsupported {
+            scheme: self.scheme().to_string(),
+            operation: "insert_peer",
+        })
+    }
+
+    /// Queue one frame for a peer without blocking.
+    fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError>;
+
+    /// Append what is ready to `events` without blocking.
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError>;
+
+    /// Flush what is queued for the peer (best effort), then release it.
+    /// A `Closed { reason: Local }` event follows.
+    fn close(&mut self, peer: PeerId);
+
+    /// How the caller learns there is work.
+    fn readiness(&self) -> Readiness;
+
+    /// Bytes queued towards a peer and not yet handed to the wire.
+    fn queued_bytes(&self, peer: PeerId) -> usize;
+}

@@ -1,0 +1,2 @@
+//! efabus-transports: the in-process, TCP and libfabric transports and the
+//! scheme registry that selects them from endpoint strings.
