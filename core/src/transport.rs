@@ -262,4 +262,11 @@ pub trait Endpoint: Send {
 
     /// Bytes queued towards a peer and not yet handed to the wire.
     fn queued_bytes(&self, peer: PeerId) -> usize;
+
+    /// Stop (or resume) reading frames from a peer, so that a receiver that
+    /// cannot keep up pushes back on the sender through the transport.
+    /// Transports that cannot pause (datagram fabrics) ignore it.
+    fn set_read_paused(&mut self, peer: PeerId, paused: bool) {
+        let _ = (peer, paused);
+    }
 }
