@@ -1,1 +1,1093 @@
-//! (placeholder)
+//! The wire encoding of [`Frame`]s, and the stream reassembly of frames.
+//!
+//! This module owns the byte layout of every frame and the checks made on
+//! untrusted input before anything is allocated for it.
+//!
+//! # Layout
+//!
+//! Every frame is a 4-byte little-endian length `N` of the bytes that follow,
+//! then `N` bytes: one [`FrameKind`] byte, then the body. `N` counts the kind
+//! byte, so the whole frame is `N + 4` bytes; [`CodecLimits::max_frame`]
+//! bounds that whole size.
+//!
+//! Control frames (`Hello`, `Welcome`, `Subscribe`, `Unsubscribe`, `Ping`,
+//! `Pong`, `Error`, `Goodbye`) carry their struct encoded with bincode 2
+//! (serde, `config::standard()`: varint integers, little-endian). Their body
+//! is at most [`MAX_CONTROL_BODY`] bytes, a handshake carries at most
+//! [`MAX_OFFERS`] offers, and the decoder runs with a byte limit of sixteen
+//! times the body length (rounded up to a tier: the largest ratio between
+//! memory bincode claims for a value and its varint encoding), so a forged
+//! length inside a body cannot make it allocate beyond that.
+//!
+//! Data frames have fixed little-endian headers; variable parts follow the
+//! header in the order listed, and must fill the body exactly:
+//!
+//! | kind | header | then |
+//! |---|---|---|
+//! | `Publish` (0x10) | seq u64, flags u8, subject_len u16, reply_len u16, payload_len u32 | subject, reply, payload |
+//! | `Message` (0x11) | sid u64, seq u64, flags u8, subject_len u16, reply_len u16, payload_len u32 | subject, reply, payload |
+//! | `Fragment` (0x12) | msg_id u64, index u32, count u32, total_len u32, data_len u32 | data |
+//! | `Credit` (0x13) | messages u32, bytes u64, ack_seq u64 | nothing |
+//!
+//! Flag bit 0 ([`FLAG_REPLY`]) says a reply subject is present (so an empty
+//! reply is distinguishable from none); other bits must be zero. Subjects
+//! must be UTF-8 and at most [`CodecLimits::max_subject_len`] bytes; whether
+//! they are *valid subjects* is for [`crate::subject`] to say. Payloads and
+//! fragment data are slices of the received buffer, never copies.
+
+use std::fmt;
+use std::io;
+
+use bincode::de::read::Reader;
+use bincode::de::DecoderImpl;
+use bincode::enc::write::{SizeWriter, Writer};
+use bincode::serde::Compat;
+use bincode::Decode;
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::caps::Offer;
+use crate::frame::{
+    Credit, ErrorFrame, Fragment, Frame, Goodbye, Hello, Message, Publish, Subscribe, Welcome,
+};
+use crate::transport::OutFrame;
+
+/// Bytes of the length prefix in front of every frame.
+pub const PREFIX_LEN: usize = 4;
+/// Bytes of prefix and kind byte: the smallest possible frame.
+pub const FRAME_OVERHEAD: usize = PREFIX_LEN + 1;
+/// Header bytes of a `Publish` body before its subject.
+pub const PUBLISH_HEADER_LEN: usize = 8 + 1 + 2 + 2 + 4;
+/// Header bytes of a `Message` body before its subject.
+pub const MESSAGE_HEADER_LEN: usize = 8 + 8 + 1 + 2 + 2 + 4;
+/// Header bytes of a `Fragment` body before its data.
+pub const FRAGMENT_HEADER_LEN: usize = 8 + 4 + 4 + 4 + 4;
+/// Body bytes of a `Credit` frame.
+pub const CREDIT_BODY_LEN: usize = 4 + 8 + 8;
+/// Encoded size of a `Fragment` frame minus its data: what fragmentation
+/// spends per piece.
+pub const FRAGMENT_OVERHEAD: usize = FRAME_OVERHEAD + FRAGMENT_HEADER_LEN;
+/// Largest body of a control frame. Handshakes and subscriptions are small;
+/// this keeps the decoder's memory claim for them small too.
+pub const MAX_CONTROL_BODY: usize = 64 * 1024;
+/// Most offers a `Hello` or `Welcome` may carry.
+pub const MAX_OFFERS: usize = 64;
+/// Flag bit of `Publish`/`Message`: a reply subject follows the subject.
+pub const FLAG_REPLY: u8 = 0x01;
+
+/// Default largest payload of one publish: 8 MiB.
+pub const DEFAULT_MAX_PAYLOAD: usize = 8 << 20;
+/// Default largest subject (and reply subject) in bytes.
+pub const DEFAULT_MAX_SUBJECT_LEN: usize = 512;
+/// Default frame limit: the default payload plus 4 KiB of room for the
+/// prefix, header, subject and reply subject.
+pub const DEFAULT_MAX_FRAME: usize = DEFAULT_MAX_PAYLOAD + 4096;
+
+/// What the decoder accepts. Checked before anything is allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CodecLimits {
+    /// Largest whole frame, length prefix included (default
+    /// [`DEFAULT_MAX_FRAME`]: 8 MiB of payload plus 4 KiB of header room).
+    pub max_frame: usize,
+    /// Largest subject or reply subject in bytes (default
+    /// [`DEFAULT_MAX_SUBJECT_LEN`], 512). Must not exceed `u16::MAX`, the
+    /// width of the wire field.
+    pub max_subject_len: usize,
+}
+
+impl Default for CodecLimits {
+    fn default() -> Self {
+        CodecLimits {
+            max_frame: DEFAULT_MAX_FRAME,
+            max_subject_len: DEFAULT_MAX_SUBJECT_LEN,
+        }
+    }
+}
+
+/// The kind byte that follows the length prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FrameKind {
+    Hello = 0x01,
+    Welcome = 0x02,
+    Subscribe = 0x03,
+    Unsubscribe = 0x04,
+    Ping = 0x05,
+    Pong = 0x06,
+    Error = 0x07,
+    Goodbye = 0x08,
+    Publish = 0x10,
+    Message = 0x11,
+    Fragment = 0x12,
+    Credit = 0x13,
+}
+
+impl FrameKind {
+    /// The kind of a frame value.
+    pub fn of(frame: &Frame) -> FrameKind {
+        match frame {
+            Frame::Hello(_) => FrameKind::Hello,
+            Frame::Welcome(_) => FrameKind::Welcome,
+            Frame::Subscribe(_) => FrameKind::Subscribe,
+            Frame::Unsubscribe { .. } => FrameKind::Unsubscribe,
+            Frame::Publish(_) => FrameKind::Publish,
+            Frame::Message(_) => FrameKind::Message,
+            Frame::Fragment(_) => FrameKind::Fragment,
+            Frame::Credit(_) => FrameKind::Credit,
+            Frame::Ping { .. } => FrameKind::Ping,
+            Frame::Pong { .. } => FrameKind::Pong,
+            Frame::Error(_) => FrameKind::Error,
+            Frame::Goodbye(_) => FrameKind::Goodbye,
+        }
+    }
+
+    /// The kind for a wire byte, if it names one.
+    pub fn from_byte(byte: u8) -> Option<FrameKind> {
+        Some(match byte {
+            0x01 => FrameKind::Hello,
+            0x02 => FrameKind::Welcome,
+            0x03 => FrameKind::Subscribe,
+            0x04 => FrameKind::Unsubscribe,
+            0x05 => FrameKind::Ping,
+            0x06 => FrameKind::Pong,
+            0x07 => FrameKind::Error,
+            0x08 => FrameKind::Goodbye,
+            0x10 => FrameKind::Publish,
+            0x11 => FrameKind::Message,
+            0x12 => FrameKind::Fragment,
+            0x13 => FrameKind::Credit,
+            _ => return None,
+        })
+    }
+
+    /// Whether the body is bincode (control) rather than a fixed header (data).
+    pub fn is_control(self) -> bool {
+        (self as u8) < 0x10
+    }
+
+    /// Name for messages and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            FrameKind::Hello => "hello",
+            FrameKind::Welcome => "welcome",
+            FrameKind::Subscribe => "subscribe",
+            FrameKind::Unsubscribe => "unsubscribe",
+            FrameKind::Ping => "ping",
+            FrameKind::Pong => "pong",
+            FrameKind::Error => "error",
+            FrameKind::Goodbye => "goodbye",
+            FrameKind::Publish => "publish",
+            FrameKind::Message => "message",
+            FrameKind::Fragment => "fragment",
+            FrameKind::Credit => "credit",
+        }
+    }
+}
+
+impl fmt::Display for FrameKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why bytes are not a valid frame.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum DecodeError {
+    /// Fewer bytes than the layout needs.
+    #[error("truncated frame: {needed} bytes needed, {available} available")]
+    Truncated { needed: usize, available: usize },
+    /// The length prefix disagrees with the bytes delivered as one frame.
+    #[error("length prefix declares {declared} bytes but {actual} follow it")]
+    LengthMismatch { declared: usize, actual: usize },
+    /// The declared frame (prefix included) is over the limit.
+    #[error("frame of {len} bytes exceeds the limit of {max} bytes")]
+    TooLarge { len: u64, max: usize },
+    /// A length prefix of zero: not even a kind byte.
+    #[error("empty frame: no kind byte")]
+    Empty,
+    #[error("unknown frame kind {0:#04x}")]
+    UnknownKind(u8),
+    #[error("unknown flags {flags:#04x} in a {kind} frame")]
+    UnknownFlags { kind: FrameKind, flags: u8 },
+    /// A length-bounded field (subject, reply, control body, ...) is too long.
+    #[error("{field} of a {kind} frame is {len} bytes, over the limit of {max}")]
+    FieldTooLong {
+        kind: FrameKind,
+        field: &'static str,
+        len: usize,
+        max: usize,
+    },
+    #[error("{field} of a {kind} frame is not valid UTF-8")]
+    InvalidUtf8 {
+        kind: FrameKind,
+        field: &'static str,
+    },
+    /// The header's lengths do not add up to the body's length.
+    #[error("{kind} header declares a body of {declared} bytes but it holds {actual}")]
+    BodyLength {
+        kind: FrameKind,
+        declared: u64,
+        actual: usize,
+    },
+    /// A control body decoded without using all its bytes.
+    #[error("{count} trailing bytes after the {kind} body")]
+    TrailingBytes { kind: FrameKind, count: usize },
+    #[error("{kind} frame carries {count} offers, over the limit of {max}")]
+    TooManyOffers {
+        kind: FrameKind,
+        count: u64,
+        max: usize,
+    },
+    /// bincode rejected a control body; the text is its reason.
+    #[error("invalid {kind} body: {text}")]
+    Body { kind: FrameKind, text: String },
+}
+
+/// Why a frame value cannot be encoded: a field wider than its wire field.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum EncodeError {
+    #[error("{field} of a {kind} frame is {len} bytes, over the wire limit of {max}")]
+    FieldTooLong {
+        kind: FrameKind,
+        field: &'static str,
+        len: usize,
+        max: usize,
+    },
+    #[error("{kind} frame carries {count} offers, over the limit of {max}")]
+    TooManyOffers {
+        kind: FrameKind,
+        count: usize,
+        max: usize,
+    },
+    #[error("cannot encode {kind} body: {text}")]
+    Body { kind: FrameKind, text: String },
+}
+
+// ---------------------------------------------------------------------------
+// Encoding
+// ---------------------------------------------------------------------------
+
+/// Encode a frame in two parts: for `Publish`, `Message` and `Fragment`,
+/// `head` holds prefix, kind, header and subjects and `body` is the payload
+/// (or fragment data) shared, not copied; other frames are all in `head`.
+///
+/// # Panics
+///
+/// If a field is wider than its wire field (see [`try_encode`]). Callers
+/// enforce subject and payload limits long before encoding, so this is a
+/// programming error; use [`try_encode`] where that is not guaranteed.
+pub fn encode(frame: &Frame) -> OutFrame {
+    match try_encode(frame) {
+        Ok(out) => out,
+        Err(err) => panic!("frame cannot be encoded: {err}"),
+    }
+}
+
+/// Encode a frame as [`encode`] does, or say which field does not fit: a
+/// subject over 65535 bytes, a payload or whole frame over `u32::MAX`
+/// bytes, a control body over [`MAX_CONTROL_BODY`], or more than
+/// [`MAX_OFFERS`] offers.
+pub fn try_encode(frame: &Frame) -> Result<OutFrame, EncodeError> {
+    let (payload, head_len) = match frame {
+        Frame::Publish(p) => (
+            Some(&p.payload),
+            FRAME_OVERHEAD + PUBLISH_HEADER_LEN + p.subject.len() + reply_len(&p.reply),
+        ),
+        Frame::Message(m) => (
+            Some(&m.payload),
+            FRAME_OVERHEAD + MESSAGE_HEADER_LEN + m.subject.len() + reply_len(&m.reply),
+        ),
+        Frame::Fragment(f) => (Some(&f.data), FRAGMENT_OVERHEAD),
+        _ => (None, 64),
+    };
+    let mut head = BytesMut::with_capacity(head_len);
+    match payload {
+        Some(payload) => {
+            write_head(frame, &mut head)?;
+            Ok(OutFrame {
+                head: head.freeze(),
+                body: payload.clone(),
+            })
+        }
+        None => {
+            try_encode_into(frame, &mut head)?;
+            Ok(OutFrame::whole(head.freeze()))
+        }
+    }
+}
+
+/// Append the whole encoded frame to `out`, contiguously (for batching).
+///
+/// # Panics
+///
+/// As [`encode`].
+pub fn encode_into(frame: &Frame, out: &mut BytesMut) {
+    if let Err(err) = try_encode_into(frame, out) {
+        panic!("frame cannot be encoded: {err}");
+    }
+}
+
+/// Append the whole encoded frame to `out`, or leave `out` as it was and
+/// say which field does not fit (see [`try_encode`]).
+pub fn try_encode_into(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
+    let start = out.len();
+    let result = match frame {
+        Frame::Publish(Publish { payload, .. })
+        | Frame::Message(Message { payload, .. })
+        | Frame::Fragment(Fragment { data: payload, .. }) => {
+            write_head(frame, out).map(|()| out.extend_from_slice(payload))
+        }
+        _ => write_control(frame, out),
+    };
+    if result.is_err() {
+        out.truncate(start);
+    }
+    result
+}
+
+/// Length of the frame once encoded, prefix included.
+pub fn encoded_len(frame: &Frame) -> Result<usize, EncodeError> {
+    Ok(match frame {
+        Frame::Publish(p) => data_frame_len(
+            FrameKind::Publish,
+            PUBLISH_HEADER_LEN,
+            &p.subject,
+            &p.reply,
+            &p.payload,
+        )?,
+        Frame::Message(m) => data_frame_len(
+            FrameKind::Message,
+            MESSAGE_HEADER_LEN,
+            &m.subject,
+            &m.reply,
+            &m.payload,
+        )?,
+        Frame::Fragment(f) => {
+            data_frame_len(FrameKind::Fragment, FRAGMENT_HEADER_LEN, "", &None, &f.data)?
+        }
+        Frame::Credit(_) => FRAME_OVERHEAD + CREDIT_BODY_LEN,
+        _ => {
+            let mut size = SizeWriter::default();
+            encode_control_body(frame, &mut size)?;
+            FRAME_OVERHEAD + size.bytes_written
+        }
+    })
+}
+
+fn reply_len(reply: &Option<String>) -> usize {
+    reply.as_ref().map_or(0, String::len)
+}
+
+fn data_frame_len(
+    kind: FrameKind,
+    header: usize,
+    subject: &str,
+    reply: &Option<String>,
+    payload: &Bytes,
+) -> Result<usize, EncodeError> {
+    check_width(kind, "subject", subject.len(), u16::MAX as usize)?;
+    check_width(kind, "reply subject", reply_len(reply), u16::MAX as usize)?;
+    check_width(kind, "payload", payload.len(), u32::MAX as usize)?;
+    let total = FRAME_OVERHEAD + header + subject.len() + reply_len(reply) + payload.len();
+    check_width(kind, "frame", total - PREFIX_LEN, u32::MAX as usize)?;
+    Ok(total)
+}
+
+fn check_width(
+    kind: FrameKind,
+    field: &'static str,
+    len: usize,
+    max: usize,
+) -> Result<(), EncodeError> {
+    if len > max {
+        return Err(EncodeError::FieldTooLong {
+            kind,
+            field,
+            len,
+            max,
+        });
+    }
+    Ok(())
+}
+
+/// Writes prefix, kind and header (and subjects) of a data frame whose
+/// payload will follow; the prefix already counts the payload.
+fn write_head(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
+    let total = encoded_len(frame)?;
+    // encoded_len has checked every width, so these casts are exact.
+    let n = (total - PREFIX_LEN) as u32;
+    match frame {
+        Frame::Publish(p) => {
+            out.reserve(total - p.payload.len());
+            out.put_u32_le(n);
+            out.put_u8(FrameKind::Publish as u8);
+            out.put_u64_le(p.seq);
+            put_subjects(out, &p.subject, &p.reply, p.payload.len());
+        }
+        Frame::Message(m) => {
+            out.reserve(total - m.payload.len());
+            out.put_u32_le(n);
+            out.put_u8(FrameKind::Message as u8);
+            out.put_u64_le(m.sid);
+            out.put_u64_le(m.seq);
+            put_subjects(out, &m.subject, &m.reply, m.payload.len());
+        }
+        Frame::Fragment(f) => {
+            out.reserve(FRAGMENT_OVERHEAD);
+            out.put_u32_le(n);
+            out.put_u8(FrameKind::Fragment as u8);
+            out.put_u64_le(f.msg_id);
+            out.put_u32_le(f.index);
+            out.put_u32_le(f.count);
+            out.put_u32_le(f.total_len);
+            out.put_u32_le(f.data.len() as u32);
+        }
+        // Only data frames with a payload come here.
+        _ => return write_control(frame, out),
+    }
+    Ok(())
+}
+
+/// Flags, lengths and subjects shared by `Publish` and `Message`.
+fn put_subjects(out: &mut BytesMut, subject: &str, reply: &Option<String>, payload_len: usize) {
+    let flags = if reply.is_some() { FLAG_REPLY } else { 0 };
+    out.put_u8(flags);
+    out.put_u16_le(subject.len() as u16);
+    out.put_u16_le(reply_len(reply) as u16);
+    out.put_u32_le(payload_len as u32);
+    out.extend_from_slice(subject.as_bytes());
+    if let Some(reply) = reply {
+        out.extend_from_slice(reply.as_bytes());
+    }
+}
+
+/// Appends to a `BytesMut` for bincode.
+struct BufWriter<'a>(&'a mut BytesMut);
+
+impl Writer for BufWriter<'_> {
+    fn write(&mut self, bytes: &[u8]) -> Result<(), bincode::error::EncodeError> {
+        self.0.extend_from_slice(bytes);
+        Ok(())
+    }
+}
+
+/// Encodes a control frame or `Credit` (anything without a payload).
+fn write_control(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
+    let start = out.len();
+    out.put_u32_le(0);
+    out.put_u8(FrameKind::of(frame) as u8);
+    if let Frame::Credit(c) = frame {
+        out.put_u32_le(c.messages);
+        out.put_u64_le(c.bytes);
+        out.put_u64_le(c.ack_seq);
+    } else {
+        encode_control_body(frame, BufWriter(out))?;
+    }
+    let body = out.len() - start - FRAME_OVERHEAD;
+    let kind = FrameKind::of(frame);
+    check_width(kind, "control body", body, MAX_CONTROL_BODY)?;
+    let n = (body + 1) as u32;
+    out[start..start + PREFIX_LEN].copy_from_slice(&n.to_le_bytes());
+    Ok(())
+}
+
+fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), EncodeError> {
+    let kind = FrameKind::of(frame);
+    let config = bincode::config::standard();
+    let result = match frame {
+        Frame::Hello(h) => {
+            check_offers(kind, &h.offers)?;
+            bincode::serde::encode_into_writer(h, writer, config)
+        }
+        Frame::Welcome(w) => {
+            check_offers(kind, &w.offers)?;
+            bincode::serde::encode_into_writer(w, writer, config)
+        }
+        Frame::Subscribe(s) => bincode::serde::encode_into_writer(s, writer, config),
+        Frame::Unsubscribe { sid } => bincode::serde::encode_into_writer(sid, writer, config),
+        Frame::Ping { nonce } | Frame::Pong { nonce } => {
+            bincode::serde::encode_into_writer(nonce, writer, config)
+        }
+        Frame::Error(e) => bincode::serde::encode_into_writer(e, writer, config),
+        Frame::Goodbye(g) => bincode::serde::encode_into_writer(g, writer, config),
+        Frame::Publish(_) | Frame::Message(_) | Frame::Fragment(_) | Frame::Credit(_) => {
+            return Err(EncodeError::Body {
+                kind,
+                text: "data frames have no bincode body".to_string(),
+            })
+        }
+    };
+    result.map_err(|err| body_error(kind, err))
+}
+
+fn body_error(kind: FrameKind, err: bincode::error::EncodeError) -> EncodeError {
+    EncodeError::Body {
+        kind,
+        text: err.to_string(),
+    }
+}
+
+fn check_offers(kind: FrameKind, offers: &[Offer]) -> Result<(), EncodeError> {
+    if offers.len() > MAX_OFFERS {
+        return Err(EncodeError::TooManyOffers {
+            kind,
+            count: offers.len(),
+            max: MAX_OFFERS,
+        });
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Decoding
+// ---------------------------------------------------------------------------
+
+/// Total length (prefix included) of the frame at the start of `buf`, for
+/// splitting a byte stream: `Ok(None)` until the 4-byte prefix is there.
+/// Rejects a declared length over `limits.max_frame` (or of zero) from the
+/// prefix alone, so the caller allocates nothing for it.
+pub fn frame_len(buf: &[u8], limits: &CodecLimits) -> Result<Option<usize>, DecodeError> {
+    let Some(prefix) = buf.first_chunk::<PREFIX_LEN>() else {
+        return Ok(None);
+    };
+    let declared = u32::from_le_bytes(*prefix);
+    if declared == 0 {
+        return Err(DecodeError::Empty);
+    }
+    let total = u64::from(declared) + PREFIX_LEN as u64;
+    if total > limits.max_frame as u64 {
+        return Err(DecodeError::TooLarge {
+            len: total,
+            max: limits.max_frame,
+        });
+    }
+    // total <= max_frame, a usize: the cast is exact.
+    Ok(Some(total as usize))
+}
+
+/// Decode one whole frame, length prefix included, as endpoints deliver
+/// them. Payloads and fragment data are slices of `frame`. Never panics.
+pub fn decode(frame: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> {
+    let Some(total) = frame_len(&frame, limits)? else {
+        return Err(DecodeError::Truncated {
+            needed: PREFIX_LEN,
+            available: frame.len(),
+        });
+    };
+    if total != frame.len() {
+        return Err(DecodeError::LengthMismatch {
+            declared: total - PREFIX_LEN,
+            actual: frame.len() - PREFIX_LEN,
+        });
+    }
+    let kind_byte = frame[PREFIX_LEN];
+    let kind = FrameKind::from_byte(kind_byte).ok_or(DecodeError::UnknownKind(kind_byte))?;
+    let body = frame.slice(FRAME_OVERHEAD..);
+    match kind {
+        FrameKind::Publish => decode_publish(body, limits),
+        FrameKind::Message => decode_message(body, limits),
+        FrameKind::Fragment => decode_fragment(body),
+        FrameKind::Credit => decode_credit(&body),
+        _ => decode_control(kind, &body),
+    }
+}
+
+/// Little-endian field reader over a body; every read is bounds-checked.
+struct Fields<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Fields<'a> {
+    fn new(buf: &'a [u8], header_len: usize) -> Result<Self, DecodeError> {
+        if buf.len() < header_len {
+            return Err(DecodeError::Truncated {
+                needed: FRAME_OVERHEAD + header_len,
+                available: FRAME_OVERHEAD + buf.len(),
+            });
+        }
+        Ok(Fields { buf, pos: 0 })
+    }
+
+    // The constructor checked the header length, so the reads below are
+    // in bounds; they still go through `get` so nothing here can panic.
+    fn array<const N: usize>(&mut self) -> [u8; N] {
+        let mut out = [0u8; N];
+        if let Some(src) = self.buf.get(self.pos..self.pos + N) {
+            out.copy_from_slice(src);
+        }
+        self.pos += N;
+        out
+    }
+
+    fn u8(&mut self) -> u8 {
+        self.array::<1>()[0]
+    }
+    fn u16(&mut self) -> u16 {
+        u16::from_le_bytes(self.array())
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from_le_bytes(self.array())
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from_le_bytes(self.array())
+    }
+}
+
+/// Flags, subjects and payload shared by `Publish` and `Message`; `fields`
+/// is positioned at the flags byte.
+struct Routed {
+    subject: String,
+    reply: Option<String>,
+    payload: Bytes,
+}
+
+fn decode_routed(
+    kind: FrameKind,
+    body: &Bytes,
+    fields: &mut Fields<'_>,
+    limits: &CodecLimits,
+) -> Result<Routed, DecodeError> {
+    let flags = fields.u8();
+    if flags & !FLAG_REPLY != 0 {
+        return Err(DecodeError::UnknownFlags { kind, flags });
+    }
+    let subject_len = usize::from(fields.u16());
+    let reply_len = usize::from(fields.u16());
+    let payload_len = fields.u32() as usize;
+    if flags & FLAG_REPLY == 0 && reply_len != 0 {
+        return Err(DecodeError::UnknownFlags { kind, flags });
+    }
+    for (field, len) in [("subject", subject_len), ("reply subject", reply_len)] {
+        if len > limits.max_subject_len {
+            return Err(DecodeError::FieldTooLong {
+                kind,
+                field,
+                len,
+                max: limits.max_subject_len,
+            });
+        }
+    }
+    let header = fields.pos;
+    let declared = (header + subject_len + reply_len) as u64 + payload_len as u64;
+    if declared != body.len() as u64 {
+        return Err(DecodeError::BodyLength {
+            kind,
+            declared,
+            actual: body.len(),
+        });
+    }
+    let subject_end = header + subject_len;
+    let reply_end = subject_end + reply_len;
+    let subject = utf8(kind, "subject", &body[header..subject_end])?;
+    let reply = if flags & FLAG_REPLY != 0 {
+        Some(utf8(kind, "reply subject", &body[subject_end..reply_end])?)
+    } else {
+        None
+    };
+    Ok(Routed {
+        subject,
+        reply,
+        payload: body.slice(reply_end..),
+    })
+}
+
+fn utf8(kind: FrameKind, field: &'static str, bytes: &[u8]) -> Result<String, DecodeError> {
+    std::str::from_utf8(bytes)
+        .map(str::to_owned)
+        .map_err(|_| DecodeError::InvalidUtf8 { kind, field })
+}
+
+fn decode_publish(body: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> {
+    let mut fields = Fields::new(&body, PUBLISH_HEADER_LEN)?;
+    let seq = fields.u64();
+    let routed = decode_routed(FrameKind::Publish, &body, &mut fields, limits)?;
+    Ok(Frame::Publish(Publish {
+        subject: routed.subject,
+        reply: routed.reply,
+        seq,
+        payload: routed.payload,
+    }))
+}
+
+fn decode_message(body: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> {
+    let mut fields = Fields::new(&body, MESSAGE_HEADER_LEN)?;
+    let sid = fields.u64();
+    let seq = fields.u64();
+    let routed = decode_routed(FrameKind::Message, &body, &mut fields, limits)?;
+    Ok(Frame::Message(Message {
+        sid,
+        subject: routed.subject,
+        reply: routed.reply,
+        seq,
+        payload: routed.payload,
+    }))
+}
+
+fn decode_fragment(body: Bytes) -> Result<Frame, DecodeError> {
+    let mut fields = Fields::new(&body, FRAGMENT_HEADER_LEN)?;
+    let msg_id = fields.u64();
+    let index = fields.u32();
+    let count = fields.u32();
+    let total_len = fields.u32();
+    let data_len = fields.u32();
+    let declared = FRAGMENT_HEADER_LEN as u64 + u64::from(data_len);
+    if declared != body.len() as u64 {
+        return Err(DecodeError::BodyLength {
+            kind: FrameKind::Fragment,
+            declared,
+            actual: body.len(),
+        });
+    }
+    Ok(Frame::Fragment(Fragment {
+        msg_id,
+        index,
+        count,
+        total_len,
+        data: body.slice(FRAGMENT_HEADER_LEN..),
+    }))
+}
+
+fn decode_credit(body: &[u8]) -> Result<Frame, DecodeError> {
+    let mut fields = Fields::new(body, CREDIT_BODY_LEN)?;
+    if body.len() != CREDIT_BODY_LEN {
+        return Err(DecodeError::BodyLength {
+            kind: FrameKind::Credit,
+            declared: CREDIT_BODY_LEN as u64,
+            actual: body.len(),
+        });
+    }
+    Ok(Frame::Credit(Credit {
+        messages: fields.u32(),
+        bytes: fields.u64(),
+        ack_seq: fields.u64(),
+    }))
+}
+
+/// A bincode reader over a body slice that knows how much it consumed.
+struct BodyReader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl Reader for BodyReader<'_> {
+    fn read(&mut self, bytes: &mut [u8]) -> Result<(), bincode::error::DecodeError> {
+        let end = self.pos.saturating_add(bytes.len());
+        match self.buf.get(self.pos..end) {
+            Some(src) => {
+                bytes.copy_from_slice(src);
+                self.pos = end;
+                Ok(())
+            }
+            None => Err(bincode::error::DecodeError::UnexpectedEnd {
+                additional: end - self.buf.len(),
+            }),
+        }
+    }
+}
+
+/// Memory bincode may claim per body byte: a one-byte varint can decode to
+/// a 16-byte integer. Anything beyond that ratio is a forged length.
+const CLAIM_PER_BODY_BYTE: usize = 16;
+
+fn decode_control(kind: FrameKind, body: &[u8]) -> Result<Frame, DecodeError> {
+    if body.len() > MAX_CONTROL_BODY {
+        return Err(DecodeError::FieldTooLong {
+            kind,
+            field: "control body",
+            len: body.len(),
+            max: MAX_CONTROL_BODY,
+        });
+    }
+    // The claim limit is a const generic in bincode; pick the smallest tier
+    // that covers this body.
+    let claim = body.len() * CLAIM_PER_BODY_BYTE;
+    if claim <= 4 << 10 {
+        decode_control_limited::<{ 4 << 10 }>(kind, body)
+    } else if claim <= 64 << 10 {
+        decode_control_limited::<{ 64 << 10 }>(kind, body)
+    } else {
+        decode_control_limited::<{ MAX_CONTROL_BODY * CLAIM_PER_BODY_BYTE }>(kind, body)
+    }
+}
+
+fn decode_control_limited<const LIMIT: usize>(
+    kind: FrameKind,
+    body: &[u8],
+) -> Result<Frame, DecodeError> {
+    let mut reader = BodyReader { buf: body, pos: 0 };
+    let config = bincode::config::standard().with_limit::<LIMIT>();
+    let frame = control_body(kind, &mut DecoderImpl::new(&mut reader, config, ()))?;
+    if reader.pos != body.len() {
+        return Err(DecodeError::TrailingBytes {
+            kind,
+            count: body.len() - reader.pos,
+        });
+    }
+    Ok(frame)
+}
+
+fn control_body<D: bincode::de::Decoder<Context = ()>>(
+    kind: FrameKind,
+    de: &mut D,
+) -> Result<Frame, DecodeError> {
+    let err = |e: bincode::error::DecodeError| DecodeError::Body {
+        kind,
+        text: e.to_string(),
+    };
+    Ok(match kind {
+        // Hello and Welcome are read field by field, in the order serde
+        // writes them, so the offer count is bounded before any offer is
+        // decoded (serde would preallocate from the declared count).
+        FrameKind::Hello => {
+            let version = u16::decode(de).map_err(err)?;
+            let name = String::decode(de).map_err(err)?;
+            let credentials = Option::<String>::decode(de).map_err(err)?;
+            let offers = decode_offers(kind, de)?;
+            Frame::Hello(Hello {
+                version,
+                name,
+                credentials,
+                offers,
+            })
+        }
+        FrameKind::Welcome => {
+            let version = u16::decode(de).map_err(err)?;
+            let name = String::decode(de).map_err(err)?;
+            let offers = decode_offers(kind, de)?;
+            let max_payload = u64::decode(de).map_err(err)?;
+            Frame::Welcome(Welcome {
+                version,
+                name,
+                offers,
+                max_payload,
+            })
+        }
+        FrameKind::Subscribe => Frame::Subscribe(serde_value::<Subscribe, D>(kind, de)?),
+        FrameKind::Unsubscribe => Frame::Unsubscribe {
+            sid: u64::decode(de).map_err(err)?,
+        },
+        FrameKind::Ping => Frame::Ping {
+            nonce: u64::decode(de).map_err(err)?,
+        },
+        FrameKind::Pong => Frame::Pong {
+            nonce: u64::decode(de).map_err(err)?,
+        },
+        FrameKind::Error => Frame::Error(serde_value::<ErrorFrame, D>(kind, de)?),
+        FrameKind::Goodbye => Frame::Goodbye(serde_value::<Goodbye, D>(kind, de)?),
+        FrameKind::Publish | FrameKind::Message | FrameKind::Fragment | FrameKind::Credit => {
+            return Err(DecodeError::Body {
+                kind,
+                text: "not a control frame".to_string(),
+            })
+        }
+    })
+}
+
+fn serde_value<T: DeserializeOwned + Serialize, D: bincode::de::Decoder<Context = ()>>(
+    kind: FrameKind,
+    de: &mut D,
+) -> Result<T, DecodeError> {
+    Compat::<T>::decode(de)
+        .map(|Compat(value)| value)
+        .map_err(|e| DecodeError::Body {
+            kind,
+            text: e.to_string(),
+        })
+}
+
+fn decode_offers<D: bincode::de::Decoder<Context = ()>>(
+    kind: FrameKind,
+    de: &mut D,
+) -> Result<Vec<Offer>, DecodeError> {
+    let count = u64::decode(de).map_err(|e| DecodeError::Body {
+        kind,
+        text: e.to_string(),
+    })?;
+    if count > MAX_OFFERS as u64 {
+        return Err(DecodeError::TooManyOffers {
+            kind,
+            count,
+            max: MAX_OFFERS,
+        });
+    }
+    (0..count)
+        .map(|_| serde_value::<Offer, D>(kind, de))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// Stream reassembly
+// ---------------------------------------------------------------------------
+
+/// Splits a byte stream into whole frames by their length prefix.
+///
+/// Bytes go in with [`push`](FrameReader::push), by reading straight into
+/// [`read_buf`](FrameReader::read_buf), or with
+/// [`read_from`](FrameReader::read_from); whole frames (prefix included)
+/// come out of [`next_frame`](FrameReader::next_frame) as slices of the
+/// internal buffer, ready for [`decode`]. A declared length over the limit
+/// is an error as soon as its 4 prefix bytes are in, before room is made for
+/// the frame. Errors are sticky: the stream cannot be resynchronised.
+#[derive(Debug)]
+pub struct FrameReader {
+    buf: BytesMut,
+    limits: CodecLimits,
+    failed: Option<DecodeError>,
+}
+
+/// How much [`FrameReader::read_from`] reads at most per call, unless a
+/// larger frame is pending.
+pub const READ_CHUNK: usize = 64 * 1024;
+
+impl FrameReader {
+    pub fn new(limits: CodecLimits) -> Self {
+        FrameReader {
+            buf: BytesMut::new(),
+            limits,
+            failed: None,
+        }
+    }
+
+    pub fn limits(&self) -> &CodecLimits {
+        &self.limits
+    }
+
+    /// Append received bytes.
+    pub fn push(&mut self, data: &[u8]) {
+        self.buf.extend_from_slice(data);
+    }
+
+    /// The buffer itself, for a caller that reads into its spare capacity.
+    /// Only append to it.
+    pub fn read_buf(&mut self) -> &mut BytesMut {
+        &mut self.buf
+    }
+
+    /// Bytes received and not yet returned as frames.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Read once from `reader` into the buffer: up to [`READ_CHUNK`] bytes,
+    /// or the rest of a pending frame when that is larger (so a big frame
+    /// takes few reads). Returns what `read` returned; `Ok(0)` is end of
+    /// stream.
+    pub fn read_from<R: io::Read>(&mut self, reader: &mut R) -> io::Result<usize> {
+        let pending = match frame_len(&self.buf, &self.limits) {
+            Ok(Some(total)) => total.saturating_sub(self.buf.len()),
+            _ => 0,
+        };
+        let want = pending.max(READ_CHUNK);
+        let start = self.buf.len();
+        self.buf.resize(start + want, 0);
+        let result = reader.read(&mut self.buf[start..]);
+        let got = *result.as_ref().unwrap_or(&0);
+        self.buf.truncate(start + got);
+        result
+    }
+
+    /// The next whole frame, `Ok(None)` if more bytes are needed.
+    pub fn next_frame(&mut self) -> Result<Option<Bytes>, DecodeError> {
+        if let Some(err) = &self.failed {
+            return Err(err.clone());
+        }
+        match frame_len(&self.buf, &self.limits) {
+            Ok(Some(total)) if self.buf.len() >= total => {
+                Ok(Some(self.buf.split_to(total).freeze()))
+            }
+            Ok(Some(total)) => {
+                // The length is within the limit: make room for the whole
+                // frame so it arrives in one buffer.
+                self.buf.reserve(total - self.buf.len());
+                Ok(None)
+            }
+            Ok(None) => Ok(None),
+            Err(err) => {
+                self.failed = Some(err.clone());
+                Err(err)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publish_layout_is_as_documented() {
+        let frame = Frame::Publish(Publish {
+            subject: "a.b".into(),
+            reply: Some("r".into()),
+            seq: 7,
+            payload: Bytes::from_static(b"xyz"),
+        });
+        let out = encode(&frame);
+        assert_eq!(out.body, Bytes::from_static(b"xyz"));
+        let all = out.to_bytes();
+        let mut expect = Vec::new();
+        expect.extend_from_slice(&(1 + 17 + 3 + 1 + 3u32).to_le_bytes());
+        expect.push(0x10);
+        expect.extend_from_slice(&7u64.to_le_bytes());
+        expect.push(FLAG_REPLY);
+        expect.extend_from_slice(&3u16.to_le_bytes());
+        expect.extend_from_slice(&1u16.to_le_bytes());
+        expect.extend_from_slice(&3u32.to_le_bytes());
+        expect.extend_from_slice(b"a.br");
+        expect.extend_from_slice(b"xyz");
+        assert_eq!(&all[..], &expect[..]);
+        assert_eq!(encoded_len(&frame), Ok(expect.len()));
+    }
+
+    #[test]
+    fn payload_is_sliced_not_copied() {
+        let frame = Frame::Message(Message {
+            sid: 1,
+            subject: "s".into(),
+            reply: None,
+            seq: 0,
+            payload: Bytes::from(vec![9u8; 100]),
+        });
+        let wire = encode(&frame).to_bytes();
+        let range = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
+        match decode(wire.clone(), &CodecLimits::default()) {
+            Ok(Frame::Message(m)) => assert!(range.contains(&(m.payload.as_ptr() as usize))),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn oversized_subject_is_an_encode_error() {
+        let frame = Frame::Publish(Publish {
+            subject: "x".repeat(70_000),
+            reply: None,
+            seq: 0,
+            payload: Bytes::new(),
+        });
+        let mut out = BytesMut::from(&b"keep"[..]);
+        assert!(matches!(
+            try_encode_into(&frame, &mut out),
+            Err(EncodeError::FieldTooLong {
+                field: "subject",
+                ..
+            })
+        ));
+        assert_eq!(&out[..], b"keep");
+    }
+
+    #[test]
+    fn control_frames_carry_their_kind() {
+        for (frame, kind) in [
+            (Frame::Ping { nonce: 3 }, FrameKind::Ping),
+            (Frame::Unsubscribe { sid: 9 }, FrameKind::Unsubscribe),
+        ] {
+            let wire = encode(&frame).to_bytes();
+            assert_eq!(wire[PREFIX_LEN], kind as u8);
+            assert_eq!(FrameKind::from_byte(kind as u8), Some(kind));
+            assert!(kind.is_control());
+        }
+    }
+}

@@ -1,1 +1,648 @@
-//! (placeholder)
+//! Fragmentation and reassembly of frames too large for a link.
+//!
+//! Links with a small message size (EFA DGRAM 8928 B, libfabric udp 1472 B)
+//! carry a large encoded frame as [`Fragment`] frames. This module owns the
+//! splitting ([`Fragmenter`]) and the bounded, time-driven reassembly
+//! ([`Reassembler`]); it does no I/O and reads no clock.
+//!
+//! # Piece layout
+//!
+//! A frame of `total_len` bytes is cut into `count` pieces of `chunk` bytes
+//! each, the last one holding the rest (1 to `chunk` bytes). Piece `index`
+//! starts at `index * chunk`. From any single piece the receiver can thus
+//! derive `chunk` and the piece's offset, so every piece is checked on its
+//! own and against the pieces seen before it.
+//!
+//! # Message ids
+//!
+//! A [`Fragmenter`] numbers messages from 1, increasing. The reassembler
+//! remembers, per peer, the ids it finished (completed or given up) within a
+//! window, and treats ids below that window as finished: so a duplicated or
+//! late piece never yields a frame twice nor holds memory. A peer whose
+//! sender restarts its numbering must be given a fresh key (or be removed
+//! with [`Reassembler::remove_peer`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::Hash;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use thiserror::Error;
+
+use crate::codec::{DEFAULT_MAX_FRAME, FRAGMENT_OVERHEAD};
+use crate::frame::Fragment;
+use crate::transport::OutFrame;
+
+/// Why a frame cannot be fragmented.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum FragmentError {
+    /// The limit leaves no room for data after the fragment header.
+    #[error("frame limit of {frame_limit} bytes leaves no room for data (at least {min} needed)")]
+    LimitTooSmall { frame_limit: usize, min: usize },
+    /// Fragments address at most `u32::MAX` bytes.
+    #[error("frame of {len} bytes is too large to fragment (max {max})")]
+    TooLarge { len: usize, max: usize },
+    #[error("cannot fragment an empty frame")]
+    Empty,
+}
+
+/// Splits encoded frames into [`Fragment`]s, numbering messages.
+#[derive(Debug, Clone)]
+pub struct Fragmenter {
+    next_msg_id: u64,
+}
+
+impl Default for Fragmenter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Fragmenter {
+    /// A fragmenter whose first message id is 1.
+    pub fn new() -> Self {
+        Fragmenter { next_msg_id: 1 }
+    }
+
+    /// The id the next fragmented frame will get.
+    pub fn next_msg_id(&self) -> u64 {
+        self.next_msg_id
+    }
+
+    /// Data bytes per piece when each encoded fragment frame may take
+    /// `frame_limit` bytes, or `None` if that leaves no room.
+    pub fn data_per_fragment(frame_limit: usize) -> Option<usize> {
+        frame_limit
+            .checked_sub(FRAGMENT_OVERHEAD)
+            .filter(|&room| room > 0)
+    }
+
+    /// Whether an encoded frame of `frame_len` bytes must be fragmented.
+    pub fn needs_fragmenting(frame_len: usize, frame_limit: usize) -> bool {
+        frame_len > frame_limit
+    }
+
+    /// Cut a whole encoded frame (prefix included) into pieces whose encoded
+    /// `Fragment` frames are each at most `frame_limit` bytes. Any prefix
+    /// the link itself adds must already be deducted from `frame_limit`.
+    /// Pieces share `frame`'s buffers; only a piece spanning its head and
+    /// body is copied.
+    pub fn fragment(
+        &mut self,
+        frame: &OutFrame,
+        frame_limit: usize,
+    ) -> Result<Fragments, FragmentError> {
+        let chunk = Self::data_per_fragment(frame_limit).ok_or(FragmentError::LimitTooSmall {
+            frame_limit,
+            min: FRAGMENT_OVERHEAD + 1,
+        })?;
+        let total = frame.len();
+        if total == 0 {
+            return Err(FragmentError::Empty);
+        }
+        if total > u32::MAX as usize {
+            return Err(FragmentError::TooLarge {
+                len: total,
+                max: u32::MAX as usize,
+            });
+        }
+        // total fits in u32 and chunk >= 1, so count does too.
+        let count = total.div_ceil(chunk) as u32;
+        let msg_id = self.next_msg_id;
+        self.next_msg_id = self.next_msg_id.wrapping_add(1);
+        Ok(Fragments {
+            msg_id,
+            head: frame.head.clone(),
+            body: frame.body.clone(),
+            chunk,
+            count,
+            next: 0,
+        })
+    }
+}
+
+/// The pieces of one frame, in order. See [`Fragmenter::fragment`].
+#[derive(Debug, Clone)]
+pub struct Fragments {
+    msg_id: u64,
+    head: Bytes,
+    body: Bytes,
+    chunk: usize,
+    count: u32,
+    next: u32,
+}
+
+impl Fragments {
+    /// The message id shared by the pieces.
+    pub fn msg_id(&self) -> u64 {
+        self.msg_id
+    }
+
+    /// Number of pieces in total.
+    pub fn count(&self) -> u32 {
+        self.count
+    }
+
+    fn piece(&self, start: usize, end: usize) -> Bytes {
+        let split = self.head.len();
+        if end <= split {
+            self.head.slice(start..end)
+        } else if start >= split {
+            self.body.slice(start - split..end - split)
+        } else {
+            let mut joined = Vec::with_capacity(end - start);
+            joined.extend_from_slice(&self.head[start..]);
+            joined.extend_from_slice(&self.body[..end - split]);
+            joined.into()
+        }
+    }
+}
+
+impl Iterator for Fragments {
+    type Item = Fragment;
+
+    fn next(&mut self) -> Option<Fragment> {
+        if self.next >= self.count {
+            return None;
+        }
+        let index = self.next;
+        self.next += 1;
+        let total = self.head.len() + self.body.len();
+        let start = index as usize * self.chunk;
+        let end = (start + self.chunk).min(total);
+        Some(Fragment {
+            msg_id: self.msg_id,
+            index,
+            count: self.count,
+            total_len: total as u32,
+            data: self.piece(start, end),
+        })
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = (self.count - self.next) as usize;
+        (left, Some(left))
+    }
+}
+
+impl ExactSizeIterator for Fragments {}
+
+/// Bounds of a [`Reassembler`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReassemblyConfig {
+    /// Memory reserved for partial messages, all peers together: a partial
+    /// message reserves its `total_len` plus its piece bitmap when its first
+    /// piece arrives.
+    pub max_bytes: usize,
+    /// Partial messages held at once, all peers together.
+    pub max_messages: usize,
+    /// Largest reassembled frame; larger `total_len`s are invalid.
+    pub max_frame: usize,
+    /// A partial message is dropped once no piece of it arrived for this long.
+    pub timeout: Duration,
+    /// Finished message ids remembered per peer to drop duplicate pieces.
+    pub done_window: usize,
+}
+
+impl Default for ReassemblyConfig {
+    /// 64 MiB and 1024 partial messages in flight, frames up to the codec's
+    /// default limit, a 2 s timeout, 4096 remembered ids per peer.
+    fn default() -> Self {
+        ReassemblyConfig {
+            max_bytes: 64 << 20,
+            max_messages: 1024,
+            max_frame: DEFAULT_MAX_FRAME,
+            timeout: Duration::from_secs(2),
+            done_window: 4096,
+        }
+    }
+}
+
+/// What a [`Reassembler`] has seen.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReassemblyStats {
+    /// Whole frames returned.
+    pub completed: u64,
+    /// Partial messages dropped by the timeout (or pushed out of the done
+    /// window while still incomplete).
+    pub expired: u64,
+    /// New messages refused for lack of memory or message slots.
+    pub dropped_over_budget: u64,
+    /// Pieces already held, or belonging to a completed message.
+    pub duplicates: u64,
+    /// Pieces of a message given up (expired or refused) earlier.
+    pub late: u64,
+    /// Pieces with inconsistent fields.
+    pub invalid: u64,
+}
+
+/// Why a piece was rejected. Duplicates and late pieces are not errors:
+/// they are expected on lossy links and only counted.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ReassemblyError {
+    #[error("invalid fragment {index}/{count} of message {msg_id}: {reason}")]
+    Invalid {
+        msg_id: u64,
+        index: u32,
+        count: u32,
+        reason: &'static str,
+    },
+    /// Starting this message would exceed the memory or message budget.
+    #[error("no room to reassemble message {msg_id} of {total_len} bytes ({in_flight} bytes in {messages} partial messages held)")]
+    OverBudget {
+        msg_id: u64,
+        total_len: u32,
+        in_flight: usize,
+        messages: usize,
+    },
+}
+
+/// How a message id ended, remembered to classify later pieces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Finished {
+    Completed,
+    GivenUp,
+}
+
+#[derive(Debug)]
+struct Partial {
+    buf: Vec<u8>,
+    have: Vec<u64>,
+    received: u32,
+    count: u32,
+    total_len: u32,
+    chunk: usize,
+    reserved: usize,
+    last_seen: Instant,
+}
+
+#[derive(Debug, Default)]
+struct PeerState {
+    partials: HashMap<u64, Partial>,
+    done: BTreeMap<u64, Finished>,
+    /// Ids below this are finished, whatever `done` says.
+    floor: u64,
+}
+
+impl PeerState {
+    fn finished(&self, msg_id: u64) -> Option<Finished> {
+        if msg_id < self.floor {
+            return Some(Finished::GivenUp);
+        }
+        self.done.get(&msg_id).copied()
+    }
+}
+
+/// Reassembles [`Fragment`]s into whole frames with bounded memory.
+///
+/// Feed every received piece to [`handle_fragment`](Reassembler::handle_fragment)
+/// with the current time and the sending peer's key, and call
+/// [`expire`](Reassembler::expire) periodically (e.g. every `timeout / 2`).
+#[derive(Debug)]
+pub struct Reassembler<K> {
+    config: ReassemblyConfig,
+    peers: HashMap<K, PeerState>,
+    in_flight: usize,
+    partials: usize,
+    stats: ReassemblyStats,
+}
+
+/// Where one piece goes, derived from its own fields.
+struct Placement {
+    chunk: usize,
+    offset: usize,
+}
+
+fn place(f: &Fragment, max_frame: usize) -> Result<Placement, &'static str> {
+    let (total, count, len) = (
+        u64::from(f.total_len),
+        u64::from(f.count),
+        f.data.len() as u64,
+    );
+    if f.count == 0 {
+        return Err("zero piece count");
+    }
+    if f.index >= f.count {
+        return Err("index not below count");
+    }
+    if f.total_len == 0 {
+        return Err("empty message");
+    }
+    if total > max_frame as u64 {
+        return Err("total length over the frame limit");
+    }
+    if count > total {
+        return Err("more pieces than bytes");
+    }
+    if len == 0 {
+        return Err("empty piece");
+    }
+    let chunk = if count == 1 {
+        if len != total {
+            return Err("single piece is not the whole message");
+        }
+        len
+    } else if f.index < f.count - 1 {
+        // A full piece: the last one must hold 1..=chunk bytes.
+        let before_last = len.checked_mul(count - 1).filter(|&b| b < total);
+        match before_last {
+            Some(b) if total - b <= len => len,
+            _ => return Err("piece length inconsistent with total and count"),
+        }
+    } else {
+        if len >= total {
+            return Err("last piece as long as the message");
+        }
+        let rest = total - len;
+        if rest % (count - 1) != 0 || len > rest / (count - 1) {
+            return Err("last piece inconsistent with total and count");
+        }
+        rest / (count - 1)
+    };
+    // chunk <= total <= max_frame and index * chunk < total: both fit usize.
+    Ok(Placement {
+        chunk: chunk as usize,
+        offset: (u64::from(f.index) * chunk) as usize,
+    })
+}
+
+impl<K: Hash + Eq + Clone> Reassembler<K> {
+    pub fn new(config: ReassemblyConfig) -> Self {
+        Reassembler {
+            config,
+            peers: HashMap::new(),
+            in_flight: 0,
+            partials: 0,
+            stats: ReassemblyStats::default(),
+        }
+    }
+
+    pub fn config(&self) -> &ReassemblyConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> &ReassemblyStats {
+        &self.stats
+    }
+
+    /// Bytes reserved by partial messages now.
+    pub fn in_flight_bytes(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Partial messages held now.
+    pub fn partial_messages(&self) -> usize {
+        self.partials
+    }
+
+    /// Take one piece from `peer`. Returns the whole frame (as the sender
+    /// passed it to [`Fragmenter::fragment`]) when this piece completes it.
+    pub fn handle_fragment(
+        &mut self,
+        now: Instant,
+        peer: K,
+        fragment: Fragment,
+    ) -> Result<Option<Bytes>, ReassemblyError> {
+        let invalid = |reason| ReassemblyError::Invalid {
+            msg_id: fragment.msg_id,
+            index: fragment.index,
+            count: fragment.count,
+            reason,
+        };
+        let placement = match place(&fragment, self.config.max_frame) {
+            Ok(p) => p,
+            Err(reason) => {
+                self.stats.invalid += 1;
+                return Err(invalid(reason));
+            }
+        };
+        let msg_id = fragment.msg_id;
+        let state = self.peers.entry(peer.clone()).or_default();
+        match state.finished(msg_id) {
+            Some(Finished::Completed) => {
+                self.stats.duplicates += 1;
+                return Ok(None);
+            }
+            Some(Finished::GivenUp) => {
+                self.stats.late += 1;
+                return Ok(None);
+            }
+            None => {}
+        }
+
+        if fragment.count == 1 {
+            self.stats.completed += 1;
+            self.finish(&peer, msg_id, Finished::Completed);
+            return Ok(Some(fragment.data));
+        }
+
+        if !state.partials.contains_key(&msg_id) {
+            let bitmap_words = (fragment.count as usize).div_ceil(64);
+            let reserved = fragment.total_len as usize + bitmap_words * 8;
+            if !self.has_room(reserved) {
+                self.expire(now);
+            }
+            if !self.has_room(reserved) {
+                self.stats.dropped_over_budget += 1;
+                self.finish(&peer, msg_id, Finished::GivenUp);
+                return Err(ReassemblyError::OverBudget {
+                    msg_id,
+                    total_len: fragment.total_len,
+                    in_flight: self.in_flight,
+                    messages: self.partials,
+                });
+            }
+            let partial = Partial {
+                buf: vec![0; fragment.total_len as usize],
+                have: vec![0; bitmap_words],
+                received: 0,
+                count: fragment.count,
+                total_len: fragment.total_len,
+                chunk: placement.chunk,
+                reserved,
+                last_seen: now,
+            };
+            self.in_flight += reserved;
+            self.partials += 1;
+            // expire() above may have removed this peer's entry if it held
+            // nothing else; re-enter it.
+            self.peers
+                .entry(peer.clone())
+                .or_default()
+                .partials
+                .insert(msg_id, partial);
+        }
+
+        let Some(state) = self.peers.get_mut(&peer) else {
+            return Ok(None);
+        };
+        let Some(partial) = state.partials.get_mut(&msg_id) else {
+            return Ok(None);
+        };
+        if partial.count != fragment.count
+            || partial.total_len != fragment.total_len
+            || partial.chunk != placement.chunk
+        {
+            self.stats.invalid += 1;
+            return Err(invalid("fields differ from earlier pieces"));
+        }
+        let word = fragment.index as usize / 64;
+        let bit = 1u64 << (fragment.index % 64);
+        let (Some(have), Some(dest)) = (
+            partial.have.get_mut(word),
+            partial
+                .buf
+                .get_mut(placement.offset..placement.offset + fragment.data.len()),
+        ) else {
+            // place() guarantees both ranges; never trust that blindly.
+            self.stats.invalid += 1;
+            return Err(invalid("piece outside the message"));
+        };
+        if *have & bit != 0 {
+            self.stats.duplicates += 1;
+            return Ok(None);
+        }
+        *have |= bit;
+        dest.copy_from_slice(&fragment.data);
+        partial.received += 1;
+        partial.last_seen = now;
+        if partial.received < partial.count {
+            return Ok(None);
+        }
+        let Some(done) = state.partials.remove(&msg_id) else {
+            return Ok(None);
+        };
+        self.in_flight -= done.reserved;
+        self.partials -= 1;
+        self.stats.completed += 1;
+        self.finish(&peer, msg_id, Finished::Completed);
+        Ok(Some(Bytes::from(done.buf)))
+    }
+
+    fn has_room(&self, reserved: usize) -> bool {
+        self.partials < self.config.max_messages
+            && self.in_flight.saturating_add(reserved) <= self.config.max_bytes
+    }
+
+    /// Record a finished id; slide the peer's window, dropping partials
+    /// that fall below it.
+    fn finish(&mut self, peer: &K, msg_id: u64, how: Finished) {
+        let Some(state) = self.peers.get_mut(peer) else {
+            return;
+        };
+        state.done.insert(msg_id, how);
+        while state.done.len() > self.config.done_window {
+            let Some((oldest, _)) = state.done.pop_first() else {
+                break;
+            };
+            state.floor = state.floor.max(oldest.saturating_add(1));
+        }
+        let floor = state.floor;
+        let stale: Vec<u64> = state
+            .partials
+            .keys()
+            .copied()
+            .filter(|&id| id < floor)
+            .collect();
+        for id in stale {
+            if let Some(p) = state.partials.remove(&id) {
+                self.in_flight -= p.reserved;
+                self.partials -= 1;
+                self.stats.expired += 1;
+            }
+        }
+    }
+
+    /// Drop partial messages whose last piece arrived `timeout` or more
+    /// before `now`. Returns how many were dropped.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let timeout = self.config.timeout;
+        let mut dropped = Vec::new();
+        for (peer, state) in &mut self.peers {
+            let stale: Vec<u64> = state
+                .partials
+                .iter()
+                .filter(|(_, p)| now.saturating_duration_since(p.last_seen) >= timeout)
+                .map(|(&id, _)| id)
+                .collect();
+            for id in stale {
+                if let Some(p) = state.partials.remove(&id) {
+                    self.in_flight -= p.reserved;
+                    self.partials -= 1;
+                    dropped.push((peer.clone(), id));
+                }
+            }
+        }
+        let n = dropped.len();
+        self.stats.expired += n as u64;
+        for (peer, id) in dropped {
+            self.finish(&peer, id, Finished::GivenUp);
+        }
+        n
+    }
+
+    /// Forget a peer: its partial messages and remembered ids.
+    pub fn remove_peer(&mut self, peer: &K) {
+        if let Some(state) = self.peers.remove(peer) {
+            for p in state.partials.values() {
+                self.in_flight -= p.reserved;
+                self.partials -= 1;
+            }
+        }
+    }
+
+    /// The earliest time at which [`expire`](Reassembler::expire) would drop
+    /// something, if anything is held.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.peers
+            .values()
+            .flat_map(|s| s.partials.values())
+            .map(|p| p.last_seen + self.config.timeout)
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frag(msg_id: u64, index: u32, count: u32, total_len: u32, len: usize) -> Fragment {
+        Fragment {
+            msg_id,
+            index,
+            count,
+            total_len,
+            data: Bytes::from(vec![1u8; len]),
+        }
+    }
+
+    #[test]
+    fn placement_rules() {
+        let max = 1 << 20;
+        // 10 bytes as 4+4+2
+        assert_eq!(place(&frag(1, 0, 3, 10, 4), max).map(|p| p.offset), Ok(0));
+        assert_eq!(place(&frag(1, 2, 3, 10, 2), max).map(|p| p.offset), Ok(8));
+        assert_eq!(place(&frag(1, 2, 3, 10, 2), max).map(|p| p.chunk), Ok(4));
+        assert!(place(&frag(1, 0, 3, 10, 3), max).is_err()); // 3+3 leaves 4 > 3
+        assert!(place(&frag(1, 0, 3, 10, 5), max).is_err()); // 5+5 leaves 0
+        assert!(place(&frag(1, 2, 3, 10, 3), max).is_err()); // 7 not divisible by 2
+        assert!(place(&frag(1, 3, 3, 10, 2), max).is_err());
+        assert!(place(&frag(1, 0, 0, 10, 2), max).is_err());
+        assert!(place(&frag(1, 0, 1, 10, 9), max).is_err());
+        assert!(place(&frag(1, 0, 2, u32::MAX, 1 << 20), max).is_err());
+        assert!(place(&frag(1, 0, u32::MAX, u32::MAX, 1), usize::MAX).is_ok());
+    }
+
+    #[test]
+    fn straddling_piece_is_joined() {
+        let out = OutFrame {
+            head: Bytes::from_static(b"abcdef"),
+            body: Bytes::from_static(b"ghij"),
+        };
+        let limit = FRAGMENT_OVERHEAD + 4;
+        let pieces: Vec<_> = Fragmenter::new().fragment(&out, limit).unwrap().collect();
+        let datas: Vec<&[u8]> = pieces.iter().map(|f| &f.data[..]).collect();
+        assert_eq!(datas, vec![&b"abcd"[..], b"efgh", b"ij"]);
+        assert!(pieces.iter().all(|f| f.count == 3 && f.total_len == 10));
+    }
+}

@@ -1,1 +1,356 @@
-//! (placeholder)
+//! Restoring sender order on links that do not keep it.
+//!
+//! A link without `FI_ORDER_SAS` (EFA RDM without it granted, EFA DGRAM) may
+//! deliver a sender's frames out of order. The sender numbers them, and a
+//! [`ReorderBuffer`] per sender releases them in order, once each. It owns
+//! the window bound and the policy for gaps; it does no I/O and reads no
+//! clock (time comes in as `now`).
+//!
+//! # Sequence numbers
+//!
+//! Sequences are `u64`, start at 1 (0 means "not sequenced" on the wire and
+//! is rejected here) and increase by one per frame. The buffer holds items
+//! with sequence numbers in `[expected, expected + capacity)`.
+//!
+//! # Gaps
+//!
+//! [`GapPolicy::Wait`] is for reliable links: a gap is always filled
+//! eventually, so the buffer waits, and an item beyond the window is a
+//! protocol error ([`ReorderError::WindowExceeded`]): the sender's credit
+//! window must keep it within `capacity`.
+//!
+//! [`GapPolicy::SkipAfter`] is for best-effort links: no item is held longer
+//! than the given time. Once the oldest held item has waited that long, every
+//! missing sequence before it is declared lost and skipped. An item beyond
+//! the window likewise skips ahead at once, releasing what it pushes out of
+//! the window in order. Items that arrive after their sequence was skipped
+//! are dropped and counted as duplicates.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+/// What to do about a missing sequence number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GapPolicy {
+    /// Wait for it for ever (reliable links).
+    Wait,
+    /// Give it up once an item behind it has waited this long (best effort).
+    SkipAfter(Duration),
+}
+
+/// Bounds and policy of a [`ReorderBuffer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReorderConfig {
+    /// Width of the window: sequences `expected .. expected + capacity` are
+    /// accepted; at most `capacity - 1` items are held.
+    pub capacity: usize,
+    pub gap_policy: GapPolicy,
+}
+
+impl Default for ReorderConfig {
+    /// A window of 4096 and [`GapPolicy::Wait`].
+    fn default() -> Self {
+        ReorderConfig {
+            capacity: 4096,
+            gap_policy: GapPolicy::Wait,
+        }
+    }
+}
+
+/// Counters of a [`ReorderBuffer`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReorderStats {
+    /// Items released in order.
+    pub released: u64,
+    /// Items dropped because their sequence was already released, held or
+    /// skipped.
+    pub duplicates: u64,
+    /// Items refused beyond the window ([`GapPolicy::Wait`]).
+    pub window_exceeded: u64,
+    /// Sequences declared lost ([`GapPolicy::SkipAfter`]).
+    pub lost: u64,
+    /// Times the gap timeout skipped ahead.
+    pub gap_timeouts: u64,
+    /// Times an item beyond the window skipped ahead.
+    pub window_skips: u64,
+}
+
+/// Why an item was refused.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ReorderError {
+    #[error("sequence number 0 is not a sequence (sequences start at 1)")]
+    ZeroSeq,
+    /// Under [`GapPolicy::Wait`], the sender ran ahead of the window.
+    #[error("sequence {seq} is beyond the reorder window ({expected} + {capacity})")]
+    WindowExceeded {
+        seq: u64,
+        expected: u64,
+        capacity: usize,
+    },
+}
+
+/// What [`ReorderBuffer::push`] did with an item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pushed {
+    /// Taken; `released` items (this one possibly among them) were appended
+    /// to the output.
+    Accepted { released: usize },
+    /// Dropped as a duplicate (or as late, after its sequence was skipped);
+    /// the gap timeout may still have released `released` items.
+    Duplicate { released: usize },
+}
+
+/// Releases one sender's items in sequence order. See the module docs.
+#[derive(Debug)]
+pub struct ReorderBuffer<T> {
+    config: ReorderConfig,
+    /// Next sequence to release; slot 0 of `slots` is for it.
+    expected: u64,
+    slots: VecDeque<Option<T>>,
+    held: usize,
+    /// Arrival time and sequence of held items, oldest first (only under
+    /// `SkipAfter`); entries for released items are dropped lazily.
+    arrivals: VecDeque<(Instant, u64)>,
+    stats: ReorderStats,
+}
+
+impl<T> ReorderBuffer<T> {
+    /// A buffer expecting sequence 1. A capacity of 0 is taken as 1.
+    pub fn new(config: ReorderConfig) -> Self {
+        let config = ReorderConfig {
+            capacity: config.capacity.max(1),
+            ..config
+        };
+        ReorderBuffer {
+            config,
+            expected: 1,
+            slots: VecDeque::new(),
+            held: 0,
+            arrivals: VecDeque::new(),
+            stats: ReorderStats::default(),
+        }
+    }
+
+    pub fn config(&self) -> &ReorderConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> &ReorderStats {
+        &self.stats
+    }
+
+    /// The next sequence to be released.
+    pub fn expected(&self) -> u64 {
+        self.expected
+    }
+
+    /// Items held waiting for a gap to fill.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
+    /// Take item `seq`, appending to `out` every item that is now in order.
+    /// Under [`GapPolicy::SkipAfter`] this also applies the gap timeout at
+    /// `now`, as [`poll`](ReorderBuffer::poll) does.
+    pub fn push(
+        &mut self,
+        now: Instant,
+        seq: u64,
+        item: T,
+        out: &mut Vec<T>,
+    ) -> Result<Pushed, ReorderError> {
+        if seq == 0 {
+            return Err(ReorderError::ZeroSeq);
+        }
+        let before = out.len();
+        // Give up what is already due first, so the item meets the window
+        // as it stands now.
+        self.poll(now, out);
+        let accepted = self.insert(now, seq, item, out)?;
+        self.poll(now, out);
+        let released = out.len() - before;
+        Ok(if accepted {
+            Pushed::Accepted { released }
+        } else {
+            self.stats.duplicates += 1;
+            Pushed::Duplicate { released }
+        })
+    }
+
+    /// Places one item; `Ok(false)` for a duplicate.
+    fn insert(
+        &mut self,
+        now: Instant,
+        seq: u64,
+        item: T,
+        out: &mut Vec<T>,
+    ) -> Result<bool, ReorderError> {
+        if seq < self.expected {
+            return Ok(false);
+        }
+        let capacity = self.config.capacity as u64;
+        if seq - self.expected >= capacity {
+            match self.config.gap_policy {
+                GapPolicy::Wait => {
+                    self.stats.window_exceeded += 1;
+                    return Err(ReorderError::WindowExceeded {
+                        seq,
+                        expected: self.expected,
+                        capacity: self.config.capacity,
+                    });
+                }
+                GapPolicy::SkipAfter(_) => {
+                    self.stats.window_skips += 1;
+                    self.skip_to(seq - capacity + 1, out);
+                }
+            }
+        }
+        // Skipping never passes `seq` (everything held is below it), so
+        // this only guards the arithmetic.
+        if seq < self.expected {
+            return Ok(false);
+        }
+        // seq - expected < capacity, a usize.
+        let offset = (seq - self.expected) as usize;
+        if offset < self.slots.len() && self.slots[offset].is_some() {
+            return Ok(false);
+        }
+        if offset >= self.slots.len() {
+            self.slots.resize_with(offset + 1, || None);
+        }
+        self.slots[offset] = Some(item);
+        self.held += 1;
+        if offset == 0 {
+            self.release_run(out);
+        } else if matches!(self.config.gap_policy, GapPolicy::SkipAfter(_)) {
+            self.arrivals.push_back((now, seq));
+        }
+        Ok(true)
+    }
+
+    /// Apply the gap timeout at `now` (nothing under [`GapPolicy::Wait`]),
+    /// appending released items to `out`. Returns how many were released.
+    pub fn poll(&mut self, now: Instant, out: &mut Vec<T>) -> usize {
+        let GapPolicy::SkipAfter(limit) = self.config.gap_policy else {
+            return 0;
+        };
+        let before = out.len();
+        while let Some((arrived, seq)) = self.oldest_held() {
+            if now.saturating_duration_since(arrived) < limit {
+                break;
+            }
+            self.stats.gap_timeouts += 1;
+            self.skip_to(seq, out);
+        }
+        out.len() - before
+    }
+
+    /// When [`poll`](ReorderBuffer::poll) will next skip a gap, if ever.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let GapPolicy::SkipAfter(limit) = self.config.gap_policy else {
+            return None;
+        };
+        self.arrivals
+            .iter()
+            .find(|(_, seq)| *seq >= self.expected)
+            .map(|(arrived, _)| *arrived + limit)
+    }
+
+    /// Drops arrival records of released items; returns the oldest left.
+    fn oldest_held(&mut self) -> Option<(Instant, u64)> {
+        while let Some(&(arrived, seq)) = self.arrivals.front() {
+            if seq >= self.expected {
+                return Some((arrived, seq));
+            }
+            self.arrivals.pop_front();
+        }
+        None
+    }
+
+    /// Release everything before `target` (counting holes as lost), then the
+    /// in-order run from `target`.
+    fn skip_to(&mut self, target: u64, out: &mut Vec<T>) {
+        while self.expected < target {
+            match self.slots.pop_front() {
+                Some(Some(item)) => {
+                    self.held -= 1;
+                    self.stats.released += 1;
+                    out.push(item);
+                }
+                Some(None) => self.stats.lost += 1,
+                None => {
+                    self.stats.lost += target - self.expected;
+                    self.expected = target;
+                    break;
+                }
+            }
+            self.expected += 1;
+        }
+        self.release_run(out);
+    }
+
+    fn release_run(&mut self, out: &mut Vec<T>) {
+        while let Some(Some(_)) = self.slots.front() {
+            if let Some(Some(item)) = self.slots.pop_front() {
+                self.held -= 1;
+                self.stats.released += 1;
+                self.expected += 1;
+                out.push(item);
+            }
+        }
+        // Keep no trailing empty slots at the front of an empty buffer.
+        if self.held == 0 {
+            self.slots.clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn releases_in_order() {
+        let now = Instant::now();
+        let mut buf = ReorderBuffer::new(ReorderConfig::default());
+        let mut out = Vec::new();
+        assert_eq!(
+            buf.push(now, 2, 'b', &mut out),
+            Ok(Pushed::Accepted { released: 0 })
+        );
+        assert_eq!(
+            buf.push(now, 1, 'a', &mut out),
+            Ok(Pushed::Accepted { released: 2 })
+        );
+        assert_eq!(
+            buf.push(now, 1, 'a', &mut out),
+            Ok(Pushed::Duplicate { released: 0 })
+        );
+        assert_eq!(out, vec!['a', 'b']);
+        assert_eq!(buf.expected(), 3);
+        assert_eq!(buf.push(now, 0, 'z', &mut out), Err(ReorderError::ZeroSeq));
+    }
+
+    #[test]
+    fn gap_timeout_skips_only_after_the_limit() {
+        let t0 = Instant::now();
+        let limit = Duration::from_millis(10);
+        let mut buf = ReorderBuffer::new(ReorderConfig {
+            capacity: 8,
+            gap_policy: GapPolicy::SkipAfter(limit),
+        });
+        let mut out = Vec::new();
+        buf.push(t0, 3, 3, &mut out).unwrap();
+        assert_eq!(buf.next_deadline(), Some(t0 + limit));
+        assert_eq!(buf.poll(t0 + limit / 2, &mut out), 0);
+        assert_eq!(buf.poll(t0 + limit, &mut out), 1);
+        assert_eq!(out, vec![3]);
+        assert_eq!(buf.stats().lost, 2);
+        assert_eq!(
+            buf.push(t0, 1, 1, &mut out),
+            Ok(Pushed::Duplicate { released: 0 })
+        );
+    }
+}
