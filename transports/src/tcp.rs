@@ -1,0 +1,1107 @@
+//! The TCP transport (scheme `tcp`): non-blocking sockets on mio, framed by
+//! the 4-byte little-endian length prefix every frame starts with.
+//!
+//! An endpoint owns a `mio::Poll` holding its listener (when `bind` is set),
+//! its connections and a `mio::Waker`; the poll's epoll descriptor is its
+//! [`Readiness::Fd`], so the caller's poller nests it.
+//!
+//! Sending never writes on the spot: `send` appends the frame's parts to the
+//! peer's bounded queue and wakes the endpoint (once per batch), and the next
+//! `poll` hands every queued part to `write_vectored`, many frames per
+//! system call. Past `queue_frames` or `queue_bytes` a send returns
+//! [`SendError::WouldBlock`]; [`Event::Writable`] follows once the queue has
+//! drained to half of both bounds.
+//!
+//! Receiving reads each ready socket until it would block, at most
+//! [`READ_BUDGET`] bytes per connection per poll (option `read_budget`
+//! in [`EndpointConfig::options`] changes it) so one busy peer cannot
+//! starve the others (the endpoint wakes itself to read the rest). Frames
+//! are split off the connection's read buffer and frozen, so each arrives as
+//! a `Bytes` without a copy beyond the socket read. A declared length above
+//! `max_frame` closes the connection with [`CloseReason::Error`] before
+//! anything is allocated for it.
+//!
+//! `connect` resolves the address (blocking, for host names), starts a
+//! non-blocking connect and returns the peer at once; frames queue until the
+//! link is up, and a failed connect (after every resolved address is tried)
+//! shows as `Closed { Error }`. `close` flushes what is queued without
+//! blocking, shuts the write side down and keeps draining the socket until
+//! the peer closes too (or [`LINGER`] passes), so the peer reads every frame
+//! and then an orderly close rather than a reset.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use efabus_core::caps::FabricInfo;
+use efabus_core::transport::{
+    CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+    Transport, TransportError,
+};
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token, Waker};
+
+use crate::prefix;
+
+/// The scheme naming this transport in endpoint strings.
+pub const SCHEME: &str = "tcp";
+
+/// Most bytes read from one connection in one `poll`, unless the option
+/// `read_budget` says otherwise.
+pub const READ_BUDGET: usize = 1 << 20;
+
+/// Most connections accepted in one `poll`.
+pub const ACCEPT_BUDGET: usize = 256;
+
+/// How long a locally closed connection may keep flushing and draining.
+pub const LINGER: Duration = Duration::from_secs(5);
+
+/// Smallest free room kept in a read buffer before each read.
+const READ_CHUNK: usize = 64 << 10;
+
+/// Most buffers handed to one `write_vectored` (well below `IOV_MAX`).
+const MAX_IOV: usize = 256;
+
+const WAKER: Token = Token(0);
+const LISTENER: Token = Token(1);
+
+/// Connection tokens follow the two fixed ones; an id this endpoint could
+/// not have issued maps to no token.
+fn token_of(peer: PeerId) -> Option<Token> {
+    let n = usize::try_from(peer.0).ok()?.checked_add(2)?;
+    Some(Token(n))
+}
+
+fn peer_of(token: Token) -> PeerId {
+    PeerId(token.0.saturating_sub(2) as u64)
+}
+
+/// The TCP transport.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TcpTransport;
+
+impl TcpTransport {
+    pub fn new() -> Self {
+        TcpTransport
+    }
+
+    /// Open an endpoint with its concrete type.
+    pub fn open_tcp(&self, config: &EndpointConfig) -> Result<TcpEndpoint, TransportError> {
+        TcpEndpoint::open(config)
+    }
+}
+
+impl Transport for TcpTransport {
+    fn scheme(&self) -> &str {
+        SCHEME
+    }
+
+    fn infos(&self) -> Result<Vec<FabricInfo>, TransportError> {
+        // The capability model is filled in where the lead wires `caps`.
+        Ok(vec![FabricInfo::default()])
+    }
+
+    fn open(&self, config: &EndpointConfig) -> Result<Box<dyn Endpoint>, TransportError> {
+        Ok(Box::new(TcpEndpoint::open(config)?))
+    }
+}
+
+/// Why a connection is being dropped.
+enum Gone {
+    Peer,
+    Failed(String),
+}
+
+struct Conn {
+    stream: TcpStream,
+    remote: String,
+    /// Addresses still to try if the current connect fails.
+    fallbacks: Vec<SocketAddr>,
+    connected: bool,
+    /// `close` was called at this instant; the peer id is no longer visible.
+    closing: Option<Instant>,
+    /// The write side has been shut down.
+    shut: bool,
+    /// Queued parts; `true` marks the last part of a frame.
+    out: VecDeque<(Bytes, bool)>,
+    out_frames: usize,
+    out_bytes: usize,
+    /// A send was refused; owe the caller a `Writable`.
+    blocked: bool,
+    /// Listed in the endpoint's flush list.
+    dirty: bool,
+    /// Stopped reading at the budget; read again on the next poll.
+    read_more: bool,
+    /// `write_vectored` calls made, for tests and diagnostics.
+    writes: u64,
+    /// Received bytes: `[..filled]` is data, the rest is free room.
+    rbuf: BytesMut,
+    filled: usize,
+}
+
+impl Conn {
+    fn new(stream: TcpStream, remote: String, connected: bool) -> Self {
+        Conn {
+            stream,
+            remote,
+            fallbacks: Vec::new(),
+            connected,
+            closing: None,
+            shut: false,
+            out: VecDeque::new(),
+            out_frames: 0,
+            out_bytes: 0,
+            blocked: false,
+            dirty: false,
+            read_more: false,
+            writes: 0,
+            rbuf: BytesMut::new(),
+            filled: 0,
+        }
+    }
+
+    /// Write queued parts until done or the socket is full.
+    fn flush(&mut self) -> io::Result<()> {
+        if !self.connected {
+            return Ok(());
+        }
+        while !self.out.is_empty() {
+            let mut iov = [IoSlice::new(&[]); MAX_IOV];
+            let mut n = 0;
+            for ((part, _), slot) in self.out.iter().zip(iov.iter_mut()) {
+                *slot = IoSlice::new(part);
+                n += 1;
+            }
+            self.writes += 1;
+            match self.stream.write_vectored(&iov[..n]) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        "socket accepted no bytes",
+                    ))
+                }
+                Ok(written) => self.consume(written),
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(err) => return Err(err),
+            }
+        }
+        if self.out.is_empty() && self.closing.is_some() && !self.shut {
+            self.shut = true;
+            // Sends FIN once everything queued is out; the peer reads it as
+            // an orderly close after the last frame.
+            if let Err(err) = self.stream.shutdown(Shutdown::Write) {
+                if err.kind() != io::ErrorKind::NotConnected {
+                    return Err(err);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn consume(&mut self, mut written: usize) {
+        self.out_bytes -= written.min(self.out_bytes);
+        while written > 0 {
+            let Some((part, last)) = self.out.front_mut() else {
+                return;
+            };
+            if part.len() <= written {
+                written -= part.len();
+                if *last {
+                    self.out_frames -= 1;
+                }
+                self.out.pop_front();
+            } else {
+                part.advance(written);
+                written = 0;
+            }
+        }
+    }
+
+    /// True when a refused sender may go again.
+    fn drained_to_half(&self, queue_frames: usize, queue_bytes: usize) -> bool {
+        self.out_frames <= queue_frames / 2 && self.out_bytes <= queue_bytes / 2
+    }
+
+    /// Make sure at least `want` bytes of free room follow the data.
+    fn room(&mut self, want: usize) {
+        if self.rbuf.len() < self.filled + want {
+            // Only the new tail is zeroed; room left from earlier reads is
+            // reused as it is.
+            self.rbuf.resize(self.filled + want, 0);
+        }
+    }
+
+    /// Read until the socket would block or the budget is spent, delivering
+    /// whole frames. `Err` means the connection is over.
+    fn read(&mut self, peer: PeerId, limits: &Limits, events: &mut Vec<Event>) -> Result<(), Gone> {
+        let max_frame = limits.max_frame;
+        let mut budget = limits.read_budget;
+        self.read_more = false;
+        loop {
+            if budget == 0 {
+                self.read_more = true;
+                return Ok(());
+            }
+            // Room for the rest of the frame being received, if its length
+            // is known (and was checked), else a chunk.
+            let want = match prefix::declared_total(&self.rbuf[..self.filled]) {
+                Some(total) if total > self.filled => (total - self.filled).max(READ_CHUNK),
+                _ => READ_CHUNK,
+            };
+            self.room(want);
+            let end = self.rbuf.len().min(self.filled + budget);
+            let free = &mut self.rbuf[self.filled..end];
+            match self.stream.read(free) {
+                Ok(0) => {
+                    return Err(if self.filled == 0 {
+                        Gone::Peer
+                    } else {
+                        Gone::Failed(format!(
+                            "peer closed with {} bytes of an unfinished frame",
+                            self.filled
+                        ))
+                    })
+                }
+                Ok(n) => {
+                    self.filled += n;
+                    budget = budget.saturating_sub(n);
+                    self.split_frames(peer, max_frame, events)?;
+                }
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(err) => return Err(Gone::Failed(describe(&err))),
+            }
+        }
+    }
+
+    fn split_frames(
+        &mut self,
+        peer: PeerId,
+        max_frame: usize,
+        events: &mut Vec<Event>,
+    ) -> Result<(), Gone> {
+        while let Some(total) = prefix::declared_total(&self.rbuf[..self.filled]) {
+            if total > max_frame {
+                return Err(Gone::Failed(format!(
+                    "peer declared a frame of {total} bytes, above the limit of {max_frame}"
+                )));
+            }
+            if self.filled < total {
+                break;
+            }
+            let frame = self.rbuf.split_to(total).freeze();
+            self.filled -= total;
+            events.push(Event::Frame { peer, frame });
+        }
+        Ok(())
+    }
+
+    /// Read and discard (a closing connection): keeps the receive queue
+    /// empty so closing sends FIN, not a reset. True when the peer is done.
+    fn drain_discard(&mut self, limits: &Limits) -> bool {
+        self.filled = 0;
+        self.room(READ_CHUNK);
+        let mut budget = limits.read_budget;
+        loop {
+            let end = self.rbuf.len().min(budget);
+            match self.stream.read(&mut self.rbuf[..end]) {
+                Ok(0) => return true,
+                Ok(n) => {
+                    budget = budget.saturating_sub(n);
+                    if budget == 0 {
+                        self.read_more = true;
+                        return false;
+                    }
+                }
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => return false,
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return true,
+            }
+        }
+    }
+}
+
+fn describe(err: &io::Error) -> String {
+    match err.kind() {
+        io::ErrorKind::ConnectionReset => "connection reset by peer".into(),
+        io::ErrorKind::ConnectionAborted => "connection aborted".into(),
+        io::ErrorKind::BrokenPipe => "broken pipe (peer gone)".into(),
+        io::ErrorKind::TimedOut => "connection timed out".into(),
+        _ => err.to_string(),
+    }
+}
+
+/// Per-endpoint bounds, fixed at open.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    max_frame: usize,
+    queue_frames: usize,
+    queue_bytes: usize,
+    read_budget: usize,
+}
+
+impl Limits {
+    fn from_config(config: &EndpointConfig) -> Result<Self, TransportError> {
+        let read_budget = match config.option("read_budget") {
+            None => READ_BUDGET,
+            Some(text) => text
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| {
+                    TransportError::Other(format!(
+                        "tcp option read_budget={text:?}: expected a positive byte count"
+                    ))
+                })?,
+        };
+        Ok(Limits {
+            max_frame: config.max_frame,
+            queue_frames: config.queue_frames.max(1),
+            queue_bytes: config.queue_bytes.max(1),
+            read_budget,
+        })
+    }
+}
+
+/// An endpoint of the TCP transport. See the module docs.
+pub struct TcpEndpoint {
+    poll: Poll,
+    events: Events,
+    waker: Waker,
+    /// A wake-up is outstanding (not yet consumed by `poll`).
+    woken: bool,
+    listener: Option<TcpListener>,
+    local: String,
+    accept_more: bool,
+    conns: HashMap<Token, Conn>,
+    next_peer: u64,
+    limits: Limits,
+    pending: VecDeque<Event>,
+    dirty: Vec<Token>,
+    scratch: Vec<(Token, bool, bool)>,
+}
+
+impl std::fmt::Debug for TcpEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpEndpoint")
+            .field("local", &self.local)
+            .field("conns", &self.conns.len())
+            .finish()
+    }
+}
+
+fn resolve(addr: &str) -> Result<Vec<SocketAddr>, TransportError> {
+    let invalid = |reason: String| TransportError::InvalidAddress {
+        addr: addr.to_string(),
+        reason,
+    };
+    let addrs: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|err| invalid(format!("expected host:port ({err})")))?
+        .collect();
+    if addrs.is_empty() {
+        return Err(invalid("the name resolves to no address".into()));
+    }
+    Ok(addrs)
+}
+
+impl TcpEndpoint {
+    /// Open an endpoint, listening when `config.bind` is set (`host:port`,
+    /// port 0 picks a free port; see `local_addr`).
+    pub fn open(config: &EndpointConfig) -> Result<Self, TransportError> {
+        let limits = Limits::from_config(config)?;
+        let poll = Poll::new()?;
+        let waker = Waker::new(poll.registry(), WAKER)?;
+        let (listener, local) = match &config.bind {
+            Some(bind) => {
+                let addr = resolve(bind)?[0];
+                let mut listener =
+                    TcpListener::bind(addr).map_err(|source| TransportError::Bind {
+                        addr: bind.clone(),
+                        source,
+                    })?;
+                let local = listener.local_addr()?.to_string();
+                poll.registry()
+                    .register(&mut listener, LISTENER, Interest::READABLE)?;
+                (Some(listener), local)
+            }
+            None => (None, String::new()),
+        };
+        Ok(TcpEndpoint {
+            poll,
+            events: Events::with_capacity(256),
+            waker,
+            woken: false,
+            listener,
+            local,
+            accept_more: false,
+            conns: HashMap::new(),
+            next_peer: 1,
+            limits,
+            pending: VecDeque::new(),
+            dirty: Vec::new(),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The address the listener is bound to (`ip:port`), empty when the
+    /// endpoint only connects out.
+    pub fn local_socket_addr(&self) -> Option<SocketAddr> {
+        self.listener.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// Make the readiness descriptor readable so the caller polls again.
+    fn nudge(&mut self) {
+        if !self.woken {
+            self.woken = true;
+            if let Err(err) = self.waker.wake() {
+                tracing::warn!("tcp: cannot wake endpoint: {err}");
+            }
+        }
+    }
+
+    /// The next peer id and its token, without issuing it yet.
+    fn peek_id(&self) -> Result<(PeerId, Token), TransportError> {
+        let peer = PeerId(self.next_peer);
+        let token =
+            token_of(peer).ok_or_else(|| TransportError::Other("peer ids exhausted".into()))?;
+        Ok((peer, token))
+    }
+
+    fn accept(&mut self, events: &mut Vec<Event>) {
+        let Some(listener) = self.listener.as_ref() else {
+            return;
+        };
+        self.accept_more = false;
+        for _ in 0..ACCEPT_BUDGET {
+            let (mut stream, remote) = match listener.accept() {
+                Ok(pair) => pair,
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => return,
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+                Err(err) => {
+                    // Typically out of descriptors or a connection that died
+                    // in the backlog; the listener itself stays usable.
+                    tracing::warn!("tcp: accept on {} failed: {err}", self.local);
+                    return;
+                }
+            };
+            if let Err(err) = stream.set_nodelay(true) {
+                tracing::debug!("tcp: TCP_NODELAY on {remote}: {err}");
+            }
+            let Ok((peer, token)) = self.peek_id() else {
+                tracing::warn!("tcp: refusing {remote}: peer ids exhausted");
+                return;
+            };
+            if let Err(err) = self.poll.registry().register(
+                &mut stream,
+                token,
+                Interest::READABLE | Interest::WRITABLE,
+            ) {
+                tracing::warn!("tcp: cannot register connection from {remote}: {err}");
+                continue;
+            }
+            self.next_peer += 1;
+            self.conns
+                .insert(token, Conn::new(stream, remote.to_string(), true));
+            events.push(Event::Accepted {
+                peer,
+                remote: remote.to_string(),
+            });
+        }
+        self.accept_more = true;
+    }
+
+    /// Start a non-blocking connect to the first of `addrs` that gets going.
+    fn start_connect(
+        &self,
+        token: Token,
+        addrs: &mut Vec<SocketAddr>,
+    ) -> Result<TcpStream, String> {
+        let mut last = String::from("no address to connect to");
+        while !addrs.is_empty() {
+            let addr = addrs.remove(0);
+            match TcpStream::connect(addr) {
+                Ok(mut stream) => {
+                    if let Err(err) = stream.set_nodelay(true) {
+                        tracing::debug!("tcp: TCP_NODELAY towards {addr}: {err}");
+                    }
+                    match self.poll.registry().register(
+                        &mut stream,
+                        token,
+                        Interest::READABLE | Interest::WRITABLE,
+                    ) {
+                        Ok(()) => return Ok(stream),
+                        Err(err) => last = format!("connect to {addr}: {err}"),
+                    }
+                }
+                Err(err) => last = format!("connect to {addr}: {}", describe(&err)),
+            }
+        }
+        Err(last)
+    }
+
+    /// A connecting socket reported an event: settle whether it is up.
+    /// `Err` carries the failure once no address is left to try.
+    fn check_connect(&mut self, token: Token) -> Result<(), String> {
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return Ok(());
+        };
+        let failure = match conn.stream.take_error() {
+            Ok(Some(err)) | Err(err) => Some(err),
+            Ok(None) => match conn.stream.peer_addr() {
+                Ok(_) => None,
+                Err(err) if err.kind() == io::ErrorKind::NotConnected => return Ok(()),
+                Err(err) => Some(err),
+            },
+        };
+        let Some(err) = failure else {
+            conn.connected = true;
+            return Ok(());
+        };
+        let message = format!("connect to {}: {}", conn.remote, describe(&err));
+        if conn.fallbacks.is_empty() {
+            return Err(message);
+        }
+        let mut fallbacks = std::mem::take(&mut conn.fallbacks);
+        let _ = self.poll.registry().deregister(&mut conn.stream);
+        match self.start_connect(token, &mut fallbacks) {
+            Ok(stream) => {
+                let Some(conn) = self.conns.get_mut(&token) else {
+                    return Ok(());
+                };
+                conn.remote = stream
+                    .peer_addr()
+                    .map(|a| a.to_string())
+                    .unwrap_or_else(|_| conn.remote.clone());
+                conn.stream = stream;
+                conn.fallbacks = fallbacks;
+                Ok(())
+            }
+            Err(last) => Err(last),
+        }
+    }
+
+    /// Remove a connection; report it unless it was closed locally.
+    fn drop_conn(&mut self, token: Token, reason: CloseReason, events: &mut Vec<Event>) {
+        if let Some(mut conn) = self.conns.remove(&token) {
+            let _ = self.poll.registry().deregister(&mut conn.stream);
+            if conn.closing.is_none() {
+                events.push(Event::Closed {
+                    peer: peer_of(token),
+                    reason,
+                });
+            }
+        }
+    }
+
+    /// Handle readiness of one connection.
+    fn service(&mut self, token: Token, readable: bool, writable: bool, events: &mut Vec<Event>) {
+        let Some(conn) = self.conns.get(&token) else {
+            return;
+        };
+        if !conn.connected {
+            match self.check_connect(token) {
+                Ok(()) => {}
+                Err(message) => {
+                    self.drop_conn(token, CloseReason::Error(message), events);
+                    return;
+                }
+            }
+        }
+        let limits = self.limits;
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        if !conn.connected {
+            return;
+        }
+        let peer = peer_of(token);
+        if writable || conn.dirty {
+            if let Err(err) = conn.flush() {
+                let reason = CloseReason::Error(describe(&err));
+                self.drop_conn(token, reason, events);
+                return;
+            }
+            if conn.blocked
+                && conn.closing.is_none()
+                && conn.drained_to_half(limits.queue_frames, limits.queue_bytes)
+            {
+                conn.blocked = false;
+                events.push(Event::Writable { peer });
+            }
+        }
+        if conn.closing.is_some() {
+            let done = (readable || conn.read_more) && conn.drain_discard(&limits);
+            let expired = conn.closing.is_some_and(|t| t.elapsed() >= LINGER);
+            if done || expired {
+                self.drop_conn(token, CloseReason::Local, events);
+            }
+            return;
+        }
+        if readable || conn.read_more {
+            match conn.read(peer, &limits, events) {
+                Ok(()) => {}
+                Err(Gone::Peer) => self.drop_conn(token, CloseReason::PeerClosed, events),
+                Err(Gone::Failed(text)) => self.drop_conn(token, CloseReason::Error(text), events),
+            }
+        }
+    }
+}
+
+impl Endpoint for TcpEndpoint {
+    fn scheme(&self) -> &str {
+        SCHEME
+    }
+
+    fn local_addr(&self) -> Vec<u8> {
+        self.local.clone().into_bytes()
+    }
+
+    fn max_frame(&self) -> usize {
+        self.limits.max_frame
+    }
+
+    fn connect(&mut self, addr: &str) -> Result<PeerId, TransportError> {
+        let mut addrs = resolve(addr)?;
+        let (peer, token) = self.peek_id()?;
+        self.next_peer += 1;
+        let first = addrs[0];
+        match self.start_connect(token, &mut addrs) {
+            Ok(stream) => {
+                let mut conn = Conn::new(stream, first.to_string(), false);
+                conn.fallbacks = addrs;
+                self.conns.insert(token, conn);
+            }
+            Err(message) => {
+                // Same shape as a connect that fails later: an id, then Closed.
+                self.pending.push_back(Event::Closed {
+                    peer,
+                    reason: CloseReason::Error(message),
+                });
+                self.nudge();
+            }
+        }
+        Ok(peer)
+    }
+
+    fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
+        prefix::check(&frame, self.limits.max_frame)?;
+        let Some((token, conn)) =
+            token_of(peer).and_then(|token| Some((token, self.conns.get_mut(&token)?)))
+        else {
+            return Err(SendError::Closed(peer));
+        };
+        if conn.closing.is_some() {
+            return Err(SendError::Closed(peer));
+        }
+        let len = frame.len();
+        // An empty queue always takes one frame, so a frame larger than the
+        // byte bound (but within max_frame) can still pass.
+        if conn.out_frames > 0
+            && (conn.out_frames >= self.limits.queue_frames
+                || conn.out_bytes + len > self.limits.queue_bytes)
+        {
+            conn.blocked = true;
+            return Err(SendError::WouldBlock(frame));
+        }
+        let OutFrame { head, body } = frame;
+        if body.is_empty() {
+            conn.out.push_back((head, true));
+        } else {
+            if !head.is_empty() {
+                conn.out.push_back((head, false));
+            }
+            conn.out.push_back((body, true));
+        }
+        conn.out_frames += 1;
+        conn.out_bytes += len;
+        if !conn.dirty {
+            conn.dirty = true;
+            self.dirty.push(token);
+        }
+        self.nudge();
+        Ok(())
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError> {
+        // Consume readiness before doing the work, so anything arriving
+        // after this point leaves the descriptor readable.
+        self.woken = false;
+        match self.poll.poll(&mut self.events, Some(Duration::ZERO)) {
+            Ok(()) => {}
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(err) => return Err(err.into()),
+        }
+        events.extend(self.pending.drain(..));
+
+        let mut ready = std::mem::take(&mut self.scratch);
+        ready.clear();
+        let mut listener_ready = self.accept_more;
+        for event in self.events.iter() {
+            match event.token() {
+                WAKER => {}
+                LISTENER => listener_ready = true,
+                token => ready.push((
+                    token,
+                    event.is_readable() || event.is_read_closed() || event.is_error(),
+                    event.is_writable() || event.is_write_closed() || event.is_error(),
+                )),
+            }
+        }
+        // Connections with leftover work though no new readiness.
+        for (token, conn) in &self.conns {
+            if conn.read_more && !ready.iter().any(|(t, _, _)| t == token) {
+                ready.push((*token, true, false));
+            }
+        }
+        for token in self.dirty.drain(..) {
+            if !ready.iter().any(|(t, _, _)| *t == token) {
+                ready.push((token, false, false));
+            }
+        }
+        for &(token, readable, writable) in &ready {
+            self.service(token, readable, writable, events);
+            if let Some(conn) = self.conns.get_mut(&token) {
+                conn.dirty = false;
+            }
+        }
+        self.scratch = ready;
+        if listener_ready {
+            self.accept(events);
+        }
+
+        // Locally closed connections that are past their time.
+        let expired: Vec<Token> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.closing.is_some_and(|t| t.elapsed() >= LINGER))
+            .map(|(t, _)| *t)
+            .collect();
+        for token in expired {
+            self.drop_conn(token, CloseReason::Local, events);
+        }
+
+        if self.accept_more || self.conns.values().any(|c| c.read_more) {
+            self.nudge();
+        }
+        Ok(())
+    }
+
+    fn close(&mut self, peer: PeerId) {
+        let Some(token) = token_of(peer) else {
+            return;
+        };
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        if conn.closing.is_some() {
+            return;
+        }
+        conn.closing = Some(Instant::now());
+        // A socket that fails now has nothing left to flush or drain.
+        if conn.flush().is_err() {
+            if let Some(mut conn) = self.conns.remove(&token) {
+                let _ = self.poll.registry().deregister(&mut conn.stream);
+            }
+        }
+        self.pending.push_back(Event::Closed {
+            peer,
+            reason: CloseReason::Local,
+        });
+        self.nudge();
+    }
+
+    fn readiness(&self) -> Readiness {
+        Readiness::Fd(self.poll.as_raw_fd())
+    }
+
+    fn queued_bytes(&self, peer: PeerId) -> usize {
+        token_of(peer)
+            .and_then(|token| self.conns.get(&token))
+            .filter(|c| c.closing.is_none())
+            .map(|c| c.out_bytes)
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpStream as StdStream;
+
+    const WAIT: Duration = Duration::from_secs(20);
+
+    fn listener(options: Vec<(String, String)>) -> TcpEndpoint {
+        TcpEndpoint::open(&EndpointConfig {
+            bind: Some("127.0.0.1:0".into()),
+            options,
+            ..EndpointConfig::default()
+        })
+        .unwrap()
+    }
+
+    fn framed(payload: &[u8]) -> Vec<u8> {
+        let mut v = (payload.len() as u32).to_le_bytes().to_vec();
+        v.extend_from_slice(payload);
+        v
+    }
+
+    /// Poll until `done` holds over everything polled so far.
+    fn poll_until(ep: &mut TcpEndpoint, events: &mut Vec<Event>, done: impl Fn(&[Event]) -> bool) {
+        let deadline = Instant::now() + WAIT;
+        while !done(events) {
+            assert!(Instant::now() < deadline, "timed out; got {events:?}");
+            ep.poll(events).unwrap();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// A raw client, and the peer id the endpoint gave it.
+    fn raw_client(ep: &mut TcpEndpoint) -> (StdStream, PeerId) {
+        let stream = StdStream::connect(ep.local_socket_addr().unwrap()).unwrap();
+        let mut events = Vec::new();
+        poll_until(ep, &mut events, |e| {
+            e.iter().any(|e| matches!(e, Event::Accepted { .. }))
+        });
+        let peer = events
+            .iter()
+            .find_map(|e| match e {
+                Event::Accepted { peer, .. } => Some(*peer),
+                _ => None,
+            })
+            .unwrap();
+        (stream, peer)
+    }
+
+    fn closed_reason(events: &[Event], peer: PeerId) -> Option<CloseReason> {
+        events.iter().find_map(|e| match e {
+            Event::Closed { peer: p, reason } if *p == peer => Some(reason.clone()),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn local_addr_is_the_bound_port() {
+        let ep = listener(Vec::new());
+        let text = String::from_utf8(ep.local_addr()).unwrap();
+        let addr: SocketAddr = text.parse().unwrap();
+        assert_eq!(Some(addr), ep.local_socket_addr());
+        assert_ne!(addr.port(), 0);
+        let client = TcpEndpoint::open(&EndpointConfig::default()).unwrap();
+        assert!(client.local_addr().is_empty());
+    }
+
+    #[test]
+    fn absurd_declared_length_closes_with_the_reason() {
+        let mut ep = listener(Vec::new());
+        let (mut raw, peer) = raw_client(&mut ep);
+        raw.write_all(&framed(b"fine")).unwrap();
+        raw.write_all(&u32::MAX.to_le_bytes()).unwrap();
+        let mut events = Vec::new();
+        poll_until(&mut ep, &mut events, |e| closed_reason(e, peer).is_some());
+        assert!(events
+            .iter()
+            .any(|e| matches!(e, Event::Frame { frame, .. } if frame[..] == framed(b"fine")[..])));
+        match closed_reason(&events, peer) {
+            Some(CloseReason::Error(text)) => {
+                assert!(
+                    text.contains("4294967299") && text.contains("limit"),
+                    "{text}"
+                )
+            }
+            other => panic!("expected an error close, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn eof_inside_a_frame_is_an_error_and_eof_between_frames_is_not() {
+        let mut ep = listener(Vec::new());
+        let (mut raw, peer) = raw_client(&mut ep);
+        let whole = framed(b"cut short");
+        raw.write_all(&whole[..7]).unwrap();
+        drop(raw);
+        let mut events = Vec::new();
+        poll_until(&mut ep, &mut events, |e| closed_reason(e, peer).is_some());
+        assert!(
+            matches!(closed_reason(&events, peer), Some(CloseReason::Error(t)) if t.contains("unfinished"))
+        );
+
+        let (mut raw, peer) = raw_client(&mut ep);
+        raw.write_all(&whole).unwrap();
+        drop(raw);
+        let mut events = Vec::new();
+        poll_until(&mut ep, &mut events, |e| closed_reason(e, peer).is_some());
+        assert_eq!(closed_reason(&events, peer), Some(CloseReason::PeerClosed));
+    }
+
+    #[test]
+    fn frames_written_byte_by_byte_reassemble() {
+        let mut ep = listener(Vec::new());
+        let (mut raw, peer) = raw_client(&mut ep);
+        raw.set_nodelay(true).unwrap();
+        let mut wire = Vec::new();
+        for i in 0..5u8 {
+            wire.extend(framed(&vec![i; 3 + i as usize * 10]));
+        }
+        let mut events = Vec::new();
+        for byte in &wire {
+            raw.write_all(std::slice::from_ref(byte)).unwrap();
+            ep.poll(&mut events).unwrap();
+        }
+        poll_until(&mut ep, &mut events, |e| {
+            e.iter()
+                .filter(|e| matches!(e, Event::Frame { .. }))
+                .count()
+                == 5
+        });
+        let got: Vec<u8> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Frame { peer: p, frame } if *p == peer => Some(frame.to_vec()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert_eq!(got, wire);
+    }
+
+    #[test]
+    fn read_budget_bounds_what_one_poll_takes_from_one_peer() {
+        const BUDGET: usize = 16 << 10;
+        let mut ep = listener(vec![("read_budget".into(), BUDGET.to_string())]);
+        let (mut flood, flooder) = raw_client(&mut ep);
+        let (mut quiet, quieter) = raw_client(&mut ep);
+        let frame = framed(&[7; 1020]);
+        let mut burst = Vec::new();
+        for _ in 0..64 {
+            burst.extend_from_slice(&frame);
+        }
+        // 64 KiB: within what loopback buffers take without a reader.
+        flood.write_all(&burst).unwrap();
+        quiet.write_all(&framed(b"me too")).unwrap();
+        let mut total = 0;
+        let mut quiet_seen = false;
+        let deadline = Instant::now() + WAIT;
+        while total < 64 || !quiet_seen {
+            assert!(Instant::now() < deadline, "timed out after {total} frames");
+            let mut events = Vec::new();
+            ep.poll(&mut events).unwrap();
+            let this_poll = events
+                .iter()
+                .filter(|e| matches!(e, Event::Frame { peer, .. } if *peer == flooder))
+                .count();
+            assert!(
+                this_poll * frame.len() <= BUDGET,
+                "{this_poll} frames in one poll exceed the budget"
+            );
+            total += this_poll;
+            quiet_seen |= events
+                .iter()
+                .any(|e| matches!(e, Event::Frame { peer, .. } if *peer == quieter));
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert_eq!(total, 64);
+    }
+
+    #[test]
+    fn bad_read_budget_is_refused() {
+        let err = TcpEndpoint::open(&EndpointConfig {
+            options: vec![("read_budget".into(), "lots".into())],
+            ..EndpointConfig::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("read_budget"), "{err}");
+    }
+
+    #[test]
+    fn unparsable_addresses_are_invalid() {
+        let mut ep = TcpEndpoint::open(&EndpointConfig::default()).unwrap();
+        for bad in ["no-port", "127.0.0.1:notaport", ""] {
+            assert!(
+                matches!(ep.connect(bad), Err(TransportError::InvalidAddress { .. })),
+                "{bad}"
+            );
+        }
+        assert!(matches!(
+            TcpEndpoint::open(&EndpointConfig {
+                bind: Some("nonsense".into()),
+                ..EndpointConfig::default()
+            }),
+            Err(TransportError::InvalidAddress { .. })
+        ));
+    }
+
+    #[test]
+    fn host_names_connect_through_any_resolved_address() {
+        let mut server = listener(Vec::new());
+        let port = server.local_socket_addr().unwrap().port();
+        let mut client = TcpEndpoint::open(&EndpointConfig::default()).unwrap();
+        // `localhost` may resolve to ::1 first, where nobody listens; the
+        // connect must fall back to 127.0.0.1.
+        let peer = client.connect(&format!("localhost:{port}")).unwrap();
+        client
+            .send(peer, OutFrame::whole(framed(b"hello").into()))
+            .unwrap();
+        let mut got = Vec::new();
+        let deadline = Instant::now() + WAIT;
+        while !got.iter().any(|e| matches!(e, Event::Frame { .. })) {
+            assert!(Instant::now() < deadline, "timed out; got {got:?}");
+            let mut events = Vec::new();
+            client.poll(&mut events).unwrap();
+            assert!(closed_reason(&events, peer).is_none(), "{events:?}");
+            server.poll(&mut got).unwrap();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    #[test]
+    fn many_small_frames_leave_in_few_writes() {
+        // Queued frames leave together: one write call per MAX_IOV parts,
+        // not one per frame.
+        let mut server = listener(Vec::new());
+        let addr = server.local_socket_addr().unwrap();
+        let mut client = TcpEndpoint::open(&EndpointConfig::default()).unwrap();
+        let peer = client.connect(&addr.to_string()).unwrap();
+        let mut events = Vec::new();
+        poll_until(&mut server, &mut events, |e| {
+            e.iter().any(|e| matches!(e, Event::Accepted { .. }))
+        });
+        for i in 0..1000u32 {
+            client
+                .send(peer, OutFrame::whole(framed(&i.to_le_bytes()).into()))
+                .unwrap();
+        }
+        assert_eq!(client.queued_bytes(peer), 8000);
+        let deadline = Instant::now() + WAIT;
+        while client.queued_bytes(peer) > 0 {
+            assert!(Instant::now() < deadline);
+            client.poll(&mut Vec::new()).unwrap();
+        }
+        let writes = client.conns[&token_of(peer).unwrap()].writes;
+        assert!(
+            writes <= (1000 / MAX_IOV as u64) + 1,
+            "{writes} write calls for 1000 queued frames"
+        );
+        let mut events = Vec::new();
+        poll_until(&mut server, &mut events, |e| {
+            e.iter()
+                .filter(|e| matches!(e, Event::Frame { .. }))
+                .count()
+                == 1000
+        });
+        let seqs: Vec<u32> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Frame { frame, .. } => {
+                    Some(u32::from_le_bytes(frame[4..8].try_into().unwrap()))
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(seqs, (0..1000).collect::<Vec<_>>());
+    }
+}
