@@ -279,7 +279,8 @@ mod tests {
 
     #[test]
     fn block_waits_then_drops_and_counts() {
-        let (sink, rx, stats) = LocalSink::new(1, SlowConsumerPolicy::Block, Duration::from_millis(20));
+        let (sink, rx, stats) =
+            LocalSink::new(1, SlowConsumerPolicy::Block, Duration::from_millis(20));
         assert_eq!(sink.deliver(message(0)), Delivery::Queued);
         assert_eq!(sink.deliver(message(1)), Delivery::Dropped);
         assert_eq!(stats.dropped(), 1);
@@ -287,8 +288,15 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
             rx.recv().map(|m| m.payload[0])
         });
-        let sink = LocalSink { block_timeout: Duration::from_secs(5), ..sink };
-        assert_eq!(sink.deliver(message(2)), Delivery::Queued, "reader made room");
+        let sink = LocalSink {
+            block_timeout: Duration::from_secs(5),
+            ..sink
+        };
+        assert_eq!(
+            sink.deliver(message(2)),
+            Delivery::Queued,
+            "reader made room"
+        );
         assert_eq!(reader.join().unwrap(), Ok(0));
     }
 

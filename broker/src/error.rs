@@ -3,6 +3,7 @@
 use efabus_core::frame::ErrorCode;
 use efabus_core::subject::SubjectError;
 use efabus_core::transport::TransportError;
+use efabus_transports::registry::RegistryError;
 use thiserror::Error;
 
 use crate::config::ConfigError;
@@ -18,13 +19,19 @@ pub enum Error {
         #[source]
         source: SubjectError,
     },
+    #[error("cannot subscribe to {pattern:?}: {source}")]
+    Subscription {
+        pattern: String,
+        #[source]
+        source: efabus_core::index::IndexError,
+    },
     #[error("payload of {len} bytes exceeds the limit of {max}")]
     PayloadTooLarge { len: usize, max: u64 },
     #[error("cannot open {endpoint}: {source}")]
     Endpoint {
         endpoint: String,
         #[source]
-        source: TransportError,
+        source: RegistryError,
     },
     #[error("{0}")]
     Transport(#[from] TransportError),

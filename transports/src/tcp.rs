@@ -135,6 +135,9 @@ struct Conn {
     dirty: bool,
     /// Stopped reading at the budget; read again on the next poll.
     read_more: bool,
+    /// The caller asked to stop reading (backpressure); readiness seen
+    /// meanwhile is remembered in `read_more`.
+    read_paused: bool,
     /// `write_vectored` calls made, for tests and diagnostics.
     writes: u64,
     /// Received bytes: `[..filled]` is data, the rest is free room.
@@ -157,6 +160,7 @@ impl Conn {
             blocked: false,
             dirty: false,
             read_more: false,
+            read_paused: false,
             writes: 0,
             rbuf: BytesMut::new(),
             filled: 0,
@@ -642,6 +646,11 @@ impl TcpEndpoint {
             }
             return;
         }
+        if conn.read_paused {
+            // Edge-triggered readiness would be lost: remember it.
+            conn.read_more |= readable;
+            return;
+        }
         if readable || conn.read_more {
             match conn.read(peer, &limits, events) {
                 Ok(()) => {}
@@ -754,7 +763,7 @@ impl Endpoint for TcpEndpoint {
         }
         // Connections with leftover work though no new readiness.
         for (token, conn) in &self.conns {
-            if conn.read_more && !ready.iter().any(|(t, _, _)| t == token) {
+            if conn.read_more && !conn.read_paused && !ready.iter().any(|(t, _, _)| t == token) {
                 ready.push((*token, true, false));
             }
         }
@@ -785,7 +794,7 @@ impl Endpoint for TcpEndpoint {
             self.drop_conn(token, CloseReason::Local, events);
         }
 
-        if self.accept_more || self.conns.values().any(|c| c.read_more) {
+        if self.accept_more || self.conns.values().any(|c| c.read_more && !c.read_paused) {
             self.nudge();
         }
         Ok(())
@@ -813,6 +822,16 @@ impl Endpoint for TcpEndpoint {
             reason: CloseReason::Local,
         });
         self.nudge();
+    }
+
+    fn set_read_paused(&mut self, peer: PeerId, paused: bool) {
+        let Some(conn) = token_of(peer).and_then(|token| self.conns.get_mut(&token)) else {
+            return;
+        };
+        conn.read_paused = paused;
+        if !paused && conn.read_more {
+            self.nudge();
+        }
     }
 
     fn readiness(&self) -> Readiness {

@@ -1,0 +1,820 @@
+//! The client: the broker's publish/subscribe API against a remote broker.
+//!
+//! A background thread owns the connection: it performs the handshake,
+//! answers keepalives, delivers incoming messages to subscription queues,
+//! and on a lost connection reconnects with backoff, re-sends every
+//! subscription, then the publishes buffered meanwhile (within a bound).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use crossbeam_channel::{Receiver, Sender};
+use efabus_core::codec::{self, CodecLimits};
+use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, PROTOCOL_VERSION};
+use efabus_core::subject::{self, SubjectLimits};
+use efabus_core::transport::{
+    Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+};
+use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
+use mio::unix::SourceFd;
+use mio::{Interest, Poll, Token, Waker};
+use parking_lot::{Condvar, Mutex};
+use tracing::{debug, info, warn};
+
+use crate::config::SlowConsumerPolicy;
+use crate::delivery::{LocalSink, Message, Subscription, Unsubscriber};
+use crate::error::Error;
+
+const WAKER: Token = Token(0);
+const ENDPOINT: Token = Token(1);
+
+/// Settings of a client connection.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Name sent in the handshake.
+    pub name: String,
+    /// Shared secret, when the server requires one.
+    pub credentials: Option<String>,
+    /// How long `connect` waits for the first handshake.
+    pub connect_timeout: Duration,
+    /// Reconnect after a lost connection (with backoff up to `max_backoff`).
+    pub reconnect: bool,
+    pub max_backoff: Duration,
+    /// Publishes buffered while disconnected or pushed back, in bytes.
+    pub max_pending_bytes: usize,
+    /// Messages queued per subscription before the policy applies.
+    pub subscription_queue: usize,
+    pub slow_consumer: SlowConsumerPolicy,
+    /// How long `publish` waits when the outgoing buffer is full.
+    pub block_timeout: Duration,
+    pub heartbeat_interval: Duration,
+    pub heartbeat_timeout: Duration,
+    /// Largest frame accepted from the server.
+    pub max_frame: usize,
+    pub subject_limits: SubjectLimits,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            name: format!("efabus-client-{}", std::process::id()),
+            credentials: None,
+            connect_timeout: Duration::from_secs(5),
+            reconnect: true,
+            max_backoff: Duration::from_secs(2),
+            max_pending_bytes: 8 << 20,
+            subscription_queue: 65_536,
+            slow_consumer: SlowConsumerPolicy::DropOldest,
+            block_timeout: Duration::from_secs(2),
+            heartbeat_interval: Duration::from_secs(2),
+            heartbeat_timeout: Duration::from_secs(10),
+            max_frame: (64 << 20) + 4096,
+            subject_limits: SubjectLimits::default(),
+        }
+    }
+}
+
+/// Connection state, readable by application threads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectionState {
+    Connecting,
+    Connected {
+        server: String,
+    },
+    /// Refused by the server (wrong credentials, version); not retried.
+    Refused {
+        code: ErrorCode,
+        text: String,
+    },
+    Closed,
+}
+
+enum Command {
+    Frame(OutFrame),
+    Subscribe { sid: u64 },
+    Unsubscribe { sid: u64 },
+    Flush(Sender<()>),
+}
+
+struct ClientSub {
+    pattern: String,
+    queue: Option<String>,
+    sink: LocalSink,
+}
+
+struct ClientShared {
+    server: String,
+    options: ClientOptions,
+    commands: Sender<Command>,
+    waker: Waker,
+    loop_parked: AtomicBool,
+    shutdown: AtomicBool,
+    subscriptions: Mutex<HashMap<u64, ClientSub>>,
+    next_sid: AtomicU64,
+    state: Mutex<ConnectionState>,
+    state_changed: Condvar,
+    max_payload: AtomicU64,
+    reconnects: AtomicU64,
+    inbox_prefix: String,
+}
+
+impl ClientShared {
+    fn wake_loop(&self) {
+        if self.loop_parked.swap(false, Ordering::AcqRel) {
+            let _ = self.waker.wake();
+        }
+    }
+
+    fn send_command(&self, command: Command) -> Result<(), Error> {
+        if self.shutdown.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        let result = match self.commands.try_send(command) {
+            Ok(()) => Ok(()),
+            Err(crossbeam_channel::TrySendError::Full(command)) => {
+                self.wake_loop();
+                let timeout = self.options.block_timeout;
+                self.commands
+                    .send_timeout(command, timeout)
+                    .map_err(|err| match err {
+                        crossbeam_channel::SendTimeoutError::Timeout(_) => Error::Blocked(timeout),
+                        crossbeam_channel::SendTimeoutError::Disconnected(_) => Error::Closed,
+                    })
+            }
+            Err(crossbeam_channel::TrySendError::Disconnected(_)) => Err(Error::Closed),
+        };
+        self.wake_loop();
+        result
+    }
+
+    fn set_state(&self, state: ConnectionState) {
+        *self.state.lock() = state;
+        self.state_changed.notify_all();
+    }
+}
+
+impl Unsubscriber for ClientShared {
+    fn unsubscribe(&self, sid: u64) {
+        if self.subscriptions.lock().remove(&sid).is_some() {
+            // After shutdown there is no server to tell.
+            let _ = self.send_command(Command::Unsubscribe { sid });
+        }
+    }
+}
+
+/// A connection to a remote broker, with the same operations as the
+/// embedded [`crate::Broker`]. `Send + Sync`; share it by reference or `Arc`.
+pub struct Client {
+    shared: Arc<ClientShared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("server", &self.shared.server)
+            .field("state", &*self.shared.state.lock())
+            .finish()
+    }
+}
+
+impl Client {
+    /// Connect to a broker at an endpoint string such as `tcp/10.0.0.7:7420`.
+    pub fn connect(endpoint: &str) -> Result<Client, Error> {
+        Client::connect_with(
+            endpoint,
+            ClientOptions::default(),
+            Registry::with_builtins(),
+        )
+    }
+
+    /// Connect with explicit options and transports.
+    pub fn connect_with(
+        endpoint: &str,
+        options: ClientOptions,
+        registry: Registry,
+    ) -> Result<Client, Error> {
+        let spec = EndpointSpec::parse(endpoint).map_err(|err| Error::Endpoint {
+            endpoint: endpoint.to_string(),
+            source: err.into(),
+        })?;
+        let address = spec.address().unwrap_or_default().to_string();
+        let endpoint_config = EndpointConfig {
+            bind: None,
+            max_frame: options.max_frame,
+            queue_frames: 65_536,
+            queue_bytes: options.max_pending_bytes.min(4 << 20),
+            options: Vec::new(),
+        };
+        // The endpoint only connects out: open it without the spec's address,
+        // which names the server, not a place to bind.
+        let endpoint_box = registry
+            .get(spec.scheme())
+            .and_then(|transport| {
+                transport
+                    .open(&endpoint_config)
+                    .map_err(|source| RegistryError::Transport {
+                        spec: spec.to_string(),
+                        source,
+                    })
+            })
+            .map_err(|source| Error::Endpoint {
+                endpoint: endpoint.to_string(),
+                source,
+            })?;
+        let poll = Poll::new().map_err(Error::Thread)?;
+        let waker = Waker::new(poll.registry(), WAKER).map_err(Error::Thread)?;
+        if let Readiness::Fd(fd) = endpoint_box.readiness() {
+            poll.registry()
+                .register(&mut SourceFd(&fd), ENDPOINT, Interest::READABLE)
+                .map_err(Error::Thread)?;
+        }
+        let (commands, command_rx) = crossbeam_channel::bounded(65_536);
+        let connect_timeout = options.connect_timeout;
+        let shared = Arc::new(ClientShared {
+            server: endpoint.to_string(),
+            inbox_prefix: format!("_INBOX.{:016x}", crate::server::unique_seed()),
+            options,
+            commands,
+            waker,
+            loop_parked: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+            subscriptions: Mutex::new(HashMap::new()),
+            next_sid: AtomicU64::new(1),
+            state: Mutex::new(ConnectionState::Connecting),
+            state_changed: Condvar::new(),
+            max_payload: AtomicU64::new(u64::MAX),
+            reconnects: AtomicU64::new(0),
+        });
+        let conn = ClientLoop::new(shared.clone(), poll, endpoint_box, address, command_rx);
+        let thread = std::thread::Builder::new()
+            .name("efabus-client".into())
+            .spawn(move || conn.run())
+            .map_err(Error::Thread)?;
+        let client = Client {
+            shared,
+            thread: Mutex::new(Some(thread)),
+        };
+        client.wait_connected(connect_timeout)?;
+        Ok(client)
+    }
+
+    fn wait_connected(&self, timeout: Duration) -> Result<(), Error> {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.shared.state.lock();
+        loop {
+            match &*state {
+                ConnectionState::Connected { .. } => return Ok(()),
+                ConnectionState::Refused { code, text } => {
+                    return Err(Error::Refused {
+                        code: *code,
+                        text: text.clone(),
+                    })
+                }
+                ConnectionState::Closed => return Err(Error::Closed),
+                ConnectionState::Connecting => {}
+            }
+            if self
+                .shared
+                .state_changed
+                .wait_until(&mut state, deadline)
+                .timed_out()
+            {
+                return Err(Error::NotConnected(self.shared.server.clone()));
+            }
+        }
+    }
+
+    /// The current connection state.
+    pub fn state(&self) -> ConnectionState {
+        self.shared.state.lock().clone()
+    }
+
+    /// How many times the connection was re-established.
+    pub fn reconnects(&self) -> u64 {
+        self.shared.reconnects.load(Ordering::Relaxed)
+    }
+
+    pub fn publish(&self, subject: &str, payload: impl Into<Bytes>) -> Result<(), Error> {
+        self.publish_inner(subject, None, payload.into())
+    }
+
+    pub fn publish_request(
+        &self,
+        subject: &str,
+        reply: &str,
+        payload: impl Into<Bytes>,
+    ) -> Result<(), Error> {
+        self.publish_inner(subject, Some(reply), payload.into())
+    }
+
+    fn publish_inner(
+        &self,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Bytes,
+    ) -> Result<(), Error> {
+        let limits = &self.shared.options.subject_limits;
+        let check = |s: &str| {
+            subject::validate_subject(s, limits).map_err(|source| Error::Subject {
+                subject: s.to_string(),
+                source,
+            })
+        };
+        check(subject)?;
+        if let Some(reply) = reply {
+            check(reply)?;
+        }
+        let max = self.shared.max_payload.load(Ordering::Relaxed);
+        if payload.len() as u64 > max {
+            return Err(Error::PayloadTooLarge {
+                len: payload.len(),
+                max,
+            });
+        }
+        let frame = codec::encode(&Frame::Publish(frame::Publish {
+            subject: subject.to_string(),
+            reply: reply.map(str::to_string),
+            seq: 0,
+            payload,
+        }));
+        self.shared.send_command(Command::Frame(frame))
+    }
+
+    pub fn subscribe(&self, pattern: &str) -> Result<Subscription, Error> {
+        self.subscribe_inner(pattern, None)
+    }
+
+    pub fn queue_subscribe(&self, pattern: &str, group: &str) -> Result<Subscription, Error> {
+        self.subscribe_inner(pattern, Some(group))
+    }
+
+    fn subscribe_inner(&self, pattern: &str, queue: Option<&str>) -> Result<Subscription, Error> {
+        let shared = &self.shared;
+        subject::validate_pattern(pattern, &shared.options.subject_limits).map_err(|source| {
+            Error::Subject {
+                subject: pattern.to_string(),
+                source,
+            }
+        })?;
+        if let Some(group) = queue {
+            subject::validate_queue_name(group, &shared.options.subject_limits).map_err(
+                |source| Error::Subscription {
+                    pattern: pattern.to_string(),
+                    source: source.into(),
+                },
+            )?;
+        }
+        let sid = shared.next_sid.fetch_add(1, Ordering::Relaxed);
+        let (sink, rx, stats) = LocalSink::new(
+            shared.options.subscription_queue,
+            shared.options.slow_consumer,
+            shared.options.block_timeout,
+        );
+        shared.subscriptions.lock().insert(
+            sid,
+            ClientSub {
+                pattern: pattern.to_string(),
+                queue: queue.map(str::to_string),
+                sink,
+            },
+        );
+        let owner: Arc<dyn Unsubscriber> = shared.clone();
+        let subscription = Subscription::new(
+            sid,
+            pattern.to_string(),
+            queue.map(str::to_string),
+            rx,
+            stats,
+            owner,
+        );
+        shared.send_command(Command::Subscribe { sid })?;
+        Ok(subscription)
+    }
+
+    /// Send a request and wait for the first reply.
+    pub fn request(
+        &self,
+        subject: &str,
+        payload: impl Into<Bytes>,
+        timeout: Duration,
+    ) -> Result<Message, Error> {
+        let n = self.shared.next_sid.fetch_add(1, Ordering::Relaxed);
+        let inbox = format!("{}.{n}", self.shared.inbox_prefix);
+        let replies = self.subscribe(&inbox)?;
+        self.publish_inner(subject, Some(&inbox), payload.into())?;
+        replies
+            .recv_timeout(timeout)
+            .map_err(|_| Error::Timeout(timeout))
+    }
+
+    /// Wait until the server has processed everything sent before.
+    pub fn flush(&self, timeout: Duration) -> Result<(), Error> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.shared.send_command(Command::Flush(tx))?;
+        rx.recv_timeout(timeout)
+            .map_err(|_| Error::Timeout(timeout))
+    }
+
+    /// Flush (briefly), say goodbye and close the connection.
+    pub fn shutdown(&self) {
+        if !self.shared.shutdown.load(Ordering::Relaxed) {
+            let _ = self.flush(Duration::from_secs(1));
+        }
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        let _ = self.shared.waker.wake();
+        if let Some(thread) = self.thread.lock().take() {
+            if thread.join().is_err() {
+                warn!("client thread panicked");
+            }
+        }
+        self.shared.subscriptions.lock().clear();
+        self.shared.set_state(ConnectionState::Closed);
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LinkState {
+    Down { retry_at: Instant },
+    AwaitWelcome { peer: PeerId, deadline: Instant },
+    Up { peer: PeerId },
+}
+
+struct ClientLoop {
+    shared: Arc<ClientShared>,
+    poll: Poll,
+    endpoint: Box<dyn Endpoint>,
+    address: String,
+    commands: Receiver<Command>,
+    codec: CodecLimits,
+    link: LinkState,
+    backoff: Duration,
+    /// Frames not yet accepted by the endpoint (pushed back or disconnected).
+    pending: VecDeque<OutFrame>,
+    pending_bytes: usize,
+    flushes: Vec<(u64, Sender<()>)>,
+    next_nonce: u64,
+    last_heard: Instant,
+    last_ping: Instant,
+    ever_connected: bool,
+}
+
+impl ClientLoop {
+    fn new(
+        shared: Arc<ClientShared>,
+        poll: Poll,
+        endpoint: Box<dyn Endpoint>,
+        address: String,
+        commands: Receiver<Command>,
+    ) -> ClientLoop {
+        let now = Instant::now();
+        let codec = CodecLimits {
+            max_frame: shared.options.max_frame,
+            max_subject_len: shared.options.subject_limits.max_len,
+        };
+        ClientLoop {
+            shared,
+            poll,
+            endpoint,
+            address,
+            commands,
+            codec,
+            link: LinkState::Down { retry_at: now },
+            backoff: Duration::from_millis(50),
+            pending: VecDeque::new(),
+            pending_bytes: 0,
+            flushes: Vec::new(),
+            next_nonce: 1,
+            last_heard: now,
+            last_ping: now,
+            ever_connected: false,
+        }
+    }
+
+    fn run(mut self) {
+        let mut mio_events = mio::Events::with_capacity(64);
+        let mut events = Vec::with_capacity(256);
+        let must_poll = self.endpoint.readiness() == Readiness::MustPoll;
+        let mut idle = 0u32;
+        while !self.shared.shutdown.load(Ordering::Relaxed) {
+            let now = Instant::now();
+            self.on_timers(now);
+            if matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
+                break;
+            }
+            events.clear();
+            if let Err(err) = self.endpoint.poll(&mut events) {
+                warn!(error = %err, "client endpoint poll failed");
+            }
+            let mut busy = !events.is_empty();
+            for event in events.drain(..) {
+                self.on_event(event);
+            }
+            busy |= self.drain_commands();
+            if busy {
+                idle = 0;
+                continue;
+            }
+            idle = idle.saturating_add(1);
+            let mut timeout = Duration::from_millis(50);
+            if must_poll && idle < 256 {
+                timeout = Duration::from_micros(if idle < 64 { 0 } else { 50 });
+            }
+            self.shared.loop_parked.store(true, Ordering::Release);
+            if !self.commands.is_empty() {
+                self.shared.loop_parked.store(false, Ordering::Release);
+                continue;
+            }
+            if let Err(err) = self.poll.poll(&mut mio_events, Some(timeout)) {
+                if err.kind() != std::io::ErrorKind::Interrupted {
+                    warn!(error = %err, "client poll failed");
+                }
+            }
+            self.shared.loop_parked.store(false, Ordering::Release);
+        }
+        self.close();
+    }
+
+    fn close(&mut self) {
+        while self.drain_commands() {}
+        if let LinkState::Up { peer } = self.link {
+            let goodbye = codec::encode(&Frame::Goodbye(Goodbye {
+                reason: "client closing".to_string(),
+            }));
+            let _ = self.endpoint.send(peer, goodbye);
+            self.endpoint.close(peer);
+            // Let the endpoint hand the goodbye to the wire.
+            let deadline = Instant::now() + Duration::from_millis(200);
+            let mut events = Vec::new();
+            while Instant::now() < deadline && self.endpoint.queued_bytes(peer) > 0 {
+                let _ = self.endpoint.poll(&mut events);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    fn on_timers(&mut self, now: Instant) {
+        match self.link {
+            LinkState::Down { retry_at } if now >= retry_at => self.start_connect(now),
+            LinkState::AwaitWelcome { peer, deadline } if now >= deadline => {
+                warn!(server = %self.shared.server, "handshake timed out");
+                self.endpoint.close(peer);
+                self.link_lost(now);
+            }
+            LinkState::Up { peer } => {
+                let options = &self.shared.options;
+                if now.duration_since(self.last_heard) >= options.heartbeat_timeout {
+                    warn!(server = %self.shared.server, "server silent; reconnecting");
+                    self.endpoint.close(peer);
+                    self.link_lost(now);
+                } else if now.duration_since(self.last_ping) >= options.heartbeat_interval
+                    && now.duration_since(self.last_heard) >= options.heartbeat_interval
+                {
+                    self.last_ping = now;
+                    let _ = self
+                        .endpoint
+                        .send(peer, codec::encode(&Frame::Ping { nonce: 0 }));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn start_connect(&mut self, now: Instant) {
+        match self.endpoint.connect(&self.address) {
+            Ok(peer) => {
+                let hello = Frame::Hello(Hello {
+                    version: PROTOCOL_VERSION,
+                    name: self.shared.options.name.clone(),
+                    credentials: self.shared.options.credentials.clone(),
+                    offers: Vec::new(),
+                });
+                let _ = self.endpoint.send(peer, codec::encode(&hello));
+                self.link = LinkState::AwaitWelcome {
+                    peer,
+                    deadline: now + self.shared.options.connect_timeout,
+                };
+            }
+            Err(err) => {
+                debug!(server = %self.shared.server, error = %err, "connect failed");
+                self.link_lost(now);
+            }
+        }
+    }
+
+    fn link_lost(&mut self, now: Instant) {
+        if !self.shared.options.reconnect && self.ever_connected {
+            self.shared.set_state(ConnectionState::Closed);
+            self.shared.shutdown.store(true, Ordering::SeqCst);
+            return;
+        }
+        if !matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
+            self.shared.set_state(ConnectionState::Connecting);
+        }
+        self.link = LinkState::Down {
+            retry_at: now + self.backoff,
+        };
+        self.backoff = (self.backoff * 2).min(self.shared.options.max_backoff);
+    }
+
+    fn on_event(&mut self, event: Event) {
+        let current = match self.link {
+            LinkState::AwaitWelcome { peer, .. } | LinkState::Up { peer } => Some(peer),
+            LinkState::Down { .. } => None,
+        };
+        match event {
+            Event::Frame { peer, frame } if Some(peer) == current => {
+                self.last_heard = Instant::now();
+                match codec::decode(frame, &self.codec) {
+                    Ok(frame) => self.on_frame(peer, frame),
+                    Err(err) => {
+                        warn!(server = %self.shared.server, error = %err, "malformed frame from server; reconnecting");
+                        self.endpoint.close(peer);
+                        self.link_lost(Instant::now());
+                    }
+                }
+            }
+            Event::Writable { peer } if Some(peer) == current => self.flush_pending(),
+            Event::Closed { peer, reason } if Some(peer) == current => {
+                info!(server = %self.shared.server, %reason, "connection lost");
+                self.link_lost(Instant::now());
+            }
+            _ => {}
+        }
+    }
+
+    fn on_frame(&mut self, peer: PeerId, frame: Frame) {
+        match frame {
+            Frame::Welcome(welcome) => {
+                if !matches!(self.link, LinkState::AwaitWelcome { .. }) {
+                    return;
+                }
+                self.shared
+                    .max_payload
+                    .store(welcome.max_payload, Ordering::Relaxed);
+                self.link = LinkState::Up { peer };
+                self.backoff = Duration::from_millis(50);
+                if self.ever_connected {
+                    self.shared.reconnects.fetch_add(1, Ordering::Relaxed);
+                }
+                self.ever_connected = true;
+                info!(server = %self.shared.server, name = %welcome.name, "connected");
+                self.resubscribe(peer);
+                self.flush_pending();
+                self.shared.set_state(ConnectionState::Connected {
+                    server: welcome.name,
+                });
+            }
+            Frame::Message(message) => {
+                let subscriptions = self.shared.subscriptions.lock();
+                if let Some(sub) = subscriptions.get(&message.sid) {
+                    sub.sink.deliver(Message {
+                        subject: Arc::from(message.subject),
+                        reply: message.reply.map(Arc::from),
+                        payload: message.payload,
+                    });
+                }
+            }
+            Frame::Ping { nonce } => self.send(codec::encode(&Frame::Pong { nonce })),
+            Frame::Pong { nonce } => {
+                self.flushes.retain(|(waiting, done)| {
+                    if *waiting <= nonce {
+                        let _ = done.send(());
+                        false
+                    } else {
+                        true
+                    }
+                });
+            }
+            Frame::Error(error) => {
+                if error.fatal && matches!(error.code, ErrorCode::Auth | ErrorCode::Version) {
+                    warn!(code = ?error.code, text = %error.text, "server refused the connection");
+                    self.shared.set_state(ConnectionState::Refused {
+                        code: error.code,
+                        text: error.text,
+                    });
+                } else {
+                    warn!(code = ?error.code, text = %error.text, "server reported an error");
+                }
+            }
+            Frame::Goodbye(goodbye) => {
+                info!(reason = %goodbye.reason, "server said goodbye");
+            }
+            other => debug!(frame = ?other, "ignoring unexpected frame"),
+        }
+    }
+
+    /// Re-send every live subscription after (re)connecting; they go before
+    /// any buffered publish so replies and messages find them.
+    fn resubscribe(&mut self, peer: PeerId) {
+        let frames: Vec<OutFrame> = self
+            .shared
+            .subscriptions
+            .lock()
+            .iter()
+            .map(|(&sid, sub)| subscribe_frame(sid, sub))
+            .collect();
+        for frame in frames {
+            if let Err(SendError::WouldBlock(frame)) = self.endpoint.send(peer, frame) {
+                self.pending_bytes += frame.len();
+                self.pending.push_front(frame);
+            }
+        }
+    }
+
+    fn drain_commands(&mut self) -> bool {
+        let mut handled = 0;
+        while handled < 4096 && self.pending_bytes < self.shared.options.max_pending_bytes {
+            let Ok(command) = self.commands.try_recv() else {
+                break;
+            };
+            handled += 1;
+            match command {
+                Command::Frame(frame) => self.send(frame),
+                Command::Subscribe { sid } => {
+                    // While disconnected, the subscription is sent on reconnect.
+                    if let LinkState::Up { .. } = self.link {
+                        let frame = self
+                            .shared
+                            .subscriptions
+                            .lock()
+                            .get(&sid)
+                            .map(|sub| subscribe_frame(sid, sub));
+                        if let Some(frame) = frame {
+                            self.send(frame);
+                        }
+                    }
+                }
+                Command::Unsubscribe { sid } => {
+                    if let LinkState::Up { .. } = self.link {
+                        self.send(codec::encode(&Frame::Unsubscribe { sid }));
+                    }
+                }
+                Command::Flush(done) => {
+                    let nonce = self.next_nonce;
+                    self.next_nonce += 1;
+                    self.send(codec::encode(&Frame::Ping { nonce }));
+                    self.flushes.push((nonce, done));
+                }
+            }
+        }
+        handled > 0
+    }
+
+    fn send(&mut self, frame: OutFrame) {
+        if let LinkState::Up { peer } = self.link {
+            if self.pending.is_empty() {
+                match self.endpoint.send(peer, frame) {
+                    Ok(()) => return,
+                    Err(SendError::WouldBlock(frame)) => {
+                        self.pending_bytes += frame.len();
+                        self.pending.push_back(frame);
+                    }
+                    Err(err) => warn!(error = %err, "send failed"),
+                }
+                return;
+            }
+        }
+        self.pending_bytes += frame.len();
+        self.pending.push_back(frame);
+    }
+
+    fn flush_pending(&mut self) {
+        let LinkState::Up { peer } = self.link else {
+            return;
+        };
+        while let Some(frame) = self.pending.pop_front() {
+            let len = frame.len();
+            match self.endpoint.send(peer, frame) {
+                Ok(()) => self.pending_bytes -= len,
+                Err(SendError::WouldBlock(frame)) => {
+                    self.pending.push_front(frame);
+                    break;
+                }
+                Err(err) => {
+                    warn!(error = %err, "send failed");
+                    self.pending_bytes -= len;
+                }
+            }
+        }
+    }
+}
+
+fn subscribe_frame(sid: u64, sub: &ClientSub) -> OutFrame {
+    codec::encode(&Frame::Subscribe(frame::Subscribe {
+        sid,
+        pattern: sub.pattern.clone(),
+        queue: sub.queue.clone(),
+        class: DeliveryClass::Reliable,
+    }))
+}

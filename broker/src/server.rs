@@ -1,0 +1,1278 @@
+//! The broker: the embedded [`Broker`] handle and the event loop that owns
+//! the listening endpoints and one session per connected peer.
+//!
+//! Threads: in-process publishers route on their own thread through the
+//! shared [`Router`]; the event loop thread owns every endpoint and session,
+//! decodes frames, answers the handshake, applies subscriptions and
+//! delivers to remote peers. Deliveries from in-process publishers to
+//! remote peers reach the loop through a bounded command queue.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use crossbeam_channel::{Receiver, Sender};
+use efabus_core::codec::{self, CodecLimits};
+use efabus_core::frame::{self, ErrorCode, ErrorFrame, Frame, Goodbye, Welcome, PROTOCOL_VERSION};
+use efabus_core::subject::{self, SubjectLimits};
+use efabus_core::transport::{
+    CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+};
+use efabus_transports::registry::{EndpointSpec, Registry};
+use mio::unix::SourceFd;
+use mio::{Interest, Poll, Token, Waker};
+use parking_lot::{Mutex, RwLock};
+use tracing::{debug, info, warn};
+
+use crate::config::{Config, SlowConsumerPolicy};
+use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
+use crate::error::Error;
+use crate::router::{Router, SubRef, Targets, LOCAL_OWNER};
+
+const WAKER: Token = Token(0);
+/// Commands queued from in-process publishers to the loop before they wait.
+const COMMAND_QUEUE: usize = 65_536;
+
+/// Counters of a running broker.
+#[derive(Debug, Default)]
+pub struct BrokerStats {
+    pub connections: AtomicU64,
+    pub connections_total: AtomicU64,
+    pub messages_in: AtomicU64,
+    pub messages_out: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub slow_consumer_drops: AtomicU64,
+    pub slow_consumer_disconnects: AtomicU64,
+    pub bad_frames: AtomicU64,
+    pub auth_failures: AtomicU64,
+    pub refused_connections: AtomicU64,
+    /// Bytes queued towards remote peers by the broker, right now.
+    pub queued_bytes: AtomicU64,
+}
+
+impl BrokerStats {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// A plain snapshot for printing.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        vec![
+            ("connections", get(&self.connections)),
+            ("connections_total", get(&self.connections_total)),
+            ("messages_in", get(&self.messages_in)),
+            ("messages_out", get(&self.messages_out)),
+            ("bytes_in", get(&self.bytes_in)),
+            ("slow_consumer_drops", get(&self.slow_consumer_drops)),
+            (
+                "slow_consumer_disconnects",
+                get(&self.slow_consumer_disconnects),
+            ),
+            ("bad_frames", get(&self.bad_frames)),
+            ("auth_failures", get(&self.auth_failures)),
+            ("refused_connections", get(&self.refused_connections)),
+            ("queued_bytes", get(&self.queued_bytes)),
+        ]
+    }
+}
+
+/// Work handed to the event loop by other threads.
+enum Command {
+    /// Deliver a message published in-process to remote subscribers.
+    Deliver {
+        targets: Vec<SubRef>,
+        message: Message,
+    },
+    /// Answer once everything queued before it has been handed to the endpoints.
+    Flush(Sender<()>),
+}
+
+pub(crate) struct Shared {
+    config: Config,
+    subject_limits: SubjectLimits,
+    router: RwLock<Router>,
+    next_sid: AtomicU64,
+    commands: Sender<Command>,
+    waker: Waker,
+    /// Set by the loop before it sleeps, so senders wake it only then.
+    loop_parked: AtomicBool,
+    shutdown: AtomicBool,
+    stats: BrokerStats,
+    inbox_prefix: String,
+    listening: Vec<(String, String)>,
+}
+
+impl Shared {
+    fn wake_loop(&self) {
+        if self.loop_parked.swap(false, Ordering::AcqRel) {
+            // A failed wake means the loop is gone; the command stays
+            // queued and is dropped with it at shutdown.
+            let _ = self.waker.wake();
+        }
+    }
+
+    fn send_command(&self, command: Command) -> Result<(), Error> {
+        if self.shutdown.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        let timeout = self.config.block_timeout();
+        let result = match self.commands.try_send(command) {
+            Ok(()) => Ok(()),
+            Err(crossbeam_channel::TrySendError::Full(command)) => {
+                self.wake_loop();
+                self.commands
+                    .send_timeout(command, timeout)
+                    .map_err(|err| match err {
+                        crossbeam_channel::SendTimeoutError::Timeout(_) => Error::Blocked(timeout),
+                        crossbeam_channel::SendTimeoutError::Disconnected(_) => Error::Closed,
+                    })
+            }
+            Err(crossbeam_channel::TrySendError::Disconnected(_)) => Err(Error::Closed),
+        };
+        self.wake_loop();
+        result
+    }
+}
+
+impl Unsubscriber for Shared {
+    fn unsubscribe(&self, sid: u64) {
+        self.router.write().remove(SubRef {
+            owner: LOCAL_OWNER,
+            sid,
+        });
+    }
+}
+
+thread_local! {
+    static TARGETS: std::cell::RefCell<Targets> = std::cell::RefCell::new(Targets::default());
+}
+
+/// An embedded broker. Cheap to share: all methods take `&self`, and the
+/// handle is `Send + Sync`. Dropping it shuts the broker down.
+pub struct Broker {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Broker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Broker")
+            .field("name", &self.shared.config.name)
+            .field("listening", &self.shared.listening)
+            .finish()
+    }
+}
+
+impl Broker {
+    /// Start a broker with the built-in transports.
+    pub fn start(config: Config) -> Result<Broker, Error> {
+        Broker::start_with_registry(config, Registry::with_builtins())
+    }
+
+    /// Start a broker whose endpoint strings may also name transports an
+    /// application registered itself.
+    pub fn start_with_registry(config: Config, registry: Registry) -> Result<Broker, Error> {
+        config.validate("(given)")?;
+        let poll = Poll::new().map_err(Error::Thread)?;
+        let waker = Waker::new(poll.registry(), WAKER).map_err(Error::Thread)?;
+        let codec_limits = CodecLimits {
+            max_frame: config.max_frame(),
+            max_subject_len: config.limits.max_subject_len,
+        };
+        let mut endpoints = Vec::new();
+        let mut listening = Vec::new();
+        for text in &config.listen {
+            let spec = EndpointSpec::parse(text).map_err(|err| Error::Endpoint {
+                endpoint: text.clone(),
+                source: err.into(),
+            })?;
+            let endpoint_config = EndpointConfig {
+                bind: Some(spec.address().unwrap_or_default().to_string()),
+                max_frame: codec_limits.max_frame,
+                queue_frames: 65_536,
+                queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
+                options: fabric_options(&config),
+            };
+            let endpoint =
+                registry
+                    .open(&spec, &endpoint_config)
+                    .map_err(|source| Error::Endpoint {
+                        endpoint: text.clone(),
+                        source,
+                    })?;
+            let local = String::from_utf8_lossy(&endpoint.local_addr()).into_owned();
+            info!(endpoint = %text, address = %local, "listening");
+            listening.push((spec.scheme().to_string(), local));
+            let token = Token(endpoints.len() + 1);
+            if let Readiness::Fd(fd) = endpoint.readiness() {
+                poll.registry()
+                    .register(&mut SourceFd(&fd), token, Interest::READABLE)
+                    .map_err(Error::Thread)?;
+            }
+            endpoints.push(endpoint);
+        }
+        let (commands, command_rx) = crossbeam_channel::bounded(COMMAND_QUEUE);
+        let subject_limits = SubjectLimits {
+            max_len: config.limits.max_subject_len,
+            max_tokens: config.limits.max_subject_tokens,
+        };
+        let shared = Arc::new(Shared {
+            subject_limits,
+            config,
+            router: RwLock::new(Router::new(subject_limits)),
+            next_sid: AtomicU64::new(1),
+            commands,
+            waker,
+            loop_parked: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+            stats: BrokerStats::default(),
+            inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
+            listening,
+        });
+        let event_loop = EventLoop::new(shared.clone(), poll, endpoints, command_rx, codec_limits);
+        let thread = std::thread::Builder::new()
+            .name("efabus-broker".into())
+            .spawn(move || event_loop.run())
+            .map_err(Error::Thread)?;
+        Ok(Broker {
+            shared,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// `(scheme, address)` of each listening endpoint, with actual ports.
+    pub fn listening(&self) -> &[(String, String)] {
+        &self.shared.listening
+    }
+
+    /// The address of the first listener of a scheme (e.g. the TCP port
+    /// chosen when the config said port 0), as an endpoint string.
+    pub fn endpoint(&self, scheme: &str) -> Option<String> {
+        self.shared
+            .listening
+            .iter()
+            .find(|(s, _)| s == scheme)
+            .map(|(s, addr)| format!("{s}/{addr}"))
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.shared.config
+    }
+
+    pub fn stats(&self) -> &BrokerStats {
+        &self.shared.stats
+    }
+
+    /// Number of subscriptions, local and remote.
+    pub fn subscription_count(&self) -> usize {
+        self.shared.router.read().len()
+    }
+
+    /// Publish a message. In-process subscribers receive the same payload
+    /// buffer, not a copy.
+    pub fn publish(&self, subject: &str, payload: impl Into<Bytes>) -> Result<(), Error> {
+        self.publish_inner(subject, None, payload.into())
+            .map(|_| ())
+    }
+
+    /// Publish with a reply subject.
+    pub fn publish_request(
+        &self,
+        subject: &str,
+        reply: &str,
+        payload: impl Into<Bytes>,
+    ) -> Result<(), Error> {
+        self.publish_inner(subject, Some(reply), payload.into())
+            .map(|_| ())
+    }
+
+    fn publish_inner(
+        &self,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Bytes,
+    ) -> Result<usize, Error> {
+        let shared = &self.shared;
+        if shared.shutdown.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        subject::validate_subject(subject, &shared.subject_limits).map_err(|source| {
+            Error::Subject {
+                subject: subject.to_string(),
+                source,
+            }
+        })?;
+        if let Some(reply) = reply {
+            subject::validate_subject(reply, &shared.subject_limits).map_err(|source| {
+                Error::Subject {
+                    subject: reply.to_string(),
+                    source,
+                }
+            })?;
+        }
+        if payload.len() as u64 > shared.config.limits.max_payload {
+            return Err(Error::PayloadTooLarge {
+                len: payload.len(),
+                max: shared.config.limits.max_payload,
+            });
+        }
+        let message = Message {
+            subject: Arc::from(subject),
+            reply: reply.map(Arc::from),
+            payload,
+        };
+        TARGETS.with(|targets| {
+            let mut targets = targets.borrow_mut();
+            shared.router.read().route(subject, &mut targets);
+            let matched = targets.len();
+            BrokerStats::add(&shared.stats.messages_in, 1);
+            for sink in targets.local.drain(..) {
+                count_delivery(&shared.stats, sink.deliver(message.clone()));
+            }
+            if !targets.remote.is_empty() {
+                let remote = std::mem::take(&mut targets.remote);
+                shared.send_command(Command::Deliver {
+                    targets: remote,
+                    message,
+                })?;
+            }
+            Ok(matched)
+        })
+    }
+
+    /// Subscribe to a pattern (`*` one token, `>` the rest).
+    pub fn subscribe(&self, pattern: &str) -> Result<Subscription, Error> {
+        self.subscribe_inner(pattern, None)
+    }
+
+    /// Subscribe as a member of a queue group: each message matching the
+    /// pattern goes to one member of the group.
+    pub fn queue_subscribe(&self, pattern: &str, group: &str) -> Result<Subscription, Error> {
+        self.subscribe_inner(pattern, Some(group))
+    }
+
+    fn subscribe_inner(&self, pattern: &str, queue: Option<&str>) -> Result<Subscription, Error> {
+        let shared = &self.shared;
+        if shared.shutdown.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        subject::validate_pattern(pattern, &shared.subject_limits).map_err(|source| {
+            Error::Subject {
+                subject: pattern.to_string(),
+                source,
+            }
+        })?;
+        let sid = shared.next_sid.fetch_add(1, Ordering::Relaxed);
+        let (sink, rx, stats) = LocalSink::new(
+            shared.config.limits.subscription_queue,
+            shared.config.slow_consumer.policy,
+            shared.config.block_timeout(),
+        );
+        shared
+            .router
+            .write()
+            .insert(
+                pattern,
+                queue,
+                SubRef {
+                    owner: LOCAL_OWNER,
+                    sid,
+                },
+                Some(Arc::new(sink)),
+            )
+            .map_err(|source| Error::Subscription {
+                pattern: pattern.to_string(),
+                source,
+            })?;
+        let owner: Arc<dyn Unsubscriber> = shared.clone();
+        Ok(Subscription::new(
+            sid,
+            pattern.to_string(),
+            queue.map(str::to_string),
+            rx,
+            stats,
+            owner,
+        ))
+    }
+
+    /// Send a request and wait for the first reply.
+    pub fn request(
+        &self,
+        subject: &str,
+        payload: impl Into<Bytes>,
+        timeout: Duration,
+    ) -> Result<Message, Error> {
+        let n = self.shared.next_sid.fetch_add(1, Ordering::Relaxed);
+        let inbox = format!("{}.{n}", self.shared.inbox_prefix);
+        let replies = self.subscribe(&inbox)?;
+        let matched = self.publish_inner(subject, Some(&inbox), payload.into())?;
+        if matched == 0 {
+            return Err(Error::NoResponders(subject.to_string()));
+        }
+        replies
+            .recv_timeout(timeout)
+            .map_err(|_| Error::Timeout(timeout))
+    }
+
+    /// Wait until every message published so far has been handed to
+    /// subscriber queues or to the transports.
+    pub fn flush(&self, timeout: Duration) -> Result<(), Error> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.shared.send_command(Command::Flush(tx))?;
+        rx.recv_timeout(timeout)
+            .map_err(|_| Error::Timeout(timeout))
+    }
+
+    /// Stop accepting, flush what is queued (within the configured drain
+    /// time), say goodbye to every peer and stop the loop.
+    pub fn shutdown(&self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        let _ = self.shared.waker.wake();
+        if let Some(thread) = self.thread.lock().take() {
+            if thread.join().is_err() {
+                warn!("broker event loop panicked");
+            }
+        }
+        self.shared.router.write().close_locals();
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_shut_down(&self) -> bool {
+        self.shared.shutdown.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn count_delivery(stats: &BrokerStats, delivery: Delivery) {
+    match delivery {
+        Delivery::Queued => BrokerStats::add(&stats.messages_out, 1),
+        Delivery::Dropped => {
+            BrokerStats::add(&stats.messages_out, 1);
+            BrokerStats::add(&stats.slow_consumer_drops, 1);
+        }
+        Delivery::Closed => {}
+    }
+}
+
+fn fabric_options(config: &Config) -> Vec<(String, String)> {
+    let fabric = &config.fabric;
+    let mut options = vec![
+        ("provider".to_string(), fabric.provider.clone()),
+        ("dgram_provider".to_string(), fabric.dgram_provider.clone()),
+        ("max_frame".to_string(), fabric.max_frame.to_string()),
+    ];
+    if !fabric.domain.is_empty() {
+        options.push(("domain".to_string(), fabric.domain.clone()));
+    }
+    if !fabric.node.is_empty() {
+        options.push(("node".to_string(), fabric.node.clone()));
+    }
+    if fabric.rx_depth > 0 {
+        options.push(("rx_depth".to_string(), fabric.rx_depth.to_string()));
+    }
+    options
+}
+
+/// A per-process seed for inbox names, so two brokers' inboxes differ.
+pub(crate) fn unique_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default(),
+    );
+    hasher.write_u32(std::process::id());
+    hasher.finish()
+}
+
+/// Compare two secrets in time independent of where they differ.
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() ^ b.len()) as u64;
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= u64::from(x ^ y);
+    }
+    diff == 0
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SessionState {
+    AwaitHello {
+        deadline: Instant,
+    },
+    Ready,
+    /// An error or goodbye was sent; close once it is flushed.
+    Closing,
+}
+
+struct Queued {
+    frame: OutFrame,
+    /// Only messages may be discarded by the drop-oldest policy.
+    is_message: bool,
+}
+
+struct Session {
+    endpoint: usize,
+    peer: PeerId,
+    remote: String,
+    name: String,
+    state: SessionState,
+    subscriptions: HashSet<u64>,
+    queue: VecDeque<Queued>,
+    queued_bytes: usize,
+    /// Since when the queue has been over its bound under the block policy.
+    over_since: Option<Instant>,
+    last_heard: Instant,
+    last_ping: Instant,
+}
+
+struct EventLoop {
+    shared: Arc<Shared>,
+    poll: Poll,
+    endpoints: Vec<Box<dyn Endpoint>>,
+    must_poll: bool,
+    sessions: HashMap<u64, Session>,
+    by_peer: HashMap<(usize, PeerId), u64>,
+    commands: Receiver<Command>,
+    codec: CodecLimits,
+    next_session: u64,
+    flushes: Vec<Sender<()>>,
+    /// Sessions whose queue is over its bound under the block policy: while
+    /// any exist, reading from publishers is paused.
+    blocking: HashSet<u64>,
+    reads_paused: bool,
+    targets: Targets,
+}
+
+impl EventLoop {
+    fn new(
+        shared: Arc<Shared>,
+        poll: Poll,
+        endpoints: Vec<Box<dyn Endpoint>>,
+        commands: Receiver<Command>,
+        codec: CodecLimits,
+    ) -> EventLoop {
+        let must_poll = endpoints
+            .iter()
+            .any(|e| e.readiness() == Readiness::MustPoll);
+        EventLoop {
+            shared,
+            poll,
+            endpoints,
+            must_poll,
+            sessions: HashMap::new(),
+            by_peer: HashMap::new(),
+            commands,
+            codec,
+            next_session: 1,
+            flushes: Vec::new(),
+            blocking: HashSet::new(),
+            reads_paused: false,
+            targets: Targets::default(),
+        }
+    }
+
+    fn run(mut self) {
+        let mut mio_events = mio::Events::with_capacity(256);
+        let mut events = Vec::with_capacity(256);
+        let mut idle_spins = 0u32;
+        let tick = self
+            .shared
+            .config
+            .heartbeat_interval()
+            .min(Duration::from_millis(100));
+        let mut next_tick = Instant::now() + tick;
+        while !self.shared.shutdown.load(Ordering::Relaxed) {
+            let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
+            if busy {
+                idle_spins = 0;
+            } else {
+                idle_spins = idle_spins.saturating_add(1);
+            }
+            let now = Instant::now();
+            if now >= next_tick {
+                self.on_tick(now);
+                next_tick = now + tick;
+            }
+            if busy {
+                continue;
+            }
+            // Sleep until an fd is ready, a command arrives or the next
+            // tick; endpoints that must be polled cap the sleep.
+            let mut timeout = next_tick.saturating_duration_since(now);
+            if self.must_poll {
+                timeout = timeout.min(backoff(idle_spins));
+            }
+            self.shared.loop_parked.store(true, Ordering::Release);
+            if !self.commands.is_empty() {
+                self.shared.loop_parked.store(false, Ordering::Release);
+                continue;
+            }
+            if let Err(err) = self.poll.poll(&mut mio_events, Some(timeout)) {
+                if err.kind() != std::io::ErrorKind::Interrupted {
+                    warn!(error = %err, "poll failed");
+                }
+            }
+            self.shared.loop_parked.store(false, Ordering::Release);
+        }
+        self.shutdown(&mut events);
+    }
+
+    /// Poll every endpoint once and handle its events; true if any.
+    fn poll_endpoints(&mut self, events: &mut Vec<Event>) -> bool {
+        let mut busy = false;
+        for index in 0..self.endpoints.len() {
+            events.clear();
+            if let Err(err) = self.endpoints[index].poll(events) {
+                warn!(error = %err, "endpoint poll failed");
+            }
+            busy |= !events.is_empty();
+            for event in events.drain(..) {
+                self.handle_event(index, event);
+            }
+        }
+        busy
+    }
+
+    fn drain_commands(&mut self, max: usize) -> bool {
+        if !self.blocking.is_empty() {
+            // Under the block policy, in-process publishers wait too.
+            return false;
+        }
+        let mut handled = 0;
+        while handled < max {
+            let Ok(command) = self.commands.try_recv() else {
+                break;
+            };
+            handled += 1;
+            match command {
+                Command::Deliver { targets, message } => {
+                    let frame_message = message;
+                    for target in targets {
+                        self.deliver_remote(target, &frame_message);
+                    }
+                }
+                Command::Flush(done) => self.flushes.push(done),
+            }
+        }
+        self.answer_flushes();
+        handled > 0
+    }
+
+    fn answer_flushes(&mut self) {
+        if self.flushes.is_empty() {
+            return;
+        }
+        if self.sessions.values().all(|s| s.queue.is_empty()) {
+            for done in self.flushes.drain(..) {
+                let _ = done.send(());
+            }
+        }
+    }
+
+    fn handle_event(&mut self, endpoint: usize, event: Event) {
+        match event {
+            Event::Accepted { peer, remote } => self.on_accepted(endpoint, peer, remote),
+            Event::Frame { peer, frame } => {
+                if let Some(&id) = self.by_peer.get(&(endpoint, peer)) {
+                    self.on_frame(id, frame);
+                }
+            }
+            Event::Writable { peer } => {
+                if let Some(&id) = self.by_peer.get(&(endpoint, peer)) {
+                    self.flush_session(id);
+                }
+            }
+            Event::Closed { peer, reason } => {
+                if let Some(id) = self.by_peer.remove(&(endpoint, peer)) {
+                    self.forget_session(id, &reason);
+                }
+            }
+        }
+    }
+
+    fn on_accepted(&mut self, endpoint: usize, peer: PeerId, remote: String) {
+        let now = Instant::now();
+        let stats = &self.shared.stats;
+        let refuse = if self.shared.shutdown.load(Ordering::Relaxed) {
+            Some((ErrorCode::Internal, "server is shutting down".to_string()))
+        } else if self.sessions.len() >= self.shared.config.limits.max_connections {
+            Some((
+                ErrorCode::TooManyConnections,
+                format!(
+                    "connection limit of {} reached",
+                    self.shared.config.limits.max_connections
+                ),
+            ))
+        } else {
+            None
+        };
+        if let Some((code, text)) = refuse {
+            BrokerStats::add(&stats.refused_connections, 1);
+            warn!(%remote, %text, "connection refused");
+            let frame = codec::encode(&Frame::Error(ErrorFrame {
+                code,
+                text,
+                fatal: true,
+            }));
+            let ep = &mut self.endpoints[endpoint];
+            let _ = ep.send(peer, frame);
+            ep.close(peer);
+            return;
+        }
+        let id = self.next_session;
+        self.next_session += 1;
+        BrokerStats::add(&stats.connections, 1);
+        BrokerStats::add(&stats.connections_total, 1);
+        debug!(session = id, %remote, "accepted");
+        self.by_peer.insert((endpoint, peer), id);
+        self.sessions.insert(
+            id,
+            Session {
+                endpoint,
+                peer,
+                remote,
+                name: String::new(),
+                state: SessionState::AwaitHello {
+                    deadline: now + self.shared.config.handshake_timeout(),
+                },
+                subscriptions: HashSet::new(),
+                queue: VecDeque::new(),
+                queued_bytes: 0,
+                over_since: None,
+                last_heard: now,
+                last_ping: now,
+            },
+        );
+        if self.reads_paused {
+            self.endpoints[endpoint].set_read_paused(peer, true);
+        }
+    }
+
+    fn on_frame(&mut self, id: u64, bytes: Bytes) {
+        let stats = &self.shared.stats;
+        BrokerStats::add(&stats.bytes_in, bytes.len() as u64);
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        session.last_heard = Instant::now();
+        if session.state == SessionState::Closing {
+            return;
+        }
+        let frame = match codec::decode(bytes, &self.codec) {
+            Ok(frame) => frame,
+            Err(err) => {
+                BrokerStats::add(&stats.bad_frames, 1);
+                warn!(session = id, remote = %session.remote, error = %err, "malformed frame");
+                self.fail(id, ErrorCode::Malformed, format!("malformed frame: {err}"));
+                return;
+            }
+        };
+        match (session.state, frame) {
+            (SessionState::AwaitHello { .. }, Frame::Hello(hello)) => self.on_hello(id, hello),
+            (SessionState::AwaitHello { .. }, other) => {
+                self.fail(
+                    id,
+                    ErrorCode::Protocol,
+                    format!("expected hello, got {}", kind(&other)),
+                );
+            }
+            (SessionState::Ready, Frame::Publish(publish)) => self.on_publish(id, publish),
+            (SessionState::Ready, Frame::Subscribe(subscribe)) => self.on_subscribe(id, subscribe),
+            (SessionState::Ready, Frame::Unsubscribe { sid }) => {
+                session.subscriptions.remove(&sid);
+                self.shared.router.write().remove(SubRef { owner: id, sid });
+            }
+            (SessionState::Ready, Frame::Ping { nonce }) => {
+                self.send(id, codec::encode(&Frame::Pong { nonce }), false);
+            }
+            (SessionState::Ready, Frame::Pong { .. }) => {}
+            (_, Frame::Goodbye(goodbye)) => {
+                debug!(session = id, reason = %goodbye.reason, "peer said goodbye");
+                self.close_session(id);
+            }
+            (_, Frame::Error(error)) => {
+                warn!(session = id, code = ?error.code, text = %error.text, "peer reported an error");
+            }
+            (_, other) => {
+                self.fail(
+                    id,
+                    ErrorCode::Protocol,
+                    format!("unexpected {} frame", kind(&other)),
+                );
+            }
+        }
+    }
+
+    fn on_hello(&mut self, id: u64, hello: frame::Hello) {
+        let config = &self.shared.config;
+        if hello.version != PROTOCOL_VERSION {
+            self.fail(
+                id,
+                ErrorCode::Version,
+                format!(
+                    "protocol version {} not supported (this server speaks {PROTOCOL_VERSION})",
+                    hello.version
+                ),
+            );
+            return;
+        }
+        if let Some(secret) = &config.auth.secret {
+            let given = hello.credentials.as_deref().unwrap_or("");
+            if !constant_time_eq(given.as_bytes(), secret.as_bytes()) {
+                BrokerStats::add(&self.shared.stats.auth_failures, 1);
+                let text = if hello.credentials.is_none() {
+                    "credentials required"
+                } else {
+                    "invalid credentials"
+                };
+                self.fail(id, ErrorCode::Auth, text.to_string());
+                return;
+            }
+        }
+        let welcome = Frame::Welcome(Welcome {
+            version: PROTOCOL_VERSION,
+            name: config.name.clone(),
+            offers: Vec::new(),
+            max_payload: config.limits.max_payload,
+        });
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        session.name = hello.name;
+        session.state = SessionState::Ready;
+        info!(session = id, remote = %session.remote, name = %session.name, "peer connected");
+        self.send(id, codec::encode(&welcome), false);
+    }
+
+    fn on_subscribe(&mut self, id: u64, subscribe: frame::Subscribe) {
+        let limits = &self.shared.config.limits;
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if session.subscriptions.len() >= limits.max_subscriptions_per_peer {
+            let text = format!(
+                "subscription limit of {} reached; {} refused",
+                limits.max_subscriptions_per_peer, subscribe.pattern
+            );
+            self.report(id, ErrorCode::TooManySubscriptions, text);
+            return;
+        }
+        if let Err(err) = subject::validate_pattern(&subscribe.pattern, &self.shared.subject_limits)
+        {
+            self.report(
+                id,
+                ErrorCode::InvalidSubject,
+                format!("invalid pattern {:?}: {err}", subscribe.pattern),
+            );
+            return;
+        }
+        if !session.subscriptions.insert(subscribe.sid) {
+            self.report(
+                id,
+                ErrorCode::Protocol,
+                format!("subscription id {} already in use", subscribe.sid),
+            );
+            return;
+        }
+        let key = SubRef {
+            owner: id,
+            sid: subscribe.sid,
+        };
+        let inserted = self.shared.router.write().insert(
+            &subscribe.pattern,
+            subscribe.queue.as_deref(),
+            key,
+            None,
+        );
+        if let Err(err) = inserted {
+            session.subscriptions.remove(&subscribe.sid);
+            self.report(
+                id,
+                ErrorCode::InvalidSubject,
+                format!("cannot subscribe to {:?}: {err}", subscribe.pattern),
+            );
+        }
+    }
+
+    fn on_publish(&mut self, id: u64, publish: frame::Publish) {
+        let shared = self.shared.clone();
+        let limits = &shared.config.limits;
+        if publish.payload.len() as u64 > limits.max_payload {
+            let text = format!(
+                "payload of {} bytes exceeds the limit of {}",
+                publish.payload.len(),
+                limits.max_payload
+            );
+            self.report(id, ErrorCode::PayloadTooLarge, text);
+            return;
+        }
+        let valid =
+            subject::validate_subject(&publish.subject, &shared.subject_limits).and_then(|()| {
+                match &publish.reply {
+                    Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
+                    None => Ok(()),
+                }
+            });
+        if let Err(err) = valid {
+            self.report(
+                id,
+                ErrorCode::InvalidSubject,
+                format!("invalid subject {:?}: {err}", publish.subject),
+            );
+            return;
+        }
+        BrokerStats::add(&shared.stats.messages_in, 1);
+        let mut targets = std::mem::take(&mut self.targets);
+        shared.router.read().route(&publish.subject, &mut targets);
+        let message = Message {
+            subject: Arc::from(publish.subject),
+            reply: publish.reply.map(Arc::from),
+            payload: publish.payload,
+        };
+        for sink in targets.local.drain(..) {
+            count_delivery(&shared.stats, sink.deliver(message.clone()));
+        }
+        for target in targets.remote.drain(..) {
+            self.deliver_remote(target, &message);
+        }
+        self.targets = targets;
+    }
+
+    fn deliver_remote(&mut self, target: SubRef, message: &Message) {
+        if !self.sessions.contains_key(&target.owner) {
+            return;
+        }
+        let frame = codec::encode(&Frame::Message(frame::Message {
+            sid: target.sid,
+            subject: message.subject.to_string(),
+            reply: message.reply.as_deref().map(str::to_string),
+            seq: 0,
+            payload: message.payload.clone(),
+        }));
+        BrokerStats::add(&self.shared.stats.messages_out, 1);
+        self.send(target.owner, frame, true);
+    }
+
+    /// Queue a frame for a session, applying the slow-consumer policy when
+    /// its queue is over the bound.
+    fn send(&mut self, id: u64, frame: OutFrame, is_message: bool) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if session.queue.is_empty() {
+            match self.endpoints[session.endpoint].send(session.peer, frame) {
+                Ok(()) => return,
+                Err(SendError::WouldBlock(frame)) => {
+                    session.queued_bytes += frame.len();
+                    session.queue.push_back(Queued { frame, is_message });
+                }
+                Err(err) => {
+                    debug!(session = id, error = %err, "send failed");
+                    return;
+                }
+            }
+        } else {
+            session.queued_bytes += frame.len();
+            session.queue.push_back(Queued { frame, is_message });
+        }
+        let bound = self.shared.config.limits.max_pending_bytes;
+        if session.queued_bytes <= bound || !is_message {
+            return;
+        }
+        match self.shared.config.slow_consumer.policy {
+            SlowConsumerPolicy::DropOldest => {
+                while session.queued_bytes > bound {
+                    let Some(position) = session.queue.iter().position(|q| q.is_message) else {
+                        break;
+                    };
+                    if let Some(dropped) = session.queue.remove(position) {
+                        session.queued_bytes -= dropped.frame.len();
+                        BrokerStats::add(&self.shared.stats.slow_consumer_drops, 1);
+                    }
+                }
+            }
+            SlowConsumerPolicy::Disconnect => {
+                BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
+                warn!(session = id, remote = %session.remote, "slow consumer disconnected");
+                session.queue.clear();
+                session.queued_bytes = 0;
+                self.fail(
+                    id,
+                    ErrorCode::SlowConsumer,
+                    format!("more than {bound} bytes queued"),
+                );
+            }
+            SlowConsumerPolicy::Block => {
+                if session.over_since.is_none() {
+                    session.over_since = Some(Instant::now());
+                }
+                self.blocking.insert(id);
+                self.set_reads_paused(true);
+            }
+        }
+    }
+
+    fn set_reads_paused(&mut self, paused: bool) {
+        if self.reads_paused == paused {
+            return;
+        }
+        self.reads_paused = paused;
+        for (id, session) in &self.sessions {
+            // The slow consumers themselves keep being read: they may
+            // only be acknowledging or saying goodbye.
+            if !self.blocking.contains(id) {
+                self.endpoints[session.endpoint].set_read_paused(session.peer, paused);
+            }
+        }
+    }
+
+    /// Hand queued frames to the endpoint until it pushes back.
+    fn flush_session(&mut self, id: u64) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let endpoint = &mut self.endpoints[session.endpoint];
+        while let Some(queued) = session.queue.pop_front() {
+            let len = queued.frame.len();
+            match endpoint.send(session.peer, queued.frame) {
+                Ok(()) => session.queued_bytes -= len,
+                Err(SendError::WouldBlock(frame)) => {
+                    session.queue.push_front(Queued {
+                        frame,
+                        is_message: queued.is_message,
+                    });
+                    break;
+                }
+                Err(_) => {
+                    session.queue.clear();
+                    session.queued_bytes = 0;
+                }
+            }
+        }
+        let bound = self.shared.config.limits.max_pending_bytes;
+        let drained = session.queued_bytes <= bound / 2;
+        if drained {
+            session.over_since = None;
+        }
+        if session.queue.is_empty() && session.state == SessionState::Closing {
+            let (endpoint, peer) = (session.endpoint, session.peer);
+            self.endpoints[endpoint].close(peer);
+        }
+        if drained && self.blocking.remove(&id) && self.blocking.is_empty() {
+            self.set_reads_paused(false);
+        }
+        self.answer_flushes();
+    }
+
+    /// Report a non-fatal error to the peer.
+    fn report(&mut self, id: u64, code: ErrorCode, text: String) {
+        debug!(session = id, ?code, %text, "error reported to peer");
+        let frame = codec::encode(&Frame::Error(ErrorFrame {
+            code,
+            text,
+            fatal: false,
+        }));
+        self.send(id, frame, false);
+    }
+
+    /// Report a fatal error, then close the session once it is flushed.
+    fn fail(&mut self, id: u64, code: ErrorCode, text: String) {
+        if let Some(session) = self.sessions.get(&id) {
+            info!(session = id, remote = %session.remote, ?code, %text, "closing peer");
+        }
+        let frame = codec::encode(&Frame::Error(ErrorFrame {
+            code,
+            text,
+            fatal: true,
+        }));
+        self.send(id, frame, false);
+        self.close_session(id);
+    }
+
+    /// Stop reading from the session and close it once its queue is flushed.
+    fn close_session(&mut self, id: u64) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        session.state = SessionState::Closing;
+        let (endpoint, peer) = (session.endpoint, session.peer);
+        self.remove_interest(id);
+        if self.sessions.get(&id).is_some_and(|s| s.queue.is_empty()) {
+            self.endpoints[endpoint].close(peer);
+        }
+    }
+
+    fn remove_interest(&mut self, id: u64) {
+        if let Some(session) = self.sessions.get_mut(&id) {
+            if !session.subscriptions.is_empty() {
+                session.subscriptions.clear();
+                self.shared.router.write().remove_owner(id);
+            }
+        }
+        if self.blocking.remove(&id) && self.blocking.is_empty() {
+            self.set_reads_paused(false);
+        }
+    }
+
+    fn forget_session(&mut self, id: u64, reason: &CloseReason) {
+        self.remove_interest(id);
+        if let Some(session) = self.sessions.remove(&id) {
+            self.shared
+                .stats
+                .connections
+                .fetch_sub(1, Ordering::Relaxed);
+            info!(session = id, remote = %session.remote, name = %session.name, %reason, "peer gone");
+        }
+        self.answer_flushes();
+    }
+
+    fn on_tick(&mut self, now: Instant) {
+        let interval = self.shared.config.heartbeat_interval();
+        let timeout = self.shared.config.heartbeat_timeout();
+        let block_timeout = self.shared.config.block_timeout();
+        let mut expired = Vec::new();
+        let mut pings = Vec::new();
+        let mut slow = Vec::new();
+        let mut queued = 0u64;
+        for (&id, session) in &self.sessions {
+            queued += session.queued_bytes as u64;
+            match session.state {
+                SessionState::AwaitHello { deadline } if now >= deadline => {
+                    expired.push((id, ErrorCode::HandshakeTimeout))
+                }
+                SessionState::Ready if now.duration_since(session.last_heard) >= timeout => {
+                    expired.push((id, ErrorCode::Internal));
+                }
+                SessionState::Ready if now.duration_since(session.last_ping) >= interval => {
+                    pings.push(id)
+                }
+                _ => {}
+            }
+            if session
+                .over_since
+                .is_some_and(|since| now.duration_since(since) >= block_timeout)
+            {
+                slow.push(id);
+            }
+        }
+        self.shared
+            .stats
+            .queued_bytes
+            .store(queued, Ordering::Relaxed);
+        for (id, code) in expired {
+            let text = match code {
+                ErrorCode::HandshakeTimeout => "handshake not completed in time".to_string(),
+                _ => format!("no traffic for {timeout:?}: peer presumed dead"),
+            };
+            self.fail(id, code, text);
+            if let Some(session) = self.sessions.get(&id) {
+                // A dead peer will not drain its queue: close now.
+                let (endpoint, peer) = (session.endpoint, session.peer);
+                self.endpoints[endpoint].close(peer);
+            }
+        }
+        for id in slow {
+            BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
+            if let Some(session) = self.sessions.get_mut(&id) {
+                warn!(session = id, remote = %session.remote, "slow consumer blocked publishers too long; disconnected");
+                session.queue.clear();
+                session.queued_bytes = 0;
+            }
+            self.fail(
+                id,
+                ErrorCode::SlowConsumer,
+                format!("could not take messages for {block_timeout:?}"),
+            );
+        }
+        for id in pings {
+            if let Some(session) = self.sessions.get_mut(&id) {
+                session.last_ping = now;
+            }
+            self.send(id, codec::encode(&Frame::Ping { nonce: 0 }), false);
+        }
+    }
+
+    fn shutdown(&mut self, events: &mut Vec<Event>) {
+        info!("shutting down");
+        let deadline = Instant::now() + self.shared.config.drain_timeout();
+        self.blocking.clear();
+        self.set_reads_paused(false);
+        // Deliver what in-process publishers queued before the shutdown.
+        while self.drain_commands(usize::MAX) {}
+        let goodbye = codec::encode(&Frame::Goodbye(Goodbye {
+            reason: "server shutting down".to_string(),
+        }));
+        let ids: Vec<u64> = self.sessions.keys().copied().collect();
+        for id in ids {
+            self.send(id, goodbye.clone(), false);
+            self.close_session(id);
+        }
+        while !self.sessions.is_empty() && Instant::now() < deadline {
+            self.poll_endpoints(events);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if !self.sessions.is_empty() {
+            warn!(
+                peers = self.sessions.len(),
+                "drain time over; closing peers with data still queued"
+            );
+        }
+        for done in self.flushes.drain(..) {
+            let _ = done.send(());
+        }
+        self.shared.router.write().close_locals();
+        info!("stopped");
+    }
+}
+
+fn backoff(idle_spins: u32) -> Duration {
+    match idle_spins {
+        0..=64 => Duration::ZERO,
+        65..=256 => Duration::from_micros(50),
+        _ => Duration::from_millis(1),
+    }
+}
+
+fn kind(frame: &Frame) -> &'static str {
+    match frame {
+        Frame::Hello(_) => "hello",
+        Frame::Welcome(_) => "welcome",
+        Frame::Subscribe(_) => "subscribe",
+        Frame::Unsubscribe { .. } => "unsubscribe",
+        Frame::Publish(_) => "publish",
+        Frame::Message(_) => "message",
+        Frame::Fragment(_) => "fragment",
+        Frame::Credit(_) => "credit",
+        Frame::Ping { .. } => "ping",
+        Frame::Pong { .. } => "pong",
+        Frame::Error(_) => "error",
+        Frame::Goodbye(_) => "goodbye",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_compares_contents_and_lengths() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+        assert!(constant_time_eq(b"", b""));
+    }
+}

@@ -1,0 +1,604 @@
+//! The standalone broker, driven by the real client and by raw sockets.
+
+mod common;
+
+use std::collections::HashSet;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{eventually, Server};
+use efabus::core::codec::{self, CodecLimits};
+use efabus::core::frame::{self, DeliveryClass, ErrorCode, Frame, Hello, PROTOCOL_VERSION};
+use efabus::{Bytes, Client, ClientOptions, RecvError};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn client(server: &Server) -> Client {
+    Client::connect(&server.endpoint).expect("connect")
+}
+
+fn texts(sub: &efabus::Subscription, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|_| {
+            let m = sub.recv_timeout(WAIT).expect("message");
+            format!("{}:{}", m.subject, String::from_utf8_lossy(&m.payload))
+        })
+        .collect()
+}
+
+#[test]
+fn publish_subscribe_with_wildcards() {
+    let server = Server::start("");
+    let subscriber = client(&server);
+    let publisher = client(&server);
+    let all = subscriber.subscribe("metrics.>").unwrap();
+    let cpu = subscriber.subscribe("metrics.*.cpu").unwrap();
+    let host1 = subscriber.subscribe("metrics.host1.cpu").unwrap();
+    subscriber.flush(WAIT).unwrap();
+
+    publisher
+        .publish("metrics.host1.cpu", Bytes::from_static(b"1"))
+        .unwrap();
+    publisher
+        .publish("metrics.host2.cpu", Bytes::from_static(b"2"))
+        .unwrap();
+    publisher
+        .publish("metrics.host2.mem.free", Bytes::from_static(b"3"))
+        .unwrap();
+    publisher
+        .publish("other.host1.cpu", Bytes::from_static(b"4"))
+        .unwrap();
+    publisher.flush(WAIT).unwrap();
+
+    assert_eq!(
+        texts(&all, 3),
+        [
+            "metrics.host1.cpu:1",
+            "metrics.host2.cpu:2",
+            "metrics.host2.mem.free:3"
+        ]
+    );
+    assert_eq!(
+        texts(&cpu, 2),
+        ["metrics.host1.cpu:1", "metrics.host2.cpu:2"]
+    );
+    assert_eq!(texts(&host1, 1), ["metrics.host1.cpu:1"]);
+    subscriber.flush(WAIT).unwrap();
+    assert_eq!(all.try_recv(), Err(RecvError::Empty), "no extra deliveries");
+    assert_eq!(cpu.try_recv(), Err(RecvError::Empty));
+}
+
+#[test]
+fn queue_group_delivers_each_message_to_one_member() {
+    let server = Server::start("");
+    let members: Vec<Client> = (0..3).map(|_| client(&server)).collect();
+    let subs: Vec<_> = members
+        .iter()
+        .map(|c| c.queue_subscribe("jobs.*", "workers").unwrap())
+        .collect();
+    let watcher = client(&server);
+    let all = watcher.subscribe("jobs.*").unwrap();
+    for c in &members {
+        c.flush(WAIT).unwrap();
+    }
+    watcher.flush(WAIT).unwrap();
+
+    let publisher = client(&server);
+    for i in 0..300 {
+        publisher
+            .publish("jobs.build", Bytes::from(i.to_string()))
+            .unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+
+    assert_eq!(
+        texts(&all, 300).len(),
+        300,
+        "plain subscriber sees every message"
+    );
+    let mut seen = HashSet::new();
+    let mut per_member = Vec::new();
+    for sub in &subs {
+        let mut n = 0;
+        while let Ok(m) = sub.recv_timeout(Duration::from_millis(300)) {
+            assert!(
+                seen.insert(m.payload.clone()),
+                "duplicate delivery in the group"
+            );
+            n += 1;
+        }
+        per_member.push(n);
+    }
+    assert_eq!(
+        seen.len(),
+        300,
+        "every message reached exactly one member: {per_member:?}"
+    );
+    assert!(
+        per_member.iter().all(|&n| n > 0),
+        "rotation used every member: {per_member:?}"
+    );
+}
+
+#[test]
+fn request_reply_through_the_broker_and_the_cli() {
+    let server = Server::start("");
+    let responder = client(&server);
+    let requests = responder.subscribe("svc.echo").unwrap();
+    responder.flush(WAIT).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let worker = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(m) = requests.recv_timeout(Duration::from_millis(50)) {
+                    let mut reply = b"echo:".to_vec();
+                    reply.extend_from_slice(&m.payload);
+                    responder
+                        .publish(
+                            m.reply.as_deref().expect("reply subject"),
+                            Bytes::from(reply),
+                        )
+                        .unwrap();
+                }
+            }
+        })
+    };
+
+    let requester = client(&server);
+    let reply = requester
+        .request("svc.echo", Bytes::from_static(b"hi"), WAIT)
+        .unwrap();
+    assert_eq!(&reply.payload[..], b"echo:hi");
+
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+        .args(["req", "svc.echo", "from-cli", "--server", &server.endpoint])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        "echo:from-cli"
+    );
+
+    let timeout = requester.request("svc.nobody", Bytes::new(), Duration::from_millis(200));
+    assert!(timeout.is_err(), "a request without responder fails");
+    stop.store(true, Ordering::Relaxed);
+    worker.join().unwrap();
+}
+
+#[test]
+fn hundred_concurrent_clients() {
+    let server = Server::start("");
+    let clients: Vec<Client> = (0..100).map(|_| client(&server)).collect();
+    let subs: Vec<_> = clients
+        .iter()
+        .map(|c| c.subscribe("room.all").unwrap())
+        .collect();
+    for c in &clients {
+        c.flush(WAIT).unwrap();
+    }
+    std::thread::scope(|scope| {
+        for (i, c) in clients.iter().enumerate() {
+            scope.spawn(move || {
+                c.publish("room.all", Bytes::from(i.to_string())).unwrap();
+                c.flush(WAIT).unwrap();
+            });
+        }
+    });
+    for sub in &subs {
+        let got: HashSet<Bytes> = (0..100)
+            .map(|_| sub.recv_timeout(WAIT).unwrap().payload)
+            .collect();
+        assert_eq!(got.len(), 100);
+    }
+}
+
+#[test]
+fn a_killed_client_does_not_disturb_the_others() {
+    let server = Server::start("");
+    let mut victim = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+        .args(["sub", "stream.>", "--server", &server.endpoint])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let survivor = client(&server);
+    let sub = survivor.subscribe("stream.>").unwrap();
+    survivor.flush(WAIT).unwrap();
+    let publisher = client(&server);
+    for i in 0..2000u32 {
+        if i == 1000 {
+            victim.kill().unwrap();
+            victim.wait().unwrap();
+        }
+        publisher
+            .publish("stream.data", Bytes::from(i.to_le_bytes().to_vec()))
+            .unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    for i in 0..2000u32 {
+        let m = sub.recv_timeout(WAIT).unwrap();
+        assert_eq!(&m.payload[..], &i.to_le_bytes(), "in order, none lost");
+    }
+}
+
+/// A raw connection speaking the protocol by hand.
+struct Raw {
+    stream: TcpStream,
+    buffer: Vec<u8>,
+}
+
+impl Raw {
+    fn connect(server: &Server) -> Raw {
+        let stream = TcpStream::connect(&server.address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        Raw {
+            stream,
+            buffer: Vec::new(),
+        }
+    }
+
+    fn send(&mut self, frame: &Frame) {
+        let bytes = codec::encode(frame).to_bytes();
+        self.stream.write_all(&bytes).unwrap();
+    }
+
+    fn hello(&mut self) {
+        self.send(&Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            name: "raw".into(),
+            credentials: None,
+            offers: Vec::new(),
+        }));
+        match self.next_frame(WAIT) {
+            Some(Frame::Welcome(_)) => {}
+            other => panic!("expected welcome, got {other:?}"),
+        }
+    }
+
+    /// The next frame, or None when the connection ended or the time ran out.
+    fn next_frame(&mut self, timeout: Duration) -> Option<Frame> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.buffer.len() >= 4 {
+                let len = u32::from_le_bytes(self.buffer[..4].try_into().unwrap()) as usize + 4;
+                if self.buffer.len() >= len {
+                    let bytes: Vec<u8> = self.buffer.drain(..len).collect();
+                    return Some(
+                        codec::decode(Bytes::from(bytes), &CodecLimits::default())
+                            .expect("valid frame"),
+                    );
+                }
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            let mut chunk = [0u8; 65536];
+            match self.stream.read(&mut chunk) {
+                Ok(0) => return None,
+                Ok(n) => self.buffer.extend_from_slice(&chunk[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => return None,
+            }
+        }
+    }
+
+    /// Read frames until the connection closes; returns them.
+    fn until_closed(&mut self) -> Vec<Frame> {
+        let mut frames = Vec::new();
+        let deadline = Instant::now() + WAIT;
+        while Instant::now() < deadline {
+            match self.next_frame(Duration::from_millis(500)) {
+                Some(frame) => frames.push(frame),
+                None => {
+                    let mut probe = [0u8; 1];
+                    if matches!(self.stream.read(&mut probe), Ok(0) | Err(_))
+                        && self.buffer.is_empty()
+                    {
+                        return frames;
+                    }
+                }
+            }
+        }
+        panic!("connection was not closed; got {frames:?}");
+    }
+}
+
+fn error_codes(frames: &[Frame]) -> Vec<ErrorCode> {
+    frames
+        .iter()
+        .filter_map(|f| match f {
+            Frame::Error(e) => Some(e.code),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn garbage_and_absurd_lengths_close_only_the_offender() {
+    let server = Server::start("");
+    let good = client(&server);
+    let sub = good.subscribe("ok").unwrap();
+    good.flush(WAIT).unwrap();
+    let rss_before = server.rss_kib();
+
+    let mut garbage = Raw::connect(&server);
+    garbage
+        .stream
+        .write_all(&[9, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef, 1, 2, 3, 4, 5])
+        .unwrap();
+    let frames = garbage.until_closed();
+    assert_eq!(error_codes(&frames), [ErrorCode::Malformed]);
+
+    for _ in 0..20 {
+        let mut absurd = Raw::connect(&server);
+        absurd
+            .stream
+            .write_all(&0xFFFF_FFF0u32.to_le_bytes())
+            .unwrap();
+        absurd.until_closed();
+    }
+
+    let mut rude = Raw::connect(&server);
+    rude.hello();
+    rude.send(&Frame::Subscribe(frame::Subscribe {
+        sid: 1,
+        pattern: "bad..pattern".into(),
+        queue: None,
+        class: DeliveryClass::Reliable,
+    }));
+    match rude.next_frame(WAIT) {
+        Some(Frame::Error(e)) => {
+            assert_eq!(e.code, ErrorCode::InvalidSubject);
+            assert!(!e.fatal, "an invalid pattern is reported, not fatal");
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+
+    good.publish("ok", Bytes::from_static(b"still here"))
+        .unwrap();
+    assert_eq!(&sub.recv_timeout(WAIT).unwrap().payload[..], b"still here");
+    let rss_after = server.rss_kib();
+    assert!(
+        rss_after < rss_before + 32 * 1024,
+        "memory jumped from {rss_before} KiB to {rss_after} KiB"
+    );
+}
+
+#[test]
+fn handshake_timeout_and_wrong_credentials_are_refused() {
+    let server =
+        Server::start("[limits]\nhandshake_timeout_ms = 300\n[auth]\nsecret = \"s3cret\"\n");
+    let mut silent = Raw::connect(&server);
+    assert_eq!(
+        error_codes(&silent.until_closed()),
+        [ErrorCode::HandshakeTimeout]
+    );
+
+    let wrong = ClientOptions {
+        credentials: Some("guess".into()),
+        reconnect: false,
+        ..ClientOptions::default()
+    };
+    let err = Client::connect_with(
+        &server.endpoint,
+        wrong,
+        efabus::transports::registry::Registry::with_builtins(),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            efabus::Error::Refused {
+                code: ErrorCode::Auth,
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    let right = ClientOptions {
+        credentials: Some("s3cret".into()),
+        ..ClientOptions::default()
+    };
+    let ok = Client::connect_with(
+        &server.endpoint,
+        right,
+        efabus::transports::registry::Registry::with_builtins(),
+    )
+    .unwrap();
+    ok.flush(WAIT).unwrap();
+}
+
+/// A subscriber that does not read its socket until told to.
+fn stalled_subscriber(server: &Server, subject: &str) -> Raw {
+    let mut raw = Raw::connect(server);
+    // A small receive buffer makes the broker's queue fill quickly.
+    raw.hello();
+    raw.send(&Frame::Subscribe(frame::Subscribe {
+        sid: 7,
+        pattern: subject.into(),
+        queue: None,
+        class: DeliveryClass::Reliable,
+    }));
+    raw.send(&Frame::Ping { nonce: 1 });
+    assert!(matches!(
+        raw.next_frame(WAIT),
+        Some(Frame::Pong { nonce: 1 })
+    ));
+    raw
+}
+
+fn count_messages(raw: &mut Raw) -> (u64, Option<u32>, Vec<ErrorCode>) {
+    let mut n = 0;
+    let mut last = None;
+    let mut errors = Vec::new();
+    while let Some(frame) = raw.next_frame(Duration::from_millis(1500)) {
+        match frame {
+            Frame::Message(m) => {
+                n += 1;
+                last = Some(u32::from_le_bytes(m.payload[..4].try_into().unwrap()));
+            }
+            Frame::Error(e) => errors.push(e.code),
+            _ => {}
+        }
+    }
+    (n, last, errors)
+}
+
+const SLOW_TOTAL: u32 = 4000;
+const SLOW_CONFIG: &str = "[limits]\nmax_pending_bytes = 262144\n";
+
+fn publish_numbered(publisher: &Client, total: u32) {
+    let filler = vec![0u8; 4092];
+    for i in 0..total {
+        let mut payload = i.to_le_bytes().to_vec();
+        payload.extend_from_slice(&filler);
+        publisher
+            .publish("slow.data", Bytes::from(payload))
+            .unwrap();
+    }
+}
+
+#[test]
+fn slow_consumer_drop_oldest_keeps_newest_and_bounds_memory() {
+    let server = Server::start(&format!(
+        "{SLOW_CONFIG}[slow_consumer]\npolicy = \"drop-oldest\"\n"
+    ));
+    let mut slow = stalled_subscriber(&server, "slow.data");
+    let rss_before = server.rss_kib();
+    let publisher = client(&server);
+    publish_numbered(&publisher, SLOW_TOTAL);
+    publisher.flush(WAIT).unwrap();
+    let rss_after = server.rss_kib();
+    let (received, last, errors) = count_messages(&mut slow);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(
+        received < SLOW_TOTAL as u64,
+        "some messages were dropped ({received})"
+    );
+    assert_eq!(last, Some(SLOW_TOTAL - 1), "the newest message is kept");
+    assert!(
+        rss_after < rss_before + 48 * 1024,
+        "16 MB published to a stalled reader grew RSS from {rss_before} to {rss_after} KiB"
+    );
+}
+
+#[test]
+fn slow_consumer_disconnect_cuts_the_reader_off() {
+    let server = Server::start(&format!(
+        "{SLOW_CONFIG}[slow_consumer]\npolicy = \"disconnect\"\n"
+    ));
+    let mut slow = stalled_subscriber(&server, "slow.data");
+    let publisher = client(&server);
+    publish_numbered(&publisher, SLOW_TOTAL);
+    publisher.flush(WAIT).unwrap();
+    let frames = slow.until_closed();
+    assert!(
+        error_codes(&frames).contains(&ErrorCode::SlowConsumer),
+        "{:?}",
+        error_codes(&frames)
+    );
+    let received = frames
+        .iter()
+        .filter(|f| matches!(f, Frame::Message(_)))
+        .count();
+    assert!(received < SLOW_TOTAL as usize);
+}
+
+#[test]
+fn slow_consumer_block_holds_the_publisher_and_loses_nothing() {
+    let server = Server::start(&format!(
+        "{SLOW_CONFIG}[slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 60000\n"
+    ));
+    let mut slow = stalled_subscriber(&server, "slow.data");
+    let reader_started = Arc::new(AtomicBool::new(false));
+    let publisher_done = Arc::new(AtomicBool::new(false));
+    let publishing = {
+        let endpoint = server.endpoint.clone();
+        let reader_started = reader_started.clone();
+        let publisher_done = publisher_done.clone();
+        std::thread::spawn(move || {
+            let publisher = Client::connect(&endpoint).unwrap();
+            publish_numbered(&publisher, SLOW_TOTAL);
+            publisher.flush(Duration::from_secs(60)).unwrap();
+            publisher_done.store(true, Ordering::SeqCst);
+            reader_started.load(Ordering::SeqCst)
+        })
+    };
+    // The publisher cannot finish while nobody reads.
+    assert!(!eventually(Duration::from_secs(2), || publisher_done
+        .load(Ordering::SeqCst)));
+    reader_started.store(true, Ordering::SeqCst);
+    let (received, last, errors) = count_messages(&mut slow);
+    assert!(
+        publishing.join().unwrap(),
+        "publisher finished only after the reader started"
+    );
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(received, SLOW_TOTAL as u64, "nothing lost under block");
+    assert_eq!(last, Some(SLOW_TOTAL - 1));
+}
+
+#[test]
+fn graceful_shutdown_delivers_then_exits_zero() {
+    let mut server = Server::start("");
+    let subscriber = client(&server);
+    let sub = subscriber.subscribe("final.>").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    let publisher = client(&server);
+    for i in 0..500u32 {
+        publisher
+            .publish("final.count", Bytes::from(i.to_le_bytes().to_vec()))
+            .unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    assert_eq!(server.terminate(), Some(0), "SIGTERM exits 0");
+    for i in 0..500u32 {
+        assert_eq!(
+            &sub.recv_timeout(WAIT).unwrap().payload[..],
+            &i.to_le_bytes()
+        );
+    }
+}
+
+#[test]
+fn usage_and_config_errors_exit_2_with_one_line() {
+    let bad = common::temp_path("bad.toml");
+    std::fs::write(&bad, "[limits]\nmax_payloadd = 1\n").unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+        .args(["serve", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&bad);
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("max_payloadd") && stderr.contains("line 2"),
+        "{stderr}"
+    );
+
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+        .args(["pub", "x", "--server", "tcp/127.0.0.1:1"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("efabus serve"), "says what to do: {stderr}");
+}

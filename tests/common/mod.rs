@@ -1,0 +1,114 @@
+//! Helpers for tests that run the real `efabus` binary on loopback.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// A broker process listening on a TCP port chosen by the kernel.
+pub struct Server {
+    pub child: Child,
+    pub endpoint: String,
+    pub address: String,
+    config_path: PathBuf,
+}
+
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+/// A temporary file path unique to this test process.
+pub fn temp_path(name: &str) -> PathBuf {
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    std::env::temp_dir().join(format!("efabus-test-{}-{n}-{name}", std::process::id()))
+}
+
+impl Server {
+    /// Start `efabus serve` with the given extra config text (TOML without
+    /// a `listen` key; the server listens on tcp/127.0.0.1:0).
+    pub fn start(extra_config: &str) -> Server {
+        let config_path = temp_path("broker.toml");
+        let config =
+            format!("listen = [\"tcp/127.0.0.1:0\"]\nlog_level = \"warn\"\n{extra_config}");
+        std::fs::write(&config_path, config).expect("write config");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_efabus"))
+            .args(["serve", "--config"])
+            .arg(&config_path)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn efabus serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(endpoint) = line.strip_prefix("listening on ") {
+                    let _ = tx.send(endpoint.to_string());
+                }
+            }
+        });
+        let endpoint = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("broker did not report its listening address");
+        let address = endpoint.trim_start_matches("tcp/").to_string();
+        Server {
+            child,
+            endpoint,
+            address,
+            config_path,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Resident memory of the broker process, in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|kib| kib.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Send SIGTERM and wait (bounded) for the exit status code.
+    pub fn terminate(&mut self) -> Option<i32> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        None
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.config_path);
+    }
+}
+
+/// Poll `condition` until it holds or `timeout` passes.
+pub fn eventually(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if condition() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    condition()
+}
