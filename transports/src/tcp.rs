@@ -100,8 +100,7 @@ impl Transport for TcpTransport {
     }
 
     fn infos(&self) -> Result<Vec<FabricInfo>, TransportError> {
-        // The capability model is filled in where the lead wires `caps`.
-        Ok(vec![FabricInfo::default()])
+        Ok(vec![FabricInfo::tcp(None)])
     }
 
     fn open(&self, config: &EndpointConfig) -> Result<Box<dyn Endpoint>, TransportError> {
@@ -452,6 +451,12 @@ impl TcpEndpoint {
     /// endpoint only connects out.
     pub fn local_socket_addr(&self) -> Option<SocketAddr> {
         self.listener.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// This endpoint described in fi_info terms, with its listening
+    /// address as `src_addr`.
+    pub fn info(&self) -> FabricInfo {
+        FabricInfo::tcp(self.local_socket_addr())
     }
 
     /// Make the readiness descriptor readable so the caller polls again.
@@ -1005,6 +1010,21 @@ mod tests {
             std::thread::sleep(Duration::from_micros(200));
         }
         assert_eq!(total, 64);
+    }
+
+    #[test]
+    fn infos_describe_a_reliable_stream() {
+        use efabus_core::caps::EpType;
+        let infos = TcpTransport.infos().unwrap();
+        assert_eq!(infos.len(), 1);
+        assert_eq!(infos[0].ep_attr.ep_type, EpType::Msg);
+        let ep = listener(Vec::new());
+        let info = ep.info();
+        let src = info.src_addr.clone().unwrap();
+        assert!(
+            src.ends_with(&String::from_utf8(ep.local_addr()).unwrap()),
+            "{src}"
+        );
     }
 
     #[test]
