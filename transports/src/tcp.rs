@@ -119,6 +119,8 @@ struct Conn {
     remote: String,
     /// Addresses still to try if the current connect fails.
     fallbacks: Vec<SocketAddr>,
+    /// Why earlier addresses failed, for the final error.
+    failures: Vec<String>,
     connected: bool,
     /// `close` was called at this instant; the peer id is no longer visible.
     closing: Option<Instant>,
@@ -134,6 +136,8 @@ struct Conn {
     dirty: bool,
     /// Stopped reading at the budget; read again on the next poll.
     read_more: bool,
+    /// The poll round that last serviced this connection.
+    round: u64,
     /// `write_vectored` calls made, for tests and diagnostics.
     writes: u64,
     /// Received bytes: `[..filled]` is data, the rest is free room.
@@ -147,6 +151,7 @@ impl Conn {
             stream,
             remote,
             fallbacks: Vec::new(),
+            failures: Vec::new(),
             connected,
             closing: None,
             shut: false,
@@ -156,6 +161,7 @@ impl Conn {
             blocked: false,
             dirty: false,
             read_more: false,
+            round: 0,
             writes: 0,
             rbuf: BytesMut::new(),
             filled: 0,
@@ -380,7 +386,13 @@ pub struct TcpEndpoint {
     next_peer: u64,
     limits: Limits,
     pending: VecDeque<Event>,
+    /// Connections with frames queued since the last poll.
     dirty: Vec<Token>,
+    /// Connections that stopped reading at the budget.
+    read_more: Vec<Token>,
+    /// Connections closed locally and still flushing or draining.
+    lingering: usize,
+    round: u64,
     scratch: Vec<(Token, bool, bool)>,
 }
 
@@ -443,6 +455,9 @@ impl TcpEndpoint {
             limits,
             pending: VecDeque::new(),
             dirty: Vec::new(),
+            read_more: Vec::new(),
+            lingering: 0,
+            round: 0,
             scratch: Vec::new(),
         })
     }
@@ -521,12 +536,13 @@ impl TcpEndpoint {
     }
 
     /// Start a non-blocking connect to the first of `addrs` that gets going.
+    /// Failures along the way are appended to `failures`.
     fn start_connect(
         &self,
         token: Token,
         addrs: &mut Vec<SocketAddr>,
-    ) -> Result<TcpStream, String> {
-        let mut last = String::from("no address to connect to");
+        failures: &mut Vec<String>,
+    ) -> Option<(TcpStream, SocketAddr)> {
         while !addrs.is_empty() {
             let addr = addrs.remove(0);
             match TcpStream::connect(addr) {
@@ -539,18 +555,18 @@ impl TcpEndpoint {
                         token,
                         Interest::READABLE | Interest::WRITABLE,
                     ) {
-                        Ok(()) => return Ok(stream),
-                        Err(err) => last = format!("connect to {addr}: {err}"),
+                        Ok(()) => return Some((stream, addr)),
+                        Err(err) => failures.push(format!("connect to {addr}: {err}")),
                     }
                 }
-                Err(err) => last = format!("connect to {addr}: {}", describe(&err)),
+                Err(err) => failures.push(format!("connect to {addr}: {}", describe(&err))),
             }
         }
-        Err(last)
+        None
     }
 
     /// A connecting socket reported an event: settle whether it is up.
-    /// `Err` carries the failure once no address is left to try.
+    /// `Err` carries every failure once no address is left to try.
     fn check_connect(&mut self, token: Token) -> Result<(), String> {
         let Some(conn) = self.conns.get_mut(&token) else {
             return Ok(());
@@ -567,26 +583,22 @@ impl TcpEndpoint {
             conn.connected = true;
             return Ok(());
         };
-        let message = format!("connect to {}: {}", conn.remote, describe(&err));
-        if conn.fallbacks.is_empty() {
-            return Err(message);
-        }
+        let mut failures = std::mem::take(&mut conn.failures);
+        failures.push(format!("connect to {}: {}", conn.remote, describe(&err)));
         let mut fallbacks = std::mem::take(&mut conn.fallbacks);
         let _ = self.poll.registry().deregister(&mut conn.stream);
-        match self.start_connect(token, &mut fallbacks) {
-            Ok(stream) => {
+        match self.start_connect(token, &mut fallbacks, &mut failures) {
+            Some((stream, addr)) => {
                 let Some(conn) = self.conns.get_mut(&token) else {
                     return Ok(());
                 };
-                conn.remote = stream
-                    .peer_addr()
-                    .map(|a| a.to_string())
-                    .unwrap_or_else(|_| conn.remote.clone());
+                conn.remote = addr.to_string();
                 conn.stream = stream;
                 conn.fallbacks = fallbacks;
+                conn.failures = failures;
                 Ok(())
             }
-            Err(last) => Err(last),
+            None => Err(failures.join("; ")),
         }
     }
 
@@ -594,7 +606,9 @@ impl TcpEndpoint {
     fn drop_conn(&mut self, token: Token, reason: CloseReason, events: &mut Vec<Event>) {
         if let Some(mut conn) = self.conns.remove(&token) {
             let _ = self.poll.registry().deregister(&mut conn.stream);
-            if conn.closing.is_none() {
+            if conn.closing.is_some() {
+                self.lingering -= 1;
+            } else {
                 events.push(Event::Closed {
                     peer: peer_of(token),
                     reason,
@@ -625,33 +639,37 @@ impl TcpEndpoint {
             return;
         }
         let peer = peer_of(token);
+        if conn.closing.is_some() {
+            let flushed = conn.flush().is_ok();
+            let done = (readable || conn.read_more) && conn.drain_discard(&limits);
+            let expired = conn.closing.is_some_and(|t| t.elapsed() >= LINGER);
+            if !flushed || done || expired {
+                self.drop_conn(token, CloseReason::Local, events);
+            }
+            return;
+        }
+        // Read before writing: a peer that sent frames and then went away
+        // makes writes fail, and its last frames must not be lost to that.
+        if readable || conn.read_more {
+            let gone = match conn.read(peer, &limits, events) {
+                Ok(()) => None,
+                Err(Gone::Peer) => Some(CloseReason::PeerClosed),
+                Err(Gone::Failed(text)) => Some(CloseReason::Error(text)),
+            };
+            if let Some(reason) = gone {
+                self.drop_conn(token, reason, events);
+                return;
+            }
+        }
         if writable || conn.dirty {
             if let Err(err) = conn.flush() {
                 let reason = CloseReason::Error(describe(&err));
                 self.drop_conn(token, reason, events);
                 return;
             }
-            if conn.blocked
-                && conn.closing.is_none()
-                && conn.drained_to_half(limits.queue_frames, limits.queue_bytes)
-            {
+            if conn.blocked && conn.drained_to_half(limits.queue_frames, limits.queue_bytes) {
                 conn.blocked = false;
                 events.push(Event::Writable { peer });
-            }
-        }
-        if conn.closing.is_some() {
-            let done = (readable || conn.read_more) && conn.drain_discard(&limits);
-            let expired = conn.closing.is_some_and(|t| t.elapsed() >= LINGER);
-            if done || expired {
-                self.drop_conn(token, CloseReason::Local, events);
-            }
-            return;
-        }
-        if readable || conn.read_more {
-            match conn.read(peer, &limits, events) {
-                Ok(()) => {}
-                Err(Gone::Peer) => self.drop_conn(token, CloseReason::PeerClosed, events),
-                Err(Gone::Failed(text)) => self.drop_conn(token, CloseReason::Error(text), events),
             }
         }
     }
@@ -674,18 +692,19 @@ impl Endpoint for TcpEndpoint {
         let mut addrs = resolve(addr)?;
         let (peer, token) = self.peek_id()?;
         self.next_peer += 1;
-        let first = addrs[0];
-        match self.start_connect(token, &mut addrs) {
-            Ok(stream) => {
-                let mut conn = Conn::new(stream, first.to_string(), false);
+        let mut failures = Vec::new();
+        match self.start_connect(token, &mut addrs, &mut failures) {
+            Some((stream, addr)) => {
+                let mut conn = Conn::new(stream, addr.to_string(), false);
                 conn.fallbacks = addrs;
+                conn.failures = failures;
                 self.conns.insert(token, conn);
             }
-            Err(message) => {
+            None => {
                 // Same shape as a connect that fails later: an id, then Closed.
                 self.pending.push_back(Event::Closed {
                     peer,
-                    reason: CloseReason::Error(message),
+                    reason: CloseReason::Error(failures.join("; ")),
                 });
                 self.nudge();
             }
@@ -743,6 +762,11 @@ impl Endpoint for TcpEndpoint {
         }
         events.extend(self.pending.drain(..));
 
+        // Each connection is serviced at most once per poll: what epoll
+        // reported, then those with unread data left over from the last
+        // poll (budget), then those with frames queued since.
+        self.round += 1;
+        let round = self.round;
         let mut ready = std::mem::take(&mut self.scratch);
         ready.clear();
         let mut listener_ready = self.accept_more;
@@ -750,28 +774,34 @@ impl Endpoint for TcpEndpoint {
             match event.token() {
                 WAKER => {}
                 LISTENER => listener_ready = true,
-                token => ready.push((
-                    token,
-                    event.is_readable() || event.is_read_closed() || event.is_error(),
-                    event.is_writable() || event.is_write_closed() || event.is_error(),
-                )),
+                token => {
+                    if let Some(conn) = self.conns.get_mut(&token) {
+                        conn.round = round;
+                        ready.push((
+                            token,
+                            event.is_readable() || event.is_read_closed() || event.is_error(),
+                            event.is_writable() || event.is_write_closed() || event.is_error(),
+                        ));
+                    }
+                }
             }
         }
-        // Connections with leftover work though no new readiness.
-        for (token, conn) in &self.conns {
-            if conn.read_more && !ready.iter().any(|(t, _, _)| t == token) {
-                ready.push((*token, true, false));
-            }
-        }
-        for token in self.dirty.drain(..) {
-            if !ready.iter().any(|(t, _, _)| *t == token) {
-                ready.push((token, false, false));
+        let leftover = std::mem::take(&mut self.read_more);
+        for token in leftover.into_iter().chain(self.dirty.drain(..)) {
+            if let Some(conn) = self.conns.get_mut(&token) {
+                if conn.round != round {
+                    conn.round = round;
+                    ready.push((token, false, false));
+                }
             }
         }
         for &(token, readable, writable) in &ready {
             self.service(token, readable, writable, events);
             if let Some(conn) = self.conns.get_mut(&token) {
                 conn.dirty = false;
+                if conn.read_more {
+                    self.read_more.push(token);
+                }
             }
         }
         self.scratch = ready;
@@ -780,17 +810,19 @@ impl Endpoint for TcpEndpoint {
         }
 
         // Locally closed connections that are past their time.
-        let expired: Vec<Token> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.closing.is_some_and(|t| t.elapsed() >= LINGER))
-            .map(|(t, _)| *t)
-            .collect();
-        for token in expired {
-            self.drop_conn(token, CloseReason::Local, events);
+        if self.lingering > 0 {
+            let expired: Vec<Token> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.closing.is_some_and(|t| t.elapsed() >= LINGER))
+                .map(|(t, _)| *t)
+                .collect();
+            for token in expired {
+                self.drop_conn(token, CloseReason::Local, events);
+            }
         }
 
-        if self.accept_more || self.conns.values().any(|c| c.read_more) {
+        if self.accept_more || !self.read_more.is_empty() {
             self.nudge();
         }
         Ok(())
@@ -807,11 +839,10 @@ impl Endpoint for TcpEndpoint {
             return;
         }
         conn.closing = Some(Instant::now());
+        self.lingering += 1;
         // A socket that fails now has nothing left to flush or drain.
         if conn.flush().is_err() {
-            if let Some(mut conn) = self.conns.remove(&token) {
-                let _ = self.poll.registry().deregister(&mut conn.stream);
-            }
+            self.drop_conn(token, CloseReason::Local, &mut Vec::new());
         }
         self.pending.push_back(Event::Closed {
             peer,
