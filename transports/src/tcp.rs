@@ -468,6 +468,30 @@ impl TcpEndpoint {
         self.listener.as_ref().and_then(|l| l.local_addr().ok())
     }
 
+    /// Connect to the first of `addrs` that answers, in order.
+    fn connect_any(&mut self, mut addrs: Vec<SocketAddr>) -> Result<PeerId, TransportError> {
+        let (peer, token) = self.peek_id()?;
+        self.next_peer += 1;
+        let mut failures = Vec::new();
+        match self.start_connect(token, &mut addrs, &mut failures) {
+            Some((stream, addr)) => {
+                let mut conn = Conn::new(stream, addr.to_string(), false);
+                conn.fallbacks = addrs;
+                conn.failures = failures;
+                self.conns.insert(token, conn);
+            }
+            None => {
+                // Same shape as a connect that fails later: an id, then Closed.
+                self.pending.push_back(Event::Closed {
+                    peer,
+                    reason: CloseReason::Error(failures.join("; ")),
+                });
+                self.nudge();
+            }
+        }
+        Ok(peer)
+    }
+
     /// This endpoint described in fi_info terms, with its listening
     /// address as `src_addr`.
     pub fn info(&self) -> FabricInfo {
@@ -689,27 +713,8 @@ impl Endpoint for TcpEndpoint {
     }
 
     fn connect(&mut self, addr: &str) -> Result<PeerId, TransportError> {
-        let mut addrs = resolve(addr)?;
-        let (peer, token) = self.peek_id()?;
-        self.next_peer += 1;
-        let mut failures = Vec::new();
-        match self.start_connect(token, &mut addrs, &mut failures) {
-            Some((stream, addr)) => {
-                let mut conn = Conn::new(stream, addr.to_string(), false);
-                conn.fallbacks = addrs;
-                conn.failures = failures;
-                self.conns.insert(token, conn);
-            }
-            None => {
-                // Same shape as a connect that fails later: an id, then Closed.
-                self.pending.push_back(Event::Closed {
-                    peer,
-                    reason: CloseReason::Error(failures.join("; ")),
-                });
-                self.nudge();
-            }
-        }
-        Ok(peer)
+        let addrs = resolve(addr)?;
+        self.connect_any(addrs)
     }
 
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
@@ -1106,6 +1111,48 @@ mod tests {
             assert!(closed_reason(&events, peer).is_none(), "{events:?}");
             server.poll(&mut got).unwrap();
             std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    #[test]
+    fn connect_falls_back_to_the_next_address() {
+        let mut server = listener(Vec::new());
+        let live = server.local_socket_addr().unwrap();
+        let dead = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            probe.local_addr().unwrap()
+        };
+        let mut client = TcpEndpoint::open(&EndpointConfig::default()).unwrap();
+        let peer = client.connect_any(vec![dead, live]).unwrap();
+        client
+            .send(peer, OutFrame::whole(framed(b"via the second").into()))
+            .unwrap();
+        let mut got = Vec::new();
+        let deadline = Instant::now() + WAIT;
+        while !got.iter().any(|e| matches!(e, Event::Frame { .. })) {
+            assert!(Instant::now() < deadline, "timed out; got {got:?}");
+            let mut events = Vec::new();
+            client.poll(&mut events).unwrap();
+            assert!(closed_reason(&events, peer).is_none(), "{events:?}");
+            server.poll(&mut got).unwrap();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert_eq!(
+            client.conns[&token_of(peer).unwrap()].remote,
+            live.to_string()
+        );
+
+        // With no address left, every failure is reported.
+        let peer = client.connect_any(vec![dead, dead]).unwrap();
+        let mut events = Vec::new();
+        poll_until(&mut client, &mut events, |e| {
+            closed_reason(e, peer).is_some()
+        });
+        match closed_reason(&events, peer) {
+            Some(CloseReason::Error(text)) => {
+                assert_eq!(text.matches(&dead.to_string()).count(), 2, "{text}")
+            }
+            other => panic!("expected an error close, got {other:?}"),
         }
     }
 
