@@ -80,8 +80,7 @@ impl Transport for MemTransport {
     }
 
     fn infos(&self) -> Result<Vec<FabricInfo>, TransportError> {
-        // The capability model is filled in where the lead wires `caps`.
-        Ok(vec![FabricInfo::default()])
+        Ok(vec![FabricInfo::mem()])
     }
 
     fn open(&self, config: &EndpointConfig) -> Result<Box<dyn Endpoint>, TransportError> {

@@ -100,8 +100,7 @@ impl Transport for TcpTransport {
     }
 
     fn infos(&self) -> Result<Vec<FabricInfo>, TransportError> {
-        // The capability model is filled in where the lead wires `caps`.
-        Ok(vec![FabricInfo::default()])
+        Ok(vec![FabricInfo::tcp(None)])
     }
 
     fn open(&self, config: &EndpointConfig) -> Result<Box<dyn Endpoint>, TransportError> {
@@ -120,6 +119,8 @@ struct Conn {
     remote: String,
     /// Addresses still to try if the current connect fails.
     fallbacks: Vec<SocketAddr>,
+    /// Why earlier addresses failed, for the final error.
+    failures: Vec<String>,
     connected: bool,
     /// `close` was called at this instant; the peer id is no longer visible.
     closing: Option<Instant>,
@@ -138,6 +139,8 @@ struct Conn {
     /// The caller asked to stop reading (backpressure); readiness seen
     /// meanwhile is remembered in `read_more`.
     read_paused: bool,
+    /// The poll round that last serviced this connection.
+    round: u64,
     /// `write_vectored` calls made, for tests and diagnostics.
     writes: u64,
     /// Received bytes: `[..filled]` is data, the rest is free room.
@@ -151,6 +154,7 @@ impl Conn {
             stream,
             remote,
             fallbacks: Vec::new(),
+            failures: Vec::new(),
             connected,
             closing: None,
             shut: false,
@@ -161,6 +165,7 @@ impl Conn {
             dirty: false,
             read_more: false,
             read_paused: false,
+            round: 0,
             writes: 0,
             rbuf: BytesMut::new(),
             filled: 0,
@@ -385,7 +390,13 @@ pub struct TcpEndpoint {
     next_peer: u64,
     limits: Limits,
     pending: VecDeque<Event>,
+    /// Connections with frames queued since the last poll.
     dirty: Vec<Token>,
+    /// Connections that stopped reading at the budget.
+    read_more: Vec<Token>,
+    /// Connections closed locally and still flushing or draining.
+    lingering: usize,
+    round: u64,
     scratch: Vec<(Token, bool, bool)>,
 }
 
@@ -448,6 +459,9 @@ impl TcpEndpoint {
             limits,
             pending: VecDeque::new(),
             dirty: Vec::new(),
+            read_more: Vec::new(),
+            lingering: 0,
+            round: 0,
             scratch: Vec::new(),
         })
     }
@@ -456,6 +470,36 @@ impl TcpEndpoint {
     /// endpoint only connects out.
     pub fn local_socket_addr(&self) -> Option<SocketAddr> {
         self.listener.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// Connect to the first of `addrs` that answers, in order.
+    fn connect_any(&mut self, mut addrs: Vec<SocketAddr>) -> Result<PeerId, TransportError> {
+        let (peer, token) = self.peek_id()?;
+        self.next_peer += 1;
+        let mut failures = Vec::new();
+        match self.start_connect(token, &mut addrs, &mut failures) {
+            Some((stream, addr)) => {
+                let mut conn = Conn::new(stream, addr.to_string(), false);
+                conn.fallbacks = addrs;
+                conn.failures = failures;
+                self.conns.insert(token, conn);
+            }
+            None => {
+                // Same shape as a connect that fails later: an id, then Closed.
+                self.pending.push_back(Event::Closed {
+                    peer,
+                    reason: CloseReason::Error(failures.join("; ")),
+                });
+                self.nudge();
+            }
+        }
+        Ok(peer)
+    }
+
+    /// This endpoint described in fi_info terms, with its listening
+    /// address as `src_addr`.
+    pub fn info(&self) -> FabricInfo {
+        FabricInfo::tcp(self.local_socket_addr())
     }
 
     /// Make the readiness descriptor readable so the caller polls again.
@@ -520,12 +564,13 @@ impl TcpEndpoint {
     }
 
     /// Start a non-blocking connect to the first of `addrs` that gets going.
+    /// Failures along the way are appended to `failures`.
     fn start_connect(
         &self,
         token: Token,
         addrs: &mut Vec<SocketAddr>,
-    ) -> Result<TcpStream, String> {
-        let mut last = String::from("no address to connect to");
+        failures: &mut Vec<String>,
+    ) -> Option<(TcpStream, SocketAddr)> {
         while !addrs.is_empty() {
             let addr = addrs.remove(0);
             match TcpStream::connect(addr) {
@@ -538,18 +583,18 @@ impl TcpEndpoint {
                         token,
                         Interest::READABLE | Interest::WRITABLE,
                     ) {
-                        Ok(()) => return Ok(stream),
-                        Err(err) => last = format!("connect to {addr}: {err}"),
+                        Ok(()) => return Some((stream, addr)),
+                        Err(err) => failures.push(format!("connect to {addr}: {err}")),
                     }
                 }
-                Err(err) => last = format!("connect to {addr}: {}", describe(&err)),
+                Err(err) => failures.push(format!("connect to {addr}: {}", describe(&err))),
             }
         }
-        Err(last)
+        None
     }
 
     /// A connecting socket reported an event: settle whether it is up.
-    /// `Err` carries the failure once no address is left to try.
+    /// `Err` carries every failure once no address is left to try.
     fn check_connect(&mut self, token: Token) -> Result<(), String> {
         let Some(conn) = self.conns.get_mut(&token) else {
             return Ok(());
@@ -566,26 +611,22 @@ impl TcpEndpoint {
             conn.connected = true;
             return Ok(());
         };
-        let message = format!("connect to {}: {}", conn.remote, describe(&err));
-        if conn.fallbacks.is_empty() {
-            return Err(message);
-        }
+        let mut failures = std::mem::take(&mut conn.failures);
+        failures.push(format!("connect to {}: {}", conn.remote, describe(&err)));
         let mut fallbacks = std::mem::take(&mut conn.fallbacks);
         let _ = self.poll.registry().deregister(&mut conn.stream);
-        match self.start_connect(token, &mut fallbacks) {
-            Ok(stream) => {
+        match self.start_connect(token, &mut fallbacks, &mut failures) {
+            Some((stream, addr)) => {
                 let Some(conn) = self.conns.get_mut(&token) else {
                     return Ok(());
                 };
-                conn.remote = stream
-                    .peer_addr()
-                    .map(|a| a.to_string())
-                    .unwrap_or_else(|_| conn.remote.clone());
+                conn.remote = addr.to_string();
                 conn.stream = stream;
                 conn.fallbacks = fallbacks;
+                conn.failures = failures;
                 Ok(())
             }
-            Err(last) => Err(last),
+            None => Err(failures.join("; ")),
         }
     }
 
@@ -593,7 +634,9 @@ impl TcpEndpoint {
     fn drop_conn(&mut self, token: Token, reason: CloseReason, events: &mut Vec<Event>) {
         if let Some(mut conn) = self.conns.remove(&token) {
             let _ = self.poll.registry().deregister(&mut conn.stream);
-            if conn.closing.is_none() {
+            if conn.closing.is_some() {
+                self.lingering -= 1;
+            } else {
                 events.push(Event::Closed {
                     peer: peer_of(token),
                     reason,
@@ -624,38 +667,40 @@ impl TcpEndpoint {
             return;
         }
         let peer = peer_of(token);
+        if conn.closing.is_some() {
+            let flushed = conn.flush().is_ok();
+            let done = (readable || conn.read_more) && conn.drain_discard(&limits);
+            let expired = conn.closing.is_some_and(|t| t.elapsed() >= LINGER);
+            if !flushed || done || expired {
+                self.drop_conn(token, CloseReason::Local, events);
+            }
+            return;
+        }
+        // Read before writing: a peer that sent frames and then went away
+        // makes writes fail, and its last frames must not be lost to that.
+        if conn.read_paused {
+            // Readiness is edge-triggered: remember it for the resume.
+            conn.read_more |= readable;
+        } else if readable || conn.read_more {
+            let gone = match conn.read(peer, &limits, events) {
+                Ok(()) => None,
+                Err(Gone::Peer) => Some(CloseReason::PeerClosed),
+                Err(Gone::Failed(text)) => Some(CloseReason::Error(text)),
+            };
+            if let Some(reason) = gone {
+                self.drop_conn(token, reason, events);
+                return;
+            }
+        }
         if writable || conn.dirty {
             if let Err(err) = conn.flush() {
                 let reason = CloseReason::Error(describe(&err));
                 self.drop_conn(token, reason, events);
                 return;
             }
-            if conn.blocked
-                && conn.closing.is_none()
-                && conn.drained_to_half(limits.queue_frames, limits.queue_bytes)
-            {
+            if conn.blocked && conn.drained_to_half(limits.queue_frames, limits.queue_bytes) {
                 conn.blocked = false;
                 events.push(Event::Writable { peer });
-            }
-        }
-        if conn.closing.is_some() {
-            let done = (readable || conn.read_more) && conn.drain_discard(&limits);
-            let expired = conn.closing.is_some_and(|t| t.elapsed() >= LINGER);
-            if done || expired {
-                self.drop_conn(token, CloseReason::Local, events);
-            }
-            return;
-        }
-        if conn.read_paused {
-            // Edge-triggered readiness would be lost: remember it.
-            conn.read_more |= readable;
-            return;
-        }
-        if readable || conn.read_more {
-            match conn.read(peer, &limits, events) {
-                Ok(()) => {}
-                Err(Gone::Peer) => self.drop_conn(token, CloseReason::PeerClosed, events),
-                Err(Gone::Failed(text)) => self.drop_conn(token, CloseReason::Error(text), events),
             }
         }
     }
@@ -675,26 +720,8 @@ impl Endpoint for TcpEndpoint {
     }
 
     fn connect(&mut self, addr: &str) -> Result<PeerId, TransportError> {
-        let mut addrs = resolve(addr)?;
-        let (peer, token) = self.peek_id()?;
-        self.next_peer += 1;
-        let first = addrs[0];
-        match self.start_connect(token, &mut addrs) {
-            Ok(stream) => {
-                let mut conn = Conn::new(stream, first.to_string(), false);
-                conn.fallbacks = addrs;
-                self.conns.insert(token, conn);
-            }
-            Err(message) => {
-                // Same shape as a connect that fails later: an id, then Closed.
-                self.pending.push_back(Event::Closed {
-                    peer,
-                    reason: CloseReason::Error(message),
-                });
-                self.nudge();
-            }
-        }
-        Ok(peer)
+        let addrs = resolve(addr)?;
+        self.connect_any(addrs)
     }
 
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
@@ -747,6 +774,11 @@ impl Endpoint for TcpEndpoint {
         }
         events.extend(self.pending.drain(..));
 
+        // Each connection is serviced at most once per poll: what epoll
+        // reported, then those with unread data left over from the last
+        // poll (budget), then those with frames queued since.
+        self.round += 1;
+        let round = self.round;
         let mut ready = std::mem::take(&mut self.scratch);
         ready.clear();
         let mut listener_ready = self.accept_more;
@@ -754,28 +786,34 @@ impl Endpoint for TcpEndpoint {
             match event.token() {
                 WAKER => {}
                 LISTENER => listener_ready = true,
-                token => ready.push((
-                    token,
-                    event.is_readable() || event.is_read_closed() || event.is_error(),
-                    event.is_writable() || event.is_write_closed() || event.is_error(),
-                )),
+                token => {
+                    if let Some(conn) = self.conns.get_mut(&token) {
+                        conn.round = round;
+                        ready.push((
+                            token,
+                            event.is_readable() || event.is_read_closed() || event.is_error(),
+                            event.is_writable() || event.is_write_closed() || event.is_error(),
+                        ));
+                    }
+                }
             }
         }
-        // Connections with leftover work though no new readiness.
-        for (token, conn) in &self.conns {
-            if conn.read_more && !conn.read_paused && !ready.iter().any(|(t, _, _)| t == token) {
-                ready.push((*token, true, false));
-            }
-        }
-        for token in self.dirty.drain(..) {
-            if !ready.iter().any(|(t, _, _)| *t == token) {
-                ready.push((token, false, false));
+        let leftover = std::mem::take(&mut self.read_more);
+        for token in leftover.into_iter().chain(self.dirty.drain(..)) {
+            if let Some(conn) = self.conns.get_mut(&token) {
+                if conn.round != round {
+                    conn.round = round;
+                    ready.push((token, false, false));
+                }
             }
         }
         for &(token, readable, writable) in &ready {
             self.service(token, readable, writable, events);
             if let Some(conn) = self.conns.get_mut(&token) {
                 conn.dirty = false;
+                if conn.read_more && !conn.read_paused {
+                    self.read_more.push(token);
+                }
             }
         }
         self.scratch = ready;
@@ -784,17 +822,19 @@ impl Endpoint for TcpEndpoint {
         }
 
         // Locally closed connections that are past their time.
-        let expired: Vec<Token> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.closing.is_some_and(|t| t.elapsed() >= LINGER))
-            .map(|(t, _)| *t)
-            .collect();
-        for token in expired {
-            self.drop_conn(token, CloseReason::Local, events);
+        if self.lingering > 0 {
+            let expired: Vec<Token> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.closing.is_some_and(|t| t.elapsed() >= LINGER))
+                .map(|(t, _)| *t)
+                .collect();
+            for token in expired {
+                self.drop_conn(token, CloseReason::Local, events);
+            }
         }
 
-        if self.accept_more || self.conns.values().any(|c| c.read_more && !c.read_paused) {
+        if self.accept_more || !self.read_more.is_empty() {
             self.nudge();
         }
         Ok(())
@@ -811,11 +851,10 @@ impl Endpoint for TcpEndpoint {
             return;
         }
         conn.closing = Some(Instant::now());
+        self.lingering += 1;
         // A socket that fails now has nothing left to flush or drain.
         if conn.flush().is_err() {
-            if let Some(mut conn) = self.conns.remove(&token) {
-                let _ = self.poll.registry().deregister(&mut conn.stream);
-            }
+            self.drop_conn(token, CloseReason::Local, &mut Vec::new());
         }
         self.pending.push_back(Event::Closed {
             peer,
@@ -825,11 +864,15 @@ impl Endpoint for TcpEndpoint {
     }
 
     fn set_read_paused(&mut self, peer: PeerId, paused: bool) {
-        let Some(conn) = token_of(peer).and_then(|token| self.conns.get_mut(&token)) else {
+        let Some(token) = token_of(peer) else {
+            return;
+        };
+        let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
         conn.read_paused = paused;
         if !paused && conn.read_more {
+            self.read_more.push(token);
             self.nudge();
         }
     }
@@ -1027,6 +1070,21 @@ mod tests {
     }
 
     #[test]
+    fn infos_describe_a_reliable_stream() {
+        use efabus_core::caps::EpType;
+        let infos = TcpTransport.infos().unwrap();
+        assert_eq!(infos.len(), 1);
+        assert_eq!(infos[0].ep_attr.ep_type, EpType::Msg);
+        let ep = listener(Vec::new());
+        let info = ep.info();
+        let src = info.src_addr.clone().unwrap();
+        assert!(
+            src.ends_with(&String::from_utf8(ep.local_addr()).unwrap()),
+            "{src}"
+        );
+    }
+
+    #[test]
     fn bad_read_budget_is_refused() {
         let err = TcpEndpoint::open(&EndpointConfig {
             options: vec![("read_budget".into(), "lots".into())],
@@ -1074,6 +1132,48 @@ mod tests {
             assert!(closed_reason(&events, peer).is_none(), "{events:?}");
             server.poll(&mut got).unwrap();
             std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    #[test]
+    fn connect_falls_back_to_the_next_address() {
+        let mut server = listener(Vec::new());
+        let live = server.local_socket_addr().unwrap();
+        let dead = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            probe.local_addr().unwrap()
+        };
+        let mut client = TcpEndpoint::open(&EndpointConfig::default()).unwrap();
+        let peer = client.connect_any(vec![dead, live]).unwrap();
+        client
+            .send(peer, OutFrame::whole(framed(b"via the second").into()))
+            .unwrap();
+        let mut got = Vec::new();
+        let deadline = Instant::now() + WAIT;
+        while !got.iter().any(|e| matches!(e, Event::Frame { .. })) {
+            assert!(Instant::now() < deadline, "timed out; got {got:?}");
+            let mut events = Vec::new();
+            client.poll(&mut events).unwrap();
+            assert!(closed_reason(&events, peer).is_none(), "{events:?}");
+            server.poll(&mut got).unwrap();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert_eq!(
+            client.conns[&token_of(peer).unwrap()].remote,
+            live.to_string()
+        );
+
+        // With no address left, every failure is reported.
+        let peer = client.connect_any(vec![dead, dead]).unwrap();
+        let mut events = Vec::new();
+        poll_until(&mut client, &mut events, |e| {
+            closed_reason(e, peer).is_some()
+        });
+        match closed_reason(&events, peer) {
+            Some(CloseReason::Error(text)) => {
+                assert_eq!(text.matches(&dead.to_string()).count(), 2, "{text}")
+            }
+            other => panic!("expected an error close, got {other:?}"),
         }
     }
 
