@@ -204,20 +204,21 @@ fn hundred_concurrent_clients() {
 #[test]
 fn a_killed_client_does_not_disturb_the_others() {
     let server = Server::start("");
-    let mut victim = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
-        .args(["sub", "stream.>", "--server", &server.endpoint])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut victim = common::Process(
+        std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+            .args(["sub", "stream.>", "--server", &server.endpoint])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let survivor = client(&server);
     let sub = survivor.subscribe("stream.>").unwrap();
     survivor.flush(WAIT).unwrap();
     let publisher = client(&server);
     for i in 0..2000u32 {
         if i == 1000 {
-            victim.kill().unwrap();
-            victim.wait().unwrap();
+            victim.kill();
         }
         publisher
             .publish("stream.data", Bytes::from(i.to_le_bytes().to_vec()))

@@ -112,3 +112,20 @@ pub fn eventually(timeout: Duration, mut condition: impl FnMut() -> bool) -> boo
     }
     condition()
 }
+
+/// A child process killed and reaped when dropped, so a failing test
+/// leaves nothing running.
+pub struct Process(pub Child);
+
+impl Process {
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
