@@ -206,6 +206,7 @@ pub struct Nic {
     pub device: DeviceAttr,
     pub bus: BusAttr,
     pub link: LinkAttr,
+    pub extra: ExtraFields,
 }
 
 /// Mirror of `struct fi_device_attr`; every field is text in C too.
@@ -230,12 +231,13 @@ pub struct BusAttr {
 }
 
 /// Mirror of `struct fi_pci_attr`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PciAttr {
     pub domain_id: u16,
     pub bus_id: u8,
     pub device_id: u8,
     pub function_id: u8,
+    pub extra: ExtraFields,
 }
 
 /// Mirror of `struct fi_link_attr`.
