@@ -82,8 +82,20 @@ fn efa_dump_values() {
     );
     assert_eq!(rdm.dest_addr, None);
     assert_eq!(rdm.handle, None);
-    assert!(rdm.caps.contains(&(Caps::MSG | Caps::RMA | Caps::DIRECTED_RECV)));
-    assert_eq!(rdm.tx_attr.caps.bits(), (Caps::MSG | Caps::RMA | Caps::TAGGED | Caps::ATOMIC | Caps::READ | Caps::WRITE | Caps::SEND).bits());
+    assert!(rdm
+        .caps
+        .contains(&(Caps::MSG | Caps::RMA | Caps::DIRECTED_RECV)));
+    assert_eq!(
+        rdm.tx_attr.caps.bits(),
+        (Caps::MSG
+            | Caps::RMA
+            | Caps::TAGGED
+            | Caps::ATOMIC
+            | Caps::READ
+            | Caps::WRITE
+            | Caps::SEND)
+            .bits()
+    );
     assert!(rdm.tx_attr.msg_order.is_empty());
     assert_eq!(rdm.tx_attr.inject_size, 4096);
     assert_eq!(rdm.tx_attr.size, 4096);
@@ -167,7 +179,10 @@ fn printing_in_the_other_layout_swaps_the_version_specific_lines() {
     let back = parse(&text).remove(0);
     assert_eq!(back.layout, Layout::V2);
     assert_eq!(back.ep_attr, udp.ep_attr);
-    assert_eq!(back.domain_attr.data_progress, udp.domain_attr.data_progress);
+    assert_eq!(
+        back.domain_attr.data_progress,
+        udp.domain_attr.data_progress
+    );
 }
 
 #[test]
@@ -239,7 +254,11 @@ fn replace_line(text: &str, needle: &str, with: &str) -> (String, usize) {
 #[test]
 fn malformed_input_names_the_line_and_what_was_expected() {
     let cases = [
-        ("inject_size: 4096", "        inject_size: lots", "unsigned number"),
+        (
+            "inject_size: 4096",
+            "        inject_size: lots",
+            "unsigned number",
+        ),
         ("mr_mode:", "        mr_mode: FI_MR_LOCAL", "flag list"),
         ("mem_tag_format", "        mem_tag_format: 12", "hex"),
         ("prov_version", "        prov_version: 200", "major.minor"),
@@ -248,14 +267,20 @@ fn malformed_input_names_the_line_and_what_was_expected() {
         ("handle:", "    handle: somewhere", "handle"),
         ("bus_id: 70", "                bus_id: 700", "in range"),
         ("tclass: 0x0", "        tclass: 0x100000000", "32-bit"),
-        ("fi_link_attr:", "        fi_link_attr: up", "followed by its fields"),
+        (
+            "fi_link_attr:",
+            "        fi_link_attr: up",
+            "followed by its fields",
+        ),
     ];
     for (needle, with, expected) in cases {
         let (text, line) = replace_line(EFA, needle, with);
         let err = parse_fi_info_dump(&text).expect_err(with);
         assert_eq!(err.line, line, "{with}: {err}");
         assert!(err.expected.contains(expected), "{with}: {err}");
-        assert!(err.to_string().starts_with(&format!("line {line}: expected")));
+        assert!(err
+            .to_string()
+            .starts_with(&format!("line {line}: expected")));
     }
 }
 
@@ -273,7 +298,10 @@ fn missing_and_duplicate_fields_are_errors() {
         .map(|l| format!("{l}\n"))
         .collect();
     let err = parse_fi_info_dump(&without).expect_err("missing rma_iov_limit");
-    assert!(err.expected.contains("`rma_iov_limit` in `fi_tx_attr`"), "{err}");
+    assert!(
+        err.expected.contains("`rma_iov_limit` in `fi_tx_attr`"),
+        "{err}"
+    );
     // The last line of the first tx group: `tclass`, one above where
     // rma_iov_limit was.
     assert_eq!(err.line, removed);

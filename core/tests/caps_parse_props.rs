@@ -77,7 +77,10 @@ fn apply(lines: &mut Vec<String>, edit: &Edit) {
         Edit::SetChar(i, c, ch) => {
             let line = &mut lines[i % n];
             let at = boundary(line, *c);
-            let end = line[at..].chars().next().map_or(at, |old| at + old.len_utf8());
+            let end = line[at..]
+                .chars()
+                .next()
+                .map_or(at, |old| at + old.len_utf8());
             line.replace_range(at..end, &ch.to_string());
         }
         Edit::InsertText(i, c, text) => {

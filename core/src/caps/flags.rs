@@ -406,7 +406,10 @@ mod tests {
         a.insert_name("FI_FUTURE_CAP");
         let b = Caps::MSG | Caps::RECV;
         assert!(!a.contains(&b));
-        assert_eq!((a.clone() - b.clone()).names(), ["FI_SEND", "FI_FUTURE_CAP"]);
+        assert_eq!(
+            (a.clone() - b.clone()).names(),
+            ["FI_SEND", "FI_FUTURE_CAP"]
+        );
         assert_eq!((a.clone() & b.clone()).names(), ["FI_MSG"]);
         let u = a.union(&b);
         assert!(u.contains(&a) && u.contains(&b));

@@ -100,7 +100,10 @@ impl fmt::Display for Direction {
 /// One reason an offer does not fit the hints.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Mismatch {
-    EpType { wanted: EpType, offered: EpType },
+    EpType {
+        wanted: EpType,
+        offered: EpType,
+    },
     /// Capabilities wanted and not offered.
     MissingCaps(Caps),
     /// Mode bits the provider requires and the application does not honour.
@@ -108,15 +111,39 @@ pub enum Mismatch {
     /// Registration rules the provider requires and the application does
     /// not support.
     MrModeNotSupported(MrMode),
-    AddrFormat { wanted: AddrFormat, offered: AddrFormat },
-    Protocol { wanted: Protocol, offered: Protocol },
+    AddrFormat {
+        wanted: AddrFormat,
+        offered: AddrFormat,
+    },
+    Protocol {
+        wanted: Protocol,
+        offered: Protocol,
+    },
     /// Ordering wanted and not offered in one direction.
-    MsgOrder { direction: Direction, missing: MsgOrder },
-    MaxMsgSize { wanted: u64, offered: u64 },
-    CqDataSize { wanted: u64, offered: u64 },
-    Provider { wanted: String, offered: String },
-    Fabric { wanted: String, offered: String },
-    Domain { wanted: String, offered: String },
+    MsgOrder {
+        direction: Direction,
+        missing: MsgOrder,
+    },
+    MaxMsgSize {
+        wanted: u64,
+        offered: u64,
+    },
+    CqDataSize {
+        wanted: u64,
+        offered: u64,
+    },
+    Provider {
+        wanted: String,
+        offered: String,
+    },
+    Fabric {
+        wanted: String,
+        offered: String,
+    },
+    Domain {
+        wanted: String,
+        offered: String,
+    },
 }
 
 impl fmt::Display for Mismatch {
@@ -127,10 +154,16 @@ impl fmt::Display for Mismatch {
             }
             Mismatch::MissingCaps(caps) => write!(f, "caps not offered: {caps}"),
             Mismatch::ModeNotHonoured(mode) => {
-                write!(f, "mode bits required by the provider and not honoured: {mode}")
+                write!(
+                    f,
+                    "mode bits required by the provider and not honoured: {mode}"
+                )
             }
             Mismatch::MrModeNotSupported(mr) => {
-                write!(f, "mr_mode bits required by the provider and not supported: {mr}")
+                write!(
+                    f,
+                    "mr_mode bits required by the provider and not supported: {mr}"
+                )
             }
             Mismatch::AddrFormat { wanted, offered } => {
                 write!(f, "address format {offered} offered, {wanted} wanted")
@@ -221,12 +254,15 @@ pub fn check(hints: &Hints, info: &FabricInfo) -> Result<(), Rejection> {
         });
     }
 
-    name_filter(&hints.provider, &info.fabric_attr.prov_name, &mut out, |w, o| {
-        Mismatch::Provider {
+    name_filter(
+        &hints.provider,
+        &info.fabric_attr.prov_name,
+        &mut out,
+        |w, o| Mismatch::Provider {
             wanted: w,
             offered: o,
-        }
-    });
+        },
+    );
     name_filter(&hints.fabric, &info.fabric_attr.name, &mut out, |w, o| {
         Mismatch::Fabric {
             wanted: w,
@@ -240,8 +276,8 @@ pub fn check(hints: &Hints, info: &FabricInfo) -> Result<(), Rejection> {
         }
     });
 
-    let mut unsupported = required_mr_mode(&info.domain_attr.mr_mode, &hints.caps)
-        .difference(&hints.mr_mode);
+    let mut unsupported =
+        required_mr_mode(&info.domain_attr.mr_mode, &hints.caps).difference(&hints.mr_mode);
     // The 1.x mode bit FI_LOCAL_MR stands for FI_MR_LOCAL.
     if hints.mode.contains(&Mode::LOCAL_MR) {
         unsupported.remove(&MrMode::LOCAL);

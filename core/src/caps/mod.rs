@@ -42,10 +42,12 @@ pub use enums::{
     AddrFormat, AvType, BusType, EpType, LinkState, Progress, Protocol, ResourceMgmt, Threading,
 };
 pub use flags::{Caps, CompOrder, Mode, MrMode, MsgOrder, OpFlags};
-pub use hints::{check, required_mr_mode, select, Direction, Hints, Mismatch, Rejection, Selection};
+pub use hints::{
+    check, required_mr_mode, select, Direction, Hints, Mismatch, Rejection, Selection,
+};
 pub use info::{
-    BusAttr, DeviceAttr, DomainAttr, EpAttr, ExtraFields, FabricAttr, FabricInfo, FiVersion, Layout,
-    LinkAttr, Nic, PciAttr, RxAttr, TxAttr, SYNTHETIC_QUEUE_DEPTH,
+    BusAttr, DeviceAttr, DomainAttr, EpAttr, ExtraFields, FabricAttr, FabricInfo, FiVersion,
+    Layout, LinkAttr, Nic, PciAttr, RxAttr, TxAttr, SYNTHETIC_QUEUE_DEPTH,
 };
 pub use negotiate::{
     negotiate, Choice, LinkParams, Negotiated, NegotiationError, Offer, MAX_WIRE_FRAME,

@@ -84,7 +84,10 @@ impl Offer {
     /// `address`. The prefix counts only when the info requires
     /// `FI_MSG_PREFIX`.
     pub fn from_info(scheme: impl Into<String>, info: &FabricInfo, address: Vec<u8>) -> Offer {
-        let prefix = if info.required_mode().contains(&super::flags::Mode::MSG_PREFIX) {
+        let prefix = if info
+            .required_mode()
+            .contains(&super::flags::Mode::MSG_PREFIX)
+        {
             info.ep_attr.msg_prefix_size
         } else {
             0
@@ -116,9 +119,18 @@ impl Offer {
     fn canonical_cmp(&self, other: &Offer) -> Ordering {
         let key = |o: &Offer| {
             (
-                (o.scheme.clone(), o.ep_type.name().to_string(), o.provider.clone()),
+                (
+                    o.scheme.clone(),
+                    o.ep_type.name().to_string(),
+                    o.provider.clone(),
+                ),
                 (o.protocol.name().to_string(), o.protocol_version),
-                (o.max_msg_size, o.msg_prefix_size, o.inject_size, o.cq_data_size),
+                (
+                    o.max_msg_size,
+                    o.msg_prefix_size,
+                    o.inject_size,
+                    o.cq_data_size,
+                ),
                 (o.msg_order.bits(), o.msg_order.unknown().to_vec()),
                 (o.tx_size, o.rx_size, o.address.clone()),
             )
@@ -256,7 +268,11 @@ impl fmt::Display for Choice {
             } else {
                 "ordered"
             },
-            if p.fragment { "fragment" } else { "no fragmenting" },
+            if p.fragment {
+                "fragment"
+            } else {
+                "no fragmenting"
+            },
             p.send_window,
             p.recv_window
         )
@@ -372,9 +388,16 @@ fn run_pass(
     for scheme in order {
         let mine: Vec<&Offer> = local.iter().filter(|o| &o.scheme == scheme).collect();
         let theirs: Vec<&Offer> = remote.iter().filter(|o| &o.scheme == scheme).collect();
-        let mine_fit: Vec<&Offer> = mine.iter().copied().filter(|o| class.admits(&o.ep_type)).collect();
-        let theirs_fit: Vec<&Offer> =
-            theirs.iter().copied().filter(|o| class.admits(&o.ep_type)).collect();
+        let mine_fit: Vec<&Offer> = mine
+            .iter()
+            .copied()
+            .filter(|o| class.admits(&o.ep_type))
+            .collect();
+        let theirs_fit: Vec<&Offer> = theirs
+            .iter()
+            .copied()
+            .filter(|o| class.admits(&o.ep_type))
+            .collect();
 
         if class == Class::BestEffort && mine_fit.is_empty() && theirs_fit.is_empty() {
             // Schemes without datagram endpoints are not best-effort
@@ -533,7 +556,12 @@ mod tests {
     #[test]
     fn tcp_is_appended_once() {
         assert_eq!(candidate_schemes(&[]), ["tcp"]);
-        let pref = ["efa-rdm".to_string(), "tcp".into(), "efa-rdm".into(), "mem".into()];
+        let pref = [
+            "efa-rdm".to_string(),
+            "tcp".into(),
+            "efa-rdm".into(),
+            "mem".into(),
+        ];
         assert_eq!(candidate_schemes(&pref), ["efa-rdm", "tcp", "mem"]);
     }
 
@@ -574,6 +602,8 @@ mod tests {
         assert!(compatible(&c, &d).unwrap_err().contains("versions"));
         assert!(compatible(&a, &d).is_ok(), "version 0 is unspecified");
         let tiny = offer("x", EpType::Rdm, 100);
-        assert!(compatible(&a, &tiny).unwrap_err().contains("below the minimum"));
+        assert!(compatible(&a, &tiny)
+            .unwrap_err()
+            .contains("below the minimum"));
     }
 }

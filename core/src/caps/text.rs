@@ -192,7 +192,10 @@ fn print_ep(p: &mut Printer<'_, '_>, ep: &EpAttr) -> fmt::Result {
     p.kv("max_order_raw_size", ep.max_order_raw_size)?;
     p.kv("max_order_war_size", ep.max_order_war_size)?;
     p.kv("max_order_waw_size", ep.max_order_waw_size)?;
-    p.kv("mem_tag_format", format_args!("0x{:016x}", ep.mem_tag_format))?;
+    p.kv(
+        "mem_tag_format",
+        format_args!("0x{:016x}", ep.mem_tag_format),
+    )?;
     p.kv("tx_ctx_cnt", ep.tx_ctx_cnt)?;
     p.kv("rx_ctx_cnt", ep.rx_ctx_cnt)?;
     p.kv("auth_key_size", ep.auth_key_size)?;
@@ -365,12 +368,18 @@ pub fn parse_fi_info_dump(text: &str) -> Result<Vec<FabricInfo>, ParseError> {
         pos += 1;
         let end = entry_end(&lines, pos);
         let mut children = Vec::new();
-        if let Some(first) = lines[pos..end].iter().find(|l| !l.body.trim_end().is_empty()) {
+        if let Some(first) = lines[pos..end]
+            .iter()
+            .find(|l| !l.body.trim_end().is_empty())
+        {
             let indent = first.indent;
             children = parse_block(&lines[..end], &mut pos, indent, 1)?;
             // parse_block stops at a line indented less than the entry's
             // fields; inside an entry that is always a mistake.
-            if let Some(stray) = lines[pos..end].iter().find(|l| !l.body.trim_end().is_empty()) {
+            if let Some(stray) = lines[pos..end]
+                .iter()
+                .find(|l| !l.body.trim_end().is_empty())
+            {
                 return Err(ParseError::new(
                     stray.number,
                     format!("a line indented by {indent} spaces"),
@@ -436,16 +445,17 @@ fn parse_block<'a>(
             return Err(ParseError::new(line.number, "`key: value`", line.text));
         };
         if key.is_empty() || key.contains(char::is_whitespace) {
-            return Err(ParseError::new(line.number, "a field name before `:`", line.text));
+            return Err(ParseError::new(
+                line.number,
+                "a field name before `:`",
+                line.text,
+            ));
         }
         let value = rest.strip_prefix(' ').unwrap_or(rest);
         *pos += 1;
         // Lines indented deeper than this one belong to it.
         let mut children = Vec::new();
-        if let Some(next) = lines[*pos..]
-            .iter()
-            .find(|l| !l.body.trim_end().is_empty())
-        {
+        if let Some(next) = lines[*pos..].iter().find(|l| !l.body.trim_end().is_empty()) {
             if next.indent > indent {
                 children = parse_block(lines, pos, next.indent, depth + 1)?;
             }
@@ -536,16 +546,23 @@ impl<'n, 'a> Fields<'n, 'a> {
 
     fn u64(&mut self, key: &str) -> Result<u64, ParseError> {
         let (node, value) = self.scalar(key)?;
-        value
-            .trim_end()
-            .parse::<u64>()
-            .map_err(|_| ParseError::new(node.line, format!("an unsigned number for `{key}`"), node.text))
+        value.trim_end().parse::<u64>().map_err(|_| {
+            ParseError::new(
+                node.line,
+                format!("an unsigned number for `{key}`"),
+                node.text,
+            )
+        })
     }
 
     fn u32(&mut self, key: &str) -> Result<u32, ParseError> {
         let (node, value) = self.scalar(key)?;
         value.trim_end().parse::<u32>().map_err(|_| {
-            ParseError::new(node.line, format!("a 32-bit unsigned number for `{key}`"), node.text)
+            ParseError::new(
+                node.line,
+                format!("a 32-bit unsigned number for `{key}`"),
+                node.text,
+            )
         })
     }
 
@@ -567,8 +584,13 @@ impl<'n, 'a> Fields<'n, 'a> {
 
     fn hex(&mut self, key: &str) -> Result<u64, ParseError> {
         let (node, value) = self.scalar(key)?;
-        parse_hex(value.trim_end())
-            .ok_or_else(|| ParseError::new(node.line, format!("a 0x-prefixed hex number for `{key}`"), node.text))
+        parse_hex(value.trim_end()).ok_or_else(|| {
+            ParseError::new(
+                node.line,
+                format!("a 0x-prefixed hex number for `{key}`"),
+                node.text,
+            )
+        })
     }
 
     fn hex32(&mut self, key: &str) -> Result<u32, ParseError> {
@@ -576,7 +598,11 @@ impl<'n, 'a> Fields<'n, 'a> {
         parse_hex(value.trim_end())
             .and_then(|v| u32::try_from(v).ok())
             .ok_or_else(|| {
-                ParseError::new(node.line, format!("a 32-bit 0x-prefixed hex number for `{key}`"), node.text)
+                ParseError::new(
+                    node.line,
+                    format!("a 32-bit 0x-prefixed hex number for `{key}`"),
+                    node.text,
+                )
             })
     }
 
@@ -585,7 +611,9 @@ impl<'n, 'a> Fields<'n, 'a> {
         let parsed = value.trim_end().split_once('.').and_then(|(major, minor)| {
             Some(FiVersion::new(major.parse().ok()?, minor.parse().ok()?))
         });
-        parsed.ok_or_else(|| ParseError::new(node.line, format!("`major.minor` for `{key}`"), node.text))
+        parsed.ok_or_else(|| {
+            ParseError::new(node.line, format!("`major.minor` for `{key}`"), node.text)
+        })
     }
 
     fn name_list(&mut self, key: &str) -> Result<Vec<&'a str>, ParseError> {
@@ -594,7 +622,13 @@ impl<'n, 'a> Fields<'n, 'a> {
             .trim_end()
             .strip_prefix('[')
             .and_then(|v| v.strip_suffix(']'))
-            .ok_or_else(|| ParseError::new(node.line, format!("a flag list `[ ... ]` for `{key}`"), node.text))?;
+            .ok_or_else(|| {
+                ParseError::new(
+                    node.line,
+                    format!("a flag list `[ ... ]` for `{key}`"),
+                    node.text,
+                )
+            })?;
         Ok(inner
             .split(',')
             .map(str::trim)
@@ -606,7 +640,11 @@ impl<'n, 'a> Fields<'n, 'a> {
         let (node, value) = self.scalar(key)?;
         let value = value.trim_end();
         if value.is_empty() {
-            return Err(ParseError::new(node.line, format!("a value for `{key}`"), node.text));
+            return Err(ParseError::new(
+                node.line,
+                format!("a value for `{key}`"),
+                node.text,
+            ));
         }
         Ok(value)
     }
@@ -628,7 +666,10 @@ impl<'n, 'a> Fields<'n, 'a> {
             if let Some(child) = node.children.first() {
                 return Err(ParseError::new(
                     child.line,
-                    format!("a known field of `{}` (unknown group `{}`)", self.group.key, node.key),
+                    format!(
+                        "a known field of `{}` (unknown group `{}`)",
+                        self.group.key, node.key
+                    ),
                     child.text,
                 ));
             }
@@ -682,7 +723,11 @@ fn info_from_node(root: &Node<'_>) -> Result<FabricInfo, ParseError> {
         match value.trim_end() {
             "(nil)" => None,
             other => Some(parse_hex(other).ok_or_else(|| {
-                ParseError::new(node.line, "`(nil)` or a hex pointer for `handle`", node.text)
+                ParseError::new(
+                    node.line,
+                    "`(nil)` or a hex pointer for `handle`",
+                    node.text,
+                )
             })?),
         }
     };
