@@ -276,6 +276,7 @@ fn print_nic(p: &mut Printer<'_, '_>, nic: &Nic) -> fmt::Result {
         p.kv("bus_id", pci.bus_id)?;
         p.kv("device_id", pci.device_id)?;
         p.kv("function_id", pci.function_id)?;
+        p.extra(&pci.extra)?;
         p.close();
     }
     p.extra(&bus.extra)?;
@@ -291,6 +292,7 @@ fn print_nic(p: &mut Printer<'_, '_>, nic: &Nic) -> fmt::Result {
     p.extra(&link.extra)?;
     p.close();
 
+    p.extra(&nic.extra)?;
     p.close();
     Ok(())
 }
@@ -917,16 +919,13 @@ fn parse_nic(top: &mut Fields<'_, '_>) -> Result<Option<Nic>, ParseError> {
     let bus_type = BusType::from_name(b.enum_name("bus_type")?);
     let pci = if b.has("fi_pci_attr") {
         let mut pa = b.group("fi_pci_attr")?;
-        let pci_node = pa.group;
-        let pci = PciAttr {
+        Some(PciAttr {
             domain_id: pa.small("domain_id")?,
             bus_id: pa.small("bus_id")?,
             device_id: pa.small("device_id")?,
             function_id: pa.small("function_id")?,
-        };
-        // The PCI group is fixed by its C struct: nothing else may appear.
-        reject_extra(pci_node, pa.finish()?)?;
-        Some(pci)
+            extra: pa.finish()?,
+        })
     } else {
         None
     };
@@ -946,23 +945,12 @@ fn parse_nic(top: &mut Fields<'_, '_>) -> Result<Option<Nic>, ParseError> {
         extra: l.finish()?,
     };
 
-    // The nic group holds only the three groups above.
-    reject_extra(node, nic.finish()?)?;
-
-    Ok(Some(Nic { device, bus, link }))
-}
-
-/// Fail on the first left-over field of a group that allows none.
-fn reject_extra(group: &Node<'_>, extra: ExtraFields) -> Result<(), ParseError> {
-    let Some((key, _)) = extra.first() else {
-        return Ok(());
-    };
-    let node = group.children.iter().find(|n| n.key == *key);
-    Err(ParseError::new(
-        node.map_or(group.line, |n| n.line),
-        format!("a known field of `{}`", group.key),
-        node.map_or(key.as_str(), |n| n.text),
-    ))
+    Ok(Some(Nic {
+        device,
+        bus,
+        link,
+        extra: nic.finish()?,
+    }))
 }
 
 #[cfg(test)]
