@@ -603,3 +603,69 @@ fn usage_and_config_errors_exit_2_with_one_line() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("efabus serve"), "says what to do: {stderr}");
 }
+
+#[test]
+fn connection_and_subscription_limits_are_enforced() {
+    let server = Server::start("[limits]\nmax_connections = 2\nmax_subscriptions_per_peer = 3\n");
+    let first = client(&server);
+    let mut second = Raw::connect(&server);
+    second.hello();
+    let mut third = Raw::connect(&server);
+    assert_eq!(
+        error_codes(&third.until_closed()),
+        [ErrorCode::TooManyConnections]
+    );
+
+    for sid in 1..=4 {
+        second.send(&Frame::Subscribe(frame::Subscribe {
+            sid,
+            pattern: format!("limit.{sid}"),
+            queue: None,
+            class: DeliveryClass::Reliable,
+        }));
+    }
+    match second.next_frame(WAIT) {
+        Some(Frame::Error(e)) => {
+            assert_eq!(e.code, ErrorCode::TooManySubscriptions);
+            assert!(e.text.contains("limit.4"), "{}", e.text);
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+    // The first three subscriptions work.
+    first.publish("limit.3", Bytes::from_static(b"x")).unwrap();
+    first.publish("limit.4", Bytes::from_static(b"y")).unwrap();
+    first.flush(WAIT).unwrap();
+    match second.next_frame(WAIT) {
+        Some(Frame::Message(m)) => assert_eq!((m.sid, &m.payload[..]), (3, &b"x"[..])),
+        other => panic!("expected a message, got {other:?}"),
+    }
+    assert!(second.next_frame(Duration::from_millis(300)).is_none());
+}
+
+#[test]
+fn efabus_config_names_the_config_file() {
+    let config = common::temp_path("env.toml");
+    std::fs::write(
+        &config,
+        "listen = [\"tcp/127.0.0.1:0\"]\nname = \"from-env\"\n",
+    )
+    .unwrap();
+    let mut child = common::Process(
+        std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+            .arg("serve")
+            .env("EFABUS_CONFIG", &config)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    let stdout = child.0.stdout.take().unwrap();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).unwrap();
+    child.kill();
+    let _ = std::fs::remove_file(&config);
+    assert!(
+        line.starts_with("listening on tcp/127.0.0.1:") && !line.contains(":7420"),
+        "the file from EFABUS_CONFIG was used: {line}"
+    );
+}
