@@ -259,7 +259,11 @@ impl Client {
             shared,
             thread: Mutex::new(Some(thread)),
         };
-        client.wait_connected(connect_timeout)?;
+        if let Err(err) = client.wait_connected(connect_timeout) {
+            // Never connected: skip the flush `Drop` would otherwise wait on.
+            client.shared.shutdown.store(true, Ordering::SeqCst);
+            return Err(err);
+        }
         Ok(client)
     }
 
