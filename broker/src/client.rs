@@ -26,7 +26,7 @@ use parking_lot::{Condvar, Mutex};
 use tracing::{debug, info, warn};
 
 use crate::config::SlowConsumerPolicy;
-use crate::delivery::{LocalSink, Message, Subscription, Unsubscriber};
+use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::error::Error;
 
 const WAKER: Token = Token(0);
@@ -411,9 +411,10 @@ impl Client {
         let inbox = format!("{}.{n}", self.shared.inbox_prefix);
         let replies = self.subscribe(&inbox)?;
         self.publish_inner(subject, Some(&inbox), payload.into())?;
-        replies
-            .recv_timeout(timeout)
-            .map_err(|_| Error::Timeout(timeout))
+        replies.recv_timeout(timeout).map_err(|err| match err {
+            crate::RecvError::Closed => Error::Closed,
+            _ => Error::Timeout(timeout),
+        })
     }
 
     /// Wait until the server has processed everything sent before.
@@ -680,13 +681,22 @@ impl ClientLoop {
                 });
             }
             Frame::Message(message) => {
-                let subscriptions = self.shared.subscriptions.lock();
-                if let Some(sub) = subscriptions.get(&message.sid) {
-                    sub.sink.deliver(Message {
-                        subject: Arc::from(message.subject),
-                        reply: message.reply.map(Arc::from),
-                        payload: message.payload,
-                    });
+                let sid = message.sid;
+                let mut subscriptions = self.shared.subscriptions.lock();
+                let Some(sub) = subscriptions.get(&sid) else {
+                    return;
+                };
+                let delivery = sub.sink.deliver(Message {
+                    subject: Arc::from(message.subject),
+                    reply: message.reply.map(Arc::from),
+                    payload: message.payload,
+                });
+                if delivery == Delivery::Closed {
+                    // Cut off as a slow consumer: end the stream for the
+                    // reader and stop the server sending more.
+                    subscriptions.remove(&sid);
+                    drop(subscriptions);
+                    self.send(codec::encode(&Frame::Unsubscribe { sid }));
                 }
             }
             Frame::Ping { nonce } => self.send(codec::encode(&Frame::Pong { nonce })),

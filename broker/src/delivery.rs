@@ -46,8 +46,9 @@ impl SubscriptionStats {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Delivery {
     Queued,
-    /// Queued after discarding the oldest message, or discarded after the
-    /// block timeout: either way one message was lost and counted.
+    /// Queued after discarding this many older messages (counted).
+    QueuedDroppingOldest(u64),
+    /// Discarded (counted): the block timeout passed without room.
     Dropped,
     /// The subscription is closed (dropped by the application, or cut off
     /// under the disconnect policy).
@@ -114,16 +115,18 @@ impl LocalSink {
             },
             SlowConsumerPolicy::DropOldest => {
                 let mut message = message;
+                let mut dropped = 0;
                 // The reader may drain concurrently, so retry a few times;
                 // each discarded head is counted.
                 for _ in 0..4 {
                     if self.head.try_recv().is_ok() {
                         self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                        dropped += 1;
                     }
                     match self.tx.try_send(message) {
                         Ok(()) => {
                             self.stats.delivered.fetch_add(1, Ordering::Relaxed);
-                            return Delivery::Dropped;
+                            return Delivery::QueuedDroppingOldest(dropped);
                         }
                         Err(TrySendError::Full(back)) => message = back,
                         Err(TrySendError::Disconnected(_)) => return Delivery::Closed,

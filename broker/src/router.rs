@@ -20,7 +20,8 @@ pub(crate) const LOCAL_OWNER: u64 = 0;
 /// Where one published message goes.
 #[derive(Default)]
 pub(crate) struct Targets {
-    pub local: Vec<Arc<LocalSink>>,
+    /// In-process subscriptions: (sid, queue).
+    pub local: Vec<(u64, Arc<LocalSink>)>,
     pub remote: Vec<SubRef>,
     /// Scratch space for the index's answer.
     matches: Vec<SubRef>,
@@ -108,7 +109,7 @@ impl Router {
         for key in &targets.matches {
             if key.owner == LOCAL_OWNER {
                 if let Some(sink) = self.locals.get(&key.sid) {
-                    targets.local.push(sink.clone());
+                    targets.local.push((key.sid, sink.clone()));
                 }
             } else {
                 targets.remote.push(*key);

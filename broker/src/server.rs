@@ -330,9 +330,7 @@ impl Broker {
             shared.router.read().route(subject, &mut targets);
             let matched = targets.len();
             BrokerStats::add(&shared.stats.messages_in, 1);
-            for sink in targets.local.drain(..) {
-                count_delivery(&shared.stats, sink.deliver(message.clone()));
-            }
+            deliver_local(shared, &mut targets, &message);
             if !targets.remote.is_empty() {
                 let remote = std::mem::take(&mut targets.remote);
                 shared.send_command(Command::Deliver {
@@ -413,9 +411,10 @@ impl Broker {
         if matched == 0 {
             return Err(Error::NoResponders(subject.to_string()));
         }
-        replies
-            .recv_timeout(timeout)
-            .map_err(|_| Error::Timeout(timeout))
+        replies.recv_timeout(timeout).map_err(|err| match err {
+            crate::RecvError::Closed => Error::Closed,
+            _ => Error::Timeout(timeout),
+        })
     }
 
     /// Wait until every message published so far has been handed to
@@ -452,14 +451,32 @@ impl Drop for Broker {
     }
 }
 
-fn count_delivery(stats: &BrokerStats, delivery: Delivery) {
-    match delivery {
-        Delivery::Queued => BrokerStats::add(&stats.messages_out, 1),
-        Delivery::Dropped => {
-            BrokerStats::add(&stats.messages_out, 1);
-            BrokerStats::add(&stats.slow_consumer_drops, 1);
+/// Hand a message to the in-process subscriptions among `targets`, count
+/// the outcome, and remove subscriptions that were cut off as slow consumers
+/// so their readers see the end of the stream.
+fn deliver_local(shared: &Shared, targets: &mut Targets, message: &Message) {
+    let mut closed = Vec::new();
+    for (sid, sink) in targets.local.drain(..) {
+        let stats = &shared.stats;
+        match sink.deliver(message.clone()) {
+            Delivery::Queued => BrokerStats::add(&stats.messages_out, 1),
+            Delivery::QueuedDroppingOldest(dropped) => {
+                BrokerStats::add(&stats.messages_out, 1);
+                BrokerStats::add(&stats.slow_consumer_drops, dropped);
+            }
+            Delivery::Dropped => BrokerStats::add(&stats.slow_consumer_drops, 1),
+            Delivery::Closed => closed.push(sid),
         }
-        Delivery::Closed => {}
+    }
+    if !closed.is_empty() {
+        BrokerStats::add(&shared.stats.slow_consumer_disconnects, closed.len() as u64);
+        let mut router = shared.router.write();
+        for sid in closed {
+            router.remove(SubRef {
+                owner: LOCAL_OWNER,
+                sid,
+            });
+        }
     }
 }
 
@@ -942,9 +959,7 @@ impl EventLoop {
             reply: publish.reply.map(Arc::from),
             payload: publish.payload,
         };
-        for sink in targets.local.drain(..) {
-            count_delivery(&shared.stats, sink.deliver(message.clone()));
-        }
+        deliver_local(&shared, &mut targets, &message);
         for target in targets.remote.drain(..) {
             self.deliver_remote(target, &message);
         }

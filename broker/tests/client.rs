@@ -587,7 +587,6 @@ fn broker_shutdown_says_goodbye_to_clients() {
 }
 
 #[test]
-#[ignore = "known defect: a client sink cut off under the disconnect policy stays registered, so its subscription never ends"]
 fn client_disconnect_policy_ends_the_subscription() {
     let (broker, endpoint) = start(Via::Mem, "");
     let client = Client::connect_with(
