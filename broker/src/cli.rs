@@ -44,6 +44,8 @@ pub enum Command {
     Req(ReqArgs),
     /// Show transport capabilities in fi_info layout, and what would be negotiated.
     Caps(crate::caps_cmd::CapsArgs),
+    /// Measure throughput or request/reply latency.
+    Bench(crate::bench::BenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -199,6 +201,7 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Command::Sub(args) => subscribe(args),
         Command::Req(args) => request(args),
         Command::Caps(args) => crate::caps_cmd::run(args),
+        Command::Bench(args) => crate::bench::run(args),
     }
 }
 

@@ -24,6 +24,7 @@
 //! any thread. Each runs one background thread for its endpoints. A
 //! [`Subscription`] is `Send` and is read by one thread at a time.
 
+mod bench;
 mod caps_cmd;
 pub mod cli;
 pub mod client;

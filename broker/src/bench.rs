@@ -1,0 +1,461 @@
+//! `efabus bench`: throughput and request/reply latency, against an
+//! embedded broker or a running server on any endpoint.
+//!
+//! Throughput: P publishers each send N messages of B bytes on one subject;
+//! S subscribers (optionally a queue group) count what they receive. The
+//! figure is messages delivered to subscribers per second, from the first
+//! publish to the last delivery. Latency: one requester, one responder,
+//! round trips recorded in an HDR histogram.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::{Args, ValueEnum};
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::cli::Failure;
+use crate::config::{Config, SlowConsumerPolicy};
+use crate::error::Error;
+use crate::{Broker, Client, ClientOptions, PubSub, RecvError};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchMode {
+    Throughput,
+    Latency,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// What to measure.
+    #[arg(long, value_enum, default_value_t = BenchMode::Throughput)]
+    pub mode: BenchMode,
+    /// A running broker to measure; without it an embedded broker is started.
+    #[arg(long, short)]
+    pub server: Option<String>,
+    /// With no --server: reach the embedded broker in-process through its
+    /// API (`embedded`) or through clients over `mem` or `tcp`.
+    #[arg(long, default_value = "embedded")]
+    pub via: String,
+    /// Publishers.
+    #[arg(long, short, default_value_t = 1)]
+    pub pubs: usize,
+    /// Subscribers.
+    #[arg(long = "subs", short = 'S', default_value_t = 1)]
+    pub subs: usize,
+    /// Subscribers share one queue group (each message reaches one of them).
+    #[arg(long)]
+    pub queue: bool,
+    /// Payload size in bytes.
+    #[arg(long, default_value_t = 16)]
+    pub size: usize,
+    /// Messages per publisher (throughput) or round trips (latency).
+    #[arg(long, short = 'n', default_value_t = 1_000_000)]
+    pub count: u64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Shared secret for --server.
+    #[arg(long, env = "EFABUS_SECRET", hide_env_values = true)]
+    pub secret: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct ThroughputReport {
+    mode: &'static str,
+    target: String,
+    publishers: usize,
+    subscribers: usize,
+    queue_group: bool,
+    payload_bytes: usize,
+    published: u64,
+    delivered: u64,
+    expected: u64,
+    seconds: f64,
+    published_per_sec: f64,
+    delivered_per_sec: f64,
+    delivered_mb_per_sec: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct LatencyReport {
+    mode: &'static str,
+    target: String,
+    payload_bytes: usize,
+    round_trips: u64,
+    seconds: f64,
+    p50_us: f64,
+    p90_us: f64,
+    p99_us: f64,
+    p999_us: f64,
+    max_us: f64,
+}
+
+/// Something to publish and subscribe through: the embedded broker or clients.
+struct Target {
+    description: String,
+    broker: Option<Broker>,
+    endpoint: Option<String>,
+    secret: Option<String>,
+}
+
+impl Target {
+    fn open(args: &BenchArgs) -> Result<Target, Failure> {
+        if let Some(server) = &args.server {
+            return Ok(Target {
+                description: server.clone(),
+                broker: None,
+                endpoint: Some(server.clone()),
+                secret: args.secret.clone(),
+            });
+        }
+        let mut config = Config::default();
+        config.log_level = "warn".into();
+        config.listen = match args.via.as_str() {
+            "embedded" => Vec::new(),
+            "mem" => vec![format!("mem/bench-{}", std::process::id())],
+            "tcp" => vec!["tcp/127.0.0.1:0".into()],
+            other => {
+                return Err(Failure::usage(format!(
+                    "unknown --via {other:?}; use embedded, mem or tcp"
+                )))
+            }
+        };
+        config.limits.subscription_queue = 1 << 20;
+        config.limits.max_pending_bytes = 64 << 20;
+        config.limits.max_payload = (args.size as u64).max(1 << 20);
+        config.slow_consumer.policy = SlowConsumerPolicy::Block;
+        config.slow_consumer.block_timeout_ms = 30_000;
+        let broker = Broker::start(config).map_err(|err| Failure::runtime(err.to_string()))?;
+        let endpoint = match args.via.as_str() {
+            "embedded" => None,
+            scheme => broker.endpoint(scheme),
+        };
+        Ok(Target {
+            description: format!("embedded broker via {}", args.via),
+            broker: Some(broker),
+            endpoint,
+            secret: None,
+        })
+    }
+
+    /// A handle for one publisher or subscriber.
+    fn handle(&self) -> Result<Arc<dyn PubSub>, Failure> {
+        match (&self.endpoint, &self.broker) {
+            (Some(endpoint), _) => {
+                let options = ClientOptions {
+                    name: "efabus-bench".into(),
+                    credentials: self.secret.clone(),
+                    subscription_queue: 1 << 20,
+                    slow_consumer: SlowConsumerPolicy::Block,
+                    block_timeout: Duration::from_secs(30),
+                    max_pending_bytes: 64 << 20,
+                    ..ClientOptions::default()
+                };
+                let client = Client::connect_with(
+                    endpoint,
+                    options,
+                    efabus_transports::registry::Registry::with_builtins(),
+                )
+                .map_err(|err| Failure::runtime(format!("cannot connect to {endpoint}: {err}")))?;
+                Ok(Arc::new(client))
+            }
+            (None, Some(_)) => Err(Failure::runtime(
+                "embedded handles are borrowed, not opened",
+            )),
+            (None, None) => Err(Failure::runtime("no target")),
+        }
+    }
+}
+
+fn progress(total: u64, json: bool) -> ProgressBar {
+    if json || total < 100_000 {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {bar:40} {pos}/{len} delivered {per_sec} {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+fn bench_error(err: Error) -> Failure {
+    Failure::runtime(err.to_string())
+}
+
+pub fn run(args: BenchArgs) -> Result<(), Failure> {
+    if args.pubs == 0 || args.subs == 0 || args.count == 0 {
+        return Err(Failure::usage(
+            "--pubs, --subs and --count must be at least 1",
+        ));
+    }
+    let target = Target::open(&args)?;
+    match args.mode {
+        BenchMode::Throughput => throughput(&args, &target),
+        BenchMode::Latency => latency(&args, &target),
+    }
+}
+
+fn with_handle<R>(
+    target: &Target,
+    f: impl FnOnce(&dyn PubSub) -> Result<R, Failure>,
+) -> Result<R, Failure> {
+    match (&target.endpoint, &target.broker) {
+        (None, Some(broker)) => f(broker),
+        _ => {
+            let handle = target.handle()?;
+            f(handle.as_ref())
+        }
+    }
+}
+
+fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
+    let subject = format!("bench.{}", std::process::id());
+    let per_subscriber = if args.queue {
+        0
+    } else {
+        args.pubs as u64 * args.count
+    };
+    let expected = if args.queue {
+        args.pubs as u64 * args.count
+    } else {
+        per_subscriber * args.subs as u64
+    };
+    let delivered = Arc::new(AtomicU64::new(0));
+    let bar = progress(expected, args.json);
+    let payload = Bytes::from(vec![0x5a; args.size]);
+
+    // Subscribers first, each on its own thread and handle.
+    let mut subscriptions = Vec::new();
+    let mut keep = Vec::new();
+    for _ in 0..args.subs {
+        let sub = match (&target.endpoint, &target.broker) {
+            (None, Some(broker)) => if args.queue {
+                broker.queue_subscribe(&subject, "bench")
+            } else {
+                broker.subscribe(&subject)
+            }
+            .map_err(bench_error)?,
+            _ => {
+                let handle = target.handle()?;
+                let sub = if args.queue {
+                    handle.queue_subscribe(&subject, "bench")
+                } else {
+                    handle.subscribe(&subject)
+                }
+                .map_err(bench_error)?;
+                handle.flush(Duration::from_secs(10)).map_err(bench_error)?;
+                keep.push(handle);
+                sub
+            }
+        };
+        subscriptions.push(sub);
+    }
+    let publishers: Vec<Option<Arc<dyn PubSub>>> = (0..args.pubs)
+        .map(|_| match target.endpoint {
+            Some(_) => target.handle().map(Some),
+            None => Ok(None),
+        })
+        .collect::<Result<_, _>>()?;
+
+    let started = Instant::now();
+    let done_at = Arc::new(parking_lot::Mutex::new(started));
+    std::thread::scope(|scope| -> Result<(), Failure> {
+        let mut readers = Vec::new();
+        for sub in &subscriptions {
+            let delivered = delivered.clone();
+            let done_at = done_at.clone();
+            let bar = bar.clone();
+            readers.push(scope.spawn(move || {
+                let mut local = 0u64;
+                loop {
+                    if per_subscriber > 0 && local >= per_subscriber {
+                        break;
+                    }
+                    if per_subscriber == 0 && delivered.load(Ordering::Relaxed) >= expected {
+                        break;
+                    }
+                    match sub.recv_timeout(Duration::from_secs(3)) {
+                        Ok(_) => {
+                            local += 1;
+                            let total = delivered.fetch_add(1, Ordering::Relaxed) + 1;
+                            if total % 65_536 == 0 {
+                                bar.set_position(total);
+                            }
+                        }
+                        Err(RecvError::Timeout | RecvError::Empty) => break,
+                        Err(RecvError::Closed) => break,
+                    }
+                }
+                *done_at.lock() = Instant::now();
+            }));
+        }
+        let mut writers = Vec::new();
+        for publisher in &publishers {
+            let payload = payload.clone();
+            let subject = subject.as_str();
+            writers.push(scope.spawn(move || -> Result<(), Error> {
+                let handle: &dyn PubSub = match (publisher, &target.broker) {
+                    (Some(handle), _) => handle.as_ref(),
+                    (None, Some(broker)) => broker,
+                    (None, None) => return Err(Error::Closed),
+                };
+                for _ in 0..args.count {
+                    handle.publish(subject, payload.clone())?;
+                }
+                handle.flush(Duration::from_secs(60))
+            }));
+        }
+        for writer in writers {
+            writer
+                .join()
+                .map_err(|_| Failure::runtime("publisher thread panicked"))?
+                .map_err(bench_error)?;
+        }
+        for reader in readers {
+            reader
+                .join()
+                .map_err(|_| Failure::runtime("subscriber thread panicked"))?;
+        }
+        Ok(())
+    })?;
+    bar.finish_and_clear();
+    let seconds = done_at
+        .lock()
+        .duration_since(started)
+        .as_secs_f64()
+        .max(1e-9);
+    let delivered = delivered.load(Ordering::Relaxed);
+    let published = args.pubs as u64 * args.count;
+    let report = ThroughputReport {
+        mode: "throughput",
+        target: target.description.clone(),
+        publishers: args.pubs,
+        subscribers: args.subs,
+        queue_group: args.queue,
+        payload_bytes: args.size,
+        published,
+        delivered,
+        expected,
+        seconds,
+        published_per_sec: published as f64 / seconds,
+        delivered_per_sec: delivered as f64 / seconds,
+        delivered_mb_per_sec: delivered as f64 * args.size as f64 / seconds / 1e6,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    } else {
+        println!(
+            "{}: {} pub -> {} sub{}, {} B: {:.0} msg/s delivered ({:.1} MB/s), {} of {} in {:.3} s",
+            report.target,
+            report.publishers,
+            report.subscribers,
+            if report.queue_group {
+                " (queue group)"
+            } else {
+                ""
+            },
+            report.payload_bytes,
+            report.delivered_per_sec,
+            report.delivered_mb_per_sec,
+            report.delivered,
+            report.expected,
+            report.seconds
+        );
+    }
+    if delivered < expected {
+        return Err(Failure::runtime(format!(
+            "only {delivered} of {expected} messages arrived (dropped by a slow-consumer policy?)"
+        )));
+    }
+    Ok(())
+}
+
+fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
+    let subject = format!("bench.rpc.{}", std::process::id());
+    let payload = Bytes::from(vec![0x5a; args.size]);
+    let responder: Option<Arc<dyn PubSub>> = match target.endpoint {
+        Some(_) => Some(target.handle()?),
+        None => None,
+    };
+    let responder_ref: &dyn PubSub = match (&responder, &target.broker) {
+        (Some(handle), _) => handle.as_ref(),
+        (None, Some(broker)) => broker,
+        (None, None) => return Err(Failure::runtime("no target")),
+    };
+    let requests = responder_ref.subscribe(&subject).map_err(bench_error)?;
+    responder_ref
+        .flush(Duration::from_secs(10))
+        .map_err(bench_error)?;
+    let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
+        .map_err(|err| Failure::runtime(err.to_string()))?;
+    let bar = progress(args.count, args.json);
+    let started = Instant::now();
+    std::thread::scope(|scope| -> Result<(), Failure> {
+        let echo = scope.spawn(|| {
+            for request in requests {
+                // A request without reply subject is the signal to stop.
+                let Some(reply) = request.reply else { break };
+                if responder_ref.publish(&reply, request.payload).is_err() {
+                    break;
+                }
+            }
+        });
+        let result = with_handle(target, |requester| {
+            for i in 0..args.count {
+                let sent = Instant::now();
+                requester
+                    .request(&subject, payload.clone(), Duration::from_secs(10))
+                    .map_err(bench_error)?;
+                let nanos = sent.elapsed().as_nanos() as u64;
+                let _ = histogram.record(nanos.max(1));
+                if i % 1024 == 0 {
+                    bar.set_position(i);
+                }
+            }
+            Ok(())
+        });
+        // Ends the responder's iteration.
+        match (&responder, &target.broker) {
+            (Some(handle), _) => handle.publish(&subject, Bytes::new()).ok(),
+            (None, Some(broker)) => broker.publish(&subject, Bytes::new()).ok(),
+            _ => None,
+        };
+        let _ = echo.join();
+        result
+    })?;
+    bar.finish_and_clear();
+    let us = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
+    let report = LatencyReport {
+        mode: "latency",
+        target: target.description.clone(),
+        payload_bytes: args.size,
+        round_trips: histogram.len(),
+        seconds: started.elapsed().as_secs_f64(),
+        p50_us: us(0.5),
+        p90_us: us(0.9),
+        p99_us: us(0.99),
+        p999_us: us(0.999),
+        max_us: histogram.max() as f64 / 1000.0,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    } else {
+        println!(
+            "{}: {} round trips of {} B: p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, max {:.1} us",
+            report.target,
+            report.round_trips,
+            report.payload_bytes,
+            report.p50_us,
+            report.p90_us,
+            report.p99_us,
+            report.p999_us,
+            report.max_us
+        );
+    }
+    Ok(())
+}
