@@ -1,0 +1,609 @@
+//! Peer negotiation: the [`Offer`]s two sides exchange in the handshake, the
+//! deterministic choice of a reliable and a best-effort link from them, and
+//! the [`LinkParams`] that follow from the chosen pair.
+//!
+//! # The choice
+//!
+//! Candidates are the schemes of the preference list, in its order, with
+//! `tcp` appended when the list does not name it: TCP is the last resort
+//! and is always there as the bootstrap channel. Schemes outside the list
+//! are never used. For each scheme, every pair of one local and one remote
+//! offer of that scheme is checked:
+//!
+//! - same endpoint type, same provider, same protocol, and protocol versions
+//!   equal (or one of them unspecified, 0);
+//! - a frame limit (see [`LinkParams::frame_limit`]) of at least
+//!   [`MIN_FRAME_LIMIT`] bytes.
+//!
+//! The **reliable** link is the first scheme with a compatible pair of
+//! reliable endpoints (RDM, MSG or a socket stream). The **best-effort**
+//! link is the first scheme with a compatible pair of datagram endpoints;
+//! without one, best-effort traffic rides the reliable link
+//! ([`Negotiated::best_effort`] is `None`). Among several compatible pairs
+//! of one scheme the ranking is: ordered (`FI_ORDER_SAS` on both) first,
+//! then the larger frame limit, then the larger credit window, then a fixed
+//! order of the offers' contents. Every rule is a function of the unordered
+//! pair of offers, so both sides reach the same choice whatever the order of
+//! the offers and whichever side computes it — provided both use the same
+//! preference list, which the configuration of a cluster must ensure.
+//!
+//! Every candidate that is skipped gets a line in [`Negotiated::reasons`].
+
+use std::cmp::Ordering;
+use std::collections::BTreeSet;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use super::enums::{EpType, Protocol};
+use super::flags::MsgOrder;
+use super::info::FabricInfo;
+
+/// The scheme that is always a candidate, last unless the preference list
+/// places it.
+pub const TCP_SCHEME: &str = "tcp";
+
+/// Largest frame the wire contract can express: a 4-byte length and up to
+/// `u32::MAX` bytes after it.
+pub const MAX_WIRE_FRAME: u64 = 4 + u32::MAX as u64;
+
+/// A link whose frame limit is below this cannot carry efabus frames
+/// usefully (headers plus some payload) and is not chosen.
+pub const MIN_FRAME_LIMIT: u64 = 256;
+
+/// What one side can open as a data path, sent in the handshake.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Offer {
+    /// Transport scheme: `efa-rdm`, `efa-dgram`, `tcp`, `mem`.
+    pub scheme: String,
+    pub ep_type: EpType,
+    /// Provider name (`efa`, `tcp;ofi_rxm`, `efabus-tcp`).
+    pub provider: String,
+    pub protocol: Protocol,
+    pub protocol_version: u32,
+    /// Largest message, prefix included.
+    pub max_msg_size: u64,
+    /// Bytes the provider reserves at the head of each buffer
+    /// (`FI_MSG_PREFIX`); 0 without that mode.
+    pub msg_prefix_size: u64,
+    pub inject_size: u64,
+    /// Ordering kept in both directions (tx ∩ rx `msg_order`).
+    pub msg_order: MsgOrder,
+    pub cq_data_size: u64,
+    /// Transmit queue depth.
+    pub tx_size: u64,
+    /// Receive queue depth.
+    pub rx_size: u64,
+    /// The endpoint's address, as the transport's `local_addr` gives it.
+    pub address: Vec<u8>,
+}
+
+impl Offer {
+    /// The offer for one info of a transport, under its scheme, reachable at
+    /// `address`. The prefix counts only when the info requires
+    /// `FI_MSG_PREFIX`.
+    pub fn from_info(scheme: impl Into<String>, info: &FabricInfo, address: Vec<u8>) -> Offer {
+        let prefix = if info
+            .required_mode()
+            .contains(&super::flags::Mode::MSG_PREFIX)
+        {
+            info.ep_attr.msg_prefix_size
+        } else {
+            0
+        };
+        Offer {
+            scheme: scheme.into(),
+            ep_type: info.ep_attr.ep_type.clone(),
+            provider: info.fabric_attr.prov_name.clone(),
+            protocol: info.ep_attr.protocol.clone(),
+            protocol_version: info.ep_attr.protocol_version,
+            max_msg_size: info.ep_attr.max_msg_size,
+            msg_prefix_size: prefix,
+            inject_size: info.tx_attr.inject_size,
+            msg_order: info.msg_order(),
+            cq_data_size: info.domain_attr.cq_data_size,
+            tx_size: info.tx_attr.size,
+            rx_size: info.rx_attr.size,
+            address,
+        }
+    }
+
+    /// Largest frame this side can put in one message: `max_msg_size`
+    /// minus the prefix.
+    pub fn frame_capacity(&self) -> u64 {
+        self.max_msg_size.saturating_sub(self.msg_prefix_size)
+    }
+
+    /// A total order over every field, used only to break ties.
+    fn canonical_cmp(&self, other: &Offer) -> Ordering {
+        let key = |o: &Offer| {
+            (
+                (
+                    o.scheme.clone(),
+                    o.ep_type.name().to_string(),
+                    o.provider.clone(),
+                ),
+                (o.protocol.name().to_string(), o.protocol_version),
+                (
+                    o.max_msg_size,
+                    o.msg_prefix_size,
+                    o.inject_size,
+                    o.cq_data_size,
+                ),
+                (o.msg_order.bits(), o.msg_order.unknown().to_vec()),
+                (o.tx_size, o.rx_size, o.address.clone()),
+            )
+        };
+        key(self).cmp(&key(other))
+    }
+}
+
+impl fmt::Display for Offer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} ({} {} {} v{}, max_msg_size {}, prefix {}, msg_order [{}], tx {}, rx {})",
+            self.scheme,
+            self.provider,
+            self.ep_type,
+            self.protocol,
+            self.protocol_version,
+            self.max_msg_size,
+            self.msg_prefix_size,
+            self.msg_order,
+            self.tx_size,
+            self.rx_size
+        )
+    }
+}
+
+/// How a link between two chosen offers must be driven.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LinkParams {
+    pub ep_type: EpType,
+    /// The endpoint type delivers every message or fails.
+    pub reliable: bool,
+    /// Largest frame (its 4-byte length included) one message may carry:
+    /// the smaller of both sides' `max_msg_size - msg_prefix_size`, and never
+    /// more than [`MAX_WIRE_FRAME`]. For datagrams it is the per-datagram
+    /// limit.
+    pub frame_limit: u64,
+    /// Bytes to reserve at the head of each posted buffer: the larger of the
+    /// two sides' prefixes, so both agree on the layout.
+    pub prefix_size: u64,
+    /// The link may reorder (no `FI_ORDER_SAS` on one side or both): send
+    /// sequence numbers and reorder on receipt.
+    pub sequence_and_reorder: bool,
+    /// The link cannot carry every frame the wire can express: split frames
+    /// above [`Self::frame_limit`].
+    pub fragment: bool,
+    /// Frames this side may have in flight towards the peer: the smaller of
+    /// the local tx queue and the remote rx queue.
+    pub send_window: u64,
+    /// Frames the peer may have in flight towards this side: the smaller of
+    /// the remote tx queue and the local rx queue.
+    pub recv_window: u64,
+}
+
+impl LinkParams {
+    /// The parameters for a link between these two offers, seen from the
+    /// side that made `local`.
+    pub fn between(local: &Offer, remote: &Offer) -> LinkParams {
+        let capacity = local.frame_capacity().min(remote.frame_capacity());
+        let ordered =
+            local.msg_order.contains(&MsgOrder::SAS) && remote.msg_order.contains(&MsgOrder::SAS);
+        LinkParams {
+            ep_type: local.ep_type.clone(),
+            reliable: local.ep_type.is_reliable() && remote.ep_type.is_reliable(),
+            frame_limit: capacity.min(MAX_WIRE_FRAME),
+            prefix_size: local.msg_prefix_size.max(remote.msg_prefix_size),
+            sequence_and_reorder: !ordered,
+            fragment: capacity < MAX_WIRE_FRAME,
+            send_window: local.tx_size.min(remote.rx_size),
+            recv_window: remote.tx_size.min(local.rx_size),
+        }
+    }
+
+    /// Must a frame of this length be split to cross the link?
+    pub fn needs_fragmenting(&self, frame_len: u64) -> bool {
+        frame_len > self.frame_limit
+    }
+
+    /// The same link seen from the other side.
+    pub fn mirrored(&self) -> LinkParams {
+        LinkParams {
+            send_window: self.recv_window,
+            recv_window: self.send_window,
+            ..self.clone()
+        }
+    }
+}
+
+/// One chosen link: the pair of offers and what follows from it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Choice {
+    pub scheme: String,
+    /// This side's offer.
+    pub local: Offer,
+    /// The peer's offer.
+    pub remote: Offer,
+    pub params: LinkParams,
+}
+
+impl Choice {
+    fn new(local: &Offer, remote: &Offer) -> Choice {
+        Choice {
+            scheme: local.scheme.clone(),
+            local: local.clone(),
+            remote: remote.clone(),
+            params: LinkParams::between(local, remote),
+        }
+    }
+
+    /// The same choice as the peer sees it.
+    pub fn mirrored(&self) -> Choice {
+        Choice {
+            scheme: self.scheme.clone(),
+            local: self.remote.clone(),
+            remote: self.local.clone(),
+            params: self.params.mirrored(),
+        }
+    }
+}
+
+impl fmt::Display for Choice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = &self.params;
+        write!(
+            f,
+            "{} via {} {}: frame limit {}, prefix {}, {}, {}, window {}/{}",
+            self.scheme,
+            self.local.provider,
+            p.ep_type,
+            p.frame_limit,
+            p.prefix_size,
+            if p.sequence_and_reorder {
+                "sequence and reorder"
+            } else {
+                "ordered"
+            },
+            if p.fragment {
+                "fragment"
+            } else {
+                "no fragmenting"
+            },
+            p.send_window,
+            p.recv_window
+        )
+    }
+}
+
+/// The outcome of negotiation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Negotiated {
+    /// The link for reliable traffic.
+    pub reliable: Choice,
+    /// A datagram link for best-effort traffic; `None` means best-effort
+    /// traffic rides the reliable link.
+    pub best_effort: Option<Choice>,
+    /// Why each skipped candidate was skipped, in preference order.
+    pub reasons: Vec<String>,
+}
+
+/// No reliable link both sides can use.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("no reliable link both sides can use: {}", .reasons.join("; "))]
+pub struct NegotiationError {
+    /// Why each candidate was skipped.
+    pub reasons: Vec<String>,
+}
+
+/// Which endpoint types a pass looks for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Reliable,
+    BestEffort,
+}
+
+impl Class {
+    fn label(self) -> &'static str {
+        match self {
+            Class::Reliable => "reliable",
+            Class::BestEffort => "best-effort",
+        }
+    }
+
+    fn admits(self, ep_type: &EpType) -> bool {
+        match self {
+            Class::Reliable => ep_type.is_reliable(),
+            Class::BestEffort => ep_type.is_datagram(),
+        }
+    }
+}
+
+/// Choose the reliable and best-effort links for two sides' offers. See the
+/// module docs for the rules.
+pub fn negotiate(
+    local: &[Offer],
+    remote: &[Offer],
+    preference: &[String],
+) -> Result<Negotiated, NegotiationError> {
+    let order = candidate_schemes(preference);
+    let mut reasons = Vec::new();
+
+    let offered: BTreeSet<&str> = local
+        .iter()
+        .chain(remote)
+        .map(|o| o.scheme.as_str())
+        .collect();
+    for scheme in &offered {
+        if !order.iter().any(|s| s == scheme) {
+            reasons.push(format!("{scheme}: not in the preference list"));
+        }
+    }
+
+    let reliable = run_pass(Class::Reliable, local, remote, &order, &mut reasons);
+    let Some(reliable) = reliable else {
+        return Err(NegotiationError { reasons });
+    };
+    let best_effort = run_pass(Class::BestEffort, local, remote, &order, &mut reasons);
+    if best_effort.is_none() {
+        reasons.push(format!(
+            "best-effort: no datagram link both sides can use; carried on the reliable link ({})",
+            reliable.scheme
+        ));
+    }
+    Ok(Negotiated {
+        reliable,
+        best_effort,
+        reasons,
+    })
+}
+
+/// The preference list without repeats, with `tcp` last if it is missing.
+fn candidate_schemes(preference: &[String]) -> Vec<String> {
+    let mut order: Vec<String> = Vec::new();
+    for scheme in preference {
+        if !order.contains(scheme) {
+            order.push(scheme.clone());
+        }
+    }
+    if !order.iter().any(|s| s == TCP_SCHEME) {
+        order.push(TCP_SCHEME.to_string());
+    }
+    order
+}
+
+/// One pass over the candidate schemes for one class of endpoint.
+fn run_pass(
+    class: Class,
+    local: &[Offer],
+    remote: &[Offer],
+    order: &[String],
+    reasons: &mut Vec<String>,
+) -> Option<Choice> {
+    let label = class.label();
+    let mut chosen: Option<Choice> = None;
+    for scheme in order {
+        let mine: Vec<&Offer> = local.iter().filter(|o| &o.scheme == scheme).collect();
+        let theirs: Vec<&Offer> = remote.iter().filter(|o| &o.scheme == scheme).collect();
+        let mine_fit: Vec<&Offer> = mine
+            .iter()
+            .copied()
+            .filter(|o| class.admits(&o.ep_type))
+            .collect();
+        let theirs_fit: Vec<&Offer> = theirs
+            .iter()
+            .copied()
+            .filter(|o| class.admits(&o.ep_type))
+            .collect();
+
+        if class == Class::BestEffort && mine_fit.is_empty() && theirs_fit.is_empty() {
+            // Schemes without datagram endpoints are not best-effort
+            // candidates at all; saying so for each would be noise.
+            continue;
+        }
+        if mine.is_empty() || theirs.is_empty() {
+            let who = match (mine.is_empty(), theirs.is_empty()) {
+                (true, true) => "offered by neither side",
+                (true, false) => "not offered by this side",
+                _ => "not offered by the peer",
+            };
+            reasons.push(format!("{label}: {scheme}: {who}"));
+            continue;
+        }
+        if mine_fit.is_empty() || theirs_fit.is_empty() {
+            let types: BTreeSet<String> = mine
+                .iter()
+                .chain(&theirs)
+                .filter(|o| !class.admits(&o.ep_type))
+                .map(|o| o.ep_type.name().to_string())
+                .collect();
+            let kind = match class {
+                Class::Reliable => "reliable",
+                Class::BestEffort => "datagram",
+            };
+            let types: Vec<String> = types.into_iter().collect();
+            reasons.push(format!(
+                "{label}: {scheme}: {} is not a {kind} endpoint type",
+                types.join(", ")
+            ));
+            continue;
+        }
+
+        let mut problems: BTreeSet<String> = BTreeSet::new();
+        let mut best: Option<(&Offer, &Offer)> = None;
+        for l in &mine_fit {
+            for r in &theirs_fit {
+                match compatible(l, r) {
+                    Err(problem) => {
+                        problems.insert(problem);
+                    }
+                    Ok(()) => {
+                        let better = match best {
+                            None => true,
+                            Some((bl, br)) => rank(l, r, bl, br) == Ordering::Greater,
+                        };
+                        if better {
+                            best = Some((l, r));
+                        }
+                    }
+                }
+            }
+        }
+        match (best, &chosen) {
+            (None, _) => {
+                let problems: Vec<String> = problems.into_iter().collect();
+                reasons.push(format!("{label}: {scheme}: {}", problems.join("; ")));
+            }
+            (Some(_), Some(already)) => {
+                reasons.push(format!(
+                    "{label}: {scheme}: usable, but {} comes first in the preference list",
+                    already.scheme
+                ));
+            }
+            (Some((l, r)), None) => chosen = Some(Choice::new(l, r)),
+        }
+    }
+    chosen
+}
+
+/// Can these two offers form a link? `Err` says why not.
+fn compatible(local: &Offer, remote: &Offer) -> Result<(), String> {
+    if local.ep_type != remote.ep_type {
+        return Err(format!(
+            "endpoint types differ ({} here, {} at the peer)",
+            local.ep_type, remote.ep_type
+        ));
+    }
+    if local.provider != remote.provider {
+        return Err(format!(
+            "providers differ ({} here, {} at the peer)",
+            local.provider, remote.provider
+        ));
+    }
+    if local.protocol != remote.protocol {
+        return Err(format!(
+            "protocols differ ({} here, {} at the peer)",
+            local.protocol, remote.protocol
+        ));
+    }
+    if local.protocol_version != remote.protocol_version
+        && local.protocol_version != 0
+        && remote.protocol_version != 0
+    {
+        return Err(format!(
+            "protocol versions differ ({} here, {} at the peer)",
+            local.protocol_version, remote.protocol_version
+        ));
+    }
+    let limit = local.frame_capacity().min(remote.frame_capacity());
+    if limit < MIN_FRAME_LIMIT {
+        return Err(format!(
+            "frame limit {limit} is below the minimum of {MIN_FRAME_LIMIT}"
+        ));
+    }
+    Ok(())
+}
+
+/// Compare pair (a1, a2) with pair (b1, b2); greater is better. Symmetric in
+/// each pair's two offers, so the side computing it does not matter.
+fn rank(a1: &Offer, a2: &Offer, b1: &Offer, b2: &Offer) -> Ordering {
+    let ordered = |x: &Offer, y: &Offer| {
+        x.msg_order.contains(&MsgOrder::SAS) && y.msg_order.contains(&MsgOrder::SAS)
+    };
+    let limit = |x: &Offer, y: &Offer| x.frame_capacity().min(y.frame_capacity());
+    let window = |x: &Offer, y: &Offer| x.tx_size.min(y.rx_size).min(y.tx_size.min(x.rx_size));
+    ordered(a1, a2)
+        .cmp(&ordered(b1, b2))
+        .then(limit(a1, a2).cmp(&limit(b1, b2)))
+        .then(window(a1, a2).cmp(&window(b1, b2)))
+        // Last resort: prefer the pair whose offers sort first, comparing
+        // each pair as (smaller offer, larger offer).
+        .then_with(|| {
+            let (a_lo, a_hi) = sorted_pair(a1, a2);
+            let (b_lo, b_hi) = sorted_pair(b1, b2);
+            b_lo.canonical_cmp(a_lo)
+                .then_with(|| b_hi.canonical_cmp(a_hi))
+        })
+}
+
+fn sorted_pair<'a>(x: &'a Offer, y: &'a Offer) -> (&'a Offer, &'a Offer) {
+    if x.canonical_cmp(y) == Ordering::Greater {
+        (y, x)
+    } else {
+        (x, y)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offer(scheme: &str, ep_type: EpType, max: u64) -> Offer {
+        Offer {
+            scheme: scheme.into(),
+            ep_type,
+            provider: "p".into(),
+            max_msg_size: max,
+            tx_size: 64,
+            rx_size: 128,
+            ..Offer::default()
+        }
+    }
+
+    #[test]
+    fn tcp_is_appended_once() {
+        assert_eq!(candidate_schemes(&[]), ["tcp"]);
+        let pref = [
+            "efa-rdm".to_string(),
+            "tcp".into(),
+            "efa-rdm".into(),
+            "mem".into(),
+        ];
+        assert_eq!(candidate_schemes(&pref), ["efa-rdm", "tcp", "mem"]);
+    }
+
+    #[test]
+    fn params_between_two_offers() {
+        let mut a = offer("x", EpType::Dgram, 8928);
+        a.msg_prefix_size = 40;
+        let mut b = offer("x", EpType::Dgram, 9000);
+        b.tx_size = 16;
+        let p = LinkParams::between(&a, &b);
+        assert_eq!(p.frame_limit, 8888);
+        assert_eq!(p.prefix_size, 40);
+        assert!(p.fragment && p.sequence_and_reorder && !p.reliable);
+        assert_eq!((p.send_window, p.recv_window), (64, 16));
+        assert_eq!(LinkParams::between(&b, &a), p.mirrored());
+        assert!(p.needs_fragmenting(8889) && !p.needs_fragmenting(8888));
+    }
+
+    #[test]
+    fn unbounded_link_needs_no_fragmenting() {
+        let mut a = offer("tcp", EpType::Msg, u64::MAX);
+        a.msg_order = MsgOrder::SAS;
+        let p = LinkParams::between(&a, &a);
+        assert_eq!(p.frame_limit, MAX_WIRE_FRAME);
+        assert!(!p.fragment && !p.sequence_and_reorder && p.reliable);
+    }
+
+    #[test]
+    fn incompatible_pairs_say_why() {
+        let a = offer("x", EpType::Rdm, 1 << 20);
+        let mut b = a.clone();
+        b.provider = "q".into();
+        assert!(compatible(&a, &b).unwrap_err().contains("providers differ"));
+        let mut c = a.clone();
+        c.protocol_version = 3;
+        let mut d = a.clone();
+        d.protocol_version = 4;
+        assert!(compatible(&c, &d).unwrap_err().contains("versions"));
+        assert!(compatible(&a, &d).is_ok(), "version 0 is unspecified");
+        let tiny = offer("x", EpType::Rdm, 100);
+        assert!(compatible(&a, &tiny)
+            .unwrap_err()
+            .contains("below the minimum"));
+    }
+}
