@@ -163,7 +163,7 @@ struct efabus_cq_error {
 	char prov_text[256];
 };
 
-/* Every libfabric constant the Rust side hard-codes, for a check in tests. */
+/* Every libfabric constant the Rust side uses, for a check in tests. */
 struct efabus_constant {
 	const char *name;
 	uint64_t value;

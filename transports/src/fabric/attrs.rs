@@ -136,6 +136,10 @@ pub struct InfoAttrs {
     pub addr_format: u64,
     pub src_addr: Option<Vec<u8>>,
     pub dest_addr: Option<Vec<u8>>,
+    /// The addresses as `fi_tostr` printed them, kept only for formats
+    /// [`super::convert::format_addr`] does not render.
+    pub src_addr_text: Option<String>,
+    pub dest_addr_text: Option<String>,
     /// Lengths as reported, even where the address pointer was NULL.
     pub src_addrlen: u64,
     pub dest_addrlen: u64,

@@ -40,7 +40,9 @@ impl Hints {
         Hints {
             mode: u64::MAX,
             domain_mode: u64::MAX,
-            mr_mode: u64::from(!((FI_MR_BASIC | FI_MR_SCALABLE) as u32)),
+            // ~(FI_MR_BASIC | FI_MR_SCALABLE) as the int mr_mode holds it:
+            // the 1.0 enum values 1 and 2, gone from newer headers.
+            mr_mode: u64::from(!3u32),
             ep_type,
             provider: Some(provider.to_string()),
             ..Hints::default()
@@ -216,6 +218,11 @@ impl InfoRef<'_> {
         view_attrs(self.ptr)
     }
 
+    /// The entry converted to efabus's capability model.
+    pub fn fabric_info(&self) -> efabus_core::caps::FabricInfo {
+        super::convert::to_fabric_info(&self.attrs())
+    }
+
     /// `fi_tostr(FI_TYPE_INFO)`: the layout `fi_info -v` prints.
     pub fn to_text(&self) -> String {
         tostr(self.ptr)
@@ -235,6 +242,10 @@ unsafe impl Sync for Info {}
 impl Info {
     pub fn attrs(&self) -> InfoAttrs {
         view_attrs(self.ptr.as_ptr())
+    }
+
+    pub fn fabric_info(&self) -> efabus_core::caps::FabricInfo {
+        super::convert::to_fabric_info(&self.attrs())
     }
 
     pub fn to_text(&self) -> String {
@@ -291,7 +302,36 @@ unsafe fn bytes(p: *const c_void, len: u64) -> Option<Vec<u8>> {
     }
 }
 
+/// The value `fi_tostr` printed for a top-level `key` of an info.
+fn printed_field(text: &str, key: &str) -> Option<String> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix("    ")?;
+        if rest.starts_with(' ') {
+            return None;
+        }
+        rest.strip_prefix(key)?
+            .strip_prefix(": ")
+            .map(|v| v.trim_end().to_string())
+    })
+}
+
 fn view_attrs(info: *const sys::fi_info) -> InfoAttrs {
+    let mut attrs = view_values(info);
+    // Addresses in formats efabus does not render: take libfabric's text.
+    let unrendered = |bytes: &Option<Vec<u8>>| {
+        bytes
+            .as_ref()
+            .is_some_and(|b| super::convert::format_addr(attrs.addr_format, b).is_none())
+    };
+    if unrendered(&attrs.src_addr) || unrendered(&attrs.dest_addr) {
+        let text = tostr(info);
+        attrs.src_addr_text = printed_field(&text, "src_addr");
+        attrs.dest_addr_text = printed_field(&text, "dest_addr");
+    }
+    attrs
+}
+
+fn view_values(info: *const sys::fi_info) -> InfoAttrs {
     // SAFETY: efabus_info_view is a plain struct of integers and pointers;
     // all-zero is a valid value for it.
     let mut v: sys::efabus_info_view = unsafe { std::mem::zeroed() };
@@ -308,6 +348,8 @@ fn view_attrs(info: *const sys::fi_info) -> InfoAttrs {
             addr_format: v.addr_format,
             src_addr: bytes(v.src_addr, v.src_addrlen),
             dest_addr: bytes(v.dest_addr, v.dest_addrlen),
+            src_addr_text: None,
+            dest_addr_text: None,
             src_addrlen: v.src_addrlen,
             dest_addrlen: v.dest_addrlen,
             handle: v.handle as usize,
@@ -479,6 +521,16 @@ mod tests {
             Err(other) => panic!("unexpected {other}"),
             Ok(list) => panic!("{} infos for a made-up provider", list.len()),
         }
+    }
+
+    #[test]
+    fn printed_fields_are_found_at_the_top_level_only() {
+        let text = "fi_info:\n    caps: [ FI_MSG ]\n    src_addr: fi_addr_x://1\n    fi_tx_attr:\n        src_addr: nested\n";
+        assert_eq!(
+            printed_field(text, "src_addr").as_deref(),
+            Some("fi_addr_x://1")
+        );
+        assert_eq!(printed_field(text, "dest_addr"), None);
     }
 
     #[test]

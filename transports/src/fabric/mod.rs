@@ -42,6 +42,7 @@
 pub mod attrs;
 pub mod config;
 pub(crate) mod consts;
+pub mod convert;
 pub mod error;
 pub mod layout;
 
@@ -77,6 +78,33 @@ pub fn build_unavailable_reason() -> Option<&'static str> {
     #[cfg(not(efabus_libfabric))]
     {
         Some(env!("EFABUS_LIBFABRIC_MISSING"))
+    }
+}
+
+/// What `fi_info -p <provider> -t <ep_type> [-s <source>] -v` lists, as
+/// [`FabricInfo`]s: the same hints (every mode and mr_mode bit accepted,
+/// no capability asked for), so the two can be compared entry by entry.
+pub fn probe_like_fi_info(
+    provider: &str,
+    kind: EpKind,
+    source: Option<&str>,
+) -> Result<Vec<FabricInfo>, FabricError> {
+    #[cfg(efabus_libfabric)]
+    {
+        let hints = info::Hints {
+            node: source.map(str::to_string),
+            source: source.is_some(),
+            ..info::Hints::like_fi_info_tool(provider, kind.fi_value())
+        };
+        let list = info::InfoList::get(&hints)?;
+        Ok(list.iter().map(|i| i.fabric_info()).collect())
+    }
+    #[cfg(not(efabus_libfabric))]
+    {
+        let _ = (provider, kind, source);
+        Err(FabricError::NotBuilt(
+            env!("EFABUS_LIBFABRIC_MISSING").to_string(),
+        ))
     }
 }
 
@@ -198,7 +226,7 @@ impl Transport for FabricTransport {
 
     fn infos(&self) -> Result<Vec<FabricInfo>, TransportError> {
         let raw = self.raw_infos().map_err(|e| self.unavailable(&e))?;
-        Ok(raw.iter().map(|_| FabricInfo::default()).collect())
+        Ok(raw.iter().map(convert::to_fabric_info).collect())
     }
 
     fn open(&self, config: &EndpointConfig) -> Result<Box<dyn Endpoint>, TransportError> {
