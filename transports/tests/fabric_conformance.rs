@@ -406,6 +406,63 @@ mod suite {
         assert!(b.insert_peer(&[1, 2, 3]).is_err());
     }
 
+    /// A message larger than the receiver's buffers (peers configured with
+    /// different `msg_size`) is dropped and counted: as a completion error
+    /// with the provider's text (`tcp;ofi_rxm`, `sockets`), or as a
+    /// truncated, malformed message (`udp;ofi_rxd`, `udp`). The receive slot
+    /// is reposted and later frames still arrive (checked where the provider
+    /// delivers them promptly).
+    pub fn oversized_message_is_dropped(kind: EpKind, provider: &str) {
+        let t = transport(kind, provider);
+        let big_cfg = config(&[]);
+        let small_cfg = config(&[("msg_size", "256")]);
+        let (mut a, mut b) = match (t.open_fabric(&big_cfg), t.open_fabric(&small_cfg)) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(err), _) | (_, Err(err)) => {
+                assert!(matches!(err, TransportError::Unavailable { .. }), "{err}");
+                assert!(!fabric_required(), "{err}");
+                eprintln!("skipping: {err}");
+                return;
+            }
+        };
+        assert!(b.max_frame() < 256);
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        a.send(pb, frame(&[7u8; 1000]))
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        let start = Instant::now();
+        while b.stats().rx_errors + b.stats().malformed == 0 {
+            a.poll(&mut ae).unwrap();
+            b.poll(&mut be).unwrap();
+            assert!(
+                start.elapsed() < DEADLINE,
+                "the oversized message was never reported"
+            );
+        }
+        assert!(b.stats().last_error.is_some());
+        assert!(
+            frames_from(&be, pa).is_empty(),
+            "a truncated frame was delivered"
+        );
+        if provider == "tcp;ofi_rxm" {
+            // libfabric 1.17's rxm holds the messages that follow a truncated
+            // one on the same connection until some later, timing-dependent
+            // point; the drop and count above are what efabus controls.
+            return;
+        }
+        a.send(pb, frame(b"small again"))
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| !frames_from(be, pa).is_empty(),
+            "a later frame",
+        );
+        assert_eq!(payload_of(&frames_from(&be, pa)[0]), b"small again");
+    }
+
     /// `Transport::open` gives the same endpoint behind the trait object.
     pub fn through_the_trait(kind: EpKind, provider: &str) {
         let t = transport(kind, provider);
@@ -479,6 +536,11 @@ macro_rules! provider_suite {
             #[test]
             fn accept_connect_close() {
                 suite::accept_connect_close($kind, $provider);
+            }
+
+            #[test]
+            fn oversized_message_is_dropped() {
+                suite::oversized_message_is_dropped($kind, $provider);
             }
 
             #[test]

@@ -100,6 +100,9 @@ pub struct FabricStats {
     pub would_block: u64,
     pub tx_errors: u64,
     pub rx_errors: u64,
+    /// The most recent error the endpoint absorbed (a failed completion
+    /// with the provider's text, a malformed message), for diagnostics.
+    pub last_error: Option<String>,
 }
 
 struct PeerState {
@@ -479,6 +482,7 @@ impl FabricEndpoint {
             // Datagrams may be lost anyway: count and carry on.
             _ => tracing::warn!("{error}"),
         }
+        self.stats.last_error = Some(error.to_string());
     }
 
     fn drain_rx(&mut self) -> Result<usize, FabricError> {
@@ -506,6 +510,7 @@ impl FabricEndpoint {
                             provider_text: err.provider_text,
                         };
                         tracing::warn!("{error}");
+                        self.stats.last_error = Some(error.to_string());
                     }
                     return Ok(1);
                 }
@@ -534,6 +539,7 @@ impl FabricEndpoint {
             Err(err) => {
                 self.stats.malformed += 1;
                 tracing::warn!("dropped a malformed message: {err}");
+                self.stats.last_error = Some(format!("malformed message: {err}"));
                 None
             }
         };
@@ -670,6 +676,7 @@ impl FabricEndpoint {
                     self.stats.tx_errors += 1;
                     let error = FabricError::Send { code };
                     tracing::warn!(%peer, "{error}");
+                    self.stats.last_error = Some(error.to_string());
                     let backlog = self
                         .peers
                         .get_mut(&peer)
