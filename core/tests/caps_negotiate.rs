@@ -33,6 +33,21 @@ fn prefs() -> Vec<String> {
         .collect()
 }
 
+#[test]
+fn the_report_shows_choices_then_skipped_candidates() {
+    let n = negotiate(&efa_host(1), &efa_host(2), &["efa-rdm", "efa-dgram", "tcp"]).unwrap();
+    let report = n.to_string();
+    let lines: Vec<&str> = report.lines().collect();
+    assert!(
+        lines[0]
+            .starts_with("reliable: efa-rdm via efa FI_EP_RDM: frame limit 4294967299, prefix 176"),
+        "{report}"
+    );
+    assert!(lines[1].starts_with("best-effort: efa-dgram via efa FI_EP_DGRAM: frame limit 8888, prefix 40, sequence and reorder, fragment"), "{report}");
+    assert_eq!(lines.len(), 2 + n.reasons.len());
+    assert!(lines[2..].iter().all(|l| l.starts_with("  - ")));
+}
+
 fn tcp_offer(port: u16) -> Offer {
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
     Offer::from_info(
@@ -277,7 +292,7 @@ fn no_common_link_is_an_error_with_reasons() {
 fn schemes_outside_the_preference_list_are_not_used() {
     let a = efa_host(1);
     let b = efa_host(2);
-    let n = negotiate(&a, &b, &["tcp".to_string()]).unwrap();
+    let n = negotiate(&a, &b, &["tcp"]).unwrap();
     assert_eq!(n.reliable.scheme, "tcp");
     assert_eq!(n.best_effort, None);
     assert!(n

@@ -40,8 +40,11 @@ pub struct Hints {
     pub mode: Mode,
     /// Registration rules the application can follow.
     pub mr_mode: MrMode,
+    /// Endpoint type wanted.
     pub ep_type: EpType,
+    /// Address format wanted.
     pub addr_format: AddrFormat,
+    /// Wire protocol wanted.
     pub protocol: Protocol,
     /// Ordering wanted in both directions.
     pub msg_order: MsgOrder,
@@ -84,7 +87,9 @@ impl Hints {
 /// Transmit or receive side of an endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Direction {
+    /// Transmit.
     Tx,
+    /// Receive.
     Rx,
 }
 
@@ -100,8 +105,11 @@ impl fmt::Display for Direction {
 /// One reason an offer does not fit the hints.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Mismatch {
+    /// The endpoint type differs.
     EpType {
+        /// In the hints.
         wanted: EpType,
+        /// In the info.
         offered: EpType,
     },
     /// Capabilities wanted and not offered.
@@ -111,37 +119,60 @@ pub enum Mismatch {
     /// Registration rules the provider requires and the application does
     /// not support.
     MrModeNotSupported(MrMode),
+    /// The address format differs.
     AddrFormat {
+        /// In the hints.
         wanted: AddrFormat,
+        /// In the info.
         offered: AddrFormat,
     },
+    /// The protocol differs.
     Protocol {
+        /// In the hints.
         wanted: Protocol,
+        /// In the info.
         offered: Protocol,
     },
     /// Ordering wanted and not offered in one direction.
     MsgOrder {
+        /// The side lacking it.
         direction: Direction,
+        /// The orderings wanted and not offered.
         missing: MsgOrder,
     },
+    /// Messages are limited below the size wanted.
     MaxMsgSize {
+        /// In the hints.
         wanted: u64,
+        /// In the info.
         offered: u64,
     },
+    /// Remote CQ data is smaller than wanted.
     CqDataSize {
+        /// In the hints.
         wanted: u64,
+        /// In the info.
         offered: u64,
     },
+    /// The provider name filter does not match.
     Provider {
+        /// In the hints.
         wanted: String,
+        /// In the info.
         offered: String,
     },
+    /// The fabric name filter does not match.
     Fabric {
+        /// In the hints.
         wanted: String,
+        /// In the info.
         offered: String,
     },
+    /// The domain name filter does not match.
     Domain {
+        /// In the hints.
         wanted: String,
+        /// In the info.
         offered: String,
     },
 }

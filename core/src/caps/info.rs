@@ -39,11 +39,14 @@ pub enum Layout {
     Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
 )]
 pub struct FiVersion {
+    /// Major version.
     pub major: u16,
+    /// Minor version.
     pub minor: u16,
 }
 
 impl FiVersion {
+    /// `major.minor`.
     pub const fn new(major: u16, minor: u16) -> Self {
         FiVersion { major, minor }
     }
@@ -73,11 +76,15 @@ impl std::fmt::Display for FiVersion {
 pub struct FabricInfo {
     /// The text layout this info was read in, or is to be printed in.
     pub layout: Layout,
+    /// Capabilities of the endpoint.
     pub caps: Caps,
     /// Mode bits the provider requires the application to honour.
     pub mode: Mode,
+    /// Encoding of `src_addr` and `dest_addr`.
     pub addr_format: AddrFormat,
+    /// Length in bytes of the binary source address.
     pub src_addrlen: u64,
+    /// Length in bytes of the binary destination address.
     pub dest_addrlen: u64,
     /// The source address as `fi_info` prints it; `None` for `(null)`.
     pub src_addr: Option<String>,
@@ -85,71 +92,102 @@ pub struct FabricInfo {
     pub dest_addr: Option<String>,
     /// The `handle` pointer; `None` for `(nil)`.
     pub handle: Option<u64>,
+    /// Transmit context attributes.
     pub tx_attr: TxAttr,
+    /// Receive context attributes.
     pub rx_attr: RxAttr,
+    /// Endpoint attributes.
     pub ep_attr: EpAttr,
+    /// Domain attributes.
     pub domain_attr: DomainAttr,
+    /// Fabric attributes.
     pub fabric_attr: FabricAttr,
     /// The NIC, when the provider reports one (`nic: (nil)` otherwise).
     pub nic: Option<Nic>,
+    /// Top-level lines this build does not know.
     pub extra: ExtraFields,
 }
 
 /// Mirror of `struct fi_tx_attr`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TxAttr {
+    /// Transmit capabilities.
     pub caps: Caps,
+    /// Mode bits the transmit side requires.
     pub mode: Mode,
+    /// Default flags of transmit operations.
     pub op_flags: OpFlags,
+    /// Ordering of transmit operations.
     pub msg_order: MsgOrder,
-    /// Printed in the 1.x layout only.
+    /// Completion ordering; printed in the 1.x layout only.
     pub comp_order: CompOrder,
     /// Largest message `fi_inject` may send.
     pub inject_size: u64,
     /// Transmit queue depth.
     pub size: u64,
+    /// Most iovec entries one send may gather.
     pub iov_limit: u64,
+    /// Most remote iovec entries one RMA may target.
     pub rma_iov_limit: u64,
+    /// Traffic class.
     pub tclass: u32,
+    /// Lines of this group this build does not know.
     pub extra: ExtraFields,
 }
 
 /// Mirror of `struct fi_rx_attr`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RxAttr {
+    /// Receive capabilities.
     pub caps: Caps,
+    /// Mode bits the receive side requires.
     pub mode: Mode,
+    /// Default flags of receive operations.
     pub op_flags: OpFlags,
+    /// Ordering of received operations.
     pub msg_order: MsgOrder,
-    /// Printed in the 1.x layout only.
+    /// Completion ordering; printed in the 1.x layout only.
     pub comp_order: CompOrder,
-    /// Printed in the 1.x layout only.
+    /// Bytes the provider may buffer for unexpected messages; printed in the
+    /// 1.x layout only.
     pub total_buffered_recv: u64,
     /// Receive queue depth.
     pub size: u64,
+    /// Most iovec entries one receive may scatter into.
     pub iov_limit: u64,
+    /// Lines of this group this build does not know.
     pub extra: ExtraFields,
 }
 
 /// Mirror of `struct fi_ep_attr`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EpAttr {
-    /// `type` in `fi_info`.
+    /// Endpoint type (`type` in `fi_info`).
     pub ep_type: EpType,
+    /// Wire protocol.
     pub protocol: Protocol,
+    /// Version of the wire protocol.
     pub protocol_version: u32,
     /// Largest message one operation carries, prefix included.
     pub max_msg_size: u64,
     /// Bytes reserved at the head of every buffer when `FI_MSG_PREFIX` is in
     /// the mode.
     pub msg_prefix_size: u64,
+    /// Largest RMA read-after-write kept in order.
     pub max_order_raw_size: u64,
+    /// Largest RMA write-after-read kept in order.
     pub max_order_war_size: u64,
+    /// Largest RMA write-after-write kept in order.
     pub max_order_waw_size: u64,
+    /// Layout of tag bits for tagged messages.
     pub mem_tag_format: u64,
+    /// Transmit contexts per endpoint.
     pub tx_ctx_cnt: u64,
+    /// Receive contexts per endpoint.
     pub rx_ctx_cnt: u64,
+    /// Size of the authorization key.
     pub auth_key_size: u64,
+    /// Lines of this group this build does not know.
     pub extra: ExtraFields,
 }
 
@@ -158,96 +196,147 @@ pub struct EpAttr {
 pub struct DomainAttr {
     /// The `domain` pointer as printed (`0x0` in a `fi_getinfo` result).
     pub domain: u64,
+    /// Domain name (the device, e.g. `rdmap70s0-rdm`).
     pub name: String,
+    /// Which calls may run concurrently.
     pub threading: Threading,
     /// 1.x `control_progress`. In the 2.x layout it equals `data_progress`.
     pub control_progress: Progress,
     /// 1.x `data_progress`; 2.x `progress`.
     pub data_progress: Progress,
+    /// Whether queues are protected against overruns.
     pub resource_mgmt: ResourceMgmt,
+    /// Address vector kind.
     pub av_type: AvType,
     /// Registration rules the provider requires.
     pub mr_mode: MrMode,
+    /// Size of a memory registration key.
     pub mr_key_size: u64,
+    /// Bytes of remote CQ data a message may carry.
     pub cq_data_size: u64,
+    /// Completion queues the domain supports.
     pub cq_cnt: u64,
+    /// Endpoints the domain supports.
     pub ep_cnt: u64,
+    /// Transmit contexts the domain supports.
     pub tx_ctx_cnt: u64,
+    /// Receive contexts the domain supports.
     pub rx_ctx_cnt: u64,
+    /// Transmit contexts per endpoint.
     pub max_ep_tx_ctx: u64,
+    /// Receive contexts per endpoint.
     pub max_ep_rx_ctx: u64,
+    /// Shared transmit contexts per endpoint.
     pub max_ep_stx_ctx: u64,
+    /// Shared receive contexts per endpoint.
     pub max_ep_srx_ctx: u64,
+    /// Counters the domain supports.
     pub cntr_cnt: u64,
+    /// Most iovec entries one registration may cover.
     pub mr_iov_limit: u64,
+    /// Domain-wide capabilities.
     pub caps: Caps,
+    /// Domain-wide mode bits.
     pub mode: Mode,
+    /// Size of the authorization key.
     pub auth_key_size: u64,
+    /// Largest provider error data.
     pub max_err_data: u64,
+    /// Memory registrations the domain supports.
     pub mr_cnt: u64,
+    /// Traffic class.
     pub tclass: u32,
+    /// Lines of this group this build does not know.
     pub extra: ExtraFields,
 }
 
 /// Mirror of `struct fi_fabric_attr`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FabricAttr {
+    /// Fabric name (`efa`, a subnet such as `127.0.0.1/32`).
     pub name: String,
     /// Provider name, layered ones joined by `;` (`tcp;ofi_rxm`).
     pub prov_name: String,
+    /// Provider version.
     pub prov_version: FiVersion,
+    /// libfabric API version the provider implements.
     pub api_version: FiVersion,
+    /// Lines of this group this build does not know.
     pub extra: ExtraFields,
 }
 
 /// Mirror of `struct fid_nic`'s attributes.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Nic {
+    /// `fi_device_attr`.
     pub device: DeviceAttr,
+    /// `fi_bus_attr`.
     pub bus: BusAttr,
+    /// `fi_link_attr`.
     pub link: LinkAttr,
+    /// Lines of this group this build does not know.
     pub extra: ExtraFields,
 }
 
 /// Mirror of `struct fi_device_attr`; every field is text in C too.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceAttr {
+    /// Device name (`rdmap70s0`).
     pub name: String,
+    /// Device id (`0xefa1`).
     pub device_id: String,
+    /// Device version.
     pub device_version: String,
+    /// Vendor id (`0x1d0f`).
     pub vendor_id: String,
+    /// Kernel driver.
     pub driver: String,
+    /// Firmware version.
     pub firmware: String,
+    /// Lines of this group this build does not know.
     pub extra: ExtraFields,
 }
 
 /// Mirror of `struct fi_bus_attr`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BusAttr {
+    /// Bus kind.
     pub bus_type: BusType,
     /// Present for (and printed only for) `FI_BUS_PCI`.
     pub pci: Option<PciAttr>,
+    /// Lines of this group this build does not know.
     pub extra: ExtraFields,
 }
 
 /// Mirror of `struct fi_pci_attr`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PciAttr {
+    /// PCI domain.
     pub domain_id: u16,
+    /// PCI bus.
     pub bus_id: u8,
+    /// PCI device.
     pub device_id: u8,
+    /// PCI function.
     pub function_id: u8,
+    /// Lines of this group this build does not know.
     pub extra: ExtraFields,
 }
 
 /// Mirror of `struct fi_link_attr`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LinkAttr {
+    /// Link-level address, as text.
     pub address: String,
+    /// Link MTU in bytes.
     pub mtu: u64,
+    /// Link speed in bits per second.
     pub speed: u64,
+    /// Up, down or unknown.
     pub state: LinkState,
+    /// Network kind (`Ethernet`, `InfiniBand`).
     pub network_type: String,
+    /// Lines of this group this build does not know.
     pub extra: ExtraFields,
 }
 

@@ -30,6 +30,30 @@
 //!
 //! All of it is pure computation on values, so a user can run it offline:
 //! parse two hosts' dumps and see what efabus would choose and why.
+//!
+//! ```
+//! use efabus_core::caps::{
+//!     negotiate, parse_fi_info_dump, select, to_fi_info_text, EpType, FabricInfo, Hints, Offer,
+//! };
+//!
+//! // Describe: the TCP transport's info, printed as `fi_info -v` would.
+//! let tcp = FabricInfo::tcp(Some("127.0.0.1:7420".parse().unwrap()));
+//! let text = to_fi_info_text(std::slice::from_ref(&tcp));
+//! assert_eq!(parse_fi_info_dump(&text).unwrap(), [tcp.clone()]);
+//!
+//! // Select locally by fi_getinfo's rules.
+//! let infos = [tcp.clone()];
+//! let chosen = select(&Hints::efabus(EpType::Unspec), &infos);
+//! assert_eq!(chosen.accepted.len(), 1);
+//!
+//! // Negotiate with a peer that offers TCP too.
+//! let mine = [Offer::from_info("tcp", chosen.accepted[0], b"127.0.0.1:7420".to_vec())];
+//! let peer = [Offer::from_info("tcp", &tcp, b"127.0.0.1:7421".to_vec())];
+//! let link = negotiate(&mine, &peer, &["efa-rdm", "tcp"]).unwrap();
+//! assert_eq!(link.reliable.scheme, "tcp");
+//! assert!(!link.reliable.params.sequence_and_reorder);
+//! println!("{link}");
+//! ```
 
 mod enums;
 mod flags;

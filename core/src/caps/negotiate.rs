@@ -57,19 +57,24 @@ pub const MIN_FRAME_LIMIT: u64 = 256;
 pub struct Offer {
     /// Transport scheme: `efa-rdm`, `efa-dgram`, `tcp`, `mem`.
     pub scheme: String,
+    /// Endpoint type.
     pub ep_type: EpType,
     /// Provider name (`efa`, `tcp;ofi_rxm`, `efabus-tcp`).
     pub provider: String,
+    /// Wire protocol.
     pub protocol: Protocol,
+    /// Version of the wire protocol; 0 when unspecified.
     pub protocol_version: u32,
     /// Largest message, prefix included.
     pub max_msg_size: u64,
     /// Bytes the provider reserves at the head of each buffer
     /// (`FI_MSG_PREFIX`); 0 without that mode.
     pub msg_prefix_size: u64,
+    /// Largest message sent with `fi_inject`.
     pub inject_size: u64,
     /// Ordering kept in both directions (tx ∩ rx `msg_order`).
     pub msg_order: MsgOrder,
+    /// Bytes of remote CQ data a message may carry.
     pub cq_data_size: u64,
     /// Transmit queue depth.
     pub tx_size: u64,
@@ -161,6 +166,7 @@ impl fmt::Display for Offer {
 /// How a link between two chosen offers must be driven.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LinkParams {
+    /// Endpoint type of both sides.
     pub ep_type: EpType,
     /// The endpoint type delivers every message or fails.
     pub reliable: bool,
@@ -223,11 +229,13 @@ impl LinkParams {
 /// One chosen link: the pair of offers and what follows from it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Choice {
+    /// The transport scheme both offers share.
     pub scheme: String,
     /// This side's offer.
     pub local: Offer,
     /// The peer's offer.
     pub remote: Offer,
+    /// How to drive the link.
     pub params: LinkParams,
 }
 
@@ -291,6 +299,22 @@ pub struct Negotiated {
     pub reasons: Vec<String>,
 }
 
+impl fmt::Display for Negotiated {
+    /// A report for people: the links chosen, then why each other candidate
+    /// was skipped.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "reliable: {}", self.reliable)?;
+        match &self.best_effort {
+            Some(choice) => writeln!(f, "best-effort: {choice}")?,
+            None => writeln!(f, "best-effort: on the reliable link")?,
+        }
+        for reason in &self.reasons {
+            writeln!(f, "  - {reason}")?;
+        }
+        Ok(())
+    }
+}
+
 /// No reliable link both sides can use.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("no reliable link both sides can use: {}", .reasons.join("; "))]
@@ -324,10 +348,10 @@ impl Class {
 
 /// Choose the reliable and best-effort links for two sides' offers. See the
 /// module docs for the rules.
-pub fn negotiate(
+pub fn negotiate<S: AsRef<str>>(
     local: &[Offer],
     remote: &[Offer],
-    preference: &[String],
+    preference: &[S],
 ) -> Result<Negotiated, NegotiationError> {
     let order = candidate_schemes(preference);
     let mut reasons = Vec::new();
@@ -362,11 +386,12 @@ pub fn negotiate(
 }
 
 /// The preference list without repeats, with `tcp` last if it is missing.
-fn candidate_schemes(preference: &[String]) -> Vec<String> {
+fn candidate_schemes<S: AsRef<str>>(preference: &[S]) -> Vec<String> {
     let mut order: Vec<String> = Vec::new();
     for scheme in preference {
-        if !order.contains(scheme) {
-            order.push(scheme.clone());
+        let scheme = scheme.as_ref();
+        if !order.iter().any(|s| s == scheme) {
+            order.push(scheme.to_string());
         }
     }
     if !order.iter().any(|s| s == TCP_SCHEME) {
@@ -555,13 +580,8 @@ mod tests {
 
     #[test]
     fn tcp_is_appended_once() {
-        assert_eq!(candidate_schemes(&[]), ["tcp"]);
-        let pref = [
-            "efa-rdm".to_string(),
-            "tcp".into(),
-            "efa-rdm".into(),
-            "mem".into(),
-        ];
+        assert_eq!(candidate_schemes::<&str>(&[]), ["tcp"]);
+        let pref = ["efa-rdm", "tcp", "efa-rdm", "mem"];
         assert_eq!(candidate_schemes(&pref), ["efa-rdm", "tcp", "mem"]);
     }
 
