@@ -3,6 +3,8 @@
 //!
 //! - [`mem`]: in-process endpoints addressed by name, zero-copy.
 //! - [`tcp`]: non-blocking TCP over mio, framed by the 4-byte length prefix.
+//! - [`fabric`]: libfabric endpoints (EFA RDM and DGRAM, and libfabric's
+//!   socket providers for development), through a thin C shim.
 //! - [`registry`]: endpoint strings (`tcp/127.0.0.1:7420`) and the map from
 //!   scheme to transport.
 //! - `conformance` (feature `conformance`): the one test suite every
@@ -10,6 +12,7 @@
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
+pub mod fabric;
 pub mod mem;
 pub mod registry;
 pub mod tcp;

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use efabus_core::transport::{Endpoint, EndpointConfig, PeerId, Transport, TransportError};
 use thiserror::Error;
 
+use crate::fabric::FabricTransport;
 use crate::mem::MemTransport;
 use crate::tcp::TcpTransport;
 
@@ -169,11 +170,15 @@ impl Registry {
         Registry::default()
     }
 
-    /// A registry with the transports built into this crate: `mem`, `tcp`.
+    /// A registry with the transports built into this crate: `mem`, `tcp`,
+    /// `efa-rdm` and `efa-dgram` (the fabric ones report themselves
+    /// unavailable, with the reason, where libfabric or the provider is missing).
     pub fn with_builtins() -> Self {
         let mut registry = Registry::new();
         registry.register(Arc::new(MemTransport));
         registry.register(Arc::new(TcpTransport));
+        registry.register(Arc::new(FabricTransport::rdm()));
+        registry.register(Arc::new(FabricTransport::dgram()));
         registry
     }
 
@@ -304,7 +309,10 @@ mod tests {
     #[test]
     fn unknown_scheme_lists_the_known_ones() {
         let registry = Registry::with_builtins();
-        assert_eq!(registry.schemes(), vec!["mem", "tcp"]);
+        assert_eq!(
+            registry.schemes(),
+            vec!["efa-dgram", "efa-rdm", "mem", "tcp"]
+        );
         let err = registry.get("efa-rdm").err().unwrap();
         assert!(matches!(err, RegistryError::UnknownScheme { .. }));
         assert!(err.to_string().contains("mem, tcp"), "{err}");

@@ -1,0 +1,447 @@
+/*
+ * efabus libfabric shim. libfabric's data-path API is static inline over
+ * function tables, so Rust cannot call it directly: each function here is
+ * one call, with no policy of its own. See shim.h for the structs.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_ext.h>
+
+#include "shim.h"
+
+/* The API version efabus is written against; 2.x libraries honour it. */
+#define EFABUS_FI_VERSION FI_VERSION(1, 17)
+
+/*
+ * FI_OPT_EFA_RNR_RETRY is an enum value (so #ifdef cannot see it) in
+ * fi_ext.h on 1.x and in fi_ext_efa.h on later releases; its value is
+ * fixed by the provider-specific option scheme, so spell it out and check
+ * it against the header where the header names the base.
+ */
+#define EFABUS_OPT_EFA_RNR_RETRY (-(0xefa << 16))
+#ifdef FI_PROV_SPECIFIC_EFA
+_Static_assert(EFABUS_OPT_EFA_RNR_RETRY == -FI_PROV_SPECIFIC_EFA,
+	       "FI_OPT_EFA_RNR_RETRY moved");
+#endif
+
+#define C(name) { #name, (uint64_t)(name) }
+static const struct efabus_constant constants[] = {
+	C(FI_MSG), C(FI_RECV), C(FI_SEND), C(FI_TRANSMIT),
+	C(FI_SOURCE), C(FI_CONTEXT), C(FI_MSG_PREFIX), C(FI_CONTEXT2),
+	C(FI_MR_LOCAL), C(FI_MR_VIRT_ADDR), C(FI_MR_ALLOCATED), C(FI_MR_PROV_KEY),
+	C(FI_MR_ENDPOINT), C(FI_MR_HMEM), C(FI_ORDER_SAS), C(FI_EP_UNSPEC),
+	C(FI_EP_MSG), C(FI_EP_DGRAM), C(FI_EP_RDM), C(FI_EP_SOCK_STREAM),
+	C(FI_EP_SOCK_DGRAM), C(FI_FORMAT_UNSPEC), C(FI_SOCKADDR), C(FI_SOCKADDR_IN),
+	C(FI_SOCKADDR_IN6), C(FI_ADDR_STR), C(FI_ADDR_EFA), C(FI_THREAD_DOMAIN),
+	C(FI_AV_TABLE), C(FI_ADDR_UNSPEC), C(FI_ADDR_NOTAVAIL), C(FI_SUCCESS),
+	C(FI_EAGAIN), C(FI_EAVAIL), C(FI_ENODATA), C(FI_ENOSYS),
+	C(FI_EOPNOTSUPP), C(FI_ECANCELED), C(FI_ETRUNC), C(FI_ENOMEM),
+	C(FI_EINVAL), C(FI_ENOPROTOOPT), C(FI_EBUSY),
+	{ "FI_OPT_EFA_RNR_RETRY", (uint64_t)(int64_t)EFABUS_OPT_EFA_RNR_RETRY },
+	{ "EFABUS_FI_VERSION", EFABUS_FI_VERSION },
+};
+#undef C
+
+const struct efabus_constant *efabus_constants(size_t *count)
+{
+	*count = sizeof(constants) / sizeof(constants[0]);
+	return constants;
+}
+
+uint32_t efabus_runtime_version(void)
+{
+	return fi_version();
+}
+
+uint32_t efabus_requested_version(void)
+{
+	return EFABUS_FI_VERSION;
+}
+
+const char *efabus_strerror(int err)
+{
+	return fi_strerror(err);
+}
+
+/* Replaces a string owned by an fi_info (freed by fi_freeinfo). */
+static int set_string(char **slot, const char *value)
+{
+	if (!value)
+		return 0;
+	free(*slot);
+	*slot = strdup(value);
+	return *slot ? 0 : -FI_ENOMEM;
+}
+
+int efabus_getinfo(const char *node, const char *service, uint64_t flags,
+		   const struct efabus_hints *h, struct fi_info **info)
+{
+	struct fi_info *hints;
+	int ret;
+
+	*info = NULL;
+	hints = fi_allocinfo();
+	if (!hints)
+		return -FI_ENOMEM;
+
+	hints->caps = h->caps;
+	hints->mode = h->mode;
+	hints->addr_format = (uint32_t)h->addr_format;
+	hints->ep_attr->type = (enum fi_ep_type)h->ep_type;
+	hints->tx_attr->msg_order = h->tx_msg_order;
+	hints->rx_attr->msg_order = h->rx_msg_order;
+	hints->domain_attr->mr_mode = (int)h->mr_mode;
+	hints->domain_attr->mode = h->domain_mode;
+	hints->domain_attr->threading = (enum fi_threading)h->threading;
+	hints->domain_attr->av_type = (enum fi_av_type)h->av_type;
+	ret = set_string(&hints->fabric_attr->prov_name, h->prov_name);
+	if (!ret)
+		ret = set_string(&hints->domain_attr->name, h->domain_name);
+	if (!ret)
+		ret = set_string(&hints->fabric_attr->name, h->fabric_name);
+	if (!ret)
+		ret = fi_getinfo(EFABUS_FI_VERSION, node, service, flags, hints, info);
+	fi_freeinfo(hints);
+	return ret;
+}
+
+void efabus_freeinfo(struct fi_info *info)
+{
+	fi_freeinfo(info);
+}
+
+struct fi_info *efabus_info_next(const struct fi_info *info)
+{
+	return info->next;
+}
+
+struct fi_info *efabus_dupinfo(const struct fi_info *info)
+{
+	return fi_dupinfo(info);
+}
+
+void efabus_info_view(const struct fi_info *info, struct efabus_info_view *v)
+{
+	memset(v, 0, sizeof(*v));
+	v->caps = info->caps;
+	v->mode = info->mode;
+	v->addr_format = info->addr_format;
+	v->src_addrlen = info->src_addrlen;
+	v->dest_addrlen = info->dest_addrlen;
+	v->src_addr = info->src_addr;
+	v->dest_addr = info->dest_addr;
+	v->handle = info->handle;
+
+	if (info->tx_attr) {
+		const struct fi_tx_attr *a = info->tx_attr;
+		v->has_tx = 1;
+		v->tx_caps = a->caps;
+		v->tx_mode = a->mode;
+		v->tx_op_flags = a->op_flags;
+		v->tx_msg_order = a->msg_order;
+		v->tx_comp_order = a->comp_order;
+		v->tx_inject_size = a->inject_size;
+		v->tx_size = a->size;
+		v->tx_iov_limit = a->iov_limit;
+		v->tx_rma_iov_limit = a->rma_iov_limit;
+		v->tx_tclass = a->tclass;
+	}
+	if (info->rx_attr) {
+		const struct fi_rx_attr *a = info->rx_attr;
+		v->has_rx = 1;
+		v->rx_caps = a->caps;
+		v->rx_mode = a->mode;
+		v->rx_op_flags = a->op_flags;
+		v->rx_msg_order = a->msg_order;
+		v->rx_comp_order = a->comp_order;
+		v->rx_total_buffered_recv = a->total_buffered_recv;
+		v->rx_size = a->size;
+		v->rx_iov_limit = a->iov_limit;
+	}
+	if (info->ep_attr) {
+		const struct fi_ep_attr *a = info->ep_attr;
+		v->has_ep = 1;
+		v->ep_type = a->type;
+		v->ep_protocol = a->protocol;
+		v->ep_protocol_version = a->protocol_version;
+		v->ep_max_msg_size = a->max_msg_size;
+		v->ep_msg_prefix_size = a->msg_prefix_size;
+		v->ep_max_order_raw_size = a->max_order_raw_size;
+		v->ep_max_order_war_size = a->max_order_war_size;
+		v->ep_max_order_waw_size = a->max_order_waw_size;
+		v->ep_mem_tag_format = a->mem_tag_format;
+		v->ep_tx_ctx_cnt = a->tx_ctx_cnt;
+		v->ep_rx_ctx_cnt = a->rx_ctx_cnt;
+		v->ep_auth_key_size = a->auth_key_size;
+	}
+	if (info->domain_attr) {
+		const struct fi_domain_attr *a = info->domain_attr;
+		v->has_domain = 1;
+		v->dom_domain = a->domain;
+		v->dom_name = a->name;
+		v->dom_threading = a->threading;
+		v->dom_control_progress = a->control_progress;
+		v->dom_data_progress = a->data_progress;
+		v->dom_resource_mgmt = a->resource_mgmt;
+		v->dom_av_type = a->av_type;
+		v->dom_mr_mode = (uint64_t)(unsigned int)a->mr_mode;
+		v->dom_mr_key_size = a->mr_key_size;
+		v->dom_cq_data_size = a->cq_data_size;
+		v->dom_cq_cnt = a->cq_cnt;
+		v->dom_ep_cnt = a->ep_cnt;
+		v->dom_tx_ctx_cnt = a->tx_ctx_cnt;
+		v->dom_rx_ctx_cnt = a->rx_ctx_cnt;
+		v->dom_max_ep_tx_ctx = a->max_ep_tx_ctx;
+		v->dom_max_ep_rx_ctx = a->max_ep_rx_ctx;
+		v->dom_max_ep_stx_ctx = a->max_ep_stx_ctx;
+		v->dom_max_ep_srx_ctx = a->max_ep_srx_ctx;
+		v->dom_cntr_cnt = a->cntr_cnt;
+		v->dom_mr_iov_limit = a->mr_iov_limit;
+		v->dom_caps = a->caps;
+		v->dom_mode = a->mode;
+		v->dom_auth_key_size = a->auth_key_size;
+		v->dom_max_err_data = a->max_err_data;
+		v->dom_mr_cnt = a->mr_cnt;
+		v->dom_tclass = a->tclass;
+	}
+	if (info->fabric_attr) {
+		const struct fi_fabric_attr *a = info->fabric_attr;
+		v->has_fabric = 1;
+		v->fab_name = a->name;
+		v->fab_prov_name = a->prov_name;
+		v->fab_prov_version = a->prov_version;
+		v->fab_api_version = a->api_version;
+	}
+	if (info->nic) {
+		const struct fid_nic *n = info->nic;
+		v->has_nic = 1;
+		if (n->device_attr) {
+			v->has_device = 1;
+			v->dev_name = n->device_attr->name;
+			v->dev_device_id = n->device_attr->device_id;
+			v->dev_device_version = n->device_attr->device_version;
+			v->dev_vendor_id = n->device_attr->vendor_id;
+			v->dev_driver = n->device_attr->driver;
+			v->dev_firmware = n->device_attr->firmware;
+		}
+		if (n->bus_attr) {
+			v->has_bus = 1;
+			v->bus_type = n->bus_attr->bus_type;
+			v->pci_domain_id = n->bus_attr->attr.pci.domain_id;
+			v->pci_bus_id = n->bus_attr->attr.pci.bus_id;
+			v->pci_device_id = n->bus_attr->attr.pci.device_id;
+			v->pci_function_id = n->bus_attr->attr.pci.function_id;
+		}
+		if (n->link_attr) {
+			v->has_link = 1;
+			v->link_address = n->link_attr->address;
+			v->link_mtu = n->link_attr->mtu;
+			v->link_speed = n->link_attr->speed;
+			v->link_state = n->link_attr->state;
+			v->link_network_type = n->link_attr->network_type;
+		}
+	}
+}
+
+size_t efabus_info_tostr(const struct fi_info *info, char *buf, size_t len)
+{
+	if (!len)
+		return 0;
+	buf[0] = '\0';
+	fi_tostr_r(buf, len, info, FI_TYPE_INFO);
+	return strnlen(buf, len);
+}
+
+int efabus_fabric(const struct fi_info *info, struct fid_fabric **fabric)
+{
+	return fi_fabric(info->fabric_attr, fabric, NULL);
+}
+
+int efabus_fabric_close(struct fid_fabric *fabric)
+{
+	return fi_close(&fabric->fid);
+}
+
+int efabus_domain(struct fid_fabric *fabric, struct fi_info *info,
+		  struct fid_domain **domain)
+{
+	return fi_domain(fabric, info, domain, NULL);
+}
+
+int efabus_domain_close(struct fid_domain *domain)
+{
+	return fi_close(&domain->fid);
+}
+
+int efabus_av_open(struct fid_domain *domain, uint64_t type, uint64_t count,
+		   struct fid_av **av)
+{
+	struct fi_av_attr attr;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.type = (enum fi_av_type)type;
+	attr.count = count;
+	return fi_av_open(domain, &attr, av, NULL);
+}
+
+int efabus_av_close(struct fid_av *av)
+{
+	return fi_close(&av->fid);
+}
+
+int efabus_av_insert(struct fid_av *av, const void *addr, uint64_t *fi_addr)
+{
+	fi_addr_t out = FI_ADDR_NOTAVAIL;
+	int ret = fi_av_insert(av, addr, 1, &out, 0, NULL);
+
+	*fi_addr = out;
+	return ret;
+}
+
+int efabus_cq_open(struct fid_domain *domain, uint64_t size, struct fid_cq **cq)
+{
+	struct fi_cq_attr attr;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.size = size;
+	attr.format = FI_CQ_FORMAT_MSG;
+	attr.wait_obj = FI_WAIT_NONE;
+	return fi_cq_open(domain, &attr, cq, NULL);
+}
+
+int efabus_cq_close(struct fid_cq *cq)
+{
+	return fi_close(&cq->fid);
+}
+
+_Static_assert(sizeof(struct efabus_completion) == sizeof(struct fi_cq_msg_entry),
+	       "completion layout");
+_Static_assert(offsetof(struct efabus_completion, len) ==
+	       offsetof(struct fi_cq_msg_entry, len), "completion layout");
+
+int64_t efabus_cq_read(struct fid_cq *cq, struct efabus_completion *buf, uint64_t count)
+{
+	return fi_cq_read(cq, buf, count);
+}
+
+int64_t efabus_cq_readerr(struct fid_cq *cq, struct efabus_cq_error *out)
+{
+	/*
+	 * Room to spare behind the 1.x entry: later releases append fields,
+	 * and a provider must not be able to write past our buffer.
+	 */
+	union {
+		struct fi_cq_err_entry entry;
+		char spare[sizeof(struct fi_cq_err_entry) + 256];
+	} e;
+	const char *text;
+	ssize_t ret;
+
+	memset(&e, 0, sizeof(e));
+	memset(out, 0, sizeof(*out));
+	ret = fi_cq_readerr(cq, &e.entry, 0);
+	if (ret <= 0)
+		return ret;
+	out->op_context = e.entry.op_context;
+	out->flags = e.entry.flags;
+	out->len = e.entry.len;
+	out->olen = e.entry.olen;
+	out->err = e.entry.err;
+	out->prov_errno = e.entry.prov_errno;
+	text = fi_cq_strerror(cq, e.entry.prov_errno, e.entry.err_data,
+			      out->prov_text, sizeof(out->prov_text));
+	if (text && text != out->prov_text) {
+		strncpy(out->prov_text, text, sizeof(out->prov_text) - 1);
+		out->prov_text[sizeof(out->prov_text) - 1] = '\0';
+	}
+	return ret;
+}
+
+int efabus_endpoint(struct fid_domain *domain, struct fi_info *info,
+		    struct fid_ep **ep)
+{
+	return fi_endpoint(domain, info, ep, NULL);
+}
+
+int efabus_ep_close(struct fid_ep *ep)
+{
+	return fi_close(&ep->fid);
+}
+
+int efabus_ep_bind_av(struct fid_ep *ep, struct fid_av *av)
+{
+	return fi_ep_bind(ep, &av->fid, 0);
+}
+
+int efabus_ep_bind_cq(struct fid_ep *ep, struct fid_cq *cq, uint64_t flags)
+{
+	return fi_ep_bind(ep, &cq->fid, flags);
+}
+
+int efabus_ep_set_efa_rnr_retry(struct fid_ep *ep, uint64_t retry)
+{
+	size_t value = (size_t)retry;
+
+	return fi_setopt(&ep->fid, FI_OPT_ENDPOINT, EFABUS_OPT_EFA_RNR_RETRY,
+			 &value, sizeof(value));
+}
+
+int efabus_enable(struct fid_ep *ep)
+{
+	return fi_enable(ep);
+}
+
+int efabus_getname(struct fid_ep *ep, void *addr, uint64_t *addrlen)
+{
+	size_t len = (size_t)*addrlen;
+	int ret = fi_getname(&ep->fid, addr, &len);
+
+	*addrlen = len;
+	return ret;
+}
+
+int efabus_mr_reg(struct fid_domain *domain, const void *buf, uint64_t len,
+		  uint64_t access, uint64_t requested_key, struct fid_mr **mr)
+{
+	return fi_mr_reg(domain, buf, len, access, 0, requested_key, 0, mr, NULL);
+}
+
+int efabus_mr_close(struct fid_mr *mr)
+{
+	return fi_close(&mr->fid);
+}
+
+void *efabus_mr_desc(struct fid_mr *mr)
+{
+	return fi_mr_desc(mr);
+}
+
+uint64_t efabus_mr_key(struct fid_mr *mr)
+{
+	return fi_mr_key(mr);
+}
+
+int64_t efabus_recv(struct fid_ep *ep, void *buf, uint64_t len, void *desc,
+		    void *context)
+{
+	return fi_recv(ep, buf, len, desc, FI_ADDR_UNSPEC, context);
+}
+
+int64_t efabus_send(struct fid_ep *ep, const void *buf, uint64_t len, void *desc,
+		    uint64_t dest, void *context)
+{
+	return fi_send(ep, buf, len, desc, dest, context);
+}
+
+int64_t efabus_inject(struct fid_ep *ep, const void *buf, uint64_t len,
+		      uint64_t dest)
+{
+	return fi_inject(ep, buf, len, dest);
+}

@@ -1,0 +1,905 @@
+//! The fabric endpoint: one libfabric RDM or DGRAM endpoint with its AV,
+//! completion queues and registered buffer pools, behind efabus's
+//! [`Endpoint`] trait.
+//!
+//! Set-up: fi_getinfo → fabric → domain → AV (FI_AV_TABLE) → tx and rx CQs
+//! (FI_CQ_FORMAT_MSG, FI_WAIT_NONE) → endpoint → bind → (efa RDM:
+//! FI_OPT_EFA_RNR_RETRY) → enable → fi_getname → receives posted.
+//!
+//! Data path:
+//! - Receives stay posted, `rx_depth` of them, each a slot of the rx pool;
+//!   every completion is decoded, copied out, and its slot reposted at once.
+//! - A send copies the frame into a free tx slot (or a scratch buffer for
+//!   `fi_inject`, used only when the whole posted length fits the
+//!   provider's `inject_size`). No free slot or a persistent -FI_EAGAIN
+//!   returns `WouldBlock`, and `Writable` follows once a slot is free.
+//! - -FI_EAGAIN on a post: the CQs are read (which drives progress on
+//!   manual-progress providers) and the post retried a few times.
+//! - Descriptors from the pools' regions go with every post when the
+//!   provider requires FI_MR_LOCAL (or `force_mr_local` is set).
+//! - The sender of each message is named in band (see [`super::layout`]);
+//!   an unknown sender becomes a new peer announced with `Accepted`.
+//!
+//! Nothing here waits: the endpoint must be polled (`Readiness::MustPoll`).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::rc::Rc;
+
+use bytes::Bytes;
+use efabus_core::transport::{
+    CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+    TransportError,
+};
+
+use super::config::{addr_from_hex, addr_to_hex, EpKind, FabricOptions, OrderWanted};
+use super::consts::*;
+use super::error::{FabricError, FiCode};
+use super::handle::{
+    AddressVector, Completion, CompletionQueue, CqError, CqRead, Domain, Fabric, FiEndpoint,
+};
+use super::info::{Hints, Info, InfoList};
+use super::layout::{check_frame, BufferLayout, Received};
+use super::pool::BufferPool;
+
+/// Modes efabus honours: it reserves prefixes and always passes a
+/// context big enough for `struct fi_context2`.
+pub const SUPPORTED_MODES: u64 = FI_MSG_PREFIX | FI_CONTEXT | FI_CONTEXT2;
+/// mr_mode bits efabus honours: it registers its own pools, passes their
+/// descriptors, never touches unbacked memory, takes provider keys and
+/// would address RMA by virtual address. (FI_MR_ENDPOINT is not handled.)
+pub const SUPPORTED_MR_MODES: u64 =
+    FI_MR_LOCAL | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_VIRT_ADDR;
+/// mr_mode bits that may be reported but concern memory efabus never
+/// registers (device memory).
+const IGNORED_MR_MODES: u64 = FI_MR_HMEM;
+
+/// Completions read per `fi_cq_read`.
+const CQ_BATCH: usize = 64;
+
+/// What the provider granted, as the endpoint uses it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkInfo {
+    pub kind: EpKind,
+    pub provider: String,
+    pub fabric: String,
+    pub domain: String,
+    /// FI_ORDER_SAS granted on both tx and rx: frames from one sender
+    /// arrive in send order. When false the session layer must sequence
+    /// and reorder.
+    pub sas: bool,
+    /// Prefix bytes reserved in front of every buffer (the provider's
+    /// `msg_prefix_size`, or `force_prefix`).
+    pub msg_prefix_size: usize,
+    /// The provider's own `msg_prefix_size`.
+    pub provider_prefix: usize,
+    /// The provider's `max_msg_size`.
+    pub max_msg_size: u64,
+    /// The provider's `inject_size` (0: never inject).
+    pub inject_size: usize,
+    /// Largest frame one send carries.
+    pub max_frame: usize,
+    /// Buffers are registered and descriptors passed with every post.
+    pub mr_local: bool,
+    pub rx_depth: usize,
+    pub tx_depth: usize,
+    pub addr_format: u64,
+    pub resource_mgmt: u64,
+    /// The FI_OPT_EFA_RNR_RETRY value set, if it was.
+    pub rnr_retry: Option<u64>,
+}
+
+/// Counters of what the endpoint did, for diagnostics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FabricStats {
+    pub sent: u64,
+    pub injected: u64,
+    pub received: u64,
+    pub provider_packets: u64,
+    pub malformed: u64,
+    pub from_closed_peers: u64,
+    pub would_block: u64,
+    pub tx_errors: u64,
+    pub rx_errors: u64,
+    /// The most recent error the endpoint absorbed (a failed completion
+    /// with the provider's text, a malformed message), for diagnostics.
+    pub last_error: Option<String>,
+}
+
+struct PeerState {
+    addr: Vec<u8>,
+    fi_addr: u64,
+    /// Frame bytes in tx slots: waiting in `backlog` or posted.
+    queued_bytes: usize,
+    /// Encoded tx slots the provider refused with -FI_EAGAIN (e.g. while
+    /// `tcp;ofi_rxm` connects), posted in order before anything newer.
+    backlog: VecDeque<usize>,
+    wants_writable: bool,
+}
+
+/// A libfabric RDM or DGRAM endpoint. See the module docs.
+pub struct FabricEndpoint {
+    // Field order is drop order: the endpoint closes first, which ends
+    // every posted operation; then the CQs and AV; then the pools (their
+    // regions, then their memory); then domain and fabric.
+    ep: FiEndpoint,
+    tx_cq: Rc<CompletionQueue>,
+    rx_cq: Rc<CompletionQueue>,
+    av: Rc<AddressVector>,
+    rx_pool: BufferPool,
+    tx_pool: BufferPool,
+    _domain: Rc<Domain>,
+    _fabric: Rc<Fabric>,
+    info: Info,
+
+    link: LinkInfo,
+    layout: BufferLayout,
+    local_addr: Vec<u8>,
+
+    next_peer: u64,
+    peers: HashMap<PeerId, PeerState>,
+    by_addr: HashMap<Vec<u8>, PeerId>,
+    av_cache: HashMap<Vec<u8>, u64>,
+    closed_addrs: HashSet<Vec<u8>>,
+
+    free_tx: Vec<usize>,
+    /// Per tx slot: the peer and frame length it carries, while in use.
+    tx_owner: Vec<Option<(PeerId, usize)>>,
+    /// Per tx slot: the length to post (prefix and header included).
+    tx_post_len: Vec<usize>,
+    unposted_rx: Vec<usize>,
+    pending: VecDeque<Event>,
+    scratch: Vec<u8>,
+    completions: Vec<Completion>,
+    stats: FabricStats,
+}
+
+// SAFETY: every libfabric object of this endpoint's fabric and domain is
+// owned by this value alone: the `Rc`s linking them are private and never
+// cloned out, so moving the endpoint moves the whole object graph, and
+// every call into it goes through `&mut self` (or `&self` for reads that
+// make no libfabric call). That serializes all use of the domain, which is
+// what FI_THREAD_DOMAIN (requested in the hints) asks of the application.
+// Raw pointers in the pools point into memory this value owns.
+unsafe impl Send for FabricEndpoint {}
+
+impl FabricEndpoint {
+    /// Opens an endpoint of `kind` with `options` (see [`FabricOptions`]).
+    pub fn open(
+        kind: EpKind,
+        options: &FabricOptions,
+        config: &EndpointConfig,
+    ) -> Result<FabricEndpoint, FabricError> {
+        let (list, sas_requested) = get_info(kind, options)?;
+        let first = list.iter().next().ok_or_else(|| FabricError::GetInfo {
+            provider: options.provider.clone(),
+            ep_type: kind.fi_name(),
+            code: FiCode::from_ret(FI_ENODATA.into()),
+        })?;
+        let info = first.dup()?;
+        drop(list);
+        let attrs = info.attrs();
+        let unusable = |reason: String| FabricError::Unusable {
+            provider: attrs.provider().to_string(),
+            reason,
+        };
+        let (tx, rx, ep_attrs, dom) = match (&attrs.tx, &attrs.rx, &attrs.ep, &attrs.domain) {
+            (Some(tx), Some(rx), Some(ep), Some(dom)) => (tx, rx, ep, dom),
+            _ => {
+                return Err(unusable(
+                    "fi_info without tx/rx/ep/domain attributes".into(),
+                ))
+            }
+        };
+        if ep_attrs.ep_type != kind.fi_value() {
+            return Err(unusable(format!(
+                "returned endpoint type {}",
+                ep_attrs.ep_type
+            )));
+        }
+        let modes = attrs.mode | tx.mode | rx.mode;
+        if modes & !SUPPORTED_MODES != 0 {
+            return Err(unusable(format!(
+                "requires mode bits {:#x} efabus does not honour",
+                modes & !SUPPORTED_MODES
+            )));
+        }
+        if dom.mr_mode & !(SUPPORTED_MR_MODES | IGNORED_MR_MODES) != 0 {
+            return Err(unusable(format!(
+                "requires mr_mode bits {:#x} efabus does not honour",
+                dom.mr_mode & !(SUPPORTED_MR_MODES | IGNORED_MR_MODES)
+            )));
+        }
+        let sas =
+            sas_requested && tx.msg_order & FI_ORDER_SAS != 0 && rx.msg_order & FI_ORDER_SAS != 0;
+        if options.order == OrderWanted::Require && !sas {
+            return Err(unusable("FI_ORDER_SAS was required but not granted".into()));
+        }
+
+        let provider_prefix = usize::try_from(ep_attrs.msg_prefix_size)
+            .map_err(|_| unusable("msg_prefix_size does not fit in memory".into()))?;
+        if provider_prefix > 0
+            && options.force_prefix > 0
+            && options.force_prefix != provider_prefix
+        {
+            tracing::warn!(
+                provider_prefix,
+                forced = options.force_prefix,
+                "force_prefix ignored: the provider sets its own prefix"
+            );
+        }
+        let prefix = if provider_prefix > 0 {
+            provider_prefix
+        } else {
+            options.force_prefix
+        };
+        let cap = match kind {
+            EpKind::Rdm => options
+                .msg_size
+                .unwrap_or(super::config::DEFAULT_RDM_MSG_SIZE),
+            EpKind::Dgram => options.msg_size.unwrap_or(super::config::MAX_MSG_SIZE),
+        };
+        let layout = BufferLayout::new(
+            prefix,
+            BufferLayout::payload_for(ep_attrs.max_msg_size, prefix, cap),
+        );
+        let mr_local = dom.mr_mode & FI_MR_LOCAL != 0 || options.force_mr_local;
+        let depth = |wanted: usize, provider: u64| match usize::try_from(provider) {
+            Ok(0) | Err(_) => wanted,
+            Ok(p) => wanted.min(p),
+        };
+        let rx_depth = depth(options.rx_depth, rx.size);
+        let tx_depth = depth(options.tx_depth, tx.size);
+        let inject_size = usize::try_from(tx.inject_size).unwrap_or(usize::MAX);
+
+        let fabric = Fabric::open(&info)?;
+        let domain = Domain::open(&fabric, &info)?;
+        let av = AddressVector::open_table(&domain, options.av_size)?;
+        let tx_cq = CompletionQueue::open(&domain, tx_depth + 1)?;
+        let rx_cq = CompletionQueue::open(&domain, rx_depth + 1)?;
+        let mut ep = FiEndpoint::open(&domain, &info)?;
+        ep.bind_av(&av)?;
+        ep.bind_cq(&tx_cq, FI_TRANSMIT)?;
+        ep.bind_cq(&rx_cq, FI_RECV)?;
+        let mut rnr_retry = None;
+        if kind == EpKind::Rdm && attrs.provider().starts_with("efa") {
+            // Before fi_enable, RDM only (fi_efa(7)). Devices that cannot
+            // change it answer ENOSYS/EOPNOTSUPP: keep the default then.
+            match ep.set_efa_rnr_retry(options.rnr_retry) {
+                Ok(()) => rnr_retry = Some(options.rnr_retry),
+                Err(err)
+                    if matches!(err.code().map(|c| c.code), Some(FI_ENOSYS | FI_EOPNOTSUPP)) =>
+                {
+                    tracing::warn!("{err}; keeping the provider's RNR retry")
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        ep.enable()?;
+        let local_addr = ep.name()?;
+        if local_addr.is_empty() || local_addr.len() > usize::from(u8::MAX) {
+            return Err(unusable(format!("address of {} bytes", local_addr.len())));
+        }
+        // SAFETY: the length fi_getname reported is the provider's address
+        // size for this endpoint's format.
+        unsafe { av.set_addr_len(local_addr.len()) };
+
+        let max_frame = layout.max_frame(local_addr.len()).min(config.max_frame);
+        if max_frame < 64 {
+            return Err(unusable(format!(
+                "only {max_frame} bytes per message remain after prefix and header"
+            )));
+        }
+        let stride = layout.slot_stride();
+        let mut rx_pool = BufferPool::new(rx_depth, stride)?;
+        let mut tx_pool = BufferPool::new(tx_depth, stride)?;
+        if mr_local {
+            // Distinct keys matter only to providers without FI_MR_PROV_KEY.
+            rx_pool.register(&domain, FI_RECV, 1)?;
+            tx_pool.register(&domain, FI_SEND, 2)?;
+        }
+
+        let link = LinkInfo {
+            kind,
+            provider: attrs.provider().to_string(),
+            fabric: attrs
+                .fabric
+                .as_ref()
+                .and_then(|f| f.name.clone())
+                .unwrap_or_default(),
+            domain: dom.name.clone().unwrap_or_default(),
+            sas,
+            msg_prefix_size: prefix,
+            provider_prefix,
+            max_msg_size: ep_attrs.max_msg_size,
+            inject_size,
+            max_frame,
+            mr_local,
+            rx_depth,
+            tx_depth,
+            addr_format: attrs.addr_format,
+            resource_mgmt: dom.resource_mgmt,
+            rnr_retry,
+        };
+        tracing::debug!(?link, "fabric endpoint open");
+
+        let mut endpoint = FabricEndpoint {
+            ep,
+            tx_cq,
+            rx_cq,
+            av,
+            rx_pool,
+            tx_pool,
+            _domain: domain,
+            _fabric: fabric,
+            info,
+            link,
+            layout,
+            local_addr,
+            next_peer: 1,
+            peers: HashMap::new(),
+            by_addr: HashMap::new(),
+            av_cache: HashMap::new(),
+            closed_addrs: HashSet::new(),
+            free_tx: (0..tx_depth).rev().collect(),
+            tx_owner: vec![None; tx_depth],
+            tx_post_len: vec![0; tx_depth],
+            unposted_rx: (0..rx_depth).rev().collect(),
+            pending: VecDeque::new(),
+            scratch: Vec::new(),
+            completions: vec![Completion::default(); CQ_BATCH],
+            stats: FabricStats::default(),
+        };
+        endpoint.post_receives()?;
+        if !endpoint.unposted_rx.is_empty() {
+            tracing::debug!(
+                left = endpoint.unposted_rx.len(),
+                "provider accepted fewer receives than rx_depth; the rest are posted later"
+            );
+        }
+        Ok(endpoint)
+    }
+
+    /// What the provider granted.
+    pub fn link(&self) -> &LinkInfo {
+        &self.link
+    }
+
+    /// Whether FI_ORDER_SAS was granted (see [`LinkInfo::sas`]).
+    pub fn sas_granted(&self) -> bool {
+        self.link.sas
+    }
+
+    /// The selected `fi_info`, in `fi_info -v` layout.
+    pub fn info_text(&self) -> String {
+        self.info.to_text()
+    }
+
+    /// The selected `fi_info` as values.
+    pub fn info_attrs(&self) -> super::attrs::InfoAttrs {
+        self.info.attrs()
+    }
+
+    pub fn stats(&self) -> &FabricStats {
+        &self.stats
+    }
+
+    /// The peer already known for these address bytes, if any.
+    pub fn peer_by_addr(&self, addr: &[u8]) -> Option<PeerId> {
+        self.by_addr.get(addr).copied()
+    }
+
+    /// Posts every receive slot not currently posted. A -FI_EAGAIN leaves
+    /// the rest for the next poll.
+    fn post_receives(&mut self) -> Result<(), FabricError> {
+        let len = self.layout.recv_len();
+        let desc = self.rx_pool.desc();
+        while let Some(&slot) = self.unposted_rx.last() {
+            let buf = self.rx_pool.slot_ptr(slot);
+            let context = self.rx_pool.context(slot);
+            // SAFETY: the slot is not posted (it is in `unposted_rx`), lies
+            // in the rx pool, which outlives the endpoint (drop order), and
+            // is not touched until its completion is read; `desc` is the
+            // pool's region or NULL when the provider needs none.
+            match unsafe { self.ep.recv(buf, len, desc, context) } {
+                Ok(()) => {
+                    self.unposted_rx.pop();
+                }
+                Err(code) if code.is_again() => break,
+                Err(code) => return Err(FabricError::Recv { code }),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads both CQs until empty (bounded per call), queueing events.
+    fn progress(&mut self) -> Result<(), FabricError> {
+        let budget = self.link.tx_depth + self.link.rx_depth + CQ_BATCH;
+        let mut handled = 0;
+        while handled < budget {
+            let n = self.drain_tx()? + self.drain_rx()?;
+            if n == 0 {
+                break;
+            }
+            handled += n;
+        }
+        self.flush_backlogs();
+        self.post_receives()?;
+        if !self.free_tx.is_empty() {
+            for (peer, state) in self.peers.iter_mut() {
+                if std::mem::take(&mut state.wants_writable) {
+                    self.pending.push_back(Event::Writable { peer: *peer });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn drain_tx(&mut self) -> Result<usize, FabricError> {
+        match self.tx_cq.read(&mut self.completions)? {
+            CqRead::Entries(n) => {
+                for i in 0..n {
+                    let context = self.completions[i].op_context;
+                    self.finish_send(context);
+                }
+                Ok(n)
+            }
+            CqRead::ErrorAvailable => {
+                if let Some(err) = self.tx_cq.read_error()? {
+                    self.on_tx_error(err);
+                    return Ok(1);
+                }
+                Ok(0)
+            }
+        }
+    }
+
+    /// Frees a tx slot whose send completed; returns its peer.
+    fn finish_send(&mut self, context: *mut std::ffi::c_void) -> Option<PeerId> {
+        let Some(slot) = self.tx_pool.slot_of(context) else {
+            tracing::warn!("tx completion with an unknown context");
+            return None;
+        };
+        let (peer, _) = self.tx_owner[slot]?;
+        self.release_slot(slot);
+        Some(peer)
+    }
+
+    fn on_tx_error(&mut self, err: CqError) {
+        self.stats.tx_errors += 1;
+        let peer = self.finish_send(err.op_context);
+        let error = FabricError::Completion {
+            op: "fi_send",
+            code: err.code,
+            prov_errno: err.prov_errno,
+            provider_text: err.provider_text,
+        };
+        match (self.link.kind, peer) {
+            // A reliable send that failed means the peer is unreachable.
+            (EpKind::Rdm, Some(peer)) if self.peers.contains_key(&peer) => {
+                tracing::warn!(%peer, "{error}");
+                self.drop_peer(peer, CloseReason::Error(error.to_string()));
+            }
+            // Datagrams may be lost anyway: count and carry on.
+            _ => tracing::warn!("{error}"),
+        }
+        self.stats.last_error = Some(error.to_string());
+    }
+
+    fn drain_rx(&mut self) -> Result<usize, FabricError> {
+        match self.rx_cq.read(&mut self.completions)? {
+            CqRead::Entries(n) => {
+                for i in 0..n {
+                    let Completion {
+                        op_context, len, ..
+                    } = self.completions[i];
+                    self.on_receive(op_context, len);
+                }
+                Ok(n)
+            }
+            CqRead::ErrorAvailable => {
+                if let Some(err) = self.rx_cq.read_error()? {
+                    self.stats.rx_errors += 1;
+                    if let Some(slot) = self.rx_pool.slot_of(err.op_context) {
+                        self.unposted_rx.push(slot);
+                    }
+                    if err.code.code != FI_ECANCELED {
+                        let error = FabricError::Completion {
+                            op: "fi_recv",
+                            code: err.code,
+                            prov_errno: err.prov_errno,
+                            provider_text: err.provider_text,
+                        };
+                        tracing::warn!("{error}");
+                        self.stats.last_error = Some(error.to_string());
+                    }
+                    return Ok(1);
+                }
+                Ok(0)
+            }
+        }
+    }
+
+    fn on_receive(&mut self, context: *mut std::ffi::c_void, len: u64) {
+        let Some(slot) = self.rx_pool.slot_of(context) else {
+            tracing::warn!("rx completion with an unknown context");
+            return;
+        };
+        let len = usize::try_from(len).unwrap_or(usize::MAX);
+        // SAFETY: the completion for this slot was just read, so the
+        // provider is done with it; it is reposted only after this copy.
+        let data = unsafe { self.rx_pool.slot(slot) };
+        let decoded = match self.layout.decode(data, len) {
+            Ok(Received::ProviderOnly) => {
+                self.stats.provider_packets += 1;
+                None
+            }
+            Ok(Received::Frame { sender, frame }) => {
+                Some((sender.to_vec(), Bytes::copy_from_slice(frame)))
+            }
+            Err(err) => {
+                self.stats.malformed += 1;
+                tracing::warn!("dropped a malformed message: {err}");
+                self.stats.last_error = Some(format!("malformed message: {err}"));
+                None
+            }
+        };
+        self.unposted_rx.push(slot);
+        if let Some((sender, frame)) = decoded {
+            if let Some(peer) = self.peer_for_sender(&sender) {
+                self.stats.received += 1;
+                self.pending.push_back(Event::Frame { peer, frame });
+            }
+        }
+    }
+
+    /// The peer a received message names, accepting unknown senders.
+    fn peer_for_sender(&mut self, sender: &[u8]) -> Option<PeerId> {
+        if let Some(peer) = self.by_addr.get(sender) {
+            return Some(*peer);
+        }
+        if self.closed_addrs.contains(sender) {
+            self.stats.from_closed_peers += 1;
+            return None;
+        }
+        match self.add_peer(sender) {
+            Ok(peer) => {
+                self.pending.push_back(Event::Accepted {
+                    peer,
+                    remote: addr_to_hex(sender),
+                });
+                Some(peer)
+            }
+            Err(err) => {
+                self.stats.malformed += 1;
+                tracing::warn!("dropped a message from an unusable sender address: {err}");
+                None
+            }
+        }
+    }
+
+    fn add_peer(&mut self, addr: &[u8]) -> Result<PeerId, FabricError> {
+        let fi_addr = match self.av_cache.get(addr) {
+            Some(&fi_addr) => fi_addr,
+            None => {
+                let fi_addr = self.av.insert(addr)?;
+                self.av_cache.insert(addr.to_vec(), fi_addr);
+                fi_addr
+            }
+        };
+        let peer = PeerId(self.next_peer);
+        self.next_peer += 1;
+        self.closed_addrs.remove(addr);
+        self.by_addr.insert(addr.to_vec(), peer);
+        self.peers.insert(
+            peer,
+            PeerState {
+                addr: addr.to_vec(),
+                fi_addr,
+                queued_bytes: 0,
+                backlog: VecDeque::new(),
+                wants_writable: false,
+            },
+        );
+        Ok(peer)
+    }
+
+    fn drop_peer(&mut self, peer: PeerId, reason: CloseReason) {
+        let backlog = self
+            .peers
+            .get_mut(&peer)
+            .map(|s| std::mem::take(&mut s.backlog))
+            .unwrap_or_default();
+        for slot in backlog {
+            self.release_slot(slot);
+        }
+        if let Some(state) = self.peers.remove(&peer) {
+            self.by_addr.remove(&state.addr);
+            self.closed_addrs.insert(state.addr);
+            self.pending.push_back(Event::Closed { peer, reason });
+        }
+    }
+
+    /// Posts tx slot `slot` to `dest`.
+    fn post_slot(&mut self, slot: usize, dest: u64) -> Result<(), FiCode> {
+        let ptr = self.tx_pool.slot_ptr(slot);
+        let len = self.tx_post_len[slot];
+        let desc = self.tx_pool.desc();
+        let context = self.tx_pool.context(slot);
+        // SAFETY: the slot is owned by one send (tx_owner) and not written
+        // again until its completion frees it; the pool outlives the
+        // endpoint (drop order); `desc` is the pool's region or NULL.
+        unsafe { self.ep.send(ptr, len, desc, dest, context) }
+    }
+
+    /// Returns a tx slot to the free list, uncounting its bytes.
+    fn release_slot(&mut self, slot: usize) {
+        if let Some((peer, len)) = self.tx_owner[slot].take() {
+            if let Some(state) = self.peers.get_mut(&peer) {
+                state.queued_bytes = state.queued_bytes.saturating_sub(len);
+            }
+        }
+        self.free_tx.push(slot);
+    }
+
+    /// Posts what each peer's backlog holds, oldest first, until the
+    /// provider pushes back again.
+    fn flush_backlogs(&mut self) {
+        let waiting: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|(_, state)| !state.backlog.is_empty())
+            .map(|(peer, _)| *peer)
+            .collect();
+        for peer in waiting {
+            self.flush_backlog(peer);
+        }
+    }
+
+    fn flush_backlog(&mut self, peer: PeerId) {
+        loop {
+            let Some(state) = self.peers.get(&peer) else {
+                return;
+            };
+            let Some(&slot) = state.backlog.front() else {
+                return;
+            };
+            let dest = state.fi_addr;
+            match self.post_slot(slot, dest) {
+                Ok(()) => {
+                    self.stats.sent += 1;
+                    if let Some(state) = self.peers.get_mut(&peer) {
+                        state.backlog.pop_front();
+                    }
+                }
+                Err(code) if code.is_again() => return,
+                Err(code) => {
+                    self.stats.tx_errors += 1;
+                    let error = FabricError::Send { code };
+                    tracing::warn!(%peer, "{error}");
+                    self.stats.last_error = Some(error.to_string());
+                    let backlog = self
+                        .peers
+                        .get_mut(&peer)
+                        .map(|s| std::mem::take(&mut s.backlog))
+                        .unwrap_or_default();
+                    for slot in backlog {
+                        self.release_slot(slot);
+                    }
+                    if self.link.kind == EpKind::Rdm {
+                        self.drop_peer(peer, CloseReason::Error(error.to_string()));
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    fn would_block(&mut self, peer: PeerId, frame: OutFrame) -> SendError {
+        self.stats.would_block += 1;
+        if let Some(state) = self.peers.get_mut(&peer) {
+            state.wants_writable = true;
+        }
+        SendError::WouldBlock(frame)
+    }
+}
+
+fn other(err: impl std::fmt::Display) -> TransportError {
+    TransportError::Other(err.to_string())
+}
+
+/// Hints for `kind` from `options`; asks for SAS on RDM as configured and
+/// falls back to no ordering when `prefer`red and nothing grants it.
+/// Returns the list and whether SAS was asked for.
+pub(crate) fn get_info(
+    kind: EpKind,
+    options: &FabricOptions,
+) -> Result<(InfoList, bool), FabricError> {
+    let mut hints = Hints {
+        caps: FI_MSG,
+        mode: SUPPORTED_MODES,
+        mr_mode: SUPPORTED_MR_MODES,
+        ep_type: kind.fi_value(),
+        threading: FI_THREAD_DOMAIN,
+        provider: Some(options.provider.clone()),
+        domain: options.domain.clone(),
+        fabric: options.fabric.clone(),
+        node: options.node.clone(),
+        service: options.service.clone(),
+        source: options.node.is_some() || options.service.is_some(),
+        ..Hints::default()
+    };
+    let want_sas = kind == EpKind::Rdm && options.order != OrderWanted::None;
+    if want_sas {
+        hints.tx_msg_order = FI_ORDER_SAS;
+        hints.rx_msg_order = FI_ORDER_SAS;
+    }
+    match InfoList::get(&hints) {
+        Ok(list) => Ok((list, want_sas)),
+        Err(FabricError::GetInfo { code, .. })
+            if want_sas && options.order == OrderWanted::Prefer && code.code == FI_ENODATA =>
+        {
+            hints.tx_msg_order = 0;
+            hints.rx_msg_order = 0;
+            Ok((InfoList::get(&hints)?, false))
+        }
+        Err(err) => Err(err),
+    }
+}
+
+impl Endpoint for FabricEndpoint {
+    fn scheme(&self) -> &str {
+        self.link.kind.scheme()
+    }
+
+    fn local_addr(&self) -> Vec<u8> {
+        self.local_addr.clone()
+    }
+
+    fn max_frame(&self) -> usize {
+        self.link.max_frame
+    }
+
+    /// Accepts the peer's address bytes as hex (what `Accepted` reports).
+    fn connect(&mut self, addr: &str) -> Result<PeerId, TransportError> {
+        let bytes = addr_from_hex(addr).ok_or_else(|| TransportError::InvalidAddress {
+            addr: addr.to_string(),
+            reason: "expected the peer's fabric address as hex".to_string(),
+        })?;
+        self.insert_peer(&bytes)
+    }
+
+    fn insert_peer(&mut self, addr: &[u8]) -> Result<PeerId, TransportError> {
+        if let Some(peer) = self.by_addr.get(addr) {
+            return Ok(*peer);
+        }
+        self.add_peer(addr)
+            .map_err(|err| TransportError::InvalidAddress {
+                addr: addr_to_hex(addr),
+                reason: err.to_string(),
+            })
+    }
+
+    fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
+        let Some(state) = self.peers.get(&peer) else {
+            return Err(SendError::Closed(peer));
+        };
+        let dest = state.fi_addr;
+        let len = frame.len();
+        if len > self.link.max_frame {
+            return Err(SendError::TooLarge {
+                len,
+                max: self.link.max_frame,
+            });
+        }
+        check_frame(&frame).map_err(|e| other(format!("malformed frame: {e}")))?;
+        let addr_len = self.local_addr.len();
+
+        let in_order = self.peers.get(&peer).is_some_and(|s| s.backlog.is_empty());
+
+        // fi_inject: copied before return, no completion, no slot. Only when
+        // nothing older for this peer is waiting, to keep send order.
+        if in_order
+            && self
+                .layout
+                .fits_inject(self.link.inject_size, addr_len, len)
+        {
+            let total = self.layout.send_len(addr_len, len);
+            let mut scratch = std::mem::take(&mut self.scratch);
+            scratch.resize(total, 0);
+            let result = match self.layout.encode(&mut scratch, &self.local_addr, &frame) {
+                Ok(n) => self
+                    .ep
+                    .inject(&scratch[..n], dest)
+                    .map_err(|code| FabricError::Inject { code }),
+                Err(err) => {
+                    self.scratch = scratch;
+                    return Err(other(err).into());
+                }
+            };
+            self.scratch = scratch;
+            match result {
+                Ok(()) => {
+                    self.stats.injected += 1;
+                    return Ok(());
+                }
+                // Fall through to a slot, which can wait in the backlog.
+                Err(FabricError::Inject { code }) if code.is_again() => {}
+                Err(err) => return Err(other(err).into()),
+            }
+        }
+
+        let slot = match self.free_tx.pop() {
+            Some(slot) => slot,
+            None => {
+                self.progress().map_err(other)?;
+                match self.free_tx.pop() {
+                    Some(slot) => slot,
+                    None => return Err(self.would_block(peer, frame)),
+                }
+            }
+        };
+        // SAFETY: the slot came off the free list, so no send using it is
+        // in flight.
+        let buf = unsafe { self.tx_pool.slot_mut(slot) };
+        let n = match self.layout.encode(buf, &self.local_addr, &frame) {
+            Ok(n) => n,
+            Err(err) => {
+                self.free_tx.push(slot);
+                return Err(other(err).into());
+            }
+        };
+        self.tx_owner[slot] = Some((peer, len));
+        self.tx_post_len[slot] = n;
+        let Some(state) = self.peers.get_mut(&peer) else {
+            // Progress above may have closed the peer.
+            self.release_slot(slot);
+            return Err(SendError::Closed(peer));
+        };
+        state.queued_bytes += len;
+        if !state.backlog.is_empty() {
+            state.backlog.push_back(slot);
+            return Ok(());
+        }
+        match self.post_slot(slot, dest) {
+            Ok(()) => {
+                self.stats.sent += 1;
+                Ok(())
+            }
+            Err(code) if code.is_again() => {
+                // Queued: progress now, and every later poll, retries it.
+                if let Some(state) = self.peers.get_mut(&peer) {
+                    state.backlog.push_back(slot);
+                }
+                self.progress().map_err(other)?;
+                Ok(())
+            }
+            Err(code) => {
+                self.release_slot(slot);
+                Err(other(FabricError::Send { code }).into())
+            }
+        }
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError> {
+        let result = self.progress().map_err(other);
+        events.extend(self.pending.drain(..));
+        result
+    }
+
+    fn close(&mut self, peer: PeerId) {
+        // Posted sends complete on their own; the backlog gets one more try
+        // (after progress), and what the provider still refuses is dropped.
+        if let Err(err) = self.progress() {
+            tracing::warn!("{err}");
+        }
+        self.drop_peer(peer, CloseReason::Local);
+    }
+
+    fn readiness(&self) -> Readiness {
+        Readiness::MustPoll
+    }
+
+    fn queued_bytes(&self, peer: PeerId) -> usize {
+        self.peers.get(&peer).map_or(0, |s| s.queued_bytes)
+    }
+}

@@ -1,0 +1,531 @@
+//! Owned libfabric objects. Each type closes its handle in `Drop`, and each
+//! child holds an `Rc` of its parent (domain → fabric; AV, CQ, MR,
+//! endpoint → domain; endpoint → the AV and CQs bound to it), so a parent is
+//! always closed after its children, as libfabric requires.
+//!
+//! None of these types is `Send` or `Sync`, and the parent links are `Rc`
+//! rather than `Arc` to match: efabus opens domains with
+//! `FI_THREAD_DOMAIN`, under which the application serializes every call on
+//! all objects of a domain, so no object may be reachable from two threads.
+//! A single owner that keeps every object of one domain together (the
+//! fabric endpoint) may be moved between threads as a whole; that owner
+//! states why it is `Send`.
+
+use std::cell::Cell;
+use std::ffi::c_void;
+use std::ptr::{self, NonNull};
+use std::rc::Rc;
+
+use super::consts::*;
+use super::error::{FabricError, FiCode};
+use super::info::Info;
+use super::sys;
+
+fn check(ret: i32, err: impl FnOnce(FiCode) -> FabricError) -> Result<(), FabricError> {
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(err(FiCode::from_ret(ret.into())))
+    }
+}
+
+fn report_close(what: &'static str, ret: i32) {
+    if ret != 0 {
+        let err = FabricError::Close {
+            what,
+            code: FiCode::from_ret(ret.into()),
+        };
+        tracing::warn!("{err}");
+    }
+}
+
+/// An open fabric (`fi_fabric`).
+pub struct Fabric {
+    ptr: NonNull<sys::fid_fabric>,
+}
+
+impl Fabric {
+    pub fn open(info: &Info) -> Result<Rc<Fabric>, FabricError> {
+        let mut ptr = ptr::null_mut();
+        // SAFETY: `info` is a live fi_info with fabric attributes (from
+        // fi_getinfo); the shim writes the new handle to `ptr`.
+        let ret = unsafe { sys::efabus_fabric(info.as_ptr(), &mut ptr) };
+        let name = || info.attrs().fabric.and_then(|f| f.name).unwrap_or_default();
+        check(ret, |code| FabricError::Fabric { name: name(), code })?;
+        let ptr = NonNull::new(ptr).ok_or_else(|| FabricError::Fabric {
+            name: name(),
+            code: FiCode::from_ret(FI_EINVAL.into()),
+        })?;
+        Ok(Rc::new(Fabric { ptr }))
+    }
+}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        // SAFETY: the handle is open and every child (which holds an Rc of
+        // this fabric) has been closed, so this is the last use.
+        report_close("fabric", unsafe {
+            sys::efabus_fabric_close(self.ptr.as_ptr())
+        });
+    }
+}
+
+/// An open access domain (`fi_domain`).
+pub struct Domain {
+    ptr: NonNull<sys::fid_domain>,
+    _fabric: Rc<Fabric>,
+}
+
+impl Domain {
+    pub fn open(fabric: &Rc<Fabric>, info: &Info) -> Result<Rc<Domain>, FabricError> {
+        let mut ptr = ptr::null_mut();
+        // SAFETY: the fabric is open (we hold it) and `info` is live; the
+        // shim writes the new handle to `ptr`.
+        let ret = unsafe { sys::efabus_domain(fabric.ptr.as_ptr(), info.as_ptr(), &mut ptr) };
+        let name = || info.attrs().domain.and_then(|d| d.name).unwrap_or_default();
+        check(ret, |code| FabricError::Domain { name: name(), code })?;
+        let ptr = NonNull::new(ptr).ok_or_else(|| FabricError::Domain {
+            name: name(),
+            code: FiCode::from_ret(FI_EINVAL.into()),
+        })?;
+        Ok(Rc::new(Domain {
+            ptr,
+            _fabric: fabric.clone(),
+        }))
+    }
+}
+
+impl Drop for Domain {
+    fn drop(&mut self) {
+        // SAFETY: open handle, children already closed (they hold Rcs).
+        report_close("domain", unsafe {
+            sys::efabus_domain_close(self.ptr.as_ptr())
+        });
+    }
+}
+
+/// An address vector of type `FI_AV_TABLE`.
+pub struct AddressVector {
+    ptr: NonNull<sys::fid_av>,
+    /// The provider's address size; 0 (inserts refused) until known.
+    addr_len: Cell<usize>,
+    _domain: Rc<Domain>,
+}
+
+impl AddressVector {
+    /// Opens a table AV. Inserts are refused until
+    /// [`set_addr_len`](Self::set_addr_len) gives the address size, which
+    /// is only known for sure once an endpoint is enabled (`fi_getname`).
+    pub fn open_table(domain: &Rc<Domain>, count: usize) -> Result<Rc<AddressVector>, FabricError> {
+        let mut ptr = ptr::null_mut();
+        // SAFETY: the domain is open; the shim fills a zeroed fi_av_attr and
+        // writes the new handle to `ptr`.
+        let ret = unsafe {
+            sys::efabus_av_open(domain.ptr.as_ptr(), FI_AV_TABLE, count as u64, &mut ptr)
+        };
+        check(ret, |code| FabricError::AvOpen { code })?;
+        let ptr = NonNull::new(ptr).ok_or_else(|| FabricError::AvOpen {
+            code: FiCode::from_ret(FI_EINVAL.into()),
+        })?;
+        Ok(Rc::new(AddressVector {
+            ptr,
+            addr_len: Cell::new(0),
+            _domain: domain.clone(),
+        }))
+    }
+
+    /// Sets the address size inserts must have.
+    ///
+    /// # Safety
+    /// `len` is the provider's address size for this domain's format (the
+    /// length `fi_getname` returned): fi_av_insert reads that many bytes.
+    pub unsafe fn set_addr_len(&self, len: usize) {
+        self.addr_len.set(len);
+    }
+
+    /// Inserts one address and returns its `fi_addr_t`. The address must
+    /// have the provider's size: libfabric reads that many bytes.
+    pub fn insert(&self, addr: &[u8]) -> Result<u64, FabricError> {
+        if addr.is_empty() || addr.len() != self.addr_len.get() {
+            return Err(FabricError::AvInsert {
+                len: addr.len(),
+                code: FiCode::from_ret(FI_EINVAL.into()),
+            });
+        }
+        let mut fi_addr = FI_ADDR_NOTAVAIL;
+        // SAFETY: the AV is open; `addr` holds exactly the provider's
+        // address size, which is what fi_av_insert reads for one address.
+        let ret =
+            unsafe { sys::efabus_av_insert(self.ptr.as_ptr(), addr.as_ptr().cast(), &mut fi_addr) };
+        if ret == 1 && fi_addr != FI_ADDR_NOTAVAIL {
+            Ok(fi_addr)
+        } else {
+            let code = if ret < 0 { ret } else { -FI_EINVAL };
+            Err(FabricError::AvInsert {
+                len: addr.len(),
+                code: FiCode::from_ret(code.into()),
+            })
+        }
+    }
+
+    pub fn addr_len(&self) -> usize {
+        self.addr_len.get()
+    }
+}
+
+impl Drop for AddressVector {
+    fn drop(&mut self) {
+        // SAFETY: open handle; endpoints bound to it hold Rcs, so they are
+        // closed already.
+        report_close("av", unsafe { sys::efabus_av_close(self.ptr.as_ptr()) });
+    }
+}
+
+/// A completion read from a queue.
+pub type Completion = sys::efabus_completion;
+
+/// What one `fi_cq_read` gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CqRead {
+    /// This many entries were written to the buffer (0: none ready).
+    Entries(usize),
+    /// An error entry is at the head of the queue: read it with
+    /// [`CompletionQueue::read_error`].
+    ErrorAvailable,
+}
+
+/// A completion that failed, with the provider's explanation.
+#[derive(Debug, Clone)]
+pub struct CqError {
+    pub op_context: *mut c_void,
+    pub flags: u64,
+    pub len: u64,
+    pub code: FiCode,
+    pub prov_errno: i64,
+    pub provider_text: String,
+}
+
+/// A completion queue (`FI_CQ_FORMAT_MSG`, no wait object: polled).
+pub struct CompletionQueue {
+    ptr: NonNull<sys::fid_cq>,
+    _domain: Rc<Domain>,
+}
+
+impl CompletionQueue {
+    pub fn open(domain: &Rc<Domain>, size: usize) -> Result<Rc<CompletionQueue>, FabricError> {
+        let mut ptr = ptr::null_mut();
+        // SAFETY: the domain is open; the shim fills a zeroed fi_cq_attr
+        // (format MSG, FI_WAIT_NONE) and writes the handle to `ptr`.
+        let ret = unsafe { sys::efabus_cq_open(domain.ptr.as_ptr(), size as u64, &mut ptr) };
+        check(ret, |code| FabricError::CqOpen { code })?;
+        let ptr = NonNull::new(ptr).ok_or_else(|| FabricError::CqOpen {
+            code: FiCode::from_ret(FI_EINVAL.into()),
+        })?;
+        Ok(Rc::new(CompletionQueue {
+            ptr,
+            _domain: domain.clone(),
+        }))
+    }
+
+    /// Reads up to `buf.len()` completions; also drives manual progress.
+    pub fn read(&self, buf: &mut [Completion]) -> Result<CqRead, FabricError> {
+        // SAFETY: the CQ is open and `buf` has room for buf.len() entries of
+        // fi_cq_msg_entry layout (checked by a static assert in the shim).
+        let ret =
+            unsafe { sys::efabus_cq_read(self.ptr.as_ptr(), buf.as_mut_ptr(), buf.len() as u64) };
+        if ret >= 0 {
+            return Ok(CqRead::Entries(ret as usize));
+        }
+        let code = FiCode::from_ret(ret);
+        if code.is_again() {
+            Ok(CqRead::Entries(0))
+        } else if code.code == FI_EAVAIL {
+            Ok(CqRead::ErrorAvailable)
+        } else {
+            Err(FabricError::CqRead { code })
+        }
+    }
+
+    /// Reads the error entry at the head of the queue, if any, with the
+    /// provider's text from `fi_cq_strerror`.
+    pub fn read_error(&self) -> Result<Option<CqError>, FabricError> {
+        // SAFETY: plain struct of integers, pointers and a char array; all
+        // zero is valid.
+        let mut raw: sys::efabus_cq_error = unsafe { std::mem::zeroed() };
+        // SAFETY: the CQ is open; the shim reads into its own oversized
+        // buffer and copies fields and the NUL-terminated text into `raw`.
+        let ret = unsafe { sys::efabus_cq_readerr(self.ptr.as_ptr(), &mut raw) };
+        if ret <= 0 {
+            let code = FiCode::from_ret(ret);
+            return if ret == 0 || code.is_again() {
+                Ok(None)
+            } else {
+                Err(FabricError::CqReadErr { code })
+            };
+        }
+        let text_bytes: Vec<u8> = raw
+            .prov_text
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect();
+        Ok(Some(CqError {
+            op_context: raw.op_context,
+            flags: raw.flags,
+            len: raw.len,
+            code: FiCode::from_ret(raw.err),
+            prov_errno: raw.prov_errno,
+            provider_text: String::from_utf8_lossy(&text_bytes).into_owned(),
+        }))
+    }
+}
+
+impl Drop for CompletionQueue {
+    fn drop(&mut self) {
+        // SAFETY: open handle; bound endpoints hold Rcs and are closed.
+        report_close("cq", unsafe { sys::efabus_cq_close(self.ptr.as_ptr()) });
+    }
+}
+
+/// A registered memory region (`fi_mr_reg`).
+pub struct MemoryRegion {
+    ptr: NonNull<sys::fid_mr>,
+    _domain: Rc<Domain>,
+}
+
+impl MemoryRegion {
+    /// Registers `len` bytes at `buf` for `access` (FI_SEND, FI_RECV, ...).
+    /// `requested_key` matters only without FI_MR_PROV_KEY.
+    ///
+    /// # Safety
+    /// The memory must stay allocated (and backed, for FI_MR_ALLOCATED)
+    /// until the returned region is dropped.
+    pub unsafe fn register(
+        domain: &Rc<Domain>,
+        buf: *const u8,
+        len: usize,
+        access: u64,
+        requested_key: u64,
+    ) -> Result<MemoryRegion, FabricError> {
+        let mut ptr = ptr::null_mut();
+        // SAFETY: the domain is open; the caller keeps the memory valid for
+        // the region's lifetime.
+        let ret = unsafe {
+            sys::efabus_mr_reg(
+                domain.ptr.as_ptr(),
+                buf.cast(),
+                len as u64,
+                access,
+                requested_key,
+                &mut ptr,
+            )
+        };
+        check(ret, |code| FabricError::MrReg { len, code })?;
+        let ptr = NonNull::new(ptr).ok_or_else(|| FabricError::MrReg {
+            len,
+            code: FiCode::from_ret(FI_EINVAL.into()),
+        })?;
+        Ok(MemoryRegion {
+            ptr,
+            _domain: domain.clone(),
+        })
+    }
+
+    /// The local descriptor to pass with every post (`fi_mr_desc`).
+    pub fn desc(&self) -> *mut c_void {
+        // SAFETY: the region is open.
+        unsafe { sys::efabus_mr_desc(self.ptr.as_ptr()) }
+    }
+
+    /// The remote key (`fi_mr_key`), provider-chosen under FI_MR_PROV_KEY.
+    pub fn key(&self) -> u64 {
+        // SAFETY: the region is open.
+        unsafe { sys::efabus_mr_key(self.ptr.as_ptr()) }
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: open handle, closed once.
+        report_close("mr", unsafe { sys::efabus_mr_close(self.ptr.as_ptr()) });
+    }
+}
+
+/// An active endpoint (`fi_endpoint`).
+pub struct FiEndpoint {
+    ptr: NonNull<sys::fid_ep>,
+    // Bound objects: kept alive until the endpoint is closed.
+    _av: Option<Rc<AddressVector>>,
+    _cqs: Vec<Rc<CompletionQueue>>,
+    _domain: Rc<Domain>,
+}
+
+impl FiEndpoint {
+    pub fn open(domain: &Rc<Domain>, info: &Info) -> Result<FiEndpoint, FabricError> {
+        let mut ptr = ptr::null_mut();
+        // SAFETY: the domain is open and `info` live; the shim writes the
+        // new handle to `ptr`.
+        let ret = unsafe { sys::efabus_endpoint(domain.ptr.as_ptr(), info.as_ptr(), &mut ptr) };
+        check(ret, |code| FabricError::Endpoint { code })?;
+        let ptr = NonNull::new(ptr).ok_or_else(|| FabricError::Endpoint {
+            code: FiCode::from_ret(FI_EINVAL.into()),
+        })?;
+        Ok(FiEndpoint {
+            ptr,
+            _av: None,
+            _cqs: Vec::new(),
+            _domain: domain.clone(),
+        })
+    }
+
+    pub fn bind_av(&mut self, av: &Rc<AddressVector>) -> Result<(), FabricError> {
+        // SAFETY: both objects are open and from the same domain.
+        let ret = unsafe { sys::efabus_ep_bind_av(self.ptr.as_ptr(), av.ptr.as_ptr()) };
+        check(ret, |code| FabricError::EpBind { what: "av", code })?;
+        self._av = Some(av.clone());
+        Ok(())
+    }
+
+    /// Binds a CQ for `flags` (FI_TRANSMIT and/or FI_RECV).
+    pub fn bind_cq(&mut self, cq: &Rc<CompletionQueue>, flags: u64) -> Result<(), FabricError> {
+        // SAFETY: both objects are open and from the same domain.
+        let ret = unsafe { sys::efabus_ep_bind_cq(self.ptr.as_ptr(), cq.ptr.as_ptr(), flags) };
+        let what = if flags & FI_RECV != 0 {
+            "rx cq"
+        } else {
+            "tx cq"
+        };
+        check(ret, |code| FabricError::EpBind { what, code })?;
+        self._cqs.push(cq.clone());
+        Ok(())
+    }
+
+    /// Sets `FI_OPT_EFA_RNR_RETRY`; only for efa RDM endpoints, before
+    /// [`enable`](Self::enable).
+    pub fn set_efa_rnr_retry(&mut self, retry: u64) -> Result<(), FabricError> {
+        // SAFETY: the endpoint is open; the option takes a size_t, which the
+        // shim passes by pointer with its size.
+        let ret = unsafe { sys::efabus_ep_set_efa_rnr_retry(self.ptr.as_ptr(), retry) };
+        check(ret, |code| FabricError::SetOpt {
+            option: "FI_OPT_EFA_RNR_RETRY",
+            code,
+        })
+    }
+
+    pub fn enable(&mut self) -> Result<(), FabricError> {
+        // SAFETY: the endpoint is open and bound.
+        let ret = unsafe { sys::efabus_enable(self.ptr.as_ptr()) };
+        check(ret, |code| FabricError::Enable { code })
+    }
+
+    /// The endpoint's address (`fi_getname`).
+    pub fn name(&self) -> Result<Vec<u8>, FabricError> {
+        let mut buf = vec![0u8; 256];
+        loop {
+            let mut len = buf.len() as u64;
+            // SAFETY: `buf` has `len` writable bytes; the shim passes the
+            // length in and the needed or written length out.
+            let ret = unsafe {
+                sys::efabus_getname(self.ptr.as_ptr(), buf.as_mut_ptr().cast(), &mut len)
+            };
+            let needed = usize::try_from(len).unwrap_or(usize::MAX);
+            if ret == 0 {
+                buf.truncate(needed.min(buf.len()));
+                return Ok(buf);
+            }
+            // -FI_ETOOSMALL reports the size needed; grow once and retry.
+            if needed > buf.len() && needed <= 1 << 16 {
+                buf.resize(needed, 0);
+                continue;
+            }
+            return Err(FabricError::GetName {
+                code: FiCode::from_ret(ret.into()),
+            });
+        }
+    }
+
+    /// Posts a receive of `len` bytes at `buf`.
+    ///
+    /// # Safety
+    /// `buf..buf+len` must stay valid and untouched by Rust code until the
+    /// completion carrying `context` is read or the endpoint is closed;
+    /// `desc` is NULL or the descriptor of a region covering the buffer.
+    pub unsafe fn recv(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        desc: *mut c_void,
+        context: *mut c_void,
+    ) -> Result<(), FiCode> {
+        // SAFETY: the endpoint is open; the caller upholds the buffer rules.
+        let ret =
+            unsafe { sys::efabus_recv(self.ptr.as_ptr(), buf.cast(), len as u64, desc, context) };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(FiCode::from_ret(ret))
+        }
+    }
+
+    /// Posts a send of `len` bytes at `buf` to `dest`.
+    ///
+    /// # Safety
+    /// As for [`recv`](Self::recv): the buffer stays valid and unmodified
+    /// until the completion carrying `context` is read or the endpoint is
+    /// closed; `desc` is NULL or covers the buffer.
+    pub unsafe fn send(
+        &self,
+        buf: *const u8,
+        len: usize,
+        desc: *mut c_void,
+        dest: u64,
+        context: *mut c_void,
+    ) -> Result<(), FiCode> {
+        // SAFETY: the endpoint is open; the caller upholds the buffer rules.
+        let ret = unsafe {
+            sys::efabus_send(
+                self.ptr.as_ptr(),
+                buf.cast(),
+                len as u64,
+                desc,
+                dest,
+                context,
+            )
+        };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(FiCode::from_ret(ret))
+        }
+    }
+
+    /// Sends `data` with `fi_inject`: the bytes are copied before return and
+    /// no completion is generated.
+    pub fn inject(&self, data: &[u8], dest: u64) -> Result<(), FiCode> {
+        // SAFETY: the endpoint is open; `data` is valid for the call, and
+        // fi_inject is done with it on return.
+        let ret = unsafe {
+            sys::efabus_inject(
+                self.ptr.as_ptr(),
+                data.as_ptr().cast(),
+                data.len() as u64,
+                dest,
+            )
+        };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(FiCode::from_ret(ret))
+        }
+    }
+}
+
+impl Drop for FiEndpoint {
+    fn drop(&mut self) {
+        // SAFETY: open handle, closed once, before the AV/CQs/domain it
+        // holds (fields drop after this body runs).
+        report_close("endpoint", unsafe {
+            sys::efabus_ep_close(self.ptr.as_ptr())
+        });
+    }
+}

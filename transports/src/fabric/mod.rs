@@ -1,0 +1,245 @@
+//! The libfabric transport: EFA RDM (`efa-rdm`) and EFA DGRAM (`efa-dgram`)
+//! endpoints, and the safe binding they are built on.
+//!
+//! This module owns everything that touches libfabric:
+//! - `csrc/shim.c` (built by `build.rs`) wraps libfabric's `static inline`
+//!   API in plain functions and flattens `fi_info` into a struct of
+//!   fixed-width fields, so the Rust side never mirrors libfabric's own
+//!   structs (which differ between 1.x and 2.x).
+//! - [`info`], [`handle`] and [`pool`] are the safe wrapper: `fi_getinfo`
+//!   lists, one owning type per libfabric object (closed in `Drop`,
+//!   parents kept alive by `Rc`), registered buffer pools. All `unsafe`
+//!   code of the crate lives in these modules and [`endpoint`].
+//! - [`endpoint`] is the [`Endpoint`](efabus_core::transport::Endpoint)
+//!   implementation; [`layout`] its buffer layout, testable without
+//!   libfabric; [`config`] its options.
+//!
+//! Built without libfabric (none found by `build.rs`), the transport still
+//! exists and reports at run time why it is unavailable.
+//!
+//! # EFA rules honoured (values read at run time)
+//!
+//! - `FI_MSG_PREFIX`: accepted in the hints; `msg_prefix_size` bytes are
+//!   reserved in front of every posted buffer, lengths include them.
+//! - `FI_MR_LOCAL`: pools registered once, `fi_mr_desc` passed with every
+//!   post; `FI_MR_PROV_KEY`/`ALLOCATED`/`VIRT_ADDR` accepted (keys come
+//!   from the provider, pools are allocated and touched before registering).
+//! - `FI_ORDER_SAS` requested on RDM tx and rx; whether it was granted is
+//!   [`FabricEndpoint::sas_granted`] so the session layer can reorder.
+//! - `max_msg_size` bounds `max_frame` (prefix counted); `inject_size`
+//!   bounds `fi_inject` (0: never).
+//! - CQs are polled (no wait object) and -FI_EAGAIN is met with progress
+//!   and a retry; the endpoint reports `Readiness::MustPoll`.
+//! - Receives are kept posted (`rx_depth`, capped by the provider's rx
+//!   size); `FI_OPT_EFA_RNR_RETRY` is set on efa RDM endpoints.
+//! - `FI_AV_TABLE`; peers are inserted before traffic and addressed by the
+//!   `fi_addr_t` the insert returned.
+//! - Addresses are the raw `fi_getname` bytes (32 on EFA), exchanged out of
+//!   band by the caller.
+//!
+//! Memory registration on EFA needs `ulimit -l unlimited`.
+
+pub mod attrs;
+pub mod config;
+pub(crate) mod consts;
+pub mod convert;
+pub mod error;
+pub mod layout;
+
+#[cfg(efabus_libfabric)]
+pub mod endpoint;
+#[cfg(efabus_libfabric)]
+pub mod handle;
+#[cfg(efabus_libfabric)]
+pub mod info;
+#[cfg(efabus_libfabric)]
+pub mod pool;
+#[cfg(efabus_libfabric)]
+mod sys;
+
+pub use attrs::InfoAttrs;
+pub use config::{addr_from_hex, addr_to_hex, EpKind, FabricOptions, OrderWanted};
+#[cfg(efabus_libfabric)]
+pub use endpoint::{FabricEndpoint, FabricStats, LinkInfo};
+pub use error::{FabricError, FiCode};
+
+use efabus_core::caps::FabricInfo;
+use efabus_core::transport::{Endpoint, EndpointConfig, Transport, TransportError};
+
+/// Whether this build links libfabric.
+pub const LIBFABRIC_LINKED: bool = cfg!(efabus_libfabric);
+
+/// Why the fabric transport cannot work in this build, if it cannot.
+pub fn build_unavailable_reason() -> Option<&'static str> {
+    #[cfg(efabus_libfabric)]
+    {
+        None
+    }
+    #[cfg(not(efabus_libfabric))]
+    {
+        Some(env!("EFABUS_LIBFABRIC_MISSING"))
+    }
+}
+
+/// What `fi_info -p <provider> -t <ep_type> [-s <source>] -v` lists, as
+/// [`FabricInfo`]s: the same hints (every mode and mr_mode bit accepted,
+/// no capability asked for), so the two can be compared entry by entry.
+pub fn probe_like_fi_info(
+    provider: &str,
+    kind: EpKind,
+    source: Option<&str>,
+) -> Result<Vec<FabricInfo>, FabricError> {
+    #[cfg(efabus_libfabric)]
+    {
+        let hints = info::Hints {
+            node: source.map(str::to_string),
+            source: source.is_some(),
+            ..info::Hints::like_fi_info_tool(provider, kind.fi_value())
+        };
+        let list = info::InfoList::get(&hints)?;
+        Ok(list.iter().map(|i| i.fabric_info()).collect())
+    }
+    #[cfg(not(efabus_libfabric))]
+    {
+        let _ = (provider, kind, source);
+        Err(FabricError::NotBuilt(
+            env!("EFABUS_LIBFABRIC_MISSING").to_string(),
+        ))
+    }
+}
+
+/// The factory for `efa-rdm` and `efa-dgram` endpoints.
+///
+/// Options set here (see [`config`]) apply to every endpoint it opens and
+/// to [`Transport::infos`]; an `EndpointConfig`'s options override them.
+#[derive(Debug, Clone)]
+pub struct FabricTransport {
+    kind: EpKind,
+    options: Vec<(String, String)>,
+}
+
+impl FabricTransport {
+    /// Reliable datagrams (`FI_EP_RDM`), scheme `efa-rdm`.
+    pub fn rdm() -> Self {
+        FabricTransport {
+            kind: EpKind::Rdm,
+            options: Vec::new(),
+        }
+    }
+
+    /// Unreliable datagrams (`FI_EP_DGRAM`), scheme `efa-dgram`.
+    pub fn dgram() -> Self {
+        FabricTransport {
+            kind: EpKind::Dgram,
+            options: Vec::new(),
+        }
+    }
+
+    /// Adds an option (e.g. `("provider", "tcp;ofi_rxm")`).
+    pub fn with_option(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.options.push((key.into(), value.into()));
+        self
+    }
+
+    pub fn kind(&self) -> EpKind {
+        self.kind
+    }
+
+    /// This transport's options merged with a config's (config wins).
+    pub fn options_for(
+        &self,
+        config: Option<&EndpointConfig>,
+    ) -> Result<FabricOptions, FabricError> {
+        let own = self.options.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+        match config {
+            Some(config) => FabricOptions::parse(
+                own.chain(config.options.iter().map(|(k, v)| (k.as_str(), v.as_str()))),
+                config.bind.as_deref(),
+            ),
+            None => FabricOptions::parse(own, None),
+        }
+    }
+
+    fn unavailable(&self, err: &FabricError) -> TransportError {
+        TransportError::Unavailable {
+            scheme: self.kind.scheme().to_string(),
+            reason: err.to_string(),
+        }
+    }
+
+    /// Opens an endpoint with its concrete type, for callers that want
+    /// [`FabricEndpoint::link`] (e.g. whether FI_ORDER_SAS was granted).
+    #[cfg(efabus_libfabric)]
+    pub fn open_fabric(&self, config: &EndpointConfig) -> Result<FabricEndpoint, TransportError> {
+        let options = self
+            .options_for(Some(config))
+            .map_err(|e| TransportError::Other(e.to_string()))?;
+        FabricEndpoint::open(self.kind, &options, config).map_err(|err| match err {
+            FabricError::GetInfo { .. } => self.unavailable(&err),
+            other => TransportError::Other(other.to_string()),
+        })
+    }
+
+    /// What `fi_getinfo` offers for this transport's hints, as values.
+    pub fn raw_infos(&self) -> Result<Vec<InfoAttrs>, FabricError> {
+        #[cfg(efabus_libfabric)]
+        {
+            let options = self.options_for(None)?;
+            let (list, _) = endpoint::get_info(self.kind, &options)?;
+            Ok(list.iter().map(|i| i.attrs()).collect())
+        }
+        #[cfg(not(efabus_libfabric))]
+        {
+            Err(FabricError::NotBuilt(
+                env!("EFABUS_LIBFABRIC_MISSING").to_string(),
+            ))
+        }
+    }
+
+    /// The same infos in `fi_info -v` layout (`fi_tostr`), separated by
+    /// `---` lines as `fi_info` prints them.
+    pub fn info_text(&self) -> Result<String, FabricError> {
+        #[cfg(efabus_libfabric)]
+        {
+            let options = self.options_for(None)?;
+            let (list, _) = endpoint::get_info(self.kind, &options)?;
+            let mut text = String::new();
+            for info in list.iter() {
+                text.push_str("---\n");
+                text.push_str(&info.to_text());
+            }
+            Ok(text)
+        }
+        #[cfg(not(efabus_libfabric))]
+        {
+            Err(FabricError::NotBuilt(
+                env!("EFABUS_LIBFABRIC_MISSING").to_string(),
+            ))
+        }
+    }
+}
+
+impl Transport for FabricTransport {
+    fn scheme(&self) -> &str {
+        self.kind.scheme()
+    }
+
+    fn infos(&self) -> Result<Vec<FabricInfo>, TransportError> {
+        let raw = self.raw_infos().map_err(|e| self.unavailable(&e))?;
+        Ok(raw.iter().map(convert::to_fabric_info).collect())
+    }
+
+    fn open(&self, config: &EndpointConfig) -> Result<Box<dyn Endpoint>, TransportError> {
+        #[cfg(efabus_libfabric)]
+        {
+            Ok(Box::new(self.open_fabric(config)?))
+        }
+        #[cfg(not(efabus_libfabric))]
+        {
+            let _ = config;
+            Err(self.unavailable(&FabricError::NotBuilt(
+                env!("EFABUS_LIBFABRIC_MISSING").to_string(),
+            )))
+        }
+    }
+}

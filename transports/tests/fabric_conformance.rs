@@ -1,0 +1,623 @@
+//! Conformance of the fabric endpoints over libfabric's loopback-capable
+//! providers: `tcp;ofi_rxm`, `udp;ofi_rxd` and `sockets` as RDM, `udp` as
+//! DGRAM. Each suite opens two endpoints on 127.0.0.1 and exchanges frames.
+//!
+//! A provider that is not available skips its tests with a message, unless
+//! `EFABUS_REQUIRE_FABRIC=1` (set in CI), which turns the skip into a
+//! failure. Every wait is bounded by a deadline.
+
+use efabus_transports::fabric::build_unavailable_reason;
+
+fn fabric_required() -> bool {
+    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v == "1")
+}
+
+#[test]
+fn libfabric_is_linked_when_required() {
+    if let Some(reason) = build_unavailable_reason() {
+        assert!(!fabric_required(), "EFABUS_REQUIRE_FABRIC=1 but: {reason}");
+        eprintln!("skipping fabric tests: {reason}");
+    }
+}
+
+#[cfg(efabus_libfabric)]
+mod suite {
+    use std::collections::HashSet;
+    use std::time::{Duration, Instant};
+
+    use bytes::Bytes;
+    use efabus_core::transport::{
+        CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError, Transport,
+        TransportError,
+    };
+    use efabus_transports::fabric::{addr_to_hex, EpKind, FabricEndpoint, FabricTransport};
+
+    use super::fabric_required;
+
+    const DEADLINE: Duration = Duration::from_secs(20);
+    const RX_DEPTH: usize = 16;
+
+    /// A frame: 4-byte little-endian length, then the payload.
+    pub fn frame(payload: &[u8]) -> OutFrame {
+        let mut head = (payload.len() as u32).to_le_bytes().to_vec();
+        // Split the payload between head and body to cover both parts.
+        let split = payload.len() / 3;
+        head.extend_from_slice(&payload[..split]);
+        OutFrame {
+            head: head.into(),
+            body: Bytes::copy_from_slice(&payload[split..]),
+        }
+    }
+
+    fn payload_of(frame: &[u8]) -> &[u8] {
+        &frame[4..]
+    }
+
+    pub fn transport(kind: EpKind, provider: &str) -> FabricTransport {
+        let t = match kind {
+            EpKind::Rdm => FabricTransport::rdm(),
+            EpKind::Dgram => FabricTransport::dgram(),
+        };
+        t.with_option("provider", provider)
+    }
+
+    pub fn config(extra: &[(&str, &str)]) -> EndpointConfig {
+        let mut options = vec![
+            ("rx_depth".to_string(), RX_DEPTH.to_string()),
+            ("tx_depth".to_string(), "16".to_string()),
+            ("msg_size".to_string(), "16384".to_string()),
+        ];
+        options.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        EndpointConfig {
+            bind: Some("127.0.0.1".to_string()),
+            options,
+            ..EndpointConfig::default()
+        }
+    }
+
+    /// Two endpoints, or None (after a message) when the provider is absent.
+    pub fn pair(
+        kind: EpKind,
+        provider: &str,
+        extra: &[(&str, &str)],
+    ) -> Option<(FabricEndpoint, FabricEndpoint)> {
+        let t = transport(kind, provider);
+        let cfg = config(extra);
+        let open = || t.open_fabric(&cfg);
+        match (open(), open()) {
+            (Ok(a), Ok(b)) => Some((a, b)),
+            (Err(TransportError::Unavailable { reason, .. }), _)
+            | (_, Err(TransportError::Unavailable { reason, .. })) => {
+                assert!(
+                    !fabric_required(),
+                    "EFABUS_REQUIRE_FABRIC=1 but provider {provider} is unavailable: {reason}"
+                );
+                eprintln!("skipping: provider {provider} unavailable: {reason}");
+                None
+            }
+            (Err(err), _) | (_, Err(err)) => panic!("opening {provider} endpoints: {err}"),
+        }
+    }
+
+    /// Polls both endpoints until `done` says so; panics at the deadline.
+    pub fn pump(
+        a: &mut FabricEndpoint,
+        b: &mut FabricEndpoint,
+        a_events: &mut Vec<Event>,
+        b_events: &mut Vec<Event>,
+        mut done: impl FnMut(&[Event], &[Event]) -> bool,
+        what: &str,
+    ) {
+        let start = Instant::now();
+        loop {
+            a.poll(a_events).expect("poll a");
+            b.poll(b_events).expect("poll b");
+            if done(a_events, b_events) {
+                return;
+            }
+            assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+            std::thread::yield_now();
+        }
+    }
+
+    fn frames_from(events: &[Event], from: PeerId) -> Vec<Bytes> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Frame { peer, frame } if *peer == from => Some(frame.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Sends, polling both sides while the sender pushes back.
+    fn send_blocking(
+        a: &mut FabricEndpoint,
+        b: &mut FabricEndpoint,
+        to: PeerId,
+        out: OutFrame,
+        a_events: &mut Vec<Event>,
+        b_events: &mut Vec<Event>,
+    ) {
+        let start = Instant::now();
+        let mut out = out;
+        loop {
+            match a.send(to, out) {
+                Ok(()) => return,
+                Err(SendError::WouldBlock(back)) => {
+                    out = back;
+                    a.poll(a_events).expect("poll a");
+                    b.poll(b_events).expect("poll b");
+                    assert!(start.elapsed() < DEADLINE, "send stayed blocked");
+                }
+                Err(err) => panic!("send failed: {err}"),
+            }
+        }
+    }
+
+    fn insert_each_other(a: &mut FabricEndpoint, b: &mut FabricEndpoint) -> (PeerId, PeerId) {
+        let b_addr = b.local_addr();
+        let a_addr = a.local_addr();
+        assert!(!a_addr.is_empty());
+        assert_ne!(a_addr, b_addr, "two endpoints with one address");
+        let pb = a.insert_peer(&b_addr).expect("insert b");
+        let pa = b.insert_peer(&a_addr).expect("insert a");
+        // Inserting again gives the same peer.
+        assert_eq!(a.insert_peer(&b_addr).unwrap(), pb);
+        (pb, pa)
+    }
+
+    pub fn exchange_both_directions(kind: EpKind, provider: &str, extra: &[(&str, &str)]) {
+        let Some((mut a, mut b)) = pair(kind, provider, extra) else {
+            return;
+        };
+        assert_eq!(a.scheme(), kind.scheme());
+        assert_eq!(a.readiness(), efabus_core::transport::Readiness::MustPoll);
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+
+        a.send(pb, frame(b"ping from a"))
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| !frames_from(be, pa).is_empty(),
+            "a->b",
+        );
+        assert_eq!(payload_of(&frames_from(&be, pa)[0]), b"ping from a");
+        assert!(
+            !be.iter().any(|e| matches!(e, Event::Accepted { .. })),
+            "a known sender was announced as new: {be:?}"
+        );
+
+        b.send(pa, frame(b"pong from b"))
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |ae, _| !frames_from(ae, pb).is_empty(),
+            "b->a",
+        );
+        assert_eq!(payload_of(&frames_from(&ae, pb)[0]), b"pong from b");
+        assert_eq!(a.stats().received, 1);
+        assert_eq!(b.stats().received, 1);
+    }
+
+    /// More frames than receives posted, so receive slots are reposted; a
+    /// window keeps the sender within the receiver's posted buffers (DGRAM
+    /// would drop the excess otherwise).
+    pub fn many_frames(kind: EpKind, provider: &str, extra: &[(&str, &str)]) {
+        let Some((mut a, mut b)) = pair(kind, provider, extra) else {
+            return;
+        };
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        let total = RX_DEPTH * 6;
+        let window = RX_DEPTH / 2;
+        let mut sent = 0;
+        let start = Instant::now();
+        while frames_from(&be, pa).len() < total {
+            while sent < total && sent - frames_from(&be, pa).len() < window {
+                let payload = format!("frame {sent:05} {}", "x".repeat(sent * 7 % 300));
+                send_blocking(
+                    &mut a,
+                    &mut b,
+                    pb,
+                    frame(payload.as_bytes()),
+                    &mut ae,
+                    &mut be,
+                );
+                sent += 1;
+            }
+            a.poll(&mut ae).unwrap();
+            b.poll(&mut be).unwrap();
+            assert!(
+                start.elapsed() < DEADLINE,
+                "received {} of {total}",
+                frames_from(&be, pa).len()
+            );
+        }
+        let got: Vec<String> = frames_from(&be, pa)
+            .iter()
+            .map(|f| String::from_utf8(payload_of(f).to_vec()).unwrap())
+            .collect();
+        let expected: Vec<String> = (0..total)
+            .map(|i| format!("frame {i:05} {}", "x".repeat(i * 7 % 300)))
+            .collect();
+        if a.sas_granted() {
+            assert_eq!(got, expected, "SAS granted but frames arrived out of order");
+        } else {
+            let got: HashSet<_> = got.into_iter().collect();
+            let expected: HashSet<_> = expected.into_iter().collect();
+            assert_eq!(got, expected);
+        }
+        assert_eq!(b.stats().received as usize, total);
+        assert_eq!(b.stats().malformed, 0);
+        // Every send completed: nothing is left queued.
+        let start = Instant::now();
+        while a.queued_bytes(pb) > 0 {
+            a.poll(&mut ae).unwrap();
+            b.poll(&mut be).unwrap();
+            assert!(start.elapsed() < DEADLINE, "sends never completed");
+        }
+    }
+
+    pub fn max_size_and_too_large(kind: EpKind, provider: &str, extra: &[(&str, &str)]) {
+        let Some((mut a, mut b)) = pair(kind, provider, extra) else {
+            return;
+        };
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        let max = a.max_frame();
+        assert_eq!(max, a.link().max_frame);
+        assert!(max >= 1000, "max_frame {max}");
+        if kind == EpKind::Dgram {
+            // The provider's datagram limit bounds the frame, prefix counted.
+            assert!((max as u64) < a.link().max_msg_size);
+        }
+        let big: Vec<u8> = (0..max - 4).map(|i| (i * 31 % 251) as u8).collect();
+        a.send(pb, frame(&big))
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        b.send(pa, frame(&big))
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |ae, be| !frames_from(ae, pb).is_empty() && !frames_from(be, pa).is_empty(),
+            "max-size frames",
+        );
+        assert_eq!(payload_of(&frames_from(&be, pa)[0]), &big[..]);
+        assert_eq!(payload_of(&frames_from(&ae, pb)[0]), &big[..]);
+
+        let too_big = vec![0u8; max - 3];
+        match a.send(pb, frame(&too_big)) {
+            Err(SendError::TooLarge { len, max: m }) => {
+                assert_eq!((len, m), (max + 1, max));
+            }
+            Ok(()) => panic!("a frame above max_frame was sent"),
+            Err(other) => panic!("expected TooLarge, got {other}"),
+        }
+        // A frame whose length prefix lies is refused at the sender.
+        let lying = OutFrame::whole(Bytes::from_static(&[9, 0, 0, 0, 1, 2]));
+        assert!(matches!(a.send(pb, lying), Err(SendError::Transport(_))));
+    }
+
+    /// Sending without polling the receiver fills the send slots: `send`
+    /// hands the frame back with `WouldBlock`, `Writable` follows once the
+    /// endpoints are polled, and every frame still arrives in order.
+    pub fn backpressure_then_writable(kind: EpKind, provider: &str) {
+        let Some((mut a, mut b)) = pair(kind, provider, &[("tx_depth", "4")]) else {
+            return;
+        };
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        // Above every dev provider's inject size, so each send holds a slot.
+        let body = |i: usize| vec![i as u8; 2000];
+        let total = 40;
+        let mut sent = 0;
+        let mut blocked = 0;
+        let start = Instant::now();
+        while sent < total {
+            match a.send(pb, frame(&body(sent))) {
+                Ok(()) => sent += 1,
+                Err(SendError::WouldBlock(back)) => {
+                    assert_eq!(back.len(), 2004, "the frame is handed back whole");
+                    blocked += 1;
+                    assert!(a.queued_bytes(pb) > 0);
+                    // Writable comes once polling frees a slot.
+                    pump(
+                        &mut a,
+                        &mut b,
+                        &mut ae,
+                        &mut be,
+                        |ae, _| ae.contains(&Event::Writable { peer: pb }),
+                        "Writable after WouldBlock",
+                    );
+                    ae.retain(|e| !matches!(e, Event::Writable { .. }));
+                }
+                Err(err) => panic!("send: {err}"),
+            }
+            assert!(start.elapsed() < DEADLINE, "sending stalled");
+        }
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| frames_from(be, pa).len() == total,
+            "all frames",
+        );
+        let got = frames_from(&be, pa);
+        for (i, f) in got.iter().enumerate() {
+            assert_eq!(payload_of(f), &body(i)[..], "frame {i}");
+        }
+        eprintln!("{provider}: {blocked} WouldBlock(s) over {total} frames");
+    }
+
+    /// The test-only switches push a message prefix and registered buffers
+    /// with descriptors through a real provider.
+    pub fn forced_prefix_and_mr(kind: EpKind, provider: &str) {
+        let forced = [("force_prefix", "64"), ("force_mr_local", "true")];
+        let Some((mut a, mut b)) = pair(kind, provider, &forced) else {
+            return;
+        };
+        for ep in [&a, &b] {
+            assert_eq!(ep.link().provider_prefix, 0);
+            assert_eq!(ep.link().msg_prefix_size, 64);
+            assert!(ep.link().mr_local);
+        }
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        let max = a.max_frame();
+        let big: Vec<u8> = (0..max - 4).map(|i| (i % 253) as u8).collect();
+        for i in 0..RX_DEPTH * 2 {
+            let body = if i % 5 == 0 {
+                big.clone()
+            } else {
+                format!("forced {i}").into_bytes()
+            };
+            send_blocking(&mut a, &mut b, pb, frame(&body), &mut ae, &mut be);
+            pump(
+                &mut a,
+                &mut b,
+                &mut ae,
+                &mut be,
+                |_, be| frames_from(be, pa).len() > i,
+                "forced frame",
+            );
+            assert_eq!(payload_of(&frames_from(&be, pa)[i]), &body[..]);
+        }
+        b.send(pa, frame(b"back"))
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |ae, _| !frames_from(ae, pb).is_empty(),
+            "reply",
+        );
+        assert_eq!(b.stats().malformed, 0);
+    }
+
+    /// A sender the receiver has not inserted is announced with `Accepted`,
+    /// and inserting its address later names the same peer. `connect` takes
+    /// the address as hex; `close` ends a peer.
+    pub fn accept_connect_close(kind: EpKind, provider: &str) {
+        let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
+            return;
+        };
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        let pb = a
+            .connect(&addr_to_hex(&b.local_addr()))
+            .expect("connect by hex");
+        assert!(a.connect("not hex").is_err());
+        a.send(pb, frame(b"hello stranger"))
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| be.iter().any(|e| matches!(e, Event::Frame { .. })),
+            "frame from an unknown sender",
+        );
+        let (accepted, remote) = be
+            .iter()
+            .find_map(|e| match e {
+                Event::Accepted { peer, remote } => Some((*peer, remote.clone())),
+                _ => None,
+            })
+            .expect("Accepted before the first frame");
+        assert_eq!(remote, addr_to_hex(&a.local_addr()));
+        assert_eq!(frames_from(&be, accepted).len(), 1);
+        assert_eq!(b.insert_peer(&a.local_addr()).unwrap(), accepted);
+
+        b.close(accepted);
+        let mut events = Vec::new();
+        b.poll(&mut events).unwrap();
+        assert!(events.contains(&Event::Closed {
+            peer: accepted,
+            reason: CloseReason::Local
+        }));
+        assert!(matches!(
+            b.send(accepted, frame(b"x")),
+            Err(SendError::Closed(p)) if p == accepted
+        ));
+        assert_eq!(b.queued_bytes(accepted), 0);
+        // Inserting the address again opens a new peer.
+        let again = b.insert_peer(&a.local_addr()).unwrap();
+        assert_ne!(again, accepted);
+        // A wrongly sized address is refused, not read past its end.
+        assert!(b.insert_peer(&[1, 2, 3]).is_err());
+    }
+
+    /// A message larger than the receiver's buffers (peers configured with
+    /// different `msg_size`) is dropped and counted: as a completion error
+    /// with the provider's text (`tcp;ofi_rxm`, `sockets`), or as a
+    /// truncated, malformed message (`udp;ofi_rxd`, `udp`). The receive slot
+    /// is reposted and later frames still arrive (checked where the provider
+    /// delivers them promptly).
+    pub fn oversized_message_is_dropped(kind: EpKind, provider: &str) {
+        let t = transport(kind, provider);
+        let big_cfg = config(&[]);
+        let small_cfg = config(&[("msg_size", "256")]);
+        let (mut a, mut b) = match (t.open_fabric(&big_cfg), t.open_fabric(&small_cfg)) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(err), _) | (_, Err(err)) => {
+                assert!(matches!(err, TransportError::Unavailable { .. }), "{err}");
+                assert!(!fabric_required(), "{err}");
+                eprintln!("skipping: {err}");
+                return;
+            }
+        };
+        assert!(b.max_frame() < 256);
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        a.send(pb, frame(&[7u8; 1000]))
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        let start = Instant::now();
+        while b.stats().rx_errors + b.stats().malformed == 0 {
+            a.poll(&mut ae).unwrap();
+            b.poll(&mut be).unwrap();
+            assert!(
+                start.elapsed() < DEADLINE,
+                "the oversized message was never reported"
+            );
+        }
+        assert!(b.stats().last_error.is_some());
+        assert!(
+            frames_from(&be, pa).is_empty(),
+            "a truncated frame was delivered"
+        );
+        if provider == "tcp;ofi_rxm" {
+            // libfabric 1.17's rxm holds the messages that follow a truncated
+            // one on the same connection until some later, timing-dependent
+            // point; the drop and count above are what efabus controls.
+            return;
+        }
+        a.send(pb, frame(b"small again"))
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| !frames_from(be, pa).is_empty(),
+            "a later frame",
+        );
+        assert_eq!(payload_of(&frames_from(&be, pa)[0]), b"small again");
+    }
+
+    /// `Transport::open` gives the same endpoint behind the trait object.
+    pub fn through_the_trait(kind: EpKind, provider: &str) {
+        let t = transport(kind, provider);
+        let cfg = config(&[]);
+        let (mut a, mut b) = match (t.open(&cfg), t.open(&cfg)) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(err), _) | (_, Err(err)) => {
+                assert!(matches!(err, TransportError::Unavailable { .. }), "{err}");
+                assert!(!fabric_required(), "{err}");
+                eprintln!("skipping: {err}");
+                return;
+            }
+        };
+        assert_eq!(t.scheme(), kind.scheme());
+        let pb = a.insert_peer(&b.local_addr()).unwrap();
+        a.send(pb, frame(b"via dyn Endpoint"))
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        let start = Instant::now();
+        let mut events = Vec::new();
+        loop {
+            a.poll(&mut Vec::new()).unwrap();
+            b.poll(&mut events).unwrap();
+            if let Some(f) = events.iter().find_map(|e| match e {
+                Event::Frame { frame, .. } => Some(frame.clone()),
+                _ => None,
+            }) {
+                assert_eq!(payload_of(&f), b"via dyn Endpoint");
+                break;
+            }
+            assert!(start.elapsed() < DEADLINE, "timed out");
+        }
+    }
+}
+
+#[cfg(efabus_libfabric)]
+macro_rules! provider_suite {
+    ($name:ident, $kind:expr, $provider:expr) => {
+        mod $name {
+            use super::suite;
+            use efabus_transports::fabric::EpKind;
+
+            #[test]
+            fn exchange_both_directions() {
+                suite::exchange_both_directions($kind, $provider, &[]);
+            }
+
+            #[test]
+            fn many_frames_repost_receives() {
+                suite::many_frames($kind, $provider, &[]);
+            }
+
+            #[test]
+            fn max_size_frames_and_too_large() {
+                suite::max_size_and_too_large($kind, $provider, &[]);
+            }
+
+            #[test]
+            fn forced_prefix_and_registration() {
+                suite::forced_prefix_and_mr($kind, $provider);
+            }
+
+            #[test]
+            fn forced_path_with_many_frames() {
+                suite::many_frames(
+                    $kind,
+                    $provider,
+                    &[("force_prefix", "176"), ("force_mr_local", "true")],
+                );
+            }
+
+            #[test]
+            fn accept_connect_close() {
+                suite::accept_connect_close($kind, $provider);
+            }
+
+            #[test]
+            fn oversized_message_is_dropped() {
+                suite::oversized_message_is_dropped($kind, $provider);
+            }
+
+            #[test]
+            fn through_the_trait() {
+                suite::through_the_trait($kind, $provider);
+            }
+        }
+    };
+}
+
+#[cfg(efabus_libfabric)]
+provider_suite!(rdm_tcp_rxm, EpKind::Rdm, "tcp;ofi_rxm");
+#[cfg(efabus_libfabric)]
+provider_suite!(rdm_udp_rxd, EpKind::Rdm, "udp;ofi_rxd");
+#[cfg(efabus_libfabric)]
+provider_suite!(rdm_sockets, EpKind::Rdm, "sockets");
+#[cfg(efabus_libfabric)]
+provider_suite!(dgram_udp, EpKind::Dgram, "udp");
+
+/// Backpressure on the reliable endpoints (a datagram receiver that is not
+/// polled may drop, so DGRAM is left out).
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_backpressure_then_writable() {
+    for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
+        suite::backpressure_then_writable(efabus_transports::fabric::EpKind::Rdm, provider);
+    }
+}
