@@ -171,10 +171,16 @@ impl Cache {
             let index = self.shard_of(hash);
             relock(self.shards[index].get_mut()).remove(&hash);
         } else {
+            let (prefix, suffix) = literal_ends(pattern);
+            let hit = |subject: &str| {
+                subject.starts_with(prefix)
+                    && subject.ends_with(suffix)
+                    && pattern_matches(pattern, subject)
+            };
             for shard in self.shards.iter_mut() {
                 let shard = relock(shard.get_mut());
                 if !shard.is_empty() {
-                    shard.retain(|_, e| !pattern_matches(pattern, &e.subject));
+                    shard.retain(|_, e| !hit(&e.subject));
                 }
             }
         }
@@ -200,6 +206,31 @@ impl Cache {
     pub(super) fn len(&self) -> usize {
         self.shards.iter().map(|s| relock(s.lock()).len()).sum()
     }
+}
+
+/// The literal text a subject matching the wildcard `pattern` must start
+/// and end with: the tokens before the first wildcard (with their dots) and
+/// those after the last one, unless it is `>`. A cheap filter before the
+/// reference matcher when scanning the cache.
+fn literal_ends(pattern: &str) -> (&str, &str) {
+    let mut first = None;
+    let mut last_end = 0;
+    let mut offset = 0;
+    for token in pattern.split('.') {
+        let end = offset + token.len();
+        if token == "*" || token == ">" {
+            first.get_or_insert(offset);
+            last_end = end;
+        }
+        offset = end + 1;
+    }
+    let prefix = first.and_then(|f| pattern.get(..f)).unwrap_or("");
+    let suffix = if pattern.ends_with('>') && last_end == pattern.len() {
+        ""
+    } else {
+        pattern.get(last_end..).unwrap_or("")
+    };
+    (prefix, suffix)
 }
 
 #[cfg(test)]
@@ -252,6 +283,18 @@ mod tests {
         let big = vec![SubRef::new(0, 0); MAX_CACHED_RESULT + 1];
         c.insert(c.hash("a"), "a", &big, &[]);
         assert_eq!(c.len(), 0);
+    }
+
+    #[test]
+    fn literal_ends_of_patterns() {
+        assert_eq!(literal_ends("*"), ("", ""));
+        assert_eq!(literal_ends(">"), ("", ""));
+        assert_eq!(literal_ends("a.*"), ("a.", ""));
+        assert_eq!(literal_ends("a.b.>"), ("a.b.", ""));
+        assert_eq!(literal_ends("*.b"), ("", ".b"));
+        assert_eq!(literal_ends("a.*.c.*.e"), ("a.", ".e"));
+        assert_eq!(literal_ends("metrics.*.cpu1"), ("metrics.", ".cpu1"));
+        assert_eq!(literal_ends("a>.*.b>"), ("a>.", ".b>"));
     }
 
     #[test]

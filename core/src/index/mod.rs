@@ -61,7 +61,9 @@ use hash::FoldState;
 /// subscription id, unique per owner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SubRef {
+    /// The peer or local client holding the subscription.
     pub owner: u64,
+    /// The subscription id, chosen by the owner.
     pub sid: u64,
 }
 
@@ -115,8 +117,11 @@ pub enum IndexError {
 /// A subscription as stored in the index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SubInfo<'a> {
+    /// The subscription's key.
     pub key: SubRef,
+    /// Its pattern, as inserted.
     pub pattern: &'a str,
+    /// Its queue group name, if any.
     pub queue: Option<&'a str>,
 }
 
