@@ -65,6 +65,8 @@ impl Mix {
     }
 }
 
+/// One subscription. Wildcard patterns are spread over hosts, so the
+/// fan-out of a subject stays about the same at every size.
 fn pattern(rng: &mut Rng, mix: Mix, hosts: u64) -> (String, Option<&'static str>) {
     let h = rng.below(hosts);
     let c = rng.below(CPUS);
@@ -74,21 +76,34 @@ fn pattern(rng: &mut Rng, mix: Mix, hosts: u64) -> (String, Option<&'static str>
     match rng.below(100) {
         0..=39 => (format!("metrics.host{h}.*"), None),
         40..=59 => (format!("metrics.host{h}.*"), Some("workers")),
-        60..=79 => (format!("metrics.host{h}.>"), None),
-        80..=94 => (format!("*.host{h}.cpu{c}"), Some("audit")),
-        _ => (format!("metrics.*.cpu{c}"), None),
+        60..=84 => (format!("metrics.host{h}.>"), None),
+        _ => (format!("*.host{h}.cpu{c}"), Some("audit")),
     }
 }
+
+/// Broad subscriptions (per-cpu dashboards, full taps), a fixed number at
+/// every size.
+const BROAD: [(&str, u64); 2] = [("metrics.*.cpu{}", 200), ("metrics.>", 4)];
 
 fn build(total: usize, mix: Mix) -> (SubscriptionIndex, u64) {
     let hosts = (total as u64 / CPUS).max(1);
     let mut rng = Rng(total as u64 ^ mix.wildcard_pct());
     let mut idx = SubscriptionIndex::default();
     let started = Instant::now();
-    for i in 0..total as u64 {
+    let broad: u64 = BROAD.iter().map(|&(_, n)| n).sum();
+    for i in 0..total as u64 - broad {
         let (p, q) = pattern(&mut rng, mix, hosts);
         idx.insert(&p, q, SubRef::new(i % 256, i))
             .expect("valid pattern");
+    }
+    let mut sid = total as u64;
+    for (template, n) in BROAD {
+        for _ in 0..n {
+            let p = template.replace("{}", &rng.below(CPUS).to_string());
+            idx.insert(&p, None, SubRef::new(sid % 256, sid))
+                .expect("valid pattern");
+            sid += 1;
+        }
     }
     eprintln!(
         "built {} {} subscriptions, {} trie nodes, in {:.2?}",

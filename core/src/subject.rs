@@ -73,25 +73,52 @@ pub enum SubjectError {
     Empty,
     /// Two separators in a row, or a separator at either end.
     #[error("token {index} is empty")]
-    EmptyToken { index: usize },
+    EmptyToken {
+        /// Index of the empty token.
+        index: usize,
+    },
     /// A token contains a white space character.
     #[error("token {index} contains white space {ch:?}")]
-    Whitespace { index: usize, ch: char },
+    Whitespace {
+        /// Index of the offending token.
+        index: usize,
+        /// The first white space character found in it.
+        ch: char,
+    },
     /// A token contains a NUL character.
     #[error("token {index} contains a NUL character")]
-    Nul { index: usize },
+    Nul {
+        /// Index of the offending token.
+        index: usize,
+    },
     /// A subject to publish on contains a wildcard token.
     #[error("token {index} is a wildcard, which a publish subject cannot contain")]
-    WildcardInSubject { index: usize },
+    WildcardInSubject {
+        /// Index of the wildcard token.
+        index: usize,
+    },
     /// A `>` token is not the last token.
     #[error("token {index} is '>', which is only allowed as the last token")]
-    FullWildcardNotLast { index: usize },
+    FullWildcardNotLast {
+        /// Index of the misplaced `>`.
+        index: usize,
+    },
     /// Longer than [`SubjectLimits::max_len`].
     #[error("subject is {len} bytes long, the limit is {max}")]
-    TooLong { len: usize, max: usize },
+    TooLong {
+        /// Length in bytes.
+        len: usize,
+        /// The configured limit.
+        max: usize,
+    },
     /// More tokens than [`SubjectLimits::max_tokens`].
     #[error("subject has {tokens} tokens, the limit is {max}")]
-    TooDeep { tokens: usize, max: usize },
+    TooDeep {
+        /// Number of tokens.
+        tokens: usize,
+        /// The configured limit.
+        max: usize,
+    },
 }
 
 /// Why a queue group name was rejected.
@@ -106,13 +133,26 @@ pub enum QueueNameError {
     Empty,
     /// The name contains a white space character at byte `offset`.
     #[error("queue name contains white space {ch:?} at byte {offset}")]
-    Whitespace { offset: usize, ch: char },
+    Whitespace {
+        /// Byte offset of the character.
+        offset: usize,
+        /// The white space character.
+        ch: char,
+    },
     /// The name contains a NUL character at byte `offset`.
     #[error("queue name contains a NUL character at byte {offset}")]
-    Nul { offset: usize },
+    Nul {
+        /// Byte offset of the character.
+        offset: usize,
+    },
     /// Longer than [`SubjectLimits::max_len`].
     #[error("queue name is {len} bytes long, the limit is {max}")]
-    TooLong { len: usize, max: usize },
+    TooLong {
+        /// Length in bytes.
+        len: usize,
+        /// The configured limit.
+        max: usize,
+    },
 }
 
 /// One token of a pattern, classified.

@@ -162,7 +162,7 @@ fn run(ops: Vec<Op>, cache_capacity: usize) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(200))]
+    #![proptest_config(ProptestConfig::with_cases(150))]
 
     #[test]
     fn index_agrees_with_reference(ops in prop::collection::vec(op(), 1..80)) {

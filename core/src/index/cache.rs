@@ -4,17 +4,19 @@
 //! plain subscribers and the queue groups (by id, so that the member pick
 //! still happens per message). Lookups take `&self`, so the cache is split in
 //! shards behind their own mutex; many readers of the index then rarely meet
-//! on the same lock. Changes to the index hold `&mut` and reach the shards
-//! without locking.
+//! on the same lock. A hit copies the result out while holding the lock,
+//! which is cheaper than sharing it through reference counts. Changes to the
+//! index hold `&mut` and reach the shards without locking.
 //!
 //! Memory is bounded: each shard holds at most a fixed number of entries and
 //! evicts a quarter of them (in hash order, which is keyed and so effectively
 //! random) when full; results with very large fan-out are not cached at all.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
+use super::hash::FoldState;
 use super::{GroupId, SubRef};
 use crate::subject::{is_literal, pattern_matches};
 
@@ -31,19 +33,14 @@ const MIN_SHARD_CAPACITY: usize = 64;
 const SCAN_LIMIT: usize = 16;
 
 /// The trie's answer for one subject.
-#[derive(Debug, Default)]
-pub(super) struct Cached {
-    pub(super) plain: Box<[SubRef]>,
-    pub(super) groups: Box<[GroupId]>,
-}
-
 #[derive(Debug)]
 struct Entry {
     subject: Box<str>,
-    result: Arc<Cached>,
+    plain: Box<[SubRef]>,
+    groups: Box<[GroupId]>,
 }
 
-/// The key is already a keyed SipHash of the subject, so the maps use it as is.
+/// The key is already a keyed hash of the subject, so the maps use it as is.
 #[derive(Default)]
 struct PassThrough(u64);
 
@@ -70,7 +67,7 @@ type ShardMap = HashMap<u64, Entry, BuildHasherDefault<PassThrough>>;
 pub(super) struct Cache {
     shards: Box<[Mutex<ShardMap>]>,
     shard_capacity: usize,
-    hasher: RandomState,
+    hasher: FoldState,
 }
 
 fn relock<T>(guard: Result<T, PoisonError<T>>) -> T {
@@ -81,7 +78,7 @@ fn relock<T>(guard: Result<T, PoisonError<T>>) -> T {
 
 impl Cache {
     /// A cache holding at most about `capacity` subjects; 0 disables it.
-    pub(super) fn new(capacity: usize) -> Self {
+    pub(super) fn new(capacity: usize, hasher: FoldState) -> Self {
         let mut shards = 1;
         while shards < MAX_SHARDS && capacity / (shards * 2) >= MIN_SHARD_CAPACITY {
             shards *= 2;
@@ -92,7 +89,7 @@ impl Cache {
                 .map(|_| Mutex::new(ShardMap::default()))
                 .collect(),
             shard_capacity: capacity.div_ceil(shards),
-            hasher: RandomState::new(),
+            hasher,
         }
     }
 
@@ -100,8 +97,9 @@ impl Cache {
         !self.shards.is_empty()
     }
 
+    #[inline]
     pub(super) fn hash(&self, subject: &str) -> u64 {
-        self.hasher.hash_one(subject)
+        self.hasher.hash_one(subject.as_bytes())
     }
 
     fn shard_of(&self, hash: u64) -> usize {
@@ -114,22 +112,38 @@ impl Cache {
         relock(self.shards[self.shard_of(hash)].lock())
     }
 
-    pub(super) fn get(&self, hash: u64, subject: &str) -> Option<Arc<Cached>> {
+    /// On a hit, hands the cached plain subscribers and groups to `emit`
+    /// (under the shard's lock, so it must be short) and returns true.
+    #[inline]
+    pub(super) fn with<F: FnOnce(&[SubRef], &[GroupId])>(
+        &self,
+        hash: u64,
+        subject: &str,
+        emit: F,
+    ) -> bool {
         if !self.enabled() {
-            return None;
+            return false;
         }
         let shard = self.lock(hash);
         match shard.get(&hash) {
-            Some(entry) if *entry.subject == *subject => Some(Arc::clone(&entry.result)),
-            _ => None,
+            Some(entry) if *entry.subject == *subject => {
+                emit(&entry.plain, &entry.groups);
+                true
+            }
+            _ => false,
         }
     }
 
-    pub(super) fn insert(&self, hash: u64, subject: &str, result: Arc<Cached>) {
-        if !self.enabled() {
+    pub(super) fn insert(&self, hash: u64, subject: &str, plain: &[SubRef], groups: &[GroupId]) {
+        if !self.enabled() || plain.len() + groups.len() > MAX_CACHED_RESULT {
             return;
         }
         let cap = self.shard_capacity;
+        let entry = Entry {
+            subject: subject.into(),
+            plain: plain.into(),
+            groups: groups.into(),
+        };
         let mut shard = self.lock(hash);
         if shard.len() >= cap && !shard.contains_key(&hash) {
             let mut evict = (cap / 4).max(1);
@@ -143,13 +157,7 @@ impl Cache {
             });
         }
         // A different subject with the same 64-bit keyed hash is replaced.
-        shard.insert(
-            hash,
-            Entry {
-                subject: subject.into(),
-                result,
-            },
-        );
+        shard.insert(hash, entry);
     }
 
     /// Drops every entry `pattern` matches (the entries a change on that
@@ -163,10 +171,16 @@ impl Cache {
             let index = self.shard_of(hash);
             relock(self.shards[index].get_mut()).remove(&hash);
         } else {
+            let (prefix, suffix) = literal_ends(pattern);
+            let hit = |subject: &str| {
+                subject.starts_with(prefix)
+                    && subject.ends_with(suffix)
+                    && pattern_matches(pattern, subject)
+            };
             for shard in self.shards.iter_mut() {
                 let shard = relock(shard.get_mut());
                 if !shard.is_empty() {
-                    shard.retain(|_, e| !pattern_matches(pattern, &e.subject));
+                    shard.retain(|_, e| !hit(&e.subject));
                 }
             }
         }
@@ -194,64 +208,109 @@ impl Cache {
     }
 }
 
+/// The literal text a subject matching the wildcard `pattern` must start
+/// and end with: the tokens before the first wildcard (with their dots) and
+/// those after the last one, unless it is `>`. A cheap filter before the
+/// reference matcher when scanning the cache.
+fn literal_ends(pattern: &str) -> (&str, &str) {
+    let mut first = None;
+    let mut last_end = 0;
+    let mut offset = 0;
+    for token in pattern.split('.') {
+        let end = offset + token.len();
+        if token == "*" || token == ">" {
+            first.get_or_insert(offset);
+            last_end = end;
+        }
+        offset = end + 1;
+    }
+    let prefix = first.and_then(|f| pattern.get(..f)).unwrap_or("");
+    let suffix = if pattern.ends_with('>') && last_end == pattern.len() {
+        ""
+    } else {
+        pattern.get(last_end..).unwrap_or("")
+    };
+    (prefix, suffix)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn result(n: u64) -> Arc<Cached> {
-        Arc::new(Cached {
-            plain: vec![SubRef { owner: n, sid: n }].into(),
-            groups: Box::new([]),
-        })
+    fn insert(c: &Cache, s: &str, n: u64) {
+        c.insert(c.hash(s), s, &[SubRef::new(n, n)], &[]);
+    }
+
+    fn get(c: &Cache, s: &str) -> Option<u64> {
+        let mut got = None;
+        c.with(c.hash(s), s, |plain, _| got = Some(plain[0].sid));
+        got
     }
 
     #[test]
     fn disabled_cache_stores_nothing() {
-        let c = Cache::new(0);
-        let h = c.hash("a");
-        c.insert(h, "a", result(1));
-        assert!(c.get(h, "a").is_none());
+        let c = Cache::new(0, FoldState);
+        insert(&c, "a", 1);
+        assert_eq!(get(&c, "a"), None);
         assert_eq!(c.len(), 0);
     }
 
     #[test]
     fn size_stays_bounded() {
-        let c = Cache::new(100);
+        let c = Cache::new(100, FoldState);
         for i in 0..1000 {
-            let s = format!("s.{i}");
-            c.insert(c.hash(&s), &s, result(i));
+            insert(&c, &format!("s.{i}"), i);
         }
         assert!(c.len() <= 100, "len {}", c.len());
         assert!(c.len() > 0);
         // The last insert is always kept.
-        let s = "s.999";
-        assert_eq!(c.get(c.hash(s), s).map(|r| r.plain[0].sid), Some(999));
+        assert_eq!(get(&c, "s.999"), Some(999));
     }
 
     #[test]
     fn shard_count_and_capacity() {
-        let c = Cache::new(4096);
+        let c = Cache::new(4096, FoldState);
         assert_eq!(c.shards.len(), 16);
         assert_eq!(c.shard_capacity, 256);
-        let c = Cache::new(10);
+        let c = Cache::new(10, FoldState);
         assert_eq!(c.shards.len(), 1);
         assert_eq!(c.shard_capacity, 10);
     }
 
     #[test]
+    fn oversized_results_are_skipped() {
+        let c = Cache::new(10, FoldState);
+        let big = vec![SubRef::new(0, 0); MAX_CACHED_RESULT + 1];
+        c.insert(c.hash("a"), "a", &big, &[]);
+        assert_eq!(c.len(), 0);
+    }
+
+    #[test]
+    fn literal_ends_of_patterns() {
+        assert_eq!(literal_ends("*"), ("", ""));
+        assert_eq!(literal_ends(">"), ("", ""));
+        assert_eq!(literal_ends("a.*"), ("a.", ""));
+        assert_eq!(literal_ends("a.b.>"), ("a.b.", ""));
+        assert_eq!(literal_ends("*.b"), ("", ".b"));
+        assert_eq!(literal_ends("a.*.c.*.e"), ("a.", ".e"));
+        assert_eq!(literal_ends("metrics.*.cpu1"), ("metrics.", ".cpu1"));
+        assert_eq!(literal_ends("a>.*.b>"), ("a>.", ".b>"));
+    }
+
+    #[test]
     fn invalidation_is_precise() {
-        let mut c = Cache::new(1024);
+        let mut c = Cache::new(1024, FoldState);
         for s in ["a.b", "a.c", "x.y", "a.b.c"] {
-            c.insert(c.hash(s), s, result(0));
+            insert(&c, s, 0);
         }
         c.invalidate("a.*");
-        assert!(c.get(c.hash("a.b"), "a.b").is_none());
-        assert!(c.get(c.hash("a.c"), "a.c").is_none());
-        assert!(c.get(c.hash("x.y"), "x.y").is_some());
-        assert!(c.get(c.hash("a.b.c"), "a.b.c").is_some());
+        assert_eq!(get(&c, "a.b"), None);
+        assert_eq!(get(&c, "a.c"), None);
+        assert_eq!(get(&c, "x.y"), Some(0));
+        assert_eq!(get(&c, "a.b.c"), Some(0));
         c.invalidate("x.y");
-        assert!(c.get(c.hash("x.y"), "x.y").is_none());
-        assert!(c.get(c.hash("a.b.c"), "a.b.c").is_some());
+        assert_eq!(get(&c, "x.y"), None);
+        assert_eq!(get(&c, "a.b.c"), Some(0));
         c.invalidate_many(["q", "a.>"].into_iter());
         assert_eq!(c.len(), 0);
     }

@@ -3,10 +3,11 @@
 //! Most nodes have few literal children (often none: leaves are the majority),
 //! so they are kept in a small vector searched linearly, which is both smaller
 //! and faster than hashing. Past a handful of children the node switches to a
-//! hash map (keyed SipHash, so peers cannot pick colliding tokens).
+//! hash map with the index's keyed hash.
 
 use std::collections::HashMap;
 
+use super::hash::{FoldState, TokenKey};
 use super::NodeId;
 
 /// Above this many children a node uses a hash map.
@@ -14,8 +15,8 @@ const SMALL_MAX: usize = 8;
 
 #[derive(Debug)]
 pub(super) enum Children {
-    Small(Vec<(Box<str>, NodeId)>),
-    Map(HashMap<Box<str>, NodeId>),
+    Small(Vec<(TokenKey, NodeId)>),
+    Map(HashMap<TokenKey, NodeId, FoldState>),
 }
 
 impl Default for Children {
@@ -26,9 +27,12 @@ impl Default for Children {
 
 impl Children {
     #[inline]
-    pub(super) fn get(&self, token: &str) -> Option<NodeId> {
+    pub(super) fn get(&self, token: &[u8]) -> Option<NodeId> {
         match self {
-            Children::Small(v) => v.iter().find(|(t, _)| **t == *token).map(|&(_, id)| id),
+            Children::Small(v) => v
+                .iter()
+                .find(|(t, _)| t.as_bytes() == token)
+                .map(|&(_, id)| id),
             Children::Map(m) => m.get(token).copied(),
         }
     }
@@ -36,22 +40,23 @@ impl Children {
     /// Adds a child; the token must not be present yet.
     pub(super) fn insert(&mut self, token: &str, id: NodeId) {
         match self {
-            Children::Small(v) if v.len() < SMALL_MAX => v.push((token.into(), id)),
+            Children::Small(v) if v.len() < SMALL_MAX => v.push((TokenKey::new(token), id)),
             Children::Small(v) => {
-                let mut map: HashMap<Box<str>, NodeId> = std::mem::take(v).into_iter().collect();
-                map.insert(token.into(), id);
+                let mut map = HashMap::with_capacity_and_hasher(SMALL_MAX * 2, FoldState);
+                map.extend(std::mem::take(v));
+                map.insert(TokenKey::new(token), id);
                 *self = Children::Map(map);
             }
             Children::Map(m) => {
-                m.insert(token.into(), id);
+                m.insert(TokenKey::new(token), id);
             }
         }
     }
 
-    pub(super) fn remove(&mut self, token: &str) -> Option<NodeId> {
+    pub(super) fn remove(&mut self, token: &[u8]) -> Option<NodeId> {
         match self {
             Children::Small(v) => {
-                let pos = v.iter().position(|(t, _)| **t == *token)?;
+                let pos = v.iter().position(|(t, _)| t.as_bytes() == token)?;
                 Some(v.swap_remove(pos).1)
             }
             Children::Map(m) => {
@@ -71,6 +76,15 @@ impl Children {
             Children::Map(m) => m.is_empty(),
         }
     }
+
+    /// Every child id (for tests).
+    #[cfg(test)]
+    pub(super) fn ids(&self) -> Vec<NodeId> {
+        match self {
+            Children::Small(v) => v.iter().map(|&(_, id)| id).collect(),
+            Children::Map(m) => m.values().copied().collect(),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -80,19 +94,19 @@ mod tests {
     #[test]
     fn grows_into_a_map_and_back() {
         let mut c = Children::default();
-        for i in 0..20 {
+        for i in 0..20u32 {
             c.insert(&format!("t{i}"), i);
         }
         assert!(matches!(c, Children::Map(_)));
         for i in 0..20 {
-            assert_eq!(c.get(&format!("t{i}")), Some(i));
+            assert_eq!(c.get(format!("t{i}").as_bytes()), Some(i));
         }
-        assert_eq!(c.get("t20"), None);
+        assert_eq!(c.get(b"t20"), None);
         for i in 0..20 {
-            assert_eq!(c.remove(&format!("t{i}")), Some(i));
+            assert_eq!(c.remove(format!("t{i}").as_bytes()), Some(i));
         }
         assert!(c.is_empty());
         assert!(matches!(c, Children::Small(_)));
-        assert_eq!(c.remove("t0"), None);
+        assert_eq!(c.remove(b"t0"), None);
     }
 }

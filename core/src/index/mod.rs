@@ -33,15 +33,17 @@
 //!
 //! A cache hit costs one keyed hash of the subject, one short lock and a copy
 //! of the result into the caller's vector; it allocates nothing once the
-//! vector has grown. A miss validates the subject, walks the trie (at most one
-//! literal and one `*` branch per token), and stores the result.
+//! vector has grown. A miss validates and splits the subject in one pass (on
+//! the stack), walks the trie (at most one literal and one `*` branch per
+//! token and node), and stores the result in the cache. Nodes are one cache
+//! line each; short tokens are stored inline; tables use a fast keyed hash.
 
 mod cache;
 mod children;
+mod hash;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 
 use thiserror::Error;
 
@@ -49,8 +51,9 @@ use crate::subject::{
     tokens, validate_pattern, validate_queue_name, validate_subject, QueueNameError, SubjectError,
     SubjectLimits, Token,
 };
-use cache::{Cache, Cached, MAX_CACHED_RESULT};
+use cache::Cache;
 use children::Children;
+use hash::FoldState;
 
 /// Identifies one subscription: who owns it and its id there.
 ///
@@ -58,7 +61,9 @@ use children::Children;
 /// subscription id, unique per owner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SubRef {
+    /// The peer or local client holding the subscription.
     pub owner: u64,
+    /// The subscription id, chosen by the owner.
     pub sid: u64,
 }
 
@@ -104,18 +109,24 @@ pub enum IndexError {
     /// A subscription with this key is already present.
     #[error("subscription {} of owner {} already exists", .0.sid, .0.owner)]
     DuplicateKey(SubRef),
+    /// The index ran out of node or group ids (over 4 billion of them).
+    #[error("subscription index is full")]
+    Full,
 }
 
 /// A subscription as stored in the index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SubInfo<'a> {
+    /// The subscription's key.
     pub key: SubRef,
+    /// Its pattern, as inserted.
     pub pattern: &'a str,
+    /// Its queue group name, if any.
     pub queue: Option<&'a str>,
 }
 
-type NodeId = usize;
-type GroupId = usize;
+type NodeId = u32;
+type GroupId = u32;
 
 const ROOT: NodeId = 0;
 
@@ -132,22 +143,28 @@ impl SubList {
     }
 }
 
+/// The subscriptions held at a node; boxed because most nodes hold none, and
+/// small nodes keep the walk within few cache lines.
 #[derive(Debug, Default)]
-struct Node {
-    children: Children,
-    star: Option<NodeId>,
+struct Terminal {
     /// Patterns ending at this node.
     exact: SubList,
     /// Patterns ending with `>` right after this node.
     tail: SubList,
 }
 
+/// Aligned to a cache line: the walk reads one node per step.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct Node {
+    children: Children,
+    star: Option<NodeId>,
+    term: Option<Box<Terminal>>,
+}
+
 impl Node {
     fn is_bare(&self) -> bool {
-        self.children.is_empty()
-            && self.star.is_none()
-            && self.exact.is_empty()
-            && self.tail.is_empty()
+        self.children.is_empty() && self.star.is_none() && self.term.is_none()
     }
 }
 
@@ -199,7 +216,7 @@ impl SubscriptionIndex {
             groups: Vec::new(),
             free_groups: Vec::new(),
             subs: BTreeMap::new(),
-            cache: Cache::new(config.cache_capacity),
+            cache: Cache::new(config.cache_capacity, FoldState),
         }
     }
 
@@ -259,48 +276,49 @@ impl SubscriptionIndex {
         if self.subs.contains_key(&key) {
             return Err(IndexError::DuplicateKey(key));
         }
+        // Ids are u32 to keep nodes small; check before changing anything.
+        let new_nodes = self.nodes.len() + pattern.len() / 2 + 1;
+        if new_nodes > NodeId::MAX as usize || self.groups.len() >= GroupId::MAX as usize {
+            return Err(IndexError::Full);
+        }
 
         let mut node = ROOT;
         let mut tail = false;
         for token in tokens(pattern) {
-            match token {
+            node = match token {
                 Token::Full => {
                     tail = true;
                     break;
                 }
-                Token::Single => {
-                    node = match self.nodes[node].star {
-                        Some(next) => next,
-                        None => {
-                            let next = self.alloc_node();
-                            self.nodes[node].star = Some(next);
-                            next
-                        }
+                Token::Single => match self.node(node).star {
+                    Some(next) => next,
+                    None => {
+                        let next = self.alloc_node();
+                        self.node_mut(node).star = Some(next);
+                        next
                     }
-                }
-                Token::Literal(lit) => {
-                    node = match self.nodes[node].children.get(lit) {
-                        Some(next) => next,
-                        None => {
-                            let next = self.alloc_node();
-                            self.nodes[node].children.insert(lit, next);
-                            next
-                        }
+                },
+                Token::Literal(lit) => match self.node(node).children.get(lit.as_bytes()) {
+                    Some(next) => next,
+                    None => {
+                        let next = self.alloc_node();
+                        self.node_mut(node).children.insert(lit, next);
+                        next
                     }
-                }
-            }
+                },
+            };
         }
 
+        let list = list_mut(&mut self.nodes[node as usize], tail);
         let (group, pos) = match queue {
             None => {
-                let list = list_mut(&mut self.nodes[node], tail);
                 list.plain.push(key);
                 (None, list.plain.len() - 1)
             }
             Some(name) => {
-                let list = list_mut(&mut self.nodes[node], tail);
+                let groups = &mut self.groups;
                 let found = list.groups.iter().copied().find(|&g| {
-                    self.groups[g]
+                    groups[g as usize]
                         .as_ref()
                         .is_some_and(|group| *group.name == *name)
                 });
@@ -314,12 +332,13 @@ impl SubscriptionIndex {
                         };
                         let gid = match self.free_groups.pop() {
                             Some(gid) => {
-                                self.groups[gid] = Some(group);
+                                groups[gid as usize] = Some(group);
                                 gid
                             }
                             None => {
-                                self.groups.push(Some(group));
-                                self.groups.len() - 1
+                                groups.push(Some(group));
+                                // Bounded by the `Full` check above.
+                                (groups.len() - 1) as GroupId
                             }
                         };
                         list.groups.push(gid);
@@ -327,7 +346,7 @@ impl SubscriptionIndex {
                     }
                 };
                 // The slot was filled just above or found occupied.
-                let pos = match self.groups[gid].as_mut() {
+                let pos = match groups[gid as usize].as_mut() {
                     Some(group) => {
                         group.members.push(key);
                         group.members.len() - 1
@@ -395,26 +414,24 @@ impl SubscriptionIndex {
             return self.match_walk(subject, out);
         }
         let hash = self.cache.hash(subject);
-        if let Some(hit) = self.cache.get(hash, subject) {
-            // Cached subjects were validated when first matched.
-            self.emit(&hit, out);
+        // Cached subjects were validated when first matched.
+        let hit = self
+            .cache
+            .with(hash, subject, |plain, groups| self.emit(plain, groups, out));
+        if hit {
             return Ok(());
         }
-        validate_subject(subject, &self.config.limits)?;
-        let mut plain = Vec::new();
+        // Plain subscribers go straight to `out`; groups are collected so
+        // the cache can keep them unpicked.
         let mut groups = Vec::new();
-        self.walk(ROOT, subject, &mut |list: &SubList| {
-            plain.extend_from_slice(&list.plain);
-            groups.extend_from_slice(&list.groups);
-        });
-        let result = Cached {
-            plain: plain.into(),
-            groups: groups.into(),
-        };
-        self.emit(&result, out);
-        if result.plain.len() + result.groups.len() <= MAX_CACHED_RESULT {
-            self.cache.insert(hash, subject, Arc::new(result));
-        }
+        self.with_tokens(subject, |toks| {
+            self.walk(ROOT, toks, &mut |list: &SubList| {
+                out.extend_from_slice(&list.plain);
+                groups.extend_from_slice(&list.groups);
+            })
+        })?;
+        self.cache.insert(hash, subject, out, &groups);
+        self.emit(&[], &groups, out);
         Ok(())
     }
 
@@ -428,22 +445,40 @@ impl SubscriptionIndex {
     }
 
     fn match_walk(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<(), SubjectError> {
-        validate_subject(subject, &self.config.limits)?;
-        self.walk(ROOT, subject, &mut |list: &SubList| {
-            out.extend_from_slice(&list.plain);
-            for &gid in &list.groups {
-                if let Some(member) = self.pick(gid) {
-                    out.push(member);
+        self.with_tokens(subject, |toks| {
+            self.walk(ROOT, toks, &mut |list: &SubList| {
+                out.extend_from_slice(&list.plain);
+                for &gid in &list.groups {
+                    if let Some(member) = self.pick(gid) {
+                        out.push(member);
+                    }
                 }
+            })
+        })
+    }
+
+    /// Validates `subject` and hands its tokens to `f`, without allocating
+    /// unless the subject has more than [`STACK_TOKENS`] tokens.
+    #[inline]
+    fn with_tokens<F: FnOnce(&[&str])>(&self, subject: &str, f: F) -> Result<(), SubjectError> {
+        let mut buf = [""; STACK_TOKENS];
+        match split_valid(subject, &self.config.limits, &mut buf) {
+            Some(n) => f(&buf[..n]),
+            None => {
+                // Invalid, or valid but deeper than the stack buffer (only
+                // possible when the limits allow it): the full check decides.
+                validate_subject(subject, &self.config.limits)?;
+                let toks: Vec<&str> = subject.split('.').collect();
+                f(&toks);
             }
-        });
+        }
         Ok(())
     }
 
-    fn emit(&self, result: &Cached, out: &mut Vec<SubRef>) {
-        out.reserve(result.plain.len() + result.groups.len());
-        out.extend_from_slice(&result.plain);
-        for &gid in result.groups.iter() {
+    #[inline]
+    fn emit(&self, plain: &[SubRef], groups: &[GroupId], out: &mut Vec<SubRef>) {
+        out.extend_from_slice(plain);
+        for &gid in groups {
             if let Some(member) = self.pick(gid) {
                 out.push(member);
             }
@@ -455,7 +490,7 @@ impl SubscriptionIndex {
     fn pick(&self, gid: GroupId) -> Option<SubRef> {
         // Groups referenced by the trie or a valid cache entry always exist
         // and are never empty; the checks only keep this total.
-        let group = self.groups.get(gid)?.as_ref()?;
+        let group = self.groups.get(gid as usize)?.as_ref()?;
         let len = group.members.len();
         if len == 0 {
             return None;
@@ -464,36 +499,47 @@ impl SubscriptionIndex {
         group.members.get(turn % len).copied()
     }
 
-    /// Visits the lists of every pattern matching `rest`, the remainder of a
-    /// valid subject starting at a token, from `node`. Recursion depth is
+    #[inline]
+    fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id as usize]
+    }
+
+    #[inline]
+    fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        &mut self.nodes[id as usize]
+    }
+
+    /// Visits the lists of every pattern matching `toks` (the remaining,
+    /// non-empty tokens of a valid subject) from `node`. Recursion depth is
     /// bounded by the number of tokens, itself bounded by the limits.
-    fn walk<F: FnMut(&SubList)>(&self, node: NodeId, rest: &str, visit: &mut F) {
-        let n = &self.nodes[node];
-        if !n.tail.is_empty() {
-            visit(&n.tail);
-        }
-        let (token, next) = match rest.find('.') {
-            Some(i) => (&rest[..i], Some(&rest[i + 1..])),
-            None => (rest, None),
+    fn walk<F: FnMut(&SubList)>(&self, node: NodeId, toks: &[&str], visit: &mut F) {
+        let Some((token, rest)) = toks.split_first() else {
+            return;
         };
-        if let Some(child) = n.children.get(token) {
-            self.step(child, next, visit);
+        let n = self.node(node);
+        if let Some(term) = &n.term {
+            if !term.tail.is_empty() {
+                visit(&term.tail);
+            }
+        }
+        if let Some(child) = n.children.get(token.as_bytes()) {
+            self.step(child, rest, visit);
         }
         if let Some(child) = n.star {
-            self.step(child, next, visit);
+            self.step(child, rest, visit);
         }
     }
 
     #[inline]
-    fn step<F: FnMut(&SubList)>(&self, node: NodeId, next: Option<&str>, visit: &mut F) {
-        match next {
-            Some(rest) => self.walk(node, rest, visit),
-            None => {
-                let list = &self.nodes[node].exact;
-                if !list.is_empty() {
-                    visit(list);
+    fn step<F: FnMut(&SubList)>(&self, node: NodeId, rest: &[&str], visit: &mut F) {
+        if rest.is_empty() {
+            if let Some(term) = &self.node(node).term {
+                if !term.exact.is_empty() {
+                    visit(&term.exact);
                 }
             }
+        } else {
+            self.walk(node, rest, visit);
         }
     }
 
@@ -501,7 +547,8 @@ impl SubscriptionIndex {
     /// groups; returns its pattern for cache invalidation.
     fn detach(&mut self, key: SubRef) -> Option<Box<str>> {
         let entry = self.subs.remove(&key)?;
-        let list = list_mut(&mut self.nodes[entry.node], entry.tail);
+        let node = &mut self.nodes[entry.node as usize];
+        let list = list_mut(node, entry.tail);
         let moved = match entry.group {
             None => {
                 list.plain.swap_remove(entry.pos);
@@ -510,7 +557,7 @@ impl SubscriptionIndex {
             Some(gid) => {
                 let mut moved = None;
                 let mut emptied = false;
-                if let Some(group) = self.groups[gid].as_mut() {
+                if let Some(group) = self.groups[gid as usize].as_mut() {
                     group.members.swap_remove(entry.pos);
                     moved = group.members.get(entry.pos).copied();
                     emptied = group.members.is_empty();
@@ -519,12 +566,19 @@ impl SubscriptionIndex {
                     if let Some(i) = list.groups.iter().position(|&g| g == gid) {
                         list.groups.swap_remove(i);
                     }
-                    self.groups[gid] = None;
+                    self.groups[gid as usize] = None;
                     self.free_groups.push(gid);
                 }
                 moved
             }
         };
+        if node
+            .term
+            .as_ref()
+            .is_some_and(|t| t.exact.is_empty() && t.tail.is_empty())
+        {
+            node.term = None;
+        }
         // The last element took the removed one's slot: record its new place.
         if let Some(moved) = moved {
             if let Some(e) = self.subs.get_mut(&moved) {
@@ -542,24 +596,24 @@ impl SubscriptionIndex {
         for token in tokens(pattern) {
             let next = match token {
                 Token::Full => break,
-                Token::Single => self.nodes[node].star,
-                Token::Literal(lit) => self.nodes[node].children.get(lit),
+                Token::Single => self.node(node).star,
+                Token::Literal(lit) => self.node(node).children.get(lit.as_bytes()),
             };
             let Some(next) = next else { return };
             path.push((node, token));
             node = next;
         }
         while let Some((parent, token)) = path.pop() {
-            if !self.nodes[node].is_bare() {
+            if !self.node(node).is_bare() {
                 break;
             }
             match token {
                 Token::Literal(lit) => {
-                    self.nodes[parent].children.remove(lit);
+                    self.node_mut(parent).children.remove(lit.as_bytes());
                 }
-                _ => self.nodes[parent].star = None,
+                _ => self.node_mut(parent).star = None,
             }
-            self.nodes[node] = Node::default();
+            *self.node_mut(node) = Node::default();
             self.free_nodes.push(node);
             node = parent;
         }
@@ -570,7 +624,8 @@ impl SubscriptionIndex {
             Some(id) => id,
             None => {
                 self.nodes.push(Node::default());
-                self.nodes.len() - 1
+                // Bounded by the `Full` check in `insert`.
+                (self.nodes.len() - 1) as NodeId
             }
         }
     }
@@ -582,11 +637,62 @@ impl SubscriptionIndex {
 }
 
 fn list_mut(node: &mut Node, tail: bool) -> &mut SubList {
+    let term = node.term.get_or_insert_with(Box::default);
     if tail {
-        &mut node.tail
+        &mut term.tail
     } else {
-        &mut node.exact
+        &mut term.exact
     }
+}
+
+/// Tokens a matched subject may have before splitting falls back to the heap.
+const STACK_TOKENS: usize = 32;
+
+/// One pass over `s`: its tokens into `buf` if `s` is a valid subject under
+/// `limits` with at most `buf.len()` tokens, `None` otherwise. Agrees with
+/// [`validate_subject`] on validity (tested), which reports the reason.
+#[inline]
+fn split_valid<'a>(s: &'a str, limits: &SubjectLimits, buf: &mut [&'a str]) -> Option<usize> {
+    if s.is_empty() || s.len() > limits.max_len {
+        return None;
+    }
+    let cap = limits.max_tokens.min(buf.len());
+    let mut n = 0;
+    let mut start = 0;
+    // Set when the current token holds a byte the fast check cannot clear.
+    let mut odd = false;
+    for (i, &b) in s.as_bytes().iter().enumerate() {
+        if b == b'.' {
+            n = push_token(s, start, i, odd, n, cap, buf)?;
+            start = i + 1;
+            odd = false;
+        } else {
+            odd |= !b.is_ascii_graphic();
+        }
+    }
+    push_token(s, start, s.len(), odd, n, cap, buf)
+}
+
+#[inline(always)]
+fn push_token<'a>(
+    s: &'a str,
+    start: usize,
+    end: usize,
+    odd: bool,
+    n: usize,
+    cap: usize,
+    buf: &mut [&'a str],
+) -> Option<usize> {
+    let token = s.get(start..end)?;
+    let wildcard = token.len() == 1 && (token == "*" || token == ">");
+    if token.is_empty() || wildcard || n >= cap {
+        return None;
+    }
+    if odd && token.chars().any(|c| c == '\0' || c.is_whitespace()) {
+        return None;
+    }
+    *buf.get_mut(n)? = token;
+    Some(n + 1)
 }
 
 fn info(key: SubRef, e: &Entry) -> SubInfo<'_> {

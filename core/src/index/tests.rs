@@ -11,13 +11,13 @@ impl SubscriptionIndex {
     fn check_invariants(&self) {
         let mut seen = BTreeSet::new();
         for (&key, e) in &self.subs {
-            let node = &self.nodes[e.node];
-            let list = if e.tail { &node.tail } else { &node.exact };
+            let term = self.node(e.node).term.as_ref().expect("terminal");
+            let list = if e.tail { &term.tail } else { &term.exact };
             match e.group {
                 None => assert_eq!(list.plain[e.pos], key),
                 Some(gid) => {
                     assert!(list.groups.contains(&gid));
-                    let g = self.groups[gid].as_ref().expect("live group");
+                    let g = self.groups[gid as usize].as_ref().expect("live group");
                     assert_eq!(g.members[e.pos], key);
                     assert_eq!(Some(&*g.name), e.queue.as_deref());
                 }
@@ -30,22 +30,25 @@ impl SubscriptionIndex {
         let mut stack = vec![ROOT];
         while let Some(id) = stack.pop() {
             reachable += 1;
-            let n = &self.nodes[id];
+            let n = self.node(id);
             if id != ROOT {
                 assert!(!n.is_bare(), "bare node {id} left in the trie");
             }
-            for list in [&n.exact, &n.tail] {
-                held += list.plain.len();
-                for &gid in &list.groups {
-                    let g = self.groups[gid].as_ref().expect("live group");
-                    assert!(!g.members.is_empty());
-                    held += g.members.len();
+            if let Some(term) = &n.term {
+                assert!(
+                    !term.exact.is_empty() || !term.tail.is_empty(),
+                    "empty terminal"
+                );
+                for list in [&term.exact, &term.tail] {
+                    held += list.plain.len();
+                    for &gid in &list.groups {
+                        let g = self.groups[gid as usize].as_ref().expect("live group");
+                        assert!(!g.members.is_empty());
+                        held += g.members.len();
+                    }
                 }
             }
-            match &n.children {
-                Children::Small(v) => stack.extend(v.iter().map(|&(_, c)| c)),
-                Children::Map(m) => stack.extend(m.values().copied()),
-            }
+            stack.extend(n.children.ids());
             stack.extend(n.star);
         }
         assert_eq!(held, self.subs.len());
@@ -90,7 +93,7 @@ fn removing_everything_prunes_the_trie() {
         idx.check_invariants();
     }
     assert_eq!(idx.node_count(), 1);
-    assert!(idx.nodes[ROOT].is_bare());
+    assert!(idx.node(ROOT).is_bare());
     assert!(idx.groups.iter().all(Option::is_none));
 }
 
@@ -149,13 +152,13 @@ fn invalid_subjects_are_not_cached() {
 #[test]
 fn huge_results_bypass_the_cache() {
     let mut idx = SubscriptionIndex::default();
-    for sid in 0..(MAX_CACHED_RESULT as u64 + 1) {
+    for sid in 0..(cache::MAX_CACHED_RESULT as u64 + 1) {
         idx.insert("big.>", None, key(0, sid)).unwrap();
     }
-    assert_eq!(matched(&idx, "big.x").len(), MAX_CACHED_RESULT + 1);
+    assert_eq!(matched(&idx, "big.x").len(), cache::MAX_CACHED_RESULT + 1);
     assert_eq!(idx.cached_subjects(), 0);
     assert!(idx.remove(key(0, 0)));
-    assert_eq!(matched(&idx, "big.x").len(), MAX_CACHED_RESULT);
+    assert_eq!(matched(&idx, "big.x").len(), cache::MAX_CACHED_RESULT);
     assert_eq!(idx.cached_subjects(), 1);
 }
 
@@ -232,4 +235,67 @@ proptest! {
             prop_assert!(idx.cached_subjects() <= cache);
         }
     }
+}
+
+#[test]
+fn nodes_stay_small() {
+    // The walk touches one node per step; keep each within a cache line.
+    assert!(
+        std::mem::size_of::<Node>() <= 64,
+        "{}",
+        std::mem::size_of::<Node>()
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// The one-pass splitter used by matching accepts exactly what
+    /// `validate_subject` accepts (when the tokens fit its buffer), and
+    /// splits like `str::split`.
+    #[test]
+    fn fast_split_agrees_with_validation(
+        s in "[ab.*>é \u{a0}\t\u{0}\u{1}]{0,12}",
+        max_len in 0usize..14,
+        max_tokens in 0usize..8,
+        buf_len in 0usize..8,
+    ) {
+        let limits = SubjectLimits { max_len, max_tokens };
+        let mut buf = vec![""; buf_len];
+        let fast = split_valid(&s, &limits, &mut buf);
+        let valid = validate_subject(&s, &limits).is_ok();
+        let count = s.split('.').count();
+        match fast {
+            Some(n) => {
+                prop_assert!(valid);
+                prop_assert_eq!(&buf[..n], &s.split('.').collect::<Vec<_>>()[..]);
+            }
+            None => prop_assert!(!valid || count > buf_len),
+        }
+    }
+}
+
+#[test]
+fn deep_subjects_beyond_the_stack_buffer() {
+    let limits = SubjectLimits {
+        max_len: 1024,
+        max_tokens: 100,
+    };
+    let mut idx = SubscriptionIndex::new(IndexConfig {
+        limits,
+        ..IndexConfig::default()
+    });
+    let deep: Vec<String> = (0..STACK_TOKENS + 10).map(|i| format!("t{i}")).collect();
+    let subject = deep.join(".");
+    let pattern = format!("{}.*.>", deep[..STACK_TOKENS].join("."));
+    idx.insert(&pattern, None, key(1, 1)).unwrap();
+    idx.insert("t0.>", None, key(1, 2)).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..2 {
+        idx.match_subject(&subject, &mut out).unwrap();
+        out.sort();
+        assert_eq!(out, [key(1, 1), key(1, 2)]);
+    }
+    idx.match_uncached(&subject, &mut out).unwrap();
+    assert_eq!(out.len(), 2);
 }
