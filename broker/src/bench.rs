@@ -112,9 +112,7 @@ impl Target {
                 secret: args.secret.clone(),
             });
         }
-        let mut config = Config::default();
-        config.log_level = "warn".into();
-        config.listen = match args.via.as_str() {
+        let listen = match args.via.as_str() {
             "embedded" => Vec::new(),
             "mem" => vec![format!("mem/bench-{}", std::process::id())],
             "tcp" => vec!["tcp/127.0.0.1:0".into()],
@@ -123,6 +121,11 @@ impl Target {
                     "unknown --via {other:?}; use embedded, mem or tcp"
                 )))
             }
+        };
+        let mut config = Config {
+            log_level: "warn".into(),
+            listen,
+            ..Config::default()
         };
         config.limits.subscription_queue = 1 << 20;
         config.limits.max_pending_bytes = 64 << 20;

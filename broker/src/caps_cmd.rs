@@ -13,6 +13,7 @@ use clap::Args;
 use efabus_core::caps::{
     check, negotiate, parse_fi_info_dump, to_fi_info_text, EpType, FabricInfo, Hints, Offer,
 };
+use efabus_transports::fabric::FabricTransport;
 use efabus_transports::registry::Registry;
 
 use crate::cli::Failure;
@@ -150,7 +151,14 @@ fn print_infos(infos: &[FabricInfo], verbose: bool) {
 }
 
 fn from_transports(args: &CapsArgs, config: &Config) -> Result<(), Failure> {
-    let registry = Registry::with_builtins();
+    let mut registry = Registry::with_builtins();
+    for transport in [FabricTransport::rdm(), FabricTransport::dgram()] {
+        let scheme = transport.kind().scheme();
+        let configured = crate::server::endpoint_options(config, scheme)
+            .into_iter()
+            .fold(transport, |t, (key, value)| t.with_option(key, value));
+        registry.register(std::sync::Arc::new(configured));
+    }
     let mut local = Vec::new();
     for scheme in registry.schemes() {
         let transport = match registry.get(scheme) {

@@ -216,6 +216,18 @@ fn init_logging(level: &str) {
         .try_init();
 }
 
+/// A flag set by SIGINT or SIGTERM.
+fn stop_on_signals() -> Result<Arc<AtomicBool>, Failure> {
+    let cannot =
+        |err: std::io::Error| Failure::runtime(format!("cannot install signal handlers: {err}"));
+    efabus_transports::fabric::reset_inherited_termination_handlers().map_err(cannot)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, stop.clone()).map_err(cannot)?;
+    }
+    Ok(stop)
+}
+
 fn serve(args: ServeArgs) -> Result<(), Failure> {
     let mut config = match &args.config {
         Some(path) => Config::from_file(path)?,
@@ -236,11 +248,7 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
     config.validate("(command line)")?;
     init_logging(&config.log_level);
 
-    let stop = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, stop.clone())
-            .map_err(|err| Failure::runtime(format!("cannot install signal handler: {err}")))?;
-    }
+    let stop = stop_on_signals()?;
     let broker = Broker::start(config).map_err(|err| explain(err, None))?;
     for (scheme, address) in broker.listening() {
         println!("listening on {scheme}/{address}");
@@ -323,10 +331,7 @@ fn subscribe(args: SubArgs) -> Result<(), Failure> {
         .flush(Duration::from_secs(5))
         .map_err(|err| explain(err, Some(&args.client.server)))?;
     eprintln!("subscribed to {}", args.pattern);
-    let stop = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        let _ = signal_hook::flag::register(signal, stop.clone());
-    }
+    let stop = stop_on_signals()?;
     let mut received = 0u64;
     while !stop.load(Ordering::Relaxed) && args.count.is_none_or(|count| received < count) {
         match subscription.recv_timeout(Duration::from_millis(100)) {

@@ -199,7 +199,8 @@ pub struct Fabric {
     pub provider: String,
     /// Provider for the datagram endpoint: `efa`, or `udp` for development.
     pub dgram_provider: String,
-    /// Domain name (e.g. `rdmap0s6-rdm`); empty picks the first.
+    /// Domain of the reliable endpoint (e.g. `rdmap0s6-rdm`); empty picks
+    /// the first. The datagram endpoint picks its own domain.
     pub domain: String,
     /// Node address to bind the fabric endpoints to (e.g. `127.0.0.1` for
     /// the socket providers); empty lets the provider choose.

@@ -195,7 +195,7 @@ impl Broker {
                 max_frame: codec_limits.max_frame,
                 queue_frames: 65_536,
                 queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
-                options: fabric_options(&config),
+                options: endpoint_options(&config, spec.scheme()),
             };
             let endpoint =
                 registry
@@ -480,15 +480,21 @@ fn deliver_local(shared: &Shared, targets: &mut Targets, message: &Message) {
     }
 }
 
-fn fabric_options(config: &Config) -> Vec<(String, String)> {
+/// Transport options from the config for an endpoint of `scheme`: the
+/// `[fabric]` table for the libfabric endpoints, nothing for the others.
+pub(crate) fn endpoint_options(config: &Config, scheme: &str) -> Vec<(String, String)> {
     let fabric = &config.fabric;
-    let mut options = vec![
-        ("provider".to_string(), fabric.provider.clone()),
-        ("dgram_provider".to_string(), fabric.dgram_provider.clone()),
-        ("max_frame".to_string(), fabric.max_frame.to_string()),
-    ];
-    if !fabric.domain.is_empty() {
-        options.push(("domain".to_string(), fabric.domain.clone()));
+    let mut options = Vec::new();
+    match scheme {
+        "efa-rdm" => {
+            options.push(("provider".to_string(), fabric.provider.clone()));
+            options.push(("msg_size".to_string(), fabric.max_frame.to_string()));
+            if !fabric.domain.is_empty() {
+                options.push(("domain".to_string(), fabric.domain.clone()));
+            }
+        }
+        "efa-dgram" => options.push(("provider".to_string(), fabric.dgram_provider.clone())),
+        _ => return options,
     }
     if !fabric.node.is_empty() {
         options.push(("node".to_string(), fabric.node.clone()));

@@ -260,6 +260,13 @@ pub trait Endpoint: Send {
     /// How the caller learns there is work.
     fn readiness(&self) -> Readiness;
 
+    /// What this endpoint actually is, in fi_info terms (after the
+    /// provider's choices), for the offers made in the handshake. `None`
+    /// when the transport does not describe itself.
+    fn info(&self) -> Option<FabricInfo> {
+        None
+    }
+
     /// Bytes queued towards a peer and not yet handed to the wire.
     fn queued_bytes(&self, peer: PeerId) -> usize;
 

@@ -3,6 +3,7 @@
  * function tables, so Rust cannot call it directly: each function here is
  * one call, with no policy of its own. See shim.h for the structs.
  */
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -444,4 +445,37 @@ int64_t efabus_inject(struct fid_ep *ep, const void *buf, uint64_t len,
 		      uint64_t dest)
 {
 	return fi_inject(ep, buf, len, dest);
+}
+
+/*
+ * libfabric's own dependencies (psm, infinipath) install handlers for
+ * SIGINT and SIGTERM when the library is loaded, and those handlers end the
+ * process at once. An application that wants a graceful shutdown on these
+ * signals puts the default disposition back first, then installs its own.
+ * Returns 1 when a handler was removed, 0 when there was none, -1 on error.
+ */
+static int reset_inherited_signal(int sig)
+{
+	struct sigaction current;
+	struct sigaction dfl;
+
+	if (sigaction(sig, NULL, &current) != 0)
+		return -1;
+	if (!(current.sa_flags & SA_SIGINFO) &&
+	    (current.sa_handler == SIG_DFL || current.sa_handler == SIG_IGN))
+		return 0;
+	memset(&dfl, 0, sizeof(dfl));
+	dfl.sa_handler = SIG_DFL;
+	sigemptyset(&dfl.sa_mask);
+	return sigaction(sig, &dfl, NULL) == 0 ? 1 : -1;
+}
+
+int efabus_reset_termination_signals(void)
+{
+	int interrupt = reset_inherited_signal(SIGINT);
+	int terminate = reset_inherited_signal(SIGTERM);
+
+	if (interrupt < 0 || terminate < 0)
+		return -1;
+	return interrupt + terminate;
 }

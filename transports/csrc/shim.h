@@ -172,6 +172,10 @@ struct efabus_constant {
 const struct efabus_constant *efabus_constants(size_t *count);
 
 uint32_t efabus_runtime_version(void);
+
+/* Remove SIGINT/SIGTERM handlers installed when libfabric's dependencies
+ * were loaded; returns how many were removed, or -1 on error. */
+int efabus_reset_termination_signals(void);
 uint32_t efabus_requested_version(void);
 const char *efabus_strerror(int err);
 

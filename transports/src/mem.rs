@@ -480,6 +480,10 @@ impl Endpoint for MemEndpoint {
         Readiness::Fd(self.poll.as_raw_fd())
     }
 
+    fn info(&self) -> Option<FabricInfo> {
+        Some(FabricInfo::mem())
+    }
+
     fn queued_bytes(&self, peer: PeerId) -> usize {
         self.peers
             .get(&peer)

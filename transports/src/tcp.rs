@@ -881,6 +881,10 @@ impl Endpoint for TcpEndpoint {
         Readiness::Fd(self.poll.as_raw_fd())
     }
 
+    fn info(&self) -> Option<FabricInfo> {
+        Some(TcpEndpoint::info(self))
+    }
+
     fn queued_bytes(&self, peer: PeerId) -> usize {
         token_of(peer)
             .and_then(|token| self.conns.get(&token))

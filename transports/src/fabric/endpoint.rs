@@ -899,6 +899,10 @@ impl Endpoint for FabricEndpoint {
         Readiness::MustPoll
     }
 
+    fn info(&self) -> Option<efabus_core::caps::FabricInfo> {
+        Some(super::convert::to_fabric_info(&self.info_attrs()))
+    }
+
     fn queued_bytes(&self, peer: PeerId) -> usize {
         self.peers.get(&peer).map_or(0, |s| s.queued_bytes)
     }

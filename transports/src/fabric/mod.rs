@@ -81,6 +81,26 @@ pub fn build_unavailable_reason() -> Option<&'static str> {
     }
 }
 
+/// Remove the SIGINT and SIGTERM handlers that libfabric's dependencies
+/// (psm, infinipath) install when the library is loaded: they end the
+/// process at once, which would defeat a graceful shutdown. Call it before
+/// installing the application's own handlers. Returns how many handlers were
+/// removed.
+pub fn reset_inherited_termination_handlers() -> Result<usize, std::io::Error> {
+    #[cfg(efabus_libfabric)]
+    {
+        // SAFETY: the shim only calls sigaction(2) for SIGINT and SIGTERM,
+        // reading the current action and, when a handler is set, putting
+        // back the default; it touches no memory of ours.
+        let removed = unsafe { sys::efabus_reset_termination_signals() };
+        usize::try_from(removed).map_err(|_| std::io::Error::last_os_error())
+    }
+    #[cfg(not(efabus_libfabric))]
+    {
+        Ok(0)
+    }
+}
+
 /// What `fi_info -p <provider> -t <ep_type> [-s <source>] -v` lists, as
 /// [`FabricInfo`]s: the same hints (every mode and mr_mode bit accepted,
 /// no capability asked for), so the two can be compared entry by entry.
