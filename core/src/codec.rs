@@ -436,18 +436,44 @@ fn write_head(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
         }
         Frame::Fragment(f) => {
             out.reserve(FRAGMENT_OVERHEAD);
-            out.put_u32_le(n);
-            out.put_u8(FrameKind::Fragment as u8);
-            out.put_u64_le(f.msg_id);
-            out.put_u32_le(f.index);
-            out.put_u32_le(f.count);
-            out.put_u32_le(f.total_len);
-            out.put_u32_le(f.data.len() as u32);
+            put_fragment_head(out, f, f.data.len() as u32);
         }
         // Only data frames with a payload come here.
         _ => return write_control(frame, out),
     }
     Ok(())
+}
+
+/// The head of a `Fragment` frame whose `data_len` data bytes travel
+/// separately: the same bytes [`try_encode`] puts in `head` for a fragment
+/// with that much data. `fragment.data` is ignored, so a sender can pass one
+/// piece's data from several buffers without joining them.
+pub fn fragment_head(
+    fragment: &Fragment,
+    data_len: usize,
+) -> Result<[u8; FRAGMENT_OVERHEAD], EncodeError> {
+    check_width(FrameKind::Fragment, "payload", data_len, u32::MAX as usize)?;
+    check_width(
+        FrameKind::Fragment,
+        "frame",
+        FRAGMENT_OVERHEAD - PREFIX_LEN + data_len,
+        u32::MAX as usize,
+    )?;
+    let mut head = [0u8; FRAGMENT_OVERHEAD];
+    // Checked above: data_len fits u32.
+    put_fragment_head(&mut &mut head[..], fragment, data_len as u32);
+    Ok(head)
+}
+
+/// Prefix, kind and header of a `Fragment` frame with `data_len` data bytes.
+fn put_fragment_head<B: BufMut>(out: &mut B, f: &Fragment, data_len: u32) {
+    out.put_u32_le((FRAGMENT_OVERHEAD - PREFIX_LEN) as u32 + data_len);
+    out.put_u8(FrameKind::Fragment as u8);
+    out.put_u64_le(f.msg_id);
+    out.put_u32_le(f.index);
+    out.put_u32_le(f.count);
+    out.put_u32_le(f.total_len);
+    out.put_u32_le(data_len);
 }
 
 /// Flags, lengths and subjects shared by `Publish` and `Message`.

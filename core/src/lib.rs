@@ -10,6 +10,8 @@
 //!   `fi_info -v` printer and parser, hint matching and peer negotiation.
 //! - [`frame`] and [`codec`]: the wire frames and their encoding.
 //! - [`fragment`] and [`reorder`]: link logic for small-MTU and unordered links.
+//! - [`link`]: the link layer built on them: what a session sends and
+//!   receives over endpoints that reorder, limit message size or lose messages.
 //! - [`transport`]: the `Transport` and `Endpoint` traits every transport implements.
 
 pub mod caps;
@@ -17,6 +19,7 @@ pub mod codec;
 pub mod fragment;
 pub mod frame;
 pub mod index;
+pub mod link;
 pub mod reorder;
 pub mod subject;
 pub mod transport;

@@ -1,0 +1,677 @@
+//! The link layer between a session and one peer's data path.
+//!
+//! A data path may be a libfabric endpoint that does not keep send order
+//! (RDM without `FI_ORDER_SAS`, DGRAM), whose largest message is smaller than
+//! a frame (EFA DGRAM: 8928 B minus a 40 B prefix; libfabric udp: 1472 B),
+//! or that loses messages (DGRAM). This module hides all three: a
+//! [`LinkSender`] turns each encoded frame into the wire frames to send, and
+//! a [`LinkReceiver`] turns the wire frames received into the original
+//! frames, whole, in the sender's order, each at most once. It builds on
+//! [`Fragmenter`] and [`Reassembler`] for size and on [`ReorderBuffer`] for
+//! order; it does no I/O and reads no clock.
+//!
+//! # Wire rules
+//!
+//! - **Unsequenced links** (ordered, e.g. TCP or RDM with `FI_ORDER_SAS`):
+//!   a frame that fits the frame limit is sent untouched; a larger one is
+//!   sent as `Fragment` frames, whose message ids number only the
+//!   fragmented frames.
+//! - **Sequenced links** (unordered): *every* frame is sent as `Fragment`
+//!   frames (one piece for a frame that fits), so the message id, 1, 2, 3,
+//!   …, doubles as the link's sequence number. A frame that is not a
+//!   `Fragment` arriving on a sequenced link is a protocol error
+//!   ([`LinkError::Unsequenced`]): it could be delivered neither in order
+//!   nor exactly once.
+//!
+//! Both sides derive the same rule from the negotiated [`LinkParams`], which
+//! are symmetric. Frames handed to the sender must not themselves be
+//! `Fragment` frames: the receiver could not tell them from its own. A
+//! sender and a receiver serve one peer for the life of one link: a peer
+//! that reconnects starts again at sequence 1 and needs fresh ones.
+//!
+//! # Reliable and lossy links
+//!
+//! On a **reliable** link every piece arrives eventually, possibly more than
+//! once (duplicates are dropped and counted). Nothing is given up by time:
+//! gaps are waited for ([`GapPolicy::Wait`]) and partial messages are kept.
+//! Memory stays bounded because a piece whose sequence is beyond the reorder
+//! window is refused with [`LinkError::Reorder`] before anything is stored
+//! (the session's credit window must keep the sender within it), and
+//! running out of reassembly budget is an error too: either means the link
+//! is broken.
+//!
+//! On a **lossy** link a partial message is dropped once no piece of it
+//! arrived for the reassembly timeout, and a missing sequence is skipped
+//! once a later frame has waited [`LinkConfig::gap_timeout`]
+//! ([`GapPolicy::SkipAfter`]); a frame beyond the reorder window skips
+//! ahead at once. Every sequence given up is counted exactly
+//! once in [`ReceiveStats::lost`], so after the receiver has settled
+//! (nothing held, nothing partial) `delivered + lost` equals the highest
+//! sequence any piece arrived for. Sequences after the last piece that
+//! arrived cannot be known and are not counted. The gap timeout should
+//! exceed the time one frame's pieces take to arrive, or large frames are
+//! skipped while still arriving.
+
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use thiserror::Error;
+
+use crate::caps::LinkParams;
+use crate::codec::{
+    self, CodecLimits, DecodeError, EncodeError, FrameKind, FRAGMENT_OVERHEAD, FRAME_OVERHEAD,
+    PREFIX_LEN,
+};
+use crate::fragment::{
+    FragmentError, Fragmenter, Fragments, Reassembler, ReassemblyConfig, ReassemblyError,
+};
+use crate::frame::{Fragment, Frame};
+use crate::reorder::{GapPolicy, Pushed, ReorderBuffer, ReorderConfig, ReorderError};
+use crate::transport::OutFrame;
+
+/// The largest wire frame the 4-byte length can describe.
+const MAX_WIRE_FRAME: usize = match (PREFIX_LEN as u64).checked_add(u32::MAX as u64) {
+    Some(max) if max <= usize::MAX as u64 => max as usize,
+    _ => usize::MAX,
+};
+
+/// Settings of a link that are not negotiated: the local policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkTuning {
+    /// How long a frame waits for an earlier missing one on a lossy,
+    /// sequenced link before that one is given up.
+    pub gap_timeout: Duration,
+    /// Width of the reorder window in sequences; the session's credit
+    /// window must keep the sender within it.
+    pub reorder_window: usize,
+    /// Bounds of reassembly (memory, partial messages, largest frame,
+    /// timeout on lossy links).
+    pub reassembly: ReassemblyConfig,
+}
+
+impl Default for LinkTuning {
+    /// A 100 ms gap timeout, a window of 4096 sequences, and the default
+    /// reassembly bounds (64 MiB, 1024 partial messages, 2 s).
+    fn default() -> Self {
+        LinkTuning {
+            gap_timeout: Duration::from_millis(100),
+            reorder_window: 4096,
+            reassembly: ReassemblyConfig::default(),
+        }
+    }
+}
+
+/// How one direction of a link is driven.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkConfig {
+    /// Largest wire frame (its 4-byte length included) one message of the
+    /// endpoint carries, any provider prefix already deducted.
+    pub frame_limit: usize,
+    /// The link may reorder: number every frame and restore the order.
+    pub sequenced: bool,
+    /// The link may lose messages: give up gaps and partial messages by
+    /// time (and count them) instead of waiting.
+    pub lossy: bool,
+    /// See [`LinkTuning::gap_timeout`].
+    pub gap_timeout: Duration,
+    /// See [`LinkTuning::reorder_window`].
+    pub reorder_window: usize,
+    /// See [`LinkTuning::reassembly`].
+    pub reassembly: ReassemblyConfig,
+}
+
+impl LinkConfig {
+    /// The configuration for a negotiated link: the frame limit is the
+    /// smaller of the negotiated one and what the opened endpoint accepts
+    /// ([`crate::transport::Endpoint::max_frame`], provider prefix already
+    /// deducted).
+    pub fn from_params(
+        params: &LinkParams,
+        endpoint_max_frame: usize,
+        tuning: &LinkTuning,
+    ) -> LinkConfig {
+        let negotiated = usize::try_from(params.frame_limit).unwrap_or(usize::MAX);
+        LinkConfig {
+            frame_limit: negotiated.min(endpoint_max_frame),
+            sequenced: params.sequence_and_reorder,
+            lossy: !params.reliable,
+            gap_timeout: tuning.gap_timeout,
+            reorder_window: tuning.reorder_window,
+            reassembly: tuning.reassembly.clone(),
+        }
+    }
+}
+
+/// Why a frame could not be sent or a message was refused.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum LinkError {
+    /// The frame limit leaves no room for fragment data.
+    #[error("link frame limit of {limit} bytes is too small: at least {min} needed")]
+    FrameLimitTooSmall { limit: usize, min: usize },
+    /// A frame handed to the sender is empty.
+    #[error("cannot send an empty frame")]
+    EmptyFrame,
+    /// A frame handed to the sender, or reassembled by the receiver, is a
+    /// `Fragment` frame itself.
+    #[error("a fragment frame cannot be carried inside the link's own fragments")]
+    NestedFragment,
+    #[error("cannot fragment frame: {0}")]
+    Fragment(#[from] FragmentError),
+    #[error("cannot encode fragment: {0}")]
+    Encode(#[from] EncodeError),
+    /// A received message is not one whole, well-formed frame.
+    #[error("malformed link message: {0}")]
+    Decode(#[from] DecodeError),
+    /// A frame other than a fragment arrived on a sequenced link.
+    #[error("unsequenced {kind} frame on a sequenced link")]
+    Unsequenced { kind: FrameKind },
+    /// Sequences start at 1.
+    #[error("fragment with sequence number 0 on a sequenced link")]
+    ZeroSequence,
+    /// An inconsistent piece; or, on a reliable link, no room to reassemble.
+    #[error("reassembly: {0}")]
+    Reassembly(#[from] ReassemblyError),
+    /// On a reliable link, a sequence beyond the reorder window.
+    #[error("reorder: {0}")]
+    Reorder(#[from] ReorderError),
+    /// The pieces of message `msg_id` joined into something that is not one
+    /// whole frame: the peer's sender is broken.
+    #[error("message {msg_id} reassembled into an invalid frame: {reason}")]
+    BadFrame { msg_id: u64, reason: String },
+    /// On a reliable link, stale partial messages were dropped to make room.
+    #[error("{count} partial messages dropped on a reliable link")]
+    ReliableLoss { count: u64 },
+}
+
+/// Counters of a [`LinkSender`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SendStats {
+    /// Frames handed to [`LinkSender::prepare`] and accepted.
+    pub frames: u64,
+    /// Frames sent untouched (unsequenced links only).
+    pub passed_through: u64,
+    /// Frames split into more than one piece.
+    pub fragmented: u64,
+    /// `Fragment` frames emitted (one-piece wrappers included).
+    pub fragments: u64,
+}
+
+/// Counters of a [`LinkReceiver`]. Nothing is dropped without being counted
+/// here.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReceiveStats {
+    /// Messages handed to [`LinkReceiver::receive`].
+    pub messages: u64,
+    /// Of those, `Fragment` frames.
+    pub fragments: u64,
+    /// Whole frames yielded.
+    pub delivered: u64,
+    /// Frames rebuilt from more than one piece.
+    pub reassembled: u64,
+    /// Frames that arrived while an earlier sequence was missing.
+    pub reordered: u64,
+    /// Pieces or frames dropped because their message was already
+    /// delivered, held, or given up.
+    pub duplicates: u64,
+    /// Sequences given up (lossy, sequenced links), each counted once:
+    /// skipped gaps and messages whose reassembly was abandoned.
+    pub lost: u64,
+    /// Partial messages dropped by the reassembly timeout; on sequenced
+    /// links their sequences are also counted in `lost` (once each).
+    pub expired_partials: u64,
+    /// Messages refused for lack of reassembly memory or slots.
+    pub over_budget: u64,
+    /// Pieces refused beyond the reorder window (reliable links).
+    pub window_exceeded: u64,
+    /// Messages refused with an error: malformed, or beyond what a
+    /// reliable link allows.
+    pub refused: u64,
+}
+
+/// The sending half of a link: frames in, wire frames out.
+#[derive(Debug)]
+pub struct LinkSender {
+    frame_limit: usize,
+    sequenced: bool,
+    /// Data bytes per piece at `frame_limit`.
+    chunk: usize,
+    fragmenter: Fragmenter,
+    stats: SendStats,
+}
+
+impl LinkSender {
+    /// A sender for `config`; fails when the frame limit cannot hold a
+    /// fragment with at least one byte of data.
+    pub fn new(config: &LinkConfig) -> Result<LinkSender, LinkError> {
+        // Above what the 4-byte length can express, a piece would not encode.
+        let frame_limit = config.frame_limit.min(MAX_WIRE_FRAME);
+        let chunk =
+            Fragmenter::data_per_fragment(frame_limit).ok_or(LinkError::FrameLimitTooSmall {
+                limit: config.frame_limit,
+                min: FRAGMENT_OVERHEAD + 1,
+            })?;
+        Ok(LinkSender {
+            frame_limit,
+            sequenced: config.sequenced,
+            chunk,
+            fragmenter: Fragmenter::new(),
+            stats: SendStats::default(),
+        })
+    }
+
+    pub fn stats(&self) -> &SendStats {
+        &self.stats
+    }
+
+    /// The sequence number the next frame gets on a sequenced link (the
+    /// message id of the next fragmented frame otherwise).
+    pub fn next_sequence(&self) -> u64 {
+        self.fragmenter.next_msg_id()
+    }
+
+    /// Append to `out` the wire frames that carry `frame` (one whole encoded
+    /// frame, length prefix included), each at most the frame limit. A
+    /// frame passed through is the same buffers; pieces are slices of them,
+    /// except that a piece spanning `head` and `body` copies its `head`
+    /// part. On error nothing is appended.
+    pub fn prepare(&mut self, frame: OutFrame, out: &mut Vec<OutFrame>) -> Result<(), LinkError> {
+        if frame.is_empty() {
+            return Err(LinkError::EmptyFrame);
+        }
+        if byte_at(&frame, PREFIX_LEN) == Some(FrameKind::Fragment as u8) {
+            return Err(LinkError::NestedFragment);
+        }
+        if !self.sequenced && !Fragmenter::needs_fragmenting(frame.len(), self.frame_limit) {
+            self.stats.frames += 1;
+            self.stats.passed_through += 1;
+            out.push(frame);
+            return Ok(());
+        }
+        let pieces = self.fragmenter.fragment(&frame, self.frame_limit)?;
+        let (msg_id, count) = (pieces.msg_id(), Fragments::count(&pieces));
+        // The fragmenter checked the frame fits u32; the pieces are cut as it
+        // cuts them (same chunk), but without joining buffers. Every piece
+        // fits the wire's length field (see `new`), so the header encodes.
+        let total = frame.len();
+        let split = frame.head.len();
+        let start_len = out.len();
+        for index in 0..count {
+            let start = index as usize * self.chunk;
+            let end = (start + self.chunk).min(total);
+            let header = Fragment {
+                msg_id,
+                index,
+                count,
+                total_len: total as u32,
+                data: Bytes::new(),
+            };
+            let head_bytes = match codec::fragment_head(&header, end - start) {
+                Ok(h) => h,
+                Err(err) => {
+                    out.truncate(start_len);
+                    return Err(err.into());
+                }
+            };
+            let piece = if end <= split {
+                OutFrame {
+                    head: Bytes::copy_from_slice(&head_bytes),
+                    body: frame.head.slice(start..end),
+                }
+            } else if start >= split {
+                OutFrame {
+                    head: Bytes::copy_from_slice(&head_bytes),
+                    body: frame.body.slice(start - split..end - split),
+                }
+            } else {
+                // The one piece spanning both buffers: its head part (the
+                // frame's header, usually small) joins the fragment header;
+                // the payload part stays shared.
+                let mut head = BytesMut::with_capacity(FRAGMENT_OVERHEAD + split - start);
+                head.extend_from_slice(&head_bytes);
+                head.extend_from_slice(&frame.head[start..]);
+                OutFrame {
+                    head: head.freeze(),
+                    body: frame.body.slice(..end - split),
+                }
+            };
+            out.push(piece);
+        }
+        self.stats.frames += 1;
+        self.stats.fragments += u64::from(count);
+        if count > 1 {
+            self.stats.fragmented += 1;
+        }
+        Ok(())
+    }
+}
+
+/// The byte at `index` of a frame held in two parts.
+fn byte_at(frame: &OutFrame, index: usize) -> Option<u8> {
+    match frame.head.get(index) {
+        Some(&b) => Some(b),
+        None => frame.body.get(index - frame.head.len()).copied(),
+    }
+}
+
+/// What the reorder buffer holds: a frame, or the mark of a sequence whose
+/// reassembly was abandoned (released in its turn and counted as lost).
+#[derive(Debug)]
+enum Slot {
+    Frame(Bytes),
+    Lost,
+}
+
+/// No frame limit when checking a message already in memory: its length is
+/// what the endpoint delivered.
+const UNBOUNDED: CodecLimits = CodecLimits {
+    max_frame: usize::MAX,
+    max_subject_len: u16::MAX as usize,
+};
+
+/// The receiving half of a link: wire frames in, original frames out.
+#[derive(Debug)]
+pub struct LinkReceiver {
+    lossy: bool,
+    reassembler: Reassembler<()>,
+    /// Present on sequenced links.
+    reorder: Option<ReorderBuffer<Slot>>,
+    /// Released slots, drained into the caller's vector at once.
+    released: Vec<Slot>,
+    /// Highest sequence a valid piece arrived for.
+    highest_seen: u64,
+    /// Bytes of the frames held in the reorder buffer.
+    held_bytes: usize,
+    stats: ReceiveStats,
+    /// Lost marks released (the reorder buffer counts skipped gaps).
+    marks_released: u64,
+}
+
+impl LinkReceiver {
+    /// A receiver for `config`. On sequenced links the reassembler
+    /// remembers at least `reorder_window` finished ids, so that no message
+    /// still awaited in the window is ever forgotten by it.
+    pub fn new(config: &LinkConfig) -> LinkReceiver {
+        let mut reassembly = config.reassembly.clone();
+        let reorder = config.sequenced.then(|| {
+            reassembly.done_window = reassembly.done_window.max(config.reorder_window);
+            ReorderBuffer::new(ReorderConfig {
+                capacity: config.reorder_window,
+                gap_policy: if config.lossy {
+                    GapPolicy::SkipAfter(config.gap_timeout)
+                } else {
+                    GapPolicy::Wait
+                },
+            })
+        });
+        LinkReceiver {
+            lossy: config.lossy,
+            reassembler: Reassembler::new(reassembly),
+            reorder,
+            released: Vec::new(),
+            highest_seen: 0,
+            held_bytes: 0,
+            stats: ReceiveStats::default(),
+            marks_released: 0,
+        }
+    }
+
+    /// The counters, as of now.
+    pub fn stats(&self) -> ReceiveStats {
+        let r = self.reassembler.stats();
+        let mut stats = self.stats;
+        stats.duplicates += r.duplicates + r.late;
+        stats.expired_partials = r.expired;
+        stats.over_budget = r.dropped_over_budget;
+        stats.lost = self.marks_released + self.reorder.as_ref().map_or(0, |buf| buf.stats().lost);
+        stats
+    }
+
+    /// The next sequence to be delivered (sequenced links), else `None`.
+    pub fn expected_sequence(&self) -> Option<u64> {
+        self.reorder.as_ref().map(ReorderBuffer::expected)
+    }
+
+    /// Frames held waiting for an earlier sequence.
+    pub fn held(&self) -> usize {
+        self.reorder.as_ref().map_or(0, ReorderBuffer::held)
+    }
+
+    /// Partial messages being reassembled.
+    pub fn partial_messages(&self) -> usize {
+        self.reassembler.partial_messages()
+    }
+
+    /// Bytes held: partial messages (as reserved) plus frames waiting in the
+    /// reorder buffer.
+    pub fn buffered_bytes(&self) -> usize {
+        self.reassembler.in_flight_bytes() + self.held_bytes
+    }
+
+    /// Take one received message (one whole wire frame), appending to `out`
+    /// every original frame now deliverable, in order. Dropped duplicates
+    /// and losses on a lossy link are counted, not errors. After an error
+    /// the receiver stays consistent, but on a reliable link the error means
+    /// the link is broken.
+    pub fn receive(
+        &mut self,
+        now: Instant,
+        message: Bytes,
+        out: &mut Vec<Bytes>,
+    ) -> Result<(), LinkError> {
+        self.stats.messages += 1;
+        let result = self.receive_inner(now, message, out);
+        if result.is_err() {
+            self.stats.refused += 1;
+        }
+        // Expiry on the way in may have left only abandoned sequences.
+        self.settle_tail(now);
+        // Whatever happened, hand over what was released.
+        self.drain(out);
+        result
+    }
+
+    fn receive_inner(
+        &mut self,
+        now: Instant,
+        message: Bytes,
+        out: &mut Vec<Bytes>,
+    ) -> Result<(), LinkError> {
+        let kind = whole_frame_kind(&message)?;
+        if kind != FrameKind::Fragment {
+            if self.reorder.is_some() {
+                return Err(LinkError::Unsequenced { kind });
+            }
+            self.stats.delivered += 1;
+            out.push(message);
+            return Ok(());
+        }
+        self.stats.fragments += 1;
+        let Frame::Fragment(fragment) = codec::decode(message, &UNBOUNDED)? else {
+            // The kind byte said fragment; decode cannot say otherwise.
+            return Err(LinkError::Decode(DecodeError::UnknownKind(
+                FrameKind::Fragment as u8,
+            )));
+        };
+        let (msg_id, count) = (fragment.msg_id, fragment.count);
+
+        // Sequenced: drop what is already settled, refuse what is beyond a
+        // reliable window, before anything is stored.
+        let mut expected_before = 0;
+        if let Some(reorder) = &self.reorder {
+            if msg_id == 0 {
+                return Err(LinkError::ZeroSequence);
+            }
+            expected_before = reorder.expected();
+            if msg_id < expected_before {
+                self.stats.duplicates += 1;
+                return Ok(());
+            }
+            let capacity = reorder.config().capacity;
+            if !self.lossy && msg_id - expected_before >= capacity as u64 {
+                self.stats.window_exceeded += 1;
+                return Err(ReorderError::WindowExceeded {
+                    seq: msg_id,
+                    expected: expected_before,
+                    capacity,
+                }
+                .into());
+            }
+        }
+
+        // Short of room, the reassembler drops partials idle for its
+        // timeout: on a lossy link a loss like any other (settled by the
+        // gap timeout or the tail rule), on a reliable one a broken link.
+        let expired_before = self.reassembler.stats().expired;
+        let result = self.reassembler.handle_fragment(now, (), fragment);
+        if !self.lossy && self.reassembler.stats().expired > expired_before {
+            return Err(LinkError::ReliableLoss {
+                count: self.reassembler.stats().expired - expired_before,
+            });
+        }
+        let whole = match result {
+            Ok(whole) => whole,
+            Err(ReassemblyError::OverBudget { .. }) if self.lossy => {
+                // Counted by the reassembler; the sequence is settled by the
+                // gap timeout or the tail rule.
+                self.note_seen(msg_id);
+                return Ok(());
+            }
+            Err(err) => return Err(err.into()),
+        };
+        self.note_seen(msg_id);
+        let Some(frame) = whole else {
+            return Ok(());
+        };
+        if count > 1 {
+            self.stats.reassembled += 1;
+        }
+        let checked = check_whole(msg_id, &frame);
+        let Some(reorder) = &mut self.reorder else {
+            checked?;
+            self.stats.delivered += 1;
+            out.push(frame);
+            return Ok(());
+        };
+        // A bad frame still settles its sequence, so order is kept if the
+        // caller carries on.
+        let (slot, len) = if checked.is_ok() {
+            let len = frame.len();
+            (Slot::Frame(frame), len)
+        } else {
+            (Slot::Lost, 0)
+        };
+        let is_frame = matches!(slot, Slot::Frame(_));
+        match reorder.push(now, msg_id, slot, &mut self.released)? {
+            Pushed::Accepted { .. } => {
+                self.held_bytes += len;
+                if is_frame && msg_id != expected_before {
+                    self.stats.reordered += 1;
+                }
+            }
+            Pushed::Duplicate { .. } => self.stats.duplicates += 1,
+        }
+        checked
+    }
+
+    /// Release what the timeouts allow at `now` and drop partial messages
+    /// that timed out (lossy links), appending deliverable frames to `out`.
+    /// Call it at [`next_deadline`](LinkReceiver::next_deadline).
+    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) {
+        if self.lossy {
+            self.expire(now);
+            if let Some(reorder) = &mut self.reorder {
+                reorder.poll(now, &mut self.released);
+            }
+            self.settle_tail(now);
+        }
+        self.drain(out);
+    }
+
+    /// When [`poll`](LinkReceiver::poll) next has something to do; `None`
+    /// when nothing is due by time (always on reliable links).
+    pub fn next_deadline(&self) -> Option<Instant> {
+        if !self.lossy {
+            return None;
+        }
+        let gap = self.reorder.as_ref().and_then(ReorderBuffer::next_deadline);
+        match (self.reassembler.next_deadline(), gap) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn expire(&mut self, now: Instant) {
+        if self.reassembler.partial_messages() > 0 {
+            self.reassembler.expire(now);
+        }
+    }
+
+    fn note_seen(&mut self, msg_id: u64) {
+        if self.reorder.is_some() {
+            self.highest_seen = self.highest_seen.max(msg_id);
+        }
+    }
+
+    /// Lossy, sequenced links: once nothing is held or partial, every
+    /// sequence up to the highest seen is either settled or abandoned (its
+    /// reassembly given up). Mark the highest as lost, so that the gap
+    /// timeout settles the ones before it even though no later frame will
+    /// come to trigger it.
+    fn settle_tail(&mut self, now: Instant) {
+        let Some(reorder) = &mut self.reorder else {
+            return;
+        };
+        if self.lossy
+            && reorder.held() == 0
+            && self.reassembler.partial_messages() == 0
+            && self.highest_seen >= reorder.expected()
+        {
+            // highest_seen >= expected >= 1, and lossy links skip rather
+            // than refuse beyond the window: this cannot fail.
+            let _ = reorder.push(now, self.highest_seen, Slot::Lost, &mut self.released);
+        }
+    }
+
+    fn drain(&mut self, out: &mut Vec<Bytes>) {
+        for slot in self.released.drain(..) {
+            match slot {
+                Slot::Frame(frame) => {
+                    self.held_bytes -= frame.len();
+                    self.stats.delivered += 1;
+                    out.push(frame);
+                }
+                Slot::Lost => self.marks_released += 1,
+            }
+        }
+    }
+}
+
+/// The kind of a message that must be one whole frame: its length prefix
+/// matches its length and its kind byte is known.
+fn whole_frame_kind(message: &[u8]) -> Result<FrameKind, DecodeError> {
+    let total = codec::frame_len(message, &UNBOUNDED)?.ok_or(DecodeError::Truncated {
+        needed: FRAME_OVERHEAD,
+        available: message.len(),
+    })?;
+    if total != message.len() {
+        return Err(DecodeError::LengthMismatch {
+            declared: total - PREFIX_LEN,
+            actual: message.len().saturating_sub(PREFIX_LEN),
+        });
+    }
+    // frame_len refuses a zero length, so the kind byte is there.
+    let byte = message.get(PREFIX_LEN).copied().unwrap_or(0);
+    FrameKind::from_byte(byte).ok_or(DecodeError::UnknownKind(byte))
+}
+
+/// A reassembled message must be one whole frame, and not a fragment.
+fn check_whole(msg_id: u64, frame: &[u8]) -> Result<(), LinkError> {
+    match whole_frame_kind(frame) {
+        Ok(FrameKind::Fragment) => Err(LinkError::NestedFragment),
+        Ok(_) => Ok(()),
+        Err(err) => Err(LinkError::BadFrame {
+            msg_id,
+            reason: err.to_string(),
+        }),
+    }
+}

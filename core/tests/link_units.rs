@@ -1,0 +1,467 @@
+//! The link layer on concrete cases: the EFA numbers from the fixture,
+//! zero-copy piece layout, the tail of a lossy link, and each refusal.
+
+mod link_common;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use efabus_core::caps::{negotiate, parse_fi_info_dump, Offer};
+use efabus_core::codec::{
+    self, encode, fragment_head, try_encode, DecodeError, FrameKind, FRAGMENT_OVERHEAD,
+};
+use efabus_core::fragment::{ReassemblyConfig, ReassemblyError};
+use efabus_core::frame::{Fragment, Frame};
+use efabus_core::link::{LinkConfig, LinkError, LinkReceiver, LinkSender, LinkTuning};
+use efabus_core::reorder::ReorderError;
+use efabus_core::transport::OutFrame;
+use link_common::{config, frame_id, settle, test_frame};
+
+const EFA: &str = include_str!("fixtures/efa-fi_info-v.txt");
+
+fn efa_host(id: u8) -> Vec<Offer> {
+    let infos = parse_fi_info_dump(EFA).expect("fixture parses");
+    vec![
+        Offer::from_info("efa-rdm", &infos[0], vec![id; 32]),
+        Offer::from_info("efa-dgram", &infos[1], vec![id ^ 0x80; 32]),
+    ]
+}
+
+fn fragment_bytes(msg_id: u64, index: u32, count: u32, total_len: u32, data: &[u8]) -> Bytes {
+    encode(&Frame::Fragment(Fragment {
+        msg_id,
+        index,
+        count,
+        total_len,
+        data: Bytes::copy_from_slice(data),
+    }))
+    .to_bytes()
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+#[test]
+fn efa_dgram_wire_frames_fit_8888_bytes() {
+    let negotiated = negotiate(&efa_host(1), &efa_host(2), &["efa-rdm", "efa-dgram"]).unwrap();
+    let params = negotiated.best_effort.expect("a datagram link").params;
+    // What the endpoint reports: max_msg_size 8928 minus the 40 B prefix.
+    let cfg = LinkConfig::from_params(&params, 8928 - 40, &LinkTuning::default());
+    assert_eq!(cfg.frame_limit, 8888);
+    assert!(cfg.sequenced && cfg.lossy);
+
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut rx = LinkReceiver::new(&cfg);
+    let now = Instant::now();
+    let sizes = [
+        13,
+        100,
+        8888,
+        8889,
+        8888 - FRAGMENT_OVERHEAD,
+        65_536,
+        1 << 20,
+    ];
+    let mut wire = Vec::new();
+    let mut delivered = Vec::new();
+    for (i, &len) in sizes.iter().enumerate() {
+        let frame = test_frame(i as u64 + 1, len, 61);
+        wire.clear();
+        tx.prepare(frame.clone(), &mut wire).unwrap();
+        let expected_pieces = len.div_ceil(8888 - FRAGMENT_OVERHEAD);
+        assert_eq!(wire.len(), expected_pieces, "frame of {len} bytes");
+        for piece in &wire {
+            assert!(piece.len() <= 8888, "wire frame of {} bytes", piece.len());
+            rx.receive(now, piece.to_bytes(), &mut delivered).unwrap();
+        }
+        assert_eq!(delivered.last(), Some(&frame.to_bytes()));
+    }
+    assert_eq!(delivered.len(), sizes.len());
+    assert_eq!(tx.next_sequence(), sizes.len() as u64 + 1);
+}
+
+#[test]
+fn efa_rdm_without_sas_wraps_each_frame_without_copying_its_payload() {
+    let negotiated = negotiate(&efa_host(1), &efa_host(2), &["efa-rdm"]).unwrap();
+    let cfg = LinkConfig::from_params(&negotiated.reliable.params, 8 << 20, &LinkTuning::default());
+    assert!(cfg.sequenced && !cfg.lossy);
+    assert_eq!(cfg.frame_limit, 8 << 20);
+
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let frame = test_frame(7, 100_000, 40);
+    let mut wire = Vec::new();
+    tx.prepare(frame.clone(), &mut wire).unwrap();
+    assert_eq!(wire.len(), 1);
+    assert_eq!(wire[0].head.len(), FRAGMENT_OVERHEAD + 40);
+    assert_eq!(&wire[0].head[FRAGMENT_OVERHEAD..], &frame.head[..]);
+    assert_eq!(wire[0].body.as_ptr(), frame.body.as_ptr());
+    assert_eq!(wire[0].body.len(), frame.body.len());
+
+    // The receiver hands back a slice of the received buffer.
+    let mut rx = LinkReceiver::new(&cfg);
+    let message = wire[0].to_bytes();
+    let mut out = Vec::new();
+    rx.receive(Instant::now(), message.clone(), &mut out)
+        .unwrap();
+    assert_eq!(out, vec![frame.to_bytes()]);
+    assert_eq!(out[0].as_ptr(), message[FRAGMENT_OVERHEAD..].as_ptr());
+}
+
+#[test]
+fn pieces_share_the_frame_buffers_except_the_spanning_one() {
+    let cfg = config(1472, true, true, 64, ms(10), ms(10));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let frame = test_frame(1, 65_536, 3000);
+    let within = |piece: &OutFrame, buf: &Bytes| {
+        let (start, end) = (buf.as_ptr() as usize, buf.as_ptr() as usize + buf.len());
+        let p = piece.body.as_ptr() as usize;
+        start <= p && p + piece.body.len() <= end
+    };
+    let mut wire = Vec::new();
+    tx.prepare(frame.clone(), &mut wire).unwrap();
+    let spanning: Vec<usize> = (0..wire.len())
+        .filter(|&i| wire[i].head.len() != FRAGMENT_OVERHEAD)
+        .collect();
+    // 3000 is not a multiple of the chunk, so exactly one piece spans.
+    assert_eq!(spanning.len(), 1);
+    for (i, piece) in wire.iter().enumerate() {
+        assert!(
+            within(piece, &frame.head) || within(piece, &frame.body),
+            "piece {i}"
+        );
+    }
+    let joined: Vec<u8> = wire
+        .iter()
+        .flat_map(|p| {
+            let mut all = p.head[FRAGMENT_OVERHEAD..].to_vec();
+            all.extend_from_slice(&p.body);
+            all
+        })
+        .collect();
+    assert_eq!(joined, frame.to_bytes());
+}
+
+#[test]
+fn fragment_head_matches_the_encoder() {
+    let data = Bytes::from(vec![9u8; 300]);
+    let f = Fragment {
+        msg_id: 0x0102_0304_0506_0708,
+        index: 3,
+        count: 9,
+        total_len: 2500,
+        data: data.clone(),
+    };
+    let encoded = try_encode(&Frame::Fragment(f.clone())).unwrap();
+    let head = fragment_head(
+        &Fragment {
+            data: Bytes::new(),
+            ..f
+        },
+        data.len(),
+    )
+    .unwrap();
+    assert_eq!(&head[..], &encoded.head[..]);
+    assert!(fragment_head(&tiny_fragment(), u32::MAX as usize).is_err());
+}
+
+/// A one-byte, one-piece fragment header.
+fn tiny_fragment() -> Fragment {
+    Fragment {
+        msg_id: 1,
+        index: 0,
+        count: 1,
+        total_len: 1,
+        data: Bytes::new(),
+    }
+}
+
+#[test]
+fn a_lost_tail_is_settled_and_counted() {
+    // Sequence 1 arrives whole; of sequence 2 one piece of two; 3 never.
+    let cfg = config(FRAGMENT_OVERHEAD + 16, true, true, 64, ms(10), ms(50));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut rx = LinkReceiver::new(&cfg);
+    let mut wire = Vec::new();
+    tx.prepare(test_frame(1, 16, 16), &mut wire).unwrap();
+    tx.prepare(test_frame(2, 32, 32), &mut wire).unwrap();
+    tx.prepare(test_frame(3, 16, 16), &mut wire).unwrap();
+    assert_eq!(wire.len(), 4);
+
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    rx.receive(t0, wire[0].to_bytes(), &mut out).unwrap();
+    rx.receive(t0, wire[1].to_bytes(), &mut out).unwrap();
+    assert_eq!(out.len(), 1);
+    assert_eq!(rx.partial_messages(), 1);
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(50)));
+    rx.poll(t0 + ms(49), &mut out);
+    assert_eq!(rx.partial_messages(), 1);
+    rx.poll(t0 + ms(50), &mut out);
+    assert_eq!((rx.partial_messages(), rx.buffered_bytes()), (0, 0));
+    let stats = rx.stats();
+    assert_eq!((stats.lost, stats.expired_partials), (1, 1));
+    assert_eq!(rx.expected_sequence(), Some(3));
+    assert_eq!(rx.next_deadline(), None);
+
+    // The missing piece arriving now is dropped as settled.
+    rx.receive(t0 + ms(60), wire[2].to_bytes(), &mut out)
+        .unwrap();
+    assert_eq!(out.len(), 1);
+    assert_eq!(rx.stats().duplicates, 1);
+    assert_eq!(frame_id(&out[0]), 1);
+}
+
+#[test]
+fn a_gap_before_an_abandoned_message_is_skipped_after_the_gap_timeout() {
+    // 1 never arrives, one piece of 2 does and expires: 1 and 2 are lost.
+    let cfg = config(FRAGMENT_OVERHEAD + 16, true, true, 64, ms(10), ms(50));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut rx = LinkReceiver::new(&cfg);
+    let mut wire = Vec::new();
+    tx.prepare(test_frame(1, 16, 16), &mut wire).unwrap();
+    tx.prepare(test_frame(2, 32, 32), &mut wire).unwrap();
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    rx.receive(t0, wire[1].to_bytes(), &mut out).unwrap();
+    rx.poll(t0 + ms(50), &mut out);
+    assert_eq!(rx.stats().lost, 0);
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(60)));
+    rx.poll(t0 + ms(60), &mut out);
+    assert!(out.is_empty());
+    assert_eq!(rx.stats().lost, 2);
+    assert_eq!(rx.expected_sequence(), Some(3));
+}
+
+#[test]
+fn reliable_links_refuse_beyond_the_window_and_never_expire() {
+    let cfg = config(1472, true, false, 4, ms(1), ms(1));
+    let mut rx = LinkReceiver::new(&cfg);
+    let frame = test_frame(1, 20, 20).to_bytes();
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    let err = rx
+        .receive(t0, fragment_bytes(5, 0, 1, 20, &frame), &mut out)
+        .unwrap_err();
+    assert_eq!(
+        err,
+        LinkError::Reorder(ReorderError::WindowExceeded {
+            seq: 5,
+            expected: 1,
+            capacity: 4
+        })
+    );
+    assert_eq!(rx.stats().window_exceeded, 1);
+    assert_eq!(rx.buffered_bytes(), 0);
+
+    // A partial message waits however long it takes.
+    rx.receive(t0, fragment_bytes(1, 0, 2, 20, &frame[..10]), &mut out)
+        .unwrap();
+    assert_eq!(rx.next_deadline(), None);
+    rx.poll(t0 + Duration::from_secs(3600), &mut out);
+    assert_eq!(rx.partial_messages(), 1);
+    rx.receive(
+        t0 + Duration::from_secs(7200),
+        fragment_bytes(1, 1, 2, 20, &frame[10..]),
+        &mut out,
+    )
+    .unwrap();
+    assert_eq!(out, vec![frame]);
+    assert_eq!(rx.stats().lost, 0);
+}
+
+#[test]
+fn reassembly_budget_is_an_error_on_reliable_links_and_a_loss_on_lossy_ones() {
+    for lossy in [false, true] {
+        let mut cfg = config(1472, true, lossy, 64, ms(10), ms(50));
+        cfg.reassembly = ReassemblyConfig {
+            max_messages: 1,
+            timeout: ms(50),
+            ..ReassemblyConfig::default()
+        };
+        let mut rx = LinkReceiver::new(&cfg);
+        let t0 = Instant::now();
+        let mut out = Vec::new();
+        let a = test_frame(1, 40, 40).to_bytes();
+        let b = test_frame(2, 40, 40).to_bytes();
+        rx.receive(t0, fragment_bytes(1, 0, 2, 40, &a[..20]), &mut out)
+            .unwrap();
+        let second = rx.receive(t0, fragment_bytes(2, 0, 2, 40, &b[..20]), &mut out);
+        assert_eq!(rx.stats().over_budget, 1);
+        if lossy {
+            assert_eq!(second, Ok(()));
+            settle(&mut rx, t0, &mut out);
+            assert_eq!(rx.stats().lost, 2);
+            assert_eq!(rx.buffered_bytes(), 0);
+        } else {
+            assert!(matches!(
+                second,
+                Err(LinkError::Reassembly(ReassemblyError::OverBudget {
+                    msg_id: 2,
+                    ..
+                }))
+            ));
+        }
+    }
+}
+
+#[test]
+fn malformed_messages_are_refused_with_the_reason() {
+    let seq = config(1472, true, true, 16, ms(10), ms(10));
+    let plain = config(1472, false, true, 16, ms(10), ms(10));
+    let now = Instant::now();
+    let mut out = Vec::new();
+    let frame = test_frame(1, 20, 20).to_bytes();
+
+    let mut rx = LinkReceiver::new(&plain);
+    let cases: Vec<(Bytes, LinkError)> = vec![
+        (
+            Bytes::from_static(&[1, 0]),
+            DecodeError::Truncated {
+                needed: 5,
+                available: 2,
+            }
+            .into(),
+        ),
+        (Bytes::from_static(&[0, 0, 0, 0]), DecodeError::Empty.into()),
+        (
+            Bytes::from_static(&[3, 0, 0, 0, 0x10]),
+            DecodeError::LengthMismatch {
+                declared: 3,
+                actual: 1,
+            }
+            .into(),
+        ),
+        (
+            Bytes::from_static(&[1, 0, 0, 0, 0x7f]),
+            DecodeError::UnknownKind(0x7f).into(),
+        ),
+        // Fragment fields that contradict each other.
+        (
+            fragment_bytes(1, 2, 2, 20, &frame[..10]),
+            LinkError::Reassembly(ReassemblyError::Invalid {
+                msg_id: 1,
+                index: 2,
+                count: 2,
+                reason: "index not below count",
+            }),
+        ),
+        // Pieces that join into something that is not a frame.
+        (
+            fragment_bytes(2, 0, 1, 3, b"abc"),
+            LinkError::BadFrame {
+                msg_id: 2,
+                reason: DecodeError::Truncated {
+                    needed: 5,
+                    available: 3,
+                }
+                .to_string(),
+            },
+        ),
+        // A fragment inside a fragment.
+        (
+            {
+                let inner = fragment_bytes(9, 0, 1, 20, &frame);
+                fragment_bytes(3, 0, 1, inner.len() as u32, &inner)
+            },
+            LinkError::NestedFragment,
+        ),
+    ];
+    let n = cases.len() as u64;
+    for (message, expected) in cases {
+        assert_eq!(rx.receive(now, message, &mut out), Err(expected));
+    }
+    assert!(out.is_empty());
+    assert_eq!(rx.stats().refused, n);
+
+    let mut rx = LinkReceiver::new(&seq);
+    assert_eq!(
+        rx.receive(now, frame.clone(), &mut out),
+        Err(LinkError::Unsequenced {
+            kind: FrameKind::Publish
+        })
+    );
+    assert_eq!(
+        rx.receive(now, fragment_bytes(0, 0, 1, 20, &frame), &mut out),
+        Err(LinkError::ZeroSequence)
+    );
+    // A bad frame still settles its sequence: the next one flows.
+    assert!(rx
+        .receive(now, fragment_bytes(1, 0, 1, 3, b"abc"), &mut out)
+        .is_err());
+    rx.receive(now, fragment_bytes(2, 0, 1, 20, &frame), &mut out)
+        .unwrap();
+    assert_eq!(out, vec![frame]);
+    assert_eq!(rx.stats().lost, 1);
+}
+
+#[test]
+fn the_sender_refuses_what_it_cannot_carry() {
+    let small = config(FRAGMENT_OVERHEAD, true, true, 16, ms(1), ms(1));
+    assert_eq!(
+        LinkSender::new(&small).unwrap_err(),
+        LinkError::FrameLimitTooSmall {
+            limit: FRAGMENT_OVERHEAD,
+            min: FRAGMENT_OVERHEAD + 1
+        }
+    );
+    for sequenced in [false, true] {
+        let cfg = config(1472, sequenced, false, 16, ms(1), ms(1));
+        let mut tx = LinkSender::new(&cfg).unwrap();
+        let mut out = Vec::new();
+        assert_eq!(
+            tx.prepare(OutFrame::default(), &mut out),
+            Err(LinkError::EmptyFrame)
+        );
+        let nested = codec::encode(&Frame::Fragment(tiny_fragment()));
+        assert_eq!(tx.prepare(nested, &mut out), Err(LinkError::NestedFragment));
+        assert!(out.is_empty());
+        assert_eq!(tx.stats().frames, 0);
+    }
+}
+
+#[test]
+fn stale_partials_dropped_for_room_are_a_loss_or_an_error() {
+    for lossy in [false, true] {
+        let mut cfg = config(1472, true, lossy, 64, ms(10), ms(50));
+        cfg.reassembly = ReassemblyConfig {
+            max_messages: 1,
+            timeout: ms(50),
+            ..ReassemblyConfig::default()
+        };
+        let mut rx = LinkReceiver::new(&cfg);
+        let t0 = Instant::now();
+        let mut out = Vec::new();
+        let a = test_frame(1, 40, 40).to_bytes();
+        let b = test_frame(2, 40, 40).to_bytes();
+        rx.receive(t0, fragment_bytes(1, 0, 2, 40, &a[..20]), &mut out)
+            .unwrap();
+        // Message 1 is idle for the timeout: making room for 2 drops it.
+        let second = rx.receive(t0 + ms(50), fragment_bytes(2, 0, 2, 40, &b[..20]), &mut out);
+        assert_eq!(rx.stats().expired_partials, 1);
+        if lossy {
+            assert_eq!(second, Ok(()));
+            rx.receive(t0 + ms(51), fragment_bytes(2, 1, 2, 40, &b[20..]), &mut out)
+                .unwrap();
+            settle(&mut rx, t0, &mut out);
+            assert_eq!(out, vec![b]);
+            assert_eq!((rx.stats().lost, rx.stats().delivered), (1, 1));
+        } else {
+            assert_eq!(second, Err(LinkError::ReliableLoss { count: 1 }));
+        }
+    }
+}
+
+#[test]
+fn an_unbounded_frame_limit_is_capped_to_what_the_wire_can_express() {
+    let cfg = config(usize::MAX, true, false, 16, ms(1), ms(1));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut wire = Vec::new();
+    tx.prepare(test_frame(1, 5000, 100), &mut wire).unwrap();
+    assert_eq!(wire.len(), 1);
+    let mut rx = LinkReceiver::new(&cfg);
+    let mut out = Vec::new();
+    rx.receive(Instant::now(), wire[0].to_bytes(), &mut out)
+        .unwrap();
+    assert_eq!(out, vec![test_frame(1, 5000, 100).to_bytes()]);
+}
