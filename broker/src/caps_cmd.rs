@@ -154,7 +154,7 @@ fn from_transports(args: &CapsArgs, config: &Config) -> Result<(), Failure> {
     let mut registry = Registry::with_builtins();
     for transport in [FabricTransport::rdm(), FabricTransport::dgram()] {
         let scheme = transport.kind().scheme();
-        let configured = crate::server::endpoint_options(config, scheme)
+        let configured = crate::server::endpoint_options(&config.fabric, scheme)
             .into_iter()
             .fold(transport, |t, (key, value)| t.with_option(key, value));
         registry.register(std::sync::Arc::new(configured));

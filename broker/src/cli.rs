@@ -75,6 +75,10 @@ pub struct ClientArgs {
     /// Shared secret, if the broker requires one.
     #[arg(long, env = "EFABUS_SECRET", hide_env_values = true)]
     pub secret: Option<String>,
+    /// Config whose fabric endpoints (`listen` entries efa-rdm/efa-dgram,
+    /// the [fabric] table, the preference list) the client offers the broker.
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -270,11 +274,15 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
 
 fn connect(args: &ClientArgs) -> Result<Client, Failure> {
     init_logging("warn");
+    let base = match &args.config {
+        Some(path) => ClientOptions::from_config(&Config::from_file(path)?),
+        None => ClientOptions::default(),
+    };
     let options = ClientOptions {
         name: format!("efabus-cli-{}", std::process::id()),
-        credentials: args.secret.clone(),
+        credentials: args.secret.clone().or(base.credentials.clone()),
         reconnect: false,
-        ..ClientOptions::default()
+        ..base
     };
     Client::connect_with(
         &args.server,

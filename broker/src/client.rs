@@ -13,8 +13,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use crossbeam_channel::{Receiver, Sender};
+use efabus_core::caps::{negotiate, Offer};
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, PROTOCOL_VERSION};
+use efabus_core::link::LinkTuning;
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
     Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
@@ -26,11 +28,32 @@ use parking_lot::{Condvar, Mutex};
 use tracing::{debug, info, warn};
 
 use crate::config::SlowConsumerPolicy;
+use crate::datapath::{self, DataLink, Sent};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::error::Error;
 
 const WAKER: Token = Token(0);
 const ENDPOINT: Token = Token(1);
+/// Data endpoints use tokens from here on.
+const DATA_TOKENS: usize = 2;
+
+/// Open one data endpoint (only connecting out: no bind address).
+fn open_data_endpoint(
+    registry: &Registry,
+    text: &str,
+    options: &ClientOptions,
+) -> Result<Box<dyn Endpoint>, String> {
+    let spec = EndpointSpec::parse(text).map_err(|err| err.to_string())?;
+    let transport = registry.get(spec.scheme()).map_err(|err| err.to_string())?;
+    let config = EndpointConfig {
+        bind: spec.address().map(str::to_string),
+        max_frame: options.max_frame,
+        queue_frames: 65_536,
+        queue_bytes: options.max_pending_bytes.min(4 << 20),
+        options: crate::server::endpoint_options(&options.fabric, spec.scheme()),
+    };
+    transport.open(&config).map_err(|err| err.to_string())
+}
 
 /// Settings of a client connection.
 #[derive(Debug, Clone)]
@@ -56,6 +79,13 @@ pub struct ClientOptions {
     /// Largest frame accepted from the server.
     pub max_frame: usize,
     pub subject_limits: SubjectLimits,
+    /// Data endpoints to offer the server (`efa-rdm`, `efa-dgram`); the
+    /// handshake decides, per the preference list, which carry traffic.
+    pub data_paths: Vec<String>,
+    /// libfabric settings for the data endpoints.
+    pub fabric: crate::config::Fabric,
+    /// Data paths in order of preference (as the server's config).
+    pub preference: Vec<String>,
 }
 
 impl Default for ClientOptions {
@@ -74,8 +104,63 @@ impl Default for ClientOptions {
             heartbeat_timeout: Duration::from_secs(10),
             max_frame: (64 << 20) + 4096,
             subject_limits: SubjectLimits::default(),
+            data_paths: Vec::new(),
+            fabric: crate::config::Fabric::default(),
+            preference: crate::config::Negotiation::default().preference,
         }
     }
+}
+
+impl ClientOptions {
+    /// Options taken from a config file: the name, the shared secret, the
+    /// limits and slow-consumer policy, heartbeats, the preference list,
+    /// the `[fabric]` table, and as data paths the `efa-rdm`/`efa-dgram`
+    /// entries of `listen`.
+    pub fn from_config(config: &crate::Config) -> ClientOptions {
+        ClientOptions {
+            name: config.name.clone(),
+            credentials: config.auth.secret.clone(),
+            max_pending_bytes: config.limits.max_pending_bytes,
+            subscription_queue: config.limits.subscription_queue,
+            slow_consumer: config.slow_consumer.policy,
+            block_timeout: config.block_timeout(),
+            heartbeat_interval: config.heartbeat_interval(),
+            heartbeat_timeout: config.heartbeat_timeout(),
+            max_frame: config.max_frame(),
+            subject_limits: SubjectLimits {
+                max_len: config.limits.max_subject_len,
+                max_tokens: config.limits.max_subject_tokens,
+            },
+            data_paths: config
+                .listen
+                .iter()
+                .filter(|spec| datapath::is_data_scheme(spec.split('/').next().unwrap_or("")))
+                .cloned()
+                .collect(),
+            fabric: config.fabric.clone(),
+            preference: config.negotiation.preference.clone(),
+            ..ClientOptions::default()
+        }
+    }
+}
+
+/// Which paths carry a client's traffic, as negotiated in the last handshake.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LinkReport {
+    /// The reliable path: a data link's description, or the control link's scheme.
+    pub reliable: String,
+    /// The best-effort path, when it is a separate datagram link.
+    pub best_effort: Option<String>,
+    /// Why other candidates were not chosen.
+    pub reasons: Vec<String>,
+    /// Frames received over fabric data links since the client started.
+    pub fabric_frames_in: u64,
+    /// Frames received over the control link since the client started.
+    pub control_frames_in: u64,
+    /// Frames sent over the reliable fabric data link.
+    pub fabric_frames_out: u64,
+    /// Best-effort messages the datagram link gave up on (gaps, expiries).
+    pub best_effort_lost: u64,
 }
 
 /// Connection state, readable by application threads.
@@ -103,6 +188,7 @@ enum Command {
 struct ClientSub {
     pattern: String,
     queue: Option<String>,
+    class: DeliveryClass,
     sink: LocalSink,
 }
 
@@ -120,6 +206,7 @@ struct ClientShared {
     max_payload: AtomicU64,
     reconnects: AtomicU64,
     inbox_prefix: String,
+    link: Mutex<LinkReport>,
 }
 
 impl ClientShared {
@@ -233,6 +320,28 @@ impl Client {
                 .register(&mut SourceFd(&fd), ENDPOINT, Interest::READABLE)
                 .map_err(Error::Thread)?;
         }
+        let mut data = Vec::new();
+        let mut unavailable = Vec::new();
+        for text in &options.data_paths {
+            match open_data_endpoint(&registry, text, &options) {
+                Ok(endpoint) => {
+                    if let Readiness::Fd(fd) = endpoint.readiness() {
+                        poll.registry()
+                            .register(
+                                &mut SourceFd(&fd),
+                                Token(DATA_TOKENS + data.len()),
+                                Interest::READABLE,
+                            )
+                            .map_err(Error::Thread)?;
+                    }
+                    data.push(endpoint);
+                }
+                Err(reason) => {
+                    warn!(endpoint = %text, %reason, "data path unavailable; the control link will carry its traffic");
+                    unavailable.push(format!("{text}: {reason}"));
+                }
+            }
+        }
         let (commands, command_rx) = crossbeam_channel::bounded(65_536);
         let connect_timeout = options.connect_timeout;
         let shared = Arc::new(ClientShared {
@@ -249,8 +358,17 @@ impl Client {
             state_changed: Condvar::new(),
             max_payload: AtomicU64::new(u64::MAX),
             reconnects: AtomicU64::new(0),
+            link: Mutex::new(LinkReport::default()),
         });
-        let conn = ClientLoop::new(shared.clone(), poll, endpoint_box, address, command_rx);
+        shared.link.lock().reasons = unavailable;
+        let conn = ClientLoop::new(
+            shared.clone(),
+            poll,
+            endpoint_box,
+            data,
+            address,
+            command_rx,
+        );
         let thread = std::thread::Builder::new()
             .name("efabus-client".into())
             .spawn(move || conn.run())
@@ -296,6 +414,11 @@ impl Client {
     /// The current connection state.
     pub fn state(&self) -> ConnectionState {
         self.shared.state.lock().clone()
+    }
+
+    /// The paths negotiated for this connection and the traffic on them.
+    pub fn link(&self) -> LinkReport {
+        self.shared.link.lock().clone()
     }
 
     /// How many times the connection was re-established.
@@ -350,14 +473,27 @@ impl Client {
     }
 
     pub fn subscribe(&self, pattern: &str) -> Result<Subscription, Error> {
-        self.subscribe_inner(pattern, None)
+        self.subscribe_inner(pattern, None, DeliveryClass::Reliable)
     }
 
     pub fn queue_subscribe(&self, pattern: &str, group: &str) -> Result<Subscription, Error> {
-        self.subscribe_inner(pattern, Some(group))
+        self.subscribe_inner(pattern, Some(group), DeliveryClass::Reliable)
     }
 
-    fn subscribe_inner(&self, pattern: &str, queue: Option<&str>) -> Result<Subscription, Error> {
+    /// Subscribe in the best-effort class: messages travel over the
+    /// negotiated datagram link (EFA DGRAM) where there is one, and may be
+    /// lost (never corrupted or duplicated); without one they use the
+    /// reliable path. Losses are counted in [`Client::link`].
+    pub fn subscribe_best_effort(&self, pattern: &str) -> Result<Subscription, Error> {
+        self.subscribe_inner(pattern, None, DeliveryClass::BestEffort)
+    }
+
+    fn subscribe_inner(
+        &self,
+        pattern: &str,
+        queue: Option<&str>,
+        class: DeliveryClass,
+    ) -> Result<Subscription, Error> {
         let shared = &self.shared;
         subject::validate_pattern(pattern, &shared.options.subject_limits).map_err(|source| {
             Error::Subject {
@@ -384,6 +520,7 @@ impl Client {
             ClientSub {
                 pattern: pattern.to_string(),
                 queue: queue.map(str::to_string),
+                class,
                 sink,
             },
         );
@@ -472,6 +609,15 @@ struct ClientLoop {
     last_heard: Instant,
     last_ping: Instant,
     ever_connected: bool,
+    /// Data endpoints offered to the server.
+    data: Vec<Box<dyn Endpoint>>,
+    offers: Vec<Offer>,
+    tuning: LinkTuning,
+    /// The reliable data link of the current connection, if negotiated.
+    reliable: Option<DataLink>,
+    /// The best-effort datagram link of the current connection, if negotiated.
+    best_effort: Option<DataLink>,
+    released: Vec<Bytes>,
 }
 
 impl ClientLoop {
@@ -479,9 +625,15 @@ impl ClientLoop {
         shared: Arc<ClientShared>,
         poll: Poll,
         endpoint: Box<dyn Endpoint>,
+        data: Vec<Box<dyn Endpoint>>,
         address: String,
         commands: Receiver<Command>,
     ) -> ClientLoop {
+        let offers = data
+            .iter()
+            .chain(std::iter::once(&endpoint))
+            .filter_map(|endpoint| datapath::offer_for(endpoint.as_ref()))
+            .collect();
         let now = Instant::now();
         let codec = CodecLimits {
             max_frame: shared.options.max_frame,
@@ -503,17 +655,26 @@ impl ClientLoop {
             last_heard: now,
             last_ping: now,
             ever_connected: false,
+            data,
+            offers,
+            tuning: LinkTuning::default(),
+            reliable: None,
+            best_effort: None,
+            released: Vec::new(),
         }
     }
 
     fn run(mut self) {
         let mut mio_events = mio::Events::with_capacity(64);
         let mut events = Vec::with_capacity(256);
-        let must_poll = self.endpoint.readiness() == Readiness::MustPoll;
+        let must_poll = std::iter::once(&self.endpoint)
+            .chain(&self.data)
+            .any(|endpoint| endpoint.readiness() == Readiness::MustPoll);
         let mut idle = 0u32;
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let now = Instant::now();
             self.on_timers(now);
+            self.poll_best_effort(now);
             if matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
                 break;
             }
@@ -524,6 +685,15 @@ impl ClientLoop {
             let mut busy = !events.is_empty();
             for event in events.drain(..) {
                 self.on_event(event);
+            }
+            for index in 0..self.data.len() {
+                if let Err(err) = self.data[index].poll(&mut events) {
+                    warn!(error = %err, "data endpoint poll failed");
+                }
+                busy |= !events.is_empty();
+                for event in events.drain(..) {
+                    self.on_data_event(index, event);
+                }
             }
             busy |= self.drain_commands();
             if busy {
@@ -556,7 +726,17 @@ impl ClientLoop {
             let goodbye = codec::encode(&Frame::Goodbye(Goodbye {
                 reason: "client closing".to_string(),
             }));
-            let _ = self.endpoint.send(peer, goodbye);
+            let _ = self.transmit(peer, goodbye);
+            let deadline = Instant::now() + Duration::from_millis(200);
+            let mut events = Vec::new();
+            while Instant::now() < deadline && !self.data_links_drained() {
+                for endpoint in &mut self.data {
+                    let _ = endpoint.poll(&mut events);
+                }
+                events.clear();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            self.drop_data_links();
             self.endpoint.close(peer);
             // Let the endpoint hand the goodbye to the wire.
             let deadline = Instant::now() + Duration::from_millis(200);
@@ -586,9 +766,7 @@ impl ClientLoop {
                     && now.duration_since(self.last_heard) >= options.heartbeat_interval
                 {
                     self.last_ping = now;
-                    let _ = self
-                        .endpoint
-                        .send(peer, codec::encode(&Frame::Ping { nonce: 0 }));
+                    let _ = self.transmit(peer, codec::encode(&Frame::Ping { nonce: 0 }));
                 }
             }
             _ => {}
@@ -602,7 +780,7 @@ impl ClientLoop {
                     version: PROTOCOL_VERSION,
                     name: self.shared.options.name.clone(),
                     credentials: self.shared.options.credentials.clone(),
-                    offers: Vec::new(),
+                    offers: self.offers.clone(),
                 });
                 let _ = self.endpoint.send(peer, codec::encode(&hello));
                 self.link = LinkState::AwaitWelcome {
@@ -618,6 +796,7 @@ impl ClientLoop {
     }
 
     fn link_lost(&mut self, now: Instant) {
+        self.drop_data_links();
         if !self.shared.options.reconnect && self.ever_connected {
             self.shared.set_state(ConnectionState::Closed);
             self.shared.shutdown.store(true, Ordering::SeqCst);
@@ -640,6 +819,7 @@ impl ClientLoop {
         match event {
             Event::Frame { peer, frame } if Some(peer) == current => {
                 self.last_heard = Instant::now();
+                self.shared.link.lock().control_frames_in += 1;
                 match codec::decode(frame, &self.codec) {
                     Ok(frame) => self.on_frame(peer, frame),
                     Err(err) => {
@@ -674,6 +854,13 @@ impl ClientLoop {
                 }
                 self.ever_connected = true;
                 info!(server = %self.shared.server, name = %welcome.name, "connected");
+                self.open_data_links(&welcome.offers);
+                if let Some(link) = &self.reliable {
+                    // The first frame on the data link tells the server to
+                    // move its side of the traffic there too.
+                    info!(link = %link.description, "reliable traffic moves to the data link");
+                    let _ = self.transmit(peer, codec::encode(&Frame::Ping { nonce: 0 }));
+                }
                 self.resubscribe(peer);
                 self.flush_pending();
                 self.shared.set_state(ConnectionState::Connected {
@@ -739,9 +926,9 @@ impl ClientLoop {
             .map(|(&sid, sub)| subscribe_frame(sid, sub))
             .collect();
         for frame in frames {
-            if let Err(SendError::WouldBlock(frame)) = self.endpoint.send(peer, frame) {
+            if let Err(frame) = self.transmit(peer, frame) {
                 self.pending_bytes += frame.len();
-                self.pending.push_front(frame);
+                self.pending.push_back(frame);
             }
         }
     }
@@ -788,13 +975,9 @@ impl ClientLoop {
     fn send(&mut self, frame: OutFrame) {
         if let LinkState::Up { peer } = self.link {
             if self.pending.is_empty() {
-                match self.endpoint.send(peer, frame) {
-                    Ok(()) => return,
-                    Err(SendError::WouldBlock(frame)) => {
-                        self.pending_bytes += frame.len();
-                        self.pending.push_back(frame);
-                    }
-                    Err(err) => warn!(error = %err, "send failed"),
+                if let Err(frame) = self.transmit(peer, frame) {
+                    self.pending_bytes += frame.len();
+                    self.pending.push_back(frame);
                 }
                 return;
             }
@@ -807,20 +990,182 @@ impl ClientLoop {
         let LinkState::Up { peer } = self.link else {
             return;
         };
+        if let Some(link) = &mut self.reliable {
+            match link.flush(self.data[link.endpoint].as_mut()) {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(reason) => warn!(%reason, "data link send failed"),
+            }
+        }
         while let Some(frame) = self.pending.pop_front() {
             let len = frame.len();
-            match self.endpoint.send(peer, frame) {
+            match self.transmit(peer, frame) {
                 Ok(()) => self.pending_bytes -= len,
-                Err(SendError::WouldBlock(frame)) => {
+                Err(frame) => {
                     self.pending.push_front(frame);
                     break;
                 }
-                Err(err) => {
-                    warn!(error = %err, "send failed");
-                    self.pending_bytes -= len;
+            }
+        }
+    }
+
+    /// Send one frame on the current path: the reliable data link when one
+    /// was negotiated, else the control link. A full path hands the frame
+    /// back; other failures drop it (the link's closing event follows).
+    fn transmit(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), OutFrame> {
+        if let Some(link) = &mut self.reliable {
+            return match link.send(self.data[link.endpoint].as_mut(), frame) {
+                Ok(Sent::Accepted | Sent::Dropped) => Ok(()),
+                Ok(Sent::Blocked(frame)) => Err(frame),
+                Err(reason) => {
+                    warn!(%reason, "data link send failed");
+                    Ok(())
+                }
+            };
+        }
+        match self.endpoint.send(peer, frame) {
+            Ok(()) => Ok(()),
+            Err(SendError::WouldBlock(frame)) => Err(frame),
+            Err(err) => {
+                warn!(error = %err, "send failed");
+                Ok(())
+            }
+        }
+    }
+
+    /// Open the data links both sides agree on, from the server's offers.
+    fn open_data_links(&mut self, remote: &[Offer]) {
+        self.drop_data_links();
+        let mut report = self.shared.link.lock();
+        report.best_effort = None;
+        let negotiated = match negotiate(&self.offers, remote, &self.shared.options.preference) {
+            Ok(negotiated) => negotiated,
+            Err(err) => {
+                report.reliable = self.endpoint.scheme().to_string();
+                report.reasons.push(err.to_string());
+                return;
+            }
+        };
+        report.reliable = self.endpoint.scheme().to_string();
+        report.reasons.extend(negotiated.reasons.iter().cloned());
+        for (choice, reliable) in [
+            (Some(&negotiated.reliable), true),
+            (negotiated.best_effort.as_ref(), false),
+        ] {
+            let Some(choice) = choice else { continue };
+            if !datapath::is_data_scheme(&choice.scheme) {
+                continue;
+            }
+            let Some(index) = self.data.iter().position(|e| e.scheme() == choice.scheme) else {
+                continue;
+            };
+            match DataLink::open(index, self.data[index].as_mut(), choice, &self.tuning) {
+                Ok(link) if reliable => {
+                    report.reliable = link.description.clone();
+                    self.reliable = Some(link);
+                }
+                Ok(link) => {
+                    report.best_effort = Some(link.description.clone());
+                    self.best_effort = Some(link);
+                }
+                Err(reason) => {
+                    warn!(%reason, "data path unusable; staying on the control link");
+                    report.reasons.push(reason);
                 }
             }
         }
+    }
+
+    fn data_links_drained(&self) -> bool {
+        self.reliable.as_ref().is_none_or(|link| {
+            link.backlog_bytes() == 0 && self.data[link.endpoint].queued_bytes(link.peer) == 0
+        })
+    }
+
+    /// Forget the data links of a connection that ended.
+    fn drop_data_links(&mut self) {
+        for link in [self.reliable.take(), self.best_effort.take()]
+            .into_iter()
+            .flatten()
+        {
+            self.data[link.endpoint].close(link.peer);
+        }
+    }
+
+    /// An event from a data endpoint.
+    fn on_data_event(&mut self, index: usize, event: Event) {
+        let LinkState::Up { peer: control } = self.link else {
+            return;
+        };
+        match event {
+            Event::Frame { peer, frame } => {
+                let now = Instant::now();
+                let mut released = std::mem::take(&mut self.released);
+                let (result, reliable) = match (&mut self.reliable, &mut self.best_effort) {
+                    (Some(link), _) if link.endpoint == index && link.peer == peer => {
+                        (link.receive(now, frame, &mut released), true)
+                    }
+                    (_, Some(link)) if link.endpoint == index && link.peer == peer => {
+                        (link.receive(now, frame, &mut released), false)
+                    }
+                    _ => (Ok(()), false),
+                };
+                if !released.is_empty() {
+                    self.last_heard = now;
+                    self.shared.link.lock().fabric_frames_in += released.len() as u64;
+                }
+                for bytes in released.drain(..) {
+                    match codec::decode(bytes, &self.codec) {
+                        Ok(frame) => self.on_frame(control, frame),
+                        Err(err) => warn!(error = %err, "malformed frame on the data link"),
+                    }
+                }
+                self.released = released;
+                if let Err(err) = result {
+                    if reliable {
+                        warn!(error = %err, "reliable data link broken; reconnecting");
+                        self.endpoint.close(control);
+                        self.link_lost(now);
+                    } else {
+                        debug!(error = %err, "best-effort link refused a message");
+                    }
+                }
+            }
+            Event::Writable { .. } => self.flush_pending(),
+            Event::Closed { peer, reason } => {
+                let ours = [&self.reliable, &self.best_effort]
+                    .into_iter()
+                    .flatten()
+                    .any(|link| link.endpoint == index && link.peer == peer);
+                if ours {
+                    warn!(%reason, "data link closed; reconnecting");
+                    self.reliable = None;
+                    self.best_effort = None;
+                    self.endpoint.close(control);
+                    self.link_lost(Instant::now());
+                }
+            }
+            Event::Accepted { .. } => {}
+        }
+    }
+
+    /// Release what the best-effort link's timeouts allow.
+    fn poll_best_effort(&mut self, now: Instant) {
+        let LinkState::Up { peer } = self.link else {
+            return;
+        };
+        let Some(link) = &mut self.best_effort else {
+            return;
+        };
+        let mut released = std::mem::take(&mut self.released);
+        link.poll(now, &mut released);
+        self.shared.link.lock().best_effort_lost = link.lost();
+        for bytes in released.drain(..) {
+            if let Ok(frame) = codec::decode(bytes, &self.codec) {
+                self.on_frame(peer, frame);
+            }
+        }
+        self.released = released;
     }
 }
 
@@ -829,6 +1174,6 @@ fn subscribe_frame(sid: u64, sub: &ClientSub) -> OutFrame {
         sid,
         pattern: sub.pattern.clone(),
         queue: sub.queue.clone(),
-        class: DeliveryClass::Reliable,
+        class: sub.class,
     }))
 }

@@ -29,6 +29,7 @@ mod caps_cmd;
 pub mod cli;
 pub mod client;
 pub mod config;
+mod datapath;
 mod delivery;
 pub mod error;
 mod router;

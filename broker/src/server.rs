@@ -15,8 +15,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use crossbeam_channel::{Receiver, Sender};
+use efabus_core::caps::{negotiate, Offer};
 use efabus_core::codec::{self, CodecLimits};
-use efabus_core::frame::{self, ErrorCode, ErrorFrame, Frame, Goodbye, Welcome, PROTOCOL_VERSION};
+use efabus_core::frame::{
+    self, DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye, Welcome, PROTOCOL_VERSION,
+};
+use efabus_core::link::LinkTuning;
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
     CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
@@ -28,6 +32,7 @@ use parking_lot::{Mutex, RwLock};
 use tracing::{debug, info, warn};
 
 use crate::config::{Config, SlowConsumerPolicy};
+use crate::datapath::{self, DataLink, Sent};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::error::Error;
 use crate::router::{Router, SubRef, Targets, LOCAL_OWNER};
@@ -51,6 +56,11 @@ pub struct BrokerStats {
     pub refused_connections: AtomicU64,
     /// Bytes queued towards remote peers by the broker, right now.
     pub queued_bytes: AtomicU64,
+    /// Frames received and sent over negotiated fabric data links.
+    pub fabric_frames_in: AtomicU64,
+    pub fabric_frames_out: AtomicU64,
+    /// Best-effort messages the datagram link could not take.
+    pub best_effort_drops: AtomicU64,
 }
 
 impl BrokerStats {
@@ -76,6 +86,9 @@ impl BrokerStats {
             ("auth_failures", get(&self.auth_failures)),
             ("refused_connections", get(&self.refused_connections)),
             ("queued_bytes", get(&self.queued_bytes)),
+            ("fabric_frames_in", get(&self.fabric_frames_in)),
+            ("fabric_frames_out", get(&self.fabric_frames_out)),
+            ("best_effort_drops", get(&self.best_effort_drops)),
         ]
     }
 }
@@ -195,7 +208,7 @@ impl Broker {
                 max_frame: codec_limits.max_frame,
                 queue_frames: 65_536,
                 queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
-                options: endpoint_options(&config, spec.scheme()),
+                options: endpoint_options(&config.fabric, spec.scheme()),
             };
             let endpoint =
                 registry
@@ -204,7 +217,12 @@ impl Broker {
                         endpoint: text.clone(),
                         source,
                     })?;
-            let local = String::from_utf8_lossy(&endpoint.local_addr()).into_owned();
+            // Socket addresses are text; fabric addresses are raw bytes.
+            let local = if datapath::is_data_scheme(spec.scheme()) {
+                efabus_transports::fabric::addr_to_hex(&endpoint.local_addr())
+            } else {
+                String::from_utf8_lossy(&endpoint.local_addr()).into_owned()
+            };
             info!(endpoint = %text, address = %local, "listening");
             listening.push((spec.scheme().to_string(), local));
             let token = Token(endpoints.len() + 1);
@@ -482,8 +500,10 @@ fn deliver_local(shared: &Shared, targets: &mut Targets, message: &Message) {
 
 /// Transport options from the config for an endpoint of `scheme`: the
 /// `[fabric]` table for the libfabric endpoints, nothing for the others.
-pub(crate) fn endpoint_options(config: &Config, scheme: &str) -> Vec<(String, String)> {
-    let fabric = &config.fabric;
+pub(crate) fn endpoint_options(
+    fabric: &crate::config::Fabric,
+    scheme: &str,
+) -> Vec<(String, String)> {
     let mut options = Vec::new();
     match scheme {
         "efa-rdm" => {
@@ -552,7 +572,15 @@ struct Session {
     remote: String,
     name: String,
     state: SessionState,
-    subscriptions: HashSet<u64>,
+    /// Subscription ids and how each wants its messages carried.
+    subscriptions: HashMap<u64, DeliveryClass>,
+    /// The negotiated reliable data path, when it is not the control link.
+    reliable: Option<DataLink>,
+    /// Whether the peer has started using `reliable`; until then frames
+    /// to it still go over the control link.
+    switched: bool,
+    /// The negotiated datagram path for best-effort subscriptions.
+    best_effort: Option<DataLink>,
     queue: VecDeque<Queued>,
     queued_bytes: usize,
     /// Since when the queue has been over its bound under the block policy.
@@ -577,6 +605,12 @@ struct EventLoop {
     blocking: HashSet<u64>,
     reads_paused: bool,
     targets: Targets,
+    /// What this broker offers in handshakes, one per endpoint that
+    /// describes itself.
+    offers: Vec<Offer>,
+    tuning: LinkTuning,
+    /// Scratch space for frames released by the link layer.
+    released: Vec<Bytes>,
 }
 
 impl EventLoop {
@@ -590,6 +624,10 @@ impl EventLoop {
         let must_poll = endpoints
             .iter()
             .any(|e| e.readiness() == Readiness::MustPoll);
+        let offers = endpoints
+            .iter()
+            .filter_map(|endpoint| datapath::offer_for(endpoint.as_ref()))
+            .collect();
         EventLoop {
             shared,
             poll,
@@ -604,6 +642,9 @@ impl EventLoop {
             blocking: HashSet::new(),
             reads_paused: false,
             targets: Targets::default(),
+            offers,
+            tuning: LinkTuning::default(),
+            released: Vec::new(),
         }
     }
 
@@ -710,7 +751,7 @@ impl EventLoop {
             Event::Accepted { peer, remote } => self.on_accepted(endpoint, peer, remote),
             Event::Frame { peer, frame } => {
                 if let Some(&id) = self.by_peer.get(&(endpoint, peer)) {
-                    self.on_frame(id, frame);
+                    self.on_wire(id, endpoint, frame);
                 }
             }
             Event::Writable { peer } => {
@@ -719,7 +760,18 @@ impl EventLoop {
                 }
             }
             Event::Closed { peer, reason } => {
-                if let Some(id) = self.by_peer.remove(&(endpoint, peer)) {
+                let Some(id) = self.by_peer.remove(&(endpoint, peer)) else {
+                    return;
+                };
+                let data_link = self
+                    .sessions
+                    .get(&id)
+                    .is_some_and(|s| s.endpoint != endpoint);
+                if data_link {
+                    // The data path failed under a live control link: end
+                    // the session so the peer reconnects and renegotiates.
+                    self.fail(id, ErrorCode::Internal, format!("data link lost: {reason}"));
+                } else {
                     self.forget_session(id, &reason);
                 }
             }
@@ -771,7 +823,10 @@ impl EventLoop {
                 state: SessionState::AwaitHello {
                     deadline: now + self.shared.config.handshake_timeout(),
                 },
-                subscriptions: HashSet::new(),
+                subscriptions: HashMap::new(),
+                reliable: None,
+                switched: false,
+                best_effort: None,
                 queue: VecDeque::new(),
                 queued_bytes: 0,
                 over_since: None,
@@ -781,6 +836,45 @@ impl EventLoop {
         );
         if self.reads_paused {
             self.endpoints[endpoint].set_read_paused(peer, true);
+        }
+    }
+
+    /// A message from one of a session's links: frames from the control
+    /// link go straight to the session; data links pass through the link
+    /// layer first.
+    fn on_wire(&mut self, id: u64, endpoint: usize, bytes: Bytes) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if endpoint == session.endpoint {
+            self.on_frame(id, bytes);
+            return;
+        }
+        let now = Instant::now();
+        let mut released = std::mem::take(&mut self.released);
+        let (result, reliable) = match (&mut session.reliable, &mut session.best_effort) {
+            (Some(link), _) if link.endpoint == endpoint => {
+                // The peer has moved its traffic to the data link: so do we.
+                session.switched = true;
+                (link.receive(now, bytes, &mut released), true)
+            }
+            (_, Some(link)) if link.endpoint == endpoint => {
+                (link.receive(now, bytes, &mut released), false)
+            }
+            _ => (Ok(()), false),
+        };
+        for frame in released.drain(..) {
+            BrokerStats::add(&self.shared.stats.fabric_frames_in, 1);
+            self.on_frame(id, frame);
+        }
+        self.released = released;
+        if let Err(err) = result {
+            if reliable {
+                BrokerStats::add(&self.shared.stats.bad_frames, 1);
+                self.fail(id, ErrorCode::Malformed, format!("data link: {err}"));
+            } else {
+                debug!(session = id, error = %err, "best-effort link refused a message");
+            }
         }
     }
 
@@ -865,11 +959,12 @@ impl EventLoop {
                 return;
             }
         }
+        let offers = self.negotiate(id, &hello.offers);
         let welcome = Frame::Welcome(Welcome {
             version: PROTOCOL_VERSION,
-            name: config.name.clone(),
-            offers: Vec::new(),
-            max_payload: config.limits.max_payload,
+            name: self.shared.config.name.clone(),
+            offers,
+            max_payload: self.shared.config.limits.max_payload,
         });
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
@@ -878,6 +973,69 @@ impl EventLoop {
         session.state = SessionState::Ready;
         info!(session = id, remote = %session.remote, name = %session.name, "peer connected");
         self.send(id, codec::encode(&welcome), false);
+    }
+
+    /// Choose the data paths for a peer from both sides' offers, open the
+    /// chosen data links, and return the offers to put in the welcome: this
+    /// side of each chosen link (so the peer arrives at the same choice),
+    /// or every offer when only the control link is in common.
+    fn negotiate(&mut self, id: u64, remote: &[Offer]) -> Vec<Offer> {
+        let preference = &self.shared.config.negotiation.preference;
+        let negotiated = match negotiate(&self.offers, remote, preference) {
+            Ok(negotiated) => negotiated,
+            Err(err) => {
+                info!(session = id, reason = %err, "no data path in common; the control link carries everything");
+                return self.offers.clone();
+            }
+        };
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return Vec::new();
+        };
+        let mut chosen = Vec::new();
+        for (choice, reliable) in [
+            (Some(&negotiated.reliable), true),
+            (negotiated.best_effort.as_ref(), false),
+        ] {
+            let Some(choice) = choice else { continue };
+            if !datapath::is_data_scheme(&choice.scheme) {
+                continue;
+            }
+            let Some(index) = self
+                .endpoints
+                .iter()
+                .position(|e| e.scheme() == choice.scheme)
+            else {
+                continue;
+            };
+            match DataLink::open(index, self.endpoints[index].as_mut(), choice, &self.tuning) {
+                Ok(link) => {
+                    info!(session = id, link = %link.description, "data path negotiated");
+                    self.by_peer.insert((index, link.peer), id);
+                    chosen.push(choice.local.clone());
+                    if reliable {
+                        session.reliable = Some(link);
+                    } else {
+                        session.best_effort = Some(link);
+                    }
+                }
+                Err(reason) => {
+                    warn!(session = id, %reason, "data path unusable; staying on the control link")
+                }
+            }
+        }
+        for reason in &negotiated.reasons {
+            debug!(session = id, %reason, "negotiation");
+        }
+        if chosen.is_empty() {
+            return self.offers.clone();
+        }
+        chosen.extend(
+            self.offers
+                .iter()
+                .filter(|o| !datapath::is_data_scheme(&o.scheme))
+                .cloned(),
+        );
+        chosen
     }
 
     fn on_subscribe(&mut self, id: u64, subscribe: frame::Subscribe) {
@@ -902,7 +1060,11 @@ impl EventLoop {
             );
             return;
         }
-        if !session.subscriptions.insert(subscribe.sid) {
+        if session
+            .subscriptions
+            .insert(subscribe.sid, subscribe.class)
+            .is_some()
+        {
             self.report(
                 id,
                 ErrorCode::Protocol,
@@ -973,9 +1135,10 @@ impl EventLoop {
     }
 
     fn deliver_remote(&mut self, target: SubRef, message: &Message) {
-        if !self.sessions.contains_key(&target.owner) {
+        let Some(session) = self.sessions.get_mut(&target.owner) else {
             return;
-        }
+        };
+        let class = session.subscriptions.get(&target.sid).copied();
         let frame = codec::encode(&Frame::Message(frame::Message {
             sid: target.sid,
             subject: message.subject.to_string(),
@@ -984,6 +1147,21 @@ impl EventLoop {
             payload: message.payload.clone(),
         }));
         BrokerStats::add(&self.shared.stats.messages_out, 1);
+        if let (Some(DeliveryClass::BestEffort), Some(link)) = (class, session.best_effort.as_mut())
+        {
+            let endpoint = self.endpoints[link.endpoint].as_mut();
+            match link.send(endpoint, frame) {
+                Ok(Sent::Accepted) => BrokerStats::add(&self.shared.stats.fabric_frames_out, 1),
+                Ok(Sent::Dropped | Sent::Blocked(_)) => {
+                    BrokerStats::add(&self.shared.stats.best_effort_drops, 1);
+                }
+                Err(reason) => {
+                    BrokerStats::add(&self.shared.stats.best_effort_drops, 1);
+                    debug!(session = target.owner, %reason, "best-effort send failed");
+                }
+            }
+            return;
+        }
         self.send(target.owner, frame, true);
     }
 
@@ -994,15 +1172,11 @@ impl EventLoop {
             return;
         };
         if session.queue.is_empty() {
-            match self.endpoints[session.endpoint].send(session.peer, frame) {
-                Ok(()) => return,
-                Err(SendError::WouldBlock(frame)) => {
+            match transmit(&mut self.endpoints, session, frame) {
+                Transmit::Done => return,
+                Transmit::Blocked(frame) => {
                     session.queued_bytes += frame.len();
                     session.queue.push_back(Queued { frame, is_message });
-                }
-                Err(err) => {
-                    debug!(session = id, error = %err, "send failed");
-                    return;
                 }
             }
         } else {
@@ -1065,21 +1239,16 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        let endpoint = &mut self.endpoints[session.endpoint];
         while let Some(queued) = session.queue.pop_front() {
             let len = queued.frame.len();
-            match endpoint.send(session.peer, queued.frame) {
-                Ok(()) => session.queued_bytes -= len,
-                Err(SendError::WouldBlock(frame)) => {
+            match transmit(&mut self.endpoints, session, queued.frame) {
+                Transmit::Done => session.queued_bytes -= len,
+                Transmit::Blocked(frame) => {
                     session.queue.push_front(Queued {
                         frame,
                         is_message: queued.is_message,
                     });
                     break;
-                }
-                Err(_) => {
-                    session.queue.clear();
-                    session.queued_bytes = 0;
                 }
             }
         }
@@ -1151,6 +1320,13 @@ impl EventLoop {
     fn forget_session(&mut self, id: u64, reason: &CloseReason) {
         self.remove_interest(id);
         if let Some(session) = self.sessions.remove(&id) {
+            for link in [&session.reliable, &session.best_effort]
+                .into_iter()
+                .flatten()
+            {
+                self.by_peer.remove(&(link.endpoint, link.peer));
+                self.endpoints[link.endpoint].close(link.peer);
+            }
             self.shared
                 .stats
                 .connections
@@ -1170,6 +1346,10 @@ impl EventLoop {
         let mut queued = 0u64;
         for (&id, session) in &self.sessions {
             queued += session.queued_bytes as u64;
+            queued += session
+                .reliable
+                .as_ref()
+                .map_or(0, |link| link.backlog_bytes()) as u64;
             match session.state {
                 SessionState::AwaitHello { deadline } if now >= deadline => {
                     expired.push((id, ErrorCode::HandshakeTimeout))
@@ -1193,6 +1373,7 @@ impl EventLoop {
             .stats
             .queued_bytes
             .store(queued, Ordering::Relaxed);
+        self.poll_lossy_links(now);
         for (id, code) in expired {
             let text = match code {
                 ErrorCode::HandshakeTimeout => "handshake not completed in time".to_string(),
@@ -1226,6 +1407,31 @@ impl EventLoop {
         }
     }
 
+    /// Let datagram links give up on gaps whose time has passed, and hand
+    /// on what that releases.
+    fn poll_lossy_links(&mut self, now: Instant) {
+        let mut released = std::mem::take(&mut self.released);
+        let ids: Vec<u64> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.best_effort.is_some())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            if let Some(link) = self
+                .sessions
+                .get_mut(&id)
+                .and_then(|s| s.best_effort.as_mut())
+            {
+                link.poll(now, &mut released);
+            }
+            for frame in released.drain(..) {
+                self.on_frame(id, frame);
+            }
+        }
+        self.released = released;
+    }
+
     fn shutdown(&mut self, events: &mut Vec<Event>) {
         info!("shutting down");
         let deadline = Instant::now() + self.shared.config.drain_timeout();
@@ -1256,6 +1462,41 @@ impl EventLoop {
         }
         self.shared.router.write().close_locals();
         info!("stopped");
+    }
+}
+
+enum Transmit {
+    Done,
+    /// The link is full; the frame comes back to wait in the session queue.
+    Blocked(OutFrame),
+}
+
+/// Send one frame on the session's current path: its reliable data link
+/// once the peer uses it, else the control link. Frames that fail for any
+/// reason other than a full link are dropped here: the link is failing and
+/// its closing event follows.
+fn transmit(
+    endpoints: &mut [Box<dyn Endpoint>],
+    session: &mut Session,
+    frame: OutFrame,
+) -> Transmit {
+    if let Some(link) = session.reliable.as_mut().filter(|_| session.switched) {
+        return match link.send(endpoints[link.endpoint].as_mut(), frame) {
+            Ok(Sent::Accepted | Sent::Dropped) => Transmit::Done,
+            Ok(Sent::Blocked(frame)) => Transmit::Blocked(frame),
+            Err(reason) => {
+                warn!(remote = %session.remote, %reason, "data link send failed");
+                Transmit::Done
+            }
+        };
+    }
+    match endpoints[session.endpoint].send(session.peer, frame) {
+        Ok(()) => Transmit::Done,
+        Err(SendError::WouldBlock(frame)) => Transmit::Blocked(frame),
+        Err(err) => {
+            debug!(remote = %session.remote, error = %err, "send failed");
+            Transmit::Done
+        }
     }
 }
 

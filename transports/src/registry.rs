@@ -313,9 +313,12 @@ mod tests {
             registry.schemes(),
             vec!["efa-dgram", "efa-rdm", "mem", "tcp"]
         );
-        let err = registry.get("efa-rdm").err().unwrap();
+        let err = registry.get("carrier-pigeon").err().unwrap();
         assert!(matches!(err, RegistryError::UnknownScheme { .. }));
-        assert!(err.to_string().contains("mem, tcp"), "{err}");
+        assert!(
+            err.to_string().contains("efa-dgram, efa-rdm, mem, tcp"),
+            "{err}"
+        );
         assert_eq!(registry.get("TCP").unwrap().scheme(), "tcp");
     }
 
@@ -343,7 +346,10 @@ mod tests {
     fn register_adds_and_replaces() {
         let mut registry = Registry::with_builtins();
         assert!(registry.register(Arc::new(Fake("shm"))).is_none());
-        assert_eq!(registry.schemes(), vec!["mem", "shm", "tcp"]);
+        assert_eq!(
+            registry.schemes(),
+            vec!["efa-dgram", "efa-rdm", "mem", "shm", "tcp"]
+        );
         let replaced = registry.register(Arc::new(Fake("tcp"))).unwrap();
         assert_eq!(replaced.scheme(), "tcp");
         let spec = EndpointSpec::parse("tcp/127.0.0.1:0").unwrap();
