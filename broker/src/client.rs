@@ -211,7 +211,7 @@ struct ClientShared {
 
 impl ClientShared {
     fn wake_loop(&self) {
-        if self.loop_parked.swap(false, Ordering::AcqRel) {
+        if self.loop_parked.swap(false, Ordering::SeqCst) {
             let _ = self.waker.wake();
         }
     }
@@ -705,7 +705,11 @@ impl ClientLoop {
             if must_poll && idle < 256 {
                 timeout = Duration::from_micros(if idle < 64 { 0 } else { 50 });
             }
-            self.shared.loop_parked.store(true, Ordering::Release);
+            // Announce the sleep, then look at the queue once more: a full
+            // fence between the two pairs with the sender's swap, so either
+            // the sender sees the flag or we see its command.
+            self.shared.loop_parked.store(true, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
             if !self.commands.is_empty() {
                 self.shared.loop_parked.store(false, Ordering::Release);
                 continue;

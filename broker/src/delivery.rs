@@ -3,10 +3,10 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, TrySendError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 
 use crate::config::SlowConsumerPolicy;
 use crate::error::RecvError;
@@ -58,6 +58,8 @@ pub(crate) enum Delivery {
 /// The producer side of a subscription's bounded queue.
 pub(crate) struct LocalSink {
     tx: Sender<Message>,
+    /// Messages the queue may hold.
+    capacity: usize,
     /// A receiver kept by the producer so drop-oldest can discard the head.
     head: Receiver<Message>,
     policy: SlowConsumerPolicy,
@@ -73,10 +75,15 @@ impl LocalSink {
         policy: SlowConsumerPolicy,
         block_timeout: Duration,
     ) -> (LocalSink, Receiver<Message>, Arc<SubscriptionStats>) {
-        let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
+        // An unbounded channel grows in small blocks as messages arrive; the
+        // bound is enforced here. (A bounded channel would allocate and
+        // initialise every slot up front, which makes short-lived
+        // subscriptions such as request inboxes expensive.)
+        let (tx, rx) = crossbeam_channel::unbounded();
         let stats = Arc::new(SubscriptionStats::default());
         let sink = LocalSink {
             tx,
+            capacity: capacity.max(1),
             head: rx.clone(),
             policy,
             block_timeout,
@@ -90,50 +97,49 @@ impl LocalSink {
         if self.closed.load(Ordering::Relaxed) {
             return Delivery::Closed;
         }
-        match self.tx.try_send(message) {
+        if self.tx.len() >= self.capacity {
+            return self.deliver_when_full(message);
+        }
+        self.push(message, Delivery::Queued)
+    }
+
+    fn push(&self, message: Message, outcome: Delivery) -> Delivery {
+        match self.tx.send(message) {
             Ok(()) => {
                 self.stats.delivered.fetch_add(1, Ordering::Relaxed);
-                Delivery::Queued
+                outcome
             }
-            Err(TrySendError::Disconnected(_)) => Delivery::Closed,
-            Err(TrySendError::Full(message)) => self.deliver_when_full(message),
+            Err(_) => Delivery::Closed,
         }
     }
 
     fn deliver_when_full(&self, message: Message) -> Delivery {
         match self.policy {
-            SlowConsumerPolicy::Block => match self.tx.send_timeout(message, self.block_timeout) {
-                Ok(()) => {
-                    self.stats.delivered.fetch_add(1, Ordering::Relaxed);
-                    Delivery::Queued
-                }
-                Err(crossbeam_channel::SendTimeoutError::Timeout(_)) => {
-                    self.stats.dropped.fetch_add(1, Ordering::Relaxed);
-                    Delivery::Dropped
-                }
-                Err(crossbeam_channel::SendTimeoutError::Disconnected(_)) => Delivery::Closed,
-            },
-            SlowConsumerPolicy::DropOldest => {
-                let mut message = message;
-                let mut dropped = 0;
-                // The reader may drain concurrently, so retry a few times;
-                // each discarded head is counted.
-                for _ in 0..4 {
-                    if self.head.try_recv().is_ok() {
+            SlowConsumerPolicy::Block => {
+                // Wait for the reader to make room, sleeping in short steps:
+                // blocking is the rare, already slow path.
+                let deadline = Instant::now() + self.block_timeout;
+                while self.tx.len() >= self.capacity {
+                    if self.closed.load(Ordering::Relaxed) {
+                        return Delivery::Closed;
+                    }
+                    if Instant::now() >= deadline {
                         self.stats.dropped.fetch_add(1, Ordering::Relaxed);
-                        dropped += 1;
+                        return Delivery::Dropped;
                     }
-                    match self.tx.try_send(message) {
-                        Ok(()) => {
-                            self.stats.delivered.fetch_add(1, Ordering::Relaxed);
-                            return Delivery::QueuedDroppingOldest(dropped);
-                        }
-                        Err(TrySendError::Full(back)) => message = back,
-                        Err(TrySendError::Disconnected(_)) => return Delivery::Closed,
-                    }
+                    std::thread::sleep(Duration::from_micros(50));
                 }
-                self.stats.dropped.fetch_add(1, Ordering::Relaxed);
-                Delivery::Dropped
+                self.push(message, Delivery::Queued)
+            }
+            SlowConsumerPolicy::DropOldest => {
+                // The reader may drain concurrently; each discarded head is
+                // counted.
+                let mut dropped = 0;
+                while self.tx.len() >= self.capacity && self.head.try_recv().is_ok() {
+                    self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                    dropped += 1;
+                }
+                self.push(message, Delivery::QueuedDroppingOldest(dropped))
             }
             SlowConsumerPolicy::Disconnect => {
                 self.close();

@@ -121,7 +121,7 @@ pub(crate) struct Shared {
 
 impl Shared {
     fn wake_loop(&self) {
-        if self.loop_parked.swap(false, Ordering::AcqRel) {
+        if self.loop_parked.swap(false, Ordering::SeqCst) {
             // A failed wake means the loop is gone; the command stays
             // queued and is dropped with it at shutdown.
             let _ = self.waker.wake();
@@ -679,7 +679,11 @@ impl EventLoop {
             if self.must_poll {
                 timeout = timeout.min(backoff(idle_spins));
             }
-            self.shared.loop_parked.store(true, Ordering::Release);
+            // Announce the sleep, then look at the queue once more: a full
+            // fence between the two pairs with the sender's swap, so either
+            // the sender sees the flag or we see its command.
+            self.shared.loop_parked.store(true, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
             if !self.commands.is_empty() {
                 self.shared.loop_parked.store(false, Ordering::Release);
                 continue;
