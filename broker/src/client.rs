@@ -702,8 +702,9 @@ impl ClientLoop {
             }
             idle = idle.saturating_add(1);
             let mut timeout = Duration::from_millis(50);
-            if must_poll && idle < 256 {
-                timeout = Duration::from_micros(if idle < 64 { 0 } else { 50 });
+            if must_poll {
+                let polling = &self.shared.options.fabric.polling;
+                timeout = timeout.min(crate::server::backoff(idle, polling));
             }
             // Announce the sleep, then look at the queue once more: a full
             // fence between the two pairs with the sender's swap, so either

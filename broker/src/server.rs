@@ -677,7 +677,7 @@ impl EventLoop {
             // tick; endpoints that must be polled cap the sleep.
             let mut timeout = next_tick.saturating_duration_since(now);
             if self.must_poll {
-                timeout = timeout.min(backoff(idle_spins));
+                timeout = timeout.min(backoff(idle_spins, &self.shared.config.fabric.polling));
             }
             // Announce the sleep, then look at the queue once more: a full
             // fence between the two pairs with the sender's swap, so either
@@ -1504,11 +1504,16 @@ fn transmit(
     }
 }
 
-fn backoff(idle_spins: u32) -> Duration {
-    match idle_spins {
-        0..=64 => Duration::ZERO,
-        65..=256 => Duration::from_micros(50),
-        _ => Duration::from_millis(1),
+/// How long an idle loop with must-poll endpoints may sleep: not at all for
+/// the first `busy_polls` idle rounds, then 50 us for as many again, then
+/// `idle_sleep_us`.
+pub(crate) fn backoff(idle_rounds: u32, polling: &crate::config::Polling) -> Duration {
+    if idle_rounds <= polling.busy_polls {
+        Duration::ZERO
+    } else if idle_rounds <= polling.busy_polls.saturating_mul(2) {
+        Duration::from_micros(50.min(polling.idle_sleep_us))
+    } else {
+        Duration::from_micros(polling.idle_sleep_us)
     }
 }
 
