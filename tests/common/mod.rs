@@ -30,7 +30,7 @@ impl Server {
     pub fn start(extra_config: &str) -> Server {
         let config_path = temp_path("broker.toml");
         let config =
-            format!("listen = [\"tcp/127.0.0.1:0\"]\nlog_level = \"warn\"\n{extra_config}");
+            format!("listen = [\"tcp/127.0.0.1:0\"]\nlog_level = \"error\"\n{extra_config}");
         std::fs::write(&config_path, config).expect("write config");
         let mut child = Command::new(env!("CARGO_BIN_EXE_efabus"))
             .args(["serve", "--config"])
