@@ -28,9 +28,14 @@ impl Server {
     /// Start `efabus serve` with the given extra config text (TOML without
     /// a `listen` key; the server listens on tcp/127.0.0.1:0).
     pub fn start(extra_config: &str) -> Server {
+        Server::start_at("127.0.0.1:0", extra_config)
+    }
+
+    /// Start a broker listening on a given TCP address (e.g. the address of
+    /// a broker that was killed, to restart it in its place).
+    pub fn start_at(address: &str, extra_config: &str) -> Server {
         let config_path = temp_path("broker.toml");
-        let config =
-            format!("listen = [\"tcp/127.0.0.1:0\"]\nlog_level = \"error\"\n{extra_config}");
+        let config = format!("listen = [\"tcp/{address}\"]\nlog_level = \"error\"\n{extra_config}");
         std::fs::write(&config_path, config).expect("write config");
         let mut child = Command::new(env!("CARGO_BIN_EXE_efabus"))
             .args(["serve", "--config"])
@@ -74,6 +79,12 @@ impl Server {
             .and_then(|rest| rest.split_whitespace().next())
             .and_then(|kib| kib.parse().ok())
             .unwrap_or(0)
+    }
+
+    /// Kill the process at once (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Send SIGTERM and wait (bounded) for the exit status code.
