@@ -719,3 +719,28 @@ fn clients_survive_a_broker_crash_and_restart() {
         "everything published after both reconnected arrived"
     );
 }
+
+#[test]
+fn a_silent_peer_is_presumed_dead_and_dropped() {
+    let server = Server::start("[heartbeat]\ninterval_ms = 100\ntimeout_ms = 400\n");
+    let mut silent = Raw::connect(&server);
+    silent.hello();
+    silent.send(&Frame::Subscribe(frame::Subscribe {
+        sid: 1,
+        pattern: "dead.>".into(),
+        queue: None,
+        class: DeliveryClass::Reliable,
+    }));
+    // The peer now answers nothing, not even the broker's pings.
+    let frames = silent.until_closed();
+    assert!(
+        frames.iter().any(|f| matches!(f, Frame::Ping { .. })),
+        "the broker pinged the idle peer"
+    );
+    assert!(
+        frames
+            .iter()
+            .any(|f| matches!(f, Frame::Error(e) if e.text.contains("presumed dead"))),
+        "{frames:?}"
+    );
+}
