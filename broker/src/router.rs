@@ -95,17 +95,15 @@ impl Router {
         self.index.len()
     }
 
-    /// Fill `targets` with the subscriptions matching a subject (already
-    /// validated by the caller).
-    pub fn route(&self, subject: &str, targets: &mut Targets) {
+    /// Fill `targets` with the subscriptions matching a subject. The index
+    /// validates the subject (once per distinct subject, thanks to its cache).
+    pub fn route(
+        &self,
+        subject: &str,
+        targets: &mut Targets,
+    ) -> Result<(), efabus_core::subject::SubjectError> {
         targets.clear();
-        if self
-            .index
-            .match_subject(subject, &mut targets.matches)
-            .is_err()
-        {
-            return;
-        }
+        self.index.match_subject(subject, &mut targets.matches)?;
         for key in &targets.matches {
             if key.owner == LOCAL_OWNER {
                 if let Some(sink) = self.locals.get(&key.sid) {
@@ -115,5 +113,6 @@ impl Router {
                 targets.remote.push(*key);
             }
         }
+        Ok(())
     }
 }

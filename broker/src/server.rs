@@ -162,6 +162,24 @@ impl Unsubscriber for Shared {
 
 thread_local! {
     static TARGETS: std::cell::RefCell<Targets> = std::cell::RefCell::new(Targets::default());
+    static LAST_SUBJECT: std::cell::RefCell<Option<Arc<str>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The subject as a shared string, reusing the previous one when a thread
+/// keeps publishing on the same subject (the common streaming case), so a
+/// publish does not allocate.
+fn shared_subject(subject: &str) -> Arc<str> {
+    LAST_SUBJECT.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some(previous) if &**previous == subject => previous.clone(),
+            _ => {
+                let fresh: Arc<str> = Arc::from(subject);
+                *last = Some(fresh.clone());
+                fresh
+            }
+        }
+    })
 }
 
 /// An embedded broker. Cheap to share: all methods take `&self`, and the
@@ -318,12 +336,6 @@ impl Broker {
         if shared.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        subject::validate_subject(subject, &shared.subject_limits).map_err(|source| {
-            Error::Subject {
-                subject: subject.to_string(),
-                source,
-            }
-        })?;
         if let Some(reply) = reply {
             subject::validate_subject(reply, &shared.subject_limits).map_err(|source| {
                 Error::Subject {
@@ -338,14 +350,22 @@ impl Broker {
                 max: shared.config.limits.max_payload,
             });
         }
-        let message = Message {
-            subject: Arc::from(subject),
-            reply: reply.map(Arc::from),
-            payload,
-        };
         TARGETS.with(|targets| {
             let mut targets = targets.borrow_mut();
-            shared.router.read().route(subject, &mut targets);
+            // Routing validates the subject (the index caches valid ones).
+            shared
+                .router
+                .read()
+                .route(subject, &mut targets)
+                .map_err(|source| Error::Subject {
+                    subject: subject.to_string(),
+                    source,
+                })?;
+            let message = Message {
+                subject: shared_subject(subject),
+                reply: reply.map(Arc::from),
+                payload,
+            };
             let matched = targets.len();
             BrokerStats::add(&shared.stats.messages_in, 1);
             deliver_local(shared, &mut targets, &message);
@@ -1125,7 +1145,8 @@ impl EventLoop {
         }
         BrokerStats::add(&shared.stats.messages_in, 1);
         let mut targets = std::mem::take(&mut self.targets);
-        shared.router.read().route(&publish.subject, &mut targets);
+        // The subject was validated above.
+        let _ = shared.router.read().route(&publish.subject, &mut targets);
         let message = Message {
             subject: Arc::from(publish.subject),
             reply: publish.reply.map(Arc::from),
