@@ -4,7 +4,7 @@
 //! In-process publishers route on their own thread (no hop through the event
 //! loop); only deliveries to remote peers are handed to the loop.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
 
 pub(crate) use efabus_core::index::SubRef;
@@ -51,7 +51,7 @@ impl Router {
                 limits,
                 ..IndexConfig::default()
             }),
-            locals: HashMap::new(),
+            locals: HashMap::default(),
         }
     }
 

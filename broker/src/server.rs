@@ -7,7 +7,11 @@
 //! delivers to remote peers. Deliveries from in-process publishers to
 //! remote peers reach the loop through a bounded command queue.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+// Session and peer maps are keyed by small integers the broker assigns:
+// a fast non-keyed hash is safe there and cheaper than SipHash.
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -653,13 +657,13 @@ impl EventLoop {
             poll,
             endpoints,
             must_poll,
-            sessions: HashMap::new(),
-            by_peer: HashMap::new(),
+            sessions: HashMap::default(),
+            by_peer: HashMap::default(),
             commands,
             codec,
             next_session: 1,
             flushes: Vec::new(),
-            blocking: HashSet::new(),
+            blocking: HashSet::default(),
             reads_paused: false,
             targets: Targets::default(),
             offers,
@@ -847,7 +851,7 @@ impl EventLoop {
                 state: SessionState::AwaitHello {
                     deadline: now + self.shared.config.handshake_timeout(),
                 },
-                subscriptions: HashMap::new(),
+                subscriptions: HashMap::default(),
                 reliable: None,
                 switched: false,
                 best_effort: None,
@@ -1128,14 +1132,18 @@ impl EventLoop {
             self.report(id, ErrorCode::PayloadTooLarge, text);
             return;
         }
-        let valid =
-            subject::validate_subject(&publish.subject, &shared.subject_limits).and_then(|()| {
-                match &publish.reply {
-                    Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
-                    None => Ok(()),
-                }
+        let mut targets = std::mem::take(&mut self.targets);
+        // Routing validates the subject (the index caches valid ones).
+        let valid = shared
+            .router
+            .read()
+            .route(&publish.subject, &mut targets)
+            .and_then(|()| match &publish.reply {
+                Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
+                None => Ok(()),
             });
         if let Err(err) = valid {
+            self.targets = targets;
             self.report(
                 id,
                 ErrorCode::InvalidSubject,
@@ -1144,9 +1152,6 @@ impl EventLoop {
             return;
         }
         BrokerStats::add(&shared.stats.messages_in, 1);
-        let mut targets = std::mem::take(&mut self.targets);
-        // The subject was validated above.
-        let _ = shared.router.read().route(&publish.subject, &mut targets);
         let message = Message {
             subject: Arc::from(publish.subject),
             reply: publish.reply.map(Arc::from),
