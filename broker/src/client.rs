@@ -86,6 +86,9 @@ pub struct ClientOptions {
     pub fabric: crate::config::Fabric,
     /// Data paths in order of preference (as the server's config).
     pub preference: Vec<String>,
+    /// TESTING AID, never in production: inject faults into this client's
+    /// endpoints (`[testing.faults]` of a config file).
+    pub faults: Option<crate::config::Faults>,
 }
 
 impl Default for ClientOptions {
@@ -107,6 +110,7 @@ impl Default for ClientOptions {
             data_paths: Vec::new(),
             fabric: crate::config::Fabric::default(),
             preference: crate::config::Negotiation::default().preference,
+            faults: None,
         }
     }
 }
@@ -139,6 +143,7 @@ impl ClientOptions {
                 .collect(),
             fabric: config.fabric.clone(),
             preference: config.negotiation.preference.clone(),
+            faults: config.testing.faults.clone(),
             ..ClientOptions::default()
         }
     }
@@ -313,6 +318,7 @@ impl Client {
                 endpoint: endpoint.to_string(),
                 source,
             })?;
+        let endpoint_box = crate::server::with_faults(endpoint_box, options.faults.as_ref(), 0);
         let poll = Poll::new().map_err(Error::Thread)?;
         let waker = Waker::new(poll.registry(), WAKER).map_err(Error::Thread)?;
         if let Readiness::Fd(fd) = endpoint_box.readiness() {
@@ -325,6 +331,9 @@ impl Client {
         for text in &options.data_paths {
             match open_data_endpoint(&registry, text, &options) {
                 Ok(endpoint) => {
+                    let index = 1 + data.len();
+                    let endpoint =
+                        crate::server::with_faults(endpoint, options.faults.as_ref(), index);
                     if let Readiness::Fd(fd) = endpoint.readiness() {
                         poll.registry()
                             .register(

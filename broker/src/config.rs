@@ -69,6 +69,8 @@ pub struct Config {
     pub negotiation: Negotiation,
     pub fabric: Fabric,
     pub shutdown: Shutdown,
+    /// Testing aids; absent in any real deployment.
+    pub testing: Testing,
 }
 
 impl Default for Config {
@@ -84,6 +86,7 @@ impl Default for Config {
             negotiation: Negotiation::default(),
             fabric: Fabric::default(),
             shutdown: Shutdown::default(),
+            testing: Testing::default(),
         }
     }
 }
@@ -265,6 +268,104 @@ impl Default for Shutdown {
     }
 }
 
+/// Testing aids. Nothing here belongs in a production config.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Testing {
+    /// `[testing.faults]`: TESTING AID, injects faults, never use in
+    /// production. When present, every endpoint the broker listens on (and
+    /// a client's endpoints, through `ClientOptions::from_config`) is
+    /// wrapped in a fault injector with these seed and rates (see
+    /// `efabus_transports::fault`); the `n`-th endpoint uses seed `seed + n`.
+    pub faults: Option<Faults>,
+}
+
+/// Which frames injected faults touch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FaultSide {
+    /// Frames this side receives.
+    #[default]
+    Receive,
+    /// Frames this side sends.
+    Send,
+    Both,
+}
+
+/// Fault injection settings (TESTING AID: never use in production). Rates
+/// are per frame, from 0.0 to 1.0.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Faults {
+    /// Seed of the pseudo-random choices: the same seed replays the same faults.
+    pub seed: u64,
+    pub direction: FaultSide,
+    pub drop: f64,
+    pub duplicate: f64,
+    pub reorder: f64,
+    /// Later frames that overtake a reordered one.
+    pub reorder_span: u32,
+    pub delay: f64,
+    /// Longest delay, in polls of the endpoint.
+    pub max_delay_polls: u32,
+    pub corrupt: f64,
+    pub truncate: f64,
+    pub disconnect: f64,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Faults::from(&efabus_transports::fault::FaultConfig::default())
+    }
+}
+
+impl From<&efabus_transports::fault::FaultConfig> for Faults {
+    fn from(c: &efabus_transports::fault::FaultConfig) -> Faults {
+        use efabus_transports::fault::FaultDirection;
+        Faults {
+            seed: c.seed,
+            direction: match c.direction {
+                FaultDirection::Receive => FaultSide::Receive,
+                FaultDirection::Send => FaultSide::Send,
+                FaultDirection::Both => FaultSide::Both,
+            },
+            drop: c.drop,
+            duplicate: c.duplicate,
+            reorder: c.reorder,
+            reorder_span: c.reorder_span,
+            delay: c.delay,
+            max_delay_polls: c.max_delay_polls,
+            corrupt: c.corrupt,
+            truncate: c.truncate,
+            disconnect: c.disconnect,
+        }
+    }
+}
+
+impl Faults {
+    /// The injector's configuration.
+    pub fn fault_config(&self) -> efabus_transports::fault::FaultConfig {
+        use efabus_transports::fault::{FaultConfig, FaultDirection};
+        FaultConfig {
+            seed: self.seed,
+            direction: match self.direction {
+                FaultSide::Receive => FaultDirection::Receive,
+                FaultSide::Send => FaultDirection::Send,
+                FaultSide::Both => FaultDirection::Both,
+            },
+            drop: self.drop,
+            duplicate: self.duplicate,
+            reorder: self.reorder,
+            reorder_span: self.reorder_span,
+            delay: self.delay,
+            max_delay_polls: self.max_delay_polls,
+            corrupt: self.corrupt,
+            truncate: self.truncate,
+            disconnect: self.disconnect,
+        }
+    }
+}
+
 impl Config {
     /// The built-in default (`config/default.toml`).
     pub fn embedded_default() -> Config {
@@ -353,6 +454,14 @@ impl Config {
                     self.heartbeat.interval_ms
                 ),
             ));
+        }
+        if let Some(faults) = &self.testing.faults {
+            faults.fault_config().validate().map_err(|err| {
+                invalid(
+                    "testing.faults",
+                    err.to_string().replace("fault option fault_", ""),
+                )
+            })?;
         }
         if self.negotiation.preference.is_empty() {
             return Err(invalid(
@@ -444,6 +553,35 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("listen[0]"), "{err}");
+    }
+
+    #[test]
+    fn testing_faults_are_off_unless_configured_and_checked() {
+        assert_eq!(Config::default().testing.faults, None);
+        let config = Config::from_toml_str(
+            "[testing.faults]\nseed = 3\ndrop = 0.25\ndirection = \"both\"\n",
+            "f.toml",
+        )
+        .unwrap();
+        let faults = config.testing.faults.expect("table present").fault_config();
+        assert_eq!(faults.seed, 3);
+        assert_eq!(faults.drop, 0.25);
+        assert_eq!(
+            faults.direction,
+            efabus_transports::fault::FaultDirection::Both
+        );
+        assert_eq!(faults.duplicate, 0.0);
+        let err = Config::from_toml_str("[testing.faults]\ncorrupt = 1.5\n", "f.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("testing.faults") && err.contains("corrupt"),
+            "{err}"
+        );
+        let err = Config::from_toml_str("[testing.faults]\nsed = 1\n", "f.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sed"), "{err}");
     }
 
     #[test]

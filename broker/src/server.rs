@@ -239,6 +239,7 @@ impl Broker {
                         endpoint: text.clone(),
                         source,
                     })?;
+            let endpoint = with_faults(endpoint, config.testing.faults.as_ref(), endpoints.len());
             // Socket addresses are text; fabric addresses are raw bytes.
             let local = if datapath::is_data_scheme(spec.scheme()) {
                 efabus_transports::fabric::addr_to_hex(&endpoint.local_addr())
@@ -547,6 +548,27 @@ pub(crate) fn endpoint_options(
         options.push(("rx_depth".to_string(), fabric.rx_depth.to_string()));
     }
     options
+}
+
+/// Testing aid: wrap endpoint number `index` in the fault injector when
+/// `[testing.faults]` is configured (never in production).
+pub(crate) fn with_faults(
+    endpoint: Box<dyn Endpoint>,
+    faults: Option<&crate::config::Faults>,
+    index: usize,
+) -> Box<dyn Endpoint> {
+    let Some(faults) = faults else {
+        return endpoint;
+    };
+    let config = faults.fault_config().for_stream(index as u64);
+    warn!(
+        scheme = endpoint.scheme(),
+        ?config,
+        "testing.faults is set: injecting faults"
+    );
+    Box::new(efabus_transports::fault::FaultyEndpoint::new(
+        endpoint, config,
+    ))
 }
 
 /// A per-process seed for inbox names, so two brokers' inboxes differ.

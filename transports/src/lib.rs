@@ -5,6 +5,8 @@
 //! - [`tcp`]: non-blocking TCP over mio, framed by the 4-byte length prefix.
 //! - [`fabric`]: libfabric endpoints (EFA RDM and DGRAM, and libfabric's
 //!   socket providers for development), through a thin C shim.
+//! - [`fault`]: a seeded fault-injecting endpoint wrapper (`faulty+mem`,
+//!   `faulty+tcp`, ...), a testing aid for tests and chaos runs.
 //! - [`registry`]: endpoint strings (`tcp/127.0.0.1:7420`) and the map from
 //!   scheme to transport.
 //! - `conformance` (feature `conformance`): the one test suite every
@@ -13,6 +15,7 @@
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod fabric;
+pub mod fault;
 pub mod mem;
 pub mod registry;
 pub mod tcp;

@@ -1,0 +1,689 @@
+//! What efabus promises under injected faults, tested with the seeded
+//! fault injector (`efabus_transports::fault`) over in-process endpoints.
+//!
+//! - Broker: frames cut short or corrupted on the way in are refused by
+//!   the decoder without a panic; their sender gets an error frame and is
+//!   closed; every other peer carries on and sees nothing of them.
+//! - Reliable link class (sequenced, not lossy) over a link that reorders,
+//!   delays and duplicates: every frame delivered exactly once, in order,
+//!   with the reorder buffer within its window.
+//! - Best-effort link class (sequenced, lossy) over a link that also drops,
+//!   with fragmentation at a 1472-byte frame limit: only whole frames, each
+//!   at most once, in increasing order; partial messages freed after the
+//!   timeout; losses counted.
+//!
+//! Time in the link tests is virtual (a base `Instant` plus a step count),
+//! so timeouts are exercised without sleeping.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use efabus_broker::config::Faults;
+use efabus_broker::{Broker, Client, ClientOptions, Config, RecvError};
+use efabus_core::codec::{self, CodecLimits};
+use efabus_core::fragment::ReassemblyConfig;
+use efabus_core::frame::{ErrorCode, Frame, Hello, Publish, PROTOCOL_VERSION};
+use efabus_core::link::{LinkConfig, LinkReceiver, LinkSender};
+use efabus_core::transport::{
+    CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError, Transport,
+};
+use efabus_transports::fault::{
+    FaultConfig, FaultDirection, FaultTransport, FaultyEndpoint, SharedFaultStats,
+};
+use efabus_transports::mem::MemTransport;
+use efabus_transports::registry::Registry;
+
+/// Bound on every wait; things normally happen at once.
+const WAIT: Duration = Duration::from_secs(10);
+
+static NEXT_NAME: AtomicU64 = AtomicU64::new(0);
+
+fn fresh_name(tag: &str) -> String {
+    format!(
+        "faults-{tag}-{}-{}",
+        std::process::id(),
+        NEXT_NAME.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+// ------------------------------------------------------------ broker level
+
+/// A peer speaking the wire protocol by hand over a plain mem endpoint.
+struct RawPeer {
+    ep: Box<dyn Endpoint>,
+    peer: PeerId,
+    frames: Vec<Frame>,
+    undecodable: usize,
+    closed: Option<CloseReason>,
+}
+
+impl RawPeer {
+    fn connect(name: &str) -> RawPeer {
+        let mut ep = MemTransport
+            .open(&EndpointConfig::default())
+            .expect("open mem");
+        let peer = ep.connect(name).expect("connect to the broker");
+        RawPeer {
+            ep,
+            peer,
+            frames: Vec::new(),
+            undecodable: 0,
+            closed: None,
+        }
+    }
+
+    /// Send a frame; the broker may have closed the link already.
+    fn send(&mut self, frame: &Frame) {
+        match self.ep.send(self.peer, codec::encode(frame)) {
+            Ok(()) | Err(SendError::Closed(_)) => {}
+            Err(err) => panic!("send to the broker: {err}"),
+        }
+    }
+
+    fn hello(&mut self, name: &str) {
+        self.send(&Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            name: name.to_string(),
+            credentials: None,
+            offers: Vec::new(),
+        }));
+    }
+
+    fn publish(&mut self, subject: &str, payload: &'static [u8]) {
+        self.send(&Frame::Publish(Publish {
+            subject: subject.to_string(),
+            reply: None,
+            seq: 0,
+            payload: Bytes::from_static(payload),
+        }));
+    }
+
+    fn pump(&mut self) {
+        let mut events = Vec::new();
+        self.ep.poll(&mut events).expect("poll");
+        for event in events {
+            match event {
+                Event::Frame { frame, .. } => match codec::decode(frame, &CodecLimits::default()) {
+                    Ok(frame) => self.frames.push(frame),
+                    Err(_) => self.undecodable += 1,
+                },
+                Event::Closed { reason, .. } => self.closed = Some(reason),
+                _ => {}
+            }
+        }
+    }
+
+    /// Poll until the broker closes the link, or for `quiet` when it does
+    /// not; returns whether it closed.
+    fn wait_closed(&mut self, quiet: Duration) -> bool {
+        let deadline = Instant::now() + quiet;
+        while self.closed.is_none() && Instant::now() < deadline {
+            self.pump();
+            thread::sleep(Duration::from_millis(1));
+        }
+        self.closed.is_some()
+    }
+
+    fn error_codes(&self) -> Vec<(ErrorCode, bool)> {
+        self.frames
+            .iter()
+            .filter_map(|frame| match frame {
+                Frame::Error(error) => Some((error.code, error.fatal)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// `[testing.faults]` from the config file: with every received frame cut
+/// short, each remote peer's hello is refused as malformed and the peer is
+/// closed, while in-process traffic (which never crosses an endpoint)
+/// carries on untouched.
+#[test]
+fn truncated_frames_get_an_error_and_close_only_their_sender() {
+    let name = fresh_name("truncate");
+    let text = format!(
+        "name = \"faults\"\nlisten = [\"mem/{name}\"]\n\
+         [testing.faults]\nseed = 17\ntruncate = 1.0\n"
+    );
+    let config = Config::from_toml_str(&text, "faults test").expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    let everything = broker.subscribe(">").expect("subscribe");
+
+    const ATTACKERS: u64 = 5;
+    for i in 0..ATTACKERS {
+        let mut raw = RawPeer::connect(&name);
+        raw.hello(&format!("attacker-{i}"));
+        raw.publish("evil.x", b"should never arrive");
+        assert!(raw.wait_closed(WAIT), "attacker {i} not closed");
+        assert_eq!(
+            raw.error_codes(),
+            vec![(ErrorCode::Malformed, true)],
+            "attacker {i}: one fatal malformed-frame error, then closed"
+        );
+        assert_eq!(raw.closed, Some(CloseReason::PeerClosed));
+        assert_eq!(raw.undecodable, 0, "the broker's own frames are intact");
+        assert!(
+            !raw.frames.iter().any(|f| matches!(f, Frame::Welcome(_))),
+            "no welcome for a malformed hello"
+        );
+    }
+    let stats = broker.stats();
+    wait_for("connections to be released", || {
+        stats.connections.load(Ordering::Relaxed) == 0
+    });
+    assert_eq!(stats.bad_frames.load(Ordering::Relaxed), ATTACKERS);
+    assert_eq!(stats.connections_total.load(Ordering::Relaxed), ATTACKERS);
+
+    broker.publish("good.1", &b"fine"[..]).expect("publish");
+    let message = everything.recv_timeout(WAIT).expect("in-process delivery");
+    assert_eq!(
+        (&*message.subject, &message.payload[..]),
+        ("good.1", &b"fine"[..])
+    );
+    assert_eq!(everything.try_recv().unwrap_err(), RecvError::Empty);
+    broker.shutdown();
+}
+
+/// A listener whose every received frame has bytes flipped, next to a
+/// clean one. Whatever the flips do (refused as malformed, a refused
+/// version, or by chance still a valid frame), the broker keeps running,
+/// refused peers get an error before they are closed, and clients on the
+/// clean listener see exactly their own traffic.
+#[test]
+fn corrupted_frames_never_reach_other_peers() {
+    let bad = fresh_name("corrupt");
+    let good = fresh_name("clean");
+    let faulty = Arc::new(FaultTransport::new(
+        Arc::new(MemTransport),
+        FaultConfig {
+            seed: 5,
+            corrupt: 1.0,
+            ..FaultConfig::default()
+        },
+    ));
+    let mut registry = Registry::with_builtins();
+    registry.register(faulty.clone());
+    let text = format!("name = \"faults\"\nlisten = [\"faulty+mem/{bad}\", \"mem/{good}\"]\n");
+    let config = Config::from_toml_str(&text, "faults test").expect("valid config");
+    let broker = Broker::start_with_registry(config, registry).expect("broker starts");
+
+    let options = ClientOptions {
+        connect_timeout: WAIT,
+        ..ClientOptions::default()
+    };
+    let endpoint = format!("mem/{good}");
+    let subscriber = Client::connect_with(&endpoint, options.clone(), Registry::with_builtins())
+        .expect("subscriber connects");
+    let sub = subscriber.subscribe("good.>").expect("subscribe");
+    subscriber.flush(WAIT).expect("subscription in place");
+    let publisher = Client::connect_with(&endpoint, options, Registry::with_builtins())
+        .expect("publisher connects");
+
+    const ATTACKERS: usize = 20;
+    let mut refused = 0;
+    for i in 0..ATTACKERS {
+        let mut raw = RawPeer::connect(&bad);
+        raw.hello(&format!("attacker-{i}"));
+        for _ in 0..5 {
+            raw.publish("evil.x", b"payload of an attacker");
+        }
+        // Interleave good traffic with the attack.
+        publisher
+            .publish(&format!("good.{i}"), Bytes::from(format!("m{i}")))
+            .expect("publish");
+        if raw.wait_closed(Duration::from_millis(200)) {
+            let codes = raw.error_codes();
+            assert!(
+                codes.iter().any(|(_, fatal)| *fatal),
+                "attacker {i} closed without a fatal error frame: {:?}",
+                raw.frames
+            );
+            refused += 1;
+        }
+        assert_eq!(raw.undecodable, 0, "the broker's own frames are intact");
+    }
+    assert!(refused >= 1, "no corrupted frame was refused");
+    let injected = faulty.stats().receive;
+    assert!(injected.frames >= ATTACKERS as u64);
+    assert_eq!(injected.corrupted, injected.frames, "every frame corrupted");
+
+    publisher.flush(WAIT).expect("publisher flushed");
+    subscriber.flush(WAIT).expect("subscriber flushed");
+    for i in 0..ATTACKERS {
+        let message = sub.recv_timeout(WAIT).expect("good message");
+        assert_eq!(&*message.subject, format!("good.{i}"));
+        assert_eq!(&message.payload[..], format!("m{i}").as_bytes());
+    }
+    assert_eq!(sub.try_recv().unwrap_err(), RecvError::Empty);
+
+    // Still serving: a new client on the clean listener works.
+    let late = Client::connect_with(
+        &endpoint,
+        ClientOptions {
+            connect_timeout: WAIT,
+            ..ClientOptions::default()
+        },
+        Registry::with_builtins(),
+    )
+    .expect("late client connects");
+    late.publish("good.late", &b"ok"[..]).expect("publish");
+    late.flush(WAIT).expect("flushed");
+    let message = sub.recv_timeout(WAIT).expect("late message");
+    assert_eq!(&*message.subject, "good.late");
+    assert!(broker.stats().bad_frames.load(Ordering::Relaxed) >= 1);
+    // Clients first, so they say goodbye to a broker that is still there.
+    drop((late, publisher, subscriber));
+    broker.shutdown();
+}
+
+/// `ClientOptions::faults` (from `[testing.faults]`) wraps the client's
+/// connection: with every received frame dropped, the welcome never
+/// arrives and the connect fails, while the broker did see the connection.
+#[test]
+fn client_faults_from_the_config_wrap_its_connection() {
+    let name = fresh_name("client");
+    let config = Config::from_toml_str(
+        &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
+        "faults test",
+    )
+    .expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+
+    let client_config = Config::from_toml_str(
+        "[testing.faults]\nseed = 3\ndrop = 1.0\n",
+        "client faults test",
+    )
+    .expect("valid config");
+    let from_file = ClientOptions::from_config(&client_config);
+    assert_eq!(from_file.faults, client_config.testing.faults);
+    let options = ClientOptions {
+        connect_timeout: Duration::from_millis(300),
+        reconnect: false,
+        ..from_file
+    };
+    let endpoint = format!("mem/{name}");
+    let failed = Client::connect_with(&endpoint, options.clone(), Registry::with_builtins());
+    assert!(failed.is_err(), "connected although every frame is dropped");
+    assert!(broker.stats().connections_total.load(Ordering::Relaxed) >= 1);
+
+    let clean = ClientOptions {
+        faults: Some(Faults {
+            drop: 0.0,
+            ..Faults::default()
+        }),
+        ..options
+    };
+    let client = Client::connect_with(&endpoint, clean, Registry::with_builtins())
+        .expect("connects with faults at rate 0");
+    client.flush(WAIT).expect("flushed");
+    drop(client);
+    broker.shutdown();
+}
+
+// ------------------------------------------------------------- link level
+
+/// A mem link between two fault injectors: `tx` sends, `rx` receives.
+struct FaultyLink {
+    tx: FaultyEndpoint,
+    rx: FaultyEndpoint,
+    to_rx: PeerId,
+    rx_stats: SharedFaultStats,
+    tx_stats: SharedFaultStats,
+    /// Wire frames the sender's endpoint has not taken yet.
+    backlog: VecDeque<OutFrame>,
+}
+
+impl FaultyLink {
+    fn new(send_faults: FaultConfig, receive_faults: FaultConfig) -> FaultyLink {
+        let name = fresh_name("link");
+        let bound = MemTransport
+            .open(&EndpointConfig {
+                bind: Some(name.clone()),
+                ..EndpointConfig::default()
+            })
+            .expect("bind mem");
+        let client = MemTransport
+            .open(&EndpointConfig::default())
+            .expect("open mem");
+        let mut tx = FaultyEndpoint::new(client, send_faults);
+        let rx = FaultyEndpoint::new(bound, receive_faults);
+        let to_rx = tx.connect(&name).expect("connect");
+        FaultyLink {
+            rx_stats: rx.stats_handle(),
+            tx_stats: tx.stats_handle(),
+            tx,
+            rx,
+            to_rx,
+            backlog: VecDeque::new(),
+        }
+    }
+
+    /// Hand the backlog to the sender's endpoint while it takes frames.
+    fn flush(&mut self) {
+        while let Some(frame) = self.backlog.pop_front() {
+            match self.tx.send(self.to_rx, frame) {
+                Ok(()) => {}
+                Err(SendError::WouldBlock(frame)) => {
+                    self.backlog.push_front(frame);
+                    return;
+                }
+                Err(err) => panic!("send failed: {err}"),
+            }
+        }
+    }
+
+    /// One round: flush, poll both sides; the wire frames received.
+    fn round(&mut self) -> Vec<Bytes> {
+        self.flush();
+        let mut events = Vec::new();
+        self.tx.poll(&mut events).expect("poll sender");
+        events.clear();
+        self.rx.poll(&mut events).expect("poll receiver");
+        events
+            .into_iter()
+            .filter_map(|event| match event {
+                Event::Frame { frame, .. } => Some(frame),
+                Event::Closed { reason, .. } => panic!("link closed: {reason}"),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn idle(&self) -> bool {
+        self.backlog.is_empty() && self.tx.held() == 0 && self.rx.held() == 0
+    }
+}
+
+/// An encoded publish numbered `id` with a payload of `len` bytes derived
+/// from it.
+fn numbered_frame(id: u64, len: usize) -> Bytes {
+    let payload: Vec<u8> = (0..len)
+        .map(|i| (id.wrapping_mul(31).wrapping_add(i as u64 * 7)) as u8)
+        .collect();
+    codec::encode(&Frame::Publish(Publish {
+        subject: "link.test".into(),
+        reply: None,
+        seq: id,
+        payload: payload.into(),
+    }))
+    .to_bytes()
+}
+
+/// The id of a frame from [`numbered_frame`].
+fn frame_id(frame: &Bytes) -> u64 {
+    match codec::decode(frame.clone(), &CodecLimits::default()) {
+        Ok(Frame::Publish(publish)) => publish.seq,
+        other => panic!("not a test frame: {other:?}"),
+    }
+}
+
+/// Payload sizes that give one to five pieces at a 1472-byte frame limit.
+fn size_of(id: u64) -> usize {
+    [0, 100, 1400, 1500, 3000, 5000][(id % 6) as usize] + (id as usize % 97)
+}
+
+fn link_config(lossy: bool, window: usize) -> LinkConfig {
+    LinkConfig {
+        frame_limit: 1472,
+        sequenced: true,
+        lossy,
+        gap_timeout: Duration::from_millis(20),
+        reorder_window: window,
+        reassembly: ReassemblyConfig {
+            timeout: Duration::from_millis(50),
+            ..ReassemblyConfig::default()
+        },
+    }
+}
+
+fn faults(seed: u64, direction: FaultDirection, set: impl FnOnce(&mut FaultConfig)) -> FaultConfig {
+    let mut config = FaultConfig {
+        seed,
+        direction,
+        ..FaultConfig::default()
+    };
+    set(&mut config);
+    config
+}
+
+/// Reliable class over a link that reorders, delays and duplicates in
+/// both directions, without losing anything: every frame comes out once,
+/// in order, and the reorder buffer never holds more than its window,
+/// because the sender (standing in for the session's credits) keeps within
+/// it.
+#[test]
+fn reliable_class_exactly_once_in_order_under_reorder_and_duplication() {
+    const FRAMES: u64 = 3000;
+    const WINDOW: usize = 64;
+    let shuffle = |c: &mut FaultConfig| {
+        c.duplicate = 0.2;
+        c.reorder = 0.2;
+        c.reorder_span = 3;
+        c.delay = 0.2;
+        c.max_delay_polls = 5;
+    };
+    let mut link = FaultyLink::new(
+        faults(11, FaultDirection::Send, shuffle),
+        faults(12, FaultDirection::Receive, shuffle),
+    );
+    let config = link_config(false, WINDOW);
+    let mut sender = LinkSender::new(&config).expect("sender");
+    let mut receiver = LinkReceiver::new(&config);
+    let originals: Vec<Bytes> = (0..FRAMES)
+        .map(|id| numbered_frame(id, size_of(id)))
+        .collect();
+
+    let start = Instant::now();
+    let mut next = 0u64;
+    let mut delivered = Vec::new();
+    let mut max_held = 0;
+    let mut pieces = Vec::new();
+    for round in 0..100_000u64 {
+        if delivered.len() as u64 == FRAMES && link.idle() {
+            break;
+        }
+        let expected = receiver.expected_sequence().expect("sequenced");
+        while next < FRAMES && sender.next_sequence() < expected + WINDOW as u64 {
+            sender
+                .prepare(
+                    OutFrame::whole(originals[next as usize].clone()),
+                    &mut pieces,
+                )
+                .expect("prepare");
+            link.backlog.extend(pieces.drain(..));
+            next += 1;
+        }
+        let now = start + Duration::from_millis(round);
+        for wire in link.round() {
+            receiver
+                .receive(now, wire, &mut delivered)
+                .expect("a reliable link refuses nothing here");
+            assert!(receiver.held() <= WINDOW, "reorder buffer over its window");
+            max_held = max_held.max(receiver.held());
+        }
+    }
+    assert_eq!(delivered.len() as u64, FRAMES, "not everything delivered");
+    for (i, frame) in delivered.iter().enumerate() {
+        assert_eq!(frame, &originals[i], "frame {i} out of order or altered");
+    }
+    let stats = receiver.stats();
+    assert_eq!(stats.delivered, FRAMES);
+    assert_eq!(stats.lost, 0);
+    assert!(stats.duplicates > 0, "duplicates were dropped: {stats:?}");
+    assert!(stats.reordered > 0, "frames were reordered: {stats:?}");
+    assert!(max_held > 1, "the reorder buffer was used");
+    assert_eq!(receiver.buffered_bytes(), 0);
+    let (sent, received) = (
+        link.tx_stats.snapshot().send,
+        link.rx_stats.snapshot().receive,
+    );
+    assert!(sent.duplicated > 0 && sent.reordered > 0 && sent.delayed > 0);
+    assert!(received.duplicated > 0 && received.reordered > 0 && received.delayed > 0);
+    assert_eq!(sent.dropped + received.dropped, 0);
+}
+
+/// Drive a best-effort link: send every frame (a few per round, without
+/// waiting for credits), poll the receiver's timeouts each round, and
+/// settle at the end. Returns the frames delivered, the receiver, the
+/// highest sequence any valid piece arrived for, and the receiver's
+/// buffered bytes just before the timeouts ran out.
+fn run_best_effort(
+    receive_faults: FaultConfig,
+    frames: u64,
+    mut on_error: impl FnMut(efabus_core::link::LinkError),
+) -> (Vec<Bytes>, LinkReceiver, u64, usize, FaultyLink) {
+    let mut link = FaultyLink::new(FaultConfig::default(), receive_faults);
+    let config = link_config(true, 256);
+    let mut sender = LinkSender::new(&config).expect("sender");
+    let mut receiver = LinkReceiver::new(&config);
+    let start = Instant::now();
+    let mut now = start;
+    let mut next = 0u64;
+    let mut delivered = Vec::new();
+    let mut highest = 0u64;
+    let mut pieces = Vec::new();
+    for round in 0..100_000u64 {
+        if next == frames && link.idle() {
+            break;
+        }
+        for _ in 0..4 {
+            if next < frames {
+                sender
+                    .prepare(
+                        OutFrame::whole(numbered_frame(next, size_of(next))),
+                        &mut pieces,
+                    )
+                    .expect("prepare");
+                link.backlog.extend(pieces.drain(..));
+                next += 1;
+            }
+        }
+        now = start + Duration::from_millis(round);
+        for wire in link.round() {
+            if let Ok(Frame::Fragment(piece)) = codec::decode(wire.clone(), &CodecLimits::default())
+            {
+                highest = highest.max(piece.msg_id);
+            }
+            if let Err(err) = receiver.receive(now, wire, &mut delivered) {
+                on_error(err);
+            }
+        }
+        receiver.poll(now, &mut delivered);
+    }
+    let buffered_before = receiver.buffered_bytes();
+    // Past every timeout, then at each deadline until nothing is due.
+    let mut later = now + Duration::from_secs(3600);
+    receiver.poll(later, &mut delivered);
+    for _ in 0..8 {
+        match receiver.next_deadline() {
+            Some(deadline) => {
+                later = later.max(deadline);
+                receiver.poll(later, &mut delivered);
+            }
+            None => break,
+        }
+    }
+    assert_eq!(receiver.next_deadline(), None, "receiver did not settle");
+    (delivered, receiver, highest, buffered_before, link)
+}
+
+/// Best-effort class over a link that drops, duplicates, reorders and
+/// delays, fragmenting at 1472 bytes: only whole, unaltered frames, each
+/// at most once, in increasing order; what was lost is counted; partial
+/// messages are freed once their timeout passes.
+#[test]
+fn best_effort_class_whole_frames_at_most_once_in_order_losses_counted() {
+    const FRAMES: u64 = 2000;
+    let chaos = faults(21, FaultDirection::Receive, |c| {
+        c.drop = 0.05;
+        c.duplicate = 0.1;
+        c.reorder = 0.1;
+        c.reorder_span = 2;
+        c.delay = 0.1;
+        c.max_delay_polls = 4;
+    });
+    let (delivered, receiver, highest, buffered_before, link) =
+        run_best_effort(chaos, FRAMES, |err| panic!("refused: {err}"));
+
+    let mut last = None;
+    for frame in &delivered {
+        let id = frame_id(frame);
+        assert_eq!(
+            frame,
+            &numbered_frame(id, size_of(id)),
+            "frame {id} altered"
+        );
+        assert!(
+            last < Some(id),
+            "frame {id} after {last:?}: order or duplicate"
+        );
+        last = Some(id);
+    }
+    let stats = receiver.stats();
+    let injected = link.rx_stats.snapshot().receive;
+    assert!(injected.dropped > 0 && injected.duplicated > 0 && injected.reordered > 0);
+    assert_eq!(stats.delivered, delivered.len() as u64);
+    assert!(stats.lost > 0, "losses counted: {stats:?}");
+    assert_eq!(
+        stats.delivered + stats.lost,
+        highest,
+        "every sequence up to the highest seen is delivered or counted lost: {stats:?}"
+    );
+    assert!(stats.duplicates > 0, "{stats:?}");
+    assert!(
+        stats.expired_partials > 0,
+        "partial messages of lost pieces timed out: {stats:?}"
+    );
+    assert!(
+        buffered_before > 0,
+        "partials were held before the timeout ran out"
+    );
+    assert_eq!(receiver.buffered_bytes(), 0, "freed after the timeout");
+    assert_eq!(receiver.partial_messages(), 0);
+    assert_eq!(receiver.held(), 0);
+}
+
+/// The same link with bytes flipped and frames cut short as well: the
+/// receiver refuses what it can tell is malformed, never panics, delivers
+/// only frames whose length prefix matches their length, and frees
+/// everything after the timeout. (Flipped payload bytes inside a
+/// well-formed piece cannot be told apart: the link layer carries no
+/// checksum and relies on the transport's.)
+#[test]
+fn best_effort_class_survives_corrupt_and_truncated_pieces() {
+    const FRAMES: u64 = 1500;
+    let chaos = faults(31, FaultDirection::Receive, |c| {
+        c.drop = 0.02;
+        c.duplicate = 0.05;
+        c.reorder = 0.05;
+        c.corrupt = 0.05;
+        c.truncate = 0.05;
+    });
+    let mut refused = 0u64;
+    let (delivered, receiver, _, _, link) = run_best_effort(chaos, FRAMES, |_| refused += 1);
+    for frame in &delivered {
+        assert!(frame.len() >= 5, "a whole frame has a prefix and a kind");
+        let declared = u32::from_le_bytes(frame[..4].try_into().expect("4 bytes")) as usize;
+        assert_eq!(declared, frame.len() - 4, "only whole frames are delivered");
+    }
+    let injected = link.rx_stats.snapshot().receive;
+    assert!(injected.corrupted > 0 && injected.truncated > 0);
+    assert!(refused > 0, "malformed pieces are refused");
+    assert!(receiver.stats().refused >= refused);
+    assert!(delivered.len() as u64 <= FRAMES);
+    assert_eq!(receiver.buffered_bytes(), 0, "freed after the timeout");
+    assert_eq!(receiver.partial_messages(), 0);
+}
