@@ -7,6 +7,7 @@
 //! publish to the last delivery. Latency: one requester, one responder,
 //! round trips recorded in an HDR histogram.
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -61,6 +62,11 @@ pub struct BenchArgs {
     /// Shared secret for --server.
     #[arg(long, env = "EFABUS_SECRET", hide_env_values = true)]
     pub secret: Option<String>,
+    /// With --server: a config whose fabric endpoints (`listen` entries
+    /// efa-rdm/efa-dgram, the [fabric] table, the preference list) the
+    /// bench clients offer the broker, as for the other client commands.
+    #[arg(long, short, requires = "server")]
+    pub config: Option<PathBuf>,
 }
 
 #[derive(Debug, Serialize)]
@@ -71,6 +77,7 @@ struct ThroughputReport {
     subscribers: usize,
     queue_group: bool,
     payload_bytes: usize,
+    link: String,
     published: u64,
     delivered: u64,
     expected: u64,
@@ -85,6 +92,7 @@ struct LatencyReport {
     mode: &'static str,
     target: String,
     payload_bytes: usize,
+    link: String,
     round_trips: u64,
     seconds: f64,
     p50_us: f64,
@@ -100,16 +108,26 @@ struct Target {
     broker: Option<Broker>,
     endpoint: Option<String>,
     secret: Option<String>,
+    /// Client options from --config, before the bench's own settings.
+    base: ClientOptions,
+    /// The reliable path the last client negotiated (`embedded` without clients).
+    link: parking_lot::Mutex<String>,
 }
 
 impl Target {
     fn open(args: &BenchArgs) -> Result<Target, Failure> {
         if let Some(server) = &args.server {
+            let base = match &args.config {
+                Some(path) => ClientOptions::from_config(&Config::from_file(path)?),
+                None => ClientOptions::default(),
+            };
             return Ok(Target {
                 description: server.clone(),
                 broker: None,
                 endpoint: Some(server.clone()),
-                secret: args.secret.clone(),
+                secret: args.secret.clone().or(base.credentials.clone()),
+                base,
+                link: parking_lot::Mutex::new(String::new()),
             });
         }
         let listen = match args.via.as_str() {
@@ -140,8 +158,14 @@ impl Target {
         Ok(Target {
             description: format!("embedded broker via {}", args.via),
             broker: Some(broker),
+            link: parking_lot::Mutex::new(if endpoint.is_some() {
+                String::new()
+            } else {
+                "embedded".to_string()
+            }),
             endpoint,
             secret: None,
+            base: ClientOptions::default(),
         })
     }
 
@@ -156,7 +180,7 @@ impl Target {
                     slow_consumer: SlowConsumerPolicy::Block,
                     block_timeout: Duration::from_secs(30),
                     max_pending_bytes: 64 << 20,
-                    ..ClientOptions::default()
+                    ..self.base.clone()
                 };
                 let client = Client::connect_with(
                     endpoint,
@@ -164,6 +188,7 @@ impl Target {
                     efabus_transports::registry::Registry::with_builtins(),
                 )
                 .map_err(|err| Failure::runtime(format!("cannot connect to {endpoint}: {err}")))?;
+                *self.link.lock() = client.link().reliable;
                 Ok(Arc::new(client))
             }
             (None, Some(_)) => Err(Failure::runtime(
@@ -184,6 +209,15 @@ fn progress(total: u64, json: bool) -> ProgressBar {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar
+}
+
+/// " (over LINK)" when clients negotiated a path, for the text report.
+fn link_note(link: &str) -> String {
+    if link.is_empty() || link == "embedded" {
+        String::new()
+    } else {
+        format!(" (over {link})")
+    }
 }
 
 fn bench_error(err: Error) -> Failure {
@@ -341,6 +375,7 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         subscribers: args.subs,
         queue_group: args.queue,
         payload_bytes: args.size,
+        link: target.link.lock().clone(),
         published,
         delivered,
         expected,
@@ -353,8 +388,9 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         println!("{}", serde_json::to_string(&report).unwrap_or_default());
     } else {
         println!(
-            "{}: {} pub -> {} sub{}, {} B: {:.0} msg/s delivered ({:.1} MB/s), {} of {} in {:.3} s",
+            "{}{}: {} pub -> {} sub{}, {} B: {:.0} msg/s delivered ({:.1} MB/s), {} of {} in {:.3} s",
             report.target,
+            link_note(&report.link),
             report.publishers,
             report.subscribers,
             if report.queue_group {
@@ -437,6 +473,7 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         mode: "latency",
         target: target.description.clone(),
         payload_bytes: args.size,
+        link: target.link.lock().clone(),
         round_trips: histogram.len(),
         seconds: started.elapsed().as_secs_f64(),
         p50_us: us(0.5),
@@ -449,8 +486,9 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         println!("{}", serde_json::to_string(&report).unwrap_or_default());
     } else {
         println!(
-            "{}: {} round trips of {} B: p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, max {:.1} us",
+            "{}{}: {} round trips of {} B: p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, max {:.1} us",
             report.target,
+            link_note(&report.link),
             report.round_trips,
             report.payload_bytes,
             report.p50_us,
