@@ -724,7 +724,7 @@ impl ClientLoop {
                 self.shared.loop_parked.store(false, Ordering::Release);
                 continue;
             }
-            if let Err(err) = self.poll.poll(&mut mio_events, Some(timeout)) {
+            if let Err(err) = crate::server::wait(&mut self.poll, &mut mio_events, timeout) {
                 if err.kind() != std::io::ErrorKind::Interrupted {
                     warn!(error = %err, "client poll failed");
                 }

@@ -734,7 +734,7 @@ impl EventLoop {
                 self.shared.loop_parked.store(false, Ordering::Release);
                 continue;
             }
-            if let Err(err) = self.poll.poll(&mut mio_events, Some(timeout)) {
+            if let Err(err) = wait(&mut self.poll, &mut mio_events, timeout) {
                 if err.kind() != std::io::ErrorKind::Interrupted {
                     warn!(error = %err, "poll failed");
                 }
@@ -1550,6 +1550,25 @@ fn transmit(
             Transmit::Done
         }
     }
+}
+
+/// Wait for readiness for up to `timeout`. epoll counts in milliseconds, so
+/// mio rounds shorter waits up to a whole millisecond; below that, look at
+/// the descriptors without waiting and sleep the rest (nanosleep keeps
+/// microseconds), so the fabric polling steps keep their length.
+pub(crate) fn wait(
+    poll: &mut Poll,
+    events: &mut mio::Events,
+    timeout: Duration,
+) -> std::io::Result<()> {
+    if timeout.is_zero() || timeout >= Duration::from_millis(1) {
+        return poll.poll(events, Some(timeout));
+    }
+    poll.poll(events, Some(Duration::ZERO))?;
+    if events.is_empty() {
+        std::thread::sleep(timeout);
+    }
+    Ok(())
 }
 
 /// How long an idle loop with must-poll endpoints may sleep: not at all for
