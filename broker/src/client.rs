@@ -211,6 +211,10 @@ struct ClientShared {
     max_payload: AtomicU64,
     reconnects: AtomicU64,
     inbox_prefix: String,
+    /// The subscription id of the shared reply inbox, once subscribed.
+    inbox_sid: Mutex<Option<u64>>,
+    /// Requests waiting for a reply, by the token in their reply subject.
+    replies: Mutex<HashMap<u64, Sender<Message>>>,
     link: Mutex<LinkReport>,
 }
 
@@ -356,6 +360,8 @@ impl Client {
         let shared = Arc::new(ClientShared {
             server: endpoint.to_string(),
             inbox_prefix: format!("_INBOX.{:016x}", crate::server::unique_seed()),
+            inbox_sid: Mutex::new(None),
+            replies: Mutex::new(HashMap::new()),
             options,
             commands,
             waker,
@@ -553,14 +559,47 @@ impl Client {
         payload: impl Into<Bytes>,
         timeout: Duration,
     ) -> Result<Message, Error> {
-        let n = self.shared.next_sid.fetch_add(1, Ordering::Relaxed);
-        let inbox = format!("{}.{n}", self.shared.inbox_prefix);
-        let replies = self.subscribe(&inbox)?;
-        self.publish_inner(subject, Some(&inbox), payload.into())?;
-        replies.recv_timeout(timeout).map_err(|err| match err {
-            crate::RecvError::Closed => Error::Closed,
-            _ => Error::Timeout(timeout),
-        })
+        // One wildcard inbox per client serves every request: a reply to
+        // `<inbox>.<token>` is handed to the request waiting on that token.
+        self.ensure_inbox()?;
+        let token = self.shared.next_sid.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.shared.replies.lock().insert(token, tx);
+        let reply_to = format!("{}.{token}", self.shared.inbox_prefix);
+        let sent = self.publish_inner(subject, Some(&reply_to), payload.into());
+        let result = sent.and_then(|()| {
+            rx.recv_timeout(timeout).map_err(|err| match err {
+                crossbeam_channel::RecvTimeoutError::Disconnected => Error::Closed,
+                crossbeam_channel::RecvTimeoutError::Timeout => Error::Timeout(timeout),
+            })
+        });
+        self.shared.replies.lock().remove(&token);
+        result
+    }
+
+    /// Subscribe the shared reply inbox once.
+    fn ensure_inbox(&self) -> Result<(), Error> {
+        let mut inbox = self.shared.inbox_sid.lock();
+        if inbox.is_some() {
+            return Ok(());
+        }
+        let pattern = format!("{}.*", self.shared.inbox_prefix);
+        let sid = self.shared.next_sid.fetch_add(1, Ordering::Relaxed);
+        // Replies are dispatched before reaching a sink; this one only
+        // keeps the subscription listed for resubscription.
+        let (sink, _unread, _) = LocalSink::new(1, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        self.shared.subscriptions.lock().insert(
+            sid,
+            ClientSub {
+                pattern,
+                queue: None,
+                class: DeliveryClass::Reliable,
+                sink,
+            },
+        );
+        self.shared.send_command(Command::Subscribe { sid })?;
+        *inbox = Some(sid);
+        Ok(())
     }
 
     /// Wait until the server has processed everything sent before.
@@ -584,6 +623,8 @@ impl Client {
             }
         }
         self.shared.subscriptions.lock().clear();
+        // Requests still waiting see the end instead of their timeout.
+        self.shared.replies.lock().clear();
         self.shared.set_state(ConnectionState::Closed);
     }
 }
@@ -883,6 +924,10 @@ impl ClientLoop {
             }
             Frame::Message(message) => {
                 let sid = message.sid;
+                if Some(sid) == *self.shared.inbox_sid.lock() {
+                    self.dispatch_reply(message);
+                    return;
+                }
                 let mut subscriptions = self.shared.subscriptions.lock();
                 let Some(sub) = subscriptions.get(&sid) else {
                     return;
@@ -926,6 +971,24 @@ impl ClientLoop {
                 info!(reason = %goodbye.reason, "server said goodbye");
             }
             other => debug!(frame = ?other, "ignoring unexpected frame"),
+        }
+    }
+
+    /// Hand a reply to the request waiting for its token; a reply nobody
+    /// waits for (the request timed out) is dropped.
+    fn dispatch_reply(&mut self, message: frame::Message) {
+        let token = message
+            .subject
+            .rsplit('.')
+            .next()
+            .and_then(|token| token.parse::<u64>().ok());
+        let waiting = token.and_then(|token| self.shared.replies.lock().remove(&token));
+        if let Some(waiting) = waiting {
+            let _ = waiting.send(Message {
+                subject: Arc::from(message.subject),
+                reply: message.reply.map(Arc::from),
+                payload: message.payload,
+            });
         }
     }
 
