@@ -209,6 +209,14 @@ pub struct Fabric {
     pub rx_depth: usize,
     /// Largest frame carried in one fabric message on RDM, in bytes.
     pub max_frame: usize,
+    /// Testing aid: reserve this many prefix bytes in every fabric buffer
+    /// as if the provider required `FI_MSG_PREFIX` (a multiple of 8; 0
+    /// leaves it to the provider), so the prefix path runs on machines
+    /// whose providers have none.
+    pub test_force_prefix: usize,
+    /// Testing aid: register the fabric buffers and pass descriptors as if
+    /// the provider required `FI_MR_LOCAL`.
+    pub test_force_mr_local: bool,
 }
 
 impl Default for Fabric {
@@ -220,6 +228,8 @@ impl Default for Fabric {
             node: String::new(),
             rx_depth: 0,
             max_frame: 1 << 20,
+            test_force_prefix: 0,
+            test_force_mr_local: false,
         }
     }
 }
@@ -329,6 +339,12 @@ impl Config {
                 ),
             ));
         }
+        if self.fabric.test_force_prefix % 8 != 0 || self.fabric.test_force_prefix > 4096 {
+            return Err(invalid(
+                "fabric.test_force_prefix",
+                "must be a multiple of 8 no larger than 4096, as libfabric's prefixes are".into(),
+            ));
+        }
         if self.negotiation.preference.is_empty() {
             return Err(invalid(
                 "negotiation.preference",
@@ -419,6 +435,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("listen[0]"), "{err}");
+        let err = Config::from_toml_str("[fabric]\ntest_force_prefix = 12\n", "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fabric.test_force_prefix"), "{err}");
     }
 
     #[test]
