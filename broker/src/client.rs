@@ -668,6 +668,9 @@ struct ClientLoop {
     /// The best-effort datagram link of the current connection, if negotiated.
     best_effort: Option<DataLink>,
     released: Vec<Bytes>,
+    /// Why data endpoints could not open: the start of every handshake's
+    /// reasons.
+    unavailable: Vec<String>,
 }
 
 impl ClientLoop {
@@ -679,6 +682,7 @@ impl ClientLoop {
         address: String,
         commands: Receiver<Command>,
     ) -> ClientLoop {
+        let unavailable = shared.link.lock().reasons.clone();
         let offers = data
             .iter()
             .chain(std::iter::once(&endpoint))
@@ -711,6 +715,7 @@ impl ClientLoop {
             reliable: None,
             best_effort: None,
             released: Vec::new(),
+            unavailable,
         }
     }
 
@@ -1092,7 +1097,11 @@ impl ClientLoop {
     fn transmit(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), OutFrame> {
         if let Some(link) = &mut self.reliable {
             return match link.send(self.data[link.endpoint].as_mut(), frame) {
-                Ok(Sent::Accepted | Sent::Dropped) => Ok(()),
+                Ok(Sent::Accepted) => {
+                    self.shared.link.lock().fabric_frames_out += 1;
+                    Ok(())
+                }
+                Ok(Sent::Dropped) => Ok(()),
                 Ok(Sent::Blocked(frame)) => Err(frame),
                 Err(reason) => {
                     warn!(%reason, "data link send failed");
@@ -1115,6 +1124,8 @@ impl ClientLoop {
         self.drop_data_links();
         let mut report = self.shared.link.lock();
         report.best_effort = None;
+        // The reasons describe this handshake, not every one since start.
+        report.reasons.clone_from(&self.unavailable);
         let negotiated = match negotiate(&self.offers, remote, &self.shared.options.preference) {
             Ok(negotiated) => negotiated,
             Err(err) => {
@@ -1236,7 +1247,13 @@ impl ClientLoop {
         };
         let mut released = std::mem::take(&mut self.released);
         link.poll(now, &mut released);
-        self.shared.link.lock().best_effort_lost = link.lost();
+        {
+            let mut report = self.shared.link.lock();
+            report.best_effort_lost = link.lost();
+            // Frames held behind a gap the timeout gave up on arrived
+            // over the fabric too.
+            report.fabric_frames_in += released.len() as u64;
+        }
         for bytes in released.drain(..) {
             if let Ok(frame) = codec::decode(bytes, &self.codec) {
                 self.on_frame(peer, frame);

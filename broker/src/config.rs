@@ -214,6 +214,14 @@ pub struct Fabric {
     pub max_frame: usize,
     /// How an idle event loop polls fabric completion queues.
     pub polling: Polling,
+    /// Testing aid: reserve this many prefix bytes in every fabric buffer
+    /// as if the provider required `FI_MSG_PREFIX` (a multiple of 8; 0
+    /// leaves it to the provider), so the prefix path runs on machines
+    /// whose providers have none.
+    pub test_force_prefix: usize,
+    /// Testing aid: register the fabric buffers and pass descriptors as if
+    /// the provider required `FI_MR_LOCAL`.
+    pub test_force_mr_local: bool,
 }
 
 /// Fabric completion queues have no wait object here, so a loop that owns
@@ -248,6 +256,8 @@ impl Default for Fabric {
             rx_depth: 0,
             max_frame: 1 << 20,
             polling: Polling::default(),
+            test_force_prefix: 0,
+            test_force_mr_local: false,
         }
     }
 }
@@ -463,6 +473,12 @@ impl Config {
                 )
             })?;
         }
+        if self.fabric.test_force_prefix % 8 != 0 || self.fabric.test_force_prefix > 4096 {
+            return Err(invalid(
+                "fabric.test_force_prefix",
+                "must be a multiple of 8 no larger than 4096, as libfabric's prefixes are".into(),
+            ));
+        }
         if self.negotiation.preference.is_empty() {
             return Err(invalid(
                 "negotiation.preference",
@@ -553,6 +569,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("listen[0]"), "{err}");
+        let err = Config::from_toml_str("[fabric]\ntest_force_prefix = 12\n", "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fabric.test_force_prefix"), "{err}");
     }
 
     #[test]

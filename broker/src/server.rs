@@ -547,6 +547,13 @@ pub(crate) fn endpoint_options(
     if fabric.rx_depth > 0 {
         options.push(("rx_depth".to_string(), fabric.rx_depth.to_string()));
     }
+    if fabric.test_force_prefix > 0 {
+        let prefix = fabric.test_force_prefix.to_string();
+        options.push(("force_prefix".to_string(), prefix));
+    }
+    if fabric.test_force_mr_local {
+        options.push(("force_mr_local".to_string(), "true".to_string()));
+    }
     options
 }
 
@@ -1224,7 +1231,7 @@ impl EventLoop {
             return;
         };
         if session.queue.is_empty() {
-            match transmit(&mut self.endpoints, session, frame) {
+            match transmit(&mut self.endpoints, &self.shared.stats, session, frame) {
                 Transmit::Done => return,
                 Transmit::Blocked(frame) => {
                     session.queued_bytes += frame.len();
@@ -1293,7 +1300,12 @@ impl EventLoop {
         };
         while let Some(queued) = session.queue.pop_front() {
             let len = queued.frame.len();
-            match transmit(&mut self.endpoints, session, queued.frame) {
+            match transmit(
+                &mut self.endpoints,
+                &self.shared.stats,
+                session,
+                queued.frame,
+            ) {
                 Transmit::Done => session.queued_bytes -= len,
                 Transmit::Blocked(frame) => {
                     session.queue.push_front(Queued {
@@ -1478,6 +1490,7 @@ impl EventLoop {
                 link.poll(now, &mut released);
             }
             for frame in released.drain(..) {
+                BrokerStats::add(&self.shared.stats.fabric_frames_in, 1);
                 self.on_frame(id, frame);
             }
         }
@@ -1529,12 +1542,17 @@ enum Transmit {
 /// its closing event follows.
 fn transmit(
     endpoints: &mut [Box<dyn Endpoint>],
+    stats: &BrokerStats,
     session: &mut Session,
     frame: OutFrame,
 ) -> Transmit {
     if let Some(link) = session.reliable.as_mut().filter(|_| session.switched) {
         return match link.send(endpoints[link.endpoint].as_mut(), frame) {
-            Ok(Sent::Accepted | Sent::Dropped) => Transmit::Done,
+            Ok(Sent::Accepted) => {
+                BrokerStats::add(&stats.fabric_frames_out, 1);
+                Transmit::Done
+            }
+            Ok(Sent::Dropped) => Transmit::Done,
             Ok(Sent::Blocked(frame)) => Transmit::Blocked(frame),
             Err(reason) => {
                 warn!(remote = %session.remote, %reason, "data link send failed");
