@@ -31,6 +31,7 @@ use crate::config::SlowConsumerPolicy;
 use crate::datapath::{self, DataLink, Sent};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::error::Error;
+use crate::inbox::LoopInbox;
 
 const WAKER: Token = Token(0);
 const ENDPOINT: Token = Token(1);
@@ -200,9 +201,7 @@ struct ClientSub {
 struct ClientShared {
     server: String,
     options: ClientOptions,
-    commands: Sender<Command>,
-    waker: Waker,
-    loop_parked: AtomicBool,
+    inbox: LoopInbox<Command>,
     shutdown: AtomicBool,
     subscriptions: Mutex<HashMap<u64, ClientSub>>,
     next_sid: AtomicU64,
@@ -219,32 +218,11 @@ struct ClientShared {
 }
 
 impl ClientShared {
-    fn wake_loop(&self) {
-        if self.loop_parked.swap(false, Ordering::SeqCst) {
-            let _ = self.waker.wake();
-        }
-    }
-
     fn send_command(&self, command: Command) -> Result<(), Error> {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        let result = match self.commands.try_send(command) {
-            Ok(()) => Ok(()),
-            Err(crossbeam_channel::TrySendError::Full(command)) => {
-                self.wake_loop();
-                let timeout = self.options.block_timeout;
-                self.commands
-                    .send_timeout(command, timeout)
-                    .map_err(|err| match err {
-                        crossbeam_channel::SendTimeoutError::Timeout(_) => Error::Blocked(timeout),
-                        crossbeam_channel::SendTimeoutError::Disconnected(_) => Error::Closed,
-                    })
-            }
-            Err(crossbeam_channel::TrySendError::Disconnected(_)) => Err(Error::Closed),
-        };
-        self.wake_loop();
-        result
+        self.inbox.send(command, self.options.block_timeout)
     }
 
     fn set_state(&self, state: ConnectionState) {
@@ -355,7 +333,7 @@ impl Client {
                 }
             }
         }
-        let (commands, command_rx) = crossbeam_channel::bounded(65_536);
+        let (inbox, command_rx) = LoopInbox::new(waker, 65_536);
         let connect_timeout = options.connect_timeout;
         let shared = Arc::new(ClientShared {
             server: endpoint.to_string(),
@@ -363,9 +341,7 @@ impl Client {
             inbox_sid: Mutex::new(None),
             replies: Mutex::new(HashMap::new()),
             options,
-            commands,
-            waker,
-            loop_parked: AtomicBool::new(false),
+            inbox,
             shutdown: AtomicBool::new(false),
             subscriptions: Mutex::new(HashMap::new()),
             next_sid: AtomicU64::new(1),
@@ -616,7 +592,7 @@ impl Client {
             let _ = self.flush(Duration::from_secs(1));
         }
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        let _ = self.shared.waker.wake();
+        self.shared.inbox.wake();
         if let Some(thread) = self.thread.lock().take() {
             if thread.join().is_err() {
                 warn!("client thread panicked");
@@ -761,13 +737,7 @@ impl ClientLoop {
                 let polling = &self.shared.options.fabric.polling;
                 timeout = timeout.min(crate::server::backoff(idle, polling));
             }
-            // Announce the sleep, then look at the queue once more: a full
-            // fence between the two pairs with the sender's swap, so either
-            // the sender sees the flag or we see its command.
-            self.shared.loop_parked.store(true, Ordering::SeqCst);
-            std::sync::atomic::fence(Ordering::SeqCst);
-            if !self.commands.is_empty() {
-                self.shared.loop_parked.store(false, Ordering::Release);
+            if !self.shared.inbox.park(&self.commands) {
                 continue;
             }
             if let Err(err) = crate::server::wait(&mut self.poll, &mut mio_events, timeout) {
@@ -775,7 +745,7 @@ impl ClientLoop {
                     warn!(error = %err, "client poll failed");
                 }
             }
-            self.shared.loop_parked.store(false, Ordering::Release);
+            self.shared.inbox.unpark();
         }
         self.close();
     }

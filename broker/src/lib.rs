@@ -32,6 +32,7 @@ pub mod config;
 mod datapath;
 mod delivery;
 pub mod error;
+mod inbox;
 mod router;
 pub mod server;
 

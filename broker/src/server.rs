@@ -39,6 +39,7 @@ use crate::config::{Config, SlowConsumerPolicy};
 use crate::datapath::{self, DataLink, Sent};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::error::Error;
+use crate::inbox::LoopInbox;
 use crate::router::{Router, SubRef, Targets, LOCAL_OWNER};
 
 const WAKER: Token = Token(0);
@@ -113,10 +114,7 @@ pub(crate) struct Shared {
     subject_limits: SubjectLimits,
     router: RwLock<Router>,
     next_sid: AtomicU64,
-    commands: Sender<Command>,
-    waker: Waker,
-    /// Set by the loop before it sleeps, so senders wake it only then.
-    loop_parked: AtomicBool,
+    inbox: LoopInbox<Command>,
     shutdown: AtomicBool,
     stats: BrokerStats,
     inbox_prefix: String,
@@ -124,34 +122,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    fn wake_loop(&self) {
-        if self.loop_parked.swap(false, Ordering::SeqCst) {
-            // A failed wake means the loop is gone; the command stays
-            // queued and is dropped with it at shutdown.
-            let _ = self.waker.wake();
-        }
-    }
-
     fn send_command(&self, command: Command) -> Result<(), Error> {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        let timeout = self.config.block_timeout();
-        let result = match self.commands.try_send(command) {
-            Ok(()) => Ok(()),
-            Err(crossbeam_channel::TrySendError::Full(command)) => {
-                self.wake_loop();
-                self.commands
-                    .send_timeout(command, timeout)
-                    .map_err(|err| match err {
-                        crossbeam_channel::SendTimeoutError::Timeout(_) => Error::Blocked(timeout),
-                        crossbeam_channel::SendTimeoutError::Disconnected(_) => Error::Closed,
-                    })
-            }
-            Err(crossbeam_channel::TrySendError::Disconnected(_)) => Err(Error::Closed),
-        };
-        self.wake_loop();
-        result
+        self.inbox.send(command, self.config.block_timeout())
     }
 }
 
@@ -256,7 +231,7 @@ impl Broker {
             }
             endpoints.push(endpoint);
         }
-        let (commands, command_rx) = crossbeam_channel::bounded(COMMAND_QUEUE);
+        let (inbox, command_rx) = LoopInbox::new(waker, COMMAND_QUEUE);
         let subject_limits = SubjectLimits {
             max_len: config.limits.max_subject_len,
             max_tokens: config.limits.max_subject_tokens,
@@ -266,9 +241,7 @@ impl Broker {
             config,
             router: RwLock::new(Router::new(subject_limits)),
             next_sid: AtomicU64::new(1),
-            commands,
-            waker,
-            loop_parked: AtomicBool::new(false),
+            inbox,
             shutdown: AtomicBool::new(false),
             stats: BrokerStats::default(),
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
@@ -473,7 +446,7 @@ impl Broker {
     /// time), say goodbye to every peer and stop the loop.
     pub fn shutdown(&self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        let _ = self.shared.waker.wake();
+        self.shared.inbox.wake();
         if let Some(thread) = self.thread.lock().take() {
             if thread.join().is_err() {
                 warn!("broker event loop panicked");
@@ -732,13 +705,7 @@ impl EventLoop {
             if self.must_poll {
                 timeout = timeout.min(backoff(idle_spins, &self.shared.config.fabric.polling));
             }
-            // Announce the sleep, then look at the queue once more: a full
-            // fence between the two pairs with the sender's swap, so either
-            // the sender sees the flag or we see its command.
-            self.shared.loop_parked.store(true, Ordering::SeqCst);
-            std::sync::atomic::fence(Ordering::SeqCst);
-            if !self.commands.is_empty() {
-                self.shared.loop_parked.store(false, Ordering::Release);
+            if !self.shared.inbox.park(&self.commands) {
                 continue;
             }
             if let Err(err) = wait(&mut self.poll, &mut mio_events, timeout) {
@@ -746,7 +713,7 @@ impl EventLoop {
                     warn!(error = %err, "poll failed");
                 }
             }
-            self.shared.loop_parked.store(false, Ordering::Release);
+            self.shared.inbox.unpark();
         }
         self.shutdown(&mut events);
     }
