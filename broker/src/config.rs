@@ -254,7 +254,8 @@ impl Default for Fabric {
             domain: String::new(),
             node: String::new(),
             rx_depth: 0,
-            max_frame: 1 << 20,
+            // A payload at the default limit and its header fit one message.
+            max_frame: (1 << 20) + 4096,
             polling: Polling::default(),
             test_force_prefix: 0,
             test_force_mr_local: false,
