@@ -1,0 +1,128 @@
+//! The frame decoder on arbitrary bytes: it never panics, and whatever it
+//! accepts encodes again, no longer than it came, into a frame that decodes
+//! to the same value.
+//!
+//! The first input byte picks the mode: raw bytes, or one of a set of valid
+//! frames with bytes overwritten (3 input bytes per edit: position, value)
+//! and its length prefix fixed, which gets mutants past the length check
+//! into the frame bodies.
+
+#![no_main]
+
+use std::sync::OnceLock;
+
+use bytes::Bytes;
+use efabus_core::codec::{self, CodecLimits};
+use efabus_core::frame::{
+    Credit, DeliveryClass, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Message, Publish,
+    Subscribe,
+};
+use libfuzzer_sys::fuzz_target;
+
+fn bases() -> &'static [Vec<u8>] {
+    static BASES: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
+    BASES.get_or_init(|| {
+        let frames = [
+            Frame::Publish(Publish {
+                subject: "orders.eu.new".into(),
+                reply: Some("_INBOX.1".into()),
+                seq: 7,
+                payload: Bytes::from_static(b"payload"),
+            }),
+            Frame::Message(Message {
+                sid: 3,
+                subject: "a.b".into(),
+                reply: None,
+                seq: 1,
+                payload: Bytes::from_static(b"xyz"),
+            }),
+            Frame::Fragment(Fragment {
+                msg_id: 9,
+                index: 1,
+                count: 3,
+                total_len: 40,
+                data: Bytes::from_static(b"0123456789"),
+            }),
+            Frame::Credit(Credit {
+                messages: 10,
+                bytes: 4096,
+                ack_seq: 5,
+            }),
+            Frame::Subscribe(Subscribe {
+                sid: 4,
+                pattern: "metrics.>".into(),
+                queue: Some("workers".into()),
+                class: DeliveryClass::BestEffort,
+            }),
+            Frame::Unsubscribe { sid: 4 },
+            Frame::Ping { nonce: 11 },
+            Frame::Error(ErrorFrame {
+                code: ErrorCode::InvalidSubject,
+                text: "bad".into(),
+                fatal: false,
+            }),
+            Frame::Goodbye(Goodbye {
+                reason: "bye".into(),
+            }),
+        ];
+        frames
+            .iter()
+            .map(|f| codec::encode(f).to_bytes().to_vec())
+            .collect()
+    })
+}
+
+fn mutate(base: &[u8], edits: &[u8]) -> Vec<u8> {
+    let mut frame = base.to_vec();
+    let mut edits = edits.chunks_exact(3);
+    if let Some(first) = edits.next() {
+        let len = u16::from_le_bytes([first[0], first[1]]) as usize;
+        if first[2] & 1 == 1 && len >= 5 {
+            frame.resize(len.min(base.len() * 2), first[2]);
+        }
+    }
+    for edit in edits {
+        let at = u16::from_le_bytes([edit[0], edit[1]]) as usize;
+        if let Some(byte) = frame.get_mut(at.max(4)) {
+            *byte = edit[2];
+        }
+    }
+    if frame.len() >= 4 {
+        let declared = (frame.len() - 4) as u32;
+        frame[..4].copy_from_slice(&declared.to_le_bytes());
+    }
+    frame
+}
+
+fuzz_target!(|data: &[u8]| {
+    let input = match data {
+        [mode, which, edits @ ..] if mode % 2 == 1 => {
+            let bases = bases();
+            mutate(&bases[usize::from(*which) % bases.len()], edits)
+        }
+        [_, rest @ ..] => rest.to_vec(),
+        [] => return,
+    };
+    let tight = CodecLimits {
+        max_frame: 1024,
+        max_subject_len: 16,
+    };
+    for limits in [CodecLimits::default(), tight] {
+        let Ok(frame) = codec::decode(Bytes::copy_from_slice(&input), &limits) else {
+            continue;
+        };
+        let out = codec::try_encode(&frame).expect("a decoded frame encodes");
+        assert_eq!(
+            codec::encoded_len(&frame).expect("a decoded frame has a length"),
+            out.len()
+        );
+        assert!(
+            out.len() <= input.len(),
+            "re-encoding grew the frame: {} > {}",
+            out.len(),
+            input.len()
+        );
+        let again = codec::decode(out.to_bytes(), &limits).expect("the re-encoded frame decodes");
+        assert_eq!(again, frame);
+    }
+});
