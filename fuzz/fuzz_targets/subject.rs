@@ -2,7 +2,8 @@
 //! matcher. Input: lines `pattern` or `pattern queue`, the last line being
 //! the subject to match. Nothing panics; validation agrees with insertion;
 //! the index (cached, uncached, and after removals) finds exactly the
-//! subscriptions the reference matcher says, one member per queue group.
+//! subscriptions the reference matcher says, one member per queue group
+//! (a group being a pattern and a queue name).
 
 #![no_main]
 
@@ -22,14 +23,18 @@ const LIMITS: SubjectLimits = SubjectLimits {
 
 fn expected(subs: &BTreeMap<SubRef, (String, Option<String>)>, subject: &str) -> Expect {
     let mut plain = BTreeSet::new();
-    let mut groups: BTreeMap<&str, BTreeSet<SubRef>> = BTreeMap::new();
+    // A group is its pattern and its queue name (see the index docs).
+    let mut groups: BTreeMap<(&str, &str), BTreeSet<SubRef>> = BTreeMap::new();
     for (key, (pattern, queue)) in subs {
         if !pattern_matches(pattern, subject) {
             continue;
         }
         match queue {
             Some(queue) => {
-                groups.entry(queue.as_str()).or_default().insert(*key);
+                groups
+                    .entry((pattern.as_str(), queue.as_str()))
+                    .or_default()
+                    .insert(*key);
             }
             None => {
                 plain.insert(*key);
