@@ -222,3 +222,48 @@ fn churn_does_not_lose_stable_messages_or_leak_memory() {
         "memory grew from round to round: {after_round:?} KiB"
     );
 }
+
+/// The memory goal: a broker with 1,000 idle connections holding 10,000
+/// subscriptions. Prints the broker's RSS; asserts the 64 MB bound.
+#[test]
+#[ignore = "measurement: opens 1,000 connections; run with scripts/soak"]
+fn thousand_idle_connections_with_ten_thousand_subscriptions() {
+    let server = Server::start("");
+    let baseline_kib = server.rss_kib();
+    let mut streams = Vec::new();
+    for c in 0..1000u64 {
+        let mut stream = std::net::TcpStream::connect(&server.address).unwrap();
+        let mut bytes = efabus::core::codec::encode(&efabus::core::frame::Frame::Hello(
+            efabus::core::frame::Hello {
+                version: efabus::core::frame::PROTOCOL_VERSION,
+                name: format!("idle-{c}"),
+                credentials: None,
+                offers: Vec::new(),
+            },
+        ))
+        .to_bytes()
+        .to_vec();
+        for s in 0..10u64 {
+            let subscribe = efabus::core::frame::Frame::Subscribe(efabus::core::frame::Subscribe {
+                sid: s + 1,
+                pattern: format!("idle.{c}.{s}.>"),
+                queue: None,
+                class: efabus::core::frame::DeliveryClass::Reliable,
+            });
+            bytes.extend_from_slice(&efabus::core::codec::encode(&subscribe).to_bytes());
+        }
+        std::io::Write::write_all(&mut stream, &bytes).unwrap();
+        streams.push(stream);
+    }
+    // Let the broker take in every hello and subscription.
+    let probe = Client::connect(&server.endpoint).unwrap();
+    probe.flush(Duration::from_secs(30)).unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let loaded_kib = server.rss_kib();
+    println!(
+        "idle: 1000 connections, 10000 subscriptions: broker RSS {loaded_kib} KiB \
+         (baseline {baseline_kib} KiB)"
+    );
+    assert!(loaded_kib < 64 * 1024, "{loaded_kib} KiB");
+    drop(streams);
+}

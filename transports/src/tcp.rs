@@ -249,6 +249,7 @@ impl Conn {
     fn read(&mut self, peer: PeerId, limits: &Limits, events: &mut Vec<Event>) -> Result<(), Gone> {
         let max_frame = limits.max_frame;
         let mut budget = limits.read_budget;
+        let mut read_now = 0;
         self.read_more = false;
         loop {
             if budget == 0 {
@@ -277,10 +278,19 @@ impl Conn {
                 }
                 Ok(n) => {
                     self.filled += n;
+                    read_now += n;
                     budget = budget.saturating_sub(n);
                     self.split_frames(peer, max_frame, events)?;
                 }
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
+                    // A quiet connection between frames gives its buffer
+                    // back, so thousands of idle peers cost little memory;
+                    // busy ones keep it.
+                    if self.filled == 0 && read_now < READ_CHUNK / 4 {
+                        self.rbuf = BytesMut::new();
+                    }
+                    return Ok(());
+                }
                 Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
                 Err(err) => return Err(Gone::Failed(describe(&err))),
             }
