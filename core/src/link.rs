@@ -384,7 +384,16 @@ pub struct LinkReceiver {
     stats: ReceiveStats,
     /// Lost marks released (the reorder buffer counts skipped gaps).
     marks_released: u64,
+    /// Lossy links: pieces seen far beyond the window, as (lowest, highest,
+    /// how many). One piece alone never moves the link that far.
+    far_ahead: Option<(u64, u64, u32)>,
 }
+
+/// On a lossy link, a piece this many windows beyond the next expected
+/// sequence needs corroboration before the receiver skips to it.
+const FAR_AHEAD_WINDOWS: u64 = 4;
+/// Pieces, close together, that corroborate a far jump.
+const FAR_AHEAD_VOTES: u32 = 3;
 
 impl LinkReceiver {
     /// A receiver for `config`. On sequenced links the reassembler
@@ -412,6 +421,7 @@ impl LinkReceiver {
             held_bytes: 0,
             stats: ReceiveStats::default(),
             marks_released: 0,
+            far_ahead: None,
         }
     }
 
@@ -507,6 +517,38 @@ impl LinkReceiver {
                 return Ok(());
             }
             let capacity = reorder.config().capacity;
+            if self.lossy {
+                // A corrupted sequence number would make the link skip far
+                // ahead and then drop every genuine frame as stale. A real
+                // jump (after a long loss) shows up as several pieces close
+                // together; a lone far piece is refused.
+                let window = capacity as u64;
+                if msg_id - expected_before >= window.saturating_mul(FAR_AHEAD_WINDOWS) {
+                    let votes = match self.far_ahead {
+                        Some((low, high, votes))
+                            if msg_id.saturating_add(window) >= low
+                                && msg_id <= high.saturating_add(window) =>
+                        {
+                            self.far_ahead = Some((low.min(msg_id), high.max(msg_id), votes + 1));
+                            votes + 1
+                        }
+                        _ => {
+                            self.far_ahead = Some((msg_id, msg_id, 1));
+                            1
+                        }
+                    };
+                    if votes < FAR_AHEAD_VOTES {
+                        self.stats.window_exceeded += 1;
+                        return Err(ReorderError::WindowExceeded {
+                            seq: msg_id,
+                            expected: expected_before,
+                            capacity,
+                        }
+                        .into());
+                    }
+                }
+                self.far_ahead = None;
+            }
             if !self.lossy && msg_id - expected_before >= capacity as u64 {
                 self.stats.window_exceeded += 1;
                 return Err(ReorderError::WindowExceeded {

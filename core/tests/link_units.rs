@@ -465,3 +465,51 @@ fn an_unbounded_frame_limit_is_capped_to_what_the_wire_can_express() {
         .unwrap();
     assert_eq!(out, vec![test_frame(1, 5000, 100).to_bytes()]);
 }
+
+/// A lossy link that really lost a long run (far beyond the window) still
+/// follows the sender once several pieces agree on the new position; a lone
+/// far piece (as a corrupted sequence number would be) is refused instead.
+#[test]
+fn lossy_link_follows_a_long_real_gap_but_not_a_lone_far_piece() {
+    let cfg = config(
+        1472,
+        true,
+        true,
+        8,
+        Duration::from_millis(100),
+        Duration::from_secs(1),
+    );
+    let mut tx = LinkSender::new(&cfg).expect("sender");
+    let mut rx = LinkReceiver::new(&cfg);
+    let now = Instant::now();
+    let mut wire = Vec::new();
+    for id in 0..200u64 {
+        tx.prepare(test_frame(id, 64, 64), &mut wire)
+            .expect("prepare");
+    }
+    assert_eq!(wire.len(), 200, "small frames: one piece each");
+    let mut out = Vec::new();
+    for piece in &wire[..3] {
+        rx.receive(now, piece.to_bytes(), &mut out)
+            .expect("in window");
+    }
+    // One piece far ahead alone is refused and moves nothing.
+    assert!(rx.receive(now, wire[120].to_bytes(), &mut out).is_err());
+    rx.receive(now, wire[3].to_bytes(), &mut out)
+        .expect("still in order");
+    assert_eq!(
+        out.iter().map(|f| frame_id(f)).collect::<Vec<_>>(),
+        [0, 1, 2, 3]
+    );
+    // Everything from 4 to 149 is lost; from 150 on the pieces agree.
+    out.clear();
+    for piece in &wire[150..] {
+        let _ = rx.receive(now, piece.to_bytes(), &mut out);
+    }
+    settle(&mut rx, now, &mut out);
+    let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
+    assert!(
+        ids.len() >= 45 && ids.windows(2).all(|w| w[0] < w[1]) && ids[ids.len() - 1] == 199,
+        "the link follows the sender after the gap: {ids:?}"
+    );
+}
