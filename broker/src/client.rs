@@ -150,6 +150,14 @@ impl ClientOptions {
     }
 }
 
+#[derive(Debug, Default)]
+struct LinkCounters {
+    fabric_in: AtomicU64,
+    control_in: AtomicU64,
+    fabric_out: AtomicU64,
+    best_effort_lost: AtomicU64,
+}
+
 /// Which paths carry a client's traffic, as negotiated in the last handshake.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LinkReport {
@@ -214,7 +222,10 @@ struct ClientShared {
     inbox_sid: Mutex<Option<u64>>,
     /// Requests waiting for a reply, by the token in their reply subject.
     replies: Mutex<HashMap<u64, Sender<Message>>>,
+    /// The negotiated paths (changes once per handshake).
     link: Mutex<LinkReport>,
+    /// Traffic counters, updated per frame without a lock.
+    counters: LinkCounters,
 }
 
 impl ClientShared {
@@ -350,6 +361,7 @@ impl Client {
             max_payload: AtomicU64::new(u64::MAX),
             reconnects: AtomicU64::new(0),
             link: Mutex::new(LinkReport::default()),
+            counters: LinkCounters::default(),
         });
         shared.link.lock().reasons = unavailable;
         let conn = ClientLoop::new(
@@ -409,7 +421,15 @@ impl Client {
 
     /// The paths negotiated for this connection and the traffic on them.
     pub fn link(&self) -> LinkReport {
-        self.shared.link.lock().clone()
+        let counters = &self.shared.counters;
+        let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        LinkReport {
+            fabric_frames_in: get(&counters.fabric_in),
+            control_frames_in: get(&counters.control_in),
+            fabric_frames_out: get(&counters.fabric_out),
+            best_effort_lost: get(&counters.best_effort_lost),
+            ..self.shared.link.lock().clone()
+        }
     }
 
     /// How many times the connection was re-established.
@@ -849,7 +869,10 @@ impl ClientLoop {
         match event {
             Event::Frame { peer, frame } if Some(peer) == current => {
                 self.last_heard = Instant::now();
-                self.shared.link.lock().control_frames_in += 1;
+                self.shared
+                    .counters
+                    .control_in
+                    .fetch_add(1, Ordering::Relaxed);
                 match codec::decode(frame, &self.codec) {
                     Ok(frame) => self.on_frame(peer, frame),
                     Err(err) => {
@@ -1068,7 +1091,10 @@ impl ClientLoop {
         if let Some(link) = &mut self.reliable {
             return match link.send(self.data[link.endpoint].as_mut(), frame) {
                 Ok(Sent::Accepted) => {
-                    self.shared.link.lock().fabric_frames_out += 1;
+                    self.shared
+                        .counters
+                        .fabric_out
+                        .fetch_add(1, Ordering::Relaxed);
                     Ok(())
                 }
                 Ok(Sent::Dropped) => Ok(()),
@@ -1170,7 +1196,11 @@ impl ClientLoop {
                 };
                 if !released.is_empty() {
                     self.last_heard = now;
-                    self.shared.link.lock().fabric_frames_in += released.len() as u64;
+                    let received = released.len() as u64;
+                    self.shared
+                        .counters
+                        .fabric_in
+                        .fetch_add(received, Ordering::Relaxed);
                 }
                 for bytes in released.drain(..) {
                     match codec::decode(bytes, &self.codec) {
@@ -1217,13 +1247,15 @@ impl ClientLoop {
         };
         let mut released = std::mem::take(&mut self.released);
         link.poll(now, &mut released);
-        {
-            let mut report = self.shared.link.lock();
-            report.best_effort_lost = link.lost();
-            // Frames held behind a gap the timeout gave up on arrived
-            // over the fabric too.
-            report.fabric_frames_in += released.len() as u64;
-        }
+        let counters = &self.shared.counters;
+        counters
+            .best_effort_lost
+            .store(link.lost(), Ordering::Relaxed);
+        // Frames held behind a gap the timeout gave up on arrived over the
+        // fabric too.
+        counters
+            .fabric_in
+            .fetch_add(released.len() as u64, Ordering::Relaxed);
         for bytes in released.drain(..) {
             if let Ok(frame) = codec::decode(bytes, &self.codec) {
                 self.on_frame(peer, frame);

@@ -291,91 +291,10 @@ pub struct Testing {
     pub faults: Option<Faults>,
 }
 
-/// Which frames injected faults touch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FaultSide {
-    /// Frames this side receives.
-    #[default]
-    Receive,
-    /// Frames this side sends.
-    Send,
-    Both,
-}
-
-/// Fault injection settings (TESTING AID: never use in production). Rates
-/// are per frame, from 0.0 to 1.0.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Faults {
-    /// Seed of the pseudo-random choices: the same seed replays the same faults.
-    pub seed: u64,
-    pub direction: FaultSide,
-    pub drop: f64,
-    pub duplicate: f64,
-    pub reorder: f64,
-    /// Later frames that overtake a reordered one.
-    pub reorder_span: u32,
-    pub delay: f64,
-    /// Longest delay, in polls of the endpoint.
-    pub max_delay_polls: u32,
-    pub corrupt: f64,
-    pub truncate: f64,
-    pub disconnect: f64,
-}
-
-impl Default for Faults {
-    fn default() -> Self {
-        Faults::from(&efabus_transports::fault::FaultConfig::default())
-    }
-}
-
-impl From<&efabus_transports::fault::FaultConfig> for Faults {
-    fn from(c: &efabus_transports::fault::FaultConfig) -> Faults {
-        use efabus_transports::fault::FaultDirection;
-        Faults {
-            seed: c.seed,
-            direction: match c.direction {
-                FaultDirection::Receive => FaultSide::Receive,
-                FaultDirection::Send => FaultSide::Send,
-                FaultDirection::Both => FaultSide::Both,
-            },
-            drop: c.drop,
-            duplicate: c.duplicate,
-            reorder: c.reorder,
-            reorder_span: c.reorder_span,
-            delay: c.delay,
-            max_delay_polls: c.max_delay_polls,
-            corrupt: c.corrupt,
-            truncate: c.truncate,
-            disconnect: c.disconnect,
-        }
-    }
-}
-
-impl Faults {
-    /// The injector's configuration.
-    pub fn fault_config(&self) -> efabus_transports::fault::FaultConfig {
-        use efabus_transports::fault::{FaultConfig, FaultDirection};
-        FaultConfig {
-            seed: self.seed,
-            direction: match self.direction {
-                FaultSide::Receive => FaultDirection::Receive,
-                FaultSide::Send => FaultDirection::Send,
-                FaultSide::Both => FaultDirection::Both,
-            },
-            drop: self.drop,
-            duplicate: self.duplicate,
-            reorder: self.reorder,
-            reorder_span: self.reorder_span,
-            delay: self.delay,
-            max_delay_polls: self.max_delay_polls,
-            corrupt: self.corrupt,
-            truncate: self.truncate,
-            disconnect: self.disconnect,
-        }
-    }
-}
+/// Fault injection settings (TESTING AID: never use in production): the
+/// injector's own configuration, read from `[testing.faults]`. Rates are per
+/// frame, from 0.0 to 1.0.
+pub type Faults = efabus_transports::fault::FaultConfig;
 
 impl Config {
     /// The built-in default (`config/default.toml`).
@@ -467,7 +386,7 @@ impl Config {
             ));
         }
         if let Some(faults) = &self.testing.faults {
-            faults.fault_config().validate().map_err(|err| {
+            faults.validate().map_err(|err| {
                 invalid(
                     "testing.faults",
                     err.to_string().replace("fault option fault_", ""),
@@ -584,7 +503,7 @@ mod tests {
             "f.toml",
         )
         .unwrap();
-        let faults = config.testing.faults.expect("table present").fault_config();
+        let faults = config.testing.faults.expect("table present");
         assert_eq!(faults.seed, 3);
         assert_eq!(faults.drop, 0.25);
         assert_eq!(

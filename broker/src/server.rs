@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use crossbeam_channel::{Receiver, Sender};
 use efabus_core::caps::{negotiate, Offer};
-use efabus_core::codec::{self, CodecLimits};
+use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::frame::{
     self, DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye, Welcome, PROTOCOL_VERSION,
 };
@@ -540,7 +540,7 @@ pub(crate) fn with_faults(
     let Some(faults) = faults else {
         return endpoint;
     };
-    let config = faults.fault_config().for_stream(index as u64);
+    let config = faults.for_stream(index as u64);
     warn!(
         scheme = endpoint.scheme(),
         ?config,
@@ -927,7 +927,7 @@ impl EventLoop {
                 self.fail(
                     id,
                     ErrorCode::Protocol,
-                    format!("expected hello, got {}", kind(&other)),
+                    format!("expected hello, got {}", FrameKind::of(&other)),
                 );
             }
             (SessionState::Ready, Frame::Publish(publish)) => self.on_publish(id, publish),
@@ -951,7 +951,7 @@ impl EventLoop {
                 self.fail(
                     id,
                     ErrorCode::Protocol,
-                    format!("unexpected {} frame", kind(&other)),
+                    format!("unexpected {} frame", FrameKind::of(&other)),
                 );
             }
         }
@@ -1566,23 +1566,6 @@ pub(crate) fn backoff(idle_rounds: u32, polling: &crate::config::Polling) -> Dur
         Duration::from_micros(50.min(polling.idle_sleep_us))
     } else {
         Duration::from_micros(polling.idle_sleep_us)
-    }
-}
-
-fn kind(frame: &Frame) -> &'static str {
-    match frame {
-        Frame::Hello(_) => "hello",
-        Frame::Welcome(_) => "welcome",
-        Frame::Subscribe(_) => "subscribe",
-        Frame::Unsubscribe { .. } => "unsubscribe",
-        Frame::Publish(_) => "publish",
-        Frame::Message(_) => "message",
-        Frame::Fragment(_) => "fragment",
-        Frame::Credit(_) => "credit",
-        Frame::Ping { .. } => "ping",
-        Frame::Pong { .. } => "pong",
-        Frame::Error(_) => "error",
-        Frame::Goodbye(_) => "goodbye",
     }
 }
 

@@ -59,6 +59,7 @@
 //!
 //! Every action is counted in [`FaultStats`].
 
+use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::sync::Arc;
 
@@ -81,7 +82,8 @@ pub const INJECTED_DISCONNECT: &str = "injected fault: disconnect";
 const PREFIX_LEN: usize = 4;
 
 /// Which frames a [`FaultyEndpoint`] touches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum FaultDirection {
     /// Frames the wrapped endpoint receives, before the caller sees them.
     #[default]
@@ -124,7 +126,8 @@ impl FaultDirection {
 /// What to inject, how often, and from which seed. Rates are probabilities
 /// per frame, from 0.0 (never) to 1.0 (every frame). The default injects
 /// nothing.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct FaultConfig {
     /// Seed of the pseudo-random streams (option `fault_seed`).
     pub seed: u64,
