@@ -390,8 +390,12 @@ pub struct LinkReceiver {
 }
 
 /// On a lossy link, a piece this many windows beyond the next expected
-/// sequence needs corroboration before the receiver skips to it.
+/// sequence, and at least [`FAR_AHEAD_MIN`] beyond it, needs corroboration
+/// before the receiver skips to it.
 const FAR_AHEAD_WINDOWS: u64 = 4;
+/// The least distance that counts as far: with a small window, ordinary
+/// loss bursts must not be mistaken for corruption.
+const FAR_AHEAD_MIN: u64 = 1024;
 /// Pieces, close together, that corroborate a far jump.
 const FAR_AHEAD_VOTES: u32 = 3;
 
@@ -523,7 +527,8 @@ impl LinkReceiver {
                 // jump (after a long loss) shows up as several pieces close
                 // together; a lone far piece is refused.
                 let window = capacity as u64;
-                if msg_id - expected_before >= window.saturating_mul(FAR_AHEAD_WINDOWS) {
+                let far = window.saturating_mul(FAR_AHEAD_WINDOWS).max(FAR_AHEAD_MIN);
+                if msg_id - expected_before >= far {
                     let votes = match self.far_ahead {
                         Some((low, high, votes))
                             if msg_id.saturating_add(window) >= low

@@ -483,33 +483,33 @@ fn lossy_link_follows_a_long_real_gap_but_not_a_lone_far_piece() {
     let mut rx = LinkReceiver::new(&cfg);
     let now = Instant::now();
     let mut wire = Vec::new();
-    for id in 0..200u64 {
+    for id in 0..1400u64 {
         tx.prepare(test_frame(id, 64, 64), &mut wire)
             .expect("prepare");
     }
-    assert_eq!(wire.len(), 200, "small frames: one piece each");
+    assert_eq!(wire.len(), 1400, "small frames: one piece each");
     let mut out = Vec::new();
     for piece in &wire[..3] {
         rx.receive(now, piece.to_bytes(), &mut out)
             .expect("in window");
     }
     // One piece far ahead alone is refused and moves nothing.
-    assert!(rx.receive(now, wire[120].to_bytes(), &mut out).is_err());
+    assert!(rx.receive(now, wire[1200].to_bytes(), &mut out).is_err());
     rx.receive(now, wire[3].to_bytes(), &mut out)
         .expect("still in order");
     assert_eq!(
         out.iter().map(|f| frame_id(f)).collect::<Vec<_>>(),
         [0, 1, 2, 3]
     );
-    // Everything from 4 to 149 is lost; from 150 on the pieces agree.
+    // Everything from 4 to 1349 is lost; from 1350 on the pieces agree.
     out.clear();
-    for piece in &wire[150..] {
+    for piece in &wire[1350..] {
         let _ = rx.receive(now, piece.to_bytes(), &mut out);
     }
     settle(&mut rx, now, &mut out);
     let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
     assert!(
-        ids.len() >= 45 && ids.windows(2).all(|w| w[0] < w[1]) && ids[ids.len() - 1] == 199,
+        ids.len() >= 45 && ids.windows(2).all(|w| w[0] < w[1]) && ids[ids.len() - 1] == 1399,
         "the link follows the sender after the gap: {ids:?}"
     );
 }
