@@ -156,6 +156,7 @@ struct LinkCounters {
     control_in: AtomicU64,
     fabric_out: AtomicU64,
     best_effort_lost: AtomicU64,
+    credit_waits: AtomicU64,
 }
 
 /// Which paths carry a client's traffic, as negotiated in the last handshake.
@@ -175,6 +176,9 @@ pub struct LinkReport {
     pub fabric_frames_out: u64,
     /// Best-effort messages the datagram link gave up on (gaps, expiries).
     pub best_effort_lost: u64,
+    /// Sends that found the broker's credit window full on the reliable
+    /// fabric data link (the frame waited in the client).
+    pub credit_waits: u64,
 }
 
 /// Connection state, readable by application threads.
@@ -428,6 +432,7 @@ impl Client {
             control_frames_in: get(&counters.control_in),
             fabric_frames_out: get(&counters.fabric_out),
             best_effort_lost: get(&counters.best_effort_lost),
+            credit_waits: get(&counters.credit_waits),
             ..self.shared.link.lock().clone()
         }
     }
@@ -747,6 +752,7 @@ impl ClientLoop {
                 }
             }
             busy |= self.drain_commands();
+            self.grant_credits(now);
             if busy {
                 idle = 0;
                 continue;
@@ -1089,7 +1095,12 @@ impl ClientLoop {
     /// back; other failures drop it (the link's closing event follows).
     fn transmit(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), OutFrame> {
         if let Some(link) = &mut self.reliable {
-            return match link.send(self.data[link.endpoint].as_mut(), frame) {
+            let sent = link.send(self.data[link.endpoint].as_mut(), frame);
+            self.shared
+                .counters
+                .credit_waits
+                .fetch_add(link.take_credit_waits(), Ordering::Relaxed);
+            return match sent {
                 Ok(Sent::Accepted) => {
                     self.shared
                         .counters
@@ -1209,6 +1220,10 @@ impl ClientLoop {
                     }
                 }
                 self.released = released;
+                if !self.pending.is_empty() {
+                    // The message may have been a credit opening the window.
+                    self.flush_pending();
+                }
                 if let Err(err) = result {
                     if reliable {
                         warn!(error = %err, "reliable data link broken; reconnecting");
@@ -1234,6 +1249,18 @@ impl ClientLoop {
                 }
             }
             Event::Accepted { .. } => {}
+        }
+    }
+
+    /// Tell the broker how far this side has taken its data links.
+    fn grant_credits(&mut self, now: Instant) {
+        for link in [&mut self.reliable, &mut self.best_effort]
+            .into_iter()
+            .flatten()
+        {
+            if link.owes_credit() {
+                link.send_credit(self.data[link.endpoint].as_mut(), now, false);
+            }
         }
     }
 

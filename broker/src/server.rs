@@ -66,6 +66,10 @@ pub struct BrokerStats {
     pub fabric_frames_out: AtomicU64,
     /// Best-effort messages the datagram link could not take.
     pub best_effort_drops: AtomicU64,
+    /// Sends to data links that found the peer's credit window full (the
+    /// frame waited, or on a datagram link was dropped and counted in
+    /// `best_effort_drops`).
+    pub credit_waits: AtomicU64,
 }
 
 impl BrokerStats {
@@ -94,6 +98,7 @@ impl BrokerStats {
             ("fabric_frames_in", get(&self.fabric_frames_in)),
             ("fabric_frames_out", get(&self.fabric_frames_out)),
             ("best_effort_drops", get(&self.best_effort_drops)),
+            ("credit_waits", get(&self.credit_waits)),
         ]
     }
 }
@@ -637,6 +642,8 @@ struct EventLoop {
     tuning: LinkTuning,
     /// Scratch space for frames released by the link layer.
     released: Vec<Bytes>,
+    /// Sessions whose data links owe the peer a credit.
+    credit_owed: HashSet<u64>,
 }
 
 impl EventLoop {
@@ -671,6 +678,7 @@ impl EventLoop {
             offers,
             tuning: LinkTuning::default(),
             released: Vec::new(),
+            credit_owed: HashSet::default(),
         }
     }
 
@@ -686,6 +694,9 @@ impl EventLoop {
         let mut next_tick = Instant::now() + tick;
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
+            if !self.credit_owed.is_empty() {
+                self.grant_credits(Instant::now());
+            }
             if busy {
                 idle_spins = 0;
             } else {
@@ -887,11 +898,16 @@ impl EventLoop {
             }
             _ => (Ok(()), false),
         };
+        self.credit_owed.insert(id);
         for frame in released.drain(..) {
             BrokerStats::add(&self.shared.stats.fabric_frames_in, 1);
             self.on_frame(id, frame);
         }
         self.released = released;
+        if self.sessions.get(&id).is_some_and(|s| !s.queue.is_empty()) {
+            // The message may have been a credit opening the window.
+            self.flush_session(id);
+        }
         if let Err(err) = result {
             if reliable {
                 BrokerStats::add(&self.shared.stats.bad_frames, 1);
@@ -1176,7 +1192,9 @@ impl EventLoop {
         if let (Some(DeliveryClass::BestEffort), Some(link)) = (class, session.best_effort.as_mut())
         {
             let endpoint = self.endpoints[link.endpoint].as_mut();
-            match link.send(endpoint, frame) {
+            let sent = link.send(endpoint, frame);
+            BrokerStats::add(&self.shared.stats.credit_waits, link.take_credit_waits());
+            match sent {
                 Ok(Sent::Accepted) => BrokerStats::add(&self.shared.stats.fabric_frames_out, 1),
                 Ok(Sent::Dropped | Sent::Blocked(_)) => {
                     BrokerStats::add(&self.shared.stats.best_effort_drops, 1);
@@ -1228,8 +1246,6 @@ impl EventLoop {
             SlowConsumerPolicy::Disconnect => {
                 BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
                 warn!(session = id, remote = %session.remote, "slow consumer disconnected");
-                session.queue.clear();
-                session.queued_bytes = 0;
                 self.fail(
                     id,
                     ErrorCode::SlowConsumer,
@@ -1244,6 +1260,31 @@ impl EventLoop {
                 self.set_reads_paused(true);
             }
         }
+    }
+
+    /// Send the credits that are due. While publishers are held back under
+    /// the block policy, their data links get none: the credit window then
+    /// stops them as a paused socket stops TCP publishers.
+    fn grant_credits(&mut self, now: Instant) {
+        let mut owed = std::mem::take(&mut self.credit_owed);
+        owed.retain(|id| {
+            let Some(session) = self.sessions.get_mut(id) else {
+                return false;
+            };
+            let held = self.reads_paused && !self.blocking.contains(id);
+            let mut still_owed = false;
+            for link in [&mut session.reliable, &mut session.best_effort]
+                .into_iter()
+                .flatten()
+            {
+                if !held {
+                    link.send_credit(self.endpoints[link.endpoint].as_mut(), now, false);
+                }
+                still_owed |= link.owes_credit();
+            }
+            still_owed
+        });
+        self.credit_owed = owed;
     }
 
     fn set_reads_paused(&mut self, paused: bool) {
@@ -1319,7 +1360,18 @@ impl EventLoop {
             text,
             fatal: true,
         }));
-        self.send(id, frame, false);
+        if code == ErrorCode::SlowConsumer {
+            // A slow consumer's queue would never drain: drop it and say why
+            // on the control link, where nothing waits for the peer's
+            // credit, then close at once.
+            if let Some(session) = self.sessions.get_mut(&id) {
+                session.queue.clear();
+                session.queued_bytes = 0;
+                let _ = self.endpoints[session.endpoint].send(session.peer, frame);
+            }
+        } else {
+            self.send(id, frame, false);
+        }
         self.close_session(id);
     }
 
@@ -1419,10 +1471,8 @@ impl EventLoop {
         }
         for id in slow {
             BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
-            if let Some(session) = self.sessions.get_mut(&id) {
+            if let Some(session) = self.sessions.get(&id) {
                 warn!(session = id, remote = %session.remote, "slow consumer blocked publishers too long; disconnected");
-                session.queue.clear();
-                session.queued_bytes = 0;
             }
             self.fail(
                 id,
@@ -1514,7 +1564,9 @@ fn transmit(
     frame: OutFrame,
 ) -> Transmit {
     if let Some(link) = session.reliable.as_mut().filter(|_| session.switched) {
-        return match link.send(endpoints[link.endpoint].as_mut(), frame) {
+        let sent = link.send(endpoints[link.endpoint].as_mut(), frame);
+        BrokerStats::add(&stats.credit_waits, link.take_credit_waits());
+        return match sent {
             Ok(Sent::Accepted) => {
                 BrokerStats::add(&stats.fabric_frames_out, 1);
                 Transmit::Done

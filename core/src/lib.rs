@@ -12,10 +12,13 @@
 //! - [`fragment`] and [`reorder`]: link logic for small-MTU and unordered links.
 //! - [`link`]: the link layer built on them: what a session sends and
 //!   receives over endpoints that reorder, limit message size or lose messages.
+//! - [`credit`]: credit-based flow control keeping a link's sender within
+//!   the receiver's posted buffers and memory.
 //! - [`transport`]: the `Transport` and `Endpoint` traits every transport implements.
 
 pub mod caps;
 pub mod codec;
+pub mod credit;
 pub mod fragment;
 pub mod frame;
 pub mod index;

@@ -36,7 +36,7 @@
 //! gaps are waited for ([`GapPolicy::Wait`]) and partial messages are kept.
 //! Memory stays bounded because a piece whose sequence is beyond the reorder
 //! window is refused with [`LinkError::Reorder`] before anything is stored
-//! (the session's credit window must keep the sender within it), and
+//! (the credit window of [`crate::credit`] keeps the sender within it), and
 //! running out of reassembly budget is an error too: either means the link
 //! is broken.
 //!
@@ -81,8 +81,8 @@ pub struct LinkTuning {
     /// How long a frame waits for an earlier missing one on a lossy,
     /// sequenced link before that one is given up.
     pub gap_timeout: Duration,
-    /// Width of the reorder window in sequences; the session's credit
-    /// window must keep the sender within it.
+    /// Width of the reorder window in sequences; the link's credit window
+    /// ([`crate::credit`]) keeps the sender within it.
     pub reorder_window: usize,
     /// Bounds of reassembly (memory, partial messages, largest frame,
     /// timeout on lossy links).
@@ -267,6 +267,17 @@ impl LinkSender {
     /// message id of the next fragmented frame otherwise).
     pub fn next_sequence(&self) -> u64 {
         self.fragmenter.next_msg_id()
+    }
+
+    /// How many wire frames [`Self::prepare`] makes of a frame of
+    /// `frame_len` bytes, and their total length.
+    pub fn wire_size(&self, frame_len: usize) -> (u32, u64) {
+        if !self.sequenced && !Fragmenter::needs_fragmenting(frame_len, self.frame_limit) {
+            return (1, frame_len as u64);
+        }
+        let pieces = frame_len.div_ceil(self.chunk).max(1);
+        let bytes = (frame_len + pieces * FRAGMENT_OVERHEAD) as u64;
+        (u32::try_from(pieces).unwrap_or(u32::MAX), bytes)
     }
 
     /// Append to `out` the wire frames that carry `frame` (one whole encoded

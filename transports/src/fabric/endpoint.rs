@@ -899,8 +899,14 @@ impl Endpoint for FabricEndpoint {
         Readiness::MustPoll
     }
 
+    /// The provider's attributes, with the queue sizes this endpoint really
+    /// uses (receives kept posted, sends in flight): the peer's credit
+    /// window is derived from them.
     fn info(&self) -> Option<efabus_core::caps::FabricInfo> {
-        Some(super::convert::to_fabric_info(&self.info_attrs()))
+        let mut info = super::convert::to_fabric_info(&self.info_attrs());
+        info.rx_attr.size = info.rx_attr.size.min(self.link.rx_depth as u64);
+        info.tx_attr.size = info.tx_attr.size.min(self.link.tx_depth as u64);
+        Some(info)
     }
 
     fn queued_bytes(&self, peer: PeerId) -> usize {
