@@ -3,7 +3,19 @@
 use clap::Parser;
 use efabus_broker::cli::{run, Cli};
 
+/// jemalloc gives freed memory back to the system within seconds (glibc's
+/// allocator keeps most of it mapped), so a broker's footprint falls back
+/// after a burst of peers or a slow consumer's backlog.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() {
+    // Background threads return freed pages on their own clock; without
+    // them jemalloc only does so while the process keeps allocating, so an
+    // idle broker would hold on to its peak.
+    if let Err(err) = tikv_jemalloc_ctl::background_thread::write(true) {
+        eprintln!("efabus: warning: jemalloc background threads unavailable: {err}");
+    }
     let cli = Cli::parse();
     if let Err(failure) = run(cli) {
         eprintln!("efabus: error: {}", failure.message);
