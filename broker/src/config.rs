@@ -208,7 +208,8 @@ pub struct Fabric {
     /// Node address to bind the fabric endpoints to (e.g. `127.0.0.1` for
     /// the socket providers); empty lets the provider choose.
     pub node: String,
-    /// Receive buffers posted per endpoint; 0 uses the provider's rx size.
+    /// Receive buffers posted per endpoint, capped by the provider's rx
+    /// size; 0 keeps the default of 256.
     pub rx_depth: usize,
     /// Largest frame carried in one fabric message on RDM, in bytes.
     pub max_frame: usize,
