@@ -47,9 +47,10 @@ const SPIN_ROUNDS: u32 = 7;
 /// that parks sooner makes every few messages cost the producer a system
 /// call, which slows it enough for the reader to park again.
 const YIELD_FOR: Duration = Duration::from_micros(50);
-/// A reader that finds fewer entries than this waits a little longer before
-/// looking again next time, and takes fewer, larger batches; each visit
-/// moves the lock's cache line away from the producer.
+/// A reader that finds more than one but fewer entries than this waits a
+/// little longer before looking again next time, and so takes fewer,
+/// larger batches: each visit moves the lock's cache lines away from the
+/// producer.
 const SMALL_BATCH: usize = 32;
 /// Most spin-loop hints a reader waits before looking for a new batch.
 const MAX_GAP: u32 = 64;
@@ -739,7 +740,11 @@ impl Subscription {
             if let Some((entry, count)) = self.take_batch(&mut local, &mut state) {
                 drop(state);
                 local.last_batch = Some(Instant::now());
-                local.gap = if count < good_batch {
+                // Several messages but not a full batch: a stream the reader
+                // outpaces, so wait longer next time. A full batch (the
+                // reader is behind) or a lone message (no stream, e.g. a
+                // request) waits less.
+                local.gap = if count > 1 && count < good_batch {
                     (local.gap * 2).clamp(1, MAX_GAP)
                 } else {
                     local.gap / 2
@@ -750,10 +755,13 @@ impl Subscription {
                 return Err(RecvError::Closed);
             }
             let at = wait_deadline(wait, &mut deadline)?;
-            drop(local);
             if !park {
                 continue;
             }
+            // Going idle: give back the buffers a burst left behind.
+            local.buf = VecDeque::new();
+            state.spare.clear();
+            drop(local);
             state.readers_waiting += 1;
             let timed_out = match at {
                 Some(at) => queue.ready.wait_until(&mut state, at).timed_out(),
