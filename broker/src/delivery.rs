@@ -149,10 +149,11 @@ impl Entry {
 
 /// The part of a queue behind its lock.
 struct State {
-    /// The entries, oldest first, in chunks of at most [`CHUNK`]; none is
-    /// empty.
-    chunks: VecDeque<VecDeque<Entry>>,
-    /// Entries in `chunks`.
+    /// The oldest entries, in full chunks of [`CHUNK`], oldest first.
+    full: VecDeque<VecDeque<Entry>>,
+    /// The newest entries, after those in `full`: the chunk being filled.
+    tail: VecDeque<Entry>,
+    /// Entries in `full` and `tail`.
     len: usize,
     spare: Vec<VecDeque<Entry>>,
     /// The subject of the newest entry, while later entries may refer to
@@ -178,45 +179,45 @@ impl State {
 
     #[inline]
     fn push(&mut self, entry: Entry) {
-        if self.chunks.back().is_none_or(|chunk| chunk.len() >= CHUNK) {
-            self.start_chunk();
+        if self.tail.len() >= CHUNK {
+            self.seal_tail();
         }
-        if let Some(chunk) = self.chunks.back_mut() {
-            chunk.push_back(entry);
-            self.len += 1;
-        }
+        self.tail.push_back(entry);
+        self.len += 1;
     }
 
-    /// Appends an empty chunk for new entries.
+    /// Moves the full tail chunk behind the older ones and starts a new
+    /// one. (A queue's first chunk grows with use, so that subscriptions
+    /// that see a message or two, such as request inboxes, stay small.)
     #[cold]
-    fn start_chunk(&mut self) {
-        // The last chunk is full: a backlog is building up.
-        let busy = !self.chunks.is_empty();
-        let mut chunk = match self.spare.pop() {
-            Some(chunk) => chunk,
-            // A queue's first chunk grows with use, so that subscriptions
-            // that see a message or two (request inboxes) stay small.
-            None if !busy => VecDeque::new(),
-            None => VecDeque::with_capacity(CHUNK),
-        };
-        if busy && chunk.capacity() >= CHUNK {
-            // Write every slot once, now. The reader read these cache lines
-            // last (or they are new): claiming them back in one burst costs
-            // far less than one stalled push per line.
-            chunk.extend(std::iter::repeat_with(|| Entry::Same(Bytes::new())).take(CHUNK));
-            chunk.clear();
-        }
-        self.chunks.push_back(chunk);
+    fn seal_tail(&mut self) {
+        let mut fresh = self
+            .spare
+            .pop()
+            .unwrap_or_else(|| VecDeque::with_capacity(CHUNK));
+        // A backlog is building up. Write every slot of the new chunk once,
+        // now: the reader read these cache lines last (or they are new),
+        // and claiming them back in one burst costs far less than one
+        // stalled push per line.
+        fresh.extend(std::iter::repeat_with(|| Entry::Same(Bytes::new())).take(CHUNK));
+        fresh.clear();
+        let sealed = std::mem::replace(&mut self.tail, fresh);
+        self.full.push_back(sealed);
     }
 
     fn pop_front(&mut self) -> Option<Entry> {
-        let chunk = self.chunks.front_mut()?;
-        let entry = chunk.pop_front();
-        if chunk.is_empty() {
-            if let Some(spent) = self.chunks.pop_front() {
-                self.recycle(spent);
+        let entry = match self.full.front_mut() {
+            Some(chunk) => {
+                let entry = chunk.pop_front();
+                if chunk.is_empty() {
+                    if let Some(spent) = self.full.pop_front() {
+                        self.recycle(spent);
+                    }
+                }
+                entry
             }
-        }
+            None => self.tail.pop_front(),
+        };
         if entry.is_some() {
             self.len -= 1;
         }
@@ -224,25 +225,40 @@ impl State {
     }
 
     fn front_mut(&mut self) -> Option<&mut Entry> {
-        self.chunks.front_mut().and_then(VecDeque::front_mut)
+        match self.full.front_mut() {
+            Some(chunk) => chunk.front_mut(),
+            None => self.tail.front_mut(),
+        }
     }
 
     /// Moves the oldest chunk into `buf` (which must be empty), or its
     /// first `limit` entries if it holds more; returns how many.
     fn take(&mut self, limit: usize, buf: &mut VecDeque<Entry>) -> usize {
-        let Some(chunk) = self.chunks.front_mut() else {
+        if self.len == 0 {
             return 0;
-        };
-        let count = if chunk.len() <= limit {
-            let count = chunk.len();
-            if let Some(chunk) = self.chunks.pop_front() {
-                let spent = std::mem::replace(buf, chunk);
-                self.recycle(spent);
+        }
+        let count = match self.full.front_mut() {
+            Some(chunk) if chunk.len() <= limit => {
+                let count = chunk.len();
+                if let Some(chunk) = self.full.pop_front() {
+                    let spent = std::mem::replace(buf, chunk);
+                    self.recycle(spent);
+                }
+                count
             }
-            count
-        } else {
-            buf.extend(chunk.drain(..limit));
-            limit
+            Some(chunk) => {
+                buf.extend(chunk.drain(..limit));
+                limit
+            }
+            None if self.tail.len() <= limit => {
+                // The reader's emptied buffer becomes the new tail.
+                std::mem::swap(buf, &mut self.tail);
+                buf.len()
+            }
+            None => {
+                buf.extend(self.tail.drain(..limit));
+                limit
+            }
         };
         self.len -= count;
         count
@@ -257,7 +273,8 @@ impl State {
     }
 
     fn clear(&mut self) {
-        self.chunks.clear();
+        self.full.clear();
+        self.tail.clear();
         self.spare.clear();
         self.len = 0;
         self.last_subject = None;
@@ -271,7 +288,7 @@ struct Handed(AtomicU64);
 
 struct Queue {
     state: Mutex<State>,
-    /// Whether `state.chunks` holds entries, for a spinning reader to watch
+    /// Whether the shared queue holds entries, for a spinning reader to watch
     /// without taking the lock. Written only when that changes, so a
     /// reader watching it does not take its cache line from the producer
     /// once per message.
@@ -343,7 +360,8 @@ impl LocalSink {
         // request inboxes stay cheap.
         let queue = Arc::new(Queue {
             state: Mutex::new(State {
-                chunks: VecDeque::new(),
+                full: VecDeque::new(),
+                tail: VecDeque::new(),
                 len: 0,
                 spare: Vec::new(),
                 last_subject: None,
