@@ -18,10 +18,12 @@
 //! reader's buffer, and `drop-oldest` discards the oldest messages the reader
 //! has not taken yet (the ones it has taken are already on their way out).
 //!
-//! A producer that keeps publishing one shared subject string stores it once;
-//! the following entries say "same subject", and the reader keeps its own
-//! copy of the string. Streaming on one subject therefore moves no reference
-//! count between threads per message.
+//! Entries are the payloads alone (32 bytes, two per cache line). Subjects
+//! and reply subjects travel beside them as marks, by sequence number: a
+//! subject mark only where the subject changes, a reply mark only for a
+//! request. A stream on one subject therefore queues no string at all, and
+//! a reader that keeps seeing one subject switches to its own copy of it, so
+//! the reference counting of the messages it hands out stays on its thread.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -54,6 +56,9 @@ const YIELD_FOR: Duration = Duration::from_micros(50);
 const SMALL_BATCH: usize = 32;
 /// Most spin-loop hints a reader waits before looking for a new batch.
 const MAX_GAP: u32 = 64;
+/// Messages in a row on one subject after which a reader switches to its
+/// own copy of the subject string.
+const OWN_SUBJECT_AFTER: u32 = 64;
 /// A reader that took its last batch less than this long ago is streaming:
 /// only then does it wait for a batch to gather. Otherwise (a request now
 /// and then) it takes what is there at once.
@@ -109,56 +114,36 @@ pub(crate) enum Delivery {
     Closed,
 }
 
-/// One queued message. Most messages of a stream have the subject of the
-/// message before them and no reply: they are queued as the payload alone,
-/// 32 bytes, so that a cache line carries two of them across threads.
-enum Entry {
-    /// The same subject as the entry before it, no reply.
-    Same(Bytes),
-    /// Anything else (rare in a stream).
-    Full(Box<FullEntry>),
-}
-
-struct FullEntry {
-    /// `None`: the same subject as the entry before it.
+/// What changes at one entry of the queue, besides its payload.
+struct Mark {
+    /// The entry's sequence number (see [`State::head_seq`]).
+    seq: u64,
+    /// The subject from this entry on.
     subject: Option<Arc<str>>,
+    /// This entry's reply subject.
     reply: Option<Arc<str>>,
-    payload: Bytes,
-}
-
-impl Entry {
-    /// Gives an entry that refers to the subject before it that subject.
-    fn set_subject(&mut self, subject: Arc<str>) {
-        match self {
-            Entry::Full(full) => {
-                if full.subject.is_none() {
-                    full.subject = Some(subject);
-                }
-            }
-            Entry::Same(payload) => {
-                let payload = std::mem::take(payload);
-                *self = Entry::Full(Box::new(FullEntry {
-                    subject: Some(subject),
-                    reply: None,
-                    payload,
-                }));
-            }
-        }
-    }
 }
 
 /// The part of a queue behind its lock.
 struct State {
-    /// The oldest entries, in full chunks of [`CHUNK`], oldest first.
-    full: VecDeque<VecDeque<Entry>>,
-    /// The newest entries, after those in `full`: the chunk being filled.
-    tail: VecDeque<Entry>,
+    /// The oldest payloads, in full chunks of [`CHUNK`], oldest first.
+    full: VecDeque<VecDeque<Bytes>>,
+    /// The newest payloads, after those in `full`: the chunk being filled.
+    tail: VecDeque<Bytes>,
     /// Entries in `full` and `tail`.
     len: usize,
-    spare: Vec<VecDeque<Entry>>,
-    /// The subject of the newest entry, while later entries may refer to
-    /// it. Holding it also keeps its address from being reused, so a
-    /// producer passing the same string can be recognised by address.
+    spare: Vec<VecDeque<Bytes>>,
+    /// Every entry has a sequence number, counted from 0 in push order;
+    /// this is the oldest one's still in the shared queue (taken or
+    /// discarded entries advance it).
+    head_seq: u64,
+    /// Subject and reply changes, oldest first: those of entries still in
+    /// the shared queue, and at most one subject mark left by discarded
+    /// entries (sequence number below `head_seq`).
+    marks: VecDeque<Mark>,
+    /// The subject of the newest entry. Holding it also keeps its address
+    /// from being reused, so a producer passing the same string again can
+    /// be recognised by address.
     last_subject: Option<Arc<str>>,
     /// Messages moved to the reader's buffer, in total.
     taken: u64,
@@ -178,11 +163,11 @@ impl State {
     }
 
     #[inline]
-    fn push(&mut self, entry: Entry) {
+    fn push(&mut self, payload: Bytes) {
         if self.tail.len() >= CHUNK {
             self.seal_tail();
         }
-        self.tail.push_back(entry);
+        self.tail.push_back(payload);
         self.len += 1;
     }
 
@@ -199,13 +184,13 @@ impl State {
         // now: the reader read these cache lines last (or they are new),
         // and claiming them back in one burst costs far less than one
         // stalled push per line.
-        fresh.extend(std::iter::repeat_with(|| Entry::Same(Bytes::new())).take(CHUNK));
+        fresh.extend(std::iter::repeat_with(Bytes::new).take(CHUNK));
         fresh.clear();
         let sealed = std::mem::replace(&mut self.tail, fresh);
         self.full.push_back(sealed);
     }
 
-    fn pop_front(&mut self) -> Option<Entry> {
+    fn pop_front(&mut self) -> Option<Bytes> {
         let entry = match self.full.front_mut() {
             Some(chunk) => {
                 let entry = chunk.pop_front();
@@ -220,20 +205,39 @@ impl State {
         };
         if entry.is_some() {
             self.len -= 1;
+            self.head_seq += 1;
         }
         entry
     }
 
-    fn front_mut(&mut self) -> Option<&mut Entry> {
-        match self.full.front_mut() {
-            Some(chunk) => chunk.front_mut(),
-            None => self.tail.front_mut(),
+    /// After entries were discarded: drops the marks of discarded entries,
+    /// keeping the subject they leave in force for the entries after them.
+    fn prune_marks(&mut self) {
+        let mut subject = None;
+        while let Some(mark) = self.marks.front() {
+            if mark.seq >= self.head_seq {
+                break;
+            }
+            if let Some(Mark {
+                subject: Some(changed),
+                ..
+            }) = self.marks.pop_front()
+            {
+                subject = Some(changed);
+            }
+        }
+        if let Some(subject) = subject {
+            self.marks.push_front(Mark {
+                seq: self.head_seq.saturating_sub(1),
+                subject: Some(subject),
+                reply: None,
+            });
         }
     }
 
     /// Moves the oldest chunk into `buf` (which must be empty), or its
     /// first `limit` entries if it holds more; returns how many.
-    fn take(&mut self, limit: usize, buf: &mut VecDeque<Entry>) -> usize {
+    fn take(&mut self, limit: usize, buf: &mut VecDeque<Bytes>) -> usize {
         if self.len == 0 {
             return 0;
         }
@@ -261,10 +265,11 @@ impl State {
             }
         };
         self.len -= count;
+        self.head_seq += count as u64;
         count
     }
 
-    fn recycle(&mut self, mut chunk: VecDeque<Entry>) {
+    fn recycle(&mut self, mut chunk: VecDeque<Bytes>) {
         chunk.clear();
         if self.spare.len() < SPARE_CHUNKS && chunk.capacity() > 0 && chunk.capacity() <= 2 * CHUNK
         {
@@ -276,6 +281,8 @@ impl State {
         self.full.clear();
         self.tail.clear();
         self.spare.clear();
+        self.marks.clear();
+        self.head_seq += self.len as u64;
         self.len = 0;
         self.last_subject = None;
     }
@@ -364,6 +371,8 @@ impl LocalSink {
                 tail: VecDeque::new(),
                 len: 0,
                 spare: Vec::new(),
+                head_seq: 0,
+                marks: VecDeque::new(),
                 last_subject: None,
                 taken: 0,
                 handed_seen: 0,
@@ -427,27 +436,23 @@ impl LocalSink {
             (Some(last), SubjectArg::Owned(owned)) => **last == **owned,
             (None, _) => false,
         };
-        let entry = match (same, reply) {
-            (true, None) => Entry::Same(payload),
-            (same, reply) => {
-                let subject = if same {
-                    None
-                } else {
-                    let subject = match subject {
-                        SubjectArg::Owned(owned) => owned,
-                        SubjectArg::Kept(kept) => kept.clone(),
-                    };
-                    state.last_subject = Some(subject.clone());
-                    Some(subject)
+        if !same || reply.is_some() {
+            let subject = (!same).then(|| {
+                let subject = match subject {
+                    SubjectArg::Owned(owned) => owned,
+                    SubjectArg::Kept(kept) => kept.clone(),
                 };
-                Entry::Full(Box::new(FullEntry {
-                    subject,
-                    reply,
-                    payload,
-                }))
-            }
-        };
-        state.push(entry);
+                state.last_subject = Some(subject.clone());
+                subject
+            });
+            let seq = state.head_seq + state.len as u64;
+            state.marks.push_back(Mark {
+                seq,
+                subject,
+                reply,
+            });
+        }
+        state.push(payload);
         if state.len == 1 {
             queue.waiting.store(true, Ordering::Relaxed);
         }
@@ -533,22 +538,14 @@ impl LocalSink {
     fn drop_oldest(&self, state: &mut State) -> u64 {
         let mut dropped = 0;
         while state.queued() >= self.capacity {
-            let Some(head) = state.pop_front() else {
+            if state.pop_front().is_none() {
                 // Everything is in the reader's buffer (only possible while
                 // it takes its first message of a batch): accept one more.
                 break;
-            };
-            if let Entry::Full(full) = head {
-                if let Some(subject) = full.subject {
-                    // Later entries may refer to this subject: pass it on.
-                    match state.front_mut() {
-                        Some(next) => next.set_subject(subject),
-                        None => state.last_subject = None,
-                    }
-                }
             }
             dropped += 1;
         }
+        state.prune_marks();
         bump(&self.stats.dropped, dropped);
         dropped
     }
@@ -576,11 +573,17 @@ pub(crate) trait Unsubscriber: Send + Sync {
     fn unsubscribe(&self, sid: u64);
 }
 
-/// The reader's side: its batch and its copy of the current subject.
+/// The reader's side: its batch and the current subject.
 struct Local {
-    buf: VecDeque<Entry>,
+    buf: VecDeque<Bytes>,
+    /// The sequence number of the first entry in `buf`.
+    next_seq: u64,
+    /// The marks of the entries in `buf` (and possibly one before them).
+    marks: VecDeque<Mark>,
     /// The subject of the last entry handed out.
     subject: Arc<str>,
+    /// Messages handed out on `subject` since it last changed.
+    run: u32,
     /// Messages handed to the application, in total.
     handed: u64,
     /// Spin-loop hints to wait, once the buffer is empty, before taking the
@@ -639,7 +642,10 @@ impl Subscription {
             queue: reader.queue,
             local: Mutex::new(Local {
                 buf: VecDeque::new(),
+                next_seq: 0,
+                marks: VecDeque::new(),
                 subject: Arc::from(""),
+                run: 0,
                 handed: 0,
                 gap: 0,
                 last_batch: None,
@@ -799,11 +805,22 @@ impl Subscription {
     /// reader's buffer and returns the first, already counted as handed out
     /// (so producers never see it as queued), with the batch's size. `None`
     /// if the queue is empty.
-    fn take_batch(&self, local: &mut Local, state: &mut State) -> Option<(Entry, usize)> {
+    fn take_batch(&self, local: &mut Local, state: &mut State) -> Option<(Bytes, usize)> {
         let queue = &*self.queue;
+        let first_seq = state.head_seq;
         let count = state.take(queue.batch, &mut local.buf);
         if count == 0 {
             return None;
+        }
+        local.next_seq = first_seq;
+        while state
+            .marks
+            .front()
+            .is_some_and(|mark| mark.seq < state.head_seq)
+        {
+            if let Some(mark) = state.marks.pop_front() {
+                local.marks.push_back(mark);
+            }
         }
         state.taken += count as u64;
         queue.waiting.store(state.len > 0, Ordering::Relaxed);
@@ -817,35 +834,36 @@ impl Subscription {
         Some((first, count))
     }
 
-    /// Turns an entry into the application's message.
+    /// Turns the next entry of the reader's buffer into the application's
+    /// message.
     #[inline(always)]
-    fn hand_out(&self, local: &mut Local, entry: Entry) -> Message {
-        match entry {
-            Entry::Same(payload) => Message {
-                subject: local.subject.clone(),
-                reply: None,
-                payload,
-            },
-            Entry::Full(full) => {
-                let FullEntry {
-                    subject,
-                    reply,
-                    payload,
-                } = *full;
-                if let Some(subject) = subject {
-                    // The reader keeps its own copy, so the reference
-                    // counting of the messages it hands out stays on this
-                    // thread.
+    fn hand_out(&self, local: &mut Local, payload: Bytes) -> Message {
+        let seq = local.next_seq;
+        local.next_seq += 1;
+        let mut reply = None;
+        while local.marks.front().is_some_and(|mark| mark.seq <= seq) {
+            if let Some(mark) = local.marks.pop_front() {
+                if let Some(subject) = mark.subject {
                     if *local.subject != *subject {
-                        local.subject = Arc::from(&*subject);
+                        local.subject = subject;
+                        local.run = 0;
                     }
                 }
-                Message {
-                    subject: local.subject.clone(),
-                    reply,
-                    payload,
+                if mark.seq == seq {
+                    reply = mark.reply;
                 }
             }
+        }
+        local.run = local.run.saturating_add(1);
+        if local.run == OWN_SUBJECT_AFTER {
+            // A stream: from now on hand out a copy of the subject that only
+            // this side counts references to.
+            local.subject = Arc::from(&*local.subject);
+        }
+        Message {
+            subject: local.subject.clone(),
+            reply,
+            payload,
         }
     }
 }
@@ -1098,6 +1116,55 @@ mod tests {
                 ("a.one".into(), None, 10)
             ]
         );
+    }
+
+    #[test]
+    fn subjects_and_replies_survive_switches_drops_and_batches() {
+        // A deterministic mix of subjects (kept and owned strings), replies,
+        // discards and reads; every message read must carry what it was
+        // published with.
+        let (sink, sub) = queue(16, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        let kept: Vec<Arc<str>> = ["k.one", "k.two", "k.three"]
+            .iter()
+            .map(|s| Arc::from(*s))
+            .collect();
+        let mut sent: Vec<(String, Option<String>)> = Vec::new();
+        let mut seed = 12345u64;
+        let mut next = |n: u64| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        let mut read = 0;
+        for n in 0..5000u32 {
+            // Long runs on one subject now and then, so the reader switches
+            // to its own copy, and frequent switches otherwise.
+            let pick = if n % 1000 < 200 { 0 } else { next(3) as usize };
+            let reply = (next(10) == 0).then(|| format!("r.{n}"));
+            let payload = Bytes::copy_from_slice(&n.to_le_bytes());
+            if next(2) == 0 {
+                sink.deliver_kept(&kept[pick], reply.as_deref().map(Arc::from), payload);
+            } else {
+                sink.deliver(Message {
+                    subject: Arc::from(&*kept[pick]),
+                    reply: reply.as_deref().map(Arc::from),
+                    payload,
+                });
+            }
+            sent.push((kept[pick].to_string(), reply));
+            for _ in 0..next(3) {
+                let Ok(m) = sub.try_recv() else { break };
+                let id = u32::from_le_bytes(m.payload[..4].try_into().expect("4 bytes"));
+                let (subject, reply) = &sent[id as usize];
+                assert_eq!(&*m.subject, subject, "message {id}");
+                assert_eq!(m.reply.as_deref(), reply.as_deref(), "message {id}");
+                read += 1;
+            }
+        }
+        read += drain(&sub).len();
+        assert_eq!(read as u64 + sub.stats().dropped(), 5000);
+        assert!(sub.stats().dropped() > 0, "the mix discards some");
     }
 
     #[test]

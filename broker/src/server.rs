@@ -142,12 +142,79 @@ impl Unsubscriber for Shared {
 }
 
 thread_local! {
-    static LAST_ROUTE: std::cell::RefCell<LastRoute> = const { std::cell::RefCell::new(LastRoute::EMPTY) };
+    static ROUTES: std::cell::RefCell<KeptRoutes> = const { std::cell::RefCell::new(KeptRoutes::EMPTY) };
 }
 
-/// The route a thread last published on. While the router's generation is
-/// unchanged, publishing again on the same subject takes no lock and looks
-/// nothing up, and the subject string is shared rather than allocated.
+/// Routes a thread keeps, for the subjects it published on last.
+const KEPT_ROUTES: usize = 4;
+
+/// The routes a thread last published on. While the router's generation is
+/// unchanged, publishing again on one of these subjects takes no lock and
+/// looks nothing up, and the subject string is shared rather than
+/// allocated.
+struct KeptRoutes {
+    routes: [LastRoute; KEPT_ROUTES],
+    /// The route used last, looked at first.
+    last: usize,
+    /// The route to replace next when none is stale.
+    victim: usize,
+}
+
+impl KeptRoutes {
+    const EMPTY: KeptRoutes = KeptRoutes {
+        routes: [LastRoute::EMPTY; KEPT_ROUTES],
+        last: 0,
+        victim: 0,
+    };
+
+    #[inline(always)]
+    fn publish(
+        &mut self,
+        shared: &Shared,
+        generation: u64,
+        subject: &str,
+        reply: Option<Arc<str>>,
+        payload: Bytes,
+    ) -> Result<usize, Error> {
+        let last = self.last % KEPT_ROUTES;
+        let index = if self.routes[last].serves(generation, subject) {
+            last
+        } else {
+            self.find(shared, generation, subject)?
+        };
+        let route = &self.routes[index];
+        match &route.subject {
+            Some(kept) => deliver_route(shared, kept, &route.targets, reply, payload),
+            None => Ok(0),
+        }
+    }
+
+    /// The index of a route for `subject`, routing it afresh if no kept one
+    /// serves.
+    #[cold]
+    #[inline(never)]
+    fn find(&mut self, shared: &Shared, generation: u64, subject: &str) -> Result<usize, Error> {
+        let index = match (0..KEPT_ROUTES).find(|&i| self.routes[i].serves(generation, subject)) {
+            Some(index) => index,
+            None => {
+                let index =
+                    match (0..KEPT_ROUTES).find(|&i| self.routes[i].generation != generation) {
+                        Some(stale) => stale,
+                        None => {
+                            self.victim = (self.victim + 1) % KEPT_ROUTES;
+                            self.victim
+                        }
+                    };
+                self.routes[index].refresh(shared, subject)?;
+                index
+            }
+        };
+        self.last = index;
+        Ok(index)
+    }
+}
+
+/// A route kept by a publishing thread.
 struct LastRoute {
     /// The router generation `targets` was computed at; 0 when they may not
     /// be reused (generations start at 1).
@@ -163,29 +230,15 @@ impl LastRoute {
         targets: Targets::new(),
     };
 
+    /// Whether this route is current and for `subject`.
     #[inline(always)]
-    fn publish(
-        &mut self,
-        shared: &Shared,
-        generation: u64,
-        subject: &str,
-        reply: Option<Arc<str>>,
-        payload: Bytes,
-    ) -> Result<usize, Error> {
-        let reusable = self.generation == generation
-            && self.subject.as_deref().is_some_and(|kept| kept == subject);
-        if !reusable {
-            self.refresh(shared, subject)?;
-        }
-        match &self.subject {
-            Some(kept) => deliver_route(shared, kept, &self.targets, reply, payload),
-            None => Ok(0),
-        }
+    fn serves(&self, generation: u64, subject: &str) -> bool {
+        self.generation == generation && self.subject.as_deref().is_some_and(|kept| kept == subject)
     }
 
-    /// Route `subject` afresh under the read lock.
-    #[cold]
-    #[inline(never)]
+    /// Route `subject` afresh under the read lock. A route with a queue
+    /// group is used for this message only (its member is picked per
+    /// message), and so is not kept.
     fn refresh(&mut self, shared: &Shared, subject: &str) -> Result<(), Error> {
         self.generation = 0;
         let router = shared.router.read();
@@ -379,12 +432,12 @@ impl Broker {
         }
         let reply = reply.map(Arc::from);
         let generation = shared.generation.load(Ordering::Acquire);
-        LAST_ROUTE.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut route) => route.publish(shared, generation, subject, reply, payload),
+        ROUTES.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut routes) => routes.publish(shared, generation, subject, reply, payload),
             // Only a re-entrant publish (none exists today) would find the
-            // cell taken; it routes with a route of its own.
+            // cell taken; it routes with routes of its own.
             Err(_) => {
-                let mut own = LastRoute::EMPTY;
+                let mut own = KeptRoutes::EMPTY;
                 own.publish(shared, generation, subject, reply, payload)
             }
         })
