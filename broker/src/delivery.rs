@@ -45,10 +45,10 @@ const SPARE_CHUNKS: usize = 2;
 /// Rounds of busy waiting (doubling each round) before a reader yields.
 const SPIN_ROUNDS: u32 = 7;
 /// How long a reader with nothing to read yields the processor before it
-/// parks. Long enough to outlast a producer's own wake-up call: a reader
-/// that parks sooner makes every few messages cost the producer a system
-/// call, which slows it enough for the reader to park again.
-const YIELD_FOR: Duration = Duration::from_micros(50);
+/// parks. A parked reader costs the next producer a system call to wake
+/// it; yielding for a while first keeps a short pause in a stream (the
+/// producer descheduled for a moment) from costing one.
+const YIELD_FOR: Duration = Duration::from_micros(20);
 /// A reader that finds more than one but fewer entries than this waits a
 /// little longer before looking again next time, and so takes fewer,
 /// larger batches: each visit moves the lock's cache lines away from the
