@@ -53,9 +53,10 @@ const YIELD_FOR: Duration = Duration::from_micros(20);
 /// little longer before looking again next time, and so takes fewer,
 /// larger batches: each visit moves the lock's cache lines away from the
 /// producer.
-const SMALL_BATCH: usize = 32;
-/// Most spin-loop hints a reader waits before looking for a new batch.
-const MAX_GAP: u32 = 64;
+const SMALL_BATCH: usize = 64;
+/// Most spin-loop hints a reader waits before looking for a new batch
+/// (some microseconds; a hint takes tens of nanoseconds).
+const MAX_GAP: u32 = 256;
 /// Messages in a row on one subject after which a reader switches to its
 /// own copy of the subject string.
 const OWN_SUBJECT_AFTER: u32 = 64;
