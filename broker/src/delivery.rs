@@ -1,15 +1,69 @@
 //! Messages as applications see them, subscriptions, and the bounded
 //! in-process queue behind each subscription with its slow-consumer policy.
+//!
+//! # The queue
+//!
+//! Producers (publishing threads, the event loop, a client's I/O thread)
+//! append under one short lock. The reader takes up to a batch of messages
+//! per visit into its own buffer and hands them out from there, so a reader
+//! that keeps up takes the shared lock once per batch rather than once per
+//! message. A producer wakes the reader only when it is parked; a reader that
+//! finds nothing spins briefly, then yields, then parks.
+//!
+//! The bound counts every message not yet handed to the application: those
+//! in the shared queue and those in the reader's buffer. The reader publishes
+//! how many it has handed out, so the count is exact when it matters. Its
+//! batch is limited so that the policies keep their meaning: under
+//! `drop-oldest` and `disconnect` at most a quarter of the bound sits in the
+//! reader's buffer, and `drop-oldest` discards the oldest messages the reader
+//! has not taken yet (the ones it has taken are already on their way out).
+//!
+//! Entries are the payloads alone (32 bytes, two per cache line). Subjects
+//! and reply subjects travel beside them as marks, by sequence number: a
+//! subject mark only where the subject changes, a reply mark only for a
+//! request. A stream on one subject therefore queues no string at all, and
+//! a reader that keeps seeing one subject switches to its own copy of it, so
+//! the reference counting of the messages it hands out stays on its thread.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::config::SlowConsumerPolicy;
 use crate::error::RecvError;
+
+/// Entries per chunk of the shared queue. The reader takes a whole chunk
+/// per visit (moving a buffer, not its entries), so this is also its
+/// largest batch.
+const CHUNK: usize = 256;
+/// Emptied chunks kept for reuse.
+const SPARE_CHUNKS: usize = 2;
+/// Rounds of busy waiting (doubling each round) before a reader yields.
+const SPIN_ROUNDS: u32 = 7;
+/// How long a reader with nothing to read yields the processor before it
+/// parks. A parked reader costs the next producer a system call to wake
+/// it; yielding for a while first keeps a short pause in a stream (the
+/// producer descheduled for a moment) from costing one.
+const YIELD_FOR: Duration = Duration::from_micros(20);
+/// A reader that finds more than one but fewer entries than this waits a
+/// little longer before looking again next time, and so takes fewer,
+/// larger batches: each visit moves the lock's cache lines away from the
+/// producer.
+const SMALL_BATCH: usize = 64;
+/// Most spin-loop hints a reader waits before looking for a new batch
+/// (some microseconds; a hint takes tens of nanoseconds).
+const MAX_GAP: u32 = 256;
+/// Messages in a row on one subject after which a reader switches to its
+/// own copy of the subject string.
+const OWN_SUBJECT_AFTER: u32 = 64;
+/// A reader that took its last batch less than this long ago is streaming:
+/// only then does it wait for a batch to gather. Otherwise (a request now
+/// and then) it takes what is there at once.
+const STREAMING: Duration = Duration::from_micros(20);
 
 /// A message received by a subscription.
 ///
@@ -42,6 +96,12 @@ impl SubscriptionStats {
     }
 }
 
+/// Adds to a counter that is only written under the queue's lock: a plain
+/// load and store, no locked instruction.
+fn bump(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+}
+
 /// What happened to one delivery attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Delivery {
@@ -55,17 +115,238 @@ pub(crate) enum Delivery {
     Closed,
 }
 
+/// What changes at one entry of the queue, besides its payload.
+struct Mark {
+    /// The entry's sequence number (see [`State::head_seq`]).
+    seq: u64,
+    /// The subject from this entry on.
+    subject: Option<Arc<str>>,
+    /// This entry's reply subject.
+    reply: Option<Arc<str>>,
+}
+
+/// The part of a queue behind its lock.
+struct State {
+    /// The oldest payloads, in full chunks of [`CHUNK`], oldest first.
+    full: VecDeque<VecDeque<Bytes>>,
+    /// The newest payloads, after those in `full`: the chunk being filled.
+    tail: VecDeque<Bytes>,
+    /// Entries in `full` and `tail`.
+    len: usize,
+    spare: Vec<VecDeque<Bytes>>,
+    /// Every entry has a sequence number, counted from 0 in push order;
+    /// this is the oldest one's still in the shared queue (taken or
+    /// discarded entries advance it).
+    head_seq: u64,
+    /// Subject and reply changes, oldest first: those of entries still in
+    /// the shared queue, and at most one subject mark left by discarded
+    /// entries (sequence number below `head_seq`).
+    marks: VecDeque<Mark>,
+    /// The subject of the newest entry. Holding it also keeps its address
+    /// from being reused, so a producer passing the same string again can
+    /// be recognised by address.
+    last_subject: Option<Arc<str>>,
+    /// Messages moved to the reader's buffer, in total.
+    taken: u64,
+    /// The reader's `handed` count as last seen (never above the real one).
+    handed_seen: u64,
+    /// No more messages are accepted; the reader drains what is queued.
+    closed: bool,
+    readers_waiting: usize,
+    producers_waiting: usize,
+}
+
+impl State {
+    /// Messages not yet handed to the application, counting the reader's
+    /// buffer as of `handed_seen`.
+    fn queued(&self) -> u64 {
+        self.len as u64 + self.taken.saturating_sub(self.handed_seen)
+    }
+
+    #[inline]
+    fn push(&mut self, payload: Bytes) {
+        if self.tail.len() >= CHUNK {
+            self.seal_tail();
+        }
+        self.tail.push_back(payload);
+        self.len += 1;
+    }
+
+    /// Moves the full tail chunk behind the older ones and starts a new
+    /// one. (A queue's first chunk grows with use, so that subscriptions
+    /// that see a message or two, such as request inboxes, stay small.)
+    #[cold]
+    fn seal_tail(&mut self) {
+        let mut fresh = self
+            .spare
+            .pop()
+            .unwrap_or_else(|| VecDeque::with_capacity(CHUNK));
+        // A backlog is building up. Write every slot of the new chunk once,
+        // now: the reader read these cache lines last (or they are new),
+        // and claiming them back in one burst costs far less than one
+        // stalled push per line.
+        fresh.extend(std::iter::repeat_with(Bytes::new).take(CHUNK));
+        fresh.clear();
+        let sealed = std::mem::replace(&mut self.tail, fresh);
+        self.full.push_back(sealed);
+    }
+
+    fn pop_front(&mut self) -> Option<Bytes> {
+        let entry = match self.full.front_mut() {
+            Some(chunk) => {
+                let entry = chunk.pop_front();
+                if chunk.is_empty() {
+                    if let Some(spent) = self.full.pop_front() {
+                        self.recycle(spent);
+                    }
+                }
+                entry
+            }
+            None => self.tail.pop_front(),
+        };
+        if entry.is_some() {
+            self.len -= 1;
+            self.head_seq += 1;
+        }
+        entry
+    }
+
+    /// After entries were discarded: drops the marks of discarded entries,
+    /// keeping the subject they leave in force for the entries after them.
+    fn prune_marks(&mut self) {
+        let mut subject = None;
+        while let Some(mark) = self.marks.front() {
+            if mark.seq >= self.head_seq {
+                break;
+            }
+            if let Some(Mark {
+                subject: Some(changed),
+                ..
+            }) = self.marks.pop_front()
+            {
+                subject = Some(changed);
+            }
+        }
+        if let Some(subject) = subject {
+            self.marks.push_front(Mark {
+                seq: self.head_seq.saturating_sub(1),
+                subject: Some(subject),
+                reply: None,
+            });
+        }
+    }
+
+    /// Moves the oldest chunk into `buf` (which must be empty), or its
+    /// first `limit` entries if it holds more; returns how many.
+    fn take(&mut self, limit: usize, buf: &mut VecDeque<Bytes>) -> usize {
+        if self.len == 0 {
+            return 0;
+        }
+        let count = match self.full.front_mut() {
+            Some(chunk) if chunk.len() <= limit => {
+                let count = chunk.len();
+                if let Some(chunk) = self.full.pop_front() {
+                    let spent = std::mem::replace(buf, chunk);
+                    self.recycle(spent);
+                }
+                count
+            }
+            Some(chunk) => {
+                buf.extend(chunk.drain(..limit));
+                limit
+            }
+            None if self.tail.len() <= limit => {
+                // The reader's emptied buffer becomes the new tail.
+                std::mem::swap(buf, &mut self.tail);
+                buf.len()
+            }
+            None => {
+                buf.extend(self.tail.drain(..limit));
+                limit
+            }
+        };
+        self.len -= count;
+        self.head_seq += count as u64;
+        count
+    }
+
+    fn recycle(&mut self, mut chunk: VecDeque<Bytes>) {
+        chunk.clear();
+        if self.spare.len() < SPARE_CHUNKS && chunk.capacity() > 0 && chunk.capacity() <= 2 * CHUNK
+        {
+            self.spare.push(chunk);
+        }
+    }
+
+    fn clear(&mut self) {
+        self.full.clear();
+        self.tail.clear();
+        self.spare.clear();
+        self.marks.clear();
+        self.head_seq += self.len as u64;
+        self.len = 0;
+        self.last_subject = None;
+    }
+}
+
+/// Written by the reader for every message; on a cache line of its own so
+/// that producers' traffic on the lock does not share it.
+#[repr(align(64))]
+struct Handed(AtomicU64);
+
+struct Queue {
+    state: Mutex<State>,
+    /// Whether the shared queue holds entries, for a spinning reader to watch
+    /// without taking the lock. Written only when that changes, so a
+    /// reader watching it does not take its cache line from the producer
+    /// once per message.
+    waiting: AtomicBool,
+    /// `state.closed`, likewise.
+    closed: AtomicBool,
+    /// Signalled when entries arrive or the queue closes.
+    ready: Condvar,
+    /// Signalled when the reader makes room or the queue closes.
+    room: Condvar,
+    /// Messages the reader has handed to the application, in total.
+    handed: Handed,
+    /// Most entries the reader takes per visit.
+    batch: usize,
+}
+
+impl Queue {
+    fn close(&self) {
+        let mut state = self.state.lock();
+        state.closed = true;
+        self.closed.store(true, Ordering::Release);
+        self.ready.notify_all();
+        self.room.notify_all();
+    }
+}
+
+/// How a producer passes the subject.
+enum SubjectArg<'a> {
+    /// A string made for this message.
+    Owned(Arc<str>),
+    /// A string the producer keeps and passes again for later messages.
+    Kept(&'a Arc<str>),
+}
+
 /// The producer side of a subscription's bounded queue.
 pub(crate) struct LocalSink {
-    tx: Sender<Message>,
+    queue: Arc<Queue>,
     /// Messages the queue may hold.
-    capacity: usize,
-    /// A receiver kept by the producer so drop-oldest can discard the head.
-    head: Receiver<Message>,
+    capacity: u64,
     policy: SlowConsumerPolicy,
     block_timeout: Duration,
     stats: Arc<SubscriptionStats>,
-    closed: AtomicBool,
+    /// Set when the disconnect policy cut the subscription off.
+    cut_off: AtomicBool,
+}
+
+/// The reading half of a queue, made by [`LocalSink::new`] for
+/// [`Subscription::new`].
+pub(crate) struct QueueReader {
+    queue: Arc<Queue>,
 }
 
 impl LocalSink {
@@ -74,91 +355,251 @@ impl LocalSink {
         capacity: usize,
         policy: SlowConsumerPolicy,
         block_timeout: Duration,
-    ) -> (LocalSink, Receiver<Message>, Arc<SubscriptionStats>) {
-        // An unbounded channel grows in small blocks as messages arrive; the
-        // bound is enforced here. (A bounded channel would allocate and
-        // initialise every slot up front, which makes short-lived
-        // subscriptions such as request inboxes expensive.)
-        let (tx, rx) = crossbeam_channel::unbounded();
+    ) -> (LocalSink, QueueReader, Arc<SubscriptionStats>) {
+        let capacity = capacity.max(1);
+        let batch = match policy {
+            // Nothing is discarded: the reader may hold the whole bound.
+            SlowConsumerPolicy::Block => capacity.min(CHUNK),
+            SlowConsumerPolicy::DropOldest | SlowConsumerPolicy::Disconnect => {
+                (capacity / 4).clamp(1, CHUNK)
+            }
+        };
+        // The buffer grows with use: short-lived subscriptions such as
+        // request inboxes stay cheap.
+        let queue = Arc::new(Queue {
+            state: Mutex::new(State {
+                full: VecDeque::new(),
+                tail: VecDeque::new(),
+                len: 0,
+                spare: Vec::new(),
+                head_seq: 0,
+                marks: VecDeque::new(),
+                last_subject: None,
+                taken: 0,
+                handed_seen: 0,
+                closed: false,
+                readers_waiting: 0,
+                producers_waiting: 0,
+            }),
+            waiting: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            ready: Condvar::new(),
+            room: Condvar::new(),
+            handed: Handed(AtomicU64::new(0)),
+            batch,
+        });
         let stats = Arc::new(SubscriptionStats::default());
         let sink = LocalSink {
-            tx,
-            capacity: capacity.max(1),
-            head: rx.clone(),
+            queue: queue.clone(),
+            capacity: capacity as u64,
             policy,
             block_timeout,
             stats: stats.clone(),
-            closed: AtomicBool::new(false),
+            cut_off: AtomicBool::new(false),
         };
-        (sink, rx, stats)
+        (sink, QueueReader { queue }, stats)
     }
 
     pub(crate) fn deliver(&self, message: Message) -> Delivery {
-        if self.closed.load(Ordering::Relaxed) {
-            return Delivery::Closed;
-        }
-        if self.tx.len() >= self.capacity {
-            return self.deliver_when_full(message);
-        }
-        self.push(message, Delivery::Queued)
+        self.push(
+            SubjectArg::Owned(message.subject),
+            message.reply,
+            message.payload,
+        )
     }
 
-    fn push(&self, message: Message, outcome: Delivery) -> Delivery {
-        match self.tx.send(message) {
-            Ok(()) => {
-                self.stats.delivered.fetch_add(1, Ordering::Relaxed);
-                outcome
+    /// Like [`deliver`](Self::deliver), for a producer that keeps `subject`
+    /// and passes the same string again for its next messages: those are
+    /// queued without touching the string's reference count.
+    #[inline(always)]
+    pub(crate) fn deliver_kept(
+        &self,
+        subject: &Arc<str>,
+        reply: Option<Arc<str>>,
+        payload: Bytes,
+    ) -> Delivery {
+        self.push(SubjectArg::Kept(subject), reply, payload)
+    }
+
+    #[inline(always)]
+    fn push(&self, subject: SubjectArg<'_>, reply: Option<Arc<str>>, payload: Bytes) -> Delivery {
+        let queue = &*self.queue;
+        let mut state = queue.state.lock();
+        let mut outcome = Delivery::Queued;
+        if state.closed || state.queued() >= self.capacity {
+            match self.make_room(&mut state) {
+                Ok(made) => outcome = made,
+                Err(refused) => return refused,
             }
-            Err(_) => Delivery::Closed,
         }
+        let same = match (&state.last_subject, &subject) {
+            (Some(last), SubjectArg::Kept(kept)) => Arc::ptr_eq(last, kept) || **last == ***kept,
+            (Some(last), SubjectArg::Owned(owned)) => **last == **owned,
+            (None, _) => false,
+        };
+        if !same || reply.is_some() {
+            let subject = (!same).then(|| {
+                let subject = match subject {
+                    SubjectArg::Owned(owned) => owned,
+                    SubjectArg::Kept(kept) => kept.clone(),
+                };
+                state.last_subject = Some(subject.clone());
+                subject
+            });
+            let seq = state.head_seq + state.len as u64;
+            state.marks.push_back(Mark {
+                seq,
+                subject,
+                reply,
+            });
+        }
+        state.push(payload);
+        if state.len == 1 {
+            queue.waiting.store(true, Ordering::Relaxed);
+        }
+        bump(&self.stats.delivered, 1);
+        let wake = state.readers_waiting > 0;
+        drop(state);
+        // Outside the lock, so the reader wakes to an unlocked queue. A
+        // waiting reader joined the condition variable before releasing
+        // the lock, so it cannot miss this.
+        if wake {
+            queue.ready.notify_one();
+        }
+        outcome
     }
 
-    fn deliver_when_full(&self, message: Message) -> Delivery {
+    /// The slow path of a push: the queue is closed or looks full. `Ok`
+    /// with the outcome once the message may be queued, `Err` with the
+    /// outcome if it may not.
+    #[cold]
+    #[inline(never)]
+    fn make_room(&self, state: &mut MutexGuard<'_, State>) -> Result<Delivery, Delivery> {
+        let queue = &*self.queue;
+        if state.closed {
+            return Err(Delivery::Closed);
+        }
+        if !self.is_full(state) {
+            return Ok(Delivery::Queued);
+        }
         match self.policy {
-            SlowConsumerPolicy::Block => {
-                // Wait for the reader to make room, sleeping in short steps:
-                // blocking is the rare, already slow path.
-                let deadline = Instant::now() + self.block_timeout;
-                while self.tx.len() >= self.capacity {
-                    if self.closed.load(Ordering::Relaxed) {
-                        return Delivery::Closed;
-                    }
-                    if Instant::now() >= deadline {
-                        self.stats.dropped.fetch_add(1, Ordering::Relaxed);
-                        return Delivery::Dropped;
-                    }
-                    std::thread::sleep(Duration::from_micros(50));
-                }
-                self.push(message, Delivery::Queued)
-            }
+            SlowConsumerPolicy::Block => match self.wait_for_room(state) {
+                Some(refused) => Err(refused),
+                None => Ok(Delivery::Queued),
+            },
             SlowConsumerPolicy::DropOldest => {
-                // The reader may drain concurrently; each discarded head is
-                // counted.
-                let mut dropped = 0;
-                while self.tx.len() >= self.capacity && self.head.try_recv().is_ok() {
-                    self.stats.dropped.fetch_add(1, Ordering::Relaxed);
-                    dropped += 1;
-                }
-                self.push(message, Delivery::QueuedDroppingOldest(dropped))
+                Ok(Delivery::QueuedDroppingOldest(self.drop_oldest(state)))
             }
             SlowConsumerPolicy::Disconnect => {
-                self.close();
-                self.stats.dropped.fetch_add(1, Ordering::Relaxed);
-                Delivery::Closed
+                state.closed = true;
+                queue.closed.store(true, Ordering::Release);
+                self.cut_off.store(true, Ordering::Relaxed);
+                bump(&self.stats.dropped, 1);
+                queue.ready.notify_all();
+                queue.room.notify_all();
+                Err(Delivery::Closed)
             }
         }
+    }
+
+    /// Whether the bound is reached; reads the reader's progress only when
+    /// the cheap estimate says so.
+    fn is_full(&self, state: &mut State) -> bool {
+        if state.queued() < self.capacity {
+            return false;
+        }
+        state.handed_seen = self.queue.handed.0.load(Ordering::Acquire);
+        state.queued() >= self.capacity
+    }
+
+    /// Waits for the reader to make room, up to the block timeout. `None`
+    /// when there is room; otherwise the outcome (dropped and counted, or
+    /// closed).
+    fn wait_for_room(&self, state: &mut MutexGuard<'_, State>) -> Option<Delivery> {
+        let deadline = Instant::now() + self.block_timeout;
+        loop {
+            state.producers_waiting += 1;
+            let timed_out = self.queue.room.wait_until(state, deadline).timed_out();
+            state.producers_waiting -= 1;
+            if state.closed {
+                return Some(Delivery::Closed);
+            }
+            if !self.is_full(state) {
+                return None;
+            }
+            if timed_out {
+                bump(&self.stats.dropped, 1);
+                return Some(Delivery::Dropped);
+            }
+        }
+    }
+
+    /// Discards the oldest entries the reader has not taken until one more
+    /// fits; returns how many.
+    fn drop_oldest(&self, state: &mut State) -> u64 {
+        let mut dropped = 0;
+        while state.queued() >= self.capacity {
+            if state.pop_front().is_none() {
+                // Everything is in the reader's buffer (only possible while
+                // it takes its first message of a batch): accept one more.
+                break;
+            }
+            dropped += 1;
+        }
+        state.prune_marks();
+        bump(&self.stats.dropped, dropped);
+        dropped
     }
 
     /// Stop accepting messages. What is queued stays readable; the
-    /// subscription ends once it is drained and the sink is dropped.
+    /// subscription ends once it is drained.
     pub(crate) fn close(&self) {
-        self.closed.store(true, Ordering::Relaxed);
+        self.queue.close();
+    }
+
+    /// Whether the disconnect policy cut this subscription off.
+    pub(crate) fn is_cut_off(&self) -> bool {
+        self.cut_off.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for LocalSink {
+    fn drop(&mut self) {
+        self.queue.close();
     }
 }
 
 /// Called when a [`Subscription`] is dropped, to remove its interest.
 pub(crate) trait Unsubscriber: Send + Sync {
     fn unsubscribe(&self, sid: u64);
+}
+
+/// The reader's side: its batch and the current subject.
+struct Local {
+    buf: VecDeque<Bytes>,
+    /// The sequence number of the first entry in `buf`.
+    next_seq: u64,
+    /// The marks of the entries in `buf` (and possibly one before them).
+    marks: VecDeque<Mark>,
+    /// The subject of the last entry handed out.
+    subject: Arc<str>,
+    /// Messages handed out on `subject` since it last changed.
+    run: u32,
+    /// Messages handed to the application, in total.
+    handed: u64,
+    /// Spin-loop hints to wait, once the buffer is empty, before taking the
+    /// next batch (adapted to the producers' pace).
+    gap: u32,
+    /// When the last batch was taken.
+    last_batch: Option<Instant>,
+}
+
+/// How long a receive may wait.
+#[derive(Clone, Copy)]
+enum Wait {
+    No,
+    For(Duration),
+    Forever,
 }
 
 /// A stream of messages matching a pattern. Dropping it unsubscribes.
@@ -169,8 +610,9 @@ pub(crate) trait Unsubscriber: Send + Sync {
 pub struct Subscription {
     sid: u64,
     pattern: String,
-    queue: Option<String>,
-    rx: Receiver<Message>,
+    queue_group: Option<String>,
+    queue: Arc<Queue>,
+    local: Mutex<Local>,
     stats: Arc<SubscriptionStats>,
     owner: Arc<dyn Unsubscriber>,
 }
@@ -180,7 +622,7 @@ impl std::fmt::Debug for Subscription {
         f.debug_struct("Subscription")
             .field("sid", &self.sid)
             .field("pattern", &self.pattern)
-            .field("queue", &self.queue)
+            .field("queue", &self.queue_group)
             .finish()
     }
 }
@@ -190,15 +632,25 @@ impl Subscription {
         sid: u64,
         pattern: String,
         queue: Option<String>,
-        rx: Receiver<Message>,
+        reader: QueueReader,
         stats: Arc<SubscriptionStats>,
         owner: Arc<dyn Unsubscriber>,
     ) -> Subscription {
         Subscription {
             sid,
             pattern,
-            queue,
-            rx,
+            queue_group: queue,
+            queue: reader.queue,
+            local: Mutex::new(Local {
+                buf: VecDeque::new(),
+                next_seq: 0,
+                marks: VecDeque::new(),
+                subject: Arc::from(""),
+                run: 0,
+                handed: 0,
+                gap: 0,
+                last_batch: None,
+            }),
             stats,
             owner,
         }
@@ -214,7 +666,7 @@ impl Subscription {
     }
 
     pub fn queue_group(&self) -> Option<&str> {
-        self.queue.as_deref()
+        self.queue_group.as_deref()
     }
 
     /// Delivery and drop counters.
@@ -224,28 +676,215 @@ impl Subscription {
 
     /// Messages waiting to be read.
     pub fn pending(&self) -> usize {
-        self.rx.len()
+        let local = self.local.lock();
+        local.buf.len() + self.queue.state.lock().len
     }
 
     /// Wait for the next message.
     pub fn recv(&self) -> Result<Message, RecvError> {
-        self.rx.recv().map_err(|_| RecvError::Closed)
+        self.receive(Wait::Forever)
     }
 
     /// Wait at most `timeout` for the next message.
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Message, RecvError> {
-        self.rx.recv_timeout(timeout).map_err(|err| match err {
-            RecvTimeoutError::Timeout => RecvError::Timeout,
-            RecvTimeoutError::Disconnected => RecvError::Closed,
-        })
+        self.receive(Wait::For(timeout))
     }
 
     /// The next message if one is waiting.
     pub fn try_recv(&self) -> Result<Message, RecvError> {
-        self.rx.try_recv().map_err(|err| match err {
-            TryRecvError::Empty => RecvError::Empty,
-            TryRecvError::Disconnected => RecvError::Closed,
-        })
+        self.receive(Wait::No)
+    }
+
+    #[inline(always)]
+    fn receive(&self, wait: Wait) -> Result<Message, RecvError> {
+        // The common case: the reader's batch has a message.
+        let mut local = self.local.lock();
+        if let Some(entry) = local.buf.pop_front() {
+            local.handed += 1;
+            self.queue.handed.0.store(local.handed, Ordering::Release);
+            return Ok(self.hand_out(&mut local, entry));
+        }
+        drop(local);
+        self.receive_slow(wait)
+    }
+
+    #[inline(never)]
+    fn receive_slow(&self, wait: Wait) -> Result<Message, RecvError> {
+        let queue = &*self.queue;
+        // Computed only once the reader has to wait.
+        let mut deadline = None;
+        let mut yielding_since = None;
+        let mut round = 0;
+        let mut gap_waited = false;
+        // A full batch is what the queue gives at most.
+        let good_batch = SMALL_BATCH.min(queue.batch);
+        loop {
+            let mut local = self.local.lock();
+            if let Some(entry) = local.buf.pop_front() {
+                local.handed += 1;
+                queue.handed.0.store(local.handed, Ordering::Release);
+                return Ok(self.hand_out(&mut local, entry));
+            }
+            // The hints are written under the lock with every change; one
+            // that happened before this call is seen here. While they say
+            // there is nothing, the reader stays off the lock.
+            let waiting = queue.waiting.load(Ordering::Relaxed);
+            let closed = queue.closed.load(Ordering::Acquire);
+            if !gap_waited && !closed && !matches!(wait, Wait::No) {
+                gap_waited = true;
+                let streaming = local.last_batch.is_some_and(|at| at.elapsed() < STREAMING);
+                let gap = local.gap;
+                if streaming && gap > 0 {
+                    // Reading faster than the producers write: let a batch
+                    // gather rather than take the lock for a message or two.
+                    drop(local);
+                    spin(gap);
+                    continue;
+                }
+            }
+            let park = match yielding_since {
+                Some(since) => Instant::now().duration_since(since) >= YIELD_FOR,
+                None => false,
+            };
+            if !waiting && !closed && !park {
+                let at = wait_deadline(wait, &mut deadline)?;
+                drop(local);
+                if at.is_some_and(|at| Instant::now() >= at) {
+                    return Err(RecvError::Timeout);
+                }
+                if round < SPIN_ROUNDS {
+                    spin(1 << round);
+                    round += 1;
+                } else {
+                    yielding_since.get_or_insert_with(Instant::now);
+                    std::thread::yield_now();
+                }
+                continue;
+            }
+            let mut state = queue.state.lock();
+            if let Some((entry, count)) = self.take_batch(&mut local, &mut state) {
+                drop(state);
+                local.last_batch = Some(Instant::now());
+                // Several messages but not a full batch: a stream the reader
+                // outpaces, so wait longer next time. A full batch (the
+                // reader is behind) or a lone message (no stream, e.g. a
+                // request) waits less.
+                local.gap = if count > 1 && count < good_batch {
+                    (local.gap * 2).clamp(1, MAX_GAP)
+                } else {
+                    local.gap / 2
+                };
+                return Ok(self.hand_out(&mut local, entry));
+            }
+            if state.closed {
+                return Err(RecvError::Closed);
+            }
+            let at = wait_deadline(wait, &mut deadline)?;
+            if !park {
+                continue;
+            }
+            // Going idle: give back the buffers a burst left behind.
+            local.buf = VecDeque::new();
+            state.spare.clear();
+            drop(local);
+            state.readers_waiting += 1;
+            let timed_out = match at {
+                Some(at) => queue.ready.wait_until(&mut state, at).timed_out(),
+                None => {
+                    queue.ready.wait(&mut state);
+                    false
+                }
+            };
+            state.readers_waiting -= 1;
+            if timed_out && state.len == 0 && !state.closed {
+                return Err(RecvError::Timeout);
+            }
+        }
+    }
+
+    /// Moves up to a batch of entries from the shared queue into the
+    /// reader's buffer and returns the first, already counted as handed out
+    /// (so producers never see it as queued), with the batch's size. `None`
+    /// if the queue is empty.
+    fn take_batch(&self, local: &mut Local, state: &mut State) -> Option<(Bytes, usize)> {
+        let queue = &*self.queue;
+        let first_seq = state.head_seq;
+        let count = state.take(queue.batch, &mut local.buf);
+        if count == 0 {
+            return None;
+        }
+        local.next_seq = first_seq;
+        while state
+            .marks
+            .front()
+            .is_some_and(|mark| mark.seq < state.head_seq)
+        {
+            if let Some(mark) = state.marks.pop_front() {
+                local.marks.push_back(mark);
+            }
+        }
+        state.taken += count as u64;
+        queue.waiting.store(state.len > 0, Ordering::Relaxed);
+        let first = local.buf.pop_front()?;
+        local.handed += 1;
+        queue.handed.0.store(local.handed, Ordering::Release);
+        state.handed_seen = local.handed;
+        if state.producers_waiting > 0 {
+            queue.room.notify_all();
+        }
+        Some((first, count))
+    }
+
+    /// Turns the next entry of the reader's buffer into the application's
+    /// message.
+    #[inline(always)]
+    fn hand_out(&self, local: &mut Local, payload: Bytes) -> Message {
+        let seq = local.next_seq;
+        local.next_seq += 1;
+        let mut reply = None;
+        while local.marks.front().is_some_and(|mark| mark.seq <= seq) {
+            if let Some(mark) = local.marks.pop_front() {
+                if let Some(subject) = mark.subject {
+                    if *local.subject != *subject {
+                        local.subject = subject;
+                        local.run = 0;
+                    }
+                }
+                if mark.seq == seq {
+                    reply = mark.reply;
+                }
+            }
+        }
+        local.run = local.run.saturating_add(1);
+        if local.run == OWN_SUBJECT_AFTER {
+            // A stream: from now on hand out a copy of the subject that only
+            // this side counts references to.
+            local.subject = Arc::from(&*local.subject);
+        }
+        Message {
+            subject: local.subject.clone(),
+            reply,
+            payload,
+        }
+    }
+}
+
+/// When a receive must give up: `Err(Empty)` for one that may not wait,
+/// `Ok(None)` for one that waits forever.
+fn wait_deadline(wait: Wait, deadline: &mut Option<Instant>) -> Result<Option<Instant>, RecvError> {
+    match wait {
+        Wait::No => Err(RecvError::Empty),
+        Wait::Forever => Ok(None),
+        Wait::For(timeout) => Ok(Some(
+            *deadline.get_or_insert_with(|| Instant::now() + timeout),
+        )),
+    }
+}
+
+/// Busy-waits for `hints` spin-loop hints (each some tens of nanoseconds).
+fn spin(hints: u32) {
+    for _ in 0..hints {
+        std::hint::spin_loop();
     }
 }
 
@@ -253,19 +892,35 @@ impl Iterator for Subscription {
     type Item = Message;
 
     fn next(&mut self) -> Option<Message> {
-        self.rx.recv().ok()
+        self.recv().ok()
     }
 }
 
 impl Drop for Subscription {
     fn drop(&mut self) {
         self.owner.unsubscribe(self.sid);
+        // Producers may still hold the sink for a moment (a publishing
+        // thread's cached route): refuse them and free what is queued.
+        let mut state = self.queue.state.lock();
+        state.closed = true;
+        state.clear();
+        self.queue.waiting.store(false, Ordering::Relaxed);
+        self.queue.closed.store(true, Ordering::Release);
+        self.queue.room.notify_all();
+        drop(state);
+        self.local.lock().buf.clear();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    struct Nobody;
+
+    impl Unsubscriber for Nobody {
+        fn unsubscribe(&self, _sid: u64) {}
+    }
 
     fn message(n: u8) -> Message {
         Message {
@@ -275,47 +930,284 @@ mod tests {
         }
     }
 
+    fn queue(
+        capacity: usize,
+        policy: SlowConsumerPolicy,
+        block_timeout: Duration,
+    ) -> (LocalSink, Subscription) {
+        let (sink, reader, stats) = LocalSink::new(capacity, policy, block_timeout);
+        let sub = Subscription::new(1, "a".into(), None, reader, stats, Arc::new(Nobody));
+        (sink, sub)
+    }
+
+    fn drain(sub: &Subscription) -> Vec<u8> {
+        std::iter::from_fn(|| sub.try_recv().ok())
+            .map(|m| m.payload[0])
+            .collect()
+    }
+
     #[test]
     fn drop_oldest_keeps_the_newest_and_counts() {
-        let (sink, rx, stats) = LocalSink::new(2, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        let (sink, sub) = queue(2, SlowConsumerPolicy::DropOldest, Duration::ZERO);
         for n in 0..5 {
             sink.deliver(message(n));
         }
-        let kept: Vec<u8> = rx.try_iter().map(|m| m.payload[0]).collect();
-        assert_eq!(kept, vec![3, 4]);
-        assert_eq!(stats.dropped(), 3);
+        assert_eq!(drain(&sub), vec![3, 4]);
+        assert_eq!(sub.stats().dropped(), 3);
+        assert_eq!(sub.stats().delivered(), 5);
+    }
+
+    #[test]
+    fn drop_oldest_discards_only_what_the_reader_has_not_taken() {
+        let (sink, sub) = queue(8, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        for n in 0..8 {
+            sink.deliver(message(n));
+        }
+        // The reader takes a batch of two (a quarter of the bound) and
+        // hands out the first.
+        assert_eq!(sub.try_recv().map(|m| m.payload[0]), Ok(0));
+        for n in 8..12 {
+            sink.deliver(message(n));
+        }
+        // Message 1 was in the reader's hands; 2 to 4 were discarded.
+        assert_eq!(drain(&sub), vec![1, 5, 6, 7, 8, 9, 10, 11]);
+        assert_eq!(sub.stats().dropped(), 3);
     }
 
     #[test]
     fn block_waits_then_drops_and_counts() {
-        let (sink, rx, stats) =
-            LocalSink::new(1, SlowConsumerPolicy::Block, Duration::from_millis(20));
+        let (sink, sub) = queue(1, SlowConsumerPolicy::Block, Duration::from_millis(20));
         assert_eq!(sink.deliver(message(0)), Delivery::Queued);
         assert_eq!(sink.deliver(message(1)), Delivery::Dropped);
-        assert_eq!(stats.dropped(), 1);
+        assert_eq!(sub.stats().dropped(), 1);
+        assert_eq!(drain(&sub), vec![0]);
+    }
+
+    #[test]
+    fn block_resumes_when_the_reader_makes_room() {
+        let (sink, sub) = queue(1, SlowConsumerPolicy::Block, Duration::from_secs(30));
+        assert_eq!(sink.deliver(message(0)), Delivery::Queued);
         let reader = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(5));
-            rx.recv().map(|m| m.payload[0])
+            let got: Vec<u8> = (0..3)
+                .map(|_| sub.recv().map(|m| m.payload[0]))
+                .collect::<Result<_, _>>()
+                .expect("messages");
+            (got, sub.stats().dropped())
         });
-        let sink = LocalSink {
-            block_timeout: Duration::from_secs(5),
-            ..sink
-        };
+        assert_eq!(
+            sink.deliver(message(1)),
+            Delivery::Queued,
+            "reader made room"
+        );
         assert_eq!(
             sink.deliver(message(2)),
             Delivery::Queued,
             "reader made room"
         );
-        assert_eq!(reader.join().unwrap(), Ok(0));
+        assert_eq!(reader.join().unwrap(), (vec![0, 1, 2], 0));
     }
 
     #[test]
     fn disconnect_closes_the_sink() {
-        let (sink, rx, stats) = LocalSink::new(1, SlowConsumerPolicy::Disconnect, Duration::ZERO);
+        let (sink, sub) = queue(1, SlowConsumerPolicy::Disconnect, Duration::ZERO);
         assert_eq!(sink.deliver(message(0)), Delivery::Queued);
+        assert!(!sink.is_cut_off());
         assert_eq!(sink.deliver(message(1)), Delivery::Closed);
+        assert!(sink.is_cut_off());
         assert_eq!(sink.deliver(message(2)), Delivery::Closed);
-        assert_eq!(stats.dropped(), 1);
-        assert_eq!(rx.try_recv().map(|m| m.payload[0]), Ok(0));
+        assert_eq!(sub.stats().dropped(), 1);
+        assert_eq!(sub.try_recv().map(|m| m.payload[0]), Ok(0));
+        assert_eq!(sub.try_recv(), Err(RecvError::Closed));
+    }
+
+    #[test]
+    fn closing_or_dropping_the_sink_ends_the_stream_after_the_queue() {
+        let (sink, sub) = queue(4, SlowConsumerPolicy::Block, Duration::ZERO);
+        sink.deliver(message(0));
+        sink.close();
+        assert_eq!(sink.deliver(message(1)), Delivery::Closed);
+        assert!(!sink.is_cut_off());
+        assert_eq!(sub.recv().map(|m| m.payload[0]), Ok(0));
+        assert_eq!(sub.recv(), Err(RecvError::Closed));
+
+        let (sink, sub) = queue(4, SlowConsumerPolicy::Block, Duration::ZERO);
+        let reader = std::thread::spawn(move || sub.recv_timeout(Duration::from_secs(30)));
+        std::thread::sleep(Duration::from_millis(20));
+        drop(sink);
+        assert_eq!(reader.join().unwrap(), Err(RecvError::Closed));
+    }
+
+    #[test]
+    fn dropping_the_subscription_refuses_further_messages() {
+        let (sink, sub) = queue(4, SlowConsumerPolicy::Block, Duration::from_secs(30));
+        sink.deliver(message(0));
+        drop(sub);
+        assert_eq!(sink.deliver(message(1)), Delivery::Closed);
+        assert!(!sink.is_cut_off());
+    }
+
+    #[test]
+    fn timeouts_and_empty_queues() {
+        let (sink, sub) = queue(4, SlowConsumerPolicy::Block, Duration::ZERO);
+        assert_eq!(sub.try_recv(), Err(RecvError::Empty));
+        assert_eq!(
+            sub.recv_timeout(Duration::from_millis(5)),
+            Err(RecvError::Timeout)
+        );
+        sink.deliver(message(7));
+        assert_eq!(sub.pending(), 1);
+        assert_eq!(
+            sub.recv_timeout(Duration::from_millis(5))
+                .map(|m| m.payload[0]),
+            Ok(7)
+        );
+        assert_eq!(sub.pending(), 0);
+    }
+
+    #[test]
+    fn kept_subjects_are_stored_once_and_survive_drops() {
+        let (sink, sub) = queue(3, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        let a: Arc<str> = Arc::from("a.one");
+        let b: Arc<str> = Arc::from("b.two");
+        let payload = |n: u8| Bytes::from(vec![n]);
+        sink.deliver_kept(&a, None, payload(0));
+        sink.deliver_kept(&a, None, payload(1));
+        sink.deliver_kept(&b, None, payload(2));
+        sink.deliver_kept(&b, None, payload(3));
+        sink.deliver_kept(&b, None, payload(4));
+        // 0 and 1 were discarded; 2 carried b's string, and 3 and 4 refer
+        // to it.
+        let got: Vec<(String, u8)> = std::iter::from_fn(|| sub.try_recv().ok())
+            .map(|m| (m.subject.to_string(), m.payload[0]))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("b.two".into(), 2),
+                ("b.two".into(), 3),
+                ("b.two".into(), 4)
+            ]
+        );
+        // The head that carried the string was discarded with the queue
+        // emptied: the next entry carries it again.
+        for n in 5..9 {
+            sink.deliver_kept(&a, None, payload(n));
+        }
+        sink.deliver(Message {
+            subject: Arc::from("c"),
+            reply: Some(Arc::from("r")),
+            payload: payload(9),
+        });
+        sink.deliver_kept(&a, None, payload(10));
+        let got: Vec<(String, Option<String>, u8)> = std::iter::from_fn(|| sub.try_recv().ok())
+            .map(|m| {
+                (
+                    m.subject.to_string(),
+                    m.reply.as_deref().map(str::to_string),
+                    m.payload[0],
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("a.one".into(), None, 8),
+                ("c".into(), Some("r".into()), 9),
+                ("a.one".into(), None, 10)
+            ]
+        );
+    }
+
+    #[test]
+    fn subjects_and_replies_survive_switches_drops_and_batches() {
+        // A deterministic mix of subjects (kept and owned strings), replies,
+        // discards and reads; every message read must carry what it was
+        // published with.
+        let (sink, sub) = queue(16, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        let kept: Vec<Arc<str>> = ["k.one", "k.two", "k.three"]
+            .iter()
+            .map(|s| Arc::from(*s))
+            .collect();
+        let mut sent: Vec<(String, Option<String>)> = Vec::new();
+        let mut seed = 12345u64;
+        let mut next = |n: u64| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        let mut read = 0;
+        for n in 0..5000u32 {
+            // Long runs on one subject now and then, so the reader switches
+            // to its own copy, and frequent switches otherwise.
+            let pick = if n % 1000 < 200 { 0 } else { next(3) as usize };
+            let reply = (next(10) == 0).then(|| format!("r.{n}"));
+            let payload = Bytes::copy_from_slice(&n.to_le_bytes());
+            if next(2) == 0 {
+                sink.deliver_kept(&kept[pick], reply.as_deref().map(Arc::from), payload);
+            } else {
+                sink.deliver(Message {
+                    subject: Arc::from(&*kept[pick]),
+                    reply: reply.as_deref().map(Arc::from),
+                    payload,
+                });
+            }
+            sent.push((kept[pick].to_string(), reply));
+            for _ in 0..next(3) {
+                let Ok(m) = sub.try_recv() else { break };
+                let id = u32::from_le_bytes(m.payload[..4].try_into().expect("4 bytes"));
+                let (subject, reply) = &sent[id as usize];
+                assert_eq!(&*m.subject, subject, "message {id}");
+                assert_eq!(m.reply.as_deref(), reply.as_deref(), "message {id}");
+                read += 1;
+            }
+        }
+        read += drain(&sub).len();
+        assert_eq!(read as u64 + sub.stats().dropped(), 5000);
+        assert!(sub.stats().dropped() > 0, "the mix discards some");
+    }
+
+    #[test]
+    fn the_bound_counts_what_the_reader_holds() {
+        let (sink, sub) = queue(4, SlowConsumerPolicy::Block, Duration::ZERO);
+        for n in 0..4 {
+            assert_eq!(sink.deliver(message(n)), Delivery::Queued);
+        }
+        // The reader takes all four and hands out one: three are still
+        // queued, so one more fits and the next does not.
+        assert_eq!(sub.try_recv().map(|m| m.payload[0]), Ok(0));
+        assert_eq!(sink.deliver(message(4)), Delivery::Queued);
+        assert_eq!(sink.deliver(message(5)), Delivery::Dropped);
+        assert_eq!(sub.pending(), 4);
+        // Handing out the rest of the batch makes room again.
+        assert_eq!(sub.try_recv().map(|m| m.payload[0]), Ok(1));
+        assert_eq!(sub.try_recv().map(|m| m.payload[0]), Ok(2));
+        assert_eq!(sink.deliver(message(6)), Delivery::Queued);
+        assert_eq!(sink.deliver(message(7)), Delivery::Queued);
+        assert_eq!(sink.deliver(message(8)), Delivery::Dropped);
+        assert_eq!(drain(&sub), vec![3, 4, 6, 7]);
+    }
+
+    #[test]
+    fn one_producer_one_reader_in_order() {
+        let (sink, sub) = queue(64, SlowConsumerPolicy::Block, Duration::from_secs(30));
+        let total = 20_000u32;
+        let reader = std::thread::spawn(move || {
+            let mut next = 0u32;
+            while let Ok(m) = sub.recv_timeout(Duration::from_secs(30)) {
+                let n = u32::from_le_bytes(m.payload[..4].try_into().expect("4 bytes"));
+                assert_eq!(n, next);
+                next += 1;
+            }
+            next
+        });
+        let subject: Arc<str> = Arc::from("s");
+        for n in 0..total {
+            let payload = Bytes::copy_from_slice(&n.to_le_bytes());
+            assert_eq!(sink.deliver_kept(&subject, None, payload), Delivery::Queued);
+        }
+        drop(sink);
+        assert_eq!(reader.join().unwrap(), total);
     }
 }

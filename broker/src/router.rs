@@ -3,8 +3,13 @@
 //!
 //! In-process publishers route on their own thread (no hop through the event
 //! loop); only deliveries to remote peers are handed to the loop.
+//!
+//! Every change to the table sets a new generation number, readable without
+//! the lock: a publisher may keep the route of a subject and reuse it while
+//! the generation stays the same.
 
 use rustc_hash::FxHashMap as HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub(crate) use efabus_core::index::SubRef;
@@ -28,6 +33,14 @@ pub(crate) struct Targets {
 }
 
 impl Targets {
+    pub const fn new() -> Targets {
+        Targets {
+            local: Vec::new(),
+            remote: Vec::new(),
+            matches: Vec::new(),
+        }
+    }
+
     pub fn clear(&mut self) {
         self.local.clear();
         self.remote.clear();
@@ -39,9 +52,18 @@ impl Targets {
     }
 }
 
+/// Generation numbers are unique across every router of the process, so a
+/// route kept for one broker is never taken for another's.
+static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
+
+fn next_generation() -> u64 {
+    NEXT_GENERATION.fetch_add(1, Ordering::Relaxed)
+}
+
 pub(crate) struct Router {
     index: SubscriptionIndex,
     locals: HashMap<u64, Arc<LocalSink>>,
+    generation: Arc<AtomicU64>,
 }
 
 impl Router {
@@ -52,7 +74,19 @@ impl Router {
                 ..IndexConfig::default()
             }),
             locals: HashMap::default(),
+            generation: Arc::new(AtomicU64::new(next_generation())),
         }
+    }
+
+    /// The table's generation, for reading without the lock. It changes
+    /// (under the write lock) with every change to the table; read under the
+    /// read lock, it names exactly the state being read.
+    pub fn generation(&self) -> Arc<AtomicU64> {
+        self.generation.clone()
+    }
+
+    fn changed(&self) {
+        self.generation.store(next_generation(), Ordering::Release);
     }
 
     /// Add a subscription; `sink` is set for in-process subscriptions.
@@ -67,6 +101,7 @@ impl Router {
         if let Some(sink) = sink {
             self.locals.insert(key.sid, sink);
         }
+        self.changed();
         Ok(())
     }
 
@@ -76,12 +111,16 @@ impl Router {
                 sink.close();
             }
         }
-        self.index.remove(key)
+        let removed = self.index.remove(key);
+        self.changed();
+        removed
     }
 
     /// Remove every subscription of a remote session.
     pub fn remove_owner(&mut self, owner: u64) -> usize {
-        self.index.remove_owner(owner)
+        let removed = self.index.remove_owner(owner);
+        self.changed();
+        removed
     }
 
     /// Close every in-process subscription (on shutdown).
@@ -89,6 +128,7 @@ impl Router {
         for (_, sink) in self.locals.drain() {
             sink.close();
         }
+        self.changed();
     }
 
     pub fn len(&self) -> usize {
@@ -102,8 +142,21 @@ impl Router {
         subject: &str,
         targets: &mut Targets,
     ) -> Result<(), efabus_core::subject::SubjectError> {
+        self.route_stable(subject, targets).map(|_| ())
+    }
+
+    /// Like [`route`](Self::route), and tells whether the answer holds for
+    /// every message on this subject until the generation changes: true
+    /// unless a queue group took part (its member is picked per message).
+    pub fn route_stable(
+        &self,
+        subject: &str,
+        targets: &mut Targets,
+    ) -> Result<bool, efabus_core::subject::SubjectError> {
         targets.clear();
-        self.index.match_subject(subject, &mut targets.matches)?;
+        let stable = self
+            .index
+            .match_subject_stable(subject, &mut targets.matches)?;
         for key in &targets.matches {
             if key.owner == LOCAL_OWNER {
                 if let Some(sink) = self.locals.get(&key.sid) {
@@ -113,6 +166,6 @@ impl Router {
                 targets.remote.push(*key);
             }
         }
-        Ok(())
+        Ok(stable)
     }
 }

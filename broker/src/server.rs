@@ -118,6 +118,8 @@ pub(crate) struct Shared {
     config: Config,
     subject_limits: SubjectLimits,
     router: RwLock<Router>,
+    /// The router's generation, read without its lock (see [`LastRoute`]).
+    generation: Arc<AtomicU64>,
     next_sid: AtomicU64,
     inbox: LoopInbox<Command>,
     shutdown: AtomicBool,
@@ -145,25 +147,123 @@ impl Unsubscriber for Shared {
 }
 
 thread_local! {
-    static TARGETS: std::cell::RefCell<Targets> = std::cell::RefCell::new(Targets::default());
-    static LAST_SUBJECT: std::cell::RefCell<Option<Arc<str>>> = const { std::cell::RefCell::new(None) };
+    static ROUTES: std::cell::RefCell<KeptRoutes> = const { std::cell::RefCell::new(KeptRoutes::EMPTY) };
 }
 
-/// The subject as a shared string, reusing the previous one when a thread
-/// keeps publishing on the same subject (the common streaming case), so a
-/// publish does not allocate.
-fn shared_subject(subject: &str) -> Arc<str> {
-    LAST_SUBJECT.with(|last| {
-        let mut last = last.borrow_mut();
-        match &*last {
-            Some(previous) if &**previous == subject => previous.clone(),
-            _ => {
-                let fresh: Arc<str> = Arc::from(subject);
-                *last = Some(fresh.clone());
-                fresh
-            }
+/// Routes a thread keeps, for the subjects it published on last.
+const KEPT_ROUTES: usize = 4;
+
+/// The routes a thread last published on. While the router's generation is
+/// unchanged, publishing again on one of these subjects takes no lock and
+/// looks nothing up, and the subject string is shared rather than
+/// allocated.
+struct KeptRoutes {
+    routes: [LastRoute; KEPT_ROUTES],
+    /// The route used last, looked at first.
+    last: usize,
+    /// The route to replace next when none is stale.
+    victim: usize,
+}
+
+impl KeptRoutes {
+    const EMPTY: KeptRoutes = KeptRoutes {
+        routes: [LastRoute::EMPTY; KEPT_ROUTES],
+        last: 0,
+        victim: 0,
+    };
+
+    #[inline(always)]
+    fn publish(
+        &mut self,
+        shared: &Shared,
+        generation: u64,
+        subject: &str,
+        reply: Option<Arc<str>>,
+        payload: Bytes,
+    ) -> Result<usize, Error> {
+        let last = self.last % KEPT_ROUTES;
+        let index = if self.routes[last].serves(generation, subject) {
+            last
+        } else {
+            self.find(shared, generation, subject)?
+        };
+        let route = &self.routes[index];
+        match &route.subject {
+            Some(kept) => deliver_route(shared, kept, &route.targets, reply, payload),
+            None => Ok(0),
         }
-    })
+    }
+
+    /// The index of a route for `subject`, routing it afresh if no kept one
+    /// serves.
+    #[cold]
+    #[inline(never)]
+    fn find(&mut self, shared: &Shared, generation: u64, subject: &str) -> Result<usize, Error> {
+        let index = match (0..KEPT_ROUTES).find(|&i| self.routes[i].serves(generation, subject)) {
+            Some(index) => index,
+            None => {
+                let index =
+                    match (0..KEPT_ROUTES).find(|&i| self.routes[i].generation != generation) {
+                        Some(stale) => stale,
+                        None => {
+                            self.victim = (self.victim + 1) % KEPT_ROUTES;
+                            self.victim
+                        }
+                    };
+                self.routes[index].refresh(shared, subject)?;
+                index
+            }
+        };
+        self.last = index;
+        Ok(index)
+    }
+}
+
+/// A route kept by a publishing thread.
+struct LastRoute {
+    /// The router generation `targets` was computed at; 0 when they may not
+    /// be reused (generations start at 1).
+    generation: u64,
+    subject: Option<Arc<str>>,
+    targets: Targets,
+}
+
+impl LastRoute {
+    const EMPTY: LastRoute = LastRoute {
+        generation: 0,
+        subject: None,
+        targets: Targets::new(),
+    };
+
+    /// Whether this route is current and for `subject`.
+    #[inline(always)]
+    fn serves(&self, generation: u64, subject: &str) -> bool {
+        self.generation == generation && self.subject.as_deref().is_some_and(|kept| kept == subject)
+    }
+
+    /// Route `subject` afresh under the read lock. A route with a queue
+    /// group is used for this message only (its member is picked per
+    /// message), and so is not kept.
+    fn refresh(&mut self, shared: &Shared, subject: &str) -> Result<(), Error> {
+        self.generation = 0;
+        let router = shared.router.read();
+        // Read under the lock: no change can happen before routing below.
+        let generation = shared.generation.load(Ordering::Acquire);
+        let stable = router
+            .route_stable(subject, &mut self.targets)
+            .map_err(|source| Error::Subject {
+                subject: subject.to_string(),
+                source,
+            })?;
+        drop(router);
+        if self.subject.as_deref() != Some(subject) {
+            self.subject = Some(Arc::from(subject));
+        }
+        if stable {
+            self.generation = generation;
+        }
+        Ok(())
+    }
 }
 
 /// An embedded broker. Cheap to share: all methods take `&self`, and the
@@ -241,10 +341,12 @@ impl Broker {
             max_len: config.limits.max_subject_len,
             max_tokens: config.limits.max_subject_tokens,
         };
+        let router = Router::new(subject_limits);
         let shared = Arc::new(Shared {
             subject_limits,
             config,
-            router: RwLock::new(Router::new(subject_limits)),
+            generation: router.generation(),
+            router: RwLock::new(router),
             next_sid: AtomicU64::new(1),
             inbox,
             shutdown: AtomicBool::new(false),
@@ -333,33 +435,16 @@ impl Broker {
                 max: shared.config.limits.max_payload,
             });
         }
-        TARGETS.with(|targets| {
-            let mut targets = targets.borrow_mut();
-            // Routing validates the subject (the index caches valid ones).
-            shared
-                .router
-                .read()
-                .route(subject, &mut targets)
-                .map_err(|source| Error::Subject {
-                    subject: subject.to_string(),
-                    source,
-                })?;
-            let message = Message {
-                subject: shared_subject(subject),
-                reply: reply.map(Arc::from),
-                payload,
-            };
-            let matched = targets.len();
-            BrokerStats::add(&shared.stats.messages_in, 1);
-            deliver_local(shared, &mut targets, &message);
-            if !targets.remote.is_empty() {
-                let remote = std::mem::take(&mut targets.remote);
-                shared.send_command(Command::Deliver {
-                    targets: remote,
-                    message,
-                })?;
+        let reply = reply.map(Arc::from);
+        let generation = shared.generation.load(Ordering::Acquire);
+        ROUTES.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut routes) => routes.publish(shared, generation, subject, reply, payload),
+            // Only a re-entrant publish (none exists today) would find the
+            // cell taken; it routes with routes of its own.
+            Err(_) => {
+                let mut own = KeptRoutes::EMPTY;
+                own.publish(shared, generation, subject, reply, payload)
             }
-            Ok(matched)
         })
     }
 
@@ -472,31 +557,129 @@ impl Drop for Broker {
     }
 }
 
+/// Deliver a message published in-process along a route: to its local
+/// subscriptions (the payload moves to the last one) and, through the event
+/// loop, to remote peers. Returns how many subscriptions matched.
+#[inline(always)]
+fn deliver_route(
+    shared: &Shared,
+    subject: &Arc<str>,
+    targets: &Targets,
+    reply: Option<Arc<str>>,
+    payload: Bytes,
+) -> Result<usize, Error> {
+    let stats = &shared.stats;
+    if let ([(sid, sink)], true) = (targets.local.as_slice(), targets.remote.is_empty()) {
+        // The common case: one in-process subscription.
+        BrokerStats::add(&stats.messages_in, 1);
+        match sink.deliver_kept(subject, reply, payload) {
+            Delivery::Queued => BrokerStats::add(&stats.messages_out, 1),
+            outcome => settle_one(shared, *sid, sink, outcome),
+        }
+        return Ok(1);
+    }
+    deliver_route_all(shared, subject, targets, reply, payload)
+}
+
+#[cold]
+#[inline(never)]
+fn settle_one(shared: &Shared, sid: u64, sink: &LocalSink, outcome: Delivery) {
+    let mut closed = Vec::new();
+    count_delivery(&shared.stats, sid, sink, outcome, &mut closed);
+    if !closed.is_empty() {
+        remove_closed(shared, closed);
+    }
+}
+
+/// [`deliver_route`] for any number of targets.
+#[inline(never)]
+fn deliver_route_all(
+    shared: &Shared,
+    subject: &Arc<str>,
+    targets: &Targets,
+    reply: Option<Arc<str>>,
+    mut payload: Bytes,
+) -> Result<usize, Error> {
+    let stats = &shared.stats;
+    BrokerStats::add(&stats.messages_in, 1);
+    let remote = !targets.remote.is_empty();
+    let mut closed = Vec::new();
+    if let Some(((last_sid, last), others)) = targets.local.split_last() {
+        for (sid, sink) in others {
+            let outcome = sink.deliver_kept(subject, reply.clone(), payload.clone());
+            count_delivery(stats, *sid, sink, outcome, &mut closed);
+        }
+        let body = if remote {
+            payload.clone()
+        } else {
+            std::mem::take(&mut payload)
+        };
+        let outcome = last.deliver_kept(subject, reply.clone(), body);
+        count_delivery(stats, *last_sid, last, outcome, &mut closed);
+    }
+    if !closed.is_empty() {
+        remove_closed(shared, closed);
+    }
+    if remote {
+        shared.send_command(Command::Deliver {
+            targets: targets.remote.clone(),
+            message: Message {
+                subject: subject.clone(),
+                reply,
+                payload,
+            },
+        })?;
+    }
+    Ok(targets.len())
+}
+
 /// Hand a message to the in-process subscriptions among `targets`, count
 /// the outcome, and remove subscriptions that were cut off as slow consumers
 /// so their readers see the end of the stream.
 fn deliver_local(shared: &Shared, targets: &mut Targets, message: &Message) {
     let mut closed = Vec::new();
     for (sid, sink) in targets.local.drain(..) {
-        let stats = &shared.stats;
-        match sink.deliver(message.clone()) {
-            Delivery::Queued => BrokerStats::add(&stats.messages_out, 1),
-            Delivery::QueuedDroppingOldest(dropped) => {
-                BrokerStats::add(&stats.messages_out, 1);
-                BrokerStats::add(&stats.slow_consumer_drops, dropped);
-            }
-            Delivery::Dropped => BrokerStats::add(&stats.slow_consumer_drops, 1),
-            Delivery::Closed => closed.push(sid),
-        }
+        let outcome = sink.deliver(message.clone());
+        count_delivery(&shared.stats, sid, &sink, outcome, &mut closed);
     }
     if !closed.is_empty() {
-        BrokerStats::add(&shared.stats.slow_consumer_disconnects, closed.len() as u64);
-        let mut router = shared.router.write();
-        for sid in closed {
-            router.remove(SubRef {
-                owner: LOCAL_OWNER,
-                sid,
-            });
+        remove_closed(shared, closed);
+    }
+}
+
+/// Count one delivery's outcome; a closed subscription is noted in `closed`
+/// with whether this delivery's policy cut it off.
+fn count_delivery(
+    stats: &BrokerStats,
+    sid: u64,
+    sink: &LocalSink,
+    outcome: Delivery,
+    closed: &mut Vec<(u64, bool)>,
+) {
+    match outcome {
+        Delivery::Queued => BrokerStats::add(&stats.messages_out, 1),
+        Delivery::QueuedDroppingOldest(dropped) => {
+            BrokerStats::add(&stats.messages_out, 1);
+            BrokerStats::add(&stats.slow_consumer_drops, dropped);
+        }
+        Delivery::Dropped => BrokerStats::add(&stats.slow_consumer_drops, 1),
+        Delivery::Closed => closed.push((sid, sink.is_cut_off())),
+    }
+}
+
+/// Remove closed subscriptions from the router. Each one cut off by the
+/// disconnect policy is counted once, by whoever removes it (a subscription
+/// that was dropped, or a broker shutting down, is not a disconnect).
+#[cold]
+fn remove_closed(shared: &Shared, closed: Vec<(u64, bool)>) {
+    let mut router = shared.router.write();
+    for (sid, cut_off) in closed {
+        let removed = router.remove(SubRef {
+            owner: LOCAL_OWNER,
+            sid,
+        });
+        if removed && cut_off {
+            BrokerStats::add(&shared.stats.slow_consumer_disconnects, 1);
         }
     }
 }

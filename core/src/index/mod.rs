@@ -409,17 +409,39 @@ impl SubscriptionIndex {
     /// unspecified. Fails only if `subject` is not a valid literal subject
     /// under the index's limits.
     pub fn match_subject(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<(), SubjectError> {
+        self.match_cached(subject, out).map(|_| ())
+    }
+
+    /// Like [`match_subject`](Self::match_subject), and tells whether the
+    /// answer is stable: true when no queue group matched, so the same
+    /// subject has exactly these receivers until the index next changes.
+    /// (With a group, a member is picked anew for every message.) Callers
+    /// may then keep the answer as long as they can tell the index did not
+    /// change.
+    pub fn match_subject_stable(
+        &self,
+        subject: &str,
+        out: &mut Vec<SubRef>,
+    ) -> Result<bool, SubjectError> {
+        self.match_cached(subject, out)
+    }
+
+    /// The cached match; true when no queue group matched.
+    #[inline]
+    fn match_cached(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<bool, SubjectError> {
         out.clear();
         if !self.cache.enabled() {
             return self.match_walk(subject, out);
         }
         let hash = self.cache.hash(subject);
         // Cached subjects were validated when first matched.
-        let hit = self
-            .cache
-            .with(hash, subject, |plain, groups| self.emit(plain, groups, out));
+        let mut stable = true;
+        let hit = self.cache.with(hash, subject, |plain, groups| {
+            stable = groups.is_empty();
+            self.emit(plain, groups, out)
+        });
         if hit {
-            return Ok(());
+            return Ok(stable);
         }
         // Plain subscribers go straight to `out`; groups are collected so
         // the cache can keep them unpicked.
@@ -432,7 +454,7 @@ impl SubscriptionIndex {
         })?;
         self.cache.insert(hash, subject, out, &groups);
         self.emit(&[], &groups, out);
-        Ok(())
+        Ok(groups.is_empty())
     }
 
     /// Like [`match_subject`](Self::match_subject) but always walks the trie,
@@ -441,20 +463,24 @@ impl SubscriptionIndex {
     /// measuring the trie itself.
     pub fn match_uncached(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<(), SubjectError> {
         out.clear();
-        self.match_walk(subject, out)
+        self.match_walk(subject, out).map(|_| ())
     }
 
-    fn match_walk(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<(), SubjectError> {
+    /// The trie walk alone; true when no queue group matched.
+    fn match_walk(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<bool, SubjectError> {
+        let mut stable = true;
         self.with_tokens(subject, |toks| {
             self.walk(ROOT, toks, &mut |list: &SubList| {
                 out.extend_from_slice(&list.plain);
+                stable &= list.groups.is_empty();
                 for &gid in &list.groups {
                     if let Some(member) = self.pick(gid) {
                         out.push(member);
                     }
                 }
             })
-        })
+        })?;
+        Ok(stable)
     }
 
     /// Validates `subject` and hands its tokens to `f`, without allocating

@@ -138,6 +138,36 @@ fn cache_is_filled_and_invalidated() {
 }
 
 #[test]
+fn stability_reports_whether_a_queue_group_matched() {
+    for capacity in [0, IndexConfig::DEFAULT_CACHE_CAPACITY] {
+        let mut idx = SubscriptionIndex::new(IndexConfig {
+            cache_capacity: capacity,
+            ..IndexConfig::default()
+        });
+        idx.insert("a.b", None, key(1, 1)).unwrap();
+        idx.insert("a.*", Some("q"), key(1, 2)).unwrap();
+        idx.insert("a.*", Some("q"), key(1, 3)).unwrap();
+        let mut out = Vec::new();
+        // Twice each: once filling the cache, once from it.
+        for _ in 0..2 {
+            assert_eq!(idx.match_subject_stable("x.y", &mut out), Ok(true));
+            assert!(out.is_empty());
+            assert_eq!(idx.match_subject_stable("a.c", &mut out), Ok(false));
+            assert_eq!(out.len(), 1);
+            assert_eq!(idx.match_subject_stable("a.b", &mut out), Ok(false));
+            assert_eq!(out.len(), 2);
+        }
+        assert!(idx.remove(key(1, 2)));
+        assert!(idx.remove(key(1, 3)));
+        for _ in 0..2 {
+            assert_eq!(idx.match_subject_stable("a.b", &mut out), Ok(true));
+            assert_eq!(out, [key(1, 1)]);
+        }
+        assert!(idx.match_subject_stable("a.*", &mut out).is_err());
+    }
+}
+
+#[test]
 fn invalid_subjects_are_not_cached() {
     let idx = SubscriptionIndex::default();
     let mut out = vec![key(9, 9)];
