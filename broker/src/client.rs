@@ -4,17 +4,26 @@
 //! answers keepalives, delivers incoming messages to subscription queues,
 //! and on a lost connection reconnects with backoff, re-sends every
 //! subscription, then the publishes buffered meanwhile (within a bound).
+//!
+//! Application threads hand work to that thread through one outbox: a
+//! publish is encoded straight into a shared buffer (small payloads copied
+//! in, large ones shared behind their header), and subscriptions and
+//! flushes queue between the frames in order. The thread takes what
+//! accumulated and hands it to the endpoint as runs of frames, one system
+//! call per run; a publisher wakes it only when it sleeps. While publishes
+//! stream in, the thread lets them gather for a moment between runs
+//! ([`LINGER`]) instead of waking for each.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use crossbeam_channel::{Receiver, Sender};
+use bytes::{Bytes, BytesMut};
+use crossbeam_channel::Sender;
 use efabus_core::caps::{negotiate, Offer};
-use efabus_core::codec::{self, CodecLimits};
+use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, PROTOCOL_VERSION};
 use efabus_core::link::LinkTuning;
 use efabus_core::subject::{self, SubjectLimits};
@@ -25,18 +34,29 @@ use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use mio::unix::SourceFd;
 use mio::{Interest, Poll, Token, Waker};
 use parking_lot::{Condvar, Mutex};
+// Subscription ids are small integers this side assigns.
+use rustc_hash::FxHashMap as HashMap;
 use tracing::{debug, info, warn};
 
 use crate::config::SlowConsumerPolicy;
 use crate::datapath::{self, DataLink, Sent};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::error::Error;
-use crate::inbox::LoopInbox;
+use crate::inbox::Parker;
 
 const WAKER: Token = Token(0);
 const ENDPOINT: Token = Token(1);
 /// Data endpoints use tokens from here on.
 const DATA_TOKENS: usize = 2;
+/// Payloads up to this size are copied into the outbox with their frame;
+/// larger ones are shared behind a head of their own.
+const COPY_MAX: usize = 8 << 10;
+/// The outbox's open run is closed at this size (and the loop woken).
+const RUN_MAX: usize = 64 << 10;
+/// While publishes keep arriving (the outbox had frames again at the first
+/// look after a hand-off), the loop waits this long between hand-offs
+/// rather than being woken by each publish.
+pub const LINGER: Duration = Duration::from_micros(100);
 
 /// Open one data endpoint (only connecting out: no bind address).
 fn open_data_endpoint(
@@ -192,11 +212,53 @@ pub enum ConnectionState {
     Closed,
 }
 
+/// Work for the loop that is not a publish.
 enum Command {
-    Frame(OutFrame),
     Subscribe { sid: u64 },
     Unsubscribe { sid: u64 },
     Flush(Sender<()>),
+}
+
+/// One entry of the outbox, in the order application threads made them.
+enum Item {
+    /// Whole frames back to back.
+    Run(Bytes),
+    /// One frame whose payload is shared, not copied.
+    Frame(OutFrame),
+    Command(Command),
+}
+
+/// What application threads hand to the loop (see the module docs).
+#[derive(Default)]
+struct Outbox {
+    /// Frames encoded back to back since the last item.
+    open: BytesMut,
+    items: VecDeque<Item>,
+    /// Frame bytes in `open` and `items`, bounded by `max_pending_bytes`.
+    bytes: usize,
+    /// The subject last validated by a publisher: a stream of publishes on
+    /// one subject validates it once.
+    valid_subject: String,
+    /// Bytes added since the loop last took the outbox or was woken for it.
+    unannounced: usize,
+    /// Size of the last closed run: the room the next one starts with.
+    run_hint: usize,
+}
+
+impl Outbox {
+    fn is_empty(&self) -> bool {
+        self.open.is_empty() && self.items.is_empty()
+    }
+
+    /// Turn the open frames into an item, so what follows queues behind
+    /// them.
+    fn close_run(&mut self) {
+        if !self.open.is_empty() {
+            let run = std::mem::take(&mut self.open).freeze();
+            self.run_hint = run.len();
+            self.items.push_back(Item::Run(run));
+        }
+    }
 }
 
 struct ClientSub {
@@ -209,7 +271,10 @@ struct ClientSub {
 struct ClientShared {
     server: String,
     options: ClientOptions,
-    inbox: LoopInbox<Command>,
+    outbox: Mutex<Outbox>,
+    /// Publishers wait here for room in the outbox.
+    room: Condvar,
+    parker: Parker,
     shutdown: AtomicBool,
     subscriptions: Mutex<HashMap<u64, ClientSub>>,
     next_sid: AtomicU64,
@@ -220,6 +285,8 @@ struct ClientShared {
     inbox_prefix: String,
     /// The subscription id of the shared reply inbox, once subscribed.
     inbox_sid: Mutex<Option<u64>>,
+    /// The same id for the loop, read per message without a lock (0: none).
+    inbox_sid_seen: AtomicU64,
     /// Requests waiting for a reply, by the token in their reply subject.
     replies: Mutex<HashMap<u64, Sender<Message>>>,
     /// The negotiated paths (changes once per handshake).
@@ -229,11 +296,134 @@ struct ClientShared {
 }
 
 impl ClientShared {
+    /// Queue a command behind everything published so far. Commands are
+    /// small and never wait for room.
     fn send_command(&self, command: Command) -> Result<(), Error> {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        self.inbox.send(command, self.options.block_timeout)
+        let mut outbox = self.outbox.lock();
+        let was_empty = outbox.is_empty();
+        outbox.close_run();
+        outbox.items.push_back(Item::Command(command));
+        drop(outbox);
+        if was_empty {
+            self.parker.wake_if_parked();
+        }
+        Ok(())
+    }
+
+    /// Encode a publish into the outbox, waiting up to the block timeout
+    /// for room.
+    fn enqueue_publish(
+        &self,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Bytes,
+    ) -> Result<(), Error> {
+        if self.shutdown.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        let limits = &self.options.subject_limits;
+        let check = |s: &str| {
+            subject::validate_subject(s, limits).map_err(|source| Error::Subject {
+                subject: s.to_string(),
+                source,
+            })
+        };
+        let mut outbox = self.outbox.lock();
+        if outbox.valid_subject != subject {
+            check(subject)?;
+            outbox.valid_subject.clear();
+            outbox.valid_subject.push_str(subject);
+        }
+        if let Some(reply) = reply {
+            check(reply)?;
+        }
+        let max = self.max_payload.load(Ordering::Relaxed);
+        if payload.len() as u64 > max {
+            return Err(Error::PayloadTooLarge {
+                len: payload.len(),
+                max,
+            });
+        }
+        let bound = self.options.max_pending_bytes;
+        if outbox.bytes >= bound {
+            let timeout = self.options.block_timeout;
+            let deadline = Instant::now() + timeout;
+            self.parker.wake();
+            while outbox.bytes >= bound {
+                if self.shutdown.load(Ordering::Relaxed) {
+                    return Err(Error::Closed);
+                }
+                if self.room.wait_until(&mut outbox, deadline).timed_out() && outbox.bytes >= bound
+                {
+                    return Err(Error::Blocked(timeout));
+                }
+            }
+        }
+        let was_empty = outbox.is_empty();
+        let before = outbox.open.len();
+        let encoded = if payload.len() <= COPY_MAX {
+            if outbox.open.capacity() == 0 {
+                // Room for a run like the last one, so a stream of small
+                // frames does not grow the buffer step by step.
+                let room = outbox.run_hint.clamp(1 << 10, RUN_MAX + COPY_MAX);
+                outbox.open.reserve(room);
+            }
+            let result = codec::routed_into(
+                &mut outbox.open,
+                FrameKind::Publish,
+                0,
+                subject,
+                reply,
+                &payload,
+            );
+            result.map(|()| outbox.open.len() - before)
+        } else {
+            let mut head = BytesMut::new();
+            let result = codec::routed_head_into(
+                &mut head,
+                FrameKind::Publish,
+                0,
+                0,
+                subject,
+                reply,
+                payload.len(),
+            );
+            result.map(|()| {
+                let frame = OutFrame {
+                    head: head.freeze(),
+                    body: payload,
+                };
+                let len = frame.len();
+                outbox.close_run();
+                outbox.items.push_back(Item::Frame(frame));
+                len
+            })
+        };
+        // Subjects and payloads are checked against limits narrower than
+        // the wire fields above; this only fails with absurd limits.
+        let len = encoded.map_err(|err| {
+            Error::Transport(efabus_core::transport::TransportError::Other(
+                err.to_string(),
+            ))
+        })?;
+        outbox.bytes += len;
+        outbox.unannounced += len;
+        let full = outbox.unannounced >= RUN_MAX;
+        if full {
+            outbox.close_run();
+            outbox.unannounced = 0;
+        }
+        drop(outbox);
+        if full {
+            // A lingering loop takes a full run at once.
+            self.parker.wake();
+        } else if was_empty {
+            self.parker.wake_if_parked();
+        }
+        Ok(())
     }
 
     fn set_state(&self, state: ConnectionState) {
@@ -344,17 +534,19 @@ impl Client {
                 }
             }
         }
-        let (inbox, command_rx) = LoopInbox::new(waker, 65_536);
         let connect_timeout = options.connect_timeout;
         let shared = Arc::new(ClientShared {
             server: endpoint.to_string(),
             inbox_prefix: format!("_INBOX.{:016x}", crate::server::unique_seed()),
             inbox_sid: Mutex::new(None),
-            replies: Mutex::new(HashMap::new()),
+            inbox_sid_seen: AtomicU64::new(0),
+            replies: Mutex::new(HashMap::default()),
             options,
-            inbox,
+            outbox: Mutex::new(Outbox::default()),
+            room: Condvar::new(),
+            parker: Parker::new(waker),
             shutdown: AtomicBool::new(false),
-            subscriptions: Mutex::new(HashMap::new()),
+            subscriptions: Mutex::new(HashMap::default()),
             next_sid: AtomicU64::new(1),
             state: Mutex::new(ConnectionState::Connecting),
             state_changed: Condvar::new(),
@@ -364,14 +556,7 @@ impl Client {
             counters: LinkCounters::default(),
         });
         shared.link.lock().reasons = unavailable;
-        let conn = ClientLoop::new(
-            shared.clone(),
-            poll,
-            endpoint_box,
-            data,
-            address,
-            command_rx,
-        );
+        let conn = ClientLoop::new(shared.clone(), poll, endpoint_box, data, address);
         let thread = std::thread::Builder::new()
             .name("efabus-client".into())
             .spawn(move || conn.run())
@@ -456,31 +641,7 @@ impl Client {
         reply: Option<&str>,
         payload: Bytes,
     ) -> Result<(), Error> {
-        let limits = &self.shared.options.subject_limits;
-        let check = |s: &str| {
-            subject::validate_subject(s, limits).map_err(|source| Error::Subject {
-                subject: s.to_string(),
-                source,
-            })
-        };
-        check(subject)?;
-        if let Some(reply) = reply {
-            check(reply)?;
-        }
-        let max = self.shared.max_payload.load(Ordering::Relaxed);
-        if payload.len() as u64 > max {
-            return Err(Error::PayloadTooLarge {
-                len: payload.len(),
-                max,
-            });
-        }
-        let frame = codec::encode(&Frame::Publish(frame::Publish {
-            subject: subject.to_string(),
-            reply: reply.map(str::to_string),
-            seq: 0,
-            payload,
-        }));
-        self.shared.send_command(Command::Frame(frame))
+        self.shared.enqueue_publish(subject, reply, payload)
     }
 
     pub fn subscribe(&self, pattern: &str) -> Result<Subscription, Error> {
@@ -595,6 +756,7 @@ impl Client {
         );
         self.shared.send_command(Command::Subscribe { sid })?;
         *inbox = Some(sid);
+        self.shared.inbox_sid_seen.store(sid, Ordering::Release);
         Ok(())
     }
 
@@ -612,7 +774,9 @@ impl Client {
             let _ = self.flush(Duration::from_secs(1));
         }
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        self.shared.inbox.wake();
+        self.shared.parker.wake();
+        // Publishers waiting for room see the shutdown.
+        self.shared.room.notify_all();
         if let Some(thread) = self.thread.lock().take() {
             if thread.join().is_err() {
                 warn!("client thread panicked");
@@ -643,13 +807,25 @@ struct ClientLoop {
     poll: Poll,
     endpoint: Box<dyn Endpoint>,
     address: String,
-    commands: Receiver<Command>,
     codec: CodecLimits,
     link: LinkState,
     backoff: Duration,
-    /// Frames not yet accepted by the endpoint (pushed back or disconnected).
-    pending: VecDeque<OutFrame>,
+    /// Frames not yet accepted by the endpoint (pushed back or
+    /// disconnected); `true` marks a run of frames.
+    pending: VecDeque<(OutFrame, bool)>,
     pending_bytes: usize,
+    /// Items taken from the outbox, being handed on.
+    taken: VecDeque<Item>,
+    /// The last look at the outbox found frames.
+    took_last: bool,
+    /// The outbox had frames at two looks in a row: publishes are
+    /// streaming in.
+    streaming: bool,
+    /// The subject of the last message delivered, shared by the next ones
+    /// on the same subject.
+    last_subject: Option<Arc<str>>,
+    /// The time of this loop round, read once per round rather than per frame.
+    now: Instant,
     flushes: Vec<(u64, Sender<()>)>,
     next_nonce: u64,
     last_heard: Instant,
@@ -676,7 +852,6 @@ impl ClientLoop {
         endpoint: Box<dyn Endpoint>,
         data: Vec<Box<dyn Endpoint>>,
         address: String,
-        commands: Receiver<Command>,
     ) -> ClientLoop {
         let unavailable = shared.link.lock().reasons.clone();
         let offers = data
@@ -694,12 +869,16 @@ impl ClientLoop {
             poll,
             endpoint,
             address,
-            commands,
             codec,
             link: LinkState::Down { retry_at: now },
             backoff: Duration::from_millis(50),
             pending: VecDeque::new(),
             pending_bytes: 0,
+            taken: VecDeque::new(),
+            took_last: false,
+            streaming: false,
+            last_subject: None,
+            now,
             flushes: Vec::new(),
             next_nonce: 1,
             last_heard: now,
@@ -724,6 +903,7 @@ impl ClientLoop {
         let mut idle = 0u32;
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let now = Instant::now();
+            self.now = now;
             self.on_timers(now);
             self.poll_best_effort(now);
             if matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
@@ -746,9 +926,19 @@ impl ClientLoop {
                     self.on_data_event(index, event);
                 }
             }
-            busy |= self.drain_commands();
-            if busy {
+            let took = self.drain_outbox();
+            if busy || took {
                 idle = 0;
+                if self.streaming && !busy {
+                    // Publishes are streaming in: let the next run gather
+                    // rather than be woken per publish (a full run or
+                    // incoming traffic ends the wait early).
+                    if let Err(err) = crate::server::wait(&mut self.poll, &mut mio_events, LINGER) {
+                        if err.kind() != std::io::ErrorKind::Interrupted {
+                            warn!(error = %err, "client poll failed");
+                        }
+                    }
+                }
                 continue;
             }
             idle = idle.saturating_add(1);
@@ -757,7 +947,8 @@ impl ClientLoop {
                 let polling = &self.shared.options.fabric.polling;
                 timeout = timeout.min(crate::server::backoff(idle, polling));
             }
-            if !self.shared.inbox.park(&self.commands) {
+            let shared = &self.shared;
+            if !shared.parker.park(|| shared.outbox.lock().is_empty()) {
                 continue;
             }
             if let Err(err) = crate::server::wait(&mut self.poll, &mut mio_events, timeout) {
@@ -765,13 +956,13 @@ impl ClientLoop {
                     warn!(error = %err, "client poll failed");
                 }
             }
-            self.shared.inbox.unpark();
+            self.shared.parker.unpark();
         }
         self.close();
     }
 
     fn close(&mut self) {
-        while self.drain_commands() {}
+        while self.drain_outbox() {}
         if let LinkState::Up { peer } = self.link {
             let goodbye = codec::encode(&Frame::Goodbye(Goodbye {
                 reason: "client closing".to_string(),
@@ -868,11 +1059,20 @@ impl ClientLoop {
         };
         match event {
             Event::Frame { peer, frame } if Some(peer) == current => {
-                self.last_heard = Instant::now();
-                self.shared
-                    .counters
-                    .control_in
-                    .fetch_add(1, Ordering::Relaxed);
+                self.last_heard = self.now;
+                // Only this thread writes the counter: no atomic add needed.
+                let control_in = &self.shared.counters.control_in;
+                control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+                // Messages, the bulk of the traffic, are read in place.
+                if let LinkState::Up { .. } = self.link {
+                    if let Ok(Some(view)) = codec::peek_routed(&frame, &self.codec) {
+                        if view.kind == FrameKind::Message {
+                            let payload = view.payload_of(&frame);
+                            self.on_message(view.sid, view.subject, view.reply, payload);
+                            return;
+                        }
+                    }
+                }
                 match codec::decode(frame, &self.codec) {
                     Ok(frame) => self.on_frame(peer, frame),
                     Err(err) => {
@@ -920,29 +1120,12 @@ impl ClientLoop {
                     server: welcome.name,
                 });
             }
-            Frame::Message(message) => {
-                let sid = message.sid;
-                if Some(sid) == *self.shared.inbox_sid.lock() {
-                    self.dispatch_reply(message);
-                    return;
-                }
-                let mut subscriptions = self.shared.subscriptions.lock();
-                let Some(sub) = subscriptions.get(&sid) else {
-                    return;
-                };
-                let delivery = sub.sink.deliver(Message {
-                    subject: Arc::from(message.subject),
-                    reply: message.reply.map(Arc::from),
-                    payload: message.payload,
-                });
-                if delivery == Delivery::Closed {
-                    // Cut off as a slow consumer: end the stream for the
-                    // reader and stop the server sending more.
-                    subscriptions.remove(&sid);
-                    drop(subscriptions);
-                    self.send(codec::encode(&Frame::Unsubscribe { sid }));
-                }
-            }
+            Frame::Message(message) => self.on_message(
+                message.sid,
+                &message.subject,
+                message.reply.as_deref(),
+                message.payload,
+            ),
             Frame::Ping { nonce } => self.send(codec::encode(&Frame::Pong { nonce })),
             Frame::Pong { nonce } => {
                 self.flushes.retain(|(waiting, done)| {
@@ -972,20 +1155,59 @@ impl ClientLoop {
         }
     }
 
+    /// A message from the server: a reply goes to the request waiting for
+    /// it, anything else to its subscription's queue.
+    fn on_message(&mut self, sid: u64, subject: &str, reply: Option<&str>, payload: Bytes) {
+        let inbox = self.shared.inbox_sid_seen.load(Ordering::Acquire);
+        if inbox != 0 && sid == inbox {
+            self.dispatch_reply(subject, reply, payload);
+            return;
+        }
+        let subject = self.shared_subject(subject);
+        let mut subscriptions = self.shared.subscriptions.lock();
+        let Some(sub) = subscriptions.get(&sid) else {
+            return;
+        };
+        let delivery = sub.sink.deliver(Message {
+            subject,
+            reply: reply.map(Arc::from),
+            payload,
+        });
+        if delivery == Delivery::Closed {
+            // Cut off as a slow consumer: end the stream for the
+            // reader and stop the server sending more.
+            subscriptions.remove(&sid);
+            drop(subscriptions);
+            self.send(codec::encode(&Frame::Unsubscribe { sid }));
+        }
+    }
+
+    /// The subject as a shared string, reusing the last one when messages
+    /// keep arriving on the same subject, so a delivery does not allocate.
+    fn shared_subject(&mut self, subject: &str) -> Arc<str> {
+        match &self.last_subject {
+            Some(last) if &**last == subject => last.clone(),
+            _ => {
+                let fresh: Arc<str> = Arc::from(subject);
+                self.last_subject = Some(fresh.clone());
+                fresh
+            }
+        }
+    }
+
     /// Hand a reply to the request waiting for its token; a reply nobody
     /// waits for (the request timed out) is dropped.
-    fn dispatch_reply(&mut self, message: frame::Message) {
-        let token = message
-            .subject
+    fn dispatch_reply(&mut self, subject: &str, reply: Option<&str>, payload: Bytes) {
+        let token = subject
             .rsplit('.')
             .next()
             .and_then(|token| token.parse::<u64>().ok());
         let waiting = token.and_then(|token| self.shared.replies.lock().remove(&token));
         if let Some(waiting) = waiting {
             let _ = waiting.send(Message {
-                subject: Arc::from(message.subject),
-                reply: message.reply.map(Arc::from),
-                payload: message.payload,
+                subject: Arc::from(subject),
+                reply: reply.map(Arc::from),
+                payload,
             });
         }
     }
@@ -1003,62 +1225,100 @@ impl ClientLoop {
         for frame in frames {
             if let Err(frame) = self.transmit(peer, frame) {
                 self.pending_bytes += frame.len();
-                self.pending.push_back(frame);
+                self.pending.push_back((frame, false));
             }
         }
     }
 
-    fn drain_commands(&mut self) -> bool {
-        let mut handled = 0;
-        while handled < 4096 && self.pending_bytes < self.shared.options.max_pending_bytes {
-            let Ok(command) = self.commands.try_recv() else {
-                break;
-            };
-            handled += 1;
-            match command {
-                Command::Frame(frame) => self.send(frame),
-                Command::Subscribe { sid } => {
-                    // While disconnected, the subscription is sent on reconnect.
-                    if let LinkState::Up { .. } = self.link {
-                        let frame = self
-                            .shared
-                            .subscriptions
-                            .lock()
-                            .get(&sid)
-                            .map(|sub| subscribe_frame(sid, sub));
-                        if let Some(frame) = frame {
-                            self.send(frame);
-                        }
-                    }
-                }
-                Command::Unsubscribe { sid } => {
-                    if let LinkState::Up { .. } = self.link {
-                        self.send(codec::encode(&Frame::Unsubscribe { sid }));
-                    }
-                }
-                Command::Flush(done) => {
-                    let nonce = self.next_nonce;
-                    self.next_nonce += 1;
-                    self.send(codec::encode(&Frame::Ping { nonce }));
-                    self.flushes.push((nonce, done));
-                }
+    /// Take what application threads queued in the outbox and hand it on
+    /// in order; true if there was anything. Nothing is taken while the
+    /// frames already refused by the endpoint are over the pending bound.
+    fn drain_outbox(&mut self) -> bool {
+        let bound = self.shared.options.max_pending_bytes;
+        if self.pending_bytes >= bound {
+            return false;
+        }
+        let freed = {
+            let mut outbox = self.shared.outbox.lock();
+            if outbox.is_empty() {
+                self.streaming = false;
+                self.took_last = false;
+                return false;
+            }
+            outbox.close_run();
+            std::mem::swap(&mut self.taken, &mut outbox.items);
+            outbox.unannounced = 0;
+            std::mem::take(&mut outbox.bytes)
+        };
+        if freed >= bound {
+            self.shared.room.notify_all();
+        }
+        // Frames again at the first look after a take: publishes are
+        // streaming in.
+        self.streaming = self.took_last;
+        self.took_last = true;
+        while let Some(item) = self.taken.pop_front() {
+            match item {
+                Item::Run(run) => self.send_out(OutFrame::whole(run), true),
+                Item::Frame(frame) => self.send_out(frame, false),
+                Item::Command(command) => self.on_command(command),
             }
         }
-        handled > 0
+        true
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::Subscribe { sid } => {
+                // While disconnected, the subscription is sent on reconnect.
+                if let LinkState::Up { .. } = self.link {
+                    let frame = self
+                        .shared
+                        .subscriptions
+                        .lock()
+                        .get(&sid)
+                        .map(|sub| subscribe_frame(sid, sub));
+                    if let Some(frame) = frame {
+                        self.send(frame);
+                    }
+                }
+            }
+            Command::Unsubscribe { sid } => {
+                if let LinkState::Up { .. } = self.link {
+                    self.send(codec::encode(&Frame::Unsubscribe { sid }));
+                }
+            }
+            Command::Flush(done) => {
+                let nonce = self.next_nonce;
+                self.next_nonce += 1;
+                self.send(codec::encode(&Frame::Ping { nonce }));
+                self.flushes.push((nonce, done));
+            }
+        }
     }
 
     fn send(&mut self, frame: OutFrame) {
+        self.send_out(frame, false);
+    }
+
+    /// Send a frame, or a run of frames, behind whatever is pending.
+    fn send_out(&mut self, frame: OutFrame, run: bool) {
         if let LinkState::Up { peer } = self.link {
             if self.pending.is_empty() {
-                if let Err(frame) = self.transmit(peer, frame) {
+                let result = if run {
+                    self.transmit_run(peer, frame.head)
+                } else {
+                    self.transmit(peer, frame)
+                };
+                if let Err(frame) = result {
                     self.pending_bytes += frame.len();
-                    self.pending.push_back(frame);
+                    self.pending.push_back((frame, run));
                 }
                 return;
             }
         }
         self.pending_bytes += frame.len();
-        self.pending.push_back(frame);
+        self.pending.push_back((frame, run));
     }
 
     fn flush_pending(&mut self) {
@@ -1072,14 +1332,48 @@ impl ClientLoop {
                 Err(reason) => warn!(%reason, "data link send failed"),
             }
         }
-        while let Some(frame) = self.pending.pop_front() {
+        while let Some((frame, run)) = self.pending.pop_front() {
             let len = frame.len();
-            match self.transmit(peer, frame) {
+            let result = if run {
+                self.transmit_run(peer, frame.head)
+            } else {
+                self.transmit(peer, frame)
+            };
+            match result {
                 Ok(()) => self.pending_bytes -= len,
-                Err(frame) => {
-                    self.pending.push_front(frame);
+                Err(rest) => {
+                    self.pending_bytes -= len - rest.len();
+                    self.pending.push_front((rest, run));
                     break;
                 }
+            }
+        }
+    }
+
+    /// Send a run of frames on the current path; what the path did not
+    /// take comes back (as a run). A data link takes the run frame by frame.
+    fn transmit_run(&mut self, peer: PeerId, run: Bytes) -> Result<(), OutFrame> {
+        if self.reliable.is_some() {
+            let mut at = 0;
+            while let Some(raw) = run.get(at..at + 4) {
+                let total = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]) as usize + 4;
+                if at + total > run.len() {
+                    break;
+                }
+                let frame = OutFrame::whole(run.slice(at..at + total));
+                if self.transmit(peer, frame).is_err() {
+                    return Err(OutFrame::whole(run.slice(at..)));
+                }
+                at += total;
+            }
+            return Ok(());
+        }
+        match self.endpoint.send_run(peer, run) {
+            Ok(()) => Ok(()),
+            Err(SendError::WouldBlock(rest)) => Err(rest),
+            Err(err) => {
+                warn!(error = %err, "send failed");
+                Ok(())
             }
         }
     }

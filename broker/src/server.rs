@@ -662,6 +662,24 @@ struct EventLoop {
     tally: Tally,
 }
 
+/// A payload being routed: its bytes, and the buffer they lie in, so a
+/// shared slice is made only where one is needed (large payloads,
+/// in-process subscribers) and small ones are copied without touching the
+/// buffer's reference count.
+#[derive(Clone, Copy)]
+struct Payload<'a> {
+    bytes: &'a [u8],
+    frame: &'a Bytes,
+    /// Where `bytes` start in `frame`.
+    at: usize,
+}
+
+impl Payload<'_> {
+    fn to_bytes(self) -> Bytes {
+        self.frame.slice(self.at..self.at + self.bytes.len())
+    }
+}
+
 /// Per-round counts of the busiest statistics (one atomic add per round
 /// instead of one per message).
 #[derive(Default)]
@@ -802,12 +820,17 @@ impl EventLoop {
             handled += 1;
             match command {
                 Command::Deliver { targets, message } => {
+                    let payload = Payload {
+                        bytes: &message.payload,
+                        frame: &message.payload,
+                        at: 0,
+                    };
                     for target in targets {
                         self.deliver_remote(
                             target,
                             &message.subject,
                             message.reply.as_deref(),
-                            &message.payload,
+                            payload,
                         );
                     }
                 }
@@ -980,7 +1003,11 @@ impl EventLoop {
         if session.state == SessionState::Ready {
             match codec::peek_routed(&bytes, &self.codec) {
                 Ok(Some(view)) if view.kind == FrameKind::Publish => {
-                    let payload = view.payload_of(&bytes);
+                    let payload = Payload {
+                        bytes: view.payload,
+                        frame: &bytes,
+                        at: view.payload_at,
+                    };
                     self.on_publish(id, view.subject, view.reply, payload);
                     return;
                 }
@@ -1017,7 +1044,11 @@ impl EventLoop {
                 id,
                 &publish.subject,
                 publish.reply.as_deref(),
-                publish.payload,
+                Payload {
+                    bytes: &publish.payload,
+                    frame: &publish.payload,
+                    at: 0,
+                },
             ),
             (SessionState::Ready, Frame::Subscribe(subscribe)) => self.on_subscribe(id, subscribe),
             (SessionState::Ready, Frame::Unsubscribe { sid }) => {
@@ -1204,20 +1235,19 @@ impl EventLoop {
         }
     }
 
-    fn on_publish(&mut self, id: u64, subject: &str, reply: Option<&str>, payload: Bytes) {
-        let shared = self.shared.clone();
-        let limits = &shared.config.limits;
-        if payload.len() as u64 > limits.max_payload {
+    fn on_publish(&mut self, id: u64, subject: &str, reply: Option<&str>, payload: Payload<'_>) {
+        let max_payload = self.shared.config.limits.max_payload;
+        if payload.bytes.len() as u64 > max_payload {
             let text = format!(
-                "payload of {} bytes exceeds the limit of {}",
-                payload.len(),
-                limits.max_payload
+                "payload of {} bytes exceeds the limit of {max_payload}",
+                payload.bytes.len(),
             );
             self.report(id, ErrorCode::PayloadTooLarge, text);
             return;
         }
         let mut targets = std::mem::take(&mut self.targets);
         // Routing validates the subject (the index caches valid ones).
+        let shared = &self.shared;
         let valid = shared
             .router
             .read()
@@ -1240,12 +1270,12 @@ impl EventLoop {
             let message = Message {
                 subject: Arc::from(subject),
                 reply: reply.map(Arc::from),
-                payload: payload.clone(),
+                payload: payload.to_bytes(),
             };
-            deliver_local(&shared, &mut targets, &message);
+            deliver_local(&self.shared, &mut targets, &message);
         }
         for target in targets.remote.drain(..) {
-            self.deliver_remote(target, subject, reply, &payload);
+            self.deliver_remote(target, subject, reply, payload);
         }
         self.targets = targets;
     }
@@ -1259,7 +1289,7 @@ impl EventLoop {
         target: SubRef,
         subject: &str,
         reply: Option<&str>,
-        payload: &Bytes,
+        payload: Payload<'_>,
     ) {
         let Some(session) = self.sessions.get_mut(&target.owner) else {
             return;
@@ -1268,7 +1298,7 @@ impl EventLoop {
         self.tally.messages_out += 1;
         let on_data_link = session.reliable.is_some() && session.switched;
         let best_effort = class == Some(DeliveryClass::BestEffort) && session.best_effort.is_some();
-        if !on_data_link && !best_effort && payload.len() <= COPY_MAX {
+        if !on_data_link && !best_effort && payload.bytes.len() <= COPY_MAX {
             if session.batch.capacity() == 0 {
                 session.batch.reserve(session.batch_hint);
             }
@@ -1278,7 +1308,7 @@ impl EventLoop {
                 target.sid,
                 subject,
                 reply,
-                payload,
+                payload.bytes,
             );
             if let Err(err) = encoded {
                 // Limits are enforced before routing; this is not reachable
@@ -1303,7 +1333,7 @@ impl EventLoop {
             0,
             subject,
             reply,
-            payload.len(),
+            payload.bytes.len(),
         );
         if let Err(err) = encoded {
             warn!(session = target.owner, error = %err, "message cannot be encoded");
@@ -1311,7 +1341,7 @@ impl EventLoop {
         }
         let frame = OutFrame {
             head: head.freeze(),
-            body: payload.clone(),
+            body: payload.to_bytes(),
         };
         if best_effort {
             let Some(link) = session.best_effort.as_mut() else {

@@ -480,18 +480,24 @@ pub fn routed_head_into(
         head_len - PREFIX_LEN + payload_len,
         u32::MAX as usize,
     )?;
-    out.reserve(head_len);
+    // The fixed part is built on the stack and appended at once: one
+    // capacity check per piece instead of one per field.
+    let mut fixed = [0u8; FRAME_OVERHEAD + MESSAGE_HEADER_LEN];
     // Checked above: the body length fits u32.
-    out.put_u32_le((head_len - PREFIX_LEN + payload_len) as u32);
-    out.put_u8(kind as u8);
+    fixed[..4].copy_from_slice(&((head_len - PREFIX_LEN + payload_len) as u32).to_le_bytes());
+    fixed[4] = kind as u8;
+    let mut at = FRAME_OVERHEAD;
     if kind == FrameKind::Message {
-        out.put_u64_le(sid);
+        fixed[at..at + 8].copy_from_slice(&sid.to_le_bytes());
+        at += 8;
     }
-    out.put_u64_le(seq);
-    out.put_u8(if reply.is_some() { FLAG_REPLY } else { 0 });
-    out.put_u16_le(subject.len() as u16);
-    out.put_u16_le(reply_len as u16);
-    out.put_u32_le(payload_len as u32);
+    fixed[at..at + 8].copy_from_slice(&seq.to_le_bytes());
+    fixed[at + 8] = if reply.is_some() { FLAG_REPLY } else { 0 };
+    fixed[at + 9..at + 11].copy_from_slice(&(subject.len() as u16).to_le_bytes());
+    fixed[at + 11..at + 13].copy_from_slice(&(reply_len as u16).to_le_bytes());
+    fixed[at + 13..at + 17].copy_from_slice(&(payload_len as u32).to_le_bytes());
+    out.reserve(head_len);
+    out.extend_from_slice(&fixed[..at + 17]);
     out.extend_from_slice(subject.as_bytes());
     if let Some(reply) = reply {
         out.extend_from_slice(reply.as_bytes());
@@ -509,6 +515,7 @@ pub fn routed_into(
     reply: Option<&str>,
     payload: &[u8],
 ) -> Result<(), EncodeError> {
+    out.reserve(FRAME_OVERHEAD + MESSAGE_HEADER_LEN + subject.len() + payload.len());
     routed_head_into(out, kind, sid, 0, subject, reply, payload.len())?;
     out.extend_from_slice(payload);
     Ok(())
