@@ -10,9 +10,7 @@
 //! in, large ones shared behind their header), and subscriptions and
 //! flushes queue between the frames in order. The thread takes what
 //! accumulated and hands it to the endpoint as runs of frames, one system
-//! call per run; a publisher wakes it only when it sleeps. While publishes
-//! stream in, the thread lets them gather for a moment between runs
-//! ([`LINGER`]) instead of waking for each.
+//! call per run; a publisher wakes it only when it sleeps.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -28,7 +26,7 @@ use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, 
 use efabus_core::link::LinkTuning;
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
-    Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+    DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
 };
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use mio::unix::SourceFd;
@@ -53,10 +51,6 @@ const DATA_TOKENS: usize = 2;
 const COPY_MAX: usize = 8 << 10;
 /// The outbox's open run is closed at this size (and the loop woken).
 const RUN_MAX: usize = 64 << 10;
-/// While publishes keep arriving (the outbox had frames again at the first
-/// look after a hand-off), the loop waits this long between hand-offs
-/// rather than being woken by each publish.
-pub const LINGER: Duration = Duration::from_micros(100);
 
 /// Open one data endpoint (only connecting out: no bind address).
 fn open_data_endpoint(
@@ -239,10 +233,14 @@ struct Outbox {
     /// The subject last validated by a publisher: a stream of publishes on
     /// one subject validates it once.
     valid_subject: String,
-    /// Bytes added since the loop last took the outbox or was woken for it.
-    unannounced: usize,
     /// Size of the last closed run: the room the next one starts with.
     run_hint: usize,
+    /// The loop sleeps with nothing queued or pending: the next publish may
+    /// go to the wire on the publisher's own thread.
+    loop_idle: bool,
+    /// Where such a publish goes: the connection's direct sender while the
+    /// control link carries the traffic and has one.
+    direct: Option<Arc<dyn DirectSend>>,
 }
 
 impl Outbox {
@@ -410,17 +408,34 @@ impl ClientShared {
             ))
         })?;
         outbox.bytes += len;
-        outbox.unannounced += len;
-        let full = outbox.unannounced >= RUN_MAX;
-        if full {
+        if was_empty && outbox.loop_idle {
+            // The loop sleeps with nothing queued: send on this thread
+            // rather than wake it (once per sleep; a stream of publishes
+            // wakes it for the next one and then leaves the sending to it).
+            outbox.loop_idle = false;
+            if let Some(direct) = outbox.direct.clone() {
+                outbox.close_run();
+                if let Some(item) = outbox.items.pop_front() {
+                    let result = match &item {
+                        Item::Run(run) => direct.send_run(run.clone()),
+                        Item::Frame(frame) => direct.send(frame.clone()),
+                        Item::Command(_) => Err(SendError::Closed(PeerId(0))),
+                    };
+                    if result.is_ok() {
+                        outbox.bytes -= len;
+                        return Ok(());
+                    }
+                    // Refused (full, or the link is going): the loop
+                    // takes it as any other publish.
+                    outbox.items.push_front(item);
+                }
+            }
+        }
+        if outbox.open.len() >= RUN_MAX {
             outbox.close_run();
-            outbox.unannounced = 0;
         }
         drop(outbox);
-        if full {
-            // A lingering loop takes a full run at once.
-            self.parker.wake();
-        } else if was_empty {
+        if was_empty {
             self.parker.wake_if_parked();
         }
         Ok(())
@@ -816,11 +831,6 @@ struct ClientLoop {
     pending_bytes: usize,
     /// Items taken from the outbox, being handed on.
     taken: VecDeque<Item>,
-    /// The last look at the outbox found frames.
-    took_last: bool,
-    /// The outbox had frames at two looks in a row: publishes are
-    /// streaming in.
-    streaming: bool,
     /// The subject of the last message delivered, shared by the next ones
     /// on the same subject.
     last_subject: Option<Arc<str>>,
@@ -875,8 +885,6 @@ impl ClientLoop {
             pending: VecDeque::new(),
             pending_bytes: 0,
             taken: VecDeque::new(),
-            took_last: false,
-            streaming: false,
             last_subject: None,
             now,
             flushes: Vec::new(),
@@ -926,19 +934,8 @@ impl ClientLoop {
                     self.on_data_event(index, event);
                 }
             }
-            let took = self.drain_outbox();
-            if busy || took {
+            if busy | self.drain_outbox() {
                 idle = 0;
-                if self.streaming && !busy {
-                    // Publishes are streaming in: let the next run gather
-                    // rather than be woken per publish (a full run or
-                    // incoming traffic ends the wait early).
-                    if let Err(err) = crate::server::wait(&mut self.poll, &mut mio_events, LINGER) {
-                        if err.kind() != std::io::ErrorKind::Interrupted {
-                            warn!(error = %err, "client poll failed");
-                        }
-                    }
-                }
                 continue;
             }
             idle = idle.saturating_add(1);
@@ -948,7 +945,14 @@ impl ClientLoop {
                 timeout = timeout.min(crate::server::backoff(idle, polling));
             }
             let shared = &self.shared;
-            if !shared.parker.park(|| shared.outbox.lock().is_empty()) {
+            let nothing_pending = self.pending.is_empty();
+            let parked = shared.parker.park(|| {
+                let mut outbox = shared.outbox.lock();
+                let idle = outbox.is_empty();
+                outbox.loop_idle = idle && nothing_pending;
+                idle
+            });
+            if !parked {
                 continue;
             }
             if let Err(err) = crate::server::wait(&mut self.poll, &mut mio_events, timeout) {
@@ -957,11 +961,14 @@ impl ClientLoop {
                 }
             }
             self.shared.parker.unpark();
+            // Awake again: publishers go through the outbox.
+            self.shared.outbox.lock().loop_idle = false;
         }
         self.close();
     }
 
     fn close(&mut self) {
+        self.shared.outbox.lock().direct = None;
         while self.drain_outbox() {}
         if let LinkState::Up { peer } = self.link {
             let goodbye = codec::encode(&Frame::Goodbye(Goodbye {
@@ -1037,6 +1044,7 @@ impl ClientLoop {
     }
 
     fn link_lost(&mut self, now: Instant) {
+        self.shared.outbox.lock().direct = None;
         self.drop_data_links();
         if !self.shared.options.reconnect && self.ever_connected {
             self.shared.set_state(ConnectionState::Closed);
@@ -1063,15 +1071,28 @@ impl ClientLoop {
                 // Only this thread writes the counter: no atomic add needed.
                 let control_in = &self.shared.counters.control_in;
                 control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-                // Messages, the bulk of the traffic, are read in place.
+                // Messages, the bulk of the traffic, are read in place; a
+                // subject like the last one is neither checked nor copied.
                 if let LinkState::Up { .. } = self.link {
-                    if let Ok(Some(view)) = codec::peek_routed(&frame, &self.codec) {
+                    let known = self.last_subject.take();
+                    let known_str = known.as_deref().unwrap_or("");
+                    if let Ok(Some(view)) =
+                        codec::peek_routed_known(&frame, &self.codec, known_str)
+                    {
                         if view.kind == FrameKind::Message {
                             let payload = view.payload_of(&frame);
-                            self.on_message(view.sid, view.subject, view.reply, payload);
+                            let subject = Subject {
+                                text: view.subject,
+                                shared: known.as_ref().filter(|k| std::ptr::eq(&***k, view.subject)),
+                            };
+                            self.on_message(view.sid, subject, view.reply, payload);
+                            if self.last_subject.is_none() {
+                                self.last_subject = known;
+                            }
                             return;
                         }
                     }
+                    self.last_subject = known;
                 }
                 match codec::decode(frame, &self.codec) {
                     Ok(frame) => self.on_frame(peer, frame),
@@ -1108,6 +1129,13 @@ impl ClientLoop {
                 self.ever_connected = true;
                 info!(server = %self.shared.server, name = %welcome.name, "connected");
                 self.open_data_links(&welcome.offers);
+                // Publishers may write to the control link themselves while
+                // it carries the traffic.
+                let direct = match self.reliable {
+                    None => self.endpoint.direct_sender(peer),
+                    Some(_) => None,
+                };
+                self.shared.outbox.lock().direct = direct;
                 if let Some(link) = &self.reliable {
                     // The first frame on the data link tells the server to
                     // move its side of the traffic there too.
@@ -1122,7 +1150,10 @@ impl ClientLoop {
             }
             Frame::Message(message) => self.on_message(
                 message.sid,
-                &message.subject,
+                Subject {
+                    text: &message.subject,
+                    shared: None,
+                },
                 message.reply.as_deref(),
                 message.payload,
             ),
@@ -1157,13 +1188,23 @@ impl ClientLoop {
 
     /// A message from the server: a reply goes to the request waiting for
     /// it, anything else to its subscription's queue.
-    fn on_message(&mut self, sid: u64, subject: &str, reply: Option<&str>, payload: Bytes) {
+    fn on_message(&mut self, sid: u64, subject: Subject<'_>, reply: Option<&str>, payload: Bytes) {
         let inbox = self.shared.inbox_sid_seen.load(Ordering::Acquire);
         if inbox != 0 && sid == inbox {
-            self.dispatch_reply(subject, reply, payload);
+            self.dispatch_reply(subject.text, reply, payload);
             return;
         }
-        let subject = self.shared_subject(subject);
+        // The subject as a shared string: the last one again while messages
+        // keep arriving on it, so a delivery does not allocate.
+        let subject = match (subject.shared, &self.last_subject) {
+            (Some(shared), _) => shared.clone(),
+            (None, Some(last)) if **last == *subject.text => last.clone(),
+            (None, _) => {
+                let fresh: Arc<str> = Arc::from(subject.text);
+                self.last_subject = Some(fresh.clone());
+                fresh
+            }
+        };
         let mut subscriptions = self.shared.subscriptions.lock();
         let Some(sub) = subscriptions.get(&sid) else {
             return;
@@ -1179,19 +1220,6 @@ impl ClientLoop {
             subscriptions.remove(&sid);
             drop(subscriptions);
             self.send(codec::encode(&Frame::Unsubscribe { sid }));
-        }
-    }
-
-    /// The subject as a shared string, reusing the last one when messages
-    /// keep arriving on the same subject, so a delivery does not allocate.
-    fn shared_subject(&mut self, subject: &str) -> Arc<str> {
-        match &self.last_subject {
-            Some(last) if &**last == subject => last.clone(),
-            _ => {
-                let fresh: Arc<str> = Arc::from(subject);
-                self.last_subject = Some(fresh.clone());
-                fresh
-            }
         }
     }
 
@@ -1241,22 +1269,15 @@ impl ClientLoop {
         let freed = {
             let mut outbox = self.shared.outbox.lock();
             if outbox.is_empty() {
-                self.streaming = false;
-                self.took_last = false;
                 return false;
             }
             outbox.close_run();
             std::mem::swap(&mut self.taken, &mut outbox.items);
-            outbox.unannounced = 0;
             std::mem::take(&mut outbox.bytes)
         };
         if freed >= bound {
             self.shared.room.notify_all();
         }
-        // Frames again at the first look after a take: publishes are
-        // streaming in.
-        self.streaming = self.took_last;
-        self.took_last = true;
         while let Some(item) = self.taken.pop_front() {
             match item {
                 Item::Run(run) => self.send_out(OutFrame::whole(run), true),
@@ -1557,6 +1578,13 @@ impl ClientLoop {
         }
         self.released = released;
     }
+}
+
+/// The subject of a received message, and the shared string holding the
+/// same text when the loop has one already.
+struct Subject<'a> {
+    text: &'a str,
+    shared: Option<&'a Arc<str>>,
 }
 
 fn subscribe_frame(sid: u64, sub: &ClientSub) -> OutFrame {

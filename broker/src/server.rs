@@ -660,6 +660,9 @@ struct EventLoop {
     now: Instant,
     /// Counters gathered during a round, added to the shared stats at its end.
     tally: Tally,
+    /// The subject of the last publish, and a spare buffer for the next.
+    known_subject: String,
+    spare_subject: String,
 }
 
 /// A payload being routed: its bytes, and the buffer they lie in, so a
@@ -724,6 +727,8 @@ impl EventLoop {
             dirty: Vec::new(),
             now: Instant::now(),
             tally: Tally::default(),
+            known_subject: String::new(),
+            spare_subject: String::new(),
         }
     }
 
@@ -999,22 +1004,35 @@ impl EventLoop {
             return;
         }
         // Publishes, the bulk of the traffic, are read in place: nothing
-        // is allocated for them. Everything else is decoded into a value.
+        // is allocated for them, and a subject like the last one is not
+        // checked again. Everything else is decoded into a value.
         if session.state == SessionState::Ready {
-            match codec::peek_routed(&bytes, &self.codec) {
+            let known = std::mem::take(&mut self.known_subject);
+            match codec::peek_routed_known(&bytes, &self.codec, &known) {
                 Ok(Some(view)) if view.kind == FrameKind::Publish => {
+                    let changed = !std::ptr::eq(view.subject, known.as_str());
+                    if changed {
+                        // Remember this subject, in the spare buffer.
+                        self.spare_subject.clear();
+                        self.spare_subject.push_str(view.subject);
+                    }
                     let payload = Payload {
                         bytes: view.payload,
                         frame: &bytes,
                         at: view.payload_at,
                     };
                     self.on_publish(id, view.subject, view.reply, payload);
+                    self.known_subject = known;
+                    if changed {
+                        std::mem::swap(&mut self.known_subject, &mut self.spare_subject);
+                    }
                     return;
                 }
                 // Other kinds, and malformed frames, go the general way
                 // (which reports the same error).
                 _ => {}
             }
+            self.known_subject = known;
             // Statistics are current before anything is answered.
             self.flush_tally();
         }

@@ -710,12 +710,6 @@ impl<'a> Fields<'a> {
         out
     }
 
-    fn u8(&mut self) -> u8 {
-        self.array::<1>()[0]
-    }
-    fn u16(&mut self) -> u16 {
-        u16::from_le_bytes(self.array())
-    }
     fn u32(&mut self) -> u32 {
         u32::from_le_bytes(self.array())
     }
@@ -759,6 +753,18 @@ pub fn peek_routed<'a>(
     frame: &'a [u8],
     limits: &CodecLimits,
 ) -> Result<Option<RoutedView<'a>>, DecodeError> {
+    peek_routed_known(frame, limits, "")
+}
+
+/// [`peek_routed`] for a receiver that expects a subject it has seen
+/// before: when the frame's subject bytes equal `known`, the view's subject
+/// is `known` itself and the UTF-8 check is skipped (`known` is a `str`
+/// already). Same results as [`peek_routed`] for every input.
+pub fn peek_routed_known<'a>(
+    frame: &'a [u8],
+    limits: &CodecLimits,
+    known: &'a str,
+) -> Result<Option<RoutedView<'a>>, DecodeError> {
     let Some(total) = frame_len(frame, limits)? else {
         return Err(DecodeError::Truncated {
             needed: PREFIX_LEN,
@@ -775,7 +781,9 @@ pub fn peek_routed<'a>(
     let kind = FrameKind::from_byte(kind_byte).ok_or(DecodeError::UnknownKind(kind_byte))?;
     let body = &frame[FRAME_OVERHEAD..];
     match kind {
-        FrameKind::Publish | FrameKind::Message => routed_view(kind, body, limits).map(Some),
+        FrameKind::Publish | FrameKind::Message => {
+            routed_view(kind, body, limits, known).map(Some)
+        }
         _ => Ok(None),
     }
 }
@@ -786,26 +794,31 @@ fn routed_view<'a>(
     kind: FrameKind,
     body: &'a [u8],
     limits: &CodecLimits,
+    known: &'a str,
 ) -> Result<RoutedView<'a>, DecodeError> {
-    let header_len = if kind == FrameKind::Message {
-        MESSAGE_HEADER_LEN
+    // Both headers end in the same 17 bytes (seq, flags, three lengths); a
+    // message has its sid in front.
+    let (sid, at) = if kind == FrameKind::Message {
+        let sid = body.first_chunk::<8>().map_or(0, |raw| u64::from_le_bytes(*raw));
+        (sid, 8)
     } else {
-        PUBLISH_HEADER_LEN
+        (0, 0)
     };
-    let mut fields = Fields::new(body, header_len)?;
-    let sid = if kind == FrameKind::Message {
-        fields.u64()
-    } else {
-        0
+    let Some(fixed) = body.get(at..).and_then(|rest| rest.first_chunk::<17>()) else {
+        return Err(DecodeError::Truncated {
+            needed: FRAME_OVERHEAD + at + 17,
+            available: FRAME_OVERHEAD + body.len(),
+        });
     };
-    let seq = fields.u64();
-    let flags = fields.u8();
+    let field = |from: usize, to: usize| &fixed[from..to];
+    let seq = u64::from_le_bytes(field(0, 8).try_into().unwrap_or_default());
+    let flags = fixed[8];
     if flags & !FLAG_REPLY != 0 {
         return Err(DecodeError::UnknownFlags { kind, flags });
     }
-    let subject_len = usize::from(fields.u16());
-    let reply_len = usize::from(fields.u16());
-    let payload_len = fields.u32() as usize;
+    let subject_len = usize::from(u16::from_le_bytes([fixed[9], fixed[10]]));
+    let reply_len = usize::from(u16::from_le_bytes([fixed[11], fixed[12]]));
+    let payload_len = u32::from_le_bytes([fixed[13], fixed[14], fixed[15], fixed[16]]) as usize;
     if flags & FLAG_REPLY == 0 && reply_len != 0 {
         return Err(DecodeError::UnknownFlags { kind, flags });
     }
@@ -819,7 +832,7 @@ fn routed_view<'a>(
             });
         }
     }
-    let header = fields.pos;
+    let header = at + 17;
     let declared = (header + subject_len + reply_len) as u64 + payload_len as u64;
     if declared != body.len() as u64 {
         return Err(DecodeError::BodyLength {
@@ -830,15 +843,20 @@ fn routed_view<'a>(
     }
     let subject_end = header + subject_len;
     let reply_end = subject_end + reply_len;
-    let (subject, rest) = body[header..].split_at(subject_len);
-    let (reply, payload) = rest.split_at(reply_len);
-    let subject = utf8(kind, "subject", subject)?;
+    // The lengths add up to the body's (checked above): these are in range.
+    let subject = &body[header..subject_end];
+    let reply = &body[subject_end..reply_end];
+    let payload = &body[reply_end..];
+    let subject = if subject == known.as_bytes() {
+        known
+    } else {
+        utf8(kind, "subject", subject)?
+    };
     let reply = if flags & FLAG_REPLY != 0 {
         Some(utf8(kind, "reply subject", reply)?)
     } else {
         None
     };
-    debug_assert_eq!(payload.len(), body.len() - reply_end);
     Ok(RoutedView {
         kind,
         sid,
@@ -861,7 +879,7 @@ fn decode_routed(
     frame: &Bytes,
     limits: &CodecLimits,
 ) -> Result<Frame, DecodeError> {
-    let view = routed_view(kind, &frame[FRAME_OVERHEAD..], limits)?;
+    let view = routed_view(kind, &frame[FRAME_OVERHEAD..], limits, "")?;
     let payload = view.payload_of(frame);
     let subject = view.subject.to_owned();
     let reply = view.reply.map(str::to_owned);

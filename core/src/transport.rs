@@ -26,6 +26,7 @@
 
 use std::fmt;
 use std::os::fd::RawFd;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use thiserror::Error;
@@ -208,6 +209,19 @@ pub enum SendError {
     Transport(#[from] TransportError),
 }
 
+/// Sends to one peer of an endpoint from any thread (see
+/// [`Endpoint::direct_sender`]). It never blocks: what the wire does not
+/// take at once stays queued with the endpoint's other frames for that
+/// peer, within the same bounds, and the endpoint's polling thread writes it
+/// later. A refused frame or run is handed back as from [`Endpoint::send`];
+/// refusals produce no `Writable` event.
+pub trait DirectSend: Send + Sync {
+    /// As [`Endpoint::send`].
+    fn send(&self, frame: OutFrame) -> Result<(), SendError>;
+    /// As [`Endpoint::send_run`]; the run is taken whole or not at all.
+    fn send_run(&self, run: Bytes) -> Result<(), SendError>;
+}
+
 /// A factory of endpoints for one scheme.
 pub trait Transport: Send + Sync {
     /// The scheme selecting this transport in endpoint strings (`tcp`, `mem`, `efa-rdm`).
@@ -285,6 +299,15 @@ pub trait Endpoint: Send {
 
     /// Append what is ready to `events` without blocking.
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError>;
+
+    /// A handle through which other threads may send to the peer directly,
+    /// without handing frames to the thread that polls this endpoint; `None`
+    /// when the transport has none (the default) or the peer is unknown.
+    /// Frames sent through it queue in the same order as `send`'s.
+    fn direct_sender(&mut self, peer: PeerId) -> Option<Arc<dyn DirectSend>> {
+        let _ = peer;
+        None
+    }
 
     /// Flush what is queued for the peer (best effort), then release it.
     /// A `Closed { reason: Local }` event follows.

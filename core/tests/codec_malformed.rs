@@ -7,7 +7,7 @@ mod codec_common;
 use bytes::{BufMut, Bytes, BytesMut};
 use codec_common::frame;
 use efabus_core::codec::{
-    decode, encode, frame_len, peek_routed, try_encode, CodecLimits, DecodeError, EncodeError,
+    decode, encode, frame_len, peek_routed, peek_routed_known, try_encode, CodecLimits, DecodeError, EncodeError,
     FrameKind, FrameReader, FLAG_REPLY, MAX_CONTROL_BODY, MAX_OFFERS,
 };
 use efabus_core::frame::{Frame, Goodbye, Publish};
@@ -33,6 +33,16 @@ fn assert_stable(frame: &Frame, limits: &CodecLimits) {
 fn assert_view_agrees(bytes: &Bytes, limits: &CodecLimits) {
     let decoded = decode(bytes.clone(), limits);
     let peeked = peek_routed(bytes, limits);
+    // A known subject, matching or not, changes nothing but where the
+    // subject is borrowed from.
+    let subject = match &decoded {
+        Ok(Frame::Publish(p)) => p.subject.clone(),
+        Ok(Frame::Message(m)) => m.subject.clone(),
+        _ => "a.b".to_string(),
+    };
+    for known in [&subject[..], "a.b", ""] {
+        assert_eq!(peek_routed_known(bytes, limits, known), peeked);
+    }
     match (&decoded, &peeked) {
         (Ok(Frame::Publish(p)), Ok(Some(view))) => {
             assert_eq!(view.kind, FrameKind::Publish);

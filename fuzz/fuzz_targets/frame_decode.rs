@@ -112,6 +112,12 @@ fuzz_target!(|data: &[u8]| {
     for limits in [CodecLimits::default(), tight] {
         let decoded = codec::decode(Bytes::copy_from_slice(&input), &limits);
         let peeked = codec::peek_routed(&input, &limits);
+        let known = match &decoded {
+            Ok(Frame::Publish(p)) => p.subject.clone(),
+            Ok(Frame::Message(m)) => m.subject.clone(),
+            _ => String::from("orders.eu.new"),
+        };
+        assert_eq!(codec::peek_routed_known(&input, &limits, &known), peeked);
         match (&decoded, &peeked) {
             (Ok(Frame::Publish(p)), Ok(Some(view))) => {
                 assert_eq!(view.subject, p.subject);

@@ -35,14 +35,18 @@ use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use bytes::{Buf, Bytes, BytesMut};
 use efabus_core::caps::FabricInfo;
 use efabus_core::transport::{
-    CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
-    Transport, TransportError,
+    CloseReason, DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness,
+    SendError, Transport, TransportError,
 };
 use mio::net::{TcpListener, TcpStream};
+use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
+use parking_lot::Mutex;
 
 use crate::prefix;
 
@@ -59,8 +63,13 @@ pub const ACCEPT_BUDGET: usize = 256;
 /// How long a locally closed connection may keep flushing and draining.
 pub const LINGER: Duration = Duration::from_secs(5);
 
-/// Smallest free room kept in a read buffer before each read.
+/// Room a read buffer grows by when it must grow.
 const READ_CHUNK: usize = 64 << 10;
+
+/// Smallest free room a read is made into: less than this, and the buffer
+/// grows by [`READ_CHUNK`] first. (Frames received earlier may still hold
+/// the buffer, so growing often means a new buffer to allocate and zero.)
+const READ_MIN: usize = 16 << 10;
 
 /// Most buffers handed to one `write_vectored` (well below `IOV_MAX`).
 const MAX_IOV: usize = 256;
@@ -136,69 +145,87 @@ enum Gone {
     Failed(String),
 }
 
-struct Conn {
-    stream: TcpStream,
-    remote: String,
-    /// Addresses still to try if the current connect fails.
-    fallbacks: Vec<SocketAddr>,
-    /// Why earlier addresses failed, for the final error.
-    failures: Vec<String>,
+/// The sending half of a connection. The endpoint and the peer's
+/// [`DirectSend`] handles share it behind a lock, so frames from either
+/// queue in one order.
+struct Out {
+    stream: Arc<TcpStream>,
     connected: bool,
-    /// `close` was called at this instant; the peer id is no longer visible.
-    closing: Option<Instant>,
+    /// `close` was called: take nothing more, shut down once flushed.
+    closing: bool,
     /// The write side has been shut down.
     shut: bool,
     /// Queued parts, each with the number of frames it completes (0 for a
     /// frame's head, 1 for its last part, n for a run of n whole frames).
-    out: VecDeque<(Bytes, usize)>,
-    out_frames: usize,
-    out_bytes: usize,
+    parts: VecDeque<(Bytes, usize)>,
+    frames: usize,
+    bytes: usize,
     /// A send was refused; owe the caller a `Writable`.
     blocked: bool,
     /// The socket refused bytes; wait for its writable edge before writing.
     write_blocked: bool,
     /// A write made on the spot failed; the next poll drops the connection.
     broken: Option<String>,
-    /// Listed in the endpoint's flush list.
-    dirty: bool,
-    /// Stopped reading at the budget; read again on the next poll.
-    read_more: bool,
-    /// The caller asked to stop reading (backpressure); readiness seen
-    /// meanwhile is remembered in `read_more`.
-    read_paused: bool,
-    /// The poll round that last serviced this connection.
-    round: u64,
     /// `write_vectored` calls made, for tests and diagnostics.
     writes: u64,
-    /// Received bytes: `[..filled]` is data, the rest is free room.
-    rbuf: BytesMut,
-    filled: usize,
 }
 
-impl Conn {
-    fn new(stream: TcpStream, remote: String, connected: bool) -> Self {
-        Conn {
+impl Out {
+    fn new(stream: Arc<TcpStream>, connected: bool) -> Self {
+        Out {
             stream,
-            remote,
-            fallbacks: Vec::new(),
-            failures: Vec::new(),
             connected,
-            closing: None,
+            closing: false,
             shut: false,
-            out: VecDeque::new(),
-            out_frames: 0,
-            out_bytes: 0,
+            parts: VecDeque::new(),
+            frames: 0,
+            bytes: 0,
             blocked: false,
             write_blocked: false,
             broken: None,
-            dirty: false,
-            read_more: false,
-            read_paused: false,
-            round: 0,
             writes: 0,
-            rbuf: BytesMut::new(),
-            filled: 0,
         }
+    }
+
+    /// Whether `frames` more frames of `len` bytes fit the bounds. An empty
+    /// queue always takes one send, so a frame or run larger than the byte
+    /// bound (but within `max_frame`) can still pass.
+    fn has_room(&self, frames: usize, len: usize, limits: &Limits) -> bool {
+        self.frames == 0
+            || (self.frames + frames <= limits.queue_frames
+                && self.bytes + len <= limits.queue_bytes)
+    }
+
+    fn push_frame(&mut self, frame: OutFrame) {
+        let len = frame.len();
+        let OutFrame { head, body } = frame;
+        if body.is_empty() {
+            self.parts.push_back((head, 1));
+        } else {
+            if !head.is_empty() {
+                self.parts.push_back((head, 0));
+            }
+            self.parts.push_back((body, 1));
+        }
+        self.frames += 1;
+        self.bytes += len;
+    }
+
+    fn push_run(&mut self, run: Bytes, frames: usize) {
+        self.frames += frames;
+        self.bytes += run.len();
+        self.parts.push_back((run, frames));
+    }
+
+    /// Write now if the socket may take it; a failure is kept in `broken`
+    /// for the endpoint to report. True when nothing is left to write.
+    fn write_now(&mut self) -> bool {
+        if self.connected && !self.write_blocked && self.broken.is_none() {
+            if let Err(err) = self.flush() {
+                self.broken = Some(describe(&err));
+            }
+        }
+        self.parts.is_empty()
     }
 
     /// Write queued parts until done or the socket is full.
@@ -206,15 +233,15 @@ impl Conn {
         if !self.connected {
             return Ok(());
         }
-        while !self.out.is_empty() {
+        while !self.parts.is_empty() {
             let mut iov = [IoSlice::new(&[]); MAX_IOV];
             let mut n = 0;
-            for ((part, _), slot) in self.out.iter().zip(iov.iter_mut()) {
+            for ((part, _), slot) in self.parts.iter().zip(iov.iter_mut()) {
                 *slot = IoSlice::new(part);
                 n += 1;
             }
             self.writes += 1;
-            match self.stream.write_vectored(&iov[..n]) {
+            match (&*self.stream).write_vectored(&iov[..n]) {
                 Ok(0) => {
                     return Err(io::Error::new(
                         io::ErrorKind::WriteZero,
@@ -230,7 +257,7 @@ impl Conn {
                 Err(err) => return Err(err),
             }
         }
-        if self.out.is_empty() && self.closing.is_some() && !self.shut {
+        if self.parts.is_empty() && self.closing && !self.shut {
             self.shut = true;
             // Sends FIN once everything queued is out; the peer reads it as
             // an orderly close after the last frame.
@@ -244,15 +271,15 @@ impl Conn {
     }
 
     fn consume(&mut self, mut written: usize) {
-        self.out_bytes -= written.min(self.out_bytes);
+        self.bytes -= written.min(self.bytes);
         while written > 0 {
-            let Some((part, frames)) = self.out.front_mut() else {
+            let Some((part, frames)) = self.parts.front_mut() else {
                 return;
             };
             if part.len() <= written {
                 written -= part.len();
-                self.out_frames -= (*frames).min(self.out_frames);
-                self.out.pop_front();
+                self.frames -= (*frames).min(self.frames);
+                self.parts.pop_front();
             } else {
                 part.advance(written);
                 written = 0;
@@ -262,15 +289,160 @@ impl Conn {
 
     /// True when a refused sender may go again.
     fn drained_to_half(&self, queue_frames: usize, queue_bytes: usize) -> bool {
-        self.out_frames <= queue_frames / 2 && self.out_bytes <= queue_bytes / 2
+        self.frames <= queue_frames / 2 && self.bytes <= queue_bytes / 2
+    }
+}
+
+/// Connections whose direct senders need the endpoint's attention (a write
+/// failed), and the waker that makes the endpoint poll them.
+struct Attention {
+    tokens: Mutex<Vec<Token>>,
+    waker: Waker,
+}
+
+impl Attention {
+    fn call(&self, token: Token) {
+        self.tokens.lock().push(token);
+        if let Err(err) = self.waker.wake() {
+            tracing::warn!("tcp: cannot wake endpoint: {err}");
+        }
+    }
+}
+
+/// A peer's [`DirectSend`] handle: writes on the caller's thread, into the
+/// connection's shared sending half.
+struct Direct {
+    token: Token,
+    out: Arc<Mutex<Out>>,
+    limits: Limits,
+    attention: Arc<Attention>,
+}
+
+impl Direct {
+    fn after_write(&self, out: &Out) {
+        if out.broken.is_some() {
+            self.attention.call(self.token);
+        }
+    }
+}
+
+impl DirectSend for Direct {
+    fn send(&self, frame: OutFrame) -> Result<(), SendError> {
+        prefix::check(&frame, self.limits.max_frame)?;
+        let mut out = self.out.lock();
+        if out.closing || out.broken.is_some() {
+            return Err(SendError::Closed(peer_of(self.token)));
+        }
+        if !out.has_room(1, frame.len(), &self.limits) {
+            return Err(SendError::WouldBlock(frame));
+        }
+        out.push_frame(frame);
+        out.write_now();
+        self.after_write(&out);
+        Ok(())
     }
 
-    /// Make sure at least `want` bytes of free room follow the data.
+    fn send_run(&self, run: Bytes) -> Result<(), SendError> {
+        let frames = count_run(&run, self.limits.max_frame)?;
+        if frames == 0 {
+            return Ok(());
+        }
+        let mut out = self.out.lock();
+        if out.closing || out.broken.is_some() {
+            return Err(SendError::Closed(peer_of(self.token)));
+        }
+        if !out.has_room(frames, run.len(), &self.limits) {
+            return Err(SendError::WouldBlock(OutFrame::whole(run)));
+        }
+        out.push_run(run, frames);
+        out.write_now();
+        self.after_write(&out);
+        Ok(())
+    }
+}
+
+/// The number of whole frames in a run, each checked against `max_frame`;
+/// an error when the run ends inside a frame.
+fn count_run(run: &[u8], max_frame: usize) -> Result<usize, SendError> {
+    let mut frames = 0;
+    let mut at = 0;
+    while at < run.len() {
+        let Some(total) = prefix::declared_total(&run[at..]) else {
+            return Err(run_error(format!(
+                "a run of {} bytes ends inside a length prefix at byte {at}",
+                run.len()
+            )));
+        };
+        if total > max_frame {
+            return Err(SendError::TooLarge {
+                len: total,
+                max: max_frame,
+            });
+        }
+        if at + total > run.len() {
+            return Err(run_error(format!(
+                "a run of {} bytes ends inside the frame at byte {at}",
+                run.len()
+            )));
+        }
+        at += total;
+        frames += 1;
+    }
+    Ok(frames)
+}
+
+struct Conn {
+    stream: Arc<TcpStream>,
+    remote: String,
+    /// Addresses still to try if the current connect fails.
+    fallbacks: Vec<SocketAddr>,
+    /// Why earlier addresses failed, for the final error.
+    failures: Vec<String>,
+    connected: bool,
+    /// `close` was called at this instant; the peer id is no longer visible.
+    closing: Option<Instant>,
+    out: Arc<Mutex<Out>>,
+    /// Listed in the endpoint's flush list.
+    dirty: bool,
+    /// Stopped reading at the budget; read again on the next poll.
+    read_more: bool,
+    /// The caller asked to stop reading (backpressure); readiness seen
+    /// meanwhile is remembered in `read_more`.
+    read_paused: bool,
+    /// The poll round that last serviced this connection.
+    round: u64,
+    /// Received bytes: `[..filled]` is data, the rest is free room.
+    rbuf: BytesMut,
+    filled: usize,
+}
+
+impl Conn {
+    fn new(stream: TcpStream, remote: String, connected: bool) -> Self {
+        let stream = Arc::new(stream);
+        Conn {
+            out: Arc::new(Mutex::new(Out::new(stream.clone(), connected))),
+            stream,
+            remote,
+            fallbacks: Vec::new(),
+            failures: Vec::new(),
+            connected,
+            closing: None,
+            dirty: false,
+            read_more: false,
+            read_paused: false,
+            round: 0,
+            rbuf: BytesMut::new(),
+            filled: 0,
+        }
+    }
+
+    /// Make sure at least `want` bytes of free room follow the data,
+    /// growing by at least [`READ_CHUNK`] when it must grow.
     fn room(&mut self, want: usize) {
         if self.rbuf.len() < self.filled + want {
             // Only the new tail is zeroed; room left from earlier reads is
             // reused as it is.
-            self.rbuf.resize(self.filled + want, 0);
+            self.rbuf.resize(self.filled + want.max(READ_CHUNK), 0);
         }
     }
 
@@ -289,13 +461,13 @@ impl Conn {
             // Room for the rest of the frame being received, if its length
             // is known (and was checked), else a chunk.
             let want = match prefix::declared_total(&self.rbuf[..self.filled]) {
-                Some(total) if total > self.filled => (total - self.filled).max(READ_CHUNK),
-                _ => READ_CHUNK,
+                Some(total) if total > self.filled => (total - self.filled).max(READ_MIN),
+                _ => READ_MIN,
             };
             self.room(want);
             let end = self.rbuf.len().min(self.filled + budget);
             let free = &mut self.rbuf[self.filled..end];
-            match self.stream.read(free) {
+            match (&*self.stream).read(free) {
                 Ok(0) => {
                     return Err(if self.filled == 0 {
                         Gone::Peer
@@ -357,7 +529,7 @@ impl Conn {
         let mut budget = limits.read_budget;
         loop {
             let end = self.rbuf.len().min(budget);
-            match self.stream.read(&mut self.rbuf[..end]) {
+            match (&*self.stream).read(&mut self.rbuf[..end]) {
                 Ok(0) => return true,
                 Ok(n) => {
                     budget = budget.saturating_sub(n);
@@ -424,7 +596,9 @@ impl Limits {
 pub struct TcpEndpoint {
     poll: Poll,
     events: Events,
-    waker: Waker,
+    /// The waker, shared with direct senders, and the connections they
+    /// flag.
+    attention: Arc<Attention>,
     /// A wake-up is outstanding (not yet consumed by `poll`).
     woken: bool,
     listener: Option<TcpListener>,
@@ -493,7 +667,10 @@ impl TcpEndpoint {
         Ok(TcpEndpoint {
             poll,
             events: Events::with_capacity(256),
-            waker,
+            attention: Arc::new(Attention {
+                tokens: Mutex::new(Vec::new()),
+                waker,
+            }),
             woken: false,
             listener,
             local,
@@ -550,7 +727,7 @@ impl TcpEndpoint {
     fn nudge(&mut self) {
         if !self.woken {
             self.woken = true;
-            if let Err(err) = self.waker.wake() {
+            if let Err(err) = self.attention.waker.wake() {
                 tracing::warn!("tcp: cannot wake endpoint: {err}");
             }
         }
@@ -653,19 +830,22 @@ impl TcpEndpoint {
         };
         let Some(err) = failure else {
             conn.connected = true;
+            conn.out.lock().connected = true;
             return Ok(());
         };
         let mut failures = std::mem::take(&mut conn.failures);
         failures.push(format!("connect to {}: {}", conn.remote, describe(&err)));
         let mut fallbacks = std::mem::take(&mut conn.fallbacks);
-        let _ = self.poll.registry().deregister(&mut conn.stream);
+        let fd = conn.stream.as_raw_fd();
+        let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
         match self.start_connect(token, &mut fallbacks, &mut failures) {
             Some((stream, addr)) => {
                 let Some(conn) = self.conns.get_mut(&token) else {
                     return Ok(());
                 };
                 conn.remote = addr.to_string();
-                conn.stream = stream;
+                conn.stream = Arc::new(stream);
+                conn.out.lock().stream = conn.stream.clone();
                 conn.fallbacks = fallbacks;
                 conn.failures = failures;
                 Ok(())
@@ -676,8 +856,13 @@ impl TcpEndpoint {
 
     /// Remove a connection; report it unless it was closed locally.
     fn drop_conn(&mut self, token: Token, reason: CloseReason, events: &mut Vec<Event>) {
-        if let Some(mut conn) = self.conns.remove(&token) {
-            let _ = self.poll.registry().deregister(&mut conn.stream);
+        if let Some(conn) = self.conns.remove(&token) {
+            let fd = conn.stream.as_raw_fd();
+            let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+            // Direct senders still holding the sending half find it closed,
+            // and the socket goes now, whoever still holds it.
+            conn.out.lock().closing = true;
+            let _ = conn.stream.shutdown(Shutdown::Both);
             if conn.closing.is_some() {
                 self.lingering -= 1;
             } else {
@@ -711,15 +896,18 @@ impl TcpEndpoint {
             return;
         }
         let peer = peer_of(token);
+        let mut out = conn.out.lock();
         if writable {
-            conn.write_blocked = false;
+            out.write_blocked = false;
         }
-        if let Some(text) = conn.broken.take() {
+        if let Some(text) = out.broken.take() {
+            drop(out);
             self.drop_conn(token, CloseReason::Error(text), events);
             return;
         }
         if conn.closing.is_some() {
-            let flushed = conn.flush().is_ok();
+            let flushed = out.flush().is_ok();
+            drop(out);
             let done = (readable || conn.read_more) && conn.drain_discard(&limits);
             let expired = conn.closing.is_some_and(|t| t.elapsed() >= LINGER);
             if !flushed || done || expired {
@@ -727,6 +915,7 @@ impl TcpEndpoint {
             }
             return;
         }
+        drop(out);
         // Read before writing: a peer that sent frames and then went away
         // makes writes fail, and its last frames must not be lost to that.
         if conn.read_paused {
@@ -744,13 +933,15 @@ impl TcpEndpoint {
             }
         }
         if writable || conn.dirty {
-            if let Err(err) = conn.flush() {
+            let mut out = conn.out.lock();
+            if let Err(err) = out.flush() {
+                drop(out);
                 let reason = CloseReason::Error(describe(&err));
                 self.drop_conn(token, reason, events);
                 return;
             }
-            if conn.blocked && conn.drained_to_half(limits.queue_frames, limits.queue_bytes) {
-                conn.blocked = false;
+            if out.blocked && out.drained_to_half(limits.queue_frames, limits.queue_bytes) {
+                out.blocked = false;
                 events.push(Event::Writable { peer });
             }
         }
@@ -785,27 +976,13 @@ impl Endpoint for TcpEndpoint {
         if conn.closing.is_some() {
             return Err(SendError::Closed(peer));
         }
-        let len = frame.len();
-        // An empty queue always takes one frame, so a frame larger than the
-        // byte bound (but within max_frame) can still pass.
-        if conn.out_frames > 0
-            && (conn.out_frames >= self.limits.queue_frames
-                || conn.out_bytes + len > self.limits.queue_bytes)
-        {
-            conn.blocked = true;
+        let mut out = conn.out.lock();
+        if !out.has_room(1, frame.len(), &self.limits) {
+            out.blocked = true;
             return Err(SendError::WouldBlock(frame));
         }
-        let OutFrame { head, body } = frame;
-        if body.is_empty() {
-            conn.out.push_back((head, 1));
-        } else {
-            if !head.is_empty() {
-                conn.out.push_back((head, 0));
-            }
-            conn.out.push_back((body, 1));
-        }
-        conn.out_frames += 1;
-        conn.out_bytes += len;
+        out.push_frame(frame);
+        drop(out);
         if !conn.dirty {
             conn.dirty = true;
             self.dirty.push(token);
@@ -818,31 +995,7 @@ impl Endpoint for TcpEndpoint {
     /// on the spot (with whatever was queued before it): a caller that
     /// batches its frames gets one system call per run and no wake-up.
     fn send_run(&mut self, peer: PeerId, run: Bytes) -> Result<(), SendError> {
-        let max_frame = self.limits.max_frame;
-        let mut frames = 0;
-        let mut at = 0;
-        while at < run.len() {
-            let Some(total) = prefix::declared_total(&run[at..]) else {
-                return Err(run_error(format!(
-                    "a run of {} bytes ends inside a length prefix at byte {at}",
-                    run.len()
-                )));
-            };
-            if total > max_frame {
-                return Err(SendError::TooLarge {
-                    len: total,
-                    max: max_frame,
-                });
-            }
-            if at + total > run.len() {
-                return Err(run_error(format!(
-                    "a run of {} bytes ends inside the frame at byte {at}",
-                    run.len()
-                )));
-            }
-            at += total;
-            frames += 1;
-        }
+        let frames = count_run(&run, self.limits.max_frame)?;
         if frames == 0 {
             return Ok(());
         }
@@ -851,28 +1004,20 @@ impl Endpoint for TcpEndpoint {
         else {
             return Err(SendError::Closed(peer));
         };
-        if conn.closing.is_some() || conn.broken.is_some() {
+        let mut out = conn.out.lock();
+        if conn.closing.is_some() || out.broken.is_some() {
             return Err(SendError::Closed(peer));
         }
-        // As with single frames, an empty queue always takes the run.
-        if conn.out_frames > 0
-            && (conn.out_frames + frames > self.limits.queue_frames
-                || conn.out_bytes + run.len() > self.limits.queue_bytes)
-        {
-            conn.blocked = true;
+        if !out.has_room(frames, run.len(), &self.limits) {
+            out.blocked = true;
             return Err(SendError::WouldBlock(OutFrame::whole(run)));
         }
-        conn.out_frames += frames;
-        conn.out_bytes += run.len();
-        conn.out.push_back((run, frames));
-        if conn.connected && !conn.write_blocked {
-            if let Err(err) = conn.flush() {
-                // Reported by the next poll, like any failed write.
-                conn.broken = Some(describe(&err));
-            }
-        }
-        let settled = conn.out.is_empty() || (conn.connected && conn.write_blocked);
-        if !settled || conn.broken.is_some() {
+        out.push_run(run, frames);
+        let settled = out.write_now() || (out.connected && out.write_blocked);
+        let broken = out.broken.is_some();
+        drop(out);
+        if !settled || broken {
+            // Reported (or written) by the next poll.
             if !conn.dirty {
                 conn.dirty = true;
                 self.dirty.push(token);
@@ -880,6 +1025,20 @@ impl Endpoint for TcpEndpoint {
             self.nudge();
         }
         Ok(())
+    }
+
+    fn direct_sender(&mut self, peer: PeerId) -> Option<Arc<dyn DirectSend>> {
+        let token = token_of(peer)?;
+        let conn = self.conns.get(&token)?;
+        if conn.closing.is_some() {
+            return None;
+        }
+        Some(Arc::new(Direct {
+            token,
+            out: conn.out.clone(),
+            limits: self.limits,
+            attention: self.attention.clone(),
+        }))
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError> {
@@ -918,7 +1077,12 @@ impl Endpoint for TcpEndpoint {
             }
         }
         let leftover = std::mem::take(&mut self.read_more);
-        for token in leftover.into_iter().chain(self.dirty.drain(..)) {
+        let called = std::mem::take(&mut *self.attention.tokens.lock());
+        for token in leftover
+            .into_iter()
+            .chain(self.dirty.drain(..))
+            .chain(called)
+        {
             if let Some(conn) = self.conns.get_mut(&token) {
                 if conn.round != round {
                     conn.round = round;
@@ -971,8 +1135,12 @@ impl Endpoint for TcpEndpoint {
         }
         conn.closing = Some(Instant::now());
         self.lingering += 1;
+        let mut out = conn.out.lock();
+        out.closing = true;
         // A socket that fails now has nothing left to flush or drain.
-        if conn.flush().is_err() {
+        let failed = out.flush().is_err();
+        drop(out);
+        if failed {
             self.drop_conn(token, CloseReason::Local, &mut Vec::new());
         }
         self.pending.push_back(Event::Closed {
@@ -1008,7 +1176,7 @@ impl Endpoint for TcpEndpoint {
         token_of(peer)
             .and_then(|token| self.conns.get(&token))
             .filter(|c| c.closing.is_none())
-            .map(|c| c.out_bytes)
+            .map(|c| c.out.lock().bytes)
             .unwrap_or(0)
     }
 }
@@ -1354,7 +1522,7 @@ mod tests {
         // The socket had room: the single frame queued before and the run
         // left in the call, with no poll.
         assert_eq!(client.queued_bytes(peer), 0);
-        assert_eq!(client.conns[&token_of(peer).unwrap()].writes, 1);
+        assert_eq!(client.conns[&token_of(peer).unwrap()].out.lock().writes, 1);
         client.send_run(peer, Bytes::from(run)).unwrap();
         let mut all = vec![single];
         all.extend(expect.iter().cloned());
@@ -1387,7 +1555,7 @@ mod tests {
             client.send_run(peer, Bytes::from([good, huge].concat())),
             Err(SendError::TooLarge { .. })
         ));
-        assert_eq!(client.conns[&token_of(peer).unwrap()].out_frames, 0);
+        assert_eq!(client.conns[&token_of(peer).unwrap()].out.lock().frames, 0);
         assert!(matches!(
             client.send_run(PeerId(999), Bytes::from(framed(b"x"))),
             Err(SendError::Closed(_))
@@ -1453,7 +1621,7 @@ mod tests {
             assert!(Instant::now() < deadline);
             client.poll(&mut Vec::new()).unwrap();
         }
-        let writes = client.conns[&token_of(peer).unwrap()].writes;
+        let writes = client.conns[&token_of(peer).unwrap()].out.lock().writes;
         assert!(
             writes <= (1000 / MAX_IOV as u64) + 1,
             "{writes} write calls for 1000 queued frames"
