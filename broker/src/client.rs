@@ -1076,14 +1076,15 @@ impl ClientLoop {
                 if let LinkState::Up { .. } = self.link {
                     let known = self.last_subject.take();
                     let known_str = known.as_deref().unwrap_or("");
-                    if let Ok(Some(view)) =
-                        codec::peek_routed_known(&frame, &self.codec, known_str)
+                    if let Ok(Some(view)) = codec::peek_routed_known(&frame, &self.codec, known_str)
                     {
                         if view.kind == FrameKind::Message {
                             let payload = view.payload_of(&frame);
                             let subject = Subject {
                                 text: view.subject,
-                                shared: known.as_ref().filter(|k| std::ptr::eq(&***k, view.subject)),
+                                shared: known
+                                    .as_ref()
+                                    .filter(|k| std::ptr::eq(&***k, view.subject)),
                             };
                             self.on_message(view.sid, subject, view.reply, payload);
                             if self.last_subject.is_none() {

@@ -781,9 +781,7 @@ pub fn peek_routed_known<'a>(
     let kind = FrameKind::from_byte(kind_byte).ok_or(DecodeError::UnknownKind(kind_byte))?;
     let body = &frame[FRAME_OVERHEAD..];
     match kind {
-        FrameKind::Publish | FrameKind::Message => {
-            routed_view(kind, body, limits, known).map(Some)
-        }
+        FrameKind::Publish | FrameKind::Message => routed_view(kind, body, limits, known).map(Some),
         _ => Ok(None),
     }
 }
@@ -799,7 +797,9 @@ fn routed_view<'a>(
     // Both headers end in the same 17 bytes (seq, flags, three lengths); a
     // message has its sid in front.
     let (sid, at) = if kind == FrameKind::Message {
-        let sid = body.first_chunk::<8>().map_or(0, |raw| u64::from_le_bytes(*raw));
+        let sid = body
+            .first_chunk::<8>()
+            .map_or(0, |raw| u64::from_le_bytes(*raw));
         (sid, 8)
     } else {
         (0, 0)

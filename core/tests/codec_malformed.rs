@@ -7,8 +7,8 @@ mod codec_common;
 use bytes::{BufMut, Bytes, BytesMut};
 use codec_common::frame;
 use efabus_core::codec::{
-    decode, encode, frame_len, peek_routed, peek_routed_known, try_encode, CodecLimits, DecodeError, EncodeError,
-    FrameKind, FrameReader, FLAG_REPLY, MAX_CONTROL_BODY, MAX_OFFERS,
+    decode, encode, frame_len, peek_routed, peek_routed_known, try_encode, CodecLimits,
+    DecodeError, EncodeError, FrameKind, FrameReader, FLAG_REPLY, MAX_CONTROL_BODY, MAX_OFFERS,
 };
 use efabus_core::frame::{Frame, Goodbye, Publish};
 use proptest::prelude::*;

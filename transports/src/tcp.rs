@@ -63,13 +63,22 @@ pub const ACCEPT_BUDGET: usize = 256;
 /// How long a locally closed connection may keep flushing and draining.
 pub const LINGER: Duration = Duration::from_secs(5);
 
-/// Room a read buffer grows by when it must grow.
+/// Room a busy connection's read buffer grows by when it must grow.
 const READ_CHUNK: usize = 64 << 10;
 
-/// Smallest free room a read is made into: less than this, and the buffer
-/// grows by [`READ_CHUNK`] first. (Frames received earlier may still hold
-/// the buffer, so growing often means a new buffer to allocate and zero.)
+/// Smallest free room a busy connection reads into: less than this, and the
+/// buffer grows by [`READ_CHUNK`] first. (Frames received earlier may still
+/// hold the buffer, so growing often means a new buffer to allocate and
+/// zero.)
 const READ_MIN: usize = 16 << 10;
+
+/// The read buffer of a quiet connection (whose reads come back short):
+/// small, so thousands of idle peers cost little memory and a message now
+/// and then costs no large buffer to allocate and zero.
+const QUIET_BUF: usize = 4 << 10;
+
+/// Smallest free room a quiet connection reads into.
+const QUIET_MIN: usize = 512;
 
 /// Most buffers handed to one `write_vectored` (well below `IOV_MAX`).
 const MAX_IOV: usize = 256;
@@ -409,6 +418,11 @@ struct Conn {
     /// The caller asked to stop reading (backpressure); readiness seen
     /// meanwhile is remembered in `read_more`.
     read_paused: bool,
+    /// The peer's close (or an error) was signalled: read until the end.
+    hup: bool,
+    /// The last read filled all the room it was given: read in large
+    /// chunks.
+    busy: bool,
     /// The poll round that last serviced this connection.
     round: u64,
     /// Received bytes: `[..filled]` is data, the rest is free room.
@@ -430,6 +444,8 @@ impl Conn {
             dirty: false,
             read_more: false,
             read_paused: false,
+            hup: false,
+            busy: false,
             round: 0,
             rbuf: BytesMut::new(),
             filled: 0,
@@ -437,12 +453,14 @@ impl Conn {
     }
 
     /// Make sure at least `want` bytes of free room follow the data,
-    /// growing by at least [`READ_CHUNK`] when it must grow.
+    /// growing by at least [`READ_CHUNK`] (busy) or [`QUIET_BUF`] (quiet)
+    /// when it must grow.
     fn room(&mut self, want: usize) {
         if self.rbuf.len() < self.filled + want {
+            let grow = if self.busy { READ_CHUNK } else { QUIET_BUF };
             // Only the new tail is zeroed; room left from earlier reads is
             // reused as it is.
-            self.rbuf.resize(self.filled + want.max(READ_CHUNK), 0);
+            self.rbuf.resize(self.filled + want.max(grow), 0);
         }
     }
 
@@ -460,13 +478,15 @@ impl Conn {
             }
             // Room for the rest of the frame being received, if its length
             // is known (and was checked), else a chunk.
+            let least = if self.busy { READ_MIN } else { QUIET_MIN };
             let want = match prefix::declared_total(&self.rbuf[..self.filled]) {
-                Some(total) if total > self.filled => (total - self.filled).max(READ_MIN),
-                _ => READ_MIN,
+                Some(total) if total > self.filled => (total - self.filled).max(least),
+                _ => least,
             };
             self.room(want);
             let end = self.rbuf.len().min(self.filled + budget);
             let free = &mut self.rbuf[self.filled..end];
+            let asked = free.len();
             match (&*self.stream).read(free) {
                 Ok(0) => {
                     return Err(if self.filled == 0 {
@@ -479,23 +499,36 @@ impl Conn {
                     })
                 }
                 Ok(n) => {
+                    self.busy = n == asked;
                     self.filled += n;
                     read_now += n;
                     budget = budget.saturating_sub(n);
                     self.split_frames(peer, max_frame, events)?;
+                    // Less than asked: the socket is empty for now, and
+                    // whatever arrives next raises a new (edge) event, so
+                    // the read that would only say so is skipped. Not when
+                    // the peer's close was signalled: that must be read.
+                    if n < asked && !self.hup {
+                        self.release_if_quiet(read_now);
+                        return Ok(());
+                    }
                 }
                 Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
-                    // A quiet connection between frames gives its buffer
-                    // back, so thousands of idle peers cost little memory;
-                    // busy ones keep it.
-                    if self.filled == 0 && read_now < READ_CHUNK / 4 {
-                        self.rbuf = BytesMut::new();
-                    }
+                    self.release_if_quiet(read_now);
                     return Ok(());
                 }
                 Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
                 Err(err) => return Err(Gone::Failed(describe(&err))),
             }
+        }
+    }
+
+    /// A connection gone quiet between frames gives back a large buffer,
+    /// so thousands of idle peers cost little memory; busy ones keep it,
+    /// and quiet ones keep a small one.
+    fn release_if_quiet(&mut self, read_now: usize) {
+        if self.filled == 0 && read_now < READ_CHUNK / 4 && self.rbuf.capacity() > QUIET_BUF {
+            self.rbuf = BytesMut::new();
         }
     }
 
@@ -615,7 +648,8 @@ pub struct TcpEndpoint {
     /// Connections closed locally and still flushing or draining.
     lingering: usize,
     round: u64,
-    scratch: Vec<(Token, bool, bool)>,
+    /// Connections to service this poll: readable, writable, closed.
+    scratch: Vec<(Token, bool, bool, bool)>,
 }
 
 impl std::fmt::Debug for TcpEndpoint {
@@ -1071,6 +1105,7 @@ impl Endpoint for TcpEndpoint {
                             token,
                             event.is_readable() || event.is_read_closed() || event.is_error(),
                             event.is_writable() || event.is_write_closed() || event.is_error(),
+                            event.is_read_closed() || event.is_error(),
                         ));
                     }
                 }
@@ -1086,11 +1121,16 @@ impl Endpoint for TcpEndpoint {
             if let Some(conn) = self.conns.get_mut(&token) {
                 if conn.round != round {
                     conn.round = round;
-                    ready.push((token, false, false));
+                    ready.push((token, false, false, false));
                 }
             }
         }
-        for &(token, readable, writable) in &ready {
+        for &(token, readable, writable, hup) in &ready {
+            if hup {
+                if let Some(conn) = self.conns.get_mut(&token) {
+                    conn.hup = true;
+                }
+            }
             self.service(token, readable, writable, events);
             if let Some(conn) = self.conns.get_mut(&token) {
                 conn.dirty = false;
