@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use crossbeam_channel::Sender;
 use efabus_core::caps::{negotiate, Offer};
 use efabus_core::codec::{self, CodecLimits, FrameKind};
@@ -836,6 +836,8 @@ struct ClientLoop {
     last_subject: Option<Arc<str>>,
     /// The time of this loop round, read once per round rather than per frame.
     now: Instant,
+    /// Subscriptions cut off as slow consumers while delivering a batch.
+    cut_off: Vec<u64>,
     flushes: Vec<(u64, Sender<()>)>,
     next_nonce: u64,
     last_heard: Instant,
@@ -887,6 +889,7 @@ impl ClientLoop {
             taken: VecDeque::new(),
             last_subject: None,
             now,
+            cut_off: Vec::new(),
             flushes: Vec::new(),
             next_nonce: 1,
             last_heard: now,
@@ -922,9 +925,7 @@ impl ClientLoop {
                 warn!(error = %err, "client endpoint poll failed");
             }
             let mut busy = !events.is_empty();
-            for event in events.drain(..) {
-                self.on_event(event);
-            }
+            self.on_events(&mut events);
             for index in 0..self.data.len() {
                 if let Err(err) = self.data[index].poll(&mut events) {
                     warn!(error = %err, "data endpoint poll failed");
@@ -1060,6 +1061,108 @@ impl ClientLoop {
         self.backoff = (self.backoff * 2).min(self.shared.options.max_backoff);
     }
 
+    /// Handle what the control endpoint reported. Messages, the bulk of
+    /// the traffic, are read in place and handed to their subscriptions
+    /// under one lock per run of them; a subject like the last one is
+    /// neither checked nor copied, and the payload keeps the frame's buffer
+    /// without touching its reference count.
+    fn on_events(&mut self, events: &mut Vec<Event>) {
+        let shared = self.shared.clone();
+        let mut subscriptions = None;
+        let mut cut_off = std::mem::take(&mut self.cut_off);
+        for event in events.drain(..) {
+            let frame = match event {
+                Event::Frame { peer, frame } if matches!(self.link, LinkState::Up { peer: up } if up == peer) => {
+                    frame
+                }
+                other => {
+                    subscriptions = None;
+                    self.on_event(other);
+                    continue;
+                }
+            };
+            self.last_heard = self.now;
+            // Only this thread writes the counter: no atomic add needed.
+            let control_in = &shared.counters.control_in;
+            control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            let (sid, subject, reply, payload) = match self.read_message(frame) {
+                Ok(message) => message,
+                Err(frame) => {
+                    subscriptions = None;
+                    if let LinkState::Up { peer } = self.link {
+                        self.on_event(Event::Frame { peer, frame });
+                    }
+                    continue;
+                }
+            };
+            let inbox = shared.inbox_sid_seen.load(Ordering::Acquire);
+            if inbox != 0 && sid == inbox {
+                self.dispatch_reply(subject, reply, payload);
+                continue;
+            }
+            let subscriptions = subscriptions.get_or_insert_with(|| shared.subscriptions.lock());
+            let Some(sub) = subscriptions.get(&sid) else {
+                continue;
+            };
+            let delivery = sub.sink.deliver(Message {
+                subject,
+                reply,
+                payload,
+            });
+            if delivery == Delivery::Closed {
+                // Cut off as a slow consumer: end the stream for the
+                // reader and stop the server sending more.
+                subscriptions.remove(&sid);
+                cut_off.push(sid);
+            }
+        }
+        drop(subscriptions);
+        for sid in cut_off.drain(..) {
+            self.send(codec::encode(&Frame::Unsubscribe { sid }));
+        }
+        self.cut_off = cut_off;
+    }
+
+    /// A `Message` frame as what its subscription gets: the subscription
+    /// id, the subject (the last one again when it repeats), the reply
+    /// subject, and the payload (the frame itself, trimmed: no copy and no
+    /// new reference). Any other frame, or a malformed one, comes back (the
+    /// general path reports malformed frames).
+    #[allow(clippy::type_complexity)]
+    fn read_message(
+        &mut self,
+        frame: Bytes,
+    ) -> Result<(u64, Arc<str>, Option<Arc<str>>, Bytes), Bytes> {
+        let known = self.last_subject.take();
+        let known_str = known.as_deref().unwrap_or("");
+        let view = match codec::peek_routed_known(&frame, &self.codec, known_str) {
+            Ok(Some(view)) if view.kind == FrameKind::Message => view,
+            _ => {
+                self.last_subject = known;
+                return Err(frame);
+            }
+        };
+        let repeated = known
+            .as_ref()
+            .is_some_and(|shared| std::ptr::eq(&**shared, view.subject));
+        let subject = match (&known, repeated) {
+            (Some(shared), true) => shared.clone(),
+            _ => Arc::from(view.subject),
+        };
+        let reply = view.reply.map(Arc::from);
+        let (sid, at, len) = (view.sid, view.payload_at, view.payload.len());
+        // The subject of a stream of messages is kept for the next one.
+        self.last_subject = if repeated {
+            known
+        } else {
+            Some(subject.clone())
+        };
+        let mut payload = frame;
+        payload.advance(at);
+        payload.truncate(len);
+        Ok((sid, subject, reply, payload))
+    }
+
     fn on_event(&mut self, event: Event) {
         let current = match self.link {
             LinkState::AwaitWelcome { peer, .. } | LinkState::Up { peer } => Some(peer),
@@ -1068,33 +1171,6 @@ impl ClientLoop {
         match event {
             Event::Frame { peer, frame } if Some(peer) == current => {
                 self.last_heard = self.now;
-                // Only this thread writes the counter: no atomic add needed.
-                let control_in = &self.shared.counters.control_in;
-                control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-                // Messages, the bulk of the traffic, are read in place; a
-                // subject like the last one is neither checked nor copied.
-                if let LinkState::Up { .. } = self.link {
-                    let known = self.last_subject.take();
-                    let known_str = known.as_deref().unwrap_or("");
-                    if let Ok(Some(view)) = codec::peek_routed_known(&frame, &self.codec, known_str)
-                    {
-                        if view.kind == FrameKind::Message {
-                            let payload = view.payload_of(&frame);
-                            let subject = Subject {
-                                text: view.subject,
-                                shared: known
-                                    .as_ref()
-                                    .filter(|k| std::ptr::eq(&***k, view.subject)),
-                            };
-                            self.on_message(view.sid, subject, view.reply, payload);
-                            if self.last_subject.is_none() {
-                                self.last_subject = known;
-                            }
-                            return;
-                        }
-                    }
-                    self.last_subject = known;
-                }
                 match codec::decode(frame, &self.codec) {
                     Ok(frame) => self.on_frame(peer, frame),
                     Err(err) => {
@@ -1192,7 +1268,8 @@ impl ClientLoop {
     fn on_message(&mut self, sid: u64, subject: Subject<'_>, reply: Option<&str>, payload: Bytes) {
         let inbox = self.shared.inbox_sid_seen.load(Ordering::Acquire);
         if inbox != 0 && sid == inbox {
-            self.dispatch_reply(subject.text, reply, payload);
+            let subject = Arc::from(subject.text);
+            self.dispatch_reply(subject, reply.map(Arc::from), payload);
             return;
         }
         // The subject as a shared string: the last one again while messages
@@ -1226,7 +1303,7 @@ impl ClientLoop {
 
     /// Hand a reply to the request waiting for its token; a reply nobody
     /// waits for (the request timed out) is dropped.
-    fn dispatch_reply(&mut self, subject: &str, reply: Option<&str>, payload: Bytes) {
+    fn dispatch_reply(&mut self, subject: Arc<str>, reply: Option<Arc<str>>, payload: Bytes) {
         let token = subject
             .rsplit('.')
             .next()
@@ -1234,8 +1311,8 @@ impl ClientLoop {
         let waiting = token.and_then(|token| self.shared.replies.lock().remove(&token));
         if let Some(waiting) = waiting {
             let _ = waiting.send(Message {
-                subject: Arc::from(subject),
-                reply: reply.map(Arc::from),
+                subject,
+                reply,
                 payload,
             });
         }

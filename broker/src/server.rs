@@ -663,6 +663,10 @@ struct EventLoop {
     /// The subject of the last publish, and a spare buffer for the next.
     known_subject: String,
     spare_subject: String,
+    /// The message being delivered, encoded once for every peer's batch
+    /// (valid while `encoded_valid`; reset for every message).
+    encoded: BytesMut,
+    encoded_valid: bool,
 }
 
 /// A payload being routed: its bytes, and the buffer they lie in, so a
@@ -729,6 +733,8 @@ impl EventLoop {
             tally: Tally::default(),
             known_subject: String::new(),
             spare_subject: String::new(),
+            encoded: BytesMut::new(),
+            encoded_valid: false,
         }
     }
 
@@ -830,6 +836,7 @@ impl EventLoop {
                         frame: &message.payload,
                         at: 0,
                     };
+                    self.encoded_valid = false;
                     for target in targets {
                         self.deliver_remote(
                             target,
@@ -1292,6 +1299,7 @@ impl EventLoop {
             };
             deliver_local(&self.shared, &mut targets, &message);
         }
+        self.encoded_valid = false;
         for target in targets.remote.drain(..) {
             self.deliver_remote(target, subject, reply, payload);
         }
@@ -1317,23 +1325,32 @@ impl EventLoop {
         let on_data_link = session.reliable.is_some() && session.switched;
         let best_effort = class == Some(DeliveryClass::BestEffort) && session.best_effort.is_some();
         if !on_data_link && !best_effort && payload.bytes.len() <= COPY_MAX {
+            // The message is encoded once per publish and copied into each
+            // peer's batch with that peer's subscription id.
+            if !self.encoded_valid {
+                self.encoded.clear();
+                let encoded = codec::routed_into(
+                    &mut self.encoded,
+                    FrameKind::Message,
+                    0,
+                    subject,
+                    reply,
+                    payload.bytes,
+                );
+                if let Err(err) = encoded {
+                    // Limits are enforced before routing; this is not
+                    // reachable with a valid configuration.
+                    warn!(session = target.owner, error = %err, "message cannot be encoded");
+                    return;
+                }
+                self.encoded_valid = true;
+            }
             if session.batch.capacity() == 0 {
                 session.batch.reserve(session.batch_hint);
             }
-            let encoded = codec::routed_into(
-                &mut session.batch,
-                FrameKind::Message,
-                target.sid,
-                subject,
-                reply,
-                payload.bytes,
-            );
-            if let Err(err) = encoded {
-                // Limits are enforced before routing; this is not reachable
-                // with a valid configuration.
-                warn!(session = target.owner, error = %err, "message cannot be encoded");
-                return;
-            }
+            let at = session.batch.len();
+            session.batch.extend_from_slice(&self.encoded);
+            codec::set_message_sid(&mut session.batch[at..], target.sid);
             session.batch_messages += 1;
             if session.batch_messages == 1 {
                 self.dirty.push(target.owner);
@@ -1400,9 +1417,14 @@ impl EventLoop {
         if session.batch.is_empty() {
             return;
         }
-        // The whole buffer goes with the run, so an idle session keeps no
-        // memory; the next batch starts at this one's size.
-        let run = std::mem::take(&mut session.batch).freeze();
+        // A busy session keeps the rest of its buffer, which it takes back
+        // once the run is written; a small run takes its buffer along, so
+        // a session gone idle keeps little memory.
+        let run = if session.batch.len() >= RUN_MIN * 8 {
+            session.batch.split().freeze()
+        } else {
+            std::mem::take(&mut session.batch).freeze()
+        };
         let messages = std::mem::take(&mut session.batch_messages);
         session.batch_hint = run.len().clamp(RUN_MIN, RUN_MAX + COPY_MAX);
         self.enqueue(

@@ -505,6 +505,16 @@ pub fn routed_head_into(
     Ok(())
 }
 
+/// Change the subscription id of the `Message` frame that starts at the
+/// beginning of `frame` (as [`routed_into`] encoded it): a message fanned
+/// out to several subscriptions is encoded once, copied, and given each
+/// subscription's id. Does nothing to a slice too short to hold a header.
+pub fn set_message_sid(frame: &mut [u8], sid: u64) {
+    if let Some(field) = frame.get_mut(FRAME_OVERHEAD..FRAME_OVERHEAD + 8) {
+        field.copy_from_slice(&sid.to_le_bytes());
+    }
+}
+
 /// Append a whole `Publish` or `Message` frame, payload copied in: the
 /// batching form of [`routed_head_into`] for small payloads.
 pub fn routed_into(

@@ -7,7 +7,7 @@ use bytes::BytesMut;
 use codec_common::frame;
 use efabus_core::codec::{
     decode, encode, encode_into, encoded_len, peek_routed, routed_head_into, routed_into,
-    CodecLimits, FrameKind, FrameReader,
+    set_message_sid, CodecLimits, FrameKind, FrameReader,
 };
 use efabus_core::frame::{Frame, Message, Publish};
 use proptest::prelude::*;
@@ -73,6 +73,14 @@ proptest! {
                     routed_into(&mut whole, kind, sid, subject, reply.as_deref(), payload)
                         .expect("fits the wire");
                     prop_assert_eq!(&whole[..], &wire[..]);
+                    if kind == FrameKind::Message {
+                        // Encoded for one subscription, re-addressed to another.
+                        let mut other = BytesMut::new();
+                        routed_into(&mut other, kind, sid ^ 1, subject, reply.as_deref(), payload)
+                            .expect("fits the wire");
+                        set_message_sid(&mut other, sid);
+                        prop_assert_eq!(&other[..], &wire[..]);
+                    }
                 }
             }
             None => prop_assert_eq!(peek_routed(&wire, &limits), Ok(None)),
