@@ -48,7 +48,7 @@ const ENDPOINT: Token = Token(1);
 const DATA_TOKENS: usize = 2;
 /// Payloads up to this size are copied into the outbox with their frame;
 /// larger ones are shared behind a head of their own.
-const COPY_MAX: usize = 8 << 10;
+const COPY_MAX: usize = 1 << 10;
 /// The outbox's open run is closed at this size (and the loop woken).
 const RUN_MAX: usize = 64 << 10;
 
@@ -951,7 +951,9 @@ impl ClientLoop {
                 let mut outbox = shared.outbox.lock();
                 let idle = outbox.is_empty();
                 outbox.loop_idle = idle && nothing_pending;
-                idle
+                // With frames pending, the outbox waits for the path to
+                // take them (a `Writable` event or a reconnection).
+                idle || !nothing_pending
             });
             if !parked {
                 continue;
@@ -1337,13 +1339,15 @@ impl ClientLoop {
     }
 
     /// Take what application threads queued in the outbox and hand it on
-    /// in order; true if there was anything. Nothing is taken while the
-    /// frames already refused by the endpoint are over the pending bound.
+    /// in order; true if there was anything. Nothing is taken while frames
+    /// refused by the path wait.
     fn drain_outbox(&mut self) -> bool {
-        let bound = self.shared.options.max_pending_bytes;
-        if self.pending_bytes >= bound {
+        // While the path pushes back (or is down), the outbox keeps what
+        // publishers add, and they wait once it is full.
+        if !self.pending.is_empty() {
             return false;
         }
+        let bound = self.shared.options.max_pending_bytes;
         let freed = {
             let mut outbox = self.shared.outbox.lock();
             if outbox.is_empty() {

@@ -47,7 +47,7 @@ const WAKER: Token = Token(0);
 const COMMAND_QUEUE: usize = 65_536;
 /// Payloads up to this size are copied into a peer's batch of deliveries;
 /// larger ones travel as their own part, shared rather than copied.
-const COPY_MAX: usize = 8 << 10;
+const COPY_MAX: usize = 1 << 10;
 /// A batch of deliveries is handed on once it reaches this size (and at the
 /// end of every loop round).
 const RUN_MAX: usize = 64 << 10;
