@@ -49,8 +49,10 @@ const DATA_TOKENS: usize = 2;
 /// Payloads up to this size are copied into the outbox with their frame;
 /// larger ones are shared behind a head of their own.
 const COPY_MAX: usize = 1 << 10;
-/// The outbox's open run is closed at this size (and the loop woken).
+/// Largest buffer a run of frames is encoded into.
 const RUN_MAX: usize = 64 << 10;
+/// Smallest buffer a run starts with.
+const RUN_MIN: usize = 4 << 10;
 
 /// Open one data endpoint (only connecting out: no bind address).
 fn open_data_endpoint(
@@ -361,14 +363,23 @@ impl ClientShared {
             }
         }
         let was_empty = outbox.is_empty();
-        let before = outbox.open.len();
         let encoded = if payload.len() <= COPY_MAX {
-            if outbox.open.capacity() == 0 {
-                // Room for a run like the last one, so a stream of small
-                // frames does not grow the buffer step by step.
-                let room = outbox.run_hint.clamp(1 << 10, RUN_MAX + COPY_MAX);
-                outbox.open.reserve(room);
+            // A run never grows its buffer (growing copies, and large
+            // buffers come from fresh pages): it ends where its room does,
+            // and the next starts with twice the last one's size.
+            let need = codec::FRAME_OVERHEAD
+                + codec::PUBLISH_HEADER_LEN
+                + subject.len()
+                + reply.map_or(0, str::len)
+                + payload.len();
+            if !outbox.open.is_empty() && outbox.open.len() + need > outbox.open.capacity() {
+                outbox.close_run();
             }
+            if outbox.open.capacity() < need {
+                let room = (outbox.run_hint * 2).clamp(RUN_MIN, RUN_MAX);
+                outbox.open.reserve(room.max(need));
+            }
+            let before = outbox.open.len();
             let result = codec::routed_into(
                 &mut outbox.open,
                 FrameKind::Publish,
@@ -430,9 +441,6 @@ impl ClientShared {
                     outbox.items.push_front(item);
                 }
             }
-        }
-        if outbox.open.len() >= RUN_MAX {
-            outbox.close_run();
         }
         drop(outbox);
         if was_empty {

@@ -48,11 +48,11 @@ const COMMAND_QUEUE: usize = 65_536;
 /// Payloads up to this size are copied into a peer's batch of deliveries;
 /// larger ones travel as their own part, shared rather than copied.
 const COPY_MAX: usize = 1 << 10;
-/// A batch of deliveries is handed on once it reaches this size (and at the
-/// end of every loop round).
+/// Largest buffer a batch of deliveries is encoded into; a batch is handed
+/// on when its buffer is full, and at the end of every loop round.
 const RUN_MAX: usize = 64 << 10;
-/// Smallest room a new batch starts with.
-const RUN_MIN: usize = 512;
+/// Smallest buffer a batch starts with.
+const RUN_MIN: usize = 1 << 10;
 
 /// Counters of a running broker.
 #[derive(Debug, Default)]
@@ -1345,8 +1345,19 @@ impl EventLoop {
                 }
                 self.encoded_valid = true;
             }
-            if session.batch.capacity() == 0 {
-                session.batch.reserve(session.batch_hint);
+            // A batch never grows its buffer (growing copies, and large
+            // buffers come from fresh pages): it is handed on where its
+            // room ends, and the next starts with twice the last one's size.
+            let need = self.encoded.len();
+            if session.batch_messages > 0 && session.batch.len() + need > session.batch.capacity() {
+                self.close_batch(target.owner);
+            }
+            let Some(session) = self.sessions.get_mut(&target.owner) else {
+                return;
+            };
+            if session.batch.capacity() - session.batch.len() < need {
+                let room = (session.batch_hint * 2).clamp(RUN_MIN, RUN_MAX);
+                session.batch.reserve(room.max(need));
             }
             let at = session.batch.len();
             session.batch.extend_from_slice(&self.encoded);
@@ -1354,9 +1365,6 @@ impl EventLoop {
             session.batch_messages += 1;
             if session.batch_messages == 1 {
                 self.dirty.push(target.owner);
-            }
-            if session.batch.len() >= RUN_MAX {
-                self.close_batch(target.owner);
             }
             return;
         }
@@ -1420,13 +1428,13 @@ impl EventLoop {
         // A busy session keeps the rest of its buffer, which it takes back
         // once the run is written; a small run takes its buffer along, so
         // a session gone idle keeps little memory.
-        let run = if session.batch.len() >= RUN_MIN * 8 {
+        let run = if session.batch.len() >= 4 << 10 {
             session.batch.split().freeze()
         } else {
             std::mem::take(&mut session.batch).freeze()
         };
         let messages = std::mem::take(&mut session.batch_messages);
-        session.batch_hint = run.len().clamp(RUN_MIN, RUN_MAX + COPY_MAX);
+        session.batch_hint = run.len().clamp(RUN_MIN, RUN_MAX);
         self.enqueue(
             id,
             Queued {
