@@ -943,11 +943,15 @@ impl ClientLoop {
                     self.on_data_event(index, event);
                 }
             }
+            // After a busy round the loop goes straight to its wait: work
+            // that came in meanwhile has made a descriptor ready (or the
+            // outbox non-empty, which `park` checks), so the wait returns at
+            // once, and a quiet link saves a round of polling.
             if busy | self.drain_outbox() {
                 idle = 0;
-                continue;
+            } else {
+                idle = idle.saturating_add(1);
             }
-            idle = idle.saturating_add(1);
             let mut timeout = Duration::from_millis(50);
             if must_poll {
                 let polling = &self.shared.options.fabric.polling;
@@ -1684,4 +1688,112 @@ fn subscribe_frame(sid: u64, sub: &ClientSub) -> OutFrame {
         queue: sub.queue.clone(),
         class: sub.class,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Broker, Config};
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    fn tcp_broker() -> (Broker, String) {
+        let config = Config::from_toml_str(
+            "name = \"client-unit\"\nlisten = [\"tcp/127.0.0.1:0\"]\n",
+            "client unit test",
+        )
+        .expect("valid config");
+        let broker = Broker::start(config).expect("broker starts");
+        let endpoint = broker.endpoint("tcp").expect("tcp listener");
+        (broker, endpoint)
+    }
+
+    fn connect(endpoint: &str) -> Client {
+        let options = ClientOptions {
+            connect_timeout: WAIT,
+            ..ClientOptions::default()
+        };
+        Client::connect_with(endpoint, options, Registry::with_builtins()).expect("connects")
+    }
+
+    /// Wait until the client's loop sleeps with nothing queued, so the next
+    /// publish goes out on the publishing thread.
+    fn until_loop_idle(client: &Client) {
+        let deadline = Instant::now() + WAIT;
+        while !client.shared.outbox.lock().loop_idle {
+            assert!(Instant::now() < deadline, "the client loop never went idle");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_subscription_is_in_place_before_the_next_publish() {
+        // Subscribing queues a command for the loop; a publish right after
+        // (on the publishing thread or through the loop) must reach the
+        // server behind it, or the client would miss its own message.
+        let (_broker, endpoint) = tcp_broker();
+        let client = connect(&endpoint);
+        for i in 0..30 {
+            if i % 2 == 0 {
+                until_loop_idle(&client);
+            }
+            let subject = format!("own.{i}");
+            let sub = client.subscribe(&subject).unwrap();
+            client
+                .publish(&subject, Bytes::from(vec![i as u8]))
+                .unwrap();
+            let message = sub.recv_timeout(WAIT).expect("own message");
+            assert_eq!(&message.payload[..], &[i as u8]);
+        }
+    }
+
+    #[test]
+    fn publishes_keep_their_order_across_direct_and_loop_sends() {
+        // Small (copied) and large (shared) payloads, sent while the loop
+        // sleeps (on this thread) and while it is busy (through it).
+        let (_broker, endpoint) = tcp_broker();
+        let subscriber = connect(&endpoint);
+        let sub = subscriber.subscribe("mixed").unwrap();
+        subscriber.flush(WAIT).unwrap();
+        let publisher = connect(&endpoint);
+        let count = 200u32;
+        for n in 0..count {
+            if n % 10 == 0 {
+                until_loop_idle(&publisher);
+                assert!(publisher.shared.outbox.lock().direct.is_some());
+            }
+            let len = if n % 3 == 0 { 4 * COPY_MAX } else { 8 };
+            let mut payload = vec![0u8; len];
+            payload[..4].copy_from_slice(&n.to_le_bytes());
+            publisher.publish("mixed", payload).unwrap();
+        }
+        for n in 0..count {
+            let message = sub.recv_timeout(WAIT).expect("every message");
+            let got = u32::from_le_bytes(message.payload[..4].try_into().unwrap());
+            assert_eq!(got, n, "out of order");
+            let len = if n % 3 == 0 { 4 * COPY_MAX } else { 8 };
+            assert_eq!(message.payload.len(), len);
+        }
+    }
+
+    #[test]
+    fn a_request_sent_while_the_loop_sleeps_gets_its_reply() {
+        let (broker, endpoint) = tcp_broker();
+        let requests = broker.subscribe("svc.echo").unwrap();
+        let responder = std::thread::spawn(move || {
+            for request in requests.take(5) {
+                if let Some(reply) = &request.reply {
+                    let _ = broker.publish(reply, request.payload.clone());
+                }
+            }
+            broker
+        });
+        let client = connect(&endpoint);
+        for i in 0..5u8 {
+            until_loop_idle(&client);
+            let reply = client.request("svc.echo", vec![i], WAIT).unwrap();
+            assert_eq!(&reply.payload[..], &[i]);
+        }
+        drop(responder.join().unwrap());
+    }
 }

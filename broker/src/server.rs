@@ -794,8 +794,26 @@ impl EventLoop {
                 warn!(error = %err, "endpoint poll failed");
             }
             busy |= !events.is_empty();
+            // Frames come in runs from one peer: its session is looked up
+            // once per run.
+            let mut last: Option<(PeerId, u64)> = None;
             for event in events.drain(..) {
-                self.handle_event(index, event);
+                match event {
+                    Event::Frame { peer, frame } => {
+                        let id = match last {
+                            Some((known, id)) if known == peer => Some(id),
+                            _ => self.by_peer.get(&(index, peer)).copied(),
+                        };
+                        if let Some(id) = id {
+                            last = Some((peer, id));
+                            self.on_wire(id, index, frame);
+                        }
+                    }
+                    other => {
+                        last = None;
+                        self.handle_event(index, other);
+                    }
+                }
             }
         }
         self.close_batches();

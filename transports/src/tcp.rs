@@ -1639,6 +1639,73 @@ mod tests {
     }
 
     #[test]
+    fn direct_senders_write_from_other_threads_in_queue_order() {
+        let (mut server, mut client, _, peer) = connected_pair();
+        let direct = client
+            .direct_sender(peer)
+            .expect("a connected peer has one");
+        // Queued by the endpoint first (not yet written: no poll).
+        client
+            .send(peer, OutFrame::whole(framed(b"first").into()))
+            .unwrap();
+        let writer = std::thread::spawn(move || {
+            for i in 0..50u32 {
+                let run: Vec<u8> = (0..4u32)
+                    .flat_map(|j| framed(&(i * 4 + j).to_le_bytes()))
+                    .collect();
+                direct.send_run(Bytes::from(run)).unwrap();
+            }
+            let head = Bytes::from(framed(b"last")[..6].to_vec());
+            let body = Bytes::from(framed(b"last")[6..].to_vec());
+            direct.send(OutFrame { head, body }).unwrap();
+            direct
+        });
+        let direct = writer.join().unwrap();
+        let mut expect = vec![framed(b"first")];
+        expect.extend((0..200u32).map(|n| framed(&n.to_le_bytes())));
+        expect.push(framed(b"last"));
+        let mut events = Vec::new();
+        let deadline = Instant::now() + WAIT;
+        while frames_of(&events).len() < expect.len() {
+            assert!(Instant::now() < deadline, "timed out");
+            client.poll(&mut Vec::new()).unwrap();
+            server.poll(&mut events).unwrap();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert_eq!(frames_of(&events), expect);
+
+        // Once the peer is closed, the handle refuses.
+        client.close(peer);
+        assert!(matches!(
+            direct.send_run(Bytes::from(framed(b"late"))),
+            Err(SendError::Closed(_))
+        ));
+        assert!(client.direct_sender(peer).is_none());
+    }
+
+    #[test]
+    fn a_full_queue_refuses_direct_sends_without_a_writable_debt() {
+        let server = listener(Vec::new());
+        let addr = server.local_socket_addr().unwrap();
+        let mut client = TcpEndpoint::open(&EndpointConfig {
+            queue_frames: 2,
+            ..EndpointConfig::default()
+        })
+        .unwrap();
+        // Not connected yet: nothing leaves, the queue fills.
+        let peer = client.connect(&addr.to_string()).unwrap();
+        let direct = client.direct_sender(peer).unwrap();
+        direct.send_run(Bytes::from(framed(b"a"))).unwrap();
+        direct.send_run(Bytes::from(framed(b"b"))).unwrap();
+        match direct.send_run(Bytes::from(framed(b"c"))) {
+            Err(SendError::WouldBlock(back)) => assert_eq!(back.to_bytes(), framed(b"c")),
+            other => panic!("expected WouldBlock, got {other:?}"),
+        }
+        assert!(!client.conns[&token_of(peer).unwrap()].out.lock().blocked);
+        assert_eq!(client.queued_bytes(peer), 2 * framed(b"a").len());
+    }
+
+    #[test]
     fn many_small_frames_leave_in_few_writes() {
         // Queued frames leave together: one write call per MAX_IOV parts,
         // not one per frame.
