@@ -4,7 +4,10 @@
 //! Threads: in-process publishers route on their own thread through the
 //! shared [`Router`]; the event loop thread owns every endpoint and session,
 //! decodes frames, answers the handshake, applies subscriptions and
-//! delivers to remote peers. Deliveries from in-process publishers to
+//! delivers to remote peers. Publishes are read in place; the deliveries a
+//! loop round produces for one peer are encoded back to back into that
+//! peer's batch and handed to its endpoint as one run at the end of the
+//! round (payloads over 1 KiB travel shared behind their own head). Deliveries from in-process publishers to
 //! remote peers reach the loop through a bounded command queue.
 
 use std::collections::VecDeque;

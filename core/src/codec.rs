@@ -34,6 +34,11 @@
 //! must be UTF-8 and at most [`CodecLimits::max_subject_len`] bytes; whether
 //! they are *valid subjects* is for [`crate::subject`] to say. Payloads and
 //! fragment data are slices of the received buffer, never copies.
+//!
+//! On the hot path, `Publish` and `Message` frames need no [`Frame`] value:
+//! [`peek_routed`] reads one in place (subjects borrowed, nothing
+//! allocated, the same checks as [`decode`]), and [`routed_head_into`] /
+//! [`routed_into`] append one to a batch from borrowed parts.
 
 use std::fmt;
 use std::io;

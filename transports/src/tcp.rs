@@ -5,21 +5,29 @@
 //! its connections and a `mio::Waker`; the poll's epoll descriptor is its
 //! [`Readiness::Fd`], so the caller's poller nests it.
 //!
-//! Sending never writes on the spot: `send` appends the frame's parts to the
-//! peer's bounded queue and wakes the endpoint (once per batch), and the next
-//! `poll` hands every queued part to `write_vectored`, many frames per
-//! system call. Past `queue_frames` or `queue_bytes` a send returns
-//! [`SendError::WouldBlock`]; [`Event::Writable`] follows once the queue has
-//! drained to half of both bounds.
+//! Sending: `send` appends the frame's parts to the peer's bounded queue
+//! and wakes the endpoint (once per batch), and the next `poll` hands every
+//! queued part to `write_vectored`, many frames per system call.
+//! `send_run` takes a run of frames its caller batched (one buffer) and,
+//! when the socket has room, writes the queue at once, without a wake-up.
+//! [`Endpoint::direct_sender`] gives a handle that does the same from other
+//! threads: the queue (the connection's sending half) is shared behind a
+//! lock, so frames from the endpoint and from handles keep one order. Past
+//! `queue_frames` or `queue_bytes` a send returns [`SendError::WouldBlock`];
+//! [`Event::Writable`] follows (for refusals of the endpoint's own sends)
+//! once the queue has drained to half of both bounds.
 //!
-//! Receiving reads each ready socket until it would block, at most
+//! Receiving reads each ready socket until it is empty, at most
 //! [`READ_BUDGET`] bytes per connection per poll (option `read_budget`
 //! in [`EndpointConfig::options`] changes it) so one busy peer cannot
-//! starve the others (the endpoint wakes itself to read the rest). Frames
-//! are split off the connection's read buffer and frozen, so each arrives as
-//! a `Bytes` without a copy beyond the socket read. A declared length above
-//! `max_frame` closes the connection with [`CloseReason::Error`] before
-//! anything is allocated for it.
+//! starve the others (the endpoint wakes itself to read the rest). A read
+//! that returns less than asked ends the round (readiness is edge
+//! triggered: more data raises a new event), unless the peer's close was
+//! signalled. Frames are split off the connection's read buffer and frozen,
+//! so each arrives as a `Bytes` without a copy beyond the socket read. A
+//! busy connection reads into large buffers; a quiet one keeps a small one.
+//! A declared length above `max_frame` closes the connection with
+//! [`CloseReason::Error`] before anything is allocated for it.
 //!
 //! `connect` resolves the address (blocking, for host names), starts a
 //! non-blocking connect and returns the peer at once; frames queue until the
