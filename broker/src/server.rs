@@ -798,17 +798,26 @@ impl EventLoop {
             }
             busy |= !events.is_empty();
             // Frames come in runs from one peer: its session is looked up
-            // once per run.
-            let mut last: Option<(PeerId, u64)> = None;
+            // once per run (and whether this is its control link).
+            let mut last: Option<(PeerId, u64, bool)> = None;
             for event in events.drain(..) {
                 match event {
                     Event::Frame { peer, frame } => {
-                        let id = match last {
-                            Some((known, id)) if known == peer => Some(id),
-                            _ => self.by_peer.get(&(index, peer)).copied(),
+                        let known = match last {
+                            Some((known, id, control)) if known == peer => Some((id, control)),
+                            _ => self.by_peer.get(&(index, peer)).map(|&id| {
+                                let control =
+                                    self.sessions.get(&id).is_some_and(|s| s.endpoint == index);
+                                (id, control)
+                            }),
                         };
-                        if let Some(id) = id {
-                            last = Some((peer, id));
+                        let Some((id, control)) = known else {
+                            continue;
+                        };
+                        last = Some((peer, id, control));
+                        if control {
+                            self.on_frame(id, frame);
+                        } else {
                             self.on_wire(id, index, frame);
                         }
                     }
@@ -1341,10 +1350,11 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&target.owner) else {
             return;
         };
-        let class = session.subscriptions.get(&target.sid).copied();
         self.tally.messages_out += 1;
         let on_data_link = session.reliable.is_some() && session.switched;
-        let best_effort = class == Some(DeliveryClass::BestEffort) && session.best_effort.is_some();
+        // The class matters only where a datagram link exists.
+        let best_effort = session.best_effort.is_some()
+            && session.subscriptions.get(&target.sid) == Some(&DeliveryClass::BestEffort);
         if !on_data_link && !best_effort && payload.bytes.len() <= COPY_MAX {
             // The message is encoded once per publish and copied into each
             // peer's batch with that peer's subscription id.
@@ -1370,11 +1380,16 @@ impl EventLoop {
             // buffers come from fresh pages): it is handed on where its
             // room ends, and the next starts with twice the last one's size.
             let need = self.encoded.len();
-            if session.batch_messages > 0 && session.batch.len() + need > session.batch.capacity() {
+            let session = if session.batch_messages > 0
+                && session.batch.len() + need > session.batch.capacity()
+            {
                 self.close_batch(target.owner);
-            }
-            let Some(session) = self.sessions.get_mut(&target.owner) else {
-                return;
+                let Some(session) = self.sessions.get_mut(&target.owner) else {
+                    return;
+                };
+                session
+            } else {
+                session
             };
             if session.batch.capacity() - session.batch.len() < need {
                 let room = (session.batch_hint * 2).clamp(RUN_MIN, RUN_MAX);
