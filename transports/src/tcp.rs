@@ -436,6 +436,8 @@ struct Conn {
     /// Received bytes: `[..filled]` is data, the rest is free room.
     rbuf: BytesMut,
     filled: usize,
+    /// Scratch: where each whole frame of a read ends.
+    ends: Vec<usize>,
 }
 
 impl Conn {
@@ -457,6 +459,7 @@ impl Conn {
             round: 0,
             rbuf: BytesMut::new(),
             filled: 0,
+            ends: Vec::new(),
         }
     }
 
@@ -546,20 +549,47 @@ impl Conn {
         max_frame: usize,
         events: &mut Vec<Event>,
     ) -> Result<(), Gone> {
-        while let Some(total) = prefix::declared_total(&self.rbuf[..self.filled]) {
+        // The whole frames at the front leave the buffer in one piece; each
+        // frame is a slice of that piece (cheaper than splitting one by one).
+        let mut whole = 0;
+        let mut ends = std::mem::take(&mut self.ends);
+        ends.clear();
+        let mut too_large = None;
+        while let Some(total) = prefix::declared_total(&self.rbuf[whole..self.filled]) {
             if total > max_frame {
-                return Err(Gone::Failed(format!(
-                    "peer declared a frame of {total} bytes, above the limit of {max_frame}"
-                )));
-            }
-            if self.filled < total {
+                // The frames before it still arrive.
+                too_large = Some(total);
                 break;
             }
-            let frame = self.rbuf.split_to(total).freeze();
-            self.filled -= total;
-            events.push(Event::Frame { peer, frame });
+            if self.filled - whole < total {
+                break;
+            }
+            whole += total;
+            ends.push(whole);
         }
-        Ok(())
+        if whole > 0 {
+            let mut piece = self.rbuf.split_to(whole).freeze();
+            self.filled -= whole;
+            let mut start = 0;
+            let last = ends.len() - 1;
+            for &end in &ends[..last] {
+                events.push(Event::Frame {
+                    peer,
+                    frame: piece.slice(start..end),
+                });
+                start = end;
+            }
+            // The last frame is what is left of the piece.
+            piece.advance(start);
+            events.push(Event::Frame { peer, frame: piece });
+        }
+        self.ends = ends;
+        match too_large {
+            Some(total) => Err(Gone::Failed(format!(
+                "peer declared a frame of {total} bytes, above the limit of {max_frame}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Read and discard (a closing connection): keeps the receive queue
