@@ -4,39 +4,55 @@
 //! answers keepalives, delivers incoming messages to subscription queues,
 //! and on a lost connection reconnects with backoff, re-sends every
 //! subscription, then the publishes buffered meanwhile (within a bound).
+//!
+//! Application threads hand work to that thread through one outbox: a
+//! publish is encoded straight into a shared buffer (small payloads copied
+//! in, large ones shared behind their header), and subscriptions and
+//! flushes queue between the frames in order. The thread takes what
+//! accumulated and hands it to the endpoint as runs of frames, one system
+//! call per run; a publisher wakes it only when it sleeps.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use crossbeam_channel::{Receiver, Sender};
+use bytes::{Buf, Bytes, BytesMut};
+use crossbeam_channel::Sender;
 use efabus_core::caps::{negotiate, Offer};
-use efabus_core::codec::{self, CodecLimits};
+use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, PROTOCOL_VERSION};
 use efabus_core::link::LinkTuning;
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
-    Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+    DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
 };
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use mio::unix::SourceFd;
 use mio::{Interest, Poll, Token, Waker};
 use parking_lot::{Condvar, Mutex};
+// Subscription ids are small integers this side assigns.
+use rustc_hash::FxHashMap as HashMap;
 use tracing::{debug, info, warn};
 
 use crate::config::SlowConsumerPolicy;
 use crate::datapath::{self, DataLink, Sent};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::error::Error;
-use crate::inbox::LoopInbox;
+use crate::inbox::Parker;
 
 const WAKER: Token = Token(0);
 const ENDPOINT: Token = Token(1);
 /// Data endpoints use tokens from here on.
 const DATA_TOKENS: usize = 2;
+/// Payloads up to this size are copied into the outbox with their frame;
+/// larger ones are shared behind a head of their own.
+const COPY_MAX: usize = 1 << 10;
+/// Largest buffer a run of frames is encoded into.
+const RUN_MAX: usize = 64 << 10;
+/// Smallest buffer a run starts with.
+const RUN_MIN: usize = 4 << 10;
 
 /// Open one data endpoint (only connecting out: no bind address).
 fn open_data_endpoint(
@@ -196,11 +212,57 @@ pub enum ConnectionState {
     Closed,
 }
 
+/// Work for the loop that is not a publish.
 enum Command {
-    Frame(OutFrame),
     Subscribe { sid: u64 },
     Unsubscribe { sid: u64 },
     Flush(Sender<()>),
+}
+
+/// One entry of the outbox, in the order application threads made them.
+enum Item {
+    /// Whole frames back to back.
+    Run(Bytes),
+    /// One frame whose payload is shared, not copied.
+    Frame(OutFrame),
+    Command(Command),
+}
+
+/// What application threads hand to the loop (see the module docs).
+#[derive(Default)]
+struct Outbox {
+    /// Frames encoded back to back since the last item.
+    open: BytesMut,
+    items: VecDeque<Item>,
+    /// Frame bytes in `open` and `items`, bounded by `max_pending_bytes`.
+    bytes: usize,
+    /// The subject last validated by a publisher: a stream of publishes on
+    /// one subject validates it once.
+    valid_subject: String,
+    /// Size of the last closed run: the room the next one starts with.
+    run_hint: usize,
+    /// The loop sleeps with nothing queued or pending: the next publish may
+    /// go to the wire on the publisher's own thread.
+    loop_idle: bool,
+    /// Where such a publish goes: the connection's direct sender while the
+    /// control link carries the traffic and has one.
+    direct: Option<Arc<dyn DirectSend>>,
+}
+
+impl Outbox {
+    fn is_empty(&self) -> bool {
+        self.open.is_empty() && self.items.is_empty()
+    }
+
+    /// Turn the open frames into an item, so what follows queues behind
+    /// them.
+    fn close_run(&mut self) {
+        if !self.open.is_empty() {
+            let run = std::mem::take(&mut self.open).freeze();
+            self.run_hint = run.len();
+            self.items.push_back(Item::Run(run));
+        }
+    }
 }
 
 struct ClientSub {
@@ -213,7 +275,10 @@ struct ClientSub {
 struct ClientShared {
     server: String,
     options: ClientOptions,
-    inbox: LoopInbox<Command>,
+    outbox: Mutex<Outbox>,
+    /// Publishers wait here for room in the outbox.
+    room: Condvar,
+    parker: Parker,
     shutdown: AtomicBool,
     subscriptions: Mutex<HashMap<u64, ClientSub>>,
     next_sid: AtomicU64,
@@ -224,6 +289,8 @@ struct ClientShared {
     inbox_prefix: String,
     /// The subscription id of the shared reply inbox, once subscribed.
     inbox_sid: Mutex<Option<u64>>,
+    /// The same id for the loop, read per message without a lock (0: none).
+    inbox_sid_seen: AtomicU64,
     /// Requests waiting for a reply, by the token in their reply subject.
     replies: Mutex<HashMap<u64, Sender<Message>>>,
     /// The negotiated paths (changes once per handshake).
@@ -233,11 +300,157 @@ struct ClientShared {
 }
 
 impl ClientShared {
+    /// Queue a command behind everything published so far. Commands are
+    /// small and never wait for room.
     fn send_command(&self, command: Command) -> Result<(), Error> {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        self.inbox.send(command, self.options.block_timeout)
+        let mut outbox = self.outbox.lock();
+        let was_empty = outbox.is_empty();
+        outbox.close_run();
+        outbox.items.push_back(Item::Command(command));
+        drop(outbox);
+        if was_empty {
+            self.parker.wake_if_parked();
+        }
+        Ok(())
+    }
+
+    /// Encode a publish into the outbox, waiting up to the block timeout
+    /// for room.
+    fn enqueue_publish(
+        &self,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Bytes,
+    ) -> Result<(), Error> {
+        if self.shutdown.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        let limits = &self.options.subject_limits;
+        let check = |s: &str| {
+            subject::validate_subject(s, limits).map_err(|source| Error::Subject {
+                subject: s.to_string(),
+                source,
+            })
+        };
+        let mut outbox = self.outbox.lock();
+        if outbox.valid_subject != subject {
+            check(subject)?;
+            outbox.valid_subject.clear();
+            outbox.valid_subject.push_str(subject);
+        }
+        if let Some(reply) = reply {
+            check(reply)?;
+        }
+        let max = self.max_payload.load(Ordering::Relaxed);
+        if payload.len() as u64 > max {
+            return Err(Error::PayloadTooLarge {
+                len: payload.len(),
+                max,
+            });
+        }
+        let bound = self.options.max_pending_bytes;
+        if outbox.bytes >= bound {
+            let timeout = self.options.block_timeout;
+            let deadline = Instant::now() + timeout;
+            self.parker.wake();
+            while outbox.bytes >= bound {
+                if self.shutdown.load(Ordering::Relaxed) {
+                    return Err(Error::Closed);
+                }
+                if self.room.wait_until(&mut outbox, deadline).timed_out() && outbox.bytes >= bound
+                {
+                    return Err(Error::Blocked(timeout));
+                }
+            }
+        }
+        let was_empty = outbox.is_empty();
+        let encoded = if payload.len() <= COPY_MAX {
+            // A run never grows its buffer (growing copies, and large
+            // buffers come from fresh pages): it ends where its room does,
+            // and the next starts with twice the last one's size.
+            let need = codec::FRAME_OVERHEAD
+                + codec::PUBLISH_HEADER_LEN
+                + subject.len()
+                + reply.map_or(0, str::len)
+                + payload.len();
+            if !outbox.open.is_empty() && outbox.open.len() + need > outbox.open.capacity() {
+                outbox.close_run();
+            }
+            if outbox.open.capacity() < need {
+                let room = (outbox.run_hint * 2).clamp(RUN_MIN, RUN_MAX);
+                outbox.open.reserve(room.max(need));
+            }
+            let before = outbox.open.len();
+            let result = codec::routed_into(
+                &mut outbox.open,
+                FrameKind::Publish,
+                0,
+                subject,
+                reply,
+                &payload,
+            );
+            result.map(|()| outbox.open.len() - before)
+        } else {
+            let mut head = BytesMut::new();
+            let result = codec::routed_head_into(
+                &mut head,
+                FrameKind::Publish,
+                0,
+                0,
+                subject,
+                reply,
+                payload.len(),
+            );
+            result.map(|()| {
+                let frame = OutFrame {
+                    head: head.freeze(),
+                    body: payload,
+                };
+                let len = frame.len();
+                outbox.close_run();
+                outbox.items.push_back(Item::Frame(frame));
+                len
+            })
+        };
+        // Subjects and payloads are checked against limits narrower than
+        // the wire fields above; this only fails with absurd limits.
+        let len = encoded.map_err(|err| {
+            Error::Transport(efabus_core::transport::TransportError::Other(
+                err.to_string(),
+            ))
+        })?;
+        outbox.bytes += len;
+        if was_empty && outbox.loop_idle {
+            // The loop sleeps with nothing queued: send on this thread
+            // rather than wake it (once per sleep; a stream of publishes
+            // wakes it for the next one and then leaves the sending to it).
+            outbox.loop_idle = false;
+            if let Some(direct) = outbox.direct.clone() {
+                outbox.close_run();
+                if let Some(item) = outbox.items.pop_front() {
+                    let result = match &item {
+                        Item::Run(run) => direct.send_run(run.clone()),
+                        Item::Frame(frame) => direct.send(frame.clone()),
+                        Item::Command(_) => Err(SendError::Closed(PeerId(0))),
+                    };
+                    if result.is_ok() {
+                        outbox.bytes -= len;
+                        return Ok(());
+                    }
+                    // Refused (full, or the link is going): the loop
+                    // takes it as any other publish.
+                    outbox.items.push_front(item);
+                }
+            }
+        }
+        drop(outbox);
+        if was_empty {
+            self.parker.wake_if_parked();
+        }
+        Ok(())
     }
 
     fn set_state(&self, state: ConnectionState) {
@@ -348,17 +561,19 @@ impl Client {
                 }
             }
         }
-        let (inbox, command_rx) = LoopInbox::new(waker, 65_536);
         let connect_timeout = options.connect_timeout;
         let shared = Arc::new(ClientShared {
             server: endpoint.to_string(),
             inbox_prefix: format!("_INBOX.{:016x}", crate::server::unique_seed()),
             inbox_sid: Mutex::new(None),
-            replies: Mutex::new(HashMap::new()),
+            inbox_sid_seen: AtomicU64::new(0),
+            replies: Mutex::new(HashMap::default()),
             options,
-            inbox,
+            outbox: Mutex::new(Outbox::default()),
+            room: Condvar::new(),
+            parker: Parker::new(waker),
             shutdown: AtomicBool::new(false),
-            subscriptions: Mutex::new(HashMap::new()),
+            subscriptions: Mutex::new(HashMap::default()),
             next_sid: AtomicU64::new(1),
             state: Mutex::new(ConnectionState::Connecting),
             state_changed: Condvar::new(),
@@ -368,14 +583,7 @@ impl Client {
             counters: LinkCounters::default(),
         });
         shared.link.lock().reasons = unavailable;
-        let conn = ClientLoop::new(
-            shared.clone(),
-            poll,
-            endpoint_box,
-            data,
-            address,
-            command_rx,
-        );
+        let conn = ClientLoop::new(shared.clone(), poll, endpoint_box, data, address);
         let thread = std::thread::Builder::new()
             .name("efabus-client".into())
             .spawn(move || conn.run())
@@ -461,31 +669,7 @@ impl Client {
         reply: Option<&str>,
         payload: Bytes,
     ) -> Result<(), Error> {
-        let limits = &self.shared.options.subject_limits;
-        let check = |s: &str| {
-            subject::validate_subject(s, limits).map_err(|source| Error::Subject {
-                subject: s.to_string(),
-                source,
-            })
-        };
-        check(subject)?;
-        if let Some(reply) = reply {
-            check(reply)?;
-        }
-        let max = self.shared.max_payload.load(Ordering::Relaxed);
-        if payload.len() as u64 > max {
-            return Err(Error::PayloadTooLarge {
-                len: payload.len(),
-                max,
-            });
-        }
-        let frame = codec::encode(&Frame::Publish(frame::Publish {
-            subject: subject.to_string(),
-            reply: reply.map(str::to_string),
-            seq: 0,
-            payload,
-        }));
-        self.shared.send_command(Command::Frame(frame))
+        self.shared.enqueue_publish(subject, reply, payload)
     }
 
     pub fn subscribe(&self, pattern: &str) -> Result<Subscription, Error> {
@@ -600,6 +784,7 @@ impl Client {
         );
         self.shared.send_command(Command::Subscribe { sid })?;
         *inbox = Some(sid);
+        self.shared.inbox_sid_seen.store(sid, Ordering::Release);
         Ok(())
     }
 
@@ -617,7 +802,9 @@ impl Client {
             let _ = self.flush(Duration::from_secs(1));
         }
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        self.shared.inbox.wake();
+        self.shared.parker.wake();
+        // Publishers waiting for room see the shutdown.
+        self.shared.room.notify_all();
         if let Some(thread) = self.thread.lock().take() {
             if thread.join().is_err() {
                 warn!("client thread panicked");
@@ -648,13 +835,22 @@ struct ClientLoop {
     poll: Poll,
     endpoint: Box<dyn Endpoint>,
     address: String,
-    commands: Receiver<Command>,
     codec: CodecLimits,
     link: LinkState,
     backoff: Duration,
-    /// Frames not yet accepted by the endpoint (pushed back or disconnected).
-    pending: VecDeque<OutFrame>,
+    /// Frames not yet accepted by the endpoint (pushed back or
+    /// disconnected); `true` marks a run of frames.
+    pending: VecDeque<(OutFrame, bool)>,
     pending_bytes: usize,
+    /// Items taken from the outbox, being handed on.
+    taken: VecDeque<Item>,
+    /// The subject of the last message delivered, shared by the next ones
+    /// on the same subject.
+    last_subject: Option<Arc<str>>,
+    /// The time of this loop round, read once per round rather than per frame.
+    now: Instant,
+    /// Subscriptions cut off as slow consumers while delivering a batch.
+    cut_off: Vec<u64>,
     flushes: Vec<(u64, Sender<()>)>,
     next_nonce: u64,
     last_heard: Instant,
@@ -681,7 +877,6 @@ impl ClientLoop {
         endpoint: Box<dyn Endpoint>,
         data: Vec<Box<dyn Endpoint>>,
         address: String,
-        commands: Receiver<Command>,
     ) -> ClientLoop {
         let unavailable = shared.link.lock().reasons.clone();
         let offers = data
@@ -699,12 +894,15 @@ impl ClientLoop {
             poll,
             endpoint,
             address,
-            commands,
             codec,
             link: LinkState::Down { retry_at: now },
             backoff: Duration::from_millis(50),
             pending: VecDeque::new(),
             pending_bytes: 0,
+            taken: VecDeque::new(),
+            last_subject: None,
+            now,
+            cut_off: Vec::new(),
             flushes: Vec::new(),
             next_nonce: 1,
             last_heard: now,
@@ -729,6 +927,7 @@ impl ClientLoop {
         let mut idle = 0u32;
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let now = Instant::now();
+            self.now = now;
             self.on_timers(now);
             self.poll_best_effort(now);
             if matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
@@ -739,9 +938,7 @@ impl ClientLoop {
                 warn!(error = %err, "client endpoint poll failed");
             }
             let mut busy = !events.is_empty();
-            for event in events.drain(..) {
-                self.on_event(event);
-            }
+            self.on_events(&mut events);
             for index in 0..self.data.len() {
                 if let Err(err) = self.data[index].poll(&mut events) {
                     warn!(error = %err, "data endpoint poll failed");
@@ -751,19 +948,33 @@ impl ClientLoop {
                     self.on_data_event(index, event);
                 }
             }
-            busy |= self.drain_commands();
+            // After a busy round the loop goes straight to its wait: work
+            // that came in meanwhile has made a descriptor ready (or the
+            // outbox non-empty, which `park` checks), so the wait returns at
+            // once, and a quiet link saves a round of polling.
+            let drained = self.drain_outbox();
             self.grant_credits(now);
-            if busy {
+            if busy | drained {
                 idle = 0;
-                continue;
+            } else {
+                idle = idle.saturating_add(1);
             }
-            idle = idle.saturating_add(1);
             let mut timeout = Duration::from_millis(50);
             if must_poll {
                 let polling = &self.shared.options.fabric.polling;
                 timeout = timeout.min(crate::server::backoff(idle, polling));
             }
-            if !self.shared.inbox.park(&self.commands) {
+            let shared = &self.shared;
+            let nothing_pending = self.pending.is_empty();
+            let parked = shared.parker.park(|| {
+                let mut outbox = shared.outbox.lock();
+                let idle = outbox.is_empty();
+                outbox.loop_idle = idle && nothing_pending;
+                // With frames pending, the outbox waits for the path to
+                // take them (a `Writable` event or a reconnection).
+                idle || !nothing_pending
+            });
+            if !parked {
                 continue;
             }
             if let Err(err) = crate::server::wait(&mut self.poll, &mut mio_events, timeout) {
@@ -771,13 +982,16 @@ impl ClientLoop {
                     warn!(error = %err, "client poll failed");
                 }
             }
-            self.shared.inbox.unpark();
+            self.shared.parker.unpark();
+            // Awake again: publishers go through the outbox.
+            self.shared.outbox.lock().loop_idle = false;
         }
         self.close();
     }
 
     fn close(&mut self) {
-        while self.drain_commands() {}
+        self.shared.outbox.lock().direct = None;
+        while self.drain_outbox() {}
         if let LinkState::Up { peer } = self.link {
             let goodbye = codec::encode(&Frame::Goodbye(Goodbye {
                 reason: "client closing".to_string(),
@@ -852,6 +1066,7 @@ impl ClientLoop {
     }
 
     fn link_lost(&mut self, now: Instant) {
+        self.shared.outbox.lock().direct = None;
         self.drop_data_links();
         if !self.shared.options.reconnect && self.ever_connected {
             self.shared.set_state(ConnectionState::Closed);
@@ -867,6 +1082,108 @@ impl ClientLoop {
         self.backoff = (self.backoff * 2).min(self.shared.options.max_backoff);
     }
 
+    /// Handle what the control endpoint reported. Messages, the bulk of
+    /// the traffic, are read in place and handed to their subscriptions
+    /// under one lock per run of them; a subject like the last one is
+    /// neither checked nor copied, and the payload keeps the frame's buffer
+    /// without touching its reference count.
+    fn on_events(&mut self, events: &mut Vec<Event>) {
+        let shared = self.shared.clone();
+        let mut subscriptions = None;
+        let mut cut_off = std::mem::take(&mut self.cut_off);
+        for event in events.drain(..) {
+            let frame = match event {
+                Event::Frame { peer, frame } if matches!(self.link, LinkState::Up { peer: up } if up == peer) => {
+                    frame
+                }
+                other => {
+                    subscriptions = None;
+                    self.on_event(other);
+                    continue;
+                }
+            };
+            self.last_heard = self.now;
+            // Only this thread writes the counter: no atomic add needed.
+            let control_in = &shared.counters.control_in;
+            control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            let (sid, subject, reply, payload) = match self.read_message(frame) {
+                Ok(message) => message,
+                Err(frame) => {
+                    subscriptions = None;
+                    if let LinkState::Up { peer } = self.link {
+                        self.on_event(Event::Frame { peer, frame });
+                    }
+                    continue;
+                }
+            };
+            let inbox = shared.inbox_sid_seen.load(Ordering::Acquire);
+            if inbox != 0 && sid == inbox {
+                self.dispatch_reply(subject, reply, payload);
+                continue;
+            }
+            let subscriptions = subscriptions.get_or_insert_with(|| shared.subscriptions.lock());
+            let Some(sub) = subscriptions.get(&sid) else {
+                continue;
+            };
+            let delivery = sub.sink.deliver(Message {
+                subject,
+                reply,
+                payload,
+            });
+            if delivery == Delivery::Closed {
+                // Cut off as a slow consumer: end the stream for the
+                // reader and stop the server sending more.
+                subscriptions.remove(&sid);
+                cut_off.push(sid);
+            }
+        }
+        drop(subscriptions);
+        for sid in cut_off.drain(..) {
+            self.send(codec::encode(&Frame::Unsubscribe { sid }));
+        }
+        self.cut_off = cut_off;
+    }
+
+    /// A `Message` frame as what its subscription gets: the subscription
+    /// id, the subject (the last one again when it repeats), the reply
+    /// subject, and the payload (the frame itself, trimmed: no copy and no
+    /// new reference). Any other frame, or a malformed one, comes back (the
+    /// general path reports malformed frames).
+    #[allow(clippy::type_complexity)]
+    fn read_message(
+        &mut self,
+        frame: Bytes,
+    ) -> Result<(u64, Arc<str>, Option<Arc<str>>, Bytes), Bytes> {
+        let known = self.last_subject.take();
+        let known_str = known.as_deref().unwrap_or("");
+        let view = match codec::peek_routed_known(&frame, &self.codec, known_str) {
+            Ok(Some(view)) if view.kind == FrameKind::Message => view,
+            _ => {
+                self.last_subject = known;
+                return Err(frame);
+            }
+        };
+        let repeated = known
+            .as_ref()
+            .is_some_and(|shared| std::ptr::eq(&**shared, view.subject));
+        let subject = match (&known, repeated) {
+            (Some(shared), true) => shared.clone(),
+            _ => Arc::from(view.subject),
+        };
+        let reply = view.reply.map(Arc::from);
+        let (sid, at, len) = (view.sid, view.payload_at, view.payload.len());
+        // The subject of a stream of messages is kept for the next one.
+        self.last_subject = if repeated {
+            known
+        } else {
+            Some(subject.clone())
+        };
+        let mut payload = frame;
+        payload.advance(at);
+        payload.truncate(len);
+        Ok((sid, subject, reply, payload))
+    }
+
     fn on_event(&mut self, event: Event) {
         let current = match self.link {
             LinkState::AwaitWelcome { peer, .. } | LinkState::Up { peer } => Some(peer),
@@ -874,11 +1191,7 @@ impl ClientLoop {
         };
         match event {
             Event::Frame { peer, frame } if Some(peer) == current => {
-                self.last_heard = Instant::now();
-                self.shared
-                    .counters
-                    .control_in
-                    .fetch_add(1, Ordering::Relaxed);
+                self.last_heard = self.now;
                 match codec::decode(frame, &self.codec) {
                     Ok(frame) => self.on_frame(peer, frame),
                     Err(err) => {
@@ -914,6 +1227,13 @@ impl ClientLoop {
                 self.ever_connected = true;
                 info!(server = %self.shared.server, name = %welcome.name, "connected");
                 self.open_data_links(&welcome.offers);
+                // Publishers may write to the control link themselves while
+                // it carries the traffic.
+                let direct = match self.reliable {
+                    None => self.endpoint.direct_sender(peer),
+                    Some(_) => None,
+                };
+                self.shared.outbox.lock().direct = direct;
                 if let Some(link) = &self.reliable {
                     // The first frame on the data link tells the server to
                     // move its side of the traffic there too.
@@ -926,29 +1246,15 @@ impl ClientLoop {
                     server: welcome.name,
                 });
             }
-            Frame::Message(message) => {
-                let sid = message.sid;
-                if Some(sid) == *self.shared.inbox_sid.lock() {
-                    self.dispatch_reply(message);
-                    return;
-                }
-                let mut subscriptions = self.shared.subscriptions.lock();
-                let Some(sub) = subscriptions.get(&sid) else {
-                    return;
-                };
-                let delivery = sub.sink.deliver(Message {
-                    subject: Arc::from(message.subject),
-                    reply: message.reply.map(Arc::from),
-                    payload: message.payload,
-                });
-                if delivery == Delivery::Closed {
-                    // Cut off as a slow consumer: end the stream for the
-                    // reader and stop the server sending more.
-                    subscriptions.remove(&sid);
-                    drop(subscriptions);
-                    self.send(codec::encode(&Frame::Unsubscribe { sid }));
-                }
-            }
+            Frame::Message(message) => self.on_message(
+                message.sid,
+                Subject {
+                    text: &message.subject,
+                    shared: None,
+                },
+                message.reply.as_deref(),
+                message.payload,
+            ),
             Frame::Ping { nonce } => self.send(codec::encode(&Frame::Pong { nonce })),
             Frame::Pong { nonce } => {
                 self.flushes.retain(|(waiting, done)| {
@@ -978,20 +1284,57 @@ impl ClientLoop {
         }
     }
 
+    /// A message from the server: a reply goes to the request waiting for
+    /// it, anything else to its subscription's queue.
+    fn on_message(&mut self, sid: u64, subject: Subject<'_>, reply: Option<&str>, payload: Bytes) {
+        let inbox = self.shared.inbox_sid_seen.load(Ordering::Acquire);
+        if inbox != 0 && sid == inbox {
+            let subject = Arc::from(subject.text);
+            self.dispatch_reply(subject, reply.map(Arc::from), payload);
+            return;
+        }
+        // The subject as a shared string: the last one again while messages
+        // keep arriving on it, so a delivery does not allocate.
+        let subject = match (subject.shared, &self.last_subject) {
+            (Some(shared), _) => shared.clone(),
+            (None, Some(last)) if **last == *subject.text => last.clone(),
+            (None, _) => {
+                let fresh: Arc<str> = Arc::from(subject.text);
+                self.last_subject = Some(fresh.clone());
+                fresh
+            }
+        };
+        let mut subscriptions = self.shared.subscriptions.lock();
+        let Some(sub) = subscriptions.get(&sid) else {
+            return;
+        };
+        let delivery = sub.sink.deliver(Message {
+            subject,
+            reply: reply.map(Arc::from),
+            payload,
+        });
+        if delivery == Delivery::Closed {
+            // Cut off as a slow consumer: end the stream for the
+            // reader and stop the server sending more.
+            subscriptions.remove(&sid);
+            drop(subscriptions);
+            self.send(codec::encode(&Frame::Unsubscribe { sid }));
+        }
+    }
+
     /// Hand a reply to the request waiting for its token; a reply nobody
     /// waits for (the request timed out) is dropped.
-    fn dispatch_reply(&mut self, message: frame::Message) {
-        let token = message
-            .subject
+    fn dispatch_reply(&mut self, subject: Arc<str>, reply: Option<Arc<str>>, payload: Bytes) {
+        let token = subject
             .rsplit('.')
             .next()
             .and_then(|token| token.parse::<u64>().ok());
         let waiting = token.and_then(|token| self.shared.replies.lock().remove(&token));
         if let Some(waiting) = waiting {
             let _ = waiting.send(Message {
-                subject: Arc::from(message.subject),
-                reply: message.reply.map(Arc::from),
-                payload: message.payload,
+                subject,
+                reply,
+                payload,
             });
         }
     }
@@ -1009,62 +1352,95 @@ impl ClientLoop {
         for frame in frames {
             if let Err(frame) = self.transmit(peer, frame) {
                 self.pending_bytes += frame.len();
-                self.pending.push_back(frame);
+                self.pending.push_back((frame, false));
             }
         }
     }
 
-    fn drain_commands(&mut self) -> bool {
-        let mut handled = 0;
-        while handled < 4096 && self.pending_bytes < self.shared.options.max_pending_bytes {
-            let Ok(command) = self.commands.try_recv() else {
-                break;
-            };
-            handled += 1;
-            match command {
-                Command::Frame(frame) => self.send(frame),
-                Command::Subscribe { sid } => {
-                    // While disconnected, the subscription is sent on reconnect.
-                    if let LinkState::Up { .. } = self.link {
-                        let frame = self
-                            .shared
-                            .subscriptions
-                            .lock()
-                            .get(&sid)
-                            .map(|sub| subscribe_frame(sid, sub));
-                        if let Some(frame) = frame {
-                            self.send(frame);
-                        }
-                    }
-                }
-                Command::Unsubscribe { sid } => {
-                    if let LinkState::Up { .. } = self.link {
-                        self.send(codec::encode(&Frame::Unsubscribe { sid }));
-                    }
-                }
-                Command::Flush(done) => {
-                    let nonce = self.next_nonce;
-                    self.next_nonce += 1;
-                    self.send(codec::encode(&Frame::Ping { nonce }));
-                    self.flushes.push((nonce, done));
-                }
+    /// Take what application threads queued in the outbox and hand it on
+    /// in order; true if there was anything. Nothing is taken while frames
+    /// refused by the path wait.
+    fn drain_outbox(&mut self) -> bool {
+        // While the path pushes back (or is down), the outbox keeps what
+        // publishers add, and they wait once it is full.
+        if !self.pending.is_empty() {
+            return false;
+        }
+        let bound = self.shared.options.max_pending_bytes;
+        let freed = {
+            let mut outbox = self.shared.outbox.lock();
+            if outbox.is_empty() {
+                return false;
+            }
+            outbox.close_run();
+            std::mem::swap(&mut self.taken, &mut outbox.items);
+            std::mem::take(&mut outbox.bytes)
+        };
+        if freed >= bound {
+            self.shared.room.notify_all();
+        }
+        while let Some(item) = self.taken.pop_front() {
+            match item {
+                Item::Run(run) => self.send_out(OutFrame::whole(run), true),
+                Item::Frame(frame) => self.send_out(frame, false),
+                Item::Command(command) => self.on_command(command),
             }
         }
-        handled > 0
+        true
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::Subscribe { sid } => {
+                // While disconnected, the subscription is sent on reconnect.
+                if let LinkState::Up { .. } = self.link {
+                    let frame = self
+                        .shared
+                        .subscriptions
+                        .lock()
+                        .get(&sid)
+                        .map(|sub| subscribe_frame(sid, sub));
+                    if let Some(frame) = frame {
+                        self.send(frame);
+                    }
+                }
+            }
+            Command::Unsubscribe { sid } => {
+                if let LinkState::Up { .. } = self.link {
+                    self.send(codec::encode(&Frame::Unsubscribe { sid }));
+                }
+            }
+            Command::Flush(done) => {
+                let nonce = self.next_nonce;
+                self.next_nonce += 1;
+                self.send(codec::encode(&Frame::Ping { nonce }));
+                self.flushes.push((nonce, done));
+            }
+        }
     }
 
     fn send(&mut self, frame: OutFrame) {
+        self.send_out(frame, false);
+    }
+
+    /// Send a frame, or a run of frames, behind whatever is pending.
+    fn send_out(&mut self, frame: OutFrame, run: bool) {
         if let LinkState::Up { peer } = self.link {
             if self.pending.is_empty() {
-                if let Err(frame) = self.transmit(peer, frame) {
+                let result = if run {
+                    self.transmit_run(peer, frame.head)
+                } else {
+                    self.transmit(peer, frame)
+                };
+                if let Err(frame) = result {
                     self.pending_bytes += frame.len();
-                    self.pending.push_back(frame);
+                    self.pending.push_back((frame, run));
                 }
                 return;
             }
         }
         self.pending_bytes += frame.len();
-        self.pending.push_back(frame);
+        self.pending.push_back((frame, run));
     }
 
     fn flush_pending(&mut self) {
@@ -1078,14 +1454,48 @@ impl ClientLoop {
                 Err(reason) => warn!(%reason, "data link send failed"),
             }
         }
-        while let Some(frame) = self.pending.pop_front() {
+        while let Some((frame, run)) = self.pending.pop_front() {
             let len = frame.len();
-            match self.transmit(peer, frame) {
+            let result = if run {
+                self.transmit_run(peer, frame.head)
+            } else {
+                self.transmit(peer, frame)
+            };
+            match result {
                 Ok(()) => self.pending_bytes -= len,
-                Err(frame) => {
-                    self.pending.push_front(frame);
+                Err(rest) => {
+                    self.pending_bytes -= len - rest.len();
+                    self.pending.push_front((rest, run));
                     break;
                 }
+            }
+        }
+    }
+
+    /// Send a run of frames on the current path; what the path did not
+    /// take comes back (as a run). A data link takes the run frame by frame.
+    fn transmit_run(&mut self, peer: PeerId, run: Bytes) -> Result<(), OutFrame> {
+        if self.reliable.is_some() {
+            let mut at = 0;
+            while let Some(raw) = run.get(at..at + 4) {
+                let total = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]) as usize + 4;
+                if at + total > run.len() {
+                    break;
+                }
+                let frame = OutFrame::whole(run.slice(at..at + total));
+                if self.transmit(peer, frame).is_err() {
+                    return Err(OutFrame::whole(run.slice(at..)));
+                }
+                at += total;
+            }
+            return Ok(());
+        }
+        match self.endpoint.send_run(peer, run) {
+            Ok(()) => Ok(()),
+            Err(SendError::WouldBlock(rest)) => Err(rest),
+            Err(err) => {
+                warn!(error = %err, "send failed");
+                Ok(())
             }
         }
     }
@@ -1292,6 +1702,13 @@ impl ClientLoop {
     }
 }
 
+/// The subject of a received message, and the shared string holding the
+/// same text when the loop has one already.
+struct Subject<'a> {
+    text: &'a str,
+    shared: Option<&'a Arc<str>>,
+}
+
 fn subscribe_frame(sid: u64, sub: &ClientSub) -> OutFrame {
     codec::encode(&Frame::Subscribe(frame::Subscribe {
         sid,
@@ -1299,4 +1716,112 @@ fn subscribe_frame(sid: u64, sub: &ClientSub) -> OutFrame {
         queue: sub.queue.clone(),
         class: sub.class,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Broker, Config};
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    fn tcp_broker() -> (Broker, String) {
+        let config = Config::from_toml_str(
+            "name = \"client-unit\"\nlisten = [\"tcp/127.0.0.1:0\"]\n",
+            "client unit test",
+        )
+        .expect("valid config");
+        let broker = Broker::start(config).expect("broker starts");
+        let endpoint = broker.endpoint("tcp").expect("tcp listener");
+        (broker, endpoint)
+    }
+
+    fn connect(endpoint: &str) -> Client {
+        let options = ClientOptions {
+            connect_timeout: WAIT,
+            ..ClientOptions::default()
+        };
+        Client::connect_with(endpoint, options, Registry::with_builtins()).expect("connects")
+    }
+
+    /// Wait until the client's loop sleeps with nothing queued, so the next
+    /// publish goes out on the publishing thread.
+    fn until_loop_idle(client: &Client) {
+        let deadline = Instant::now() + WAIT;
+        while !client.shared.outbox.lock().loop_idle {
+            assert!(Instant::now() < deadline, "the client loop never went idle");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_subscription_is_in_place_before_the_next_publish() {
+        // Subscribing queues a command for the loop; a publish right after
+        // (on the publishing thread or through the loop) must reach the
+        // server behind it, or the client would miss its own message.
+        let (_broker, endpoint) = tcp_broker();
+        let client = connect(&endpoint);
+        for i in 0..30 {
+            if i % 2 == 0 {
+                until_loop_idle(&client);
+            }
+            let subject = format!("own.{i}");
+            let sub = client.subscribe(&subject).unwrap();
+            client
+                .publish(&subject, Bytes::from(vec![i as u8]))
+                .unwrap();
+            let message = sub.recv_timeout(WAIT).expect("own message");
+            assert_eq!(&message.payload[..], &[i as u8]);
+        }
+    }
+
+    #[test]
+    fn publishes_keep_their_order_across_direct_and_loop_sends() {
+        // Small (copied) and large (shared) payloads, sent while the loop
+        // sleeps (on this thread) and while it is busy (through it).
+        let (_broker, endpoint) = tcp_broker();
+        let subscriber = connect(&endpoint);
+        let sub = subscriber.subscribe("mixed").unwrap();
+        subscriber.flush(WAIT).unwrap();
+        let publisher = connect(&endpoint);
+        let count = 200u32;
+        for n in 0..count {
+            if n % 10 == 0 {
+                until_loop_idle(&publisher);
+                assert!(publisher.shared.outbox.lock().direct.is_some());
+            }
+            let len = if n % 3 == 0 { 4 * COPY_MAX } else { 8 };
+            let mut payload = vec![0u8; len];
+            payload[..4].copy_from_slice(&n.to_le_bytes());
+            publisher.publish("mixed", payload).unwrap();
+        }
+        for n in 0..count {
+            let message = sub.recv_timeout(WAIT).expect("every message");
+            let got = u32::from_le_bytes(message.payload[..4].try_into().unwrap());
+            assert_eq!(got, n, "out of order");
+            let len = if n % 3 == 0 { 4 * COPY_MAX } else { 8 };
+            assert_eq!(message.payload.len(), len);
+        }
+    }
+
+    #[test]
+    fn a_request_sent_while_the_loop_sleeps_gets_its_reply() {
+        let (broker, endpoint) = tcp_broker();
+        let requests = broker.subscribe("svc.echo").unwrap();
+        let responder = std::thread::spawn(move || {
+            for request in requests.take(5) {
+                if let Some(reply) = &request.reply {
+                    let _ = broker.publish(reply, request.payload.clone());
+                }
+            }
+            broker
+        });
+        let client = connect(&endpoint);
+        for i in 0..5u8 {
+            until_loop_idle(&client);
+            let reply = client.request("svc.echo", vec![i], WAIT).unwrap();
+            assert_eq!(&reply.payload[..], &[i]);
+        }
+        drop(responder.join().unwrap());
+    }
 }

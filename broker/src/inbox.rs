@@ -1,5 +1,6 @@
-//! The bounded queue through which application threads hand work to an
-//! event loop thread, waking the loop only when it is about to sleep.
+//! How application threads hand work to an event loop thread and wake it
+//! only when it is about to sleep: [`Parker`] holds the wake-on-park logic,
+//! [`LoopInbox`] is a bounded queue of commands built on it.
 
 use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::time::Duration;
@@ -9,47 +10,28 @@ use mio::Waker;
 
 use crate::error::Error;
 
-/// The sending side, shared by application threads.
-pub(crate) struct LoopInbox<C> {
-    commands: Sender<C>,
+/// The loop's side announces that it is about to sleep; producers wake it
+/// only then, so a busy loop costs them no system call.
+pub(crate) struct Parker {
     waker: Waker,
-    /// Set by the loop before it sleeps, so senders wake it only then.
+    /// Set by the loop before it sleeps, so producers wake it only then.
     parked: AtomicBool,
 }
 
-impl<C> LoopInbox<C> {
-    /// An inbox of `capacity` commands, and the receiver the loop drains.
-    pub fn new(waker: Waker, capacity: usize) -> (LoopInbox<C>, Receiver<C>) {
-        let (commands, receiver) = crossbeam_channel::bounded(capacity);
-        let inbox = LoopInbox {
-            commands,
+impl Parker {
+    pub fn new(waker: Waker) -> Parker {
+        Parker {
             waker,
             parked: AtomicBool::new(false),
-        };
-        (inbox, receiver)
+        }
     }
 
-    /// Queue a command; when the queue is full, wait up to `timeout`.
-    pub fn send(&self, command: C, timeout: Duration) -> Result<(), Error> {
-        let result = match self.commands.try_send(command) {
-            Ok(()) => Ok(()),
-            Err(TrySendError::Full(command)) => {
-                self.wake_if_parked();
-                self.commands
-                    .send_timeout(command, timeout)
-                    .map_err(|err| match err {
-                        SendTimeoutError::Timeout(_) => Error::Blocked(timeout),
-                        SendTimeoutError::Disconnected(_) => Error::Closed,
-                    })
-            }
-            Err(TrySendError::Disconnected(_)) => Err(Error::Closed),
-        };
-        self.wake_if_parked();
-        result
-    }
-
-    fn wake_if_parked(&self) {
-        if self.parked.swap(false, Ordering::SeqCst) {
+    /// Called by a producer after it made work visible to the loop. The
+    /// fence orders that work before the read of the flag (it pairs with
+    /// the fence in [`Parker::park`]).
+    pub fn wake_if_parked(&self) {
+        fence(Ordering::SeqCst);
+        if self.parked.load(Ordering::Relaxed) && self.parked.swap(false, Ordering::SeqCst) {
             self.wake();
         }
     }
@@ -60,14 +42,15 @@ impl<C> LoopInbox<C> {
         let _ = self.waker.wake();
     }
 
-    /// Called by the loop before it sleeps: announces the sleep, then looks
-    /// at the queue once more. The full fence pairs with the senders' swap,
-    /// so either a sender sees the flag or the loop sees its command. Returns
-    /// false (and stays awake) when commands are waiting.
-    pub fn park(&self, receiver: &Receiver<C>) -> bool {
+    /// Called by the loop before it sleeps: announces the sleep, then asks
+    /// `idle` once more whether there is work. The full fence pairs with the
+    /// producers' read of the flag, so either a producer sees the flag or the
+    /// loop sees its work. Returns false (and stays awake) when work is
+    /// waiting.
+    pub fn park(&self, idle: impl FnOnce() -> bool) -> bool {
         self.parked.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        if receiver.is_empty() {
+        if idle() {
             return true;
         }
         self.unpark();
@@ -77,5 +60,59 @@ impl<C> LoopInbox<C> {
     /// Called by the loop when it wakes.
     pub fn unpark(&self) {
         self.parked.store(false, Ordering::Release);
+    }
+}
+
+/// The sending side of a bounded command queue, shared by application
+/// threads.
+pub(crate) struct LoopInbox<C> {
+    commands: Sender<C>,
+    parker: Parker,
+}
+
+impl<C> LoopInbox<C> {
+    /// An inbox of `capacity` commands, and the receiver the loop drains.
+    pub fn new(waker: Waker, capacity: usize) -> (LoopInbox<C>, Receiver<C>) {
+        let (commands, receiver) = crossbeam_channel::bounded(capacity);
+        let inbox = LoopInbox {
+            commands,
+            parker: Parker::new(waker),
+        };
+        (inbox, receiver)
+    }
+
+    /// Queue a command; when the queue is full, wait up to `timeout`.
+    pub fn send(&self, command: C, timeout: Duration) -> Result<(), Error> {
+        let result = match self.commands.try_send(command) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(command)) => {
+                self.parker.wake_if_parked();
+                self.commands
+                    .send_timeout(command, timeout)
+                    .map_err(|err| match err {
+                        SendTimeoutError::Timeout(_) => Error::Blocked(timeout),
+                        SendTimeoutError::Disconnected(_) => Error::Closed,
+                    })
+            }
+            Err(TrySendError::Disconnected(_)) => Err(Error::Closed),
+        };
+        self.parker.wake_if_parked();
+        result
+    }
+
+    /// Wake the loop whether or not it sleeps (e.g. for shutdown).
+    pub fn wake(&self) {
+        self.parker.wake();
+    }
+
+    /// Called by the loop before it sleeps; false (stay awake) when
+    /// commands are waiting. See [`Parker::park`].
+    pub fn park(&self, receiver: &Receiver<C>) -> bool {
+        self.parker.park(|| receiver.is_empty())
+    }
+
+    /// Called by the loop when it wakes.
+    pub fn unpark(&self) {
+        self.parker.unpark();
     }
 }

@@ -4,7 +4,10 @@
 //! Threads: in-process publishers route on their own thread through the
 //! shared [`Router`]; the event loop thread owns every endpoint and session,
 //! decodes frames, answers the handshake, applies subscriptions and
-//! delivers to remote peers. Deliveries from in-process publishers to
+//! delivers to remote peers. Publishes are read in place; the deliveries a
+//! loop round produces for one peer are encoded back to back into that
+//! peer's batch and handed to its endpoint as one run at the end of the
+//! round (payloads over 1 KiB travel shared behind their own head). Deliveries from in-process publishers to
 //! remote peers reach the loop through a bounded command queue.
 
 use std::collections::VecDeque;
@@ -17,7 +20,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use crossbeam_channel::{Receiver, Sender};
 use efabus_core::caps::{negotiate, Offer};
 use efabus_core::codec::{self, CodecLimits, FrameKind};
@@ -45,6 +48,14 @@ use crate::router::{Router, SubRef, Targets, LOCAL_OWNER};
 const WAKER: Token = Token(0);
 /// Commands queued from in-process publishers to the loop before they wait.
 const COMMAND_QUEUE: usize = 65_536;
+/// Payloads up to this size are copied into a peer's batch of deliveries;
+/// larger ones travel as their own part, shared rather than copied.
+const COPY_MAX: usize = 1 << 10;
+/// Largest buffer a batch of deliveries is encoded into; a batch is handed
+/// on when its buffer is full, and at the end of every loop round.
+const RUN_MAX: usize = 64 << 10;
+/// Smallest buffer a batch starts with.
+const RUN_MIN: usize = 1 << 10;
 
 /// Counters of a running broker.
 #[derive(Debug, Default)]
@@ -776,8 +787,11 @@ enum SessionState {
 
 struct Queued {
     frame: OutFrame,
-    /// Only messages may be discarded by the drop-oldest policy.
-    is_message: bool,
+    /// Messages it holds (a run holds many): only messages may be
+    /// discarded by the drop-oldest policy, and each discarded one counts.
+    messages: usize,
+    /// Several whole frames back to back (a closed batch), for `send_run`.
+    run: bool,
 }
 
 struct Session {
@@ -797,6 +811,12 @@ struct Session {
     best_effort: Option<DataLink>,
     queue: VecDeque<Queued>,
     queued_bytes: usize,
+    /// Deliveries encoded back to back since the last hand-off, newer than
+    /// everything in `queue`; handed on at the end of the loop round.
+    batch: BytesMut,
+    batch_messages: usize,
+    /// Size of the last batch, to size the next one's first allocation.
+    batch_hint: usize,
     /// Since when the queue has been over its bound under the block policy.
     over_since: Option<Instant>,
     last_heard: Instant,
@@ -827,6 +847,46 @@ struct EventLoop {
     released: Vec<Bytes>,
     /// Sessions whose data links owe the peer a credit.
     credit_owed: HashSet<u64>,
+    /// Sessions with deliveries in their batch.
+    dirty: Vec<u64>,
+    /// The time of this loop round, read once per round rather than per frame.
+    now: Instant,
+    /// Counters gathered during a round, added to the shared stats at its end.
+    tally: Tally,
+    /// The subject of the last publish, and a spare buffer for the next.
+    known_subject: String,
+    spare_subject: String,
+    /// The message being delivered, encoded once for every peer's batch
+    /// (valid while `encoded_valid`; reset for every message).
+    encoded: BytesMut,
+    encoded_valid: bool,
+}
+
+/// A payload being routed: its bytes, and the buffer they lie in, so a
+/// shared slice is made only where one is needed (large payloads,
+/// in-process subscribers) and small ones are copied without touching the
+/// buffer's reference count.
+#[derive(Clone, Copy)]
+struct Payload<'a> {
+    bytes: &'a [u8],
+    frame: &'a Bytes,
+    /// Where `bytes` start in `frame`.
+    at: usize,
+}
+
+impl Payload<'_> {
+    fn to_bytes(self) -> Bytes {
+        self.frame.slice(self.at..self.at + self.bytes.len())
+    }
+}
+
+/// Per-round counts of the busiest statistics (one atomic add per round
+/// instead of one per message).
+#[derive(Default)]
+struct Tally {
+    messages_in: u64,
+    messages_out: u64,
+    bytes_in: u64,
 }
 
 impl EventLoop {
@@ -862,6 +922,13 @@ impl EventLoop {
             tuning: LinkTuning::default(),
             released: Vec::new(),
             credit_owed: HashSet::default(),
+            dirty: Vec::new(),
+            now: Instant::now(),
+            tally: Tally::default(),
+            known_subject: String::new(),
+            spare_subject: String::new(),
+            encoded: BytesMut::new(),
+            encoded_valid: false,
         }
     }
 
@@ -912,20 +979,67 @@ impl EventLoop {
         self.shutdown(&mut events);
     }
 
-    /// Poll every endpoint once and handle its events; true if any.
+    /// Poll every endpoint once and handle its events; true if any. The
+    /// deliveries this produces are batched per peer and handed to the
+    /// endpoints once the events are handled.
     fn poll_endpoints(&mut self, events: &mut Vec<Event>) -> bool {
         let mut busy = false;
+        self.now = Instant::now();
         for index in 0..self.endpoints.len() {
             events.clear();
             if let Err(err) = self.endpoints[index].poll(events) {
                 warn!(error = %err, "endpoint poll failed");
             }
             busy |= !events.is_empty();
+            // Frames come in runs from one peer: its session is looked up
+            // once per run (and whether this is its control link).
+            let mut last: Option<(PeerId, u64, bool)> = None;
             for event in events.drain(..) {
-                self.handle_event(index, event);
+                match event {
+                    Event::Frame { peer, frame } => {
+                        let known = match last {
+                            Some((known, id, control)) if known == peer => Some((id, control)),
+                            _ => self.by_peer.get(&(index, peer)).map(|&id| {
+                                let control =
+                                    self.sessions.get(&id).is_some_and(|s| s.endpoint == index);
+                                (id, control)
+                            }),
+                        };
+                        let Some((id, control)) = known else {
+                            continue;
+                        };
+                        last = Some((peer, id, control));
+                        if control {
+                            self.on_frame(id, frame);
+                        } else {
+                            self.on_wire(id, index, frame);
+                        }
+                    }
+                    other => {
+                        last = None;
+                        self.handle_event(index, other);
+                    }
+                }
             }
         }
+        self.close_batches();
+        self.flush_tally();
         busy
+    }
+
+    /// Add the round's counts to the shared statistics.
+    fn flush_tally(&mut self) {
+        let tally = std::mem::take(&mut self.tally);
+        let stats = &self.shared.stats;
+        if tally.messages_in > 0 {
+            BrokerStats::add(&stats.messages_in, tally.messages_in);
+        }
+        if tally.messages_out > 0 {
+            BrokerStats::add(&stats.messages_out, tally.messages_out);
+        }
+        if tally.bytes_in > 0 {
+            BrokerStats::add(&stats.bytes_in, tally.bytes_in);
+        }
     }
 
     fn drain_commands(&mut self, max: usize) -> bool {
@@ -941,14 +1055,26 @@ impl EventLoop {
             handled += 1;
             match command {
                 Command::Deliver { targets, message } => {
-                    let frame_message = message;
+                    let payload = Payload {
+                        bytes: &message.payload,
+                        frame: &message.payload,
+                        at: 0,
+                    };
+                    self.encoded_valid = false;
                     for target in targets {
-                        self.deliver_remote(target, &frame_message);
+                        self.deliver_remote(
+                            target,
+                            &message.subject,
+                            message.reply.as_deref(),
+                            payload,
+                        );
                     }
                 }
                 Command::Flush(done) => self.flushes.push(done),
             }
         }
+        self.close_batches();
+        self.flush_tally();
         self.answer_flushes();
         handled > 0
     }
@@ -1047,6 +1173,9 @@ impl EventLoop {
                 best_effort: None,
                 queue: VecDeque::new(),
                 queued_bytes: 0,
+                batch: BytesMut::new(),
+                batch_messages: 0,
+                batch_hint: RUN_MIN,
                 over_since: None,
                 last_heard: now,
                 last_ping: now,
@@ -1102,15 +1231,51 @@ impl EventLoop {
     }
 
     fn on_frame(&mut self, id: u64, bytes: Bytes) {
-        let stats = &self.shared.stats;
-        BrokerStats::add(&stats.bytes_in, bytes.len() as u64);
+        self.tally.bytes_in += bytes.len() as u64;
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        session.last_heard = Instant::now();
+        session.last_heard = self.now;
         if session.state == SessionState::Closing {
             return;
         }
+        // Publishes, the bulk of the traffic, are read in place: nothing
+        // is allocated for them, and a subject like the last one is not
+        // checked again. Everything else is decoded into a value.
+        if session.state == SessionState::Ready {
+            let known = std::mem::take(&mut self.known_subject);
+            match codec::peek_routed_known(&bytes, &self.codec, &known) {
+                Ok(Some(view)) if view.kind == FrameKind::Publish => {
+                    let changed = !std::ptr::eq(view.subject, known.as_str());
+                    if changed {
+                        // Remember this subject, in the spare buffer.
+                        self.spare_subject.clear();
+                        self.spare_subject.push_str(view.subject);
+                    }
+                    let payload = Payload {
+                        bytes: view.payload,
+                        frame: &bytes,
+                        at: view.payload_at,
+                    };
+                    self.on_publish(id, view.subject, view.reply, payload);
+                    self.known_subject = known;
+                    if changed {
+                        std::mem::swap(&mut self.known_subject, &mut self.spare_subject);
+                    }
+                    return;
+                }
+                // Other kinds, and malformed frames, go the general way
+                // (which reports the same error).
+                _ => {}
+            }
+            self.known_subject = known;
+            // Statistics are current before anything is answered.
+            self.flush_tally();
+        }
+        let stats = &self.shared.stats;
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
         let frame = match codec::decode(bytes, &self.codec) {
             Ok(frame) => frame,
             Err(err) => {
@@ -1129,7 +1294,16 @@ impl EventLoop {
                     format!("expected hello, got {}", FrameKind::of(&other)),
                 );
             }
-            (SessionState::Ready, Frame::Publish(publish)) => self.on_publish(id, publish),
+            (SessionState::Ready, Frame::Publish(publish)) => self.on_publish(
+                id,
+                &publish.subject,
+                publish.reply.as_deref(),
+                Payload {
+                    bytes: &publish.payload,
+                    frame: &publish.payload,
+                    at: 0,
+                },
+            ),
             (SessionState::Ready, Frame::Subscribe(subscribe)) => self.on_subscribe(id, subscribe),
             (SessionState::Ready, Frame::Unsubscribe { sid }) => {
                 session.subscriptions.remove(&sid);
@@ -1315,25 +1489,24 @@ impl EventLoop {
         }
     }
 
-    fn on_publish(&mut self, id: u64, publish: frame::Publish) {
-        let shared = self.shared.clone();
-        let limits = &shared.config.limits;
-        if publish.payload.len() as u64 > limits.max_payload {
+    fn on_publish(&mut self, id: u64, subject: &str, reply: Option<&str>, payload: Payload<'_>) {
+        let max_payload = self.shared.config.limits.max_payload;
+        if payload.bytes.len() as u64 > max_payload {
             let text = format!(
-                "payload of {} bytes exceeds the limit of {}",
-                publish.payload.len(),
-                limits.max_payload
+                "payload of {} bytes exceeds the limit of {max_payload}",
+                payload.bytes.len(),
             );
             self.report(id, ErrorCode::PayloadTooLarge, text);
             return;
         }
         let mut targets = std::mem::take(&mut self.targets);
         // Routing validates the subject (the index caches valid ones).
+        let shared = &self.shared;
         let valid = shared
             .router
             .read()
-            .route(&publish.subject, &mut targets)
-            .and_then(|()| match &publish.reply {
+            .route(subject, &mut targets)
+            .and_then(|()| match reply {
                 Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
                 None => Ok(()),
             });
@@ -1342,38 +1515,116 @@ impl EventLoop {
             self.report(
                 id,
                 ErrorCode::InvalidSubject,
-                format!("invalid subject {:?}: {err}", publish.subject),
+                format!("invalid subject {subject:?}: {err}"),
             );
             return;
         }
-        BrokerStats::add(&shared.stats.messages_in, 1);
-        let message = Message {
-            subject: Arc::from(publish.subject),
-            reply: publish.reply.map(Arc::from),
-            payload: publish.payload,
-        };
-        deliver_local(&shared, &mut targets, &message);
+        self.tally.messages_in += 1;
+        if !targets.local.is_empty() {
+            let message = Message {
+                subject: Arc::from(subject),
+                reply: reply.map(Arc::from),
+                payload: payload.to_bytes(),
+            };
+            deliver_local(&self.shared, &mut targets, &message);
+        }
+        self.encoded_valid = false;
         for target in targets.remote.drain(..) {
-            self.deliver_remote(target, &message);
+            self.deliver_remote(target, subject, reply, payload);
         }
         self.targets = targets;
     }
 
-    fn deliver_remote(&mut self, target: SubRef, message: &Message) {
+    /// Deliver one message to a remote subscription. On the control link
+    /// the message is encoded straight into the peer's batch (payloads up
+    /// to [`COPY_MAX`] copied in, larger ones shared behind their head);
+    /// data links take it frame by frame.
+    fn deliver_remote(
+        &mut self,
+        target: SubRef,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Payload<'_>,
+    ) {
         let Some(session) = self.sessions.get_mut(&target.owner) else {
             return;
         };
-        let class = session.subscriptions.get(&target.sid).copied();
-        let frame = codec::encode(&Frame::Message(frame::Message {
-            sid: target.sid,
-            subject: message.subject.to_string(),
-            reply: message.reply.as_deref().map(str::to_string),
-            seq: 0,
-            payload: message.payload.clone(),
-        }));
-        BrokerStats::add(&self.shared.stats.messages_out, 1);
-        if let (Some(DeliveryClass::BestEffort), Some(link)) = (class, session.best_effort.as_mut())
-        {
+        self.tally.messages_out += 1;
+        let on_data_link = session.reliable.is_some() && session.switched;
+        // The class matters only where a datagram link exists.
+        let best_effort = session.best_effort.is_some()
+            && session.subscriptions.get(&target.sid) == Some(&DeliveryClass::BestEffort);
+        if !on_data_link && !best_effort && payload.bytes.len() <= COPY_MAX {
+            // The message is encoded once per publish and copied into each
+            // peer's batch with that peer's subscription id.
+            if !self.encoded_valid {
+                self.encoded.clear();
+                let encoded = codec::routed_into(
+                    &mut self.encoded,
+                    FrameKind::Message,
+                    0,
+                    subject,
+                    reply,
+                    payload.bytes,
+                );
+                if let Err(err) = encoded {
+                    // Limits are enforced before routing; this is not
+                    // reachable with a valid configuration.
+                    warn!(session = target.owner, error = %err, "message cannot be encoded");
+                    return;
+                }
+                self.encoded_valid = true;
+            }
+            // A batch never grows its buffer (growing copies, and large
+            // buffers come from fresh pages): it is handed on where its
+            // room ends, and the next starts with twice the last one's size.
+            let need = self.encoded.len();
+            let session = if session.batch_messages > 0
+                && session.batch.len() + need > session.batch.capacity()
+            {
+                self.close_batch(target.owner);
+                let Some(session) = self.sessions.get_mut(&target.owner) else {
+                    return;
+                };
+                session
+            } else {
+                session
+            };
+            if session.batch.capacity() - session.batch.len() < need {
+                let room = (session.batch_hint * 2).clamp(RUN_MIN, RUN_MAX);
+                session.batch.reserve(room.max(need));
+            }
+            let at = session.batch.len();
+            session.batch.extend_from_slice(&self.encoded);
+            codec::set_message_sid(&mut session.batch[at..], target.sid);
+            session.batch_messages += 1;
+            if session.batch_messages == 1 {
+                self.dirty.push(target.owner);
+            }
+            return;
+        }
+        let mut head = BytesMut::new();
+        let encoded = codec::routed_head_into(
+            &mut head,
+            FrameKind::Message,
+            target.sid,
+            0,
+            subject,
+            reply,
+            payload.bytes.len(),
+        );
+        if let Err(err) = encoded {
+            warn!(session = target.owner, error = %err, "message cannot be encoded");
+            return;
+        }
+        let frame = OutFrame {
+            head: head.freeze(),
+            body: payload.to_bytes(),
+        };
+        if best_effort {
+            let Some(link) = session.best_effort.as_mut() else {
+                return;
+            };
             let endpoint = self.endpoints[link.endpoint].as_mut();
             let sent = link.send(endpoint, frame);
             BrokerStats::add(&self.shared.stats.credit_waits, link.take_credit_waits());
@@ -1392,23 +1643,78 @@ impl EventLoop {
         self.send(target.owner, frame, true);
     }
 
-    /// Queue a frame for a session, applying the slow-consumer policy when
-    /// its queue is over the bound.
-    fn send(&mut self, id: u64, frame: OutFrame, is_message: bool) {
+    /// Hand every session's batch of deliveries on.
+    fn close_batches(&mut self) {
+        let dirty = std::mem::take(&mut self.dirty);
+        for &id in &dirty {
+            self.close_batch(id);
+        }
+        self.dirty = dirty;
+        self.dirty.clear();
+    }
+
+    /// Hand a session's batch on as one run: to the endpoint when nothing
+    /// waits before it, else behind the queue.
+    fn close_batch(&mut self, id: u64) {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
+        if session.batch.is_empty() {
+            return;
+        }
+        // A busy session keeps the rest of its buffer, which it takes back
+        // once the run is written; a small run takes its buffer along, so
+        // a session gone idle keeps little memory.
+        let run = if session.batch.len() >= 4 << 10 {
+            session.batch.split().freeze()
+        } else {
+            std::mem::take(&mut session.batch).freeze()
+        };
+        let messages = std::mem::take(&mut session.batch_messages);
+        session.batch_hint = run.len().clamp(RUN_MIN, RUN_MAX);
+        self.enqueue(
+            id,
+            Queued {
+                frame: OutFrame::whole(run),
+                messages,
+                run: true,
+            },
+        );
+    }
+
+    /// Queue a frame for a session, applying the slow-consumer policy when
+    /// its queue is over the bound. The session's batch goes first.
+    fn send(&mut self, id: u64, frame: OutFrame, is_message: bool) {
+        self.close_batch(id);
+        self.enqueue(
+            id,
+            Queued {
+                frame,
+                messages: usize::from(is_message),
+                run: false,
+            },
+        );
+    }
+
+    /// Hand a frame or run to the session's path when nothing waits before
+    /// it, else queue it; then apply the slow-consumer policy when the
+    /// queue is over its bound.
+    fn enqueue(&mut self, id: u64, queued: Queued) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let is_message = queued.messages > 0;
         if session.queue.is_empty() {
-            match transmit(&mut self.endpoints, &self.shared.stats, session, frame) {
-                Transmit::Done => return,
-                Transmit::Blocked(frame) => {
-                    session.queued_bytes += frame.len();
-                    session.queue.push_back(Queued { frame, is_message });
+            match transmit(&mut self.endpoints, &self.shared.stats, session, queued) {
+                None => return,
+                Some(rest) => {
+                    session.queued_bytes += rest.frame.len();
+                    session.queue.push_back(rest);
                 }
             }
         } else {
-            session.queued_bytes += frame.len();
-            session.queue.push_back(Queued { frame, is_message });
+            session.queued_bytes += queued.frame.len();
+            session.queue.push_back(queued);
         }
         let bound = self.shared.config.limits.max_pending_bytes;
         if session.queued_bytes <= bound || !is_message {
@@ -1417,12 +1723,15 @@ impl EventLoop {
         match self.shared.config.slow_consumer.policy {
             SlowConsumerPolicy::DropOldest => {
                 while session.queued_bytes > bound {
-                    let Some(position) = session.queue.iter().position(|q| q.is_message) else {
+                    let Some(position) = session.queue.iter().position(|q| q.messages > 0) else {
                         break;
                     };
                     if let Some(dropped) = session.queue.remove(position) {
                         session.queued_bytes -= dropped.frame.len();
-                        BrokerStats::add(&self.shared.stats.slow_consumer_drops, 1);
+                        BrokerStats::add(
+                            &self.shared.stats.slow_consumer_drops,
+                            dropped.messages as u64,
+                        );
                     }
                 }
             }
@@ -1491,18 +1800,11 @@ impl EventLoop {
         };
         while let Some(queued) = session.queue.pop_front() {
             let len = queued.frame.len();
-            match transmit(
-                &mut self.endpoints,
-                &self.shared.stats,
-                session,
-                queued.frame,
-            ) {
-                Transmit::Done => session.queued_bytes -= len,
-                Transmit::Blocked(frame) => {
-                    session.queue.push_front(Queued {
-                        frame,
-                        is_message: queued.is_message,
-                    });
+            match transmit(&mut self.endpoints, &self.shared.stats, session, queued) {
+                None => session.queued_bytes -= len,
+                Some(rest) => {
+                    session.queued_bytes -= len - rest.frame.len();
+                    session.queue.push_front(rest);
                     break;
                 }
             }
@@ -1550,6 +1852,8 @@ impl EventLoop {
             if let Some(session) = self.sessions.get_mut(&id) {
                 session.queue.clear();
                 session.queued_bytes = 0;
+                session.batch.clear();
+                session.batch_messages = 0;
                 let _ = self.endpoints[session.endpoint].send(session.peer, frame);
             }
         } else {
@@ -1730,45 +2034,107 @@ impl EventLoop {
     }
 }
 
-enum Transmit {
-    Done,
-    /// The link is full; the frame comes back to wait in the session queue.
-    Blocked(OutFrame),
-}
-
-/// Send one frame on the session's current path: its reliable data link
-/// once the peer uses it, else the control link. Frames that fail for any
-/// reason other than a full link are dropped here: the link is failing and
+/// Send one frame or run on the session's current path: its reliable data
+/// link once the peer uses it, else the control link. Gives back what the
+/// path could not take (a run's untaken frames); frames that fail for any
+/// other reason than a full path are dropped here: the link is failing and
 /// its closing event follows.
 fn transmit(
     endpoints: &mut [Box<dyn Endpoint>],
     stats: &BrokerStats,
     session: &mut Session,
-    frame: OutFrame,
-) -> Transmit {
+    queued: Queued,
+) -> Option<Queued> {
     if let Some(link) = session.reliable.as_mut().filter(|_| session.switched) {
-        let sent = link.send(endpoints[link.endpoint].as_mut(), frame);
-        BrokerStats::add(&stats.credit_waits, link.take_credit_waits());
-        return match sent {
-            Ok(Sent::Accepted) => {
-                BrokerStats::add(&stats.fabric_frames_out, 1);
-                Transmit::Done
-            }
-            Ok(Sent::Dropped) => Transmit::Done,
-            Ok(Sent::Blocked(frame)) => Transmit::Blocked(frame),
-            Err(reason) => {
-                warn!(remote = %session.remote, %reason, "data link send failed");
-                Transmit::Done
-            }
+        let endpoint = endpoints[link.endpoint].as_mut();
+        // Data links carry one frame per message: a run (batched before the
+        // peer switched) is taken apart.
+        let frames = if queued.run {
+            split_run(&queued.frame.head)
+        } else {
+            vec![queued.frame]
         };
+        let mut frames = frames.into_iter();
+        while let Some(frame) = frames.next() {
+            let sent = link.send(endpoint, frame);
+            BrokerStats::add(&stats.credit_waits, link.take_credit_waits());
+            match sent {
+                Ok(Sent::Accepted) => BrokerStats::add(&stats.fabric_frames_out, 1),
+                Ok(Sent::Dropped) => {}
+                Ok(Sent::Blocked(frame)) => {
+                    let rest: Vec<OutFrame> = std::iter::once(frame).chain(frames).collect();
+                    return Some(rejoin(rest, queued.run, queued.messages > 0));
+                }
+                Err(reason) => {
+                    warn!(remote = %session.remote, %reason, "data link send failed");
+                }
+            }
+        }
+        return None;
     }
-    match endpoints[session.endpoint].send(session.peer, frame) {
-        Ok(()) => Transmit::Done,
-        Err(SendError::WouldBlock(frame)) => Transmit::Blocked(frame),
+    let endpoint = endpoints[session.endpoint].as_mut();
+    let result = if queued.run {
+        endpoint.send_run(session.peer, queued.frame.head)
+    } else {
+        endpoint.send(session.peer, queued.frame)
+    };
+    match result {
+        Ok(()) => None,
+        Err(SendError::WouldBlock(frame)) => {
+            let messages = if queued.run {
+                split_run(&frame.head).len()
+            } else {
+                queued.messages
+            };
+            Some(Queued {
+                frame,
+                messages,
+                run: queued.run,
+            })
+        }
         Err(err) => {
             debug!(remote = %session.remote, error = %err, "send failed");
-            Transmit::Done
+            None
         }
+    }
+}
+
+/// The frames of a run, as slices of it (a run holds whole frames back to
+/// back; anything after the last whole frame is ignored).
+fn split_run(run: &Bytes) -> Vec<OutFrame> {
+    let mut frames = Vec::new();
+    let mut at = 0;
+    while let Some(raw) = run.get(at..at + 4) {
+        let total = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]) as usize + 4;
+        if at + total > run.len() {
+            break;
+        }
+        frames.push(OutFrame::whole(run.slice(at..at + total)));
+        at += total;
+    }
+    frames
+}
+
+/// Frames a data link did not take, back as one queue entry.
+fn rejoin(frames: Vec<OutFrame>, run: bool, messages: bool) -> Queued {
+    if !run {
+        let frame = frames.into_iter().next().unwrap_or_default();
+        return Queued {
+            frame,
+            messages: usize::from(messages),
+            run: false,
+        };
+    }
+    let count = frames.len();
+    let mut joined = BytesMut::new();
+    for frame in frames {
+        joined.extend_from_slice(&frame.head);
+        joined.extend_from_slice(&frame.body);
+    }
+    Queued {
+        frame: OutFrame::whole(joined.freeze()),
+        messages: count,
+        run: true,
     }
 }
 

@@ -34,6 +34,11 @@
 //! must be UTF-8 and at most [`CodecLimits::max_subject_len`] bytes; whether
 //! they are *valid subjects* is for [`crate::subject`] to say. Payloads and
 //! fragment data are slices of the received buffer, never copies.
+//!
+//! On the hot path, `Publish` and `Message` frames need no [`Frame`] value:
+//! [`peek_routed`] reads one in place (subjects borrowed, nothing
+//! allocated, the same checks as [`decode`]), and [`routed_head_into`] /
+//! [`routed_into`] append one to a batch from borrowed parts.
 
 use std::fmt;
 use std::io;
@@ -415,32 +420,119 @@ fn check_width(
 /// Writes prefix, kind and header (and subjects) of a data frame whose
 /// payload will follow; the prefix already counts the payload.
 fn write_head(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
-    let total = encoded_len(frame)?;
-    // encoded_len has checked every width, so these casts are exact.
-    let n = (total - PREFIX_LEN) as u32;
     match frame {
-        Frame::Publish(p) => {
-            out.reserve(total - p.payload.len());
-            out.put_u32_le(n);
-            out.put_u8(FrameKind::Publish as u8);
-            out.put_u64_le(p.seq);
-            put_subjects(out, &p.subject, &p.reply, p.payload.len());
-        }
-        Frame::Message(m) => {
-            out.reserve(total - m.payload.len());
-            out.put_u32_le(n);
-            out.put_u8(FrameKind::Message as u8);
-            out.put_u64_le(m.sid);
-            out.put_u64_le(m.seq);
-            put_subjects(out, &m.subject, &m.reply, m.payload.len());
-        }
+        Frame::Publish(p) => routed_head_into(
+            out,
+            FrameKind::Publish,
+            0,
+            p.seq,
+            &p.subject,
+            p.reply.as_deref(),
+            p.payload.len(),
+        ),
+        Frame::Message(m) => routed_head_into(
+            out,
+            FrameKind::Message,
+            m.sid,
+            m.seq,
+            &m.subject,
+            m.reply.as_deref(),
+            m.payload.len(),
+        ),
         Frame::Fragment(f) => {
+            encoded_len(frame)?;
             out.reserve(FRAGMENT_OVERHEAD);
             put_fragment_head(out, f, f.data.len() as u32);
+            Ok(())
         }
         // Only data frames with a payload come here.
-        _ => return write_control(frame, out),
+        _ => write_control(frame, out),
     }
+}
+
+/// Append the head of a `Publish` or `Message` frame (prefix, kind, header,
+/// subjects) whose `payload_len` payload bytes the caller appends next, or
+/// sends behind it as a separate part. `sid` is ignored for `Publish`.
+/// Builds the same bytes as [`encode_into`] with a frame value, without one:
+/// nothing is allocated beyond room in `out`. On error `out` is unchanged.
+pub fn routed_head_into(
+    out: &mut BytesMut,
+    kind: FrameKind,
+    sid: u64,
+    seq: u64,
+    subject: &str,
+    reply: Option<&str>,
+    payload_len: usize,
+) -> Result<(), EncodeError> {
+    let header = match kind {
+        FrameKind::Publish => PUBLISH_HEADER_LEN,
+        FrameKind::Message => MESSAGE_HEADER_LEN,
+        _ => {
+            return Err(EncodeError::Body {
+                kind,
+                text: "only publish and message frames carry subjects".to_string(),
+            })
+        }
+    };
+    let reply_len = reply.map_or(0, str::len);
+    check_width(kind, "subject", subject.len(), u16::MAX as usize)?;
+    check_width(kind, "reply subject", reply_len, u16::MAX as usize)?;
+    check_width(kind, "payload", payload_len, u32::MAX as usize)?;
+    let head_len = FRAME_OVERHEAD + header + subject.len() + reply_len;
+    check_width(
+        kind,
+        "frame",
+        head_len - PREFIX_LEN + payload_len,
+        u32::MAX as usize,
+    )?;
+    // The fixed part is built on the stack and appended at once: one
+    // capacity check per piece instead of one per field.
+    let mut fixed = [0u8; FRAME_OVERHEAD + MESSAGE_HEADER_LEN];
+    // Checked above: the body length fits u32.
+    fixed[..4].copy_from_slice(&((head_len - PREFIX_LEN + payload_len) as u32).to_le_bytes());
+    fixed[4] = kind as u8;
+    let mut at = FRAME_OVERHEAD;
+    if kind == FrameKind::Message {
+        fixed[at..at + 8].copy_from_slice(&sid.to_le_bytes());
+        at += 8;
+    }
+    fixed[at..at + 8].copy_from_slice(&seq.to_le_bytes());
+    fixed[at + 8] = if reply.is_some() { FLAG_REPLY } else { 0 };
+    fixed[at + 9..at + 11].copy_from_slice(&(subject.len() as u16).to_le_bytes());
+    fixed[at + 11..at + 13].copy_from_slice(&(reply_len as u16).to_le_bytes());
+    fixed[at + 13..at + 17].copy_from_slice(&(payload_len as u32).to_le_bytes());
+    out.reserve(head_len);
+    out.extend_from_slice(&fixed[..at + 17]);
+    out.extend_from_slice(subject.as_bytes());
+    if let Some(reply) = reply {
+        out.extend_from_slice(reply.as_bytes());
+    }
+    Ok(())
+}
+
+/// Change the subscription id of the `Message` frame that starts at the
+/// beginning of `frame` (as [`routed_into`] encoded it): a message fanned
+/// out to several subscriptions is encoded once, copied, and given each
+/// subscription's id. Does nothing to a slice too short to hold a header.
+pub fn set_message_sid(frame: &mut [u8], sid: u64) {
+    if let Some(field) = frame.get_mut(FRAME_OVERHEAD..FRAME_OVERHEAD + 8) {
+        field.copy_from_slice(&sid.to_le_bytes());
+    }
+}
+
+/// Append a whole `Publish` or `Message` frame, payload copied in: the
+/// batching form of [`routed_head_into`] for small payloads.
+pub fn routed_into(
+    out: &mut BytesMut,
+    kind: FrameKind,
+    sid: u64,
+    subject: &str,
+    reply: Option<&str>,
+    payload: &[u8],
+) -> Result<(), EncodeError> {
+    out.reserve(FRAME_OVERHEAD + MESSAGE_HEADER_LEN + subject.len() + payload.len());
+    routed_head_into(out, kind, sid, 0, subject, reply, payload.len())?;
+    out.extend_from_slice(payload);
     Ok(())
 }
 
@@ -474,19 +566,6 @@ fn put_fragment_head<B: BufMut>(out: &mut B, f: &Fragment, data_len: u32) {
     out.put_u32_le(f.count);
     out.put_u32_le(f.total_len);
     out.put_u32_le(data_len);
-}
-
-/// Flags, lengths and subjects shared by `Publish` and `Message`.
-fn put_subjects(out: &mut BytesMut, subject: &str, reply: &Option<String>, payload_len: usize) {
-    let flags = if reply.is_some() { FLAG_REPLY } else { 0 };
-    out.put_u8(flags);
-    out.put_u16_le(subject.len() as u16);
-    out.put_u16_le(reply_len(reply) as u16);
-    out.put_u32_le(payload_len as u32);
-    out.extend_from_slice(subject.as_bytes());
-    if let Some(reply) = reply {
-        out.extend_from_slice(reply.as_bytes());
-    }
 }
 
 /// Appends to a `BytesMut` for bincode.
@@ -610,13 +689,11 @@ pub fn decode(frame: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> 
     }
     let kind_byte = frame[PREFIX_LEN];
     let kind = FrameKind::from_byte(kind_byte).ok_or(DecodeError::UnknownKind(kind_byte))?;
-    let body = frame.slice(FRAME_OVERHEAD..);
     match kind {
-        FrameKind::Publish => decode_publish(body, limits),
-        FrameKind::Message => decode_message(body, limits),
-        FrameKind::Fragment => decode_fragment(body),
-        FrameKind::Credit => decode_credit(&body),
-        _ => decode_control(kind, &body),
+        FrameKind::Publish | FrameKind::Message => decode_routed(kind, &frame, limits),
+        FrameKind::Fragment => decode_fragment(frame.slice(FRAME_OVERHEAD..)),
+        FrameKind::Credit => decode_credit(&frame[FRAME_OVERHEAD..]),
+        _ => decode_control(kind, &frame[FRAME_OVERHEAD..]),
     }
 }
 
@@ -648,12 +725,6 @@ impl<'a> Fields<'a> {
         out
     }
 
-    fn u8(&mut self) -> u8 {
-        self.array::<1>()[0]
-    }
-    fn u16(&mut self) -> u16 {
-        u16::from_le_bytes(self.array())
-    }
     fn u32(&mut self) -> u32 {
         u32::from_le_bytes(self.array())
     }
@@ -662,27 +733,107 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// Flags, subjects and payload shared by `Publish` and `Message`; `fields`
-/// is positioned at the flags byte.
-struct Routed {
-    subject: String,
-    reply: Option<String>,
-    payload: Bytes,
+/// A `Publish` or `Message` frame read in place: the subjects borrow the
+/// frame's bytes, nothing is allocated. [`peek_routed`] checks exactly what
+/// [`decode`] checks, so a view exists for a frame if and only if it
+/// decodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoutedView<'a> {
+    /// `Publish` or `Message`.
+    pub kind: FrameKind,
+    /// The subscription id (`Message`); 0 for a `Publish`.
+    pub sid: u64,
+    pub seq: u64,
+    pub subject: &'a str,
+    pub reply: Option<&'a str>,
+    pub payload: &'a [u8],
+    /// Where the payload starts in the frame (prefix included), for
+    /// slicing it out of the frame's `Bytes` without a copy.
+    pub payload_at: usize,
 }
 
-fn decode_routed(
-    kind: FrameKind,
-    body: &Bytes,
-    fields: &mut Fields<'_>,
+impl RoutedView<'_> {
+    /// The payload as a slice of `frame`, the buffer this view was read
+    /// from: shared, not copied.
+    pub fn payload_of(&self, frame: &Bytes) -> Bytes {
+        frame.slice(self.payload_at..self.payload_at + self.payload.len())
+    }
+}
+
+/// Read a whole frame (prefix included, as endpoints deliver them) without
+/// allocating: `Ok(Some(view))` for a valid `Publish` or `Message`,
+/// `Ok(None)` for any other kind (decode those with [`decode`]), and the
+/// error [`decode`] would give for a malformed data frame. Never panics.
+pub fn peek_routed<'a>(
+    frame: &'a [u8],
     limits: &CodecLimits,
-) -> Result<Routed, DecodeError> {
-    let flags = fields.u8();
+) -> Result<Option<RoutedView<'a>>, DecodeError> {
+    peek_routed_known(frame, limits, "")
+}
+
+/// [`peek_routed`] for a receiver that expects a subject it has seen
+/// before: when the frame's subject bytes equal `known`, the view's subject
+/// is `known` itself and the UTF-8 check is skipped (`known` is a `str`
+/// already). Same results as [`peek_routed`] for every input.
+pub fn peek_routed_known<'a>(
+    frame: &'a [u8],
+    limits: &CodecLimits,
+    known: &'a str,
+) -> Result<Option<RoutedView<'a>>, DecodeError> {
+    let Some(total) = frame_len(frame, limits)? else {
+        return Err(DecodeError::Truncated {
+            needed: PREFIX_LEN,
+            available: frame.len(),
+        });
+    };
+    if total != frame.len() {
+        return Err(DecodeError::LengthMismatch {
+            declared: total - PREFIX_LEN,
+            actual: frame.len() - PREFIX_LEN,
+        });
+    }
+    let kind_byte = frame[PREFIX_LEN];
+    let kind = FrameKind::from_byte(kind_byte).ok_or(DecodeError::UnknownKind(kind_byte))?;
+    let body = &frame[FRAME_OVERHEAD..];
+    match kind {
+        FrameKind::Publish | FrameKind::Message => routed_view(kind, body, limits, known).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// The view of a `Publish` or `Message` body; payload offsets count from
+/// the start of the whole frame.
+fn routed_view<'a>(
+    kind: FrameKind,
+    body: &'a [u8],
+    limits: &CodecLimits,
+    known: &'a str,
+) -> Result<RoutedView<'a>, DecodeError> {
+    // Both headers end in the same 17 bytes (seq, flags, three lengths); a
+    // message has its sid in front.
+    let (sid, at) = if kind == FrameKind::Message {
+        let sid = body
+            .first_chunk::<8>()
+            .map_or(0, |raw| u64::from_le_bytes(*raw));
+        (sid, 8)
+    } else {
+        (0, 0)
+    };
+    let Some(fixed) = body.get(at..).and_then(|rest| rest.first_chunk::<17>()) else {
+        return Err(DecodeError::Truncated {
+            needed: FRAME_OVERHEAD + at + 17,
+            available: FRAME_OVERHEAD + body.len(),
+        });
+    };
+    let field = |from: usize, to: usize| &fixed[from..to];
+    let seq = u64::from_le_bytes(field(0, 8).try_into().unwrap_or_default());
+    let flags = fixed[8];
     if flags & !FLAG_REPLY != 0 {
         return Err(DecodeError::UnknownFlags { kind, flags });
     }
-    let subject_len = usize::from(fields.u16());
-    let reply_len = usize::from(fields.u16());
-    let payload_len = fields.u32() as usize;
+    let subject_len = usize::from(u16::from_le_bytes([fixed[9], fixed[10]]));
+    let reply_len = usize::from(u16::from_le_bytes([fixed[11], fixed[12]]));
+    let payload_len = u32::from_le_bytes([fixed[13], fixed[14], fixed[15], fixed[16]]) as usize;
     if flags & FLAG_REPLY == 0 && reply_len != 0 {
         return Err(DecodeError::UnknownFlags { kind, flags });
     }
@@ -696,7 +847,7 @@ fn decode_routed(
             });
         }
     }
-    let header = fields.pos;
+    let header = at + 17;
     let declared = (header + subject_len + reply_len) as u64 + payload_len as u64;
     if declared != body.len() as u64 {
         return Err(DecodeError::BodyLength {
@@ -707,49 +858,62 @@ fn decode_routed(
     }
     let subject_end = header + subject_len;
     let reply_end = subject_end + reply_len;
-    let subject = utf8(kind, "subject", &body[header..subject_end])?;
+    // The lengths add up to the body's (checked above): these are in range.
+    let subject = &body[header..subject_end];
+    let reply = &body[subject_end..reply_end];
+    let payload = &body[reply_end..];
+    let subject = if subject == known.as_bytes() {
+        known
+    } else {
+        utf8(kind, "subject", subject)?
+    };
     let reply = if flags & FLAG_REPLY != 0 {
-        Some(utf8(kind, "reply subject", &body[subject_end..reply_end])?)
+        Some(utf8(kind, "reply subject", reply)?)
     } else {
         None
     };
-    Ok(Routed {
+    Ok(RoutedView {
+        kind,
+        sid,
+        seq,
         subject,
         reply,
-        payload: body.slice(reply_end..),
+        payload,
+        payload_at: FRAME_OVERHEAD + reply_end,
     })
 }
 
-fn utf8(kind: FrameKind, field: &'static str, bytes: &[u8]) -> Result<String, DecodeError> {
-    std::str::from_utf8(bytes)
-        .map(str::to_owned)
-        .map_err(|_| DecodeError::InvalidUtf8 { kind, field })
+fn utf8<'a>(kind: FrameKind, field: &'static str, bytes: &'a [u8]) -> Result<&'a str, DecodeError> {
+    std::str::from_utf8(bytes).map_err(|_| DecodeError::InvalidUtf8 { kind, field })
 }
 
-fn decode_publish(body: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> {
-    let mut fields = Fields::new(&body, PUBLISH_HEADER_LEN)?;
-    let seq = fields.u64();
-    let routed = decode_routed(FrameKind::Publish, &body, &mut fields, limits)?;
-    Ok(Frame::Publish(Publish {
-        subject: routed.subject,
-        reply: routed.reply,
-        seq,
-        payload: routed.payload,
-    }))
-}
-
-fn decode_message(body: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> {
-    let mut fields = Fields::new(&body, MESSAGE_HEADER_LEN)?;
-    let sid = fields.u64();
-    let seq = fields.u64();
-    let routed = decode_routed(FrameKind::Message, &body, &mut fields, limits)?;
-    Ok(Frame::Message(Message {
-        sid,
-        subject: routed.subject,
-        reply: routed.reply,
-        seq,
-        payload: routed.payload,
-    }))
+/// A whole `Publish` or `Message` frame (prefix included) as a value; the
+/// payload is a slice of `frame`.
+fn decode_routed(
+    kind: FrameKind,
+    frame: &Bytes,
+    limits: &CodecLimits,
+) -> Result<Frame, DecodeError> {
+    let view = routed_view(kind, &frame[FRAME_OVERHEAD..], limits, "")?;
+    let payload = view.payload_of(frame);
+    let subject = view.subject.to_owned();
+    let reply = view.reply.map(str::to_owned);
+    Ok(if kind == FrameKind::Message {
+        Frame::Message(Message {
+            sid: view.sid,
+            subject,
+            reply,
+            seq: view.seq,
+            payload,
+        })
+    } else {
+        Frame::Publish(Publish {
+            subject,
+            reply,
+            seq: view.seq,
+            payload,
+        })
+    })
 }
 
 fn decode_fragment(body: Bytes) -> Result<Frame, DecodeError> {

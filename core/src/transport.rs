@@ -26,6 +26,7 @@
 
 use std::fmt;
 use std::os::fd::RawFd;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use thiserror::Error;
@@ -208,6 +209,19 @@ pub enum SendError {
     Transport(#[from] TransportError),
 }
 
+/// Sends to one peer of an endpoint from any thread (see
+/// [`Endpoint::direct_sender`]). It never blocks: what the wire does not
+/// take at once stays queued with the endpoint's other frames for that
+/// peer, within the same bounds, and the endpoint's polling thread writes it
+/// later. A refused frame or run is handed back as from [`Endpoint::send`];
+/// refusals produce no `Writable` event.
+pub trait DirectSend: Send + Sync {
+    /// As [`Endpoint::send`].
+    fn send(&self, frame: OutFrame) -> Result<(), SendError>;
+    /// As [`Endpoint::send_run`]; the run is taken whole or not at all.
+    fn send_run(&self, run: Bytes) -> Result<(), SendError>;
+}
+
 /// A factory of endpoints for one scheme.
 pub trait Transport: Send + Sync {
     /// The scheme selecting this transport in endpoint strings (`tcp`, `mem`, `efa-rdm`).
@@ -250,8 +264,50 @@ pub trait Endpoint: Send {
     /// Queue one frame for a peer without blocking.
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError>;
 
+    /// Queue a run of whole frames for a peer without blocking: `run` holds
+    /// one or more encoded frames back to back, each with its length
+    /// prefix, as a sender that batches builds them. The same as `send` of
+    /// each frame in order (which is what this default does); a stream
+    /// transport may take the run as it is, in one piece.
+    ///
+    /// On [`SendError::WouldBlock`] the frame handed back is the part of
+    /// the run not taken (whole frames, back to back): the frames before it
+    /// were queued. A run that ends inside a frame is refused from that
+    /// frame on.
+    fn send_run(&mut self, peer: PeerId, run: Bytes) -> Result<(), SendError> {
+        let mut at = 0;
+        while at < run.len() {
+            let declared = run
+                .get(at..at + 4)
+                .map(|raw| u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]) as usize + 4);
+            let Some(total) = declared.filter(|total| at + total <= run.len()) else {
+                return Err(SendError::Transport(TransportError::Other(format!(
+                    "a run of {} bytes ends inside the frame at byte {at}",
+                    run.len()
+                ))));
+            };
+            match self.send(peer, OutFrame::whole(run.slice(at..at + total))) {
+                Ok(()) => at += total,
+                Err(SendError::WouldBlock(_)) => {
+                    return Err(SendError::WouldBlock(OutFrame::whole(run.slice(at..))))
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        Ok(())
+    }
+
     /// Append what is ready to `events` without blocking.
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError>;
+
+    /// A handle through which other threads may send to the peer directly,
+    /// without handing frames to the thread that polls this endpoint; `None`
+    /// when the transport has none (the default) or the peer is unknown.
+    /// Frames sent through it queue in the same order as `send`'s.
+    fn direct_sender(&mut self, peer: PeerId) -> Option<Arc<dyn DirectSend>> {
+        let _ = peer;
+        None
+    }
 
     /// Flush what is queued for the peer (best effort), then release it.
     /// A `Closed { reason: Local }` event follows.
@@ -275,5 +331,90 @@ pub trait Endpoint: Send {
     /// Transports that cannot pause (datagram fabrics) ignore it.
     fn set_read_paused(&mut self, peer: PeerId, paused: bool) {
         let _ = (peer, paused);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Takes up to `room` frames, then refuses.
+    struct Recorder {
+        frames: Vec<Bytes>,
+        room: usize,
+    }
+
+    impl Endpoint for Recorder {
+        fn scheme(&self) -> &str {
+            "recorder"
+        }
+        fn local_addr(&self) -> Vec<u8> {
+            Vec::new()
+        }
+        fn max_frame(&self) -> usize {
+            1024
+        }
+        fn connect(&mut self, _: &str) -> Result<PeerId, TransportError> {
+            Ok(PeerId(1))
+        }
+        fn send(&mut self, _: PeerId, frame: OutFrame) -> Result<(), SendError> {
+            if self.frames.len() == self.room {
+                return Err(SendError::WouldBlock(frame));
+            }
+            self.frames.push(frame.to_bytes());
+            Ok(())
+        }
+        fn poll(&mut self, _: &mut Vec<Event>) -> Result<(), TransportError> {
+            Ok(())
+        }
+        fn close(&mut self, _: PeerId) {}
+        fn readiness(&self) -> Readiness {
+            Readiness::MustPoll
+        }
+        fn queued_bytes(&self, _: PeerId) -> usize {
+            0
+        }
+    }
+
+    fn framed(body: &[u8]) -> Vec<u8> {
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(body);
+        frame
+    }
+
+    #[test]
+    fn default_send_run_sends_each_frame_and_hands_back_the_rest() {
+        let frames: Vec<Vec<u8>> = [&b"a"[..], b"", b"ccc", b"dddd"]
+            .iter()
+            .map(|b| framed(b))
+            .collect();
+        let run = Bytes::from(frames.concat());
+        let mut all = Recorder {
+            frames: Vec::new(),
+            room: 10,
+        };
+        all.send_run(PeerId(1), run.clone()).unwrap();
+        assert_eq!(all.frames, frames);
+
+        let mut two = Recorder {
+            frames: Vec::new(),
+            room: 2,
+        };
+        match two.send_run(PeerId(1), run.clone()) {
+            Err(SendError::WouldBlock(rest)) => assert_eq!(rest.to_bytes(), frames[2..].concat()),
+            other => panic!("expected WouldBlock, got {other:?}"),
+        }
+        assert_eq!(two.frames, frames[..2]);
+
+        let mut cut = Recorder {
+            frames: Vec::new(),
+            room: 10,
+        };
+        let short = run.slice(..run.len() - 1);
+        assert!(matches!(
+            cut.send_run(PeerId(1), short),
+            Err(SendError::Transport(_))
+        ));
+        assert_eq!(cut.frames, frames[..3]);
     }
 }

@@ -7,8 +7,8 @@ mod codec_common;
 use bytes::{BufMut, Bytes, BytesMut};
 use codec_common::frame;
 use efabus_core::codec::{
-    decode, encode, frame_len, try_encode, CodecLimits, DecodeError, EncodeError, FrameKind,
-    FrameReader, FLAG_REPLY, MAX_CONTROL_BODY, MAX_OFFERS,
+    decode, encode, frame_len, peek_routed, peek_routed_known, try_encode, CodecLimits,
+    DecodeError, EncodeError, FrameKind, FrameReader, FLAG_REPLY, MAX_CONTROL_BODY, MAX_OFFERS,
 };
 use efabus_core::frame::{Frame, Goodbye, Publish};
 use proptest::prelude::*;
@@ -26,6 +26,56 @@ fn framed(kind: u8, body: &[u8]) -> Bytes {
 fn assert_stable(frame: &Frame, limits: &CodecLimits) {
     let again = decode(encode(frame).to_bytes(), limits);
     assert_eq!(again.as_ref(), Ok(frame));
+}
+
+/// The in-place view accepts exactly the publish and message frames that
+/// decode, with the same fields, and fails with the same error otherwise.
+fn assert_view_agrees(bytes: &Bytes, limits: &CodecLimits) {
+    let decoded = decode(bytes.clone(), limits);
+    let peeked = peek_routed(bytes, limits);
+    // A known subject, matching or not, changes nothing but where the
+    // subject is borrowed from.
+    let subject = match &decoded {
+        Ok(Frame::Publish(p)) => p.subject.clone(),
+        Ok(Frame::Message(m)) => m.subject.clone(),
+        _ => "a.b".to_string(),
+    };
+    for known in [&subject[..], "a.b", ""] {
+        assert_eq!(peek_routed_known(bytes, limits, known), peeked);
+    }
+    match (&decoded, &peeked) {
+        (Ok(Frame::Publish(p)), Ok(Some(view))) => {
+            assert_eq!(view.kind, FrameKind::Publish);
+            assert_eq!(
+                (view.subject, view.reply),
+                (&p.subject[..], p.reply.as_deref())
+            );
+            assert_eq!((view.seq, view.payload), (p.seq, &p.payload[..]));
+            assert_eq!(view.payload_of(bytes), p.payload);
+        }
+        (Ok(Frame::Message(m)), Ok(Some(view))) => {
+            assert_eq!(view.kind, FrameKind::Message);
+            assert_eq!(
+                (view.subject, view.reply),
+                (&m.subject[..], m.reply.as_deref())
+            );
+            assert_eq!((view.sid, view.seq), (m.sid, m.seq));
+            assert_eq!(view.payload_of(bytes), m.payload);
+        }
+        (Ok(Frame::Publish(_) | Frame::Message(_)), _) => {
+            panic!("decoded as a data frame but peeked as {peeked:?}")
+        }
+        (Ok(_), Ok(None)) => {}
+        (Err(a), Err(b)) => assert_eq!(a, b),
+        (Err(_), Ok(None)) => {
+            let kind = bytes.get(4).copied().and_then(FrameKind::from_byte);
+            assert!(
+                !matches!(kind, Some(FrameKind::Publish | FrameKind::Message)),
+                "a malformed data frame passed the view: {decoded:?}"
+            );
+        }
+        _ => panic!("decode gave {decoded:?} but the view {peeked:?}"),
+    }
 }
 
 #[test]
@@ -140,7 +190,20 @@ fn data_frame_errors_are_reported() {
         ..CodecLimits::default()
     };
     let ok = publish_body(FLAG_REPLY, b"a.b", b"r", 2, b"xy");
+    assert_view_agrees(&ok, &limits);
     assert!(decode(ok, &limits).is_ok());
+    for bad in [
+        publish_body(0, b"a\xffb", b"", 0, b""),
+        publish_body(FLAG_REPLY, b"a", b"\xc3", 0, b""),
+        publish_body(0, b"a.b.c.d.e", b"", 0, b""),
+        publish_body(0x82, b"a", b"", 0, b""),
+        publish_body(0, b"a", b"r", 0, b""),
+        publish_body(0, b"a", b"", 3, b"xy"),
+        framed(FrameKind::Message as u8, &[0; 10]),
+    ] {
+        assert!(peek_routed(&bad, &limits).is_err());
+        assert_view_agrees(&bad, &limits);
+    }
 
     assert_eq!(
         decode(publish_body(0, b"a\xffb", b"", 0, b""), &limits),
@@ -350,6 +413,7 @@ proptest! {
     #[test]
     fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256), chunk in 1usize..32) {
         let limits = CodecLimits { max_frame: 4096, max_subject_len: 64 };
+        assert_view_agrees(&Bytes::from(bytes.clone()), &limits);
         if let Ok(frame) = decode(Bytes::from(bytes.clone()), &limits) {
             assert_stable(&frame, &limits);
         }
@@ -361,6 +425,7 @@ proptest! {
         // Kinds are often valid here, so body parsers see random input.
         let kind = if kind < 128 { kind % 0x14 } else { kind };
         let limits = CodecLimits::default();
+        assert_view_agrees(&framed(kind, &body), &limits);
         if let Ok(frame) = decode(framed(kind, &body), &limits) {
             assert_stable(&frame, &limits);
         }
@@ -379,6 +444,7 @@ proptest! {
             for m in &mutations {
                 apply(&mut one, m);
             }
+            assert_view_agrees(&Bytes::from(one.clone()), &limits);
             if let Ok(decoded) = decode(Bytes::from(one.clone()), &limits) {
                 assert_stable(&decoded, &limits);
             }

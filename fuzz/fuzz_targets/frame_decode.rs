@@ -1,6 +1,8 @@
 //! The frame decoder on arbitrary bytes: it never panics, and whatever it
 //! accepts encodes again, no longer than it came, into a frame that decodes
-//! to the same value.
+//! to the same value. The in-place view of data frames (`peek_routed`)
+//! accepts exactly the publish and message frames the decoder accepts, with
+//! the same fields, and otherwise fails with the same error.
 //!
 //! The first input byte picks the mode: raw bytes, or one of a set of valid
 //! frames with bytes overwritten (3 input bytes per edit: position, value)
@@ -108,7 +110,36 @@ fuzz_target!(|data: &[u8]| {
         max_subject_len: 16,
     };
     for limits in [CodecLimits::default(), tight] {
-        let Ok(frame) = codec::decode(Bytes::copy_from_slice(&input), &limits) else {
+        let decoded = codec::decode(Bytes::copy_from_slice(&input), &limits);
+        let peeked = codec::peek_routed(&input, &limits);
+        let known = match &decoded {
+            Ok(Frame::Publish(p)) => p.subject.clone(),
+            Ok(Frame::Message(m)) => m.subject.clone(),
+            _ => String::from("orders.eu.new"),
+        };
+        assert_eq!(codec::peek_routed_known(&input, &limits, &known), peeked);
+        match (&decoded, &peeked) {
+            (Ok(Frame::Publish(p)), Ok(Some(view))) => {
+                assert_eq!(view.subject, p.subject);
+                assert_eq!(view.reply, p.reply.as_deref());
+                assert_eq!((view.seq, view.payload), (p.seq, &p.payload[..]));
+            }
+            (Ok(Frame::Message(m)), Ok(Some(view))) => {
+                assert_eq!(view.subject, m.subject);
+                assert_eq!(view.reply, m.reply.as_deref());
+                assert_eq!((view.sid, view.seq), (m.sid, m.seq));
+                assert_eq!(view.payload, &m.payload[..]);
+            }
+            (Ok(Frame::Publish(_) | Frame::Message(_)), _) => panic!("view refused {decoded:?}"),
+            (Ok(_), Ok(None)) => {}
+            (Err(_), Ok(None)) => assert!(!matches!(
+                input.get(4).copied().and_then(codec::FrameKind::from_byte),
+                Some(codec::FrameKind::Publish | codec::FrameKind::Message)
+            )),
+            (Err(a), Err(b)) => assert_eq!(a, b),
+            _ => panic!("decode gave {decoded:?}, the view {peeked:?}"),
+        }
+        let Ok(frame) = decoded else {
             continue;
         };
         let out = codec::try_encode(&frame).expect("a decoded frame encodes");

@@ -5,21 +5,29 @@
 //! its connections and a `mio::Waker`; the poll's epoll descriptor is its
 //! [`Readiness::Fd`], so the caller's poller nests it.
 //!
-//! Sending never writes on the spot: `send` appends the frame's parts to the
-//! peer's bounded queue and wakes the endpoint (once per batch), and the next
-//! `poll` hands every queued part to `write_vectored`, many frames per
-//! system call. Past `queue_frames` or `queue_bytes` a send returns
-//! [`SendError::WouldBlock`]; [`Event::Writable`] follows once the queue has
-//! drained to half of both bounds.
+//! Sending: `send` appends the frame's parts to the peer's bounded queue
+//! and wakes the endpoint (once per batch), and the next `poll` hands every
+//! queued part to `write_vectored`, many frames per system call.
+//! `send_run` takes a run of frames its caller batched (one buffer) and,
+//! when the socket has room, writes the queue at once, without a wake-up.
+//! [`Endpoint::direct_sender`] gives a handle that does the same from other
+//! threads: the queue (the connection's sending half) is shared behind a
+//! lock, so frames from the endpoint and from handles keep one order. Past
+//! `queue_frames` or `queue_bytes` a send returns [`SendError::WouldBlock`];
+//! [`Event::Writable`] follows (for refusals of the endpoint's own sends)
+//! once the queue has drained to half of both bounds.
 //!
-//! Receiving reads each ready socket until it would block, at most
+//! Receiving reads each ready socket until it is empty, at most
 //! [`READ_BUDGET`] bytes per connection per poll (option `read_budget`
 //! in [`EndpointConfig::options`] changes it) so one busy peer cannot
-//! starve the others (the endpoint wakes itself to read the rest). Frames
-//! are split off the connection's read buffer and frozen, so each arrives as
-//! a `Bytes` without a copy beyond the socket read. A declared length above
-//! `max_frame` closes the connection with [`CloseReason::Error`] before
-//! anything is allocated for it.
+//! starve the others (the endpoint wakes itself to read the rest). A read
+//! that returns less than asked ends the round (readiness is edge
+//! triggered: more data raises a new event), unless the peer's close was
+//! signalled. Frames are split off the connection's read buffer and frozen,
+//! so each arrives as a `Bytes` without a copy beyond the socket read. A
+//! busy connection reads into large buffers; a quiet one keeps a small one.
+//! A declared length above `max_frame` closes the connection with
+//! [`CloseReason::Error`] before anything is allocated for it.
 //!
 //! `connect` resolves the address (blocking, for host names), starts a
 //! non-blocking connect and returns the peer at once; frames queue until the
@@ -35,14 +43,18 @@ use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use bytes::{Buf, Bytes, BytesMut};
 use efabus_core::caps::FabricInfo;
 use efabus_core::transport::{
-    CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
-    Transport, TransportError,
+    CloseReason, DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness,
+    SendError, Transport, TransportError,
 };
 use mio::net::{TcpListener, TcpStream};
+use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
+use parking_lot::Mutex;
 
 use crate::prefix;
 
@@ -59,14 +71,50 @@ pub const ACCEPT_BUDGET: usize = 256;
 /// How long a locally closed connection may keep flushing and draining.
 pub const LINGER: Duration = Duration::from_secs(5);
 
-/// Smallest free room kept in a read buffer before each read.
+/// Room a busy connection's read buffer grows by when it must grow.
 const READ_CHUNK: usize = 64 << 10;
+
+/// Smallest free room a busy connection reads into: less than this, and the
+/// buffer grows by [`READ_CHUNK`] first. (Frames received earlier may still
+/// hold the buffer, so growing often means a new buffer to allocate and
+/// zero.)
+const READ_MIN: usize = 16 << 10;
+
+/// The read buffer of a quiet connection (whose reads come back short):
+/// small, so thousands of idle peers cost little memory and a message now
+/// and then costs no large buffer to allocate and zero.
+const QUIET_BUF: usize = 4 << 10;
+
+/// Smallest free room a quiet connection reads into.
+const QUIET_MIN: usize = 512;
 
 /// Most buffers handed to one `write_vectored` (well below `IOV_MAX`).
 const MAX_IOV: usize = 256;
 
 const WAKER: Token = Token(0);
 const LISTENER: Token = Token(1);
+
+/// Hashes connection tokens (small integers this endpoint issues, never
+/// chosen by a peer) with one multiplication: looked up for every frame
+/// sent, where SipHash would cost more than the rest of the lookup.
+#[derive(Default, Clone, Copy)]
+struct TokenHasher(u64);
+
+impl std::hash::Hasher for TokenHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type TokenMap<V> = HashMap<Token, V, std::hash::BuildHasherDefault<TokenHasher>>;
 
 /// Connection tokens follow the two fixed ones; an id this endpoint could
 /// not have issued maps to no token.
@@ -114,62 +162,87 @@ enum Gone {
     Failed(String),
 }
 
-struct Conn {
-    stream: TcpStream,
-    remote: String,
-    /// Addresses still to try if the current connect fails.
-    fallbacks: Vec<SocketAddr>,
-    /// Why earlier addresses failed, for the final error.
-    failures: Vec<String>,
+/// The sending half of a connection. The endpoint and the peer's
+/// [`DirectSend`] handles share it behind a lock, so frames from either
+/// queue in one order.
+struct Out {
+    stream: Arc<TcpStream>,
     connected: bool,
-    /// `close` was called at this instant; the peer id is no longer visible.
-    closing: Option<Instant>,
+    /// `close` was called: take nothing more, shut down once flushed.
+    closing: bool,
     /// The write side has been shut down.
     shut: bool,
-    /// Queued parts; `true` marks the last part of a frame.
-    out: VecDeque<(Bytes, bool)>,
-    out_frames: usize,
-    out_bytes: usize,
+    /// Queued parts, each with the number of frames it completes (0 for a
+    /// frame's head, 1 for its last part, n for a run of n whole frames).
+    parts: VecDeque<(Bytes, usize)>,
+    frames: usize,
+    bytes: usize,
     /// A send was refused; owe the caller a `Writable`.
     blocked: bool,
-    /// Listed in the endpoint's flush list.
-    dirty: bool,
-    /// Stopped reading at the budget; read again on the next poll.
-    read_more: bool,
-    /// The caller asked to stop reading (backpressure); readiness seen
-    /// meanwhile is remembered in `read_more`.
-    read_paused: bool,
-    /// The poll round that last serviced this connection.
-    round: u64,
+    /// The socket refused bytes; wait for its writable edge before writing.
+    write_blocked: bool,
+    /// A write made on the spot failed; the next poll drops the connection.
+    broken: Option<String>,
     /// `write_vectored` calls made, for tests and diagnostics.
     writes: u64,
-    /// Received bytes: `[..filled]` is data, the rest is free room.
-    rbuf: BytesMut,
-    filled: usize,
 }
 
-impl Conn {
-    fn new(stream: TcpStream, remote: String, connected: bool) -> Self {
-        Conn {
+impl Out {
+    fn new(stream: Arc<TcpStream>, connected: bool) -> Self {
+        Out {
             stream,
-            remote,
-            fallbacks: Vec::new(),
-            failures: Vec::new(),
             connected,
-            closing: None,
+            closing: false,
             shut: false,
-            out: VecDeque::new(),
-            out_frames: 0,
-            out_bytes: 0,
+            parts: VecDeque::new(),
+            frames: 0,
+            bytes: 0,
             blocked: false,
-            dirty: false,
-            read_more: false,
-            read_paused: false,
-            round: 0,
+            write_blocked: false,
+            broken: None,
             writes: 0,
-            rbuf: BytesMut::new(),
-            filled: 0,
         }
+    }
+
+    /// Whether `frames` more frames of `len` bytes fit the bounds. An empty
+    /// queue always takes one send, so a frame or run larger than the byte
+    /// bound (but within `max_frame`) can still pass.
+    fn has_room(&self, frames: usize, len: usize, limits: &Limits) -> bool {
+        self.frames == 0
+            || (self.frames + frames <= limits.queue_frames
+                && self.bytes + len <= limits.queue_bytes)
+    }
+
+    fn push_frame(&mut self, frame: OutFrame) {
+        let len = frame.len();
+        let OutFrame { head, body } = frame;
+        if body.is_empty() {
+            self.parts.push_back((head, 1));
+        } else {
+            if !head.is_empty() {
+                self.parts.push_back((head, 0));
+            }
+            self.parts.push_back((body, 1));
+        }
+        self.frames += 1;
+        self.bytes += len;
+    }
+
+    fn push_run(&mut self, run: Bytes, frames: usize) {
+        self.frames += frames;
+        self.bytes += run.len();
+        self.parts.push_back((run, frames));
+    }
+
+    /// Write now if the socket may take it; a failure is kept in `broken`
+    /// for the endpoint to report. True when nothing is left to write.
+    fn write_now(&mut self) -> bool {
+        if self.connected && !self.write_blocked && self.broken.is_none() {
+            if let Err(err) = self.flush() {
+                self.broken = Some(describe(&err));
+            }
+        }
+        self.parts.is_empty()
     }
 
     /// Write queued parts until done or the socket is full.
@@ -177,15 +250,15 @@ impl Conn {
         if !self.connected {
             return Ok(());
         }
-        while !self.out.is_empty() {
+        while !self.parts.is_empty() {
             let mut iov = [IoSlice::new(&[]); MAX_IOV];
             let mut n = 0;
-            for ((part, _), slot) in self.out.iter().zip(iov.iter_mut()) {
+            for ((part, _), slot) in self.parts.iter().zip(iov.iter_mut()) {
                 *slot = IoSlice::new(part);
                 n += 1;
             }
             self.writes += 1;
-            match self.stream.write_vectored(&iov[..n]) {
+            match (&*self.stream).write_vectored(&iov[..n]) {
                 Ok(0) => {
                     return Err(io::Error::new(
                         io::ErrorKind::WriteZero,
@@ -193,12 +266,15 @@ impl Conn {
                     ))
                 }
                 Ok(written) => self.consume(written),
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
+                    self.write_blocked = true;
+                    break;
+                }
                 Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
                 Err(err) => return Err(err),
             }
         }
-        if self.out.is_empty() && self.closing.is_some() && !self.shut {
+        if self.parts.is_empty() && self.closing && !self.shut {
             self.shut = true;
             // Sends FIN once everything queued is out; the peer reads it as
             // an orderly close after the last frame.
@@ -212,17 +288,15 @@ impl Conn {
     }
 
     fn consume(&mut self, mut written: usize) {
-        self.out_bytes -= written.min(self.out_bytes);
+        self.bytes -= written.min(self.bytes);
         while written > 0 {
-            let Some((part, last)) = self.out.front_mut() else {
+            let Some((part, frames)) = self.parts.front_mut() else {
                 return;
             };
             if part.len() <= written {
                 written -= part.len();
-                if *last {
-                    self.out_frames -= 1;
-                }
-                self.out.pop_front();
+                self.frames -= (*frames).min(self.frames);
+                self.parts.pop_front();
             } else {
                 part.advance(written);
                 written = 0;
@@ -232,15 +306,172 @@ impl Conn {
 
     /// True when a refused sender may go again.
     fn drained_to_half(&self, queue_frames: usize, queue_bytes: usize) -> bool {
-        self.out_frames <= queue_frames / 2 && self.out_bytes <= queue_bytes / 2
+        self.frames <= queue_frames / 2 && self.bytes <= queue_bytes / 2
+    }
+}
+
+/// Connections whose direct senders need the endpoint's attention (a write
+/// failed), and the waker that makes the endpoint poll them.
+struct Attention {
+    tokens: Mutex<Vec<Token>>,
+    waker: Waker,
+}
+
+impl Attention {
+    fn call(&self, token: Token) {
+        self.tokens.lock().push(token);
+        if let Err(err) = self.waker.wake() {
+            tracing::warn!("tcp: cannot wake endpoint: {err}");
+        }
+    }
+}
+
+/// A peer's [`DirectSend`] handle: writes on the caller's thread, into the
+/// connection's shared sending half.
+struct Direct {
+    token: Token,
+    out: Arc<Mutex<Out>>,
+    limits: Limits,
+    attention: Arc<Attention>,
+}
+
+impl Direct {
+    fn after_write(&self, out: &Out) {
+        if out.broken.is_some() {
+            self.attention.call(self.token);
+        }
+    }
+}
+
+impl DirectSend for Direct {
+    fn send(&self, frame: OutFrame) -> Result<(), SendError> {
+        prefix::check(&frame, self.limits.max_frame)?;
+        let mut out = self.out.lock();
+        if out.closing || out.broken.is_some() {
+            return Err(SendError::Closed(peer_of(self.token)));
+        }
+        if !out.has_room(1, frame.len(), &self.limits) {
+            return Err(SendError::WouldBlock(frame));
+        }
+        out.push_frame(frame);
+        out.write_now();
+        self.after_write(&out);
+        Ok(())
     }
 
-    /// Make sure at least `want` bytes of free room follow the data.
+    fn send_run(&self, run: Bytes) -> Result<(), SendError> {
+        let frames = count_run(&run, self.limits.max_frame)?;
+        if frames == 0 {
+            return Ok(());
+        }
+        let mut out = self.out.lock();
+        if out.closing || out.broken.is_some() {
+            return Err(SendError::Closed(peer_of(self.token)));
+        }
+        if !out.has_room(frames, run.len(), &self.limits) {
+            return Err(SendError::WouldBlock(OutFrame::whole(run)));
+        }
+        out.push_run(run, frames);
+        out.write_now();
+        self.after_write(&out);
+        Ok(())
+    }
+}
+
+/// The number of whole frames in a run, each checked against `max_frame`;
+/// an error when the run ends inside a frame.
+fn count_run(run: &[u8], max_frame: usize) -> Result<usize, SendError> {
+    let mut frames = 0;
+    let mut at = 0;
+    while at < run.len() {
+        let Some(total) = prefix::declared_total(&run[at..]) else {
+            return Err(run_error(format!(
+                "a run of {} bytes ends inside a length prefix at byte {at}",
+                run.len()
+            )));
+        };
+        if total > max_frame {
+            return Err(SendError::TooLarge {
+                len: total,
+                max: max_frame,
+            });
+        }
+        if at + total > run.len() {
+            return Err(run_error(format!(
+                "a run of {} bytes ends inside the frame at byte {at}",
+                run.len()
+            )));
+        }
+        at += total;
+        frames += 1;
+    }
+    Ok(frames)
+}
+
+struct Conn {
+    stream: Arc<TcpStream>,
+    remote: String,
+    /// Addresses still to try if the current connect fails.
+    fallbacks: Vec<SocketAddr>,
+    /// Why earlier addresses failed, for the final error.
+    failures: Vec<String>,
+    connected: bool,
+    /// `close` was called at this instant; the peer id is no longer visible.
+    closing: Option<Instant>,
+    out: Arc<Mutex<Out>>,
+    /// Listed in the endpoint's flush list.
+    dirty: bool,
+    /// Stopped reading at the budget; read again on the next poll.
+    read_more: bool,
+    /// The caller asked to stop reading (backpressure); readiness seen
+    /// meanwhile is remembered in `read_more`.
+    read_paused: bool,
+    /// The peer's close (or an error) was signalled: read until the end.
+    hup: bool,
+    /// The last read filled all the room it was given: read in large
+    /// chunks.
+    busy: bool,
+    /// The poll round that last serviced this connection.
+    round: u64,
+    /// Received bytes: `[..filled]` is data, the rest is free room.
+    rbuf: BytesMut,
+    filled: usize,
+    /// Scratch: where each whole frame of a read ends.
+    ends: Vec<usize>,
+}
+
+impl Conn {
+    fn new(stream: TcpStream, remote: String, connected: bool) -> Self {
+        let stream = Arc::new(stream);
+        Conn {
+            out: Arc::new(Mutex::new(Out::new(stream.clone(), connected))),
+            stream,
+            remote,
+            fallbacks: Vec::new(),
+            failures: Vec::new(),
+            connected,
+            closing: None,
+            dirty: false,
+            read_more: false,
+            read_paused: false,
+            hup: false,
+            busy: false,
+            round: 0,
+            rbuf: BytesMut::new(),
+            filled: 0,
+            ends: Vec::new(),
+        }
+    }
+
+    /// Make sure at least `want` bytes of free room follow the data,
+    /// growing by at least [`READ_CHUNK`] (busy) or [`QUIET_BUF`] (quiet)
+    /// when it must grow.
     fn room(&mut self, want: usize) {
         if self.rbuf.len() < self.filled + want {
+            let grow = if self.busy { READ_CHUNK } else { QUIET_BUF };
             // Only the new tail is zeroed; room left from earlier reads is
             // reused as it is.
-            self.rbuf.resize(self.filled + want, 0);
+            self.rbuf.resize(self.filled + want.max(grow), 0);
         }
     }
 
@@ -258,14 +489,16 @@ impl Conn {
             }
             // Room for the rest of the frame being received, if its length
             // is known (and was checked), else a chunk.
+            let least = if self.busy { READ_MIN } else { QUIET_MIN };
             let want = match prefix::declared_total(&self.rbuf[..self.filled]) {
-                Some(total) if total > self.filled => (total - self.filled).max(READ_CHUNK),
-                _ => READ_CHUNK,
+                Some(total) if total > self.filled => (total - self.filled).max(least),
+                _ => least,
             };
             self.room(want);
             let end = self.rbuf.len().min(self.filled + budget);
             let free = &mut self.rbuf[self.filled..end];
-            match self.stream.read(free) {
+            let asked = free.len();
+            match (&*self.stream).read(free) {
                 Ok(0) => {
                     return Err(if self.filled == 0 {
                         Gone::Peer
@@ -277,23 +510,36 @@ impl Conn {
                     })
                 }
                 Ok(n) => {
+                    self.busy = n == asked;
                     self.filled += n;
                     read_now += n;
                     budget = budget.saturating_sub(n);
                     self.split_frames(peer, max_frame, events)?;
+                    // Less than asked: the socket is empty for now, and
+                    // whatever arrives next raises a new (edge) event, so
+                    // the read that would only say so is skipped. Not when
+                    // the peer's close was signalled: that must be read.
+                    if n < asked && !self.hup {
+                        self.release_if_quiet(read_now);
+                        return Ok(());
+                    }
                 }
                 Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
-                    // A quiet connection between frames gives its buffer
-                    // back, so thousands of idle peers cost little memory;
-                    // busy ones keep it.
-                    if self.filled == 0 && read_now < READ_CHUNK / 4 {
-                        self.rbuf = BytesMut::new();
-                    }
+                    self.release_if_quiet(read_now);
                     return Ok(());
                 }
                 Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
                 Err(err) => return Err(Gone::Failed(describe(&err))),
             }
+        }
+    }
+
+    /// A connection gone quiet between frames gives back a large buffer,
+    /// so thousands of idle peers cost little memory; busy ones keep it,
+    /// and quiet ones keep a small one.
+    fn release_if_quiet(&mut self, read_now: usize) {
+        if self.filled == 0 && read_now < READ_CHUNK / 4 && self.rbuf.capacity() > QUIET_BUF {
+            self.rbuf = BytesMut::new();
         }
     }
 
@@ -303,20 +549,47 @@ impl Conn {
         max_frame: usize,
         events: &mut Vec<Event>,
     ) -> Result<(), Gone> {
-        while let Some(total) = prefix::declared_total(&self.rbuf[..self.filled]) {
+        // The whole frames at the front leave the buffer in one piece; each
+        // frame is a slice of that piece (cheaper than splitting one by one).
+        let mut whole = 0;
+        let mut ends = std::mem::take(&mut self.ends);
+        ends.clear();
+        let mut too_large = None;
+        while let Some(total) = prefix::declared_total(&self.rbuf[whole..self.filled]) {
             if total > max_frame {
-                return Err(Gone::Failed(format!(
-                    "peer declared a frame of {total} bytes, above the limit of {max_frame}"
-                )));
-            }
-            if self.filled < total {
+                // The frames before it still arrive.
+                too_large = Some(total);
                 break;
             }
-            let frame = self.rbuf.split_to(total).freeze();
-            self.filled -= total;
-            events.push(Event::Frame { peer, frame });
+            if self.filled - whole < total {
+                break;
+            }
+            whole += total;
+            ends.push(whole);
         }
-        Ok(())
+        if whole > 0 {
+            let mut piece = self.rbuf.split_to(whole).freeze();
+            self.filled -= whole;
+            let mut start = 0;
+            let last = ends.len() - 1;
+            for &end in &ends[..last] {
+                events.push(Event::Frame {
+                    peer,
+                    frame: piece.slice(start..end),
+                });
+                start = end;
+            }
+            // The last frame is what is left of the piece.
+            piece.advance(start);
+            events.push(Event::Frame { peer, frame: piece });
+        }
+        self.ends = ends;
+        match too_large {
+            Some(total) => Err(Gone::Failed(format!(
+                "peer declared a frame of {total} bytes, above the limit of {max_frame}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Read and discard (a closing connection): keeps the receive queue
@@ -327,7 +600,7 @@ impl Conn {
         let mut budget = limits.read_budget;
         loop {
             let end = self.rbuf.len().min(budget);
-            match self.stream.read(&mut self.rbuf[..end]) {
+            match (&*self.stream).read(&mut self.rbuf[..end]) {
                 Ok(0) => return true,
                 Ok(n) => {
                     budget = budget.saturating_sub(n);
@@ -342,6 +615,10 @@ impl Conn {
             }
         }
     }
+}
+
+fn run_error(text: String) -> SendError {
+    SendError::Transport(TransportError::Other(text))
 }
 
 fn describe(err: &io::Error) -> String {
@@ -390,13 +667,15 @@ impl Limits {
 pub struct TcpEndpoint {
     poll: Poll,
     events: Events,
-    waker: Waker,
+    /// The waker, shared with direct senders, and the connections they
+    /// flag.
+    attention: Arc<Attention>,
     /// A wake-up is outstanding (not yet consumed by `poll`).
     woken: bool,
     listener: Option<TcpListener>,
     local: String,
     accept_more: bool,
-    conns: HashMap<Token, Conn>,
+    conns: TokenMap<Conn>,
     next_peer: u64,
     limits: Limits,
     pending: VecDeque<Event>,
@@ -407,7 +686,8 @@ pub struct TcpEndpoint {
     /// Connections closed locally and still flushing or draining.
     lingering: usize,
     round: u64,
-    scratch: Vec<(Token, bool, bool)>,
+    /// Connections to service this poll: readable, writable, closed.
+    scratch: Vec<(Token, bool, bool, bool)>,
 }
 
 impl std::fmt::Debug for TcpEndpoint {
@@ -459,12 +739,15 @@ impl TcpEndpoint {
         Ok(TcpEndpoint {
             poll,
             events: Events::with_capacity(256),
-            waker,
+            attention: Arc::new(Attention {
+                tokens: Mutex::new(Vec::new()),
+                waker,
+            }),
             woken: false,
             listener,
             local,
             accept_more: false,
-            conns: HashMap::new(),
+            conns: TokenMap::default(),
             next_peer: 1,
             limits,
             pending: VecDeque::new(),
@@ -516,7 +799,7 @@ impl TcpEndpoint {
     fn nudge(&mut self) {
         if !self.woken {
             self.woken = true;
-            if let Err(err) = self.waker.wake() {
+            if let Err(err) = self.attention.waker.wake() {
                 tracing::warn!("tcp: cannot wake endpoint: {err}");
             }
         }
@@ -619,19 +902,22 @@ impl TcpEndpoint {
         };
         let Some(err) = failure else {
             conn.connected = true;
+            conn.out.lock().connected = true;
             return Ok(());
         };
         let mut failures = std::mem::take(&mut conn.failures);
         failures.push(format!("connect to {}: {}", conn.remote, describe(&err)));
         let mut fallbacks = std::mem::take(&mut conn.fallbacks);
-        let _ = self.poll.registry().deregister(&mut conn.stream);
+        let fd = conn.stream.as_raw_fd();
+        let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
         match self.start_connect(token, &mut fallbacks, &mut failures) {
             Some((stream, addr)) => {
                 let Some(conn) = self.conns.get_mut(&token) else {
                     return Ok(());
                 };
                 conn.remote = addr.to_string();
-                conn.stream = stream;
+                conn.stream = Arc::new(stream);
+                conn.out.lock().stream = conn.stream.clone();
                 conn.fallbacks = fallbacks;
                 conn.failures = failures;
                 Ok(())
@@ -642,8 +928,13 @@ impl TcpEndpoint {
 
     /// Remove a connection; report it unless it was closed locally.
     fn drop_conn(&mut self, token: Token, reason: CloseReason, events: &mut Vec<Event>) {
-        if let Some(mut conn) = self.conns.remove(&token) {
-            let _ = self.poll.registry().deregister(&mut conn.stream);
+        if let Some(conn) = self.conns.remove(&token) {
+            let fd = conn.stream.as_raw_fd();
+            let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+            // Direct senders still holding the sending half find it closed,
+            // and the socket goes now, whoever still holds it.
+            conn.out.lock().closing = true;
+            let _ = conn.stream.shutdown(Shutdown::Both);
             if conn.closing.is_some() {
                 self.lingering -= 1;
             } else {
@@ -677,8 +968,18 @@ impl TcpEndpoint {
             return;
         }
         let peer = peer_of(token);
+        let mut out = conn.out.lock();
+        if writable {
+            out.write_blocked = false;
+        }
+        if let Some(text) = out.broken.take() {
+            drop(out);
+            self.drop_conn(token, CloseReason::Error(text), events);
+            return;
+        }
         if conn.closing.is_some() {
-            let flushed = conn.flush().is_ok();
+            let flushed = out.flush().is_ok();
+            drop(out);
             let done = (readable || conn.read_more) && conn.drain_discard(&limits);
             let expired = conn.closing.is_some_and(|t| t.elapsed() >= LINGER);
             if !flushed || done || expired {
@@ -686,6 +987,7 @@ impl TcpEndpoint {
             }
             return;
         }
+        drop(out);
         // Read before writing: a peer that sent frames and then went away
         // makes writes fail, and its last frames must not be lost to that.
         if conn.read_paused {
@@ -703,13 +1005,15 @@ impl TcpEndpoint {
             }
         }
         if writable || conn.dirty {
-            if let Err(err) = conn.flush() {
+            let mut out = conn.out.lock();
+            if let Err(err) = out.flush() {
+                drop(out);
                 let reason = CloseReason::Error(describe(&err));
                 self.drop_conn(token, reason, events);
                 return;
             }
-            if conn.blocked && conn.drained_to_half(limits.queue_frames, limits.queue_bytes) {
-                conn.blocked = false;
+            if out.blocked && out.drained_to_half(limits.queue_frames, limits.queue_bytes) {
+                out.blocked = false;
                 events.push(Event::Writable { peer });
             }
         }
@@ -744,33 +1048,69 @@ impl Endpoint for TcpEndpoint {
         if conn.closing.is_some() {
             return Err(SendError::Closed(peer));
         }
-        let len = frame.len();
-        // An empty queue always takes one frame, so a frame larger than the
-        // byte bound (but within max_frame) can still pass.
-        if conn.out_frames > 0
-            && (conn.out_frames >= self.limits.queue_frames
-                || conn.out_bytes + len > self.limits.queue_bytes)
-        {
-            conn.blocked = true;
+        let mut out = conn.out.lock();
+        if !out.has_room(1, frame.len(), &self.limits) {
+            out.blocked = true;
             return Err(SendError::WouldBlock(frame));
         }
-        let OutFrame { head, body } = frame;
-        if body.is_empty() {
-            conn.out.push_back((head, true));
-        } else {
-            if !head.is_empty() {
-                conn.out.push_back((head, false));
-            }
-            conn.out.push_back((body, true));
-        }
-        conn.out_frames += 1;
-        conn.out_bytes += len;
+        out.push_frame(frame);
+        drop(out);
         if !conn.dirty {
             conn.dirty = true;
             self.dirty.push(token);
         }
         self.nudge();
         Ok(())
+    }
+
+    /// A run is queued as one part and, when the socket has room, written
+    /// on the spot (with whatever was queued before it): a caller that
+    /// batches its frames gets one system call per run and no wake-up.
+    fn send_run(&mut self, peer: PeerId, run: Bytes) -> Result<(), SendError> {
+        let frames = count_run(&run, self.limits.max_frame)?;
+        if frames == 0 {
+            return Ok(());
+        }
+        let Some((token, conn)) =
+            token_of(peer).and_then(|token| Some((token, self.conns.get_mut(&token)?)))
+        else {
+            return Err(SendError::Closed(peer));
+        };
+        let mut out = conn.out.lock();
+        if conn.closing.is_some() || out.broken.is_some() {
+            return Err(SendError::Closed(peer));
+        }
+        if !out.has_room(frames, run.len(), &self.limits) {
+            out.blocked = true;
+            return Err(SendError::WouldBlock(OutFrame::whole(run)));
+        }
+        out.push_run(run, frames);
+        let settled = out.write_now() || (out.connected && out.write_blocked);
+        let broken = out.broken.is_some();
+        drop(out);
+        if !settled || broken {
+            // Reported (or written) by the next poll.
+            if !conn.dirty {
+                conn.dirty = true;
+                self.dirty.push(token);
+            }
+            self.nudge();
+        }
+        Ok(())
+    }
+
+    fn direct_sender(&mut self, peer: PeerId) -> Option<Arc<dyn DirectSend>> {
+        let token = token_of(peer)?;
+        let conn = self.conns.get(&token)?;
+        if conn.closing.is_some() {
+            return None;
+        }
+        Some(Arc::new(Direct {
+            token,
+            out: conn.out.clone(),
+            limits: self.limits,
+            attention: self.attention.clone(),
+        }))
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError> {
@@ -803,21 +1143,32 @@ impl Endpoint for TcpEndpoint {
                             token,
                             event.is_readable() || event.is_read_closed() || event.is_error(),
                             event.is_writable() || event.is_write_closed() || event.is_error(),
+                            event.is_read_closed() || event.is_error(),
                         ));
                     }
                 }
             }
         }
         let leftover = std::mem::take(&mut self.read_more);
-        for token in leftover.into_iter().chain(self.dirty.drain(..)) {
+        let called = std::mem::take(&mut *self.attention.tokens.lock());
+        for token in leftover
+            .into_iter()
+            .chain(self.dirty.drain(..))
+            .chain(called)
+        {
             if let Some(conn) = self.conns.get_mut(&token) {
                 if conn.round != round {
                     conn.round = round;
-                    ready.push((token, false, false));
+                    ready.push((token, false, false, false));
                 }
             }
         }
-        for &(token, readable, writable) in &ready {
+        for &(token, readable, writable, hup) in &ready {
+            if hup {
+                if let Some(conn) = self.conns.get_mut(&token) {
+                    conn.hup = true;
+                }
+            }
             self.service(token, readable, writable, events);
             if let Some(conn) = self.conns.get_mut(&token) {
                 conn.dirty = false;
@@ -862,8 +1213,12 @@ impl Endpoint for TcpEndpoint {
         }
         conn.closing = Some(Instant::now());
         self.lingering += 1;
+        let mut out = conn.out.lock();
+        out.closing = true;
         // A socket that fails now has nothing left to flush or drain.
-        if conn.flush().is_err() {
+        let failed = out.flush().is_err();
+        drop(out);
+        if failed {
             self.drop_conn(token, CloseReason::Local, &mut Vec::new());
         }
         self.pending.push_back(Event::Closed {
@@ -899,7 +1254,7 @@ impl Endpoint for TcpEndpoint {
         token_of(peer)
             .and_then(|token| self.conns.get(&token))
             .filter(|c| c.closing.is_none())
-            .map(|c| c.out_bytes)
+            .map(|c| c.out.lock().bytes)
             .unwrap_or(0)
     }
 }
@@ -1191,6 +1546,203 @@ mod tests {
         }
     }
 
+    /// A connected client endpoint and the server's peer id for it.
+    fn connected_pair() -> (TcpEndpoint, TcpEndpoint, PeerId, PeerId) {
+        let mut server = listener(Vec::new());
+        let addr = server.local_socket_addr().unwrap();
+        let mut client = TcpEndpoint::open(&EndpointConfig::default()).unwrap();
+        let peer = client.connect(&addr.to_string()).unwrap();
+        let mut events = Vec::new();
+        poll_until(&mut server, &mut events, |e| {
+            e.iter().any(|e| matches!(e, Event::Accepted { .. }))
+        });
+        let accepted = events
+            .iter()
+            .find_map(|e| match e {
+                Event::Accepted { peer, .. } => Some(*peer),
+                _ => None,
+            })
+            .unwrap();
+        let deadline = Instant::now() + WAIT;
+        while !client.conns[&token_of(peer).unwrap()].connected {
+            assert!(Instant::now() < deadline, "connect never completed");
+            client.poll(&mut Vec::new()).unwrap();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        (server, client, accepted, peer)
+    }
+
+    fn frames_of(events: &[Event]) -> Vec<Vec<u8>> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Frame { frame, .. } => Some(frame.to_vec()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn runs_are_written_at_once_and_arrive_as_their_frames() {
+        let (mut server, mut client, _, peer) = connected_pair();
+        let mut expect = Vec::new();
+        let mut run = Vec::new();
+        for i in 0..100u32 {
+            let frame = framed(&i.to_le_bytes().repeat(1 + i as usize % 5));
+            run.extend_from_slice(&frame);
+            expect.push(frame);
+        }
+        let single = framed(b"between runs");
+        client
+            .send(peer, OutFrame::whole(single.clone().into()))
+            .unwrap();
+        client.send_run(peer, Bytes::from(run.clone())).unwrap();
+        // The socket had room: the single frame queued before and the run
+        // left in the call, with no poll.
+        assert_eq!(client.queued_bytes(peer), 0);
+        assert_eq!(client.conns[&token_of(peer).unwrap()].out.lock().writes, 1);
+        client.send_run(peer, Bytes::from(run)).unwrap();
+        let mut all = vec![single];
+        all.extend(expect.iter().cloned());
+        all.extend(expect);
+        let mut events = Vec::new();
+        poll_until(&mut server, &mut events, |e| {
+            frames_of(e).len() == all.len()
+        });
+        assert_eq!(frames_of(&events), all);
+    }
+
+    #[test]
+    fn malformed_runs_are_refused_whole() {
+        let (_server, mut client, _, peer) = connected_pair();
+        let good = framed(b"fine");
+        let cases: Vec<Vec<u8>> = vec![
+            // Ends inside the second frame's prefix.
+            [good.clone(), vec![3, 0]].concat(),
+            // Ends inside the second frame.
+            [good.clone(), framed(b"cut")[..5].to_vec()].concat(),
+        ];
+        for bad in cases {
+            assert!(matches!(
+                client.send_run(peer, Bytes::from(bad)),
+                Err(SendError::Transport(_))
+            ));
+        }
+        let huge = framed(&vec![0; EndpointConfig::default().max_frame]);
+        assert!(matches!(
+            client.send_run(peer, Bytes::from([good, huge].concat())),
+            Err(SendError::TooLarge { .. })
+        ));
+        assert_eq!(client.conns[&token_of(peer).unwrap()].out.lock().frames, 0);
+        assert!(matches!(
+            client.send_run(PeerId(999), Bytes::from(framed(b"x"))),
+            Err(SendError::Closed(_))
+        ));
+    }
+
+    #[test]
+    fn a_full_queue_hands_the_run_back() {
+        let mut server = listener(Vec::new());
+        let addr = server.local_socket_addr().unwrap();
+        let mut client = TcpEndpoint::open(&EndpointConfig {
+            queue_frames: 4,
+            ..EndpointConfig::default()
+        })
+        .unwrap();
+        // Not connected yet: nothing leaves, the queue fills.
+        let peer = client.connect(&addr.to_string()).unwrap();
+        let run: Vec<u8> = (0..3u8).flat_map(|i| framed(&[i])).collect();
+        client.send_run(peer, Bytes::from(run.clone())).unwrap();
+        match client.send_run(peer, Bytes::from(run.clone())) {
+            Err(SendError::WouldBlock(back)) => assert_eq!(back.to_bytes(), run),
+            other => panic!("expected WouldBlock, got {other:?}"),
+        }
+        let mut events = Vec::new();
+        poll_until(&mut client, &mut events, |e| {
+            e.iter().any(|e| matches!(e, Event::Writable { .. }))
+        });
+        client.send_run(peer, Bytes::from(run.clone())).unwrap();
+        let mut got = Vec::new();
+        let deadline = Instant::now() + WAIT;
+        while frames_of(&got).len() < 6 {
+            assert!(Instant::now() < deadline, "timed out; got {got:?}");
+            client.poll(&mut Vec::new()).unwrap();
+            server.poll(&mut got).unwrap();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let expect: Vec<Vec<u8>> = (0..2)
+            .flat_map(|_| (0..3u8).map(|i| framed(&[i])))
+            .collect();
+        assert_eq!(frames_of(&got), expect);
+    }
+
+    #[test]
+    fn direct_senders_write_from_other_threads_in_queue_order() {
+        let (mut server, mut client, _, peer) = connected_pair();
+        let direct = client
+            .direct_sender(peer)
+            .expect("a connected peer has one");
+        // Queued by the endpoint first (not yet written: no poll).
+        client
+            .send(peer, OutFrame::whole(framed(b"first").into()))
+            .unwrap();
+        let writer = std::thread::spawn(move || {
+            for i in 0..50u32 {
+                let run: Vec<u8> = (0..4u32)
+                    .flat_map(|j| framed(&(i * 4 + j).to_le_bytes()))
+                    .collect();
+                direct.send_run(Bytes::from(run)).unwrap();
+            }
+            let head = Bytes::from(framed(b"last")[..6].to_vec());
+            let body = Bytes::from(framed(b"last")[6..].to_vec());
+            direct.send(OutFrame { head, body }).unwrap();
+            direct
+        });
+        let direct = writer.join().unwrap();
+        let mut expect = vec![framed(b"first")];
+        expect.extend((0..200u32).map(|n| framed(&n.to_le_bytes())));
+        expect.push(framed(b"last"));
+        let mut events = Vec::new();
+        let deadline = Instant::now() + WAIT;
+        while frames_of(&events).len() < expect.len() {
+            assert!(Instant::now() < deadline, "timed out");
+            client.poll(&mut Vec::new()).unwrap();
+            server.poll(&mut events).unwrap();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert_eq!(frames_of(&events), expect);
+
+        // Once the peer is closed, the handle refuses.
+        client.close(peer);
+        assert!(matches!(
+            direct.send_run(Bytes::from(framed(b"late"))),
+            Err(SendError::Closed(_))
+        ));
+        assert!(client.direct_sender(peer).is_none());
+    }
+
+    #[test]
+    fn a_full_queue_refuses_direct_sends_without_a_writable_debt() {
+        let server = listener(Vec::new());
+        let addr = server.local_socket_addr().unwrap();
+        let mut client = TcpEndpoint::open(&EndpointConfig {
+            queue_frames: 2,
+            ..EndpointConfig::default()
+        })
+        .unwrap();
+        // Not connected yet: nothing leaves, the queue fills.
+        let peer = client.connect(&addr.to_string()).unwrap();
+        let direct = client.direct_sender(peer).unwrap();
+        direct.send_run(Bytes::from(framed(b"a"))).unwrap();
+        direct.send_run(Bytes::from(framed(b"b"))).unwrap();
+        match direct.send_run(Bytes::from(framed(b"c"))) {
+            Err(SendError::WouldBlock(back)) => assert_eq!(back.to_bytes(), framed(b"c")),
+            other => panic!("expected WouldBlock, got {other:?}"),
+        }
+        assert!(!client.conns[&token_of(peer).unwrap()].out.lock().blocked);
+        assert_eq!(client.queued_bytes(peer), 2 * framed(b"a").len());
+    }
+
     #[test]
     fn many_small_frames_leave_in_few_writes() {
         // Queued frames leave together: one write call per MAX_IOV parts,
@@ -1214,7 +1766,7 @@ mod tests {
             assert!(Instant::now() < deadline);
             client.poll(&mut Vec::new()).unwrap();
         }
-        let writes = client.conns[&token_of(peer).unwrap()].writes;
+        let writes = client.conns[&token_of(peer).unwrap()].out.lock().writes;
         assert!(
             writes <= (1000 / MAX_IOV as u64) + 1,
             "{writes} write calls for 1000 queued frames"
