@@ -49,6 +49,9 @@ const DATA_TOKENS: usize = 2;
 /// Payloads up to this size are copied into the outbox with their frame;
 /// larger ones are shared behind a head of their own.
 const COPY_MAX: usize = 1 << 10;
+/// Most items (runs, large frames, commands) the outbox holds before
+/// application threads wait for room.
+const MAX_ITEMS: usize = 65_536;
 /// Largest buffer a run of frames is encoded into.
 const RUN_MAX: usize = 64 << 10;
 /// Smallest buffer a run starts with.
@@ -300,13 +303,16 @@ struct ClientShared {
 }
 
 impl ClientShared {
-    /// Queue a command behind everything published so far. Commands are
-    /// small and never wait for room.
+    /// Queue a command behind everything published so far, waiting up to
+    /// the block timeout while [`MAX_ITEMS`] items wait already.
     fn send_command(&self, command: Command) -> Result<(), Error> {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
         let mut outbox = self.outbox.lock();
+        if outbox.items.len() >= MAX_ITEMS {
+            self.wait_for_room(&mut outbox, |outbox| outbox.items.len() >= MAX_ITEMS)?;
+        }
         let was_empty = outbox.is_empty();
         outbox.close_run();
         outbox.items.push_back(Item::Command(command));
@@ -352,19 +358,10 @@ impl ClientShared {
             });
         }
         let bound = self.options.max_pending_bytes;
-        if outbox.bytes >= bound {
-            let timeout = self.options.block_timeout;
-            let deadline = Instant::now() + timeout;
-            self.parker.wake();
-            while outbox.bytes >= bound {
-                if self.shutdown.load(Ordering::Relaxed) {
-                    return Err(Error::Closed);
-                }
-                if self.room.wait_until(&mut outbox, deadline).timed_out() && outbox.bytes >= bound
-                {
-                    return Err(Error::Blocked(timeout));
-                }
-            }
+        if outbox.bytes >= bound || outbox.items.len() >= MAX_ITEMS {
+            self.wait_for_room(&mut outbox, |outbox| {
+                outbox.bytes >= bound || outbox.items.len() >= MAX_ITEMS
+            })?;
         }
         let was_empty = outbox.is_empty();
         let encoded = if payload.len() <= COPY_MAX {
@@ -449,6 +446,26 @@ impl ClientShared {
         drop(outbox);
         if was_empty {
             self.parker.wake_if_parked();
+        }
+        Ok(())
+    }
+
+    /// Wait (up to the block timeout) while the outbox is `full`.
+    fn wait_for_room(
+        &self,
+        outbox: &mut parking_lot::MutexGuard<'_, Outbox>,
+        full: impl Fn(&Outbox) -> bool,
+    ) -> Result<(), Error> {
+        let timeout = self.options.block_timeout;
+        let deadline = Instant::now() + timeout;
+        self.parker.wake();
+        while full(outbox) {
+            if self.shutdown.load(Ordering::Relaxed) {
+                return Err(Error::Closed);
+            }
+            if self.room.wait_until(outbox, deadline).timed_out() && full(outbox) {
+                return Err(Error::Blocked(timeout));
+            }
         }
         Ok(())
     }
@@ -1367,16 +1384,18 @@ impl ClientLoop {
             return false;
         }
         let bound = self.shared.options.max_pending_bytes;
-        let freed = {
+        let was_full = {
             let mut outbox = self.shared.outbox.lock();
             if outbox.is_empty() {
                 return false;
             }
             outbox.close_run();
+            let was_full = outbox.bytes >= bound || outbox.items.len() >= MAX_ITEMS;
             std::mem::swap(&mut self.taken, &mut outbox.items);
-            std::mem::take(&mut outbox.bytes)
+            outbox.bytes = 0;
+            was_full
         };
-        if freed >= bound {
+        if was_full {
             self.shared.room.notify_all();
         }
         while let Some(item) = self.taken.pop_front() {

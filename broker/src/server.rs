@@ -1499,19 +1499,17 @@ impl EventLoop {
             self.report(id, ErrorCode::PayloadTooLarge, text);
             return;
         }
-        let mut targets = std::mem::take(&mut self.targets);
         // Routing validates the subject (the index caches valid ones).
         let shared = &self.shared;
         let valid = shared
             .router
             .read()
-            .route(subject, &mut targets)
+            .route(subject, &mut self.targets)
             .and_then(|()| match reply {
                 Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
                 None => Ok(()),
             });
         if let Err(err) = valid {
-            self.targets = targets;
             self.report(
                 id,
                 ErrorCode::InvalidSubject,
@@ -1520,19 +1518,21 @@ impl EventLoop {
             return;
         }
         self.tally.messages_in += 1;
-        if !targets.local.is_empty() {
+        if !self.targets.local.is_empty() {
             let message = Message {
                 subject: Arc::from(subject),
                 reply: reply.map(Arc::from),
                 payload: payload.to_bytes(),
             };
-            deliver_local(&self.shared, &mut targets, &message);
+            deliver_local(&self.shared, &mut self.targets, &message);
         }
         self.encoded_valid = false;
-        for target in targets.remote.drain(..) {
+        // By index: delivering needs `self`, and the list is not touched
+        // until the next publish routes into it.
+        for index in 0..self.targets.remote.len() {
+            let target = self.targets.remote[index];
             self.deliver_remote(target, subject, reply, payload);
         }
-        self.targets = targets;
     }
 
     /// Deliver one message to a remote subscription. On the control link

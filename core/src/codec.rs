@@ -455,6 +455,7 @@ fn write_head(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
 /// sends behind it as a separate part. `sid` is ignored for `Publish`.
 /// Builds the same bytes as [`encode_into`] with a frame value, without one:
 /// nothing is allocated beyond room in `out`. On error `out` is unchanged.
+#[inline]
 pub fn routed_head_into(
     out: &mut BytesMut,
     kind: FrameKind,
@@ -514,6 +515,7 @@ pub fn routed_head_into(
 /// beginning of `frame` (as [`routed_into`] encoded it): a message fanned
 /// out to several subscriptions is encoded once, copied, and given each
 /// subscription's id. Does nothing to a slice too short to hold a header.
+#[inline]
 pub fn set_message_sid(frame: &mut [u8], sid: u64) {
     if let Some(field) = frame.get_mut(FRAME_OVERHEAD..FRAME_OVERHEAD + 8) {
         field.copy_from_slice(&sid.to_le_bytes());
@@ -522,6 +524,7 @@ pub fn set_message_sid(frame: &mut [u8], sid: u64) {
 
 /// Append a whole `Publish` or `Message` frame, payload copied in: the
 /// batching form of [`routed_head_into`] for small payloads.
+#[inline]
 pub fn routed_into(
     out: &mut BytesMut,
     kind: FrameKind,
@@ -653,6 +656,7 @@ fn check_offers(kind: FrameKind, offers: &[Offer]) -> Result<(), EncodeError> {
 /// splitting a byte stream: `Ok(None)` until the 4-byte prefix is there.
 /// Rejects a declared length over `limits.max_frame` (or of zero) from the
 /// prefix alone, so the caller allocates nothing for it.
+#[inline]
 pub fn frame_len(buf: &[u8], limits: &CodecLimits) -> Result<Option<usize>, DecodeError> {
     let Some(prefix) = buf.first_chunk::<PREFIX_LEN>() else {
         return Ok(None);
@@ -755,6 +759,7 @@ pub struct RoutedView<'a> {
 impl RoutedView<'_> {
     /// The payload as a slice of `frame`, the buffer this view was read
     /// from: shared, not copied.
+    #[inline]
     pub fn payload_of(&self, frame: &Bytes) -> Bytes {
         frame.slice(self.payload_at..self.payload_at + self.payload.len())
     }
@@ -775,6 +780,7 @@ pub fn peek_routed<'a>(
 /// before: when the frame's subject bytes equal `known`, the view's subject
 /// is `known` itself and the UTF-8 check is skipped (`known` is a `str`
 /// already). Same results as [`peek_routed`] for every input.
+#[inline]
 pub fn peek_routed_known<'a>(
     frame: &'a [u8],
     limits: &CodecLimits,
@@ -803,6 +809,7 @@ pub fn peek_routed_known<'a>(
 
 /// The view of a `Publish` or `Message` body; payload offsets count from
 /// the start of the whole frame.
+#[inline]
 fn routed_view<'a>(
     kind: FrameKind,
     body: &'a [u8],
@@ -837,15 +844,18 @@ fn routed_view<'a>(
     if flags & FLAG_REPLY == 0 && reply_len != 0 {
         return Err(DecodeError::UnknownFlags { kind, flags });
     }
-    for (field, len) in [("subject", subject_len), ("reply subject", reply_len)] {
-        if len > limits.max_subject_len {
-            return Err(DecodeError::FieldTooLong {
-                kind,
-                field,
-                len,
-                max: limits.max_subject_len,
-            });
-        }
+    if subject_len.max(reply_len) > limits.max_subject_len {
+        let (field, len) = if subject_len > limits.max_subject_len {
+            ("subject", subject_len)
+        } else {
+            ("reply subject", reply_len)
+        };
+        return Err(DecodeError::FieldTooLong {
+            kind,
+            field,
+            len,
+            max: limits.max_subject_len,
+        });
     }
     let header = at + 17;
     let declared = (header + subject_len + reply_len) as u64 + payload_len as u64;
