@@ -532,6 +532,7 @@ impl LinkReceiver {
                 return Ok(());
             }
             let capacity = reorder.config().capacity;
+            let mut refuse = false;
             if self.lossy {
                 // A corrupted sequence number would make the link skip far
                 // ahead and then drop every genuine frame as stale. A real
@@ -553,19 +554,15 @@ impl LinkReceiver {
                             1
                         }
                     };
-                    if votes < FAR_AHEAD_VOTES {
-                        self.stats.window_exceeded += 1;
-                        return Err(ReorderError::WindowExceeded {
-                            seq: msg_id,
-                            expected: expected_before,
-                            capacity,
-                        }
-                        .into());
-                    }
+                    refuse = votes < FAR_AHEAD_VOTES;
                 }
-                self.far_ahead = None;
+                if !refuse {
+                    self.far_ahead = None;
+                }
+            } else {
+                refuse = msg_id - expected_before >= capacity as u64;
             }
-            if !self.lossy && msg_id - expected_before >= capacity as u64 {
+            if refuse {
                 self.stats.window_exceeded += 1;
                 return Err(ReorderError::WindowExceeded {
                     seq: msg_id,
