@@ -33,7 +33,7 @@ use mio::unix::SourceFd;
 use mio::{Interest, Poll, Token, Waker};
 use parking_lot::{Condvar, Mutex};
 // Subscription ids are small integers this side assigns.
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use tracing::{debug, info, warn};
 
 use crate::config::SlowConsumerPolicy;
@@ -863,6 +863,8 @@ struct ClientLoop {
     last_subject: Option<Arc<str>>,
     /// Messages that shared `last_subject` so far.
     subject_shares: usize,
+    /// Subscriptions sent to the server on the current connection.
+    subscribed: FxHashSet<u64>,
     /// The time of this loop round, read once per round rather than per frame.
     now: Instant,
     /// Subscriptions cut off as slow consumers while delivering a batch.
@@ -918,6 +920,7 @@ impl ClientLoop {
             taken: VecDeque::new(),
             last_subject: None,
             subject_shares: 0,
+            subscribed: FxHashSet::default(),
             now,
             cut_off: Vec::new(),
             flushes: Vec::new(),
@@ -1363,12 +1366,16 @@ impl ClientLoop {
     /// Re-send every live subscription after (re)connecting; they go before
     /// any buffered publish so replies and messages find them.
     fn resubscribe(&mut self, peer: PeerId) {
+        self.subscribed.clear();
         let frames: Vec<OutFrame> = self
             .shared
             .subscriptions
             .lock()
             .iter()
-            .map(|(&sid, sub)| subscribe_frame(sid, sub))
+            .map(|(&sid, sub)| {
+                self.subscribed.insert(sid);
+                subscribe_frame(sid, sub)
+            })
             .collect();
         for frame in frames {
             if let Err(frame) = self.transmit(peer, frame) {
@@ -1415,8 +1422,12 @@ impl ClientLoop {
     fn on_command(&mut self, command: Command) {
         match command {
             Command::Subscribe { sid } => {
-                // While disconnected, the subscription is sent on reconnect.
+                // While disconnected, the subscription is sent on reconnect
+                // (and not again when its command is taken after that).
                 if let LinkState::Up { .. } = self.link {
+                    if self.subscribed.contains(&sid) {
+                        return;
+                    }
                     let frame = self
                         .shared
                         .subscriptions
@@ -1424,11 +1435,13 @@ impl ClientLoop {
                         .get(&sid)
                         .map(|sub| subscribe_frame(sid, sub));
                     if let Some(frame) = frame {
+                        self.subscribed.insert(sid);
                         self.send(frame);
                     }
                 }
             }
             Command::Unsubscribe { sid } => {
+                self.subscribed.remove(&sid);
                 if let LinkState::Up { .. } = self.link {
                     self.send(codec::encode(&Frame::Unsubscribe { sid }));
                 }
