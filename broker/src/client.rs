@@ -33,7 +33,7 @@ use mio::unix::SourceFd;
 use mio::{Interest, Poll, Token, Waker};
 use parking_lot::{Condvar, Mutex};
 // Subscription ids are small integers this side assigns.
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use tracing::{debug, info, warn};
 
 use crate::config::SlowConsumerPolicy;
@@ -49,6 +49,8 @@ const DATA_TOKENS: usize = 2;
 /// Payloads up to this size are copied into the outbox with their frame;
 /// larger ones are shared behind a head of their own.
 const COPY_MAX: usize = 1 << 10;
+/// Messages that share one subject string before the next gets a fresh one.
+const SUBJECT_SHARES: usize = 64;
 /// Most items (runs, large frames, commands) the outbox holds before
 /// application threads wait for room.
 const MAX_ITEMS: usize = 65_536;
@@ -864,6 +866,10 @@ struct ClientLoop {
     /// The subject of the last message delivered, shared by the next ones
     /// on the same subject.
     last_subject: Option<Arc<str>>,
+    /// Messages that shared `last_subject` so far.
+    subject_shares: usize,
+    /// Subscriptions sent to the server on the current connection.
+    subscribed: FxHashSet<u64>,
     /// The time of this loop round, read once per round rather than per frame.
     now: Instant,
     /// Subscriptions cut off as slow consumers while delivering a batch.
@@ -918,6 +924,8 @@ impl ClientLoop {
             pending_bytes: 0,
             taken: VecDeque::new(),
             last_subject: None,
+            subject_shares: 0,
+            subscribed: FxHashSet::default(),
             now,
             cut_off: Vec::new(),
             flushes: Vec::new(),
@@ -1180,21 +1188,27 @@ impl ClientLoop {
                 return Err(frame);
             }
         };
-        let repeated = known
-            .as_ref()
-            .is_some_and(|shared| std::ptr::eq(&**shared, view.subject));
-        let subject = match (&known, repeated) {
+        // A stream of messages on one subject shares the subject's string,
+        // a fresh one every `SUBJECT_SHARES` messages: the reading thread
+        // releases the copies it is done with while this one hands out
+        // more, and a count touched by both for every message would move
+        // between their cores every time.
+        self.subject_shares += 1;
+        let reuse = self.subject_shares < SUBJECT_SHARES
+            && known
+                .as_ref()
+                .is_some_and(|shared| std::ptr::eq(&**shared, view.subject));
+        let subject = match (&known, reuse) {
             (Some(shared), true) => shared.clone(),
-            _ => Arc::from(view.subject),
+            _ => {
+                self.subject_shares = 0;
+                Arc::from(view.subject)
+            }
         };
         let reply = view.reply.map(Arc::from);
         let (sid, at, len) = (view.sid, view.payload_at, view.payload.len());
         // The subject of a stream of messages is kept for the next one.
-        self.last_subject = if repeated {
-            known
-        } else {
-            Some(subject.clone())
-        };
+        self.last_subject = if reuse { known } else { Some(subject.clone()) };
         let mut payload = frame;
         payload.advance(at);
         payload.truncate(len);
@@ -1359,12 +1373,16 @@ impl ClientLoop {
     /// Re-send every live subscription after (re)connecting; they go before
     /// any buffered publish so replies and messages find them.
     fn resubscribe(&mut self, peer: PeerId) {
+        self.subscribed.clear();
         let frames: Vec<OutFrame> = self
             .shared
             .subscriptions
             .lock()
             .iter()
-            .map(|(&sid, sub)| subscribe_frame(sid, sub))
+            .map(|(&sid, sub)| {
+                self.subscribed.insert(sid);
+                subscribe_frame(sid, sub)
+            })
             .collect();
         for frame in frames {
             if let Err(frame) = self.transmit(peer, frame) {
@@ -1411,8 +1429,12 @@ impl ClientLoop {
     fn on_command(&mut self, command: Command) {
         match command {
             Command::Subscribe { sid } => {
-                // While disconnected, the subscription is sent on reconnect.
+                // While disconnected, the subscription is sent on reconnect
+                // (and not again when its command is taken after that).
                 if let LinkState::Up { .. } = self.link {
+                    if self.subscribed.contains(&sid) {
+                        return;
+                    }
                     let frame = self
                         .shared
                         .subscriptions
@@ -1420,11 +1442,13 @@ impl ClientLoop {
                         .get(&sid)
                         .map(|sub| subscribe_frame(sid, sub));
                     if let Some(frame) = frame {
+                        self.subscribed.insert(sid);
                         self.send(frame);
                     }
                 }
             }
             Command::Unsubscribe { sid } => {
+                self.subscribed.remove(&sid);
                 if let LinkState::Up { .. } = self.link {
                     self.send(codec::encode(&Frame::Unsubscribe { sid }));
                 }
