@@ -2,39 +2,17 @@
 //! request/reply, validation, zero-copy delivery, slow-consumer policies,
 //! flush and shutdown.
 
+mod embedded_common;
+
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use efabus_broker::{Broker, Client, Config, Error, Message, PubSub, RecvError, Subscription};
+use efabus_broker::{Broker, Client, Error, Message, PubSub, RecvError, Subscription};
 use efabus_core::index::IndexError;
 use efabus_core::subject::{QueueNameError, SubjectError};
-
-/// Bound on every wait; messages normally arrive at once.
-const WAIT: Duration = Duration::from_secs(5);
-
-/// An embedded broker with no listeners and `extra` config on top.
-fn broker(extra: &str) -> Broker {
-    let text = format!("name = \"embedded-test\"\nlisten = []\n{extra}");
-    let config = Config::from_toml_str(&text, "embedded test").expect("valid test config");
-    Broker::start(config).expect("broker starts")
-}
-
-fn text(message: &Message) -> String {
-    format!(
-        "{}:{}",
-        message.subject,
-        String::from_utf8_lossy(&message.payload)
-    )
-}
-
-/// Everything already queued on a subscription, without waiting.
-fn drain(sub: &Subscription) -> Vec<String> {
-    std::iter::from_fn(|| sub.try_recv().ok())
-        .map(|m| text(&m))
-        .collect()
-}
+use embedded_common::{broker, drain, text, WAIT};
 
 fn payload(s: &'static str) -> Bytes {
     Bytes::from_static(s.as_bytes())

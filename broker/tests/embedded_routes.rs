@@ -5,34 +5,13 @@
 //! several brokers in one process, and that batching keeps order, subjects
 //! and the bound.
 
+mod embedded_common;
+
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use bytes::Bytes;
-use efabus_broker::{Broker, Config, Message, Subscription};
-
-/// Bound on every wait; messages normally arrive at once.
-const WAIT: Duration = Duration::from_secs(5);
-
-fn broker(extra: &str) -> Broker {
-    let text = format!("name = \"routes-test\"\nlisten = []\n{extra}");
-    let config = Config::from_toml_str(&text, "routes test").expect("valid test config");
-    Broker::start(config).expect("broker starts")
-}
-
-fn text(message: &Message) -> String {
-    format!(
-        "{}:{}",
-        message.subject,
-        String::from_utf8_lossy(&message.payload)
-    )
-}
-
-fn drain(sub: &Subscription) -> Vec<String> {
-    std::iter::from_fn(|| sub.try_recv().ok())
-        .map(|m| text(&m))
-        .collect()
-}
+use efabus_broker::Subscription;
+use embedded_common::{broker, drain, text, WAIT};
 
 fn payload(n: usize) -> Bytes {
     Bytes::from(n.to_string())

@@ -676,10 +676,11 @@ pub fn frame_len(buf: &[u8], limits: &CodecLimits) -> Result<Option<usize>, Deco
     Ok(Some(total as usize))
 }
 
-/// Decode one whole frame, length prefix included, as endpoints deliver
-/// them. Payloads and fragment data are slices of `frame`. Never panics.
-pub fn decode(frame: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> {
-    let Some(total) = frame_len(&frame, limits)? else {
+/// The kind of one whole frame, after checking that its length prefix
+/// matches its length exactly and is within the limits.
+#[inline]
+fn whole_frame_kind(frame: &[u8], limits: &CodecLimits) -> Result<FrameKind, DecodeError> {
+    let Some(total) = frame_len(frame, limits)? else {
         return Err(DecodeError::Truncated {
             needed: PREFIX_LEN,
             available: frame.len(),
@@ -693,6 +694,13 @@ pub fn decode(frame: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> 
     }
     let kind_byte = frame[PREFIX_LEN];
     let kind = FrameKind::from_byte(kind_byte).ok_or(DecodeError::UnknownKind(kind_byte))?;
+    Ok(kind)
+}
+
+/// Decode one whole frame, length prefix included, as endpoints deliver
+/// them. Payloads and fragment data are slices of `frame`. Never panics.
+pub fn decode(frame: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> {
+    let kind = whole_frame_kind(&frame, limits)?;
     match kind {
         FrameKind::Publish | FrameKind::Message => decode_routed(kind, &frame, limits),
         FrameKind::Fragment => decode_fragment(frame.slice(FRAME_OVERHEAD..)),
@@ -786,20 +794,7 @@ pub fn peek_routed_known<'a>(
     limits: &CodecLimits,
     known: &'a str,
 ) -> Result<Option<RoutedView<'a>>, DecodeError> {
-    let Some(total) = frame_len(frame, limits)? else {
-        return Err(DecodeError::Truncated {
-            needed: PREFIX_LEN,
-            available: frame.len(),
-        });
-    };
-    if total != frame.len() {
-        return Err(DecodeError::LengthMismatch {
-            declared: total - PREFIX_LEN,
-            actual: frame.len() - PREFIX_LEN,
-        });
-    }
-    let kind_byte = frame[PREFIX_LEN];
-    let kind = FrameKind::from_byte(kind_byte).ok_or(DecodeError::UnknownKind(kind_byte))?;
+    let kind = whole_frame_kind(frame, limits)?;
     let body = &frame[FRAME_OVERHEAD..];
     match kind {
         FrameKind::Publish | FrameKind::Message => routed_view(kind, body, limits, known).map(Some),
