@@ -26,7 +26,7 @@ use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, 
 use efabus_core::link::LinkTuning;
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
-    DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+    DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError,
 };
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use mio::unix::SourceFd;
@@ -550,7 +550,7 @@ impl Client {
         let endpoint_box = crate::server::with_faults(endpoint_box, options.faults.as_ref(), 0);
         let poll = Poll::new().map_err(Error::Thread)?;
         let waker = Waker::new(poll.registry(), WAKER).map_err(Error::Thread)?;
-        if let Readiness::Fd(fd) = endpoint_box.readiness() {
+        if let Some(fd) = endpoint_box.readiness().fd() {
             poll.registry()
                 .register(&mut SourceFd(&fd), ENDPOINT, Interest::READABLE)
                 .map_err(Error::Thread)?;
@@ -563,7 +563,7 @@ impl Client {
                     let index = 1 + data.len();
                     let endpoint =
                         crate::server::with_faults(endpoint, options.faults.as_ref(), index);
-                    if let Readiness::Fd(fd) = endpoint.readiness() {
+                    if let Some(fd) = endpoint.readiness().fd() {
                         poll.registry()
                             .register(
                                 &mut SourceFd(&fd),
@@ -946,9 +946,11 @@ impl ClientLoop {
     fn run(mut self) {
         let mut mio_events = mio::Events::with_capacity(64);
         let mut events = Vec::with_capacity(256);
-        let must_poll = std::iter::once(&self.endpoint)
-            .chain(&self.data)
-            .any(|endpoint| endpoint.readiness() == Readiness::MustPoll);
+        let polled = crate::server::Polled::of(
+            std::iter::once(&self.endpoint)
+                .chain(&self.data)
+                .map(|endpoint| endpoint.readiness()),
+        );
         let mut idle = 0u32;
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let now = Instant::now();
@@ -985,9 +987,14 @@ impl ClientLoop {
                 idle = idle.saturating_add(1);
             }
             let mut timeout = Duration::from_millis(50);
-            if must_poll {
+            if polled.must_poll {
                 let polling = &self.shared.options.fabric.polling;
-                timeout = timeout.min(crate::server::backoff(idle, polling));
+                timeout = timeout.min(polled.backoff(idle, polling));
+            }
+            let may_wait = timeout.is_zero()
+                || (self.endpoint.prepare_wait() && crate::server::prepare_wait(&mut self.data));
+            if !may_wait {
+                continue;
             }
             let shared = &self.shared;
             let nothing_pending = self.pending.is_empty();

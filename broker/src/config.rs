@@ -225,17 +225,25 @@ pub struct Fabric {
     pub test_force_mr_local: bool,
 }
 
-/// Fabric completion queues have no wait object here, so a loop that owns
-/// fabric endpoints polls them: it spins for `busy_polls` idle rounds (one
-/// core at 100%, lowest latency), then sleeps 50 us between polls for as
-/// many rounds again, then `idle_sleep_us` between polls. An idle broker
-/// thus wakes about 1000 times a second with the defaults (well under 1% of
-/// a core); traffic resets the count.
+/// How a loop that owns fabric endpoints waits for their completion
+/// queues. With a wait set (`wait_fd`, used with libfabric's tcp, udp and
+/// rxd providers) it spins for at most 8 of `busy_polls` idle
+/// rounds and then sleeps on the descriptor, which wakes it as soon as a
+/// completion is due: an idle broker uses no CPU. Without one (efa on
+/// libfabric 1.17, or `wait_fd = false`) it spins for `busy_polls` idle
+/// rounds (one core at 100%, lowest latency), then sleeps 50 us between
+/// polls for as many rounds again, then `idle_sleep_us` between polls, so
+/// an idle broker wakes about 1000 times a second (about 3% of a core with
+/// `tcp;ofi_rxm`, whose progress call is costly). Traffic resets the count.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Polling {
     pub busy_polls: u32,
     pub idle_sleep_us: u64,
+    /// Sleep on the provider's wait set where it has one (the descriptor
+    /// wakes the loop as soon as a completion is due) instead of sleeping
+    /// blind; off, the CQs are always polled as on efa.
+    pub wait_fd: bool,
 }
 
 impl Default for Polling {
@@ -243,6 +251,7 @@ impl Default for Polling {
         Polling {
             busy_polls: 64,
             idle_sleep_us: 1_000,
+            wait_fd: true,
         }
     }
 }

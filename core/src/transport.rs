@@ -13,7 +13,10 @@
 //! 2. Register [`Endpoint::readiness`] with the caller's poller: a file
 //!    descriptor that becomes readable when `poll` has work, or
 //!    [`Readiness::MustPoll`] when the endpoint only makes progress when
-//!    polled (libfabric completion queues without a wait object).
+//!    polled (libfabric completion queues without a wait object), or
+//!    [`Readiness::PollOrWait`] (libfabric completion queues with a wait
+//!    set): polled like `MustPoll`, but an idle caller may block on the
+//!    descriptor once [`Endpoint::prepare_wait`] allows it.
 //! 3. `connect`/`insert_peer` give a [`PeerId`] at once; frames may be sent to
 //!    it immediately (they queue until the link is up, within the bound).
 //! 4. `send` never blocks: a full queue returns [`SendError::WouldBlock`] with
@@ -89,6 +92,27 @@ pub enum Readiness {
     Fd(RawFd),
     /// Make progress only by calling `poll` repeatedly (busy-poll with backoff).
     MustPoll,
+    /// Poll repeatedly as for `MustPoll`; between polls the caller may
+    /// block on the descriptor (readable when `poll` may have work), but
+    /// only after [`Endpoint::prepare_wait`] returned true, and still for
+    /// no longer than its `MustPoll` back-off.
+    PollOrWait(RawFd),
+}
+
+impl Readiness {
+    /// The descriptor to register with the caller's poller, if any.
+    pub fn fd(self) -> Option<RawFd> {
+        match self {
+            Readiness::Fd(fd) | Readiness::PollOrWait(fd) => Some(fd),
+            Readiness::MustPoll => None,
+        }
+    }
+
+    /// Whether the caller must keep polling (with back-off) rather than
+    /// rely on the descriptor alone.
+    pub fn must_poll(self) -> bool {
+        !matches!(self, Readiness::Fd(_))
+    }
 }
 
 /// Why a peer's link ended.
@@ -315,6 +339,14 @@ pub trait Endpoint: Send {
 
     /// How the caller learns there is work.
     fn readiness(&self) -> Readiness;
+
+    /// Called right before the caller blocks on the descriptor of a
+    /// [`Readiness::PollOrWait`] endpoint: false when work is already
+    /// pending (the descriptor might not signal it), so the caller polls
+    /// again instead of blocking.
+    fn prepare_wait(&mut self) -> bool {
+        true
+    }
 
     /// What this endpoint actually is, in fi_info terms (after the
     /// provider's choices), for the offers made in the handshake. `None`

@@ -306,14 +306,46 @@ int efabus_av_insert(struct fid_av *av, const void *addr, uint64_t *fi_addr)
 	return ret;
 }
 
-int efabus_cq_open(struct fid_domain *domain, uint64_t size, struct fid_cq **cq)
+int efabus_wait_open(struct fid_fabric *fabric, struct fid_wait **wait)
+{
+	struct fi_wait_attr attr;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.wait_obj = FI_WAIT_FD;
+	return fi_wait_open(fabric, &attr, wait);
+}
+
+int efabus_wait_fd(struct fid_wait *wait, int *fd)
+{
+	return fi_control(&wait->fid, FI_GETWAIT, fd);
+}
+
+int efabus_wait_close(struct fid_wait *wait)
+{
+	return fi_close(&wait->fid);
+}
+
+int efabus_trywait(struct fid_fabric *fabric, struct fid_wait *wait)
+{
+	struct fid *fids[1] = { &wait->fid };
+
+	return fi_trywait(fabric, fids, 1);
+}
+
+int efabus_cq_open(struct fid_domain *domain, uint64_t size, struct fid_wait *wait,
+		   struct fid_cq **cq)
 {
 	struct fi_cq_attr attr;
 
 	memset(&attr, 0, sizeof(attr));
 	attr.size = size;
 	attr.format = FI_CQ_FORMAT_MSG;
-	attr.wait_obj = FI_WAIT_NONE;
+	if (wait) {
+		attr.wait_obj = FI_WAIT_SET;
+		attr.wait_set = wait;
+	} else {
+		attr.wait_obj = FI_WAIT_NONE;
+	}
 	return fi_cq_open(domain, &attr, cq, NULL);
 }
 

@@ -200,7 +200,15 @@ int efabus_av_close(struct fid_av *av);
 /* Inserts one address; returns 1 on success, <= 0 on failure. */
 int efabus_av_insert(struct fid_av *av, const void *addr, uint64_t *fi_addr);
 
-int efabus_cq_open(struct fid_domain *domain, uint64_t size, struct fid_cq **cq);
+/* A wait set with an fd (FI_WAIT_FD) that CQs may signal. */
+int efabus_wait_open(struct fid_fabric *fabric, struct fid_wait **wait);
+int efabus_wait_fd(struct fid_wait *wait, int *fd);
+int efabus_wait_close(struct fid_wait *wait);
+/* fi_trywait on one wait set: 0 when the caller may block on its fd. */
+int efabus_trywait(struct fid_fabric *fabric, struct fid_wait *wait);
+/* FI_CQ_FORMAT_MSG; signals `wait` when not NULL, else no wait object. */
+int efabus_cq_open(struct fid_domain *domain, uint64_t size, struct fid_wait *wait,
+		   struct fid_cq **cq);
 int efabus_cq_close(struct fid_cq *cq);
 /* Returns the number of entries read, -FI_EAGAIN, -FI_EAVAIL or an error. */
 int64_t efabus_cq_read(struct fid_cq *cq, struct efabus_completion *buf, uint64_t count);

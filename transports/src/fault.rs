@@ -937,6 +937,10 @@ impl Endpoint for FaultyEndpoint {
         }
     }
 
+    fn prepare_wait(&mut self) -> bool {
+        self.inner.prepare_wait()
+    }
+
     fn info(&self) -> Option<FabricInfo> {
         self.inner.info()
     }

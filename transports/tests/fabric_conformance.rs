@@ -172,7 +172,6 @@ mod suite {
             return;
         };
         assert_eq!(a.scheme(), kind.scheme());
-        assert_eq!(a.readiness(), efabus_core::transport::Readiness::MustPoll);
         let (pb, pa) = insert_each_other(&mut a, &mut b);
         let (mut ae, mut be) = (Vec::new(), Vec::new());
 
@@ -205,6 +204,82 @@ mod suite {
         assert_eq!(payload_of(&frames_from(&ae, pb)[0]), b"pong from b");
         assert_eq!(a.stats().received, 1);
         assert_eq!(b.stats().received, 1);
+    }
+
+    /// With a wait set, a receiver that is not polled learns of a frame
+    /// through its descriptor alone, once `prepare_wait` has allowed the
+    /// wait; with `wait_fd=false` (or a provider without wait sets) the
+    /// endpoint must be polled.
+    pub fn wait_fd_announces_frames(kind: EpKind, provider: &str) {
+        use efabus_core::transport::Readiness;
+        use mio::unix::SourceFd;
+        use mio::{Events, Interest, Poll, Token};
+
+        if let Some((plain, _)) = pair(kind, provider, &[("wait_fd", "false")]) {
+            assert_eq!(plain.readiness(), Readiness::MustPoll);
+        }
+        let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
+            return;
+        };
+        let Readiness::PollOrWait(fd) = b.readiness() else {
+            panic!("{provider}: no wait set: {:?}", b.readiness());
+        };
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        // A first frame sets up whatever connection the provider needs.
+        a.send(pb, frame(b"first")).expect("send");
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| !frames_from(be, pa).is_empty(),
+            "first frame",
+        );
+
+        let mut poll = Poll::new().expect("poll");
+        poll.registry()
+            .register(&mut SourceFd(&fd), Token(0), Interest::READABLE)
+            .expect("register wait fd");
+        let start = Instant::now();
+        while !b.prepare_wait() {
+            b.poll(&mut be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "prepare_wait never allowed a wait"
+            );
+        }
+        let mut events = Events::with_capacity(4);
+        poll.poll(&mut events, Some(Duration::ZERO)).expect("poll");
+        // Nothing pending: the descriptor stays quiet.
+        let quiet_since = Instant::now();
+        poll.poll(&mut events, Some(Duration::from_millis(50)))
+            .expect("poll");
+        assert!(
+            events.is_empty() || quiet_since.elapsed() >= Duration::from_millis(40),
+            "the wait fd was readable with nothing to do"
+        );
+
+        a.send(pb, frame(b"wake up")).expect("send");
+        let mut woken = false;
+        while !woken {
+            // Only the sender is polled; the receiver sleeps on its fd.
+            a.poll(&mut ae).expect("poll a");
+            poll.poll(&mut events, Some(Duration::from_millis(20)))
+                .expect("poll");
+            woken = !events.is_empty();
+            assert!(start.elapsed() < DEADLINE, "the wait fd never woke");
+        }
+        be.clear();
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| !frames_from(be, pa).is_empty(),
+            "the announced frame",
+        );
+        assert_eq!(payload_of(&frames_from(&be, pa)[0]), b"wake up");
     }
 
     /// More frames than receives posted, so receive slots are reposted; a
@@ -601,6 +676,21 @@ macro_rules! provider_suite {
             }
         }
     };
+}
+
+/// Every provider here offers wait sets (efa on libfabric 1.17 does not);
+/// `sockets` is polled all the same (see the endpoint's set-up).
+#[cfg(efabus_libfabric)]
+#[test]
+fn wait_fd_announces_frames() {
+    use efabus_transports::fabric::EpKind;
+    suite::wait_fd_announces_frames(EpKind::Rdm, "tcp;ofi_rxm");
+    suite::wait_fd_announces_frames(EpKind::Rdm, "udp;ofi_rxd");
+    suite::wait_fd_announces_frames(EpKind::Dgram, "udp");
+    if let Some((a, _)) = suite::pair(EpKind::Rdm, "sockets", &[]) {
+        use efabus_core::transport::Endpoint;
+        assert_eq!(a.readiness(), efabus_core::transport::Readiness::MustPoll);
+    }
 }
 
 #[cfg(efabus_libfabric)]

@@ -81,6 +81,10 @@ pub struct FabricOptions {
     pub order: OrderWanted,
     pub force_prefix: usize,
     pub force_mr_local: bool,
+    /// Ask the provider for a wait set so an idle owner can sleep on a
+    /// descriptor (`Readiness::PollOrWait`); providers without one are
+    /// polled as before.
+    pub wait_fd: bool,
 }
 
 /// Default bytes per RDM buffer: frames above it are fragmented by the
@@ -107,6 +111,7 @@ impl Default for FabricOptions {
             order: OrderWanted::Prefer,
             force_prefix: 0,
             force_mr_local: false,
+            wait_fd: true,
         }
     }
 }
@@ -147,6 +152,11 @@ impl FabricOptions {
                 }
                 Ok(n)
             };
+            let flag = || match value.trim() {
+                "true" | "1" | "yes" => Ok(true),
+                "false" | "0" | "no" => Ok(false),
+                _ => Err(bad("expected true or false")),
+            };
             match key {
                 "provider" => {
                     parsed.provider = text()?.ok_or_else(|| bad("must not be empty"))?;
@@ -178,18 +188,13 @@ impl FabricOptions {
                     }
                     parsed.force_prefix = n;
                 }
-                "force_mr_local" => {
-                    parsed.force_mr_local = match value.trim() {
-                        "true" | "1" | "yes" => true,
-                        "false" | "0" | "no" => false,
-                        _ => return Err(bad("expected true or false")),
-                    }
-                }
+                "force_mr_local" => parsed.force_mr_local = flag()?,
+                "wait_fd" => parsed.wait_fd = flag()?,
                 _ => {
                     return Err(bad(
                         "unknown fabric option (known: provider, domain, iface, fabric, node, \
                          service, msg_size, rx_depth, tx_depth, av_size, rnr_retry, order, \
-                         force_prefix, force_mr_local)",
+                         force_prefix, force_mr_local, wait_fd)",
                     ))
                 }
             }

@@ -2,8 +2,9 @@
 //! completion queues and registered buffer pools, behind efabus's
 //! [`Endpoint`] trait.
 //!
-//! Set-up: fi_getinfo → fabric → domain → AV (FI_AV_TABLE) → tx and rx CQs
-//! (FI_CQ_FORMAT_MSG, FI_WAIT_NONE) → endpoint → bind → (efa RDM:
+//! Set-up: fi_getinfo → fabric → domain → AV (FI_AV_TABLE) → wait set
+//! (FI_WAIT_FD, where offered) → tx and rx CQs (FI_CQ_FORMAT_MSG, on the
+//! wait set or FI_WAIT_NONE) → endpoint → bind → (efa RDM:
 //! FI_OPT_EFA_RNR_RETRY) → enable → fi_getname → receives posted.
 //!
 //! Data path:
@@ -13,14 +14,18 @@
 //!   `fi_inject`, used only when the whole posted length fits the
 //!   provider's `inject_size`). No free slot or a persistent -FI_EAGAIN
 //!   returns `WouldBlock`, and `Writable` follows once a slot is free.
-//! - -FI_EAGAIN on a post: the CQs are read (which drives progress on
-//!   manual-progress providers) and the post retried a few times.
+//! - -FI_EAGAIN on a post: the slot waits in the peer's backlog, ahead of
+//!   anything newer, and the CQs are read (which drives progress on
+//!   manual-progress providers); every later poll retries the backlog.
 //! - Descriptors from the pools' regions go with every post when the
 //!   provider requires FI_MR_LOCAL (or `force_mr_local` is set).
 //! - The sender of each message is named in band (see [`super::layout`]);
 //!   an unknown sender becomes a new peer announced with `Accepted`.
 //!
-//! Nothing here waits: the endpoint must be polled (`Readiness::MustPoll`).
+//! Nothing here waits: the endpoint must be polled. With a wait set its
+//! owner may sleep on the set's descriptor between polls
+//! (`Readiness::PollOrWait`), after `prepare_wait` (`fi_trywait`) allowed
+//! it; without one it reports `Readiness::MustPoll`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
@@ -36,6 +41,7 @@ use super::consts::*;
 use super::error::{FabricError, FiCode};
 use super::handle::{
     AddressVector, Completion, CompletionQueue, CqError, CqRead, Domain, Fabric, FiEndpoint,
+    WaitSet,
 };
 use super::info::{Hints, Info, InfoList};
 use super::layout::{check_frame, BufferLayout, Received};
@@ -124,6 +130,7 @@ pub struct FabricEndpoint {
     ep: FiEndpoint,
     tx_cq: Rc<CompletionQueue>,
     rx_cq: Rc<CompletionQueue>,
+    wait: Option<Rc<WaitSet>>,
     av: Rc<AddressVector>,
     rx_pool: BufferPool,
     tx_pool: BufferPool,
@@ -254,8 +261,12 @@ impl FabricEndpoint {
         let fabric = Fabric::open(&info)?;
         let domain = Domain::open(&fabric, &info)?;
         let av = AddressVector::open_table(&domain, options.av_size)?;
-        let tx_cq = CompletionQueue::open(&domain, tx_depth + 1)?;
-        let rx_cq = CompletionQueue::open(&domain, rx_depth + 1)?;
+        // The sockets provider signals its wait set by writing to a
+        // blocking socketpair that only `fi_wait` drains: under a sustained
+        // stream its own progress thread blocks on the full pair (seen with
+        // libfabric 1.17), so it is polled.
+        let want_wait = options.wait_fd && attrs.provider() != "sockets";
+        let (wait, tx_cq, rx_cq) = open_cqs(&fabric, &domain, want_wait, tx_depth, rx_depth)?;
         let mut ep = FiEndpoint::open(&domain, &info)?;
         ep.bind_av(&av)?;
         ep.bind_cq(&tx_cq, FI_TRANSMIT)?;
@@ -326,6 +337,7 @@ impl FabricEndpoint {
             ep,
             tx_cq,
             rx_cq,
+            wait,
             av,
             rx_pool,
             tx_pool,
@@ -746,6 +758,44 @@ pub(crate) fn get_info(
     }
 }
 
+/// The tx and rx CQs, on a wait set when `want_wait` and the provider
+/// offers one (and accepts CQs on it), polled without one otherwise.
+type Cqs = (
+    Option<Rc<WaitSet>>,
+    Rc<CompletionQueue>,
+    Rc<CompletionQueue>,
+);
+
+fn open_cqs(
+    fabric: &Rc<Fabric>,
+    domain: &Rc<Domain>,
+    want_wait: bool,
+    tx_depth: usize,
+    rx_depth: usize,
+) -> Result<Cqs, FabricError> {
+    if want_wait {
+        let on_wait_set = WaitSet::open(fabric).and_then(|wait| {
+            let open = |depth| {
+                CompletionQueue::open(domain, depth + 1, Some(&wait)).map_err(|err| {
+                    err.code()
+                        .cloned()
+                        .unwrap_or_else(|| FiCode::from_ret(FI_EINVAL.into()))
+                })
+            };
+            let tx = open(tx_depth)?;
+            let rx = open(rx_depth)?;
+            Ok((Some(wait), tx, rx))
+        });
+        match on_wait_set {
+            Ok(cqs) => return Ok(cqs),
+            Err(code) => tracing::debug!(%code, "no wait set; the endpoint is polled"),
+        }
+    }
+    let tx = CompletionQueue::open(domain, tx_depth + 1, None)?;
+    let rx = CompletionQueue::open(domain, rx_depth + 1, None)?;
+    Ok((None, tx, rx))
+}
+
 impl Endpoint for FabricEndpoint {
     fn scheme(&self) -> &str {
         self.link.kind.scheme()
@@ -896,7 +946,16 @@ impl Endpoint for FabricEndpoint {
     }
 
     fn readiness(&self) -> Readiness {
-        Readiness::MustPoll
+        match &self.wait {
+            Some(wait) => Readiness::PollOrWait(wait.fd()),
+            None => Readiness::MustPoll,
+        }
+    }
+
+    fn prepare_wait(&mut self) -> bool {
+        // Events queued by a `send` are not in the CQs any more, so the
+        // descriptor would not announce them.
+        self.pending.is_empty() && self.wait.as_ref().is_some_and(|wait| wait.try_wait())
     }
 
     /// The provider's attributes, with the queue sizes this endpoint really

@@ -205,24 +205,96 @@ pub struct CqError {
     pub provider_text: String,
 }
 
-/// A completion queue (`FI_CQ_FORMAT_MSG`, no wait object: polled).
+/// A wait set with a file descriptor (`fi_wait_open`, FI_WAIT_FD): the CQs
+/// opened on it make the descriptor readable when they have work, so a
+/// loop can sleep in epoll instead of polling. Providers without wait
+/// objects (efa on libfabric 1.17) refuse it, and their CQs are polled.
+pub struct WaitSet {
+    ptr: NonNull<sys::fid_wait>,
+    fd: i32,
+    fabric: Rc<Fabric>,
+}
+
+impl WaitSet {
+    /// The provider's refusal comes back as the error code.
+    pub fn open(fabric: &Rc<Fabric>) -> Result<Rc<WaitSet>, FiCode> {
+        let mut ptr = ptr::null_mut();
+        // SAFETY: the fabric is open; the shim fills a zeroed fi_wait_attr
+        // (FI_WAIT_FD) and writes the handle to `ptr`.
+        let ret = unsafe { sys::efabus_wait_open(fabric.ptr.as_ptr(), &mut ptr) };
+        if ret != 0 {
+            return Err(FiCode::from_ret(ret.into()));
+        }
+        let ptr = NonNull::new(ptr).ok_or_else(|| FiCode::from_ret(FI_EINVAL.into()))?;
+        let mut fd = -1;
+        // SAFETY: the wait set was just opened; FI_GETWAIT on an FI_WAIT_FD
+        // set writes one int.
+        let ret = unsafe { sys::efabus_wait_fd(ptr.as_ptr(), &mut fd) };
+        let wait = Rc::new(WaitSet {
+            ptr,
+            fd,
+            fabric: fabric.clone(),
+        });
+        if ret != 0 || fd < 0 {
+            return Err(FiCode::from_ret(
+                if ret != 0 { ret } else { FI_EINVAL }.into(),
+            ));
+        }
+        Ok(wait)
+    }
+
+    /// The descriptor that becomes readable when a CQ of the set has work.
+    pub fn fd(&self) -> i32 {
+        self.fd
+    }
+
+    /// `fi_trywait`: true when nothing is pending, so the caller may block
+    /// on [`WaitSet::fd`]; false when the CQs must be read first.
+    pub fn try_wait(&self) -> bool {
+        // SAFETY: the fabric and the wait set are open, and the set belongs
+        // to that fabric.
+        unsafe { sys::efabus_trywait(self.fabric.ptr.as_ptr(), self.ptr.as_ptr()) == 0 }
+    }
+}
+
+impl Drop for WaitSet {
+    fn drop(&mut self) {
+        // SAFETY: open handle; the CQs that signal it hold Rcs of it and
+        // are closed.
+        report_close("wait set", unsafe {
+            sys::efabus_wait_close(self.ptr.as_ptr())
+        });
+    }
+}
+
+/// A completion queue (`FI_CQ_FORMAT_MSG`), polled, and signalling a
+/// [`WaitSet`] when it was opened with one.
 pub struct CompletionQueue {
     ptr: NonNull<sys::fid_cq>,
+    _wait: Option<Rc<WaitSet>>,
     _domain: Rc<Domain>,
 }
 
 impl CompletionQueue {
-    pub fn open(domain: &Rc<Domain>, size: usize) -> Result<Rc<CompletionQueue>, FabricError> {
+    pub fn open(
+        domain: &Rc<Domain>,
+        size: usize,
+        wait: Option<&Rc<WaitSet>>,
+    ) -> Result<Rc<CompletionQueue>, FabricError> {
         let mut ptr = ptr::null_mut();
-        // SAFETY: the domain is open; the shim fills a zeroed fi_cq_attr
-        // (format MSG, FI_WAIT_NONE) and writes the handle to `ptr`.
-        let ret = unsafe { sys::efabus_cq_open(domain.ptr.as_ptr(), size as u64, &mut ptr) };
+        let wait_ptr = wait.map_or(ptr::null_mut(), |w| w.ptr.as_ptr());
+        // SAFETY: the domain is open and the wait set, when given, is open
+        // on the same fabric; the shim fills a zeroed fi_cq_attr (format
+        // MSG, FI_WAIT_SET or FI_WAIT_NONE) and writes the handle to `ptr`.
+        let ret =
+            unsafe { sys::efabus_cq_open(domain.ptr.as_ptr(), size as u64, wait_ptr, &mut ptr) };
         check(ret, |code| FabricError::CqOpen { code })?;
         let ptr = NonNull::new(ptr).ok_or_else(|| FabricError::CqOpen {
             code: FiCode::from_ret(FI_EINVAL.into()),
         })?;
         Ok(Rc::new(CompletionQueue {
             ptr,
+            _wait: wait.cloned(),
             _domain: domain.clone(),
         }))
     }

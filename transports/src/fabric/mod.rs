@@ -28,8 +28,11 @@
 //!   [`FabricEndpoint::sas_granted`] so the session layer can reorder.
 //! - `max_msg_size` bounds `max_frame` (prefix counted); `inject_size`
 //!   bounds `fi_inject` (0: never).
-//! - CQs are polled (no wait object) and -FI_EAGAIN is met with progress
-//!   and a retry; the endpoint reports `Readiness::MustPoll`.
+//! - CQs are polled, and -FI_EAGAIN is met with progress and a retry. When
+//!   the provider offers a wait set (`fi_wait_open` with FI_WAIT_FD; not
+//!   efa on 1.17) both CQs signal it and the endpoint reports
+//!   `Readiness::PollOrWait` with its descriptor, `fi_trywait` guarding
+//!   every sleep; otherwise `Readiness::MustPoll`.
 //! - Receives are kept posted (`rx_depth`, capped by the provider's rx
 //!   size); `FI_OPT_EFA_RNR_RETRY` is set on efa RDM endpoints.
 //! - `FI_AV_TABLE`; peers are inserted before traffic and addressed by the

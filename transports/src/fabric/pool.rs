@@ -2,8 +2,9 @@
 //! slots, registered once as a single memory region when the provider
 //! needs descriptors (FI_MR_LOCAL), plus one operation context per slot.
 //!
-//! Zero-filling touches every page, so registration only ever sees backed
-//! memory (FI_MR_ALLOCATED). The per-slot contexts are `struct fi_context2`
+//! Registration first writes every page, so it only ever sees backed
+//! memory (FI_MR_ALLOCATED); an unregistered pool's untouched pages cost
+//! address space, not memory. The per-slot contexts are `struct fi_context2`
 //! sized, which satisfies providers asking for FI_CONTEXT or FI_CONTEXT2,
 //! and double as the slot index when a completion comes back.
 
@@ -62,6 +63,13 @@ impl BufferPool {
         access: u64,
         requested_key: u64,
     ) -> Result<(), FabricError> {
+        // A fresh zeroed allocation may map every page to the shared zero
+        // page; writing one byte per page gives each its own frame first.
+        for offset in (0..self.alloc.size()).step_by(PAGE) {
+            // SAFETY: `offset` is inside the allocation this pool owns, and
+            // no operation is posted on the pool before it is registered.
+            unsafe { ptr::write_volatile(self.mem.as_ptr().add(offset), 0) };
+        }
         // SAFETY: the memory is owned by this pool and freed only after the
         // region is closed (Drop closes `mr` first).
         let mr = unsafe {

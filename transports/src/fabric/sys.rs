@@ -20,7 +20,7 @@ macro_rules! opaque {
         }
     )*};
 }
-opaque!(fi_info, fid_fabric, fid_domain, fid_av, fid_cq, fid_ep, fid_mr);
+opaque!(fi_info, fid_fabric, fid_domain, fid_av, fid_cq, fid_ep, fid_mr, fid_wait);
 
 /// Mirror of `struct efabus_hints`.
 #[repr(C)]
@@ -216,7 +216,17 @@ extern "C" {
     pub fn efabus_av_close(av: *mut fid_av) -> c_int;
     pub fn efabus_av_insert(av: *mut fid_av, addr: *const c_void, fi_addr: *mut u64) -> c_int;
 
-    pub fn efabus_cq_open(domain: *mut fid_domain, size: u64, cq: *mut *mut fid_cq) -> c_int;
+    pub fn efabus_wait_open(fabric: *mut fid_fabric, wait: *mut *mut fid_wait) -> c_int;
+    pub fn efabus_wait_fd(wait: *mut fid_wait, fd: *mut c_int) -> c_int;
+    pub fn efabus_wait_close(wait: *mut fid_wait) -> c_int;
+    pub fn efabus_trywait(fabric: *mut fid_fabric, wait: *mut fid_wait) -> c_int;
+
+    pub fn efabus_cq_open(
+        domain: *mut fid_domain,
+        size: u64,
+        wait: *mut fid_wait,
+        cq: *mut *mut fid_cq,
+    ) -> c_int;
     pub fn efabus_cq_close(cq: *mut fid_cq) -> c_int;
     pub fn efabus_cq_read(cq: *mut fid_cq, buf: *mut efabus_completion, count: u64) -> i64;
     pub fn efabus_cq_readerr(cq: *mut fid_cq, out: *mut efabus_cq_error) -> i64;
