@@ -15,6 +15,8 @@
 //! back to the subscriber (a one-way delivery latency), and for tcp and
 //! fabric `batch_1MiB` 16 messages of 1 MiB (throughput in bytes).
 //! Samples are few and short so the whole file runs in about a minute.
+//! Run as a test (`cargo test --all-targets`), `batch_16B` sends 100
+//! messages instead, enough to prove each path works.
 
 use std::time::Duration;
 
@@ -24,8 +26,12 @@ use efabus::broker::config::Fabric;
 use efabus::transports::registry::Registry;
 use efabus::{Broker, Client, ClientOptions, Config, PubSub, SlowConsumerPolicy, Subscription};
 
+mod support;
+
 const SMALL: usize = 16;
 const SMALL_BATCH: u64 = 10_000;
+/// `SMALL_BATCH` in a test run.
+const SMALL_BATCH_TEST: u64 = 100;
 const LARGE: usize = 1 << 20;
 const LARGE_BATCH: u64 = 16;
 const RECV_TIMEOUT: Duration = Duration::from_secs(30);
@@ -186,9 +192,14 @@ fn cases(group: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>, path:
         }
     };
     let small = Bytes::from(vec![0x5a; SMALL]);
-    group.throughput(Throughput::Elements(SMALL_BATCH));
+    let batch = if support::test_mode() {
+        SMALL_BATCH_TEST
+    } else {
+        SMALL_BATCH
+    };
+    group.throughput(Throughput::Elements(batch));
     group.bench_function(format!("{}/batch_16B", path.name()), |b| {
-        b.iter(|| rig.round(&small, SMALL_BATCH))
+        b.iter(|| rig.round(&small, batch))
     });
     group.throughput(Throughput::Elements(1));
     group.bench_function(format!("{}/one_16B", path.name()), |b| {

@@ -12,7 +12,11 @@
 //!
 //! A `churn` group measures one insert plus one remove on a warm cache, for a
 //! literal pattern (one cache entry dropped) and a wildcard pattern (cache
-//! scanned).
+//! scanned), at 100k subscriptions.
+//!
+//! Run as a test (`cargo test --all-targets`), every case uses 10k
+//! subscriptions only: building the large indexes unoptimised takes tens of
+//! seconds and proves nothing the small one does not.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -20,10 +24,25 @@ use std::time::Instant;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use efabus::core::index::{SubRef, SubscriptionIndex};
 
+mod support;
+
 const CPUS: u64 = 100;
 const HOT: usize = 1024;
 const COLD: usize = 65536;
 const WALK: usize = 4096;
+/// Index sizes of the `match` group.
+const SIZES: [usize; 3] = [10_000, 100_000, 1_000_000];
+/// Index size of the `churn` group.
+const CHURN_SIZE: usize = 100_000;
+
+/// The index sizes to run: all of them, or only the smallest in a test run.
+fn sizes() -> &'static [usize] {
+    if support::test_mode() {
+        &SIZES[..1]
+    } else {
+        &SIZES
+    }
+}
 
 /// splitmix64: a small deterministic generator, so runs are comparable.
 struct Rng(u64);
@@ -141,7 +160,7 @@ fn distinct_subjects(rng: &mut Rng, n: usize, hosts: u64) -> Vec<String> {
 fn bench_match(c: &mut Criterion) {
     let mut group = c.benchmark_group("match");
     for mix in [Mix::Literal, Mix::Wildcard] {
-        for total in [10_000usize, 100_000, 1_000_000] {
+        for &total in sizes() {
             let (idx, hosts) = build(total, mix);
             let mut rng = Rng(7);
             let hot = distinct_subjects(&mut rng, HOT, hosts);
@@ -196,7 +215,11 @@ fn bench_match(c: &mut Criterion) {
 
 fn bench_churn(c: &mut Criterion) {
     let mut group = c.benchmark_group("churn");
-    let total = 100_000;
+    let total = if support::test_mode() {
+        SIZES[0]
+    } else {
+        CHURN_SIZE
+    };
     let (mut idx, hosts) = build(total, Mix::Literal);
     let mut rng = Rng(11);
     let mut out = Vec::new();

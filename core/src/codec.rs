@@ -115,17 +115,29 @@ impl Default for CodecLimits {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum FrameKind {
+    /// [`Frame::Hello`] (control).
     Hello = 0x01,
+    /// [`Frame::Welcome`] (control).
     Welcome = 0x02,
+    /// [`Frame::Subscribe`] (control).
     Subscribe = 0x03,
+    /// [`Frame::Unsubscribe`] (control).
     Unsubscribe = 0x04,
+    /// [`Frame::Ping`] (control).
     Ping = 0x05,
+    /// [`Frame::Pong`] (control).
     Pong = 0x06,
+    /// [`Frame::Error`] (control).
     Error = 0x07,
+    /// [`Frame::Goodbye`] (control).
     Goodbye = 0x08,
+    /// [`Frame::Publish`] (data).
     Publish = 0x10,
+    /// [`Frame::Message`] (data).
     Message = 0x11,
+    /// [`Frame::Fragment`] (data).
     Fragment = 0x12,
+    /// [`Frame::Credit`] (data).
     Credit = 0x13,
 }
 
@@ -202,72 +214,135 @@ impl fmt::Display for FrameKind {
 pub enum DecodeError {
     /// Fewer bytes than the layout needs.
     #[error("truncated frame: {needed} bytes needed, {available} available")]
-    Truncated { needed: usize, available: usize },
+    Truncated {
+        /// Bytes the layout needs.
+        needed: usize,
+        /// Bytes there are.
+        available: usize,
+    },
     /// The length prefix disagrees with the bytes delivered as one frame.
     #[error("length prefix declares {declared} bytes but {actual} follow it")]
-    LengthMismatch { declared: usize, actual: usize },
+    LengthMismatch {
+        /// Bytes the prefix declares.
+        declared: usize,
+        /// Bytes that follow the prefix.
+        actual: usize,
+    },
     /// The declared frame (prefix included) is over the limit.
     #[error("frame of {len} bytes exceeds the limit of {max} bytes")]
-    TooLarge { len: u64, max: usize },
+    TooLarge {
+        /// Declared size of the whole frame, prefix included.
+        len: u64,
+        /// The limit ([`CodecLimits::max_frame`]).
+        max: usize,
+    },
     /// A length prefix of zero: not even a kind byte.
     #[error("empty frame: no kind byte")]
     Empty,
+    /// The kind byte names no frame kind.
     #[error("unknown frame kind {0:#04x}")]
     UnknownKind(u8),
+    /// A `Publish` or `Message` sets flag bits other than [`FLAG_REPLY`],
+    /// or declares a reply subject without that flag.
     #[error("unknown flags {flags:#04x} in a {kind} frame")]
-    UnknownFlags { kind: FrameKind, flags: u8 },
+    UnknownFlags {
+        /// Kind of the frame.
+        kind: FrameKind,
+        /// The whole flags byte.
+        flags: u8,
+    },
     /// A length-bounded field (subject, reply, control body, ...) is too long.
     #[error("{field} of a {kind} frame is {len} bytes, over the limit of {max}")]
     FieldTooLong {
+        /// Kind of the frame.
         kind: FrameKind,
+        /// Which field.
         field: &'static str,
+        /// Its declared length in bytes.
         len: usize,
+        /// The limit for it.
         max: usize,
     },
+    /// A subject or reply subject is not UTF-8.
     #[error("{field} of a {kind} frame is not valid UTF-8")]
     InvalidUtf8 {
+        /// Kind of the frame.
         kind: FrameKind,
+        /// Which field.
         field: &'static str,
     },
     /// The header's lengths do not add up to the body's length.
     #[error("{kind} header declares a body of {declared} bytes but it holds {actual}")]
     BodyLength {
+        /// Kind of the frame.
         kind: FrameKind,
+        /// Body length the header adds up to.
         declared: u64,
+        /// Body length there is.
         actual: usize,
     },
     /// A control body decoded without using all its bytes.
     #[error("{count} trailing bytes after the {kind} body")]
-    TrailingBytes { kind: FrameKind, count: usize },
+    TrailingBytes {
+        /// Kind of the frame.
+        kind: FrameKind,
+        /// Bytes left over.
+        count: usize,
+    },
+    /// A `Hello` or `Welcome` declares more than [`MAX_OFFERS`] offers.
     #[error("{kind} frame carries {count} offers, over the limit of {max}")]
     TooManyOffers {
+        /// Kind of the frame.
         kind: FrameKind,
+        /// Offers declared.
         count: u64,
+        /// The limit ([`MAX_OFFERS`]).
         max: usize,
     },
     /// bincode rejected a control body; the text is its reason.
     #[error("invalid {kind} body: {text}")]
-    Body { kind: FrameKind, text: String },
+    Body {
+        /// Kind of the frame.
+        kind: FrameKind,
+        /// bincode's reason.
+        text: String,
+    },
 }
 
 /// Why a frame value cannot be encoded: a field wider than its wire field.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum EncodeError {
+    /// A subject, payload, control body or whole frame is longer than its
+    /// length field can say.
     #[error("{field} of a {kind} frame is {len} bytes, over the wire limit of {max}")]
     FieldTooLong {
+        /// Kind of the frame.
         kind: FrameKind,
+        /// Which field.
         field: &'static str,
+        /// Its length in bytes.
         len: usize,
+        /// The most the wire allows.
         max: usize,
     },
+    /// A `Hello` or `Welcome` with more than [`MAX_OFFERS`] offers.
     #[error("{kind} frame carries {count} offers, over the limit of {max}")]
     TooManyOffers {
+        /// Kind of the frame.
         kind: FrameKind,
+        /// Offers in the frame.
         count: usize,
+        /// The limit ([`MAX_OFFERS`]).
         max: usize,
     },
+    /// bincode could not encode a control body.
     #[error("cannot encode {kind} body: {text}")]
-    Body { kind: FrameKind, text: String },
+    Body {
+        /// Kind of the frame.
+        kind: FrameKind,
+        /// bincode's reason.
+        text: String,
+    },
 }
 
 // ---------------------------------------------------------------------------
@@ -755,9 +830,13 @@ pub struct RoutedView<'a> {
     pub kind: FrameKind,
     /// The subscription id (`Message`); 0 for a `Publish`.
     pub sid: u64,
+    /// The sequence number from the header.
     pub seq: u64,
+    /// The subject.
     pub subject: &'a str,
+    /// The reply subject, if the frame has one.
     pub reply: Option<&'a str>,
+    /// The payload.
     pub payload: &'a [u8],
     /// Where the payload starts in the frame (prefix included), for
     /// slicing it out of the frame's `Bytes` without a copy.
@@ -1138,6 +1217,7 @@ pub struct FrameReader {
 pub const READ_CHUNK: usize = 64 * 1024;
 
 impl FrameReader {
+    /// An empty reader refusing frames over `limits.max_frame`.
     pub fn new(limits: CodecLimits) -> Self {
         FrameReader {
             buf: BytesMut::new(),
@@ -1146,6 +1226,7 @@ impl FrameReader {
         }
     }
 
+    /// The limits the reader checks.
     pub fn limits(&self) -> &CodecLimits {
         &self.limits
     }

@@ -6,7 +6,7 @@
 //! a number of wire messages ("pieces") and bytes beyond the last sequence
 //! the receiver has acknowledged. A [`CreditGrant`] decides on the receiving
 //! side when to tell the sender how far it got, in a
-//! [`Credit`](crate::frame::Credit) frame.
+//! [`Credit`] frame.
 //!
 //! A credit is cumulative, not additive: it says "everything up to
 //! `ack_seq` is taken; you may have `messages` pieces and `bytes` bytes
@@ -162,6 +162,7 @@ impl CreditWindow {
         self.bytes
     }
 
+    /// Counters since creation.
     pub fn stats(&self) -> &CreditStats {
         &self.stats
     }

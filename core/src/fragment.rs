@@ -38,10 +38,21 @@ use crate::transport::OutFrame;
 pub enum FragmentError {
     /// The limit leaves no room for data after the fragment header.
     #[error("frame limit of {frame_limit} bytes leaves no room for data (at least {min} needed)")]
-    LimitTooSmall { frame_limit: usize, min: usize },
+    LimitTooSmall {
+        /// The limit asked for.
+        frame_limit: usize,
+        /// The smallest limit that carries one byte of data per piece.
+        min: usize,
+    },
     /// Fragments address at most `u32::MAX` bytes.
     #[error("frame of {len} bytes is too large to fragment (max {max})")]
-    TooLarge { len: usize, max: usize },
+    TooLarge {
+        /// Length of the frame.
+        len: usize,
+        /// The most fragments can address.
+        max: usize,
+    },
+    /// A frame of no bytes has nothing to split.
     #[error("cannot fragment an empty frame")]
     Empty,
 }
@@ -240,19 +251,28 @@ pub struct ReassemblyStats {
 /// they are expected on lossy links and only counted.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum ReassemblyError {
+    /// The piece contradicts itself or earlier pieces of its message.
     #[error("invalid fragment {index}/{count} of message {msg_id}: {reason}")]
     Invalid {
+        /// Message the piece claims to belong to.
         msg_id: u64,
+        /// The piece's index.
         index: u32,
+        /// The piece count it declares.
         count: u32,
+        /// What is inconsistent.
         reason: &'static str,
     },
     /// Starting this message would exceed the memory or message budget.
     #[error("no room to reassemble message {msg_id} of {total_len} bytes ({in_flight} bytes in {messages} partial messages held)")]
     OverBudget {
+        /// The message refused.
         msg_id: u64,
+        /// Its declared total length.
         total_len: u32,
+        /// Bytes already reserved by partial messages.
         in_flight: usize,
+        /// Partial messages already held.
         messages: usize,
     },
 }
@@ -367,6 +387,7 @@ fn place(f: &Fragment, max_frame: usize) -> Result<Placement, &'static str> {
 }
 
 impl<K: Hash + Eq + Clone> Reassembler<K> {
+    /// An empty reassembler within the bounds of `config`.
     pub fn new(config: ReassemblyConfig) -> Self {
         Reassembler {
             config,
@@ -377,10 +398,12 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
         }
     }
 
+    /// The bounds and timeout in force.
     pub fn config(&self) -> &ReassemblyConfig {
         &self.config
     }
 
+    /// Counters since creation.
     pub fn stats(&self) -> &ReassemblyStats {
         &self.stats
     }

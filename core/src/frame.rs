@@ -28,6 +28,7 @@ pub enum DeliveryClass {
 /// First frame a connecting side sends.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
+    /// Wire protocol version the sender speaks ([`PROTOCOL_VERSION`]).
     pub version: u16,
     /// Human-readable name of the sender (node name or client name).
     pub name: String,
@@ -40,7 +41,9 @@ pub struct Hello {
 /// The accepting side's answer to a valid [`Hello`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Welcome {
+    /// Wire protocol version the accepting side speaks.
     pub version: u16,
+    /// Human-readable name of the accepting side (its node name).
     pub name: String,
     /// Data paths the accepting side can open.
     pub offers: Vec<Offer>,
@@ -53,19 +56,24 @@ pub struct Welcome {
 pub struct Subscribe {
     /// Subscription id, chosen by the subscriber, unique per connection.
     pub sid: u64,
+    /// Subject pattern to match, with `*` and `>` wildcards.
     pub pattern: String,
     /// Queue group: each message goes to one member of the group.
     pub queue: Option<String>,
+    /// How the subscriber wants matching messages carried.
     pub class: DeliveryClass,
 }
 
 /// A message sent by a publisher towards the broker (or between brokers).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Publish {
+    /// Subject the message is published on (no wildcards).
     pub subject: String,
+    /// Subject a responder should answer on, for requests.
     pub reply: Option<String>,
     /// Per-publisher sequence number; 0 when the link does not need one.
     pub seq: u64,
+    /// The message body, opaque to efabus.
     pub payload: Bytes,
 }
 
@@ -74,10 +82,13 @@ pub struct Publish {
 pub struct Message {
     /// The subscription this delivery is for.
     pub sid: u64,
+    /// Subject the message was published on.
     pub subject: String,
+    /// Reply subject the publisher gave, if any.
     pub reply: Option<String>,
     /// Per-link sequence number; 0 when the link does not need one.
     pub seq: u64,
+    /// The message body, as published.
     pub payload: Bytes,
 }
 
@@ -92,17 +103,25 @@ pub struct Fragment {
     pub count: u32,
     /// Total length of the reassembled frame.
     pub total_len: u32,
+    /// This piece's bytes of the encoded frame.
     pub data: Bytes,
 }
 
-/// Flow control: grants the receiver of this frame permission to send more.
+/// Flow control and acknowledgement, sent by a link's receiving side.
+///
+/// A credit is cumulative, not additive (see [`crate::credit`]): it says
+/// that everything up to `ack_seq` is taken, and that the receiver of this
+/// frame may have `messages` wire messages and `bytes` wire bytes in flight
+/// beyond it. A newer credit replaces an older one rather than adding to it,
+/// so a lost or duplicated credit does no lasting harm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Credit {
-    /// Additional messages the peer may send.
+    /// Wire messages (pieces) the peer may have sent beyond `ack_seq`.
     pub messages: u32,
-    /// Additional payload bytes the peer may send.
+    /// Wire bytes the peer may have sent beyond `ack_seq`.
     pub bytes: u64,
-    /// Highest sequence number received in order, for acknowledgement.
+    /// Every link sequence up to this one has been delivered (or given up)
+    /// by the sender of the credit.
     pub ack_seq: u64,
 }
 
@@ -138,30 +157,55 @@ pub enum ErrorCode {
 /// Reports a problem to the peer. `fatal` means the sender closes the link.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorFrame {
+    /// What kind of problem, for programs.
     pub code: ErrorCode,
+    /// What went wrong, for people.
     pub text: String,
+    /// Whether the sender closes the link after this frame.
     pub fatal: bool,
 }
 
 /// Why a side is leaving.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Goodbye {
+    /// Why, for logs (e.g. shutting down).
     pub reason: String,
 }
 
 /// Every frame of the efabus wire protocol.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
+    /// Opens the handshake (connecting side).
     Hello(Hello),
+    /// Accepts the handshake (accepting side).
     Welcome(Welcome),
+    /// Registers a subscription.
     Subscribe(Subscribe),
-    Unsubscribe { sid: u64 },
+    /// Ends a subscription.
+    Unsubscribe {
+        /// The id the subscription was registered with.
+        sid: u64,
+    },
+    /// A message from a publisher.
     Publish(Publish),
+    /// A message delivered to a subscription.
     Message(Message),
+    /// One piece of a larger frame.
     Fragment(Fragment),
+    /// Flow control and acknowledgement.
     Credit(Credit),
-    Ping { nonce: u64 },
-    Pong { nonce: u64 },
+    /// Keepalive probe; the peer answers with a `Pong` of the same nonce.
+    Ping {
+        /// Chosen by the sender, echoed in the `Pong`.
+        nonce: u64,
+    },
+    /// Answer to a `Ping`.
+    Pong {
+        /// The nonce of the `Ping` answered.
+        nonce: u64,
+    },
+    /// Reports a problem to the peer.
     Error(ErrorFrame),
+    /// Announces an orderly close.
     Goodbye(Goodbye),
 }

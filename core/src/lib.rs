@@ -16,6 +16,8 @@
 //!   the receiver's posted buffers and memory.
 //! - [`transport`]: the `Transport` and `Endpoint` traits every transport implements.
 
+#![warn(missing_docs)]
+
 pub mod caps;
 pub mod codec;
 pub mod credit;

@@ -147,7 +147,12 @@ impl LinkConfig {
 pub enum LinkError {
     /// The frame limit leaves no room for fragment data.
     #[error("link frame limit of {limit} bytes is too small: at least {min} needed")]
-    FrameLimitTooSmall { limit: usize, min: usize },
+    FrameLimitTooSmall {
+        /// The limit configured.
+        limit: usize,
+        /// The smallest limit that works.
+        min: usize,
+    },
     /// A frame handed to the sender is empty.
     #[error("cannot send an empty frame")]
     EmptyFrame,
@@ -155,8 +160,10 @@ pub enum LinkError {
     /// `Fragment` frame itself.
     #[error("a fragment frame cannot be carried inside the link's own fragments")]
     NestedFragment,
+    /// The frame could not be split into pieces.
     #[error("cannot fragment frame: {0}")]
     Fragment(#[from] FragmentError),
+    /// A piece could not be encoded.
     #[error("cannot encode fragment: {0}")]
     Encode(#[from] EncodeError),
     /// A received message is not one whole, well-formed frame.
@@ -164,7 +171,10 @@ pub enum LinkError {
     Decode(#[from] DecodeError),
     /// A frame other than a fragment arrived on a sequenced link.
     #[error("unsequenced {kind} frame on a sequenced link")]
-    Unsequenced { kind: FrameKind },
+    Unsequenced {
+        /// Kind of the frame that arrived.
+        kind: FrameKind,
+    },
     /// Sequences start at 1.
     #[error("fragment with sequence number 0 on a sequenced link")]
     ZeroSequence,
@@ -177,10 +187,18 @@ pub enum LinkError {
     /// The pieces of message `msg_id` joined into something that is not one
     /// whole frame: the peer's sender is broken.
     #[error("message {msg_id} reassembled into an invalid frame: {reason}")]
-    BadFrame { msg_id: u64, reason: String },
+    BadFrame {
+        /// The message whose pieces were joined.
+        msg_id: u64,
+        /// Why the result is not a frame.
+        reason: String,
+    },
     /// On a reliable link, stale partial messages were dropped to make room.
     #[error("{count} partial messages dropped on a reliable link")]
-    ReliableLoss { count: u64 },
+    ReliableLoss {
+        /// Partial messages dropped.
+        count: u64,
+    },
 }
 
 /// Counters of a [`LinkSender`].
@@ -259,6 +277,7 @@ impl LinkSender {
         })
     }
 
+    /// Counters since creation.
     pub fn stats(&self) -> &SendStats {
         &self.stats
     }

@@ -46,6 +46,7 @@ pub struct ReorderConfig {
     /// Width of the window: sequences `expected .. expected + capacity` are
     /// accepted; at most `capacity - 1` items are held.
     pub capacity: usize,
+    /// What to do about a missing sequence.
     pub gap_policy: GapPolicy,
 }
 
@@ -80,13 +81,17 @@ pub struct ReorderStats {
 /// Why an item was refused.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum ReorderError {
+    /// Sequence 0 was pushed; sequences start at 1.
     #[error("sequence number 0 is not a sequence (sequences start at 1)")]
     ZeroSeq,
     /// Under [`GapPolicy::Wait`], the sender ran ahead of the window.
     #[error("sequence {seq} is beyond the reorder window ({expected} + {capacity})")]
     WindowExceeded {
+        /// The sequence refused.
         seq: u64,
+        /// The next sequence to be released.
         expected: u64,
+        /// Width of the window.
         capacity: usize,
     },
 }
@@ -96,10 +101,16 @@ pub enum ReorderError {
 pub enum Pushed {
     /// Taken; `released` items (this one possibly among them) were appended
     /// to the output.
-    Accepted { released: usize },
+    Accepted {
+        /// Items appended to the output by this push.
+        released: usize,
+    },
     /// Dropped as a duplicate (or as late, after its sequence was skipped);
     /// the gap timeout may still have released `released` items.
-    Duplicate { released: usize },
+    Duplicate {
+        /// Items appended to the output by this push.
+        released: usize,
+    },
 }
 
 /// Releases one sender's items in sequence order. See the module docs.
@@ -133,10 +144,12 @@ impl<T> ReorderBuffer<T> {
         }
     }
 
+    /// The window and policy in force (capacity at least 1).
     pub fn config(&self) -> &ReorderConfig {
         &self.config
     }
 
+    /// Counters since creation.
     pub fn stats(&self) -> &ReorderStats {
         &self.stats
     }

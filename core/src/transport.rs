@@ -51,7 +51,10 @@ impl fmt::Display for PeerId {
 /// `body`; `body` may be empty.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OutFrame {
+    /// The start of the frame: prefix, kind, header and any small fields.
     pub head: Bytes,
+    /// The rest (a payload or fragment data, shared with the caller), or
+    /// empty.
     pub body: Bytes,
 }
 
@@ -69,6 +72,7 @@ impl OutFrame {
         self.head.len() + self.body.len()
     }
 
+    /// Whether the frame has no bytes at all.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -140,13 +144,31 @@ impl fmt::Display for CloseReason {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
     /// A remote side connected to a listening endpoint.
-    Accepted { peer: PeerId, remote: String },
+    Accepted {
+        /// The id given to the new peer.
+        peer: PeerId,
+        /// The remote address, as the transport prints it.
+        remote: String,
+    },
     /// One whole frame, exactly as the peer encoded it.
-    Frame { peer: PeerId, frame: Bytes },
+    Frame {
+        /// The peer it came from.
+        peer: PeerId,
+        /// The frame, length prefix included.
+        frame: Bytes,
+    },
     /// The peer's send queue has room again after a `WouldBlock`.
-    Writable { peer: PeerId },
+    Writable {
+        /// The peer that can take frames again.
+        peer: PeerId,
+    },
     /// The peer is gone; its id will not appear again.
-    Closed { peer: PeerId, reason: CloseReason },
+    Closed {
+        /// The peer that is gone.
+        peer: PeerId,
+        /// Why.
+        reason: CloseReason,
+    },
 }
 
 /// Parameters for opening an endpoint.
@@ -190,31 +212,55 @@ impl EndpointConfig {
 /// Errors from opening endpoints and managing peers.
 #[derive(Debug, Error)]
 pub enum TransportError {
+    /// The transport cannot work here (no provider, no device, ...).
     #[error("transport {scheme} is unavailable: {reason}")]
-    Unavailable { scheme: String, reason: String },
+    Unavailable {
+        /// The transport's scheme.
+        scheme: String,
+        /// Why not.
+        reason: String,
+    },
+    /// An address the transport cannot use.
     #[error("invalid address {addr:?}: {reason}")]
-    InvalidAddress { addr: String, reason: String },
+    InvalidAddress {
+        /// The address as given.
+        addr: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Listening on the bind address failed.
     #[error("cannot bind {addr}: {source}")]
     Bind {
+        /// The bind address.
         addr: String,
+        /// The system's error.
         #[source]
         source: std::io::Error,
     },
+    /// Reaching a remote address failed.
     #[error("cannot connect to {addr}: {source}")]
     Connect {
+        /// The remote address.
         addr: String,
+        /// The system's error.
         #[source]
         source: std::io::Error,
     },
+    /// The endpoint has no such peer (never had, or it is closed).
     #[error("unknown {0}")]
     UnknownPeer(PeerId),
+    /// The transport does not offer this operation.
     #[error("{operation} is not supported by the {scheme} transport")]
     Unsupported {
+        /// The transport's scheme.
         scheme: String,
+        /// The operation asked for.
         operation: &'static str,
     },
+    /// Any other I/O failure.
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+    /// A failure specific to the transport; the text says what.
     #[error("{0}")]
     Other(String),
 }
@@ -225,10 +271,18 @@ pub enum SendError {
     /// The peer's queue is full; the frame is handed back untouched.
     #[error("send queue full")]
     WouldBlock(OutFrame),
+    /// The frame is over the endpoint's frame limit; it is never sent.
     #[error("frame of {len} bytes exceeds the link limit of {max}")]
-    TooLarge { len: usize, max: usize },
+    TooLarge {
+        /// Length of the frame.
+        len: usize,
+        /// The endpoint's limit.
+        max: usize,
+    },
+    /// The peer is unknown or already closed.
     #[error("unknown or closed {0}")]
     Closed(PeerId),
+    /// The transport failed.
     #[error("{0}")]
     Transport(#[from] TransportError),
 }

@@ -310,3 +310,114 @@ fn missing_and_duplicate_fields_are_errors() {
     let err = parse_fi_info_dump(&trailing).expect_err("trailing prompt");
     assert_eq!(err.line, UDP.lines().count() + 1);
 }
+
+/// Index of the `fi_info:` line of the first entry and of the `---` that
+/// ends it.
+fn first_entry(lines: &[&str]) -> (usize, usize) {
+    let start = lines
+        .iter()
+        .position(|l| *l == "fi_info:")
+        .expect("an entry");
+    let end = start
+        + lines[start..]
+            .iter()
+            .position(|l| *l == "---")
+            .expect("a second entry");
+    (start, end)
+}
+
+#[test]
+fn an_entry_cut_short_is_reported_as_such() {
+    // Both layouts: EFA is a 2.x dump, udp a 1.x one.
+    for (name, text) in [("efa", EFA), ("udp", UDP)] {
+        let lines: Vec<&str> = text.lines().collect();
+        let (start, end) = first_entry(&lines);
+        // Keep the first `kept` lines: from `fi_info:` alone up to all but
+        // the entry's last line. Once at the end of the input, once with
+        // the next entry following.
+        for kept in start + 1..end {
+            let head = lines[..kept].join("\n");
+            let rest = lines[end..].join("\n");
+            for (how, dump) in [
+                ("at end", head.clone()),
+                ("then more", format!("{head}\n{rest}")),
+            ] {
+                let err =
+                    parse_fi_info_dump(&dump).expect_err(&format!("{name}: {kept} lines {how}"));
+                assert!(
+                    err.expected.contains("the entry ended before it"),
+                    "{name}: {kept} lines {how}: {err}"
+                );
+                assert!(err.line <= kept, "{name}: {kept} lines {how}: {err}");
+            }
+        }
+    }
+
+    // The message names the first field missing.
+    let lines: Vec<&str> = UDP.lines().collect();
+    let rx = lines
+        .iter()
+        .position(|l| l.trim() == "fi_rx_attr:")
+        .expect("rx group");
+    let err = parse_fi_info_dump(&lines[..rx].join("\n")).expect_err("no rx group");
+    assert_eq!(err.line, rx, "{err}");
+    assert_eq!(
+        err.expected,
+        "`fi_rx_attr` in `fi_info`, but the entry ended before it"
+    );
+    let err = parse_fi_info_dump(&lines[..rx + 2].join("\n")).expect_err("rx cut after caps");
+    assert_eq!(err.line, rx + 2, "{err}");
+    assert_eq!(
+        err.expected,
+        "`mode` in `fi_rx_attr`, but the entry ended before it"
+    );
+
+    // A field left out in the middle is still reported as missing, not as
+    // a cut.
+    let without: String = UDP
+        .lines()
+        .filter(|l| !l.contains("dest_addrlen"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let err = parse_fi_info_dump(&without).expect_err("no dest_addrlen");
+    assert_eq!(err.expected, "`dest_addrlen` in `fi_info`");
+}
+
+#[test]
+fn an_unterminated_list_is_reported_on_its_line() {
+    let err = parse_fi_info_dump("fi_info:\n    caps: [ FI_MSG\n").expect_err("open list");
+    assert_eq!(err.line, 2, "{err}");
+    assert_eq!(
+        err.expected,
+        "`]` closing the `caps` list, which is unterminated"
+    );
+
+    // In a whole dump, at any depth.
+    for (needle, with, key) in [
+        (
+            "    caps: [ FI_MSG, FI_RMA",
+            "    caps: [ FI_MSG, FI_RMA",
+            "caps",
+        ),
+        (
+            "        mr_mode: [",
+            "        mr_mode: [ FI_MR_LOCAL, FI_MR_ALLOCATED",
+            "mr_mode",
+        ),
+        (
+            "comp_order",
+            "        comp_order: [ FI_ORDER_STRICT",
+            "comp_order",
+        ),
+    ] {
+        let dump = if needle == "comp_order" { UDP } else { EFA };
+        let (text, line) = replace_line(dump, needle, with);
+        let err = parse_fi_info_dump(&text).expect_err(with);
+        assert_eq!(err.line, line, "{with}: {err}");
+        assert_eq!(
+            err.expected,
+            format!("`]` closing the `{key}` list, which is unterminated"),
+            "{with}"
+        );
+    }
+}

@@ -7,7 +7,9 @@
 //! reads a whole `fi_info -v` output: text before the first `fi_info:` line
 //! (the command line, log noise) is skipped, entries are separated by `---`
 //! lines, and anything else that does not fit is a [`ParseError`] naming the
-//! line and what was expected there. It never panics, whatever the input.
+//! line and what was expected there: the first problem in reading order, an
+//! entry that stops early as cut short, a list without its `]` as
+//! unterminated. It never panics, whatever the input.
 
 use std::fmt::{self, Write};
 
@@ -471,15 +473,34 @@ fn parse_block<'a>(
     Ok(nodes)
 }
 
+impl Node<'_> {
+    /// The node on the last line of this node and everything under it.
+    fn last(&self) -> &Self {
+        self.children.last().map_or(self, Node::last)
+    }
+
+    /// The child with this key, if any.
+    fn child(&self, key: &str) -> Option<&Self> {
+        self.children.iter().find(|n| n.key == key)
+    }
+}
+
 /// The fields of one group, taken out by name; what is left over is either
 /// kept as extra lines or reported.
+///
+/// Fields are taken in the order `fi_info` prints them, so the first
+/// problem in the text is the one reported.
 struct Fields<'n, 'a> {
     group: &'n Node<'a>,
     used: Vec<bool>,
+    /// Last line of the whole entry: a field missing after everything a
+    /// group holds, in a group that reaches this line, means the entry was
+    /// cut short.
+    entry_last: usize,
 }
 
 impl<'n, 'a> Fields<'n, 'a> {
-    fn new(group: &'n Node<'a>) -> Result<Self, ParseError> {
+    fn new(group: &'n Node<'a>, entry_last: usize) -> Result<Self, ParseError> {
         if !group.value.trim_end().is_empty() {
             return Err(ParseError::new(
                 group.line,
@@ -500,6 +521,7 @@ impl<'n, 'a> Fields<'n, 'a> {
         Ok(Fields {
             group,
             used: vec![false; group.children.len()],
+            entry_last,
         })
     }
 
@@ -516,15 +538,30 @@ impl<'n, 'a> Fields<'n, 'a> {
 
     fn node(&mut self, key: &str) -> Result<&'n Node<'a>, ParseError> {
         let group = self.group;
-        self.find(key).ok_or_else(|| {
-            // Point at the line where the field should have been: the last
-            // line of the group, or its header when it is empty.
-            let (line, found) = group
-                .children
-                .last()
-                .map_or((group.line, group.text), |n| (n.line, n.text));
-            ParseError::new(line, format!("`{key}` in `{}`", group.key), found)
-        })
+        if let Some(node) = self.find(key) {
+            return Ok(node);
+        }
+        // Everything the group holds came before this field and nothing
+        // follows the group: the text stops here, the field was not left out.
+        let last = group.last();
+        if self.used.iter().all(|&used| used) && last.line == self.entry_last {
+            return Err(ParseError::new(
+                last.line,
+                format!("`{key}` in `{}`, but the entry ended before it", group.key),
+                last.text,
+            ));
+        }
+        // Point at the line where the field should have been: the last
+        // line of the group, or its header when it is empty.
+        let (line, found) = group
+            .children
+            .last()
+            .map_or((group.line, group.text), |n| (n.line, n.text));
+        Err(ParseError::new(
+            line,
+            format!("`{key}` in `{}`", group.key),
+            found,
+        ))
     }
 
     /// A scalar field: its value text.
@@ -618,17 +655,20 @@ impl<'n, 'a> Fields<'n, 'a> {
 
     fn name_list(&mut self, key: &str) -> Result<Vec<&'a str>, ParseError> {
         let (node, value) = self.scalar(key)?;
-        let inner = value
-            .trim_end()
-            .strip_prefix('[')
-            .and_then(|v| v.strip_suffix(']'))
-            .ok_or_else(|| {
-                ParseError::new(
-                    node.line,
-                    format!("a flag list `[ ... ]` for `{key}`"),
-                    node.text,
-                )
-            })?;
+        let Some(open) = value.trim_end().strip_prefix('[') else {
+            return Err(ParseError::new(
+                node.line,
+                format!("a flag list `[ ... ]` for `{key}`"),
+                node.text,
+            ));
+        };
+        let inner = open.strip_suffix(']').ok_or_else(|| {
+            ParseError::new(
+                node.line,
+                format!("`]` closing the `{key}` list, which is unterminated"),
+                node.text,
+            )
+        })?;
         Ok(inner
             .split(',')
             .map(str::trim)
@@ -652,7 +692,7 @@ impl<'n, 'a> Fields<'n, 'a> {
     /// A nested group, required.
     fn group(&mut self, key: &str) -> Result<Fields<'n, 'a>, ParseError> {
         let node = self.node(key)?;
-        Fields::new(node)
+        Fields::new(node, self.entry_last)
     }
 
     /// Left-over scalar lines become extra fields; a left-over group is an
@@ -697,19 +737,31 @@ macro_rules! flag_field {
     }};
 }
 
-fn info_from_node(root: &Node<'_>) -> Result<FabricInfo, ParseError> {
-    let mut top = Fields::new(root)?;
+/// Which `fi_info` layout an entry is in. The domain attributes show it
+/// (`control_progress` in 1.x, `progress` in 2.x); without them, as in an
+/// entry cut short, the transmit attributes do as far as they go (1.x has
+/// `comp_order` before `inject_size`).
+fn layout_of(root: &Node<'_>) -> Layout {
+    if let Some(domain) = root.child("fi_domain_attr") {
+        if domain.child("control_progress").is_some() {
+            return Layout::V1;
+        }
+        if domain.child("progress").is_some() {
+            return Layout::V2;
+        }
+    }
+    match root.child("fi_tx_attr") {
+        Some(tx) if tx.child("comp_order").is_none() && tx.child("inject_size").is_some() => {
+            Layout::V2
+        }
+        _ => Layout::V1,
+    }
+}
 
-    // The layout shows in the domain attributes; read them first so the tx
-    // and rx groups know which fields to expect.
-    let mut domain_fields = top.group("fi_domain_attr")?;
-    let layout = if domain_fields.has("control_progress") || !domain_fields.has("progress") {
-        Layout::V1
-    } else {
-        Layout::V2
-    };
-    let domain_attr = parse_domain(&mut domain_fields, layout)?;
-    let domain_extra = domain_fields.finish()?;
+fn info_from_node(root: &Node<'_>) -> Result<FabricInfo, ParseError> {
+    let mut top = Fields::new(root, root.last().line)?;
+    // The tx and rx groups need the layout to know which fields to expect.
+    let layout = layout_of(root);
 
     let caps = flag_field!(top, "caps", Caps);
     let mode = flag_field!(top, "mode", Mode);
@@ -734,6 +786,9 @@ fn info_from_node(root: &Node<'_>) -> Result<FabricInfo, ParseError> {
     let tx_attr = parse_tx(&mut top, layout)?;
     let rx_attr = parse_rx(&mut top, layout)?;
     let ep_attr = parse_ep(&mut top)?;
+    let mut domain_fields = top.group("fi_domain_attr")?;
+    let domain_attr = parse_domain(&mut domain_fields, layout)?;
+    let domain_extra = domain_fields.finish()?;
     let fabric_attr = parse_fabric(&mut top)?;
     let nic = parse_nic(&mut top)?;
     let extra = top.finish()?;
@@ -902,7 +957,7 @@ fn parse_nic(top: &mut Fields<'_, '_>) -> Result<Option<Nic>, ParseError> {
     if node.children.is_empty() && node.value.trim_end() == "(nil)" {
         return Ok(None);
     }
-    let mut nic = Fields::new(node)?;
+    let mut nic = Fields::new(node, top.entry_last)?;
 
     let mut d = nic.group("fi_device_attr")?;
     let device = DeviceAttr {

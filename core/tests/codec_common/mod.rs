@@ -1,7 +1,7 @@
 //! Proptest strategies shared by the codec tests.
 
 use bytes::Bytes;
-use efabus_core::caps::Offer;
+use efabus_core::caps::{EpType, MsgOrder, Offer, Protocol};
 use efabus_core::frame::{
     Credit, DeliveryClass, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Hello, Message,
     Publish, Subscribe, Welcome,
@@ -25,8 +25,120 @@ fn payload() -> impl Strategy<Value = Bytes> {
     .prop_map(Bytes::from)
 }
 
+/// Integers of every varint width bincode uses (1, 3, 5 and 9 bytes).
+fn size() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        0u64..251,
+        251u64..=u64::from(u16::MAX),
+        0u64..=u64::from(u32::MAX),
+        any::<u64>(),
+    ]
+}
+
+/// A scheme or provider name: one transports really use, or any text.
+fn name_from(known: &'static [&'static str]) -> impl Strategy<Value = String> {
+    prop_oneof![
+        3 => proptest::sample::select(known).prop_map(str::to_string),
+        1 => text(),
+    ]
+}
+
+fn ep_type() -> impl Strategy<Value = EpType> {
+    prop_oneof![
+        // Known values, and `Other("Unknown")` past them.
+        4 => (0u32..8).prop_map(EpType::from_c_value),
+        1 => "FI_EP_[A-Z_]{1,12}".prop_map(|name| EpType::from_name(&name)),
+    ]
+}
+
+fn protocol() -> impl Strategy<Value = Protocol> {
+    prop_oneof![
+        4 => (0u32..40).prop_map(Protocol::from_c_value),
+        1 => "FI_PROTO_[A-Z_]{1,12}".prop_map(|name| Protocol::from_name(&name)),
+    ]
+}
+
+/// Known bits (and bits without a name), plus names this build does not know.
+fn msg_order() -> impl Strategy<Value = MsgOrder> {
+    (
+        prop_oneof![0u64..0x200, any::<u64>()],
+        proptest::collection::vec("FI_ORDER_[A-Z_]{1,10}", 0..3),
+    )
+        .prop_map(|(bits, names)| {
+            let mut order = MsgOrder::from_bits(bits);
+            for name in &names {
+                order.insert_name(name);
+            }
+            order
+        })
+}
+
+/// An endpoint address as transports give them: an EFA address (32 bytes),
+/// a `sockaddr_in` or `sockaddr_in6`, a `host:port` text, or any bytes.
+fn address() -> impl Strategy<Value = Vec<u8>> {
+    use proptest::collection::vec;
+    prop_oneof![
+        vec(any::<u8>(), 32),
+        vec(any::<u8>(), 16),
+        vec(any::<u8>(), 28),
+        "[0-9]{1,3}(\\.[0-9]{1,3}){3}:[0-9]{1,5}".prop_map(String::into_bytes),
+        vec(any::<u8>(), 0..80),
+    ]
+}
+
+fn offer() -> impl Strategy<Value = Offer> {
+    (
+        (
+            name_from(&["efa-rdm", "efa-dgram", "tcp", "mem"]),
+            ep_type(),
+            name_from(&[
+                "efa",
+                "tcp;ofi_rxm",
+                "udp;ofi_rxd",
+                "sockets",
+                "udp",
+                "efabus-tcp",
+            ]),
+            protocol(),
+            any::<u32>(),
+        ),
+        (size(), size(), size(), msg_order(), size(), size(), size()),
+        address(),
+    )
+        .prop_map(
+            |(
+                (scheme, ep_type, provider, protocol, protocol_version),
+                (
+                    max_msg_size,
+                    msg_prefix_size,
+                    inject_size,
+                    msg_order,
+                    cq_data_size,
+                    tx_size,
+                    rx_size,
+                ),
+                address,
+            )| Offer {
+                scheme,
+                ep_type,
+                provider,
+                protocol,
+                protocol_version,
+                max_msg_size,
+                msg_prefix_size,
+                inject_size,
+                msg_order,
+                cq_data_size,
+                tx_size,
+                rx_size,
+                address,
+            },
+        )
+}
+
+/// The offers of a handshake: none, one, or several different ones.
 fn offers() -> impl Strategy<Value = Vec<Offer>> {
-    (0usize..4).prop_map(|n| vec![Offer::default(); n])
+    proptest::collection::vec(offer(), 0..6)
 }
 
 fn error_code() -> impl Strategy<Value = ErrorCode> {
