@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::{Args, Parser, Subcommand};
+use efabus_core::frame::ErrorCode;
 use efabus_core::transport::TransportError;
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 
@@ -287,7 +288,11 @@ fn explain(err: Error, server: Option<&str>) -> Failure {
                 "the server refused: {code:?}: {}",
                 excerpt(text, 4 * EXCERPT_CHARS)
             ),
-            "check --secret (or EFABUS_SECRET) against the broker's auth.secret".to_string(),
+            if *code == ErrorCode::Auth {
+                "check --secret (or EFABUS_SECRET) against the broker's auth.secret".to_string()
+            } else {
+                String::new()
+            },
             1,
         ),
         Error::Subject { subject, source } => (
@@ -511,7 +516,7 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
         .map_err(|err| explain(err, Some(&args.client.server)))?;
     let elapsed = started.elapsed();
     let mut output = Output::new();
-    if args.count > 1 {
+    if args.count != 1 {
         let rate = args.count as f64 / elapsed.as_secs_f64().max(1e-9);
         out!(
             output,
@@ -524,8 +529,7 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
     } else {
         out!(
             output,
-            "published {} message to {}",
-            args.count,
+            "published 1 message to {}",
             excerpt(&args.subject, EXCERPT_CHARS)
         )
     }
