@@ -201,33 +201,64 @@ fn hundred_concurrent_clients() {
     }
 }
 
+/// Lines a child process writes, as they come.
+fn lines_of(stream: impl Read + Send + 'static) -> std::sync::mpsc::Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stream)).map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
 #[test]
 fn a_killed_client_does_not_disturb_the_others() {
     let server = Server::start("");
     let mut victim = common::Process(
         std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
             .args(["sub", "stream.>", "--server", &server.endpoint])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap(),
     );
+    let victim_out = lines_of(victim.0.stdout.take().unwrap());
+    let victim_err = lines_of(victim.0.stderr.take().unwrap());
+    // `sub` says so once the broker has its subscription.
+    let status = victim_err
+        .recv_timeout(WAIT)
+        .expect("the victim subscribed");
+    assert_eq!(status, "subscribed to stream.>");
+
     let survivor = client(&server);
     let sub = survivor.subscribe("stream.>").unwrap();
     survivor.flush(WAIT).unwrap();
     let publisher = client(&server);
-    for i in 0..2000u32 {
-        if i == 1000 {
-            victim.kill();
+    let publish = |range: std::ops::Range<u32>| {
+        for i in range {
+            publisher
+                .publish("stream.data", Bytes::from(i.to_string()))
+                .unwrap();
         }
-        publisher
-            .publish("stream.data", Bytes::from(i.to_le_bytes().to_vec()))
-            .unwrap();
+    };
+    publish(0..1000);
+    publisher.flush(WAIT).unwrap();
+    // The victim is mid-stream: it has printed messages, in order.
+    for i in 0..10 {
+        let line = victim_out
+            .recv_timeout(WAIT)
+            .expect("the victim receives messages before it is killed");
+        assert_eq!(line, format!("[stream.data] {i}"));
     }
+    victim.kill();
+    publish(1000..2000);
     publisher.flush(WAIT).unwrap();
     for i in 0..2000u32 {
         let m = sub.recv_timeout(WAIT).unwrap();
-        assert_eq!(&m.payload[..], &i.to_le_bytes(), "in order, none lost");
+        assert_eq!(m.payload, i.to_string(), "in order, none lost");
     }
 }
 
@@ -749,5 +780,243 @@ fn a_silent_peer_is_presumed_dead_and_dropped() {
             .iter()
             .any(|f| matches!(f, Frame::Error(e) if e.text.contains("presumed dead"))),
         "{frames:?}"
+    );
+}
+
+/// Wait for the process to exit (bounded); its status code.
+fn exit_code(child: &mut std::process::Child) -> Option<i32> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            return status.code();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+fn signal(server: &mut Server, name: &str) -> Option<i32> {
+    let sent = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &server.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -{name}");
+    exit_code(&mut server.child)
+}
+
+/// The single error frame of a closed connection.
+fn the_error(frames: &[Frame]) -> frame::ErrorFrame {
+    match frames {
+        [Frame::Error(error)] => error.clone(),
+        other => panic!("expected one error frame, got {other:?}"),
+    }
+}
+
+fn publish_frame(subject: &str, payload: Vec<u8>) -> Frame {
+    Frame::Publish(frame::Publish {
+        subject: subject.into(),
+        reply: None,
+        seq: 0,
+        payload: Bytes::from(payload),
+    })
+}
+
+#[test]
+fn an_oversized_declared_frame_gets_an_error_frame_then_eof() {
+    let server = Server::start("");
+    let good = client(&server);
+    let sub = good.subscribe("ok").unwrap();
+    good.flush(WAIT).unwrap();
+
+    let mut huge = Raw::connect(&server);
+    huge.hello();
+    huge.stream
+        .write_all(&0x7FFF_0000u32.to_le_bytes())
+        .unwrap();
+    let error = the_error(&huge.until_closed());
+    assert_eq!(error.code, ErrorCode::PayloadTooLarge);
+    assert!(error.fatal);
+    // The frame limit of the default config: 1 MiB of payload, two
+    // subjects of 512 bytes, 64 bytes of header room.
+    let limit = (1 << 20) + 2 * 512 + 64;
+    assert!(
+        error.text.contains(&(0x7FFF_0000u64 + 4).to_string())
+            && error.text.contains(&limit.to_string()),
+        "names the declared size and the limit: {}",
+        error.text
+    );
+
+    good.publish("ok", Bytes::from_static(b"still serving"))
+        .unwrap();
+    assert_eq!(
+        &sub.recv_timeout(WAIT).unwrap().payload[..],
+        b"still serving"
+    );
+}
+
+#[test]
+fn payloads_over_the_limit_get_an_error_frame() {
+    // Frame limit: 1000 + 2 * 512 + 64 = 2088 bytes.
+    let server = Server::start("[limits]\nmax_payload = 1000\n");
+    let good = client(&server);
+    let sub = good.subscribe("big").unwrap();
+    good.flush(WAIT).unwrap();
+
+    // Just over the payload limit: the frame fits, the broker refuses the
+    // publish and keeps the connection.
+    let mut raw = Raw::connect(&server);
+    raw.hello();
+    raw.send(&publish_frame("big", vec![7; 1001]));
+    match raw.next_frame(WAIT) {
+        Some(Frame::Error(e)) => {
+            assert_eq!(e.code, ErrorCode::PayloadTooLarge);
+            assert!(!e.fatal, "{e:?}");
+            assert!(
+                e.text.contains("1001") && e.text.contains("1000"),
+                "{}",
+                e.text
+            );
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+    raw.send(&publish_frame("big", vec![7; 1000]));
+    raw.send(&Frame::Ping { nonce: 5 });
+    assert!(matches!(
+        raw.next_frame(WAIT),
+        Some(Frame::Pong { nonce: 5 })
+    ));
+    assert_eq!(sub.recv_timeout(WAIT).unwrap().payload.len(), 1000);
+
+    // Far over it: the frame itself is above the limit; error, then close.
+    raw.send(&publish_frame("big", vec![7; 5000]));
+    let error = the_error(&raw.until_closed());
+    assert_eq!(error.code, ErrorCode::PayloadTooLarge);
+    assert!(error.text.contains("2088"), "{}", error.text);
+    assert_eq!(
+        sub.try_recv(),
+        Err(RecvError::Empty),
+        "nothing refused was delivered"
+    );
+
+    // A client whose own limit is larger is refused the same way.
+    let loose = Client::connect_with(
+        &server.endpoint,
+        ClientOptions {
+            reconnect: false,
+            ..ClientOptions::default()
+        },
+        efabus::transports::registry::Registry::with_builtins(),
+    )
+    .unwrap();
+    assert_eq!(
+        loose.max_payload(),
+        1000,
+        "the limit comes from the welcome"
+    );
+    let err = loose.publish("big", vec![1u8; 1001]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            efabus::Error::PayloadTooLarge {
+                len: 1001,
+                max: 1000
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_wrong_protocol_version_gets_the_version_error() {
+    let server = Server::start("");
+    let mut raw = Raw::connect(&server);
+    raw.send(&Frame::Hello(Hello {
+        version: PROTOCOL_VERSION + 1,
+        name: "future".into(),
+        credentials: None,
+        offers: Vec::new(),
+    }));
+    let error = the_error(&raw.until_closed());
+    assert_eq!(error.code, ErrorCode::Version);
+    assert!(error.fatal);
+    assert!(
+        error
+            .text
+            .contains(&format!("protocol version {}", PROTOCOL_VERSION + 1)),
+        "{}",
+        error.text
+    );
+    // The broker carries on.
+    client(&server).flush(WAIT).unwrap();
+}
+
+#[test]
+fn long_invalid_subjects_are_reported_without_harm() {
+    let server = Server::start("");
+    let mut raw = Raw::connect(&server);
+    raw.hello();
+    // Control characters are escaped in error texts, six bytes for one: an
+    // echo of this pattern would not fit an error frame.
+    raw.send(&Frame::Subscribe(frame::Subscribe {
+        sid: 1,
+        pattern: "\u{1}".repeat(60_000),
+        queue: None,
+        class: DeliveryClass::Reliable,
+    }));
+    match raw.next_frame(WAIT) {
+        Some(Frame::Error(e)) => {
+            assert_eq!(e.code, ErrorCode::InvalidSubject);
+            assert!(e.text.len() < 4096, "{} bytes", e.text.len());
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+    raw.send(&Frame::Ping { nonce: 2 });
+    assert!(matches!(
+        raw.next_frame(WAIT),
+        Some(Frame::Pong { nonce: 2 })
+    ));
+    client(&server).flush(WAIT).unwrap();
+}
+
+#[test]
+fn shutdown_sends_goodbye_on_the_wire() {
+    let mut server = Server::start("");
+    let mut raw = Raw::connect(&server);
+    raw.hello();
+    assert_eq!(signal(&mut server, "TERM"), Some(0));
+    let frames = raw.until_closed();
+    match frames.last() {
+        Some(Frame::Goodbye(goodbye)) => {
+            assert!(goodbye.reason.contains("shutting down"), "{goodbye:?}")
+        }
+        other => panic!("expected a goodbye last, got {other:?} in {frames:?}"),
+    }
+}
+
+#[test]
+fn sigint_shuts_down_gracefully_like_sigterm() {
+    let mut server = Server::start("");
+    let subscriber = client(&server);
+    let sub = subscriber.subscribe("int.>").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    let mut raw = Raw::connect(&server);
+    raw.hello();
+    let publisher = client(&server);
+    for i in 0..200u32 {
+        publisher
+            .publish("int.count", Bytes::from(i.to_le_bytes().to_vec()))
+            .unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    assert_eq!(signal(&mut server, "INT"), Some(0), "SIGINT exits 0");
+    for i in 0..200u32 {
+        assert_eq!(
+            &sub.recv_timeout(WAIT).unwrap().payload[..],
+            &i.to_le_bytes()
+        );
+    }
+    assert!(
+        matches!(raw.until_closed().last(), Some(Frame::Goodbye(_))),
+        "goodbye on SIGINT too"
     );
 }

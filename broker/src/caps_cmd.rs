@@ -16,7 +16,7 @@ use efabus_core::caps::{
 use efabus_transports::fabric::FabricTransport;
 use efabus_transports::registry::Registry;
 
-use crate::cli::Failure;
+use crate::cli::{out, Failure, Output};
 use crate::config::Config;
 
 #[derive(Debug, Args)]
@@ -40,10 +40,12 @@ pub fn run(args: CapsArgs) -> Result<(), Failure> {
         Some(path) => Config::from_file(path)?,
         None => Config::default(),
     };
+    let mut output = Output::new();
     match &args.input {
-        Some(input) => from_dump(&args, input, &config),
-        None => from_transports(&args, &config),
-    }
+        Some(input) => from_dump(&args, input, &config, &mut output),
+        None => from_transports(&args, &config, &mut output),
+    }?;
+    output.flush()
 }
 
 /// The scheme under which efabus would use an fi_info entry, if any.
@@ -110,47 +112,54 @@ fn offers(infos: &[FabricInfo], provider: Option<&str>) -> (Vec<Offer>, Vec<Stri
     (offers, lines)
 }
 
-fn from_dump(args: &CapsArgs, input: &Path, config: &Config) -> Result<(), Failure> {
+fn from_dump(
+    args: &CapsArgs,
+    input: &Path,
+    config: &Config,
+    output: &mut Output,
+) -> Result<(), Failure> {
     let infos = read_dump(input)?;
-    print_infos(&infos, args.verbose);
+    print_infos(&infos, args.verbose, output)?;
     let (local, lines) = offers(&infos, None);
-    println!("\nefabus selection for {}:", input.display());
+    out!(output, "\nefabus selection for {}:", input.display())?;
     for line in &lines {
-        println!("{line}");
+        out!(output, "{line}")?;
     }
     let (remote, peer_name) = match &args.peer {
         Some(peer) => {
             let (remote, lines) = offers(&read_dump(peer)?, None);
-            println!("\nefabus selection for {}:", peer.display());
+            out!(output, "\nefabus selection for {}:", peer.display())?;
             for line in &lines {
-                println!("{line}");
+                out!(output, "{line}")?;
             }
             (remote, peer.display().to_string())
         }
         None => (local.clone(), "a peer with the same dump".to_string()),
     };
-    println!(
+    out!(
+        output,
         "\nnegotiation with {peer_name} (preference: {}):",
         config.negotiation.preference.join(", ")
-    );
+    )?;
     match negotiate(&local, &remote, &config.negotiation.preference) {
-        Ok(negotiated) => print!("{negotiated}"),
-        Err(err) => println!("  {err}"),
+        Ok(negotiated) => output.write(format_args!("{negotiated}"))?,
+        Err(err) => out!(output, "  {err}")?,
     }
     Ok(())
 }
 
-fn print_infos(infos: &[FabricInfo], verbose: bool) {
+fn print_infos(infos: &[FabricInfo], verbose: bool, output: &mut Output) -> Result<(), Failure> {
     if verbose {
-        print!("{}", to_fi_info_text(infos));
+        output.write(format_args!("{}", to_fi_info_text(infos)))
     } else {
         for info in infos {
-            println!("{}", info.summary());
+            out!(output, "{}", info.summary())?;
         }
+        Ok(())
     }
 }
 
-fn from_transports(args: &CapsArgs, config: &Config) -> Result<(), Failure> {
+fn from_transports(args: &CapsArgs, config: &Config, output: &mut Output) -> Result<(), Failure> {
     let mut registry = Registry::with_builtins();
     for transport in [FabricTransport::rdm(), FabricTransport::dgram()] {
         let scheme = transport.kind().scheme();
@@ -167,27 +176,29 @@ fn from_transports(args: &CapsArgs, config: &Config) -> Result<(), Failure> {
         };
         match transport.infos() {
             Ok(infos) => {
-                println!(
+                out!(
+                    output,
                     "{scheme}: {} entr{}",
                     infos.len(),
                     if infos.len() == 1 { "y" } else { "ies" }
-                );
-                print_infos(&infos, args.verbose);
+                )?;
+                print_infos(&infos, args.verbose, output)?;
                 if let Some(info) = infos.first() {
                     local.push(Offer::from_info(scheme, info, Vec::new()));
                 }
             }
-            Err(err) => println!("{scheme}: {err}"),
+            Err(err) => out!(output, "{scheme}: {err}")?,
         }
-        println!();
+        out!(output)?;
     }
-    println!(
+    out!(
+        output,
         "negotiation between two hosts like this one (preference: {}):",
         config.negotiation.preference.join(", ")
-    );
+    )?;
     match negotiate(&local, &local, &config.negotiation.preference) {
-        Ok(negotiated) => print!("{negotiated}"),
-        Err(err) => println!("  {err}"),
+        Ok(negotiated) => output.write(format_args!("{negotiated}"))?,
+        Err(err) => out!(output, "  {err}")?,
     }
     Ok(())
 }

@@ -1,8 +1,12 @@
 //! The `efabus` command line: `serve`, `pub`, `sub`, `req`, `caps`, `bench`.
 //!
 //! Errors are printed as one line with the cause and what to do; usage and
-//! configuration errors exit with code 2, other failures with 1.
+//! configuration errors exit with code 2, other failures with 1. Results go
+//! to standard output through [`Output`], so a reader that goes away
+//! (`efabus caps | head`) ends the command quietly with status 0.
 
+use std::fmt;
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -10,8 +14,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::{Args, Parser, Subcommand};
+use efabus_core::frame::ErrorCode;
 use efabus_core::transport::TransportError;
-use efabus_transports::registry::RegistryError;
+use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 
 use crate::config::{Config, ConfigError};
 use crate::error::Error;
@@ -124,7 +129,9 @@ pub struct ReqArgs {
     pub client: ClientArgs,
 }
 
-/// A failure of a command: the message to print and the exit code.
+/// A failure of a command: the message to print and the exit code. Code 0
+/// (see [`Failure::quiet`]) stops the command without a message and is no
+/// failure: [`run`] turns it into success.
 #[derive(Debug)]
 pub struct Failure {
     pub message: String,
@@ -132,6 +139,14 @@ pub struct Failure {
 }
 
 impl Failure {
+    /// Stop quietly: standard output was closed by its reader.
+    pub fn quiet() -> Failure {
+        Failure {
+            message: String::new(),
+            code: 0,
+        }
+    }
+
     pub fn usage(message: impl Into<String>) -> Failure {
         Failure {
             message: message.into(),
@@ -149,63 +164,181 @@ impl Failure {
 
 impl From<ConfigError> for Failure {
     fn from(err: ConfigError) -> Failure {
-        Failure::usage(format!(
-            "{err}; fix the file or run without --config for the built-in default"
-        ))
+        let from_flags =
+            matches!(&err, ConfigError::Invalid { origin, .. } if origin == COMMAND_LINE);
+        if from_flags {
+            Failure::usage(format!("{err}; fix the option (see `efabus serve --help`)"))
+        } else {
+            Failure::usage(format!(
+                "{err}; fix the file or run without a config for the built-in default"
+            ))
+        }
     }
 }
 
-/// Turn a library error into one line that says what to do.
-fn explain(err: Error, server: Option<&str>) -> Failure {
-    let hint = match &err {
-        Error::Config(_) => return Failure::usage(err.to_string()),
-        Error::Endpoint { source, .. } => match source {
-            RegistryError::Transport {
-                source: TransportError::Bind { .. },
-                ..
-            } => {
-                "is another broker running there? pick another address with --listen".to_string()
-            }
-            RegistryError::Transport {
-                source: TransportError::Unavailable { .. },
-                ..
-            } => {
-                "remove that listener from the config or install what it needs (see README, Running on EFA)".to_string()
-            }
-            _ => "check the endpoint string (mem/NAME, tcp/HOST:PORT, efa-rdm, efa-dgram)".to_string(),
-        },
-        Error::NotConnected(_) => format!(
-            "is a broker running at {}? start one with `efabus serve`",
-            server.unwrap_or(DEFAULT_SERVER)
-        ),
-        Error::Refused { .. } => "check --secret (or EFABUS_SECRET) against the broker's auth.secret".to_string(),
-        Error::Subject { .. } => "subjects are dot-separated tokens; wildcards * and > only in patterns".to_string(),
-        Error::Timeout(_) => "is anything subscribed to that subject? raise --timeout if it is slow".to_string(),
-        Error::NoResponders(_) => "start a responder that subscribes to that subject".to_string(),
-        _ => String::new(),
-    };
-    let code = if matches!(err, Error::Subject { .. }) {
-        2
+/// How errors name values given as command-line flags.
+const COMMAND_LINE: &str = "(command line)";
+
+/// Longest excerpt of a user's subject (or of a server's text) echoed in an
+/// error message, in characters.
+const EXCERPT_CHARS: usize = 64;
+
+/// A subject or other user text as shown in messages: at most `max` characters,
+/// with "…" when cut.
+pub fn excerpt(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_string(),
+    }
+}
+
+/// Standard output for a command's results. A closed pipe (the reader went
+/// away, as `head` does) becomes [`Failure::quiet`] rather than the panic
+/// `println!` gives; other write errors are failures.
+pub struct Output {
+    out: io::StdoutLock<'static>,
+}
+
+impl Output {
+    pub fn new() -> Output {
+        Output {
+            out: io::stdout().lock(),
+        }
+    }
+
+    /// Write formatted text (use with `format_args!`).
+    pub fn write(&mut self, text: fmt::Arguments<'_>) -> Result<(), Failure> {
+        self.out.write_fmt(text).map_err(write_failure)
+    }
+
+    /// Write formatted text and a newline.
+    pub fn line(&mut self, text: fmt::Arguments<'_>) -> Result<(), Failure> {
+        self.write(text)?;
+        self.out.write_all(b"\n").map_err(write_failure)
+    }
+
+    /// Push out what is buffered (lines are flushed as they end; this is for
+    /// text without a final newline).
+    pub fn flush(&mut self) -> Result<(), Failure> {
+        self.out.flush().map_err(write_failure)
+    }
+}
+
+impl Default for Output {
+    fn default() -> Self {
+        Output::new()
+    }
+}
+
+fn write_failure(err: io::Error) -> Failure {
+    if err.kind() == io::ErrorKind::BrokenPipe {
+        Failure::quiet()
     } else {
-        1
+        Failure::runtime(format!("cannot write to standard output: {err}"))
+    }
+}
+
+/// `writeln!` for an [`Output`]: `out!(output, "x = {x}")?`.
+macro_rules! out {
+    ($output:expr) => {
+        $output.line(format_args!(""))
+    };
+    ($output:expr, $($arg:tt)*) => {
+        $output.line(format_args!($($arg)*))
+    };
+}
+pub(crate) use out;
+
+/// Turn a library error into one line that says what to do. Subjects and
+/// texts from the server are cut to a readable length.
+fn explain(err: Error, server: Option<&str>) -> Failure {
+    let server = server.unwrap_or(DEFAULT_SERVER);
+    let short = |text: &str| excerpt(text, EXCERPT_CHARS);
+    let (message, hint, code) = match &err {
+        Error::Config(_) => return Failure::usage(err.to_string()),
+        Error::Endpoint { endpoint, source } => {
+            let (hint, code) = match source {
+                RegistryError::Transport {
+                    source: TransportError::Bind { .. },
+                    ..
+                } => ("is another broker running there? pick another address with --listen", 1),
+                RegistryError::Transport {
+                    source: TransportError::Unavailable { .. },
+                    ..
+                } => ("remove that listener from the config or install what it needs (see README, Running on EFA)", 1),
+                RegistryError::UnknownScheme { .. } | RegistryError::Spec(_) => {
+                    ("endpoints are mem/NAME, tcp/HOST:PORT, efa-rdm or efa-dgram", 2)
+                }
+                _ => ("check the endpoint string (mem/NAME, tcp/HOST:PORT, efa-rdm, efa-dgram)", 1),
+            };
+            (
+                format!("cannot open {}: {source}", short(endpoint)),
+                hint.to_string(),
+                code,
+            )
+        }
+        Error::NotConnected(_) => (
+            // The command line does not reconnect: it gave up.
+            format!("could not connect to {}", short(server)),
+            "is a broker running there? start one with `efabus serve`".to_string(),
+            1,
+        ),
+        Error::Refused { code, text } => (
+            format!(
+                "the server refused: {code:?}: {}",
+                excerpt(text, 4 * EXCERPT_CHARS)
+            ),
+            if *code == ErrorCode::Auth {
+                "check --secret (or EFABUS_SECRET) against the broker's auth.secret".to_string()
+            } else {
+                String::new()
+            },
+            1,
+        ),
+        Error::Subject { subject, source } => (
+            format!("invalid subject {:?}: {source}", short(subject)),
+            "subjects are dot-separated tokens; wildcards * and > only in patterns".to_string(),
+            2,
+        ),
+        Error::Subscription { pattern, source } => (
+            format!("cannot subscribe to {:?}: {source}", short(pattern)),
+            String::new(),
+            1,
+        ),
+        Error::Timeout(_) => (
+            err.to_string(),
+            "is anything subscribed to that subject? raise --timeout if it is slow".to_string(),
+            1,
+        ),
+        Error::NoResponders(subject) => (
+            format!("no subscriber for {}", short(subject)),
+            "start a responder that subscribes to that subject".to_string(),
+            1,
+        ),
+        Error::PayloadTooLarge { .. } => (err.to_string(), String::new(), 2),
+        _ => (err.to_string(), String::new(), 1),
     };
     let message = if hint.is_empty() {
-        err.to_string()
+        message
     } else {
-        format!("{err}; {hint}")
+        format!("{message}; {hint}")
     };
     Failure { message, code }
 }
 
 /// Run the parsed command line.
 pub fn run(cli: Cli) -> Result<(), Failure> {
-    match cli.command {
+    let result = match cli.command {
         Command::Serve(args) => serve(args),
         Command::Pub(args) => publish(args),
         Command::Sub(args) => subscribe(args),
         Command::Req(args) => request(args),
         Command::Caps(args) => crate::caps_cmd::run(args),
         Command::Bench(args) => crate::bench::run(args),
+    };
+    match result {
+        Err(failure) if failure.code == 0 => Ok(()),
+        other => other,
     }
 }
 
@@ -233,9 +366,13 @@ fn stop_on_signals() -> Result<Arc<AtomicBool>, Failure> {
 }
 
 fn serve(args: ServeArgs) -> Result<(), Failure> {
+    // Listeners are checked against the transports this binary has, so an
+    // unknown scheme is a configuration error naming the entry.
+    let registry = Registry::with_builtins();
+    let schemes = registry.schemes();
     let mut config = match &args.config {
-        Some(path) => Config::from_file(path)?,
-        None => Config::from_env_or_default()?,
+        Some(path) => Config::from_file_with_schemes(path, &schemes)?,
+        None => Config::from_env_or_default_with_schemes(&schemes)?,
     };
     if !args.listen.is_empty() {
         config.listen = args.listen.clone();
@@ -249,13 +386,18 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
     if args.secret.is_some() {
         config.auth.secret = args.secret;
     }
-    config.validate("(command line)")?;
+    config.validate(COMMAND_LINE)?;
+    config.check_schemes(COMMAND_LINE, &schemes)?;
     init_logging(&config.log_level);
 
     let stop = stop_on_signals()?;
-    let broker = Broker::start(config).map_err(|err| explain(err, None))?;
+    let broker = Broker::start_with_registry(config, registry).map_err(|err| explain(err, None))?;
+    let mut output = Output::new();
     for (scheme, address) in broker.listening() {
-        println!("listening on {scheme}/{address}");
+        // Serving goes on when nobody reads these lines any more.
+        if out!(output, "listening on {scheme}/{address}").is_err() {
+            break;
+        }
     }
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(50));
@@ -268,8 +410,34 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
         .filter(|(name, _)| *name != "connections" && *name != "queued_bytes")
         .map(|(name, value)| format!("{name}={value}"))
         .collect();
-    println!("stopped: {}", stats.join(" "));
-    Ok(())
+    out!(output, "stopped: {}", stats.join(" "))
+}
+
+/// A `tcp/HOST:PORT` server whose address cannot be resolved fails at once,
+/// with the resolver's reason, instead of after the connect timeout.
+fn check_server(server: &str) -> Result<(), Failure> {
+    let Ok(spec) = EndpointSpec::parse(server) else {
+        // The client reports a malformed endpoint itself.
+        return Ok(());
+    };
+    if spec.scheme() != "tcp" {
+        return Ok(());
+    }
+    let address = spec.address().unwrap_or_default();
+    match std::net::ToSocketAddrs::to_socket_addrs(address) {
+        Ok(_) => Ok(()),
+        Err(err) => {
+            let message = format!(
+                "cannot resolve --server {}: {err}; expected tcp/HOST:PORT with a port from 1 to 65535",
+                excerpt(server, EXCERPT_CHARS)
+            );
+            Err(if err.kind() == io::ErrorKind::InvalidInput {
+                Failure::usage(message)
+            } else {
+                Failure::runtime(message)
+            })
+        }
+    }
 }
 
 fn connect(args: &ClientArgs) -> Result<Client, Failure> {
@@ -278,31 +446,65 @@ fn connect(args: &ClientArgs) -> Result<Client, Failure> {
         Some(path) => ClientOptions::from_config(&Config::from_file(path)?),
         None => ClientOptions::default(),
     };
+    check_server(&args.server)?;
     let options = ClientOptions {
         name: format!("efabus-cli-{}", std::process::id()),
         credentials: args.secret.clone().or(base.credentials.clone()),
         reconnect: false,
         ..base
     };
-    Client::connect_with(
-        &args.server,
-        options,
-        efabus_transports::registry::Registry::with_builtins(),
-    )
-    .map_err(|err| explain(err, Some(&args.server)))
+    Client::connect_with(&args.server, options, Registry::with_builtins())
+        .map_err(|err| explain(err, Some(&args.server)))
+}
+
+/// Largest payload the wire can carry at all (the config's own bound on
+/// `limits.max_payload`); sizes above it are refused before connecting.
+const WIRE_MAX_PAYLOAD: u64 = u32::MAX as u64 - 4096;
+
+fn too_large(what: &str, len: u64, max: u64, whose: &str) -> Failure {
+    Failure::usage(format!(
+        "{what} is {len} bytes, above {whose} limit of {max} bytes; send less"
+    ))
 }
 
 fn publish(args: PubArgs) -> Result<(), Failure> {
+    // Sizes are checked before anything is allocated: first against what
+    // the wire can carry, then against the server's limit from its welcome.
+    let wanted = match (&args.file, args.size) {
+        (Some(path), _) => {
+            let len = std::fs::metadata(path)
+                .map_err(|err| Failure::usage(format!("cannot read {}: {err}", path.display())))?
+                .len();
+            Some(("--file", len))
+        }
+        (None, Some(size)) => Some(("--size", size as u64)),
+        (None, None) => None,
+    };
+    if let Some((what, len)) = wanted {
+        if len > WIRE_MAX_PAYLOAD {
+            return Err(too_large(what, len, WIRE_MAX_PAYLOAD, "the wire's"));
+        }
+    }
+    let client = connect(&args.client)?;
+    let max = client.max_payload();
+    if let Some((what, len)) = wanted {
+        if len > max {
+            return Err(too_large(what, len, max, "the server's"));
+        }
+    }
     let payload: Bytes = if let Some(path) = &args.file {
-        std::fs::read(path)
-            .map_err(|err| Failure::usage(format!("cannot read {}: {err}", path.display())))?
-            .into()
+        let data = std::fs::read(path)
+            .map_err(|err| Failure::usage(format!("cannot read {}: {err}", path.display())))?;
+        if data.len() as u64 > max {
+            // The file grew since it was measured.
+            return Err(too_large("--file", data.len() as u64, max, "the server's"));
+        }
+        data.into()
     } else if let Some(size) = args.size {
         vec![b'x'; size].into()
     } else {
         Bytes::from(args.data.clone().unwrap_or_default())
     };
-    let client = connect(&args.client)?;
     let started = Instant::now();
     for _ in 0..args.count {
         client
@@ -313,19 +515,24 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
         .flush(Duration::from_secs(30))
         .map_err(|err| explain(err, Some(&args.client.server)))?;
     let elapsed = started.elapsed();
-    if args.count > 1 {
+    let mut output = Output::new();
+    if args.count != 1 {
         let rate = args.count as f64 / elapsed.as_secs_f64().max(1e-9);
-        println!(
+        out!(
+            output,
             "published {} messages of {} bytes in {:.3} s ({:.0} msg/s)",
             args.count,
             payload.len(),
             elapsed.as_secs_f64(),
             rate
-        );
+        )
     } else {
-        println!("published 1 message to {}", args.subject);
+        out!(
+            output,
+            "published 1 message to {}",
+            excerpt(&args.subject, EXCERPT_CHARS)
+        )
     }
-    Ok(())
 }
 
 fn subscribe(args: SubArgs) -> Result<(), Failure> {
@@ -338,18 +545,25 @@ fn subscribe(args: SubArgs) -> Result<(), Failure> {
     client
         .flush(Duration::from_secs(5))
         .map_err(|err| explain(err, Some(&args.client.server)))?;
-    eprintln!("subscribed to {}", args.pattern);
+    // A status line, not a result: a closed stderr is no reason to stop.
+    let _ = writeln!(
+        io::stderr(),
+        "subscribed to {}",
+        excerpt(&args.pattern, EXCERPT_CHARS)
+    );
     let stop = stop_on_signals()?;
+    let mut output = Output::new();
     let mut received = 0u64;
     while !stop.load(Ordering::Relaxed) && args.count.is_none_or(|count| received < count) {
         match subscription.recv_timeout(Duration::from_millis(100)) {
             Ok(message) => {
                 received += 1;
-                println!(
+                out!(
+                    output,
                     "[{}] {}",
                     message.subject,
                     String::from_utf8_lossy(&message.payload)
-                );
+                )?;
             }
             Err(RecvError::Timeout | RecvError::Empty) => {}
             Err(RecvError::Closed) => {
@@ -369,6 +583,5 @@ fn request(args: ReqArgs) -> Result<(), Failure> {
             Duration::from_millis(args.timeout),
         )
         .map_err(|err| explain(err, Some(&args.client.server)))?;
-    println!("{}", String::from_utf8_lossy(&reply.payload));
-    Ok(())
+    out!(Output::new(), "{}", String::from_utf8_lossy(&reply.payload))
 }

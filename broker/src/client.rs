@@ -669,6 +669,12 @@ impl Client {
         self.shared.reconnects.load(Ordering::Relaxed)
     }
 
+    /// The largest payload the server accepts, from its welcome
+    /// (`u64::MAX` before the first welcome).
+    pub fn max_payload(&self) -> u64 {
+        self.shared.max_payload.load(Ordering::Relaxed)
+    }
+
     pub fn publish(&self, subject: &str, payload: impl Into<Bytes>) -> Result<(), Error> {
         self.publish_inner(subject, None, payload.into())
     }

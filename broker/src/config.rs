@@ -3,11 +3,15 @@
 //!
 //! Every section has safe defaults, so an empty file is a valid config.
 //! Unknown keys and bad values are errors that name the file, the line and
-//! the key (the TOML parser reports the position; we add the file name).
+//! the key: the TOML parser reports the position of what it refuses, and
+//! for the checks made after parsing ([`Config::validate`]) the key's line
+//! is looked up in the text (see [`locate`]). Values are bounded so that
+//! none can exceed what the wire codec carries.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use efabus_core::codec::MAX_CONTROL_BODY;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -30,19 +34,47 @@ pub enum ConfigError {
     /// The parser's message carries the line, column and key.
     #[error("invalid config {origin}: {message}")]
     Parse { origin: String, message: String },
-    #[error("invalid config {origin}: {key}: {message}")]
+    /// A value the parser accepted but the checks refuse; `line` is where
+    /// the key is in the file, when it is there.
+    #[error("invalid config {origin}{}: {key}: {message}", at_line(.line))]
     Invalid {
         origin: String,
+        line: Option<usize>,
         key: String,
         message: String,
     },
 }
 
+fn at_line(line: &Option<usize>) -> String {
+    line.map(|line| format!(", line {line}"))
+        .unwrap_or_default()
+}
+
+/// Longest `name`, in bytes. The name travels in the hello and welcome,
+/// control frames of at most [`MAX_CONTROL_BODY`] bytes that also carry up
+/// to 64 capability offers; 1 KiB leaves them ample room.
+pub const MAX_NAME_LEN: usize = 1024;
+
+/// Longest `auth.secret`, in bytes (it travels in the hello, like the name).
+pub const MAX_SECRET_LEN: usize = 4096;
+
+/// Largest `limits.max_subject_len`. The wire field is 16 bits wide, and a
+/// subscribe (a control frame of at most [`MAX_CONTROL_BODY`] bytes)
+/// carries a pattern and a queue name of up to this length each, so a
+/// quarter of the control body is the bound, with room to spare.
+pub const MAX_SUBJECT_LEN_LIMIT: usize = MAX_CONTROL_BODY / 4;
+
+/// Level names `log_level` accepts, alone or after `target=`.
+const LOG_LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+
 /// What to do when a subscriber cannot keep up and its queue is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum SlowConsumerPolicy {
-    /// Make the publisher wait (up to `block_timeout_ms`, then drop and count).
+    /// Make publishers wait for the slow subscriber. A remote subscriber
+    /// that takes nothing for `block_timeout_ms` is disconnected (with a
+    /// `SlowConsumer` error); for an in-process subscription the message
+    /// is dropped and counted after that time.
     Block,
     /// Drop the oldest queued message for that subscriber and count it.
     #[default]
@@ -55,7 +87,8 @@ pub enum SlowConsumerPolicy {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// Name of this node, sent in the handshake and shown in logs.
+    /// Name of this node, sent in the handshake and shown in logs (at most
+    /// [`MAX_NAME_LEN`] bytes).
     pub name: String,
     /// Log filter (`error`, `warn`, `info`, `debug`, `trace`, or a tracing
     /// filter such as `efabus_broker=debug`). `RUST_LOG` overrides it.
@@ -97,7 +130,7 @@ impl Default for Config {
 pub struct Limits {
     /// Largest payload accepted in one publish, in bytes.
     pub max_payload: u64,
-    /// Largest subject, in bytes.
+    /// Largest subject, in bytes (at most [`MAX_SUBJECT_LEN_LIMIT`]).
     pub max_subject_len: usize,
     /// Most tokens in a subject or pattern.
     pub max_subject_tokens: usize,
@@ -133,8 +166,12 @@ impl Default for Limits {
 #[serde(deny_unknown_fields, default)]
 pub struct SlowConsumer {
     pub policy: SlowConsumerPolicy,
-    /// Under `block`, the longest a publisher waits before the message is
-    /// dropped and counted.
+    /// Under `block`, how long a subscriber may hold publishers up: a remote
+    /// subscriber whose queue stays over `limits.max_pending_bytes` that
+    /// long is disconnected with a `SlowConsumer` error; a message for a
+    /// full in-process subscription is dropped and counted after waiting
+    /// that long. It also bounds how long an in-process publish waits for
+    /// room in the broker's command queue.
     pub block_timeout_ms: u64,
 }
 
@@ -315,44 +352,140 @@ impl Config {
             .expect("built-in default config is valid")
     }
 
-    /// Read and check a config file.
+    /// Read and check a config file. Listeners may name any scheme (an
+    /// application may register its own transports); see
+    /// [`Config::from_file_with_schemes`].
     pub fn from_file(path: impl AsRef<Path>) -> Result<Config, ConfigError> {
-        let path = path.as_ref();
+        Config::load_file(path.as_ref(), None)
+    }
+
+    /// Read and check a config file whose listeners must name one of
+    /// `schemes` (e.g. `Registry::schemes()` of the registry that will
+    /// open them).
+    pub fn from_file_with_schemes(
+        path: impl AsRef<Path>,
+        schemes: &[&str],
+    ) -> Result<Config, ConfigError> {
+        Config::load_file(path.as_ref(), Some(schemes))
+    }
+
+    fn load_file(path: &Path, schemes: Option<&[&str]>) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),
             source,
         })?;
-        Config::from_toml_str(&text, &path.display().to_string())
+        Config::load(&text, &path.display().to_string(), schemes)
     }
 
     /// Parse and check config text; `origin` names it in errors.
     pub fn from_toml_str(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        Config::load(text, origin, None)
+    }
+
+    /// As [`Config::from_toml_str`], and every listener must name one of
+    /// `schemes`.
+    pub fn from_toml_str_with_schemes(
+        text: &str,
+        origin: &str,
+        schemes: &[&str],
+    ) -> Result<Config, ConfigError> {
+        Config::load(text, origin, Some(schemes))
+    }
+
+    fn load(text: &str, origin: &str, schemes: Option<&[&str]>) -> Result<Config, ConfigError> {
         let config: Config = toml::from_str(text).map_err(|err| ConfigError::Parse {
             origin: origin.to_string(),
             message: err.to_string().trim_end().replace('\n', " "),
         })?;
-        config.validate(origin)?;
-        Ok(config)
+        let checked = config.validate(origin).and_then(|()| match schemes {
+            Some(schemes) => config.check_schemes(origin, schemes),
+            None => Ok(()),
+        });
+        match checked {
+            Ok(()) => Ok(config),
+            Err(ConfigError::Invalid {
+                origin,
+                key,
+                message,
+                ..
+            }) => Err(ConfigError::Invalid {
+                line: locate(text, &key),
+                origin,
+                key,
+                message,
+            }),
+            Err(other) => Err(other),
+        }
     }
 
     /// The file named by `EFABUS_CONFIG`, or the built-in default.
     pub fn from_env_or_default() -> Result<Config, ConfigError> {
+        Config::env_or_default(None)
+    }
+
+    /// As [`Config::from_env_or_default`], and every listener must name one
+    /// of `schemes`.
+    pub fn from_env_or_default_with_schemes(schemes: &[&str]) -> Result<Config, ConfigError> {
+        Config::env_or_default(Some(schemes))
+    }
+
+    fn env_or_default(schemes: Option<&[&str]>) -> Result<Config, ConfigError> {
         match std::env::var_os(CONFIG_ENV) {
-            Some(path) if !path.is_empty() => Config::from_file(PathBuf::from(path)),
+            Some(path) if !path.is_empty() => Config::load_file(Path::new(&path), schemes),
             _ => Ok(Config::embedded_default()),
         }
     }
 
-    /// Check values the types alone cannot.
+    /// Check that every listener names one of `schemes`; the error names
+    /// the entry (`listen[i]`) and lists the known schemes.
+    pub fn check_schemes(&self, origin: &str, schemes: &[&str]) -> Result<(), ConfigError> {
+        for (i, listen) in self.listen.iter().enumerate() {
+            let invalid = |message: String| ConfigError::Invalid {
+                origin: origin.to_string(),
+                line: None,
+                key: format!("listen[{i}]"),
+                message,
+            };
+            let spec = efabus_transports::registry::EndpointSpec::parse(listen)
+                .map_err(|err| invalid(err.to_string()))?;
+            if !schemes
+                .iter()
+                .any(|known| known.eq_ignore_ascii_case(spec.scheme()))
+            {
+                let mut known = schemes.to_vec();
+                known.sort_unstable();
+                return Err(invalid(format!(
+                    "unknown transport scheme {:?} in {listen:?}; known schemes: {}",
+                    spec.scheme(),
+                    known.join(", ")
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Check values the types alone cannot. Errors name the key and the
+    /// allowed values; they carry no line (see [`Config::from_toml_str`]).
     pub fn validate(&self, origin: &str) -> Result<(), ConfigError> {
         let invalid = |key: &str, message: String| ConfigError::Invalid {
             origin: origin.to_string(),
+            line: None,
             key: key.to_string(),
             message,
         };
         if self.name.trim().is_empty() {
             return Err(invalid("name", "must not be empty".into()));
         }
+        if self.name.len() > MAX_NAME_LEN {
+            return Err(invalid(
+                "name",
+                format!(
+                    "is {} bytes long; the allowed length is 1 to {MAX_NAME_LEN} bytes",
+                    self.name.len()
+                ),
+            ));
+        }
+        check_log_level(&self.log_level).map_err(|message| invalid("log_level", message))?;
         for (i, listen) in self.listen.iter().enumerate() {
             efabus_transports::registry::EndpointSpec::parse(listen)
                 .map_err(|err| invalid(&format!("listen[{i}]"), err.to_string()))?;
@@ -383,8 +516,33 @@ impl Config {
         if self.limits.max_payload > u32::MAX as u64 - 4096 {
             return Err(invalid(
                 "limits.max_payload",
-                format!("must be at most {}", u32::MAX as u64 - 4096),
+                format!(
+                    "is {}; the allowed range is 1 to {}",
+                    self.limits.max_payload,
+                    u32::MAX as u64 - 4096
+                ),
             ));
+        }
+        if self.limits.max_subject_len > MAX_SUBJECT_LEN_LIMIT {
+            return Err(invalid(
+                "limits.max_subject_len",
+                format!(
+                    "is {}; the allowed range is 1 to {MAX_SUBJECT_LEN_LIMIT} bytes \
+                     (subjects travel in 16-bit fields and 64 KiB control frames)",
+                    self.limits.max_subject_len
+                ),
+            ));
+        }
+        if let Some(secret) = &self.auth.secret {
+            if secret.len() > MAX_SECRET_LEN {
+                return Err(invalid(
+                    "auth.secret",
+                    format!(
+                        "is {} bytes long; the allowed length is up to {MAX_SECRET_LEN} bytes",
+                        secret.len()
+                    ),
+                ));
+            }
         }
         if self.heartbeat.timeout_ms <= self.heartbeat.interval_ms {
             return Err(invalid(
@@ -445,6 +603,67 @@ impl Config {
     }
 }
 
+/// Check a log filter: comma-separated directives, each a level name or
+/// `target=level` (a bare word would silently select a target instead).
+fn check_log_level(filter: &str) -> Result<(), String> {
+    let expected = || {
+        format!(
+            "expected a level ({}) or a filter such as \"efabus_broker=debug,info\"",
+            LOG_LEVELS.join(", ")
+        )
+    };
+    let is_level = |word: &str| {
+        LOG_LEVELS
+            .iter()
+            .any(|l| l.eq_ignore_ascii_case(word.trim()))
+    };
+    if filter.trim().is_empty() {
+        return Err(format!("is empty; {}", expected()));
+    }
+    for directive in filter.split(',') {
+        let level = match directive.rsplit_once('=') {
+            Some((target, level)) if !target.trim().is_empty() => level,
+            _ => directive,
+        };
+        if !is_level(level) {
+            return Err(format!("{directive:?} is not a level; {}", expected()));
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(filter)
+        .map(|_| ())
+        .map_err(|err| format!("{filter:?}: {err}; {}", expected()))
+}
+
+/// The line (from 1) of a key such as `limits.max_payload` or `listen[2]`
+/// in config text, if the text sets it: where the key is written (for an
+/// array entry, where the entry is). Only run when a check made after
+/// parsing refuses a value, so the happy path parses once.
+pub fn locate(text: &str, key: &str) -> Option<usize> {
+    let document = toml_edit::ImDocument::parse(text).ok()?;
+    let mut item = document.as_item();
+    let mut span = None;
+    let mut parts = key.split('.').peekable();
+    while let Some(part) = parts.next() {
+        let (name, index) = match part.split_once('[') {
+            Some((name, rest)) => (name, Some(rest.strip_suffix(']')?.parse::<usize>().ok()?)),
+            None => (part, None),
+        };
+        let (found_key, found) = item.as_table_like()?.get_key_value(name)?;
+        span = found_key.span().or_else(|| found.span());
+        item = found;
+        if let Some(index) = index {
+            // Array entries are values, not items: nothing is looked up
+            // below one.
+            if parts.peek().is_some() {
+                return None;
+            }
+            span = item.as_array()?.get(index)?.span();
+        }
+    }
+    let start = span?.start.min(text.len());
+    Some(text[..start].matches('\n').count() + 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -503,6 +722,110 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("fabric.test_force_prefix"), "{err}");
+    }
+
+    #[test]
+    fn checks_after_parsing_name_file_line_key_and_range() {
+        let text = "name = \"n\"\n\n[limits]\nmax_payload = 10\nmax_subject_len = 200000\n";
+        let err = Config::from_toml_str(text, "d.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("invalid config d.toml, line 5: limits.max_subject_len:"),
+            "{err}"
+        );
+        assert!(
+            err.contains(&format!("1 to {MAX_SUBJECT_LEN_LIMIT}")),
+            "{err}"
+        );
+        // The codec's own bound on the wire field is never reached.
+        const { assert!(MAX_SUBJECT_LEN_LIMIT <= u16::MAX as usize) };
+
+        let long = "x".repeat(70_000);
+        let err = Config::from_toml_str(
+            &format!("log_level = \"warn\"\nname = \"{long}\"\n"),
+            "d.toml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("d.toml, line 2: name:"), "{err}");
+        assert!(err.contains(&format!("1 to {MAX_NAME_LEN} bytes")), "{err}");
+        assert!(!err.contains(&long), "the value itself is not echoed");
+
+        let err = Config::from_toml_str(
+            &format!("[auth]\nsecret = \"{}\"\n", "s".repeat(MAX_SECRET_LEN + 1)),
+            "d.toml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("line 2: auth.secret:"), "{err}");
+
+        // Keys left at their defaults have no line to name.
+        let err = Config::from_toml_str("[heartbeat]\ninterval_ms = 20000\n", "d.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("invalid config d.toml: heartbeat.timeout_ms:"),
+            "{err}"
+        );
+        let err = Config::from_toml_str("[heartbeat]\ninterval_ms = 0\n", "d.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 2: heartbeat.interval_ms"), "{err}");
+    }
+
+    #[test]
+    fn log_level_must_be_a_level_or_a_filter() {
+        for good in [
+            "info",
+            "WARN",
+            "off",
+            "efabus_broker=debug,info",
+            "a=trace,b=error",
+        ] {
+            let text = format!("log_level = \"{good}\"\n");
+            Config::from_toml_str(&text, "l.toml").unwrap_or_else(|err| panic!("{good}: {err}"));
+        }
+        for bad in ["loud", "", "info,", "efabus_broker=loud", "debug[", "=info"] {
+            let text = format!("name = \"n\"\nlog_level = \"{bad}\"\n");
+            let err = Config::from_toml_str(&text, "l.toml")
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("l.toml, line 2: log_level:"), "{bad:?}: {err}");
+            assert!(err.contains("error, warn, info"), "{bad:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn unknown_listen_scheme_names_the_entry_and_the_known_schemes() {
+        let text = "name = \"n\"\nlisten = [\n  \"mem/a\",\n  \"foo/bar\",\n]\n";
+        // Any scheme parses: an application may register its own.
+        assert!(Config::from_toml_str(text, "s.toml").is_ok());
+        let err = Config::from_toml_str_with_schemes(text, "s.toml", &["tcp", "mem"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("s.toml, line 4: listen[1]:"), "{err}");
+        assert!(
+            err.contains("\"foo\"") && err.contains("known schemes: mem, tcp"),
+            "{err}"
+        );
+        let config = Config::from_toml_str_with_schemes(text, "s.toml", &["foo", "MEM"]).unwrap();
+        assert_eq!(config.listen.len(), 2);
+    }
+
+    #[test]
+    fn locate_finds_keys_in_tables_arrays_and_inline_tables() {
+        let text = "name = \"n\"\n[limits]\n# comment\nmax_payload = 5\n\n[testing.faults]\nseed = 1\n[fabric]\npolling = { busy_polls = 3 }\n";
+        assert_eq!(locate(text, "name"), Some(1));
+        assert_eq!(locate(text, "limits.max_payload"), Some(4));
+        assert_eq!(locate(text, "testing.faults.seed"), Some(7));
+        assert_eq!(locate(text, "fabric.polling.busy_polls"), Some(9));
+        assert_eq!(locate(text, "limits.max_connections"), None);
+        assert_eq!(locate(text, "listen[0]"), None);
+        assert_eq!(locate("listen = [\"a\",\n\"b\"]", "listen[1]"), Some(2));
+        assert_eq!(locate("listen = [\"a\"]", "listen[3]"), None);
+        assert_eq!(locate("not toml [", "name"), None);
     }
 
     #[test]

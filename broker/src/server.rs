@@ -303,6 +303,7 @@ impl Broker {
     /// application registered itself.
     pub fn start_with_registry(config: Config, registry: Registry) -> Result<Broker, Error> {
         config.validate("(given)")?;
+        config.check_schemes("(given)", &registry.schemes())?;
         let poll = Poll::new().map_err(Error::Thread)?;
         let waker = Waker::new(poll.registry(), WAKER).map_err(Error::Thread)?;
         let codec_limits = CodecLimits {
@@ -1832,11 +1833,7 @@ impl EventLoop {
     /// Report a non-fatal error to the peer.
     fn report(&mut self, id: u64, code: ErrorCode, text: String) {
         debug!(session = id, ?code, %text, "error reported to peer");
-        let frame = codec::encode(&Frame::Error(ErrorFrame {
-            code,
-            text,
-            fatal: false,
-        }));
+        let frame = error_frame(code, text, false);
         self.send(id, frame, false);
     }
 
@@ -1845,11 +1842,7 @@ impl EventLoop {
         if let Some(session) = self.sessions.get(&id) {
             info!(session = id, remote = %session.remote, ?code, %text, "closing peer");
         }
-        let frame = codec::encode(&Frame::Error(ErrorFrame {
-            code,
-            text,
-            fatal: true,
-        }));
+        let frame = error_frame(code, text, true);
         if code == ErrorCode::SlowConsumer {
             // A slow consumer's queue would never drain: drop it and say why
             // on the control link, where nothing waits for the peer's
@@ -2037,6 +2030,24 @@ impl EventLoop {
         self.shared.router.write().close_locals();
         info!("stopped");
     }
+}
+
+/// Longest error text sent to a peer, in bytes. Texts echo what the peer
+/// sent (escaped, so up to six bytes per byte received); cut, they always
+/// fit a control frame.
+const MAX_ERROR_TEXT: usize = 1024;
+
+/// An encoded error frame, its text cut to [`MAX_ERROR_TEXT`] bytes.
+fn error_frame(code: ErrorCode, mut text: String, fatal: bool) -> OutFrame {
+    if text.len() > MAX_ERROR_TEXT {
+        let mut cut = MAX_ERROR_TEXT - '…'.len_utf8();
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+        text.push('…');
+    }
+    codec::encode(&Frame::Error(ErrorFrame { code, text, fatal }))
 }
 
 /// Send one frame or run on the session's current path: its reliable data

@@ -1,7 +1,8 @@
 //! efabus-transports: the in-process, TCP and libfabric transports and the
 //! scheme registry that selects them from endpoint strings.
 //!
-//! - [`mem`]: in-process endpoints addressed by name, zero-copy.
+//! - [`mem`]: in-process endpoints addressed by name; one-buffer frames
+//!   cross without a copy (a header and payload are joined once).
 //! - [`tcp`]: non-blocking TCP over mio, framed by the 4-byte length prefix.
 //! - [`fabric`]: libfabric endpoints (EFA RDM and DGRAM, and libfabric's
 //!   socket providers for development), through a thin C shim.

@@ -5,10 +5,13 @@
 //! (until it is dropped), and `connect("name")` from any other endpoint
 //! creates a link pair between the two.
 //!
-//! Frames cross as [`Bytes`] handles, never copied: a frame whose
-//! [`OutFrame::body`] is empty is delivered as its `head` itself. A frame in
-//! two parts is joined once into one buffer on `send`, because an
-//! [`Event::Frame`] carries one contiguous `Bytes`.
+//! Frames cross as [`Bytes`] handles: a frame whose [`OutFrame::body`] is
+//! empty is delivered as its `head` itself, without a copy. A frame in two
+//! parts (a header with a payload behind it) is copied once, joined into
+//! one buffer on `send`, because an [`Event::Frame`] carries one contiguous
+//! `Bytes` (and receivers read frames in place from it). So a payload a
+//! `Client` sends over `mem` is copied once per hop; only in-process
+//! subscribers of an embedded broker get the publisher's buffer itself.
 //!
 //! Links are ordered and reliable. The frames a side has sent and the
 //! receiver has not yet taken with `poll` count against the sender's

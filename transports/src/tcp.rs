@@ -26,8 +26,14 @@
 //! signalled. Frames are split off the connection's read buffer and frozen,
 //! so each arrives as a `Bytes` without a copy beyond the socket read. A
 //! busy connection reads into large buffers; a quiet one keeps a small one.
-//! A declared length above `max_frame` closes the connection with
-//! [`CloseReason::Error`] before anything is allocated for it.
+//! A declared length above `max_frame` ends the connection before anything
+//! is allocated for it: the frames before it are still delivered, the peer
+//! is sent an efabus error frame ([`ErrorCode::PayloadTooLarge`], naming the
+//! declared size and the limit) followed by an orderly close, and the caller
+//! sees [`CloseReason::Error`] with the same text. The transport answers
+//! itself because it is the only one that saw the length: the frame never
+//! reaches the caller, and the caller cannot send to a peer it was told is
+//! closed.
 //!
 //! `connect` resolves the address (blocking, for host names), starts a
 //! non-blocking connect and returns the peer at once; frames queue until the
@@ -47,6 +53,8 @@ use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
 use efabus_core::caps::FabricInfo;
+use efabus_core::codec;
+use efabus_core::frame::{ErrorCode, ErrorFrame, Frame};
 use efabus_core::transport::{
     CloseReason, DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness,
     SendError, Transport, TransportError,
@@ -160,6 +168,17 @@ impl Transport for TcpTransport {
 enum Gone {
     Peer,
     Failed(String),
+    /// The peer declared a frame above the limit: answer, then close.
+    TooLarge(String),
+}
+
+/// The error frame a peer gets when it declares a frame above the limit.
+fn too_large_frame(text: &str) -> OutFrame {
+    codec::encode(&Frame::Error(ErrorFrame {
+        code: ErrorCode::PayloadTooLarge,
+        text: text.to_string(),
+        fatal: true,
+    }))
 }
 
 /// The sending half of a connection. The endpoint and the peer's
@@ -585,7 +604,7 @@ impl Conn {
         }
         self.ends = ends;
         match too_large {
-            Some(total) => Err(Gone::Failed(format!(
+            Some(total) => Err(Gone::TooLarge(format!(
                 "peer declared a frame of {total} bytes, above the limit of {max_frame}"
             ))),
             None => Ok(()),
@@ -946,6 +965,34 @@ impl TcpEndpoint {
         }
     }
 
+    /// A peer declared a frame above the limit: tell it why, flush that,
+    /// then close as `close` does (the peer reads the error, then EOF),
+    /// and report the connection closed with the reason.
+    fn refuse_oversized(&mut self, token: Token, text: String, events: &mut Vec<Event>) {
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        conn.closing = Some(Instant::now());
+        // Whatever else the peer sent is read and discarded while lingering.
+        conn.read_more = true;
+        conn.read_paused = false;
+        self.lingering += 1;
+        let mut out = conn.out.lock();
+        // Past the queue bounds if need be: one small frame, and nothing
+        // more is queued after it.
+        out.push_frame(too_large_frame(&text));
+        out.closing = true;
+        let failed = out.flush().is_err();
+        drop(out);
+        if failed {
+            self.drop_conn(token, CloseReason::Local, &mut Vec::new());
+        }
+        events.push(Event::Closed {
+            peer: peer_of(token),
+            reason: CloseReason::Error(text),
+        });
+    }
+
     /// Handle readiness of one connection.
     fn service(&mut self, token: Token, readable: bool, writable: bool, events: &mut Vec<Event>) {
         let Some(conn) = self.conns.get(&token) else {
@@ -998,6 +1045,10 @@ impl TcpEndpoint {
                 Ok(()) => None,
                 Err(Gone::Peer) => Some(CloseReason::PeerClosed),
                 Err(Gone::Failed(text)) => Some(CloseReason::Error(text)),
+                Err(Gone::TooLarge(text)) => {
+                    self.refuse_oversized(token, text, events);
+                    return;
+                }
             };
             if let Some(reason) = gone {
                 self.drop_conn(token, reason, events);
@@ -1345,6 +1396,27 @@ mod tests {
                 )
             }
             other => panic!("expected an error close, got {other:?}"),
+        }
+        // The peer is told why, in an error frame, and then sees an
+        // orderly close.
+        // (Written and shut down on the spot: no further poll is needed.)
+        raw.set_read_timeout(Some(WAIT)).unwrap();
+        let mut received = Vec::new();
+        raw.read_to_end(&mut received)
+            .expect("the error frame, then EOF");
+        let frame = codec::decode(Bytes::from(received), &codec::CodecLimits::default())
+            .expect("exactly one whole error frame");
+        match frame {
+            Frame::Error(error) => {
+                assert_eq!(error.code, ErrorCode::PayloadTooLarge);
+                assert!(error.fatal);
+                assert!(
+                    error.text.contains("4294967299") && error.text.contains("limit"),
+                    "{}",
+                    error.text
+                );
+            }
+            other => panic!("expected an error frame, got {other:?}"),
         }
     }
 

@@ -1,0 +1,429 @@
+//! The `efabus` command line: client commands against a real broker,
+//! `caps`, configuration errors, and output to a reader that goes away.
+
+mod common;
+
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::{Duration, Instant};
+
+use common::{Process, Server};
+use efabus::{Bytes, Client, RecvError};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn efabus() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_efabus"))
+}
+
+fn run(args: &[&str]) -> Output {
+    efabus().args(args).output().expect("run efabus")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// A usage or configuration error: exit code 2 and one line on stderr.
+fn usage_error(output: &Output) -> String {
+    let text = stderr(output);
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "stderr: {text}; stdout: {}",
+        stdout(output)
+    );
+    assert_eq!(text.trim().lines().count(), 1, "one line: {text}");
+    assert!(!text.contains("panicked"), "{text}");
+    text
+}
+
+fn fixture(name: &str) -> String {
+    format!("{}/core/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Lines a child process writes, as they come.
+fn lines_of(stream: impl Read + Send + 'static) -> Receiver<String> {
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// `efabus sub ARGS...` against the server, once its subscription is live
+/// (it says so on stderr after the broker has it); its stdout lines.
+fn spawn_sub(server: &Server, args: &[&str]) -> (Process, Receiver<String>) {
+    let mut child = Process(
+        efabus()
+            .arg("sub")
+            .args(args)
+            .args(["--server", &server.endpoint])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn efabus sub"),
+    );
+    let lines = lines_of(child.0.stdout.take().unwrap());
+    let status = lines_of(child.0.stderr.take().unwrap());
+    let said = status
+        .recv_timeout(WAIT)
+        .expect("sub reports its subscription");
+    assert!(said.starts_with("subscribed to "), "{said}");
+    (child, lines)
+}
+
+/// Wait (bounded) for a child to exit; its status code.
+fn exit_code(child: &mut Process) -> Option<i32> {
+    let deadline = Instant::now() + WAIT;
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.0.try_wait() {
+            return status.code();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+#[test]
+fn caps_lists_the_transports_and_the_negotiation() {
+    let output = run(&["caps"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    for expected in [
+        "mem: 1 entry",
+        "tcp: 1 entry",
+        "efabus-tcp FI_EP_MSG",
+        "negotiation between two hosts like this one",
+        "reliable: tcp via efabus-tcp",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
+}
+
+#[test]
+fn caps_reads_a_saved_dump_and_says_what_efabus_would_choose() {
+    let dump = fixture("efa-fi_info-v.txt");
+    let output = run(&["caps", "-v", "--input", &dump]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    for expected in [
+        // The dump printed back in fi_info -v layout.
+        "fi_info:",
+        "    fi_ep_attr:",
+        "        type: FI_EP_RDM",
+        "        type: FI_EP_DGRAM",
+        "mode: [ FI_MSG_PREFIX ]",
+        // What efabus makes of it.
+        "accepted efa rdmap70s0-rdm FI_EP_RDM as efa-rdm",
+        "accepted efa rdmap70s0-dgrm FI_EP_DGRAM as efa-dgram",
+        "reliable: efa-rdm via efa FI_EP_RDM",
+        "best-effort: efa-dgram via efa FI_EP_DGRAM",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
+
+    // A loopback dump without EFA: its RDM entry is taken as efa-rdm and
+    // negotiated against the EFA host, which has no provider in common.
+    let peer = fixture("libfabric-1.17-tcp-rxm-rdm-lo.txt");
+    let output = run(&["caps", "--input", &dump, "--peer", &peer]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    assert!(
+        text.contains(&format!("efabus selection for {peer}:")),
+        "{text}"
+    );
+    assert!(text.contains("negotiation with"), "{text}");
+
+    let output = run(&["caps", "--input", &fixture("missing.txt")]);
+    assert!(usage_error(&output).contains("missing.txt"));
+}
+
+#[test]
+fn output_to_a_closed_pipe_ends_quietly() {
+    // `efabus caps -v --input DUMP | head -1`: the reader leaves early.
+    let mut caps = Process(
+        efabus()
+            .args(["caps", "-v", "--input"])
+            .arg(fixture("libfabric-1.17-tcp-rxm-rdm-lo.txt"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut first = String::new();
+    let mut out = BufReader::new(caps.0.stdout.take().unwrap());
+    out.read_line(&mut first).unwrap();
+    assert_eq!(first.trim(), "---");
+    drop(out);
+    let mut errors = String::new();
+    caps.0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut errors)
+        .unwrap();
+    assert_eq!(exit_code(&mut caps), Some(0), "{errors}");
+    assert!(errors.is_empty(), "nothing on stderr: {errors}");
+
+    // `efabus sub ... | head -1`.
+    let server = Server::start("");
+    let mut sub = Process(
+        efabus()
+            .args(["sub", "pipe.>", "--server", &server.endpoint])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let status = lines_of(sub.0.stderr.take().unwrap());
+    assert!(status.recv_timeout(WAIT).unwrap().starts_with("subscribed"));
+    let mut out = BufReader::new(sub.0.stdout.take().unwrap());
+    let publisher = Client::connect(&server.endpoint).unwrap();
+    publisher
+        .publish("pipe.first", Bytes::from_static(b"1"))
+        .unwrap();
+    publisher.flush(WAIT).unwrap();
+    let mut first = String::new();
+    out.read_line(&mut first).unwrap();
+    assert_eq!(first.trim(), "[pipe.first] 1");
+    drop(out);
+    // The next line it writes finds the pipe closed.
+    let deadline = Instant::now() + WAIT;
+    while sub.0.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        publisher
+            .publish("pipe.more", Bytes::from_static(b"2"))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(exit_code(&mut sub), Some(0));
+    let rest: Vec<String> = status.try_iter().collect();
+    assert!(rest.is_empty(), "nothing more on stderr: {rest:?}");
+}
+
+#[test]
+fn pub_sends_a_file_or_sized_payloads() {
+    let server = Server::start("[limits]\nmax_payload = 4096\n");
+    let watcher = Client::connect(&server.endpoint).unwrap();
+    let sub = watcher.subscribe("files.>").unwrap();
+    watcher.flush(WAIT).unwrap();
+
+    let file = common::temp_path("payload.bin");
+    let content: Vec<u8> = (0..3000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(&file, &content).unwrap();
+    let output = efabus()
+        .args(["pub", "files.one", "--server", &server.endpoint, "--file"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&file);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(stdout(&output).trim(), "published 1 message to files.one");
+    let message = sub.recv_timeout(WAIT).unwrap();
+    assert_eq!(message.subject.as_ref(), "files.one");
+    assert_eq!(&message.payload[..], &content[..]);
+
+    let output = run(&[
+        "pub",
+        "files.sized",
+        "--count",
+        "5",
+        "--size",
+        "4096",
+        "--server",
+        &server.endpoint,
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(
+        stdout(&output).starts_with("published 5 messages of 4096 bytes"),
+        "{}",
+        stdout(&output)
+    );
+    for _ in 0..5 {
+        let message = sub.recv_timeout(WAIT).unwrap();
+        assert_eq!(message.subject.as_ref(), "files.sized");
+        assert!(message.payload.len() == 4096 && message.payload.iter().all(|&b| b == b'x'));
+    }
+    watcher.flush(WAIT).unwrap();
+    assert_eq!(sub.try_recv(), Err(RecvError::Empty), "exactly five");
+
+    // Larger than the server takes: refused before anything is allocated.
+    let output = run(&[
+        "pub",
+        "files.big",
+        "--size",
+        "4097",
+        "--server",
+        &server.endpoint,
+    ]);
+    let text = usage_error(&output);
+    assert!(text.contains("4097") && text.contains("4096"), "{text}");
+    // Larger than any wire could carry: refused before connecting.
+    let output = run(&[
+        "pub",
+        "files.big",
+        "--size",
+        "99999999999999",
+        "--server",
+        "tcp/127.0.0.1:1",
+    ]);
+    let text = usage_error(&output);
+    assert!(text.contains("99999999999999"), "{text}");
+}
+
+#[test]
+fn sub_count_exits_after_that_many() {
+    let server = Server::start("");
+    let (mut sub, lines) = spawn_sub(&server, &["count.>", "--count", "3"]);
+    let publisher = Client::connect(&server.endpoint).unwrap();
+    for i in 0..5 {
+        publisher
+            .publish("count.n", Bytes::from(i.to_string()))
+            .unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    assert_eq!(exit_code(&mut sub), Some(0), "exits by itself");
+    let got: Vec<String> = lines.iter().collect();
+    assert_eq!(got, ["[count.n] 0", "[count.n] 1", "[count.n] 2"]);
+}
+
+#[test]
+fn sub_queue_members_share_the_messages() {
+    let server = Server::start("");
+    let (mut first, first_lines) = spawn_sub(&server, &["work.*", "--queue", "workers"]);
+    let (mut second, second_lines) = spawn_sub(&server, &["work.*", "-q", "workers"]);
+    let publisher = Client::connect(&server.endpoint).unwrap();
+    let total = 200;
+    for i in 0..total {
+        publisher
+            .publish("work.item", Bytes::from(i.to_string()))
+            .unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    let mut seen = HashSet::new();
+    let mut per_member = [0, 0];
+    let deadline = Instant::now() + WAIT;
+    while seen.len() < total && Instant::now() < deadline {
+        for (member, lines) in [&first_lines, &second_lines].into_iter().enumerate() {
+            while let Ok(line) = lines.try_recv() {
+                assert!(seen.insert(line.clone()), "{line} delivered twice");
+                per_member[member] += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(seen.len(), total, "every message reached one member");
+    assert!(
+        per_member.iter().all(|&n| n > 0),
+        "both members got a share: {per_member:?}"
+    );
+    // Nothing more arrives after everything was shared out.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(first_lines.try_recv().is_err() && second_lines.try_recv().is_err());
+    first.kill();
+    second.kill();
+}
+
+#[test]
+fn client_errors_are_one_line_and_say_what_happened() {
+    // A bad address fails at once, without claiming to reconnect.
+    let output = run(&["pub", "-s", "tcp/notahost:99999", "x"]);
+    let text = usage_error(&output);
+    assert!(!text.contains("reconnecting"), "{text}");
+    assert!(text.contains("notahost:99999"), "{text}");
+
+    // Nothing listening: a runtime failure, saying what to do.
+    let output = run(&["pub", "x", "--server", "tcp/127.0.0.1:1"]);
+    assert_eq!(output.status.code(), Some(1));
+    let text = stderr(&output);
+    assert!(!text.contains("reconnecting"), "{text}");
+    assert!(text.contains("efabus serve"), "{text}");
+
+    // An unknown scheme is a usage error.
+    let output = run(&["pub", "x", "--server", "foo/bar"]);
+    let text = usage_error(&output);
+    assert!(text.contains("known schemes"), "{text}");
+
+    // A long invalid subject is echoed cut short.
+    let subject = format!("bad..{}", "s".repeat(5000));
+    let server = Server::start("");
+    let output = run(&["pub", &subject, "x", "--server", &server.endpoint]);
+    let text = usage_error(&output);
+    assert!(text.contains("bad..sss") && text.contains('…'), "{text}");
+    assert!(text.len() < 400, "{} bytes: {text}", text.len());
+}
+
+#[test]
+fn serve_refuses_bad_configuration_with_exit_2() {
+    let output = run(&["serve", "--listen", "foo/bar"]);
+    let text = usage_error(&output);
+    assert!(text.contains("listen[0]"), "{text}");
+    assert!(
+        text.contains("known schemes: efa-dgram, efa-rdm, mem, tcp"),
+        "{text}"
+    );
+
+    let long_name = "n".repeat(70_000);
+    let output = run(&["serve", "--listen", "tcp/127.0.0.1:0", "--name", &long_name]);
+    let text = usage_error(&output);
+    assert!(text.contains("name") && text.contains("1024"), "{text}");
+    assert!(
+        text.len() < 400,
+        "the value is not echoed: {} bytes",
+        text.len()
+    );
+
+    let output = run(&[
+        "serve",
+        "--listen",
+        "tcp/127.0.0.1:0",
+        "--log-level",
+        "loud",
+    ]);
+    let text = usage_error(&output);
+    assert!(text.contains("log_level"), "{text}");
+
+    let cases = [
+        (
+            "listen = [\n  \"tcp/127.0.0.1:0\",\n  \"foo/bar\",\n]\n",
+            "line 3: listen[1]",
+        ),
+        (
+            "listen = [\"tcp/127.0.0.1:0\"]\nlog_level = \"chatty\"\n",
+            "line 2: log_level",
+        ),
+        (
+            "listen = [\"tcp/127.0.0.1:0\"]\n[limits]\nmax_subject_len = 200000\n",
+            "line 3: limits.max_subject_len",
+        ),
+        (
+            &format!("listen = [\"tcp/127.0.0.1:0\"]\nname = \"{long_name}\"\n"),
+            "line 2: name",
+        ),
+    ];
+    for (text, expected) in cases {
+        let file = common::temp_path("bad.toml");
+        std::fs::write(&file, text).unwrap();
+        let output = efabus()
+            .args(["serve", "--config"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_file(&file);
+        let message = usage_error(&output);
+        assert!(
+            message.contains(&format!("{}, {expected}", file.display())),
+            "expected {expected:?}: {message}"
+        );
+    }
+}
