@@ -554,8 +554,7 @@ mod tests {
     #[test]
     fn peers_are_tcp_endpoints() {
         assert!(Config::default().peers.is_empty());
-        let config =
-            Config::from_toml_str("peers = [\"tcp/10.0.0.2:7420\"]\n", "p.toml").unwrap();
+        let config = Config::from_toml_str("peers = [\"tcp/10.0.0.2:7420\"]\n", "p.toml").unwrap();
         assert_eq!(config.peers, ["tcp/10.0.0.2:7420"]);
         for bad in ["mem/x", "efa-rdm", "nonsense"] {
             let err = Config::from_toml_str(&format!("peers = [\"{bad}\"]\n"), "p.toml")

@@ -20,7 +20,7 @@
 //! whose interest has that group (picked in turn).
 
 use rustc_hash::FxHashMap as HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use efabus_core::index::{IndexConfig, IndexError, SubRef, SubscriptionIndex};
@@ -57,6 +57,9 @@ pub(crate) struct LocalInterest {
     changes: Vec<InterestChange>,
     /// Routes currently up.
     listeners: usize,
+    /// Set whenever an announcement is logged, readable without the
+    /// router's lock (see [`LocalInterest::flag`]).
+    flag: Arc<AtomicBool>,
 }
 
 fn key(pattern: &str, queue: Option<&str>) -> String {
@@ -88,6 +91,7 @@ impl LocalInterest {
                 pattern,
                 queue,
             });
+            self.flag.store(true, Ordering::Release);
         }
     }
 
@@ -106,6 +110,7 @@ impl LocalInterest {
         self.by_sid.remove(&sid);
         if self.listeners > 0 {
             self.changes.push(InterestChange::Remove { sid });
+            self.flag.store(true, Ordering::Release);
         }
     }
 
@@ -124,6 +129,12 @@ impl LocalInterest {
         self.by_sid
             .get(&sid)
             .map(|(pattern, queue)| (&**pattern, queue.as_deref()))
+    }
+
+    /// A flag set with every announcement logged: whoever sends them clears
+    /// it, then takes the announcements.
+    pub fn flag(&self) -> Arc<AtomicBool> {
+        self.flag.clone()
     }
 
     /// Whether announcements wait to be sent.
@@ -370,7 +381,12 @@ mod tests {
         assert!(picked.contains(&SubRef::new(7, 1)) && picked.contains(&SubRef::new(8, 4)));
         out.clear();
         routes
-            .route("work", |p, q| (p, q) == ("work", "q"), &mut scratch, &mut out)
+            .route(
+                "work",
+                |p, q| (p, q) == ("work", "q"),
+                &mut scratch,
+                &mut out,
+            )
             .unwrap();
         assert_eq!(out, [SubRef::new(8, 5)]);
     }

@@ -175,6 +175,12 @@ impl Router {
         self.routes.len()
     }
 
+    /// Set whenever an announcement to route peers is logged; readable
+    /// without the lock.
+    pub fn interest_flag(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.interest.flag()
+    }
+
     /// Whether announcements to route peers wait to be sent.
     pub fn interest_changed(&self) -> bool {
         self.interest.has_changes()

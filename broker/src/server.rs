@@ -932,7 +932,13 @@ struct Session {
 }
 
 impl Session {
-    fn new(endpoint: usize, peer: PeerId, remote: String, now: Instant, deadline: Instant) -> Session {
+    fn new(
+        endpoint: usize,
+        peer: PeerId,
+        remote: String,
+        now: Instant,
+        deadline: Instant,
+    ) -> Session {
         Session {
             endpoint,
             peer,
@@ -1206,6 +1212,8 @@ impl EventLoop {
             handled += 1;
             match command {
                 Command::Deliver { targets, message } => {
+                    // Announcements made before this publish go first.
+                    self.sync_interest();
                     let payload = Payload {
                         bytes: &message.payload,
                         frame: &message.payload,

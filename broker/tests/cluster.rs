@@ -204,7 +204,7 @@ fn unsubscribing_on_one_broker_stops_forwarding_from_another() {
 fn a_restarted_peer_is_reconnected_and_interest_restored() {
     let b = node("b", &[]);
     let address = tcp(&b);
-    let a = node("a", &[address.clone()]);
+    let a = node("a", std::slice::from_ref(&address));
     wait_until("the route", || routes(&a) == 1);
     let on_a = a.subscribe("to.a").unwrap();
     wait_interest(&b, 1);

@@ -32,7 +32,7 @@ use efabus_core::frame::{
 use efabus_core::subject;
 use efabus_transports::registry::EndpointSpec;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tracing::{debug, info, warn};
 
@@ -122,6 +122,8 @@ pub(crate) struct Cluster {
     slots: Vec<DialSlot>,
     /// The route session in use per peer broker id.
     by_broker: HashMap<u64, u64>,
+    /// Set when interest announcements wait (the router's flag).
+    announcements: Arc<AtomicBool>,
 }
 
 impl Cluster {
@@ -139,6 +141,7 @@ impl Cluster {
             listeners: shared.listening.len(),
             slots,
             by_broker: HashMap::default(),
+            announcements: shared.router.read().interest_flag(),
         }
     }
 
@@ -424,11 +427,18 @@ impl EventLoop {
     }
 
     /// Send the interest announcements made since the last call to every
-    /// route in use.
+    /// route in use. Called before messages are forwarded, so that no
+    /// message overtakes an announcement made before it was published.
+    #[inline]
     pub(super) fn sync_interest(&mut self) {
-        if self.cluster.by_broker.is_empty() || !self.shared.router.read().interest_changed() {
-            return;
+        let flag = &self.cluster.announcements;
+        if flag.load(Ordering::Acquire) && flag.swap(false, Ordering::AcqRel) {
+            self.send_announcements();
         }
+    }
+
+    #[cold]
+    fn send_announcements(&mut self) {
         let changes = self.shared.router.write().take_interest_changes();
         let routes: Vec<u64> = self.cluster.by_broker.values().copied().collect();
         self.send_interest(&changes, &routes);
