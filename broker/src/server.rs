@@ -1033,6 +1033,7 @@ struct Tally {
     messages_in: u64,
     messages_out: u64,
     bytes_in: u64,
+    route_messages_in: u64,
     route_messages_out: u64,
 }
 
@@ -1191,6 +1192,9 @@ impl EventLoop {
         }
         if tally.bytes_in > 0 {
             BrokerStats::add(&stats.bytes_in, tally.bytes_in);
+        }
+        if tally.route_messages_in > 0 {
+            BrokerStats::add(&stats.route_messages_in, tally.route_messages_in);
         }
         if tally.route_messages_out > 0 {
             BrokerStats::add(&stats.route_messages_out, tally.route_messages_out);
@@ -1382,11 +1386,16 @@ impl EventLoop {
         // Publishes, the bulk of the traffic, are read in place: nothing
         // is allocated for them, and a subject like the last one is not
         // checked again. Everything else is decoded into a value. (Routes
-        // carry messages, not publishes.)
-        if session.state == SessionState::Ready && !route {
+        // carry messages instead, read in place the same way.)
+        let in_place = if route {
+            session.is_route().then_some(FrameKind::Message)
+        } else {
+            Some(FrameKind::Publish)
+        };
+        if session.state == SessionState::Ready && in_place.is_some() {
             let known = std::mem::take(&mut self.known_subject);
             match codec::peek_routed_known(&bytes, &self.codec, &known) {
-                Ok(Some(view)) if view.kind == FrameKind::Publish => {
+                Ok(Some(view)) if Some(view.kind) == in_place => {
                     let changed = !std::ptr::eq(view.subject, known.as_str());
                     if changed {
                         // Remember this subject, in the spare buffer.
@@ -1398,7 +1407,11 @@ impl EventLoop {
                         frame: &bytes,
                         at: view.payload_at,
                     };
-                    self.on_publish(id, view.subject, view.reply, payload);
+                    if route {
+                        self.on_route_message(id, view.sid, view.subject, view.reply, payload);
+                    } else {
+                        self.on_publish(id, view.subject, view.reply, payload);
+                    }
                     self.known_subject = known;
                     if changed {
                         std::mem::swap(&mut self.known_subject, &mut self.spare_subject);
@@ -1440,7 +1453,13 @@ impl EventLoop {
             }
             (SessionState::Ready, Frame::Route(hello)) => self.on_route_hello(id, hello),
             (SessionState::Ready, Frame::Message(message)) if route_up => {
-                self.on_route_message(id, message)
+                let payload = Payload {
+                    bytes: &message.payload,
+                    frame: &message.payload,
+                    at: 0,
+                };
+                let reply = message.reply.as_deref();
+                self.on_route_message(id, message.sid, &message.subject, reply, payload);
             }
             (SessionState::Ready, Frame::Subscribe(subscribe)) if route_up => {
                 self.on_route_subscribe(id, subscribe)

@@ -105,8 +105,10 @@ fn a_subscriber_on_one_broker_gets_what_another_publishes() {
     assert_eq!(receive(&remote, 1), ["1"]);
     // One copy per message over the route, however many patterns matched
     // there; nothing for the subject no one on B wants.
-    assert_eq!(routed_out(&a), 3);
-    assert_eq!(b.stats().route_messages_in.load(Ordering::Relaxed), 3);
+    // (Counters are added up once per loop round: wait for them.)
+    wait_until("3 messages routed", || {
+        routed_out(&a) == 3 && b.stats().route_messages_in.load(Ordering::Relaxed) == 3
+    });
 }
 
 #[test]
@@ -182,7 +184,7 @@ fn unsubscribing_on_one_broker_stops_forwarding_from_another() {
         a.publish("feed", Bytes::from(n.to_string())).unwrap();
     }
     assert_eq!(receive(&sub, 5).len(), 5);
-    assert_eq!(routed_out(&a), 5);
+    wait_until("5 messages routed", || routed_out(&a) == 5);
     drop(sub);
     wait_interest(&a, 0);
     for n in 5..10 {
@@ -259,6 +261,10 @@ fn a_full_mesh_delivers_each_publish_once_to_every_subscriber() {
         assert_eq!(got, ["a", "b", "c"], "{}", sub.pattern());
     }
     // Each message crossed each route once, and never a second hop.
+    wait_until("6 messages routed", || {
+        routed_out(&a) + routed_out(&b) + routed_out(&c) == 6
+    });
+    std::thread::sleep(QUIET);
     assert_eq!(routed_out(&a) + routed_out(&b) + routed_out(&c), 6);
 }
 

@@ -26,8 +26,7 @@ use std::time::{Duration, Instant};
 
 use efabus_core::codec;
 use efabus_core::frame::{
-    ErrorCode, Frame, Goodbye, Hello, Message as MessageFrame, RouteHello, Subscribe, Welcome,
-    PROTOCOL_VERSION,
+    ErrorCode, Frame, Goodbye, Hello, RouteHello, Subscribe, Welcome, PROTOCOL_VERSION,
 };
 use efabus_core::subject;
 use efabus_transports::registry::EndpointSpec;
@@ -527,14 +526,22 @@ impl EventLoop {
         }
     }
 
-    /// A message forwarded by the peer broker: to local subscribers only.
-    pub(super) fn on_route_message(&mut self, id: u64, message: MessageFrame) {
-        BrokerStats::add(&self.shared.stats.route_messages_in, 1);
+    /// A message forwarded by the peer broker, for the interest this broker
+    /// announced as `sid`: to local subscribers only.
+    pub(super) fn on_route_message(
+        &mut self,
+        id: u64,
+        sid: u64,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Payload<'_>,
+    ) {
+        self.tally.route_messages_in += 1;
         let max_payload = self.shared.config.limits.max_payload;
-        if message.payload.len() as u64 > max_payload {
+        if payload.bytes.len() as u64 > max_payload {
             let text = format!(
                 "payload of {} bytes exceeds the limit of {max_payload}",
-                message.payload.len(),
+                payload.bytes.len(),
             );
             self.report(id, ErrorCode::PayloadTooLarge, text);
             return;
@@ -544,8 +551,8 @@ impl EventLoop {
         let routed = shared
             .router
             .read()
-            .route_from_peer(&message.subject, message.sid, &mut targets)
-            .and_then(|()| match &message.reply {
+            .route_from_peer(subject, sid, &mut targets)
+            .and_then(|()| match reply {
                 Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
                 None => Ok(()),
             });
@@ -554,27 +561,22 @@ impl EventLoop {
             self.report(
                 id,
                 ErrorCode::InvalidSubject,
-                format!("invalid subject {:?}: {err}", message.subject),
+                format!("invalid subject {subject:?}: {err}"),
             );
             return;
         }
         self.tally.messages_in += 1;
         if !targets.local.is_empty() {
             let local = Message {
-                subject: Arc::from(message.subject.as_str()),
-                reply: message.reply.as_deref().map(Arc::from),
-                payload: message.payload.clone(),
+                subject: Arc::from(subject),
+                reply: reply.map(Arc::from),
+                payload: payload.to_bytes(),
             };
             deliver_local(&self.shared, &mut targets, &local);
         }
         self.encoded_valid = false;
-        let payload = Payload {
-            bytes: &message.payload,
-            frame: &message.payload,
-            at: 0,
-        };
         for &target in &targets.remote {
-            self.deliver_remote(target, &message.subject, message.reply.as_deref(), payload);
+            self.deliver_remote(target, subject, reply, payload);
         }
         self.targets = targets;
     }
