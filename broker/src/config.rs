@@ -95,6 +95,12 @@ pub struct Config {
     pub log_level: String,
     /// Endpoint strings to listen on: `mem/NAME`, `tcp/HOST:PORT`, `efa-rdm`, `efa-dgram`.
     pub listen: Vec<String>,
+    /// Other brokers to route to, as endpoint strings (`tcp/HOST:PORT`,
+    /// their listening address). This broker connects to each (and
+    /// reconnects with backoff), accepts routes from brokers that list it,
+    /// and forwards its clients' messages one hop over them: list every
+    /// other broker of the cluster (a full mesh).
+    pub peers: Vec<String>,
     pub limits: Limits,
     pub slow_consumer: SlowConsumer,
     pub auth: Auth,
@@ -112,6 +118,7 @@ impl Default for Config {
             name: "efabus".to_string(),
             log_level: "info".to_string(),
             listen: Vec::new(),
+            peers: Vec::new(),
             limits: Limits::default(),
             slow_consumer: SlowConsumer::default(),
             auth: Auth::default(),
@@ -490,6 +497,9 @@ impl Config {
             efabus_transports::registry::EndpointSpec::parse(listen)
                 .map_err(|err| invalid(&format!("listen[{i}]"), err.to_string()))?;
         }
+        for (i, peer) in self.peers.iter().enumerate() {
+            check_peer(peer).map_err(|message| invalid(&format!("peers[{i}]"), message))?;
+        }
         let nonzero = [
             ("limits.max_payload", self.limits.max_payload as usize),
             ("limits.max_subject_len", self.limits.max_subject_len),
@@ -662,6 +672,22 @@ pub fn locate(text: &str, key: &str) -> Option<usize> {
     }
     let start = span?.start.min(text.len());
     Some(text[..start].matches('\n').count() + 1)
+}
+
+/// Why a `peers` entry cannot name a route: routes run over TCP, to a
+/// broker's listening address.
+pub(crate) fn check_peer(peer: &str) -> Result<(), String> {
+    let spec = efabus_transports::registry::EndpointSpec::parse(peer).map_err(|e| e.to_string())?;
+    if spec.scheme() != "tcp" {
+        return Err(format!(
+            "routes to other brokers run over tcp (`tcp/HOST:PORT`), not {}",
+            spec.scheme()
+        ));
+    }
+    if spec.address().is_none_or(str::is_empty) {
+        return Err("needs the peer broker's address (`tcp/HOST:PORT`)".to_string());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -855,6 +881,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("sed"), "{err}");
+    }
+
+    #[test]
+    fn peers_are_tcp_endpoints() {
+        assert!(Config::default().peers.is_empty());
+        let config = Config::from_toml_str("peers = [\"tcp/10.0.0.2:7420\"]\n", "p.toml").unwrap();
+        assert_eq!(config.peers, ["tcp/10.0.0.2:7420"]);
+        for bad in ["mem/x", "efa-rdm", "nonsense"] {
+            let err = Config::from_toml_str(&format!("peers = [\"{bad}\"]\n"), "p.toml")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("peers[0]"), "{bad}: {err}");
+        }
     }
 
     #[test]

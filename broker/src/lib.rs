@@ -33,6 +33,7 @@ mod datapath;
 mod delivery;
 pub mod error;
 mod inbox;
+mod route;
 mod router;
 pub mod server;
 

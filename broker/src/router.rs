@@ -17,6 +17,7 @@ use efabus_core::index::{IndexConfig, IndexError, SubscriptionIndex};
 use efabus_core::subject::SubjectLimits;
 
 use crate::delivery::LocalSink;
+use crate::route::{InterestChange, LocalInterest, RemoteInterest};
 
 /// Owner id of subscriptions made through the embedded API; remote
 /// sessions use their session id, which starts at 1.
@@ -27,9 +28,13 @@ pub(crate) const LOCAL_OWNER: u64 = 0;
 pub(crate) struct Targets {
     /// In-process subscriptions: (sid, queue).
     pub local: Vec<(u64, Arc<LocalSink>)>,
+    /// Remote sessions: clients, and routes to other brokers (whose `sid`
+    /// is the interest id the peer announced).
     pub remote: Vec<SubRef>,
     /// Scratch space for the index's answer.
     matches: Vec<SubRef>,
+    /// Scratch space for the route peers' answer.
+    route_matches: Vec<SubRef>,
 }
 
 impl Targets {
@@ -38,6 +43,7 @@ impl Targets {
             local: Vec::new(),
             remote: Vec::new(),
             matches: Vec::new(),
+            route_matches: Vec::new(),
         }
     }
 
@@ -61,20 +67,28 @@ fn next_generation() -> u64 {
 }
 
 pub(crate) struct Router {
+    /// This broker's subscriptions: in-process and client sessions.
     index: SubscriptionIndex,
     locals: HashMap<u64, Arc<LocalSink>>,
     generation: Arc<AtomicU64>,
+    /// The distinct interest of `index`, as announced to route peers.
+    interest: LocalInterest,
+    /// What route peers announced.
+    routes: RemoteInterest,
 }
 
 impl Router {
     pub fn new(limits: SubjectLimits) -> Router {
+        let config = IndexConfig {
+            limits,
+            ..IndexConfig::default()
+        };
         Router {
-            index: SubscriptionIndex::new(IndexConfig {
-                limits,
-                ..IndexConfig::default()
-            }),
+            index: SubscriptionIndex::new(config),
             locals: HashMap::default(),
             generation: Arc::new(AtomicU64::new(next_generation())),
+            interest: LocalInterest::default(),
+            routes: RemoteInterest::new(config),
         }
     }
 
@@ -98,6 +112,7 @@ impl Router {
         sink: Option<Arc<LocalSink>>,
     ) -> Result<(), IndexError> {
         self.index.insert(pattern, queue, key)?;
+        self.interest.add(pattern, queue);
         if let Some(sink) = sink {
             self.locals.insert(key.sid, sink);
         }
@@ -111,6 +126,9 @@ impl Router {
                 sink.close();
             }
         }
+        if let Some(info) = self.index.get(key) {
+            self.interest.remove(info.pattern, info.queue);
+        }
         let removed = self.index.remove(key);
         self.changed();
         removed
@@ -118,9 +136,72 @@ impl Router {
 
     /// Remove every subscription of a remote session.
     pub fn remove_owner(&mut self, owner: u64) -> usize {
+        for info in self.index.iter_owner(owner) {
+            self.interest.remove(info.pattern, info.queue);
+        }
         let removed = self.index.remove_owner(owner);
         self.changed();
         removed
+    }
+
+    /// Record interest a route peer announced (`key`: the route's session
+    /// and the peer's id for the entry).
+    pub fn insert_route(
+        &mut self,
+        key: SubRef,
+        pattern: &str,
+        queue: Option<&str>,
+    ) -> Result<(), IndexError> {
+        let result = self.routes.insert(key, pattern, queue);
+        self.changed();
+        result
+    }
+
+    pub fn remove_route(&mut self, key: SubRef) -> bool {
+        let removed = self.routes.remove(key);
+        self.changed();
+        removed
+    }
+
+    /// Forget what a route announced (it went down).
+    pub fn remove_route_owner(&mut self, owner: u64) -> usize {
+        let removed = self.routes.remove_owner(owner);
+        self.changed();
+        removed
+    }
+
+    /// Interest entries announced by route peers.
+    pub fn route_interest_len(&self) -> usize {
+        self.routes.len()
+    }
+
+    /// Set whenever an announcement to route peers is logged; readable
+    /// without the lock.
+    pub fn interest_flag(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.interest.flag()
+    }
+
+    /// Whether announcements to route peers wait to be sent.
+    pub fn interest_changed(&self) -> bool {
+        self.interest.has_changes()
+    }
+
+    /// The announcements for the routes that are up.
+    pub fn take_interest_changes(&mut self) -> Vec<InterestChange> {
+        self.interest.take_changes()
+    }
+
+    /// A route comes up: the announcements still due to the routes already
+    /// up, and the whole interest for the new one (taken together, so no
+    /// change is missed or sent twice).
+    pub fn route_up(&mut self) -> (Vec<InterestChange>, Vec<InterestChange>) {
+        let changes = self.interest.take_changes();
+        self.interest.set_listening(true);
+        (changes, self.interest.snapshot())
+    }
+
+    pub fn route_down(&mut self) {
+        self.interest.set_listening(false);
     }
 
     /// Close every in-process subscription (on shutdown).
@@ -154,9 +235,18 @@ impl Router {
         targets: &mut Targets,
     ) -> Result<bool, efabus_core::subject::SubjectError> {
         targets.clear();
-        let stable = self
+        let mut stable = self
             .index
             .match_subject_stable(subject, &mut targets.matches)?;
+        if !self.routes.is_empty() {
+            let interest = &self.interest;
+            stable &= self.routes.route(
+                subject,
+                |pattern, queue| interest.has_group(pattern, queue),
+                &mut targets.route_matches,
+                &mut targets.remote,
+            )?;
+        }
         for key in &targets.matches {
             if key.owner == LOCAL_OWNER {
                 if let Some(sink) = self.locals.get(&key.sid) {
@@ -167,5 +257,51 @@ impl Router {
             }
         }
         Ok(stable)
+    }
+
+    /// Fill `targets` for a message that arrived over a route for the
+    /// interest this broker announced as `sid`: never other routes (one
+    /// hop); for a plain entry every local plain subscription that matches,
+    /// for a queue group one local member of that group.
+    pub fn route_from_peer(
+        &self,
+        subject: &str,
+        sid: u64,
+        targets: &mut Targets,
+    ) -> Result<(), efabus_core::subject::SubjectError> {
+        targets.clear();
+        self.index.match_subject(subject, &mut targets.matches)?;
+        let group = if LocalInterest::is_group_sid(sid) {
+            match self.interest.get(sid) {
+                Some((pattern, Some(queue))) => Some((pattern, queue)),
+                // Withdrawn meanwhile: that group has no member here.
+                _ => return Ok(()),
+            }
+        } else {
+            None
+        };
+        for key in &targets.matches {
+            let Some(info) = self.index.get(*key) else {
+                continue;
+            };
+            let wanted = match (group, info.queue) {
+                (None, None) => true,
+                (Some((pattern, queue)), Some(member_of)) => {
+                    member_of == queue && info.pattern == pattern
+                }
+                _ => false,
+            };
+            if !wanted {
+                continue;
+            }
+            if key.owner == LOCAL_OWNER {
+                if let Some(sink) = self.locals.get(&key.sid) {
+                    targets.local.push((key.sid, sink.clone()));
+                }
+            } else {
+                targets.remote.push(*key);
+            }
+        }
+        Ok(())
     }
 }

@@ -45,6 +45,9 @@ use crate::error::Error;
 use crate::inbox::LoopInbox;
 use crate::router::{Router, SubRef, Targets, LOCAL_OWNER};
 
+mod cluster;
+use cluster::{Cluster, RouteRole};
+
 const WAKER: Token = Token(0);
 /// Commands queued from in-process publishers to the loop before they wait.
 const COMMAND_QUEUE: usize = 65_536;
@@ -81,6 +84,11 @@ pub struct BrokerStats {
     /// frame waited, or on a datagram link was dropped and counted in
     /// `best_effort_drops`).
     pub credit_waits: AtomicU64,
+    /// Routes to other brokers that are up, right now.
+    pub routes: AtomicU64,
+    /// Messages received from and forwarded to other brokers over routes.
+    pub route_messages_in: AtomicU64,
+    pub route_messages_out: AtomicU64,
 }
 
 impl BrokerStats {
@@ -110,6 +118,9 @@ impl BrokerStats {
             ("fabric_frames_out", get(&self.fabric_frames_out)),
             ("best_effort_drops", get(&self.best_effort_drops)),
             ("credit_waits", get(&self.credit_waits)),
+            ("routes", get(&self.routes)),
+            ("route_messages_in", get(&self.route_messages_in)),
+            ("route_messages_out", get(&self.route_messages_out)),
         ]
     }
 }
@@ -123,6 +134,8 @@ enum Command {
     },
     /// Answer once everything queued before it has been handed to the endpoints.
     Flush(Sender<()>),
+    /// Route to one more broker (an endpoint string, checked).
+    AddPeer(String),
 }
 
 pub(crate) struct Shared {
@@ -137,9 +150,21 @@ pub(crate) struct Shared {
     stats: BrokerStats,
     inbox_prefix: String,
     listening: Vec<(String, String)>,
+    /// This broker process among route peers (random per start).
+    broker_id: u64,
+    /// Whether an endpoint exists to dial routes from.
+    can_dial: bool,
 }
 
 impl Shared {
+    /// Wake the loop when a subscription change is to be announced to
+    /// route peers (the loop sends announcements before anything else).
+    fn announce(&self, router: &Router) {
+        if router.interest_changed() {
+            self.inbox.wake();
+        }
+    }
+
     fn send_command(&self, command: Command) -> Result<(), Error> {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
@@ -150,10 +175,12 @@ impl Shared {
 
 impl Unsubscriber for Shared {
     fn unsubscribe(&self, sid: u64) {
-        self.router.write().remove(SubRef {
+        let mut router = self.router.write();
+        router.remove(SubRef {
             owner: LOCAL_OWNER,
             sid,
         });
+        self.announce(&router);
     }
 }
 
@@ -348,6 +375,40 @@ impl Broker {
             }
             endpoints.push(endpoint);
         }
+        // Routes are dialed from a TCP listener, or from an endpoint that
+        // only connects out when there is none.
+        let mut dialer = endpoints.iter().position(|e| e.scheme() == "tcp");
+        if dialer.is_none() && !config.peers.is_empty() {
+            let spec = EndpointSpec::parse("tcp").map_err(|err| Error::Endpoint {
+                endpoint: "tcp".into(),
+                source: err.into(),
+            })?;
+            let endpoint_config = EndpointConfig {
+                bind: None,
+                max_frame: codec_limits.max_frame,
+                queue_frames: 65_536,
+                queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
+                options: Vec::new(),
+            };
+            let endpoint =
+                registry
+                    .open(&spec, &endpoint_config)
+                    .map_err(|source| Error::Endpoint {
+                        endpoint: "tcp (for peers)".into(),
+                        source,
+                    })?;
+            if let Readiness::Fd(fd) = endpoint.readiness() {
+                poll.registry()
+                    .register(
+                        &mut SourceFd(&fd),
+                        Token(endpoints.len() + 1),
+                        Interest::READABLE,
+                    )
+                    .map_err(Error::Thread)?;
+            }
+            dialer = Some(endpoints.len());
+            endpoints.push(endpoint);
+        }
         let (inbox, command_rx) = LoopInbox::new(waker, COMMAND_QUEUE);
         let subject_limits = SubjectLimits {
             max_len: config.limits.max_subject_len,
@@ -365,8 +426,18 @@ impl Broker {
             stats: BrokerStats::default(),
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
             listening,
+            broker_id: unique_seed(),
+            can_dial: dialer.is_some(),
         });
-        let event_loop = EventLoop::new(shared.clone(), poll, endpoints, command_rx, codec_limits);
+        let cluster = Cluster::new(&shared, dialer);
+        let event_loop = EventLoop::new(
+            shared.clone(),
+            poll,
+            endpoints,
+            command_rx,
+            codec_limits,
+            cluster,
+        );
         let thread = std::thread::Builder::new()
             .name("efabus-broker".into())
             .spawn(move || event_loop.run())
@@ -403,6 +474,39 @@ impl Broker {
     /// Number of subscriptions, local and remote.
     pub fn subscription_count(&self) -> usize {
         self.shared.router.read().len()
+    }
+
+    /// This broker process's id among route peers (random per start).
+    pub fn broker_id(&self) -> u64 {
+        self.shared.broker_id
+    }
+
+    /// Number of interest entries (distinct pattern and queue group pairs)
+    /// that route peers announced to this broker, over all routes.
+    pub fn route_interest_count(&self) -> usize {
+        self.shared.router.read().route_interest_len()
+    }
+
+    /// Route to one more broker, as if its endpoint string (`tcp/HOST:PORT`)
+    /// were listed in `peers`: connect to it and keep reconnecting. Needs a
+    /// TCP endpoint to dial from (a `tcp` listener, or `peers` configured).
+    pub fn add_peer(&self, endpoint: &str) -> Result<(), Error> {
+        let invalid = |message: String| {
+            Error::Config(crate::config::ConfigError::Invalid {
+                origin: "add_peer".to_string(),
+                line: None,
+                key: "peers".to_string(),
+                message,
+            })
+        };
+        crate::config::check_peer(endpoint).map_err(invalid)?;
+        if !self.shared.can_dial {
+            return Err(invalid(
+                "this broker has no tcp endpoint to dial routes from: listen on tcp".to_string(),
+            ));
+        }
+        self.shared
+            .send_command(Command::AddPeer(endpoint.to_string()))
     }
 
     /// Publish a message. In-process subscribers receive the same payload
@@ -504,6 +608,7 @@ impl Broker {
                 pattern: pattern.to_string(),
                 source,
             })?;
+        shared.announce(&shared.router.read());
         let owner: Arc<dyn Unsubscriber> = shared.clone();
         Ok(Subscription::new(
             sid,
@@ -781,6 +886,8 @@ pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SessionState {
+    /// The handshake is under way: waiting for the peer's hello, or, on a
+    /// route this broker dialed, for the peer's welcome.
     AwaitHello {
         deadline: Instant,
     },
@@ -825,6 +932,44 @@ struct Session {
     over_since: Option<Instant>,
     last_heard: Instant,
     last_ping: Instant,
+    /// Set when the session is a route to another broker.
+    route: Option<Box<RouteRole>>,
+}
+
+impl Session {
+    fn new(
+        endpoint: usize,
+        peer: PeerId,
+        remote: String,
+        now: Instant,
+        deadline: Instant,
+    ) -> Session {
+        Session {
+            endpoint,
+            peer,
+            remote,
+            name: String::new(),
+            state: SessionState::AwaitHello { deadline },
+            subscriptions: HashMap::default(),
+            reliable: None,
+            switched: false,
+            best_effort: None,
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            batch: BytesMut::new(),
+            batch_messages: 0,
+            batch_hint: RUN_MIN,
+            over_since: None,
+            last_heard: now,
+            last_ping: now,
+            route: None,
+        }
+    }
+
+    /// Whether the session is a route that completed its handshake.
+    fn is_route(&self) -> bool {
+        self.route.as_ref().is_some_and(|route| route.is_up())
+    }
 }
 
 struct EventLoop {
@@ -864,6 +1009,8 @@ struct EventLoop {
     /// (valid while `encoded_valid`; reset for every message).
     encoded: BytesMut,
     encoded_valid: bool,
+    /// Routes to other brokers: the peers to dial and the routes up.
+    cluster: Cluster,
 }
 
 /// A payload being routed: its bytes, and the buffer they lie in, so a
@@ -891,6 +1038,8 @@ struct Tally {
     messages_in: u64,
     messages_out: u64,
     bytes_in: u64,
+    route_messages_in: u64,
+    route_messages_out: u64,
 }
 
 impl EventLoop {
@@ -900,11 +1049,15 @@ impl EventLoop {
         endpoints: Vec<Box<dyn Endpoint>>,
         commands: Receiver<Command>,
         codec: CodecLimits,
+        cluster: Cluster,
     ) -> EventLoop {
         let polling = Polled::of(endpoints.iter().map(|e| e.readiness()));
+        // An endpoint opened only to dial routes offers nothing.
         let offers = endpoints
             .iter()
-            .filter_map(|endpoint| datapath::offer_for(endpoint.as_ref()))
+            .enumerate()
+            .filter(|(index, _)| !cluster.dials_only(*index))
+            .filter_map(|(_, endpoint)| datapath::offer_for(endpoint.as_ref()))
             .collect();
         EventLoop {
             shared,
@@ -931,6 +1084,7 @@ impl EventLoop {
             spare_subject: String::new(),
             encoded: BytesMut::new(),
             encoded_valid: false,
+            cluster,
         }
     }
 
@@ -1046,9 +1200,17 @@ impl EventLoop {
         if tally.bytes_in > 0 {
             BrokerStats::add(&stats.bytes_in, tally.bytes_in);
         }
+        if tally.route_messages_in > 0 {
+            BrokerStats::add(&stats.route_messages_in, tally.route_messages_in);
+        }
+        if tally.route_messages_out > 0 {
+            BrokerStats::add(&stats.route_messages_out, tally.route_messages_out);
+        }
     }
 
     fn drain_commands(&mut self, max: usize) -> bool {
+        // Interest goes to route peers ahead of any message queued after it.
+        self.sync_interest();
         if !self.blocking.is_empty() {
             // Under the block policy, in-process publishers wait too.
             return false;
@@ -1061,6 +1223,8 @@ impl EventLoop {
             handled += 1;
             match command {
                 Command::Deliver { targets, message } => {
+                    // Announcements made before this publish go first.
+                    self.sync_interest();
                     let payload = Payload {
                         bytes: &message.payload,
                         frame: &message.payload,
@@ -1077,6 +1241,7 @@ impl EventLoop {
                     }
                 }
                 Command::Flush(done) => self.flushes.push(done),
+                Command::AddPeer(endpoint) => self.add_peer(endpoint),
             }
         }
         self.close_batches();
@@ -1163,30 +1328,9 @@ impl EventLoop {
         BrokerStats::add(&stats.connections_total, 1);
         debug!(session = id, %remote, "accepted");
         self.by_peer.insert((endpoint, peer), id);
-        self.sessions.insert(
-            id,
-            Session {
-                endpoint,
-                peer,
-                remote,
-                name: String::new(),
-                state: SessionState::AwaitHello {
-                    deadline: now + self.shared.config.handshake_timeout(),
-                },
-                subscriptions: HashMap::default(),
-                reliable: None,
-                switched: false,
-                best_effort: None,
-                queue: VecDeque::new(),
-                queued_bytes: 0,
-                batch: BytesMut::new(),
-                batch_messages: 0,
-                batch_hint: RUN_MIN,
-                over_since: None,
-                last_heard: now,
-                last_ping: now,
-            },
-        );
+        let deadline = now + self.shared.config.handshake_timeout();
+        self.sessions
+            .insert(id, Session::new(endpoint, peer, remote, now, deadline));
         if self.reads_paused {
             self.endpoints[endpoint].set_read_paused(peer, true);
         }
@@ -1245,13 +1389,20 @@ impl EventLoop {
         if session.state == SessionState::Closing {
             return;
         }
+        let route = session.route.is_some();
         // Publishes, the bulk of the traffic, are read in place: nothing
         // is allocated for them, and a subject like the last one is not
-        // checked again. Everything else is decoded into a value.
-        if session.state == SessionState::Ready {
+        // checked again. Everything else is decoded into a value. (Routes
+        // carry messages instead, read in place the same way.)
+        let in_place = if route {
+            session.is_route().then_some(FrameKind::Message)
+        } else {
+            Some(FrameKind::Publish)
+        };
+        if session.state == SessionState::Ready && in_place.is_some() {
             let known = std::mem::take(&mut self.known_subject);
             match codec::peek_routed_known(&bytes, &self.codec, &known) {
-                Ok(Some(view)) if view.kind == FrameKind::Publish => {
+                Ok(Some(view)) if Some(view.kind) == in_place => {
                     let changed = !std::ptr::eq(view.subject, known.as_str());
                     if changed {
                         // Remember this subject, in the spare buffer.
@@ -1263,7 +1414,11 @@ impl EventLoop {
                         frame: &bytes,
                         at: view.payload_at,
                     };
-                    self.on_publish(id, view.subject, view.reply, payload);
+                    if route {
+                        self.on_route_message(id, view.sid, view.subject, view.reply, payload);
+                    } else {
+                        self.on_publish(id, view.subject, view.reply, payload);
+                    }
                     self.known_subject = known;
                     if changed {
                         std::mem::swap(&mut self.known_subject, &mut self.spare_subject);
@@ -1291,8 +1446,41 @@ impl EventLoop {
                 return;
             }
         };
+        let route_up = session.is_route();
         match (session.state, frame) {
-            (SessionState::AwaitHello { .. }, Frame::Hello(hello)) => self.on_hello(id, hello),
+            (SessionState::AwaitHello { .. }, Frame::Hello(hello)) if !route => {
+                self.on_hello(id, hello)
+            }
+            (SessionState::AwaitHello { .. }, Frame::Welcome(welcome)) if route => {
+                self.on_route_welcome(id, welcome)
+            }
+            (SessionState::AwaitHello { .. }, Frame::Error(error)) if route => {
+                warn!(session = id, code = ?error.code, text = %error.text, "peer broker refused the route");
+                self.close_session(id);
+            }
+            (SessionState::Ready, Frame::Route(hello)) => self.on_route_hello(id, hello),
+            (SessionState::Ready, Frame::Message(message)) if route_up => {
+                let payload = Payload {
+                    bytes: &message.payload,
+                    frame: &message.payload,
+                    at: 0,
+                };
+                let reply = message.reply.as_deref();
+                self.on_route_message(id, message.sid, &message.subject, reply, payload);
+            }
+            (SessionState::Ready, Frame::Subscribe(subscribe)) if route_up => {
+                self.on_route_subscribe(id, subscribe)
+            }
+            (SessionState::Ready, Frame::Unsubscribe { sid }) if route_up => {
+                self.on_route_unsubscribe(id, sid)
+            }
+            (SessionState::Ready, Frame::Publish(_)) if route => {
+                self.fail(
+                    id,
+                    ErrorCode::Protocol,
+                    "a route carries messages, not publishes".to_string(),
+                );
+            }
             (SessionState::AwaitHello { .. }, other) => {
                 self.fail(
                     id,
@@ -1310,10 +1498,14 @@ impl EventLoop {
                     at: 0,
                 },
             ),
-            (SessionState::Ready, Frame::Subscribe(subscribe)) => self.on_subscribe(id, subscribe),
+            (SessionState::Ready, Frame::Subscribe(subscribe)) => {
+                self.on_subscribe(id, subscribe);
+                self.sync_interest();
+            }
             (SessionState::Ready, Frame::Unsubscribe { sid }) => {
                 session.subscriptions.remove(&sid);
                 self.shared.router.write().remove(SubRef { owner: id, sid });
+                self.sync_interest();
             }
             (SessionState::Ready, Frame::Ping { nonce }) => {
                 self.send(id, codec::encode(&Frame::Pong { nonce }), false);
@@ -1556,6 +1748,9 @@ impl EventLoop {
             return;
         };
         self.tally.messages_out += 1;
+        if session.route.is_some() {
+            self.tally.route_messages_out += 1;
+        }
         let on_data_link = session.reliable.is_some() && session.switched;
         // The class matters only where a datagram link exists.
         let best_effort = session.best_effort.is_some()
@@ -1874,6 +2069,7 @@ impl EventLoop {
     }
 
     fn remove_interest(&mut self, id: u64) {
+        self.route_gone(id);
         if let Some(session) = self.sessions.get_mut(&id) {
             if !session.subscriptions.is_empty() {
                 session.subscriptions.clear();
@@ -1887,6 +2083,7 @@ impl EventLoop {
 
     fn forget_session(&mut self, id: u64, reason: &CloseReason) {
         self.remove_interest(id);
+        self.dialed_session_gone(id);
         if let Some(session) = self.sessions.remove(&id) {
             for link in [&session.reliable, &session.best_effort]
                 .into_iter()
@@ -1942,6 +2139,7 @@ impl EventLoop {
             .queued_bytes
             .store(queued, Ordering::Relaxed);
         self.poll_lossy_links(now);
+        self.dial_routes(now);
         for (id, code) in expired {
             let text = match code {
                 ErrorCode::HandshakeTimeout => "handshake not completed in time".to_string(),

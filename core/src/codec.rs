@@ -11,7 +11,7 @@
 //! bounds that whole size.
 //!
 //! Control frames (`Hello`, `Welcome`, `Subscribe`, `Unsubscribe`, `Ping`,
-//! `Pong`, `Error`, `Goodbye`) carry their struct encoded with bincode 2
+//! `Pong`, `Error`, `Goodbye`, `Route`) carry their struct encoded with bincode 2
 //! (serde, `config::standard()`: varint integers, little-endian). Their body
 //! is at most [`MAX_CONTROL_BODY`] bytes, a handshake carries at most
 //! [`MAX_OFFERS`] offers, and the decoder runs with a byte limit of sixteen
@@ -55,7 +55,8 @@ use thiserror::Error;
 
 use crate::caps::Offer;
 use crate::frame::{
-    Credit, ErrorFrame, Fragment, Frame, Goodbye, Hello, Message, Publish, Subscribe, Welcome,
+    Credit, ErrorFrame, Fragment, Frame, Goodbye, Hello, Message, Publish, RouteHello, Subscribe,
+    Welcome,
 };
 use crate::transport::OutFrame;
 
@@ -131,6 +132,8 @@ pub enum FrameKind {
     Error = 0x07,
     /// [`Frame::Goodbye`] (control).
     Goodbye = 0x08,
+    /// [`Frame::Route`] (control).
+    Route = 0x09,
     /// [`Frame::Publish`] (data).
     Publish = 0x10,
     /// [`Frame::Message`] (data).
@@ -157,6 +160,7 @@ impl FrameKind {
             Frame::Pong { .. } => FrameKind::Pong,
             Frame::Error(_) => FrameKind::Error,
             Frame::Goodbye(_) => FrameKind::Goodbye,
+            Frame::Route(_) => FrameKind::Route,
         }
     }
 
@@ -171,6 +175,7 @@ impl FrameKind {
             0x06 => FrameKind::Pong,
             0x07 => FrameKind::Error,
             0x08 => FrameKind::Goodbye,
+            0x09 => FrameKind::Route,
             0x10 => FrameKind::Publish,
             0x11 => FrameKind::Message,
             0x12 => FrameKind::Fragment,
@@ -195,6 +200,7 @@ impl FrameKind {
             FrameKind::Pong => "pong",
             FrameKind::Error => "error",
             FrameKind::Goodbye => "goodbye",
+            FrameKind::Route => "route",
             FrameKind::Publish => "publish",
             FrameKind::Message => "message",
             FrameKind::Fragment => "fragment",
@@ -695,6 +701,7 @@ fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), Encode
         }
         Frame::Error(e) => bincode::serde::encode_into_writer(e, writer, config),
         Frame::Goodbye(g) => bincode::serde::encode_into_writer(g, writer, config),
+        Frame::Route(r) => bincode::serde::encode_into_writer(r, writer, config),
         Frame::Publish(_) | Frame::Message(_) | Frame::Fragment(_) | Frame::Credit(_) => {
             return Err(EncodeError::Body {
                 kind,
@@ -1151,6 +1158,7 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
         },
         FrameKind::Error => Frame::Error(serde_value::<ErrorFrame, D>(kind, de)?),
         FrameKind::Goodbye => Frame::Goodbye(serde_value::<Goodbye, D>(kind, de)?),
+        FrameKind::Route => Frame::Route(serde_value::<RouteHello, D>(kind, de)?),
         FrameKind::Publish | FrameKind::Message | FrameKind::Fragment | FrameKind::Credit => {
             return Err(DecodeError::Body {
                 kind,
@@ -1359,11 +1367,17 @@ mod tests {
         for (frame, kind) in [
             (Frame::Ping { nonce: 3 }, FrameKind::Ping),
             (Frame::Unsubscribe { sid: 9 }, FrameKind::Unsubscribe),
+            (
+                Frame::Route(RouteHello { broker_id: 1 << 40 }),
+                FrameKind::Route,
+            ),
         ] {
             let wire = encode(&frame).to_bytes();
             assert_eq!(wire[PREFIX_LEN], kind as u8);
             assert_eq!(FrameKind::from_byte(kind as u8), Some(kind));
             assert!(kind.is_control());
+            let limits = CodecLimits::default();
+            assert_eq!(decode(wire, &limits).ok(), Some(frame));
         }
     }
 }

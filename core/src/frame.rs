@@ -165,6 +165,17 @@ pub struct ErrorFrame {
     pub fatal: bool,
 }
 
+/// Sent after [`Hello`] by a broker that connects to another broker as a
+/// route (and answered with the accepting broker's own `RouteHello`): the
+/// link then carries interest (subscribe/unsubscribe) and messages both
+/// ways, and is never used to forward onwards.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteHello {
+    /// Identifies the sending broker process; chosen at random when it
+    /// starts, so a restarted broker is a new one.
+    pub broker_id: u64,
+}
+
 /// Why a side is leaving.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Goodbye {
@@ -208,4 +219,6 @@ pub enum Frame {
     Error(ErrorFrame),
     /// Announces an orderly close.
     Goodbye(Goodbye),
+    /// Says that a link between two brokers is a route, after its hello.
+    Route(RouteHello),
 }

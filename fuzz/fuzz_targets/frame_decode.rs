@@ -17,7 +17,7 @@ use bytes::Bytes;
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::frame::{
     Credit, DeliveryClass, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Message, Publish,
-    Subscribe,
+    RouteHello, Subscribe,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -66,6 +66,7 @@ fn bases() -> &'static [Vec<u8>] {
             Frame::Goodbye(Goodbye {
                 reason: "bye".into(),
             }),
+            Frame::Route(RouteHello { broker_id: 7 }),
         ];
         frames
             .iter()

@@ -4,7 +4,7 @@ use bytes::Bytes;
 use efabus_core::caps::{EpType, MsgOrder, Offer, Protocol};
 use efabus_core::frame::{
     Credit, DeliveryClass, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Hello, Message,
-    Publish, Subscribe, Welcome,
+    Publish, RouteHello, Subscribe, Welcome,
 };
 use proptest::prelude::*;
 
@@ -250,5 +250,6 @@ pub fn frame() -> impl Strategy<Value = Frame> {
         (error_code(), text(), any::<bool>())
             .prop_map(|(code, text, fatal)| Frame::Error(ErrorFrame { code, text, fatal })),
         text().prop_map(|reason| Frame::Goodbye(Goodbye { reason })),
+        any::<u64>().prop_map(|broker_id| Frame::Route(RouteHello { broker_id })),
     ]
 }

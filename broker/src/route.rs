@@ -1,0 +1,393 @@
+//! Broker-to-broker routes: the interest tables the router keeps for them.
+//!
+//! A cluster is a full mesh of brokers joined by routes (see `peers` in the
+//! configuration). Over each route a broker tells the other which patterns
+//! (and queue groups) its own subscribers want, and receives the other's.
+//! This module owns both tables:
+//!
+//! - [`LocalInterest`]: the distinct (pattern, queue group) pairs of this
+//!   broker's subscriptions (in-process and client sessions), counted, each
+//!   with the id under which it is announced to every route, and the log of
+//!   announcements still to send.
+//! - [`RemoteInterest`]: what each route peer announced, and the choice of
+//!   which routes a locally published message goes to.
+//!
+//! Forwarding is one hop: a message published by a local client goes to
+//! local subscribers and to routes; a message that arrived over a route goes
+//! to local subscribers only. Each route gets a message once for all its
+//! plain interest, and once more per queue group picked on it: a queue group
+//! is served by a local member when this broker has one, else by one route
+//! whose interest has that group (picked in turn).
+
+use rustc_hash::FxHashMap as HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use efabus_core::index::{IndexConfig, IndexError, SubRef, SubscriptionIndex};
+use efabus_core::subject::SubjectError;
+
+/// One announcement to route peers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum InterestChange {
+    /// This broker now has subscribers on (pattern, queue), announced as `sid`.
+    Add {
+        sid: u64,
+        pattern: Arc<str>,
+        queue: Option<Arc<str>>,
+    },
+    /// The last subscriber of the entry announced as `sid` is gone.
+    Remove { sid: u64 },
+}
+
+struct Counted {
+    sid: u64,
+    count: usize,
+}
+
+/// This broker's own interest, deduplicated per (pattern, queue) with
+/// reference counts, as route peers are told it.
+#[derive(Default)]
+pub(crate) struct LocalInterest {
+    /// Keyed by [`key`]: patterns and queue names hold no spaces.
+    entries: HashMap<String, Counted>,
+    by_sid: HashMap<u64, (Arc<str>, Option<Arc<str>>)>,
+    next_sid: u64,
+    /// Announcements not yet sent; only kept while a route is up (a route
+    /// that comes up is sent the whole table instead).
+    changes: Vec<InterestChange>,
+    /// Routes currently up.
+    listeners: usize,
+    /// Set whenever an announcement is logged, readable without the
+    /// router's lock (see [`LocalInterest::flag`]).
+    flag: Arc<AtomicBool>,
+}
+
+fn key(pattern: &str, queue: Option<&str>) -> String {
+    match queue {
+        Some(queue) => format!("{pattern} {queue}"),
+        None => pattern.to_string(),
+    }
+}
+
+impl LocalInterest {
+    /// Count one more subscription on (pattern, queue).
+    pub fn add(&mut self, pattern: &str, queue: Option<&str>) {
+        let key = key(pattern, queue);
+        if let Some(entry) = self.entries.get_mut(&key) {
+            entry.count += 1;
+            return;
+        }
+        // Group entries get odd ids, plain ones even: a message for an id
+        // just withdrawn still says which kind of interest it was for.
+        self.next_sid += 1;
+        let sid = self.next_sid * 2 + u64::from(queue.is_some());
+        self.entries.insert(key, Counted { sid, count: 1 });
+        let pattern: Arc<str> = Arc::from(pattern);
+        let queue: Option<Arc<str>> = queue.map(Arc::from);
+        self.by_sid.insert(sid, (pattern.clone(), queue.clone()));
+        if self.listeners > 0 {
+            self.changes.push(InterestChange::Add {
+                sid,
+                pattern,
+                queue,
+            });
+            self.flag.store(true, Ordering::Release);
+        }
+    }
+
+    /// Count one subscription on (pattern, queue) less.
+    pub fn remove(&mut self, pattern: &str, queue: Option<&str>) {
+        let key = key(pattern, queue);
+        let Some(entry) = self.entries.get_mut(&key) else {
+            return;
+        };
+        entry.count -= 1;
+        if entry.count > 0 {
+            return;
+        }
+        let sid = entry.sid;
+        self.entries.remove(&key);
+        self.by_sid.remove(&sid);
+        if self.listeners > 0 {
+            self.changes.push(InterestChange::Remove { sid });
+            self.flag.store(true, Ordering::Release);
+        }
+    }
+
+    /// Whether this broker has a subscriber in the queue group.
+    pub fn has_group(&self, pattern: &str, queue: &str) -> bool {
+        self.entries.contains_key(&key(pattern, Some(queue)))
+    }
+
+    /// Whether `sid` was (or would be) announced for a queue group.
+    pub fn is_group_sid(sid: u64) -> bool {
+        sid % 2 == 1
+    }
+
+    /// The (pattern, queue) announced as `sid`.
+    pub fn get(&self, sid: u64) -> Option<(&str, Option<&str>)> {
+        self.by_sid
+            .get(&sid)
+            .map(|(pattern, queue)| (&**pattern, queue.as_deref()))
+    }
+
+    /// A flag set with every announcement logged: whoever sends them clears
+    /// it, then takes the announcements.
+    pub fn flag(&self) -> Arc<AtomicBool> {
+        self.flag.clone()
+    }
+
+    /// Whether announcements wait to be sent.
+    pub fn has_changes(&self) -> bool {
+        !self.changes.is_empty()
+    }
+
+    /// The announcements to send to the routes that are up.
+    pub fn take_changes(&mut self) -> Vec<InterestChange> {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// The whole table, as announcements for a route that just came up.
+    pub fn snapshot(&self) -> Vec<InterestChange> {
+        let mut all: Vec<InterestChange> = self
+            .by_sid
+            .iter()
+            .map(|(&sid, (pattern, queue))| InterestChange::Add {
+                sid,
+                pattern: pattern.clone(),
+                queue: queue.clone(),
+            })
+            .collect();
+        all.sort_by_key(|change| match change {
+            InterestChange::Add { sid, .. } | InterestChange::Remove { sid } => *sid,
+        });
+        all
+    }
+
+    /// A route came up (true) or went down (false): changes are logged
+    /// only while a route is up.
+    pub fn set_listening(&mut self, up: bool) {
+        if up {
+            self.listeners += 1;
+        } else {
+            self.listeners = self.listeners.saturating_sub(1);
+            if self.listeners == 0 {
+                self.changes.clear();
+            }
+        }
+    }
+
+    /// Distinct entries.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+/// What route peers announced: a subscription index keyed by (route
+/// session, announced sid), with the queue group of each group entry kept
+/// aside (the index holds every entry as plain, so this side picks the
+/// routes for groups itself).
+pub(crate) struct RemoteInterest {
+    index: SubscriptionIndex,
+    groups: HashMap<SubRef, (Arc<str>, Arc<str>)>,
+    /// Turns for picking among routes that share a queue group.
+    turn: AtomicUsize,
+}
+
+impl RemoteInterest {
+    pub fn new(config: IndexConfig) -> RemoteInterest {
+        RemoteInterest {
+            index: SubscriptionIndex::new(config),
+            groups: HashMap::default(),
+            turn: AtomicUsize::new(0),
+        }
+    }
+
+    /// Record a route's announcement, replacing an earlier one with the
+    /// same id.
+    pub fn insert(
+        &mut self,
+        key: SubRef,
+        pattern: &str,
+        queue: Option<&str>,
+    ) -> Result<(), IndexError> {
+        self.remove(key);
+        // Validates the queue name too, though the index keeps it plain.
+        if let Some(queue) = queue {
+            efabus_core::subject::validate_queue_name(queue, &self.index.config().limits)?;
+        }
+        self.index.insert(pattern, None, key)?;
+        if let Some(queue) = queue {
+            self.groups
+                .insert(key, (Arc::from(pattern), Arc::from(queue)));
+        }
+        Ok(())
+    }
+
+    pub fn remove(&mut self, key: SubRef) -> bool {
+        self.groups.remove(&key);
+        self.index.remove(key)
+    }
+
+    /// Forget everything a route announced.
+    pub fn remove_owner(&mut self, owner: u64) -> usize {
+        self.groups.retain(|key, _| key.owner != owner);
+        self.index.remove_owner(owner)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// The routes a message published on this broker goes to, appended to
+    /// `out` as (route session, announced sid): each route with matching
+    /// plain interest once, and for each matching queue group that no local
+    /// subscriber serves (`local_group`), one route with that group.
+    /// Returns whether the answer holds for every message on the subject
+    /// (no group took part). `scratch` is working space.
+    pub fn route(
+        &self,
+        subject: &str,
+        local_group: impl Fn(&str, &str) -> bool,
+        scratch: &mut Vec<SubRef>,
+        out: &mut Vec<SubRef>,
+    ) -> Result<bool, SubjectError> {
+        self.index.match_subject(subject, scratch)?;
+        if scratch.is_empty() {
+            return Ok(true);
+        }
+        // One owner's entries together, plain ones first within it.
+        scratch.sort_unstable_by_key(|key| (key.owner, self.groups.contains_key(key)));
+        let mut stable = true;
+        let mut last_owner = None;
+        let mut wanted: Vec<(&str, &str, Vec<SubRef>)> = Vec::new();
+        for &key in scratch.iter() {
+            match self.groups.get(&key) {
+                None => {
+                    if last_owner != Some(key.owner) {
+                        out.push(key);
+                        last_owner = Some(key.owner);
+                    }
+                }
+                Some((pattern, queue)) => {
+                    stable = false;
+                    if local_group(pattern, queue) {
+                        continue;
+                    }
+                    match wanted
+                        .iter_mut()
+                        .find(|(p, q, _)| *p == &**pattern && *q == &**queue)
+                    {
+                        Some((_, _, routes)) => routes.push(key),
+                        None => wanted.push((pattern, queue, vec![key])),
+                    }
+                }
+            }
+        }
+        for (_, _, routes) in wanted {
+            let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+            out.push(routes[turn % routes.len()]);
+        }
+        Ok(stable)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn remote() -> RemoteInterest {
+        RemoteInterest::new(IndexConfig::default())
+    }
+
+    #[test]
+    fn local_interest_counts_and_announces_first_and_last() {
+        let mut local = LocalInterest::default();
+        local.add("a.>", None);
+        // Nothing is logged while no route is up.
+        assert!(!local.has_changes());
+        local.set_listening(true);
+        local.add("a.>", None);
+        local.add("b", Some("q"));
+        assert_eq!(local.len(), 2);
+        let changes = local.take_changes();
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        let InterestChange::Add { sid, .. } = changes[0].clone() else {
+            panic!("{changes:?}");
+        };
+        assert_eq!(local.get(sid), Some(("b", Some("q"))));
+        assert!(LocalInterest::is_group_sid(sid));
+        assert!(local.has_group("b", "q"));
+        assert!(!local.has_group("a.>", "q"));
+        local.remove("a.>", None);
+        assert!(!local.has_changes(), "one subscriber is left");
+        local.remove("a.>", None);
+        local.remove("a.>", None);
+        assert_eq!(local.take_changes(), [InterestChange::Remove { sid: 2 }]);
+        assert_eq!(local.snapshot().len(), 1);
+        local.set_listening(false);
+        local.remove("b", Some("q"));
+        assert!(!local.has_changes());
+        assert_eq!(local.len(), 0);
+    }
+
+    #[test]
+    fn a_route_gets_plain_interest_once() {
+        let mut routes = remote();
+        routes.insert(SubRef::new(7, 1), "a.>", None).unwrap();
+        routes.insert(SubRef::new(7, 2), "a.b", None).unwrap();
+        routes.insert(SubRef::new(8, 1), "*.b", None).unwrap();
+        routes.insert(SubRef::new(9, 1), "c", None).unwrap();
+        let (mut scratch, mut out) = (Vec::new(), Vec::new());
+        let stable = routes
+            .route("a.b", |_, _| false, &mut scratch, &mut out)
+            .unwrap();
+        assert!(stable);
+        let owners: Vec<u64> = out.iter().map(|key| key.owner).collect();
+        assert_eq!(owners, [7, 8]);
+        assert_eq!(routes.remove_owner(7), 2);
+        out.clear();
+        routes
+            .route("a.b", |_, _| false, &mut scratch, &mut out)
+            .unwrap();
+        assert_eq!(out, [SubRef::new(8, 1)]);
+    }
+
+    #[test]
+    fn a_queue_group_goes_to_one_route_unless_served_locally() {
+        let mut routes = remote();
+        routes.insert(SubRef::new(7, 1), "work", Some("q")).unwrap();
+        routes.insert(SubRef::new(8, 4), "work", Some("q")).unwrap();
+        routes.insert(SubRef::new(8, 5), "work", None).unwrap();
+        let (mut scratch, mut out) = (Vec::new(), Vec::new());
+        let mut picked = Vec::new();
+        for _ in 0..4 {
+            out.clear();
+            let stable = routes
+                .route("work", |_, _| false, &mut scratch, &mut out)
+                .unwrap();
+            assert!(!stable);
+            // Route 8's plain interest, and one route for the group.
+            assert!(out.contains(&SubRef::new(8, 5)), "{out:?}");
+            let group: Vec<_> = out.iter().filter(|k| **k != SubRef::new(8, 5)).collect();
+            assert_eq!(group.len(), 1, "{out:?}");
+            picked.push(*group[0]);
+        }
+        assert!(picked.contains(&SubRef::new(7, 1)) && picked.contains(&SubRef::new(8, 4)));
+        out.clear();
+        routes
+            .route(
+                "work",
+                |p, q| (p, q) == ("work", "q"),
+                &mut scratch,
+                &mut out,
+            )
+            .unwrap();
+        assert_eq!(out, [SubRef::new(8, 5)]);
+    }
+}

@@ -1,0 +1,583 @@
+//! Routes to other brokers, as the event loop runs them: dialing the
+//! configured peers (reconnecting with backoff), the route handshake, one
+//! route in use per peer broker, announcing this broker's interest, and
+//! delivering what arrives over a route.
+//!
+//! # Handshake
+//!
+//! The dialing broker sends its [`Hello`] (with the cluster's credentials)
+//! and at once a [`RouteHello`] carrying its broker id. The accepting broker
+//! answers the hello with its welcome as to any client, then the route hello
+//! with its own. Each side counts the route up once it has the other's id,
+//! and then sends its whole interest as subscribe frames; later changes
+//! follow as subscribe and unsubscribe frames, ahead of any message queued
+//! after them (so a requester's reply subscription reaches the responder's
+//! broker before the request).
+//!
+//! # One route per pair of brokers
+//!
+//! When two brokers list each other, both dial, and two links come up. Each
+//! side keeps the link dialed by the broker with the lower id and closes
+//! the other with a goodbye; both sides decide alike, and a message is only
+//! ever sent over the one link in use. A broker does not redial an address
+//! that led to a broker it already has a route to.
+
+use std::time::{Duration, Instant};
+
+use efabus_core::codec;
+use efabus_core::frame::{
+    ErrorCode, Frame, Goodbye, Hello, RouteHello, Subscribe, Welcome, PROTOCOL_VERSION,
+};
+use efabus_core::subject;
+use efabus_transports::registry::EndpointSpec;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tracing::{debug, info, warn};
+
+use super::{deliver_local, BrokerStats, EventLoop, Payload, Session, SessionState, Shared};
+use crate::delivery::Message;
+use crate::route::InterestChange;
+use crate::router::SubRef;
+
+/// First wait before redialing a peer; doubled per failed attempt.
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// Longest wait between attempts.
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// What makes a session a route.
+pub(crate) struct RouteRole {
+    /// The peer this broker dialed (index into its dial list), or `None`
+    /// when the peer broker dialed in.
+    slot: Option<usize>,
+    /// The peer broker's id, once the route is up.
+    broker_id: Option<u64>,
+    /// Ids of the interest entries the peer announced.
+    announced: HashSet<u64>,
+}
+
+impl RouteRole {
+    fn new(slot: Option<usize>) -> RouteRole {
+        RouteRole {
+            slot,
+            broker_id: None,
+            announced: HashSet::default(),
+        }
+    }
+
+    /// Whether the route handshake completed and the route is in use.
+    pub fn is_up(&self) -> bool {
+        self.broker_id.is_some()
+    }
+}
+
+/// One configured peer.
+struct DialSlot {
+    /// As configured (`tcp/HOST:PORT`), for logs.
+    endpoint: String,
+    /// What follows the scheme.
+    address: String,
+    /// The session dialed for it, while one exists.
+    session: Option<u64>,
+    next_attempt: Instant,
+    backoff: Duration,
+    /// Failed attempts in a row.
+    failures: u32,
+    /// The broker last reached at this address.
+    reached: Option<u64>,
+    /// The route over this slot's session came up.
+    was_up: bool,
+    /// The link was closed because another one to the same broker is in use.
+    superseded: bool,
+    /// The address leads back to this broker: never dialed again.
+    own: bool,
+}
+
+impl DialSlot {
+    fn new(endpoint: &str, now: Instant) -> Option<DialSlot> {
+        let spec = EndpointSpec::parse(endpoint).ok()?;
+        Some(DialSlot {
+            endpoint: endpoint.to_string(),
+            address: spec.address()?.to_string(),
+            session: None,
+            next_attempt: now,
+            backoff: BACKOFF_MIN,
+            failures: 0,
+            reached: None,
+            was_up: false,
+            superseded: false,
+            own: false,
+        })
+    }
+}
+
+/// The event loop's view of the cluster.
+pub(crate) struct Cluster {
+    broker_id: u64,
+    /// The endpoint routes are dialed from.
+    dialer: Option<usize>,
+    /// Endpoints below this index are listeners.
+    listeners: usize,
+    slots: Vec<DialSlot>,
+    /// The route session in use per peer broker id.
+    by_broker: HashMap<u64, u64>,
+    /// Set when interest announcements wait (the router's flag).
+    announcements: Arc<AtomicBool>,
+}
+
+impl Cluster {
+    pub fn new(shared: &Shared, dialer: Option<usize>) -> Cluster {
+        let now = Instant::now();
+        let slots = shared
+            .config
+            .peers
+            .iter()
+            .filter_map(|peer| DialSlot::new(peer, now))
+            .collect();
+        Cluster {
+            broker_id: shared.broker_id,
+            dialer,
+            listeners: shared.listening.len(),
+            slots,
+            by_broker: HashMap::default(),
+            announcements: shared.router.read().interest_flag(),
+        }
+    }
+
+    /// Whether endpoint `index` was opened only to dial routes.
+    pub fn dials_only(&self, index: usize) -> bool {
+        self.dialer == Some(index) && index >= self.listeners
+    }
+}
+
+fn broker_hex(id: u64) -> String {
+    format!("{id:016x}")
+}
+
+impl EventLoop {
+    /// Route to one more broker (from [`super::Broker::add_peer`]).
+    pub(super) fn add_peer(&mut self, endpoint: String) {
+        let now = Instant::now();
+        if let Some(slot) = DialSlot::new(&endpoint, now) {
+            info!(peer = %endpoint, "peer added");
+            self.cluster.slots.push(slot);
+            self.dial_routes(now);
+        }
+    }
+
+    /// Dial the peers that have no link and whose time has come.
+    pub(super) fn dial_routes(&mut self, now: Instant) {
+        let Some(endpoint) = self.cluster.dialer else {
+            return;
+        };
+        if self.shared.shutdown.load(Ordering::Relaxed) {
+            return;
+        }
+        for index in 0..self.cluster.slots.len() {
+            let slot = &mut self.cluster.slots[index];
+            if slot.own || slot.session.is_some() || now < slot.next_attempt {
+                continue;
+            }
+            if slot
+                .reached
+                .is_some_and(|broker| self.cluster.by_broker.contains_key(&broker))
+            {
+                // That broker is routed to over the link it dialed.
+                slot.next_attempt = now + BACKOFF_MAX;
+                continue;
+            }
+            self.dial(index, endpoint, now);
+        }
+    }
+
+    fn dial(&mut self, index: usize, endpoint: usize, now: Instant) {
+        let slot = &self.cluster.slots[index];
+        let peer = match self.endpoints[endpoint].connect(&slot.address) {
+            Ok(peer) => peer,
+            Err(err) => {
+                let reason = err.to_string();
+                self.dial_failed(index, now, &reason);
+                return;
+            }
+        };
+        let id = self.next_session;
+        self.next_session += 1;
+        let stats = &self.shared.stats;
+        BrokerStats::add(&stats.connections, 1);
+        BrokerStats::add(&stats.connections_total, 1);
+        let deadline = now + self.shared.config.handshake_timeout();
+        let mut session = Session::new(endpoint, peer, slot.endpoint.clone(), now, deadline);
+        session.route = Some(Box::new(RouteRole::new(Some(index))));
+        debug!(session = id, peer = %slot.endpoint, "dialing peer broker");
+        self.by_peer.insert((endpoint, peer), id);
+        self.sessions.insert(id, session);
+        self.cluster.slots[index].session = Some(id);
+        if self.reads_paused {
+            self.endpoints[endpoint].set_read_paused(peer, true);
+        }
+        let config = &self.shared.config;
+        let hello = Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            name: config.name.clone(),
+            credentials: config.auth.secret.clone(),
+            // Routes stay on the link they were dialed over (TCP).
+            offers: Vec::new(),
+        });
+        let route = Frame::Route(RouteHello {
+            broker_id: self.cluster.broker_id,
+        });
+        self.send(id, codec::encode(&hello), false);
+        self.send(id, codec::encode(&route), false);
+    }
+
+    fn dial_failed(&mut self, index: usize, now: Instant, reason: &str) {
+        let slot = &mut self.cluster.slots[index];
+        slot.failures += 1;
+        if slot.failures == 1 {
+            warn!(peer = %slot.endpoint, %reason, "cannot reach peer broker; retrying");
+        } else {
+            debug!(peer = %slot.endpoint, %reason, attempts = slot.failures, "peer broker still unreachable");
+        }
+        slot.next_attempt = now + slot.backoff;
+        slot.backoff = (slot.backoff * 2).min(BACKOFF_MAX);
+    }
+
+    /// A session is gone for good: if it was dialed for a peer, schedule
+    /// the next attempt.
+    pub(super) fn dialed_session_gone(&mut self, id: u64) {
+        let now = Instant::now();
+        let Some(index) = self
+            .cluster
+            .slots
+            .iter()
+            .position(|slot| slot.session == Some(id))
+        else {
+            return;
+        };
+        let slot = &mut self.cluster.slots[index];
+        slot.session = None;
+        if std::mem::take(&mut slot.superseded) {
+            slot.next_attempt = now + BACKOFF_MAX;
+        } else if std::mem::take(&mut slot.was_up) {
+            // A route that was up is redialed at once, then with backoff.
+            slot.backoff = BACKOFF_MIN;
+            slot.next_attempt = now;
+        } else {
+            self.dial_failed(index, now, "link closed before the route came up");
+        }
+    }
+
+    /// The welcome to a hello this broker sent as a dialing route.
+    pub(super) fn on_route_welcome(&mut self, id: u64, welcome: Welcome) {
+        if welcome.version != PROTOCOL_VERSION {
+            self.fail(
+                id,
+                ErrorCode::Version,
+                format!(
+                    "protocol version {} not supported (this broker speaks {PROTOCOL_VERSION})",
+                    welcome.version
+                ),
+            );
+            return;
+        }
+        if let Some(session) = self.sessions.get_mut(&id) {
+            session.name = welcome.name;
+            session.state = SessionState::Ready;
+        }
+    }
+
+    /// The peer's route hello: on a dialed route, the answer; on an
+    /// accepted session, the peer broker saying it is one.
+    pub(super) fn on_route_hello(&mut self, id: u64, hello: RouteHello) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        match &session.route {
+            Some(role) if role.is_up() => {
+                self.fail(id, ErrorCode::Protocol, "route hello repeated".into());
+                return;
+            }
+            Some(_) => {}
+            None if !session.subscriptions.is_empty() => {
+                self.fail(
+                    id,
+                    ErrorCode::Protocol,
+                    "a route hello must come before any subscription".into(),
+                );
+                return;
+            }
+            None => {
+                session.route = Some(Box::new(RouteRole::new(None)));
+                let answer = Frame::Route(RouteHello {
+                    broker_id: self.cluster.broker_id,
+                });
+                self.send(id, codec::encode(&answer), false);
+            }
+        }
+        self.route_established(id, hello.broker_id);
+    }
+
+    fn route_established(&mut self, id: u64, broker: u64) {
+        let own = self.cluster.broker_id;
+        let Some((slot, remote)) = self.sessions.get(&id).and_then(|session| {
+            let role = session.route.as_ref()?;
+            Some((role.slot, session.remote.clone()))
+        }) else {
+            return;
+        };
+        if broker == own {
+            warn!(peer = %remote, "peer address leads back to this broker; not routing to it");
+            if let Some(slot) = slot {
+                self.cluster.slots[slot].own = true;
+            }
+            self.goodbye(id, "a broker does not route to itself");
+            return;
+        }
+        if let Some(slot) = slot {
+            self.cluster.slots[slot].reached = Some(broker);
+        }
+        if let Some(&other) = self.cluster.by_broker.get(&broker) {
+            // Keep the link dialed by the lower id; with the same dialer
+            // (one broker listed twice), keep the older link.
+            let dialer = |slot: Option<usize>| if slot.is_some() { own } else { broker };
+            let other_slot = self
+                .sessions
+                .get(&other)
+                .and_then(|session| session.route.as_ref())
+                .and_then(|role| role.slot);
+            if dialer(slot) < dialer(other_slot) {
+                info!(session = other, broker = %broker_hex(broker), "two routes to one broker: closing the one dialed by the higher id");
+                self.goodbye(other, "duplicate route");
+            } else {
+                info!(session = id, broker = %broker_hex(broker), "two routes to one broker: closing the one dialed by the higher id");
+                if let Some(slot) = slot {
+                    self.cluster.slots[slot].superseded = true;
+                }
+                self.goodbye(id, "duplicate route");
+                return;
+            }
+        }
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some(role) = session.route.as_mut() else {
+            return;
+        };
+        role.broker_id = Some(broker);
+        let name = session.name.clone();
+        if let Some(slot) = slot {
+            let slot = &mut self.cluster.slots[slot];
+            slot.was_up = true;
+            slot.failures = 0;
+            slot.backoff = BACKOFF_MIN;
+        }
+        let (pending, snapshot) = self.shared.router.write().route_up();
+        let others: Vec<u64> = self.cluster.by_broker.values().copied().collect();
+        self.send_interest(&pending, &others);
+        self.cluster.by_broker.insert(broker, id);
+        BrokerStats::add(&self.shared.stats.routes, 1);
+        info!(
+            session = id,
+            peer = %remote,
+            %name,
+            broker = %broker_hex(broker),
+            dialed = slot.is_some(),
+            "route up"
+        );
+        self.send_interest(&snapshot, &[id]);
+    }
+
+    /// Say goodbye and close.
+    fn goodbye(&mut self, id: u64, reason: &str) {
+        let frame = Frame::Goodbye(Goodbye {
+            reason: reason.to_string(),
+        });
+        self.send(id, codec::encode(&frame), false);
+        self.close_session(id);
+    }
+
+    /// A session is closing: if it was a route in use, forget what its peer
+    /// announced and stop counting it.
+    pub(super) fn route_gone(&mut self, id: u64) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some(role) = session.route.as_mut() else {
+            return;
+        };
+        let Some(broker) = role.broker_id.take() else {
+            return;
+        };
+        role.announced.clear();
+        {
+            let mut router = self.shared.router.write();
+            router.remove_route_owner(id);
+            router.route_down();
+        }
+        if self.cluster.by_broker.get(&broker) == Some(&id) {
+            self.cluster.by_broker.remove(&broker);
+        }
+        self.shared.stats.routes.fetch_sub(1, Ordering::Relaxed);
+        if self.shared.shutdown.load(Ordering::Relaxed) {
+            info!(session = id, peer = %session.remote, broker = %broker_hex(broker), "route closed");
+        } else {
+            warn!(session = id, peer = %session.remote, name = %session.name, broker = %broker_hex(broker), "route down");
+        }
+    }
+
+    /// Send the interest announcements made since the last call to every
+    /// route in use. Called before messages are forwarded, so that no
+    /// message overtakes an announcement made before it was published.
+    #[inline]
+    pub(super) fn sync_interest(&mut self) {
+        let flag = &self.cluster.announcements;
+        if flag.load(Ordering::Acquire) && flag.swap(false, Ordering::AcqRel) {
+            self.send_announcements();
+        }
+    }
+
+    #[cold]
+    fn send_announcements(&mut self) {
+        let changes = self.shared.router.write().take_interest_changes();
+        let routes: Vec<u64> = self.cluster.by_broker.values().copied().collect();
+        self.send_interest(&changes, &routes);
+    }
+
+    fn send_interest(&mut self, changes: &[InterestChange], routes: &[u64]) {
+        if routes.is_empty() {
+            return;
+        }
+        for change in changes {
+            let frame = match change {
+                InterestChange::Add {
+                    sid,
+                    pattern,
+                    queue,
+                } => Frame::Subscribe(Subscribe {
+                    sid: *sid,
+                    pattern: pattern.to_string(),
+                    queue: queue.as_deref().map(str::to_string),
+                    class: Default::default(),
+                }),
+                InterestChange::Remove { sid } => Frame::Unsubscribe { sid: *sid },
+            };
+            let frame = codec::encode(&frame);
+            for &id in routes {
+                self.send(id, frame.clone(), false);
+            }
+        }
+    }
+
+    /// The peer broker has subscribers on a pattern.
+    pub(super) fn on_route_subscribe(&mut self, id: u64, subscribe: Subscribe) {
+        let limit = self.shared.config.limits.max_subscriptions_per_peer;
+        let Some(role) = self
+            .sessions
+            .get_mut(&id)
+            .and_then(|session| session.route.as_mut())
+        else {
+            return;
+        };
+        if role.announced.len() >= limit && !role.announced.contains(&subscribe.sid) {
+            let text = format!(
+                "subscription limit of {limit} reached; {} refused",
+                subscribe.pattern
+            );
+            self.report(id, ErrorCode::TooManySubscriptions, text);
+            return;
+        }
+        let key = SubRef {
+            owner: id,
+            sid: subscribe.sid,
+        };
+        let inserted = self.shared.router.write().insert_route(
+            key,
+            &subscribe.pattern,
+            subscribe.queue.as_deref(),
+        );
+        match inserted {
+            Ok(()) => {
+                role.announced.insert(subscribe.sid);
+            }
+            Err(err) => {
+                role.announced.remove(&subscribe.sid);
+                self.report(
+                    id,
+                    ErrorCode::InvalidSubject,
+                    format!("cannot subscribe to {:?}: {err}", subscribe.pattern),
+                );
+            }
+        }
+    }
+
+    /// The peer broker has no subscriber left on an entry.
+    pub(super) fn on_route_unsubscribe(&mut self, id: u64, sid: u64) {
+        if let Some(role) = self
+            .sessions
+            .get_mut(&id)
+            .and_then(|session| session.route.as_mut())
+        {
+            if role.announced.remove(&sid) {
+                self.shared
+                    .router
+                    .write()
+                    .remove_route(SubRef { owner: id, sid });
+            }
+        }
+    }
+
+    /// A message forwarded by the peer broker, for the interest this broker
+    /// announced as `sid`: to local subscribers only.
+    pub(super) fn on_route_message(
+        &mut self,
+        id: u64,
+        sid: u64,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Payload<'_>,
+    ) {
+        self.tally.route_messages_in += 1;
+        let max_payload = self.shared.config.limits.max_payload;
+        if payload.bytes.len() as u64 > max_payload {
+            let text = format!(
+                "payload of {} bytes exceeds the limit of {max_payload}",
+                payload.bytes.len(),
+            );
+            self.report(id, ErrorCode::PayloadTooLarge, text);
+            return;
+        }
+        let mut targets = std::mem::take(&mut self.targets);
+        let shared = &self.shared;
+        let routed = shared
+            .router
+            .read()
+            .route_from_peer(subject, sid, &mut targets)
+            .and_then(|()| match reply {
+                Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
+                None => Ok(()),
+            });
+        if let Err(err) = routed {
+            self.targets = targets;
+            self.report(
+                id,
+                ErrorCode::InvalidSubject,
+                format!("invalid subject {subject:?}: {err}"),
+            );
+            return;
+        }
+        self.tally.messages_in += 1;
+        if !targets.local.is_empty() {
+            let local = Message {
+                subject: Arc::from(subject),
+                reply: reply.map(Arc::from),
+                payload: payload.to_bytes(),
+            };
+            deliver_local(&self.shared, &mut targets, &local);
+        }
+        self.encoded_valid = false;
+        for &target in &targets.remote {
+            self.deliver_remote(target, subject, reply, payload);
+        }
+        self.targets = targets;
+    }
+}

@@ -1,0 +1,354 @@
+//! Brokers joined by routes (`peers`): interest travels between them,
+//! messages go one hop, each subscriber anywhere gets a message once, queue
+//! groups span the cluster, and a lost peer is reconnected.
+//!
+//! Every broker listens on a loopback port chosen at run time; waits are
+//! bounded by [`WAIT`].
+
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use efabus_broker::{Broker, Client, Config, RecvError, Subscription};
+
+const WAIT: Duration = Duration::from_secs(10);
+/// How long a subscription is watched for a message that must not come.
+const QUIET: Duration = Duration::from_millis(200);
+
+fn start(name: &str, listen: &str, peers: &[String], extra: &str) -> Broker {
+    let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
+    let text = format!(
+        "name = {name:?}\nlisten = [{listen:?}]\npeers = [{}]\n{extra}",
+        peers.join(", ")
+    );
+    let config = Config::from_toml_str(&text, name).expect("valid test config");
+    Broker::start(config).expect("broker starts")
+}
+
+fn node(name: &str, peers: &[String]) -> Broker {
+    start(name, "tcp/127.0.0.1:0", peers, "")
+}
+
+fn tcp(broker: &Broker) -> String {
+    broker.endpoint("tcp").expect("listens on tcp")
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn routes(broker: &Broker) -> u64 {
+    broker.stats().routes.load(Ordering::Relaxed)
+}
+
+fn routed_out(broker: &Broker) -> u64 {
+    broker.stats().route_messages_out.load(Ordering::Relaxed)
+}
+
+fn wait_interest(broker: &Broker, entries: usize) {
+    wait_until(&format!("{entries} interest entries"), || {
+        broker.route_interest_count() == entries
+    });
+}
+
+/// Every payload received within [`WAIT`] up to `count`, then checks that
+/// nothing more comes.
+fn receive(sub: &Subscription, count: usize) -> Vec<String> {
+    let mut got = Vec::new();
+    while got.len() < count {
+        match sub.recv_timeout(WAIT) {
+            Ok(message) => got.push(String::from_utf8_lossy(&message.payload).into_owned()),
+            Err(err) => panic!("after {got:?}: {err}"),
+        }
+    }
+    assert_eq!(
+        sub.recv_timeout(QUIET).map(|m| m.payload),
+        Err(RecvError::Timeout),
+        "more than {count} messages; got {got:?} first"
+    );
+    got
+}
+
+fn pair() -> (Broker, Broker) {
+    let b = node("b", &[]);
+    let a = node("a", &[tcp(&b)]);
+    wait_until("the route", || routes(&a) == 1 && routes(&b) == 1);
+    (a, b)
+}
+
+#[test]
+fn a_subscriber_on_one_broker_gets_what_another_publishes() {
+    let (a, b) = pair();
+    let wide = b.subscribe("metrics.>").unwrap();
+    let cpu = b.subscribe("metrics.*.cpu").unwrap();
+    let client = Client::connect(&tcp(&b)).unwrap();
+    let remote = client.subscribe("metrics.gpu0.cpu").unwrap();
+    wait_interest(&a, 3);
+
+    a.publish("metrics.gpu0.cpu", &b"1"[..]).unwrap();
+    a.publish("metrics.gpu0.mem", &b"2"[..]).unwrap();
+    a.publish("logs.gpu0", &b"3"[..]).unwrap();
+    // A client of A publishes too.
+    let publisher = Client::connect(&tcp(&a)).unwrap();
+    publisher
+        .publish("metrics.gpu1.cpu", Bytes::from_static(b"4"))
+        .unwrap();
+    publisher.flush(WAIT).unwrap();
+
+    assert_eq!(receive(&wide, 3), ["1", "2", "4"]);
+    assert_eq!(receive(&cpu, 2), ["1", "4"]);
+    assert_eq!(receive(&remote, 1), ["1"]);
+    // One copy per message over the route, however many patterns matched
+    // there; nothing for the subject no one on B wants.
+    // (Counters are added up once per loop round: wait for them.)
+    wait_until("3 messages routed", || {
+        routed_out(&a) == 3 && b.stats().route_messages_in.load(Ordering::Relaxed) == 3
+    });
+}
+
+#[test]
+fn brokers_listing_each_other_keep_one_route_and_deliver_once() {
+    let b = node("b", &[]);
+    let a = node("a", &[tcp(&b)]);
+    wait_until("a's route", || routes(&a) == 1);
+    // Now B lists A as well: two links race, one stays.
+    b.add_peer(&tcp(&a)).unwrap();
+    wait_until("b's dial", || {
+        b.stats().connections_total.load(Ordering::Relaxed) >= 2
+    });
+    wait_until("one link each way", || {
+        let links = |x: &Broker| x.stats().connections.load(Ordering::Relaxed);
+        links(&a) == 1 && links(&b) == 1 && routes(&a) == 1 && routes(&b) == 1
+    });
+
+    let on_a = a.subscribe("ping").unwrap();
+    let on_b = b.subscribe("ping").unwrap();
+    wait_interest(&a, 1);
+    wait_interest(&b, 1);
+    for n in 0..10 {
+        a.publish("ping", Bytes::from(format!("a{n}"))).unwrap();
+        b.publish("ping", Bytes::from(format!("b{n}"))).unwrap();
+    }
+    // Each side gets its own ten and the other's ten, once each.
+    let mut all: Vec<String> = (0..10).map(|n| format!("a{n}")).collect();
+    all.extend((0..10).map(|n| format!("b{n}")));
+    all.sort();
+    for sub in [&on_a, &on_b] {
+        let mut got = receive(sub, 20);
+        got.sort();
+        assert_eq!(got, all);
+    }
+    // The losing link is not redialed while the route is up.
+    std::thread::sleep(QUIET);
+    assert_eq!(routes(&a), 1);
+    assert_eq!(routes(&b), 1);
+}
+
+#[test]
+fn request_and_reply_cross_brokers() {
+    let (a, b) = pair();
+    let service = b.subscribe("svc.echo").unwrap();
+    wait_interest(&a, 1);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for _ in 0..2 {
+                let request = service.recv_timeout(WAIT).expect("a request");
+                let reply = request.reply.expect("a reply subject");
+                let mut answer = b"echo:".to_vec();
+                answer.extend_from_slice(&request.payload);
+                b.publish(&reply, answer).unwrap();
+            }
+        });
+        let reply = a.request("svc.echo", &b"hi"[..], WAIT).unwrap();
+        assert_eq!(&reply.payload[..], b"echo:hi");
+        // A client of A asks too.
+        let client = Client::connect(&tcp(&a)).unwrap();
+        let reply = client
+            .request("svc.echo", Bytes::from_static(b"there"), WAIT)
+            .unwrap();
+        assert_eq!(&reply.payload[..], b"echo:there");
+    });
+}
+
+#[test]
+fn unsubscribing_on_one_broker_stops_forwarding_from_another() {
+    let (a, b) = pair();
+    let sub = b.subscribe("feed").unwrap();
+    wait_interest(&a, 1);
+    for n in 0..5 {
+        a.publish("feed", Bytes::from(n.to_string())).unwrap();
+    }
+    assert_eq!(receive(&sub, 5).len(), 5);
+    wait_until("5 messages routed", || routed_out(&a) == 5);
+    drop(sub);
+    wait_interest(&a, 0);
+    for n in 5..10 {
+        a.publish("feed", Bytes::from(n.to_string())).unwrap();
+    }
+    a.flush(WAIT).unwrap();
+    assert_eq!(routed_out(&a), 5, "nothing is forwarded without interest");
+    // Two subscribers on one pattern are one entry: it stays until both go.
+    let first = b.subscribe("feed").unwrap();
+    let second = b.subscribe("feed").unwrap();
+    wait_interest(&a, 1);
+    drop(first);
+    a.publish("feed", &b"still"[..]).unwrap();
+    assert_eq!(receive(&second, 1), ["still"]);
+    assert_eq!(a.route_interest_count(), 1);
+}
+
+#[test]
+fn a_restarted_peer_is_reconnected_and_interest_restored() {
+    let b = node("b", &[]);
+    let address = tcp(&b);
+    let a = node("a", std::slice::from_ref(&address));
+    wait_until("the route", || routes(&a) == 1);
+    let on_a = a.subscribe("to.a").unwrap();
+    wait_interest(&b, 1);
+    drop(b);
+    wait_until("the route to drop", || routes(&a) == 0);
+    assert_eq!(a.route_interest_count(), 0);
+
+    // B comes back on the same address, as a new broker process.
+    let listen = format!("tcp/{}", address.trim_start_matches("tcp/"));
+    let b = start("b", &listen, &[], "");
+    wait_until("the route again", || routes(&a) == 1 && routes(&b) == 1);
+    let on_b = b.subscribe("to.b").unwrap();
+    wait_interest(&a, 1);
+    // A's interest was sent to the new B when the route came up.
+    wait_interest(&b, 1);
+    a.publish("to.b", &b"from a"[..]).unwrap();
+    b.publish("to.a", &b"from b"[..]).unwrap();
+    assert_eq!(receive(&on_b, 1), ["from a"]);
+    assert_eq!(receive(&on_a, 1), ["from b"]);
+}
+
+/// Three brokers, each dialing the ones started before it.
+fn mesh() -> (Broker, Broker, Broker) {
+    let a = node("a", &[]);
+    let b = node("b", &[tcp(&a)]);
+    let c = node("c", &[tcp(&a), tcp(&b)]);
+    wait_until("the full mesh", || {
+        routes(&a) == 2 && routes(&b) == 2 && routes(&c) == 2
+    });
+    (a, b, c)
+}
+
+#[test]
+fn a_full_mesh_delivers_each_publish_once_to_every_subscriber() {
+    let (a, b, c) = mesh();
+    let subs = [
+        a.subscribe("news.>").unwrap(),
+        b.subscribe("news.>").unwrap(),
+        c.subscribe("news.>").unwrap(),
+        c.subscribe("news.*").unwrap(),
+    ];
+    // A sees B's entry and C's two; B sees A's and C's two; C sees A's and B's.
+    wait_interest(&a, 3);
+    wait_interest(&b, 3);
+    wait_interest(&c, 2);
+    a.publish("news.a", &b"a"[..]).unwrap();
+    b.publish("news.b", &b"b"[..]).unwrap();
+    c.publish("news.c", &b"c"[..]).unwrap();
+    for sub in &subs {
+        let mut got = receive(sub, 3);
+        got.sort();
+        assert_eq!(got, ["a", "b", "c"], "{}", sub.pattern());
+    }
+    // Each message crossed each route once, and never a second hop.
+    wait_until("6 messages routed", || {
+        routed_out(&a) + routed_out(&b) + routed_out(&c) == 6
+    });
+    std::thread::sleep(QUIET);
+    assert_eq!(routed_out(&a) + routed_out(&b) + routed_out(&c), 6);
+}
+
+#[test]
+fn a_queue_group_spanning_brokers_gets_each_message_once() {
+    let (a, b, c) = mesh();
+    let members = [
+        a.queue_subscribe("work.*", "workers").unwrap(),
+        b.queue_subscribe("work.*", "workers").unwrap(),
+        b.queue_subscribe("work.*", "workers").unwrap(),
+    ];
+    wait_interest(&a, 1);
+    wait_interest(&b, 1);
+    wait_interest(&c, 2);
+    let mut sent = BTreeSet::new();
+    for n in 0..30 {
+        for (name, broker) in [("a", &a), ("b", &b), ("c", &c)] {
+            let payload = format!("{name}{n}");
+            broker.publish("work.item", payload.clone()).unwrap();
+            sent.insert(payload);
+        }
+    }
+    let mut got = Vec::new();
+    let deadline = Instant::now() + WAIT;
+    while got.len() < sent.len() && Instant::now() < deadline {
+        for member in &members {
+            while let Ok(message) = member.try_recv() {
+                got.push(String::from_utf8_lossy(&message.payload).into_owned());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(QUIET);
+    for member in &members {
+        while let Ok(message) = member.try_recv() {
+            got.push(String::from_utf8_lossy(&message.payload).into_owned());
+        }
+    }
+    assert_eq!(got.len(), sent.len(), "each message exactly once: {got:?}");
+    let distinct: BTreeSet<String> = got.into_iter().collect();
+    assert_eq!(distinct, sent);
+    // A broker with members serves its own publishers; C, with none,
+    // spreads its messages over the routes.
+    let on_a = members[0].stats().delivered();
+    let on_b = members[1].stats().delivered() + members[2].stats().delivered();
+    assert!(on_a > 30 && on_b > 30, "a {on_a}, b {on_b}");
+}
+
+#[test]
+fn routes_present_the_cluster_credentials() {
+    let secret = "[auth]\nsecret = \"s3cret\"\n";
+    let b = start("b", "tcp/127.0.0.1:0", &[], secret);
+    let a = start("a", "tcp/127.0.0.1:0", &[tcp(&b)], secret);
+    wait_until("the route", || routes(&a) == 1 && routes(&b) == 1);
+    let stranger = start(
+        "c",
+        "tcp/127.0.0.1:0",
+        &[tcp(&b)],
+        "[auth]\nsecret = \"wrong\"\n",
+    );
+    wait_until("the refusal", || {
+        b.stats().auth_failures.load(Ordering::Relaxed) >= 1
+    });
+    assert_eq!(routes(&stranger), 0);
+    assert_eq!(routes(&b), 1);
+}
+
+#[test]
+fn a_peer_must_be_a_tcp_endpoint_and_a_broker_needs_one_to_dial_from() {
+    let b = node("b", &[]);
+    assert!(b.add_peer("mem/x").is_err());
+    let text = "name = \"m\"\nlisten = [\"mem/cluster-test\"]\n";
+    let mem_only = Broker::start(Config::from_toml_str(text, "m").unwrap()).unwrap();
+    let err = mem_only.add_peer(&tcp(&b)).unwrap_err().to_string();
+    assert!(err.contains("tcp"), "{err}");
+    // With peers configured, a broker without a tcp listener dials anyway.
+    let text = format!(
+        "name = \"d\"\nlisten = [\"mem/cluster-dialer\"]\npeers = [{:?}]\n",
+        tcp(&b)
+    );
+    let dialer = Broker::start(Config::from_toml_str(&text, "d").unwrap()).unwrap();
+    wait_until("the route", || routes(&dialer) == 1 && routes(&b) == 1);
+    let sub = dialer.subscribe("x").unwrap();
+    wait_interest(&b, 1);
+    b.publish("x", &b"over the dialer"[..]).unwrap();
+    assert_eq!(receive(&sub, 1), ["over the dialer"]);
+}
