@@ -31,8 +31,9 @@ use efabus_core::link::LinkTuning;
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
     CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+    TransportError,
 };
-use efabus_transports::registry::{EndpointSpec, Registry};
+use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use mio::unix::SourceFd;
 use mio::{Interest, Poll, Token, Waker};
 use parking_lot::{Mutex, RwLock};
@@ -339,6 +340,7 @@ impl Broker {
         };
         let mut endpoints = Vec::new();
         let mut listening = Vec::new();
+        let mut unavailable = None;
         for text in &config.listen {
             let spec = EndpointSpec::parse(text).map_err(|err| Error::Endpoint {
                 endpoint: text.clone(),
@@ -351,13 +353,30 @@ impl Broker {
                 queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
                 options: endpoint_options(&config.fabric, spec.scheme()),
             };
-            let endpoint =
-                registry
-                    .open(&spec, &endpoint_config)
-                    .map_err(|source| Error::Endpoint {
+            let endpoint = match registry.open(&spec, &endpoint_config) {
+                Ok(endpoint) => endpoint,
+                // A fabric this host lacks (no EFA device, no provider)
+                // leaves its peers on TCP, as negotiation would.
+                Err(
+                    source @ RegistryError::Transport {
+                        source: TransportError::Unavailable { .. },
+                        ..
+                    },
+                ) if datapath::is_data_scheme(spec.scheme()) => {
+                    warn!(endpoint = %text, reason = %source, "fabric unavailable; peers use the TCP data path");
+                    unavailable = Some(Error::Endpoint {
                         endpoint: text.clone(),
                         source,
-                    })?;
+                    });
+                    continue;
+                }
+                Err(source) => {
+                    return Err(Error::Endpoint {
+                        endpoint: text.clone(),
+                        source,
+                    })
+                }
+            };
             let endpoint = with_faults(endpoint, config.testing.faults.as_ref(), endpoints.len());
             // Socket addresses are text; fabric addresses are raw bytes.
             let local = if datapath::is_data_scheme(spec.scheme()) {
@@ -374,6 +393,10 @@ impl Broker {
                     .map_err(Error::Thread)?;
             }
             endpoints.push(endpoint);
+        }
+        if let (true, Some(err)) = (endpoints.is_empty(), unavailable) {
+            // Nothing else to fall back to.
+            return Err(err);
         }
         // Routes are dialed from a TCP listener, or from an endpoint that
         // only connects out when there is none.

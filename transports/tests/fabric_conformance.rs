@@ -533,6 +533,74 @@ mod suite {
         assert!(b.insert_peer(&[1, 2, 3]).is_err());
     }
 
+    /// A receiver bounded to two addresses accepts two unknown senders and
+    /// drops (and counts) what a third sends, while the first two carry on.
+    pub fn unknown_senders_are_bounded(kind: EpKind, provider: &str) {
+        let Some((mut first, mut receiver)) = pair(kind, provider, &[("max_addresses", "2")])
+        else {
+            return;
+        };
+        let t = transport(kind, provider);
+        let mut second = t.open_fabric(&config(&[])).expect("sender");
+        let mut third = t.open_fabric(&config(&[])).expect("sender");
+        let receiver_addr = addr_to_hex(&receiver.local_addr());
+        let mut events = Vec::new();
+        let mut accepted = Vec::new();
+        for (sender, text) in [
+            (&mut first, b"one".as_slice()),
+            (&mut second, b"two".as_slice()),
+        ] {
+            let to = sender.connect(&receiver_addr).expect("connect");
+            sender.send(to, frame(text)).expect("send");
+            let start = Instant::now();
+            let peer = loop {
+                sender.poll(&mut Vec::new()).expect("poll sender");
+                receiver.poll(&mut events).expect("poll receiver");
+                if let Some(peer) = events.iter().find_map(|e| match e {
+                    Event::Frame { peer, frame } if payload_of(frame) == text => Some(*peer),
+                    _ => None,
+                }) {
+                    break peer;
+                }
+                assert!(start.elapsed() < DEADLINE, "no frame from a sender");
+            };
+            accepted.push(peer);
+            events.clear();
+        }
+        let to = third.connect(&receiver_addr).expect("connect");
+        third.send(to, frame(b"three")).expect("send");
+        let start = Instant::now();
+        while receiver.stats().refused_senders == 0 {
+            third.poll(&mut Vec::new()).expect("poll third");
+            receiver.poll(&mut events).expect("poll receiver");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "the third sender was never refused"
+            );
+        }
+        assert!(
+            !events
+                .iter()
+                .any(|e| matches!(e, Event::Frame { .. } | Event::Accepted { .. })),
+            "the third sender got through: {events:?}"
+        );
+        // A known sender is still heard.
+        let to = first.connect(&receiver_addr).expect("connect");
+        first.send(to, frame(b"one again")).expect("send");
+        let start = Instant::now();
+        loop {
+            first.poll(&mut Vec::new()).expect("poll first");
+            receiver.poll(&mut events).expect("poll receiver");
+            if events.iter().any(|e| {
+                matches!(e, Event::Frame { peer, frame }
+                    if *peer == accepted[0] && payload_of(frame) == b"one again")
+            }) {
+                break;
+            }
+            assert!(start.elapsed() < DEADLINE, "a known sender was not heard");
+        }
+    }
+
     /// A message larger than the receiver's buffers (peers configured with
     /// different `msg_size`) is dropped and counted: as a completion error
     /// with the provider's text (`tcp;ofi_rxm`, `sockets`), or as a
@@ -663,6 +731,11 @@ macro_rules! provider_suite {
             #[test]
             fn accept_connect_close() {
                 suite::accept_connect_close($kind, $provider);
+            }
+
+            #[test]
+            fn unknown_senders_are_bounded() {
+                suite::unknown_senders_are_bounded($kind, $provider);
             }
 
             #[test]

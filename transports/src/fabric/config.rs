@@ -11,6 +11,7 @@
 //! | `rx_depth` | receives kept posted, capped by the provider's rx size | 256 |
 //! | `tx_depth` | sends in flight, capped by the provider's tx size | 256 |
 //! | `av_size` | address vector size hint | 1024 |
+//! | `max_addresses` | most distinct peer addresses inserted (senders name themselves in band) | 65536 |
 //! | `rnr_retry` | `FI_OPT_EFA_RNR_RETRY` for efa RDM (0-7, 7 = retry without limit) | 7 |
 //! | `order` | `prefer` (ask for FI_ORDER_SAS, accept without), `require`, `none` | `prefer` |
 //! | `force_prefix` | test only: reserve this many prefix bytes as if the provider asked (multiple of 8) | 0 |
@@ -77,6 +78,9 @@ pub struct FabricOptions {
     pub rx_depth: usize,
     pub tx_depth: usize,
     pub av_size: usize,
+    /// Most distinct peer addresses the endpoint inserts; messages from
+    /// further new senders are dropped and counted.
+    pub max_addresses: usize,
     pub rnr_retry: u64,
     pub order: OrderWanted,
     pub force_prefix: usize,
@@ -107,6 +111,7 @@ impl Default for FabricOptions {
             rx_depth: DEFAULT_DEPTH,
             tx_depth: DEFAULT_DEPTH,
             av_size: 1024,
+            max_addresses: 1 << 16,
             rnr_retry: 7,
             order: OrderWanted::Prefer,
             force_prefix: 0,
@@ -172,6 +177,7 @@ impl FabricOptions {
                 "rx_depth" => parsed.rx_depth = number(1, MAX_DEPTH)?,
                 "tx_depth" => parsed.tx_depth = number(1, MAX_DEPTH)?,
                 "av_size" => parsed.av_size = number(1, 1 << 24)?,
+                "max_addresses" => parsed.max_addresses = number(1, 1 << 24)?,
                 "rnr_retry" => parsed.rnr_retry = number(0, 7)? as u64,
                 "order" => {
                     parsed.order = match value.trim() {
@@ -193,7 +199,7 @@ impl FabricOptions {
                 _ => {
                     return Err(bad(
                         "unknown fabric option (known: provider, domain, iface, fabric, node, \
-                         service, msg_size, rx_depth, tx_depth, av_size, rnr_retry, order, \
+                         service, msg_size, rx_depth, tx_depth, av_size, max_addresses, rnr_retry, order, \
                          force_prefix, force_mr_local, wait_fd)",
                     ))
                 }

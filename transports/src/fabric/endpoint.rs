@@ -59,6 +59,10 @@ pub const SUPPORTED_MR_MODES: u64 =
 /// registers (device memory).
 const IGNORED_MR_MODES: u64 = FI_MR_HMEM;
 
+/// Closed peers remembered so their late messages are not taken for a new
+/// peer's.
+const MAX_CLOSED_ADDRS: usize = 4096;
+
 /// Completions read per `fi_cq_read`.
 const CQ_BATCH: usize = 64;
 
@@ -103,6 +107,9 @@ pub struct FabricStats {
     pub provider_packets: u64,
     pub malformed: u64,
     pub from_closed_peers: u64,
+    /// Messages from new senders dropped because the address vector held
+    /// `max_addresses` already.
+    pub refused_senders: u64,
     pub would_block: u64,
     pub tx_errors: u64,
     pub rx_errors: u64,
@@ -146,7 +153,11 @@ pub struct FabricEndpoint {
     peers: HashMap<PeerId, PeerState>,
     by_addr: HashMap<Vec<u8>, PeerId>,
     av_cache: HashMap<Vec<u8>, u64>,
+    max_addresses: usize,
+    /// Addresses of closed peers whose late messages are dropped, oldest
+    /// first, at most `MAX_CLOSED_ADDRS`.
     closed_addrs: HashSet<Vec<u8>>,
+    closed_order: VecDeque<Vec<u8>>,
 
     free_tx: Vec<usize>,
     /// Per tx slot: the peer and frame length it carries, while in use.
@@ -351,7 +362,9 @@ impl FabricEndpoint {
             peers: HashMap::new(),
             by_addr: HashMap::new(),
             av_cache: HashMap::new(),
+            max_addresses: options.max_addresses,
             closed_addrs: HashSet::new(),
+            closed_order: VecDeque::new(),
             free_tx: (0..tx_depth).rev().collect(),
             tx_owner: vec![None; tx_depth],
             tx_post_len: vec![0; tx_depth],
@@ -581,6 +594,13 @@ impl FabricEndpoint {
                 });
                 Some(peer)
             }
+            Err(err @ FabricError::AddressesFull { .. }) => {
+                self.stats.refused_senders += 1;
+                if self.stats.refused_senders == 1 {
+                    tracing::warn!("dropping messages from new senders: {err}");
+                }
+                None
+            }
             Err(err) => {
                 self.stats.malformed += 1;
                 tracing::warn!("dropped a message from an unusable sender address: {err}");
@@ -593,6 +613,13 @@ impl FabricEndpoint {
         let fi_addr = match self.av_cache.get(addr) {
             Some(&fi_addr) => fi_addr,
             None => {
+                // Senders name themselves in band: without a bound, made-up
+                // addresses would grow the address vector without end.
+                if self.av_cache.len() >= self.max_addresses {
+                    return Err(FabricError::AddressesFull {
+                        limit: self.max_addresses,
+                    });
+                }
                 let fi_addr = self.av.insert(addr)?;
                 self.av_cache.insert(addr.to_vec(), fi_addr);
                 fi_addr
@@ -626,7 +653,14 @@ impl FabricEndpoint {
         }
         if let Some(state) = self.peers.remove(&peer) {
             self.by_addr.remove(&state.addr);
-            self.closed_addrs.insert(state.addr);
+            if self.closed_addrs.insert(state.addr.clone()) {
+                self.closed_order.push_back(state.addr);
+            }
+            while self.closed_order.len() > MAX_CLOSED_ADDRS {
+                if let Some(oldest) = self.closed_order.pop_front() {
+                    self.closed_addrs.remove(&oldest);
+                }
+            }
             self.pending.push_back(Event::Closed { peer, reason });
         }
     }

@@ -98,6 +98,8 @@ pub enum FabricError {
     AvOpen { code: FiCode },
     #[error("fi_av_insert of a {len}-byte address failed: {code}")]
     AvInsert { len: usize, code: FiCode },
+    #[error("the address vector holds {limit} addresses already")]
+    AddressesFull { limit: usize },
     #[error("fi_cq_open failed: {code}")]
     CqOpen { code: FiCode },
     #[error("fi_cq_read failed: {code}")]
@@ -171,7 +173,12 @@ impl FabricError {
             | Send { code }
             | Inject { code }
             | Close { code, .. } => Some(code),
-            NotBuilt(_) | DupInfo | Option { .. } | Unusable { .. } | Alloc { .. } => None,
+            NotBuilt(_)
+            | DupInfo
+            | Option { .. }
+            | Unusable { .. }
+            | Alloc { .. }
+            | AddressesFull { .. } => None,
         }
     }
 }
