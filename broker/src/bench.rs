@@ -401,10 +401,14 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         delivered_per_sec: delivered as f64 / seconds,
         delivered_mb_per_sec: delivered as f64 * args.size as f64 / seconds / 1e6,
     };
+    let mut out = crate::cli::Output::new();
     if args.json {
-        println!("{}", serde_json::to_string(&report).unwrap_or_default());
+        out.line(format_args!(
+            "{}",
+            serde_json::to_string(&report).unwrap_or_default()
+        ))?;
     } else {
-        println!(
+        out.line(format_args!(
             "{}{}: {} pub -> {} sub{}, {} B: {:.0} msg/s delivered ({:.1} MB/s), {} of {} in {:.3} s",
             report.target,
             link_note(&report.link),
@@ -421,7 +425,7 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
             report.delivered,
             report.expected,
             report.seconds
-        );
+        ))?;
     }
     if delivered < expected {
         return Err(Failure::runtime(format!(
@@ -499,10 +503,14 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         p999_us: us(0.999),
         max_us: histogram.max() as f64 / 1000.0,
     };
+    let mut out = crate::cli::Output::new();
     if args.json {
-        println!("{}", serde_json::to_string(&report).unwrap_or_default());
+        out.line(format_args!(
+            "{}",
+            serde_json::to_string(&report).unwrap_or_default()
+        ))?;
     } else {
-        println!(
+        out.line(format_args!(
             "{}{}: {} round trips of {} B: p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, max {:.1} us",
             report.target,
             link_note(&report.link),
@@ -513,7 +521,7 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
             report.p99_us,
             report.p999_us,
             report.max_us
-        );
+        ))?;
     }
     Ok(())
 }

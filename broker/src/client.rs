@@ -113,6 +113,45 @@ pub struct ClientOptions {
     pub faults: Option<crate::config::Faults>,
 }
 
+impl ClientOptions {
+    /// Refuse what the wire could not carry (the hello holds the name and
+    /// the credentials; a subscribe holds a pattern of up to the subject
+    /// limit), so a bad value is an error here rather than a failure later.
+    fn check(&self) -> Result<(), Error> {
+        use crate::config::{MAX_NAME_LEN, MAX_SECRET_LEN, MAX_SUBJECT_LEN_LIMIT};
+        let invalid = |key: &str, message: String| {
+            Error::Config(crate::config::ConfigError::Invalid {
+                origin: "client options".to_string(),
+                line: None,
+                key: key.to_string(),
+                message,
+            })
+        };
+        if self.name.len() > MAX_NAME_LEN {
+            return Err(invalid(
+                "name",
+                format!("is {} bytes; at most {MAX_NAME_LEN}", self.name.len()),
+            ));
+        }
+        if let Some(secret) = self.credentials.as_deref() {
+            if secret.len() > MAX_SECRET_LEN {
+                return Err(invalid(
+                    "credentials",
+                    format!("is {} bytes; at most {MAX_SECRET_LEN}", secret.len()),
+                ));
+            }
+        }
+        let max_len = self.subject_limits.max_len;
+        if max_len == 0 || max_len > MAX_SUBJECT_LEN_LIMIT {
+            return Err(invalid(
+                "subject_limits.max_len",
+                format!("is {max_len}; the allowed range is 1 to {MAX_SUBJECT_LEN_LIMIT}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Default for ClientOptions {
     fn default() -> Self {
         ClientOptions {
@@ -519,6 +558,7 @@ impl Client {
         options: ClientOptions,
         registry: Registry,
     ) -> Result<Client, Error> {
+        options.check()?;
         let spec = EndpointSpec::parse(endpoint).map_err(|err| Error::Endpoint {
             endpoint: endpoint.to_string(),
             source: err.into(),

@@ -614,3 +614,42 @@ fn client_disconnect_policy_ends_the_subscription() {
     client.flush(WAIT).unwrap();
     assert_eq!(broker.subscription_count(), 0);
 }
+
+#[test]
+fn options_the_wire_cannot_carry_are_refused_at_connect() {
+    let (_broker, endpoint) = start(Via::Mem, "");
+    let refused = |options: ClientOptions, key: &str| match Client::connect_with(
+        &endpoint,
+        options,
+        Registry::with_builtins(),
+    ) {
+        Err(err @ efabus_broker::Error::Config(_)) => {
+            assert!(err.to_string().contains(key), "{err}")
+        }
+        Err(err) => panic!("{key}: unexpected error {err}"),
+        Ok(_) => panic!("{key}: a client with it connected"),
+    };
+    refused(
+        ClientOptions {
+            name: "n".repeat(70_000),
+            ..options()
+        },
+        "name",
+    );
+    let mut subject_limits = options().subject_limits;
+    subject_limits.max_len = 200_000;
+    refused(
+        ClientOptions {
+            subject_limits,
+            ..options()
+        },
+        "subject_limits.max_len",
+    );
+    refused(
+        ClientOptions {
+            credentials: Some("s".repeat(70_000)),
+            ..options()
+        },
+        "credentials",
+    );
+}
