@@ -953,6 +953,9 @@ struct Session {
     batch_hint: usize,
     /// Since when the queue has been over its bound under the block policy.
     over_since: Option<Instant>,
+    /// Disconnected as a slow consumer: its queue was dropped, and what is
+    /// still routed to it before it is gone is dropped too.
+    cut_off: bool,
     last_heard: Instant,
     last_ping: Instant,
     /// Set when the session is a route to another broker.
@@ -983,6 +986,7 @@ impl Session {
             batch_messages: 0,
             batch_hint: RUN_MIN,
             over_since: None,
+            cut_off: false,
             last_heard: now,
             last_ping: now,
             route: None,
@@ -1927,6 +1931,9 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
+        if session.cut_off {
+            return;
+        }
         let is_message = queued.messages > 0;
         if session.queue.is_empty() {
             match transmit(&mut self.endpoints, &self.shared.stats, session, queued) {
@@ -2066,6 +2073,7 @@ impl EventLoop {
             // on the control link, where nothing waits for the peer's
             // credit, then close at once.
             if let Some(session) = self.sessions.get_mut(&id) {
+                session.cut_off = true;
                 session.queue.clear();
                 session.queued_bytes = 0;
                 session.batch.clear();
@@ -2444,12 +2452,12 @@ impl Polled {
     }
 }
 
-/// Asks every endpoint that may be waited on whether the loop may block
-/// now; false when one has work pending.
+/// Asks every endpoint that must be polled whether the loop may sleep now;
+/// false when one has work pending.
 pub(crate) fn prepare_wait(endpoints: &mut [Box<dyn Endpoint>]) -> bool {
     endpoints
         .iter_mut()
-        .filter(|endpoint| matches!(endpoint.readiness(), Readiness::PollOrWait(_)))
+        .filter(|endpoint| endpoint.readiness().must_poll())
         .all(|endpoint| endpoint.prepare_wait())
 }
 

@@ -1014,6 +1014,8 @@ fn full_speed_into_a_stalled_fabric_reader(policy: &str) -> Option<SlowSetup> {
             subscription_queue: 16,
             slow_consumer: efabus_broker::SlowConsumerPolicy::Block,
             block_timeout: Duration::from_secs(5),
+            // Cut off, it would come back and be cut off again.
+            reconnect: false,
             ..fabric_options(&broker, "stalled reader")
         },
     );

@@ -394,10 +394,11 @@ pub trait Endpoint: Send {
     /// How the caller learns there is work.
     fn readiness(&self) -> Readiness;
 
-    /// Called right before the caller blocks on the descriptor of a
-    /// [`Readiness::PollOrWait`] endpoint: false when work is already
-    /// pending (the descriptor might not signal it), so the caller polls
-    /// again instead of blocking.
+    /// Called right before the caller sleeps, for endpoints that must be
+    /// polled ([`Readiness::MustPoll`] and [`Readiness::PollOrWait`]): the
+    /// endpoint may hand on what it still holds, and answers false when
+    /// work is pending (the descriptor might not signal it), so the caller
+    /// polls again instead of sleeping.
     fn prepare_wait(&mut self) -> bool {
         true
     }

@@ -533,6 +533,41 @@ mod suite {
         assert!(b.insert_peer(&[1, 2, 3]).is_err());
     }
 
+    /// Frames sent in a burst, without a poll between them, share
+    /// messages, and still arrive whole and in order.
+    pub fn bursts_are_packed(kind: EpKind, provider: &str) {
+        let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
+            return;
+        };
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        const BURST: usize = 50;
+        for n in 0..BURST {
+            a.send(pb, frame(format!("burst {n}").as_bytes()))
+                .unwrap_or_else(|e| panic!("send {n}: {e}"));
+        }
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| frames_from(be, pa).len() >= BURST,
+            "the burst",
+        );
+        let got: Vec<Vec<u8>> = frames_from(&be, pa)
+            .iter()
+            .map(|f| payload_of(f).to_vec())
+            .collect();
+        let want: Vec<Vec<u8>> = (0..BURST)
+            .map(|n| format!("burst {n}").into_bytes())
+            .collect();
+        assert_eq!(got, want);
+        let stats = a.stats();
+        assert_eq!(stats.packed as usize, BURST - 1, "{stats:?}");
+        assert_eq!(stats.sent + stats.injected, 1, "{stats:?}");
+        assert_eq!(b.stats().received as usize, BURST);
+    }
+
     /// A receiver bounded to two addresses accepts two unknown senders and
     /// drops (and counts) what a third sends, while the first two carry on.
     pub fn unknown_senders_are_bounded(kind: EpKind, provider: &str) {
@@ -731,6 +766,11 @@ macro_rules! provider_suite {
             #[test]
             fn accept_connect_close() {
                 suite::accept_connect_close($kind, $provider);
+            }
+
+            #[test]
+            fn bursts_are_packed() {
+                suite::bursts_are_packed($kind, $provider);
             }
 
             #[test]

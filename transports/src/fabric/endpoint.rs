@@ -10,13 +10,16 @@
 //! Data path:
 //! - Receives stay posted, `rx_depth` of them, each a slot of the rx pool;
 //!   every completion is decoded, copied out, and its slot reposted at once.
-//! - A send copies the frame into a free tx slot (or a scratch buffer for
-//!   `fi_inject`, used only when the whole posted length fits the
-//!   provider's `inject_size`). No free slot or a persistent -FI_EAGAIN
-//!   returns `WouldBlock`, and `Writable` follows once a slot is free.
-//! - -FI_EAGAIN on a post: the slot waits in the peer's backlog, ahead of
-//!   anything newer, and the CQs are read (which drives progress on
-//!   manual-progress providers); every later poll retries the backlog.
+//! - A send copies the frame into a free tx slot, which waits in the peer's
+//!   backlog until the next `poll` (or `prepare_wait`, or `close`) posts
+//!   it; frames sent meanwhile are packed into the same slot while they
+//!   fit, so a burst costs one message, not one per frame. A slot whose
+//!   posted length fits the provider's `inject_size` goes with `fi_inject`
+//!   and is free again at once. No free slot returns `WouldBlock`, and
+//!   `Writable` follows once a slot is free.
+//! - -FI_EAGAIN on a post: the slot stays at the head of the backlog,
+//!   ahead of anything newer, and the CQs are read (which drives progress
+//!   on manual-progress providers); every later poll retries the backlog.
 //! - Descriptors from the pools' regions go with every post when the
 //!   provider requires FI_MR_LOCAL (or `force_mr_local` is set).
 //! - The sender of each message is named in band (see [`super::layout`]);
@@ -44,7 +47,7 @@ use super::handle::{
     WaitSet,
 };
 use super::info::{Hints, Info, InfoList};
-use super::layout::{check_frame, BufferLayout, Received};
+use super::layout::{check_frame, frames, BufferLayout, Received};
 use super::pool::BufferPool;
 
 /// Modes efabus honours: it reserves prefixes and always passes a
@@ -107,6 +110,8 @@ pub struct FabricStats {
     pub provider_packets: u64,
     pub malformed: u64,
     pub from_closed_peers: u64,
+    /// Frames packed into a message behind an earlier frame.
+    pub packed: u64,
     /// Messages from new senders dropped because the address vector held
     /// `max_addresses` already.
     pub refused_senders: u64,
@@ -123,8 +128,10 @@ struct PeerState {
     fi_addr: u64,
     /// Frame bytes in tx slots: waiting in `backlog` or posted.
     queued_bytes: usize,
-    /// Encoded tx slots the provider refused with -FI_EAGAIN (e.g. while
-    /// `tcp;ofi_rxm` connects), posted in order before anything newer.
+    /// Encoded tx slots not posted yet, oldest first: new ones, which the
+    /// next poll posts, and ones the provider refused with -FI_EAGAIN
+    /// (e.g. while `tcp;ofi_rxm` connects). The newest may still take
+    /// more frames.
     backlog: VecDeque<usize>,
     wants_writable: bool,
 }
@@ -166,7 +173,6 @@ pub struct FabricEndpoint {
     tx_post_len: Vec<usize>,
     unposted_rx: Vec<usize>,
     pending: VecDeque<Event>,
-    scratch: Vec<u8>,
     completions: Vec<Completion>,
     stats: FabricStats,
 }
@@ -370,7 +376,6 @@ impl FabricEndpoint {
             tx_post_len: vec![0; tx_depth],
             unposted_rx: (0..rx_depth).rev().collect(),
             pending: VecDeque::new(),
-            scratch: Vec::new(),
             completions: vec![Completion::default(); CQ_BATCH],
             stats: FabricStats::default(),
         };
@@ -558,8 +563,8 @@ impl FabricEndpoint {
                 self.stats.provider_packets += 1;
                 None
             }
-            Ok(Received::Frame { sender, frame }) => {
-                Some((sender.to_vec(), Bytes::copy_from_slice(frame)))
+            Ok(Received::Frames { sender, frames }) => {
+                Some((sender.to_vec(), Bytes::copy_from_slice(frames)))
             }
             Err(err) => {
                 self.stats.malformed += 1;
@@ -569,10 +574,13 @@ impl FabricEndpoint {
             }
         };
         self.unposted_rx.push(slot);
-        if let Some((sender, frame)) = decoded {
+        if let Some((sender, run)) = decoded {
             if let Some(peer) = self.peer_for_sender(&sender) {
-                self.stats.received += 1;
-                self.pending.push_back(Event::Frame { peer, frame });
+                for range in frames(&run) {
+                    self.stats.received += 1;
+                    let frame = run.slice(range);
+                    self.pending.push_back(Event::Frame { peer, frame });
+                }
             }
         }
     }
@@ -666,15 +674,36 @@ impl FabricEndpoint {
     }
 
     /// Posts tx slot `slot` to `dest`.
+    /// Posts tx slot `slot` to `dest`: with `fi_inject` when the whole
+    /// posted length fits the provider's `inject_size` (the provider copies
+    /// it, so the slot is free again at once), else with `fi_send`.
     fn post_slot(&mut self, slot: usize, dest: u64) -> Result<(), FiCode> {
         let ptr = self.tx_pool.slot_ptr(slot);
         let len = self.tx_post_len[slot];
+        if self.link.inject_size > 0 && len <= self.link.inject_size {
+            // SAFETY: the slot holds `len` encoded bytes and is not posted.
+            let bytes = unsafe { std::slice::from_raw_parts(ptr.cast_const(), len) };
+            match self.ep.inject(bytes, dest) {
+                Ok(()) => {
+                    self.stats.injected += 1;
+                    self.release_slot(slot);
+                    return Ok(());
+                }
+                // A send may still get through where inject may not.
+                Err(code) if code.is_again() => {}
+                Err(code) => return Err(code),
+            }
+        }
         let desc = self.tx_pool.desc();
         let context = self.tx_pool.context(slot);
         // SAFETY: the slot is owned by one send (tx_owner) and not written
         // again until its completion frees it; the pool outlives the
         // endpoint (drop order); `desc` is the pool's region or NULL.
-        unsafe { self.ep.send(ptr, len, desc, dest, context) }
+        let posted = unsafe { self.ep.send(ptr, len, desc, dest, context) };
+        if posted.is_ok() {
+            self.stats.sent += 1;
+        }
+        posted
     }
 
     /// Returns a tx slot to the free list, uncounting its bytes.
@@ -712,7 +741,6 @@ impl FabricEndpoint {
             let dest = state.fi_addr;
             match self.post_slot(slot, dest) {
                 Ok(()) => {
-                    self.stats.sent += 1;
                     if let Some(state) = self.peers.get_mut(&peer) {
                         state.backlog.pop_front();
                     }
@@ -864,10 +892,9 @@ impl Endpoint for FabricEndpoint {
     }
 
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
-        let Some(state) = self.peers.get(&peer) else {
+        if !self.peers.contains_key(&peer) {
             return Err(SendError::Closed(peer));
-        };
-        let dest = state.fi_addr;
+        }
         let len = frame.len();
         if len > self.link.max_frame {
             return Err(SendError::TooLarge {
@@ -876,39 +903,24 @@ impl Endpoint for FabricEndpoint {
             });
         }
         check_frame(&frame).map_err(|e| other(format!("malformed frame: {e}")))?;
-        let addr_len = self.local_addr.len();
 
-        let in_order = self.peers.get(&peer).is_some_and(|s| s.backlog.is_empty());
-
-        // fi_inject: copied before return, no completion, no slot. Only when
-        // nothing older for this peer is waiting, to keep send order.
-        if in_order
-            && self
-                .layout
-                .fits_inject(self.link.inject_size, addr_len, len)
-        {
-            let total = self.layout.send_len(addr_len, len);
-            let mut scratch = std::mem::take(&mut self.scratch);
-            scratch.resize(total, 0);
-            let result = match self.layout.encode(&mut scratch, &self.local_addr, &frame) {
-                Ok(n) => self
-                    .ep
-                    .inject(&scratch[..n], dest)
-                    .map_err(|code| FabricError::Inject { code }),
-                Err(err) => {
-                    self.scratch = scratch;
-                    return Err(other(err).into());
+        // Pack behind the newest frame not posted yet, when it fits: the
+        // slots in a backlog are posted by the next poll, so frames sent in
+        // one round of the caller's loop share a message.
+        if let Some(&tail) = self.peers.get(&peer).and_then(|s| s.backlog.back()) {
+            // SAFETY: a slot in a backlog has not been posted, so no
+            // operation reads it while it is written.
+            let buf = unsafe { self.tx_pool.slot_mut(tail) };
+            if let Ok(n) = self.layout.append(buf, self.tx_post_len[tail], &frame) {
+                self.tx_post_len[tail] = n;
+                if let Some((_, bytes)) = self.tx_owner[tail].as_mut() {
+                    *bytes += len;
                 }
-            };
-            self.scratch = scratch;
-            match result {
-                Ok(()) => {
-                    self.stats.injected += 1;
-                    return Ok(());
+                if let Some(state) = self.peers.get_mut(&peer) {
+                    state.queued_bytes += len;
                 }
-                // Fall through to a slot, which can wait in the backlog.
-                Err(FabricError::Inject { code }) if code.is_again() => {}
-                Err(err) => return Err(other(err).into()),
+                self.stats.packed += 1;
+                return Ok(());
             }
         }
 
@@ -940,28 +952,8 @@ impl Endpoint for FabricEndpoint {
             return Err(SendError::Closed(peer));
         };
         state.queued_bytes += len;
-        if !state.backlog.is_empty() {
-            state.backlog.push_back(slot);
-            return Ok(());
-        }
-        match self.post_slot(slot, dest) {
-            Ok(()) => {
-                self.stats.sent += 1;
-                Ok(())
-            }
-            Err(code) if code.is_again() => {
-                // Queued: progress now, and every later poll, retries it.
-                if let Some(state) = self.peers.get_mut(&peer) {
-                    state.backlog.push_back(slot);
-                }
-                self.progress().map_err(other)?;
-                Ok(())
-            }
-            Err(code) => {
-                self.release_slot(slot);
-                Err(other(FabricError::Send { code }).into())
-            }
-        }
+        state.backlog.push_back(slot);
+        Ok(())
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError> {
@@ -987,9 +979,22 @@ impl Endpoint for FabricEndpoint {
     }
 
     fn prepare_wait(&mut self) -> bool {
+        // Frames sent since the last poll wait in the backlogs: post them
+        // and have the caller poll again, unless the provider takes none.
+        let unposted =
+            |endpoint: &Self| -> usize { endpoint.peers.values().map(|s| s.backlog.len()).sum() };
+        let before = unposted(self);
+        if before > 0 {
+            if let Err(err) = self.progress() {
+                tracing::warn!("{err}");
+            }
+            if unposted(self) < before {
+                return false;
+            }
+        }
         // Events queued by a `send` are not in the CQs any more, so the
         // descriptor would not announce them.
-        self.pending.is_empty() && self.wait.as_ref().is_some_and(|wait| wait.try_wait())
+        self.pending.is_empty() && self.wait.as_ref().is_none_or(|wait| wait.try_wait())
     }
 
     /// The provider's attributes, with the queue sizes this endpoint really

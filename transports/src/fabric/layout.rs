@@ -15,8 +15,9 @@
 //!   every provider reports a source address (`tcp;ofi_rxm` in 1.17 offers
 //!   no FI_SOURCE), and an address in band also lets a receiver learn a peer
 //!   it has not inserted yet, so every provider is handled the same way.
-//! - Each message carries exactly one frame, whose own length prefix must
-//!   account for the rest of the message.
+//! - A message carries one or more whole frames back to back (a sender
+//!   packs frames that queue behind a send in flight); their own length
+//!   prefixes must account for the rest of the message exactly.
 //!
 //! The limits count the prefix against the provider's `max_msg_size` and
 //! `inject_size` even though fi_getinfo(3) says the prefix is not counted:
@@ -49,8 +50,9 @@ pub struct BufferLayout {
 pub enum Received<'a> {
     /// A provider packet with no application data (length <= prefix).
     ProviderOnly,
-    /// One frame from the sender whose address is given.
-    Frame { sender: &'a [u8], frame: &'a [u8] },
+    /// Whole frames, back to back (checked), from the sender whose address
+    /// is given; [`frames`] splits them.
+    Frames { sender: &'a [u8], frames: &'a [u8] },
 }
 
 /// Why a received buffer was rejected.
@@ -66,6 +68,8 @@ pub enum LayoutError {
     Address { addr_len: usize, len: usize },
     #[error("frame length prefix says {declared} bytes but {actual} follow")]
     FrameLength { declared: usize, actual: usize },
+    #[error("no frame follows the endpoint header")]
+    NoFrame,
     #[error("sender address of {0} bytes does not fit the header")]
     AddressTooLong(usize),
 }
@@ -149,6 +153,25 @@ impl BufferLayout {
         Ok(total)
     }
 
+    /// Appends `frame` after the `used` bytes already encoded in `slot`
+    /// (by [`encode`](Self::encode) and earlier appends) and returns the new
+    /// length to post; `Overrun` when it does not fit.
+    pub fn append(
+        &self,
+        slot: &mut [u8],
+        used: usize,
+        frame: &OutFrame,
+    ) -> Result<usize, LayoutError> {
+        let total = used + frame.len();
+        let cap = slot.len().min(self.prefix + self.payload);
+        if total > cap {
+            return Err(LayoutError::Overrun { len: total, cap });
+        }
+        slot[used..used + frame.head.len()].copy_from_slice(&frame.head);
+        slot[used + frame.head.len()..total].copy_from_slice(&frame.body);
+        Ok(total)
+    }
+
     /// Reads a received buffer whose completion reported `len` bytes
     /// (prefix included).
     pub fn decode<'a>(&self, slot: &'a [u8], len: usize) -> Result<Received<'a>, LayoutError> {
@@ -174,17 +197,41 @@ impl BufferLayout {
                 len: message.len(),
             });
         }
-        let (sender, frame) = rest.split_at(addr_len);
-        if frame.len() < FRAME_LEN_PREFIX {
-            return Err(LayoutError::Short { len: message.len() });
+        let (sender, frames) = rest.split_at(addr_len);
+        if frames.is_empty() {
+            return Err(LayoutError::NoFrame);
         }
-        let declared = frame_declared_len(frame).unwrap_or(usize::MAX);
-        let actual = frame.len() - FRAME_LEN_PREFIX;
-        if declared != actual {
-            return Err(LayoutError::FrameLength { declared, actual });
+        let mut at = 0;
+        while at < frames.len() {
+            let frame = &frames[at..];
+            if frame.len() < FRAME_LEN_PREFIX {
+                return Err(LayoutError::Short { len: message.len() });
+            }
+            let declared = frame_declared_len(frame).unwrap_or(usize::MAX);
+            let actual = frame.len() - FRAME_LEN_PREFIX;
+            if declared > actual {
+                return Err(LayoutError::FrameLength { declared, actual });
+            }
+            at += FRAME_LEN_PREFIX + declared;
         }
-        Ok(Received::Frame { sender, frame })
+        Ok(Received::Frames { sender, frames })
     }
+}
+
+/// The frames of a [`Received::Frames`] run, as ranges of it. The run was
+/// checked by [`BufferLayout::decode`]; anything else ends the iteration.
+pub fn frames(run: &[u8]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        let declared = frame_declared_len(run.get(at..)?)?;
+        let end = at.checked_add(FRAME_LEN_PREFIX)?.checked_add(declared)?;
+        if end > run.len() {
+            return None;
+        }
+        let range = at..end;
+        at = end;
+        Some(range)
+    })
 }
 
 /// The length a frame's 4-byte little-endian prefix declares.
@@ -246,15 +293,47 @@ mod tests {
         assert_eq!(slot[layout.prefix], HEADER_VERSION);
         assert_eq!(usize::from(slot[layout.prefix + 1]), sender.len());
         match layout.decode(&slot, len).unwrap() {
-            Received::Frame {
+            Received::Frames {
                 sender: s,
-                frame: f,
+                frames: f,
             } => {
                 assert_eq!(s, sender);
                 assert_eq!(f, &out.to_bytes()[..]);
+                assert_eq!(frames(f).collect::<Vec<_>>(), vec![0..f.len()]);
             }
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    #[test]
+    fn appended_frames_come_back_one_by_one() {
+        let layout = BufferLayout::new(EFA_DGRAM_PREFIX, 100);
+        let mut slot = vec![0u8; layout.slot_stride()];
+        let sender = [5u8; 8];
+        let mut len = layout.encode(&mut slot, &sender, &frame(b"first")).unwrap();
+        len = layout.append(&mut slot, len, &frame(b"")).unwrap();
+        len = layout.append(&mut slot, len, &frame(b"third one")).unwrap();
+        // 40 prefix + 10 header + (9 + 4 + 13) frames = 76; 30 more do not fit.
+        assert_eq!(len, 76);
+        assert_eq!(
+            layout.append(&mut slot, len, &frame(&[0u8; 61])),
+            Err(LayoutError::Overrun { len: 141, cap: 140 })
+        );
+        let Received::Frames {
+            sender: s,
+            frames: run,
+        } = layout.decode(&slot, len).unwrap()
+        else {
+            panic!("no frames")
+        };
+        assert_eq!(s, sender);
+        let payloads: Vec<&[u8]> = frames(run).map(|r| &run[r][4..]).collect();
+        assert_eq!(payloads, vec![&b"first"[..], &b""[..], &b"third one"[..]]);
+        // A run whose last frame is cut short is refused as a whole.
+        assert!(matches!(
+            layout.decode(&slot, len - 1),
+            Err(LayoutError::FrameLength { .. })
+        ));
     }
 
     #[test]
