@@ -1,23 +1,51 @@
 //! `efabus caps`: what each transport offers, in `fi_info` terms, and what
 //! efabus would choose from it.
 //!
-//! Without `--input` it asks the transports of this build; with `--input`
-//! it reads a saved `fi_info -v` dump (e.g. from an EFA host), prints it
-//! back, says which entries efabus would accept and why others are
-//! rejected, and shows the links two hosts would negotiate (this dump on
-//! both sides, or against `--peer`).
+//! Without `--input` it asks the transports of this build: it lists the
+//! entries each would use (efabus's own hints), then opens the endpoints a
+//! broker with the given config listens on and shows what two such brokers
+//! (or a broker and a client of the same config) negotiate, from offers
+//! built exactly as the broker builds them ([`crate::datapath::offer_for`],
+//! [`crate::datapath::as_driven`]). With `--provider` it lists instead
+//! what `fi_info -p PROVIDER -t TYPE` lists (the same hints as that tool),
+//! so `caps -v --provider P` and `fi_info -v -p P` can be compared entry by
+//! entry. With `--input` it reads a saved `fi_info -v` dump (e.g. from an
+//! EFA host), prints it back, says which entries efabus would accept and
+//! why others are rejected, and shows the links two hosts would negotiate
+//! (this dump on both sides, or against `--peer`).
 
 use std::path::{Path, PathBuf};
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use efabus_core::caps::{
-    check, negotiate, parse_fi_info_dump, to_fi_info_text, EpType, FabricInfo, Hints, Offer,
+    check, negotiate, parse_fi_info_dump, to_fi_info_text, EpType, FabricInfo, Hints, Negotiated,
+    Offer,
 };
-use efabus_transports::fabric::FabricTransport;
-use efabus_transports::registry::Registry;
+use efabus_core::transport::EndpointConfig;
+use efabus_transports::fabric::{probe_like_fi_info, EpKind, FabricTransport};
+use efabus_transports::registry::{EndpointSpec, Registry};
 
 use crate::cli::{out, Failure, Output};
 use crate::config::Config;
+use crate::datapath;
+
+/// Endpoint types `--ep-type` takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EpTypeArg {
+    /// `FI_EP_RDM`, reliable datagrams (`efa-rdm`).
+    Rdm,
+    /// `FI_EP_DGRAM`, unreliable datagrams (`efa-dgram`).
+    Dgram,
+}
+
+impl From<EpTypeArg> for EpKind {
+    fn from(arg: EpTypeArg) -> EpKind {
+        match arg {
+            EpTypeArg::Rdm => EpKind::Rdm,
+            EpTypeArg::Dgram => EpKind::Dgram,
+        }
+    }
+}
 
 #[derive(Debug, Args)]
 pub struct CapsArgs {
@@ -25,14 +53,24 @@ pub struct CapsArgs {
     #[arg(short, long)]
     pub verbose: bool,
     /// Read a saved `fi_info -v` dump instead of asking the local transports.
-    #[arg(long, short)]
+    #[arg(long, short, conflicts_with = "provider")]
     pub input: Option<PathBuf>,
     /// A second dump: show what this host (`--input`) and that peer would negotiate.
     #[arg(long, requires = "input")]
     pub peer: Option<PathBuf>,
-    /// Config whose [negotiation] preference and [fabric] settings apply.
+    /// Config whose listen list, [negotiation] preference and [fabric] settings apply.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
+    /// List what libfabric offers for this provider as `fi_info -p PROVIDER`
+    /// does (its hints, not efabus's), and nothing else.
+    #[arg(long, short)]
+    pub provider: Option<String>,
+    /// Endpoint type for `--provider`, as `fi_info -t`.
+    #[arg(long, value_enum, default_value = "rdm", requires = "provider")]
+    pub ep_type: EpTypeArg,
+    /// Source address for `--provider`, as `fi_info -s`.
+    #[arg(long, requires = "provider")]
+    pub source: Option<String>,
 }
 
 pub fn run(args: CapsArgs) -> Result<(), Failure> {
@@ -41,9 +79,10 @@ pub fn run(args: CapsArgs) -> Result<(), Failure> {
         None => Config::default(),
     };
     let mut output = Output::new();
-    match &args.input {
-        Some(input) => from_dump(&args, input, &config, &mut output),
-        None => from_transports(&args, &config, &mut output),
+    match (&args.input, &args.provider) {
+        (Some(input), _) => from_dump(&args, input, &config, &mut output),
+        (None, Some(provider)) => like_fi_info(&args, provider, &mut output),
+        (None, None) => from_transports(&args, &config, &mut output),
     }?;
     output.flush()
 }
@@ -159,6 +198,15 @@ fn print_infos(infos: &[FabricInfo], verbose: bool, output: &mut Output) -> Resu
     }
 }
 
+/// `fi_info -p PROVIDER -t TYPE [-s SOURCE]`: the same query, printed the
+/// same way with `-v`.
+fn like_fi_info(args: &CapsArgs, provider: &str, output: &mut Output) -> Result<(), Failure> {
+    let kind = EpKind::from(args.ep_type);
+    let infos = probe_like_fi_info(provider, kind, args.source.as_deref())
+        .map_err(|err| Failure::runtime(format!("{provider} {}: {err}", kind.fi_name())))?;
+    print_infos(&infos, args.verbose, output)
+}
+
 fn from_transports(args: &CapsArgs, config: &Config, output: &mut Output) -> Result<(), Failure> {
     let mut registry = Registry::with_builtins();
     for transport in [FabricTransport::rdm(), FabricTransport::dgram()] {
@@ -168,7 +216,6 @@ fn from_transports(args: &CapsArgs, config: &Config, output: &mut Output) -> Res
             .fold(transport, |t, (key, value)| t.with_option(key, value));
         registry.register(std::sync::Arc::new(configured));
     }
-    let mut local = Vec::new();
     for scheme in registry.schemes() {
         let transport = match registry.get(scheme) {
             Ok(transport) => transport,
@@ -183,22 +230,89 @@ fn from_transports(args: &CapsArgs, config: &Config, output: &mut Output) -> Res
                     if infos.len() == 1 { "y" } else { "ies" }
                 )?;
                 print_infos(&infos, args.verbose, output)?;
-                if let Some(info) = infos.first() {
-                    local.push(Offer::from_info(scheme, info, Vec::new()));
-                }
             }
             Err(err) => out!(output, "{scheme}: {err}")?,
         }
         out!(output)?;
     }
+
+    let listen = listened_schemes(config);
     out!(
         output,
-        "negotiation between two hosts like this one (preference: {}):",
+        "negotiation between two hosts like this one, listening on {} (preference: {}):",
+        listen.join(", "),
         config.negotiation.preference.join(", ")
     )?;
+    let mut local = Vec::new();
+    for spec in &listen {
+        match open_offer(&registry, config, spec) {
+            Ok(Some(offer)) => local.push(offer),
+            Ok(None) => {}
+            Err(reason) => out!(output, "  not opened: {reason}")?,
+        }
+    }
     match negotiate(&local, &local, &config.negotiation.preference) {
-        Ok(negotiated) => output.write(format_args!("{negotiated}"))?,
+        Ok(negotiated) => output.write(format_args!("{}", as_driven(&negotiated)))?,
         Err(err) => out!(output, "  {err}")?,
     }
     Ok(())
+}
+
+/// The endpoints whose offers the negotiation view uses: TCP (the control
+/// link) and the data endpoints the config listens on, or both data
+/// endpoints when it names none (what a fabric config would get).
+fn listened_schemes(config: &Config) -> Vec<String> {
+    let data: Vec<String> = config
+        .listen
+        .iter()
+        .filter(|spec| datapath::is_data_scheme(spec.split('/').next().unwrap_or_default()))
+        .cloned()
+        .collect();
+    let mut listen = vec!["tcp".to_string()];
+    if data.is_empty() {
+        listen.extend(["efa-rdm".to_string(), "efa-dgram".to_string()]);
+    } else {
+        listen.extend(data);
+    }
+    listen
+}
+
+/// Open an endpoint as a broker with `config` opens its listener for
+/// `spec` (TCP without binding its port, which a running broker may hold)
+/// and take its offer as the broker does.
+fn open_offer(registry: &Registry, config: &Config, spec: &str) -> Result<Option<Offer>, String> {
+    let spec = EndpointSpec::parse(spec).map_err(|err| err.to_string())?;
+    let bind = if datapath::is_data_scheme(spec.scheme()) {
+        Some(spec.address().unwrap_or_default().to_string())
+    } else {
+        None
+    };
+    let endpoint_config = EndpointConfig {
+        bind,
+        max_frame: config.max_frame(),
+        queue_frames: 65_536,
+        queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
+        options: crate::server::endpoint_options(&config.fabric, spec.scheme()),
+    };
+    let endpoint = registry
+        .open(&spec, &endpoint_config)
+        .map_err(|err| err.to_string())?;
+    Ok(datapath::offer_for(endpoint.as_ref()))
+}
+
+/// The negotiation as live links report it: data links through
+/// [`datapath::as_driven`], the control link as chosen.
+fn as_driven(negotiated: &Negotiated) -> Negotiated {
+    let driven = |choice: &efabus_core::caps::Choice| {
+        if datapath::is_data_scheme(&choice.scheme) {
+            datapath::as_driven(choice)
+        } else {
+            choice.clone()
+        }
+    };
+    Negotiated {
+        reliable: driven(&negotiated.reliable),
+        best_effort: negotiated.best_effort.as_ref().map(driven),
+        reasons: negotiated.reasons.clone(),
+    }
 }

@@ -33,6 +33,22 @@ pub(crate) fn offer_for(endpoint: &dyn Endpoint) -> Option<Offer> {
     Some(offer)
 }
 
+/// A negotiated choice of a data scheme as [`DataLink`] drives it.
+///
+/// FI_ORDER_SAS orders how messages are matched to receives, not the order
+/// their completions are reported (receive comp_order is FI_ORDER_NONE for
+/// `tcp;ofi_rxm` and `udp;ofi_rxd`, and libfabric 2.x no longer reports
+/// it): `tcp;ofi_rxm` completes a rendezvous-sized message after smaller
+/// ones sent later. Frames leave the endpoint in completion order, so data
+/// links always carry sequence numbers and reorder; both sides apply the
+/// same rule. `efabus caps` shows choices through this function too, so
+/// its view is the one a live link reports.
+pub(crate) fn as_driven(choice: &Choice) -> Choice {
+    let mut choice = choice.clone();
+    choice.params.sequence_and_reorder = true;
+    choice
+}
+
 /// What happened to a frame handed to [`DataLink::send`].
 pub(crate) enum Sent {
     /// On its way (possibly waiting in the link's backlog).
@@ -113,15 +129,7 @@ impl DataLink {
         let peer = endpoint
             .insert_peer(&choice.remote.address)
             .map_err(|err| format!("{}: cannot add the peer's address: {err}", choice.scheme))?;
-        // FI_ORDER_SAS orders how messages are matched to receives, not the
-        // order their completions are reported (receive comp_order is
-        // FI_ORDER_NONE for `tcp;ofi_rxm` and `udp;ofi_rxd`, and libfabric
-        // 2.x no longer reports it): `tcp;ofi_rxm` completes a
-        // rendezvous-sized message after smaller ones sent later. Frames
-        // leave the endpoint in completion order, so data links always carry
-        // sequence numbers and reorder; both sides apply the same rule.
-        let mut choice = choice.clone();
-        choice.params.sequence_and_reorder = true;
+        let choice = as_driven(choice);
         let config = LinkConfig::from_params(&choice.params, endpoint.max_frame(), tuning);
         let sender = LinkSender::new(&config)
             .map_err(|err| format!("{}: unusable link parameters: {err}", choice.scheme))?;

@@ -15,6 +15,21 @@
 //! orderly close, connect failures) are named as such and apply to
 //! [`LinkStyle::ConnectAccept`] only.
 //!
+//! Capabilities a transport may lack are switches on the factory, and a
+//! transport's test list leaves out the cases they rule out; each case
+//! asserts the switches it depends on, so a list cannot include a case
+//! that does not apply:
+//! - [`EndpointFactory::style`]: connection cases need
+//!   [`LinkStyle::ConnectAccept`]. Connectionless endpoints (libfabric
+//!   RDM/DGRAM) have no accept, no orderly close the other side hears of
+//!   and no failed connect; [`close_locally`] is their close case.
+//! - [`EndpointFactory::reliable`]: cases that count every frame sent
+//!   under load ([`exchange_both_ways`], [`large_frames`], [`many_peers`],
+//!   [`backpressure`]) need an endpoint that never drops (not DGRAM).
+//! - [`EndpointFactory::sized_for`]: message endpoints carry one frame per
+//!   message in buffers sized up front; [`large_frames`] asks the factory
+//!   for buffers that hold its frames (streams need nothing).
+//!
 //! Every wait loop has a deadline ([`DEADLINE`]); a case that times out
 //! panics with what it was waiting for. Nothing here measures speed.
 //!
@@ -82,6 +97,23 @@ pub trait EndpointFactory {
     /// An address nobody listens on, for the connect-failure case.
     fn unreachable_addr(&self) -> String {
         String::new()
+    }
+
+    /// Whether every frame a `send` accepted reaches a peer that keeps
+    /// polling. Datagram endpoints drop under load (a receiver whose posted
+    /// buffers are full loses what arrives), so cases that count every
+    /// frame are not for them.
+    fn reliable(&self) -> bool {
+        true
+    }
+
+    /// `config` adjusted so its endpoints carry frames of `frame` bytes.
+    /// Message transports size their buffers from options (and may bound
+    /// their number to keep memory small); stream transports keep the
+    /// default, which returns `config` unchanged.
+    fn sized_for(&self, config: EndpointConfig, frame: usize) -> EndpointConfig {
+        let _ = frame;
+        config
     }
 }
 
@@ -371,6 +403,11 @@ pub fn connect_to_nowhere_fails<F: EndpointFactory + ?Sized>(f: &F) {
 /// Frames of varied sizes both ways at once arrive complete, in order,
 /// attributed to the right peer.
 pub fn exchange_both_ways<F: EndpointFactory + ?Sized>(f: &F) {
+    assert!(
+        f.reliable(),
+        "{}: counts every frame; needs a reliable endpoint",
+        f.name()
+    );
     const N: u64 = 300;
     let (mut nodes, c, s) = pair(f, f.config(), f.config());
     for seq in 0..N {
@@ -394,12 +431,18 @@ pub fn exchange_both_ways<F: EndpointFactory + ?Sized>(f: &F) {
 
 /// Frames of 4 MiB (limit 8 MiB) cross intact both ways.
 pub fn large_frames<F: EndpointFactory + ?Sized>(f: &F) {
+    assert!(
+        f.reliable(),
+        "{}: counts every frame; needs a reliable endpoint",
+        f.name()
+    );
     const BIG: usize = 4 << 20;
     let config = EndpointConfig {
         max_frame: 8 << 20,
         queue_bytes: 32 << 20,
         ..f.config()
     };
+    let config = f.sized_for(config, BIG);
     let (mut nodes, c, s) = pair(f, config.clone(), config);
     for seq in 0..3 {
         send_blocking(&mut nodes, 0, c, numbered(1, seq, BIG - 4));
@@ -482,6 +525,11 @@ pub fn unknown_peer_rejected<F: EndpointFactory + ?Sized>(f: &F) {
 /// Fifty clients on one listener each exchange frames; every frame is
 /// attributed to the peer that sent it, on both sides.
 pub fn many_peers<F: EndpointFactory + ?Sized>(f: &F) {
+    assert!(
+        f.reliable(),
+        "{}: counts every frame; needs a reliable endpoint",
+        f.name()
+    );
     const CLIENTS: usize = 50;
     const UP: u64 = 5;
     const DOWN: u64 = 3;
@@ -620,6 +668,11 @@ pub fn drop_closes_links<F: EndpointFactory + ?Sized>(f: &F) {
 /// the receiver drains, `Writable` follows and every accepted frame
 /// arrives once, in order.
 pub fn backpressure<F: EndpointFactory + ?Sized>(f: &F) {
+    assert!(
+        f.reliable(),
+        "{}: counts every frame; needs a reliable endpoint",
+        f.name()
+    );
     const FRAME: usize = 8 << 10;
     const AFTER: u64 = 200;
     let sender_config = EndpointConfig {
@@ -709,15 +762,33 @@ fn fd_readable(poll: &mut Poll, events: &mut Events, fd: RawFd, rearm: bool) -> 
     events.iter().any(|e| e.token() == Token(7))
 }
 
+/// Poll `node` until `prepare_wait` allows a wait (at once for endpoints
+/// with `Readiness::Fd`).
+fn settle_for_wait(node: &mut Node) {
+    let deadline = Instant::now() + DEADLINE;
+    while !node.ep.prepare_wait() {
+        assert!(
+            Instant::now() < deadline,
+            "prepare_wait never allowed a wait"
+        );
+        node.pump();
+    }
+}
+
 /// The readiness descriptor is quiet while there is nothing to do, becomes
-/// readable when a frame arrives, and is quiet again once polled.
+/// readable when a frame arrives, and is quiet again once polled. For
+/// `Readiness::PollOrWait` "nothing to do" holds once `prepare_wait` has
+/// allowed a wait, as its contract says; endpoints that must be polled
+/// (`Readiness::MustPoll`) have no descriptor and are not for this case.
 pub fn readiness_fd<F: EndpointFactory + ?Sized>(f: &F) {
     let (mut nodes, c, s) = pair(f, f.config(), f.config());
-    let Readiness::Fd(fd) = nodes[1].ep.readiness() else {
-        panic!("{}: expected a readiness descriptor", f.name());
+    let fd = match nodes[1].ep.readiness() {
+        Readiness::Fd(fd) | Readiness::PollOrWait(fd) => fd,
+        Readiness::MustPoll => panic!("{}: expected a readiness descriptor", f.name()),
     };
     pump_rounds(&mut nodes, 10);
     nodes[1].log.clear();
+    settle_for_wait(&mut nodes[1]);
     let mut poll = Poll::new().expect("poll");
     let mut events = Events::with_capacity(4);
     poll.registry()
@@ -744,14 +815,64 @@ pub fn readiness_fd<F: EndpointFactory + ?Sized>(f: &F) {
             break;
         }
     }
-    pump_until(&mut nodes[1..], "the frame", |n| n[0].frames_from(s) == 1);
+    // Both sides are polled now: providers that set up a connection or
+    // hand data over in steps (rendezvous) need the sender's progress too.
+    pump_until(&mut nodes, "the frame", |n| n[1].frames_from(s) == 1);
     assert_eq!(read_numbered(&nodes[1].take_frames(s)[0]), (9, 0));
     // One more poll to consume wake-ups raced in during the last one.
     nodes[1].pump();
+    settle_for_wait(&mut nodes[1]);
     assert!(
         !fd_readable(&mut poll, &mut events, fd, true),
         "descriptor still readable after everything was polled"
     );
+}
+
+/// Connectionless endpoints: `close` forgets a peer at once. The closer
+/// sees one `Closed { Local }`, its sends to the old id fail with `Closed`
+/// and nothing stays queued for it; inserting the address again gives a new
+/// id, over which frames cross both ways. (The other side hears nothing:
+/// there is no connection to end, so that is not checked either way.)
+pub fn close_locally<F: EndpointFactory + ?Sized>(f: &F) {
+    assert_eq!(f.style(), LinkStyle::InsertPeer);
+    let (mut nodes, c, s) = pair(f, f.config(), f.config());
+    nodes[0].ep.send(c, numbered(11, 0, 40)).expect("send");
+    pump_until(&mut nodes, "a frame before the close", |n| {
+        n[1].frames_from(s) == 1
+    });
+    assert_eq!(read_numbered(&nodes[1].take_frames(s)[0]), (11, 0));
+
+    nodes[0].ep.close(c);
+    assert!(matches!(
+        nodes[0].ep.send(c, numbered(11, 1, 16)),
+        Err(SendError::Closed(p)) if p == c
+    ));
+    assert_eq!(nodes[0].ep.queued_bytes(c), 0);
+    pump_until(&mut nodes, "Closed after close", |n| {
+        n[0].closed(c).is_some()
+    });
+    assert_eq!(nodes[0].closed(c), Some(CloseReason::Local));
+    pump_rounds(&mut nodes, 5);
+    let mentions = nodes[0]
+        .log
+        .iter()
+        .filter(|e| matches!(e, Event::Closed { peer, .. } if *peer == c))
+        .count();
+    assert_eq!(mentions, 1, "exactly one Closed for {c}");
+
+    let server_addr = nodes[1].ep.local_addr();
+    let again = nodes[0]
+        .ep
+        .insert_peer(&server_addr)
+        .unwrap_or_else(|e| panic!("{}: insert_peer again: {e}", f.name()));
+    assert_ne!(again, c, "a closed id is not reused");
+    nodes[0].ep.send(again, numbered(12, 0, 40)).expect("send");
+    nodes[1].ep.send(s, numbered(13, 0, 40)).expect("send");
+    pump_until(&mut nodes, "a frame each way after re-inserting", |n| {
+        n[1].frames_from(s) == 1 && n[0].frames_from(again) == 1
+    });
+    assert_eq!(read_numbered(&nodes[1].take_frames(s)[0]), (12, 0));
+    assert_eq!(read_numbered(&nodes[0].take_frames(again)[0]), (13, 0));
 }
 
 // ------------------------------------------------------------ factories

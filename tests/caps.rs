@@ -1,0 +1,187 @@
+//! `efabus caps` (the real binary) against libfabric's own tools and a
+//! live broker, on this machine's loopback-capable providers:
+//!
+//! - `efabus caps -v --provider P --ep-type T` lists what
+//!   `fi_info -p P -t T -v` (libfabric-bin) lists: both outputs, parsed
+//!   with the core `fi_info -v` parser, are equal entry by entry.
+//! - The negotiation view of `efabus caps --config FILE` is what an
+//!   embedded broker and a client built from the same config negotiate
+//!   (`Client::link()`), line for line.
+//!
+//! A missing `fi_info` or provider skips with a message, unless
+//! `EFABUS_REQUIRE_FABRIC=1` (CI), which turns the skip into a failure.
+
+mod common;
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use efabus::{Broker, Client, ClientOptions, Config, Error};
+use efabus_core::caps::{parse_fi_info_dump, FabricInfo};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Reliable providers (RDM), each paired with `udp` for DGRAM.
+const RDM_PROVIDERS: &[&str] = &["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"];
+
+fn required() -> bool {
+    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
+}
+
+fn skip(why: &str) {
+    assert!(!required(), "EFABUS_REQUIRE_FABRIC=1 but {why}");
+    eprintln!("skipping: {why} (set EFABUS_REQUIRE_FABRIC=1 to fail instead)");
+}
+
+fn efabus(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_efabus"))
+        .args(args)
+        .output()
+        .expect("run efabus")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// `fi_info -p PROVIDER -t TYPE -v`, or None (after a skip) when the tool
+/// or the provider is missing.
+fn fi_info(provider: &str, ep_type: &str) -> Option<String> {
+    match Command::new("fi_info")
+        .args(["-p", provider, "-t", ep_type, "-v"])
+        .output()
+    {
+        Ok(out) if out.status.success() => Some(text(&out.stdout)),
+        Ok(out) => {
+            skip(&format!(
+                "fi_info -p {provider} -t {ep_type} failed: {}",
+                text(&out.stderr).trim()
+            ));
+            None
+        }
+        Err(err) => {
+            skip(&format!(
+                "fi_info cannot run ({err}); install libfabric-bin"
+            ));
+            None
+        }
+    }
+}
+
+fn parse(what: &str, dump: &str) -> Vec<FabricInfo> {
+    parse_fi_info_dump(dump).unwrap_or_else(|err| panic!("{what} does not parse: {err}\n{dump}"))
+}
+
+fn compare_with_fi_info(provider: &str, ep_type: &str, fi_type: &str) {
+    let Some(theirs) = fi_info(provider, fi_type) else {
+        return;
+    };
+    let output = efabus(&["caps", "-v", "--provider", provider, "--ep-type", ep_type]);
+    assert!(
+        output.status.success(),
+        "efabus caps -v --provider {provider} --ep-type {ep_type}: {}",
+        text(&output.stderr)
+    );
+    let ours = text(&output.stdout);
+    let theirs = parse("fi_info output", &theirs);
+    let ours = parse("efabus caps -v output", &ours);
+    assert!(!theirs.is_empty(), "fi_info listed nothing for {provider}");
+    assert_eq!(
+        ours.len(),
+        theirs.len(),
+        "{provider} {fi_type}: efabus lists {} entries, fi_info {}",
+        ours.len(),
+        theirs.len()
+    );
+    for (i, (ours, theirs)) in ours.iter().zip(&theirs).enumerate() {
+        assert_eq!(ours.fabric_attr.prov_name, provider);
+        assert_eq!(ours.ep_attr.ep_type.name(), fi_type);
+        assert_eq!(
+            ours, theirs,
+            "{provider} entry {i} differs:\n--- efabus caps -v\n{ours}\n--- fi_info -v\n{theirs}"
+        );
+    }
+}
+
+#[test]
+fn caps_verbose_for_a_provider_equals_fi_info() {
+    for provider in RDM_PROVIDERS {
+        compare_with_fi_info(provider, "rdm", "FI_EP_RDM");
+    }
+    compare_with_fi_info("udp", "dgram", "FI_EP_DGRAM");
+}
+
+#[test]
+fn caps_for_an_unknown_provider_fails_with_the_reason() {
+    let output = efabus(&["caps", "--provider", "no-such-provider"]);
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output.stdout));
+    let errors = text(&output.stderr);
+    assert!(errors.contains("no-such-provider"), "{errors}");
+    assert!(!errors.contains("panicked"), "{errors}");
+}
+
+/// The config of a broker on loopback whose data paths use `provider`.
+fn fabric_config(provider: &str) -> String {
+    format!(
+        "name = \"caps-test\"\nlog_level = \"error\"\n\
+         listen = [\"tcp/127.0.0.1:0\", \"efa-rdm\", \"efa-dgram\"]\n\
+         [fabric]\nprovider = \"{provider}\"\ndgram_provider = \"udp\"\nnode = \"127.0.0.1\"\n"
+    )
+}
+
+/// The line of `text` that starts with `label`, without it.
+fn line_after<'a>(text: &'a str, label: &str) -> &'a str {
+    text.lines()
+        .find_map(|line| line.strip_prefix(label))
+        .unwrap_or_else(|| panic!("no {label:?} line in:\n{text}"))
+}
+
+fn caps_view_matches_a_live_negotiation(provider: &str) {
+    let toml = fabric_config(provider);
+    let config = Config::from_toml_str(&toml, "caps test").expect("valid config");
+    let broker = match Broker::start(config) {
+        Ok(broker) => broker,
+        Err(err @ Error::Endpoint { .. }) => return skip(&format!("{provider}: {err}")),
+        Err(err) => panic!("broker with {provider} does not start: {err}"),
+    };
+    let options = ClientOptions {
+        connect_timeout: WAIT,
+        ..ClientOptions::from_config(broker.config())
+    };
+    let endpoint = broker.endpoint("tcp").expect("a TCP listener");
+    let client = Client::connect_with(
+        &endpoint,
+        options,
+        efabus_transports::registry::Registry::with_builtins(),
+    )
+    .expect("client connects");
+    let link = client.link();
+    assert!(
+        link.reliable.starts_with("efa-rdm via "),
+        "{provider}: the client is not on the fabric: {link:?}"
+    );
+
+    let path = common::temp_path("caps.toml");
+    std::fs::write(&path, &toml).expect("write config");
+    let output = efabus(&["caps", "--config", path.to_str().expect("utf-8 path")]);
+    let _ = std::fs::remove_file(&path);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let view = text(&output.stdout);
+    assert_eq!(
+        line_after(&view, "reliable: "),
+        link.reliable,
+        "{provider}: caps view and live link differ"
+    );
+    assert_eq!(
+        Some(line_after(&view, "best-effort: ")),
+        link.best_effort.as_deref(),
+        "{provider}: caps view and live link differ"
+    );
+}
+
+#[test]
+fn caps_negotiation_view_equals_what_a_broker_and_client_negotiate() {
+    for provider in RDM_PROVIDERS {
+        caps_view_matches_a_live_negotiation(provider);
+    }
+}

@@ -1,0 +1,145 @@
+//! `examples/efa_rdm.rs`, run as built: for each RDM provider of this
+//! machine it negotiates the fabric, exchanges messages and exits 0; for a
+//! provider that does not exist it prints one line with the transport's
+//! reason and exits 2.
+//!
+//! `cargo test` builds the examples next to the test binaries
+//! (`target/<profile>/examples/`); a run that did not build them (a
+//! `--test` filter) skips with a message. A provider that cannot open here
+//! skips too, unless `EFABUS_REQUIRE_FABRIC=1` (CI), which fails instead.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Bound on one run of the example (it takes well under a second).
+const RUN_LIMIT: Duration = Duration::from_secs(60);
+
+fn required() -> bool {
+    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
+}
+
+/// The built example: `target/<profile>/examples/efa_rdm`, found from this
+/// test's own path (`target/<profile>/deps/<test>`).
+fn example() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let profile_dir = exe.parent()?.parent()?;
+    let path = profile_dir
+        .join("examples")
+        .join(format!("efa_rdm{}", std::env::consts::EXE_SUFFIX));
+    if path.is_file() {
+        Some(path)
+    } else {
+        eprintln!(
+            "skipping: {} is not built (run `cargo test` without a --test filter, \
+             or `cargo build --example efa_rdm`)",
+            path.display()
+        );
+        None
+    }
+}
+
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Run the example with `args`, killing it if it outlives [`RUN_LIMIT`].
+fn run(example: &PathBuf, args: &[&str]) -> Run {
+    let mut child = Command::new(example)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn the example");
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut stderr = child.stderr.take().expect("stderr");
+    let out = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stdout.read_to_string(&mut text);
+        text
+    });
+    let err = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let deadline = Instant::now() + RUN_LIMIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for the example") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the example {args:?} ran longer than {RUN_LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Run {
+        code: status.code(),
+        stdout: out.join().expect("stdout reader"),
+        stderr: err.join().expect("stderr reader"),
+    }
+}
+
+#[test]
+fn runs_over_each_rdm_provider() {
+    let Some(example) = example() else {
+        return;
+    };
+    for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
+        let run = run(&example, &[provider]);
+        match run.code {
+            Some(0) => {}
+            Some(2) => {
+                assert!(
+                    !required(),
+                    "EFABUS_REQUIRE_FABRIC=1 but {provider} is unavailable: {}",
+                    run.stdout
+                );
+                eprintln!("skipping {provider}: {}", run.stdout.trim());
+                continue;
+            }
+            code => panic!(
+                "example with {provider} exited with {code:?}\nstdout:\n{}\nstderr:\n{}",
+                run.stdout, run.stderr
+            ),
+        }
+        for expected in [
+            format!("client data path: efa-rdm via {provider} FI_EP_RDM"),
+            "client got   greetings.client = hello over RDM".to_string(),
+            "broker got   telemetry.node7.temp = 61C".to_string(),
+            "request      svc.upper = SHOUT THIS".to_string(),
+        ] {
+            assert!(
+                run.stdout.contains(&expected),
+                "{provider}: missing {expected:?} in:\n{}",
+                run.stdout
+            );
+        }
+    }
+}
+
+#[test]
+fn an_unknown_provider_gives_one_line_and_status_2() {
+    let Some(example) = example() else {
+        return;
+    };
+    let run = run(&example, &["no-such-provider"]);
+    assert_eq!(run.code, Some(2), "{}{}", run.stdout, run.stderr);
+    let lines: Vec<&str> = run.stdout.lines().collect();
+    assert_eq!(lines.len(), 1, "one line: {}", run.stdout);
+    let reason = lines[0]
+        .split_once("\"no-such-provider\" cannot be used here: ")
+        .map(|(_, reason)| reason)
+        .unwrap_or_else(|| panic!("not the unavailable line: {}", lines[0]));
+    // With libfabric the reason is fi_getinfo's; without, the build's.
+    let expected = match efabus::transports::fabric::build_unavailable_reason() {
+        None => "fi_getinfo found nothing for provider \"no-such-provider\"",
+        Some(missing) => missing,
+    };
+    assert!(reason.contains(expected), "{reason}");
+}
