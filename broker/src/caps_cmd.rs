@@ -21,7 +21,6 @@ use efabus_core::caps::{
     check, negotiate, parse_fi_info_dump, to_fi_info_text, EpType, FabricInfo, Hints, Negotiated,
     Offer,
 };
-use efabus_core::transport::EndpointConfig;
 use efabus_transports::fabric::{probe_like_fi_info, EpKind, FabricTransport};
 use efabus_transports::registry::{EndpointSpec, Registry};
 
@@ -287,13 +286,7 @@ fn open_offer(registry: &Registry, config: &Config, spec: &str) -> Result<Option
     } else {
         None
     };
-    let endpoint_config = EndpointConfig {
-        bind,
-        max_frame: config.max_frame(),
-        queue_frames: 65_536,
-        queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
-        options: crate::server::endpoint_options(&config.fabric, spec.scheme()),
-    };
+    let endpoint_config = crate::server::listener_config(config, spec.scheme(), bind);
     let endpoint = registry
         .open(&spec, &endpoint_config)
         .map_err(|err| err.to_string())?;

@@ -346,13 +346,8 @@ impl Broker {
                 endpoint: text.clone(),
                 source: err.into(),
             })?;
-            let endpoint_config = EndpointConfig {
-                bind: Some(spec.address().unwrap_or_default().to_string()),
-                max_frame: codec_limits.max_frame,
-                queue_frames: 65_536,
-                queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
-                options: endpoint_options(&config.fabric, spec.scheme()),
-            };
+            let bind = Some(spec.address().unwrap_or_default().to_string());
+            let endpoint_config = listener_config(&config, spec.scheme(), bind);
             let endpoint = match registry.open(&spec, &endpoint_config) {
                 Ok(endpoint) => endpoint,
                 // A fabric this host lacks (no EFA device, no provider)
@@ -406,13 +401,7 @@ impl Broker {
                 endpoint: "tcp".into(),
                 source: err.into(),
             })?;
-            let endpoint_config = EndpointConfig {
-                bind: None,
-                max_frame: codec_limits.max_frame,
-                queue_frames: 65_536,
-                queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
-                options: Vec::new(),
-            };
+            let endpoint_config = listener_config(&config, spec.scheme(), None);
             let endpoint =
                 registry
                     .open(&spec, &endpoint_config)
@@ -821,6 +810,22 @@ fn remove_closed(shared: &Shared, closed: Vec<(u64, bool)>) {
         if removed && cut_off {
             BrokerStats::add(&shared.stats.slow_consumer_disconnects, 1);
         }
+    }
+}
+
+/// How the broker opens an endpoint of `scheme` (bound at `bind`, if any)
+/// from its config; `efabus caps` opens them the same way.
+pub(crate) fn listener_config(
+    config: &Config,
+    scheme: &str,
+    bind: Option<String>,
+) -> EndpointConfig {
+    EndpointConfig {
+        bind,
+        max_frame: config.max_frame(),
+        queue_frames: 65_536,
+        queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
+        options: endpoint_options(&config.fabric, scheme),
     }
 }
 
