@@ -1149,8 +1149,12 @@ impl EventLoop {
                 continue;
             }
             // Sleep until an fd is ready, a command arrives or the next
-            // tick; endpoints that must be polled cap the sleep.
-            let mut timeout = next_tick.saturating_duration_since(now);
+            // tick; endpoints that must be polled cap the sleep. The tick may
+            // run up to a millisecond late: a shorter wait for it would be a
+            // blind sleep (see `wait`), deaf to the descriptors.
+            let mut timeout = next_tick
+                .saturating_duration_since(now)
+                .max(Duration::from_millis(1));
             if self.polling.must_poll {
                 let config = &self.shared.config.fabric.polling;
                 timeout = timeout.min(self.polling.backoff(idle_spins, config));
