@@ -673,14 +673,13 @@ impl FabricEndpoint {
         }
     }
 
-    /// Posts tx slot `slot` to `dest`.
     /// Posts tx slot `slot` to `dest`: with `fi_inject` when the whole
     /// posted length fits the provider's `inject_size` (the provider copies
     /// it, so the slot is free again at once), else with `fi_send`.
     fn post_slot(&mut self, slot: usize, dest: u64) -> Result<(), FiCode> {
         let ptr = self.tx_pool.slot_ptr(slot);
         let len = self.tx_post_len[slot];
-        if self.link.inject_size > 0 && len <= self.link.inject_size {
+        if BufferLayout::fits_inject(self.link.inject_size, len) {
             // SAFETY: the slot holds `len` encoded bytes and is not posted.
             let bytes = unsafe { std::slice::from_raw_parts(ptr.cast_const(), len) };
             match self.ep.inject(bytes, dest) {

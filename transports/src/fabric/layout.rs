@@ -114,11 +114,11 @@ impl BufferLayout {
         self.prefix + Self::header_len(addr_len) + frame_len
     }
 
-    /// Whether a send of `frame_len` bytes may use `fi_inject`: only when
-    /// the provider allows inject at all and the whole posted length, prefix
-    /// included, fits its `inject_size`.
-    pub fn fits_inject(&self, inject_size: usize, addr_len: usize, frame_len: usize) -> bool {
-        inject_size > 0 && self.send_len(addr_len, frame_len) <= inject_size
+    /// Whether a message of `posted_len` bytes (prefix, header and frames)
+    /// may go with `fi_inject`: only when the provider allows inject at all
+    /// and the whole posted length fits its `inject_size`.
+    pub fn fits_inject(inject_size: usize, posted_len: usize) -> bool {
+        inject_size > 0 && posted_len <= inject_size
     }
 
     /// Writes the header and frame after the prefix of `slot` and returns
@@ -367,11 +367,15 @@ mod tests {
     fn inject_only_within_the_limit_prefix_included() {
         let layout = BufferLayout::new(EFA_RDM_PREFIX, 65536);
         let fits = EFA_RDM_INJECT - EFA_RDM_PREFIX - 2 - EFA_ADDR_LEN;
-        assert!(layout.fits_inject(EFA_RDM_INJECT, EFA_ADDR_LEN, fits));
-        assert!(!layout.fits_inject(EFA_RDM_INJECT, EFA_ADDR_LEN, fits + 1));
+        let posted = |frame_len| layout.send_len(EFA_ADDR_LEN, frame_len);
+        assert!(BufferLayout::fits_inject(EFA_RDM_INJECT, posted(fits)));
+        assert!(!BufferLayout::fits_inject(EFA_RDM_INJECT, posted(fits + 1)));
         // EFA DGRAM has inject_size 0: never inject.
         let dgram = BufferLayout::new(EFA_DGRAM_PREFIX, 8888);
-        assert!(!dgram.fits_inject(0, EFA_ADDR_LEN, 4));
+        assert!(!BufferLayout::fits_inject(
+            0,
+            dgram.send_len(EFA_ADDR_LEN, 4)
+        ));
     }
 
     #[test]
