@@ -131,6 +131,7 @@ impl DataLink {
             .map_err(|err| format!("{}: cannot add the peer's address: {err}", choice.scheme))?;
         let choice = as_driven(choice);
         let config = LinkConfig::from_params(&choice.params, endpoint.max_frame(), tuning);
+        endpoint.set_peer_frame_limit(peer, config.frame_limit);
         let sender = LinkSender::new(&config)
             .map_err(|err| format!("{}: unusable link parameters: {err}", choice.scheme))?;
         let (send, grant) = windows(

@@ -97,9 +97,9 @@ pub enum Readiness {
     /// Make progress only by calling `poll` repeatedly (busy-poll with backoff).
     MustPoll,
     /// Poll repeatedly as for `MustPoll`; between polls the caller may
-    /// block on the descriptor (readable when `poll` may have work), but
-    /// only after [`Endpoint::prepare_wait`] returned true, and still for
-    /// no longer than its `MustPoll` back-off.
+    /// block on the descriptor (readable when `poll` may have work) for as
+    /// long as it likes, but only after [`Endpoint::prepare_wait`] returned
+    /// true.
     PollOrWait(RawFd),
 }
 
@@ -393,6 +393,14 @@ pub trait Endpoint: Send {
 
     /// How the caller learns there is work.
     fn readiness(&self) -> Readiness;
+
+    /// The most frame bytes one message to `peer` may carry, as the link
+    /// to it negotiated (its buffers may be smaller than this endpoint's).
+    /// An endpoint that packs several frames into one message keeps each
+    /// message within it, and packs nothing for a peer without one.
+    fn set_peer_frame_limit(&mut self, peer: PeerId, limit: usize) {
+        let _ = (peer, limit);
+    }
 
     /// Called right before the caller sleeps, for endpoints that must be
     /// polled ([`Readiness::MustPoll`] and [`Readiness::PollOrWait`]): the

@@ -941,6 +941,10 @@ impl Endpoint for FaultyEndpoint {
         self.inner.prepare_wait()
     }
 
+    fn set_peer_frame_limit(&mut self, peer: PeerId, limit: usize) {
+        self.inner.set_peer_frame_limit(peer, limit);
+    }
+
     fn info(&self) -> Option<FabricInfo> {
         self.inner.info()
     }

@@ -54,6 +54,8 @@ pub(crate) struct RouteRole {
     broker_id: Option<u64>,
     /// Ids of the interest entries the peer announced.
     announced: HashSet<u64>,
+    /// Closed because another link to the same broker is kept.
+    duplicate: bool,
 }
 
 impl RouteRole {
@@ -62,6 +64,7 @@ impl RouteRole {
             slot,
             broker_id: None,
             announced: HashSet::default(),
+            duplicate: false,
         }
     }
 
@@ -347,6 +350,9 @@ impl EventLoop {
                 .and_then(|role| role.slot);
             if dialer(slot) < dialer(other_slot) {
                 info!(session = other, broker = %broker_hex(broker), "two routes to one broker: closing the one dialed by the higher id");
+                if let Some(role) = self.sessions.get_mut(&other).and_then(|s| s.route.as_mut()) {
+                    role.duplicate = true;
+                }
                 self.goodbye(other, "duplicate route");
             } else {
                 info!(session = id, broker = %broker_hex(broker), "two routes to one broker: closing the one dialed by the higher id");
@@ -418,7 +424,7 @@ impl EventLoop {
             self.cluster.by_broker.remove(&broker);
         }
         self.shared.stats.routes.fetch_sub(1, Ordering::Relaxed);
-        if self.shared.shutdown.load(Ordering::Relaxed) {
+        if self.shared.shutdown.load(Ordering::Relaxed) || role.duplicate {
             info!(session = id, peer = %session.remote, broker = %broker_hex(broker), "route closed");
         } else {
             warn!(session = id, peer = %session.remote, name = %session.name, broker = %broker_hex(broker), "route down");

@@ -14,6 +14,7 @@
 //! | `max_addresses` | most distinct peer addresses inserted (senders name themselves in band) | 65536 |
 //! | `rnr_retry` | `FI_OPT_EFA_RNR_RETRY` for efa RDM (0-7, 7 = retry without limit) | 7 |
 //! | `order` | `prefer` (ask for FI_ORDER_SAS, accept without), `require`, `none` | `prefer` |
+//! | `wait_fd` | open a wait set where the provider offers one, so the owner may sleep on its descriptor | true |
 //! | `force_prefix` | test only: reserve this many prefix bytes as if the provider asked (multiple of 8) | 0 |
 //! | `force_mr_local` | test only: register the pools and pass descriptors as if FI_MR_LOCAL were required | false |
 

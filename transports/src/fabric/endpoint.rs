@@ -134,6 +134,10 @@ struct PeerState {
     /// more frames.
     backlog: VecDeque<usize>,
     wants_writable: bool,
+    /// Frame bytes one message to this peer may carry (its receive
+    /// buffers may be smaller than ours); 0 until the caller sets it, and
+    /// then nothing is packed.
+    pack_limit: usize,
 }
 
 /// A libfabric RDM or DGRAM endpoint. See the module docs.
@@ -645,6 +649,7 @@ impl FabricEndpoint {
                 queued_bytes: 0,
                 backlog: VecDeque::new(),
                 wants_writable: false,
+                pack_limit: 0,
             },
         );
         Ok(peer)
@@ -906,7 +911,12 @@ impl Endpoint for FabricEndpoint {
         // Pack behind the newest frame not posted yet, when it fits: the
         // slots in a backlog are posted by the next poll, so frames sent in
         // one round of the caller's loop share a message.
-        if let Some(&tail) = self.peers.get(&peer).and_then(|s| s.backlog.back()) {
+        let tail = self.peers.get(&peer).and_then(|state| {
+            let tail = *state.backlog.back()?;
+            let packed = self.tx_owner[tail].map_or(0, |(_, bytes)| bytes);
+            (packed + len <= state.pack_limit).then_some(tail)
+        });
+        if let Some(tail) = tail {
             // SAFETY: a slot in a backlog has not been posted, so no
             // operation reads it while it is written.
             let buf = unsafe { self.tx_pool.slot_mut(tail) };
@@ -974,6 +984,12 @@ impl Endpoint for FabricEndpoint {
         match &self.wait {
             Some(wait) => Readiness::PollOrWait(wait.fd()),
             None => Readiness::MustPoll,
+        }
+    }
+
+    fn set_peer_frame_limit(&mut self, peer: PeerId, limit: usize) {
+        if let Some(state) = self.peers.get_mut(&peer) {
+            state.pack_limit = limit.min(self.link.max_frame);
         }
     }
 

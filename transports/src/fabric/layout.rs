@@ -16,8 +16,9 @@
 //!   no FI_SOURCE), and an address in band also lets a receiver learn a peer
 //!   it has not inserted yet, so every provider is handled the same way.
 //! - A message carries one or more whole frames back to back (a sender
-//!   packs frames that queue behind a send in flight); their own length
-//!   prefixes must account for the rest of the message exactly.
+//!   packs the frames it is handed between two polls, up to the peer's
+//!   frame limit); their own length prefixes must account for the rest of
+//!   the message exactly.
 //!
 //! The limits count the prefix against the provider's `max_msg_size` and
 //! `inject_size` even though fi_getinfo(3) says the prefix is not counted:

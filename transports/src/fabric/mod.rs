@@ -28,7 +28,8 @@
 //!   [`FabricEndpoint::sas_granted`] so the session layer can reorder.
 //! - `max_msg_size` bounds `max_frame` (prefix counted); `inject_size`
 //!   bounds `fi_inject` (0: never).
-//! - CQs are polled, and -FI_EAGAIN is met with progress and a retry. When
+//! - CQs are polled; a post refused with -FI_EAGAIN waits in its peer's
+//!   backlog, and progress plus every later poll retries it. When
 //!   the provider offers a wait set (`fi_wait_open` with FI_WAIT_FD; not
 //!   efa on 1.17) both CQs signal it and the endpoint reports
 //!   `Readiness::PollOrWait` with its descriptor, `fi_trywait` guarding
