@@ -1723,26 +1723,42 @@ impl EventLoop {
         }
     }
 
-    fn on_publish(&mut self, id: u64, subject: &str, reply: Option<&str>, payload: Payload<'_>) {
+    /// Whether a payload of `len` bytes is within `limits.max_payload`;
+    /// if not, the peer is told (the connection stays).
+    fn payload_allowed(&mut self, id: u64, len: usize) -> bool {
         let max_payload = self.shared.config.limits.max_payload;
-        if payload.bytes.len() as u64 > max_payload {
-            let text = format!(
-                "payload of {} bytes exceeds the limit of {max_payload}",
-                payload.bytes.len(),
-            );
-            self.report(id, ErrorCode::PayloadTooLarge, text);
+        if len as u64 <= max_payload {
+            return true;
+        }
+        let text = format!("payload of {len} bytes exceeds the limit of {max_payload}");
+        self.report(id, ErrorCode::PayloadTooLarge, text);
+        false
+    }
+
+    fn on_publish(&mut self, id: u64, subject: &str, reply: Option<&str>, payload: Payload<'_>) {
+        if !self.payload_allowed(id, payload.bytes.len()) {
             return;
         }
         // Routing validates the subject (the index caches valid ones).
+        let routed = self.shared.router.read().route(subject, &mut self.targets);
+        self.deliver_routed(id, subject, reply, payload, routed);
+    }
+
+    /// Deliver a message whose subscriptions `routed` into `self.targets`,
+    /// or tell the peer why its subject or reply subject is invalid.
+    fn deliver_routed(
+        &mut self,
+        id: u64,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Payload<'_>,
+        routed: Result<(), subject::SubjectError>,
+    ) {
         let shared = &self.shared;
-        let valid = shared
-            .router
-            .read()
-            .route(subject, &mut self.targets)
-            .and_then(|()| match reply {
-                Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
-                None => Ok(()),
-            });
+        let valid = routed.and_then(|()| match reply {
+            Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
+            None => Ok(()),
+        });
         if let Err(err) = valid {
             self.report(
                 id,

@@ -28,15 +28,13 @@ use efabus_core::codec;
 use efabus_core::frame::{
     ErrorCode, Frame, Goodbye, Hello, RouteHello, Subscribe, Welcome, PROTOCOL_VERSION,
 };
-use efabus_core::subject;
 use efabus_transports::registry::EndpointSpec;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tracing::{debug, info, warn};
 
-use super::{deliver_local, BrokerStats, EventLoop, Payload, Session, SessionState, Shared};
-use crate::delivery::Message;
+use super::{BrokerStats, EventLoop, Payload, Session, SessionState, Shared};
 use crate::route::InterestChange;
 use crate::router::SubRef;
 
@@ -543,47 +541,14 @@ impl EventLoop {
         payload: Payload<'_>,
     ) {
         self.tally.route_messages_in += 1;
-        let max_payload = self.shared.config.limits.max_payload;
-        if payload.bytes.len() as u64 > max_payload {
-            let text = format!(
-                "payload of {} bytes exceeds the limit of {max_payload}",
-                payload.bytes.len(),
-            );
-            self.report(id, ErrorCode::PayloadTooLarge, text);
+        if !self.payload_allowed(id, payload.bytes.len()) {
             return;
         }
-        let mut targets = std::mem::take(&mut self.targets);
-        let shared = &self.shared;
-        let routed = shared
+        let routed = self
+            .shared
             .router
             .read()
-            .route_from_peer(subject, sid, &mut targets)
-            .and_then(|()| match reply {
-                Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
-                None => Ok(()),
-            });
-        if let Err(err) = routed {
-            self.targets = targets;
-            self.report(
-                id,
-                ErrorCode::InvalidSubject,
-                format!("invalid subject {subject:?}: {err}"),
-            );
-            return;
-        }
-        self.tally.messages_in += 1;
-        if !targets.local.is_empty() {
-            let local = Message {
-                subject: Arc::from(subject),
-                reply: reply.map(Arc::from),
-                payload: payload.to_bytes(),
-            };
-            deliver_local(&self.shared, &mut targets, &local);
-        }
-        self.encoded_valid = false;
-        for &target in &targets.remote {
-            self.deliver_remote(target, subject, reply, payload);
-        }
-        self.targets = targets;
+            .route_from_peer(subject, sid, &mut self.targets);
+        self.deliver_routed(id, subject, reply, payload, routed);
     }
 }
