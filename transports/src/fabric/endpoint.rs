@@ -1003,7 +1003,18 @@ impl Endpoint for FabricEndpoint {
             if let Err(err) = self.progress() {
                 tracing::warn!("{err}");
             }
-            if unposted(self) < before {
+            let left = unposted(self);
+            if left < before {
+                return false;
+            }
+            // The provider took none (e.g. `tcp;ofi_rxm` still connecting).
+            // A completion would wake the descriptor only if a send of ours
+            // is in flight; with none, sleeping could outlast the refusal.
+            let in_flight = self
+                .tx_owner
+                .len()
+                .saturating_sub(self.free_tx.len() + left);
+            if self.wait.is_some() && in_flight == 0 {
                 return false;
             }
         }
