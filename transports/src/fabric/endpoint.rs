@@ -177,6 +177,10 @@ pub struct FabricEndpoint {
     tx_post_len: Vec<usize>,
     unposted_rx: Vec<usize>,
     pending: VecDeque<Event>,
+    /// Peers whose backlog is not empty (or was, until they went away).
+    backlogged: Vec<PeerId>,
+    /// Peers told `WouldBlock`, owed a `Writable` once a slot is free.
+    writable_waiters: Vec<PeerId>,
     completions: Vec<Completion>,
     stats: FabricStats,
 }
@@ -380,6 +384,8 @@ impl FabricEndpoint {
             tx_post_len: vec![0; tx_depth],
             unposted_rx: (0..rx_depth).rev().collect(),
             pending: VecDeque::new(),
+            backlogged: Vec::new(),
+            writable_waiters: Vec::new(),
             completions: vec![Completion::default(); CQ_BATCH],
             stats: FabricStats::default(),
         };
@@ -459,9 +465,12 @@ impl FabricEndpoint {
         self.flush_backlogs();
         self.post_receives()?;
         if !self.free_tx.is_empty() {
-            for (peer, state) in self.peers.iter_mut() {
+            for peer in std::mem::take(&mut self.writable_waiters) {
+                let Some(state) = self.peers.get_mut(&peer) else {
+                    continue;
+                };
                 if std::mem::take(&mut state.wants_writable) {
-                    self.pending.push_back(Event::Writable { peer: *peer });
+                    self.pending.push_back(Event::Writable { peer });
                 }
             }
         }
@@ -723,15 +732,18 @@ impl FabricEndpoint {
     /// Posts what each peer's backlog holds, oldest first, until the
     /// provider pushes back again.
     fn flush_backlogs(&mut self) {
-        let waiting: Vec<PeerId> = self
-            .peers
-            .iter()
-            .filter(|(_, state)| !state.backlog.is_empty())
-            .map(|(peer, _)| *peer)
-            .collect();
-        for peer in waiting {
+        let waiting = std::mem::take(&mut self.backlogged);
+        for &peer in &waiting {
             self.flush_backlog(peer);
         }
+        // Keep the peers the provider still refuses, ahead of any added
+        // meanwhile.
+        let still = waiting
+            .into_iter()
+            .filter(|peer| self.peers.get(peer).is_some_and(|s| !s.backlog.is_empty()));
+        let mut backlogged: Vec<PeerId> = still.collect();
+        backlogged.append(&mut self.backlogged);
+        self.backlogged = backlogged;
     }
 
     fn flush_backlog(&mut self, peer: PeerId) {
@@ -775,7 +787,9 @@ impl FabricEndpoint {
     fn would_block(&mut self, peer: PeerId, frame: OutFrame) -> SendError {
         self.stats.would_block += 1;
         if let Some(state) = self.peers.get_mut(&peer) {
-            state.wants_writable = true;
+            if !std::mem::replace(&mut state.wants_writable, true) {
+                self.writable_waiters.push(peer);
+            }
         }
         SendError::WouldBlock(frame)
     }
@@ -961,6 +975,9 @@ impl Endpoint for FabricEndpoint {
             return Err(SendError::Closed(peer));
         };
         state.queued_bytes += len;
+        if state.backlog.is_empty() {
+            self.backlogged.push(peer);
+        }
         state.backlog.push_back(slot);
         Ok(())
     }
@@ -996,8 +1013,10 @@ impl Endpoint for FabricEndpoint {
     fn prepare_wait(&mut self) -> bool {
         // Frames sent since the last poll wait in the backlogs: post them
         // and have the caller poll again, unless the provider takes none.
-        let unposted =
-            |endpoint: &Self| -> usize { endpoint.peers.values().map(|s| s.backlog.len()).sum() };
+        let unposted = |endpoint: &Self| -> usize {
+            let backlog = |peer| endpoint.peers.get(peer).map_or(0, |s| s.backlog.len());
+            endpoint.backlogged.iter().map(backlog).sum()
+        };
         let before = unposted(self);
         if before > 0 {
             if let Err(err) = self.progress() {
