@@ -1038,7 +1038,8 @@ impl ClientLoop {
                 timeout = timeout.min(polled.backoff(idle, polling));
             }
             let may_wait = timeout.is_zero()
-                || (self.endpoint.prepare_wait() && crate::server::prepare_wait(&mut self.data));
+                || (crate::server::prepare_wait(std::slice::from_mut(&mut self.endpoint))
+                    && crate::server::prepare_wait(&mut self.data));
             if !may_wait {
                 continue;
             }

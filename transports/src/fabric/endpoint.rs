@@ -732,18 +732,14 @@ impl FabricEndpoint {
     /// Posts what each peer's backlog holds, oldest first, until the
     /// provider pushes back again.
     fn flush_backlogs(&mut self) {
-        let waiting = std::mem::take(&mut self.backlogged);
+        // Flushing adds no peer to the list, so it is taken and put back.
+        let mut waiting = std::mem::take(&mut self.backlogged);
         for &peer in &waiting {
             self.flush_backlog(peer);
         }
-        // Keep the peers the provider still refuses, ahead of any added
-        // meanwhile.
-        let still = waiting
-            .into_iter()
-            .filter(|peer| self.peers.get(peer).is_some_and(|s| !s.backlog.is_empty()));
-        let mut backlogged: Vec<PeerId> = still.collect();
-        backlogged.append(&mut self.backlogged);
-        self.backlogged = backlogged;
+        // Keep the peers the provider still refuses.
+        waiting.retain(|peer| self.peers.get(peer).is_some_and(|s| !s.backlog.is_empty()));
+        self.backlogged = waiting;
     }
 
     fn flush_backlog(&mut self, peer: PeerId) {

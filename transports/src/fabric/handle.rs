@@ -230,17 +230,17 @@ impl WaitSet {
         // SAFETY: the wait set was just opened; FI_GETWAIT on an FI_WAIT_FD
         // set writes one int.
         let ret = unsafe { sys::efabus_wait_fd(ptr.as_ptr(), &mut fd) };
-        let wait = Rc::new(WaitSet {
+        // Owned before the checks, so an error closes the set on drop.
+        let wait = WaitSet {
             ptr,
             fd,
             fabric: fabric.clone(),
-        });
-        if ret != 0 || fd < 0 {
-            return Err(FiCode::from_ret(
-                if ret != 0 { ret } else { FI_EINVAL }.into(),
-            ));
+        };
+        match (ret, fd) {
+            (0, fd) if fd >= 0 => Ok(Rc::new(wait)),
+            (0, _) => Err(FiCode::from_ret(FI_EINVAL.into())),
+            (ret, _) => Err(FiCode::from_ret(ret.into())),
         }
-        Ok(wait)
     }
 
     /// The descriptor that becomes readable when a CQ of the set has work.
