@@ -16,9 +16,8 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use efabus::core::transport::TransportError;
-use efabus::transports::registry::{Registry, RegistryError};
-use efabus::{Broker, Bytes, Client, ClientOptions, Config, Error};
+use efabus::transports::registry::Registry;
+use efabus::{Broker, Bytes, Client, ClientOptions, Config};
 
 const WAIT: Duration = Duration::from_secs(5);
 
@@ -71,14 +70,15 @@ fn run(provider: &str) -> Result<(), Failure> {
         ),
         "efa_rdm example",
     )?;
-    let broker = match Broker::start(config) {
-        Ok(broker) => broker,
-        Err(err) => return Err(unavailable_or_other(err)),
-    };
+    // A broker whose efa-rdm listener cannot open serves on TCP alone.
+    let broker = Broker::start(config)?;
     let endpoint = broker
         .endpoint("tcp")
         .ok_or("the broker has no TCP listener")?;
-    println!("broker listening on {endpoint} and efa-rdm via {provider}");
+    let fabric_listener = broker.endpoint("efa-rdm").is_some();
+    if fabric_listener {
+        println!("broker listening on {endpoint} and efa-rdm via {provider}");
+    }
 
     // The client offers what the broker's config lists (`efa-rdm` here) with
     // the same [fabric] settings; negotiation happens over TCP.
@@ -89,8 +89,17 @@ fn run(provider: &str) -> Result<(), Failure> {
     };
     let client = Client::connect_with(&endpoint, options, Registry::with_builtins())?;
     let link = client.link();
-    println!("client data path: {}", link.reliable);
     if !link.reliable.starts_with("efa-rdm via ") {
+        // The client opened its endpoint with the same settings: its
+        // reason is the transport's.
+        let unavailable = link
+            .reasons
+            .iter()
+            .find_map(|reason| reason.strip_prefix("efa-rdm: "))
+            .filter(|reason| reason.contains(" is unavailable: "));
+        if let (false, Some(reason)) = (fabric_listener, unavailable) {
+            return Err(Failure::Unavailable(reason.to_string()));
+        }
         // Both sides opened the endpoint, yet negotiation kept TCP: say why.
         return Err(format!(
             "negotiation kept the client on {}: {}",
@@ -99,6 +108,7 @@ fn run(provider: &str) -> Result<(), Failure> {
         )
         .into());
     }
+    println!("client data path: {}", link.reliable);
 
     // Broker to client over the fabric. `flush` returns once the broker has
     // the subscription, so the publish cannot overtake it.
@@ -154,24 +164,4 @@ fn run(provider: &str) -> Result<(), Failure> {
     client.shutdown();
     broker.shutdown();
     Ok(())
-}
-
-/// A fabric endpoint that did not open is the transport's reason to report;
-/// anything else is a failure of its own.
-fn unavailable_or_other(err: Error) -> Failure {
-    match err {
-        Error::Endpoint {
-            source:
-                RegistryError::Transport {
-                    source: TransportError::Unavailable { reason, .. },
-                    ..
-                },
-            ..
-        } => Failure::Unavailable(reason),
-        Error::Endpoint {
-            source: RegistryError::Transport { source, .. },
-            endpoint,
-        } if endpoint.starts_with("efa-rdm") => Failure::Unavailable(source.to_string()),
-        other => Failure::Other(other.into()),
-    }
 }

@@ -479,6 +479,19 @@ int64_t efabus_inject(struct fid_ep *ep, const void *buf, uint64_t len,
 	return fi_inject(ep, buf, len, dest);
 }
 
+int64_t efabus_send2(struct fid_ep *ep, const void *buf0, uint64_t len0,
+		     void *desc0, const void *buf1, uint64_t len1, void *desc1,
+		     uint64_t dest, void *context)
+{
+	struct iovec iov[2] = {
+		{ .iov_base = (void *)buf0, .iov_len = len0 },
+		{ .iov_base = (void *)buf1, .iov_len = len1 },
+	};
+	void *desc[2] = { desc0, desc1 };
+
+	return fi_sendv(ep, iov, desc, 2, dest, context);
+}
+
 /*
  * libfabric's own dependencies (psm, infinipath) install handlers for
  * SIGINT and SIGTERM when the library is loaded, and those handlers end the

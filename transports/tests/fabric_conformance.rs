@@ -747,6 +747,139 @@ mod suite {
         assert_eq!(payload_of(&frames_from(&be, pa)[0]), b"small again");
     }
 
+    /// A payload of `len` bytes that says which frame `tag` it is.
+    fn tagged(tag: u8, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|i| tag.wrapping_add((i % 251) as u8))
+            .collect()
+    }
+
+    /// The tag of a frame made from [`tagged`].
+    fn tag_of(frame: &[u8]) -> u8 {
+        payload_of(frame)[0]
+    }
+
+    /// Sends `count` tagged frames of `len` bytes from `a` to `b` and
+    /// returns the frames `b` received, checked byte for byte.
+    fn deliver_tagged(
+        a: &mut FabricEndpoint,
+        b: &mut FabricEndpoint,
+        (pb, pa): (PeerId, PeerId),
+        tags: std::ops::Range<u8>,
+        len: usize,
+    ) -> Vec<Bytes> {
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        let count = tags.len();
+        for tag in tags {
+            send_blocking(a, b, pb, frame(&tagged(tag, len)), &mut ae, &mut be);
+        }
+        pump(
+            a,
+            b,
+            &mut ae,
+            &mut be,
+            |_, be| frames_from(be, pa).len() == count,
+            "tagged frames",
+        );
+        let got = frames_from(&be, pa);
+        for f in &got {
+            assert_eq!(payload_of(f), tagged(tag_of(f), len), "frame corrupted");
+        }
+        got
+    }
+
+    /// Large received messages are lent rather than copied: at most half
+    /// the receives are held out by frames the caller keeps (the rest
+    /// arrive as copies), dropped frames give their slots back, and lent
+    /// frames stay readable after their endpoint is gone.
+    pub fn large_frames_are_lent(kind: EpKind, provider: &str) {
+        let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
+            return;
+        };
+        let peers = insert_each_other(&mut a, &mut b);
+        let len = 12 << 10;
+        let kept = deliver_tagged(&mut a, &mut b, peers, 0..RX_DEPTH as u8, len);
+        assert_eq!(b.stats().lent, RX_DEPTH as u64 / 2, "{:?}", b.stats());
+        // Small messages are copied whatever the lending state.
+        deliver_tagged(&mut a, &mut b, peers, 100..104, 100);
+        assert_eq!(b.stats().lent, RX_DEPTH as u64 / 2);
+
+        drop(kept);
+        let kept = deliver_tagged(&mut a, &mut b, peers, 50..54, len);
+        assert_eq!(
+            b.stats().lent,
+            RX_DEPTH as u64 / 2 + 4,
+            "dropped frames did not give their slots back"
+        );
+        drop((a, b));
+        for f in &kept {
+            assert_eq!(payload_of(f), tagged(tag_of(f), len));
+        }
+    }
+
+    /// A frame body of 8 KiB or more goes from the caller's buffer where
+    /// the provider needs no registration; with registration required
+    /// (forced here), only a body lent from the rx pool does: a receiver
+    /// forwarding what it got copies nothing, yet a fresh body is copied.
+    pub fn large_bodies_are_sent_uncopied(kind: EpKind, provider: &str) {
+        let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
+            return;
+        };
+        let peers = insert_each_other(&mut a, &mut b);
+        let len = 12 << 10;
+        deliver_tagged(&mut a, &mut b, peers, 1..3, len);
+        assert_eq!(a.stats().shared_sends, 2, "{:?}", a.stats());
+        deliver_tagged(&mut a, &mut b, peers, 3..5, 1000);
+        assert_eq!(a.stats().shared_sends, 2, "a small body was not copied");
+
+        let forced = [("force_mr_local", "true")];
+        let Some((mut relay, mut sink)) = pair(kind, provider, &forced) else {
+            return;
+        };
+        let (to_sink, from_relay) = insert_each_other(&mut relay, &mut sink);
+        let relay_peers = insert_each_other(&mut a, &mut relay);
+        let got = deliver_tagged(&mut a, &mut relay, relay_peers, 7..8, len);
+        assert_eq!(relay.stats().lent, 1);
+        let (mut re, mut se) = (Vec::new(), Vec::new());
+        let lent = got[0].clone();
+        let forward = OutFrame {
+            head: lent.slice(..4),
+            body: lent.slice(4..),
+        };
+        send_blocking(&mut relay, &mut sink, to_sink, forward, &mut re, &mut se);
+        assert_eq!(relay.stats().shared_sends, 1, "{:?}", relay.stats());
+        send_blocking(
+            &mut relay,
+            &mut sink,
+            to_sink,
+            frame(&tagged(9, len)),
+            &mut re,
+            &mut se,
+        );
+        assert_eq!(
+            relay.stats().shared_sends,
+            1,
+            "an unregistered body was not copied"
+        );
+        pump(
+            &mut relay,
+            &mut sink,
+            &mut re,
+            &mut se,
+            |_, se| frames_from(se, from_relay).len() == 2,
+            "forwarded frames",
+        );
+        let mut tags: Vec<u8> = frames_from(&se, from_relay)
+            .iter()
+            .map(|f| {
+                assert_eq!(payload_of(f), tagged(tag_of(f), len));
+                tag_of(f)
+            })
+            .collect();
+        tags.sort();
+        assert_eq!(tags, [7, 9]);
+    }
+
     /// `Transport::open` gives the same endpoint behind the trait object.
     pub fn through_the_trait(kind: EpKind, provider: &str) {
         let t = transport(kind, provider);
@@ -873,6 +1006,24 @@ provider_suite!(rdm_udp_rxd, EpKind::Rdm, "udp;ofi_rxd");
 provider_suite!(rdm_sockets, EpKind::Rdm, "sockets");
 #[cfg(efabus_libfabric)]
 provider_suite!(dgram_udp, EpKind::Dgram, "udp");
+
+/// Lending and uncopied sends on the reliable endpoints (a burst to a
+/// datagram receiver may lose messages, which these counts do not allow).
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_large_frames_are_lent() {
+    for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
+        suite::large_frames_are_lent(efabus_transports::fabric::EpKind::Rdm, provider);
+    }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_large_bodies_are_sent_uncopied() {
+    for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
+        suite::large_bodies_are_sent_uncopied(efabus_transports::fabric::EpKind::Rdm, provider);
+    }
+}
 
 /// Backpressure on the reliable endpoints (a datagram receiver that is not
 /// polled may drop, so DGRAM is left out).

@@ -8,8 +8,13 @@
 //! FI_OPT_EFA_RNR_RETRY) → enable → fi_getname → receives posted.
 //!
 //! Data path:
-//! - Receives stay posted, `rx_depth` of them, each a slot of the rx pool;
-//!   every completion is decoded, copied out, and its slot reposted at once.
+//! - Receives stay posted, `rx_depth` of them, each a slot of the rx pool.
+//!   A completion is decoded and its frames handed on. Small messages are
+//!   copied out and the slot reposted at once. A message of at least
+//!   `LEND_MIN` bytes is lent instead: its frames point into the slot,
+//!   which is reposted once they are all dropped. At most half the slots
+//!   are lent at a time, so receives stay posted however long a consumer
+//!   holds its frames.
 //! - A send copies the frame into a free tx slot, which waits in the peer's
 //!   backlog until the next `poll` (or `prepare_wait`, or `close`) posts
 //!   it; frames sent meanwhile are packed into the same slot while they
@@ -17,6 +22,13 @@
 //!   posted length fits the provider's `inject_size` goes with `fi_inject`
 //!   and is free again at once. No free slot returns `WouldBlock`, and
 //!   `Writable` follows once a slot is free.
+//! - A frame whose body (the payload, shared with the caller) has at least
+//!   `SHARE_MIN` bytes is not copied where the provider can send from it:
+//!   the slot carries the header and the frame's head, and `fi_sendv`
+//!   sends the body from where it lies, held until the send completes.
+//!   That needs no FI_MR_LOCAL, or a body inside the rx pool, registered
+//!   for sends too (a lent frame forwarded), and a `tx iov_limit` of 2.
+//!   Nothing is packed behind such a frame.
 //! - -FI_EAGAIN on a post: the slot stays at the head of the backlog,
 //!   ahead of anything newer, and the CQs are read (which drives progress
 //!   on manual-progress providers); every later poll retries the backlog.
@@ -69,6 +81,13 @@ const MAX_CLOSED_ADDRS: usize = 4096;
 /// Completions read per `fi_cq_read`.
 const CQ_BATCH: usize = 64;
 
+/// Smallest received run of frames lent rather than copied: below it a
+/// copy costs less than a slot held out of the receive queue.
+const LEND_MIN: usize = 8 << 10;
+
+/// Smallest frame body sent from where it lies rather than copied.
+const SHARE_MIN: usize = 8 << 10;
+
 /// What the provider granted, as the endpoint uses it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinkInfo {
@@ -93,6 +112,8 @@ pub struct LinkInfo {
     pub max_frame: usize,
     /// Buffers are registered and descriptors passed with every post.
     pub mr_local: bool,
+    /// Buffers one send may gather (`tx_attr.iov_limit`).
+    pub tx_iov_limit: usize,
     pub rx_depth: usize,
     pub tx_depth: usize,
     pub addr_format: u64,
@@ -112,6 +133,10 @@ pub struct FabricStats {
     pub from_closed_peers: u64,
     /// Frames packed into a message behind an earlier frame.
     pub packed: u64,
+    /// Received messages lent to the caller rather than copied.
+    pub lent: u64,
+    /// Frames whose body was sent from the caller's buffer, uncopied.
+    pub shared_sends: u64,
     /// Messages from new senders dropped because the address vector held
     /// `max_addresses` already.
     pub refused_senders: u64,
@@ -175,7 +200,12 @@ pub struct FabricEndpoint {
     tx_owner: Vec<Option<(PeerId, usize)>>,
     /// Per tx slot: the length to post (prefix and header included).
     tx_post_len: Vec<usize>,
+    /// Per tx slot: the frame body sent after the slot's bytes, uncopied,
+    /// held until the send completes.
+    tx_body: Vec<Option<Bytes>>,
     unposted_rx: Vec<usize>,
+    /// Rx slots lent out with received frames.
+    lent_rx: usize,
     pending: VecDeque<Event>,
     /// Peers whose backlog is not empty (or was, until they went away).
     backlogged: Vec<PeerId>,
@@ -282,6 +312,7 @@ impl FabricEndpoint {
         let rx_depth = depth(options.rx_depth, rx.size);
         let tx_depth = depth(options.tx_depth, tx.size);
         let inject_size = usize::try_from(tx.inject_size).unwrap_or(usize::MAX);
+        let tx_iov_limit = usize::try_from(tx.iov_limit).unwrap_or(usize::MAX);
 
         let fabric = Fabric::open(&info)?;
         let domain = Domain::open(&fabric, &info)?;
@@ -330,7 +361,8 @@ impl FabricEndpoint {
         let mut tx_pool = BufferPool::new(tx_depth, stride)?;
         if mr_local {
             // Distinct keys matter only to providers without FI_MR_PROV_KEY.
-            rx_pool.register(&domain, FI_RECV, 1)?;
+            // Received frames may be forwarded from the rx pool as they lie.
+            rx_pool.register(&domain, FI_RECV | FI_SEND, 1)?;
             tx_pool.register(&domain, FI_SEND, 2)?;
         }
 
@@ -350,6 +382,7 @@ impl FabricEndpoint {
             inject_size,
             max_frame,
             mr_local,
+            tx_iov_limit,
             rx_depth,
             tx_depth,
             addr_format: attrs.addr_format,
@@ -382,7 +415,9 @@ impl FabricEndpoint {
             free_tx: (0..tx_depth).rev().collect(),
             tx_owner: vec![None; tx_depth],
             tx_post_len: vec![0; tx_depth],
+            tx_body: vec![None; tx_depth],
             unposted_rx: (0..rx_depth).rev().collect(),
+            lent_rx: 0,
             pending: VecDeque::new(),
             backlogged: Vec::new(),
             writable_waiters: Vec::new(),
@@ -453,6 +488,8 @@ impl FabricEndpoint {
 
     /// Reads both CQs until empty (bounded per call), queueing events.
     fn progress(&mut self) -> Result<(), FabricError> {
+        // Slots given back first, so what arrives now may be lent again.
+        self.lent_rx -= self.rx_pool.take_returned(&mut self.unposted_rx);
         let budget = self.link.tx_depth + self.link.rx_depth + CQ_BATCH;
         let mut handled = 0;
         while handled < budget {
@@ -569,15 +606,26 @@ impl FabricEndpoint {
         };
         let len = usize::try_from(len).unwrap_or(usize::MAX);
         // SAFETY: the completion for this slot was just read, so the
-        // provider is done with it; it is reposted only after this copy.
+        // provider is done with it; it is reposted only after this copy,
+        // or once the frames lent from it are dropped.
         let data = unsafe { self.rx_pool.slot(slot) };
+        let mut lent = false;
         let decoded = match self.layout.decode(data, len) {
             Ok(Received::ProviderOnly) => {
                 self.stats.provider_packets += 1;
                 None
             }
             Ok(Received::Frames { sender, frames }) => {
-                Some((sender.to_vec(), Bytes::copy_from_slice(frames)))
+                let run = if frames.len() >= LEND_MIN && self.lent_rx < self.link.rx_depth / 2 {
+                    let start = frames.as_ptr() as usize - data.as_ptr() as usize;
+                    lent = true;
+                    // SAFETY: the slot's completion was read, and it is not
+                    // posted again until the pool hands it back.
+                    unsafe { self.rx_pool.lend(slot, start..start + frames.len()) }
+                } else {
+                    Bytes::copy_from_slice(frames)
+                };
+                Some((sender.to_vec(), run))
             }
             Err(err) => {
                 self.stats.malformed += 1;
@@ -586,7 +634,12 @@ impl FabricEndpoint {
                 None
             }
         };
-        self.unposted_rx.push(slot);
+        if lent {
+            self.lent_rx += 1;
+            self.stats.lent += 1;
+        } else {
+            self.unposted_rx.push(slot);
+        }
         if let Some((sender, run)) = decoded {
             if let Some(peer) = self.peer_for_sender(&sender) {
                 for range in frames(&run) {
@@ -693,6 +746,31 @@ impl FabricEndpoint {
     fn post_slot(&mut self, slot: usize, dest: u64) -> Result<(), FiCode> {
         let ptr = self.tx_pool.slot_ptr(slot);
         let len = self.tx_post_len[slot];
+        let desc = self.tx_pool.desc();
+        let context = self.tx_pool.context(slot);
+        if let Some(body) = &self.tx_body[slot] {
+            let body_desc = if self.link.mr_local {
+                self.rx_pool.desc()
+            } else {
+                std::ptr::null_mut()
+            };
+            // SAFETY: as below for the slot; the body is held in `tx_body`
+            // until the completion releases the slot, and `body_desc` is
+            // the rx pool's region, which covers it (`shares_body`), or
+            // NULL when the provider needs none.
+            let posted = unsafe {
+                self.ep.send2(
+                    (ptr, len, desc),
+                    (body.as_ptr(), body.len(), body_desc),
+                    dest,
+                    context,
+                )
+            };
+            if posted.is_ok() {
+                self.stats.sent += 1;
+            }
+            return posted;
+        }
         if BufferLayout::fits_inject(self.link.inject_size, len) {
             // SAFETY: the slot holds `len` encoded bytes and is not posted.
             let bytes = unsafe { std::slice::from_raw_parts(ptr.cast_const(), len) };
@@ -707,8 +785,6 @@ impl FabricEndpoint {
                 Err(code) => return Err(code),
             }
         }
-        let desc = self.tx_pool.desc();
-        let context = self.tx_pool.context(slot);
         // SAFETY: the slot is owned by one send (tx_owner) and not written
         // again until its completion frees it; the pool outlives the
         // endpoint (drop order); `desc` is the pool's region or NULL.
@@ -721,6 +797,7 @@ impl FabricEndpoint {
 
     /// Returns a tx slot to the free list, uncounting its bytes.
     fn release_slot(&mut self, slot: usize) {
+        self.tx_body[slot] = None;
         if let Some((peer, len)) = self.tx_owner[slot].take() {
             if let Some(state) = self.peers.get_mut(&peer) {
                 state.queued_bytes = state.queued_bytes.saturating_sub(len);
@@ -778,6 +855,14 @@ impl FabricEndpoint {
                 }
             }
         }
+    }
+
+    /// Whether `frame`'s body may be sent from where it lies (see the
+    /// module docs) rather than copied into a tx slot.
+    fn shares_body(&self, frame: &OutFrame) -> bool {
+        frame.body.len() >= SHARE_MIN
+            && self.link.tx_iov_limit >= 2
+            && (!self.link.mr_local || self.rx_pool.contains(&frame.body))
     }
 
     fn would_block(&mut self, peer: PeerId, frame: OutFrame) -> SendError {
@@ -921,10 +1006,12 @@ impl Endpoint for FabricEndpoint {
         // Pack behind the newest frame not posted yet, when it fits: the
         // slots in a backlog are posted by the next poll, so frames sent in
         // one round of the caller's loop share a message.
+        let shared_body = self.shares_body(&frame);
         let tail = self.peers.get(&peer).and_then(|state| {
             let tail = *state.backlog.back()?;
             let packed = self.tx_owner[tail].map_or(0, |(_, bytes)| bytes);
-            (packed + len <= state.pack_limit).then_some(tail)
+            let open = self.tx_body[tail].is_none() && !shared_body;
+            (open && packed + len <= state.pack_limit).then_some(tail)
         });
         if let Some(tail) = tail {
             // SAFETY: a slot in a backlog has not been posted, so no
@@ -956,7 +1043,13 @@ impl Endpoint for FabricEndpoint {
         // SAFETY: the slot came off the free list, so no send using it is
         // in flight.
         let buf = unsafe { self.tx_pool.slot_mut(slot) };
-        let n = match self.layout.encode(buf, &self.local_addr, &frame) {
+        let encoded = if shared_body {
+            self.layout
+                .encode(buf, &self.local_addr, &OutFrame::whole(frame.head.clone()))
+        } else {
+            self.layout.encode(buf, &self.local_addr, &frame)
+        };
+        let n = match encoded {
             Ok(n) => n,
             Err(err) => {
                 self.free_tx.push(slot);
@@ -965,6 +1058,10 @@ impl Endpoint for FabricEndpoint {
         };
         self.tx_owner[slot] = Some((peer, len));
         self.tx_post_len[slot] = n;
+        if shared_body {
+            self.stats.shared_sends += 1;
+            self.tx_body[slot] = Some(frame.body);
+        }
         let Some(state) = self.peers.get_mut(&peer) else {
             // Progress above may have closed the peer.
             self.release_slot(slot);

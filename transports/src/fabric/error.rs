@@ -6,23 +6,27 @@ use std::fmt;
 
 use thiserror::Error;
 
-/// A libfabric return code with its text, as `fi_strerror` renders it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A libfabric return code; it renders with its `fi_strerror` text.
+///
+/// The text is looked up only when shown: the data path meets
+/// `-FI_EAGAIN` on most polls, and `fi_strerror` goes through gettext.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FiCode {
     /// The positive error number (`FI_ENODATA` = 61); calls return it negated.
     pub code: i32,
-    /// `fi_strerror(code)`.
-    pub text: String,
 }
 
 impl FiCode {
-    /// The code from a negative (or positive) return value, with its text.
+    /// The code from a negative (or positive) return value.
     pub fn from_ret(ret: i64) -> FiCode {
-        let code = i32::try_from(ret.unsigned_abs()).unwrap_or(i32::MAX);
         FiCode {
-            code,
-            text: strerror(code),
+            code: i32::try_from(ret.unsigned_abs()).unwrap_or(i32::MAX),
         }
+    }
+
+    /// `fi_strerror(code)`.
+    pub fn text(&self) -> String {
+        strerror(self.code)
     }
 
     /// Whether this is `-FI_EAGAIN`.
@@ -34,8 +38,8 @@ impl FiCode {
 impl fmt::Display for FiCode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match errno_name(self.code) {
-            Some(name) => write!(f, "-{name}: {}", self.text),
-            None => write!(f, "-{}: {}", self.code, self.text),
+            Some(name) => write!(f, "-{name}: {}", self.text()),
+            None => write!(f, "-{}: {}", self.code, self.text()),
         }
     }
 }
@@ -189,11 +193,8 @@ mod tests {
 
     #[test]
     fn codes_render_with_their_names() {
-        let code = FiCode {
-            code: 61,
-            text: "No data available".into(),
-        };
-        assert_eq!(code.to_string(), "-FI_ENODATA: No data available");
+        let code = FiCode { code: 61 };
+        assert_eq!(code.to_string(), format!("-FI_ENODATA: {}", strerror(61)));
         let err = FabricError::GetInfo {
             provider: "efa".into(),
             ep_type: "FI_EP_RDM",

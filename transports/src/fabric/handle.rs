@@ -571,6 +571,39 @@ impl FiEndpoint {
         }
     }
 
+    /// Posts one message made of two buffers (`fi_sendv`): `head` then
+    /// `tail`, each with its region's descriptor (NULL when none is needed).
+    ///
+    /// # Safety
+    /// As for [`send`](Self::send), for both buffers.
+    pub unsafe fn send2(
+        &self,
+        head: (*const u8, usize, *mut c_void),
+        tail: (*const u8, usize, *mut c_void),
+        dest: u64,
+        context: *mut c_void,
+    ) -> Result<(), FiCode> {
+        // SAFETY: the endpoint is open; the caller upholds the buffer rules.
+        let ret = unsafe {
+            sys::efabus_send2(
+                self.ptr.as_ptr(),
+                head.0.cast(),
+                head.1 as u64,
+                head.2,
+                tail.0.cast(),
+                tail.1 as u64,
+                tail.2,
+                dest,
+                context,
+            )
+        };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(FiCode::from_ret(ret))
+        }
+    }
+
     /// Sends `data` with `fi_inject`: the bytes are copied before return and
     /// no completion is generated.
     pub fn inject(&self, data: &[u8], dest: u64) -> Result<(), FiCode> {

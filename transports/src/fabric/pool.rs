@@ -7,11 +7,23 @@
 //! address space, not memory. The per-slot contexts are `struct fi_context2`
 //! sized, which satisfies providers asking for FI_CONTEXT or FI_CONTEXT2,
 //! and double as the slot index when a completion comes back.
+//!
+//! A slot may be lent out as [`Bytes`] instead of copied: the bytes point
+//! into the pool, and the slot comes back (see
+//! [`BufferPool::take_returned`]) once every clone of them is dropped, on
+//! whatever thread. The memory lives as long as the pool or any lent bytes,
+//! whichever is longer; the region over it closes with the pool.
 
 use std::alloc::{self, Layout};
 use std::ffi::c_void;
+use std::ops::Range;
 use std::ptr::{self, NonNull};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
 
 use super::error::FabricError;
 use super::handle::{Domain, MemoryRegion};
@@ -23,15 +35,76 @@ const PAGE: usize = 4096;
 #[derive(Clone, Copy)]
 struct OpContext([*mut c_void; 8]);
 
+/// The pool's one allocation, freed when the pool and every lent slot are
+/// gone.
+struct PoolMemory {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the allocation is plain memory owned by this value; which bytes
+// may be read or written when is ruled by the pool (slots posted to the
+// provider, lent read-only), not by the thread that holds it.
+unsafe impl Send for PoolMemory {}
+// SAFETY: as above; shared references only read the pointer and layout.
+unsafe impl Sync for PoolMemory {}
+
+impl Drop for PoolMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `BufferPool::new` with this layout, freed
+        // once; the pool closed its region before dropping its share.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// Slots whose lent bytes were dropped, waiting to be posted again.
+#[derive(Default)]
+struct Returns {
+    /// `slots.len()`, readable without the lock.
+    count: AtomicUsize,
+    slots: Mutex<Vec<usize>>,
+}
+
+/// Read-only bytes of one lent slot; gives the slot back when dropped.
+struct LentSlot {
+    /// Keeps the bytes valid after the pool is gone.
+    _memory: Arc<PoolMemory>,
+    start: *const u8,
+    len: usize,
+    slot: usize,
+    returns: Arc<Returns>,
+}
+
+// SAFETY: the bytes are only read, and nothing writes a lent slot until it
+// is returned (the pool does not post it), so any thread may hold them.
+unsafe impl Send for LentSlot {}
+
+impl AsRef<[u8]> for LentSlot {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `start..start+len` lies in `memory`, kept alive by the
+        // Arc, and is not written while lent (see `BufferPool::lend`).
+        unsafe { std::slice::from_raw_parts(self.start, self.len) }
+    }
+}
+
+impl Drop for LentSlot {
+    fn drop(&mut self) {
+        let mut slots = self.returns.slots.lock();
+        slots.push(self.slot);
+        self.returns.count.store(slots.len(), Ordering::Release);
+    }
+}
+
 /// Equal slots in one registered allocation.
 pub struct BufferPool {
-    // Dropped first (see Drop): the region must close before the memory goes.
+    // Dropped first (declaration order): the region must close before the
+    // memory may go.
     mr: Option<MemoryRegion>,
-    mem: NonNull<u8>,
-    alloc: Layout,
+    mem: Arc<PoolMemory>,
     stride: usize,
     count: usize,
     contexts: Box<[OpContext]>,
+    returns: Arc<Returns>,
 }
 
 impl BufferPool {
@@ -41,19 +114,27 @@ impl BufferPool {
             .checked_mul(stride)
             .filter(|&b| b > 0)
             .ok_or(FabricError::Alloc { bytes: usize::MAX })?;
-        let alloc =
+        let layout =
             Layout::from_size_align(bytes, PAGE).map_err(|_| FabricError::Alloc { bytes })?;
         // SAFETY: the layout has a non-zero size.
-        let mem = unsafe { alloc::alloc_zeroed(alloc) };
-        let mem = NonNull::new(mem).ok_or(FabricError::Alloc { bytes })?;
+        let ptr = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or(FabricError::Alloc { bytes })?;
         Ok(BufferPool {
             mr: None,
-            mem,
-            alloc,
+            mem: Arc::new(PoolMemory { ptr, layout }),
             stride,
             count,
             contexts: vec![OpContext([ptr::null_mut(); 8]); count].into_boxed_slice(),
+            returns: Arc::default(),
         })
+    }
+
+    fn base(&self) -> *mut u8 {
+        self.mem.ptr.as_ptr()
+    }
+
+    fn size(&self) -> usize {
+        self.mem.layout.size()
     }
 
     /// Registers the whole pool once for `access` (FI_SEND or FI_RECV).
@@ -65,21 +146,15 @@ impl BufferPool {
     ) -> Result<(), FabricError> {
         // A fresh zeroed allocation may map every page to the shared zero
         // page; writing one byte per page gives each its own frame first.
-        for offset in (0..self.alloc.size()).step_by(PAGE) {
+        for offset in (0..self.size()).step_by(PAGE) {
             // SAFETY: `offset` is inside the allocation this pool owns, and
             // no operation is posted on the pool before it is registered.
-            unsafe { ptr::write_volatile(self.mem.as_ptr().add(offset), 0) };
+            unsafe { ptr::write_volatile(self.base().add(offset), 0) };
         }
-        // SAFETY: the memory is owned by this pool and freed only after the
-        // region is closed (Drop closes `mr` first).
+        // SAFETY: the memory is shared by this pool and its lent slots and
+        // freed only after the region is closed (Drop closes `mr` first).
         let mr = unsafe {
-            MemoryRegion::register(
-                domain,
-                self.mem.as_ptr(),
-                self.alloc.size(),
-                access,
-                requested_key,
-            )?
+            MemoryRegion::register(domain, self.base(), self.size(), access, requested_key)?
         };
         self.mr = Some(mr);
         Ok(())
@@ -103,7 +178,51 @@ impl BufferPool {
     pub fn slot_ptr(&self, i: usize) -> *mut u8 {
         assert!(i < self.count, "slot {i} of {}", self.count);
         // SAFETY: i < count, so the offset stays inside the allocation.
-        unsafe { self.mem.as_ptr().add(i * self.stride) }
+        unsafe { self.base().add(i * self.stride) }
+    }
+
+    /// Whether `bytes` lie wholly inside this pool's memory (e.g. a frame
+    /// lent from it), so the pool's descriptor covers them.
+    pub fn contains(&self, bytes: &[u8]) -> bool {
+        let start = bytes.as_ptr() as usize;
+        let base = self.base() as usize;
+        start >= base && start + bytes.len() <= base + self.size()
+    }
+
+    /// Bytes `range` of slot `i`, without copying. The slot must not be
+    /// posted again before it comes back from
+    /// [`take_returned`](Self::take_returned).
+    ///
+    /// # Safety
+    /// No operation using the slot may be posted (its completion was read).
+    pub unsafe fn lend(&self, i: usize, range: Range<usize>) -> Bytes {
+        assert!(
+            range.start <= range.end && range.end <= self.stride,
+            "range {range:?} of a {}-byte slot",
+            self.stride
+        );
+        // SAFETY: slot_ptr checks i; the range is inside the slot.
+        let start = unsafe { self.slot_ptr(i).add(range.start) };
+        Bytes::from_owner(LentSlot {
+            _memory: self.mem.clone(),
+            start,
+            len: range.len(),
+            slot: i,
+            returns: self.returns.clone(),
+        })
+    }
+
+    /// Moves the slots whose lent bytes were dropped since the last call
+    /// into `into`; returns how many.
+    pub fn take_returned(&self, into: &mut Vec<usize>) -> usize {
+        if self.returns.count.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let mut slots = self.returns.slots.lock();
+        let n = slots.len();
+        into.append(&mut slots);
+        self.returns.count.store(0, Ordering::Release);
+        n
     }
 
     /// Slot `i` for reading.
@@ -139,15 +258,6 @@ impl BufferPool {
         let offset = (context as usize).checked_sub(base)?;
         let i = offset / size;
         (offset % size == 0 && i < self.count).then_some(i)
-    }
-}
-
-impl Drop for BufferPool {
-    fn drop(&mut self) {
-        drop(self.mr.take());
-        // SAFETY: allocated in `new` with this layout, freed once, after
-        // the memory region over it was closed.
-        unsafe { alloc::dealloc(self.mem.as_ptr(), self.alloc) };
     }
 }
 

@@ -271,4 +271,16 @@ extern "C" {
         context: *mut c_void,
     ) -> i64;
     pub fn efabus_inject(ep: *mut fid_ep, buf: *const c_void, len: u64, dest: u64) -> i64;
+    #[allow(clippy::too_many_arguments)]
+    pub fn efabus_send2(
+        ep: *mut fid_ep,
+        buf0: *const c_void,
+        len0: u64,
+        desc0: *mut c_void,
+        buf1: *const c_void,
+        len1: u64,
+        desc1: *mut c_void,
+        dest: u64,
+        context: *mut c_void,
+    ) -> i64;
 }

@@ -1,39 +1,48 @@
-//! `examples/efa_rdm.rs`, run as built: for each RDM provider of this
-//! machine it negotiates the fabric, exchanges messages and exits 0; for a
-//! provider that does not exist it prints one line with the transport's
-//! reason and exits 2.
+//! The fabric examples, run as built:
+//! - `examples/efa_rdm.rs`: for each RDM provider of this machine it
+//!   negotiates the fabric, exchanges messages and exits 0; for a provider
+//!   that does not exist it prints one line with the transport's reason and
+//!   exits 2.
+//! - `examples/fabric_pingpong.rs`: a short run prints its figures for each
+//!   RDM provider; bad arguments exit 2.
 //!
 //! `cargo test` builds the examples next to the test binaries
-//! (`target/<profile>/examples/`); a run that did not build them (a
-//! `--test` filter) skips with a message. A provider that cannot open here
-//! skips too, unless `EFABUS_REQUIRE_FABRIC=1` (CI), which fails instead.
+//! (`target/<profile>/examples/`), `cargo test --all-targets` does not
+//! (`scripts/test` builds them first); a run without them skips with a
+//! message. A provider that cannot open here skips too. With
+//! `EFABUS_REQUIRE_FABRIC=1` (CI) either is a failure instead.
 
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Bound on one run of the example (it takes well under a second).
+/// Bound on one run of an example (each takes well under a second).
 const RUN_LIMIT: Duration = Duration::from_secs(60);
 
 fn required() -> bool {
     std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
 }
 
-/// The built example: `target/<profile>/examples/efa_rdm`, found from this
-/// test's own path (`target/<profile>/deps/<test>`).
-fn example() -> Option<PathBuf> {
+/// The built example `name`: `target/<profile>/examples/<name>`, found
+/// from this test's own path (`target/<profile>/deps/<test>`).
+fn example(name: &str) -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let profile_dir = exe.parent()?.parent()?;
     let path = profile_dir
         .join("examples")
-        .join(format!("efa_rdm{}", std::env::consts::EXE_SUFFIX));
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     if path.is_file() {
         Some(path)
     } else {
+        assert!(
+            !required(),
+            "EFABUS_REQUIRE_FABRIC=1 but {} is not built (`cargo build --examples`)",
+            path.display()
+        );
         eprintln!(
             "skipping: {} is not built (run `cargo test` without a --test filter, \
-             or `cargo build --example efa_rdm`)",
+             or `cargo build --example {name}`)",
             path.display()
         );
         None
@@ -87,7 +96,7 @@ fn run(example: &PathBuf, args: &[&str]) -> Run {
 
 #[test]
 fn runs_over_each_rdm_provider() {
-    let Some(example) = example() else {
+    let Some(example) = example("efa_rdm") else {
         return;
     };
     for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
@@ -125,7 +134,7 @@ fn runs_over_each_rdm_provider() {
 
 #[test]
 fn an_unknown_provider_gives_one_line_and_status_2() {
-    let Some(example) = example() else {
+    let Some(example) = example("efa_rdm") else {
         return;
     };
     let run = run(&example, &["no-such-provider"]);
@@ -142,4 +151,38 @@ fn an_unknown_provider_gives_one_line_and_status_2() {
         Some(missing) => missing,
     };
     assert!(reason.contains(expected), "{reason}");
+}
+
+#[test]
+fn pingpong_reports_each_rdm_provider() {
+    let Some(example) = example("fabric_pingpong") else {
+        return;
+    };
+    for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
+        for size in ["64", "20000"] {
+            let run = run(&example, &[provider, size, "20"]);
+            match run.code {
+                Some(0) => {}
+                Some(2) if !required() && run.stderr.contains("cannot open") => {
+                    eprintln!("skipping {provider}: {}", run.stderr.trim());
+                    continue;
+                }
+                code => panic!(
+                    "pingpong with {provider} exited with {code:?}\nstdout:\n{}\nstderr:\n{}",
+                    run.stdout, run.stderr
+                ),
+            }
+            let expected = format!(
+                "{{\"provider\":\"{provider}\",\"size\":{size},\"iterations\":20,\"usec_per_xfer\":"
+            );
+            assert!(run.stdout.starts_with(&expected), "{}", run.stdout);
+        }
+    }
+    let run = run(&example, &["tcp;ofi_rxm", "0"]);
+    assert_eq!(run.code, Some(2));
+    assert!(
+        run.stderr.contains("SIZE must be a positive integer"),
+        "{}",
+        run.stderr
+    );
 }

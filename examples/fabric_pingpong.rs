@@ -1,0 +1,175 @@
+//! One fabric hop, no broker: two efabus RDM endpoints in one process, each
+//! driven by its own thread, bounce a frame back and forth, as `fi_pingpong`
+//! does between two processes. It measures what the fabric transport costs
+//! per hop on its own, beside `fi_pingpong`'s figure for the same provider.
+//!
+//! ```text
+//! cargo run --release --example fabric_pingpong -- [PROVIDER] [SIZE] [ITERATIONS]
+//! ```
+//!
+//! Defaults: `tcp;ofi_rxm`, 64 bytes, 5000 round trips. Prints one JSON line:
+//! `usec_per_xfer` is half a round trip and `mb_per_sec` is SIZE over it,
+//! as `fi_pingpong` reports them. Exits 2 on bad arguments or when the
+//! provider cannot open an endpoint here. Both endpoints poll without
+//! sleeping (as `fi_pingpong` does by default).
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use efabus_core::transport::{Endpoint, EndpointConfig, Event, OutFrame, PeerId, Transport};
+use efabus_transports::fabric::FabricTransport;
+
+/// Longest a run may take before it is called stuck.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn open(provider: &str, size: usize) -> Result<Box<dyn Endpoint>, String> {
+    FabricTransport::rdm()
+        .with_option("provider", provider)
+        .open(&EndpointConfig {
+            bind: Some("127.0.0.1".into()),
+            // Room for the frame and the endpoint's own header; a few
+            // buffers each way are all a ping-pong needs.
+            options: vec![("msg_size".into(), (size + 4096).to_string())],
+            ..EndpointConfig::default()
+        })
+        .map_err(|err| format!("cannot open an RDM endpoint on {provider:?}: {err}"))
+}
+
+/// A frame of `size` payload bytes: a small head with the length prefix,
+/// the payload behind it, as the broker's links send payloads.
+fn frame(size: usize) -> Result<OutFrame, String> {
+    let declared = u32::try_from(size).map_err(|_| format!("size {size} is over 4 GiB"))?;
+    let mut head = declared.to_le_bytes().to_vec();
+    let payload = vec![0x5a; size];
+    let cut = size.min(16);
+    head.extend_from_slice(&payload[..cut]);
+    Ok(OutFrame {
+        head: head.into(),
+        body: Bytes::from(payload).slice(cut..),
+    })
+}
+
+/// Sends `frame` to `peer`, polling while the endpoint pushes back.
+fn send(
+    endpoint: &mut dyn Endpoint,
+    peer: PeerId,
+    frame: &OutFrame,
+    events: &mut Vec<Event>,
+) -> Result<(), String> {
+    let started = Instant::now();
+    loop {
+        match endpoint.send(peer, frame.clone()) {
+            Ok(()) => return Ok(()),
+            Err(efabus_core::transport::SendError::WouldBlock(_)) => {
+                endpoint.poll(events).map_err(|e| e.to_string())?;
+                if started.elapsed() > DEADLINE {
+                    return Err("a send stayed refused".into());
+                }
+            }
+            Err(err) => return Err(err.to_string()),
+        }
+    }
+}
+
+/// Polls until a frame arrives; returns its sender.
+fn next_frame(endpoint: &mut dyn Endpoint, events: &mut Vec<Event>) -> Result<PeerId, String> {
+    let started = Instant::now();
+    loop {
+        endpoint.poll(events).map_err(|e| e.to_string())?;
+        let mut from = None;
+        for event in events.drain(..) {
+            match event {
+                Event::Frame { peer, .. } if from.is_none() => from = Some(peer),
+                Event::Frame { .. } => return Err("more frames than were sent".into()),
+                Event::Closed { reason, .. } => return Err(format!("link closed: {reason}")),
+                _ => {}
+            }
+        }
+        if let Some(peer) = from {
+            return Ok(peer);
+        }
+        if started.elapsed() > DEADLINE {
+            return Err("no answer".into());
+        }
+    }
+}
+
+fn run(provider: &str, size: usize, iterations: usize) -> Result<(), String> {
+    let out = frame(size)?;
+    let mut pinger = open(provider, size)?;
+    let mut ponger = open(provider, size)?;
+    let ponger_peer = pinger
+        .insert_peer(&ponger.local_addr())
+        .map_err(|e| e.to_string())?;
+    let echo_frame = out.clone();
+    let finished = Arc::new(AtomicBool::new(false));
+    let echo_finished = finished.clone();
+    let echo = std::thread::spawn(move || -> Result<(), String> {
+        let mut events = Vec::new();
+        for _ in 0..iterations + 1 {
+            let from = next_frame(ponger.as_mut(), &mut events)?;
+            send(ponger.as_mut(), from, &echo_frame, &mut events)?;
+        }
+        // A send is posted by the endpoint's next poll: keep polling until
+        // the last answer has arrived.
+        while !echo_finished.load(Ordering::Acquire) {
+            ponger.poll(&mut events).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    });
+    let mut events = Vec::new();
+    // One untimed round trip sets up whatever connection the provider needs.
+    send(pinger.as_mut(), ponger_peer, &out, &mut events)?;
+    next_frame(pinger.as_mut(), &mut events)?;
+    let started = Instant::now();
+    for _ in 0..iterations {
+        send(pinger.as_mut(), ponger_peer, &out, &mut events)?;
+        next_frame(pinger.as_mut(), &mut events)?;
+    }
+    let elapsed = started.elapsed();
+    finished.store(true, Ordering::Release);
+    echo.join()
+        .map_err(|_| "the echo thread panicked".to_string())??;
+    let usec_per_xfer = elapsed.as_secs_f64() * 1e6 / (iterations as f64 * 2.0);
+    println!(
+        "{{\"provider\":\"{provider}\",\"size\":{size},\"iterations\":{iterations},\
+         \"usec_per_xfer\":{usec_per_xfer:.2},\"mb_per_sec\":{:.1}}}",
+        size as f64 / usec_per_xfer
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let provider = args.first().map_or("tcp;ofi_rxm", String::as_str);
+    let number = |index: usize, default: usize, what: &str| -> Result<usize, String> {
+        match args.get(index) {
+            None => Ok(default),
+            Some(text) => text
+                .parse()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("{what} must be a positive integer, not {text:?}")),
+        }
+    };
+    let parsed = number(1, 64, "SIZE").and_then(|size| Ok((size, number(2, 5000, "ITERATIONS")?)));
+    let (size, iterations) = match parsed {
+        Ok(values) => values,
+        Err(err) => {
+            eprintln!(
+                "fabric_pingpong: {err}; usage: fabric_pingpong [PROVIDER] [SIZE] [ITERATIONS]"
+            );
+            return ExitCode::from(2);
+        }
+    };
+    match run(provider, size, iterations) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("fabric_pingpong: {err}");
+            ExitCode::from(2)
+        }
+    }
+}
