@@ -427,3 +427,56 @@ fn serve_refuses_bad_configuration_with_exit_2() {
         );
     }
 }
+
+/// A number field of the one-line JSON object `efabus bench --json` prints.
+fn json_number(json: &str, name: &str) -> f64 {
+    let key = format!("\"{name}\":");
+    let at = json
+        .find(&key)
+        .unwrap_or_else(|| panic!("no {name} in {json}"))
+        + key.len();
+    let text: String = json[at..]
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || matches!(c, '.' | '-' | 'e' | '+'))
+        .collect();
+    text.parse()
+        .unwrap_or_else(|_| panic!("{name} is not a number in {json}"))
+}
+
+/// `efabus bench` counts what it measured: every message of the run and
+/// none of the warm-up, and a queue group's run ends with its last message,
+/// not with a member's idle wait for more (3 s).
+#[test]
+fn bench_reports_what_it_measured() {
+    for (args, expected) in [
+        (&["--via", "embedded", "--count", "20000"][..], 20000.0),
+        (
+            &[
+                "--via", "tcp", "--count", "20000", "--subs", "2", "--warmup", "500",
+            ][..],
+            40000.0,
+        ),
+        (
+            &["--via", "mem", "--count", "20000", "--subs", "2", "--queue"][..],
+            20000.0,
+        ),
+    ] {
+        let output = run(&[&["bench", "--json"][..], args].concat());
+        assert!(output.status.success(), "{args:?}: {}", stderr(&output));
+        let json = stdout(&output);
+        assert_eq!(json_number(&json, "published"), 20000.0, "{json}");
+        assert_eq!(json_number(&json, "expected"), expected, "{json}");
+        assert_eq!(json_number(&json, "delivered"), expected, "{json}");
+        assert!(json_number(&json, "seconds") < 3.0, "{json}");
+    }
+    let output = run(&[
+        "bench", "--mode", "latency", "--via", "tcp", "--count", "200", "--warmup", "20", "--json",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let json = stdout(&output);
+    assert_eq!(json_number(&json, "round_trips"), 200.0, "{json}");
+    assert!(
+        json_number(&json, "p50_us") <= json_number(&json, "p99_us"),
+        "{json}"
+    );
+}

@@ -21,6 +21,7 @@ use serde::Serialize;
 use crate::cli::Failure;
 use crate::config::{Config, SlowConsumerPolicy};
 use crate::error::Error;
+use crate::Subscription;
 use crate::{Broker, Client, ClientOptions, PubSub, RecvError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -56,6 +57,11 @@ pub struct BenchArgs {
     /// Messages per publisher (throughput) or round trips (latency).
     #[arg(long, short = 'n', default_value_t = 1_000_000)]
     pub count: u64,
+    /// Untimed messages per publisher (or round trips) before the measured
+    /// ones, delivered in full before the clock starts: they set up fabric
+    /// connections and fault in buffers, which a short run would count.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: u64,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -250,6 +256,13 @@ fn with_handle<R>(
     }
 }
 
+/// How long a throughput reader waits for a message before checking
+/// whether the run is over.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+/// How long a throughput reader waits without any message before it gives
+/// up (the report then counts what is missing).
+const IDLE_LIMIT: Duration = Duration::from_secs(3);
+
 fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     let subject = format!("bench.{}", std::process::id());
     let per_subscriber = if args.queue {
@@ -299,6 +312,17 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         })
         .collect::<Result<_, _>>()?;
 
+    if args.warmup > 0 {
+        let handles: Vec<&dyn PubSub> = publishers
+            .iter()
+            .map(|publisher| match (publisher, &target.broker) {
+                (Some(handle), _) => Ok(handle.as_ref()),
+                (None, Some(broker)) => Ok(broker as &dyn PubSub),
+                (None, None) => Err(Failure::runtime("no target")),
+            })
+            .collect::<Result<_, _>>()?;
+        warm_up(args, &subject, &payload, &handles, &subscriptions)?;
+    }
     let started = Instant::now();
     let done_at = Arc::new(parking_lot::Mutex::new(started));
     std::thread::scope(|scope| -> Result<(), Failure> {
@@ -315,21 +339,26 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                 // needs the shared count per message to know when to stop.
                 let mut unshared = 0u64;
                 let share_every = if per_subscriber > 0 { 4096 } else { 1 };
-                loop {
+                // A queue group's member stops once the group has it all,
+                // which another member may see first: it waits in short
+                // slices so as to notice, and gives up after IDLE_LIMIT.
+                let mut idle = Duration::ZERO;
+                let finished = loop {
                     if per_subscriber > 0 && local >= per_subscriber {
-                        break;
+                        break true;
                     }
                     if per_subscriber == 0 && delivered.load(Ordering::Relaxed) >= expected {
-                        break;
+                        break false;
                     }
                     // What is already queued is taken without a timed
                     // wait (which reads the clock on every call).
                     let next = match sub.try_recv() {
-                        Err(RecvError::Empty) => sub.recv_timeout(Duration::from_secs(3)),
+                        Err(RecvError::Empty) => sub.recv_timeout(WAIT_SLICE),
                         other => other,
                     };
                     match next {
                         Ok(_) => {
+                            idle = Duration::ZERO;
                             local += 1;
                             unshared += 1;
                             if unshared == share_every {
@@ -338,13 +367,27 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                                 if total % 65_536 + share_every > 65_536 {
                                     bar.set_position(total + share_every);
                                 }
+                                if per_subscriber == 0 && total + 1 >= expected {
+                                    break true;
+                                }
                             }
                         }
-                        Err(RecvError::Timeout | RecvError::Empty) => break,
-                        Err(RecvError::Closed) => break,
+                        Err(RecvError::Timeout | RecvError::Empty) => {
+                            idle += WAIT_SLICE;
+                            if idle >= IDLE_LIMIT {
+                                break true;
+                            }
+                        }
+                        Err(RecvError::Closed) => break true,
                     }
+                };
+                // The run ends with the last message received (or with a
+                // reader giving up), not when the other readers notice.
+                if finished {
+                    let now = Instant::now();
+                    let mut done = done_at.lock();
+                    *done = (*done).max(now);
                 }
-                *done_at.lock() = Instant::now();
                 delivered.fetch_add(unshared, Ordering::Relaxed);
             }));
         }
@@ -435,6 +478,49 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Publishes `args.warmup` messages from each publisher and waits until
+/// the subscribers have received all of them (one copy per message in a
+/// queue group, one per subscriber otherwise).
+fn warm_up(
+    args: &BenchArgs,
+    subject: &str,
+    payload: &Bytes,
+    publishers: &[&dyn PubSub],
+    subscriptions: &[Subscription],
+) -> Result<(), Failure> {
+    const WARMUP_LIMIT: Duration = Duration::from_secs(60);
+    for publisher in publishers {
+        for _ in 0..args.warmup {
+            publisher
+                .publish(subject, payload.clone())
+                .map_err(bench_error)?;
+        }
+        publisher.flush(WARMUP_LIMIT).map_err(bench_error)?;
+    }
+    let copies = if args.queue {
+        1
+    } else {
+        subscriptions.len() as u64
+    };
+    let expected = args.warmup * publishers.len() as u64 * copies;
+    let deadline = Instant::now() + WARMUP_LIMIT;
+    let mut received = 0;
+    while received < expected {
+        for sub in subscriptions {
+            while sub.try_recv().is_ok() {
+                received += 1;
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(Failure::runtime(format!(
+                "only {received} of {expected} warm-up messages arrived in {WARMUP_LIMIT:?}"
+            )));
+        }
+        std::thread::yield_now();
+    }
+    Ok(())
+}
+
 fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     let subject = format!("bench.rpc.{}", std::process::id());
     let payload = Bytes::from(vec![0x5a; args.size]);
@@ -454,7 +540,7 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
         .map_err(|err| Failure::runtime(err.to_string()))?;
     let bar = progress(args.count, args.json);
-    let started = Instant::now();
+    let mut started = Instant::now();
     std::thread::scope(|scope| -> Result<(), Failure> {
         let echo = scope.spawn(|| {
             for request in requests {
@@ -466,6 +552,12 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
             }
         });
         let result = with_handle(target, |requester| {
+            for _ in 0..args.warmup {
+                requester
+                    .request(&subject, payload.clone(), Duration::from_secs(10))
+                    .map_err(bench_error)?;
+            }
+            started = Instant::now();
             for i in 0..args.count {
                 let sent = Instant::now();
                 requester
