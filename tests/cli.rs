@@ -444,8 +444,9 @@ fn json_number(json: &str, name: &str) -> f64 {
 }
 
 /// `efabus bench` counts what it measured: every message of the run and
-/// none of the warm-up, and a queue group's run ends with its last message,
-/// not with a member's idle wait for more (3 s).
+/// none of the warm-up, for a count or a duration, and a queue group's run
+/// ends with its last message, not with a member's idle wait for more
+/// (3 s).
 #[test]
 fn bench_reports_what_it_measured() {
     for (args, expected) in [
@@ -468,6 +469,30 @@ fn bench_reports_what_it_measured() {
         assert_eq!(json_number(&json, "expected"), expected, "{json}");
         assert_eq!(json_number(&json, "delivered"), expected, "{json}");
         assert!(json_number(&json, "seconds") < 3.0, "{json}");
+    }
+    // For a duration: publishers stop at the deadline and readers at what
+    // was published, whatever that came to.
+    for args in [
+        &["--via", "tcp", "--subs", "2"][..],
+        &["--via", "mem", "--subs", "2", "--queue"][..],
+    ] {
+        let output = run(&[&["bench", "--json", "--duration", "0.3"][..], args].concat());
+        assert!(output.status.success(), "{args:?}: {}", stderr(&output));
+        let json = stdout(&output);
+        let published = json_number(&json, "published");
+        let copies = if args.contains(&"--queue") { 1.0 } else { 2.0 };
+        assert!(published > 0.0, "{json}");
+        assert_eq!(json_number(&json, "expected"), published * copies, "{json}");
+        assert_eq!(
+            json_number(&json, "delivered"),
+            published * copies,
+            "{json}"
+        );
+        assert!(json_number(&json, "seconds") >= 0.3, "{json}");
+    }
+    for bad in ["0", "-1", "nan", "1e9"] {
+        let text = usage_error(&run(&["bench", &format!("--duration={bad}")]));
+        assert!(text.contains("--duration"), "{text}");
     }
     let output = run(&[
         "bench", "--mode", "latency", "--via", "tcp", "--count", "200", "--warmup", "20", "--json",

@@ -57,6 +57,10 @@ pub struct BenchArgs {
     /// Messages per publisher (throughput) or round trips (latency).
     #[arg(long, short = 'n', default_value_t = 1_000_000)]
     pub count: u64,
+    /// Publish (or make round trips) for this many seconds instead of a
+    /// fixed --count.
+    #[arg(long, conflicts_with = "count", value_name = "SECONDS")]
+    pub duration: Option<f64>,
     /// Untimed messages per publisher (or round trips) before the measured
     /// ones, delivered in full before the clock starts: they set up fabric
     /// connections and fault in buffers, which a short run would count.
@@ -205,16 +209,31 @@ impl Target {
     }
 }
 
-fn progress(total: u64, json: bool) -> ProgressBar {
-    if json || total < 100_000 {
-        return ProgressBar::hidden();
+/// A progress bar for `total` messages, or a counter when the total is
+/// not known before the end (`--duration`).
+fn progress(total: Option<u64>, json: bool) -> ProgressBar {
+    match total {
+        _ if json => ProgressBar::hidden(),
+        Some(total) if total < 100_000 => ProgressBar::hidden(),
+        Some(total) => {
+            let bar = ProgressBar::new(total);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{spinner} {bar:40} {pos}/{len} delivered {per_sec} {eta}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            bar
+        }
+        None => {
+            let bar = ProgressBar::new_spinner();
+            bar.set_style(
+                ProgressStyle::with_template("{spinner} {pos} delivered {per_sec} {elapsed}")
+                    .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+            );
+            bar
+        }
     }
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {bar:40} {pos}/{len} delivered {per_sec} {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar
 }
 
 /// " (over LINK)" when clients negotiated a path, for the text report.
@@ -236,6 +255,13 @@ pub fn run(args: BenchArgs) -> Result<(), Failure> {
             "--pubs, --subs and --count must be at least 1",
         ));
     }
+    if let Some(seconds) = args.duration {
+        if !(seconds > 0.0 && seconds <= MAX_DURATION_SECS) {
+            return Err(Failure::usage(format!(
+                "--duration must be more than 0 and at most {MAX_DURATION_SECS} seconds, not {seconds}"
+            )));
+        }
+    }
     let target = Target::open(&args)?;
     match args.mode {
         BenchMode::Throughput => throughput(&args, &target),
@@ -256,6 +282,12 @@ fn with_handle<R>(
     }
 }
 
+/// Longest `--duration` (a day).
+const MAX_DURATION_SECS: f64 = 86_400.0;
+
+/// Publishes between two looks at the clock in a `--duration` run.
+const PUBLISHES_PER_CLOCK_READ: u64 = 256;
+
 /// How long a throughput reader waits for a message before checking
 /// whether the run is over.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
@@ -265,18 +297,23 @@ const IDLE_LIMIT: Duration = Duration::from_secs(3);
 
 fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     let subject = format!("bench.{}", std::process::id());
-    let per_subscriber = if args.queue {
-        0
-    } else {
-        args.pubs as u64 * args.count
-    };
-    let expected = if args.queue {
-        args.pubs as u64 * args.count
-    } else {
-        per_subscriber * args.subs as u64
-    };
-    let delivered = Arc::new(AtomicU64::new(0));
-    let bar = progress(expected, args.json);
+    let duration = args.duration.map(Duration::from_secs_f64);
+    // Deliveries per published message: one per subscriber, or one for the
+    // whole queue group.
+    let copies = if args.queue { 1 } else { args.subs as u64 };
+    // Messages each subscriber (or the queue group together) waits for:
+    // known up front with --count, once the publishers stop with --duration.
+    let goal = AtomicU64::new(match duration {
+        Some(_) => u64::MAX,
+        None => args.pubs as u64 * args.count,
+    });
+    let delivered = AtomicU64::new(0);
+    let bar = progress(
+        duration
+            .is_none()
+            .then(|| args.pubs as u64 * args.count * copies),
+        args.json,
+    );
     let payload = Bytes::from(vec![0x5a; args.size]);
 
     // Subscribers first, each on its own thread and handle.
@@ -324,13 +361,11 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         warm_up(args, &subject, &payload, &handles, &subscriptions)?;
     }
     let started = Instant::now();
-    let done_at = Arc::new(parking_lot::Mutex::new(started));
-    std::thread::scope(|scope| -> Result<(), Failure> {
+    let done_at = parking_lot::Mutex::new(started);
+    let published = std::thread::scope(|scope| -> Result<u64, Failure> {
         let mut readers = Vec::new();
         for sub in &subscriptions {
-            let delivered = delivered.clone();
-            let done_at = done_at.clone();
-            let bar = bar.clone();
+            let (goal, delivered, done_at, bar) = (&goal, &delivered, &done_at, &bar);
             readers.push(scope.spawn(move || {
                 let mut local = 0u64;
                 // Each reader counts for itself and adds to the shared count
@@ -338,27 +373,45 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                 // every message costs more than receiving it); a queue group
                 // needs the shared count per message to know when to stop.
                 let mut unshared = 0u64;
-                let share_every = if per_subscriber > 0 { 4096 } else { 1 };
-                // A queue group's member stops once the group has it all,
-                // which another member may see first: it waits in short
-                // slices so as to notice, and gives up after IDLE_LIMIT.
+                let share_every = if args.queue { 1 } else { 4096 };
+                let mut goal_now = goal.load(Ordering::Acquire);
+                // When this reader last received a message, taken once per
+                // burst (when the queue runs empty) and at the end: the run
+                // ends with the last delivery, not when readers notice.
+                let mut last_receipt = None;
+                let mut receipt_unmarked = false;
+                // A reader waits in short slices, so as to notice a goal
+                // fixed or reached elsewhere, and gives up after IDLE_LIMIT.
                 let mut idle = Duration::ZERO;
-                let finished = loop {
-                    if per_subscriber > 0 && local >= per_subscriber {
-                        break true;
-                    }
-                    if per_subscriber == 0 && delivered.load(Ordering::Relaxed) >= expected {
-                        break false;
+                loop {
+                    let reached = if args.queue {
+                        delivered.load(Ordering::Relaxed) >= goal_now
+                    } else {
+                        local >= goal_now
+                    };
+                    if reached {
+                        break;
                     }
                     // What is already queued is taken without a timed
                     // wait (which reads the clock on every call).
                     let next = match sub.try_recv() {
-                        Err(RecvError::Empty) => sub.recv_timeout(WAIT_SLICE),
+                        Err(RecvError::Empty) => {
+                            if std::mem::take(&mut receipt_unmarked) {
+                                last_receipt = Some(Instant::now());
+                            }
+                            let fresh = goal.load(Ordering::Acquire);
+                            if fresh != goal_now {
+                                goal_now = fresh;
+                                continue;
+                            }
+                            sub.recv_timeout(WAIT_SLICE)
+                        }
                         other => other,
                     };
                     match next {
                         Ok(_) => {
                             idle = Duration::ZERO;
+                            receipt_unmarked = true;
                             local += 1;
                             unshared += 1;
                             if unshared == share_every {
@@ -367,58 +420,77 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                                 if total % 65_536 + share_every > 65_536 {
                                     bar.set_position(total + share_every);
                                 }
-                                if per_subscriber == 0 && total + 1 >= expected {
-                                    break true;
-                                }
                             }
                         }
                         Err(RecvError::Timeout | RecvError::Empty) => {
                             idle += WAIT_SLICE;
                             if idle >= IDLE_LIMIT {
-                                break true;
+                                break;
                             }
                         }
-                        Err(RecvError::Closed) => break true,
+                        Err(RecvError::Closed) => break,
                     }
-                };
-                // The run ends with the last message received (or with a
-                // reader giving up), not when the other readers notice.
-                if finished {
-                    let now = Instant::now();
+                }
+                if receipt_unmarked {
+                    last_receipt = Some(Instant::now());
+                }
+                if let Some(at) = last_receipt {
                     let mut done = done_at.lock();
-                    *done = (*done).max(now);
+                    *done = (*done).max(at);
                 }
                 delivered.fetch_add(unshared, Ordering::Relaxed);
             }));
         }
+        let deadline = duration.map(|d| started + d);
         let mut writers = Vec::new();
         for publisher in &publishers {
             let payload = payload.clone();
             let subject = subject.as_str();
-            writers.push(scope.spawn(move || -> Result<(), Error> {
+            writers.push(scope.spawn(move || -> Result<u64, Error> {
                 let handle: &dyn PubSub = match (publisher, &target.broker) {
                     (Some(handle), _) => handle.as_ref(),
                     (None, Some(broker)) => broker,
                     (None, None) => return Err(Error::Closed),
                 };
-                for _ in 0..args.count {
-                    handle.publish(subject, payload.clone())?;
+                let mut sent = 0;
+                match deadline {
+                    None => {
+                        for _ in 0..args.count {
+                            handle.publish(subject, payload.clone())?;
+                        }
+                        sent = args.count;
+                    }
+                    Some(deadline) => {
+                        while Instant::now() < deadline {
+                            for _ in 0..PUBLISHES_PER_CLOCK_READ {
+                                handle.publish(subject, payload.clone())?;
+                            }
+                            sent += PUBLISHES_PER_CLOCK_READ;
+                        }
+                    }
                 }
-                handle.flush(Duration::from_secs(60))
+                handle.flush(Duration::from_secs(60))?;
+                Ok(sent)
             }));
         }
+        let mut published = 0;
+        let mut failure = None;
         for writer in writers {
-            writer
-                .join()
-                .map_err(|_| Failure::runtime("publisher thread panicked"))?
-                .map_err(bench_error)?;
+            match writer.join() {
+                Ok(Ok(sent)) => published += sent,
+                Ok(Err(err)) => failure = failure.or(Some(bench_error(err))),
+                Err(_) => failure = failure.or(Some(Failure::runtime("publisher thread panicked"))),
+            }
         }
+        // The readers stop at this goal (a failed publisher's readers give
+        // up after IDLE_LIMIT instead).
+        goal.store(published, Ordering::Release);
         for reader in readers {
             reader
                 .join()
                 .map_err(|_| Failure::runtime("subscriber thread panicked"))?;
         }
-        Ok(())
+        failure.map_or(Ok(published), Err)
     })?;
     bar.finish_and_clear();
     let seconds = done_at
@@ -427,7 +499,7 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         .as_secs_f64()
         .max(1e-9);
     let delivered = delivered.load(Ordering::Relaxed);
-    let published = args.pubs as u64 * args.count;
+    let expected = published * copies;
     let report = ThroughputReport {
         mode: "throughput",
         target: target.description.clone(),
@@ -539,7 +611,8 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         .map_err(bench_error)?;
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
         .map_err(|err| Failure::runtime(err.to_string()))?;
-    let bar = progress(args.count, args.json);
+    let duration = args.duration.map(Duration::from_secs_f64);
+    let bar = progress(duration.is_none().then_some(args.count), args.json);
     let mut started = Instant::now();
     std::thread::scope(|scope| -> Result<(), Failure> {
         let echo = scope.spawn(|| {
@@ -558,7 +631,16 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                     .map_err(bench_error)?;
             }
             started = Instant::now();
-            for i in 0..args.count {
+            let deadline = duration.map(|d| started + d);
+            let rounds = if deadline.is_some() {
+                u64::MAX
+            } else {
+                args.count
+            };
+            for i in 0..rounds {
+                if deadline.is_some_and(|at| Instant::now() >= at) {
+                    break;
+                }
                 let sent = Instant::now();
                 requester
                     .request(&subject, payload.clone(), Duration::from_secs(10))
