@@ -10,8 +10,10 @@
 //! Defaults: `tcp;ofi_rxm`, 64 bytes, 5000 round trips. Prints one JSON line:
 //! `usec_per_xfer` is half a round trip and `mb_per_sec` is SIZE over it,
 //! as `fi_pingpong` reports them. Exits 2 on bad arguments or when the
-//! provider cannot open an endpoint here. Both endpoints poll without
-//! sleeping (as `fi_pingpong` does by default).
+//! provider cannot open an endpoint here, 1 when a frame comes back
+//! altered. Both endpoints poll without sleeping (as `fi_pingpong` does by
+//! default). The echoing side sends back the frame it received, as a broker
+//! forwards one, and the other checks its length and a few of its bytes.
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,20 +24,48 @@ use bytes::Bytes;
 use efabus_core::transport::{Endpoint, EndpointConfig, Event, OutFrame, PeerId, Transport};
 use efabus_transports::fabric::FabricTransport;
 
+/// Buffers each endpoint posts for receives, and sends it may have in
+/// flight.
+const DEPTH: usize = 16;
+/// Untimed round trips first: they set up the provider's connection and
+/// touch every buffer once (a buffer's first use faults its pages in).
+const WARMUP_ROUNDS: usize = 2 * DEPTH;
+
 /// Longest a run may take before it is called stuck.
 const DEADLINE: Duration = Duration::from_secs(60);
 
-fn open(provider: &str, size: usize) -> Result<Box<dyn Endpoint>, String> {
+/// Why a run failed: the endpoint could not open here (exit 2), or the
+/// run itself went wrong (exit 1).
+enum Failure {
+    Unavailable(String),
+    Run(String),
+}
+
+impl From<String> for Failure {
+    fn from(text: String) -> Failure {
+        Failure::Run(text)
+    }
+}
+
+fn open(provider: &str, size: usize) -> Result<Box<dyn Endpoint>, Failure> {
     FabricTransport::rdm()
         .with_option("provider", provider)
         .open(&EndpointConfig {
             bind: Some("127.0.0.1".into()),
             // Room for the frame and the endpoint's own header; a few
             // buffers each way are all a ping-pong needs.
-            options: vec![("msg_size".into(), (size + 4096).to_string())],
+            options: vec![
+                ("msg_size".into(), (size + 4096).to_string()),
+                ("rx_depth".into(), DEPTH.to_string()),
+                ("tx_depth".into(), DEPTH.to_string()),
+            ],
             ..EndpointConfig::default()
         })
-        .map_err(|err| format!("cannot open an RDM endpoint on {provider:?}: {err}"))
+        .map_err(|err| {
+            Failure::Unavailable(format!(
+                "cannot open an RDM endpoint on {provider:?}: {err}"
+            ))
+        })
 }
 
 /// A frame of `size` payload bytes: a small head with the length prefix,
@@ -43,13 +73,38 @@ fn open(provider: &str, size: usize) -> Result<Box<dyn Endpoint>, String> {
 fn frame(size: usize) -> Result<OutFrame, String> {
     let declared = u32::try_from(size).map_err(|_| format!("size {size} is over 4 GiB"))?;
     let mut head = declared.to_le_bytes().to_vec();
-    let payload = vec![0x5a; size];
+    let payload = (0..size).map(payload_byte).collect::<Vec<u8>>();
     let cut = size.min(16);
     head.extend_from_slice(&payload[..cut]);
     Ok(OutFrame {
         head: head.into(),
         body: Bytes::from(payload).slice(cut..),
     })
+}
+
+/// The payload's byte at `index`: varied, so that bytes from the wrong
+/// place show.
+fn payload_byte(index: usize) -> u8 {
+    (index % 251) as u8
+}
+
+/// A received frame as a broker forwards it: the head with the length
+/// prefix, and the rest shared behind it.
+fn forward(frame: &Bytes) -> OutFrame {
+    let cut = frame.len().min(20);
+    OutFrame {
+        head: frame.slice(..cut),
+        body: frame.slice(cut..),
+    }
+}
+
+/// Whether `frame` is the frame of `size` payload bytes sent, judged by its
+/// length and the payload's first, middle and last bytes.
+fn intact(frame: &[u8], size: usize) -> bool {
+    frame.len() == size + 4
+        && [0, size / 2, size - 1]
+            .iter()
+            .all(|&i| frame[4 + i] == payload_byte(i))
 }
 
 /// Sends `frame` to `peer`, polling while the endpoint pushes back.
@@ -74,22 +129,27 @@ fn send(
     }
 }
 
-/// Polls until a frame arrives; returns its sender.
-fn next_frame(endpoint: &mut dyn Endpoint, events: &mut Vec<Event>) -> Result<PeerId, String> {
+/// Polls until a frame arrives; returns its sender and the frame.
+fn next_frame(
+    endpoint: &mut dyn Endpoint,
+    events: &mut Vec<Event>,
+) -> Result<(PeerId, Bytes), String> {
     let started = Instant::now();
     loop {
         endpoint.poll(events).map_err(|e| e.to_string())?;
-        let mut from = None;
+        let mut received = None;
         for event in events.drain(..) {
             match event {
-                Event::Frame { peer, .. } if from.is_none() => from = Some(peer),
+                Event::Frame { peer, frame } if received.is_none() => {
+                    received = Some((peer, frame))
+                }
                 Event::Frame { .. } => return Err("more frames than were sent".into()),
                 Event::Closed { reason, .. } => return Err(format!("link closed: {reason}")),
                 _ => {}
             }
         }
-        if let Some(peer) = from {
-            return Ok(peer);
+        if let Some(received) = received {
+            return Ok(received);
         }
         if started.elapsed() > DEADLINE {
             return Err("no answer".into());
@@ -97,21 +157,20 @@ fn next_frame(endpoint: &mut dyn Endpoint, events: &mut Vec<Event>) -> Result<Pe
     }
 }
 
-fn run(provider: &str, size: usize, iterations: usize) -> Result<(), String> {
+fn run(provider: &str, size: usize, iterations: usize) -> Result<(), Failure> {
     let out = frame(size)?;
     let mut pinger = open(provider, size)?;
     let mut ponger = open(provider, size)?;
     let ponger_peer = pinger
         .insert_peer(&ponger.local_addr())
         .map_err(|e| e.to_string())?;
-    let echo_frame = out.clone();
     let finished = Arc::new(AtomicBool::new(false));
     let echo_finished = finished.clone();
     let echo = std::thread::spawn(move || -> Result<(), String> {
         let mut events = Vec::new();
-        for _ in 0..iterations + 1 {
-            let from = next_frame(ponger.as_mut(), &mut events)?;
-            send(ponger.as_mut(), from, &echo_frame, &mut events)?;
+        for _ in 0..WARMUP_ROUNDS + iterations {
+            let (from, frame) = next_frame(ponger.as_mut(), &mut events)?;
+            send(ponger.as_mut(), from, &forward(&frame), &mut events)?;
         }
         // A send is posted by the endpoint's next poll: keep polling until
         // the last answer has arrived.
@@ -121,18 +180,28 @@ fn run(provider: &str, size: usize, iterations: usize) -> Result<(), String> {
         Ok(())
     });
     let mut events = Vec::new();
-    // One untimed round trip sets up whatever connection the provider needs.
-    send(pinger.as_mut(), ponger_peer, &out, &mut events)?;
-    next_frame(pinger.as_mut(), &mut events)?;
+    for _ in 0..WARMUP_ROUNDS {
+        send(pinger.as_mut(), ponger_peer, &out, &mut events)?;
+        next_frame(pinger.as_mut(), &mut events)?;
+    }
+    let mut altered = 0;
     let started = Instant::now();
     for _ in 0..iterations {
         send(pinger.as_mut(), ponger_peer, &out, &mut events)?;
-        next_frame(pinger.as_mut(), &mut events)?;
+        let (_, frame) = next_frame(pinger.as_mut(), &mut events)?;
+        if !intact(&frame, size) {
+            altered += 1;
+        }
     }
     let elapsed = started.elapsed();
     finished.store(true, Ordering::Release);
     echo.join()
         .map_err(|_| "the echo thread panicked".to_string())??;
+    if altered > 0 {
+        return Err(Failure::Run(format!(
+            "{altered} of {iterations} frames came back altered"
+        )));
+    }
     let usec_per_xfer = elapsed.as_secs_f64() * 1e6 / (iterations as f64 * 2.0);
     println!(
         "{{\"provider\":\"{provider}\",\"size\":{size},\"iterations\":{iterations},\
@@ -167,9 +236,13 @@ fn main() -> ExitCode {
     };
     match run(provider, size, iterations) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("fabric_pingpong: {err}");
+        Err(Failure::Unavailable(reason)) => {
+            eprintln!("fabric_pingpong: {reason}");
             ExitCode::from(2)
+        }
+        Err(Failure::Run(reason)) => {
+            eprintln!("fabric_pingpong: {reason}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -285,8 +285,9 @@ fn with_handle<R>(
 /// Longest `--duration` (a day).
 const MAX_DURATION_SECS: f64 = 86_400.0;
 
-/// Publishes between two looks at the clock in a `--duration` run.
-const PUBLISHES_PER_CLOCK_READ: u64 = 256;
+/// Payload bytes published between two looks at the clock in a
+/// `--duration` run (at most 256 messages, at least one).
+const BYTES_PER_CLOCK_READ: usize = 1 << 20;
 
 /// How long a throughput reader waits for a message before checking
 /// whether the run is over.
@@ -461,11 +462,13 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                         sent = args.count;
                     }
                     Some(deadline) => {
+                        let per_clock_read =
+                            (BYTES_PER_CLOCK_READ / args.size.max(1)).clamp(1, 256);
                         while Instant::now() < deadline {
-                            for _ in 0..PUBLISHES_PER_CLOCK_READ {
+                            for _ in 0..per_clock_read {
                                 handle.publish(subject, payload.clone())?;
                             }
-                            sent += PUBLISHES_PER_CLOCK_READ;
+                            sent += per_clock_read as u64;
                         }
                     }
                 }
@@ -614,6 +617,7 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     let duration = args.duration.map(Duration::from_secs_f64);
     let bar = progress(duration.is_none().then_some(args.count), args.json);
     let mut started = Instant::now();
+    let mut elapsed = Duration::ZERO;
     std::thread::scope(|scope| -> Result<(), Failure> {
         let echo = scope.spawn(|| {
             for request in requests {
@@ -651,6 +655,7 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                     bar.set_position(i);
                 }
             }
+            elapsed = started.elapsed();
             Ok(())
         });
         // Ends the responder's iteration.
@@ -670,7 +675,7 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         payload_bytes: args.size,
         link: target.link.lock().clone(),
         round_trips: histogram.len(),
-        seconds: started.elapsed().as_secs_f64(),
+        seconds: elapsed.as_secs_f64(),
         p50_us: us(0.5),
         p90_us: us(0.9),
         p99_us: us(0.99),

@@ -770,6 +770,7 @@ mod suite {
     ) -> Vec<Bytes> {
         let (mut ae, mut be) = (Vec::new(), Vec::new());
         let count = tags.len();
+        let tags_sent = tags.clone();
         for tag in tags {
             send_blocking(a, b, pb, frame(&tagged(tag, len)), &mut ae, &mut be);
         }
@@ -782,10 +783,21 @@ mod suite {
             "tagged frames",
         );
         let got = frames_from(&be, pa);
-        for f in &got {
-            assert_eq!(payload_of(f), tagged(tag_of(f), len), "frame corrupted");
-        }
+        check_tagged(&got, tags_sent, len);
         got
+    }
+
+    /// Each frame holds its tag's bytes, and the tags are those sent.
+    fn check_tagged(frames: &[Bytes], sent: std::ops::Range<u8>, len: usize) {
+        let mut tags: Vec<u8> = frames
+            .iter()
+            .map(|f| {
+                assert_eq!(payload_of(f), tagged(tag_of(f), len), "frame corrupted");
+                tag_of(f)
+            })
+            .collect();
+        tags.sort();
+        assert_eq!(tags, sent.collect::<Vec<_>>());
     }
 
     /// Large received messages are lent rather than copied: at most half
@@ -800,9 +812,13 @@ mod suite {
         let len = 12 << 10;
         let kept = deliver_tagged(&mut a, &mut b, peers, 0..RX_DEPTH as u8, len);
         assert_eq!(b.stats().lent, RX_DEPTH as u64 / 2, "{:?}", b.stats());
-        // Small messages are copied whatever the lending state.
+        // Small messages are copied whatever the lending state, and large
+        // ones while half the slots are lent; the slots behind the kept
+        // frames are not reused meanwhile.
         deliver_tagged(&mut a, &mut b, peers, 100..104, 100);
+        deliver_tagged(&mut a, &mut b, peers, 150..150 + 2 * RX_DEPTH as u8, len);
         assert_eq!(b.stats().lent, RX_DEPTH as u64 / 2);
+        check_tagged(&kept, 0..RX_DEPTH as u8, len);
 
         drop(kept);
         let kept = deliver_tagged(&mut a, &mut b, peers, 50..54, len);
@@ -831,6 +847,42 @@ mod suite {
         assert_eq!(a.stats().shared_sends, 2, "{:?}", a.stats());
         deliver_tagged(&mut a, &mut b, peers, 3..5, 1000);
         assert_eq!(a.stats().shared_sends, 2, "a small body was not copied");
+
+        // Packing: nothing goes into or behind a message that carries a
+        // body from the caller's buffer. small, large, small, small packs
+        // only the last small frame behind the one before it.
+        let (pb, pa) = peers;
+        a.set_peer_frame_limit(pb, a.max_frame());
+        let packed_before = a.stats().packed;
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        for (tag, size) in [(20, 100), (21, len), (22, 100), (23, 100)] {
+            a.send(pb, frame(&tagged(tag, size))).expect("send");
+        }
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| frames_from(be, pa).len() == 4,
+            "a mixed burst",
+        );
+        assert_eq!(a.stats().packed - packed_before, 1, "{:?}", a.stats());
+        assert_eq!(a.stats().shared_sends, 3);
+        let got = frames_from(&be, pa);
+        let sizes: Vec<(u8, usize)> = got
+            .iter()
+            .map(|f| (tag_of(f), payload_of(f).len()))
+            .collect();
+        for f in &got {
+            assert_eq!(payload_of(f), tagged(tag_of(f), payload_of(f).len()));
+        }
+        let mut sorted = sizes.clone();
+        sorted.sort();
+        assert_eq!(
+            sorted,
+            [(20, 100), (21, len), (22, 100), (23, 100)],
+            "{sizes:?}"
+        );
 
         let forced = [("force_mr_local", "true")];
         let Some((mut relay, mut sink)) = pair(kind, provider, &forced) else {

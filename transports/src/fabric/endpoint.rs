@@ -10,11 +10,12 @@
 //! Data path:
 //! - Receives stay posted, `rx_depth` of them, each a slot of the rx pool.
 //!   A completion is decoded and its frames handed on. Small messages are
-//!   copied out and the slot reposted at once. A message of at least
-//!   `LEND_MIN` bytes is lent instead: its frames point into the slot,
-//!   which is reposted once they are all dropped. At most half the slots
-//!   are lent at a time, so receives stay posted however long a consumer
-//!   holds its frames.
+//!   copied out and the slot reposted at once. On RDM a message of at
+//!   least `LEND_MIN` bytes is lent instead: its frames point into the
+//!   slot, which is reposted once they are all dropped. At most half the
+//!   slots are lent at a time, so receives stay posted however long a
+//!   consumer holds its frames (and the provider holds any early messages
+//!   meanwhile; DGRAM, which would drop them, always copies).
 //! - A send copies the frame into a free tx slot, which waits in the peer's
 //!   backlog until the next `poll` (or `prepare_wait`, or `close`) posts
 //!   it; frames sent meanwhile are packed into the same slot while they
@@ -27,7 +28,8 @@
 //!   the slot carries the header and the frame's head, and `fi_sendv`
 //!   sends the body from where it lies, held until the send completes.
 //!   That needs no FI_MR_LOCAL, or a body inside the rx pool, registered
-//!   for sends too (a lent frame forwarded), and a `tx iov_limit` of 2.
+//!   for sends too where the provider allows it (a lent frame forwarded),
+//!   and a `tx iov_limit` of 2.
 //!   Nothing is packed behind such a frame.
 //! - -FI_EAGAIN on a post: the slot stays at the head of the backlog,
 //!   ahead of anything newer, and the CQs are read (which drives progress
@@ -177,6 +179,8 @@ pub struct FabricEndpoint {
     av: Rc<AddressVector>,
     rx_pool: BufferPool,
     tx_pool: BufferPool,
+    /// The rx pool's region allows sends (or none is needed).
+    rx_pool_sendable: bool,
     _domain: Rc<Domain>,
     _fabric: Rc<Fabric>,
     info: Info,
@@ -359,10 +363,19 @@ impl FabricEndpoint {
         let stride = layout.slot_stride();
         let mut rx_pool = BufferPool::new(rx_depth, stride)?;
         let mut tx_pool = BufferPool::new(tx_depth, stride)?;
+        // Received frames may be forwarded from the rx pool as they lie when
+        // its region also allows sends; a provider refusing that gets a
+        // receive-only region, and forwarded payloads are copied.
+        let mut rx_pool_sendable = false;
         if mr_local {
             // Distinct keys matter only to providers without FI_MR_PROV_KEY.
-            // Received frames may be forwarded from the rx pool as they lie.
-            rx_pool.register(&domain, FI_RECV | FI_SEND, 1)?;
+            match rx_pool.register(&domain, FI_RECV | FI_SEND, 1) {
+                Ok(()) => rx_pool_sendable = true,
+                Err(err) => {
+                    tracing::debug!("{err}; registering the receive buffers for receives only");
+                    rx_pool.register(&domain, FI_RECV, 1)?;
+                }
+            }
             tx_pool.register(&domain, FI_SEND, 2)?;
         }
 
@@ -399,6 +412,7 @@ impl FabricEndpoint {
             av,
             rx_pool,
             tx_pool,
+            rx_pool_sendable,
             _domain: domain,
             _fabric: fabric,
             info,
@@ -606,26 +620,18 @@ impl FabricEndpoint {
         };
         let len = usize::try_from(len).unwrap_or(usize::MAX);
         // SAFETY: the completion for this slot was just read, so the
-        // provider is done with it; it is reposted only after this copy,
-        // or once the frames lent from it are dropped.
+        // provider is done with it; it is not posted again before the end
+        // of this call (or, when lent, before the pool hands it back).
         let data = unsafe { self.rx_pool.slot(slot) };
-        let mut lent = false;
+        // Where the frames lie in the slot, and who sent them.
         let decoded = match self.layout.decode(data, len) {
             Ok(Received::ProviderOnly) => {
                 self.stats.provider_packets += 1;
                 None
             }
             Ok(Received::Frames { sender, frames }) => {
-                let run = if frames.len() >= LEND_MIN && self.lent_rx < self.link.rx_depth / 2 {
-                    let start = frames.as_ptr() as usize - data.as_ptr() as usize;
-                    lent = true;
-                    // SAFETY: the slot's completion was read, and it is not
-                    // posted again until the pool hands it back.
-                    unsafe { self.rx_pool.lend(slot, start..start + frames.len()) }
-                } else {
-                    Bytes::copy_from_slice(frames)
-                };
-                Some((sender.to_vec(), run))
+                let start = frames.as_ptr() as usize - data.as_ptr() as usize;
+                Some((sender.to_vec(), start..start + frames.len()))
             }
             Err(err) => {
                 self.stats.malformed += 1;
@@ -634,21 +640,39 @@ impl FabricEndpoint {
                 None
             }
         };
-        if lent {
+        let peer = decoded
+            .as_ref()
+            .and_then(|(sender, _)| self.peer_for_sender(sender));
+        let (Some(peer), Some((_, range))) = (peer, decoded) else {
+            self.unposted_rx.push(slot);
+            return;
+        };
+        let run = if self.lends(range.len()) {
             self.lent_rx += 1;
             self.stats.lent += 1;
+            // SAFETY: the slot's completion was read, and it is not in
+            // `unposted_rx`, so it is not posted again until the pool hands
+            // it back once the frames are dropped.
+            unsafe { self.rx_pool.lend(slot, range) }
         } else {
+            // SAFETY: as above; the slot is reposted only after this copy.
+            let run = Bytes::copy_from_slice(unsafe { &self.rx_pool.slot(slot)[range] });
             self.unposted_rx.push(slot);
+            run
+        };
+        for range in frames(&run) {
+            self.stats.received += 1;
+            let frame = run.slice(range);
+            self.pending.push_back(Event::Frame { peer, frame });
         }
-        if let Some((sender, run)) = decoded {
-            if let Some(peer) = self.peer_for_sender(&sender) {
-                for range in frames(&run) {
-                    self.stats.received += 1;
-                    let frame = run.slice(range);
-                    self.pending.push_back(Event::Frame { peer, frame });
-                }
-            }
-        }
+    }
+
+    /// Whether a received run of `len` bytes is lent rather than copied:
+    /// large enough, on RDM only (a DGRAM peer's window counts on every
+    /// receive staying posted; an RDM provider holds early messages itself),
+    /// and while at most half the receive slots are lent.
+    fn lends(&self, len: usize) -> bool {
+        len >= LEND_MIN && self.link.kind == EpKind::Rdm && self.lent_rx < self.link.rx_depth / 2
     }
 
     /// The peer a received message names, accepting unknown senders.
@@ -862,7 +886,7 @@ impl FabricEndpoint {
     fn shares_body(&self, frame: &OutFrame) -> bool {
         frame.body.len() >= SHARE_MIN
             && self.link.tx_iov_limit >= 2
-            && (!self.link.mr_local || self.rx_pool.contains(&frame.body))
+            && (!self.link.mr_local || self.rx_pool_sendable && self.rx_pool.contains(&frame.body))
     }
 
     fn would_block(&mut self, peer: PeerId, frame: OutFrame) -> SendError {

@@ -189,12 +189,12 @@ impl BufferPool {
         start >= base && start + bytes.len() <= base + self.size()
     }
 
-    /// Bytes `range` of slot `i`, without copying. The slot must not be
-    /// posted again before it comes back from
-    /// [`take_returned`](Self::take_returned).
+    /// Bytes `range` of slot `i`, without copying.
     ///
     /// # Safety
-    /// No operation using the slot may be posted (its completion was read).
+    /// No operation using the slot may be posted (its completion was
+    /// read), and the slot is neither posted nor written again before
+    /// [`take_returned`](Self::take_returned) hands it back.
     pub unsafe fn lend(&self, i: usize, range: Range<usize>) -> Bytes {
         assert!(
             range.start <= range.end && range.end <= self.stride,
@@ -239,10 +239,12 @@ impl BufferPool {
     /// Slot `i` for writing.
     ///
     /// # Safety
-    /// As for [`slot`](Self::slot).
+    /// As for [`slot`](Self::slot), and the slot is not lent (bytes from
+    /// [`lend`](Self::lend) may still point into it).
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slot_mut(&mut self, i: usize) -> &mut [u8] {
-        // SAFETY: as above, and `&mut self` excludes other Rust borrows.
+        // SAFETY: as above; `&mut self` excludes other Rust borrows, and the
+        // caller guarantees no lent bytes point into the slot.
         unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(i), self.stride) }
     }
 
@@ -291,6 +293,45 @@ mod tests {
             assert_eq!(&pool.slot(2)[..3], b"abc");
             assert!(pool.slot(1).iter().all(|&b| b == 0));
         }
+    }
+
+    #[test]
+    fn contains_covers_exactly_the_pool() {
+        let pool = BufferPool::new(2, 128).unwrap();
+        // SAFETY: nothing is posted on this pool; the slices are only
+        // compared by address.
+        let (first, last) = unsafe { (pool.slot(0), pool.slot(1)) };
+        assert!(pool.contains(first));
+        assert!(pool.contains(&last[127..]));
+        assert!(pool.contains(&last[128..]), "an empty slice at the end");
+        let outside = [0u8; 4];
+        assert!(!pool.contains(&outside));
+        // One byte past the end: a slice that starts inside and overruns.
+        // SAFETY: the pointer is only compared, never read.
+        let overrun = unsafe { std::slice::from_raw_parts(last.as_ptr().add(1), 128) };
+        assert!(!pool.contains(overrun));
+    }
+
+    #[test]
+    fn lent_bytes_come_back_once_dropped() {
+        let mut pool = BufferPool::new(3, 64).unwrap();
+        // SAFETY: nothing is posted on this pool.
+        unsafe { pool.slot_mut(1)[..4].copy_from_slice(b"lend") };
+        // SAFETY: slot 1 is not posted, and not touched until it is back.
+        let lent = unsafe { pool.lend(1, 0..4) };
+        let clone = lent.slice(1..);
+        let mut back = Vec::new();
+        assert_eq!(pool.take_returned(&mut back), 0);
+        drop(lent);
+        assert_eq!(pool.take_returned(&mut back), 0, "a clone still holds it");
+        drop(clone);
+        assert_eq!(pool.take_returned(&mut back), 1);
+        assert_eq!(back, [1]);
+
+        // SAFETY: slot 2 is not posted, and not touched until it is back.
+        let kept = unsafe { pool.lend(2, 0..4) };
+        drop(pool);
+        assert_eq!(&kept[..], &[0; 4], "the memory outlives the pool");
     }
 
     #[test]
