@@ -837,6 +837,9 @@ mod suite {
     /// the provider needs no registration; with registration required
     /// (forced here), only a body lent from the rx pool does: a receiver
     /// forwarding what it got copies nothing, yet a fresh body is copied.
+    /// The providers here ignore descriptors, so a wrong one would pass;
+    /// what this checks with registration forced is which bodies are
+    /// shared and that they arrive intact.
     pub fn large_bodies_are_sent_uncopied(kind: EpKind, provider: &str) {
         let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
             return;
