@@ -94,6 +94,27 @@ fn run(example: &PathBuf, args: &[&str]) -> Run {
     }
 }
 
+/// Whether a run with `provider` succeeded (exit 0); false when the
+/// provider cannot be used here (exit 2, the reason in `reason`), which
+/// fails under `EFABUS_REQUIRE_FABRIC=1`; any other outcome fails.
+fn succeeded(run: &Run, provider: &str, reason: &str) -> bool {
+    match run.code {
+        Some(0) => true,
+        Some(2) => {
+            assert!(
+                !required(),
+                "EFABUS_REQUIRE_FABRIC=1 but {provider} is unavailable: {reason}"
+            );
+            eprintln!("skipping {provider}: {}", reason.trim());
+            false
+        }
+        code => panic!(
+            "run with {provider} exited with {code:?}\nstdout:\n{}\nstderr:\n{}",
+            run.stdout, run.stderr
+        ),
+    }
+}
+
 #[test]
 fn runs_over_each_rdm_provider() {
     let Some(example) = example("efa_rdm") else {
@@ -101,21 +122,8 @@ fn runs_over_each_rdm_provider() {
     };
     for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
         let run = run(&example, &[provider]);
-        match run.code {
-            Some(0) => {}
-            Some(2) => {
-                assert!(
-                    !required(),
-                    "EFABUS_REQUIRE_FABRIC=1 but {provider} is unavailable: {}",
-                    run.stdout
-                );
-                eprintln!("skipping {provider}: {}", run.stdout.trim());
-                continue;
-            }
-            code => panic!(
-                "example with {provider} exited with {code:?}\nstdout:\n{}\nstderr:\n{}",
-                run.stdout, run.stderr
-            ),
+        if !succeeded(&run, provider, &run.stdout) {
+            continue;
         }
         for expected in [
             format!("client data path: efa-rdm via {provider} FI_EP_RDM"),
@@ -161,16 +169,8 @@ fn pingpong_reports_each_rdm_provider() {
     for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
         for size in ["64", "20000"] {
             let run = run(&example, &[provider, size, "20"]);
-            match run.code {
-                Some(0) => {}
-                Some(2) if !required() && run.stderr.contains("cannot open") => {
-                    eprintln!("skipping {provider}: {}", run.stderr.trim());
-                    continue;
-                }
-                code => panic!(
-                    "pingpong with {provider} exited with {code:?}\nstdout:\n{}\nstderr:\n{}",
-                    run.stdout, run.stderr
-                ),
+            if !succeeded(&run, provider, &run.stderr) {
+                continue;
             }
             let expected = format!(
                 "{{\"provider\":\"{provider}\",\"size\":{size},\"iterations\":20,\"usec_per_xfer\":"

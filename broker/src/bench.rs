@@ -209,6 +209,21 @@ impl Target {
     }
 }
 
+impl Target {
+    /// What a bench thread publishes or subscribes through: its own client
+    /// `handle` when it has one, else the embedded broker.
+    fn through<'a>(
+        &'a self,
+        handle: &'a Option<Arc<dyn PubSub>>,
+    ) -> Result<&'a dyn PubSub, Failure> {
+        match (handle, &self.broker) {
+            (Some(handle), _) => Ok(handle.as_ref()),
+            (None, Some(broker)) => Ok(broker),
+            (None, None) => Err(Failure::runtime("no target")),
+        }
+    }
+}
+
 /// A progress bar for `total` messages, or a counter when the total is
 /// not known before the end (`--duration`).
 fn progress(total: Option<u64>, json: bool) -> ProgressBar {
@@ -343,23 +358,19 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         };
         subscriptions.push(sub);
     }
-    let publishers: Vec<Option<Arc<dyn PubSub>>> = (0..args.pubs)
+    let own_handles: Vec<Option<Arc<dyn PubSub>>> = (0..args.pubs)
         .map(|_| match target.endpoint {
             Some(_) => target.handle().map(Some),
             None => Ok(None),
         })
         .collect::<Result<_, _>>()?;
 
+    let publishers: Vec<&dyn PubSub> = own_handles
+        .iter()
+        .map(|publisher| target.through(publisher))
+        .collect::<Result<_, _>>()?;
     if args.warmup > 0 {
-        let handles: Vec<&dyn PubSub> = publishers
-            .iter()
-            .map(|publisher| match (publisher, &target.broker) {
-                (Some(handle), _) => Ok(handle.as_ref()),
-                (None, Some(broker)) => Ok(broker as &dyn PubSub),
-                (None, None) => Err(Failure::runtime("no target")),
-            })
-            .collect::<Result<_, _>>()?;
-        warm_up(args, &subject, &payload, &handles, &subscriptions)?;
+        warm_up(args, &subject, &payload, &publishers, &subscriptions)?;
     }
     let started = Instant::now();
     let done_at = parking_lot::Mutex::new(started);
@@ -444,15 +455,10 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         }
         let deadline = duration.map(|d| started + d);
         let mut writers = Vec::new();
-        for publisher in &publishers {
+        for &handle in &publishers {
             let payload = payload.clone();
             let subject = subject.as_str();
             writers.push(scope.spawn(move || -> Result<u64, Error> {
-                let handle: &dyn PubSub = match (publisher, &target.broker) {
-                    (Some(handle), _) => handle.as_ref(),
-                    (None, Some(broker)) => broker,
-                    (None, None) => return Err(Error::Closed),
-                };
                 let mut sent = 0;
                 match deadline {
                     None => {
@@ -603,11 +609,7 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         Some(_) => Some(target.handle()?),
         None => None,
     };
-    let responder_ref: &dyn PubSub = match (&responder, &target.broker) {
-        (Some(handle), _) => handle.as_ref(),
-        (None, Some(broker)) => broker,
-        (None, None) => return Err(Failure::runtime("no target")),
-    };
+    let responder_ref = target.through(&responder)?;
     let requests = responder_ref.subscribe(&subject).map_err(bench_error)?;
     responder_ref
         .flush(Duration::from_secs(10))
@@ -659,11 +661,7 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
             Ok(())
         });
         // Ends the responder's iteration.
-        match (&responder, &target.broker) {
-            (Some(handle), _) => handle.publish(&subject, Bytes::new()).ok(),
-            (None, Some(broker)) => broker.publish(&subject, Bytes::new()).ok(),
-            _ => None,
-        };
+        let _ = responder_ref.publish(&subject, Bytes::new());
         let _ = echo.join();
         result
     })?;

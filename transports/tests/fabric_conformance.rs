@@ -1062,12 +1062,16 @@ provider_suite!(rdm_sockets, EpKind::Rdm, "sockets");
 #[cfg(efabus_libfabric)]
 provider_suite!(dgram_udp, EpKind::Dgram, "udp");
 
+/// This machine's loopback RDM providers.
+#[cfg(efabus_libfabric)]
+const RDM_PROVIDERS: [&str; 3] = ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"];
+
 /// Lending and uncopied sends on the reliable endpoints (a burst to a
 /// datagram receiver may lose messages, which these counts do not allow).
 #[cfg(efabus_libfabric)]
 #[test]
 fn rdm_large_frames_are_lent() {
-    for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
+    for provider in RDM_PROVIDERS {
         suite::large_frames_are_lent(efabus_transports::fabric::EpKind::Rdm, provider);
     }
 }
@@ -1075,7 +1079,7 @@ fn rdm_large_frames_are_lent() {
 #[cfg(efabus_libfabric)]
 #[test]
 fn rdm_large_bodies_are_sent_uncopied() {
-    for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
+    for provider in RDM_PROVIDERS {
         suite::large_bodies_are_sent_uncopied(efabus_transports::fabric::EpKind::Rdm, provider);
     }
 }
@@ -1085,7 +1089,7 @@ fn rdm_large_bodies_are_sent_uncopied() {
 #[cfg(efabus_libfabric)]
 #[test]
 fn rdm_backpressure_then_writable() {
-    for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
+    for provider in RDM_PROVIDERS {
         suite::backpressure_then_writable(efabus_transports::fabric::EpKind::Rdm, provider);
     }
 }
