@@ -5,8 +5,8 @@
 //! entries each would use (efabus's own hints), then opens the endpoints a
 //! broker with the given config listens on and shows what two such brokers
 //! (or a broker and a client of the same config) negotiate, from offers
-//! built exactly as the broker builds them ([`crate::datapath::offer_for`],
-//! [`crate::datapath::as_driven`]). With `--provider` it lists instead
+//! built exactly as the broker builds them ([`crate::endpoints::offer_for`],
+//! [`crate::endpoints::as_driven`]). With `--provider` it lists instead
 //! what `fi_info -p PROVIDER -t TYPE` lists (the same hints as that tool),
 //! so `caps -v --provider P` and `fi_info -v -p P` can be compared entry by
 //! entry. With `--input` it reads a saved `fi_info -v` dump (e.g. from an
@@ -26,7 +26,7 @@ use efabus_transports::registry::{EndpointSpec, Registry};
 
 use crate::cli::{out, Failure, Output};
 use crate::config::Config;
-use crate::datapath;
+use crate::endpoints;
 
 /// Endpoint types `--ep-type` takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -210,7 +210,7 @@ fn from_transports(args: &CapsArgs, config: &Config, output: &mut Output) -> Res
     let mut registry = Registry::with_builtins();
     for transport in [FabricTransport::rdm(), FabricTransport::dgram()] {
         let scheme = transport.kind().scheme();
-        let configured = crate::server::endpoint_options(&config.fabric, scheme)
+        let configured = endpoints::endpoint_options(&config.fabric, scheme)
             .into_iter()
             .fold(transport, |t, (key, value)| t.with_option(key, value));
         registry.register(std::sync::Arc::new(configured));
@@ -264,7 +264,7 @@ fn listened_schemes(config: &Config) -> Vec<String> {
     let data: Vec<String> = config
         .listen
         .iter()
-        .filter(|spec| datapath::is_data_scheme(spec.split('/').next().unwrap_or_default()))
+        .filter(|spec| endpoints::is_data_scheme(spec.split('/').next().unwrap_or_default()))
         .cloned()
         .collect();
     let mut listen = vec!["tcp".to_string()];
@@ -281,24 +281,24 @@ fn listened_schemes(config: &Config) -> Vec<String> {
 /// and take its offer as the broker does.
 fn open_offer(registry: &Registry, config: &Config, spec: &str) -> Result<Option<Offer>, String> {
     let spec = EndpointSpec::parse(spec).map_err(|err| err.to_string())?;
-    let bind = if datapath::is_data_scheme(spec.scheme()) {
+    let bind = if endpoints::is_data_scheme(spec.scheme()) {
         Some(spec.address().unwrap_or_default().to_string())
     } else {
         None
     };
-    let endpoint_config = crate::server::listener_config(config, spec.scheme(), bind);
+    let endpoint_config = endpoints::listener_config(config, spec.scheme(), bind);
     let endpoint = registry
         .open(&spec, &endpoint_config)
         .map_err(|err| err.to_string())?;
-    Ok(datapath::offer_for(endpoint.as_ref()))
+    Ok(endpoints::offer_for(endpoint.as_ref()))
 }
 
 /// The negotiation as live links report it: data links through
-/// [`datapath::as_driven`], the control link as chosen.
+/// [`endpoints::as_driven`], the control link as chosen.
 fn as_driven(negotiated: &Negotiated) -> Negotiated {
     let driven = |choice: &efabus_core::caps::Choice| {
-        if datapath::is_data_scheme(&choice.scheme) {
-            datapath::as_driven(choice)
+        if endpoints::is_data_scheme(&choice.scheme) {
+            endpoints::as_driven(choice)
         } else {
             choice.clone()
         }

@@ -37,8 +37,9 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use tracing::{debug, info, warn};
 
 use crate::config::SlowConsumerPolicy;
-use crate::datapath::{self, DataLink, Sent};
+use crate::datapath::{DataLink, Sent};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
+use crate::endpoints;
 use crate::error::Error;
 use crate::inbox::Parker;
 
@@ -72,7 +73,7 @@ fn open_data_endpoint(
         max_frame: options.max_frame,
         queue_frames: 65_536,
         queue_bytes: options.max_pending_bytes.min(4 << 20),
-        options: crate::server::endpoint_options(&options.fabric, spec.scheme()),
+        options: crate::endpoints::endpoint_options(&options.fabric, spec.scheme()),
     };
     transport.open(&config).map_err(|err| err.to_string())
 }
@@ -199,7 +200,7 @@ impl ClientOptions {
             data_paths: config
                 .listen
                 .iter()
-                .filter(|spec| datapath::is_data_scheme(spec.split('/').next().unwrap_or("")))
+                .filter(|spec| endpoints::is_data_scheme(spec.split('/').next().unwrap_or("")))
                 .cloned()
                 .collect(),
             fabric: config.fabric.clone(),
@@ -587,7 +588,7 @@ impl Client {
                 endpoint: endpoint.to_string(),
                 source,
             })?;
-        let endpoint_box = crate::server::with_faults(endpoint_box, options.faults.as_ref(), 0);
+        let endpoint_box = crate::endpoints::with_faults(endpoint_box, options.faults.as_ref(), 0);
         let poll = Poll::new().map_err(Error::Thread)?;
         let waker = Waker::new(poll.registry(), WAKER).map_err(Error::Thread)?;
         if let Some(fd) = endpoint_box.readiness().fd() {
@@ -602,7 +603,7 @@ impl Client {
                 Ok(endpoint) => {
                     let index = 1 + data.len();
                     let endpoint =
-                        crate::server::with_faults(endpoint, options.faults.as_ref(), index);
+                        crate::endpoints::with_faults(endpoint, options.faults.as_ref(), index);
                     if let Some(fd) = endpoint.readiness().fd() {
                         poll.registry()
                             .register(
@@ -951,7 +952,7 @@ impl ClientLoop {
         let offers = data
             .iter()
             .chain(std::iter::once(&endpoint))
-            .filter_map(|endpoint| datapath::offer_for(endpoint.as_ref()))
+            .filter_map(|endpoint| endpoints::offer_for(endpoint.as_ref()))
             .collect();
         let now = Instant::now();
         let codec = CodecLimits {
@@ -1655,7 +1656,7 @@ impl ClientLoop {
             (negotiated.best_effort.as_ref(), false),
         ] {
             let Some(choice) = choice else { continue };
-            if !datapath::is_data_scheme(&choice.scheme) {
+            if !endpoints::is_data_scheme(&choice.scheme) {
                 continue;
             }
             let Some(index) = self.data.iter().position(|e| e.scheme() == choice.scheme) else {

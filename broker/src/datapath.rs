@@ -10,44 +10,12 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use efabus_core::caps::{Choice, Offer};
+use efabus_core::caps::Choice;
 use efabus_core::codec::{self, FrameKind, PREFIX_LEN};
 use efabus_core::credit::{CreditGrant, CreditWindow, Window};
 use efabus_core::frame::Frame;
 use efabus_core::link::{LinkConfig, LinkError, LinkReceiver, LinkSender, LinkTuning};
 use efabus_core::transport::{Endpoint, OutFrame, PeerId, SendError};
-
-/// Schemes whose endpoints carry data for peers negotiated onto them.
-pub(crate) fn is_data_scheme(scheme: &str) -> bool {
-    matches!(scheme, "efa-rdm" | "efa-dgram")
-}
-
-/// The offer an endpoint makes: its fi_info, its address, and a message
-/// size no larger than what its buffers hold, so both sides settle on the
-/// smaller of their frame limits.
-pub(crate) fn offer_for(endpoint: &dyn Endpoint) -> Option<Offer> {
-    let info = endpoint.info()?;
-    let mut offer = Offer::from_info(endpoint.scheme(), &info, endpoint.local_addr());
-    let capacity = endpoint.max_frame() as u64 + offer.msg_prefix_size;
-    offer.max_msg_size = offer.max_msg_size.min(capacity);
-    Some(offer)
-}
-
-/// A negotiated choice of a data scheme as [`DataLink`] drives it.
-///
-/// FI_ORDER_SAS orders how messages are matched to receives, not the order
-/// their completions are reported (receive comp_order is FI_ORDER_NONE for
-/// `tcp;ofi_rxm` and `udp;ofi_rxd`, and libfabric 2.x no longer reports
-/// it): `tcp;ofi_rxm` completes a rendezvous-sized message after smaller
-/// ones sent later. Frames leave the endpoint in completion order, so data
-/// links always carry sequence numbers and reorder; both sides apply the
-/// same rule. `efabus caps` shows choices through this function too, so
-/// its view is the one a live link reports.
-pub(crate) fn as_driven(choice: &Choice) -> Choice {
-    let mut choice = choice.clone();
-    choice.params.sequence_and_reorder = true;
-    choice
-}
 
 /// What happened to a frame handed to [`DataLink::send`].
 pub(crate) enum Sent {
@@ -129,7 +97,7 @@ impl DataLink {
         let peer = endpoint
             .insert_peer(&choice.remote.address)
             .map_err(|err| format!("{}: cannot add the peer's address: {err}", choice.scheme))?;
-        let choice = as_driven(choice);
+        let choice = crate::endpoints::as_driven(choice);
         let config = LinkConfig::from_params(&choice.params, endpoint.max_frame(), tuning);
         endpoint.set_peer_frame_limit(peer, config.frame_limit);
         let sender = LinkSender::new(&config)

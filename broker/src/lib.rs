@@ -31,6 +31,7 @@ pub mod client;
 pub mod config;
 mod datapath;
 mod delivery;
+pub mod endpoints;
 pub mod error;
 mod inbox;
 mod route;

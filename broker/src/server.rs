@@ -30,8 +30,7 @@ use efabus_core::frame::{
 use efabus_core::link::LinkTuning;
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
-    CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
-    TransportError,
+    CloseReason, Endpoint, Event, OutFrame, PeerId, Readiness, SendError, TransportError,
 };
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use mio::unix::SourceFd;
@@ -40,8 +39,9 @@ use parking_lot::{Mutex, RwLock};
 use tracing::{debug, info, warn};
 
 use crate::config::{Config, SlowConsumerPolicy};
-use crate::datapath::{self, DataLink, Sent};
+use crate::datapath::{DataLink, Sent};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
+use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::Error;
 use crate::inbox::LoopInbox;
 use crate::router::{Router, SubRef, Targets, LOCAL_OWNER};
@@ -357,7 +357,7 @@ impl Broker {
                         source: TransportError::Unavailable { .. },
                         ..
                     },
-                ) if datapath::is_data_scheme(spec.scheme()) => {
+                ) if endpoints::is_data_scheme(spec.scheme()) => {
                     warn!(endpoint = %text, reason = %source, "fabric unavailable; peers use the TCP data path");
                     unavailable = Some(Error::Endpoint {
                         endpoint: text.clone(),
@@ -374,7 +374,7 @@ impl Broker {
             };
             let endpoint = with_faults(endpoint, config.testing.faults.as_ref(), endpoints.len());
             // Socket addresses are text; fabric addresses are raw bytes.
-            let local = if datapath::is_data_scheme(spec.scheme()) {
+            let local = if endpoints::is_data_scheme(spec.scheme()) {
                 efabus_transports::fabric::addr_to_hex(&endpoint.local_addr())
             } else {
                 String::from_utf8_lossy(&endpoint.local_addr()).into_owned()
@@ -813,80 +813,6 @@ fn remove_closed(shared: &Shared, closed: Vec<(u64, bool)>) {
     }
 }
 
-/// How the broker opens an endpoint of `scheme` (bound at `bind`, if any)
-/// from its config; `efabus caps` opens them the same way.
-pub(crate) fn listener_config(
-    config: &Config,
-    scheme: &str,
-    bind: Option<String>,
-) -> EndpointConfig {
-    EndpointConfig {
-        bind,
-        max_frame: config.max_frame(),
-        queue_frames: 65_536,
-        queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
-        options: endpoint_options(&config.fabric, scheme),
-    }
-}
-
-/// Transport options from the config for an endpoint of `scheme`: the
-/// `[fabric]` table for the libfabric endpoints, nothing for the others.
-pub(crate) fn endpoint_options(
-    fabric: &crate::config::Fabric,
-    scheme: &str,
-) -> Vec<(String, String)> {
-    let mut options = Vec::new();
-    match scheme {
-        "efa-rdm" => {
-            options.push(("provider".to_string(), fabric.provider.clone()));
-            options.push(("msg_size".to_string(), fabric.max_frame.to_string()));
-            if !fabric.domain.is_empty() {
-                options.push(("domain".to_string(), fabric.domain.clone()));
-            }
-        }
-        "efa-dgram" => options.push(("provider".to_string(), fabric.dgram_provider.clone())),
-        _ => return options,
-    }
-    if !fabric.node.is_empty() {
-        options.push(("node".to_string(), fabric.node.clone()));
-    }
-    if fabric.rx_depth > 0 {
-        options.push(("rx_depth".to_string(), fabric.rx_depth.to_string()));
-    }
-    if fabric.test_force_prefix > 0 {
-        let prefix = fabric.test_force_prefix.to_string();
-        options.push(("force_prefix".to_string(), prefix));
-    }
-    if fabric.test_force_mr_local {
-        options.push(("force_mr_local".to_string(), "true".to_string()));
-    }
-    if !fabric.polling.wait_fd {
-        options.push(("wait_fd".to_string(), "false".to_string()));
-    }
-    options
-}
-
-/// Testing aid: wrap endpoint number `index` in the fault injector when
-/// `[testing.faults]` is configured (never in production).
-pub(crate) fn with_faults(
-    endpoint: Box<dyn Endpoint>,
-    faults: Option<&crate::config::Faults>,
-    index: usize,
-) -> Box<dyn Endpoint> {
-    let Some(faults) = faults else {
-        return endpoint;
-    };
-    let config = faults.for_stream(index as u64);
-    warn!(
-        scheme = endpoint.scheme(),
-        ?config,
-        "testing.faults is set: injecting faults"
-    );
-    Box::new(efabus_transports::fault::FaultyEndpoint::new(
-        endpoint, config,
-    ))
-}
-
 /// A per-process seed for inbox names, so two brokers' inboxes differ.
 pub(crate) fn unique_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
@@ -1089,7 +1015,7 @@ impl EventLoop {
             .iter()
             .enumerate()
             .filter(|(index, _)| !cluster.dials_only(*index))
-            .filter_map(|(_, endpoint)| datapath::offer_for(endpoint.as_ref()))
+            .filter_map(|(_, endpoint)| endpoints::offer_for(endpoint.as_ref()))
             .collect();
         EventLoop {
             shared,
@@ -1628,7 +1554,7 @@ impl EventLoop {
             (negotiated.best_effort.as_ref(), false),
         ] {
             let Some(choice) = choice else { continue };
-            if !datapath::is_data_scheme(&choice.scheme) {
+            if !endpoints::is_data_scheme(&choice.scheme) {
                 continue;
             }
             let Some(index) = self
@@ -1663,7 +1589,7 @@ impl EventLoop {
         chosen.extend(
             self.offers
                 .iter()
-                .filter(|o| !datapath::is_data_scheme(&o.scheme))
+                .filter(|o| !endpoints::is_data_scheme(&o.scheme))
                 .cloned(),
         );
         chosen

@@ -1,0 +1,110 @@
+//! How the broker and the client open their endpoints from the
+//! configuration, and what they offer for negotiation: the options of each
+//! endpoint, the test-only fault wrapper, the offer an endpoint makes, and
+//! a negotiated choice as the data link drives it. `efabus caps` uses the
+//! same functions, so what it shows is what a live broker does.
+
+use efabus_core::caps::{Choice, Offer};
+use efabus_core::transport::{Endpoint, EndpointConfig};
+use tracing::warn;
+
+use crate::config::Config;
+
+/// Schemes whose endpoints carry data for peers negotiated onto them.
+pub fn is_data_scheme(scheme: &str) -> bool {
+    matches!(scheme, "efa-rdm" | "efa-dgram")
+}
+
+/// The offer an endpoint makes: its fi_info, its address, and a message
+/// size no larger than what its buffers hold, so both sides settle on the
+/// smaller of their frame limits.
+pub fn offer_for(endpoint: &dyn Endpoint) -> Option<Offer> {
+    let info = endpoint.info()?;
+    let mut offer = Offer::from_info(endpoint.scheme(), &info, endpoint.local_addr());
+    let capacity = endpoint.max_frame() as u64 + offer.msg_prefix_size;
+    offer.max_msg_size = offer.max_msg_size.min(capacity);
+    Some(offer)
+}
+
+/// A negotiated choice of a data scheme as [`DataLink`] drives it.
+///
+/// FI_ORDER_SAS orders how messages are matched to receives, not the order
+/// their completions are reported (receive comp_order is FI_ORDER_NONE for
+/// `tcp;ofi_rxm` and `udp;ofi_rxd`, and libfabric 2.x no longer reports
+/// it): `tcp;ofi_rxm` completes a rendezvous-sized message after smaller
+/// ones sent later. Frames leave the endpoint in completion order, so data
+/// links always carry sequence numbers and reorder; both sides apply the
+/// same rule. `efabus caps` shows choices through this function too, so
+/// its view is the one a live link reports.
+pub fn as_driven(choice: &Choice) -> Choice {
+    let mut choice = choice.clone();
+    choice.params.sequence_and_reorder = true;
+    choice
+}
+
+/// How the broker opens an endpoint of `scheme` (bound at `bind`, if any)
+/// from its config; `efabus caps` opens them the same way.
+pub fn listener_config(config: &Config, scheme: &str, bind: Option<String>) -> EndpointConfig {
+    EndpointConfig {
+        bind,
+        max_frame: config.max_frame(),
+        queue_frames: 65_536,
+        queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
+        options: endpoint_options(&config.fabric, scheme),
+    }
+}
+
+/// Transport options from the config for an endpoint of `scheme`: the
+/// `[fabric]` table for the libfabric endpoints, nothing for the others.
+pub fn endpoint_options(fabric: &crate::config::Fabric, scheme: &str) -> Vec<(String, String)> {
+    let mut options = Vec::new();
+    match scheme {
+        "efa-rdm" => {
+            options.push(("provider".to_string(), fabric.provider.clone()));
+            options.push(("msg_size".to_string(), fabric.max_frame.to_string()));
+            if !fabric.domain.is_empty() {
+                options.push(("domain".to_string(), fabric.domain.clone()));
+            }
+        }
+        "efa-dgram" => options.push(("provider".to_string(), fabric.dgram_provider.clone())),
+        _ => return options,
+    }
+    if !fabric.node.is_empty() {
+        options.push(("node".to_string(), fabric.node.clone()));
+    }
+    if fabric.rx_depth > 0 {
+        options.push(("rx_depth".to_string(), fabric.rx_depth.to_string()));
+    }
+    if fabric.test_force_prefix > 0 {
+        let prefix = fabric.test_force_prefix.to_string();
+        options.push(("force_prefix".to_string(), prefix));
+    }
+    if fabric.test_force_mr_local {
+        options.push(("force_mr_local".to_string(), "true".to_string()));
+    }
+    if !fabric.polling.wait_fd {
+        options.push(("wait_fd".to_string(), "false".to_string()));
+    }
+    options
+}
+
+/// Testing aid: wrap endpoint number `index` in the fault injector when
+/// `[testing.faults]` is configured (never in production).
+pub fn with_faults(
+    endpoint: Box<dyn Endpoint>,
+    faults: Option<&crate::config::Faults>,
+    index: usize,
+) -> Box<dyn Endpoint> {
+    let Some(faults) = faults else {
+        return endpoint;
+    };
+    let config = faults.for_stream(index as u64);
+    warn!(
+        scheme = endpoint.scheme(),
+        ?config,
+        "testing.faults is set: injecting faults"
+    );
+    Box::new(efabus_transports::fault::FaultyEndpoint::new(
+        endpoint, config,
+    ))
+}
