@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use crossbeam_channel::Sender;
-use efabus_core::caps::{negotiate, Offer};
+use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, PROTOCOL_VERSION};
 use efabus_core::link::LinkTuning;
@@ -36,15 +36,22 @@ use parking_lot::{Condvar, Mutex};
 use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use tracing::{debug, info, warn};
 
+use crate::broker::unique_seed;
 use crate::config::SlowConsumerPolicy;
-use crate::datapath::{DataLink, Sent};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::endpoints;
 use crate::error::Error;
 use crate::inbox::Parker;
+use crate::session::data_link::LinkKind;
+use crate::session::outbound::{self, Control, Queued, SendCounts};
+use crate::session::{Connection, Heartbeat, Liveness};
+use crate::wait::{prepare_wait, wait, Polled};
 
 const WAKER: Token = Token(0);
 const ENDPOINT: Token = Token(1);
+/// The control endpoint's index in the loop's endpoint list; data
+/// endpoints follow it.
+const CONTROL: usize = 0;
 /// Data endpoints use tokens from here on.
 const DATA_TOKENS: usize = 2;
 /// Payloads up to this size are copied into the outbox with their frame;
@@ -624,7 +631,7 @@ impl Client {
         let connect_timeout = options.connect_timeout;
         let shared = Arc::new(ClientShared {
             server: endpoint.to_string(),
-            inbox_prefix: format!("_INBOX.{:016x}", crate::server::unique_seed()),
+            inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
             inbox_sid: Mutex::new(None),
             inbox_sid_seen: AtomicU64::new(0),
             replies: Mutex::new(HashMap::default()),
@@ -896,18 +903,20 @@ enum LinkState {
     Up { peer: PeerId },
 }
 
+/// The client's session: the connection to the server (shared session
+/// layer) and what only a client has: the outbox, reconnection, replies.
 struct ClientLoop {
     shared: Arc<ClientShared>,
     poll: Poll,
-    endpoint: Box<dyn Endpoint>,
+    /// The control endpoint (at [`CONTROL`]), then the data endpoints.
+    endpoints: Vec<Box<dyn Endpoint>>,
     address: String,
     codec: CodecLimits,
     link: LinkState,
     backoff: Duration,
-    /// Frames not yet accepted by the endpoint (pushed back or
-    /// disconnected); `true` marks a run of frames.
-    pending: VecDeque<(OutFrame, bool)>,
-    pending_bytes: usize,
+    /// The current connection's control link, data links, frames not yet
+    /// accepted by the path (pushed back or disconnected) and heartbeats.
+    conn: Connection,
     /// Items taken from the outbox, being handed on.
     taken: VecDeque<Item>,
     /// The subject of the last message delivered, shared by the next ones
@@ -923,17 +932,9 @@ struct ClientLoop {
     cut_off: Vec<u64>,
     flushes: Vec<(u64, Sender<()>)>,
     next_nonce: u64,
-    last_heard: Instant,
-    last_ping: Instant,
     ever_connected: bool,
-    /// Data endpoints offered to the server.
-    data: Vec<Box<dyn Endpoint>>,
     offers: Vec<Offer>,
     tuning: LinkTuning,
-    /// The reliable data link of the current connection, if negotiated.
-    reliable: Option<DataLink>,
-    /// The best-effort datagram link of the current connection, if negotiated.
-    best_effort: Option<DataLink>,
     released: Vec<Bytes>,
     /// Why data endpoints could not open: the start of every handshake's
     /// reasons.
@@ -949,9 +950,11 @@ impl ClientLoop {
         address: String,
     ) -> ClientLoop {
         let unavailable = shared.link.lock().reasons.clone();
-        let offers = data
+        let endpoints: Vec<Box<dyn Endpoint>> = std::iter::once(endpoint).chain(data).collect();
+        // Data endpoints first: the control link is the last resort.
+        let offers = endpoints[CONTROL + 1..]
             .iter()
-            .chain(std::iter::once(&endpoint))
+            .chain(&endpoints[..=CONTROL])
             .filter_map(|endpoint| endpoints::offer_for(endpoint.as_ref()))
             .collect();
         let now = Instant::now();
@@ -959,16 +962,27 @@ impl ClientLoop {
             max_frame: shared.options.max_frame,
             max_subject_len: shared.options.subject_limits.max_len,
         };
+        let liveness = Liveness::new(
+            now,
+            shared.options.heartbeat_interval,
+            shared.options.heartbeat_timeout,
+            true,
+        );
         ClientLoop {
             shared,
             poll,
-            endpoint,
+            endpoints,
             address,
             codec,
             link: LinkState::Down { retry_at: now },
             backoff: Duration::from_millis(50),
-            pending: VecDeque::new(),
-            pending_bytes: 0,
+            conn: Connection::new(
+                Control {
+                    endpoint: CONTROL,
+                    peer: PeerId(0),
+                },
+                liveness,
+            ),
             taken: VecDeque::new(),
             last_subject: None,
             subject_shares: 0,
@@ -977,27 +991,27 @@ impl ClientLoop {
             cut_off: Vec::new(),
             flushes: Vec::new(),
             next_nonce: 1,
-            last_heard: now,
-            last_ping: now,
             ever_connected: false,
-            data,
             offers,
             tuning: LinkTuning::default(),
-            reliable: None,
-            best_effort: None,
             released: Vec::new(),
             unavailable,
+        }
+    }
+
+    /// When the loop next has something to do by time alone.
+    fn poll_timeout(&self) -> Instant {
+        match self.link {
+            LinkState::Down { retry_at } => retry_at,
+            LinkState::AwaitWelcome { deadline, .. } => deadline,
+            LinkState::Up { .. } => self.conn.poll_timeout(),
         }
     }
 
     fn run(mut self) {
         let mut mio_events = mio::Events::with_capacity(64);
         let mut events = Vec::with_capacity(256);
-        let polled = crate::server::Polled::of(
-            std::iter::once(&self.endpoint)
-                .chain(&self.data)
-                .map(|endpoint| endpoint.readiness()),
-        );
+        let polled = Polled::of(self.endpoints.iter().map(|endpoint| endpoint.readiness()));
         let mut idle = 0u32;
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let now = Instant::now();
@@ -1008,13 +1022,13 @@ impl ClientLoop {
                 break;
             }
             events.clear();
-            if let Err(err) = self.endpoint.poll(&mut events) {
+            if let Err(err) = self.endpoints[CONTROL].poll(&mut events) {
                 warn!(error = %err, "client endpoint poll failed");
             }
             let mut busy = !events.is_empty();
             self.on_events(&mut events);
-            for index in 0..self.data.len() {
-                if let Err(err) = self.data[index].poll(&mut events) {
+            for index in CONTROL + 1..self.endpoints.len() {
+                if let Err(err) = self.endpoints[index].poll(&mut events) {
                     warn!(error = %err, "data endpoint poll failed");
                 }
                 busy |= !events.is_empty();
@@ -1033,19 +1047,22 @@ impl ClientLoop {
             } else {
                 idle = idle.saturating_add(1);
             }
-            let mut timeout = Duration::from_millis(50);
+            // Sleep until a descriptor is ready, the outbox has work, or the
+            // next deadline (at least a millisecond: see `wait`).
+            let mut timeout = self
+                .poll_timeout()
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
             if polled.must_poll {
                 let polling = &self.shared.options.fabric.polling;
                 timeout = timeout.min(polled.backoff(idle, polling));
             }
-            let may_wait = timeout.is_zero()
-                || (crate::server::prepare_wait(std::slice::from_mut(&mut self.endpoint))
-                    && crate::server::prepare_wait(&mut self.data));
+            let may_wait = timeout.is_zero() || prepare_wait(&mut self.endpoints);
             if !may_wait {
                 continue;
             }
             let shared = &self.shared;
-            let nothing_pending = self.pending.is_empty();
+            let nothing_pending = self.conn.out.is_empty();
             let parked = shared.parker.park(|| {
                 let mut outbox = shared.outbox.lock();
                 let idle = outbox.is_empty();
@@ -1057,7 +1074,7 @@ impl ClientLoop {
             if !parked {
                 continue;
             }
-            if let Err(err) = crate::server::wait(&mut self.poll, &mut mio_events, timeout) {
+            if let Err(err) = wait(&mut self.poll, &mut mio_events, timeout) {
                 if err.kind() != std::io::ErrorKind::Interrupted {
                     warn!(error = %err, "client poll failed");
                 }
@@ -1079,20 +1096,21 @@ impl ClientLoop {
             let _ = self.transmit(peer, goodbye);
             let deadline = Instant::now() + Duration::from_millis(200);
             let mut events = Vec::new();
-            while Instant::now() < deadline && !self.data_links_drained() {
-                for endpoint in &mut self.data {
+            while Instant::now() < deadline && !self.conn.links.drained(&self.endpoints) {
+                for endpoint in &mut self.endpoints[CONTROL + 1..] {
                     let _ = endpoint.poll(&mut events);
                 }
                 events.clear();
                 std::thread::sleep(Duration::from_millis(1));
             }
-            self.drop_data_links();
-            self.endpoint.close(peer);
+            self.conn.links.close(&mut self.endpoints);
+            let control = &mut self.endpoints[CONTROL];
+            control.close(peer);
             // Let the endpoint hand the goodbye to the wire.
             let deadline = Instant::now() + Duration::from_millis(200);
             let mut events = Vec::new();
-            while Instant::now() < deadline && self.endpoint.queued_bytes(peer) > 0 {
-                let _ = self.endpoint.poll(&mut events);
+            while Instant::now() < deadline && control.queued_bytes(peer) > 0 {
+                let _ = control.poll(&mut events);
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
@@ -1103,28 +1121,27 @@ impl ClientLoop {
             LinkState::Down { retry_at } if now >= retry_at => self.start_connect(now),
             LinkState::AwaitWelcome { peer, deadline } if now >= deadline => {
                 warn!(server = %self.shared.server, "handshake timed out");
-                self.endpoint.close(peer);
+                self.endpoints[CONTROL].close(peer);
                 self.link_lost(now);
             }
-            LinkState::Up { peer } => {
-                let options = &self.shared.options;
-                if now.duration_since(self.last_heard) >= options.heartbeat_timeout {
+            LinkState::Up { peer } => match self.conn.liveness.poll(now) {
+                Heartbeat::Dead => {
                     warn!(server = %self.shared.server, "server silent; reconnecting");
-                    self.endpoint.close(peer);
+                    self.endpoints[CONTROL].close(peer);
                     self.link_lost(now);
-                } else if now.duration_since(self.last_ping) >= options.heartbeat_interval
-                    && now.duration_since(self.last_heard) >= options.heartbeat_interval
-                {
-                    self.last_ping = now;
+                }
+                Heartbeat::Ping => {
                     let _ = self.transmit(peer, codec::encode(&Frame::Ping { nonce: 0 }));
                 }
-            }
+                Heartbeat::Wait => {}
+            },
             _ => {}
         }
     }
 
     fn start_connect(&mut self, now: Instant) {
-        match self.endpoint.connect(&self.address) {
+        let control = &mut self.endpoints[CONTROL];
+        match control.connect(&self.address) {
             Ok(peer) => {
                 let hello = Frame::Hello(Hello {
                     version: PROTOCOL_VERSION,
@@ -1132,7 +1149,8 @@ impl ClientLoop {
                     credentials: self.shared.options.credentials.clone(),
                     offers: self.offers.clone(),
                 });
-                let _ = self.endpoint.send(peer, codec::encode(&hello));
+                let _ = control.send(peer, codec::encode(&hello));
+                self.conn.control.peer = peer;
                 self.link = LinkState::AwaitWelcome {
                     peer,
                     deadline: now + self.shared.options.connect_timeout,
@@ -1147,7 +1165,7 @@ impl ClientLoop {
 
     fn link_lost(&mut self, now: Instant) {
         self.shared.outbox.lock().direct = None;
-        self.drop_data_links();
+        self.conn.links.close(&mut self.endpoints);
         if !self.shared.options.reconnect && self.ever_connected {
             self.shared.set_state(ConnectionState::Closed);
             self.shared.shutdown.store(true, Ordering::SeqCst);
@@ -1182,7 +1200,7 @@ impl ClientLoop {
                     continue;
                 }
             };
-            self.last_heard = self.now;
+            self.conn.liveness.heard(self.now);
             // Only this thread writes the counter: no atomic add needed.
             let control_in = &shared.counters.control_in;
             control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
@@ -1277,12 +1295,12 @@ impl ClientLoop {
         };
         match event {
             Event::Frame { peer, frame } if Some(peer) == current => {
-                self.last_heard = self.now;
+                self.conn.liveness.heard(self.now);
                 match codec::decode(frame, &self.codec) {
                     Ok(frame) => self.on_frame(peer, frame),
                     Err(err) => {
                         warn!(server = %self.shared.server, error = %err, "malformed frame from server; reconnecting");
-                        self.endpoint.close(peer);
+                        self.endpoints[CONTROL].close(peer);
                         self.link_lost(Instant::now());
                     }
                 }
@@ -1315,12 +1333,12 @@ impl ClientLoop {
                 self.open_data_links(&welcome.offers);
                 // Publishers may write to the control link themselves while
                 // it carries the traffic.
-                let direct = match self.reliable {
-                    None => self.endpoint.direct_sender(peer),
+                let direct = match self.conn.links.reliable {
+                    None => self.endpoints[CONTROL].direct_sender(peer),
                     Some(_) => None,
                 };
                 self.shared.outbox.lock().direct = direct;
-                if let Some(link) = &self.reliable {
+                if let Some(link) = &self.conn.links.reliable {
                     // The first frame on the data link tells the server to
                     // move its side of the traffic there too.
                     info!(link = %link.description, "reliable traffic moves to the data link");
@@ -1440,9 +1458,8 @@ impl ClientLoop {
             })
             .collect();
         for frame in frames {
-            if let Err(frame) = self.transmit(peer, frame) {
-                self.pending_bytes += frame.len();
-                self.pending.push_back((frame, false));
+            if let Some(rest) = self.transmit(peer, frame) {
+                self.conn.out.push(rest);
             }
         }
     }
@@ -1453,7 +1470,7 @@ impl ClientLoop {
     fn drain_outbox(&mut self) -> bool {
         // While the path pushes back (or is down), the outbox keeps what
         // publishers add, and they wait once it is full.
-        if !self.pending.is_empty() {
+        if !self.conn.out.is_empty() {
             return false;
         }
         let bound = self.shared.options.max_pending_bytes;
@@ -1473,8 +1490,8 @@ impl ClientLoop {
         }
         while let Some(item) = self.taken.pop_front() {
             match item {
-                Item::Run(run) => self.send_out(OutFrame::whole(run), true),
-                Item::Frame(frame) => self.send_out(frame, false),
+                Item::Run(run) => self.send_out(Queued::run(run, 0)),
+                Item::Frame(frame) => self.send_out(Queued::frame(frame, false)),
                 Item::Command(command) => self.on_command(command),
             }
         }
@@ -1518,181 +1535,87 @@ impl ClientLoop {
     }
 
     fn send(&mut self, frame: OutFrame) {
-        self.send_out(frame, false);
+        self.send_out(Queued::frame(frame, false));
     }
 
     /// Send a frame, or a run of frames, behind whatever is pending.
-    fn send_out(&mut self, frame: OutFrame, run: bool) {
-        if let LinkState::Up { peer } = self.link {
-            if self.pending.is_empty() {
-                let result = if run {
-                    self.transmit_run(peer, frame.head)
-                } else {
-                    self.transmit(peer, frame)
-                };
-                if let Err(frame) = result {
-                    self.pending_bytes += frame.len();
-                    self.pending.push_back((frame, run));
-                }
-                return;
-            }
+    fn send_out(&mut self, queued: Queued) {
+        if !matches!(self.link, LinkState::Up { .. }) {
+            self.conn.out.push(queued);
+            return;
         }
-        self.pending_bytes += frame.len();
-        self.pending.push_back((frame, run));
+        let mut counts = SendCounts::default();
+        self.conn.send(&mut self.endpoints, &mut counts, queued);
+        self.count_sent(counts);
     }
 
     fn flush_pending(&mut self) {
-        let LinkState::Up { peer } = self.link else {
+        if !matches!(self.link, LinkState::Up { .. }) {
             return;
+        }
+        let mut counts = SendCounts::default();
+        self.conn.flush(&mut self.endpoints, &mut counts);
+        self.count_sent(counts);
+    }
+
+    /// Send one frame now on the current path, ahead of anything pending;
+    /// what the path did not take comes back.
+    fn transmit(&mut self, peer: PeerId, frame: OutFrame) -> Option<Queued> {
+        let control = Control {
+            endpoint: CONTROL,
+            peer,
         };
-        if let Some(link) = &mut self.reliable {
-            match link.flush(self.data[link.endpoint].as_mut()) {
-                Ok(true) => {}
-                Ok(false) => return,
-                Err(reason) => warn!(%reason, "data link send failed"),
-            }
-        }
-        while let Some((frame, run)) = self.pending.pop_front() {
-            let len = frame.len();
-            let result = if run {
-                self.transmit_run(peer, frame.head)
-            } else {
-                self.transmit(peer, frame)
-            };
-            match result {
-                Ok(()) => self.pending_bytes -= len,
-                Err(rest) => {
-                    self.pending_bytes -= len - rest.len();
-                    self.pending.push_front((rest, run));
-                    break;
-                }
-            }
-        }
+        let mut counts = SendCounts::default();
+        let queued = Queued::frame(frame, false);
+        let links = &mut self.conn.links;
+        let rest = outbound::transmit(&mut self.endpoints, control, links, &mut counts, queued);
+        self.count_sent(counts);
+        rest
     }
 
-    /// Send a run of frames on the current path; what the path did not
-    /// take comes back (as a run). A data link takes the run frame by frame.
-    fn transmit_run(&mut self, peer: PeerId, run: Bytes) -> Result<(), OutFrame> {
-        if self.reliable.is_some() {
-            let mut at = 0;
-            while let Some(raw) = run.get(at..at + 4) {
-                let total = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]) as usize + 4;
-                if at + total > run.len() {
-                    break;
-                }
-                let frame = OutFrame::whole(run.slice(at..at + total));
-                if self.transmit(peer, frame).is_err() {
-                    return Err(OutFrame::whole(run.slice(at..)));
-                }
-                at += total;
-            }
-            return Ok(());
+    /// Add what sends counted to the link report's counters (only this
+    /// thread writes them).
+    fn count_sent(&self, counts: SendCounts) {
+        let counters = &self.shared.counters;
+        if counts.fabric_frames_out > 0 {
+            counters
+                .fabric_out
+                .fetch_add(counts.fabric_frames_out, Ordering::Relaxed);
         }
-        match self.endpoint.send_run(peer, run) {
-            Ok(()) => Ok(()),
-            Err(SendError::WouldBlock(rest)) => Err(rest),
-            Err(err) => {
-                warn!(error = %err, "send failed");
-                Ok(())
-            }
-        }
-    }
-
-    /// Send one frame on the current path: the reliable data link when one
-    /// was negotiated, else the control link. A full path hands the frame
-    /// back; other failures drop it (the link's closing event follows).
-    fn transmit(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), OutFrame> {
-        if let Some(link) = &mut self.reliable {
-            let sent = link.send(self.data[link.endpoint].as_mut(), frame);
-            self.shared
-                .counters
+        if counts.credit_waits > 0 {
+            counters
                 .credit_waits
-                .fetch_add(link.take_credit_waits(), Ordering::Relaxed);
-            return match sent {
-                Ok(Sent::Accepted) => {
-                    self.shared
-                        .counters
-                        .fabric_out
-                        .fetch_add(1, Ordering::Relaxed);
-                    Ok(())
-                }
-                Ok(Sent::Dropped) => Ok(()),
-                Ok(Sent::Blocked(frame)) => Err(frame),
-                Err(reason) => {
-                    warn!(%reason, "data link send failed");
-                    Ok(())
-                }
-            };
-        }
-        match self.endpoint.send(peer, frame) {
-            Ok(()) => Ok(()),
-            Err(SendError::WouldBlock(frame)) => Err(frame),
-            Err(err) => {
-                warn!(error = %err, "send failed");
-                Ok(())
-            }
+                .fetch_add(counts.credit_waits, Ordering::Relaxed);
         }
     }
 
     /// Open the data links both sides agree on, from the server's offers.
+    /// The client moves its traffic to the reliable data link at once; the
+    /// server follows when the first frame arrives there.
     fn open_data_links(&mut self, remote: &[Offer]) {
-        self.drop_data_links();
+        self.conn.links.close(&mut self.endpoints);
+        let negotiation = self.conn.links.open(
+            &mut self.endpoints,
+            &self.offers,
+            remote,
+            &self.shared.options.preference,
+            &self.tuning,
+        );
+        self.conn.links.in_use = self.conn.links.reliable.is_some();
         let mut report = self.shared.link.lock();
-        report.best_effort = None;
         // The reasons describe this handshake, not every one since start.
         report.reasons.clone_from(&self.unavailable);
-        let negotiated = match negotiate(&self.offers, remote, &self.shared.options.preference) {
-            Ok(negotiated) => negotiated,
-            Err(err) => {
-                report.reliable = self.endpoint.scheme().to_string();
-                report.reasons.push(err.to_string());
-                return;
-            }
+        report.reasons.extend(negotiation.reasons);
+        report.reliable = match &self.conn.links.reliable {
+            Some(link) => link.description.clone(),
+            None => self.endpoints[CONTROL].scheme().to_string(),
         };
-        report.reliable = self.endpoint.scheme().to_string();
-        report.reasons.extend(negotiated.reasons.iter().cloned());
-        for (choice, reliable) in [
-            (Some(&negotiated.reliable), true),
-            (negotiated.best_effort.as_ref(), false),
-        ] {
-            let Some(choice) = choice else { continue };
-            if !endpoints::is_data_scheme(&choice.scheme) {
-                continue;
-            }
-            let Some(index) = self.data.iter().position(|e| e.scheme() == choice.scheme) else {
-                continue;
-            };
-            match DataLink::open(index, self.data[index].as_mut(), choice, &self.tuning) {
-                Ok(link) if reliable => {
-                    report.reliable = link.description.clone();
-                    self.reliable = Some(link);
-                }
-                Ok(link) => {
-                    report.best_effort = Some(link.description.clone());
-                    self.best_effort = Some(link);
-                }
-                Err(reason) => {
-                    warn!(%reason, "data path unusable; staying on the control link");
-                    report.reasons.push(reason);
-                }
-            }
-        }
-    }
-
-    fn data_links_drained(&self) -> bool {
-        self.reliable.as_ref().is_none_or(|link| {
-            link.backlog_bytes() == 0 && self.data[link.endpoint].queued_bytes(link.peer) == 0
-        })
-    }
-
-    /// Forget the data links of a connection that ended.
-    fn drop_data_links(&mut self) {
-        for link in [self.reliable.take(), self.best_effort.take()]
-            .into_iter()
-            .flatten()
-        {
-            self.data[link.endpoint].close(link.peer);
-        }
+        report.best_effort = self
+            .conn
+            .links
+            .best_effort
+            .as_ref()
+            .map(|link| link.description.clone());
     }
 
     /// An event from a data endpoint.
@@ -1702,19 +1625,14 @@ impl ClientLoop {
         };
         match event {
             Event::Frame { peer, frame } => {
+                let Some(kind) = self.conn.links.kind_of(index, peer) else {
+                    return;
+                };
                 let now = Instant::now();
                 let mut released = std::mem::take(&mut self.released);
-                let (result, reliable) = match (&mut self.reliable, &mut self.best_effort) {
-                    (Some(link), _) if link.endpoint == index && link.peer == peer => {
-                        (link.receive(now, frame, &mut released), true)
-                    }
-                    (_, Some(link)) if link.endpoint == index && link.peer == peer => {
-                        (link.receive(now, frame, &mut released), false)
-                    }
-                    _ => (Ok(()), false),
-                };
+                let result = self.conn.links.receive(kind, now, frame, &mut released);
                 if !released.is_empty() {
-                    self.last_heard = now;
+                    self.conn.liveness.heard(now);
                     let received = released.len() as u64;
                     self.shared
                         .counters
@@ -1728,14 +1646,14 @@ impl ClientLoop {
                     }
                 }
                 self.released = released;
-                if !self.pending.is_empty() {
+                if !self.conn.out.is_empty() {
                     // The message may have been a credit opening the window.
                     self.flush_pending();
                 }
                 if let Err(err) = result {
-                    if reliable {
+                    if kind == LinkKind::Reliable {
                         warn!(error = %err, "reliable data link broken; reconnecting");
-                        self.endpoint.close(control);
+                        self.endpoints[CONTROL].close(control);
                         self.link_lost(now);
                     } else {
                         debug!(error = %err, "best-effort link refused a message");
@@ -1744,15 +1662,10 @@ impl ClientLoop {
             }
             Event::Writable { .. } => self.flush_pending(),
             Event::Closed { peer, reason } => {
-                let ours = [&self.reliable, &self.best_effort]
-                    .into_iter()
-                    .flatten()
-                    .any(|link| link.endpoint == index && link.peer == peer);
-                if ours {
+                if self.conn.links.kind_of(index, peer).is_some() {
                     warn!(%reason, "data link closed; reconnecting");
-                    self.reliable = None;
-                    self.best_effort = None;
-                    self.endpoint.close(control);
+                    self.conn.links.close(&mut self.endpoints);
+                    self.endpoints[CONTROL].close(control);
                     self.link_lost(Instant::now());
                 }
             }
@@ -1762,14 +1675,7 @@ impl ClientLoop {
 
     /// Tell the broker how far this side has taken its data links.
     fn grant_credits(&mut self, now: Instant) {
-        for link in [&mut self.reliable, &mut self.best_effort]
-            .into_iter()
-            .flatten()
-        {
-            if link.owes_credit() {
-                link.send_credit(self.data[link.endpoint].as_mut(), now, false);
-            }
-        }
+        self.conn.links.grant_credits(&mut self.endpoints, now);
     }
 
     /// Release what the best-effort link's timeouts allow.
@@ -1777,15 +1683,20 @@ impl ClientLoop {
         let LinkState::Up { peer } = self.link else {
             return;
         };
-        let Some(link) = &mut self.best_effort else {
+        let Some(link) = &self.conn.links.best_effort else {
             return;
         };
+        if link.next_deadline().is_none_or(|deadline| deadline > now) {
+            return;
+        }
         let mut released = std::mem::take(&mut self.released);
-        link.poll(now, &mut released);
+        self.conn.links.poll_lossy(now, &mut released);
         let counters = &self.shared.counters;
-        counters
-            .best_effort_lost
-            .store(link.lost(), Ordering::Relaxed);
+        if let Some(link) = &self.conn.links.best_effort {
+            counters
+                .best_effort_lost
+                .store(link.lost(), Ordering::Relaxed);
+        }
         // Frames held behind a gap the timeout gave up on arrived over the
         // fabric too.
         counters

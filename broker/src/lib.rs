@@ -25,28 +25,31 @@
 //! [`Subscription`] is `Send` and is read by one thread at a time.
 
 mod bench;
+mod broker;
 mod caps_cmd;
 pub mod cli;
 pub mod client;
 pub mod config;
-mod datapath;
 mod delivery;
 pub mod endpoints;
 pub mod error;
+mod event_loop;
 mod inbox;
+mod publish_cache;
 mod route;
 mod router;
-pub mod server;
+mod session;
+mod wait;
 
 use std::time::Duration;
 
 use bytes::Bytes;
 
+pub use broker::{Broker, BrokerStats};
 pub use client::{Client, ClientOptions, ConnectionState};
 pub use config::{Config, ConfigError, SlowConsumerPolicy};
 pub use delivery::{Message, Subscription, SubscriptionStats};
 pub use error::{Error, RecvError};
-pub use server::{Broker, BrokerStats};
 
 /// The operations shared by the embedded [`Broker`] and the remote [`Client`].
 pub trait PubSub: Send + Sync {

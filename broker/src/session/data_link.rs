@@ -1,7 +1,10 @@
-//! Data paths negotiated per peer: the offers a side makes in the
-//! handshake, and a [`DataLink`] that drives one negotiated link (libfabric
-//! RDM or DGRAM) with the core link layer (sequencing, fragmentation,
-//! reordering) and credit-based flow control in front of the endpoint.
+//! Data links: the fabric paths a session negotiates beside its control
+//! link. A [`DataLink`] drives one negotiated link (libfabric RDM or DGRAM)
+//! with the core link layer (sequencing, fragmentation, reordering) and
+//! credit-based flow control in front of the endpoint; [`DataLinks`] holds
+//! a session's pair (reliable and best-effort), opens them from both
+//! sides' offers, and hands received messages and credits to the right one.
+//! Client sessions, the broker's sessions and routes all use this module.
 //!
 //! The control link (TCP or mem) that carried the handshake stays open; it
 //! carries everything for peers without a common fabric.
@@ -10,12 +13,48 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use efabus_core::caps::Choice;
+use efabus_core::caps::{negotiate, Choice, Offer};
 use efabus_core::codec::{self, FrameKind, PREFIX_LEN};
 use efabus_core::credit::{CreditGrant, CreditWindow, Window};
 use efabus_core::frame::Frame;
 use efabus_core::link::{LinkConfig, LinkError, LinkReceiver, LinkSender, LinkTuning};
-use efabus_core::transport::{Endpoint, OutFrame, PeerId, SendError};
+use efabus_core::transport::{Endpoint, OutFrame, PeerId, SendError, TransportError};
+use thiserror::Error;
+
+use crate::endpoints;
+
+/// Why a data link could not open or send.
+#[derive(Debug, Error)]
+pub enum DataLinkError {
+    /// The peer's fabric address was refused by the endpoint.
+    #[error("{scheme}: cannot add the peer's address: {source}")]
+    Address {
+        scheme: String,
+        #[source]
+        source: TransportError,
+    },
+    /// The negotiated parameters leave the link layer unusable.
+    #[error("{scheme}: unusable link parameters: {source}")]
+    Parameters {
+        scheme: String,
+        #[source]
+        source: LinkError,
+    },
+    /// The link layer could not turn a frame into wire messages.
+    #[error("{scheme}: {source}")]
+    Prepare {
+        scheme: String,
+        #[source]
+        source: LinkError,
+    },
+    /// The endpoint failed a send for another reason than a full queue.
+    #[error("{scheme}: {source}")]
+    Send {
+        scheme: String,
+        #[source]
+        source: SendError,
+    },
+}
 
 /// What happened to a frame handed to [`DataLink::send`].
 pub(crate) enum Sent {
@@ -93,15 +132,20 @@ impl DataLink {
         endpoint: &mut dyn Endpoint,
         choice: &Choice,
         tuning: &LinkTuning,
-    ) -> Result<DataLink, String> {
+    ) -> Result<DataLink, DataLinkError> {
         let peer = endpoint
             .insert_peer(&choice.remote.address)
-            .map_err(|err| format!("{}: cannot add the peer's address: {err}", choice.scheme))?;
-        let choice = crate::endpoints::as_driven(choice);
+            .map_err(|source| DataLinkError::Address {
+                scheme: choice.scheme.clone(),
+                source,
+            })?;
+        let choice = endpoints::as_driven(choice);
         let config = LinkConfig::from_params(&choice.params, endpoint.max_frame(), tuning);
         endpoint.set_peer_frame_limit(peer, config.frame_limit);
-        let sender = LinkSender::new(&config)
-            .map_err(|err| format!("{}: unusable link parameters: {err}", choice.scheme))?;
+        let sender = LinkSender::new(&config).map_err(|source| DataLinkError::Parameters {
+            scheme: choice.scheme.clone(),
+            source,
+        })?;
         let (send, grant) = windows(
             &config,
             choice.params.send_window,
@@ -134,7 +178,11 @@ impl DataLink {
     }
 
     /// Send one frame through the link layer.
-    pub fn send(&mut self, endpoint: &mut dyn Endpoint, frame: OutFrame) -> Result<Sent, String> {
+    pub fn send(
+        &mut self,
+        endpoint: &mut dyn Endpoint,
+        frame: OutFrame,
+    ) -> Result<Sent, DataLinkError> {
         if !self.flush(endpoint)? {
             return Ok(if self.lossy {
                 self.dropped += 1;
@@ -155,7 +203,10 @@ impl DataLink {
         let mut wire = Vec::new();
         self.sender
             .prepare(frame, &mut wire)
-            .map_err(|err| format!("{}: {err}", self.scheme))?;
+            .map_err(|source| DataLinkError::Prepare {
+                scheme: self.scheme.clone(),
+                source,
+            })?;
         let bytes = wire.iter().map(|piece| piece.len() as u64).sum();
         self.window.sent(seq, wire.len() as u32, bytes);
         self.frames_out += 1;
@@ -175,7 +226,7 @@ impl DataLink {
                     self.backlog.extend(pieces);
                     break;
                 }
-                Err(err) => return Err(format!("{}: {err}", self.scheme)),
+                Err(source) => return Err(self.send_error(source)),
             }
         }
         Ok(Sent::Accepted)
@@ -205,7 +256,7 @@ impl DataLink {
     }
 
     /// Hand the backlog to the endpoint; true when it is empty.
-    pub fn flush(&mut self, endpoint: &mut dyn Endpoint) -> Result<bool, String> {
+    pub fn flush(&mut self, endpoint: &mut dyn Endpoint) -> Result<bool, DataLinkError> {
         while let Some(piece) = self.backlog.pop_front() {
             match endpoint.send(self.peer, piece) {
                 Ok(()) => {}
@@ -213,10 +264,17 @@ impl DataLink {
                     self.backlog.push_front(piece);
                     return Ok(false);
                 }
-                Err(err) => return Err(format!("{}: {err}", self.scheme)),
+                Err(source) => return Err(self.send_error(source)),
             }
         }
         Ok(true)
+    }
+
+    fn send_error(&self, source: SendError) -> DataLinkError {
+        DataLinkError::Send {
+            scheme: self.scheme.clone(),
+            source,
+        }
     }
 
     /// Bytes waiting in the backlog.
@@ -308,5 +366,204 @@ impl DataLink {
     /// Messages given up on this link (lossy links), as the receiver counts.
     pub fn lost(&self) -> u64 {
         self.receiver.stats().lost
+    }
+}
+
+impl DataLink {
+    /// When the link next has something to do by time alone (a gap a lossy
+    /// link gives up on); `None` for reliable links.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.receiver.next_deadline()
+    }
+}
+
+/// Which of a session's data links a message came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LinkKind {
+    Reliable,
+    BestEffort,
+}
+
+/// The data links both sides agreed on in one handshake.
+pub(crate) struct Negotiation {
+    /// This side's offer of each link opened: put in the welcome so the
+    /// peer arrives at the same choice. Empty when no data link opened.
+    pub opened: Vec<Offer>,
+    /// Why candidates were skipped or links could not open, for reports.
+    pub reasons: Vec<String>,
+}
+
+/// A session's data links: a reliable one (RDM) and a best-effort one
+/// (DGRAM), each present only when negotiated.
+#[derive(Default)]
+pub(crate) struct DataLinks {
+    pub reliable: Option<DataLink>,
+    /// Whether frames to the peer go over `reliable` yet. The side that
+    /// accepted the handshake switches once the peer has used it, so
+    /// nothing it sends overtakes what is still on the control link.
+    pub in_use: bool,
+    pub best_effort: Option<DataLink>,
+}
+
+impl DataLinks {
+    /// Choose data paths from both sides' offers and open the chosen links
+    /// on `endpoints` (found by scheme). Nothing opens when negotiation
+    /// finds no path in common; the control link then carries everything.
+    pub fn open(
+        &mut self,
+        endpoints: &mut [Box<dyn Endpoint>],
+        local: &[Offer],
+        remote: &[Offer],
+        preference: &[String],
+        tuning: &LinkTuning,
+    ) -> Negotiation {
+        let mut negotiation = Negotiation {
+            opened: Vec::new(),
+            reasons: Vec::new(),
+        };
+        let negotiated = match negotiate(local, remote, preference) {
+            Ok(negotiated) => negotiated,
+            Err(err) => {
+                negotiation.reasons.push(err.to_string());
+                return negotiation;
+            }
+        };
+        negotiation
+            .reasons
+            .extend(negotiated.reasons.iter().cloned());
+        for (choice, kind) in [
+            (Some(&negotiated.reliable), LinkKind::Reliable),
+            (negotiated.best_effort.as_ref(), LinkKind::BestEffort),
+        ] {
+            let Some(choice) = choice else { continue };
+            if !endpoints::is_data_scheme(&choice.scheme) {
+                continue;
+            }
+            let Some(index) = endpoints.iter().position(|e| e.scheme() == choice.scheme) else {
+                continue;
+            };
+            match DataLink::open(index, endpoints[index].as_mut(), choice, tuning) {
+                Ok(link) => {
+                    negotiation.opened.push(choice.local.clone());
+                    match kind {
+                        LinkKind::Reliable => self.reliable = Some(link),
+                        LinkKind::BestEffort => self.best_effort = Some(link),
+                    }
+                }
+                Err(reason) => negotiation.reasons.push(reason.to_string()),
+            }
+        }
+        negotiation
+    }
+
+    fn links(&self) -> impl Iterator<Item = &DataLink> {
+        [&self.reliable, &self.best_effort].into_iter().flatten()
+    }
+
+    fn links_mut(&mut self) -> impl Iterator<Item = &mut DataLink> {
+        [&mut self.reliable, &mut self.best_effort]
+            .into_iter()
+            .flatten()
+    }
+
+    /// The reliable link, when frames to the peer go over it.
+    pub fn sending(&mut self) -> Option<&mut DataLink> {
+        self.reliable.as_mut().filter(|_| self.in_use)
+    }
+
+    /// The `(endpoint, peer)` of each open link.
+    pub fn addresses(&self) -> impl Iterator<Item = (usize, PeerId)> + '_ {
+        self.links().map(|link| (link.endpoint, link.peer))
+    }
+
+    /// Which link is `peer` on endpoint `endpoint`, if either.
+    pub fn kind_of(&self, endpoint: usize, peer: PeerId) -> Option<LinkKind> {
+        let matches = |link: &Option<DataLink>| {
+            link.as_ref()
+                .is_some_and(|l| l.endpoint == endpoint && l.peer == peer)
+        };
+        if matches(&self.reliable) {
+            Some(LinkKind::Reliable)
+        } else if matches(&self.best_effort) {
+            Some(LinkKind::BestEffort)
+        } else {
+            None
+        }
+    }
+
+    /// One message from the data link `kind`: whole frames go to `out` in
+    /// the sender's order; credits are taken here. A message on the
+    /// reliable link shows that the peer uses it: so does this side from
+    /// then on.
+    pub fn receive(
+        &mut self,
+        kind: LinkKind,
+        now: Instant,
+        message: Bytes,
+        out: &mut Vec<Bytes>,
+    ) -> Result<(), LinkError> {
+        let link = match kind {
+            LinkKind::Reliable => {
+                self.in_use = true;
+                self.reliable.as_mut()
+            }
+            LinkKind::BestEffort => self.best_effort.as_mut(),
+        };
+        match link {
+            Some(link) => link.receive(now, message, out),
+            None => Ok(()),
+        }
+    }
+
+    /// Send the credits that are due; true while one is still owed.
+    pub fn grant_credits(&mut self, endpoints: &mut [Box<dyn Endpoint>], now: Instant) -> bool {
+        let mut still_owed = false;
+        for link in self.links_mut() {
+            if link.owes_credit() {
+                link.send_credit(endpoints[link.endpoint].as_mut(), now, false);
+            }
+            still_owed |= link.owes_credit();
+        }
+        still_owed
+    }
+
+    /// Whether either link owes the peer a credit.
+    pub fn owe_credit(&self) -> bool {
+        self.links().any(DataLink::owes_credit)
+    }
+
+    /// Frames the best-effort link releases by the passing of time.
+    pub fn poll_lossy(&mut self, now: Instant, out: &mut Vec<Bytes>) {
+        if let Some(link) = &mut self.best_effort {
+            link.poll(now, out);
+        }
+    }
+
+    /// When a link next has something to do by time alone.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.links().filter_map(DataLink::next_deadline).min()
+    }
+
+    /// Bytes numbered for the peer but not yet taken by the endpoint.
+    pub fn backlog_bytes(&self) -> usize {
+        self.reliable.as_ref().map_or(0, DataLink::backlog_bytes)
+    }
+
+    /// Whether everything sent on the reliable link has left this side.
+    pub fn drained(&self, endpoints: &[Box<dyn Endpoint>]) -> bool {
+        self.reliable.as_ref().is_none_or(|link| {
+            link.backlog_bytes() == 0 && endpoints[link.endpoint].queued_bytes(link.peer) == 0
+        })
+    }
+
+    /// Close both links and forget them.
+    pub fn close(&mut self, endpoints: &mut [Box<dyn Endpoint>]) {
+        for link in [self.reliable.take(), self.best_effort.take()]
+            .into_iter()
+            .flatten()
+        {
+            endpoints[link.endpoint].close(link.peer);
+        }
+        self.in_use = false;
     }
 }

@@ -34,9 +34,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tracing::{debug, info, warn};
 
-use super::{BrokerStats, EventLoop, Payload, Session, SessionState, Shared};
+use super::peer::{Session, SessionState};
+use super::{EventLoop, Payload};
+use crate::broker::{BrokerStats, Shared};
 use crate::route::InterestChange;
 use crate::router::SubRef;
+use crate::session::outbound::Control;
 
 /// First wait before redialing a peer; doubled per failed attempt.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -145,6 +148,16 @@ impl Cluster {
         }
     }
 
+    /// When a configured peer without a link is next to be dialed.
+    pub fn next_dial(&self) -> Option<Instant> {
+        self.dialer?;
+        self.slots
+            .iter()
+            .filter(|slot| !slot.own && slot.session.is_none())
+            .map(|slot| slot.next_attempt)
+            .min()
+    }
+
     /// Whether endpoint `index` was opened only to dial routes.
     pub fn dials_only(&self, index: usize) -> bool {
         self.dialer == Some(index) && index >= self.listeners
@@ -156,7 +169,7 @@ fn broker_hex(id: u64) -> String {
 }
 
 impl EventLoop {
-    /// Route to one more broker (from [`super::Broker::add_peer`]).
+    /// Route to one more broker (from [`crate::Broker::add_peer`]).
     pub(super) fn add_peer(&mut self, endpoint: String) {
         let now = Instant::now();
         if let Some(slot) = DialSlot::new(&endpoint, now) {
@@ -189,6 +202,9 @@ impl EventLoop {
             }
             self.dial(index, endpoint, now);
         }
+        if let Some(next) = self.cluster.next_dial() {
+            self.schedule(next);
+        }
     }
 
     fn dial(&mut self, index: usize, endpoint: usize, now: Instant) {
@@ -207,12 +223,15 @@ impl EventLoop {
         BrokerStats::add(&stats.connections, 1);
         BrokerStats::add(&stats.connections_total, 1);
         let deadline = now + self.shared.config.handshake_timeout();
-        let mut session = Session::new(endpoint, peer, slot.endpoint.clone(), now, deadline);
+        let control = Control { endpoint, peer };
+        let mut session =
+            Session::new(control, slot.endpoint.clone(), self.liveness(now), deadline);
         session.route = Some(Box::new(RouteRole::new(Some(index))));
         debug!(session = id, peer = %slot.endpoint, "dialing peer broker");
         self.by_peer.insert((endpoint, peer), id);
         self.sessions.insert(id, session);
         self.cluster.slots[index].session = Some(id);
+        self.schedule(deadline);
         if self.reads_paused {
             self.endpoints[endpoint].set_read_paused(peer, true);
         }
@@ -241,6 +260,8 @@ impl EventLoop {
         }
         slot.next_attempt = now + slot.backoff;
         slot.backoff = (slot.backoff * 2).min(BACKOFF_MAX);
+        let next = slot.next_attempt;
+        self.schedule(next);
     }
 
     /// A session is gone for good: if it was dialed for a peer, schedule
@@ -266,6 +287,8 @@ impl EventLoop {
         } else {
             self.dial_failed(index, now, "link closed before the route came up");
         }
+        let next = self.cluster.slots[index].next_attempt;
+        self.schedule(next);
     }
 
     /// The welcome to a hello this broker sent as a dialing route.

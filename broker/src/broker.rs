@@ -1,0 +1,698 @@
+//! The embedded [`Broker`] handle: starting a broker (its endpoints and
+//! its event loop thread), the state the handle shares with the loop, the
+//! counters, and in-process delivery.
+//!
+//! Threads: in-process publishers route on their own thread through the
+//! shared subscription table (see [`crate::publish_cache`]) and deliver to
+//! in-process subscribers directly; deliveries to remote peers reach the
+//! event loop through a bounded command queue. The event loop thread
+//! (`crate::event_loop`) owns every endpoint and session.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use bytes::Bytes;
+use crossbeam_channel::Sender;
+use efabus_core::codec::CodecLimits;
+use efabus_core::subject::{self, SubjectLimits};
+use efabus_core::transport::{Readiness, TransportError};
+use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
+use mio::unix::SourceFd;
+use mio::{Interest, Poll, Token, Waker};
+use parking_lot::{Mutex, RwLock};
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
+use crate::endpoints::{self, listener_config, with_faults};
+use crate::error::Error;
+use crate::event_loop::{Cluster, EventLoop, WAKER};
+use crate::inbox::LoopInbox;
+use crate::publish_cache;
+use crate::router::{Router, SubRef, Targets, LOCAL_OWNER};
+
+/// Commands queued from in-process publishers to the loop before they wait.
+const COMMAND_QUEUE: usize = 65_536;
+
+/// Counters of a running broker.
+#[derive(Debug, Default)]
+pub struct BrokerStats {
+    pub connections: AtomicU64,
+    pub connections_total: AtomicU64,
+    pub messages_in: AtomicU64,
+    pub messages_out: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub slow_consumer_drops: AtomicU64,
+    pub slow_consumer_disconnects: AtomicU64,
+    pub bad_frames: AtomicU64,
+    pub auth_failures: AtomicU64,
+    pub refused_connections: AtomicU64,
+    /// Bytes queued towards remote peers by the broker, right now.
+    pub queued_bytes: AtomicU64,
+    /// Frames received and sent over negotiated fabric data links.
+    pub fabric_frames_in: AtomicU64,
+    pub fabric_frames_out: AtomicU64,
+    /// Best-effort messages the datagram link could not take.
+    pub best_effort_drops: AtomicU64,
+    /// Sends to data links that found the peer's credit window full (the
+    /// frame waited, or on a datagram link was dropped and counted in
+    /// `best_effort_drops`).
+    pub credit_waits: AtomicU64,
+    /// Routes to other brokers that are up, right now.
+    pub routes: AtomicU64,
+    /// Messages received from and forwarded to other brokers over routes.
+    pub route_messages_in: AtomicU64,
+    pub route_messages_out: AtomicU64,
+}
+
+impl BrokerStats {
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// A plain snapshot for printing.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        vec![
+            ("connections", get(&self.connections)),
+            ("connections_total", get(&self.connections_total)),
+            ("messages_in", get(&self.messages_in)),
+            ("messages_out", get(&self.messages_out)),
+            ("bytes_in", get(&self.bytes_in)),
+            ("slow_consumer_drops", get(&self.slow_consumer_drops)),
+            (
+                "slow_consumer_disconnects",
+                get(&self.slow_consumer_disconnects),
+            ),
+            ("bad_frames", get(&self.bad_frames)),
+            ("auth_failures", get(&self.auth_failures)),
+            ("refused_connections", get(&self.refused_connections)),
+            ("queued_bytes", get(&self.queued_bytes)),
+            ("fabric_frames_in", get(&self.fabric_frames_in)),
+            ("fabric_frames_out", get(&self.fabric_frames_out)),
+            ("best_effort_drops", get(&self.best_effort_drops)),
+            ("credit_waits", get(&self.credit_waits)),
+            ("routes", get(&self.routes)),
+            ("route_messages_in", get(&self.route_messages_in)),
+            ("route_messages_out", get(&self.route_messages_out)),
+        ]
+    }
+}
+
+/// Work handed to the event loop by other threads.
+pub(crate) enum Command {
+    /// Deliver a message published in-process to remote subscribers.
+    Deliver {
+        targets: Vec<SubRef>,
+        message: Message,
+    },
+    /// Answer once everything queued before it has been handed to the endpoints.
+    Flush(Sender<()>),
+    /// Route to one more broker (an endpoint string, checked).
+    AddPeer(String),
+}
+
+pub(crate) struct Shared {
+    pub(crate) config: Config,
+    pub(crate) subject_limits: SubjectLimits,
+    pub(crate) router: RwLock<Router>,
+    /// The router's generation, read without its lock (see [`LastRoute`]).
+    pub(crate) generation: Arc<AtomicU64>,
+    pub(crate) next_sid: AtomicU64,
+    pub(crate) inbox: LoopInbox<Command>,
+    pub(crate) shutdown: AtomicBool,
+    pub(crate) stats: BrokerStats,
+    pub(crate) inbox_prefix: String,
+    pub(crate) listening: Vec<(String, String)>,
+    /// This broker process among route peers (random per start).
+    pub(crate) broker_id: u64,
+    /// Whether an endpoint exists to dial routes from.
+    pub(crate) can_dial: bool,
+}
+
+impl Shared {
+    /// Wake the loop when a subscription change is to be announced to
+    /// route peers (the loop sends announcements before anything else).
+    pub(crate) fn announce(&self, router: &Router) {
+        if router.interest_changed() {
+            self.inbox.wake();
+        }
+    }
+
+    pub(crate) fn send_command(&self, command: Command) -> Result<(), Error> {
+        if self.shutdown.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        self.inbox.send(command, self.config.block_timeout())
+    }
+}
+
+impl Unsubscriber for Shared {
+    fn unsubscribe(&self, sid: u64) {
+        let mut router = self.router.write();
+        router.remove(SubRef {
+            owner: LOCAL_OWNER,
+            sid,
+        });
+        self.announce(&router);
+    }
+}
+
+/// An embedded broker. Cheap to share: all methods take `&self`, and the
+/// handle is `Send + Sync`. Dropping it shuts the broker down.
+pub struct Broker {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Broker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Broker")
+            .field("name", &self.shared.config.name)
+            .field("listening", &self.shared.listening)
+            .finish()
+    }
+}
+
+impl Broker {
+    /// Start a broker with the built-in transports.
+    pub fn start(config: Config) -> Result<Broker, Error> {
+        Broker::start_with_registry(config, Registry::with_builtins())
+    }
+
+    /// Start a broker whose endpoint strings may also name transports an
+    /// application registered itself.
+    pub fn start_with_registry(config: Config, registry: Registry) -> Result<Broker, Error> {
+        config.validate("(given)")?;
+        config.check_schemes("(given)", &registry.schemes())?;
+        let poll = Poll::new().map_err(Error::Thread)?;
+        let waker = Waker::new(poll.registry(), WAKER).map_err(Error::Thread)?;
+        let codec_limits = CodecLimits {
+            max_frame: config.max_frame(),
+            max_subject_len: config.limits.max_subject_len,
+        };
+        let mut endpoints = Vec::new();
+        let mut listening = Vec::new();
+        let mut unavailable = None;
+        for text in &config.listen {
+            let spec = EndpointSpec::parse(text).map_err(|err| Error::Endpoint {
+                endpoint: text.clone(),
+                source: err.into(),
+            })?;
+            let bind = Some(spec.address().unwrap_or_default().to_string());
+            let endpoint_config = listener_config(&config, spec.scheme(), bind);
+            let endpoint = match registry.open(&spec, &endpoint_config) {
+                Ok(endpoint) => endpoint,
+                // A fabric this host lacks (no EFA device, no provider)
+                // leaves its peers on TCP, as negotiation would.
+                Err(
+                    source @ RegistryError::Transport {
+                        source: TransportError::Unavailable { .. },
+                        ..
+                    },
+                ) if endpoints::is_data_scheme(spec.scheme()) => {
+                    warn!(endpoint = %text, reason = %source, "fabric unavailable; peers use the TCP data path");
+                    unavailable = Some(Error::Endpoint {
+                        endpoint: text.clone(),
+                        source,
+                    });
+                    continue;
+                }
+                Err(source) => {
+                    return Err(Error::Endpoint {
+                        endpoint: text.clone(),
+                        source,
+                    })
+                }
+            };
+            let endpoint = with_faults(endpoint, config.testing.faults.as_ref(), endpoints.len());
+            // Socket addresses are text; fabric addresses are raw bytes.
+            let local = if endpoints::is_data_scheme(spec.scheme()) {
+                efabus_transports::fabric::addr_to_hex(&endpoint.local_addr())
+            } else {
+                String::from_utf8_lossy(&endpoint.local_addr()).into_owned()
+            };
+            info!(endpoint = %text, address = %local, "listening");
+            listening.push((spec.scheme().to_string(), local));
+            let token = Token(endpoints.len() + 1);
+            if let Some(fd) = endpoint.readiness().fd() {
+                poll.registry()
+                    .register(&mut SourceFd(&fd), token, Interest::READABLE)
+                    .map_err(Error::Thread)?;
+            }
+            endpoints.push(endpoint);
+        }
+        if let (true, Some(err)) = (endpoints.is_empty(), unavailable) {
+            // Nothing else to fall back to.
+            return Err(err);
+        }
+        // Routes are dialed from a TCP listener, or from an endpoint that
+        // only connects out when there is none.
+        let mut dialer = endpoints.iter().position(|e| e.scheme() == "tcp");
+        if dialer.is_none() && !config.peers.is_empty() {
+            let spec = EndpointSpec::parse("tcp").map_err(|err| Error::Endpoint {
+                endpoint: "tcp".into(),
+                source: err.into(),
+            })?;
+            let endpoint_config = listener_config(&config, spec.scheme(), None);
+            let endpoint =
+                registry
+                    .open(&spec, &endpoint_config)
+                    .map_err(|source| Error::Endpoint {
+                        endpoint: "tcp (for peers)".into(),
+                        source,
+                    })?;
+            if let Readiness::Fd(fd) = endpoint.readiness() {
+                poll.registry()
+                    .register(
+                        &mut SourceFd(&fd),
+                        Token(endpoints.len() + 1),
+                        Interest::READABLE,
+                    )
+                    .map_err(Error::Thread)?;
+            }
+            dialer = Some(endpoints.len());
+            endpoints.push(endpoint);
+        }
+        let (inbox, command_rx) = LoopInbox::new(waker, COMMAND_QUEUE);
+        let subject_limits = SubjectLimits {
+            max_len: config.limits.max_subject_len,
+            max_tokens: config.limits.max_subject_tokens,
+        };
+        let router = Router::new(subject_limits);
+        let shared = Arc::new(Shared {
+            subject_limits,
+            config,
+            generation: router.generation(),
+            router: RwLock::new(router),
+            next_sid: AtomicU64::new(1),
+            inbox,
+            shutdown: AtomicBool::new(false),
+            stats: BrokerStats::default(),
+            inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
+            listening,
+            broker_id: unique_seed(),
+            can_dial: dialer.is_some(),
+        });
+        let cluster = Cluster::new(&shared, dialer);
+        let event_loop = EventLoop::new(
+            shared.clone(),
+            poll,
+            endpoints,
+            command_rx,
+            codec_limits,
+            cluster,
+        );
+        let thread = std::thread::Builder::new()
+            .name("efabus-broker".into())
+            .spawn(move || event_loop.run())
+            .map_err(Error::Thread)?;
+        Ok(Broker {
+            shared,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// `(scheme, address)` of each listening endpoint, with actual ports.
+    pub fn listening(&self) -> &[(String, String)] {
+        &self.shared.listening
+    }
+
+    /// The address of the first listener of a scheme (e.g. the TCP port
+    /// chosen when the config said port 0), as an endpoint string.
+    pub fn endpoint(&self, scheme: &str) -> Option<String> {
+        self.shared
+            .listening
+            .iter()
+            .find(|(s, _)| s == scheme)
+            .map(|(s, addr)| format!("{s}/{addr}"))
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.shared.config
+    }
+
+    pub fn stats(&self) -> &BrokerStats {
+        &self.shared.stats
+    }
+
+    /// Number of subscriptions, local and remote.
+    pub fn subscription_count(&self) -> usize {
+        self.shared.router.read().len()
+    }
+
+    /// This broker process's id among route peers (random per start).
+    pub fn broker_id(&self) -> u64 {
+        self.shared.broker_id
+    }
+
+    /// Number of interest entries (distinct pattern and queue group pairs)
+    /// that route peers announced to this broker, over all routes.
+    pub fn route_interest_count(&self) -> usize {
+        self.shared.router.read().route_interest_len()
+    }
+
+    /// Route to one more broker, as if its endpoint string (`tcp/HOST:PORT`)
+    /// were listed in `peers`: connect to it and keep reconnecting. Needs a
+    /// TCP endpoint to dial from (a `tcp` listener, or `peers` configured).
+    pub fn add_peer(&self, endpoint: &str) -> Result<(), Error> {
+        let invalid = |message: String| {
+            Error::Config(crate::config::ConfigError::Invalid {
+                origin: "add_peer".to_string(),
+                line: None,
+                key: "peers".to_string(),
+                message,
+            })
+        };
+        crate::config::check_peer(endpoint).map_err(invalid)?;
+        if !self.shared.can_dial {
+            return Err(invalid(
+                "this broker has no tcp endpoint to dial routes from: listen on tcp".to_string(),
+            ));
+        }
+        self.shared
+            .send_command(Command::AddPeer(endpoint.to_string()))
+    }
+
+    /// Publish a message. In-process subscribers receive the same payload
+    /// buffer, not a copy.
+    pub fn publish(&self, subject: &str, payload: impl Into<Bytes>) -> Result<(), Error> {
+        self.publish_inner(subject, None, payload.into())
+            .map(|_| ())
+    }
+
+    /// Publish with a reply subject.
+    pub fn publish_request(
+        &self,
+        subject: &str,
+        reply: &str,
+        payload: impl Into<Bytes>,
+    ) -> Result<(), Error> {
+        self.publish_inner(subject, Some(reply), payload.into())
+            .map(|_| ())
+    }
+
+    fn publish_inner(
+        &self,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Bytes,
+    ) -> Result<usize, Error> {
+        let shared = &self.shared;
+        if shared.shutdown.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        if let Some(reply) = reply {
+            subject::validate_subject(reply, &shared.subject_limits).map_err(|source| {
+                Error::Subject {
+                    subject: reply.to_string(),
+                    source,
+                }
+            })?;
+        }
+        if payload.len() as u64 > shared.config.limits.max_payload {
+            return Err(Error::PayloadTooLarge {
+                len: payload.len(),
+                max: shared.config.limits.max_payload,
+            });
+        }
+        publish_cache::publish(shared, subject, reply.map(Arc::from), payload)
+    }
+
+    /// Subscribe to a pattern (`*` one token, `>` the rest).
+    pub fn subscribe(&self, pattern: &str) -> Result<Subscription, Error> {
+        self.subscribe_inner(pattern, None)
+    }
+
+    /// Subscribe as a member of a queue group: each message matching the
+    /// pattern goes to one member of the group.
+    pub fn queue_subscribe(&self, pattern: &str, group: &str) -> Result<Subscription, Error> {
+        self.subscribe_inner(pattern, Some(group))
+    }
+
+    fn subscribe_inner(&self, pattern: &str, queue: Option<&str>) -> Result<Subscription, Error> {
+        let shared = &self.shared;
+        if shared.shutdown.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        subject::validate_pattern(pattern, &shared.subject_limits).map_err(|source| {
+            Error::Subject {
+                subject: pattern.to_string(),
+                source,
+            }
+        })?;
+        let sid = shared.next_sid.fetch_add(1, Ordering::Relaxed);
+        let (sink, rx, stats) = LocalSink::new(
+            shared.config.limits.subscription_queue,
+            shared.config.slow_consumer.policy,
+            shared.config.block_timeout(),
+        );
+        shared
+            .router
+            .write()
+            .insert(
+                pattern,
+                queue,
+                SubRef {
+                    owner: LOCAL_OWNER,
+                    sid,
+                },
+                Some(Arc::new(sink)),
+            )
+            .map_err(|source| Error::Subscription {
+                pattern: pattern.to_string(),
+                source,
+            })?;
+        shared.announce(&shared.router.read());
+        let owner: Arc<dyn Unsubscriber> = shared.clone();
+        Ok(Subscription::new(
+            sid,
+            pattern.to_string(),
+            queue.map(str::to_string),
+            rx,
+            stats,
+            owner,
+        ))
+    }
+
+    /// Send a request and wait for the first reply.
+    pub fn request(
+        &self,
+        subject: &str,
+        payload: impl Into<Bytes>,
+        timeout: Duration,
+    ) -> Result<Message, Error> {
+        let n = self.shared.next_sid.fetch_add(1, Ordering::Relaxed);
+        let inbox = format!("{}.{n}", self.shared.inbox_prefix);
+        let replies = self.subscribe(&inbox)?;
+        let matched = self.publish_inner(subject, Some(&inbox), payload.into())?;
+        if matched == 0 {
+            return Err(Error::NoResponders(subject.to_string()));
+        }
+        replies.recv_timeout(timeout).map_err(|err| match err {
+            crate::RecvError::Closed => Error::Closed,
+            _ => Error::Timeout(timeout),
+        })
+    }
+
+    /// Wait until every message published so far has been handed to
+    /// subscriber queues or to the transports.
+    pub fn flush(&self, timeout: Duration) -> Result<(), Error> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.shared.send_command(Command::Flush(tx))?;
+        rx.recv_timeout(timeout)
+            .map_err(|_| Error::Timeout(timeout))
+    }
+
+    /// Stop accepting, flush what is queued (within the configured drain
+    /// time), say goodbye to every peer and stop the loop.
+    pub fn shutdown(&self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        self.shared.inbox.wake();
+        if let Some(thread) = self.thread.lock().take() {
+            if thread.join().is_err() {
+                warn!("broker event loop panicked");
+            }
+        }
+        self.shared.router.write().close_locals();
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_shut_down(&self) -> bool {
+        self.shared.shutdown.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Deliver a message published in-process along a route: to its local
+/// subscriptions (the payload moves to the last one) and, through the event
+/// loop, to remote peers. Returns how many subscriptions matched.
+#[inline(always)]
+pub(crate) fn deliver_in_process(
+    shared: &Shared,
+    subject: &Arc<str>,
+    targets: &Targets,
+    reply: Option<Arc<str>>,
+    payload: Bytes,
+) -> Result<usize, Error> {
+    let stats = &shared.stats;
+    if let ([(sid, sink)], true) = (targets.local.as_slice(), targets.remote.is_empty()) {
+        // The common case: one in-process subscription.
+        BrokerStats::add(&stats.messages_in, 1);
+        match sink.deliver_kept(subject, reply, payload) {
+            Delivery::Queued => BrokerStats::add(&stats.messages_out, 1),
+            outcome => settle_one(shared, *sid, sink, outcome),
+        }
+        return Ok(1);
+    }
+    deliver_route_all(shared, subject, targets, reply, payload)
+}
+
+#[cold]
+#[inline(never)]
+fn settle_one(shared: &Shared, sid: u64, sink: &LocalSink, outcome: Delivery) {
+    let mut closed = Vec::new();
+    count_delivery(&shared.stats, sid, sink, outcome, &mut closed);
+    if !closed.is_empty() {
+        remove_closed(shared, closed);
+    }
+}
+
+/// [`deliver_in_process`] for any number of targets.
+#[inline(never)]
+fn deliver_route_all(
+    shared: &Shared,
+    subject: &Arc<str>,
+    targets: &Targets,
+    reply: Option<Arc<str>>,
+    mut payload: Bytes,
+) -> Result<usize, Error> {
+    let stats = &shared.stats;
+    BrokerStats::add(&stats.messages_in, 1);
+    let remote = !targets.remote.is_empty();
+    let mut closed = Vec::new();
+    if let Some(((last_sid, last), others)) = targets.local.split_last() {
+        for (sid, sink) in others {
+            let outcome = sink.deliver_kept(subject, reply.clone(), payload.clone());
+            count_delivery(stats, *sid, sink, outcome, &mut closed);
+        }
+        let body = if remote {
+            payload.clone()
+        } else {
+            std::mem::take(&mut payload)
+        };
+        let outcome = last.deliver_kept(subject, reply.clone(), body);
+        count_delivery(stats, *last_sid, last, outcome, &mut closed);
+    }
+    if !closed.is_empty() {
+        remove_closed(shared, closed);
+    }
+    if remote {
+        shared.send_command(Command::Deliver {
+            targets: targets.remote.clone(),
+            message: Message {
+                subject: subject.clone(),
+                reply,
+                payload,
+            },
+        })?;
+    }
+    Ok(targets.len())
+}
+
+/// Hand a message to the in-process subscriptions among `targets`, count
+/// the outcome, and remove subscriptions that were cut off as slow consumers
+/// so their readers see the end of the stream.
+pub(crate) fn deliver_local(shared: &Shared, targets: &mut Targets, message: &Message) {
+    let mut closed = Vec::new();
+    for (sid, sink) in targets.local.drain(..) {
+        let outcome = sink.deliver(message.clone());
+        count_delivery(&shared.stats, sid, &sink, outcome, &mut closed);
+    }
+    if !closed.is_empty() {
+        remove_closed(shared, closed);
+    }
+}
+
+/// Count one delivery's outcome; a closed subscription is noted in `closed`
+/// with whether this delivery's policy cut it off.
+pub(crate) fn count_delivery(
+    stats: &BrokerStats,
+    sid: u64,
+    sink: &LocalSink,
+    outcome: Delivery,
+    closed: &mut Vec<(u64, bool)>,
+) {
+    match outcome {
+        Delivery::Queued => BrokerStats::add(&stats.messages_out, 1),
+        Delivery::QueuedDroppingOldest(dropped) => {
+            BrokerStats::add(&stats.messages_out, 1);
+            BrokerStats::add(&stats.slow_consumer_drops, dropped);
+        }
+        Delivery::Dropped => BrokerStats::add(&stats.slow_consumer_drops, 1),
+        Delivery::Closed => closed.push((sid, sink.is_cut_off())),
+    }
+}
+
+/// Remove closed subscriptions from the router. Each one cut off by the
+/// disconnect policy is counted once, by whoever removes it (a subscription
+/// that was dropped, or a broker shutting down, is not a disconnect).
+#[cold]
+fn remove_closed(shared: &Shared, closed: Vec<(u64, bool)>) {
+    let mut router = shared.router.write();
+    for (sid, cut_off) in closed {
+        let removed = router.remove(SubRef {
+            owner: LOCAL_OWNER,
+            sid,
+        });
+        if removed && cut_off {
+            BrokerStats::add(&shared.stats.slow_consumer_disconnects, 1);
+        }
+    }
+}
+
+/// A per-process seed for inbox names, so two brokers' inboxes differ.
+pub(crate) fn unique_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default(),
+    );
+    hasher.write_u32(std::process::id());
+    hasher.finish()
+}
+
+/// Compare two secrets in time independent of where they differ.
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() ^ b.len()) as u64;
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= u64::from(x ^ y);
+    }
+    diff == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_compares_contents_and_lengths() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+        assert!(constant_time_eq(b"", b""));
+    }
+}

@@ -1,0 +1,1162 @@
+//! The broker's event loop: it polls the endpoints, hands each event to
+//! the session it belongs to, and does the work that spans sessions:
+//! fan-out of published messages to the subscribers' sessions, and routes
+//! to other brokers ([`route`]). The per-session state and its
+//! handshake live in [`peer`]; what every session shares (data links,
+//! outbound queue, heartbeats) in [`crate::session`].
+//!
+//! Publishes are read in place; the deliveries a loop round produces for
+//! one peer are encoded back to back into that peer's batch and handed to
+//! its endpoint as one run at the end of the round (payloads over
+//! [`COPY_MAX`] travel shared behind their own head). The loop sleeps until
+//! an endpoint is ready, a command arrives, or the earliest session
+//! deadline.
+
+mod peer;
+mod route;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+// Session and peer maps are keyed by small integers the broker assigns:
+// a fast non-keyed hash is safe there and cheaper than SipHash.
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+
+use bytes::{Bytes, BytesMut};
+use crossbeam_channel::{Receiver, Sender};
+use efabus_core::caps::Offer;
+use efabus_core::codec::{self, CodecLimits, FrameKind};
+use efabus_core::frame::{DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye};
+use efabus_core::link::LinkTuning;
+use efabus_core::subject;
+use efabus_core::transport::{CloseReason, Endpoint, Event, OutFrame, PeerId};
+use mio::{Poll, Token};
+use tracing::{debug, info, warn};
+
+use crate::broker::{deliver_local, BrokerStats, Command, Shared};
+use crate::delivery::Message;
+use crate::endpoints;
+use crate::router::{SubRef, Targets};
+use crate::session::data_link::{LinkKind, Sent};
+use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
+use crate::session::{error_frame, Heartbeat, Liveness};
+use crate::wait::{prepare_wait, wait, Polled};
+
+use peer::{Session, SessionState};
+pub(crate) use route::Cluster;
+
+pub(crate) const WAKER: Token = Token(0);
+/// Payloads up to this size are copied into a peer's batch of deliveries;
+/// larger ones travel as their own part, shared rather than copied.
+const COPY_MAX: usize = 1 << 10;
+/// How often the queued-bytes gauge is refreshed while anything is queued.
+const GAUGE_REFRESH: Duration = Duration::from_millis(100);
+/// Longest sleep when no session has a deadline (a broker with no peers).
+const IDLE_WAKE: Duration = Duration::from_secs(60);
+
+pub(crate) struct EventLoop {
+    shared: Arc<Shared>,
+    poll: Poll,
+    endpoints: Vec<Box<dyn Endpoint>>,
+    polling: Polled,
+    sessions: HashMap<u64, Session>,
+    by_peer: HashMap<(usize, PeerId), u64>,
+    commands: Receiver<Command>,
+    codec: CodecLimits,
+    next_session: u64,
+    flushes: Vec<Sender<()>>,
+    /// Sessions whose queue is over its bound under the block policy: while
+    /// any exist, reading from publishers is paused.
+    blocking: HashSet<u64>,
+    reads_paused: bool,
+    targets: Targets,
+    /// What this broker offers in handshakes, one per endpoint that
+    /// describes itself.
+    offers: Vec<Offer>,
+    tuning: LinkTuning,
+    /// Scratch space for frames released by the link layer.
+    released: Vec<Bytes>,
+    /// Sessions whose data links owe the peer a credit.
+    credit_owed: HashSet<u64>,
+    /// Sessions with deliveries in their batch.
+    dirty: Vec<u64>,
+    /// The time of this loop round, read once per round rather than per frame.
+    now: Instant,
+    /// Counters gathered during a round, added to the shared stats at its end.
+    tally: Tally,
+    /// The subject of the last publish, and a spare buffer for the next.
+    known_subject: String,
+    spare_subject: String,
+    /// The message being delivered, encoded once for every peer's batch
+    /// (valid while `encoded_valid`; reset for every message).
+    encoded: BytesMut,
+    encoded_valid: bool,
+    /// Routes to other brokers: the peers to dial and the routes up.
+    cluster: Cluster,
+    /// When a session or the cluster next has something to do by time.
+    next_timer: Instant,
+}
+
+/// A payload being routed: its bytes, and the buffer they lie in, so a
+/// shared slice is made only where one is needed (large payloads,
+/// in-process subscribers) and small ones are copied without touching the
+/// buffer's reference count.
+#[derive(Clone, Copy)]
+struct Payload<'a> {
+    bytes: &'a [u8],
+    frame: &'a Bytes,
+    /// Where `bytes` start in `frame`.
+    at: usize,
+}
+
+impl Payload<'_> {
+    fn to_bytes(self) -> Bytes {
+        self.frame.slice(self.at..self.at + self.bytes.len())
+    }
+}
+
+/// Per-round counts of the busiest statistics (one atomic add per round
+/// instead of one per message).
+#[derive(Default)]
+struct Tally {
+    messages_in: u64,
+    messages_out: u64,
+    bytes_in: u64,
+    route_messages_in: u64,
+    route_messages_out: u64,
+    sent: SendCounts,
+}
+
+impl EventLoop {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        poll: Poll,
+        endpoints: Vec<Box<dyn Endpoint>>,
+        commands: Receiver<Command>,
+        codec: CodecLimits,
+        cluster: Cluster,
+    ) -> EventLoop {
+        let polling = Polled::of(endpoints.iter().map(|e| e.readiness()));
+        // An endpoint opened only to dial routes offers nothing.
+        let offers = endpoints
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| !cluster.dials_only(*index))
+            .filter_map(|(_, endpoint)| endpoints::offer_for(endpoint.as_ref()))
+            .collect();
+        EventLoop {
+            shared,
+            poll,
+            endpoints,
+            polling,
+            sessions: HashMap::default(),
+            by_peer: HashMap::default(),
+            commands,
+            codec,
+            next_session: 1,
+            flushes: Vec::new(),
+            blocking: HashSet::default(),
+            reads_paused: false,
+            targets: Targets::default(),
+            offers,
+            tuning: LinkTuning::default(),
+            released: Vec::new(),
+            credit_owed: HashSet::default(),
+            dirty: Vec::new(),
+            now: Instant::now(),
+            tally: Tally::default(),
+            known_subject: String::new(),
+            spare_subject: String::new(),
+            encoded: BytesMut::new(),
+            encoded_valid: false,
+            cluster,
+            next_timer: Instant::now(),
+        }
+    }
+
+    pub(crate) fn run(mut self) {
+        let mut mio_events = mio::Events::with_capacity(256);
+        let mut events = Vec::with_capacity(256);
+        let mut idle_spins = 0u32;
+        while !self.shared.shutdown.load(Ordering::Relaxed) {
+            let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
+            if !self.credit_owed.is_empty() {
+                self.grant_credits(Instant::now());
+            }
+            if busy {
+                idle_spins = 0;
+            } else {
+                idle_spins = idle_spins.saturating_add(1);
+            }
+            let now = Instant::now();
+            if now >= self.next_timer {
+                self.on_timers(now);
+            }
+            if busy {
+                continue;
+            }
+            // Sleep until an fd is ready, a command arrives or the next
+            // session deadline; endpoints that must be polled cap the
+            // sleep. A deadline may be met up to a millisecond late: a
+            // shorter wait for it would be a blind sleep (see `wait`), deaf
+            // to the descriptors.
+            let mut timeout = self
+                .next_timer
+                .saturating_duration_since(now)
+                .max(Duration::from_millis(1));
+            if self.polling.must_poll {
+                let config = &self.shared.config.fabric.polling;
+                timeout = timeout.min(self.polling.backoff(idle_spins, config));
+            }
+            if !timeout.is_zero() && !prepare_wait(&mut self.endpoints) {
+                continue;
+            }
+            if !self.shared.inbox.park(&self.commands) {
+                continue;
+            }
+            if let Err(err) = wait(&mut self.poll, &mut mio_events, timeout) {
+                if err.kind() != std::io::ErrorKind::Interrupted {
+                    warn!(error = %err, "poll failed");
+                }
+            }
+            self.shared.inbox.unpark();
+        }
+        self.shutdown(&mut events);
+    }
+
+    /// Poll every endpoint once and handle its events; true if any. The
+    /// deliveries this produces are batched per peer and handed to the
+    /// endpoints once the events are handled.
+    fn poll_endpoints(&mut self, events: &mut Vec<Event>) -> bool {
+        let mut busy = false;
+        self.now = Instant::now();
+        for index in 0..self.endpoints.len() {
+            events.clear();
+            if let Err(err) = self.endpoints[index].poll(events) {
+                warn!(error = %err, "endpoint poll failed");
+            }
+            busy |= !events.is_empty();
+            // Frames come in runs from one peer: its session is looked up
+            // once per run (and whether this is its control link).
+            let mut last: Option<(PeerId, u64, bool)> = None;
+            for event in events.drain(..) {
+                match event {
+                    Event::Frame { peer, frame } => {
+                        let known = match last {
+                            Some((known, id, control)) if known == peer => Some((id, control)),
+                            _ => self.by_peer.get(&(index, peer)).map(|&id| {
+                                let control = self
+                                    .sessions
+                                    .get(&id)
+                                    .is_some_and(|s| s.conn.control.endpoint == index);
+                                (id, control)
+                            }),
+                        };
+                        let Some((id, control)) = known else {
+                            continue;
+                        };
+                        last = Some((peer, id, control));
+                        if control {
+                            self.on_frame(id, frame);
+                        } else {
+                            self.on_wire(id, index, peer, frame);
+                        }
+                    }
+                    other => {
+                        last = None;
+                        self.handle_event(index, other);
+                    }
+                }
+            }
+        }
+        self.close_batches();
+        self.flush_tally();
+        busy
+    }
+
+    /// Add the round's counts to the shared statistics.
+    fn flush_tally(&mut self) {
+        let tally = std::mem::take(&mut self.tally);
+        let stats = &self.shared.stats;
+        if tally.messages_in > 0 {
+            BrokerStats::add(&stats.messages_in, tally.messages_in);
+        }
+        if tally.messages_out > 0 {
+            BrokerStats::add(&stats.messages_out, tally.messages_out);
+        }
+        if tally.bytes_in > 0 {
+            BrokerStats::add(&stats.bytes_in, tally.bytes_in);
+        }
+        if tally.route_messages_in > 0 {
+            BrokerStats::add(&stats.route_messages_in, tally.route_messages_in);
+        }
+        if tally.route_messages_out > 0 {
+            BrokerStats::add(&stats.route_messages_out, tally.route_messages_out);
+        }
+        if tally.sent.fabric_frames_out > 0 {
+            BrokerStats::add(&stats.fabric_frames_out, tally.sent.fabric_frames_out);
+        }
+        if tally.sent.credit_waits > 0 {
+            BrokerStats::add(&stats.credit_waits, tally.sent.credit_waits);
+        }
+    }
+
+    fn drain_commands(&mut self, max: usize) -> bool {
+        // Interest goes to route peers ahead of any message queued after it.
+        self.sync_interest();
+        if !self.blocking.is_empty() {
+            // Under the block policy, in-process publishers wait too.
+            return false;
+        }
+        let mut handled = 0;
+        while handled < max {
+            let Ok(command) = self.commands.try_recv() else {
+                break;
+            };
+            handled += 1;
+            match command {
+                Command::Deliver { targets, message } => {
+                    // Announcements made before this publish go first.
+                    self.sync_interest();
+                    let payload = Payload {
+                        bytes: &message.payload,
+                        frame: &message.payload,
+                        at: 0,
+                    };
+                    self.encoded_valid = false;
+                    for target in targets {
+                        self.deliver_remote(
+                            target,
+                            &message.subject,
+                            message.reply.as_deref(),
+                            payload,
+                        );
+                    }
+                }
+                Command::Flush(done) => self.flushes.push(done),
+                Command::AddPeer(endpoint) => self.add_peer(endpoint),
+            }
+        }
+        self.close_batches();
+        self.flush_tally();
+        self.answer_flushes();
+        handled > 0
+    }
+
+    fn answer_flushes(&mut self) {
+        if self.flushes.is_empty() {
+            return;
+        }
+        if self.sessions.values().all(|s| s.conn.out.is_empty()) {
+            for done in self.flushes.drain(..) {
+                let _ = done.send(());
+            }
+        }
+    }
+
+    fn handle_event(&mut self, endpoint: usize, event: Event) {
+        match event {
+            Event::Accepted { peer, remote } => self.on_accepted(endpoint, peer, remote),
+            Event::Frame { peer, frame } => {
+                if let Some(&id) = self.by_peer.get(&(endpoint, peer)) {
+                    self.on_wire(id, endpoint, peer, frame);
+                }
+            }
+            Event::Writable { peer } => {
+                if let Some(&id) = self.by_peer.get(&(endpoint, peer)) {
+                    self.flush_session(id);
+                }
+            }
+            Event::Closed { peer, reason } => {
+                let Some(id) = self.by_peer.remove(&(endpoint, peer)) else {
+                    return;
+                };
+                let data_link = self
+                    .sessions
+                    .get(&id)
+                    .is_some_and(|s| s.conn.control.endpoint != endpoint);
+                if data_link {
+                    // The data path failed under a live control link: end
+                    // the session so the peer reconnects and renegotiates.
+                    self.fail(id, ErrorCode::Internal, format!("data link lost: {reason}"));
+                } else {
+                    self.forget_session(id, &reason);
+                }
+            }
+        }
+    }
+
+    fn on_accepted(&mut self, endpoint: usize, peer: PeerId, remote: String) {
+        let now = Instant::now();
+        let stats = &self.shared.stats;
+        let refuse = if self.shared.shutdown.load(Ordering::Relaxed) {
+            Some((ErrorCode::Internal, "server is shutting down".to_string()))
+        } else if self.sessions.len() >= self.shared.config.limits.max_connections {
+            Some((
+                ErrorCode::TooManyConnections,
+                format!(
+                    "connection limit of {} reached",
+                    self.shared.config.limits.max_connections
+                ),
+            ))
+        } else {
+            None
+        };
+        if let Some((code, text)) = refuse {
+            BrokerStats::add(&stats.refused_connections, 1);
+            warn!(%remote, %text, "connection refused");
+            let frame = codec::encode(&Frame::Error(ErrorFrame {
+                code,
+                text,
+                fatal: true,
+            }));
+            let ep = &mut self.endpoints[endpoint];
+            let _ = ep.send(peer, frame);
+            ep.close(peer);
+            return;
+        }
+        let id = self.next_session;
+        self.next_session += 1;
+        BrokerStats::add(&stats.connections, 1);
+        BrokerStats::add(&stats.connections_total, 1);
+        debug!(session = id, %remote, "accepted");
+        self.by_peer.insert((endpoint, peer), id);
+        let deadline = now + self.shared.config.handshake_timeout();
+        let session = Session::new(
+            Control { endpoint, peer },
+            remote,
+            self.liveness(now),
+            deadline,
+        );
+        self.sessions.insert(id, session);
+        self.schedule(deadline);
+        if self.reads_paused {
+            self.endpoints[endpoint].set_read_paused(peer, true);
+        }
+    }
+
+    /// A message from one of a session's links: frames from the control
+    /// link go straight to the session; data links pass through the link
+    /// layer first.
+    fn on_wire(&mut self, id: u64, endpoint: usize, peer: PeerId, bytes: Bytes) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if endpoint == session.conn.control.endpoint {
+            self.on_frame(id, bytes);
+            return;
+        }
+        let Some(kind) = session.conn.links.kind_of(endpoint, peer) else {
+            return;
+        };
+        let now = Instant::now();
+        let mut released = std::mem::take(&mut self.released);
+        let result = session.conn.links.receive(kind, now, bytes, &mut released);
+        if kind == LinkKind::BestEffort {
+            if let Some(deadline) = session.conn.links.next_deadline() {
+                self.schedule(deadline);
+            }
+        }
+        self.credit_owed.insert(id);
+        for frame in released.drain(..) {
+            BrokerStats::add(&self.shared.stats.fabric_frames_in, 1);
+            self.on_frame(id, frame);
+        }
+        self.released = released;
+        if self
+            .sessions
+            .get(&id)
+            .is_some_and(|s| !s.conn.out.is_empty())
+        {
+            // The message may have been a credit opening the window.
+            self.flush_session(id);
+        }
+        if let Err(err) = result {
+            if kind == LinkKind::Reliable {
+                BrokerStats::add(&self.shared.stats.bad_frames, 1);
+                self.fail(id, ErrorCode::Malformed, format!("data link: {err}"));
+            } else {
+                debug!(session = id, error = %err, "best-effort link refused a message");
+            }
+        }
+    }
+
+    fn on_frame(&mut self, id: u64, bytes: Bytes) {
+        self.tally.bytes_in += bytes.len() as u64;
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        session.conn.liveness.heard(self.now);
+        if session.state == SessionState::Closing {
+            return;
+        }
+        let route = session.route.is_some();
+        // Publishes, the bulk of the traffic, are read in place: nothing
+        // is allocated for them, and a subject like the last one is not
+        // checked again. Everything else is decoded into a value. (Routes
+        // carry messages instead, read in place the same way.)
+        let in_place = if route {
+            session.is_route().then_some(FrameKind::Message)
+        } else {
+            Some(FrameKind::Publish)
+        };
+        if session.state == SessionState::Ready && in_place.is_some() {
+            let known = std::mem::take(&mut self.known_subject);
+            match codec::peek_routed_known(&bytes, &self.codec, &known) {
+                Ok(Some(view)) if Some(view.kind) == in_place => {
+                    let changed = !std::ptr::eq(view.subject, known.as_str());
+                    if changed {
+                        // Remember this subject, in the spare buffer.
+                        self.spare_subject.clear();
+                        self.spare_subject.push_str(view.subject);
+                    }
+                    let payload = Payload {
+                        bytes: view.payload,
+                        frame: &bytes,
+                        at: view.payload_at,
+                    };
+                    if route {
+                        self.on_route_message(id, view.sid, view.subject, view.reply, payload);
+                    } else {
+                        self.on_publish(id, view.subject, view.reply, payload);
+                    }
+                    self.known_subject = known;
+                    if changed {
+                        std::mem::swap(&mut self.known_subject, &mut self.spare_subject);
+                    }
+                    return;
+                }
+                // Other kinds, and malformed frames, go the general way
+                // (which reports the same error).
+                _ => {}
+            }
+            self.known_subject = known;
+            // Statistics are current before anything is answered.
+            self.flush_tally();
+        }
+        let stats = &self.shared.stats;
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let frame = match codec::decode(bytes, &self.codec) {
+            Ok(frame) => frame,
+            Err(err) => {
+                BrokerStats::add(&stats.bad_frames, 1);
+                warn!(session = id, remote = %session.remote, error = %err, "malformed frame");
+                self.fail(id, ErrorCode::Malformed, format!("malformed frame: {err}"));
+                return;
+            }
+        };
+        let route_up = session.is_route();
+        match (session.state, frame) {
+            (SessionState::AwaitHello { .. }, Frame::Hello(hello)) if !route => {
+                self.on_hello(id, hello)
+            }
+            (SessionState::AwaitHello { .. }, Frame::Welcome(welcome)) if route => {
+                self.on_route_welcome(id, welcome)
+            }
+            (SessionState::AwaitHello { .. }, Frame::Error(error)) if route => {
+                warn!(session = id, code = ?error.code, text = %error.text, "peer broker refused the route");
+                self.close_session(id);
+            }
+            (SessionState::Ready, Frame::Route(hello)) => self.on_route_hello(id, hello),
+            (SessionState::Ready, Frame::Message(message)) if route_up => {
+                let payload = Payload {
+                    bytes: &message.payload,
+                    frame: &message.payload,
+                    at: 0,
+                };
+                let reply = message.reply.as_deref();
+                self.on_route_message(id, message.sid, &message.subject, reply, payload);
+            }
+            (SessionState::Ready, Frame::Subscribe(subscribe)) if route_up => {
+                self.on_route_subscribe(id, subscribe)
+            }
+            (SessionState::Ready, Frame::Unsubscribe { sid }) if route_up => {
+                self.on_route_unsubscribe(id, sid)
+            }
+            (SessionState::Ready, Frame::Publish(_)) if route => {
+                self.fail(
+                    id,
+                    ErrorCode::Protocol,
+                    "a route carries messages, not publishes".to_string(),
+                );
+            }
+            (SessionState::AwaitHello { .. }, other) => {
+                self.fail(
+                    id,
+                    ErrorCode::Protocol,
+                    format!("expected hello, got {}", FrameKind::of(&other)),
+                );
+            }
+            (SessionState::Ready, Frame::Publish(publish)) => self.on_publish(
+                id,
+                &publish.subject,
+                publish.reply.as_deref(),
+                Payload {
+                    bytes: &publish.payload,
+                    frame: &publish.payload,
+                    at: 0,
+                },
+            ),
+            (SessionState::Ready, Frame::Subscribe(subscribe)) => {
+                self.on_subscribe(id, subscribe);
+                self.sync_interest();
+            }
+            (SessionState::Ready, Frame::Unsubscribe { sid }) => self.on_unsubscribe(id, sid),
+            (SessionState::Ready, Frame::Ping { nonce }) => {
+                self.send(id, codec::encode(&Frame::Pong { nonce }), false);
+            }
+            (SessionState::Ready, Frame::Pong { .. }) => {}
+            (_, Frame::Goodbye(goodbye)) => {
+                debug!(session = id, reason = %goodbye.reason, "peer said goodbye");
+                self.close_session(id);
+            }
+            (_, Frame::Error(error)) => {
+                warn!(session = id, code = ?error.code, text = %error.text, "peer reported an error");
+            }
+            (_, other) => {
+                self.fail(
+                    id,
+                    ErrorCode::Protocol,
+                    format!("unexpected {} frame", FrameKind::of(&other)),
+                );
+            }
+        }
+    }
+
+    /// Whether a payload of `len` bytes is within `limits.max_payload`;
+    /// if not, the peer is told (the connection stays).
+    fn payload_allowed(&mut self, id: u64, len: usize) -> bool {
+        let max_payload = self.shared.config.limits.max_payload;
+        if len as u64 <= max_payload {
+            return true;
+        }
+        let text = format!("payload of {len} bytes exceeds the limit of {max_payload}");
+        self.report(id, ErrorCode::PayloadTooLarge, text);
+        false
+    }
+
+    fn on_publish(&mut self, id: u64, subject: &str, reply: Option<&str>, payload: Payload<'_>) {
+        if !self.payload_allowed(id, payload.bytes.len()) {
+            return;
+        }
+        // Routing validates the subject (the index caches valid ones).
+        let routed = self.shared.router.read().route(subject, &mut self.targets);
+        self.deliver_routed(id, subject, reply, payload, routed);
+    }
+
+    /// Deliver a message whose subscriptions `routed` into `self.targets`,
+    /// or tell the peer why its subject or reply subject is invalid.
+    fn deliver_routed(
+        &mut self,
+        id: u64,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Payload<'_>,
+        routed: Result<(), subject::SubjectError>,
+    ) {
+        let shared = &self.shared;
+        let valid = routed.and_then(|()| match reply {
+            Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
+            None => Ok(()),
+        });
+        if let Err(err) = valid {
+            self.report(
+                id,
+                ErrorCode::InvalidSubject,
+                format!("invalid subject {subject:?}: {err}"),
+            );
+            return;
+        }
+        self.tally.messages_in += 1;
+        if !self.targets.local.is_empty() {
+            let message = Message {
+                subject: Arc::from(subject),
+                reply: reply.map(Arc::from),
+                payload: payload.to_bytes(),
+            };
+            deliver_local(&self.shared, &mut self.targets, &message);
+        }
+        self.encoded_valid = false;
+        // By index: delivering needs `self`, and the list is not touched
+        // until the next publish routes into it.
+        for index in 0..self.targets.remote.len() {
+            let target = self.targets.remote[index];
+            self.deliver_remote(target, subject, reply, payload);
+        }
+    }
+
+    /// Deliver one message to a remote subscription. On the control link
+    /// the message is encoded straight into the peer's batch (payloads up
+    /// to [`COPY_MAX`] copied in, larger ones shared behind their head);
+    /// data links take it frame by frame.
+    fn deliver_remote(
+        &mut self,
+        target: SubRef,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Payload<'_>,
+    ) {
+        let Some(session) = self.sessions.get_mut(&target.owner) else {
+            return;
+        };
+        self.tally.messages_out += 1;
+        if session.route.is_some() {
+            self.tally.route_messages_out += 1;
+        }
+        let links = &session.conn.links;
+        let on_data_link = links.reliable.is_some() && links.in_use;
+        // The class matters only where a datagram link exists.
+        let best_effort = links.best_effort.is_some()
+            && session.subscriptions.get(&target.sid) == Some(&DeliveryClass::BestEffort);
+        if !on_data_link && !best_effort && payload.bytes.len() <= COPY_MAX {
+            // The message is encoded once per publish and copied into each
+            // peer's batch with that peer's subscription id.
+            if !self.encoded_valid {
+                self.encoded.clear();
+                let encoded = codec::routed_into(
+                    &mut self.encoded,
+                    FrameKind::Message,
+                    0,
+                    subject,
+                    reply,
+                    payload.bytes,
+                );
+                if let Err(err) = encoded {
+                    // Limits are enforced before routing; this is not
+                    // reachable with a valid configuration.
+                    warn!(session = target.owner, error = %err, "message cannot be encoded");
+                    return;
+                }
+                self.encoded_valid = true;
+            }
+            let session = if session.batch.has_room(self.encoded.len()) {
+                session
+            } else {
+                self.close_batch(target.owner);
+                let Some(session) = self.sessions.get_mut(&target.owner) else {
+                    return;
+                };
+                session
+            };
+            if session.batch.push(&self.encoded, target.sid) {
+                self.dirty.push(target.owner);
+            }
+            return;
+        }
+        let mut head = BytesMut::new();
+        let encoded = codec::routed_head_into(
+            &mut head,
+            FrameKind::Message,
+            target.sid,
+            0,
+            subject,
+            reply,
+            payload.bytes.len(),
+        );
+        if let Err(err) = encoded {
+            warn!(session = target.owner, error = %err, "message cannot be encoded");
+            return;
+        }
+        let frame = OutFrame {
+            head: head.freeze(),
+            body: payload.to_bytes(),
+        };
+        if best_effort {
+            let Some(link) = session.conn.links.best_effort.as_mut() else {
+                return;
+            };
+            let endpoint = self.endpoints[link.endpoint].as_mut();
+            let sent = link.send(endpoint, frame);
+            self.tally.sent.credit_waits += link.take_credit_waits();
+            match sent {
+                Ok(Sent::Accepted) => self.tally.sent.fabric_frames_out += 1,
+                Ok(Sent::Dropped | Sent::Blocked(_)) => {
+                    BrokerStats::add(&self.shared.stats.best_effort_drops, 1);
+                }
+                Err(reason) => {
+                    BrokerStats::add(&self.shared.stats.best_effort_drops, 1);
+                    debug!(session = target.owner, %reason, "best-effort send failed");
+                }
+            }
+            return;
+        }
+        self.send(target.owner, frame, true);
+    }
+
+    /// Hand every session's batch of deliveries on.
+    fn close_batches(&mut self) {
+        let dirty = std::mem::take(&mut self.dirty);
+        for &id in &dirty {
+            self.close_batch(id);
+        }
+        self.dirty = dirty;
+        self.dirty.clear();
+    }
+
+    /// Hand a session's batch on as one run: to the endpoint when nothing
+    /// waits before it, else behind the queue.
+    fn close_batch(&mut self, id: u64) {
+        let Some(queued) = self
+            .sessions
+            .get_mut(&id)
+            .and_then(|session| session.batch.take())
+        else {
+            return;
+        };
+        self.enqueue(id, queued);
+    }
+
+    /// Queue a frame for a session, applying the slow-consumer policy when
+    /// its queue is over the bound. The session's batch goes first.
+    fn send(&mut self, id: u64, frame: OutFrame, is_message: bool) {
+        self.close_batch(id);
+        self.enqueue(id, Queued::frame(frame, is_message));
+    }
+
+    /// Hand a frame or run to the session's path when nothing waits before
+    /// it, else queue it; then apply the slow-consumer policy when the
+    /// queue is over its bound.
+    fn enqueue(&mut self, id: u64, queued: Queued) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if session.cut_off {
+            return;
+        }
+        let is_message = queued.messages > 0;
+        let left_queued = session
+            .conn
+            .send(&mut self.endpoints, &mut self.tally.sent, queued);
+        if !left_queued {
+            return;
+        }
+        let refresh = self.now + GAUGE_REFRESH;
+        if refresh < self.next_timer {
+            self.next_timer = refresh;
+        }
+        if !is_message {
+            return;
+        }
+        let config = &self.shared.config;
+        let bound = config.limits.max_pending_bytes;
+        match session.conn.out.enforce(config.slow_consumer.policy, bound) {
+            Overflow::Within => {}
+            Overflow::DroppedOldest(dropped) => {
+                BrokerStats::add(&self.shared.stats.slow_consumer_drops, dropped);
+            }
+            Overflow::Disconnect => {
+                BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
+                warn!(session = id, remote = %session.remote, "slow consumer disconnected");
+                self.fail(
+                    id,
+                    ErrorCode::SlowConsumer,
+                    format!("more than {bound} bytes queued"),
+                );
+            }
+            Overflow::Block => {
+                if session.over_since.is_none() {
+                    let now = Instant::now();
+                    session.over_since = Some(now);
+                    let limit = now + config.block_timeout();
+                    if limit < self.next_timer {
+                        self.next_timer = limit;
+                    }
+                }
+                self.blocking.insert(id);
+                self.set_reads_paused(true);
+            }
+        }
+    }
+
+    /// Send the credits that are due. While publishers are held back under
+    /// the block policy, their data links get none: the credit window then
+    /// stops them as a paused socket stops TCP publishers.
+    fn grant_credits(&mut self, now: Instant) {
+        let mut owed = std::mem::take(&mut self.credit_owed);
+        owed.retain(|id| {
+            let Some(session) = self.sessions.get_mut(id) else {
+                return false;
+            };
+            let held = self.reads_paused && !self.blocking.contains(id);
+            if held {
+                return session.conn.links.owe_credit();
+            }
+            session.conn.links.grant_credits(&mut self.endpoints, now)
+        });
+        self.credit_owed = owed;
+    }
+
+    fn set_reads_paused(&mut self, paused: bool) {
+        if self.reads_paused == paused {
+            return;
+        }
+        self.reads_paused = paused;
+        for (id, session) in &self.sessions {
+            // The slow consumers themselves keep being read: they may
+            // only be acknowledging or saying goodbye.
+            if !self.blocking.contains(id) {
+                let control = session.conn.control;
+                self.endpoints[control.endpoint].set_read_paused(control.peer, paused);
+            }
+        }
+    }
+
+    /// Hand queued frames to the endpoint until it pushes back.
+    fn flush_session(&mut self, id: u64) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let empty = session
+            .conn
+            .flush(&mut self.endpoints, &mut self.tally.sent);
+        let bound = self.shared.config.limits.max_pending_bytes;
+        let drained = session.conn.out.bytes() <= bound / 2;
+        if drained {
+            session.over_since = None;
+        }
+        if empty && session.state == SessionState::Closing {
+            let control = session.conn.control;
+            self.endpoints[control.endpoint].close(control.peer);
+        }
+        if drained && self.blocking.remove(&id) && self.blocking.is_empty() {
+            self.set_reads_paused(false);
+        }
+        self.answer_flushes();
+    }
+
+    /// Report a non-fatal error to the peer.
+    fn report(&mut self, id: u64, code: ErrorCode, text: String) {
+        debug!(session = id, ?code, %text, "error reported to peer");
+        let frame = error_frame(code, text, false);
+        self.send(id, frame, false);
+    }
+
+    /// Report a fatal error, then close the session once it is flushed.
+    fn fail(&mut self, id: u64, code: ErrorCode, text: String) {
+        if let Some(session) = self.sessions.get(&id) {
+            info!(session = id, remote = %session.remote, ?code, %text, "closing peer");
+        }
+        let frame = error_frame(code, text, true);
+        if code == ErrorCode::SlowConsumer {
+            // A slow consumer's queue would never drain: drop it and say why
+            // on the control link, where nothing waits for the peer's
+            // credit, then close at once.
+            if let Some(session) = self.sessions.get_mut(&id) {
+                session.cut_off = true;
+                session.conn.out.clear();
+                session.batch.clear();
+                let control = session.conn.control;
+                let _ = self.endpoints[control.endpoint].send(control.peer, frame);
+            }
+        } else {
+            self.send(id, frame, false);
+        }
+        self.close_session(id);
+    }
+
+    /// Stop reading from the session and close it once its queue is flushed.
+    fn close_session(&mut self, id: u64) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        session.state = SessionState::Closing;
+        let control = session.conn.control;
+        self.remove_interest(id);
+        if self
+            .sessions
+            .get(&id)
+            .is_some_and(|s| s.conn.out.is_empty())
+        {
+            self.endpoints[control.endpoint].close(control.peer);
+        }
+    }
+
+    fn remove_interest(&mut self, id: u64) {
+        self.route_gone(id);
+        if let Some(session) = self.sessions.get_mut(&id) {
+            if !session.subscriptions.is_empty() {
+                session.subscriptions.clear();
+                self.shared.router.write().remove_owner(id);
+            }
+        }
+        if self.blocking.remove(&id) && self.blocking.is_empty() {
+            self.set_reads_paused(false);
+        }
+    }
+
+    fn forget_session(&mut self, id: u64, reason: &CloseReason) {
+        self.remove_interest(id);
+        self.dialed_session_gone(id);
+        if let Some(mut session) = self.sessions.remove(&id) {
+            for address in session.conn.links.addresses() {
+                self.by_peer.remove(&address);
+            }
+            session.conn.links.close(&mut self.endpoints);
+            self.shared
+                .stats
+                .connections
+                .fetch_sub(1, Ordering::Relaxed);
+            info!(session = id, remote = %session.remote, name = %session.name, %reason, "peer gone");
+        }
+        self.answer_flushes();
+    }
+
+    /// Heartbeat settings for a new session: the broker pings each
+    /// interval whatever it hears.
+    fn liveness(&self, now: Instant) -> Liveness {
+        let config = &self.shared.config;
+        Liveness::new(
+            now,
+            config.heartbeat_interval(),
+            config.heartbeat_timeout(),
+            false,
+        )
+    }
+
+    /// Wake up by `deadline` at the latest.
+    #[inline]
+    fn schedule(&mut self, deadline: Instant) {
+        if deadline < self.next_timer {
+            self.next_timer = deadline;
+        }
+    }
+
+    /// Do what is due by time: handshakes not completed, heartbeats,
+    /// slow consumers blocking too long, gaps on lossy links, routes to
+    /// dial; then find the next deadline.
+    fn on_timers(&mut self, now: Instant) {
+        let timeout = self.shared.config.heartbeat_timeout();
+        let block_timeout = self.shared.config.block_timeout();
+        let mut expired = Vec::new();
+        let mut pings = Vec::new();
+        let mut slow = Vec::new();
+        let mut lossy = Vec::new();
+        let mut queued = 0u64;
+        for (&id, session) in &mut self.sessions {
+            queued += (session.conn.out.bytes() + session.conn.links.backlog_bytes()) as u64;
+            match session.state {
+                SessionState::AwaitHello { deadline } if now >= deadline => {
+                    expired.push((id, ErrorCode::HandshakeTimeout))
+                }
+                SessionState::Ready => match session.conn.liveness.poll(now) {
+                    Heartbeat::Dead => expired.push((id, ErrorCode::Internal)),
+                    Heartbeat::Ping => pings.push(id),
+                    Heartbeat::Wait => {}
+                },
+                _ => {}
+            }
+            if session
+                .over_since
+                .is_some_and(|since| now.duration_since(since) >= block_timeout)
+            {
+                slow.push(id);
+            }
+            if session
+                .conn
+                .links
+                .next_deadline()
+                .is_some_and(|deadline| deadline <= now)
+            {
+                lossy.push(id);
+            }
+        }
+        self.shared
+            .stats
+            .queued_bytes
+            .store(queued, Ordering::Relaxed);
+        self.poll_lossy_links(now, &lossy);
+        self.dial_routes(now);
+        for (id, code) in expired {
+            let text = match code {
+                ErrorCode::HandshakeTimeout => "handshake not completed in time".to_string(),
+                _ => format!("no traffic for {timeout:?}: peer presumed dead"),
+            };
+            self.fail(id, code, text);
+            if let Some(session) = self.sessions.get(&id) {
+                // A dead peer will not drain its queue: close now.
+                let control = session.conn.control;
+                self.endpoints[control.endpoint].close(control.peer);
+            }
+        }
+        for id in slow {
+            BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
+            if let Some(session) = self.sessions.get(&id) {
+                warn!(session = id, remote = %session.remote, "slow consumer blocked publishers too long; disconnected");
+            }
+            self.fail(
+                id,
+                ErrorCode::SlowConsumer,
+                format!("could not take messages for {block_timeout:?}"),
+            );
+        }
+        for id in pings {
+            self.send(id, codec::encode(&Frame::Ping { nonce: 0 }), false);
+        }
+        // The next deadline; while anything is queued, the queued-bytes
+        // gauge is refreshed at least every `GAUGE_REFRESH`.
+        let mut next = self
+            .sessions
+            .values()
+            .map(|session| session.poll_timeout(block_timeout))
+            .min()
+            .unwrap_or(now + IDLE_WAKE);
+        if let Some(dial) = self.cluster.next_dial() {
+            next = next.min(dial);
+        }
+        if queued > 0 {
+            next = next.min(now + GAUGE_REFRESH);
+        }
+        self.next_timer = next.min(now + IDLE_WAKE);
+    }
+
+    /// Let datagram links give up on gaps whose time has passed, and hand
+    /// on what that releases.
+    fn poll_lossy_links(&mut self, now: Instant, ids: &[u64]) {
+        let mut released = std::mem::take(&mut self.released);
+        for &id in ids {
+            if let Some(session) = self.sessions.get_mut(&id) {
+                session.conn.links.poll_lossy(now, &mut released);
+            }
+            for frame in released.drain(..) {
+                BrokerStats::add(&self.shared.stats.fabric_frames_in, 1);
+                self.on_frame(id, frame);
+            }
+        }
+        self.released = released;
+    }
+
+    fn shutdown(&mut self, events: &mut Vec<Event>) {
+        info!("shutting down");
+        let deadline = Instant::now() + self.shared.config.drain_timeout();
+        self.blocking.clear();
+        self.set_reads_paused(false);
+        // Deliver what in-process publishers queued before the shutdown.
+        while self.drain_commands(usize::MAX) {}
+        let goodbye = codec::encode(&Frame::Goodbye(Goodbye {
+            reason: "server shutting down".to_string(),
+        }));
+        let ids: Vec<u64> = self.sessions.keys().copied().collect();
+        for id in ids {
+            self.send(id, goodbye.clone(), false);
+            self.close_session(id);
+        }
+        while !self.sessions.is_empty() && Instant::now() < deadline {
+            self.poll_endpoints(events);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if !self.sessions.is_empty() {
+            warn!(
+                peers = self.sessions.len(),
+                "drain time over; closing peers with data still queued"
+            );
+        }
+        for done in self.flushes.drain(..) {
+            let _ = done.send(());
+        }
+        self.shared.router.write().close_locals();
+        info!("stopped");
+    }
+}

@@ -1,0 +1,383 @@
+//! What a session sends: the path a frame takes (the reliable data link
+//! once in use, else the control link), the queue of what the path could
+//! not take yet with its slow-consumer policy, and the batch the broker
+//! encodes a round's deliveries into.
+
+use std::collections::VecDeque;
+
+use bytes::{Bytes, BytesMut};
+use efabus_core::codec::{self, PREFIX_LEN};
+use efabus_core::transport::{Endpoint, OutFrame, PeerId, SendError};
+use tracing::{debug, warn};
+
+use super::data_link::{DataLink, DataLinks, Sent};
+use crate::config::SlowConsumerPolicy;
+
+/// Largest buffer a batch of deliveries is encoded into; a batch is handed
+/// on when its buffer is full, and at the end of every loop round.
+const BATCH_MAX: usize = 64 << 10;
+/// Smallest buffer a batch starts with.
+const BATCH_MIN: usize = 1 << 10;
+/// A batch at least this long hands on only what it holds and keeps the
+/// rest of its buffer; a shorter one takes its buffer along, so a session
+/// gone idle keeps little memory.
+const BATCH_KEEP: usize = 4 << 10;
+
+/// A session's control link: the endpoint (an index into the owner's
+/// endpoint list) and the peer on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Control {
+    pub endpoint: usize,
+    pub peer: PeerId,
+}
+
+/// One entry of the outbound queue.
+pub(crate) struct Queued {
+    pub frame: OutFrame,
+    /// Messages it holds (a run holds many): only messages may be
+    /// discarded by the drop-oldest policy, and each discarded one counts.
+    pub messages: usize,
+    /// Several whole frames back to back, for `send_run`.
+    pub run: bool,
+}
+
+impl Queued {
+    /// One frame; `is_message` when it carries a message.
+    pub fn frame(frame: OutFrame, is_message: bool) -> Queued {
+        Queued {
+            frame,
+            messages: usize::from(is_message),
+            run: false,
+        }
+    }
+
+    /// A run of whole frames holding `messages` messages.
+    pub fn run(run: Bytes, messages: usize) -> Queued {
+        Queued {
+            frame: OutFrame::whole(run),
+            messages,
+            run: true,
+        }
+    }
+}
+
+/// Counts a send adds to, for the owner's statistics.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct SendCounts {
+    /// Frames handed to a data link.
+    pub fabric_frames_out: u64,
+    /// Sends that found a data link's credit window full.
+    pub credit_waits: u64,
+}
+
+/// Where the frames of a run start: the run holds whole frames back to
+/// back; anything after the last whole frame is ignored.
+fn frame_starts(run: &[u8]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        let raw = run.get(at..at + PREFIX_LEN)?;
+        let total = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]) as usize + PREFIX_LEN;
+        if at + total > run.len() {
+            return None;
+        }
+        let start = at;
+        at += total;
+        Some((start, total))
+    })
+}
+
+/// Send one frame or run on the session's current path: the reliable data
+/// link once in use, else the control link. Gives back what the path could
+/// not take (a run's untaken frames, as a run); frames that fail for any
+/// other reason than a full path are dropped here: the link is failing and
+/// its closing event follows.
+pub(crate) fn transmit(
+    endpoints: &mut [Box<dyn Endpoint>],
+    control: Control,
+    links: &mut DataLinks,
+    counts: &mut SendCounts,
+    queued: Queued,
+) -> Option<Queued> {
+    if let Some(link) = links.sending() {
+        let endpoint = endpoints[link.endpoint].as_mut();
+        if !queued.run {
+            let frame = send_on(link, endpoint, counts, queued.frame)?;
+            return Some(Queued { frame, ..queued });
+        }
+        // Data links carry one frame per message: a run is taken apart.
+        let run = queued.frame.head;
+        for (sent, (at, len)) in frame_starts(&run).enumerate() {
+            let frame = OutFrame::whole(run.slice(at..at + len));
+            if send_on(link, endpoint, counts, frame).is_some() {
+                let messages = queued.messages.saturating_sub(sent);
+                return Some(Queued::run(run.slice(at..), messages));
+            }
+        }
+        return None;
+    }
+    let endpoint = endpoints[control.endpoint].as_mut();
+    let result = if queued.run {
+        endpoint.send_run(control.peer, queued.frame.head)
+    } else {
+        endpoint.send(control.peer, queued.frame)
+    };
+    match result {
+        Ok(()) => None,
+        Err(SendError::WouldBlock(frame)) => {
+            let messages = if queued.run && queued.messages > 0 {
+                frame_starts(&frame.head).count()
+            } else {
+                queued.messages
+            };
+            Some(Queued {
+                frame,
+                messages,
+                run: queued.run,
+            })
+        }
+        Err(err) => {
+            debug!(error = %err, "send failed");
+            None
+        }
+    }
+}
+
+/// Send one frame on a data link; gives it back when the link is full.
+fn send_on(
+    link: &mut DataLink,
+    endpoint: &mut dyn Endpoint,
+    counts: &mut SendCounts,
+    frame: OutFrame,
+) -> Option<OutFrame> {
+    let result = link.send(endpoint, frame);
+    counts.credit_waits += link.take_credit_waits();
+    match result {
+        Ok(Sent::Accepted) => counts.fabric_frames_out += 1,
+        Ok(Sent::Dropped) => {}
+        Ok(Sent::Blocked(frame)) => return Some(frame),
+        Err(reason) => warn!(%reason, "data link send failed"),
+    }
+    None
+}
+
+/// What the slow-consumer policy made of a queue over its bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Overflow {
+    /// Within the bound.
+    Within,
+    /// Oldest messages dropped to make room (counted).
+    DroppedOldest(u64),
+    /// The peer is to be cut off.
+    Disconnect,
+    /// Publishers are to be held back.
+    Block,
+}
+
+/// The frames a session's path could not take yet, in order.
+#[derive(Default)]
+pub(crate) struct Outbound {
+    queue: VecDeque<Queued>,
+    bytes: usize,
+}
+
+impl Outbound {
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Bytes waiting.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Queue an entry behind what waits.
+    pub fn push(&mut self, queued: Queued) {
+        self.bytes += queued.frame.len();
+        self.queue.push_back(queued);
+    }
+
+    /// Hand `queued` to the path when nothing waits before it, else queue
+    /// it; true if any of it was left queued.
+    pub fn send(
+        &mut self,
+        endpoints: &mut [Box<dyn Endpoint>],
+        control: Control,
+        links: &mut DataLinks,
+        counts: &mut SendCounts,
+        queued: Queued,
+    ) -> bool {
+        let rest = if self.queue.is_empty() {
+            transmit(endpoints, control, links, counts, queued)
+        } else {
+            Some(queued)
+        };
+        match rest {
+            Some(rest) => {
+                self.push(rest);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Hand queued entries to the path until it pushes back; true when
+    /// nothing is left.
+    pub fn flush(
+        &mut self,
+        endpoints: &mut [Box<dyn Endpoint>],
+        control: Control,
+        links: &mut DataLinks,
+        counts: &mut SendCounts,
+    ) -> bool {
+        if let Some(link) = links.sending() {
+            match link.flush(endpoints[link.endpoint].as_mut()) {
+                Ok(true) => {}
+                Ok(false) => return false,
+                Err(reason) => warn!(%reason, "data link send failed"),
+            }
+        }
+        while let Some(queued) = self.queue.pop_front() {
+            let len = queued.frame.len();
+            match transmit(endpoints, control, links, counts, queued) {
+                None => self.bytes -= len,
+                Some(rest) => {
+                    self.bytes -= len - rest.frame.len();
+                    self.queue.push_front(rest);
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Apply the slow-consumer policy after a message was queued, when the
+    /// queue is over `bound` bytes.
+    pub fn enforce(&mut self, policy: SlowConsumerPolicy, bound: usize) -> Overflow {
+        if self.bytes <= bound {
+            return Overflow::Within;
+        }
+        match policy {
+            SlowConsumerPolicy::DropOldest => {
+                let mut dropped = 0;
+                while self.bytes > bound {
+                    let Some(position) = self.queue.iter().position(|q| q.messages > 0) else {
+                        break;
+                    };
+                    if let Some(oldest) = self.queue.remove(position) {
+                        self.bytes -= oldest.frame.len();
+                        dropped += oldest.messages as u64;
+                    }
+                }
+                Overflow::DroppedOldest(dropped)
+            }
+            SlowConsumerPolicy::Disconnect => Overflow::Disconnect,
+            SlowConsumerPolicy::Block => Overflow::Block,
+        }
+    }
+
+    /// Forget everything queued.
+    pub fn clear(&mut self) {
+        self.queue.clear();
+        self.bytes = 0;
+    }
+}
+
+/// Deliveries encoded back to back for one peer since the last hand-off;
+/// handed on as one run at the end of the loop round, or when full.
+#[derive(Default)]
+pub(crate) struct Batch {
+    buffer: BytesMut,
+    messages: usize,
+    /// Size of the last batch, to size the next one's first allocation.
+    hint: usize,
+}
+
+impl Batch {
+    /// Whether `need` more bytes fit the buffer without growing it: a batch
+    /// never grows its buffer (growing copies, and large buffers come from
+    /// fresh pages); it is handed on where its room ends.
+    pub fn has_room(&self, need: usize) -> bool {
+        self.messages == 0 || self.buffer.len() + need <= self.buffer.capacity()
+    }
+
+    /// Append an encoded message for subscription `sid`; true if it is the
+    /// batch's first.
+    pub fn push(&mut self, encoded: &[u8], sid: u64) -> bool {
+        let need = encoded.len();
+        if self.buffer.capacity() - self.buffer.len() < need {
+            let room = (self.hint * 2).clamp(BATCH_MIN, BATCH_MAX);
+            self.buffer.reserve(room.max(need));
+        }
+        let at = self.buffer.len();
+        self.buffer.extend_from_slice(encoded);
+        codec::set_message_sid(&mut self.buffer[at..], sid);
+        self.messages += 1;
+        self.messages == 1
+    }
+
+    /// The batch as one run, if it holds anything.
+    pub fn take(&mut self) -> Option<Queued> {
+        if self.buffer.is_empty() {
+            return None;
+        }
+        let run = if self.buffer.len() >= BATCH_KEEP {
+            self.buffer.split().freeze()
+        } else {
+            std::mem::take(&mut self.buffer).freeze()
+        };
+        let messages = std::mem::take(&mut self.messages);
+        self.hint = run.len().clamp(BATCH_MIN, BATCH_MAX);
+        Some(Queued::run(run, messages))
+    }
+
+    /// Forget what the batch holds.
+    pub fn clear(&mut self) {
+        self.buffer.clear();
+        self.messages = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(body: &[u8]) -> Vec<u8> {
+        let mut out = (body.len() as u32).to_le_bytes().to_vec();
+        out.extend_from_slice(body);
+        out
+    }
+
+    #[test]
+    fn frame_starts_lists_whole_frames_and_ignores_a_cut_tail() {
+        let mut run = frame(b"ab");
+        run.extend(frame(b"cde"));
+        run.extend_from_slice(&[9, 0, 0, 0, 1]);
+        let starts: Vec<_> = frame_starts(&run).collect();
+        assert_eq!(starts, vec![(0, 6), (6, 7)]);
+    }
+
+    #[test]
+    fn drop_oldest_keeps_control_frames_and_counts_messages() {
+        let mut out = Outbound::default();
+        out.push(Queued::frame(
+            OutFrame::whole(Bytes::from(frame(b"ctrl"))),
+            false,
+        ));
+        out.push(Queued::run(Bytes::from(frame(&[0; 100])), 1));
+        out.push(Queued::frame(
+            OutFrame::whole(Bytes::from(frame(&[0; 50]))),
+            true,
+        ));
+        let overflow = out.enforce(SlowConsumerPolicy::DropOldest, 70);
+        assert_eq!(overflow, Overflow::DroppedOldest(1));
+        assert_eq!(out.bytes(), 8 + 54);
+        assert_eq!(
+            out.enforce(SlowConsumerPolicy::Disconnect, 60),
+            Overflow::Disconnect
+        );
+        assert_eq!(
+            out.enforce(SlowConsumerPolicy::Block, 1000),
+            Overflow::Within
+        );
+    }
+}
