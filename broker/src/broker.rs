@@ -2,7 +2,7 @@
 //! its event loop thread), the state the handle shares with the loop, the
 //! counters, and in-process delivery.
 //!
-//! Threads: in-process publishers route on their own thread through the
+//! Threads: in-process publishers look up targets on their own thread through the
 //! shared subscription table (see [`crate::publish_cache`]) and deliver to
 //! in-process subscribers directly; deliveries to remote peers reach the
 //! event loop through a bounded command queue. The event loop thread
@@ -24,14 +24,14 @@ use mio::{Interest, Poll, Token, Waker};
 use parking_lot::{Mutex, RwLock};
 use tracing::{info, warn};
 
+use crate::commands::CommandQueue;
 use crate::config::Config;
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::Error;
 use crate::event_loop::{Cluster, EventLoop, WAKER};
-use crate::inbox::LoopInbox;
 use crate::publish_cache;
-use crate::router::{Router, SubRef, Targets, LOCAL_OWNER};
+use crate::subscriptions::{SubRef, SubscriptionTable, Targets, LOCAL_OWNER};
 
 /// Commands queued from in-process publishers to the loop before they wait.
 const COMMAND_QUEUE: usize = 65_536;
@@ -117,11 +117,11 @@ pub(crate) enum Command {
 pub(crate) struct Shared {
     pub(crate) config: Config,
     pub(crate) subject_limits: SubjectLimits,
-    pub(crate) router: RwLock<Router>,
-    /// The router's generation, read without its lock (see [`LastRoute`]).
+    pub(crate) subscriptions: RwLock<SubscriptionTable>,
+    /// The subscription table's generation, read without its lock (see [`crate::publish_cache`]).
     pub(crate) generation: Arc<AtomicU64>,
     pub(crate) next_sid: AtomicU64,
-    pub(crate) inbox: LoopInbox<Command>,
+    pub(crate) commands: CommandQueue<Command>,
     pub(crate) shutdown: AtomicBool,
     pub(crate) stats: BrokerStats,
     pub(crate) inbox_prefix: String,
@@ -135,9 +135,9 @@ pub(crate) struct Shared {
 impl Shared {
     /// Wake the loop when a subscription change is to be announced to
     /// route peers (the loop sends announcements before anything else).
-    pub(crate) fn announce(&self, router: &Router) {
-        if router.interest_changed() {
-            self.inbox.wake();
+    pub(crate) fn announce(&self, table: &SubscriptionTable) {
+        if table.interest_changed() {
+            self.commands.wake();
         }
     }
 
@@ -145,18 +145,18 @@ impl Shared {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        self.inbox.send(command, self.config.block_timeout())
+        self.commands.send(command, self.config.block_timeout())
     }
 }
 
 impl Unsubscriber for Shared {
     fn unsubscribe(&self, sid: u64) {
-        let mut router = self.router.write();
-        router.remove(SubRef {
+        let mut table = self.subscriptions.write();
+        table.remove(SubRef {
             owner: LOCAL_OWNER,
             sid,
         });
-        self.announce(&router);
+        self.announce(&table);
     }
 }
 
@@ -276,19 +276,19 @@ impl Broker {
             dialer = Some(endpoints.len());
             endpoints.push(endpoint);
         }
-        let (inbox, command_rx) = LoopInbox::new(waker, COMMAND_QUEUE);
+        let (commands, command_rx) = CommandQueue::new(waker, COMMAND_QUEUE);
         let subject_limits = SubjectLimits {
             max_len: config.limits.max_subject_len,
             max_tokens: config.limits.max_subject_tokens,
         };
-        let router = Router::new(subject_limits);
+        let table = SubscriptionTable::new(subject_limits);
         let shared = Arc::new(Shared {
             subject_limits,
             config,
-            generation: router.generation(),
-            router: RwLock::new(router),
+            generation: table.generation(),
+            subscriptions: RwLock::new(table),
             next_sid: AtomicU64::new(1),
-            inbox,
+            commands,
             shutdown: AtomicBool::new(false),
             stats: BrokerStats::default(),
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
@@ -340,7 +340,7 @@ impl Broker {
 
     /// Number of subscriptions, local and remote.
     pub fn subscription_count(&self) -> usize {
-        self.shared.router.read().len()
+        self.shared.subscriptions.read().len()
     }
 
     /// This broker process's id among route peers (random per start).
@@ -351,7 +351,7 @@ impl Broker {
     /// Number of interest entries (distinct pattern and queue group pairs)
     /// that route peers announced to this broker, over all routes.
     pub fn route_interest_count(&self) -> usize {
-        self.shared.router.read().route_interest_len()
+        self.shared.subscriptions.read().route_interest_len()
     }
 
     /// Route to one more broker, as if its endpoint string (`tcp/HOST:PORT`)
@@ -450,7 +450,7 @@ impl Broker {
             shared.config.block_timeout(),
         );
         shared
-            .router
+            .subscriptions
             .write()
             .insert(
                 pattern,
@@ -465,7 +465,7 @@ impl Broker {
                 pattern: pattern.to_string(),
                 source,
             })?;
-        shared.announce(&shared.router.read());
+        shared.announce(&shared.subscriptions.read());
         let owner: Arc<dyn Unsubscriber> = shared.clone();
         Ok(Subscription::new(
             sid,
@@ -510,13 +510,13 @@ impl Broker {
     /// time), say goodbye to every peer and stop the loop.
     pub fn shutdown(&self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        self.shared.inbox.wake();
+        self.shared.commands.wake();
         if let Some(thread) = self.thread.lock().take() {
             if thread.join().is_err() {
                 warn!("broker event loop panicked");
             }
         }
-        self.shared.router.write().close_locals();
+        self.shared.subscriptions.write().close_locals();
     }
 
     /// Whether shutdown has begun.
@@ -646,9 +646,9 @@ pub(crate) fn count_delivery(
 /// that was dropped, or a broker shutting down, is not a disconnect).
 #[cold]
 fn remove_closed(shared: &Shared, closed: Vec<(u64, bool)>) {
-    let mut router = shared.router.write();
+    let mut table = shared.subscriptions.write();
     for (sid, cut_off) in closed {
-        let removed = router.remove(SubRef {
+        let removed = table.remove(SubRef {
             owner: LOCAL_OWNER,
             sid,
         });

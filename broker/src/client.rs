@@ -37,11 +37,11 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use tracing::{debug, info, warn};
 
 use crate::broker::unique_seed;
+use crate::commands::Parker;
 use crate::config::SlowConsumerPolicy;
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::endpoints;
 use crate::error::Error;
-use crate::inbox::Parker;
 use crate::session::data_link::LinkKind;
 use crate::session::outbound::{self, Control, Queued, SendCounts};
 use crate::session::{Connection, Heartbeat, Liveness};

@@ -11,9 +11,9 @@ use bytes::Bytes;
 
 use crate::broker::{deliver_in_process, Shared};
 use crate::error::Error;
-use crate::router::Targets;
+use crate::subscriptions::Targets;
 
-/// Publish on this thread's cache: route `subject` (from the cache when
+/// Publish on this thread's cache: look up `subject` (from the cache when
 /// current), deliver, and return how many subscriptions matched.
 pub(crate) fn publish(
     shared: &Shared,
@@ -132,16 +132,16 @@ impl CachedTargets {
     /// message), and so is not kept.
     fn refresh(&mut self, shared: &Shared, subject: &str) -> Result<(), Error> {
         self.generation = 0;
-        let router = shared.router.read();
+        let table = shared.subscriptions.read();
         // Read under the lock: no change can happen before routing below.
         let generation = shared.generation.load(Ordering::Acquire);
-        let stable = router
-            .route_stable(subject, &mut self.targets)
+        let stable = table
+            .lookup_stable(subject, &mut self.targets)
             .map_err(|source| Error::Subject {
                 subject: subject.to_string(),
                 source,
             })?;
-        drop(router);
+        drop(table);
         if self.subject.as_deref() != Some(subject) {
             self.subject = Some(Arc::from(subject));
         }

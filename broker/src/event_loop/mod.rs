@@ -37,10 +37,10 @@ use tracing::{debug, info, warn};
 use crate::broker::{deliver_local, BrokerStats, Command, Shared};
 use crate::delivery::Message;
 use crate::endpoints;
-use crate::router::{SubRef, Targets};
 use crate::session::data_link::{LinkKind, Sent};
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
 use crate::session::{error_frame, Heartbeat, Liveness};
+use crate::subscriptions::{SubRef, Targets};
 use crate::wait::{prepare_wait, wait, Polled};
 
 use peer::{Session, SessionState};
@@ -212,7 +212,7 @@ impl EventLoop {
             if !timeout.is_zero() && !prepare_wait(&mut self.endpoints) {
                 continue;
             }
-            if !self.shared.inbox.park(&self.commands) {
+            if !self.shared.commands.park(&self.commands) {
                 continue;
             }
             if let Err(err) = wait(&mut self.poll, &mut mio_events, timeout) {
@@ -220,7 +220,7 @@ impl EventLoop {
                     warn!(error = %err, "poll failed");
                 }
             }
-            self.shared.inbox.unpark();
+            self.shared.commands.unpark();
         }
         self.shutdown(&mut events);
     }
@@ -643,7 +643,11 @@ impl EventLoop {
             return;
         }
         // Routing validates the subject (the index caches valid ones).
-        let routed = self.shared.router.read().route(subject, &mut self.targets);
+        let routed = self
+            .shared
+            .subscriptions
+            .read()
+            .lookup(subject, &mut self.targets);
         self.deliver_routed(id, subject, reply, payload, routed);
     }
 
@@ -979,7 +983,7 @@ impl EventLoop {
         if let Some(session) = self.sessions.get_mut(&id) {
             if !session.subscriptions.is_empty() {
                 session.subscriptions.clear();
-                self.shared.router.write().remove_owner(id);
+                self.shared.subscriptions.write().remove_owner(id);
             }
         }
         if self.blocking.remove(&id) && self.blocking.is_empty() {
@@ -1156,7 +1160,7 @@ impl EventLoop {
         for done in self.flushes.drain(..) {
             let _ = done.send(());
         }
-        self.shared.router.write().close_locals();
+        self.shared.subscriptions.write().close_locals();
         info!("stopped");
     }
 }

@@ -16,9 +16,9 @@ use super::route::RouteRole;
 use super::EventLoop;
 use crate::broker::{constant_time_eq, BrokerStats};
 use crate::endpoints;
-use crate::router::SubRef;
 use crate::session::outbound::{Batch, Control};
 use crate::session::{Connection, Liveness};
+use crate::subscriptions::SubRef;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum SessionState {
@@ -211,7 +211,7 @@ impl EventLoop {
             owner: id,
             sid: subscribe.sid,
         };
-        let inserted = self.shared.router.write().insert(
+        let inserted = self.shared.subscriptions.write().insert(
             &subscribe.pattern,
             subscribe.queue.as_deref(),
             key,
@@ -232,7 +232,10 @@ impl EventLoop {
         if let Some(session) = self.sessions.get_mut(&id) {
             session.subscriptions.remove(&sid);
         }
-        self.shared.router.write().remove(SubRef { owner: id, sid });
+        self.shared
+            .subscriptions
+            .write()
+            .remove(SubRef { owner: id, sid });
         self.sync_interest();
     }
 }

@@ -37,9 +37,9 @@ use tracing::{debug, info, warn};
 use super::peer::{Session, SessionState};
 use super::{EventLoop, Payload};
 use crate::broker::{BrokerStats, Shared};
-use crate::route::InterestChange;
-use crate::router::SubRef;
+use crate::interest::InterestChange;
 use crate::session::outbound::Control;
+use crate::subscriptions::SubRef;
 
 /// First wait before redialing a peer; doubled per failed attempt.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -144,7 +144,7 @@ impl Cluster {
             listeners: shared.listening.len(),
             slots,
             by_broker: HashMap::default(),
-            announcements: shared.router.read().interest_flag(),
+            announcements: shared.subscriptions.read().interest_flag(),
         }
     }
 
@@ -398,7 +398,7 @@ impl EventLoop {
             slot.failures = 0;
             slot.backoff = BACKOFF_MIN;
         }
-        let (pending, snapshot) = self.shared.router.write().route_up();
+        let (pending, snapshot) = self.shared.subscriptions.write().route_up();
         let others: Vec<u64> = self.cluster.by_broker.values().copied().collect();
         self.send_interest(&pending, &others);
         self.cluster.by_broker.insert(broker, id);
@@ -437,7 +437,7 @@ impl EventLoop {
         };
         role.announced.clear();
         {
-            let mut router = self.shared.router.write();
+            let mut router = self.shared.subscriptions.write();
             router.remove_route_owner(id);
             router.route_down();
         }
@@ -465,7 +465,7 @@ impl EventLoop {
 
     #[cold]
     fn send_announcements(&mut self) {
-        let changes = self.shared.router.write().take_interest_changes();
+        let changes = self.shared.subscriptions.write().take_interest_changes();
         let routes: Vec<u64> = self.cluster.by_broker.values().copied().collect();
         self.send_interest(&changes, &routes);
     }
@@ -517,7 +517,7 @@ impl EventLoop {
             owner: id,
             sid: subscribe.sid,
         };
-        let inserted = self.shared.router.write().insert_route(
+        let inserted = self.shared.subscriptions.write().insert_route(
             key,
             &subscribe.pattern,
             subscribe.queue.as_deref(),
@@ -546,7 +546,7 @@ impl EventLoop {
         {
             if role.announced.remove(&sid) {
                 self.shared
-                    .router
+                    .subscriptions
                     .write()
                     .remove_route(SubRef { owner: id, sid });
             }
@@ -567,11 +567,11 @@ impl EventLoop {
         if !self.payload_allowed(id, payload.bytes.len()) {
             return;
         }
-        let routed = self
-            .shared
-            .router
-            .read()
-            .route_from_peer(subject, sid, &mut self.targets);
+        let routed =
+            self.shared
+                .subscriptions
+                .read()
+                .lookup_from_route(subject, sid, &mut self.targets);
         self.deliver_routed(id, subject, reply, payload, routed);
     }
 }

@@ -58,7 +58,7 @@ pub(crate) struct LocalInterest {
     /// Routes currently up.
     listeners: usize,
     /// Set whenever an announcement is logged, readable without the
-    /// router's lock (see [`LocalInterest::flag`]).
+    /// subscription table's lock (see [`LocalInterest::flag`]).
     flag: Arc<AtomicBool>,
 }
 
@@ -250,7 +250,7 @@ impl RemoteInterest {
     /// subscriber serves (`local_group`), one route with that group.
     /// Returns whether the answer holds for every message on the subject
     /// (no group took part). `scratch` is working space.
-    pub fn route(
+    pub fn lookup(
         &self,
         subject: &str,
         local_group: impl Fn(&str, &str) -> bool,
@@ -345,7 +345,7 @@ mod tests {
         routes.insert(SubRef::new(9, 1), "c", None).unwrap();
         let (mut scratch, mut out) = (Vec::new(), Vec::new());
         let stable = routes
-            .route("a.b", |_, _| false, &mut scratch, &mut out)
+            .lookup("a.b", |_, _| false, &mut scratch, &mut out)
             .unwrap();
         assert!(stable);
         let owners: Vec<u64> = out.iter().map(|key| key.owner).collect();
@@ -353,7 +353,7 @@ mod tests {
         assert_eq!(routes.remove_owner(7), 2);
         out.clear();
         routes
-            .route("a.b", |_, _| false, &mut scratch, &mut out)
+            .lookup("a.b", |_, _| false, &mut scratch, &mut out)
             .unwrap();
         assert_eq!(out, [SubRef::new(8, 1)]);
     }
@@ -369,7 +369,7 @@ mod tests {
         for _ in 0..4 {
             out.clear();
             let stable = routes
-                .route("work", |_, _| false, &mut scratch, &mut out)
+                .lookup("work", |_, _| false, &mut scratch, &mut out)
                 .unwrap();
             assert!(!stable);
             // Route 8's plain interest, and one route for the group.
@@ -381,7 +381,7 @@ mod tests {
         assert!(picked.contains(&SubRef::new(7, 1)) && picked.contains(&SubRef::new(8, 4)));
         out.clear();
         routes
-            .route(
+            .lookup(
                 "work",
                 |p, q| (p, q) == ("work", "q"),
                 &mut scratch,

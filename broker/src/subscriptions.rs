@@ -1,12 +1,14 @@
-//! The routing table shared by the embedded API and the event loop: the
-//! subscription index plus the in-process queues of local subscriptions.
+//! The subscription table shared by the embedded API and the event loop:
+//! the subscription index, the in-process queues of local subscriptions,
+//! and the interest of route peers (see [`crate::interest`]).
 //!
-//! In-process publishers route on their own thread (no hop through the event
-//! loop); only deliveries to remote peers are handed to the loop.
+//! In-process publishers look up targets on their own thread (no hop
+//! through the event loop); only deliveries to remote peers are handed to
+//! the loop.
 //!
 //! Every change to the table sets a new generation number, readable without
-//! the lock: a publisher may keep the route of a subject and reuse it while
-//! the generation stays the same.
+//! the lock: a publisher may keep the targets of a subject and reuse them
+//! while the generation stays the same.
 
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +19,7 @@ use efabus_core::index::{IndexConfig, IndexError, SubscriptionIndex};
 use efabus_core::subject::SubjectLimits;
 
 use crate::delivery::LocalSink;
-use crate::route::{InterestChange, LocalInterest, RemoteInterest};
+use crate::interest::{InterestChange, LocalInterest, RemoteInterest};
 
 /// Owner id of subscriptions made through the embedded API; remote
 /// sessions use their session id, which starts at 1.
@@ -58,15 +60,15 @@ impl Targets {
     }
 }
 
-/// Generation numbers are unique across every router of the process, so a
-/// route kept for one broker is never taken for another's.
+/// Generation numbers are unique across every table of the process, so a
+/// lookup kept for one broker is never taken for another's.
 static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
 
 fn next_generation() -> u64 {
     NEXT_GENERATION.fetch_add(1, Ordering::Relaxed)
 }
 
-pub(crate) struct Router {
+pub(crate) struct SubscriptionTable {
     /// This broker's subscriptions: in-process and client sessions.
     index: SubscriptionIndex,
     locals: HashMap<u64, Arc<LocalSink>>,
@@ -77,13 +79,13 @@ pub(crate) struct Router {
     routes: RemoteInterest,
 }
 
-impl Router {
-    pub fn new(limits: SubjectLimits) -> Router {
+impl SubscriptionTable {
+    pub fn new(limits: SubjectLimits) -> SubscriptionTable {
         let config = IndexConfig {
             limits,
             ..IndexConfig::default()
         };
-        Router {
+        SubscriptionTable {
             index: SubscriptionIndex::new(config),
             locals: HashMap::default(),
             generation: Arc::new(AtomicU64::new(next_generation())),
@@ -218,18 +220,18 @@ impl Router {
 
     /// Fill `targets` with the subscriptions matching a subject. The index
     /// validates the subject (once per distinct subject, thanks to its cache).
-    pub fn route(
+    pub fn lookup(
         &self,
         subject: &str,
         targets: &mut Targets,
     ) -> Result<(), efabus_core::subject::SubjectError> {
-        self.route_stable(subject, targets).map(|_| ())
+        self.lookup_stable(subject, targets).map(|_| ())
     }
 
     /// Like [`route`](Self::route), and tells whether the answer holds for
     /// every message on this subject until the generation changes: true
     /// unless a queue group took part (its member is picked per message).
-    pub fn route_stable(
+    pub fn lookup_stable(
         &self,
         subject: &str,
         targets: &mut Targets,
@@ -240,7 +242,7 @@ impl Router {
             .match_subject_stable(subject, &mut targets.matches)?;
         if !self.routes.is_empty() {
             let interest = &self.interest;
-            stable &= self.routes.route(
+            stable &= self.routes.lookup(
                 subject,
                 |pattern, queue| interest.has_group(pattern, queue),
                 &mut targets.route_matches,
@@ -263,7 +265,7 @@ impl Router {
     /// interest this broker announced as `sid`: never other routes (one
     /// hop); for a plain entry every local plain subscription that matches,
     /// for a queue group one local member of that group.
-    pub fn route_from_peer(
+    pub fn lookup_from_route(
         &self,
         subject: &str,
         sid: u64,

@@ -1,6 +1,6 @@
 //! How application threads hand work to an event loop thread and wake it
 //! only when it is about to sleep: [`Parker`] holds the wake-on-park logic,
-//! [`LoopInbox`] is a bounded queue of commands built on it.
+//! [`CommandQueue`] is a bounded queue of commands built on it.
 
 use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::time::Duration;
@@ -65,16 +65,16 @@ impl Parker {
 
 /// The sending side of a bounded command queue, shared by application
 /// threads.
-pub(crate) struct LoopInbox<C> {
+pub(crate) struct CommandQueue<C> {
     commands: Sender<C>,
     parker: Parker,
 }
 
-impl<C> LoopInbox<C> {
+impl<C> CommandQueue<C> {
     /// An inbox of `capacity` commands, and the receiver the loop drains.
-    pub fn new(waker: Waker, capacity: usize) -> (LoopInbox<C>, Receiver<C>) {
+    pub fn new(waker: Waker, capacity: usize) -> (CommandQueue<C>, Receiver<C>) {
         let (commands, receiver) = crossbeam_channel::bounded(capacity);
-        let inbox = LoopInbox {
+        let inbox = CommandQueue {
             commands,
             parker: Parker::new(waker),
         };
