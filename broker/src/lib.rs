@@ -1,5 +1,6 @@
 //! efabus-broker: the event loop, sessions, fan-out, flow control, the
-//! embedded API, the client and the command-line interface.
+//! embedded API and the client. The `efabus` command is the `efabus-cli`
+//! package, built on this crate's public API.
 //!
 //! # Embedded use
 //!
@@ -24,10 +25,7 @@
 //! any thread. Each runs one background thread for its endpoints. A
 //! [`Subscription`] is `Send` and is read by one thread at a time.
 
-mod bench;
 mod broker;
-mod caps_cmd;
-pub mod cli;
 pub mod client;
 mod commands;
 pub mod config;

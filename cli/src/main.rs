@@ -1,7 +1,14 @@
-//! The `efabus` command: see `efabus --help`.
+//! The `efabus` command: see `efabus --help`. This crate owns the command
+//! line, built on the public API of efabus-broker: [`cli`] parses the
+//! arguments and runs `serve`, `pub`, `sub` and `req`, [`caps`] runs
+//! `caps` and [`bench`] runs `bench`. It also sets the process's allocator.
+
+mod bench;
+mod caps;
+mod cli;
 
 use clap::Parser;
-use efabus_broker::cli::{run, Cli};
+use cli::{run, Cli};
 
 /// jemalloc gives freed memory back to the system within seconds (glibc's
 /// allocator keeps most of it mapped), so a broker's footprint falls back

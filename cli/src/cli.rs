@@ -1,4 +1,8 @@
-//! The `efabus` command line: `serve`, `pub`, `sub`, `req`, `caps`, `bench`.
+//! The `efabus` command line: the arguments of `serve`, `pub`, `sub`,
+//! `req`, `caps` and `bench`, the running of `serve`, `pub`, `sub` and `req`
+//! (`caps` and `bench` have their own modules), logging and signal
+//! handling for `serve` and `sub`, and how every command reports failures
+//! ([`Failure`]) and writes results ([`Output`]).
 //!
 //! Errors are printed as one line with the cause and what to do; usage and
 //! configuration errors exit with code 2, other failures with 1. Results go
@@ -18,9 +22,7 @@ use efabus_core::frame::ErrorCode;
 use efabus_core::transport::TransportError;
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 
-use crate::config::{Config, ConfigError};
-use crate::error::Error;
-use crate::{Broker, Client, ClientOptions, RecvError};
+use efabus_broker::{Broker, Client, ClientOptions, Config, ConfigError, Error, RecvError};
 
 /// The default server for client commands.
 pub const DEFAULT_SERVER: &str = "tcp/127.0.0.1:7420";
@@ -48,7 +50,7 @@ pub enum Command {
     /// Send a request and print the reply.
     Req(ReqArgs),
     /// Show transport capabilities in fi_info layout, and what would be negotiated.
-    Caps(crate::caps_cmd::CapsArgs),
+    Caps(crate::caps::CapsArgs),
     /// Measure throughput or request/reply latency.
     Bench(crate::bench::BenchArgs),
 }
@@ -333,7 +335,7 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Command::Pub(args) => publish(args),
         Command::Sub(args) => subscribe(args),
         Command::Req(args) => request(args),
-        Command::Caps(args) => crate::caps_cmd::run(args),
+        Command::Caps(args) => crate::caps::run(args),
         Command::Bench(args) => crate::bench::run(args),
     };
     match result {

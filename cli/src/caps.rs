@@ -5,8 +5,8 @@
 //! entries each would use (efabus's own hints), then opens the endpoints a
 //! broker with the given config listens on and shows what two such brokers
 //! (or a broker and a client of the same config) negotiate, from offers
-//! built exactly as the broker builds them ([`crate::endpoints::offer_for`],
-//! [`crate::endpoints::as_driven`]). With `--provider` it lists instead
+//! built exactly as the broker builds them ([`endpoints::offer_for`],
+//! [`endpoints::as_driven`]). With `--provider` it lists instead
 //! what `fi_info -p PROVIDER -t TYPE` lists (the same hints as that tool),
 //! so `caps -v --provider P` and `fi_info -v -p P` can be compared entry by
 //! entry. With `--input` it reads a saved `fi_info -v` dump (e.g. from an
@@ -17,6 +17,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
+use efabus_broker::{endpoints, Config};
 use efabus_core::caps::{
     check, negotiate, parse_fi_info_dump, to_fi_info_text, EpType, FabricInfo, Hints, Negotiated,
     Offer,
@@ -25,8 +26,6 @@ use efabus_transports::fabric::{probe_like_fi_info, EpKind, FabricTransport};
 use efabus_transports::registry::{EndpointSpec, Registry};
 
 use crate::cli::{out, Failure, Output};
-use crate::config::Config;
-use crate::endpoints;
 
 /// Endpoint types `--ep-type` takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -45,7 +45,10 @@ fn usage_error(output: &Output) -> String {
 }
 
 fn fixture(name: &str) -> String {
-    format!("{}/core/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
+    format!(
+        "{}/../core/tests/fixtures/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
 }
 
 /// Lines a child process writes, as they come.

@@ -14,15 +14,15 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::{Args, ValueEnum};
+use efabus_broker::{
+    Broker, Client, ClientOptions, Config, Error, PubSub, RecvError, SlowConsumerPolicy,
+    Subscription,
+};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::cli::Failure;
-use crate::config::{Config, SlowConsumerPolicy};
-use crate::error::Error;
-use crate::Subscription;
-use crate::{Broker, Client, ClientOptions, PubSub, RecvError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BenchMode {
