@@ -600,10 +600,7 @@ impl EventLoop {
                     at: 0,
                 },
             ),
-            (SessionState::Ready, Frame::Subscribe(subscribe)) => {
-                self.on_subscribe(id, subscribe);
-                self.sync_interest();
-            }
+            (SessionState::Ready, Frame::Subscribe(subscribe)) => self.on_subscribe(id, subscribe),
             (SessionState::Ready, Frame::Unsubscribe { sid }) => self.on_unsubscribe(id, sid),
             (SessionState::Ready, Frame::Ping { nonce }) => {
                 self.send(id, codec::encode(&Frame::Pong { nonce }), false);

@@ -1,20 +1,24 @@
 //! The broker's view of one peer: a [`Session`] (a client, or a route to
-//! another broker, see [`super::route`]) and the handling of what a client
-//! session sends: the handshake with its negotiation of data paths,
-//! subscriptions and publishes.
+//! another broker, see [`super::route`]), and what a client session asks
+//! for: the handshake with its negotiation of data paths, subscriptions.
+//! The session decides; the loop sends what it answers and keeps the
+//! tables that span sessions (which endpoint address is whose).
 
 use std::time::Instant;
 
 use efabus_core::caps::Offer;
 use efabus_core::codec;
 use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Welcome, PROTOCOL_VERSION};
+use efabus_core::link::LinkTuning;
 use efabus_core::subject;
+use efabus_core::transport::Endpoint;
 use rustc_hash::FxHashMap as HashMap;
 use tracing::{debug, info};
 
 use super::route::RouteRole;
 use super::EventLoop;
-use crate::broker::{constant_time_eq, BrokerStats};
+use crate::broker::{constant_time_eq, BrokerStats, Shared};
+use crate::config::Config;
 use crate::endpoints;
 use crate::session::outbound::{Batch, Control};
 use crate::session::{Connection, Liveness};
@@ -30,6 +34,21 @@ pub(super) enum SessionState {
     Ready,
     /// An error or goodbye was sent; close once it is flushed.
     Closing,
+}
+
+/// What a session refuses a peer: the error to send back.
+pub(super) struct Refusal {
+    pub code: ErrorCode,
+    pub text: String,
+}
+
+impl Refusal {
+    fn new(code: ErrorCode, text: impl Into<String>) -> Refusal {
+        Refusal {
+            code,
+            text: text.into(),
+        }
+    }
 }
 
 /// One peer of the broker: a client, or a route to another broker.
@@ -86,72 +105,49 @@ impl Session {
             None => own,
         }
     }
-}
 
-impl EventLoop {
-    pub(super) fn on_hello(&mut self, id: u64, hello: frame::Hello) {
-        let config = &self.shared.config;
+    /// Check a client's hello: its protocol version and credentials.
+    pub fn check_hello(hello: &frame::Hello, config: &Config) -> Result<(), Refusal> {
         if hello.version != PROTOCOL_VERSION {
-            self.fail(
-                id,
+            return Err(Refusal::new(
                 ErrorCode::Version,
                 format!(
                     "protocol version {} not supported (this server speaks {PROTOCOL_VERSION})",
                     hello.version
                 ),
-            );
-            return;
+            ));
         }
         if let Some(secret) = &config.auth.secret {
             let given = hello.credentials.as_deref().unwrap_or("");
             if !constant_time_eq(given.as_bytes(), secret.as_bytes()) {
-                BrokerStats::add(&self.shared.stats.auth_failures, 1);
                 let text = if hello.credentials.is_none() {
                     "credentials required"
                 } else {
                     "invalid credentials"
                 };
-                self.fail(id, ErrorCode::Auth, text.to_string());
-                return;
+                return Err(Refusal::new(ErrorCode::Auth, text));
             }
         }
-        let offers = self.negotiate(id, &hello.offers);
-        let welcome = Frame::Welcome(Welcome {
-            version: PROTOCOL_VERSION,
-            name: self.shared.config.name.clone(),
-            offers,
-            max_payload: self.shared.config.limits.max_payload,
-        });
-        let Some(session) = self.sessions.get_mut(&id) else {
-            return;
-        };
-        session.name = hello.name;
-        session.state = SessionState::Ready;
-        info!(session = id, remote = %session.remote, name = %session.name, "peer connected");
-        self.send(id, codec::encode(&welcome), false);
+        Ok(())
     }
 
-    /// Choose the data paths for a peer from both sides' offers, open the
-    /// chosen data links, and return the offers to put in the welcome: this
-    /// side of each chosen link (so the peer arrives at the same choice),
-    /// or every offer when only the control link is in common.
-    fn negotiate(&mut self, id: u64, remote: &[Offer]) -> Vec<Offer> {
-        let Some(session) = self.sessions.get_mut(&id) else {
-            return Vec::new();
-        };
-        let links = &mut session.conn.links;
-        let negotiation = links.open(
-            &mut self.endpoints,
-            &self.offers,
-            remote,
-            &self.shared.config.negotiation.preference,
-            &self.tuning,
-        );
+    /// Choose the data paths from both sides' offers, open the chosen data
+    /// links, and return the offers to put in the welcome: this side of
+    /// each chosen link (so the peer arrives at the same choice), or every
+    /// offer when only the control link is in common.
+    pub fn negotiate(
+        &mut self,
+        id: u64,
+        endpoints: &mut [Box<dyn Endpoint>],
+        offers: &[Offer],
+        remote: &[Offer],
+        preference: &[String],
+        tuning: &LinkTuning,
+    ) -> Vec<Offer> {
+        let links = &mut self.conn.links;
+        let negotiation = links.open(endpoints, offers, remote, preference, tuning);
         for reason in &negotiation.reasons {
             debug!(session = id, %reason, "negotiation");
-        }
-        for (endpoint, peer) in links.addresses() {
-            self.by_peer.insert((endpoint, peer), id);
         }
         for link in [&links.reliable, &links.best_effort].into_iter().flatten() {
             info!(session = id, link = %link.description, "data path negotiated");
@@ -161,11 +157,11 @@ impl EventLoop {
                 session = id,
                 "no data path in common; the control link carries everything"
             );
-            return self.offers.clone();
+            return offers.to_vec();
         }
         let mut chosen = negotiation.opened;
         chosen.extend(
-            self.offers
+            offers
                 .iter()
                 .filter(|o| !endpoints::is_data_scheme(&o.scheme))
                 .cloned(),
@@ -173,69 +169,121 @@ impl EventLoop {
         chosen
     }
 
-    pub(super) fn on_subscribe(&mut self, id: u64, subscribe: frame::Subscribe) {
-        let limits = &self.shared.config.limits;
-        let Some(session) = self.sessions.get_mut(&id) else {
-            return;
-        };
-        if session.subscriptions.len() >= limits.max_subscriptions_per_peer {
-            let text = format!(
-                "subscription limit of {} reached; {} refused",
-                limits.max_subscriptions_per_peer, subscribe.pattern
-            );
-            self.report(id, ErrorCode::TooManySubscriptions, text);
-            return;
+    /// A client's subscription, entered in the subscription table under
+    /// this session (`id`).
+    pub fn subscribe(
+        &mut self,
+        id: u64,
+        subscribe: frame::Subscribe,
+        shared: &Shared,
+    ) -> Result<(), Refusal> {
+        let limit = shared.config.limits.max_subscriptions_per_peer;
+        if self.subscriptions.len() >= limit {
+            return Err(Refusal::new(
+                ErrorCode::TooManySubscriptions,
+                format!(
+                    "subscription limit of {limit} reached; {} refused",
+                    subscribe.pattern
+                ),
+            ));
         }
-        if let Err(err) = subject::validate_pattern(&subscribe.pattern, &self.shared.subject_limits)
-        {
-            self.report(
-                id,
+        if let Err(err) = subject::validate_pattern(&subscribe.pattern, &shared.subject_limits) {
+            return Err(Refusal::new(
                 ErrorCode::InvalidSubject,
                 format!("invalid pattern {:?}: {err}", subscribe.pattern),
-            );
-            return;
+            ));
         }
-        if session
+        if self
             .subscriptions
             .insert(subscribe.sid, subscribe.class)
             .is_some()
         {
-            self.report(
-                id,
+            return Err(Refusal::new(
                 ErrorCode::Protocol,
                 format!("subscription id {} already in use", subscribe.sid),
-            );
-            return;
+            ));
         }
         let key = SubRef {
             owner: id,
             sid: subscribe.sid,
         };
-        let inserted = self.shared.subscriptions.write().insert(
+        let inserted = shared.subscriptions.write().insert(
             &subscribe.pattern,
             subscribe.queue.as_deref(),
             key,
             None,
         );
-        if let Err(err) = inserted {
-            session.subscriptions.remove(&subscribe.sid);
-            self.report(
-                id,
+        inserted.map_err(|err| {
+            self.subscriptions.remove(&subscribe.sid);
+            Refusal::new(
                 ErrorCode::InvalidSubject,
                 format!("cannot subscribe to {:?}: {err}", subscribe.pattern),
-            );
-        }
+            )
+        })
     }
 
     /// A client no longer wants subscription `sid`.
-    pub(super) fn on_unsubscribe(&mut self, id: u64, sid: u64) {
-        if let Some(session) = self.sessions.get_mut(&id) {
-            session.subscriptions.remove(&sid);
-        }
-        self.shared
+    pub fn unsubscribe(&mut self, id: u64, sid: u64, shared: &Shared) {
+        self.subscriptions.remove(&sid);
+        shared
             .subscriptions
             .write()
             .remove(SubRef { owner: id, sid });
+    }
+}
+
+impl EventLoop {
+    /// A client's hello: checked, answered with a welcome naming the data
+    /// paths chosen, or refused.
+    pub(super) fn on_hello(&mut self, id: u64, hello: frame::Hello) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let config = &self.shared.config;
+        if let Err(refusal) = Session::check_hello(&hello, config) {
+            if refusal.code == ErrorCode::Auth {
+                BrokerStats::add(&self.shared.stats.auth_failures, 1);
+            }
+            self.fail(id, refusal.code, refusal.text);
+            return;
+        }
+        let offers = session.negotiate(
+            id,
+            &mut self.endpoints,
+            &self.offers,
+            &hello.offers,
+            &config.negotiation.preference,
+            &self.tuning,
+        );
+        for address in session.conn.links.addresses() {
+            self.by_peer.insert(address, id);
+        }
+        session.name = hello.name;
+        session.state = SessionState::Ready;
+        info!(session = id, remote = %session.remote, name = %session.name, "peer connected");
+        let welcome = Frame::Welcome(Welcome {
+            version: PROTOCOL_VERSION,
+            name: config.name.clone(),
+            offers,
+            max_payload: config.limits.max_payload,
+        });
+        self.send(id, codec::encode(&welcome), false);
+    }
+
+    pub(super) fn on_subscribe(&mut self, id: u64, subscribe: frame::Subscribe) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if let Err(refusal) = session.subscribe(id, subscribe, &self.shared) {
+            self.report(id, refusal.code, refusal.text);
+        }
+        self.sync_interest();
+    }
+
+    pub(super) fn on_unsubscribe(&mut self, id: u64, sid: u64) {
+        if let Some(session) = self.sessions.get_mut(&id) {
+            session.unsubscribe(id, sid, &self.shared);
+        }
         self.sync_interest();
     }
 }
