@@ -65,6 +65,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use efabus_core::caps::FabricInfo;
+use efabus_core::codec::PREFIX_LEN;
 use efabus_core::transport::{
     CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
     Transport, TransportError,
@@ -77,9 +78,6 @@ pub const SCHEME_PREFIX: &str = "faulty+";
 
 /// The reason text of a `Closed` event caused by an injected disconnect.
 pub const INJECTED_DISCONNECT: &str = "injected fault: disconnect";
-
-/// Length of the frame length prefix the send path keeps intact.
-const PREFIX_LEN: usize = 4;
 
 /// Which frames a [`FaultyEndpoint`] touches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

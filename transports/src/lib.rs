@@ -23,13 +23,12 @@ pub mod tcp;
 
 pub use registry::{EndpointSpec, Registry, RegistryError, SpecError};
 
-/// The 4-byte little-endian length prefix every frame starts with, as the
-/// stream and in-process transports check it.
+/// The 4-byte little-endian length prefix every frame starts with
+/// ([`PREFIX_LEN`](efabus_core::codec::PREFIX_LEN), defined by the codec),
+/// as the stream and in-process transports check it.
 pub(crate) mod prefix {
+    use efabus_core::codec::PREFIX_LEN as LEN;
     use efabus_core::transport::{OutFrame, SendError, TransportError};
-
-    /// Size of the length prefix.
-    pub const LEN: usize = 4;
 
     /// Check an outgoing frame before it is queued: within `max` bytes and
     /// carrying a prefix that matches its length. A frame whose prefix lies
