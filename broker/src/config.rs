@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use efabus_core::codec::MAX_CONTROL_BODY;
+use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME};
+use efabus_transports::tcp;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -229,9 +231,9 @@ impl Default for Negotiation {
     fn default() -> Self {
         Negotiation {
             preference: vec![
-                "efa-rdm".to_string(),
-                "efa-dgram".to_string(),
-                "tcp".to_string(),
+                RDM_SCHEME.to_string(),
+                DGRAM_SCHEME.to_string(),
+                tcp::SCHEME.to_string(),
             ],
         }
     }
@@ -678,7 +680,7 @@ pub fn locate(text: &str, key: &str) -> Option<usize> {
 /// broker's listening address.
 pub(crate) fn check_peer(peer: &str) -> Result<(), String> {
     let spec = efabus_transports::registry::EndpointSpec::parse(peer).map_err(|e| e.to_string())?;
-    if spec.scheme() != "tcp" {
+    if spec.scheme() != tcp::SCHEME {
         return Err(format!(
             "routes to other brokers run over tcp (`tcp/HOST:PORT`), not {}",
             spec.scheme()

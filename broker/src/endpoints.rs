@@ -6,13 +6,14 @@
 
 use efabus_core::caps::{Choice, Offer};
 use efabus_core::transport::{Endpoint, EndpointConfig};
+use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME};
 use tracing::warn;
 
 use crate::config::Config;
 
 /// Schemes whose endpoints carry data for peers negotiated onto them.
 pub fn is_data_scheme(scheme: &str) -> bool {
-    matches!(scheme, "efa-rdm" | "efa-dgram")
+    scheme == RDM_SCHEME || scheme == DGRAM_SCHEME
 }
 
 /// The offer an endpoint makes: its fi_info, its address, and a message
@@ -59,14 +60,14 @@ pub fn listener_config(config: &Config, scheme: &str, bind: Option<String>) -> E
 pub fn endpoint_options(fabric: &crate::config::Fabric, scheme: &str) -> Vec<(String, String)> {
     let mut options = Vec::new();
     match scheme {
-        "efa-rdm" => {
+        RDM_SCHEME => {
             options.push(("provider".to_string(), fabric.provider.clone()));
             options.push(("msg_size".to_string(), fabric.max_frame.to_string()));
             if !fabric.domain.is_empty() {
                 options.push(("domain".to_string(), fabric.domain.clone()));
             }
         }
-        "efa-dgram" => options.push(("provider".to_string(), fabric.dgram_provider.clone())),
+        DGRAM_SCHEME => options.push(("provider".to_string(), fabric.dgram_provider.clone())),
         _ => return options,
     }
     if !fabric.node.is_empty() {

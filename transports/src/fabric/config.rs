@@ -20,6 +20,11 @@
 
 use super::FabricError;
 
+/// The scheme of the reliable-datagram endpoints ([`EpKind::Rdm`]).
+pub const RDM_SCHEME: &str = "efa-rdm";
+/// The scheme of the unreliable-datagram endpoints ([`EpKind::Dgram`]).
+pub const DGRAM_SCHEME: &str = "efa-dgram";
+
 /// Which kind of fabric endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EpKind {
@@ -33,8 +38,8 @@ impl EpKind {
     /// The endpoint-string scheme.
     pub fn scheme(self) -> &'static str {
         match self {
-            EpKind::Rdm => "efa-rdm",
-            EpKind::Dgram => "efa-dgram",
+            EpKind::Rdm => RDM_SCHEME,
+            EpKind::Dgram => DGRAM_SCHEME,
         }
     }
 

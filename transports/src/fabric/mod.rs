@@ -62,7 +62,9 @@ pub mod pool;
 mod sys;
 
 pub use attrs::InfoAttrs;
-pub use config::{addr_from_hex, addr_to_hex, EpKind, FabricOptions, OrderWanted};
+pub use config::{
+    addr_from_hex, addr_to_hex, EpKind, FabricOptions, OrderWanted, DGRAM_SCHEME, RDM_SCHEME,
+};
 #[cfg(efabus_libfabric)]
 pub use endpoint::{FabricEndpoint, FabricStats, LinkInfo};
 pub use error::{FabricError, FiCode};
