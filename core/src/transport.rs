@@ -1,6 +1,7 @@
 //! The traits every efabus transport implements, and what they share:
-//! [`EndpointConfig`], [`OutFrame`] and [`split_run`] for the runs of
-//! frames [`Endpoint::send_run`] takes, the events and the errors.
+//! [`EndpointConfig`] (with the libfabric endpoints' typed
+//! [`FabricOptions`]), [`OutFrame`] and [`split_run`] for the runs of frames
+//! [`Endpoint::send_run`] takes, the events and the errors.
 //!
 //! A [`Transport`] is a factory: it names its scheme, describes what it can do
 //! as [`FabricInfo`]s, and opens [`Endpoint`]s. An endpoint is
@@ -38,6 +39,13 @@ use thiserror::Error;
 
 use crate::caps::FabricInfo;
 use crate::codec::PREFIX_LEN;
+
+mod fabric;
+
+pub use fabric::{
+    FabricOptionError, FabricOptions, OrderWanted, DEFAULT_RDM_MSG_SIZE, FABRIC_OPTION_KEYS,
+    MAX_MSG_SIZE,
+};
 
 /// A peer of one endpoint. Ids are never reused by an endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -247,7 +255,15 @@ pub struct EndpointConfig {
     pub queue_frames: usize,
     /// Bytes queued per peer before `send` returns `WouldBlock`.
     pub queue_bytes: usize,
-    /// Transport-specific settings (e.g. the libfabric provider), by name.
+    /// Settings of the libfabric endpoints (`efa-rdm`, `efa-dgram`): the
+    /// provider, buffer sizes and so on. `None` keeps the fabric
+    /// transport's own (its defaults, or what it was built with); other
+    /// transports ignore it.
+    pub fabric: Option<FabricOptions>,
+    /// Other transport-specific settings as text, by name (e.g. the tcp
+    /// transport's `read_budget`, or the `fault_*` settings of a fault
+    /// injector); each transport reads its own and ignores the rest. The
+    /// fabric transport takes none: its settings are [`Self::fabric`].
     pub options: Vec<(String, String)>,
 }
 
@@ -258,6 +274,7 @@ impl Default for EndpointConfig {
             max_frame: 8 << 20,
             queue_frames: 4096,
             queue_bytes: 16 << 20,
+            fabric: None,
             options: Vec::new(),
         }
     }
