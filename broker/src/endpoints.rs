@@ -1,7 +1,8 @@
 //! How the broker and the client open their endpoints from the
 //! configuration, and what they offer for negotiation: which schemes carry
 //! data, the config of each endpoint with its typed fabric options (built
-//! from the `[fabric]` table), the test-only fault wrapper, the offer an
+//! from the `[fabric]` table), the test-only fault wrapper
+//! (`[testing.faults]`, only with the `testing` feature), the offer an
 //! endpoint makes, and a negotiated choice as the data link drives it.
 //! `efabus caps` uses the same functions, so what it shows is what a live
 //! broker does.
@@ -9,7 +10,6 @@
 use efabus_core::caps::{Choice, Offer};
 use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions};
 use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME};
-use tracing::warn;
 
 use crate::config::Config;
 
@@ -100,7 +100,9 @@ fn non_empty(text: &str) -> Option<String> {
 }
 
 /// Testing aid: wrap endpoint number `index` in the fault injector when
-/// `[testing.faults]` is configured (never in production).
+/// `[testing.faults]` is configured (never in production; only a build
+/// with the `testing` feature has the injector).
+#[cfg(feature = "testing")]
 pub fn with_faults(
     endpoint: Box<dyn Endpoint>,
     faults: Option<&crate::config::Faults>,
@@ -110,7 +112,7 @@ pub fn with_faults(
         return endpoint;
     };
     let config = faults.for_stream(index as u64);
-    warn!(
+    tracing::warn!(
         scheme = endpoint.scheme(),
         ?config,
         "testing.faults is set: injecting faults"
@@ -118,4 +120,25 @@ pub fn with_faults(
     Box::new(efabus_transports::fault::FaultyEndpoint::new(
         endpoint, config,
     ))
+}
+
+/// Without the `testing` feature there is no fault injector: the endpoint
+/// is returned as it is. Validation refuses configs that set
+/// `[testing.faults]`, so `faults` is `None` unless a config skipped it,
+/// which is logged.
+#[cfg(not(feature = "testing"))]
+pub fn with_faults(
+    endpoint: Box<dyn Endpoint>,
+    faults: Option<&crate::config::Faults>,
+    index: usize,
+) -> Box<dyn Endpoint> {
+    if faults.is_some() {
+        tracing::error!(
+            scheme = endpoint.scheme(),
+            index,
+            "testing.faults is set but {}; no faults are injected",
+            crate::config::NO_FAULT_INJECTION
+        );
+    }
+    endpoint
 }

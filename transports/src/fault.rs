@@ -8,7 +8,10 @@
 //! [`EndpointConfig::options`] (see [`FaultConfig::from_options`]).
 //!
 //! It exists to prove what efabus promises under faults, in tests and in
-//! chaos runs of a deployment. It must never run in production.
+//! chaos runs of a deployment. It must never run in production, and is
+//! compiled only with this crate's `testing` feature (the broker's
+//! `testing` feature turns it on): a production build has no
+//! `FaultTransport` to register, so no `faulty+` scheme to open.
 //!
 //! # Where faults apply
 //!

@@ -6,8 +6,9 @@
 //! - [`tcp`]: non-blocking TCP over mio, framed by the 4-byte length prefix.
 //! - [`fabric`]: libfabric endpoints (EFA RDM and DGRAM, and libfabric's
 //!   socket providers for development), through a thin C shim.
-//! - [`fault`]: a seeded fault-injecting endpoint wrapper (`faulty+mem`,
-//!   `faulty+tcp`, ...), a testing aid for tests and chaos runs.
+//! - `fault` (feature `testing`): a seeded fault-injecting endpoint wrapper
+//!   (`faulty+mem`, `faulty+tcp`, ... once registered), a testing aid for
+//!   tests and chaos runs, absent from production builds.
 //! - [`registry`]: endpoint strings (`tcp/127.0.0.1:7420`) and the map from
 //!   scheme to transport.
 //! - `conformance` (feature `conformance`): the one test suite every
@@ -16,6 +17,7 @@
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod fabric;
+#[cfg(feature = "testing")]
 pub mod fault;
 pub mod mem;
 pub mod registry;
