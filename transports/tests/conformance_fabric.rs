@@ -1,6 +1,7 @@
 //! The shared endpoint conformance suite over the fabric endpoints, on this
 //! machine's loopback-capable libfabric providers: RDM over `tcp;ofi_rxm`,
-//! `udp;ofi_rxd` and `sockets`, DGRAM over `udp`.
+//! `udp;ofi_rxd` and `sockets`, DGRAM over `udp`. What only the fabric
+//! endpoints do is tested in `fabric_behaviour.rs`.
 //!
 //! Fabric endpoints are connectionless ([`LinkStyle::InsertPeer`]): the
 //! connect/accept cases (accept, failed connect, orderly close heard by the

@@ -1,6 +1,13 @@
-//! Conformance of the fabric endpoints over libfabric's loopback-capable
-//! providers: `tcp;ofi_rxm`, `udp;ofi_rxd` and `sockets` as RDM, `udp` as
-//! DGRAM. Each suite opens two endpoints on 127.0.0.1 and exchanges frames.
+//! Behaviour of the fabric endpoints themselves, beyond the generic
+//! endpoint conformance suite (which `conformance_fabric.rs` runs over
+//! them): exchange between inserted peers, senders announced before they
+//! are inserted, wait sets, the forced prefix and memory registration
+//! paths, packing of bursts and its per-peer limit, bounded unknown
+//! senders, dropped oversized messages, lent receive buffers and uncopied
+//! sends, backpressure through `tx_depth`. Over libfabric's
+//! loopback-capable providers: `tcp;ofi_rxm`, `udp;ofi_rxd` and `sockets`
+//! as RDM, `udp` as DGRAM. Each suite opens two endpoints on 127.0.0.1 and
+//! exchanges frames.
 //!
 //! A provider that is not available skips its tests with a message, unless
 //! `EFABUS_REQUIRE_FABRIC=1` (set in CI), which turns the skip into a
