@@ -21,7 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use efabus_core::transport::{Endpoint, EndpointConfig, Event, OutFrame, PeerId, Transport};
+use efabus_core::transport::{
+    Endpoint, EndpointConfig, Event, FabricOptions, OutFrame, PeerId, Transport,
+};
 use efabus_transports::fabric::FabricTransport;
 
 /// Buffers each endpoint posts for receives, and sends it may have in
@@ -49,16 +51,17 @@ impl From<String> for Failure {
 
 fn open(provider: &str, size: usize) -> Result<Box<dyn Endpoint>, Failure> {
     FabricTransport::rdm()
-        .with_option("provider", provider)
         .open(&EndpointConfig {
             bind: Some("127.0.0.1".into()),
             // Room for the frame and the endpoint's own header; a few
             // buffers each way are all a ping-pong needs.
-            options: vec![
-                ("msg_size".into(), (size + 4096).to_string()),
-                ("rx_depth".into(), DEPTH.to_string()),
-                ("tx_depth".into(), DEPTH.to_string()),
-            ],
+            fabric: Some(FabricOptions {
+                provider: provider.into(),
+                msg_size: Some(size + 4096),
+                rx_depth: DEPTH,
+                tx_depth: DEPTH,
+                ..FabricOptions::default()
+            }),
             ..EndpointConfig::default()
         })
         .map_err(|err| {

@@ -80,7 +80,8 @@ fn open_data_endpoint(
         max_frame: options.max_frame,
         queue_frames: 65_536,
         queue_bytes: options.max_pending_bytes.min(4 << 20),
-        options: crate::endpoints::endpoint_options(&options.fabric, spec.scheme()),
+        fabric: crate::endpoints::endpoint_options(&options.fabric, spec.scheme()),
+        options: Vec::new(),
     };
     transport.open(&config).map_err(|err| err.to_string())
 }
@@ -577,6 +578,7 @@ impl Client {
             max_frame: options.max_frame,
             queue_frames: 65_536,
             queue_bytes: options.max_pending_bytes.min(4 << 20),
+            fabric: None,
             options: Vec::new(),
         };
         // The endpoint only connects out: open it without the spec's address,

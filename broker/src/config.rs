@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use efabus_core::codec::MAX_CONTROL_BODY;
+use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME};
+use efabus_transports::tcp;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -229,9 +231,9 @@ impl Default for Negotiation {
     fn default() -> Self {
         Negotiation {
             preference: vec![
-                "efa-rdm".to_string(),
-                "efa-dgram".to_string(),
-                "tcp".to_string(),
+                RDM_SCHEME.to_string(),
+                DGRAM_SCHEME.to_string(),
+                tcp::SCHEME.to_string(),
             ],
         }
     }
@@ -342,13 +344,43 @@ pub struct Testing {
     /// a client's endpoints, through `ClientOptions::from_config`) is
     /// wrapped in a fault injector with these seed and rates (see
     /// `efabus_transports::fault`); the `n`-th endpoint uses seed `seed + n`.
+    /// Only a build with the `testing` feature injects faults; any other
+    /// refuses a config that sets it ([`NO_FAULT_INJECTION`]).
     pub faults: Option<Faults>,
 }
 
 /// Fault injection settings (TESTING AID: never use in production): the
 /// injector's own configuration, read from `[testing.faults]`. Rates are per
 /// frame, from 0.0 to 1.0.
+#[cfg(feature = "testing")]
 pub type Faults = efabus_transports::fault::FaultConfig;
+
+/// `[testing.faults]` in a build without the `testing` feature: the table
+/// is read as it is (so the config parses) and then refused with
+/// [`NO_FAULT_INJECTION`]; nothing else makes one.
+#[cfg(not(feature = "testing"))]
+pub type Faults = NoFaults;
+
+/// What `[testing.faults]` reads into without the `testing` feature: the
+/// table, untouched, for [`Config::validate`] to refuse.
+#[cfg(any(test, not(feature = "testing")))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct NoFaults(toml::Table);
+
+/// Why a build without the `testing` feature refuses `[testing.faults]`.
+pub const NO_FAULT_INJECTION: &str =
+    "this build has no fault injection: built without the `testing` feature";
+
+/// The `[testing.faults]` check of a build without the `testing` feature:
+/// any table is refused.
+#[cfg(any(test, not(feature = "testing")))]
+fn refuse_faults(faults: Option<&NoFaults>) -> Result<(), String> {
+    match faults {
+        Some(_) => Err(NO_FAULT_INJECTION.to_string()),
+        None => Ok(()),
+    }
+}
 
 impl Config {
     /// The built-in default (`config/default.toml`).
@@ -563,6 +595,7 @@ impl Config {
                 ),
             ));
         }
+        #[cfg(feature = "testing")]
         if let Some(faults) = &self.testing.faults {
             faults.validate().map_err(|err| {
                 invalid(
@@ -571,6 +604,9 @@ impl Config {
                 )
             })?;
         }
+        #[cfg(not(feature = "testing"))]
+        refuse_faults(self.testing.faults.as_ref())
+            .map_err(|message| invalid("testing.faults", message))?;
         if self.fabric.test_force_prefix % 8 != 0 || self.fabric.test_force_prefix > 4096 {
             return Err(invalid(
                 "fabric.test_force_prefix",
@@ -678,7 +714,7 @@ pub fn locate(text: &str, key: &str) -> Option<usize> {
 /// broker's listening address.
 pub(crate) fn check_peer(peer: &str) -> Result<(), String> {
     let spec = efabus_transports::registry::EndpointSpec::parse(peer).map_err(|e| e.to_string())?;
-    if spec.scheme() != "tcp" {
+    if spec.scheme() != tcp::SCHEME {
         return Err(format!(
             "routes to other brokers run over tcp (`tcp/HOST:PORT`), not {}",
             spec.scheme()
@@ -854,6 +890,7 @@ mod tests {
         assert_eq!(locate("not toml [", "name"), None);
     }
 
+    #[cfg(feature = "testing")]
     #[test]
     fn testing_faults_are_off_unless_configured_and_checked() {
         assert_eq!(Config::default().testing.faults, None);
@@ -881,6 +918,25 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("sed"), "{err}");
+    }
+
+    /// What a build without the `testing` feature does with
+    /// `[testing.faults]` (this suite is built with the feature, so the
+    /// pieces are checked here rather than through `Config`).
+    #[test]
+    fn testing_faults_without_the_feature_are_read_then_refused() {
+        #[derive(Deserialize)]
+        struct Testing {
+            faults: Option<NoFaults>,
+        }
+        let read: Testing = toml::from_str("[faults]\nseed = 3\ndrop = 0.25\n").unwrap();
+        let err = refuse_faults(read.faults.as_ref()).unwrap_err();
+        assert_eq!(
+            err,
+            "this build has no fault injection: built without the `testing` feature"
+        );
+        let unset: Testing = toml::from_str("").unwrap();
+        assert_eq!(refuse_faults(unset.faults.as_ref()), Ok(()));
     }
 
     #[test]

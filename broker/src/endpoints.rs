@@ -1,18 +1,21 @@
 //! How the broker and the client open their endpoints from the
-//! configuration, and what they offer for negotiation: the options of each
-//! endpoint, the test-only fault wrapper, the offer an endpoint makes, and
-//! a negotiated choice as the data link drives it. `efabus caps` uses the
-//! same functions, so what it shows is what a live broker does.
+//! configuration, and what they offer for negotiation: which schemes carry
+//! data, the config of each endpoint with its typed fabric options (built
+//! from the `[fabric]` table), the test-only fault wrapper
+//! (`[testing.faults]`, only with the `testing` feature), the offer an
+//! endpoint makes, and a negotiated choice as the data link drives it.
+//! `efabus caps` uses the same functions, so what it shows is what a live
+//! broker does.
 
 use efabus_core::caps::{Choice, Offer};
-use efabus_core::transport::{Endpoint, EndpointConfig};
-use tracing::warn;
+use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions};
+use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME};
 
 use crate::config::Config;
 
 /// Schemes whose endpoints carry data for peers negotiated onto them.
 pub fn is_data_scheme(scheme: &str) -> bool {
-    matches!(scheme, "efa-rdm" | "efa-dgram")
+    scheme == RDM_SCHEME || scheme == DGRAM_SCHEME
 }
 
 /// The offer an endpoint makes: its fi_info, its address, and a message
@@ -50,46 +53,56 @@ pub fn listener_config(config: &Config, scheme: &str, bind: Option<String>) -> E
         max_frame: config.max_frame(),
         queue_frames: 65_536,
         queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
-        options: endpoint_options(&config.fabric, scheme),
+        fabric: endpoint_options(&config.fabric, scheme),
+        options: Vec::new(),
     }
 }
 
-/// Transport options from the config for an endpoint of `scheme`: the
-/// `[fabric]` table for the libfabric endpoints, nothing for the others.
-pub fn endpoint_options(fabric: &crate::config::Fabric, scheme: &str) -> Vec<(String, String)> {
-    let mut options = Vec::new();
-    match scheme {
-        "efa-rdm" => {
-            options.push(("provider".to_string(), fabric.provider.clone()));
-            options.push(("msg_size".to_string(), fabric.max_frame.to_string()));
-            if !fabric.domain.is_empty() {
-                options.push(("domain".to_string(), fabric.domain.clone()));
-            }
-        }
-        "efa-dgram" => options.push(("provider".to_string(), fabric.dgram_provider.clone())),
-        _ => return options,
-    }
-    if !fabric.node.is_empty() {
-        options.push(("node".to_string(), fabric.node.clone()));
-    }
-    if fabric.rx_depth > 0 {
-        options.push(("rx_depth".to_string(), fabric.rx_depth.to_string()));
-    }
-    if fabric.test_force_prefix > 0 {
-        let prefix = fabric.test_force_prefix.to_string();
-        options.push(("force_prefix".to_string(), prefix));
-    }
-    if fabric.test_force_mr_local {
-        options.push(("force_mr_local".to_string(), "true".to_string()));
-    }
-    if !fabric.polling.wait_fd {
-        options.push(("wait_fd".to_string(), "false".to_string()));
-    }
-    options
+/// The fabric options from the config for an endpoint of `scheme`: the
+/// `[fabric]` table for the libfabric endpoints (`efa-rdm` takes
+/// `provider`, `max_frame` as its buffer size and `domain`; `efa-dgram`
+/// takes `dgram_provider`; both take `node`, `rx_depth`, the polling
+/// `wait_fd` and the testing aids), `None` for the others. `efabus caps`
+/// lists fabric infos with the same options (print them with
+/// [`FabricOptions::describe`] or `Display`).
+pub fn endpoint_options(fabric: &crate::config::Fabric, scheme: &str) -> Option<FabricOptions> {
+    let defaults = FabricOptions::default();
+    let options = match scheme {
+        RDM_SCHEME => FabricOptions {
+            provider: fabric.provider.trim().to_string(),
+            msg_size: Some(fabric.max_frame),
+            domain: non_empty(&fabric.domain),
+            ..defaults
+        },
+        DGRAM_SCHEME => FabricOptions {
+            provider: fabric.dgram_provider.trim().to_string(),
+            ..defaults
+        },
+        _ => return None,
+    };
+    Some(FabricOptions {
+        node: non_empty(&fabric.node),
+        // 0 keeps the transport's default.
+        rx_depth: match fabric.rx_depth {
+            0 => options.rx_depth,
+            depth => depth,
+        },
+        force_prefix: fabric.test_force_prefix,
+        force_mr_local: fabric.test_force_mr_local,
+        wait_fd: fabric.polling.wait_fd,
+        ..options
+    })
+}
+
+fn non_empty(text: &str) -> Option<String> {
+    let text = text.trim();
+    (!text.is_empty()).then(|| text.to_string())
 }
 
 /// Testing aid: wrap endpoint number `index` in the fault injector when
-/// `[testing.faults]` is configured (never in production).
+/// `[testing.faults]` is configured (never in production; only a build
+/// with the `testing` feature has the injector).
+#[cfg(feature = "testing")]
 pub fn with_faults(
     endpoint: Box<dyn Endpoint>,
     faults: Option<&crate::config::Faults>,
@@ -99,7 +112,7 @@ pub fn with_faults(
         return endpoint;
     };
     let config = faults.for_stream(index as u64);
-    warn!(
+    tracing::warn!(
         scheme = endpoint.scheme(),
         ?config,
         "testing.faults is set: injecting faults"
@@ -107,4 +120,25 @@ pub fn with_faults(
     Box::new(efabus_transports::fault::FaultyEndpoint::new(
         endpoint, config,
     ))
+}
+
+/// Without the `testing` feature there is no fault injector: the endpoint
+/// is returned as it is. Validation refuses configs that set
+/// `[testing.faults]`, so `faults` is `None` unless a config skipped it,
+/// which is logged.
+#[cfg(not(feature = "testing"))]
+pub fn with_faults(
+    endpoint: Box<dyn Endpoint>,
+    faults: Option<&crate::config::Faults>,
+    index: usize,
+) -> Box<dyn Endpoint> {
+    if faults.is_some() {
+        tracing::error!(
+            scheme = endpoint.scheme(),
+            index,
+            "testing.faults is set but {}; no faults are injected",
+            crate::config::NO_FAULT_INJECTION
+        );
+    }
+    endpoint
 }

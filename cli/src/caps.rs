@@ -211,7 +211,7 @@ fn from_transports(args: &CapsArgs, config: &Config, output: &mut Output) -> Res
         let scheme = transport.kind().scheme();
         let configured = endpoints::endpoint_options(&config.fabric, scheme)
             .into_iter()
-            .fold(transport, |t, (key, value)| t.with_option(key, value));
+            .fold(transport, |t, options| t.with_options(options));
         registry.register(std::sync::Arc::new(configured));
     }
     for scheme in registry.schemes() {

@@ -1,4 +1,7 @@
-//! The traits every efabus transport implements.
+//! The traits every efabus transport implements, and what they share:
+//! [`EndpointConfig`] (with the libfabric endpoints' typed
+//! [`FabricOptions`]), [`OutFrame`] and [`split_run`] for the runs of frames
+//! [`Endpoint::send_run`] takes, the events and the errors.
 //!
 //! A [`Transport`] is a factory: it names its scheme, describes what it can do
 //! as [`FabricInfo`]s, and opens [`Endpoint`]s. An endpoint is
@@ -35,6 +38,14 @@ use bytes::Bytes;
 use thiserror::Error;
 
 use crate::caps::FabricInfo;
+use crate::codec::PREFIX_LEN;
+
+mod fabric;
+
+pub use fabric::{
+    FabricOptionError, FabricOptions, OrderWanted, DEFAULT_RDM_MSG_SIZE, FABRIC_OPTION_KEYS,
+    MAX_MSG_SIZE,
+};
 
 /// A peer of one endpoint. Ids are never reused by an endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -88,6 +99,67 @@ impl OutFrame {
         all.into()
     }
 }
+
+/// The frames of a run, in order, as [`OutFrame::whole`] slices of it (no
+/// copy): `split_run(&run)` for the `run` given to [`Endpoint::send_run`]
+/// or [`DirectSend::send_run`].
+///
+/// A run holds whole encoded frames back to back, each starting with its
+/// 4-byte little-endian length prefix ([`PREFIX_LEN`]). Anything after the
+/// last whole frame (a cut prefix or a frame that declares more bytes
+/// than follow) is ignored; [`RunFrames::offset`] tells where the frames
+/// ended, so a caller that must refuse such a run can. Frame lengths are
+/// not checked against any limit.
+///
+/// ```
+/// use bytes::Bytes;
+/// use efabus_core::transport::split_run;
+///
+/// // Two frames ("ab" and "c"), then three bytes of a cut prefix.
+/// let run = Bytes::from_static(b"\x02\0\0\0ab\x01\0\0\0c\x09\0\0");
+/// let mut frames = split_run(&run);
+/// assert_eq!(frames.next().unwrap().to_bytes(), &b"\x02\0\0\0ab"[..]);
+/// assert_eq!(frames.next().unwrap().to_bytes(), &b"\x01\0\0\0c"[..]);
+/// assert!(frames.next().is_none());
+/// assert_eq!(frames.offset(), 11);
+/// ```
+pub fn split_run(run: &Bytes) -> RunFrames<'_> {
+    RunFrames { run, at: 0 }
+}
+
+/// The iterator [`split_run`] returns.
+#[derive(Debug, Clone)]
+pub struct RunFrames<'a> {
+    run: &'a Bytes,
+    at: usize,
+}
+
+impl RunFrames<'_> {
+    /// Bytes of the run covered by the frames returned so far; once the
+    /// iterator is exhausted, where the whole frames end (the run's length
+    /// when nothing trails them).
+    pub fn offset(&self) -> usize {
+        self.at
+    }
+}
+
+impl Iterator for RunFrames<'_> {
+    type Item = OutFrame;
+
+    fn next(&mut self) -> Option<OutFrame> {
+        let rest = self.run.get(self.at..)?;
+        let prefix = rest.first_chunk::<PREFIX_LEN>()?;
+        let total = (u32::from_le_bytes(*prefix) as usize).checked_add(PREFIX_LEN)?;
+        if total > rest.len() {
+            return None;
+        }
+        let frame = OutFrame::whole(self.run.slice(self.at..self.at + total));
+        self.at += total;
+        Some(frame)
+    }
+}
+
+impl std::iter::FusedIterator for RunFrames<'_> {}
 
 /// How the caller learns that an endpoint has work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,7 +255,15 @@ pub struct EndpointConfig {
     pub queue_frames: usize,
     /// Bytes queued per peer before `send` returns `WouldBlock`.
     pub queue_bytes: usize,
-    /// Transport-specific settings (e.g. the libfabric provider), by name.
+    /// Settings of the libfabric endpoints (`efa-rdm`, `efa-dgram`): the
+    /// provider, buffer sizes and so on. `None` keeps the fabric
+    /// transport's own (its defaults, or what it was built with); other
+    /// transports ignore it.
+    pub fabric: Option<FabricOptions>,
+    /// Other transport-specific settings as text, by name (e.g. the tcp
+    /// transport's `read_budget`, or the `fault_*` settings of a fault
+    /// injector); each transport reads its own and ignores the rest. The
+    /// fabric transport takes none: its settings are [`Self::fabric`].
     pub options: Vec<(String, String)>,
 }
 
@@ -194,6 +274,7 @@ impl Default for EndpointConfig {
             max_frame: 8 << 20,
             queue_frames: 4096,
             queue_bytes: 16 << 20,
+            fabric: None,
             options: Vec::new(),
         }
     }
@@ -353,24 +434,23 @@ pub trait Endpoint: Send {
     /// were queued. A run that ends inside a frame is refused from that
     /// frame on.
     fn send_run(&mut self, peer: PeerId, run: Bytes) -> Result<(), SendError> {
-        let mut at = 0;
-        while at < run.len() {
-            let declared = run
-                .get(at..at + 4)
-                .map(|raw| u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]) as usize + 4);
-            let Some(total) = declared.filter(|total| at + total <= run.len()) else {
-                return Err(SendError::Transport(TransportError::Other(format!(
-                    "a run of {} bytes ends inside the frame at byte {at}",
-                    run.len()
-                ))));
-            };
-            match self.send(peer, OutFrame::whole(run.slice(at..at + total))) {
-                Ok(()) => at += total,
+        let mut frames = split_run(&run);
+        while let Some(frame) = frames.next() {
+            let at = frames.offset() - frame.len();
+            match self.send(peer, frame) {
+                Ok(()) => {}
                 Err(SendError::WouldBlock(_)) => {
                     return Err(SendError::WouldBlock(OutFrame::whole(run.slice(at..))))
                 }
                 Err(err) => return Err(err),
             }
+        }
+        if frames.offset() < run.len() {
+            return Err(SendError::Transport(TransportError::Other(format!(
+                "a run of {} bytes ends inside the frame at byte {}",
+                run.len(),
+                frames.offset()
+            ))));
         }
         Ok(())
     }
@@ -475,6 +555,38 @@ mod tests {
         let mut frame = (body.len() as u32).to_le_bytes().to_vec();
         frame.extend_from_slice(body);
         frame
+    }
+
+    #[test]
+    fn split_run_gives_whole_frames_and_ignores_a_cut_tail() {
+        let frames: Vec<Vec<u8>> = [&b"a"[..], b"", b"ccc", b"dddd"]
+            .iter()
+            .map(|b| framed(b))
+            .collect();
+        let run = Bytes::from(frames.concat());
+        let mut split = split_run(&run);
+        let got: Vec<Bytes> = split.by_ref().map(|f| f.to_bytes()).collect();
+        assert_eq!(got, frames);
+        assert_eq!(split.offset(), run.len());
+        assert_eq!(split.next(), None, "stays exhausted");
+
+        // Slices of the run, not copies.
+        let first = split_run(&run).next().unwrap();
+        assert!(first.body.is_empty());
+        assert_eq!(first.head.as_ptr(), run.as_ptr());
+
+        // A frame cut short, and a prefix cut short, end the frames.
+        for cut in [run.len() - 1, frames[..3].concat().len() + 2] {
+            let short = run.slice(..cut);
+            let mut split = split_run(&short);
+            assert_eq!(split.by_ref().count(), 3, "cut at {cut}");
+            assert_eq!(split.offset(), frames[..3].concat().len());
+        }
+
+        assert_eq!(split_run(&Bytes::new()).count(), 0);
+        let huge = Bytes::from_static(&[0xff, 0xff, 0xff, 0xff, 1, 2]);
+        assert_eq!(split_run(&huge).offset(), 0);
+        assert_eq!(split_run(&huge).count(), 0);
     }
 
     #[test]

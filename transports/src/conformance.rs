@@ -899,7 +899,7 @@ impl MemFactory {
 
 impl EndpointFactory for MemFactory {
     fn name(&self) -> String {
-        "mem".into()
+        crate::mem::SCHEME.into()
     }
     fn style(&self) -> LinkStyle {
         LinkStyle::ConnectAccept
@@ -927,7 +927,7 @@ pub struct TcpFactory;
 
 impl EndpointFactory for TcpFactory {
     fn name(&self) -> String {
-        "tcp".into()
+        crate::tcp::SCHEME.into()
     }
     fn style(&self) -> LinkStyle {
         LinkStyle::ConnectAccept

@@ -8,7 +8,10 @@
 //! [`EndpointConfig::options`] (see [`FaultConfig::from_options`]).
 //!
 //! It exists to prove what efabus promises under faults, in tests and in
-//! chaos runs of a deployment. It must never run in production.
+//! chaos runs of a deployment. It must never run in production, and is
+//! compiled only with this crate's `testing` feature (the broker's
+//! `testing` feature turns it on): a production build has no
+//! `FaultTransport` to register, so no `faulty+` scheme to open.
 //!
 //! # Where faults apply
 //!
@@ -65,6 +68,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use efabus_core::caps::FabricInfo;
+use efabus_core::codec::PREFIX_LEN;
 use efabus_core::transport::{
     CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
     Transport, TransportError,
@@ -77,9 +81,6 @@ pub const SCHEME_PREFIX: &str = "faulty+";
 
 /// The reason text of a `Closed` event caused by an injected disconnect.
 pub const INJECTED_DISCONNECT: &str = "injected fault: disconnect";
-
-/// Length of the frame length prefix the send path keeps intact.
-const PREFIX_LEN: usize = 4;
 
 /// Which frames a [`FaultyEndpoint`] touches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

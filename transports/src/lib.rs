@@ -6,8 +6,9 @@
 //! - [`tcp`]: non-blocking TCP over mio, framed by the 4-byte length prefix.
 //! - [`fabric`]: libfabric endpoints (EFA RDM and DGRAM, and libfabric's
 //!   socket providers for development), through a thin C shim.
-//! - [`fault`]: a seeded fault-injecting endpoint wrapper (`faulty+mem`,
-//!   `faulty+tcp`, ...), a testing aid for tests and chaos runs.
+//! - `fault` (feature `testing`): a seeded fault-injecting endpoint wrapper
+//!   (`faulty+mem`, `faulty+tcp`, ... once registered), a testing aid for
+//!   tests and chaos runs, absent from production builds.
 //! - [`registry`]: endpoint strings (`tcp/127.0.0.1:7420`) and the map from
 //!   scheme to transport.
 //! - `conformance` (feature `conformance`): the one test suite every
@@ -16,6 +17,7 @@
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod fabric;
+#[cfg(feature = "testing")]
 pub mod fault;
 pub mod mem;
 pub mod registry;
@@ -23,13 +25,12 @@ pub mod tcp;
 
 pub use registry::{EndpointSpec, Registry, RegistryError, SpecError};
 
-/// The 4-byte little-endian length prefix every frame starts with, as the
-/// stream and in-process transports check it.
+/// The 4-byte little-endian length prefix every frame starts with
+/// ([`PREFIX_LEN`](efabus_core::codec::PREFIX_LEN), defined by the codec),
+/// as the stream and in-process transports check it.
 pub(crate) mod prefix {
+    use efabus_core::codec::PREFIX_LEN as LEN;
     use efabus_core::transport::{OutFrame, SendError, TransportError};
-
-    /// Size of the length prefix.
-    pub const LEN: usize = 4;
 
     /// Check an outgoing frame before it is queued: within `max` bytes and
     /// carrying a prefix that matches its length. A frame whose prefix lies

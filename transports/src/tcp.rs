@@ -66,8 +66,9 @@ use parking_lot::Mutex;
 
 use crate::prefix;
 
-/// The scheme naming this transport in endpoint strings.
-pub const SCHEME: &str = "tcp";
+/// The scheme naming this transport in endpoint strings: the one
+/// negotiation always falls back to ([`TCP_SCHEME`](efabus_core::caps::TCP_SCHEME)).
+pub const SCHEME: &str = efabus_core::caps::TCP_SCHEME;
 
 /// Most bytes read from one connection in one `poll`, unless the option
 /// `read_budget` says otherwise.

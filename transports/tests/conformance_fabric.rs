@@ -1,6 +1,7 @@
 //! The shared endpoint conformance suite over the fabric endpoints, on this
 //! machine's loopback-capable libfabric providers: RDM over `tcp;ofi_rxm`,
-//! `udp;ofi_rxd` and `sockets`, DGRAM over `udp`.
+//! `udp;ofi_rxd` and `sockets`, DGRAM over `udp`. What only the fabric
+//! endpoints do is tested in `fabric_behaviour.rs`.
 //!
 //! Fabric endpoints are connectionless ([`LinkStyle::InsertPeer`]): the
 //! connect/accept cases (accept, failed connect, orderly close heard by the
@@ -37,17 +38,17 @@
 //! [`EndpointFactory::reliable`]: efabus_transports::conformance::EndpointFactory::reliable
 //! [`EndpointFactory::sized_for`]: efabus_transports::conformance::EndpointFactory::sized_for
 
-use efabus_core::transport::{Endpoint, EndpointConfig, Transport, TransportError};
+use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions, Transport, TransportError};
 use efabus_transports::conformance::{EndpointFactory, LinkStyle};
 use efabus_transports::fabric::{EpKind, FabricTransport};
 
 /// Receives kept posted and sends in flight for most cases: 16 sends of
 /// [`backpressure`](efabus_transports::conformance::backpressure)'s 8 KiB
 /// frames stay within its 128 KiB bound.
-const RX_DEPTH: &str = "64";
-const TX_DEPTH: &str = "16";
+const RX_DEPTH: usize = 64;
+const TX_DEPTH: usize = 16;
 /// RDM buffer size for most cases.
-const MSG_SIZE: &str = "16384";
+const MSG_SIZE: usize = 16384;
 
 /// Room for what a fabric endpoint puts in a message besides the frame
 /// (the sender's address, at most 255 bytes, and its length).
@@ -92,12 +93,7 @@ impl FabricFactory {
             EpKind::Rdm => FabricTransport::rdm(),
             EpKind::Dgram => FabricTransport::dgram(),
         }
-        .with_option("provider", self.provider)
     }
-}
-
-fn option(key: &str, value: impl ToString) -> (String, String) {
-    (key.to_string(), value.to_string())
 }
 
 impl EndpointFactory for FabricFactory {
@@ -114,12 +110,14 @@ impl EndpointFactory for FabricFactory {
     }
 
     fn config(&self) -> EndpointConfig {
-        let mut options = vec![option("rx_depth", RX_DEPTH), option("tx_depth", TX_DEPTH)];
-        if self.kind == EpKind::Rdm {
-            options.push(option("msg_size", MSG_SIZE));
-        }
         EndpointConfig {
-            options,
+            fabric: Some(FabricOptions {
+                provider: self.provider.into(),
+                rx_depth: RX_DEPTH,
+                tx_depth: TX_DEPTH,
+                msg_size: (self.kind == EpKind::Rdm).then_some(MSG_SIZE),
+                ..FabricOptions::default()
+            }),
             ..EndpointConfig::default()
         }
     }
@@ -132,13 +130,12 @@ impl EndpointFactory for FabricFactory {
     }
 
     /// Buffers for frames of `frame` bytes plus the endpoint's own header
-    /// (at most [`FRAME_HEADER_ROOM`]), four each way (later options win).
+    /// (at most [`FRAME_HEADER_ROOM`]), four each way.
     fn sized_for(&self, mut config: EndpointConfig, frame: usize) -> EndpointConfig {
-        config.options.extend([
-            option("msg_size", frame + FRAME_HEADER_ROOM),
-            option("rx_depth", 4),
-            option("tx_depth", 4),
-        ]);
+        let options = config.fabric.get_or_insert_with(FabricOptions::default);
+        options.msg_size = Some(frame + FRAME_HEADER_ROOM);
+        options.rx_depth = 4;
+        options.tx_depth = 4;
         config
     }
 }

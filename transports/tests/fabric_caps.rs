@@ -104,7 +104,7 @@ fn conversion_matches_fi_info_on_loopback() {
 #[test]
 fn transport_infos_match_their_fi_tostr_text() {
     use efabus_core::caps::MsgOrder;
-    use efabus_core::transport::{Transport, TransportError};
+    use efabus_core::transport::{FabricOptions, Transport, TransportError};
     use efabus_transports::fabric::FabricTransport;
 
     for &(provider, kind) in PROVIDERS {
@@ -112,8 +112,11 @@ fn transport_infos_match_their_fi_tostr_text() {
             EpKind::Rdm => FabricTransport::rdm(),
             EpKind::Dgram => FabricTransport::dgram(),
         }
-        .with_option("provider", provider)
-        .with_option("node", "127.0.0.1");
+        .with_options(FabricOptions {
+            provider: provider.into(),
+            node: Some("127.0.0.1".into()),
+            ..FabricOptions::default()
+        });
         let infos = match transport.infos() {
             Ok(infos) => infos,
             Err(TransportError::Unavailable { reason, .. }) => {

@@ -153,6 +153,16 @@ pub enum FabricError {
     Alloc { bytes: usize },
 }
 
+impl From<efabus_core::transport::FabricOptionError> for FabricError {
+    fn from(err: efabus_core::transport::FabricOptionError) -> Self {
+        FabricError::Option {
+            key: err.key,
+            value: err.value,
+            reason: err.reason,
+        }
+    }
+}
+
 impl FabricError {
     /// The libfabric code, for variants that carry one.
     pub fn code(&self) -> Option<&FiCode> {

@@ -25,14 +25,13 @@
 //! that costs at most one prefix of each limit and is right whichever way a
 //! provider reads the rule.
 
+use efabus_core::codec::PREFIX_LEN;
 use efabus_core::transport::OutFrame;
 
 /// Version of the endpoint header.
 pub const HEADER_VERSION: u8 = 1;
 /// Bytes of the endpoint header before the sender address.
 pub const HEADER_FIXED: usize = 2;
-/// Bytes of the frame's own length prefix.
-pub const FRAME_LEN_PREFIX: usize = 4;
 /// Slots start on this boundary (a cache line), so prefixes and payloads
 /// never share lines between slots.
 pub const SLOT_ALIGN: usize = 64;
@@ -205,15 +204,15 @@ impl BufferLayout {
         let mut at = 0;
         while at < frames.len() {
             let frame = &frames[at..];
-            if frame.len() < FRAME_LEN_PREFIX {
+            if frame.len() < PREFIX_LEN {
                 return Err(LayoutError::Short { len: message.len() });
             }
             let declared = frame_declared_len(frame).unwrap_or(usize::MAX);
-            let actual = frame.len() - FRAME_LEN_PREFIX;
+            let actual = frame.len() - PREFIX_LEN;
             if declared > actual {
                 return Err(LayoutError::FrameLength { declared, actual });
             }
-            at += FRAME_LEN_PREFIX + declared;
+            at += PREFIX_LEN + declared;
         }
         Ok(Received::Frames { sender, frames })
     }
@@ -225,7 +224,7 @@ pub fn frames(run: &[u8]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
     let mut at = 0;
     std::iter::from_fn(move || {
         let declared = frame_declared_len(run.get(at..)?)?;
-        let end = at.checked_add(FRAME_LEN_PREFIX)?.checked_add(declared)?;
+        let end = at.checked_add(PREFIX_LEN)?.checked_add(declared)?;
         if end > run.len() {
             return None;
         }
@@ -237,7 +236,7 @@ pub fn frames(run: &[u8]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
 
 /// The length a frame's 4-byte little-endian prefix declares.
 pub fn frame_declared_len(frame: &[u8]) -> Option<usize> {
-    let bytes: [u8; 4] = frame.get(..FRAME_LEN_PREFIX)?.try_into().ok()?;
+    let bytes: [u8; PREFIX_LEN] = frame.get(..PREFIX_LEN)?.try_into().ok()?;
     usize::try_from(u32::from_le_bytes(bytes)).ok()
 }
 
@@ -245,18 +244,18 @@ pub fn frame_declared_len(frame: &[u8]) -> Option<usize> {
 /// malformed frame fails at the sender instead of being dropped remotely.
 pub fn check_frame(frame: &OutFrame) -> Result<(), LayoutError> {
     let len = frame.len();
-    if len < FRAME_LEN_PREFIX {
+    if len < PREFIX_LEN {
         return Err(LayoutError::Short { len });
     }
-    let mut prefix = [0u8; FRAME_LEN_PREFIX];
-    let head = frame.head.len().min(FRAME_LEN_PREFIX);
+    let mut prefix = [0u8; PREFIX_LEN];
+    let head = frame.head.len().min(PREFIX_LEN);
     prefix[..head].copy_from_slice(&frame.head[..head]);
-    prefix[head..].copy_from_slice(&frame.body[..FRAME_LEN_PREFIX - head]);
+    prefix[head..].copy_from_slice(&frame.body[..PREFIX_LEN - head]);
     let declared = u32::from_le_bytes(prefix) as usize;
-    if declared != len - FRAME_LEN_PREFIX {
+    if declared != len - PREFIX_LEN {
         return Err(LayoutError::FrameLength {
             declared,
-            actual: len - FRAME_LEN_PREFIX,
+            actual: len - PREFIX_LEN,
         });
     }
     Ok(())

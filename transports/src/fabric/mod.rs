@@ -12,7 +12,9 @@
 //!   code of the crate lives in these modules and [`endpoint`].
 //! - [`endpoint`] is the [`Endpoint`](efabus_core::transport::Endpoint)
 //!   implementation; [`layout`] its buffer layout, testable without
-//!   libfabric; [`config`] its options.
+//!   libfabric; [`config`] its kinds, schemes and address text. Its
+//!   options are the typed [`FabricOptions`] an
+//!   [`EndpointConfig`](efabus_core::transport::EndpointConfig) carries.
 //!
 //! Built without libfabric (none found by `build.rs`), the transport still
 //! exists and reports at run time why it is unavailable.
@@ -62,7 +64,10 @@ pub mod pool;
 mod sys;
 
 pub use attrs::InfoAttrs;
-pub use config::{addr_from_hex, addr_to_hex, EpKind, FabricOptions, OrderWanted};
+pub use config::{
+    addr_from_hex, addr_to_hex, EpKind, FabricOptionError, FabricOptions, OrderWanted,
+    DGRAM_SCHEME, RDM_SCHEME,
+};
 #[cfg(efabus_libfabric)]
 pub use endpoint::{FabricEndpoint, FabricStats, LinkInfo};
 pub use error::{FabricError, FiCode};
@@ -134,12 +139,14 @@ pub fn probe_like_fi_info(
 
 /// The factory for `efa-rdm` and `efa-dgram` endpoints.
 ///
-/// Options set here (see [`config`]) apply to every endpoint it opens and
-/// to [`Transport::infos`]; an `EndpointConfig`'s options override them.
+/// The options set here ([`FabricTransport::with_options`]) apply to
+/// [`Transport::infos`] and to every endpoint it opens whose
+/// `EndpointConfig` has no [`fabric`](EndpointConfig::fabric) options of
+/// its own; a config's options replace them whole.
 #[derive(Debug, Clone)]
 pub struct FabricTransport {
     kind: EpKind,
-    options: Vec<(String, String)>,
+    options: FabricOptions,
 }
 
 impl FabricTransport {
@@ -147,7 +154,7 @@ impl FabricTransport {
     pub fn rdm() -> Self {
         FabricTransport {
             kind: EpKind::Rdm,
-            options: Vec::new(),
+            options: FabricOptions::default(),
         }
     }
 
@@ -155,33 +162,53 @@ impl FabricTransport {
     pub fn dgram() -> Self {
         FabricTransport {
             kind: EpKind::Dgram,
-            options: Vec::new(),
+            options: FabricOptions::default(),
         }
     }
 
-    /// Adds an option (e.g. `("provider", "tcp;ofi_rxm")`).
-    pub fn with_option(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.options.push((key.into(), value.into()));
+    /// Sets the options (e.g. the provider) this transport lists infos
+    /// and opens endpoints with.
+    pub fn with_options(mut self, options: FabricOptions) -> Self {
+        self.options = options;
         self
+    }
+
+    /// The options set with [`FabricTransport::with_options`].
+    pub fn options(&self) -> &FabricOptions {
+        &self.options
     }
 
     pub fn kind(&self) -> EpKind {
         self.kind
     }
 
-    /// This transport's options merged with a config's (config wins).
+    /// The options an endpoint opens with: the config's, else this
+    /// transport's, bound at the config's bind address and checked. The
+    /// config's textual options are refused: the fabric takes typed ones.
     pub fn options_for(
         &self,
         config: Option<&EndpointConfig>,
     ) -> Result<FabricOptions, FabricError> {
-        let own = self.options.iter().map(|(k, v)| (k.as_str(), v.as_str()));
-        match config {
-            Some(config) => FabricOptions::parse(
-                own.chain(config.options.iter().map(|(k, v)| (k.as_str(), v.as_str()))),
-                config.bind.as_deref(),
-            ),
-            None => FabricOptions::parse(own, None),
+        let Some(config) = config else {
+            self.options.check()?;
+            return Ok(self.options.clone());
+        };
+        if let Some((key, value)) = config.options.first() {
+            return Err(FabricError::Option {
+                key: key.clone(),
+                value: value.clone(),
+                reason: "the fabric endpoints take no textual options; \
+                         set EndpointConfig::fabric"
+                    .into(),
+            });
         }
+        let options = config
+            .fabric
+            .clone()
+            .unwrap_or_else(|| self.options.clone())
+            .bound_at(config.bind.as_deref());
+        options.check()?;
+        Ok(options)
     }
 
     fn unavailable(&self, err: &FabricError) -> TransportError {

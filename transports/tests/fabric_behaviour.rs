@@ -1,6 +1,13 @@
-//! Conformance of the fabric endpoints over libfabric's loopback-capable
-//! providers: `tcp;ofi_rxm`, `udp;ofi_rxd` and `sockets` as RDM, `udp` as
-//! DGRAM. Each suite opens two endpoints on 127.0.0.1 and exchanges frames.
+//! Behaviour of the fabric endpoints themselves, beyond the generic
+//! endpoint conformance suite (which `conformance_fabric.rs` runs over
+//! them): exchange between inserted peers, senders announced before they
+//! are inserted, wait sets, the forced prefix and memory registration
+//! paths, packing of bursts and its per-peer limit, bounded unknown
+//! senders, dropped oversized messages, lent receive buffers and uncopied
+//! sends, backpressure through `tx_depth`. Over libfabric's
+//! loopback-capable providers: `tcp;ofi_rxm`, `udp;ofi_rxd` and `sockets`
+//! as RDM, `udp` as DGRAM. Each suite opens two endpoints on 127.0.0.1 and
+//! exchanges frames.
 //!
 //! A provider that is not available skips its tests with a message, unless
 //! `EFABUS_REQUIRE_FABRIC=1` (set in CI), which turns the skip into a
@@ -27,8 +34,8 @@ mod suite {
 
     use bytes::Bytes;
     use efabus_core::transport::{
-        CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError, Transport,
-        TransportError,
+        CloseReason, Endpoint, EndpointConfig, Event, FabricOptions, OutFrame, PeerId, SendError,
+        Transport, TransportError,
     };
     use efabus_transports::fabric::{addr_to_hex, EpKind, FabricEndpoint, FabricTransport};
 
@@ -53,24 +60,28 @@ mod suite {
         &frame[4..]
     }
 
-    pub fn transport(kind: EpKind, provider: &str) -> FabricTransport {
-        let t = match kind {
+    pub fn transport(kind: EpKind) -> FabricTransport {
+        match kind {
             EpKind::Rdm => FabricTransport::rdm(),
             EpKind::Dgram => FabricTransport::dgram(),
-        };
-        t.with_option("provider", provider)
+        }
     }
 
-    pub fn config(extra: &[(&str, &str)]) -> EndpointConfig {
-        let mut options = vec![
-            ("rx_depth".to_string(), RX_DEPTH.to_string()),
-            ("tx_depth".to_string(), "16".to_string()),
-            ("msg_size".to_string(), "16384".to_string()),
+    /// An endpoint on 127.0.0.1 with `provider`, small buffers, and the
+    /// `extra` options (as text, later ones winning) on top.
+    pub fn config(provider: &str, extra: &[(&str, &str)]) -> EndpointConfig {
+        let rx_depth = RX_DEPTH.to_string();
+        let base = [
+            ("provider", provider),
+            ("rx_depth", rx_depth.as_str()),
+            ("tx_depth", "16"),
+            ("msg_size", "16384"),
         ];
-        options.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        let options = FabricOptions::parse(base.iter().chain(extra).copied(), None)
+            .expect("valid test options");
         EndpointConfig {
             bind: Some("127.0.0.1".to_string()),
-            options,
+            fabric: Some(options),
             ..EndpointConfig::default()
         }
     }
@@ -81,8 +92,8 @@ mod suite {
         provider: &str,
         extra: &[(&str, &str)],
     ) -> Option<(FabricEndpoint, FabricEndpoint)> {
-        let t = transport(kind, provider);
-        let cfg = config(extra);
+        let t = transport(kind);
+        let cfg = config(provider, extra);
         let open = || t.open_fabric(&cfg);
         match (open(), open()) {
             (Ok(a), Ok(b)) => Some((a, b)),
@@ -588,9 +599,9 @@ mod suite {
     /// A sender with bigger buffers than its peer packs only up to the
     /// peer's limit, so every message fits the peer's receive buffers.
     pub fn packing_respects_a_smaller_peer(kind: EpKind, provider: &str) {
-        let t = transport(kind, provider);
-        let big = t.open_fabric(&config(&[("msg_size", "16384")]));
-        let small = t.open_fabric(&config(&[("msg_size", "4096")]));
+        let t = transport(kind);
+        let big = t.open_fabric(&config(provider, &[("msg_size", "16384")]));
+        let small = t.open_fabric(&config(provider, &[("msg_size", "4096")]));
         let (mut a, mut b) = match (big, small) {
             (Ok(a), Ok(b)) => (a, b),
             _ => {
@@ -629,9 +640,9 @@ mod suite {
         else {
             return;
         };
-        let t = transport(kind, provider);
-        let mut second = t.open_fabric(&config(&[])).expect("sender");
-        let mut third = t.open_fabric(&config(&[])).expect("sender");
+        let t = transport(kind);
+        let mut second = t.open_fabric(&config(provider, &[])).expect("sender");
+        let mut third = t.open_fabric(&config(provider, &[])).expect("sender");
         let receiver_addr = addr_to_hex(&receiver.local_addr());
         let mut events = Vec::new();
         let mut accepted = Vec::new();
@@ -697,9 +708,9 @@ mod suite {
     /// is reposted and later frames still arrive (checked where the provider
     /// delivers them promptly).
     pub fn oversized_message_is_dropped(kind: EpKind, provider: &str) {
-        let t = transport(kind, provider);
-        let big_cfg = config(&[]);
-        let small_cfg = config(&[("msg_size", "256")]);
+        let t = transport(kind);
+        let big_cfg = config(provider, &[]);
+        let small_cfg = config(provider, &[("msg_size", "256")]);
         let (mut a, mut b) = match (t.open_fabric(&big_cfg), t.open_fabric(&small_cfg)) {
             (Ok(a), Ok(b)) => (a, b),
             (Err(err), _) | (_, Err(err)) => {
@@ -937,8 +948,8 @@ mod suite {
 
     /// `Transport::open` gives the same endpoint behind the trait object.
     pub fn through_the_trait(kind: EpKind, provider: &str) {
-        let t = transport(kind, provider);
-        let cfg = config(&[]);
+        let t = transport(kind);
+        let cfg = config(provider, &[]);
         let (mut a, mut b) = match (t.open(&cfg), t.open(&cfg)) {
             (Ok(a), Ok(b)) => (a, b),
             (Err(err), _) | (_, Err(err)) => {
