@@ -19,6 +19,7 @@ use efabus_core::codec::CodecLimits;
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{Readiness, TransportError};
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
+use efabus_transports::tcp;
 use mio::unix::SourceFd;
 use mio::{Interest, Poll, Token, Waker};
 use parking_lot::{Mutex, RwLock};
@@ -250,10 +251,10 @@ impl Broker {
         }
         // Routes are dialed from a TCP listener, or from an endpoint that
         // only connects out when there is none.
-        let mut dialer = endpoints.iter().position(|e| e.scheme() == "tcp");
+        let mut dialer = endpoints.iter().position(|e| e.scheme() == tcp::SCHEME);
         if dialer.is_none() && !config.peers.is_empty() {
-            let spec = EndpointSpec::parse("tcp").map_err(|err| Error::Endpoint {
-                endpoint: "tcp".into(),
+            let spec = EndpointSpec::parse(tcp::SCHEME).map_err(|err| Error::Endpoint {
+                endpoint: tcp::SCHEME.into(),
                 source: err.into(),
             })?;
             let endpoint_config = listener_config(&config, spec.scheme(), None);

@@ -24,6 +24,16 @@
 //! [`Broker`] and [`Client`] are `Send + Sync`: publish and subscribe from
 //! any thread. Each runs one background thread for its endpoints. A
 //! [`Subscription`] is `Send` and is read by one thread at a time.
+//!
+//! # Layout
+//!
+//! The [`Broker`] handle (`broker.rs`) starts an event loop
+//! (`event_loop/`) that owns every endpoint and session. Every kind of
+//! session (the [`Client`]'s, the broker's view of a client, a route to
+//! another broker) is built on one session layer (`session/`): the data
+//! links negotiated beside the control link, the outbound queue with its
+//! slow-consumer policy, and heartbeats. `docs/ARCHITECTURE.md` draws the
+//! data flow.
 
 mod broker;
 pub mod client;

@@ -6,8 +6,8 @@
 use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
-use efabus_core::codec::{self, PREFIX_LEN};
-use efabus_core::transport::{Endpoint, OutFrame, PeerId, SendError};
+use efabus_core::codec;
+use efabus_core::transport::{split_run, Endpoint, OutFrame, PeerId, SendError};
 use tracing::{debug, warn};
 
 use super::data_link::{DataLink, DataLinks, Sent};
@@ -70,22 +70,6 @@ pub(crate) struct SendCounts {
     pub credit_waits: u64,
 }
 
-/// Where the frames of a run start: the run holds whole frames back to
-/// back; anything after the last whole frame is ignored.
-fn frame_starts(run: &[u8]) -> impl Iterator<Item = (usize, usize)> + '_ {
-    let mut at = 0;
-    std::iter::from_fn(move || {
-        let raw = run.get(at..at + PREFIX_LEN)?;
-        let total = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]) as usize + PREFIX_LEN;
-        if at + total > run.len() {
-            return None;
-        }
-        let start = at;
-        at += total;
-        Some((start, total))
-    })
-}
-
 /// Send one frame or run on the session's current path: the reliable data
 /// link once in use, else the control link. Gives back what the path could
 /// not take (a run's untaken frames, as a run); frames that fail for any
@@ -106,14 +90,17 @@ pub(crate) fn transmit(
         }
         // Data links carry one frame per message: a run is taken apart.
         let run = queued.frame.head;
-        for (sent, (at, len)) in frame_starts(&run).enumerate() {
-            let frame = OutFrame::whole(run.slice(at..at + len));
+        let mut frames = split_run(&run);
+        let mut sent = 0;
+        loop {
+            let at = frames.offset();
+            let frame = frames.next()?;
             if send_on(link, endpoint, counts, frame).is_some() {
                 let messages = queued.messages.saturating_sub(sent);
                 return Some(Queued::run(run.slice(at..), messages));
             }
+            sent += 1;
         }
-        return None;
     }
     let endpoint = endpoints[control.endpoint].as_mut();
     let result = if queued.run {
@@ -125,7 +112,7 @@ pub(crate) fn transmit(
         Ok(()) => None,
         Err(SendError::WouldBlock(frame)) => {
             let messages = if queued.run && queued.messages > 0 {
-                frame_starts(&frame.head).count()
+                split_run(&frame.head).count()
             } else {
                 queued.messages
             };
@@ -345,15 +332,6 @@ mod tests {
         let mut out = (body.len() as u32).to_le_bytes().to_vec();
         out.extend_from_slice(body);
         out
-    }
-
-    #[test]
-    fn frame_starts_lists_whole_frames_and_ignores_a_cut_tail() {
-        let mut run = frame(b"ab");
-        run.extend(frame(b"cde"));
-        run.extend_from_slice(&[9, 0, 0, 0, 1]);
-        let starts: Vec<_> = frame_starts(&run).collect();
-        assert_eq!(starts, vec![(0, 6), (6, 7)]);
     }
 
     #[test]
