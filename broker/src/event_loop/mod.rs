@@ -1017,6 +1017,19 @@ impl EventLoop {
         )
     }
 
+    /// A session finished its handshake: its timers change from the
+    /// handshake deadline to its heartbeats.
+    fn session_ready(&mut self, id: u64) {
+        let block_timeout = self.shared.config.block_timeout();
+        let deadline = self
+            .sessions
+            .get(&id)
+            .map(|session| session.poll_timeout(block_timeout));
+        if let Some(deadline) = deadline {
+            self.schedule(deadline);
+        }
+    }
+
     /// Wake up by `deadline` at the latest.
     #[inline]
     fn schedule(&mut self, deadline: Instant) {

@@ -268,6 +268,7 @@ impl EventLoop {
             max_payload: config.limits.max_payload,
         });
         self.send(id, codec::encode(&welcome), false);
+        self.session_ready(id);
     }
 
     pub(super) fn on_subscribe(&mut self, id: u64, subscribe: frame::Subscribe) {

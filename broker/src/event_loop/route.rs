@@ -308,6 +308,7 @@ impl EventLoop {
             session.name = welcome.name;
             session.state = SessionState::Ready;
         }
+        self.session_ready(id);
     }
 
     /// The peer's route hello: on a dialed route, the answer; on an
