@@ -532,7 +532,7 @@ impl Drop for Broker {
     }
 }
 
-/// Deliver a message published in-process along a route: to its local
+/// Deliver a message published in-process to its targets: to its local
 /// subscriptions (the payload moves to the last one) and, through the event
 /// loop, to remote peers. Returns how many subscriptions matched.
 #[inline(always)]
@@ -553,7 +553,7 @@ pub(crate) fn deliver_in_process(
         }
         return Ok(1);
     }
-    deliver_route_all(shared, subject, targets, reply, payload)
+    deliver_in_process_all(shared, subject, targets, reply, payload)
 }
 
 #[cold]
@@ -568,7 +568,7 @@ fn settle_one(shared: &Shared, sid: u64, sink: &LocalSink, outcome: Delivery) {
 
 /// [`deliver_in_process`] for any number of targets.
 #[inline(never)]
-fn deliver_route_all(
+fn deliver_in_process_all(
     shared: &Shared,
     subject: &Arc<str>,
     targets: &Targets,

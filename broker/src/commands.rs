@@ -71,14 +71,14 @@ pub(crate) struct CommandQueue<C> {
 }
 
 impl<C> CommandQueue<C> {
-    /// An inbox of `capacity` commands, and the receiver the loop drains.
+    /// A queue of `capacity` commands, and the receiver the loop drains.
     pub fn new(waker: Waker, capacity: usize) -> (CommandQueue<C>, Receiver<C>) {
         let (commands, receiver) = crossbeam_channel::bounded(capacity);
-        let inbox = CommandQueue {
+        let queue = CommandQueue {
             commands,
             parker: Parker::new(waker),
         };
-        (inbox, receiver)
+        (queue, receiver)
     }
 
     /// Queue a command; when the queue is full, wait up to `timeout`.

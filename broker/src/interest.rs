@@ -1,4 +1,4 @@
-//! Broker-to-broker routes: the interest tables the router keeps for them.
+//! Broker-to-broker routes: the interest tables the subscription table keeps for them.
 //!
 //! A cluster is a full mesh of brokers joined by routes (see `peers` in the
 //! configuration). Over each route a broker tells the other which patterns

@@ -78,7 +78,7 @@ impl PublishCache {
         }
     }
 
-    /// The index of a entry for `subject`, routing it afresh if no kept one
+    /// The index of an entry for `subject`, looking it up afresh if no kept one
     /// serves.
     #[cold]
     #[inline(never)]
@@ -105,9 +105,9 @@ impl PublishCache {
     }
 }
 
-/// A entry kept by a publishing thread.
+/// An entry kept by a publishing thread.
 struct CachedTargets {
-    /// The router generation `targets` was computed at; 0 when they may not
+    /// The subscription table generation `targets` was computed at; 0 when they may not
     /// be reused (generations start at 1).
     generation: u64,
     subject: Option<Arc<str>>,
@@ -127,7 +127,7 @@ impl CachedTargets {
         self.generation == generation && self.subject.as_deref().is_some_and(|kept| kept == subject)
     }
 
-    /// Route `subject` afresh under the read lock. A entry with a queue
+    /// Look `subject` up afresh under the read lock. An entry with a queue
     /// group is used for this message only (its member is picked per
     /// message), and so is not kept.
     fn refresh(&mut self, shared: &Shared, subject: &str) -> Result<(), Error> {

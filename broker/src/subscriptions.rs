@@ -228,7 +228,7 @@ impl SubscriptionTable {
         self.lookup_stable(subject, targets).map(|_| ())
     }
 
-    /// Like [`route`](Self::route), and tells whether the answer holds for
+    /// Like [`lookup`](Self::lookup), and tells whether the answer holds for
     /// every message on this subject until the generation changes: true
     /// unless a queue group took part (its member is picked per message).
     pub fn lookup_stable(
