@@ -18,6 +18,7 @@ use efabus_broker::{
     Broker, Client, ClientOptions, Config, Error, PubSub, RecvError, SlowConsumerPolicy,
     Subscription,
 };
+use efabus_transports::{mem, tcp};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -142,8 +143,8 @@ impl Target {
         }
         let listen = match args.via.as_str() {
             "embedded" => Vec::new(),
-            "mem" => vec![format!("mem/bench-{}", std::process::id())],
-            "tcp" => vec!["tcp/127.0.0.1:0".into()],
+            mem::SCHEME => vec![format!("{}/bench-{}", mem::SCHEME, std::process::id())],
+            tcp::SCHEME => vec![format!("{}/127.0.0.1:0", tcp::SCHEME)],
             other => {
                 return Err(Failure::usage(format!(
                     "unknown --via {other:?}; use embedded, mem or tcp"

@@ -22,8 +22,11 @@ use efabus_core::caps::{
     check, negotiate, parse_fi_info_dump, to_fi_info_text, EpType, FabricInfo, Hints, Negotiated,
     Offer,
 };
-use efabus_transports::fabric::{probe_like_fi_info, EpKind, FabricTransport};
+use efabus_transports::fabric::{
+    probe_like_fi_info, EpKind, FabricTransport, DGRAM_SCHEME, RDM_SCHEME,
+};
 use efabus_transports::registry::{EndpointSpec, Registry};
+use efabus_transports::tcp;
 
 use crate::cli::{out, Failure, Output};
 
@@ -88,8 +91,8 @@ pub fn run(args: CapsArgs) -> Result<(), Failure> {
 /// The scheme under which efabus would use an fi_info entry, if any.
 fn scheme_for(info: &FabricInfo) -> Option<&'static str> {
     match info.ep_attr.ep_type {
-        EpType::Rdm => Some("efa-rdm"),
-        EpType::Dgram => Some("efa-dgram"),
+        EpType::Rdm => Some(RDM_SCHEME),
+        EpType::Dgram => Some(DGRAM_SCHEME),
         _ => None,
     }
 }
@@ -145,7 +148,11 @@ fn offers(infos: &[FabricInfo], provider: Option<&str>) -> (Vec<Offer>, Vec<Stri
             Err(rejection) => lines.push(format!("  rejected {name}: {rejection}")),
         }
     }
-    offers.push(Offer::from_info("tcp", &FabricInfo::tcp(None), Vec::new()));
+    offers.push(Offer::from_info(
+        tcp::SCHEME,
+        &FabricInfo::tcp(None),
+        Vec::new(),
+    ));
     (offers, lines)
 }
 
@@ -266,9 +273,9 @@ fn listened_schemes(config: &Config) -> Vec<String> {
         .filter(|spec| endpoints::is_data_scheme(spec.split('/').next().unwrap_or_default()))
         .cloned()
         .collect();
-    let mut listen = vec!["tcp".to_string()];
+    let mut listen = vec![tcp::SCHEME.to_string()];
     if data.is_empty() {
-        listen.extend(["efa-rdm".to_string(), "efa-dgram".to_string()]);
+        listen.extend([RDM_SCHEME.to_string(), DGRAM_SCHEME.to_string()]);
     } else {
         listen.extend(data);
     }

@@ -21,6 +21,7 @@ use clap::{Args, Parser, Subcommand};
 use efabus_core::frame::ErrorCode;
 use efabus_core::transport::TransportError;
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
+use efabus_transports::tcp;
 
 use efabus_broker::{Broker, Client, ClientOptions, Config, ConfigError, Error, RecvError};
 
@@ -422,7 +423,7 @@ fn check_server(server: &str) -> Result<(), Failure> {
         // The client reports a malformed endpoint itself.
         return Ok(());
     };
-    if spec.scheme() != "tcp" {
+    if spec.scheme() != tcp::SCHEME {
         return Ok(());
     }
     let address = spec.address().unwrap_or_default();
