@@ -11,6 +11,10 @@
 //! flushes queue between the frames in order. The thread takes what
 //! accumulated and hands it to the endpoint as runs of frames, one system
 //! call per run; a publisher wakes it only when it sleeps.
+//!
+//! The connection itself (control link, negotiated data links, frames the
+//! path has not taken yet, heartbeats) is the shared session layer's
+//! `Connection` (`session/`); this module adds what only a client has.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,6 +26,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use crossbeam_channel::Sender;
 use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
+use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, PROTOCOL_VERSION};
 use efabus_core::link::LinkTuning;
 use efabus_core::subject::{self, SubjectLimits};
@@ -1043,7 +1048,7 @@ impl ClientLoop {
             // outbox non-empty, which `park` checks), so the wait returns at
             // once, and a quiet link saves a round of polling.
             let drained = self.drain_outbox();
-            self.grant_credits(now);
+            let credit_waiting = self.grant_credits(now);
             if busy | drained {
                 idle = 0;
             } else {
@@ -1055,6 +1060,9 @@ impl ClientLoop {
                 .poll_timeout()
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(1));
+            if credit_waiting {
+                timeout = timeout.min(CREDIT_DELAY);
+            }
             if polled.must_poll {
                 let polling = &self.shared.options.fabric.polling;
                 timeout = timeout.min(polled.backoff(idle, polling));
@@ -1633,6 +1641,12 @@ impl ClientLoop {
                 let now = Instant::now();
                 let mut released = std::mem::take(&mut self.released);
                 let result = self.conn.links.receive(kind, now, frame, &mut released);
+                if let (LinkKind::BestEffort, Some(link)) = (kind, &self.conn.links.best_effort) {
+                    self.shared
+                        .counters
+                        .best_effort_lost
+                        .store(link.lost(), Ordering::Relaxed);
+                }
                 if !released.is_empty() {
                     self.conn.liveness.heard(now);
                     let received = released.len() as u64;
@@ -1675,9 +1689,10 @@ impl ClientLoop {
         }
     }
 
-    /// Tell the broker how far this side has taken its data links.
-    fn grant_credits(&mut self, now: Instant) {
-        self.conn.links.grant_credits(&mut self.endpoints, now);
+    /// Tell the broker how far this side has taken its data links; true
+    /// while a credit is still owed (it waits for `CREDIT_DELAY`).
+    fn grant_credits(&mut self, now: Instant) -> bool {
+        self.conn.links.grant_credits(&mut self.endpoints, now)
     }
 
     /// Release what the best-effort link's timeouts allow.

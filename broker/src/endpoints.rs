@@ -29,7 +29,7 @@ pub fn offer_for(endpoint: &dyn Endpoint) -> Option<Offer> {
     Some(offer)
 }
 
-/// A negotiated choice of a data scheme as [`DataLink`] drives it.
+/// A negotiated choice of a data scheme as the session layer's data link drives it.
 ///
 /// FI_ORDER_SAS orders how messages are matched to receives, not the order
 /// their completions are reported (receive comp_order is FI_ORDER_NONE for

@@ -27,6 +27,7 @@ use bytes::{Bytes, BytesMut};
 use crossbeam_channel::{Receiver, Sender};
 use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
+use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye};
 use efabus_core::link::LinkTuning;
 use efabus_core::subject;
@@ -54,6 +55,10 @@ const COPY_MAX: usize = 1 << 10;
 const GAUGE_REFRESH: Duration = Duration::from_millis(100);
 /// Longest sleep when no session has a deadline (a broker with no peers).
 const IDLE_WAKE: Duration = Duration::from_secs(60);
+/// Shortest time between two visits of the timers: deadlines may be met
+/// this late (heartbeats, handshakes, gap timeouts, block limits), and a
+/// broker with many sessions visits them at most 20 times a second.
+const TIMER_SPACING: Duration = Duration::from_millis(50);
 
 pub(crate) struct EventLoop {
     shared: Arc<Shared>,
@@ -96,9 +101,11 @@ pub(crate) struct EventLoop {
     cluster: Cluster,
     /// When a session or the cluster next has something to do by time.
     next_timer: Instant,
+    /// When the timers were last served.
+    timers_ran: Instant,
 }
 
-/// A payload being routed: its bytes, and the buffer they lie in, so a
+/// A payload being delivered: its bytes, and the buffer they lie in, so a
 /// shared slice is made only where one is needed (large payloads,
 /// in-process subscribers) and small ones are copied without touching the
 /// buffer's reference count.
@@ -172,6 +179,7 @@ impl EventLoop {
             encoded_valid: false,
             cluster,
             next_timer: Instant::now(),
+            timers_ran: Instant::now(),
         }
     }
 
@@ -181,16 +189,18 @@ impl EventLoop {
         let mut idle_spins = 0u32;
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
-            if !self.credit_owed.is_empty() {
-                self.grant_credits(Instant::now());
-            }
+            let credit_waiting = !self.credit_owed.is_empty() && self.grant_credits(Instant::now());
             if busy {
                 idle_spins = 0;
             } else {
                 idle_spins = idle_spins.saturating_add(1);
             }
             let now = Instant::now();
-            if now >= self.next_timer {
+            // Timers of many sessions are served together, at most once
+            // per `TIMER_SPACING`: the visit is over every session.
+            let timers_at = self.next_timer.max(self.timers_ran + TIMER_SPACING);
+            if now >= timers_at {
+                self.timers_ran = now;
                 self.on_timers(now);
             }
             if busy {
@@ -201,10 +211,12 @@ impl EventLoop {
             // sleep. A deadline may be met up to a millisecond late: a
             // shorter wait for it would be a blind sleep (see `wait`), deaf
             // to the descriptors.
-            let mut timeout = self
-                .next_timer
+            let mut timeout = timers_at
                 .saturating_duration_since(now)
                 .max(Duration::from_millis(1));
+            if credit_waiting {
+                timeout = timeout.min(CREDIT_DELAY);
+            }
             if self.polling.must_poll {
                 let config = &self.shared.config.fabric.polling;
                 timeout = timeout.min(self.polling.backoff(idle_spins, config));
@@ -348,6 +360,8 @@ impl EventLoop {
         if self.flushes.is_empty() {
             return;
         }
+        // A flush answered sees the statistics of what it waited for.
+        self.flush_tally();
         if self.sessions.values().all(|s| s.conn.out.is_empty()) {
             for done in self.flushes.drain(..) {
                 let _ = done.send(());
@@ -639,27 +653,27 @@ impl EventLoop {
         if !self.payload_allowed(id, payload.bytes.len()) {
             return;
         }
-        // Routing validates the subject (the index caches valid ones).
-        let routed = self
+        // The lookup validates the subject (the index caches valid ones).
+        let matched = self
             .shared
             .subscriptions
             .read()
             .lookup(subject, &mut self.targets);
-        self.deliver_routed(id, subject, reply, payload, routed);
+        self.deliver_matched(id, subject, reply, payload, matched);
     }
 
-    /// Deliver a message whose subscriptions `routed` into `self.targets`,
+    /// Deliver a message whose subscriptions were looked up into `self.targets`,
     /// or tell the peer why its subject or reply subject is invalid.
-    fn deliver_routed(
+    fn deliver_matched(
         &mut self,
         id: u64,
         subject: &str,
         reply: Option<&str>,
         payload: Payload<'_>,
-        routed: Result<(), subject::SubjectError>,
+        matched: Result<(), subject::SubjectError>,
     ) {
         let shared = &self.shared;
-        let valid = routed.and_then(|()| match reply {
+        let valid = matched.and_then(|()| match reply {
             Some(reply) => subject::validate_subject(reply, &shared.subject_limits),
             None => Ok(()),
         });
@@ -831,14 +845,11 @@ impl EventLoop {
         let left_queued = session
             .conn
             .send(&mut self.endpoints, &mut self.tally.sent, queued);
-        if !left_queued {
-            return;
+        if left_queued || session.conn.links.has_backlog() {
+            // The queued-bytes gauge is kept current while anything waits.
+            self.next_timer = self.next_timer.min(self.now + GAUGE_REFRESH);
         }
-        let refresh = self.now + GAUGE_REFRESH;
-        if refresh < self.next_timer {
-            self.next_timer = refresh;
-        }
-        if !is_message {
+        if !left_queued || !is_message {
             return;
         }
         let config = &self.shared.config;
@@ -861,10 +872,7 @@ impl EventLoop {
                 if session.over_since.is_none() {
                     let now = Instant::now();
                     session.over_since = Some(now);
-                    let limit = now + config.block_timeout();
-                    if limit < self.next_timer {
-                        self.next_timer = limit;
-                    }
+                    self.next_timer = self.next_timer.min(now + config.block_timeout());
                 }
                 self.blocking.insert(id);
                 self.set_reads_paused(true);
@@ -875,8 +883,11 @@ impl EventLoop {
     /// Send the credits that are due. While publishers are held back under
     /// the block policy, their data links get none: the credit window then
     /// stops them as a paused socket stops TCP publishers.
-    fn grant_credits(&mut self, now: Instant) {
+    /// True when a credit that is not held back is still owed (it waits
+    /// for [`CREDIT_DELAY`] to pass).
+    fn grant_credits(&mut self, now: Instant) -> bool {
         let mut owed = std::mem::take(&mut self.credit_owed);
+        let mut waiting = false;
         owed.retain(|id| {
             let Some(session) = self.sessions.get_mut(id) else {
                 return false;
@@ -885,9 +896,12 @@ impl EventLoop {
             if held {
                 return session.conn.links.owe_credit();
             }
-            session.conn.links.grant_credits(&mut self.endpoints, now)
+            let still_owed = session.conn.links.grant_credits(&mut self.endpoints, now);
+            waiting |= still_owed;
+            still_owed
         });
         self.credit_owed = owed;
+        waiting
     }
 
     fn set_reads_paused(&mut self, paused: bool) {
@@ -947,6 +961,7 @@ impl EventLoop {
             // credit, then close at once.
             if let Some(session) = self.sessions.get_mut(&id) {
                 session.cut_off = true;
+                session.over_since = None;
                 session.conn.out.clear();
                 session.batch.clear();
                 let control = session.conn.control;
@@ -1024,7 +1039,7 @@ impl EventLoop {
         let deadline = self
             .sessions
             .get(&id)
-            .map(|session| session.poll_timeout(block_timeout));
+            .and_then(|session| session.poll_timeout(block_timeout));
         if let Some(deadline) = deadline {
             self.schedule(deadline);
         }
@@ -1042,6 +1057,8 @@ impl EventLoop {
     /// slow consumers blocking too long, gaps on lossy links, routes to
     /// dial; then find the next deadline.
     fn on_timers(&mut self, now: Instant) {
+        // What was due is served now; what is left is scheduled anew below.
+        self.next_timer = now + IDLE_WAKE;
         let timeout = self.shared.config.heartbeat_timeout();
         let block_timeout = self.shared.config.block_timeout();
         let mut expired = Vec::new();
@@ -1109,12 +1126,13 @@ impl EventLoop {
         for id in pings {
             self.send(id, codec::encode(&Frame::Ping { nonce: 0 }), false);
         }
-        // The next deadline; while anything is queued, the queued-bytes
-        // gauge is refreshed at least every `GAUGE_REFRESH`.
+        // The next deadline (sends above may have scheduled one already);
+        // while anything is queued, the queued-bytes gauge is refreshed at
+        // least every `GAUGE_REFRESH`.
         let mut next = self
             .sessions
             .values()
-            .map(|session| session.poll_timeout(block_timeout))
+            .filter_map(|session| session.poll_timeout(block_timeout))
             .min()
             .unwrap_or(now + IDLE_WAKE);
         if let Some(dial) = self.cluster.next_dial() {
@@ -1123,7 +1141,8 @@ impl EventLoop {
         if queued > 0 {
             next = next.min(now + GAUGE_REFRESH);
         }
-        self.next_timer = next.min(now + IDLE_WAKE);
+        self.schedule(next);
+        self.flush_tally();
     }
 
     /// Let datagram links give up on gaps whose time has passed, and hand

@@ -94,16 +94,17 @@ impl Session {
 
     /// The earliest time the session has something to do by time alone:
     /// its handshake deadline, heartbeats, lossy links, or the block
-    /// policy's limit (`block_timeout`).
-    pub fn poll_timeout(&self, block_timeout: std::time::Duration) -> Instant {
+    /// policy's limit (`block_timeout`). A closing session has none.
+    pub fn poll_timeout(&self, block_timeout: std::time::Duration) -> Option<Instant> {
         let own = match self.state {
             SessionState::AwaitHello { deadline } => deadline,
-            _ => self.conn.poll_timeout(),
+            SessionState::Ready => self.conn.poll_timeout(),
+            SessionState::Closing => return None,
         };
-        match self.over_since {
+        Some(match self.over_since {
             Some(since) => own.min(since + block_timeout),
             None => own,
-        }
+        })
     }
 
     /// Check a client's hello: its protocol version and credentials.

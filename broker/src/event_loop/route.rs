@@ -125,7 +125,7 @@ pub(crate) struct Cluster {
     slots: Vec<DialSlot>,
     /// The route session in use per peer broker id.
     by_broker: HashMap<u64, u64>,
-    /// Set when interest announcements wait (the router's flag).
+    /// Set when interest announcements wait (the subscription table's flag).
     announcements: Arc<AtomicBool>,
 }
 
@@ -438,9 +438,9 @@ impl EventLoop {
         };
         role.announced.clear();
         {
-            let mut router = self.shared.subscriptions.write();
-            router.remove_route_owner(id);
-            router.route_down();
+            let mut table = self.shared.subscriptions.write();
+            table.remove_route_owner(id);
+            table.route_down();
         }
         if self.cluster.by_broker.get(&broker) == Some(&id) {
             self.cluster.by_broker.remove(&broker);
@@ -568,11 +568,11 @@ impl EventLoop {
         if !self.payload_allowed(id, payload.bytes.len()) {
             return;
         }
-        let routed =
+        let matched =
             self.shared
                 .subscriptions
                 .read()
                 .lookup_from_route(subject, sid, &mut self.targets);
-        self.deliver_routed(id, subject, reply, payload, routed);
+        self.deliver_matched(id, subject, reply, payload, matched);
     }
 }

@@ -20,6 +20,7 @@ use efabus_core::frame::Frame;
 use efabus_core::link::{LinkConfig, LinkError, LinkReceiver, LinkSender, LinkTuning};
 use efabus_core::transport::{Endpoint, OutFrame, PeerId, SendError, TransportError};
 use thiserror::Error;
+use tracing::warn;
 
 use crate::endpoints;
 
@@ -450,7 +451,10 @@ impl DataLinks {
                         LinkKind::BestEffort => self.best_effort = Some(link),
                     }
                 }
-                Err(reason) => negotiation.reasons.push(reason.to_string()),
+                Err(reason) => {
+                    warn!(%reason, "data path unusable; staying on the control link");
+                    negotiation.reasons.push(reason.to_string());
+                }
             }
         }
         negotiation
@@ -542,6 +546,13 @@ impl DataLinks {
     /// When a link next has something to do by time alone.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.links().filter_map(DataLink::next_deadline).min()
+    }
+
+    /// Whether frames numbered for the peer wait for the endpoint.
+    pub fn has_backlog(&self) -> bool {
+        self.reliable
+            .as_ref()
+            .is_some_and(|link| !link.backlog.is_empty())
     }
 
     /// Bytes numbered for the peer but not yet taken by the endpoint.
