@@ -44,7 +44,7 @@ use crate::session::{error_frame, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
 use crate::wait::{prepare_wait, wait, Polled};
 
-use peer::{Session, SessionState};
+use peer::{Role, Session, SessionState};
 pub(crate) use route::Cluster;
 
 pub(crate) const WAKER: Token = Token(0);
@@ -505,7 +505,7 @@ impl EventLoop {
         if session.state == SessionState::Closing {
             return;
         }
-        let route = session.route.is_some();
+        let route = session.route().is_some();
         // Publishes, the bulk of the traffic, are read in place: nothing
         // is allocated for them, and a subject like the last one is not
         // checked again. Everything else is decoded into a value. (Routes
@@ -562,41 +562,20 @@ impl EventLoop {
                 return;
             }
         };
-        let route_up = session.is_route();
-        match (session.state, frame) {
-            (SessionState::AwaitHello { .. }, Frame::Hello(hello)) if !route => {
-                self.on_hello(id, hello)
+        // The session's kind handles its own frames first; what is left
+        // is handled alike for every session.
+        let state = session.state;
+        let rest = match session.route() {
+            Some(route) => {
+                let up = route.is_up();
+                self.on_route_frame(id, state, up, frame)
             }
-            (SessionState::AwaitHello { .. }, Frame::Welcome(welcome)) if route => {
-                self.on_route_welcome(id, welcome)
-            }
-            (SessionState::AwaitHello { .. }, Frame::Error(error)) if route => {
-                warn!(session = id, code = ?error.code, text = %error.text, "peer broker refused the route");
-                self.close_session(id);
-            }
-            (SessionState::Ready, Frame::Route(hello)) => self.on_route_hello(id, hello),
-            (SessionState::Ready, Frame::Message(message)) if route_up => {
-                let payload = Payload {
-                    bytes: &message.payload,
-                    frame: &message.payload,
-                    at: 0,
-                };
-                let reply = message.reply.as_deref();
-                self.on_route_message(id, message.sid, &message.subject, reply, payload);
-            }
-            (SessionState::Ready, Frame::Subscribe(subscribe)) if route_up => {
-                self.on_route_subscribe(id, subscribe)
-            }
-            (SessionState::Ready, Frame::Unsubscribe { sid }) if route_up => {
-                self.on_route_unsubscribe(id, sid)
-            }
-            (SessionState::Ready, Frame::Publish(_)) if route => {
-                self.fail(
-                    id,
-                    ErrorCode::Protocol,
-                    "a route carries messages, not publishes".to_string(),
-                );
-            }
+            None => self.on_client_frame(id, state, frame),
+        };
+        let Some(frame) = rest else {
+            return;
+        };
+        match (state, frame) {
             (SessionState::AwaitHello { .. }, other) => {
                 self.fail(
                     id,
@@ -604,18 +583,6 @@ impl EventLoop {
                     format!("expected hello, got {}", FrameKind::of(&other)),
                 );
             }
-            (SessionState::Ready, Frame::Publish(publish)) => self.on_publish(
-                id,
-                &publish.subject,
-                publish.reply.as_deref(),
-                Payload {
-                    bytes: &publish.payload,
-                    frame: &publish.payload,
-                    at: 0,
-                },
-            ),
-            (SessionState::Ready, Frame::Subscribe(subscribe)) => self.on_subscribe(id, subscribe),
-            (SessionState::Ready, Frame::Unsubscribe { sid }) => self.on_unsubscribe(id, sid),
             (SessionState::Ready, Frame::Ping { nonce }) => {
                 self.send(id, codec::encode(&Frame::Pong { nonce }), false);
             }
@@ -718,14 +685,14 @@ impl EventLoop {
             return;
         };
         self.tally.messages_out += 1;
-        if session.route.is_some() {
+        if session.route().is_some() {
             self.tally.route_messages_out += 1;
         }
         let links = &session.conn.links;
         let on_data_link = links.reliable.is_some() && links.in_use;
         // The class matters only where a datagram link exists.
         let best_effort = links.best_effort.is_some()
-            && session.subscriptions.get(&target.sid) == Some(&DeliveryClass::BestEffort);
+            && session.class_of(target.sid) == Some(DeliveryClass::BestEffort);
         if !on_data_link && !best_effort && payload.bytes.len() <= COPY_MAX {
             // The message is encoded once per publish and copied into each
             // peer's batch with that peer's subscription id.
@@ -993,9 +960,11 @@ impl EventLoop {
     fn remove_interest(&mut self, id: u64) {
         self.route_gone(id);
         if let Some(session) = self.sessions.get_mut(&id) {
-            if !session.subscriptions.is_empty() {
-                session.subscriptions.clear();
-                self.shared.subscriptions.write().remove_owner(id);
+            if let Role::Client(subscriptions) = &mut session.role {
+                if !subscriptions.is_empty() {
+                    subscriptions.clear();
+                    self.shared.subscriptions.write().remove_owner(id);
+                }
             }
         }
         if self.blocking.remove(&id) && self.blocking.is_empty() {

@@ -16,7 +16,7 @@ use rustc_hash::FxHashMap as HashMap;
 use tracing::{debug, info};
 
 use super::route::RouteRole;
-use super::EventLoop;
+use super::{EventLoop, Payload};
 use crate::broker::{constant_time_eq, BrokerStats, Shared};
 use crate::config::Config;
 use crate::endpoints;
@@ -51,6 +51,16 @@ impl Refusal {
     }
 }
 
+/// What kind of peer a session serves, and what only that kind holds.
+pub(super) enum Role {
+    /// A client: its subscription ids and how each wants its messages
+    /// carried. An accepted session is a client until the peer says it is
+    /// a broker (see [`super::route`]).
+    Client(HashMap<u64, DeliveryClass>),
+    /// A route to another broker.
+    Route(Box<RouteRole>),
+}
+
 /// One peer of the broker: a client, or a route to another broker.
 pub(super) struct Session {
     /// Control link, data links, outbound queue, heartbeats.
@@ -58,8 +68,7 @@ pub(super) struct Session {
     pub remote: String,
     pub name: String,
     pub state: SessionState,
-    /// A client's subscription ids and how each wants its messages carried.
-    pub subscriptions: HashMap<u64, DeliveryClass>,
+    pub role: Role,
     /// Deliveries encoded since the last hand-off, newer than everything
     /// in the outbound queue; handed on at the end of the loop round.
     pub batch: Batch,
@@ -68,8 +77,6 @@ pub(super) struct Session {
     /// Disconnected as a slow consumer: its queue was dropped, and what is
     /// still routed to it before it is gone is dropped too.
     pub cut_off: bool,
-    /// Set when the session is a route to another broker.
-    pub route: Option<Box<RouteRole>>,
 }
 
 impl Session {
@@ -79,17 +86,39 @@ impl Session {
             remote,
             name: String::new(),
             state: SessionState::AwaitHello { deadline },
-            subscriptions: HashMap::default(),
+            role: Role::Client(HashMap::default()),
             batch: Batch::default(),
             over_since: None,
             cut_off: false,
-            route: None,
+        }
+    }
+
+    /// The route this session is, if it is one.
+    pub fn route(&self) -> Option<&RouteRole> {
+        match &self.role {
+            Role::Route(route) => Some(route),
+            Role::Client(_) => None,
+        }
+    }
+
+    pub fn route_mut(&mut self) -> Option<&mut RouteRole> {
+        match &mut self.role {
+            Role::Route(route) => Some(route),
+            Role::Client(_) => None,
         }
     }
 
     /// Whether the session is a route that completed its handshake.
     pub fn is_route(&self) -> bool {
-        self.route.as_ref().is_some_and(|route| route.is_up())
+        self.route().is_some_and(RouteRole::is_up)
+    }
+
+    /// How a client's subscription wants its messages carried.
+    pub fn class_of(&self, sid: u64) -> Option<DeliveryClass> {
+        match &self.role {
+            Role::Client(subscriptions) => subscriptions.get(&sid).copied(),
+            Role::Route(_) => None,
+        }
     }
 
     /// The earliest time the session has something to do by time alone:
@@ -178,8 +207,14 @@ impl Session {
         subscribe: frame::Subscribe,
         shared: &Shared,
     ) -> Result<(), Refusal> {
+        let Role::Client(subscriptions) = &mut self.role else {
+            return Err(Refusal::new(
+                ErrorCode::Protocol,
+                "a route announces interest, not subscriptions",
+            ));
+        };
         let limit = shared.config.limits.max_subscriptions_per_peer;
-        if self.subscriptions.len() >= limit {
+        if subscriptions.len() >= limit {
             return Err(Refusal::new(
                 ErrorCode::TooManySubscriptions,
                 format!(
@@ -194,8 +229,7 @@ impl Session {
                 format!("invalid pattern {:?}: {err}", subscribe.pattern),
             ));
         }
-        if self
-            .subscriptions
+        if subscriptions
             .insert(subscribe.sid, subscribe.class)
             .is_some()
         {
@@ -215,7 +249,7 @@ impl Session {
             None,
         );
         inserted.map_err(|err| {
-            self.subscriptions.remove(&subscribe.sid);
+            subscriptions.remove(&subscribe.sid);
             Refusal::new(
                 ErrorCode::InvalidSubject,
                 format!("cannot subscribe to {:?}: {err}", subscribe.pattern),
@@ -225,7 +259,9 @@ impl Session {
 
     /// A client no longer wants subscription `sid`.
     pub fn unsubscribe(&mut self, id: u64, sid: u64, shared: &Shared) {
-        self.subscriptions.remove(&sid);
+        if let Role::Client(subscriptions) = &mut self.role {
+            subscriptions.remove(&sid);
+        }
         shared
             .subscriptions
             .write()
@@ -234,6 +270,36 @@ impl Session {
 }
 
 impl EventLoop {
+    /// A decoded frame on a client session's control link; what a client
+    /// session does not handle comes back for the handling every session
+    /// shares.
+    pub(super) fn on_client_frame(
+        &mut self,
+        id: u64,
+        state: SessionState,
+        frame: Frame,
+    ) -> Option<Frame> {
+        match (state, frame) {
+            (SessionState::AwaitHello { .. }, Frame::Hello(hello)) => self.on_hello(id, hello),
+            // A broker dialing in says it is one (see `route.rs`).
+            (SessionState::Ready, Frame::Route(hello)) => self.on_route_hello(id, hello),
+            (SessionState::Ready, Frame::Publish(publish)) => self.on_publish(
+                id,
+                &publish.subject,
+                publish.reply.as_deref(),
+                Payload {
+                    bytes: &publish.payload,
+                    frame: &publish.payload,
+                    at: 0,
+                },
+            ),
+            (SessionState::Ready, Frame::Subscribe(subscribe)) => self.on_subscribe(id, subscribe),
+            (SessionState::Ready, Frame::Unsubscribe { sid }) => self.on_unsubscribe(id, sid),
+            (_, other) => return Some(other),
+        }
+        None
+    }
+
     /// A client's hello: checked, answered with a welcome naming the data
     /// paths chosen, or refused.
     pub(super) fn on_hello(&mut self, id: u64, hello: frame::Hello) {

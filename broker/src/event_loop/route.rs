@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tracing::{debug, info, warn};
 
-use super::peer::{Session, SessionState};
+use super::peer::{Role, Session, SessionState};
 use super::{EventLoop, Payload};
 use crate::broker::{BrokerStats, Shared};
 use crate::interest::InterestChange;
@@ -226,7 +226,7 @@ impl EventLoop {
         let control = Control { endpoint, peer };
         let mut session =
             Session::new(control, slot.endpoint.clone(), self.liveness(now), deadline);
-        session.route = Some(Box::new(RouteRole::new(Some(index))));
+        session.role = Role::Route(Box::new(RouteRole::new(Some(index))));
         debug!(session = id, peer = %slot.endpoint, "dialing peer broker");
         self.by_peer.insert((endpoint, peer), id);
         self.sessions.insert(id, session);
@@ -291,6 +291,51 @@ impl EventLoop {
         self.schedule(next);
     }
 
+    /// A decoded frame on a route's control link; what a route does not
+    /// handle comes back for the handling every session shares.
+    pub(super) fn on_route_frame(
+        &mut self,
+        id: u64,
+        state: SessionState,
+        up: bool,
+        frame: Frame,
+    ) -> Option<Frame> {
+        match (state, frame) {
+            (SessionState::AwaitHello { .. }, Frame::Welcome(welcome)) => {
+                self.on_route_welcome(id, welcome)
+            }
+            (SessionState::AwaitHello { .. }, Frame::Error(error)) => {
+                warn!(session = id, code = ?error.code, text = %error.text, "peer broker refused the route");
+                self.close_session(id);
+            }
+            (SessionState::Ready, Frame::Route(hello)) => self.on_route_hello(id, hello),
+            (SessionState::Ready, Frame::Message(message)) if up => {
+                let payload = Payload {
+                    bytes: &message.payload,
+                    frame: &message.payload,
+                    at: 0,
+                };
+                let reply = message.reply.as_deref();
+                self.on_route_message(id, message.sid, &message.subject, reply, payload);
+            }
+            (SessionState::Ready, Frame::Subscribe(subscribe)) if up => {
+                self.on_route_subscribe(id, subscribe)
+            }
+            (SessionState::Ready, Frame::Unsubscribe { sid }) if up => {
+                self.on_route_unsubscribe(id, sid)
+            }
+            (SessionState::Ready, Frame::Publish(_)) => {
+                self.fail(
+                    id,
+                    ErrorCode::Protocol,
+                    "a route carries messages, not publishes".to_string(),
+                );
+            }
+            (_, other) => return Some(other),
+        }
+        None
+    }
+
     /// The welcome to a hello this broker sent as a dialing route.
     pub(super) fn on_route_welcome(&mut self, id: u64, welcome: Welcome) {
         if welcome.version != PROTOCOL_VERSION {
@@ -317,13 +362,13 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        match &session.route {
-            Some(role) if role.is_up() => {
+        match &session.role {
+            Role::Route(role) if role.is_up() => {
                 self.fail(id, ErrorCode::Protocol, "route hello repeated".into());
                 return;
             }
-            Some(_) => {}
-            None if !session.subscriptions.is_empty() => {
+            Role::Route(_) => {}
+            Role::Client(subscriptions) if !subscriptions.is_empty() => {
                 self.fail(
                     id,
                     ErrorCode::Protocol,
@@ -331,8 +376,8 @@ impl EventLoop {
                 );
                 return;
             }
-            None => {
-                session.route = Some(Box::new(RouteRole::new(None)));
+            Role::Client(_) => {
+                session.role = Role::Route(Box::new(RouteRole::new(None)));
                 let answer = Frame::Route(RouteHello {
                     broker_id: self.cluster.broker_id,
                 });
@@ -345,7 +390,7 @@ impl EventLoop {
     fn route_established(&mut self, id: u64, broker: u64) {
         let own = self.cluster.broker_id;
         let Some((slot, remote)) = self.sessions.get(&id).and_then(|session| {
-            let role = session.route.as_ref()?;
+            let role = session.route()?;
             Some((role.slot, session.remote.clone()))
         }) else {
             return;
@@ -368,11 +413,11 @@ impl EventLoop {
             let other_slot = self
                 .sessions
                 .get(&other)
-                .and_then(|session| session.route.as_ref())
+                .and_then(|session| session.route())
                 .and_then(|role| role.slot);
             if dialer(slot) < dialer(other_slot) {
                 info!(session = other, broker = %broker_hex(broker), "two routes to one broker: closing the one dialed by the higher id");
-                if let Some(role) = self.sessions.get_mut(&other).and_then(|s| s.route.as_mut()) {
+                if let Some(role) = self.sessions.get_mut(&other).and_then(|s| s.route_mut()) {
                     role.duplicate = true;
                 }
                 self.goodbye(other, "duplicate route");
@@ -388,7 +433,7 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        let Some(role) = session.route.as_mut() else {
+        let Some(role) = session.route_mut() else {
             return;
         };
         role.broker_id = Some(broker);
@@ -430,7 +475,7 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        let Some(role) = session.route.as_mut() else {
+        let Some(role) = session.route_mut() else {
             return;
         };
         let Some(broker) = role.broker_id.take() else {
@@ -502,7 +547,7 @@ impl EventLoop {
         let Some(role) = self
             .sessions
             .get_mut(&id)
-            .and_then(|session| session.route.as_mut())
+            .and_then(|session| session.route_mut())
         else {
             return;
         };
@@ -543,7 +588,7 @@ impl EventLoop {
         if let Some(role) = self
             .sessions
             .get_mut(&id)
-            .and_then(|session| session.route.as_mut())
+            .and_then(|session| session.route_mut())
         {
             if role.announced.remove(&sid) {
                 self.shared
