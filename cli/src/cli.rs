@@ -356,6 +356,15 @@ fn init_logging(level: &str) {
         .try_init();
 }
 
+/// SIGINT and SIGTERM, caught from now on, to be waited for.
+fn stop_signals() -> Result<signal_hook::iterator::Signals, Failure> {
+    let cannot =
+        |err: std::io::Error| Failure::runtime(format!("cannot install signal handlers: {err}"));
+    efabus_transports::fabric::reset_inherited_termination_handlers().map_err(cannot)?;
+    signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])
+        .map_err(cannot)
+}
+
 /// A flag set by SIGINT or SIGTERM.
 fn stop_on_signals() -> Result<Arc<AtomicBool>, Failure> {
     let cannot =
@@ -393,7 +402,8 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
     config.check_schemes(COMMAND_LINE, &schemes)?;
     init_logging(&config.log_level);
 
-    let stop = stop_on_signals()?;
+    // Caught before anything starts, so a stop at any time is graceful.
+    let mut signals = stop_signals()?;
     let broker = Broker::start_with_registry(config, registry).map_err(|err| explain(err, None))?;
     let mut output = Output::new();
     for (scheme, address) in broker.listening() {
@@ -402,9 +412,8 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
             break;
         }
     }
-    while !stop.load(Ordering::Relaxed) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    // Sleep until told to stop (no polling).
+    signals.forever().next();
     broker.shutdown();
     let stats: Vec<String> = broker
         .stats()
