@@ -327,11 +327,152 @@ impl Batch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::{Arc, Mutex};
+
+    const PREFIX: usize = codec::PREFIX_LEN;
 
     fn frame(body: &[u8]) -> Vec<u8> {
         let mut out = (body.len() as u32).to_le_bytes().to_vec();
         out.extend_from_slice(body);
         out
+    }
+
+    /// A control link that takes `room` more frames, then pushes back.
+    struct Wire {
+        room: usize,
+        taken: Arc<Mutex<Vec<Bytes>>>,
+    }
+
+    impl Endpoint for Wire {
+        fn scheme(&self) -> &str {
+            "wire"
+        }
+        fn local_addr(&self) -> Vec<u8> {
+            Vec::new()
+        }
+        fn max_frame(&self) -> usize {
+            1 << 20
+        }
+        fn connect(&mut self, _: &str) -> Result<PeerId, efabus_core::transport::TransportError> {
+            Ok(PeerId(1))
+        }
+        fn send(&mut self, _: PeerId, frame: OutFrame) -> Result<(), SendError> {
+            if self.room == 0 {
+                return Err(SendError::WouldBlock(frame));
+            }
+            self.room -= 1;
+            self.taken.lock().unwrap().push(frame.to_bytes());
+            Ok(())
+        }
+        fn poll(
+            &mut self,
+            _: &mut Vec<efabus_core::transport::Event>,
+        ) -> Result<(), efabus_core::transport::TransportError> {
+            Ok(())
+        }
+        fn close(&mut self, _: PeerId) {}
+        fn readiness(&self) -> efabus_core::transport::Readiness {
+            efabus_core::transport::Readiness::MustPoll
+        }
+        fn queued_bytes(&self, _: PeerId) -> usize {
+            0
+        }
+    }
+
+    fn wire(room: usize, taken: &Arc<Mutex<Vec<Bytes>>>) -> Vec<Box<dyn Endpoint>> {
+        vec![Box::new(Wire {
+            room,
+            taken: taken.clone(),
+        })]
+    }
+
+    const CONTROL: Control = Control {
+        endpoint: 0,
+        peer: PeerId(1),
+    };
+
+    fn run_of(bodies: &[&[u8]]) -> Bytes {
+        Bytes::from(
+            bodies
+                .iter()
+                .flat_map(|body| frame(body))
+                .collect::<Vec<u8>>(),
+        )
+    }
+
+    #[test]
+    fn a_run_the_control_link_takes_in_part_comes_back_with_its_messages_counted() {
+        let mut endpoints = wire(2, &Arc::default());
+        let mut links = DataLinks::default();
+        let mut counts = SendCounts::default();
+        let run = run_of(&[b"a", b"bb", b"ccc"]);
+        let rest = transmit(
+            &mut endpoints,
+            CONTROL,
+            &mut links,
+            &mut counts,
+            Queued::run(run, 3),
+        )
+        .expect("one frame left");
+        assert!(rest.run);
+        assert_eq!(rest.messages, 1);
+        assert_eq!(rest.frame.to_bytes(), run_of(&[b"ccc"]));
+        assert_eq!(
+            counts.fabric_frames_out, 0,
+            "the control link is not the fabric"
+        );
+    }
+
+    #[test]
+    fn what_waits_goes_first_and_in_order() {
+        let taken = Arc::default();
+        let mut endpoints = wire(1, &taken);
+        let mut links = DataLinks::default();
+        let mut counts = SendCounts::default();
+        let mut out = Outbound::default();
+        let one = || OutFrame::whole(Bytes::from(frame(b"1")));
+        let two = || OutFrame::whole(Bytes::from(frame(b"2")));
+        let three = || OutFrame::whole(Bytes::from(frame(b"3")));
+        for frame in [one(), two(), three()] {
+            out.send(
+                &mut endpoints,
+                CONTROL,
+                &mut links,
+                &mut counts,
+                Queued::frame(frame, true),
+            );
+        }
+        assert_eq!(out.bytes(), 10, "two frames of five bytes wait");
+        assert!(!out.flush(&mut endpoints, CONTROL, &mut links, &mut counts));
+        endpoints = wire(5, &taken);
+        // A frame sent while others wait is queued behind them.
+        assert!(out.send(
+            &mut endpoints,
+            CONTROL,
+            &mut links,
+            &mut counts,
+            Queued::frame(one(), true)
+        ));
+        assert!(out.flush(&mut endpoints, CONTROL, &mut links, &mut counts));
+        assert!(out.is_empty());
+        assert_eq!(out.bytes(), 0);
+        let order: Vec<u8> = taken.lock().unwrap().iter().map(|f| f[PREFIX]).collect();
+        assert_eq!(order, b"1231");
+    }
+
+    #[test]
+    fn a_batch_is_handed_on_as_one_run_of_its_messages() {
+        let mut batch = Batch::default();
+        let mut encoded = BytesMut::new();
+        codec::routed_into(&mut encoded, codec::FrameKind::Message, 0, "s", None, b"x")
+            .expect("encodes");
+        assert!(batch.push(&encoded, 7), "the first message opens the batch");
+        assert!(!batch.push(&encoded, 8));
+        let run = batch.take().expect("a run");
+        assert!(run.run);
+        assert_eq!(run.messages, 2);
+        assert_eq!(split_run(&run.frame.head).count(), 2);
+        assert!(batch.take().is_none(), "taken once");
     }
 
     #[test]
