@@ -48,7 +48,7 @@ use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::endpoints;
 use crate::error::Error;
 use crate::session::data_link::LinkKind;
-use crate::session::outbound::{self, Control, Queued, SendCounts};
+use crate::session::outbound::{self, Control, Queued, SendCounts, RUN_MAX};
 use crate::session::{Connection, Heartbeat, Liveness};
 use crate::wait::{prepare_wait, wait, Polled};
 
@@ -67,9 +67,8 @@ const SUBJECT_SHARES: usize = 64;
 /// Most items (runs, large frames, commands) the outbox holds before
 /// application threads wait for room.
 const MAX_ITEMS: usize = 65_536;
-/// Largest buffer a run of frames is encoded into.
-const RUN_MAX: usize = 64 << 10;
-/// Smallest buffer a run starts with.
+/// Smallest buffer a run of the outbox starts with: one per client, where
+/// the broker keeps one per session and starts smaller.
 const RUN_MIN: usize = 4 << 10;
 
 /// Open one data endpoint (only connecting out: no bind address).

@@ -13,10 +13,13 @@ use tracing::{debug, warn};
 use super::data_link::{DataLink, DataLinks, Sent};
 use crate::config::SlowConsumerPolicy;
 
-/// Largest buffer a batch of deliveries is encoded into; a batch is handed
-/// on when its buffer is full, and at the end of every loop round.
-const BATCH_MAX: usize = 64 << 10;
-/// Smallest buffer a batch starts with.
+/// Largest buffer a run of frames is encoded into, by the broker's batches
+/// and the client's outbox alike; a run is handed on when its buffer is
+/// full.
+pub(crate) const RUN_MAX: usize = 64 << 10;
+/// Smallest buffer a broker's batch starts with: the broker keeps one per
+/// session, thousands of them, so an idle one costs little (the client's
+/// single outbox starts larger).
 const BATCH_MIN: usize = 1 << 10;
 /// A batch at least this long hands on only what it holds and keeps the
 /// rest of its buffer; a shorter one takes its buffer along, so a session
@@ -292,7 +295,7 @@ impl Batch {
     pub fn push(&mut self, encoded: &[u8], sid: u64) -> bool {
         let need = encoded.len();
         if self.buffer.capacity() - self.buffer.len() < need {
-            let room = (self.hint * 2).clamp(BATCH_MIN, BATCH_MAX);
+            let room = (self.hint * 2).clamp(BATCH_MIN, RUN_MAX);
             self.buffer.reserve(room.max(need));
         }
         let at = self.buffer.len();
@@ -313,7 +316,7 @@ impl Batch {
             std::mem::take(&mut self.buffer).freeze()
         };
         let messages = std::mem::take(&mut self.messages);
-        self.hint = run.len().clamp(BATCH_MIN, BATCH_MAX);
+        self.hint = run.len().clamp(BATCH_MIN, RUN_MAX);
         Some(Queued::run(run, messages))
     }
 
