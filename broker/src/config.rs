@@ -576,6 +576,15 @@ impl Config {
             ));
         }
         if let Some(secret) = &self.auth.secret {
+            if secret.is_empty() {
+                // An empty secret would be taken for no secret at all.
+                return Err(invalid(
+                    "auth.secret",
+                    "is empty; remove the key to run without authentication, \
+                     or set a secret"
+                        .to_string(),
+                ));
+            }
             if secret.len() > MAX_SECRET_LEN {
                 return Err(invalid(
                     "auth.secret",
@@ -821,6 +830,11 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("line 2: auth.secret:"), "{err}");
+
+        let err = Config::from_toml_str("[auth]\nsecret = \"\"\n", "d.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 2: auth.secret: is empty"), "{err}");
 
         // Keys left at their defaults have no line to name.
         let err = Config::from_toml_str("[heartbeat]\ninterval_ms = 20000\n", "d.toml")
