@@ -30,7 +30,7 @@ use crate::config::Config;
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::Error;
-use crate::event_loop::{Cluster, EventLoop, WAKER};
+use crate::event_loop::{Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
 use crate::publish_cache;
 use crate::subscriptions::{SubRef, SubscriptionTable, Targets, LOCAL_OWNER};
 
@@ -228,7 +228,10 @@ impl Broker {
                     })
                 }
             };
-            let endpoint = with_faults(endpoint, config.testing.faults.as_ref(), endpoints.len());
+            let mut endpoint =
+                with_faults(endpoint, config.testing.faults.as_ref(), endpoints.len());
+            // A peer claims little memory until its hello is accepted.
+            endpoint.set_accepted_receive_limit(Some(HANDSHAKE_FRAME_MAX.min(config.max_frame())));
             // Socket addresses are text; fabric addresses are raw bytes.
             let local = if endpoints::is_data_scheme(spec.scheme()) {
                 efabus_transports::fabric::addr_to_hex(&endpoint.local_addr())

@@ -758,6 +758,67 @@ fn clients_survive_a_broker_crash_and_restart() {
     );
 }
 
+/// A frame's declared length claims no memory by itself: before its hello
+/// is answered a peer may declare at most 32 KiB (more is refused at
+/// once), and after it the buffer for a frame grows as its bytes arrive.
+#[test]
+fn declared_lengths_claim_memory_only_as_bytes_arrive() {
+    let server = Server::start("[limits]\nhandshake_timeout_ms = 30000\n");
+    let declare = |len: usize, sent: usize| {
+        let mut bytes = (len as u32).to_le_bytes().to_vec();
+        bytes.resize(4 + sent, 0x55);
+        bytes
+    };
+    let before = server.rss_kib();
+    // No hello, then most of a 1 MiB frame's worth announced: refused.
+    let mut unauthenticated: Vec<Raw> = (0..1000)
+        .map(|_| {
+            let mut raw = Raw::connect(&server);
+            raw.stream.write_all(&declare(1 << 20, 20_000)).unwrap();
+            raw
+        })
+        .collect();
+    let refused = unauthenticated[0].until_closed();
+    assert!(
+        refused.iter().any(|f| matches!(f, Frame::Error(e)
+            if e.code == ErrorCode::PayloadTooLarge && e.text.contains("above the limit of 32768"))),
+        "{refused:?}"
+    );
+    // No hello, a frame within the handshake limit begun: held, small.
+    let _small: Vec<Raw> = (0..1000)
+        .map(|_| {
+            let mut raw = Raw::connect(&server);
+            raw.stream.write_all(&declare(12 << 10, 2_000)).unwrap();
+            raw
+        })
+        .collect();
+    // After the hello, a frame of nearly 1 MiB begun with 20 KB.
+    let _authenticated: Vec<Raw> = (0..200)
+        .map(|_| {
+            let mut raw = Raw::connect(&server);
+            raw.hello();
+            raw.stream.write_all(&declare(1_000_000, 20_000)).unwrap();
+            raw
+        })
+        .collect();
+    // The broker still serves, and has read what was sent.
+    let mut probe = Raw::connect(&server);
+    probe.hello();
+    probe.send(&Frame::Ping { nonce: 5 });
+    assert!(matches!(
+        probe.next_frame(WAIT),
+        Some(Frame::Pong { nonce: 5 })
+    ));
+    std::thread::sleep(Duration::from_millis(300));
+    let grown_kib = server.rss_kib().saturating_sub(before);
+    // Claimed by the declared lengths alone: 1,000 MiB + 12 MiB + 200 MiB.
+    assert!(
+        grown_kib < 64 * 1024,
+        "the broker grew by {grown_kib} KiB for 2,200 partial frames"
+    );
+    drop(unauthenticated.drain(..));
+}
+
 #[test]
 fn a_silent_peer_is_presumed_dead_and_dropped() {
     let server = Server::start("[heartbeat]\ninterval_ms = 100\ntimeout_ms = 400\n");

@@ -482,6 +482,22 @@ pub trait Endpoint: Send {
         let _ = (peer, limit);
     }
 
+    /// The largest frame this endpoint accepts from `peer`, below its own
+    /// [`max_frame`](Endpoint::max_frame); `None` lifts the limit. A frame
+    /// declared above it is refused as one above `max_frame` is. A caller
+    /// holds a peer that has not authenticated yet to a small claim on
+    /// memory with it. Endpoints that keep no partial frames per peer may
+    /// ignore it.
+    fn set_receive_limit(&mut self, peer: PeerId, limit: Option<usize>) {
+        let _ = (peer, limit);
+    }
+
+    /// The receive limit (see [`Self::set_receive_limit`]) every peer
+    /// accepted from now on starts with, before it has sent anything.
+    fn set_accepted_receive_limit(&mut self, limit: Option<usize>) {
+        let _ = limit;
+    }
+
     /// Called right before the caller sleeps, for endpoints that must be
     /// polled ([`Readiness::MustPoll`] and [`Readiness::PollOrWait`]): the
     /// endpoint may hand on what it still holds, and answers false when

@@ -946,6 +946,14 @@ impl Endpoint for FaultyEndpoint {
         self.inner.set_peer_frame_limit(peer, limit);
     }
 
+    fn set_receive_limit(&mut self, peer: PeerId, limit: Option<usize>) {
+        self.inner.set_receive_limit(peer, limit);
+    }
+
+    fn set_accepted_receive_limit(&mut self, limit: Option<usize>) {
+        self.inner.set_accepted_receive_limit(limit);
+    }
+
     fn info(&self) -> Option<FabricInfo> {
         self.inner.info()
     }

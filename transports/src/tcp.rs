@@ -26,8 +26,12 @@
 //! signalled. Frames are split off the connection's read buffer and frozen,
 //! so each arrives as a `Bytes` without a copy beyond the socket read. A
 //! busy connection reads into large buffers; a quiet one keeps a small one.
-//! A declared length above `max_frame` ends the connection before anything
-//! is allocated for it: the frames before it are still delivered, the peer
+//! The buffer for a frame grows as its bytes arrive, not by its declared
+//! length, so a peer that declares a large frame and sends little of it
+//! holds little memory. A declared length above `max_frame` (or above the
+//! peer's receive limit, see [`Endpoint::set_receive_limit`]: the broker
+//! sets a small one until a peer has authenticated) ends the connection
+//! before anything is allocated for it: the frames before it are still delivered, the peer
 //! is sent an efabus error frame ([`ErrorCode::PayloadTooLarge`], naming the
 //! declared size and the limit) followed by an orderly close, and the caller
 //! sees [`CloseReason::Error`] with the same text. The transport answers
@@ -96,6 +100,8 @@ const QUIET_BUF: usize = 4 << 10;
 
 /// Smallest free room a quiet connection reads into.
 const QUIET_MIN: usize = 512;
+/// Bytes read at a time from a closing connection, to be thrown away.
+const DISCARD_CHUNK: usize = 8 << 10;
 
 /// Most buffers handed to one `write_vectored` (well below `IOV_MAX`).
 const MAX_IOV: usize = 256;
@@ -453,6 +459,9 @@ struct Conn {
     busy: bool,
     /// The poll round that last serviced this connection.
     round: u64,
+    /// The largest frame accepted from this peer, when lower than the
+    /// endpoint's `max_frame` (see `Endpoint::set_receive_limit`).
+    frame_limit: Option<usize>,
     /// Received bytes: `[..filled]` is data, the rest is free room.
     rbuf: BytesMut,
     filled: usize,
@@ -477,6 +486,7 @@ impl Conn {
             hup: false,
             busy: false,
             round: 0,
+            frame_limit: None,
             rbuf: BytesMut::new(),
             filled: 0,
             ends: Vec::new(),
@@ -498,7 +508,9 @@ impl Conn {
     /// Read until the socket would block or the budget is spent, delivering
     /// whole frames. `Err` means the connection is over.
     fn read(&mut self, peer: PeerId, limits: &Limits, events: &mut Vec<Event>) -> Result<(), Gone> {
-        let max_frame = limits.max_frame;
+        let max_frame = self
+            .frame_limit
+            .map_or(limits.max_frame, |limit| limit.min(limits.max_frame));
         let mut budget = limits.read_budget;
         let mut read_now = 0;
         self.read_more = false;
@@ -508,10 +520,14 @@ impl Conn {
                 return Ok(());
             }
             // Room for the rest of the frame being received, if its length
-            // is known (and was checked), else a chunk.
+            // is known (and was checked), else a chunk. The room grows with
+            // what has arrived (at most doubling per read past a chunk), so
+            // a declared length alone claims no memory.
             let least = if self.busy { READ_MIN } else { QUIET_MIN };
             let want = match prefix::declared_total(&self.rbuf[..self.filled]) {
-                Some(total) if total > self.filled => (total - self.filled).max(least),
+                Some(total) if total > self.filled => (total - self.filled)
+                    .min(self.filled.max(READ_CHUNK))
+                    .max(least),
                 _ => least,
             };
             self.room(want);
@@ -615,12 +631,15 @@ impl Conn {
     /// Read and discard (a closing connection): keeps the receive queue
     /// empty so closing sends FIN, not a reset. True when the peer is done.
     fn drain_discard(&mut self, limits: &Limits) -> bool {
+        // Discarded bytes go through a small buffer on the stack: a closing
+        // connection (thousands of refused ones, say) keeps no memory.
         self.filled = 0;
-        self.room(READ_CHUNK);
+        self.rbuf = BytesMut::new();
+        let mut sink = [0u8; DISCARD_CHUNK];
         let mut budget = limits.read_budget;
         loop {
-            let end = self.rbuf.len().min(budget);
-            match (&*self.stream).read(&mut self.rbuf[..end]) {
+            let end = sink.len().min(budget);
+            match (&*self.stream).read(&mut sink[..end]) {
                 Ok(0) => return true,
                 Ok(n) => {
                     budget = budget.saturating_sub(n);
@@ -698,6 +717,8 @@ pub struct TcpEndpoint {
     conns: TokenMap<Conn>,
     next_peer: u64,
     limits: Limits,
+    /// The receive limit accepted connections start with.
+    accepted_frame_limit: Option<usize>,
     pending: VecDeque<Event>,
     /// Connections with frames queued since the last poll.
     dirty: Vec<Token>,
@@ -770,6 +791,7 @@ impl TcpEndpoint {
             conns: TokenMap::default(),
             next_peer: 1,
             limits,
+            accepted_frame_limit: None,
             pending: VecDeque::new(),
             dirty: Vec::new(),
             read_more: Vec::new(),
@@ -866,8 +888,9 @@ impl TcpEndpoint {
                 continue;
             }
             self.next_peer += 1;
-            self.conns
-                .insert(token, Conn::new(stream, remote.to_string(), true));
+            let mut conn = Conn::new(stream, remote.to_string(), true);
+            conn.frame_limit = self.accepted_frame_limit;
+            self.conns.insert(token, conn);
             events.push(Event::Accepted {
                 peer,
                 remote: remote.to_string(),
@@ -1278,6 +1301,16 @@ impl Endpoint for TcpEndpoint {
             reason: CloseReason::Local,
         });
         self.nudge();
+    }
+
+    fn set_accepted_receive_limit(&mut self, limit: Option<usize>) {
+        self.accepted_frame_limit = limit;
+    }
+
+    fn set_receive_limit(&mut self, peer: PeerId, limit: Option<usize>) {
+        if let Some(conn) = token_of(peer).and_then(|token| self.conns.get_mut(&token)) {
+            conn.frame_limit = limit;
+        }
     }
 
     fn set_read_paused(&mut self, peer: PeerId, paused: bool) {

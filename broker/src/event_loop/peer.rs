@@ -325,6 +325,9 @@ impl EventLoop {
         for address in session.conn.links.addresses() {
             self.by_peer.insert(address, id);
         }
+        // Authenticated: its frames may now be as large as any peer's.
+        let control = session.conn.control;
+        self.endpoints[control.endpoint].set_receive_limit(control.peer, None);
         session.name = hello.name;
         session.state = SessionState::Ready;
         info!(session = id, remote = %session.remote, name = %session.name, "peer connected");
