@@ -46,6 +46,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use efabus_core::transport::{
@@ -62,6 +63,7 @@ use super::handle::{
 };
 use super::info::{Hints, Info, InfoList};
 use super::layout::{check_frame, frames, BufferLayout, Received};
+use super::log_limit::{LogLimit, BAD_INPUT_LOG_INTERVAL};
 use super::pool::BufferPool;
 
 /// Modes efabus honours: it reserves prefixes and always passes a
@@ -217,6 +219,9 @@ pub struct FabricEndpoint {
     writable_waiters: Vec<PeerId>,
     completions: Vec<Completion>,
     stats: FabricStats,
+    /// Warnings about bad input (malformed messages, unusable senders,
+    /// failed receives and datagram sends), one line a second at most.
+    bad_input_log: LogLimit,
 }
 
 // SAFETY: every libfabric object of this endpoint's fabric and domain is
@@ -437,6 +442,7 @@ impl FabricEndpoint {
             writable_waiters: Vec::new(),
             completions: vec![Completion::default(); CQ_BATCH],
             stats: FabricStats::default(),
+            bad_input_log: LogLimit::new(BAD_INPUT_LOG_INTERVAL),
         };
         endpoint.post_receives()?;
         if !endpoint.unposted_rx.is_empty() {
@@ -574,7 +580,11 @@ impl FabricEndpoint {
                 self.drop_peer(peer, CloseReason::Error(error.to_string()));
             }
             // Datagrams may be lost anyway: count and carry on.
-            _ => tracing::warn!("{error}"),
+            _ => {
+                if let Some(held_back) = self.bad_input_log.allow(Instant::now()) {
+                    tracing::warn!(held_back, "{error}");
+                }
+            }
         }
         self.stats.last_error = Some(error.to_string());
     }
@@ -603,7 +613,9 @@ impl FabricEndpoint {
                             prov_errno: err.prov_errno,
                             provider_text: err.provider_text,
                         };
-                        tracing::warn!("{error}");
+                        if let Some(held_back) = self.bad_input_log.allow(Instant::now()) {
+                            tracing::warn!(held_back, "{error}");
+                        }
                         self.stats.last_error = Some(error.to_string());
                     }
                     return Ok(1);
@@ -635,7 +647,9 @@ impl FabricEndpoint {
             }
             Err(err) => {
                 self.stats.malformed += 1;
-                tracing::warn!("dropped a malformed message: {err}");
+                if let Some(held_back) = self.bad_input_log.allow(Instant::now()) {
+                    tracing::warn!(held_back, "dropped a malformed message: {err}");
+                }
                 self.stats.last_error = Some(format!("malformed message: {err}"));
                 None
             }
@@ -701,7 +715,12 @@ impl FabricEndpoint {
             }
             Err(err) => {
                 self.stats.malformed += 1;
-                tracing::warn!("dropped a message from an unusable sender address: {err}");
+                if let Some(held_back) = self.bad_input_log.allow(Instant::now()) {
+                    tracing::warn!(
+                        held_back,
+                        "dropped a message from an unusable sender address: {err}"
+                    );
+                }
                 None
             }
         }

@@ -59,6 +59,8 @@ pub mod handle;
 #[cfg(efabus_libfabric)]
 pub mod info;
 #[cfg(efabus_libfabric)]
+mod log_limit;
+#[cfg(efabus_libfabric)]
 pub mod pool;
 #[cfg(efabus_libfabric)]
 mod sys;
