@@ -356,8 +356,8 @@ impl FabricEndpoint {
             return Err(unusable(format!("address of {} bytes", local_addr.len())));
         }
         // SAFETY: the length fi_getname reported is the provider's address
-        // size for this endpoint's format.
-        unsafe { av.set_addr_len(local_addr.len()) };
+        // size for this endpoint's format, which says whether it is text.
+        unsafe { av.set_addr_len(local_addr.len(), attrs.addr_format == FI_ADDR_STR) };
 
         let max_frame = layout.max_frame(local_addr.len()).min(config.max_frame);
         if max_frame < 64 {

@@ -109,6 +109,8 @@ pub struct AddressVector {
     ptr: NonNull<sys::fid_av>,
     /// The provider's address size; 0 (inserts refused) until known.
     addr_len: Cell<usize>,
+    /// Addresses are NUL-terminated text (`FI_ADDR_STR`).
+    text: Cell<bool>,
     _domain: Rc<Domain>,
 }
 
@@ -130,23 +132,30 @@ impl AddressVector {
         Ok(Rc::new(AddressVector {
             ptr,
             addr_len: Cell::new(0),
+            text: Cell::new(false),
             _domain: domain.clone(),
         }))
     }
 
-    /// Sets the address size inserts must have.
+    /// Sets the address size inserts must have, and whether addresses are
+    /// text (`FI_ADDR_STR`, as `shm` uses).
     ///
     /// # Safety
     /// `len` is the provider's address size for this domain's format (the
-    /// length `fi_getname` returned): fi_av_insert reads that many bytes.
-    pub unsafe fn set_addr_len(&self, len: usize) {
+    /// length `fi_getname` returned): fi_av_insert reads that many bytes,
+    /// or, for text, up to the first NUL.
+    pub unsafe fn set_addr_len(&self, len: usize, text: bool) {
         self.addr_len.set(len);
+        self.text.set(text);
     }
 
     /// Inserts one address and returns its `fi_addr_t`. The address must
-    /// have the provider's size: libfabric reads that many bytes.
+    /// have the provider's size (libfabric reads that many bytes) and, when
+    /// addresses are text, end in a NUL within it (libfabric reads a text
+    /// address up to its NUL, wherever that is).
     pub fn insert(&self, addr: &[u8]) -> Result<u64, FabricError> {
-        if addr.is_empty() || addr.len() != self.addr_len.get() {
+        let unterminated = self.text.get() && !addr.contains(&0);
+        if addr.is_empty() || addr.len() != self.addr_len.get() || unterminated {
             return Err(FabricError::AvInsert {
                 len: addr.len(),
                 code: FiCode::from_ret(FI_EINVAL.into()),
@@ -154,7 +163,8 @@ impl AddressVector {
         }
         let mut fi_addr = FI_ADDR_NOTAVAIL;
         // SAFETY: the AV is open; `addr` holds exactly the provider's
-        // address size, which is what fi_av_insert reads for one address.
+        // address size, which is what fi_av_insert reads for one address
+        // (a text address ends at a NUL inside it, checked above).
         let ret =
             unsafe { sys::efabus_av_insert(self.ptr.as_ptr(), addr.as_ptr().cast(), &mut fi_addr) };
         if ret == 1 && fi_addr != FI_ADDR_NOTAVAIL {
