@@ -521,12 +521,13 @@ impl Conn {
             }
             // Room for the rest of the frame being received, if its length
             // is known (and was checked), else a chunk. The room grows with
-            // what has arrived (at most doubling per read past a chunk), so
-            // a declared length alone claims no memory.
+            // what has arrived (to at most five times it, past a chunk), so
+            // a declared length alone claims no memory, and a large frame
+            // is copied by few regrowths.
             let least = if self.busy { READ_MIN } else { QUIET_MIN };
             let want = match prefix::declared_total(&self.rbuf[..self.filled]) {
                 Some(total) if total > self.filled => (total - self.filled)
-                    .min(self.filled.max(READ_CHUNK))
+                    .min((4 * self.filled).max(READ_CHUNK))
                     .max(least),
                 _ => least,
             };
