@@ -758,6 +758,44 @@ fn clients_survive_a_broker_crash_and_restart() {
     );
 }
 
+/// Guessing the secret from one address is slowed: after ten failed
+/// hellos within ten seconds, even the right secret is refused from there
+/// until the window ends.
+#[test]
+fn repeated_failed_authentications_lock_the_address_out_for_a_while() {
+    let server = Server::start("[auth]\nsecret = \"s3cret\"\n");
+    let attempt = |secret: &str| {
+        let mut raw = Raw::connect(&server);
+        raw.send(&Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            name: "guesser".into(),
+            credentials: Some(secret.into()),
+            offers: Vec::new(),
+        }));
+        raw.next_frame(WAIT)
+    };
+    for guess in 0..10 {
+        match attempt(&format!("guess-{guess}")) {
+            Some(Frame::Error(e)) => {
+                assert_eq!(e.code, ErrorCode::Auth);
+                assert_eq!(e.text, "invalid credentials");
+            }
+            other => panic!("expected an auth error, got {other:?}"),
+        }
+    }
+    match attempt("s3cret") {
+        Some(Frame::Error(e)) => {
+            assert_eq!(e.code, ErrorCode::Auth);
+            assert!(
+                e.text.contains("too many failed authentications"),
+                "{}",
+                e.text
+            );
+        }
+        other => panic!("the right secret from a locked-out address: {other:?}"),
+    }
+}
+
 /// A frame's declared length claims no memory by itself: before its hello
 /// is answered a peer may declare at most 32 KiB (more is refused at
 /// once), and after it the buffer for a frame grows as its bytes arrive.

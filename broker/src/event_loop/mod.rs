@@ -35,6 +35,7 @@ use efabus_core::transport::{CloseReason, Endpoint, Event, OutFrame, PeerId};
 use mio::{Poll, Token};
 use tracing::{debug, info, warn};
 
+use crate::auth_guard::AuthGuard;
 use crate::broker::{deliver_local, BrokerStats, Command, Shared};
 use crate::delivery::Message;
 use crate::endpoints;
@@ -108,6 +109,8 @@ pub(crate) struct EventLoop {
     next_timer: Instant,
     /// When the timers were last served.
     timers_ran: Instant,
+    /// Failed authentications per remote address.
+    auth_guard: AuthGuard,
 }
 
 /// A payload being delivered: its bytes, and the buffer they lie in, so a
@@ -185,6 +188,7 @@ impl EventLoop {
             cluster,
             next_timer: Instant::now(),
             timers_ran: Instant::now(),
+            auth_guard: AuthGuard::default(),
         }
     }
 

@@ -17,6 +17,7 @@ use tracing::{debug, info};
 
 use super::route::RouteRole;
 use super::{EventLoop, Payload};
+use crate::auth_guard::remote_ip;
 use crate::broker::{constant_time_eq, BrokerStats, Shared};
 use crate::config::Config;
 use crate::endpoints;
@@ -307,9 +308,23 @@ impl EventLoop {
             return;
         };
         let config = &self.shared.config;
+        let address = remote_ip(&session.remote);
+        let now = self.now;
+        if let Some(wait) = address.and_then(|ip| self.auth_guard.locked(ip, now)) {
+            BrokerStats::add(&self.shared.stats.auth_failures, 1);
+            let text = format!(
+                "too many failed authentications from this address; retry in {} s",
+                wait.as_secs() + 1
+            );
+            self.fail(id, ErrorCode::Auth, text);
+            return;
+        }
         if let Err(refusal) = Session::check_hello(&hello, config) {
             if refusal.code == ErrorCode::Auth {
                 BrokerStats::add(&self.shared.stats.auth_failures, 1);
+                if let Some(ip) = address {
+                    self.auth_guard.failed(ip, now);
+                }
             }
             self.fail(id, refusal.code, refusal.text);
             return;
