@@ -63,7 +63,7 @@ use super::handle::{
 };
 use super::info::{Hints, Info, InfoList};
 use super::layout::{check_frame, frames, BufferLayout, Received};
-use super::log_limit::{LogLimit, BAD_INPUT_LOG_INTERVAL};
+use super::log_limit::BadInputLog;
 use super::pool::BufferPool;
 
 /// Modes efabus honours: it reserves prefixes and always passes a
@@ -219,9 +219,9 @@ pub struct FabricEndpoint {
     writable_waiters: Vec<PeerId>,
     completions: Vec<Completion>,
     stats: FabricStats,
-    /// Warnings about bad input (malformed messages, unusable senders,
-    /// failed receives and datagram sends), one line a second at most.
-    bad_input_log: LogLimit,
+    /// Warnings about bad input, one line a second at most for each kind,
+    /// so a flood of one kind hides no other.
+    bad_input_log: BadInputLog,
 }
 
 // SAFETY: every libfabric object of this endpoint's fabric and domain is
@@ -442,7 +442,7 @@ impl FabricEndpoint {
             writable_waiters: Vec::new(),
             completions: vec![Completion::default(); CQ_BATCH],
             stats: FabricStats::default(),
-            bad_input_log: LogLimit::new(BAD_INPUT_LOG_INTERVAL),
+            bad_input_log: BadInputLog::default(),
         };
         endpoint.post_receives()?;
         if !endpoint.unposted_rx.is_empty() {
@@ -581,7 +581,7 @@ impl FabricEndpoint {
             }
             // Datagrams may be lost anyway: count and carry on.
             _ => {
-                if let Some(held_back) = self.bad_input_log.allow(Instant::now()) {
+                if let Some(held_back) = self.bad_input_log.send_failed.allow(Instant::now()) {
                     tracing::warn!(held_back, "{error}");
                 }
             }
@@ -613,7 +613,9 @@ impl FabricEndpoint {
                             prov_errno: err.prov_errno,
                             provider_text: err.provider_text,
                         };
-                        if let Some(held_back) = self.bad_input_log.allow(Instant::now()) {
+                        if let Some(held_back) =
+                            self.bad_input_log.receive_failed.allow(Instant::now())
+                        {
                             tracing::warn!(held_back, "{error}");
                         }
                         self.stats.last_error = Some(error.to_string());
@@ -647,7 +649,7 @@ impl FabricEndpoint {
             }
             Err(err) => {
                 self.stats.malformed += 1;
-                if let Some(held_back) = self.bad_input_log.allow(Instant::now()) {
+                if let Some(held_back) = self.bad_input_log.malformed.allow(Instant::now()) {
                     tracing::warn!(held_back, "dropped a malformed message: {err}");
                 }
                 self.stats.last_error = Some(format!("malformed message: {err}"));
@@ -715,7 +717,7 @@ impl FabricEndpoint {
             }
             Err(err) => {
                 self.stats.malformed += 1;
-                if let Some(held_back) = self.bad_input_log.allow(Instant::now()) {
+                if let Some(held_back) = self.bad_input_log.bad_sender.allow(Instant::now()) {
                     tracing::warn!(
                         held_back,
                         "dropped a message from an unusable sender address: {err}"

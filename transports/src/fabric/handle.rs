@@ -142,8 +142,9 @@ impl AddressVector {
     ///
     /// # Safety
     /// `len` is the provider's address size for this domain's format (the
-    /// length `fi_getname` returned): fi_av_insert reads that many bytes,
-    /// or, for text, up to the first NUL.
+    /// length `fi_getname` returned): fi_av_insert reads that many bytes.
+    /// `text` must be true when the format is `FI_ADDR_STR`, whose
+    /// addresses fi_av_insert reads up to their NUL, whatever `len` says.
     pub unsafe fn set_addr_len(&self, len: usize, text: bool) {
         self.addr_len.set(len);
         self.text.set(text);

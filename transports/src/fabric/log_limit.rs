@@ -8,6 +8,27 @@ use std::time::{Duration, Instant};
 /// How often a flood of bad input may log a line.
 pub(crate) const BAD_INPUT_LOG_INTERVAL: Duration = Duration::from_secs(1);
 
+/// The endpoint's limits, one per kind of bad input.
+#[derive(Debug)]
+pub(crate) struct BadInputLog {
+    pub malformed: LogLimit,
+    pub bad_sender: LogLimit,
+    pub receive_failed: LogLimit,
+    pub send_failed: LogLimit,
+}
+
+impl Default for BadInputLog {
+    fn default() -> Self {
+        let limit = || LogLimit::new(BAD_INPUT_LOG_INTERVAL);
+        BadInputLog {
+            malformed: limit(),
+            bad_sender: limit(),
+            receive_failed: limit(),
+            send_failed: limit(),
+        }
+    }
+}
+
 /// One line per interval.
 #[derive(Debug)]
 pub(crate) struct LogLimit {
