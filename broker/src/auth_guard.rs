@@ -1,9 +1,10 @@
 //! Failed authentications, counted per remote address: after
 //! [`MAX_FAILURES`] within [`WINDOW`], hellos from that address are refused
 //! without being checked until the window ends, so guessing the secret
-//! from one address goes at most that fast. Addresses behind one NAT share
-//! the count. The table is bounded; when it is full of live windows, new
-//! addresses go uncounted rather than growing it.
+//! from one address goes at most that fast. An IPv6 address counts with
+//! its /64 (one host's share of a network), and addresses behind one NAT
+//! share the count. The table is bounded: when it is full, the address
+//! whose window started first is forgotten.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -27,10 +28,19 @@ pub(crate) struct AuthGuard {
     by_address: HashMap<IpAddr, Failures>,
 }
 
-/// The address part of a peer's remote text (`ip:port` for TCP); `None`
-/// for transports without one (mem).
+/// What failures of a peer count against, from its remote text (`ip:port`
+/// for TCP): its IPv4 address, or the /64 of its IPv6 address; `None` for
+/// transports without an address (mem).
 pub(crate) fn remote_ip(remote: &str) -> Option<IpAddr> {
-    remote.parse::<SocketAddr>().ok().map(|addr| addr.ip())
+    let ip = remote.parse::<SocketAddr>().ok()?.ip().to_canonical();
+    Some(match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => {
+            let mut octets = v6.octets();
+            octets[8..].fill(0);
+            IpAddr::from(octets)
+        }
+    })
 }
 
 impl AuthGuard {
@@ -51,7 +61,14 @@ impl AuthGuard {
             self.by_address
                 .retain(|_, failures| now < failures.since + WINDOW);
             if self.by_address.len() >= MAX_TRACKED {
-                return;
+                let oldest = self
+                    .by_address
+                    .iter()
+                    .min_by_key(|(_, failures)| failures.since)
+                    .map(|(&address, _)| address);
+                if let Some(oldest) = oldest {
+                    self.by_address.remove(&oldest);
+                }
             }
         }
         let failures = self.by_address.entry(ip).or_insert(Failures {
@@ -100,15 +117,33 @@ mod tests {
             "counting starts afresh"
         );
         assert_eq!(remote_ip("mem-peer-3"), None);
+        assert_eq!(
+            remote_ip("[2001:db8::1]:1").unwrap(),
+            remote_ip("[2001:db8::ffff:2]:2").unwrap(),
+            "one /64 counts as one address"
+        );
+        assert_eq!(
+            remote_ip("[::ffff:10.0.0.7]:3").unwrap(),
+            remote_ip("10.0.0.7:4").unwrap()
+        );
     }
 
     #[test]
-    fn the_table_stays_bounded() {
-        let now = Instant::now();
+    fn a_full_table_forgets_the_oldest_and_keeps_counting() {
+        let start = Instant::now();
         let mut guard = AuthGuard::default();
-        for n in 0..(MAX_TRACKED as u32 + 100) {
-            guard.failed(IpAddr::from(n.to_be_bytes()), now);
+        for n in 0..MAX_TRACKED as u32 {
+            guard.failed(IpAddr::from(n.to_be_bytes()), start);
         }
-        assert_eq!(guard.by_address.len(), MAX_TRACKED);
+        let late = start + Duration::from_secs(1);
+        let fresh = IpAddr::from([203, 0, 113, 9]);
+        for _ in 0..MAX_FAILURES {
+            guard.failed(fresh, late);
+        }
+        assert_eq!(guard.by_address.len(), MAX_TRACKED, "bounded");
+        assert!(
+            guard.locked(fresh, late).is_some(),
+            "new addresses still count"
+        );
     }
 }

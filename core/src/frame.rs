@@ -152,6 +152,9 @@ pub enum ErrorCode {
     NoResponders,
     /// Anything else; the text says what.
     Internal,
+    /// Too many failed attempts from the peer's address; the text says
+    /// when to retry (a client retries with its backoff).
+    RateLimited,
 }
 
 /// Reports a problem to the peer. `fatal` means the sender closes the link.

@@ -28,12 +28,13 @@
 //! busy connection reads into large buffers; a quiet one keeps a small one.
 //! The buffer for a frame grows as its bytes arrive, not by its declared
 //! length, so a peer that declares a large frame and sends little of it
-//! holds little memory. A declared length above `max_frame` (or above the
-//! peer's receive limit, see [`Endpoint::set_receive_limit`]: the broker
-//! sets a small one until a peer has authenticated) ends the connection
-//! before anything is allocated for it: the frames before it are still delivered, the peer
-//! is sent an efabus error frame ([`ErrorCode::PayloadTooLarge`], naming the
-//! declared size and the limit) followed by an orderly close, and the caller
+//! holds little memory. A declared length above `max_frame`, or above the
+//! peer's receive limit (see [`Endpoint::set_receive_limit`]: the broker
+//! sets a small one until a peer has authenticated), ends the connection
+//! before anything is allocated for it: the frames before it are still
+//! delivered, the peer is sent an efabus error frame
+//! ([`ErrorCode::PayloadTooLarge`], naming the declared size and the
+//! limit) followed by an orderly close, and the caller
 //! sees [`CloseReason::Error`] with the same text. The transport answers
 //! itself because it is the only one that saw the length: the frame never
 //! reaches the caller, and the caller cannot send to a peer it was told is
@@ -469,6 +470,16 @@ struct Conn {
     ends: Vec<usize>,
 }
 
+/// What [`Conn::split_frames`] left in the buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Split {
+    /// At most part of a frame, waiting for more bytes.
+    Done,
+    /// A frame over the receive limit, to be looked at again once the
+    /// caller has seen the frames before it.
+    Deferred,
+}
+
 impl Conn {
     fn new(stream: TcpStream, remote: String, connected: bool) -> Self {
         let stream = Arc::new(stream);
@@ -499,21 +510,30 @@ impl Conn {
     fn room(&mut self, want: usize) {
         if self.rbuf.len() < self.filled + want {
             let grow = if self.busy { READ_CHUNK } else { QUIET_BUF };
+            let mut len = self.filled + want.max(grow);
+            if let Some(limit) = self.frame_limit {
+                // A limited peer's buffer stays near its limit.
+                len = len.min((self.filled + want).max(limit));
+            }
             // Only the new tail is zeroed; room left from earlier reads is
             // reused as it is.
-            self.rbuf.resize(self.filled + want.max(grow), 0);
+            self.rbuf.resize(len, 0);
         }
     }
 
     /// Read until the socket would block or the budget is spent, delivering
     /// whole frames. `Err` means the connection is over.
     fn read(&mut self, peer: PeerId, limits: &Limits, events: &mut Vec<Event>) -> Result<(), Gone> {
-        let max_frame = self
-            .frame_limit
-            .map_or(limits.max_frame, |limit| limit.min(limits.max_frame));
+        let max_frame = limits.max_frame;
         let mut budget = limits.read_budget;
         let mut read_now = 0;
         self.read_more = false;
+        // A frame held back at the receive limit is looked at again first:
+        // the frames before it may have lifted the limit.
+        if self.filled > 0 && self.split_frames(peer, max_frame, events)? == Split::Deferred {
+            self.read_more = true;
+            return Ok(());
+        }
         loop {
             if budget == 0 {
                 self.read_more = true;
@@ -527,7 +547,7 @@ impl Conn {
             let least = if self.busy { READ_MIN } else { QUIET_MIN };
             let want = match prefix::declared_total(&self.rbuf[..self.filled]) {
                 Some(total) if total > self.filled => (total - self.filled)
-                    .min((4 * self.filled).max(READ_CHUNK))
+                    .min(self.filled.saturating_mul(4).max(READ_CHUNK))
                     .max(least),
                 _ => least,
             };
@@ -551,7 +571,10 @@ impl Conn {
                     self.filled += n;
                     read_now += n;
                     budget = budget.saturating_sub(n);
-                    self.split_frames(peer, max_frame, events)?;
+                    if self.split_frames(peer, max_frame, events)? == Split::Deferred {
+                        self.read_more = true;
+                        return Ok(());
+                    }
                     // Less than asked: the socket is empty for now, and
                     // whatever arrives next raises a new (edge) event, so
                     // the read that would only say so is skipped. Not when
@@ -580,22 +603,34 @@ impl Conn {
         }
     }
 
+    /// Hand on the whole frames at the front of the buffer. A frame over
+    /// the peer's receive limit (but within `max_frame`) right behind
+    /// frames handed on now is deferred: those frames (a hello) may lift
+    /// the limit before it is looked at again.
     fn split_frames(
         &mut self,
         peer: PeerId,
         max_frame: usize,
         events: &mut Vec<Event>,
-    ) -> Result<(), Gone> {
+    ) -> Result<Split, Gone> {
+        let limit = self
+            .frame_limit
+            .map_or(max_frame, |limit| limit.min(max_frame));
         // The whole frames at the front leave the buffer in one piece; each
         // frame is a slice of that piece (cheaper than splitting one by one).
         let mut whole = 0;
         let mut ends = std::mem::take(&mut self.ends);
         ends.clear();
         let mut too_large = None;
+        let mut deferred = false;
         while let Some(total) = prefix::declared_total(&self.rbuf[whole..self.filled]) {
-            if total > max_frame {
-                // The frames before it still arrive.
-                too_large = Some(total);
+            if total > limit {
+                if total <= max_frame && whole > 0 {
+                    deferred = true;
+                } else {
+                    // The frames before it still arrive.
+                    too_large = Some(total);
+                }
                 break;
             }
             if self.filled - whole < total {
@@ -623,19 +658,25 @@ impl Conn {
         self.ends = ends;
         match too_large {
             Some(total) => Err(Gone::TooLarge(format!(
-                "peer declared a frame of {total} bytes, above the limit of {max_frame}"
+                "peer declared a frame of {total} bytes, above the limit of {limit}"
             ))),
-            None => Ok(()),
+            None if deferred => Ok(Split::Deferred),
+            None => Ok(Split::Done),
         }
     }
 
     /// Read and discard (a closing connection): keeps the receive queue
     /// empty so closing sends FIN, not a reset. True when the peer is done.
-    fn drain_discard(&mut self, limits: &Limits) -> bool {
-        // Discarded bytes go through a small buffer on the stack: a closing
-        // connection (thousands of refused ones, say) keeps no memory.
+    /// A closing connection keeps no read buffer: what still arrives is
+    /// discarded (thousands of refused connections hold nothing).
+    fn release_read_buffer(&mut self) {
         self.filled = 0;
         self.rbuf = BytesMut::new();
+    }
+
+    fn drain_discard(&mut self, limits: &Limits) -> bool {
+        // Discarded bytes go through a small buffer on the stack.
+        self.release_read_buffer();
         let mut sink = [0u8; DISCARD_CHUNK];
         let mut budget = limits.read_budget;
         loop {
@@ -998,6 +1039,7 @@ impl TcpEndpoint {
             return;
         };
         conn.closing = Some(Instant::now());
+        conn.release_read_buffer();
         // Whatever else the peer sent is read and discarded while lingering.
         conn.read_more = true;
         conn.read_paused = false;
@@ -1288,6 +1330,7 @@ impl Endpoint for TcpEndpoint {
             return;
         }
         conn.closing = Some(Instant::now());
+        conn.release_read_buffer();
         self.lingering += 1;
         let mut out = conn.out.lock();
         out.closing = true;

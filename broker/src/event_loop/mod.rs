@@ -53,9 +53,10 @@ pub(crate) const WAKER: Token = Token(0);
 /// larger ones travel as their own part, shared rather than copied.
 const COPY_MAX: usize = 1 << 10;
 /// The largest frame a peer may send before its hello is accepted: a
-/// hello with the longest name and secret and 64 offers fits (about
-/// 16 KiB), and a connection that has not authenticated claims no more
-/// memory than this for a frame.
+/// hello with the longest name and secret and 64 offers with the longest
+/// addresses fits (27,918 bytes; see the test in `peer.rs`), and a
+/// connection that has not authenticated claims no more memory than this
+/// for a frame.
 pub(crate) const HANDSHAKE_FRAME_MAX: usize = 32 << 10;
 /// How often the queued-bytes gauge is refreshed while anything is queued.
 const GAUGE_REFRESH: Duration = Duration::from_millis(100);

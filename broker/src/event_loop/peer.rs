@@ -316,7 +316,9 @@ impl EventLoop {
                 "too many failed authentications from this address; retry in {} s",
                 wait.as_secs() + 1
             );
-            self.fail(id, ErrorCode::Auth, text);
+            // Not `Auth`: a client refused for its credentials gives up, and
+            // one with the right secret behind a shared address must not.
+            self.fail(id, ErrorCode::RateLimited, text);
             return;
         }
         if let Err(refusal) = Session::check_hello(&hello, config) {
@@ -371,5 +373,30 @@ impl EventLoop {
             session.unsubscribe(id, sid, &self.shared);
         }
         self.sync_interest();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{MAX_NAME_LEN, MAX_SECRET_LEN};
+    use crate::event_loop::HANDSHAKE_FRAME_MAX;
+    use efabus_core::caps::FabricInfo;
+
+    /// The largest hello a peer may send (longest name and secret, 64
+    /// offers with the longest addresses) fits the limit a peer has before
+    /// its hello is accepted.
+    #[test]
+    fn the_largest_hello_fits_the_handshake_limit() {
+        let mut offer = Offer::from_info("efa-rdm", &FabricInfo::tcp(None), vec![0xab; 255]);
+        offer.provider = "p".repeat(64);
+        let hello = Frame::Hello(frame::Hello {
+            version: PROTOCOL_VERSION,
+            name: "n".repeat(MAX_NAME_LEN),
+            credentials: Some("s".repeat(MAX_SECRET_LEN)),
+            offers: vec![offer; 64],
+        });
+        let len = codec::encode(&hello).len();
+        assert!(len <= HANDSHAKE_FRAME_MAX, "a hello of {len} bytes");
     }
 }

@@ -155,6 +155,7 @@ fn error_code() -> impl Strategy<Value = ErrorCode> {
         Just(ErrorCode::Protocol),
         Just(ErrorCode::NoResponders),
         Just(ErrorCode::Internal),
+        Just(ErrorCode::RateLimited),
     ]
 }
 
