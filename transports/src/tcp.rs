@@ -530,7 +530,9 @@ impl Conn {
         self.read_more = false;
         // A frame held back at the receive limit is looked at again first:
         // the frames before it may have lifted the limit.
-        if self.filled > 0 && self.split_frames(peer, max_frame, events)? == Split::Deferred {
+        let handed_on = events.len();
+        if self.filled > 0 && self.split_frames(peer, max_frame, false, events)? == Split::Deferred
+        {
             self.read_more = true;
             return Ok(());
         }
@@ -571,7 +573,11 @@ impl Conn {
                     self.filled += n;
                     read_now += n;
                     budget = budget.saturating_sub(n);
-                    if self.split_frames(peer, max_frame, events)? == Split::Deferred {
+                    // Frames handed on earlier in this call count as just
+                    // handed on: the caller has not seen them yet either.
+                    let behind_frames = events.len() > handed_on;
+                    if self.split_frames(peer, max_frame, behind_frames, events)? == Split::Deferred
+                    {
                         self.read_more = true;
                         return Ok(());
                     }
@@ -605,12 +611,14 @@ impl Conn {
 
     /// Hand on the whole frames at the front of the buffer. A frame over
     /// the peer's receive limit (but within `max_frame`) right behind
-    /// frames handed on now is deferred: those frames (a hello) may lift
-    /// the limit before it is looked at again.
+    /// frames the caller has not seen yet (handed on now, or earlier in
+    /// this read: `behind_frames`) is deferred: those frames (a hello) may
+    /// lift the limit before it is looked at again.
     fn split_frames(
         &mut self,
         peer: PeerId,
         max_frame: usize,
+        behind_frames: bool,
         events: &mut Vec<Event>,
     ) -> Result<Split, Gone> {
         let limit = self
@@ -625,7 +633,7 @@ impl Conn {
         let mut deferred = false;
         while let Some(total) = prefix::declared_total(&self.rbuf[whole..self.filled]) {
             if total > limit {
-                if total <= max_frame && whole > 0 {
+                if total <= max_frame && (whole > 0 || behind_frames) {
                     deferred = true;
                 } else {
                     // The frames before it still arrive.
@@ -1435,6 +1443,49 @@ mod tests {
             })
             .unwrap();
         (stream, peer)
+    }
+
+    #[test]
+    fn a_frame_over_the_receive_limit_waits_behind_a_hello_and_is_refused_alone() {
+        let mut ep = listener(Vec::new());
+        ep.set_accepted_receive_limit(Some(100));
+        let frames_of = |events: &[Event], who: PeerId| -> Vec<usize> {
+            events
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Frame { peer, frame } if *peer == who => Some(frame.len()),
+                    _ => None,
+                })
+                .collect()
+        };
+        // A small frame (the hello) and a large one in one write: the
+        // large one waits until the caller has seen the small one (and,
+        // here, lifted the limit, as the broker does for a good hello).
+        let (mut greeter, greeted) = raw_client(&mut ep);
+        let mut both = framed(b"hello");
+        both.extend(framed(&[1; 1000]));
+        greeter.write_all(&both).unwrap();
+        let mut events = Vec::new();
+        poll_until(&mut ep, &mut events, |e| !frames_of(e, greeted).is_empty());
+        assert_eq!(frames_of(&events, greeted), [9], "only the hello so far");
+        assert_eq!(closed_reason(&events, greeted), None);
+        ep.set_receive_limit(greeted, None);
+        poll_until(&mut ep, &mut events, |e| frames_of(e, greeted).len() == 2);
+        assert_eq!(frames_of(&events, greeted), [9, 1004]);
+
+        // The same large frame with nothing before it is refused.
+        let (mut stranger, refused) = raw_client(&mut ep);
+        stranger.write_all(&framed(&[1; 1000])).unwrap();
+        let mut events = Vec::new();
+        poll_until(&mut ep, &mut events, |e| {
+            closed_reason(e, refused).is_some()
+        });
+        let reason = closed_reason(&events, refused).unwrap();
+        assert!(
+            matches!(&reason, CloseReason::Error(text) if text.contains("above the limit of 100")),
+            "{reason:?}"
+        );
+        assert!(frames_of(&events, refused).is_empty());
     }
 
     fn closed_reason(events: &[Event], peer: PeerId) -> Option<CloseReason> {
