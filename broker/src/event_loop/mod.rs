@@ -141,6 +141,7 @@ struct Tally {
     bytes_in: u64,
     route_messages_in: u64,
     route_messages_out: u64,
+    fabric_frames_in: u64,
     sent: SendCounts,
 }
 
@@ -199,13 +200,13 @@ impl EventLoop {
         let mut idle_spins = 0u32;
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
-            let credit_waiting = !self.credit_owed.is_empty() && self.grant_credits(Instant::now());
+            let now = Instant::now();
+            let credit_waiting = !self.credit_owed.is_empty() && self.grant_credits(now);
             if busy {
                 idle_spins = 0;
             } else {
                 idle_spins = idle_spins.saturating_add(1);
             }
-            let now = Instant::now();
             // Timers of many sessions are served together, at most once
             // per `TIMER_SPACING`: the visit is over every session.
             let timers_at = self.next_timer.max(self.timers_ran + TIMER_SPACING);
@@ -315,6 +316,9 @@ impl EventLoop {
         }
         if tally.route_messages_out > 0 {
             BrokerStats::add(&stats.route_messages_out, tally.route_messages_out);
+        }
+        if tally.fabric_frames_in > 0 {
+            BrokerStats::add(&stats.fabric_frames_in, tally.fabric_frames_in);
         }
         if tally.sent.fabric_frames_out > 0 {
             BrokerStats::add(&stats.fabric_frames_out, tally.sent.fabric_frames_out);
@@ -474,17 +478,19 @@ impl EventLoop {
         let Some(kind) = session.conn.links.kind_of(endpoint, peer) else {
             return;
         };
-        let now = Instant::now();
         let mut released = std::mem::take(&mut self.released);
-        let result = session.conn.links.receive(kind, now, bytes, &mut released);
+        let result = session
+            .conn
+            .links
+            .receive(kind, self.now, bytes, &mut released);
         if kind == LinkKind::BestEffort {
             if let Some(deadline) = session.conn.links.next_deadline() {
                 self.schedule(deadline);
             }
         }
         self.credit_owed.insert(id);
+        self.tally.fabric_frames_in += released.len() as u64;
         for frame in released.drain(..) {
-            BrokerStats::add(&self.shared.stats.fabric_frames_in, 1);
             self.on_frame(id, frame);
         }
         self.released = released;
@@ -1045,8 +1051,12 @@ impl EventLoop {
         let mut slow = Vec::new();
         let mut lossy = Vec::new();
         let mut queued = 0u64;
+        // The next deadline, of the sessions with nothing due now (the
+        // others are seen to below and then rescheduled).
+        let mut next = now + IDLE_WAKE;
         for (&id, session) in &mut self.sessions {
             queued += (session.conn.out.bytes() + session.conn.links.backlog_bytes()) as u64;
+            let mut due = true;
             match session.state {
                 SessionState::AwaitHello { deadline } if now >= deadline => {
                     expired.push((id, ErrorCode::HandshakeTimeout))
@@ -1054,15 +1064,16 @@ impl EventLoop {
                 SessionState::Ready => match session.conn.liveness.poll(now) {
                     Heartbeat::Dead => expired.push((id, ErrorCode::Internal)),
                     Heartbeat::Ping => pings.push(id),
-                    Heartbeat::Wait => {}
+                    Heartbeat::Wait => due = false,
                 },
-                _ => {}
+                _ => due = false,
             }
             if session
                 .over_since
                 .is_some_and(|since| now.duration_since(since) >= block_timeout)
             {
                 slow.push(id);
+                due = true;
             }
             if session
                 .conn
@@ -1071,6 +1082,12 @@ impl EventLoop {
                 .is_some_and(|deadline| deadline <= now)
             {
                 lossy.push(id);
+                due = true;
+            }
+            if !due {
+                if let Some(deadline) = session.poll_timeout(block_timeout) {
+                    next = next.min(deadline);
+                }
             }
         }
         self.shared
@@ -1079,7 +1096,7 @@ impl EventLoop {
             .store(queued, Ordering::Relaxed);
         self.poll_lossy_links(now, &lossy);
         self.dial_routes(now);
-        for (id, code) in expired {
+        for &(id, code) in &expired {
             let text = match code {
                 ErrorCode::HandshakeTimeout => "handshake not completed in time".to_string(),
                 _ => format!("no traffic for {timeout:?}: peer presumed dead"),
@@ -1091,7 +1108,7 @@ impl EventLoop {
                 self.endpoints[control.endpoint].close(control.peer);
             }
         }
-        for id in slow {
+        for &id in &slow {
             BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
             if let Some(session) = self.sessions.get(&id) {
                 warn!(session = id, remote = %session.remote, "slow consumer blocked publishers too long; disconnected");
@@ -1102,21 +1119,31 @@ impl EventLoop {
                 format!("could not take messages for {block_timeout:?}"),
             );
         }
-        for id in pings {
+        for &id in &pings {
             self.send(id, codec::encode(&Frame::Ping { nonce: 0 }), false);
         }
-        // The next deadline (sends above may have scheduled one already);
-        // while anything is queued, the queued-bytes gauge is refreshed at
-        // least every `GAUGE_REFRESH`.
-        let mut next = self
-            .sessions
-            .values()
-            .filter_map(|session| session.poll_timeout(block_timeout))
-            .min()
-            .unwrap_or(now + IDLE_WAKE);
+        // The sessions seen to above, as they stand now.
+        for id in expired
+            .iter()
+            .map(|(id, _)| id)
+            .chain(&slow)
+            .chain(&lossy)
+            .chain(&pings)
+        {
+            if let Some(deadline) = self
+                .sessions
+                .get(id)
+                .and_then(|session| session.poll_timeout(block_timeout))
+            {
+                next = next.min(deadline);
+            }
+        }
         if let Some(dial) = self.cluster.next_dial() {
             next = next.min(dial);
         }
+        // While anything is queued, the queued-bytes gauge is refreshed at
+        // least every `GAUGE_REFRESH` (sends above may have scheduled
+        // sooner already).
         if queued > 0 {
             next = next.min(now + GAUGE_REFRESH);
         }
@@ -1132,8 +1159,8 @@ impl EventLoop {
             if let Some(session) = self.sessions.get_mut(&id) {
                 session.conn.links.poll_lossy(now, &mut released);
             }
+            self.tally.fabric_frames_in += released.len() as u64;
             for frame in released.drain(..) {
-                BrokerStats::add(&self.shared.stats.fabric_frames_in, 1);
                 self.on_frame(id, frame);
             }
         }
