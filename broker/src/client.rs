@@ -1102,7 +1102,7 @@ impl ClientLoop {
             let goodbye = codec::encode(&Frame::Goodbye(Goodbye {
                 reason: "client closing".to_string(),
             }));
-            let _ = self.transmit(peer, goodbye);
+            let _ = self.transmit(goodbye);
             let deadline = Instant::now() + Duration::from_millis(200);
             let mut events = Vec::new();
             while Instant::now() < deadline && !self.conn.links.drained(&self.endpoints) {
@@ -1140,7 +1140,7 @@ impl ClientLoop {
                     self.link_lost(now);
                 }
                 Heartbeat::Ping => {
-                    let _ = self.transmit(peer, codec::encode(&Frame::Ping { nonce: 0 }));
+                    let _ = self.transmit(codec::encode(&Frame::Ping { nonce: 0 }));
                 }
                 Heartbeat::Wait => {}
             },
@@ -1351,9 +1351,9 @@ impl ClientLoop {
                     // The first frame on the data link tells the server to
                     // move its side of the traffic there too.
                     info!(link = %link.description, "reliable traffic moves to the data link");
-                    let _ = self.transmit(peer, codec::encode(&Frame::Ping { nonce: 0 }));
+                    let _ = self.transmit(codec::encode(&Frame::Ping { nonce: 0 }));
                 }
-                self.resubscribe(peer);
+                self.resubscribe();
                 self.flush_pending();
                 self.shared.set_state(ConnectionState::Connected {
                     server: welcome.name,
@@ -1454,7 +1454,7 @@ impl ClientLoop {
 
     /// Re-send every live subscription after (re)connecting; they go before
     /// any buffered publish so replies and messages find them.
-    fn resubscribe(&mut self, peer: PeerId) {
+    fn resubscribe(&mut self) {
         self.subscribed.clear();
         let frames: Vec<OutFrame> = self
             .shared
@@ -1467,7 +1467,7 @@ impl ClientLoop {
             })
             .collect();
         for frame in frames {
-            if let Some(rest) = self.transmit(peer, frame) {
+            if let Some(rest) = self.transmit(frame) {
                 self.conn.out.push(rest);
             }
         }
@@ -1567,17 +1567,19 @@ impl ClientLoop {
         self.count_sent(counts);
     }
 
-    /// Send one frame now on the current path, ahead of anything pending;
-    /// what the path did not take comes back.
-    fn transmit(&mut self, peer: PeerId, frame: OutFrame) -> Option<Queued> {
-        let control = Control {
-            endpoint: CONTROL,
-            peer,
-        };
+    /// Send one frame now on the current connection's path, ahead of
+    /// anything pending; what the path did not take comes back.
+    fn transmit(&mut self, frame: OutFrame) -> Option<Queued> {
         let mut counts = SendCounts::default();
         let queued = Queued::frame(frame, false);
-        let links = &mut self.conn.links;
-        let rest = outbound::transmit(&mut self.endpoints, control, links, &mut counts, queued);
+        let conn = &mut self.conn;
+        let rest = outbound::transmit(
+            &mut self.endpoints,
+            conn.control,
+            &mut conn.links,
+            &mut counts,
+            queued,
+        );
         self.count_sent(counts);
         rest
     }
@@ -1637,7 +1639,7 @@ impl ClientLoop {
                 let Some(kind) = self.conn.links.kind_of(index, peer) else {
                     return;
                 };
-                let now = Instant::now();
+                let now = self.now;
                 let mut released = std::mem::take(&mut self.released);
                 let result = self.conn.links.receive(kind, now, frame, &mut released);
                 if let (LinkKind::BestEffort, Some(link)) = (kind, &self.conn.links.best_effort) {

@@ -364,17 +364,15 @@ impl DataLink {
         self.frames_in += (out.len() - before) as u64;
     }
 
-    /// Messages given up on this link (lossy links), as the receiver counts.
-    pub fn lost(&self) -> u64 {
-        self.receiver.stats().lost
-    }
-}
-
-impl DataLink {
     /// When the link next has something to do by time alone (a gap a lossy
     /// link gives up on); `None` for reliable links.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.receiver.next_deadline()
+    }
+
+    /// Messages given up on this link (lossy links), as the receiver counts.
+    pub fn lost(&self) -> u64 {
+        self.receiver.stats().lost
     }
 }
 

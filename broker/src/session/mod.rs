@@ -28,7 +28,7 @@ use outbound::{Control, Outbound, Queued, SendCounts};
 /// Heartbeats: when to ping a quiet peer and when to give it up.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Liveness {
-    pub last_heard: Instant,
+    last_heard: Instant,
     last_ping: Instant,
     interval: Duration,
     timeout: Duration,
