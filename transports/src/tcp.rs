@@ -463,6 +463,9 @@ struct Conn {
     /// The largest frame accepted from this peer, when lower than the
     /// endpoint's `max_frame` (see `Endpoint::set_receive_limit`).
     frame_limit: Option<usize>,
+    /// A frame over `frame_limit` waits in the buffer behind frames the
+    /// caller had not seen yet; it is looked at again on the next read.
+    deferred: bool,
     /// Received bytes: `[..filled]` is data, the rest is free room.
     rbuf: BytesMut,
     filled: usize,
@@ -498,6 +501,7 @@ impl Conn {
             busy: false,
             round: 0,
             frame_limit: None,
+            deferred: false,
             rbuf: BytesMut::new(),
             filled: 0,
             ends: Vec::new(),
@@ -531,8 +535,10 @@ impl Conn {
         // A frame held back at the receive limit is looked at again first:
         // the frames before it may have lifted the limit.
         let handed_on = events.len();
-        if self.filled > 0 && self.split_frames(peer, max_frame, false, events)? == Split::Deferred
+        if std::mem::take(&mut self.deferred)
+            && self.split_frames(peer, max_frame, false, events)? == Split::Deferred
         {
+            self.deferred = true;
             self.read_more = true;
             return Ok(());
         }
@@ -578,6 +584,7 @@ impl Conn {
                     let behind_frames = events.len() > handed_on;
                     if self.split_frames(peer, max_frame, behind_frames, events)? == Split::Deferred
                     {
+                        self.deferred = true;
                         self.read_more = true;
                         return Ok(());
                     }
