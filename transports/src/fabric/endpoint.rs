@@ -23,6 +23,12 @@
 //!   posted length fits the provider's `inject_size` goes with `fi_inject`
 //!   and is free again at once. No free slot returns `WouldBlock`, and
 //!   `Writable` follows once a slot is free.
+//! - Each peer may hold only its share of the tx slots and of the bytes in
+//!   them (`may_take_slot`): a receiver that stops taking messages (a
+//!   stopped process, or an efa receiver that posts nothing while
+//!   `rnr_retry` keeps the sends alive) pins its own sends and no one
+//!   else's. Its sender sees `WouldBlock` for it alone, so its frames wait
+//!   in the session's queue, where the slow-consumer policy applies.
 //! - A frame whose body (the payload, shared with the caller) has at least
 //!   `SHARE_MIN` bytes is not copied where the provider can send from it:
 //!   the slot carries the header and the frame's head, and `fi_sendv`
@@ -92,6 +98,14 @@ const LEND_MIN: usize = 8 << 10;
 /// Smallest frame body sent from where it lies rather than copied.
 const SHARE_MIN: usize = 8 << 10;
 
+/// A peer's share of the tx slots: at most this fraction of them...
+const PEER_SLOTS_DIVISOR: usize = 16;
+/// ...but never fewer than this many, so every peer can make progress.
+const PEER_SLOTS_MIN: usize = 2;
+/// Frame bytes one peer may have in tx slots (waiting or posted). A frame
+/// alone may exceed it.
+const PEER_TX_BYTES: usize = 8 << 20;
+
 /// What the provider granted, as the endpoint uses it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinkInfo {
@@ -145,6 +159,9 @@ pub struct FabricStats {
     /// `max_addresses` already.
     pub refused_senders: u64,
     pub would_block: u64,
+    /// Sends refused because the peer held its whole share of the tx slots
+    /// or bytes while other slots were free (a slow or stopped receiver).
+    pub peer_share_full: u64,
     pub tx_errors: u64,
     pub rx_errors: u64,
     /// The most recent error the endpoint absorbed (a failed completion
@@ -157,6 +174,8 @@ struct PeerState {
     fi_addr: u64,
     /// Frame bytes in tx slots: waiting in `backlog` or posted.
     queued_bytes: usize,
+    /// Tx slots this peer holds: waiting in `backlog` or posted.
+    slots: usize,
     /// Encoded tx slots not posted yet, oldest first: new ones, which the
     /// next poll posts, and ones the provider refused with -FI_EAGAIN
     /// (e.g. while `tcp;ofi_rxm` connects). The newest may still take
@@ -202,6 +221,10 @@ pub struct FabricEndpoint {
     closed_order: VecDeque<Vec<u8>>,
 
     free_tx: Vec<usize>,
+    /// Most tx slots one peer may hold; see [`FabricEndpoint::may_take_slot`].
+    peer_slots: usize,
+    /// Free slots kept for peers holding fewer than `PEER_SLOTS_MIN`.
+    reserved_slots: usize,
     /// Per tx slot: the peer and frame length it carries, while in use.
     tx_owner: Vec<Option<(PeerId, usize)>>,
     /// Per tx slot: the length to post (prefix and header included).
@@ -432,6 +455,8 @@ impl FabricEndpoint {
             closed_addrs: HashSet::new(),
             closed_order: VecDeque::new(),
             free_tx: (0..tx_depth).rev().collect(),
+            peer_slots: (tx_depth / PEER_SLOTS_DIVISOR).max(PEER_SLOTS_MIN),
+            reserved_slots: tx_depth / 8,
             tx_owner: vec![None; tx_depth],
             tx_post_len: vec![0; tx_depth],
             tx_body: vec![None; tx_depth],
@@ -522,14 +547,24 @@ impl FabricEndpoint {
         self.flush_backlogs();
         self.post_receives()?;
         if !self.free_tx.is_empty() {
-            for peer in std::mem::take(&mut self.writable_waiters) {
-                let Some(state) = self.peers.get_mut(&peer) else {
-                    continue;
+            // A peer still at its share keeps waiting: waking it would
+            // only have it refused again.
+            let mut waiters = std::mem::take(&mut self.writable_waiters);
+            waiters.retain(|&peer| {
+                let Some(state) = self.peers.get(&peer) else {
+                    return false;
                 };
-                if std::mem::take(&mut state.wants_writable) {
-                    self.pending.push_back(Event::Writable { peer });
+                if !self.may_take_slot(state, 0) {
+                    return true;
                 }
-            }
+                if let Some(state) = self.peers.get_mut(&peer) {
+                    if std::mem::take(&mut state.wants_writable) {
+                        self.pending.push_back(Event::Writable { peer });
+                    }
+                }
+                false
+            });
+            self.writable_waiters = waiters;
         }
         Ok(())
     }
@@ -683,6 +718,20 @@ impl FabricEndpoint {
         }
     }
 
+    /// Whether a peer holding `state`'s slots and bytes may take one more
+    /// slot for `len` more bytes. Each peer gets a share (`peer_slots`
+    /// slots, `PEER_TX_BYTES` bytes), and a peer already holding
+    /// `PEER_SLOTS_MIN` leaves the last `reserved_slots` free ones to the
+    /// others: a receiver that stops taking its messages holds no more than
+    /// its share, and the sends to everyone else go on.
+    fn may_take_slot(&self, state: &PeerState, len: usize) -> bool {
+        let first = state.slots < PEER_SLOTS_MIN;
+        first
+            || state.slots < self.peer_slots
+                && state.queued_bytes + len <= PEER_TX_BYTES
+                && self.free_tx.len() > self.reserved_slots
+    }
+
     /// Whether a received run of `len` bytes is lent rather than copied:
     /// large enough, on RDM only (a DGRAM peer's window counts on every
     /// receive staying posted; an RDM provider holds early messages itself),
@@ -754,6 +803,7 @@ impl FabricEndpoint {
                 addr: addr.to_vec(),
                 fi_addr,
                 queued_bytes: 0,
+                slots: 0,
                 backlog: VecDeque::new(),
                 wants_writable: false,
                 pack_limit: 0,
@@ -846,6 +896,7 @@ impl FabricEndpoint {
         if let Some((peer, len)) = self.tx_owner[slot].take() {
             if let Some(state) = self.peers.get_mut(&peer) {
                 state.queued_bytes = state.queued_bytes.saturating_sub(len);
+                state.slots = state.slots.saturating_sub(1);
             }
         }
         self.free_tx.push(slot);
@@ -1075,15 +1126,25 @@ impl Endpoint for FabricEndpoint {
             }
         }
 
-        let slot = match self.free_tx.pop() {
-            Some(slot) => slot,
-            None => {
-                self.progress().map_err(other)?;
-                match self.free_tx.pop() {
-                    Some(slot) => slot,
-                    None => return Err(self.would_block(peer, frame)),
-                }
+        let may_take = |endpoint: &Self| {
+            endpoint
+                .peers
+                .get(&peer)
+                .is_some_and(|state| endpoint.may_take_slot(state, len))
+        };
+        if !may_take(self) || self.free_tx.is_empty() {
+            // Completions read now may free slots of this peer's.
+            self.progress().map_err(other)?;
+            if !self.peers.contains_key(&peer) {
+                return Err(SendError::Closed(peer));
             }
+            if !may_take(self) && !self.free_tx.is_empty() {
+                self.stats.peer_share_full += 1;
+                return Err(self.would_block(peer, frame));
+            }
+        }
+        let Some(slot) = self.free_tx.pop() else {
+            return Err(self.would_block(peer, frame));
         };
         // SAFETY: the slot came off the free list, so no send using it is
         // in flight.
@@ -1113,6 +1174,7 @@ impl Endpoint for FabricEndpoint {
             return Err(SendError::Closed(peer));
         };
         state.queued_bytes += len;
+        state.slots += 1;
         if state.backlog.is_empty() {
             self.backlogged.push(peer);
         }
