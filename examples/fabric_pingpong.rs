@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_core::transport::{
-    Endpoint, EndpointConfig, Event, FabricOptions, OutFrame, PeerId, Transport,
+    Endpoint, EndpointConfig, Event, FabricOptions, LinkKeys, OutFrame, PeerId, Transport,
 };
 use efabus_transports::fabric::FabricTransport;
 
@@ -164,8 +164,25 @@ fn run(provider: &str, size: usize, iterations: usize) -> Result<(), Failure> {
     let out = frame(size)?;
     let mut pinger = open(provider, size)?;
     let mut ponger = open(provider, size)?;
+    // Every fabric message is authenticated; a session layer agrees the
+    // keys over its control link, here both ends are in one process.
+    let pinger_keys = LinkKeys {
+        send_key: [1; 32],
+        receive_key: [2; 32],
+        local_id: 1,
+        remote_id: 2,
+    };
+    let ponger_keys = LinkKeys {
+        send_key: pinger_keys.receive_key,
+        receive_key: pinger_keys.send_key,
+        local_id: 2,
+        remote_id: 1,
+    };
     let ponger_peer = pinger
-        .insert_peer(&ponger.local_addr())
+        .insert_peer(&ponger.local_addr(), &pinger_keys)
+        .map_err(|e| e.to_string())?;
+    ponger
+        .insert_peer(&pinger.local_addr(), &ponger_keys)
         .map_err(|e| e.to_string())?;
     let finished = Arc::new(AtomicBool::new(false));
     let echo_finished = finished.clone();

@@ -27,7 +27,9 @@ use crossbeam_channel::Sender;
 use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::credit::CREDIT_DELAY;
-use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, PROTOCOL_VERSION};
+use efabus_core::frame::{
+    self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, LinkAuth, PROTOCOL_VERSION,
+};
 use efabus_core::link::LinkTuning;
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
@@ -47,7 +49,8 @@ use crate::config::SlowConsumerPolicy;
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::endpoints;
 use crate::error::Error;
-use crate::session::data_link::LinkKind;
+use crate::session::data_link::{Keying, LinkKind};
+use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::{self, Control, Queued, SendCounts, RUN_MAX};
 use crate::session::{Connection, Heartbeat, Liveness};
 use crate::wait::{prepare_wait, wait, Polled};
@@ -940,6 +943,8 @@ struct ClientLoop {
     next_nonce: u64,
     ever_connected: bool,
     offers: Vec<Offer>,
+    /// This side's part of the current handshake's link keys.
+    link_secret: Option<LinkSecret>,
     tuning: LinkTuning,
     released: Vec<Bytes>,
     /// Why data endpoints could not open: the start of every handshake's
@@ -998,6 +1003,7 @@ impl ClientLoop {
             flushes: Vec::new(),
             next_nonce: 1,
             ever_connected: false,
+            link_secret: None,
             offers,
             tuning: LinkTuning::default(),
             released: Vec::new(),
@@ -1152,11 +1158,25 @@ impl ClientLoop {
         let control = &mut self.endpoints[CONTROL];
         match control.connect(&self.address) {
             Ok(peer) => {
+                // A fresh secret per handshake: keys never outlive a session.
+                let wants_links = self
+                    .offers
+                    .iter()
+                    .any(|o| endpoints::is_data_scheme(&o.scheme));
+                self.link_secret = match wants_links.then(LinkSecret::new) {
+                    Some(Ok(secret)) => Some(secret),
+                    Some(Err(err)) => {
+                        warn!(%err, "no data links for this connection");
+                        None
+                    }
+                    None => None,
+                };
                 let hello = Frame::Hello(Hello {
                     version: PROTOCOL_VERSION,
                     name: self.shared.options.name.clone(),
                     credentials: self.shared.options.credentials.clone(),
                     offers: self.offers.clone(),
+                    link_auth: self.link_secret.as_ref().map(|s| s.auth().clone()),
                 });
                 let _ = control.send(peer, codec::encode(&hello));
                 self.conn.control.peer = peer;
@@ -1339,7 +1359,7 @@ impl ClientLoop {
                 }
                 self.ever_connected = true;
                 info!(server = %self.shared.server, name = %welcome.name, "connected");
-                self.open_data_links(&welcome.offers);
+                self.open_data_links(&welcome.offers, welcome.link_auth.as_ref());
                 // Publishers may write to the control link themselves while
                 // it carries the traffic.
                 let direct = match self.conn.links.reliable {
@@ -1603,14 +1623,24 @@ impl ClientLoop {
     /// Open the data links both sides agree on, from the server's offers.
     /// The client moves its traffic to the reliable data link at once; the
     /// server follows when the first frame arrives there.
-    fn open_data_links(&mut self, remote: &[Offer]) {
+    fn open_data_links(&mut self, remote: &[Offer], remote_auth: Option<&LinkAuth>) {
         self.conn.links.close(&mut self.endpoints);
+        let keying = self
+            .link_secret
+            .as_ref()
+            .zip(remote_auth)
+            .map(|(secret, peer)| Keying {
+                secret,
+                role: HandshakeRole::Dialer,
+                peer,
+            });
         let negotiation = self.conn.links.open(
             &mut self.endpoints,
             &self.offers,
             remote,
             &self.shared.options.preference,
             &self.tuning,
+            keying,
         );
         self.conn.links.in_use = self.conn.links.reliable.is_some();
         let mut report = self.shared.link.lock();

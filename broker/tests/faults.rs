@@ -90,6 +90,7 @@ impl RawPeer {
             name: name.to_string(),
             credentials: None,
             offers: Vec::new(),
+            link_auth: None,
         }));
     }
 

@@ -291,6 +291,7 @@ impl Raw {
             name: "raw".into(),
             credentials: None,
             offers: Vec::new(),
+            link_auth: None,
         }));
         match self.next_frame(WAIT) {
             Some(Frame::Welcome(_)) => {}
@@ -849,6 +850,7 @@ fn repeated_failed_authentications_lock_the_address_out_for_a_while() {
             name: "guesser".into(),
             credentials: Some(secret.into()),
             offers: Vec::new(),
+            link_auth: None,
         }));
         raw.next_frame(WAIT)
     };
@@ -1068,6 +1070,7 @@ fn a_wrong_protocol_version_gets_the_version_error() {
         name: "future".into(),
         credentials: None,
         offers: Vec::new(),
+        link_auth: None,
     }));
     let error = the_error(&raw.until_closed());
     assert_eq!(error.code, ErrorCode::Version);

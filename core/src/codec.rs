@@ -55,8 +55,8 @@ use thiserror::Error;
 
 use crate::caps::Offer;
 use crate::frame::{
-    Credit, ErrorFrame, Fragment, Frame, Goodbye, Hello, Message, Publish, RouteHello, Subscribe,
-    Welcome,
+    Credit, ErrorFrame, Fragment, Frame, Goodbye, Hello, LinkAuth, Message, Publish, RouteHello,
+    Subscribe, Welcome,
 };
 use crate::transport::OutFrame;
 
@@ -1127,11 +1127,13 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
             let name = String::decode(de).map_err(err)?;
             let credentials = Option::<String>::decode(de).map_err(err)?;
             let offers = decode_offers(kind, de)?;
+            let link_auth = serde_value::<Option<LinkAuth>, D>(kind, de)?;
             Frame::Hello(Hello {
                 version,
                 name,
                 credentials,
                 offers,
+                link_auth,
             })
         }
         FrameKind::Welcome => {
@@ -1139,11 +1141,13 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
             let name = String::decode(de).map_err(err)?;
             let offers = decode_offers(kind, de)?;
             let max_payload = u64::decode(de).map_err(err)?;
+            let link_auth = serde_value::<Option<LinkAuth>, D>(kind, de)?;
             Frame::Welcome(Welcome {
                 version,
                 name,
                 offers,
                 max_payload,
+                link_auth,
             })
         }
         FrameKind::Subscribe => Frame::Subscribe(serde_value::<Subscribe, D>(kind, de)?),

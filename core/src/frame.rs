@@ -13,7 +13,7 @@ use crate::caps::Offer;
 
 /// Version of the wire protocol spoken by this build. A peer whose hello
 /// carries another major version is refused with [`ErrorCode::Version`].
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// How a subscription wants its messages carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -36,6 +36,20 @@ pub struct Hello {
     pub credentials: Option<String>,
     /// Data paths the sender can open, best first as configured.
     pub offers: Vec<Offer>,
+    /// This side's part of the keys of the data links; data links open
+    /// only when both sides give one.
+    pub link_auth: Option<LinkAuth>,
+}
+
+/// One side's part in agreeing the keys of a session's data links: an
+/// ephemeral X25519 public key, and the id this side gives the links (what
+/// messages to it carry). It travels only on the control link.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkAuth {
+    /// The sender's X25519 public key for this handshake.
+    pub key_share: [u8; 32],
+    /// The id the sender gives the session's data links.
+    pub link_id: u64,
 }
 
 /// The accepting side's answer to a valid [`Hello`].
@@ -49,6 +63,8 @@ pub struct Welcome {
     pub offers: Vec<Offer>,
     /// Largest payload the server accepts in one publish.
     pub max_payload: u64,
+    /// The accepting side's part of the data links' keys (see [`Hello`]).
+    pub link_auth: Option<LinkAuth>,
 }
 
 /// Register interest in a subject pattern.

@@ -394,6 +394,33 @@ pub trait Transport: Send + Sync {
     fn open(&self, config: &EndpointConfig) -> Result<Box<dyn Endpoint>, TransportError>;
 }
 
+/// What authenticates one link of a connectionless endpoint: a key for
+/// each direction and an id for each end. The session layer agrees them
+/// over its control link; they never travel on the link they protect.
+#[derive(Clone, PartialEq, Eq)]
+pub struct LinkKeys {
+    /// Key of the messages this side sends.
+    pub send_key: [u8; 32],
+    /// Key of the messages the peer sends.
+    pub receive_key: [u8; 32],
+    /// The id this side gave the link; messages to this side carry it, so
+    /// a receiver finds the link (and its key) without trusting the
+    /// sender's word for who it is.
+    pub local_id: u64,
+    /// The id the peer gave the link, carried by every message sent to it.
+    pub remote_id: u64,
+}
+
+impl fmt::Debug for LinkKeys {
+    /// Ids only: keys never reach a log.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LinkKeys")
+            .field("local_id", &self.local_id)
+            .field("remote_id", &self.remote_id)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A message-oriented, peer-addressed endpoint. See the module docs for the
 /// calling order.
 pub trait Endpoint: Send {
@@ -411,9 +438,12 @@ pub trait Endpoint: Send {
     fn connect(&mut self, addr: &str) -> Result<PeerId, TransportError>;
 
     /// Add a peer by its raw address bytes (as `local_addr` returned them on
-    /// the peer), for connectionless endpoints such as libfabric RDM/DGRAM.
-    fn insert_peer(&mut self, addr: &[u8]) -> Result<PeerId, TransportError> {
-        let _ = addr;
+    /// the peer), for connectionless endpoints such as libfabric RDM/DGRAM,
+    /// with the keys that authenticate every message of the link. Each call
+    /// makes a new peer, even for an address already known: two links to
+    /// one address are told apart by their ids.
+    fn insert_peer(&mut self, addr: &[u8], keys: &LinkKeys) -> Result<PeerId, TransportError> {
+        let _ = (addr, keys);
         Err(TransportError::Unsupported {
             scheme: self.scheme().to_string(),
             operation: "insert_peer",

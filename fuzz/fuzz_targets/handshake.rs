@@ -12,7 +12,7 @@ use efabus_core::caps::{
     negotiate, parse_fi_info_dump, EpType, FabricInfo, Offer, MIN_FRAME_LIMIT,
 };
 use efabus_core::codec::{self, CodecLimits};
-use efabus_core::frame::{Frame, Hello, Welcome, PROTOCOL_VERSION};
+use efabus_core::frame::{Frame, Hello, LinkAuth, Welcome, PROTOCOL_VERSION};
 use efabus_core::link::{LinkConfig, LinkSender, LinkTuning};
 use libfuzzer_sys::fuzz_target;
 
@@ -58,6 +58,10 @@ fn setup() -> &'static Setup {
             name: "peer".into(),
             credentials: Some("secret".into()),
             offers: remote.clone(),
+            link_auth: Some(LinkAuth {
+                key_share: [9; 32],
+                link_id: 7,
+            }),
         }))
         .to_bytes()
         .to_vec();
@@ -66,6 +70,7 @@ fn setup() -> &'static Setup {
             name: "broker".into(),
             offers: offers(EFA),
             max_payload: 1 << 20,
+            link_auth: None,
         }))
         .to_bytes()
         .to_vec();

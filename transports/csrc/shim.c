@@ -306,6 +306,13 @@ int efabus_av_insert(struct fid_av *av, const void *addr, uint64_t *fi_addr)
 	return ret;
 }
 
+int efabus_av_remove(struct fid_av *av, uint64_t fi_addr)
+{
+	fi_addr_t addr = fi_addr;
+
+	return fi_av_remove(av, &addr, 1, 0);
+}
+
 int efabus_wait_open(struct fid_fabric *fabric, struct fid_wait **wait)
 {
 	struct fi_wait_attr attr;

@@ -199,6 +199,7 @@ int efabus_av_open(struct fid_domain *domain, uint64_t type, uint64_t count,
 int efabus_av_close(struct fid_av *av);
 /* Inserts one address; returns 1 on success, <= 0 on failure. */
 int efabus_av_insert(struct fid_av *av, const void *addr, uint64_t *fi_addr);
+int efabus_av_remove(struct fid_av *av, uint64_t fi_addr);
 
 /* A wait set with an fd (FI_WAIT_FD) that CQs may signal. */
 int efabus_wait_open(struct fid_fabric *fabric, struct fid_wait **wait);

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_core::transport::{
-    CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+    CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId, Readiness, SendError,
     Transport, TransportError,
 };
 use mio::unix::SourceFd;
@@ -241,17 +241,44 @@ pub fn link<F: EndpointFactory + ?Sized>(
         }
         LinkStyle::InsertPeer => {
             let client_addr = nodes[client].ep.local_addr();
+            let (client_keys, server_keys) = link_keys();
             let c = nodes[client]
                 .ep
-                .insert_peer(&server_addr)
+                .insert_peer(&server_addr, &client_keys)
                 .unwrap_or_else(|e| panic!("{}: insert_peer: {e}", f.name()));
             let s = nodes[server]
                 .ep
-                .insert_peer(&client_addr)
+                .insert_peer(&client_addr, &server_keys)
                 .unwrap_or_else(|e| panic!("{}: insert_peer: {e}", f.name()));
             (c, s)
         }
     }
+}
+
+static NEXT_LINK_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Matching keys for the two ends of a test link, with ids never used
+/// before in this process (a session layer agrees real ones).
+pub fn link_keys() -> (LinkKeys, LinkKeys) {
+    let id = NEXT_LINK_ID.fetch_add(2, Ordering::Relaxed);
+    let key = |n: u64| {
+        let mut key = [0u8; 32];
+        key[..8].copy_from_slice(&n.to_le_bytes());
+        key
+    };
+    let a = LinkKeys {
+        send_key: key(id),
+        receive_key: key(id + 1),
+        local_id: id,
+        remote_id: id + 1,
+    };
+    let b = LinkKeys {
+        send_key: a.receive_key,
+        receive_key: a.send_key,
+        local_id: a.remote_id,
+        remote_id: a.local_id,
+    };
+    (a, b)
 }
 
 /// A bound endpoint and a client endpoint, linked: nodes 0 (client) and 1
@@ -834,9 +861,10 @@ pub fn readiness_fd<F: EndpointFactory + ?Sized>(f: &F) {
 
 /// Connectionless endpoints: `close` forgets a peer at once. The closer
 /// sees one `Closed { Local }`, its sends to the old id fail with `Closed`
-/// and nothing stays queued for it; inserting the address again gives a new
-/// id, over which frames cross both ways. (The other side hears nothing:
-/// there is no connection to end, so that is not checked either way.)
+/// and nothing stays queued for it; inserting the address again (a new
+/// link, with new keys on both sides) gives a new id, over which frames
+/// cross both ways. (The other side hears nothing: there is no connection
+/// to end, so that is not checked either way.)
 pub fn close_locally<F: EndpointFactory + ?Sized>(f: &F) {
     assert_eq!(f.style(), LinkStyle::InsertPeer);
     let (mut nodes, c, s) = pair(f, f.config(), f.config());
@@ -865,11 +893,18 @@ pub fn close_locally<F: EndpointFactory + ?Sized>(f: &F) {
     assert_eq!(mentions, 1, "exactly one Closed for {c}");
 
     let server_addr = nodes[1].ep.local_addr();
+    let client_addr = nodes[0].ep.local_addr();
+    let (client_keys, server_keys) = link_keys();
     let again = nodes[0]
         .ep
-        .insert_peer(&server_addr)
+        .insert_peer(&server_addr, &client_keys)
         .unwrap_or_else(|e| panic!("{}: insert_peer again: {e}", f.name()));
     assert_ne!(again, c, "a closed id is not reused");
+    nodes[1].ep.close(s);
+    let s = nodes[1]
+        .ep
+        .insert_peer(&client_addr, &server_keys)
+        .unwrap_or_else(|e| panic!("{}: insert_peer again: {e}", f.name()));
     nodes[0].ep.send(again, numbered(12, 0, 40)).expect("send");
     nodes[1].ep.send(s, numbered(13, 0, 40)).expect("send");
     pump_until(&mut nodes, "a frame each way after re-inserting", |n| {

@@ -70,7 +70,7 @@ use bytes::Bytes;
 use efabus_core::caps::FabricInfo;
 use efabus_core::codec::PREFIX_LEN;
 use efabus_core::transport::{
-    CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+    CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId, Readiness, SendError,
     Transport, TransportError,
 };
 use parking_lot::Mutex;
@@ -789,8 +789,8 @@ impl Endpoint for FaultyEndpoint {
         self.inner.connect(addr)
     }
 
-    fn insert_peer(&mut self, addr: &[u8]) -> Result<PeerId, TransportError> {
-        self.inner.insert_peer(addr)
+    fn insert_peer(&mut self, addr: &[u8], keys: &LinkKeys) -> Result<PeerId, TransportError> {
+        self.inner.insert_peer(addr, keys)
     }
 
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {

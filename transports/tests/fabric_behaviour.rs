@@ -34,9 +34,10 @@ mod suite {
 
     use bytes::Bytes;
     use efabus_core::transport::{
-        CloseReason, Endpoint, EndpointConfig, Event, FabricOptions, OutFrame, PeerId, SendError,
-        Transport, TransportError,
+        CloseReason, Endpoint, EndpointConfig, Event, FabricOptions, LinkKeys, OutFrame, PeerId,
+        SendError, Transport, TransportError,
     };
+    use efabus_transports::conformance::link_keys;
     use efabus_transports::fabric::{addr_to_hex, EpKind, FabricEndpoint, FabricTransport};
 
     use super::fabric_required;
@@ -171,11 +172,30 @@ mod suite {
         let a_addr = a.local_addr();
         assert!(!a_addr.is_empty());
         assert_ne!(a_addr, b_addr, "two endpoints with one address");
-        let pb = a.insert_peer(&b_addr).expect("insert b");
-        let pa = b.insert_peer(&a_addr).expect("insert a");
-        // Inserting again gives the same peer.
-        assert_eq!(a.insert_peer(&b_addr).unwrap(), pb);
+        let (a_keys, b_keys) = link_keys();
+        let pb = a.insert_peer(&b_addr, &a_keys).expect("insert b");
+        let pa = b.insert_peer(&a_addr, &b_keys).expect("insert a");
+        // A link id is one link's alone.
+        assert!(a.insert_peer(&b_addr, &a_keys).is_err());
         (pb, pa)
+    }
+
+    /// Polls both until `b` has counted `what` (read by `count`) past
+    /// `before`.
+    fn until_counted(
+        a: &mut FabricEndpoint,
+        b: &mut FabricEndpoint,
+        be: &mut Vec<Event>,
+        count: impl Fn(&efabus_transports::fabric::FabricStats) -> u64,
+        what: &str,
+    ) {
+        let before = count(b.stats());
+        let start = Instant::now();
+        while count(b.stats()) == before {
+            a.poll(&mut Vec::new()).expect("poll sender");
+            b.poll(be).expect("poll receiver");
+            assert!(start.elapsed() < DEADLINE, "never counted: {what}");
+        }
     }
 
     pub fn exchange_both_directions(kind: EpKind, provider: &str, extra: &[(&str, &str)]) {
@@ -492,56 +512,91 @@ mod suite {
         assert_eq!(b.stats().malformed, 0);
     }
 
-    /// A sender the receiver has not inserted is announced with `Accepted`,
-    /// and inserting its address later names the same peer. `connect` takes
-    /// the address as hex; `close` ends a peer.
-    pub fn accept_connect_close(kind: EpKind, provider: &str) {
+    /// Only a peer inserted with its link's keys is heard. A sender the
+    /// receiver never inserted, one naming a live link with the wrong key,
+    /// and one forging the address of the link's peer are dropped and
+    /// counted: no `Accepted`, no frame. `connect` is refused (a fabric
+    /// peer needs keys); `close` ends a peer, and a new link to the same
+    /// address is a new peer.
+    pub fn strangers_and_forgeries_are_dropped(kind: EpKind, provider: &str) {
         let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
             return;
         };
         let (mut ae, mut be) = (Vec::new(), Vec::new());
-        let pb = a
-            .connect(&addr_to_hex(&b.local_addr()))
-            .expect("connect by hex");
-        assert!(a.connect("not hex").is_err());
-        a.send(pb, frame(b"hello stranger"))
-            .unwrap_or_else(|e| panic!("send: {e}"));
+        assert!(a.connect(&addr_to_hex(&b.local_addr())).is_err());
+        let (a_keys, b_keys) = link_keys();
+        let pb = a.insert_peer(&b.local_addr(), &a_keys).expect("insert b");
+        // `b` has not inserted `a`: the link id names nothing there.
+        a.send(pb, frame(b"hello stranger")).expect("send");
+        until_counted(&mut a, &mut b, &mut be, |s| s.unknown_links, "a stranger");
+        let pa = b.insert_peer(&a.local_addr(), &b_keys).expect("insert a");
+        a.send(pb, frame(b"hello friend")).expect("send");
         pump(
             &mut a,
             &mut b,
             &mut ae,
             &mut be,
-            |_, be| be.iter().any(|e| matches!(e, Event::Frame { .. })),
-            "frame from an unknown sender",
+            |_, be| !frames_from(be, pa).is_empty(),
+            "a frame over a keyed link",
         );
-        let (accepted, remote) = be
-            .iter()
-            .find_map(|e| match e {
-                Event::Accepted { peer, remote } => Some((*peer, remote.clone())),
-                _ => None,
-            })
-            .expect("Accepted before the first frame");
-        assert_eq!(remote, addr_to_hex(&a.local_addr()));
-        assert_eq!(frames_from(&be, accepted).len(), 1);
-        assert_eq!(b.insert_peer(&a.local_addr()).unwrap(), accepted);
+        assert_eq!(payload_of(&frames_from(&be, pa)[0]), b"hello friend");
 
-        b.close(accepted);
+        // An attacker that knows the link id but not the key, first as
+        // itself, then claiming `a`'s address.
+        let t = transport(kind);
+        let mut attacker = t.open_fabric(&config(provider, &[])).expect("attacker");
+        let stolen = LinkKeys {
+            send_key: [0x66; 32],
+            ..a_keys.clone()
+        };
+        let to_b = attacker
+            .insert_peer(&b.local_addr(), &stolen)
+            .expect("insert b");
+        attacker.send(to_b, frame(b"forged")).expect("send");
+        until_counted(
+            &mut attacker,
+            &mut b,
+            &mut be,
+            |s| s.forged,
+            "another address",
+        );
+        attacker.claim_address(&a.local_addr());
+        attacker.send(to_b, frame(b"forged as a")).expect("send");
+        until_counted(&mut attacker, &mut b, &mut be, |s| s.forged, "a wrong key");
+        assert!(
+            !be.iter().any(|e| matches!(e, Event::Accepted { .. })
+                || matches!(e, Event::Frame { frame, .. } if payload_of(frame) != b"hello friend")),
+            "only the keyed peer's frame got through: {be:?}"
+        );
+
+        b.close(pa);
         let mut events = Vec::new();
         b.poll(&mut events).unwrap();
         assert!(events.contains(&Event::Closed {
-            peer: accepted,
+            peer: pa,
             reason: CloseReason::Local
         }));
         assert!(matches!(
-            b.send(accepted, frame(b"x")),
-            Err(SendError::Closed(p)) if p == accepted
+            b.send(pa, frame(b"x")),
+            Err(SendError::Closed(p)) if p == pa
         ));
-        assert_eq!(b.queued_bytes(accepted), 0);
-        // Inserting the address again opens a new peer.
-        let again = b.insert_peer(&a.local_addr()).unwrap();
-        assert_ne!(again, accepted);
+        assert_eq!(b.queued_bytes(pa), 0);
+        // A late message of the closed link is a stranger's now.
+        a.send(pb, frame(b"too late")).expect("send");
+        until_counted(
+            &mut a,
+            &mut b,
+            &mut be,
+            |s| s.unknown_links,
+            "a closed link",
+        );
+        // A new link to the same address is a new peer.
+        let (_, fresh) = link_keys();
+        let again = b.insert_peer(&a.local_addr(), &fresh).unwrap();
+        assert_ne!(again, pa);
         // A wrongly sized address is refused, not read past its end.
-        assert!(b.insert_peer(&[1, 2, 3]).is_err());
+        let (_, other) = link_keys();
+        assert!(b.insert_peer(&[1, 2, 3], &other).is_err());
     }
 
     /// Frames sent in a burst, without a poll between them, share
@@ -633,9 +688,11 @@ mod suite {
         assert_eq!(received.rx_errors + received.malformed, 0, "{received:?}");
     }
 
-    /// A receiver bounded to two addresses accepts two unknown senders and
-    /// drops (and counts) what a third sends, while the first two carry on.
-    pub fn unknown_senders_are_bounded(kind: EpKind, provider: &str) {
+    /// An address vector bounded to two addresses holds the addresses of
+    /// two live peers and refuses a third; once a peer closes, its address
+    /// is removed (least recently used first) to make room, and the peers
+    /// left carry on.
+    pub fn unused_addresses_are_evicted(kind: EpKind, provider: &str) {
         let Some((mut first, mut receiver)) = pair(kind, provider, &[("max_addresses", "2")])
         else {
             return;
@@ -643,62 +700,44 @@ mod suite {
         let t = transport(kind);
         let mut second = t.open_fabric(&config(provider, &[])).expect("sender");
         let mut third = t.open_fabric(&config(provider, &[])).expect("sender");
-        let receiver_addr = addr_to_hex(&receiver.local_addr());
+        let (p1, r1) = insert_each_other(&mut first, &mut receiver);
+        let (p2, r2) = insert_each_other(&mut second, &mut receiver);
+        let (_, r3_keys) = link_keys();
+        let refused = receiver.insert_peer(&third.local_addr(), &r3_keys);
+        assert!(refused.is_err(), "a third live address fits in two");
+        receiver.close(r1);
+        let (t_keys, r3_keys) = link_keys();
+        let r3 = receiver
+            .insert_peer(&third.local_addr(), &r3_keys)
+            .expect("room once a peer closed");
+        assert_eq!(receiver.stats().av_evictions, 1);
+        let p3 = third
+            .insert_peer(&receiver.local_addr(), &t_keys)
+            .expect("insert receiver");
         let mut events = Vec::new();
-        let mut accepted = Vec::new();
-        for (sender, text) in [
-            (&mut first, b"one".as_slice()),
-            (&mut second, b"two".as_slice()),
+        for (sender, to, from, text) in [
+            (&mut third, p3, r3, b"three".as_slice()),
+            (&mut second, p2, r2, b"two".as_slice()),
         ] {
-            let to = sender.connect(&receiver_addr).expect("connect");
             sender.send(to, frame(text)).expect("send");
             let start = Instant::now();
-            let peer = loop {
+            while !events.iter().any(|e| {
+                matches!(e, Event::Frame { peer, frame } if *peer == from && payload_of(frame) == text)
+            }) {
                 sender.poll(&mut Vec::new()).expect("poll sender");
                 receiver.poll(&mut events).expect("poll receiver");
-                if let Some(peer) = events.iter().find_map(|e| match e {
-                    Event::Frame { peer, frame } if payload_of(frame) == text => Some(*peer),
-                    _ => None,
-                }) {
-                    break peer;
-                }
-                assert!(start.elapsed() < DEADLINE, "no frame from a sender");
-            };
-            accepted.push(peer);
-            events.clear();
-        }
-        let to = third.connect(&receiver_addr).expect("connect");
-        third.send(to, frame(b"three")).expect("send");
-        let start = Instant::now();
-        while receiver.stats().refused_senders == 0 {
-            third.poll(&mut Vec::new()).expect("poll third");
-            receiver.poll(&mut events).expect("poll receiver");
-            assert!(
-                start.elapsed() < DEADLINE,
-                "the third sender was never refused"
-            );
-        }
-        assert!(
-            !events
-                .iter()
-                .any(|e| matches!(e, Event::Frame { .. } | Event::Accepted { .. })),
-            "the third sender got through: {events:?}"
-        );
-        // A known sender is still heard.
-        let to = first.connect(&receiver_addr).expect("connect");
-        first.send(to, frame(b"one again")).expect("send");
-        let start = Instant::now();
-        loop {
-            first.poll(&mut Vec::new()).expect("poll first");
-            receiver.poll(&mut events).expect("poll receiver");
-            if events.iter().any(|e| {
-                matches!(e, Event::Frame { peer, frame }
-                    if *peer == accepted[0] && payload_of(frame) == b"one again")
-            }) {
-                break;
+                assert!(start.elapsed() < DEADLINE, "no frame from {from}");
             }
-            assert!(start.elapsed() < DEADLINE, "a known sender was not heard");
         }
+        // The evicted address's late messages go nowhere.
+        first.send(p1, frame(b"one")).expect("send");
+        until_counted(
+            &mut first,
+            &mut receiver,
+            &mut events,
+            |s| s.unknown_links,
+            "a closed peer",
+        );
     }
 
     /// A message larger than the receiver's buffers (peers configured with
@@ -960,7 +999,9 @@ mod suite {
             }
         };
         assert_eq!(t.scheme(), kind.scheme());
-        let pb = a.insert_peer(&b.local_addr()).unwrap();
+        let (a_keys, b_keys) = link_keys();
+        let pb = a.insert_peer(&b.local_addr(), &a_keys).unwrap();
+        b.insert_peer(&a.local_addr(), &b_keys).unwrap();
         a.send(pb, frame(b"via dyn Endpoint"))
             .unwrap_or_else(|e| panic!("send: {e}"));
         let start = Instant::now();
@@ -1017,8 +1058,8 @@ macro_rules! provider_suite {
             }
 
             #[test]
-            fn accept_connect_close() {
-                suite::accept_connect_close($kind, $provider);
+            fn strangers_and_forgeries_are_dropped() {
+                suite::strangers_and_forgeries_are_dropped($kind, $provider);
             }
 
             #[test]
@@ -1032,8 +1073,8 @@ macro_rules! provider_suite {
             }
 
             #[test]
-            fn unknown_senders_are_bounded() {
-                suite::unknown_senders_are_bounded($kind, $provider);
+            fn unused_addresses_are_evicted() {
+                suite::unused_addresses_are_evicted($kind, $provider);
             }
 
             #[test]

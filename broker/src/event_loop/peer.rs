@@ -13,7 +13,7 @@ use efabus_core::link::LinkTuning;
 use efabus_core::subject;
 use efabus_core::transport::Endpoint;
 use rustc_hash::FxHashMap as HashMap;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use super::route::RouteRole;
 use super::{EventLoop, Payload};
@@ -21,6 +21,8 @@ use crate::auth_guard::remote_ip;
 use crate::broker::{constant_time_eq, BrokerStats, Shared};
 use crate::config::Config;
 use crate::endpoints;
+use crate::session::data_link::Keying;
+use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::{Batch, Control};
 use crate::session::{Connection, Liveness};
 use crate::subscriptions::SubRef;
@@ -78,6 +80,13 @@ pub(super) struct Session {
     /// Disconnected as a slow consumer: its queue was dropped, and what is
     /// still routed to it before it is gone is dropped too.
     pub cut_off: bool,
+}
+
+/// What this broker brings to a negotiation.
+pub(super) struct LocalPaths<'a> {
+    pub offers: &'a [Offer],
+    pub preference: &'a [String],
+    pub tuning: &'a LinkTuning,
 }
 
 impl Session {
@@ -170,13 +179,17 @@ impl Session {
         &mut self,
         id: u64,
         endpoints: &mut [Box<dyn Endpoint>],
-        offers: &[Offer],
+        local: LocalPaths<'_>,
         remote: &[Offer],
-        preference: &[String],
-        tuning: &LinkTuning,
+        keying: Option<Keying<'_>>,
     ) -> Vec<Offer> {
+        let LocalPaths {
+            offers,
+            preference,
+            tuning,
+        } = local;
         let links = &mut self.conn.links;
-        let negotiation = links.open(endpoints, offers, remote, preference, tuning);
+        let negotiation = links.open(endpoints, offers, remote, preference, tuning, keying);
         for reason in &negotiation.reasons {
             debug!(session = id, %reason, "negotiation");
         }
@@ -331,14 +344,29 @@ impl EventLoop {
             self.fail(id, refusal.code, refusal.text);
             return;
         }
-        let offers = session.negotiate(
-            id,
-            &mut self.endpoints,
-            &self.offers,
-            &hello.offers,
-            &config.negotiation.preference,
-            &self.tuning,
-        );
+        // Keys for the data links, when the peer offers its part.
+        let secret = match hello.link_auth.as_ref().map(|_| LinkSecret::new()) {
+            Some(Ok(secret)) => Some(secret),
+            Some(Err(err)) => {
+                warn!(session = id, %err, "no data links for this session");
+                None
+            }
+            None => None,
+        };
+        let keying = secret
+            .as_ref()
+            .zip(hello.link_auth.as_ref())
+            .map(|(secret, peer)| Keying {
+                secret,
+                role: HandshakeRole::Acceptor,
+                peer,
+            });
+        let local = LocalPaths {
+            offers: &self.offers,
+            preference: &config.negotiation.preference,
+            tuning: &self.tuning,
+        };
+        let offers = session.negotiate(id, &mut self.endpoints, local, &hello.offers, keying);
         for address in session.conn.links.addresses() {
             self.by_peer.insert(address, id);
         }
@@ -353,6 +381,7 @@ impl EventLoop {
             name: config.name.clone(),
             offers,
             max_payload: config.limits.max_payload,
+            link_auth: secret.map(|secret| secret.auth().clone()),
         });
         self.send(id, codec::encode(&welcome), false);
         self.session_ready(id);
@@ -395,6 +424,10 @@ mod tests {
             name: "n".repeat(MAX_NAME_LEN),
             credentials: Some("s".repeat(MAX_SECRET_LEN)),
             offers: vec![offer; 64],
+            link_auth: Some(frame::LinkAuth {
+                key_share: [0xff; 32],
+                link_id: u64::MAX,
+            }),
         });
         let len = codec::encode(&hello).len();
         assert!(len <= HANDSHAKE_FRAME_MAX, "a hello of {len} bytes");

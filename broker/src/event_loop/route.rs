@@ -242,6 +242,7 @@ impl EventLoop {
             credentials: config.auth.secret.clone(),
             // Routes stay on the link they were dialed over (TCP).
             offers: Vec::new(),
+            link_auth: None,
         });
         let route = Frame::Route(RouteHello {
             broker_id: self.cluster.broker_id,

@@ -17,11 +17,13 @@ use efabus_core::caps::{negotiate, Choice, Offer};
 use efabus_core::codec::{self, FrameKind, PREFIX_LEN};
 use efabus_core::credit::{CreditGrant, CreditWindow, Window};
 use efabus_core::frame::Frame;
+use efabus_core::frame::LinkAuth;
 use efabus_core::link::{LinkConfig, LinkError, LinkReceiver, LinkSender, LinkTuning};
-use efabus_core::transport::{Endpoint, OutFrame, PeerId, SendError, TransportError};
+use efabus_core::transport::{Endpoint, LinkKeys, OutFrame, PeerId, SendError, TransportError};
 use thiserror::Error;
 use tracing::warn;
 
+use super::link_auth::{HandshakeRole, LinkSecret};
 use crate::endpoints;
 
 /// Why a data link could not open or send.
@@ -33,6 +35,13 @@ pub enum DataLinkError {
         scheme: String,
         #[source]
         source: TransportError,
+    },
+    /// The link's keys could not be agreed.
+    #[error("{scheme}: {source}")]
+    Keys {
+        scheme: String,
+        #[source]
+        source: super::link_auth::LinkAuthError,
     },
     /// The negotiated parameters leave the link layer unusable.
     #[error("{scheme}: unusable link parameters: {source}")]
@@ -126,16 +135,18 @@ fn windows(config: &LinkConfig, send_window: u64, recv_window: u64) -> (Window, 
 }
 
 impl DataLink {
-    /// Insert the peer's address from the chosen offer into the endpoint
-    /// and set up both directions of the link layer.
+    /// Insert the peer's address from the chosen offer into the endpoint,
+    /// with the keys of the link, and set up both directions of the link
+    /// layer.
     pub fn open(
         endpoint_index: usize,
         endpoint: &mut dyn Endpoint,
         choice: &Choice,
         tuning: &LinkTuning,
+        keys: &LinkKeys,
     ) -> Result<DataLink, DataLinkError> {
         let peer = endpoint
-            .insert_peer(&choice.remote.address)
+            .insert_peer(&choice.remote.address, keys)
             .map_err(|source| DataLinkError::Address {
                 scheme: choice.scheme.clone(),
                 source,
@@ -383,6 +394,13 @@ pub(crate) enum LinkKind {
     BestEffort,
 }
 
+/// This side's part in agreeing link keys, and the peer's.
+pub(crate) struct Keying<'a> {
+    pub secret: &'a LinkSecret,
+    pub role: HandshakeRole,
+    pub peer: &'a LinkAuth,
+}
+
 /// The data links both sides agreed on in one handshake.
 pub(crate) struct Negotiation {
     /// This side's offer of each link opened: put in the welcome so the
@@ -415,6 +433,7 @@ impl DataLinks {
         remote: &[Offer],
         preference: &[String],
         tuning: &LinkTuning,
+        keying: Option<Keying<'_>>,
     ) -> Negotiation {
         let mut negotiation = Negotiation {
             opened: Vec::new(),
@@ -441,7 +460,25 @@ impl DataLinks {
             let Some(index) = endpoints.iter().position(|e| e.scheme() == choice.scheme) else {
                 continue;
             };
-            match DataLink::open(index, endpoints[index].as_mut(), choice, tuning) {
+            // Every fabric message is authenticated: no keys, no link.
+            let Some(keying) = &keying else {
+                negotiation.reasons.push(format!(
+                    "{}: the peer gave no link keys; staying on the control link",
+                    choice.scheme
+                ));
+                continue;
+            };
+            let opened = keying
+                .secret
+                .keys(keying.role, keying.peer, &choice.scheme)
+                .map_err(|source| DataLinkError::Keys {
+                    scheme: choice.scheme.clone(),
+                    source,
+                })
+                .and_then(|keys| {
+                    DataLink::open(index, endpoints[index].as_mut(), choice, tuning, &keys)
+                });
+            match opened {
                 Ok(link) => {
                     negotiation.opened.push(choice.local.clone());
                     match kind {

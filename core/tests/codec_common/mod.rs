@@ -3,8 +3,8 @@
 use bytes::Bytes;
 use efabus_core::caps::{EpType, MsgOrder, Offer, Protocol};
 use efabus_core::frame::{
-    Credit, DeliveryClass, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Hello, Message,
-    Publish, RouteHello, Subscribe, Welcome,
+    Credit, DeliveryClass, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Hello, LinkAuth,
+    Message, Publish, RouteHello, Subscribe, Welcome,
 };
 use proptest::prelude::*;
 
@@ -159,23 +159,40 @@ fn error_code() -> impl Strategy<Value = ErrorCode> {
     ]
 }
 
+/// A side's part of the link keys, or none.
+pub fn link_auth() -> impl Strategy<Value = Option<LinkAuth>> {
+    proptest::option::of(
+        (any::<[u8; 32]>(), any::<u64>())
+            .prop_map(|(key_share, link_id)| LinkAuth { key_share, link_id }),
+    )
+}
+
 /// Any frame, every kind reachable.
 pub fn frame() -> impl Strategy<Value = Frame> {
     prop_oneof![
-        (any::<u16>(), text(), proptest::option::of(text()), offers()).prop_map(
-            |(version, name, credentials, offers)| Frame::Hello(Hello {
-                version,
-                name,
-                credentials,
-                offers
-            })
-        ),
-        (any::<u16>(), text(), offers(), any::<u64>()).prop_map(
-            |(version, name, offers, max_payload)| Frame::Welcome(Welcome {
+        (
+            any::<u16>(),
+            text(),
+            proptest::option::of(text()),
+            offers(),
+            link_auth()
+        )
+            .prop_map(
+                |(version, name, credentials, offers, link_auth)| Frame::Hello(Hello {
+                    version,
+                    name,
+                    credentials,
+                    offers,
+                    link_auth,
+                })
+            ),
+        (any::<u16>(), text(), offers(), any::<u64>(), link_auth()).prop_map(
+            |(version, name, offers, max_payload, link_auth)| Frame::Welcome(Welcome {
                 version,
                 name,
                 offers,
-                max_payload
+                max_payload,
+                link_auth,
             })
         ),
         (

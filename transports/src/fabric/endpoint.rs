@@ -42,25 +42,33 @@
 //!   on manual-progress providers); every later poll retries the backlog.
 //! - Descriptors from the pools' regions go with every post when the
 //!   provider requires FI_MR_LOCAL (or `force_mr_local` is set).
-//! - The sender of each message is named in band (see [`super::layout`]);
-//!   an unknown sender becomes a new peer announced with `Accepted`.
+//! - Every message is authenticated (see [`super::layout`]): a peer is
+//!   inserted with the keys and ids of its link, which the session layer
+//!   agreed over its control link, and a message is delivered only once
+//!   its link id names a peer, its sender address is that peer's, its tag
+//!   checks under the peer's key and its counter is new. Anything else is
+//!   dropped and counted, and costs no peer, no reply and no address-vector
+//!   entry: sessions start on the control link, never here. Addresses of
+//!   closed peers stay in the address vector for reuse until it fills;
+//!   then the least recently used one no live peer needs is removed
+//!   (`fi_av_remove`).
 //!
 //! Nothing here waits: the endpoint must be polled. With a wait set its
 //! owner may sleep on the set's descriptor between polls
 //! (`Readiness::PollOrWait`), after `prepare_wait` (`fi_trywait`) allowed
 //! it; without one it reports `Readiness::MustPoll`.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 use std::time::Instant;
 
 use bytes::Bytes;
 use efabus_core::transport::{
-    CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+    CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId, Readiness, SendError,
     TransportError,
 };
 
-use super::config::{addr_from_hex, addr_to_hex, EpKind, FabricOptions, OrderWanted};
+use super::config::{addr_to_hex, EpKind, FabricOptions, OrderWanted};
 use super::consts::*;
 use super::error::{FabricError, FiCode};
 use super::handle::{
@@ -68,7 +76,7 @@ use super::handle::{
     WaitSet,
 };
 use super::info::{Hints, Info, InfoList};
-use super::layout::{check_frame, frames, BufferLayout, Received};
+use super::layout::{check_frame, frames, BufferLayout, Received, ReplayWindow};
 use super::log_limit::BadInputLog;
 use super::pool::BufferPool;
 
@@ -84,10 +92,6 @@ pub const SUPPORTED_MR_MODES: u64 =
 /// registers (device memory).
 const IGNORED_MR_MODES: u64 = FI_MR_HMEM;
 
-/// Closed peers remembered so their late messages are not taken for a new
-/// peer's.
-const MAX_CLOSED_ADDRS: usize = 4096;
-
 /// Completions read per `fi_cq_read`.
 const CQ_BATCH: usize = 64;
 
@@ -100,7 +104,11 @@ const SHARE_MIN: usize = 8 << 10;
 
 /// A peer's share of the tx slots: at most this fraction of them...
 const PEER_SLOTS_DIVISOR: usize = 16;
-/// ...but never fewer than this many, so every peer can make progress.
+/// ...but at least this many (or half the slots, when fewer), so a burst
+/// to one peer still packs into a few messages.
+const PEER_SLOTS_FLOOR: usize = 8;
+/// Slots a peer may always take, however few are free: every peer can
+/// make progress.
 const PEER_SLOTS_MIN: usize = 2;
 /// Frame bytes one peer may have in tx slots (waiting or posted). A frame
 /// alone may exceed it.
@@ -148,16 +156,22 @@ pub struct FabricStats {
     pub received: u64,
     pub provider_packets: u64,
     pub malformed: u64,
-    pub from_closed_peers: u64,
+    /// Messages naming a link id no live peer has: from senders that never
+    /// had a session, or from a peer closed since.
+    pub unknown_links: u64,
+    /// Messages whose sender address or tag did not match their link:
+    /// forged, or corrupted on the way.
+    pub forged: u64,
+    /// Authentic messages whose counter was taken before: replayed.
+    pub replayed: u64,
     /// Frames packed into a message behind an earlier frame.
     pub packed: u64,
     /// Received messages lent to the caller rather than copied.
     pub lent: u64,
     /// Frames whose body was sent from the caller's buffer, uncopied.
     pub shared_sends: u64,
-    /// Messages from new senders dropped because the address vector held
-    /// `max_addresses` already.
-    pub refused_senders: u64,
+    /// Addresses removed from the address vector to make room.
+    pub av_evictions: u64,
     pub would_block: u64,
     /// Sends refused because the peer held its whole share of the tx slots
     /// or bytes while other slots were free (a slow or stopped receiver).
@@ -172,6 +186,10 @@ pub struct FabricStats {
 struct PeerState {
     addr: Vec<u8>,
     fi_addr: u64,
+    keys: LinkKeys,
+    /// Counter of the last message sent.
+    sent_counter: u64,
+    replay: ReplayWindow,
     /// Frame bytes in tx slots: waiting in `backlog` or posted.
     queued_bytes: usize,
     /// Tx slots this peer holds: waiting in `backlog` or posted.
@@ -186,6 +204,15 @@ struct PeerState {
     /// buffers may be smaller than ours); 0 until the caller sets it, and
     /// then nothing is packed.
     pack_limit: usize,
+}
+
+/// One address in the address vector.
+struct AvEntry {
+    fi_addr: u64,
+    /// Live peers at this address.
+    users: usize,
+    /// `av_clock` when a peer last took it.
+    last_used: u64,
 }
 
 /// A libfabric RDM or DGRAM endpoint. See the module docs.
@@ -209,16 +236,19 @@ pub struct FabricEndpoint {
     link: LinkInfo,
     layout: BufferLayout,
     local_addr: Vec<u8>,
+    /// The sender address written in every message: `local_addr`, except
+    /// in tests that play an attacker (`claim_address`).
+    header_addr: Vec<u8>,
 
     next_peer: u64,
     peers: HashMap<PeerId, PeerState>,
-    by_addr: HashMap<Vec<u8>, PeerId>,
-    av_cache: HashMap<Vec<u8>, u64>,
+    /// Live peers by the id this side gave their link.
+    links: HashMap<u64, PeerId>,
+    /// Addresses inserted in the address vector.
+    av_cache: HashMap<Vec<u8>, AvEntry>,
+    /// Ticks at each insert, for least-recently-used eviction.
+    av_clock: u64,
     max_addresses: usize,
-    /// Addresses of closed peers whose late messages are dropped, oldest
-    /// first, at most `MAX_CLOSED_ADDRS`.
-    closed_addrs: HashSet<Vec<u8>>,
-    closed_order: VecDeque<Vec<u8>>,
 
     free_tx: Vec<usize>,
     /// Most tx slots one peer may hold; see [`FabricEndpoint::may_take_slot`].
@@ -446,16 +476,18 @@ impl FabricEndpoint {
             info,
             link,
             layout,
+            header_addr: local_addr.clone(),
             local_addr,
             next_peer: 1,
             peers: HashMap::new(),
-            by_addr: HashMap::new(),
+            links: HashMap::new(),
             av_cache: HashMap::new(),
+            av_clock: 0,
             max_addresses: options.max_addresses,
-            closed_addrs: HashSet::new(),
-            closed_order: VecDeque::new(),
             free_tx: (0..tx_depth).rev().collect(),
-            peer_slots: (tx_depth / PEER_SLOTS_DIVISOR).max(PEER_SLOTS_MIN),
+            peer_slots: (tx_depth / PEER_SLOTS_DIVISOR)
+                .max(PEER_SLOTS_FLOOR.min(tx_depth / 2))
+                .max(PEER_SLOTS_MIN),
             reserved_slots: tx_depth / 8,
             tx_owner: vec![None; tx_depth],
             tx_post_len: vec![0; tx_depth],
@@ -477,6 +509,13 @@ impl FabricEndpoint {
             );
         }
         Ok(endpoint)
+    }
+
+    /// Testing aid: write `addr` as the sender of every message from now
+    /// on, as an attacker forging another endpoint's address would.
+    #[cfg(feature = "testing")]
+    pub fn claim_address(&mut self, addr: &[u8]) {
+        self.header_addr = addr.to_vec();
     }
 
     /// What the provider granted.
@@ -501,11 +540,6 @@ impl FabricEndpoint {
 
     pub fn stats(&self) -> &FabricStats {
         &self.stats
-    }
-
-    /// The peer already known for these address bytes, if any.
-    pub fn peer_by_addr(&self, addr: &[u8]) -> Option<PeerId> {
-        self.by_addr.get(addr).copied()
     }
 
     /// Posts every receive slot not currently posted. A -FI_EAGAIN leaves
@@ -672,15 +706,22 @@ impl FabricEndpoint {
         // provider is done with it; it is not posted again before the end
         // of this call (or, when lent, before the pool hands it back).
         let data = unsafe { self.rx_pool.slot(slot) };
-        // Where the frames lie in the slot, and who sent them.
-        let decoded = match self.layout.decode(data, len) {
+        // Where the frames lie in the slot, and which peer sent them.
+        let accepted = match self.layout.decode(data, len) {
             Ok(Received::ProviderOnly) => {
                 self.stats.provider_packets += 1;
                 None
             }
-            Ok(Received::Frames { sender, frames }) => {
-                let start = frames.as_ptr() as usize - data.as_ptr() as usize;
-                Some((sender.to_vec(), start..start + frames.len()))
+            Ok(Received::Frames(message)) => {
+                let start = message.frames.as_ptr() as usize - data.as_ptr() as usize;
+                let range = start..start + message.frames.len();
+                let checks = Checks {
+                    links: &self.links,
+                    peers: &mut self.peers,
+                    stats: &mut self.stats,
+                    log: &mut self.bad_input_log,
+                };
+                checks.authenticate(&message).map(|peer| (peer, range))
             }
             Err(err) => {
                 self.stats.malformed += 1;
@@ -691,10 +732,7 @@ impl FabricEndpoint {
                 None
             }
         };
-        let peer = decoded
-            .as_ref()
-            .and_then(|(sender, _)| self.peer_for_sender(sender));
-        let (Some(peer), Some((_, range))) = (peer, decoded) else {
+        let Some((peer, range)) = accepted else {
             self.unposted_rx.push(slot);
             return;
         };
@@ -740,68 +778,44 @@ impl FabricEndpoint {
         len >= LEND_MIN && self.link.kind == EpKind::Rdm && self.lent_rx < self.link.rx_depth / 2
     }
 
-    /// The peer a received message names, accepting unknown senders.
-    fn peer_for_sender(&mut self, sender: &[u8]) -> Option<PeerId> {
-        if let Some(peer) = self.by_addr.get(sender) {
-            return Some(*peer);
+    fn add_peer(&mut self, addr: &[u8], keys: &LinkKeys) -> Result<PeerId, FabricError> {
+        if self.links.contains_key(&keys.local_id) {
+            return Err(FabricError::LinkIdInUse(keys.local_id));
         }
-        if self.closed_addrs.contains(sender) {
-            self.stats.from_closed_peers += 1;
-            return None;
-        }
-        match self.add_peer(sender) {
-            Ok(peer) => {
-                self.pending.push_back(Event::Accepted {
-                    peer,
-                    remote: addr_to_hex(sender),
-                });
-                Some(peer)
+        self.av_clock += 1;
+        let fi_addr = match self.av_cache.get_mut(addr) {
+            Some(entry) => {
+                entry.users += 1;
+                entry.last_used = self.av_clock;
+                entry.fi_addr
             }
-            Err(err @ FabricError::AddressesFull { .. }) => {
-                self.stats.refused_senders += 1;
-                if self.stats.refused_senders == 1 {
-                    tracing::warn!("dropping messages from new senders: {err}");
-                }
-                None
-            }
-            Err(err) => {
-                self.stats.malformed += 1;
-                if let Some(held_back) = self.bad_input_log.bad_sender.allow(Instant::now()) {
-                    tracing::warn!(
-                        held_back,
-                        "dropped a message from an unusable sender address: {err}"
-                    );
-                }
-                None
-            }
-        }
-    }
-
-    fn add_peer(&mut self, addr: &[u8]) -> Result<PeerId, FabricError> {
-        let fi_addr = match self.av_cache.get(addr) {
-            Some(&fi_addr) => fi_addr,
             None => {
-                // Senders name themselves in band: without a bound, made-up
-                // addresses would grow the address vector without end.
                 if self.av_cache.len() >= self.max_addresses {
-                    return Err(FabricError::AddressesFull {
-                        limit: self.max_addresses,
-                    });
+                    self.evict_address()?;
                 }
                 let fi_addr = self.av.insert(addr)?;
-                self.av_cache.insert(addr.to_vec(), fi_addr);
+                self.av_cache.insert(
+                    addr.to_vec(),
+                    AvEntry {
+                        fi_addr,
+                        users: 1,
+                        last_used: self.av_clock,
+                    },
+                );
                 fi_addr
             }
         };
         let peer = PeerId(self.next_peer);
         self.next_peer += 1;
-        self.closed_addrs.remove(addr);
-        self.by_addr.insert(addr.to_vec(), peer);
+        self.links.insert(keys.local_id, peer);
         self.peers.insert(
             peer,
             PeerState {
                 addr: addr.to_vec(),
                 fi_addr,
+                keys: keys.clone(),
+                sent_counter: 0,
+                replay: ReplayWindow::default(),
                 queued_bytes: 0,
                 slots: 0,
                 backlog: VecDeque::new(),
@@ -810,6 +824,28 @@ impl FabricEndpoint {
             },
         );
         Ok(peer)
+    }
+
+    /// Removes the least recently used address no live peer needs, or
+    /// fails when every one is in use.
+    fn evict_address(&mut self) -> Result<(), FabricError> {
+        let full = FabricError::AddressesFull {
+            limit: self.max_addresses,
+        };
+        let Some(addr) = self
+            .av_cache
+            .iter()
+            .filter(|(_, entry)| entry.users == 0)
+            .min_by_key(|(_, entry)| entry.last_used)
+            .map(|(addr, _)| addr.clone())
+        else {
+            return Err(full);
+        };
+        if let Some(entry) = self.av_cache.remove(&addr) {
+            self.av.remove(entry.fi_addr)?;
+            self.stats.av_evictions += 1;
+        }
+        Ok(())
     }
 
     fn drop_peer(&mut self, peer: PeerId, reason: CloseReason) {
@@ -822,14 +858,9 @@ impl FabricEndpoint {
             self.release_slot(slot);
         }
         if let Some(state) = self.peers.remove(&peer) {
-            self.by_addr.remove(&state.addr);
-            if self.closed_addrs.insert(state.addr.clone()) {
-                self.closed_order.push_back(state.addr);
-            }
-            while self.closed_order.len() > MAX_CLOSED_ADDRS {
-                if let Some(oldest) = self.closed_order.pop_front() {
-                    self.closed_addrs.remove(&oldest);
-                }
+            self.links.remove(&state.keys.local_id);
+            if let Some(entry) = self.av_cache.get_mut(&state.addr) {
+                entry.users = entry.users.saturating_sub(1);
             }
             self.pending.push_back(Event::Closed { peer, reason });
         }
@@ -839,8 +870,18 @@ impl FabricEndpoint {
     /// posted length fits the provider's `inject_size` (the provider copies
     /// it, so the slot is free again at once), else with `fi_send`.
     fn post_slot(&mut self, slot: usize, dest: u64) -> Result<(), FiCode> {
-        let ptr = self.tx_pool.slot_ptr(slot);
         let len = self.tx_post_len[slot];
+        let key = self.tx_owner[slot]
+            .and_then(|(peer, _)| self.peers.get(&peer))
+            .map(|state| state.keys.send_key);
+        if let Some(key) = key {
+            // SAFETY: the slot is not posted (it waits in a backlog), so
+            // no operation reads it while its tag is written.
+            let buf = unsafe { self.tx_pool.slot_mut(slot) };
+            let body = self.tx_body[slot].as_deref().unwrap_or_default();
+            self.layout.seal(buf, len, body, &key);
+        }
+        let ptr = self.tx_pool.slot_ptr(slot);
         let desc = self.tx_pool.desc();
         let context = self.tx_pool.context(slot);
         if let Some(body) = &self.tx_body[slot] {
@@ -972,6 +1013,61 @@ impl FabricEndpoint {
     }
 }
 
+/// The endpoint's parts a received message is checked against, borrowed
+/// apart from the receive buffer the message lies in.
+struct Checks<'a> {
+    links: &'a HashMap<u64, PeerId>,
+    peers: &'a mut HashMap<PeerId, PeerState>,
+    stats: &'a mut FabricStats,
+    log: &'a mut BadInputLog,
+}
+
+impl Checks<'_> {
+    /// The live peer whose link `message` names, if it really comes from
+    /// that peer: the sender address is the peer's, the tag checks under
+    /// the peer's receive key and the counter was not taken before. Each
+    /// refusal is counted and logged at a bounded rate.
+    fn authenticate(self, message: &super::layout::Message<'_>) -> Option<PeerId> {
+        let now = Instant::now();
+        let Some(&peer) = self.links.get(&message.link_id) else {
+            self.stats.unknown_links += 1;
+            if let Some(held_back) = self.log.unknown_link.allow(now) {
+                tracing::debug!(
+                    held_back,
+                    link = message.link_id,
+                    sender = %addr_to_hex(message.sender),
+                    "dropped a message for no live link"
+                );
+            }
+            return None;
+        };
+        let state = self.peers.get_mut(&peer)?;
+        let authentic =
+            state.addr == message.sender && message.is_authentic(&state.keys.receive_key);
+        if !authentic {
+            self.stats.forged += 1;
+            if let Some(held_back) = self.log.forged.allow(now) {
+                tracing::warn!(
+                    held_back,
+                    %peer,
+                    sender = %addr_to_hex(message.sender),
+                    "dropped a message that failed authentication"
+                );
+            }
+            self.stats.last_error = Some("a message failed authentication".to_string());
+            return None;
+        }
+        if !state.replay.take(message.counter) {
+            self.stats.replayed += 1;
+            if let Some(held_back) = self.log.forged.allow(now) {
+                tracing::warn!(held_back, %peer, "dropped a replayed message");
+            }
+            return None;
+        }
+        Some(peer)
+    }
+}
+
 fn other(err: impl std::fmt::Display) -> TransportError {
     TransportError::Other(err.to_string())
 }
@@ -1066,20 +1162,17 @@ impl Endpoint for FabricEndpoint {
         self.link.max_frame
     }
 
-    /// Accepts the peer's address bytes as hex (what `Accepted` reports).
+    /// Fabric peers come with the keys of their link: see `insert_peer`.
     fn connect(&mut self, addr: &str) -> Result<PeerId, TransportError> {
-        let bytes = addr_from_hex(addr).ok_or_else(|| TransportError::InvalidAddress {
-            addr: addr.to_string(),
-            reason: "expected the peer's fabric address as hex".to_string(),
-        })?;
-        self.insert_peer(&bytes)
+        let _ = addr;
+        Err(TransportError::Unsupported {
+            scheme: self.scheme().to_string(),
+            operation: "connect (a fabric peer needs link keys: insert_peer)",
+        })
     }
 
-    fn insert_peer(&mut self, addr: &[u8]) -> Result<PeerId, TransportError> {
-        if let Some(peer) = self.by_addr.get(addr) {
-            return Ok(*peer);
-        }
-        self.add_peer(addr)
+    fn insert_peer(&mut self, addr: &[u8], keys: &LinkKeys) -> Result<PeerId, TransportError> {
+        self.add_peer(addr, keys)
             .map_err(|err| TransportError::InvalidAddress {
                 addr: addr_to_hex(addr),
                 reason: err.to_string(),
@@ -1146,14 +1239,24 @@ impl Endpoint for FabricEndpoint {
         let Some(slot) = self.free_tx.pop() else {
             return Err(self.would_block(peer, frame));
         };
+        let link = match self.peers.get_mut(&peer) {
+            Some(state) => {
+                state.sent_counter += 1;
+                (state.keys.remote_id, state.sent_counter)
+            }
+            None => {
+                self.free_tx.push(slot);
+                return Err(SendError::Closed(peer));
+            }
+        };
         // SAFETY: the slot came off the free list, so no send using it is
         // in flight.
         let buf = unsafe { self.tx_pool.slot_mut(slot) };
         let encoded = if shared_body {
-            self.layout
-                .encode(buf, &self.local_addr, &OutFrame::whole(frame.head.clone()))
+            let head = OutFrame::whole(frame.head.clone());
+            self.layout.encode(buf, &self.header_addr, link, &head)
         } else {
-            self.layout.encode(buf, &self.local_addr, &frame)
+            self.layout.encode(buf, &self.header_addr, link, &frame)
         };
         let n = match encoded {
             Ok(n) => n,

@@ -102,8 +102,12 @@ pub enum FabricError {
     AvOpen { code: FiCode },
     #[error("fi_av_insert of a {len}-byte address failed: {code}")]
     AvInsert { len: usize, code: FiCode },
-    #[error("the address vector holds {limit} addresses already")]
+    #[error("fi_av_remove failed: {code}")]
+    AvRemove { code: FiCode },
+    #[error("the address vector holds {limit} addresses of live peers already")]
     AddressesFull { limit: usize },
+    #[error("link id {0} is in use on this endpoint")]
+    LinkIdInUse(u64),
     #[error("fi_cq_open failed: {code}")]
     CqOpen { code: FiCode },
     #[error("fi_cq_read failed: {code}")]
@@ -173,6 +177,7 @@ impl FabricError {
             | Domain { code, .. }
             | AvOpen { code }
             | AvInsert { code, .. }
+            | AvRemove { code }
             | CqOpen { code }
             | CqRead { code }
             | CqReadErr { code }
@@ -192,7 +197,8 @@ impl FabricError {
             | Option { .. }
             | Unusable { .. }
             | Alloc { .. }
-            | AddressesFull { .. } => None,
+            | AddressesFull { .. }
+            | LinkIdInUse(_) => None,
         }
     }
 }

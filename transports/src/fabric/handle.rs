@@ -179,6 +179,15 @@ impl AddressVector {
         }
     }
 
+    /// Removes an address [`insert`](Self::insert) returned, so its entry
+    /// can be used again. The caller sends nothing more to it.
+    pub fn remove(&self, fi_addr: u64) -> Result<(), FabricError> {
+        // SAFETY: the AV is open; libfabric checks the address itself and
+        // reports one it does not hold as an error.
+        let ret = unsafe { sys::efabus_av_remove(self.ptr.as_ptr(), fi_addr) };
+        check(ret, |code| FabricError::AvRemove { code })
+    }
+
     pub fn addr_len(&self) -> usize {
         self.addr_len.get()
     }

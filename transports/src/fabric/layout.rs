@@ -1,9 +1,10 @@
 //! The byte layout of every buffer a fabric endpoint posts, and the small
-//! endpoint header that names the sender.
+//! endpoint header that names the sender and authenticates the message.
 //!
 //! ```text
-//! | provider prefix (msg_prefix_size) | ver | alen | sender address | efabus frame (u32 LE len + len bytes) |
-//! ^ pointer passed to fi_send/fi_recv  ^ payload starts here
+//! | provider prefix | ver | alen | sender address | link id | counter | tag | efabus frames (u32 LE len + len bytes)... |
+//! ^ pointer passed to fi_send/fi_recv   8 B LE    8 B LE   16 B
+//!                   ^ payload starts here
 //! ```
 //!
 //! - With `FI_MSG_PREFIX` the provider owns the first `msg_prefix_size`
@@ -11,10 +12,15 @@
 //!   posted includes it. Received completions report lengths that include
 //!   it too, and a completion no longer than the prefix is a provider packet
 //!   without application data (fi_getinfo(3)), skipped.
-//! - The endpoint header carries the sender's own `fi_getname` bytes. Not
-//!   every provider reports a source address (`tcp;ofi_rxm` in 1.17 offers
-//!   no FI_SOURCE), and an address in band also lets a receiver learn a peer
-//!   it has not inserted yet, so every provider is handled the same way.
+//! - The endpoint header carries the sender's own `fi_getname` bytes (not
+//!   every provider reports a source address: `tcp;ofi_rxm` in 1.17 offers
+//!   no FI_SOURCE), the id the *receiver* gave the link, a counter the
+//!   sender raises with every message, and a tag: the first 16 bytes of
+//!   BLAKE3 in keyed mode, under the link's key for this direction, over
+//!   the header before the tag and every frame byte after it. A receiver
+//!   finds the link by its id, checks the address and the tag, and refuses
+//!   a counter it has seen (see `ReplayWindow`); nothing in a message is
+//!   trusted before that.
 //! - A message carries one or more whole frames back to back (a sender
 //!   packs the frames it is handed between two polls, up to the peer's
 //!   frame limit); their own length prefixes must account for the rest of
@@ -29,9 +35,14 @@ use efabus_core::codec::PREFIX_LEN;
 use efabus_core::transport::OutFrame;
 
 /// Version of the endpoint header.
-pub const HEADER_VERSION: u8 = 1;
+pub const HEADER_VERSION: u8 = 2;
 /// Bytes of the endpoint header before the sender address.
 pub const HEADER_FIXED: usize = 2;
+/// Bytes of the authenticator: its tag.
+pub const TAG_LEN: usize = 16;
+/// Bytes of the endpoint header after the sender address: link id,
+/// counter and tag.
+pub const HEADER_AUTH: usize = 8 + 8 + TAG_LEN;
 /// Slots start on this boundary (a cache line), so prefixes and payloads
 /// never share lines between slots.
 pub const SLOT_ALIGN: usize = 64;
@@ -50,9 +61,113 @@ pub struct BufferLayout {
 pub enum Received<'a> {
     /// A provider packet with no application data (length <= prefix).
     ProviderOnly,
-    /// Whole frames, back to back (checked), from the sender whose address
-    /// is given; [`frames`] splits them.
-    Frames { sender: &'a [u8], frames: &'a [u8] },
+    /// A message of whole frames, not authenticated yet.
+    Frames(Message<'a>),
+}
+
+/// A received message as its header describes it. Nothing in it is
+/// trusted until [`Message::is_authentic`] said so under the link's key.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Message<'a> {
+    /// The address the sender wrote.
+    pub sender: &'a [u8],
+    /// The id the receiver gave the link.
+    pub link_id: u64,
+    /// The sender's message counter.
+    pub counter: u64,
+    /// The header bytes the tag covers (all before the tag).
+    pub header: &'a [u8],
+    pub tag: &'a [u8],
+    /// Whole frames, back to back (checked); [`frames`] splits them.
+    pub frames: &'a [u8],
+}
+
+impl Message<'_> {
+    /// Whether the tag is the one `key` gives this message.
+    pub fn is_authentic(&self, key: &[u8; 32]) -> bool {
+        let expected = tag(key, self.header, &[self.frames]);
+        // Every byte compared, whatever differs first: the time taken
+        // tells a forger nothing.
+        let diff = expected
+            .iter()
+            .zip(self.tag)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+        diff == 0 && self.tag.len() == TAG_LEN
+    }
+}
+
+/// The tag of a message: keyed BLAKE3 over the header before the tag, then
+/// the frame bytes in order, cut to [`TAG_LEN`] bytes.
+pub fn tag(key: &[u8; 32], header: &[u8], frames: &[&[u8]]) -> [u8; TAG_LEN] {
+    let mut hasher = blake3::Hasher::new_keyed(key);
+    hasher.update(header);
+    for part in frames {
+        hasher.update(part);
+    }
+    let mut out = [0u8; TAG_LEN];
+    out.copy_from_slice(&hasher.finalize().as_bytes()[..TAG_LEN]);
+    out
+}
+
+/// The counters of one link's incoming messages seen lately: a counter is
+/// taken once, and one older than the window is refused, so a message
+/// recorded on the wire cannot be played again. Messages of one link may
+/// arrive out of order (RDM without ordering, DGRAM), but never by more
+/// than the sender's share of transmit slots, far fewer than the window.
+#[derive(Debug, Clone, Default)]
+pub struct ReplayWindow {
+    /// Highest counter taken (0: none yet; counters start at 1).
+    highest: u64,
+    /// Bit `i` of the window: counter `highest - i` was taken.
+    seen: [u64; REPLAY_WORDS],
+}
+
+const REPLAY_WORDS: usize = 16;
+/// Counters the window remembers below the highest.
+pub const REPLAY_WINDOW: u64 = (REPLAY_WORDS * 64) as u64;
+
+impl ReplayWindow {
+    /// Whether `counter` is new; if so, it is taken.
+    pub fn take(&mut self, counter: u64) -> bool {
+        if counter == 0 {
+            return false;
+        }
+        if counter > self.highest {
+            self.shift(counter - self.highest);
+            self.highest = counter;
+            self.seen[0] |= 1;
+            return true;
+        }
+        let age = self.highest - counter;
+        if age >= REPLAY_WINDOW {
+            return false;
+        }
+        let (word, bit) = ((age / 64) as usize, age % 64);
+        let fresh = self.seen[word] & (1 << bit) == 0;
+        self.seen[word] |= 1 << bit;
+        fresh
+    }
+
+    /// Moves every mark `by` counters older.
+    fn shift(&mut self, by: u64) {
+        if by >= REPLAY_WINDOW {
+            self.seen = [0; REPLAY_WORDS];
+            return;
+        }
+        let (words, bits) = ((by / 64) as usize, (by % 64) as u32);
+        for i in (0..REPLAY_WORDS).rev() {
+            let from = i.checked_sub(words);
+            let high = from.map_or(0, |j| self.seen[j]);
+            let low = from
+                .and_then(|j| j.checked_sub(1))
+                .map_or(0, |j| self.seen[j]);
+            self.seen[i] = if bits == 0 {
+                high
+            } else {
+                (high << bits) | (low >> (64 - bits))
+            };
+        }
+    }
 }
 
 /// Why a received buffer was rejected.
@@ -100,7 +215,7 @@ impl BufferLayout {
 
     /// Endpoint header bytes for a sender address of `addr_len` bytes.
     pub fn header_len(addr_len: usize) -> usize {
-        HEADER_FIXED + addr_len
+        HEADER_FIXED + addr_len + HEADER_AUTH
     }
 
     /// Largest frame (length prefix included) a sender with an address of
@@ -121,17 +236,19 @@ impl BufferLayout {
         inject_size > 0 && posted_len <= inject_size
     }
 
-    /// Writes the header and frame after the prefix of `slot` and returns
-    /// the length to post. The prefix bytes are left as they are: they
-    /// belong to the provider. The caller has checked the frame against
-    /// [`max_frame`](Self::max_frame); a slot too small is a bug, reported
-    /// as an error rather than a panic.
+    /// Writes the header (its tag left for [`seal`](Self::seal)) and
+    /// frame after the prefix of `slot` and returns the length to post. The
+    /// prefix bytes are left as they are: they belong to the provider. The
+    /// caller has checked the frame against [`max_frame`](Self::max_frame);
+    /// a slot too small is a bug, reported as an error rather than a panic.
     pub fn encode(
         &self,
         slot: &mut [u8],
         sender: &[u8],
+        link: (u64, u64),
         frame: &OutFrame,
     ) -> Result<usize, LayoutError> {
+        let (link_id, counter) = link;
         let addr_len =
             u8::try_from(sender.len()).map_err(|_| LayoutError::AddressTooLong(sender.len()))?;
         let total = self.send_len(sender.len(), frame.len());
@@ -147,6 +264,9 @@ impl BufferLayout {
         at += HEADER_FIXED;
         slot[at..at + sender.len()].copy_from_slice(sender);
         at += sender.len();
+        slot[at..at + 8].copy_from_slice(&link_id.to_le_bytes());
+        slot[at + 8..at + 16].copy_from_slice(&counter.to_le_bytes());
+        at += HEADER_AUTH;
         slot[at..at + frame.head.len()].copy_from_slice(&frame.head);
         at += frame.head.len();
         slot[at..at + frame.body.len()].copy_from_slice(&frame.body);
@@ -170,6 +290,25 @@ impl BufferLayout {
         slot[used..used + frame.head.len()].copy_from_slice(&frame.head);
         slot[used + frame.head.len()..total].copy_from_slice(&frame.body);
         Ok(total)
+    }
+
+    /// Writes the tag of the `len` bytes encoded in `slot`, followed on
+    /// the wire by `body` (sent from where it lies), under `key`.
+    pub fn seal(&self, slot: &mut [u8], len: usize, body: &[u8], key: &[u8; 32]) {
+        let Some(&addr_len) = slot.get(self.prefix + 1) else {
+            return;
+        };
+        let tag_at = self.prefix + HEADER_FIXED + usize::from(addr_len) + 16;
+        let frames_at = tag_at + TAG_LEN;
+        if len < frames_at || len > slot.len() {
+            return;
+        }
+        let value = tag(
+            key,
+            &slot[self.prefix..tag_at],
+            &[&slot[frames_at..len], body],
+        );
+        slot[tag_at..frames_at].copy_from_slice(&value);
     }
 
     /// Reads a received buffer whose completion reported `len` bytes
@@ -197,7 +336,19 @@ impl BufferLayout {
                 len: message.len(),
             });
         }
-        let (sender, frames) = rest.split_at(addr_len);
+        if addr_len + HEADER_AUTH > rest.len() {
+            return Err(LayoutError::Short { len: message.len() });
+        }
+        let (sender, rest) = rest.split_at(addr_len);
+        let (auth, frames) = rest.split_at(HEADER_AUTH);
+        let word = |at: usize| {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(&auth[at..at + 8]);
+            u64::from_le_bytes(bytes)
+        };
+        let header = &message[..HEADER_FIXED + addr_len + 16];
+        let tag = &auth[16..];
+        let (link_id, counter) = (word(0), word(8));
         if frames.is_empty() {
             return Err(LayoutError::NoFrame);
         }
@@ -214,7 +365,14 @@ impl BufferLayout {
             }
             at += PREFIX_LEN + declared;
         }
-        Ok(Received::Frames { sender, frames })
+        Ok(Received::Frames(Message {
+            sender,
+            link_id,
+            counter,
+            header,
+            tag,
+            frames,
+        }))
     }
 }
 
@@ -282,26 +440,111 @@ mod tests {
         }
     }
 
+    const KEY: [u8; 32] = [7; 32];
+
+    fn message<'a>(layout: &BufferLayout, slot: &'a [u8], len: usize) -> Message<'a> {
+        match layout.decode(slot, len).unwrap() {
+            Received::Frames(message) => message,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
     fn round_trip(layout: BufferLayout, sender: &[u8], payload: &[u8]) {
         let mut slot = vec![0xAAu8; layout.slot_stride()];
         let out = frame(payload);
-        let len = layout.encode(&mut slot, sender, &out).unwrap();
-        assert_eq!(len, layout.prefix + 2 + sender.len() + 4 + payload.len());
+        let len = layout.encode(&mut slot, sender, (41, 9), &out).unwrap();
+        layout.seal(&mut slot, len, &[], &KEY);
+        assert_eq!(
+            len,
+            layout.prefix + 2 + sender.len() + HEADER_AUTH + 4 + payload.len()
+        );
         // The provider's prefix is untouched.
         assert!(slot[..layout.prefix].iter().all(|&b| b == 0xAA));
         // The payload starts right after the prefix.
         assert_eq!(slot[layout.prefix], HEADER_VERSION);
         assert_eq!(usize::from(slot[layout.prefix + 1]), sender.len());
-        match layout.decode(&slot, len).unwrap() {
-            Received::Frames {
-                sender: s,
-                frames: f,
-            } => {
-                assert_eq!(s, sender);
-                assert_eq!(f, &out.to_bytes()[..]);
-                assert_eq!(frames(f).collect::<Vec<_>>(), vec![0..f.len()]);
+        let got = message(&layout, &slot, len);
+        assert_eq!(got.sender, sender);
+        assert_eq!((got.link_id, got.counter), (41, 9));
+        assert_eq!(got.frames, &out.to_bytes()[..]);
+        assert_eq!(
+            frames(got.frames).collect::<Vec<_>>(),
+            vec![0..got.frames.len()]
+        );
+        assert!(got.is_authentic(&KEY));
+        assert!(!got.is_authentic(&[8; 32]), "another key");
+    }
+
+    #[test]
+    fn any_changed_byte_fails_the_tag() {
+        let layout = BufferLayout::new(8, 256);
+        let mut slot = vec![0u8; layout.slot_stride()];
+        let len = layout
+            .encode(&mut slot, &[3u8; 16], (5, 1), &frame(b"publish this"))
+            .unwrap();
+        layout.seal(&mut slot, len, &[], &KEY);
+        assert!(message(&layout, &slot, len).is_authentic(&KEY));
+        // Every byte after the prefix counts: address, ids, tag, frames.
+        for at in layout.prefix + 2..len {
+            let mut forged = slot.clone();
+            forged[at] ^= 0x01;
+            if let Ok(Received::Frames(m)) = layout.decode(&forged, len) {
+                assert!(!m.is_authentic(&KEY), "byte {at} changed unnoticed");
             }
-            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_body_sent_from_elsewhere_is_covered() {
+        let layout = BufferLayout::new(0, 256);
+        let mut slot = vec![0u8; layout.slot_stride()];
+        let body = b"the body";
+        let head = OutFrame::whole(Bytes::from(
+            [&(body.len() as u32).to_le_bytes()[..]].concat(),
+        ));
+        let len = layout.encode(&mut slot, &[1u8; 4], (2, 3), &head).unwrap();
+        layout.seal(&mut slot, len, body, &KEY);
+        // On the wire the body follows the slot's bytes.
+        let mut wire = slot[..len].to_vec();
+        wire.extend_from_slice(body);
+        wire.resize(slot.len(), 0);
+        let got = message(&layout, &wire, len + body.len());
+        assert_eq!(&got.frames[4..], body);
+        assert!(got.is_authentic(&KEY));
+    }
+
+    #[test]
+    fn replayed_and_stale_counters_are_refused() {
+        let mut window = ReplayWindow::default();
+        assert!(!window.take(0), "counters start at 1");
+        assert!(window.take(1));
+        assert!(!window.take(1));
+        // Out of order within the window: each once.
+        assert!(window.take(5));
+        assert!(window.take(3));
+        assert!(!window.take(3));
+        assert!(window.take(2));
+        assert!(window.take(4));
+        assert!(!window.take(5));
+        // Far ahead: what fell out of the window is refused.
+        let far = 5 + REPLAY_WINDOW + 70;
+        assert!(window.take(far));
+        assert!(!window.take(6), "older than the window");
+        assert!(window.take(far - 1));
+        assert!(window.take(far - REPLAY_WINDOW + 1));
+        assert!(!window.take(far - REPLAY_WINDOW + 1));
+        assert!(!window.take(far - REPLAY_WINDOW));
+        // Shifts by a word and more keep the marks in place.
+        let mut window = ReplayWindow::default();
+        for counter in 1..=200 {
+            assert!(window.take(counter));
+        }
+        for counter in 1..=200 {
+            assert!(!window.take(counter), "{counter} again");
+        }
+        assert!(window.take(1000));
+        for counter in 1..=200 {
+            assert!(!window.take(counter), "{counter} after a shift");
         }
     }
 
@@ -310,23 +553,22 @@ mod tests {
         let layout = BufferLayout::new(EFA_DGRAM_PREFIX, 100);
         let mut slot = vec![0u8; layout.slot_stride()];
         let sender = [5u8; 8];
-        let mut len = layout.encode(&mut slot, &sender, &frame(b"first")).unwrap();
+        let mut len = layout
+            .encode(&mut slot, &sender, (1, 1), &frame(b"first"))
+            .unwrap();
         len = layout.append(&mut slot, len, &frame(b"")).unwrap();
         len = layout.append(&mut slot, len, &frame(b"third one")).unwrap();
-        // 40 prefix + 10 header + (9 + 4 + 13) frames = 76; 30 more do not fit.
-        assert_eq!(len, 76);
+        // 40 prefix + 42 header + (9 + 4 + 13) frames = 108; 33 more do not fit.
+        assert_eq!(len, 108);
         assert_eq!(
-            layout.append(&mut slot, len, &frame(&[0u8; 61])),
+            layout.append(&mut slot, len, &frame(&[0u8; 29])),
             Err(LayoutError::Overrun { len: 141, cap: 140 })
         );
-        let Received::Frames {
-            sender: s,
-            frames: run,
-        } = layout.decode(&slot, len).unwrap()
-        else {
-            panic!("no frames")
-        };
-        assert_eq!(s, sender);
+        layout.seal(&mut slot, len, &[], &KEY);
+        let got = message(&layout, &slot, len);
+        assert_eq!(got.sender, sender);
+        assert!(got.is_authentic(&KEY));
+        let run = got.frames;
         let payloads: Vec<&[u8]> = frames(run).map(|r| &run[r][4..]).collect();
         assert_eq!(payloads, vec![&b"first"[..], &b""[..], &b"third one"[..]]);
         // A run whose last frame is cut short is refused as a whole.
@@ -344,7 +586,7 @@ mod tests {
         assert_eq!(layout.recv_len(), 176 + 65536);
         assert_eq!(layout.slot_stride() % SLOT_ALIGN, 0);
         assert!(layout.slot_stride() >= layout.recv_len());
-        assert_eq!(layout.max_frame(EFA_ADDR_LEN), 65536 - 34);
+        assert_eq!(layout.max_frame(EFA_ADDR_LEN), 65536 - 66);
         round_trip(layout, &[7u8; EFA_ADDR_LEN], b"hello over srd");
         let max = vec![0x5Au8; layout.max_frame(EFA_ADDR_LEN) - 4];
         round_trip(layout, &[7u8; EFA_ADDR_LEN], &max);
@@ -358,7 +600,7 @@ mod tests {
         // The whole posted length never exceeds what the provider allows.
         assert_eq!(layout.recv_len(), 8928);
         let max_frame = layout.max_frame(EFA_ADDR_LEN);
-        assert_eq!(max_frame, 8928 - 40 - 34);
+        assert_eq!(max_frame, 8928 - 40 - 66);
         assert_eq!(layout.send_len(EFA_ADDR_LEN, max_frame), 8928);
         round_trip(layout, &[1u8; EFA_ADDR_LEN], &vec![3u8; max_frame - 4]);
     }
@@ -366,7 +608,7 @@ mod tests {
     #[test]
     fn inject_only_within_the_limit_prefix_included() {
         let layout = BufferLayout::new(EFA_RDM_PREFIX, 65536);
-        let fits = EFA_RDM_INJECT - EFA_RDM_PREFIX - 2 - EFA_ADDR_LEN;
+        let fits = EFA_RDM_INJECT - EFA_RDM_PREFIX - 2 - EFA_ADDR_LEN - HEADER_AUTH;
         let posted = |frame_len| layout.send_len(EFA_ADDR_LEN, frame_len);
         assert!(BufferLayout::fits_inject(EFA_RDM_INJECT, posted(fits)));
         assert!(!BufferLayout::fits_inject(EFA_RDM_INJECT, posted(fits + 1)));
@@ -393,7 +635,7 @@ mod tests {
     fn no_prefix_layout_starts_at_zero() {
         let layout = BufferLayout::new(0, 1472);
         round_trip(layout, &[9u8; 16], b"x");
-        assert_eq!(layout.max_frame(16), 1472 - 18);
+        assert_eq!(layout.max_frame(16), 1472 - 50);
     }
 
     #[test]
@@ -420,11 +662,17 @@ mod tests {
             layout.decode(&slot, 20),
             Err(LayoutError::Address { .. })
         ));
-        // Frame length prefix disagrees with the message length.
+        // Address and authenticator longer than the message.
         slot[9] = 2;
-        slot[12..16].copy_from_slice(&100u32.to_le_bytes());
-        assert_eq!(
+        assert!(matches!(
             layout.decode(&slot, 20),
+            Err(LayoutError::Short { .. })
+        ));
+        // Frame length prefix disagrees with the message length.
+        let frame_at = 8 + 2 + 2 + HEADER_AUTH;
+        slot[frame_at..frame_at + 4].copy_from_slice(&100u32.to_le_bytes());
+        assert_eq!(
+            layout.decode(&slot, frame_at + 8),
             Err(LayoutError::FrameLength {
                 declared: 100,
                 actual: 4
@@ -445,11 +693,11 @@ mod tests {
         let mut slot = vec![0u8; layout.slot_stride()];
         let big = frame(&[0u8; 40]);
         assert!(matches!(
-            layout.encode(&mut slot, &[0u8; 4], &big),
+            layout.encode(&mut slot, &[0u8; 4], (1, 1), &big),
             Err(LayoutError::Overrun { .. })
         ));
         assert!(matches!(
-            layout.encode(&mut slot, &[0u8; 300], &frame(b"")),
+            layout.encode(&mut slot, &[0u8; 300], (1, 1), &frame(b"")),
             Err(LayoutError::AddressTooLong(300))
         ));
     }

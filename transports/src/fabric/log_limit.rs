@@ -12,7 +12,8 @@ pub(crate) const BAD_INPUT_LOG_INTERVAL: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub(crate) struct BadInputLog {
     pub malformed: LogLimit,
-    pub bad_sender: LogLimit,
+    pub unknown_link: LogLimit,
+    pub forged: LogLimit,
     pub receive_failed: LogLimit,
     pub send_failed: LogLimit,
 }
@@ -22,7 +23,8 @@ impl Default for BadInputLog {
         let limit = || LogLimit::new(BAD_INPUT_LOG_INTERVAL);
         BadInputLog {
             malformed: limit(),
-            bad_sender: limit(),
+            unknown_link: limit(),
+            forged: limit(),
             receive_failed: limit(),
             send_failed: limit(),
         }

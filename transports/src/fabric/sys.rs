@@ -215,6 +215,7 @@ extern "C" {
     ) -> c_int;
     pub fn efabus_av_close(av: *mut fid_av) -> c_int;
     pub fn efabus_av_insert(av: *mut fid_av, addr: *const c_void, fi_addr: *mut u64) -> c_int;
+    pub fn efabus_av_remove(av: *mut fid_av, fi_addr: u64) -> c_int;
 
     pub fn efabus_wait_open(fabric: *mut fid_fabric, wait: *mut *mut fid_wait) -> c_int;
     pub fn efabus_wait_fd(wait: *mut fid_wait, fd: *mut c_int) -> c_int;
