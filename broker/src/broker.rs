@@ -66,6 +66,12 @@ pub struct BrokerStats {
     /// Messages received from and forwarded to other brokers over routes.
     pub route_messages_in: AtomicU64,
     pub route_messages_out: AtomicU64,
+    /// Fabric messages the endpoints refused before they reached a
+    /// session: naming no live link, failing authentication (forged), or
+    /// replayed.
+    pub fabric_unknown_links: AtomicU64,
+    pub fabric_forged: AtomicU64,
+    pub fabric_replayed: AtomicU64,
 }
 
 impl BrokerStats {
@@ -98,6 +104,9 @@ impl BrokerStats {
             ("routes", get(&self.routes)),
             ("route_messages_in", get(&self.route_messages_in)),
             ("route_messages_out", get(&self.route_messages_out)),
+            ("fabric_unknown_links", get(&self.fabric_unknown_links)),
+            ("fabric_forged", get(&self.fabric_forged)),
+            ("fabric_replayed", get(&self.fabric_replayed)),
         ]
     }
 }

@@ -255,6 +255,11 @@ pub struct LinkReport {
     /// Sends that found the broker's credit window full on the reliable
     /// fabric data link (the frame waited in the client).
     pub credit_waits: u64,
+    /// This client's address on the reliable data link's endpoint, as hex.
+    pub fabric_address: Option<String>,
+    /// The id the broker gave this client's data links: every message to
+    /// the broker on them carries it. Not a secret: the keys are.
+    pub server_link_id: Option<u64>,
 }
 
 /// Connection state, readable by application threads.
@@ -1657,6 +1662,12 @@ impl ClientLoop {
             .best_effort
             .as_ref()
             .map(|link| link.description.clone());
+        report.fabric_address = self.conn.links.reliable.as_ref().map(|link| {
+            efabus_transports::fabric::addr_to_hex(&self.endpoints[link.endpoint].local_addr())
+        });
+        report.server_link_id = remote_auth
+            .filter(|_| self.conn.links.reliable.is_some())
+            .map(|auth| auth.link_id);
     }
 
     /// An event from a data endpoint.

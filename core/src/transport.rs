@@ -421,6 +421,20 @@ impl fmt::Debug for LinkKeys {
     }
 }
 
+/// Messages an endpoint refused before they reached any peer, by reason,
+/// since it opened.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Refused {
+    /// Naming no live link: from a sender that never had a session, or
+    /// late, for a link closed since.
+    pub unknown_link: u64,
+    /// Failing authentication: another sender address than the link's,
+    /// or a tag that does not check under the link's key.
+    pub forged: u64,
+    /// Authentic but seen before.
+    pub replayed: u64,
+}
+
 /// A message-oriented, peer-addressed endpoint. See the module docs for the
 /// calling order.
 pub trait Endpoint: Send {
@@ -448,6 +462,12 @@ pub trait Endpoint: Send {
             scheme: self.scheme().to_string(),
             operation: "insert_peer",
         })
+    }
+
+    /// Messages refused before they reached a peer (endpoints that
+    /// authenticate messages count them; others refuse none this way).
+    fn refused(&self) -> Refused {
+        Refused::default()
     }
 
     /// Queue one frame for a peer without blocking.

@@ -70,8 +70,8 @@ use bytes::Bytes;
 use efabus_core::caps::FabricInfo;
 use efabus_core::codec::PREFIX_LEN;
 use efabus_core::transport::{
-    CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId, Readiness, SendError,
-    Transport, TransportError,
+    CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId, Readiness, Refused,
+    SendError, Transport, TransportError,
 };
 use parking_lot::Mutex;
 use thiserror::Error;
@@ -791,6 +791,10 @@ impl Endpoint for FaultyEndpoint {
 
     fn insert_peer(&mut self, addr: &[u8], keys: &LinkKeys) -> Result<PeerId, TransportError> {
         self.inner.insert_peer(addr, keys)
+    }
+
+    fn refused(&self) -> Refused {
+        self.inner.refused()
     }
 
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {

@@ -31,7 +31,7 @@ use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye};
 use efabus_core::link::LinkTuning;
 use efabus_core::subject;
-use efabus_core::transport::{CloseReason, Endpoint, Event, OutFrame, PeerId};
+use efabus_core::transport::{CloseReason, Endpoint, Event, OutFrame, PeerId, Refused};
 use mio::{Poll, Token};
 use tracing::{debug, info, warn};
 
@@ -74,6 +74,9 @@ pub(crate) struct EventLoop {
     polling: Polled,
     sessions: HashMap<u64, Session>,
     by_peer: HashMap<(usize, PeerId), u64>,
+    /// The session each proven fabric address belongs to, by endpoint: one
+    /// address, one live session.
+    fabric_owners: HashMap<(usize, Vec<u8>), u64>,
     commands: Receiver<Command>,
     codec: CodecLimits,
     next_session: u64,
@@ -169,6 +172,7 @@ impl EventLoop {
             polling,
             sessions: HashMap::default(),
             by_peer: HashMap::default(),
+            fabric_owners: HashMap::default(),
             commands,
             codec,
             next_session: 1,
@@ -326,6 +330,22 @@ impl EventLoop {
         if tally.sent.credit_waits > 0 {
             BrokerStats::add(&stats.credit_waits, tally.sent.credit_waits);
         }
+        let refused =
+            self.endpoints
+                .iter()
+                .map(|e| e.refused())
+                .fold(Refused::default(), |sum, r| Refused {
+                    unknown_link: sum.unknown_link + r.unknown_link,
+                    forged: sum.forged + r.forged,
+                    replayed: sum.replayed + r.replayed,
+                });
+        stats
+            .fabric_unknown_links
+            .store(refused.unknown_link, Ordering::Relaxed);
+        stats.fabric_forged.store(refused.forged, Ordering::Relaxed);
+        stats
+            .fabric_replayed
+            .store(refused.replayed, Ordering::Relaxed);
     }
 
     fn drain_commands(&mut self, max: usize) -> bool {
@@ -483,6 +503,14 @@ impl EventLoop {
             .conn
             .links
             .receive(kind, self.now, bytes, &mut released);
+        if session.conn.links.challenge_due() {
+            // The peer has its side of the links up: ask it to show that
+            // it receives at the addresses it gave.
+            session
+                .conn
+                .links
+                .send_challenges(&mut self.endpoints, false);
+        }
         if kind == LinkKind::BestEffort {
             if let Some(deadline) = session.conn.links.next_deadline() {
                 self.schedule(deadline);
@@ -602,7 +630,7 @@ impl EventLoop {
             (SessionState::Ready, Frame::Ping { nonce }) => {
                 self.send(id, codec::encode(&Frame::Pong { nonce }), false);
             }
-            (SessionState::Ready, Frame::Pong { .. }) => {}
+            (SessionState::Ready, Frame::Pong { nonce }) => self.on_pong(id, nonce),
             (_, Frame::Goodbye(goodbye)) => {
                 debug!(session = id, reason = %goodbye.reason, "peer said goodbye");
                 self.close_session(id);
@@ -704,10 +732,10 @@ impl EventLoop {
         if session.route().is_some() {
             self.tally.route_messages_out += 1;
         }
-        let links = &session.conn.links;
-        let on_data_link = links.reliable.is_some() && links.in_use;
+        let links = &mut session.conn.links;
+        let on_data_link = links.sending().is_some();
         // The class matters only where a datagram link exists.
-        let best_effort = links.best_effort.is_some()
+        let best_effort = links.best_effort_proven().is_some()
             && session.class_of(target.sid) == Some(DeliveryClass::BestEffort);
         if !on_data_link && !best_effort && payload.bytes.len() <= COPY_MAX {
             // The message is encoded once per publish and copied into each
@@ -763,7 +791,7 @@ impl EventLoop {
             body: payload.to_bytes(),
         };
         if best_effort {
-            let Some(link) = session.conn.links.best_effort.as_mut() else {
+            let Some(link) = session.conn.links.best_effort_proven() else {
                 return;
             };
             let endpoint = self.endpoints[link.endpoint].as_mut();
@@ -988,12 +1016,56 @@ impl EventLoop {
         }
     }
 
+    /// A `Pong` that may answer a data link's challenge: the peer receives
+    /// at that address, which is now this session's alone. An older
+    /// session that held the same address (the same client, reconnected)
+    /// ends.
+    fn on_pong(&mut self, id: u64, nonce: u64) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let proven = session.conn.links.on_pong(nonce);
+        if proven.is_empty() {
+            return;
+        }
+        debug!(
+            session = id,
+            links = proven.len(),
+            "data link address proven"
+        );
+        for key in proven {
+            match self.fabric_owners.insert(key, id) {
+                Some(older) if older != id && self.sessions.contains_key(&older) => {
+                    info!(
+                        session = older,
+                        newer = id,
+                        "a newer session took over this fabric address"
+                    );
+                    self.fail(
+                        older,
+                        ErrorCode::Protocol,
+                        "a newer session of this peer took over its fabric address".to_string(),
+                    );
+                }
+                _ => {}
+            }
+        }
+        // Frames queued meanwhile may go over the data link now.
+        self.flush_session(id);
+    }
+
     fn forget_session(&mut self, id: u64, reason: &CloseReason) {
         self.remove_interest(id);
         self.dialed_session_gone(id);
         if let Some(mut session) = self.sessions.remove(&id) {
             for address in session.conn.links.addresses() {
                 self.by_peer.remove(&address);
+            }
+            for (endpoint, address) in session.conn.links.proven_addresses() {
+                let key = (endpoint, address.to_vec());
+                if self.fabric_owners.get(&key) == Some(&id) {
+                    self.fabric_owners.remove(&key);
+                }
             }
             session.conn.links.close(&mut self.endpoints);
             self.shared
@@ -1121,6 +1193,13 @@ impl EventLoop {
         }
         for &id in &pings {
             self.send(id, codec::encode(&Frame::Ping { nonce: 0 }), false);
+            // A challenge lost on a datagram link is asked again.
+            if let Some(session) = self.sessions.get_mut(&id) {
+                session
+                    .conn
+                    .links
+                    .send_challenges(&mut self.endpoints, true);
+            }
         }
         // The sessions seen to above, as they stand now.
         for id in expired

@@ -23,7 +23,7 @@ use efabus_core::transport::{Endpoint, LinkKeys, OutFrame, PeerId, SendError, Tr
 use thiserror::Error;
 use tracing::warn;
 
-use super::link_auth::{HandshakeRole, LinkSecret};
+use super::link_auth::{random_u64, HandshakeRole, LinkSecret};
 use crate::endpoints;
 
 /// Why a data link could not open or send.
@@ -76,11 +76,30 @@ pub(crate) enum Sent {
     Dropped,
 }
 
+/// Whether the peer has shown that it receives at the address it gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Proof {
+    /// Shown, or not asked for: the side that dialed trusts the address
+    /// the accepting side gave over the control link it chose to reach.
+    Proven,
+    /// A `Ping` with `nonce` goes to the address (once `asked`) and its
+    /// `Pong` has not come back yet. Until it does, nothing else is sent
+    /// there: a peer naming someone else's address must not turn the
+    /// broker into a sender of traffic at that victim. The ping waits for
+    /// the peer's first message on a data link, which shows the peer has
+    /// set up its side of the link: a message arriving before that would be
+    /// dropped there, a gap in the reliable link's sequence.
+    Awaiting { nonce: u64, asked: bool },
+}
+
 /// One negotiated link to one peer over a data endpoint.
 pub(crate) struct DataLink {
     /// Index of the endpoint in the owner's endpoint list.
     pub endpoint: usize,
     pub peer: PeerId,
+    /// The peer's address on the endpoint.
+    pub address: Vec<u8>,
+    pub proof: Proof,
     pub scheme: String,
     pub lossy: bool,
     pub description: String,
@@ -144,6 +163,7 @@ impl DataLink {
         choice: &Choice,
         tuning: &LinkTuning,
         keys: &LinkKeys,
+        proof: Proof,
     ) -> Result<DataLink, DataLinkError> {
         let peer = endpoint
             .insert_peer(&choice.remote.address, keys)
@@ -170,6 +190,8 @@ impl DataLink {
         Ok(DataLink {
             endpoint: endpoint_index,
             peer,
+            address: choice.remote.address.clone(),
+            proof,
             scheme: choice.scheme.clone(),
             lossy: config.lossy,
             description: choice.to_string(),
@@ -468,16 +490,34 @@ impl DataLinks {
                 ));
                 continue;
             };
-            let opened = keying
+            let keys = keying
                 .secret
                 .keys(keying.role, keying.peer, &choice.scheme)
+                .and_then(|keys| {
+                    // The side that accepted checks the address it was given.
+                    let proof = match keying.role {
+                        HandshakeRole::Dialer => Proof::Proven,
+                        HandshakeRole::Acceptor => Proof::Awaiting {
+                            nonce: random_u64()?,
+                            asked: false,
+                        },
+                    };
+                    Ok((keys, proof))
+                })
                 .map_err(|source| DataLinkError::Keys {
                     scheme: choice.scheme.clone(),
                     source,
-                })
-                .and_then(|keys| {
-                    DataLink::open(index, endpoints[index].as_mut(), choice, tuning, &keys)
                 });
+            let opened = keys.and_then(|(keys, proof)| {
+                DataLink::open(
+                    index,
+                    endpoints[index].as_mut(),
+                    choice,
+                    tuning,
+                    &keys,
+                    proof,
+                )
+            });
             match opened {
                 Ok(link) => {
                     negotiation.opened.push(choice.local.clone());
@@ -505,9 +545,79 @@ impl DataLinks {
             .flatten()
     }
 
-    /// The reliable link, when frames to the peer go over it.
+    /// The reliable link, when frames to the peer go over it: once the
+    /// peer uses it and has proven its address.
     pub fn sending(&mut self) -> Option<&mut DataLink> {
-        self.reliable.as_mut().filter(|_| self.in_use)
+        let in_use = self.in_use;
+        self.reliable
+            .as_mut()
+            .filter(|link| in_use && link.proof == Proof::Proven)
+    }
+
+    /// Whether frames to the peer wait: it uses the reliable link, which
+    /// has not proven its address yet. They go neither there nor on the
+    /// control link (from where they could arrive after later ones sent on
+    /// the data link), but stay queued for one round trip, under the
+    /// slow-consumer policy like any queue.
+    pub fn held(&self) -> bool {
+        self.in_use
+            && self
+                .reliable
+                .as_ref()
+                .is_some_and(|link| link.proof != Proof::Proven)
+    }
+
+    /// The best-effort link, once the peer has proven its address there.
+    pub fn best_effort_proven(&mut self) -> Option<&mut DataLink> {
+        self.best_effort
+            .as_mut()
+            .filter(|link| link.proof == Proof::Proven)
+    }
+
+    /// Whether a link awaits its proof and has not asked for it yet.
+    pub fn challenge_due(&self) -> bool {
+        self.links()
+            .any(|link| matches!(link.proof, Proof::Awaiting { asked: false, .. }))
+    }
+
+    /// Sends each link awaiting its proof a `Ping` with its nonce: those
+    /// not asked yet, or `again` all of them (a datagram may be lost).
+    pub fn send_challenges(&mut self, endpoints: &mut [Box<dyn Endpoint>], again: bool) {
+        for link in self.links_mut() {
+            let Proof::Awaiting { nonce, asked } = link.proof else {
+                continue;
+            };
+            if asked && !again {
+                continue;
+            }
+            let ping = codec::encode(&Frame::Ping { nonce });
+            if matches!(
+                link.send(endpoints[link.endpoint].as_mut(), ping),
+                Ok(Sent::Accepted)
+            ) {
+                link.proof = Proof::Awaiting { nonce, asked: true };
+            }
+        }
+    }
+
+    /// A `Pong` from the peer: the links whose challenge it answers are
+    /// proven. Returns the addresses proven, as `(endpoint, address)`.
+    pub fn on_pong(&mut self, nonce: u64) -> Vec<(usize, Vec<u8>)> {
+        let mut proven = Vec::new();
+        for link in self.links_mut() {
+            if matches!(link.proof, Proof::Awaiting { nonce: n, .. } if n == nonce) {
+                link.proof = Proof::Proven;
+                proven.push((link.endpoint, link.address.clone()));
+            }
+        }
+        proven
+    }
+
+    /// The `(endpoint, address)` of each proven link.
+    pub fn proven_addresses(&self) -> impl Iterator<Item = (usize, &[u8])> + '_ {
+        self.links()
+            .filter(|link| link.proof == Proof::Proven)
+            .map(|link| (link.endpoint, link.address.as_slice()))
     }
 
     /// The `(endpoint, peer)` of each open link.

@@ -74,7 +74,8 @@ pub(crate) struct SendCounts {
 }
 
 /// Send one frame or run on the session's current path: the reliable data
-/// link once in use, else the control link. Gives back what the path could
+/// link once in use (nothing while its address is not proven yet), else
+/// the control link. Gives back what the path could
 /// not take (a run's untaken frames, as a run); frames that fail for any
 /// other reason than a full path are dropped here: the link is failing and
 /// its closing event follows.
@@ -85,6 +86,9 @@ pub(crate) fn transmit(
     counts: &mut SendCounts,
     queued: Queued,
 ) -> Option<Queued> {
+    if links.held() {
+        return Some(queued);
+    }
     if let Some(link) = links.sending() {
         let endpoint = endpoints[link.endpoint].as_mut();
         if !queued.run {

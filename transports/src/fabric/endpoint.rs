@@ -64,8 +64,8 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use efabus_core::transport::{
-    CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId, Readiness, SendError,
-    TransportError,
+    CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId, Readiness, Refused,
+    SendError, TransportError,
 };
 
 use super::config::{addr_to_hex, EpKind, FabricOptions, OrderWanted};
@@ -1177,6 +1177,14 @@ impl Endpoint for FabricEndpoint {
                 addr: addr_to_hex(addr),
                 reason: err.to_string(),
             })
+    }
+
+    fn refused(&self) -> Refused {
+        Refused {
+            unknown_link: self.stats.unknown_links,
+            forged: self.stats.forged,
+            replayed: self.stats.replayed,
+        }
     }
 
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {

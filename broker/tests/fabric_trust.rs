@@ -1,0 +1,406 @@
+//! Who may speak on the broker's fabric endpoint.
+//!
+//! An attacker here is a fabric endpoint of the same provider on the same
+//! host that knows everything that travels in clear: the broker's fabric
+//! address, a victim client's fabric address and the link id the broker
+//! gave the victim's links (all three are in the handshake). It sends
+//! well-formed efabus frames (publishes, credits, pieces that take the
+//! victim's next sequence numbers or lie far outside its window), writing
+//! the victim's address as sender, under a key it had to guess. None of it
+//! may be delivered, move the victim's sequence or credit state, or end the
+//! victim's session, and the broker counts every message. A stranger that
+//! knows no link id is counted as such and costs the broker nothing it
+//! keeps. A client whose hello names another client's fabric address gets
+//! no traffic sent there and takes nothing over from it.
+//!
+//! `tcp;ofi_rxm` on loopback; skipped unless libfabric opens here, a
+//! failure instead under `EFABUS_REQUIRE_FABRIC=1`.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use efabus_broker::{Broker, Client, ClientOptions, Config, Error};
+use efabus_core::codec;
+use efabus_core::frame::{Credit, Fragment, Frame, Publish};
+use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions, LinkKeys, Transport};
+use efabus_transports::fabric::{addr_from_hex, FabricEndpoint, FabricTransport};
+use efabus_transports::registry::Registry;
+
+const WAIT: Duration = Duration::from_secs(10);
+const PROVIDER: &str = "tcp;ofi_rxm";
+
+fn fabric_required() -> bool {
+    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
+}
+
+fn fabric_table() -> String {
+    format!("[fabric]\nprovider = \"{PROVIDER}\"\nnode = \"127.0.0.1\"\nmax_frame = 65536\n")
+}
+
+fn start_broker() -> Option<Broker> {
+    let text = format!(
+        "name = \"trust\"\nlisten = [\"tcp/127.0.0.1:0\", \"efa-rdm\"]\n{}",
+        fabric_table()
+    );
+    let config = Config::from_toml_str(&text, "trust test").expect("valid test config");
+    match Broker::start(config) {
+        Ok(broker) if broker.endpoint("efa-rdm").is_some() => Some(broker),
+        Ok(_) | Err(Error::Endpoint { .. }) if !fabric_required() => {
+            eprintln!("skipping: {PROVIDER} cannot open here");
+            None
+        }
+        Ok(_) => panic!("EFABUS_REQUIRE_FABRIC=1 but {PROVIDER} did not open"),
+        Err(err) => panic!("broker does not start: {err}"),
+    }
+}
+
+fn client_options(broker: &Broker, name: &str) -> ClientOptions {
+    ClientOptions {
+        name: name.to_string(),
+        connect_timeout: WAIT,
+        data_paths: vec!["efa-rdm".to_string()],
+        fabric: broker.config().fabric.clone(),
+        ..ClientOptions::default()
+    }
+}
+
+fn fabric_client(broker: &Broker, name: &str) -> Client {
+    let endpoint = broker.endpoint("tcp").expect("tcp listener");
+    let client = Client::connect_with(
+        &endpoint,
+        client_options(broker, name),
+        Registry::with_builtins(),
+    )
+    .expect("client connects");
+    assert!(
+        client.link().reliable.starts_with("efa-rdm"),
+        "{name}: {:?}",
+        client.link()
+    );
+    client
+}
+
+fn stat(broker: &Broker, name: &str) -> u64 {
+    broker
+        .stats()
+        .snapshot()
+        .into_iter()
+        .find(|(key, _)| *key == name)
+        .map_or(0, |(_, value)| value)
+}
+
+fn eventually(mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + WAIT;
+    while Instant::now() < deadline {
+        if condition() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    condition()
+}
+
+/// An endpoint of the broker's provider, to attack from.
+fn attacker_endpoint() -> FabricEndpoint {
+    let transport = FabricTransport::rdm();
+    let config = EndpointConfig {
+        fabric: Some(FabricOptions {
+            provider: PROVIDER.to_string(),
+            node: Some("127.0.0.1".to_string()),
+            msg_size: Some(65536),
+            ..FabricOptions::default()
+        }),
+        ..EndpointConfig::default()
+    };
+    transport.open_fabric(&config).expect("attacker endpoint")
+}
+
+fn broker_fabric_address(broker: &Broker) -> Vec<u8> {
+    let spec = broker.endpoint("efa-rdm").expect("fabric listener");
+    let hex = spec.strip_prefix("efa-rdm/").expect("scheme prefix");
+    addr_from_hex(hex).expect("hex address")
+}
+
+/// A whole frame as the link layer would carry it: one piece numbered
+/// `seq`.
+fn piece(seq: u64, frame: &Frame) -> Bytes {
+    let inner = codec::encode(frame).to_bytes();
+    codec::encode(&Frame::Fragment(Fragment {
+        msg_id: seq,
+        index: 0,
+        count: 1,
+        total_len: inner.len() as u32,
+        data: inner,
+    }))
+    .to_bytes()
+}
+
+/// Sends `frames` from `attacker` to `to`, polling until each left.
+fn send_all(attacker: &mut FabricEndpoint, to: efabus_core::transport::PeerId, frames: &[Bytes]) {
+    for frame in frames {
+        let deadline = Instant::now() + WAIT;
+        while attacker
+            .send(to, efabus_core::transport::OutFrame::whole(frame.clone()))
+            .is_err()
+        {
+            attacker.poll(&mut Vec::new()).expect("poll attacker");
+            assert!(Instant::now() < deadline, "attacker cannot send");
+        }
+        attacker.poll(&mut Vec::new()).expect("poll attacker");
+    }
+    for _ in 0..50 {
+        attacker.poll(&mut Vec::new()).expect("poll attacker");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn forged_fabric_messages_are_dropped_and_counted() {
+    let Some(broker) = start_broker() else {
+        return;
+    };
+    let listener = fabric_client(&broker, "listener");
+    let sub = listener.subscribe("trust.>").unwrap();
+    listener.flush(WAIT).unwrap();
+    let victim = fabric_client(&broker, "victim");
+    victim.publish("trust.real", &b"0"[..]).unwrap();
+    victim.flush(WAIT).unwrap();
+    assert_eq!(&sub.recv_timeout(WAIT).unwrap().payload[..], b"0");
+    let report = victim.link();
+    let victim_address =
+        addr_from_hex(report.fabric_address.as_deref().expect("victim address")).unwrap();
+    let link_id = report.server_link_id.expect("the broker's link id");
+
+    let mut attacker = attacker_endpoint();
+    let broker_address = broker_fabric_address(&broker);
+    let forgeries: Vec<Bytes> = [
+        // The victim's next sequence numbers, with a publish each.
+        piece(
+            2,
+            &Frame::Publish(Publish {
+                subject: "trust.forged".into(),
+                reply: None,
+                seq: 0,
+                payload: Bytes::from_static(b"forged"),
+            }),
+        ),
+        piece(
+            3,
+            &Frame::Publish(Publish {
+                subject: "trust.forged".into(),
+                reply: None,
+                seq: 0,
+                payload: Bytes::from_static(b"forged"),
+            }),
+        ),
+        // A piece far outside any window, which would end a link.
+        piece(u64::MAX / 2, &Frame::Ping { nonce: 1 }),
+        // A credit opening the victim's window wide.
+        codec::encode(&Frame::Credit(Credit {
+            messages: u32::MAX,
+            bytes: u64::MAX,
+            ack_seq: u64::MAX / 2,
+        }))
+        .to_bytes(),
+        // And a bare publish, outside the link's sequence.
+        codec::encode(&Frame::Publish(Publish {
+            subject: "trust.forged".into(),
+            reply: None,
+            seq: 0,
+            payload: Bytes::from_static(b"forged"),
+        }))
+        .to_bytes(),
+    ]
+    .into();
+
+    // First as a stranger: no link id the broker knows.
+    let stranger = LinkKeys {
+        send_key: [1; 32],
+        receive_key: [2; 32],
+        local_id: 77,
+        remote_id: 0x5eed,
+    };
+    let to_broker = attacker
+        .insert_peer(&broker_address, &stranger)
+        .expect("insert the broker");
+    send_all(&mut attacker, to_broker, &forgeries);
+    assert!(
+        eventually(|| stat(&broker, "fabric_unknown_links") >= forgeries.len() as u64),
+        "strangers counted: {:?}",
+        broker.stats().snapshot()
+    );
+
+    // Then as the victim: its address, the broker's id for its link, a
+    // guessed key.
+    let guessed = LinkKeys {
+        send_key: [0x42; 32],
+        receive_key: [0x43; 32],
+        local_id: 78,
+        remote_id: link_id,
+    };
+    let to_broker = attacker
+        .insert_peer(&broker_address, &guessed)
+        .expect("insert the broker again");
+    attacker.claim_address(&victim_address);
+    send_all(&mut attacker, to_broker, &forgeries);
+    assert!(
+        eventually(|| stat(&broker, "fabric_forged") >= forgeries.len() as u64),
+        "forgeries counted: {:?}",
+        broker.stats().snapshot()
+    );
+
+    // Nothing forged was delivered; the victim's session is up, its
+    // sequence and window untouched: what it sends now all arrives, in
+    // order.
+    for n in 1..=200u32 {
+        victim
+            .publish("trust.real", Bytes::from(n.to_string()))
+            .unwrap();
+    }
+    victim.flush(WAIT).unwrap();
+    for n in 1..=200u32 {
+        let message = sub.recv_timeout(WAIT).expect("the victim's message");
+        assert_eq!(message.subject.as_ref(), "trust.real", "nothing forged");
+        assert_eq!(message.payload, Bytes::from(n.to_string()));
+    }
+    assert!(sub.recv_timeout(Duration::from_millis(200)).is_err());
+    assert_eq!(
+        stat(&broker, "bad_frames"),
+        0,
+        "{:?}",
+        broker.stats().snapshot()
+    );
+    assert_eq!(stat(&broker, "connections"), 2, "both sessions are up");
+    assert_eq!(victim.reconnects(), 0);
+}
+
+/// A client on TCP alone that writes its own handshake.
+struct RawPeer {
+    ep: Box<dyn Endpoint>,
+    peer: efabus_core::transport::PeerId,
+    frames: Vec<Frame>,
+}
+
+impl RawPeer {
+    fn connect(broker: &Broker) -> RawPeer {
+        let mut ep = efabus_transports::tcp::TcpTransport
+            .open(&EndpointConfig::default())
+            .expect("open tcp");
+        let address = broker.endpoint("tcp").expect("tcp listener");
+        let peer = ep
+            .connect(address.trim_start_matches("tcp/"))
+            .expect("connect");
+        RawPeer {
+            ep,
+            peer,
+            frames: Vec::new(),
+        }
+    }
+
+    fn send(&mut self, frame: &Frame) {
+        self.ep
+            .send(self.peer, codec::encode(frame))
+            .expect("send to the broker");
+    }
+
+    /// Polls until a frame matching `wanted` arrived.
+    fn expect(&mut self, what: &str, wanted: impl Fn(&Frame) -> bool) -> Frame {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(at) = self.frames.iter().position(&wanted) {
+                return self.frames.remove(at);
+            }
+            assert!(Instant::now() < deadline, "no {what}: {:?}", self.frames);
+            let mut events = Vec::new();
+            self.ep.poll(&mut events).expect("poll");
+            for event in events {
+                if let efabus_core::transport::Event::Frame { frame, .. } = event {
+                    let limits = codec::CodecLimits::default();
+                    self.frames
+                        .push(codec::decode(frame, &limits).expect("frame"));
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+#[test]
+fn a_hello_naming_another_clients_address_takes_nothing_over() {
+    let Some(broker) = start_broker() else {
+        return;
+    };
+    let victim = fabric_client(&broker, "victim");
+    let sub = victim.subscribe("mine.>").unwrap();
+    victim.flush(WAIT).unwrap();
+    let victim_address =
+        addr_from_hex(victim.link().fabric_address.as_deref().expect("address")).unwrap();
+
+    // An impostor whose hello offers an efa-rdm data path at the victim's
+    // address, with a key share of its own.
+    let attacker = attacker_endpoint();
+    let mut offer = efabus_broker::endpoints::offer_for(&attacker).expect("an offer");
+    offer.address = victim_address;
+    let mut impostor = RawPeer::connect(&broker);
+    let mut key_share = [0u8; 32];
+    key_share[0] = 9;
+    impostor.send(&Frame::Hello(efabus_core::frame::Hello {
+        version: efabus_core::frame::PROTOCOL_VERSION,
+        name: "impostor".into(),
+        credentials: None,
+        offers: vec![offer],
+        link_auth: Some(efabus_core::frame::LinkAuth {
+            key_share,
+            link_id: 4242,
+        }),
+    }));
+    let welcome = impostor.expect("welcome", |f| matches!(f, Frame::Welcome(_)));
+    let Frame::Welcome(welcome) = welcome else {
+        unreachable!()
+    };
+    assert!(
+        welcome.offers.iter().any(|o| o.scheme == "efa-rdm"),
+        "the broker opened a data link for the named address: {welcome:?}"
+    );
+    impostor.send(&Frame::Subscribe(efabus_core::frame::Subscribe {
+        sid: 1,
+        pattern: "mine.>".into(),
+        queue: None,
+        class: efabus_core::frame::DeliveryClass::Reliable,
+    }));
+    impostor.send(&Frame::Ping { nonce: 5 });
+    impostor.expect("pong", |f| matches!(f, Frame::Pong { nonce: 5 }));
+
+    let publisher = fabric_client(&broker, "publisher");
+    let publish = |from: u32, to: u32| {
+        for n in from..to {
+            publisher
+                .publish("mine.data", Bytes::from(n.to_string()))
+                .unwrap();
+        }
+        publisher.flush(WAIT).unwrap();
+    };
+    publish(0, 100);
+    for n in 0..100u32 {
+        let message = sub.recv_timeout(WAIT).expect("victim's message");
+        assert_eq!(message.payload, Bytes::from(n.to_string()));
+    }
+    // The impostor never used the data link, so its messages came on its
+    // own control link, not to the victim's address.
+    let last = Bytes::from("99");
+    impostor.expect(
+        "the impostor's copy on TCP",
+        |f| matches!(f, Frame::Message(m) if m.payload == last),
+    );
+
+    // The impostor leaves; its data link closes, the victim's stays.
+    drop(impostor);
+    assert!(eventually(|| stat(&broker, "connections") == 2));
+    publish(100, 200);
+    for n in 100..200u32 {
+        let message = sub.recv_timeout(WAIT).expect("victim's message after");
+        assert_eq!(message.payload, Bytes::from(n.to_string()));
+    }
+    assert_eq!(victim.reconnects(), 0, "the victim kept its session");
+    assert!(victim.link().reliable.starts_with("efa-rdm"));
+}
