@@ -27,29 +27,33 @@ use efabus_transports::fabric::{addr_from_hex, FabricEndpoint, FabricTransport};
 use efabus_transports::registry::Registry;
 
 const WAIT: Duration = Duration::from_secs(10);
+
+/// Held by every test here, so the one that measures memory runs alone.
+static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const PROVIDER: &str = "tcp;ofi_rxm";
 
 fn fabric_required() -> bool {
     std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
 }
 
-fn fabric_table() -> String {
-    format!("[fabric]\nprovider = \"{PROVIDER}\"\nnode = \"127.0.0.1\"\nmax_frame = 65536\n")
+fn fabric_table(provider: &str) -> String {
+    format!("[fabric]\nprovider = \"{provider}\"\nnode = \"127.0.0.1\"\nmax_frame = 65536\n")
 }
 
 fn start_broker() -> Option<Broker> {
+    let provider = PROVIDER;
     let text = format!(
         "name = \"trust\"\nlisten = [\"tcp/127.0.0.1:0\", \"efa-rdm\"]\n{}",
-        fabric_table()
+        fabric_table(provider)
     );
     let config = Config::from_toml_str(&text, "trust test").expect("valid test config");
     match Broker::start(config) {
         Ok(broker) if broker.endpoint("efa-rdm").is_some() => Some(broker),
         Ok(_) | Err(Error::Endpoint { .. }) if !fabric_required() => {
-            eprintln!("skipping: {PROVIDER} cannot open here");
+            eprintln!("skipping: {provider} cannot open here");
             None
         }
-        Ok(_) => panic!("EFABUS_REQUIRE_FABRIC=1 but {PROVIDER} did not open"),
+        Ok(_) => panic!("EFABUS_REQUIRE_FABRIC=1 but {provider} did not open"),
         Err(err) => panic!("broker does not start: {err}"),
     }
 }
@@ -156,6 +160,9 @@ fn send_all(attacker: &mut FabricEndpoint, to: efabus_core::transport::PeerId, f
 
 #[test]
 fn forged_fabric_messages_are_dropped_and_counted() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let Some(broker) = start_broker() else {
         return;
     };
@@ -327,6 +334,9 @@ impl RawPeer {
 
 #[test]
 fn a_hello_naming_another_clients_address_takes_nothing_over() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let Some(broker) = start_broker() else {
         return;
     };
@@ -403,4 +413,126 @@ fn a_hello_naming_another_clients_address_takes_nothing_over() {
     }
     assert_eq!(victim.reconnects(), 0, "the victim kept its session");
     assert!(victim.link().reliable.starts_with("efa-rdm"));
+}
+
+/// Resident memory of this process, in KiB.
+fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Senders a flood makes up.
+const FORGED_SENDERS: u32 = 100_000;
+/// Forged senders before memory is measured.
+const FLOOD_WARMUP: u32 = 5_000;
+/// What the test process may grow by while the broker takes a flood of
+/// forged senders: under 170 bytes a sender (100,000 sessions took 540 MiB
+/// before messages were authenticated).
+const FLOOD_GROWTH_KIB: u64 = 16 << 10;
+
+/// Memory is measured for the whole process, so this test runs alone.
+/// `tcp;ofi_rxm` itself grows its buffer pools in chunks (about 9 MiB here)
+/// while a sender outruns the receiver, forged or not; the bound leaves
+/// room for that and none for state kept per sender.
+#[test]
+fn a_hundred_thousand_forged_senders_cost_nothing_lasting() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Some(broker) = start_broker() else {
+        return;
+    };
+    let before_client = fabric_client(&broker, "before the flood");
+    let sub = before_client.subscribe("flood.>").unwrap();
+    before_client.flush(WAIT).unwrap();
+    let connections = stat(&broker, "connections");
+
+    let mut attacker = attacker_endpoint();
+    let broker_address = broker_fabric_address(&broker);
+    let keys = LinkKeys {
+        send_key: [3; 32],
+        receive_key: [4; 32],
+        local_id: 1,
+        remote_id: 0xf100d,
+    };
+    let to_broker = attacker
+        .insert_peer(&broker_address, &keys)
+        .expect("insert the broker");
+    let forged = piece(
+        1,
+        &Frame::Publish(Publish {
+            subject: "flood.forged".into(),
+            reply: None,
+            seq: 0,
+            payload: Bytes::from_static(b"forged"),
+        }),
+    );
+    let mut address = attacker.local_addr();
+    // Sends one forged message per sender in `senders`, then polls the
+    // attacker (whose provider may need it to finish sending) until the
+    // broker has counted `total` in all.
+    let mut flood = |senders: std::ops::Range<u32>, total: u64, distinct: bool| {
+        for n in senders {
+            if distinct {
+                address[..4].copy_from_slice(&n.to_le_bytes());
+                attacker.claim_address(&address);
+            }
+            send_all_quietly(&mut attacker, to_broker, &forged);
+        }
+        let deadline = Instant::now() + WAIT;
+        while stat(&broker, "fabric_unknown_links") < total {
+            attacker.poll(&mut Vec::new()).expect("poll attacker");
+            assert!(
+                Instant::now() < deadline,
+                "every forged message counted: {:?}",
+                broker.stats().snapshot()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    // First enough to touch every buffer of both endpoints once (a
+    // buffer's first use faults its pages in).
+    flood(0..FLOOD_WARMUP, u64::from(FLOOD_WARMUP), false);
+    let rss_before = rss_kib();
+    let end = FLOOD_WARMUP + FORGED_SENDERS;
+    flood(FLOOD_WARMUP..end, u64::from(end), true);
+    let grown = rss_kib().saturating_sub(rss_before);
+    assert!(
+        grown < FLOOD_GROWTH_KIB,
+        "{FORGED_SENDERS} forged senders grew the process by {grown} KiB"
+    );
+    assert_eq!(stat(&broker, "connections"), connections, "no session");
+    assert!(sub.recv_timeout(Duration::from_millis(200)).is_err());
+
+    // A legitimate client still gets its fabric path, and is heard.
+    let after = fabric_client(&broker, "after the flood");
+    after.publish("flood.real", &b"real"[..]).unwrap();
+    after.flush(WAIT).unwrap();
+    let message = sub.recv_timeout(WAIT).expect("the real message");
+    assert_eq!(&message.payload[..], b"real");
+}
+
+/// Sends one frame, polling between tries; no extra polls after.
+fn send_all_quietly(
+    attacker: &mut FabricEndpoint,
+    to: efabus_core::transport::PeerId,
+    frame: &Bytes,
+) {
+    let deadline = Instant::now() + WAIT;
+    while attacker
+        .send(to, efabus_core::transport::OutFrame::whole(frame.clone()))
+        .is_err()
+    {
+        attacker.poll(&mut Vec::new()).expect("poll attacker");
+        assert!(
+            Instant::now() < deadline,
+            "attacker cannot send: {:?}",
+            attacker.stats()
+        );
+    }
+    attacker.poll(&mut Vec::new()).expect("poll attacker");
 }
