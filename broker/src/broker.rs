@@ -47,6 +47,10 @@ pub struct BrokerStats {
     pub bytes_in: AtomicU64,
     pub slow_consumer_drops: AtomicU64,
     pub slow_consumer_disconnects: AtomicU64,
+    /// Messages queued for a remote peer that were discarded with its
+    /// connection: cut off as a slow consumer, lost, or still queued when
+    /// the shutdown drain time ran out.
+    pub connection_drops: AtomicU64,
     pub bad_frames: AtomicU64,
     pub auth_failures: AtomicU64,
     pub refused_connections: AtomicU64,
@@ -87,6 +91,7 @@ impl BrokerStats {
                 "slow_consumer_disconnects",
                 get(&self.slow_consumer_disconnects),
             ),
+            ("connection_drops", get(&self.connection_drops)),
             ("bad_frames", get(&self.bad_frames)),
             ("auth_failures", get(&self.auth_failures)),
             ("refused_connections", get(&self.refused_connections)),

@@ -653,3 +653,67 @@ fn options_the_wire_cannot_carry_are_refused_at_connect() {
         "credentials",
     );
 }
+
+/// A client whose subscriptions hold `queue` messages each and then wait
+/// for the application (its own policy is `block`, so it discards
+/// nothing itself): a subscriber the application does not read stops
+/// reading its socket, and the broker's queue for it fills.
+fn stalling_client(endpoint: &str, queue: usize) -> Client {
+    Client::connect_with(
+        endpoint,
+        ClientOptions {
+            subscription_queue: queue,
+            slow_consumer: efabus_broker::SlowConsumerPolicy::Block,
+            block_timeout: Duration::from_secs(60),
+            reconnect: false,
+            ..options()
+        },
+        Registry::with_builtins(),
+    )
+    .expect("client connects")
+}
+
+/// `total` numbered messages of 4 KiB on `subject`, from a client of the
+/// broker; returns once the broker has routed them all.
+fn publish_numbered_4k(endpoint: &str, subject: &str, total: u32) {
+    let publisher = connect(endpoint);
+    let filler = vec![0u8; 4092];
+    for n in 0..total {
+        let mut payload = n.to_le_bytes().to_vec();
+        payload.extend_from_slice(&filler);
+        publisher.publish(subject, Bytes::from(payload)).unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+}
+
+fn stat(broker: &Broker, name: &str) -> u64 {
+    broker
+        .stats()
+        .snapshot()
+        .into_iter()
+        .find(|(key, _)| *key == name)
+        .map_or(0, |(_, value)| value)
+}
+
+/// What the broker had queued for a subscriber it cuts off is counted
+/// (`connection_drops`): the subscriber cannot be told any more.
+#[test]
+fn what_a_cut_off_subscriber_had_queued_is_counted() {
+    let (broker, endpoint) = start(
+        Via::Tcp,
+        "[limits]\nmax_pending_bytes = 262144\n[slow_consumer]\npolicy = \"disconnect\"\n\
+         [heartbeat]\ninterval_ms = 1000\ntimeout_ms = 60000\n",
+    );
+    let subscriber = stalling_client(&endpoint, 16);
+    let sub = subscriber.subscribe("slow.data").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    publish_numbered_4k(&endpoint, "slow.data", 4000);
+    eventually("the cut-off", || {
+        stat(&broker, "slow_consumer_disconnects") == 1
+    });
+    assert!(stat(&broker, "connection_drops") > 0);
+    assert_eq!(stat(&broker, "slow_consumer_drops"), 0);
+    // Read what reached the client, so its loop is not left waiting for
+    // room when everything is dropped.
+    while sub.recv_timeout(Duration::from_millis(300)).is_ok() {}
+}

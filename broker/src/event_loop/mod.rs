@@ -822,6 +822,9 @@ impl EventLoop {
             return;
         };
         if session.cut_off {
+            if queued.messages > 0 {
+                BrokerStats::add(&self.shared.stats.connection_drops, queued.messages as u64);
+            }
             return;
         }
         let is_message = queued.messages > 0;
@@ -945,6 +948,8 @@ impl EventLoop {
             if let Some(session) = self.sessions.get_mut(&id) {
                 session.cut_off = true;
                 session.over_since = None;
+                let discarded = session.conn.out.messages() + session.batch.messages();
+                BrokerStats::add(&self.shared.stats.connection_drops, discarded);
                 session.conn.out.clear();
                 session.batch.clear();
                 let control = session.conn.control;
@@ -992,6 +997,7 @@ impl EventLoop {
         self.remove_interest(id);
         self.dialed_session_gone(id);
         if let Some(mut session) = self.sessions.remove(&id) {
+            self.count_discarded(&session);
             for address in session.conn.links.addresses() {
                 self.by_peer.remove(&address);
             }
@@ -1003,6 +1009,15 @@ impl EventLoop {
             info!(session = id, remote = %session.remote, name = %session.name, %reason, "peer gone");
         }
         self.answer_flushes();
+    }
+
+    /// Count the messages still queued for a session that is going away:
+    /// they are discarded with it.
+    fn count_discarded(&self, session: &Session) {
+        let discarded = session.conn.out.messages() + session.batch.messages();
+        if discarded > 0 {
+            BrokerStats::add(&self.shared.stats.connection_drops, discarded);
+        }
     }
 
     /// Heartbeat settings for a new session: the broker pings each
@@ -1191,6 +1206,9 @@ impl EventLoop {
                 peers = self.sessions.len(),
                 "drain time over; closing peers with data still queued"
             );
+            for session in self.sessions.values() {
+                self.count_discarded(session);
+            }
         }
         for done in self.flushes.drain(..) {
             let _ = done.send(());

@@ -240,6 +240,12 @@ impl Outbound {
         true
     }
 
+    /// Messages waiting (entries that are not messages, such as control
+    /// frames, count none).
+    pub fn messages(&self) -> u64 {
+        self.queue.iter().map(|q| q.messages as u64).sum()
+    }
+
     /// Apply the slow-consumer policy after a message was queued, when the
     /// queue is over `bound` bytes.
     pub fn enforce(&mut self, policy: SlowConsumerPolicy, bound: usize) -> Overflow {
@@ -318,6 +324,11 @@ impl Batch {
         let messages = std::mem::take(&mut self.messages);
         self.hint = run.len().clamp(BATCH_MIN, RUN_MAX);
         Some(Queued::run(run, messages))
+    }
+
+    /// Messages in the batch.
+    pub fn messages(&self) -> u64 {
+        self.messages as u64
     }
 
     /// Forget what the batch holds.
@@ -490,9 +501,11 @@ mod tests {
             OutFrame::whole(Bytes::from(frame(&[0; 50]))),
             true,
         ));
+        assert_eq!(out.messages(), 2);
         let overflow = out.enforce(SlowConsumerPolicy::DropOldest, 70);
         assert_eq!(overflow, Overflow::DroppedOldest(1));
         assert_eq!(out.bytes(), 8 + 54);
+        assert_eq!(out.messages(), 1);
         assert_eq!(
             out.enforce(SlowConsumerPolicy::Disconnect, 60),
             Overflow::Disconnect
