@@ -45,6 +45,9 @@ pub struct BrokerStats {
     pub messages_in: AtomicU64,
     pub messages_out: AtomicU64,
     pub bytes_in: AtomicU64,
+    /// Messages the drop-oldest policy discarded (for remote peers and
+    /// in-process subscriptions alike). A client is told, per
+    /// subscription, what was discarded for it (`Subscription::stats`).
     pub slow_consumer_drops: AtomicU64,
     pub slow_consumer_disconnects: AtomicU64,
     /// Messages queued for a remote peer that were discarded with its

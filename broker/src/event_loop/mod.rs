@@ -28,7 +28,7 @@ use crossbeam_channel::{Receiver, Sender};
 use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::credit::CREDIT_DELAY;
-use efabus_core::frame::{DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye};
+use efabus_core::frame::{DeliveryClass, Dropped, ErrorCode, ErrorFrame, Frame, Goodbye};
 use efabus_core::link::LinkTuning;
 use efabus_core::subject;
 use efabus_core::transport::{CloseReason, Endpoint, Event, OutFrame, PeerId};
@@ -66,6 +66,9 @@ const IDLE_WAKE: Duration = Duration::from_secs(60);
 /// this late (heartbeats, handshakes, gap timeouts, block limits), and a
 /// broker with many sessions visits them at most 20 times a second.
 const TIMER_SPACING: Duration = Duration::from_millis(50);
+/// Shortest time between two reports to one client of what the
+/// drop-oldest policy discarded for it: drops in between are added up.
+const DROP_REPORT_SPACING: Duration = Duration::from_millis(100);
 
 pub(crate) struct EventLoop {
     shared: Arc<Shared>,
@@ -840,10 +843,28 @@ impl EventLoop {
         }
         let config = &self.shared.config;
         let bound = config.limits.max_pending_bytes;
-        match session.conn.out.enforce(config.slow_consumer.policy, bound) {
+        // A client is told what is discarded for each of its subscriptions
+        // (a route's peer broker counts nothing per subscription).
+        let client = session.route().is_none();
+        let pending = &mut session.drops.pending;
+        let overflow = session
+            .conn
+            .out
+            .enforce(config.slow_consumer.policy, bound, |discarded| {
+                if client {
+                    discarded.for_each_sid(|sid| *pending.entry(sid).or_default() += 1);
+                }
+            });
+        match overflow {
             Overflow::Within => {}
             Overflow::DroppedOldest(dropped) => {
                 BrokerStats::add(&self.shared.stats.slow_consumer_drops, dropped);
+                if let Some(at) = session.drops.due_at() {
+                    // Reported once the queue has room again (see
+                    // `report_drops`); the timers look no later than this.
+                    let at = at.max(self.now);
+                    self.schedule(at);
+                }
             }
             Overflow::Disconnect => {
                 BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
@@ -918,6 +939,7 @@ impl EventLoop {
         if drained {
             session.over_since = None;
         }
+        let report = drained && session.drops.due_at().is_some();
         if empty && session.state == SessionState::Closing {
             let control = session.conn.control;
             self.endpoints[control.endpoint].close(control.peer);
@@ -925,7 +947,45 @@ impl EventLoop {
         if drained && self.blocking.remove(&id) && self.blocking.is_empty() {
             self.set_reads_paused(false);
         }
+        if report {
+            self.report_drops(id, Instant::now());
+        }
         self.answer_flushes();
+    }
+
+    /// Tell a client what the drop-oldest policy discarded for its
+    /// subscriptions since the last report: one `Dropped` frame per
+    /// subscription, at most every [`DROP_REPORT_SPACING`] per session
+    /// (drops in between are added up), and only while the session's queue
+    /// is at most half its bound. A report is not a message, so the policy
+    /// never discards it; and as it is only sent into a queue with room,
+    /// reports do not pile up behind a reader that takes nothing (they
+    /// wait, added up, until it takes again: [`Self::flush_session`] calls
+    /// here once the queue drains).
+    fn report_drops(&mut self, id: u64, now: Instant) {
+        let bound = self.shared.config.limits.max_pending_bytes;
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some(at) = session.drops.due_at() else {
+            return;
+        };
+        if session.state != SessionState::Ready || session.cut_off {
+            return;
+        }
+        if now < at {
+            self.schedule(at);
+            return;
+        }
+        if session.conn.out.bytes() > bound / 2 {
+            return;
+        }
+        session.drops.not_before = now + DROP_REPORT_SPACING;
+        let pending = std::mem::take(&mut session.drops.pending);
+        for (sid, count) in pending {
+            let report = Frame::Dropped(Dropped { sid, count });
+            self.send(id, codec::encode(&report), false);
+        }
     }
 
     /// Report a non-fatal error to the peer.
@@ -1065,6 +1125,8 @@ impl EventLoop {
         let mut pings = Vec::new();
         let mut slow = Vec::new();
         let mut lossy = Vec::new();
+        let mut reports = Vec::new();
+        let bound = self.shared.config.limits.max_pending_bytes;
         let mut queued = 0u64;
         // The next deadline, of the sessions with nothing due now (the
         // others are seen to below and then rescheduled).
@@ -1104,6 +1166,13 @@ impl EventLoop {
                     next = next.min(deadline);
                 }
             }
+            // Drop reports due go out if the queue has room; otherwise
+            // draining it sends them (`flush_session`), not the timers.
+            match session.drops.due_at() {
+                Some(at) if at > now => next = next.min(at),
+                Some(_) if session.conn.out.bytes() <= bound / 2 => reports.push(id),
+                _ => {}
+            }
         }
         self.shared
             .stats
@@ -1136,6 +1205,9 @@ impl EventLoop {
         }
         for &id in &pings {
             self.send(id, codec::encode(&Frame::Ping { nonce: 0 }), false);
+        }
+        for &id in &reports {
+            self.report_drops(id, now);
         }
         // The sessions seen to above, as they stand now.
         for id in expired

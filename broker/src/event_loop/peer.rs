@@ -62,6 +62,22 @@ pub(super) enum Role {
     Route(Box<RouteRole>),
 }
 
+/// Messages the drop-oldest policy discarded for a client's subscriptions
+/// and not yet reported to it (see `EventLoop::report_drops`).
+pub(super) struct DropReports {
+    /// Messages discarded per subscription id since the last report.
+    pub pending: HashMap<u64, u64>,
+    /// No report goes out before this time: reports are coalesced.
+    pub not_before: Instant,
+}
+
+impl DropReports {
+    /// When the pending reports may go, if there are any.
+    pub fn due_at(&self) -> Option<Instant> {
+        (!self.pending.is_empty()).then_some(self.not_before)
+    }
+}
+
 /// One peer of the broker: a client, or a route to another broker.
 pub(super) struct Session {
     /// Control link, data links, outbound queue, heartbeats.
@@ -78,6 +94,8 @@ pub(super) struct Session {
     /// Disconnected as a slow consumer: its queue was dropped, and what is
     /// still routed to it before it is gone is dropped too.
     pub cut_off: bool,
+    /// What the drop-oldest policy discarded for a client, to tell it.
+    pub drops: DropReports,
 }
 
 impl Session {
@@ -91,6 +109,10 @@ impl Session {
             batch: Batch::default(),
             over_since: None,
             cut_off: false,
+            drops: DropReports {
+                pending: HashMap::default(),
+                not_before: Instant::now(),
+            },
         }
     }
 
@@ -263,6 +285,8 @@ impl Session {
         if let Role::Client(subscriptions) = &mut self.role {
             subscriptions.remove(&sid);
         }
+        // Nobody is left to tell.
+        self.drops.pending.remove(&sid);
         shared
             .subscriptions
             .write()
