@@ -70,6 +70,9 @@ pub struct BrokerStats {
     pub credit_waits: AtomicU64,
     /// Routes to other brokers that are up, right now.
     pub routes: AtomicU64,
+    /// Peers that asked to become a route without the route credential
+    /// (`cluster.secret`): refused with an `Auth` error and closed.
+    pub route_refusals: AtomicU64,
     /// Messages received from and forwarded to other brokers over routes.
     pub route_messages_in: AtomicU64,
     pub route_messages_out: AtomicU64,
@@ -104,6 +107,7 @@ impl BrokerStats {
             ("best_effort_drops", get(&self.best_effort_drops)),
             ("credit_waits", get(&self.credit_waits)),
             ("routes", get(&self.routes)),
+            ("route_refusals", get(&self.route_refusals)),
             ("route_messages_in", get(&self.route_messages_in)),
             ("route_messages_out", get(&self.route_messages_out)),
         ]
