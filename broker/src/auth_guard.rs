@@ -1,7 +1,8 @@
-//! Failed authentications, counted per remote address: after
+//! Failed authentications, counted per remote address: failed hellos, and
+//! route hellos refused for want of the route credential. After
 //! [`MAX_FAILURES`] within [`WINDOW`], hellos from that address are refused
-//! without being checked until the window ends, so guessing the secret
-//! from one address goes at most that fast. An IPv6 address counts with
+//! without being checked until the window ends, so guessing a secret from
+//! one address goes at most that fast. An IPv6 address counts with
 //! its /64 (one host's share of a network), and addresses behind one NAT
 //! share the count. The table is bounded: when it is full, the address
 //! whose window started first is forgotten.
@@ -55,7 +56,8 @@ impl AuthGuard {
         (failures.count >= MAX_FAILURES).then(|| end - now)
     }
 
-    /// A hello from `ip` failed authentication.
+    /// A hello from `ip` failed authentication (or its route hello was
+    /// refused).
     pub fn failed(&mut self, ip: IpAddr, now: Instant) {
         if self.by_address.len() >= MAX_TRACKED && !self.by_address.contains_key(&ip) {
             self.by_address

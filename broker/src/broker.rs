@@ -45,8 +45,15 @@ pub struct BrokerStats {
     pub messages_in: AtomicU64,
     pub messages_out: AtomicU64,
     pub bytes_in: AtomicU64,
+    /// Messages the drop-oldest policy discarded (for remote peers and
+    /// in-process subscriptions alike). A client is told, per
+    /// subscription, what was discarded for it (`Subscription::stats`).
     pub slow_consumer_drops: AtomicU64,
     pub slow_consumer_disconnects: AtomicU64,
+    /// Messages queued for a remote peer that were discarded with its
+    /// connection: cut off as a slow consumer, lost, or still queued when
+    /// the shutdown drain time ran out.
+    pub connection_drops: AtomicU64,
     pub bad_frames: AtomicU64,
     pub auth_failures: AtomicU64,
     pub refused_connections: AtomicU64,
@@ -63,6 +70,9 @@ pub struct BrokerStats {
     pub credit_waits: AtomicU64,
     /// Routes to other brokers that are up, right now.
     pub routes: AtomicU64,
+    /// Peers that asked to become a route without the route credential
+    /// (`cluster.secret`): refused with an `Auth` error and closed.
+    pub route_refusals: AtomicU64,
     /// Messages received from and forwarded to other brokers over routes.
     pub route_messages_in: AtomicU64,
     pub route_messages_out: AtomicU64,
@@ -93,6 +103,7 @@ impl BrokerStats {
                 "slow_consumer_disconnects",
                 get(&self.slow_consumer_disconnects),
             ),
+            ("connection_drops", get(&self.connection_drops)),
             ("bad_frames", get(&self.bad_frames)),
             ("auth_failures", get(&self.auth_failures)),
             ("refused_connections", get(&self.refused_connections)),
@@ -102,6 +113,7 @@ impl BrokerStats {
             ("best_effort_drops", get(&self.best_effort_drops)),
             ("credit_waits", get(&self.credit_waits)),
             ("routes", get(&self.routes)),
+            ("route_refusals", get(&self.route_refusals)),
             ("route_messages_in", get(&self.route_messages_in)),
             ("route_messages_out", get(&self.route_messages_out)),
             ("fabric_unknown_links", get(&self.fabric_unknown_links)),

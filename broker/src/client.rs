@@ -1418,6 +1418,14 @@ impl ClientLoop {
             Frame::Goodbye(goodbye) => {
                 info!(reason = %goodbye.reason, "server said goodbye");
             }
+            Frame::Dropped(dropped) => {
+                // Counted with the subscription's own drops; a report for
+                // a subscription gone meanwhile (or the reply inbox) is
+                // nobody's.
+                if let Some(sub) = self.shared.subscriptions.lock().get(&dropped.sid) {
+                    sub.sink.count_dropped_by_broker(dropped.count);
+                }
+            }
             other => debug!(frame = ?other, "ignoring unexpected frame"),
         }
     }

@@ -57,7 +57,8 @@ fn at_line(line: &Option<usize>) -> String {
 /// to 64 capability offers; 1 KiB leaves them ample room.
 pub const MAX_NAME_LEN: usize = 1024;
 
-/// Longest `auth.secret`, in bytes (it travels in the hello, like the name).
+/// Longest `auth.secret` or `cluster.secret`, in bytes (it travels in the
+/// hello, like the name).
 pub const MAX_SECRET_LEN: usize = 4096;
 
 /// Largest `limits.max_subject_len`. The wire field is 16 bits wide, and a
@@ -103,6 +104,8 @@ pub struct Config {
     /// and forwards its clients' messages one hop over them: list every
     /// other broker of the cluster (a full mesh).
     pub peers: Vec<String>,
+    /// `[cluster]`: who may open a route (see [`Cluster`]).
+    pub cluster: Cluster,
     pub limits: Limits,
     pub slow_consumer: SlowConsumer,
     pub auth: Auth,
@@ -121,6 +124,7 @@ impl Default for Config {
             log_level: "info".to_string(),
             listen: Vec::new(),
             peers: Vec::new(),
+            cluster: Cluster::default(),
             limits: Limits::default(),
             slow_consumer: SlowConsumer::default(),
             auth: Auth::default(),
@@ -194,10 +198,28 @@ impl Default for SlowConsumer {
 }
 
 /// Shared-secret authentication. With a secret set, every connecting side
-/// must present the same secret in its hello.
+/// must present the same secret in its hello (or, when `cluster.secret` is
+/// set, that one: see [`Cluster`]).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Auth {
+    pub secret: Option<String>,
+}
+
+/// Routes between brokers. A connection may become a route (and learn
+/// which patterns this broker's subscribers want) only if its hello carried
+/// the route credential ([`Config::route_secret`]):
+///
+/// - `cluster.secret` when it is set: brokers present it when they dial
+///   their peers, and a client's secret (`auth.secret`) does not open a
+///   route. A hello with the cluster secret is accepted whether or not
+///   `auth.secret` is set.
+/// - else `auth.secret`: any peer that authenticated may open a route.
+/// - else (no secret at all) any peer may: the open mode, for a trusted
+///   network only.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Cluster {
     pub secret: Option<String>,
 }
 
@@ -575,26 +597,16 @@ impl Config {
                 ),
             ));
         }
-        if let Some(secret) = &self.auth.secret {
-            if secret.is_empty() {
-                // An empty secret would be taken for no secret at all.
-                return Err(invalid(
-                    "auth.secret",
-                    "is empty; remove the key to run without authentication, \
-                     or set a secret"
-                        .to_string(),
-                ));
-            }
-            if secret.len() > MAX_SECRET_LEN {
-                return Err(invalid(
-                    "auth.secret",
-                    format!(
-                        "is {} bytes long; the allowed length is up to {MAX_SECRET_LEN} bytes",
-                        secret.len()
-                    ),
-                ));
-            }
-        }
+        check_secret(
+            self.auth.secret.as_deref(),
+            "remove the key to run without authentication",
+        )
+        .map_err(|message| invalid("auth.secret", message))?;
+        check_secret(
+            self.cluster.secret.as_deref(),
+            "remove the key to let auth.secret open routes (or, without it, any peer)",
+        )
+        .map_err(|message| invalid("cluster.secret", message))?;
         if self.heartbeat.timeout_ms <= self.heartbeat.interval_ms {
             return Err(invalid(
                 "heartbeat.timeout_ms",
@@ -651,11 +663,41 @@ impl Config {
         Duration::from_millis(self.slow_consumer.block_timeout_ms)
     }
 
+    /// The credential that opens a route, and that this broker presents
+    /// when it dials its peers: `cluster.secret`, else `auth.secret`.
+    /// `None` (no secret configured) is the open mode: any peer that
+    /// connects may become a route.
+    pub fn route_secret(&self) -> Option<&str> {
+        self.cluster
+            .secret
+            .as_deref()
+            .or(self.auth.secret.as_deref())
+    }
+
     /// The largest frame a peer may send: the payload limit plus room for
     /// the header, subjects and reply subject.
     pub fn max_frame(&self) -> usize {
         self.limits.max_payload as usize + 2 * self.limits.max_subject_len + 64
     }
+}
+
+/// Check a secret: 1 to [`MAX_SECRET_LEN`] bytes when set; `instead` says
+/// what to do rather than set an empty one.
+fn check_secret(secret: Option<&str>, instead: &str) -> Result<(), String> {
+    let Some(secret) = secret else {
+        return Ok(());
+    };
+    if secret.is_empty() {
+        // An empty secret would be taken for no secret at all.
+        return Err(format!("is empty; {instead}, or set a secret"));
+    }
+    if secret.len() > MAX_SECRET_LEN {
+        return Err(format!(
+            "is {} bytes long; the allowed length is up to {MAX_SECRET_LEN} bytes",
+            secret.len()
+        ));
+    }
+    Ok(())
 }
 
 /// Check a log filter: comma-separated directives, each a level name or
@@ -835,6 +877,24 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("line 2: auth.secret: is empty"), "{err}");
+        assert!(err.contains("without authentication"), "{err}");
+
+        let err = Config::from_toml_str("name = \"n\"\n[cluster]\nsecret = \"\"\n", "d.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 3: cluster.secret: is empty"), "{err}");
+        assert!(err.contains("auth.secret open routes"), "{err}");
+        let err = Config::from_toml_str(
+            &format!(
+                "[cluster]\nsecret = \"{}\"\n",
+                "s".repeat(MAX_SECRET_LEN + 1)
+            ),
+            "d.toml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("line 2: cluster.secret:"), "{err}");
+        assert!(!err.contains("sss"), "the value itself is not echoed");
 
         // Keys left at their defaults have no line to name.
         let err = Config::from_toml_str("[heartbeat]\ninterval_ms = 20000\n", "d.toml")
@@ -964,6 +1024,29 @@ mod tests {
                 .to_string();
             assert!(err.contains("peers[0]"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn the_route_credential_is_the_cluster_secret_else_the_client_secret() {
+        let route_secret = |text: &str| {
+            Config::from_toml_str(text, "r.toml")
+                .unwrap()
+                .route_secret()
+                .map(str::to_string)
+        };
+        assert_eq!(route_secret(""), None, "open mode");
+        assert_eq!(
+            route_secret("[auth]\nsecret = \"clients\"\n").as_deref(),
+            Some("clients")
+        );
+        assert_eq!(
+            route_secret("[cluster]\nsecret = \"mesh\"\n").as_deref(),
+            Some("mesh")
+        );
+        assert_eq!(
+            route_secret("[auth]\nsecret = \"clients\"\n[cluster]\nsecret = \"mesh\"\n").as_deref(),
+            Some("mesh")
+        );
     }
 
     #[test]

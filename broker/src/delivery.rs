@@ -81,7 +81,10 @@ pub struct Message {
 #[derive(Debug, Default)]
 pub struct SubscriptionStats {
     delivered: AtomicU64,
+    /// Discarded by this subscription's own queue.
     dropped: AtomicU64,
+    /// Discarded by the broker before they reached this side.
+    dropped_by_broker: AtomicU64,
 }
 
 impl SubscriptionStats {
@@ -90,9 +93,25 @@ impl SubscriptionStats {
         self.delivered.load(Ordering::Relaxed)
     }
 
-    /// Messages discarded by the slow-consumer policy.
+    /// Messages discarded by the slow-consumer policy: the sum of those its
+    /// own queue discarded (`limits.subscription_queue`, or the client's
+    /// `subscription_queue`) and, for a [`crate::Client`]'s subscription,
+    /// those the broker discarded for it under `drop-oldest` before they
+    /// reached the client ([`Self::dropped_by_broker`]). So for a
+    /// subscription nothing else takes from, `delivered() + dropped()` is
+    /// what was published to it while its connection was up, once the
+    /// broker's last report has arrived (it reports at most every 100 ms,
+    /// and while the subscriber takes nothing, only once it takes again).
+    /// Messages lost with a connection are not in it (the broker counts
+    /// them in `connection_drops`).
     pub fn dropped(&self) -> u64 {
-        self.dropped.load(Ordering::Relaxed)
+        self.dropped.load(Ordering::Relaxed) + self.dropped_by_broker()
+    }
+
+    /// Of [`Self::dropped`], the messages the broker reported it discarded
+    /// for this subscription (always 0 for an in-process subscription).
+    pub fn dropped_by_broker(&self) -> u64 {
+        self.dropped_by_broker.load(Ordering::Relaxed)
     }
 }
 
@@ -560,6 +579,14 @@ impl LocalSink {
     /// Whether the disconnect policy cut this subscription off.
     pub(crate) fn is_cut_off(&self) -> bool {
         self.cut_off.load(Ordering::Relaxed)
+    }
+
+    /// The broker reports it discarded `count` messages for this (a
+    /// client's) subscription.
+    pub(crate) fn count_dropped_by_broker(&self, count: u64) {
+        self.stats
+            .dropped_by_broker
+            .fetch_add(count, Ordering::Relaxed);
     }
 }
 

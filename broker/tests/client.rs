@@ -653,3 +653,148 @@ fn options_the_wire_cannot_carry_are_refused_at_connect() {
         "credentials",
     );
 }
+
+/// A client whose subscriptions hold `queue` messages each and then wait
+/// for the application (its own policy is `block`, so it discards
+/// nothing itself): a subscriber the application does not read stops
+/// reading its socket, and the broker's queue for it fills.
+fn stalling_client(endpoint: &str, queue: usize) -> Client {
+    Client::connect_with(
+        endpoint,
+        ClientOptions {
+            subscription_queue: queue,
+            slow_consumer: efabus_broker::SlowConsumerPolicy::Block,
+            block_timeout: Duration::from_secs(60),
+            reconnect: false,
+            ..options()
+        },
+        Registry::with_builtins(),
+    )
+    .expect("client connects")
+}
+
+/// `total` numbered messages of 4 KiB on `subject`, from a client of the
+/// broker; returns once the broker has routed them all.
+fn publish_numbered_4k(endpoint: &str, subject: &str, total: u32) {
+    let publisher = connect(endpoint);
+    let filler = vec![0u8; 4092];
+    for n in 0..total {
+        let mut payload = n.to_le_bytes().to_vec();
+        payload.extend_from_slice(&filler);
+        publisher.publish(subject, Bytes::from(payload)).unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+}
+
+fn stat(broker: &Broker, name: &str) -> u64 {
+    broker
+        .stats()
+        .snapshot()
+        .into_iter()
+        .find(|(key, _)| *key == name)
+        .map_or(0, |(_, value)| value)
+}
+
+/// Under `drop-oldest`, the broker tells a remote subscriber, per
+/// subscription, how many messages it discarded for it: once the
+/// subscriber reads again, what it received and what its stats count as
+/// dropped add up to what was published to it.
+#[test]
+fn a_stalled_remote_subscriber_learns_what_the_broker_dropped_for_it() {
+    const TOTAL: u32 = 4000;
+    // The stalled client answers no pings: keep it alive.
+    let (broker, endpoint) = start(
+        Via::Tcp,
+        "[limits]\nmax_pending_bytes = 262144\n[slow_consumer]\npolicy = \"drop-oldest\"\n\
+         [heartbeat]\ninterval_ms = 1000\ntimeout_ms = 60000\n",
+    );
+    let subscriber = stalling_client(&endpoint, 16);
+    // Two subscriptions get every message: the broker's runs of
+    // deliveries interleave them, and each is told its own drops.
+    let subs = [
+        subscriber.subscribe("slow.data").unwrap(),
+        subscriber.subscribe("slow.>").unwrap(),
+    ];
+    let idle = subscriber.subscribe("elsewhere").unwrap();
+    subscriber.flush(WAIT).unwrap();
+
+    publish_numbered_4k(&endpoint, "slow.data", TOTAL);
+    let discarded = stat(&broker, "slow_consumer_drops");
+    assert!(
+        discarded > 0,
+        "16 MB into a stalled reader: the broker drops"
+    );
+
+    // The application reads again.
+    let mut received = [0u64; 2];
+    let mut last = [None::<u32>; 2];
+    let deadline = Instant::now() + 3 * WAIT;
+    let settled = |received: &[u64; 2]| {
+        (0..2).all(|i| received[i] + subs[i].stats().dropped() == u64::from(TOTAL))
+    };
+    while !settled(&received) {
+        let mut took = false;
+        for (i, sub) in subs.iter().enumerate() {
+            while let Ok(message) = sub.try_recv() {
+                let n = u32::from_le_bytes(message.payload[..4].try_into().unwrap());
+                assert!(last[i] < Some(n), "sub {i}: {n} after {:?}", last[i]);
+                last[i] = Some(n);
+                received[i] += 1;
+                took = true;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "received {received:?}, dropped {:?} of {TOTAL} each",
+            subs.iter().map(|s| s.stats().dropped()).collect::<Vec<_>>()
+        );
+        if !took {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    // Nothing more arrives, and nothing is counted twice.
+    std::thread::sleep(Duration::from_millis(300));
+    for (i, sub) in subs.iter().enumerate() {
+        assert_eq!(sub.try_recv().map(|m| m.payload), Err(RecvError::Empty));
+        let stats = sub.stats();
+        assert_eq!(stats.delivered(), received[i], "sub {i}");
+        assert_eq!(received[i] + stats.dropped(), u64::from(TOTAL), "sub {i}");
+        assert!(stats.dropped() > 0, "sub {i}: the broker dropped for it");
+        assert_eq!(
+            stats.dropped(),
+            stats.dropped_by_broker(),
+            "sub {i}: its own queue discarded nothing"
+        );
+        assert_eq!(last[i], Some(TOTAL - 1), "sub {i}: the newest is kept");
+    }
+    assert_eq!(idle.stats().dropped(), 0);
+    assert_eq!(
+        subs[0].stats().dropped() + subs[1].stats().dropped(),
+        stat(&broker, "slow_consumer_drops"),
+        "every drop the broker counted was reported to its subscription"
+    );
+    assert_eq!(stat(&broker, "connection_drops"), 0);
+}
+
+/// What the broker had queued for a subscriber it cuts off is counted
+/// (`connection_drops`): the subscriber cannot be told any more.
+#[test]
+fn what_a_cut_off_subscriber_had_queued_is_counted() {
+    let (broker, endpoint) = start(
+        Via::Tcp,
+        "[limits]\nmax_pending_bytes = 262144\n[slow_consumer]\npolicy = \"disconnect\"\n\
+         [heartbeat]\ninterval_ms = 1000\ntimeout_ms = 60000\n",
+    );
+    let subscriber = stalling_client(&endpoint, 16);
+    let sub = subscriber.subscribe("slow.data").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    publish_numbered_4k(&endpoint, "slow.data", 4000);
+    eventually("the cut-off", || {
+        stat(&broker, "slow_consumer_disconnects") == 1
+    });
+    assert!(stat(&broker, "connection_drops") > 0);
+    assert_eq!(stat(&broker, "slow_consumer_drops"), 0);
+    // Read what reached the client, so its loop is not left waiting for
+    // room when everything is dropped.
+    while sub.recv_timeout(Duration::from_millis(300)).is_ok() {}
+}

@@ -1151,6 +1151,8 @@ fn drop_oldest_policy_bounds_the_queue_of_a_fabric_reader() {
         SLOW_COUNT,
         "every message is delivered or counted"
     );
+    // The broker told the subscriber what it dropped (over the data link).
+    assert_eq!(setup.sub.stats().dropped(), drops);
 }
 
 #[test]

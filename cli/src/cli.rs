@@ -73,6 +73,10 @@ pub struct ServeArgs {
     /// Shared secret clients must present.
     #[arg(long, env = "EFABUS_SECRET", hide_env_values = true)]
     pub secret: Option<String>,
+    /// Secret that opens routes between brokers (cluster.secret); when
+    /// set, the clients' secret does not.
+    #[arg(long, env = "EFABUS_CLUSTER_SECRET", hide_env_values = true)]
+    pub cluster_secret: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -397,6 +401,9 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
     }
     if args.secret.is_some() {
         config.auth.secret = args.secret;
+    }
+    if args.cluster_secret.is_some() {
+        config.cluster.secret = args.cluster_secret;
     }
     config.validate(COMMAND_LINE)?;
     config.check_schemes(COMMAND_LINE, &schemes)?;

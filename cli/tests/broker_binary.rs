@@ -476,21 +476,42 @@ fn stalled_subscriber(server: &Server, subject: &str) -> Raw {
     raw
 }
 
-fn count_messages(raw: &mut Raw) -> (u64, Option<u32>, Vec<ErrorCode>) {
-    let mut n = 0;
-    let mut last = None;
-    let mut errors = Vec::new();
+/// What a stalled subscriber reads once it reads again.
+struct Drained {
+    messages: u64,
+    /// The number in the last message's payload.
+    last: Option<u32>,
+    errors: Vec<ErrorCode>,
+    /// The sum of the `Dropped` reports for its subscription (sid 7).
+    dropped: u64,
+    /// How many `Dropped` frames came.
+    reports: u64,
+}
+
+fn count_messages(raw: &mut Raw) -> Drained {
+    let mut read = Drained {
+        messages: 0,
+        last: None,
+        errors: Vec::new(),
+        dropped: 0,
+        reports: 0,
+    };
     while let Some(frame) = raw.next_frame(Duration::from_millis(1500)) {
         match frame {
             Frame::Message(m) => {
-                n += 1;
-                last = Some(u32::from_le_bytes(m.payload[..4].try_into().unwrap()));
+                read.messages += 1;
+                read.last = Some(u32::from_le_bytes(m.payload[..4].try_into().unwrap()));
             }
-            Frame::Error(e) => errors.push(e.code),
+            Frame::Error(e) => read.errors.push(e.code),
+            Frame::Dropped(d) => {
+                assert_eq!(d.sid, 7, "reported for the subscription");
+                read.dropped += d.count;
+                read.reports += 1;
+            }
             _ => {}
         }
     }
-    (n, last, errors)
+    read
 }
 
 const SLOW_TOTAL: u32 = 4000;
@@ -518,13 +539,27 @@ fn slow_consumer_drop_oldest_keeps_newest_and_bounds_memory() {
     publish_numbered(&publisher, SLOW_TOTAL);
     publisher.flush(WAIT).unwrap();
     let rss_after = server.rss_kib();
-    let (received, last, errors) = count_messages(&mut slow);
-    assert!(errors.is_empty(), "{errors:?}");
+    let read = count_messages(&mut slow);
+    assert!(read.errors.is_empty(), "{:?}", read.errors);
     assert!(
-        received < SLOW_TOTAL as u64,
-        "some messages were dropped ({received})"
+        read.messages < SLOW_TOTAL as u64,
+        "some messages were dropped ({})",
+        read.messages
     );
-    assert_eq!(last, Some(SLOW_TOTAL - 1), "the newest message is kept");
+    assert_eq!(
+        read.last,
+        Some(SLOW_TOTAL - 1),
+        "the newest message is kept"
+    );
+    // The broker said how many it dropped: nothing is lost silently.
+    assert_eq!(read.messages + read.dropped, SLOW_TOTAL as u64);
+    // Drops are reported added up, not one frame per message.
+    assert!(
+        read.reports <= 10,
+        "{} reports for {} drops",
+        read.reports,
+        read.dropped
+    );
     assert!(
         rss_after < rss_before + 48 * 1024,
         "16 MB published to a stalled reader grew RSS from {rss_before} to {rss_after} KiB"
@@ -577,14 +612,15 @@ fn slow_consumer_block_holds_the_publisher_and_loses_nothing() {
     assert!(!eventually(Duration::from_secs(2), || publisher_done
         .load(Ordering::SeqCst)));
     reader_started.store(true, Ordering::SeqCst);
-    let (received, last, errors) = count_messages(&mut slow);
+    let read = count_messages(&mut slow);
     assert!(
         publishing.join().unwrap(),
         "publisher finished only after the reader started"
     );
-    assert!(errors.is_empty(), "{errors:?}");
-    assert_eq!(received, SLOW_TOTAL as u64, "nothing lost under block");
-    assert_eq!(last, Some(SLOW_TOTAL - 1));
+    assert!(read.errors.is_empty(), "{:?}", read.errors);
+    assert_eq!(read.messages, SLOW_TOTAL as u64, "nothing lost under block");
+    assert_eq!(read.last, Some(SLOW_TOTAL - 1));
+    assert_eq!(read.reports, 0, "nothing dropped, nothing reported");
 }
 
 #[test]

@@ -396,6 +396,25 @@ fn serve_refuses_bad_configuration_with_exit_2() {
     let text = usage_error(&output);
     assert!(text.contains("log_level"), "{text}");
 
+    // An empty route credential is refused, not taken for none, from the
+    // flag and from the environment alike.
+    let output = run(&[
+        "serve",
+        "--listen",
+        "tcp/127.0.0.1:0",
+        "--cluster-secret",
+        "",
+    ]);
+    let text = usage_error(&output);
+    assert!(text.contains("cluster.secret: is empty"), "{text}");
+    let output = efabus()
+        .args(["serve", "--listen", "tcp/127.0.0.1:0"])
+        .env("EFABUS_CLUSTER_SECRET", "")
+        .output()
+        .unwrap();
+    let text = usage_error(&output);
+    assert!(text.contains("cluster.secret: is empty"), "{text}");
+
     let cases = [
         (
             "listen = [\n  \"tcp/127.0.0.1:0\",\n  \"foo/bar\",\n]\n",

@@ -65,3 +65,50 @@ fn clients_of_two_peered_brokers_reach_each_other() {
         assert_eq!(&reply.payload[..], b"noon");
     });
 }
+
+/// `EFABUS_CLUSTER_SECRET` sets `cluster.secret`: brokers given the same one
+/// route, whatever their clients' secret; a broker given another does not.
+#[test]
+fn the_cluster_secret_from_the_environment_opens_routes() {
+    let clients = "[auth]\nsecret = \"clients\"\n";
+    let mesh = [("EFABUS_CLUSTER_SECRET", "mesh")];
+    let b = Server::start_with_env("127.0.0.1:0", &format!("name = \"b\"\n{clients}"), &mesh);
+    let a = Server::start_with_env(
+        "127.0.0.1:0",
+        &format!("name = \"a\"\npeers = [{:?}]\n{clients}", b.endpoint),
+        &mesh,
+    );
+    let other = Server::start_with_env(
+        "127.0.0.1:0",
+        &format!("name = \"c\"\npeers = [{:?}]\n{clients}", b.endpoint),
+        &[("EFABUS_CLUSTER_SECRET", "another")],
+    );
+    let connect = |server: &Server| {
+        Client::connect_with(
+            &server.endpoint,
+            efabus::ClientOptions {
+                credentials: Some("clients".into()),
+                ..efabus::ClientOptions::default()
+            },
+            efabus::transports::registry::Registry::with_builtins(),
+        )
+        .expect("connect")
+    };
+    let on_a = connect(&a);
+    let on_b = connect(&b);
+    let on_c = connect(&other);
+    let probe = on_b.subscribe("probe").expect("subscribe");
+    wait_for_route(&on_a, &probe);
+
+    // The broker with another cluster secret never gets its messages across.
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < deadline {
+        on_c.publish("probe", Bytes::from_static(b"c"))
+            .expect("publish");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    on_c.flush(WAIT).expect("flush");
+    while let Ok(message) = probe.recv_timeout(Duration::from_millis(200)) {
+        assert_ne!(&message.payload[..], b"c", "no route from c");
+    }
+}

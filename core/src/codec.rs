@@ -11,7 +11,7 @@
 //! bounds that whole size.
 //!
 //! Control frames (`Hello`, `Welcome`, `Subscribe`, `Unsubscribe`, `Ping`,
-//! `Pong`, `Error`, `Goodbye`, `Route`) carry their struct encoded with bincode 2
+//! `Pong`, `Error`, `Goodbye`, `Route`, `Dropped`) carry their struct encoded with bincode 2
 //! (serde, `config::standard()`: varint integers, little-endian). Their body
 //! is at most [`MAX_CONTROL_BODY`] bytes, a handshake carries at most
 //! [`MAX_OFFERS`] offers, and the decoder runs with a byte limit of sixteen
@@ -55,8 +55,8 @@ use thiserror::Error;
 
 use crate::caps::Offer;
 use crate::frame::{
-    Credit, ErrorFrame, Fragment, Frame, Goodbye, Hello, LinkAuth, Message, Publish, RouteHello,
-    Subscribe, Welcome,
+    Credit, Dropped, ErrorFrame, Fragment, Frame, Goodbye, Hello, LinkAuth, Message, Publish,
+    RouteHello, Subscribe, Welcome,
 };
 use crate::transport::OutFrame;
 
@@ -134,6 +134,8 @@ pub enum FrameKind {
     Goodbye = 0x08,
     /// [`Frame::Route`] (control).
     Route = 0x09,
+    /// [`Frame::Dropped`] (control).
+    Dropped = 0x0a,
     /// [`Frame::Publish`] (data).
     Publish = 0x10,
     /// [`Frame::Message`] (data).
@@ -161,6 +163,7 @@ impl FrameKind {
             Frame::Error(_) => FrameKind::Error,
             Frame::Goodbye(_) => FrameKind::Goodbye,
             Frame::Route(_) => FrameKind::Route,
+            Frame::Dropped(_) => FrameKind::Dropped,
         }
     }
 
@@ -176,6 +179,7 @@ impl FrameKind {
             0x07 => FrameKind::Error,
             0x08 => FrameKind::Goodbye,
             0x09 => FrameKind::Route,
+            0x0a => FrameKind::Dropped,
             0x10 => FrameKind::Publish,
             0x11 => FrameKind::Message,
             0x12 => FrameKind::Fragment,
@@ -201,6 +205,7 @@ impl FrameKind {
             FrameKind::Error => "error",
             FrameKind::Goodbye => "goodbye",
             FrameKind::Route => "route",
+            FrameKind::Dropped => "dropped",
             FrameKind::Publish => "publish",
             FrameKind::Message => "message",
             FrameKind::Fragment => "fragment",
@@ -603,6 +608,18 @@ pub fn set_message_sid(frame: &mut [u8], sid: u64) {
     }
 }
 
+/// The subscription id of the `Message` frame that starts at the beginning
+/// of `frame` (encoded as [`routed_into`] or [`encode`] do), or `None` if
+/// it is not one.
+#[inline]
+pub fn message_sid(frame: &[u8]) -> Option<u64> {
+    if frame.get(PREFIX_LEN) != Some(&(FrameKind::Message as u8)) {
+        return None;
+    }
+    let field = frame.get(FRAME_OVERHEAD..FRAME_OVERHEAD + 8)?;
+    Some(u64::from_le_bytes(field.try_into().ok()?))
+}
+
 /// Append a whole `Publish` or `Message` frame, payload copied in: the
 /// batching form of [`routed_head_into`] for small payloads.
 #[inline]
@@ -702,6 +719,7 @@ fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), Encode
         Frame::Error(e) => bincode::serde::encode_into_writer(e, writer, config),
         Frame::Goodbye(g) => bincode::serde::encode_into_writer(g, writer, config),
         Frame::Route(r) => bincode::serde::encode_into_writer(r, writer, config),
+        Frame::Dropped(d) => bincode::serde::encode_into_writer(d, writer, config),
         Frame::Publish(_) | Frame::Message(_) | Frame::Fragment(_) | Frame::Credit(_) => {
             return Err(EncodeError::Body {
                 kind,
@@ -1163,6 +1181,7 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
         FrameKind::Error => Frame::Error(serde_value::<ErrorFrame, D>(kind, de)?),
         FrameKind::Goodbye => Frame::Goodbye(serde_value::<Goodbye, D>(kind, de)?),
         FrameKind::Route => Frame::Route(serde_value::<RouteHello, D>(kind, de)?),
+        FrameKind::Dropped => Frame::Dropped(serde_value::<Dropped, D>(kind, de)?),
         FrameKind::Publish | FrameKind::Message | FrameKind::Fragment | FrameKind::Credit => {
             return Err(DecodeError::Body {
                 kind,
@@ -1367,6 +1386,40 @@ mod tests {
     }
 
     #[test]
+    fn dropped_layout_is_kind_0x0a_then_two_varints() {
+        let frame = Frame::Dropped(Dropped { sid: 7, count: 300 });
+        let wire = encode(&frame).to_bytes();
+        // bincode varints: below 251 one byte; up to u16::MAX, 251 then two.
+        assert_eq!(&wire[..], &[5, 0, 0, 0, 0x0a, 7, 251, 0x2c, 0x01]);
+        assert_eq!(encoded_len(&frame), Ok(wire.len()));
+        assert_eq!(decode(wire, &CodecLimits::default()), Ok(frame.clone()));
+        let mut trailing = BytesMut::new();
+        encode_into(&frame, &mut trailing);
+        trailing.put_u8(0);
+        trailing[..PREFIX_LEN].copy_from_slice(&6u32.to_le_bytes());
+        assert!(matches!(
+            decode(trailing.freeze(), &CodecLimits::default()),
+            Err(DecodeError::TrailingBytes {
+                kind: FrameKind::Dropped,
+                count: 1
+            })
+        ));
+    }
+
+    #[test]
+    fn message_sid_reads_what_set_message_sid_wrote() {
+        let mut out = BytesMut::new();
+        routed_into(&mut out, FrameKind::Message, 3, "s", None, b"x").expect("encodes");
+        assert_eq!(message_sid(&out), Some(3));
+        set_message_sid(&mut out, 1 << 40);
+        assert_eq!(message_sid(&out), Some(1 << 40));
+        let mut publish = BytesMut::new();
+        routed_into(&mut publish, FrameKind::Publish, 0, "s", None, b"x").expect("encodes");
+        assert_eq!(message_sid(&publish), None, "not a message");
+        assert_eq!(message_sid(&out[..FRAME_OVERHEAD + 4]), None, "too short");
+    }
+
+    #[test]
     fn control_frames_carry_their_kind() {
         for (frame, kind) in [
             (Frame::Ping { nonce: 3 }, FrameKind::Ping),
@@ -1374,6 +1427,13 @@ mod tests {
             (
                 Frame::Route(RouteHello { broker_id: 1 << 40 }),
                 FrameKind::Route,
+            ),
+            (
+                Frame::Dropped(Dropped {
+                    sid: 7,
+                    count: u64::MAX,
+                }),
+                FrameKind::Dropped,
             ),
         ] {
             let wire = encode(&frame).to_bytes();

@@ -202,6 +202,18 @@ pub struct Goodbye {
     pub reason: String,
 }
 
+/// How many messages the broker discarded for one subscription since its
+/// last report (sent by the broker to a client under the `drop-oldest`
+/// slow-consumer policy, coalesced and at a bounded rate).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dropped {
+    /// The subscription the messages were for.
+    pub sid: u64,
+    /// Messages discarded since the previous report for this subscription
+    /// on this connection (a report adds to the ones before it).
+    pub count: u64,
+}
+
 /// Every frame of the efabus wire protocol.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
@@ -240,4 +252,6 @@ pub enum Frame {
     Goodbye(Goodbye),
     /// Says that a link between two brokers is a route, after its hello.
     Route(RouteHello),
+    /// Messages the broker discarded for a subscription.
+    Dropped(Dropped),
 }

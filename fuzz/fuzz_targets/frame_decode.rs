@@ -16,8 +16,8 @@ use std::sync::OnceLock;
 use bytes::Bytes;
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::frame::{
-    Credit, DeliveryClass, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Message, Publish,
-    RouteHello, Subscribe,
+    Credit, DeliveryClass, Dropped, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Message,
+    Publish, RouteHello, Subscribe,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -67,6 +67,10 @@ fn bases() -> &'static [Vec<u8>] {
                 reason: "bye".into(),
             }),
             Frame::Route(RouteHello { broker_id: 7 }),
+            Frame::Dropped(Dropped {
+                sid: 3,
+                count: 1 << 20,
+            }),
         ];
         frames
             .iter()

@@ -28,7 +28,7 @@ use crossbeam_channel::{Receiver, Sender};
 use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::credit::CREDIT_DELAY;
-use efabus_core::frame::{DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye};
+use efabus_core::frame::{DeliveryClass, Dropped, ErrorCode, ErrorFrame, Frame, Goodbye};
 use efabus_core::link::LinkTuning;
 use efabus_core::subject;
 use efabus_core::transport::{CloseReason, Endpoint, Event, OutFrame, PeerId, Refused};
@@ -66,6 +66,9 @@ const IDLE_WAKE: Duration = Duration::from_secs(60);
 /// this late (heartbeats, handshakes, gap timeouts, block limits), and a
 /// broker with many sessions visits them at most 20 times a second.
 const TIMER_SPACING: Duration = Duration::from_millis(50);
+/// Shortest time between two reports to one client of what the
+/// drop-oldest policy discarded for it: drops in between are added up.
+const DROP_REPORT_SPACING: Duration = Duration::from_millis(100);
 
 pub(crate) struct EventLoop {
     shared: Arc<Shared>,
@@ -850,6 +853,9 @@ impl EventLoop {
             return;
         };
         if session.cut_off {
+            if queued.messages > 0 {
+                BrokerStats::add(&self.shared.stats.connection_drops, queued.messages as u64);
+            }
             return;
         }
         let is_message = queued.messages > 0;
@@ -865,10 +871,28 @@ impl EventLoop {
         }
         let config = &self.shared.config;
         let bound = config.limits.max_pending_bytes;
-        match session.conn.out.enforce(config.slow_consumer.policy, bound) {
+        // A client is told what is discarded for each of its subscriptions
+        // (a route's peer broker counts nothing per subscription).
+        let client = session.route().is_none();
+        let pending = &mut session.drops.pending;
+        let overflow = session
+            .conn
+            .out
+            .enforce(config.slow_consumer.policy, bound, |discarded| {
+                if client {
+                    discarded.for_each_sid(|sid| *pending.entry(sid).or_default() += 1);
+                }
+            });
+        match overflow {
             Overflow::Within => {}
             Overflow::DroppedOldest(dropped) => {
                 BrokerStats::add(&self.shared.stats.slow_consumer_drops, dropped);
+                if let Some(at) = session.drops.due_at() {
+                    // Reported once the queue has room again (see
+                    // `report_drops`); the timers look no later than this.
+                    let at = at.max(self.now);
+                    self.schedule(at);
+                }
             }
             Overflow::Disconnect => {
                 BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
@@ -943,6 +967,7 @@ impl EventLoop {
         if drained {
             session.over_since = None;
         }
+        let report = drained && session.drops.due_at().is_some();
         if empty && session.state == SessionState::Closing {
             let control = session.conn.control;
             self.endpoints[control.endpoint].close(control.peer);
@@ -950,7 +975,45 @@ impl EventLoop {
         if drained && self.blocking.remove(&id) && self.blocking.is_empty() {
             self.set_reads_paused(false);
         }
+        if report {
+            self.report_drops(id, Instant::now());
+        }
         self.answer_flushes();
+    }
+
+    /// Tell a client what the drop-oldest policy discarded for its
+    /// subscriptions since the last report: one `Dropped` frame per
+    /// subscription, at most every [`DROP_REPORT_SPACING`] per session
+    /// (drops in between are added up), and only while the session's queue
+    /// is at most half its bound. A report is not a message, so the policy
+    /// never discards it; and as it is only sent into a queue with room,
+    /// reports do not pile up behind a reader that takes nothing (they
+    /// wait, added up, until it takes again: [`Self::flush_session`] calls
+    /// here once the queue drains).
+    fn report_drops(&mut self, id: u64, now: Instant) {
+        let bound = self.shared.config.limits.max_pending_bytes;
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some(at) = session.drops.due_at() else {
+            return;
+        };
+        if session.state != SessionState::Ready || session.cut_off {
+            return;
+        }
+        if now < at {
+            self.schedule(at);
+            return;
+        }
+        if session.conn.out.bytes() > bound / 2 {
+            return;
+        }
+        session.drops.not_before = now + DROP_REPORT_SPACING;
+        let pending = std::mem::take(&mut session.drops.pending);
+        for (sid, count) in pending {
+            let report = Frame::Dropped(Dropped { sid, count });
+            self.send(id, codec::encode(&report), false);
+        }
     }
 
     /// Report a non-fatal error to the peer.
@@ -973,6 +1036,8 @@ impl EventLoop {
             if let Some(session) = self.sessions.get_mut(&id) {
                 session.cut_off = true;
                 session.over_since = None;
+                let discarded = session.conn.out.messages() + session.batch.messages();
+                BrokerStats::add(&self.shared.stats.connection_drops, discarded);
                 session.conn.out.clear();
                 session.batch.clear();
                 let control = session.conn.control;
@@ -1058,6 +1123,7 @@ impl EventLoop {
         self.remove_interest(id);
         self.dialed_session_gone(id);
         if let Some(mut session) = self.sessions.remove(&id) {
+            self.count_discarded(&session);
             for address in session.conn.links.addresses() {
                 self.by_peer.remove(&address);
             }
@@ -1075,6 +1141,15 @@ impl EventLoop {
             info!(session = id, remote = %session.remote, name = %session.name, %reason, "peer gone");
         }
         self.answer_flushes();
+    }
+
+    /// Count the messages still queued for a session that is going away:
+    /// they are discarded with it.
+    fn count_discarded(&self, session: &Session) {
+        let discarded = session.conn.out.messages() + session.batch.messages();
+        if discarded > 0 {
+            BrokerStats::add(&self.shared.stats.connection_drops, discarded);
+        }
     }
 
     /// Heartbeat settings for a new session: the broker pings each
@@ -1122,6 +1197,8 @@ impl EventLoop {
         let mut pings = Vec::new();
         let mut slow = Vec::new();
         let mut lossy = Vec::new();
+        let mut reports = Vec::new();
+        let bound = self.shared.config.limits.max_pending_bytes;
         let mut queued = 0u64;
         // The next deadline, of the sessions with nothing due now (the
         // others are seen to below and then rescheduled).
@@ -1160,6 +1237,13 @@ impl EventLoop {
                 if let Some(deadline) = session.poll_timeout(block_timeout) {
                     next = next.min(deadline);
                 }
+            }
+            // Drop reports due go out if the queue has room; otherwise
+            // draining it sends them (`flush_session`), not the timers.
+            match session.drops.due_at() {
+                Some(at) if at > now => next = next.min(at),
+                Some(_) if session.conn.out.bytes() <= bound / 2 => reports.push(id),
+                _ => {}
             }
         }
         self.shared
@@ -1200,6 +1284,9 @@ impl EventLoop {
                     .links
                     .send_challenges(&mut self.endpoints, true);
             }
+        }
+        for &id in &reports {
+            self.report_drops(id, now);
         }
         // The sessions seen to above, as they stand now.
         for id in expired
@@ -1270,6 +1357,9 @@ impl EventLoop {
                 peers = self.sessions.len(),
                 "drain time over; closing peers with data still queued"
             );
+            for session in self.sessions.values() {
+                self.count_discarded(session);
+            }
         }
         for done in self.flushes.drain(..) {
             let _ = done.send(());

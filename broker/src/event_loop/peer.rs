@@ -64,6 +64,22 @@ pub(super) enum Role {
     Route(Box<RouteRole>),
 }
 
+/// Messages the drop-oldest policy discarded for a client's subscriptions
+/// and not yet reported to it (see `EventLoop::report_drops`).
+pub(super) struct DropReports {
+    /// Messages discarded per subscription id since the last report.
+    pub pending: HashMap<u64, u64>,
+    /// No report goes out before this time: reports are coalesced.
+    pub not_before: Instant,
+}
+
+impl DropReports {
+    /// When the pending reports may go, if there are any.
+    pub fn due_at(&self) -> Option<Instant> {
+        (!self.pending.is_empty()).then_some(self.not_before)
+    }
+}
+
 /// One peer of the broker: a client, or a route to another broker.
 pub(super) struct Session {
     /// Control link, data links, outbound queue, heartbeats.
@@ -80,6 +96,11 @@ pub(super) struct Session {
     /// Disconnected as a slow consumer: its queue was dropped, and what is
     /// still routed to it before it is gone is dropped too.
     pub cut_off: bool,
+    /// What the drop-oldest policy discarded for a client, to tell it.
+    pub drops: DropReports,
+    /// The peer's hello carried the route credential (or none is needed):
+    /// only then may it say it is a broker and become a route.
+    pub may_route: bool,
 }
 
 /// What this broker brings to a negotiation.
@@ -100,6 +121,11 @@ impl Session {
             batch: Batch::default(),
             over_since: None,
             cut_off: false,
+            drops: DropReports {
+                pending: HashMap::default(),
+                not_before: Instant::now(),
+            },
+            may_route: false,
         }
     }
 
@@ -146,8 +172,13 @@ impl Session {
         })
     }
 
-    /// Check a client's hello: its protocol version and credentials.
-    pub fn check_hello(hello: &frame::Hello, config: &Config) -> Result<(), Refusal> {
+    /// Check a peer's hello: its protocol version and credentials. `Ok`
+    /// says whether the peer may go on to open a route: whether it
+    /// presented the route credential ([`Config::route_secret`]), or none
+    /// is configured (the open mode). A hello with `cluster.secret` is
+    /// accepted even where `auth.secret` is set: a dialing broker presents
+    /// the cluster's secret, not the clients'.
+    pub fn check_hello(hello: &frame::Hello, config: &Config) -> Result<bool, Refusal> {
         if hello.version != PROTOCOL_VERSION {
             return Err(Refusal::new(
                 ErrorCode::Version,
@@ -157,18 +188,26 @@ impl Session {
                 ),
             ));
         }
-        if let Some(secret) = &config.auth.secret {
-            let given = hello.credentials.as_deref().unwrap_or("");
-            if !constant_time_eq(given.as_bytes(), secret.as_bytes()) {
-                let text = if hello.credentials.is_none() {
-                    "credentials required"
-                } else {
-                    "invalid credentials"
-                };
-                return Err(Refusal::new(ErrorCode::Auth, text));
-            }
+        let given = hello.credentials.as_deref().unwrap_or("");
+        // Both comparisons are made, each in constant time.
+        let matches = |secret: &Option<String>| {
+            secret
+                .as_deref()
+                .map(|secret| constant_time_eq(given.as_bytes(), secret.as_bytes()))
+        };
+        let cluster = matches(&config.cluster.secret);
+        let client = matches(&config.auth.secret);
+        if client == Some(false) && cluster != Some(true) {
+            let text = if hello.credentials.is_none() {
+                "credentials required"
+            } else {
+                "invalid credentials"
+            };
+            return Err(Refusal::new(ErrorCode::Auth, text));
         }
-        Ok(())
+        // The route credential: the cluster secret, else the client
+        // secret, else nothing (open mode).
+        Ok(cluster.or(client).unwrap_or(true))
     }
 
     /// Choose the data paths from both sides' offers, open the chosen data
@@ -276,6 +315,8 @@ impl Session {
         if let Role::Client(subscriptions) = &mut self.role {
             subscriptions.remove(&sid);
         }
+        // Nobody is left to tell.
+        self.drops.pending.remove(&sid);
         shared
             .subscriptions
             .write()
@@ -334,16 +375,20 @@ impl EventLoop {
             self.fail(id, ErrorCode::RateLimited, text);
             return;
         }
-        if let Err(refusal) = Session::check_hello(&hello, config) {
-            if refusal.code == ErrorCode::Auth {
-                BrokerStats::add(&self.shared.stats.auth_failures, 1);
-                if let Some(ip) = address {
-                    self.auth_guard.failed(ip, now);
+        let may_route = match Session::check_hello(&hello, config) {
+            Ok(may_route) => may_route,
+            Err(refusal) => {
+                if refusal.code == ErrorCode::Auth {
+                    BrokerStats::add(&self.shared.stats.auth_failures, 1);
+                    if let Some(ip) = address {
+                        self.auth_guard.failed(ip, now);
+                    }
                 }
+                self.fail(id, refusal.code, refusal.text);
+                return;
             }
-            self.fail(id, refusal.code, refusal.text);
-            return;
-        }
+        };
+        session.may_route = may_route;
         // Keys for the data links, when the peer offers its part.
         let secret = match hello.link_auth.as_ref().map(|_| LinkSecret::new()) {
             Some(Ok(secret)) => Some(secret),

@@ -5,14 +5,25 @@
 //!
 //! # Handshake
 //!
-//! The dialing broker sends its [`Hello`] (with the cluster's credentials)
-//! and at once a [`RouteHello`] carrying its broker id. The accepting broker
-//! answers the hello with its welcome as to any client, then the route hello
-//! with its own. Each side counts the route up once it has the other's id,
-//! and then sends its whole interest as subscribe frames; later changes
-//! follow as subscribe and unsubscribe frames, ahead of any message queued
-//! after them (so a requester's reply subscription reaches the responder's
-//! broker before the request).
+//! The dialing broker sends its [`Hello`] (with the route credential:
+//! `cluster.secret`, else `auth.secret`) and at once a [`RouteHello`]
+//! carrying its broker id. The accepting broker answers the hello with its
+//! welcome as to any client, then the route hello with its own. Each side
+//! counts the route up once it has the other's id, and then sends its whole
+//! interest as subscribe frames; later changes follow as subscribe and
+//! unsubscribe frames, ahead of any message queued after them (so a
+//! requester's reply subscription reaches the responder's broker before the
+//! request).
+//!
+//! # Who may open a route
+//!
+//! Only a peer whose hello carried the route credential
+//! ([`crate::Config::route_secret`]): with `cluster.secret` set, a client's
+//! secret does not do. A route hello from any other peer is refused with an
+//! `Auth` error naming the reason, counted (`route_refusals`, and against
+//! the peer's address like a failed hello), logged at a bounded rate, and
+//! the session closed: it never sees this broker's interest. With no
+//! secret configured at all, any peer may open a route (the open mode).
 //!
 //! # One route per pair of brokers
 //!
@@ -26,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use efabus_core::codec;
 use efabus_core::frame::{
-    ErrorCode, Frame, Goodbye, Hello, RouteHello, Subscribe, Welcome, PROTOCOL_VERSION,
+    ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, Subscribe, Welcome, PROTOCOL_VERSION,
 };
 use efabus_transports::registry::EndpointSpec;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
@@ -36,8 +47,10 @@ use tracing::{debug, info, warn};
 
 use super::peer::{Role, Session, SessionState};
 use super::{EventLoop, Payload};
+use crate::auth_guard::remote_ip;
 use crate::broker::{BrokerStats, Shared};
 use crate::interest::InterestChange;
+use crate::session::error_frame;
 use crate::session::outbound::Control;
 use crate::subscriptions::SubRef;
 
@@ -45,6 +58,9 @@ use crate::subscriptions::SubRef;
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Longest wait between attempts.
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// Refused routes are logged at most once per this period; the others in
+/// between are counted in the next line (and always in `route_refusals`).
+const REFUSAL_LOG_SPACING: Duration = Duration::from_secs(10);
 
 /// What makes a session a route.
 pub(crate) struct RouteRole {
@@ -127,6 +143,9 @@ pub(crate) struct Cluster {
     by_broker: HashMap<u64, u64>,
     /// Set when interest announcements wait (the subscription table's flag).
     announcements: Arc<AtomicBool>,
+    /// When a refused route was last logged, and the refusals since.
+    refusals_logged: Option<Instant>,
+    refusals_unlogged: u64,
 }
 
 impl Cluster {
@@ -145,6 +164,8 @@ impl Cluster {
             slots,
             by_broker: HashMap::default(),
             announcements: shared.subscriptions.read().interest_flag(),
+            refusals_logged: None,
+            refusals_unlogged: 0,
         }
     }
 
@@ -239,7 +260,7 @@ impl EventLoop {
         let hello = Frame::Hello(Hello {
             version: PROTOCOL_VERSION,
             name: config.name.clone(),
-            credentials: config.auth.secret.clone(),
+            credentials: config.route_secret().map(str::to_string),
             // Routes stay on the link they were dialed over (TCP).
             offers: Vec::new(),
             link_auth: None,
@@ -305,9 +326,13 @@ impl EventLoop {
             (SessionState::AwaitHello { .. }, Frame::Welcome(welcome)) => {
                 self.on_route_welcome(id, welcome)
             }
+            // Refused at the hello, or (as the open mode lets anyone in)
+            // at the route hello.
             (SessionState::AwaitHello { .. }, Frame::Error(error)) => {
-                warn!(session = id, code = ?error.code, text = %error.text, "peer broker refused the route");
-                self.close_session(id);
+                self.route_refused_by_peer(id, &error)
+            }
+            (SessionState::Ready, Frame::Error(error)) if !up && error.fatal => {
+                self.route_refused_by_peer(id, &error)
             }
             (SessionState::Ready, Frame::Route(hello)) => self.on_route_hello(id, hello),
             (SessionState::Ready, Frame::Message(message)) if up => {
@@ -335,6 +360,34 @@ impl EventLoop {
             (_, other) => return Some(other),
         }
         None
+    }
+
+    /// The peer broker refused the route this broker dialed: say why (at
+    /// warn the first time in a row, then at debug: redialing repeats it
+    /// every few seconds) and close; the slot redials with backoff.
+    fn route_refused_by_peer(&mut self, id: u64, error: &ErrorFrame) {
+        let hint = if error.code == ErrorCode::Auth {
+            "the route credential (cluster.secret, else auth.secret) must be the same on both brokers"
+        } else {
+            ""
+        };
+        let first = self
+            .cluster
+            .slots
+            .iter()
+            .find(|slot| slot.session == Some(id))
+            .is_none_or(|slot| slot.failures == 0);
+        let peer = self
+            .sessions
+            .get(&id)
+            .map(|session| session.remote.clone())
+            .unwrap_or_default();
+        if first {
+            warn!(session = id, %peer, code = ?error.code, text = %error.text, %hint, "peer broker refused the route");
+        } else {
+            debug!(session = id, %peer, code = ?error.code, text = %error.text, "peer broker refused the route again");
+        }
+        self.close_session(id);
     }
 
     /// The welcome to a hello this broker sent as a dialing route.
@@ -369,6 +422,10 @@ impl EventLoop {
                 return;
             }
             Role::Route(_) => {}
+            Role::Client(_) if !session.may_route => {
+                self.refuse_route(id);
+                return;
+            }
             Role::Client(subscriptions) if !subscriptions.is_empty() => {
                 self.fail(
                     id,
@@ -386,6 +443,47 @@ impl EventLoop {
             }
         }
         self.route_established(id, hello.broker_id);
+    }
+
+    /// A peer without the route credential asked to become a route: it is
+    /// told why, counted (also against its address, as a failed hello is),
+    /// logged at a bounded rate, and closed, before anything of this
+    /// broker's interest is sent.
+    fn refuse_route(&mut self, id: u64) {
+        BrokerStats::add(&self.shared.stats.route_refusals, 1);
+        let now = self.now;
+        let Some(session) = self.sessions.get(&id) else {
+            return;
+        };
+        if let Some(ip) = remote_ip(&session.remote) {
+            self.auth_guard.failed(ip, now);
+        }
+        let cluster = &mut self.cluster;
+        if cluster
+            .refusals_logged
+            .is_none_or(|at| now.duration_since(at) >= REFUSAL_LOG_SPACING)
+        {
+            let unlogged = std::mem::take(&mut cluster.refusals_unlogged);
+            cluster.refusals_logged = Some(now);
+            warn!(
+                session = id,
+                remote = %session.remote,
+                name = %session.name,
+                refused_since_last_logged = unlogged,
+                "route refused: the peer's hello did not carry cluster.secret"
+            );
+        } else {
+            cluster.refusals_unlogged += 1;
+        }
+        // As `fail` does, without its log line per refusal.
+        let text = "route refused: opening a route needs the cluster's secret \
+                    (cluster.secret) in the hello; a client's credentials do not do";
+        self.send(
+            id,
+            error_frame(ErrorCode::Auth, text.to_string(), true),
+            false,
+        );
+        self.close_session(id);
     }
 
     fn route_established(&mut self, id: u64, broker: u64) {

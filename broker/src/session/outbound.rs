@@ -62,6 +62,23 @@ impl Queued {
             run: true,
         }
     }
+
+    /// Call `f` with the subscription id of each `Message` frame the entry
+    /// holds (the frames of a run of deliveries, or the one frame).
+    pub fn for_each_sid(&self, mut f: impl FnMut(u64)) {
+        if self.messages == 0 {
+            return;
+        }
+        if self.run {
+            for frame in split_run(&self.frame.head) {
+                if let Some(sid) = codec::message_sid(&frame.head) {
+                    f(sid);
+                }
+            }
+        } else if let Some(sid) = codec::message_sid(&self.frame.head) {
+            f(sid);
+        }
+    }
 }
 
 /// Counts a send adds to, for the owner's statistics.
@@ -244,9 +261,22 @@ impl Outbound {
         true
     }
 
+    /// Messages waiting (entries that are not messages, such as control
+    /// frames, count none).
+    pub fn messages(&self) -> u64 {
+        self.queue.iter().map(|q| q.messages as u64).sum()
+    }
+
     /// Apply the slow-consumer policy after a message was queued, when the
-    /// queue is over `bound` bytes.
-    pub fn enforce(&mut self, policy: SlowConsumerPolicy, bound: usize) -> Overflow {
+    /// queue is over `bound` bytes. Under drop-oldest, `discarded` sees
+    /// each entry of messages discarded; entries that hold no message are
+    /// never discarded.
+    pub fn enforce(
+        &mut self,
+        policy: SlowConsumerPolicy,
+        bound: usize,
+        mut discarded: impl FnMut(&Queued),
+    ) -> Overflow {
         if self.bytes <= bound {
             return Overflow::Within;
         }
@@ -260,6 +290,7 @@ impl Outbound {
                     if let Some(oldest) = self.queue.remove(position) {
                         self.bytes -= oldest.frame.len();
                         dropped += oldest.messages as u64;
+                        discarded(&oldest);
                     }
                 }
                 Overflow::DroppedOldest(dropped)
@@ -322,6 +353,11 @@ impl Batch {
         let messages = std::mem::take(&mut self.messages);
         self.hint = run.len().clamp(BATCH_MIN, RUN_MAX);
         Some(Queued::run(run, messages))
+    }
+
+    /// Messages in the batch.
+    pub fn messages(&self) -> u64 {
+        self.messages as u64
     }
 
     /// Forget what the batch holds.
@@ -483,6 +519,42 @@ mod tests {
     }
 
     #[test]
+    fn drop_oldest_names_the_subscription_of_each_message_it_discards() {
+        let message = |sid: u64| {
+            let mut encoded = BytesMut::new();
+            codec::routed_into(
+                &mut encoded,
+                codec::FrameKind::Message,
+                sid,
+                "s",
+                None,
+                &[0; 40],
+            )
+            .expect("encodes");
+            encoded.freeze()
+        };
+        let mut out = Outbound::default();
+        let mut run = BytesMut::new();
+        for sid in [1, 2, 1] {
+            run.extend_from_slice(&message(sid));
+        }
+        out.push(Queued::run(run.freeze(), 3));
+        out.push(Queued::frame(
+            codec::encode(&efabus_core::frame::Frame::Ping { nonce: 1 }),
+            false,
+        ));
+        out.push(Queued::frame(OutFrame::whole(message(3)), true));
+        out.push(Queued::frame(OutFrame::whole(message(4)), true));
+        let mut sids = Vec::new();
+        let overflow = out.enforce(SlowConsumerPolicy::DropOldest, 100, |queued| {
+            queued.for_each_sid(|sid| sids.push(sid));
+        });
+        assert_eq!(overflow, Overflow::DroppedOldest(4));
+        assert_eq!(sids, [1, 2, 1, 3], "the run's three, then the next message");
+        assert_eq!(out.messages(), 1, "the newest message is kept");
+    }
+
+    #[test]
     fn drop_oldest_keeps_control_frames_and_counts_messages() {
         let mut out = Outbound::default();
         out.push(Queued::frame(
@@ -494,15 +566,17 @@ mod tests {
             OutFrame::whole(Bytes::from(frame(&[0; 50]))),
             true,
         ));
-        let overflow = out.enforce(SlowConsumerPolicy::DropOldest, 70);
+        assert_eq!(out.messages(), 2);
+        let overflow = out.enforce(SlowConsumerPolicy::DropOldest, 70, |_| {});
         assert_eq!(overflow, Overflow::DroppedOldest(1));
         assert_eq!(out.bytes(), 8 + 54);
+        assert_eq!(out.messages(), 1);
         assert_eq!(
-            out.enforce(SlowConsumerPolicy::Disconnect, 60),
+            out.enforce(SlowConsumerPolicy::Disconnect, 60, |_| {}),
             Overflow::Disconnect
         );
         assert_eq!(
-            out.enforce(SlowConsumerPolicy::Block, 1000),
+            out.enforce(SlowConsumerPolicy::Block, 1000, |_| {}),
             Overflow::Within
         );
     }

@@ -34,12 +34,19 @@ impl Server {
     /// Start a broker listening on a given TCP address (e.g. the address of
     /// a broker that was killed, to restart it in its place).
     pub fn start_at(address: &str, extra_config: &str) -> Server {
+        Server::start_with_env(address, extra_config, &[])
+    }
+
+    /// As [`Server::start_at`], with environment variables set for the
+    /// process (e.g. `EFABUS_CLUSTER_SECRET`).
+    pub fn start_with_env(address: &str, extra_config: &str, env: &[(&str, &str)]) -> Server {
         let config_path = temp_path("broker.toml");
         let config = format!("listen = [\"tcp/{address}\"]\nlog_level = \"error\"\n{extra_config}");
         std::fs::write(&config_path, config).expect("write config");
         let mut child = Command::new(env!("CARGO_BIN_EXE_efabus"))
             .args(["serve", "--config"])
             .arg(&config_path)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -3,8 +3,8 @@
 use bytes::Bytes;
 use efabus_core::caps::{EpType, MsgOrder, Offer, Protocol};
 use efabus_core::frame::{
-    Credit, DeliveryClass, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Hello, LinkAuth,
-    Message, Publish, RouteHello, Subscribe, Welcome,
+    Credit, DeliveryClass, Dropped, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Hello,
+    LinkAuth, Message, Publish, RouteHello, Subscribe, Welcome,
 };
 use proptest::prelude::*;
 
@@ -269,5 +269,7 @@ pub fn frame() -> impl Strategy<Value = Frame> {
             .prop_map(|(code, text, fatal)| Frame::Error(ErrorFrame { code, text, fatal })),
         text().prop_map(|reason| Frame::Goodbye(Goodbye { reason })),
         any::<u64>().prop_map(|broker_id| Frame::Route(RouteHello { broker_id })),
+        (any::<u64>(), any::<u64>())
+            .prop_map(|(sid, count)| Frame::Dropped(Dropped { sid, count })),
     ]
 }

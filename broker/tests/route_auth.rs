@@ -1,0 +1,360 @@
+//! Who may open a route: only a peer whose hello carried the route
+//! credential (`cluster.secret`, else `auth.secret`, else anyone: the open
+//! mode). A peer refused a route is told why, counted, closed, and never
+//! sees the broker's interest.
+//!
+//! Peers that pose as brokers are raw TCP connections speaking frames;
+//! brokers listen on loopback ports chosen at run time; waits are bounded
+//! by [`WAIT`].
+
+use std::io::{ErrorKind, Write};
+use std::net::TcpStream;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use efabus_broker::{Broker, Client, ClientOptions, Config, RecvError};
+use efabus_core::codec::{self, CodecLimits, FrameReader};
+use efabus_core::frame::{ErrorCode, ErrorFrame, Frame, Hello, RouteHello, PROTOCOL_VERSION};
+use efabus_transports::registry::Registry;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn start(name: &str, peers: &[String], extra: &str) -> Broker {
+    let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
+    let text = format!(
+        "name = {name:?}\nlisten = [\"tcp/127.0.0.1:0\"]\npeers = [{}]\n{extra}",
+        peers.join(", ")
+    );
+    let config = Config::from_toml_str(&text, name).expect("valid test config");
+    Broker::start(config).expect("broker starts")
+}
+
+fn tcp(broker: &Broker) -> String {
+    broker.endpoint("tcp").expect("listens on tcp")
+}
+
+fn stat(broker: &Broker, name: &str) -> u64 {
+    broker
+        .stats()
+        .snapshot()
+        .into_iter()
+        .find(|(key, _)| *key == name)
+        .map_or(0, |(_, value)| value)
+}
+
+fn routes(broker: &Broker) -> u64 {
+    broker.stats().routes.load(Ordering::Relaxed)
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A client of `broker` presenting `secret`, subscribed to `pattern`.
+fn subscribed_client(
+    broker: &Broker,
+    secret: &str,
+    pattern: &str,
+) -> (Client, efabus_broker::Subscription) {
+    let client = Client::connect_with(
+        &tcp(broker),
+        ClientOptions {
+            credentials: Some(secret.to_string()),
+            connect_timeout: WAIT,
+            ..ClientOptions::default()
+        },
+        Registry::with_builtins(),
+    )
+    .expect("client connects");
+    let sub = client.subscribe(pattern).expect("subscribes");
+    client.flush(WAIT).expect("flushes");
+    (client, sub)
+}
+
+/// A peer speaking raw frames over TCP.
+struct Raw {
+    stream: TcpStream,
+    reader: FrameReader,
+}
+
+impl Raw {
+    fn connect(broker: &Broker) -> Raw {
+        let address = tcp(broker).trim_start_matches("tcp/").to_string();
+        let stream = TcpStream::connect(address).expect("connects");
+        Raw {
+            stream,
+            reader: FrameReader::new(CodecLimits::default()),
+        }
+    }
+
+    fn send(&mut self, frame: &Frame) {
+        self.stream
+            .write_all(&codec::encode(frame).to_bytes())
+            .expect("write");
+    }
+
+    /// A hello with `credentials`, then at once a route hello: what a
+    /// dialing broker sends.
+    fn ask_for_a_route(&mut self, credentials: Option<&str>) {
+        self.send(&Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            name: "posing-as-a-broker".into(),
+            credentials: credentials.map(str::to_string),
+            offers: Vec::new(),
+            link_auth: None,
+        }));
+        self.send(&Frame::Route(RouteHello { broker_id: 42 }));
+    }
+
+    /// The next frame within `timeout`; `None` on end of stream or timeout.
+    fn next_frame(&mut self, timeout: Duration) -> Option<Frame> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(bytes) = self.reader.next_frame().expect("well-formed stream") {
+                return Some(codec::decode(bytes, &CodecLimits::default()).expect("decodes"));
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            self.stream
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .unwrap();
+            match self.reader.read_from(&mut self.stream) {
+                Ok(0) => return None,
+                Ok(_) => {}
+                Err(err) if matches!(err.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                Err(_) => return None,
+            }
+        }
+    }
+
+    /// Every frame until the broker closes the connection (bounded by
+    /// [`WAIT`]).
+    fn until_closed(&mut self) -> Vec<Frame> {
+        let deadline = Instant::now() + WAIT;
+        let mut frames = Vec::new();
+        while let Some(frame) = self.next_frame(deadline.saturating_duration_since(Instant::now()))
+        {
+            frames.push(frame);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the broker did not close: {frames:?}"
+        );
+        frames
+    }
+
+    /// Frames for `quiet` (the connection stays open).
+    fn frames_for(&mut self, quiet: Duration) -> Vec<Frame> {
+        let deadline = Instant::now() + quiet;
+        let mut frames = Vec::new();
+        while let Some(frame) = self.next_frame(deadline.saturating_duration_since(Instant::now()))
+        {
+            frames.push(frame);
+        }
+        frames
+    }
+}
+
+fn patterns(frames: &[Frame]) -> Vec<String> {
+    let mut patterns: Vec<String> = frames
+        .iter()
+        .filter_map(|frame| match frame {
+            Frame::Subscribe(subscribe) => Some(subscribe.pattern.clone()),
+            _ => None,
+        })
+        .collect();
+    patterns.sort();
+    patterns
+}
+
+fn fatal_error(frames: &[Frame]) -> &ErrorFrame {
+    frames
+        .iter()
+        .find_map(|frame| match frame {
+            Frame::Error(error) => Some(error),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no error frame in {frames:?}"))
+}
+
+/// With `cluster.secret` set, a peer holding only the clients' secret is
+/// refused a route with an `Auth` error naming the reason, counted, and
+/// closed, and never sees the broker's interest; the cluster's secret
+/// opens one (and shows it).
+#[test]
+fn a_client_secret_does_not_open_a_route_nor_show_the_interest() {
+    let broker = start(
+        "gate",
+        &[],
+        "[auth]\nsecret = \"clients\"\n[cluster]\nsecret = \"mesh\"\n",
+    );
+    let _local = broker.subscribe("plans.secret.>").unwrap();
+    let (_client, _sub) = subscribed_client(&broker, "clients", "orders.*");
+
+    let mut intruder = Raw::connect(&broker);
+    intruder.ask_for_a_route(Some("clients"));
+    let frames = intruder.until_closed();
+    assert!(
+        matches!(frames.first(), Some(Frame::Welcome(_))),
+        "the client secret is a client's: {frames:?}"
+    );
+    let error = fatal_error(&frames);
+    assert_eq!(error.code, ErrorCode::Auth);
+    assert!(error.fatal);
+    assert!(error.text.contains("cluster.secret"), "{}", error.text);
+    assert_eq!(patterns(&frames), Vec::<String>::new(), "no interest shown");
+    assert!(
+        !frames.iter().any(|f| matches!(f, Frame::Route(_))),
+        "no route hello answered: {frames:?}"
+    );
+    assert_eq!(stat(&broker, "route_refusals"), 1);
+    assert_eq!(routes(&broker), 0);
+    assert_eq!(broker.route_interest_count(), 0);
+
+    // The same with no credentials at all: the hello itself is refused.
+    let mut stranger = Raw::connect(&broker);
+    stranger.ask_for_a_route(None);
+    let frames = stranger.until_closed();
+    assert_eq!(fatal_error(&frames).code, ErrorCode::Auth);
+    assert_eq!(patterns(&frames), Vec::<String>::new());
+
+    // The cluster's secret opens the route, and the interest follows.
+    let mut peer = Raw::connect(&broker);
+    peer.ask_for_a_route(Some("mesh"));
+    let frames = peer.frames_for(Duration::from_millis(500));
+    assert!(
+        frames.iter().any(|f| matches!(f, Frame::Route(_))),
+        "{frames:?}"
+    );
+    assert_eq!(patterns(&frames), ["orders.*", "plans.secret.>"]);
+    assert_eq!(routes(&broker), 1);
+    assert_eq!(stat(&broker, "route_refusals"), 1);
+}
+
+/// Brokers sharing `cluster.secret` route whatever their client secrets;
+/// clients of each use their own broker's secret.
+#[test]
+fn brokers_sharing_the_cluster_secret_route() {
+    let b = start(
+        "b",
+        &[],
+        "[auth]\nsecret = \"clients-of-b\"\n[cluster]\nsecret = \"mesh\"\n",
+    );
+    let a = start(
+        "a",
+        &[tcp(&b)],
+        "[auth]\nsecret = \"clients-of-a\"\n[cluster]\nsecret = \"mesh\"\n",
+    );
+    wait_until("the route", || routes(&a) == 1 && routes(&b) == 1);
+    let (_on_b, sub) = subscribed_client(&b, "clients-of-b", "news.>");
+    wait_until("b's interest at a", || a.route_interest_count() == 1);
+    let (publisher, _) = subscribed_client(&a, "clients-of-a", "unrelated");
+    publisher
+        .publish("news.today", Bytes::from_static(b"routed"))
+        .unwrap();
+    let message = sub
+        .recv_timeout(WAIT)
+        .expect("the message crosses the route");
+    assert_eq!(&message.payload[..], b"routed");
+    assert_eq!(stat(&a, "route_refusals") + stat(&b, "route_refusals"), 0);
+    assert_eq!(stat(&a, "auth_failures") + stat(&b, "auth_failures"), 0);
+}
+
+/// Brokers whose cluster secrets differ never route: the accepting broker
+/// refuses (at the route hello when its clients need no secret, at the
+/// hello when they do), neither learns the other's interest, and messages
+/// stay on their broker.
+#[test]
+fn brokers_with_different_cluster_secrets_do_not_route() {
+    for (accepting, refusals, auth_failures) in [
+        ("[cluster]\nsecret = \"mesh-1\"\n", "route_refusals", false),
+        (
+            "[auth]\nsecret = \"clients\"\n[cluster]\nsecret = \"mesh-1\"\n",
+            "auth_failures",
+            true,
+        ),
+    ] {
+        let b = start("b", &[], accepting);
+        let _interest = b.subscribe("news.>").unwrap();
+        let a = start("a", &[tcp(&b)], "[cluster]\nsecret = \"mesh-2\"\n");
+        let _interest_a = a.subscribe("weather.>").unwrap();
+        wait_until(refusals, || stat(&b, refusals) >= 1);
+        // A few redials later, still nothing.
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!((routes(&a), routes(&b)), (0, 0), "{accepting}");
+        assert_eq!(a.route_interest_count(), 0, "a learnt nothing of b");
+        assert_eq!(b.route_interest_count(), 0, "b learnt nothing of a");
+        if auth_failures {
+            assert_eq!(stat(&b, "route_refusals"), 0, "refused at the hello");
+        }
+        let on_b = b.subscribe("weather.>").unwrap();
+        a.publish("weather.now", &b"stays on a"[..]).unwrap();
+        assert_eq!(
+            on_b.recv_timeout(Duration::from_millis(200))
+                .map(|m| m.payload),
+            Err(RecvError::Timeout)
+        );
+
+        // What the dialing broker was told, as a raw peer sees it.
+        let mut raw = Raw::connect(&b);
+        raw.ask_for_a_route(Some("mesh-2"));
+        let error = fatal_error(&raw.until_closed()).clone();
+        assert_eq!(error.code, ErrorCode::Auth, "{accepting}");
+        if !auth_failures {
+            assert!(error.text.contains("cluster.secret"), "{}", error.text);
+        }
+    }
+}
+
+/// With no secret configured (the open mode), any peer may open a route,
+/// as before; with only `auth.secret`, any peer that authenticated may.
+#[test]
+fn without_a_cluster_secret_routes_open_as_before() {
+    let open = start("open", &[], "");
+    let _sub = open.subscribe("anyone.>").unwrap();
+    let mut peer = Raw::connect(&open);
+    peer.ask_for_a_route(None);
+    let frames = peer.frames_for(Duration::from_millis(500));
+    assert!(
+        frames.iter().any(|f| matches!(f, Frame::Route(_))),
+        "{frames:?}"
+    );
+    assert_eq!(patterns(&frames), ["anyone.>"]);
+    assert_eq!(routes(&open), 1);
+
+    let shared = start("shared", &[], "[auth]\nsecret = \"s3cret\"\n");
+    let _sub = shared.subscribe("members.>").unwrap();
+    let mut member = Raw::connect(&shared);
+    member.ask_for_a_route(Some("s3cret"));
+    let frames = member.frames_for(Duration::from_millis(500));
+    assert_eq!(patterns(&frames), ["members.>"]);
+    assert_eq!(routes(&shared), 1);
+    assert_eq!(stat(&shared, "route_refusals"), 0);
+}
+
+/// Refused routes count against the peer's address as failed hellos do:
+/// after ten, even the right secret is refused from there for a while.
+#[test]
+fn refused_routes_count_towards_the_address_lockout() {
+    let broker = start("guarded", &[], "[cluster]\nsecret = \"mesh\"\n");
+    for attempt in 0..10 {
+        let mut raw = Raw::connect(&broker);
+        raw.ask_for_a_route(Some("guess"));
+        let frames = raw.until_closed();
+        assert_eq!(
+            fatal_error(&frames).code,
+            ErrorCode::Auth,
+            "attempt {attempt}"
+        );
+    }
+    assert_eq!(stat(&broker, "route_refusals"), 10);
+    let mut raw = Raw::connect(&broker);
+    raw.ask_for_a_route(Some("mesh"));
+    let frames = raw.until_closed();
+    assert_eq!(fatal_error(&frames).code, ErrorCode::RateLimited);
+    assert_eq!(routes(&broker), 0);
+}
