@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use efabus_broker::config::Faults;
 use efabus_broker::{Broker, Client, ClientOptions, Config, RecvError};
+use efabus_core::budget::MemoryBudget;
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::fragment::ReassemblyConfig;
 use efabus_core::frame::{ErrorCode, Frame, Hello, Publish, PROTOCOL_VERSION};
@@ -446,6 +447,7 @@ fn link_config(lossy: bool, window: usize) -> LinkConfig {
             timeout: Duration::from_millis(50),
             ..ReassemblyConfig::default()
         },
+        memory: MemoryBudget::unlimited(),
     }
 }
 

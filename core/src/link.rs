@@ -34,11 +34,10 @@
 //! On a **reliable** link every piece arrives eventually, possibly more than
 //! once (duplicates are dropped and counted). Nothing is given up by time:
 //! gaps are waited for ([`GapPolicy::Wait`]) and partial messages are kept.
-//! Memory stays bounded because a piece whose sequence is beyond the reorder
-//! window is refused with [`LinkError::Reorder`] before anything is stored
-//! (the credit window of [`crate::credit`] keeps the sender within it), and
-//! running out of reassembly budget is an error too: either means the link
-//! is broken.
+//! A piece whose sequence is beyond the reorder window is refused with
+//! [`LinkError::Reorder`] before anything is stored (the credit window of
+//! [`crate::credit`] keeps the sender within it), and running out of
+//! reassembly slots is an error too: either means the link is broken.
 //!
 //! On a **lossy** link a partial message is dropped once no piece of it
 //! arrived for the reassembly timeout, and a missing sequence is skipped
@@ -51,12 +50,27 @@
 //! arrived cannot be known and are not counted. The gap timeout should
 //! exceed the time one frame's pieces take to arrive, or large frames are
 //! skipped while still arriving.
+//!
+//! # Memory
+//!
+//! What a receiver holds for the peer, partial messages (as reserved) and
+//! whole frames waiting for an earlier sequence together, stays within
+//! `reassembly.max_bytes` of its link, and within the [`MemoryBudget`] it
+//! shares with the other links of the process ([`LinkConfig::memory`]).
+//! A sender within the credit window the owner grants (half of
+//! `max_bytes`) never reaches the first bound. On a reliable link reaching
+//! either is an error naming the bound ([`LinkError::MemoryBound`],
+//! [`LinkError::SharedMemoryBound`]) and nothing more is stored; on a lossy
+//! link the message is given up and counted ([`ReceiveStats::over_budget`],
+//! and as lost). Memory is given back as frames are delivered or given up,
+//! and when the receiver is dropped.
 
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use thiserror::Error;
 
+use crate::budget::MemoryBudget;
 use crate::caps::LinkParams;
 use crate::codec::{
     self, CodecLimits, DecodeError, EncodeError, FrameKind, FRAGMENT_OVERHEAD, FRAME_OVERHEAD,
@@ -84,19 +98,24 @@ pub struct LinkTuning {
     /// Width of the reorder window in sequences; the link's credit window
     /// ([`crate::credit`]) keeps the sender within it.
     pub reorder_window: usize,
-    /// Bounds of reassembly (memory, partial messages, largest frame,
-    /// timeout on lossy links).
+    /// Bounds of reassembly (partial messages, largest frame, timeout on
+    /// lossy links); its `max_bytes` bounds what one link's receiver holds,
+    /// partial messages and frames waiting for reordering together.
     pub reassembly: ReassemblyConfig,
+    /// Memory shared by the receivers of every link given a clone.
+    pub memory: MemoryBudget,
 }
 
 impl Default for LinkTuning {
-    /// A 100 ms gap timeout, a window of 4096 sequences, and the default
-    /// reassembly bounds (64 MiB, 1024 partial messages, 2 s).
+    /// A 100 ms gap timeout, a window of 4096 sequences, the default
+    /// reassembly bounds (64 MiB, 1024 partial messages, 2 s), and no
+    /// shared memory bound.
     fn default() -> Self {
         LinkTuning {
             gap_timeout: Duration::from_millis(100),
             reorder_window: 4096,
             reassembly: ReassemblyConfig::default(),
+            memory: MemoryBudget::unlimited(),
         }
     }
 }
@@ -118,6 +137,8 @@ pub struct LinkConfig {
     pub reorder_window: usize,
     /// See [`LinkTuning::reassembly`].
     pub reassembly: ReassemblyConfig,
+    /// See [`LinkTuning::memory`].
+    pub memory: MemoryBudget,
 }
 
 impl LinkConfig {
@@ -138,6 +159,7 @@ impl LinkConfig {
             gap_timeout: tuning.gap_timeout,
             reorder_window: tuning.reorder_window,
             reassembly: tuning.reassembly.clone(),
+            memory: tuning.memory.clone(),
         }
     }
 }
@@ -199,6 +221,29 @@ pub enum LinkError {
         /// Partial messages dropped.
         count: u64,
     },
+    /// On a reliable link, holding what arrived would take the link past
+    /// its memory bound (`reassembly.max_bytes`): the peer sent beyond the
+    /// credit window.
+    #[error("link memory bound reached: {needed} more bytes needed with {held} held, limit {limit} (reassembly.max_bytes)")]
+    MemoryBound {
+        /// Bytes the message would have taken.
+        needed: usize,
+        /// Bytes the link held: partial messages and frames waiting.
+        held: usize,
+        /// The link's bound.
+        limit: usize,
+    },
+    /// On a reliable link, holding what arrived would take the links of
+    /// this process together past their shared [`MemoryBudget`].
+    #[error("shared link memory bound reached: {needed} more bytes needed with {used} held by all links, limit {limit}")]
+    SharedMemoryBound {
+        /// Bytes the message would have taken.
+        needed: usize,
+        /// Bytes all links held.
+        used: usize,
+        /// The shared bound.
+        limit: usize,
+    },
 }
 
 /// Counters of a [`LinkSender`].
@@ -237,7 +282,8 @@ pub struct ReceiveStats {
     /// Partial messages dropped by the reassembly timeout; on sequenced
     /// links their sequences are also counted in `lost` (once each).
     pub expired_partials: u64,
-    /// Messages refused for lack of reassembly memory or slots.
+    /// Messages refused for lack of memory (the link's bound or the shared
+    /// one) or of reassembly slots.
     pub over_budget: u64,
     /// Pieces refused beyond the reorder window (reliable links).
     pub window_exceeded: u64,
@@ -383,11 +429,12 @@ fn byte_at(frame: &OutFrame, index: usize) -> Option<u8> {
     }
 }
 
-/// What the reorder buffer holds: a frame, or the mark of a sequence whose
+/// What the reorder buffer holds: a frame with the bytes reserved for it
+/// (none for one released at once), or the mark of a sequence whose
 /// reassembly was abandoned (released in its turn and counted as lost).
 #[derive(Debug)]
 enum Slot {
-    Frame(Bytes),
+    Frame(Bytes, usize),
     Lost,
 }
 
@@ -409,8 +456,14 @@ pub struct LinkReceiver {
     released: Vec<Slot>,
     /// Highest sequence a valid piece arrived for.
     highest_seen: u64,
-    /// Bytes of the frames held in the reorder buffer.
+    /// Bytes of the frames held in the reorder buffer, also reserved in
+    /// `memory`.
     held_bytes: usize,
+    /// Bound of `held_bytes` and the reassembler's partial messages together.
+    max_bytes: usize,
+    memory: MemoryBudget,
+    /// Frames refused (or given up, on lossy links) for lack of memory.
+    held_over_budget: u64,
     stats: ReceiveStats,
     /// Lost marks released (the reorder buffer counts skipped gaps).
     marks_released: u64,
@@ -448,11 +501,14 @@ impl LinkReceiver {
         });
         LinkReceiver {
             lossy: config.lossy,
-            reassembler: Reassembler::new(reassembly),
+            max_bytes: reassembly.max_bytes,
+            reassembler: Reassembler::with_budget(reassembly, config.memory.clone()),
             reorder,
             released: Vec::new(),
             highest_seen: 0,
             held_bytes: 0,
+            memory: config.memory.clone(),
+            held_over_budget: 0,
             stats: ReceiveStats::default(),
             marks_released: 0,
             far_ahead: None,
@@ -465,7 +521,7 @@ impl LinkReceiver {
         let mut stats = self.stats;
         stats.duplicates += r.duplicates + r.late;
         stats.expired_partials = r.expired;
-        stats.over_budget = r.dropped_over_budget;
+        stats.over_budget = r.dropped_over_budget + self.held_over_budget;
         stats.lost = self.marks_released + self.reorder.as_ref().map_or(0, |buf| buf.stats().lost);
         stats
     }
@@ -596,6 +652,8 @@ impl LinkReceiver {
         // timeout: on a lossy link a loss like any other (settled by the
         // gap timeout or the tail rule), on a reliable one a broken link.
         let expired_before = self.reassembler.stats().expired;
+        let needed = fragment.total_len as usize + (count as usize).div_ceil(64) * 8;
+        self.reassembler.set_held_elsewhere(self.held_bytes);
         let result = self.reassembler.handle_fragment(now, (), fragment);
         if !self.lossy && self.reassembler.stats().expired > expired_before {
             return Err(LinkError::ReliableLoss {
@@ -604,11 +662,32 @@ impl LinkReceiver {
         }
         let whole = match result {
             Ok(whole) => whole,
-            Err(ReassemblyError::OverBudget { .. }) if self.lossy => {
+            Err(ReassemblyError::OverBudget { .. } | ReassemblyError::SharedBudget { .. })
+                if self.lossy =>
+            {
                 // Counted by the reassembler; the sequence is settled by the
                 // gap timeout or the tail rule.
                 self.note_seen(msg_id);
                 return Ok(());
+            }
+            Err(ReassemblyError::OverBudget {
+                in_flight,
+                messages,
+                ..
+            }) if messages < self.reassembler.config().max_messages => {
+                // Slots were left: the bytes were not.
+                return Err(LinkError::MemoryBound {
+                    needed,
+                    held: in_flight + self.held_bytes,
+                    limit: self.max_bytes,
+                });
+            }
+            Err(ReassemblyError::SharedBudget { used, limit, .. }) => {
+                return Err(LinkError::SharedMemoryBound {
+                    needed,
+                    used,
+                    limit,
+                });
             }
             Err(err) => return Err(err.into()),
         };
@@ -627,22 +706,65 @@ impl LinkReceiver {
             return Ok(());
         };
         // A bad frame still settles its sequence, so order is kept if the
-        // caller carries on.
-        let (slot, len) = if checked.is_ok() {
-            let len = frame.len();
-            (Slot::Frame(frame), len)
-        } else {
-            (Slot::Lost, 0)
+        // caller carries on. A frame that has to wait is charged to the
+        // link's memory and the shared budget first.
+        let slot = match checked {
+            Ok(()) if msg_id == expected_before => Slot::Frame(frame, 0),
+            Ok(()) => {
+                let held = self.reassembler.in_flight_bytes() + self.held_bytes;
+                let charged = if held.saturating_add(frame.len()) > self.max_bytes {
+                    Err(LinkError::MemoryBound {
+                        needed: frame.len(),
+                        held,
+                        limit: self.max_bytes,
+                    })
+                } else {
+                    self.memory.try_reserve(frame.len()).map_err(|refusal| {
+                        LinkError::SharedMemoryBound {
+                            needed: refusal.needed,
+                            used: refusal.used,
+                            limit: refusal.limit,
+                        }
+                    })
+                };
+                match charged {
+                    Ok(()) => {
+                        let len = frame.len();
+                        Slot::Frame(frame, len)
+                    }
+                    Err(err) => {
+                        self.held_over_budget += 1;
+                        if !self.lossy {
+                            return Err(err);
+                        }
+                        // Given up like a message whose pieces did not all
+                        // arrive: settled in turn and counted as lost.
+                        Slot::Lost
+                    }
+                }
+            }
+            Err(_) => Slot::Lost,
         };
-        let is_frame = matches!(slot, Slot::Frame(_));
-        match reorder.push(now, msg_id, slot, &mut self.released)? {
-            Pushed::Accepted { .. } => {
-                self.held_bytes += len;
+        let (is_frame, charged) = match &slot {
+            Slot::Frame(_, charged) => (true, *charged),
+            Slot::Lost => (false, 0),
+        };
+        let pushed = reorder.push(now, msg_id, slot, &mut self.released);
+        match pushed {
+            Ok(Pushed::Accepted { .. }) => {
+                self.held_bytes += charged;
                 if is_frame && msg_id != expected_before {
                     self.stats.reordered += 1;
                 }
             }
-            Pushed::Duplicate { .. } => self.stats.duplicates += 1,
+            Ok(Pushed::Duplicate { .. }) => {
+                self.memory.release(charged);
+                self.stats.duplicates += 1;
+            }
+            Err(err) => {
+                self.memory.release(charged);
+                return Err(err.into());
+            }
         }
         checked
     }
@@ -707,16 +829,27 @@ impl LinkReceiver {
     }
 
     fn drain(&mut self, out: &mut Vec<Bytes>) {
+        let mut freed = 0;
         for slot in self.released.drain(..) {
             match slot {
-                Slot::Frame(frame) => {
-                    self.held_bytes -= frame.len();
+                Slot::Frame(frame, charged) => {
+                    freed += charged;
                     self.stats.delivered += 1;
                     out.push(frame);
                 }
                 Slot::Lost => self.marks_released += 1,
             }
         }
+        self.held_bytes -= freed;
+        self.memory.release(freed);
+    }
+}
+
+impl Drop for LinkReceiver {
+    /// Frames still waiting give their memory back to the shared budget
+    /// (the reassembler does the same for partial messages).
+    fn drop(&mut self) {
+        self.memory.release(self.held_bytes);
     }
 }
 

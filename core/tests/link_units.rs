@@ -6,6 +6,7 @@ mod link_common;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use efabus_core::budget::MemoryBudget;
 use efabus_core::caps::{negotiate, parse_fi_info_dump, Offer};
 use efabus_core::codec::{
     self, encode, fragment_head, try_encode, DecodeError, FrameKind, FRAGMENT_OVERHEAD,
@@ -512,4 +513,159 @@ fn lossy_link_follows_a_long_real_gap_but_not_a_lone_far_piece() {
         ids.len() >= 45 && ids.windows(2).all(|w| w[0] < w[1]) && ids[ids.len() - 1] == 1399,
         "the link follows the sender after the gap: {ids:?}"
     );
+}
+
+/// Wire frames for frames `1..=count` of `len` bytes each.
+fn wire_frames(tx: &mut LinkSender, count: u64, len: usize) -> Vec<Vec<Bytes>> {
+    (1..=count)
+        .map(|id| {
+            let mut wire = Vec::new();
+            tx.prepare(test_frame(id, len, 64), &mut wire).unwrap();
+            wire.iter().map(OutFrame::to_bytes).collect()
+        })
+        .collect()
+}
+
+/// A peer that withholds sequence 1 and sends large frames behind it
+/// makes a reliable receiver hold them: whole (one piece each) or in
+/// pieces, it fails at its memory bound, naming it, and never holds more.
+#[test]
+fn a_withheld_sequence_fails_the_reliable_link_at_its_memory_bound() {
+    const BOUND: usize = 1 << 20;
+    const LEN: usize = 100_000;
+    for frame_limit in [1 << 20, 8888] {
+        let mut cfg = config(frame_limit, true, false, 4096, ms(10), ms(10));
+        cfg.reassembly.max_bytes = BOUND;
+        let mut tx = LinkSender::new(&cfg).unwrap();
+        let mut rx = LinkReceiver::new(&cfg);
+        let frames = wire_frames(&mut tx, 40, LEN);
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let mut failure = None;
+        'frames: for (index, pieces) in frames.iter().enumerate().skip(1) {
+            for piece in pieces {
+                let result = rx.receive(now, piece.clone(), &mut out);
+                assert!(
+                    rx.buffered_bytes() <= BOUND,
+                    "limit {frame_limit}: {} bytes held",
+                    rx.buffered_bytes()
+                );
+                if let Err(err) = result {
+                    failure = Some((index as u64 + 1, err));
+                    break 'frames;
+                }
+            }
+        }
+        let (seq, err) = failure.expect("the bound is reached");
+        assert!(out.is_empty(), "nothing passes the withheld sequence");
+        // Ten frames fit in 1 MiB (partials reserve a little more than a
+        // frame), so the twelfth sequence is the first refused.
+        assert_eq!(seq, 12, "limit {frame_limit}");
+        match err {
+            LinkError::MemoryBound {
+                needed,
+                held,
+                limit,
+            } => {
+                assert_eq!(limit, BOUND);
+                assert!(held <= BOUND && held + needed > BOUND, "{held} + {needed}");
+                assert!(err.to_string().contains("reassembly.max_bytes"), "{err}");
+            }
+            other => panic!("limit {frame_limit}: expected the memory bound, got {other:?}"),
+        }
+        assert_eq!(rx.stats().over_budget, 1);
+        assert_eq!(rx.held(), 10);
+    }
+}
+
+/// Two receivers sharing a budget hold no more than it together: the one
+/// that would cross it fails naming the shared bound; what is delivered
+/// or dropped (frames waiting, partial messages) is given back.
+#[test]
+fn receivers_sharing_a_budget_stay_within_it_and_give_it_back() {
+    const LIMIT: usize = 1 << 20;
+    const LEN: usize = 100_000;
+    let budget = MemoryBudget::new(LIMIT);
+    let mut cfg = config(1 << 20, true, false, 4096, ms(10), ms(10));
+    cfg.memory = budget.clone();
+    let mut tx_a = LinkSender::new(&cfg).unwrap();
+    let mut tx_b = LinkSender::new(&cfg).unwrap();
+    let mut a = LinkReceiver::new(&cfg);
+    let mut b = LinkReceiver::new(&cfg);
+    let frames_a = wire_frames(&mut tx_a, 8, LEN);
+    let frames_b = wire_frames(&mut tx_b, 20, LEN);
+    let now = Instant::now();
+    let mut out = Vec::new();
+    for pieces in &frames_a[1..7] {
+        a.receive(now, pieces[0].clone(), &mut out).unwrap();
+    }
+    assert_eq!(budget.used(), a.buffered_bytes());
+    assert_eq!(a.buffered_bytes(), 6 * LEN);
+    let mut refused = None;
+    for pieces in &frames_b[1..] {
+        match b.receive(now, pieces[0].clone(), &mut out) {
+            Ok(()) => {}
+            Err(err) => {
+                refused = Some(err);
+                break;
+            }
+        }
+        assert!(budget.used() <= LIMIT);
+    }
+    assert_eq!(b.buffered_bytes(), 4 * LEN);
+    assert_eq!(budget.used(), 10 * LEN);
+    assert_eq!(
+        refused,
+        Some(LinkError::SharedMemoryBound {
+            needed: LEN,
+            used: 10 * LEN,
+            limit: LIMIT
+        })
+    );
+
+    // Delivered frames give their memory back.
+    a.receive(now, frames_a[0][0].clone(), &mut out).unwrap();
+    assert_eq!(out.len(), 7);
+    assert_eq!((a.buffered_bytes(), budget.used()), (0, 4 * LEN));
+    // A partial message reserves its whole length; dropping the receiver
+    // gives that back, as it does the frames waiting.
+    let mut small = config(8888, true, false, 4096, ms(10), ms(10));
+    small.memory = budget.clone();
+    let mut tx_c = LinkSender::new(&small).unwrap();
+    let mut c = LinkReceiver::new(&small);
+    let frames_c = wire_frames(&mut tx_c, 1, LEN);
+    c.receive(now, frames_c[0][0].clone(), &mut out).unwrap();
+    assert_eq!(c.partial_messages(), 1);
+    assert_eq!(budget.used(), 4 * LEN + c.buffered_bytes());
+    assert!(c.buffered_bytes() > LEN);
+    drop(c);
+    assert_eq!(budget.used(), 4 * LEN);
+    drop(b);
+    assert_eq!(budget.used(), 0);
+}
+
+/// On a lossy link the bounds give a frame up rather than fail: it is
+/// counted as over budget and as lost, and the link carries on.
+#[test]
+fn a_lossy_link_gives_up_what_exceeds_its_memory_and_counts_it() {
+    const LEN: usize = 100_000;
+    let mut cfg = config(1 << 20, true, true, 4096, ms(10), ms(10));
+    cfg.reassembly.max_bytes = 3 * LEN;
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut rx = LinkReceiver::new(&cfg);
+    let frames = wire_frames(&mut tx, 6, LEN);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    for pieces in &frames[1..] {
+        rx.receive(t0, pieces[0].clone(), &mut out).unwrap();
+        assert!(rx.buffered_bytes() <= 3 * LEN);
+    }
+    // Sequences 2 to 4 are held, 5 and 6 given up; the gap timeout then
+    // settles 1.
+    settle(&mut rx, t0, &mut out);
+    let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
+    assert_eq!(ids, [2, 3, 4]);
+    let stats = rx.stats();
+    assert_eq!((stats.over_budget, stats.lost), (2, 3));
+    assert_eq!(rx.buffered_bytes(), 0);
 }

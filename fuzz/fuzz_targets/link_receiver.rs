@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_core::codec;
+use efabus_core::budget::MemoryBudget;
 use efabus_core::fragment::ReassemblyConfig;
 use efabus_core::frame::{Frame, Publish};
 use efabus_core::link::{LinkConfig, LinkReceiver, LinkSender};
@@ -57,6 +58,7 @@ fuzz_target!(|data: &[u8]| {
             timeout: Duration::from_millis(20),
             done_window: 16,
         },
+        memory: MemoryBudget::unlimited(),
     };
     let mut sender = LinkSender::new(&config).expect("limit holds a fragment");
     let originals: Vec<Bytes> = (0..FRAMES).map(frame).collect();

@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use efabus_core::budget::MemoryBudget;
 use efabus_core::fragment::ReassemblyConfig;
 use efabus_core::link::{LinkConfig, LinkReceiver};
 use efabus_core::transport::OutFrame;
@@ -55,6 +56,7 @@ pub fn config(
             timeout: reassembly_timeout,
             ..ReassemblyConfig::default()
         },
+        memory: MemoryBudget::unlimited(),
     }
 }
 
