@@ -61,6 +61,10 @@ pub struct BrokerStats {
     /// frame waited, or on a datagram link was dropped and counted in
     /// `best_effort_drops`).
     pub credit_waits: AtomicU64,
+    /// Sessions failed because a data link would have held more for
+    /// reordering and reassembly than its own bound or, with the other
+    /// links, `limits.max_link_memory`.
+    pub link_memory_refusals: AtomicU64,
     /// Routes to other brokers that are up, right now.
     pub routes: AtomicU64,
     /// Messages received from and forwarded to other brokers over routes.
@@ -95,6 +99,7 @@ impl BrokerStats {
             ("fabric_frames_out", get(&self.fabric_frames_out)),
             ("best_effort_drops", get(&self.best_effort_drops)),
             ("credit_waits", get(&self.credit_waits)),
+            ("link_memory_refusals", get(&self.link_memory_refusals)),
             ("routes", get(&self.routes)),
             ("route_messages_in", get(&self.route_messages_in)),
             ("route_messages_out", get(&self.route_messages_out)),

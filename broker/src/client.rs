@@ -24,11 +24,12 @@ use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use crossbeam_channel::Sender;
+use efabus_core::budget::MemoryBudget;
 use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, PROTOCOL_VERSION};
-use efabus_core::link::LinkTuning;
+use efabus_core::link::{LinkError, LinkTuning};
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
     DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError,
@@ -124,6 +125,10 @@ pub struct ClientOptions {
     /// TESTING AID, never in production: inject faults into this client's
     /// endpoints (`[testing.faults]` of a config file).
     pub faults: Option<crate::config::Faults>,
+    /// Bytes the data links may hold together for reordering and
+    /// reassembly (as the server's `limits.max_link_memory`); a link that
+    /// would need more drops the connection. At least `max_frame`.
+    pub max_link_memory: usize,
 }
 
 impl ClientOptions {
@@ -153,6 +158,15 @@ impl ClientOptions {
                     format!("is {} bytes; at most {MAX_SECRET_LEN}", secret.len()),
                 ));
             }
+        }
+        if self.max_link_memory < self.max_frame {
+            return Err(invalid(
+                "max_link_memory",
+                format!(
+                    "is {}; at least max_frame ({})",
+                    self.max_link_memory, self.max_frame
+                ),
+            ));
         }
         let max_len = self.subject_limits.max_len;
         if max_len == 0 || max_len > MAX_SUBJECT_LEN_LIMIT {
@@ -185,6 +199,7 @@ impl Default for ClientOptions {
             fabric: crate::config::Fabric::default(),
             preference: crate::config::Negotiation::default().preference,
             faults: None,
+            max_link_memory: 512 << 20,
         }
     }
 }
@@ -218,6 +233,7 @@ impl ClientOptions {
             fabric: config.fabric.clone(),
             preference: config.negotiation.preference.clone(),
             faults: config.testing.faults.clone(),
+            max_link_memory: config.limits.max_link_memory,
             ..ClientOptions::default()
         }
     }
@@ -230,6 +246,7 @@ struct LinkCounters {
     fabric_out: AtomicU64,
     best_effort_lost: AtomicU64,
     credit_waits: AtomicU64,
+    link_memory_refusals: AtomicU64,
 }
 
 /// Which paths carry a client's traffic, as negotiated in the last handshake.
@@ -252,6 +269,10 @@ pub struct LinkReport {
     /// Sends that found the broker's credit window full on the reliable
     /// fabric data link (the frame waited in the client).
     pub credit_waits: u64,
+    /// Connections dropped because the reliable data link would have held
+    /// more than its memory bound, or with the best-effort link more than
+    /// `max_link_memory`.
+    pub link_memory_refusals: u64,
 }
 
 /// Connection state, readable by application threads.
@@ -714,6 +735,7 @@ impl Client {
             fabric_frames_out: get(&counters.fabric_out),
             best_effort_lost: get(&counters.best_effort_lost),
             credit_waits: get(&counters.credit_waits),
+            link_memory_refusals: get(&counters.link_memory_refusals),
             ..self.shared.link.lock().clone()
         }
     }
@@ -974,6 +996,11 @@ impl ClientLoop {
             shared.options.heartbeat_timeout,
             true,
         );
+        // The data links (one pair at a time) draw from one budget.
+        let tuning = LinkTuning {
+            memory: MemoryBudget::new(shared.options.max_link_memory),
+            ..LinkTuning::default()
+        };
         ClientLoop {
             shared,
             poll,
@@ -999,7 +1026,7 @@ impl ClientLoop {
             next_nonce: 1,
             ever_connected: false,
             offers,
-            tuning: LinkTuning::default(),
+            tuning,
             released: Vec::new(),
             unavailable,
         }
@@ -1669,6 +1696,15 @@ impl ClientLoop {
                 }
                 if let Err(err) = result {
                     if kind == LinkKind::Reliable {
+                        if matches!(
+                            err,
+                            LinkError::MemoryBound { .. } | LinkError::SharedMemoryBound { .. }
+                        ) {
+                            self.shared
+                                .counters
+                                .link_memory_refusals
+                                .fetch_add(1, Ordering::Relaxed);
+                        }
                         warn!(error = %err, "reliable data link broken; reconnecting");
                         self.endpoints[CONTROL].close(control);
                         self.link_lost(now);

@@ -153,6 +153,10 @@ pub struct Limits {
     pub max_pending_bytes: usize,
     /// Messages queued for one in-process subscription before the policy applies.
     pub subscription_queue: usize,
+    /// Bytes all fabric data links together may hold for reordering and
+    /// reassembly (each link is also bounded on its own); a link that
+    /// would need more fails its session. At least the frame limit.
+    pub max_link_memory: usize,
 }
 
 impl Default for Limits {
@@ -166,6 +170,7 @@ impl Default for Limits {
             handshake_timeout_ms: 5_000,
             max_pending_bytes: 16 << 20,
             subscription_queue: 65_536,
+            max_link_memory: 512 << 20,
         }
     }
 }
@@ -547,6 +552,7 @@ impl Config {
             ),
             ("limits.max_pending_bytes", self.limits.max_pending_bytes),
             ("limits.subscription_queue", self.limits.subscription_queue),
+            ("limits.max_link_memory", self.limits.max_link_memory),
             ("heartbeat.interval_ms", self.heartbeat.interval_ms as usize),
             ("fabric.max_frame", self.fabric.max_frame),
         ];
@@ -572,6 +578,18 @@ impl Config {
                     "is {}; the allowed range is 1 to {MAX_SUBJECT_LEN_LIMIT} bytes \
                      (subjects travel in 16-bit fields and 64 KiB control frames)",
                     self.limits.max_subject_len
+                ),
+            ));
+        }
+        if self.limits.max_link_memory < self.max_frame() {
+            // Below that, the largest frame could never be reassembled.
+            return Err(invalid(
+                "limits.max_link_memory",
+                format!(
+                    "is {}; it must be at least the frame limit of {} bytes \
+                     (limits.max_payload + 2 × limits.max_subject_len + 64)",
+                    self.limits.max_link_memory,
+                    self.max_frame()
                 ),
             ));
         }
@@ -793,6 +811,29 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("fabric.test_force_prefix"), "{err}");
+    }
+
+    #[test]
+    fn link_memory_must_hold_the_largest_frame() {
+        assert_eq!(Config::default().limits.max_link_memory, 512 << 20);
+        let err = Config::from_toml_str("[limits]\nmax_link_memory = 0\n", "m.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("limits.max_link_memory: must be greater than 0"),
+            "{err}"
+        );
+        let err = Config::from_toml_str("[limits]\nmax_link_memory = 1048576\n", "m.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("limits.max_link_memory"), "{err}");
+        assert!(err.contains("frame limit of 1049664 bytes"), "{err}");
+        let config = Config::from_toml_str(
+            "[limits]\nmax_payload = 1024\nmax_link_memory = 4096\n",
+            "m.toml",
+        )
+        .expect("a frame of 2112 bytes fits");
+        assert_eq!(config.limits.max_link_memory, 4096);
     }
 
     #[test]

@@ -25,11 +25,12 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use bytes::{Bytes, BytesMut};
 use crossbeam_channel::{Receiver, Sender};
+use efabus_core::budget::MemoryBudget;
 use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye};
-use efabus_core::link::LinkTuning;
+use efabus_core::link::{LinkError, LinkTuning};
 use efabus_core::subject;
 use efabus_core::transport::{CloseReason, Endpoint, Event, OutFrame, PeerId};
 use mio::{Poll, Token};
@@ -162,6 +163,11 @@ impl EventLoop {
             .filter(|(index, _)| !cluster.dials_only(*index))
             .filter_map(|(_, endpoint)| endpoints::offer_for(endpoint.as_ref()))
             .collect();
+        // Every session's data links draw from one budget.
+        let tuning = LinkTuning {
+            memory: MemoryBudget::new(shared.config.limits.max_link_memory),
+            ..LinkTuning::default()
+        };
         EventLoop {
             shared,
             poll,
@@ -177,7 +183,7 @@ impl EventLoop {
             reads_paused: false,
             targets: Targets::default(),
             offers,
-            tuning: LinkTuning::default(),
+            tuning,
             released: Vec::new(),
             credit_owed: HashSet::default(),
             dirty: Vec::new(),
@@ -504,12 +510,36 @@ impl EventLoop {
         }
         if let Err(err) = result {
             if kind == LinkKind::Reliable {
-                BrokerStats::add(&self.shared.stats.bad_frames, 1);
-                self.fail(id, ErrorCode::Malformed, format!("data link: {err}"));
+                self.reliable_link_failed(id, &err);
             } else {
                 debug!(session = id, error = %err, "best-effort link refused a message");
             }
         }
+    }
+
+    /// The reliable data link refused what arrived: nothing after it could
+    /// be delivered in order, so the session ends (the peer reconnects).
+    fn reliable_link_failed(&mut self, id: u64, err: &LinkError) {
+        let stats = &self.shared.stats;
+        let code = match err {
+            // The peer sent beyond the credit window it was granted.
+            LinkError::MemoryBound { .. } => {
+                BrokerStats::add(&stats.link_memory_refusals, 1);
+                ErrorCode::Protocol
+            }
+            LinkError::SharedMemoryBound { .. } => {
+                BrokerStats::add(&stats.link_memory_refusals, 1);
+                ErrorCode::Internal
+            }
+            _ => {
+                BrokerStats::add(&stats.bad_frames, 1);
+                ErrorCode::Malformed
+            }
+        };
+        if let Some(session) = self.sessions.get(&id) {
+            warn!(session = id, remote = %session.remote, error = %err, "reliable data link failed");
+        }
+        self.fail(id, code, format!("data link: {err}"));
     }
 
     fn on_frame(&mut self, id: u64, bytes: Bytes) {
