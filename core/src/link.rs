@@ -31,13 +31,27 @@
 //!
 //! # Reliable and lossy links
 //!
-//! On a **reliable** link every piece arrives eventually, possibly more than
-//! once (duplicates are dropped and counted). Nothing is given up by time:
-//! gaps are waited for ([`GapPolicy::Wait`]) and partial messages are kept.
-//! A piece whose sequence is beyond the reorder window is refused with
-//! [`LinkError::Reorder`] before anything is stored (the credit window of
-//! [`crate::credit`] keeps the sender within it), and running out of
-//! reassembly slots is an error too: either means the link is broken.
+//! On a **reliable** link every piece should arrive, possibly more than
+//! once (duplicates are dropped and counted) and out of order: frames wait
+//! for a missing sequence and partial messages are kept. Nothing is ever
+//! skipped, but the wait is bounded ([`GapPolicy::FailAfter`]): a provider
+//! that promises delivery can still lose a message (a send that failed, a
+//! fault), and the link would otherwise stall until the session's heartbeat
+//! gave up. Once a frame has waited [`LinkConfig::reliable_gap_timeout`]
+//! behind a missing sequence with no piece of the gap arriving meanwhile,
+//! the receiver fails with [`LinkError::GapTimeout`], counted in
+//! [`ReceiveStats::gap_failures`]. The owner polls at
+//! [`LinkReceiver::next_deadline`] for this, after handing over what its
+//! endpoint delivered, and must then end the session (nothing after the
+//! gap could be delivered in order). An owner held up well past the
+//! deadline gives the gap a fresh timeout rather than failing it unseen.
+//! A partial message with nothing waiting behind it is not timed: the
+//! next frame (at the latest the peer's heartbeat) starts the clock. A
+//! piece whose sequence
+//! is beyond the reorder window is refused with [`LinkError::Reorder`]
+//! before anything is stored (the credit window of [`crate::credit`] keeps
+//! the sender within it), and running out of reassembly slots is an error
+//! too: either means the link is broken.
 //!
 //! On a **lossy** link a partial message is dropped once no piece of it
 //! arrived for the reassembly timeout, and a missing sequence is skipped
@@ -95,6 +109,11 @@ pub struct LinkTuning {
     /// How long a frame waits for an earlier missing one on a lossy,
     /// sequenced link before that one is given up.
     pub gap_timeout: Duration,
+    /// How long a frame may wait behind a missing sequence on a reliable,
+    /// sequenced link, with no piece of the gap arriving, before the link
+    /// fails ([`LinkError::GapTimeout`]). Above the time one frame's pieces
+    /// take to come apart, well below the heartbeat timeout.
+    pub reliable_gap_timeout: Duration,
     /// Width of the reorder window in sequences; the link's credit window
     /// ([`crate::credit`]) keeps the sender within it.
     pub reorder_window: usize,
@@ -107,12 +126,13 @@ pub struct LinkTuning {
 }
 
 impl Default for LinkTuning {
-    /// A 100 ms gap timeout, a window of 4096 sequences, the default
-    /// reassembly bounds (64 MiB, 1024 partial messages, 2 s), and no
-    /// shared memory bound.
+    /// A 100 ms gap timeout (250 ms on reliable links), a window of 4096
+    /// sequences, the default reassembly bounds (64 MiB, 1024 partial
+    /// messages, 2 s), and no shared memory bound.
     fn default() -> Self {
         LinkTuning {
             gap_timeout: Duration::from_millis(100),
+            reliable_gap_timeout: Duration::from_millis(250),
             reorder_window: 4096,
             reassembly: ReassemblyConfig::default(),
             memory: MemoryBudget::unlimited(),
@@ -133,6 +153,8 @@ pub struct LinkConfig {
     pub lossy: bool,
     /// See [`LinkTuning::gap_timeout`].
     pub gap_timeout: Duration,
+    /// See [`LinkTuning::reliable_gap_timeout`].
+    pub reliable_gap_timeout: Duration,
     /// See [`LinkTuning::reorder_window`].
     pub reorder_window: usize,
     /// See [`LinkTuning::reassembly`].
@@ -157,6 +179,7 @@ impl LinkConfig {
             sequenced: params.sequence_and_reorder,
             lossy: !params.reliable,
             gap_timeout: tuning.gap_timeout,
+            reliable_gap_timeout: tuning.reliable_gap_timeout,
             reorder_window: tuning.reorder_window,
             reassembly: tuning.reassembly.clone(),
             memory: tuning.memory.clone(),
@@ -220,6 +243,18 @@ pub enum LinkError {
     ReliableLoss {
         /// Partial messages dropped.
         count: u64,
+    },
+    /// On a reliable link, frames waited [`LinkConfig::reliable_gap_timeout`]
+    /// behind a missing sequence with no piece of it arriving: the message
+    /// is taken as lost, and the link can deliver nothing more in order.
+    #[error("reliable link stalled: sequence {missing} still missing after {waited:?} with {held} frames waiting behind it")]
+    GapTimeout {
+        /// The first missing sequence.
+        missing: u64,
+        /// Frames waiting behind it.
+        held: usize,
+        /// How long the gap went without progress.
+        waited: Duration,
     },
     /// On a reliable link, holding what arrived would take the link past
     /// its memory bound (`reassembly.max_bytes`): the peer sent beyond the
@@ -290,6 +325,9 @@ pub struct ReceiveStats {
     /// Messages refused with an error: malformed, or beyond what a
     /// reliable link allows.
     pub refused: u64,
+    /// Reliable links: gaps not filled within the reliable gap timeout
+    /// (at most one: the link is failed).
+    pub gap_failures: u64,
 }
 
 /// The sending half of a link: frames in, wire frames out.
@@ -470,6 +508,12 @@ pub struct LinkReceiver {
     /// Lossy links: pieces seen far beyond the window, as (lowest, highest,
     /// how many). One piece alone never moves the link that far.
     far_ahead: Option<(u64, u64, u32)>,
+    /// Reliable links: the gap that timed out (reported from then on;
+    /// the link is dead).
+    gap_failure: Option<LinkError>,
+    /// Reliable links: the gap deadline as of the last call, to tell an
+    /// owner that slept until it from one held up well past it.
+    gap_deadline: Option<Instant>,
 }
 
 /// On a lossy link, a piece this many windows beyond the next expected
@@ -495,7 +539,7 @@ impl LinkReceiver {
                 gap_policy: if config.lossy {
                     GapPolicy::SkipAfter(config.gap_timeout)
                 } else {
-                    GapPolicy::Wait
+                    GapPolicy::FailAfter(config.reliable_gap_timeout)
                 },
             })
         });
@@ -512,6 +556,8 @@ impl LinkReceiver {
             stats: ReceiveStats::default(),
             marks_released: 0,
             far_ahead: None,
+            gap_failure: None,
+            gap_deadline: None,
         }
     }
 
@@ -551,7 +597,9 @@ impl LinkReceiver {
     /// every original frame now deliverable, in order. Dropped duplicates
     /// and losses on a lossy link are counted, not errors. After an error
     /// the receiver stays consistent, but on a reliable link the error means
-    /// the link is broken.
+    /// the link is broken. A reliable link's gap fails only in
+    /// [`poll`](LinkReceiver::poll): a missing frame that arrives before
+    /// it, however late, still fills the gap; after it, nothing is taken.
     pub fn receive(
         &mut self,
         now: Instant,
@@ -559,6 +607,10 @@ impl LinkReceiver {
         out: &mut Vec<Bytes>,
     ) -> Result<(), LinkError> {
         self.stats.messages += 1;
+        if let Some(failure) = &self.gap_failure {
+            return Err(failure.clone());
+        }
+        self.owner_called(now);
         let result = self.receive_inner(now, message, out);
         if result.is_err() {
             self.stats.refused += 1;
@@ -567,6 +619,7 @@ impl LinkReceiver {
         self.settle_tail(now);
         // Whatever happened, hand over what was released.
         self.drain(out);
+        self.note_gap_deadline();
         result
     }
 
@@ -652,6 +705,7 @@ impl LinkReceiver {
         // timeout: on a lossy link a loss like any other (settled by the
         // gap timeout or the tail rule), on a reliable one a broken link.
         let expired_before = self.reassembler.stats().expired;
+        let repeats_before = self.reassembler.stats().duplicates + self.reassembler.stats().late;
         let needed = fragment.total_len as usize + (count as usize).div_ceil(64) * 8;
         self.reassembler.set_held_elsewhere(self.held_bytes);
         let result = self.reassembler.handle_fragment(now, (), fragment);
@@ -693,6 +747,14 @@ impl LinkReceiver {
         };
         self.note_seen(msg_id);
         let Some(frame) = whole else {
+            // A new piece of a message still incomplete: if it belongs to
+            // the gap frames are waiting behind, the gap is filling.
+            let repeats = self.reassembler.stats().duplicates + self.reassembler.stats().late;
+            if let Some(reorder) = &mut self.reorder {
+                if repeats == repeats_before {
+                    reorder.note_progress(now, msg_id);
+                }
+            }
             return Ok(());
         };
         if count > 1 {
@@ -770,9 +832,19 @@ impl LinkReceiver {
     }
 
     /// Release what the timeouts allow at `now` and drop partial messages
-    /// that timed out (lossy links), appending deliverable frames to `out`.
-    /// Call it at [`next_deadline`](LinkReceiver::next_deadline).
-    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) {
+    /// that timed out (lossy links), appending deliverable frames to `out`;
+    /// on a reliable link, fail if the gap frames wait behind is overdue
+    /// ([`LinkError::GapTimeout`]), and keep failing. Call it at
+    /// [`next_deadline`](LinkReceiver::next_deadline), after handing
+    /// [`receive`](LinkReceiver::receive) what the endpoint delivered by
+    /// then.
+    ///
+    /// An owner held up for a while (its loop blocked, its thread not
+    /// scheduled) cannot have seen the gap fill meanwhile, nor let the
+    /// provider make progress on it: a call more than the gap timeout past
+    /// the deadline starts the gap's clock again instead of failing it.
+    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) -> Result<(), LinkError> {
+        self.owner_called(now);
         if self.lossy {
             self.expire(now);
             if let Some(reorder) = &mut self.reorder {
@@ -781,18 +853,72 @@ impl LinkReceiver {
             self.settle_tail(now);
         }
         self.drain(out);
+        let result = self.check_gap(now);
+        self.note_gap_deadline();
+        result
     }
 
     /// When [`poll`](LinkReceiver::poll) next has something to do; `None`
-    /// when nothing is due by time (always on reliable links).
+    /// when nothing is due by time. On a reliable link, the time the gap
+    /// frames wait behind fails the link, if nothing fills it first.
     pub fn next_deadline(&self) -> Option<Instant> {
         if !self.lossy {
-            return None;
+            return self.reorder.as_ref().and_then(ReorderBuffer::next_deadline);
         }
         let gap = self.reorder.as_ref().and_then(ReorderBuffer::next_deadline);
         match (self.reassembler.next_deadline(), gap) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
+        }
+    }
+
+    /// Reliable links: fail once the gap frames wait behind is overdue.
+    fn check_gap(&mut self, now: Instant) -> Result<(), LinkError> {
+        if let Some(failure) = &self.gap_failure {
+            return Err(failure.clone());
+        }
+        let Some(reorder) = &mut self.reorder else {
+            return Ok(());
+        };
+        match reorder.check_gap(now) {
+            Ok(()) => Ok(()),
+            Err(ReorderError::GapTimeout {
+                missing,
+                held,
+                waited,
+            }) => {
+                let failure = LinkError::GapTimeout {
+                    missing,
+                    held,
+                    waited,
+                };
+                self.stats.gap_failures += 1;
+                self.gap_failure = Some(failure.clone());
+                Err(failure)
+            }
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// Reliable links: the owner calls at `now`. Past the gap deadline by
+    /// more than the timeout, it was held up rather than asleep until the
+    /// deadline (it would have been woken for it): the gap gets a fresh
+    /// clock.
+    fn owner_called(&mut self, now: Instant) {
+        let (Some(deadline), Some(reorder)) = (self.gap_deadline, &mut self.reorder) else {
+            return;
+        };
+        if let GapPolicy::FailAfter(limit) = reorder.config().gap_policy {
+            if now > deadline + limit {
+                reorder.restart_gap_clock(now);
+            }
+        }
+    }
+
+    /// Reliable links: remember the gap deadline the owner was given.
+    fn note_gap_deadline(&mut self) {
+        if !self.lossy {
+            self.gap_deadline = self.reorder.as_ref().and_then(ReorderBuffer::next_deadline);
         }
     }
 

@@ -196,9 +196,9 @@ fn a_lost_tail_is_settled_and_counted() {
     assert_eq!(out.len(), 1);
     assert_eq!(rx.partial_messages(), 1);
     assert_eq!(rx.next_deadline(), Some(t0 + ms(50)));
-    rx.poll(t0 + ms(49), &mut out);
+    rx.poll(t0 + ms(49), &mut out).unwrap();
     assert_eq!(rx.partial_messages(), 1);
-    rx.poll(t0 + ms(50), &mut out);
+    rx.poll(t0 + ms(50), &mut out).unwrap();
     assert_eq!((rx.partial_messages(), rx.buffered_bytes()), (0, 0));
     let stats = rx.stats();
     assert_eq!((stats.lost, stats.expired_partials), (1, 1));
@@ -225,10 +225,10 @@ fn a_gap_before_an_abandoned_message_is_skipped_after_the_gap_timeout() {
     let t0 = Instant::now();
     let mut out = Vec::new();
     rx.receive(t0, wire[1].to_bytes(), &mut out).unwrap();
-    rx.poll(t0 + ms(50), &mut out);
+    rx.poll(t0 + ms(50), &mut out).unwrap();
     assert_eq!(rx.stats().lost, 0);
     assert_eq!(rx.next_deadline(), Some(t0 + ms(60)));
-    rx.poll(t0 + ms(60), &mut out);
+    rx.poll(t0 + ms(60), &mut out).unwrap();
     assert!(out.is_empty());
     assert_eq!(rx.stats().lost, 2);
     assert_eq!(rx.expected_sequence(), Some(3));
@@ -259,7 +259,7 @@ fn reliable_links_refuse_beyond_the_window_and_never_expire() {
     rx.receive(t0, fragment_bytes(1, 0, 2, 20, &frame[..10]), &mut out)
         .unwrap();
     assert_eq!(rx.next_deadline(), None);
-    rx.poll(t0 + Duration::from_secs(3600), &mut out);
+    rx.poll(t0 + Duration::from_secs(3600), &mut out).unwrap();
     assert_eq!(rx.partial_messages(), 1);
     rx.receive(
         t0 + Duration::from_secs(7200),
@@ -291,7 +291,7 @@ fn reassembly_budget_is_an_error_on_reliable_links_and_a_loss_on_lossy_ones() {
         assert_eq!(rx.stats().over_budget, 1);
         if lossy {
             assert_eq!(second, Ok(()));
-            settle(&mut rx, t0, &mut out);
+            settle(&mut rx, t0, &mut out).unwrap();
             assert_eq!(rx.stats().lost, 2);
             assert_eq!(rx.buffered_bytes(), 0);
         } else {
@@ -444,7 +444,7 @@ fn stale_partials_dropped_for_room_are_a_loss_or_an_error() {
             assert_eq!(second, Ok(()));
             rx.receive(t0 + ms(51), fragment_bytes(2, 1, 2, 40, &b[20..]), &mut out)
                 .unwrap();
-            settle(&mut rx, t0, &mut out);
+            settle(&mut rx, t0, &mut out).unwrap();
             assert_eq!(out, vec![b]);
             assert_eq!((rx.stats().lost, rx.stats().delivered), (1, 1));
         } else {
@@ -507,7 +507,7 @@ fn lossy_link_follows_a_long_real_gap_but_not_a_lone_far_piece() {
     for piece in &wire[1350..] {
         let _ = rx.receive(now, piece.to_bytes(), &mut out);
     }
-    settle(&mut rx, now, &mut out);
+    settle(&mut rx, now, &mut out).unwrap();
     let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
     assert!(
         ids.len() >= 45 && ids.windows(2).all(|w| w[0] < w[1]) && ids[ids.len() - 1] == 1399,
@@ -662,10 +662,138 @@ fn a_lossy_link_gives_up_what_exceeds_its_memory_and_counts_it() {
     }
     // Sequences 2 to 4 are held, 5 and 6 given up; the gap timeout then
     // settles 1.
-    settle(&mut rx, t0, &mut out);
+    settle(&mut rx, t0, &mut out).unwrap();
     let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
     assert_eq!(ids, [2, 3, 4]);
     let stats = rx.stats();
     assert_eq!((stats.over_budget, stats.lost), (2, 3));
     assert_eq!(rx.buffered_bytes(), 0);
+}
+
+/// A reliable link waits for a missing sequence, but not for ever: once a
+/// frame has waited the gap timeout behind it, the poll at the deadline
+/// fails the link, and not one before; the failure stays and is counted
+/// once.
+#[test]
+fn a_reliable_gap_fails_the_link_at_its_deadline_and_not_before() {
+    let cfg = config(1472, true, false, 64, ms(250), ms(50));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut rx = LinkReceiver::new(&cfg);
+    let frames = wire_frames(&mut tx, 4, 100);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    assert_eq!(rx.next_deadline(), None);
+    rx.receive(t0, frames[1][0].clone(), &mut out).unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(250)));
+    rx.receive(t0 + ms(100), frames[2][0].clone(), &mut out)
+        .unwrap();
+    // The oldest frame waiting sets the deadline.
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(250)));
+    rx.poll(t0 + ms(249), &mut out).unwrap();
+    rx.receive(t0 + ms(249), frames[3][0].clone(), &mut out)
+        .unwrap();
+    assert!(out.is_empty());
+    assert_eq!(rx.stats().gap_failures, 0);
+
+    let expected = LinkError::GapTimeout {
+        missing: 1,
+        held: 3,
+        waited: ms(250),
+    };
+    assert_eq!(rx.poll(t0 + ms(250), &mut out), Err(expected.clone()));
+    assert!(expected.to_string().contains("sequence 1 still missing"));
+    // The missing frame arriving late does not revive the link.
+    assert_eq!(
+        rx.receive(t0 + ms(250), frames[0][0].clone(), &mut out),
+        Err(expected.clone())
+    );
+    assert!(out.is_empty());
+    assert_eq!(rx.poll(t0 + ms(900), &mut out), Err(expected));
+    let stats = rx.stats();
+    assert_eq!((stats.gap_failures, stats.lost, stats.delivered), (1, 0, 0));
+}
+
+/// What the owner hands over before it polls counts, however late: the
+/// missing frame received after the deadline fills the gap. An owner
+/// held up well past the deadline (more than the timeout) could not watch
+/// the gap: the gap gets a fresh timeout rather than failing at once.
+#[test]
+fn a_reliable_gap_is_judged_when_the_owner_polls_on_time() {
+    let cfg = config(1472, true, false, 64, ms(250), ms(50));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let frames = wire_frames(&mut tx, 2, 100);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+
+    let mut rx = LinkReceiver::new(&cfg);
+    rx.receive(t0, frames[1][0].clone(), &mut out).unwrap();
+    rx.receive(t0 + ms(300), frames[0][0].clone(), &mut out)
+        .unwrap();
+    rx.poll(t0 + ms(300), &mut out).unwrap();
+    assert_eq!(out.iter().map(|f| frame_id(f)).collect::<Vec<_>>(), [1, 2]);
+    assert_eq!(rx.next_deadline(), None);
+
+    let mut rx = LinkReceiver::new(&cfg);
+    rx.receive(t0, frames[1][0].clone(), &mut out).unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(250)));
+    // Late by the timeout: still judged.
+    let mut late = LinkReceiver::new(&cfg);
+    late.receive(t0, frames[1][0].clone(), &mut out).unwrap();
+    assert!(late.poll(t0 + ms(500), &mut out).is_err());
+    // Later than that: held up, so a fresh timeout from now.
+    rx.poll(t0 + ms(501), &mut out).unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(751)));
+    rx.poll(t0 + ms(750), &mut out).unwrap();
+    assert!(matches!(
+        rx.poll(t0 + ms(751), &mut out),
+        Err(LinkError::GapTimeout { missing: 1, .. })
+    ));
+}
+
+/// A gap that fills in time clears the deadline; pieces of a large missing
+/// frame arriving restart its clock (it is being filled), pieces of frames
+/// behind the waiting one do not.
+#[test]
+fn a_reliable_gap_being_filled_is_waited_for() {
+    let cfg = config(FRAGMENT_OVERHEAD + 100, true, false, 64, ms(250), ms(50));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut rx = LinkReceiver::new(&cfg);
+    let mut frames = Vec::new();
+    for (id, len) in [(1, 1000), (2, 50), (3, 1000)] {
+        let mut wire = Vec::new();
+        tx.prepare(test_frame(id, len, 64), &mut wire).unwrap();
+        frames.push(wire.iter().map(OutFrame::to_bytes).collect::<Vec<_>>());
+    }
+    assert_eq!(frames.iter().map(Vec::len).collect::<Vec<_>>(), [10, 1, 10]);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    rx.receive(t0, frames[1][0].clone(), &mut out).unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(250)));
+    // A piece of frame 3, behind the waiting frame 2: no progress on the gap.
+    rx.receive(t0 + ms(100), frames[2][0].clone(), &mut out)
+        .unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(250)));
+    // A piece of frame 1, the missing one: its clock starts again.
+    rx.receive(t0 + ms(200), frames[0][0].clone(), &mut out)
+        .unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(450)));
+    // The same piece again is no progress.
+    rx.receive(t0 + ms(300), frames[0][0].clone(), &mut out)
+        .unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(450)));
+    rx.poll(t0 + ms(449), &mut out).unwrap();
+    for piece in &frames[0][1..] {
+        rx.receive(t0 + ms(449), piece.clone(), &mut out).unwrap();
+    }
+    let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
+    assert_eq!(ids, [1, 2]);
+    // Frame 3 is partial with nothing behind it: nothing is timed.
+    assert_eq!(rx.next_deadline(), None);
+    rx.poll(t0 + Duration::from_secs(3600), &mut out).unwrap();
+    for piece in &frames[2][1..] {
+        rx.receive(t0 + Duration::from_secs(3600), piece.clone(), &mut out)
+            .unwrap();
+    }
+    assert_eq!(out.len(), 3);
+    assert_eq!(rx.stats().gap_failures, 0);
 }

@@ -357,11 +357,13 @@ impl DataLink {
         new
     }
 
-    /// Frames released by the passing of time (lossy links).
-    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) {
+    /// Frames released by the passing of time (lossy links); on a
+    /// reliable link, the failure of a gap that did not fill in time.
+    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) -> Result<(), LinkError> {
         let before = out.len();
-        self.receiver.poll(now, out);
+        let result = self.receiver.poll(now, out);
         self.frames_in += (out.len() - before) as u64;
+        result
     }
 
     /// When the link next has something to do by time alone (a gap a lossy
@@ -537,7 +539,8 @@ impl DataLinks {
     /// Frames the best-effort link releases by the passing of time.
     pub fn poll_lossy(&mut self, now: Instant, out: &mut Vec<Bytes>) {
         if let Some(link) = &mut self.best_effort {
-            link.poll(now, out);
+            // Lossy links give gaps up rather than fail.
+            let _ = link.poll(now, out);
         }
     }
 
