@@ -65,6 +65,10 @@ pub struct BrokerStats {
     /// reordering and reassembly than its own bound or, with the other
     /// links, `limits.max_link_memory`.
     pub link_memory_refusals: AtomicU64,
+    /// Sessions failed because a message went missing on a reliable data
+    /// link: frames waited behind it longer than
+    /// `fabric.reliable_gap_timeout_ms` without it arriving.
+    pub link_gap_failures: AtomicU64,
     /// Routes to other brokers that are up, right now.
     pub routes: AtomicU64,
     /// Messages received from and forwarded to other brokers over routes.
@@ -100,6 +104,7 @@ impl BrokerStats {
             ("best_effort_drops", get(&self.best_effort_drops)),
             ("credit_waits", get(&self.credit_waits)),
             ("link_memory_refusals", get(&self.link_memory_refusals)),
+            ("link_gap_failures", get(&self.link_gap_failures)),
             ("routes", get(&self.routes)),
             ("route_messages_in", get(&self.route_messages_in)),
             ("route_messages_out", get(&self.route_messages_out)),

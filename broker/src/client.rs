@@ -247,6 +247,7 @@ struct LinkCounters {
     best_effort_lost: AtomicU64,
     credit_waits: AtomicU64,
     link_memory_refusals: AtomicU64,
+    link_gap_failures: AtomicU64,
 }
 
 /// Which paths carry a client's traffic, as negotiated in the last handshake.
@@ -273,6 +274,10 @@ pub struct LinkReport {
     /// more than its memory bound, or with the best-effort link more than
     /// `max_link_memory`.
     pub link_memory_refusals: u64,
+    /// Connections dropped because a message from the broker went missing
+    /// on the reliable data link: frames waited behind it longer than
+    /// `fabric.reliable_gap_timeout_ms`.
+    pub link_gap_failures: u64,
 }
 
 /// Connection state, readable by application threads.
@@ -736,6 +741,7 @@ impl Client {
             best_effort_lost: get(&counters.best_effort_lost),
             credit_waits: get(&counters.credit_waits),
             link_memory_refusals: get(&counters.link_memory_refusals),
+            link_gap_failures: get(&counters.link_gap_failures),
             ..self.shared.link.lock().clone()
         }
     }
@@ -998,6 +1004,7 @@ impl ClientLoop {
         );
         // The data links (one pair at a time) draw from one budget.
         let tuning = LinkTuning {
+            reliable_gap_timeout: shared.options.fabric.reliable_gap_timeout(),
             memory: MemoryBudget::new(shared.options.max_link_memory),
             ..LinkTuning::default()
         };
@@ -1050,7 +1057,6 @@ impl ClientLoop {
             let now = Instant::now();
             self.now = now;
             self.on_timers(now);
-            self.poll_best_effort(now);
             if matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
                 break;
             }
@@ -1069,6 +1075,9 @@ impl ClientLoop {
                     self.on_data_event(index, event);
                 }
             }
+            // After what the endpoints delivered: a gap it filled is no
+            // failure, however late.
+            self.poll_links(now);
             // After a busy round the loop goes straight to its wait: work
             // that came in meanwhile has made a descriptor ready (or the
             // outbox non-empty, which `park` checks), so the wait returns at
@@ -1696,18 +1705,7 @@ impl ClientLoop {
                 }
                 if let Err(err) = result {
                     if kind == LinkKind::Reliable {
-                        if matches!(
-                            err,
-                            LinkError::MemoryBound { .. } | LinkError::SharedMemoryBound { .. }
-                        ) {
-                            self.shared
-                                .counters
-                                .link_memory_refusals
-                                .fetch_add(1, Ordering::Relaxed);
-                        }
-                        warn!(error = %err, "reliable data link broken; reconnecting");
-                        self.endpoints[CONTROL].close(control);
-                        self.link_lost(now);
+                        self.reliable_link_failed(control, &err, now);
                     } else {
                         debug!(error = %err, "best-effort link refused a message");
                     }
@@ -1732,19 +1730,43 @@ impl ClientLoop {
         self.conn.links.grant_credits(&mut self.endpoints, now)
     }
 
-    /// Release what the best-effort link's timeouts allow.
-    fn poll_best_effort(&mut self, now: Instant) {
+    /// The reliable data link refused what arrived, or a message on it
+    /// went missing: nothing after it could be delivered in order, so the
+    /// connection is dropped and made again.
+    fn reliable_link_failed(&mut self, control: PeerId, err: &LinkError, now: Instant) {
+        let counters = &self.shared.counters;
+        match err {
+            LinkError::GapTimeout { .. } => {
+                counters.link_gap_failures.fetch_add(1, Ordering::Relaxed);
+            }
+            LinkError::MemoryBound { .. } | LinkError::SharedMemoryBound { .. } => {
+                counters
+                    .link_memory_refusals
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+        warn!(server = %self.shared.server, error = %err, "reliable data link failed; reconnecting");
+        self.endpoints[CONTROL].close(control);
+        self.link_lost(now);
+    }
+
+    /// Release what the best-effort link's timeouts allow; drop the
+    /// connection when a gap on the reliable link did not fill in time.
+    fn poll_links(&mut self, now: Instant) {
         let LinkState::Up { peer } = self.link else {
             return;
         };
-        let Some(link) = &self.conn.links.best_effort else {
-            return;
-        };
-        if link.next_deadline().is_none_or(|deadline| deadline > now) {
+        if self
+            .conn
+            .links
+            .next_deadline()
+            .is_none_or(|deadline| deadline > now)
+        {
             return;
         }
         let mut released = std::mem::take(&mut self.released);
-        self.conn.links.poll_lossy(now, &mut released);
+        let result = self.conn.links.poll(now, &mut released);
         let counters = &self.shared.counters;
         if let Some(link) = &self.conn.links.best_effort {
             counters
@@ -1762,6 +1784,10 @@ impl ClientLoop {
             }
         }
         self.released = released;
+        // (A frame handed on above may have ended the connection already.)
+        if let (Err(err), LinkState::Up { peer }) = (result, self.link) {
+            self.reliable_link_failed(peer, &err, now);
+        }
     }
 }
 

@@ -264,6 +264,11 @@ pub struct Fabric {
     pub rx_depth: usize,
     /// Largest frame carried in one fabric message on RDM, in bytes.
     pub max_frame: usize,
+    /// How long frames may wait on a reliable data link behind a message
+    /// that went missing, with no piece of it arriving, before the session
+    /// is ended (and the peer reconnects) instead of stalling until the
+    /// heartbeat gives up. Shorter than `heartbeat.timeout_ms`.
+    pub reliable_gap_timeout_ms: u64,
     /// How an idle event loop polls fabric completion queues.
     pub polling: Polling,
     /// Testing aid: reserve this many prefix bytes in every fabric buffer
@@ -307,6 +312,13 @@ impl Default for Polling {
     }
 }
 
+impl Fabric {
+    /// `reliable_gap_timeout_ms` as a duration.
+    pub fn reliable_gap_timeout(&self) -> Duration {
+        Duration::from_millis(self.reliable_gap_timeout_ms)
+    }
+}
+
 impl Default for Fabric {
     fn default() -> Self {
         Fabric {
@@ -317,6 +329,7 @@ impl Default for Fabric {
             rx_depth: 0,
             // A payload at the default limit and its header fit one message.
             max_frame: (1 << 20) + 4096,
+            reliable_gap_timeout_ms: 250,
             polling: Polling::default(),
             test_force_prefix: 0,
             test_force_mr_local: false,
@@ -555,6 +568,10 @@ impl Config {
             ("limits.max_link_memory", self.limits.max_link_memory),
             ("heartbeat.interval_ms", self.heartbeat.interval_ms as usize),
             ("fabric.max_frame", self.fabric.max_frame),
+            (
+                "fabric.reliable_gap_timeout_ms",
+                self.fabric.reliable_gap_timeout_ms as usize,
+            ),
         ];
         for (key, value) in nonzero {
             if value == 0 {
@@ -622,6 +639,15 @@ impl Config {
                 ),
             ));
         }
+        if self.fabric.reliable_gap_timeout_ms >= self.heartbeat.timeout_ms {
+            return Err(invalid(
+                "fabric.reliable_gap_timeout_ms",
+                format!(
+                    "must be shorter than heartbeat.timeout_ms ({})",
+                    self.heartbeat.timeout_ms
+                ),
+            ));
+        }
         #[cfg(feature = "testing")]
         if let Some(faults) = &self.testing.faults {
             faults.validate().map_err(|err| {
@@ -667,6 +693,16 @@ impl Config {
 
     pub fn block_timeout(&self) -> Duration {
         Duration::from_millis(self.slow_consumer.block_timeout_ms)
+    }
+
+    /// The link settings of this broker's data links: the reliable gap
+    /// timeout, and one memory budget of `limits.max_link_memory` for all.
+    pub(crate) fn link_tuning(&self) -> efabus_core::link::LinkTuning {
+        efabus_core::link::LinkTuning {
+            reliable_gap_timeout: self.fabric.reliable_gap_timeout(),
+            memory: efabus_core::budget::MemoryBudget::new(self.limits.max_link_memory),
+            ..efabus_core::link::LinkTuning::default()
+        }
     }
 
     /// The largest frame a peer may send: the payload limit plus room for
@@ -834,6 +870,30 @@ mod tests {
         )
         .expect("a frame of 2112 bytes fits");
         assert_eq!(config.limits.max_link_memory, 4096);
+    }
+
+    #[test]
+    fn the_reliable_gap_timeout_is_shorter_than_the_heartbeat_timeout() {
+        let config = Config::default();
+        assert_eq!(
+            config.link_tuning().reliable_gap_timeout,
+            Duration::from_millis(250)
+        );
+        assert_eq!(config.link_tuning().memory.limit(), 512 << 20);
+        let err = Config::from_toml_str("[fabric]\nreliable_gap_timeout_ms = 0\n", "g.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("fabric.reliable_gap_timeout_ms: must be greater than 0"),
+            "{err}"
+        );
+        let err = Config::from_toml_str("[fabric]\nreliable_gap_timeout_ms = 10000\n", "g.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("shorter than heartbeat.timeout_ms (10000)"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -25,7 +25,6 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use bytes::{Bytes, BytesMut};
 use crossbeam_channel::{Receiver, Sender};
-use efabus_core::budget::MemoryBudget;
 use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::credit::CREDIT_DELAY;
@@ -164,10 +163,7 @@ impl EventLoop {
             .filter_map(|(_, endpoint)| endpoints::offer_for(endpoint.as_ref()))
             .collect();
         // Every session's data links draw from one budget.
-        let tuning = LinkTuning {
-            memory: MemoryBudget::new(shared.config.limits.max_link_memory),
-            ..LinkTuning::default()
-        };
+        let tuning = shared.config.link_tuning();
         EventLoop {
             shared,
             poll,
@@ -489,10 +485,14 @@ impl EventLoop {
             .conn
             .links
             .receive(kind, self.now, bytes, &mut released);
-        if kind == LinkKind::BestEffort {
-            if let Some(deadline) = session.conn.links.next_deadline() {
-                self.schedule(deadline);
-            }
+        // A gap this left is given up (best effort) or fails the link
+        // (reliable) by time.
+        let link = match kind {
+            LinkKind::Reliable => session.conn.links.reliable.as_ref(),
+            LinkKind::BestEffort => session.conn.links.best_effort.as_ref(),
+        };
+        if let Some(deadline) = link.and_then(|link| link.next_deadline()) {
+            self.schedule(deadline);
         }
         self.credit_owed.insert(id);
         self.tally.fabric_frames_in += released.len() as u64;
@@ -517,11 +517,23 @@ impl EventLoop {
         }
     }
 
-    /// The reliable data link refused what arrived: nothing after it could
-    /// be delivered in order, so the session ends (the peer reconnects).
+    /// The reliable data link refused what arrived, or a message on it went
+    /// missing: nothing after it could be delivered in order, so the
+    /// session ends (the peer reconnects). Counted once per session.
     fn reliable_link_failed(&mut self, id: u64, err: &LinkError) {
+        if self
+            .sessions
+            .get(&id)
+            .is_none_or(|session| session.state == SessionState::Closing)
+        {
+            return;
+        }
         let stats = &self.shared.stats;
         let code = match err {
+            LinkError::GapTimeout { .. } => {
+                BrokerStats::add(&stats.link_gap_failures, 1);
+                ErrorCode::Internal
+            }
             // The peer sent beyond the credit window it was granted.
             LinkError::MemoryBound { .. } => {
                 BrokerStats::add(&stats.link_memory_refusals, 1);
@@ -1069,7 +1081,7 @@ impl EventLoop {
     }
 
     /// Do what is due by time: handshakes not completed, heartbeats,
-    /// slow consumers blocking too long, gaps on lossy links, routes to
+    /// slow consumers blocking too long, gaps on data links, routes to
     /// dial; then find the next deadline.
     fn on_timers(&mut self, now: Instant) {
         // What was due is served now; what is left is scheduled anew below.
@@ -1079,7 +1091,7 @@ impl EventLoop {
         let mut expired = Vec::new();
         let mut pings = Vec::new();
         let mut slow = Vec::new();
-        let mut lossy = Vec::new();
+        let mut links_due = Vec::new();
         let mut queued = 0u64;
         // The next deadline, of the sessions with nothing due now (the
         // others are seen to below and then rescheduled).
@@ -1105,13 +1117,14 @@ impl EventLoop {
                 slow.push(id);
                 due = true;
             }
-            if session
-                .conn
-                .links
-                .next_deadline()
-                .is_some_and(|deadline| deadline <= now)
+            if session.state != SessionState::Closing
+                && session
+                    .conn
+                    .links
+                    .next_deadline()
+                    .is_some_and(|deadline| deadline <= now)
             {
-                lossy.push(id);
+                links_due.push(id);
                 due = true;
             }
             if !due {
@@ -1124,7 +1137,7 @@ impl EventLoop {
             .stats
             .queued_bytes
             .store(queued, Ordering::Relaxed);
-        self.poll_lossy_links(now, &lossy);
+        self.poll_links(now, &links_due);
         self.dial_routes(now);
         for &(id, code) in &expired {
             let text = match code {
@@ -1157,7 +1170,7 @@ impl EventLoop {
             .iter()
             .map(|(id, _)| id)
             .chain(&slow)
-            .chain(&lossy)
+            .chain(&links_due)
             .chain(&pings)
         {
             if let Some(deadline) = self
@@ -1182,16 +1195,21 @@ impl EventLoop {
     }
 
     /// Let datagram links give up on gaps whose time has passed, and hand
-    /// on what that releases.
-    fn poll_lossy_links(&mut self, now: Instant, ids: &[u64]) {
+    /// on what that releases; end the sessions whose reliable link has a
+    /// gap that did not fill in time.
+    fn poll_links(&mut self, now: Instant, ids: &[u64]) {
         let mut released = std::mem::take(&mut self.released);
         for &id in ids {
+            let mut result = Ok(());
             if let Some(session) = self.sessions.get_mut(&id) {
-                session.conn.links.poll_lossy(now, &mut released);
+                result = session.conn.links.poll(now, &mut released);
             }
             self.tally.fabric_frames_in += released.len() as u64;
             for frame in released.drain(..) {
                 self.on_frame(id, frame);
+            }
+            if let Err(err) = result {
+                self.reliable_link_failed(id, &err);
             }
         }
         self.released = released;

@@ -366,8 +366,8 @@ impl DataLink {
         result
     }
 
-    /// When the link next has something to do by time alone (a gap a lossy
-    /// link gives up on); `None` for reliable links.
+    /// When the link next has something to do by time alone: a gap a
+    /// lossy link gives up on, or a reliable link fails on.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.receiver.next_deadline()
     }
@@ -536,11 +536,16 @@ impl DataLinks {
         self.links().any(DataLink::owes_credit)
     }
 
-    /// Frames the best-effort link releases by the passing of time.
-    pub fn poll_lossy(&mut self, now: Instant, out: &mut Vec<Bytes>) {
+    /// Frames the best-effort link releases by the passing of time; the
+    /// reliable link's failure when a gap on it did not fill in time.
+    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) -> Result<(), LinkError> {
         if let Some(link) = &mut self.best_effort {
             // Lossy links give gaps up rather than fail.
             let _ = link.poll(now, out);
+        }
+        match &mut self.reliable {
+            Some(link) => link.poll(now, out),
+            None => Ok(()),
         }
     }
 
