@@ -69,6 +69,9 @@ pub struct BrokerStats {
     /// link: frames waited behind it longer than
     /// `fabric.reliable_gap_timeout_ms` without it arriving.
     pub link_gap_failures: AtomicU64,
+    /// Sessions failed because a send on their reliable data link failed
+    /// after its frame was numbered (the peer would have waited for it).
+    pub link_send_failures: AtomicU64,
     /// Routes to other brokers that are up, right now.
     pub routes: AtomicU64,
     /// Messages received from and forwarded to other brokers over routes.
@@ -105,6 +108,7 @@ impl BrokerStats {
             ("credit_waits", get(&self.credit_waits)),
             ("link_memory_refusals", get(&self.link_memory_refusals)),
             ("link_gap_failures", get(&self.link_gap_failures)),
+            ("link_send_failures", get(&self.link_send_failures)),
             ("routes", get(&self.routes)),
             ("route_messages_in", get(&self.route_messages_in)),
             ("route_messages_out", get(&self.route_messages_out)),

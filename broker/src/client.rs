@@ -248,6 +248,7 @@ struct LinkCounters {
     credit_waits: AtomicU64,
     link_memory_refusals: AtomicU64,
     link_gap_failures: AtomicU64,
+    link_send_failures: AtomicU64,
 }
 
 /// Which paths carry a client's traffic, as negotiated in the last handshake.
@@ -278,6 +279,9 @@ pub struct LinkReport {
     /// on the reliable data link: frames waited behind it longer than
     /// `fabric.reliable_gap_timeout_ms`.
     pub link_gap_failures: u64,
+    /// Connections dropped because a send on the reliable data link failed
+    /// part-way (the broker would have waited for the lost frame).
+    pub link_send_failures: u64,
 }
 
 /// Connection state, readable by application threads.
@@ -742,6 +746,7 @@ impl Client {
             credit_waits: get(&counters.credit_waits),
             link_memory_refusals: get(&counters.link_memory_refusals),
             link_gap_failures: get(&counters.link_gap_failures),
+            link_send_failures: get(&counters.link_send_failures),
             ..self.shared.link.lock().clone()
         }
     }
@@ -1083,6 +1088,7 @@ impl ClientLoop {
             // outbox non-empty, which `park` checks), so the wait returns at
             // once, and a quiet link saves a round of polling.
             let drained = self.drain_outbox();
+            self.check_send_failure();
             let credit_waiting = self.grant_credits(now);
             if busy | drained {
                 idle = 0;
@@ -1749,6 +1755,22 @@ impl ClientLoop {
         warn!(server = %self.shared.server, error = %err, "reliable data link failed; reconnecting");
         self.endpoints[CONTROL].close(control);
         self.link_lost(now);
+    }
+
+    /// A send on the reliable data link failed part-way this round: the
+    /// broker would wait for the lost frame, so the connection is made
+    /// again. What was waiting to be sent is sent after reconnecting.
+    fn check_send_failure(&mut self) {
+        let (Some(reason), LinkState::Up { peer }) = (&self.conn.links.failure, self.link) else {
+            return;
+        };
+        self.shared
+            .counters
+            .link_send_failures
+            .fetch_add(1, Ordering::Relaxed);
+        warn!(server = %self.shared.server, %reason, "reliable data link send failed; reconnecting");
+        self.endpoints[CONTROL].close(peer);
+        self.link_lost(Instant::now());
     }
 
     /// Release what the best-effort link's timeouts allow; drop the

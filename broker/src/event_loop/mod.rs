@@ -870,6 +870,10 @@ impl EventLoop {
         let left_queued = session
             .conn
             .send(&mut self.endpoints, &mut self.tally.sent, queued);
+        if session.conn.links.failure.is_some() {
+            self.data_link_send_failed(id);
+            return;
+        }
         if left_queued || session.conn.links.has_backlog() {
             // The queued-bytes gauge is kept current while anything waits.
             self.next_timer = self.next_timer.min(self.now + GAUGE_REFRESH);
@@ -952,6 +956,10 @@ impl EventLoop {
         let empty = session
             .conn
             .flush(&mut self.endpoints, &mut self.tally.sent);
+        if session.conn.links.failure.is_some() {
+            self.data_link_send_failed(id);
+            return;
+        }
         let bound = self.shared.config.limits.max_pending_bytes;
         let drained = session.conn.out.bytes() <= bound / 2;
         if drained {
@@ -974,16 +982,40 @@ impl EventLoop {
         self.send(id, frame, false);
     }
 
+    /// A send on the session's reliable data link failed part-way: the
+    /// peer would wait for the lost frame, and nothing may follow it. The
+    /// session ends at once (what it had queued is lost, as across any lost
+    /// connection); the peer reconnects.
+    fn data_link_send_failed(&mut self, id: u64) {
+        let Some(session) = self.sessions.get(&id) else {
+            return;
+        };
+        if session.state == SessionState::Closing {
+            return;
+        }
+        let reason = session.conn.links.failure.clone().unwrap_or_default();
+        BrokerStats::add(&self.shared.stats.link_send_failures, 1);
+        warn!(session = id, remote = %session.remote, %reason, "reliable data link send failed");
+        self.fail(
+            id,
+            ErrorCode::Internal,
+            format!("data link send failed: {reason}"),
+        );
+    }
+
     /// Report a fatal error, then close the session once it is flushed.
     fn fail(&mut self, id: u64, code: ErrorCode, text: String) {
-        if let Some(session) = self.sessions.get(&id) {
-            info!(session = id, remote = %session.remote, ?code, %text, "closing peer");
-        }
+        let Some(session) = self.sessions.get(&id) else {
+            return;
+        };
+        info!(session = id, remote = %session.remote, ?code, %text, "closing peer");
         let frame = error_frame(code, text, true);
-        if code == ErrorCode::SlowConsumer {
-            // A slow consumer's queue would never drain: drop it and say why
-            // on the control link, where nothing waits for the peer's
-            // credit, then close at once.
+        let path_broken = session.conn.links.failure.is_some();
+        if code == ErrorCode::SlowConsumer || path_broken {
+            // A slow consumer's queue would never drain, nor would one
+            // behind a failed data link: drop it and say why on the control
+            // link, where nothing waits for the peer's credit, then close
+            // at once.
             if let Some(session) = self.sessions.get_mut(&id) {
                 session.cut_off = true;
                 session.over_since = None;

@@ -404,6 +404,10 @@ pub(crate) struct DataLinks {
     /// nothing it sends overtakes what is still on the control link.
     pub in_use: bool,
     pub best_effort: Option<DataLink>,
+    /// Why the reliable link may send nothing more: a send failed after its
+    /// frame was numbered, so the peer would wait for that sequence in
+    /// vain. Nothing goes out behind it; the owner ends the connection.
+    pub failure: Option<String>,
 }
 
 impl DataLinks {
@@ -582,5 +586,6 @@ impl DataLinks {
             endpoints[link.endpoint].close(link.peer);
         }
         self.in_use = false;
+        self.failure = None;
     }
 }
