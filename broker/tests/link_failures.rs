@@ -5,8 +5,9 @@
 //! frames wait behind a sequence that never comes.
 //!
 //! The link must fail within the reliable gap timeout (250 ms), not stall
-//! until the heartbeat gives the session up 10 s later; the side that saw
-//! the gap counts it, and the client reconnects and carries on.
+//! until the heartbeat gives the session up 10 s later, or sooner when what
+//! waits behind the gap reaches the broker's memory bound; the side that
+//! saw it counts it, and the client reconnects and carries on.
 //!
 //! The injector wraps every endpoint of the broker, the TCP one included,
 //! at the same low rate: a dropped handshake frame only delays a
@@ -33,11 +34,13 @@ fn fabric_required() -> bool {
 }
 
 /// A broker on TCP and `efa-rdm` whose endpoints drop frames as `faults`
-/// (the `[testing.faults]` table) says; `None` when the provider cannot
-/// open here and the fabric is not required.
-fn start_broker(faults: &str) -> Option<Broker> {
+/// (the `[testing.faults]` table) says, with `limits` as its `[limits]`
+/// table; `None` when the provider cannot open here and the fabric is not
+/// required.
+fn start_broker(faults: &str, limits: &str) -> Option<Broker> {
     let text = format!(
         "name = \"link-failures\"\nlisten = [\"tcp/127.0.0.1:0\", \"efa-rdm\"]\n\
+         [limits]\n{limits}\n\
          [fabric]\nprovider = \"{PROVIDER}\"\nnode = \"127.0.0.1\"\nmax_frame = 65536\n\
          [testing.faults]\n{faults}\n"
     );
@@ -93,10 +96,12 @@ fn stat(broker: &Broker, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no stat {name}"))
 }
 
-/// Publish numbered messages through `publish` from another thread, ten
-/// every 5 ms, until `stop`; every publish must be accepted (losses are
-/// the link's to detect, not the publisher's). Returns how many.
+/// Publish numbered messages of `len` bytes through `publish` from
+/// another thread, ten every 5 ms, until `stop`; every publish must be
+/// accepted (losses are the link's to detect, not the publisher's).
+/// Returns how many.
 fn spawn_publisher(
+    len: usize,
     publish: impl Fn(Vec<u8>) + Send + 'static,
     stop: Arc<AtomicBool>,
 ) -> thread::JoinHandle<u64> {
@@ -104,7 +109,7 @@ fn spawn_publisher(
         let mut seq = 0u64;
         while !stop.load(Ordering::Relaxed) {
             for _ in 0..10 {
-                let mut payload = vec![0u8; 64];
+                let mut payload = vec![0u8; len.max(8)];
                 payload[..8].copy_from_slice(&seq.to_le_bytes());
                 publish(payload);
                 seq += 1;
@@ -209,7 +214,7 @@ fn check_prompt_failure(seen: &Seen, published: u64) {
 /// messages flow again, still in publish order.
 #[test]
 fn a_message_lost_towards_the_broker_fails_the_session_promptly() {
-    let Some(broker) = start_broker("seed = 7\ndrop = 0.002") else {
+    let Some(broker) = start_broker("seed = 7\ndrop = 0.002", "") else {
         return;
     };
     let sub = broker.subscribe("gap.test").expect("subscribe");
@@ -218,6 +223,7 @@ fn a_message_lost_towards_the_broker_fails_the_session_promptly() {
     let publisher = {
         let client = client.clone();
         spawn_publisher(
+            64,
             move |payload| client.publish("gap.test", payload).expect("publish"),
             stop.clone(),
         )
@@ -249,7 +255,7 @@ fn a_message_lost_towards_the_broker_fails_the_session_promptly() {
 /// client counts it, reconnects, subscribes again and receives again.
 #[test]
 fn a_message_lost_towards_a_client_fails_its_connection_promptly() {
-    let Some(broker) = start_broker("seed = 11\ndirection = \"send\"\ndrop = 0.002") else {
+    let Some(broker) = start_broker("seed = 11\ndirection = \"send\"\ndrop = 0.002", "") else {
         return;
     };
     let client = fabric_client(&broker, "gap-subscriber");
@@ -260,6 +266,7 @@ fn a_message_lost_towards_a_client_fails_its_connection_promptly() {
     let publisher = {
         let broker = broker.clone();
         spawn_publisher(
+            64,
             move |payload| broker.publish("gap.test", payload).expect("publish"),
             stop.clone(),
         )
@@ -280,6 +287,51 @@ fn a_message_lost_towards_a_client_fails_its_connection_promptly() {
         0,
         "the client saw the gap"
     );
+    drop(client);
+    broker.shutdown();
+}
+
+/// Frames held behind a lost message count against the broker's memory
+/// for all data links (`limits.max_link_memory`, here 256 KiB): a
+/// publisher of 16 KiB messages reaches it long before the gap timeout, and
+/// the session fails on the memory bound, counted in
+/// `link_memory_refusals`; the client reconnects and carries on.
+#[test]
+fn frames_held_behind_a_lost_message_stay_within_the_shared_memory_bound() {
+    let Some(broker) = start_broker(
+        "seed = 7\ndrop = 0.002",
+        "max_payload = 65536\nmax_link_memory = 262144",
+    ) else {
+        return;
+    };
+    let sub = broker.subscribe("gap.test").expect("subscribe");
+    let client = Arc::new(fabric_client(&broker, "memory-publisher"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let publisher = {
+        let client = client.clone();
+        spawn_publisher(
+            16 << 10,
+            move |payload| client.publish("gap.test", payload).expect("publish"),
+            stop.clone(),
+        )
+    };
+    let seen = watch(
+        || sub.recv_timeout(Duration::from_millis(2)),
+        || stat(&broker, "link_memory_refusals"),
+        || client.reconnects(),
+        200,
+    );
+    stop.store(true, Ordering::Relaxed);
+    let published = publisher.join().expect("publisher thread");
+
+    check_prompt_failure(&seen, published);
+    assert!(client.reconnects() >= 1, "the client reconnected");
+    assert_eq!(
+        stat(&broker, "link_gap_failures"),
+        0,
+        "the memory bound came first"
+    );
+    assert_eq!(stat(&broker, "bad_frames"), 0);
     drop(client);
     broker.shutdown();
 }
