@@ -68,6 +68,17 @@ pub struct BrokerStats {
     /// frame waited, or on a datagram link was dropped and counted in
     /// `best_effort_drops`).
     pub credit_waits: AtomicU64,
+    /// Sessions failed because a data link would have held more for
+    /// reordering and reassembly than its own bound or, with the other
+    /// links, `limits.max_link_memory`.
+    pub link_memory_refusals: AtomicU64,
+    /// Sessions failed because a message went missing on a reliable data
+    /// link: frames waited behind it longer than
+    /// `fabric.reliable_gap_timeout_ms` without it arriving.
+    pub link_gap_failures: AtomicU64,
+    /// Sessions failed because a send on their reliable data link failed
+    /// after its frame was numbered (the peer would have waited for it).
+    pub link_send_failures: AtomicU64,
     /// Routes to other brokers that are up, right now.
     pub routes: AtomicU64,
     /// Peers that asked to become a route without the route credential
@@ -112,6 +123,9 @@ impl BrokerStats {
             ("fabric_frames_out", get(&self.fabric_frames_out)),
             ("best_effort_drops", get(&self.best_effort_drops)),
             ("credit_waits", get(&self.credit_waits)),
+            ("link_memory_refusals", get(&self.link_memory_refusals)),
+            ("link_gap_failures", get(&self.link_gap_failures)),
+            ("link_send_failures", get(&self.link_send_failures)),
             ("routes", get(&self.routes)),
             ("route_refusals", get(&self.route_refusals)),
             ("route_messages_in", get(&self.route_messages_in)),

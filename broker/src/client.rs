@@ -24,13 +24,14 @@ use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use crossbeam_channel::Sender;
+use efabus_core::budget::MemoryBudget;
 use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{
     self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, LinkAuth, PROTOCOL_VERSION,
 };
-use efabus_core::link::LinkTuning;
+use efabus_core::link::{LinkError, LinkTuning};
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
     DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError,
@@ -127,6 +128,10 @@ pub struct ClientOptions {
     /// TESTING AID, never in production: inject faults into this client's
     /// endpoints (`[testing.faults]` of a config file).
     pub faults: Option<crate::config::Faults>,
+    /// Bytes the data links may hold together for reordering and
+    /// reassembly (as the server's `limits.max_link_memory`); a link that
+    /// would need more drops the connection. At least `max_frame`.
+    pub max_link_memory: usize,
 }
 
 impl ClientOptions {
@@ -156,6 +161,15 @@ impl ClientOptions {
                     format!("is {} bytes; at most {MAX_SECRET_LEN}", secret.len()),
                 ));
             }
+        }
+        if self.max_link_memory < self.max_frame {
+            return Err(invalid(
+                "max_link_memory",
+                format!(
+                    "is {}; at least max_frame ({})",
+                    self.max_link_memory, self.max_frame
+                ),
+            ));
         }
         let max_len = self.subject_limits.max_len;
         if max_len == 0 || max_len > MAX_SUBJECT_LEN_LIMIT {
@@ -188,6 +202,7 @@ impl Default for ClientOptions {
             fabric: crate::config::Fabric::default(),
             preference: crate::config::Negotiation::default().preference,
             faults: None,
+            max_link_memory: 512 << 20,
         }
     }
 }
@@ -221,6 +236,7 @@ impl ClientOptions {
             fabric: config.fabric.clone(),
             preference: config.negotiation.preference.clone(),
             faults: config.testing.faults.clone(),
+            max_link_memory: config.limits.max_link_memory,
             ..ClientOptions::default()
         }
     }
@@ -233,6 +249,9 @@ struct LinkCounters {
     fabric_out: AtomicU64,
     best_effort_lost: AtomicU64,
     credit_waits: AtomicU64,
+    link_memory_refusals: AtomicU64,
+    link_gap_failures: AtomicU64,
+    link_send_failures: AtomicU64,
 }
 
 /// Which paths carry a client's traffic, as negotiated in the last handshake.
@@ -260,6 +279,17 @@ pub struct LinkReport {
     /// The id the broker gave this client's data links: every message to
     /// the broker on them carries it. Not a secret: the keys are.
     pub server_link_id: Option<u64>,
+    /// Connections dropped because the reliable data link would have held
+    /// more than its memory bound, or with the best-effort link more than
+    /// `max_link_memory`.
+    pub link_memory_refusals: u64,
+    /// Connections dropped because a message from the broker went missing
+    /// on the reliable data link: frames waited behind it longer than
+    /// `fabric.reliable_gap_timeout_ms`.
+    pub link_gap_failures: u64,
+    /// Connections dropped because a send on the reliable data link failed
+    /// part-way (the broker would have waited for the lost frame).
+    pub link_send_failures: u64,
 }
 
 /// Connection state, readable by application threads.
@@ -722,6 +752,9 @@ impl Client {
             fabric_frames_out: get(&counters.fabric_out),
             best_effort_lost: get(&counters.best_effort_lost),
             credit_waits: get(&counters.credit_waits),
+            link_memory_refusals: get(&counters.link_memory_refusals),
+            link_gap_failures: get(&counters.link_gap_failures),
+            link_send_failures: get(&counters.link_send_failures),
             ..self.shared.link.lock().clone()
         }
     }
@@ -984,6 +1017,12 @@ impl ClientLoop {
             shared.options.heartbeat_timeout,
             true,
         );
+        // The data links (one pair at a time) draw from one budget.
+        let tuning = LinkTuning {
+            reliable_gap_timeout: shared.options.fabric.reliable_gap_timeout(),
+            memory: MemoryBudget::new(shared.options.max_link_memory),
+            ..LinkTuning::default()
+        };
         ClientLoop {
             shared,
             poll,
@@ -1010,7 +1049,7 @@ impl ClientLoop {
             ever_connected: false,
             link_secret: None,
             offers,
-            tuning: LinkTuning::default(),
+            tuning,
             released: Vec::new(),
             unavailable,
         }
@@ -1034,7 +1073,6 @@ impl ClientLoop {
             let now = Instant::now();
             self.now = now;
             self.on_timers(now);
-            self.poll_best_effort(now);
             if matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
                 break;
             }
@@ -1053,11 +1091,15 @@ impl ClientLoop {
                     self.on_data_event(index, event);
                 }
             }
+            // After what the endpoints delivered: a gap it filled is no
+            // failure, however late.
+            self.poll_links(now);
             // After a busy round the loop goes straight to its wait: work
             // that came in meanwhile has made a descriptor ready (or the
             // outbox non-empty, which `park` checks), so the wait returns at
             // once, and a quiet link saves a round of polling.
             let drained = self.drain_outbox();
+            self.check_send_failure();
             let credit_waiting = self.grant_credits(now);
             if busy | drained {
                 idle = 0;
@@ -1718,9 +1760,7 @@ impl ClientLoop {
                 }
                 if let Err(err) = result {
                     if kind == LinkKind::Reliable {
-                        warn!(error = %err, "reliable data link broken; reconnecting");
-                        self.endpoints[CONTROL].close(control);
-                        self.link_lost(now);
+                        self.reliable_link_failed(control, &err, now);
                     } else {
                         debug!(error = %err, "best-effort link refused a message");
                     }
@@ -1745,19 +1785,59 @@ impl ClientLoop {
         self.conn.links.grant_credits(&mut self.endpoints, now)
     }
 
-    /// Release what the best-effort link's timeouts allow.
-    fn poll_best_effort(&mut self, now: Instant) {
+    /// The reliable data link refused what arrived, or a message on it
+    /// went missing: nothing after it could be delivered in order, so the
+    /// connection is dropped and made again.
+    fn reliable_link_failed(&mut self, control: PeerId, err: &LinkError, now: Instant) {
+        let counters = &self.shared.counters;
+        match err {
+            LinkError::GapTimeout { .. } => {
+                counters.link_gap_failures.fetch_add(1, Ordering::Relaxed);
+            }
+            LinkError::MemoryBound { .. } | LinkError::SharedMemoryBound { .. } => {
+                counters
+                    .link_memory_refusals
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+        warn!(server = %self.shared.server, error = %err, "reliable data link failed; reconnecting");
+        self.endpoints[CONTROL].close(control);
+        self.link_lost(now);
+    }
+
+    /// A send on the reliable data link failed part-way this round: the
+    /// broker would wait for the lost frame, so the connection is made
+    /// again. What was waiting to be sent is sent after reconnecting.
+    fn check_send_failure(&mut self) {
+        let (Some(reason), LinkState::Up { peer }) = (&self.conn.links.failure, self.link) else {
+            return;
+        };
+        self.shared
+            .counters
+            .link_send_failures
+            .fetch_add(1, Ordering::Relaxed);
+        warn!(server = %self.shared.server, %reason, "reliable data link send failed; reconnecting");
+        self.endpoints[CONTROL].close(peer);
+        self.link_lost(Instant::now());
+    }
+
+    /// Release what the best-effort link's timeouts allow; drop the
+    /// connection when a gap on the reliable link did not fill in time.
+    fn poll_links(&mut self, now: Instant) {
         let LinkState::Up { peer } = self.link else {
             return;
         };
-        let Some(link) = &self.conn.links.best_effort else {
-            return;
-        };
-        if link.next_deadline().is_none_or(|deadline| deadline > now) {
+        if self
+            .conn
+            .links
+            .next_deadline()
+            .is_none_or(|deadline| deadline > now)
+        {
             return;
         }
         let mut released = std::mem::take(&mut self.released);
-        self.conn.links.poll_lossy(now, &mut released);
+        let result = self.conn.links.poll(now, &mut released);
         let counters = &self.shared.counters;
         if let Some(link) = &self.conn.links.best_effort {
             counters
@@ -1775,6 +1855,10 @@ impl ClientLoop {
             }
         }
         self.released = released;
+        // (A frame handed on above may have ended the connection already.)
+        if let (Err(err), LinkState::Up { peer }) = (result, self.link) {
+            self.reliable_link_failed(peer, &err, now);
+        }
     }
 }
 

@@ -157,6 +157,10 @@ pub struct Limits {
     pub max_pending_bytes: usize,
     /// Messages queued for one in-process subscription before the policy applies.
     pub subscription_queue: usize,
+    /// Bytes all fabric data links together may hold for reordering and
+    /// reassembly (each link is also bounded on its own); a link that
+    /// would need more fails its session. At least the frame limit.
+    pub max_link_memory: usize,
 }
 
 impl Default for Limits {
@@ -170,6 +174,7 @@ impl Default for Limits {
             handshake_timeout_ms: 5_000,
             max_pending_bytes: 16 << 20,
             subscription_queue: 65_536,
+            max_link_memory: 512 << 20,
         }
     }
 }
@@ -281,6 +286,11 @@ pub struct Fabric {
     pub rx_depth: usize,
     /// Largest frame carried in one fabric message on RDM, in bytes.
     pub max_frame: usize,
+    /// How long frames may wait on a reliable data link behind a message
+    /// that went missing, with no piece of it arriving, before the session
+    /// is ended (and the peer reconnects) instead of stalling until the
+    /// heartbeat gives up. Shorter than `heartbeat.timeout_ms`.
+    pub reliable_gap_timeout_ms: u64,
     /// How an idle event loop polls fabric completion queues.
     pub polling: Polling,
     /// Testing aid: reserve this many prefix bytes in every fabric buffer
@@ -324,6 +334,13 @@ impl Default for Polling {
     }
 }
 
+impl Fabric {
+    /// `reliable_gap_timeout_ms` as a duration.
+    pub fn reliable_gap_timeout(&self) -> Duration {
+        Duration::from_millis(self.reliable_gap_timeout_ms)
+    }
+}
+
 impl Default for Fabric {
     fn default() -> Self {
         Fabric {
@@ -334,6 +351,7 @@ impl Default for Fabric {
             rx_depth: 0,
             // A payload at the default limit and its header fit one message.
             max_frame: (1 << 20) + 4096,
+            reliable_gap_timeout_ms: 250,
             polling: Polling::default(),
             test_force_prefix: 0,
             test_force_mr_local: false,
@@ -569,8 +587,13 @@ impl Config {
             ),
             ("limits.max_pending_bytes", self.limits.max_pending_bytes),
             ("limits.subscription_queue", self.limits.subscription_queue),
+            ("limits.max_link_memory", self.limits.max_link_memory),
             ("heartbeat.interval_ms", self.heartbeat.interval_ms as usize),
             ("fabric.max_frame", self.fabric.max_frame),
+            (
+                "fabric.reliable_gap_timeout_ms",
+                self.fabric.reliable_gap_timeout_ms as usize,
+            ),
         ];
         for (key, value) in nonzero {
             if value == 0 {
@@ -597,6 +620,18 @@ impl Config {
                 ),
             ));
         }
+        if self.limits.max_link_memory < self.max_frame() {
+            // Below that, the largest frame could never be reassembled.
+            return Err(invalid(
+                "limits.max_link_memory",
+                format!(
+                    "is {}; it must be at least the frame limit of {} bytes \
+                     (limits.max_payload + 2 × limits.max_subject_len + 64)",
+                    self.limits.max_link_memory,
+                    self.max_frame()
+                ),
+            ));
+        }
         check_secret(
             self.auth.secret.as_deref(),
             "remove the key to run without authentication",
@@ -613,6 +648,15 @@ impl Config {
                 format!(
                     "must be larger than heartbeat.interval_ms ({})",
                     self.heartbeat.interval_ms
+                ),
+            ));
+        }
+        if self.fabric.reliable_gap_timeout_ms >= self.heartbeat.timeout_ms {
+            return Err(invalid(
+                "fabric.reliable_gap_timeout_ms",
+                format!(
+                    "must be shorter than heartbeat.timeout_ms ({})",
+                    self.heartbeat.timeout_ms
                 ),
             ));
         }
@@ -672,6 +716,16 @@ impl Config {
             .secret
             .as_deref()
             .or(self.auth.secret.as_deref())
+    }
+
+    /// The link settings of this broker's data links: the reliable gap
+    /// timeout, and one memory budget of `limits.max_link_memory` for all.
+    pub(crate) fn link_tuning(&self) -> efabus_core::link::LinkTuning {
+        efabus_core::link::LinkTuning {
+            reliable_gap_timeout: self.fabric.reliable_gap_timeout(),
+            memory: efabus_core::budget::MemoryBudget::new(self.limits.max_link_memory),
+            ..efabus_core::link::LinkTuning::default()
+        }
     }
 
     /// The largest frame a peer may send: the payload limit plus room for
@@ -835,6 +889,53 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("fabric.test_force_prefix"), "{err}");
+    }
+
+    #[test]
+    fn link_memory_must_hold_the_largest_frame() {
+        assert_eq!(Config::default().limits.max_link_memory, 512 << 20);
+        let err = Config::from_toml_str("[limits]\nmax_link_memory = 0\n", "m.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("limits.max_link_memory: must be greater than 0"),
+            "{err}"
+        );
+        let err = Config::from_toml_str("[limits]\nmax_link_memory = 1048576\n", "m.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("limits.max_link_memory"), "{err}");
+        assert!(err.contains("frame limit of 1049664 bytes"), "{err}");
+        let config = Config::from_toml_str(
+            "[limits]\nmax_payload = 1024\nmax_link_memory = 4096\n",
+            "m.toml",
+        )
+        .expect("a frame of 2112 bytes fits");
+        assert_eq!(config.limits.max_link_memory, 4096);
+    }
+
+    #[test]
+    fn the_reliable_gap_timeout_is_shorter_than_the_heartbeat_timeout() {
+        let config = Config::default();
+        assert_eq!(
+            config.link_tuning().reliable_gap_timeout,
+            Duration::from_millis(250)
+        );
+        assert_eq!(config.link_tuning().memory.limit(), 512 << 20);
+        let err = Config::from_toml_str("[fabric]\nreliable_gap_timeout_ms = 0\n", "g.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("fabric.reliable_gap_timeout_ms: must be greater than 0"),
+            "{err}"
+        );
+        let err = Config::from_toml_str("[fabric]\nreliable_gap_timeout_ms = 10000\n", "g.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("shorter than heartbeat.timeout_ms (10000)"),
+            "{err}"
+        );
     }
 
     #[test]

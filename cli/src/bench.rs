@@ -159,6 +159,7 @@ impl Target {
         config.limits.subscription_queue = 1 << 20;
         config.limits.max_pending_bytes = 64 << 20;
         config.limits.max_payload = (args.size as u64).max(1 << 20);
+        config.limits.max_link_memory = config.limits.max_link_memory.max(config.max_frame());
         config.slow_consumer.policy = SlowConsumerPolicy::Block;
         config.slow_consumer.block_timeout_ms = 30_000;
         let broker = Broker::start(config).map_err(|err| Failure::runtime(err.to_string()))?;

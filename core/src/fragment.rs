@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use thiserror::Error;
 
+use crate::budget::MemoryBudget;
 use crate::codec::{DEFAULT_MAX_FRAME, FRAGMENT_OVERHEAD};
 use crate::frame::Fragment;
 use crate::transport::OutFrame;
@@ -201,9 +202,10 @@ impl ExactSizeIterator for Fragments {}
 /// Bounds of a [`Reassembler`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReassemblyConfig {
-    /// Memory reserved for partial messages, all peers together: a partial
-    /// message reserves its `total_len` plus its piece bitmap when its first
-    /// piece arrives.
+    /// Memory reserved for partial messages, all peers together, plus what
+    /// the owner holds elsewhere ([`Reassembler::set_held_elsewhere`]): a
+    /// partial message reserves its `total_len` plus its piece bitmap when
+    /// its first piece arrives.
     pub max_bytes: usize,
     /// Partial messages held at once, all peers together.
     pub max_messages: usize,
@@ -275,6 +277,26 @@ pub enum ReassemblyError {
         /// Partial messages already held.
         messages: usize,
     },
+    /// Starting this message would exceed the [`MemoryBudget`] shared with
+    /// other holders.
+    #[error("no room in the shared budget to reassemble message {msg_id}: {needed} bytes needed, {used} of {limit} in use")]
+    SharedBudget {
+        /// The message refused.
+        msg_id: u64,
+        /// Bytes it would reserve.
+        needed: usize,
+        /// Bytes all holders of the budget had reserved.
+        used: usize,
+        /// The budget's limit.
+        limit: usize,
+    },
+}
+
+/// Which bound refused a new partial message.
+enum Refused {
+    Slots,
+    Bytes,
+    Shared(crate::budget::BudgetRefusal),
 }
 
 /// How a message id ended, remembered to classify later pieces.
@@ -318,12 +340,17 @@ impl PeerState {
 /// Feed every received piece to [`handle_fragment`](Reassembler::handle_fragment)
 /// with the current time and the sending peer's key, and call
 /// [`expire`](Reassembler::expire) periodically (e.g. every `timeout / 2`).
+/// Partial messages reserve their memory from a [`MemoryBudget`] too, and
+/// give it back when they complete, are dropped, or the reassembler is.
 #[derive(Debug)]
 pub struct Reassembler<K> {
     config: ReassemblyConfig,
     peers: HashMap<K, PeerState>,
     in_flight: usize,
     partials: usize,
+    /// Bytes the owner holds outside, counted against `max_bytes`.
+    elsewhere: usize,
+    budget: MemoryBudget,
     stats: ReassemblyStats,
 }
 
@@ -389,13 +416,28 @@ fn place(f: &Fragment, max_frame: usize) -> Result<Placement, &'static str> {
 impl<K: Hash + Eq + Clone> Reassembler<K> {
     /// An empty reassembler within the bounds of `config`.
     pub fn new(config: ReassemblyConfig) -> Self {
+        Reassembler::with_budget(config, MemoryBudget::unlimited())
+    }
+
+    /// An empty reassembler within the bounds of `config` whose partial
+    /// messages also draw from `budget`.
+    pub fn with_budget(config: ReassemblyConfig, budget: MemoryBudget) -> Self {
         Reassembler {
             config,
             peers: HashMap::new(),
             in_flight: 0,
             partials: 0,
+            elsewhere: 0,
+            budget,
             stats: ReassemblyStats::default(),
         }
+    }
+
+    /// Bytes the owner holds outside the reassembler (frames waiting for
+    /// reordering, say) that count against `max_bytes` with the partial
+    /// messages.
+    pub fn set_held_elsewhere(&mut self, bytes: usize) {
+        self.elsewhere = bytes;
     }
 
     /// The bounds and timeout in force.
@@ -462,17 +504,27 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
         if !state.partials.contains_key(&msg_id) {
             let bitmap_words = (fragment.count as usize).div_ceil(64);
             let reserved = fragment.total_len as usize + bitmap_words * 8;
-            if !self.has_room(reserved) {
+            let mut admitted = self.reserve(reserved);
+            if admitted.is_err() {
                 self.expire(now);
+                admitted = self.reserve(reserved);
             }
-            if !self.has_room(reserved) {
+            if let Err(refused) = admitted {
                 self.stats.dropped_over_budget += 1;
                 self.finish(&peer, msg_id, Finished::GivenUp);
-                return Err(ReassemblyError::OverBudget {
-                    msg_id,
-                    total_len: fragment.total_len,
-                    in_flight: self.in_flight,
-                    messages: self.partials,
+                return Err(match refused {
+                    Refused::Slots | Refused::Bytes => ReassemblyError::OverBudget {
+                        msg_id,
+                        total_len: fragment.total_len,
+                        in_flight: self.in_flight,
+                        messages: self.partials,
+                    },
+                    Refused::Shared(refusal) => ReassemblyError::SharedBudget {
+                        msg_id,
+                        needed: refusal.needed,
+                        used: refusal.used,
+                        limit: refusal.limit,
+                    },
                 });
             }
             let partial = Partial {
@@ -535,16 +587,30 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
         let Some(done) = state.partials.remove(&msg_id) else {
             return Ok(None);
         };
-        self.in_flight -= done.reserved;
-        self.partials -= 1;
+        self.forget(done.reserved);
         self.stats.completed += 1;
         self.finish(&peer, msg_id, Finished::Completed);
         Ok(Some(Bytes::from(done.buf)))
     }
 
-    fn has_room(&self, reserved: usize) -> bool {
-        self.partials < self.config.max_messages
-            && self.in_flight.saturating_add(reserved) <= self.config.max_bytes
+    /// Reserve room for a new partial message of `reserved` bytes, within
+    /// the message and byte bounds and the shared budget.
+    fn reserve(&mut self, reserved: usize) -> Result<(), Refused> {
+        if self.partials >= self.config.max_messages {
+            return Err(Refused::Slots);
+        }
+        let held = self.in_flight.saturating_add(self.elsewhere);
+        if held.saturating_add(reserved) > self.config.max_bytes {
+            return Err(Refused::Bytes);
+        }
+        self.budget.try_reserve(reserved).map_err(Refused::Shared)
+    }
+
+    /// Account for a partial message of `reserved` bytes going away.
+    fn forget(&mut self, reserved: usize) {
+        self.in_flight -= reserved;
+        self.partials -= 1;
+        self.budget.release(reserved);
     }
 
     /// Record a finished id; slide the peer's window, dropping partials
@@ -567,12 +633,15 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
             .copied()
             .filter(|&id| id < floor)
             .collect();
+        let mut freed = Vec::new();
         for id in stale {
             if let Some(p) = state.partials.remove(&id) {
-                self.in_flight -= p.reserved;
-                self.partials -= 1;
-                self.stats.expired += 1;
+                freed.push(p.reserved);
             }
+        }
+        for reserved in freed {
+            self.stats.expired += 1;
+            self.forget(reserved);
         }
     }
 
@@ -581,6 +650,7 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
     pub fn expire(&mut self, now: Instant) -> usize {
         let timeout = self.config.timeout;
         let mut dropped = Vec::new();
+        let mut freed = 0;
         for (peer, state) in &mut self.peers {
             let stale: Vec<u64> = state
                 .partials
@@ -590,12 +660,14 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
                 .collect();
             for id in stale {
                 if let Some(p) = state.partials.remove(&id) {
-                    self.in_flight -= p.reserved;
-                    self.partials -= 1;
+                    freed += p.reserved;
                     dropped.push((peer.clone(), id));
                 }
             }
         }
+        self.in_flight -= freed;
+        self.partials -= dropped.len();
+        self.budget.release(freed);
         let n = dropped.len();
         self.stats.expired += n as u64;
         for (peer, id) in dropped {
@@ -608,8 +680,7 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
     pub fn remove_peer(&mut self, peer: &K) {
         if let Some(state) = self.peers.remove(peer) {
             for p in state.partials.values() {
-                self.in_flight -= p.reserved;
-                self.partials -= 1;
+                self.forget(p.reserved);
             }
         }
     }
@@ -622,6 +693,13 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
             .flat_map(|s| s.partials.values())
             .map(|p| p.last_seen + self.config.timeout)
             .min()
+    }
+}
+
+impl<K> Drop for Reassembler<K> {
+    /// Partial messages still held give their memory back to the budget.
+    fn drop(&mut self) {
+        self.budget.release(self.in_flight);
     }
 }
 
@@ -654,6 +732,45 @@ mod tests {
         assert!(place(&frag(1, 0, 1, 10, 9), max).is_err());
         assert!(place(&frag(1, 0, 2, u32::MAX, 1 << 20), max).is_err());
         assert!(place(&frag(1, 0, u32::MAX, u32::MAX, 1), usize::MAX).is_ok());
+    }
+
+    #[test]
+    fn partials_draw_from_the_shared_budget_and_give_it_back() {
+        let budget = MemoryBudget::new(100);
+        let config = ReassemblyConfig {
+            timeout: Duration::from_millis(10),
+            ..ReassemblyConfig::default()
+        };
+        let mut r = Reassembler::with_budget(config.clone(), budget.clone());
+        let t0 = Instant::now();
+        // 40 bytes in two pieces reserve 40 plus an 8-byte bitmap.
+        assert_eq!(r.handle_fragment(t0, 1, frag(1, 0, 2, 40, 20)), Ok(None));
+        assert_eq!(budget.used(), 48);
+        assert_eq!(
+            r.handle_fragment(t0, 2, frag(1, 0, 2, 60, 30)),
+            Err(ReassemblyError::SharedBudget {
+                msg_id: 1,
+                needed: 68,
+                used: 48,
+                limit: 100
+            })
+        );
+        // Completion, expiry and dropping each give their share back.
+        assert!(r
+            .handle_fragment(t0, 1, frag(1, 1, 2, 40, 20))
+            .unwrap()
+            .is_some());
+        assert_eq!(budget.used(), 0);
+        r.handle_fragment(t0, 1, frag(2, 0, 2, 40, 20)).unwrap();
+        r.handle_fragment(t0, 3, frag(1, 0, 2, 40, 20)).unwrap();
+        assert_eq!(budget.used(), 96);
+        assert_eq!(r.expire(t0 + Duration::from_millis(10)), 2);
+        assert_eq!(budget.used(), 0);
+        let mut other = Reassembler::with_budget(config, budget.clone());
+        other.handle_fragment(t0, 1, frag(1, 0, 2, 40, 20)).unwrap();
+        assert_eq!(budget.used(), 48);
+        drop(other);
+        assert_eq!(budget.used(), 0);
     }
 
     #[test]

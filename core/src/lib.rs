@@ -14,10 +14,12 @@
 //!   receives over endpoints that reorder, limit message size or lose messages.
 //! - [`credit`]: credit-based flow control keeping a link's sender within
 //!   the receiver's posted buffers and memory.
+//! - [`budget`]: a memory budget shared by all link receivers of a process.
 //! - [`transport`]: the `Transport` and `Endpoint` traits every transport implements.
 
 #![warn(missing_docs)]
 
+pub mod budget;
 pub mod caps;
 pub mod codec;
 pub mod credit;

@@ -31,14 +31,27 @@
 //!
 //! # Reliable and lossy links
 //!
-//! On a **reliable** link every piece arrives eventually, possibly more than
-//! once (duplicates are dropped and counted). Nothing is given up by time:
-//! gaps are waited for ([`GapPolicy::Wait`]) and partial messages are kept.
-//! Memory stays bounded because a piece whose sequence is beyond the reorder
-//! window is refused with [`LinkError::Reorder`] before anything is stored
-//! (the credit window of [`crate::credit`] keeps the sender within it), and
-//! running out of reassembly budget is an error too: either means the link
-//! is broken.
+//! On a **reliable** link every piece should arrive, possibly more than
+//! once (duplicates are dropped and counted) and out of order: frames wait
+//! for a missing sequence and partial messages are kept. Nothing is ever
+//! skipped, but the wait is bounded ([`GapPolicy::FailAfter`]): a provider
+//! that promises delivery can still lose a message (a send that failed, a
+//! fault), and the link would otherwise stall until the session's heartbeat
+//! gave up. Once a frame has waited [`LinkConfig::reliable_gap_timeout`]
+//! behind a missing sequence with no piece of the gap arriving meanwhile,
+//! the receiver fails with [`LinkError::GapTimeout`], counted in
+//! [`ReceiveStats::gap_failures`]. The owner polls at
+//! [`LinkReceiver::next_deadline`] for this, after handing over what its
+//! endpoint delivered, and must then end the session (nothing after the
+//! gap could be delivered in order). An owner held up well past the
+//! deadline gives the gap a fresh timeout rather than failing it unseen.
+//! A partial message with nothing waiting behind it is not timed: the
+//! next frame (at the latest the peer's heartbeat) starts the clock. A
+//! piece whose sequence
+//! is beyond the reorder window is refused with [`LinkError::Reorder`]
+//! before anything is stored (the credit window of [`crate::credit`] keeps
+//! the sender within it), and running out of reassembly slots is an error
+//! too: either means the link is broken.
 //!
 //! On a **lossy** link a partial message is dropped once no piece of it
 //! arrived for the reassembly timeout, and a missing sequence is skipped
@@ -51,12 +64,27 @@
 //! arrived cannot be known and are not counted. The gap timeout should
 //! exceed the time one frame's pieces take to arrive, or large frames are
 //! skipped while still arriving.
+//!
+//! # Memory
+//!
+//! What a receiver holds for the peer, partial messages (as reserved) and
+//! whole frames waiting for an earlier sequence together, stays within
+//! `reassembly.max_bytes` of its link, and within the [`MemoryBudget`] it
+//! shares with the other links of the process ([`LinkConfig::memory`]).
+//! A sender within the credit window the owner grants (half of
+//! `max_bytes`) never reaches the first bound. On a reliable link reaching
+//! either is an error naming the bound ([`LinkError::MemoryBound`],
+//! [`LinkError::SharedMemoryBound`]) and nothing more is stored; on a lossy
+//! link the message is given up and counted ([`ReceiveStats::over_budget`],
+//! and as lost). Memory is given back as frames are delivered or given up,
+//! and when the receiver is dropped.
 
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use thiserror::Error;
 
+use crate::budget::MemoryBudget;
 use crate::caps::LinkParams;
 use crate::codec::{
     self, CodecLimits, DecodeError, EncodeError, FrameKind, FRAGMENT_OVERHEAD, FRAME_OVERHEAD,
@@ -81,22 +109,33 @@ pub struct LinkTuning {
     /// How long a frame waits for an earlier missing one on a lossy,
     /// sequenced link before that one is given up.
     pub gap_timeout: Duration,
+    /// How long a frame may wait behind a missing sequence on a reliable,
+    /// sequenced link, with no piece of the gap arriving, before the link
+    /// fails ([`LinkError::GapTimeout`]). Above the time one frame's pieces
+    /// take to come apart, well below the heartbeat timeout.
+    pub reliable_gap_timeout: Duration,
     /// Width of the reorder window in sequences; the link's credit window
     /// ([`crate::credit`]) keeps the sender within it.
     pub reorder_window: usize,
-    /// Bounds of reassembly (memory, partial messages, largest frame,
-    /// timeout on lossy links).
+    /// Bounds of reassembly (partial messages, largest frame, timeout on
+    /// lossy links); its `max_bytes` bounds what one link's receiver holds,
+    /// partial messages and frames waiting for reordering together.
     pub reassembly: ReassemblyConfig,
+    /// Memory shared by the receivers of every link given a clone.
+    pub memory: MemoryBudget,
 }
 
 impl Default for LinkTuning {
-    /// A 100 ms gap timeout, a window of 4096 sequences, and the default
-    /// reassembly bounds (64 MiB, 1024 partial messages, 2 s).
+    /// A 100 ms gap timeout (250 ms on reliable links), a window of 4096
+    /// sequences, the default reassembly bounds (64 MiB, 1024 partial
+    /// messages, 2 s), and no shared memory bound.
     fn default() -> Self {
         LinkTuning {
             gap_timeout: Duration::from_millis(100),
+            reliable_gap_timeout: Duration::from_millis(250),
             reorder_window: 4096,
             reassembly: ReassemblyConfig::default(),
+            memory: MemoryBudget::unlimited(),
         }
     }
 }
@@ -114,10 +153,14 @@ pub struct LinkConfig {
     pub lossy: bool,
     /// See [`LinkTuning::gap_timeout`].
     pub gap_timeout: Duration,
+    /// See [`LinkTuning::reliable_gap_timeout`].
+    pub reliable_gap_timeout: Duration,
     /// See [`LinkTuning::reorder_window`].
     pub reorder_window: usize,
     /// See [`LinkTuning::reassembly`].
     pub reassembly: ReassemblyConfig,
+    /// See [`LinkTuning::memory`].
+    pub memory: MemoryBudget,
 }
 
 impl LinkConfig {
@@ -136,8 +179,10 @@ impl LinkConfig {
             sequenced: params.sequence_and_reorder,
             lossy: !params.reliable,
             gap_timeout: tuning.gap_timeout,
+            reliable_gap_timeout: tuning.reliable_gap_timeout,
             reorder_window: tuning.reorder_window,
             reassembly: tuning.reassembly.clone(),
+            memory: tuning.memory.clone(),
         }
     }
 }
@@ -199,6 +244,41 @@ pub enum LinkError {
         /// Partial messages dropped.
         count: u64,
     },
+    /// On a reliable link, frames waited [`LinkConfig::reliable_gap_timeout`]
+    /// behind a missing sequence with no piece of it arriving: the message
+    /// is taken as lost, and the link can deliver nothing more in order.
+    #[error("reliable link stalled: sequence {missing} still missing after {waited:?} with {held} frames waiting behind it")]
+    GapTimeout {
+        /// The first missing sequence.
+        missing: u64,
+        /// Frames waiting behind it.
+        held: usize,
+        /// How long the gap went without progress.
+        waited: Duration,
+    },
+    /// On a reliable link, holding what arrived would take the link past
+    /// its memory bound (`reassembly.max_bytes`): the peer sent beyond the
+    /// credit window.
+    #[error("link memory bound reached: {needed} more bytes needed with {held} held, limit {limit} (reassembly.max_bytes)")]
+    MemoryBound {
+        /// Bytes the message would have taken.
+        needed: usize,
+        /// Bytes the link held: partial messages and frames waiting.
+        held: usize,
+        /// The link's bound.
+        limit: usize,
+    },
+    /// On a reliable link, holding what arrived would take the links of
+    /// this process together past their shared [`MemoryBudget`].
+    #[error("shared link memory bound reached: {needed} more bytes needed with {used} held by all links, limit {limit}")]
+    SharedMemoryBound {
+        /// Bytes the message would have taken.
+        needed: usize,
+        /// Bytes all links held.
+        used: usize,
+        /// The shared bound.
+        limit: usize,
+    },
 }
 
 /// Counters of a [`LinkSender`].
@@ -237,13 +317,17 @@ pub struct ReceiveStats {
     /// Partial messages dropped by the reassembly timeout; on sequenced
     /// links their sequences are also counted in `lost` (once each).
     pub expired_partials: u64,
-    /// Messages refused for lack of reassembly memory or slots.
+    /// Messages refused for lack of memory (the link's bound or the shared
+    /// one) or of reassembly slots.
     pub over_budget: u64,
     /// Pieces refused beyond the reorder window (reliable links).
     pub window_exceeded: u64,
     /// Messages refused with an error: malformed, or beyond what a
     /// reliable link allows.
     pub refused: u64,
+    /// Reliable links: gaps not filled within the reliable gap timeout
+    /// (at most one: the link is failed).
+    pub gap_failures: u64,
 }
 
 /// The sending half of a link: frames in, wire frames out.
@@ -383,11 +467,12 @@ fn byte_at(frame: &OutFrame, index: usize) -> Option<u8> {
     }
 }
 
-/// What the reorder buffer holds: a frame, or the mark of a sequence whose
+/// What the reorder buffer holds: a frame with the bytes reserved for it
+/// (none for one released at once), or the mark of a sequence whose
 /// reassembly was abandoned (released in its turn and counted as lost).
 #[derive(Debug)]
 enum Slot {
-    Frame(Bytes),
+    Frame(Bytes, usize),
     Lost,
 }
 
@@ -409,14 +494,26 @@ pub struct LinkReceiver {
     released: Vec<Slot>,
     /// Highest sequence a valid piece arrived for.
     highest_seen: u64,
-    /// Bytes of the frames held in the reorder buffer.
+    /// Bytes of the frames held in the reorder buffer, also reserved in
+    /// `memory`.
     held_bytes: usize,
+    /// Bound of `held_bytes` and the reassembler's partial messages together.
+    max_bytes: usize,
+    memory: MemoryBudget,
+    /// Frames refused (or given up, on lossy links) for lack of memory.
+    held_over_budget: u64,
     stats: ReceiveStats,
     /// Lost marks released (the reorder buffer counts skipped gaps).
     marks_released: u64,
     /// Lossy links: pieces seen far beyond the window, as (lowest, highest,
     /// how many). One piece alone never moves the link that far.
     far_ahead: Option<(u64, u64, u32)>,
+    /// Reliable links: the gap that timed out (reported from then on;
+    /// the link is dead).
+    gap_failure: Option<LinkError>,
+    /// Reliable links: the gap deadline as of the last call, to tell an
+    /// owner that slept until it from one held up well past it.
+    gap_deadline: Option<Instant>,
 }
 
 /// On a lossy link, a piece this many windows beyond the next expected
@@ -442,20 +539,25 @@ impl LinkReceiver {
                 gap_policy: if config.lossy {
                     GapPolicy::SkipAfter(config.gap_timeout)
                 } else {
-                    GapPolicy::Wait
+                    GapPolicy::FailAfter(config.reliable_gap_timeout)
                 },
             })
         });
         LinkReceiver {
             lossy: config.lossy,
-            reassembler: Reassembler::new(reassembly),
+            max_bytes: reassembly.max_bytes,
+            reassembler: Reassembler::with_budget(reassembly, config.memory.clone()),
             reorder,
             released: Vec::new(),
             highest_seen: 0,
             held_bytes: 0,
+            memory: config.memory.clone(),
+            held_over_budget: 0,
             stats: ReceiveStats::default(),
             marks_released: 0,
             far_ahead: None,
+            gap_failure: None,
+            gap_deadline: None,
         }
     }
 
@@ -465,7 +567,7 @@ impl LinkReceiver {
         let mut stats = self.stats;
         stats.duplicates += r.duplicates + r.late;
         stats.expired_partials = r.expired;
-        stats.over_budget = r.dropped_over_budget;
+        stats.over_budget = r.dropped_over_budget + self.held_over_budget;
         stats.lost = self.marks_released + self.reorder.as_ref().map_or(0, |buf| buf.stats().lost);
         stats
     }
@@ -495,7 +597,9 @@ impl LinkReceiver {
     /// every original frame now deliverable, in order. Dropped duplicates
     /// and losses on a lossy link are counted, not errors. After an error
     /// the receiver stays consistent, but on a reliable link the error means
-    /// the link is broken.
+    /// the link is broken. A reliable link's gap fails only in
+    /// [`poll`](LinkReceiver::poll): a missing frame that arrives before
+    /// it, however late, still fills the gap; after it, nothing is taken.
     pub fn receive(
         &mut self,
         now: Instant,
@@ -503,6 +607,10 @@ impl LinkReceiver {
         out: &mut Vec<Bytes>,
     ) -> Result<(), LinkError> {
         self.stats.messages += 1;
+        if let Some(failure) = &self.gap_failure {
+            return Err(failure.clone());
+        }
+        self.owner_called(now);
         let result = self.receive_inner(now, message, out);
         if result.is_err() {
             self.stats.refused += 1;
@@ -511,6 +619,7 @@ impl LinkReceiver {
         self.settle_tail(now);
         // Whatever happened, hand over what was released.
         self.drain(out);
+        self.note_gap_deadline();
         result
     }
 
@@ -596,6 +705,9 @@ impl LinkReceiver {
         // timeout: on a lossy link a loss like any other (settled by the
         // gap timeout or the tail rule), on a reliable one a broken link.
         let expired_before = self.reassembler.stats().expired;
+        let repeats_before = self.reassembler.stats().duplicates + self.reassembler.stats().late;
+        let needed = fragment.total_len as usize + (count as usize).div_ceil(64) * 8;
+        self.reassembler.set_held_elsewhere(self.held_bytes);
         let result = self.reassembler.handle_fragment(now, (), fragment);
         if !self.lossy && self.reassembler.stats().expired > expired_before {
             return Err(LinkError::ReliableLoss {
@@ -604,16 +716,45 @@ impl LinkReceiver {
         }
         let whole = match result {
             Ok(whole) => whole,
-            Err(ReassemblyError::OverBudget { .. }) if self.lossy => {
+            Err(ReassemblyError::OverBudget { .. } | ReassemblyError::SharedBudget { .. })
+                if self.lossy =>
+            {
                 // Counted by the reassembler; the sequence is settled by the
                 // gap timeout or the tail rule.
                 self.note_seen(msg_id);
                 return Ok(());
             }
+            Err(ReassemblyError::OverBudget {
+                in_flight,
+                messages,
+                ..
+            }) if messages < self.reassembler.config().max_messages => {
+                // Slots were left: the bytes were not.
+                return Err(LinkError::MemoryBound {
+                    needed,
+                    held: in_flight + self.held_bytes,
+                    limit: self.max_bytes,
+                });
+            }
+            Err(ReassemblyError::SharedBudget { used, limit, .. }) => {
+                return Err(LinkError::SharedMemoryBound {
+                    needed,
+                    used,
+                    limit,
+                });
+            }
             Err(err) => return Err(err.into()),
         };
         self.note_seen(msg_id);
         let Some(frame) = whole else {
+            // A new piece of a message still incomplete: if it belongs to
+            // the gap frames are waiting behind, the gap is filling.
+            let repeats = self.reassembler.stats().duplicates + self.reassembler.stats().late;
+            if let Some(reorder) = &mut self.reorder {
+                if repeats == repeats_before {
+                    reorder.note_progress(now, msg_id);
+                }
+            }
             return Ok(());
         };
         if count > 1 {
@@ -627,30 +768,83 @@ impl LinkReceiver {
             return Ok(());
         };
         // A bad frame still settles its sequence, so order is kept if the
-        // caller carries on.
-        let (slot, len) = if checked.is_ok() {
-            let len = frame.len();
-            (Slot::Frame(frame), len)
-        } else {
-            (Slot::Lost, 0)
+        // caller carries on. A frame that has to wait is charged to the
+        // link's memory and the shared budget first.
+        let slot = match checked {
+            Ok(()) if msg_id == expected_before => Slot::Frame(frame, 0),
+            Ok(()) => {
+                let held = self.reassembler.in_flight_bytes() + self.held_bytes;
+                let charged = if held.saturating_add(frame.len()) > self.max_bytes {
+                    Err(LinkError::MemoryBound {
+                        needed: frame.len(),
+                        held,
+                        limit: self.max_bytes,
+                    })
+                } else {
+                    self.memory.try_reserve(frame.len()).map_err(|refusal| {
+                        LinkError::SharedMemoryBound {
+                            needed: refusal.needed,
+                            used: refusal.used,
+                            limit: refusal.limit,
+                        }
+                    })
+                };
+                match charged {
+                    Ok(()) => {
+                        let len = frame.len();
+                        Slot::Frame(frame, len)
+                    }
+                    Err(err) => {
+                        self.held_over_budget += 1;
+                        if !self.lossy {
+                            return Err(err);
+                        }
+                        // Given up like a message whose pieces did not all
+                        // arrive: settled in turn and counted as lost.
+                        Slot::Lost
+                    }
+                }
+            }
+            Err(_) => Slot::Lost,
         };
-        let is_frame = matches!(slot, Slot::Frame(_));
-        match reorder.push(now, msg_id, slot, &mut self.released)? {
-            Pushed::Accepted { .. } => {
-                self.held_bytes += len;
+        let (is_frame, charged) = match &slot {
+            Slot::Frame(_, charged) => (true, *charged),
+            Slot::Lost => (false, 0),
+        };
+        let pushed = reorder.push(now, msg_id, slot, &mut self.released);
+        match pushed {
+            Ok(Pushed::Accepted { .. }) => {
+                self.held_bytes += charged;
                 if is_frame && msg_id != expected_before {
                     self.stats.reordered += 1;
                 }
             }
-            Pushed::Duplicate { .. } => self.stats.duplicates += 1,
+            Ok(Pushed::Duplicate { .. }) => {
+                self.memory.release(charged);
+                self.stats.duplicates += 1;
+            }
+            Err(err) => {
+                self.memory.release(charged);
+                return Err(err.into());
+            }
         }
         checked
     }
 
     /// Release what the timeouts allow at `now` and drop partial messages
-    /// that timed out (lossy links), appending deliverable frames to `out`.
-    /// Call it at [`next_deadline`](LinkReceiver::next_deadline).
-    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) {
+    /// that timed out (lossy links), appending deliverable frames to `out`;
+    /// on a reliable link, fail if the gap frames wait behind is overdue
+    /// ([`LinkError::GapTimeout`]), and keep failing. Call it at
+    /// [`next_deadline`](LinkReceiver::next_deadline), after handing
+    /// [`receive`](LinkReceiver::receive) what the endpoint delivered by
+    /// then.
+    ///
+    /// An owner held up for a while (its loop blocked, its thread not
+    /// scheduled) cannot have seen the gap fill meanwhile, nor let the
+    /// provider make progress on it: a call more than the gap timeout past
+    /// the deadline starts the gap's clock again instead of failing it.
+    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) -> Result<(), LinkError> {
+        self.owner_called(now);
         if self.lossy {
             self.expire(now);
             if let Some(reorder) = &mut self.reorder {
@@ -659,18 +853,72 @@ impl LinkReceiver {
             self.settle_tail(now);
         }
         self.drain(out);
+        let result = self.check_gap(now);
+        self.note_gap_deadline();
+        result
     }
 
     /// When [`poll`](LinkReceiver::poll) next has something to do; `None`
-    /// when nothing is due by time (always on reliable links).
+    /// when nothing is due by time. On a reliable link, the time the gap
+    /// frames wait behind fails the link, if nothing fills it first.
     pub fn next_deadline(&self) -> Option<Instant> {
         if !self.lossy {
-            return None;
+            return self.reorder.as_ref().and_then(ReorderBuffer::next_deadline);
         }
         let gap = self.reorder.as_ref().and_then(ReorderBuffer::next_deadline);
         match (self.reassembler.next_deadline(), gap) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
+        }
+    }
+
+    /// Reliable links: fail once the gap frames wait behind is overdue.
+    fn check_gap(&mut self, now: Instant) -> Result<(), LinkError> {
+        if let Some(failure) = &self.gap_failure {
+            return Err(failure.clone());
+        }
+        let Some(reorder) = &mut self.reorder else {
+            return Ok(());
+        };
+        match reorder.check_gap(now) {
+            Ok(()) => Ok(()),
+            Err(ReorderError::GapTimeout {
+                missing,
+                held,
+                waited,
+            }) => {
+                let failure = LinkError::GapTimeout {
+                    missing,
+                    held,
+                    waited,
+                };
+                self.stats.gap_failures += 1;
+                self.gap_failure = Some(failure.clone());
+                Err(failure)
+            }
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// Reliable links: the owner calls at `now`. Past the gap deadline by
+    /// more than the timeout, it was held up rather than asleep until the
+    /// deadline (it would have been woken for it): the gap gets a fresh
+    /// clock.
+    fn owner_called(&mut self, now: Instant) {
+        let (Some(deadline), Some(reorder)) = (self.gap_deadline, &mut self.reorder) else {
+            return;
+        };
+        if let GapPolicy::FailAfter(limit) = reorder.config().gap_policy {
+            if now > deadline + limit {
+                reorder.restart_gap_clock(now);
+            }
+        }
+    }
+
+    /// Reliable links: remember the gap deadline the owner was given.
+    fn note_gap_deadline(&mut self) {
+        if !self.lossy {
+            self.gap_deadline = self.reorder.as_ref().and_then(ReorderBuffer::next_deadline);
         }
     }
 
@@ -707,16 +955,27 @@ impl LinkReceiver {
     }
 
     fn drain(&mut self, out: &mut Vec<Bytes>) {
+        let mut freed = 0;
         for slot in self.released.drain(..) {
             match slot {
-                Slot::Frame(frame) => {
-                    self.held_bytes -= frame.len();
+                Slot::Frame(frame, charged) => {
+                    freed += charged;
                     self.stats.delivered += 1;
                     out.push(frame);
                 }
                 Slot::Lost => self.marks_released += 1,
             }
         }
+        self.held_bytes -= freed;
+        self.memory.release(freed);
+    }
+}
+
+impl Drop for LinkReceiver {
+    /// Frames still waiting give their memory back to the shared budget
+    /// (the reassembler does the same for partial messages).
+    fn drop(&mut self) {
+        self.memory.release(self.held_bytes);
     }
 }
 

@@ -14,10 +14,17 @@
 //!
 //! # Gaps
 //!
-//! [`GapPolicy::Wait`] is for reliable links: a gap is always filled
-//! eventually, so the buffer waits, and an item beyond the window is a
-//! protocol error ([`ReorderError::WindowExceeded`]): the sender's credit
-//! window must keep it within `capacity`.
+//! [`GapPolicy::Wait`] waits for a gap for ever, and an item beyond the
+//! window is a protocol error ([`ReorderError::WindowExceeded`]): the
+//! sender's credit window must keep it within `capacity`.
+//!
+//! [`GapPolicy::FailAfter`] is for reliable links, where a gap should fill
+//! but a lost message must not stall the link for ever: it waits and
+//! refuses beyond the window like `Wait`, but once an item has waited the
+//! given time behind a gap with no progress on it (a release, or
+//! [`ReorderBuffer::note_progress`] for a piece of a missing item),
+//! [`ReorderBuffer::check_gap`] reports [`ReorderError::GapTimeout`].
+//! Nothing is skipped: the owner gives the link up.
 //!
 //! [`GapPolicy::SkipAfter`] is for best-effort links: no item is held longer
 //! than the given time. Once the oldest held item has waited that long, every
@@ -34,10 +41,13 @@ use thiserror::Error;
 /// What to do about a missing sequence number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GapPolicy {
-    /// Wait for it for ever (reliable links).
+    /// Wait for it for ever.
     Wait,
     /// Give it up once an item behind it has waited this long (best effort).
     SkipAfter(Duration),
+    /// Report it once an item has waited this long behind it with no
+    /// progress on the gap (reliable links).
+    FailAfter(Duration),
 }
 
 /// Bounds and policy of a [`ReorderBuffer`].
@@ -76,6 +86,9 @@ pub struct ReorderStats {
     pub gap_timeouts: u64,
     /// Times an item beyond the window skipped ahead.
     pub window_skips: u64,
+    /// Times [`ReorderBuffer::check_gap`] found a gap overdue
+    /// ([`GapPolicy::FailAfter`]).
+    pub gap_failures: u64,
 }
 
 /// Why an item was refused.
@@ -84,7 +97,8 @@ pub enum ReorderError {
     /// Sequence 0 was pushed; sequences start at 1.
     #[error("sequence number 0 is not a sequence (sequences start at 1)")]
     ZeroSeq,
-    /// Under [`GapPolicy::Wait`], the sender ran ahead of the window.
+    /// Under [`GapPolicy::Wait`] or [`GapPolicy::FailAfter`], the sender
+    /// ran ahead of the window.
     #[error("sequence {seq} is beyond the reorder window ({expected} + {capacity})")]
     WindowExceeded {
         /// The sequence refused.
@@ -93,6 +107,16 @@ pub enum ReorderError {
         expected: u64,
         /// Width of the window.
         capacity: usize,
+    },
+    /// Under [`GapPolicy::FailAfter`], items waited too long behind a gap.
+    #[error("sequence {missing} still missing after {waited:?}, {held} items waiting behind it")]
+    GapTimeout {
+        /// The first missing sequence.
+        missing: u64,
+        /// Items waiting behind it.
+        held: usize,
+        /// How long without progress.
+        waited: Duration,
     },
 }
 
@@ -121,9 +145,11 @@ pub struct ReorderBuffer<T> {
     expected: u64,
     slots: VecDeque<Option<T>>,
     held: usize,
-    /// Arrival time and sequence of held items, oldest first (only under
-    /// `SkipAfter`); entries for released items are dropped lazily.
+    /// Arrival time and sequence of held items, oldest first (not under
+    /// `Wait`); entries for released items are dropped lazily.
     arrivals: VecDeque<(Instant, u64)>,
+    /// Under `FailAfter`: the last release or piece of the first gap.
+    progress: Option<Instant>,
     stats: ReorderStats,
 }
 
@@ -140,6 +166,7 @@ impl<T> ReorderBuffer<T> {
             slots: VecDeque::new(),
             held: 0,
             arrivals: VecDeque::new(),
+            progress: None,
             stats: ReorderStats::default(),
         }
     }
@@ -206,7 +233,7 @@ impl<T> ReorderBuffer<T> {
         let capacity = self.config.capacity as u64;
         if seq - self.expected >= capacity {
             match self.config.gap_policy {
-                GapPolicy::Wait => {
+                GapPolicy::Wait | GapPolicy::FailAfter(_) => {
                     self.stats.window_exceeded += 1;
                     return Err(ReorderError::WindowExceeded {
                         seq,
@@ -237,7 +264,8 @@ impl<T> ReorderBuffer<T> {
         self.held += 1;
         if offset == 0 {
             self.release_run(out);
-        } else if matches!(self.config.gap_policy, GapPolicy::SkipAfter(_)) {
+            self.progress = Some(now);
+        } else if !matches!(self.config.gap_policy, GapPolicy::Wait) {
             self.arrivals.push_back((now, seq));
         }
         Ok(true)
@@ -260,15 +288,77 @@ impl<T> ReorderBuffer<T> {
         out.len() - before
     }
 
-    /// When [`poll`](ReorderBuffer::poll) will next skip a gap, if ever.
+    /// When [`poll`](ReorderBuffer::poll) will next skip a gap
+    /// (`SkipAfter`), or [`check_gap`](ReorderBuffer::check_gap) report
+    /// one (`FailAfter`), if ever.
     pub fn next_deadline(&self) -> Option<Instant> {
-        let GapPolicy::SkipAfter(limit) = self.config.gap_policy else {
-            return None;
-        };
-        self.arrivals
+        let oldest = self
+            .arrivals
             .iter()
             .find(|(_, seq)| *seq >= self.expected)
-            .map(|(arrived, _)| *arrived + limit)
+            .map(|(arrived, _)| *arrived);
+        match self.config.gap_policy {
+            GapPolicy::Wait => None,
+            GapPolicy::SkipAfter(limit) => oldest.map(|arrived| arrived + limit),
+            GapPolicy::FailAfter(limit) => oldest.map(|arrived| self.gap_since(arrived) + limit),
+        }
+    }
+
+    /// Under [`GapPolicy::FailAfter`]: a piece of item `seq` arrived that
+    /// does not complete it. If `seq` lies in the first gap, the gap is
+    /// being filled (a large item arriving in many pieces), and its clock
+    /// starts again.
+    pub fn note_progress(&mut self, now: Instant, seq: u64) {
+        if !matches!(self.config.gap_policy, GapPolicy::FailAfter(_))
+            || self.held == 0
+            || seq < self.expected
+        {
+            return;
+        }
+        // Held items lie within the window, so the offset fits.
+        let offset = (seq - self.expected) as usize;
+        if offset < self.slots.len() && self.slots.iter().take(offset + 1).all(Option::is_none) {
+            self.progress = Some(now);
+        }
+    }
+
+    /// Under [`GapPolicy::FailAfter`]: start the first gap's clock again at
+    /// `now`, as after progress on it (the owner could not watch it for a
+    /// while).
+    pub fn restart_gap_clock(&mut self, now: Instant) {
+        if matches!(self.config.gap_policy, GapPolicy::FailAfter(_)) && self.held > 0 {
+            self.progress = Some(now);
+        }
+    }
+
+    /// Under [`GapPolicy::FailAfter`]: the gap before the held items, if it
+    /// has gone without progress for the limit at `now`
+    /// ([`ReorderError::GapTimeout`]). Nothing changes either way: the
+    /// owner gives the link up.
+    pub fn check_gap(&mut self, now: Instant) -> Result<(), ReorderError> {
+        let GapPolicy::FailAfter(limit) = self.config.gap_policy else {
+            return Ok(());
+        };
+        let Some((arrived, _)) = self.oldest_held() else {
+            return Ok(());
+        };
+        let waited = now.saturating_duration_since(self.gap_since(arrived));
+        if waited < limit {
+            return Ok(());
+        }
+        self.stats.gap_failures += 1;
+        Err(ReorderError::GapTimeout {
+            missing: self.expected,
+            held: self.held,
+            waited,
+        })
+    }
+
+    /// Since when the first gap has gone without progress, given when the
+    /// oldest item behind it arrived.
+    fn gap_since(&self, arrived: Instant) -> Instant {
+        self.progress
+            .map_or(arrived, |progress| progress.max(arrived))
     }
 
     /// Drops arrival records of released items; returns the oldest left.
@@ -313,9 +403,11 @@ impl<T> ReorderBuffer<T> {
                 out.push(item);
             }
         }
-        // Keep no trailing empty slots at the front of an empty buffer.
+        // Keep no trailing empty slots at the front of an empty buffer,
+        // nor arrival records of items all released.
         if self.held == 0 {
             self.slots.clear();
+            self.arrivals.clear();
         }
     }
 }
@@ -344,6 +436,49 @@ mod tests {
         assert_eq!(out, vec!['a', 'b']);
         assert_eq!(buf.expected(), 3);
         assert_eq!(buf.push(now, 0, 'z', &mut out), Err(ReorderError::ZeroSeq));
+    }
+
+    #[test]
+    fn fail_after_reports_a_gap_without_progress_and_skips_nothing() {
+        let t0 = Instant::now();
+        let limit = Duration::from_millis(10);
+        let mut buf = ReorderBuffer::new(ReorderConfig {
+            capacity: 8,
+            gap_policy: GapPolicy::FailAfter(limit),
+        });
+        let mut out = Vec::new();
+        buf.push(t0, 4, 4, &mut out).unwrap();
+        assert_eq!(buf.next_deadline(), Some(t0 + limit));
+        // Progress only counts for the first gap (1 to 3).
+        buf.note_progress(t0 + limit / 2, 5);
+        assert_eq!(buf.next_deadline(), Some(t0 + limit));
+        buf.note_progress(t0 + limit / 2, 2);
+        assert_eq!(buf.next_deadline(), Some(t0 + limit + limit / 2));
+        assert_eq!(buf.check_gap(t0 + limit), Ok(()));
+        assert_eq!(
+            buf.check_gap(t0 + 2 * limit),
+            Err(ReorderError::GapTimeout {
+                missing: 1,
+                held: 1,
+                waited: limit + limit / 2
+            })
+        );
+        assert_eq!(buf.stats().gap_failures, 1);
+        // Nothing was skipped; beyond the window is refused as under Wait.
+        assert_eq!(buf.poll(t0 + 3 * limit, &mut out), 0);
+        assert!(buf.push(t0, 9, 9, &mut out).is_err());
+        // Filling the gap releases in order and clears the deadline.
+        for seq in 1..=3 {
+            buf.push(t0 + 3 * limit, seq, seq, &mut out).unwrap();
+        }
+        assert_eq!(out, vec![1, 2, 3, 4]);
+        assert_eq!(buf.next_deadline(), None);
+        assert_eq!(buf.check_gap(t0 + 9 * limit), Ok(()));
+        // A later gap is timed from the release that left it.
+        buf.push(t0 + 3 * limit, 6, 6, &mut out).unwrap();
+        buf.push(t0 + 4 * limit, 5, 5, &mut out).unwrap();
+        buf.push(t0 + 2 * limit, 8, 8, &mut out).unwrap();
+        assert_eq!(buf.next_deadline(), Some(t0 + 5 * limit));
     }
 
     #[test]

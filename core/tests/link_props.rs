@@ -9,8 +9,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use efabus_core::codec::FRAGMENT_OVERHEAD;
-use efabus_core::link::{LinkReceiver, LinkSender};
+use efabus_core::budget::MemoryBudget;
+use efabus_core::codec::{self, FRAGMENT_OVERHEAD};
+use efabus_core::frame::{Fragment, Frame};
+use efabus_core::link::{LinkError, LinkReceiver, LinkSender};
 use efabus_core::transport::OutFrame;
 use link_common::{config, frame_id, settle, test_frame, MIN_FRAME};
 use proptest::prelude::*;
@@ -87,6 +89,19 @@ fn shuffle_within(wire: &[Wire], offsets: &[u64], window: u64) -> Vec<usize> {
     keyed.into_iter().map(|(_, i)| i).collect()
 }
 
+/// Sequence `seq` of a sequenced link: `frame` as one piece.
+fn fragment_message(seq: u64, frame: &Bytes) -> Vec<u8> {
+    codec::encode(&Frame::Fragment(Fragment {
+        msg_id: seq,
+        index: 0,
+        count: 1,
+        total_len: frame.len() as u32,
+        data: frame.clone(),
+    }))
+    .to_bytes()
+    .to_vec()
+}
+
 /// Inserts copies of arrivals somewhere after their original.
 fn add_duplicates(order: &mut Vec<usize>, dups: &[(usize, usize)]) -> usize {
     let mut added = 0;
@@ -124,23 +139,26 @@ proptest! {
         offsets in proptest::collection::vec(any::<u64>(), 0..4096),
         dups in proptest::collection::vec((any::<usize>(), any::<usize>()), 0..30),
     ) {
-        let cfg = config(limit, true, false, window, Duration::from_millis(5), Duration::from_millis(5));
+        let mut cfg = config(limit, true, false, window, Duration::from_millis(5), Duration::from_millis(5));
+        cfg.reliable_gap_timeout = Duration::from_secs(1 << 20);
         let mut sender = LinkSender::new(&cfg).unwrap();
         let mut rx = LinkReceiver::new(&cfg);
         let (originals, wire) = send_all(&mut sender, &specs, limit);
         let mut order = shuffle_within(&wire, &offsets, window as u64);
         let added = add_duplicates(&mut order, &dups);
 
-        // Time runs far past every timeout: a reliable link gives up nothing.
+        // Time runs far past the reassembly timeout, which a reliable link
+        // does not apply; every gap here fills before the gap timeout.
         let mut now = Instant::now();
         let mut out = Vec::new();
         for i in order {
             now += Duration::from_secs(1);
             rx.receive(now, wire[i].bytes.clone(), &mut out).unwrap();
-            rx.poll(now, &mut out);
+            rx.poll(now, &mut out).unwrap();
         }
         prop_assert_eq!(&out, &originals);
         prop_assert_eq!(rx.next_deadline(), None);
+        prop_assert_eq!(rx.stats().gap_failures, 0);
         let stats = rx.stats();
         prop_assert_eq!(stats.delivered, originals.len() as u64);
         prop_assert_eq!(stats.duplicates, added as u64);
@@ -196,7 +214,7 @@ proptest! {
         for &i in &order {
             rx.receive(t0, wire[i].bytes.clone(), &mut out).unwrap();
         }
-        settle(&mut rx, t0, &mut out);
+        settle(&mut rx, t0, &mut out).expect("lossy links fail nothing by time");
 
         let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
         prop_assert_eq!(&ids, &complete);
@@ -251,10 +269,10 @@ proptest! {
             now += Duration::from_millis(fate.get(k).map_or(0, |f| f.2));
             rx.receive(now, wire[i].bytes.clone(), &mut out).unwrap();
             if k % 3 == 0 {
-                rx.poll(now, &mut out);
+                rx.poll(now, &mut out).expect("lossy links fail nothing by time");
             }
         }
-        settle(&mut rx, now, &mut out);
+        settle(&mut rx, now, &mut out).expect("lossy links fail nothing by time");
 
         let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
         prop_assert!(ids.windows(2).all(|w| w[0] < w[1]), "not increasing: {:?}", ids);
@@ -267,6 +285,66 @@ proptest! {
         prop_assert_eq!(stats.delivered, out.len() as u64);
         prop_assert_eq!(stats.delivered + stats.lost, highest);
         prop_assert_eq!((rx.held(), rx.partial_messages(), rx.buffered_bytes()), (0, 0, 0));
+    }
+
+    /// Reliable, sequenced, with some sequences withheld and the rest in
+    /// any order: what the receiver holds never passes its own bound nor
+    /// the budget it shares with a second receiver, the budget always
+    /// equals what both hold, a refusal names the bound that was reached,
+    /// and dropping the receivers gives everything back.
+    #[test]
+    fn reliable_memory_stays_within_the_link_and_shared_bounds(
+        (limit, specs) in limit_and_frames(24),
+        withheld in proptest::collection::vec(any::<bool>(), 24),
+        order_keys in proptest::collection::vec(any::<u64>(), 0..2048),
+        max_bytes in 1usize..400_000,
+        shared in 1usize..400_000,
+        other_holds in 0usize..100_000,
+    ) {
+        let budget = MemoryBudget::new(shared);
+        let mut cfg = config(limit, true, false, 4096, Duration::from_millis(5), Duration::from_millis(5));
+        cfg.reassembly.max_bytes = max_bytes;
+        cfg.memory = budget.clone();
+        let mut sender = LinkSender::new(&cfg).unwrap();
+        let (_, wire) = send_all(&mut sender, &specs, limit);
+        // A second receiver holds one frame behind a gap of its own.
+        let mut other_cfg = cfg.clone();
+        other_cfg.reassembly.max_bytes = usize::MAX;
+        let mut other = LinkReceiver::new(&other_cfg);
+        let other_frame = test_frame(2, other_holds.max(MIN_FRAME), 16).to_bytes();
+        let mut out = Vec::new();
+        let now = Instant::now();
+        let _ = other.receive(
+            now,
+            Bytes::from(fragment_message(2, &other_frame)),
+            &mut out,
+        );
+        prop_assert_eq!(budget.used(), other.buffered_bytes());
+
+        let mut rx = LinkReceiver::new(&cfg);
+        let mut order: Vec<(u64, usize)> = (0..wire.len())
+            .filter(|&i| !withheld[(wire[i].seq - 1) as usize])
+            .map(|i| (order_keys.get(i).copied().unwrap_or(0), i))
+            .collect();
+        order.sort();
+        for (_, i) in order {
+            let result = rx.receive(now, wire[i].bytes.clone(), &mut out);
+            prop_assert!(rx.buffered_bytes() <= max_bytes);
+            prop_assert!(budget.used() <= shared);
+            prop_assert_eq!(budget.used(), rx.buffered_bytes() + other.buffered_bytes());
+            if let Err(err) = result {
+                prop_assert!(
+                    matches!(err, LinkError::MemoryBound { limit, .. } if limit == max_bytes)
+                        || matches!(err, LinkError::SharedMemoryBound { limit, .. } if limit == shared),
+                    "unexpected refusal: {:?}", err
+                );
+                break;
+            }
+        }
+        drop(rx);
+        prop_assert_eq!(budget.used(), other.buffered_bytes());
+        drop(other);
+        prop_assert_eq!(budget.used(), 0);
     }
 
     /// Not sequenced, with a frame limit: frames that fit pass through
@@ -332,7 +410,8 @@ proptest! {
                 errors += 1;
             }
         }
-        settle(&mut rx, now, &mut out);
+        // A reliable link may fail a gap left by refused messages.
+        let _ = settle(&mut rx, now, &mut out);
         let stats = rx.stats();
         prop_assert_eq!(stats.messages, messages.len() as u64);
         prop_assert_eq!(stats.refused, errors);
@@ -370,7 +449,8 @@ proptest! {
             }
             let _ = rx.receive(now, Bytes::from(bytes), &mut out);
         }
-        settle(&mut rx, now, &mut out);
+        // A reliable link may fail a gap left by refused messages.
+        let _ = settle(&mut rx, now, &mut out);
         for frame in &out {
             let declared = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]) as usize;
             prop_assert_eq!(declared + 4, frame.len());

@@ -6,6 +6,7 @@ mod link_common;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use efabus_core::budget::MemoryBudget;
 use efabus_core::caps::{negotiate, parse_fi_info_dump, Offer};
 use efabus_core::codec::{
     self, encode, fragment_head, try_encode, DecodeError, FrameKind, FRAGMENT_OVERHEAD,
@@ -195,9 +196,9 @@ fn a_lost_tail_is_settled_and_counted() {
     assert_eq!(out.len(), 1);
     assert_eq!(rx.partial_messages(), 1);
     assert_eq!(rx.next_deadline(), Some(t0 + ms(50)));
-    rx.poll(t0 + ms(49), &mut out);
+    rx.poll(t0 + ms(49), &mut out).unwrap();
     assert_eq!(rx.partial_messages(), 1);
-    rx.poll(t0 + ms(50), &mut out);
+    rx.poll(t0 + ms(50), &mut out).unwrap();
     assert_eq!((rx.partial_messages(), rx.buffered_bytes()), (0, 0));
     let stats = rx.stats();
     assert_eq!((stats.lost, stats.expired_partials), (1, 1));
@@ -224,10 +225,10 @@ fn a_gap_before_an_abandoned_message_is_skipped_after_the_gap_timeout() {
     let t0 = Instant::now();
     let mut out = Vec::new();
     rx.receive(t0, wire[1].to_bytes(), &mut out).unwrap();
-    rx.poll(t0 + ms(50), &mut out);
+    rx.poll(t0 + ms(50), &mut out).unwrap();
     assert_eq!(rx.stats().lost, 0);
     assert_eq!(rx.next_deadline(), Some(t0 + ms(60)));
-    rx.poll(t0 + ms(60), &mut out);
+    rx.poll(t0 + ms(60), &mut out).unwrap();
     assert!(out.is_empty());
     assert_eq!(rx.stats().lost, 2);
     assert_eq!(rx.expected_sequence(), Some(3));
@@ -258,7 +259,7 @@ fn reliable_links_refuse_beyond_the_window_and_never_expire() {
     rx.receive(t0, fragment_bytes(1, 0, 2, 20, &frame[..10]), &mut out)
         .unwrap();
     assert_eq!(rx.next_deadline(), None);
-    rx.poll(t0 + Duration::from_secs(3600), &mut out);
+    rx.poll(t0 + Duration::from_secs(3600), &mut out).unwrap();
     assert_eq!(rx.partial_messages(), 1);
     rx.receive(
         t0 + Duration::from_secs(7200),
@@ -290,7 +291,7 @@ fn reassembly_budget_is_an_error_on_reliable_links_and_a_loss_on_lossy_ones() {
         assert_eq!(rx.stats().over_budget, 1);
         if lossy {
             assert_eq!(second, Ok(()));
-            settle(&mut rx, t0, &mut out);
+            settle(&mut rx, t0, &mut out).unwrap();
             assert_eq!(rx.stats().lost, 2);
             assert_eq!(rx.buffered_bytes(), 0);
         } else {
@@ -443,7 +444,7 @@ fn stale_partials_dropped_for_room_are_a_loss_or_an_error() {
             assert_eq!(second, Ok(()));
             rx.receive(t0 + ms(51), fragment_bytes(2, 1, 2, 40, &b[20..]), &mut out)
                 .unwrap();
-            settle(&mut rx, t0, &mut out);
+            settle(&mut rx, t0, &mut out).unwrap();
             assert_eq!(out, vec![b]);
             assert_eq!((rx.stats().lost, rx.stats().delivered), (1, 1));
         } else {
@@ -506,10 +507,293 @@ fn lossy_link_follows_a_long_real_gap_but_not_a_lone_far_piece() {
     for piece in &wire[1350..] {
         let _ = rx.receive(now, piece.to_bytes(), &mut out);
     }
-    settle(&mut rx, now, &mut out);
+    settle(&mut rx, now, &mut out).unwrap();
     let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
     assert!(
         ids.len() >= 45 && ids.windows(2).all(|w| w[0] < w[1]) && ids[ids.len() - 1] == 1399,
         "the link follows the sender after the gap: {ids:?}"
     );
+}
+
+/// Wire frames for frames `1..=count` of `len` bytes each.
+fn wire_frames(tx: &mut LinkSender, count: u64, len: usize) -> Vec<Vec<Bytes>> {
+    (1..=count)
+        .map(|id| {
+            let mut wire = Vec::new();
+            tx.prepare(test_frame(id, len, 64), &mut wire).unwrap();
+            wire.iter().map(OutFrame::to_bytes).collect()
+        })
+        .collect()
+}
+
+/// A peer that withholds sequence 1 and sends large frames behind it
+/// makes a reliable receiver hold them: whole (one piece each) or in
+/// pieces, it fails at its memory bound, naming it, and never holds more.
+#[test]
+fn a_withheld_sequence_fails_the_reliable_link_at_its_memory_bound() {
+    const BOUND: usize = 1 << 20;
+    const LEN: usize = 100_000;
+    for frame_limit in [1 << 20, 8888] {
+        let mut cfg = config(frame_limit, true, false, 4096, ms(10), ms(10));
+        cfg.reassembly.max_bytes = BOUND;
+        let mut tx = LinkSender::new(&cfg).unwrap();
+        let mut rx = LinkReceiver::new(&cfg);
+        let frames = wire_frames(&mut tx, 40, LEN);
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let mut failure = None;
+        'frames: for (index, pieces) in frames.iter().enumerate().skip(1) {
+            for piece in pieces {
+                let result = rx.receive(now, piece.clone(), &mut out);
+                assert!(
+                    rx.buffered_bytes() <= BOUND,
+                    "limit {frame_limit}: {} bytes held",
+                    rx.buffered_bytes()
+                );
+                if let Err(err) = result {
+                    failure = Some((index as u64 + 1, err));
+                    break 'frames;
+                }
+            }
+        }
+        let (seq, err) = failure.expect("the bound is reached");
+        assert!(out.is_empty(), "nothing passes the withheld sequence");
+        // Ten frames fit in 1 MiB (partials reserve a little more than a
+        // frame), so the twelfth sequence is the first refused.
+        assert_eq!(seq, 12, "limit {frame_limit}");
+        match err {
+            LinkError::MemoryBound {
+                needed,
+                held,
+                limit,
+            } => {
+                assert_eq!(limit, BOUND);
+                assert!(held <= BOUND && held + needed > BOUND, "{held} + {needed}");
+                assert!(err.to_string().contains("reassembly.max_bytes"), "{err}");
+            }
+            other => panic!("limit {frame_limit}: expected the memory bound, got {other:?}"),
+        }
+        assert_eq!(rx.stats().over_budget, 1);
+        assert_eq!(rx.held(), 10);
+    }
+}
+
+/// Two receivers sharing a budget hold no more than it together: the one
+/// that would cross it fails naming the shared bound; what is delivered
+/// or dropped (frames waiting, partial messages) is given back.
+#[test]
+fn receivers_sharing_a_budget_stay_within_it_and_give_it_back() {
+    const LIMIT: usize = 1 << 20;
+    const LEN: usize = 100_000;
+    let budget = MemoryBudget::new(LIMIT);
+    let mut cfg = config(1 << 20, true, false, 4096, ms(10), ms(10));
+    cfg.memory = budget.clone();
+    let mut tx_a = LinkSender::new(&cfg).unwrap();
+    let mut tx_b = LinkSender::new(&cfg).unwrap();
+    let mut a = LinkReceiver::new(&cfg);
+    let mut b = LinkReceiver::new(&cfg);
+    let frames_a = wire_frames(&mut tx_a, 8, LEN);
+    let frames_b = wire_frames(&mut tx_b, 20, LEN);
+    let now = Instant::now();
+    let mut out = Vec::new();
+    for pieces in &frames_a[1..7] {
+        a.receive(now, pieces[0].clone(), &mut out).unwrap();
+    }
+    assert_eq!(budget.used(), a.buffered_bytes());
+    assert_eq!(a.buffered_bytes(), 6 * LEN);
+    let mut refused = None;
+    for pieces in &frames_b[1..] {
+        match b.receive(now, pieces[0].clone(), &mut out) {
+            Ok(()) => {}
+            Err(err) => {
+                refused = Some(err);
+                break;
+            }
+        }
+        assert!(budget.used() <= LIMIT);
+    }
+    assert_eq!(b.buffered_bytes(), 4 * LEN);
+    assert_eq!(budget.used(), 10 * LEN);
+    assert_eq!(
+        refused,
+        Some(LinkError::SharedMemoryBound {
+            needed: LEN,
+            used: 10 * LEN,
+            limit: LIMIT
+        })
+    );
+
+    // Delivered frames give their memory back.
+    a.receive(now, frames_a[0][0].clone(), &mut out).unwrap();
+    assert_eq!(out.len(), 7);
+    assert_eq!((a.buffered_bytes(), budget.used()), (0, 4 * LEN));
+    // A partial message reserves its whole length; dropping the receiver
+    // gives that back, as it does the frames waiting.
+    let mut small = config(8888, true, false, 4096, ms(10), ms(10));
+    small.memory = budget.clone();
+    let mut tx_c = LinkSender::new(&small).unwrap();
+    let mut c = LinkReceiver::new(&small);
+    let frames_c = wire_frames(&mut tx_c, 1, LEN);
+    c.receive(now, frames_c[0][0].clone(), &mut out).unwrap();
+    assert_eq!(c.partial_messages(), 1);
+    assert_eq!(budget.used(), 4 * LEN + c.buffered_bytes());
+    assert!(c.buffered_bytes() > LEN);
+    drop(c);
+    assert_eq!(budget.used(), 4 * LEN);
+    drop(b);
+    assert_eq!(budget.used(), 0);
+}
+
+/// On a lossy link the bounds give a frame up rather than fail: it is
+/// counted as over budget and as lost, and the link carries on.
+#[test]
+fn a_lossy_link_gives_up_what_exceeds_its_memory_and_counts_it() {
+    const LEN: usize = 100_000;
+    let mut cfg = config(1 << 20, true, true, 4096, ms(10), ms(10));
+    cfg.reassembly.max_bytes = 3 * LEN;
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut rx = LinkReceiver::new(&cfg);
+    let frames = wire_frames(&mut tx, 6, LEN);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    for pieces in &frames[1..] {
+        rx.receive(t0, pieces[0].clone(), &mut out).unwrap();
+        assert!(rx.buffered_bytes() <= 3 * LEN);
+    }
+    // Sequences 2 to 4 are held, 5 and 6 given up; the gap timeout then
+    // settles 1.
+    settle(&mut rx, t0, &mut out).unwrap();
+    let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
+    assert_eq!(ids, [2, 3, 4]);
+    let stats = rx.stats();
+    assert_eq!((stats.over_budget, stats.lost), (2, 3));
+    assert_eq!(rx.buffered_bytes(), 0);
+}
+
+/// A reliable link waits for a missing sequence, but not for ever: once a
+/// frame has waited the gap timeout behind it, the poll at the deadline
+/// fails the link, and not one before; the failure stays and is counted
+/// once.
+#[test]
+fn a_reliable_gap_fails_the_link_at_its_deadline_and_not_before() {
+    let cfg = config(1472, true, false, 64, ms(250), ms(50));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut rx = LinkReceiver::new(&cfg);
+    let frames = wire_frames(&mut tx, 4, 100);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    assert_eq!(rx.next_deadline(), None);
+    rx.receive(t0, frames[1][0].clone(), &mut out).unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(250)));
+    rx.receive(t0 + ms(100), frames[2][0].clone(), &mut out)
+        .unwrap();
+    // The oldest frame waiting sets the deadline.
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(250)));
+    rx.poll(t0 + ms(249), &mut out).unwrap();
+    rx.receive(t0 + ms(249), frames[3][0].clone(), &mut out)
+        .unwrap();
+    assert!(out.is_empty());
+    assert_eq!(rx.stats().gap_failures, 0);
+
+    let expected = LinkError::GapTimeout {
+        missing: 1,
+        held: 3,
+        waited: ms(250),
+    };
+    assert_eq!(rx.poll(t0 + ms(250), &mut out), Err(expected.clone()));
+    assert!(expected.to_string().contains("sequence 1 still missing"));
+    // The missing frame arriving late does not revive the link.
+    assert_eq!(
+        rx.receive(t0 + ms(250), frames[0][0].clone(), &mut out),
+        Err(expected.clone())
+    );
+    assert!(out.is_empty());
+    assert_eq!(rx.poll(t0 + ms(900), &mut out), Err(expected));
+    let stats = rx.stats();
+    assert_eq!((stats.gap_failures, stats.lost, stats.delivered), (1, 0, 0));
+}
+
+/// What the owner hands over before it polls counts, however late: the
+/// missing frame received after the deadline fills the gap. An owner
+/// held up well past the deadline (more than the timeout) could not watch
+/// the gap: the gap gets a fresh timeout rather than failing at once.
+#[test]
+fn a_reliable_gap_is_judged_when_the_owner_polls_on_time() {
+    let cfg = config(1472, true, false, 64, ms(250), ms(50));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let frames = wire_frames(&mut tx, 2, 100);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+
+    let mut rx = LinkReceiver::new(&cfg);
+    rx.receive(t0, frames[1][0].clone(), &mut out).unwrap();
+    rx.receive(t0 + ms(300), frames[0][0].clone(), &mut out)
+        .unwrap();
+    rx.poll(t0 + ms(300), &mut out).unwrap();
+    assert_eq!(out.iter().map(|f| frame_id(f)).collect::<Vec<_>>(), [1, 2]);
+    assert_eq!(rx.next_deadline(), None);
+
+    let mut rx = LinkReceiver::new(&cfg);
+    rx.receive(t0, frames[1][0].clone(), &mut out).unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(250)));
+    // Late by the timeout: still judged.
+    let mut late = LinkReceiver::new(&cfg);
+    late.receive(t0, frames[1][0].clone(), &mut out).unwrap();
+    assert!(late.poll(t0 + ms(500), &mut out).is_err());
+    // Later than that: held up, so a fresh timeout from now.
+    rx.poll(t0 + ms(501), &mut out).unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(751)));
+    rx.poll(t0 + ms(750), &mut out).unwrap();
+    assert!(matches!(
+        rx.poll(t0 + ms(751), &mut out),
+        Err(LinkError::GapTimeout { missing: 1, .. })
+    ));
+}
+
+/// A gap that fills in time clears the deadline; pieces of a large missing
+/// frame arriving restart its clock (it is being filled), pieces of frames
+/// behind the waiting one do not.
+#[test]
+fn a_reliable_gap_being_filled_is_waited_for() {
+    let cfg = config(FRAGMENT_OVERHEAD + 100, true, false, 64, ms(250), ms(50));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut rx = LinkReceiver::new(&cfg);
+    let mut frames = Vec::new();
+    for (id, len) in [(1, 1000), (2, 50), (3, 1000)] {
+        let mut wire = Vec::new();
+        tx.prepare(test_frame(id, len, 64), &mut wire).unwrap();
+        frames.push(wire.iter().map(OutFrame::to_bytes).collect::<Vec<_>>());
+    }
+    assert_eq!(frames.iter().map(Vec::len).collect::<Vec<_>>(), [10, 1, 10]);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    rx.receive(t0, frames[1][0].clone(), &mut out).unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(250)));
+    // A piece of frame 3, behind the waiting frame 2: no progress on the gap.
+    rx.receive(t0 + ms(100), frames[2][0].clone(), &mut out)
+        .unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(250)));
+    // A piece of frame 1, the missing one: its clock starts again.
+    rx.receive(t0 + ms(200), frames[0][0].clone(), &mut out)
+        .unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(450)));
+    // The same piece again is no progress.
+    rx.receive(t0 + ms(300), frames[0][0].clone(), &mut out)
+        .unwrap();
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(450)));
+    rx.poll(t0 + ms(449), &mut out).unwrap();
+    for piece in &frames[0][1..] {
+        rx.receive(t0 + ms(449), piece.clone(), &mut out).unwrap();
+    }
+    let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
+    assert_eq!(ids, [1, 2]);
+    // Frame 3 is partial with nothing behind it: nothing is timed.
+    assert_eq!(rx.next_deadline(), None);
+    rx.poll(t0 + Duration::from_secs(3600), &mut out).unwrap();
+    for piece in &frames[2][1..] {
+        rx.receive(t0 + Duration::from_secs(3600), piece.clone(), &mut out)
+            .unwrap();
+    }
+    assert_eq!(out.len(), 3);
+    assert_eq!(rx.stats().gap_failures, 0);
 }

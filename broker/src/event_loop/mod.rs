@@ -29,7 +29,7 @@ use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{DeliveryClass, Dropped, ErrorCode, ErrorFrame, Frame, Goodbye};
-use efabus_core::link::LinkTuning;
+use efabus_core::link::{LinkError, LinkTuning};
 use efabus_core::subject;
 use efabus_core::transport::{CloseReason, Endpoint, Event, OutFrame, PeerId, Refused};
 use mio::{Poll, Token};
@@ -168,6 +168,8 @@ impl EventLoop {
             .filter(|(index, _)| !cluster.dials_only(*index))
             .filter_map(|(_, endpoint)| endpoints::offer_for(endpoint.as_ref()))
             .collect();
+        // Every session's data links draw from one budget.
+        let tuning = shared.config.link_tuning();
         EventLoop {
             shared,
             poll,
@@ -184,7 +186,7 @@ impl EventLoop {
             reads_paused: false,
             targets: Targets::default(),
             offers,
-            tuning: LinkTuning::default(),
+            tuning,
             released: Vec::new(),
             credit_owed: HashSet::default(),
             dirty: Vec::new(),
@@ -514,10 +516,14 @@ impl EventLoop {
                 .links
                 .send_challenges(&mut self.endpoints, false);
         }
-        if kind == LinkKind::BestEffort {
-            if let Some(deadline) = session.conn.links.next_deadline() {
-                self.schedule(deadline);
-            }
+        // A gap this left is given up (best effort) or fails the link
+        // (reliable) by time.
+        let link = match kind {
+            LinkKind::Reliable => session.conn.links.reliable.as_ref(),
+            LinkKind::BestEffort => session.conn.links.best_effort.as_ref(),
+        };
+        if let Some(deadline) = link.and_then(|link| link.next_deadline()) {
+            self.schedule(deadline);
         }
         self.credit_owed.insert(id);
         self.tally.fabric_frames_in += released.len() as u64;
@@ -535,12 +541,48 @@ impl EventLoop {
         }
         if let Err(err) = result {
             if kind == LinkKind::Reliable {
-                BrokerStats::add(&self.shared.stats.bad_frames, 1);
-                self.fail(id, ErrorCode::Malformed, format!("data link: {err}"));
+                self.reliable_link_failed(id, &err);
             } else {
                 debug!(session = id, error = %err, "best-effort link refused a message");
             }
         }
+    }
+
+    /// The reliable data link refused what arrived, or a message on it went
+    /// missing: nothing after it could be delivered in order, so the
+    /// session ends (the peer reconnects). Counted once per session.
+    fn reliable_link_failed(&mut self, id: u64, err: &LinkError) {
+        if self
+            .sessions
+            .get(&id)
+            .is_none_or(|session| session.state == SessionState::Closing)
+        {
+            return;
+        }
+        let stats = &self.shared.stats;
+        let code = match err {
+            LinkError::GapTimeout { .. } => {
+                BrokerStats::add(&stats.link_gap_failures, 1);
+                ErrorCode::Internal
+            }
+            // The peer sent beyond the credit window it was granted.
+            LinkError::MemoryBound { .. } => {
+                BrokerStats::add(&stats.link_memory_refusals, 1);
+                ErrorCode::Protocol
+            }
+            LinkError::SharedMemoryBound { .. } => {
+                BrokerStats::add(&stats.link_memory_refusals, 1);
+                ErrorCode::Internal
+            }
+            _ => {
+                BrokerStats::add(&stats.bad_frames, 1);
+                ErrorCode::Malformed
+            }
+        };
+        if let Some(session) = self.sessions.get(&id) {
+            warn!(session = id, remote = %session.remote, error = %err, "reliable data link failed");
+        }
+        self.fail(id, code, format!("data link: {err}"));
     }
 
     fn on_frame(&mut self, id: u64, bytes: Bytes) {
@@ -862,6 +904,10 @@ impl EventLoop {
         let left_queued = session
             .conn
             .send(&mut self.endpoints, &mut self.tally.sent, queued);
+        if session.conn.links.failure.is_some() {
+            self.data_link_send_failed(id);
+            return;
+        }
         if left_queued || session.conn.links.has_backlog() {
             // The queued-bytes gauge is kept current while anything waits.
             self.next_timer = self.next_timer.min(self.now + GAUGE_REFRESH);
@@ -962,6 +1008,10 @@ impl EventLoop {
         let empty = session
             .conn
             .flush(&mut self.endpoints, &mut self.tally.sent);
+        if session.conn.links.failure.is_some() {
+            self.data_link_send_failed(id);
+            return;
+        }
         let bound = self.shared.config.limits.max_pending_bytes;
         let drained = session.conn.out.bytes() <= bound / 2;
         if drained {
@@ -1023,16 +1073,40 @@ impl EventLoop {
         self.send(id, frame, false);
     }
 
+    /// A send on the session's reliable data link failed part-way: the
+    /// peer would wait for the lost frame, and nothing may follow it. The
+    /// session ends at once (what it had queued is lost, as across any lost
+    /// connection); the peer reconnects.
+    fn data_link_send_failed(&mut self, id: u64) {
+        let Some(session) = self.sessions.get(&id) else {
+            return;
+        };
+        if session.state == SessionState::Closing {
+            return;
+        }
+        let reason = session.conn.links.failure.clone().unwrap_or_default();
+        BrokerStats::add(&self.shared.stats.link_send_failures, 1);
+        warn!(session = id, remote = %session.remote, %reason, "reliable data link send failed");
+        self.fail(
+            id,
+            ErrorCode::Internal,
+            format!("data link send failed: {reason}"),
+        );
+    }
+
     /// Report a fatal error, then close the session once it is flushed.
     fn fail(&mut self, id: u64, code: ErrorCode, text: String) {
-        if let Some(session) = self.sessions.get(&id) {
-            info!(session = id, remote = %session.remote, ?code, %text, "closing peer");
-        }
+        let Some(session) = self.sessions.get(&id) else {
+            return;
+        };
+        info!(session = id, remote = %session.remote, ?code, %text, "closing peer");
         let frame = error_frame(code, text, true);
-        if code == ErrorCode::SlowConsumer {
-            // A slow consumer's queue would never drain: drop it and say why
-            // on the control link, where nothing waits for the peer's
-            // credit, then close at once.
+        let path_broken = session.conn.links.failure.is_some();
+        if code == ErrorCode::SlowConsumer || path_broken {
+            // A slow consumer's queue would never drain, nor would one
+            // behind a failed data link: drop it and say why on the control
+            // link, where nothing waits for the peer's credit, then close
+            // at once.
             if let Some(session) = self.sessions.get_mut(&id) {
                 session.cut_off = true;
                 session.over_since = None;
@@ -1186,7 +1260,7 @@ impl EventLoop {
     }
 
     /// Do what is due by time: handshakes not completed, heartbeats,
-    /// slow consumers blocking too long, gaps on lossy links, routes to
+    /// slow consumers blocking too long, gaps on data links, routes to
     /// dial; then find the next deadline.
     fn on_timers(&mut self, now: Instant) {
         // What was due is served now; what is left is scheduled anew below.
@@ -1196,7 +1270,7 @@ impl EventLoop {
         let mut expired = Vec::new();
         let mut pings = Vec::new();
         let mut slow = Vec::new();
-        let mut lossy = Vec::new();
+        let mut links_due = Vec::new();
         let mut reports = Vec::new();
         let bound = self.shared.config.limits.max_pending_bytes;
         let mut queued = 0u64;
@@ -1224,13 +1298,14 @@ impl EventLoop {
                 slow.push(id);
                 due = true;
             }
-            if session
-                .conn
-                .links
-                .next_deadline()
-                .is_some_and(|deadline| deadline <= now)
+            if session.state != SessionState::Closing
+                && session
+                    .conn
+                    .links
+                    .next_deadline()
+                    .is_some_and(|deadline| deadline <= now)
             {
-                lossy.push(id);
+                links_due.push(id);
                 due = true;
             }
             if !due {
@@ -1250,7 +1325,7 @@ impl EventLoop {
             .stats
             .queued_bytes
             .store(queued, Ordering::Relaxed);
-        self.poll_lossy_links(now, &lossy);
+        self.poll_links(now, &links_due);
         self.dial_routes(now);
         for &(id, code) in &expired {
             let text = match code {
@@ -1293,7 +1368,7 @@ impl EventLoop {
             .iter()
             .map(|(id, _)| id)
             .chain(&slow)
-            .chain(&lossy)
+            .chain(&links_due)
             .chain(&pings)
         {
             if let Some(deadline) = self
@@ -1318,16 +1393,21 @@ impl EventLoop {
     }
 
     /// Let datagram links give up on gaps whose time has passed, and hand
-    /// on what that releases.
-    fn poll_lossy_links(&mut self, now: Instant, ids: &[u64]) {
+    /// on what that releases; end the sessions whose reliable link has a
+    /// gap that did not fill in time.
+    fn poll_links(&mut self, now: Instant, ids: &[u64]) {
         let mut released = std::mem::take(&mut self.released);
         for &id in ids {
+            let mut result = Ok(());
             if let Some(session) = self.sessions.get_mut(&id) {
-                session.conn.links.poll_lossy(now, &mut released);
+                result = session.conn.links.poll(now, &mut released);
             }
             self.tally.fabric_frames_in += released.len() as u64;
             for frame in released.drain(..) {
                 self.on_frame(id, frame);
+            }
+            if let Err(err) = result {
+                self.reliable_link_failed(id, &err);
             }
         }
         self.released = released;

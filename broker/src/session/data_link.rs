@@ -390,15 +390,17 @@ impl DataLink {
         new
     }
 
-    /// Frames released by the passing of time (lossy links).
-    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) {
+    /// Frames released by the passing of time (lossy links); on a
+    /// reliable link, the failure of a gap that did not fill in time.
+    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) -> Result<(), LinkError> {
         let before = out.len();
-        self.receiver.poll(now, out);
+        let result = self.receiver.poll(now, out);
         self.frames_in += (out.len() - before) as u64;
+        result
     }
 
-    /// When the link next has something to do by time alone (a gap a lossy
-    /// link gives up on); `None` for reliable links.
+    /// When the link next has something to do by time alone: a gap a
+    /// lossy link gives up on, or a reliable link fails on.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.receiver.next_deadline()
     }
@@ -442,6 +444,10 @@ pub(crate) struct DataLinks {
     /// nothing it sends overtakes what is still on the control link.
     pub in_use: bool,
     pub best_effort: Option<DataLink>,
+    /// Why the reliable link may send nothing more: a send failed after its
+    /// frame was numbered, so the peer would wait for that sequence in
+    /// vain. Nothing goes out behind it; the owner ends the connection.
+    pub failure: Option<String>,
 }
 
 impl DataLinks {
@@ -681,10 +687,16 @@ impl DataLinks {
         self.links().any(DataLink::owes_credit)
     }
 
-    /// Frames the best-effort link releases by the passing of time.
-    pub fn poll_lossy(&mut self, now: Instant, out: &mut Vec<Bytes>) {
+    /// Frames the best-effort link releases by the passing of time; the
+    /// reliable link's failure when a gap on it did not fill in time.
+    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) -> Result<(), LinkError> {
         if let Some(link) = &mut self.best_effort {
-            link.poll(now, out);
+            // Lossy links give gaps up rather than fail.
+            let _ = link.poll(now, out);
+        }
+        match &mut self.reliable {
+            Some(link) => link.poll(now, out),
+            None => Ok(()),
         }
     }
 
@@ -721,5 +733,6 @@ impl DataLinks {
             endpoints[link.endpoint].close(link.peer);
         }
         self.in_use = false;
+        self.failure = None;
     }
 }

@@ -92,10 +92,12 @@ pub(crate) struct SendCounts {
 
 /// Send one frame or run on the session's current path: the reliable data
 /// link once in use (nothing while its address is not proven yet), else
-/// the control link. Gives back what the path could
-/// not take (a run's untaken frames, as a run); frames that fail for any
-/// other reason than a full path are dropped here: the link is failing and
-/// its closing event follows.
+/// the control link. Gives back what the path could not take (a run's
+/// untaken frames, as a run). A frame the control link refuses for another
+/// reason than a full path is dropped here: the link is failing and its
+/// closing event follows. A frame the reliable data link fails to send is
+/// lost with the link ([`DataLinks::failure`]): what comes after it is
+/// given back, never sent behind the gap.
 pub(crate) fn transmit(
     endpoints: &mut [Box<dyn Endpoint>],
     control: Control,
@@ -103,28 +105,22 @@ pub(crate) fn transmit(
     counts: &mut SendCounts,
     queued: Queued,
 ) -> Option<Queued> {
-    if links.held() {
+    if links.failure.is_some() || links.held() {
         return Some(queued);
     }
     if let Some(link) = links.sending() {
         let endpoint = endpoints[link.endpoint].as_mut();
-        if !queued.run {
-            let frame = send_on(link, endpoint, counts, queued.frame)?;
-            return Some(Queued { frame, ..queued });
-        }
-        // Data links carry one frame per message: a run is taken apart.
-        let run = queued.frame.head;
-        let mut frames = split_run(&run);
-        let mut sent = 0;
-        loop {
-            let at = frames.offset();
-            let frame = frames.next()?;
-            if send_on(link, endpoint, counts, frame).is_some() {
-                let messages = queued.messages.saturating_sub(sent);
-                return Some(Queued::run(run.slice(at..), messages));
+        let (rest, failure) = if queued.run {
+            send_run_on(link, endpoint, counts, queued)
+        } else {
+            match send_on(link, endpoint, counts, queued.frame) {
+                OnLink::Taken => (None, None),
+                OnLink::Full(frame) => (Some(Queued { frame, ..queued }), None),
+                OnLink::Failed(reason) => (None, Some(reason)),
             }
-            sent += 1;
-        }
+        };
+        links.failure = failure;
+        return rest;
     }
     let endpoint = endpoints[control.endpoint].as_mut();
     let result = if queued.run {
@@ -153,22 +149,69 @@ pub(crate) fn transmit(
     }
 }
 
-/// Send one frame on a data link; gives it back when the link is full.
+/// Data links carry one frame per message: a run is taken apart. Gives
+/// back the frames not taken (from the one the link was full for, or after
+/// the one it failed on) and the failure.
+fn send_run_on(
+    link: &mut DataLink,
+    endpoint: &mut dyn Endpoint,
+    counts: &mut SendCounts,
+    queued: Queued,
+) -> (Option<Queued>, Option<String>) {
+    let run = queued.frame.head;
+    let mut frames = split_run(&run);
+    let mut sent = 0;
+    loop {
+        let at = frames.offset();
+        let Some(frame) = frames.next() else {
+            return (None, None);
+        };
+        match send_on(link, endpoint, counts, frame) {
+            OnLink::Taken => sent += 1,
+            OnLink::Full(_) => {
+                let messages = queued.messages.saturating_sub(sent);
+                return (Some(Queued::run(run.slice(at..), messages)), None);
+            }
+            OnLink::Failed(reason) => {
+                let after = frames.offset();
+                let messages = queued.messages.saturating_sub(sent + 1);
+                let rest = (after < run.len()).then(|| Queued::run(run.slice(after..), messages));
+                return (rest, Some(reason));
+            }
+        }
+    }
+}
+
+/// What a data link did with one frame.
+enum OnLink {
+    /// Sent, or on a datagram link possibly dropped and counted.
+    Taken,
+    /// The link is full: the frame comes back untouched.
+    Full(OutFrame),
+    /// The reliable link failed sending it: the frame is lost, and the
+    /// link with it.
+    Failed(String),
+}
+
+/// Send one frame on a data link.
 fn send_on(
     link: &mut DataLink,
     endpoint: &mut dyn Endpoint,
     counts: &mut SendCounts,
     frame: OutFrame,
-) -> Option<OutFrame> {
+) -> OnLink {
     let result = link.send(endpoint, frame);
     counts.credit_waits += link.take_credit_waits();
     match result {
         Ok(Sent::Accepted) => counts.fabric_frames_out += 1,
         Ok(Sent::Dropped) => {}
-        Ok(Sent::Blocked(frame)) => return Some(frame),
-        Err(reason) => warn!(%reason, "data link send failed"),
+        Ok(Sent::Blocked(frame)) => return OnLink::Full(frame),
+        Err(reason) => {
+            warn!(%reason, "reliable data link send failed");
+            return OnLink::Failed(reason.to_string());
+        }
     }
-    None
+    OnLink::Taken
 }
 
 /// What the slow-consumer policy made of a queue over its bound.
@@ -240,11 +283,19 @@ impl Outbound {
         links: &mut DataLinks,
         counts: &mut SendCounts,
     ) -> bool {
+        if links.failure.is_some() {
+            return false;
+        }
         if let Some(link) = links.sending() {
             match link.flush(endpoints[link.endpoint].as_mut()) {
                 Ok(true) => {}
                 Ok(false) => return false,
-                Err(reason) => warn!(%reason, "data link send failed"),
+                Err(reason) => {
+                    // The piece that failed is lost: nothing may follow it.
+                    warn!(%reason, "reliable data link send failed");
+                    links.failure = Some(reason.to_string());
+                    return false;
+                }
             }
         }
         while let Some(queued) = self.queue.pop_front() {
@@ -501,6 +552,194 @@ mod tests {
         assert_eq!(out.bytes(), 0);
         let order: Vec<u8> = taken.lock().unwrap().iter().map(|f| f[PREFIX]).collect();
         assert_eq!(order, b"1231");
+    }
+
+    /// What an endpoint took, in order.
+    type Taken = Arc<Mutex<Vec<Bytes>>>;
+
+    /// A reliable data endpoint whose sends are scripted: the `block_at`-th
+    /// is refused as full, and every one from the `fail_at`-th on fails.
+    struct Fabric {
+        fail_at: usize,
+        block_at: Option<usize>,
+        calls: usize,
+        taken: Arc<Mutex<Vec<Bytes>>>,
+    }
+
+    impl Endpoint for Fabric {
+        fn scheme(&self) -> &str {
+            "efa-rdm"
+        }
+        fn local_addr(&self) -> Vec<u8> {
+            Vec::new()
+        }
+        fn max_frame(&self) -> usize {
+            // Small enough that a frame of a few hundred bytes goes in pieces.
+            codec::FRAGMENT_OVERHEAD + 64
+        }
+        fn connect(&mut self, _: &str) -> Result<PeerId, efabus_core::transport::TransportError> {
+            Ok(PeerId(9))
+        }
+        fn insert_peer(
+            &mut self,
+            _: &[u8],
+            _: &efabus_core::transport::LinkKeys,
+        ) -> Result<PeerId, efabus_core::transport::TransportError> {
+            Ok(PeerId(9))
+        }
+        fn send(&mut self, _: PeerId, frame: OutFrame) -> Result<(), SendError> {
+            self.calls += 1;
+            if self.block_at == Some(self.calls) {
+                self.block_at = None;
+                return Err(SendError::WouldBlock(frame));
+            }
+            if self.calls >= self.fail_at {
+                return Err(SendError::Transport(
+                    efabus_core::transport::TransportError::Other("completion error".into()),
+                ));
+            }
+            self.taken.lock().unwrap().push(frame.to_bytes());
+            Ok(())
+        }
+        fn poll(
+            &mut self,
+            _: &mut Vec<efabus_core::transport::Event>,
+        ) -> Result<(), efabus_core::transport::TransportError> {
+            Ok(())
+        }
+        fn close(&mut self, _: PeerId) {}
+        fn readiness(&self) -> efabus_core::transport::Readiness {
+            efabus_core::transport::Readiness::MustPoll
+        }
+        fn queued_bytes(&self, _: PeerId) -> usize {
+            0
+        }
+    }
+
+    /// A control link (endpoint 0, taking everything) and a reliable data
+    /// link in use over a scripted fabric endpoint (endpoint 1).
+    fn with_data_link(
+        fail_at: usize,
+        block_at: Option<usize>,
+    ) -> (Vec<Box<dyn Endpoint>>, DataLinks, Taken, Taken) {
+        use efabus_core::caps::{negotiate, parse_fi_info_dump, Offer};
+        let infos = parse_fi_info_dump(include_str!(
+            "../../../core/tests/fixtures/efa-fi_info-v.txt"
+        ))
+        .expect("fixture parses");
+        let offer = |id: u8| vec![Offer::from_info("efa-rdm", &infos[0], vec![id; 32])];
+        let choice = negotiate(&offer(1), &offer(2), &["efa-rdm"])
+            .expect("both offer efa-rdm")
+            .reliable;
+        let (control, fabric) = (Arc::default(), Arc::default());
+        let mut endpoints = wire(usize::MAX, &control);
+        endpoints.push(Box::new(Fabric {
+            fail_at,
+            block_at,
+            calls: 0,
+            taken: Arc::clone(&fabric),
+        }));
+        let keys = efabus_core::transport::LinkKeys {
+            send_key: [1; 32],
+            receive_key: [2; 32],
+            local_id: 1,
+            remote_id: 2,
+        };
+        let link = DataLink::open(
+            1,
+            endpoints[1].as_mut(),
+            &choice,
+            &efabus_core::link::LinkTuning::default(),
+            &keys,
+            super::super::data_link::Proof::Proven,
+        )
+        .unwrap_or_else(|_| panic!("the link opens"));
+        let links = DataLinks {
+            reliable: Some(link),
+            in_use: true,
+            ..DataLinks::default()
+        };
+        (endpoints, links, control, fabric)
+    }
+
+    /// A publish of `len` bytes in all, as the broker sends them.
+    fn message(len: usize) -> Vec<u8> {
+        frame(&[0x10u8].repeat(len - PREFIX))
+    }
+
+    #[test]
+    fn a_send_that_fails_part_way_fails_the_link_and_nothing_follows_it() {
+        // Each 300-byte frame takes five pieces; the twelfth piece fails.
+        let (mut endpoints, mut links, control, fabric) = with_data_link(12, None);
+        let mut counts = SendCounts::default();
+        let first = Queued::frame(OutFrame::whole(Bytes::from(message(300))), true);
+        assert!(transmit(&mut endpoints, CONTROL, &mut links, &mut counts, first).is_none());
+        assert!(links.failure.is_none());
+        // A run of three: the second frame fails on its second piece; it is
+        // lost with the link, the third is given back unsent.
+        let run = Bytes::from([message(300), message(300), message(200)].concat());
+        let rest = transmit(
+            &mut endpoints,
+            CONTROL,
+            &mut links,
+            &mut counts,
+            Queued::run(run, 3),
+        )
+        .expect("what follows the failed frame comes back");
+        assert!(rest.run);
+        assert_eq!(rest.messages, 1);
+        assert_eq!(rest.frame.to_bytes(), Bytes::from(message(200)));
+        let reason = links.failure.clone().expect("the link has failed");
+        assert!(reason.contains("completion error"), "{reason}");
+        assert_eq!(
+            fabric.lock().unwrap().len(),
+            11,
+            "ten pieces, then one of the failed frame"
+        );
+        assert_eq!(counts.fabric_frames_out, 2);
+
+        // Nothing more goes out, on the data link or the control link.
+        let mut out = Outbound::default();
+        assert!(out.send(
+            &mut endpoints,
+            CONTROL,
+            &mut links,
+            &mut counts,
+            Queued::frame(OutFrame::whole(Bytes::from(message(20))), true),
+        ));
+        assert!(!out.flush(&mut endpoints, CONTROL, &mut links, &mut counts));
+        assert_eq!(out.bytes(), 20);
+        assert_eq!(fabric.lock().unwrap().len(), 11);
+        assert!(control.lock().unwrap().is_empty());
+        // Closing the links clears the failure for the next connection.
+        links.close(&mut endpoints);
+        assert!(links.failure.is_none());
+    }
+
+    #[test]
+    fn a_backlog_piece_that_fails_fails_the_link() {
+        // The third piece finds the endpoint full (the frame's other pieces
+        // wait in the backlog), and the first try again fails.
+        let (mut endpoints, mut links, control, fabric) = with_data_link(4, Some(3));
+        let mut counts = SendCounts::default();
+        let mut out = Outbound::default();
+        let frame = Queued::frame(OutFrame::whole(Bytes::from(message(300))), true);
+        assert!(!out.send(&mut endpoints, CONTROL, &mut links, &mut counts, frame));
+        assert!(links.has_backlog());
+        assert!(links.failure.is_none());
+        assert!(!out.flush(&mut endpoints, CONTROL, &mut links, &mut counts));
+        assert!(links.failure.is_some());
+        assert_eq!(fabric.lock().unwrap().len(), 2);
+        assert!(transmit(
+            &mut endpoints,
+            CONTROL,
+            &mut links,
+            &mut counts,
+            Queued::frame(OutFrame::whole(Bytes::from(message(20))), true),
+        )
+        .is_some());
+        assert_eq!(fabric.lock().unwrap().len(), 2);
+        assert!(control.lock().unwrap().is_empty());
     }
 
     #[test]

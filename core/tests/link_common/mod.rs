@@ -6,8 +6,9 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use efabus_core::budget::MemoryBudget;
 use efabus_core::fragment::ReassemblyConfig;
-use efabus_core::link::{LinkConfig, LinkReceiver};
+use efabus_core::link::{LinkConfig, LinkError, LinkReceiver};
 use efabus_core::transport::OutFrame;
 
 /// Smallest test frame: prefix, kind, 8-byte id.
@@ -36,7 +37,8 @@ pub fn frame_id(frame: &[u8]) -> u64 {
     u64::from_le_bytes(id)
 }
 
-/// A link config with explicit values.
+/// A link config with explicit values; on reliable links a gap may go
+/// unfilled for `gap` too before the link fails.
 pub fn config(
     frame_limit: usize,
     sequenced: bool,
@@ -50,26 +52,30 @@ pub fn config(
         sequenced,
         lossy,
         gap_timeout: gap,
+        reliable_gap_timeout: gap,
         reorder_window: window,
         reassembly: ReassemblyConfig {
             timeout: reassembly_timeout,
             ..ReassemblyConfig::default()
         },
+        memory: MemoryBudget::unlimited(),
     }
 }
 
 /// Poll far past every timeout, then at each deadline, until nothing is
-/// due; returns what was released. Fails the test if it never settles.
-pub fn settle(rx: &mut LinkReceiver, from: Instant, out: &mut Vec<Bytes>) {
+/// due, appending what is released to `out`. A reliable link whose gap
+/// timed out has failed: its error ends the settling. Fails the test if
+/// the receiver never settles.
+pub fn settle(rx: &mut LinkReceiver, from: Instant, out: &mut Vec<Bytes>) -> Result<(), LinkError> {
     let mut now = from + Duration::from_secs(3600);
-    rx.poll(now, out);
+    rx.poll(now, out)?;
     for _ in 0..8 {
         match rx.next_deadline() {
             Some(deadline) => {
                 now = now.max(deadline);
-                rx.poll(now, out);
+                rx.poll(now, out)?;
             }
-            None => return,
+            None => return Ok(()),
         }
     }
     panic!("receiver did not settle: deadline {:?}", rx.next_deadline());

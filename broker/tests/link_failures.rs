@@ -1,0 +1,337 @@
+//! A reliable fabric data link that loses a message, end to end: the
+//! broker's `[testing.faults]` injector drops frames on its `efa-rdm`
+//! endpoint (libfabric's `tcp;ofi_rxm` over loopback), those it receives
+//! from a publishing client or those it sends to a subscribing one, so
+//! frames wait behind a sequence that never comes.
+//!
+//! The link must fail within the reliable gap timeout (250 ms), not stall
+//! until the heartbeat gives the session up 10 s later, or sooner when what
+//! waits behind the gap reaches the broker's memory bound; the side that
+//! saw it counts it, and the client reconnects and carries on.
+//!
+//! The injector wraps every endpoint of the broker, the TCP one included,
+//! at the same low rate: a dropped handshake frame only delays a
+//! connection, which the waits allow for.
+//!
+//! The provider is skipped with a message where it cannot open, unless
+//! `EFABUS_REQUIRE_FABRIC=1` (CI), as in `fabric_paths`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use efabus_broker::{Broker, Client, ClientOptions, Config, Error, RecvError};
+use efabus_transports::registry::Registry;
+
+const PROVIDER: &str = "tcp;ofi_rxm";
+/// Bound on the whole test; everything normally happens well within it.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Whether a provider that cannot open must fail the test (CI).
+fn fabric_required() -> bool {
+    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
+}
+
+/// A broker on TCP and `efa-rdm` whose endpoints drop frames as `faults`
+/// (the `[testing.faults]` table) says, with `limits` as its `[limits]`
+/// table; `None` when the provider cannot open here and the fabric is not
+/// required.
+fn start_broker(faults: &str, limits: &str) -> Option<Broker> {
+    let text = format!(
+        "name = \"link-failures\"\nlisten = [\"tcp/127.0.0.1:0\", \"efa-rdm\"]\n\
+         [limits]\n{limits}\n\
+         [fabric]\nprovider = \"{PROVIDER}\"\nnode = \"127.0.0.1\"\nmax_frame = 65536\n\
+         [testing.faults]\n{faults}\n"
+    );
+    let config = Config::from_toml_str(&text, "link failure test").expect("valid test config");
+    match Broker::start(config) {
+        Ok(broker) if broker.endpoint("efa-rdm").is_none() => {
+            assert!(
+                !fabric_required(),
+                "EFABUS_REQUIRE_FABRIC=1 but provider {PROVIDER} did not open"
+            );
+            eprintln!("skipping: provider {PROVIDER} cannot open here");
+            None
+        }
+        Ok(broker) => Some(broker),
+        Err(err @ Error::Endpoint { .. }) if !fabric_required() => {
+            eprintln!(
+                "skipping: provider {PROVIDER} cannot open here: {err} \
+                 (set EFABUS_REQUIRE_FABRIC=1 to fail instead)"
+            );
+            None
+        }
+        Err(err) => panic!("broker with provider {PROVIDER} does not start: {err}"),
+    }
+}
+
+/// A client on the broker's fabric, checked to use it.
+fn fabric_client(broker: &Broker, name: &str) -> Client {
+    let options = ClientOptions {
+        name: name.into(),
+        connect_timeout: Duration::from_secs(5),
+        data_paths: vec!["efa-rdm".to_string()],
+        fabric: broker.config().fabric.clone(),
+        ..ClientOptions::default()
+    };
+    let endpoint = broker.endpoint("tcp").expect("the broker listens on TCP");
+    let client = Client::connect_with(&endpoint, options, Registry::with_builtins())
+        .unwrap_or_else(|err| panic!("{name} connects: {err}"));
+    let link = client.link();
+    assert!(
+        link.reliable.starts_with("efa-rdm via ") && link.reliable.contains(PROVIDER),
+        "the reliable path should be efa-rdm via {PROVIDER}: {link:?}"
+    );
+    client
+}
+
+fn stat(broker: &Broker, name: &str) -> u64 {
+    broker
+        .stats()
+        .snapshot()
+        .into_iter()
+        .find(|(key, _)| *key == name)
+        .map(|(_, value)| value)
+        .unwrap_or_else(|| panic!("no stat {name}"))
+}
+
+/// Publish numbered messages of `len` bytes through `publish` from
+/// another thread, ten every 5 ms, until `stop`; every publish must be
+/// accepted (losses are the link's to detect, not the publisher's).
+/// Returns how many.
+fn spawn_publisher(
+    len: usize,
+    publish: impl Fn(Vec<u8>) + Send + 'static,
+    stop: Arc<AtomicBool>,
+) -> thread::JoinHandle<u64> {
+    thread::spawn(move || {
+        let mut seq = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            for _ in 0..10 {
+                let mut payload = vec![0u8; len.max(8)];
+                payload[..8].copy_from_slice(&seq.to_le_bytes());
+                publish(payload);
+                seq += 1;
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+        seq
+    })
+}
+
+fn seq_of(payload: &[u8]) -> u64 {
+    u64::from_le_bytes(payload[..8].try_into().expect("8 bytes"))
+}
+
+/// What a subscriber saw: each message's number and arrival, and when the
+/// link failure was first counted.
+struct Seen {
+    received: Vec<(u64, Instant)>,
+    failed_at: Option<Instant>,
+    after_failure: usize,
+}
+
+/// Receive until `failures()` counts a failure, `reconnects()` one
+/// reconnection, and `enough` messages arrived after the failure (or
+/// [`WAIT`] passed); messages must come in increasing order.
+fn watch(
+    recv: impl Fn() -> Result<efabus_broker::Message, RecvError>,
+    failures: impl Fn() -> u64,
+    reconnects: impl Fn() -> u64,
+    enough: usize,
+) -> Seen {
+    let start = Instant::now();
+    let mut seen = Seen {
+        received: Vec::new(),
+        failed_at: None,
+        after_failure: 0,
+    };
+    while start.elapsed() < WAIT {
+        match recv() {
+            Ok(message) => {
+                let seq = seq_of(&message.payload);
+                if let Some(&(last, _)) = seen.received.last() {
+                    assert!(seq > last, "message {seq} after {last}: out of order");
+                }
+                seen.received.push((seq, Instant::now()));
+                if seen.failed_at.is_some() {
+                    seen.after_failure += 1;
+                }
+            }
+            Err(RecvError::Timeout) => {}
+            Err(err) => panic!("subscription ended: {err}"),
+        }
+        if seen.failed_at.is_none() && failures() > 0 {
+            seen.failed_at = Some(Instant::now());
+        }
+        if seen.failed_at.is_some() && reconnects() > 0 && seen.after_failure >= enough {
+            break;
+        }
+    }
+    seen
+}
+
+/// Check that the link failed promptly after the first lost message, and
+/// that traffic resumed soon after.
+fn check_prompt_failure(seen: &Seen, published: u64) {
+    let failed_at = seen.failed_at.expect("a gap failed the reliable link");
+    let received = &seen.received;
+    let gap = received
+        .windows(2)
+        .position(|pair| pair[1].0 != pair[0].0 + 1)
+        .expect("messages were lost at the gap");
+    let (last_before, before_at) = received[gap];
+    let (first_after, resumed_at) = received[gap + 1];
+    let stalled = failed_at.saturating_duration_since(before_at);
+    let resumed = resumed_at.saturating_duration_since(before_at);
+    eprintln!(
+        "published {published}, received {}; messages {}..{first_after} lost; link failed \
+         {stalled:?} after the last message before the gap, traffic resumed after {resumed:?}",
+        received.len(),
+        last_before + 1,
+    );
+    // The gap timeout is 250 ms; the heartbeat would have taken 10 s.
+    assert!(
+        stalled < Duration::from_secs(1),
+        "the link failed {stalled:?} after the gap"
+    );
+    assert!(
+        resumed < Duration::from_secs(5),
+        "traffic resumed only after {resumed:?}"
+    );
+    assert!(
+        seen.after_failure >= 200,
+        "only {} messages after the failure",
+        seen.after_failure
+    );
+}
+
+/// A message from a client dropped on the reliable data link fails the
+/// link within the gap timeout instead of stalling it until the heartbeat:
+/// the broker ends the session well before the 10 s heartbeat timeout and
+/// counts the gap (not as a malformed frame), the client reconnects, and
+/// messages flow again, still in publish order.
+#[test]
+fn a_message_lost_towards_the_broker_fails_the_session_promptly() {
+    let Some(broker) = start_broker("seed = 7\ndrop = 0.002", "") else {
+        return;
+    };
+    let sub = broker.subscribe("gap.test").expect("subscribe");
+    let client = Arc::new(fabric_client(&broker, "gap-publisher"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let publisher = {
+        let client = client.clone();
+        spawn_publisher(
+            64,
+            move |payload| client.publish("gap.test", payload).expect("publish"),
+            stop.clone(),
+        )
+    };
+    let seen = watch(
+        || sub.recv_timeout(Duration::from_millis(2)),
+        || stat(&broker, "link_gap_failures"),
+        || client.reconnects(),
+        200,
+    );
+    stop.store(true, Ordering::Relaxed);
+    let published = publisher.join().expect("publisher thread");
+
+    check_prompt_failure(&seen, published);
+    assert!(client.reconnects() >= 1, "the client reconnected");
+    assert!(stat(&broker, "connections_total") >= 2);
+    assert_eq!(
+        stat(&broker, "bad_frames"),
+        0,
+        "a gap is not a malformed frame"
+    );
+    assert_eq!(client.link().link_gap_failures, 0, "the broker saw the gap");
+    drop(client);
+    broker.shutdown();
+}
+
+/// The other way: a message the broker sends a subscribing client is
+/// dropped; the client's reliable link fails within the gap timeout, the
+/// client counts it, reconnects, subscribes again and receives again.
+#[test]
+fn a_message_lost_towards_a_client_fails_its_connection_promptly() {
+    let Some(broker) = start_broker("seed = 11\ndirection = \"send\"\ndrop = 0.002", "") else {
+        return;
+    };
+    let client = fabric_client(&broker, "gap-subscriber");
+    let sub = client.subscribe("gap.test").expect("subscribe");
+    client.flush(WAIT).expect("subscribed");
+    let broker = Arc::new(broker);
+    let stop = Arc::new(AtomicBool::new(false));
+    let publisher = {
+        let broker = broker.clone();
+        spawn_publisher(
+            64,
+            move |payload| broker.publish("gap.test", payload).expect("publish"),
+            stop.clone(),
+        )
+    };
+    let seen = watch(
+        || sub.recv_timeout(Duration::from_millis(2)),
+        || client.link().link_gap_failures,
+        || client.reconnects(),
+        200,
+    );
+    stop.store(true, Ordering::Relaxed);
+    let published = publisher.join().expect("publisher thread");
+
+    check_prompt_failure(&seen, published);
+    assert!(client.reconnects() >= 1, "the client reconnected");
+    assert_eq!(
+        stat(&broker, "link_gap_failures"),
+        0,
+        "the client saw the gap"
+    );
+    drop(client);
+    broker.shutdown();
+}
+
+/// Frames held behind a lost message count against the broker's memory
+/// for all data links (`limits.max_link_memory`, here 256 KiB): a
+/// publisher of 16 KiB messages reaches it long before the gap timeout, and
+/// the session fails on the memory bound, counted in
+/// `link_memory_refusals`; the client reconnects and carries on.
+#[test]
+fn frames_held_behind_a_lost_message_stay_within_the_shared_memory_bound() {
+    let Some(broker) = start_broker(
+        "seed = 7\ndrop = 0.002",
+        "max_payload = 65536\nmax_link_memory = 262144",
+    ) else {
+        return;
+    };
+    let sub = broker.subscribe("gap.test").expect("subscribe");
+    let client = Arc::new(fabric_client(&broker, "memory-publisher"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let publisher = {
+        let client = client.clone();
+        spawn_publisher(
+            16 << 10,
+            move |payload| client.publish("gap.test", payload).expect("publish"),
+            stop.clone(),
+        )
+    };
+    let seen = watch(
+        || sub.recv_timeout(Duration::from_millis(2)),
+        || stat(&broker, "link_memory_refusals"),
+        || client.reconnects(),
+        200,
+    );
+    stop.store(true, Ordering::Relaxed);
+    let published = publisher.join().expect("publisher thread");
+
+    check_prompt_failure(&seen, published);
+    assert!(client.reconnects() >= 1, "the client reconnected");
+    assert_eq!(
+        stat(&broker, "link_gap_failures"),
+        0,
+        "the memory bound came first"
+    );
+    assert_eq!(stat(&broker, "bad_frames"), 0);
+    drop(client);
+    broker.shutdown();
+}
