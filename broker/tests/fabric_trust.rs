@@ -540,11 +540,7 @@ fn send_all_quietly(
         .is_err()
     {
         attacker.poll(&mut Vec::new()).expect("poll attacker");
-        assert!(
-            Instant::now() < deadline,
-            "attacker cannot send: {:?}",
-            attacker.stats()
-        );
+        assert!(Instant::now() < deadline, "attacker cannot send");
     }
     attacker.poll(&mut Vec::new()).expect("poll attacker");
 }

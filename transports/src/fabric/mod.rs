@@ -52,6 +52,8 @@ pub mod convert;
 pub mod error;
 pub mod layout;
 
+#[cfg(not(efabus_libfabric))]
+mod absent;
 #[cfg(efabus_libfabric)]
 pub mod endpoint;
 #[cfg(efabus_libfabric)]
@@ -65,6 +67,8 @@ pub mod pool;
 #[cfg(efabus_libfabric)]
 mod sys;
 
+#[cfg(not(efabus_libfabric))]
+pub use absent::FabricEndpoint;
 pub use attrs::InfoAttrs;
 pub use config::{
     addr_from_hex, addr_to_hex, EpKind, FabricOptionError, FabricOptions, OrderWanted,
@@ -218,6 +222,15 @@ impl FabricTransport {
             scheme: self.kind.scheme().to_string(),
             reason: err.to_string(),
         }
+    }
+
+    /// Without libfabric no endpoint opens: the reason is reported.
+    #[cfg(not(efabus_libfabric))]
+    pub fn open_fabric(&self, config: &EndpointConfig) -> Result<FabricEndpoint, TransportError> {
+        let _ = config;
+        Err(self.unavailable(&FabricError::NotBuilt(
+            env!("EFABUS_LIBFABRIC_MISSING").to_string(),
+        )))
     }
 
     /// Opens an endpoint with its concrete type, for callers that want
