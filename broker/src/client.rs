@@ -42,7 +42,7 @@ use mio::{Interest, Poll, Token, Waker};
 use parking_lot::{Condvar, Mutex};
 // Subscription ids are small integers this side assigns.
 use rustc_hash::{FxHashMap as HashMap, FxHashSet};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::broker::unique_seed;
 use crate::commands::Parker;
@@ -1084,7 +1084,7 @@ impl ClientLoop {
             self.on_events(&mut events);
             for index in CONTROL + 1..self.endpoints.len() {
                 if let Err(err) = self.endpoints[index].poll(&mut events) {
-                    warn!(error = %err, "data endpoint poll failed");
+                    self.data_endpoint_failed(index, &err, now);
                 }
                 busy |= !events.is_empty();
                 for event in events.drain(..) {
@@ -1236,6 +1236,35 @@ impl ClientLoop {
                 debug!(server = %self.shared.server, error = %err, "connect failed");
                 self.link_lost(now);
             }
+        }
+    }
+
+    /// A data endpoint's poll failed: it is offered no more, and a
+    /// connection with a data link on it starts again without it (a link
+    /// that cannot be polled would lose what it carries without a word).
+    fn data_endpoint_failed(
+        &mut self,
+        index: usize,
+        err: &efabus_core::transport::TransportError,
+        now: Instant,
+    ) {
+        let scheme = self.endpoints[index].scheme().to_string();
+        if !self.offers.iter().any(|offer| offer.scheme == scheme) {
+            return;
+        }
+        error!(%scheme, error = %err, "data endpoint failed; reconnecting without it");
+        self.offers.retain(|offer| offer.scheme != scheme);
+        self.unavailable
+            .push(format!("{scheme}: the endpoint failed: {err}"));
+        if self
+            .conn
+            .links
+            .addresses()
+            .any(|(endpoint, _)| endpoint == index)
+        {
+            let control = self.conn.control.peer;
+            self.endpoints[CONTROL].close(control);
+            self.link_lost(now);
         }
     }
 

@@ -31,9 +31,11 @@ use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{DeliveryClass, Dropped, ErrorCode, ErrorFrame, Frame, Goodbye};
 use efabus_core::link::{LinkError, LinkTuning};
 use efabus_core::subject;
-use efabus_core::transport::{CloseReason, Endpoint, Event, OutFrame, PeerId, Refused};
+use efabus_core::transport::{
+    CloseReason, Endpoint, Event, OutFrame, PeerId, Refused, TransportError,
+};
 use mio::{Poll, Token};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::auth_guard::AuthGuard;
 use crate::broker::{deliver_local, BrokerStats, Command, Shared};
@@ -118,6 +120,9 @@ pub(crate) struct EventLoop {
     timers_ran: Instant,
     /// Failed authentications per remote address.
     auth_guard: AuthGuard,
+    /// When a failed poll was last logged, and how many failures since.
+    poll_error_logged: Option<Instant>,
+    poll_errors_held: u64,
 }
 
 /// A payload being delivered: its bytes, and the buffer they lie in, so a
@@ -200,6 +205,8 @@ impl EventLoop {
             next_timer: Instant::now(),
             timers_ran: Instant::now(),
             auth_guard: AuthGuard::default(),
+            poll_error_logged: None,
+            poll_errors_held: 0,
         }
     }
 
@@ -266,7 +273,7 @@ impl EventLoop {
         for index in 0..self.endpoints.len() {
             events.clear();
             if let Err(err) = self.endpoints[index].poll(events) {
-                warn!(error = %err, "endpoint poll failed");
+                self.endpoint_failed(index, &err);
             }
             busy |= !events.is_empty();
             // Frames come in runs from one peer: its session is looked up
@@ -1101,12 +1108,13 @@ impl EventLoop {
         };
         info!(session = id, remote = %session.remote, ?code, %text, "closing peer");
         let frame = error_frame(code, text, true);
-        let path_broken = session.conn.links.failure.is_some();
+        // A queue behind a failed data link never drains, nor does one
+        // held for a data link whose address was never proven.
+        let path_broken = session.conn.links.failure.is_some() || session.conn.links.held();
         if code == ErrorCode::SlowConsumer || path_broken {
-            // A slow consumer's queue would never drain, nor would one
-            // behind a failed data link: drop it and say why on the control
-            // link, where nothing waits for the peer's credit, then close
-            // at once.
+            // A slow consumer's queue would never drain either: drop it and
+            // say why on the control link, where nothing waits for the
+            // peer's credit, then close at once.
             if let Some(session) = self.sessions.get_mut(&id) {
                 session.cut_off = true;
                 session.over_since = None;
@@ -1152,6 +1160,46 @@ impl EventLoop {
         }
         if self.blocking.remove(&id) && self.blocking.is_empty() {
             self.set_reads_paused(false);
+        }
+    }
+
+    /// An endpoint's poll failed. A fabric endpoint is taken out of
+    /// service: it is offered to no new peer, and the sessions with a data
+    /// link on it end, so their peers reconnect onto what still works (a
+    /// data link that can no longer be polled would lose what it carries
+    /// without a word). Other endpoints report the error, at most once a
+    /// second.
+    fn endpoint_failed(&mut self, index: usize, err: &TransportError) {
+        let scheme = self.endpoints[index].scheme().to_string();
+        if !endpoints::is_data_scheme(&scheme) {
+            let due = self
+                .poll_error_logged
+                .is_none_or(|at| self.now.duration_since(at) >= Duration::from_secs(1));
+            if due {
+                let held_back = std::mem::take(&mut self.poll_errors_held);
+                warn!(%scheme, error = %err, held_back, "endpoint poll failed");
+                self.poll_error_logged = Some(self.now);
+            } else {
+                self.poll_errors_held += 1;
+            }
+            return;
+        }
+        if self.offers.iter().any(|offer| offer.scheme == scheme) {
+            error!(%scheme, error = %err, "fabric endpoint failed; new peers stay off it");
+            self.offers.retain(|offer| offer.scheme != scheme);
+        }
+        let affected: Vec<u64> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.conn.links.addresses().any(|(e, _)| e == index))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in affected {
+            self.fail(
+                id,
+                ErrorCode::Internal,
+                format!("the broker's {scheme} endpoint failed: {err}"),
+            );
         }
     }
 
