@@ -93,6 +93,9 @@ pub struct BrokerStats {
     pub fabric_unknown_links: AtomicU64,
     pub fabric_forged: AtomicU64,
     pub fabric_replayed: AtomicU64,
+    /// Sessions ended because the peer never answered the nonce sent to
+    /// the fabric address it gave.
+    pub unproven_addresses: AtomicU64,
 }
 
 impl BrokerStats {
@@ -133,6 +136,7 @@ impl BrokerStats {
             ("fabric_unknown_links", get(&self.fabric_unknown_links)),
             ("fabric_forged", get(&self.fabric_forged)),
             ("fabric_replayed", get(&self.fabric_replayed)),
+            ("unproven_addresses", get(&self.unproven_addresses)),
         ]
     }
 }

@@ -59,6 +59,9 @@ pub use client::{Client, ClientOptions, ConnectionState};
 pub use config::{Config, ConfigError, SlowConsumerPolicy};
 pub use delivery::{Message, Subscription, SubscriptionStats};
 pub use error::{Error, RecvError};
+/// How a session's data links agree their keys (for peers written apart
+/// from [`Client`]).
+pub use session::link_auth;
 
 /// The operations shared by the embedded [`Broker`] and the remote [`Client`].
 pub trait PubSub: Send + Sync {

@@ -533,3 +533,105 @@ fn send_one(attacker: &mut FabricEndpoint, to: efabus_core::transport::PeerId, f
     }
     attacker.poll(&mut Vec::new()).expect("poll attacker");
 }
+
+/// An impostor that does use the data link: it offers the victim's fabric
+/// address, agrees real keys, and sends the broker authenticated frames
+/// from its own endpoint under the victim's address. The broker asks for
+/// proof at that address, where nobody answers: the impostor's traffic is
+/// held (it never receives a frame on the fabric), the challenge is asked
+/// a few times, one per heartbeat, and then the session ends, counted.
+/// The victim loses nothing.
+#[test]
+fn an_address_never_proven_gets_no_traffic_and_ends_the_session() {
+    use efabus_broker::link_auth::{HandshakeRole, LinkSecret};
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let text = format!(
+        "name = \"trust\"\nlisten = [\"tcp/127.0.0.1:0\", \"efa-rdm\"]\n\
+         [heartbeat]\ninterval_ms = 200\ntimeout_ms = 5000\n{}",
+        fabric_table(PROVIDER)
+    );
+    let config = Config::from_toml_str(&text, "trust test").expect("valid test config");
+    let broker = match Broker::start(config) {
+        Ok(broker) if broker.endpoint("efa-rdm").is_some() => broker,
+        _ if !fabric_required() => return,
+        _ => panic!("EFABUS_REQUIRE_FABRIC=1 but {PROVIDER} did not open"),
+    };
+    let victim = fabric_client(&broker, "victim");
+    let sub = victim.subscribe("mine.>").unwrap();
+    victim.flush(WAIT).unwrap();
+    let victim_address =
+        addr_from_hex(victim.link().fabric_address.as_deref().expect("address")).unwrap();
+
+    let mut attacker = attacker_endpoint();
+    let mut offer = efabus_broker::endpoints::offer_for(&attacker).expect("an offer");
+    offer.address = victim_address.clone();
+    let secret = LinkSecret::new().expect("a secret");
+    let mut impostor = RawPeer::connect(&broker);
+    impostor.send(&Frame::Hello(efabus_core::frame::Hello {
+        version: efabus_core::frame::PROTOCOL_VERSION,
+        name: "impostor".into(),
+        credentials: None,
+        offers: vec![offer],
+        link_auth: Some(secret.auth().clone()),
+    }));
+    let Frame::Welcome(welcome) = impostor.expect("welcome", |f| matches!(f, Frame::Welcome(_)))
+    else {
+        unreachable!()
+    };
+    let keys = secret
+        .keys(
+            HandshakeRole::Dialer,
+            welcome.link_auth.as_ref().expect("the broker's part"),
+            "efa-rdm",
+        )
+        .expect("keys");
+    let to_broker = attacker
+        .insert_peer(&broker_fabric_address(&broker), &keys)
+        .expect("insert the broker");
+    attacker.claim_address(&victim_address);
+    // Sequence 1 on the data link: the first frame, which starts the
+    // proof; then a subscription, whose matches would come back.
+    let subscribe = Frame::Subscribe(efabus_core::frame::Subscribe {
+        sid: 1,
+        pattern: "mine.>".into(),
+        queue: None,
+        class: efabus_core::frame::DeliveryClass::Reliable,
+    });
+    send_all(
+        &mut attacker,
+        to_broker,
+        &[piece(1, &Frame::Ping { nonce: 0 }), piece(2, &subscribe)],
+    );
+    let publisher = fabric_client(&broker, "publisher");
+    for n in 0..50u32 {
+        publisher
+            .publish("mine.data", Bytes::from(n.to_string()))
+            .unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    for n in 0..50u32 {
+        let message = sub.recv_timeout(WAIT).expect("the victim's message");
+        assert_eq!(message.payload, Bytes::from(n.to_string()));
+    }
+    // The impostor's session ends for want of proof, counted; it got
+    // nothing on the fabric, and its control link says why.
+    assert!(
+        eventually(|| stat(&broker, "unproven_addresses") == 1),
+        "{:?}",
+        broker.stats().snapshot()
+    );
+    let error = impostor.expect("the reason", |f| matches!(f, Frame::Error(_)));
+    assert!(format!("{error:?}").contains("fabric address"), "{error:?}");
+    let mut events = Vec::new();
+    attacker.poll(&mut events).expect("poll attacker");
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, efabus_core::transport::Event::Frame { .. })),
+        "nothing reached the impostor's own endpoint"
+    );
+    assert_eq!(victim.reconnects(), 0);
+    assert_eq!(stat(&broker, "connections"), 2, "victim and publisher");
+}

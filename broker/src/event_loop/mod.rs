@@ -919,6 +919,22 @@ impl EventLoop {
             // The queued-bytes gauge is kept current while anything waits.
             self.next_timer = self.next_timer.min(self.now + GAUGE_REFRESH);
         }
+        if left_queued
+            && session.conn.links.held()
+            && session.conn.out.bytes() > self.shared.config.limits.max_pending_bytes
+        {
+            // Held for a proof that has not come, the queue is over its
+            // bound with frames the slow-consumer policy does not trim
+            // (answers to the peer's own pings): the peer is not receiving
+            // where it said.
+            BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
+            self.fail(
+                id,
+                ErrorCode::Protocol,
+                "the queue for an unproven fabric address is full".to_string(),
+            );
+            return;
+        }
         if !left_queued || !is_message {
             return;
         }
@@ -1237,7 +1253,8 @@ impl EventLoop {
                 _ => {}
             }
         }
-        // Frames queued meanwhile may go over the data link now.
+        // Frames queued meanwhile, and credits, may go over the data link now.
+        self.credit_owed.insert(id);
         self.flush_session(id);
     }
 
@@ -1400,12 +1417,22 @@ impl EventLoop {
         }
         for &id in &pings {
             self.send(id, codec::encode(&Frame::Ping { nonce: 0 }), false);
-            // A challenge lost on a datagram link is asked again.
-            if let Some(session) = self.sessions.get_mut(&id) {
+            // A challenge lost on a datagram link is asked again, a few
+            // times; a peer that never answers does not receive at the
+            // address it gave, and its held traffic would wait for ever.
+            let unanswered = self.sessions.get_mut(&id).is_some_and(|session| {
                 session
                     .conn
                     .links
-                    .send_challenges(&mut self.endpoints, true);
+                    .send_challenges(&mut self.endpoints, true)
+            });
+            if unanswered {
+                BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
+                self.fail(
+                    id,
+                    ErrorCode::Protocol,
+                    "no answer from the fabric address this peer gave".to_string(),
+                );
             }
         }
         for &id in &reports {

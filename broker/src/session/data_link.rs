@@ -76,20 +76,25 @@ pub(crate) enum Sent {
     Dropped,
 }
 
+/// Pings a data link sends to ask for its proof (the first when the
+/// peer's first data message arrives, then one per heartbeat) before its
+/// session is ended.
+pub(crate) const MAX_CHALLENGES: u32 = 3;
+
 /// Whether the peer has shown that it receives at the address it gave.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Proof {
     /// Shown, or not asked for: the side that dialed trusts the address
     /// the accepting side gave over the control link it chose to reach.
     Proven,
-    /// A `Ping` with `nonce` goes to the address (once `asked`) and its
+    /// A `Ping` with `nonce` went to the address `asked` times and its
     /// `Pong` has not come back yet. Until it does, nothing else is sent
     /// there: a peer naming someone else's address must not turn the
     /// broker into a sender of traffic at that victim. The ping waits for
     /// the peer's first message on a data link, which shows the peer has
     /// set up its side of the link: a message arriving before that would be
     /// dropped there, a gap in the reliable link's sequence.
-    Awaiting { nonce: u64, asked: bool },
+    Awaiting { nonce: u64, asked: u32 },
 }
 
 /// One negotiated link to one peer over a data endpoint.
@@ -505,7 +510,7 @@ impl DataLinks {
                         HandshakeRole::Dialer => Proof::Proven,
                         HandshakeRole::Acceptor => Proof::Awaiting {
                             nonce: random_u64()?,
-                            asked: false,
+                            asked: 0,
                         },
                     };
                     Ok((keys, proof))
@@ -583,17 +588,27 @@ impl DataLinks {
     /// Whether a link awaits its proof and has not asked for it yet.
     pub fn challenge_due(&self) -> bool {
         self.links()
-            .any(|link| matches!(link.proof, Proof::Awaiting { asked: false, .. }))
+            .any(|link| matches!(link.proof, Proof::Awaiting { asked: 0, .. }))
     }
 
-    /// Sends each link awaiting its proof a `Ping` with its nonce: those
-    /// not asked yet, or `again` all of them (a datagram may be lost).
-    pub fn send_challenges(&mut self, endpoints: &mut [Box<dyn Endpoint>], again: bool) {
+    /// Sends a `Ping` with its nonce to each link awaiting its proof: the
+    /// first time (`again` false: the peer's first data message arrived),
+    /// or once more to those asked before (`again`: a datagram may have
+    /// been lost). A link never asked is not asked by `again`: the peer may
+    /// not have its side up, and would drop it. Returns whether a link has
+    /// been asked `MAX_CHALLENGES` times without an answer: the peer does
+    /// not receive at the address it gave, and the session should end.
+    pub fn send_challenges(&mut self, endpoints: &mut [Box<dyn Endpoint>], again: bool) -> bool {
+        let mut unanswered = false;
         for link in self.links_mut() {
             let Proof::Awaiting { nonce, asked } = link.proof else {
                 continue;
             };
-            if asked && !again {
+            if (asked > 0) != again {
+                continue;
+            }
+            if asked >= MAX_CHALLENGES {
+                unanswered = true;
                 continue;
             }
             let ping = codec::encode(&Frame::Ping { nonce });
@@ -601,9 +616,13 @@ impl DataLinks {
                 link.send(endpoints[link.endpoint].as_mut(), ping),
                 Ok(Sent::Accepted)
             ) {
-                link.proof = Proof::Awaiting { nonce, asked: true };
+                link.proof = Proof::Awaiting {
+                    nonce,
+                    asked: asked + 1,
+                };
             }
         }
+        unanswered
     }
 
     /// A `Pong` from the peer: the links whose challenge it answers are
@@ -673,7 +692,8 @@ impl DataLinks {
     /// Send the credits that are due; true while one is still owed.
     pub fn grant_credits(&mut self, endpoints: &mut [Box<dyn Endpoint>], now: Instant) -> bool {
         let mut still_owed = false;
-        for link in self.links_mut() {
+        // A credit is traffic too: none goes to an address not proven.
+        for link in self.links_mut().filter(|link| link.proof == Proof::Proven) {
             if link.owes_credit() {
                 link.send_credit(endpoints[link.endpoint].as_mut(), now, false);
             }

@@ -14,7 +14,7 @@
 //! earliest of those deadlines rather than waking on a fixed tick.
 
 pub(crate) mod data_link;
-pub(crate) mod link_auth;
+pub mod link_auth;
 pub(crate) mod outbound;
 
 use std::time::{Duration, Instant};

@@ -19,7 +19,7 @@
 //! | `tx_depth` | sends in flight, capped by the provider's tx size | 256 |
 //! | `av_size` | address vector size hint | 1024 |
 //! | `max_addresses` | most distinct peer addresses inserted (senders name themselves in band) | 65536 |
-//! | `rnr_retry` | `FI_OPT_EFA_RNR_RETRY` for efa RDM (0-7, 7 = retry without limit) | 7 |
+//! | `rnr_retry` | `FI_OPT_EFA_RNR_RETRY` for efa RDM (0-7, 7 = retry without limit; the default, 6, lets a send to a receiver that posts nothing fail, so it frees its slot) | 6 |
 //! | `order` | `prefer` (ask for FI_ORDER_SAS, accept without), `require`, `none` | `prefer` |
 //! | `wait_fd` | open a wait set where the provider offers one, so the owner may sleep on its descriptor | true |
 //! | `force_prefix` | test only: reserve this many prefix bytes as if the provider asked (multiple of 8) | 0 |
@@ -154,7 +154,7 @@ impl Default for FabricOptions {
             tx_depth: DEFAULT_DEPTH,
             av_size: 1024,
             max_addresses: 1 << 16,
-            rnr_retry: 7,
+            rnr_retry: 6,
             order: OrderWanted::Prefer,
             force_prefix: 0,
             force_mr_local: false,
@@ -450,7 +450,7 @@ mod tests {
         assert_eq!(o.provider, "efa");
         assert!(o.is_efa());
         assert_eq!(o.order, OrderWanted::Prefer);
-        assert_eq!(o.rnr_retry, 7);
+        assert_eq!(o.rnr_retry, 6);
         assert_eq!((o.force_prefix, o.force_mr_local), (0, false));
         assert_eq!(o.check(), Ok(()));
     }

@@ -28,7 +28,12 @@
 //!   stopped process, or an efa receiver that posts nothing while
 //!   `rnr_retry` keeps the sends alive) pins its own sends and no one
 //!   else's. Its sender sees `WouldBlock` for it alone, so its frames wait
-//!   in the session's queue, where the slow-consumer policy applies.
+//!   in the session's queue, where the slow-consumer policy applies. Sends
+//!   already posted to a peer that is then closed keep their slots until
+//!   the provider completes them: on efa with a finite `rnr_retry` (the
+//!   default) they fail in bounded time; to a process stopped for good on
+//!   `tcp;ofi_rxm` they stay until its connection ends, so peers stopped
+//!   that way for good each pin their share.
 //! - A frame whose body (the payload, shared with the caller) has at least
 //!   `SHARE_MIN` bytes is not copied where the provider can send from it:
 //!   the slot carries the header and the frame's head, and `fi_sendv`
@@ -259,6 +264,8 @@ pub struct FabricEndpoint {
     tx_owner: Vec<Option<(PeerId, usize)>>,
     /// Per tx slot: the length to post (prefix and header included).
     tx_post_len: Vec<usize>,
+    /// Per tx slot: the `fi_addr_t` it goes to, while in use.
+    tx_dest: Vec<u64>,
     /// Per tx slot: the frame body sent after the slot's bytes, uncopied,
     /// held until the send completes.
     tx_body: Vec<Option<Bytes>>,
@@ -491,6 +498,7 @@ impl FabricEndpoint {
             reserved_slots: tx_depth / 8,
             tx_owner: vec![None; tx_depth],
             tx_post_len: vec![0; tx_depth],
+            tx_dest: vec![0; tx_depth],
             tx_body: vec![None; tx_depth],
             unposted_rx: (0..rx_depth).rev().collect(),
             lent_rx: 0,
@@ -588,7 +596,7 @@ impl FabricEndpoint {
                 let Some(state) = self.peers.get(&peer) else {
                     return false;
                 };
-                if !self.may_take_slot(state, 0) {
+                if !self.may_take_slot(state) {
                     return true;
                 }
                 if let Some(state) = self.peers.get_mut(&peer) {
@@ -757,16 +765,16 @@ impl FabricEndpoint {
     }
 
     /// Whether a peer holding `state`'s slots and bytes may take one more
-    /// slot for `len` more bytes. Each peer gets a share (`peer_slots`
+    /// slot (a frame may carry its bytes past the share once). Each peer gets a share (`peer_slots`
     /// slots, `PEER_TX_BYTES` bytes), and a peer already holding
     /// `PEER_SLOTS_MIN` leaves the last `reserved_slots` free ones to the
     /// others: a receiver that stops taking its messages holds no more than
     /// its share, and the sends to everyone else go on.
-    fn may_take_slot(&self, state: &PeerState, len: usize) -> bool {
+    fn may_take_slot(&self, state: &PeerState) -> bool {
         let first = state.slots < PEER_SLOTS_MIN;
         first
             || state.slots < self.peer_slots
-                && state.queued_bytes + len <= PEER_TX_BYTES
+                && state.queued_bytes < PEER_TX_BYTES
                 && self.free_tx.len() > self.reserved_slots
     }
 
@@ -826,25 +834,28 @@ impl FabricEndpoint {
         Ok(peer)
     }
 
-    /// Removes the least recently used address no live peer needs, or
-    /// fails when every one is in use.
+    /// Removes the least recently used address no live peer needs and no
+    /// send in flight goes to, or fails when there is none.
     fn evict_address(&mut self) -> Result<(), FabricError> {
-        let full = FabricError::AddressesFull {
-            limit: self.max_addresses,
-        };
-        let Some(addr) = self
+        let in_flight: std::collections::HashSet<u64> = (0..self.tx_owner.len())
+            .filter(|&slot| self.tx_owner[slot].is_some())
+            .map(|slot| self.tx_dest[slot])
+            .collect();
+        let Some((addr, fi_addr)) = self
             .av_cache
             .iter()
-            .filter(|(_, entry)| entry.users == 0)
+            .filter(|(_, entry)| entry.users == 0 && !in_flight.contains(&entry.fi_addr))
             .min_by_key(|(_, entry)| entry.last_used)
-            .map(|(addr, _)| addr.clone())
+            .map(|(addr, entry)| (addr.clone(), entry.fi_addr))
         else {
-            return Err(full);
+            return Err(FabricError::AddressesFull {
+                limit: self.max_addresses,
+            });
         };
-        if let Some(entry) = self.av_cache.remove(&addr) {
-            self.av.remove(entry.fi_addr)?;
-            self.stats.av_evictions += 1;
-        }
+        // Forgotten only once libfabric has let it go.
+        self.av.remove(fi_addr)?;
+        self.av_cache.remove(&addr);
+        self.stats.av_evictions += 1;
         Ok(())
     }
 
@@ -1231,7 +1242,7 @@ impl Endpoint for FabricEndpoint {
             endpoint
                 .peers
                 .get(&peer)
-                .is_some_and(|state| endpoint.may_take_slot(state, len))
+                .is_some_and(|state| endpoint.may_take_slot(state))
         };
         if !may_take(self) || self.free_tx.is_empty() {
             // Completions read now may free slots of this peer's.
@@ -1250,6 +1261,7 @@ impl Endpoint for FabricEndpoint {
         let link = match self.peers.get_mut(&peer) {
             Some(state) => {
                 state.sent_counter += 1;
+                self.tx_dest[slot] = state.fi_addr;
                 (state.keys.remote_id, state.sent_counter)
             }
             None => {

@@ -112,9 +112,12 @@ pub fn tag(key: &[u8; 32], header: &[u8], frames: &[&[u8]]) -> [u8; TAG_LEN] {
 /// The counters of one link's incoming messages seen lately: a counter is
 /// taken once, and one older than the window is refused, so a message
 /// recorded on the wire cannot be played again. Messages of one link may
-/// arrive out of order (RDM without ordering, DGRAM), but never by more
-/// than the sender's share of transmit slots, far fewer than the window.
-#[derive(Debug, Clone, Default)]
+/// arrive out of order (RDM without ordering, DGRAM; injected messages
+/// overtaking a large one), but a sender has at most its credit window of
+/// pieces (at most 4096, the reorder window) beyond what the receiver has
+/// delivered, plus the few credits it sends itself, so a genuine message
+/// is never older than the window.
+#[derive(Debug, Clone)]
 pub struct ReplayWindow {
     /// Highest counter taken (0: none yet; counters start at 1).
     highest: u64,
@@ -122,9 +125,18 @@ pub struct ReplayWindow {
     seen: [u64; REPLAY_WORDS],
 }
 
-const REPLAY_WORDS: usize = 16;
+const REPLAY_WORDS: usize = 80;
 /// Counters the window remembers below the highest.
 pub const REPLAY_WINDOW: u64 = (REPLAY_WORDS * 64) as u64;
+
+impl Default for ReplayWindow {
+    fn default() -> Self {
+        ReplayWindow {
+            highest: 0,
+            seen: [0; REPLAY_WORDS],
+        }
+    }
+}
 
 impl ReplayWindow {
     /// Whether `counter` is new; if so, it is taken.
