@@ -1146,13 +1146,16 @@ fn drop_oldest_policy_bounds_the_queue_of_a_fabric_reader() {
     }
     assert!(seeds.windows(2).all(|w| w[0] < w[1]), "order kept");
     assert_eq!(seeds.last(), Some(&(SLOW_COUNT - 1)), "the newest is kept");
+    // The broker told the subscriber what it dropped (over the data link);
+    // the subscriber's client counts what it dropped itself (its queue of
+    // 16 full for longer than its block timeout, on a loaded machine).
+    let stats = setup.sub.stats();
+    assert_eq!(stats.dropped_by_broker(), drops);
     assert_eq!(
-        seeds.len() as u64 + drops,
+        seeds.len() as u64 + stats.dropped(),
         SLOW_COUNT,
         "every message is delivered or counted"
     );
-    // The broker told the subscriber what it dropped (over the data link).
-    assert_eq!(setup.sub.stats().dropped(), drops);
 }
 
 #[test]
