@@ -1820,7 +1820,7 @@ impl ClientLoop {
     fn reliable_link_failed(&mut self, control: PeerId, err: &LinkError, now: Instant) {
         let counters = &self.shared.counters;
         match err {
-            LinkError::GapTimeout { .. } => {
+            LinkError::GapTimeout { .. } | LinkError::PartialTimeout { .. } => {
                 counters.link_gap_failures.fetch_add(1, Ordering::Relaxed);
             }
             LinkError::MemoryBound { .. } | LinkError::SharedMemoryBound { .. } => {

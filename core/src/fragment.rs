@@ -685,6 +685,19 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
         }
     }
 
+    /// The partial message whose last piece is oldest, if that was
+    /// `timeout` or more before `now`: its id, pieces received and
+    /// expected, and how long it went without one.
+    pub fn stalled(&self, now: Instant) -> Option<(u64, u32, u32, Duration)> {
+        self.peers
+            .values()
+            .flat_map(|s| s.partials.iter())
+            .map(|(&id, p)| (id, p, now.saturating_duration_since(p.last_seen)))
+            .filter(|(_, _, waited)| *waited >= self.config.timeout)
+            .max_by_key(|(_, _, waited)| *waited)
+            .map(|(id, p, waited)| (id, p.received, p.count, waited))
+    }
+
     /// The earliest time at which [`expire`](Reassembler::expire) would drop
     /// something, if anything is held.
     pub fn next_deadline(&self) -> Option<Instant> {

@@ -45,9 +45,11 @@
 //! endpoint delivered, and must then end the session (nothing after the
 //! gap could be delivered in order). An owner held up well past the
 //! deadline gives the gap a fresh timeout rather than failing it unseen.
-//! A partial message with nothing waiting behind it is not timed: the
-//! next frame (at the latest the peer's heartbeat) starts the clock. A
-//! piece whose sequence
+//! A partial message is timed too: once it has gone the reassembly timeout
+//! (2 s) without a piece, the receiver fails with
+//! [`LinkError::PartialTimeout`], counted the same way (its memory is
+//! reserved for the whole message, which a peer sending first pieces only
+//! would otherwise hold for ever). A piece whose sequence
 //! is beyond the reorder window is refused with [`LinkError::Reorder`]
 //! before anything is stored (the credit window of [`crate::credit`] keeps
 //! the sender within it), and running out of reassembly slots is an error
@@ -254,6 +256,21 @@ pub enum LinkError {
         /// Frames waiting behind it.
         held: usize,
         /// How long the gap went without progress.
+        waited: Duration,
+    },
+    /// On a reliable link, a partial message went the reassembly timeout
+    /// without a piece: the rest is taken as lost. (Its memory was
+    /// reserved for the whole message: a peer that sent first pieces only
+    /// would otherwise hold it for ever.)
+    #[error("reliable link stalled: message {msg_id} has {received} of {count} pieces and none came for {waited:?}")]
+    PartialTimeout {
+        /// The message's id.
+        msg_id: u64,
+        /// Pieces that arrived.
+        received: u32,
+        /// Pieces it has.
+        count: u32,
+        /// How long since the last piece.
         waited: Duration,
     },
     /// On a reliable link, holding what arrived would take the link past
@@ -862,9 +879,6 @@ impl LinkReceiver {
     /// when nothing is due by time. On a reliable link, the time the gap
     /// frames wait behind fails the link, if nothing fills it first.
     pub fn next_deadline(&self) -> Option<Instant> {
-        if !self.lossy {
-            return self.reorder.as_ref().and_then(ReorderBuffer::next_deadline);
-        }
         let gap = self.reorder.as_ref().and_then(ReorderBuffer::next_deadline);
         match (self.reassembler.next_deadline(), gap) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -872,10 +886,24 @@ impl LinkReceiver {
         }
     }
 
-    /// Reliable links: fail once the gap frames wait behind is overdue.
+    /// Reliable links: fail once the gap frames wait behind is overdue, or
+    /// a partial message has gone the reassembly timeout without a piece.
     fn check_gap(&mut self, now: Instant) -> Result<(), LinkError> {
         if let Some(failure) = &self.gap_failure {
             return Err(failure.clone());
+        }
+        if !self.lossy {
+            if let Some((msg_id, received, count, waited)) = self.reassembler.stalled(now) {
+                let failure = LinkError::PartialTimeout {
+                    msg_id,
+                    received,
+                    count,
+                    waited,
+                };
+                self.stats.gap_failures += 1;
+                self.gap_failure = Some(failure.clone());
+                return Err(failure);
+            }
         }
         let Some(reorder) = &mut self.reorder else {
             return Ok(());

@@ -752,10 +752,12 @@ fn a_reliable_gap_is_judged_when_the_owner_polls_on_time() {
 
 /// A gap that fills in time clears the deadline; pieces of a large missing
 /// frame arriving restart its clock (it is being filled), pieces of frames
-/// behind the waiting one do not.
+/// behind the waiting one do not. A partial message with nothing behind
+/// it is timed by the reassembly timeout from its last piece: a peer that
+/// sends first pieces only cannot hold their memory for ever.
 #[test]
 fn a_reliable_gap_being_filled_is_waited_for() {
-    let cfg = config(FRAGMENT_OVERHEAD + 100, true, false, 64, ms(250), ms(50));
+    let cfg = config(FRAGMENT_OVERHEAD + 100, true, false, 64, ms(250), ms(1000));
     let mut tx = LinkSender::new(&cfg).unwrap();
     let mut rx = LinkReceiver::new(&cfg);
     let mut frames = Vec::new();
@@ -787,13 +789,24 @@ fn a_reliable_gap_being_filled_is_waited_for() {
     }
     let ids: Vec<u64> = out.iter().map(|f| frame_id(f)).collect();
     assert_eq!(ids, [1, 2]);
-    // Frame 3 is partial with nothing behind it: nothing is timed.
-    assert_eq!(rx.next_deadline(), None);
-    rx.poll(t0 + Duration::from_secs(3600), &mut out).unwrap();
-    for piece in &frames[2][1..] {
-        rx.receive(t0 + Duration::from_secs(3600), piece.clone(), &mut out)
-            .unwrap();
-    }
-    assert_eq!(out.len(), 3);
     assert_eq!(rx.stats().gap_failures, 0);
+    // Frame 3 is partial with nothing behind it: its last piece came at
+    // 100 ms, so it fails at 1100 ms, and not before.
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(1100)));
+    rx.poll(t0 + ms(1099), &mut out).unwrap();
+    let failed = rx.poll(t0 + ms(1100), &mut out);
+    assert!(
+        matches!(
+            failed,
+            Err(LinkError::PartialTimeout {
+                msg_id: 3,
+                received: 1,
+                count: 10,
+                ..
+            })
+        ),
+        "{failed:?}"
+    );
+    assert_eq!(out.len(), 2);
+    assert_eq!(rx.stats().gap_failures, 1);
 }

@@ -568,7 +568,7 @@ impl EventLoop {
         }
         let stats = &self.shared.stats;
         let code = match err {
-            LinkError::GapTimeout { .. } => {
+            LinkError::GapTimeout { .. } | LinkError::PartialTimeout { .. } => {
                 BrokerStats::add(&stats.link_gap_failures, 1);
                 ErrorCode::Internal
             }
