@@ -141,14 +141,15 @@ proptest! {
     ) {
         let mut cfg = config(limit, true, false, window, Duration::from_millis(5), Duration::from_millis(5));
         cfg.reliable_gap_timeout = Duration::from_secs(1 << 20);
+        cfg.reassembly.timeout = Duration::from_secs(1 << 20);
         let mut sender = LinkSender::new(&cfg).unwrap();
         let mut rx = LinkReceiver::new(&cfg);
         let (originals, wire) = send_all(&mut sender, &specs, limit);
         let mut order = shuffle_within(&wire, &offsets, window as u64);
         let added = add_duplicates(&mut order, &dups);
 
-        // Time runs far past the reassembly timeout, which a reliable link
-        // does not apply; every gap here fills before the gap timeout.
+        // Time runs a second a piece, far past the lossy timeouts (5 ms);
+        // every gap and partial message fills before the reliable ones.
         let mut now = Instant::now();
         let mut out = Vec::new();
         for i in order {
