@@ -795,13 +795,32 @@ fn clients_survive_a_broker_crash_and_restart() {
     );
 }
 
+/// Descriptors this process may open (its soft limit), as
+/// `/proc/self/limits` says; the broker it starts inherits the same.
+fn open_files_limit() -> usize {
+    std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|limits| {
+            let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+            line.split_whitespace().nth(3)?.parse().ok()
+        })
+        .unwrap_or(1024)
+}
+
 /// A frame's declared length claims no memory by itself: before its hello
 /// is answered a peer may declare at most 32 KiB (more is refused at
 /// once), and after it the buffer for a frame grows as its bytes arrive.
-/// (About 900 connections: within the usual limit of 1024 descriptors.)
+/// 10,000 connections declare 1 MiB before any hello where the descriptor
+/// limit allows (it is 20,000 on the machines the suite runs on); 500
+/// under the usual limit of 1024.
 #[test]
 fn declared_lengths_claim_memory_only_as_bytes_arrive() {
-    let server = Server::start("[limits]\nhandshake_timeout_ms = 30000\n");
+    let refused_count = if open_files_limit() >= 11_000 {
+        10_000
+    } else {
+        500
+    };
+    let server = Server::start("[limits]\nhandshake_timeout_ms = 30000\nmax_connections = 20000\n");
     let declare = |len: usize, sent: usize| {
         let mut bytes = (len as u32).to_le_bytes().to_vec();
         bytes.resize(4 + sent, 0x55);
@@ -809,7 +828,7 @@ fn declared_lengths_claim_memory_only_as_bytes_arrive() {
     };
     let before = server.rss_kib();
     // No hello, then a 1 MiB frame announced and 20 KB of it sent: refused.
-    let mut refused: Vec<Raw> = (0..500)
+    let mut refused: Vec<Raw> = (0..refused_count)
         .map(|_| {
             let mut raw = Raw::connect(&server);
             raw.stream.write_all(&declare(1 << 20, 20_000)).unwrap();
@@ -856,10 +875,16 @@ fn declared_lengths_claim_memory_only_as_bytes_arrive() {
     ));
     std::thread::sleep(Duration::from_millis(300));
     let grown_kib = server.rss_kib().saturating_sub(before);
-    // Claimed by the declared lengths alone: 500 MiB + 3.6 MiB + 100 MB.
+    eprintln!(
+        "{} partial frames: the broker grew by {grown_kib} KiB",
+        refused_count + 400
+    );
+    // Claimed by the declared lengths alone: up to 10,000 MiB + 3.6 MiB +
+    // 100 MB.
     assert!(
-        grown_kib < 32 * 1024,
-        "the broker grew by {grown_kib} KiB for 900 partial frames"
+        grown_kib < 64 * 1024,
+        "the broker grew by {grown_kib} KiB for {} partial frames",
+        refused_count + 400
     );
     // The authenticated peers' large frames were accepted, not refused.
     let done = &mut authenticated[0];
