@@ -18,7 +18,7 @@
 //! | `rx_depth` | receives kept posted, capped by the provider's rx size | 256 |
 //! | `tx_depth` | sends in flight, capped by the provider's tx size | 256 |
 //! | `av_size` | address vector size hint | 1024 |
-//! | `max_addresses` | most distinct peer addresses inserted (senders name themselves in band) | 65536 |
+//! | `max_addresses` | most distinct peer addresses kept in the address vector (least recently used ones without a live peer are removed) | 65536 |
 //! | `rnr_retry` | `FI_OPT_EFA_RNR_RETRY` for efa RDM (0-7, 7 = retry without limit; the default, 6, lets a send to a receiver that posts nothing fail, so it frees its slot) | 6 |
 //! | `order` | `prefer` (ask for FI_ORDER_SAS, accept without), `require`, `none` | `prefer` |
 //! | `wait_fd` | open a wait set where the provider offers one, so the owner may sleep on its descriptor | true |
@@ -78,8 +78,9 @@ pub struct FabricOptions {
     pub tx_depth: usize,
     /// Address vector size hint.
     pub av_size: usize,
-    /// Most distinct peer addresses the endpoint inserts; messages from
-    /// further new senders are dropped and counted.
+    /// Most distinct peer addresses the endpoint keeps in its address
+    /// vector; when full, the least recently used one no live peer needs
+    /// is removed.
     pub max_addresses: usize,
     /// `FI_OPT_EFA_RNR_RETRY` for efa RDM endpoints (0-7).
     pub rnr_retry: u64,
