@@ -121,13 +121,17 @@ pub fn tag(key: &[u8; 32], header: &[u8], frames: &[&[u8]]) -> [u8; TAG_LEN] {
 pub struct ReplayWindow {
     /// Highest counter taken (0: none yet; counters start at 1).
     highest: u64,
-    /// Bit `i` of the window: counter `highest - i` was taken.
+    /// A ring of marks: counter `c` is bit `c % 64` of word
+    /// `(c / 64) % REPLAY_WORDS`. Moving `highest` on clears only the
+    /// words it enters, so taking a new counter costs no shift of the
+    /// whole window.
     seen: [u64; REPLAY_WORDS],
 }
 
 const REPLAY_WORDS: usize = 80;
-/// Counters the window remembers below the highest.
-pub const REPLAY_WINDOW: u64 = (REPLAY_WORDS * 64) as u64;
+/// Counters the window remembers below the highest: all of the ring but
+/// the word being filled.
+pub const REPLAY_WINDOW: u64 = ((REPLAY_WORDS - 1) * 64) as u64;
 
 impl Default for ReplayWindow {
     fn default() -> Self {
@@ -145,40 +149,29 @@ impl ReplayWindow {
             return false;
         }
         if counter > self.highest {
-            self.shift(counter - self.highest);
-            self.highest = counter;
-            self.seen[0] |= 1;
-            return true;
-        }
-        let age = self.highest - counter;
-        if age >= REPLAY_WINDOW {
+            self.advance_to(counter);
+        } else if self.highest - counter >= REPLAY_WINDOW {
             return false;
         }
-        let (word, bit) = ((age / 64) as usize, age % 64);
-        let fresh = self.seen[word] & (1 << bit) == 0;
-        self.seen[word] |= 1 << bit;
+        let word = ((counter / 64) % REPLAY_WORDS as u64) as usize;
+        let bit = 1u64 << (counter % 64);
+        let fresh = self.seen[word] & bit == 0;
+        self.seen[word] |= bit;
         fresh
     }
 
-    /// Moves every mark `by` counters older.
-    fn shift(&mut self, by: u64) {
-        if by >= REPLAY_WINDOW {
+    /// Makes `counter` the highest, clearing the words entered on the way
+    /// (the word holding the old highest keeps its marks).
+    fn advance_to(&mut self, counter: u64) {
+        let (from, to) = (self.highest / 64, counter / 64);
+        if to - from >= REPLAY_WORDS as u64 {
             self.seen = [0; REPLAY_WORDS];
-            return;
+        } else {
+            for word in from + 1..=to {
+                self.seen[(word % REPLAY_WORDS as u64) as usize] = 0;
+            }
         }
-        let (words, bits) = ((by / 64) as usize, (by % 64) as u32);
-        for i in (0..REPLAY_WORDS).rev() {
-            let from = i.checked_sub(words);
-            let high = from.map_or(0, |j| self.seen[j]);
-            let low = from
-                .and_then(|j| j.checked_sub(1))
-                .map_or(0, |j| self.seen[j]);
-            self.seen[i] = if bits == 0 {
-                high
-            } else {
-                (high << bits) | (low >> (64 - bits))
-            };
-        }
+        self.highest = counter;
     }
 }
 
@@ -558,6 +551,17 @@ mod tests {
         for counter in 1..=200 {
             assert!(!window.take(counter), "{counter} after a shift");
         }
+        // Round the ring many times, one counter at a time, skipping some:
+        // the skipped ones within the window are still new, once.
+        let mut window = ReplayWindow::default();
+        for counter in (1..=20_000).filter(|c| c % 7 != 0) {
+            assert!(window.take(counter));
+        }
+        for counter in 20_000 - REPLAY_WINDOW + 1..=20_000 {
+            assert_eq!(window.take(counter), counter % 7 == 0, "{counter}");
+            assert!(!window.take(counter), "{counter} again");
+        }
+        assert!(!window.take(20_000 - REPLAY_WINDOW), "out of the window");
     }
 
     #[test]
