@@ -27,6 +27,7 @@ pub mod fragment;
 pub mod frame;
 pub mod index;
 pub mod link;
+pub mod log_limit;
 pub mod reorder;
 pub mod subject;
 pub mod transport;

@@ -39,6 +39,7 @@ use efabus_core::codec;
 use efabus_core::frame::{
     ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, Subscribe, Welcome, PROTOCOL_VERSION,
 };
+use efabus_core::log_limit::LogLimit;
 use efabus_transports::registry::EndpointSpec;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -143,9 +144,8 @@ pub(crate) struct Cluster {
     by_broker: HashMap<u64, u64>,
     /// Set when interest announcements wait (the subscription table's flag).
     announcements: Arc<AtomicBool>,
-    /// When a refused route was last logged, and the refusals since.
-    refusals_logged: Option<Instant>,
-    refusals_unlogged: u64,
+    /// Refused routes are logged at most once per `REFUSAL_LOG_SPACING`.
+    refusal_log: LogLimit,
 }
 
 impl Cluster {
@@ -164,8 +164,7 @@ impl Cluster {
             slots,
             by_broker: HashMap::default(),
             announcements: shared.subscriptions.read().interest_flag(),
-            refusals_logged: None,
-            refusals_unlogged: 0,
+            refusal_log: LogLimit::new(REFUSAL_LOG_SPACING),
         }
     }
 
@@ -458,13 +457,7 @@ impl EventLoop {
         if let Some(ip) = remote_ip(&session.remote) {
             self.auth_guard.failed(ip, now);
         }
-        let cluster = &mut self.cluster;
-        if cluster
-            .refusals_logged
-            .is_none_or(|at| now.duration_since(at) >= REFUSAL_LOG_SPACING)
-        {
-            let unlogged = std::mem::take(&mut cluster.refusals_unlogged);
-            cluster.refusals_logged = Some(now);
+        if let Some(unlogged) = self.cluster.refusal_log.allow(now) {
             warn!(
                 session = id,
                 remote = %session.remote,
@@ -472,8 +465,6 @@ impl EventLoop {
                 refused_since_last_logged = unlogged,
                 "route refused: the peer's hello did not carry cluster.secret"
             );
-        } else {
-            cluster.refusals_unlogged += 1;
         }
         // As `fail` does, without its log line per refusal.
         let text = "route refused: opening a route needs the cluster's secret \
