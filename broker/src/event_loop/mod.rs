@@ -30,6 +30,7 @@ use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{DeliveryClass, Dropped, ErrorCode, ErrorFrame, Frame, Goodbye};
 use efabus_core::link::{LinkError, LinkTuning};
+use efabus_core::log_limit::LogLimit;
 use efabus_core::subject;
 use efabus_core::transport::{
     CloseReason, Endpoint, Event, OutFrame, PeerId, Refused, TransportError,
@@ -120,9 +121,10 @@ pub(crate) struct EventLoop {
     timers_ran: Instant,
     /// Failed authentications per remote address.
     auth_guard: AuthGuard,
-    /// When a failed poll was last logged, and how many failures since.
-    poll_error_logged: Option<Instant>,
-    poll_errors_held: u64,
+    /// The endpoints' refused messages as last put in the stats.
+    refused: Refused,
+    /// Failed polls are logged once a second at most.
+    poll_error_log: LogLimit,
 }
 
 /// A payload being delivered: its bytes, and the buffer they lie in, so a
@@ -205,8 +207,8 @@ impl EventLoop {
             next_timer: Instant::now(),
             timers_ran: Instant::now(),
             auth_guard: AuthGuard::default(),
-            poll_error_logged: None,
-            poll_errors_held: 0,
+            refused: Refused::default(),
+            poll_error_log: LogLimit::new(Duration::from_secs(1)),
         }
     }
 
@@ -311,6 +313,7 @@ impl EventLoop {
         }
         self.close_batches();
         self.flush_tally();
+        self.publish_refused();
         busy
     }
 
@@ -342,6 +345,11 @@ impl EventLoop {
         if tally.sent.credit_waits > 0 {
             BrokerStats::add(&stats.credit_waits, tally.sent.credit_waits);
         }
+    }
+
+    /// The endpoints' counts of refused messages, which change only as
+    /// they are polled, into the shared stats when they moved.
+    fn publish_refused(&mut self) {
         let refused =
             self.endpoints
                 .iter()
@@ -351,6 +359,11 @@ impl EventLoop {
                     forged: sum.forged + r.forged,
                     replayed: sum.replayed + r.replayed,
                 });
+        if refused == self.refused {
+            return;
+        }
+        self.refused = refused;
+        let stats = &self.shared.stats;
         stats
             .fabric_unknown_links
             .store(refused.unknown_link, Ordering::Relaxed);
@@ -1188,15 +1201,8 @@ impl EventLoop {
     fn endpoint_failed(&mut self, index: usize, err: &TransportError) {
         let scheme = self.endpoints[index].scheme().to_string();
         if !endpoints::is_data_scheme(&scheme) {
-            let due = self
-                .poll_error_logged
-                .is_none_or(|at| self.now.duration_since(at) >= Duration::from_secs(1));
-            if due {
-                let held_back = std::mem::take(&mut self.poll_errors_held);
+            if let Some(held_back) = self.poll_error_log.allow(self.now) {
                 warn!(%scheme, error = %err, held_back, "endpoint poll failed");
-                self.poll_error_logged = Some(self.now);
-            } else {
-                self.poll_errors_held += 1;
             }
             return;
         }
