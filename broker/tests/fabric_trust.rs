@@ -22,11 +22,12 @@ use bytes::Bytes;
 use efabus_broker::{Broker, Client, ClientOptions, Config, Error};
 use efabus_core::codec;
 use efabus_core::frame::{Credit, Fragment, Frame, Publish};
-use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions, LinkKeys, Transport};
+use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions, LinkKeys};
 use efabus_transports::fabric::{addr_from_hex, FabricEndpoint, FabricTransport};
 use efabus_transports::registry::Registry;
 
-const WAIT: Duration = Duration::from_secs(10);
+mod raw_common;
+use raw_common::{Raw, WAIT};
 
 /// Held by every test here, so the one that measures memory runs alone.
 static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -274,57 +275,6 @@ fn forged_fabric_messages_are_dropped_and_counted() {
     assert_eq!(victim.reconnects(), 0);
 }
 
-/// A client on TCP alone that writes its own handshake.
-struct RawPeer {
-    ep: Box<dyn Endpoint>,
-    peer: efabus_core::transport::PeerId,
-    frames: Vec<Frame>,
-}
-
-impl RawPeer {
-    fn connect(broker: &Broker) -> RawPeer {
-        let mut ep = efabus_transports::tcp::TcpTransport
-            .open(&EndpointConfig::default())
-            .expect("open tcp");
-        let address = broker.endpoint("tcp").expect("tcp listener");
-        let peer = ep
-            .connect(address.trim_start_matches("tcp/"))
-            .expect("connect");
-        RawPeer {
-            ep,
-            peer,
-            frames: Vec::new(),
-        }
-    }
-
-    fn send(&mut self, frame: &Frame) {
-        self.ep
-            .send(self.peer, codec::encode(frame))
-            .expect("send to the broker");
-    }
-
-    /// Polls until a frame matching `wanted` arrived.
-    fn expect(&mut self, what: &str, wanted: impl Fn(&Frame) -> bool) -> Frame {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Some(at) = self.frames.iter().position(&wanted) {
-                return self.frames.remove(at);
-            }
-            assert!(Instant::now() < deadline, "no {what}: {:?}", self.frames);
-            let mut events = Vec::new();
-            self.ep.poll(&mut events).expect("poll");
-            for event in events {
-                if let efabus_core::transport::Event::Frame { frame, .. } = event {
-                    let limits = codec::CodecLimits::default();
-                    self.frames
-                        .push(codec::decode(frame, &limits).expect("frame"));
-                }
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-}
-
 #[test]
 fn a_hello_naming_another_clients_address_takes_nothing_over() {
     let _alone = ALONE
@@ -344,7 +294,7 @@ fn a_hello_naming_another_clients_address_takes_nothing_over() {
     let attacker = attacker_endpoint();
     let mut offer = efabus_broker::endpoints::offer_for(&attacker).expect("an offer");
     offer.address = victim_address;
-    let mut impostor = RawPeer::connect(&broker);
+    let mut impostor = Raw::connect(&broker);
     let mut key_share = [0u8; 32];
     key_share[0] = 9;
     impostor.send(&Frame::Hello(efabus_core::frame::Hello {
@@ -568,7 +518,7 @@ fn an_address_never_proven_gets_no_traffic_and_ends_the_session() {
     let mut offer = efabus_broker::endpoints::offer_for(&attacker).expect("an offer");
     offer.address = victim_address.clone();
     let secret = LinkSecret::new().expect("a secret");
-    let mut impostor = RawPeer::connect(&broker);
+    let mut impostor = Raw::connect(&broker);
     impostor.send(&Frame::Hello(efabus_core::frame::Hello {
         version: efabus_core::frame::PROTOCOL_VERSION,
         name: "impostor".into(),

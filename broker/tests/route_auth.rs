@@ -7,18 +7,16 @@
 //! brokers listen on loopback ports chosen at run time; waits are bounded
 //! by [`WAIT`].
 
-use std::io::{ErrorKind, Write};
-use std::net::TcpStream;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_broker::{Broker, Client, ClientOptions, Config, RecvError};
-use efabus_core::codec::{self, CodecLimits, FrameReader};
 use efabus_core::frame::{ErrorCode, ErrorFrame, Frame, Hello, RouteHello, PROTOCOL_VERSION};
 use efabus_transports::registry::Registry;
 
-const WAIT: Duration = Duration::from_secs(10);
+mod raw_common;
+use raw_common::{Raw, WAIT};
 
 fn start(name: &str, peers: &[String], extra: &str) -> Broker {
     let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
@@ -76,87 +74,17 @@ fn subscribed_client(
     (client, sub)
 }
 
-/// A peer speaking raw frames over TCP.
-struct Raw {
-    stream: TcpStream,
-    reader: FrameReader,
-}
-
-impl Raw {
-    fn connect(broker: &Broker) -> Raw {
-        let address = tcp(broker).trim_start_matches("tcp/").to_string();
-        let stream = TcpStream::connect(address).expect("connects");
-        Raw {
-            stream,
-            reader: FrameReader::new(CodecLimits::default()),
-        }
-    }
-
-    fn send(&mut self, frame: &Frame) {
-        self.stream
-            .write_all(&codec::encode(frame).to_bytes())
-            .expect("write");
-    }
-
-    /// A hello with `credentials`, then at once a route hello: what a
-    /// dialing broker sends.
-    fn ask_for_a_route(&mut self, credentials: Option<&str>) {
-        self.send(&Frame::Hello(Hello {
-            version: PROTOCOL_VERSION,
-            name: "posing-as-a-broker".into(),
-            credentials: credentials.map(str::to_string),
-            offers: Vec::new(),
-            link_auth: None,
-        }));
-        self.send(&Frame::Route(RouteHello { broker_id: 42 }));
-    }
-
-    /// The next frame within `timeout`; `None` on end of stream or timeout.
-    fn next_frame(&mut self, timeout: Duration) -> Option<Frame> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(bytes) = self.reader.next_frame().expect("well-formed stream") {
-                return Some(codec::decode(bytes, &CodecLimits::default()).expect("decodes"));
-            }
-            let left = deadline.checked_duration_since(Instant::now())?;
-            self.stream
-                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
-                .unwrap();
-            match self.reader.read_from(&mut self.stream) {
-                Ok(0) => return None,
-                Ok(_) => {}
-                Err(err) if matches!(err.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-                Err(_) => return None,
-            }
-        }
-    }
-
-    /// Every frame until the broker closes the connection (bounded by
-    /// [`WAIT`]).
-    fn until_closed(&mut self) -> Vec<Frame> {
-        let deadline = Instant::now() + WAIT;
-        let mut frames = Vec::new();
-        while let Some(frame) = self.next_frame(deadline.saturating_duration_since(Instant::now()))
-        {
-            frames.push(frame);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the broker did not close: {frames:?}"
-        );
-        frames
-    }
-
-    /// Frames for `quiet` (the connection stays open).
-    fn frames_for(&mut self, quiet: Duration) -> Vec<Frame> {
-        let deadline = Instant::now() + quiet;
-        let mut frames = Vec::new();
-        while let Some(frame) = self.next_frame(deadline.saturating_duration_since(Instant::now()))
-        {
-            frames.push(frame);
-        }
-        frames
-    }
+/// A hello with `credentials`, then at once a route hello: what a
+/// dialing broker sends.
+fn ask_for_a_route(raw: &mut Raw, credentials: Option<&str>) {
+    raw.send(&Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        name: "posing-as-a-broker".into(),
+        credentials: credentials.map(str::to_string),
+        offers: Vec::new(),
+        link_auth: None,
+    }));
+    raw.send(&Frame::Route(RouteHello { broker_id: 42 }));
 }
 
 fn patterns(frames: &[Frame]) -> Vec<String> {
@@ -196,7 +124,7 @@ fn a_client_secret_does_not_open_a_route_nor_show_the_interest() {
     let (_client, _sub) = subscribed_client(&broker, "clients", "orders.*");
 
     let mut intruder = Raw::connect(&broker);
-    intruder.ask_for_a_route(Some("clients"));
+    ask_for_a_route(&mut intruder, Some("clients"));
     let frames = intruder.until_closed();
     assert!(
         matches!(frames.first(), Some(Frame::Welcome(_))),
@@ -217,14 +145,14 @@ fn a_client_secret_does_not_open_a_route_nor_show_the_interest() {
 
     // The same with no credentials at all: the hello itself is refused.
     let mut stranger = Raw::connect(&broker);
-    stranger.ask_for_a_route(None);
+    ask_for_a_route(&mut stranger, None);
     let frames = stranger.until_closed();
     assert_eq!(fatal_error(&frames).code, ErrorCode::Auth);
     assert_eq!(patterns(&frames), Vec::<String>::new());
 
     // The cluster's secret opens the route, and the interest follows.
     let mut peer = Raw::connect(&broker);
-    peer.ask_for_a_route(Some("mesh"));
+    ask_for_a_route(&mut peer, Some("mesh"));
     let frames = peer.frames_for(Duration::from_millis(500));
     assert!(
         frames.iter().any(|f| matches!(f, Frame::Route(_))),
@@ -301,7 +229,7 @@ fn brokers_with_different_cluster_secrets_do_not_route() {
 
         // What the dialing broker was told, as a raw peer sees it.
         let mut raw = Raw::connect(&b);
-        raw.ask_for_a_route(Some("mesh-2"));
+        ask_for_a_route(&mut raw, Some("mesh-2"));
         let error = fatal_error(&raw.until_closed()).clone();
         assert_eq!(error.code, ErrorCode::Auth, "{accepting}");
         if !auth_failures {
@@ -317,7 +245,7 @@ fn without_a_cluster_secret_routes_open_as_before() {
     let open = start("open", &[], "");
     let _sub = open.subscribe("anyone.>").unwrap();
     let mut peer = Raw::connect(&open);
-    peer.ask_for_a_route(None);
+    ask_for_a_route(&mut peer, None);
     let frames = peer.frames_for(Duration::from_millis(500));
     assert!(
         frames.iter().any(|f| matches!(f, Frame::Route(_))),
@@ -329,7 +257,7 @@ fn without_a_cluster_secret_routes_open_as_before() {
     let shared = start("shared", &[], "[auth]\nsecret = \"s3cret\"\n");
     let _sub = shared.subscribe("members.>").unwrap();
     let mut member = Raw::connect(&shared);
-    member.ask_for_a_route(Some("s3cret"));
+    ask_for_a_route(&mut member, Some("s3cret"));
     let frames = member.frames_for(Duration::from_millis(500));
     assert_eq!(patterns(&frames), ["members.>"]);
     assert_eq!(routes(&shared), 1);
@@ -343,7 +271,7 @@ fn refused_routes_count_towards_the_address_lockout() {
     let broker = start("guarded", &[], "[cluster]\nsecret = \"mesh\"\n");
     for attempt in 0..10 {
         let mut raw = Raw::connect(&broker);
-        raw.ask_for_a_route(Some("guess"));
+        ask_for_a_route(&mut raw, Some("guess"));
         let frames = raw.until_closed();
         assert_eq!(
             fatal_error(&frames).code,
@@ -353,7 +281,7 @@ fn refused_routes_count_towards_the_address_lockout() {
     }
     assert_eq!(stat(&broker, "route_refusals"), 10);
     let mut raw = Raw::connect(&broker);
-    raw.ask_for_a_route(Some("mesh"));
+    ask_for_a_route(&mut raw, Some("mesh"));
     let frames = raw.until_closed();
     assert_eq!(fatal_error(&frames).code, ErrorCode::RateLimited);
     assert_eq!(routes(&broker), 0);

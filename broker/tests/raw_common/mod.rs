@@ -1,0 +1,102 @@
+//! A peer speaking raw efabus frames to a broker over TCP, for tests that
+//! must write what a `Client` never would.
+
+#![allow(dead_code)]
+
+use std::io::{ErrorKind, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use efabus_broker::Broker;
+use efabus_core::codec::{self, CodecLimits, FrameReader};
+use efabus_core::frame::Frame;
+
+/// Longest any wait here takes.
+pub const WAIT: Duration = Duration::from_secs(10);
+
+/// A peer speaking raw frames over TCP.
+pub struct Raw {
+    stream: TcpStream,
+    reader: FrameReader,
+}
+
+impl Raw {
+    pub fn connect(broker: &Broker) -> Raw {
+        let address = broker
+            .endpoint("tcp")
+            .expect("listens on tcp")
+            .trim_start_matches("tcp/")
+            .to_string();
+        let stream = TcpStream::connect(address).expect("connects");
+        Raw {
+            stream,
+            reader: FrameReader::new(CodecLimits::default()),
+        }
+    }
+
+    pub fn send(&mut self, frame: &Frame) {
+        self.stream
+            .write_all(&codec::encode(frame).to_bytes())
+            .expect("write");
+    }
+
+    /// The next frame within `timeout`; `None` on end of stream or timeout.
+    pub fn next_frame(&mut self, timeout: Duration) -> Option<Frame> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(bytes) = self.reader.next_frame().expect("well-formed stream") {
+                return Some(codec::decode(bytes, &CodecLimits::default()).expect("decodes"));
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            self.stream
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .unwrap();
+            match self.reader.read_from(&mut self.stream) {
+                Ok(0) => return None,
+                Ok(_) => {}
+                Err(err) if matches!(err.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                Err(_) => return None,
+            }
+        }
+    }
+
+    /// Every frame until the broker closes the connection (bounded by
+    /// [`WAIT`]).
+    pub fn until_closed(&mut self) -> Vec<Frame> {
+        let deadline = Instant::now() + WAIT;
+        let mut frames = Vec::new();
+        while let Some(frame) = self.next_frame(deadline.saturating_duration_since(Instant::now()))
+        {
+            frames.push(frame);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the broker did not close: {frames:?}"
+        );
+        frames
+    }
+
+    /// Frames for `quiet` (the connection stays open).
+    pub fn frames_for(&mut self, quiet: Duration) -> Vec<Frame> {
+        let deadline = Instant::now() + quiet;
+        let mut frames = Vec::new();
+        while let Some(frame) = self.next_frame(deadline.saturating_duration_since(Instant::now()))
+        {
+            frames.push(frame);
+        }
+        frames
+    }
+
+    /// The first frame matching `wanted` within [`WAIT`], others skipped.
+    pub fn expect(&mut self, what: &str, wanted: impl Fn(&Frame) -> bool) -> Frame {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.next_frame(left) {
+                Some(frame) if wanted(&frame) => return frame,
+                Some(_) => {}
+                None => panic!("no {what} within {WAIT:?}"),
+            }
+        }
+    }
+}
