@@ -431,26 +431,50 @@ mod tests {
         out
     }
 
-    /// A control link that takes `room` more frames, then pushes back.
-    struct Wire {
+    /// An endpoint whose sends are scripted: the `block_at`-th is refused
+    /// as full, every one from the `fail_at`-th on fails, and it takes
+    /// `room` frames in all, then pushes back.
+    struct Scripted {
+        scheme: &'static str,
+        max_frame: usize,
         room: usize,
+        block_at: Option<usize>,
+        fail_at: usize,
+        calls: usize,
         taken: Arc<Mutex<Vec<Bytes>>>,
     }
 
-    impl Endpoint for Wire {
+    impl Endpoint for Scripted {
         fn scheme(&self) -> &str {
-            "wire"
+            self.scheme
         }
         fn local_addr(&self) -> Vec<u8> {
             Vec::new()
         }
         fn max_frame(&self) -> usize {
-            1 << 20
+            self.max_frame
         }
         fn connect(&mut self, _: &str) -> Result<PeerId, efabus_core::transport::TransportError> {
-            Ok(PeerId(1))
+            Ok(PeerId(9))
+        }
+        fn insert_peer(
+            &mut self,
+            _: &[u8],
+            _: &efabus_core::transport::LinkKeys,
+        ) -> Result<PeerId, efabus_core::transport::TransportError> {
+            Ok(PeerId(9))
         }
         fn send(&mut self, _: PeerId, frame: OutFrame) -> Result<(), SendError> {
+            self.calls += 1;
+            if self.block_at == Some(self.calls) {
+                self.block_at = None;
+                return Err(SendError::WouldBlock(frame));
+            }
+            if self.calls >= self.fail_at {
+                return Err(SendError::Transport(
+                    efabus_core::transport::TransportError::Other("completion error".into()),
+                ));
+            }
             if self.room == 0 {
                 return Err(SendError::WouldBlock(frame));
             }
@@ -473,9 +497,15 @@ mod tests {
         }
     }
 
+    /// A control link that takes `room` more frames, then pushes back.
     fn wire(room: usize, taken: &Arc<Mutex<Vec<Bytes>>>) -> Vec<Box<dyn Endpoint>> {
-        vec![Box::new(Wire {
+        vec![Box::new(Scripted {
+            scheme: "wire",
+            max_frame: 1 << 20,
             room,
+            block_at: None,
+            fail_at: usize::MAX,
+            calls: 0,
             taken: taken.clone(),
         })]
     }
@@ -557,65 +587,6 @@ mod tests {
     /// What an endpoint took, in order.
     type Taken = Arc<Mutex<Vec<Bytes>>>;
 
-    /// A reliable data endpoint whose sends are scripted: the `block_at`-th
-    /// is refused as full, and every one from the `fail_at`-th on fails.
-    struct Fabric {
-        fail_at: usize,
-        block_at: Option<usize>,
-        calls: usize,
-        taken: Arc<Mutex<Vec<Bytes>>>,
-    }
-
-    impl Endpoint for Fabric {
-        fn scheme(&self) -> &str {
-            "efa-rdm"
-        }
-        fn local_addr(&self) -> Vec<u8> {
-            Vec::new()
-        }
-        fn max_frame(&self) -> usize {
-            // Small enough that a frame of a few hundred bytes goes in pieces.
-            codec::FRAGMENT_OVERHEAD + 64
-        }
-        fn connect(&mut self, _: &str) -> Result<PeerId, efabus_core::transport::TransportError> {
-            Ok(PeerId(9))
-        }
-        fn insert_peer(
-            &mut self,
-            _: &[u8],
-            _: &efabus_core::transport::LinkKeys,
-        ) -> Result<PeerId, efabus_core::transport::TransportError> {
-            Ok(PeerId(9))
-        }
-        fn send(&mut self, _: PeerId, frame: OutFrame) -> Result<(), SendError> {
-            self.calls += 1;
-            if self.block_at == Some(self.calls) {
-                self.block_at = None;
-                return Err(SendError::WouldBlock(frame));
-            }
-            if self.calls >= self.fail_at {
-                return Err(SendError::Transport(
-                    efabus_core::transport::TransportError::Other("completion error".into()),
-                ));
-            }
-            self.taken.lock().unwrap().push(frame.to_bytes());
-            Ok(())
-        }
-        fn poll(
-            &mut self,
-            _: &mut Vec<efabus_core::transport::Event>,
-        ) -> Result<(), efabus_core::transport::TransportError> {
-            Ok(())
-        }
-        fn close(&mut self, _: PeerId) {}
-        fn readiness(&self) -> efabus_core::transport::Readiness {
-            efabus_core::transport::Readiness::MustPoll
-        }
-        fn queued_bytes(&self, _: PeerId) -> usize {
-            0
-        }
-    }
-
     /// A control link (endpoint 0, taking everything) and a reliable data
     /// link in use over a scripted fabric endpoint (endpoint 1).
     fn with_data_link(
@@ -633,9 +604,13 @@ mod tests {
             .reliable;
         let (control, fabric) = (Arc::default(), Arc::default());
         let mut endpoints = wire(usize::MAX, &control);
-        endpoints.push(Box::new(Fabric {
-            fail_at,
+        endpoints.push(Box::new(Scripted {
+            scheme: "efa-rdm",
+            // Small enough that a frame of a few hundred bytes goes in pieces.
+            max_frame: codec::FRAGMENT_OVERHEAD + 64,
+            room: usize::MAX,
             block_at,
+            fail_at,
             calls: 0,
             taken: Arc::clone(&fabric),
         }));
