@@ -29,5 +29,6 @@ pub mod index;
 pub mod link;
 pub mod log_limit;
 pub mod reorder;
+pub mod secret;
 pub mod subject;
 pub mod transport;
