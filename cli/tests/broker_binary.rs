@@ -820,7 +820,12 @@ fn declared_lengths_claim_memory_only_as_bytes_arrive() {
     } else {
         500
     };
-    let server = Server::start("[limits]\nhandshake_timeout_ms = 30000\nmax_connections = 20000\n");
+    // The raw peers answer no heartbeat: the broker must not give up on
+    // them while the test runs.
+    let server = Server::start(
+        "[limits]\nhandshake_timeout_ms = 30000\nmax_connections = 20000\n\
+         [heartbeat]\ninterval_ms = 30000\ntimeout_ms = 60000\n",
+    );
     let declare = |len: usize, sent: usize| {
         let mut bytes = (len as u32).to_le_bytes().to_vec();
         bytes.resize(4 + sent, 0x55);

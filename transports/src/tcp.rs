@@ -781,8 +781,10 @@ pub struct TcpEndpoint {
     dirty: Vec<Token>,
     /// Connections that stopped reading at the budget.
     read_more: Vec<Token>,
-    /// Connections closed locally and still flushing or draining.
-    lingering: usize,
+    /// Connections closed locally and still flushing or draining, in the
+    /// order they were closed (so also the order their [`LINGER`] ends);
+    /// those dropped since are skipped when their turn comes.
+    lingering: VecDeque<(Instant, Token)>,
     round: u64,
     /// Connections to service this poll: readable, writable, closed.
     scratch: Vec<(Token, bool, bool, bool)>,
@@ -852,7 +854,7 @@ impl TcpEndpoint {
             pending: VecDeque::new(),
             dirty: Vec::new(),
             read_more: Vec::new(),
-            lingering: 0,
+            lingering: VecDeque::new(),
             round: 0,
             scratch: Vec::new(),
         })
@@ -1035,9 +1037,7 @@ impl TcpEndpoint {
             // and the socket goes now, whoever still holds it.
             conn.out.lock().closing = true;
             let _ = conn.stream.shutdown(Shutdown::Both);
-            if conn.closing.is_some() {
-                self.lingering -= 1;
-            } else {
+            if conn.closing.is_none() {
                 events.push(Event::Closed {
                     peer: peer_of(token),
                     reason,
@@ -1053,12 +1053,13 @@ impl TcpEndpoint {
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
-        conn.closing = Some(Instant::now());
+        let now = Instant::now();
+        conn.closing = Some(now);
         conn.release_read_buffer();
         // Whatever else the peer sent is read and discarded while lingering.
         conn.read_more = true;
         conn.read_paused = false;
-        self.lingering += 1;
+        self.lingering.push_back((now, token));
         let mut out = conn.out.lock();
         // Past the queue bounds if need be: one small frame, and nothing
         // more is queued after it.
@@ -1109,7 +1110,10 @@ impl TcpEndpoint {
         if conn.closing.is_some() {
             let flushed = out.flush().is_ok();
             drop(out);
-            let done = (readable || conn.read_more) && conn.drain_discard(&limits);
+            // Drained to `WouldBlock`, the socket signals again when more
+            // arrives: it is read again only if the budget stopped it.
+            let read = readable || std::mem::take(&mut conn.read_more);
+            let done = read && conn.drain_discard(&limits);
             let expired = conn.closing.is_some_and(|t| t.elapsed() >= LINGER);
             if !flushed || done || expired {
                 self.drop_conn(token, CloseReason::Local, events);
@@ -1316,16 +1320,12 @@ impl Endpoint for TcpEndpoint {
         }
 
         // Locally closed connections that are past their time.
-        if self.lingering > 0 {
-            let expired: Vec<Token> = self
-                .conns
-                .iter()
-                .filter(|(_, c)| c.closing.is_some_and(|t| t.elapsed() >= LINGER))
-                .map(|(t, _)| *t)
-                .collect();
-            for token in expired {
-                self.drop_conn(token, CloseReason::Local, events);
+        while let Some(&(closed, token)) = self.lingering.front() {
+            if closed.elapsed() < LINGER {
+                break;
             }
+            self.lingering.pop_front();
+            self.drop_conn(token, CloseReason::Local, events);
         }
 
         if self.accept_more || !self.read_more.is_empty() {
@@ -1344,9 +1344,10 @@ impl Endpoint for TcpEndpoint {
         if conn.closing.is_some() {
             return;
         }
-        conn.closing = Some(Instant::now());
+        let now = Instant::now();
+        conn.closing = Some(now);
         conn.release_read_buffer();
-        self.lingering += 1;
+        self.lingering.push_back((now, token));
         let mut out = conn.out.lock();
         out.closing = true;
         // A socket that fails now has nothing left to flush or drain.
