@@ -371,6 +371,12 @@ int64_t efabus_cq_read(struct fid_cq *cq, struct efabus_completion *buf, uint64_
 	return fi_cq_read(cq, buf, count);
 }
 
+int64_t efabus_cq_readfrom(struct fid_cq *cq, struct efabus_completion *buf, uint64_t count,
+			   uint64_t *src_addr)
+{
+	return fi_cq_readfrom(cq, buf, count, (fi_addr_t *)src_addr);
+}
+
 int64_t efabus_cq_readerr(struct fid_cq *cq, struct efabus_cq_error *out)
 {
 	/*

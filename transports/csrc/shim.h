@@ -213,6 +213,8 @@ int efabus_cq_open(struct fid_domain *domain, uint64_t size, struct fid_wait *wa
 int efabus_cq_close(struct fid_cq *cq);
 /* Returns the number of entries read, -FI_EAGAIN, -FI_EAVAIL or an error. */
 int64_t efabus_cq_read(struct fid_cq *cq, struct efabus_completion *buf, uint64_t count);
+int64_t efabus_cq_readfrom(struct fid_cq *cq, struct efabus_completion *buf, uint64_t count,
+			   uint64_t *src_addr);
 /* Returns 1 when an error entry was read, 0 or -FI_EAGAIN when none. */
 int64_t efabus_cq_readerr(struct fid_cq *cq, struct efabus_cq_error *out);
 

@@ -688,6 +688,64 @@ mod suite {
         assert_eq!(received.rx_errors + received.malformed, 0, "{received:?}");
     }
 
+    /// A forger holding the link's very keys and writing the peer's
+    /// address: where the provider reports each receive's source
+    /// (FI_SOURCE), the source is not the peer's and the message is dropped
+    /// and counted as forged. Where it is not asked for (the `ofi_rxm` and
+    /// `ofi_rxd` layers) the tag alone authenticates, which such a forger
+    /// passes; the link says so.
+    pub fn the_source_is_checked_where_reported(kind: EpKind, provider: &str) {
+        let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
+            return;
+        };
+        if !b.link().source_checked {
+            // The core providers here (sockets, udp) all grant it.
+            assert!(
+                provider.contains("ofi_"),
+                "{provider} grants FI_SOURCE, yet the endpoint does not check it"
+            );
+            eprintln!("{provider}: FI_SOURCE not asked; the tag alone authenticates");
+            return;
+        }
+        let (a_keys, b_keys) = link_keys();
+        let pb = a.insert_peer(&b.local_addr(), &a_keys).expect("insert b");
+        let pa = b.insert_peer(&a.local_addr(), &b_keys).expect("insert a");
+        let mut be = Vec::new();
+        a.send(pb, frame(b"genuine")).expect("send");
+        pump(
+            &mut a,
+            &mut b,
+            &mut Vec::new(),
+            &mut be,
+            |_, be| !frames_from(be, pa).is_empty(),
+            "the genuine frame",
+        );
+        let t = transport(kind);
+        let mut forger = t.open_fabric(&config(provider, &[])).expect("forger");
+        let to_b = forger
+            .insert_peer(&b.local_addr(), &a_keys)
+            .expect("insert b");
+        forger.claim_address(&a.local_addr());
+        // The forger's counters start at 1 again: its first message would
+        // be a replay, the 99 after it new; only the source stops them.
+        for _ in 0..100 {
+            forger.send(to_b, frame(b"forged")).expect("send");
+            forger.poll(&mut Vec::new()).expect("poll forger");
+        }
+        until_counted(
+            &mut forger,
+            &mut b,
+            &mut be,
+            |s| s.forged,
+            "a forger with the keys",
+        );
+        assert!(
+            !be.iter()
+                .any(|e| matches!(e, Event::Frame { frame, .. } if payload_of(frame) == b"forged")),
+            "a forged frame was delivered"
+        );
+    }
+
     /// An address vector bounded to two addresses holds the addresses of
     /// two live peers and refuses a third; once a peer closes, its address
     /// is removed (least recently used first) to make room, and the peers
@@ -1070,6 +1128,11 @@ macro_rules! provider_suite {
             #[test]
             fn packing_respects_a_smaller_peer() {
                 suite::packing_respects_a_smaller_peer($kind, $provider);
+            }
+
+            #[test]
+            fn the_source_is_checked_where_reported() {
+                suite::the_source_is_checked_where_reported($kind, $provider);
             }
 
             #[test]

@@ -50,13 +50,14 @@
 //! - Every message is authenticated (see [`super::layout`]): a peer is
 //!   inserted with the keys and ids of its link, which the session layer
 //!   agreed over its control link, and a message is delivered only once
-//!   its link id names a peer, its sender address is that peer's, its tag
-//!   checks under the peer's key and its counter is new. Anything else is
-//!   dropped and counted, and costs no peer, no reply and no address-vector
-//!   entry: sessions start on the control link, never here. Addresses of
-//!   closed peers stay in the address vector for reuse until it fills;
-//!   then the least recently used one no live peer needs is removed
-//!   (`fi_av_remove`).
+//!   its link id names a peer, its sender address is that peer's (and,
+//!   where FI_SOURCE is granted, so is the source the completion reports),
+//!   its tag checks under the peer's key and its counter is new. Anything
+//!   else is dropped and counted, and costs no peer, no reply and no
+//!   address-vector entry: sessions start on the control link, never
+//!   here. Addresses of closed peers stay in the address vector for reuse
+//!   until it fills; then the least recently used one no live peer needs
+//!   is removed (`fi_av_remove`).
 //!
 //! Nothing here waits: the endpoint must be polled. With a wait set its
 //! owner may sleep on the set's descriptor between polls
@@ -151,6 +152,9 @@ pub struct LinkInfo {
     pub resource_mgmt: u64,
     /// The FI_OPT_EFA_RNR_RETRY value set, if it was.
     pub rnr_retry: Option<u64>,
+    /// FI_SOURCE granted: every receive's sender is checked against the
+    /// peer's address-vector entry, besides the tag.
+    pub source_checked: bool,
 }
 
 /// Counters of what the endpoint did, for diagnostics.
@@ -164,8 +168,8 @@ pub struct FabricStats {
     /// Messages naming a link id no live peer has: from senders that never
     /// had a session, or from a peer closed since.
     pub unknown_links: u64,
-    /// Messages whose sender address or tag did not match their link:
-    /// forged, or corrupted on the way.
+    /// Messages whose sender address, source (where the provider reports
+    /// it) or tag did not match their link: forged, or corrupted on the way.
     pub forged: u64,
     /// Authentic messages whose counter was taken before: replayed.
     pub replayed: u64,
@@ -254,6 +258,11 @@ pub struct FabricEndpoint {
     /// Ticks at each insert, for least-recently-used eviction.
     av_clock: u64,
     max_addresses: usize,
+    /// The provider reports each receive's source (FI_SOURCE): it must be
+    /// the peer's own address-vector entry.
+    checks_source: bool,
+    /// Per completion read: its source address, when `checks_source`.
+    sources: Vec<u64>,
 
     free_tx: Vec<usize>,
     /// Most tx slots one peer may hold; see [`FabricEndpoint::may_take_slot`].
@@ -396,6 +405,9 @@ impl FabricEndpoint {
         ep.bind_av(&av)?;
         ep.bind_cq(&tx_cq, FI_TRANSMIT)?;
         ep.bind_cq(&rx_cq, FI_RECV)?;
+        // Providers may report FI_SOURCE unasked; only an asked-for grant
+        // is relied on.
+        let checks_source = attrs.caps & FI_SOURCE != 0 && honours_source(attrs.provider());
         let mut rnr_retry = None;
         if kind == EpKind::Rdm && attrs.provider().starts_with("efa") {
             // Before fi_enable, RDM only (fi_efa(7)). Devices that cannot
@@ -466,6 +478,7 @@ impl FabricEndpoint {
             addr_format: attrs.addr_format,
             resource_mgmt: dom.resource_mgmt,
             rnr_retry,
+            source_checked: checks_source,
         };
         tracing::debug!(?link, "fabric endpoint open");
 
@@ -491,6 +504,8 @@ impl FabricEndpoint {
             av_cache: HashMap::new(),
             av_clock: 0,
             max_addresses: options.max_addresses,
+            checks_source,
+            sources: vec![FI_ADDR_NOTAVAIL; CQ_BATCH],
             free_tx: (0..tx_depth).rev().collect(),
             peer_slots: (tx_depth / PEER_SLOTS_DIVISOR)
                 .max(PEER_SLOTS_FLOOR.min(tx_depth / 2))
@@ -667,13 +682,20 @@ impl FabricEndpoint {
     }
 
     fn drain_rx(&mut self) -> Result<usize, FabricError> {
-        match self.rx_cq.read(&mut self.completions)? {
+        let read = if self.checks_source {
+            self.rx_cq
+                .read_from(&mut self.completions, &mut self.sources)?
+        } else {
+            self.rx_cq.read(&mut self.completions)?
+        };
+        match read {
             CqRead::Entries(n) => {
                 for i in 0..n {
                     let Completion {
                         op_context, len, ..
                     } = self.completions[i];
-                    self.on_receive(op_context, len);
+                    let source = self.checks_source.then(|| self.sources[i]);
+                    self.on_receive(op_context, len, source);
                 }
                 Ok(n)
             }
@@ -704,7 +726,9 @@ impl FabricEndpoint {
         }
     }
 
-    fn on_receive(&mut self, context: *mut std::ffi::c_void, len: u64) {
+    /// One receive completion; `source` is the sender's address-vector
+    /// entry where the provider reports it (FI_SOURCE).
+    fn on_receive(&mut self, context: *mut std::ffi::c_void, len: u64, source: Option<u64>) {
         let Some(slot) = self.rx_pool.slot_of(context) else {
             tracing::warn!("rx completion with an unknown context");
             return;
@@ -729,7 +753,9 @@ impl FabricEndpoint {
                     stats: &mut self.stats,
                     log: &mut self.bad_input_log,
                 };
-                checks.authenticate(&message).map(|peer| (peer, range))
+                checks
+                    .authenticate(&message, source)
+                    .map(|peer| (peer, range))
             }
             Err(err) => {
                 self.stats.malformed += 1;
@@ -1038,7 +1064,11 @@ impl Checks<'_> {
     /// that peer: the sender address is the peer's, the tag checks under
     /// the peer's receive key and the counter was not taken before. Each
     /// refusal is counted and logged at a bounded rate.
-    fn authenticate(self, message: &super::layout::Message<'_>) -> Option<PeerId> {
+    fn authenticate(
+        self,
+        message: &super::layout::Message<'_>,
+        source: Option<u64>,
+    ) -> Option<PeerId> {
         let now = Instant::now();
         let Some(&peer) = self.links.get(&message.link_id) else {
             self.stats.unknown_links += 1;
@@ -1053,8 +1083,12 @@ impl Checks<'_> {
             return None;
         };
         let state = self.peers.get_mut(&peer)?;
-        let authentic =
-            state.addr == message.sender && message.is_authentic(&state.keys.receive_key);
+        // Where the provider names the sender, it must be the peer's own
+        // entry (a sender not in the address vector has none).
+        let from_peer = source.is_none_or(|source| source == state.fi_addr);
+        let authentic = from_peer
+            && state.addr == message.sender
+            && message.is_authentic(&state.keys.receive_key);
         if !authentic {
             self.stats.forged += 1;
             if let Some(held_back) = self.log.forged.allow(now) {
@@ -1083,15 +1117,45 @@ fn other(err: impl std::fmt::Display) -> TransportError {
     TransportError::Other(err.to_string())
 }
 
-/// Hints for `kind` from `options`; asks for SAS on RDM as configured and
-/// falls back to no ordering when `prefer`red and nothing grants it.
-/// Returns the list and whether SAS was asked for.
+/// Hints for `kind` from `options`; asks for FI_SOURCE (so a receive
+/// reports its sender's address, checked against the peer's) where the
+/// provider grants it and [`honours_source`], and for SAS on RDM as
+/// configured, falling back to no ordering when `prefer`red and nothing
+/// grants it. Returns the list and whether SAS was asked for.
 pub(crate) fn get_info(
     kind: EpKind,
     options: &FabricOptions,
 ) -> Result<(InfoList, bool), FabricError> {
+    if !honours_source(&options.provider) {
+        return get_info_with(kind, options, FI_MSG);
+    }
+    match get_info_with(kind, options, FI_MSG | FI_SOURCE) {
+        Err(FabricError::GetInfo { code, .. }) if code.code == FI_ENODATA => {
+            get_info_with(kind, options, FI_MSG)
+        }
+        result => result,
+    }
+}
+
+/// Whether FI_SOURCE is asked of `provider`. The core providers report a
+/// receive's source faithfully (efa, sockets, udp); the utility layers do
+/// not serve it as efabus uses them: with libfabric 1.17, `ofi_rxm` with
+/// FI_SOURCE stalls large messages it has not copied, and `ofi_rxd` drops
+/// senders missing from the address vector itself (so they go uncounted)
+/// and loses peers whose entry was removed and inserted again. There the
+/// tag alone authenticates, which the link reports
+/// ([`LinkInfo::source_checked`]).
+fn honours_source(provider: &str) -> bool {
+    !provider.split(';').any(|layer| layer.starts_with("ofi_"))
+}
+
+fn get_info_with(
+    kind: EpKind,
+    options: &FabricOptions,
+    caps: u64,
+) -> Result<(InfoList, bool), FabricError> {
     let mut hints = Hints {
-        caps: FI_MSG,
+        caps,
         mode: SUPPORTED_MODES,
         mr_mode: SUPPORTED_MR_MODES,
         ep_type: kind.fi_value(),

@@ -338,6 +338,39 @@ impl CompletionQueue {
         }
     }
 
+    /// [`read`](Self::read), with each completion's source address in
+    /// `sources` (`FI_ADDR_NOTAVAIL` for a sender not in the address
+    /// vector). Only for endpoints opened with `FI_SOURCE`.
+    pub fn read_from(
+        &self,
+        buf: &mut [Completion],
+        sources: &mut [u64],
+    ) -> Result<CqRead, FabricError> {
+        let count = buf.len().min(sources.len());
+        // SAFETY: the CQ is open; `buf` has room for `count` entries of
+        // fi_cq_msg_entry layout (checked by a static assert in the shim)
+        // and `sources` for `count` fi_addr_t values.
+        let ret = unsafe {
+            sys::efabus_cq_readfrom(
+                self.ptr.as_ptr(),
+                buf.as_mut_ptr(),
+                count as u64,
+                sources.as_mut_ptr(),
+            )
+        };
+        if ret >= 0 {
+            return Ok(CqRead::Entries(ret as usize));
+        }
+        let code = FiCode::from_ret(ret);
+        if code.is_again() {
+            Ok(CqRead::Entries(0))
+        } else if code.code == FI_EAVAIL {
+            Ok(CqRead::ErrorAvailable)
+        } else {
+            Err(FabricError::CqRead { code })
+        }
+    }
+
     /// Reads the error entry at the head of the queue, if any, with the
     /// provider's text from `fi_cq_strerror`.
     pub fn read_error(&self) -> Result<Option<CqError>, FabricError> {

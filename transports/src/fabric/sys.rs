@@ -230,6 +230,12 @@ extern "C" {
     ) -> c_int;
     pub fn efabus_cq_close(cq: *mut fid_cq) -> c_int;
     pub fn efabus_cq_read(cq: *mut fid_cq, buf: *mut efabus_completion, count: u64) -> i64;
+    pub fn efabus_cq_readfrom(
+        cq: *mut fid_cq,
+        buf: *mut efabus_completion,
+        count: u64,
+        src_addr: *mut u64,
+    ) -> i64;
     pub fn efabus_cq_readerr(cq: *mut fid_cq, out: *mut efabus_cq_error) -> i64;
 
     pub fn efabus_endpoint(
