@@ -746,6 +746,72 @@ mod suite {
         );
     }
 
+    /// Messages recorded on the wire and sent again are refused: a second
+    /// endpoint holding the link's keys and writing the peer's address
+    /// sends, one message at a time as the peer did, the very messages the
+    /// peer sent (same link, counters and bytes). None is delivered, each
+    /// is counted (as replayed, or as forged where the source is checked
+    /// first), and the peer's next message still arrives.
+    pub fn replayed_messages_are_refused(kind: EpKind, provider: &str) {
+        const MESSAGES: u64 = 20;
+        let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
+            return;
+        };
+        let (a_keys, b_keys) = link_keys();
+        let pb = a.insert_peer(&b.local_addr(), &a_keys).expect("insert b");
+        let pa = b.insert_peer(&a.local_addr(), &b_keys).expect("insert a");
+        let message = |i: u64| frame(format!("message {i}").as_bytes());
+        let mut be = Vec::new();
+        for i in 0..MESSAGES {
+            a.send(pb, message(i)).expect("send");
+            pump(
+                &mut a,
+                &mut b,
+                &mut Vec::new(),
+                &mut be,
+                |_, be| !frames_from(be, pa).is_empty(),
+                "a genuine message",
+            );
+            be.clear();
+        }
+        let t = transport(kind);
+        let mut replayer = t.open_fabric(&config(provider, &[])).expect("replayer");
+        let to_b = replayer
+            .insert_peer(&b.local_addr(), &a_keys)
+            .expect("insert b");
+        replayer.claim_address(&a.local_addr());
+        let refused = |b: &FabricEndpoint| b.stats().replayed + b.stats().forged;
+        let start = Instant::now();
+        for i in 0..MESSAGES {
+            replayer.send(to_b, message(i)).expect("send");
+            while refused(&b) <= i {
+                replayer.poll(&mut Vec::new()).expect("poll replayer");
+                b.poll(&mut be).expect("poll b");
+                assert!(start.elapsed() < DEADLINE, "replay {i} never counted");
+            }
+        }
+        assert_eq!(refused(&b), MESSAGES, "{:?}", b.stats());
+        if !b.link().source_checked {
+            assert_eq!(b.stats().replayed, MESSAGES, "{:?}", b.stats());
+        }
+        assert!(
+            frames_from(&be, pa).is_empty(),
+            "a replayed message was delivered"
+        );
+        a.send(pb, frame(b"after the replay")).expect("send");
+        pump(
+            &mut a,
+            &mut b,
+            &mut Vec::new(),
+            &mut be,
+            |_, be| !frames_from(be, pa).is_empty(),
+            "the peer's next message",
+        );
+        let after = frames_from(&be, pa);
+        assert_eq!(after.len(), 1);
+        assert_eq!(payload_of(&after[0]), b"after the replay");
+    }
+
     /// An address vector bounded to two addresses holds the addresses of
     /// two live peers and refuses a third; once a peer closes, its address
     /// is removed (least recently used first) to make room, and the peers
@@ -1133,6 +1199,11 @@ macro_rules! provider_suite {
             #[test]
             fn the_source_is_checked_where_reported() {
                 suite::the_source_is_checked_where_reported($kind, $provider);
+            }
+
+            #[test]
+            fn replayed_messages_are_refused() {
+                suite::replayed_messages_are_refused($kind, $provider);
             }
 
             #[test]
