@@ -11,7 +11,8 @@
 //! victim's session, and the broker counts every message. A stranger that
 //! knows no link id is counted as such and costs the broker nothing it
 //! keeps. A client whose hello names another client's fabric address gets
-//! no traffic sent there and takes nothing over from it.
+//! no traffic sent there and takes nothing over from it; a client that
+//! reconnects from its own address replaces its old session.
 //!
 //! `tcp;ofi_rxm` on loopback; skipped unless libfabric opens here, a
 //! failure instead under `EFABUS_REQUIRE_FABRIC=1`.
@@ -584,4 +585,136 @@ fn an_address_never_proven_gets_no_traffic_and_ends_the_session() {
     );
     assert_eq!(victim.reconnects(), 0);
     assert_eq!(stat(&broker, "connections"), 2, "victim and publisher");
+}
+
+/// A TCP relay between clients and the broker that can drop its clients'
+/// side of every connection while keeping the broker's side open, as a
+/// lost network path leaves the broker with a session whose peer is gone.
+struct CutRelay {
+    address: std::net::SocketAddr,
+    /// Each relayed connection's client side, and its broker side, which
+    /// is kept open after a cut.
+    pairs: std::sync::Arc<std::sync::Mutex<Vec<(std::net::TcpStream, std::net::TcpStream)>>>,
+}
+
+impl CutRelay {
+    fn start(broker: &Broker) -> CutRelay {
+        let target = broker
+            .endpoint("tcp")
+            .and_then(|spec| spec.strip_prefix("tcp/").map(str::to_string))
+            .expect("tcp listener");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("relay listener");
+        let address = listener.local_addr().expect("relay address");
+        let pairs = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = pairs.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = std::net::TcpStream::connect(&target) else {
+                    return;
+                };
+                let relay = |mut from: std::net::TcpStream, mut to: std::net::TcpStream| {
+                    // Stops when either side fails, without closing the
+                    // other: a cut leaves the broker's side open.
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                    });
+                };
+                relay(client.try_clone().unwrap(), server.try_clone().unwrap());
+                relay(server.try_clone().unwrap(), client.try_clone().unwrap());
+                kept.lock().unwrap().push((client, server));
+            }
+        });
+        CutRelay { address, pairs }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("tcp/{}", self.address)
+    }
+
+    /// Close the clients' side of every connection so far.
+    fn cut_clients(&self) {
+        for (client, _) in self.pairs.lock().unwrap().iter() {
+            let _ = client.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// A client that lost its connection while the broker still holds its
+/// session (the broker would notice only at the heartbeat timeout, 30 s
+/// here) reconnects from the same fabric endpoint. Once its new session
+/// proves the address, the old session ends at once: one address, one
+/// live session. The client then gets each message once, in order, on
+/// the fabric.
+#[test]
+fn a_reconnecting_client_takes_over_its_own_address() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let text = format!(
+        "name = \"trust\"\nlisten = [\"tcp/127.0.0.1:0\", \"efa-rdm\"]\n\
+         [heartbeat]\ninterval_ms = 1000\ntimeout_ms = 30000\n{}",
+        fabric_table(PROVIDER)
+    );
+    let config = Config::from_toml_str(&text, "trust test").expect("valid test config");
+    let broker = match Broker::start(config) {
+        Ok(broker) if broker.endpoint("efa-rdm").is_some() => broker,
+        _ if !fabric_required() => return,
+        _ => panic!("EFABUS_REQUIRE_FABRIC=1 but {PROVIDER} did not open"),
+    };
+    let relay = CutRelay::start(&broker);
+    let client = Client::connect_with(
+        &relay.endpoint(),
+        client_options(&broker, "returning"),
+        Registry::with_builtins(),
+    )
+    .expect("client connects");
+    let sub = client.subscribe("take.>").unwrap();
+    client.flush(WAIT).unwrap();
+    let address = client.link().fabric_address.expect("a fabric address");
+    let publisher = fabric_client(&broker, "publisher");
+    let publish = |range: std::ops::Range<u32>| {
+        for n in range {
+            publisher
+                .publish("take.data", Bytes::from(n.to_string()))
+                .unwrap();
+        }
+        publisher.flush(WAIT).unwrap();
+    };
+    publish(0..50);
+    for n in 0..50u32 {
+        let message = sub.recv_timeout(WAIT).expect("a message before the cut");
+        assert_eq!(message.payload, Bytes::from(n.to_string()));
+    }
+    assert_eq!(stat(&broker, "connections"), 2);
+
+    relay.cut_clients();
+    assert!(
+        eventually(|| client.reconnects() == 1),
+        "the client reconnects"
+    );
+    assert_eq!(
+        client.link().fabric_address.as_deref(),
+        Some(address.as_str()),
+        "the same fabric endpoint"
+    );
+    assert!(client.link().reliable.starts_with("efa-rdm"));
+    // The old session ends on the takeover, long before its heartbeat
+    // timeout.
+    client.flush(WAIT).unwrap();
+    assert!(
+        eventually(|| stat(&broker, "connections") == 2),
+        "the old session is still up: {:?}",
+        broker.stats().snapshot()
+    );
+    publish(50..100);
+    for n in 50..100u32 {
+        let message = sub.recv_timeout(WAIT).expect("a message after the cut");
+        assert_eq!(message.payload, Bytes::from(n.to_string()));
+    }
+    assert!(
+        sub.recv_timeout(Duration::from_millis(300)).is_err(),
+        "a message came twice"
+    );
+    assert_eq!(stat(&broker, "unproven_addresses"), 0);
 }
