@@ -108,7 +108,7 @@ pub fn with_faults(
     faults: Option<&crate::config::Faults>,
     index: usize,
 ) -> Box<dyn Endpoint> {
-    let Some(faults) = faults else {
+    let Some(faults) = faults.filter(|faults| faults.applies_to(endpoint.scheme())) else {
         return endpoint;
     };
     let config = faults.for_stream(index as u64);

@@ -11,7 +11,8 @@
 //!
 //! The injector wraps every endpoint of the broker, the TCP one included,
 //! at the same low rate: a dropped handshake frame only delays a
-//! connection, which the waits allow for.
+//! connection, which the waits allow for. One test fails the fabric
+//! endpoint as a whole instead (its polls err).
 //!
 //! The provider is skipped with a message where it cannot open, unless
 //! `EFABUS_REQUIRE_FABRIC=1` (CI), as in `fabric_paths`.
@@ -334,4 +335,53 @@ fn frames_held_behind_a_lost_message_stay_within_the_shared_memory_bound() {
     assert_eq!(stat(&broker, "bad_frames"), 0);
     drop(client);
     broker.shutdown();
+}
+
+/// The broker's fabric endpoint fails (every poll errs from the 30th frame
+/// it receives on, as when its device goes away): the sessions whose links
+/// are on it end with the reason, the broker stops offering it and keeps
+/// serving, and the clients reconnect on TCP and carry on, in order.
+#[test]
+fn a_failed_fabric_endpoint_moves_its_clients_to_tcp() {
+    let Some(broker) = start_broker("scheme = \"efa-rdm\"\nfail_polls_after = 30", "") else {
+        return;
+    };
+    let subscriber = fabric_client(&broker, "subscriber");
+    let subscription = subscriber.subscribe("fail.>").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    let publisher = fabric_client(&broker, "publisher");
+    // Enough frames on the fabric to fail it; some may be lost with it.
+    for n in 0..100u32 {
+        publisher
+            .publish("fail.before", n.to_le_bytes().to_vec())
+            .unwrap();
+    }
+    let deadline = Instant::now() + WAIT;
+    while publisher.reconnects() == 0 || subscriber.reconnects() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the clients never left the failed endpoint"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    for client in [&subscriber, &publisher] {
+        client.flush(WAIT).unwrap();
+        let link = client.link();
+        assert_eq!(link.reliable, "tcp", "back on TCP: {link:?}");
+    }
+    while subscription.try_recv().is_ok() {}
+    for n in 0..100u32 {
+        publisher
+            .publish("fail.after", n.to_le_bytes().to_vec())
+            .unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    for n in 0..100u32 {
+        let message = subscription
+            .recv_timeout(WAIT)
+            .expect("a message after the failure");
+        assert_eq!(&message.subject[..], "fail.after");
+        assert_eq!(message.payload[..], n.to_le_bytes());
+    }
+    assert_eq!(stat(&broker, "connections"), 2);
 }

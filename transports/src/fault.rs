@@ -61,6 +61,9 @@
 //! [`SendError::TooLarge`].
 //!
 //! Every action is counted in [`FaultStats`].
+//!
+//! Apart from frames, [`FaultConfig::fail_polls_after`] makes every poll
+//! fail once that many frames were received, as a failed device would.
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -81,6 +84,9 @@ pub const SCHEME_PREFIX: &str = "faulty+";
 
 /// The reason text of a `Closed` event caused by an injected disconnect.
 pub const INJECTED_DISCONNECT: &str = "injected fault: disconnect";
+
+/// The error of a poll failed by `fail_polls_after`.
+pub const INJECTED_POLL_FAILURE: &str = "injected fault: poll failure";
 
 /// Which frames a [`FaultyEndpoint`] touches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -154,6 +160,14 @@ pub struct FaultConfig {
     pub truncate: f64,
     /// Frames on which the peer is disconnected (`fault_disconnect`).
     pub disconnect: f64,
+    /// Once this many frames were received, every later poll fails, as an
+    /// endpoint whose device went away does (`fault_fail_polls_after`; 0,
+    /// the default, never).
+    pub fail_polls_after: u64,
+    /// Only endpoints of this scheme get faults, where one configuration
+    /// serves several endpoints (a broker's listeners, a client's links);
+    /// `None` (the default) is all of them. Not a transport option.
+    pub scheme: Option<String>,
 }
 
 impl Default for FaultConfig {
@@ -170,6 +184,8 @@ impl Default for FaultConfig {
             corrupt: 0.0,
             truncate: 0.0,
             disconnect: 0.0,
+            fail_polls_after: 0,
+            scheme: None,
         }
     }
 }
@@ -190,7 +206,7 @@ pub enum FaultConfigError {
 }
 
 /// The option keys [`FaultConfig::from_options`] reads.
-pub const OPTION_KEYS: [&str; 11] = [
+pub const OPTION_KEYS: [&str; 12] = [
     "fault_seed",
     "fault_direction",
     "fault_drop",
@@ -202,12 +218,18 @@ pub const OPTION_KEYS: [&str; 11] = [
     "fault_corrupt",
     "fault_truncate",
     "fault_disconnect",
+    "fault_fail_polls_after",
 ];
 
 impl FaultConfig {
-    /// Whether some fault can happen at all.
+    /// Whether some fault can happen to a frame.
     pub fn is_active(&self) -> bool {
         self.rates().iter().any(|(_, rate)| *rate > 0.0)
+    }
+
+    /// Whether an endpoint of `scheme` gets faults.
+    pub fn applies_to(&self, scheme: &str) -> bool {
+        self.scheme.as_deref().is_none_or(|only| only == scheme)
     }
 
     /// Whether frames may be held, so that the endpoint must be polled to
@@ -289,6 +311,9 @@ impl FaultConfig {
                 "fault_corrupt" => config.corrupt = rate()?,
                 "fault_truncate" => config.truncate = rate()?,
                 "fault_disconnect" => config.disconnect = rate()?,
+                "fault_fail_polls_after" => {
+                    config.fail_polls_after = value.trim().parse().map_err(|_| not_a_number())?;
+                }
                 _ => {
                     return Err(FaultConfigError::UnknownKey {
                         key: key.clone(),
@@ -317,6 +342,10 @@ impl FaultConfig {
             (
                 "fault_max_delay_polls".to_string(),
                 self.max_delay_polls.to_string(),
+            ),
+            (
+                "fault_fail_polls_after".to_string(),
+                self.fail_polls_after.to_string(),
             ),
         ];
         for (key, rate) in self.rates() {
@@ -610,6 +639,8 @@ pub struct FaultyEndpoint {
     disconnecting: HashSet<PeerId>,
     stats: SharedFaultStats,
     scratch: Vec<Event>,
+    /// Frames received so far, for `fail_polls_after`.
+    received: u64,
 }
 
 impl std::fmt::Debug for FaultyEndpoint {
@@ -646,6 +677,7 @@ impl FaultyEndpoint {
             disconnecting: HashSet::new(),
             stats,
             scratch: Vec::new(),
+            received: 0,
         }
     }
 
@@ -882,6 +914,10 @@ impl Endpoint for FaultyEndpoint {
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError> {
+        let limit = self.config.fail_polls_after;
+        if limit > 0 && self.received >= limit {
+            return Err(TransportError::Other(INJECTED_POLL_FAILURE.to_string()));
+        }
         for due in self.receive.tick() {
             events.push(Event::Frame {
                 peer: due.peer,
@@ -898,6 +934,9 @@ impl Endpoint for FaultyEndpoint {
         let faults_in = self.config.direction.receive()
             && (self.config.is_active() || !self.receive.held.is_empty());
         for event in scratch.drain(..) {
+            if matches!(event, Event::Frame { .. }) {
+                self.received += 1;
+            }
             match event {
                 Event::Frame { peer, .. } if self.disconnecting.contains(&peer) => {}
                 Event::Frame { peer, frame } if faults_in => self.on_received(peer, frame, events),
@@ -1442,6 +1481,30 @@ mod tests {
         assert_eq!(stats.snapshot().send.truncated, 50);
     }
 
+    #[test]
+    fn polls_fail_once_enough_frames_came() {
+        let (mut p, _) = pair(with(FaultDirection::Receive, |c| c.fail_polls_after = 3));
+        p.send_all(&frames(5));
+        p.tx.poll(&mut Vec::new()).expect("poll tx");
+        let mut events = Vec::new();
+        p.rx.poll(&mut events)
+            .expect("the poll that brings the frames succeeds");
+        let got = events
+            .iter()
+            .filter(|e| matches!(e, Event::Frame { .. }))
+            .count();
+        assert_eq!(got, 5);
+        for _ in 0..3 {
+            let err = p.rx.poll(&mut events).expect_err("every later poll fails");
+            assert_eq!(err.to_string(), INJECTED_POLL_FAILURE);
+        }
+        let config =
+            FaultConfig::from_options(&[("fault_fail_polls_after".to_string(), "7".to_string())])
+                .expect("valid option");
+        assert_eq!(config.fail_polls_after, 7);
+        assert_eq!(FaultConfig::from_options(&config.to_options()), Ok(config));
+    }
+
     fn closed_reason(events: &[Event], peer: PeerId) -> Vec<CloseReason> {
         events
             .iter()
@@ -1523,6 +1586,7 @@ mod tests {
             corrupt: 0.1,
             truncate: 0.1,
             disconnect: 0.0,
+            ..FaultConfig::default()
         }
     }
 
