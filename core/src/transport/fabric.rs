@@ -19,7 +19,7 @@
 //! | `tx_depth` | sends in flight, capped by the provider's tx size | 256 |
 //! | `av_size` | address vector size hint | 1024 |
 //! | `max_addresses` | most distinct peer addresses kept in the address vector (least recently used ones without a live peer are removed) | 65536 |
-//! | `rnr_retry` | `FI_OPT_EFA_RNR_RETRY` for efa RDM (0-7, 7 = retry without limit; the default, 6, lets a send to a receiver that posts nothing fail, so it frees its slot) | 6 |
+//! | `rnr_retry` | `FI_OPT_EFA_RNR_RETRY` for efa RDM (0-6: 7, retry without limit, is refused, as a send to a receiver that posts nothing must fail and free its slot) | 6 |
 //! | `order` | `prefer` (ask for FI_ORDER_SAS, accept without), `require`, `none` | `prefer` |
 //! | `wait_fd` | open a wait set where the provider offers one, so the owner may sleep on its descriptor | true |
 //! | `force_prefix` | test only: reserve this many prefix bytes as if the provider asked (multiple of 8) | 0 |
@@ -107,7 +107,9 @@ const MIN_MSG_SIZE: usize = 64;
 const DEFAULT_DEPTH: usize = 256;
 const MAX_DEPTH: usize = 1 << 16;
 const MAX_AV_SIZE: usize = 1 << 24;
-const MAX_RNR_RETRY: u64 = 7;
+/// 7 means "retry without limit" to efa: a send to a receiver that posts
+/// nothing would then hold its slot for good, so it is refused.
+const MAX_RNR_RETRY: u64 = 6;
 const MAX_FORCE_PREFIX: usize = 4096;
 
 /// The option names [`FabricOptions::parse`] reads (besides `iface`, an
@@ -488,7 +490,7 @@ mod tests {
             ("rx_depth", "0"),
             ("rx_depth", "many"),
             ("force_prefix", "12"),
-            ("rnr_retry", "8"),
+            ("rnr_retry", "7"),
             ("order", "sometimes"),
             ("force_mr_local", "maybe"),
             ("provider", ""),

@@ -30,10 +30,11 @@
 //!   else's. Its sender sees `WouldBlock` for it alone, so its frames wait
 //!   in the session's queue, where the slow-consumer policy applies. Sends
 //!   already posted to a peer that is then closed keep their slots until
-//!   the provider completes them: on efa with a finite `rnr_retry` (the
-//!   default) they fail in bounded time; to a process stopped for good on
-//!   `tcp;ofi_rxm` they stay until its connection ends, so peers stopped
-//!   that way for good each pin their share.
+//!   the provider completes them: on efa, whose `rnr_retry` is always
+//!   finite (7, without limit, is refused), they fail in bounded time; to
+//!   a process stopped for good on `tcp;ofi_rxm` they stay until its
+//!   connection ends, so peers stopped that way for good each pin their
+//!   share.
 //! - A frame whose body (the payload, shared with the caller) has at least
 //!   `SHARE_MIN` bytes is not copied where the provider can send from it:
 //!   the slot carries the header and the frame's head, and `fi_sendv`
