@@ -88,11 +88,12 @@ pub struct BrokerStats {
     pub route_messages_in: AtomicU64,
     pub route_messages_out: AtomicU64,
     /// Fabric messages the endpoints refused before they reached a
-    /// session: naming no live link, failing authentication (forged), or
-    /// replayed.
+    /// session: naming no live link, failing authentication (forged),
+    /// replayed, or not efabus messages at all (malformed).
     pub fabric_unknown_links: AtomicU64,
     pub fabric_forged: AtomicU64,
     pub fabric_replayed: AtomicU64,
+    pub fabric_malformed: AtomicU64,
     /// Sessions ended because the peer never answered the nonce sent to
     /// the fabric address it gave.
     pub unproven_addresses: AtomicU64,
@@ -136,6 +137,7 @@ impl BrokerStats {
             ("fabric_unknown_links", get(&self.fabric_unknown_links)),
             ("fabric_forged", get(&self.fabric_forged)),
             ("fabric_replayed", get(&self.fabric_replayed)),
+            ("fabric_malformed", get(&self.fabric_malformed)),
             ("unproven_addresses", get(&self.unproven_addresses)),
         ]
     }

@@ -250,6 +250,14 @@ fn forged_fabric_messages_are_dropped_and_counted() {
         "forgeries counted: {:?}",
         broker.stats().snapshot()
     );
+    // And messages that are not efabus messages at all.
+    attacker.claim_header_version(0xee);
+    send_all(&mut attacker, to_broker, &forgeries);
+    assert!(
+        eventually(|| stat(&broker, "fabric_malformed") >= forgeries.len() as u64),
+        "malformed messages counted: {:?}",
+        broker.stats().snapshot()
+    );
 
     // Nothing forged was delivered; the victim's session is up, its
     // sequence and window untouched: what it sends now all arrives, in

@@ -433,6 +433,9 @@ pub struct Refused {
     pub forged: u64,
     /// Authentic but seen before.
     pub replayed: u64,
+    /// Not an efabus message at all: too short, an unknown header
+    /// version, or lengths that do not add up.
+    pub malformed: u64,
 }
 
 /// A message-oriented, peer-addressed endpoint. See the module docs for the

@@ -358,6 +358,7 @@ impl EventLoop {
                     unknown_link: sum.unknown_link + r.unknown_link,
                     forged: sum.forged + r.forged,
                     replayed: sum.replayed + r.replayed,
+                    malformed: sum.malformed + r.malformed,
                 });
         if refused == self.refused {
             return;
@@ -371,6 +372,9 @@ impl EventLoop {
         stats
             .fabric_replayed
             .store(refused.replayed, Ordering::Relaxed);
+        stats
+            .fabric_malformed
+            .store(refused.malformed, Ordering::Relaxed);
     }
 
     fn drain_commands(&mut self, max: usize) -> bool {

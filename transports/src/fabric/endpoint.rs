@@ -249,6 +249,10 @@ pub struct FabricEndpoint {
     /// The sender address written in every message: `local_addr`, except
     /// in tests that play an attacker (`claim_address`).
     header_addr: Vec<u8>,
+    /// The header version written in every message: the right one, except
+    /// in tests that send what no efabus endpoint would
+    /// (`claim_header_version`).
+    header_version: u8,
 
     next_peer: u64,
     peers: HashMap<PeerId, PeerState>,
@@ -498,6 +502,7 @@ impl FabricEndpoint {
             link,
             layout,
             header_addr: local_addr.clone(),
+            header_version: super::layout::HEADER_VERSION,
             local_addr,
             next_peer: 1,
             peers: HashMap::new(),
@@ -540,6 +545,13 @@ impl FabricEndpoint {
     #[cfg(feature = "testing")]
     pub fn claim_address(&mut self, addr: &[u8]) {
         self.header_addr = addr.to_vec();
+    }
+
+    /// Testing aid: write `version` as the header version of every message
+    /// from now on, so that receivers find it malformed.
+    #[cfg(feature = "testing")]
+    pub fn claim_header_version(&mut self, version: u8) {
+        self.header_version = version;
     }
 
     /// What the provider granted.
@@ -918,6 +930,7 @@ impl FabricEndpoint {
             let buf = unsafe { self.tx_pool.slot_mut(slot) };
             let body = self.tx_body[slot].as_deref().unwrap_or_default();
             self.layout.seal(buf, len, body, &key);
+            buf[self.layout.prefix] = self.header_version;
         }
         let ptr = self.tx_pool.slot_ptr(slot);
         let desc = self.tx_pool.desc();
@@ -1260,6 +1273,7 @@ impl Endpoint for FabricEndpoint {
             unknown_link: self.stats.unknown_links,
             forged: self.stats.forged,
             replayed: self.stats.replayed,
+            malformed: self.stats.malformed,
         }
     }
 
