@@ -125,6 +125,8 @@ pub(crate) struct EventLoop {
     refused: Refused,
     /// Failed polls are logged once a second at most.
     poll_error_log: LogLimit,
+    /// Refused connections likewise.
+    refused_log: LogLimit,
 }
 
 /// A payload being delivered: its bytes, and the buffer they lie in, so a
@@ -209,6 +211,7 @@ impl EventLoop {
             auth_guard: AuthGuard::default(),
             refused: Refused::default(),
             poll_error_log: LogLimit::new(Duration::from_secs(1)),
+            refused_log: LogLimit::new(Duration::from_secs(1)),
         }
     }
 
@@ -482,7 +485,10 @@ impl EventLoop {
         };
         if let Some((code, text)) = refuse {
             BrokerStats::add(&stats.refused_connections, 1);
-            warn!(%remote, %text, "connection refused");
+            // Anyone can open connections: the warning is rate-limited.
+            if let Some(held_back) = self.refused_log.allow(Instant::now()) {
+                warn!(%remote, %text, held_back, "connection refused");
+            }
             let frame = codec::encode(&Frame::Error(ErrorFrame {
                 code,
                 text,

@@ -612,10 +612,9 @@ impl DataLinks {
                 continue;
             }
             let ping = codec::encode(&Frame::Ping { nonce });
-            if matches!(
-                link.send(endpoints[link.endpoint].as_mut(), ping),
-                Ok(Sent::Accepted)
-            ) {
+            // A ping the link refused (blocked, or a datagram dropped)
+            // counts as asked too, so the next heartbeat asks again.
+            if link.send(endpoints[link.endpoint].as_mut(), ping).is_ok() {
                 link.proof = Proof::Awaiting {
                     nonce,
                     asked: asked + 1,
