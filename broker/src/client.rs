@@ -1018,10 +1018,16 @@ impl ClientLoop {
             true,
         );
         // The data links (one pair at a time) draw from one budget.
+        // No frame is reassembled beyond the client's frame limit.
+        let defaults = LinkTuning::default();
         let tuning = LinkTuning {
             reliable_gap_timeout: shared.options.fabric.reliable_gap_timeout(),
             memory: MemoryBudget::new(shared.options.max_link_memory),
-            ..LinkTuning::default()
+            reassembly: efabus_core::fragment::ReassemblyConfig {
+                max_frame: shared.options.max_frame,
+                ..defaults.reassembly
+            },
+            ..defaults
         };
         ClientLoop {
             shared,

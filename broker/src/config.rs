@@ -719,12 +719,18 @@ impl Config {
     }
 
     /// The link settings of this broker's data links: the reliable gap
-    /// timeout, and one memory budget of `limits.max_link_memory` for all.
+    /// timeout, one memory budget of `limits.max_link_memory` for all, and
+    /// no frame reassembled beyond what `limits.max_payload` allows.
     pub(crate) fn link_tuning(&self) -> efabus_core::link::LinkTuning {
+        let defaults = efabus_core::link::LinkTuning::default();
         efabus_core::link::LinkTuning {
             reliable_gap_timeout: self.fabric.reliable_gap_timeout(),
             memory: efabus_core::budget::MemoryBudget::new(self.limits.max_link_memory),
-            ..efabus_core::link::LinkTuning::default()
+            reassembly: efabus_core::fragment::ReassemblyConfig {
+                max_frame: self.max_frame(),
+                ..defaults.reassembly
+            },
+            ..defaults
         }
     }
 
@@ -922,6 +928,11 @@ mod tests {
             Duration::from_millis(250)
         );
         assert_eq!(config.link_tuning().memory.limit(), 512 << 20);
+        assert_eq!(
+            config.link_tuning().reassembly.max_frame,
+            config.max_frame(),
+            "no frame reassembled beyond max_payload"
+        );
         let err = Config::from_toml_str("[fabric]\nreliable_gap_timeout_ms = 0\n", "g.toml")
             .unwrap_err()
             .to_string();
