@@ -242,7 +242,15 @@ fn stopped_subscriber_harms_no_one(provider: &str, policy: &str) {
             panic!("{provider}/{policy}: healthy subscriber got {next} of {COUNT}: {err}")
         });
         let n = u64::from_le_bytes(message.payload[..8].try_into().unwrap());
-        assert_eq!(n, next, "{provider}/{policy}: in order, nothing lost");
+        assert_eq!(
+            n,
+            next,
+            "{provider}/{policy}: in order, nothing lost; healthy subscriber \
+             reconnected {} times, its link {:?}; broker {:?}",
+            healthy.reconnects(),
+            healthy.link(),
+            broker.stats().snapshot()
+        );
         next += 1;
     }
     let took = publishing.join().expect("publisher thread");
