@@ -171,7 +171,7 @@ impl Registry {
     }
 
     /// A registry with the transports built into this crate: `mem`, `tcp`,
-    /// `efa-rdm` and `efa-dgram` (the fabric ones report themselves
+    /// `efa-rdm`, `efa-dgram` and `shm` (the fabric ones report themselves
     /// unavailable, with the reason, where libfabric or the provider is missing).
     pub fn with_builtins() -> Self {
         let mut registry = Registry::new();
@@ -179,6 +179,7 @@ impl Registry {
         registry.register(Arc::new(TcpTransport));
         registry.register(Arc::new(FabricTransport::rdm()));
         registry.register(Arc::new(FabricTransport::dgram()));
+        registry.register(Arc::new(FabricTransport::shm()));
         registry
     }
 
@@ -311,12 +312,13 @@ mod tests {
         let registry = Registry::with_builtins();
         assert_eq!(
             registry.schemes(),
-            vec!["efa-dgram", "efa-rdm", "mem", "tcp"]
+            vec!["efa-dgram", "efa-rdm", "mem", "shm", "tcp"]
         );
         let err = registry.get("carrier-pigeon").err().unwrap();
         assert!(matches!(err, RegistryError::UnknownScheme { .. }));
         assert!(
-            err.to_string().contains("efa-dgram, efa-rdm, mem, tcp"),
+            err.to_string()
+                .contains("efa-dgram, efa-rdm, mem, shm, tcp"),
             "{err}"
         );
         assert_eq!(registry.get("TCP").unwrap().scheme(), "tcp");
@@ -345,10 +347,10 @@ mod tests {
     #[test]
     fn register_adds_and_replaces() {
         let mut registry = Registry::with_builtins();
-        assert!(registry.register(Arc::new(Fake("shm"))).is_none());
+        assert!(registry.register(Arc::new(Fake("ucx"))).is_none());
         assert_eq!(
             registry.schemes(),
-            vec!["efa-dgram", "efa-rdm", "mem", "shm", "tcp"]
+            vec!["efa-dgram", "efa-rdm", "mem", "shm", "tcp", "ucx"]
         );
         let replaced = registry.register(Arc::new(Fake("tcp"))).unwrap();
         assert_eq!(replaced.scheme(), "tcp");

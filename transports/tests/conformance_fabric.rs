@@ -1,6 +1,7 @@
 //! The shared endpoint conformance suite over the fabric endpoints, on this
 //! machine's loopback-capable libfabric providers: RDM over `tcp;ofi_rxm`,
-//! `udp;ofi_rxd` and `sockets`, DGRAM over `udp`. What only the fabric
+//! `udp;ofi_rxd`, `sockets` and `shm` (the `shm` scheme), DGRAM over
+//! `udp`. What only the fabric
 //! endpoints do is tested in `fabric_behaviour.rs`.
 //!
 //! Fabric endpoints are connectionless ([`LinkStyle::InsertPeer`]): the
@@ -15,6 +16,8 @@
 //!   polls, so a sender is not reliably held back by an idle receiver (the
 //!   case's fill phase may never end). Broker links do not rely on it: their
 //!   credit window bounds what a sender has in flight.
+//! - `shm` has no wait set (as efa on libfabric 1.17), so it is polled and
+//!   [`readiness_fd`] does not apply; it runs every other case.
 //! - DGRAM is unreliable ([`EndpointFactory::reliable`] is false): the cases
 //!   that count every frame sent under load are left out; those that send
 //!   single frames to a polled receiver run.
@@ -90,6 +93,7 @@ impl FabricFactory {
 
     fn transport(&self) -> FabricTransport {
         match self.kind {
+            EpKind::Rdm if self.provider == "shm" => FabricTransport::shm(),
             EpKind::Rdm => FabricTransport::rdm(),
             EpKind::Dgram => FabricTransport::dgram(),
         }
@@ -98,7 +102,7 @@ impl FabricFactory {
 
 impl EndpointFactory for FabricFactory {
     fn name(&self) -> String {
-        format!("{} via {}", self.kind.scheme(), self.provider)
+        format!("{} via {}", self.transport().scheme(), self.provider)
     }
 
     fn style(&self) -> LinkStyle {
@@ -188,6 +192,17 @@ fabric_cases!(rdm_sockets, EpKind::Rdm, "sockets" =>
     malformed_frame_rejected,
     unknown_peer_rejected,
     many_peers,
+    close_locally,
+);
+
+fabric_cases!(rdm_shm, EpKind::Rdm, "shm" =>
+    exchange_both_ways,
+    large_frames,
+    too_large_rejected,
+    malformed_frame_rejected,
+    unknown_peer_rejected,
+    many_peers,
+    backpressure,
     close_locally,
 );
 

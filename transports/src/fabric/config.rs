@@ -12,6 +12,11 @@ pub use efabus_core::transport::{
 pub const RDM_SCHEME: &str = "efa-rdm";
 /// The scheme of the unreliable-datagram endpoints ([`EpKind::Dgram`]).
 pub const DGRAM_SCHEME: &str = "efa-dgram";
+/// The scheme of the same-host reliable-datagram endpoints, on libfabric's
+/// `shm` provider.
+pub const SHM_SCHEME: &str = "shm";
+/// libfabric's shared-memory provider.
+pub const SHM_PROVIDER: &str = "shm";
 
 /// Which kind of fabric endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -121,6 +121,10 @@ const PEER_SLOTS_MIN: usize = 2;
 /// alone may exceed it.
 const PEER_TX_BYTES: usize = 8 << 20;
 
+/// Peers one `shm` endpoint can address (libfabric's `SMR_MAX_PEERS`); its
+/// `fi_av_open` fails with `FI_ENOSYS` for a larger table.
+const SHM_MAX_PEERS: usize = 256;
+
 /// What the provider granted, as the endpoint uses it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinkInfo {
@@ -244,6 +248,9 @@ pub struct FabricEndpoint {
     info: Info,
 
     link: LinkInfo,
+    /// The scheme it reports: its kind's, or `shm` for the same-host RDM
+    /// endpoints (set by [`super::FabricTransport::open_fabric`]).
+    pub(crate) scheme: &'static str,
     layout: BufferLayout,
     local_addr: Vec<u8>,
     /// The sender address written in every message: `local_addr`, except
@@ -399,7 +406,13 @@ impl FabricEndpoint {
 
         let fabric = Fabric::open(&info)?;
         let domain = Domain::open(&fabric, &info)?;
-        let av = AddressVector::open_table(&domain, options.av_size)?;
+        // shm keeps at most SHM_MAX_PEERS peers and refuses a larger table.
+        let av_limit = if attrs.provider() == "shm" {
+            SHM_MAX_PEERS
+        } else {
+            usize::MAX
+        };
+        let av = AddressVector::open_table(&domain, options.av_size.min(av_limit))?;
         // The sockets provider signals its wait set by writing to a
         // blocking socketpair that only `fi_wait` drains: under a sustained
         // stream its own progress thread blocks on the full pair (seen with
@@ -499,6 +512,7 @@ impl FabricEndpoint {
             _domain: domain,
             _fabric: fabric,
             info,
+            scheme: kind.scheme(),
             link,
             layout,
             header_addr: local_addr.clone(),
@@ -509,7 +523,7 @@ impl FabricEndpoint {
             links: HashMap::new(),
             av_cache: HashMap::new(),
             av_clock: 0,
-            max_addresses: options.max_addresses,
+            max_addresses: options.max_addresses.min(av_limit),
             checks_source,
             sources: vec![FI_ADDR_NOTAVAIL; CQ_BATCH],
             free_tx: (0..tx_depth).rev().collect(),
@@ -1151,16 +1165,18 @@ pub(crate) fn get_info(
     }
 }
 
-/// Whether FI_SOURCE is asked of `provider`. The core providers report a
-/// receive's source faithfully (efa, sockets, udp); the utility layers do
-/// not serve it as efabus uses them: with libfabric 1.17, `ofi_rxm` with
-/// FI_SOURCE stalls large messages it has not copied, and `ofi_rxd` drops
+/// Whether FI_SOURCE is asked of `provider`. The network providers report
+/// a receive's source faithfully (efa, sockets, udp); the others do not
+/// serve it as efabus uses them: with libfabric 1.17, `ofi_rxm` with
+/// FI_SOURCE stalls large messages it has not copied, `ofi_rxd` drops
 /// senders missing from the address vector itself (so they go uncounted)
-/// and loses peers whose entry was removed and inserted again. There the
+/// and loses peers whose entry was removed and inserted again, and `shm`
+/// reported a second endpoint of a peer's process as that peer. There the
 /// tag alone authenticates, which the link reports
 /// ([`LinkInfo::source_checked`]).
 fn honours_source(provider: &str) -> bool {
-    !provider.split(';').any(|layer| layer.starts_with("ofi_"))
+    provider != super::config::SHM_PROVIDER
+        && !provider.split(';').any(|layer| layer.starts_with("ofi_"))
 }
 
 fn get_info_with(
@@ -1240,7 +1256,7 @@ fn open_cqs(
 
 impl Endpoint for FabricEndpoint {
     fn scheme(&self) -> &str {
-        self.link.kind.scheme()
+        self.scheme
     }
 
     fn local_addr(&self) -> Vec<u8> {

@@ -104,6 +104,20 @@ impl Drop for Domain {
     }
 }
 
+/// Longest text address accepted, NUL included (libfabric's own names are
+/// far shorter).
+pub const MAX_TEXT_ADDR: usize = 255;
+
+/// A text address libfabric may read: at most [`MAX_TEXT_ADDR`] bytes,
+/// printable ASCII up to a NUL inside them.
+fn is_text_address(addr: &[u8]) -> bool {
+    addr.len() <= MAX_TEXT_ADDR
+        && addr
+            .iter()
+            .position(|&b| b == 0)
+            .is_some_and(|end| end > 0 && addr[..end].iter().all(u8::is_ascii_graphic))
+}
+
 /// An address vector of type `FI_AV_TABLE`.
 pub struct AddressVector {
     ptr: NonNull<sys::fid_av>,
@@ -138,7 +152,8 @@ impl AddressVector {
     }
 
     /// Sets the address size inserts must have, and whether addresses are
-    /// text (`FI_ADDR_STR`, as `shm` uses).
+    /// text (`FI_ADDR_STR`, as `shm` uses; text addresses may be of any
+    /// length up to [`MAX_TEXT_ADDR`], as names differ in length).
     ///
     /// # Safety
     /// `len` is the provider's address size for this domain's format (the
@@ -151,12 +166,16 @@ impl AddressVector {
     }
 
     /// Inserts one address and returns its `fi_addr_t`. The address must
-    /// have the provider's size (libfabric reads that many bytes) and, when
-    /// addresses are text, end in a NUL within it (libfabric reads a text
-    /// address up to its NUL, wherever that is).
+    /// have the provider's size (libfabric reads that many bytes) or, when
+    /// addresses are text, be printable text ended by a NUL within it
+    /// (libfabric reads a text address up to its NUL, wherever that is).
     pub fn insert(&self, addr: &[u8]) -> Result<u64, FabricError> {
-        let unterminated = self.text.get() && !addr.contains(&0);
-        if addr.is_empty() || addr.len() != self.addr_len.get() || unterminated {
+        let usable = if self.text.get() {
+            is_text_address(addr)
+        } else {
+            !addr.is_empty() && addr.len() == self.addr_len.get()
+        };
+        if !usable || self.addr_len.get() == 0 {
             return Err(FabricError::AvInsert {
                 len: addr.len(),
                 code: FiCode::from_ret(FI_EINVAL.into()),
@@ -164,8 +183,9 @@ impl AddressVector {
         }
         let mut fi_addr = FI_ADDR_NOTAVAIL;
         // SAFETY: the AV is open; `addr` holds exactly the provider's
-        // address size, which is what fi_av_insert reads for one address
-        // (a text address ends at a NUL inside it, checked above).
+        // address size, which is what fi_av_insert reads for one address,
+        // or is text ending at a NUL inside it, where libfabric stops
+        // reading (both checked above).
         let ret =
             unsafe { sys::efabus_av_insert(self.ptr.as_ptr(), addr.as_ptr().cast(), &mut fi_addr) };
         if ret == 1 && fi_addr != FI_ADDR_NOTAVAIL {
@@ -685,5 +705,26 @@ impl Drop for FiEndpoint {
         report_close("endpoint", unsafe {
             sys::efabus_ep_close(self.ptr.as_ptr())
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_addresses_end_in_a_nul_after_printable_text() {
+        assert!(is_text_address(b"fi_shm://1234\0"));
+        assert!(is_text_address(b"fi_shm://1234\0\0\0padding"));
+        assert!(!is_text_address(b"fi_shm://1234"), "no NUL");
+        assert!(!is_text_address(b"\0"), "empty");
+        assert!(!is_text_address(b"fi_shm://12 34\0"), "a space");
+        assert!(!is_text_address(b"fi_shm://\x01\0"), "a control byte");
+        let mut long = vec![b'a'; MAX_TEXT_ADDR];
+        long.push(0);
+        assert!(!is_text_address(&long), "too long");
+        long.truncate(MAX_TEXT_ADDR - 1);
+        long.push(0);
+        assert!(is_text_address(&long));
     }
 }

@@ -72,7 +72,7 @@ pub use absent::FabricEndpoint;
 pub use attrs::InfoAttrs;
 pub use config::{
     addr_from_hex, addr_to_hex, EpKind, FabricOptionError, FabricOptions, OrderWanted,
-    DGRAM_SCHEME, RDM_SCHEME,
+    DGRAM_SCHEME, RDM_SCHEME, SHM_PROVIDER, SHM_SCHEME,
 };
 #[cfg(efabus_libfabric)]
 pub use endpoint::{FabricEndpoint, FabricStats, LinkInfo};
@@ -143,7 +143,7 @@ pub fn probe_like_fi_info(
     }
 }
 
-/// The factory for `efa-rdm` and `efa-dgram` endpoints.
+/// The factory for `efa-rdm`, `efa-dgram` and `shm` endpoints.
 ///
 /// The options set here ([`FabricTransport::with_options`]) apply to
 /// [`Transport::infos`] and to every endpoint it opens whose
@@ -152,6 +152,7 @@ pub fn probe_like_fi_info(
 #[derive(Debug, Clone)]
 pub struct FabricTransport {
     kind: EpKind,
+    scheme: &'static str,
     options: FabricOptions,
 }
 
@@ -160,7 +161,22 @@ impl FabricTransport {
     pub fn rdm() -> Self {
         FabricTransport {
             kind: EpKind::Rdm,
+            scheme: RDM_SCHEME,
             options: FabricOptions::default(),
+        }
+    }
+
+    /// Reliable datagrams between processes of one host through
+    /// libfabric's `shm` provider, scheme `shm`: whatever provider the
+    /// options name, `shm` is used, with no source address (it has none).
+    pub fn shm() -> Self {
+        FabricTransport {
+            kind: EpKind::Rdm,
+            scheme: SHM_SCHEME,
+            options: FabricOptions {
+                provider: SHM_PROVIDER.to_string(),
+                ..FabricOptions::default()
+            },
         }
     }
 
@@ -168,6 +184,7 @@ impl FabricTransport {
     pub fn dgram() -> Self {
         FabricTransport {
             kind: EpKind::Dgram,
+            scheme: DGRAM_SCHEME,
             options: FabricOptions::default(),
         }
     }
@@ -196,8 +213,9 @@ impl FabricTransport {
         config: Option<&EndpointConfig>,
     ) -> Result<FabricOptions, FabricError> {
         let Some(config) = config else {
-            self.options.check()?;
-            return Ok(self.options.clone());
+            let options = self.for_scheme(self.options.clone());
+            options.check()?;
+            return Ok(options);
         };
         if let Some((key, value)) = config.options.first() {
             return Err(FabricError::Option {
@@ -213,13 +231,28 @@ impl FabricTransport {
             .clone()
             .unwrap_or_else(|| self.options.clone())
             .bound_at(config.bind.as_deref());
+        let options = self.for_scheme(options);
         options.check()?;
         Ok(options)
     }
 
+    /// `shm` endpoints are opened with the `shm` provider and no source
+    /// address, whatever the options say.
+    fn for_scheme(&self, options: FabricOptions) -> FabricOptions {
+        if self.scheme != SHM_SCHEME {
+            return options;
+        }
+        FabricOptions {
+            provider: SHM_PROVIDER.to_string(),
+            node: None,
+            service: None,
+            ..options
+        }
+    }
+
     fn unavailable(&self, err: &FabricError) -> TransportError {
         TransportError::Unavailable {
-            scheme: self.kind.scheme().to_string(),
+            scheme: self.scheme.to_string(),
             reason: err.to_string(),
         }
     }
@@ -240,10 +273,13 @@ impl FabricTransport {
         let options = self
             .options_for(Some(config))
             .map_err(|e| TransportError::Other(e.to_string()))?;
-        FabricEndpoint::open(self.kind, &options, config).map_err(|err| match err {
-            FabricError::GetInfo { .. } => self.unavailable(&err),
-            other => TransportError::Other(other.to_string()),
-        })
+        let mut endpoint =
+            FabricEndpoint::open(self.kind, &options, config).map_err(|err| match err {
+                FabricError::GetInfo { .. } => self.unavailable(&err),
+                other => TransportError::Other(other.to_string()),
+            })?;
+        endpoint.scheme = self.scheme;
+        Ok(endpoint)
     }
 
     /// What `fi_getinfo` offers for this transport's hints, as values.
@@ -287,7 +323,7 @@ impl FabricTransport {
 
 impl Transport for FabricTransport {
     fn scheme(&self) -> &str {
-        self.kind.scheme()
+        self.scheme
     }
 
     fn infos(&self) -> Result<Vec<FabricInfo>, TransportError> {
