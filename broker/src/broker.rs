@@ -17,7 +17,7 @@ use bytes::Bytes;
 use crossbeam_channel::Sender;
 use efabus_core::codec::CodecLimits;
 use efabus_core::subject::{self, SubjectLimits};
-use efabus_core::transport::{Readiness, TransportError};
+use efabus_core::transport::Readiness;
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use efabus_transports::tcp;
 use mio::unix::SourceFd;
@@ -247,14 +247,11 @@ impl Broker {
             let endpoint_config = listener_config(&config, spec.scheme(), bind);
             let endpoint = match registry.open(&spec, &endpoint_config) {
                 Ok(endpoint) => endpoint,
-                // A fabric this host lacks (no EFA device, no provider)
-                // leaves its peers on TCP, as negotiation would.
-                Err(
-                    source @ RegistryError::Transport {
-                        source: TransportError::Unavailable { .. },
-                        ..
-                    },
-                ) if endpoints::is_data_scheme(spec.scheme()) => {
+                // A fabric this host lacks (no EFA device, no provider) or
+                // cannot open leaves its peers on TCP, as negotiation would.
+                Err(source @ RegistryError::Transport { .. })
+                    if endpoints::is_data_scheme(spec.scheme()) =>
+                {
                     warn!(endpoint = %text, reason = %source, "fabric unavailable; peers use the TCP data path");
                     unavailable = Some(Error::Endpoint {
                         endpoint: text.clone(),

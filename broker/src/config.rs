@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use efabus_core::codec::MAX_CONTROL_BODY;
-use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME};
+use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME, SHM_SCHEME};
 use efabus_transports::tcp;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -258,6 +258,7 @@ impl Default for Negotiation {
     fn default() -> Self {
         Negotiation {
             preference: vec![
+                SHM_SCHEME.to_string(),
                 RDM_SCHEME.to_string(),
                 DGRAM_SCHEME.to_string(),
                 tcp::SCHEME.to_string(),

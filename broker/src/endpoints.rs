@@ -9,24 +9,56 @@
 
 use efabus_core::caps::{Choice, Offer};
 use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions};
-use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME};
+use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME, SHM_PROVIDER, SHM_SCHEME};
 
 use crate::config::Config;
 
 /// Schemes whose endpoints carry data for peers negotiated onto them.
 pub fn is_data_scheme(scheme: &str) -> bool {
-    scheme == RDM_SCHEME || scheme == DGRAM_SCHEME
+    scheme == RDM_SCHEME || scheme == DGRAM_SCHEME || scheme == SHM_SCHEME
 }
 
 /// The offer an endpoint makes: its fi_info, its address, and a message
 /// size no larger than what its buffers hold, so both sides settle on the
-/// smaller of their frame limits.
+/// smaller of their frame limits. A `shm` endpoint names its host, and
+/// offers nothing where the host cannot be told.
 pub fn offer_for(endpoint: &dyn Endpoint) -> Option<Offer> {
     let info = endpoint.info()?;
     let mut offer = Offer::from_info(endpoint.scheme(), &info, endpoint.local_addr());
     let capacity = endpoint.max_frame() as u64 + offer.msg_prefix_size;
     offer.max_msg_size = offer.max_msg_size.min(capacity);
+    if endpoint.scheme() == SHM_SCHEME {
+        offer.host = host_identity()?;
+    }
     Some(offer)
+}
+
+/// The environment variable that sets this host's identity for `shm`
+/// (see [`host_identity`]).
+pub const HOST_ID_VAR: &str = "EFABUS_HOST_ID";
+
+/// This host as `shm` peers must share it: `EFABUS_HOST_ID` when set (for
+/// containers that share a kernel but not `/dev/shm`, give each its own),
+/// else its name and the kernel's boot id, so two machines of the same
+/// name (or one rebooted) differ, while processes that share the kernel
+/// agree. `None` where neither tells.
+pub fn host_identity() -> Option<String> {
+    if let Some(id) = std::env::var(HOST_ID_VAR)
+        .ok()
+        .map(|id| id.trim().to_string())
+        .filter(|id| !id.is_empty())
+    {
+        return Some(id);
+    }
+    let read = |path: &str| {
+        std::fs::read_to_string(path)
+            .ok()
+            .map(|text| text.trim().to_string())
+            .filter(|text| !text.is_empty())
+    };
+    let name = read("/proc/sys/kernel/hostname")?;
+    let boot = read("/proc/sys/kernel/random/boot_id")?;
+    Some(format!("{name}/{boot}"))
 }
 
 /// A negotiated choice of a data scheme as the session layer's data link drives it.
@@ -76,6 +108,11 @@ pub fn endpoint_options(fabric: &crate::config::Fabric, scheme: &str) -> Option<
         },
         DGRAM_SCHEME => FabricOptions {
             provider: fabric.dgram_provider.trim().to_string(),
+            ..defaults
+        },
+        SHM_SCHEME => FabricOptions {
+            provider: SHM_PROVIDER.to_string(),
+            msg_size: Some(fabric.max_frame),
             ..defaults
         },
         _ => return None,

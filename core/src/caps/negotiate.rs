@@ -82,6 +82,10 @@ pub struct Offer {
     pub rx_size: u64,
     /// The endpoint's address, as the transport's `local_addr` gives it.
     pub address: Vec<u8>,
+    /// For endpoints that reach only processes of their own host (`shm`),
+    /// that host's identity: such a pair is compatible only when both name
+    /// the same host. Empty for the others.
+    pub host: String,
 }
 
 impl Offer {
@@ -111,6 +115,7 @@ impl Offer {
             tx_size: info.tx_attr.size,
             rx_size: info.rx_attr.size,
             address,
+            host: String::new(),
         }
     }
 
@@ -137,7 +142,7 @@ impl Offer {
                     o.cq_data_size,
                 ),
                 (o.msg_order.bits(), o.msg_order.unknown().to_vec()),
-                (o.tx_size, o.rx_size, o.address.clone()),
+                (o.tx_size, o.rx_size, o.address.clone(), o.host.clone()),
             )
         };
         key(self).cmp(&key(other))
@@ -523,6 +528,13 @@ fn compatible(local: &Offer, remote: &Offer) -> Result<(), String> {
             local.protocol_version, remote.protocol_version
         ));
     }
+    if local.host != remote.host {
+        return Err(format!(
+            "reaches only its own host, and the peer is on another ({} here, {} at the peer)",
+            or_unknown(&local.host),
+            or_unknown(&remote.host)
+        ));
+    }
     let limit = local.frame_capacity().min(remote.frame_capacity());
     if limit < MIN_FRAME_LIMIT {
         return Err(format!(
@@ -530,6 +542,14 @@ fn compatible(local: &Offer, remote: &Offer) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+fn or_unknown(host: &str) -> &str {
+    if host.is_empty() {
+        "unknown"
+    } else {
+        host
+    }
 }
 
 /// Compare pair (a1, a2) with pair (b1, b2); greater is better. Symmetric in
@@ -576,6 +596,31 @@ mod tests {
             rx_size: 128,
             ..Offer::default()
         }
+    }
+
+    #[test]
+    fn same_host_schemes_need_both_sides_on_one_host() {
+        let shm = |host: &str| Offer {
+            host: host.into(),
+            ..offer("shm", EpType::Rdm, 65536)
+        };
+        let rdm = offer("efa-rdm", EpType::Rdm, 8192);
+        let preference = ["shm", "efa-rdm"];
+        let here = [shm("node-a"), rdm.clone()];
+        let chosen = negotiate(&here, &[shm("node-a"), rdm.clone()], &preference).unwrap();
+        assert_eq!(chosen.reliable.local.scheme, "shm");
+        let chosen = negotiate(&here, &[shm("node-b"), rdm.clone()], &preference).unwrap();
+        assert_eq!(chosen.reliable.local.scheme, "efa-rdm");
+        assert!(
+            chosen
+                .reasons
+                .iter()
+                .any(|r| r.contains("shm") && r.contains("node-a here, node-b at the peer")),
+            "{:?}",
+            chosen.reasons
+        );
+        let chosen = negotiate(&here, &[shm(""), rdm], &preference).unwrap();
+        assert_eq!(chosen.reliable.local.scheme, "efa-rdm", "an unknown host");
     }
 
     #[test]

@@ -132,6 +132,7 @@ fn offer() -> impl Strategy<Value = Offer> {
                 tx_size,
                 rx_size,
                 address,
+                host: String::new(),
             },
         )
 }
