@@ -1,0 +1,138 @@
+//! Same-host peers over libfabric's `shm` provider, through the broker.
+//!
+//! An embedded broker listens on TCP, `shm` and `efa-rdm` (`tcp;ofi_rxm`
+//! on loopback). A client on this host that offers both gets `shm`, first
+//! in the default preference: its reliable traffic really moves there
+//! (counted on both sides), in order, large messages fragmented and
+//! reassembled, request/reply included. A client that offers only
+//! `efa-rdm` stays there, and the two see each other's messages.
+//! (Peers on another host never pair on `shm`: `efabus_core`'s negotiation
+//! tests, and `cli/tests/shm_hosts.rs` with a process that names another
+//! host.)
+//!
+//! Skipped with a message where `shm` cannot open, unless
+//! `EFABUS_REQUIRE_FABRIC=1` (CI).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use efabus_broker::{Broker, Client, ClientOptions, Config};
+use efabus_transports::registry::Registry;
+
+const WAIT: Duration = Duration::from_secs(10);
+/// The fabric buffer size: the 1 MiB payloads below go in pieces.
+const FRAME: usize = 65_536;
+
+fn fabric_required() -> bool {
+    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
+}
+
+fn start_broker() -> Option<Broker> {
+    let text = format!(
+        "name = \"shm-test\"\nlisten = [\"tcp/127.0.0.1:0\", \"shm\", \"efa-rdm\"]\n\
+         [limits]\nmax_payload = 2097152\n\
+         [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\nmax_frame = {FRAME}\n"
+    );
+    let config = Config::from_toml_str(&text, "shm test").expect("valid test config");
+    let broker = Broker::start(config).expect("the broker starts");
+    if broker.endpoint("shm").is_none() || broker.endpoint("efa-rdm").is_none() {
+        assert!(
+            !fabric_required(),
+            "EFABUS_REQUIRE_FABRIC=1 but shm or tcp;ofi_rxm did not open"
+        );
+        eprintln!("skipping: shm or tcp;ofi_rxm cannot open here");
+        return None;
+    }
+    Some(broker)
+}
+
+fn client(broker: &Broker, name: &str, data_paths: &[&str]) -> Client {
+    let options = ClientOptions {
+        name: name.to_string(),
+        connect_timeout: WAIT,
+        data_paths: data_paths.iter().map(|s| s.to_string()).collect(),
+        fabric: broker.config().fabric.clone(),
+        max_frame: broker.config().max_frame(),
+        ..ClientOptions::default()
+    };
+    let tcp = broker.endpoint("tcp").expect("tcp listener");
+    Client::connect_with(&tcp, options, Registry::with_builtins()).expect("client connects")
+}
+
+fn stat(broker: &Broker, name: &str) -> u64 {
+    broker
+        .stats()
+        .snapshot()
+        .into_iter()
+        .find(|(key, _)| *key == name)
+        .map_or(0, |(_, value)| value)
+}
+
+#[test]
+fn a_same_host_client_moves_to_shm() {
+    let Some(broker) = start_broker() else {
+        return;
+    };
+    let local = client(&broker, "local", &["shm", "efa-rdm"]);
+    let link = local.link();
+    assert!(link.reliable.starts_with("shm via shm"), "{link:?}");
+    let remote = client(&broker, "remote", &["efa-rdm"]);
+    let link = remote.link();
+    assert!(link.reliable.starts_with("efa-rdm via "), "{link:?}");
+
+    let at_local = local.subscribe("shm.>").unwrap();
+    let at_remote = remote.subscribe("shm.>").unwrap();
+    local.flush(WAIT).unwrap();
+    remote.flush(WAIT).unwrap();
+    let fabric_in = stat(&broker, "fabric_frames_in");
+
+    // Small messages from each side, then large ones in pieces.
+    for n in 0..500u32 {
+        local
+            .publish("shm.small", n.to_le_bytes().to_vec())
+            .unwrap();
+    }
+    let large: Vec<Bytes> = (0..4u8)
+        .map(|seed| Bytes::from(vec![seed; 1 << 20]))
+        .collect();
+    for payload in &large {
+        remote.publish("shm.large", payload.clone()).unwrap();
+    }
+    local.flush(WAIT).unwrap();
+    remote.flush(WAIT).unwrap();
+    for sub in [&at_local, &at_remote] {
+        for n in 0..500u32 {
+            let message = sub.recv_timeout(WAIT).expect("a small message");
+            assert_eq!(message.payload[..], n.to_le_bytes(), "in order");
+        }
+        for payload in &large {
+            let message = sub.recv_timeout(WAIT).expect("a large message");
+            assert_eq!(&message.payload, payload, "whole");
+        }
+    }
+    assert!(
+        local.link().fabric_frames_in > 0 && local.link().fabric_frames_out > 0,
+        "the local client's traffic went over shm: {:?}",
+        local.link()
+    );
+    assert!(
+        stat(&broker, "fabric_frames_in") > fabric_in + 500 / 64,
+        "{:?}",
+        broker.stats().snapshot()
+    );
+
+    // Request and reply across the two paths.
+    let service = remote.subscribe("svc.echo").unwrap();
+    remote.flush(WAIT).unwrap();
+    let responder = std::thread::spawn(move || {
+        let request = service.recv_timeout(WAIT).expect("a request");
+        let reply = request.reply.expect("a reply subject");
+        remote.publish(&reply, request.payload).unwrap();
+        remote.flush(WAIT).unwrap();
+    });
+    let answer = local
+        .request("svc.echo", &b"over shm"[..], WAIT)
+        .expect("an answer");
+    assert_eq!(&answer.payload[..], b"over shm");
+    responder.join().unwrap();
+}
