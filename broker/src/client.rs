@@ -1470,7 +1470,7 @@ impl ClientLoop {
                 message.reply.as_deref(),
                 message.payload,
             ),
-            Frame::Ping { nonce } => self.send(codec::encode(&Frame::Pong { nonce })),
+            Frame::Ping { nonce } => self.answer_ping(nonce),
             Frame::Pong { nonce } => {
                 self.flushes.retain(|(waiting, done)| {
                     if *waiting <= nonce {
@@ -1655,6 +1655,21 @@ impl ClientLoop {
 
     fn send(&mut self, frame: OutFrame) {
         self.send_out(Queued::frame(frame, false));
+    }
+
+    /// Answer a ping on the control link, ahead of anything queued. The
+    /// server's ping on a new data link asks for proof that this side
+    /// receives at its fabric address, and the server grants that link no
+    /// credit until the answer comes: behind frames waiting for credit it
+    /// would never come. Only the nonce matters, whichever way it returns.
+    fn answer_ping(&mut self, nonce: u64) {
+        let pong = codec::encode(&Frame::Pong { nonce });
+        let LinkState::Up { peer } = self.link else {
+            return self.send(pong);
+        };
+        if let Err(SendError::WouldBlock(pong)) = self.endpoints[CONTROL].send(peer, pong) {
+            self.send(pong);
+        }
     }
 
     /// Send a frame, or a run of frames, behind whatever is pending.

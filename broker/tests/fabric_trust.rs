@@ -726,3 +726,36 @@ fn a_reconnecting_client_takes_over_its_own_address() {
     );
     assert_eq!(stat(&broker, "unproven_addresses"), 0);
 }
+
+/// A client that publishes at full speed from its first moment fills its
+/// data link's credit window before the broker's challenge reaches it. Its
+/// answer must still get through (it goes on the control link, ahead of
+/// the publishes): the broker grants the link no credit before the proof,
+/// and would otherwise end the session as unproven while the publisher
+/// waits for credit.
+#[test]
+fn a_publisher_at_full_speed_from_the_start_proves_its_address() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Some(broker) = start_broker() else {
+        return;
+    };
+    let subscriber = fabric_client(&broker, "subscriber");
+    let sub = subscriber.subscribe("burst").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    let publisher = fabric_client(&broker, "publisher");
+    const COUNT: u32 = 20_000;
+    for n in 0..COUNT {
+        publisher
+            .publish("burst", n.to_le_bytes().to_vec())
+            .expect("the publisher gets credit");
+    }
+    publisher.flush(WAIT).unwrap();
+    for n in 0..COUNT {
+        let message = sub.recv_timeout(WAIT).expect("every message");
+        assert_eq!(message.payload[..], n.to_le_bytes());
+    }
+    assert_eq!(stat(&broker, "unproven_addresses"), 0);
+    assert_eq!(publisher.reconnects(), 0);
+}
