@@ -1,5 +1,6 @@
 //! The libfabric transport: EFA RDM (`efa-rdm`) and EFA DGRAM (`efa-dgram`)
-//! endpoints, and the safe binding they are built on.
+//! endpoints, same-host RDM endpoints on the `shm` provider (`shm`), and
+//! the safe binding they are built on.
 //!
 //! This module owns everything that touches libfabric:
 //! - `csrc/shim.c` (built by `build.rs`) wraps libfabric's `static inline`
