@@ -69,6 +69,9 @@ const IDLE_WAKE: Duration = Duration::from_secs(60);
 /// this late (heartbeats, handshakes, gap timeouts, block limits), and a
 /// broker with many sessions visits them at most 20 times a second.
 const TIMER_SPACING: Duration = Duration::from_millis(50);
+/// How often a session whose best-effort frames wait for credit is tried
+/// again when nothing else wakes it (a credit lost on the way).
+const PACING_RETRY: Duration = Duration::from_millis(50);
 /// Shortest time between two reports to one client of what the
 /// drop-oldest policy discarded for it: drops in between are added up.
 const DROP_REPORT_SPACING: Duration = Duration::from_millis(100);
@@ -564,7 +567,7 @@ impl EventLoop {
         if self
             .sessions
             .get(&id)
-            .is_some_and(|s| !s.conn.out.is_empty())
+            .is_some_and(|s| !s.conn.out.is_empty() || s.conn.links.best_effort_waiting())
         {
             // The message may have been a credit opening the window.
             self.flush_session(id);
@@ -872,15 +875,17 @@ impl EventLoop {
             let endpoint = self.endpoints[link.endpoint].as_mut();
             let sent = link.send(endpoint, frame);
             self.tally.sent.credit_waits += link.take_credit_waits();
+            let mut dropped = session.conn.links.take_best_effort_drops();
             match sent {
                 Ok(Sent::Accepted) => self.tally.sent.fabric_frames_out += 1,
-                Ok(Sent::Dropped | Sent::Blocked(_)) => {
-                    BrokerStats::add(&self.shared.stats.best_effort_drops, 1);
-                }
+                Ok(Sent::Blocked(_)) => dropped += 1,
                 Err(reason) => {
-                    BrokerStats::add(&self.shared.stats.best_effort_drops, 1);
+                    dropped += 1;
                     debug!(session = target.owner, %reason, "best-effort send failed");
                 }
+            }
+            if dropped > 0 {
+                BrokerStats::add(&self.shared.stats.best_effort_drops, dropped);
             }
             return;
         }
@@ -1054,6 +1059,10 @@ impl EventLoop {
         let empty = session
             .conn
             .flush(&mut self.endpoints, &mut self.tally.sent);
+        let dropped = session.conn.links.take_best_effort_drops();
+        if dropped > 0 {
+            BrokerStats::add(&self.shared.stats.best_effort_drops, dropped);
+        }
         if session.conn.links.failure.is_some() {
             self.data_link_send_failed(id);
             return;
@@ -1353,6 +1362,7 @@ impl EventLoop {
         let mut slow = Vec::new();
         let mut links_due = Vec::new();
         let mut reports = Vec::new();
+        let mut pacing = Vec::new();
         let bound = self.shared.config.limits.max_pending_bytes;
         let mut queued = 0u64;
         // The next deadline, of the sessions with nothing due now (the
@@ -1393,6 +1403,12 @@ impl EventLoop {
                 if let Some(deadline) = session.poll_timeout(block_timeout) {
                     next = next.min(deadline);
                 }
+            }
+            // Best-effort frames waiting for a credit that may have been
+            // lost: the link resets a window stalled that long.
+            if session.conn.links.best_effort_waiting() {
+                pacing.push(id);
+                next = next.min(now + PACING_RETRY);
             }
             // Drop reports due go out if the queue has room; otherwise
             // draining it sends them (`flush_session`), not the timers.
@@ -1453,6 +1469,9 @@ impl EventLoop {
         }
         for &id in &reports {
             self.report_drops(id, now);
+        }
+        for &id in &pacing {
+            self.flush_session(id);
         }
         // The sessions seen to above, as they stand now.
         for id in expired

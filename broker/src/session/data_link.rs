@@ -68,12 +68,11 @@ pub enum DataLinkError {
 
 /// What happened to a frame handed to [`DataLink::send`].
 pub(crate) enum Sent {
-    /// On its way (possibly waiting in the link's backlog).
+    /// On its way (possibly waiting in the link's backlog, or on a lossy
+    /// link for credit).
     Accepted,
-    /// The link is full; the frame is handed back untouched.
+    /// The reliable link is full; the frame is handed back untouched.
     Blocked(OutFrame),
-    /// Lost: the datagram endpoint refused it; counted.
-    Dropped,
 }
 
 /// Pings a data link sends to ask for its proof (the first when the
@@ -96,6 +95,11 @@ pub(crate) enum Proof {
     /// dropped there, a gap in the reliable link's sequence.
     Awaiting { nonce: u64, asked: u32 },
 }
+
+/// Bytes of frames a lossy link keeps waiting for credit; beyond it the
+/// oldest are dropped. A few credit windows of the largest datagram
+/// links, so a burst rides out a round trip of credits.
+pub(crate) const PACED_MAX_BYTES: usize = 4 << 20;
 
 /// One negotiated link to one peer over a data endpoint.
 pub(crate) struct DataLink {
@@ -122,9 +126,19 @@ pub(crate) struct DataLink {
     /// Wire frames already numbered but refused by the endpoint: they must
     /// go before anything else, and are never dropped.
     backlog: VecDeque<OutFrame>,
+    /// Lossy links: frames waiting for credit, in order, at most
+    /// [`PACED_MAX_BYTES`] of them (the oldest give way, counted in
+    /// `dropped`). A datagram sender paces to what the receiver has
+    /// posted rather than dropping what finds the window full.
+    paced: VecDeque<OutFrame>,
+    paced_bytes: usize,
     pub frames_out: u64,
     pub frames_in: u64,
+    /// Lossy links: frames dropped on this side (given way while waiting
+    /// for credit, or lost with a failed send).
     pub dropped: u64,
+    /// How many of `dropped` [`DataLinks::take_best_effort_drops`] told.
+    dropped_told: u64,
     /// Credits sent to the peer.
     pub credits_out: u64,
     credit_waits_reported: u64,
@@ -207,37 +221,74 @@ impl DataLink {
             stalled_since: None,
             stall_reset: config.gap_timeout.saturating_mul(4),
             backlog: VecDeque::new(),
+            paced: VecDeque::new(),
+            paced_bytes: 0,
             frames_out: 0,
             frames_in: 0,
             dropped: 0,
+            dropped_told: 0,
             credits_out: 0,
             credit_waits_reported: 0,
             bad_credits: 0,
         })
     }
 
-    /// Send one frame through the link layer.
+    /// Send one frame through the link layer. A lossy link that cannot
+    /// send it now keeps it for [`pace`](Self::pace) (older waiting frames
+    /// may give way to it, counted in `dropped`).
     pub fn send(
         &mut self,
         endpoint: &mut dyn Endpoint,
         frame: OutFrame,
     ) -> Result<Sent, DataLinkError> {
-        if !self.flush(endpoint)? {
-            return Ok(if self.lossy {
-                self.dropped += 1;
-                Sent::Dropped
-            } else {
-                Sent::Blocked(frame)
-            });
+        if self.lossy {
+            self.wait_for_credit(frame);
+            self.pace(endpoint)?;
+            return Ok(Sent::Accepted);
         }
-        if !self.admit(&frame) {
-            return Ok(if self.lossy {
-                self.dropped += 1;
-                Sent::Dropped
-            } else {
-                Sent::Blocked(frame)
-            });
+        if !self.flush(endpoint)? || !self.admit(frame.len()) {
+            return Ok(Sent::Blocked(frame));
         }
+        self.transmit(endpoint, frame)?;
+        Ok(Sent::Accepted)
+    }
+
+    /// Lossy links: queue `frame` behind those waiting for credit, the
+    /// oldest giving way beyond [`PACED_MAX_BYTES`].
+    fn wait_for_credit(&mut self, frame: OutFrame) {
+        self.paced_bytes += frame.len();
+        self.paced.push_back(frame);
+        while self.paced_bytes > PACED_MAX_BYTES && self.paced.len() > 1 {
+            if let Some(oldest) = self.paced.pop_front() {
+                self.paced_bytes -= oldest.len();
+                self.dropped += 1;
+            }
+        }
+    }
+
+    /// Lossy links: send the frames waiting for credit, as far as the
+    /// window and the endpoint take them.
+    pub fn pace(&mut self, endpoint: &mut dyn Endpoint) -> Result<(), DataLinkError> {
+        while let Some(len) = self.paced.front().map(OutFrame::len) {
+            if !self.flush(endpoint)? || !self.admit(len) {
+                return Ok(());
+            }
+            let Some(frame) = self.paced.pop_front() else {
+                break;
+            };
+            self.paced_bytes -= frame.len();
+            self.transmit(endpoint, frame)?;
+        }
+        Ok(())
+    }
+
+    /// Number `frame` and hand its pieces to the endpoint; what the
+    /// endpoint refuses waits in the backlog.
+    fn transmit(
+        &mut self,
+        endpoint: &mut dyn Endpoint,
+        frame: OutFrame,
+    ) -> Result<(), DataLinkError> {
         let seq = self.sender.next_sequence();
         let mut wire = Vec::new();
         self.sender
@@ -253,13 +304,6 @@ impl DataLink {
         while let Some(piece) = pieces.next() {
             match endpoint.send(self.peer, piece) {
                 Ok(()) => {}
-                Err(SendError::WouldBlock(piece)) if self.lossy => {
-                    // Datagrams: the rest of this frame is lost; the
-                    // receiver counts the gap.
-                    let _ = piece;
-                    self.dropped += 1;
-                    return Ok(Sent::Dropped);
-                }
                 Err(SendError::WouldBlock(piece)) => {
                     self.backlog.push_back(piece);
                     self.backlog.extend(pieces);
@@ -268,14 +312,14 @@ impl DataLink {
                 Err(source) => return Err(self.send_error(source)),
             }
         }
-        Ok(Sent::Accepted)
+        Ok(())
     }
 
     /// Whether the peer's credit lets `frame` go now. A lossy link whose
     /// credits stopped arriving resets its window after a while: the frames
     /// in flight are lost or given up by the receiver by then.
-    fn admit(&mut self, frame: &OutFrame) -> bool {
-        let (pieces, bytes) = self.sender.wire_size(frame.len());
+    fn admit(&mut self, len: usize) -> bool {
+        let (pieces, bytes) = self.sender.wire_size(len);
         if self.window.admits(pieces, bytes) {
             self.stalled_since = None;
             return true;
@@ -722,6 +766,41 @@ impl DataLinks {
     /// When a link next has something to do by time alone.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.links().filter_map(DataLink::next_deadline).min()
+    }
+
+    /// Send what the best-effort link holds back for credit or for the
+    /// endpoint. A failure loses those frames (counted in its `dropped`)
+    /// and is logged: best-effort traffic never ends the session.
+    pub fn pace_best_effort(&mut self, endpoints: &mut [Box<dyn Endpoint>]) {
+        let Some(link) = self
+            .best_effort
+            .as_mut()
+            .filter(|link| link.proof == Proof::Proven)
+        else {
+            return;
+        };
+        if let Err(reason) = link.pace(endpoints[link.endpoint].as_mut()) {
+            link.dropped += (link.paced.len() + 1) as u64;
+            link.paced.clear();
+            link.paced_bytes = 0;
+            tracing::debug!(%reason, "best-effort send failed");
+        }
+    }
+
+    /// Best-effort frames dropped on this side since last asked.
+    pub fn take_best_effort_drops(&mut self) -> u64 {
+        self.best_effort.as_mut().map_or(0, |link| {
+            let new = link.dropped - link.dropped_told;
+            link.dropped_told = link.dropped;
+            new
+        })
+    }
+
+    /// Whether the best-effort link holds frames back.
+    pub fn best_effort_waiting(&self) -> bool {
+        self.best_effort
+            .as_ref()
+            .is_some_and(|link| !link.paced.is_empty() || !link.backlog.is_empty())
     }
 
     /// Whether frames numbered for the peer wait for the endpoint.

@@ -204,7 +204,6 @@ fn send_on(
     counts.credit_waits += link.take_credit_waits();
     match result {
         Ok(Sent::Accepted) => counts.fabric_frames_out += 1,
-        Ok(Sent::Dropped) => {}
         Ok(Sent::Blocked(frame)) => return OnLink::Full(frame),
         Err(reason) => {
             warn!(%reason, "reliable data link send failed");
