@@ -20,6 +20,12 @@ impl FabricEndpoint {
     pub fn claim_address(&mut self, _addr: &[u8]) {
         match self.never {}
     }
+
+    /// See the libfabric build's `claim_header_version`.
+    #[cfg(feature = "testing")]
+    pub fn claim_header_version(&mut self, _version: u8) {
+        match self.never {}
+    }
 }
 
 impl Endpoint for FabricEndpoint {
