@@ -700,6 +700,7 @@ fn best_effort_bursts_are_paced_to_the_receiver() {
     // Markers behind the burst until one arrives: every data message is
     // then delivered, counted lost, or dropped by the broker.
     let mut received = 0u64;
+    let mut last: Option<u64> = None;
     let mut markers = 0u64;
     let deadline = Instant::now() + WAIT;
     'waiting: loop {
@@ -709,7 +710,12 @@ fn best_effort_bursts_are_paced_to_the_receiver() {
             .unwrap();
         markers += 1;
         while let Ok(message) = sub.recv_timeout(Duration::from_millis(200)) {
-            check_pattern(&message);
+            let seed = check_pattern(&message);
+            assert!(
+                last.is_none_or(|last| last < seed),
+                "out of order: {seed} after {last:?}"
+            );
+            last = Some(seed);
             if &*message.subject == "burst.marker" {
                 break 'waiting;
             }

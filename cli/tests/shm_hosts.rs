@@ -43,8 +43,9 @@ fn start_broker() -> Option<Broker> {
 }
 
 /// Runs `efabus sub` offering `shm` and `efa-rdm`, with `host_id` as
-/// `EFABUS_HOST_ID` if given; returns the data link it reports and checks
-/// that it receives a message published once it is up.
+/// `EFABUS_HOST_ID` if given (else with this process's environment, so the
+/// broker's identity); returns the data link it reports and checks that it
+/// receives a message published once it is up.
 fn subscriber_link(broker: &Broker, host_id: Option<&str>) -> String {
     let config = temp_path("shm-hosts.toml");
     std::fs::write(
@@ -59,7 +60,6 @@ fn subscriber_link(broker: &Broker, host_id: Option<&str>) -> String {
         .arg("--config")
         .arg(&config)
         .env("RUST_LOG", "efabus_broker=info")
-        .env_remove("EFABUS_HOST_ID")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     if let Some(id) = host_id {

@@ -56,7 +56,7 @@ use thiserror::Error;
 use crate::caps::Offer;
 use crate::frame::{
     Credit, Dropped, ErrorFrame, Fragment, Frame, Goodbye, Hello, LinkAuth, Message, Publish,
-    RouteHello, Subscribe, Welcome,
+    RouteHello, Subscribe, Welcome, PROTOCOL_VERSION,
 };
 use crate::transport::OutFrame;
 
@@ -1118,14 +1118,40 @@ fn decode_control_limited<const LIMIT: usize>(
 ) -> Result<Frame, DecodeError> {
     let mut reader = BodyReader { buf: body, pos: 0 };
     let config = bincode::config::standard().with_limit::<LIMIT>();
-    let frame = control_body(kind, &mut DecoderImpl::new(&mut reader, config, ()))?;
-    if reader.pos != body.len() {
-        return Err(DecodeError::TrailingBytes {
+    let decoded = control_body(kind, &mut DecoderImpl::new(&mut reader, config, ()));
+    let result = match decoded {
+        Ok(frame) if reader.pos == body.len() => return Ok(frame),
+        Ok(_) => Err(DecodeError::TrailingBytes {
             kind,
             count: body.len() - reader.pos,
-        });
+        }),
+        Err(err) => Err(err),
+    };
+    if kind == FrameKind::Hello {
+        if let Some(hello) = other_version_hello(body) {
+            return Ok(hello);
+        }
     }
-    Ok(frame)
+    result
+}
+
+/// A hello of another protocol version may not decode as this one (its
+/// fields differ), but its version, the first field, still does: the
+/// hello is given with that version alone, so that the peer is told which
+/// version this side speaks rather than that its frame is malformed.
+fn other_version_hello(body: &[u8]) -> Option<Frame> {
+    let mut reader = BodyReader { buf: body, pos: 0 };
+    let config = bincode::config::standard().with_limit::<64>();
+    let version = u16::decode(&mut DecoderImpl::new(&mut reader, config, ())).ok()?;
+    (version != PROTOCOL_VERSION).then(|| {
+        Frame::Hello(Hello {
+            version,
+            name: String::new(),
+            credentials: None,
+            offers: Vec::new(),
+            link_auth: None,
+        })
+    })
 }
 
 fn control_body<D: bincode::de::Decoder<Context = ()>>(
@@ -1383,6 +1409,25 @@ mod tests {
             })
         ));
         assert_eq!(&out[..], b"keep");
+    }
+
+    #[test]
+    fn a_hello_of_another_version_gives_its_version_even_if_undecodable() {
+        // Version 2, then fields this version cannot read.
+        let mut body = vec![FrameKind::Hello as u8, 2];
+        body.extend_from_slice(&[0xff; 9]);
+        let mut bytes = (body.len() as u32).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&body);
+        match decode(Bytes::from(bytes), &CodecLimits::default()) {
+            Ok(Frame::Hello(hello)) => assert_eq!(hello.version, 2),
+            other => panic!("expected a hello of version 2, got {other:?}"),
+        }
+        // This version's own hello, malformed, stays an error.
+        let mut body = vec![FrameKind::Hello as u8, PROTOCOL_VERSION as u8];
+        body.extend_from_slice(&[0xff; 9]);
+        let mut bytes = (body.len() as u32).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&body);
+        assert!(decode(Bytes::from(bytes), &CodecLimits::default()).is_err());
     }
 
     #[test]

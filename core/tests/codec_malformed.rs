@@ -10,7 +10,7 @@ use efabus_core::codec::{
     decode, encode, frame_len, peek_routed, peek_routed_known, try_encode, CodecLimits,
     DecodeError, EncodeError, FrameKind, FrameReader, FLAG_REPLY, MAX_CONTROL_BODY, MAX_OFFERS,
 };
-use efabus_core::frame::{Frame, Goodbye, Publish};
+use efabus_core::frame::{Frame, Goodbye, Publish, PROTOCOL_VERSION};
 use proptest::prelude::*;
 
 /// Wraps a kind byte and body in a correct length prefix.
@@ -264,8 +264,10 @@ fn data_frame_errors_are_reported() {
 #[test]
 fn control_body_limits_hold() {
     let limits = CodecLimits::default();
-    // More offers than allowed: version 1, empty name, no credentials, count.
-    let body = [1u8, 0, 0, MAX_OFFERS as u8 + 1];
+    // More offers than allowed: this version, empty name, no credentials,
+    // count. (A hello of another version gives only its version.)
+    let version = PROTOCOL_VERSION as u8;
+    let body = [version, 0, 0, MAX_OFFERS as u8 + 1];
     assert_eq!(
         decode(framed(FrameKind::Hello as u8, &body), &limits),
         Err(DecodeError::TooManyOffers {
@@ -275,7 +277,7 @@ fn control_body_limits_hold() {
         })
     );
     // A name claiming 2^40 bytes: refused by the claim limit, not allocated.
-    let mut body = vec![1u8, 253];
+    let mut body = vec![version, 253];
     body.extend_from_slice(&(1u64 << 40).to_le_bytes());
     assert!(matches!(
         decode(framed(FrameKind::Hello as u8, &body), &limits),

@@ -887,6 +887,11 @@ impl EventLoop {
             if dropped > 0 {
                 BrokerStats::add(&self.shared.stats.best_effort_drops, dropped);
             }
+            if session.conn.links.best_effort_waiting() {
+                // Credit normally comes back at once; if it was lost, the
+                // timers try again.
+                self.schedule(self.now + PACING_RETRY);
+            }
             return;
         }
         self.send(target.owner, frame, true);
@@ -1313,6 +1318,10 @@ impl EventLoop {
         let discarded = session.conn.out.messages() + session.batch.messages();
         if discarded > 0 {
             BrokerStats::add(&self.shared.stats.connection_drops, discarded);
+        }
+        let waiting = session.conn.links.best_effort_waiting_frames();
+        if waiting > 0 {
+            BrokerStats::add(&self.shared.stats.best_effort_drops, waiting);
         }
     }
 

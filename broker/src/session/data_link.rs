@@ -780,6 +780,7 @@ impl DataLinks {
             return;
         };
         if let Err(reason) = link.pace(endpoints[link.endpoint].as_mut()) {
+            // The frame being sent is lost with those still waiting.
             link.dropped += (link.paced.len() + 1) as u64;
             link.paced.clear();
             link.paced_bytes = 0;
@@ -794,6 +795,13 @@ impl DataLinks {
             link.dropped_told = link.dropped;
             new
         })
+    }
+
+    /// Best-effort frames waiting for credit (lost if the session ends).
+    pub fn best_effort_waiting_frames(&self) -> u64 {
+        self.best_effort
+            .as_ref()
+            .map_or(0, |link| link.paced.len() as u64)
     }
 
     /// Whether the best-effort link holds frames back.
