@@ -234,6 +234,21 @@ pub enum CqRead {
     ErrorAvailable,
 }
 
+/// What `fi_cq_read` or `fi_cq_readfrom` returned, as a [`CqRead`].
+fn cq_read_result(ret: i64) -> Result<CqRead, FabricError> {
+    if ret >= 0 {
+        return Ok(CqRead::Entries(ret as usize));
+    }
+    let code = FiCode::from_ret(ret);
+    if code.is_again() {
+        Ok(CqRead::Entries(0))
+    } else if code.code == FI_EAVAIL {
+        Ok(CqRead::ErrorAvailable)
+    } else {
+        Err(FabricError::CqRead { code })
+    }
+}
+
 /// A completion that failed, with the provider's explanation.
 #[derive(Debug, Clone)]
 pub struct CqError {
@@ -345,17 +360,7 @@ impl CompletionQueue {
         // fi_cq_msg_entry layout (checked by a static assert in the shim).
         let ret =
             unsafe { sys::efabus_cq_read(self.ptr.as_ptr(), buf.as_mut_ptr(), buf.len() as u64) };
-        if ret >= 0 {
-            return Ok(CqRead::Entries(ret as usize));
-        }
-        let code = FiCode::from_ret(ret);
-        if code.is_again() {
-            Ok(CqRead::Entries(0))
-        } else if code.code == FI_EAVAIL {
-            Ok(CqRead::ErrorAvailable)
-        } else {
-            Err(FabricError::CqRead { code })
-        }
+        cq_read_result(ret)
     }
 
     /// [`read`](Self::read), with each completion's source address in
@@ -378,17 +383,7 @@ impl CompletionQueue {
                 sources.as_mut_ptr(),
             )
         };
-        if ret >= 0 {
-            return Ok(CqRead::Entries(ret as usize));
-        }
-        let code = FiCode::from_ret(ret);
-        if code.is_again() {
-            Ok(CqRead::Entries(0))
-        } else if code.code == FI_EAVAIL {
-            Ok(CqRead::ErrorAvailable)
-        } else {
-            Err(FabricError::CqRead { code })
-        }
+        cq_read_result(ret)
     }
 
     /// Reads the error entry at the head of the queue, if any, with the
