@@ -97,6 +97,10 @@ pub struct BrokerStats {
     /// Sessions ended because the peer never answered the nonce sent to
     /// the fabric address it gave.
     pub unproven_addresses: AtomicU64,
+    /// What the listeners' own buffers take (fabric endpoints' send and
+    /// receive pools), and of that what is registered (pinned).
+    pub fabric_buffer_bytes: AtomicU64,
+    pub fabric_registered_bytes: AtomicU64,
 }
 
 impl BrokerStats {
@@ -139,6 +143,11 @@ impl BrokerStats {
             ("fabric_replayed", get(&self.fabric_replayed)),
             ("fabric_malformed", get(&self.fabric_malformed)),
             ("unproven_addresses", get(&self.unproven_addresses)),
+            ("fabric_buffer_bytes", get(&self.fabric_buffer_bytes)),
+            (
+                "fabric_registered_bytes",
+                get(&self.fabric_registered_bytes),
+            ),
         ]
     }
 }
@@ -324,6 +333,11 @@ impl Broker {
             max_tokens: config.limits.max_subject_tokens,
         };
         let table = SubscriptionTable::new(subject_limits);
+        let stats = BrokerStats::default();
+        for buffers in endpoints.iter().map(|endpoint| endpoint.buffers()) {
+            BrokerStats::add(&stats.fabric_buffer_bytes, buffers.held as u64);
+            BrokerStats::add(&stats.fabric_registered_bytes, buffers.registered as u64);
+        }
         let shared = Arc::new(Shared {
             subject_limits,
             config,
@@ -332,7 +346,7 @@ impl Broker {
             next_sid: AtomicU64::new(1),
             commands,
             shutdown: AtomicBool::new(false),
-            stats: BrokerStats::default(),
+            stats,
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
             listening,
             broker_id: unique_seed(),

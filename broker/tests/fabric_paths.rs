@@ -953,6 +953,22 @@ fn forced_prefix_and_registration_work_end_to_end(provider: Provider) {
     };
     let plain_client = fabric_client(&plain_broker, provider, "unforced");
     let plain_dgram_limit = frame_limit(plain_client.link().best_effort.as_deref().unwrap());
+    let buffer_stat = |broker: &Broker, name: &str| {
+        broker
+            .stats()
+            .snapshot()
+            .into_iter()
+            .find(|(key, _)| *key == name)
+            .map_or(0, |(_, value)| value)
+    };
+    let held = buffer_stat(&plain_broker, "fabric_buffer_bytes");
+    assert!(held > 0, "the fabric listeners' buffers are reported");
+    assert_eq!(
+        buffer_stat(&plain_broker, "fabric_registered_bytes"),
+        0,
+        "{} requires no registration",
+        provider.rdm
+    );
     drop(plain_client);
     drop(plain_broker);
 
@@ -960,6 +976,10 @@ fn forced_prefix_and_registration_work_end_to_end(provider: Provider) {
     let Some(broker) = start_broker(provider, true, &forced) else {
         return;
     };
+    assert!(
+        buffer_stat(&broker, "fabric_registered_bytes") > 0,
+        "registered buffers are reported"
+    );
     let publisher = fabric_client(&broker, provider, "forced-publisher");
     let subscriber = fabric_client(&broker, provider, "forced-subscriber");
     let dgram_limit = frame_limit(subscriber.link().best_effort.as_deref().unwrap());

@@ -22,6 +22,7 @@ use efabus_core::caps::{
     check, negotiate, parse_fi_info_dump, to_fi_info_text, EpType, FabricInfo, Hints, Negotiated,
     Offer,
 };
+use efabus_core::transport::BufferMemory;
 use efabus_transports::fabric::{
     probe_like_fi_info, EpKind, FabricTransport, DGRAM_SCHEME, RDM_SCHEME,
 };
@@ -249,12 +250,21 @@ fn from_transports(args: &CapsArgs, config: &Config, output: &mut Output) -> Res
         config.negotiation.preference.join(", ")
     )?;
     let mut local = Vec::new();
+    let mut memory = Vec::new();
     for spec in &listen {
         match open_offer(&registry, config, spec) {
-            Ok(Some(offer)) => local.push(offer),
+            Ok(Some((offer, buffers))) => {
+                if buffers.held > 0 {
+                    memory.push(buffer_line(&offer.scheme, buffers));
+                }
+                local.push(offer);
+            }
             Ok(None) => {}
             Err(reason) => out!(output, "  not opened: {reason}")?,
         }
+    }
+    for line in &memory {
+        out!(output, "{line}")?;
     }
     match negotiate(&local, &local, &config.negotiation.preference) {
         Ok(negotiated) => output.write(format_args!("{}", as_driven(&negotiated)))?,
@@ -285,7 +295,11 @@ fn listened_schemes(config: &Config) -> Vec<String> {
 /// Open an endpoint as a broker with `config` opens its listener for
 /// `spec` (TCP without binding its port, which a running broker may hold)
 /// and take its offer as the broker does.
-fn open_offer(registry: &Registry, config: &Config, spec: &str) -> Result<Option<Offer>, String> {
+fn open_offer(
+    registry: &Registry,
+    config: &Config,
+    spec: &str,
+) -> Result<Option<(Offer, BufferMemory)>, String> {
     let spec = EndpointSpec::parse(spec).map_err(|err| err.to_string())?;
     let bind = if endpoints::is_data_scheme(spec.scheme()) {
         Some(spec.address().unwrap_or_default().to_string())
@@ -296,7 +310,17 @@ fn open_offer(registry: &Registry, config: &Config, spec: &str) -> Result<Option
     let endpoint = registry
         .open(&spec, &endpoint_config)
         .map_err(|err| err.to_string())?;
-    Ok(endpoints::offer_for(endpoint.as_ref()))
+    Ok(endpoints::offer_for(endpoint.as_ref()).map(|offer| (offer, endpoint.buffers())))
+}
+
+/// One line on what an endpoint's buffers take.
+fn buffer_line(scheme: &str, memory: BufferMemory) -> String {
+    let mib = |bytes: usize| bytes as f64 / f64::from(1 << 20);
+    format!(
+        "  {scheme}: buffers {:.1} MiB, of which registered (pinned) {:.1} MiB",
+        mib(memory.held),
+        mib(memory.registered)
+    )
 }
 
 /// The negotiation as live links report it: data links through

@@ -421,6 +421,16 @@ impl fmt::Debug for LinkKeys {
     }
 }
 
+/// What an endpoint's own buffers take, in bytes.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BufferMemory {
+    /// Address space of its buffer pools.
+    pub held: usize,
+    /// Of that, memory registered with the provider (pinned), where it
+    /// requires registration (`FI_MR_LOCAL`, as efa does).
+    pub registered: usize,
+}
+
 /// Messages an endpoint refused before they reached any peer, by reason,
 /// since it opened.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -465,6 +475,12 @@ pub trait Endpoint: Send {
             scheme: self.scheme().to_string(),
             operation: "insert_peer",
         })
+    }
+
+    /// Memory the endpoint keeps for its own buffers, whatever the
+    /// traffic (fabric endpoints' send and receive pools; none for others).
+    fn buffers(&self) -> BufferMemory {
+        BufferMemory::default()
     }
 
     /// Messages refused before they reached a peer (endpoints that

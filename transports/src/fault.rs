@@ -73,8 +73,8 @@ use bytes::Bytes;
 use efabus_core::caps::FabricInfo;
 use efabus_core::codec::PREFIX_LEN;
 use efabus_core::transport::{
-    CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId, Readiness, Refused,
-    SendError, Transport, TransportError,
+    BufferMemory, CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId,
+    Readiness, Refused, SendError, Transport, TransportError,
 };
 use parking_lot::Mutex;
 use thiserror::Error;
@@ -823,6 +823,10 @@ impl Endpoint for FaultyEndpoint {
 
     fn insert_peer(&mut self, addr: &[u8], keys: &LinkKeys) -> Result<PeerId, TransportError> {
         self.inner.insert_peer(addr, keys)
+    }
+
+    fn buffers(&self) -> BufferMemory {
+        self.inner.buffers()
     }
 
     fn refused(&self) -> Refused {

@@ -71,8 +71,8 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use efabus_core::transport::{
-    CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId, Readiness, Refused,
-    SendError, TransportError,
+    BufferMemory, CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId,
+    Readiness, Refused, SendError, TransportError,
 };
 
 use super::config::{addr_to_hex, EpKind, FabricOptions, OrderWanted};
@@ -251,6 +251,8 @@ pub struct FabricEndpoint {
     /// The scheme it reports: its kind's, or `shm` for the same-host RDM
     /// endpoints (set by [`super::FabricTransport::open_fabric`]).
     pub(crate) scheme: &'static str,
+    /// What its buffer pools take.
+    buffers: BufferMemory,
     layout: BufferLayout,
     local_addr: Vec<u8>,
     /// The sender address written in every message: `local_addr`, except
@@ -513,6 +515,14 @@ impl FabricEndpoint {
             _fabric: fabric,
             info,
             scheme: kind.scheme(),
+            buffers: BufferMemory {
+                held: (rx_depth + tx_depth) * stride,
+                registered: if mr_local {
+                    (rx_depth + tx_depth) * stride
+                } else {
+                    0
+                },
+            },
             link,
             layout,
             header_addr: local_addr.clone(),
@@ -1282,6 +1292,10 @@ impl Endpoint for FabricEndpoint {
                 addr: addr_to_hex(addr),
                 reason: err.to_string(),
             })
+    }
+
+    fn buffers(&self) -> BufferMemory {
+        self.buffers
     }
 
     fn refused(&self) -> Refused {
