@@ -23,6 +23,8 @@ use efabus_core::caps::{
     Offer,
 };
 use efabus_core::transport::BufferMemory;
+use efabus_core::transport::{DEFAULT_RDM_MSG_SIZE, MAX_MSG_SIZE};
+use efabus_transports::fabric::layout::BufferLayout;
 use efabus_transports::fabric::{
     probe_like_fi_info, EpKind, FabricTransport, DGRAM_SCHEME, RDM_SCHEME,
 };
@@ -116,9 +118,14 @@ fn read_dump(path: &Path) -> Result<Vec<FabricInfo>, Failure> {
     Ok(infos)
 }
 
-/// The offers a host with these infos would make: the first accepted entry
-/// per scheme, plus TCP.
-fn offers(infos: &[FabricInfo], provider: Option<&str>) -> (Vec<Offer>, Vec<String>) {
+/// The offers a host with these infos would make with `config`: the first
+/// accepted entry per scheme, as an endpoint opened on it would offer it
+/// ([`as_opened`]), plus TCP.
+fn offers(
+    infos: &[FabricInfo],
+    provider: Option<&str>,
+    config: &Config,
+) -> (Vec<Offer>, Vec<String>) {
     let mut offers: Vec<Offer> = Vec::new();
     let mut lines = Vec::new();
     for info in infos {
@@ -144,7 +151,7 @@ fn offers(infos: &[FabricInfo], provider: Option<&str>) -> (Vec<Offer>, Vec<Stri
             }
             Ok(()) => {
                 lines.push(format!("  accepted {name} as {scheme}"));
-                offers.push(Offer::from_info(scheme, info, Vec::new()));
+                offers.push(as_opened(scheme, info, config));
             }
             Err(rejection) => lines.push(format!("  rejected {name}: {rejection}")),
         }
@@ -157,6 +164,34 @@ fn offers(infos: &[FabricInfo], provider: Option<&str>) -> (Vec<Offer>, Vec<Stri
     (offers, lines)
 }
 
+/// The offer an endpoint opened on `info` with `config` makes, as a live
+/// one reports it ([`endpoints::offer_for`]): queues at most the configured
+/// depths, and messages at most what a buffer holds after the endpoint's
+/// header, within the broker's frame limit.
+fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
+    let mut offer = Offer::from_info(scheme, info, Vec::new());
+    let Some(options) = endpoints::endpoint_options(&config.fabric, scheme) else {
+        return offer;
+    };
+    let prefix = usize::try_from(offer.msg_prefix_size).unwrap_or(usize::MAX);
+    let cap = match info.ep_attr.ep_type {
+        EpType::Rdm => options.msg_size.unwrap_or(DEFAULT_RDM_MSG_SIZE),
+        _ => options.msg_size.unwrap_or(MAX_MSG_SIZE),
+    };
+    let layout = BufferLayout::new(
+        prefix,
+        BufferLayout::payload_for(info.ep_attr.max_msg_size, prefix, cap),
+    );
+    let addr_len = usize::try_from(info.src_addrlen).unwrap_or(0);
+    let max_frame = layout.max_frame(addr_len).min(config.max_frame());
+    offer.max_msg_size = offer
+        .max_msg_size
+        .min(max_frame as u64 + offer.msg_prefix_size);
+    offer.rx_size = offer.rx_size.min(options.rx_depth as u64);
+    offer.tx_size = offer.tx_size.min(options.tx_depth as u64);
+    offer
+}
+
 fn from_dump(
     args: &CapsArgs,
     input: &Path,
@@ -165,14 +200,14 @@ fn from_dump(
 ) -> Result<(), Failure> {
     let infos = read_dump(input)?;
     print_infos(&infos, args.verbose, output)?;
-    let (local, lines) = offers(&infos, None);
+    let (local, lines) = offers(&infos, None, config);
     out!(output, "\nefabus selection for {}:", input.display())?;
     for line in &lines {
         out!(output, "{line}")?;
     }
     let (remote, peer_name) = match &args.peer {
         Some(peer) => {
-            let (remote, lines) = offers(&read_dump(peer)?, None);
+            let (remote, lines) = offers(&read_dump(peer)?, None, config);
             out!(output, "\nefabus selection for {}:", peer.display())?;
             for line in &lines {
                 out!(output, "{line}")?;

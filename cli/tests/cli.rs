@@ -130,8 +130,13 @@ fn caps_reads_a_saved_dump_and_says_what_efabus_would_choose() {
         // What efabus makes of it.
         "accepted efa rdmap70s0-rdm FI_EP_RDM as efa-rdm",
         "accepted efa rdmap70s0-dgrm FI_EP_DGRAM as efa-dgram",
-        "reliable: efa-rdm via efa FI_EP_RDM",
-        "best-effort: efa-dgram via efa FI_EP_DGRAM",
+        // As endpoints opened on it would offer it: the broker's frame
+        // limit, what a datagram holds after prefix and endpoint header
+        // (8928 - 40 - 66), and queues at the configured depth, as live
+        // links report them.
+        "reliable: efa-rdm via efa FI_EP_RDM: frame limit 1049664, prefix 176",
+        "best-effort: efa-dgram via efa FI_EP_DGRAM: frame limit 8822, prefix 40",
+        "window 256/256",
     ] {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
     }
