@@ -861,6 +861,11 @@ impl FabricEndpoint {
                 entry.fi_addr
             }
             None => {
+                // shm maps the region a name points at when it is inserted:
+                // only names of its own form, none chosen by a peer.
+                if self.link.provider == super::config::SHM_PROVIDER && !is_shm_name(addr) {
+                    return Err(FabricError::NotAnShmName);
+                }
                 if self.av_cache.len() >= self.max_addresses {
                     self.evict_address()?;
                 }
@@ -1175,6 +1180,19 @@ pub(crate) fn get_info(
     }
 }
 
+/// Whether `addr` has the form of the names the shm provider gives its
+/// endpoints: `fi_shm://`, then digits and colons (process, user and
+/// endpoint numbers), then a NUL.
+fn is_shm_name(addr: &[u8]) -> bool {
+    let Some(rest) = addr.strip_prefix(b"fi_shm://") else {
+        return false;
+    };
+    let Some(end) = rest.iter().position(|&b| b == 0) else {
+        return false;
+    };
+    end > 0 && rest[..end].iter().all(|&b| b.is_ascii_digit() || b == b':')
+}
+
 /// Whether FI_SOURCE is asked of `provider`. The network providers report
 /// a receive's source faithfully (efa, sockets, udp); the others do not
 /// serve it as efabus uses them: with libfabric 1.17, `ofi_rxm` with
@@ -1486,5 +1504,21 @@ impl Endpoint for FabricEndpoint {
 
     fn queued_bytes(&self, peer: PeerId) -> usize {
         self.peers.get(&peer).map_or(0, |s| s.queued_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_names_of_the_shm_form_are_shm_names() {
+        assert!(is_shm_name(b"fi_shm://15727:0:0\0"));
+        assert!(is_shm_name(b"fi_shm://1:2:3\0\0"));
+        assert!(!is_shm_name(b"fi_shm://15727:0:0"), "no NUL");
+        assert!(!is_shm_name(b"fi_shm://\0"), "no number");
+        assert!(!is_shm_name(b"fi_shm://some-file\0"), "a chosen name");
+        assert!(!is_shm_name(b"fi_shm://../x\0"));
+        assert!(!is_shm_name(b"fi_sockaddr_in://127.0.0.1:1\0"));
     }
 }

@@ -108,6 +108,8 @@ pub enum FabricError {
     AddressesFull { limit: usize },
     #[error("link id {0} is in use on this endpoint")]
     LinkIdInUse(u64),
+    #[error("not a name the shm provider gives its endpoints (fi_shm://, then digits and colons)")]
+    NotAnShmName,
     #[error("fi_cq_open failed: {code}")]
     CqOpen { code: FiCode },
     #[error("fi_cq_read failed: {code}")]
@@ -198,7 +200,8 @@ impl FabricError {
             | Unusable { .. }
             | Alloc { .. }
             | AddressesFull { .. }
-            | LinkIdInUse(_) => None,
+            | LinkIdInUse(_)
+            | NotAnShmName => None,
         }
     }
 }
