@@ -108,6 +108,15 @@ impl BrokerStats {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// One counter by its name in [`snapshot`](Self::snapshot); `None`
+    /// for a name there is none of.
+    pub fn value(&self, name: &str) -> Option<u64> {
+        self.snapshot()
+            .into_iter()
+            .find(|(key, _)| *key == name)
+            .map(|(_, value)| value)
+    }
+
     /// A plain snapshot for printing.
     pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);

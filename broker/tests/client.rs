@@ -689,10 +689,8 @@ fn publish_numbered_4k(endpoint: &str, subject: &str, total: u32) {
 fn stat(broker: &Broker, name: &str) -> u64 {
     broker
         .stats()
-        .snapshot()
-        .into_iter()
-        .find(|(key, _)| *key == name)
-        .map_or(0, |(_, value)| value)
+        .value(name)
+        .unwrap_or_else(|| panic!("no stat {name}"))
 }
 
 /// Under `drop-oldest`, the broker tells a remote subscriber, per

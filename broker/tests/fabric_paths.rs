@@ -956,10 +956,8 @@ fn forced_prefix_and_registration_work_end_to_end(provider: Provider) {
     let buffer_stat = |broker: &Broker, name: &str| {
         broker
             .stats()
-            .snapshot()
-            .into_iter()
-            .find(|(key, _)| *key == name)
-            .map_or(0, |(_, value)| value)
+            .value(name)
+            .unwrap_or_else(|| panic!("no stat {name}"))
     };
     let held = buffer_stat(&plain_broker, "fabric_buffer_bytes");
     assert!(held > 0, "the fabric listeners' buffers are reported");
@@ -1161,10 +1159,8 @@ impl SlowSetup {
     fn stat(&self, name: &str) -> u64 {
         self.broker
             .stats()
-            .snapshot()
-            .into_iter()
-            .find(|(key, _)| *key == name)
-            .map_or(0, |(_, value)| value)
+            .value(name)
+            .unwrap_or_else(|| panic!("no stat {name}"))
     }
 }
 

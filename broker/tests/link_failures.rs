@@ -90,10 +90,7 @@ fn fabric_client(broker: &Broker, name: &str) -> Client {
 fn stat(broker: &Broker, name: &str) -> u64 {
     broker
         .stats()
-        .snapshot()
-        .into_iter()
-        .find(|(key, _)| *key == name)
-        .map(|(_, value)| value)
+        .value(name)
         .unwrap_or_else(|| panic!("no stat {name}"))
 }
 

@@ -35,10 +35,8 @@ fn tcp(broker: &Broker) -> String {
 fn stat(broker: &Broker, name: &str) -> u64 {
     broker
         .stats()
-        .snapshot()
-        .into_iter()
-        .find(|(key, _)| *key == name)
-        .map_or(0, |(_, value)| value)
+        .value(name)
+        .unwrap_or_else(|| panic!("no stat {name}"))
 }
 
 fn routes(broker: &Broker) -> u64 {

@@ -62,10 +62,8 @@ fn client(broker: &Broker, name: &str, data_paths: &[&str]) -> Client {
 fn stat(broker: &Broker, name: &str) -> u64 {
     broker
         .stats()
-        .snapshot()
-        .into_iter()
-        .find(|(key, _)| *key == name)
-        .map_or(0, |(_, value)| value)
+        .value(name)
+        .unwrap_or_else(|| panic!("no stat {name}"))
 }
 
 #[test]

@@ -163,10 +163,8 @@ impl Drop for StoppedPeer {
 fn stat(broker: &Broker, name: &str) -> u64 {
     broker
         .stats()
-        .snapshot()
-        .into_iter()
-        .find(|(key, _)| *key == name)
-        .map_or(0, |(_, value)| value)
+        .value(name)
+        .unwrap_or_else(|| panic!("no stat {name}"))
 }
 
 /// Held by every test here: each runs a broker, three clients and a
