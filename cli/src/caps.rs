@@ -173,7 +173,12 @@ fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
     let Some(options) = endpoints::endpoint_options(&config.fabric, scheme) else {
         return offer;
     };
-    let prefix = usize::try_from(offer.msg_prefix_size).unwrap_or(usize::MAX);
+    // The endpoint reserves the provider's prefix whether or not its mode
+    // asks for it, else the forced one.
+    let prefix = match usize::try_from(info.ep_attr.msg_prefix_size) {
+        Ok(prefix) if prefix > 0 => prefix,
+        _ => options.force_prefix,
+    };
     let cap = match info.ep_attr.ep_type {
         EpType::Rdm => options.msg_size.unwrap_or(DEFAULT_RDM_MSG_SIZE),
         _ => options.msg_size.unwrap_or(MAX_MSG_SIZE),
