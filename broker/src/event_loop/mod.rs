@@ -42,7 +42,7 @@ use crate::auth_guard::AuthGuard;
 use crate::broker::{deliver_local, BrokerStats, Command, Shared};
 use crate::delivery::Message;
 use crate::endpoints;
-use crate::session::data_link::{LinkKind, Sent};
+use crate::session::data_link::LinkKind;
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
 use crate::session::{error_frame, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
@@ -869,25 +869,17 @@ impl EventLoop {
             body: payload.to_bytes(),
         };
         if best_effort {
-            let Some(link) = session.conn.links.best_effort_proven() else {
+            let links = &mut session.conn.links;
+            if !links.queue_best_effort(frame) {
                 return;
-            };
-            let endpoint = self.endpoints[link.endpoint].as_mut();
-            let sent = link.send(endpoint, frame);
-            self.tally.sent.credit_waits += link.take_credit_waits();
-            let mut dropped = session.conn.links.take_best_effort_drops();
-            match sent {
-                Ok(Sent::Accepted) => self.tally.sent.fabric_frames_out += 1,
-                Ok(Sent::Blocked(_)) => dropped += 1,
-                Err(reason) => {
-                    dropped += 1;
-                    debug!(session = target.owner, %reason, "best-effort send failed");
-                }
             }
+            self.tally.sent.fabric_frames_out += 1;
+            self.tally.sent.credit_waits += links.pace_best_effort(&mut self.endpoints);
+            let dropped = links.take_best_effort_drops();
             if dropped > 0 {
                 BrokerStats::add(&self.shared.stats.best_effort_drops, dropped);
             }
-            if session.conn.links.best_effort_waiting() {
+            if links.best_effort_waiting() {
                 // Credit normally comes back at once; if it was lost, the
                 // timers try again.
                 self.schedule(self.now + PACING_RETRY);

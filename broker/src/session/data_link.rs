@@ -768,16 +768,23 @@ impl DataLinks {
         self.links().filter_map(DataLink::next_deadline).min()
     }
 
+    /// Queue a frame on the best-effort link, once its address is proven,
+    /// for [`pace_best_effort`](Self::pace_best_effort); false without one.
+    pub fn queue_best_effort(&mut self, frame: OutFrame) -> bool {
+        let Some(link) = self.best_effort_proven() else {
+            return false;
+        };
+        link.wait_for_credit(frame);
+        true
+    }
+
     /// Send what the best-effort link holds back for credit or for the
-    /// endpoint. A failure loses those frames (counted in its `dropped`)
-    /// and is logged: best-effort traffic never ends the session.
-    pub fn pace_best_effort(&mut self, endpoints: &mut [Box<dyn Endpoint>]) {
-        let Some(link) = self
-            .best_effort
-            .as_mut()
-            .filter(|link| link.proof == Proof::Proven)
-        else {
-            return;
+    /// endpoint; returns the credit waits it met. A failure loses those
+    /// frames (counted in its `dropped`) and is logged: best-effort traffic
+    /// never ends the session.
+    pub fn pace_best_effort(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> u64 {
+        let Some(link) = self.best_effort_proven() else {
+            return 0;
         };
         if let Err(reason) = link.pace(endpoints[link.endpoint].as_mut()) {
             // The frame being sent is lost with those still waiting.
@@ -786,6 +793,7 @@ impl DataLinks {
             link.paced_bytes = 0;
             tracing::debug!(%reason, "best-effort send failed");
         }
+        link.take_credit_waits()
     }
 
     /// Best-effort frames dropped on this side since last asked.

@@ -123,7 +123,7 @@ impl Connection {
     /// Hand queued entries on until the path pushes back; true when
     /// nothing is left.
     pub fn flush(&mut self, endpoints: &mut [Box<dyn Endpoint>], counts: &mut SendCounts) -> bool {
-        self.links.pace_best_effort(endpoints);
+        counts.credit_waits += self.links.pace_best_effort(endpoints);
         self.out
             .flush(endpoints, self.control, &mut self.links, counts)
     }
