@@ -96,7 +96,6 @@ fn fabric_table() -> Fabric {
     Fabric {
         provider,
         node: "127.0.0.1".to_string(),
-        max_frame: 2 << 20,
         ..Fabric::default()
     }
 }

@@ -285,8 +285,16 @@ pub struct Fabric {
     /// Receive buffers posted per endpoint, capped by the provider's rx
     /// size; 0 keeps the default of 256.
     pub rx_depth: usize,
-    /// Largest frame carried in one fabric message on RDM, in bytes.
-    pub max_frame: usize,
+    /// Bytes of each RDM buffer (the eager size): frames up to it travel in
+    /// posted buffers; larger ones by rendezvous (one-sided reads) with
+    /// peers that have RMA, fragmented otherwise. 256 receive and 256 send
+    /// buffers of it make an endpoint's memory. (`max_frame` is read as an
+    /// older name of it.)
+    #[serde(alias = "max_frame")]
+    pub eager_size: usize,
+    /// Move RDM frames above `eager_size` by rendezvous where both sides
+    /// have RMA; `false` fragments them over eager messages.
+    pub rendezvous: bool,
     /// How long frames may wait on a reliable data link behind a message
     /// that went missing, with no piece of it arriving, before the session
     /// is ended (and the peer reconnects) instead of stalling until the
@@ -351,7 +359,8 @@ impl Default for Fabric {
             node: String::new(),
             rx_depth: 0,
             // A payload at the default limit and its header fit one message.
-            max_frame: (1 << 20) + 4096,
+            eager_size: efabus_core::transport::DEFAULT_RDM_MSG_SIZE,
+            rendezvous: true,
             reliable_gap_timeout_ms: 250,
             polling: Polling::default(),
             test_force_prefix: 0,
@@ -590,7 +599,7 @@ impl Config {
             ("limits.subscription_queue", self.limits.subscription_queue),
             ("limits.max_link_memory", self.limits.max_link_memory),
             ("heartbeat.interval_ms", self.heartbeat.interval_ms as usize),
-            ("fabric.max_frame", self.fabric.max_frame),
+            ("fabric.eager_size", self.fabric.eager_size),
             (
                 "fabric.reliable_gap_timeout_ms",
                 self.fabric.reliable_gap_timeout_ms as usize,

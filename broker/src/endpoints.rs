@@ -27,6 +27,7 @@ pub fn offer_for(endpoint: &dyn Endpoint) -> Option<Offer> {
     let mut offer = Offer::from_info(endpoint.scheme(), &info, endpoint.local_addr());
     let capacity = endpoint.max_frame() as u64 + offer.msg_prefix_size;
     offer.max_msg_size = offer.max_msg_size.min(capacity);
+    offer.rendezvous_max = endpoint.rendezvous_max() as u64;
     if endpoint.scheme() == SHM_SCHEME {
         offer.host = host_identity()?;
     }
@@ -92,7 +93,7 @@ pub fn listener_config(config: &Config, scheme: &str, bind: Option<String>) -> E
 
 /// The fabric options from the config for an endpoint of `scheme`: the
 /// `[fabric]` table for the libfabric endpoints (`efa-rdm` takes
-/// `provider`, `max_frame` as its buffer size and `domain`; `efa-dgram`
+/// `provider`, `eager_size` as its buffer size, `rendezvous` and `domain`; `efa-dgram`
 /// takes `dgram_provider`; both take `node`, `rx_depth`, the polling
 /// `wait_fd` and the testing aids), `None` for the others. `efabus caps`
 /// lists fabric infos with the same options (print them with
@@ -102,7 +103,8 @@ pub fn endpoint_options(fabric: &crate::config::Fabric, scheme: &str) -> Option<
     let options = match scheme {
         RDM_SCHEME => FabricOptions {
             provider: fabric.provider.trim().to_string(),
-            msg_size: Some(fabric.max_frame),
+            msg_size: Some(fabric.eager_size),
+            rendezvous: fabric.rendezvous,
             domain: non_empty(&fabric.domain),
             ..defaults
         },
@@ -112,7 +114,8 @@ pub fn endpoint_options(fabric: &crate::config::Fabric, scheme: &str) -> Option<
         },
         SHM_SCHEME => FabricOptions {
             provider: SHM_PROVIDER.to_string(),
-            msg_size: Some(fabric.max_frame),
+            msg_size: Some(fabric.eager_size),
+            rendezvous: fabric.rendezvous,
             ..defaults
         },
         _ => return None,

@@ -26,7 +26,7 @@ use efabus_core::transport::BufferMemory;
 use efabus_core::transport::{DEFAULT_RDM_MSG_SIZE, MAX_MSG_SIZE};
 use efabus_transports::fabric::layout::BufferLayout;
 use efabus_transports::fabric::{
-    probe_like_fi_info, EpKind, FabricTransport, DGRAM_SCHEME, RDM_SCHEME,
+    probe_like_fi_info, rendezvous_max, EpKind, FabricTransport, DGRAM_SCHEME, RDM_SCHEME,
 };
 use efabus_transports::registry::{EndpointSpec, Registry};
 use efabus_transports::tcp;
@@ -192,6 +192,17 @@ fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
     offer.max_msg_size = offer
         .max_msg_size
         .min(max_frame as u64 + offer.msg_prefix_size);
+    let kind = match info.ep_attr.ep_type {
+        EpType::Rdm => EpKind::Rdm,
+        _ => EpKind::Dgram,
+    };
+    offer.rendezvous_max = rendezvous_max(
+        kind,
+        &info.fabric_attr.prov_name,
+        info.caps.bits(),
+        &options,
+        (info.ep_attr.max_msg_size, config.max_frame(), max_frame),
+    ) as u64;
     offer.rx_size = offer.rx_size.min(options.rx_depth as u64);
     offer.tx_size = offer.tx_size.min(options.tx_depth as u64);
     offer

@@ -130,11 +130,14 @@ fn caps_reads_a_saved_dump_and_says_what_efabus_would_choose() {
         // What efabus makes of it.
         "accepted efa rdmap70s0-rdm FI_EP_RDM as efa-rdm",
         "accepted efa rdmap70s0-dgrm FI_EP_DGRAM as efa-dgram",
-        // As endpoints opened on it would offer it: the broker's frame
-        // limit, what a datagram holds after prefix and endpoint header
-        // (8928 - 40 - 66), and queues at the configured depth, as live
-        // links report them.
-        "reliable: efa-rdm via efa FI_EP_RDM: frame limit 1049664, prefix 176",
+        // As endpoints opened on it would offer it: what an eager buffer
+        // holds after the endpoint header (32512 - 66), larger frames by
+        // rendezvous up to the broker's frame limit (the dump grants
+        // FI_RMA, FI_READ and FI_REMOTE_READ), what a datagram holds
+        // after prefix and endpoint header (8928 - 40 - 66), and queues at
+        // the configured depth, as live links report them.
+        "reliable: efa-rdm via efa FI_EP_RDM: frame limit 32446, \
+         rendezvous (RMA read) up to 1049664, prefix 176",
         "best-effort: efa-dgram via efa FI_EP_DGRAM: frame limit 8822, prefix 40",
     ] {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");

@@ -543,6 +543,21 @@ pub trait Endpoint: Send {
     /// How the caller learns there is work.
     fn readiness(&self) -> Readiness;
 
+    /// Largest frame the endpoint sends and takes by rendezvous (a
+    /// descriptor sent eagerly, the bytes read one-sided by the receiver);
+    /// 0 when it has none. Offered to peers, see
+    /// [`crate::caps::Offer::rendezvous_max`].
+    fn rendezvous_max(&self) -> usize {
+        0
+    }
+
+    /// Frames to `peer` above its frame limit and up to `limit` bytes go by
+    /// rendezvous, as negotiated (0: none). Only called with a limit both
+    /// sides offered.
+    fn set_peer_rendezvous(&mut self, peer: PeerId, limit: usize) {
+        let _ = (peer, limit);
+    }
+
     /// The most frame bytes one message to `peer` may carry, as the link
     /// to it negotiated (its buffers may be smaller than this endpoint's).
     /// An endpoint that packs several frames into one message keeps each

@@ -40,7 +40,9 @@ fn the_report_shows_choices_then_skipped_candidates() {
     let lines: Vec<&str> = report.lines().collect();
     assert!(
         lines[0]
-            .starts_with("reliable: efa-rdm via efa FI_EP_RDM: frame limit 4294967299, prefix 176"),
+            .starts_with(
+                "reliable: efa-rdm via efa FI_EP_RDM: frame limit 4294967299, no rendezvous, prefix 176"
+            ),
         "{report}"
     );
     assert!(lines[1].starts_with("best-effort: efa-dgram via efa FI_EP_DGRAM: frame limit 8888, prefix 40, sequence and reorder, fragment"), "{report}");

@@ -11,6 +11,7 @@
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
+#include <rdma/fi_rma.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_ext.h>
@@ -34,7 +35,8 @@ _Static_assert(EFABUS_OPT_EFA_RNR_RETRY == -FI_PROV_SPECIFIC_EFA,
 
 #define C(name) { #name, (uint64_t)(name) }
 static const struct efabus_constant constants[] = {
-	C(FI_MSG), C(FI_RECV), C(FI_SEND), C(FI_TRANSMIT),
+	C(FI_MSG), C(FI_RMA), C(FI_READ), C(FI_REMOTE_READ),
+	C(FI_RECV), C(FI_SEND), C(FI_TRANSMIT),
 	C(FI_SOURCE), C(FI_CONTEXT), C(FI_MSG_PREFIX), C(FI_CONTEXT2),
 	C(FI_MR_LOCAL), C(FI_MR_VIRT_ADDR), C(FI_MR_ALLOCATED), C(FI_MR_PROV_KEY),
 	C(FI_MR_ENDPOINT), C(FI_MR_HMEM), C(FI_ORDER_SAS), C(FI_EP_UNSPEC),
@@ -484,6 +486,12 @@ int64_t efabus_send(struct fid_ep *ep, const void *buf, uint64_t len, void *desc
 		    uint64_t dest, void *context)
 {
 	return fi_send(ep, buf, len, desc, dest, context);
+}
+
+int64_t efabus_read(struct fid_ep *ep, void *buf, uint64_t len, void *desc,
+		    uint64_t src, uint64_t addr, uint64_t key, void *context)
+{
+	return fi_read(ep, buf, len, desc, src, addr, key, context);
 }
 
 int64_t efabus_inject(struct fid_ep *ep, const void *buf, uint64_t len,

@@ -240,6 +240,9 @@ int64_t efabus_send(struct fid_ep *ep, const void *buf, uint64_t len, void *desc
 		    uint64_t dest, void *context);
 int64_t efabus_inject(struct fid_ep *ep, const void *buf, uint64_t len,
 		      uint64_t dest);
+/* fi_read of len bytes at (addr, key) of src into buf. */
+int64_t efabus_read(struct fid_ep *ep, void *buf, uint64_t len, void *desc,
+		    uint64_t src, uint64_t addr, uint64_t key, void *context);
 /* fi_sendv of two buffers, each with its descriptor (or NULL). */
 int64_t efabus_send2(struct fid_ep *ep, const void *buf0, uint64_t len0,
 		     void *desc0, const void *buf1, uint64_t len1, void *desc1,

@@ -993,6 +993,14 @@ impl Endpoint for FaultyEndpoint {
         self.inner.set_peer_frame_limit(peer, limit);
     }
 
+    fn rendezvous_max(&self) -> usize {
+        self.inner.rendezvous_max()
+    }
+
+    fn set_peer_rendezvous(&mut self, peer: PeerId, limit: usize) {
+        self.inner.set_peer_rendezvous(peer, limit);
+    }
+
     fn set_receive_limit(&mut self, peer: PeerId, limit: Option<usize>) {
         self.inner.set_receive_limit(peer, limit);
     }

@@ -425,6 +425,278 @@ mod suite {
         assert!(matches!(a.send(pb, lying), Err(SendError::Transport(_))));
     }
 
+    /// Two RDM endpoints with rendezvous up to `max_frame`, inserted into
+    /// each other with the limits a session would set: the eager limit
+    /// each side's buffers hold, rendezvous above it.
+    #[allow(clippy::type_complexity)]
+    fn rendezvous_pair(
+        provider: &str,
+        extra: &[(&str, &str)],
+        max_frame: usize,
+    ) -> Option<(FabricEndpoint, FabricEndpoint, PeerId, PeerId)> {
+        let t = transport(EpKind::Rdm, provider);
+        let cfg = EndpointConfig {
+            max_frame,
+            ..config(provider, extra)
+        };
+        let (mut a, mut b) = match (t.open_fabric(&cfg), t.open_fabric(&cfg)) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(TransportError::Unavailable { reason, .. }), _) => {
+                assert!(!fabric_required(), "{provider} unavailable: {reason}");
+                eprintln!("skipping: provider {provider} unavailable: {reason}");
+                return None;
+            }
+            (Err(err), _) | (_, Err(err)) => panic!("opening {provider} endpoints: {err}"),
+        };
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        for (endpoint, peer) in [(&mut a, pb), (&mut b, pa)] {
+            let eager = endpoint.max_frame();
+            endpoint.set_peer_frame_limit(peer, eager);
+            endpoint.set_peer_rendezvous(peer, endpoint.rendezvous_max());
+        }
+        Some((a, b, pb, pa))
+    }
+
+    /// A frame of `len` bytes (length prefix included) whose bytes say
+    /// which frame `n` it is: a head of 16 bytes, as a message header is
+    /// small, and the rest in its body.
+    fn numbered_frame(n: u8, len: usize) -> OutFrame {
+        let mut bytes = ((len - 4) as u32).to_le_bytes().to_vec();
+        bytes.extend((0..len - 4).map(|i| (i as u8) ^ n));
+        let mut body = Bytes::from(bytes);
+        let head = body.split_to(16.min(len));
+        OutFrame { head, body }
+    }
+
+    fn is_numbered(frame: &[u8], n: u8, len: usize) -> bool {
+        frame.len() == len
+            && payload_of(frame)
+                .iter()
+                .enumerate()
+                .all(|(i, &byte)| byte == (i as u8) ^ n)
+    }
+
+    /// Frames at the eager limit and one byte either side, and far above
+    /// it, cross whole: those above by rendezvous (counted on both sides),
+    /// the others eagerly; every registration is released once read. The
+    /// sender keeps no handle on what it sent. Returns without testing on
+    /// a provider without rendezvous, after checking it offers none.
+    pub fn rendezvous_moves_large_frames(provider: &str, extra: &[(&str, &str)]) {
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, extra, 4 << 20) else {
+            return;
+        };
+        if provider.contains("ofi_rxd") {
+            assert_eq!(a.rendezvous_max(), 0, "ofi_rxd's reads are not used");
+            return;
+        }
+        let eager = a.max_frame();
+        assert!(a.rendezvous_max() >= 4 << 20, "{}", a.rendezvous_max());
+        let sizes = [eager - 1, eager, eager + 1, 3 * eager + 7, 1 << 20, 4 << 20];
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        for (n, &len) in sizes.iter().enumerate() {
+            send_blocking(
+                &mut a,
+                &mut b,
+                pb,
+                numbered_frame(n as u8, len),
+                &mut ae,
+                &mut be,
+            );
+        }
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| frames_from(be, pa).len() == sizes.len(),
+            "every frame",
+        );
+        let got = frames_from(&be, pa);
+        for (n, &len) in sizes.iter().enumerate() {
+            assert!(
+                got.iter().any(|f| is_numbered(f, n as u8, len)),
+                "frame {n} of {len} bytes missing or damaged"
+            );
+        }
+        let above = sizes.iter().filter(|&&len| len > eager).count() as u64;
+        assert_eq!(a.stats().rendezvous_sent, above);
+        assert_eq!(b.stats().rendezvous_read, above);
+        assert_eq!(
+            a.stats().rendezvous_registrations + a.stats().rendezvous_shared,
+            above
+        );
+        // Done frames release the registrations.
+        until_released(&mut a, &mut b, &mut ae, &mut be, "done frames");
+        assert_eq!(a.stats().rendezvous_abandoned, 0);
+    }
+
+    /// Polls both until `a` holds no rendezvous transfer.
+    fn until_released(
+        a: &mut FabricEndpoint,
+        b: &mut FabricEndpoint,
+        ae: &mut Vec<Event>,
+        be: &mut Vec<Event>,
+        what: &str,
+    ) {
+        let start = Instant::now();
+        while a.rendezvous_held() != (0, 0) {
+            a.poll(ae).expect("poll a");
+            b.poll(be).expect("poll b");
+            assert!(start.elapsed() < DEADLINE, "never released: {what}");
+        }
+    }
+
+    /// One 64 MiB frame crosses whole, its body registered once and
+    /// released after.
+    pub fn rendezvous_moves_64_mib(provider: &str) {
+        let len = 64 << 20;
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], len + 4096) else {
+            return;
+        };
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_blocking(&mut a, &mut b, pb, numbered_frame(7, len), &mut ae, &mut be);
+        assert_eq!(a.rendezvous_held(), (1, len - 16), "the body is registered");
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| !frames_from(be, pa).is_empty(),
+            "the 64 MiB frame",
+        );
+        assert!(is_numbered(&frames_from(&be, pa)[0], 7, len));
+        until_released(&mut a, &mut b, &mut ae, &mut be, "its done frame");
+    }
+
+    /// The same body sent to two peers is registered once.
+    pub fn rendezvous_shares_one_registration(provider: &str) {
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 1 << 20) else {
+            return;
+        };
+        let Some((mut c, _, _, _)) = rendezvous_pair(provider, &[], 1 << 20) else {
+            return;
+        };
+        let (a_keys, c_keys) = link_keys();
+        let pc = a.insert_peer(&c.local_addr(), &a_keys).expect("insert c");
+        let pa_at_c = c.insert_peer(&a.local_addr(), &c_keys).expect("insert a");
+        for (endpoint, peer) in [(&mut a, pc), (&mut c, pa_at_c)] {
+            let eager = endpoint.max_frame();
+            endpoint.set_peer_frame_limit(peer, eager);
+            endpoint.set_peer_rendezvous(peer, endpoint.rendezvous_max());
+        }
+        let out = numbered_frame(3, 512 << 10);
+        a.send(pb, out.clone()).expect("send to b");
+        a.send(pc, out).expect("send to c");
+        assert_eq!(a.stats().rendezvous_registrations, 1);
+        assert_eq!(a.stats().rendezvous_shared, 1);
+        assert_eq!(a.rendezvous_held().0, 2);
+        let (mut be, mut ce) = (Vec::new(), Vec::new());
+        let start = Instant::now();
+        while frames_from(&be, pa).is_empty() || frames_from(&ce, pa_at_c).is_empty() {
+            a.poll(&mut Vec::new()).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            c.poll(&mut ce).expect("poll c");
+            assert!(start.elapsed() < DEADLINE, "fan-out never arrived");
+        }
+        assert!(is_numbered(&frames_from(&be, pa)[0], 3, 512 << 10));
+        assert!(is_numbered(&frames_from(&ce, pa_at_c)[0], 3, 512 << 10));
+        while a.rendezvous_held() != (0, 0) {
+            a.poll(&mut Vec::new()).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            c.poll(&mut ce).expect("poll c");
+            assert!(start.elapsed() < DEADLINE, "registration never released");
+        }
+    }
+
+    /// A receiver that stops reading holds at most its share of the
+    /// sender's registrations (the sender is told to wait, then `Writable`
+    /// once the receiver reads again); one that goes away for good has its
+    /// transfers released, and counted, when its peer is closed.
+    pub fn rendezvous_bounds_and_abandoned_transfers(provider: &str) {
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 2 << 20) else {
+            return;
+        };
+        let mut sent = 0;
+        let refused = loop {
+            match a.send(pb, numbered_frame(sent as u8, 1 << 20)) {
+                Ok(()) => sent += 1,
+                Err(SendError::WouldBlock(back)) => break back,
+                Err(err) => panic!("send: {err}"),
+            }
+            a.poll(&mut Vec::new()).expect("poll a");
+            assert!(
+                sent <= 64,
+                "no bound on registrations for a peer that does not read"
+            );
+        };
+        assert!(sent >= 1);
+        assert_eq!(a.rendezvous_held().0, sent);
+        assert!(a.stats().rendezvous_deferred >= 1);
+        // The receiver reads again: the sender is told it may go on.
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |ae, _| {
+                ae.iter()
+                    .any(|e| matches!(e, Event::Writable { peer } if *peer == pb))
+            },
+            "writable after reads",
+        );
+        a.send(pb, refused).expect("sent once told writable");
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| frames_from(be, pa).len() == sent + 1,
+            "every frame",
+        );
+
+        // A receiver that goes away before reading: closing it releases
+        // its transfers, counted as abandoned.
+        let Some((mut a, b, pb, _)) = rendezvous_pair(provider, &[], 2 << 20) else {
+            return;
+        };
+        for n in 0..3 {
+            a.send(pb, numbered_frame(n, 1 << 20)).expect("send");
+            a.poll(&mut Vec::new()).expect("poll a");
+        }
+        assert_eq!(a.rendezvous_held().0, 3);
+        // Closed before the receiver's endpoint goes: a shm endpoint's
+        // region is unmapped with it, and this process maps both.
+        a.close(pb);
+        drop(b);
+        assert_eq!(
+            a.rendezvous_held(),
+            (0, 0),
+            "closing the peer releases them"
+        );
+        assert_eq!(a.stats().rendezvous_abandoned, 3);
+
+        // A receiver whose reads may be in flight when the sender gives it
+        // up, and which is then dropped: nothing breaks on either side, and
+        // the sender is left holding nothing.
+        let Some((mut a, mut b, pb, _)) = rendezvous_pair(provider, &[], 2 << 20) else {
+            return;
+        };
+        for n in 0..3 {
+            a.send(pb, numbered_frame(n, 1 << 20)).expect("send");
+        }
+        for _ in 0..3 {
+            a.poll(&mut Vec::new()).expect("poll a");
+            b.poll(&mut Vec::new()).expect("poll b");
+        }
+        a.close(pb);
+        assert_eq!(a.rendezvous_held(), (0, 0));
+        for _ in 0..3 {
+            b.poll(&mut Vec::new()).expect("poll b");
+        }
+        drop(b);
+    }
+
     /// Sending without polling the receiver fills the send slots: `send`
     /// hands the frame back with `WouldBlock`, `Writable` follows once the
     /// endpoints are polled, and every frame still arrives in order.
@@ -1292,6 +1564,48 @@ fn rdm_large_frames_are_lent() {
 fn rdm_large_bodies_are_sent_uncopied() {
     for provider in RDM_PROVIDERS {
         suite::large_bodies_are_sent_uncopied(efabus_transports::fabric::EpKind::Rdm, provider);
+    }
+}
+
+/// Rendezvous on every RDM provider here: sizes around the eager limit,
+/// the forced prefix and registration paths, 64 MiB, one registration for
+/// a fan-out, the bounds and abandoned transfers.
+#[cfg(efabus_libfabric)]
+const RENDEZVOUS_PROVIDERS: [&str; 4] = ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets", "shm"];
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_rendezvous_moves_large_frames() {
+    for provider in RENDEZVOUS_PROVIDERS {
+        suite::rendezvous_moves_large_frames(provider, &[]);
+        suite::rendezvous_moves_large_frames(
+            provider,
+            &[("force_prefix", "176"), ("force_mr_local", "true")],
+        );
+    }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_rendezvous_moves_64_mib() {
+    for provider in ["tcp;ofi_rxm", "sockets", "shm"] {
+        suite::rendezvous_moves_64_mib(provider);
+    }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_rendezvous_shares_one_registration() {
+    for provider in ["tcp;ofi_rxm", "sockets", "shm"] {
+        suite::rendezvous_shares_one_registration(provider);
+    }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_rendezvous_bounds_and_abandoned_transfers() {
+    for provider in ["tcp;ofi_rxm", "sockets", "shm"] {
+        suite::rendezvous_bounds_and_abandoned_transfers(provider);
     }
 }
 

@@ -191,8 +191,17 @@ impl DataLink {
                 source,
             })?;
         let choice = endpoints::as_driven(choice);
-        let config = LinkConfig::from_params(&choice.params, endpoint.max_frame(), tuning);
+        let mut config = LinkConfig::from_params(&choice.params, endpoint.max_frame(), tuning);
         endpoint.set_peer_frame_limit(peer, config.frame_limit);
+        // Frames above the eager limit cross whole by rendezvous where both
+        // sides offered it; only larger ones are fragmented.
+        let rendezvous = usize::try_from(choice.params.rendezvous_limit)
+            .unwrap_or(usize::MAX)
+            .min(endpoint.rendezvous_max());
+        if rendezvous > config.frame_limit {
+            endpoint.set_peer_rendezvous(peer, rendezvous);
+            config.frame_limit = rendezvous;
+        }
         let sender = LinkSender::new(&config).map_err(|source| DataLinkError::Parameters {
             scheme: choice.scheme.clone(),
             source,

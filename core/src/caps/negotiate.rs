@@ -86,6 +86,10 @@ pub struct Offer {
     /// that host's identity: such a pair is compatible only when both name
     /// the same host. Empty for the others.
     pub host: String,
+    /// Largest frame this side sends and takes by rendezvous (a descriptor
+    /// sent eagerly, the bytes moved by a one-sided read); 0 when it has no
+    /// RMA. Frames up to [`Offer::frame_capacity`] always go eagerly.
+    pub rendezvous_max: u64,
 }
 
 impl Offer {
@@ -116,6 +120,7 @@ impl Offer {
             rx_size: info.rx_attr.size,
             address,
             host: String::new(),
+            rendezvous_max: 0,
         }
     }
 
@@ -143,6 +148,7 @@ impl Offer {
                 ),
                 (o.msg_order.bits(), o.msg_order.unknown().to_vec()),
                 (o.tx_size, o.rx_size, o.address.clone(), o.host.clone()),
+                o.rendezvous_max,
             )
         };
         key(self).cmp(&key(other))
@@ -195,6 +201,10 @@ pub struct LinkParams {
     /// Frames the peer may have in flight towards this side: the smaller of
     /// the remote tx queue and the local rx queue.
     pub recv_window: u64,
+    /// Frames above [`Self::frame_limit`] and up to this many bytes go by
+    /// rendezvous (both sides offer it on a reliable link: the smaller of
+    /// their `rendezvous_max`); 0 when the link has none.
+    pub rendezvous_limit: u64,
 }
 
 impl LinkParams {
@@ -204,21 +214,35 @@ impl LinkParams {
         let capacity = local.frame_capacity().min(remote.frame_capacity());
         let ordered =
             local.msg_order.contains(&MsgOrder::SAS) && remote.msg_order.contains(&MsgOrder::SAS);
+        let reliable = local.ep_type.is_reliable() && remote.ep_type.is_reliable();
+        let frame_limit = capacity.min(MAX_WIRE_FRAME);
+        let rendezvous = local.rendezvous_max.min(remote.rendezvous_max);
+        let rendezvous_limit = if reliable && rendezvous > frame_limit {
+            rendezvous.min(MAX_WIRE_FRAME)
+        } else {
+            0
+        };
         LinkParams {
             ep_type: local.ep_type.clone(),
-            reliable: local.ep_type.is_reliable() && remote.ep_type.is_reliable(),
-            frame_limit: capacity.min(MAX_WIRE_FRAME),
+            reliable,
+            frame_limit,
             prefix_size: local.msg_prefix_size.max(remote.msg_prefix_size),
             sequence_and_reorder: !ordered,
-            fragment: capacity < MAX_WIRE_FRAME,
+            fragment: frame_limit.max(rendezvous_limit) < MAX_WIRE_FRAME,
             send_window: local.tx_size.min(remote.rx_size),
             recv_window: remote.tx_size.min(local.rx_size),
+            rendezvous_limit,
         }
+    }
+
+    /// Largest frame that crosses the link whole: eagerly or by rendezvous.
+    pub fn largest_frame(&self) -> u64 {
+        self.frame_limit.max(self.rendezvous_limit)
     }
 
     /// Must a frame of this length be split to cross the link?
     pub fn needs_fragmenting(&self, frame_len: u64) -> bool {
-        frame_len > self.frame_limit
+        frame_len > self.largest_frame()
     }
 
     /// The same link seen from the other side.
@@ -270,11 +294,12 @@ impl fmt::Display for Choice {
         let p = &self.params;
         write!(
             f,
-            "{} via {} {}: frame limit {}, prefix {}, {}, {}, window {}/{}",
+            "{} via {} {}: frame limit {}{}, prefix {}, {}, {}, window {}/{}",
             self.scheme,
             self.local.provider,
             p.ep_type,
             p.frame_limit,
+            Rendezvous(p.reliable.then_some(p.rendezvous_limit)),
             p.prefix_size,
             if p.sequence_and_reorder {
                 "sequence and reorder"
@@ -289,6 +314,20 @@ impl fmt::Display for Choice {
             p.send_window,
             p.recv_window
         )
+    }
+}
+
+/// A reliable link's rendezvous, as `Choice`'s `Display` shows it after
+/// the frame limit (nothing for datagram links, which never have one).
+struct Rendezvous(Option<u64>);
+
+impl fmt::Display for Rendezvous {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            None => Ok(()),
+            Some(0) => write!(f, ", no rendezvous"),
+            Some(limit) => write!(f, ", rendezvous (RMA read) up to {limit}"),
+        }
     }
 }
 

@@ -14,7 +14,8 @@
 //! | `fabric` | fabric name | any |
 //! | `node` | source address or host name (the endpoint string's bind part also sets it) | none |
 //! | `service` | source service (port) | none |
-//! | `msg_size` | bytes per buffer after the provider prefix (RDM); DGRAM uses the provider limit when unset | 65536 |
+//! | `msg_size` | bytes per buffer after the provider prefix (RDM: the eager size; larger frames go by rendezvous or are fragmented); DGRAM uses the provider limit when unset | 32512 |
+//! | `rendezvous` | RDM: move frames above the eager size by one-sided reads where the provider grants FI_RMA | true |
 //! | `rx_depth` | receives kept posted, capped by the provider's rx size | 256 |
 //! | `tx_depth` | sends in flight, capped by the provider's tx size | 256 |
 //! | `av_size` | address vector size hint | 1024 |
@@ -86,6 +87,10 @@ pub struct FabricOptions {
     pub rnr_retry: u64,
     /// Whether to ask for FI_ORDER_SAS.
     pub order: OrderWanted,
+    /// RDM: ask for FI_RMA and move frames above the eager size by
+    /// rendezvous (a descriptor sent eagerly, a one-sided read by the
+    /// receiver) with peers that offer it too.
+    pub rendezvous: bool,
     /// Testing aid: prefix bytes reserved as if the provider asked for them
     /// (a multiple of 8; 0 leaves it to the provider).
     pub force_prefix: usize,
@@ -98,9 +103,11 @@ pub struct FabricOptions {
     pub wait_fd: bool,
 }
 
-/// Default bytes per RDM buffer: frames above it are fragmented by the
-/// session layer, which keeps registered memory per endpoint bounded.
-pub const DEFAULT_RDM_MSG_SIZE: usize = 64 * 1024;
+/// Default bytes per RDM buffer (the eager size): 256 receive and 256 send
+/// buffers of 32 KiB (256 bytes left for a provider prefix) make 16 MiB per
+/// endpoint. Larger frames go by rendezvous, or are fragmented by the
+/// session layer where a peer has no RMA.
+pub const DEFAULT_RDM_MSG_SIZE: usize = (32 << 10) - 256;
 /// Largest `msg_size` accepted, to bound registered memory per buffer.
 pub const MAX_MSG_SIZE: usize = 16 << 20;
 const MIN_MSG_SIZE: usize = 64;
@@ -114,13 +121,14 @@ const MAX_FORCE_PREFIX: usize = 4096;
 
 /// The option names [`FabricOptions::parse`] reads (besides `iface`, an
 /// alias of `domain`), in the order [`FabricOptions::describe`] lists them.
-pub const FABRIC_OPTION_KEYS: [&str; 15] = [
+pub const FABRIC_OPTION_KEYS: [&str; 16] = [
     "provider",
     "domain",
     "fabric",
     "node",
     "service",
     "msg_size",
+    "rendezvous",
     "rx_depth",
     "tx_depth",
     "av_size",
@@ -159,6 +167,7 @@ impl Default for FabricOptions {
             max_addresses: 1 << 16,
             rnr_retry: 6,
             order: OrderWanted::Prefer,
+            rendezvous: true,
             force_prefix: 0,
             force_mr_local: false,
             wait_fd: true,
@@ -232,6 +241,10 @@ impl FabricOptions {
             }
             "msg_size" => {
                 self.msg_size = Some(number()?);
+                key
+            }
+            "rendezvous" => {
+                self.rendezvous = flag()?;
                 key
             }
             "rx_depth" => {
@@ -393,6 +406,7 @@ impl FabricOptions {
             pairs.push(("msg_size", size.to_string()));
         }
         pairs.extend([
+            ("rendezvous", self.rendezvous.to_string()),
             ("rx_depth", self.rx_depth.to_string()),
             ("tx_depth", self.tx_depth.to_string()),
             ("av_size", self.av_size.to_string()),
@@ -581,6 +595,7 @@ mod tests {
             msg_size: Some(16384),
             rx_depth: 64,
             order: OrderWanted::Require,
+            rendezvous: false,
             force_prefix: 64,
             wait_fd: false,
             ..FabricOptions::default()
@@ -593,6 +608,7 @@ mod tests {
                 "provider",
                 "domain",
                 "msg_size",
+                "rendezvous",
                 "rx_depth",
                 "tx_depth",
                 "av_size",
@@ -608,7 +624,7 @@ mod tests {
         assert_eq!(back, o);
         assert!(
             o.to_string().starts_with(
-                "provider=tcp;ofi_rxm domain=lo msg_size=16384 rx_depth=64 tx_depth=256"
+                "provider=tcp;ofi_rxm domain=lo msg_size=16384 rendezvous=false rx_depth=64 tx_depth=256"
             ),
             "{o}"
         );

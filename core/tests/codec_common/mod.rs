@@ -103,7 +103,7 @@ fn offer() -> impl Strategy<Value = Offer> {
             any::<u32>(),
         ),
         (size(), size(), size(), msg_order(), size(), size(), size()),
-        address(),
+        (address(), size()),
     )
         .prop_map(
             |(
@@ -117,7 +117,7 @@ fn offer() -> impl Strategy<Value = Offer> {
                     tx_size,
                     rx_size,
                 ),
-                address,
+                (address, rendezvous_max),
             )| Offer {
                 scheme,
                 ep_type,
@@ -133,6 +133,7 @@ fn offer() -> impl Strategy<Value = Offer> {
                 rx_size,
                 address,
                 host: String::new(),
+                rendezvous_max,
             },
         )
 }

@@ -53,6 +53,44 @@ impl EpKind {
     }
 }
 
+/// Capability bits rendezvous needs (`FI_RMA | FI_READ | FI_REMOTE_READ`):
+/// reads issued and served.
+pub const RMA_READ_CAPS: u64 = (1 << 2) | (1 << 8) | (1 << 12);
+
+/// Largest frame an endpoint of `kind` on `provider` moves by rendezvous,
+/// given the caps its info grants, whether `options` enable it, the
+/// provider's `max_msg_size` and the caller's `max_frame`; 0 when it has
+/// no rendezvous, or when no frame above `eager_max` would use it. The
+/// endpoint and `efabus caps` decide through this one function.
+///
+/// `ofi_rxd` grants FI_RMA, but with libfabric 1.17 its reads stalled for
+/// good under a few concurrent links here (transfers never completed on
+/// either side), so its large frames are fragmented over eager messages.
+pub fn rendezvous_max(
+    kind: EpKind,
+    provider: &str,
+    caps: u64,
+    options: &FabricOptions,
+    (max_msg_size, max_frame, eager_max): (u64, usize, usize),
+) -> usize {
+    let usable = kind == EpKind::Rdm
+        && options.rendezvous
+        && caps & RMA_READ_CAPS == RMA_READ_CAPS
+        && !provider.split(';').any(|layer| layer == "ofi_rxd");
+    let largest = max_frame.min(usize::try_from(max_msg_size).unwrap_or(usize::MAX));
+    if usable && largest > eager_max {
+        largest
+    } else {
+        0
+    }
+}
+
+/// Whether rendezvous is asked of `provider` when it is enabled (see
+/// [`rendezvous_max`]).
+pub fn asks_rendezvous(kind: EpKind, provider: &str, options: &FabricOptions) -> bool {
+    rendezvous_max(kind, provider, RMA_READ_CAPS, options, (u64::MAX, 2, 1)) > 0
+}
+
 /// Lower-case hex of address bytes, as `connect` accepts them.
 pub fn addr_to_hex(addr: &[u8]) -> String {
     let mut text = String::with_capacity(addr.len() * 2);

@@ -15,6 +15,9 @@ macro_rules! constants {
 
 constants! {
 FI_MSG: u64 = 1 << 1;
+    FI_RMA: u64 = 1 << 2;
+    FI_READ: u64 = 1 << 8;
+    FI_REMOTE_READ: u64 = 1 << 12;
     FI_RECV: u64 = 1 << 10;
     FI_SEND: u64 = 1 << 11;
     FI_TRANSMIT: u64 = 1 << 11;

@@ -75,17 +75,22 @@ use efabus_core::transport::{
     Readiness, Refused, SendError, TransportError,
 };
 
-use super::config::{addr_to_hex, EpKind, FabricOptions, OrderWanted};
+use super::config::{addr_to_hex, EpKind, FabricOptions, OrderWanted, RMA_READ_CAPS};
 use super::consts::*;
 use super::error::{FabricError, FiCode};
 use super::handle::{
     AddressVector, Completion, CompletionQueue, CqError, CqRead, Domain, Fabric, FiEndpoint,
-    WaitSet,
+    MemoryRegion, WaitSet,
 };
 use super::info::{Hints, Info, InfoList};
-use super::layout::{check_frame, frames, BufferLayout, Received, ReplayWindow};
+use super::layout::{
+    check_frame, frame_declared_len, frame_kind, frames, rma_done, rma_done_id, BufferLayout,
+    Received, ReplayWindow, RmaDescriptor, CONTROL_FLAG, HEADER_VERSION, RMA_DESCRIPTOR_KIND,
+    RMA_DONE_KIND,
+};
 use super::log_limit::BadInputLog;
 use super::pool::BufferPool;
+use super::rendezvous::{self, Outstanding, QueuedRead, ReadJob, Rendezvous};
 
 /// Modes efabus honours: it reserves prefixes and always passes a
 /// context big enough for `struct fi_context2`.
@@ -160,6 +165,9 @@ pub struct LinkInfo {
     /// FI_SOURCE granted: every receive's sender is checked against the
     /// peer's address-vector entry, besides the tag.
     pub source_checked: bool,
+    /// Largest frame moved by rendezvous (FI_RMA reads granted and
+    /// enabled); 0 without.
+    pub rendezvous_max: usize,
 }
 
 /// Counters of what the endpoint did, for diagnostics.
@@ -192,6 +200,20 @@ pub struct FabricStats {
     pub peer_share_full: u64,
     pub tx_errors: u64,
     pub rx_errors: u64,
+    /// Frames sent by rendezvous (a descriptor in their place).
+    pub rendezvous_sent: u64,
+    /// Of those, the ones whose body was registered already (the same
+    /// frame sent to another peer): no new registration.
+    pub rendezvous_shared: u64,
+    /// Bodies registered for remote reads.
+    pub rendezvous_registrations: u64,
+    /// Frames received by rendezvous (read one-sided), and their bytes.
+    pub rendezvous_read: u64,
+    pub rendezvous_read_bytes: u64,
+    /// Transfers released without their done frame: the peer closed first.
+    pub rendezvous_abandoned: u64,
+    /// Sends refused for a while by the registration bounds.
+    pub rendezvous_deferred: u64,
     /// The most recent error the endpoint absorbed (a failed completion
     /// with the provider's text, a malformed message), for diagnostics.
     pub last_error: Option<String>,
@@ -218,6 +240,13 @@ struct PeerState {
     /// buffers may be smaller than ours); 0 until the caller sets it, and
     /// then nothing is packed.
     pack_limit: usize,
+    /// Frames above `pack_limit` and up to this go by rendezvous (0: none).
+    rendezvous: usize,
+    /// Transfers to this peer waiting for its done frame, and their bytes.
+    rma_sends: usize,
+    rma_bytes: usize,
+    /// Reads of this peer's transfers, queued or in flight.
+    rma_reads: usize,
 }
 
 /// One address in the address vector.
@@ -233,8 +262,10 @@ struct AvEntry {
 pub struct FabricEndpoint {
     // Field order is drop order: the endpoint closes first, which ends
     // every posted operation; then the CQs and AV; then the pools (their
-    // regions, then their memory); then domain and fabric.
+    // regions, then their memory); then domain and fabric. Rendezvous
+    // reads land in buffers, and read registered bodies, kept in `rma`.
     ep: FiEndpoint,
+    rma: Option<Rendezvous>,
     tx_cq: Rc<CompletionQueue>,
     rx_cq: Rc<CompletionQueue>,
     wait: Option<Rc<WaitSet>>,
@@ -262,6 +293,9 @@ pub struct FabricEndpoint {
     /// in tests that send what no efabus endpoint would
     /// (`claim_header_version`).
     header_version: u8,
+    /// Per tx slot: it carries the endpoint's own frames (a control
+    /// message), which are never packed with the caller's.
+    tx_control: Vec<bool>,
 
     next_peer: u64,
     peers: HashMap<PeerId, PeerState>,
@@ -476,6 +510,15 @@ impl FabricEndpoint {
             tx_pool.register(&domain, FI_SEND, 2)?;
         }
 
+        let rendezvous_max = super::config::rendezvous_max(
+            kind,
+            attrs.provider(),
+            attrs.caps,
+            options,
+            (ep_attrs.max_msg_size, config.max_frame, max_frame),
+        );
+        let rma = (rendezvous_max > 0)
+            .then(|| Rendezvous::new(dom.mr_mode & FI_MR_VIRT_ADDR != 0, rendezvous_max));
         let link = LinkInfo {
             kind,
             provider: attrs.provider().to_string(),
@@ -499,11 +542,13 @@ impl FabricEndpoint {
             resource_mgmt: dom.resource_mgmt,
             rnr_retry,
             source_checked: checks_source,
+            rendezvous_max: rma.as_ref().map_or(0, |rma| rma.max_frame),
         };
         tracing::debug!(?link, "fabric endpoint open");
 
         let mut endpoint = FabricEndpoint {
             ep,
+            rma,
             tx_cq,
             rx_cq,
             wait,
@@ -545,6 +590,7 @@ impl FabricEndpoint {
             tx_post_len: vec![0; tx_depth],
             tx_dest: vec![0; tx_depth],
             tx_body: vec![None; tx_depth],
+            tx_control: vec![false; tx_depth],
             unposted_rx: (0..rx_depth).rev().collect(),
             lent_rx: 0,
             pending: VecDeque::new(),
@@ -602,6 +648,14 @@ impl FabricEndpoint {
         &self.stats
     }
 
+    /// Rendezvous transfers sent and not yet done (read by their peers, or
+    /// given up with them), and the body bytes registered for them.
+    pub fn rendezvous_held(&self) -> (usize, usize) {
+        self.rma
+            .as_ref()
+            .map_or((0, 0), |rma| (rma.sends.len(), rma.registrations.bytes()))
+    }
+
     /// Posts every receive slot not currently posted. A -FI_EAGAIN leaves
     /// the rest for the next poll.
     fn post_receives(&mut self) -> Result<(), FabricError> {
@@ -639,6 +693,8 @@ impl FabricEndpoint {
             handled += n;
         }
         self.flush_backlogs();
+        self.start_reads();
+        self.flush_dones();
         self.post_receives()?;
         if !self.free_tx.is_empty() {
             // A peer still at its share keeps waiting: waking it would
@@ -668,12 +724,32 @@ impl FabricEndpoint {
             CqRead::Entries(n) => {
                 for i in 0..n {
                     let context = self.completions[i].op_context;
-                    self.finish_send(context);
+                    match self.rma.as_ref().and_then(|rma| rma.slot_of(context)) {
+                        Some(slot) => self.finish_read(slot, None),
+                        None => {
+                            self.finish_send(context);
+                        }
+                    }
                 }
                 Ok(n)
             }
             CqRead::ErrorAvailable => {
                 if let Some(err) = self.tx_cq.read_error()? {
+                    if let Some(slot) = self
+                        .rma
+                        .as_ref()
+                        .and_then(|rma| rma.slot_of(err.op_context))
+                    {
+                        self.stats.tx_errors += 1;
+                        let error = FabricError::Completion {
+                            op: "fi_read",
+                            code: err.code,
+                            prov_errno: err.prov_errno,
+                            provider_text: err.provider_text,
+                        };
+                        self.finish_read(slot, Some(error.to_string()));
+                        return Ok(1);
+                    }
                     self.on_tx_error(err);
                     return Ok(1);
                 }
@@ -792,7 +868,7 @@ impl FabricEndpoint {
                 };
                 checks
                     .authenticate(&message, source)
-                    .map(|peer| (peer, range))
+                    .map(|peer| (peer, range, message.control))
             }
             Err(err) => {
                 self.stats.malformed += 1;
@@ -803,7 +879,7 @@ impl FabricEndpoint {
                 None
             }
         };
-        let Some((peer, range)) = accepted else {
+        let Some((peer, range, control)) = accepted else {
             self.unposted_rx.push(slot);
             return;
         };
@@ -821,6 +897,10 @@ impl FabricEndpoint {
             run
         };
         for range in frames(&run) {
+            if control {
+                self.on_endpoint_frame(peer, &run[range]);
+                continue;
+            }
             self.stats.received += 1;
             let frame = run.slice(range);
             self.pending.push_back(Event::Frame { peer, frame });
@@ -897,6 +977,10 @@ impl FabricEndpoint {
                 backlog: VecDeque::new(),
                 wants_writable: false,
                 pack_limit: 0,
+                rendezvous: 0,
+                rma_sends: 0,
+                rma_bytes: 0,
+                rma_reads: 0,
             },
         );
         Ok(peer)
@@ -928,6 +1012,10 @@ impl FabricEndpoint {
     }
 
     fn drop_peer(&mut self, peer: PeerId, reason: CloseReason) {
+        if !self.peers.contains_key(&peer) {
+            return;
+        }
+        self.drop_rendezvous(peer);
         let backlog = self
             .peers
             .get_mut(&peer)
@@ -958,8 +1046,13 @@ impl FabricEndpoint {
             // no operation reads it while its tag is written.
             let buf = unsafe { self.tx_pool.slot_mut(slot) };
             let body = self.tx_body[slot].as_deref().unwrap_or_default();
+            if self.tx_control[slot] {
+                buf[self.layout.prefix] = HEADER_VERSION | CONTROL_FLAG;
+            }
             self.layout.seal(buf, len, body, &key);
-            buf[self.layout.prefix] = self.header_version;
+            if self.header_version != HEADER_VERSION {
+                buf[self.layout.prefix] = self.header_version;
+            }
         }
         let ptr = self.tx_pool.slot_ptr(slot);
         let desc = self.tx_pool.desc();
@@ -1074,12 +1167,445 @@ impl FabricEndpoint {
         }
     }
 
+    /// Sends `frame` (checked, within the eager limit) in a tx slot: packed
+    /// behind the newest unposted frame for the peer where it fits. A
+    /// `control` frame is the endpoint's own and goes in a control message.
+    fn send_eager(
+        &mut self,
+        peer: PeerId,
+        frame: OutFrame,
+        control: bool,
+    ) -> Result<(), SendError> {
+        let len = frame.len();
+        // Pack behind the newest frame not posted yet, when it fits: the
+        // slots in a backlog are posted by the next poll, so frames sent in
+        // one round of the caller's loop share a message.
+        let shared_body = self.shares_body(&frame);
+        let tail = self.peers.get(&peer).and_then(|state| {
+            let tail = *state.backlog.back()?;
+            let packed = self.tx_owner[tail].map_or(0, |(_, bytes)| bytes);
+            let open =
+                self.tx_body[tail].is_none() && !shared_body && self.tx_control[tail] == control;
+            (open && packed + len <= state.pack_limit).then_some(tail)
+        });
+        if let Some(tail) = tail {
+            // SAFETY: a slot in a backlog has not been posted, so no
+            // operation reads it while it is written.
+            let buf = unsafe { self.tx_pool.slot_mut(tail) };
+            if let Ok(n) = self.layout.append(buf, self.tx_post_len[tail], &frame) {
+                self.tx_post_len[tail] = n;
+                if let Some((_, bytes)) = self.tx_owner[tail].as_mut() {
+                    *bytes += len;
+                }
+                if let Some(state) = self.peers.get_mut(&peer) {
+                    state.queued_bytes += len;
+                }
+                self.stats.packed += 1;
+                return Ok(());
+            }
+        }
+
+        let may_take = |endpoint: &Self| {
+            endpoint
+                .peers
+                .get(&peer)
+                .is_some_and(|state| endpoint.may_take_slot(state))
+        };
+        if !may_take(self) || self.free_tx.is_empty() {
+            // Completions read now may free slots of this peer's.
+            self.progress().map_err(other)?;
+            if !self.peers.contains_key(&peer) {
+                return Err(SendError::Closed(peer));
+            }
+            if !may_take(self) && !self.free_tx.is_empty() {
+                self.stats.peer_share_full += 1;
+                return Err(self.would_block(peer, frame));
+            }
+        }
+        let Some(slot) = self.free_tx.pop() else {
+            return Err(self.would_block(peer, frame));
+        };
+        let link = match self.peers.get_mut(&peer) {
+            Some(state) => {
+                state.sent_counter += 1;
+                self.tx_dest[slot] = state.fi_addr;
+                (state.keys.remote_id, state.sent_counter)
+            }
+            None => {
+                self.free_tx.push(slot);
+                return Err(SendError::Closed(peer));
+            }
+        };
+        // SAFETY: the slot came off the free list, so no send using it is
+        // in flight.
+        let buf = unsafe { self.tx_pool.slot_mut(slot) };
+        let encoded = if shared_body {
+            let head = OutFrame::whole(frame.head.clone());
+            self.layout.encode(buf, &self.header_addr, link, &head)
+        } else {
+            self.layout.encode(buf, &self.header_addr, link, &frame)
+        };
+        let n = match encoded {
+            Ok(n) => n,
+            Err(err) => {
+                self.free_tx.push(slot);
+                return Err(other(err).into());
+            }
+        };
+        self.tx_owner[slot] = Some((peer, len));
+        self.tx_control[slot] = control;
+        self.tx_post_len[slot] = n;
+        if shared_body {
+            self.stats.shared_sends += 1;
+            self.tx_body[slot] = Some(frame.body);
+        }
+        let Some(state) = self.peers.get_mut(&peer) else {
+            // Progress above may have closed the peer.
+            self.release_slot(slot);
+            return Err(SendError::Closed(peer));
+        };
+        state.queued_bytes += len;
+        state.slots += 1;
+        if state.backlog.is_empty() {
+            self.backlogged.push(peer);
+        }
+        state.backlog.push_back(slot);
+        Ok(())
+    }
+
     /// Whether `frame`'s body may be sent from where it lies (see the
     /// module docs) rather than copied into a tx slot.
     fn shares_body(&self, frame: &OutFrame) -> bool {
         frame.body.len() >= SHARE_MIN
             && self.link.tx_iov_limit >= 2
             && (!self.link.mr_local || self.rx_pool_sendable && self.rx_pool.contains(&frame.body))
+    }
+
+    /// Sends `frame` by rendezvous: registers its body (or shares the
+    /// registration a transfer of the same body holds) and sends a
+    /// descriptor with the frame's head in its place. Refused with
+    /// `WouldBlock` while the peer's or the endpoint's registration bounds
+    /// are reached; the peer is told `Writable` when transfers finish.
+    fn send_rendezvous(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
+        let (Some(rma), Some(state)) = (self.rma.as_mut(), self.peers.get(&peer)) else {
+            return Err(SendError::Closed(peer));
+        };
+        let (inline, body) = if frame.head.len() <= rendezvous::INLINE_MAX && !frame.body.is_empty()
+        {
+            (frame.head.clone(), frame.body.clone())
+        } else {
+            (Bytes::new(), frame.to_bytes())
+        };
+        let new_bytes = if rma.registrations.holds(&body) {
+            0
+        } else {
+            body.len()
+        };
+        let peer_full = state.rma_sends > 0
+            && (state.rma_sends >= rendezvous::PEER_TRANSFERS_MAX
+                || state.rma_bytes + body.len() > rendezvous::PEER_BYTES_MAX);
+        let registered = rma.registrations.bytes();
+        let endpoint_full = registered > 0 && registered + new_bytes > rendezvous::REGISTERED_MAX;
+        if peer_full || endpoint_full {
+            self.stats.rendezvous_deferred += 1;
+            if !rma.waiters.contains(&peer) {
+                rma.waiters.push(peer);
+            }
+            return Err(SendError::WouldBlock(frame));
+        }
+        let (key, shared) = rma
+            .registrations
+            .acquire(&self._domain, &body)
+            .map_err(other)?;
+        let region = rendezvous::region_of(&body);
+        let id = rma.next_id();
+        let descriptor = RmaDescriptor {
+            id,
+            addr: rma.remote_addr(&body),
+            key,
+            body_len: body.len() as u64,
+        }
+        .encode(&inline);
+        match self.send_eager(peer, OutFrame::whole(descriptor), true) {
+            Ok(()) => {}
+            Err(err) => {
+                if let Some(rma) = self.rma.as_mut() {
+                    rma.registrations.release(region);
+                }
+                return Err(match err {
+                    SendError::WouldBlock(_) => SendError::WouldBlock(frame),
+                    err => err,
+                });
+            }
+        }
+        if let Some(rma) = self.rma.as_mut() {
+            rma.sends.insert(id, Outstanding { peer, region });
+        }
+        if let Some(state) = self.peers.get_mut(&peer) {
+            state.rma_sends += 1;
+            state.rma_bytes += region.1;
+        }
+        self.stats.rendezvous_sent += 1;
+        if shared {
+            self.stats.rendezvous_shared += 1;
+        } else {
+            self.stats.rendezvous_registrations += 1;
+        }
+        Ok(())
+    }
+
+    /// One of the endpoint's own frames, from an authenticated `peer`: a
+    /// descriptor to read, or the done frame of a transfer of ours. A peer
+    /// that sends one it may not is a broken peer and is dropped.
+    fn on_endpoint_frame(&mut self, peer: PeerId, frame: &[u8]) {
+        let rendezvous = self.peers.get(&peer).map_or(0, |state| state.rendezvous);
+        let refusal = match frame_kind(frame) {
+            _ if rendezvous == 0 || self.rma.is_none() => {
+                Some("sent a rendezvous frame on a link without rendezvous".to_string())
+            }
+            Some(RMA_DESCRIPTOR_KIND) => self.on_descriptor(peer, rendezvous, frame).err(),
+            Some(RMA_DONE_KIND) => self.on_done(peer, frame).err(),
+            _ => Some("sent a control frame of an unknown kind".to_string()),
+        };
+        if let Some(reason) = refusal {
+            self.stats.malformed += 1;
+            self.stats.last_error = Some(format!("peer {peer} {reason}"));
+            tracing::warn!(%peer, "{reason}; closing the link");
+            self.drop_peer(peer, CloseReason::Error(reason));
+        }
+    }
+
+    fn on_descriptor(&mut self, peer: PeerId, limit: usize, frame: &[u8]) -> Result<(), String> {
+        let (descriptor, head) =
+            RmaDescriptor::decode(frame).ok_or("sent a malformed rendezvous descriptor")?;
+        let total = usize::try_from(descriptor.body_len)
+            .ok()
+            .and_then(|body| body.checked_add(head.len()))
+            .filter(|&total| descriptor.body_len > 0 && total <= limit)
+            .ok_or_else(|| {
+                format!(
+                    "offered a rendezvous frame of {} + {} bytes, over the link's {limit}",
+                    head.len(),
+                    descriptor.body_len
+                )
+            })?;
+        if let Some(declared) = frame_declared_len(head) {
+            if declared + efabus_core::codec::PREFIX_LEN != total {
+                return Err(format!(
+                    "offered a rendezvous frame declaring {declared} bytes in {total}"
+                ));
+            }
+        }
+        let state = self.peers.get_mut(&peer).ok_or("closed")?;
+        if state.rma_reads >= rendezvous::PEER_TRANSFERS_MAX {
+            return Err(format!(
+                "offered more than {} rendezvous reads at once",
+                rendezvous::PEER_TRANSFERS_MAX
+            ));
+        }
+        state.rma_reads += 1;
+        if let Some(rma) = self.rma.as_mut() {
+            rma.queue.push_back(QueuedRead {
+                peer,
+                descriptor,
+                head: head.to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    fn on_done(&mut self, peer: PeerId, frame: &[u8]) -> Result<(), String> {
+        let id = rma_done_id(frame).ok_or("sent a malformed rendezvous done")?;
+        let rma = self.rma.as_mut().ok_or("closed")?;
+        match rma.sends.get(&id) {
+            Some(sent) if sent.peer == peer => {}
+            _ => return Err(format!("finished rendezvous {id}, which it was not sent")),
+        }
+        if let Some(sent) = rma.sends.remove(&id) {
+            rma.registrations.release(sent.region);
+            if let Some(state) = self.peers.get_mut(&peer) {
+                state.rma_sends -= 1;
+                state.rma_bytes -= sent.region.1;
+            }
+        }
+        self.wake_rendezvous_waiters();
+        Ok(())
+    }
+
+    /// Peers refused by the registration bounds may try again.
+    fn wake_rendezvous_waiters(&mut self) {
+        let Some(rma) = self.rma.as_mut() else {
+            return;
+        };
+        for peer in rma.waiters.drain(..) {
+            if self.peers.contains_key(&peer) {
+                self.pending.push_back(Event::Writable { peer });
+            }
+        }
+    }
+
+    /// Starts queued reads while read slots and the bytes bound allow.
+    fn start_reads(&mut self) {
+        let mut failed = Vec::new();
+        let Some(rma) = self.rma.as_mut() else {
+            return;
+        };
+        while let (Some(&slot), Some(queued)) = (rma.free_slots.last(), rma.queue.front()) {
+            let body_len = queued.descriptor.body_len as usize;
+            let total = queued.head.len() + body_len;
+            if rma.reading > 0 && rma.reading + total > rendezvous::READING_MAX {
+                break;
+            }
+            let Some(state) = self.peers.get(&queued.peer) else {
+                rma.queue.pop_front();
+                continue;
+            };
+            let fi_addr = state.fi_addr;
+            let mut buf = rma.landing.take(total);
+            buf[..queued.head.len()].copy_from_slice(&queued.head);
+            let body = buf[queued.head.len()..].as_mut_ptr();
+            let mr = if self.link.mr_local {
+                let key = rma.registrations.fresh_key();
+                // SAFETY: the region is dropped with the job, which owns
+                // `buf` (not moved or resized before then).
+                match unsafe { MemoryRegion::register(&self._domain, body, body_len, FI_READ, key) }
+                {
+                    Ok(mr) => Some(mr),
+                    Err(err) => {
+                        let queued = rma.queue.pop_front();
+                        failed.extend(queued.map(|q| (q.peer, err.to_string())));
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
+            let desc = mr.as_ref().map_or(std::ptr::null_mut(), MemoryRegion::desc);
+            let context = rma.slots[slot].context.as_mut_ptr().cast();
+            let remote = (queued.descriptor.addr, queued.descriptor.key);
+            // SAFETY: `buf` and `mr` move into the slot's job below and stay
+            // there, untouched, until this read's completion is read; the
+            // context is the slot's own boxed storage.
+            match unsafe { self.ep.read(body, body_len, desc, fi_addr, remote, context) } {
+                Ok(()) => {
+                    let Some(queued) = rma.queue.pop_front() else {
+                        break;
+                    };
+                    rma.free_slots.pop();
+                    rma.reading += total;
+                    rma.slots[slot].job = Some(ReadJob {
+                        peer: queued.peer,
+                        id: queued.descriptor.id,
+                        buf,
+                        mr,
+                    });
+                }
+                Err(code) if code.is_again() => break,
+                Err(code) => {
+                    let queued = rma.queue.pop_front();
+                    let error = FabricError::Read { code };
+                    failed.extend(queued.map(|q| (q.peer, error.to_string())));
+                }
+            }
+        }
+        for (peer, error) in failed {
+            self.stats.tx_errors += 1;
+            tracing::warn!(%peer, "{error}");
+            self.drop_peer(peer, CloseReason::Error(error));
+        }
+    }
+
+    /// The read in `slot` completed (`error` when it failed): deliver the
+    /// frame and tell the sender, or end the link.
+    fn finish_read(&mut self, slot: usize, error: Option<String>) {
+        let Some(rma) = self.rma.as_mut() else {
+            return;
+        };
+        let Some(job) = rma.slots[slot].job.take() else {
+            return;
+        };
+        rma.free_slots.push(slot);
+        rma.reading -= job.buf.len();
+        drop(job.mr);
+        let Some(state) = self.peers.get_mut(&job.peer) else {
+            // Closed meanwhile: nothing to deliver.
+            return;
+        };
+        state.rma_reads -= 1;
+        if let Some(error) = error {
+            tracing::warn!(peer = %job.peer, "{error}");
+            self.stats.last_error = Some(error.clone());
+            self.drop_peer(job.peer, CloseReason::Error(error));
+            return;
+        }
+        let frame = rma.landing.frame(job.buf);
+        if frame_declared_len(&frame).map(|n| n + efabus_core::codec::PREFIX_LEN)
+            != Some(frame.len())
+        {
+            let reason = "sent a rendezvous frame whose length prefix is wrong".to_string();
+            self.stats.malformed += 1;
+            self.drop_peer(job.peer, CloseReason::Error(reason));
+            return;
+        }
+        self.stats.received += 1;
+        self.stats.rendezvous_read += 1;
+        self.stats.rendezvous_read_bytes += frame.len() as u64;
+        self.pending.push_back(Event::Frame {
+            peer: job.peer,
+            frame,
+        });
+        if let Some(rma) = self.rma.as_mut() {
+            rma.dones.push_back((job.peer, job.id));
+        }
+    }
+
+    /// Sends the done frames waiting, oldest first, until the tx slots are
+    /// full.
+    fn flush_dones(&mut self) {
+        while let Some(&(peer, id)) = self.rma.as_ref().and_then(|rma| rma.dones.front()) {
+            if self.peers.contains_key(&peer) {
+                let sent = self.send_eager(peer, OutFrame::whole(rma_done(id)), true);
+                if let Err(SendError::WouldBlock(_)) = sent {
+                    return;
+                }
+            }
+            if let Some(rma) = self.rma.as_mut() {
+                rma.dones.pop_front();
+            }
+        }
+    }
+
+    /// Releases what rendezvous holds for `peer`, which is closing: its
+    /// transfers (counted as abandoned) and its queued reads. Its reads in
+    /// flight finish into nothing.
+    fn drop_rendezvous(&mut self, peer: PeerId) {
+        let Some(rma) = self.rma.as_mut() else {
+            return;
+        };
+        let mut abandoned = 0;
+        let Rendezvous {
+            sends,
+            registrations,
+            queue,
+            dones,
+            waiters,
+            ..
+        } = rma;
+        sends.retain(|_, sent| {
+            if sent.peer != peer {
+                return true;
+            }
+            registrations.release(sent.region);
+            abandoned += 1;
+            false
+        });
+        queue.retain(|queued| queued.peer != peer);
+        dones.retain(|&(to, _)| to != peer);
+        waiters.retain(|&waiter| waiter != peer);
+        self.stats.rendezvous_abandoned += abandoned;
+        if abandoned > 0 {
+            self.wake_rendezvous_waiters();
+        }
     }
 
     fn would_block(&mut self, peer: PeerId, frame: OutFrame) -> SendError {
@@ -1169,15 +1695,33 @@ pub(crate) fn get_info(
     kind: EpKind,
     options: &FabricOptions,
 ) -> Result<(InfoList, bool), FabricError> {
-    if !honours_source(&options.provider) {
-        return get_info_with(kind, options, FI_MSG);
-    }
-    match get_info_with(kind, options, FI_MSG | FI_SOURCE) {
-        Err(FabricError::GetInfo { code, .. }) if code.code == FI_ENODATA => {
-            get_info_with(kind, options, FI_MSG)
+    let source = if honours_source(&options.provider) {
+        FI_SOURCE
+    } else {
+        0
+    };
+    let rma = if super::config::asks_rendezvous(kind, &options.provider, options) {
+        RMA_READ_CAPS
+    } else {
+        0
+    };
+    // Most wanted first; a provider without one of them gets the rest.
+    let mut wanted: Vec<u64> = Vec::new();
+    for caps in [FI_MSG | source | rma, FI_MSG | source, FI_MSG | rma, FI_MSG] {
+        if !wanted.contains(&caps) {
+            wanted.push(caps);
         }
-        result => result,
     }
+    let mut result = get_info_with(kind, options, wanted[0]);
+    for &caps in &wanted[1..] {
+        match &result {
+            Err(FabricError::GetInfo { code, .. }) if code.code == FI_ENODATA => {
+                result = get_info_with(kind, options, caps);
+            }
+            _ => break,
+        }
+    }
+    result
 }
 
 /// Whether `addr` has the form of the names the shm provider gives its
@@ -1326,10 +1870,20 @@ impl Endpoint for FabricEndpoint {
     }
 
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
-        if !self.peers.contains_key(&peer) {
+        let Some(state) = self.peers.get(&peer) else {
             return Err(SendError::Closed(peer));
-        }
+        };
         let len = frame.len();
+        if state.rendezvous > 0 && len > state.pack_limit {
+            if len > state.rendezvous {
+                return Err(SendError::TooLarge {
+                    len,
+                    max: state.rendezvous,
+                });
+            }
+            check_frame(&frame).map_err(|e| other(format!("malformed frame: {e}")))?;
+            return self.send_rendezvous(peer, frame);
+        }
         if len > self.link.max_frame {
             return Err(SendError::TooLarge {
                 len,
@@ -1337,99 +1891,7 @@ impl Endpoint for FabricEndpoint {
             });
         }
         check_frame(&frame).map_err(|e| other(format!("malformed frame: {e}")))?;
-
-        // Pack behind the newest frame not posted yet, when it fits: the
-        // slots in a backlog are posted by the next poll, so frames sent in
-        // one round of the caller's loop share a message.
-        let shared_body = self.shares_body(&frame);
-        let tail = self.peers.get(&peer).and_then(|state| {
-            let tail = *state.backlog.back()?;
-            let packed = self.tx_owner[tail].map_or(0, |(_, bytes)| bytes);
-            let open = self.tx_body[tail].is_none() && !shared_body;
-            (open && packed + len <= state.pack_limit).then_some(tail)
-        });
-        if let Some(tail) = tail {
-            // SAFETY: a slot in a backlog has not been posted, so no
-            // operation reads it while it is written.
-            let buf = unsafe { self.tx_pool.slot_mut(tail) };
-            if let Ok(n) = self.layout.append(buf, self.tx_post_len[tail], &frame) {
-                self.tx_post_len[tail] = n;
-                if let Some((_, bytes)) = self.tx_owner[tail].as_mut() {
-                    *bytes += len;
-                }
-                if let Some(state) = self.peers.get_mut(&peer) {
-                    state.queued_bytes += len;
-                }
-                self.stats.packed += 1;
-                return Ok(());
-            }
-        }
-
-        let may_take = |endpoint: &Self| {
-            endpoint
-                .peers
-                .get(&peer)
-                .is_some_and(|state| endpoint.may_take_slot(state))
-        };
-        if !may_take(self) || self.free_tx.is_empty() {
-            // Completions read now may free slots of this peer's.
-            self.progress().map_err(other)?;
-            if !self.peers.contains_key(&peer) {
-                return Err(SendError::Closed(peer));
-            }
-            if !may_take(self) && !self.free_tx.is_empty() {
-                self.stats.peer_share_full += 1;
-                return Err(self.would_block(peer, frame));
-            }
-        }
-        let Some(slot) = self.free_tx.pop() else {
-            return Err(self.would_block(peer, frame));
-        };
-        let link = match self.peers.get_mut(&peer) {
-            Some(state) => {
-                state.sent_counter += 1;
-                self.tx_dest[slot] = state.fi_addr;
-                (state.keys.remote_id, state.sent_counter)
-            }
-            None => {
-                self.free_tx.push(slot);
-                return Err(SendError::Closed(peer));
-            }
-        };
-        // SAFETY: the slot came off the free list, so no send using it is
-        // in flight.
-        let buf = unsafe { self.tx_pool.slot_mut(slot) };
-        let encoded = if shared_body {
-            let head = OutFrame::whole(frame.head.clone());
-            self.layout.encode(buf, &self.header_addr, link, &head)
-        } else {
-            self.layout.encode(buf, &self.header_addr, link, &frame)
-        };
-        let n = match encoded {
-            Ok(n) => n,
-            Err(err) => {
-                self.free_tx.push(slot);
-                return Err(other(err).into());
-            }
-        };
-        self.tx_owner[slot] = Some((peer, len));
-        self.tx_post_len[slot] = n;
-        if shared_body {
-            self.stats.shared_sends += 1;
-            self.tx_body[slot] = Some(frame.body);
-        }
-        let Some(state) = self.peers.get_mut(&peer) else {
-            // Progress above may have closed the peer.
-            self.release_slot(slot);
-            return Err(SendError::Closed(peer));
-        };
-        state.queued_bytes += len;
-        state.slots += 1;
-        if state.backlog.is_empty() {
-            self.backlogged.push(peer);
-        }
-        state.backlog.push_back(slot);
-        Ok(())
+        self.send_eager(peer, frame, false)
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError> {
@@ -1460,6 +1922,16 @@ impl Endpoint for FabricEndpoint {
         }
     }
 
+    fn rendezvous_max(&self) -> usize {
+        self.link.rendezvous_max
+    }
+
+    fn set_peer_rendezvous(&mut self, peer: PeerId, limit: usize) {
+        if let Some(state) = self.peers.get_mut(&peer) {
+            state.rendezvous = limit.min(self.link.rendezvous_max);
+        }
+    }
+
     fn prepare_wait(&mut self) -> bool {
         // Frames sent since the last poll wait in the backlogs: post them
         // and have the caller poll again, unless the provider takes none.
@@ -1487,9 +1959,16 @@ impl Endpoint for FabricEndpoint {
                 return false;
             }
         }
+        // Reads or done frames the provider refused for now are retried by
+        // polling only.
+        let rendezvous_waiting = self.rma.as_ref().is_some_and(|rma| {
+            !rma.dones.is_empty() || !rma.queue.is_empty() && !rma.free_slots.is_empty()
+        });
         // Events queued by a `send` are not in the CQs any more, so the
         // descriptor would not announce them.
-        self.pending.is_empty() && self.wait.as_ref().is_none_or(|wait| wait.try_wait())
+        !rendezvous_waiting
+            && self.pending.is_empty()
+            && self.wait.as_ref().is_none_or(|wait| wait.try_wait())
     }
 
     /// The provider's attributes, with the queue sizes this endpoint really
@@ -1502,8 +1981,12 @@ impl Endpoint for FabricEndpoint {
         Some(info)
     }
 
+    /// Bytes in tx slots for `peer` and bytes of its transfers waiting for
+    /// the peer to read them.
     fn queued_bytes(&self, peer: PeerId) -> usize {
-        self.peers.get(&peer).map_or(0, |s| s.queued_bytes)
+        self.peers
+            .get(&peer)
+            .map_or(0, |s| s.queued_bytes + s.rma_bytes)
     }
 }
 

@@ -140,6 +140,8 @@ pub enum FabricError {
     Recv { code: FiCode },
     #[error("fi_send failed: {code}")]
     Send { code: FiCode },
+    #[error("fi_read (rendezvous) failed: {code}")]
+    Read { code: FiCode },
     #[error("fi_inject failed: {code}")]
     Inject { code: FiCode },
     #[error("fi_close({what}) failed: {code}")]
@@ -192,6 +194,7 @@ impl FabricError {
             | MrReg { code, .. }
             | Recv { code }
             | Send { code }
+            | Read { code }
             | Inject { code }
             | Close { code, .. } => Some(code),
             NotBuilt(_)

@@ -672,6 +672,43 @@ impl FiEndpoint {
         }
     }
 
+    /// Reads `len` bytes of the peer `src`'s region (`addr`, `key`) into
+    /// `buf` (`fi_read`); the completion arrives on the tx CQ with
+    /// `context`.
+    ///
+    /// # Safety
+    /// `buf` must stay valid and untouched, and `desc` (NULL when none is
+    /// needed) registered, until the completion for `context` is read.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn read(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        desc: *mut c_void,
+        src: u64,
+        remote: (u64, u64),
+        context: *mut c_void,
+    ) -> Result<(), FiCode> {
+        // SAFETY: the endpoint is open; the caller upholds the buffer rules.
+        let ret = unsafe {
+            sys::efabus_read(
+                self.ptr.as_ptr(),
+                buf.cast(),
+                len as u64,
+                desc,
+                src,
+                remote.0,
+                remote.1,
+                context,
+            )
+        };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(FiCode::from_ret(ret))
+        }
+    }
+
     /// Sends `data` with `fi_inject`: the bytes are copied before return and
     /// no completion is generated.
     pub fn inject(&self, data: &[u8], dest: u64) -> Result<(), FiCode> {

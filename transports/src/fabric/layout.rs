@@ -26,17 +26,28 @@
 //!   frame limit); their own length prefixes must account for the rest of
 //!   the message exactly.
 //!
+//! - A message with [`CONTROL_FLAG`] set in its version byte carries the
+//!   endpoint's own frames, never handed to or taken from its caller (whose
+//!   frames may hold any bytes): rendezvous descriptors ([`RmaDescriptor`]:
+//!   the id, remote address, key and length of a registered body, then the
+//!   frame's head) and rendezvous dones ([`rma_done`]: the id whose read
+//!   finished, so the sender releases the body). The flag is under the tag
+//!   like the rest of the header.
+//!
 //! The limits count the prefix against the provider's `max_msg_size` and
 //! `inject_size` even though fi_getinfo(3) says the prefix is not counted:
 //! that costs at most one prefix of each limit and is right whichever way a
 //! provider reads the rule.
 
+use bytes::Bytes;
 use efabus_core::codec::PREFIX_LEN;
 use efabus_core::secret::constant_time_eq;
 use efabus_core::transport::OutFrame;
 
 /// Version of the endpoint header.
 pub const HEADER_VERSION: u8 = 2;
+/// Set in the version byte of a message of the endpoint's own frames.
+pub const CONTROL_FLAG: u8 = 0x80;
 /// Bytes of the endpoint header before the sender address.
 pub const HEADER_FIXED: usize = 2;
 /// Bytes of the authenticator: its tag.
@@ -78,6 +89,8 @@ pub struct Message<'a> {
     pub counter: u64,
     /// The header bytes the tag covers (all before the tag).
     pub header: &'a [u8],
+    /// The frames are the endpoint's own ([`CONTROL_FLAG`]).
+    pub control: bool,
     pub tag: &'a [u8],
     /// Whole frames, back to back (checked); [`frames`] splits them.
     pub frames: &'a [u8],
@@ -188,6 +201,90 @@ pub enum LayoutError {
     NoFrame,
     #[error("sender address of {0} bytes does not fit the header")]
     AddressTooLong(usize),
+}
+
+/// Kind byte of a rendezvous descriptor frame (after the length prefix),
+/// in a control message.
+pub const RMA_DESCRIPTOR_KIND: u8 = 0xf0;
+/// Kind byte of a rendezvous done frame, in a control message.
+pub const RMA_DONE_KIND: u8 = 0xf1;
+/// Bytes of a descriptor frame before the frame head it carries.
+pub const RMA_DESCRIPTOR_FIXED: usize = PREFIX_LEN + 1 + 4 * 8;
+const RMA_DONE_LEN: usize = PREFIX_LEN + 1 + 8;
+
+/// The kind byte of an encoded frame.
+pub fn frame_kind(frame: &[u8]) -> Option<u8> {
+    frame.get(PREFIX_LEN).copied()
+}
+
+/// A frame's body, registered for one-sided reads, as the descriptor sent
+/// in its place names it: the receiver reads `body_len` bytes at `addr`
+/// under `key` and puts them after `head` (the frame's first bytes, sent
+/// inline) to rebuild the frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RmaDescriptor {
+    /// The sender's id for this transfer, echoed in the done frame.
+    pub id: u64,
+    /// Address of the body in the sender's registration, as the provider
+    /// addresses it (virtual address or offset).
+    pub addr: u64,
+    pub key: u64,
+    pub body_len: u64,
+}
+
+impl RmaDescriptor {
+    /// The descriptor frame for a frame whose first bytes are `head`.
+    pub fn encode(&self, head: &[u8]) -> Bytes {
+        let len = RMA_DESCRIPTOR_FIXED + head.len();
+        let mut out = Vec::with_capacity(len);
+        out.extend_from_slice(&((len - PREFIX_LEN) as u32).to_le_bytes());
+        out.push(RMA_DESCRIPTOR_KIND);
+        for word in [self.id, self.addr, self.key, self.body_len] {
+            out.extend_from_slice(&word.to_le_bytes());
+        }
+        out.extend_from_slice(head);
+        out.into()
+    }
+
+    /// Reads a descriptor frame (prefix included): the descriptor and the
+    /// frame head it carries. `None` when it is not one or is cut short.
+    pub fn decode(frame: &[u8]) -> Option<(RmaDescriptor, &[u8])> {
+        if frame.len() < RMA_DESCRIPTOR_FIXED || frame[PREFIX_LEN] != RMA_DESCRIPTOR_KIND {
+            return None;
+        }
+        let word = |i: usize| {
+            let at = PREFIX_LEN + 1 + 8 * i;
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(&frame[at..at + 8]);
+            u64::from_le_bytes(bytes)
+        };
+        let descriptor = RmaDescriptor {
+            id: word(0),
+            addr: word(1),
+            key: word(2),
+            body_len: word(3),
+        };
+        Some((descriptor, &frame[RMA_DESCRIPTOR_FIXED..]))
+    }
+}
+
+/// The done frame for rendezvous `id`.
+pub fn rma_done(id: u64) -> Bytes {
+    let mut out = Vec::with_capacity(RMA_DONE_LEN);
+    out.extend_from_slice(&((RMA_DONE_LEN - PREFIX_LEN) as u32).to_le_bytes());
+    out.push(RMA_DONE_KIND);
+    out.extend_from_slice(&id.to_le_bytes());
+    out.into()
+}
+
+/// The id a done frame (prefix included) names.
+pub fn rma_done_id(frame: &[u8]) -> Option<u64> {
+    if frame.len() != RMA_DONE_LEN || frame[PREFIX_LEN] != RMA_DONE_KIND {
+        return None;
+    }
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(&frame[PREFIX_LEN + 1..]);
+    Some(u64::from_le_bytes(bytes))
 }
 
 impl BufferLayout {
@@ -326,9 +423,10 @@ impl BufferLayout {
         if message.len() < HEADER_FIXED {
             return Err(LayoutError::Short { len: message.len() });
         }
-        if message[0] != HEADER_VERSION {
+        if message[0] & !CONTROL_FLAG != HEADER_VERSION {
             return Err(LayoutError::Version(message[0]));
         }
+        let control = message[0] & CONTROL_FLAG != 0;
         let addr_len = usize::from(message[1]);
         let rest = &message[HEADER_FIXED..];
         if addr_len > rest.len() {
@@ -371,6 +469,7 @@ impl BufferLayout {
             link_id,
             counter,
             header,
+            control,
             tag,
             frames,
         }))

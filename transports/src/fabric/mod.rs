@@ -66,14 +66,16 @@ mod log_limit;
 #[cfg(efabus_libfabric)]
 pub mod pool;
 #[cfg(efabus_libfabric)]
+mod rendezvous;
+#[cfg(efabus_libfabric)]
 mod sys;
 
 #[cfg(not(efabus_libfabric))]
 pub use absent::FabricEndpoint;
 pub use attrs::InfoAttrs;
 pub use config::{
-    addr_from_hex, addr_to_hex, EpKind, FabricOptionError, FabricOptions, OrderWanted,
-    DGRAM_SCHEME, RDM_SCHEME, SHM_PROVIDER, SHM_SCHEME,
+    addr_from_hex, addr_to_hex, rendezvous_max, EpKind, FabricOptionError, FabricOptions,
+    OrderWanted, DGRAM_SCHEME, RDM_SCHEME, RMA_READ_CAPS, SHM_PROVIDER, SHM_SCHEME,
 };
 #[cfg(efabus_libfabric)]
 pub use endpoint::{FabricEndpoint, FabricStats, LinkInfo};

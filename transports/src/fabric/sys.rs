@@ -277,6 +277,17 @@ extern "C" {
         dest: u64,
         context: *mut c_void,
     ) -> i64;
+    #[allow(clippy::too_many_arguments)]
+    pub fn efabus_read(
+        ep: *mut fid_ep,
+        buf: *mut c_void,
+        len: u64,
+        desc: *mut c_void,
+        src: u64,
+        addr: u64,
+        key: u64,
+        context: *mut c_void,
+    ) -> i64;
     pub fn efabus_inject(ep: *mut fid_ep, buf: *const c_void, len: u64, dest: u64) -> i64;
     #[allow(clippy::too_many_arguments)]
     pub fn efabus_send2(

@@ -1,0 +1,361 @@
+//! Rendezvous state of one RDM endpoint: frames above the eager size move
+//! by one-sided reads instead of through the posted buffers.
+//!
+//! The sender registers the frame's body for remote reads and sends, in its
+//! place, a descriptor (see [`super::layout::RmaDescriptor`]) carrying the
+//! frame's head; the receiver reads the body into a buffer of its own with
+//! `fi_read`, delivers the rebuilt frame and answers with a done frame, on
+//! which the sender releases the body. Reads, chosen over writes into a
+//! buffer the receiver grants, cost one control message each way as writes
+//! would, but let the receiver pace them: it reads only as much as it has
+//! room for, and a receiver that stops reading stops costing the sender
+//! anything but the registration, which is bounded.
+//!
+//! This module owns the bookkeeping: the registration cache (one
+//! registration per distinct body, shared by every descriptor in flight for
+//! it, so a frame fanned out to N peers is registered once), the
+//! transfers waiting for their done frame, and the receiver's reads (queued
+//! and in flight). The endpoint drives it and issues the reads.
+
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use bytes::Bytes;
+use efabus_core::transport::PeerId;
+
+use super::error::FabricError;
+use super::handle::{Domain, MemoryRegion};
+use super::layout::RmaDescriptor;
+
+/// Distinct body bytes registered at once (a single frame may exceed it
+/// when nothing else is registered, so any frame the link allows moves).
+pub const REGISTERED_MAX: usize = 128 << 20;
+/// Body bytes one peer may have waiting for its done frames (a single
+/// frame may exceed it when the peer has none), so a receiver that stops
+/// reading holds at most this much of the sender's registrations.
+pub const PEER_BYTES_MAX: usize = 32 << 20;
+/// Transfers one peer may have outstanding, both ways: a receiver refuses
+/// a peer that offers more reads than this.
+pub const PEER_TRANSFERS_MAX: usize = 256;
+/// Reads in flight at once.
+pub const READ_SLOTS: usize = 16;
+/// Bytes being read at once (a single read may exceed it).
+pub const READING_MAX: usize = 64 << 20;
+/// Largest frame head sent inline in a descriptor; a frame with a larger
+/// head is registered whole (copied into one buffer first).
+pub const INLINE_MAX: usize = 4 << 10;
+
+/// Bytes of landing buffers kept for reuse once their frames are dropped.
+pub const LANDING_KEPT_MAX: usize = 64 << 20;
+
+/// Where a body lies: its address and length, the cache's key.
+pub type Region = (usize, usize);
+
+/// The region of `body`.
+pub fn region_of(body: &Bytes) -> Region {
+    (body.as_ptr() as usize, body.len())
+}
+
+struct Registration {
+    mr: MemoryRegion,
+    /// Keeps the registered bytes alive (and unmoved) while registered.
+    _body: Bytes,
+    users: usize,
+}
+
+/// Registrations of bodies for remote reads, shared by the transfers of one
+/// body and released with the last of them.
+#[derive(Default)]
+pub struct Registrations {
+    entries: HashMap<Region, Registration>,
+    bytes: usize,
+    next_key: u64,
+}
+
+impl Registrations {
+    /// Bytes registered now.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether `body`'s region is registered already.
+    pub fn holds(&self, body: &Bytes) -> bool {
+        self.entries.contains_key(&region_of(body))
+    }
+
+    /// A key no registration of this endpoint uses (providers without
+    /// FI_MR_PROV_KEY take the key asked for; the pools use 1 and 2).
+    pub fn fresh_key(&mut self) -> u64 {
+        self.next_key = self.next_key.max(16) + 1;
+        self.next_key
+    }
+
+    /// One more use of `body`'s registration, registering it for remote
+    /// reads first if it has none. Returns the remote key and whether an
+    /// existing registration was shared.
+    pub fn acquire(
+        &mut self,
+        domain: &Rc<Domain>,
+        body: &Bytes,
+    ) -> Result<(u64, bool), FabricError> {
+        let region = region_of(body);
+        if let Some(entry) = self.entries.get_mut(&region) {
+            entry.users += 1;
+            return Ok((entry.mr.key(), true));
+        }
+        let key = self.fresh_key();
+        // SAFETY: the entry keeps a clone of `body`, so the bytes stay
+        // allocated and unmoved until the region is dropped with the entry.
+        let mr = unsafe {
+            MemoryRegion::register(
+                domain,
+                body.as_ptr(),
+                body.len(),
+                super::consts::FI_REMOTE_READ,
+                key,
+            )
+        }?;
+        let key = mr.key();
+        self.entries.insert(
+            region,
+            Registration {
+                mr,
+                _body: body.clone(),
+                users: 1,
+            },
+        );
+        self.bytes += body.len();
+        Ok((key, false))
+    }
+
+    /// One use of `region` fewer; the registration goes with the last.
+    pub fn release(&mut self, region: Region) {
+        if let Some(entry) = self.entries.get_mut(&region) {
+            entry.users -= 1;
+            if entry.users == 0 {
+                self.entries.remove(&region);
+                self.bytes -= region.1;
+            }
+        }
+    }
+}
+
+/// A transfer sent, waiting for the peer's done frame.
+pub struct Outstanding {
+    pub peer: PeerId,
+    pub region: Region,
+}
+
+/// A descriptor received, waiting for a read slot.
+pub struct QueuedRead {
+    pub peer: PeerId,
+    pub descriptor: RmaDescriptor,
+    /// The frame's first bytes, sent inline.
+    pub head: Vec<u8>,
+}
+
+/// A read in flight: the buffer it lands in, after the inline head.
+pub struct ReadJob {
+    pub peer: PeerId,
+    pub id: u64,
+    pub buf: Vec<u8>,
+    /// The buffer's registration, where the provider needs local ones.
+    pub mr: Option<MemoryRegion>,
+}
+
+/// One read's operation context: room for `struct fi_context2`, at an
+/// address that does not move.
+pub struct ReadSlot {
+    pub context: Box<[u64; 8]>,
+    pub job: Option<ReadJob>,
+}
+
+/// Everything rendezvous of one endpoint.
+pub struct Rendezvous {
+    /// Remote addresses are virtual addresses (FI_MR_VIRT_ADDR), else
+    /// offsets into the registration.
+    pub virt_addr: bool,
+    /// Largest frame sent or taken by rendezvous.
+    pub max_frame: usize,
+    pub registrations: Registrations,
+    /// Transfers sent, by id.
+    pub sends: HashMap<u64, Outstanding>,
+    next_id: u64,
+    pub slots: Vec<ReadSlot>,
+    pub free_slots: Vec<usize>,
+    pub queue: VecDeque<QueuedRead>,
+    /// Bytes of the reads in flight.
+    pub reading: usize,
+    /// Done frames the tx slots had no room for yet.
+    pub dones: VecDeque<(PeerId, u64)>,
+    /// Peers refused a transfer by the registration bounds, told when
+    /// transfers finish.
+    pub waiters: Vec<PeerId>,
+    pub landing: LandingBuffers,
+}
+
+impl Rendezvous {
+    pub fn new(virt_addr: bool, max_frame: usize) -> Rendezvous {
+        Rendezvous {
+            virt_addr,
+            max_frame,
+            registrations: Registrations::default(),
+            sends: HashMap::new(),
+            next_id: 0,
+            slots: (0..READ_SLOTS)
+                .map(|_| ReadSlot {
+                    context: Box::new([0; 8]),
+                    job: None,
+                })
+                .collect(),
+            free_slots: (0..READ_SLOTS).rev().collect(),
+            queue: VecDeque::new(),
+            reading: 0,
+            dones: VecDeque::new(),
+            waiters: Vec::new(),
+            landing: LandingBuffers::default(),
+        }
+    }
+
+    /// The next transfer id.
+    pub fn next_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// The read slot whose context is `context`.
+    pub fn slot_of(&self, context: *mut std::ffi::c_void) -> Option<usize> {
+        self.slots
+            .iter()
+            .position(|slot| std::ptr::eq(slot.context.as_ptr().cast(), context))
+    }
+
+    /// The address a descriptor names for `body`.
+    pub fn remote_addr(&self, body: &Bytes) -> u64 {
+        if self.virt_addr {
+            body.as_ptr() as u64
+        } else {
+            0
+        }
+    }
+}
+
+/// Buffers reads land in, reused once the frames built on them are
+/// dropped (wherever that happens): a fresh buffer per frame would cost
+/// its pages' faults and zeroing on every read, more than the read itself.
+#[derive(Clone, Default)]
+pub struct LandingBuffers {
+    kept: Arc<Mutex<Kept>>,
+}
+
+#[derive(Default)]
+struct Kept {
+    buffers: Vec<Vec<u8>>,
+    bytes: usize,
+}
+
+impl LandingBuffers {
+    /// A buffer of `len` bytes: a kept one large enough if there is one
+    /// (its old bytes are overwritten by the caller), else a new one.
+    pub fn take(&self, len: usize) -> Vec<u8> {
+        let reused = {
+            let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+            let found = kept.buffers.iter().position(|buf| buf.capacity() >= len);
+            found.map(|at| {
+                let buf = kept.buffers.swap_remove(at);
+                kept.bytes -= buf.capacity();
+                buf
+            })
+        };
+        match reused {
+            Some(mut buf) => {
+                // Only bytes beyond its last length are zeroed.
+                buf.resize(len, 0);
+                buf
+            }
+            None => vec![0u8; len],
+        }
+    }
+
+    /// `buf` as a frame's bytes; back here when the last of them goes.
+    pub fn frame(&self, buf: Vec<u8>) -> Bytes {
+        Bytes::from_owner(Landed {
+            buf,
+            home: self.clone(),
+        })
+    }
+
+    fn keep(&self, buf: Vec<u8>) {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        if kept.bytes + buf.capacity() <= LANDING_KEPT_MAX {
+            kept.bytes += buf.capacity();
+            kept.buffers.push(buf);
+        }
+    }
+
+    /// Bytes kept for reuse now.
+    #[cfg(test)]
+    pub fn kept_bytes(&self) -> usize {
+        self.kept
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .bytes
+    }
+}
+
+/// A landed frame's buffer, given back to its pool when dropped.
+struct Landed {
+    buf: Vec<u8>,
+    home: LandingBuffers,
+}
+
+impl AsRef<[u8]> for Landed {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Landed {
+    fn drop(&mut self) {
+        self.home.keep(std::mem::take(&mut self.buf));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn landing_buffers_come_back_when_their_frames_go() {
+        let buffers = LandingBuffers::default();
+        let buf = buffers.take(1000);
+        assert_eq!(buf.len(), 1000);
+        let address = buf.as_ptr();
+        let frame = buffers.frame(buf);
+        let part = frame.slice(10..20);
+        drop(frame);
+        assert_eq!(buffers.kept_bytes(), 0, "a slice still holds it");
+        drop(part);
+        assert!(buffers.kept_bytes() >= 1000);
+        let again = buffers.take(600);
+        assert_eq!((again.as_ptr(), again.len()), (address, 600));
+        assert_eq!(buffers.kept_bytes(), 0);
+        assert_eq!(
+            buffers.take(2000).len(),
+            2000,
+            "none large enough: a new one"
+        );
+    }
+
+    #[test]
+    fn landing_buffers_keep_at_most_their_bound() {
+        let buffers = LandingBuffers::default();
+        let frames: Vec<Bytes> = (0..3)
+            .map(|_| buffers.frame(buffers.take(LANDING_KEPT_MAX / 2)))
+            .collect();
+        drop(frames);
+        assert!(buffers.kept_bytes() <= LANDING_KEPT_MAX);
+        assert!(buffers.kept_bytes() >= LANDING_KEPT_MAX / 2);
+    }
+}
