@@ -501,10 +501,18 @@ fn carries_large_payloads_over_rdm(provider: Provider) {
     };
     let publisher = fabric_client(&broker, provider, "publisher");
     let subscriber = fabric_client(&broker, provider, "subscriber");
-    let limit = frame_limit(&publisher.link().reliable);
+    let link = publisher.link().reliable;
+    let limit = frame_limit(&link);
     assert!(
         limit <= RDM_FRAME,
         "frame limit {limit} above the configured {RDM_FRAME}"
+    );
+    // Frames above the eager limit go by rendezvous where the provider's
+    // reads are used (not ofi_rxd's, which fragments them).
+    assert_eq!(
+        link.contains("rendezvous (RMA read) up to"),
+        !provider.rdm.contains("ofi_rxd"),
+        "{link}"
     );
     let remote = subscriber.subscribe("big.>").unwrap();
     let local = broker.subscribe("big.>").unwrap();
