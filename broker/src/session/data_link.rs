@@ -147,17 +147,23 @@ pub(crate) struct DataLink {
     pub bad_credits: u64,
 }
 
-/// The flow-control windows of a link: what this side may send (bounded by
-/// the negotiated send window, the peer's posted receives) and what it
-/// grants the peer (its own posted receives, and at most half the memory
-/// it may hold back for reordering and reassembly).
+/// The flow-control windows of a link: what this side may send and what it
+/// grants the peer, in pieces and in bytes (at most half the memory either
+/// may hold back for reordering and reassembly). On a lossy link the piece
+/// window is the negotiated queue size (the peer's posted receives), as a
+/// datagram beyond them is lost. On a reliable link it is the reorder
+/// window: pieces are packed many to a message, and the endpoint's share of
+/// send slots per peer already bounds the messages in flight, so a window
+/// of posted receives would only stall small frames (it held 16-byte
+/// messages over `tcp;ofi_rxm` to 381k/s here, against 548k/s without).
 fn windows(config: &LinkConfig, send_window: u64, recv_window: u64) -> (Window, Window) {
     let pieces = |negotiated: u64| {
         let limit = config
             .reorder_window
             .min(config.reassembly.max_messages)
             .max(1) as u64;
-        u32::try_from(negotiated.clamp(1, limit)).unwrap_or(u32::MAX)
+        let wanted = if config.lossy { negotiated } else { limit };
+        u32::try_from(wanted.clamp(1, limit)).unwrap_or(u32::MAX)
     };
     let bytes = (config.reassembly.max_bytes as u64 / 2).max(1);
     (
