@@ -608,6 +608,59 @@ mod suite {
         }
     }
 
+    /// Both sides send large frames, each followed by a small one, to each
+    /// other at once through only 4 send slots each, so done frames
+    /// compete with descriptors and data for slots: every frame arrives
+    /// intact and every registration is released.
+    pub fn rendezvous_both_ways_with_few_send_slots(provider: &str) {
+        let extra = [("tx_depth", "4")];
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &extra, 1 << 20) else {
+            return;
+        };
+        let count = 80u8;
+        let size = |n: u8| if n % 2 == 0 { 100 << 10 } else { 1000 };
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        let mut to_b: Vec<OutFrame> = (0..count).map(|n| numbered_frame(n, size(n))).collect();
+        let mut to_a: Vec<OutFrame> = (0..count).map(|n| numbered_frame(n, size(n))).collect();
+        to_b.reverse();
+        to_a.reverse();
+        let start = Instant::now();
+        while !to_b.is_empty() || !to_a.is_empty() {
+            for (from, to, queue) in [(&mut a, pb, &mut to_b), (&mut b, pa, &mut to_a)] {
+                if let Some(out) = queue.pop() {
+                    match from.send(to, out) {
+                        Ok(()) => {}
+                        Err(SendError::WouldBlock(back)) => queue.push(back),
+                        Err(err) => panic!("send: {err}"),
+                    }
+                }
+            }
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(start.elapsed() < DEADLINE, "sends stayed blocked");
+        }
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |ae, be| {
+                frames_from(ae, pb).len() == count as usize
+                    && frames_from(be, pa).len() == count as usize
+            },
+            "every frame both ways",
+        );
+        for got in [frames_from(&ae, pb), frames_from(&be, pa)] {
+            for n in 0..count {
+                assert!(got.iter().any(|f| is_numbered(f, n, size(n))), "frame {n}");
+            }
+        }
+        until_released(&mut a, &mut b, &mut ae, &mut be, "a's transfers");
+        until_released(&mut b, &mut a, &mut be, &mut ae, "b's transfers");
+        assert_eq!(a.stats().rendezvous_read, count as u64 / 2);
+        assert_eq!(b.stats().rendezvous_read, count as u64 / 2);
+    }
+
     /// A receiver that stops reading holds at most its share of the
     /// sender's registrations (the sender is told to wait, then `Writable`
     /// once the receiver reads again); one that goes away for good has its
@@ -1598,6 +1651,14 @@ fn rdm_rendezvous_moves_64_mib() {
 fn rdm_rendezvous_shares_one_registration() {
     for provider in ["tcp;ofi_rxm", "sockets", "shm"] {
         suite::rendezvous_shares_one_registration(provider);
+    }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_rendezvous_both_ways_with_few_send_slots() {
+    for provider in ["tcp;ofi_rxm", "sockets", "shm"] {
+        suite::rendezvous_both_ways_with_few_send_slots(provider);
     }
 }
 

@@ -296,6 +296,8 @@ pub struct FabricEndpoint {
     /// Per tx slot: it carries the endpoint's own frames (a control
     /// message), which are never packed with the caller's.
     tx_control: Vec<bool>,
+    /// Inside `progress` (see there).
+    progressing: bool,
 
     next_peer: u64,
     peers: HashMap<PeerId, PeerState>,
@@ -454,7 +456,13 @@ impl FabricEndpoint {
         // stream its own progress thread blocks on the full pair (seen with
         // libfabric 1.17), so it is polled.
         let want_wait = options.wait_fd && attrs.provider() != "sockets";
-        let (wait, tx_cq, rx_cq) = open_cqs(&fabric, &domain, want_wait, tx_depth, rx_depth)?;
+        let (wait, tx_cq, rx_cq) = open_cqs(
+            &fabric,
+            &domain,
+            want_wait,
+            tx_depth + rendezvous::READ_SLOTS,
+            rx_depth,
+        )?;
         let mut ep = FiEndpoint::open(&domain, &info)?;
         ep.bind_av(&av)?;
         ep.bind_cq(&tx_cq, FI_TRANSMIT)?;
@@ -591,6 +599,7 @@ impl FabricEndpoint {
             tx_dest: vec![0; tx_depth],
             tx_body: vec![None; tx_depth],
             tx_control: vec![false; tx_depth],
+            progressing: false,
             unposted_rx: (0..rx_depth).rev().collect(),
             lent_rx: 0,
             pending: VecDeque::new(),
@@ -681,6 +690,18 @@ impl FabricEndpoint {
 
     /// Reads both CQs until empty (bounded per call), queueing events.
     fn progress(&mut self) -> Result<(), FabricError> {
+        // A send made from within progress (a done frame) may find no slot
+        // and ask for progress again: the outer call carries on instead.
+        if self.progressing {
+            return Ok(());
+        }
+        self.progressing = true;
+        let result = self.progress_once();
+        self.progressing = false;
+        result
+    }
+
+    fn progress_once(&mut self) -> Result<(), FabricError> {
         // Slots given back first, so what arrives now may be lent again.
         self.lent_rx -= self.rx_pool.take_returned(&mut self.unposted_rx);
         let budget = self.link.tx_depth + self.link.rx_depth + CQ_BATCH;
@@ -1290,8 +1311,13 @@ impl FabricEndpoint {
         let (Some(rma), Some(state)) = (self.rma.as_mut(), self.peers.get(&peer)) else {
             return Err(SendError::Closed(peer));
         };
-        let (inline, body) = if frame.head.len() <= rendezvous::INLINE_MAX && !frame.body.is_empty()
-        {
+        // The descriptor must fit one eager message to this peer.
+        let inline_max = rendezvous::INLINE_MAX.min(
+            state
+                .pack_limit
+                .saturating_sub(super::layout::RMA_DESCRIPTOR_FIXED),
+        );
+        let (inline, body) = if frame.head.len() <= inline_max && !frame.body.is_empty() {
             (frame.head.clone(), frame.body.clone())
         } else {
             (Bytes::new(), frame.to_bytes())
@@ -1378,6 +1404,13 @@ impl FabricEndpoint {
     fn on_descriptor(&mut self, peer: PeerId, limit: usize, frame: &[u8]) -> Result<(), String> {
         let (descriptor, head) =
             RmaDescriptor::decode(frame).ok_or("sent a malformed rendezvous descriptor")?;
+        if head.len() > rendezvous::INLINE_MAX {
+            return Err(format!(
+                "sent a rendezvous descriptor with {} inline bytes, over {}",
+                head.len(),
+                rendezvous::INLINE_MAX
+            ));
+        }
         let total = usize::try_from(descriptor.body_len)
             .ok()
             .and_then(|body| body.checked_add(head.len()))
@@ -1450,14 +1483,14 @@ impl FabricEndpoint {
         let Some(rma) = self.rma.as_mut() else {
             return;
         };
-        while let (Some(&slot), Some(queued)) = (rma.free_slots.last(), rma.queue.front()) {
+        while let Some(at) = rma.startable_read() {
+            let (Some(&slot), Some(queued)) = (rma.free_slots.last(), rma.queue.get(at)) else {
+                break;
+            };
             let body_len = queued.descriptor.body_len as usize;
             let total = queued.head.len() + body_len;
-            if rma.reading > 0 && rma.reading + total > rendezvous::READING_MAX {
-                break;
-            }
             let Some(state) = self.peers.get(&queued.peer) else {
-                rma.queue.pop_front();
+                rma.queue.remove(at);
                 continue;
             };
             let fi_addr = state.fi_addr;
@@ -1472,7 +1505,7 @@ impl FabricEndpoint {
                 {
                     Ok(mr) => Some(mr),
                     Err(err) => {
-                        let queued = rma.queue.pop_front();
+                        let queued = rma.queue.remove(at);
                         failed.extend(queued.map(|q| (q.peer, err.to_string())));
                         continue;
                     }
@@ -1488,21 +1521,25 @@ impl FabricEndpoint {
             // context is the slot's own boxed storage.
             match unsafe { self.ep.read(body, body_len, desc, fi_addr, remote, context) } {
                 Ok(()) => {
-                    let Some(queued) = rma.queue.pop_front() else {
+                    let Some(queued) = rma.queue.remove(at) else {
                         break;
                     };
                     rma.free_slots.pop();
-                    rma.reading += total;
+                    rma.count_read(queued.peer, total, true);
                     rma.slots[slot].job = Some(ReadJob {
                         peer: queued.peer,
                         id: queued.descriptor.id,
-                        buf,
                         mr,
+                        buf,
                     });
                 }
-                Err(code) if code.is_again() => break,
+                Err(code) if code.is_again() => {
+                    drop(mr);
+                    rma.landing.keep(buf);
+                    break;
+                }
                 Err(code) => {
-                    let queued = rma.queue.pop_front();
+                    let queued = rma.queue.remove(at);
                     let error = FabricError::Read { code };
                     failed.extend(queued.map(|q| (q.peer, error.to_string())));
                 }
@@ -1525,7 +1562,7 @@ impl FabricEndpoint {
             return;
         };
         rma.free_slots.push(slot);
-        rma.reading -= job.buf.len();
+        rma.count_read(job.peer, job.buf.len(), false);
         drop(job.mr);
         let Some(state) = self.peers.get_mut(&job.peer) else {
             // Closed meanwhile: nothing to deliver.
@@ -1559,19 +1596,34 @@ impl FabricEndpoint {
         }
     }
 
-    /// Sends the done frames waiting, oldest first, until the tx slots are
-    /// full.
+    /// Sends the done frames waiting, oldest first; those to a peer whose
+    /// send slots are full wait for the next round (a tx completion), the
+    /// others go on.
     fn flush_dones(&mut self) {
-        while let Some(&(peer, id)) = self.rma.as_ref().and_then(|rma| rma.dones.front()) {
-            if self.peers.contains_key(&peer) {
-                let sent = self.send_eager(peer, OutFrame::whole(rma_done(id)), true);
-                if let Err(SendError::WouldBlock(_)) = sent {
-                    return;
-                }
+        let Some(waiting) = self.rma.as_mut().map(|rma| std::mem::take(&mut rma.dones)) else {
+            return;
+        };
+        let mut kept = VecDeque::new();
+        let mut blocked = Vec::new();
+        for (peer, id) in waiting {
+            if !self.peers.contains_key(&peer) {
+                continue;
             }
-            if let Some(rma) = self.rma.as_mut() {
-                rma.dones.pop_front();
+            if blocked.contains(&peer) {
+                kept.push_back((peer, id));
+                continue;
             }
+            if let Err(SendError::WouldBlock(_)) =
+                self.send_eager(peer, OutFrame::whole(rma_done(id)), true)
+            {
+                blocked.push(peer);
+                kept.push_back((peer, id));
+            }
+        }
+        if let Some(rma) = self.rma.as_mut() {
+            // Reads finished meanwhile queued theirs behind these.
+            kept.append(&mut rma.dones);
+            rma.dones = kept;
         }
     }
 
@@ -1959,11 +2011,12 @@ impl Endpoint for FabricEndpoint {
                 return false;
             }
         }
-        // Reads or done frames the provider refused for now are retried by
-        // polling only.
-        let rendezvous_waiting = self.rma.as_ref().is_some_and(|rma| {
-            !rma.dones.is_empty() || !rma.queue.is_empty() && !rma.free_slots.is_empty()
-        });
+        // A read the provider refused for now is retried by polling only
+        // (done frames wait for tx completions, which wake the descriptor).
+        let rendezvous_waiting = self
+            .rma
+            .as_ref()
+            .is_some_and(|rma| rma.startable_read().is_some());
         // Events queued by a `send` are not in the CQs any more, so the
         // descriptor would not announce them.
         !rendezvous_waiting

@@ -10,7 +10,10 @@
 //! - [`info`], [`handle`] and [`pool`] are the safe wrapper: `fi_getinfo`
 //!   lists, one owning type per libfabric object (closed in `Drop`,
 //!   parents kept alive by `Rc`), registered buffer pools. All `unsafe`
-//!   code of the crate lives in these modules and [`endpoint`].
+//!   code of the crate lives in these modules, [`endpoint`] and its
+//!   rendezvous bookkeeping (`rendezvous`: registrations shared per body,
+//!   transfers waiting for their done, reads queued and in flight, reused
+//!   landing buffers).
 //! - [`endpoint`] is the [`Endpoint`](efabus_core::transport::Endpoint)
 //!   implementation; [`layout`] its buffer layout, testable without
 //!   libfabric; [`config`] its kinds, schemes and address text. Its
@@ -25,8 +28,15 @@
 //! - `FI_MSG_PREFIX`: accepted in the hints; `msg_prefix_size` bytes are
 //!   reserved in front of every posted buffer, lengths include them.
 //! - `FI_MR_LOCAL`: pools registered once, `fi_mr_desc` passed with every
-//!   post; `FI_MR_PROV_KEY`/`ALLOCATED`/`VIRT_ADDR` accepted (keys come
-//!   from the provider, pools are allocated and touched before registering).
+//!   post, and each rendezvous landing buffer registered for its read;
+//!   `FI_MR_PROV_KEY`/`ALLOCATED`/`VIRT_ADDR` honoured (keys come from the
+//!   provider and travel as 8 bytes whatever `mr_key_size` is, 4 on EFA;
+//!   registered memory is allocated first; descriptors name virtual
+//!   addresses under `FI_MR_VIRT_ADDR`, else offsets).
+//! - RDM asks for `FI_RMA | FI_READ | FI_REMOTE_READ` and falls back
+//!   without: frames above the eager size then go by rendezvous (a
+//!   descriptor sent eagerly, the body read one-sided by the receiver), see
+//!   the README's "Large frames".
 //! - `FI_ORDER_SAS` requested on RDM tx and rx; whether it was granted is
 //!   [`FabricEndpoint::sas_granted`] so the session layer can reorder.
 //! - `max_msg_size` bounds `max_frame` (prefix counted); `inject_size`

@@ -29,19 +29,26 @@ use super::handle::{Domain, MemoryRegion};
 use super::layout::RmaDescriptor;
 
 /// Distinct body bytes registered at once (a single frame may exceed it
-/// when nothing else is registered, so any frame the link allows moves).
-pub const REGISTERED_MAX: usize = 128 << 20;
+/// when nothing else is registered, so any frame the link allows moves):
+/// room for 32 receivers that stopped reading at their share each.
+pub const REGISTERED_MAX: usize = 512 << 20;
 /// Body bytes one peer may have waiting for its done frames (a single
 /// frame may exceed it when the peer has none), so a receiver that stops
 /// reading holds at most this much of the sender's registrations.
-pub const PEER_BYTES_MAX: usize = 32 << 20;
+pub const PEER_BYTES_MAX: usize = 16 << 20;
 /// Transfers one peer may have outstanding, both ways: a receiver refuses
 /// a peer that offers more reads than this.
 pub const PEER_TRANSFERS_MAX: usize = 256;
 /// Reads in flight at once.
-pub const READ_SLOTS: usize = 16;
+pub const READ_SLOTS: usize = 64;
 /// Bytes being read at once (a single read may exceed it).
-pub const READING_MAX: usize = 64 << 20;
+pub const READING_MAX: usize = 128 << 20;
+/// Reads of one peer's transfers in flight at once, and their bytes (a
+/// single read may exceed it): a peer that stops serving its reads holds
+/// no more than this of the receiver's read slots and memory, and the
+/// others' reads go on.
+pub const PEER_READS_MAX: usize = 8;
+pub const PEER_READING_MAX: usize = 16 << 20;
 /// Largest frame head sent inline in a descriptor; a frame with a larger
 /// head is registered whole (copied into one buffer first).
 pub const INLINE_MAX: usize = 4 << 10;
@@ -159,9 +166,10 @@ pub struct QueuedRead {
 pub struct ReadJob {
     pub peer: PeerId,
     pub id: u64,
-    pub buf: Vec<u8>,
-    /// The buffer's registration, where the provider needs local ones.
+    /// The buffer's registration, where the provider needs local ones;
+    /// before `buf`, so it is closed first when a job is dropped whole.
     pub mr: Option<MemoryRegion>,
+    pub buf: Vec<u8>,
 }
 
 /// One read's operation context: room for `struct fi_context2`, at an
@@ -185,8 +193,9 @@ pub struct Rendezvous {
     pub slots: Vec<ReadSlot>,
     pub free_slots: Vec<usize>,
     pub queue: VecDeque<QueuedRead>,
-    /// Bytes of the reads in flight.
+    /// Bytes of the reads in flight, and per peer their count and bytes.
     pub reading: usize,
+    pub reading_by_peer: HashMap<PeerId, (usize, usize)>,
     /// Done frames the tx slots had no room for yet.
     pub dones: VecDeque<(PeerId, u64)>,
     /// Peers refused a transfer by the registration bounds, told when
@@ -212,9 +221,49 @@ impl Rendezvous {
             free_slots: (0..READ_SLOTS).rev().collect(),
             queue: VecDeque::new(),
             reading: 0,
+            reading_by_peer: HashMap::new(),
             dones: VecDeque::new(),
             waiters: Vec::new(),
             landing: LandingBuffers::default(),
+        }
+    }
+
+    /// The queued read to start next, if one may start now: the oldest
+    /// whose peer is within its share of reads (so one peer's stalled or
+    /// numerous transfers do not hold up the others'), when a slot is free
+    /// and the bytes allow.
+    pub fn startable_read(&self) -> Option<usize> {
+        if self.free_slots.is_empty() {
+            return None;
+        }
+        self.queue.iter().position(|queued| {
+            let total = queued.head.len() + queued.descriptor.body_len as usize;
+            let (reads, bytes) = self
+                .reading_by_peer
+                .get(&queued.peer)
+                .copied()
+                .unwrap_or_default();
+            let peer_ok = reads == 0 || reads < PEER_READS_MAX && bytes + total <= PEER_READING_MAX;
+            let all_ok = self.reading == 0 || self.reading + total <= READING_MAX;
+            peer_ok && all_ok
+        })
+    }
+
+    /// Accounts a read of `total` bytes for `peer` starting (`started`) or
+    /// ending.
+    pub fn count_read(&mut self, peer: PeerId, total: usize, started: bool) {
+        let entry = self.reading_by_peer.entry(peer).or_default();
+        if started {
+            self.reading += total;
+            entry.0 += 1;
+            entry.1 += total;
+        } else {
+            self.reading -= total;
+            entry.0 -= 1;
+            entry.1 -= total;
+            if entry.0 == 0 {
+                self.reading_by_peer.remove(&peer);
+            }
         }
     }
 
@@ -286,7 +335,8 @@ impl LandingBuffers {
         })
     }
 
-    fn keep(&self, buf: Vec<u8>) {
+    /// Keeps `buf` for reuse, within the bound.
+    pub fn keep(&self, buf: Vec<u8>) {
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
         if kept.bytes + buf.capacity() <= LANDING_KEPT_MAX {
             kept.bytes += buf.capacity();
