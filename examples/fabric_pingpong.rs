@@ -14,6 +14,10 @@
 //! altered. Both endpoints poll without sleeping (as `fi_pingpong` does by
 //! default). The echoing side sends back the frame it received, as a broker
 //! forwards one, and the other checks its length and a few of its bytes.
+//! The endpoints are opened and linked as a broker's are: the default eager
+//! buffers, and frames above them by rendezvous where the provider has RMA
+//! reads (`"rendezvous":true` in the output); without (ofi_rxd), eager
+//! buffers that hold the frame.
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,14 +54,35 @@ impl From<String> for Failure {
 }
 
 fn open(provider: &str, size: usize) -> Result<Box<dyn Endpoint>, Failure> {
-    FabricTransport::rdm()
+    let endpoint = open_with(provider, size, None)?;
+    if endpoint.rendezvous_max() == 0 && size + 4 > endpoint.max_frame() {
+        // No rendezvous here (ofi_rxd): eager buffers that hold the frame.
+        return open_with(provider, size, Some(size + 4096));
+    }
+    Ok(endpoint)
+}
+
+fn open_with(
+    provider: &str,
+    size: usize,
+    msg_size: Option<usize>,
+) -> Result<Box<dyn Endpoint>, Failure> {
+    // `shm` has a transport of its own (same-host names, no bind address).
+    let transport = if provider == "shm" {
+        FabricTransport::shm()
+    } else {
+        FabricTransport::rdm()
+    };
+    transport
         .open(&EndpointConfig {
             bind: Some("127.0.0.1".into()),
-            // Room for the frame and the endpoint's own header; a few
-            // buffers each way are all a ping-pong needs.
+            // Room for the frame and the endpoint's own header, eagerly or
+            // by rendezvous; a few buffers each way are all a ping-pong
+            // needs.
+            max_frame: size + 4096,
             fabric: Some(FabricOptions {
                 provider: provider.into(),
-                msg_size: Some(size + 4096),
+                msg_size,
                 rx_depth: DEPTH,
                 tx_depth: DEPTH,
                 ..FabricOptions::default()
@@ -181,9 +206,21 @@ fn run(provider: &str, size: usize, iterations: usize) -> Result<(), Failure> {
     let ponger_peer = pinger
         .insert_peer(&ponger.local_addr(), &pinger_keys)
         .map_err(|e| e.to_string())?;
-    ponger
+    let pinger_peer = ponger
         .insert_peer(&pinger.local_addr(), &ponger_keys)
         .map_err(|e| e.to_string())?;
+    // The limits a session negotiates between two such endpoints.
+    let rendezvous = pinger.rendezvous_max() > 0;
+    for (endpoint, peer) in [(&mut pinger, ponger_peer), (&mut ponger, pinger_peer)] {
+        let eager = endpoint.max_frame();
+        endpoint.set_peer_frame_limit(peer, eager);
+        endpoint.set_peer_rendezvous(peer, endpoint.rendezvous_max());
+    }
+    if size + 4 > pinger.max_frame().max(pinger.rendezvous_max()) {
+        return Err(Failure::Run(format!(
+            "a frame of {size} bytes fits neither an eager buffer nor rendezvous on {provider:?}"
+        )));
+    }
     let finished = Arc::new(AtomicBool::new(false));
     let echo_finished = finished.clone();
     let echo = std::thread::spawn(move || -> Result<(), String> {
@@ -225,7 +262,7 @@ fn run(provider: &str, size: usize, iterations: usize) -> Result<(), Failure> {
     let usec_per_xfer = elapsed.as_secs_f64() * 1e6 / (iterations as f64 * 2.0);
     println!(
         "{{\"provider\":\"{provider}\",\"size\":{size},\"iterations\":{iterations},\
-         \"usec_per_xfer\":{usec_per_xfer:.2},\"mb_per_sec\":{:.1}}}",
+         \"rendezvous\":{rendezvous},\"usec_per_xfer\":{usec_per_xfer:.2},\"mb_per_sec\":{:.1}}}",
         size as f64 / usec_per_xfer
     );
     Ok(())

@@ -166,14 +166,17 @@ fn pingpong_reports_each_rdm_provider() {
     let Some(example) = example("fabric_pingpong") else {
         return;
     };
-    for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"] {
-        for size in ["64", "20000"] {
+    for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets", "shm"] {
+        // Below the eager size, and above it: by rendezvous where the
+        // provider's reads are used (not ofi_rxd's).
+        for (size, rendezvous) in [("64", false), ("100000", provider != "udp;ofi_rxd")] {
             let run = run(&example, &[provider, size, "20"]);
             if !succeeded(&run, provider, &run.stderr) {
                 continue;
             }
             let expected = format!(
-                "{{\"provider\":\"{provider}\",\"size\":{size},\"iterations\":20,\"usec_per_xfer\":"
+                "{{\"provider\":\"{provider}\",\"size\":{size},\"iterations\":20,\
+                 \"rendezvous\":{rendezvous},\"usec_per_xfer\":"
             );
             assert!(run.stdout.starts_with(&expected), "{}", run.stdout);
         }
