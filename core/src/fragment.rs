@@ -324,6 +324,9 @@ struct PeerState {
     done: BTreeMap<u64, Finished>,
     /// Ids below this are finished, whatever `done` says.
     floor: u64,
+    /// Ids in `run.0..run.1` completed, one after the other, and are not
+    /// in `done`: in-order traffic, the common case, costs no map entry.
+    run: (u64, u64),
 }
 
 impl PeerState {
@@ -331,7 +334,31 @@ impl PeerState {
         if msg_id < self.floor {
             return Some(Finished::GivenUp);
         }
+        if (self.run.0..self.run.1).contains(&msg_id) {
+            return Some(Finished::Completed);
+        }
         self.done.get(&msg_id).copied()
+    }
+
+    /// Records `msg_id` as finished `how`; returns false when it went into
+    /// `done` (the caller then trims it).
+    fn record(&mut self, msg_id: u64, how: Finished) -> bool {
+        if how == Finished::Completed && (msg_id == self.run.1 || self.run.0 == self.run.1) {
+            if self.run.0 == self.run.1 {
+                self.run = (msg_id, msg_id);
+            }
+            self.run.1 = msg_id.saturating_add(1);
+            // Ids finished out of order join the run once it reaches them
+            // (one given up too, or a lossy link would fall back to the
+            // map for good after its first loss: a late piece of it then
+            // counts as a duplicate rather than as late).
+            while self.done.remove(&self.run.1).is_some() {
+                self.run.1 = self.run.1.saturating_add(1);
+            }
+            return true;
+        }
+        self.done.insert(msg_id, how);
+        false
     }
 }
 
@@ -619,7 +646,9 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
         let Some(state) = self.peers.get_mut(peer) else {
             return;
         };
-        state.done.insert(msg_id, how);
+        if state.record(msg_id, how) {
+            return;
+        }
         while state.done.len() > self.config.done_window {
             let Some((oldest, _)) = state.done.pop_first() else {
                 break;
