@@ -356,7 +356,12 @@ pub struct LinkSender {
     chunk: usize,
     fragmenter: Fragmenter,
     stats: SendStats,
+    /// Where piece headers are written: many share one allocation.
+    heads: BytesMut,
 }
+
+/// Bytes of piece headers one allocation holds.
+const HEAD_ARENA: usize = 16 << 10;
 
 impl LinkSender {
     /// A sender for `config`; fails when the frame limit cannot hold a
@@ -375,7 +380,19 @@ impl LinkSender {
             chunk,
             fragmenter: Fragmenter::new(),
             stats: SendStats::default(),
+            heads: BytesMut::new(),
         })
+    }
+
+    /// `parts` joined, in the header arena.
+    fn head(&mut self, parts: [&[u8]; 2]) -> Bytes {
+        let len = parts[0].len() + parts[1].len();
+        if self.heads.capacity() - self.heads.len() < len {
+            self.heads = BytesMut::with_capacity(HEAD_ARENA.max(len));
+        }
+        self.heads.extend_from_slice(parts[0]);
+        self.heads.extend_from_slice(parts[1]);
+        self.heads.split().freeze()
     }
 
     /// Counters since creation.
@@ -445,23 +462,20 @@ impl LinkSender {
             };
             let piece = if end <= split {
                 OutFrame {
-                    head: Bytes::copy_from_slice(&head_bytes),
+                    head: self.head([&head_bytes, &[]]),
                     body: frame.head.slice(start..end),
                 }
             } else if start >= split {
                 OutFrame {
-                    head: Bytes::copy_from_slice(&head_bytes),
+                    head: self.head([&head_bytes, &[]]),
                     body: frame.body.slice(start - split..end - split),
                 }
             } else {
                 // The one piece spanning both buffers: its head part (the
                 // frame's header, usually small) joins the fragment header;
                 // the payload part stays shared.
-                let mut head = BytesMut::with_capacity(FRAGMENT_OVERHEAD + split - start);
-                head.extend_from_slice(&head_bytes);
-                head.extend_from_slice(&frame.head[start..]);
                 OutFrame {
-                    head: head.freeze(),
+                    head: self.head([&head_bytes, &frame.head[start..]]),
                     body: frame.body.slice(..end - split),
                 }
             };

@@ -74,6 +74,7 @@ use efabus_core::transport::{
     BufferMemory, CloseReason, Endpoint, EndpointConfig, Event, LinkKeys, OutFrame, PeerId,
     Readiness, Refused, SendError, TransportError,
 };
+use rustc_hash::FxHashMap;
 
 use super::config::{addr_to_hex, EpKind, FabricOptions, OrderWanted, RMA_READ_CAPS};
 use super::consts::*;
@@ -300,9 +301,11 @@ pub struct FabricEndpoint {
     progressing: bool,
 
     next_peer: u64,
-    peers: HashMap<PeerId, PeerState>,
+    /// Looked up on every send and receive; keyed by ids this endpoint
+    /// hands out, so a fast unkeyed hash does.
+    peers: FxHashMap<PeerId, PeerState>,
     /// Live peers by the id this side gave their link.
-    links: HashMap<u64, PeerId>,
+    links: FxHashMap<u64, PeerId>,
     /// Addresses inserted in the address vector.
     av_cache: HashMap<Vec<u8>, AvEntry>,
     /// Ticks at each insert, for least-recently-used eviction.
@@ -582,8 +585,8 @@ impl FabricEndpoint {
             header_version: super::layout::HEADER_VERSION,
             local_addr,
             next_peer: 1,
-            peers: HashMap::new(),
-            links: HashMap::new(),
+            peers: FxHashMap::default(),
+            links: FxHashMap::default(),
             av_cache: HashMap::new(),
             av_clock: 0,
             max_addresses: options.max_addresses.min(av_limit),
@@ -1674,8 +1677,8 @@ impl FabricEndpoint {
 /// The endpoint's parts a received message is checked against, borrowed
 /// apart from the receive buffer the message lies in.
 struct Checks<'a> {
-    links: &'a HashMap<u64, PeerId>,
-    peers: &'a mut HashMap<PeerId, PeerState>,
+    links: &'a FxHashMap<u64, PeerId>,
+    peers: &'a mut FxHashMap<PeerId, PeerState>,
     stats: &'a mut FabricStats,
     log: &'a mut BadInputLog,
 }
