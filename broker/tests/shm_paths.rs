@@ -3,8 +3,8 @@
 //! An embedded broker listens on TCP, `shm` and `efa-rdm` (`tcp;ofi_rxm`
 //! on loopback). A client on this host that offers both gets `shm`, first
 //! in the default preference: its reliable traffic really moves there
-//! (counted on both sides), in order, large messages fragmented and
-//! reassembled, request/reply included. A client that offers only
+//! (counted on both sides), in order, large messages whole by rendezvous,
+//! request/reply included. A client that offers only
 //! `efa-rdm` stays there, and the two see each other's messages.
 //! (Peers on another host never pair on `shm`: `efabus_core`'s negotiation
 //! tests, and `cli/tests/shm_hosts.rs` with a process that names another
@@ -20,7 +20,7 @@ use efabus_broker::{Broker, Client, ClientOptions, Config};
 use efabus_transports::registry::Registry;
 
 const WAIT: Duration = Duration::from_secs(10);
-/// The fabric buffer size: the 1 MiB payloads below go in pieces.
+/// The fabric buffer size: the 1 MiB payloads below go by rendezvous.
 const FRAME: usize = 65_536;
 
 fn fabric_required() -> bool {
@@ -84,7 +84,7 @@ fn a_same_host_client_moves_to_shm() {
     remote.flush(WAIT).unwrap();
     let fabric_in = stat(&broker, "fabric_frames_in");
 
-    // Small messages from each side, then large ones in pieces.
+    // Small messages from each side, then large ones (by rendezvous).
     for n in 0..500u32 {
         local
             .publish("shm.small", n.to_le_bytes().to_vec())
