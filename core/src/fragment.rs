@@ -22,7 +22,7 @@
 //! sender restarts its numbering must be given a fresh key (or be removed
 //! with [`Reassembler::remove_peer`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
@@ -324,9 +324,11 @@ struct PeerState {
     done: BTreeMap<u64, Finished>,
     /// Ids below this are finished, whatever `done` says.
     floor: u64,
-    /// Ids in `run.0..run.1` completed, one after the other, and are not
-    /// in `done`: in-order traffic, the common case, costs no map entry.
+    /// Ids in `run.0..run.1` finished, one after the other, and are not in
+    /// `done`: in-order traffic, the common case, costs no map entry. They
+    /// completed, except those in `given_up` (losses: few).
     run: (u64, u64),
+    given_up: BTreeSet<u64>,
 }
 
 impl PeerState {
@@ -335,30 +337,69 @@ impl PeerState {
             return Some(Finished::GivenUp);
         }
         if (self.run.0..self.run.1).contains(&msg_id) {
-            return Some(Finished::Completed);
+            return Some(if self.given_up.contains(&msg_id) {
+                Finished::GivenUp
+            } else {
+                Finished::Completed
+            });
         }
         self.done.get(&msg_id).copied()
     }
 
-    /// Records `msg_id` as finished `how`; returns false when it went into
-    /// `done` (the caller then trims it).
-    fn record(&mut self, msg_id: u64, how: Finished) -> bool {
-        if how == Finished::Completed && (msg_id == self.run.1 || self.run.0 == self.run.1) {
-            if self.run.0 == self.run.1 {
-                self.run = (msg_id, msg_id);
-            }
-            self.run.1 = msg_id.saturating_add(1);
-            // Ids finished out of order join the run once it reaches them
-            // (one given up too, or a lossy link would fall back to the
-            // map for good after its first loss: a late piece of it then
-            // counts as a duplicate rather than as late).
-            while self.done.remove(&self.run.1).is_some() {
-                self.run.1 = self.run.1.saturating_add(1);
-            }
-            return true;
+    /// Records `msg_id` as finished `how`, and keeps what is remembered
+    /// within `window` ids: the oldest of `done` beyond it, and every id
+    /// more than `window` below the run's end, fall below `floor`.
+    fn record(&mut self, msg_id: u64, how: Finished, window: usize) {
+        // Once the floor has passed the run, the run starts again there,
+        // taking in what finished from there on.
+        if self.run.1 < self.floor {
+            self.run = (self.floor, self.floor);
+            self.absorb();
         }
-        self.done.insert(msg_id, how);
-        false
+        let extends = msg_id == self.run.1 || self.run.0 == self.run.1;
+        match msg_id.checked_add(1) {
+            Some(after) if extends => {
+                if self.run.0 == self.run.1 {
+                    self.run.0 = msg_id;
+                }
+                self.run.1 = after;
+                if how == Finished::GivenUp {
+                    self.given_up.insert(msg_id);
+                }
+                self.absorb();
+            }
+            _ => {
+                self.done.insert(msg_id, how);
+                while self.done.len() > window {
+                    let Some((oldest, _)) = self.done.pop_first() else {
+                        break;
+                    };
+                    self.floor = self.floor.max(oldest.saturating_add(1));
+                }
+            }
+        }
+        self.floor = self.floor.max(self.run.1.saturating_sub(window as u64));
+        // Below the floor every id reads as given up anyway.
+        while self.given_up.first().is_some_and(|&id| id < self.floor)
+            || self.given_up.len() > window
+        {
+            self.given_up.pop_first();
+        }
+    }
+
+    /// Ids finished out of order join the run once it reaches them, given
+    /// up or completed alike, so a lossy link keeps its run after a loss.
+    fn absorb(&mut self) {
+        while let Some(&how) = self.done.get(&self.run.1) {
+            let Some(after) = self.run.1.checked_add(1) else {
+                break;
+            };
+            self.done.remove(&self.run.1);
+            if how == Finished::GivenUp {
+                self.given_up.insert(self.run.1);
+            }
+            self.run.1 = after;
+        }
     }
 }
 
@@ -646,16 +687,12 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
         let Some(state) = self.peers.get_mut(peer) else {
             return;
         };
-        if state.record(msg_id, how) {
+        let floor_before = state.floor;
+        state.record(msg_id, how, self.config.done_window);
+        let floor = state.floor;
+        if floor == floor_before || state.partials.is_empty() {
             return;
         }
-        while state.done.len() > self.config.done_window {
-            let Some((oldest, _)) = state.done.pop_first() else {
-                break;
-            };
-            state.floor = state.floor.max(oldest.saturating_add(1));
-        }
-        let floor = state.floor;
         let stale: Vec<u64> = state
             .partials
             .keys()
@@ -748,6 +785,54 @@ impl<K> Drop for Reassembler<K> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// In-order ids stay a run; ids finished out of order, given up or
+    /// skipped join it or fall below the window; memory stays bounded.
+    #[test]
+    fn finished_ids_keep_a_run_and_a_bounded_window() {
+        let window = 8;
+        let mut state = PeerState::default();
+        for id in 1..=50 {
+            state.record(id, Finished::Completed, window);
+        }
+        assert!(state.done.is_empty());
+        assert_eq!(state.finished(50), Some(Finished::Completed));
+        assert_eq!(state.finished(51), None);
+        assert_eq!(
+            state.floor,
+            51 - window as u64,
+            "older ids count as finished"
+        );
+        assert_eq!(state.finished(3), Some(Finished::GivenUp));
+
+        // 51 is late: 52..=55 wait in the map, then 51, given up, joins
+        // the run and brings them along.
+        for id in 52..=55 {
+            state.record(id, Finished::Completed, window);
+        }
+        assert_eq!(state.done.len(), 4);
+        state.record(51, Finished::GivenUp, window);
+        assert!(state.done.is_empty());
+        assert_eq!(state.run.1, 56);
+        assert_eq!(state.finished(51), Some(Finished::GivenUp));
+        assert_eq!(state.finished(52), Some(Finished::Completed));
+
+        // 56 never finishes (a lossy link skipped it): later ids fill the
+        // map up to the window, the floor passes 56, and the run starts
+        // again from the floor.
+        for id in 57..=200 {
+            state.record(id, Finished::Completed, window);
+            assert!(state.done.len() <= window);
+        }
+        assert!(state.floor > 56);
+        assert!(state.done.is_empty(), "the run caught up: {:?}", state.done);
+        assert_eq!(state.run.1, 201);
+        assert_eq!(state.finished(200), Some(Finished::Completed));
+
+        // The last id there is cannot end a run: it is remembered alone.
+        state.record(u64::MAX, Finished::Completed, window);
+        assert_eq!(state.finished(u64::MAX), Some(Finished::Completed));
+    }
 
     fn frag(msg_id: u64, index: u32, count: u32, total_len: u32, len: usize) -> Fragment {
         Fragment {
