@@ -145,7 +145,7 @@ fn caps_reads_a_saved_dump_and_says_what_efabus_would_choose() {
     for link in ["reliable: efa-rdm", "best-effort: efa-dgram"] {
         let line = text.lines().find(|line| line.starts_with(link));
         assert!(
-            line.is_some_and(|line| line.ends_with("window 256/256")),
+            line.is_some_and(|line| line.ends_with("queues 256/256")),
             "{link}: {line:?}"
         );
     }

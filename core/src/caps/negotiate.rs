@@ -294,7 +294,7 @@ impl fmt::Display for Choice {
         let p = &self.params;
         write!(
             f,
-            "{} via {} {}: frame limit {}{}, prefix {}, {}, {}, window {}/{}",
+            "{} via {} {}: frame limit {}{}, prefix {}, {}, {}, queues {}/{}",
             self.scheme,
             self.local.provider,
             p.ep_type,
