@@ -661,6 +661,41 @@ mod suite {
         assert_eq!(b.stats().rendezvous_read, count as u64 / 2);
     }
 
+    /// A `shm` peer in this process whose endpoint closes: sending to it
+    /// ends its link with the reason instead of reaching into its region,
+    /// which went with it.
+    pub fn closed_in_process_shm_peer_ends_its_link() {
+        let Some((mut a, b)) = pair(EpKind::Rdm, "shm", &[]) else {
+            return;
+        };
+        let mut b = b;
+        let (pb, _) = insert_each_other(&mut a, &mut b);
+        drop(b);
+        let mut events = Vec::new();
+        // The frame waits for the next poll, which finds the peer gone.
+        let _ = a.send(pb, frame(b"to nobody"));
+        let start = Instant::now();
+        loop {
+            a.poll(&mut events).expect("poll");
+            let closed = events.iter().find_map(|e| match e {
+                Event::Closed { peer, reason } if *peer == pb => Some(reason.clone()),
+                _ => None,
+            });
+            if let Some(reason) = closed {
+                assert!(
+                    matches!(&reason, CloseReason::Error(text) if text.contains("closed")),
+                    "{reason:?}"
+                );
+                break;
+            }
+            assert!(start.elapsed() < DEADLINE, "the link was never ended");
+        }
+        assert!(matches!(
+            a.send(pb, frame(b"again")),
+            Err(SendError::Closed(_))
+        ));
+    }
+
     /// A receiver that stops reading holds at most its share of the
     /// sender's registrations (the sender is told to wait, then `Writable`
     /// once the receiver reads again); one that goes away for good has its
@@ -718,10 +753,8 @@ mod suite {
             a.poll(&mut Vec::new()).expect("poll a");
         }
         assert_eq!(a.rendezvous_held().0, 3);
-        // Closed before the receiver's endpoint goes: a shm endpoint's
-        // region is unmapped with it, and this process maps both.
-        a.close(pb);
         drop(b);
+        a.close(pb);
         assert_eq!(
             a.rendezvous_held(),
             (0, 0),
@@ -1671,6 +1704,12 @@ fn rdm_rendezvous_bounds_and_abandoned_transfers() {
     for provider in READING_PROVIDERS {
         suite::rendezvous_bounds_and_abandoned_transfers(provider);
     }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_shm_closed_in_process_peer_ends_its_link() {
+    suite::closed_in_process_shm_peer_ends_its_link();
 }
 
 /// Backpressure on the reliable endpoints (a datagram receiver that is not

@@ -67,6 +67,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -130,6 +132,16 @@ const PEER_TX_BYTES: usize = 8 << 20;
 /// Peers one `shm` endpoint can address (libfabric's `SMR_MAX_PEERS`); its
 /// `fi_av_open` fails with `FI_ENOSYS` for a larger table.
 const SHM_MAX_PEERS: usize = 256;
+
+/// Whether each open `shm` endpoint of this process is still open, by
+/// address. With libfabric 1.17 a send to a `shm` endpoint of the same
+/// process that has closed crashes inside the provider (its region is gone
+/// from the shared address space), so sends to such a peer check first
+/// and end the link instead.
+fn local_shm_endpoints() -> &'static Mutex<HashMap<Vec<u8>, Arc<AtomicBool>>> {
+    static ENDPOINTS: OnceLock<Mutex<HashMap<Vec<u8>, Arc<AtomicBool>>>> = OnceLock::new();
+    ENDPOINTS.get_or_init(Default::default)
+}
 
 /// What the provider granted, as the endpoint uses it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -248,6 +260,8 @@ struct PeerState {
     rma_bytes: usize,
     /// Reads of this peer's transfers, queued or in flight.
     rma_reads: usize,
+    /// For a `shm` peer in this process: whether its endpoint is open.
+    in_process: Option<Arc<AtomicBool>>,
 }
 
 /// One address in the address vector.
@@ -299,6 +313,8 @@ pub struct FabricEndpoint {
     tx_control: Vec<bool>,
     /// Inside `progress` (see there).
     progressing: bool,
+    /// A `shm` endpoint's entry in `local_shm_endpoints`.
+    shm_open: Option<Arc<AtomicBool>>,
 
     next_peer: u64,
     /// Looked up on every send and receive; keyed by ids this endpoint
@@ -354,6 +370,20 @@ pub struct FabricEndpoint {
 // what FI_THREAD_DOMAIN (requested in the hints) asks of the application.
 // Raw pointers in the pools point into memory this value owns.
 unsafe impl Send for FabricEndpoint {}
+
+impl Drop for FabricEndpoint {
+    /// Tells this process's other `shm` endpoints, before the provider's
+    /// endpoint closes (the fields drop after this), that this one is gone.
+    fn drop(&mut self) {
+        if let Some(open) = &self.shm_open {
+            open.store(false, Ordering::Release);
+            local_shm_endpoints()
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&self.local_addr);
+        }
+    }
+}
 
 impl FabricEndpoint {
     /// Opens an endpoint of `kind` with `options` (see [`FabricOptions`]).
@@ -603,6 +633,7 @@ impl FabricEndpoint {
             tx_body: vec![None; tx_depth],
             tx_control: vec![false; tx_depth],
             progressing: false,
+            shm_open: None,
             unposted_rx: (0..rx_depth).rev().collect(),
             lent_rx: 0,
             pending: VecDeque::new(),
@@ -612,6 +643,14 @@ impl FabricEndpoint {
             stats: FabricStats::default(),
             bad_input_log: BadInputLog::default(),
         };
+        if endpoint.link.provider == super::config::SHM_PROVIDER {
+            let open = Arc::new(AtomicBool::new(true));
+            local_shm_endpoints()
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(endpoint.local_addr.clone(), open.clone());
+            endpoint.shm_open = Some(open);
+        }
         endpoint.post_receives()?;
         if !endpoint.unposted_rx.is_empty() {
             tracing::debug!(
@@ -985,6 +1024,13 @@ impl FabricEndpoint {
                 fi_addr
             }
         };
+        let in_process = self.shm_open.as_ref().and_then(|_| {
+            local_shm_endpoints()
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(addr)
+                .cloned()
+        });
         let peer = PeerId(self.next_peer);
         self.next_peer += 1;
         self.links.insert(keys.local_id, peer);
@@ -1005,6 +1051,7 @@ impl FabricEndpoint {
                 rma_sends: 0,
                 rma_bytes: 0,
                 rma_reads: 0,
+                in_process,
             },
         );
         Ok(peer)
@@ -1154,6 +1201,9 @@ impl FabricEndpoint {
     }
 
     fn flush_backlog(&mut self, peer: PeerId) {
+        if !self.peer_endpoint_open(peer) {
+            return;
+        }
         loop {
             let Some(state) = self.peers.get(&peer) else {
                 return;
@@ -1295,6 +1345,30 @@ impl FabricEndpoint {
         }
         state.backlog.push_back(slot);
         Ok(())
+    }
+
+    /// False, after ending the link, when `peer` is a `shm` endpoint of this
+    /// process that has closed (see `local_shm_endpoints`).
+    fn peer_endpoint_open(&mut self, peer: PeerId) -> bool {
+        let closed = self.peers.get(&peer).is_some_and(|state| {
+            state
+                .in_process
+                .as_ref()
+                .is_some_and(|open| !open.load(Ordering::Acquire))
+        });
+        if closed {
+            let reason = "its shm endpoint in this process closed".to_string();
+            let backlog = self
+                .peers
+                .get_mut(&peer)
+                .map(|s| std::mem::take(&mut s.backlog))
+                .unwrap_or_default();
+            for slot in backlog {
+                self.release_slot(slot);
+            }
+            self.drop_peer(peer, CloseReason::Error(reason));
+        }
+        !closed
     }
 
     /// Whether `frame`'s body may be sent from where it lies (see the
@@ -1496,6 +1570,20 @@ impl FabricEndpoint {
                 rma.queue.remove(at);
                 continue;
             };
+            if state
+                .in_process
+                .as_ref()
+                .is_some_and(|open| !open.load(Ordering::Acquire))
+            {
+                let queued = rma.queue.remove(at);
+                failed.extend(queued.map(|q| {
+                    (
+                        q.peer,
+                        "its shm endpoint in this process closed".to_string(),
+                    )
+                }));
+                continue;
+            }
             let fi_addr = state.fi_addr;
             let mut buf = rma.landing.take(total);
             buf[..queued.head.len()].copy_from_slice(&queued.head);
