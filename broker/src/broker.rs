@@ -101,6 +101,14 @@ pub struct BrokerStats {
     /// receive pools), and of that what is registered (pinned).
     pub fabric_buffer_bytes: AtomicU64,
     pub fabric_registered_bytes: AtomicU64,
+    /// Frames the listeners sent and received by rendezvous, the bytes
+    /// read, the bodies registered for them, and transfers released
+    /// because their peer closed first.
+    pub fabric_rendezvous_sent: AtomicU64,
+    pub fabric_rendezvous_read: AtomicU64,
+    pub fabric_rendezvous_read_bytes: AtomicU64,
+    pub fabric_rendezvous_registrations: AtomicU64,
+    pub fabric_rendezvous_abandoned: AtomicU64,
 }
 
 impl BrokerStats {
@@ -156,6 +164,20 @@ impl BrokerStats {
             (
                 "fabric_registered_bytes",
                 get(&self.fabric_registered_bytes),
+            ),
+            ("fabric_rendezvous_sent", get(&self.fabric_rendezvous_sent)),
+            ("fabric_rendezvous_read", get(&self.fabric_rendezvous_read)),
+            (
+                "fabric_rendezvous_read_bytes",
+                get(&self.fabric_rendezvous_read_bytes),
+            ),
+            (
+                "fabric_rendezvous_registrations",
+                get(&self.fabric_rendezvous_registrations),
+            ),
+            (
+                "fabric_rendezvous_abandoned",
+                get(&self.fabric_rendezvous_abandoned),
             ),
         ]
     }

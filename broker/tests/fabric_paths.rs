@@ -558,6 +558,20 @@ fn carries_large_payloads_over_rdm(provider: Provider) {
         "large messages did not come over the fabric: {after:?}"
     );
     assert_eq!(after.client_control_in, before.client_control_in);
+    // The broker's listener read the publisher's large frames and served
+    // its own to the subscriber by rendezvous, and released every transfer.
+    let stat = |name| broker.stats().value(name).unwrap_or(0);
+    let large = sizes.iter().filter(|&&len| len > limit).count() as u64;
+    if provider.rdm.contains("ofi_rxd") {
+        assert_eq!(
+            stat("fabric_rendezvous_sent") + stat("fabric_rendezvous_read"),
+            0
+        );
+    } else {
+        assert!(stat("fabric_rendezvous_read") >= large, "{large} large");
+        assert!(stat("fabric_rendezvous_sent") >= 2 * large, "{large} large");
+        assert_eq!(stat("fabric_rendezvous_abandoned"), 0);
+    }
 }
 
 // ---------------------------------------------------------------------------

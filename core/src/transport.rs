@@ -448,6 +448,23 @@ pub struct Refused {
     pub malformed: u64,
 }
 
+/// What an endpoint moved by rendezvous since it opened (see
+/// [`Endpoint::rendezvous_max`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RendezvousCounts {
+    /// Frames sent by rendezvous (a descriptor in their place).
+    pub sent: u64,
+    /// Bodies registered for them (a frame sent to several peers at once
+    /// is registered once).
+    pub registrations: u64,
+    /// Frames received by rendezvous.
+    pub read: u64,
+    /// Their bytes.
+    pub read_bytes: u64,
+    /// Transfers released without their done: the peer closed first.
+    pub abandoned: u64,
+}
+
 /// A message-oriented, peer-addressed endpoint. See the module docs for the
 /// calling order.
 pub trait Endpoint: Send {
@@ -487,6 +504,11 @@ pub trait Endpoint: Send {
     /// authenticate messages count them; others refuse none this way).
     fn refused(&self) -> Refused {
         Refused::default()
+    }
+
+    /// What the endpoint moved by rendezvous, for the owner's statistics.
+    fn rendezvous_counts(&self) -> RendezvousCounts {
+        RendezvousCounts::default()
     }
 
     /// Queue one frame for a peer without blocking.

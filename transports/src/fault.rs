@@ -833,6 +833,10 @@ impl Endpoint for FaultyEndpoint {
         self.inner.refused()
     }
 
+    fn rendezvous_counts(&self) -> efabus_core::transport::RendezvousCounts {
+        self.inner.rendezvous_counts()
+    }
+
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
         if self.disconnecting.contains(&peer) {
             return Err(SendError::Closed(peer));

@@ -33,7 +33,7 @@ use efabus_core::link::{LinkError, LinkTuning};
 use efabus_core::log_limit::LogLimit;
 use efabus_core::subject;
 use efabus_core::transport::{
-    CloseReason, Endpoint, Event, OutFrame, PeerId, Refused, TransportError,
+    CloseReason, Endpoint, Event, OutFrame, PeerId, Refused, RendezvousCounts, TransportError,
 };
 use mio::{Poll, Token};
 use tracing::{debug, error, info, warn};
@@ -126,6 +126,7 @@ pub(crate) struct EventLoop {
     auth_guard: AuthGuard,
     /// The endpoints' refused messages as last put in the stats.
     refused: Refused,
+    rendezvous: RendezvousCounts,
     /// Failed polls are logged once a second at most.
     poll_error_log: LogLimit,
     /// Refused connections likewise.
@@ -213,6 +214,7 @@ impl EventLoop {
             timers_ran: Instant::now(),
             auth_guard: AuthGuard::default(),
             refused: Refused::default(),
+            rendezvous: RendezvousCounts::default(),
             poll_error_log: LogLimit::new(Duration::from_secs(1)),
             refused_log: LogLimit::new(Duration::from_secs(1)),
         }
@@ -320,6 +322,7 @@ impl EventLoop {
         self.close_batches();
         self.flush_tally();
         self.publish_refused();
+        self.publish_rendezvous();
         busy
     }
 
@@ -381,6 +384,35 @@ impl EventLoop {
         stats
             .fabric_malformed
             .store(refused.malformed, Ordering::Relaxed);
+    }
+
+    /// The endpoints' rendezvous counts into the shared stats when they
+    /// moved.
+    fn publish_rendezvous(&mut self) {
+        let counts = self.endpoints.iter().map(|e| e.rendezvous_counts()).fold(
+            RendezvousCounts::default(),
+            |sum, c| RendezvousCounts {
+                sent: sum.sent + c.sent,
+                registrations: sum.registrations + c.registrations,
+                read: sum.read + c.read,
+                read_bytes: sum.read_bytes + c.read_bytes,
+                abandoned: sum.abandoned + c.abandoned,
+            },
+        );
+        if counts == self.rendezvous {
+            return;
+        }
+        self.rendezvous = counts;
+        let stats = &self.shared.stats;
+        for (counter, value) in [
+            (&stats.fabric_rendezvous_sent, counts.sent),
+            (&stats.fabric_rendezvous_read, counts.read),
+            (&stats.fabric_rendezvous_read_bytes, counts.read_bytes),
+            (&stats.fabric_rendezvous_registrations, counts.registrations),
+            (&stats.fabric_rendezvous_abandoned, counts.abandoned),
+        ] {
+            counter.store(value, Ordering::Relaxed);
+        }
     }
 
     fn drain_commands(&mut self, max: usize) -> bool {

@@ -2012,6 +2012,16 @@ impl Endpoint for FabricEndpoint {
         }
     }
 
+    fn rendezvous_counts(&self) -> efabus_core::transport::RendezvousCounts {
+        efabus_core::transport::RendezvousCounts {
+            sent: self.stats.rendezvous_sent,
+            registrations: self.stats.rendezvous_registrations,
+            read: self.stats.rendezvous_read,
+            read_bytes: self.stats.rendezvous_read_bytes,
+            abandoned: self.stats.rendezvous_abandoned,
+        }
+    }
+
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
         let Some(state) = self.peers.get(&peer) else {
             return Err(SendError::Closed(peer));
