@@ -264,6 +264,18 @@ struct PeerState {
     in_process: Option<Arc<AtomicBool>>,
 }
 
+impl PeerState {
+    /// The peer is a `shm` endpoint of this process that has closed.
+    fn endpoint_closed(&self) -> bool {
+        self.in_process
+            .as_ref()
+            .is_some_and(|open| !open.load(Ordering::Acquire))
+    }
+}
+
+/// Why a link to an in-process `shm` peer ended (see `local_shm_endpoints`).
+const IN_PROCESS_CLOSED: &str = "its shm endpoint in this process closed";
+
 /// One address in the address vector.
 struct AvEntry {
     fi_addr: u64,
@@ -1350,23 +1362,12 @@ impl FabricEndpoint {
     /// False, after ending the link, when `peer` is a `shm` endpoint of this
     /// process that has closed (see `local_shm_endpoints`).
     fn peer_endpoint_open(&mut self, peer: PeerId) -> bool {
-        let closed = self.peers.get(&peer).is_some_and(|state| {
-            state
-                .in_process
-                .as_ref()
-                .is_some_and(|open| !open.load(Ordering::Acquire))
-        });
+        let closed = self
+            .peers
+            .get(&peer)
+            .is_some_and(PeerState::endpoint_closed);
         if closed {
-            let reason = "its shm endpoint in this process closed".to_string();
-            let backlog = self
-                .peers
-                .get_mut(&peer)
-                .map(|s| std::mem::take(&mut s.backlog))
-                .unwrap_or_default();
-            for slot in backlog {
-                self.release_slot(slot);
-            }
-            self.drop_peer(peer, CloseReason::Error(reason));
+            self.drop_peer(peer, CloseReason::Error(IN_PROCESS_CLOSED.to_string()));
         }
         !closed
     }
@@ -1570,18 +1571,9 @@ impl FabricEndpoint {
                 rma.queue.remove(at);
                 continue;
             };
-            if state
-                .in_process
-                .as_ref()
-                .is_some_and(|open| !open.load(Ordering::Acquire))
-            {
+            if state.endpoint_closed() {
                 let queued = rma.queue.remove(at);
-                failed.extend(queued.map(|q| {
-                    (
-                        q.peer,
-                        "its shm endpoint in this process closed".to_string(),
-                    )
-                }));
+                failed.extend(queued.map(|q| (q.peer, IN_PROCESS_CLOSED.to_string())));
                 continue;
             }
             let fi_addr = state.fi_addr;
