@@ -15,7 +15,7 @@
 mod peer;
 mod route;
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -321,8 +321,7 @@ impl EventLoop {
         }
         self.close_batches();
         self.flush_tally();
-        self.publish_refused();
-        self.publish_rendezvous();
+        self.publish_endpoint_counts();
         busy
     }
 
@@ -356,8 +355,13 @@ impl EventLoop {
         }
     }
 
-    /// The endpoints' counts of refused messages, which change only as
-    /// they are polled, into the shared stats when they moved.
+    /// The endpoints' counts (refused messages, rendezvous), which change
+    /// only as they are polled, into the shared stats when they moved.
+    fn publish_endpoint_counts(&mut self) {
+        self.publish_refused();
+        self.publish_rendezvous();
+    }
+
     fn publish_refused(&mut self) {
         let refused =
             self.endpoints
@@ -374,20 +378,14 @@ impl EventLoop {
         }
         self.refused = refused;
         let stats = &self.shared.stats;
-        stats
-            .fabric_unknown_links
-            .store(refused.unknown_link, Ordering::Relaxed);
-        stats.fabric_forged.store(refused.forged, Ordering::Relaxed);
-        stats
-            .fabric_replayed
-            .store(refused.replayed, Ordering::Relaxed);
-        stats
-            .fabric_malformed
-            .store(refused.malformed, Ordering::Relaxed);
+        store_all(&[
+            (&stats.fabric_unknown_links, refused.unknown_link),
+            (&stats.fabric_forged, refused.forged),
+            (&stats.fabric_replayed, refused.replayed),
+            (&stats.fabric_malformed, refused.malformed),
+        ]);
     }
 
-    /// The endpoints' rendezvous counts into the shared stats when they
-    /// moved.
     fn publish_rendezvous(&mut self) {
         let counts = self.endpoints.iter().map(|e| e.rendezvous_counts()).fold(
             RendezvousCounts::default(),
@@ -404,15 +402,13 @@ impl EventLoop {
         }
         self.rendezvous = counts;
         let stats = &self.shared.stats;
-        for (counter, value) in [
+        store_all(&[
             (&stats.fabric_rendezvous_sent, counts.sent),
             (&stats.fabric_rendezvous_read, counts.read),
             (&stats.fabric_rendezvous_read_bytes, counts.read_bytes),
             (&stats.fabric_rendezvous_registrations, counts.registrations),
             (&stats.fabric_rendezvous_abandoned, counts.abandoned),
-        ] {
-            counter.store(value, Ordering::Relaxed);
-        }
+        ]);
     }
 
     fn drain_commands(&mut self, max: usize) -> bool {
@@ -1589,5 +1585,12 @@ impl EventLoop {
         }
         self.shared.subscriptions.write().close_locals();
         info!("stopped");
+    }
+}
+
+/// Stores each value in its counter.
+fn store_all(values: &[(&AtomicU64, u64)]) {
+    for (counter, value) in values {
+        counter.store(*value, Ordering::Relaxed);
     }
 }

@@ -73,10 +73,7 @@ pub fn rendezvous_max(
     options: &FabricOptions,
     (max_msg_size, max_frame, eager_max): (u64, usize, usize),
 ) -> usize {
-    let usable = kind == EpKind::Rdm
-        && options.rendezvous
-        && caps & RMA_READ_CAPS == RMA_READ_CAPS
-        && !provider.split(';').any(|layer| layer == "ofi_rxd");
+    let usable = asks_rendezvous(kind, provider, options) && caps & RMA_READ_CAPS == RMA_READ_CAPS;
     let largest = max_frame.min(usize::try_from(max_msg_size).unwrap_or(usize::MAX));
     if usable && largest > eager_max {
         largest
@@ -85,10 +82,12 @@ pub fn rendezvous_max(
     }
 }
 
-/// Whether rendezvous is asked of `provider` when it is enabled (see
-/// [`rendezvous_max`]).
+/// Whether an endpoint of `kind` on `provider` asks for RMA reads (see
+/// [`rendezvous_max`]): RDM with rendezvous enabled, not `ofi_rxd`.
 pub fn asks_rendezvous(kind: EpKind, provider: &str, options: &FabricOptions) -> bool {
-    rendezvous_max(kind, provider, RMA_READ_CAPS, options, (u64::MAX, 2, 1)) > 0
+    kind == EpKind::Rdm
+        && options.rendezvous
+        && !provider.split(';').any(|layer| layer == "ofi_rxd")
 }
 
 /// Lower-case hex of address bytes, as `connect` accepts them.

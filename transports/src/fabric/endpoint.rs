@@ -2019,24 +2019,21 @@ impl Endpoint for FabricEndpoint {
             return Err(SendError::Closed(peer));
         };
         let len = frame.len();
-        if state.rendezvous > 0 && len > state.pack_limit {
-            if len > state.rendezvous {
-                return Err(SendError::TooLarge {
-                    len,
-                    max: state.rendezvous,
-                });
-            }
-            check_frame(&frame).map_err(|e| other(format!("malformed frame: {e}")))?;
-            return self.send_rendezvous(peer, frame);
-        }
-        if len > self.link.max_frame {
-            return Err(SendError::TooLarge {
-                len,
-                max: self.link.max_frame,
-            });
+        let rendezvous = state.rendezvous > 0 && len > state.pack_limit;
+        let max = if rendezvous {
+            state.rendezvous
+        } else {
+            self.link.max_frame
+        };
+        if len > max {
+            return Err(SendError::TooLarge { len, max });
         }
         check_frame(&frame).map_err(|e| other(format!("malformed frame: {e}")))?;
-        self.send_eager(peer, frame, false)
+        if rendezvous {
+            self.send_rendezvous(peer, frame)
+        } else {
+            self.send_eager(peer, frame, false)
+        }
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError> {
