@@ -1315,7 +1315,7 @@ impl ClientLoop {
             // Only this thread writes the counter: no atomic add needed.
             let control_in = &shared.counters.control_in;
             control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-            let message = match self.read_message(frame) {
+            let (sid, subject, reply, payload) = match self.read_message(frame) {
                 Ok(message) => message,
                 Err(frame) => {
                     subscriptions = None;
@@ -1325,46 +1325,28 @@ impl ClientLoop {
                     continue;
                 }
             };
-            self.deliver_read(&shared, &mut subscriptions, &mut cut_off, message);
+            let inbox = shared.inbox_sid_seen.load(Ordering::Acquire);
+            if inbox != 0 && sid == inbox {
+                self.dispatch_reply(subject, reply, payload);
+                continue;
+            }
+            let subscriptions = subscriptions.get_or_insert_with(|| shared.subscriptions.lock());
+            let Some(sub) = subscriptions.get(&sid) else {
+                continue;
+            };
+            let delivery = sub.sink.deliver(Message {
+                subject,
+                reply,
+                payload,
+            });
+            if delivery == Delivery::Closed {
+                // Cut off as a slow consumer: end the stream for the
+                // reader and stop the server sending more.
+                subscriptions.remove(&sid);
+                cut_off.push(sid);
+            }
         }
         drop(subscriptions);
-        self.unsubscribe_cut_off(cut_off);
-    }
-
-    /// Hands a message read in place to its subscription, the lock taken
-    /// once for a run of them (`subscriptions`); a subscription cut off as
-    /// a slow consumer goes to `cut_off`.
-    fn deliver_read<'a>(
-        &mut self,
-        shared: &'a ClientShared,
-        subscriptions: &mut Option<parking_lot::MutexGuard<'a, HashMap<u64, ClientSub>>>,
-        cut_off: &mut Vec<u64>,
-        (sid, subject, reply, payload): (u64, Arc<str>, Option<Arc<str>>, Bytes),
-    ) {
-        let inbox = shared.inbox_sid_seen.load(Ordering::Acquire);
-        if inbox != 0 && sid == inbox {
-            self.dispatch_reply(subject, reply, payload);
-            return;
-        }
-        let subscriptions = subscriptions.get_or_insert_with(|| shared.subscriptions.lock());
-        let Some(sub) = subscriptions.get(&sid) else {
-            return;
-        };
-        let delivery = sub.sink.deliver(Message {
-            subject,
-            reply,
-            payload,
-        });
-        if delivery == Delivery::Closed {
-            // Cut off as a slow consumer: end the stream for the reader
-            // and stop the server sending more.
-            subscriptions.remove(&sid);
-            cut_off.push(sid);
-        }
-    }
-
-    /// Tells the server to stop sending to the subscriptions in `cut_off`.
-    fn unsubscribe_cut_off(&mut self, mut cut_off: Vec<u64>) {
         for sid in cut_off.drain(..) {
             self.send(codec::encode(&Frame::Unsubscribe { sid }));
         }
@@ -1815,26 +1797,12 @@ impl ClientLoop {
                         .fabric_in
                         .fetch_add(received, Ordering::Relaxed);
                 }
-                // Messages are read in place, as on the control link.
-                let shared = self.shared.clone();
-                let mut subscriptions = None;
-                let mut cut_off = std::mem::take(&mut self.cut_off);
                 for bytes in released.drain(..) {
-                    match self.read_message(bytes) {
-                        Ok(message) => {
-                            self.deliver_read(&shared, &mut subscriptions, &mut cut_off, message)
-                        }
-                        Err(bytes) => {
-                            subscriptions = None;
-                            match codec::decode(bytes, &self.codec) {
-                                Ok(frame) => self.on_frame(control, frame),
-                                Err(err) => warn!(error = %err, "malformed frame on the data link"),
-                            }
-                        }
+                    match codec::decode(bytes, &self.codec) {
+                        Ok(frame) => self.on_frame(control, frame),
+                        Err(err) => warn!(error = %err, "malformed frame on the data link"),
                     }
                 }
-                drop(subscriptions);
-                self.unsubscribe_cut_off(cut_off);
                 self.released = released;
                 if !self.conn.out.is_empty() {
                     // The message may have been a credit opening the window.
