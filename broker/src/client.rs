@@ -1150,6 +1150,9 @@ impl ClientLoop {
             self.shared.parker.unpark();
             // Awake again: publishers go through the outbox.
             self.shared.outbox.lock().loop_idle = false;
+            if polled.yields(idle, &self.shared.options.fabric.polling) {
+                std::thread::yield_now();
+            }
         }
         self.close();
     }

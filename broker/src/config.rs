@@ -318,8 +318,9 @@ pub struct Fabric {
 /// rounds and then sleeps on the descriptor, which wakes it as soon as a
 /// completion is due: an idle broker uses no CPU. Without one (efa on
 /// libfabric 1.17, or `wait_fd = false`) it spins for `busy_polls` idle
-/// rounds (one core at 100%, lowest latency), then sleeps 50 us between
-/// polls for as many rounds again, then `idle_sleep_us` between polls, so
+/// rounds (one core at 100%, lowest latency), then polls and yields the
+/// core for 64 times as many, then sleeps 50 us between polls for
+/// `busy_polls` rounds, then `idle_sleep_us` between polls, so
 /// an idle broker wakes about 1000 times a second (about 3% of a core with
 /// `tcp;ofi_rxm`, whose progress call is costly). Traffic resets the count.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

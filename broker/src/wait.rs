@@ -32,6 +32,18 @@ pub(crate) fn wait(
 /// rounds tripled the round-trip time of 8).
 const WAKEABLE_SPINS: u32 = 8;
 
+/// Rounds, per `busy_polls`, that a loop without a wake-up descriptor
+/// polls and then yields its core, between spinning and sleeping. A
+/// sleep, however short, costs a timer wake-up (50 us or more with the
+/// kernel's default timer slack); a yield returns at once when no other
+/// thread wants the core, and hands it over when one does. Measured over
+/// shm on 2 cores, 64 B round trips through the broker: 440 us (p50) with
+/// sleeps straight after spinning, 245 us with 16 rounds per `busy_polls`
+/// of yields, 211 us with 64. Spinning instead made it far worse (4.7 ms
+/// with 2,000 spins): the spinners took the cores from the threads with
+/// work.
+const YIELD_ROUNDS_PER_BUSY_POLL: u32 = 64;
+
 /// How a loop's endpoints want to be waited on.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Polled {
@@ -58,21 +70,39 @@ impl Polled {
     /// soon as work arrives: not at all for `WAKEABLE_SPINS` idle rounds (at
     /// most `busy_polls`), then as long as the loop's own timers allow
     /// (`Duration::MAX`). Otherwise: not at all for `busy_polls` idle
-    /// rounds, then 50 us for as many rounds again, then `idle_sleep_us`.
+    /// rounds, nor for the rounds it [`yields`](Self::yields) after them,
+    /// then 50 us for `busy_polls` rounds, then `idle_sleep_us`.
     pub fn backoff(self, idle_rounds: u32, polling: &crate::config::Polling) -> Duration {
+        let yielded = Self::yield_end(polling);
         if self.wakeable {
             if idle_rounds <= polling.busy_polls.min(WAKEABLE_SPINS) {
                 Duration::ZERO
             } else {
                 Duration::MAX
             }
-        } else if idle_rounds <= polling.busy_polls {
+        } else if idle_rounds <= yielded {
             Duration::ZERO
-        } else if idle_rounds <= polling.busy_polls.saturating_mul(2) {
+        } else if idle_rounds <= yielded.saturating_add(polling.busy_polls) {
             Duration::from_micros(50.min(polling.idle_sleep_us))
         } else {
             Duration::from_micros(polling.idle_sleep_us)
         }
+    }
+
+    /// Whether an idle loop yields its core after this round's poll: a
+    /// loop without a wake-up descriptor does, once it has spun its
+    /// `busy_polls` rounds and until it starts sleeping.
+    pub fn yields(self, idle_rounds: u32, polling: &crate::config::Polling) -> bool {
+        self.must_poll
+            && !self.wakeable
+            && idle_rounds > polling.busy_polls
+            && idle_rounds <= Self::yield_end(polling)
+    }
+
+    fn yield_end(polling: &crate::config::Polling) -> u32 {
+        polling
+            .busy_polls
+            .saturating_mul(YIELD_ROUNDS_PER_BUSY_POLL + 1)
     }
 }
 
@@ -83,4 +113,56 @@ pub(crate) fn prepare_wait(endpoints: &mut [Box<dyn Endpoint>]) -> bool {
         .iter_mut()
         .filter(|endpoint| endpoint.readiness().must_poll())
         .all(|endpoint| endpoint.prepare_wait())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Polling;
+
+    fn polled(wakeable: bool) -> Polled {
+        Polled {
+            must_poll: true,
+            wakeable,
+        }
+    }
+
+    #[test]
+    fn a_loop_without_a_descriptor_spins_yields_then_sleeps() {
+        let polling = Polling {
+            busy_polls: 4,
+            idle_sleep_us: 1_000,
+            wait_fd: true,
+        };
+        let loop_ = polled(false);
+        let yield_end = 4 * (YIELD_ROUNDS_PER_BUSY_POLL + 1);
+        for round in 0..=4 {
+            assert_eq!(loop_.backoff(round, &polling), Duration::ZERO);
+            assert!(!loop_.yields(round, &polling), "spins at round {round}");
+        }
+        for round in [5, yield_end] {
+            assert_eq!(loop_.backoff(round, &polling), Duration::ZERO);
+            assert!(loop_.yields(round, &polling), "yields at round {round}");
+        }
+        let first_sleep = yield_end + 1;
+        assert!(!loop_.yields(first_sleep, &polling));
+        assert_eq!(
+            loop_.backoff(first_sleep, &polling),
+            Duration::from_micros(50)
+        );
+        assert_eq!(
+            loop_.backoff(yield_end + 5, &polling),
+            Duration::from_micros(1_000)
+        );
+    }
+
+    #[test]
+    fn a_loop_with_a_descriptor_never_yields() {
+        let polling = Polling::default();
+        let loop_ = polled(true);
+        for round in [0, 8, 9, 100, 10_000] {
+            assert!(!loop_.yields(round, &polling));
+        }
+        assert_eq!(loop_.backoff(9, &polling), Duration::MAX);
+    }
 }

@@ -270,6 +270,12 @@ impl EventLoop {
                 }
             }
             self.shared.commands.unpark();
+            if self
+                .polling
+                .yields(idle_spins, &self.shared.config.fabric.polling)
+            {
+                std::thread::yield_now();
+            }
         }
         self.shutdown(&mut events);
     }
