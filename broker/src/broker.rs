@@ -8,6 +8,7 @@
 //! event loop through a bounded command queue. The event loop thread
 //! (`crate::event_loop`) owns every endpoint and session.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -212,6 +213,28 @@ pub(crate) struct Shared {
     pub(crate) broker_id: u64,
     /// Whether an endpoint exists to dial routes from.
     pub(crate) can_dial: bool,
+    /// The routes in use, by session id, for [`Broker::routes`].
+    pub(crate) routes: Mutex<BTreeMap<u64, RouteReport>>,
+}
+
+/// One route in use, as [`Broker::routes`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteReport {
+    /// The peer broker's name, from its handshake.
+    pub name: String,
+    /// The peer broker's id (random per process), as hex.
+    pub broker_id: String,
+    /// The control link's remote address.
+    pub remote: String,
+    /// Whether this broker dialed the route (else the peer did).
+    pub dialed: bool,
+    /// The path carrying the route's traffic: a data link's description
+    /// (`efa-rdm via ...`, `shm via ...`), or the control link's scheme.
+    pub reliable: String,
+    /// The best-effort path, when it is a separate datagram link.
+    pub best_effort: Option<String>,
+    /// Why other paths were not chosen (on TCP: why not the fabric).
+    pub reasons: Vec<String>,
 }
 
 impl Shared {
@@ -382,6 +405,7 @@ impl Broker {
             listening,
             broker_id: unique_seed(),
             can_dial: dialer.is_some(),
+            routes: Mutex::new(BTreeMap::new()),
         });
         let cluster = Cluster::new(&shared, dialer);
         let event_loop = EventLoop::new(
@@ -439,6 +463,11 @@ impl Broker {
     /// that route peers announced to this broker, over all routes.
     pub fn route_interest_count(&self) -> usize {
         self.shared.subscriptions.read().route_interest_len()
+    }
+
+    /// The routes in use, with the path each is carried on.
+    pub fn routes(&self) -> Vec<RouteReport> {
+        self.shared.routes.lock().values().cloned().collect()
     }
 
     /// Route to one more broker, as if its endpoint string (`tcp/HOST:PORT`)

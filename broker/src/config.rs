@@ -832,13 +832,13 @@ pub fn locate(text: &str, key: &str) -> Option<usize> {
     Some(text[..start].matches('\n').count() + 1)
 }
 
-/// Why a `peers` entry cannot name a route: routes run over TCP, to a
-/// broker's listening address.
+/// Why a `peers` entry cannot name a route: routes are dialed over TCP,
+/// to a broker's listening address (their data path is negotiated then).
 pub(crate) fn check_peer(peer: &str) -> Result<(), String> {
     let spec = efabus_transports::registry::EndpointSpec::parse(peer).map_err(|e| e.to_string())?;
     if spec.scheme() != tcp::SCHEME {
         return Err(format!(
-            "routes to other brokers run over tcp (`tcp/HOST:PORT`), not {}",
+            "routes to other brokers are dialed over tcp (`tcp/HOST:PORT`), not {}",
             spec.scheme()
         ));
     }

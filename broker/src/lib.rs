@@ -54,7 +54,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-pub use broker::{Broker, BrokerStats};
+pub use broker::{Broker, BrokerStats, RouteReport};
 pub use client::{Client, ClientOptions, ConnectionState};
 pub use config::{Config, ConfigError, SlowConsumerPolicy};
 pub use delivery::{Message, Subscription, SubscriptionStats};

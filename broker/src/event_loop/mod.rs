@@ -33,7 +33,8 @@ use efabus_core::link::{LinkError, LinkTuning};
 use efabus_core::log_limit::LogLimit;
 use efabus_core::subject;
 use efabus_core::transport::{
-    CloseReason, Endpoint, Event, OutFrame, PeerId, Refused, RendezvousCounts, TransportError,
+    CloseReason, Endpoint, Event, OutFrame, PeerId, Refused, RendezvousCounts, SendError,
+    TransportError,
 };
 use mio::{Poll, Token};
 use tracing::{debug, error, info, warn};
@@ -739,9 +740,7 @@ impl EventLoop {
                     format!("expected hello, got {}", FrameKind::of(&other)),
                 );
             }
-            (SessionState::Ready, Frame::Ping { nonce }) => {
-                self.send(id, codec::encode(&Frame::Pong { nonce }), false);
-            }
+            (SessionState::Ready, Frame::Ping { nonce }) => self.answer_ping(id, nonce),
             (SessionState::Ready, Frame::Pong { nonce }) => self.on_pong(id, nonce),
             (_, Frame::Goodbye(goodbye)) => {
                 debug!(session = id, reason = %goodbye.reason, "peer said goodbye");
@@ -951,6 +950,26 @@ impl EventLoop {
     fn send(&mut self, id: u64, frame: OutFrame, is_message: bool) {
         self.close_batch(id);
         self.enqueue(id, Queued::frame(frame, is_message));
+    }
+
+    /// Answer a ping. On a route whose traffic is on a data link, the
+    /// answer goes on the control link at once: the peer may be asking
+    /// this broker to prove its data-link address, and grants that link
+    /// credit only once it has, so the answer must not wait behind frames
+    /// held for credit. Elsewhere it goes behind what was sent before.
+    fn answer_ping(&mut self, id: u64, nonce: u64) {
+        let mut pong = codec::encode(&Frame::Pong { nonce });
+        if let Some(session) = self.sessions.get(&id) {
+            if session.route().is_some() && session.conn.links.in_use {
+                let control = session.conn.control;
+                match self.endpoints[control.endpoint].send(control.peer, pong) {
+                    Err(SendError::WouldBlock(frame)) => pong = frame,
+                    // Sent, or the link failed (which its poll reports).
+                    _ => return,
+                }
+            }
+        }
+        self.send(id, pong, false);
     }
 
     /// Hand a frame or run to the session's path when nothing waits before

@@ -102,6 +102,8 @@ pub(super) struct Session {
     /// The peer's hello carried the route credential (or none is needed):
     /// only then may it say it is a broker and become a route.
     pub may_route: bool,
+    /// Why the data paths not taken were not, from the last negotiation.
+    pub link_reasons: Vec<String>,
 }
 
 /// What this broker brings to a negotiation.
@@ -127,6 +129,7 @@ impl Session {
                 not_before: Instant::now(),
             },
             may_route: false,
+            link_reasons: Vec::new(),
         }
     }
 
@@ -233,6 +236,7 @@ impl Session {
         for reason in &negotiation.reasons {
             debug!(session = id, %reason, "negotiation");
         }
+        self.link_reasons = negotiation.reasons;
         for link in [&links.reliable, &links.best_effort].into_iter().flatten() {
             info!(session = id, link = %link.description, "data path negotiated");
         }

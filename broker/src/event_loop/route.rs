@@ -46,12 +46,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tracing::{debug, info, warn};
 
-use super::peer::{Role, Session, SessionState};
+use super::peer::{LocalPaths, Role, Session, SessionState};
 use super::{EventLoop, Payload};
 use crate::auth_guard::remote_ip;
-use crate::broker::{BrokerStats, Shared};
+use crate::broker::{BrokerStats, RouteReport, Shared};
 use crate::interest::InterestChange;
+use crate::session::data_link::Keying;
 use crate::session::error_frame;
+use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::Control;
 use crate::subscriptions::SubRef;
 
@@ -74,6 +76,9 @@ pub(crate) struct RouteRole {
     announced: HashSet<u64>,
     /// Closed because another link to the same broker is kept.
     duplicate: bool,
+    /// On a route this broker dialed: its half of the data links' keys,
+    /// from the hello until the welcome brings the peer's.
+    link_secret: Option<LinkSecret>,
 }
 
 impl RouteRole {
@@ -83,6 +88,7 @@ impl RouteRole {
             broker_id: None,
             announced: HashSet::default(),
             duplicate: false,
+            link_secret: None,
         }
     }
 
@@ -246,7 +252,18 @@ impl EventLoop {
         let control = Control { endpoint, peer };
         let mut session =
             Session::new(control, slot.endpoint.clone(), self.liveness(now), deadline);
-        session.role = Role::Route(Box::new(RouteRole::new(Some(index))));
+        let mut role = RouteRole::new(Some(index));
+        // The route's traffic moves to a data link when both brokers have
+        // one in common, as a client's does; without keys it stays here.
+        role.link_secret = match LinkSecret::new() {
+            Ok(secret) => Some(secret),
+            Err(err) => {
+                warn!(peer = %slot.endpoint, %err, "no data links for this route");
+                None
+            }
+        };
+        let link_auth = role.link_secret.as_ref().map(|s| s.auth().clone());
+        session.role = Role::Route(Box::new(role));
         debug!(session = id, peer = %slot.endpoint, "dialing peer broker");
         self.by_peer.insert((endpoint, peer), id);
         self.sessions.insert(id, session);
@@ -260,9 +277,8 @@ impl EventLoop {
             version: PROTOCOL_VERSION,
             name: config.name.clone(),
             credentials: config.route_secret().map(str::to_string),
-            // Routes stay on the link they were dialed over (TCP).
-            offers: Vec::new(),
-            link_auth: None,
+            offers: self.offers.clone(),
+            link_auth,
         });
         let route = Frame::Route(RouteHello {
             broker_id: self.cluster.broker_id,
@@ -402,9 +418,31 @@ impl EventLoop {
             );
             return;
         }
-        if let Some(session) = self.sessions.get_mut(&id) {
-            session.name = welcome.name;
-            session.state = SessionState::Ready;
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        session.name = welcome.name;
+        session.state = SessionState::Ready;
+        let secret = session.route_mut().and_then(|role| role.link_secret.take());
+        let keying = secret
+            .as_ref()
+            .zip(welcome.link_auth.as_ref())
+            .map(|(secret, peer)| Keying {
+                secret,
+                role: HandshakeRole::Dialer,
+                peer,
+            });
+        let local = LocalPaths {
+            offers: &self.offers,
+            preference: &self.shared.config.negotiation.preference,
+            tuning: &self.tuning,
+        };
+        session.negotiate(id, &mut self.endpoints, local, &welcome.offers, keying);
+        // The dialing side moves at once; the peer follows when the first
+        // frame arrives on the data link.
+        session.conn.links.in_use = session.conn.links.reliable.is_some();
+        for address in session.conn.links.addresses() {
+            self.by_peer.insert(address, id);
         }
         self.session_ready(id);
     }
@@ -527,7 +565,24 @@ impl EventLoop {
             return;
         };
         role.broker_id = Some(broker);
-        let name = session.name.clone();
+        let links = &session.conn.links;
+        let control_scheme = self.endpoints[session.conn.control.endpoint].scheme();
+        let report = RouteReport {
+            name: session.name.clone(),
+            broker_id: broker_hex(broker),
+            remote: remote.clone(),
+            dialed: slot.is_some(),
+            reliable: links.reliable.as_ref().map_or_else(
+                || control_scheme.to_string(),
+                |link| link.description.clone(),
+            ),
+            best_effort: links.best_effort.as_ref().map(|l| l.description.clone()),
+            reasons: session.link_reasons.clone(),
+        };
+        let name = report.name.clone();
+        // Without a data link, why: a route that fell back to TCP unnoticed
+        // is the slow path no one asked for.
+        let no_fabric = links.reliable.is_none().then(|| report.reasons.join("; "));
         if let Some(slot) = slot {
             let slot = &mut self.cluster.slots[slot];
             slot.was_up = true;
@@ -539,14 +594,20 @@ impl EventLoop {
         self.send_interest(&pending, &others);
         self.cluster.by_broker.insert(broker, id);
         BrokerStats::add(&self.shared.stats.routes, 1);
+        let path = report.reliable.clone();
+        self.shared.routes.lock().insert(id, report);
         info!(
             session = id,
             peer = %remote,
             %name,
             broker = %broker_hex(broker),
             dialed = slot.is_some(),
+            %path,
             "route up"
         );
+        if let Some(reasons) = no_fabric.filter(|reasons| !reasons.is_empty()) {
+            info!(session = id, %reasons, "route on the control link");
+        }
         self.send_interest(&snapshot, &[id]);
     }
 
@@ -581,6 +642,7 @@ impl EventLoop {
             self.cluster.by_broker.remove(&broker);
         }
         self.shared.stats.routes.fetch_sub(1, Ordering::Relaxed);
+        self.shared.routes.lock().remove(&id);
         if self.shared.shutdown.load(Ordering::Relaxed) || role.duplicate {
             info!(session = id, peer = %session.remote, broker = %broker_hex(broker), "route closed");
         } else {

@@ -1,0 +1,312 @@
+//! Routes between brokers on the fabric: a route negotiates its data path
+//! as a client's connection does, so brokers that both listen on a fabric
+//! endpoint carry their route traffic over it (`efa-rdm`, or `shm` for
+//! brokers on one host), authenticated like every fabric link, and brokers
+//! without a fabric in common stay on TCP with the reason reported.
+//!
+//! Each test runs on this machine's real libfabric providers over loopback.
+//! A provider that cannot open here is skipped with a message, unless
+//! `EFABUS_REQUIRE_FABRIC=1` (CI).
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use efabus_broker::{Broker, Client, Config, Error, RouteReport, Subscription};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn fabric_required() -> bool {
+    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
+}
+
+/// A broker listening on TCP and, when `scheme` is given, on that fabric
+/// endpoint (`efa-rdm` or `shm`) with `provider`; it routes to `peers`.
+/// `None` when the fabric cannot open here and is not required.
+fn start(name: &str, scheme: Option<&str>, provider: &str, peers: &[String]) -> Option<Broker> {
+    let listen = match scheme {
+        Some(scheme) => format!(r#"["tcp/127.0.0.1:0", "{scheme}"]"#),
+        None => r#"["tcp/127.0.0.1:0"]"#.to_string(),
+    };
+    let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
+    // A `shm` listener opens libfabric's shm provider itself.
+    let provider = if provider == "shm" {
+        "tcp;ofi_rxm"
+    } else {
+        provider
+    };
+    let text = format!(
+        "name = {name:?}\nlisten = {listen}\npeers = [{}]\n\
+         [negotiation]\npreference = [\"shm\", \"efa-rdm\", \"tcp\"]\n\
+         [fabric]\nprovider = {provider:?}\nnode = \"127.0.0.1\"\n",
+        peers.join(", ")
+    );
+    let config = Config::from_toml_str(&text, name).expect("valid test config");
+    match Broker::start(config) {
+        Ok(broker) => match scheme {
+            Some(scheme) if broker.endpoint(scheme).is_none() => {
+                assert!(
+                    !fabric_required(),
+                    "EFABUS_REQUIRE_FABRIC=1 but {scheme} via {provider} did not open"
+                );
+                eprintln!("skipping: {scheme} via {provider} cannot open here");
+                None
+            }
+            _ => Some(broker),
+        },
+        Err(err @ Error::Endpoint { .. }) if !fabric_required() => {
+            eprintln!("skipping: {provider} cannot open here: {err}");
+            None
+        }
+        Err(err) => panic!("broker {name} does not start: {err}"),
+    }
+}
+
+fn tcp(broker: &Broker) -> String {
+    broker.endpoint("tcp").expect("listens on tcp")
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The one route `broker` has, once it is up.
+fn the_route(broker: &Broker) -> RouteReport {
+    wait_until("the route", || broker.routes().len() == 1);
+    broker.routes().remove(0)
+}
+
+fn fabric_frames_in(broker: &Broker) -> u64 {
+    broker.stats().fabric_frames_in.load(Ordering::Relaxed)
+}
+
+/// Payloads of every size class a route carries: small ones packed
+/// together, one past the eager size (rendezvous where the provider has
+/// RMA), and one of a mebibyte.
+fn payload(n: usize) -> Bytes {
+    let len = match n % 50 {
+        7 => 40 << 10,
+        19 => 1 << 20,
+        _ => 16 + n % 200,
+    };
+    let mut bytes = vec![(n % 251) as u8; len];
+    bytes[..8].copy_from_slice(&(n as u64).to_le_bytes());
+    Bytes::from(bytes)
+}
+
+fn expect_in_order(sub: &Subscription, count: usize, what: &str) {
+    for n in 0..count {
+        let message = sub
+            .recv_timeout(WAIT)
+            .unwrap_or_else(|err| panic!("{what}: message {n} of {count}: {err}"));
+        assert_eq!(message.payload, payload(n), "{what}: message {n}");
+    }
+}
+
+fn route_rides(scheme: &str, provider: &str) {
+    let Some(b) = start("b", Some(scheme), provider, &[]) else {
+        return;
+    };
+    let Some(a) = start("a", Some(scheme), provider, &[tcp(&b)]) else {
+        return;
+    };
+    for (broker, other, dialed) in [(&a, "b", true), (&b, "a", false)] {
+        let route = the_route(broker);
+        assert_eq!(route.name, other);
+        assert_eq!(route.dialed, dialed);
+        assert!(
+            route
+                .reliable
+                .starts_with(&format!("{scheme} via {provider}")),
+            "the route from {other} is on the fabric: {route:?}"
+        );
+    }
+
+    // Subscribers on b, embedded and over TCP; a publisher on a.
+    let embedded = b.subscribe("data.>").unwrap();
+    let client = Client::connect(&tcp(&b)).unwrap();
+    let remote = client.subscribe("data.stream").unwrap();
+    client.flush(WAIT).unwrap();
+    wait_until("b's interest at a", || a.route_interest_count() >= 2);
+    let before = fabric_frames_in(&b);
+    let count = 500;
+    for n in 0..count {
+        a.publish("data.stream", payload(n)).unwrap();
+    }
+    expect_in_order(&embedded, count, "embedded subscriber");
+    expect_in_order(&remote, count, "client subscriber");
+    // The loop adds its round's counts after delivering them.
+    wait_until("the messages counted as fabric frames", || {
+        fabric_frames_in(&b) - before >= count as u64
+    });
+
+    // Request and reply across the route, both ways over the fabric.
+    let service = a.subscribe("svc.echo").unwrap();
+    wait_until("a's service interest at b", || {
+        b.route_interest_count() >= 1
+    });
+    let responder = std::thread::spawn(move || {
+        let request = service.recv_timeout(WAIT).expect("the request arrives");
+        let reply = request.reply.expect("the request has a reply subject");
+        (reply, request.payload)
+    });
+    let requester = Client::connect(&tcp(&b)).unwrap();
+    let (reply_to, asked) = {
+        let inbox = requester.subscribe("inbox.r1").unwrap();
+        requester.flush(WAIT).unwrap();
+        wait_until("the inbox interest at a", || a.route_interest_count() >= 3);
+        requester
+            .publish_request("svc.echo", "inbox.r1", Bytes::from_static(b"ping"))
+            .unwrap();
+        let (reply_to, asked) = responder.join().expect("responder");
+        a.publish(&reply_to, Bytes::from_static(b"pong")).unwrap();
+        let answer = inbox.recv_timeout(WAIT).expect("the reply arrives");
+        assert_eq!(&answer.payload[..], b"pong");
+        (reply_to, asked)
+    };
+    assert_eq!(&*reply_to, "inbox.r1");
+    assert_eq!(&asked[..], b"ping");
+}
+
+/// A queue group with members on both brokers: a broker serves its own
+/// publishers from its own member, and once that member leaves, the group's
+/// messages cross the route to the other broker's member. Each message
+/// reaches one member in the cluster.
+fn queue_group_spans(scheme: &str, provider: &str) {
+    let Some(b) = start("b", Some(scheme), provider, &[]) else {
+        return;
+    };
+    let Some(a) = start("a", Some(scheme), provider, &[tcp(&b)]) else {
+        return;
+    };
+    assert!(the_route(&a).reliable.starts_with(scheme));
+    let on_a = a.queue_subscribe("jobs", "workers").unwrap();
+    let on_b = b.queue_subscribe("jobs", "workers").unwrap();
+    wait_until("b's group at a", || a.route_interest_count() == 1);
+    let half = 100;
+    for n in 0..half {
+        a.publish("jobs", payload(n)).unwrap();
+    }
+    a.flush(WAIT).unwrap();
+    let mut taken_by_a: Vec<u64> = std::iter::from_fn(|| on_a.try_recv().ok())
+        .map(|m| u64::from_le_bytes(m.payload[..8].try_into().unwrap()))
+        .collect();
+    drop(on_a);
+    let before = fabric_frames_in(&b);
+    for n in half..2 * half {
+        a.publish("jobs", payload(n)).unwrap();
+    }
+    let mut taken_by_b = Vec::new();
+    while taken_by_a.len() + taken_by_b.len() < 2 * half {
+        let message = on_b.recv_timeout(WAIT).unwrap_or_else(|err| {
+            panic!(
+                "a took {}, b {} of {}: {err}",
+                taken_by_a.len(),
+                taken_by_b.len(),
+                2 * half
+            )
+        });
+        taken_by_b.push(u64::from_le_bytes(message.payload[..8].try_into().unwrap()));
+    }
+    assert!(
+        taken_by_b.len() >= half,
+        "the messages published after a's member left went to b"
+    );
+    // The loop adds its round's counts after delivering them.
+    wait_until("the messages counted as fabric frames", || {
+        fabric_frames_in(&b) - before >= half as u64
+    });
+    taken_by_a.append(&mut taken_by_b);
+    taken_by_a.sort_unstable();
+    assert_eq!(
+        taken_by_a,
+        (0..2 * half as u64).collect::<Vec<_>>(),
+        "each job once in the cluster"
+    );
+}
+
+/// A broker without the fabric: the route stays on TCP, and both sides say
+/// why.
+#[test]
+fn a_route_to_a_broker_without_the_fabric_stays_on_tcp_and_says_why() {
+    let Some(b) = start("b", None, "tcp;ofi_rxm", &[]) else {
+        return;
+    };
+    let Some(a) = start("a", Some("efa-rdm"), "tcp;ofi_rxm", &[tcp(&b)]) else {
+        return;
+    };
+    let route = the_route(&a);
+    assert_eq!(route.reliable, "tcp", "{route:?}");
+    assert!(
+        route
+            .reasons
+            .iter()
+            .any(|reason| reason.contains("efa-rdm")),
+        "the reason names the fabric path not taken: {route:?}"
+    );
+    assert_eq!(the_route(&b).reliable, "tcp");
+    let sub = b.subscribe("plain").unwrap();
+    wait_until("b's interest at a", || a.route_interest_count() == 1);
+    a.publish("plain", payload(3)).unwrap();
+    assert_eq!(sub.recv_timeout(WAIT).unwrap().payload, payload(3));
+}
+
+/// A peer broker that restarts comes back on the fabric.
+#[test]
+fn a_restarted_peer_comes_back_on_the_fabric() {
+    let Some(b) = start("b", Some("efa-rdm"), "tcp;ofi_rxm", &[]) else {
+        return;
+    };
+    let b_tcp = tcp(&b);
+    let Some(a) = start(
+        "a",
+        Some("efa-rdm"),
+        "tcp;ofi_rxm",
+        std::slice::from_ref(&b_tcp),
+    ) else {
+        return;
+    };
+    assert!(the_route(&a).reliable.starts_with("efa-rdm via"));
+    drop(b);
+    wait_until("the route down", || a.routes().is_empty());
+    // The same TCP address, a new fabric endpoint.
+    let address = b_tcp.trim_start_matches("tcp/");
+    let text = format!(
+        "name = \"b\"\nlisten = [\"tcp/{address}\", \"efa-rdm\"]\n\
+         [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n"
+    );
+    let b = Broker::start(Config::from_toml_str(&text, "b again").unwrap())
+        .expect("b restarts on its address");
+    let route = the_route(&a);
+    assert!(route.reliable.starts_with("efa-rdm via"), "{route:?}");
+    let sub = b.subscribe("again").unwrap();
+    wait_until("b's interest at a", || a.route_interest_count() == 1);
+    a.publish("again", payload(5)).unwrap();
+    assert_eq!(sub.recv_timeout(WAIT).unwrap().payload, payload(5));
+}
+
+macro_rules! route_tests {
+    ($($module:ident => $scheme:literal, $provider:literal;)*) => {$(
+        mod $module {
+            #[test]
+            fn route_rides_the_fabric() {
+                super::route_rides($scheme, $provider);
+            }
+
+            #[test]
+            fn a_queue_group_spans_the_route() {
+                super::queue_group_spans($scheme, $provider);
+            }
+        }
+    )*};
+}
+
+route_tests! {
+    tcp_rxm => "efa-rdm", "tcp;ofi_rxm";
+    sockets => "efa-rdm", "sockets";
+    shm => "shm", "shm";
+}
