@@ -30,7 +30,8 @@ fuzz_target!(|data: &[u8]| {
     let len = rest.len().min(slot.len());
     slot[..len].copy_from_slice(&rest[..len]);
 
-    if let Ok(Received::Frames { frames: run, .. }) = layout.decode(&slot, rest.len()) {
+    if let Ok(Received::Frames(message)) = layout.decode(&slot, rest.len()) {
+        let run = message.frames;
         let mut covered = 0;
         for range in frames(run) {
             assert_eq!(range.start, covered, "frames leave a gap");
@@ -48,7 +49,8 @@ fuzz_target!(|data: &[u8]| {
     let Some((head, tail)) = chunks.split_first() else {
         return;
     };
-    let Ok(mut used) = layout.encode(&mut out, &sender, &frame(head)) else {
+    let link = (9, 41);
+    let Ok(mut used) = layout.encode(&mut out, &sender, link, &frame(head)) else {
         return;
     };
     let mut sent = vec![*head];
@@ -61,10 +63,12 @@ fuzz_target!(|data: &[u8]| {
             Err(_) => break,
         }
     }
-    let Ok(Received::Frames { sender: from, frames: run }) = layout.decode(&out, used) else {
+    let Ok(Received::Frames(message)) = layout.decode(&out, used) else {
         panic!("a packed message did not decode");
     };
-    assert_eq!(from, sender);
+    assert_eq!(message.sender, sender);
+    assert_eq!((message.link_id, message.counter), link);
+    let run = message.frames;
     let got: Vec<&[u8]> = frames(run).map(|r| &run[r][4..]).collect();
     assert_eq!(got, sent);
 });
