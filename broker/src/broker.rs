@@ -215,6 +215,8 @@ pub(crate) struct Shared {
     pub(crate) can_dial: bool,
     /// The routes in use, by session id, for [`Broker::routes`].
     pub(crate) routes: Mutex<BTreeMap<u64, RouteReport>>,
+    /// The peer brokers dialed, for [`Broker::peers`].
+    pub(crate) peers: Mutex<Vec<String>>,
 }
 
 /// One route in use, as [`Broker::routes`] reports it.
@@ -406,6 +408,7 @@ impl Broker {
             broker_id: unique_seed(),
             can_dial: dialer.is_some(),
             routes: Mutex::new(BTreeMap::new()),
+            peers: Mutex::new(Vec::new()),
         });
         let cluster = Cluster::new(&shared, dialer);
         let event_loop = EventLoop::new(
@@ -468,6 +471,13 @@ impl Broker {
     /// The routes in use, with the path each is carried on.
     pub fn routes(&self) -> Vec<RouteReport> {
         self.shared.routes.lock().values().cloned().collect()
+    }
+
+    /// The peer brokers this broker dials: those in `peers`, those added
+    /// with [`Broker::add_peer`], and those learned from its routes until
+    /// they are forgotten (`cluster.forget_after_ms`).
+    pub fn peers(&self) -> Vec<String> {
+        self.shared.peers.lock().clone()
     }
 
     /// Route to one more broker, as if its endpoint string (`tcp/HOST:PORT`)

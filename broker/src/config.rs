@@ -101,10 +101,12 @@ pub struct Config {
     /// Other brokers to route to, as endpoint strings (`tcp/HOST:PORT`,
     /// their listening address). This broker connects to each (and
     /// reconnects with backoff), accepts routes from brokers that list it,
-    /// and forwards its clients' messages one hop over them: list every
-    /// other broker of the cluster (a full mesh).
+    /// learns the other brokers of the cluster from its routes and
+    /// connects to those too (one seed is enough), and forwards its
+    /// clients' messages one hop over them.
     pub peers: Vec<String>,
-    /// `[cluster]`: who may open a route (see [`Cluster`]).
+    /// `[cluster]`: who may open a route, where this broker is dialed,
+    /// when learned brokers are forgotten (see [`Cluster`]).
     pub cluster: Cluster,
     pub limits: Limits,
     pub slow_consumer: SlowConsumer,
@@ -222,10 +224,38 @@ pub struct Auth {
 /// - else `auth.secret`: any peer that authenticated may open a route.
 /// - else (no secret at all) any peer may: the open mode, for a trusted
 ///   network only.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+///
+/// Brokers tell their routes the addresses of the brokers they have routes
+/// to, and dial those they have none to: a cluster forms its full mesh
+/// from any one seed in `peers`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Cluster {
     pub secret: Option<String>,
+    /// The address other brokers dial this one at (`tcp/HOST:PORT`), told
+    /// to its routes. Default: the first TCP listener's address; with an
+    /// unspecified host (`0.0.0.0`), peers take the address they see.
+    pub advertise: Option<String>,
+    /// How long a broker learned from a peer, not one in `peers`, is
+    /// redialed after it was last reached before it is forgotten.
+    pub forget_after_ms: u64,
+}
+
+impl Default for Cluster {
+    fn default() -> Self {
+        Cluster {
+            secret: None,
+            advertise: None,
+            forget_after_ms: 120_000,
+        }
+    }
+}
+
+impl Cluster {
+    /// `forget_after_ms` as a duration.
+    pub fn forget_after(&self) -> Duration {
+        Duration::from_millis(self.forget_after_ms)
+    }
 }
 
 /// Keepalive: a ping every `interval_ms` on an idle link; a peer silent for
@@ -582,6 +612,9 @@ impl Config {
         }
         for (i, peer) in self.peers.iter().enumerate() {
             check_peer(peer).map_err(|message| invalid(&format!("peers[{i}]"), message))?;
+        }
+        if let Some(advertise) = &self.cluster.advertise {
+            check_peer(advertise).map_err(|message| invalid("cluster.advertise", message))?;
         }
         let nonzero = [
             ("limits.max_payload", self.limits.max_payload as usize),

@@ -24,6 +24,17 @@ fn fabric_required() -> bool {
 /// endpoint (`efa-rdm` or `shm`) with `provider`; it routes to `peers`.
 /// `None` when the fabric cannot open here and is not required.
 fn start(name: &str, scheme: Option<&str>, provider: &str, peers: &[String]) -> Option<Broker> {
+    start_with(name, scheme, provider, peers, "")
+}
+
+/// [`start`], with `extra` lines at the top level of the config.
+fn start_with(
+    name: &str,
+    scheme: Option<&str>,
+    provider: &str,
+    peers: &[String],
+    extra: &str,
+) -> Option<Broker> {
     let listen = match scheme {
         Some(scheme) => format!(r#"["tcp/127.0.0.1:0", "{scheme}"]"#),
         None => r#"["tcp/127.0.0.1:0"]"#.to_string(),
@@ -36,7 +47,7 @@ fn start(name: &str, scheme: Option<&str>, provider: &str, peers: &[String]) -> 
         provider
     };
     let text = format!(
-        "name = {name:?}\nlisten = {listen}\npeers = [{}]\n\
+        "name = {name:?}\nlisten = {listen}\npeers = [{}]\n{extra}\n\
          [negotiation]\npreference = [\"shm\", \"efa-rdm\", \"tcp\"]\n\
          [fabric]\nprovider = {provider:?}\nnode = \"127.0.0.1\"\n",
         peers.join(", ")
@@ -287,6 +298,101 @@ fn a_restarted_peer_comes_back_on_the_fabric() {
     wait_until("b's interest at a", || a.route_interest_count() == 1);
     a.publish("again", payload(5)).unwrap();
     assert_eq!(sub.recv_timeout(WAIT).unwrap().payload, payload(5));
+}
+
+/// Three brokers, the second and third given only the first as their
+/// seed: they learn of each other from it, form the full mesh on the
+/// fabric, and deliver each message once to every subscriber. One of them
+/// leaves and comes back at a new address: the mesh forms again, and the
+/// address it left is forgotten after `cluster.forget_after_ms`.
+#[test]
+fn brokers_given_one_seed_mesh_on_the_fabric() {
+    let forget = "[cluster]\nforget_after_ms = 300";
+    let rdm = Some("efa-rdm");
+    let Some(a) = start_with("a", rdm, "tcp;ofi_rxm", &[], forget) else {
+        return;
+    };
+    let seed = [tcp(&a)];
+    let Some(b) = start_with("b", rdm, "tcp;ofi_rxm", &seed, forget) else {
+        return;
+    };
+    let Some(c) = start_with("c", rdm, "tcp;ofi_rxm", &seed, forget) else {
+        return;
+    };
+    let mesh = |brokers: &[&Broker]| {
+        for broker in brokers {
+            wait_until("the full mesh", || {
+                broker.routes().len() == brokers.len() - 1
+            });
+            for route in broker.routes() {
+                assert!(
+                    route.reliable.starts_with("efa-rdm via"),
+                    "every route on the fabric: {route:?}"
+                );
+            }
+        }
+    };
+    mesh(&[&a, &b, &c]);
+    assert!(b.peers().contains(&tcp(&c)), "b learned c: {:?}", b.peers());
+    every_message_once(&[&a, &b, &c]);
+
+    // c leaves; b keeps dialing the address it learned, then forgets it.
+    let c_address = tcp(&c);
+    drop(c);
+    wait_until("c's routes down", || {
+        a.routes().len() == 1 && b.routes().len() == 1
+    });
+    wait_until("c forgotten", || {
+        !a.peers().contains(&c_address) && !b.peers().contains(&c_address)
+    });
+    let Some(c) = start_with("c", rdm, "tcp;ofi_rxm", &seed, forget) else {
+        return;
+    };
+    mesh(&[&a, &b, &c]);
+    every_message_once(&[&a, &b, &c]);
+}
+
+/// A subscriber on each broker; each broker publishes: every subscriber
+/// gets every message once, and nothing more.
+fn every_message_once(brokers: &[&Broker]) {
+    let subs: Vec<Subscription> = brokers
+        .iter()
+        .map(|broker| broker.subscribe("mesh.>").unwrap())
+        .collect();
+    for broker in brokers {
+        wait_until("every broker's interest", || {
+            broker.route_interest_count() == brokers.len() - 1
+        });
+    }
+    let per_broker = 50;
+    for (index, broker) in brokers.iter().enumerate() {
+        for n in 0..per_broker {
+            broker
+                .publish("mesh.data", payload(index * per_broker + n))
+                .unwrap();
+        }
+    }
+    let total = brokers.len() * per_broker;
+    for (index, sub) in subs.iter().enumerate() {
+        let mut seen: Vec<u64> = (0..total)
+            .map(|_| {
+                let message = sub
+                    .recv_timeout(WAIT)
+                    .unwrap_or_else(|err| panic!("subscriber on broker {index}: {err}"));
+                u64::from_le_bytes(message.payload[..8].try_into().unwrap())
+            })
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(
+            seen,
+            (0..total as u64).collect::<Vec<_>>(),
+            "broker {index}"
+        );
+        assert!(
+            sub.recv_timeout(Duration::from_millis(200)).is_err(),
+            "nothing more on broker {index}"
+        );
+    }
 }
 
 macro_rules! route_tests {

@@ -82,7 +82,10 @@ fn ask_for_a_route(raw: &mut Raw, credentials: Option<&str>) {
         offers: Vec::new(),
         link_auth: None,
     }));
-    raw.send(&Frame::Route(RouteHello { broker_id: 42 }));
+    raw.send(&Frame::Route(RouteHello {
+        broker_id: 42,
+        advertise: None,
+    }));
 }
 
 fn patterns(frames: &[Frame]) -> Vec<String> {

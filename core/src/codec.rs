@@ -56,7 +56,7 @@ use thiserror::Error;
 use crate::caps::Offer;
 use crate::frame::{
     Credit, Dropped, ErrorFrame, Fragment, Frame, Goodbye, Hello, LinkAuth, Message, Publish,
-    RouteHello, Subscribe, Welcome, PROTOCOL_VERSION,
+    RouteHello, RoutePeers, Subscribe, Welcome, PROTOCOL_VERSION,
 };
 use crate::transport::OutFrame;
 
@@ -136,6 +136,8 @@ pub enum FrameKind {
     Route = 0x09,
     /// [`Frame::Dropped`] (control).
     Dropped = 0x0a,
+    /// [`Frame::RoutePeers`] (control).
+    RoutePeers = 0x0b,
     /// [`Frame::Publish`] (data).
     Publish = 0x10,
     /// [`Frame::Message`] (data).
@@ -163,6 +165,7 @@ impl FrameKind {
             Frame::Error(_) => FrameKind::Error,
             Frame::Goodbye(_) => FrameKind::Goodbye,
             Frame::Route(_) => FrameKind::Route,
+            Frame::RoutePeers(_) => FrameKind::RoutePeers,
             Frame::Dropped(_) => FrameKind::Dropped,
         }
     }
@@ -180,6 +183,7 @@ impl FrameKind {
             0x08 => FrameKind::Goodbye,
             0x09 => FrameKind::Route,
             0x0a => FrameKind::Dropped,
+            0x0b => FrameKind::RoutePeers,
             0x10 => FrameKind::Publish,
             0x11 => FrameKind::Message,
             0x12 => FrameKind::Fragment,
@@ -206,6 +210,7 @@ impl FrameKind {
             FrameKind::Goodbye => "goodbye",
             FrameKind::Route => "route",
             FrameKind::Dropped => "dropped",
+            FrameKind::RoutePeers => "route peers",
             FrameKind::Publish => "publish",
             FrameKind::Message => "message",
             FrameKind::Fragment => "fragment",
@@ -719,6 +724,7 @@ fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), Encode
         Frame::Error(e) => bincode::serde::encode_into_writer(e, writer, config),
         Frame::Goodbye(g) => bincode::serde::encode_into_writer(g, writer, config),
         Frame::Route(r) => bincode::serde::encode_into_writer(r, writer, config),
+        Frame::RoutePeers(p) => bincode::serde::encode_into_writer(p, writer, config),
         Frame::Dropped(d) => bincode::serde::encode_into_writer(d, writer, config),
         Frame::Publish(_) | Frame::Message(_) | Frame::Fragment(_) | Frame::Credit(_) => {
             return Err(EncodeError::Body {
@@ -1207,6 +1213,7 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
         FrameKind::Error => Frame::Error(serde_value::<ErrorFrame, D>(kind, de)?),
         FrameKind::Goodbye => Frame::Goodbye(serde_value::<Goodbye, D>(kind, de)?),
         FrameKind::Route => Frame::Route(serde_value::<RouteHello, D>(kind, de)?),
+        FrameKind::RoutePeers => Frame::RoutePeers(serde_value::<RoutePeers, D>(kind, de)?),
         FrameKind::Dropped => Frame::Dropped(serde_value::<Dropped, D>(kind, de)?),
         FrameKind::Publish | FrameKind::Message | FrameKind::Fragment | FrameKind::Credit => {
             return Err(DecodeError::Body {
@@ -1470,8 +1477,17 @@ mod tests {
             (Frame::Ping { nonce: 3 }, FrameKind::Ping),
             (Frame::Unsubscribe { sid: 9 }, FrameKind::Unsubscribe),
             (
-                Frame::Route(RouteHello { broker_id: 1 << 40 }),
+                Frame::Route(RouteHello {
+                    broker_id: 1 << 40,
+                    advertise: Some("tcp/0.0.0.0:7420".into()),
+                }),
                 FrameKind::Route,
+            ),
+            (
+                Frame::RoutePeers(RoutePeers {
+                    addresses: vec!["tcp/10.0.0.2:7420".into()],
+                }),
+                FrameKind::RoutePeers,
             ),
             (
                 Frame::Dropped(Dropped {

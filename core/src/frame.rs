@@ -13,7 +13,7 @@ use crate::caps::Offer;
 
 /// Version of the wire protocol spoken by this build. A peer whose hello
 /// carries another major version is refused with [`ErrorCode::Version`].
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// How a subscription wants its messages carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -193,6 +193,19 @@ pub struct RouteHello {
     /// Identifies the sending broker process; chosen at random when it
     /// starts, so a restarted broker is a new one.
     pub broker_id: u64,
+    /// Where other brokers dial this one for routes (`tcp/HOST:PORT`),
+    /// when it says. An unspecified host (`0.0.0.0`, `[::]`) stands for
+    /// the address the receiver sees the route come from.
+    pub advertise: Option<String>,
+}
+
+/// Sent over a route: the brokers the sender has routes to, by the
+/// addresses they advertise. The receiver dials those it has no route to,
+/// so a cluster forms its full mesh from any one seed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoutePeers {
+    /// Each known broker's advertised route address (`tcp/HOST:PORT`).
+    pub addresses: Vec<String>,
 }
 
 /// Why a side is leaving.
@@ -252,6 +265,8 @@ pub enum Frame {
     Goodbye(Goodbye),
     /// Says that a link between two brokers is a route, after its hello.
     Route(RouteHello),
+    /// The brokers a route's peer knows (cluster discovery).
+    RoutePeers(RoutePeers),
     /// Messages the broker discarded for a subscription.
     Dropped(Dropped),
 }

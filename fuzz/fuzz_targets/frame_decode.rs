@@ -17,7 +17,7 @@ use bytes::Bytes;
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::frame::{
     Credit, DeliveryClass, Dropped, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Message,
-    Publish, RouteHello, Subscribe,
+    Publish, RouteHello, RoutePeers, Subscribe,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -66,7 +66,13 @@ fn bases() -> &'static [Vec<u8>] {
             Frame::Goodbye(Goodbye {
                 reason: "bye".into(),
             }),
-            Frame::Route(RouteHello { broker_id: 7 }),
+            Frame::Route(RouteHello {
+                broker_id: 7,
+                advertise: Some("tcp/127.0.0.1:7420".into()),
+            }),
+            Frame::RoutePeers(RoutePeers {
+                addresses: vec!["tcp/10.0.0.2:7420".into()],
+            }),
             Frame::Dropped(Dropped {
                 sid: 3,
                 count: 1 << 20,

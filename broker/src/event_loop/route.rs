@@ -37,7 +37,8 @@ use std::time::{Duration, Instant};
 
 use efabus_core::codec;
 use efabus_core::frame::{
-    ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, Subscribe, Welcome, PROTOCOL_VERSION,
+    ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, RoutePeers, Subscribe, Welcome,
+    PROTOCOL_VERSION,
 };
 use efabus_core::log_limit::LogLimit;
 use efabus_transports::registry::EndpointSpec;
@@ -61,6 +62,11 @@ use crate::subscriptions::SubRef;
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Longest wait between attempts.
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// Most brokers learned from peers kept at once: a bound on what gossip
+/// can make this broker remember and dial.
+const LEARNED_MAX: usize = 4096;
+/// Most addresses read from one `RoutePeers` frame.
+const PEERS_PER_FRAME_MAX: usize = LEARNED_MAX;
 /// Refused routes are logged at most once per this period; the others in
 /// between are counted in the next line (and always in `route_refusals`).
 const REFUSAL_LOG_SPACING: Duration = Duration::from_secs(10);
@@ -79,6 +85,9 @@ pub(crate) struct RouteRole {
     /// On a route this broker dialed: its half of the data links' keys,
     /// from the hello until the welcome brings the peer's.
     link_secret: Option<LinkSecret>,
+    /// Where the peer broker says it is dialed (its route hello), with an
+    /// unspecified host replaced by the address the route came from.
+    advertised: Option<String>,
 }
 
 impl RouteRole {
@@ -89,6 +98,7 @@ impl RouteRole {
             announced: HashSet::default(),
             duplicate: false,
             link_secret: None,
+            advertised: None,
         }
     }
 
@@ -118,9 +128,20 @@ struct DialSlot {
     superseded: bool,
     /// The address leads back to this broker: never dialed again.
     own: bool,
+    /// Learned from a peer's gossip rather than configured: forgotten once
+    /// unreachable for `cluster.forget_after_ms` since `last_reached`.
+    learned: bool,
+    last_reached: Instant,
+    /// A learned peer given up; the slot may be reused.
+    forgotten: bool,
 }
 
 impl DialSlot {
+    /// A slot that is dialed: not this broker, not given up.
+    fn live(&self) -> bool {
+        !self.own && !self.forgotten
+    }
+
     fn new(endpoint: &str, now: Instant) -> Option<DialSlot> {
         let spec = EndpointSpec::parse(endpoint).ok()?;
         Some(DialSlot {
@@ -134,6 +155,9 @@ impl DialSlot {
             was_up: false,
             superseded: false,
             own: false,
+            learned: false,
+            last_reached: now,
+            forgotten: false,
         })
     }
 }
@@ -141,6 +165,8 @@ impl DialSlot {
 /// The event loop's view of the cluster.
 pub(crate) struct Cluster {
     broker_id: u64,
+    /// Where other brokers dial this one, as told to routes.
+    advertise: Option<String>,
     /// The endpoint routes are dialed from.
     dialer: Option<usize>,
     /// Endpoints below this index are listeners.
@@ -163,8 +189,16 @@ impl Cluster {
             .iter()
             .filter_map(|peer| DialSlot::new(peer, now))
             .collect();
+        let advertise = shared.config.cluster.advertise.clone().or_else(|| {
+            shared
+                .listening
+                .iter()
+                .find(|(scheme, _)| scheme == "tcp")
+                .map(|(_, address)| format!("tcp/{address}"))
+        });
         Cluster {
             broker_id: shared.broker_id,
+            advertise,
             dialer,
             listeners: shared.listening.len(),
             slots,
@@ -179,7 +213,7 @@ impl Cluster {
         self.dialer?;
         self.slots
             .iter()
-            .filter(|slot| !slot.own && slot.session.is_none())
+            .filter(|slot| slot.live() && slot.session.is_none())
             .map(|slot| slot.next_attempt)
             .min()
     }
@@ -192,6 +226,33 @@ impl Cluster {
 
 fn broker_hex(id: u64) -> String {
     format!("{id:016x}")
+}
+
+/// A peer's advertised address as this broker dials it: a valid
+/// `tcp/HOST:PORT`, with an unspecified host (`0.0.0.0`, `[::]`) replaced
+/// by the IP the route came from (`remote`). `None` if unusable.
+fn resolve_advertised(advertised: &str, remote: &str) -> Option<String> {
+    crate::config::check_peer(advertised).ok()?;
+    let address = advertised.strip_prefix("tcp/")?;
+    let Ok(socket) = address.parse::<std::net::SocketAddr>() else {
+        // A host name: dialed as given.
+        return Some(advertised.to_string());
+    };
+    if !socket.ip().is_unspecified() {
+        return Some(advertised.to_string());
+    }
+    // An accepted route's remote is the socket address it came from; a
+    // dialed one's is the endpoint dialed.
+    let remote = remote.strip_prefix("tcp/").unwrap_or(remote);
+    let seen = remote
+        .parse::<std::net::SocketAddr>()
+        .ok()?
+        .ip()
+        .to_canonical();
+    Some(format!(
+        "tcp/{}",
+        std::net::SocketAddr::new(seen, socket.port())
+    ))
 }
 
 impl EventLoop {
@@ -213,9 +274,10 @@ impl EventLoop {
         if self.shared.shutdown.load(Ordering::Relaxed) {
             return;
         }
+        let forget_after = self.shared.config.cluster.forget_after();
         for index in 0..self.cluster.slots.len() {
             let slot = &mut self.cluster.slots[index];
-            if slot.own || slot.session.is_some() || now < slot.next_attempt {
+            if !slot.live() || slot.session.is_some() || now < slot.next_attempt {
                 continue;
             }
             if slot
@@ -224,6 +286,12 @@ impl EventLoop {
             {
                 // That broker is routed to over the link it dialed.
                 slot.next_attempt = now + BACKOFF_MAX;
+                slot.last_reached = now;
+                continue;
+            }
+            if slot.learned && now.saturating_duration_since(slot.last_reached) > forget_after {
+                info!(peer = %slot.endpoint, "learned peer broker unreachable too long; forgotten");
+                slot.forgotten = true;
                 continue;
             }
             self.dial(index, endpoint, now);
@@ -231,6 +299,15 @@ impl EventLoop {
         if let Some(next) = self.cluster.next_dial() {
             self.schedule(next);
         }
+        let peers = self
+            .cluster
+            .slots
+            .iter()
+            .filter(|slot| !slot.forgotten)
+            .map(|slot| slot.endpoint.clone());
+        let mut shown = self.shared.peers.lock();
+        shown.clear();
+        shown.extend(peers);
     }
 
     fn dial(&mut self, index: usize, endpoint: usize, now: Instant) {
@@ -282,6 +359,7 @@ impl EventLoop {
         });
         let route = Frame::Route(RouteHello {
             broker_id: self.cluster.broker_id,
+            advertise: self.cluster.advertise.clone(),
         });
         self.send(id, codec::encode(&hello), false);
         self.send(id, codec::encode(&route), false);
@@ -318,9 +396,11 @@ impl EventLoop {
         if std::mem::take(&mut slot.superseded) {
             slot.next_attempt = now + BACKOFF_MAX;
         } else if std::mem::take(&mut slot.was_up) {
-            // A route that was up is redialed at once, then with backoff.
+            // A route that was up is redialed at once, then with backoff;
+            // a learned peer is forgotten only that long after it went.
             slot.backoff = BACKOFF_MIN;
             slot.next_attempt = now;
+            slot.last_reached = now;
         } else {
             self.dial_failed(index, now, "link closed before the route came up");
         }
@@ -350,6 +430,9 @@ impl EventLoop {
                 self.route_refused_by_peer(id, &error)
             }
             (SessionState::Ready, Frame::Route(hello)) => self.on_route_hello(id, hello),
+            (SessionState::Ready, Frame::RoutePeers(peers)) if up => {
+                self.on_route_peers(peers.addresses)
+            }
             (SessionState::Ready, Frame::Message(message)) if up => {
                 let payload = Payload {
                     bytes: &message.payload,
@@ -475,8 +558,18 @@ impl EventLoop {
                 session.role = Role::Route(Box::new(RouteRole::new(None)));
                 let answer = Frame::Route(RouteHello {
                     broker_id: self.cluster.broker_id,
+                    advertise: self.cluster.advertise.clone(),
                 });
                 self.send(id, codec::encode(&answer), false);
+            }
+        }
+        if let Some(session) = self.sessions.get_mut(&id) {
+            let advertised = hello
+                .advertise
+                .as_deref()
+                .and_then(|address| resolve_advertised(address, &session.remote));
+            if let Some(role) = session.route_mut() {
+                role.advertised = advertised;
             }
         }
         self.route_established(id, hello.broker_id);
@@ -588,6 +681,7 @@ impl EventLoop {
             slot.was_up = true;
             slot.failures = 0;
             slot.backoff = BACKOFF_MIN;
+            slot.last_reached = Instant::now();
         }
         let (pending, snapshot) = self.shared.subscriptions.write().route_up();
         let others: Vec<u64> = self.cluster.by_broker.values().copied().collect();
@@ -609,6 +703,101 @@ impl EventLoop {
             info!(session = id, %reasons, "route on the control link");
         }
         self.send_interest(&snapshot, &[id]);
+        self.gossip_route_up(id, broker);
+    }
+
+    /// The advertised address of each route in use, with its session.
+    fn route_addresses(&self) -> Vec<(u64, String)> {
+        self.cluster
+            .by_broker
+            .values()
+            .filter_map(|&route| {
+                let advertised = self.sessions.get(&route)?.route()?.advertised.clone()?;
+                Some((route, advertised))
+            })
+            .collect()
+    }
+
+    /// A route came up: tell it every other broker this one has a route
+    /// to, and tell those about it, so each can dial the ones it lacks.
+    fn gossip_route_up(&mut self, id: u64, broker: u64) {
+        let now = self.now;
+        let routes = self.route_addresses();
+        let Some(new) = routes
+            .iter()
+            .find(|(route, _)| *route == id)
+            .map(|(_, a)| a.clone())
+        else {
+            // The peer did not say where it is dialed: tell it the others.
+            self.send_peers(id, routes.into_iter().map(|(_, a)| a).collect());
+            return;
+        };
+        // Reached now: a slot for this address is the same broker.
+        for slot in &mut self.cluster.slots {
+            if slot.endpoint == new {
+                slot.reached = Some(broker);
+                slot.last_reached = now;
+            }
+        }
+        let others: Vec<(u64, String)> = routes.into_iter().filter(|(r, _)| *r != id).collect();
+        self.send_peers(id, others.iter().map(|(_, a)| a.clone()).collect());
+        for (route, _) in others {
+            self.send_peers(route, vec![new.clone()]);
+        }
+    }
+
+    fn send_peers(&mut self, id: u64, addresses: Vec<String>) {
+        if addresses.is_empty() {
+            return;
+        }
+        let frame = Frame::RoutePeers(RoutePeers { addresses });
+        self.send(id, codec::encode(&frame), false);
+    }
+
+    /// Addresses of brokers a route's peer has routes to: those this
+    /// broker neither has a route to nor dials yet are dialed from now on
+    /// (learned, so forgotten once unreachable for `forget_after_ms`).
+    fn on_route_peers(&mut self, addresses: Vec<String>) {
+        let now = self.now;
+        let routed: HashSet<String> = self.route_addresses().into_iter().map(|(_, a)| a).collect();
+        let mut added = false;
+        for address in addresses.into_iter().take(PEERS_PER_FRAME_MAX) {
+            if crate::config::check_peer(&address).is_err()
+                || self.cluster.advertise.as_deref() == Some(address.as_str())
+                || routed.contains(&address)
+                || self
+                    .cluster
+                    .slots
+                    .iter()
+                    .any(|slot| !slot.forgotten && slot.endpoint == address)
+            {
+                continue;
+            }
+            let Some(mut slot) = DialSlot::new(&address, now) else {
+                continue;
+            };
+            slot.learned = true;
+            let reusable = self
+                .cluster
+                .slots
+                .iter()
+                .position(|slot| slot.forgotten && slot.session.is_none());
+            match reusable {
+                Some(index) => self.cluster.slots[index] = slot,
+                None if self.cluster.slots.iter().filter(|s| s.learned).count() < LEARNED_MAX => {
+                    self.cluster.slots.push(slot)
+                }
+                None => {
+                    debug!(peer = %address, "too many learned peer brokers; not dialing this one");
+                    continue;
+                }
+            }
+            info!(peer = %address, "peer broker learned from a route");
+            added = true;
+        }
+        if added {
+            self.dial_routes(now);
+        }
     }
 
     /// Say goodbye and close.
@@ -771,5 +960,37 @@ impl EventLoop {
                 .read()
                 .lookup_from_route(subject, sid, &mut self.targets);
         self.deliver_matched(id, subject, reply, payload, matched);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::resolve_advertised;
+
+    #[test]
+    fn advertised_addresses_resolve_against_where_the_route_came_from() {
+        let resolve = resolve_advertised;
+        assert_eq!(
+            resolve("tcp/10.0.0.2:7420", "10.0.0.9:5000").as_deref(),
+            Some("tcp/10.0.0.2:7420"),
+            "a specific address is kept"
+        );
+        assert_eq!(
+            resolve("tcp/0.0.0.0:7420", "10.0.0.9:5000").as_deref(),
+            Some("tcp/10.0.0.9:7420"),
+            "an unspecified host is the one the accepted route came from"
+        );
+        assert_eq!(
+            resolve("tcp/[::]:7420", "tcp/10.0.0.3:7420").as_deref(),
+            Some("tcp/10.0.0.3:7420"),
+            "or the one dialed"
+        );
+        assert_eq!(
+            resolve("tcp/node-4:7420", "10.0.0.9:5000").as_deref(),
+            Some("tcp/node-4:7420")
+        );
+        for unusable in ["shm", "tcp/", "efa-rdm/x", "", "tcp/0.0.0.0:1 junk"] {
+            assert_eq!(resolve(unusable, "10.0.0.9:5000"), None, "{unusable:?}");
+        }
     }
 }

@@ -4,7 +4,7 @@ use bytes::Bytes;
 use efabus_core::caps::{EpType, MsgOrder, Offer, Protocol};
 use efabus_core::frame::{
     Credit, DeliveryClass, Dropped, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Hello,
-    LinkAuth, Message, Publish, RouteHello, Subscribe, Welcome,
+    LinkAuth, Message, Publish, RouteHello, RoutePeers, Subscribe, Welcome,
 };
 use proptest::prelude::*;
 
@@ -270,7 +270,14 @@ pub fn frame() -> impl Strategy<Value = Frame> {
         (error_code(), text(), any::<bool>())
             .prop_map(|(code, text, fatal)| Frame::Error(ErrorFrame { code, text, fatal })),
         text().prop_map(|reason| Frame::Goodbye(Goodbye { reason })),
-        any::<u64>().prop_map(|broker_id| Frame::Route(RouteHello { broker_id })),
+        (any::<u64>(), proptest::option::of(text())).prop_map(|(broker_id, advertise)| {
+            Frame::Route(RouteHello {
+                broker_id,
+                advertise,
+            })
+        }),
+        proptest::collection::vec(text(), 0..4)
+            .prop_map(|addresses| Frame::RoutePeers(RoutePeers { addresses })),
         (any::<u64>(), any::<u64>())
             .prop_map(|(sid, count)| Frame::Dropped(Dropped { sid, count })),
     ]
