@@ -5,6 +5,10 @@
 //!   exits 2.
 //! - `examples/fabric_pingpong.rs`: a short run prints its figures for each
 //!   RDM provider; bad arguments exit 2.
+//! - `examples/embedded_mesh.rs`: service processes that each embed a
+//!   broker find each other from one seed and route over `efa-rdm`
+//!   (`tcp;ofi_rxm`, three services) and `shm` (two), and exchange
+//!   requests and streams.
 //!
 //! `cargo test` builds the examples next to the test binaries
 //! (`target/<profile>/examples/`), `cargo test --all-targets` does not
@@ -159,6 +163,39 @@ fn an_unknown_provider_gives_one_line_and_status_2() {
         Some(missing) => missing,
     };
     assert!(reason.contains(expected), "{reason}");
+}
+
+#[test]
+fn services_mesh_over_the_fabric_without_a_broker() {
+    let Some(example) = example("embedded_mesh") else {
+        return;
+    };
+    for (provider, services, path) in [
+        ("tcp;ofi_rxm", "3", "efa-rdm via tcp;ofi_rxm FI_EP_RDM"),
+        ("shm", "2", "shm via shm FI_EP_RDM"),
+    ] {
+        let run = run(&example, &[provider, services, "--quick"]);
+        if !succeeded(&run, provider, &run.stdout) {
+            continue;
+        }
+        let count: usize = services.parse().unwrap();
+        for from in 0..count {
+            for to in (0..count).filter(|&to| to != from) {
+                for expected in [
+                    format!("s{from} route to s{to}: {path}"),
+                    format!("s{from} asked s{to}: 64 B round trip p50 "),
+                ] {
+                    assert!(
+                        run.stdout.contains(&expected),
+                        "{provider}: missing {expected:?} in:\n{}",
+                        run.stdout
+                    );
+                }
+            }
+            let received = format!("s{from} received {} streamed messages", 2_000 * (count - 1));
+            assert!(run.stdout.contains(&received), "{provider}: {}", run.stdout);
+        }
+    }
 }
 
 #[test]

@@ -1,0 +1,338 @@
+//! Services that each embed a broker, meshed over the fabric with no
+//! standalone broker: every service process starts its own `Broker`, the
+//! first one is the others' seed, and they find each other and route over
+//! `efa-rdm` (or `shm` on one host). A request from one service to another
+//! is one fabric hop each way.
+//!
+//! ```text
+//! cargo run --release --example embedded_mesh                    # tcp;ofi_rxm, 3 services
+//! cargo run --release --example embedded_mesh -- shm 2           # shm, 2 services
+//! cargo run --release --example embedded_mesh -- efa 3 --json    # on an EFA host
+//! cargo run --example embedded_mesh -- "tcp;ofi_rxm" 3 --quick   # a short run
+//! cargo run --release --example embedded_mesh -- tcp 2           # routes on TCP, to compare
+//! ```
+//!
+//! Run without a role, the example is the launcher: it starts the service
+//! processes (this same program with `service` as its first argument),
+//! passes each the seed's address, and waits for all of them. Each service
+//! waits for its routes to every other one, prints the path of each, then
+//! asks every other service 64 B requests (round-trip times) and streams
+//! 16 B messages to it (throughput), and stays up until the launcher says
+//! all are done (by closing its stdin). Exit status: 0 on success, 2 when
+//! the fabric cannot be used here (the reason is printed), 1 on any other
+//! failure.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use efabus::{Broker, Bytes, Config, Subscription};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// How much each service sends to each other one.
+#[derive(Clone, Copy)]
+struct Sizes {
+    round_trips: usize,
+    stream: usize,
+}
+
+const FULL: Sizes = Sizes {
+    round_trips: 2_000,
+    stream: 200_000,
+};
+/// `--quick`: enough to show it works, for the tests.
+const QUICK: Sizes = Sizes {
+    round_trips: 50,
+    stream: 2_000,
+};
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = if args.first().map(String::as_str) == Some("service") {
+        service(&args[1..])
+    } else {
+        launch(&args)
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Unavailable(reason)) => {
+            println!("embedded_mesh: the fabric cannot be used here: {reason}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Other(err)) => {
+            eprintln!("embedded_mesh: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+enum Failure {
+    /// The fabric endpoint did not open: the transport's reason.
+    Unavailable(String),
+    Other(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl<E: Into<Box<dyn std::error::Error + Send + Sync>>> From<E> for Failure {
+    fn from(err: E) -> Failure {
+        Failure::Other(err.into())
+    }
+}
+
+/// `[PROVIDER [SERVICES]] [--json] [--quick]`: start the services and
+/// wait for them.
+fn launch(args: &[String]) -> Result<(), Failure> {
+    let positional: Vec<&String> = args.iter().filter(|a| !a.starts_with("--")).collect();
+    let provider = positional
+        .first()
+        .map_or_else(|| "tcp;ofi_rxm".to_string(), |p| p.to_string());
+    let count: usize = match positional.get(1) {
+        None => 3,
+        Some(text) => match text.parse() {
+            Ok(n) if (2..=8).contains(&n) => n,
+            _ => return Err("SERVICES must be 2 to 8".into()),
+        },
+    };
+    let flags: Vec<&String> = args.iter().filter(|a| a.starts_with("--")).collect();
+    let exe = std::env::current_exe()?;
+    let spawn = |name: &str, seed: &str| -> Result<Child, Failure> {
+        let mut command = Command::new(&exe);
+        command
+            .args(["service", name, &provider, &count.to_string(), seed])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        command.args(&flags);
+        Ok(command.spawn()?)
+    };
+    // The first service is the seed: its address is its first line.
+    let mut first = spawn("s0", "-")?;
+    let mut first_out = BufReader::new(first.stdout.take().ok_or("no stdout")?);
+    let mut line = String::new();
+    first_out.read_line(&mut line)?;
+    let Some(seed) = line.trim().strip_prefix("listening ") else {
+        let mut rest = String::new();
+        let _ = first_out.read_to_string(&mut rest);
+        let _ = first.wait();
+        return match (line + &rest).trim() {
+            text if text.contains("cannot be used here") => {
+                Err(Failure::Unavailable(text.to_string()))
+            }
+            text => Err(format!("the first service said {text:?}").into()),
+        };
+    };
+    let seed = seed.to_string();
+    let mut children = vec![(first, first_out)];
+    let mut outputs = vec![line];
+    for n in 1..count {
+        let mut child = spawn(&format!("s{n}"), &seed)?;
+        let out = BufReader::new(child.stdout.take().ok_or("no stdout")?);
+        children.push((child, out));
+    }
+    // Each service's lines, up to its "done"; then every stdin is closed.
+    for (index, (_, out)) in children.iter_mut().enumerate() {
+        if index == outputs.len() {
+            outputs.push(String::new());
+        }
+        let text = &mut outputs[index];
+        for line in out.by_ref().lines() {
+            let line = line?;
+            let done = line == "done";
+            text.push_str(&line);
+            text.push('\n');
+            if done {
+                break;
+            }
+        }
+    }
+    for (child, _) in &mut children {
+        drop(child.stdin.take());
+    }
+    let mut failed = false;
+    let mut stdout = std::io::stdout().lock();
+    for ((child, _), text) in children.iter_mut().zip(&outputs) {
+        stdout.write_all(text.as_bytes())?;
+        failed |= !child.wait()?.success() || !text.ends_with("done\n");
+    }
+    stdout.flush()?;
+    if failed {
+        return Err("a service failed".into());
+    }
+    Ok(())
+}
+
+/// `service NAME PROVIDER COUNT SEED [--json]`: one service process.
+fn service(args: &[String]) -> Result<(), Failure> {
+    let [name, provider, count, seed, ..] = args else {
+        return Err(
+            "usage: embedded_mesh service NAME PROVIDER COUNT SEED [--json] [--quick]".into(),
+        );
+    };
+    let count: usize = count.parse()?;
+    let json = args.iter().any(|a| a == "--json");
+    let sizes = if args.iter().any(|a| a == "--quick") {
+        QUICK
+    } else {
+        FULL
+    };
+    // `tcp`: routes on TCP alone, for comparison.
+    let (scheme, fabric_provider) = match provider.as_str() {
+        "shm" => (Some("shm"), "tcp;ofi_rxm"),
+        "tcp" => (None, "tcp;ofi_rxm"),
+        other => (Some("efa-rdm"), other),
+    };
+    let listen = match scheme {
+        Some(scheme) => format!(r#""tcp/127.0.0.1:0", "{scheme}""#),
+        None => r#""tcp/127.0.0.1:0""#.to_string(),
+    };
+    let node = if provider.starts_with("efa") {
+        ""
+    } else {
+        "127.0.0.1"
+    };
+    let peers = if seed == "-" {
+        String::new()
+    } else {
+        format!("{seed:?}")
+    };
+    let config = Config::from_toml_str(
+        &format!(
+            r#"
+            name = "{name}"
+            log_level = "warn"
+            listen = [{listen}]
+            peers = [{peers}]
+            [slow_consumer]
+            policy = "block"
+            block_timeout_ms = 20000
+            [negotiation]
+            preference = ["shm", "efa-rdm", "tcp"]
+            [fabric]
+            provider = "{fabric_provider}"
+            node = "{node}"
+            "#
+        ),
+        "embedded_mesh service",
+    )?;
+    let broker = Broker::start(config)?;
+    if let Some(scheme) = scheme.filter(|scheme| broker.endpoint(scheme).is_none()) {
+        return Err(Failure::Unavailable(format!(
+            "{scheme} via {provider} did not open"
+        )));
+    }
+    println!("listening {}", broker.endpoint("tcp").ok_or("no tcp")?);
+
+    // Requests to this service are answered and streams to it counted,
+    // each on its own thread, until the launcher says all are done.
+    let requests = broker.subscribe(&format!("svc.{name}"))?;
+    let stream = broker.subscribe(&format!("stream.{name}"))?;
+    let replies = broker.subscribe(&format!("inbox.{name}"))?;
+    let stop = AtomicBool::new(false);
+    let expected = sizes.stream * (count - 1);
+    std::thread::scope(|scope| -> Result<(), Failure> {
+        scope.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(request) = requests.recv_timeout(Duration::from_millis(50)) {
+                    if let Some(reply) = request.reply {
+                        let _ = broker.publish(&reply, request.payload);
+                    }
+                }
+            }
+        });
+        let counter = scope.spawn(|| {
+            let mut received = 0;
+            while received < expected && stream.recv_timeout(WAIT).is_ok() {
+                received += 1;
+            }
+            received
+        });
+        let result = exchange(&broker, name, count, &replies, sizes, json);
+        if result.is_ok() {
+            let received = counter.join().map_err(|_| "the counting thread failed")?;
+            if received < expected {
+                stop.store(true, Ordering::Relaxed);
+                return Err(format!("{name}: {received} of {expected} streamed messages").into());
+            }
+            println!("{name} received {expected} streamed messages");
+            println!("done");
+            std::io::stdout().flush()?;
+            // Serve the others until the launcher closes stdin.
+            let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        }
+        stop.store(true, Ordering::Relaxed);
+        result
+    })
+}
+
+/// Wait for the routes to every other service, print their paths, then
+/// measure round trips to each and stream to each.
+fn exchange(
+    broker: &Broker,
+    name: &str,
+    count: usize,
+    replies: &Subscription,
+    sizes: Sizes,
+    json: bool,
+) -> Result<(), Failure> {
+    let deadline = Instant::now() + WAIT;
+    while broker.routes().len() < count - 1 {
+        if Instant::now() > deadline {
+            return Err(
+                format!("{name}: {} of {} routes", broker.routes().len(), count - 1).into(),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The others' three subscriptions each, announced over the routes.
+    while broker.route_interest_count() < 3 * (count - 1) {
+        if Instant::now() > deadline {
+            return Err(format!("{name}: the others' subscriptions never arrived").into());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut routes = broker.routes();
+    routes.sort_by(|a, b| a.name.cmp(&b.name));
+    for route in &routes {
+        println!("{name} route to {}: {}", route.name, route.reliable);
+    }
+    let payload = Bytes::from(vec![7u8; 64]);
+    let inbox = format!("inbox.{name}");
+    for route in &routes {
+        let other = &route.name;
+        let service = format!("svc.{other}");
+        let mut times = Vec::with_capacity(sizes.round_trips);
+        for _ in 0..sizes.round_trips {
+            let started = Instant::now();
+            broker.publish_request(&service, &inbox, payload.clone())?;
+            let answer = replies.recv_timeout(WAIT)?;
+            times.push(started.elapsed());
+            if answer.payload != payload {
+                return Err(format!("{name}: {other} answered something else").into());
+            }
+        }
+        times.sort_unstable();
+        let p50 = times[times.len() / 2].as_secs_f64() * 1e6;
+        let small = Bytes::from_static(b"0123456789abcdef");
+        let subject = format!("stream.{other}");
+        let started = Instant::now();
+        for _ in 0..sizes.stream {
+            broker.publish(&subject, small.clone())?;
+        }
+        broker.flush(WAIT)?;
+        let rate = sizes.stream as f64 / started.elapsed().as_secs_f64();
+        if json {
+            println!(
+                "{{\"from\":\"{name}\",\"to\":\"{other}\",\"path\":\"{}\",\
+                 \"rtt_p50_us\":{p50:.1},\"stream_16_per_sec\":{rate:.0}}}",
+                route.reliable
+            );
+        } else {
+            println!(
+                "{name} asked {other}: 64 B round trip p50 {p50:.1} us; \
+                 16 B stream sent at {rate:.0}/s"
+            );
+        }
+    }
+    Ok(())
+}
