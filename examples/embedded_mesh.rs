@@ -155,11 +155,40 @@ fn launch(args: &[String]) -> Result<(), Failure> {
         stdout.write_all(text.as_bytes())?;
         failed |= !child.wait()?.success() || !text.ends_with("done\n");
     }
-    stdout.flush()?;
     if failed {
+        stdout.flush()?;
         return Err("a service failed".into());
     }
+    if flags.iter().any(|f| *f == "--json") {
+        // One summary line last: the median over every pair of services.
+        let all = outputs.concat();
+        let rtt = median(json_numbers(&all, "rtt_p50_us"));
+        let rate = median(json_numbers(&all, "stream_16_per_sec"));
+        writeln!(
+            stdout,
+            "{{\"provider\":\"{provider}\",\"services\":{count},\
+             \"rtt_p50_us\":{rtt:.1},\"stream_16_per_sec\":{rate:.0}}}"
+        )?;
+    }
+    stdout.flush()?;
     Ok(())
+}
+
+/// Every value of the numeric field `name` in the JSON lines of `text`.
+fn json_numbers(text: &str, name: &str) -> Vec<f64> {
+    let key = format!("\"{name}\":");
+    text.lines()
+        .filter_map(|line| {
+            let rest = &line[line.find(&key)? + key.len()..];
+            let end = rest.find([',', '}']).unwrap_or(rest.len());
+            rest[..end].parse().ok()
+        })
+        .collect()
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// `service NAME PROVIDER COUNT SEED [--json]`: one service process.
