@@ -284,6 +284,9 @@ fn service(args: &[String]) -> Result<(), Failure> {
                 return Err(format!("{name}: {received} of {expected} streamed messages").into());
             }
             println!("{name} received {expected} streamed messages");
+            if let Some(kib) = resident_kib() {
+                println!("{name} resident memory {kib} KiB with {} routes", count - 1);
+            }
             println!("done");
             std::io::stdout().flush()?;
             // Serve the others until the launcher closes stdin.
@@ -364,4 +367,11 @@ fn exchange(
         }
     }
     Ok(())
+}
+
+/// This process's resident memory (Linux), for the cost of a route.
+fn resident_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
