@@ -614,7 +614,13 @@ impl Config {
             check_peer(peer).map_err(|message| invalid(&format!("peers[{i}]"), message))?;
         }
         if let Some(advertise) = &self.cluster.advertise {
-            check_peer(advertise).map_err(|message| invalid("cluster.advertise", message))?;
+            check_advertised(advertise).map_err(|message| invalid("cluster.advertise", message))?;
+        }
+        if self.cluster.forget_after_ms == 0 {
+            return Err(invalid(
+                "cluster.forget_after_ms",
+                "must be positive".to_string(),
+            ));
         }
         let nonzero = [
             ("limits.max_payload", self.limits.max_payload as usize),
@@ -875,8 +881,40 @@ pub(crate) fn check_peer(peer: &str) -> Result<(), String> {
             spec.scheme()
         ));
     }
-    if spec.address().is_none_or(str::is_empty) {
+    let Some(address) = spec.address().filter(|a| !a.is_empty()) else {
         return Err("needs the peer broker's address (`tcp/HOST:PORT`)".to_string());
+    };
+    if address.len() > MAX_PEER_ADDRESS_LEN {
+        return Err(format!(
+            "an address of {} bytes; at most {MAX_PEER_ADDRESS_LEN}",
+            address.len()
+        ));
+    }
+    let port = address.rsplit_once(':').and_then(|(host, port)| {
+        let port = port.parse::<u16>().ok().filter(|&p| p != 0)?;
+        (!host.is_empty()).then_some(port)
+    });
+    if port.is_none() {
+        return Err(format!("`{address}` is not HOST:PORT"));
+    }
+    Ok(())
+}
+
+/// Longest `HOST:PORT` of a route peer: a full DNS name and a port.
+const MAX_PEER_ADDRESS_LEN: usize = 253 + 6;
+
+/// Why an address cannot be advertised to other brokers: it must be an IP
+/// address and port (`tcp/10.0.0.2:7420`), so that a broker learning it
+/// dials it without a name lookup on its event loop.
+pub(crate) fn check_advertised(address: &str) -> Result<(), String> {
+    check_peer(address)?;
+    let literal = address
+        .strip_prefix("tcp/")
+        .is_some_and(|a| a.parse::<std::net::SocketAddr>().is_ok());
+    if !literal {
+        return Err(format!(
+            "`{address}` must be an IP address and port (`tcp/10.0.0.2:7420`)"
+        ));
     }
     Ok(())
 }
@@ -1174,11 +1212,23 @@ mod tests {
         assert!(Config::default().peers.is_empty());
         let config = Config::from_toml_str("peers = [\"tcp/10.0.0.2:7420\"]\n", "p.toml").unwrap();
         assert_eq!(config.peers, ["tcp/10.0.0.2:7420"]);
-        for bad in ["mem/x", "efa-rdm", "nonsense"] {
+        for bad in ["mem/x", "efa-rdm", "nonsense", "tcp/10.0.0.2", "tcp/:7420"] {
             let err = Config::from_toml_str(&format!("peers = [\"{bad}\"]\n"), "p.toml")
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("peers[0]"), "{bad}: {err}");
+        }
+        // A configured peer may be a host name; an advertised address not.
+        assert!(Config::from_toml_str("peers = [\"tcp/node-2:7420\"]\n", "p.toml").is_ok());
+        let cluster = |body: &str| Config::from_toml_str(&format!("[cluster]\n{body}\n"), "c.toml");
+        assert!(cluster("advertise = \"tcp/10.0.0.1:7420\"").is_ok());
+        for (bad, key) in [
+            ("advertise = \"tcp/node-1:7420\"", "cluster.advertise"),
+            ("advertise = \"tcp/10.0.0.1\"", "cluster.advertise"),
+            ("forget_after_ms = 0", "cluster.forget_after_ms"),
+        ] {
+            let err = cluster(bad).unwrap_err().to_string();
+            assert!(err.contains(key), "{bad}: {err}");
         }
     }
 

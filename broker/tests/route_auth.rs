@@ -287,3 +287,43 @@ fn refused_routes_count_towards_the_address_lockout() {
     assert_eq!(fatal_error(&frames).code, ErrorCode::RateLimited);
     assert_eq!(routes(&broker), 0);
 }
+
+/// What a route's peer says about other brokers is checked before it is
+/// dialed: host names, malformed and oversized addresses are dropped, and
+/// the broker stays up and dials only the usable addresses.
+#[test]
+fn gossip_from_a_route_is_checked_and_bounded() {
+    let broker = start("gossip-target", &[], "");
+    let mut raw = Raw::connect(&broker);
+    ask_for_a_route(&mut raw, None);
+    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
+    let long = format!("tcp/{}:7420", "9".repeat(4096));
+    let mut addresses: Vec<String> = [
+        "tcp/127.0.0.1:1",
+        "tcp/node-4.example:7420",
+        "tcp/10.0.0.2",
+        "tcp/10.0.0.2:0",
+        "shm",
+        "",
+        long.as_str(),
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    // As many as fit a control frame.
+    addresses.extend((0..2_000).map(|n| format!("tcp/127.0.{}.{}:2", n / 250, n % 250 + 1)));
+    raw.send(&Frame::RoutePeers(efabus_core::frame::RoutePeers {
+        addresses,
+    }));
+    wait_until("the usable addresses dialed", || !broker.peers().is_empty());
+    let peers = broker.peers();
+    assert!(peers.contains(&"tcp/127.0.0.1:1".to_string()), "{peers:?}");
+    assert!(
+        peers.iter().all(|p| p.len() < 40 && !p.contains("example")),
+        "only IP:PORT addresses are learned"
+    );
+    assert_eq!(peers.len(), 2_001, "the IP:PORT addresses, each once");
+    // Still serving.
+    let client = Client::connect(&tcp(&broker)).expect("the broker still accepts clients");
+    client.flush(WAIT).expect("and answers them");
+}

@@ -33,8 +33,10 @@
 //! ever sent over the one link in use. A broker does not redial an address
 //! that led to a broker it already has a route to.
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use efabus_core::caps::EpType;
 use efabus_core::codec;
 use efabus_core::frame::{
     ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, RoutePeers, Subscribe, Welcome,
@@ -65,6 +67,9 @@ const BACKOFF_MAX: Duration = Duration::from_secs(2);
 /// Most brokers learned from peers kept at once: a bound on what gossip
 /// can make this broker remember and dial.
 const LEARNED_MAX: usize = 4096;
+/// Most addresses sent in one `RoutePeers` frame: with IP addresses (at
+/// most 54 bytes as `tcp/[v6]:port`) a frame stays under 16 KiB.
+const PEERS_PER_FRAME: usize = 256;
 /// Most addresses read from one `RoutePeers` frame.
 const PEERS_PER_FRAME_MAX: usize = LEARNED_MAX;
 /// Refused routes are logged at most once per this period; the others in
@@ -178,6 +183,11 @@ pub(crate) struct Cluster {
     announcements: Arc<AtomicBool>,
     /// Refused routes are logged at most once per `REFUSAL_LOG_SPACING`.
     refusal_log: LogLimit,
+    /// When a route is next told the known brokers, and which one.
+    next_gossip: Instant,
+    gossip_turn: usize,
+    /// The slots changed since `Broker::peers` was last brought up to date.
+    peers_changed: bool,
 }
 
 impl Cluster {
@@ -205,6 +215,9 @@ impl Cluster {
             by_broker: HashMap::default(),
             announcements: shared.subscriptions.read().interest_flag(),
             refusal_log: LogLimit::new(REFUSAL_LOG_SPACING),
+            next_gossip: now,
+            gossip_turn: 0,
+            peers_changed: true,
         }
     }
 
@@ -229,30 +242,26 @@ fn broker_hex(id: u64) -> String {
 }
 
 /// A peer's advertised address as this broker dials it: a valid
-/// `tcp/HOST:PORT`, with an unspecified host (`0.0.0.0`, `[::]`) replaced
-/// by the IP the route came from (`remote`). `None` if unusable.
+/// `tcp/IP:PORT`, with an unspecified host (`0.0.0.0`, `[::]`), or a
+/// loopback one from a peer that is not on loopback, replaced by the IP the
+/// route came from (`remote`). `None` if unusable: host names are not
+/// learned (their lookup would block the event loop).
 fn resolve_advertised(advertised: &str, remote: &str) -> Option<String> {
-    crate::config::check_peer(advertised).ok()?;
-    let address = advertised.strip_prefix("tcp/")?;
-    let Ok(socket) = address.parse::<std::net::SocketAddr>() else {
-        // A host name: dialed as given.
-        return Some(advertised.to_string());
-    };
-    if !socket.ip().is_unspecified() {
-        return Some(advertised.to_string());
-    }
+    crate::config::check_advertised(advertised).ok()?;
+    let socket: SocketAddr = advertised.strip_prefix("tcp/")?.parse().ok()?;
     // An accepted route's remote is the socket address it came from; a
     // dialed one's is the endpoint dialed.
     let remote = remote.strip_prefix("tcp/").unwrap_or(remote);
     let seen = remote
-        .parse::<std::net::SocketAddr>()
-        .ok()?
-        .ip()
-        .to_canonical();
-    Some(format!(
-        "tcp/{}",
-        std::net::SocketAddr::new(seen, socket.port())
-    ))
+        .parse::<SocketAddr>()
+        .ok()
+        .map(|r| r.ip().to_canonical());
+    let ip = socket.ip();
+    let replace = ip.is_unspecified() || ip.is_loopback() && seen.is_some_and(|s| !s.is_loopback());
+    if !replace {
+        return Some(advertised.to_string());
+    }
+    Some(format!("tcp/{}", SocketAddr::new(seen?, socket.port())))
 }
 
 impl EventLoop {
@@ -262,6 +271,7 @@ impl EventLoop {
         if let Some(slot) = DialSlot::new(&endpoint, now) {
             info!(peer = %endpoint, "peer added");
             self.cluster.slots.push(slot);
+            self.cluster.peers_changed = true;
             self.dial_routes(now);
         }
     }
@@ -292,6 +302,7 @@ impl EventLoop {
             if slot.learned && now.saturating_duration_since(slot.last_reached) > forget_after {
                 info!(peer = %slot.endpoint, "learned peer broker unreachable too long; forgotten");
                 slot.forgotten = true;
+                self.cluster.peers_changed = true;
                 continue;
             }
             self.dial(index, endpoint, now);
@@ -299,15 +310,18 @@ impl EventLoop {
         if let Some(next) = self.cluster.next_dial() {
             self.schedule(next);
         }
-        let peers = self
-            .cluster
-            .slots
-            .iter()
-            .filter(|slot| !slot.forgotten)
-            .map(|slot| slot.endpoint.clone());
-        let mut shown = self.shared.peers.lock();
-        shown.clear();
-        shown.extend(peers);
+        self.gossip_in_turn(now);
+        if std::mem::take(&mut self.cluster.peers_changed) {
+            let peers = self
+                .cluster
+                .slots
+                .iter()
+                .filter(|slot| slot.live())
+                .map(|slot| slot.endpoint.clone());
+            let mut shown = self.shared.peers.lock();
+            shown.clear();
+            shown.extend(peers);
+        }
     }
 
     fn dial(&mut self, index: usize, endpoint: usize, now: Instant) {
@@ -354,7 +368,13 @@ impl EventLoop {
             version: PROTOCOL_VERSION,
             name: config.name.clone(),
             credentials: config.route_secret().map(str::to_string),
-            offers: self.offers.clone(),
+            // No datagram link: route messages all take the reliable path.
+            offers: self
+                .offers
+                .iter()
+                .filter(|offer| offer.ep_type != EpType::Dgram)
+                .cloned()
+                .collect(),
             link_auth,
         });
         let route = Frame::Route(RouteHello {
@@ -620,6 +640,7 @@ impl EventLoop {
             warn!(peer = %remote, "peer address leads back to this broker; not routing to it");
             if let Some(slot) = slot {
                 self.cluster.slots[slot].own = true;
+                self.cluster.peers_changed = true;
             }
             self.goodbye(id, "a broker does not route to itself");
             return;
@@ -746,12 +767,19 @@ impl EventLoop {
         }
     }
 
+    /// Tell route `id` of `addresses`, in frames of at most
+    /// `PEERS_PER_FRAME` addresses (each at most a few hundred bytes, so a
+    /// frame stays well under the control frame limit).
     fn send_peers(&mut self, id: u64, addresses: Vec<String>) {
-        if addresses.is_empty() {
-            return;
+        for chunk in addresses.chunks(PEERS_PER_FRAME) {
+            let frame = Frame::RoutePeers(RoutePeers {
+                addresses: chunk.to_vec(),
+            });
+            match codec::try_encode(&frame) {
+                Ok(encoded) => self.send(id, encoded, false),
+                Err(err) => warn!(session = id, %err, "route peers not sent"),
+            }
         }
-        let frame = Frame::RoutePeers(RoutePeers { addresses });
-        self.send(id, codec::encode(&frame), false);
     }
 
     /// Addresses of brokers a route's peer has routes to: those this
@@ -762,15 +790,21 @@ impl EventLoop {
         let routed: HashSet<String> = self.route_addresses().into_iter().map(|(_, a)| a).collect();
         let mut added = false;
         for address in addresses.into_iter().take(PEERS_PER_FRAME_MAX) {
-            if crate::config::check_peer(&address).is_err()
+            if crate::config::check_advertised(&address).is_err()
                 || self.cluster.advertise.as_deref() == Some(address.as_str())
                 || routed.contains(&address)
-                || self
-                    .cluster
-                    .slots
-                    .iter()
-                    .any(|slot| !slot.forgotten && slot.endpoint == address)
             {
+                continue;
+            }
+            // A route vouches for it: a learned peer is kept while some
+            // broker still has a route to it.
+            if let Some(slot) = self
+                .cluster
+                .slots
+                .iter_mut()
+                .find(|slot| !slot.forgotten && slot.endpoint == address)
+            {
+                slot.last_reached = now;
                 continue;
             }
             let Some(mut slot) = DialSlot::new(&address, now) else {
@@ -796,8 +830,35 @@ impl EventLoop {
             added = true;
         }
         if added {
+            self.cluster.peers_changed = true;
             self.dial_routes(now);
         }
+    }
+
+    /// Now and then, one route in turn is told every broker this one has
+    /// a route to: learned peers stay known while someone reaches them,
+    /// and a pair that lost its route longer than `forget_after_ms` (while
+    /// both kept others) learns of each other again. One frame per period
+    /// per broker, however large the cluster.
+    fn gossip_in_turn(&mut self, now: Instant) {
+        if now < self.cluster.next_gossip {
+            return;
+        }
+        let period = self.shared.config.cluster.forget_after() / 4;
+        self.cluster.next_gossip = now + period.max(Duration::from_millis(10));
+        self.schedule(self.cluster.next_gossip);
+        let routes = self.route_addresses();
+        if routes.is_empty() {
+            return;
+        }
+        self.cluster.gossip_turn = self.cluster.gossip_turn.wrapping_add(1);
+        let (to, _) = routes[self.cluster.gossip_turn % routes.len()];
+        let others = routes
+            .iter()
+            .filter(|(route, _)| *route != to)
+            .map(|(_, address)| address.clone())
+            .collect();
+        self.send_peers(to, others);
     }
 
     /// Say goodbye and close.
@@ -965,7 +1026,19 @@ impl EventLoop {
 
 #[cfg(test)]
 mod tests {
-    use super::resolve_advertised;
+    use super::{resolve_advertised, PEERS_PER_FRAME};
+    use efabus_core::codec;
+    use efabus_core::frame::{Frame, RoutePeers};
+
+    #[test]
+    fn a_frame_of_the_longest_advertised_addresses_encodes() {
+        let longest = "tcp/[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535".to_string();
+        assert!(crate::config::check_advertised(&longest).is_ok());
+        let frame = Frame::RoutePeers(RoutePeers {
+            addresses: vec![longest; PEERS_PER_FRAME],
+        });
+        assert!(codec::try_encode(&frame).is_ok());
+    }
 
     #[test]
     fn advertised_addresses_resolve_against_where_the_route_came_from() {
@@ -986,10 +1059,27 @@ mod tests {
             "or the one dialed"
         );
         assert_eq!(
-            resolve("tcp/node-4:7420", "10.0.0.9:5000").as_deref(),
-            Some("tcp/node-4:7420")
+            resolve("tcp/127.0.0.1:7420", "10.0.0.9:5000").as_deref(),
+            Some("tcp/10.0.0.9:7420"),
+            "loopback from a peer elsewhere is where it came from"
         );
-        for unusable in ["shm", "tcp/", "efa-rdm/x", "", "tcp/0.0.0.0:1 junk"] {
+        assert_eq!(
+            resolve("tcp/127.0.0.1:7420", "127.0.0.1:5000").as_deref(),
+            Some("tcp/127.0.0.1:7420"),
+            "and kept from a peer on loopback"
+        );
+        let long = format!("tcp/{}:7420", "9".repeat(300));
+        for unusable in [
+            "shm",
+            "tcp/",
+            "efa-rdm/x",
+            "",
+            "tcp/0.0.0.0:1 junk",
+            "tcp/10.0.0.2",
+            "tcp/10.0.0.2:0",
+            "tcp/node-4:7420",
+            long.as_str(),
+        ] {
             assert_eq!(resolve(unusable, "10.0.0.9:5000"), None, "{unusable:?}");
         }
     }
