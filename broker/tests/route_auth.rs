@@ -75,6 +75,17 @@ fn subscribed_client(
 /// A hello with `credentials`, then at once a route hello: what a
 /// dialing broker sends.
 fn ask_for_a_route(raw: &mut Raw, credentials: Option<&str>) {
+    ask_for_a_route_as(raw, credentials, None, false);
+}
+
+/// [`ask_for_a_route`], with the address the peer advertises and whether
+/// it dialed the receiver as a seed.
+fn ask_for_a_route_as(
+    raw: &mut Raw,
+    credentials: Option<&str>,
+    advertise: Option<&str>,
+    seeded: bool,
+) {
     raw.send(&Frame::Hello(Hello {
         version: PROTOCOL_VERSION,
         name: "posing-as-a-broker".into(),
@@ -84,7 +95,8 @@ fn ask_for_a_route(raw: &mut Raw, credentials: Option<&str>) {
     }));
     raw.send(&Frame::Route(RouteHello {
         broker_id: 42,
-        advertise: None,
+        advertise: advertise.map(str::to_string),
+        seeded,
     }));
 }
 
@@ -326,4 +338,35 @@ fn gossip_from_a_route_is_checked_and_bounded() {
     // Still serving.
     let client = Client::connect(&tcp(&broker)).expect("the broker still accepts clients");
     client.flush(WAIT).expect("and answers them");
+}
+
+/// A broker dialed as a seed tells the newcomer the brokers it has routes
+/// to; dialed as a learned peer, it tells nothing (the seed did), so a
+/// join costs one list, not one per broker of the cluster.
+#[test]
+fn only_a_seed_route_gets_the_list_of_brokers() {
+    let seed = start("seed", &[], "");
+    let other = start("other", &[tcp(&seed)], "");
+    wait_until("the route", || routes(&seed) == 1 && routes(&other) == 1);
+    let lists = |seeded: bool| -> Vec<Vec<String>> {
+        let mut raw = Raw::connect(&seed);
+        // An address nothing listens on: `other`, told of it, dials in vain.
+        ask_for_a_route_as(&mut raw, None, Some("tcp/127.0.0.1:9"), seeded);
+        raw.frames_for(Duration::from_millis(300))
+            .into_iter()
+            .filter_map(|frame| match frame {
+                Frame::RoutePeers(peers) => Some(peers.addresses),
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(
+        lists(true),
+        [vec![tcp(&other)]],
+        "the seed tells the newcomer"
+    );
+    assert!(
+        lists(false).is_empty(),
+        "a learned peer's route gets no list"
+    );
 }

@@ -1480,6 +1480,7 @@ mod tests {
                 Frame::Route(RouteHello {
                     broker_id: 1 << 40,
                     advertise: Some("tcp/0.0.0.0:7420".into()),
+                    seeded: false,
                 }),
                 FrameKind::Route,
             ),

@@ -197,6 +197,11 @@ pub struct RouteHello {
     /// when it says. An unspecified host (`0.0.0.0`, `[::]`) stands for
     /// the address the receiver sees the route come from.
     pub advertise: Option<String>,
+    /// The dialing broker dialed the receiver as a seed (a configured
+    /// peer): the two tell each other every broker they know, and each
+    /// tells its routes about the other. Routes dialed to learned brokers
+    /// leave this to the periodic exchange, so a join costs one list.
+    pub seeded: bool,
 }
 
 /// Sent over a route: the brokers the sender has routes to, by the

@@ -69,6 +69,7 @@ fn bases() -> &'static [Vec<u8>] {
             Frame::Route(RouteHello {
                 broker_id: 7,
                 advertise: Some("tcp/127.0.0.1:7420".into()),
+                seeded: false,
             }),
             Frame::RoutePeers(RoutePeers {
                 addresses: vec!["tcp/10.0.0.2:7420".into()],

@@ -93,6 +93,9 @@ pub(crate) struct RouteRole {
     /// Where the peer broker says it is dialed (its route hello), with an
     /// unspecified host replaced by the address the route came from.
     advertised: Option<String>,
+    /// Dialed to a seed (a configured peer, on either side): the two
+    /// exchange what they know when it comes up.
+    seeded: bool,
 }
 
 impl RouteRole {
@@ -104,6 +107,7 @@ impl RouteRole {
             duplicate: false,
             link_secret: None,
             advertised: None,
+            seeded: false,
         }
     }
 
@@ -344,6 +348,7 @@ impl EventLoop {
         let mut session =
             Session::new(control, slot.endpoint.clone(), self.liveness(now), deadline);
         let mut role = RouteRole::new(Some(index));
+        role.seeded = !slot.learned;
         // The route's traffic moves to a data link when both brokers have
         // one in common, as a client's does; without keys it stays here.
         role.link_secret = match LinkSecret::new() {
@@ -380,6 +385,7 @@ impl EventLoop {
         let route = Frame::Route(RouteHello {
             broker_id: self.cluster.broker_id,
             advertise: self.cluster.advertise.clone(),
+            seeded: !self.cluster.slots[index].learned,
         });
         self.send(id, codec::encode(&hello), false);
         self.send(id, codec::encode(&route), false);
@@ -579,6 +585,7 @@ impl EventLoop {
                 let answer = Frame::Route(RouteHello {
                     broker_id: self.cluster.broker_id,
                     advertise: self.cluster.advertise.clone(),
+                    seeded: hello.seeded,
                 });
                 self.send(id, codec::encode(&answer), false);
             }
@@ -590,6 +597,10 @@ impl EventLoop {
                 .and_then(|address| resolve_advertised(address, &session.remote));
             if let Some(role) = session.route_mut() {
                 role.advertised = advertised;
+                // An accepted route is a seed route if its dialer says so.
+                if role.slot.is_none() {
+                    role.seeded = hello.seeded;
+                }
             }
         }
         self.route_established(id, hello.broker_id);
@@ -739,10 +750,18 @@ impl EventLoop {
             .collect()
     }
 
-    /// A route came up: tell it every other broker this one has a route
-    /// to, and tell those about it, so each can dial the ones it lacks.
+    /// A route came up: record the broker reached at its address; on a
+    /// seed route, tell it every other broker this one has a route to, and
+    /// tell those about it, so each can dial the ones it lacks. (A route to
+    /// a learned broker adds nothing the seed did not tell: the periodic
+    /// exchange covers what was missed.)
     fn gossip_route_up(&mut self, id: u64, broker: u64) {
         let now = self.now;
+        let seeded = self
+            .sessions
+            .get(&id)
+            .and_then(|session| session.route())
+            .is_some_and(|role| role.seeded);
         let routes = self.route_addresses();
         let Some(new) = routes
             .iter()
@@ -750,7 +769,9 @@ impl EventLoop {
             .map(|(_, a)| a.clone())
         else {
             // The peer did not say where it is dialed: tell it the others.
-            self.send_peers(id, routes.into_iter().map(|(_, a)| a).collect());
+            if seeded {
+                self.send_peers(id, routes.into_iter().map(|(_, a)| a).collect());
+            }
             return;
         };
         // Reached now: a slot for this address is the same broker.
@@ -759,6 +780,9 @@ impl EventLoop {
                 slot.reached = Some(broker);
                 slot.last_reached = now;
             }
+        }
+        if !seeded {
+            return;
         }
         let others: Vec<(u64, String)> = routes.into_iter().filter(|(r, _)| *r != id).collect();
         self.send_peers(id, others.iter().map(|(_, a)| a.clone()).collect());

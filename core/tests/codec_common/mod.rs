@@ -270,12 +270,15 @@ pub fn frame() -> impl Strategy<Value = Frame> {
         (error_code(), text(), any::<bool>())
             .prop_map(|(code, text, fatal)| Frame::Error(ErrorFrame { code, text, fatal })),
         text().prop_map(|reason| Frame::Goodbye(Goodbye { reason })),
-        (any::<u64>(), proptest::option::of(text())).prop_map(|(broker_id, advertise)| {
-            Frame::Route(RouteHello {
-                broker_id,
-                advertise,
-            })
-        }),
+        (any::<u64>(), proptest::option::of(text()), any::<bool>()).prop_map(
+            |(broker_id, advertise, seeded)| {
+                Frame::Route(RouteHello {
+                    broker_id,
+                    advertise,
+                    seeded,
+                })
+            }
+        ),
         proptest::collection::vec(text(), 0..4)
             .prop_map(|addresses| Frame::RoutePeers(RoutePeers { addresses })),
         (any::<u64>(), any::<u64>())
