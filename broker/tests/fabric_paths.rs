@@ -1074,9 +1074,9 @@ const SLOW_COUNT: u64 = 6_000;
 const SLOW_SIZE: usize = 4_096;
 /// What a peer's queue may reach: the bound, plus what publishers had in
 /// flight inside their credit window when the broker stopped granting (a
-/// reliable link's 1,024 pieces, of one message each here), plus the
+/// reliable link's 2,048 pieces, of one message each here), plus the
 /// message that crossed the bound.
-const SLOW_LIMIT: u64 = SLOW_BOUND + 1025 * (SLOW_SIZE as u64 + 64);
+const SLOW_LIMIT: u64 = SLOW_BOUND + 2049 * (SLOW_SIZE as u64 + 64);
 
 /// A broker with the slow-consumer `policy`, a subscriber on RDM whose
 /// client holds at most 16 messages and then stops taking from the fabric
