@@ -925,9 +925,12 @@ impl Iterator for Subscription {
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        self.owner.unsubscribe(self.sid);
-        // Producers may still hold the sink for a moment (a publishing
-        // thread's cached route): refuse them and free what is queued.
+        // Close the queue first: a producer waiting for room in it (the
+        // `block` policy) may hold the owner's table of subscriptions,
+        // which unsubscribing takes. Closed, it refuses the waiting message
+        // and lets go. Producers that still hold the sink for a moment (a
+        // publishing thread's cached route) are refused too, and what is
+        // queued is freed.
         let mut state = self.queue.state.lock();
         state.closed = true;
         state.clear();
@@ -936,6 +939,7 @@ impl Drop for Subscription {
         self.queue.room.notify_all();
         drop(state);
         self.local.lock().buf.clear();
+        self.owner.unsubscribe(self.sid);
     }
 }
 

@@ -673,6 +673,42 @@ fn stalling_client(endpoint: &str, queue: usize) -> Client {
     .expect("client connects")
 }
 
+/// A subscription dropped while its client waits for room in it (the
+/// client's `block` policy) ends at once: the waiting message is refused,
+/// not held until `block_timeout` (60 s here) runs out, and the client
+/// carries on with its other subscriptions.
+#[test]
+fn dropping_a_full_blocking_subscription_does_not_wait_for_the_timeout() {
+    let (broker, endpoint) = start(Via::Tcp, "");
+    let subscriber = stalling_client(&endpoint, 4);
+    let full = subscriber.subscribe("full.>").unwrap();
+    let other = subscriber.subscribe("other").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    for n in 0..20u32 {
+        broker
+            .publish("full.data", Bytes::from(n.to_le_bytes().to_vec()))
+            .unwrap();
+    }
+    // The queue holds 4; the client's reader now waits for room.
+    let deadline = Instant::now() + WAIT;
+    while full.pending() < 4 {
+        assert!(Instant::now() < deadline, "the subscription never filled");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(full);
+        let _ = done_tx.send(());
+    });
+    done_rx
+        .recv_timeout(WAIT)
+        .expect("the drop returns while the client's block_timeout (60 s) is still running");
+    broker
+        .publish("other", Bytes::from_static(b"after"))
+        .unwrap();
+    assert_eq!(recv(&other), "other:after");
+}
+
 /// `total` numbered messages of 4 KiB on `subject`, from a client of the
 /// broker; returns once the broker has routed them all.
 fn publish_numbered_4k(endpoint: &str, subject: &str, total: u32) {
