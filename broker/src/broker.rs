@@ -55,6 +55,12 @@ pub struct BrokerStats {
     /// connection: cut off as a slow consumer, lost, or still queued when
     /// the shutdown drain time ran out.
     pub connection_drops: AtomicU64,
+    /// Frames a peer's reliable data link had sent that the peer had not
+    /// acknowledged when its session ended: taken by the peer before it
+    /// went (its credit not sent yet) or lost with it; this side cannot
+    /// tell which. With `connection_drops` it bounds what a failed
+    /// connection or route lost in flight.
+    pub unacknowledged_at_close: AtomicU64,
     pub bad_frames: AtomicU64,
     pub auth_failures: AtomicU64,
     pub refused_connections: AtomicU64,
@@ -141,6 +147,10 @@ impl BrokerStats {
                 get(&self.slow_consumer_disconnects),
             ),
             ("connection_drops", get(&self.connection_drops)),
+            (
+                "unacknowledged_at_close",
+                get(&self.unacknowledged_at_close),
+            ),
             ("bad_frames", get(&self.bad_frames)),
             ("auth_failures", get(&self.auth_failures)),
             ("refused_connections", get(&self.refused_connections)),

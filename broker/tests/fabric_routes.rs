@@ -300,6 +300,93 @@ fn a_restarted_peer_comes_back_on_the_fabric() {
     assert_eq!(sub.recv_timeout(WAIT).unwrap().payload, payload(5));
 }
 
+/// A route whose fabric fails under load loses nothing uncounted on the
+/// side that survives. b's fabric endpoint fails after 200 frames (as when
+/// its device goes away) while a has a thousand 64 KiB messages for it.
+/// Every message a routed either reached b (b's `route_messages_in`) or is
+/// counted by a: discarded by its slow-consumer policy
+/// (`slow_consumer_drops`), still queued (`connection_drops`), or sent on the fabric
+/// and not acknowledged (`unacknowledged_at_close`: b may have taken them
+/// or not, so they bound the loss from above). A b started again at the
+/// same address gets its route back on the fabric and, from then on, each
+/// new message once, in order, none of the old ones.
+#[test]
+fn a_route_that_fails_under_load_counts_what_it_lost() {
+    let failing = "[testing.faults]\nscheme = \"efa-rdm\"\nfail_polls_after = 200";
+    let Some(b) = start_with("b", Some("efa-rdm"), "tcp;ofi_rxm", &[], failing) else {
+        return;
+    };
+    let b_tcp = tcp(&b);
+    let Some(a) = start(
+        "a",
+        Some("efa-rdm"),
+        "tcp;ofi_rxm",
+        std::slice::from_ref(&b_tcp),
+    ) else {
+        return;
+    };
+    assert!(the_route(&a).reliable.starts_with("efa-rdm via"));
+    let sub = b.subscribe("loss.>").unwrap();
+    wait_until("b's interest at a", || a.route_interest_count() == 1);
+
+    const COUNT: u64 = 1_000;
+    let body = Bytes::from(vec![7u8; 64 << 10]);
+    for _ in 0..COUNT {
+        a.publish("loss.data", body.clone()).unwrap();
+    }
+    let a_stat = |name: &str| a.stats().value(name).unwrap();
+    wait_until("a to route every message", || {
+        a_stat("route_messages_out") == COUNT
+    });
+    wait_until("the fabric route to fail", || {
+        a.routes()
+            .first()
+            .is_none_or(|route| !route.reliable.starts_with("efa-rdm"))
+    });
+    // Whatever b took came before its endpoint failed.
+    let received = b.stats().value("route_messages_in").unwrap();
+    let lost = COUNT - received;
+    // a's queue for the route passed its bound (16 MiB) too: drop-oldest.
+    let dropped = a_stat("connection_drops") + a_stat("slow_consumer_drops");
+    let unacknowledged = a_stat("unacknowledged_at_close");
+    assert!(
+        lost > 0 && dropped <= lost && lost <= dropped + unacknowledged,
+        "{lost} of {COUNT} did not reach b: {dropped} counted as dropped, \
+         {unacknowledged} as unacknowledged"
+    );
+    let mut delivered = 0;
+    while sub.try_recv().is_ok() {
+        delivered += 1;
+    }
+    assert_eq!(delivered, received, "b delivered what it received");
+    drop(sub);
+    b.shutdown();
+    drop(b);
+    wait_until("the route down", || a.routes().is_empty());
+
+    // b again, at the same address: the route comes back on the fabric and
+    // carries only what is published from now on.
+    let address = b_tcp.trim_start_matches("tcp/");
+    let text = format!(
+        "name = \"b\"\nlisten = [\"tcp/{address}\", \"efa-rdm\"]\n\
+         [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n"
+    );
+    let b = Broker::start(Config::from_toml_str(&text, "b again").unwrap())
+        .expect("b restarts on its address");
+    let route = the_route(&a);
+    assert!(route.reliable.starts_with("efa-rdm via"), "{route:?}");
+    let sub = b.subscribe("loss.>").unwrap();
+    wait_until("b's interest at a", || a.route_interest_count() == 1);
+    for n in 0..100 {
+        a.publish("loss.data", payload(n)).unwrap();
+    }
+    expect_in_order(&sub, 100, "after the restart");
+    assert!(
+        sub.recv_timeout(Duration::from_millis(200)).is_err(),
+        "nothing more after the restart"
+    );
+}
+
 /// Three brokers, the second and third given only the first as their
 /// seed: they learn of each other from it, form the full mesh on the
 /// fabric, and deliver each message once to every subscriber. One of them

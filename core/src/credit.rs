@@ -152,6 +152,11 @@ impl CreditWindow {
         self.window
     }
 
+    /// Frames sent and not yet acknowledged.
+    pub fn frames_in_flight(&self) -> u64 {
+        self.in_flight.len() as u64
+    }
+
     /// Pieces sent and not yet acknowledged.
     pub fn pieces_in_flight(&self) -> u64 {
         self.pieces

@@ -1368,6 +1368,10 @@ impl EventLoop {
         if waiting > 0 {
             BrokerStats::add(&self.shared.stats.best_effort_drops, waiting);
         }
+        let unacknowledged = session.conn.links.unacknowledged_frames();
+        if unacknowledged > 0 {
+            BrokerStats::add(&self.shared.stats.unacknowledged_at_close, unacknowledged);
+        }
     }
 
     /// Heartbeat settings for a new session: the broker pings each

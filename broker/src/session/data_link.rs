@@ -826,6 +826,15 @@ impl DataLinks {
         })
     }
 
+    /// Frames the reliable link sent (or numbered and holds in its backlog)
+    /// that the peer has not acknowledged: if the session ends now, the
+    /// peer may have taken them (its credit still to come) or not.
+    pub fn unacknowledged_frames(&self) -> u64 {
+        self.reliable
+            .as_ref()
+            .map_or(0, |link| link.window.frames_in_flight())
+    }
+
     /// Best-effort frames waiting for credit (lost if the session ends).
     pub fn best_effort_waiting_frames(&self) -> u64 {
         self.best_effort
