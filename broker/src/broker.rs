@@ -596,6 +596,7 @@ impl Broker {
                     sid,
                 },
                 Some(Arc::new(sink)),
+                false,
             )
             .map_err(|source| Error::Subscription {
                 pattern: pattern.to_string(),

@@ -5,21 +5,24 @@
 //! (and queue groups) its own subscribers want, and receives the other's.
 //! This module owns both tables:
 //!
-//! - [`LocalInterest`]: the distinct (pattern, queue group) pairs of this
-//!   broker's subscriptions (in-process and client sessions), counted, each
-//!   with the id under which it is announced to every route, and the log of
-//!   announcements still to send.
+//! - [`LocalInterest`]: the distinct (pattern, queue group, class) entries
+//!   of this broker's subscriptions (in-process and client sessions),
+//!   counted, each with the id under which it is announced to every route,
+//!   and the log of announcements still to send. Plain subscriptions that
+//!   take best-effort delivery are announced apart from reliable ones, so a
+//!   route can carry what only they want on its datagram link.
 //! - [`RemoteInterest`]: what each route peer announced, and the choice of
 //!   which routes a locally published message goes to.
 //!
 //! Forwarding is one hop: a message published by a local client goes to
 //! local subscribers and to routes; a message that arrived over a route goes
 //! to local subscribers only. Each route gets a message once for all its
-//! plain interest, and once more per queue group picked on it: a queue group
+//! plain interest (reliably if any of the matching entries is reliable,
+//! else best effort), and once more per queue group picked on it: a queue group
 //! is served by a local member when this broker has one, else by one route
 //! whose interest has that group (picked in turn).
 
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -29,11 +32,13 @@ use efabus_core::subject::SubjectError;
 /// One announcement to route peers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum InterestChange {
-    /// This broker now has subscribers on (pattern, queue), announced as `sid`.
+    /// This broker now has subscribers on (pattern, queue), announced as
+    /// `sid`; with `best_effort`, plain ones that take best-effort delivery.
     Add {
         sid: u64,
         pattern: Arc<str>,
         queue: Option<Arc<str>>,
+        best_effort: bool,
     },
     /// The last subscriber of the entry announced as `sid` is gone.
     Remove { sid: u64 },
@@ -44,13 +49,13 @@ struct Counted {
     count: usize,
 }
 
-/// This broker's own interest, deduplicated per (pattern, queue) with
-/// reference counts, as route peers are told it.
+/// This broker's own interest, deduplicated per (pattern, queue, class)
+/// with reference counts, as route peers are told it.
 #[derive(Default)]
 pub(crate) struct LocalInterest {
     /// Keyed by [`key`]: patterns and queue names hold no spaces.
     entries: HashMap<String, Counted>,
-    by_sid: HashMap<u64, (Arc<str>, Option<Arc<str>>)>,
+    by_sid: HashMap<u64, Entry>,
     next_sid: u64,
     /// Announcements not yet sent; only kept while a route is up (a route
     /// that comes up is sent the whole table instead).
@@ -62,17 +67,30 @@ pub(crate) struct LocalInterest {
     flag: Arc<AtomicBool>,
 }
 
-fn key(pattern: &str, queue: Option<&str>) -> String {
+/// What one announced id stands for.
+struct Entry {
+    pattern: Arc<str>,
+    queue: Option<Arc<str>>,
+    best_effort: bool,
+}
+
+/// Patterns and queue names hold no spaces; a best-effort entry (plain
+/// only: a queue group's message is always carried reliably) ends in
+/// " ~".
+fn key(pattern: &str, queue: Option<&str>, best_effort: bool) -> String {
     match queue {
         Some(queue) => format!("{pattern} {queue}"),
+        None if best_effort => format!("{pattern} ~"),
         None => pattern.to_string(),
     }
 }
 
 impl LocalInterest {
-    /// Count one more subscription on (pattern, queue).
-    pub fn add(&mut self, pattern: &str, queue: Option<&str>) {
-        let key = key(pattern, queue);
+    /// Count one more subscription on (pattern, queue); `best_effort` for
+    /// a plain one that takes best-effort delivery.
+    pub fn add(&mut self, pattern: &str, queue: Option<&str>, best_effort: bool) {
+        let best_effort = best_effort && queue.is_none();
+        let key = key(pattern, queue, best_effort);
         if let Some(entry) = self.entries.get_mut(&key) {
             entry.count += 1;
             return;
@@ -84,20 +102,29 @@ impl LocalInterest {
         self.entries.insert(key, Counted { sid, count: 1 });
         let pattern: Arc<str> = Arc::from(pattern);
         let queue: Option<Arc<str>> = queue.map(Arc::from);
-        self.by_sid.insert(sid, (pattern.clone(), queue.clone()));
+        self.by_sid.insert(
+            sid,
+            Entry {
+                pattern: pattern.clone(),
+                queue: queue.clone(),
+                best_effort,
+            },
+        );
         if self.listeners > 0 {
             self.changes.push(InterestChange::Add {
                 sid,
                 pattern,
                 queue,
+                best_effort,
             });
             self.flag.store(true, Ordering::Release);
         }
     }
 
-    /// Count one subscription on (pattern, queue) less.
-    pub fn remove(&mut self, pattern: &str, queue: Option<&str>) {
-        let key = key(pattern, queue);
+    /// Count one subscription on (pattern, queue) less, of the class it
+    /// was added with.
+    pub fn remove(&mut self, pattern: &str, queue: Option<&str>, best_effort: bool) {
+        let key = key(pattern, queue, best_effort && queue.is_none());
         let Some(entry) = self.entries.get_mut(&key) else {
             return;
         };
@@ -116,7 +143,7 @@ impl LocalInterest {
 
     /// Whether this broker has a subscriber in the queue group.
     pub fn has_group(&self, pattern: &str, queue: &str) -> bool {
-        self.entries.contains_key(&key(pattern, Some(queue)))
+        self.entries.contains_key(&key(pattern, Some(queue), false))
     }
 
     /// Whether `sid` was (or would be) announced for a queue group.
@@ -128,7 +155,7 @@ impl LocalInterest {
     pub fn get(&self, sid: u64) -> Option<(&str, Option<&str>)> {
         self.by_sid
             .get(&sid)
-            .map(|(pattern, queue)| (&**pattern, queue.as_deref()))
+            .map(|entry| (&*entry.pattern, entry.queue.as_deref()))
     }
 
     /// A flag set with every announcement logged: whoever sends them clears
@@ -152,10 +179,11 @@ impl LocalInterest {
         let mut all: Vec<InterestChange> = self
             .by_sid
             .iter()
-            .map(|(&sid, (pattern, queue))| InterestChange::Add {
+            .map(|(&sid, entry)| InterestChange::Add {
                 sid,
-                pattern: pattern.clone(),
-                queue: queue.clone(),
+                pattern: entry.pattern.clone(),
+                queue: entry.queue.clone(),
+                best_effort: entry.best_effort,
             })
             .collect();
         all.sort_by_key(|change| match change {
@@ -191,6 +219,8 @@ impl LocalInterest {
 pub(crate) struct RemoteInterest {
     index: SubscriptionIndex,
     groups: HashMap<SubRef, (Arc<str>, Arc<str>)>,
+    /// Plain entries that want best-effort delivery.
+    best_effort: HashSet<SubRef>,
     /// Turns for picking among routes that share a queue group.
     turn: AtomicUsize,
 }
@@ -200,17 +230,19 @@ impl RemoteInterest {
         RemoteInterest {
             index: SubscriptionIndex::new(config),
             groups: HashMap::default(),
+            best_effort: HashSet::default(),
             turn: AtomicUsize::new(0),
         }
     }
 
     /// Record a route's announcement, replacing an earlier one with the
-    /// same id.
+    /// same id; `best_effort` counts for plain entries only.
     pub fn insert(
         &mut self,
         key: SubRef,
         pattern: &str,
         queue: Option<&str>,
+        best_effort: bool,
     ) -> Result<(), IndexError> {
         self.remove(key);
         // Validates the queue name too, though the index keeps it plain.
@@ -218,21 +250,29 @@ impl RemoteInterest {
             efabus_core::subject::validate_queue_name(queue, &self.index.config().limits)?;
         }
         self.index.insert(pattern, None, key)?;
-        if let Some(queue) = queue {
-            self.groups
-                .insert(key, (Arc::from(pattern), Arc::from(queue)));
+        match queue {
+            Some(queue) => {
+                self.groups
+                    .insert(key, (Arc::from(pattern), Arc::from(queue)));
+            }
+            None if best_effort => {
+                self.best_effort.insert(key);
+            }
+            None => {}
         }
         Ok(())
     }
 
     pub fn remove(&mut self, key: SubRef) -> bool {
         self.groups.remove(&key);
+        self.best_effort.remove(&key);
         self.index.remove(key)
     }
 
     /// Forget everything a route announced.
     pub fn remove_owner(&mut self, owner: u64) -> usize {
         self.groups.retain(|key, _| key.owner != owner);
+        self.best_effort.retain(|key| key.owner != owner);
         self.index.remove_owner(owner)
     }
 
@@ -246,8 +286,10 @@ impl RemoteInterest {
 
     /// The routes a message published on this broker goes to, appended to
     /// `out` as (route session, announced sid): each route with matching
-    /// plain interest once, and for each matching queue group that no local
-    /// subscriber serves (`local_group`), one route with that group.
+    /// plain interest once (under a reliable entry where one matches, so
+    /// the message is carried reliably), and for each matching queue group
+    /// that no local subscriber serves (`local_group`), one route with that
+    /// group.
     /// Returns whether the answer holds for every message on the subject
     /// (no group took part). `scratch` is working space.
     pub fn lookup(
@@ -261,8 +303,15 @@ impl RemoteInterest {
         if scratch.is_empty() {
             return Ok(true);
         }
-        // One owner's entries together, plain ones first within it.
-        scratch.sort_unstable_by_key(|key| (key.owner, self.groups.contains_key(key)));
+        // One owner's entries together, plain reliable ones first within
+        // it, then plain best-effort ones.
+        scratch.sort_unstable_by_key(|key| {
+            (
+                key.owner,
+                self.groups.contains_key(key),
+                self.best_effort.contains(key),
+            )
+        });
         let mut stable = true;
         let mut last_owner = None;
         let mut wanted: Vec<(&str, &str, Vec<SubRef>)> = Vec::new();
@@ -308,12 +357,12 @@ mod tests {
     #[test]
     fn local_interest_counts_and_announces_first_and_last() {
         let mut local = LocalInterest::default();
-        local.add("a.>", None);
+        local.add("a.>", None, false);
         // Nothing is logged while no route is up.
         assert!(!local.has_changes());
         local.set_listening(true);
-        local.add("a.>", None);
-        local.add("b", Some("q"));
+        local.add("a.>", None, false);
+        local.add("b", Some("q"), false);
         assert_eq!(local.len(), 2);
         let changes = local.take_changes();
         assert_eq!(changes.len(), 1, "{changes:?}");
@@ -324,14 +373,14 @@ mod tests {
         assert!(LocalInterest::is_group_sid(sid));
         assert!(local.has_group("b", "q"));
         assert!(!local.has_group("a.>", "q"));
-        local.remove("a.>", None);
+        local.remove("a.>", None, false);
         assert!(!local.has_changes(), "one subscriber is left");
-        local.remove("a.>", None);
-        local.remove("a.>", None);
+        local.remove("a.>", None, false);
+        local.remove("a.>", None, false);
         assert_eq!(local.take_changes(), [InterestChange::Remove { sid: 2 }]);
         assert_eq!(local.snapshot().len(), 1);
         local.set_listening(false);
-        local.remove("b", Some("q"));
+        local.remove("b", Some("q"), false);
         assert!(!local.has_changes());
         assert_eq!(local.len(), 0);
     }
@@ -339,10 +388,16 @@ mod tests {
     #[test]
     fn a_route_gets_plain_interest_once() {
         let mut routes = remote();
-        routes.insert(SubRef::new(7, 1), "a.>", None).unwrap();
-        routes.insert(SubRef::new(7, 2), "a.b", None).unwrap();
-        routes.insert(SubRef::new(8, 1), "*.b", None).unwrap();
-        routes.insert(SubRef::new(9, 1), "c", None).unwrap();
+        routes
+            .insert(SubRef::new(7, 1), "a.>", None, false)
+            .unwrap();
+        routes
+            .insert(SubRef::new(7, 2), "a.b", None, false)
+            .unwrap();
+        routes
+            .insert(SubRef::new(8, 1), "*.b", None, false)
+            .unwrap();
+        routes.insert(SubRef::new(9, 1), "c", None, false).unwrap();
         let (mut scratch, mut out) = (Vec::new(), Vec::new());
         let stable = routes
             .lookup("a.b", |_, _| false, &mut scratch, &mut out)
@@ -359,11 +414,68 @@ mod tests {
     }
 
     #[test]
+    fn best_effort_interest_is_announced_apart_and_yields_to_reliable() {
+        let mut local = LocalInterest::default();
+        local.set_listening(true);
+        local.add("a.>", None, true);
+        local.add("a.>", None, true);
+        local.add("a.>", None, false);
+        // A queue group's entry is reliable whatever its members asked.
+        local.add("w", Some("q"), true);
+        let changes = local.take_changes();
+        let announced: Vec<bool> = changes
+            .iter()
+            .map(|change| match change {
+                InterestChange::Add { best_effort, .. } => *best_effort,
+                InterestChange::Remove { .. } => panic!("{changes:?}"),
+            })
+            .collect();
+        assert_eq!(announced, [true, false, false]);
+        local.remove("a.>", None, true);
+        assert!(!local.has_changes(), "one best-effort subscriber is left");
+        local.remove("a.>", None, false);
+        assert_eq!(changes.len(), 3);
+        assert!(matches!(
+            local.take_changes()[..],
+            [InterestChange::Remove { .. }]
+        ));
+
+        let mut routes = remote();
+        routes.insert(SubRef::new(7, 2), "a.>", None, true).unwrap();
+        let (mut scratch, mut out) = (Vec::new(), Vec::new());
+        routes
+            .lookup("a.b", |_, _| false, &mut scratch, &mut out)
+            .unwrap();
+        assert_eq!(out, [SubRef::new(7, 2)]);
+        routes
+            .insert(SubRef::new(7, 4), "a.b", None, false)
+            .unwrap();
+        for _ in 0..3 {
+            out.clear();
+            routes
+                .lookup("a.b", |_, _| false, &mut scratch, &mut out)
+                .unwrap();
+            assert_eq!(out, [SubRef::new(7, 4)], "the reliable entry carries it");
+        }
+        out.clear();
+        routes
+            .lookup("a.c", |_, _| false, &mut scratch, &mut out)
+            .unwrap();
+        assert_eq!(out, [SubRef::new(7, 2)]);
+    }
+
+    #[test]
     fn a_queue_group_goes_to_one_route_unless_served_locally() {
         let mut routes = remote();
-        routes.insert(SubRef::new(7, 1), "work", Some("q")).unwrap();
-        routes.insert(SubRef::new(8, 4), "work", Some("q")).unwrap();
-        routes.insert(SubRef::new(8, 5), "work", None).unwrap();
+        routes
+            .insert(SubRef::new(7, 1), "work", Some("q"), false)
+            .unwrap();
+        routes
+            .insert(SubRef::new(8, 4), "work", Some("q"), false)
+            .unwrap();
+        routes
+            .insert(SubRef::new(8, 5), "work", None, false)
+            .unwrap();
         let (mut scratch, mut out) = (Vec::new(), Vec::new());
         let mut picked = Vec::new();
         for _ in 0..4 {

@@ -10,7 +10,7 @@
 //! the lock: a publisher may keep the targets of a subject and reuse them
 //! while the generation stays the same.
 
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -75,6 +75,8 @@ pub(crate) struct SubscriptionTable {
     generation: Arc<AtomicU64>,
     /// The distinct interest of `index`, as announced to route peers.
     interest: LocalInterest,
+    /// Subscriptions of `index` that take best-effort delivery.
+    best_effort: HashSet<SubRef>,
     /// What route peers announced.
     routes: RemoteInterest,
 }
@@ -90,6 +92,7 @@ impl SubscriptionTable {
             locals: HashMap::default(),
             generation: Arc::new(AtomicU64::new(next_generation())),
             interest: LocalInterest::default(),
+            best_effort: HashSet::default(),
             routes: RemoteInterest::new(config),
         }
     }
@@ -105,16 +108,21 @@ impl SubscriptionTable {
         self.generation.store(next_generation(), Ordering::Release);
     }
 
-    /// Add a subscription; `sink` is set for in-process subscriptions.
+    /// Add a subscription; `sink` is set for in-process subscriptions,
+    /// `best_effort` for one that takes best-effort delivery.
     pub fn insert(
         &mut self,
         pattern: &str,
         queue: Option<&str>,
         key: SubRef,
         sink: Option<Arc<LocalSink>>,
+        best_effort: bool,
     ) -> Result<(), IndexError> {
         self.index.insert(pattern, queue, key)?;
-        self.interest.add(pattern, queue);
+        self.interest.add(pattern, queue, best_effort);
+        if best_effort {
+            self.best_effort.insert(key);
+        }
         if let Some(sink) = sink {
             self.locals.insert(key.sid, sink);
         }
@@ -128,8 +136,9 @@ impl SubscriptionTable {
                 sink.close();
             }
         }
+        let best_effort = self.best_effort.remove(&key);
         if let Some(info) = self.index.get(key) {
-            self.interest.remove(info.pattern, info.queue);
+            self.interest.remove(info.pattern, info.queue, best_effort);
         }
         let removed = self.index.remove(key);
         self.changed();
@@ -139,7 +148,8 @@ impl SubscriptionTable {
     /// Remove every subscription of a remote session.
     pub fn remove_owner(&mut self, owner: u64) -> usize {
         for info in self.index.iter_owner(owner) {
-            self.interest.remove(info.pattern, info.queue);
+            let best_effort = self.best_effort.remove(&info.key);
+            self.interest.remove(info.pattern, info.queue, best_effort);
         }
         let removed = self.index.remove_owner(owner);
         self.changed();
@@ -153,8 +163,9 @@ impl SubscriptionTable {
         key: SubRef,
         pattern: &str,
         queue: Option<&str>,
+        best_effort: bool,
     ) -> Result<(), IndexError> {
-        let result = self.routes.insert(key, pattern, queue);
+        let result = self.routes.insert(key, pattern, queue, best_effort);
         self.changed();
         result
     }

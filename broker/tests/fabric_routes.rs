@@ -387,6 +387,123 @@ fn a_route_that_fails_under_load_counts_what_it_lost() {
     );
 }
 
+/// A broker listening on TCP, `efa-rdm` (`tcp;ofi_rxm`) and `efa-dgram`
+/// (`udp`), routing to `peers`, with `extra` lines at the top level.
+fn start_with_datagrams(name: &str, peers: &[String], extra: &str) -> Option<Broker> {
+    let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
+    let text = format!(
+        "name = {name:?}\nlisten = [\"tcp/127.0.0.1:0\", \"efa-rdm\", \"efa-dgram\"]\n\
+         peers = [{}]\n{extra}\n\
+         [fabric]\nprovider = \"tcp;ofi_rxm\"\ndgram_provider = \"udp\"\nnode = \"127.0.0.1\"\n",
+        peers.join(", ")
+    );
+    let config = Config::from_toml_str(&text, name).expect("valid test config");
+    match Broker::start(config) {
+        Ok(broker) if broker.endpoint("efa-dgram").is_some() => Some(broker),
+        Ok(_) | Err(Error::Endpoint { .. }) if !fabric_required() => {
+            eprintln!("skipping: efa-dgram via udp cannot open here");
+            None
+        }
+        Ok(_) => panic!("EFABUS_REQUIRE_FABRIC=1 but efa-dgram via udp did not open"),
+        Err(err) => panic!("broker {name} does not start: {err}"),
+    }
+}
+
+/// Publish `count` numbered 64-byte messages on `be.data` from `broker`
+/// (in bursts the receiver's posted datagram buffers take), then markers
+/// until one reaches `sub`: every message before it has arrived or been
+/// given up by then. Returns the numbers `sub` got, checked increasing.
+/// Markers carry `first`, so those of an earlier call are told apart.
+fn publish_until_marker(
+    broker: &Broker,
+    sub: &Subscription,
+    first: usize,
+    count: usize,
+) -> Vec<u64> {
+    for n in first..first + count {
+        broker.publish("be.data", payload_of(n, 64)).unwrap();
+        if n % 50 == 49 {
+            broker.flush(WAIT).unwrap();
+        }
+    }
+    let mut got = Vec::new();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        assert!(Instant::now() < deadline, "no marker arrived");
+        broker.publish("be.marker", payload_of(first, 16)).unwrap();
+        while let Ok(message) = sub.recv_timeout(Duration::from_millis(100)) {
+            if &*message.subject == "be.marker" {
+                // Markers of an earlier call may still arrive.
+                if message.payload == payload_of(first, 16) {
+                    return got;
+                }
+                continue;
+            }
+            let n = u64::from_le_bytes(message.payload[..8].try_into().unwrap());
+            assert!(got.last().is_none_or(|&last| last < n), "{n} after {got:?}");
+            got.push(n);
+        }
+    }
+}
+
+fn payload_of(n: usize, len: usize) -> Bytes {
+    let mut bytes = vec![(n % 251) as u8; len.max(8)];
+    bytes[..8].copy_from_slice(&(n as u64).to_le_bytes());
+    Bytes::from(bytes)
+}
+
+/// Brokers that both listen on `efa-dgram` carry, beside their reliable
+/// route link, a datagram link: what only best-effort subscribers want
+/// rides it, and is lost where datagrams are (b loses a tenth of the
+/// datagrams it receives here, so some of it must be). Once a reliable subscriber on the
+/// other broker wants the same subject, the route carries it reliably:
+/// everything arrives, for both subscribers.
+#[test]
+fn best_effort_interest_rides_the_route_s_datagram_link() {
+    let lossy = "[testing.faults]\nscheme = \"efa-dgram\"\nseed = 11\ndrop = 0.1";
+    let Some(b) = start_with_datagrams("b", &[], lossy) else {
+        return;
+    };
+    let Some(a) = start_with_datagrams("a", &[tcp(&b)], "") else {
+        return;
+    };
+    for broker in [&a, &b] {
+        let route = the_route(broker);
+        assert!(route.reliable.starts_with("efa-rdm via"), "{route:?}");
+        let best_effort = route.best_effort.clone().unwrap_or_default();
+        assert!(best_effort.starts_with("efa-dgram via udp"), "{route:?}");
+    }
+    let client = Client::connect(&tcp(&b)).unwrap();
+    let best_effort = client.subscribe_best_effort("be.>").unwrap();
+    client.flush(WAIT).unwrap();
+    wait_until("b's interest at a", || a.route_interest_count() == 1);
+
+    const COUNT: usize = 1_000;
+    let got = publish_until_marker(&a, &best_effort, 0, COUNT);
+    assert!(
+        got.len() < COUNT,
+        "all {COUNT} arrived: the datagram link (a tenth lost) did not carry them"
+    );
+    assert!(
+        got.len() >= COUNT / 2,
+        "only {} of {COUNT} arrived with a tenth of the datagrams dropped",
+        got.len()
+    );
+
+    // A reliable subscriber on the same subjects: the route carries them
+    // reliably from now on, to both.
+    let reliable = b.subscribe("be.>").unwrap();
+    wait_until("b's reliable interest at a", || {
+        a.route_interest_count() == 2
+    });
+    let got = publish_until_marker(&a, &best_effort, COUNT, COUNT);
+    assert_eq!(got, (COUNT as u64..2 * COUNT as u64).collect::<Vec<_>>());
+    for n in COUNT..2 * COUNT {
+        let message = reliable.recv_timeout(WAIT).unwrap();
+        assert_eq!(message.payload, payload_of(n, 64));
+    }
+}
+
 /// Three brokers, the second and third given only the first as their
 /// seed: they learn of each other from it, form the full mesh on the
 /// fabric, and deliver each message once to every subscriber. One of them
@@ -420,18 +537,19 @@ fn brokers_given_one_seed_mesh_on_the_fabric() {
         }
     };
     mesh(&[&a, &b, &c]);
-    assert!(b.peers().contains(&tcp(&c)), "b learned c: {:?}", b.peers());
+    // c joined last: its seed told it of b before b could dial it. (b
+    // learns of c too, unless c's route reached it first.)
+    assert!(c.peers().contains(&tcp(&b)), "c learned b: {:?}", c.peers());
     every_message_once(&[&a, &b, &c]);
 
-    // c leaves; b keeps dialing the address it learned, then forgets it.
-    let c_address = tcp(&c);
-    drop(c);
-    wait_until("c's routes down", || {
-        a.routes().len() == 1 && b.routes().len() == 1
+    // b leaves; c keeps dialing the address it learned, then forgets it.
+    let b_address = tcp(&b);
+    drop(b);
+    wait_until("b's routes down", || {
+        a.routes().len() == 1 && c.routes().len() == 1
     });
-    // b learned c's address (a, the seed, was dialed by c and holds none).
-    wait_until("c forgotten", || !b.peers().contains(&c_address));
-    let Some(c) = start_with("c", rdm, "tcp;ofi_rxm", &seed, forget) else {
+    wait_until("b forgotten", || !c.peers().contains(&b_address));
+    let Some(b) = start_with("b", rdm, "tcp;ofi_rxm", &seed, forget) else {
         return;
     };
     mesh(&[&a, &b, &c]);

@@ -157,7 +157,7 @@ impl Session {
     pub fn class_of(&self, sid: u64) -> Option<DeliveryClass> {
         match &self.role {
             Role::Client(subscriptions) => subscriptions.get(&sid).copied(),
-            Role::Route(_) => None,
+            Role::Route(route) => route.announced.get(&sid).copied(),
         }
     }
 
@@ -305,6 +305,7 @@ impl Session {
             subscribe.queue.as_deref(),
             key,
             None,
+            subscribe.class == DeliveryClass::BestEffort,
         );
         inserted.map_err(|err| {
             subscriptions.remove(&subscribe.sid);

@@ -36,11 +36,10 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use efabus_core::caps::EpType;
 use efabus_core::codec;
 use efabus_core::frame::{
-    ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, RoutePeers, Subscribe, Welcome,
-    PROTOCOL_VERSION,
+    DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, RoutePeers, Subscribe,
+    Welcome, PROTOCOL_VERSION,
 };
 use efabus_core::log_limit::LogLimit;
 use efabus_transports::registry::EndpointSpec;
@@ -83,8 +82,10 @@ pub(crate) struct RouteRole {
     slot: Option<usize>,
     /// The peer broker's id, once the route is up.
     broker_id: Option<u64>,
-    /// Ids of the interest entries the peer announced.
-    announced: HashSet<u64>,
+    /// Ids of the interest entries the peer announced, with the delivery
+    /// they want (best effort for plain entries of best-effort
+    /// subscribers only).
+    pub(super) announced: HashMap<u64, DeliveryClass>,
     /// Closed because another link to the same broker is kept.
     duplicate: bool,
     /// On a route this broker dialed: its half of the data links' keys,
@@ -103,7 +104,7 @@ impl RouteRole {
         RouteRole {
             slot,
             broker_id: None,
-            announced: HashSet::default(),
+            announced: HashMap::default(),
             duplicate: false,
             link_secret: None,
             advertised: None,
@@ -373,13 +374,9 @@ impl EventLoop {
             version: PROTOCOL_VERSION,
             name: config.name.clone(),
             credentials: config.route_secret().map(str::to_string),
-            // No datagram link: route messages all take the reliable path.
-            offers: self
-                .offers
-                .iter()
-                .filter(|offer| offer.ep_type != EpType::Dgram)
-                .cloned()
-                .collect(),
+            // A datagram link, where both have one, carries what only
+            // best-effort subscribers want.
+            offers: self.offers.clone(),
             link_auth,
         });
         let route = Frame::Route(RouteHello {
@@ -952,11 +949,16 @@ impl EventLoop {
                     sid,
                     pattern,
                     queue,
+                    best_effort,
                 } => Frame::Subscribe(Subscribe {
                     sid: *sid,
                     pattern: pattern.to_string(),
                     queue: queue.as_deref().map(str::to_string),
-                    class: Default::default(),
+                    class: if *best_effort {
+                        DeliveryClass::BestEffort
+                    } else {
+                        DeliveryClass::Reliable
+                    },
                 }),
                 InterestChange::Remove { sid } => Frame::Unsubscribe { sid: *sid },
             };
@@ -977,7 +979,7 @@ impl EventLoop {
         else {
             return;
         };
-        if role.announced.len() >= limit && !role.announced.contains(&subscribe.sid) {
+        if role.announced.len() >= limit && !role.announced.contains_key(&subscribe.sid) {
             let text = format!(
                 "subscription limit of {limit} reached; {} refused",
                 subscribe.pattern
@@ -989,14 +991,16 @@ impl EventLoop {
             owner: id,
             sid: subscribe.sid,
         };
+        let best_effort = subscribe.class == DeliveryClass::BestEffort;
         let inserted = self.shared.subscriptions.write().insert_route(
             key,
             &subscribe.pattern,
             subscribe.queue.as_deref(),
+            best_effort,
         );
         match inserted {
             Ok(()) => {
-                role.announced.insert(subscribe.sid);
+                role.announced.insert(subscribe.sid, subscribe.class);
             }
             Err(err) => {
                 role.announced.remove(&subscribe.sid);
@@ -1016,7 +1020,7 @@ impl EventLoop {
             .get_mut(&id)
             .and_then(|session| session.route_mut())
         {
-            if role.announced.remove(&sid) {
+            if role.announced.remove(&sid).is_some() {
                 self.shared
                     .subscriptions
                     .write()
