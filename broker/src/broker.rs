@@ -71,6 +71,10 @@ pub struct BrokerStats {
     pub fabric_frames_out: AtomicU64,
     /// Best-effort messages the datagram link could not take.
     pub best_effort_drops: AtomicU64,
+    /// Best-effort messages that went missing on their way to this broker
+    /// (over a route's datagram link): counted when a later one arrives
+    /// or the gap times out.
+    pub best_effort_lost: AtomicU64,
     /// Sends to data links that found the peer's credit window full (the
     /// frame waited, or on a datagram link was dropped and counted in
     /// `best_effort_drops`).
@@ -158,6 +162,7 @@ impl BrokerStats {
             ("fabric_frames_in", get(&self.fabric_frames_in)),
             ("fabric_frames_out", get(&self.fabric_frames_out)),
             ("best_effort_drops", get(&self.best_effort_drops)),
+            ("best_effort_lost", get(&self.best_effort_lost)),
             ("credit_waits", get(&self.credit_waits)),
             ("link_memory_refusals", get(&self.link_memory_refusals)),
             ("link_gap_failures", get(&self.link_gap_failures)),

@@ -1343,8 +1343,8 @@ impl ClientLoop {
                 payload,
             });
             if delivery == Delivery::Closed {
-                // Cut off as a slow consumer: end the stream for the
-                // reader and stop the server sending more.
+                // Cut off as a slow consumer, or dropped: end the stream
+                // for the reader and stop the server sending more.
                 subscriptions.remove(&sid);
                 cut_off.push(sid);
             }
@@ -1540,8 +1540,8 @@ impl ClientLoop {
             payload,
         });
         if delivery == Delivery::Closed {
-            // Cut off as a slow consumer: end the stream for the
-            // reader and stop the server sending more.
+            // Cut off as a slow consumer, or dropped: end the stream
+            // for the reader and stop the server sending more.
             subscriptions.remove(&sid);
             drop(subscriptions);
             self.send(codec::encode(&Frame::Unsubscribe { sid }));

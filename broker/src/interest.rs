@@ -434,11 +434,19 @@ mod tests {
         local.remove("a.>", None, true);
         assert!(!local.has_changes(), "one best-effort subscriber is left");
         local.remove("a.>", None, false);
-        assert_eq!(changes.len(), 3);
         assert!(matches!(
             local.take_changes()[..],
             [InterestChange::Remove { .. }]
         ));
+        // Removed with the class it was added with, the group entry goes,
+        // and the last best-effort subscriber takes its entry along.
+        local.remove("w", Some("q"), true);
+        local.remove("a.>", None, true);
+        assert!(matches!(
+            local.take_changes()[..],
+            [InterestChange::Remove { .. }, InterestChange::Remove { .. }]
+        ));
+        assert_eq!(local.len(), 0);
 
         let mut routes = remote();
         routes.insert(SubRef::new(7, 2), "a.>", None, true).unwrap();

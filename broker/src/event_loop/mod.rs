@@ -161,6 +161,7 @@ struct Tally {
     bytes_in: u64,
     route_messages_in: u64,
     route_messages_out: u64,
+    best_effort_lost: u64,
     fabric_frames_in: u64,
     sent: SendCounts,
 }
@@ -347,6 +348,9 @@ impl EventLoop {
         }
         if tally.route_messages_in > 0 {
             BrokerStats::add(&stats.route_messages_in, tally.route_messages_in);
+        }
+        if tally.best_effort_lost > 0 {
+            BrokerStats::add(&stats.best_effort_lost, tally.best_effort_lost);
         }
         if tally.route_messages_out > 0 {
             BrokerStats::add(&stats.route_messages_out, tally.route_messages_out);
@@ -584,6 +588,7 @@ impl EventLoop {
                 .links
                 .send_challenges(&mut self.endpoints, false);
         }
+        self.tally.best_effort_lost += session.conn.links.take_best_effort_lost();
         // A gap this left is given up (best effort) or fails the link
         // (reliable) by time.
         let link = match kind {
@@ -1569,6 +1574,7 @@ impl EventLoop {
             let mut result = Ok(());
             if let Some(session) = self.sessions.get_mut(&id) {
                 result = session.conn.links.poll(now, &mut released);
+                self.tally.best_effort_lost += session.conn.links.take_best_effort_lost();
             }
             self.tally.fabric_frames_in += released.len() as u64;
             for frame in released.drain(..) {

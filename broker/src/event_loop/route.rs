@@ -991,7 +991,13 @@ impl EventLoop {
             owner: id,
             sid: subscribe.sid,
         };
-        let best_effort = subscribe.class == DeliveryClass::BestEffort;
+        // A queue group's messages always cross reliably.
+        let class = if subscribe.queue.is_some() {
+            DeliveryClass::Reliable
+        } else {
+            subscribe.class
+        };
+        let best_effort = class == DeliveryClass::BestEffort;
         let inserted = self.shared.subscriptions.write().insert_route(
             key,
             &subscribe.pattern,
@@ -1000,7 +1006,7 @@ impl EventLoop {
         );
         match inserted {
             Ok(()) => {
-                role.announced.insert(subscribe.sid, subscribe.class);
+                role.announced.insert(subscribe.sid, class);
             }
             Err(err) => {
                 role.announced.remove(&subscribe.sid);

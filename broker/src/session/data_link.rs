@@ -139,6 +139,9 @@ pub(crate) struct DataLink {
     pub dropped: u64,
     /// How many of `dropped` [`DataLinks::take_best_effort_drops`] told.
     dropped_told: u64,
+    /// How many of the receiver's lost messages
+    /// [`DataLinks::take_best_effort_lost`] told.
+    lost_told: u64,
     /// Credits sent to the peer.
     pub credits_out: u64,
     credit_waits_reported: u64,
@@ -248,6 +251,7 @@ impl DataLink {
             frames_in: 0,
             dropped: 0,
             dropped_told: 0,
+            lost_told: 0,
             credits_out: 0,
             credit_waits_reported: 0,
             bad_credits: 0,
@@ -833,6 +837,16 @@ impl DataLinks {
         self.reliable
             .as_ref()
             .map_or(0, |link| link.window.frames_in_flight())
+    }
+
+    /// Best-effort messages from the peer found missing since last asked.
+    pub fn take_best_effort_lost(&mut self) -> u64 {
+        self.best_effort.as_mut().map_or(0, |link| {
+            let lost = link.lost();
+            let new = lost - link.lost_told;
+            link.lost_told = lost;
+            new
+        })
     }
 
     /// Best-effort frames waiting for credit (lost if the session ends).
