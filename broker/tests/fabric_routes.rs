@@ -266,6 +266,22 @@ fn a_route_to_a_broker_without_the_fabric_stays_on_tcp_and_says_why() {
     assert_eq!(sub.recv_timeout(WAIT).unwrap().payload, payload(3));
 }
 
+/// Broker b started again at its TCP address `b_tcp` (with a new fabric
+/// endpoint), once `a`, which routes to it, has its route back on the
+/// fabric.
+fn restart_on_the_fabric(b_tcp: &str, a: &Broker) -> Broker {
+    let address = b_tcp.trim_start_matches("tcp/");
+    let text = format!(
+        "name = \"b\"\nlisten = [\"tcp/{address}\", \"efa-rdm\"]\n\
+         [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n"
+    );
+    let b = Broker::start(Config::from_toml_str(&text, "b again").unwrap())
+        .expect("b restarts on its address");
+    let route = the_route(a);
+    assert!(route.reliable.starts_with("efa-rdm via"), "{route:?}");
+    b
+}
+
 /// A peer broker that restarts comes back on the fabric.
 #[test]
 fn a_restarted_peer_comes_back_on_the_fabric() {
@@ -285,15 +301,7 @@ fn a_restarted_peer_comes_back_on_the_fabric() {
     drop(b);
     wait_until("the route down", || a.routes().is_empty());
     // The same TCP address, a new fabric endpoint.
-    let address = b_tcp.trim_start_matches("tcp/");
-    let text = format!(
-        "name = \"b\"\nlisten = [\"tcp/{address}\", \"efa-rdm\"]\n\
-         [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n"
-    );
-    let b = Broker::start(Config::from_toml_str(&text, "b again").unwrap())
-        .expect("b restarts on its address");
-    let route = the_route(&a);
-    assert!(route.reliable.starts_with("efa-rdm via"), "{route:?}");
+    let b = restart_on_the_fabric(&b_tcp, &a);
     let sub = b.subscribe("again").unwrap();
     wait_until("b's interest at a", || a.route_interest_count() == 1);
     a.publish("again", payload(5)).unwrap();
@@ -367,15 +375,7 @@ fn a_route_that_fails_under_load_counts_what_it_lost() {
 
     // b again, at the same address: the route comes back on the fabric and
     // carries only what is published from now on.
-    let address = b_tcp.trim_start_matches("tcp/");
-    let text = format!(
-        "name = \"b\"\nlisten = [\"tcp/{address}\", \"efa-rdm\"]\n\
-         [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n"
-    );
-    let b = Broker::start(Config::from_toml_str(&text, "b again").unwrap())
-        .expect("b restarts on its address");
-    let route = the_route(&a);
-    assert!(route.reliable.starts_with("efa-rdm via"), "{route:?}");
+    let b = restart_on_the_fabric(&b_tcp, &a);
     let sub = b.subscribe("loss.>").unwrap();
     wait_until("b's interest at a", || a.route_interest_count() == 1);
     for n in 0..100 {
