@@ -40,7 +40,10 @@ pub struct BenchArgs {
     #[arg(long, short)]
     pub server: Option<String>,
     /// With no --server: reach the embedded broker in-process through its
-    /// API (`embedded`) or through clients over `mem` or `tcp`.
+    /// API (`embedded`) or through clients over `mem` or `tcp`; or `route`:
+    /// two embedded brokers routed to each other (over the fabric of
+    /// --config where both have it, else TCP), publishers on one and
+    /// subscribers on the other, so every message crosses the route.
     #[arg(long, default_value = "embedded")]
     pub via: String,
     /// Publishers.
@@ -74,9 +77,10 @@ pub struct BenchArgs {
     #[arg(long, env = "EFABUS_SECRET", hide_env_values = true)]
     pub secret: Option<String>,
     /// With --server: a config whose fabric endpoints (`listen` entries
-    /// efa-rdm/efa-dgram, the [fabric] table, the preference list) the
+    /// efa-rdm/efa-dgram/shm, the [fabric] table, the preference list) the
     /// bench clients offer the broker, as for the other client commands.
-    #[arg(long, short, requires = "server")]
+    /// With `--via route`: the fabric endpoints both brokers listen on.
+    #[arg(long, short)]
     pub config: Option<PathBuf>,
 }
 
@@ -121,8 +125,12 @@ struct Target {
     secret: Option<String>,
     /// Client options from --config, before the bench's own settings.
     base: ClientOptions,
-    /// The reliable path the last client negotiated (`embedded` without clients).
+    /// The reliable path the last client negotiated (`embedded` without
+    /// clients; the route's path with `--via route`).
     link: parking_lot::Mutex<String>,
+    /// With `--via route`: the broker routed to `broker`, where the
+    /// subscribers (and the latency responder) are.
+    far: Option<Broker>,
 }
 
 impl Target {
@@ -139,7 +147,14 @@ impl Target {
                 secret: args.secret.clone().or(base.credentials.clone()),
                 base,
                 link: parking_lot::Mutex::new(String::new()),
+                far: None,
             });
+        }
+        if args.via == "route" {
+            return Target::route(args);
+        }
+        if args.config.is_some() {
+            return Err(Failure::usage("--config needs --server or --via route"));
         }
         let listen = match args.via.as_str() {
             "embedded" => Vec::new(),
@@ -147,22 +162,16 @@ impl Target {
             tcp::SCHEME => vec![format!("{}/127.0.0.1:0", tcp::SCHEME)],
             other => {
                 return Err(Failure::usage(format!(
-                    "unknown --via {other:?}; use embedded, mem or tcp"
+                    "unknown --via {other:?}; use embedded, mem, tcp or route"
                 )))
             }
         };
-        let mut config = Config {
+        let config = Config {
             log_level: "warn".into(),
             listen,
             ..Config::default()
         };
-        config.limits.subscription_queue = 1 << 20;
-        config.limits.max_pending_bytes = 64 << 20;
-        config.limits.max_payload = (args.size as u64).max(1 << 20);
-        config.limits.max_link_memory = config.limits.max_link_memory.max(config.max_frame());
-        config.slow_consumer.policy = SlowConsumerPolicy::Block;
-        config.slow_consumer.block_timeout_ms = 30_000;
-        let broker = Broker::start(config).map_err(|err| Failure::runtime(err.to_string()))?;
+        let broker = start_lossless(config, args)?;
         let endpoint = match args.via.as_str() {
             "embedded" => None,
             scheme => broker.endpoint(scheme),
@@ -178,7 +187,85 @@ impl Target {
             endpoint,
             secret: None,
             base: ClientOptions::default(),
+            far: None,
         })
+    }
+
+    /// Two embedded brokers, the second routed to the first, both listening
+    /// on the fabric endpoints of --config (and TCP, which carries the
+    /// route where they have no fabric in common).
+    fn route(args: &BenchArgs) -> Result<Target, Failure> {
+        let base = match &args.config {
+            Some(path) => Config::from_file(path)?,
+            None => Config::default(),
+        };
+        let fabric: Vec<String> = base
+            .listen
+            .iter()
+            .filter(|entry| !entry.starts_with("tcp/") && !entry.starts_with("mem/"))
+            .cloned()
+            .collect();
+        let config = |name: &str, peers: Vec<String>| Config {
+            name: name.into(),
+            log_level: "warn".into(),
+            listen: std::iter::once(format!("{}/127.0.0.1:0", tcp::SCHEME))
+                .chain(fabric.iter().cloned())
+                .collect(),
+            peers,
+            fabric: base.fabric.clone(),
+            negotiation: base.negotiation.clone(),
+            ..Config::default()
+        };
+        let near = start_lossless(config("bench-near", Vec::new()), args)?;
+        let near_tcp = near
+            .endpoint(tcp::SCHEME)
+            .ok_or_else(|| Failure::runtime("the first broker has no TCP listener"))?;
+        let far = start_lossless(config("bench-far", vec![near_tcp]), args)?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let route = loop {
+            if let (Some(route), 1) = (far.routes().pop(), near.routes().len()) {
+                break route;
+            }
+            if Instant::now() > deadline {
+                return Err(Failure::runtime(
+                    "the two brokers did not route to each other within 10 s",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        Ok(Target {
+            description: format!("two embedded brokers routed over {}", route.reliable),
+            broker: Some(near),
+            endpoint: None,
+            secret: None,
+            base: ClientOptions::default(),
+            link: parking_lot::Mutex::new(route.reliable),
+            far: Some(far),
+        })
+    }
+
+    /// Where subscribers subscribe: the far broker with `--via route`.
+    fn subscribing_broker(&self) -> Option<&Broker> {
+        self.far.as_ref().or(self.broker.as_ref())
+    }
+
+    /// With `--via route`, wait until the near broker has learned the far
+    /// one's interest (`entries` of it), so no message is published before
+    /// the route wants it.
+    fn await_route_interest(&self, entries: usize) -> Result<(), Failure> {
+        let (Some(near), Some(_)) = (&self.broker, &self.far) else {
+            return Ok(());
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while near.route_interest_count() < entries {
+            if Instant::now() > deadline {
+                return Err(Failure::runtime(
+                    "the subscriptions did not reach the other broker within 10 s",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
     }
 
     /// A handle for one publisher or subscriber.
@@ -262,6 +349,18 @@ fn link_note(link: &str) -> String {
     }
 }
 
+/// An embedded broker for the bench: lossless (`block`), with room for the
+/// whole run in its queues.
+fn start_lossless(mut config: Config, args: &BenchArgs) -> Result<Broker, Failure> {
+    config.limits.subscription_queue = 1 << 20;
+    config.limits.max_pending_bytes = 64 << 20;
+    config.limits.max_payload = (args.size as u64).max(1 << 20);
+    config.limits.max_link_memory = config.limits.max_link_memory.max(config.max_frame());
+    config.slow_consumer.policy = SlowConsumerPolicy::Block;
+    config.slow_consumer.block_timeout_ms = 30_000;
+    Broker::start(config).map_err(|err| Failure::runtime(err.to_string()))
+}
+
 fn bench_error(err: Error) -> Failure {
     Failure::runtime(err.to_string())
 }
@@ -338,7 +437,7 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     let mut subscriptions = Vec::new();
     let mut keep = Vec::new();
     for _ in 0..args.subs {
-        let sub = match (&target.endpoint, &target.broker) {
+        let sub = match (&target.endpoint, target.subscribing_broker()) {
             (None, Some(broker)) => if args.queue {
                 broker.queue_subscribe(&subject, "bench")
             } else {
@@ -360,6 +459,7 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         };
         subscriptions.push(sub);
     }
+    target.await_route_interest(1)?;
     let own_handles: Vec<Option<Arc<dyn PubSub>>> = (0..args.pubs)
         .map(|_| match target.endpoint {
             Some(_) => target.handle().map(Some),
@@ -611,11 +711,15 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         Some(_) => Some(target.handle()?),
         None => None,
     };
-    let responder_ref = target.through(&responder)?;
+    let responder_ref: &dyn PubSub = match (&responder, &target.far) {
+        (None, Some(far)) => far,
+        _ => target.through(&responder)?,
+    };
     let requests = responder_ref.subscribe(&subject).map_err(bench_error)?;
     responder_ref
         .flush(Duration::from_secs(10))
         .map_err(bench_error)?;
+    target.await_route_interest(1)?;
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
         .map_err(|err| Failure::runtime(err.to_string()))?;
     let duration = args.duration.map(Duration::from_secs_f64);

@@ -479,6 +479,55 @@ fn json_number(json: &str, name: &str) -> f64 {
         .unwrap_or_else(|_| panic!("{name} is not a number in {json}"))
 }
 
+/// `efabus bench --via route` measures across a route between two
+/// embedded brokers: over the fabric of its --config (efa-rdm via
+/// `tcp;ofi_rxm` here) and over TCP without one; every message crosses
+/// once to each subscriber, and request/reply works across it. --config
+/// without --server or `--via route` is a usage error.
+#[test]
+fn bench_measures_across_a_route() {
+    let config = common::temp_path("route-bench.toml");
+    std::fs::write(
+        &config,
+        "listen = [\"efa-rdm\"]\n[negotiation]\npreference = [\"efa-rdm\", \"tcp\"]\n\
+         [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n",
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let fabric_required = std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v == "1");
+    for (args, path) in [
+        (&["--config", config][..], "efa-rdm via tcp;ofi_rxm"),
+        (&[][..], "tcp"),
+    ] {
+        let output = run(&[
+            &[
+                "bench", "--json", "--via", "route", "--count", "20000", "--subs", "2",
+            ][..],
+            args,
+        ]
+        .concat());
+        assert!(output.status.success(), "{args:?}: {}", stderr(&output));
+        let json = stdout(&output);
+        let on_path = json.contains(&format!("\"link\":\"{path}"));
+        if !on_path && !fabric_required && !args.is_empty() {
+            // A fabric listener that cannot open leaves the route on TCP.
+            eprintln!("skipping the fabric route, which cannot open here: {json}");
+            continue;
+        }
+        assert!(on_path, "{json}");
+        assert_eq!(json_number(&json, "published"), 20000.0, "{json}");
+        assert_eq!(json_number(&json, "delivered"), 40000.0, "{json}");
+    }
+    let output = run(&[
+        "bench", "--mode", "latency", "--via", "route", "--config", config, "--count", "100",
+        "--json",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(json_number(&stdout(&output), "round_trips"), 100.0);
+    let text = usage_error(&run(&["bench", "--config", config]));
+    assert!(text.contains("--via route"), "{text}");
+}
+
 /// `efabus bench` counts what it measured: every message of the run and
 /// none of the warm-up, for a count or a duration, and a queue group's run
 /// ends with its last message, not with a member's idle wait for more
