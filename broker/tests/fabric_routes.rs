@@ -643,3 +643,42 @@ route_tests! {
     sockets => "efa-rdm", "sockets";
     shm => "shm", "shm";
 }
+
+/// The broker that was dialed proves the dialer's fabric address before it
+/// sends there, so what it publishes at once waits in its queue for the
+/// route. A burst larger than the queue's bound (100 MiB against 64 MiB,
+/// under `block`) waits for the proof and arrives whole, in order; it
+/// does not end the route as an unproven address.
+#[test]
+fn a_burst_before_the_address_proof_waits_for_it() {
+    let lossless = "[limits]\nmax_pending_bytes = 67108864\n\
+                    [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 30000";
+    let Some(a) = start_with("a", Some("efa-rdm"), "tcp;ofi_rxm", &[], lossless) else {
+        return;
+    };
+    let Some(b) = start_with("b", Some("efa-rdm"), "tcp;ofi_rxm", &[tcp(&a)], lossless) else {
+        return;
+    };
+    assert!(the_route(&a).reliable.starts_with("efa-rdm via"));
+    let sub = b.subscribe("burst").unwrap();
+    wait_until("b's interest at a", || a.route_interest_count() == 1);
+    const COUNT: usize = 100;
+    for n in 0..COUNT {
+        let mut body = vec![0u8; 1 << 20];
+        body[..8].copy_from_slice(&(n as u64).to_le_bytes());
+        a.publish("burst", Bytes::from(body)).unwrap();
+    }
+    for n in 0..COUNT {
+        let message = sub
+            .recv_timeout(WAIT)
+            .unwrap_or_else(|err| panic!("message {n} of {COUNT}: {err}"));
+        assert_eq!(
+            message.payload[..8],
+            (n as u64).to_le_bytes(),
+            "message {n}"
+        );
+    }
+    let stat = |name: &str| a.stats().value(name).unwrap();
+    assert_eq!(stat("unproven_addresses"), 0);
+    assert_eq!(stat("connection_drops"), 0);
+}

@@ -1005,11 +1005,14 @@ impl EventLoop {
         if left_queued
             && session.conn.links.held()
             && session.conn.out.bytes() > self.shared.config.limits.max_pending_bytes
+            && session.conn.out.control_bytes() > self.shared.config.limits.max_pending_bytes
         {
             // Held for a proof that has not come, the queue is over its
             // bound with frames the slow-consumer policy does not trim
             // (answers to the peer's own pings): the peer is not receiving
-            // where it said.
+            // where it said. Messages over the bound are the policy's to
+            // handle: a burst published before the proof comes back waits
+            // for it (block) or gives way (drop-oldest) as any other.
             BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
             self.fail(
                 id,

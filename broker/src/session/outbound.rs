@@ -243,6 +243,17 @@ impl Outbound {
         self.bytes
     }
 
+    /// Bytes waiting in entries that hold no message (control frames such
+    /// as answers to the peer's pings), which no slow-consumer policy
+    /// trims.
+    pub fn control_bytes(&self) -> usize {
+        self.queue
+            .iter()
+            .filter(|queued| queued.messages == 0)
+            .map(|queued| queued.frame.len())
+            .sum()
+    }
+
     /// Queue an entry behind what waits.
     pub fn push(&mut self, queued: Queued) {
         self.bytes += queued.frame.len();
