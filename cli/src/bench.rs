@@ -234,7 +234,7 @@ impl Target {
             std::thread::sleep(Duration::from_millis(5));
         };
         Ok(Target {
-            description: format!("two embedded brokers routed over {}", route.reliable),
+            description: "two embedded brokers, across their route".to_string(),
             broker: Some(near),
             endpoint: None,
             secret: None,

@@ -231,6 +231,8 @@ pub(crate) enum Overflow {
 pub(crate) struct Outbound {
     queue: VecDeque<Queued>,
     bytes: usize,
+    /// Of `bytes`, those in entries that hold no message.
+    control_bytes: usize,
 }
 
 impl Outbound {
@@ -247,16 +249,15 @@ impl Outbound {
     /// as answers to the peer's pings), which no slow-consumer policy
     /// trims.
     pub fn control_bytes(&self) -> usize {
-        self.queue
-            .iter()
-            .filter(|queued| queued.messages == 0)
-            .map(|queued| queued.frame.len())
-            .sum()
+        self.control_bytes
     }
 
     /// Queue an entry behind what waits.
     pub fn push(&mut self, queued: Queued) {
         self.bytes += queued.frame.len();
+        if queued.messages == 0 {
+            self.control_bytes += queued.frame.len();
+        }
         self.queue.push_back(queued);
     }
 
@@ -310,13 +311,16 @@ impl Outbound {
         }
         while let Some(queued) = self.queue.pop_front() {
             let len = queued.frame.len();
-            match transmit(endpoints, control, links, counts, queued) {
-                None => self.bytes -= len,
-                Some(rest) => {
-                    self.bytes -= len - rest.frame.len();
-                    self.queue.push_front(rest);
-                    return false;
-                }
+            let holds_no_message = queued.messages == 0;
+            let rest = transmit(endpoints, control, links, counts, queued);
+            let sent = len - rest.as_ref().map_or(0, |rest| rest.frame.len());
+            self.bytes -= sent;
+            if holds_no_message {
+                self.control_bytes -= sent;
+            }
+            if let Some(rest) = rest {
+                self.queue.push_front(rest);
+                return false;
             }
         }
         true
@@ -365,6 +369,7 @@ impl Outbound {
     pub fn clear(&mut self) {
         self.queue.clear();
         self.bytes = 0;
+        self.control_bytes = 0;
     }
 }
 
@@ -776,6 +781,11 @@ mod tests {
         assert_eq!(overflow, Overflow::DroppedOldest(4));
         assert_eq!(sids, [1, 2, 1, 3], "the run's three, then the next message");
         assert_eq!(out.messages(), 1, "the newest message is kept");
+        // The ping is kept and counted as the queue's control bytes.
+        let ping = codec::encode(&efabus_core::frame::Frame::Ping { nonce: 1 }).len();
+        assert_eq!(out.control_bytes(), ping);
+        out.clear();
+        assert_eq!(out.control_bytes(), 0);
     }
 
     #[test]
