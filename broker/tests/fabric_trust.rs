@@ -591,6 +591,69 @@ fn an_address_never_proven_gets_no_traffic_and_ends_the_session() {
     assert_eq!(stat(&broker, "connections"), 2, "victim and publisher");
 }
 
+/// A peer that never proves its fabric address and floods pings on its
+/// control link: the broker's answers wait behind the proof, and once they
+/// alone pass `limits.max_pending_bytes` the session ends, counted in
+/// `unproven_addresses`, long before the heartbeats would have ended it.
+#[test]
+fn pings_from_an_unproven_address_end_the_session_at_the_queue_bound() {
+    use efabus_broker::link_auth::{HandshakeRole, LinkSecret};
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Some(broker) = start_broker_with(
+        "[limits]\nmax_pending_bytes = 4096\n[heartbeat]\ninterval_ms = 30000\ntimeout_ms = 60000",
+    ) else {
+        return;
+    };
+    let mut attacker = attacker_endpoint();
+    let offer = efabus_broker::endpoints::offer_for(&attacker).expect("an offer");
+    let secret = LinkSecret::new().expect("a secret");
+    let mut impostor = Raw::connect(&broker);
+    impostor.send(&Frame::Hello(efabus_core::frame::Hello {
+        version: efabus_core::frame::PROTOCOL_VERSION,
+        name: "pinger".into(),
+        credentials: None,
+        offers: vec![offer],
+        link_auth: Some(secret.auth().clone()),
+    }));
+    let Frame::Welcome(welcome) = impostor.expect("welcome", |f| matches!(f, Frame::Welcome(_)))
+    else {
+        unreachable!()
+    };
+    let keys = secret
+        .keys(
+            HandshakeRole::Dialer,
+            welcome.link_auth.as_ref().expect("the broker's part"),
+            "efa-rdm",
+        )
+        .expect("keys");
+    let to_broker = attacker
+        .insert_peer(&broker_fabric_address(&broker), &keys)
+        .expect("insert the broker");
+    // The first frame on the data link starts the proof, which this peer
+    // never answers.
+    send_all(
+        &mut attacker,
+        to_broker,
+        &[piece(1, &Frame::Ping { nonce: 0 })],
+    );
+    // Far more answers than 4 KiB hold.
+    for nonce in 1..=2_000u64 {
+        impostor.send(&Frame::Ping { nonce });
+    }
+    assert!(
+        eventually(|| stat(&broker, "unproven_addresses") == 1),
+        "{:?}",
+        broker.stats().snapshot()
+    );
+    let error = impostor.expect("the reason", |f| matches!(f, Frame::Error(_)));
+    assert!(
+        format!("{error:?}").contains("queue for an unproven fabric address is full"),
+        "{error:?}"
+    );
+}
+
 /// A TCP relay between clients and the broker that can drop its clients'
 /// side of every connection while keeping the broker's side open, as a
 /// lost network path leaves the broker with a session whose peer is gone.
