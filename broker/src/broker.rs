@@ -17,6 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use crossbeam_channel::Sender;
 use efabus_core::codec::CodecLimits;
+use efabus_core::frame::DeliveryClass;
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::Readiness;
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
@@ -601,7 +602,7 @@ impl Broker {
                     sid,
                 },
                 Some(Arc::new(sink)),
-                false,
+                DeliveryClass::Reliable,
             )
             .map_err(|source| Error::Subscription {
                 pattern: pattern.to_string(),

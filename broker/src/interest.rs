@@ -22,6 +22,7 @@
 //! is served by a local member when this broker has one, else by one route
 //! whose interest has that group (picked in turn).
 
+use efabus_core::frame::DeliveryClass;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -32,13 +33,13 @@ use efabus_core::subject::SubjectError;
 /// One announcement to route peers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum InterestChange {
-    /// This broker now has subscribers on (pattern, queue), announced as
-    /// `sid`; with `best_effort`, plain ones that take best-effort delivery.
+    /// This broker now has subscribers on (pattern, queue) that take
+    /// `class` delivery, announced as `sid`.
     Add {
         sid: u64,
         pattern: Arc<str>,
         queue: Option<Arc<str>>,
-        best_effort: bool,
+        class: DeliveryClass,
     },
     /// The last subscriber of the entry announced as `sid` is gone.
     Remove { sid: u64 },
@@ -71,26 +72,34 @@ pub(crate) struct LocalInterest {
 struct Entry {
     pattern: Arc<str>,
     queue: Option<Arc<str>>,
-    best_effort: bool,
+    class: DeliveryClass,
 }
 
-/// Patterns and queue names hold no spaces; a best-effort entry (plain
-/// only: a queue group's message is always carried reliably) ends in
-/// " ~".
-fn key(pattern: &str, queue: Option<&str>, best_effort: bool) -> String {
+/// How interest in (pattern, `queue`) that asked for `class` crosses a
+/// route: a queue group's messages always reliably, plain ones as asked.
+pub(crate) fn route_class(queue: Option<&str>, class: DeliveryClass) -> DeliveryClass {
     match queue {
-        Some(queue) => format!("{pattern} {queue}"),
-        None if best_effort => format!("{pattern} ~"),
-        None => pattern.to_string(),
+        Some(_) => DeliveryClass::Reliable,
+        None => class,
+    }
+}
+
+/// Patterns and queue names hold no spaces; a best-effort entry ends in
+/// " ~".
+fn key(pattern: &str, queue: Option<&str>, class: DeliveryClass) -> String {
+    match (queue, route_class(queue, class)) {
+        (Some(queue), _) => format!("{pattern} {queue}"),
+        (None, DeliveryClass::BestEffort) => format!("{pattern} ~"),
+        (None, DeliveryClass::Reliable) => pattern.to_string(),
     }
 }
 
 impl LocalInterest {
-    /// Count one more subscription on (pattern, queue); `best_effort` for
-    /// a plain one that takes best-effort delivery.
-    pub fn add(&mut self, pattern: &str, queue: Option<&str>, best_effort: bool) {
-        let best_effort = best_effort && queue.is_none();
-        let key = key(pattern, queue, best_effort);
+    /// Count one more subscription on (pattern, queue) that takes `class`
+    /// delivery.
+    pub fn add(&mut self, pattern: &str, queue: Option<&str>, class: DeliveryClass) {
+        let class = route_class(queue, class);
+        let key = key(pattern, queue, class);
         if let Some(entry) = self.entries.get_mut(&key) {
             entry.count += 1;
             return;
@@ -107,7 +116,7 @@ impl LocalInterest {
             Entry {
                 pattern: pattern.clone(),
                 queue: queue.clone(),
-                best_effort,
+                class,
             },
         );
         if self.listeners > 0 {
@@ -115,7 +124,7 @@ impl LocalInterest {
                 sid,
                 pattern,
                 queue,
-                best_effort,
+                class,
             });
             self.flag.store(true, Ordering::Release);
         }
@@ -123,8 +132,8 @@ impl LocalInterest {
 
     /// Count one subscription on (pattern, queue) less, of the class it
     /// was added with.
-    pub fn remove(&mut self, pattern: &str, queue: Option<&str>, best_effort: bool) {
-        let key = key(pattern, queue, best_effort && queue.is_none());
+    pub fn remove(&mut self, pattern: &str, queue: Option<&str>, class: DeliveryClass) {
+        let key = key(pattern, queue, class);
         let Some(entry) = self.entries.get_mut(&key) else {
             return;
         };
@@ -143,7 +152,8 @@ impl LocalInterest {
 
     /// Whether this broker has a subscriber in the queue group.
     pub fn has_group(&self, pattern: &str, queue: &str) -> bool {
-        self.entries.contains_key(&key(pattern, Some(queue), false))
+        self.entries
+            .contains_key(&key(pattern, Some(queue), DeliveryClass::Reliable))
     }
 
     /// Whether `sid` was (or would be) announced for a queue group.
@@ -183,7 +193,7 @@ impl LocalInterest {
                 sid,
                 pattern: entry.pattern.clone(),
                 queue: entry.queue.clone(),
-                best_effort: entry.best_effort,
+                class: entry.class,
             })
             .collect();
         all.sort_by_key(|change| match change {
@@ -236,13 +246,13 @@ impl RemoteInterest {
     }
 
     /// Record a route's announcement, replacing an earlier one with the
-    /// same id; `best_effort` counts for plain entries only.
+    /// same id; `class` counts for plain entries only.
     pub fn insert(
         &mut self,
         key: SubRef,
         pattern: &str,
         queue: Option<&str>,
-        best_effort: bool,
+        class: DeliveryClass,
     ) -> Result<(), IndexError> {
         self.remove(key);
         // Validates the queue name too, though the index keeps it plain.
@@ -250,15 +260,15 @@ impl RemoteInterest {
             efabus_core::subject::validate_queue_name(queue, &self.index.config().limits)?;
         }
         self.index.insert(pattern, None, key)?;
-        match queue {
-            Some(queue) => {
+        match (queue, class) {
+            (Some(queue), _) => {
                 self.groups
                     .insert(key, (Arc::from(pattern), Arc::from(queue)));
             }
-            None if best_effort => {
+            (None, DeliveryClass::BestEffort) => {
                 self.best_effort.insert(key);
             }
-            None => {}
+            (None, DeliveryClass::Reliable) => {}
         }
         Ok(())
     }
@@ -357,12 +367,12 @@ mod tests {
     #[test]
     fn local_interest_counts_and_announces_first_and_last() {
         let mut local = LocalInterest::default();
-        local.add("a.>", None, false);
+        local.add("a.>", None, DeliveryClass::Reliable);
         // Nothing is logged while no route is up.
         assert!(!local.has_changes());
         local.set_listening(true);
-        local.add("a.>", None, false);
-        local.add("b", Some("q"), false);
+        local.add("a.>", None, DeliveryClass::Reliable);
+        local.add("b", Some("q"), DeliveryClass::Reliable);
         assert_eq!(local.len(), 2);
         let changes = local.take_changes();
         assert_eq!(changes.len(), 1, "{changes:?}");
@@ -373,14 +383,14 @@ mod tests {
         assert!(LocalInterest::is_group_sid(sid));
         assert!(local.has_group("b", "q"));
         assert!(!local.has_group("a.>", "q"));
-        local.remove("a.>", None, false);
+        local.remove("a.>", None, DeliveryClass::Reliable);
         assert!(!local.has_changes(), "one subscriber is left");
-        local.remove("a.>", None, false);
-        local.remove("a.>", None, false);
+        local.remove("a.>", None, DeliveryClass::Reliable);
+        local.remove("a.>", None, DeliveryClass::Reliable);
         assert_eq!(local.take_changes(), [InterestChange::Remove { sid: 2 }]);
         assert_eq!(local.snapshot().len(), 1);
         local.set_listening(false);
-        local.remove("b", Some("q"), false);
+        local.remove("b", Some("q"), DeliveryClass::Reliable);
         assert!(!local.has_changes());
         assert_eq!(local.len(), 0);
     }
@@ -389,15 +399,17 @@ mod tests {
     fn a_route_gets_plain_interest_once() {
         let mut routes = remote();
         routes
-            .insert(SubRef::new(7, 1), "a.>", None, false)
+            .insert(SubRef::new(7, 1), "a.>", None, DeliveryClass::Reliable)
             .unwrap();
         routes
-            .insert(SubRef::new(7, 2), "a.b", None, false)
+            .insert(SubRef::new(7, 2), "a.b", None, DeliveryClass::Reliable)
             .unwrap();
         routes
-            .insert(SubRef::new(8, 1), "*.b", None, false)
+            .insert(SubRef::new(8, 1), "*.b", None, DeliveryClass::Reliable)
             .unwrap();
-        routes.insert(SubRef::new(9, 1), "c", None, false).unwrap();
+        routes
+            .insert(SubRef::new(9, 1), "c", None, DeliveryClass::Reliable)
+            .unwrap();
         let (mut scratch, mut out) = (Vec::new(), Vec::new());
         let stable = routes
             .lookup("a.b", |_, _| false, &mut scratch, &mut out)
@@ -417,31 +429,31 @@ mod tests {
     fn best_effort_interest_is_announced_apart_and_yields_to_reliable() {
         let mut local = LocalInterest::default();
         local.set_listening(true);
-        local.add("a.>", None, true);
-        local.add("a.>", None, true);
-        local.add("a.>", None, false);
+        local.add("a.>", None, DeliveryClass::BestEffort);
+        local.add("a.>", None, DeliveryClass::BestEffort);
+        local.add("a.>", None, DeliveryClass::Reliable);
         // A queue group's entry is reliable whatever its members asked.
-        local.add("w", Some("q"), true);
+        local.add("w", Some("q"), DeliveryClass::BestEffort);
         let changes = local.take_changes();
         let announced: Vec<bool> = changes
             .iter()
             .map(|change| match change {
-                InterestChange::Add { best_effort, .. } => *best_effort,
+                InterestChange::Add { class, .. } => *class == DeliveryClass::BestEffort,
                 InterestChange::Remove { .. } => panic!("{changes:?}"),
             })
             .collect();
         assert_eq!(announced, [true, false, false]);
-        local.remove("a.>", None, true);
+        local.remove("a.>", None, DeliveryClass::BestEffort);
         assert!(!local.has_changes(), "one best-effort subscriber is left");
-        local.remove("a.>", None, false);
+        local.remove("a.>", None, DeliveryClass::Reliable);
         assert!(matches!(
             local.take_changes()[..],
             [InterestChange::Remove { .. }]
         ));
         // Removed with the class it was added with, the group entry goes,
         // and the last best-effort subscriber takes its entry along.
-        local.remove("w", Some("q"), true);
-        local.remove("a.>", None, true);
+        local.remove("w", Some("q"), DeliveryClass::BestEffort);
+        local.remove("a.>", None, DeliveryClass::BestEffort);
         assert!(matches!(
             local.take_changes()[..],
             [InterestChange::Remove { .. }, InterestChange::Remove { .. }]
@@ -449,14 +461,16 @@ mod tests {
         assert_eq!(local.len(), 0);
 
         let mut routes = remote();
-        routes.insert(SubRef::new(7, 2), "a.>", None, true).unwrap();
+        routes
+            .insert(SubRef::new(7, 2), "a.>", None, DeliveryClass::BestEffort)
+            .unwrap();
         let (mut scratch, mut out) = (Vec::new(), Vec::new());
         routes
             .lookup("a.b", |_, _| false, &mut scratch, &mut out)
             .unwrap();
         assert_eq!(out, [SubRef::new(7, 2)]);
         routes
-            .insert(SubRef::new(7, 4), "a.b", None, false)
+            .insert(SubRef::new(7, 4), "a.b", None, DeliveryClass::Reliable)
             .unwrap();
         for _ in 0..3 {
             out.clear();
@@ -476,13 +490,23 @@ mod tests {
     fn a_queue_group_goes_to_one_route_unless_served_locally() {
         let mut routes = remote();
         routes
-            .insert(SubRef::new(7, 1), "work", Some("q"), false)
+            .insert(
+                SubRef::new(7, 1),
+                "work",
+                Some("q"),
+                DeliveryClass::Reliable,
+            )
             .unwrap();
         routes
-            .insert(SubRef::new(8, 4), "work", Some("q"), false)
+            .insert(
+                SubRef::new(8, 4),
+                "work",
+                Some("q"),
+                DeliveryClass::Reliable,
+            )
             .unwrap();
         routes
-            .insert(SubRef::new(8, 5), "work", None, false)
+            .insert(SubRef::new(8, 5), "work", None, DeliveryClass::Reliable)
             .unwrap();
         let (mut scratch, mut out) = (Vec::new(), Vec::new());
         let mut picked = Vec::new();

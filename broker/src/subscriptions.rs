@@ -20,6 +20,7 @@ use efabus_core::subject::SubjectLimits;
 
 use crate::delivery::LocalSink;
 use crate::interest::{InterestChange, LocalInterest, RemoteInterest};
+use efabus_core::frame::DeliveryClass;
 
 /// Owner id of subscriptions made through the embedded API; remote
 /// sessions use their session id, which starts at 1.
@@ -108,19 +109,19 @@ impl SubscriptionTable {
         self.generation.store(next_generation(), Ordering::Release);
     }
 
-    /// Add a subscription; `sink` is set for in-process subscriptions,
-    /// `best_effort` for one that takes best-effort delivery.
+    /// Add a subscription that takes `class` delivery; `sink` is set for
+    /// in-process subscriptions.
     pub fn insert(
         &mut self,
         pattern: &str,
         queue: Option<&str>,
         key: SubRef,
         sink: Option<Arc<LocalSink>>,
-        best_effort: bool,
+        class: DeliveryClass,
     ) -> Result<(), IndexError> {
         self.index.insert(pattern, queue, key)?;
-        self.interest.add(pattern, queue, best_effort);
-        if best_effort {
+        self.interest.add(pattern, queue, class);
+        if class == DeliveryClass::BestEffort {
             self.best_effort.insert(key);
         }
         if let Some(sink) = sink {
@@ -130,15 +131,25 @@ impl SubscriptionTable {
         Ok(())
     }
 
+    /// The class `key` was inserted with (one of `best_effort`, or
+    /// reliable), forgotten there: it is being removed.
+    fn take_class(best_effort: &mut HashSet<SubRef>, key: SubRef) -> DeliveryClass {
+        if best_effort.remove(&key) {
+            DeliveryClass::BestEffort
+        } else {
+            DeliveryClass::Reliable
+        }
+    }
+
     pub fn remove(&mut self, key: SubRef) -> bool {
         if key.owner == LOCAL_OWNER {
             if let Some(sink) = self.locals.remove(&key.sid) {
                 sink.close();
             }
         }
-        let best_effort = self.best_effort.remove(&key);
+        let class = Self::take_class(&mut self.best_effort, key);
         if let Some(info) = self.index.get(key) {
-            self.interest.remove(info.pattern, info.queue, best_effort);
+            self.interest.remove(info.pattern, info.queue, class);
         }
         let removed = self.index.remove(key);
         self.changed();
@@ -148,8 +159,8 @@ impl SubscriptionTable {
     /// Remove every subscription of a remote session.
     pub fn remove_owner(&mut self, owner: u64) -> usize {
         for info in self.index.iter_owner(owner) {
-            let best_effort = self.best_effort.remove(&info.key);
-            self.interest.remove(info.pattern, info.queue, best_effort);
+            let class = Self::take_class(&mut self.best_effort, info.key);
+            self.interest.remove(info.pattern, info.queue, class);
         }
         let removed = self.index.remove_owner(owner);
         self.changed();
@@ -163,9 +174,9 @@ impl SubscriptionTable {
         key: SubRef,
         pattern: &str,
         queue: Option<&str>,
-        best_effort: bool,
+        class: DeliveryClass,
     ) -> Result<(), IndexError> {
-        let result = self.routes.insert(key, pattern, queue, best_effort);
+        let result = self.routes.insert(key, pattern, queue, class);
         self.changed();
         result
     }

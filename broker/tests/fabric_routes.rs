@@ -266,6 +266,22 @@ fn a_route_to_a_broker_without_the_fabric_stays_on_tcp_and_says_why() {
     assert_eq!(sub.recv_timeout(WAIT).unwrap().payload, payload(3));
 }
 
+/// Brokers a and b on `efa-rdm` via `tcp;ofi_rxm`, b with `b_extra` in
+/// its config, a dialing b; returned with b's TCP address once the route
+/// is up on the fabric.
+fn a_routed_to_b(b_extra: &str) -> Option<(Broker, Broker, String)> {
+    let b = start_with("b", Some("efa-rdm"), "tcp;ofi_rxm", &[], b_extra)?;
+    let b_tcp = tcp(&b);
+    let a = start(
+        "a",
+        Some("efa-rdm"),
+        "tcp;ofi_rxm",
+        std::slice::from_ref(&b_tcp),
+    )?;
+    assert!(the_route(&a).reliable.starts_with("efa-rdm via"));
+    Some((a, b, b_tcp))
+}
+
 /// Broker b started again at its TCP address `b_tcp` (with a new fabric
 /// endpoint), once `a`, which routes to it, has its route back on the
 /// fabric.
@@ -285,19 +301,9 @@ fn restart_on_the_fabric(b_tcp: &str, a: &Broker) -> Broker {
 /// A peer broker that restarts comes back on the fabric.
 #[test]
 fn a_restarted_peer_comes_back_on_the_fabric() {
-    let Some(b) = start("b", Some("efa-rdm"), "tcp;ofi_rxm", &[]) else {
+    let Some((a, b, b_tcp)) = a_routed_to_b("") else {
         return;
     };
-    let b_tcp = tcp(&b);
-    let Some(a) = start(
-        "a",
-        Some("efa-rdm"),
-        "tcp;ofi_rxm",
-        std::slice::from_ref(&b_tcp),
-    ) else {
-        return;
-    };
-    assert!(the_route(&a).reliable.starts_with("efa-rdm via"));
     drop(b);
     wait_until("the route down", || a.routes().is_empty());
     // The same TCP address, a new fabric endpoint.
@@ -321,19 +327,9 @@ fn a_restarted_peer_comes_back_on_the_fabric() {
 #[test]
 fn a_route_that_fails_under_load_counts_what_it_lost() {
     let failing = "[testing.faults]\nscheme = \"efa-rdm\"\nfail_polls_after = 200";
-    let Some(b) = start_with("b", Some("efa-rdm"), "tcp;ofi_rxm", &[], failing) else {
+    let Some((a, b, b_tcp)) = a_routed_to_b(failing) else {
         return;
     };
-    let b_tcp = tcp(&b);
-    let Some(a) = start(
-        "a",
-        Some("efa-rdm"),
-        "tcp;ofi_rxm",
-        std::slice::from_ref(&b_tcp),
-    ) else {
-        return;
-    };
-    assert!(the_route(&a).reliable.starts_with("efa-rdm via"));
     let sub = b.subscribe("loss.>").unwrap();
     wait_until("b's interest at a", || a.route_interest_count() == 1);
 

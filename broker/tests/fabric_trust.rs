@@ -496,6 +496,47 @@ fn send_one(attacker: &mut FabricEndpoint, to: efabus_core::transport::PeerId, f
     attacker.poll(&mut Vec::new()).expect("poll attacker");
 }
 
+/// A raw control link to `broker` whose hello offers `attacker`'s fabric
+/// endpoint (at `claimed`, when given, instead of its own address) with a
+/// fresh half of the link keys; once welcomed, the broker is inserted in
+/// `attacker` with the agreed keys. Returns the link and the broker's peer
+/// id on `attacker`.
+fn hello_from(
+    broker: &Broker,
+    attacker: &mut FabricEndpoint,
+    name: &str,
+    claimed: Option<&[u8]>,
+) -> (Raw, efabus_core::transport::PeerId) {
+    use efabus_broker::link_auth::{HandshakeRole, LinkSecret};
+    let mut offer = efabus_broker::endpoints::offer_for(attacker).expect("an offer");
+    if let Some(address) = claimed {
+        offer.address = address.to_vec();
+    }
+    let secret = LinkSecret::new().expect("a secret");
+    let mut raw = Raw::connect(broker);
+    raw.send(&Frame::Hello(efabus_core::frame::Hello {
+        version: efabus_core::frame::PROTOCOL_VERSION,
+        name: name.into(),
+        credentials: None,
+        offers: vec![offer],
+        link_auth: Some(secret.auth().clone()),
+    }));
+    let Frame::Welcome(welcome) = raw.expect("welcome", |f| matches!(f, Frame::Welcome(_))) else {
+        unreachable!()
+    };
+    let keys = secret
+        .keys(
+            HandshakeRole::Dialer,
+            welcome.link_auth.as_ref().expect("the broker's part"),
+            "efa-rdm",
+        )
+        .expect("keys");
+    let to_broker = attacker
+        .insert_peer(&broker_fabric_address(broker), &keys)
+        .expect("insert the broker");
+    (raw, to_broker)
+}
+
 /// An impostor that does use the data link: it offers the victim's fabric
 /// address, agrees real keys, and sends the broker authenticated frames
 /// from its own endpoint under the victim's address. The broker asks for
@@ -505,7 +546,6 @@ fn send_one(attacker: &mut FabricEndpoint, to: efabus_core::transport::PeerId, f
 /// The victim loses nothing.
 #[test]
 fn an_address_never_proven_gets_no_traffic_and_ends_the_session() {
-    use efabus_broker::link_auth::{HandshakeRole, LinkSecret};
     let _alone = ALONE
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -520,31 +560,8 @@ fn an_address_never_proven_gets_no_traffic_and_ends_the_session() {
         addr_from_hex(victim.link().fabric_address.as_deref().expect("address")).unwrap();
 
     let mut attacker = attacker_endpoint();
-    let mut offer = efabus_broker::endpoints::offer_for(&attacker).expect("an offer");
-    offer.address = victim_address.clone();
-    let secret = LinkSecret::new().expect("a secret");
-    let mut impostor = Raw::connect(&broker);
-    impostor.send(&Frame::Hello(efabus_core::frame::Hello {
-        version: efabus_core::frame::PROTOCOL_VERSION,
-        name: "impostor".into(),
-        credentials: None,
-        offers: vec![offer],
-        link_auth: Some(secret.auth().clone()),
-    }));
-    let Frame::Welcome(welcome) = impostor.expect("welcome", |f| matches!(f, Frame::Welcome(_)))
-    else {
-        unreachable!()
-    };
-    let keys = secret
-        .keys(
-            HandshakeRole::Dialer,
-            welcome.link_auth.as_ref().expect("the broker's part"),
-            "efa-rdm",
-        )
-        .expect("keys");
-    let to_broker = attacker
-        .insert_peer(&broker_fabric_address(&broker), &keys)
-        .expect("insert the broker");
+    let (mut impostor, to_broker) =
+        hello_from(&broker, &mut attacker, "impostor", Some(&victim_address));
     attacker.claim_address(&victim_address);
     // Sequence 1 on the data link: the first frame, which starts the
     // proof; then a subscription, whose matches would come back.
@@ -597,7 +614,6 @@ fn an_address_never_proven_gets_no_traffic_and_ends_the_session() {
 /// `unproven_addresses`, long before the heartbeats would have ended it.
 #[test]
 fn pings_from_an_unproven_address_end_the_session_at_the_queue_bound() {
-    use efabus_broker::link_auth::{HandshakeRole, LinkSecret};
     let _alone = ALONE
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -607,30 +623,7 @@ fn pings_from_an_unproven_address_end_the_session_at_the_queue_bound() {
         return;
     };
     let mut attacker = attacker_endpoint();
-    let offer = efabus_broker::endpoints::offer_for(&attacker).expect("an offer");
-    let secret = LinkSecret::new().expect("a secret");
-    let mut impostor = Raw::connect(&broker);
-    impostor.send(&Frame::Hello(efabus_core::frame::Hello {
-        version: efabus_core::frame::PROTOCOL_VERSION,
-        name: "pinger".into(),
-        credentials: None,
-        offers: vec![offer],
-        link_auth: Some(secret.auth().clone()),
-    }));
-    let Frame::Welcome(welcome) = impostor.expect("welcome", |f| matches!(f, Frame::Welcome(_)))
-    else {
-        unreachable!()
-    };
-    let keys = secret
-        .keys(
-            HandshakeRole::Dialer,
-            welcome.link_auth.as_ref().expect("the broker's part"),
-            "efa-rdm",
-        )
-        .expect("keys");
-    let to_broker = attacker
-        .insert_peer(&broker_fabric_address(&broker), &keys)
-        .expect("insert the broker");
+    let (mut impostor, to_broker) = hello_from(&broker, &mut attacker, "pinger", None);
     // The first frame on the data link starts the proof, which this peer
     // never answers.
     send_all(

@@ -588,12 +588,14 @@ impl EventLoop {
                 .links
                 .send_challenges(&mut self.endpoints, false);
         }
-        self.tally.best_effort_lost += session.conn.links.take_best_effort_lost();
         // A gap this left is given up (best effort) or fails the link
         // (reliable) by time.
         let link = match kind {
             LinkKind::Reliable => session.conn.links.reliable.as_ref(),
-            LinkKind::BestEffort => session.conn.links.best_effort.as_ref(),
+            LinkKind::BestEffort => {
+                self.tally.best_effort_lost += session.conn.links.take_best_effort_lost();
+                session.conn.links.best_effort.as_ref()
+            }
         };
         if let Some(deadline) = link.and_then(|link| link.next_deadline()) {
             self.schedule(deadline);

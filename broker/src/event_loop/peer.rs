@@ -305,7 +305,7 @@ impl Session {
             subscribe.queue.as_deref(),
             key,
             None,
-            subscribe.class == DeliveryClass::BestEffort,
+            subscribe.class,
         );
         inserted.map_err(|err| {
             subscriptions.remove(&subscribe.sid);

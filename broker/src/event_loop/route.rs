@@ -949,16 +949,12 @@ impl EventLoop {
                     sid,
                     pattern,
                     queue,
-                    best_effort,
+                    class,
                 } => Frame::Subscribe(Subscribe {
                     sid: *sid,
                     pattern: pattern.to_string(),
                     queue: queue.as_deref().map(str::to_string),
-                    class: if *best_effort {
-                        DeliveryClass::BestEffort
-                    } else {
-                        DeliveryClass::Reliable
-                    },
+                    class: *class,
                 }),
                 InterestChange::Remove { sid } => Frame::Unsubscribe { sid: *sid },
             };
@@ -991,18 +987,12 @@ impl EventLoop {
             owner: id,
             sid: subscribe.sid,
         };
-        // A queue group's messages always cross reliably.
-        let class = if subscribe.queue.is_some() {
-            DeliveryClass::Reliable
-        } else {
-            subscribe.class
-        };
-        let best_effort = class == DeliveryClass::BestEffort;
+        let class = crate::interest::route_class(subscribe.queue.as_deref(), subscribe.class);
         let inserted = self.shared.subscriptions.write().insert_route(
             key,
             &subscribe.pattern,
             subscribe.queue.as_deref(),
-            best_effort,
+            class,
         );
         match inserted {
             Ok(()) => {
