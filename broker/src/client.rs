@@ -1125,9 +1125,11 @@ impl ClientLoop {
                 let polling = &self.shared.options.fabric.polling;
                 timeout = timeout.min(polled.backoff(idle, polling));
             }
-            let may_wait = timeout.is_zero() || prepare_wait(&mut self.endpoints);
-            if !may_wait {
-                continue;
+            if !timeout.is_zero() {
+                match prepare_wait(&mut self.endpoints, timeout) {
+                    Some(allowed) => timeout = allowed,
+                    None => continue,
+                }
             }
             let shared = &self.shared;
             let nothing_pending = self.conn.out.is_empty();

@@ -106,13 +106,26 @@ impl Polled {
     }
 }
 
-/// Asks every endpoint that must be polled whether the loop may sleep now;
-/// false when one has work pending.
-pub(crate) fn prepare_wait(endpoints: &mut [Box<dyn Endpoint>]) -> bool {
-    endpoints
+/// Asks every endpoint that must be polled whether the loop may sleep now
+/// and for how long: `None` when one has work pending, else the longest
+/// sleep they allow (`timeout` at most).
+pub(crate) fn prepare_wait(
+    endpoints: &mut [Box<dyn Endpoint>],
+    timeout: Duration,
+) -> Option<Duration> {
+    let mut allowed = timeout;
+    for endpoint in endpoints
         .iter_mut()
         .filter(|endpoint| endpoint.readiness().must_poll())
-        .all(|endpoint| endpoint.prepare_wait())
+    {
+        if !endpoint.prepare_wait() {
+            return None;
+        }
+        if let Some(cap) = endpoint.wait_cap() {
+            allowed = allowed.min(cap);
+        }
+    }
+    Some(allowed)
 }
 
 #[cfg(test)]

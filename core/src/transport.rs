@@ -33,6 +33,7 @@
 use std::fmt;
 use std::os::fd::RawFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use thiserror::Error;
@@ -611,6 +612,13 @@ pub trait Endpoint: Send {
     /// polls again instead of sleeping.
     fn prepare_wait(&mut self) -> bool {
         true
+    }
+
+    /// The longest the caller may sleep now before polling again, when
+    /// the endpoint needs calls to make progress on work in flight even
+    /// though no descriptor will announce it; `None` for no limit.
+    fn wait_cap(&self) -> Option<Duration> {
+        None
     }
 
     /// What this endpoint actually is, in fi_info terms (after the

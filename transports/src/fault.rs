@@ -993,6 +993,10 @@ impl Endpoint for FaultyEndpoint {
         self.inner.prepare_wait()
     }
 
+    fn wait_cap(&self) -> Option<std::time::Duration> {
+        self.inner.wait_cap()
+    }
+
     fn set_peer_frame_limit(&mut self, peer: PeerId, limit: usize) {
         self.inner.set_peer_frame_limit(peer, limit);
     }

@@ -248,6 +248,49 @@ mod suite {
         assert_eq!(b.stats().received, 1);
     }
 
+    /// A provider with manual progress moves (and, for ofi_rxd,
+    /// retransmits) a send only inside our calls: while one may be in
+    /// flight the owner may sleep at most a short tick, whatever its
+    /// descriptor says; an endpoint idle for a while, or one whose provider
+    /// progresses by itself, sets no limit.
+    pub fn sends_in_flight_cap_the_wait(kind: EpKind, provider: &str, manual: bool) {
+        let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
+            return;
+        };
+        assert_eq!(a.wait_cap(), None, "{provider}: idle");
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        a.send(pb, frame(b"in flight")).expect("send");
+        // Posted, and not acknowledged: the receiver has not been polled.
+        a.poll(&mut ae).expect("poll a");
+        if manual {
+            let cap = a.wait_cap();
+            assert!(
+                cap.is_some_and(|cap| cap <= Duration::from_millis(1)),
+                "{provider}: a send in flight left the wait at {cap:?}"
+            );
+        } else {
+            assert_eq!(a.wait_cap(), None, "{provider} progresses by itself");
+        }
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| !frames_from(be, pa).is_empty(),
+            "the frame",
+        );
+        let start = Instant::now();
+        while a.wait_cap().is_some() {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{provider}: the send never completed"
+            );
+        }
+    }
+
     /// With a wait set, a receiver that is not polled learns of a frame
     /// through its descriptor alone, once `prepare_wait` has allowed the
     /// wait; with `wait_fd=false` (or a provider without wait sets) the
@@ -1602,6 +1645,15 @@ macro_rules! provider_suite {
             }
         }
     };
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn sends_in_flight_cap_the_wait() {
+    use efabus_transports::fabric::EpKind;
+    suite::sends_in_flight_cap_the_wait(EpKind::Rdm, "udp;ofi_rxd", true);
+    suite::sends_in_flight_cap_the_wait(EpKind::Rdm, "sockets", false);
+    suite::sends_in_flight_cap_the_wait(EpKind::Dgram, "udp", false);
 }
 
 /// Every provider here offers wait sets (efa on libfabric 1.17 does not);

@@ -260,8 +260,11 @@ impl EventLoop {
                 let config = &self.shared.config.fabric.polling;
                 timeout = timeout.min(self.polling.backoff(idle_spins, config));
             }
-            if !timeout.is_zero() && !prepare_wait(&mut self.endpoints) {
-                continue;
+            if !timeout.is_zero() {
+                match prepare_wait(&mut self.endpoints, timeout) {
+                    Some(allowed) => timeout = allowed,
+                    None => continue,
+                }
             }
             if !self.shared.commands.park(&self.commands) {
                 continue;

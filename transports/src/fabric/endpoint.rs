@@ -69,7 +69,7 @@ use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_core::transport::{
@@ -106,6 +106,16 @@ pub const SUPPORTED_MR_MODES: u64 =
 /// mr_mode bits that may be reported but concern memory efabus never
 /// registers (device memory).
 const IGNORED_MR_MODES: u64 = FI_MR_HMEM;
+
+/// Longest sleep of an owner while a manual-progress provider may hold
+/// sends of this endpoint in flight: its retransmission timers need our
+/// calls.
+const MANUAL_PROGRESS_TICK: Duration = Duration::from_millis(1);
+/// How long after its last post a manual-progress provider may still hold
+/// a send we no longer see: an injected one is ours no more, yet ofi_rxd
+/// keeps it for retransmission until acknowledged, backing off up to about
+/// this long between tries.
+const MANUAL_PROGRESS_LINGER: Duration = Duration::from_millis(250);
 
 /// Completions read per `fi_cq_read`.
 const CQ_BATCH: usize = 64;
@@ -173,6 +183,9 @@ pub struct LinkInfo {
     pub tx_depth: usize,
     pub addr_format: u64,
     pub resource_mgmt: u64,
+    /// FI_PROGRESS_MANUAL data progress: the provider's own timers
+    /// (retransmissions, RNR back-off) advance only inside our calls.
+    pub manual_progress: bool,
     /// The FI_OPT_EFA_RNR_RETRY value set, if it was.
     pub rnr_retry: Option<u64>,
     /// FI_SOURCE granted: every receive's sender is checked against the
@@ -325,6 +338,8 @@ pub struct FabricEndpoint {
     tx_control: Vec<bool>,
     /// Inside `progress` (see there).
     progressing: bool,
+    /// When a send was last posted, on a manual-progress provider.
+    last_post: Option<Instant>,
     /// A `shm` endpoint's entry in `local_shm_endpoints`.
     shm_open: Option<Arc<AtomicBool>>,
 
@@ -593,6 +608,8 @@ impl FabricEndpoint {
             tx_depth,
             addr_format: attrs.addr_format,
             resource_mgmt: dom.resource_mgmt,
+            manual_progress: Some(dom.data_progress)
+                == efabus_core::caps::Progress::Manual.c_value().map(u64::from),
             rnr_retry,
             source_checked: checks_source,
             rendezvous_max: rma.as_ref().map_or(0, |rma| rma.max_frame),
@@ -645,6 +662,7 @@ impl FabricEndpoint {
             tx_body: vec![None; tx_depth],
             tx_control: vec![false; tx_depth],
             progressing: false,
+            last_post: None,
             shm_open: None,
             unposted_rx: (0..rx_depth).rev().collect(),
             lent_rx: 0,
@@ -1160,6 +1178,7 @@ impl FabricEndpoint {
             };
             if posted.is_ok() {
                 self.stats.sent += 1;
+                self.note_post();
             }
             return posted;
         }
@@ -1169,6 +1188,7 @@ impl FabricEndpoint {
             match self.ep.inject(bytes, dest) {
                 Ok(()) => {
                     self.stats.injected += 1;
+                    self.note_post();
                     self.release_slot(slot);
                     return Ok(());
                 }
@@ -1183,8 +1203,17 @@ impl FabricEndpoint {
         let posted = unsafe { self.ep.send(ptr, len, desc, dest, context) };
         if posted.is_ok() {
             self.stats.sent += 1;
+            self.note_post();
         }
         posted
+    }
+
+    /// Remember when a manual-progress provider last took a send
+    /// ([`FabricEndpoint::wait_cap`]).
+    fn note_post(&mut self) {
+        if self.link.manual_progress {
+            self.last_post = Some(Instant::now());
+        }
     }
 
     /// Returns a tx slot to the free list, uncounting its bytes.
@@ -2112,6 +2141,26 @@ impl Endpoint for FabricEndpoint {
         !rendezvous_waiting
             && self.pending.is_empty()
             && self.wait.as_ref().is_none_or(|wait| wait.try_wait())
+    }
+
+    fn wait_cap(&self) -> Option<Duration> {
+        // A provider with manual progress that keeps a send until the peer
+        // acknowledges it (ofi_rxd) retransmits a lost packet only when
+        // called: sleeping on the descriptor, which only incoming packets
+        // wake, would leave the loss unrepaired until the link times out.
+        if !self.link.manual_progress {
+            return None;
+        }
+        let sends_in_flight = self.free_tx.len() < self.tx_owner.len();
+        // Transfers of ours the peer reads, and reads of ours.
+        let reads_in_flight = self
+            .rma
+            .as_ref()
+            .is_some_and(|rma| !rma.sends.is_empty() || rma.free_slots.len() < rma.slots.len());
+        let recently_posted = self
+            .last_post
+            .is_some_and(|at| at.elapsed() < MANUAL_PROGRESS_LINGER);
+        (sends_in_flight || reads_in_flight || recently_posted).then_some(MANUAL_PROGRESS_TICK)
     }
 
     /// The provider's attributes, with the queue sizes this endpoint really
