@@ -28,6 +28,7 @@
 //! | `Message` (0x11) | sid u64, seq u64, flags u8, subject_len u16, reply_len u16, payload_len u32 | subject, reply, payload |
 //! | `Fragment` (0x12) | msg_id u64, index u32, count u32, total_len u32, data_len u32 | data |
 //! | `Credit` (0x13) | messages u32, bytes u64, ack_seq u64 | nothing |
+//! | `Run` (0x14) | nothing | whole frames, back to back |
 //!
 //! Flag bit 0 ([`FLAG_REPLY`]) says a reply subject is present (so an empty
 //! reply is distinguishable from none); other bits must be zero. Subjects
@@ -75,6 +76,9 @@ pub const CREDIT_BODY_LEN: usize = 4 + 8 + 8;
 /// Encoded size of a `Fragment` frame minus its data: what fragmentation
 /// spends per piece.
 pub const FRAGMENT_OVERHEAD: usize = FRAME_OVERHEAD + FRAGMENT_HEADER_LEN;
+/// Most bytes of frames one [`Frame::Run`] holds: what its length prefix
+/// can count besides the kind byte.
+pub const MAX_RUN_LEN: usize = u32::MAX as usize - 1;
 /// Largest body of a control frame. Handshakes and subscriptions are small;
 /// this keeps the decoder's memory claim for them small too.
 pub const MAX_CONTROL_BODY: usize = 64 * 1024;
@@ -146,6 +150,8 @@ pub enum FrameKind {
     Fragment = 0x12,
     /// [`Frame::Credit`] (data).
     Credit = 0x13,
+    /// [`Frame::Run`] (data).
+    Run = 0x14,
 }
 
 impl FrameKind {
@@ -160,6 +166,7 @@ impl FrameKind {
             Frame::Message(_) => FrameKind::Message,
             Frame::Fragment(_) => FrameKind::Fragment,
             Frame::Credit(_) => FrameKind::Credit,
+            Frame::Run(_) => FrameKind::Run,
             Frame::Ping { .. } => FrameKind::Ping,
             Frame::Pong { .. } => FrameKind::Pong,
             Frame::Error(_) => FrameKind::Error,
@@ -188,6 +195,7 @@ impl FrameKind {
             0x11 => FrameKind::Message,
             0x12 => FrameKind::Fragment,
             0x13 => FrameKind::Credit,
+            0x14 => FrameKind::Run,
             _ => return None,
         })
     }
@@ -215,6 +223,7 @@ impl FrameKind {
             FrameKind::Message => "message",
             FrameKind::Fragment => "fragment",
             FrameKind::Credit => "credit",
+            FrameKind::Run => "run",
         }
     }
 }
@@ -258,6 +267,10 @@ pub enum DecodeError {
     /// The kind byte names no frame kind.
     #[error("unknown frame kind {0:#04x}")]
     UnknownKind(u8),
+    /// A [`Frame::Run`] that does not hold whole frames of the kinds a run
+    /// may carry.
+    #[error("malformed run: {0}")]
+    BadRun(&'static str),
     /// A `Publish` or `Message` sets flag bits other than [`FLAG_REPLY`],
     /// or declares a reply subject without that flag.
     #[error("unknown flags {flags:#04x} in a {kind} frame")]
@@ -396,6 +409,7 @@ pub fn try_encode(frame: &Frame) -> Result<OutFrame, EncodeError> {
             FRAME_OVERHEAD + MESSAGE_HEADER_LEN + m.subject.len() + reply_len(&m.reply),
         ),
         Frame::Fragment(f) => (Some(&f.data), FRAGMENT_OVERHEAD),
+        Frame::Run(frames) => (Some(frames), FRAME_OVERHEAD),
         _ => (None, 64),
     };
     let mut head = BytesMut::with_capacity(head_len);
@@ -432,9 +446,8 @@ pub fn try_encode_into(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeEr
     let result = match frame {
         Frame::Publish(Publish { payload, .. })
         | Frame::Message(Message { payload, .. })
-        | Frame::Fragment(Fragment { data: payload, .. }) => {
-            write_head(frame, out).map(|()| out.extend_from_slice(payload))
-        }
+        | Frame::Fragment(Fragment { data: payload, .. })
+        | Frame::Run(payload) => write_head(frame, out).map(|()| out.extend_from_slice(payload)),
         _ => write_control(frame, out),
     };
     if result.is_err() {
@@ -464,6 +477,10 @@ pub fn encoded_len(frame: &Frame) -> Result<usize, EncodeError> {
             data_frame_len(FrameKind::Fragment, FRAGMENT_HEADER_LEN, "", &None, &f.data)?
         }
         Frame::Credit(_) => FRAME_OVERHEAD + CREDIT_BODY_LEN,
+        Frame::Run(frames) => {
+            check_width(FrameKind::Run, "frames", frames.len(), MAX_RUN_LEN)?;
+            FRAME_OVERHEAD + frames.len()
+        }
         _ => {
             let mut size = SizeWriter::default();
             encode_control_body(frame, &mut size)?;
@@ -534,6 +551,10 @@ fn write_head(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
             encoded_len(frame)?;
             out.reserve(FRAGMENT_OVERHEAD);
             put_fragment_head(out, f, f.data.len() as u32);
+            Ok(())
+        }
+        Frame::Run(frames) => {
+            out.extend_from_slice(&run_head(frames.len())?);
             Ok(())
         }
         // Only data frames with a payload come here.
@@ -726,7 +747,11 @@ fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), Encode
         Frame::Route(r) => bincode::serde::encode_into_writer(r, writer, config),
         Frame::RoutePeers(p) => bincode::serde::encode_into_writer(p, writer, config),
         Frame::Dropped(d) => bincode::serde::encode_into_writer(d, writer, config),
-        Frame::Publish(_) | Frame::Message(_) | Frame::Fragment(_) | Frame::Credit(_) => {
+        Frame::Publish(_)
+        | Frame::Message(_)
+        | Frame::Fragment(_)
+        | Frame::Credit(_)
+        | Frame::Run(_) => {
             return Err(EncodeError::Body {
                 kind,
                 text: "data frames have no bincode body".to_string(),
@@ -803,6 +828,59 @@ fn whole_frame_kind(frame: &[u8], limits: &CodecLimits) -> Result<FrameKind, Dec
     Ok(kind)
 }
 
+/// The length prefix and kind byte of a [`Frame::Run`] holding
+/// `frames_len` bytes of whole frames, which follow it unchanged.
+pub fn run_head(frames_len: usize) -> Result<[u8; FRAME_OVERHEAD], EncodeError> {
+    check_width(FrameKind::Run, "frames", frames_len, MAX_RUN_LEN)?;
+    let mut head = [0u8; FRAME_OVERHEAD];
+    // Within MAX_RUN_LEN, the kind byte included still fits the prefix.
+    head[..PREFIX_LEN].copy_from_slice(&((frames_len + 1) as u32).to_le_bytes());
+    head[PREFIX_LEN] = FrameKind::Run as u8;
+    Ok(head)
+}
+
+/// Append the frames of a run's body (a [`Frame::Run`]'s bytes) to `out`
+/// as slices of it, and say how many there were. A run must hold at
+/// least one frame, only whole ones, and none of the link layer's own
+/// (run, fragment, credit); otherwise nothing is appended.
+/// Each frame is checked for a known kind only: decoding it is for the
+/// caller, as for a frame that came alone.
+pub fn open_run(frames: &Bytes, out: &mut Vec<Bytes>) -> Result<usize, DecodeError> {
+    let start = out.len();
+    let mut at = 0;
+    let result = loop {
+        if at == frames.len() {
+            break if at == 0 {
+                Err(DecodeError::BadRun("it holds no frame"))
+            } else {
+                Ok(out.len() - start)
+            };
+        }
+        let Some(len) = frames[at..]
+            .first_chunk::<PREFIX_LEN>()
+            .map(|prefix| u32::from_le_bytes(*prefix) as usize)
+        else {
+            break Err(DecodeError::BadRun("it ends inside a length prefix"));
+        };
+        let end = at + PREFIX_LEN + len;
+        if len == 0 || end > frames.len() {
+            break Err(DecodeError::BadRun("a frame's length runs past its end"));
+        }
+        match FrameKind::from_byte(frames[at + PREFIX_LEN]) {
+            None => break Err(DecodeError::UnknownKind(frames[at + PREFIX_LEN])),
+            Some(FrameKind::Run | FrameKind::Fragment | FrameKind::Credit) => {
+                break Err(DecodeError::BadRun("it holds a link frame"))
+            }
+            Some(_) => out.push(frames.slice(at..end)),
+        }
+        at = end;
+    };
+    if result.is_err() {
+        out.truncate(start);
+    }
+    result
+}
+
 /// Decode one whole frame, length prefix included, as endpoints deliver
 /// them. Payloads and fragment data are slices of `frame`. Never panics.
 pub fn decode(frame: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> {
@@ -811,6 +889,7 @@ pub fn decode(frame: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> 
         FrameKind::Publish | FrameKind::Message => decode_routed(kind, &frame, limits),
         FrameKind::Fragment => decode_fragment(frame.slice(FRAME_OVERHEAD..)),
         FrameKind::Credit => decode_credit(&frame[FRAME_OVERHEAD..]),
+        FrameKind::Run => Ok(Frame::Run(frame.slice(FRAME_OVERHEAD..))),
         _ => decode_control(kind, &frame[FRAME_OVERHEAD..]),
     }
 }
@@ -1215,7 +1294,11 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
         FrameKind::Route => Frame::Route(serde_value::<RouteHello, D>(kind, de)?),
         FrameKind::RoutePeers => Frame::RoutePeers(serde_value::<RoutePeers, D>(kind, de)?),
         FrameKind::Dropped => Frame::Dropped(serde_value::<Dropped, D>(kind, de)?),
-        FrameKind::Publish | FrameKind::Message | FrameKind::Fragment | FrameKind::Credit => {
+        FrameKind::Publish
+        | FrameKind::Message
+        | FrameKind::Fragment
+        | FrameKind::Credit
+        | FrameKind::Run => {
             return Err(DecodeError::Body {
                 kind,
                 text: "not a control frame".to_string(),
@@ -1469,6 +1552,61 @@ mod tests {
         routed_into(&mut publish, FrameKind::Publish, 0, "s", None, b"x").expect("encodes");
         assert_eq!(message_sid(&publish), None, "not a message");
         assert_eq!(message_sid(&out[..FRAME_OVERHEAD + 4]), None, "too short");
+    }
+
+    fn ping(nonce: u64) -> Bytes {
+        encode(&Frame::Ping { nonce }).to_bytes()
+    }
+
+    #[test]
+    fn a_run_is_its_frames_behind_a_head_and_opens_into_them() {
+        let publish = encode(&Frame::Publish(Publish {
+            subject: "a".into(),
+            reply: None,
+            seq: 1,
+            payload: Bytes::from_static(b"xy"),
+        }))
+        .to_bytes();
+        let frames = Bytes::from([ping(1), publish.clone(), ping(2)].concat());
+        let wire = encode(&Frame::Run(frames.clone())).to_bytes();
+        assert_eq!(wire[..FRAME_OVERHEAD], run_head(frames.len()).unwrap());
+        assert_eq!(wire[PREFIX_LEN], 0x14);
+        assert_eq!(wire[FRAME_OVERHEAD..], frames[..]);
+        let limits = CodecLimits::default();
+        assert_eq!(decode(wire, &limits), Ok(Frame::Run(frames.clone())));
+
+        let mut out = vec![ping(9)];
+        assert_eq!(open_run(&frames, &mut out), Ok(3));
+        assert_eq!(out, [ping(9), ping(1), publish, ping(2)]);
+    }
+
+    #[test]
+    fn a_run_that_is_not_whole_frames_opens_into_nothing() {
+        let run_in_run = encode(&Frame::Run(ping(1))).to_bytes();
+        let credit = encode(&Frame::Credit(Credit {
+            messages: 1,
+            bytes: 1,
+            ack_seq: 1,
+        }))
+        .to_bytes();
+        let truncated = ping(2).slice(..ping(2).len() - 1);
+        let mut zero_length = ping(3).to_vec();
+        zero_length.extend_from_slice(&[0, 0, 0, 0]);
+        let mut unknown_kind = ping(4).to_vec();
+        unknown_kind.extend_from_slice(&[1, 0, 0, 0, 0x7f]);
+        for (bad, why) in [
+            (Bytes::new(), "empty"),
+            (Bytes::from([ping(1), run_in_run].concat()), "nested run"),
+            (Bytes::from([ping(1), credit].concat()), "credit"),
+            (Bytes::from([ping(1), truncated].concat()), "cut short"),
+            (Bytes::from(zero_length), "zero length"),
+            (Bytes::from(unknown_kind), "unknown kind"),
+            (Bytes::from_static(&[5, 0]), "cut in the prefix"),
+        ] {
+            let mut out = vec![ping(9)];
+            assert!(open_run(&bad, &mut out).is_err(), "{why}");
+            assert_eq!(out, [ping(9)], "{why}: nothing appended");
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::caps::Offer;
 
 /// Version of the wire protocol spoken by this build. A peer whose hello
 /// carries another major version is refused with [`ErrorCode::Version`].
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// How a subscription wants its messages carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -252,6 +252,12 @@ pub enum Frame {
     Message(Message),
     /// One piece of a larger frame.
     Fragment(Fragment),
+    /// Whole frames back to back, which a data link sequences,
+    /// authenticates and acknowledges as one: small messages cost the link
+    /// once per run instead of once each. A run holds none of the link's
+    /// own frames (runs, fragments, credits); [`crate::codec::open_run`]
+    /// takes one apart.
+    Run(Bytes),
     /// Flow control and acknowledgement.
     Credit(Credit),
     /// Keepalive probe; the peer answers with a `Pong` of the same nonce.

@@ -7,7 +7,8 @@
 //! The first input byte picks the mode: raw bytes, or one of a set of valid
 //! frames with bytes overwritten (3 input bytes per edit: position, value)
 //! and its length prefix fixed, which gets mutants past the length check
-//! into the frame bodies.
+//! into the frame bodies. A run that decodes opens without panicking, and
+//! what it opens into is the run's bytes again, frame by frame.
 
 #![no_main]
 
@@ -78,6 +79,13 @@ fn bases() -> &'static [Vec<u8>] {
                 sid: 3,
                 count: 1 << 20,
             }),
+            Frame::Run(Bytes::from(
+                [
+                    codec::encode(&Frame::Ping { nonce: 1 }).to_bytes(),
+                    codec::encode(&Frame::Unsubscribe { sid: 2 }).to_bytes(),
+                ]
+                .concat(),
+            )),
         ];
         frames
             .iter()
@@ -154,6 +162,14 @@ fuzz_target!(|data: &[u8]| {
         let Ok(frame) = decoded else {
             continue;
         };
+        if let Frame::Run(frames) = &frame {
+            let mut opened = Vec::new();
+            if codec::open_run(frames, &mut opened).is_ok() {
+                assert_eq!(opened.concat(), frames[..]);
+            } else {
+                assert!(opened.is_empty());
+            }
+        }
         let out = codec::try_encode(&frame).expect("a decoded frame encodes");
         assert_eq!(
             codec::encoded_len(&frame).expect("a decoded frame has a length"),

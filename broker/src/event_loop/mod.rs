@@ -835,10 +835,11 @@ impl EventLoop {
         }
     }
 
-    /// Deliver one message to a remote subscription. On the control link
-    /// the message is encoded straight into the peer's batch (payloads up
-    /// to [`COPY_MAX`] copied in, larger ones shared behind their head);
-    /// data links take it frame by frame.
+    /// Deliver one message to a remote subscription. A reliable message
+    /// is encoded straight into the peer's batch (payloads up to
+    /// [`COPY_MAX`] copied in, larger ones shared behind their head), which
+    /// a reliable data link carries as runs; a best-effort one goes alone
+    /// on the datagram link.
     fn deliver_remote(
         &mut self,
         target: SubRef,
@@ -854,11 +855,10 @@ impl EventLoop {
             self.tally.route_messages_out += 1;
         }
         let links = &mut session.conn.links;
-        let on_data_link = links.sending().is_some();
         // The class matters only where a datagram link exists.
         let best_effort = links.best_effort_proven().is_some()
             && session.class_of(target.sid) == Some(DeliveryClass::BestEffort);
-        if !on_data_link && !best_effort && payload.bytes.len() <= COPY_MAX {
+        if !best_effort && payload.bytes.len() <= COPY_MAX {
             // The message is encoded once per publish and copied into each
             // peer's batch with that peer's subscription id.
             if !self.encoded_valid {

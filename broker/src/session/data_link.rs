@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_core::caps::{negotiate, Choice, Offer};
-use efabus_core::codec::{self, FrameKind, PREFIX_LEN};
+use efabus_core::codec::{self, FrameKind, FRAME_OVERHEAD, PREFIX_LEN};
 use efabus_core::credit::{CreditGrant, CreditWindow, Window};
+use efabus_core::fragment::Fragmenter;
 use efabus_core::frame::Frame;
 use efabus_core::frame::LinkAuth;
 use efabus_core::link::{LinkConfig, LinkError, LinkReceiver, LinkSender, LinkTuning};
@@ -132,8 +133,9 @@ pub(crate) struct DataLink {
     /// posted rather than dropping what finds the window full.
     paced: VecDeque<OutFrame>,
     paced_bytes: usize,
-    pub frames_out: u64,
-    pub frames_in: u64,
+    /// Most bytes of whole frames one [`Frame::Run`] carries here: a run
+    /// crosses in one eager piece, never by rendezvous or in fragments.
+    run_limit: usize,
     /// Lossy links: frames dropped on this side (given way while waiting
     /// for credit, or lost with a failed send).
     pub dropped: u64,
@@ -148,6 +150,9 @@ pub(crate) struct DataLink {
     /// Credit frames that did not decode on a lossy link (counted,
     /// otherwise ignored: the next credit repairs the window).
     pub bad_credits: u64,
+    /// Runs that did not open on a lossy link, dropped and counted as lost
+    /// (one each: what they held cannot be known).
+    bad_runs: u64,
 }
 
 /// The flow-control windows of a link: what this side may send and what it
@@ -208,6 +213,10 @@ impl DataLink {
         let choice = endpoints::as_driven(choice);
         let mut config = LinkConfig::from_params(&choice.params, endpoint.max_frame(), tuning);
         endpoint.set_peer_frame_limit(peer, config.frame_limit);
+        let run_limit = Fragmenter::data_per_fragment(config.frame_limit)
+            .unwrap_or(0)
+            .saturating_sub(FRAME_OVERHEAD)
+            .min(codec::MAX_RUN_LEN);
         // Frames above the eager limit cross whole by rendezvous where both
         // sides offered it; only larger ones are fragmented.
         let rendezvous = usize::try_from(choice.params.rendezvous_limit)
@@ -247,14 +256,14 @@ impl DataLink {
             backlog: VecDeque::new(),
             paced: VecDeque::new(),
             paced_bytes: 0,
-            frames_out: 0,
-            frames_in: 0,
+            run_limit,
             dropped: 0,
             dropped_told: 0,
             lost_told: 0,
             credits_out: 0,
             credit_waits_reported: 0,
             bad_credits: 0,
+            bad_runs: 0,
         })
     }
 
@@ -324,7 +333,6 @@ impl DataLink {
             })?;
         let bytes = wire.iter().map(|piece| piece.len() as u64).sum();
         self.window.sent(seq, wire.len() as u32, bytes);
-        self.frames_out += 1;
         let mut pieces = wire.into_iter();
         while let Some(piece) = pieces.next() {
             match endpoint.send(self.peer, piece) {
@@ -417,8 +425,37 @@ impl DataLink {
         self.grant.on_received(message.len());
         let before = out.len();
         let result = self.receiver.receive(now, message, out);
-        self.frames_in += (out.len() - before) as u64;
+        self.open_runs(out, before)?;
         result
+    }
+
+    /// Most bytes of whole frames [`Self::send`] takes as one run.
+    pub fn run_limit(&self) -> usize {
+        self.run_limit
+    }
+
+    /// Put the frames each run among `out[from..]` holds in its place. A
+    /// run that does not open fails a reliable link; on a lossy one it is
+    /// dropped like a damaged datagram, and counted.
+    fn open_runs(&mut self, out: &mut Vec<Bytes>, from: usize) -> Result<(), LinkError> {
+        let is_run = |frame: &Bytes| frame.get(PREFIX_LEN) == Some(&(FrameKind::Run as u8));
+        if !out[from..].iter().any(is_run) {
+            return Ok(());
+        }
+        let released: Vec<Bytes> = out.drain(from..).collect();
+        for frame in released {
+            if !is_run(&frame) {
+                out.push(frame);
+                continue;
+            }
+            if let Err(err) = codec::open_run(&frame.slice(FRAME_OVERHEAD..), out) {
+                if !self.lossy {
+                    return Err(err.into());
+                }
+                self.bad_runs += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Every sequence up to this one has been delivered or given up.
@@ -469,7 +506,7 @@ impl DataLink {
     pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) -> Result<(), LinkError> {
         let before = out.len();
         let result = self.receiver.poll(now, out);
-        self.frames_in += (out.len() - before) as u64;
+        self.open_runs(out, before)?;
         result
     }
 
@@ -481,7 +518,7 @@ impl DataLink {
 
     /// Messages given up on this link (lossy links), as the receiver counts.
     pub fn lost(&self) -> u64 {
-        self.receiver.stats().lost
+        self.receiver.stats().lost + self.bad_runs
     }
 }
 

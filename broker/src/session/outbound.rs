@@ -113,7 +113,7 @@ pub(crate) fn transmit(
         let (rest, failure) = if queued.run {
             send_run_on(link, endpoint, counts, queued)
         } else {
-            match send_on(link, endpoint, counts, queued.frame) {
+            match send_on(link, endpoint, counts, queued.frame, 1) {
                 OnLink::Taken => (None, None),
                 OnLink::Full(frame) => (Some(Queued { frame, ..queued }), None),
                 OnLink::Failed(reason) => (None, Some(reason)),
@@ -149,9 +149,14 @@ pub(crate) fn transmit(
     }
 }
 
-/// Data links carry one frame per message: a run is taken apart. Gives
-/// back the frames not taken (from the one the link was full for, or after
-/// the one it failed on) and the failure.
+/// Data links carry a run of frames as runs of their own ([`Frame::Run`]),
+/// each as long as the link carries in one eager piece, so the link
+/// numbers, acknowledges and authenticates a run rather than each small
+/// frame in it; a frame too long to share one goes alone. Gives back the
+/// frames not taken (from the run the link was full for, or after the one
+/// it failed on) and the failure.
+///
+/// [`Frame::Run`]: efabus_core::frame::Frame::Run
 fn send_run_on(
     link: &mut DataLink,
     endpoint: &mut dyn Endpoint,
@@ -159,27 +164,58 @@ fn send_run_on(
     queued: Queued,
 ) -> (Option<Queued>, Option<String>) {
     let run = queued.frame.head;
+    let limit = link.run_limit();
     let mut frames = split_run(&run);
-    let mut sent = 0;
+    // Frames taken so far, and the group being gathered: `run[start..at]`,
+    // `count` frames.
+    let (mut sent, mut start, mut count) = (0, 0, 0);
     loop {
         let at = frames.offset();
-        let Some(frame) = frames.next() else {
-            return (None, None);
-        };
-        match send_on(link, endpoint, counts, frame) {
-            OnLink::Taken => sent += 1,
-            OnLink::Full(_) => {
-                let messages = queued.messages.saturating_sub(sent);
-                return (Some(Queued::run(run.slice(at..), messages)), None);
-            }
-            OnLink::Failed(reason) => {
-                let after = frames.offset();
-                let messages = queued.messages.saturating_sub(sent + 1);
-                let rest = (after < run.len()).then(|| Queued::run(run.slice(after..), messages));
-                return (rest, Some(reason));
+        let next = frames.next();
+        if next.is_some() && (count == 0 || frames.offset() - start <= limit) {
+            count += 1;
+            continue;
+        }
+        if count > 0 {
+            let outcome = match group(&run, start, at, count) {
+                Ok(frame) => send_on(link, endpoint, counts, frame, count as u64),
+                Err(reason) => OnLink::Failed(reason),
+            };
+            match outcome {
+                OnLink::Taken => sent += count,
+                OnLink::Full(_) => {
+                    let messages = queued.messages.saturating_sub(sent);
+                    return (Some(Queued::run(run.slice(start..), messages)), None);
+                }
+                OnLink::Failed(reason) => {
+                    let messages = queued.messages.saturating_sub(sent + count);
+                    let rest = (at < run.len()).then(|| Queued::run(run.slice(at..), messages));
+                    return (rest, Some(reason));
+                }
             }
         }
+        if next.is_none() {
+            return (None, None);
+        }
+        (start, count) = (at, 1);
     }
+}
+
+/// The frames `run[start..end]` (`count` of them) as one frame for a data
+/// link: the frame itself when alone, else a [`Frame::Run`] around them,
+/// which are not copied.
+///
+/// [`Frame::Run`]: efabus_core::frame::Frame::Run
+fn group(run: &Bytes, start: usize, end: usize, count: usize) -> Result<OutFrame, String> {
+    let frames = run.slice(start..end);
+    if count == 1 {
+        return Ok(OutFrame::whole(frames));
+    }
+    let head = codec::run_head(frames.len()).map_err(|err| err.to_string())?;
+    Ok(OutFrame {
+        head: Bytes::copy_from_slice(&head),
+        body: frames,
+    })
 }
 
 /// What a data link did with one frame.
@@ -193,17 +229,18 @@ enum OnLink {
     Failed(String),
 }
 
-/// Send one frame on a data link.
+/// Send one frame on a data link, a run of `frames` or a frame alone.
 fn send_on(
     link: &mut DataLink,
     endpoint: &mut dyn Endpoint,
     counts: &mut SendCounts,
     frame: OutFrame,
+    frames: u64,
 ) -> OnLink {
     let result = link.send(endpoint, frame);
     counts.credit_waits += link.take_credit_waits();
     match result {
-        Ok(Sent::Accepted) => counts.fabric_frames_out += 1,
+        Ok(Sent::Accepted) => counts.fabric_frames_out += frames,
         Ok(Sent::Blocked(frame)) => return OnLink::Full(frame),
         Err(reason) => {
             warn!(%reason, "reliable data link send failed");
@@ -655,6 +692,54 @@ mod tests {
     /// A publish of `len` bytes in all, as the broker sends them.
     fn message(len: usize) -> Vec<u8> {
         frame(&[0x10u8].repeat(len - PREFIX))
+    }
+
+    #[test]
+    fn a_run_of_small_frames_crosses_a_data_link_as_runs_and_opens_in_order() {
+        use super::super::data_link::LinkKind;
+        let (mut endpoints, mut links, _, fabric) = with_data_link(usize::MAX, None);
+        let limit = links.reliable.as_ref().map(DataLink::run_limit);
+        // Runs of up to 59 bytes of frames: two 20-byte frames share one,
+        // a third would not fit; a 300-byte frame goes alone, in pieces.
+        assert_eq!(limit, Some(59));
+        let small = |n: u8| {
+            let mut frame = message(20);
+            frame[PREFIX + 1] = n;
+            frame
+        };
+        let frames = [
+            small(1),
+            small(2),
+            small(3),
+            message(300),
+            small(4),
+            small(5),
+        ];
+        let run = Bytes::from(frames.concat());
+        let mut counts = SendCounts::default();
+        let rest = transmit(
+            &mut endpoints,
+            CONTROL,
+            &mut links,
+            &mut counts,
+            Queued::run(run, frames.len()),
+        );
+        assert!(rest.is_none(), "the link takes it all");
+        assert_eq!(counts.fabric_frames_out, 6, "frames, not runs, are counted");
+        let pieces = fabric.lock().unwrap().clone();
+        // [1, 2], [3], five pieces of the large frame, [4, 5].
+        assert_eq!(pieces.len(), 8);
+
+        // The link's receiving half opens what its sending half sent.
+        let mut out = Vec::new();
+        let now = std::time::Instant::now();
+        for piece in pieces {
+            links
+                .receive(LinkKind::Reliable, now, piece, &mut out)
+                .expect("a well-formed piece");
+        }
+        let received: Vec<Vec<u8>> = out.iter().map(|frame| frame.to_vec()).collect();
+        assert_eq!(received, frames);
     }
 
     #[test]

@@ -283,5 +283,7 @@ pub fn frame() -> impl Strategy<Value = Frame> {
             .prop_map(|addresses| Frame::RoutePeers(RoutePeers { addresses })),
         (any::<u64>(), any::<u64>())
             .prop_map(|(sid, count)| Frame::Dropped(Dropped { sid, count })),
+        proptest::collection::vec(any::<u8>(), 0..64)
+            .prop_map(|frames| Frame::Run(Bytes::from(frames))),
     ]
 }
