@@ -33,6 +33,7 @@ use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::Error;
 use crate::event_loop::{Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
+use crate::monitoring::{ConnectionReport, MatchReport};
 use crate::publish_cache;
 use crate::subscriptions::{SubRef, SubscriptionTable, Targets, LOCAL_OWNER};
 
@@ -211,6 +212,8 @@ pub(crate) enum Command {
     Flush(Sender<()>),
     /// Route to one more broker (an endpoint string, checked).
     AddPeer(String),
+    /// Report every session (for monitoring).
+    Connections(Sender<Vec<ConnectionReport>>),
 }
 
 pub(crate) struct Shared {
@@ -647,6 +650,38 @@ impl Broker {
         self.shared.send_command(Command::Flush(tx))?;
         rx.recv_timeout(timeout)
             .map_err(|_| Error::Timeout(timeout))
+    }
+
+    /// Every session of the broker (clients and routes) with its links,
+    /// counters and subscriptions, as the event loop sees them between two
+    /// rounds; fails when the loop does not answer within `timeout`.
+    pub fn connections(&self, timeout: Duration) -> Result<Vec<ConnectionReport>, Error> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.shared.send_command(Command::Connections(tx))?;
+        rx.recv_timeout(timeout)
+            .map_err(|_| Error::Timeout(timeout))
+    }
+
+    /// Which subscriptions a message published on `subject` would reach
+    /// now; fails for a subject that is not valid.
+    pub fn matching(&self, subject: &str) -> Result<MatchReport, Error> {
+        let mut targets = crate::subscriptions::Targets::default();
+        self.shared
+            .subscriptions
+            .read()
+            .lookup(subject, &mut targets)
+            .map_err(|source| Error::Subject {
+                subject: subject.to_string(),
+                source,
+            })?;
+        Ok(MatchReport {
+            local: targets.local.len(),
+            remote: targets
+                .remote
+                .iter()
+                .map(|target| (target.owner, target.sid))
+                .collect(),
+        })
     }
 
     /// Stop accepting, flush what is queued (within the configured drain

@@ -105,6 +105,10 @@ pub struct Config {
     /// connects to those too (one seed is enough), and forwards its
     /// clients' messages one hop over them.
     pub peers: Vec<String>,
+    /// Address (`HOST:PORT`) of the HTTP monitoring listener, which the
+    /// `efabus` command serves (`/varz`, `/connz`, `/routez`, `/subsz`,
+    /// `/healthz`, `/metrics`); none by default.
+    pub monitor: Option<String>,
     /// `[cluster]`: who may open a route, where this broker is dialed,
     /// when learned brokers are forgotten (see [`Cluster`]).
     pub cluster: Cluster,
@@ -126,6 +130,7 @@ impl Default for Config {
             log_level: "info".to_string(),
             listen: Vec::new(),
             peers: Vec::new(),
+            monitor: None,
             cluster: Cluster::default(),
             limits: Limits::default(),
             slow_consumer: SlowConsumer::default(),
@@ -613,6 +618,9 @@ impl Config {
         for (i, peer) in self.peers.iter().enumerate() {
             check_peer(peer).map_err(|message| invalid(&format!("peers[{i}]"), message))?;
         }
+        if let Some(monitor) = &self.monitor {
+            check_monitor(monitor).map_err(|message| invalid("monitor", message))?;
+        }
         if let Some(advertise) = &self.cluster.advertise {
             check_advertised(advertise).map_err(|message| invalid("cluster.advertise", message))?;
         }
@@ -902,6 +910,25 @@ pub(crate) fn check_peer(peer: &str) -> Result<(), String> {
 
 /// Longest `HOST:PORT` of a route peer: a full DNS name and a port.
 const MAX_PEER_ADDRESS_LEN: usize = 253 + 6;
+
+/// A monitoring address is `HOST:PORT` with a numeric port (a name is
+/// resolved when the listener binds).
+pub fn check_monitor(address: &str) -> Result<(), String> {
+    let Some((host, port)) = address.rsplit_once(':') else {
+        return Err(format!(
+            "{address:?} is not HOST:PORT (for example \"127.0.0.1:8222\")"
+        ));
+    };
+    if host.is_empty() {
+        return Err(format!(
+            "{address:?} has no host (for example \"127.0.0.1:8222\")"
+        ));
+    }
+    match port.parse::<u16>() {
+        Ok(_) => Ok(()),
+        Err(_) => Err(format!("{address:?} has no valid port (0 to 65535)")),
+    }
+}
 
 /// Why an address cannot be advertised to other brokers: it must be an IP
 /// address and port (`tcp/10.0.0.2:7420`), so that a broker learning it

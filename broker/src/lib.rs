@@ -45,6 +45,7 @@ pub mod endpoints;
 pub mod error;
 mod event_loop;
 mod interest;
+pub mod monitoring;
 mod publish_cache;
 mod session;
 mod subscriptions;
@@ -59,6 +60,9 @@ pub use client::{Client, ClientOptions, ConnectionState};
 pub use config::{Config, ConfigError, SlowConsumerPolicy};
 pub use delivery::{Message, Subscription, SubscriptionStats};
 pub use error::{Error, RecvError};
+pub use monitoring::{
+    ConnectionKind, ConnectionReport, MatchReport, SessionCounts, SubscriptionReport,
+};
 /// How a session's data links agree their keys (for peers written apart
 /// from [`Client`]).
 pub use session::link_auth;

@@ -54,6 +54,11 @@ pub enum Command {
     Caps(crate::caps::CapsArgs),
     /// Measure throughput or request/reply latency.
     Bench(crate::bench::BenchArgs),
+    /// Show a running broker's counters, from its monitoring listener.
+    Stats(crate::monitor::StatsArgs),
+    /// List a running broker's connections and their links, from its
+    /// monitoring listener.
+    Conns(crate::monitor::ConnsArgs),
 }
 
 #[derive(Debug, Args)]
@@ -77,6 +82,10 @@ pub struct ServeArgs {
     /// set, the clients' secret does not.
     #[arg(long, env = "EFABUS_CLUSTER_SECRET", hide_env_values = true)]
     pub cluster_secret: Option<String>,
+    /// Serve HTTP monitoring (/varz, /connz, /routez, /subsz, /healthz,
+    /// /metrics) on HOST:PORT, e.g. 127.0.0.1:8222 (config: monitor).
+    #[arg(long, short = 'm', value_name = "HOST:PORT")]
+    pub monitor: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -342,6 +351,8 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Command::Req(args) => request(args),
         Command::Caps(args) => crate::caps::run(args),
         Command::Bench(args) => crate::bench::run(args),
+        Command::Stats(args) => crate::monitor::stats(args),
+        Command::Conns(args) => crate::monitor::conns(args),
     };
     match result {
         Err(failure) if failure.code == 0 => Ok(()),
@@ -405,22 +416,47 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
     if args.cluster_secret.is_some() {
         config.cluster.secret = args.cluster_secret;
     }
+    if args.monitor.is_some() {
+        config.monitor = args.monitor;
+    }
     config.validate(COMMAND_LINE)?;
     config.check_schemes(COMMAND_LINE, &schemes)?;
     init_logging(&config.log_level);
 
     // Caught before anything starts, so a stop at any time is graceful.
     let mut signals = stop_signals()?;
+    let monitor_address = config.monitor.clone();
     let broker = Broker::start_with_registry(config, registry).map_err(|err| explain(err, None))?;
+    let broker = Arc::new(broker);
+    let monitor = match &monitor_address {
+        Some(address) => Some(
+            efabus_monitor::Monitor::start(Arc::clone(&broker), address).map_err(|err| {
+                broker.shutdown();
+                Failure::runtime(format!(
+                    "{err}; choose another monitor address or stop what holds it"
+                ))
+            })?,
+        ),
+        None => None,
+    };
     let mut output = Output::new();
-    for (scheme, address) in broker.listening() {
+    let mut lines: Vec<String> = broker
+        .listening()
+        .iter()
+        .map(|(scheme, address)| format!("listening on {scheme}/{address}"))
+        .collect();
+    if let Some(monitor) = &monitor {
+        lines.push(format!("monitoring on http://{}", monitor.local_addr()));
+    }
+    for line in lines {
         // Serving goes on when nobody reads these lines any more.
-        if out!(output, "listening on {scheme}/{address}").is_err() {
+        if out!(output, "{line}").is_err() {
             break;
         }
     }
     // Sleep until told to stop (no polling).
     signals.forever().next();
+    drop(monitor);
     broker.shutdown();
     let stats: Vec<String> = broker
         .stats()

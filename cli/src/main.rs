@@ -1,11 +1,13 @@
 //! The `efabus` command: see `efabus --help`. This crate owns the command
 //! line, built on the public API of efabus-broker: [`cli`] parses the
 //! arguments and runs `serve`, `pub`, `sub` and `req`, [`caps`] runs
-//! `caps` and [`bench`] runs `bench`. It also sets the process's allocator.
+//! `caps`, [`bench`] runs `bench`, and [`monitor`] runs `stats` and
+//! `conns` against a broker's monitoring listener. It also sets the process's allocator.
 
 mod bench;
 mod caps;
 mod cli;
+mod monitor;
 
 use clap::Parser;
 use cli::{run, Cli};

@@ -489,6 +489,21 @@ pub fn encoded_len(frame: &Frame) -> Result<usize, EncodeError> {
     })
 }
 
+/// Length of an encoded `Publish` or `Message` frame (prefix included)
+/// with these parts, as [`routed_head_into`] and the payload make it.
+pub fn routed_frame_len(
+    kind: FrameKind,
+    subject_len: usize,
+    reply_len: usize,
+    payload_len: usize,
+) -> usize {
+    let header = match kind {
+        FrameKind::Message => MESSAGE_HEADER_LEN,
+        _ => PUBLISH_HEADER_LEN,
+    };
+    FRAME_OVERHEAD + header + subject_len + reply_len + payload_len
+}
+
 fn reply_len(reply: &Option<String>) -> usize {
     reply.as_ref().map_or(0, String::len)
 }

@@ -26,7 +26,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use bytes::{Bytes, BytesMut};
 use crossbeam_channel::{Receiver, Sender};
 use efabus_core::caps::Offer;
-use efabus_core::codec::{self, CodecLimits, FrameKind};
+use efabus_core::codec::{self, CodecLimits, FrameKind, PREFIX_LEN};
 use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{DeliveryClass, Dropped, ErrorCode, ErrorFrame, Frame, Goodbye};
 use efabus_core::link::{LinkError, LinkTuning};
@@ -49,6 +49,7 @@ use crate::session::{error_frame, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
 use crate::wait::{prepare_wait, wait, Polled};
 
+use crate::monitoring::{ConnectionKind, ConnectionReport, SubscriptionReport};
 use peer::{Role, Session, SessionState};
 pub(crate) use route::Cluster;
 
@@ -459,12 +460,64 @@ impl EventLoop {
                 }
                 Command::Flush(done) => self.flushes.push(done),
                 Command::AddPeer(endpoint) => self.add_peer(endpoint),
+                Command::Connections(answer) => {
+                    // The asker may have given up waiting.
+                    let _ = answer.send(self.connection_reports());
+                }
             }
         }
         self.close_batches();
         self.flush_tally();
         self.answer_flushes();
         handled > 0
+    }
+
+    /// Every session as monitoring sees it, by id.
+    fn connection_reports(&self) -> Vec<ConnectionReport> {
+        let mut reports: Vec<ConnectionReport> = self
+            .sessions
+            .iter()
+            .map(|(&id, session)| {
+                let links = &session.conn.links;
+                let control = self.endpoints[session.conn.control.endpoint].scheme();
+                let mut subscriptions: Vec<SubscriptionReport> = match &session.role {
+                    Role::Client(subs) => subs
+                        .iter()
+                        .map(|(&sid, sub)| SubscriptionReport {
+                            sid,
+                            pattern: sub.pattern.clone(),
+                            queue: sub.queue.clone(),
+                            best_effort: sub.class == DeliveryClass::BestEffort,
+                        })
+                        .collect(),
+                    Role::Route(_) => Vec::new(),
+                };
+                subscriptions.sort_by_key(|sub| sub.sid);
+                ConnectionReport {
+                    id,
+                    kind: if session.route().is_some() {
+                        ConnectionKind::Route
+                    } else {
+                        ConnectionKind::Client
+                    },
+                    name: session.name.clone(),
+                    remote: session.remote.clone(),
+                    since: session.since,
+                    ready: session.state == SessionState::Ready,
+                    reliable: links
+                        .reliable
+                        .as_ref()
+                        .map_or_else(|| control.to_string(), |link| link.description.clone()),
+                    best_effort: links.best_effort.as_ref().map(|l| l.description.clone()),
+                    reasons: session.link_reasons.clone(),
+                    counts: session.counts,
+                    pending_bytes: session.conn.out.bytes() as u64,
+                    subscriptions,
+                }
+            })
+            .collect();
+        reports.sort_by_key(|report| report.id);
+        reports
     }
 
     fn answer_flushes(&mut self) {
@@ -672,6 +725,11 @@ impl EventLoop {
         if session.state == SessionState::Closing {
             return;
         }
+        let kind = bytes.get(PREFIX_LEN).copied();
+        if kind == Some(FrameKind::Publish as u8) || kind == Some(FrameKind::Message as u8) {
+            session.counts.messages_in += 1;
+            session.counts.bytes_in += bytes.len() as u64;
+        }
         let route = session.route().is_some();
         // Publishes, the bulk of the traffic, are read in place: nothing
         // is allocated for them, and a subject like the last one is not
@@ -854,6 +912,13 @@ impl EventLoop {
         if session.route().is_some() {
             self.tally.route_messages_out += 1;
         }
+        session.counts.messages_out += 1;
+        session.counts.bytes_out += codec::routed_frame_len(
+            FrameKind::Message,
+            subject.len(),
+            reply.map_or(0, str::len),
+            payload.bytes.len(),
+        ) as u64;
         let links = &mut session.conn.links;
         // The class matters only where a datagram link exists.
         let best_effort = links.best_effort_proven().is_some()
@@ -992,6 +1057,7 @@ impl EventLoop {
         if session.cut_off {
             if queued.messages > 0 {
                 BrokerStats::add(&self.shared.stats.connection_drops, queued.messages as u64);
+                session.counts.dropped += queued.messages as u64;
             }
             return;
         }
@@ -1047,6 +1113,7 @@ impl EventLoop {
             Overflow::Within => {}
             Overflow::DroppedOldest(dropped) => {
                 BrokerStats::add(&self.shared.stats.slow_consumer_drops, dropped);
+                session.counts.dropped += dropped;
                 if let Some(at) = session.drops.due_at() {
                     // Reported once the queue has room again (see
                     // `report_drops`); the timers look no later than this.
@@ -1231,6 +1298,7 @@ impl EventLoop {
                 session.over_since = None;
                 let discarded = session.conn.out.messages() + session.batch.messages();
                 BrokerStats::add(&self.shared.stats.connection_drops, discarded);
+                session.counts.dropped += discarded;
                 session.conn.out.clear();
                 session.batch.clear();
                 let control = session.conn.control;

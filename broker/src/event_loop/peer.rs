@@ -4,7 +4,7 @@
 //! The session decides; the loop sends what it answers and keeps the
 //! tables that span sessions (which endpoint address is whose).
 
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use efabus_core::caps::Offer;
 use efabus_core::codec;
@@ -22,6 +22,7 @@ use crate::auth_guard::remote_ip;
 use crate::broker::{BrokerStats, Shared};
 use crate::config::Config;
 use crate::endpoints;
+use crate::monitoring::SessionCounts;
 use crate::session::data_link::Keying;
 use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::{Batch, Control};
@@ -60,9 +61,17 @@ pub(super) enum Role {
     /// A client: its subscription ids and how each wants its messages
     /// carried. An accepted session is a client until the peer says it is
     /// a broker (see [`super::route`]).
-    Client(HashMap<u64, DeliveryClass>),
+    Client(HashMap<u64, ClientSub>),
     /// A route to another broker.
     Route(Box<RouteRole>),
+}
+
+/// A client's subscription as it asked for it: the class routes its
+/// messages, the rest is for monitoring.
+pub(super) struct ClientSub {
+    pub class: DeliveryClass,
+    pub pattern: String,
+    pub queue: Option<String>,
 }
 
 /// Messages the drop-oldest policy discarded for a client's subscriptions
@@ -104,6 +113,9 @@ pub(super) struct Session {
     pub may_route: bool,
     /// Why the data paths not taken were not, from the last negotiation.
     pub link_reasons: Vec<String>,
+    /// When the session began, and what it moved since.
+    pub since: SystemTime,
+    pub counts: SessionCounts,
 }
 
 /// What this broker brings to a negotiation.
@@ -130,6 +142,8 @@ impl Session {
             },
             may_route: false,
             link_reasons: Vec::new(),
+            since: SystemTime::now(),
+            counts: SessionCounts::default(),
         }
     }
 
@@ -156,7 +170,7 @@ impl Session {
     /// How a client's subscription wants its messages carried.
     pub fn class_of(&self, sid: u64) -> Option<DeliveryClass> {
         match &self.role {
-            Role::Client(subscriptions) => subscriptions.get(&sid).copied(),
+            Role::Client(subscriptions) => subscriptions.get(&sid).map(|sub| sub.class),
             Role::Route(route) => route.announced.get(&sid).copied(),
         }
     }
@@ -287,10 +301,12 @@ impl Session {
                 format!("invalid pattern {:?}: {err}", subscribe.pattern),
             ));
         }
-        if subscriptions
-            .insert(subscribe.sid, subscribe.class)
-            .is_some()
-        {
+        let sub = ClientSub {
+            class: subscribe.class,
+            pattern: subscribe.pattern.clone(),
+            queue: subscribe.queue.clone(),
+        };
+        if subscriptions.insert(subscribe.sid, sub).is_some() {
             return Err(Refusal::new(
                 ErrorCode::Protocol,
                 format!("subscription id {} already in use", subscribe.sid),

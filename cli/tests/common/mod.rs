@@ -13,6 +13,8 @@ pub struct Server {
     pub child: Child,
     pub endpoint: String,
     pub address: String,
+    /// The monitoring listener's address, when the config asks for one.
+    pub monitor: Option<String>,
     config_path: PathBuf,
 }
 
@@ -55,19 +57,30 @@ impl Server {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(endpoint) = line.strip_prefix("listening on ") {
-                    let _ = tx.send(endpoint.to_string());
-                }
+                let _ = tx.send(line);
             }
         });
-        let endpoint = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("broker did not report its listening address");
+        let next_line = |what: &str| {
+            rx.recv_timeout(Duration::from_secs(20))
+                .unwrap_or_else(|_| panic!("broker did not report its {what}"))
+        };
+        let endpoint = loop {
+            if let Some(endpoint) = next_line("listening address").strip_prefix("listening on ") {
+                break endpoint.to_string();
+            }
+        };
+        let monitor = extra_config.contains("monitor =").then(|| loop {
+            let line = next_line("monitoring address");
+            if let Some(address) = line.strip_prefix("monitoring on http://") {
+                break address.to_string();
+            }
+        });
         let address = endpoint.trim_start_matches("tcp/").to_string();
         Server {
             child,
             endpoint,
             address,
+            monitor,
             config_path,
         }
     }

@@ -1,0 +1,202 @@
+//! `efabus stats` and `efabus conns`: read a running broker's monitoring
+//! listener (`serve --monitor`, or `monitor` in its config) and print its
+//! counters, with rates when watching, and its connections with the link
+//! each one rides.
+
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde_json::Value;
+
+use crate::cli::{out, Failure, Output};
+
+/// Where `stats` and `conns` look when not told.
+const DEFAULT_MONITOR: &str = "127.0.0.1:8222";
+/// How long one read of the monitor may take.
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Args)]
+pub struct StatsArgs {
+    /// The broker's monitoring address (HOST:PORT).
+    #[arg(long, short, default_value = DEFAULT_MONITOR, env = "EFABUS_MONITOR")]
+    pub monitor: String,
+    /// Print the counters again every interval, with their rates, until
+    /// interrupted.
+    #[arg(long, short)]
+    pub watch: bool,
+    /// Seconds between two prints with --watch.
+    #[arg(long, default_value_t = 1.0, value_name = "SECONDS")]
+    pub interval: f64,
+}
+
+#[derive(Debug, Args)]
+pub struct ConnsArgs {
+    /// The broker's monitoring address (HOST:PORT).
+    #[arg(long, short, default_value = DEFAULT_MONITOR, env = "EFABUS_MONITOR")]
+    pub monitor: String,
+    /// Order: cid, start, msgs_to, msgs_from, bytes_to, bytes_from,
+    /// pending, dropped, subs.
+    #[arg(long, default_value = "cid")]
+    pub sort: String,
+    /// Most connections listed.
+    #[arg(long, default_value_t = 100)]
+    pub limit: usize,
+    /// Also list the routes to other brokers.
+    #[arg(long)]
+    pub routes: bool,
+}
+
+/// GET `path` from the monitor at `address`, as JSON.
+fn read(address: &str, path: &str) -> Result<Value, Failure> {
+    let url = format!("http://{address}{path}");
+    let agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(READ_TIMEOUT))
+        .build()
+        .new_agent();
+    let mut response = agent.get(&url).call().map_err(|err| {
+        Failure::runtime(format!(
+            "cannot read the monitor at {url}: {err}; is the broker running with \
+             --monitor {address} (or monitor = \"{address}\" in its config)?"
+        ))
+    })?;
+    let status = response.status().as_u16();
+    let body = response
+        .body_mut()
+        .read_to_string()
+        .map_err(|err| Failure::runtime(format!("reading {url}: {err}")))?;
+    let value: Value = serde_json::from_str(&body).map_err(|err| {
+        Failure::runtime(format!(
+            "{url} did not answer with JSON ({err}); is {address} an efabus monitor?"
+        ))
+    })?;
+    if status != 200 {
+        let error = value["error"].as_str().unwrap_or("no reason given");
+        return Err(Failure::runtime(format!(
+            "{url} answered {status}: {error}"
+        )));
+    }
+    Ok(value)
+}
+
+pub fn stats(args: StatsArgs) -> Result<(), Failure> {
+    if !(args.interval.is_finite() && args.interval >= 0.05) {
+        return Err(Failure::usage(format!(
+            "--interval {} is not a number of seconds of at least 0.05",
+            args.interval
+        )));
+    }
+    let mut output = Output::new();
+    let mut last: Option<(Instant, Value)> = None;
+    loop {
+        let varz = read(&args.monitor, "/varz")?;
+        let now = Instant::now();
+        out!(
+            output,
+            "{} ({}), up {} s, {} connections, {} subscriptions",
+            varz["server_name"].as_str().unwrap_or("?"),
+            varz["server_id"].as_str().unwrap_or("?"),
+            varz["uptime_secs"],
+            varz["totals"]["connections"],
+            varz["subscriptions"],
+        )?;
+        let totals = varz["totals"].as_object().cloned().unwrap_or_default();
+        let width = totals.keys().map(String::len).max().unwrap_or(0);
+        for (name, value) in &totals {
+            let value = value.as_u64().unwrap_or(0);
+            let rate = last.as_ref().and_then(|(at, before)| {
+                let before = before["totals"][name].as_u64()?;
+                let seconds = now.duration_since(*at).as_secs_f64();
+                (seconds > 0.0).then(|| (value as f64 - before as f64) / seconds)
+            });
+            match rate {
+                Some(rate) => out!(output, "  {name:<width$} {value:>14}  {rate:>12.0}/s")?,
+                None => out!(output, "  {name:<width$} {value:>14}")?,
+            }
+        }
+        if !args.watch {
+            return Ok(());
+        }
+        last = Some((now, varz));
+        std::thread::sleep(Duration::from_secs_f64(args.interval));
+        out!(output)?;
+    }
+}
+
+pub fn conns(args: ConnsArgs) -> Result<(), Failure> {
+    let query = format!("?sort={}&limit={}", args.sort, args.limit);
+    let mut output = Output::new();
+    let connz = read(&args.monitor, &format!("/connz{query}"))?;
+    print_table(&mut output, &connz, "connections")?;
+    if args.routes {
+        out!(output)?;
+        let routez = read(&args.monitor, &format!("/routez{query}"))?;
+        print_table(&mut output, &routez, "routes")?;
+    }
+    Ok(())
+}
+
+/// A JSON value as a table cell: strings unquoted, nothing as "-".
+fn text(value: &Value) -> String {
+    match value {
+        Value::String(text) => text.clone(),
+        Value::Null => "-".to_string(),
+        other => other.to_string(),
+    }
+}
+
+fn print_table(output: &mut Output, view: &Value, key: &str) -> Result<(), Failure> {
+    let rows = view[key].as_array().cloned().unwrap_or_default();
+    out!(output, "{} {key} (of {})", rows.len(), view["total"])?;
+    if rows.is_empty() {
+        return Ok(());
+    }
+    out!(
+        output,
+        "{:>5}  {:<20} {:<22} {:<8} {:<12} {:>10} {:>10} {:>10} {:>8} {:>5}  WHY NOT FABRIC",
+        "CID",
+        "NAME",
+        "REMOTE",
+        "LINK",
+        "PROVIDER",
+        "MSGS IN",
+        "MSGS OUT",
+        "PENDING",
+        "DROPPED",
+        "SUBS"
+    )?;
+    for row in rows {
+        let link = &row["link"];
+        // Why the reliable traffic is not on the fabric.
+        let reasons: Vec<&str> = link["reasons"]
+            .as_array()
+            .map(|reasons| reasons.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let why = if link["on_fabric"] == true {
+            ""
+        } else {
+            reasons
+                .iter()
+                .find(|reason| reason.starts_with("reliable:"))
+                .or(reasons.first())
+                .copied()
+                .unwrap_or("")
+        };
+        out!(
+            output,
+            "{:>5}  {:<20} {:<22} {:<8} {:<12} {:>10} {:>10} {:>10} {:>8} {:>5}  {}",
+            text(&row["cid"]),
+            text(&row["name"]),
+            text(&row["remote"]),
+            text(&link["kind"]),
+            text(&link["provider"]),
+            text(&row["in_msgs"]),
+            text(&row["out_msgs"]),
+            text(&row["pending_bytes"]),
+            text(&row["dropped"]),
+            text(&row["subscriptions"]),
+            why
+        )?;
+    }
+    Ok(())
+}

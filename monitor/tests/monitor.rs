@@ -1,0 +1,229 @@
+//! The monitoring listener against a running broker with a client on the
+//! fabric (`tcp;ofi_rxm` on loopback) and one on TCP only: every view is
+//! read over HTTP as a user's tools would, `/metrics` through a Prometheus
+//! text parser. Where libfabric cannot open the fabric client is left out,
+//! unless `EFABUS_REQUIRE_FABRIC=1` (set in CI).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use efabus_broker::{Broker, Client, ClientOptions, Config};
+use efabus_monitor::Monitor;
+use efabus_transports::registry::Registry;
+use serde_json::Value;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn fabric_required() -> bool {
+    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v == "1")
+}
+
+fn start_broker() -> Arc<Broker> {
+    let text = r#"
+        name = "monitored"
+        listen = ["tcp/127.0.0.1:0", "efa-rdm"]
+        [fabric]
+        provider = "tcp;ofi_rxm"
+        node = "127.0.0.1"
+    "#;
+    let config = Config::from_toml_str(text, "monitor test").expect("valid config");
+    Arc::new(Broker::start(config).expect("the broker starts"))
+}
+
+fn client(broker: &Broker, name: &str, fabric: bool) -> Client {
+    let options = ClientOptions {
+        name: name.to_string(),
+        connect_timeout: WAIT,
+        data_paths: if fabric {
+            vec!["efa-rdm".to_string()]
+        } else {
+            Vec::new()
+        },
+        fabric: broker.config().fabric.clone(),
+        ..ClientOptions::default()
+    };
+    let server = broker.endpoint("tcp").expect("a TCP listener");
+    Client::connect_with(&server, options, Registry::with_builtins()).expect("client connects")
+}
+
+fn get(monitor: &Monitor, path: &str) -> (u16, String) {
+    let url = format!("http://{}{path}", monitor.local_addr());
+    let agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(WAIT))
+        .build()
+        .new_agent();
+    let mut response = agent
+        .get(&url)
+        .call()
+        .unwrap_or_else(|err| panic!("GET {url}: {err}"));
+    let status = response.status().as_u16();
+    let body = response
+        .body_mut()
+        .read_to_string()
+        .unwrap_or_else(|err| panic!("GET {url}: body: {err}"));
+    (status, body)
+}
+
+fn get_json(monitor: &Monitor, path: &str) -> Value {
+    let (status, body) = get(monitor, path);
+    assert_eq!(status, 200, "GET {path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|err| panic!("GET {path}: {err}: {body}"))
+}
+
+fn connection<'a>(connz: &'a Value, name: &str) -> &'a Value {
+    connz["connections"]
+        .as_array()
+        .and_then(|list| list.iter().find(|c| c["name"] == name))
+        .unwrap_or_else(|| panic!("no connection {name} in {connz:#}"))
+}
+
+#[test]
+fn the_views_show_the_broker_its_connections_and_their_links() {
+    let broker = start_broker();
+    let fabric = broker.endpoint("efa-rdm").is_some();
+    assert!(
+        fabric || !fabric_required(),
+        "EFABUS_REQUIRE_FABRIC=1 but tcp;ofi_rxm did not open"
+    );
+    let monitor = Monitor::start(Arc::clone(&broker), "127.0.0.1:0").expect("monitor starts");
+
+    let plain = client(&broker, "plain", false);
+    let sub = plain.subscribe("orders.>").expect("subscribe");
+    let _workers = plain
+        .queue_subscribe("orders.eu", "workers")
+        .expect("queue subscribe");
+    plain.flush(WAIT).expect("flush");
+    let on_fabric = fabric.then(|| client(&broker, "fast", true));
+    if let Some(fast) = &on_fabric {
+        assert!(fast.link().reliable.starts_with("efa-rdm via tcp;ofi_rxm"));
+        for n in 0..10u8 {
+            fast.publish("orders.us", vec![n; 100]).expect("publish");
+        }
+        fast.flush(WAIT).expect("flush");
+        for _ in 0..10 {
+            sub.recv_timeout(WAIT).expect("delivered");
+        }
+    }
+
+    let varz = get_json(&monitor, "/varz");
+    assert_eq!(varz["server_name"], "monitored");
+    assert_eq!(varz["server_id"], format!("{:016x}", broker.broker_id()));
+    assert!(varz["listeners"][0]["scheme"] == "tcp", "{varz:#}");
+    assert_eq!(
+        varz["limits"]["max_payload"],
+        broker.config().limits.max_payload
+    );
+    assert!(varz["memory"]["resident_bytes"].as_u64() > Some(0));
+    assert_eq!(varz["subscriptions"], 2);
+
+    let connz = get_json(&monitor, "/connz?subs=1");
+    let expected = if fabric { 2 } else { 1 };
+    assert_eq!(connz["total"], expected, "{connz:#}");
+    let plain_view = connection(&connz, "plain");
+    assert_eq!(plain_view["link"]["kind"], "tcp");
+    assert_eq!(plain_view["link"]["on_fabric"], false);
+    let reasons = plain_view["link"]["reasons"].to_string();
+    assert!(
+        reasons.contains("efa-rdm"),
+        "a TCP client says why not the fabric: {reasons}"
+    );
+    assert_eq!(plain_view["subscriptions"], 2);
+    let listed = plain_view["subscriptions_list"].to_string();
+    assert!(
+        listed.contains("orders.>") && listed.contains("workers"),
+        "{listed}"
+    );
+    if fabric {
+        let fast = connection(&connz, "fast");
+        assert_eq!(fast["link"]["kind"], "efa-rdm");
+        assert_eq!(fast["link"]["provider"], "tcp;ofi_rxm");
+        assert_eq!(fast["link"]["on_fabric"], true);
+        assert_eq!(fast["in_msgs"], 10);
+        assert_eq!(plain_view["out_msgs"], 10);
+        assert!(plain_view["out_bytes"].as_u64() > Some(1000));
+        // Sorted by messages received: the publisher first; paged.
+        let sorted = get_json(&monitor, "/connz?sort=msgs_from&limit=1");
+        assert_eq!(sorted["connections"].as_array().map(Vec::len), Some(1));
+        assert_eq!(sorted["connections"][0]["name"], "fast");
+    }
+    assert_eq!(get(&monitor, "/connz?sort=nonsense").0, 400);
+    assert_eq!(get(&monitor, "/connz?limit=x").0, 400);
+
+    let subsz = get_json(&monitor, "/subsz?test=orders.eu");
+    assert_eq!(subsz["subscriptions"], 2);
+    assert_eq!(subsz["test"]["total"], 2, "{subsz:#}");
+    let matched = subsz["test"]["remote"].to_string();
+    assert!(
+        matched.contains("workers") && matched.contains("plain"),
+        "{matched}"
+    );
+    assert_eq!(get_json(&monitor, "/subsz?test=other")["test"]["total"], 0);
+    assert_eq!(get(&monitor, "/subsz?test=bad..subject").0, 400);
+
+    assert_eq!(get_json(&monitor, "/routez")["total"], 0);
+    assert_eq!(get(&monitor, "/nowhere").0, 404);
+
+    let (status, text) = get(&monitor, "/metrics");
+    assert_eq!(status, 200);
+    let lines = text.lines().map(|line| Ok(line.to_string()));
+    let scrape = prometheus_parse::Scrape::parse(lines).expect("the metrics parse");
+    let value = |name: &str, labels: &[(&str, &str)]| -> Option<f64> {
+        scrape
+            .samples
+            .iter()
+            .find(|sample| {
+                sample.metric == name
+                    && labels
+                        .iter()
+                        .all(|(key, value)| sample.labels.get(key) == Some(*value))
+            })
+            .map(|sample| match sample.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => v,
+                _ => f64::NAN,
+            })
+    };
+    assert_eq!(value("efabus_connections", &[]), Some(expected as f64));
+    assert_eq!(
+        value("efabus_sessions", &[("kind", "client"), ("link", "tcp")]),
+        Some(1.0)
+    );
+    let fallback = scrape
+        .samples
+        .iter()
+        .any(|s| s.metric == "efabus_fabric_fallbacks" && s.labels.get("kind") == Some("client"));
+    assert!(fallback, "the TCP client's fallback is counted:\n{text}");
+    if fabric {
+        assert_eq!(value("efabus_messages_in_total", &[]), Some(10.0), "{text}");
+        assert_eq!(
+            value(
+                "efabus_session_messages_in",
+                &[("link", "efa-rdm"), ("provider", "tcp;ofi_rxm")]
+            ),
+            Some(10.0),
+            "{text}"
+        );
+    }
+
+    assert_eq!(get_json(&monitor, "/healthz")["status"], "ok");
+    drop(on_fabric);
+    drop(plain);
+    broker.shutdown();
+    let (status, body) = get(&monitor, "/healthz");
+    assert_eq!(status, 503, "{body}");
+}
+
+#[test]
+fn a_monitor_address_in_use_is_an_error_naming_it() {
+    let broker = start_broker();
+    let first = Monitor::start(Arc::clone(&broker), "127.0.0.1:0").expect("monitor starts");
+    let taken = first.local_addr().to_string();
+    let started = Instant::now();
+    let err = Monitor::start(broker, &taken)
+        .err()
+        .expect("a second listener on the same address fails");
+    assert!(err.to_string().contains(&taken), "{err}");
+    assert!(started.elapsed() < WAIT);
+}
