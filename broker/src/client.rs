@@ -304,6 +304,11 @@ pub enum ConnectionState {
         code: ErrorCode,
         text: String,
     },
+    /// The first connection failed (refused, unreachable) and the client
+    /// does not reconnect.
+    Unreachable {
+        reason: String,
+    },
     Closed,
 }
 
@@ -723,6 +728,12 @@ impl Client {
                         text: text.clone(),
                     })
                 }
+                ConnectionState::Unreachable { reason } => {
+                    return Err(Error::Unreachable {
+                        server: self.shared.server.clone(),
+                        reason: reason.clone(),
+                    })
+                }
                 ConnectionState::Closed => return Err(Error::Closed),
                 ConnectionState::Connecting => {}
             }
@@ -980,6 +991,8 @@ struct ClientLoop {
     flushes: Vec<(u64, Sender<()>)>,
     next_nonce: u64,
     ever_connected: bool,
+    /// Why the connection was last lost, for a client that gives up.
+    last_failure: Option<String>,
     offers: Vec<Offer>,
     /// This side's part of the current handshake's link keys.
     link_secret: Option<LinkSecret>,
@@ -1053,6 +1066,7 @@ impl ClientLoop {
             flushes: Vec::new(),
             next_nonce: 1,
             ever_connected: false,
+            last_failure: None,
             link_secret: None,
             offers,
             tuning,
@@ -1245,6 +1259,7 @@ impl ClientLoop {
             }
             Err(err) => {
                 debug!(server = %self.shared.server, error = %err, "connect failed");
+                self.last_failure = Some(err.to_string());
                 self.link_lost(now);
             }
         }
@@ -1282,8 +1297,23 @@ impl ClientLoop {
     fn link_lost(&mut self, now: Instant) {
         self.shared.outbox.lock().direct = None;
         self.conn.links.close(&mut self.endpoints);
-        if !self.shared.options.reconnect && self.ever_connected {
-            self.shared.set_state(ConnectionState::Closed);
+        let failure = self.last_failure.take();
+        if !self.shared.options.reconnect {
+            // Without reconnection a first attempt that failed is the
+            // answer: waiting out the connect timeout would only hide it.
+            // A server's refusal stays what the client reports.
+            if matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
+                self.shared.shutdown.store(true, Ordering::SeqCst);
+                return;
+            }
+            let state = match failure {
+                Some(reason) if !self.ever_connected => ConnectionState::Unreachable { reason },
+                _ if self.ever_connected => ConnectionState::Closed,
+                _ => ConnectionState::Unreachable {
+                    reason: "the connection closed before the handshake".to_string(),
+                },
+            };
+            self.shared.set_state(state);
             self.shared.shutdown.store(true, Ordering::SeqCst);
             return;
         }
@@ -1424,6 +1454,7 @@ impl ClientLoop {
             Event::Writable { peer } if Some(peer) == current => self.flush_pending(),
             Event::Closed { peer, reason } if Some(peer) == current => {
                 info!(server = %self.shared.server, %reason, "connection lost");
+                self.last_failure = Some(reason.to_string());
                 self.link_lost(Instant::now());
             }
             _ => {}

@@ -561,8 +561,10 @@ impl Config {
         }
     }
 
-    /// Check that every listener names one of `schemes`; the error names
-    /// the entry (`listen[i]`) and lists the known schemes.
+    /// Check that every listener and every data path in
+    /// `negotiation.preference` names one of `schemes`; the error names the
+    /// entry (`listen[i]`, `negotiation.preference[i]`) and lists the known
+    /// schemes.
     pub fn check_schemes(&self, origin: &str, schemes: &[&str]) -> Result<(), ConfigError> {
         for (i, listen) in self.listen.iter().enumerate() {
             let invalid = |message: String| ConfigError::Invalid {
@@ -584,6 +586,23 @@ impl Config {
                     spec.scheme(),
                     known.join(", ")
                 )));
+            }
+        }
+        // The built-in data paths are always valid names, so the default
+        // preference holds for a registry that lacks some of them.
+        let builtin = [SHM_SCHEME, RDM_SCHEME, DGRAM_SCHEME, tcp::SCHEME];
+        for (i, scheme) in self.negotiation.preference.iter().enumerate() {
+            let known_here = |known: &&str| known.eq_ignore_ascii_case(scheme);
+            if !schemes.iter().any(known_here) && !builtin.iter().any(known_here) {
+                let mut known: Vec<&str> = schemes.iter().chain(&builtin).copied().collect();
+                known.sort_unstable();
+                known.dedup();
+                return Err(ConfigError::Invalid {
+                    origin: origin.to_string(),
+                    line: None,
+                    key: format!("negotiation.preference[{i}]"),
+                    message: format!("unknown data path {scheme:?}; known: {}", known.join(", ")),
+                });
             }
         }
         Ok(())
@@ -1169,6 +1188,19 @@ mod tests {
         );
         let config = Config::from_toml_str_with_schemes(text, "s.toml", &["foo", "MEM"]).unwrap();
         assert_eq!(config.listen.len(), 2);
+
+        // Preferred data paths: the registry's and the built-in ones.
+        let preferring = |list: &str| {
+            let text = format!("listen = [\"mem/a\"]\n[negotiation]\npreference = {list}\n");
+            Config::from_toml_str_with_schemes(&text, "p.toml", &["foo", "mem"])
+        };
+        assert!(preferring(r#"["foo", "efa-rdm", "tcp"]"#).is_ok());
+        let err = preferring(r#"["tcp", "rdma"]"#).unwrap_err().to_string();
+        assert!(
+            err.contains("line 3: negotiation.preference[1]: unknown data path \"rdma\"")
+                && err.contains("efa-rdm, foo, mem, shm, tcp"),
+            "{err}"
+        );
     }
 
     #[test]

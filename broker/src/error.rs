@@ -43,6 +43,9 @@ pub enum Error {
     Refused { code: ErrorCode, text: String },
     #[error("not connected to {0} (reconnecting)")]
     NotConnected(String),
+    /// The first connection failed and the client does not reconnect.
+    #[error("cannot connect to {server}: {reason}")]
+    Unreachable { server: String, reason: String },
     #[error("too many subscriptions (limit {0})")]
     TooManySubscriptions(usize),
     #[error("publish blocked for longer than {0:?} by a slow consumer")]

@@ -293,6 +293,11 @@ fn explain(err: Error, server: Option<&str>) -> Failure {
                 code,
             )
         }
+        Error::Unreachable { reason, .. } => (
+            format!("cannot connect to {}: {reason}", short(server)),
+            "is a broker running there? start one with `efabus serve`".to_string(),
+            1,
+        ),
         Error::NotConnected(_) => (
             // The command line does not reconnect: it gave up.
             format!("could not connect to {}", short(server)),
@@ -421,6 +426,12 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
     }
     config.validate(COMMAND_LINE)?;
     config.check_schemes(COMMAND_LINE, &schemes)?;
+    if config.listen.is_empty() {
+        return Err(Failure::usage(
+            "nothing to listen on: the config has no `listen` entries; add for example \
+             listen = [\"tcp/127.0.0.1:7420\"] or pass --listen tcp/127.0.0.1:7420",
+        ));
+    }
     init_logging(&config.log_level);
 
     // Caught before anything starts, so a stop at any time is graceful.
@@ -512,6 +523,34 @@ fn connect(args: &ClientArgs) -> Result<Client, Failure> {
         .map_err(|err| explain(err, Some(&args.server)))
 }
 
+/// A subject (or, for `sub`, a pattern) that no broker would take is a
+/// usage error before anything is sent. Only the syntax is checked here,
+/// within what the wire carries: the server enforces its own length and
+/// token limits.
+fn check_subject(subject: &str, pattern: bool) -> Result<(), Failure> {
+    let wire = efabus_core::subject::SubjectLimits {
+        max_len: u16::MAX as usize,
+        max_tokens: usize::MAX,
+    };
+    let checked = if pattern {
+        efabus_core::subject::validate_pattern(subject, &wire)
+    } else {
+        efabus_core::subject::validate_subject(subject, &wire)
+    };
+    checked.map_err(|err| {
+        let what = if pattern { "pattern" } else { "subject" };
+        Failure::usage(format!(
+            "invalid {what} {:?}: {err}; subjects are dot-separated tokens such as orders.eu{}",
+            excerpt(subject, EXCERPT_CHARS),
+            if pattern {
+                " (`*` matches one token, a final `>` the rest)"
+            } else {
+                " (no wildcards when publishing)"
+            }
+        ))
+    })
+}
+
 /// Largest payload the wire can carry at all (the config's own bound on
 /// `limits.max_payload`); sizes above it are refused before connecting.
 const WIRE_MAX_PAYLOAD: u64 = u32::MAX as u64 - 4096;
@@ -540,6 +579,7 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
             return Err(too_large(what, len, WIRE_MAX_PAYLOAD, "the wire's"));
         }
     }
+    check_subject(&args.subject, false)?;
     let client = connect(&args.client)?;
     let max = client.max_payload();
     if let Some((what, len)) = wanted {
@@ -591,6 +631,7 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
 }
 
 fn subscribe(args: SubArgs) -> Result<(), Failure> {
+    check_subject(&args.pattern, true)?;
     let client = connect(&args.client)?;
     let subscription = match &args.queue {
         Some(group) => client.queue_subscribe(&args.pattern, group),
@@ -630,6 +671,7 @@ fn subscribe(args: SubArgs) -> Result<(), Failure> {
 }
 
 fn request(args: ReqArgs) -> Result<(), Failure> {
+    check_subject(&args.subject, false)?;
     let client = connect(&args.client)?;
     let reply = client
         .request(

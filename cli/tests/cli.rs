@@ -359,12 +359,39 @@ fn client_errors_are_one_line_and_say_what_happened() {
     assert!(!text.contains("reconnecting"), "{text}");
     assert!(text.contains("notahost:99999"), "{text}");
 
-    // Nothing listening: a runtime failure, saying what to do.
+    // Nothing listening: a runtime failure at once (the refusal is the
+    // answer; the connect timeout is 5 s), saying why and what to do.
+    let started = Instant::now();
     let output = run(&["pub", "x", "--server", "tcp/127.0.0.1:1"]);
     assert_eq!(output.status.code(), Some(1));
     let text = stderr(&output);
     assert!(!text.contains("reconnecting"), "{text}");
+    assert!(text.contains("refused"), "{text}");
     assert!(text.contains("efabus serve"), "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        started.elapsed()
+    );
+
+    // A web URL gets the endpoint form to write instead.
+    let output = run(&["pub", "x", "--server", "http://127.0.0.1:7420"]);
+    let text = usage_error(&output);
+    assert!(text.contains("write tcp/127.0.0.1:7420"), "{text}");
+
+    // Subjects no broker takes are usage errors before anything is sent
+    // (nothing listens at this server).
+    for args in [
+        ["pub", "", "x"],
+        ["pub", "a.*", "x"],
+        ["req", "", "x"],
+        ["sub", "a.>.b", "--count=1"],
+    ] {
+        let mut args = args.to_vec();
+        args.extend(["--server", "tcp/127.0.0.1:1"]);
+        let text = usage_error(&run(&args));
+        assert!(text.contains("invalid"), "{args:?}: {text}");
+    }
 
     // An unknown scheme is a usage error.
     let output = run(&["pub", "x", "--server", "foo/bar"]);
@@ -410,6 +437,18 @@ fn serve_refuses_bad_configuration_with_exit_2() {
     let text = usage_error(&output);
     assert!(text.contains("log_level"), "{text}");
 
+    // A broker with nothing to listen on refuses to start.
+    let empty = common::temp_path("empty.toml");
+    std::fs::write(&empty, "name = \"x\"\n").unwrap();
+    let output = efabus()
+        .args(["serve", "--config"])
+        .arg(&empty)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&empty);
+    let text = usage_error(&output);
+    assert!(text.contains("nothing to listen on"), "{text}");
+
     // An empty route credential is refused, not taken for none, from the
     // flag and from the environment alike.
     let output = run(&[
@@ -445,6 +484,10 @@ fn serve_refuses_bad_configuration_with_exit_2() {
         (
             &format!("listen = [\"tcp/127.0.0.1:0\"]\nname = \"{long_name}\"\n"),
             "line 2: name",
+        ),
+        (
+            "listen = [\"tcp/127.0.0.1:0\"]\n[negotiation]\npreference = [\"rdma\"]\n",
+            "line 3: negotiation.preference[0]: unknown data path \"rdma\"",
         ),
     ];
     for (text, expected) in cases {

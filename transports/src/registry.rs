@@ -75,9 +75,14 @@ impl EndpointSpec {
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '+' | '.'));
         if let Some(url) = scheme.strip_suffix(':') {
             if let Some(rest) = address.and_then(|a| a.strip_prefix('/')) {
+                // A web URL names a host and port: efabus speaks TCP there.
+                let scheme = match url.to_ascii_lowercase() {
+                    web if web == "http" || web == "https" => "tcp".to_string(),
+                    other => other,
+                };
                 return Err(SpecError::UrlForm {
                     spec: text.into(),
-                    scheme: url.to_ascii_lowercase(),
+                    scheme,
                     rest: rest.into(),
                 });
             }
@@ -305,6 +310,11 @@ mod tests {
             }
         );
         assert!(url.to_string().contains("tcp/127.0.0.1:7420"));
+        let web = EndpointSpec::parse("http://127.0.0.1:7420").unwrap_err();
+        assert!(
+            web.to_string().contains("write tcp/127.0.0.1:7420"),
+            "{web}"
+        );
     }
 
     #[test]
