@@ -1308,7 +1308,13 @@ impl ClientLoop {
             }
             let state = match failure {
                 Some(reason) if !self.ever_connected => ConnectionState::Unreachable { reason },
-                _ if self.ever_connected => ConnectionState::Closed,
+                _ if self.ever_connected => {
+                    // Nothing more will arrive: subscriptions end after
+                    // what they hold, requests fail now.
+                    self.shared.subscriptions.lock().clear();
+                    self.shared.replies.lock().clear();
+                    ConnectionState::Closed
+                }
                 _ => ConnectionState::Unreachable {
                     reason: "the connection closed before the handshake".to_string(),
                 },

@@ -839,7 +839,9 @@ fn check_secret(secret: Option<&str>, instead: &str) -> Result<(), String> {
 
 /// Check a log filter: comma-separated directives, each a level name or
 /// `target=level` (a bare word would silently select a target instead).
-fn check_log_level(filter: &str) -> Result<(), String> {
+/// Check a log filter as `log_level` takes it: levels, or `target=level`
+/// directives; the error says what is expected.
+pub fn check_log_level(filter: &str) -> Result<(), String> {
     let expected = || {
         format!(
             "expected a level ({}) or a filter such as \"efabus_broker=debug,info\"",

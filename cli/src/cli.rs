@@ -75,17 +75,40 @@ pub struct ServeArgs {
     /// Log level or filter (RUST_LOG overrides).
     #[arg(long)]
     pub log_level: Option<String>,
-    /// Shared secret clients must present.
+    /// Log lines as text (coloured on a terminal unless NO_COLOR is set)
+    /// or as JSON objects.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Shared secret clients must present. Visible to other users in `ps`:
+    /// prefer --secret-file or EFABUS_SECRET.
     #[arg(long, env = "EFABUS_SECRET", hide_env_values = true)]
     pub secret: Option<String>,
+    /// Read the shared secret from this file (its first line).
+    #[arg(long, conflicts_with = "secret", value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
     /// Secret that opens routes between brokers (cluster.secret); when
-    /// set, the clients' secret does not.
+    /// set, the clients' secret does not. Visible in `ps`: prefer
+    /// --cluster-secret-file or EFABUS_CLUSTER_SECRET.
     #[arg(long, env = "EFABUS_CLUSTER_SECRET", hide_env_values = true)]
     pub cluster_secret: Option<String>,
+    /// Read the cluster secret from this file (its first line).
+    #[arg(long, conflicts_with = "cluster_secret", value_name = "FILE")]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Check the configuration and exit: 0 when it is valid (listeners
+    /// are not opened).
+    #[arg(long)]
+    pub check: bool,
     /// Serve HTTP monitoring (/varz, /connz, /routez, /subsz, /healthz,
     /// /metrics) on HOST:PORT, e.g. 127.0.0.1:8222 (config: monitor).
     #[arg(long, short = 'm', value_name = "HOST:PORT")]
     pub monitor: Option<String>,
+}
+
+/// How `serve` writes its log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Args)]
@@ -93,9 +116,13 @@ pub struct ClientArgs {
     /// Broker endpoint.
     #[arg(long, short, default_value = DEFAULT_SERVER, env = "EFABUS_SERVER")]
     pub server: String,
-    /// Shared secret, if the broker requires one.
+    /// Shared secret, if the broker requires one. Visible to other users
+    /// in `ps`: prefer --secret-file or EFABUS_SECRET.
     #[arg(long, env = "EFABUS_SECRET", hide_env_values = true)]
     pub secret: Option<String>,
+    /// Read the shared secret from this file (its first line).
+    #[arg(long, conflicts_with = "secret", value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
     /// Config whose fabric endpoints (`listen` entries efa-rdm/efa-dgram,
     /// the [fabric] table, the preference list) the client offers the broker.
     #[arg(long, short)]
@@ -126,9 +153,13 @@ pub struct SubArgs {
     /// Join a queue group.
     #[arg(long, short)]
     pub queue: Option<String>,
-    /// Exit after this many messages.
+    /// Exit after this many messages (received or missed).
     #[arg(long)]
     pub count: Option<u64>,
+    /// Keep reconnecting when the broker goes away, and subscribe again
+    /// (without it, a lost connection ends `sub` with status 1).
+    #[arg(long)]
+    pub reconnect: bool,
     #[command(flatten)]
     pub client: ClientArgs,
 }
@@ -365,24 +396,74 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
     }
 }
 
-fn init_logging(level: &str) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(level))
+/// Changes the log filter of a running command (`serve` on SIGHUP).
+type LogReload =
+    tracing_subscriber::reload::Handle<tracing_subscriber::EnvFilter, tracing_subscriber::Registry>;
+
+/// Log to stderr at `level`, or at `RUST_LOG` when set (an invalid one is
+/// a usage error, not ignored). Colour only on a terminal, and not when
+/// `NO_COLOR` is set. The handle changes the level later; none when
+/// `RUST_LOG` decides.
+fn init_logging(level: &str, format: LogFormat) -> Result<Option<LogReload>, Failure> {
+    use std::io::IsTerminal;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{reload, EnvFilter};
+    let from_env = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|text| !text.trim().is_empty());
+    if let Some(text) = &from_env {
+        efabus_broker::config::check_log_level(text).map_err(|message| {
+            Failure::usage(format!("RUST_LOG {message}; fix or unset RUST_LOG"))
+        })?;
+    }
+    let filter = EnvFilter::try_new(from_env.as_deref().unwrap_or(level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    let (filter, handle) = reload::Layer::new(filter);
+    let colour = io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty());
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(io::stderr)
+        .with_ansi(colour);
+    let registry = tracing_subscriber::registry().with(filter);
+    // A subscriber set before (by a test harness) keeps its place.
+    let _ = match format {
+        LogFormat::Text => registry.with(layer).try_init(),
+        LogFormat::Json => registry.with(layer.json()).try_init(),
+    };
+    Ok(from_env.is_none().then_some(handle))
 }
 
-/// SIGINT and SIGTERM, caught from now on, to be waited for.
+/// The secret given on the command line (or its environment variable),
+/// else the first line of `file`.
+fn secret_from(value: &Option<String>, file: &Option<PathBuf>) -> Result<Option<String>, Failure> {
+    if value.is_some() {
+        return Ok(value.clone());
+    }
+    let Some(path) = file else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(path).map_err(|err| {
+        Failure::usage(format!(
+            "cannot read the secret file {}: {err}",
+            path.display()
+        ))
+    })?;
+    Ok(Some(text.lines().next().unwrap_or_default().to_string()))
+}
+
+/// SIGINT and SIGTERM (stop), and SIGHUP (reload), caught from now on,
+/// to be waited for.
 fn stop_signals() -> Result<signal_hook::iterator::Signals, Failure> {
     let cannot =
         |err: std::io::Error| Failure::runtime(format!("cannot install signal handlers: {err}"));
     efabus_transports::fabric::reset_inherited_termination_handlers().map_err(cannot)?;
-    signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])
-        .map_err(cannot)
+    signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ])
+    .map_err(cannot)
 }
 
 /// A flag set by SIGINT or SIGTERM.
@@ -397,42 +478,67 @@ fn stop_on_signals() -> Result<Arc<AtomicBool>, Failure> {
     Ok(stop)
 }
 
-fn serve(args: ServeArgs) -> Result<(), Failure> {
-    // Listeners are checked against the transports this binary has, so an
-    // unknown scheme is a configuration error naming the entry.
-    let registry = Registry::with_builtins();
-    let schemes = registry.schemes();
+/// The configuration `serve` runs with: the file (or the built-in
+/// default), the flags over it, checked. Listeners are checked against the
+/// transports this binary has, so an unknown scheme is a configuration
+/// error naming the entry.
+fn serve_config(args: &ServeArgs, schemes: &[&str]) -> Result<Config, Failure> {
     let mut config = match &args.config {
-        Some(path) => Config::from_file_with_schemes(path, &schemes)?,
-        None => Config::from_env_or_default_with_schemes(&schemes)?,
+        Some(path) => Config::from_file_with_schemes(path, schemes)?,
+        None => Config::from_env_or_default_with_schemes(schemes)?,
     };
     if !args.listen.is_empty() {
         config.listen = args.listen.clone();
     }
-    if let Some(name) = args.name {
-        config.name = name;
+    if let Some(name) = &args.name {
+        config.name = name.clone();
     }
-    if let Some(level) = args.log_level {
-        config.log_level = level;
+    if let Some(level) = &args.log_level {
+        config.log_level = level.clone();
     }
-    if args.secret.is_some() {
-        config.auth.secret = args.secret;
+    if let Some(secret) = secret_from(&args.secret, &args.secret_file)? {
+        config.auth.secret = Some(secret);
     }
-    if args.cluster_secret.is_some() {
-        config.cluster.secret = args.cluster_secret;
+    if let Some(secret) = secret_from(&args.cluster_secret, &args.cluster_secret_file)? {
+        config.cluster.secret = Some(secret);
     }
     if args.monitor.is_some() {
-        config.monitor = args.monitor;
+        config.monitor = args.monitor.clone();
     }
     config.validate(COMMAND_LINE)?;
-    config.check_schemes(COMMAND_LINE, &schemes)?;
+    config.check_schemes(COMMAND_LINE, schemes)?;
     if config.listen.is_empty() {
         return Err(Failure::usage(
             "nothing to listen on: the config has no `listen` entries; add for example \
              listen = [\"tcp/127.0.0.1:7420\"] or pass --listen tcp/127.0.0.1:7420",
         ));
     }
-    init_logging(&config.log_level);
+    Ok(config)
+}
+
+fn serve(args: ServeArgs) -> Result<(), Failure> {
+    let registry = Registry::with_builtins();
+    let schemes: Vec<String> = registry.schemes().iter().map(|s| s.to_string()).collect();
+    let schemes: Vec<&str> = schemes.iter().map(String::as_str).collect();
+    let config = serve_config(&args, &schemes)?;
+    if args.check {
+        let source = args.config.as_ref().map_or_else(
+            || "the built-in default (or $EFABUS_CONFIG)".to_string(),
+            |path| path.display().to_string(),
+        );
+        let monitor = config
+            .monitor
+            .as_ref()
+            .map_or(String::new(), |address| format!("; monitor on {address}"));
+        return out!(
+            Output::new(),
+            "configuration valid: {source}: listens on {}{monitor} \
+             (addresses are not opened by --check)",
+            config.listen.join(", ")
+        );
+    }
+    let log_reload = init_logging(&config.log_level, args.log_format)?;
+    let running = config.clone();
 
     // Caught before anything starts, so a stop at any time is graceful.
     let mut signals = stop_signals()?;
@@ -465,8 +571,13 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
             break;
         }
     }
-    // Sleep until told to stop (no polling).
-    signals.forever().next();
+    // Sleep until told to stop (no polling); reload on SIGHUP.
+    for signal in signals.forever() {
+        if signal != signal_hook::consts::SIGHUP {
+            break;
+        }
+        reload(&args, &schemes, &running, log_reload.as_ref());
+    }
     drop(monitor);
     broker.shutdown();
     let stats: Vec<String> = broker
@@ -477,6 +588,69 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
         .map(|(name, value)| format!("{name}={value}"))
         .collect();
     out!(output, "stopped: {}", stats.join(" "))
+}
+
+/// SIGHUP: read the configuration again. The log level changes at once
+/// (unless `RUST_LOG` decides it); other keys that changed are named as
+/// needing a restart; a configuration that does not load leaves the
+/// running one, and says why.
+fn reload(args: &ServeArgs, schemes: &[&str], running: &Config, log: Option<&LogReload>) {
+    let config = match serve_config(args, schemes) {
+        Ok(config) => config,
+        Err(failure) => {
+            tracing::warn!(error = %failure.message, "reload refused; the running configuration stays");
+            return;
+        }
+    };
+    if let Some(log) = log {
+        if config.log_level != running.log_level {
+            let changed = tracing_subscriber::EnvFilter::try_new(&config.log_level)
+                .is_ok_and(|filter| log.reload(filter).is_ok());
+            if changed {
+                tracing::warn!(log_level = %config.log_level, "log level changed");
+            } else {
+                tracing::warn!("the log level could not be changed");
+            }
+        }
+    }
+    let mut changed = Vec::new();
+    if let (Ok(before), Ok(after)) = (
+        toml::Value::try_from(running),
+        toml::Value::try_from(&config),
+    ) {
+        changed_keys("", &before, &after, &mut changed);
+    }
+    changed.retain(|key| key != "log_level");
+    if changed.is_empty() {
+        tracing::info!("configuration reloaded");
+    } else {
+        tracing::warn!(
+            keys = %changed.join(", "),
+            "configuration reloaded; these changes take effect after a restart"
+        );
+    }
+}
+
+/// The dotted keys whose values differ between two TOML values.
+fn changed_keys(prefix: &str, before: &toml::Value, after: &toml::Value, out: &mut Vec<String>) {
+    match (before, after) {
+        (toml::Value::Table(a), toml::Value::Table(b)) => {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for key in keys {
+                let path = if prefix.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{prefix}.{key}")
+                };
+                match (a.get(key), b.get(key)) {
+                    (Some(x), Some(y)) => changed_keys(&path, x, y, out),
+                    _ => out.push(path),
+                }
+            }
+        }
+        (a, b) if a != b => out.push(prefix.to_string()),
+        _ => {}
+    }
 }
 
 /// A `tcp/HOST:PORT` server whose address cannot be resolved fails at once,
@@ -507,7 +681,12 @@ fn check_server(server: &str) -> Result<(), Failure> {
 }
 
 fn connect(args: &ClientArgs) -> Result<Client, Failure> {
-    init_logging("warn");
+    connect_with(args, false)
+}
+
+/// Connect; with `reconnect` the client rides out the broker going away.
+fn connect_with(args: &ClientArgs, reconnect: bool) -> Result<Client, Failure> {
+    init_logging("warn", LogFormat::Text)?;
     let base = match &args.config {
         Some(path) => ClientOptions::from_config(&Config::from_file(path)?),
         None => ClientOptions::default(),
@@ -515,8 +694,8 @@ fn connect(args: &ClientArgs) -> Result<Client, Failure> {
     check_server(&args.server)?;
     let options = ClientOptions {
         name: format!("efabus-cli-{}", std::process::id()),
-        credentials: args.secret.clone().or(base.credentials.clone()),
-        reconnect: false,
+        credentials: secret_from(&args.secret, &args.secret_file)?.or(base.credentials.clone()),
+        reconnect,
         ..base
     };
     Client::connect_with(&args.server, options, Registry::with_builtins())
@@ -632,7 +811,7 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
 
 fn subscribe(args: SubArgs) -> Result<(), Failure> {
     check_subject(&args.pattern, true)?;
-    let client = connect(&args.client)?;
+    let client = connect_with(&args.client, args.reconnect)?;
     let subscription = match &args.queue {
         Some(group) => client.queue_subscribe(&args.pattern, group),
         None => client.subscribe(&args.pattern),
@@ -650,7 +829,15 @@ fn subscribe(args: SubArgs) -> Result<(), Failure> {
     let stop = stop_on_signals()?;
     let mut output = Output::new();
     let mut received = 0u64;
-    while !stop.load(Ordering::Relaxed) && args.count.is_none_or(|count| received < count) {
+    let stats = subscription.stats();
+    // Messages dropped for this subscription count towards --count: they
+    // will not come.
+    let mut ended = None;
+    while !stop.load(Ordering::Relaxed)
+        && args
+            .count
+            .is_none_or(|count| received + stats.dropped() < count)
+    {
         match subscription.recv_timeout(Duration::from_millis(100)) {
             Ok(message) => {
                 received += 1;
@@ -663,11 +850,27 @@ fn subscribe(args: SubArgs) -> Result<(), Failure> {
             }
             Err(RecvError::Timeout | RecvError::Empty) => {}
             Err(RecvError::Closed) => {
-                return Err(Failure::runtime("subscription closed by the broker"))
+                ended = Some(Failure::runtime(format!(
+                    "the connection to the broker was lost after {received} messages; \
+                     run `efabus sub --reconnect` to ride out broker restarts"
+                )));
+                break;
             }
         }
     }
-    Ok(())
+    let missed = stats.dropped();
+    if missed > 0 {
+        // A status line: a closed stderr is no reason to fail.
+        let _ = writeln!(
+            io::stderr(),
+            "missed {missed} messages: dropped as a slow consumer ({} by the broker, \
+             {} by this client's queue); read faster, or raise the broker's \
+             limits.max_pending_bytes",
+            stats.dropped_by_broker(),
+            missed - stats.dropped_by_broker()
+        );
+    }
+    ended.map_or(Ok(()), Err)
 }
 
 fn request(args: ReqArgs) -> Result<(), Failure> {

@@ -67,6 +67,16 @@ fn lines_of(stream: impl Read + Send + 'static) -> Receiver<String> {
 /// `efabus sub ARGS...` against the server, once its subscription is live
 /// (it says so on stderr after the broker has it); its stdout lines.
 fn spawn_sub(server: &Server, args: &[&str]) -> (Process, Receiver<String>) {
+    let (child, lines, _) = spawn_sub_with_status(server, args);
+    (child, lines)
+}
+
+/// [`spawn_sub`], with the status lines it writes to stderr after the
+/// first.
+fn spawn_sub_with_status(
+    server: &Server,
+    args: &[&str],
+) -> (Process, Receiver<String>, Receiver<String>) {
     let mut child = Process(
         efabus()
             .arg("sub")
@@ -83,7 +93,7 @@ fn spawn_sub(server: &Server, args: &[&str]) -> (Process, Receiver<String>) {
         .recv_timeout(WAIT)
         .expect("sub reports its subscription");
     assert!(said.starts_with("subscribed to "), "{said}");
-    (child, lines)
+    (child, lines, status)
 }
 
 /// Wait (bounded) for a child to exit; its status code.
@@ -312,6 +322,79 @@ fn sub_count_exits_after_that_many() {
     assert_eq!(exit_code(&mut sub), Some(0), "exits by itself");
     let got: Vec<String> = lines.iter().collect();
     assert_eq!(got, ["[count.n] 0", "[count.n] 1", "[count.n] 2"]);
+}
+
+#[test]
+fn sub_ends_when_the_broker_goes_away_or_rides_it_out_when_asked() {
+    let mut server = Server::start("");
+    let (mut plain, _, plain_status) = spawn_sub_with_status(&server, &["gone.>"]);
+    let (mut riding, riding_lines, _) = spawn_sub_with_status(&server, &["gone.>", "--reconnect"]);
+    let address = server.address.clone();
+    server.kill();
+    assert_eq!(exit_code(&mut plain), Some(1), "sub ends with the broker");
+    let said: Vec<String> = plain_status.try_iter().collect();
+    assert!(
+        said.iter()
+            .any(|line| line.contains("connection to the broker was lost")),
+        "{said:?}"
+    );
+
+    let server = Server::start_at(&address, "");
+    let publisher = Client::connect(&server.endpoint).unwrap();
+    let back = common::eventually(Duration::from_secs(20), || {
+        publisher
+            .publish("gone.back", Bytes::from_static(b"again"))
+            .unwrap();
+        publisher.flush(WAIT).unwrap();
+        riding_lines
+            .recv_timeout(Duration::from_millis(200))
+            .is_ok_and(|line| line == "[gone.back] again")
+    });
+    assert!(back, "sub --reconnect subscribed again after the restart");
+    assert!(riding.0.try_wait().unwrap().is_none(), "still running");
+}
+
+#[test]
+fn sub_says_how_many_messages_it_missed() {
+    let server = Server::start("");
+    // A small queue on the subscriber's side, and a reader that does not
+    // read while the messages arrive: most are dropped.
+    let config = common::temp_path("small-queue.toml");
+    std::fs::write(&config, "[limits]\nsubscription_queue = 100\n").unwrap();
+    let total = 20_000u64;
+    let (mut sub, lines, status) = spawn_sub_with_status(
+        &server,
+        &[
+            "flood.>",
+            "--count",
+            &total.to_string(),
+            "--config",
+            config.to_str().unwrap(),
+        ],
+    );
+    let publisher = Client::connect(&server.endpoint).unwrap();
+    for _ in 0..total {
+        publisher
+            .publish("flood.x", Bytes::from(vec![b'x'; 1000]))
+            .unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    let received = lines.iter().count() as u64;
+    assert_eq!(
+        exit_code(&mut sub),
+        Some(0),
+        "--count counts what was missed"
+    );
+    let _ = std::fs::remove_file(&config);
+    let said: Vec<String> = status.try_iter().collect();
+    let missed: u64 = said
+        .iter()
+        .find_map(|line| line.strip_prefix("missed "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("sub says what it missed: {said:?}"));
+    assert!(missed > 0, "{said:?}");
+    assert_eq!(received + missed, total, "{said:?}");
 }
 
 #[test]
@@ -632,4 +715,191 @@ fn bench_reports_what_it_measured() {
         json_number(&json, "p50_us") <= json_number(&json, "p99_us"),
         "{json}"
     );
+}
+
+#[test]
+fn serve_check_validates_without_starting() {
+    let good = common::temp_path("good.toml");
+    std::fs::write(&good, "listen = [\"tcp/127.0.0.1:1\"]\n").unwrap();
+    let output = efabus()
+        .args([
+            "serve",
+            "--check",
+            "--monitor",
+            "127.0.0.1:8222",
+            "--config",
+        ])
+        .arg(&good)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&good);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let said = stdout(&output);
+    assert!(
+        said.starts_with("configuration valid") && said.contains("tcp/127.0.0.1:1"),
+        "{said}"
+    );
+    let output = run(&[
+        "serve",
+        "--check",
+        "--listen",
+        "tcp/127.0.0.1:0",
+        "--log-level",
+        "loud",
+    ]);
+    assert!(usage_error(&output).contains("log_level"));
+}
+
+/// Start `efabus serve` on `config`; its stderr lines.
+fn spawn_serve(
+    config: &std::path::Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Process, Receiver<String>) {
+    let mut child = Process(
+        efabus()
+            .args(["serve", "--config"])
+            .arg(config)
+            .args(extra)
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn efabus serve"),
+    );
+    let lines = lines_of(child.0.stderr.take().unwrap());
+    (child, lines)
+}
+
+/// Lines until one contains `needle` (bounded); all of them.
+fn lines_until(lines: &Receiver<String>, needle: &str) -> Vec<String> {
+    let deadline = Instant::now() + WAIT;
+    let mut seen = Vec::new();
+    while Instant::now() < deadline {
+        if let Ok(line) = lines.recv_timeout(Duration::from_millis(100)) {
+            let found = line.contains(needle);
+            seen.push(line);
+            if found {
+                return seen;
+            }
+        }
+    }
+    panic!("no line with {needle:?} in {seen:?}");
+}
+
+#[test]
+fn sighup_reloads_the_log_level_and_names_what_needs_a_restart() {
+    let config = common::temp_path("reload.toml");
+    std::fs::write(
+        &config,
+        "listen = [\"tcp/127.0.0.1:0\"]\nlog_level = \"info\"\n",
+    )
+    .unwrap();
+    let (mut server, lines) = spawn_serve(&config, &[], &[]);
+    let started = lines_until(&lines, "listening");
+    // Not a terminal: no colour codes.
+    assert!(
+        started.iter().all(|line| !line.contains('\u{1b}')),
+        "{started:?}"
+    );
+    let hup = || {
+        Command::new("kill")
+            .args(["-HUP", &server.0.id().to_string()])
+            .status()
+            .unwrap()
+    };
+    std::fs::write(
+        &config,
+        "listen = [\"tcp/127.0.0.1:0\"]\nlog_level = \"debug\"\n[limits]\nmax_payload = 5000\n",
+    )
+    .unwrap();
+    assert!(hup().success());
+    let said = lines_until(&lines, "take effect after a restart");
+    assert!(
+        said.iter().any(|line| line.contains("log level changed")),
+        "{said:?}"
+    );
+    assert!(
+        said.last().unwrap().contains("limits.max_payload"),
+        "{said:?}"
+    );
+    std::fs::write(
+        &config,
+        "listen = [\"tcp/127.0.0.1:0\"]\nlog_level = \"loud\"\n",
+    )
+    .unwrap();
+    assert!(hup().success());
+    lines_until(&lines, "reload refused");
+    assert_eq!(server.0.try_wait().unwrap(), None, "still serving");
+    let _ = Command::new("kill")
+        .args(["-TERM", &server.0.id().to_string()])
+        .status();
+    assert_eq!(exit_code(&mut server), Some(0));
+    let _ = std::fs::remove_file(&config);
+}
+
+#[test]
+fn logs_as_json_and_refuse_a_bad_rust_log() {
+    let config = common::temp_path("json.toml");
+    std::fs::write(
+        &config,
+        "listen = [\"tcp/127.0.0.1:0\"]\nlog_level = \"info\"\n",
+    )
+    .unwrap();
+    let (mut server, lines) = spawn_serve(&config, &["--log-format", "json"], &[]);
+    let line = lines_until(&lines, "listening").pop().unwrap();
+    let value: serde_json::Value = serde_json::from_str(&line).expect("a JSON log line");
+    assert_eq!(value["level"], "INFO", "{line}");
+    server.kill();
+
+    let output = efabus()
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "garbage")
+        .output()
+        .unwrap();
+    assert!(usage_error(&output).contains("RUST_LOG"));
+    let _ = std::fs::remove_file(&config);
+}
+
+#[test]
+fn secrets_come_from_files() {
+    let secret = common::temp_path("secret");
+    std::fs::write(&secret, "from-a-file\n").unwrap();
+    let secret_path = secret.to_str().unwrap();
+    let config = common::temp_path("secret.toml");
+    std::fs::write(&config, "listen = [\"tcp/127.0.0.1:0\"]\n").unwrap();
+    let server = Server::start("[auth]\nsecret = \"from-a-file\"\n");
+    let output = run(&[
+        "pub",
+        "s.x",
+        "y",
+        "--server",
+        &server.endpoint,
+        "--secret-file",
+        secret_path,
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let output = run(&[
+        "pub",
+        "s.x",
+        "y",
+        "--server",
+        &server.endpoint,
+        "--secret",
+        "wrong",
+    ]);
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let output = run(&[
+        "pub",
+        "s.x",
+        "y",
+        "--server",
+        &server.endpoint,
+        "--secret-file",
+        "/nonexistent/secret",
+    ]);
+    assert!(usage_error(&output).contains("secret file"));
+    let _ = std::fs::remove_file(&secret);
+    let _ = std::fs::remove_file(&config);
 }
