@@ -1433,7 +1433,16 @@ impl EventLoop {
                 .stats
                 .connections
                 .fetch_sub(1, Ordering::Relaxed);
-            info!(session = id, remote = %session.remote, name = %session.name, %reason, "peer gone");
+            // A dial that never became a route is the peer broker still
+            // being down: its first failure and its recovery are logged
+            // (`dial_failed`, "route up"), not every attempt.
+            let dial_attempt = session.state != SessionState::Ready
+                && session.route().is_some_and(|route| route.dialed());
+            if dial_attempt {
+                debug!(session = id, remote = %session.remote, %reason, "dial attempt ended");
+            } else {
+                info!(session = id, remote = %session.remote, name = %session.name, %reason, "peer gone");
+            }
         }
         self.answer_flushes();
     }

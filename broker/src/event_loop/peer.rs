@@ -255,7 +255,9 @@ impl Session {
             info!(session = id, link = %link.description, "data path negotiated");
         }
         if negotiation.opened.is_empty() {
-            info!(
+            // Normal where neither side has a fabric; the reasons are in
+            // the route's or client's link report.
+            debug!(
                 session = id,
                 "no data path in common; the control link carries everything"
             );
