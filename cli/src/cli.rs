@@ -10,7 +10,7 @@
 //! (`efabus caps | head`) ends the command quietly with status 0.
 
 use std::fmt;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -50,6 +50,8 @@ pub enum Command {
     Sub(SubArgs),
     /// Send a request and print the reply.
     Req(ReqArgs),
+    /// Answer requests on a subject with a fixed payload.
+    Reply(ReplyArgs),
     /// Show transport capabilities in fi_info layout, and what would be negotiated.
     Caps(crate::caps::CapsArgs),
     /// Measure throughput or request/reply latency.
@@ -127,6 +129,10 @@ pub struct ClientArgs {
     /// the [fabric] table, the preference list) the client offers the broker.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
+    /// Say on stderr which path the connection negotiated (and why not
+    /// the fabric).
+    #[arg(long, short)]
+    pub verbose: bool,
 }
 
 #[derive(Debug, Args)]
@@ -134,7 +140,7 @@ pub struct PubArgs {
     pub subject: String,
     /// Payload text (default: empty, or --size bytes).
     pub data: Option<String>,
-    /// Read the payload from a file.
+    /// Read the payload from a file (`-`: standard input).
     #[arg(long, conflicts_with = "data")]
     pub file: Option<PathBuf>,
     /// Number of messages.
@@ -160,6 +166,31 @@ pub struct SubArgs {
     /// (without it, a lost connection ends `sub` with status 1).
     #[arg(long)]
     pub reconnect: bool,
+    /// Print only each payload, as it is, followed by a newline.
+    #[arg(long, conflicts_with = "json")]
+    pub raw: bool,
+    /// Print one JSON object per message: subject, reply, size, and the
+    /// payload as text (`payload`) or, when not UTF-8, as base64
+    /// (`payload_base64`).
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ReplyArgs {
+    /// Subject (or pattern) of the requests to answer.
+    pub subject: String,
+    /// The answer to every request.
+    #[arg(default_value = "")]
+    pub data: String,
+    /// Join a queue group (responders sharing the requests).
+    #[arg(long, short)]
+    pub queue: Option<String>,
+    /// Exit after answering this many requests.
+    #[arg(long)]
+    pub count: Option<u64>,
     #[command(flatten)]
     pub client: ClientArgs,
 }
@@ -256,6 +287,11 @@ impl Output {
     /// Write formatted text (use with `format_args!`).
     pub fn write(&mut self, text: fmt::Arguments<'_>) -> Result<(), Failure> {
         self.out.write_fmt(text).map_err(write_failure)
+    }
+
+    /// Write bytes as they are.
+    pub fn bytes(&mut self, bytes: &[u8]) -> Result<(), Failure> {
+        self.out.write_all(bytes).map_err(write_failure)
     }
 
     /// Write formatted text and a newline.
@@ -385,6 +421,7 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Command::Pub(args) => publish(args),
         Command::Sub(args) => subscribe(args),
         Command::Req(args) => request(args),
+        Command::Reply(args) => reply(args),
         Command::Caps(args) => crate::caps::run(args),
         Command::Bench(args) => crate::bench::run(args),
         Command::Stats(args) => crate::monitor::stats(args),
@@ -698,8 +735,21 @@ fn connect_with(args: &ClientArgs, reconnect: bool) -> Result<Client, Failure> {
         reconnect,
         ..base
     };
-    Client::connect_with(&args.server, options, Registry::with_builtins())
-        .map_err(|err| explain(err, Some(&args.server)))
+    let client = Client::connect_with(&args.server, options, Registry::with_builtins())
+        .map_err(|err| explain(err, Some(&args.server)))?;
+    if args.verbose {
+        let link = client.link();
+        let mut said = format!("connected to {}; reliable: {}", args.server, link.reliable);
+        if let Some(best_effort) = &link.best_effort {
+            said.push_str(&format!("; best effort: {best_effort}"));
+        }
+        if !link.reliable.contains(" via ") && !link.reasons.is_empty() {
+            said.push_str(&format!("; not on the fabric: {}", link.reasons.join("; ")));
+        }
+        // A status line: a closed stderr is no reason to fail.
+        let _ = writeln!(io::stderr(), "{said}");
+    }
+    Ok(client)
 }
 
 /// A subject (or, for `sub`, a pattern) that no broker would take is a
@@ -743,7 +793,10 @@ fn too_large(what: &str, len: u64, max: u64, whose: &str) -> Failure {
 fn publish(args: PubArgs) -> Result<(), Failure> {
     // Sizes are checked before anything is allocated: first against what
     // the wire can carry, then against the server's limit from its welcome.
+    let stdin_payload = args.file.as_deref() == Some(std::path::Path::new("-"));
     let wanted = match (&args.file, args.size) {
+        // Standard input's length is known once read (after connecting).
+        (Some(_), _) if stdin_payload => None,
         (Some(path), _) => {
             let len = std::fs::metadata(path)
                 .map_err(|err| Failure::usage(format!("cannot read {}: {err}", path.display())))?
@@ -766,7 +819,19 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
             return Err(too_large(what, len, max, "the server's"));
         }
     }
-    let payload: Bytes = if let Some(path) = &args.file {
+    let payload: Bytes = if stdin_payload {
+        // At most one byte over the limit is read: enough to refuse.
+        let mut data = Vec::new();
+        Read::take(io::stdin(), max.saturating_add(1))
+            .read_to_end(&mut data)
+            .map_err(|err| Failure::usage(format!("cannot read standard input: {err}")))?;
+        if data.len() as u64 > max {
+            return Err(Failure::usage(format!(
+                "standard input is over the server's limit of {max} bytes; send less"
+            )));
+        }
+        data.into()
+    } else if let Some(path) = &args.file {
         let data = std::fs::read(path)
             .map_err(|err| Failure::usage(format!("cannot read {}: {err}", path.display())))?;
         if data.len() as u64 > max {
@@ -779,17 +844,38 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
     } else {
         Bytes::from(args.data.clone().unwrap_or_default())
     };
+    let stop = stop_on_signals()?;
+    let progress = publish_progress(args.count);
     let started = Instant::now();
-    for _ in 0..args.count {
+    let mut published = 0u64;
+    while published < args.count && !stop.load(Ordering::Relaxed) {
         client
             .publish(&args.subject, payload.clone())
             .map_err(|err| explain(err, Some(&args.client.server)))?;
+        published += 1;
+        if published % PROGRESS_STEP == 0 {
+            progress.set_position(published);
+        }
     }
+    progress.finish_and_clear();
     client
         .flush(Duration::from_secs(30))
         .map_err(|err| explain(err, Some(&args.client.server)))?;
     let elapsed = started.elapsed();
     let mut output = Output::new();
+    if published < args.count {
+        out!(
+            output,
+            "interrupted: published {published} of {} messages of {} bytes in {:.3} s",
+            args.count,
+            payload.len(),
+            elapsed.as_secs_f64()
+        )?;
+        return Err(Failure {
+            message: format!("interrupted after {published} of {} messages", args.count),
+            code: 130,
+        });
+    }
     if args.count != 1 {
         let rate = args.count as f64 / elapsed.as_secs_f64().max(1e-9);
         out!(
@@ -806,6 +892,66 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
             "published 1 message to {}",
             excerpt(&args.subject, EXCERPT_CHARS)
         )
+    }
+}
+
+/// Messages between two updates of `pub`'s progress bar.
+const PROGRESS_STEP: u64 = 1024;
+
+/// A progress bar for a long `pub` on a terminal; hidden otherwise.
+fn publish_progress(total: u64) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if total < 100_000 || !io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} published {per_sec} {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// How `sub` prints a message.
+fn print_message(
+    output: &mut Output,
+    message: &efabus_broker::Message,
+    args: &SubArgs,
+) -> Result<(), Failure> {
+    let text = std::str::from_utf8(&message.payload).ok();
+    if args.raw {
+        output.bytes(&message.payload)?;
+        return out!(output);
+    }
+    if args.json {
+        let mut value = serde_json::json!({
+            "subject": &*message.subject,
+            "reply": message.reply.as_deref(),
+            "size": message.payload.len(),
+        });
+        match text {
+            Some(text) => value["payload"] = text.into(),
+            None => {
+                use base64::Engine;
+                value["payload_base64"] = base64::engine::general_purpose::STANDARD
+                    .encode(&message.payload)
+                    .into();
+            }
+        }
+        return out!(output, "{value}");
+    }
+    let reply = message
+        .reply
+        .as_deref()
+        .map_or(String::new(), |reply| format!(" (reply to {reply})"));
+    match text {
+        Some(text) => out!(output, "[{}]{reply} {text}", message.subject),
+        None => out!(
+            output,
+            "[{}]{reply} <{} bytes, not UTF-8: see --raw or --json>",
+            message.subject,
+            message.payload.len()
+        ),
     }
 }
 
@@ -841,12 +987,7 @@ fn subscribe(args: SubArgs) -> Result<(), Failure> {
         match subscription.recv_timeout(Duration::from_millis(100)) {
             Ok(message) => {
                 received += 1;
-                out!(
-                    output,
-                    "[{}] {}",
-                    message.subject,
-                    String::from_utf8_lossy(&message.payload)
-                )?;
+                print_message(&mut output, &message, &args)?;
             }
             Err(RecvError::Timeout | RecvError::Empty) => {}
             Err(RecvError::Closed) => {
@@ -871,6 +1012,56 @@ fn subscribe(args: SubArgs) -> Result<(), Failure> {
         );
     }
     ended.map_or(Ok(()), Err)
+}
+
+fn reply(args: ReplyArgs) -> Result<(), Failure> {
+    check_subject(&args.subject, true)?;
+    let client = connect(&args.client)?;
+    let server = &args.client.server;
+    let requests = match &args.queue {
+        Some(group) => client.queue_subscribe(&args.subject, group),
+        None => client.subscribe(&args.subject),
+    }
+    .map_err(|err| explain(err, Some(server)))?;
+    client
+        .flush(Duration::from_secs(5))
+        .map_err(|err| explain(err, Some(server)))?;
+    let _ = writeln!(
+        io::stderr(),
+        "answering requests on {}",
+        excerpt(&args.subject, EXCERPT_CHARS)
+    );
+    let stop = stop_on_signals()?;
+    let answer = Bytes::from(args.data.clone());
+    let (mut answered, mut without_reply) = (0u64, 0u64);
+    while !stop.load(Ordering::Relaxed) && args.count.is_none_or(|count| answered < count) {
+        match requests.recv_timeout(Duration::from_millis(100)) {
+            Ok(request) => match request.reply.as_deref() {
+                Some(reply) => {
+                    client
+                        .publish(reply, answer.clone())
+                        .map_err(|err| explain(err, Some(server)))?;
+                    answered += 1;
+                }
+                // A plain publish on the subject: nobody to answer.
+                None => without_reply += 1,
+            },
+            Err(RecvError::Timeout | RecvError::Empty) => {}
+            Err(RecvError::Closed) => {
+                return Err(Failure::runtime(format!(
+                    "the connection to the broker was lost after {answered} answers"
+                )))
+            }
+        }
+    }
+    client
+        .flush(Duration::from_secs(5))
+        .map_err(|err| explain(err, Some(server)))?;
+    let mut said = format!("answered {answered} requests");
+    if without_reply > 0 {
+        said.push_str(&format!("; {without_reply} messages had no reply subject"));
+    }
+    out!(Output::new(), "{said}")
 }
 
 fn request(args: ReqArgs) -> Result<(), Failure> {

@@ -903,3 +903,179 @@ fn secrets_come_from_files() {
     let _ = std::fs::remove_file(&secret);
     let _ = std::fs::remove_file(&config);
 }
+
+#[test]
+fn sub_shows_replies_binary_payloads_raw_and_json() {
+    let server = Server::start("");
+    let (mut plain, plain_lines) = spawn_sub(&server, &["show.>", "--count", "2"]);
+    let (mut json, json_lines) = spawn_sub(&server, &["show.>", "--count", "2", "--json"]);
+    // The raw payloads are not text: read as bytes once it has exited.
+    let mut raw = Process(
+        efabus()
+            .args([
+                "sub",
+                "show.>",
+                "--count",
+                "2",
+                "--raw",
+                "--server",
+                &server.endpoint,
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let raw_status = lines_of(raw.0.stderr.take().unwrap());
+    assert!(raw_status
+        .recv_timeout(WAIT)
+        .unwrap()
+        .starts_with("subscribed"));
+    // A binary payload from standard input, then a request.
+    let mut publish = efabus()
+        .args([
+            "pub",
+            "show.bin",
+            "--file",
+            "-",
+            "--server",
+            &server.endpoint,
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut publish.stdin.take().unwrap(), &[0xff, 0xfe, 0x00]).unwrap();
+    assert!(publish.wait().unwrap().success());
+    let output = run(&[
+        "req",
+        "show.ask",
+        "hi",
+        "--timeout",
+        "300",
+        "--server",
+        &server.endpoint,
+    ]);
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "nobody answers: {}",
+        stderr(&output)
+    );
+    for child in [&mut plain, &mut json, &mut raw] {
+        assert_eq!(exit_code(child), Some(0));
+    }
+
+    let plain: Vec<String> = plain_lines.iter().collect();
+    assert_eq!(
+        plain[0],
+        "[show.bin] <3 bytes, not UTF-8: see --raw or --json>"
+    );
+    assert!(
+        plain[1].starts_with("[show.ask] (reply to _INBOX.") && plain[1].ends_with(" hi"),
+        "{}",
+        plain[1]
+    );
+    let json: Vec<serde_json::Value> = json_lines
+        .iter()
+        .map(|line| serde_json::from_str(&line).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(json[0]["payload_base64"], "//4A");
+    assert_eq!(json[0]["size"], 3);
+    assert_eq!(json[1]["payload"], "hi");
+    assert!(json[1]["reply"]
+        .as_str()
+        .is_some_and(|r| r.starts_with("_INBOX.")));
+    let mut bytes = Vec::new();
+    raw.0
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_end(&mut bytes)
+        .unwrap();
+    assert_eq!(bytes, b"\xff\xfe\x00\nhi\n");
+}
+
+#[test]
+fn reply_answers_requests_and_verbose_says_the_path() {
+    let server = Server::start("");
+    let mut responder = Process(
+        efabus()
+            .args([
+                "reply",
+                "svc.time",
+                "noon",
+                "--count",
+                "2",
+                "--server",
+                &server.endpoint,
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let status = lines_of(responder.0.stderr.take().unwrap());
+    let said = status.recv_timeout(WAIT).expect("reply says it is ready");
+    assert!(said.starts_with("answering requests on svc.time"), "{said}");
+    for _ in 0..2 {
+        let output = run(&["req", "svc.time", "-v", "--server", &server.endpoint]);
+        assert!(output.status.success(), "{}", stderr(&output));
+        assert_eq!(stdout(&output).trim(), "noon");
+        let verbose = stderr(&output);
+        assert!(
+            verbose.contains("reliable: tcp") && verbose.contains("not on the fabric"),
+            "{verbose}"
+        );
+    }
+    assert_eq!(exit_code(&mut responder), Some(0));
+    let mut answered = String::new();
+    responder
+        .0
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut answered)
+        .unwrap();
+    assert_eq!(answered.trim(), "answered 2 requests");
+}
+
+#[test]
+fn an_interrupted_pub_says_how_far_it_got() {
+    let server = Server::start("");
+    let mut publish = Process(
+        efabus()
+            .args([
+                "pub",
+                "many.x",
+                "y",
+                "--count",
+                "100000000",
+                "--server",
+                &server.endpoint,
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(700));
+    let _ = Command::new("kill")
+        .args(["-INT", &publish.0.id().to_string()])
+        .status();
+    assert_eq!(exit_code(&mut publish), Some(130));
+    let mut said = String::new();
+    publish
+        .0
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut said)
+        .unwrap();
+    let published: u64 = said
+        .strip_prefix("interrupted: published ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(published > 0 && published < 100_000_000, "{said}");
+}
