@@ -122,6 +122,17 @@ pub struct BrokerStats {
     pub fabric_rendezvous_read_bytes: AtomicU64,
     pub fabric_rendezvous_registrations: AtomicU64,
     pub fabric_rendezvous_abandoned: AtomicU64,
+    /// What the listeners' providers did: messages handed to them and
+    /// delivered by them, completions with an error, receive buffers lent
+    /// and sends made in place (no copy), address-vector entries evicted,
+    /// and sends refused for now (queue full).
+    pub fabric_messages_sent: AtomicU64,
+    pub fabric_messages_received: AtomicU64,
+    pub fabric_completion_errors: AtomicU64,
+    pub fabric_lent: AtomicU64,
+    pub fabric_shared_sends: AtomicU64,
+    pub fabric_av_evictions: AtomicU64,
+    pub fabric_queue_full: AtomicU64,
 }
 
 impl BrokerStats {
@@ -197,6 +208,19 @@ impl BrokerStats {
                 "fabric_rendezvous_abandoned",
                 get(&self.fabric_rendezvous_abandoned),
             ),
+            ("fabric_messages_sent", get(&self.fabric_messages_sent)),
+            (
+                "fabric_messages_received",
+                get(&self.fabric_messages_received),
+            ),
+            (
+                "fabric_completion_errors",
+                get(&self.fabric_completion_errors),
+            ),
+            ("fabric_lent", get(&self.fabric_lent)),
+            ("fabric_shared_sends", get(&self.fabric_shared_sends)),
+            ("fabric_av_evictions", get(&self.fabric_av_evictions)),
+            ("fabric_queue_full", get(&self.fabric_queue_full)),
         ]
     }
 }

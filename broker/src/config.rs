@@ -47,6 +47,21 @@ pub enum ConfigError {
     },
 }
 
+/// A TOML parse error on one line: where, and what (the parser's own
+/// text draws the line with a caret over several lines).
+fn parse_message(text: &str, err: &toml::de::Error) -> String {
+    let what = err.message().trim().replace('\n', ", ");
+    match err.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |at| at + 1) + 1;
+            format!("line {line}, column {column}: {what}")
+        }
+        None => what,
+    }
+}
+
 fn at_line(line: &Option<usize>) -> String {
     line.map(|line| format!(", line {line}"))
         .unwrap_or_default()
@@ -520,7 +535,7 @@ impl Config {
     fn load(text: &str, origin: &str, schemes: Option<&[&str]>) -> Result<Config, ConfigError> {
         let config: Config = toml::from_str(text).map_err(|err| ConfigError::Parse {
             origin: origin.to_string(),
-            message: err.to_string().trim_end().replace('\n', " "),
+            message: parse_message(text, &err),
         })?;
         let checked = config.validate(origin).and_then(|()| match schemes {
             Some(schemes) => config.check_schemes(origin, schemes),

@@ -248,7 +248,7 @@ impl From<ConfigError> for Failure {
             Failure::usage(format!("{err}; fix the option (see `efabus serve --help`)"))
         } else {
             Failure::usage(format!(
-                "{err}; fix the file or run without a config for the built-in default"
+                "{err}; fix the file (config/default.toml shows every key with its default)"
             ))
         }
     }
@@ -342,17 +342,45 @@ fn explain(err: Error, server: Option<&str>) -> Failure {
         Error::Endpoint { endpoint, source } => {
             let (hint, code) = match source {
                 RegistryError::Transport {
-                    source: TransportError::Bind { .. },
+                    source: TransportError::Bind { source, .. },
                     ..
-                } => ("is another broker running there? pick another address with --listen", 1),
+                } => match source.kind() {
+                    io::ErrorKind::AddrInUse => (
+                        "is another broker running there? pick another address with --listen",
+                        1,
+                    ),
+                    io::ErrorKind::AddrNotAvailable => (
+                        "that address is not one of this host's; listen on one of its \
+                         addresses, or 0.0.0.0 for all",
+                        1,
+                    ),
+                    io::ErrorKind::PermissionDenied => (
+                        "ports below 1024 need privileges; pick a port from 1024 up",
+                        1,
+                    ),
+                    _ => ("pick another address with --listen", 1),
+                },
                 RegistryError::Transport {
                     source: TransportError::Unavailable { .. },
                     ..
                 } => ("remove that listener from the config or install what it needs (see README, Running on EFA)", 1),
-                RegistryError::UnknownScheme { .. } | RegistryError::Spec(_) => {
-                    ("endpoints are mem/NAME, tcp/HOST:PORT, efa-rdm or efa-dgram", 2)
-                }
-                _ => ("check the endpoint string (mem/NAME, tcp/HOST:PORT, efa-rdm, efa-dgram)", 1),
+                RegistryError::UnknownScheme { .. } | RegistryError::Spec(_) => (
+                    "endpoints are mem/NAME, tcp/HOST:PORT, efa-rdm, efa-dgram or shm",
+                    2,
+                ),
+                // The endpoint string itself is wrong: a usage error, as
+                // for --server.
+                RegistryError::Transport {
+                    source: TransportError::InvalidAddress { .. },
+                    ..
+                } => (
+                    "check the endpoint string (tcp/HOST:PORT with a port from 0 to 65535)",
+                    2,
+                ),
+                _ => (
+                    "check the endpoint string (mem/NAME, tcp/HOST:PORT, efa-rdm, efa-dgram, shm)",
+                    1,
+                ),
             };
             (
                 format!("cannot open {}: {source}", short(endpoint)),
@@ -723,7 +751,9 @@ fn connect(args: &ClientArgs) -> Result<Client, Failure> {
 
 /// Connect; with `reconnect` the client rides out the broker going away.
 fn connect_with(args: &ClientArgs, reconnect: bool) -> Result<Client, Failure> {
-    init_logging("warn", LogFormat::Text)?;
+    // What goes wrong is the command's one-line error; the library's
+    // warnings about the same would say it twice.
+    init_logging("error", LogFormat::Text)?;
     let base = match &args.config {
         Some(path) => ClientOptions::from_config(&Config::from_file(path)?),
         None => ClientOptions::default(),

@@ -520,6 +520,27 @@ fn serve_refuses_bad_configuration_with_exit_2() {
     let text = usage_error(&output);
     assert!(text.contains("log_level"), "{text}");
 
+    // A port out of range is the same usage error in --listen as in
+    // --server.
+    let text = usage_error(&run(&["serve", "--listen", "tcp/127.0.0.1:74400"]));
+    assert!(text.contains("74400"), "{text}");
+
+    // A TOML syntax error is one line, with where it is.
+    let broken = common::temp_path("broken.toml");
+    std::fs::write(
+        &broken,
+        "listen = [\"tcp/127.0.0.1:0\"]\n[limits]\nmax_payload = \"big\"\n",
+    )
+    .unwrap();
+    let output = efabus()
+        .args(["serve", "--config"])
+        .arg(&broken)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&broken);
+    let text = usage_error(&output);
+    assert!(text.contains("line 3, column 15: invalid type"), "{text}");
+
     // A broker with nothing to listen on refuses to start.
     let empty = common::temp_path("empty.toml");
     std::fs::write(&empty, "name = \"x\"\n").unwrap();
@@ -890,6 +911,9 @@ fn secrets_come_from_files() {
         "wrong",
     ]);
     assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let said = stderr(&output);
+    assert_eq!(said.trim().lines().count(), 1, "one line: {said}");
+    assert!(!said.contains('\u{1b}'), "no colour codes: {said}");
     let output = run(&[
         "pub",
         "s.x",

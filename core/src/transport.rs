@@ -466,6 +466,26 @@ pub struct RendezvousCounts {
     pub abandoned: u64,
 }
 
+/// What a fabric endpoint's provider did since the endpoint opened,
+/// besides the frames it carried (see [`Endpoint::fabric_counts`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct FabricCounts {
+    /// Messages handed to the provider (sends and injects).
+    pub messages_sent: u64,
+    /// Messages the provider delivered.
+    pub messages_received: u64,
+    /// Completions that reported an error, sends and receives.
+    pub completion_errors: u64,
+    /// Received buffers lent to the application instead of copied.
+    pub lent: u64,
+    /// Sends made from the frame's own memory instead of a copy.
+    pub shared_sends: u64,
+    /// Address-vector entries removed to make room for others.
+    pub av_evictions: u64,
+    /// Sends the provider refused for now (queue full, `-FI_EAGAIN`).
+    pub queue_full: u64,
+}
+
 /// A message-oriented, peer-addressed endpoint. See the module docs for the
 /// calling order.
 pub trait Endpoint: Send {
@@ -510,6 +530,12 @@ pub trait Endpoint: Send {
     /// What the endpoint moved by rendezvous, for the owner's statistics.
     fn rendezvous_counts(&self) -> RendezvousCounts {
         RendezvousCounts::default()
+    }
+
+    /// What the provider did since the endpoint opened; zero for
+    /// transports that are not a fabric.
+    fn fabric_counts(&self) -> FabricCounts {
+        FabricCounts::default()
     }
 
     /// Queue one frame for a peer without blocking.

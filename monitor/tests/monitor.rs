@@ -197,6 +197,15 @@ fn the_views_show_the_broker_its_connections_and_their_links() {
     assert!(fallback, "the TCP client's fallback is counted:\n{text}");
     if fabric {
         assert_eq!(value("efabus_messages_in_total", &[]), Some(10.0), "{text}");
+        // The provider's own counts, summed over the listeners.
+        assert!(
+            value("efabus_fabric_messages_received_total", &[]) > Some(0.0),
+            "{text}"
+        );
+        assert_eq!(
+            value("efabus_fabric_completion_errors_total", &[]),
+            Some(0.0)
+        );
         assert_eq!(
             value(
                 "efabus_session_messages_in",

@@ -837,6 +837,10 @@ impl Endpoint for FaultyEndpoint {
         self.inner.rendezvous_counts()
     }
 
+    fn fabric_counts(&self) -> efabus_core::transport::FabricCounts {
+        self.inner.fabric_counts()
+    }
+
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
         if self.disconnecting.contains(&peer) {
             return Err(SendError::Closed(peer));

@@ -33,8 +33,8 @@ use efabus_core::link::{LinkError, LinkTuning};
 use efabus_core::log_limit::LogLimit;
 use efabus_core::subject;
 use efabus_core::transport::{
-    CloseReason, Endpoint, Event, OutFrame, PeerId, Refused, RendezvousCounts, SendError,
-    TransportError,
+    CloseReason, Endpoint, Event, FabricCounts, OutFrame, PeerId, Refused, RendezvousCounts,
+    SendError, TransportError,
 };
 use mio::{Poll, Token};
 use tracing::{debug, error, info, warn};
@@ -129,6 +129,8 @@ pub(crate) struct EventLoop {
     /// The endpoints' refused messages as last put in the stats.
     refused: Refused,
     rendezvous: RendezvousCounts,
+    /// The listeners' provider counts as last published.
+    fabric: FabricCounts,
     /// Failed polls are logged once a second at most.
     poll_error_log: LogLimit,
     /// Refused connections likewise.
@@ -218,6 +220,7 @@ impl EventLoop {
             auth_guard: AuthGuard::default(),
             refused: Refused::default(),
             rendezvous: RendezvousCounts::default(),
+            fabric: FabricCounts::default(),
             poll_error_log: LogLimit::new(Duration::from_secs(1)),
             refused_log: LogLimit::new(Duration::from_secs(1)),
         }
@@ -375,6 +378,36 @@ impl EventLoop {
     fn publish_endpoint_counts(&mut self) {
         self.publish_refused();
         self.publish_rendezvous();
+        self.publish_fabric();
+    }
+
+    fn publish_fabric(&mut self) {
+        let counts = self.endpoints.iter().map(|e| e.fabric_counts()).fold(
+            FabricCounts::default(),
+            |sum, c| FabricCounts {
+                messages_sent: sum.messages_sent + c.messages_sent,
+                messages_received: sum.messages_received + c.messages_received,
+                completion_errors: sum.completion_errors + c.completion_errors,
+                lent: sum.lent + c.lent,
+                shared_sends: sum.shared_sends + c.shared_sends,
+                av_evictions: sum.av_evictions + c.av_evictions,
+                queue_full: sum.queue_full + c.queue_full,
+            },
+        );
+        if counts == self.fabric {
+            return;
+        }
+        self.fabric = counts;
+        let stats = &self.shared.stats;
+        store_all(&[
+            (&stats.fabric_messages_sent, counts.messages_sent),
+            (&stats.fabric_messages_received, counts.messages_received),
+            (&stats.fabric_completion_errors, counts.completion_errors),
+            (&stats.fabric_lent, counts.lent),
+            (&stats.fabric_shared_sends, counts.shared_sends),
+            (&stats.fabric_av_evictions, counts.av_evictions),
+            (&stats.fabric_queue_full, counts.queue_full),
+        ]);
     }
 
     fn publish_refused(&mut self) {

@@ -2043,6 +2043,19 @@ impl Endpoint for FabricEndpoint {
         }
     }
 
+    fn fabric_counts(&self) -> efabus_core::transport::FabricCounts {
+        let stats = &self.stats;
+        efabus_core::transport::FabricCounts {
+            messages_sent: stats.sent + stats.injected,
+            messages_received: stats.received,
+            completion_errors: stats.tx_errors + stats.rx_errors,
+            lent: stats.lent,
+            shared_sends: stats.shared_sends,
+            av_evictions: stats.av_evictions,
+            queue_full: stats.would_block,
+        }
+    }
+
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
         let Some(state) = self.peers.get(&peer) else {
             return Err(SendError::Closed(peer));
