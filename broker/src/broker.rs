@@ -236,8 +236,12 @@ pub(crate) enum Command {
     Flush(Sender<()>),
     /// Route to one more broker (an endpoint string, checked).
     AddPeer(String),
-    /// Report every session (for monitoring).
-    Connections(Sender<Vec<ConnectionReport>>),
+    /// Report every session (for monitoring), with its subscriptions when
+    /// asked.
+    Connections {
+        subscriptions: bool,
+        answer: Sender<Vec<ConnectionReport>>,
+    },
 }
 
 pub(crate) struct Shared {
@@ -677,11 +681,20 @@ impl Broker {
     }
 
     /// Every session of the broker (clients and routes) with its links,
-    /// counters and subscriptions, as the event loop sees them between two
-    /// rounds; fails when the loop does not answer within `timeout`.
-    pub fn connections(&self, timeout: Duration) -> Result<Vec<ConnectionReport>, Error> {
+    /// counters and, with `subscriptions`, its subscriptions, as the event
+    /// loop sees them between two rounds (the loop spends a pass over its
+    /// sessions on it); fails when the loop does not answer within
+    /// `timeout`.
+    pub fn connections(
+        &self,
+        subscriptions: bool,
+        timeout: Duration,
+    ) -> Result<Vec<ConnectionReport>, Error> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.shared.send_command(Command::Connections(tx))?;
+        self.shared.send_command(Command::Connections {
+            subscriptions,
+            answer: tx,
+        })?;
         rx.recv_timeout(timeout)
             .map_err(|_| Error::Timeout(timeout))
     }

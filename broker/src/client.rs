@@ -1094,6 +1094,10 @@ impl ClientLoop {
             self.now = now;
             self.on_timers(now);
             if matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
+                // Refused for good: subscriptions end after what they
+                // hold, requests fail now, rather than wait for nothing.
+                self.shared.subscriptions.lock().clear();
+                self.shared.replies.lock().clear();
                 break;
             }
             events.clear();

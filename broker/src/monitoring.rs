@@ -2,8 +2,8 @@
 //! [`ConnectionReport`] per session (clients and routes) with its links,
 //! counters and subscriptions, and [`MatchReport`], which subscriptions a
 //! subject reaches. The event loop builds connection reports between
-//! rounds when asked ([`crate::Broker::connections`]), so asking costs the
-//! data path nothing between asks.
+//! rounds when asked ([`crate::Broker::connections`]): a pass over its
+//! sessions (and their subscriptions, when asked for them) each time.
 
 use std::time::SystemTime;
 
@@ -15,7 +15,9 @@ pub struct SessionCounts {
     pub messages_in: u64,
     /// Bytes of those frames (headers, subjects and payloads).
     pub bytes_in: u64,
-    /// Messages delivered to the peer.
+    /// Messages delivered to the peer: handed to its queue (those the
+    /// slow-consumer policy discards from it later count in `dropped`
+    /// too).
     pub messages_out: u64,
     /// Bytes of the message frames delivered (headers, subjects and
     /// payloads).
@@ -76,7 +78,9 @@ pub struct ConnectionReport {
     pub counts: SessionCounts,
     /// Bytes queued for the peer and not yet taken by its path.
     pub pending_bytes: u64,
-    /// Subscriptions of a client (none for a route).
+    /// How many subscriptions a client has (0 for a route).
+    pub subscription_count: usize,
+    /// A client's subscriptions, when the report was asked with them.
     pub subscriptions: Vec<SubscriptionReport>,
 }
 

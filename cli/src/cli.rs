@@ -85,16 +85,18 @@ pub struct ServeArgs {
     /// prefer --secret-file or EFABUS_SECRET.
     #[arg(long, env = "EFABUS_SECRET", hide_env_values = true)]
     pub secret: Option<String>,
-    /// Read the shared secret from this file (its first line).
-    #[arg(long, conflicts_with = "secret", value_name = "FILE")]
+    /// Read the shared secret from this file (its first line); it takes
+    /// precedence over --secret and EFABUS_SECRET.
+    #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
     /// Secret that opens routes between brokers (cluster.secret); when
     /// set, the clients' secret does not. Visible in `ps`: prefer
     /// --cluster-secret-file or EFABUS_CLUSTER_SECRET.
     #[arg(long, env = "EFABUS_CLUSTER_SECRET", hide_env_values = true)]
     pub cluster_secret: Option<String>,
-    /// Read the cluster secret from this file (its first line).
-    #[arg(long, conflicts_with = "cluster_secret", value_name = "FILE")]
+    /// Read the cluster secret from this file (its first line); it takes
+    /// precedence over --cluster-secret and EFABUS_CLUSTER_SECRET.
+    #[arg(long, value_name = "FILE")]
     pub cluster_secret_file: Option<PathBuf>,
     /// Check the configuration and exit: 0 when it is valid (listeners
     /// are not opened).
@@ -122,8 +124,9 @@ pub struct ClientArgs {
     /// in `ps`: prefer --secret-file or EFABUS_SECRET.
     #[arg(long, env = "EFABUS_SECRET", hide_env_values = true)]
     pub secret: Option<String>,
-    /// Read the shared secret from this file (its first line).
-    #[arg(long, conflicts_with = "secret", value_name = "FILE")]
+    /// Read the shared secret from this file (its first line); it takes
+    /// precedence over --secret and EFABUS_SECRET.
+    #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
     /// Config whose fabric endpoints (`listen` entries efa-rdm/efa-dgram,
     /// the [fabric] table, the preference list) the client offers the broker.
@@ -499,14 +502,12 @@ fn init_logging(level: &str, format: LogFormat) -> Result<Option<LogReload>, Fai
     Ok(from_env.is_none().then_some(handle))
 }
 
-/// The secret given on the command line (or its environment variable),
-/// else the first line of `file`.
+/// The first line of `file` when one is given (a file named on the
+/// command line is meant over a secret in the environment), else the
+/// secret given as a flag or its environment variable.
 fn secret_from(value: &Option<String>, file: &Option<PathBuf>) -> Result<Option<String>, Failure> {
-    if value.is_some() {
-        return Ok(value.clone());
-    }
     let Some(path) = file else {
-        return Ok(None);
+        return Ok(value.clone());
     };
     let text = std::fs::read_to_string(path).map_err(|err| {
         Failure::usage(format!(
@@ -684,6 +685,11 @@ fn reload(args: &ServeArgs, schemes: &[&str], running: &Config, log: Option<&Log
         toml::Value::try_from(&config),
     ) {
         changed_keys("", &before, &after, &mut changed);
+    }
+    if log.is_none() && config.log_level != running.log_level {
+        tracing::warn!(
+            "log_level changed, but RUST_LOG sets the log level: unset it to use the file's"
+        );
     }
     changed.retain(|key| key != "log_level");
     if changed.is_empty() {

@@ -80,12 +80,15 @@ fn read(address: &str, path: &str) -> Result<Value, Failure> {
 }
 
 pub fn stats(args: StatsArgs) -> Result<(), Failure> {
-    if !(args.interval.is_finite() && args.interval >= 0.05) {
-        return Err(Failure::usage(format!(
-            "--interval {} is not a number of seconds of at least 0.05",
-            args.interval
-        )));
-    }
+    let interval = Duration::try_from_secs_f64(args.interval)
+        .ok()
+        .filter(|interval| *interval >= Duration::from_millis(50))
+        .ok_or_else(|| {
+            Failure::usage(format!(
+                "--interval {} is not a number of seconds of at least 0.05",
+                args.interval
+            ))
+        })?;
     let mut output = Output::new();
     let mut last: Option<(Instant, Value)> = None;
     loop {
@@ -118,7 +121,7 @@ pub fn stats(args: StatsArgs) -> Result<(), Failure> {
             return Ok(());
         }
         last = Some((now, varz));
-        std::thread::sleep(Duration::from_secs_f64(args.interval));
+        std::thread::sleep(interval);
         out!(output)?;
     }
 }

@@ -877,10 +877,10 @@ pub fn open_run(frames: &Bytes, out: &mut Vec<Bytes>) -> Result<usize, DecodeErr
         else {
             break Err(DecodeError::BadRun("it ends inside a length prefix"));
         };
-        let end = at + PREFIX_LEN + len;
-        if len == 0 || end > frames.len() {
+        let end = (at + PREFIX_LEN).checked_add(len);
+        let Some(end) = end.filter(|&end| len > 0 && end <= frames.len()) else {
             break Err(DecodeError::BadRun("a frame's length runs past its end"));
-        }
+        };
         match FrameKind::from_byte(frames[at + PREFIX_LEN]) {
             None => break Err(DecodeError::UnknownKind(frames[at + PREFIX_LEN])),
             Some(FrameKind::Run | FrameKind::Fragment | FrameKind::Credit) => {

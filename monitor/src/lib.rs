@@ -16,8 +16,8 @@
 //!   ([`metrics`]).
 //!
 //! Connection views ask the broker's event loop for a report between two
-//! of its rounds ([`Broker::connections`]); nothing is counted or kept for
-//! monitoring beyond what the broker counts anyway.
+//! of its rounds ([`Broker::connections`]), with subscriptions only where
+//! a view shows them; `/healthz` only waits for the loop's next round.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -239,10 +239,11 @@ fn varz(broker: &Broker, started: SystemTime) -> Answer {
     )
 }
 
-/// The broker's sessions, or 503 when its event loop does not answer.
-fn connections(broker: &Broker) -> Result<Vec<ConnectionReport>, Answer> {
+/// The broker's sessions (with their subscriptions when `subscriptions`),
+/// or 503 when its event loop does not answer.
+fn connections(broker: &Broker, subscriptions: bool) -> Result<Vec<ConnectionReport>, Answer> {
     broker
-        .connections(LOOP_ANSWER)
+        .connections(subscriptions, LOOP_ANSWER)
         .map_err(|err| Answer::error(503, format!("the broker did not answer: {err}")))
 }
 
@@ -277,7 +278,7 @@ fn list(
         ));
     }
     let subs = flag(query, "subs");
-    let mut reports: Vec<ConnectionReport> = connections(broker)?
+    let mut reports: Vec<ConnectionReport> = connections(broker, subs)?
         .into_iter()
         .filter(|report| report.kind == kind)
         .collect();
@@ -332,7 +333,7 @@ fn sort_reports(reports: &mut [ConnectionReport], sort: &str) {
             "bytes_from" => counts.bytes_in,
             "pending" => report.pending_bytes,
             "dropped" => counts.dropped,
-            "subs" => report.subscriptions.len() as u64,
+            "subs" => report.subscription_count as u64,
             _ => 0,
         }
     };
@@ -367,7 +368,7 @@ fn connection_json(report: &ConnectionReport, subs: bool) -> Value {
         "out_bytes": counts.bytes_out,
         "pending_bytes": report.pending_bytes,
         "dropped": counts.dropped,
-        "subscriptions": report.subscriptions.len(),
+        "subscriptions": report.subscription_count,
     });
     if subs {
         view["subscriptions_list"] = report
@@ -395,7 +396,7 @@ fn subsz(broker: &Broker, query: &HashMap<String, String>) -> Result<Answer, Ans
         let matched = broker
             .matching(subject)
             .map_err(|err| Answer::error(400, err.to_string()))?;
-        let sessions = connections(broker)?;
+        let sessions = connections(broker, true)?;
         let matches: Vec<Value> = matched
             .remote
             .iter()
@@ -427,8 +428,10 @@ fn healthz(broker: &Broker) -> Answer {
     if broker.is_shut_down() {
         return Answer::json(503, &json!({ "status": "stopped" }));
     }
-    match broker.connections(LOOP_ANSWER) {
-        Ok(_) => Answer::json(200, &json!({ "status": "ok" })),
+    // A flush is answered at the end of the loop's next round: the loop
+    // runs, and nothing is built for the answer.
+    match broker.flush(LOOP_ANSWER) {
+        Ok(()) => Answer::json(200, &json!({ "status": "ok" })),
         Err(err) => Answer::json(
             503,
             &json!({ "status": "unavailable", "error": err.to_string() }),
@@ -437,7 +440,7 @@ fn healthz(broker: &Broker) -> Answer {
 }
 
 fn metrics_page(broker: &Broker, started: SystemTime) -> Result<Answer, Answer> {
-    let sessions = connections(broker)?;
+    let sessions = connections(broker, false)?;
     let body = metrics::render(broker, &sessions, seconds_since(started))
         .map_err(|err| Answer::error(500, format!("metrics did not encode: {err}")))?;
     Ok(Answer {

@@ -10,8 +10,9 @@
 //!   `shm`, `tcp`, ...) and provider: how many, and their messages, bytes,
 //!   pending bytes and drops (levels over the live sessions, which come and
 //!   go, hence gauges);
-//! - sessions whose reliable traffic is not on the fabric, by the reason
-//!   the fabric was not chosen (`efabus_fabric_fallbacks`).
+//! - sessions whose reliable traffic is not on the fabric, by the class
+//!   of traffic and the data path each negotiation reason names
+//!   (`efabus_fabric_fallbacks`; the reasons' text is in `/connz`).
 
 use efabus_broker::{Broker, ConnectionReport};
 use prometheus_client::encoding::text::encode;
@@ -33,6 +34,26 @@ const LEVELS: &[&str] = &[
 ];
 
 type Labels = Vec<(String, String)>;
+
+/// Labels from a negotiation reason (`reliable: efa-rdm: offered by
+/// neither side`): its class of traffic and the data path it names, each
+/// from a short list, so the free text never becomes a label value.
+fn reason_labels(reason: &str) -> (&'static str, &'static str) {
+    let mut parts = reason.splitn(3, ':').map(str::trim);
+    let class = match parts.next() {
+        Some("reliable") => "reliable",
+        Some("best-effort") => "best-effort",
+        _ => "other",
+    };
+    let path = match parts.next() {
+        Some("efa-rdm") => "efa-rdm",
+        Some("efa-dgram") => "efa-dgram",
+        Some("shm") => "shm",
+        Some("tcp") => "tcp",
+        _ => "none",
+    };
+    (class, path)
+}
 
 fn gauge(value: u64) -> Gauge {
     let gauge = Gauge::default();
@@ -132,16 +153,18 @@ pub fn render(
     let fallbacks = Family::<Labels, Gauge>::default();
     for session in sessions.iter().filter(|session| !session.on_fabric()) {
         for reason in &session.reasons {
+            let (class, path) = reason_labels(reason);
             let labels = vec![
                 ("kind".to_string(), session.kind.name().to_string()),
-                ("reason".to_string(), reason.clone()),
+                ("class".to_string(), class.to_string()),
+                ("path".to_string(), path.to_string()),
             ];
             fallbacks.get_or_create(&labels).inc();
         }
     }
     registry.register(
         "fabric_fallbacks",
-        "Live sessions not on a fabric data link, by each reason a fabric path was not taken",
+        "Live sessions not on a fabric data link, by the class of traffic and the data path not taken",
         fallbacks,
     );
 

@@ -493,9 +493,12 @@ impl EventLoop {
                 }
                 Command::Flush(done) => self.flushes.push(done),
                 Command::AddPeer(endpoint) => self.add_peer(endpoint),
-                Command::Connections(answer) => {
+                Command::Connections {
+                    subscriptions,
+                    answer,
+                } => {
                     // The asker may have given up waiting.
-                    let _ = answer.send(self.connection_reports());
+                    let _ = answer.send(self.connection_reports(subscriptions));
                 }
             }
         }
@@ -505,8 +508,9 @@ impl EventLoop {
         handled > 0
     }
 
-    /// Every session as monitoring sees it, by id.
-    fn connection_reports(&self) -> Vec<ConnectionReport> {
+    /// Every session as monitoring sees it, by id; subscriptions listed
+    /// only when asked.
+    fn connection_reports(&self, with_subscriptions: bool) -> Vec<ConnectionReport> {
         let mut reports: Vec<ConnectionReport> = self
             .sessions
             .iter()
@@ -514,7 +518,7 @@ impl EventLoop {
                 let links = &session.conn.links;
                 let control = self.endpoints[session.conn.control.endpoint].scheme();
                 let mut subscriptions: Vec<SubscriptionReport> = match &session.role {
-                    Role::Client(subs) => subs
+                    Role::Client(subs) if with_subscriptions => subs
                         .iter()
                         .map(|(&sid, sub)| SubscriptionReport {
                             sid,
@@ -523,9 +527,13 @@ impl EventLoop {
                             best_effort: sub.class == DeliveryClass::BestEffort,
                         })
                         .collect(),
-                    Role::Route(_) => Vec::new(),
+                    _ => Vec::new(),
                 };
                 subscriptions.sort_by_key(|sub| sub.sid);
+                let subscription_count = match &session.role {
+                    Role::Client(subs) => subs.len(),
+                    Role::Route(_) => 0,
+                };
                 ConnectionReport {
                     id,
                     kind: if session.route().is_some() {
@@ -545,6 +553,7 @@ impl EventLoop {
                     reasons: session.link_reasons.clone(),
                     counts: session.counts,
                     pending_bytes: session.conn.out.bytes() as u64,
+                    subscription_count,
                     subscriptions,
                 }
             })
@@ -945,13 +954,17 @@ impl EventLoop {
         if session.route().is_some() {
             self.tally.route_messages_out += 1;
         }
-        session.counts.messages_out += 1;
-        session.counts.bytes_out += codec::routed_frame_len(
-            FrameKind::Message,
-            subject.len(),
-            reply.map_or(0, str::len),
-            payload.bytes.len(),
-        ) as u64;
+        // A session cut off counts what is routed to it as dropped
+        // (`enqueue`), not as delivered.
+        if !session.cut_off {
+            session.counts.messages_out += 1;
+            session.counts.bytes_out += codec::routed_frame_len(
+                FrameKind::Message,
+                subject.len(),
+                reply.map_or(0, str::len),
+                payload.bytes.len(),
+            ) as u64;
+        }
         let links = &mut session.conn.links;
         // The class matters only where a datagram link exists.
         let best_effort = links.best_effort_proven().is_some()

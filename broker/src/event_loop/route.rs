@@ -112,13 +112,13 @@ impl RouteRole {
         }
     }
 
-    /// Whether the route handshake completed and the route is in use.
     /// Whether this broker dialed the route (for a configured or learned
     /// peer).
     pub fn dialed(&self) -> bool {
         self.slot.is_some()
     }
 
+    /// Whether the route handshake completed and the route is in use.
     pub fn is_up(&self) -> bool {
         self.broker_id.is_some()
     }

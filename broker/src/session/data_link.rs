@@ -136,6 +136,9 @@ pub(crate) struct DataLink {
     /// Most bytes of whole frames one [`Frame::Run`] carries here: a run
     /// crosses in one eager piece, never by rendezvous or in fragments.
     run_limit: usize,
+    /// Reliable links: the runs sent and not acknowledged, by sequence,
+    /// with the frames each holds beyond the one the window counts.
+    runs_in_flight: VecDeque<(u64, u64)>,
     /// Lossy links: frames dropped on this side (given way while waiting
     /// for credit, or lost with a failed send).
     pub dropped: u64,
@@ -257,6 +260,7 @@ impl DataLink {
             paced: VecDeque::new(),
             paced_bytes: 0,
             run_limit,
+            runs_in_flight: VecDeque::new(),
             dropped: 0,
             dropped_told: 0,
             lost_told: 0,
@@ -267,13 +271,15 @@ impl DataLink {
         })
     }
 
-    /// Send one frame through the link layer. A lossy link that cannot
+    /// Send one frame through the link layer: a frame alone, or a `Run`
+    /// of `frames` frames (reliable links only). A lossy link that cannot
     /// send it now keeps it for [`pace`](Self::pace) (older waiting frames
     /// may give way to it, counted in `dropped`).
     pub fn send(
         &mut self,
         endpoint: &mut dyn Endpoint,
         frame: OutFrame,
+        frames: u64,
     ) -> Result<Sent, DataLinkError> {
         if self.lossy {
             self.wait_for_credit(frame);
@@ -282,6 +288,12 @@ impl DataLink {
         }
         if !self.flush(endpoint)? || !self.admit(frame.len()) {
             return Ok(Sent::Blocked(frame));
+        }
+        // Recorded first: a run whose send fails is lost with the link,
+        // and counted with what was in flight when the session ends.
+        if frames > 1 {
+            let seq = self.sender.next_sequence();
+            self.runs_in_flight.push_back((seq, frames - 1));
         }
         self.transmit(endpoint, frame)?;
         Ok(Sent::Accepted)
@@ -314,6 +326,13 @@ impl DataLink {
             self.transmit(endpoint, frame)?;
         }
         Ok(())
+    }
+
+    /// Frames sent and not acknowledged yet: a run counts the frames it
+    /// holds.
+    pub fn frames_in_flight(&self) -> u64 {
+        let extra: u64 = self.runs_in_flight.iter().map(|&(_, extra)| extra).sum();
+        self.window.frames_in_flight() + extra
     }
 
     /// Number `frame` and hand its pieces to the endpoint; what the
@@ -409,7 +428,15 @@ impl DataLink {
         if message.get(PREFIX_LEN) == Some(&(FrameKind::Credit as u8)) {
             return match codec::decode(message, &codec::CodecLimits::default()) {
                 Ok(Frame::Credit(credit)) => {
-                    self.window.on_credit(&credit);
+                    if self.window.on_credit(&credit) {
+                        while self
+                            .runs_in_flight
+                            .front()
+                            .is_some_and(|&(seq, _)| seq <= credit.ack_seq)
+                        {
+                            self.runs_in_flight.pop_front();
+                        }
+                    }
                     Ok(())
                 }
                 // The next credit repairs the window; on a reliable link a
@@ -720,7 +747,10 @@ impl DataLinks {
             let ping = codec::encode(&Frame::Ping { nonce });
             // A ping the link refused (blocked, or a datagram dropped)
             // counts as asked too, so the next heartbeat asks again.
-            if link.send(endpoints[link.endpoint].as_mut(), ping).is_ok() {
+            if link
+                .send(endpoints[link.endpoint].as_mut(), ping, 1)
+                .is_ok()
+            {
                 link.proof = Proof::Awaiting {
                     nonce,
                     asked: asked + 1,
@@ -871,9 +901,7 @@ impl DataLinks {
     /// that the peer has not acknowledged: if the session ends now, the
     /// peer may have taken them (its credit still to come) or not.
     pub fn unacknowledged_frames(&self) -> u64 {
-        self.reliable
-            .as_ref()
-            .map_or(0, |link| link.window.frames_in_flight())
+        self.reliable.as_ref().map_or(0, DataLink::frames_in_flight)
     }
 
     /// Best-effort messages from the peer found missing since last asked.

@@ -237,7 +237,7 @@ fn send_on(
     frame: OutFrame,
     frames: u64,
 ) -> OnLink {
-    let result = link.send(endpoint, frame);
+    let result = link.send(endpoint, frame, frames);
     counts.credit_waits += link.take_credit_waits();
     match result {
         Ok(Sent::Accepted) => counts.fabric_frames_out += frames,
@@ -726,6 +726,11 @@ mod tests {
         );
         assert!(rest.is_none(), "the link takes it all");
         assert_eq!(counts.fabric_frames_out, 6, "frames, not runs, are counted");
+        assert_eq!(
+            links.unacknowledged_frames(),
+            6,
+            "a run in flight counts its frames"
+        );
         let pieces = fabric.lock().unwrap().clone();
         // [1, 2], [3], five pieces of the large frame, [4, 5].
         assert_eq!(pieces.len(), 8);
