@@ -17,7 +17,7 @@
 //! `Connection` (`session/`); this module adds what only a client has.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -385,6 +385,10 @@ struct ClientShared {
     state: Mutex<ConnectionState>,
     state_changed: Condvar,
     max_payload: AtomicU64,
+    /// The server's subject limits from its welcome (the options' until
+    /// then): what publishes and subscriptions are checked against.
+    max_subject_len: AtomicUsize,
+    max_subject_tokens: AtomicUsize,
     reconnects: AtomicU64,
     inbox_prefix: String,
     /// The subscription id of the shared reply inbox, once subscribed.
@@ -422,6 +426,14 @@ impl ClientShared {
 
     /// Encode a publish into the outbox, waiting up to the block timeout
     /// for room.
+    /// The subject limits in force: the server's once welcomed.
+    fn subject_limits(&self) -> SubjectLimits {
+        SubjectLimits {
+            max_len: self.max_subject_len.load(Ordering::Relaxed),
+            max_tokens: self.max_subject_tokens.load(Ordering::Relaxed),
+        }
+    }
+
     fn enqueue_publish(
         &self,
         subject: &str,
@@ -431,7 +443,7 @@ impl ClientShared {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        let limits = &self.options.subject_limits;
+        let limits = &self.subject_limits();
         let check = |s: &str| {
             subject::validate_subject(s, limits).map_err(|source| Error::Subject {
                 subject: s.to_string(),
@@ -678,6 +690,7 @@ impl Client {
             }
         }
         let connect_timeout = options.connect_timeout;
+        let subject_limits = options.subject_limits;
         let shared = Arc::new(ClientShared {
             server: endpoint.to_string(),
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
@@ -694,6 +707,8 @@ impl Client {
             state: Mutex::new(ConnectionState::Connecting),
             state_changed: Condvar::new(),
             max_payload: AtomicU64::new(u64::MAX),
+            max_subject_len: AtomicUsize::new(subject_limits.max_len),
+            max_subject_tokens: AtomicUsize::new(subject_limits.max_tokens),
             reconnects: AtomicU64::new(0),
             link: Mutex::new(LinkReport::default()),
             counters: LinkCounters::default(),
@@ -826,19 +841,16 @@ impl Client {
         class: DeliveryClass,
     ) -> Result<Subscription, Error> {
         let shared = &self.shared;
-        subject::validate_pattern(pattern, &shared.options.subject_limits).map_err(|source| {
-            Error::Subject {
-                subject: pattern.to_string(),
-                source,
-            }
+        let limits = shared.subject_limits();
+        subject::validate_pattern(pattern, &limits).map_err(|source| Error::Subject {
+            subject: pattern.to_string(),
+            source,
         })?;
         if let Some(group) = queue {
-            subject::validate_queue_name(group, &shared.options.subject_limits).map_err(
-                |source| Error::Subscription {
-                    pattern: pattern.to_string(),
-                    source: source.into(),
-                },
-            )?;
+            subject::validate_queue_name(group, &limits).map_err(|source| Error::Subscription {
+                pattern: pattern.to_string(),
+                source: source.into(),
+            })?;
         }
         let sid = shared.next_sid.fetch_add(1, Ordering::Relaxed);
         let (sink, rx, stats) = LocalSink::new(
@@ -1480,6 +1492,16 @@ impl ClientLoop {
                 self.shared
                     .max_payload
                     .store(welcome.max_payload, Ordering::Relaxed);
+                let subject_len = welcome.max_subject_len as usize;
+                self.shared
+                    .max_subject_len
+                    .store(subject_len, Ordering::Relaxed);
+                self.shared
+                    .max_subject_tokens
+                    .store(welcome.max_subject_tokens as usize, Ordering::Relaxed);
+                // Subjects checked against other limits are checked again.
+                self.shared.outbox.lock().valid_subject.clear();
+                self.codec.max_subject_len = subject_len;
                 self.link = LinkState::Up { peer };
                 self.backoff = Duration::from_millis(50);
                 if self.ever_connected {

@@ -832,3 +832,47 @@ fn what_a_cut_off_subscriber_had_queued_is_counted() {
     // room when everything is dropped.
     while sub.recv_timeout(Duration::from_millis(300)).is_ok() {}
 }
+
+/// Subjects are checked against the server's limits from its welcome,
+/// not the client's defaults (512 bytes, 32 tokens).
+#[test]
+fn subject_limits_come_from_the_server() {
+    for via in BOTH {
+        let (_broker, endpoint) = start(
+            via,
+            "[limits]\nmax_subject_len = 2000\nmax_subject_tokens = 8\n",
+        );
+        let client = connect(&endpoint);
+        let long = format!("long.{}", "s".repeat(600));
+        let sub = client
+            .subscribe(&long)
+            .expect("a 606-byte pattern is within 2000");
+        client.flush(WAIT).unwrap();
+        client
+            .publish(&long, Bytes::from_static(b"x"))
+            .expect("a 606-byte subject is within 2000");
+        let message = sub.recv_timeout(WAIT).expect("delivered");
+        assert_eq!(message.subject.len(), long.len(), "{via:?}");
+
+        let too_long = format!("long.{}", "s".repeat(2000));
+        assert!(
+            matches!(
+                client.publish(&too_long, Bytes::new()),
+                Err(Error::Subject { .. })
+            ),
+            "{via:?}: over the server's 2000"
+        );
+        let too_deep = "a.b.c.d.e.f.g.h.i";
+        assert!(
+            matches!(
+                client.publish(too_deep, Bytes::new()),
+                Err(Error::Subject { .. })
+            ),
+            "{via:?}: nine tokens, over the server's 8"
+        );
+        assert!(matches!(
+            client.subscribe(too_deep),
+            Err(Error::Subject { .. })
+        ));
+    }
+}

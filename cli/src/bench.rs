@@ -279,6 +279,9 @@ impl Target {
                     slow_consumer: SlowConsumerPolicy::Block,
                     block_timeout: Duration::from_secs(30),
                     max_pending_bytes: 64 << 20,
+                    // A broker that is not there, or goes away, ends the
+                    // measurement with the reason.
+                    reconnect: false,
                     ..self.base.clone()
                 };
                 let client = Client::connect_with(

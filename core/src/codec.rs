@@ -1286,12 +1286,16 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
             let offers = decode_offers(kind, de)?;
             let max_payload = u64::decode(de).map_err(err)?;
             let link_auth = serde_value::<Option<LinkAuth>, D>(kind, de)?;
+            let max_subject_len = u32::decode(de).map_err(err)?;
+            let max_subject_tokens = u32::decode(de).map_err(err)?;
             Frame::Welcome(Welcome {
                 version,
                 name,
                 offers,
                 max_payload,
                 link_auth,
+                max_subject_len,
+                max_subject_tokens,
             })
         }
         FrameKind::Subscribe => Frame::Subscribe(serde_value::<Subscribe, D>(kind, de)?),

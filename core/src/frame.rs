@@ -65,6 +65,11 @@ pub struct Welcome {
     pub max_payload: u64,
     /// The accepting side's part of the data links' keys (see [`Hello`]).
     pub link_auth: Option<LinkAuth>,
+    /// Longest subject, in bytes, the server accepts: a client checks its
+    /// subjects against this rather than its own default.
+    pub max_subject_len: u32,
+    /// Most tokens of a subject the server accepts.
+    pub max_subject_tokens: u32,
 }
 
 /// Register interest in a subject pattern.

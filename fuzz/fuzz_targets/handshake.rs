@@ -71,6 +71,8 @@ fn setup() -> &'static Setup {
             offers: offers(EFA),
             max_payload: 1 << 20,
             link_auth: None,
+            max_subject_len: 512,
+            max_subject_tokens: 32,
         }))
         .to_bytes()
         .to_vec();

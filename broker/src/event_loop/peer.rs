@@ -451,6 +451,8 @@ impl EventLoop {
             offers,
             max_payload: config.limits.max_payload,
             link_auth: secret.map(|secret| secret.auth().clone()),
+            max_subject_len: u32::try_from(config.limits.max_subject_len).unwrap_or(u32::MAX),
+            max_subject_tokens: u32::try_from(config.limits.max_subject_tokens).unwrap_or(u32::MAX),
         });
         self.send(id, codec::encode(&welcome), false);
         self.session_ready(id);

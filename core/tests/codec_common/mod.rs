@@ -188,15 +188,24 @@ pub fn frame() -> impl Strategy<Value = Frame> {
                     link_auth,
                 })
             ),
-        (any::<u16>(), text(), offers(), any::<u64>(), link_auth()).prop_map(
-            |(version, name, offers, max_payload, link_auth)| Frame::Welcome(Welcome {
-                version,
-                name,
-                offers,
-                max_payload,
-                link_auth,
-            })
-        ),
+        (
+            (any::<u16>(), text(), offers(), any::<u64>(), link_auth()),
+            (any::<u32>(), any::<u32>())
+        )
+            .prop_map(
+                |(
+                    (version, name, offers, max_payload, link_auth),
+                    (max_subject_len, max_subject_tokens),
+                )| Frame::Welcome(Welcome {
+                    version,
+                    name,
+                    offers,
+                    max_payload,
+                    link_auth,
+                    max_subject_len,
+                    max_subject_tokens,
+                })
+            ),
         (
             any::<u64>(),
             subject(),
