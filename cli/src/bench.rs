@@ -289,7 +289,13 @@ impl Target {
                     options,
                     efabus_transports::registry::Registry::with_builtins(),
                 )
-                .map_err(|err| Failure::runtime(format!("cannot connect to {endpoint}: {err}")))?;
+                .map_err(|err| match err {
+                    // Names the endpoint and the reason already.
+                    Error::Unreachable { .. } => Failure::runtime(format!(
+                        "{err}; is a broker running there? start one with `efabus serve`"
+                    )),
+                    other => Failure::runtime(format!("cannot connect to {endpoint}: {other}")),
+                })?;
                 *self.link.lock() = client.link().reliable;
                 Ok(Arc::new(client))
             }

@@ -457,6 +457,16 @@ fn client_errors_are_one_line_and_say_what_happened() {
         started.elapsed()
     );
 
+    // bench alike: no "(reconnecting)" while it gives up.
+    let output = run(&["bench", "--count", "10", "--server", "tcp/127.0.0.1:1"]);
+    assert_eq!(output.status.code(), Some(1));
+    let text = stderr(&output);
+    assert!(
+        text.contains("refused") && !text.contains("reconnecting"),
+        "{text}"
+    );
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+
     // A web URL gets the endpoint form to write instead.
     let output = run(&["pub", "x", "--server", "http://127.0.0.1:7420"]);
     let text = usage_error(&output);
