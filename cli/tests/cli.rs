@@ -77,16 +77,10 @@ fn spawn_sub_with_status(
     server: &Server,
     args: &[&str],
 ) -> (Process, Receiver<String>, Receiver<String>) {
-    let mut child = Process(
-        efabus()
-            .arg("sub")
-            .args(args)
-            .args(["--server", &server.endpoint])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn efabus sub"),
-    );
+    let mut all = vec!["sub"];
+    all.extend(args);
+    all.extend(["--server", &server.endpoint]);
+    let mut child = spawn_piped(&all);
     let lines = lines_of(child.0.stdout.take().unwrap());
     let status = lines_of(child.0.stderr.take().unwrap());
     let said = status
@@ -94,6 +88,18 @@ fn spawn_sub_with_status(
         .expect("sub reports its subscription");
     assert!(said.starts_with("subscribed to "), "{said}");
     (child, lines, status)
+}
+
+/// `efabus ARGS...` with its stdout and stderr piped to the test.
+fn spawn_piped(args: &[&str]) -> Process {
+    Process(
+        efabus()
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn efabus"),
+    )
 }
 
 /// Wait (bounded) for a child to exit; its status code.
@@ -944,22 +950,15 @@ fn sub_shows_replies_binary_payloads_raw_and_json() {
     let (mut plain, plain_lines) = spawn_sub(&server, &["show.>", "--count", "2"]);
     let (mut json, json_lines) = spawn_sub(&server, &["show.>", "--count", "2", "--json"]);
     // The raw payloads are not text: read as bytes once it has exited.
-    let mut raw = Process(
-        efabus()
-            .args([
-                "sub",
-                "show.>",
-                "--count",
-                "2",
-                "--raw",
-                "--server",
-                &server.endpoint,
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let mut raw = spawn_piped(&[
+        "sub",
+        "show.>",
+        "--count",
+        "2",
+        "--raw",
+        "--server",
+        &server.endpoint,
+    ]);
     let raw_status = lines_of(raw.0.stderr.take().unwrap());
     assert!(raw_status
         .recv_timeout(WAIT)
@@ -1033,22 +1032,15 @@ fn sub_shows_replies_binary_payloads_raw_and_json() {
 #[test]
 fn reply_answers_requests_and_verbose_says_the_path() {
     let server = Server::start("");
-    let mut responder = Process(
-        efabus()
-            .args([
-                "reply",
-                "svc.time",
-                "noon",
-                "--count",
-                "2",
-                "--server",
-                &server.endpoint,
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let mut responder = spawn_piped(&[
+        "reply",
+        "svc.time",
+        "noon",
+        "--count",
+        "2",
+        "--server",
+        &server.endpoint,
+    ]);
     let status = lines_of(responder.0.stderr.take().unwrap());
     let said = status.recv_timeout(WAIT).expect("reply says it is ready");
     assert!(said.starts_with("answering requests on svc.time"), "{said}");
@@ -1077,22 +1069,15 @@ fn reply_answers_requests_and_verbose_says_the_path() {
 #[test]
 fn an_interrupted_pub_says_how_far_it_got() {
     let server = Server::start("");
-    let mut publish = Process(
-        efabus()
-            .args([
-                "pub",
-                "many.x",
-                "y",
-                "--count",
-                "100000000",
-                "--server",
-                &server.endpoint,
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let mut publish = spawn_piped(&[
+        "pub",
+        "many.x",
+        "y",
+        "--count",
+        "100000000",
+        "--server",
+        &server.endpoint,
+    ]);
     std::thread::sleep(Duration::from_millis(700));
     let _ = Command::new("kill")
         .args(["-INT", &publish.0.id().to_string()])
