@@ -123,9 +123,9 @@ pub struct BrokerStats {
     pub fabric_rendezvous_registrations: AtomicU64,
     pub fabric_rendezvous_abandoned: AtomicU64,
     /// What the listeners' providers did: messages handed to them and
-    /// delivered by them, completions with an error, receive buffers lent
-    /// and sends made in place (no copy), address-vector entries evicted,
-    /// and sends refused for now (queue full).
+    /// delivered by them, operations that failed, receive buffers lent and
+    /// sends made in place (no copy), address-vector entries evicted, and
+    /// sends handed back because the send slots were full.
     pub fabric_messages_sent: AtomicU64,
     pub fabric_messages_received: AtomicU64,
     pub fabric_completion_errors: AtomicU64,

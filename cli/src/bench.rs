@@ -370,6 +370,9 @@ fn start_lossless(mut config: Config, args: &BenchArgs) -> Result<Broker, Failur
     Broker::start(config).map_err(|err| Failure::runtime(err.to_string()))
 }
 
+/// Messages a publisher sends between two looks at the stop flag.
+const STOP_CHECK_EVERY: u64 = 1024;
+
 fn bench_error(err: Error) -> Failure {
     Failure::runtime(err.to_string())
 }
@@ -483,6 +486,9 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     if args.warmup > 0 {
         warm_up(args, &subject, &payload, &publishers, &subscriptions)?;
     }
+    // Ctrl-C stops the publishers; what they sent is still delivered and
+    // reported, as a partial run.
+    let stop = crate::cli::stop_on_signals()?;
     let started = Instant::now();
     let done_at = parking_lot::Mutex::new(started);
     let published = std::thread::scope(|scope| -> Result<u64, Failure> {
@@ -569,19 +575,23 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         for &handle in &publishers {
             let payload = payload.clone();
             let subject = subject.as_str();
+            let stop = &*stop;
             writers.push(scope.spawn(move || -> Result<u64, Error> {
                 let mut sent = 0;
                 match deadline {
                     None => {
-                        for _ in 0..args.count {
-                            handle.publish(subject, payload.clone())?;
+                        while sent < args.count && !stop.load(Ordering::Relaxed) {
+                            let burst = STOP_CHECK_EVERY.min(args.count - sent);
+                            for _ in 0..burst {
+                                handle.publish(subject, payload.clone())?;
+                            }
+                            sent += burst;
                         }
-                        sent = args.count;
                     }
                     Some(deadline) => {
                         let per_clock_read =
                             (BYTES_PER_CLOCK_READ / args.size.max(1)).clamp(1, 256);
-                        while Instant::now() < deadline {
+                        while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
                             for _ in 0..per_clock_read {
                                 handle.publish(subject, payload.clone())?;
                             }
@@ -666,6 +676,18 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         return Err(Failure::runtime(format!(
             "only {delivered} of {expected} messages arrived (dropped by a slow-consumer policy?)"
         )));
+    }
+    if stop.load(Ordering::Relaxed) {
+        return Err(Failure {
+            message: format!(
+                "interrupted: {published} messages published{}",
+                match duration {
+                    None => format!(" of {}", args.pubs as u64 * args.count),
+                    Some(_) => String::new(),
+                }
+            ),
+            code: 130,
+        });
     }
     Ok(())
 }

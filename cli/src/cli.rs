@@ -533,7 +533,7 @@ fn stop_signals() -> Result<signal_hook::iterator::Signals, Failure> {
 }
 
 /// A flag set by SIGINT or SIGTERM.
-fn stop_on_signals() -> Result<Arc<AtomicBool>, Failure> {
+pub(crate) fn stop_on_signals() -> Result<Arc<AtomicBool>, Failure> {
     let cannot =
         |err: std::io::Error| Failure::runtime(format!("cannot install signal handlers: {err}"));
     efabus_transports::fabric::reset_inherited_termination_handlers().map_err(cannot)?;

@@ -1098,3 +1098,36 @@ fn an_interrupted_pub_says_how_far_it_got() {
         .unwrap_or_else(|| panic!("{said}"));
     assert!(published > 0 && published < 100_000_000, "{said}");
 }
+
+#[test]
+fn an_interrupted_bench_reports_what_it_measured() {
+    let mut bench = spawn_piped(&["bench", "--via", "embedded", "--count", "1000000000"]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let _ = Command::new("kill")
+        .args(["-INT", &bench.0.id().to_string()])
+        .status();
+    assert_eq!(exit_code(&mut bench), Some(130));
+    let (mut report, mut said) = (String::new(), String::new());
+    bench
+        .0
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut report)
+        .unwrap();
+    bench
+        .0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut said)
+        .unwrap();
+    assert!(report.contains("msg/s delivered"), "{report}");
+    let published: u64 = said
+        .split("interrupted: ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(published > 0 && published < 1_000_000_000, "{said}");
+}

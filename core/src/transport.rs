@@ -474,7 +474,9 @@ pub struct FabricCounts {
     pub messages_sent: u64,
     /// Messages the provider delivered.
     pub messages_received: u64,
-    /// Completions that reported an error, sends and receives.
+    /// Operations that failed: completions reporting an error (sends,
+    /// receives, reads) and posts the provider refused for another reason
+    /// than a full queue.
     pub completion_errors: u64,
     /// Received buffers lent to the application instead of copied.
     pub lent: u64,
@@ -482,7 +484,9 @@ pub struct FabricCounts {
     pub shared_sends: u64,
     /// Address-vector entries removed to make room for others.
     pub av_evictions: u64,
-    /// Sends the provider refused for now (queue full, `-FI_EAGAIN`).
+    /// Sends handed back to the caller for now: the endpoint's send slots
+    /// or the peer's share of them were full (the caller retries on
+    /// `Writable`).
     pub queue_full: u64,
 }
 
