@@ -610,6 +610,10 @@ impl std::fmt::Debug for Client {
     }
 }
 
+/// How much longer than the connect timeout `connect` waits for the
+/// client loop to say why the handshake failed.
+const VERDICT_GRACE: Duration = Duration::from_millis(250);
+
 impl Client {
     /// Connect to a broker at an endpoint string such as `tcp/10.0.0.7:7420`.
     pub fn connect(endpoint: &str) -> Result<Client, Error> {
@@ -732,7 +736,9 @@ impl Client {
     }
 
     fn wait_connected(&self, timeout: Duration) -> Result<(), Error> {
-        let deadline = Instant::now() + timeout;
+        // The loop's handshake deadline is the same timeout: a moment more
+        // lets its verdict, with the reason, arrive first.
+        let deadline = Instant::now() + timeout + VERDICT_GRACE;
         let mut state = self.shared.state.lock();
         loop {
             match &*state {
@@ -1225,6 +1231,10 @@ impl ClientLoop {
             LinkState::AwaitWelcome { peer, deadline } if now >= deadline => {
                 warn!(server = %self.shared.server, "handshake timed out");
                 self.endpoints[CONTROL].close(peer);
+                self.last_failure = Some(format!(
+                    "no welcome within {:?} (the server did not answer the handshake)",
+                    self.shared.options.connect_timeout
+                ));
                 self.link_lost(now);
             }
             LinkState::Up { peer } => match self.conn.liveness.poll(now) {
@@ -1315,6 +1325,11 @@ impl ClientLoop {
         self.conn.links.close(&mut self.endpoints);
         let failure = self.last_failure.take();
         if !self.shared.options.reconnect {
+            // Down for good: a close the endpoint reports later is not a
+            // new loss (nor a new reason).
+            self.link = LinkState::Down {
+                retry_at: now + self.shared.options.max_backoff,
+            };
             // Without reconnection a first attempt that failed is the
             // answer: waiting out the connect timeout would only hide it.
             // A server's refusal stays what the client reports.

@@ -876,3 +876,54 @@ fn subject_limits_come_from_the_server() {
         ));
     }
 }
+
+/// A client that does not reconnect gives up on its first attempt, and
+/// says why: refused at once, or a server that never answers the
+/// handshake after the connect timeout.
+#[test]
+fn a_client_without_reconnection_says_why_it_could_not_connect() {
+    let giving_up_after = |connect_timeout| ClientOptions {
+        connect_timeout,
+        reconnect: false,
+        ..ClientOptions::default()
+    };
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = silent.local_addr().unwrap();
+    let accepted = std::thread::spawn(move || silent.accept().map(|(stream, _)| stream));
+    let started = Instant::now();
+    let options = giving_up_after(Duration::from_millis(300));
+    let reason = match Client::connect_with(
+        &format!("tcp/{address}"),
+        options,
+        Registry::with_builtins(),
+    ) {
+        Err(Error::Unreachable { reason, .. }) => reason,
+        Err(other) => panic!("{other:?}"),
+        Ok(_) => panic!("a silent server is no broker"),
+    };
+    assert!(reason.contains("no welcome"), "{reason}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(accepted.join());
+
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = closed.local_addr().unwrap();
+    drop(closed);
+    let started = Instant::now();
+    // Refused: at once, not after the connect timeout.
+    let options = giving_up_after(WAIT);
+    let reason = match Client::connect_with(
+        &format!("tcp/{address}"),
+        options,
+        Registry::with_builtins(),
+    ) {
+        Err(Error::Unreachable { reason, .. }) => reason,
+        Err(other) => panic!("{other:?}"),
+        Ok(_) => panic!("nothing listens there"),
+    };
+    assert!(reason.to_lowercase().contains("refused"), "{reason}");
+    assert!(started.elapsed() < WAIT / 4, "{:?}", started.elapsed());
+}

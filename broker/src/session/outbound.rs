@@ -748,6 +748,32 @@ mod tests {
     }
 
     #[test]
+    fn a_malformed_run_fails_a_reliable_link() {
+        use super::super::data_link::LinkKind;
+        let (mut endpoints, mut links, _, fabric) = with_data_link(usize::MAX, None);
+        // A run whose second frame claims more bytes than the run holds.
+        let mut frames = message(20);
+        frames.extend_from_slice(&[60, 0, 0, 0, 0x10, 1, 2]);
+        let bad = OutFrame {
+            head: Bytes::copy_from_slice(&codec::run_head(frames.len()).unwrap()),
+            body: Bytes::from(frames),
+        };
+        let link = links.reliable.as_mut().expect("a reliable link");
+        assert!(matches!(
+            link.send(endpoints[1].as_mut(), bad, 2),
+            Ok(Sent::Accepted)
+        ));
+        let mut out = Vec::new();
+        let now = std::time::Instant::now();
+        let mut results = Vec::new();
+        for piece in fabric.lock().unwrap().clone() {
+            results.push(links.receive(LinkKind::Reliable, now, piece, &mut out));
+        }
+        assert!(results.iter().any(Result::is_err), "{results:?}");
+        assert!(out.is_empty(), "nothing of it is delivered: {out:?}");
+    }
+
+    #[test]
     fn a_send_that_fails_part_way_fails_the_link_and_nothing_follows_it() {
         // Each 300-byte frame takes five pieces; the twelfth piece fails.
         let (mut endpoints, mut links, control, fabric) = with_data_link(12, None);
