@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use efabus::{Broker, Bytes, Config, Subscription};
+use efabus::{Broker, Bytes, Config, RecvError, Subscription};
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -297,6 +297,29 @@ fn service(args: &[String]) -> Result<(), Failure> {
     })
 }
 
+/// A request that got no answer: what this broker's routes and counters
+/// say, to tell a lost message from a stalled route.
+fn unanswered(broker: &Broker, name: &str, other: &str, err: RecvError) -> Failure {
+    let routes: Vec<String> = broker
+        .routes()
+        .iter()
+        .map(|route| format!("{} over {}", route.name, route.reliable))
+        .collect();
+    let counters: Vec<String> = broker
+        .stats()
+        .snapshot()
+        .into_iter()
+        .filter(|(name, value)| *value > 0 && !name.starts_with("fabric_rendezvous"))
+        .map(|(name, value)| format!("{name}={value}"))
+        .collect();
+    format!(
+        "{name}: no answer from {other} ({err}); routes: {}; counters: {}",
+        routes.join(", "),
+        counters.join(" ")
+    )
+    .into()
+}
+
 /// Wait for the routes to every other service, print their paths, then
 /// measure round trips to each and stream to each.
 fn exchange(
@@ -337,7 +360,9 @@ fn exchange(
         for _ in 0..sizes.round_trips {
             let started = Instant::now();
             broker.publish_request(&service, &inbox, payload.clone())?;
-            let answer = replies.recv_timeout(WAIT)?;
+            let answer = replies
+                .recv_timeout(WAIT)
+                .map_err(|err| unanswered(broker, name, other, err))?;
             times.push(started.elapsed());
             if answer.payload != payload {
                 return Err(format!("{name}: {other} answered something else").into());
