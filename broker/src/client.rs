@@ -390,6 +390,8 @@ struct ClientShared {
     max_subject_len: AtomicUsize,
     max_subject_tokens: AtomicUsize,
     reconnects: AtomicU64,
+    /// Why the connection was lost for good (no reconnection).
+    closed_because: Mutex<Option<String>>,
     inbox_prefix: String,
     /// The subscription id of the shared reply inbox, once subscribed.
     inbox_sid: Mutex<Option<u64>>,
@@ -714,6 +716,7 @@ impl Client {
             max_subject_len: AtomicUsize::new(subject_limits.max_len),
             max_subject_tokens: AtomicUsize::new(subject_limits.max_tokens),
             reconnects: AtomicU64::new(0),
+            closed_because: Mutex::new(None),
             link: Mutex::new(LinkReport::default()),
             counters: LinkCounters::default(),
         });
@@ -772,6 +775,12 @@ impl Client {
     /// The current connection state.
     pub fn state(&self) -> ConnectionState {
         self.shared.state.lock().clone()
+    }
+
+    /// Why a client that does not reconnect lost its connection, once it
+    /// has (`ConnectionState::Closed` after being connected).
+    pub fn closed_because(&self) -> Option<String> {
+        self.shared.closed_because.lock().clone()
     }
 
     /// The paths negotiated for this connection and the traffic on them.
@@ -1241,6 +1250,7 @@ impl ClientLoop {
                 Heartbeat::Dead => {
                     warn!(server = %self.shared.server, "server silent; reconnecting");
                     self.endpoints[CONTROL].close(peer);
+                    self.last_failure = Some("the server went silent".to_string());
                     self.link_lost(now);
                 }
                 Heartbeat::Ping => {
@@ -1339,9 +1349,11 @@ impl ClientLoop {
             }
             let state = match failure {
                 Some(reason) if !self.ever_connected => ConnectionState::Unreachable { reason },
-                _ if self.ever_connected => {
+                failure if self.ever_connected => {
                     // Nothing more will arrive: subscriptions end after
                     // what they hold, requests fail now.
+                    *self.shared.closed_because.lock() =
+                        Some(failure.unwrap_or_else(|| "connection lost".to_string()));
                     self.shared.subscriptions.lock().clear();
                     self.shared.replies.lock().clear();
                     ConnectionState::Closed

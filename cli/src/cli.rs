@@ -1027,8 +1027,11 @@ fn subscribe(args: SubArgs) -> Result<(), Failure> {
             }
             Err(RecvError::Timeout | RecvError::Empty) => {}
             Err(RecvError::Closed) => {
+                let why = client
+                    .closed_because()
+                    .map_or(String::new(), |reason| format!(" ({reason})"));
                 ended = Some(Failure::runtime(format!(
-                    "the connection to the broker was lost after {received} messages; \
+                    "the connection to the broker was lost{why} after {received} messages; \
                      run `efabus sub --reconnect` to ride out broker restarts"
                 )));
                 break;

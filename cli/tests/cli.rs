@@ -341,7 +341,7 @@ fn sub_ends_when_the_broker_goes_away_or_rides_it_out_when_asked() {
     let said: Vec<String> = plain_status.try_iter().collect();
     assert!(
         said.iter()
-            .any(|line| line.contains("connection to the broker was lost")),
+            .any(|line| line.contains("connection to the broker was lost (")),
         "{said:?}"
     );
 
