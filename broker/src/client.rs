@@ -117,6 +117,8 @@ pub struct ClientOptions {
     pub heartbeat_timeout: Duration,
     /// Largest frame accepted from the server.
     pub max_frame: usize,
+    /// Subject limits checked before the server's welcome; from then on
+    /// the server's own (which it sends in the welcome) apply.
     pub subject_limits: SubjectLimits,
     /// Data endpoints to offer the server (`efa-rdm`, `efa-dgram`); the
     /// handshake decides, per the preference list, which carry traffic.
@@ -445,6 +447,9 @@ impl ClientShared {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
+        let mut outbox = self.outbox.lock();
+        // Read under the outbox's lock, which a welcome's new limits take
+        // to clear the subject checked last.
         let limits = &self.subject_limits();
         let check = |s: &str| {
             subject::validate_subject(s, limits).map_err(|source| Error::Subject {
@@ -452,7 +457,6 @@ impl ClientShared {
                 source,
             })
         };
-        let mut outbox = self.outbox.lock();
         if outbox.valid_subject != subject {
             check(subject)?;
             outbox.valid_subject.clear();
@@ -614,7 +618,7 @@ impl std::fmt::Debug for Client {
 
 /// How much longer than the connect timeout `connect` waits for the
 /// client loop to say why the handshake failed.
-const VERDICT_GRACE: Duration = Duration::from_millis(250);
+const VERDICT_GRACE: Duration = Duration::from_secs(1);
 
 impl Client {
     /// Connect to a broker at an endpoint string such as `tcp/10.0.0.7:7420`.
@@ -1496,6 +1500,7 @@ impl ClientLoop {
                     Err(err) => {
                         warn!(server = %self.shared.server, error = %err, "malformed frame from server; reconnecting");
                         self.endpoints[CONTROL].close(peer);
+                        self.last_failure = Some(format!("malformed frame from the server: {err}"));
                         self.link_lost(Instant::now());
                     }
                 }
@@ -1519,15 +1524,22 @@ impl ClientLoop {
                 self.shared
                     .max_payload
                     .store(welcome.max_payload, Ordering::Relaxed);
-                let subject_len = welcome.max_subject_len as usize;
-                self.shared
-                    .max_subject_len
-                    .store(subject_len, Ordering::Relaxed);
-                self.shared
-                    .max_subject_tokens
-                    .store(welcome.max_subject_tokens as usize, Ordering::Relaxed);
-                // Subjects checked against other limits are checked again.
-                self.shared.outbox.lock().valid_subject.clear();
+                // Within what the wire carries, and at least one of each.
+                let subject_len = (welcome.max_subject_len as usize)
+                    .clamp(1, crate::config::MAX_SUBJECT_LEN_LIMIT);
+                let subject_tokens = (welcome.max_subject_tokens as usize).max(1);
+                {
+                    // Under the outbox's lock: a subject checked against
+                    // the old limits is checked again.
+                    let mut outbox = self.shared.outbox.lock();
+                    self.shared
+                        .max_subject_len
+                        .store(subject_len, Ordering::Relaxed);
+                    self.shared
+                        .max_subject_tokens
+                        .store(subject_tokens, Ordering::Relaxed);
+                    outbox.valid_subject.clear();
+                }
                 self.codec.max_subject_len = subject_len;
                 self.link = LinkState::Up { peer };
                 self.backoff = Duration::from_millis(50);

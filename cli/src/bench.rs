@@ -425,6 +425,9 @@ const WAIT_SLICE: Duration = Duration::from_millis(100);
 const IDLE_LIMIT: Duration = Duration::from_secs(3);
 
 fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
+    // Ctrl-C stops the publishers; what they sent is still delivered and
+    // reported, as a partial run.
+    let stop = crate::cli::stop_on_signals()?;
     let subject = format!("bench.{}", std::process::id());
     let duration = args.duration.map(Duration::from_secs_f64);
     // Deliveries per published message: one per subscriber, or one for the
@@ -486,9 +489,6 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     if args.warmup > 0 {
         warm_up(args, &subject, &payload, &publishers, &subscriptions)?;
     }
-    // Ctrl-C stops the publishers; what they sent is still delivered and
-    // reported, as a partial run.
-    let stop = crate::cli::stop_on_signals()?;
     let started = Instant::now();
     let done_at = parking_lot::Mutex::new(started);
     let published = std::thread::scope(|scope| -> Result<u64, Failure> {
@@ -672,15 +672,10 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
             report.seconds
         ))?;
     }
-    if delivered < expected {
-        return Err(Failure::runtime(format!(
-            "only {delivered} of {expected} messages arrived (dropped by a slow-consumer policy?)"
-        )));
-    }
     if stop.load(Ordering::Relaxed) {
         return Err(Failure {
             message: format!(
-                "interrupted: {published} messages published{}",
+                "interrupted: {published} messages published{}, {delivered} of {expected} delivered",
                 match duration {
                     None => format!(" of {}", args.pubs as u64 * args.count),
                     Some(_) => String::new(),
@@ -688,6 +683,11 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
             ),
             code: 130,
         });
+    }
+    if delivered < expected {
+        return Err(Failure::runtime(format!(
+            "only {delivered} of {expected} messages arrived (dropped by a slow-consumer policy?)"
+        )));
     }
     Ok(())
 }

@@ -539,6 +539,10 @@ pub(crate) fn stop_on_signals() -> Result<Arc<AtomicBool>, Failure> {
     efabus_transports::fabric::reset_inherited_termination_handlers().map_err(cannot)?;
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        // A second signal, while the first is being acted on, ends the
+        // command at once.
+        signal_hook::flag::register_conditional_shutdown(signal, 130, stop.clone())
+            .map_err(cannot)?;
         signal_hook::flag::register(signal, stop.clone()).map_err(cannot)?;
     }
     Ok(stop)
