@@ -428,8 +428,13 @@ impl ClientShared {
         Ok(())
     }
 
-    /// Encode a publish into the outbox, waiting up to the block timeout
-    /// for room.
+    /// Nothing more will arrive: subscriptions end after what they hold,
+    /// and requests still waiting fail now instead of at their timeout.
+    fn end_streams(&self) {
+        self.subscriptions.lock().clear();
+        self.replies.lock().clear();
+    }
+
     /// The subject limits in force: the server's once welcomed.
     fn subject_limits(&self) -> SubjectLimits {
         SubjectLimits {
@@ -438,6 +443,8 @@ impl ClientShared {
         }
     }
 
+    /// Encode a publish into the outbox, waiting up to the block timeout
+    /// for room.
     fn enqueue_publish(
         &self,
         subject: &str,
@@ -972,9 +979,7 @@ impl Client {
                 warn!("client thread panicked");
             }
         }
-        self.shared.subscriptions.lock().clear();
-        // Requests still waiting see the end instead of their timeout.
-        self.shared.replies.lock().clear();
+        self.shared.end_streams();
         self.shared.set_state(ConnectionState::Closed);
     }
 }
@@ -1125,10 +1130,8 @@ impl ClientLoop {
             self.now = now;
             self.on_timers(now);
             if matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
-                // Refused for good: subscriptions end after what they
-                // hold, requests fail now, rather than wait for nothing.
-                self.shared.subscriptions.lock().clear();
-                self.shared.replies.lock().clear();
+                // Refused for good: nothing will arrive.
+                self.shared.end_streams();
                 break;
             }
             events.clear();
@@ -1354,12 +1357,9 @@ impl ClientLoop {
             let state = match failure {
                 Some(reason) if !self.ever_connected => ConnectionState::Unreachable { reason },
                 failure if self.ever_connected => {
-                    // Nothing more will arrive: subscriptions end after
-                    // what they hold, requests fail now.
                     *self.shared.closed_because.lock() =
                         Some(failure.unwrap_or_else(|| "connection lost".to_string()));
-                    self.shared.subscriptions.lock().clear();
-                    self.shared.replies.lock().clear();
+                    self.shared.end_streams();
                     ConnectionState::Closed
                 }
                 _ => ConnectionState::Unreachable {

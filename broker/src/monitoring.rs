@@ -84,10 +84,16 @@ pub struct ConnectionReport {
     pub subscriptions: Vec<SubscriptionReport>,
 }
 
+/// Whether a path's description (`efa-rdm via tcp;ofi_rxm ...`, or a
+/// control link's scheme) names a fabric data link.
+pub fn is_fabric_path(description: &str) -> bool {
+    description.contains(" via ")
+}
+
 impl ConnectionReport {
     /// Whether reliable traffic rides a fabric data link.
     pub fn on_fabric(&self) -> bool {
-        self.reliable.contains(" via ")
+        is_fabric_path(&self.reliable)
     }
 
     /// The fabric link kind (`efa-rdm`, `shm`), or the control link's

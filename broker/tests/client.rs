@@ -882,25 +882,28 @@ fn subject_limits_come_from_the_server() {
 /// handshake after the connect timeout.
 #[test]
 fn a_client_without_reconnection_says_why_it_could_not_connect() {
-    let giving_up_after = |connect_timeout| ClientOptions {
-        connect_timeout,
-        reconnect: false,
-        ..ClientOptions::default()
+    // Why a client giving up after `connect_timeout` could not connect.
+    let failure = |address: std::net::SocketAddr, connect_timeout| {
+        let options = ClientOptions {
+            connect_timeout,
+            reconnect: false,
+            ..ClientOptions::default()
+        };
+        match Client::connect_with(
+            &format!("tcp/{address}"),
+            options,
+            Registry::with_builtins(),
+        ) {
+            Err(Error::Unreachable { reason, .. }) => reason,
+            Err(other) => panic!("{other:?}"),
+            Ok(_) => panic!("{address} is no broker"),
+        }
     };
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let address = silent.local_addr().unwrap();
     let accepted = std::thread::spawn(move || silent.accept().map(|(stream, _)| stream));
     let started = Instant::now();
-    let options = giving_up_after(Duration::from_millis(300));
-    let reason = match Client::connect_with(
-        &format!("tcp/{address}"),
-        options,
-        Registry::with_builtins(),
-    ) {
-        Err(Error::Unreachable { reason, .. }) => reason,
-        Err(other) => panic!("{other:?}"),
-        Ok(_) => panic!("a silent server is no broker"),
-    };
+    let reason = failure(address, Duration::from_millis(300));
     assert!(reason.contains("no welcome"), "{reason}");
     assert!(
         started.elapsed() < Duration::from_secs(3),
@@ -914,16 +917,7 @@ fn a_client_without_reconnection_says_why_it_could_not_connect() {
     drop(closed);
     let started = Instant::now();
     // Refused: at once, not after the connect timeout.
-    let options = giving_up_after(WAIT);
-    let reason = match Client::connect_with(
-        &format!("tcp/{address}"),
-        options,
-        Registry::with_builtins(),
-    ) {
-        Err(Error::Unreachable { reason, .. }) => reason,
-        Err(other) => panic!("{other:?}"),
-        Ok(_) => panic!("nothing listens there"),
-    };
+    let reason = failure(address, WAIT);
     assert!(reason.to_lowercase().contains("refused"), "{reason}");
     assert!(started.elapsed() < WAIT / 4, "{:?}", started.elapsed());
 }

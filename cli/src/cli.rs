@@ -783,7 +783,7 @@ fn connect_with(args: &ClientArgs, reconnect: bool) -> Result<Client, Failure> {
         if let Some(best_effort) = &link.best_effort {
             said.push_str(&format!("; best effort: {best_effort}"));
         }
-        if !link.reliable.contains(" via ") && !link.reasons.is_empty() {
+        if !efabus_broker::monitoring::is_fabric_path(&link.reliable) && !link.reasons.is_empty() {
             said.push_str(&format!("; not on the fabric: {}", link.reasons.join("; ")));
         }
         // A status line: a closed stderr is no reason to fail.

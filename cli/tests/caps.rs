@@ -13,7 +13,9 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use std::process::Command;
+
+use common::{efabus, text};
 use std::time::Duration;
 
 use efabus::{Broker, Client, ClientOptions, Config, Error};
@@ -31,17 +33,6 @@ fn required() -> bool {
 fn skip(why: &str) {
     assert!(!required(), "EFABUS_REQUIRE_FABRIC=1 but {why}");
     eprintln!("skipping: {why} (set EFABUS_REQUIRE_FABRIC=1 to fail instead)");
-}
-
-fn efabus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_efabus"))
-        .args(args)
-        .output()
-        .expect("run efabus")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 /// `fi_info -p PROVIDER -t TYPE -v`, or None (after a skip) when the tool

@@ -4,24 +4,12 @@
 mod common;
 
 use std::net::TcpListener;
-use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::Server;
+use common::{efabus, text, Server};
 use efabus::{Bytes, Client, ClientOptions};
 
 const WAIT: Duration = Duration::from_secs(10);
-
-fn efabus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_efabus"))
-        .args(args)
-        .output()
-        .expect("run efabus")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
 
 /// A port nothing listens on (bound, then freed).
 fn closed_port() -> u16 {

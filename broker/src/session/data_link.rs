@@ -139,6 +139,8 @@ pub(crate) struct DataLink {
     /// Reliable links: the runs sent and not acknowledged, by sequence,
     /// with the frames each holds beyond the one the window counts.
     runs_in_flight: VecDeque<(u64, u64)>,
+    /// Scratch space of [`Self::open_runs`].
+    released: Vec<Bytes>,
     /// Lossy links: frames dropped on this side (given way while waiting
     /// for credit, or lost with a failed send).
     pub dropped: u64,
@@ -261,6 +263,7 @@ impl DataLink {
             paced_bytes: 0,
             run_limit,
             runs_in_flight: VecDeque::new(),
+            released: Vec::new(),
             dropped: 0,
             dropped_told: 0,
             lost_told: 0,
@@ -469,20 +472,27 @@ impl DataLink {
         if !out[from..].iter().any(is_run) {
             return Ok(());
         }
-        let released: Vec<Bytes> = out.drain(from..).collect();
-        for frame in released {
+        // The released frames move through a buffer the link keeps, so
+        // opening runs allocates nothing once it has grown.
+        let mut released = std::mem::take(&mut self.released);
+        released.extend(out.drain(from..));
+        let mut result = Ok(());
+        for frame in released.drain(..) {
+            if result.is_err() {
+                break;
+            }
             if !is_run(&frame) {
                 out.push(frame);
-                continue;
-            }
-            if let Err(err) = codec::open_run(&frame.slice(FRAME_OVERHEAD..), out) {
-                if !self.lossy {
-                    return Err(err.into());
+            } else if let Err(err) = codec::open_run(&frame.slice(FRAME_OVERHEAD..), out) {
+                if self.lossy {
+                    self.bad_runs += 1;
+                } else {
+                    result = Err(err.into());
                 }
-                self.bad_runs += 1;
             }
         }
-        Ok(())
+        self.released = released;
+        result
     }
 
     /// Every sequence up to this one has been delivered or given up.

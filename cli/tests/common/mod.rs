@@ -8,6 +8,19 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+/// Run `efabus ARGS...` to its end.
+pub fn efabus(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_efabus"))
+        .args(args)
+        .output()
+        .expect("run efabus")
+}
+
+/// Output bytes as text.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
 /// A broker process listening on a TCP port chosen by the kernel.
 pub struct Server {
     pub child: Child,
