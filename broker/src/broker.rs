@@ -33,7 +33,7 @@ use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::Error;
 use crate::event_loop::{Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
-use crate::monitoring::{ConnectionReport, MatchReport};
+use crate::monitoring::{ConnectionReport, ListenerReport, MatchReport};
 use crate::publish_cache;
 use crate::subscriptions::{SubRef, SubscriptionTable, Targets, LOCAL_OWNER};
 
@@ -256,6 +256,9 @@ pub(crate) struct Shared {
     pub(crate) stats: BrokerStats,
     pub(crate) inbox_prefix: String,
     pub(crate) listening: Vec<(String, String)>,
+    /// Why each listener (by its index in `listening`) is out of
+    /// service, if it is; set by the event loop.
+    pub(crate) listener_failures: Mutex<Vec<Option<String>>>,
     /// This broker process among route peers (random per start).
     pub(crate) broker_id: u64,
     /// Whether an endpoint exists to dial routes from.
@@ -451,6 +454,7 @@ impl Broker {
             shutdown: AtomicBool::new(false),
             stats,
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
+            listener_failures: Mutex::new(vec![None; listening.len()]),
             listening,
             broker_id: unique_seed(),
             can_dial: dialer.is_some(),
@@ -479,6 +483,21 @@ impl Broker {
     /// `(scheme, address)` of each listening endpoint, with actual ports.
     pub fn listening(&self) -> &[(String, String)] {
         &self.shared.listening
+    }
+
+    /// Every listener with its state: up, or out of service and why.
+    pub fn listeners(&self) -> Vec<ListenerReport> {
+        let failures = self.shared.listener_failures.lock();
+        self.shared
+            .listening
+            .iter()
+            .zip(failures.iter())
+            .map(|((scheme, address), failure)| ListenerReport {
+                scheme: scheme.clone(),
+                address: address.clone(),
+                failure: failure.clone(),
+            })
+            .collect()
     }
 
     /// The address of the first listener of a scheme (e.g. the TCP port

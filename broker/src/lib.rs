@@ -61,7 +61,8 @@ pub use config::{Config, ConfigError, SlowConsumerPolicy};
 pub use delivery::{Message, Subscription, SubscriptionStats};
 pub use error::{Error, RecvError};
 pub use monitoring::{
-    ConnectionKind, ConnectionReport, MatchReport, SessionCounts, SubscriptionReport,
+    ConnectionKind, ConnectionReport, ListenerReport, MatchReport, SessionCounts,
+    SubscriptionReport,
 };
 /// How a session's data links agree their keys (for peers written apart
 /// from [`Client`]).

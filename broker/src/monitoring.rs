@@ -7,6 +7,24 @@
 
 use std::time::SystemTime;
 
+/// One listening endpoint, as [`crate::Broker::listeners`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListenerReport {
+    pub scheme: String,
+    /// The bound address (`HOST:PORT`, or a fabric address in hex).
+    pub address: String,
+    /// Why the listener is out of service: a fabric endpoint whose poll
+    /// failed stays out (its peers moved to what still works); a TCP
+    /// listener whose poll fails is back with its next good poll.
+    pub failure: Option<String>,
+}
+
+impl ListenerReport {
+    pub fn is_up(&self) -> bool {
+        self.failure.is_none()
+    }
+}
+
 /// Messages and bytes one session moved, counted by the event loop.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SessionCounts {

@@ -11,7 +11,8 @@
 //!   dialed;
 //! - `/subsz`: subscription counts; `?test=SUBJECT` says which
 //!   subscriptions a message on SUBJECT would reach;
-//! - `/healthz`: 200 while the broker's event loop answers, else 503;
+//! - `/healthz`: 200 while every listener is up and the broker's event
+//!   loop answers, else 503 with what is down;
 //! - `/metrics`: the counters in the Prometheus text format
 //!   ([`metrics`]).
 //!
@@ -25,7 +26,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use efabus_broker::{Broker, ConnectionKind, ConnectionReport};
+use efabus_broker::{Broker, ConnectionKind, ConnectionReport, ListenerReport};
 use serde_json::{json, Value};
 use thiserror::Error;
 use tiny_http::{Header, Method, Request, Response, Server};
@@ -201,11 +202,7 @@ fn resident_bytes() -> Option<u64> {
 fn varz(broker: &Broker, started: SystemTime) -> Answer {
     let config = broker.config();
     let limits = &config.limits;
-    let listeners: Vec<Value> = broker
-        .listening()
-        .iter()
-        .map(|(scheme, address)| json!({ "scheme": scheme, "address": address }))
-        .collect();
+    let listeners: Vec<Value> = broker.listeners().iter().map(listener_view).collect();
     let totals: serde_json::Map<String, Value> = broker
         .stats()
         .snapshot()
@@ -424,9 +421,27 @@ fn subsz(broker: &Broker, query: &HashMap<String, String>) -> Result<Answer, Ans
     Ok(Answer::json(200, &view))
 }
 
+fn listener_view(listener: &ListenerReport) -> Value {
+    json!({
+        "scheme": listener.scheme,
+        "address": listener.address,
+        "up": listener.is_up(),
+        "error": listener.failure,
+    })
+}
+
 fn healthz(broker: &Broker) -> Answer {
     if broker.is_shut_down() {
         return Answer::json(503, &json!({ "status": "stopped" }));
+    }
+    let down: Vec<Value> = broker
+        .listeners()
+        .iter()
+        .filter(|listener| !listener.is_up())
+        .map(listener_view)
+        .collect();
+    if !down.is_empty() {
+        return Answer::json(503, &json!({ "status": "unavailable", "listeners_down": down }));
     }
     // A flush is answered at the end of the loop's next round: the loop
     // runs, and nothing is built for the answer.

@@ -19,14 +19,22 @@ fn fabric_required() -> bool {
 }
 
 fn start_broker() -> Arc<Broker> {
-    let text = r#"
+    start_broker_with("")
+}
+
+/// A broker on TCP and `tcp;ofi_rxm`, with `extra` TOML appended.
+fn start_broker_with(extra: &str) -> Arc<Broker> {
+    let text = format!(
+        r#"
         name = "monitored"
         listen = ["tcp/127.0.0.1:0", "efa-rdm"]
         [fabric]
         provider = "tcp;ofi_rxm"
         node = "127.0.0.1"
-    "#;
-    let config = Config::from_toml_str(text, "monitor test").expect("valid config");
+        {extra}
+    "#
+    );
+    let config = Config::from_toml_str(&text, "monitor test").expect("valid config");
     Arc::new(Broker::start(config).expect("the broker starts"))
 }
 
@@ -235,4 +243,56 @@ fn a_monitor_address_in_use_is_an_error_naming_it() {
         .expect("a second listener on the same address fails");
     assert!(err.to_string().contains(&taken), "{err}");
     assert!(started.elapsed() < WAIT);
+}
+
+/// A listener that fails (the fabric endpoint's polls fail from its 20th
+/// frame on, as when its device goes away) turns `/healthz` to 503 naming
+/// it, while the broker goes on serving TCP; `/varz` shows it down.
+#[test]
+fn healthz_answers_503_when_a_listener_is_gone() {
+    let broker = start_broker_with("[testing.faults]\nscheme = \"efa-rdm\"\nfail_polls_after = 20");
+    if broker.endpoint("efa-rdm").is_none() {
+        assert!(
+            !fabric_required(),
+            "EFABUS_REQUIRE_FABRIC=1 but tcp;ofi_rxm did not open"
+        );
+        eprintln!("skipping: tcp;ofi_rxm cannot open here");
+        return;
+    }
+    let monitor = Monitor::start(Arc::clone(&broker), "127.0.0.1:0").expect("monitor starts");
+    let (status, body) = get(&monitor, "/healthz");
+    assert_eq!(status, 200, "{body}");
+
+    let fast = client(&broker, "fast", true);
+    let deadline = Instant::now() + WAIT;
+    let (status, body) = loop {
+        for n in 0..10u8 {
+            // The failure ends the session; the client may be between
+            // connections when it publishes.
+            let _ = fast.publish("health.probe", vec![n; 16]);
+        }
+        let (status, body) = get(&monitor, "/healthz");
+        if status != 200 || Instant::now() > deadline {
+            break (status, body);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status, 503, "{body}");
+    let health: Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(health["status"], "unavailable");
+    assert_eq!(health["listeners_down"][0]["scheme"], "efa-rdm", "{health:#}");
+    assert!(
+        health["listeners_down"][0]["error"]
+            .as_str()
+            .is_some_and(|error| !error.is_empty()),
+        "{health:#}"
+    );
+    let varz = get_json(&monitor, "/varz");
+    let listeners = varz["listeners"].as_array().expect("listeners");
+    assert_eq!(listeners.len(), 2, "{varz:#}");
+    assert_eq!(listeners[0]["up"], true);
+    assert_eq!(listeners[1]["up"], false);
+    // The TCP listener still serves.
+    let plain = client(&broker, "plain", false);
+    plain.flush(WAIT).expect("a TCP client is served");
 }

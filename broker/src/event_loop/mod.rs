@@ -131,6 +131,9 @@ pub(crate) struct EventLoop {
     rendezvous: RendezvousCounts,
     /// The listeners' provider counts as last published.
     fabric: FabricCounts,
+    /// Which listeners are marked out of service in the shared state
+    /// (read here without its lock on every poll).
+    listener_down: Vec<bool>,
     /// Failed polls are logged once a second at most.
     poll_error_log: LogLimit,
     /// Refused connections likewise.
@@ -188,6 +191,7 @@ impl EventLoop {
             .collect();
         // Every session's data links draw from one budget.
         let tuning = shared.config.link_tuning();
+        let listener_down = vec![false; shared.listening.len()];
         EventLoop {
             shared,
             poll,
@@ -221,6 +225,7 @@ impl EventLoop {
             refused: Refused::default(),
             rendezvous: RendezvousCounts::default(),
             fabric: FabricCounts::default(),
+            listener_down,
             poll_error_log: LogLimit::new(Duration::from_secs(1)),
             refused_log: LogLimit::new(Duration::from_secs(1)),
         }
@@ -297,8 +302,12 @@ impl EventLoop {
         self.now = Instant::now();
         for index in 0..self.endpoints.len() {
             events.clear();
-            if let Err(err) = self.endpoints[index].poll(events) {
-                self.endpoint_failed(index, &err);
+            match self.endpoints[index].poll(events) {
+                Err(err) => self.endpoint_failed(index, &err),
+                Ok(()) if self.listener_down.get(index) == Some(&true) => {
+                    self.listener_recovered(index)
+                }
+                Ok(()) => {}
             }
             busy |= !events.is_empty();
             // Frames come in runs from one peer: its session is looked up
@@ -1396,6 +1405,7 @@ impl EventLoop {
     /// second.
     fn endpoint_failed(&mut self, index: usize, err: &TransportError) {
         let scheme = self.endpoints[index].scheme().to_string();
+        self.mark_listener(index, Some(err.to_string()));
         if !endpoints::is_data_scheme(&scheme) {
             if let Some(held_back) = self.poll_error_log.allow(self.now) {
                 warn!(%scheme, error = %err, held_back, "endpoint poll failed");
@@ -1418,6 +1428,27 @@ impl EventLoop {
                 ErrorCode::Internal,
                 format!("the broker's {scheme} endpoint failed: {err}"),
             );
+        }
+    }
+
+    /// Records whether listener `index` (if it is one) is out of service.
+    fn mark_listener(&mut self, index: usize, failure: Option<String>) {
+        let Some(down) = self.listener_down.get_mut(index) else {
+            return;
+        };
+        *down = failure.is_some();
+        if let Some(slot) = self.shared.listener_failures.lock().get_mut(index) {
+            *slot = failure;
+        }
+    }
+
+    /// A listener whose poll had failed polled again. A fabric endpoint
+    /// stays out of service (its sessions ended and new peers are not
+    /// offered it); another is up again.
+    fn listener_recovered(&mut self, index: usize) {
+        if !endpoints::is_data_scheme(self.endpoints[index].scheme()) {
+            info!(scheme = self.endpoints[index].scheme(), "endpoint polls again");
+            self.mark_listener(index, None);
         }
     }
 
