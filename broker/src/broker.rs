@@ -122,6 +122,12 @@ pub struct BrokerStats {
     pub fabric_rendezvous_read_bytes: AtomicU64,
     pub fabric_rendezvous_registrations: AtomicU64,
     pub fabric_rendezvous_abandoned: AtomicU64,
+    /// Frames sent by rendezvous from a body registered already (the
+    /// registration cache served them), and the registrations held right
+    /// now with their bytes.
+    pub fabric_rendezvous_shared: AtomicU64,
+    pub fabric_rendezvous_registered: AtomicU64,
+    pub fabric_rendezvous_registered_bytes: AtomicU64,
     /// What the listeners' providers did: messages handed to them and
     /// delivered by them, operations that failed, receive buffers lent and
     /// sends made in place (no copy), address-vector entries evicted, and
@@ -133,11 +139,35 @@ pub struct BrokerStats {
     pub fabric_shared_sends: AtomicU64,
     pub fabric_av_evictions: AtomicU64,
     pub fabric_queue_full: AtomicU64,
+    /// Address-vector entries in use right now and the listeners' room
+    /// for them, and sends that failed because the receiver had no buffer
+    /// posted after the provider's own retries (`FI_ENORX`).
+    pub fabric_addresses: AtomicU64,
+    pub fabric_address_capacity: AtomicU64,
+    pub fabric_rnr_failures: AtomicU64,
 }
 
 impl BrokerStats {
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Whether the value named `name` in [`snapshot`](Self::snapshot) is
+    /// a level right now (connections, queued bytes, registrations held)
+    /// rather than a running total.
+    pub fn is_level(name: &str) -> bool {
+        const LEVELS: &[&str] = &[
+            "connections",
+            "queued_bytes",
+            "routes",
+            "fabric_buffer_bytes",
+            "fabric_registered_bytes",
+            "fabric_rendezvous_registered",
+            "fabric_rendezvous_registered_bytes",
+            "fabric_addresses",
+            "fabric_address_capacity",
+        ];
+        LEVELS.contains(&name)
     }
 
     /// One counter by its name in [`snapshot`](Self::snapshot); `None`
@@ -208,6 +238,18 @@ impl BrokerStats {
                 "fabric_rendezvous_abandoned",
                 get(&self.fabric_rendezvous_abandoned),
             ),
+            (
+                "fabric_rendezvous_shared",
+                get(&self.fabric_rendezvous_shared),
+            ),
+            (
+                "fabric_rendezvous_registered",
+                get(&self.fabric_rendezvous_registered),
+            ),
+            (
+                "fabric_rendezvous_registered_bytes",
+                get(&self.fabric_rendezvous_registered_bytes),
+            ),
             ("fabric_messages_sent", get(&self.fabric_messages_sent)),
             (
                 "fabric_messages_received",
@@ -221,6 +263,12 @@ impl BrokerStats {
             ("fabric_shared_sends", get(&self.fabric_shared_sends)),
             ("fabric_av_evictions", get(&self.fabric_av_evictions)),
             ("fabric_queue_full", get(&self.fabric_queue_full)),
+            ("fabric_addresses", get(&self.fabric_addresses)),
+            (
+                "fabric_address_capacity",
+                get(&self.fabric_address_capacity),
+            ),
+            ("fabric_rnr_failures", get(&self.fabric_rnr_failures)),
         ]
     }
 }

@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use efabus_broker::BrokerStats;
 use serde_json::Value;
 
 use crate::cli::{out, Failure, Output};
@@ -107,11 +108,15 @@ pub fn stats(args: StatsArgs) -> Result<(), Failure> {
         let width = totals.keys().map(String::len).max().unwrap_or(0);
         for (name, value) in &totals {
             let value = value.as_u64().unwrap_or(0);
-            let rate = last.as_ref().and_then(|(at, before)| {
-                let before = before["totals"][name].as_u64()?;
-                let seconds = now.duration_since(*at).as_secs_f64();
-                (seconds > 0.0).then(|| (value as f64 - before as f64) / seconds)
-            });
+            // Levels (connections, queued bytes) have no rate.
+            let rate = last
+                .as_ref()
+                .filter(|_| !BrokerStats::is_level(name))
+                .and_then(|(at, before)| {
+                    let before = before["totals"][name].as_u64()?;
+                    let seconds = now.duration_since(*at).as_secs_f64();
+                    (seconds > 0.0).then(|| (value as f64 - before as f64) / seconds)
+                });
             match rate {
                 Some(rate) => out!(output, "  {name:<width$} {value:>14}  {rate:>12.0}/s")?,
                 None => out!(output, "  {name:<width$} {value:>14}")?,

@@ -464,6 +464,13 @@ pub struct RendezvousCounts {
     pub read_bytes: u64,
     /// Transfers released without their done: the peer closed first.
     pub abandoned: u64,
+    /// Frames whose body was registered already (sent to another peer
+    /// too): served from the registration cache.
+    pub shared: u64,
+    /// Registrations held right now.
+    pub registered: u64,
+    /// Their bytes.
+    pub registered_bytes: u64,
 }
 
 /// What a fabric endpoint's provider did since the endpoint opened,
@@ -484,6 +491,15 @@ pub struct FabricCounts {
     pub shared_sends: u64,
     /// Address-vector entries removed to make room for others.
     pub av_evictions: u64,
+    /// Address-vector entries in use right now.
+    pub addresses: u64,
+    /// How many entries the address vector may hold.
+    pub address_capacity: u64,
+    /// Sends the provider failed because the receiver had no buffer
+    /// posted (`FI_ENORX`), after its own receiver-not-ready retries ran
+    /// out: on efa they happen inside the provider and only their end is
+    /// visible.
+    pub rnr_failures: u64,
     /// Sends handed back to the caller for now: the endpoint's send slots
     /// or the peer's share of them were full (the caller retries on
     /// `Writable`).

@@ -441,7 +441,10 @@ fn healthz(broker: &Broker) -> Answer {
         .map(listener_view)
         .collect();
     if !down.is_empty() {
-        return Answer::json(503, &json!({ "status": "unavailable", "listeners_down": down }));
+        return Answer::json(
+            503,
+            &json!({ "status": "unavailable", "listeners_down": down }),
+        );
     }
     // A flush is answered at the end of the loop's next round: the loop
     // runs, and nothing is built for the answer.

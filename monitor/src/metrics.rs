@@ -3,8 +3,9 @@
 //! a report of its sessions:
 //!
 //! - every [`efabus_broker::BrokerStats`] value as `efabus_<name>` (a
-//!   counter, `_total`, except the values that are levels right now:
-//!   connections, routes, queued bytes, fabric buffer bytes;
+//!   counter, `_total`, except the values that are levels right now
+//!   ([`BrokerStats::is_level`]: connections, routes, queued bytes, buffer
+//!   and registered bytes, address-vector entries);
 //!   `connections_total` is `efabus_connections_opened_total`);
 //! - the live sessions by kind (client, route), link kind (`efa-rdm`,
 //!   `shm`, `tcp`, ...) and provider: how many, and their messages, bytes,
@@ -14,7 +15,7 @@
 //!   of traffic and the data path each negotiation reason names
 //!   (`efabus_fabric_fallbacks`; the reasons' text is in `/connz`).
 
-use efabus_broker::{Broker, ConnectionReport};
+use efabus_broker::{Broker, BrokerStats, ConnectionReport};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -23,15 +24,6 @@ use prometheus_client::registry::Registry;
 
 /// The content type of [`render`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-
-/// Broker statistics that are levels, not running totals.
-const LEVELS: &[&str] = &[
-    "connections",
-    "queued_bytes",
-    "routes",
-    "fabric_buffer_bytes",
-    "fabric_registered_bytes",
-];
 
 type Labels = Vec<(String, String)>;
 
@@ -83,7 +75,7 @@ pub fn render(
             name
         };
         let help = format!("Broker statistic {name}");
-        if LEVELS.contains(&name) {
+        if BrokerStats::is_level(name) {
             registry.register(name, help, gauge(value));
         } else {
             let counter: Counter = Counter::default();

@@ -1,7 +1,7 @@
 //! The monitoring listener against a running broker with a client on the
 //! fabric (`tcp;ofi_rxm` on loopback) and one on TCP only: every view is
 //! read over HTTP as a user's tools would, `/metrics` through a Prometheus
-//! text parser. Where libfabric cannot open the fabric client is left out,
+//! text parser and the Prometheus project's own OpenMetrics parser. Where libfabric cannot open the fabric client is left out,
 //! unless `EFABUS_REQUIRE_FABRIC=1` (set in CI).
 
 use std::sync::Arc;
@@ -77,6 +77,63 @@ fn get_json(monitor: &Monitor, path: &str) -> Value {
     let (status, body) = get(monitor, path);
     assert_eq!(status, 200, "GET {path}: {body}");
     serde_json::from_str(&body).unwrap_or_else(|err| panic!("GET {path}: {err}: {body}"))
+}
+
+/// Parses `text` with the Prometheus project's OpenMetrics parser (its
+/// Python client's, installed by `scripts/test`), which refuses what a
+/// scraper would, and checks one sample's value. Skipped where the parser
+/// is missing, unless `CI=true`.
+fn assert_official_parser_reads(text: &str, sample: &str, value: f64) {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    const SCRIPT: &str = "import sys\n\
+        from prometheus_client.openmetrics.parser import text_string_to_metric_families\n\
+        for family in text_string_to_metric_families(sys.stdin.read()):\n\
+        \x20   for s in family.samples:\n\
+        \x20       if not s.labels: print(s.name, s.value)\n";
+    let available = Command::new("/usr/bin/python3")
+        .args(["-c", "import prometheus_client.openmetrics.parser"])
+        .status()
+        .is_ok_and(|status| status.success());
+    if !available {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI=true but python3-prometheus-client is missing (scripts/test installs it)"
+        );
+        eprintln!("skipping the OpenMetrics parser check: python3-prometheus-client is missing");
+        return;
+    }
+    let mut child = Command::new("/usr/bin/python3")
+        .args(["-c", SCRIPT])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("metrics written to the parser");
+    let output = child.wait_with_output().expect("the parser ends");
+    assert!(
+        output.status.success(),
+        "the OpenMetrics parser refused the metrics: {}\n{text}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let parsed = String::from_utf8_lossy(&output.stdout);
+    let found = parsed.lines().find_map(|line| {
+        let (name, number) = line.split_once(' ')?;
+        (name == sample)
+            .then(|| number.parse::<f64>().ok())
+            .flatten()
+    });
+    assert_eq!(
+        found,
+        Some(value),
+        "{sample} as the parser read it:\n{parsed}"
+    );
 }
 
 fn connection<'a>(connz: &'a Value, name: &str) -> &'a Value {
@@ -224,6 +281,17 @@ fn the_views_show_the_broker_its_connections_and_their_links() {
         );
     }
 
+    assert_official_parser_reads(&text, "efabus_connections", expected as f64);
+    if fabric {
+        // The client's address is in the listener's address vector.
+        assert!(value("efabus_fabric_addresses", &[]) >= Some(1.0), "{text}");
+        assert!(
+            value("efabus_fabric_address_capacity", &[]) >= value("efabus_fabric_addresses", &[]),
+            "{text}"
+        );
+        assert_eq!(value("efabus_fabric_rnr_failures_total", &[]), Some(0.0));
+    }
+
     assert_eq!(get_json(&monitor, "/healthz")["status"], "ok");
     drop(on_fabric);
     drop(plain);
@@ -280,7 +348,10 @@ fn healthz_answers_503_when_a_listener_is_gone() {
     assert_eq!(status, 503, "{body}");
     let health: Value = serde_json::from_str(&body).expect("JSON");
     assert_eq!(health["status"], "unavailable");
-    assert_eq!(health["listeners_down"][0]["scheme"], "efa-rdm", "{health:#}");
+    assert_eq!(
+        health["listeners_down"][0]["scheme"], "efa-rdm",
+        "{health:#}"
+    );
     assert!(
         health["listeners_down"][0]["error"]
             .as_str()

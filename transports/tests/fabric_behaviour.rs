@@ -633,6 +633,18 @@ mod suite {
         assert_eq!(a.stats().rendezvous_registrations, 1);
         assert_eq!(a.stats().rendezvous_shared, 1);
         assert_eq!(a.rendezvous_held().0, 2);
+        // What monitoring reports: one registration, shared once; two
+        // addresses in use.
+        let counts = a.rendezvous_counts();
+        assert_eq!(
+            (counts.registrations, counts.shared, counts.registered),
+            (1, 1, 1)
+        );
+        assert_eq!(counts.registered_bytes, a.rendezvous_held().1 as u64);
+        assert!(counts.registered_bytes > 500 << 10, "{counts:?}");
+        let fabric = a.fabric_counts();
+        assert_eq!(fabric.addresses, 2, "{fabric:?}");
+        assert!(fabric.address_capacity >= 2, "{fabric:?}");
         let (mut be, mut ce) = (Vec::new(), Vec::new());
         let start = Instant::now();
         while frames_from(&be, pa).is_empty() || frames_from(&ce, pa_at_c).is_empty() {
@@ -649,6 +661,8 @@ mod suite {
             c.poll(&mut ce).expect("poll c");
             assert!(start.elapsed() < DEADLINE, "registration never released");
         }
+        let counts = a.rendezvous_counts();
+        assert_eq!((counts.registered, counts.registered_bytes), (0, 0));
     }
 
     /// Both sides send large frames, each followed by a small one, to each

@@ -400,6 +400,9 @@ impl EventLoop {
                 lent: sum.lent + c.lent,
                 shared_sends: sum.shared_sends + c.shared_sends,
                 av_evictions: sum.av_evictions + c.av_evictions,
+                addresses: sum.addresses + c.addresses,
+                address_capacity: sum.address_capacity + c.address_capacity,
+                rnr_failures: sum.rnr_failures + c.rnr_failures,
                 queue_full: sum.queue_full + c.queue_full,
             },
         );
@@ -415,6 +418,9 @@ impl EventLoop {
             (&stats.fabric_lent, counts.lent),
             (&stats.fabric_shared_sends, counts.shared_sends),
             (&stats.fabric_av_evictions, counts.av_evictions),
+            (&stats.fabric_addresses, counts.addresses),
+            (&stats.fabric_address_capacity, counts.address_capacity),
+            (&stats.fabric_rnr_failures, counts.rnr_failures),
             (&stats.fabric_queue_full, counts.queue_full),
         ]);
     }
@@ -452,6 +458,9 @@ impl EventLoop {
                 read: sum.read + c.read,
                 read_bytes: sum.read_bytes + c.read_bytes,
                 abandoned: sum.abandoned + c.abandoned,
+                shared: sum.shared + c.shared,
+                registered: sum.registered + c.registered,
+                registered_bytes: sum.registered_bytes + c.registered_bytes,
             },
         );
         if counts == self.rendezvous {
@@ -465,6 +474,12 @@ impl EventLoop {
             (&stats.fabric_rendezvous_read_bytes, counts.read_bytes),
             (&stats.fabric_rendezvous_registrations, counts.registrations),
             (&stats.fabric_rendezvous_abandoned, counts.abandoned),
+            (&stats.fabric_rendezvous_shared, counts.shared),
+            (&stats.fabric_rendezvous_registered, counts.registered),
+            (
+                &stats.fabric_rendezvous_registered_bytes,
+                counts.registered_bytes,
+            ),
         ]);
     }
 
@@ -1447,7 +1462,10 @@ impl EventLoop {
     /// offered it); another is up again.
     fn listener_recovered(&mut self, index: usize) {
         if !endpoints::is_data_scheme(self.endpoints[index].scheme()) {
-            info!(scheme = self.endpoints[index].scheme(), "endpoint polls again");
+            info!(
+                scheme = self.endpoints[index].scheme(),
+                "endpoint polls again"
+            );
             self.mark_listener(index, None);
         }
     }

@@ -226,6 +226,9 @@ pub struct FabricStats {
     pub peer_share_full: u64,
     pub tx_errors: u64,
     pub rx_errors: u64,
+    /// Of the send errors, those saying the receiver had no buffer
+    /// posted (FI_ENORX).
+    pub rnr_failures: u64,
     /// Frames sent by rendezvous (a descriptor in their place).
     pub rendezvous_sent: u64,
     /// Of those, the ones whose body was registered already (the same
@@ -864,6 +867,9 @@ impl FabricEndpoint {
 
     fn on_tx_error(&mut self, err: CqError) {
         self.stats.tx_errors += 1;
+        if err.code.code == FI_ENORX {
+            self.stats.rnr_failures += 1;
+        }
         let peer = self.finish_send(err.op_context);
         let error = FabricError::Completion {
             op: "fi_send",
@@ -2040,6 +2046,15 @@ impl Endpoint for FabricEndpoint {
             read: self.stats.rendezvous_read,
             read_bytes: self.stats.rendezvous_read_bytes,
             abandoned: self.stats.rendezvous_abandoned,
+            shared: self.stats.rendezvous_shared,
+            registered: self
+                .rma
+                .as_ref()
+                .map_or(0, |rma| rma.registrations.len() as u64),
+            registered_bytes: self
+                .rma
+                .as_ref()
+                .map_or(0, |rma| rma.registrations.bytes() as u64),
         }
     }
 
@@ -2052,6 +2067,9 @@ impl Endpoint for FabricEndpoint {
             lent: stats.lent,
             shared_sends: stats.shared_sends,
             av_evictions: stats.av_evictions,
+            addresses: self.av_cache.len() as u64,
+            address_capacity: self.max_addresses as u64,
+            rnr_failures: stats.rnr_failures,
             queue_full: stats.would_block,
         }
     }

@@ -71,6 +71,7 @@ fn errno_name(code: i32) -> Option<&'static str> {
         FI_EINVAL => "FI_EINVAL",
         FI_ENOPROTOOPT => "FI_ENOPROTOOPT",
         FI_EBUSY => "FI_EBUSY",
+        FI_ENORX => "FI_ENORX",
         _ => return None,
     })
 }

@@ -86,6 +86,12 @@ impl Registrations {
         self.bytes
     }
 
+    /// Registrations held now.
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
     /// Whether `body`'s region is registered already.
     pub fn holds(&self, body: &Bytes) -> bool {
         self.entries.contains_key(&region_of(body))
