@@ -35,6 +35,7 @@ use crate::error::Error;
 use crate::event_loop::{Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
 use crate::monitoring::{ConnectionReport, ListenerReport, MatchReport};
 use crate::publish_cache;
+use crate::reload::LiveLimits;
 use crate::subscriptions::{SubRef, SubscriptionTable, Targets, LOCAL_OWNER};
 
 /// Commands queued from in-process publishers to the loop before they wait.
@@ -293,7 +294,10 @@ pub(crate) enum Command {
 }
 
 pub(crate) struct Shared {
+    /// The configuration the broker started with; `live` holds the values
+    /// of it a reload changed.
     pub(crate) config: Config,
+    pub(crate) live: LiveLimits,
     pub(crate) subject_limits: SubjectLimits,
     pub(crate) subscriptions: RwLock<SubscriptionTable>,
     /// The subscription table's generation, read without its lock (see [`crate::publish_cache`]).
@@ -350,7 +354,7 @@ impl Shared {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        self.commands.send(command, self.config.block_timeout())
+        self.commands.send(command, self.live.block_timeout())
     }
 }
 
@@ -368,7 +372,7 @@ impl Unsubscriber for Shared {
 /// An embedded broker. Cheap to share: all methods take `&self`, and the
 /// handle is `Send + Sync`. Dropping it shuts the broker down.
 pub struct Broker {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -493,6 +497,7 @@ impl Broker {
             BrokerStats::add(&stats.fabric_registered_bytes, buffers.registered as u64);
         }
         let shared = Arc::new(Shared {
+            live: LiveLimits::new(&config),
             subject_limits,
             config,
             generation: table.generation(),
@@ -652,10 +657,11 @@ impl Broker {
                 }
             })?;
         }
-        if payload.len() as u64 > shared.config.limits.max_payload {
+        let max_payload = shared.live.max_payload();
+        if payload.len() as u64 > max_payload {
             return Err(Error::PayloadTooLarge {
                 len: payload.len(),
-                max: shared.config.limits.max_payload,
+                max: max_payload,
             });
         }
         publish_cache::publish(shared, subject, reply.map(Arc::from), payload)
@@ -685,9 +691,9 @@ impl Broker {
         })?;
         let sid = shared.next_sid.fetch_add(1, Ordering::Relaxed);
         let (sink, rx, stats) = LocalSink::new(
-            shared.config.limits.subscription_queue,
-            shared.config.slow_consumer.policy,
-            shared.config.block_timeout(),
+            shared.live.subscription_queue(),
+            shared.live.policy(),
+            shared.live.block_timeout(),
         );
         shared
             .subscriptions

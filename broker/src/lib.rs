@@ -47,6 +47,7 @@ mod event_loop;
 mod interest;
 pub mod monitoring;
 mod publish_cache;
+pub mod reload;
 mod session;
 mod subscriptions;
 mod wait;
@@ -64,6 +65,7 @@ pub use monitoring::{
     ConnectionKind, ConnectionReport, ListenerReport, MatchReport, SessionCounts,
     SubscriptionReport,
 };
+pub use reload::Reloaded;
 /// How a session's data links agree their keys (for peers written apart
 /// from [`Client`]).
 pub use session::link_auth;

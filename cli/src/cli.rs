@@ -608,7 +608,7 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
         );
     }
     let log_reload = init_logging(&config.log_level, args.log_format)?;
-    let running = config.clone();
+    let mut log_level = config.log_level.clone();
 
     // Caught before anything starts, so a stop at any time is graceful.
     let mut signals = stop_signals()?;
@@ -646,7 +646,13 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
         if signal != signal_hook::consts::SIGHUP {
             break;
         }
-        reload(&args, &schemes, &running, log_reload.as_ref());
+        reload(
+            &args,
+            &schemes,
+            &broker,
+            &mut log_level,
+            log_reload.as_ref(),
+        );
     }
     drop(monitor);
     broker.shutdown();
@@ -661,70 +667,55 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
 }
 
 /// SIGHUP: read the configuration again. The log level changes at once
-/// (unless `RUST_LOG` decides it); other keys that changed are named as
-/// needing a restart; a configuration that does not load leaves the
-/// running one, and says why.
-fn reload(args: &ServeArgs, schemes: &[&str], running: &Config, log: Option<&LogReload>) {
+/// (unless `RUST_LOG` decides it), the limits and slow-consumer policy
+/// through [`Broker::reload`]; other keys that changed are named as needing
+/// a restart. A configuration that does not load leaves the running one,
+/// and says why.
+fn reload(
+    args: &ServeArgs,
+    schemes: &[&str],
+    broker: &Broker,
+    log_level: &mut String,
+    log: Option<&LogReload>,
+) {
+    let refused = |error: &dyn std::fmt::Display| {
+        tracing::warn!(%error, "reload refused; the running configuration stays");
+    };
     let config = match serve_config(args, schemes) {
         Ok(config) => config,
-        Err(failure) => {
-            tracing::warn!(error = %failure.message, "reload refused; the running configuration stays");
-            return;
-        }
+        Err(failure) => return refused(&failure.message),
     };
-    if let Some(log) = log {
-        if config.log_level != running.log_level {
-            let changed = tracing_subscriber::EnvFilter::try_new(&config.log_level)
-                .is_ok_and(|filter| log.reload(filter).is_ok());
-            if changed {
-                tracing::warn!(log_level = %config.log_level, "log level changed");
-            } else {
-                tracing::warn!("the log level could not be changed");
+    let reloaded = match broker.reload(&config) {
+        Ok(reloaded) => reloaded,
+        Err(err) => return refused(&err),
+    };
+    if config.log_level != *log_level {
+        match log {
+            Some(log) => {
+                let changed = tracing_subscriber::EnvFilter::try_new(&config.log_level)
+                    .is_ok_and(|filter| log.reload(filter).is_ok());
+                if changed {
+                    tracing::warn!(log_level = %config.log_level, "log level changed");
+                    log_level.clone_from(&config.log_level);
+                } else {
+                    tracing::warn!("the log level could not be changed");
+                }
             }
+            None => tracing::warn!(
+                "log_level changed, but RUST_LOG sets the log level: unset it to use the file's"
+            ),
         }
     }
-    let mut changed = Vec::new();
-    if let (Ok(before), Ok(after)) = (
-        toml::Value::try_from(running),
-        toml::Value::try_from(&config),
-    ) {
-        changed_keys("", &before, &after, &mut changed);
+    if !reloaded.applied.is_empty() {
+        tracing::warn!(keys = %reloaded.applied.join(", "), "applied");
     }
-    if log.is_none() && config.log_level != running.log_level {
-        tracing::warn!(
-            "log_level changed, but RUST_LOG sets the log level: unset it to use the file's"
-        );
-    }
-    changed.retain(|key| key != "log_level");
-    if changed.is_empty() {
+    if reloaded.needs_restart.is_empty() {
         tracing::info!("configuration reloaded");
     } else {
         tracing::warn!(
-            keys = %changed.join(", "),
+            keys = %reloaded.needs_restart.join(", "),
             "configuration reloaded; these changes take effect after a restart"
         );
-    }
-}
-
-/// The dotted keys whose values differ between two TOML values.
-fn changed_keys(prefix: &str, before: &toml::Value, after: &toml::Value, out: &mut Vec<String>) {
-    match (before, after) {
-        (toml::Value::Table(a), toml::Value::Table(b)) => {
-            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
-            for key in keys {
-                let path = if prefix.is_empty() {
-                    key.clone()
-                } else {
-                    format!("{prefix}.{key}")
-                };
-                match (a.get(key), b.get(key)) {
-                    (Some(x), Some(y)) => changed_keys(&path, x, y, out),
-                    _ => out.push(path),
-                }
-            }
-        }
-        (a, b) if a != b => out.push(prefix.to_string()),
-        _ => {}
     }
 }
 

@@ -825,7 +825,7 @@ fn lines_until(lines: &Receiver<String>, needle: &str) -> Vec<String> {
 }
 
 #[test]
-fn sighup_reloads_the_log_level_and_names_what_needs_a_restart() {
+fn sighup_applies_log_level_and_limits_and_names_what_needs_a_restart() {
     let config = common::temp_path("reload.toml");
     std::fs::write(
         &config,
@@ -839,6 +839,19 @@ fn sighup_reloads_the_log_level_and_names_what_needs_a_restart() {
         started.iter().all(|line| !line.contains('\u{1b}')),
         "{started:?}"
     );
+    let port = started
+        .last()
+        .and_then(|line| line.rsplit("address=127.0.0.1:").next())
+        .expect("the listening line names the address")
+        .trim();
+    let endpoint = format!("tcp/127.0.0.1:{port}");
+    let publish = |len: usize| {
+        efabus()
+            .args(["pub", "-s", &endpoint, "reload.test", &"x".repeat(len)])
+            .output()
+            .unwrap()
+    };
+    assert!(publish(6000).status.success(), "6000 B within the default");
     let hup = || {
         Command::new("kill")
             .args(["-HUP", &server.0.id().to_string()])
@@ -847,19 +860,43 @@ fn sighup_reloads_the_log_level_and_names_what_needs_a_restart() {
     };
     std::fs::write(
         &config,
-        "listen = [\"tcp/127.0.0.1:0\"]\nlog_level = \"debug\"\n[limits]\nmax_payload = 5000\n",
+        "name = \"renamed\"\nlisten = [\"tcp/127.0.0.1:0\"]\nlog_level = \"debug\"\n\
+         [limits]\nmax_payload = 5000\n[slow_consumer]\npolicy = \"disconnect\"\n",
     )
     .unwrap();
     assert!(hup().success());
     let said = lines_until(&lines, "take effect after a restart");
+    let said = said.join("\n");
+    assert!(said.contains("log level changed"), "{said}");
+    let applied = said
+        .lines()
+        .find(|line| line.contains("applied"))
+        .unwrap_or_else(|| panic!("no line says what was applied: {said}"));
     assert!(
-        said.iter().any(|line| line.contains("log level changed")),
-        "{said:?}"
+        applied.contains("limits.max_payload") && applied.contains("slow_consumer.policy"),
+        "{applied}"
     );
+    let restart = said.lines().last().unwrap();
     assert!(
-        said.last().unwrap().contains("limits.max_payload"),
-        "{said:?}"
+        restart.contains("name") && !restart.contains("max_payload"),
+        "{restart}"
     );
+    // The new limit is in force: a new client learns it in the welcome.
+    let refused = publish(6000);
+    assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+    assert!(stderr(&refused).contains("5000"), "{}", stderr(&refused));
+    assert!(publish(4000).status.success());
+
+    // Past the starting limit, and a bad log level: refused, nothing
+    // changes.
+    std::fs::write(
+        &config,
+        "listen = [\"tcp/127.0.0.1:0\"]\n[limits]\nmax_payload = 2000000\n",
+    )
+    .unwrap();
+    assert!(hup().success());
+    let said = lines_until(&lines, "reload refused").join("\n");
+    assert!(said.contains("raising it needs a restart"), "{said}");
     std::fs::write(
         &config,
         "listen = [\"tcp/127.0.0.1:0\"]\nlog_level = \"loud\"\n",
@@ -867,6 +904,7 @@ fn sighup_reloads_the_log_level_and_names_what_needs_a_restart() {
     .unwrap();
     assert!(hup().success());
     lines_until(&lines, "reload refused");
+    assert!(!publish(6000).status.success(), "still 5000");
     assert_eq!(server.0.try_wait().unwrap(), None, "still serving");
     let _ = Command::new("kill")
         .args(["-TERM", &server.0.id().to_string()])

@@ -200,7 +200,8 @@ fn resident_bytes() -> Option<u64> {
 }
 
 fn varz(broker: &Broker, started: SystemTime) -> Answer {
-    let config = broker.config();
+    // The limits in force, with what a reload changed.
+    let config = broker.running_config();
     let limits = &config.limits;
     let listeners: Vec<Value> = broker.listeners().iter().map(listener_view).collect();
     let totals: serde_json::Map<String, Value> = broker

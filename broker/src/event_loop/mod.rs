@@ -636,12 +636,12 @@ impl EventLoop {
         let stats = &self.shared.stats;
         let refuse = if self.shared.shutdown.load(Ordering::Relaxed) {
             Some((ErrorCode::Internal, "server is shutting down".to_string()))
-        } else if self.sessions.len() >= self.shared.config.limits.max_connections {
+        } else if self.sessions.len() >= self.shared.live.max_connections() {
             Some((
                 ErrorCode::TooManyConnections,
                 format!(
                     "connection limit of {} reached",
-                    self.shared.config.limits.max_connections
+                    self.shared.live.max_connections()
                 ),
             ))
         } else {
@@ -896,7 +896,7 @@ impl EventLoop {
     /// Whether a payload of `len` bytes is within `limits.max_payload`;
     /// if not, the peer is told (the connection stays).
     fn payload_allowed(&mut self, id: u64, len: usize) -> bool {
-        let max_payload = self.shared.config.limits.max_payload;
+        let max_payload = self.shared.live.max_payload();
         if len as u64 <= max_payload {
             return true;
         }
@@ -1145,8 +1145,8 @@ impl EventLoop {
         }
         if left_queued
             && session.conn.links.held()
-            && session.conn.out.bytes() > self.shared.config.limits.max_pending_bytes
-            && session.conn.out.control_bytes() > self.shared.config.limits.max_pending_bytes
+            && session.conn.out.bytes() > self.shared.live.max_pending_bytes()
+            && session.conn.out.control_bytes() > self.shared.live.max_pending_bytes()
         {
             // Held for a proof that has not come, the queue is over its
             // bound with frames the slow-consumer policy does not trim
@@ -1165,20 +1165,17 @@ impl EventLoop {
         if !left_queued || !is_message {
             return;
         }
-        let config = &self.shared.config;
-        let bound = config.limits.max_pending_bytes;
+        let live = &self.shared.live;
+        let bound = live.max_pending_bytes();
         // A client is told what is discarded for each of its subscriptions
         // (a route's peer broker counts nothing per subscription).
         let client = session.route().is_none();
         let pending = &mut session.drops.pending;
-        let overflow = session
-            .conn
-            .out
-            .enforce(config.slow_consumer.policy, bound, |discarded| {
-                if client {
-                    discarded.for_each_sid(|sid| *pending.entry(sid).or_default() += 1);
-                }
-            });
+        let overflow = session.conn.out.enforce(live.policy(), bound, |discarded| {
+            if client {
+                discarded.for_each_sid(|sid| *pending.entry(sid).or_default() += 1);
+            }
+        });
         match overflow {
             Overflow::Within => {}
             Overflow::DroppedOldest(dropped) => {
@@ -1204,7 +1201,7 @@ impl EventLoop {
                 if session.over_since.is_none() {
                     let now = Instant::now();
                     session.over_since = Some(now);
-                    self.next_timer = self.next_timer.min(now + config.block_timeout());
+                    self.next_timer = self.next_timer.min(now + live.block_timeout());
                 }
                 self.blocking.insert(id);
                 self.set_reads_paused(true);
@@ -1267,7 +1264,7 @@ impl EventLoop {
             self.data_link_send_failed(id);
             return;
         }
-        let bound = self.shared.config.limits.max_pending_bytes;
+        let bound = self.shared.live.max_pending_bytes();
         let drained = session.conn.out.bytes() <= bound / 2;
         if drained {
             session.over_since = None;
@@ -1296,7 +1293,7 @@ impl EventLoop {
     /// wait, added up, until it takes again: [`Self::flush_session`] calls
     /// here once the queue drains).
     fn report_drops(&mut self, id: u64, now: Instant) {
-        let bound = self.shared.config.limits.max_pending_bytes;
+        let bound = self.shared.live.max_pending_bytes();
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
@@ -1574,7 +1571,7 @@ impl EventLoop {
     /// A session finished its handshake: its timers change from the
     /// handshake deadline to its heartbeats.
     fn session_ready(&mut self, id: u64) {
-        let block_timeout = self.shared.config.block_timeout();
+        let block_timeout = self.shared.live.block_timeout();
         let deadline = self
             .sessions
             .get(&id)
@@ -1599,14 +1596,14 @@ impl EventLoop {
         // What was due is served now; what is left is scheduled anew below.
         self.next_timer = now + IDLE_WAKE;
         let timeout = self.shared.config.heartbeat_timeout();
-        let block_timeout = self.shared.config.block_timeout();
+        let block_timeout = self.shared.live.block_timeout();
         let mut expired = Vec::new();
         let mut pings = Vec::new();
         let mut slow = Vec::new();
         let mut links_due = Vec::new();
         let mut reports = Vec::new();
         let mut pacing = Vec::new();
-        let bound = self.shared.config.limits.max_pending_bytes;
+        let bound = self.shared.live.max_pending_bytes();
         let mut queued = 0u64;
         // The next deadline, of the sessions with nothing due now (the
         // others are seen to below and then rescheduled).

@@ -287,7 +287,7 @@ impl Session {
                 "a route announces interest, not subscriptions",
             ));
         };
-        let limit = shared.config.limits.max_subscriptions_per_peer;
+        let limit = shared.live.max_subscriptions_per_peer();
         if subscriptions.len() >= limit {
             return Err(Refusal::new(
                 ErrorCode::TooManySubscriptions,
@@ -449,7 +449,7 @@ impl EventLoop {
             version: PROTOCOL_VERSION,
             name: config.name.clone(),
             offers,
-            max_payload: config.limits.max_payload,
+            max_payload: self.shared.live.max_payload(),
             link_auth: secret.map(|secret| secret.auth().clone()),
             max_subject_len: u32::try_from(config.limits.max_subject_len).unwrap_or(u32::MAX),
             max_subject_tokens: u32::try_from(config.limits.max_subject_tokens).unwrap_or(u32::MAX),

@@ -973,7 +973,7 @@ impl EventLoop {
 
     /// The peer broker has subscribers on a pattern.
     pub(super) fn on_route_subscribe(&mut self, id: u64, subscribe: Subscribe) {
-        let limit = self.shared.config.limits.max_subscriptions_per_peer;
+        let limit = self.shared.live.max_subscriptions_per_peer();
         let Some(role) = self
             .sessions
             .get_mut(&id)
