@@ -751,6 +751,8 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         .flush(Duration::from_secs(10))
         .map_err(bench_error)?;
     target.await_route_interest(1)?;
+    // Ctrl-C ends the round trips; those measured are reported.
+    let stop = crate::cli::stop_on_signals()?;
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
         .map_err(|err| Failure::runtime(err.to_string()))?;
     let duration = args.duration.map(Duration::from_secs_f64);
@@ -781,7 +783,7 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                 args.count
             };
             for i in 0..rounds {
-                if deadline.is_some_and(|at| Instant::now() >= at) {
+                if deadline.is_some_and(|at| Instant::now() >= at) || stop.load(Ordering::Relaxed) {
                     break;
                 }
                 let sent = Instant::now();
@@ -836,6 +838,19 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
             report.p999_us,
             report.max_us
         ))?;
+    }
+    if stop.load(Ordering::Relaxed) {
+        return Err(Failure {
+            message: format!(
+                "interrupted after {} round trips{}",
+                report.round_trips,
+                match duration {
+                    None => format!(" of {}", args.count),
+                    Some(_) => String::new(),
+                }
+            ),
+            code: 130,
+        });
     }
     Ok(())
 }

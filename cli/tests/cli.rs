@@ -1169,3 +1169,41 @@ fn an_interrupted_bench_reports_what_it_measured() {
         .unwrap_or_else(|| panic!("{said}"));
     assert!(published > 0 && published < 1_000_000_000, "{said}");
 }
+
+#[test]
+fn an_interrupted_latency_bench_reports_the_round_trips_it_measured() {
+    let mut bench = spawn_piped(&[
+        "bench",
+        "--mode",
+        "latency",
+        "--via",
+        "embedded",
+        "--count",
+        "1000000000",
+    ]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let _ = Command::new("kill")
+        .args(["-INT", &bench.0.id().to_string()])
+        .status();
+    assert_eq!(exit_code(&mut bench), Some(130));
+    let (mut report, mut said) = (String::new(), String::new());
+    let mut stdout = bench.0.stdout.take().unwrap();
+    stdout.read_to_string(&mut report).unwrap();
+    let mut stderr = bench.0.stderr.take().unwrap();
+    stderr.read_to_string(&mut said).unwrap();
+    assert!(
+        report.contains("round trips of") && report.contains("p50"),
+        "{report}"
+    );
+    let measured: u64 = said
+        .split("interrupted after ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(measured > 0 && measured < 1_000_000_000, "{said}");
+    assert!(
+        report.contains(&format!("{measured} round trips")),
+        "{report}"
+    );
+}
