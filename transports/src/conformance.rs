@@ -988,6 +988,172 @@ impl EndpointFactory for TcpFactory {
     }
 }
 
+/// The `tcp` transport with TLS on loopback: listeners present a
+/// certificate for `127.0.0.1` from a test CA, and with `mutual` ask every
+/// client for one from the same CA; clients verify the server against it
+/// (and present theirs).
+#[derive(Debug, Default)]
+pub struct TlsFactory {
+    pub mutual: bool,
+}
+
+impl TlsFactory {
+    fn with_options(&self, config: EndpointConfig, server: bool) -> EndpointConfig {
+        let pki = pki::shared();
+        let mut options = config.options;
+        options.push(("tls_ca".into(), pki.ca.clone()));
+        if server {
+            options.push(("tls_cert".into(), pki.server_cert.clone()));
+            options.push(("tls_key".into(), pki.server_key.clone()));
+            if self.mutual {
+                options.push(("tls_verify_clients".into(), "true".into()));
+            }
+        } else if self.mutual {
+            options.push(("tls_cert".into(), pki.client_cert.clone()));
+            options.push(("tls_key".into(), pki.client_key.clone()));
+        }
+        EndpointConfig { options, ..config }
+    }
+}
+
+impl EndpointFactory for TlsFactory {
+    fn name(&self) -> String {
+        if self.mutual {
+            "tcp+mutual-tls"
+        } else {
+            "tcp+tls"
+        }
+        .into()
+    }
+    fn style(&self) -> LinkStyle {
+        LinkStyle::ConnectAccept
+    }
+    fn open_bound(&self, config: EndpointConfig) -> Result<Box<dyn Endpoint>, TransportError> {
+        TcpFactory.open_bound(self.with_options(config, true))
+    }
+    fn open_client(&self, config: EndpointConfig) -> Result<Box<dyn Endpoint>, TransportError> {
+        TcpFactory.open_client(self.with_options(config, false))
+    }
+    fn unreachable_addr(&self) -> String {
+        TcpFactory.unreachable_addr()
+    }
+}
+
+/// Certificates for tests, made with rcgen and written as PEM files to a
+/// directory of the system's temporary directory.
+pub mod pki {
+    use std::path::{Path, PathBuf};
+    use std::sync::OnceLock;
+
+    use rcgen::{
+        BasicConstraints, Certificate, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose,
+    };
+
+    /// An authority, with its key, to issue certificates from.
+    pub struct Authority {
+        cert: Certificate,
+        key: KeyPair,
+        /// Its certificate's PEM file.
+        pub pem: String,
+    }
+
+    fn write(dir: &Path, name: &str, text: &str) -> String {
+        let path = dir.join(name);
+        std::fs::write(&path, text).expect("test PEM written");
+        path.to_string_lossy().into_owned()
+    }
+
+    impl Authority {
+        /// A new self-signed CA named `name`, its PEM in `dir`.
+        pub fn new(dir: &Path, name: &str) -> Authority {
+            let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+            params.distinguished_name.push(DnType::CommonName, name);
+            let key = KeyPair::generate().expect("CA key");
+            let cert = params.self_signed(&key).expect("CA certificate");
+            let pem = write(dir, &format!("{name}.pem"), &cert.pem());
+            Authority { cert, key, pem }
+        }
+
+        /// A certificate for `names` (DNS names or IP addresses) with
+        /// common name `subject`, written as `{file}.pem` and
+        /// `{file}.key` in `dir`; expired long ago when `expired`.
+        /// Returns the two paths.
+        pub fn issue(
+            &self,
+            dir: &Path,
+            file: &str,
+            subject: &str,
+            names: &[&str],
+            expired: bool,
+        ) -> (String, String) {
+            let names: Vec<String> = names.iter().map(|name| name.to_string()).collect();
+            let mut params = CertificateParams::new(names).expect("certificate params");
+            params.distinguished_name.push(DnType::CommonName, subject);
+            if expired {
+                params.not_before = rcgen::date_time_ymd(2001, 1, 1);
+                params.not_after = rcgen::date_time_ymd(2002, 1, 1);
+            }
+            let key = KeyPair::generate().expect("key");
+            let cert = params
+                .signed_by(&key, &self.cert, &self.key)
+                .expect("certificate");
+            (
+                write(dir, &format!("{file}.pem"), &cert.pem()),
+                write(dir, &format!("{file}.key"), &key.serialize_pem()),
+            )
+        }
+    }
+
+    /// A CA, a server certificate for `127.0.0.1` and `localhost`, and a
+    /// client certificate (subject `client`), as PEM file paths.
+    pub struct Pki {
+        pub dir: PathBuf,
+        pub authority: Authority,
+        pub ca: String,
+        pub server_cert: String,
+        pub server_key: String,
+        pub client_cert: String,
+        pub client_key: String,
+    }
+
+    impl Pki {
+        /// A fresh set in a new directory named after `label`.
+        pub fn new(label: &str) -> Pki {
+            let dir = std::env::temp_dir().join(format!(
+                "efabus-pki-{label}-{}-{:?}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_nanos()
+            ));
+            std::fs::create_dir_all(&dir).expect("PKI directory");
+            let authority = Authority::new(&dir, &format!("efabus-{label}-ca"));
+            let (server_cert, server_key) =
+                authority.issue(&dir, "server", "server", &["127.0.0.1", "localhost"], false);
+            let (client_cert, client_key) =
+                authority.issue(&dir, "client", "client", &["client.local"], false);
+            Pki {
+                ca: authority.pem.clone(),
+                dir,
+                authority,
+                server_cert,
+                server_key,
+                client_cert,
+                client_key,
+            }
+        }
+    }
+
+    /// One set for the whole test process.
+    pub fn shared() -> &'static Pki {
+        static PKI: OnceLock<Pki> = OnceLock::new();
+        PKI.get_or_init(|| Pki::new("shared"))
+    }
+}
+
 /// One `#[test]` per named case for a factory expression:
 /// `conformance_tests!(MyFactory => exchange_both_ways, large_frames);`
 #[macro_export]

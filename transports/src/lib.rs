@@ -22,6 +22,7 @@ pub mod fault;
 pub mod mem;
 pub mod registry;
 pub mod tcp;
+pub mod tls;
 
 pub use registry::{EndpointSpec, Registry, RegistryError, SpecError};
 

@@ -1,6 +1,10 @@
 //! The TCP transport (scheme `tcp`): non-blocking sockets on mio, framed by
 //! the 4-byte little-endian length prefix every frame starts with.
 //!
+//! With the `tls_*` options its connections speak TLS (rustls; see
+//! [`crate::tls`]): the framing below is the same, over the session's
+//! plaintext.
+//!
 //! An endpoint owns a `mio::Poll` holding its listener (when `bind` is set),
 //! its connections and a `mio::Waker`; the poll's epoll descriptor is its
 //! [`Readiness::Fd`], so the caller's poller nests it.
@@ -49,7 +53,7 @@
 //! and then an orderly close rather than a reset.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice};
 use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
@@ -70,6 +74,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 
 use crate::prefix;
+use crate::tls::{host_of, TlsContext, Wire};
 
 /// The scheme naming this transport in endpoint strings: the one
 /// negotiation always falls back to ([`TCP_SCHEME`](efabus_core::caps::TCP_SCHEME)).
@@ -193,7 +198,7 @@ fn too_large_frame(text: &str) -> OutFrame {
 /// [`DirectSend`] handles share it behind a lock, so frames from either
 /// queue in one order.
 struct Out {
-    stream: Arc<TcpStream>,
+    stream: Arc<Wire>,
     connected: bool,
     /// `close` was called: take nothing more, shut down once flushed.
     closing: bool,
@@ -215,7 +220,7 @@ struct Out {
 }
 
 impl Out {
-    fn new(stream: Arc<TcpStream>, connected: bool) -> Self {
+    fn new(stream: Arc<Wire>, connected: bool) -> Self {
         Out {
             stream,
             connected,
@@ -269,7 +274,7 @@ impl Out {
                 self.broken = Some(describe(&err));
             }
         }
-        self.parts.is_empty()
+        self.parts.is_empty() && !self.stream.has_pending()
     }
 
     /// Write queued parts until done or the socket is full.
@@ -285,7 +290,7 @@ impl Out {
                 n += 1;
             }
             self.writes += 1;
-            match (&*self.stream).write_vectored(&iov[..n]) {
+            match self.stream.write_vectored(&iov[..n]) {
                 Ok(0) => {
                     return Err(io::Error::new(
                         io::ErrorKind::WriteZero,
@@ -301,11 +306,15 @@ impl Out {
                 Err(err) => return Err(err),
             }
         }
-        if self.parts.is_empty() && self.closing && !self.shut {
+        // TLS records the socket did not take yet go before anything else.
+        if self.parts.is_empty() && !self.write_blocked && !self.stream.flush_pending()? {
+            self.write_blocked = true;
+        }
+        if self.parts.is_empty() && self.closing && !self.shut && !self.stream.has_pending() {
             self.shut = true;
             // Sends FIN once everything queued is out; the peer reads it as
             // an orderly close after the last frame.
-            if let Err(err) = self.stream.shutdown(Shutdown::Write) {
+            if let Err(err) = self.stream.shutdown_write() {
                 if err.kind() != io::ErrorKind::NotConnected {
                     return Err(err);
                 }
@@ -436,8 +445,11 @@ fn count_run(run: &[u8], max_frame: usize) -> Result<usize, SendError> {
 }
 
 struct Conn {
-    stream: Arc<TcpStream>,
+    stream: Arc<Wire>,
     remote: String,
+    /// The host a TLS client session verifies the server against (kept
+    /// for a connect that moves on to the next address).
+    tls_host: Option<String>,
     /// Addresses still to try if the current connect fails.
     fallbacks: Vec<SocketAddr>,
     /// Why earlier addresses failed, for the final error.
@@ -484,12 +496,13 @@ enum Split {
 }
 
 impl Conn {
-    fn new(stream: TcpStream, remote: String, connected: bool) -> Self {
+    fn new(stream: Wire, remote: String, connected: bool) -> Self {
         let stream = Arc::new(stream);
         Conn {
             out: Arc::new(Mutex::new(Out::new(stream.clone(), connected))),
             stream,
             remote,
+            tls_host: None,
             fallbacks: Vec::new(),
             failures: Vec::new(),
             connected,
@@ -563,7 +576,7 @@ impl Conn {
             let end = self.rbuf.len().min(self.filled + budget);
             let free = &mut self.rbuf[self.filled..end];
             let asked = free.len();
-            match (&*self.stream).read(free) {
+            match self.stream.read(free) {
                 Ok(0) => {
                     return Err(if self.filled == 0 {
                         Gone::Peer
@@ -592,7 +605,9 @@ impl Conn {
                     // whatever arrives next raises a new (edge) event, so
                     // the read that would only say so is skipped. Not when
                     // the peer's close was signalled: that must be read.
-                    if n < asked && !self.hup {
+                    // A TLS session may hold more than it handed over:
+                    // read it until the socket would block.
+                    if n < asked && !self.hup && !self.stream.is_tls() {
                         self.release_if_quiet(read_now);
                         return Ok(());
                     }
@@ -696,7 +711,7 @@ impl Conn {
         let mut budget = limits.read_budget;
         loop {
             let end = sink.len().min(budget);
-            match (&*self.stream).read(&mut sink[..end]) {
+            match self.stream.read(&mut sink[..end]) {
                 Ok(0) => return true,
                 Ok(n) => {
                     budget = budget.saturating_sub(n);
@@ -788,6 +803,8 @@ pub struct TcpEndpoint {
     round: u64,
     /// Connections to service this poll: readable, writable, closed.
     scratch: Vec<(Token, bool, bool, bool)>,
+    /// TLS for accepted and dialed connections, when the options ask.
+    tls: Option<TlsContext>,
 }
 
 impl std::fmt::Debug for TcpEndpoint {
@@ -819,6 +836,7 @@ impl TcpEndpoint {
     /// port 0 picks a free port; see `local_addr`).
     pub fn open(config: &EndpointConfig) -> Result<Self, TransportError> {
         let limits = Limits::from_config(config)?;
+        let tls = TlsContext::from_config(config, config.bind.is_some())?;
         let poll = Poll::new()?;
         let waker = Waker::new(poll.registry(), WAKER)?;
         let (listener, local) = match &config.bind {
@@ -857,7 +875,20 @@ impl TcpEndpoint {
             lingering: VecDeque::new(),
             round: 0,
             scratch: Vec::new(),
+            tls,
         })
+    }
+
+    /// A TLS client session for a connection to `host`, if this endpoint
+    /// dials with TLS.
+    fn client_session(
+        &self,
+        host: Option<&str>,
+    ) -> Result<Option<rustls::Connection>, TransportError> {
+        match (&self.tls, host) {
+            (Some(tls), Some(host)) => tls.connect(host),
+            _ => Ok(None),
+        }
     }
 
     /// The address the listener is bound to (`ip:port`), empty when the
@@ -867,13 +898,22 @@ impl TcpEndpoint {
     }
 
     /// Connect to the first of `addrs` that answers, in order.
-    fn connect_any(&mut self, mut addrs: Vec<SocketAddr>) -> Result<PeerId, TransportError> {
+    fn connect_any(
+        &mut self,
+        mut addrs: Vec<SocketAddr>,
+        host: &str,
+    ) -> Result<PeerId, TransportError> {
+        let tls_host = self.tls.is_some().then(|| host.to_string());
+        // A name TLS cannot verify against fails here, before connecting.
+        self.client_session(tls_host.as_deref())?;
         let (peer, token) = self.peek_id()?;
         self.next_peer += 1;
         let mut failures = Vec::new();
         match self.start_connect(token, &mut addrs, &mut failures) {
             Some((stream, addr)) => {
-                let mut conn = Conn::new(stream, addr.to_string(), false);
+                let session = self.client_session(tls_host.as_deref())?;
+                let mut conn = Conn::new(Wire::new(stream, session), addr.to_string(), false);
+                conn.tls_host = tls_host;
                 conn.fallbacks = addrs;
                 conn.failures = failures;
                 self.conns.insert(token, conn);
@@ -946,8 +986,16 @@ impl TcpEndpoint {
                 tracing::warn!("tcp: cannot register connection from {remote}: {err}");
                 continue;
             }
+            let session = match self.tls.as_ref().map(TlsContext::accept).transpose() {
+                Ok(session) => session.flatten(),
+                Err(err) => {
+                    tracing::warn!("tcp: refusing {remote}: {err}");
+                    let _ = self.poll.registry().deregister(&mut stream);
+                    continue;
+                }
+            };
             self.next_peer += 1;
-            let mut conn = Conn::new(stream, remote.to_string(), true);
+            let mut conn = Conn::new(Wire::new(stream, session), remote.to_string(), true);
             conn.frame_limit = self.accepted_frame_limit;
             self.conns.insert(token, conn);
             events.push(Event::Accepted {
@@ -1011,14 +1059,18 @@ impl TcpEndpoint {
         failures.push(format!("connect to {}: {}", conn.remote, describe(&err)));
         let mut fallbacks = std::mem::take(&mut conn.fallbacks);
         let fd = conn.stream.as_raw_fd();
+        let tls_host = conn.tls_host.clone();
         let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
         match self.start_connect(token, &mut fallbacks, &mut failures) {
             Some((stream, addr)) => {
+                let session = self
+                    .client_session(tls_host.as_deref())
+                    .map_err(|err| err.to_string())?;
                 let Some(conn) = self.conns.get_mut(&token) else {
                     return Ok(());
                 };
                 conn.remote = addr.to_string();
-                conn.stream = Arc::new(stream);
+                conn.stream = Arc::new(Wire::new(stream, session));
                 conn.out.lock().stream = conn.stream.clone();
                 conn.fallbacks = fallbacks;
                 conn.failures = failures;
@@ -1114,6 +1166,9 @@ impl TcpEndpoint {
             // arrives: it is read again only if the budget stopped it.
             let read = readable || std::mem::take(&mut conn.read_more);
             let done = read && conn.drain_discard(&limits);
+            // A TLS read may have finished the handshake what is queued
+            // waited for.
+            let flushed = flushed && (!conn.stream.is_tls() || conn.out.lock().flush().is_ok());
             let expired = conn.closing.is_some_and(|t| t.elapsed() >= LINGER);
             if !flushed || done || expired {
                 self.drop_conn(token, CloseReason::Local, events);
@@ -1141,7 +1196,9 @@ impl TcpEndpoint {
                 return;
             }
         }
-        if writable || conn.dirty {
+        // A TLS read may have finished the handshake that held back what
+        // was queued, or left records of its own to send.
+        if writable || conn.dirty || conn.stream.is_tls() {
             let mut out = conn.out.lock();
             if let Err(err) = out.flush() {
                 drop(out);
@@ -1172,7 +1229,7 @@ impl Endpoint for TcpEndpoint {
 
     fn connect(&mut self, addr: &str) -> Result<PeerId, TransportError> {
         let addrs = resolve(addr)?;
-        self.connect_any(addrs)
+        self.connect_any(addrs, host_of(addr))
     }
 
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
@@ -1407,6 +1464,7 @@ impl Endpoint for TcpEndpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
     use std::net::TcpStream as StdStream;
 
     const WAIT: Duration = Duration::from_secs(20);
@@ -1722,7 +1780,7 @@ mod tests {
             probe.local_addr().unwrap()
         };
         let mut client = TcpEndpoint::open(&EndpointConfig::default()).unwrap();
-        let peer = client.connect_any(vec![dead, live]).unwrap();
+        let peer = client.connect_any(vec![dead, live], "127.0.0.1").unwrap();
         client
             .send(peer, OutFrame::whole(framed(b"via the second").into()))
             .unwrap();
@@ -1742,7 +1800,7 @@ mod tests {
         );
 
         // With no address left, every failure is reported.
-        let peer = client.connect_any(vec![dead, dead]).unwrap();
+        let peer = client.connect_any(vec![dead, dead], "127.0.0.1").unwrap();
         let mut events = Vec::new();
         poll_until(&mut client, &mut events, |e| {
             closed_reason(e, peer).is_some()
