@@ -65,6 +65,10 @@ pub struct BrokerStats {
     /// connection or route lost in flight.
     pub unacknowledged_at_close: AtomicU64,
     pub bad_frames: AtomicU64,
+    /// Publishes refused for a payload over `limits.max_payload` (a
+    /// client connected before the limit was lowered may still send
+    /// them; it is answered with an error).
+    pub oversized_payloads: AtomicU64,
     pub auth_failures: AtomicU64,
     pub refused_connections: AtomicU64,
     /// Bytes queued towards remote peers by the broker, right now.
@@ -126,7 +130,7 @@ pub struct BrokerStats {
     /// Frames sent by rendezvous from a body registered already (the
     /// registration cache served them), and the registrations held right
     /// now with their bytes.
-    pub fabric_rendezvous_shared: AtomicU64,
+    pub fabric_rendezvous_cache_hits: AtomicU64,
     pub fabric_rendezvous_registered: AtomicU64,
     pub fabric_rendezvous_registered_bytes: AtomicU64,
     /// What the listeners' providers did: messages handed to them and
@@ -157,19 +161,21 @@ impl BrokerStats {
     /// a level right now (connections, queued bytes, registrations held)
     /// rather than a running total.
     pub fn is_level(name: &str) -> bool {
-        const LEVELS: &[&str] = &[
-            "connections",
-            "queued_bytes",
-            "routes",
-            "fabric_buffer_bytes",
-            "fabric_registered_bytes",
-            "fabric_rendezvous_registered",
-            "fabric_rendezvous_registered_bytes",
-            "fabric_addresses",
-            "fabric_address_capacity",
-        ];
-        LEVELS.contains(&name)
+        Self::LEVELS.contains(&name)
     }
+
+    /// The names in [`snapshot`](Self::snapshot) that are levels.
+    pub const LEVELS: &'static [&'static str] = &[
+        "connections",
+        "queued_bytes",
+        "routes",
+        "fabric_buffer_bytes",
+        "fabric_registered_bytes",
+        "fabric_rendezvous_registered",
+        "fabric_rendezvous_registered_bytes",
+        "fabric_addresses",
+        "fabric_address_capacity",
+    ];
 
     /// One counter by its name in [`snapshot`](Self::snapshot); `None`
     /// for a name there is none of.
@@ -200,6 +206,7 @@ impl BrokerStats {
                 get(&self.unacknowledged_at_close),
             ),
             ("bad_frames", get(&self.bad_frames)),
+            ("oversized_payloads", get(&self.oversized_payloads)),
             ("auth_failures", get(&self.auth_failures)),
             ("refused_connections", get(&self.refused_connections)),
             ("queued_bytes", get(&self.queued_bytes)),
@@ -240,8 +247,8 @@ impl BrokerStats {
                 get(&self.fabric_rendezvous_abandoned),
             ),
             (
-                "fabric_rendezvous_shared",
-                get(&self.fabric_rendezvous_shared),
+                "fabric_rendezvous_cache_hits",
+                get(&self.fabric_rendezvous_cache_hits),
             ),
             (
                 "fabric_rendezvous_registered",

@@ -8,9 +8,14 @@
 //! the queues as they are next checked, `max_connections` to the next
 //! connection, `max_subscriptions_per_peer` to the next subscribe, the
 //! policy and `block_timeout_ms` to the next message that finds a queue
-//! full; `subscription_queue` and the policy are fixed into an in-process
-//! subscription when it is made. `max_payload` is sent in the welcome of
-//! sessions made after the change and checked on every publish; it may
+//! full (a remote subscriber already held under `block` stays held until
+//! it drains or its timeout ends it); `subscription_queue`, the policy and
+//! `block_timeout_ms` are fixed into an in-process subscription when it is
+//! made. `max_payload` is sent in the welcome of sessions made after the
+//! change and checked on every client publish (a client connected before
+//! a lowering learns it from the error its larger publishes get, counted
+//! in `oversized_payloads`); messages from routes are checked against the
+//! starting value, their broker having accepted them under its own. It may
 //! not grow past the value the broker started with, because the
 //! endpoints' frame limits were sized from it.
 
@@ -34,6 +39,9 @@ pub const RELOADABLE: &[&str] = &[
 /// The limits in force, changed by [`Broker::reload`].
 #[derive(Debug)]
 pub(crate) struct LiveLimits {
+    /// Held across a reload's compare and store, so two reloads do not
+    /// interleave.
+    reloading: parking_lot::Mutex<()>,
     max_payload: AtomicU64,
     max_connections: AtomicUsize,
     max_subscriptions_per_peer: AtomicUsize,
@@ -54,6 +62,7 @@ fn policy_code(policy: SlowConsumerPolicy) -> u8 {
 impl LiveLimits {
     pub(crate) fn new(config: &Config) -> LiveLimits {
         let live = LiveLimits {
+            reloading: parking_lot::Mutex::new(()),
             max_payload: AtomicU64::new(0),
             max_connections: AtomicUsize::new(0),
             max_subscriptions_per_peer: AtomicUsize::new(0),
@@ -160,6 +169,7 @@ impl Broker {
             });
         }
         let live = &self.shared.live;
+        let _reloading = live.reloading.lock();
         let running = live.applied_to(started);
         let mut reloaded = Reloaded::default();
         for key in changed_keys(&running, config) {
@@ -270,12 +280,26 @@ mod tests {
         // The event loop refuses the connection over the new maximum.
         assert!(connect(&broker, "second").is_err());
         first.flush(WAIT).expect("the first is still served");
-        // An in-process publish is checked against the new payload limit.
+        // An in-process publish is checked against the new payload limit,
+        // and so is one from a client that connected before (its welcome
+        // said 1 MiB): refused and counted.
         let err = broker.publish("big", vec![0u8; 6000]).unwrap_err();
         assert!(
             matches!(err, Error::PayloadTooLarge { max: 5000, .. }),
             "{err}"
         );
+        first
+            .publish("big", vec![0u8; 6000])
+            .expect("within the welcome's limit");
+        first.flush(WAIT).expect("flush");
+        let deadline = std::time::Instant::now() + WAIT;
+        while broker.stats().value("oversized_payloads") != Some(1) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the refusal is counted"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
         // A new in-process subscription gets the new queue size.
         let subscription = broker.subscribe("small.queue").expect("subscribe");
         for n in 0..10u8 {
@@ -289,6 +313,19 @@ mod tests {
         let again = broker.reload(&config).expect("reload");
         assert!(again.applied.is_empty(), "{again:?}");
         assert_eq!(again.needs_restart, ["name"]);
+    }
+
+    #[test]
+    fn every_level_is_a_statistic() {
+        let names: Vec<&str> = crate::BrokerStats::default()
+            .snapshot()
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        // A renamed statistic would otherwise turn into a counter unseen.
+        for level in crate::BrokerStats::LEVELS {
+            assert!(names.contains(level), "{level} is not a statistic");
+        }
     }
 
     #[test]

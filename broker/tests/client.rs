@@ -833,6 +833,35 @@ fn what_a_cut_off_subscriber_had_queued_is_counted() {
     while sub.recv_timeout(Duration::from_millis(300)).is_ok() {}
 }
 
+/// A broker started with `drop-oldest` and reloaded to `disconnect` with
+/// a lower pending bound cuts a stalled subscriber off rather than
+/// dropping for it: the event loop applies the reloaded policy and bound.
+#[test]
+fn a_reloaded_policy_and_pending_bound_apply_to_a_running_broker() {
+    let (broker, endpoint) = start(
+        Via::Tcp,
+        "[slow_consumer]\npolicy = \"drop-oldest\"\n\
+         [heartbeat]\ninterval_ms = 1000\ntimeout_ms = 60000\n",
+    );
+    let mut config = broker.running_config();
+    config.limits.max_pending_bytes = 262_144;
+    config.slow_consumer.policy = efabus_broker::SlowConsumerPolicy::Disconnect;
+    let reloaded = broker.reload(&config).expect("reload");
+    assert_eq!(
+        reloaded.applied,
+        ["limits.max_pending_bytes", "slow_consumer.policy"]
+    );
+    let subscriber = stalling_client(&endpoint, 16);
+    let sub = subscriber.subscribe("slow.data").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    publish_numbered_4k(&endpoint, "slow.data", 4000);
+    eventually("the cut-off", || {
+        stat(&broker, "slow_consumer_disconnects") == 1
+    });
+    assert_eq!(stat(&broker, "slow_consumer_drops"), 0);
+    while sub.recv_timeout(Duration::from_millis(300)).is_ok() {}
+}
+
 /// Subjects are checked against the server's limits from its welcome,
 /// not the client's defaults (512 bytes, 32 tokens).
 #[test]

@@ -466,7 +466,7 @@ pub struct RendezvousCounts {
     pub abandoned: u64,
     /// Frames whose body was registered already (sent to another peer
     /// too): served from the registration cache.
-    pub shared: u64,
+    pub cache_hits: u64,
     /// Registrations held right now.
     pub registered: u64,
     /// Their bytes.

@@ -228,6 +228,8 @@ fn varz(broker: &Broker, started: SystemTime) -> Answer {
                 "max_subscriptions_per_peer": limits.max_subscriptions_per_peer,
                 "max_pending_bytes": limits.max_pending_bytes,
                 "max_link_memory": limits.max_link_memory,
+                "subscription_queue": limits.subscription_queue,
+                "block_timeout_ms": config.slow_consumer.block_timeout_ms,
                 "slow_consumer_policy": format!("{:?}", config.slow_consumer.policy).to_lowercase(),
             },
             "subscriptions": broker.subscription_count(),

@@ -637,7 +637,7 @@ mod suite {
         // addresses in use.
         let counts = a.rendezvous_counts();
         assert_eq!(
-            (counts.registrations, counts.shared, counts.registered),
+            (counts.registrations, counts.cache_hits, counts.registered),
             (1, 1, 1)
         );
         assert_eq!(counts.registered_bytes, a.rendezvous_held().1 as u64);

@@ -458,7 +458,7 @@ impl EventLoop {
                 read: sum.read + c.read,
                 read_bytes: sum.read_bytes + c.read_bytes,
                 abandoned: sum.abandoned + c.abandoned,
-                shared: sum.shared + c.shared,
+                cache_hits: sum.cache_hits + c.cache_hits,
                 registered: sum.registered + c.registered,
                 registered_bytes: sum.registered_bytes + c.registered_bytes,
             },
@@ -474,7 +474,7 @@ impl EventLoop {
             (&stats.fabric_rendezvous_read_bytes, counts.read_bytes),
             (&stats.fabric_rendezvous_registrations, counts.registrations),
             (&stats.fabric_rendezvous_abandoned, counts.abandoned),
-            (&stats.fabric_rendezvous_shared, counts.shared),
+            (&stats.fabric_rendezvous_cache_hits, counts.cache_hits),
             (&stats.fabric_rendezvous_registered, counts.registered),
             (
                 &stats.fabric_rendezvous_registered_bytes,
@@ -634,15 +634,13 @@ impl EventLoop {
     fn on_accepted(&mut self, endpoint: usize, peer: PeerId, remote: String) {
         let now = Instant::now();
         let stats = &self.shared.stats;
+        let max_connections = self.shared.live.max_connections();
         let refuse = if self.shared.shutdown.load(Ordering::Relaxed) {
             Some((ErrorCode::Internal, "server is shutting down".to_string()))
-        } else if self.sessions.len() >= self.shared.live.max_connections() {
+        } else if self.sessions.len() >= max_connections {
             Some((
                 ErrorCode::TooManyConnections,
-                format!(
-                    "connection limit of {} reached",
-                    self.shared.live.max_connections()
-                ),
+                format!("connection limit of {max_connections} reached"),
             ))
         } else {
             None
@@ -893,20 +891,21 @@ impl EventLoop {
         }
     }
 
-    /// Whether a payload of `len` bytes is within `limits.max_payload`;
-    /// if not, the peer is told (the connection stays).
-    fn payload_allowed(&mut self, id: u64, len: usize) -> bool {
-        let max_payload = self.shared.live.max_payload();
+    /// Whether a payload of `len` bytes is within `max_payload`; if not,
+    /// the peer is told (the connection stays) and it is counted.
+    fn payload_allowed(&mut self, id: u64, len: usize, max_payload: u64) -> bool {
         if len as u64 <= max_payload {
             return true;
         }
+        BrokerStats::add(&self.shared.stats.oversized_payloads, 1);
         let text = format!("payload of {len} bytes exceeds the limit of {max_payload}");
         self.report(id, ErrorCode::PayloadTooLarge, text);
         false
     }
 
     fn on_publish(&mut self, id: u64, subject: &str, reply: Option<&str>, payload: Payload<'_>) {
-        if !self.payload_allowed(id, payload.bytes.len()) {
+        let max_payload = self.shared.live.max_payload();
+        if !self.payload_allowed(id, payload.bytes.len(), max_payload) {
             return;
         }
         // The lookup validates the subject (the index caches valid ones).
@@ -1417,7 +1416,9 @@ impl EventLoop {
     /// second.
     fn endpoint_failed(&mut self, index: usize, err: &TransportError) {
         let scheme = self.endpoints[index].scheme().to_string();
-        self.mark_listener(index, Some(err.to_string()));
+        if self.listener_down.get(index) == Some(&false) {
+            self.mark_listener(index, Some(err.to_string()));
+        }
         if !endpoints::is_data_scheme(&scheme) {
             if let Some(held_back) = self.poll_error_log.allow(self.now) {
                 warn!(%scheme, error = %err, held_back, "endpoint poll failed");
@@ -1459,10 +1460,10 @@ impl EventLoop {
     /// offered it); another is up again.
     fn listener_recovered(&mut self, index: usize) {
         if !endpoints::is_data_scheme(self.endpoints[index].scheme()) {
-            info!(
-                scheme = self.endpoints[index].scheme(),
-                "endpoint polls again"
-            );
+            if let Some(held_back) = self.poll_error_log.allow(self.now) {
+                let scheme = self.endpoints[index].scheme();
+                info!(%scheme, held_back, "endpoint polls again");
+            }
             self.mark_listener(index, None);
         }
     }

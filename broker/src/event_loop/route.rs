@@ -1042,7 +1042,10 @@ impl EventLoop {
         payload: Payload<'_>,
     ) {
         self.tally.route_messages_in += 1;
-        if !self.payload_allowed(id, payload.bytes.len()) {
+        // The peer broker accepted the message under its own limit; a
+        // limit lowered here since start applies to this broker's clients.
+        let max_payload = self.shared.config.limits.max_payload;
+        if !self.payload_allowed(id, payload.bytes.len(), max_payload) {
             return;
         }
         let matched =

@@ -2046,7 +2046,7 @@ impl Endpoint for FabricEndpoint {
             read: self.stats.rendezvous_read,
             read_bytes: self.stats.rendezvous_read_bytes,
             abandoned: self.stats.rendezvous_abandoned,
-            shared: self.stats.rendezvous_shared,
+            cache_hits: self.stats.rendezvous_shared,
             registered: self
                 .rma
                 .as_ref()
