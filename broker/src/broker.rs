@@ -41,6 +41,27 @@ use crate::subscriptions::{SubRef, SubscriptionTable, Targets, LOCAL_OWNER};
 /// Commands queued from in-process publishers to the loop before they wait.
 const COMMAND_QUEUE: usize = 65_536;
 
+/// A secret the broker checks travels in the clear on a TCP listener
+/// without TLS: say so at start for each such listener reachable from
+/// other hosts (loopback is this host's own).
+fn warn_of_cleartext_secrets(config: &Config, listening: &[(String, String)]) {
+    if config.tls.is_set() || (config.auth.secret.is_none() && config.cluster.secret.is_none()) {
+        return;
+    }
+    for (_, address) in listening.iter().filter(|(scheme, _)| scheme == tcp::SCHEME) {
+        let loopback = address
+            .parse::<std::net::SocketAddr>()
+            .is_ok_and(|address| address.ip().is_loopback());
+        if !loopback {
+            warn!(
+                %address,
+                "secrets are checked on a listener without TLS: clients' and brokers' \
+                 credentials cross the network in the clear; set [tls] cert and key"
+            );
+        }
+    }
+}
+
 /// Counters of a running broker.
 #[derive(Debug, Default)]
 pub struct BrokerStats {
@@ -298,6 +319,9 @@ pub(crate) enum Command {
         subscriptions: bool,
         answer: Sender<Vec<ConnectionReport>>,
     },
+    /// Read the TLS files of the endpoints again; answers how many have
+    /// TLS, or why one could not.
+    ReloadTls(Sender<Result<usize, String>>),
 }
 
 pub(crate) struct Shared {
@@ -460,6 +484,7 @@ impl Broker {
             }
             endpoints.push(endpoint);
         }
+        warn_of_cleartext_secrets(&config, &listening);
         if let (true, Some(err)) = (endpoints.is_empty(), unavailable) {
             // Nothing else to fall back to.
             return Err(err);

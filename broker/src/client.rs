@@ -134,6 +134,12 @@ pub struct ClientOptions {
     /// reassembly (as the server's `limits.max_link_memory`); a link that
     /// would need more drops the connection. At least `max_frame`.
     pub max_link_memory: usize,
+    /// TLS towards a `tcp` server: with `ca` set the connection speaks TLS
+    /// and verifies the server's certificate against it (for the host
+    /// dialed, or `server_name`); `cert` and `key` are presented when the
+    /// server asks for a client certificate. `verify_clients` is a
+    /// server's setting and does nothing here.
+    pub tls: crate::config::Tls,
 }
 
 impl ClientOptions {
@@ -173,6 +179,20 @@ impl ClientOptions {
                 ),
             ));
         }
+        if self.tls.is_set() && self.tls.ca.is_none() {
+            return Err(invalid(
+                "tls.ca",
+                "a client connects with TLS only when it has the authority to verify the \
+                 server with"
+                    .to_string(),
+            ));
+        }
+        if self.tls.cert.is_some() != self.tls.key.is_some() {
+            return Err(invalid(
+                "tls.cert",
+                "a client certificate needs its key: give tls.cert and tls.key".to_string(),
+            ));
+        }
         let max_len = self.subject_limits.max_len;
         if max_len == 0 || max_len > MAX_SUBJECT_LEN_LIMIT {
             return Err(invalid(
@@ -205,6 +225,7 @@ impl Default for ClientOptions {
             preference: crate::config::Negotiation::default().preference,
             faults: None,
             max_link_memory: 512 << 20,
+            tls: crate::config::Tls::default(),
         }
     }
 }
@@ -239,6 +260,7 @@ impl ClientOptions {
             preference: config.negotiation.preference.clone(),
             faults: config.testing.faults.clone(),
             max_link_memory: config.limits.max_link_memory,
+            tls: config.tls.clone(),
             ..ClientOptions::default()
         }
     }
@@ -649,13 +671,18 @@ impl Client {
             source: err.into(),
         })?;
         let address = spec.address().unwrap_or_default().to_string();
+        let tls = if spec.scheme() == efabus_transports::tcp::SCHEME {
+            options.tls.endpoint_options()
+        } else {
+            Vec::new()
+        };
         let endpoint_config = EndpointConfig {
             bind: None,
             max_frame: options.max_frame,
             queue_frames: 65_536,
             queue_bytes: options.max_pending_bytes.min(4 << 20),
             fabric: None,
-            options: Vec::new(),
+            options: tls,
         };
         // The endpoint only connects out: open it without the spec's address,
         // which names the server, not a place to bind.

@@ -130,6 +130,8 @@ pub struct Config {
     pub limits: Limits,
     pub slow_consumer: SlowConsumer,
     pub auth: Auth,
+    /// `[tls]`: TLS on every TCP listener, route and client connection.
+    pub tls: Tls,
     pub heartbeat: Heartbeat,
     pub negotiation: Negotiation,
     pub fabric: Fabric,
@@ -150,6 +152,7 @@ impl Default for Config {
             limits: Limits::default(),
             slow_consumer: SlowConsumer::default(),
             auth: Auth::default(),
+            tls: Tls::default(),
             heartbeat: Heartbeat::default(),
             negotiation: Negotiation::default(),
             fabric: Fabric::default(),
@@ -231,6 +234,82 @@ impl Default for SlowConsumer {
 #[serde(deny_unknown_fields, default)]
 pub struct Auth {
     pub secret: Option<String>,
+}
+
+/// TLS (rustls) on the broker's TCP connections. With `cert` and `key`
+/// set, every TCP listener of the broker accepts TLS only (no cleartext
+/// fallback); routes it dials verify the peer broker's certificate against
+/// `ca` and present this broker's own (so brokers that verify clients
+/// authenticate each other). Files are PEM; SIGHUP reads them again for
+/// new connections. A client reading this table connects with TLS when
+/// `ca` is set and presents `cert` and `key` when they are.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Tls {
+    /// Certificate chain presented to clients and peer brokers.
+    pub cert: Option<String>,
+    /// Its private key.
+    pub key: Option<String>,
+    /// Authorities trusted: for peer brokers' certificates (routes dialed)
+    /// and, with `verify_clients`, clients' certificates.
+    pub ca: Option<String>,
+    /// Ask every client for a certificate from `ca` (mutual TLS).
+    pub verify_clients: bool,
+    /// Verify dialed brokers' certificates against this name rather than
+    /// the host in their address.
+    pub server_name: Option<String>,
+}
+
+impl Tls {
+    /// Whether any TLS key is set.
+    pub fn is_set(&self) -> bool {
+        *self != Tls::default()
+    }
+
+    /// The TCP endpoint options for these settings (see
+    /// `efabus_transports::tls`); none when TLS is off.
+    pub fn endpoint_options(&self) -> Vec<(String, String)> {
+        let mut options = Vec::new();
+        let mut add = |name: &str, value: &Option<String>| {
+            if let Some(value) = value {
+                options.push((name.to_string(), value.clone()));
+            }
+        };
+        add("tls_cert", &self.cert);
+        add("tls_key", &self.key);
+        add("tls_ca", &self.ca);
+        add("tls_server_name", &self.server_name);
+        if self.verify_clients {
+            options.push(("tls_verify_clients".to_string(), "true".to_string()));
+        }
+        options
+    }
+
+    fn check(&self, routes: bool) -> Result<(), (&'static str, String)> {
+        if !self.is_set() {
+            return Ok(());
+        }
+        if self.cert.is_none() || self.key.is_none() {
+            return Err((
+                "tls.cert",
+                "TLS on the broker needs tls.cert and tls.key, the certificate it presents"
+                    .to_string(),
+            ));
+        }
+        if self.verify_clients && self.ca.is_none() {
+            return Err((
+                "tls.verify_clients",
+                "needs tls.ca, the authority client certificates must come from".to_string(),
+            ));
+        }
+        if routes && self.ca.is_none() {
+            return Err((
+                "tls.ca",
+                "is needed to verify the peer brokers this broker dials over TLS".to_string(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Routes between brokers. A connection may become a route (and learn
@@ -655,6 +734,9 @@ impl Config {
         if let Some(monitor) = &self.monitor {
             check_monitor(monitor).map_err(|message| invalid("monitor", message))?;
         }
+        self.tls
+            .check(!self.peers.is_empty())
+            .map_err(|(key, message)| invalid(key, message))?;
         if let Some(advertise) = &self.cluster.advertise {
             check_advertised(advertise).map_err(|message| invalid("cluster.advertise", message))?;
         }

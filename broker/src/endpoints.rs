@@ -10,6 +10,7 @@
 use efabus_core::caps::{Choice, Offer};
 use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions};
 use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME, SHM_PROVIDER, SHM_SCHEME};
+use efabus_transports::tcp;
 
 use crate::config::Config;
 
@@ -81,13 +82,20 @@ pub fn as_driven(choice: &Choice) -> Choice {
 /// How the broker opens an endpoint of `scheme` (bound at `bind`, if any)
 /// from its config; `efabus caps` opens them the same way.
 pub fn listener_config(config: &Config, scheme: &str, bind: Option<String>) -> EndpointConfig {
+    // TCP endpoints take `[tls]`: listeners accept TLS only, routes dial
+    // with it.
+    let options = if scheme == tcp::SCHEME {
+        config.tls.endpoint_options()
+    } else {
+        Vec::new()
+    };
     EndpointConfig {
         bind,
         max_frame: config.max_frame(),
         queue_frames: 65_536,
         queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
         fabric: endpoint_options(&config.fabric, scheme),
-        options: Vec::new(),
+        options,
     }
 }
 

@@ -22,8 +22,11 @@
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use crate::broker::Broker;
+use crate::broker::{Broker, Command};
 use crate::config::{Config, ConfigError, SlowConsumerPolicy};
+
+/// What [`Reloaded::applied`] says when the TLS files were read again.
+pub const TLS_FILES: &str = "tls (certificate, key and authority files read again)";
 
 /// The dotted keys [`Broker::reload`] applies while running.
 pub const RELOADABLE: &[&str] = &[
@@ -172,6 +175,10 @@ impl Broker {
         let _reloading = live.reloading.lock();
         let running = live.applied_to(started);
         let mut reloaded = Reloaded::default();
+        if started.tls.is_set() {
+            self.reload_tls()?;
+            reloaded.applied.push(TLS_FILES.to_string());
+        }
         for key in changed_keys(&running, config) {
             if key == "log_level" {
                 continue;
@@ -184,6 +191,25 @@ impl Broker {
         }
         live.store(config);
         Ok(reloaded)
+    }
+
+    /// Has the endpoints read their TLS files again.
+    fn reload_tls(&self) -> Result<(), ConfigError> {
+        let failed = |message: String| ConfigError::Invalid {
+            origin: "(reloaded)".to_string(),
+            line: None,
+            key: "tls".to_string(),
+            message,
+        };
+        let (answer, wait) = crossbeam_channel::bounded(1);
+        self.shared
+            .send_command(Command::ReloadTls(answer))
+            .map_err(|err| failed(err.to_string()))?;
+        match wait.recv_timeout(Duration::from_secs(5)) {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(reason)) => Err(failed(format!("{reason}; the certificates in use stay"))),
+            Err(_) => Err(failed("the broker did not answer".to_string())),
+        }
     }
 
     /// The configuration in force: the one the broker started with, with

@@ -558,6 +558,13 @@ pub trait Endpoint: Send {
         FabricCounts::default()
     }
 
+    /// Reads the endpoint's TLS certificate, key and authority files
+    /// again, for the connections made from now on; `Ok(false)` for an
+    /// endpoint without TLS. On failure the files in use stay.
+    fn reload_tls(&mut self) -> Result<bool, TransportError> {
+        Ok(false)
+    }
+
     /// Queue one frame for a peer without blocking.
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError>;
 

@@ -841,6 +841,10 @@ impl Endpoint for FaultyEndpoint {
         self.inner.fabric_counts()
     }
 
+    fn reload_tls(&mut self) -> Result<bool, TransportError> {
+        self.inner.reload_tls()
+    }
+
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
         if self.disconnecting.contains(&peer) {
             return Err(SendError::Closed(peer));

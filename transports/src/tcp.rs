@@ -580,6 +580,12 @@ impl Conn {
                 Ok(0) => {
                     return Err(if self.filled == 0 {
                         Gone::Peer
+                    } else if !self.stream.is_tls() && looks_like_tls(&self.rbuf[..self.filled]) {
+                        Gone::Failed(
+                            "the peer speaks TLS and this side does not: connect with TLS \
+                             (a CA to verify the server with: tls.ca, --tls-ca)"
+                                .to_string(),
+                        )
                     } else {
                         Gone::Failed(format!(
                             "peer closed with {} bytes of an unfinished frame",
@@ -726,6 +732,12 @@ impl Conn {
             }
         }
     }
+}
+
+/// Whether `bytes` start as a TLS record (an alert or a handshake, TLS
+/// 1.x), which no efabus frame does at the sizes the handshake sends.
+fn looks_like_tls(bytes: &[u8]) -> bool {
+    matches!(bytes, [0x15 | 0x16, 0x03, 0x01..=0x04, ..])
 }
 
 fn run_error(text: String) -> SendError {
@@ -1418,6 +1430,13 @@ impl Endpoint for TcpEndpoint {
             reason: CloseReason::Local,
         });
         self.nudge();
+    }
+
+    fn reload_tls(&mut self) -> Result<bool, TransportError> {
+        match self.tls.as_mut() {
+            Some(tls) => tls.reload().map(|()| true),
+            None => Ok(false),
+        }
     }
 
     fn set_accepted_receive_limit(&mut self, limit: Option<usize>) {

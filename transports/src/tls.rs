@@ -258,7 +258,15 @@ impl Deref for Wire {
 }
 
 fn tls_failure(err: rustls::Error) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, format!("TLS: {err}"))
+    let hint = match err {
+        // What arrives where a TLS record should be is not one.
+        rustls::Error::InvalidMessage(_) => {
+            "; the peer does not speak TLS (connect with TLS, \
+             given the authority to verify the server with)"
+        }
+        _ => "",
+    };
+    io::Error::new(io::ErrorKind::InvalidData, format!("TLS: {err}{hint}"))
 }
 
 impl Wire {

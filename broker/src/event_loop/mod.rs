@@ -524,6 +524,17 @@ impl EventLoop {
                     // The asker may have given up waiting.
                     let _ = answer.send(self.connection_reports(subscriptions));
                 }
+                Command::ReloadTls(answer) => {
+                    let mut reloaded = Ok(0);
+                    for endpoint in &mut self.endpoints {
+                        match endpoint.reload_tls() {
+                            Ok(true) => reloaded = reloaded.map(|n| n + 1),
+                            Ok(false) => {}
+                            Err(err) => reloaded = Err(err.to_string()),
+                        }
+                    }
+                    let _ = answer.send(reloaded);
+                }
             }
         }
         self.close_batches();
