@@ -106,6 +106,21 @@ pub struct ServeArgs {
     /// /metrics) on HOST:PORT, e.g. 127.0.0.1:8222 (config: monitor).
     #[arg(long, short = 'm', value_name = "HOST:PORT")]
     pub monitor: Option<String>,
+    /// Certificate chain (PEM) the TCP listeners present; with --tls-key
+    /// every TCP listener accepts TLS only (config: tls.cert).
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<String>,
+    /// The certificate's private key (PEM; config: tls.key).
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<String>,
+    /// Authorities (PEM) trusted for peer brokers' certificates and, with
+    /// --tls-verify-clients, clients' (config: tls.ca).
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<String>,
+    /// Ask every client for a certificate from --tls-ca: mutual TLS
+    /// (config: tls.verify_clients).
+    #[arg(long)]
+    pub tls_verify_clients: bool,
 }
 
 /// How `serve` writes its log.
@@ -136,6 +151,20 @@ pub struct ClientArgs {
     /// the fabric).
     #[arg(long, short)]
     pub verbose: bool,
+    /// Connect with TLS, verifying the broker's certificate against these
+    /// authorities (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<String>,
+    /// Client certificate (PEM) for a broker that asks for one.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<String>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<String>,
+    /// Verify the broker's certificate against this name rather than the
+    /// host in --server.
+    #[arg(long, value_name = "NAME")]
+    pub tls_server_name: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -575,6 +604,17 @@ fn serve_config(args: &ServeArgs, schemes: &[&str]) -> Result<Config, Failure> {
     if args.monitor.is_some() {
         config.monitor = args.monitor.clone();
     }
+    let tls = &mut config.tls;
+    for (flag, key) in [
+        (&args.tls_cert, &mut tls.cert),
+        (&args.tls_key, &mut tls.key),
+        (&args.tls_ca, &mut tls.ca),
+    ] {
+        if flag.is_some() {
+            key.clone_from(flag);
+        }
+    }
+    tls.verify_clients |= args.tls_verify_clients;
     config.validate(COMMAND_LINE)?;
     config.check_schemes(COMMAND_LINE, schemes)?;
     if config.listen.is_empty() {
@@ -760,10 +800,22 @@ fn connect_with(args: &ClientArgs, reconnect: bool) -> Result<Client, Failure> {
         None => ClientOptions::default(),
     };
     check_server(&args.server)?;
+    let mut tls = base.tls.clone();
+    for (flag, key) in [
+        (&args.tls_ca, &mut tls.ca),
+        (&args.tls_cert, &mut tls.cert),
+        (&args.tls_key, &mut tls.key),
+        (&args.tls_server_name, &mut tls.server_name),
+    ] {
+        if flag.is_some() {
+            key.clone_from(flag);
+        }
+    }
     let options = ClientOptions {
         name: format!("efabus-cli-{}", std::process::id()),
         credentials: secret_from(&args.secret, &args.secret_file)?.or(base.credentials.clone()),
         reconnect,
+        tls,
         ..base
     };
     let client = Client::connect_with(&args.server, options, Registry::with_builtins())

@@ -1207,3 +1207,132 @@ fn an_interrupted_latency_bench_reports_the_round_trips_it_measured() {
         "{report}"
     );
 }
+
+/// `serve --tls-cert --tls-key` makes the listener TLS only; client
+/// commands connect with `--tls-ca`, and without it, or with another
+/// authority, fail in one line that says why.
+#[test]
+fn tls_from_the_command_line() {
+    use efabus_transports::conformance::pki::Pki;
+    let pki = Pki::new("cli-tls");
+    let config = common::temp_path("tls.toml");
+    std::fs::write(&config, "listen = [\"tcp/127.0.0.1:0\"]\n").unwrap();
+    let (mut server, lines) = spawn_serve(
+        &config,
+        &["--tls-cert", &pki.server_cert, "--tls-key", &pki.server_key],
+        &[],
+    );
+    let started = lines_until(&lines, "listening");
+    let port = started
+        .last()
+        .and_then(|line| line.rsplit("address=127.0.0.1:").next())
+        .unwrap()
+        .trim()
+        .to_string();
+    let endpoint = format!("tcp/127.0.0.1:{port}");
+    let publish = |tls: &[&str]| {
+        efabus()
+            .args(["pub", "-s", &endpoint, "tls.cli", "x"])
+            .args(tls)
+            .output()
+            .unwrap()
+    };
+    let ok = publish(&["--tls-ca", &pki.ca]);
+    assert!(ok.status.success(), "{}", stderr(&ok));
+
+    let cleartext = publish(&[]);
+    assert_eq!(cleartext.status.code(), Some(1));
+    let said = stderr(&cleartext);
+    assert_eq!(said.trim().lines().count(), 1, "{said}");
+    assert!(
+        said.contains("speaks TLS") && said.contains("--tls-ca"),
+        "{said}"
+    );
+
+    let other = Pki::new("cli-tls-other");
+    let stranger = publish(&["--tls-ca", &other.ca]);
+    assert_eq!(stranger.status.code(), Some(1));
+    let said = stderr(&stranger);
+    assert_eq!(said.trim().lines().count(), 1, "{said}");
+    assert!(said.contains("certificate"), "{said}");
+
+    let half = publish(&["--tls-ca", &pki.ca, "--tls-cert", &pki.client_cert]);
+    assert_eq!(
+        half.status.code(),
+        Some(2),
+        "a certificate without its key is a usage error"
+    );
+    server.kill();
+    let _ = std::fs::remove_file(&config);
+}
+
+/// No secret reaches a log line or an error: the broker logs at `trace`
+/// while clients present the right secret and a wrong one, and a route
+/// is refused for the wrong cluster secret; neither the broker's log nor
+/// the clients' errors hold any of them.
+#[test]
+fn no_secret_appears_in_logs_or_errors() {
+    const SECRET: &str = "client-secret-7f3a9";
+    const CLUSTER: &str = "cluster-secret-b81c2";
+    const WRONG: &str = "wrong-secret-44e0d";
+    let config = common::temp_path("secrets.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = [\"tcp/127.0.0.1:0\"]\n[auth]\nsecret = \"{SECRET}\"\n\
+             [cluster]\nsecret = \"{CLUSTER}\"\n"
+        ),
+    )
+    .unwrap();
+    let (mut server, lines) = spawn_serve(&config, &[], &[("RUST_LOG", "trace")]);
+    let started = lines_until(&lines, "listening");
+    let port = started
+        .last()
+        .and_then(|line| line.rsplit("address=127.0.0.1:").next())
+        .unwrap()
+        .trim()
+        .to_string();
+    let endpoint = format!("tcp/127.0.0.1:{port}");
+    let mut said = String::new();
+    for secret in [SECRET, WRONG, CLUSTER] {
+        let output = efabus()
+            .args(["pub", "-s", &endpoint, "--secret", secret, "-v", "s.x", "y"])
+            .env("RUST_LOG", "trace")
+            .output()
+            .unwrap();
+        said.push_str(&stderr(&output));
+        said.push_str(&stdout(&output));
+    }
+    // A broker dialing with the wrong cluster secret.
+    let peer_config = common::temp_path("secrets-peer.toml");
+    std::fs::write(
+        &peer_config,
+        format!(
+            "listen = [\"tcp/127.0.0.1:0\"]\npeers = [\"{endpoint}\"]\n\
+             [cluster]\nsecret = \"{WRONG}\"\n"
+        ),
+    )
+    .unwrap();
+    let (mut peer, peer_lines) = spawn_serve(&peer_config, &[], &[("RUST_LOG", "trace")]);
+    lines_until(&peer_lines, "listening");
+    std::thread::sleep(Duration::from_millis(500));
+    peer.kill();
+    server.kill();
+    let mut logged: Vec<String> = lines.try_iter().collect();
+    logged.extend(started);
+    logged.extend(peer_lines.try_iter());
+    let logged = logged.join("\n");
+    assert!(
+        logged.contains("TRACE") || logged.contains("DEBUG"),
+        "{logged}"
+    );
+    for secret in [SECRET, WRONG, CLUSTER] {
+        assert!(!logged.contains(secret), "{secret} in the log:\n{logged}");
+        assert!(
+            !said.contains(secret),
+            "{secret} in a client's output:\n{said}"
+        );
+    }
+    let _ = std::fs::remove_file(&config);
+    let _ = std::fs::remove_file(&peer_config);
+}
