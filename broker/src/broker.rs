@@ -27,6 +27,7 @@ use mio::{Interest, Poll, Token, Waker};
 use parking_lot::{Mutex, RwLock};
 use tracing::{info, warn};
 
+use crate::accounts::Accounts;
 use crate::commands::CommandQueue;
 use crate::config::Config;
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
@@ -90,6 +91,9 @@ pub struct BrokerStats {
     /// client connected before the limit was lowered may still send
     /// them; it is answered with an error).
     pub oversized_payloads: AtomicU64,
+    /// Publishes and subscriptions a user's permissions refused (each
+    /// answered with a `PermissionDenied` error).
+    pub permission_denials: AtomicU64,
     pub auth_failures: AtomicU64,
     pub refused_connections: AtomicU64,
     /// Bytes queued towards remote peers by the broker, right now.
@@ -228,6 +232,7 @@ impl BrokerStats {
             ),
             ("bad_frames", get(&self.bad_frames)),
             ("oversized_payloads", get(&self.oversized_payloads)),
+            ("permission_denials", get(&self.permission_denials)),
             ("auth_failures", get(&self.auth_failures)),
             ("refused_connections", get(&self.refused_connections)),
             ("queued_bytes", get(&self.queued_bytes)),
@@ -329,6 +334,8 @@ pub(crate) struct Shared {
     /// of it a reload changed.
     pub(crate) config: Config,
     pub(crate) live: LiveLimits,
+    /// `auth.users`, with the credentials already checked.
+    pub(crate) accounts: Accounts,
     pub(crate) subject_limits: SubjectLimits,
     pub(crate) subscriptions: RwLock<SubscriptionTable>,
     /// The subscription table's generation, read without its lock (see [`crate::publish_cache`]).
@@ -530,6 +537,7 @@ impl Broker {
         }
         let shared = Arc::new(Shared {
             live: LiveLimits::new(&config),
+            accounts: Accounts::new(&config.auth.users),
             subject_limits,
             config,
             generation: table.generation(),

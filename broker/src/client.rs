@@ -75,6 +75,10 @@ const MAX_ITEMS: usize = 65_536;
 /// the broker keeps one per session and starts smaller.
 const RUN_MIN: usize = 4 << 10;
 
+/// Errors reported by the server that a client keeps for
+/// [`Client::take_errors`].
+pub const SERVER_ERRORS_KEPT: usize = 64;
+
 /// Open one data endpoint (only connecting out: no bind address).
 fn open_data_endpoint(
     registry: &Registry,
@@ -99,7 +103,11 @@ fn open_data_endpoint(
 pub struct ClientOptions {
     /// Name sent in the handshake.
     pub name: String,
-    /// Shared secret, when the server requires one.
+    /// The user to log in as (the server's `auth.users`); `credentials`
+    /// is then its password.
+    pub user: Option<String>,
+    /// The shared secret, the user's password, or a token, when the
+    /// server requires one.
     pub credentials: Option<String>,
     /// How long `connect` waits for the first handshake.
     pub connect_timeout: Duration,
@@ -208,6 +216,7 @@ impl Default for ClientOptions {
     fn default() -> Self {
         ClientOptions {
             name: format!("efabus-client-{}", std::process::id()),
+            user: None,
             credentials: None,
             connect_timeout: Duration::from_secs(5),
             reconnect: true,
@@ -416,6 +425,9 @@ struct ClientShared {
     reconnects: AtomicU64,
     /// Why the connection was lost for good (no reconnection).
     closed_because: Mutex<Option<String>>,
+    /// Errors the server reported without closing (a refused publish or
+    /// subscription), the latest [`SERVER_ERRORS_KEPT`].
+    server_errors: Mutex<VecDeque<(ErrorCode, String)>>,
     inbox_prefix: String,
     /// The subscription id of the shared reply inbox, once subscribed.
     inbox_sid: Mutex<Option<u64>>,
@@ -755,6 +767,7 @@ impl Client {
             max_subject_tokens: AtomicUsize::new(subject_limits.max_tokens),
             reconnects: AtomicU64::new(0),
             closed_because: Mutex::new(None),
+            server_errors: Mutex::new(VecDeque::new()),
             link: Mutex::new(LinkReport::default()),
             counters: LinkCounters::default(),
         });
@@ -819,6 +832,15 @@ impl Client {
     /// has (`ConnectionState::Closed` after being connected).
     pub fn closed_because(&self) -> Option<String> {
         self.shared.closed_because.lock().clone()
+    }
+
+    /// The errors the server reported without closing the connection
+    /// since the last call (a publish or subscription it refused: a
+    /// payload over its limit, an invalid subject, a permission denied),
+    /// oldest first; after a [`flush`](Self::flush), those about what was
+    /// sent before it. At most the latest [`SERVER_ERRORS_KEPT`] are kept.
+    pub fn take_errors(&self) -> Vec<(ErrorCode, String)> {
+        self.shared.server_errors.lock().drain(..).collect()
     }
 
     /// The paths negotiated for this connection and the traffic on them.
@@ -1317,6 +1339,7 @@ impl ClientLoop {
                     version: PROTOCOL_VERSION,
                     name: self.shared.options.name.clone(),
                     credentials: self.shared.options.credentials.clone(),
+                    user: self.shared.options.user.clone(),
                     offers: self.offers.clone(),
                     link_auth: self.link_secret.as_ref().map(|s| s.auth().clone()),
                 });
@@ -1624,6 +1647,13 @@ impl ClientLoop {
                     });
                 } else {
                     warn!(code = ?error.code, text = %error.text, "server reported an error");
+                    if !error.fatal {
+                        let mut errors = self.shared.server_errors.lock();
+                        if errors.len() >= SERVER_ERRORS_KEPT {
+                            errors.pop_front();
+                        }
+                        errors.push_back((error.code, error.text));
+                    }
                 }
             }
             Frame::Goodbye(goodbye) => {

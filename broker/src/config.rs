@@ -227,13 +227,49 @@ impl Default for SlowConsumer {
     }
 }
 
-/// Shared-secret authentication. With a secret set, every connecting side
-/// must present the same secret in its hello (or, when `cluster.secret` is
-/// set, that one: see [`Cluster`]).
+/// Who may connect. With a shared secret set, a connecting side may
+/// present it (or, when `cluster.secret` is set, that one: see
+/// [`Cluster`]) and may then do anything. With `users`, a client may also
+/// log in as one (see [`crate::accounts`]), and does what its permissions
+/// allow. With neither, anyone may connect.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Auth {
     pub secret: Option<String>,
+    /// `[[auth.users]]`.
+    pub users: Vec<User>,
+}
+
+/// A user: a name, and a password or a token stored only as the argon2id
+/// hash `efabus passwd` prints (a PHC string, `$argon2id$...`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct User {
+    pub name: String,
+    /// Hash of the password a client gives with this name.
+    pub password: Option<String>,
+    /// Hash of a token: a client that presents it (without a name) is
+    /// this user.
+    pub token: Option<String>,
+    pub permissions: Permissions,
+}
+
+/// What a user may do; empty lists allow everything.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Permissions {
+    pub publish: Rule,
+    pub subscribe: Rule,
+}
+
+/// Subject patterns allowed and denied (wildcards as in subscriptions).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Rule {
+    /// When not empty, only what these patterns take in is allowed.
+    pub allow: Vec<String>,
+    /// Refused even where `allow` takes it in.
+    pub deny: Vec<String>,
 }
 
 /// TLS (rustls) on the broker's TCP connections. With `cert` and `key`
@@ -737,6 +773,8 @@ impl Config {
         self.tls
             .check(!self.peers.is_empty())
             .map_err(|(key, message)| invalid(key, message))?;
+        crate::accounts::check_users(&self.auth.users)
+            .map_err(|(key, message)| invalid(&key, message))?;
         if let Some(advertise) = &self.cluster.advertise {
             check_advertised(advertise).map_err(|message| invalid("cluster.advertise", message))?;
         }

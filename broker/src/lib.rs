@@ -35,6 +35,7 @@
 //! slow-consumer policy, and heartbeats. `docs/ARCHITECTURE.md` draws the
 //! data flow.
 
+pub mod accounts;
 mod auth_guard;
 mod broker;
 pub mod client;

@@ -80,6 +80,8 @@ pub struct ConnectionReport {
     pub kind: ConnectionKind,
     /// The name the peer gave in its hello.
     pub name: String,
+    /// The user a client logged in as (`auth.users`).
+    pub user: Option<String>,
     /// The control link's remote address.
     pub remote: String,
     /// When the session was accepted or dialed.

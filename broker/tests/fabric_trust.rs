@@ -313,6 +313,7 @@ fn a_hello_naming_another_clients_address_takes_nothing_over() {
         version: efabus_core::frame::PROTOCOL_VERSION,
         name: "impostor".into(),
         credentials: None,
+        user: None,
         offers: vec![offer],
         link_auth: Some(efabus_core::frame::LinkAuth {
             key_share,
@@ -518,6 +519,7 @@ fn hello_from(
         version: efabus_core::frame::PROTOCOL_VERSION,
         name: name.into(),
         credentials: None,
+        user: None,
         offers: vec![offer],
         link_auth: Some(secret.auth().clone()),
     }));

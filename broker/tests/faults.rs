@@ -90,6 +90,7 @@ impl RawPeer {
             version: PROTOCOL_VERSION,
             name: name.to_string(),
             credentials: None,
+            user: None,
             offers: Vec::new(),
             link_auth: None,
         }));

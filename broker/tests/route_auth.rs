@@ -90,6 +90,7 @@ fn ask_for_a_route_as(
         version: PROTOCOL_VERSION,
         name: "posing-as-a-broker".into(),
         credentials: credentials.map(str::to_string),
+        user: None,
         offers: Vec::new(),
         link_auth: None,
     }));

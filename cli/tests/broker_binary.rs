@@ -290,6 +290,7 @@ impl Raw {
             version: PROTOCOL_VERSION,
             name: "raw".into(),
             credentials: None,
+            user: None,
             offers: Vec::new(),
             link_auth: None,
         }));
@@ -915,6 +916,7 @@ fn repeated_failed_authentications_lock_the_address_out_for_a_while() {
             version: PROTOCOL_VERSION,
             name: "guesser".into(),
             credentials: Some(secret.into()),
+            user: None,
             offers: Vec::new(),
             link_auth: None,
         }));
@@ -1135,6 +1137,7 @@ fn a_wrong_protocol_version_gets_the_version_error() {
         version: PROTOCOL_VERSION + 1,
         name: "future".into(),
         credentials: None,
+        user: None,
         offers: Vec::new(),
         link_auth: None,
     }));

@@ -23,6 +23,7 @@ fn seeds() -> Vec<Vec<u8>> {
             version: PROTOCOL_VERSION,
             name: "fuzz".into(),
             credentials: None,
+            user: None,
             offers: Vec::new(),
             link_auth: None,
         }),

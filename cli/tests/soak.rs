@@ -248,6 +248,7 @@ fn thousand_idle_connections_with_ten_thousand_subscriptions() {
                 version: efabus::core::frame::PROTOCOL_VERSION,
                 name: format!("idle-{c}"),
                 credentials: None,
+                user: None,
                 offers: Vec::new(),
                 link_auth: None,
             },

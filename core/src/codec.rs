@@ -1248,6 +1248,7 @@ fn other_version_hello(body: &[u8]) -> Option<Frame> {
             version,
             name: String::new(),
             credentials: None,
+            user: None,
             offers: Vec::new(),
             link_auth: None,
         })
@@ -1269,12 +1270,14 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
         FrameKind::Hello => {
             let version = u16::decode(de).map_err(err)?;
             let name = String::decode(de).map_err(err)?;
+            let user = Option::<String>::decode(de).map_err(err)?;
             let credentials = Option::<String>::decode(de).map_err(err)?;
             let offers = decode_offers(kind, de)?;
             let link_auth = serde_value::<Option<LinkAuth>, D>(kind, de)?;
             Frame::Hello(Hello {
                 version,
                 name,
+                user,
                 credentials,
                 offers,
                 link_auth,

@@ -13,7 +13,7 @@ use crate::caps::Offer;
 
 /// Version of the wire protocol spoken by this build. A peer whose hello
 /// carries another major version is refused with [`ErrorCode::Version`].
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 
 /// How a subscription wants its messages carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -32,7 +32,11 @@ pub struct Hello {
     pub version: u16,
     /// Human-readable name of the sender (node name or client name).
     pub name: String,
-    /// Shared secret, if the server requires one.
+    /// The user the sender authenticates as (`auth.users`); the
+    /// credentials are then that user's password.
+    pub user: Option<String>,
+    /// The shared secret, a user's password, or a token, if the server
+    /// requires one.
     pub credentials: Option<String>,
     /// Data paths the sender can open, best first as configured.
     pub offers: Vec<Offer>,
@@ -176,6 +180,9 @@ pub enum ErrorCode {
     /// Too many failed attempts from the peer's address; the text says
     /// when to retry (a client retries with its backoff).
     RateLimited,
+    /// The user may not publish to that subject or subscribe to that
+    /// pattern; the text names both and the permission.
+    PermissionDenied,
 }
 
 /// Reports a problem to the peer. `fatal` means the sender closes the link.

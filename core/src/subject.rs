@@ -306,6 +306,44 @@ pub fn pattern_matches(pattern: &str, subject: &str) -> bool {
     subject_tokens.next().is_none()
 }
 
+/// Whether every subject `inner` matches, `outer` matches too (both
+/// valid patterns): `orders.>` covers `orders.*.eu` and `orders.eu`, `*.eu`
+/// covers `orders.eu` but not `orders.>`.
+pub fn pattern_covers(outer: &str, inner: &str) -> bool {
+    let outer: Vec<Token<'_>> = tokens(outer).collect();
+    let inner: Vec<Token<'_>> = tokens(inner).collect();
+    for (i, token) in outer.iter().enumerate() {
+        match (token, inner.get(i)) {
+            // `>` covers one or more tokens of anything.
+            (Token::Full, Some(_)) => return true,
+            (_, None) | (_, Some(Token::Full)) => return false,
+            (Token::Single, Some(_)) => {}
+            (Token::Literal(a), Some(Token::Literal(b))) if a == b => {}
+            (Token::Literal(_), Some(_)) => return false,
+        }
+    }
+    outer.len() == inner.len()
+}
+
+/// Whether some subject matches both patterns (both valid): `orders.*`
+/// and `*.secret` overlap on `orders.secret`; `orders.eu` and `orders.us`
+/// do not.
+pub fn patterns_overlap(a: &str, b: &str) -> bool {
+    let a: Vec<Token<'_>> = tokens(a).collect();
+    let b: Vec<Token<'_>> = tokens(b).collect();
+    let mut i = 0;
+    loop {
+        match (a.get(i), b.get(i)) {
+            (None, None) => return true,
+            // `>` takes the rest, as long as at least one token is left.
+            (Some(Token::Full), Some(_)) | (Some(_), Some(Token::Full)) => return true,
+            (None, Some(_)) | (Some(_), None) => return false,
+            (Some(Token::Literal(x)), Some(Token::Literal(y))) if x != y => return false,
+            _ => i += 1,
+        }
+    }
+}
+
 /// A validated subscription pattern.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Pattern(Box<str>);
@@ -353,6 +391,60 @@ impl AsRef<str> for Pattern {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn covering_and_overlapping_patterns() {
+        let covers = [
+            ("orders.>", "orders.eu", true),
+            ("orders.>", "orders.*.eu", true),
+            ("orders.>", "orders.>", true),
+            ("orders.>", "orders", false),
+            ("orders.*", "orders.eu", true),
+            ("orders.*", "orders.>", false),
+            ("orders.*", "orders.eu.x", false),
+            ("*.eu", "orders.eu", true),
+            ("orders.eu", "orders.*", false),
+            ("orders.eu", "orders.eu", true),
+            (">", "anything.at.all", true),
+        ];
+        for (outer, inner, want) in covers {
+            assert_eq!(pattern_covers(outer, inner), want, "{outer} covers {inner}");
+        }
+        let overlaps = [
+            ("orders.*", "*.secret", true),
+            ("orders.eu", "orders.us", false),
+            ("orders.>", "orders.secret", true),
+            ("orders.>", "orders", false),
+            ("orders.*", "orders.a.b", false),
+            ("a.>", "*.b.c", true),
+            ("a.b", "a.b.c", false),
+            (">", "x", true),
+        ];
+        for (a, b, want) in overlaps {
+            assert_eq!(patterns_overlap(a, b), want, "{a} overlaps {b}");
+            assert_eq!(patterns_overlap(b, a), want, "{b} overlaps {a}");
+        }
+    }
+
+    proptest::proptest! {
+        /// The two agree with the reference matcher on concrete subjects:
+        /// a subject both patterns match means they overlap, and one the
+        /// inner matches but the outer does not means no cover.
+        #[test]
+        fn covers_and_overlaps_agree_with_matching(
+            a in "(x|y|\\*)(\\.(x|y|\\*)){0,2}(\\.>)?",
+            b in "(x|y|\\*)(\\.(x|y|\\*)){0,2}(\\.>)?",
+            subject in "(x|y|z)(\\.(x|y|z)){0,4}",
+        ) {
+            let (in_a, in_b) = (pattern_matches(&a, &subject), pattern_matches(&b, &subject));
+            if in_a && in_b {
+                proptest::prop_assert!(patterns_overlap(&a, &b));
+            }
+            if in_b && !in_a {
+                proptest::prop_assert!(!pattern_covers(&a, &b));
+            }
+        }
+    }
 
     fn lim() -> SubjectLimits {
         SubjectLimits::default()

@@ -57,6 +57,7 @@ fn setup() -> &'static Setup {
             version: PROTOCOL_VERSION,
             name: "peer".into(),
             credentials: Some("secret".into()),
+            user: None,
             offers: remote.clone(),
             link_auth: Some(LinkAuth {
                 key_share: [9; 32],

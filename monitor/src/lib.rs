@@ -350,6 +350,7 @@ fn connection_json(report: &ConnectionReport, subs: bool) -> Value {
         "cid": report.id,
         "kind": report.kind.name(),
         "name": report.name,
+        "user": report.user,
         "remote": report.remote,
         "start_unix": unix_seconds(report.since),
         "uptime_secs": seconds_since(report.since),

@@ -85,6 +85,9 @@ pub(crate) struct EventLoop {
     polling: Polled,
     sessions: HashMap<u64, Session>,
     by_peer: HashMap<(usize, PeerId), u64>,
+    /// The permissions of sessions whose user is restricted (empty on a
+    /// broker without `auth.users`: one lookup of an empty map a publish).
+    restricted: HashMap<u64, Arc<crate::config::Permissions>>,
     /// The session each proven fabric address belongs to, by endpoint: one
     /// address, one live session.
     fabric_owners: HashMap<(usize, Vec<u8>), u64>,
@@ -199,6 +202,7 @@ impl EventLoop {
             polling,
             sessions: HashMap::default(),
             by_peer: HashMap::default(),
+            restricted: HashMap::default(),
             fabric_owners: HashMap::default(),
             commands,
             codec,
@@ -577,6 +581,7 @@ impl EventLoop {
                         ConnectionKind::Client
                     },
                     name: session.name.clone(),
+                    user: session.user.clone(),
                     remote: session.remote.clone(),
                     since: session.since,
                     ready: session.state == SessionState::Ready,
@@ -915,6 +920,12 @@ impl EventLoop {
     }
 
     fn on_publish(&mut self, id: u64, subject: &str, reply: Option<&str>, payload: Payload<'_>) {
+        if let Some(permissions) = self.restricted.get(&id) {
+            if let Err(rule) = permissions.may_publish(subject) {
+                self.deny(id, "publish to", subject, &rule);
+                return;
+            }
+        }
         let max_payload = self.shared.live.max_payload();
         if !self.payload_allowed(id, payload.bytes.len(), max_payload) {
             return;
@@ -1521,6 +1532,7 @@ impl EventLoop {
     fn forget_session(&mut self, id: u64, reason: &CloseReason) {
         self.remove_interest(id);
         self.dialed_session_gone(id);
+        self.restricted.remove(&id);
         if let Some(mut session) = self.sessions.remove(&id) {
             self.count_discarded(&session);
             for address in session.conn.links.addresses() {

@@ -4,6 +4,7 @@
 //! The session decides; the loop sends what it answers and keeps the
 //! tables that span sessions (which endpoint address is whose).
 
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use efabus_core::caps::Offer;
@@ -18,6 +19,7 @@ use tracing::{debug, info, warn};
 
 use super::route::RouteRole;
 use super::{EventLoop, Payload};
+use crate::accounts::{Accounts, Login};
 use crate::auth_guard::remote_ip;
 use crate::broker::{BrokerStats, Shared};
 use crate::config::Config;
@@ -111,11 +113,23 @@ pub(super) struct Session {
     /// The peer's hello carried the route credential (or none is needed):
     /// only then may it say it is a broker and become a route.
     pub may_route: bool,
+    /// The user the client logged in as (`auth.users`), if it did.
+    pub user: Option<String>,
     /// Why the data paths not taken were not, from the last negotiation.
     pub link_reasons: Vec<String>,
     /// When the session began, and what it moved since.
     pub since: SystemTime,
     pub counts: SessionCounts,
+}
+
+/// Who a hello's credentials admit.
+pub(super) struct Admission {
+    /// It presented the route credential (or none is needed).
+    pub may_route: bool,
+    /// The user it logged in as.
+    pub user: Option<String>,
+    /// That user's permissions, when they restrict anything.
+    pub permissions: Option<Arc<crate::config::Permissions>>,
 }
 
 /// What this broker brings to a negotiation.
@@ -141,6 +155,7 @@ impl Session {
                 not_before: Instant::now(),
             },
             may_route: false,
+            user: None,
             link_reasons: Vec::new(),
             since: SystemTime::now(),
             counts: SessionCounts::default(),
@@ -196,7 +211,11 @@ impl Session {
     /// is configured (the open mode). A hello with `cluster.secret` is
     /// accepted even where `auth.secret` is set: a dialing broker presents
     /// the cluster's secret, not the clients'.
-    pub fn check_hello(hello: &frame::Hello, config: &Config) -> Result<bool, Refusal> {
+    pub fn check_hello(
+        hello: &frame::Hello,
+        config: &Config,
+        accounts: &Accounts,
+    ) -> Result<Admission, Refusal> {
         if hello.version != PROTOCOL_VERSION {
             return Err(Refusal::new(
                 ErrorCode::Version,
@@ -207,6 +226,17 @@ impl Session {
             ));
         }
         let given = hello.credentials.as_deref().unwrap_or("");
+        if let Some(name) = hello.user.as_deref() {
+            // A user's name and password; users never open routes.
+            return match accounts.login(Some(name), given) {
+                Login::User { name, permissions } => Ok(Admission {
+                    may_route: false,
+                    user: Some(name),
+                    permissions,
+                }),
+                Login::Refused => Err(Refusal::new(ErrorCode::Auth, "invalid user or password")),
+            };
+        }
         // Both comparisons are made, each in constant time.
         let matches = |secret: &Option<String>| {
             secret
@@ -215,17 +245,34 @@ impl Session {
         };
         let cluster = matches(&config.cluster.secret);
         let client = matches(&config.auth.secret);
-        if client == Some(false) && cluster != Some(true) {
-            let text = if hello.credentials.is_none() {
-                "credentials required"
-            } else {
-                "invalid credentials"
-            };
-            return Err(Refusal::new(ErrorCode::Auth, text));
-        }
         // The route credential: the cluster secret, else the client
         // secret, else nothing (open mode).
-        Ok(cluster.or(client).unwrap_or(true))
+        let admitted = |may_route| Admission {
+            may_route,
+            user: None,
+            permissions: None,
+        };
+        if cluster == Some(true) || client == Some(true) {
+            return Ok(admitted(cluster.or(client).unwrap_or(true)));
+        }
+        if hello.credentials.is_some() {
+            if let Login::User { name, permissions } = accounts.login(None, given) {
+                return Ok(Admission {
+                    may_route: false,
+                    user: Some(name),
+                    permissions,
+                });
+            }
+        }
+        if client.is_none() && accounts.is_empty() {
+            return Ok(admitted(cluster.unwrap_or(true)));
+        }
+        let text = if hello.credentials.is_none() {
+            "credentials required"
+        } else {
+            "invalid credentials"
+        };
+        Err(Refusal::new(ErrorCode::Auth, text))
     }
 
     /// Choose the data paths from both sides' offers, open the chosen data
@@ -399,8 +446,8 @@ impl EventLoop {
             self.fail(id, ErrorCode::RateLimited, text);
             return;
         }
-        let may_route = match Session::check_hello(&hello, config) {
-            Ok(may_route) => may_route,
+        let admission = match Session::check_hello(&hello, config, &self.shared.accounts) {
+            Ok(admission) => admission,
             Err(refusal) => {
                 if refusal.code == ErrorCode::Auth {
                     BrokerStats::add(&self.shared.stats.auth_failures, 1);
@@ -412,7 +459,11 @@ impl EventLoop {
                 return;
             }
         };
-        session.may_route = may_route;
+        session.may_route = admission.may_route;
+        session.user = admission.user;
+        if let Some(permissions) = admission.permissions {
+            self.restricted.insert(id, permissions);
+        }
         // Keys for the data links, when the peer offers its part.
         let secret = match hello.link_auth.as_ref().map(|_| LinkSecret::new()) {
             Some(Ok(secret)) => Some(secret),
@@ -459,6 +510,12 @@ impl EventLoop {
     }
 
     pub(super) fn on_subscribe(&mut self, id: u64, subscribe: frame::Subscribe) {
+        if let Some(permissions) = self.restricted.get(&id) {
+            if let Err(rule) = permissions.may_subscribe(&subscribe.pattern) {
+                self.deny(id, "subscribe to", &subscribe.pattern, &rule);
+                return;
+            }
+        }
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
@@ -466,6 +523,23 @@ impl EventLoop {
             self.report(id, refusal.code, refusal.text);
         }
         self.sync_interest();
+    }
+
+    /// A user's operation its permissions refuse: answered (the
+    /// connection stays), counted and logged at debug level.
+    pub(super) fn deny(&mut self, id: u64, operation: &str, subject: &str, rule: &str) {
+        BrokerStats::add(&self.shared.stats.permission_denials, 1);
+        let user = self
+            .sessions
+            .get(&id)
+            .and_then(|session| session.user.clone())
+            .unwrap_or_default();
+        debug!(session = id, %user, operation, subject, rule, "permission denied");
+        self.report(
+            id,
+            ErrorCode::PermissionDenied,
+            format!("permission denied: {operation} {subject:?} ({rule}, user {user:?})"),
+        );
     }
 
     pub(super) fn on_unsubscribe(&mut self, id: u64, sid: u64) {
@@ -494,6 +568,7 @@ mod tests {
             version: PROTOCOL_VERSION,
             name: "n".repeat(MAX_NAME_LEN),
             credentials: Some("s".repeat(MAX_SECRET_LEN)),
+            user: None,
             offers: vec![offer; 64],
             link_auth: Some(frame::LinkAuth {
                 key_share: [0xff; 32],

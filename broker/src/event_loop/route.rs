@@ -380,6 +380,7 @@ impl EventLoop {
             version: PROTOCOL_VERSION,
             name: config.name.clone(),
             credentials: config.route_secret().map(str::to_string),
+            user: None,
             // A datagram link, where both have one, carries what only
             // best-effort subscribers want.
             offers: self.offers.clone(),

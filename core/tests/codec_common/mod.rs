@@ -184,6 +184,7 @@ pub fn frame() -> impl Strategy<Value = Frame> {
                     version,
                     name,
                     credentials,
+                    user: None,
                     offers,
                     link_auth,
                 })

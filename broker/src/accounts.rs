@@ -1,0 +1,361 @@
+//! Users and their permissions (`[[auth.users]]`): who a client is, and
+//! what it may publish and subscribe to.
+//!
+//! A user is a name with a password, or a token, each stored only as an
+//! argon2id hash ([`hash_secret`], which `efabus passwd` prints). A client
+//! logs in with the name and password in its hello, or with the token
+//! alone. Checking a hash costs tens of milliseconds on purpose, on the
+//! broker's event loop: what checked once is remembered (by a keyed hash
+//! of the name and secret, never the secret itself), and failures count
+//! towards the address's lockout like any refused hello.
+//!
+//! Permissions: a publish is allowed when its subject is matched by an
+//! `allow` pattern (or `allow` is empty) and by no `deny` pattern. A
+//! subscription is allowed when an `allow` pattern covers its whole
+//! pattern (or `allow` is empty) and no `deny` pattern could match a
+//! subject it would receive, so a subscription never carries a denied
+//! subject. Replies are always allowed: publishing to `_INBOX.` subjects
+//! (a responder answering) and subscribing to patterns under one literal
+//! inbox, `_INBOX.<token>.`, which only its owner knows (a requester
+//! waiting for answers).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
+use argon2::Argon2;
+use efabus_core::subject::{self, pattern_covers, pattern_matches, patterns_overlap};
+use parking_lot::Mutex;
+
+use crate::config::{Permissions, Rule, User};
+
+/// Where replies go: subjects under it are always allowed (see the
+/// module docs).
+const INBOX: &str = "_INBOX.";
+/// Checked credentials remembered at most; the set starts over when full.
+const VERIFIED_MAX: usize = 4096;
+
+/// A new argon2id hash (PHC string) of `secret`, with a random salt.
+pub fn hash_secret(secret: &str) -> Result<String, String> {
+    let salt: [u8; 16] = crate::session::link_auth::random_bytes().map_err(|e| e.to_string())?;
+    let salt = SaltString::encode_b64(&salt).map_err(|e| e.to_string())?;
+    Argon2::default()
+        .hash_password(secret.as_bytes(), &salt)
+        .map(|hash| hash.to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// Checks `[[auth.users]]`: names unique and non-empty, a password or a
+/// token (hashes, not the secrets themselves), valid patterns. The error
+/// names the key.
+pub(crate) fn check_users(users: &[User]) -> Result<(), (String, String)> {
+    let mut names = HashSet::new();
+    for (i, user) in users.iter().enumerate() {
+        let key = |field: &str| format!("auth.users[{i}].{field}");
+        if user.name.is_empty() {
+            return Err((key("name"), "must not be empty".to_string()));
+        }
+        if !names.insert(user.name.as_str()) {
+            return Err((key("name"), format!("{:?} is listed twice", user.name)));
+        }
+        if user.password.is_none() && user.token.is_none() {
+            return Err((
+                key("password"),
+                "a user needs a password or a token (hashes made with `efabus passwd`)".to_string(),
+            ));
+        }
+        for (field, hash) in [("password", &user.password), ("token", &user.token)] {
+            if let Some(hash) = hash {
+                if PasswordHash::new(hash).is_err() {
+                    return Err((
+                        key(field),
+                        "is not a hash: store what `efabus passwd` prints, never the secret itself"
+                            .to_string(),
+                    ));
+                }
+            }
+        }
+        let rules = [
+            ("permissions.publish", &user.permissions.publish),
+            ("permissions.subscribe", &user.permissions.subscribe),
+        ];
+        for (field, rule) in rules {
+            for (list, patterns) in [("allow", &rule.allow), ("deny", &rule.deny)] {
+                for pattern in patterns {
+                    subject::validate_pattern(pattern, &subject::SubjectLimits::default())
+                        .map_err(|err| {
+                            (
+                                key(&format!("{field}.{list}")),
+                                format!("{pattern:?}: {err}"),
+                            )
+                        })?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Why an operation is refused: the rule that refused it, for the error
+/// the client gets.
+fn refusal(rule: &Rule, denied_by: Option<&String>, what: &str) -> String {
+    match denied_by {
+        Some(pattern) => format!("{what} deny {pattern:?}"),
+        None => format!("not in {what} allow {:?}", rule.allow),
+    }
+}
+
+/// Whether `pattern` lies under one literal inbox (`_INBOX.<token>.` and
+/// beyond): a requester's own reply subscription.
+fn is_own_inbox(pattern: &str) -> bool {
+    let mut tokens = subject::tokens(pattern);
+    matches!(
+        (tokens.next(), tokens.next()),
+        (
+            Some(subject::Token::Literal("_INBOX")),
+            Some(subject::Token::Literal(_))
+        )
+    )
+}
+
+impl Permissions {
+    /// `Err` names the rule that refuses a publish to `subject`.
+    pub fn may_publish(&self, subject: &str) -> Result<(), String> {
+        if subject.starts_with(INBOX) {
+            return Ok(());
+        }
+        let rule = &self.publish;
+        let denied = rule.deny.iter().find(|p| pattern_matches(p, subject));
+        let allowed =
+            rule.allow.is_empty() || rule.allow.iter().any(|p| pattern_matches(p, subject));
+        if denied.is_some() || !allowed {
+            return Err(refusal(rule, denied, "publish"));
+        }
+        Ok(())
+    }
+
+    /// `Err` names the rule that refuses a subscription to `pattern`.
+    pub fn may_subscribe(&self, pattern: &str) -> Result<(), String> {
+        if is_own_inbox(pattern) {
+            return Ok(());
+        }
+        let rule = &self.subscribe;
+        let denied = rule.deny.iter().find(|p| patterns_overlap(p, pattern));
+        let allowed =
+            rule.allow.is_empty() || rule.allow.iter().any(|p| pattern_covers(p, pattern));
+        if denied.is_some() || !allowed {
+            return Err(refusal(rule, denied, "subscribe"));
+        }
+        Ok(())
+    }
+
+    /// Whether nothing is restricted.
+    pub fn allow_everything(&self) -> bool {
+        *self == Permissions::default()
+    }
+}
+
+/// Who a hello's credentials name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Login {
+    /// A user, with the permissions to enforce (`None`: nothing restricted).
+    User {
+        name: String,
+        permissions: Option<Arc<Permissions>>,
+    },
+    /// No user matched.
+    Refused,
+}
+
+/// The users of a broker, with the credentials already checked.
+pub(crate) struct Accounts {
+    users: Vec<(User, Arc<Permissions>)>,
+    /// Keyed hashes of (user, secret) pairs checked before.
+    verified: Mutex<HashSet<[u8; 32]>>,
+    key: [u8; 32],
+}
+
+impl Accounts {
+    pub(crate) fn new(users: &[User]) -> Accounts {
+        Accounts {
+            users: users
+                .iter()
+                .map(|user| (user.clone(), Arc::new(user.permissions.clone())))
+                .collect(),
+            verified: Mutex::new(HashSet::new()),
+            // Without randomness the cache is only less useful: a zero
+            // key still never stores a secret.
+            key: crate::session::link_auth::random_bytes().unwrap_or([0; 32]),
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.users.is_empty()
+    }
+
+    /// Whether `secret` checks against `hash`, remembered per `name`.
+    fn verify(&self, name: &str, hash: &str, secret: &str) -> bool {
+        let mut hasher = blake3::Hasher::new_keyed(&self.key);
+        hasher.update(name.as_bytes());
+        hasher.update(&[0]);
+        hasher.update(hash.as_bytes());
+        hasher.update(&[0]);
+        hasher.update(secret.as_bytes());
+        let seen: [u8; 32] = hasher.finalize().into();
+        if self.verified.lock().contains(&seen) {
+            return true;
+        }
+        let checks = PasswordHash::new(hash).is_ok_and(|hash| {
+            Argon2::default()
+                .verify_password(secret.as_bytes(), &hash)
+                .is_ok()
+        });
+        if checks {
+            let mut verified = self.verified.lock();
+            if verified.len() >= VERIFIED_MAX {
+                verified.clear();
+            }
+            verified.insert(seen);
+        }
+        checks
+    }
+
+    /// The user `name` with password `secret`, or (no name) the user whose
+    /// token `secret` is.
+    pub(crate) fn login(&self, name: Option<&str>, secret: &str) -> Login {
+        let found = self.users.iter().find(|(user, _)| match name {
+            Some(name) => {
+                user.name == name
+                    && user
+                        .password
+                        .as_deref()
+                        .is_some_and(|hash| self.verify(name, hash, secret))
+            }
+            None => user
+                .token
+                .as_deref()
+                .is_some_and(|hash| self.verify(&user.name, hash, secret)),
+        });
+        match found {
+            Some((user, permissions)) => Login::User {
+                name: user.name.clone(),
+                permissions: (!permissions.allow_everything()).then(|| permissions.clone()),
+            },
+            None => Login::Refused,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(allow: &[&str], deny: &[&str]) -> Rule {
+        Rule {
+            allow: allow.iter().map(|s| s.to_string()).collect(),
+            deny: deny.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn permissions_allow_deny_and_replies() {
+        let orders = Permissions {
+            publish: rule(&["orders.>"], &["orders.secret"]),
+            subscribe: rule(&["orders.>"], &["orders.secret"]),
+        };
+        assert!(orders.may_publish("orders.eu").is_ok());
+        let err = orders.may_publish("orders.secret").unwrap_err();
+        assert!(err.contains("publish deny \"orders.secret\""), "{err}");
+        let err = orders.may_publish("billing.eu").unwrap_err();
+        assert!(err.contains("not in publish allow"), "{err}");
+        assert!(orders.may_subscribe("orders.eu").is_ok());
+        assert!(orders.may_subscribe("orders.*.eu").is_ok());
+        // Could receive orders.secret: refused, naming the rule.
+        let err = orders.may_subscribe("orders.*").unwrap_err();
+        assert!(err.contains("subscribe deny"), "{err}");
+        assert!(orders.may_subscribe("orders.>").is_err());
+        assert!(orders.may_subscribe(">").is_err());
+        assert!(orders.may_subscribe("billing.eu").is_err());
+        // Replies: a requester's own inbox and a responder's answer.
+        assert!(orders.may_subscribe("_INBOX.3f9a1c.>").is_ok());
+        assert!(orders.may_subscribe("_INBOX.*.>").is_err());
+        assert!(orders.may_subscribe("_INBOX.>").is_err());
+        assert!(orders.may_publish("_INBOX.3f9a1c.7").is_ok());
+        assert!(Permissions::default().may_subscribe(">").is_ok());
+    }
+
+    #[test]
+    fn users_log_in_with_a_password_or_a_token() {
+        let users = vec![
+            User {
+                name: "alice".into(),
+                password: Some(hash_secret("correct horse").unwrap()),
+                permissions: Permissions {
+                    publish: rule(&["orders.>"], &[]),
+                    ..Permissions::default()
+                },
+                ..User::default()
+            },
+            User {
+                name: "service".into(),
+                token: Some(hash_secret("t0ken").unwrap()),
+                ..User::default()
+            },
+        ];
+        check_users(&users).expect("valid users");
+        let accounts = Accounts::new(&users);
+        match accounts.login(Some("alice"), "correct horse") {
+            Login::User { name, permissions } => {
+                assert_eq!(name, "alice");
+                assert!(permissions.is_some());
+            }
+            Login::Refused => panic!("alice's password"),
+        }
+        // Remembered: the same again needs no argon2.
+        assert_eq!(accounts.verified.lock().len(), 1);
+        assert!(matches!(
+            accounts.login(Some("alice"), "correct horse"),
+            Login::User { .. }
+        ));
+        assert_eq!(accounts.login(Some("alice"), "wrong"), Login::Refused);
+        assert_eq!(accounts.login(Some("bob"), "correct horse"), Login::Refused);
+        assert_eq!(accounts.login(Some("service"), "t0ken"), Login::Refused);
+        assert_eq!(
+            accounts.login(None, "t0ken"),
+            Login::User {
+                name: "service".into(),
+                permissions: None
+            }
+        );
+        assert_eq!(accounts.login(None, "correct horse"), Login::Refused);
+    }
+
+    #[test]
+    fn users_that_cannot_work_are_refused() {
+        let plain = User {
+            name: "alice".into(),
+            password: Some("hunter2".into()),
+            ..User::default()
+        };
+        let (key, message) = check_users(&[plain]).unwrap_err();
+        assert_eq!(key, "auth.users[0].password");
+        assert!(message.contains("efabus passwd"), "{message}");
+        let hash = hash_secret("x").unwrap();
+        let twice = User {
+            name: "a".into(),
+            password: Some(hash),
+            ..User::default()
+        };
+        let (key, _) = check_users(&[twice.clone(), twice.clone()]).unwrap_err();
+        assert_eq!(key, "auth.users[1].name");
+        let bad_pattern = User {
+            permissions: Permissions {
+                subscribe: rule(&["orders..x"], &[]),
+                ..Permissions::default()
+            },
+            ..twice
+        };
+        let (key, _) = check_users(&[bad_pattern]).unwrap_err();
+        assert_eq!(key, "auth.users[0].permissions.subscribe.allow");
+    }
+}

@@ -1,0 +1,180 @@
+//! Users with permissions (`[[auth.users]]`): logging in with a password
+//! or a token, refused with a wrong one, and every publish and subscription
+//! checked against the user's allow and deny patterns, a refusal answered
+//! with an error that names the subject and the rule, and counted.
+//! Request/reply works for users who may not subscribe to `_INBOX.>`.
+
+use std::time::{Duration, Instant};
+
+use efabus_broker::accounts::hash_secret;
+use efabus_broker::{Broker, Client, ClientOptions, Config, Error};
+use efabus_core::frame::ErrorCode;
+use efabus_transports::registry::Registry;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn broker() -> Broker {
+    let text = format!(
+        r#"
+        name = "accounts"
+        listen = ["tcp/127.0.0.1:0"]
+        [[auth.users]]
+        name = "alice"
+        password = "{alice}"
+        [auth.users.permissions.publish]
+        allow = ["orders.>"]
+        deny = ["orders.secret"]
+        [auth.users.permissions.subscribe]
+        allow = ["orders.>"]
+        deny = ["orders.secret"]
+
+        [[auth.users]]
+        name = "watcher"
+        token = "{token}"
+
+        [[auth.users]]
+        name = "requester"
+        password = "{requester}"
+        [auth.users.permissions.publish]
+        allow = ["svc.>"]
+        [auth.users.permissions.subscribe]
+        allow = ["updates.>"]
+
+        [[auth.users]]
+        name = "responder"
+        password = "{responder}"
+        [auth.users.permissions.publish]
+        allow = ["audit.>"]
+        [auth.users.permissions.subscribe]
+        allow = ["svc.>"]
+        "#,
+        alice = hash_secret("alice-password").unwrap(),
+        token = hash_secret("watcher-token").unwrap(),
+        requester = hash_secret("requester-password").unwrap(),
+        responder = hash_secret("responder-password").unwrap(),
+    );
+    let config = Config::from_toml_str(&text, "accounts test").expect("valid config");
+    Broker::start(config).expect("the broker starts")
+}
+
+fn login(broker: &Broker, user: Option<&str>, secret: Option<&str>) -> Result<Client, Error> {
+    let options = ClientOptions {
+        user: user.map(str::to_string),
+        credentials: secret.map(str::to_string),
+        connect_timeout: WAIT,
+        reconnect: false,
+        ..ClientOptions::default()
+    };
+    let server = broker.endpoint("tcp").expect("tcp listener");
+    Client::connect_with(&server, options, Registry::with_builtins())
+}
+
+fn denials(broker: &Broker) -> u64 {
+    broker.stats().value("permission_denials").unwrap_or(0)
+}
+
+#[test]
+fn wrong_or_missing_credentials_are_refused() {
+    let broker = broker();
+    for (user, secret) in [
+        (Some("alice"), Some("wrong")),
+        (Some("mallory"), Some("alice-password")),
+        (None, Some("alice-password")),
+        (None, None),
+        (Some("alice"), None),
+    ] {
+        match login(&broker, user, secret) {
+            Err(Error::Refused {
+                code: ErrorCode::Auth,
+                text,
+            }) => assert!(!text.contains("alice-password"), "{text}"),
+            Err(other) => panic!("{user:?}/{secret:?}: {other}"),
+            Ok(_) => panic!("{user:?}/{secret:?} logged in"),
+        }
+    }
+    assert_eq!(broker.stats().value("auth_failures"), Some(5));
+}
+
+#[test]
+fn a_user_publishes_and_subscribes_within_its_permissions_only() {
+    let broker = broker();
+    let alice = login(&broker, Some("alice"), Some("alice-password")).expect("alice");
+    let watcher = login(&broker, None, Some("watcher-token")).expect("the token logs in");
+    let everything = watcher.subscribe(">").expect("subscribe");
+    watcher.flush(WAIT).unwrap();
+
+    // Subscriptions: within allow, and never one that could carry a
+    // denied subject.
+    let eu = alice.subscribe("orders.eu").expect("subscribe");
+    let _secret = alice.subscribe("orders.secret").expect("sent");
+    let _all = alice.subscribe("orders.>").expect("sent");
+    let _billing = alice.subscribe("billing.>").expect("sent");
+    alice.flush(WAIT).unwrap();
+    let errors = alice.take_errors();
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    assert!(errors
+        .iter()
+        .all(|(code, _)| *code == ErrorCode::PermissionDenied));
+    assert!(
+        errors[0].1.contains("subscribe to \"orders.secret\"")
+            && errors[0].1.contains("subscribe deny \"orders.secret\"")
+            && errors[0].1.contains("alice"),
+        "{errors:?}"
+    );
+    assert!(errors[2].1.contains("not in subscribe allow"), "{errors:?}");
+
+    // Publishes: orders.eu goes through; orders.secret and billing.eu are
+    // refused, answered and counted, and reach nobody.
+    alice.publish("orders.eu", b"1".to_vec()).unwrap();
+    alice.publish("orders.secret", b"2".to_vec()).unwrap();
+    alice.publish("billing.eu", b"3".to_vec()).unwrap();
+    alice.flush(WAIT).unwrap();
+    let errors = alice.take_errors();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(
+        errors[0]
+            .1
+            .contains("publish to \"orders.secret\" (publish deny"),
+        "{errors:?}"
+    );
+    assert!(errors[1].1.contains("billing.eu") && errors[1].1.contains("not in publish allow"));
+    assert_eq!(&eu.recv_timeout(WAIT).unwrap().payload[..], b"1");
+    let seen = everything.recv_timeout(WAIT).unwrap();
+    assert_eq!(&seen.subject[..], "orders.eu");
+    assert!(everything.recv_timeout(Duration::from_millis(200)).is_err());
+    assert_eq!(denials(&broker), 5);
+}
+
+#[test]
+fn requests_work_without_permission_to_subscribe_to_inboxes() {
+    let broker = broker();
+    let responder = login(&broker, Some("responder"), Some("responder-password")).expect("login");
+    let requests = responder.subscribe("svc.echo").expect("subscribe");
+    responder.flush(WAIT).unwrap();
+    let server = std::thread::spawn(move || {
+        let request = requests.recv_timeout(WAIT).expect("a request");
+        let reply = request.reply.expect("a reply subject");
+        responder
+            .publish(&reply, request.payload.clone())
+            .expect("reply");
+        responder.flush(WAIT).unwrap();
+        responder.take_errors()
+    });
+    let requester = login(&broker, Some("requester"), Some("requester-password")).expect("login");
+    let deadline = Instant::now() + WAIT;
+    let answer = loop {
+        match requester.request("svc.echo", b"ping".to_vec(), Duration::from_secs(2)) {
+            Ok(answer) => break answer,
+            Err(err) => assert!(Instant::now() < deadline, "no answer: {err}"),
+        }
+    };
+    assert_eq!(&answer.payload[..], b"ping");
+    assert_eq!(server.join().unwrap(), Vec::new(), "the reply was allowed");
+    assert!(requester.take_errors().is_empty());
+    // The requester still may not subscribe elsewhere, nor to every inbox.
+    let _ = requester.subscribe("_INBOX.>").expect("sent");
+    requester.flush(WAIT).unwrap();
+    let errors = requester.take_errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(denials(&broker), 1);
+}
