@@ -321,11 +321,19 @@ impl Tls {
         options
     }
 
-    fn check(&self, routes: bool) -> Result<(), (&'static str, String)> {
+    /// `serves` says whether the configuration listens on TCP (a
+    /// broker's); a client's needs no certificate of its own.
+    fn check(&self, serves: bool, routes: bool) -> Result<(), (&'static str, String)> {
         if !self.is_set() {
             return Ok(());
         }
-        if self.cert.is_none() || self.key.is_none() {
+        if self.cert.is_some() != self.key.is_some() {
+            return Err((
+                "tls.cert",
+                "a certificate needs its key: give tls.cert and tls.key".to_string(),
+            ));
+        }
+        if serves && self.cert.is_none() {
             return Err((
                 "tls.cert",
                 "TLS on the broker needs tls.cert and tls.key, the certificate it presents"
@@ -770,8 +778,12 @@ impl Config {
         if let Some(monitor) = &self.monitor {
             check_monitor(monitor).map_err(|message| invalid("monitor", message))?;
         }
+        let serves_tcp = self
+            .listen
+            .iter()
+            .any(|listen| listen.split('/').next() == Some(efabus_transports::tcp::SCHEME));
         self.tls
-            .check(!self.peers.is_empty())
+            .check(serves_tcp, !self.peers.is_empty())
             .map_err(|(key, message)| invalid(key, message))?;
         crate::accounts::check_users(&self.auth.users)
             .map_err(|(key, message)| invalid(&key, message))?;

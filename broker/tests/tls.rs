@@ -228,6 +228,14 @@ fn tls_settings_that_cannot_work_are_refused_at_start() {
     );
     let err = Config::from_toml_str(&routes_without_ca, "t").expect_err("routes need a CA");
     assert!(err.to_string().contains("tls.ca"), "{err}");
+    // A client's file needs only the authority; a broker's listener needs
+    // a certificate.
+    let ca_only = format!("[tls]\nca = {:?}\n", pki.ca);
+    Config::from_toml_str(&ca_only, "client").expect("a client config with only tls.ca");
+    let listener = format!("listen = [\"tcp/127.0.0.1:0\"]\n{ca_only}");
+    let err =
+        Config::from_toml_str(&listener, "t").expect_err("a TLS listener without a certificate");
+    assert!(err.to_string().contains("tls.cert"), "{err}");
     let missing = format!(
         "listen = [\"tcp/127.0.0.1:0\"]\n[tls]\ncert = \"/nonexistent/cert.pem\"\nkey = {:?}\n",
         pki.server_key
