@@ -61,6 +61,18 @@ pub enum Command {
     /// List a running broker's connections and their links, from its
     /// monitoring listener.
     Conns(crate::monitor::ConnsArgs),
+    /// Hash a user's password (or a new token) for [[auth.users]].
+    Passwd(PasswdArgs),
+}
+
+/// `efabus passwd`: the argon2id hash a user entry stores.
+#[derive(Debug, Args)]
+pub struct PasswdArgs {
+    /// Make a random token instead of reading a password: prints the
+    /// token (for the client) on the first line and its hash (for the
+    /// user's `token`) on the second.
+    #[arg(long)]
+    pub generate: bool,
 }
 
 #[derive(Debug, Args)]
@@ -143,6 +155,10 @@ pub struct ClientArgs {
     /// precedence over --secret and EFABUS_SECRET.
     #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
+    /// Log in as this user of the broker's [[auth.users]]; --secret (or
+    /// --secret-file, EFABUS_SECRET) gives its password.
+    #[arg(long, env = "EFABUS_USER")]
+    pub user: Option<String>,
     /// Config whose fabric endpoints (`listen` entries efa-rdm/efa-dgram,
     /// the [fabric] table, the preference list) the client offers the broker.
     #[arg(long, short)]
@@ -486,6 +502,7 @@ pub fn run(cli: Cli) -> Result<(), Failure> {
         Command::Bench(args) => crate::bench::run(args),
         Command::Stats(args) => crate::monitor::stats(args),
         Command::Conns(args) => crate::monitor::conns(args),
+        Command::Passwd(args) => passwd(&args),
     };
     match result {
         Err(failure) if failure.code == 0 => Ok(()),
@@ -545,6 +562,45 @@ fn secret_from(value: &Option<String>, file: &Option<PathBuf>) -> Result<Option<
         ))
     })?;
     Ok(Some(text.lines().next().unwrap_or_default().to_string()))
+}
+
+/// `efabus passwd`: reads a password (twice, without echo, from a
+/// terminal; else the first line of standard input), or makes a token,
+/// and prints the argon2id hash to store in `[[auth.users]]`.
+fn passwd(args: &PasswdArgs) -> Result<(), Failure> {
+    use std::io::IsTerminal;
+    let mut output = Output::new();
+    let secret = if args.generate {
+        let bytes: [u8; 24] = efabus_broker::link_auth::random_bytes()
+            .map_err(|err| Failure::runtime(err.to_string()))?;
+        let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        out!(output, "{token}")?;
+        token
+    } else if io::stdin().is_terminal() {
+        let read = |prompt: &str| {
+            rpassword::prompt_password(prompt)
+                .map_err(|err| Failure::runtime(format!("cannot read the password: {err}")))
+        };
+        let password = read("password: ")?;
+        if read("again: ")? != password {
+            return Err(Failure::usage(
+                "the two passwords differ; nothing was hashed",
+            ));
+        }
+        password
+    } else {
+        let mut line = String::new();
+        io::stdin()
+            .read_line(&mut line)
+            .map_err(|err| Failure::runtime(format!("cannot read the password: {err}")))?;
+        line.trim_end_matches(['\r', '\n']).to_string()
+    };
+    if secret.is_empty() {
+        return Err(Failure::usage("an empty password is not a password"));
+    }
+    let hash = efabus_broker::accounts::hash_secret(&secret)
+        .map_err(|err| Failure::runtime(format!("cannot hash: {err}")))?;
+    out!(output, "{hash}")
 }
 
 /// SIGINT and SIGTERM (stop), and SIGHUP (reload), caught from now on,
@@ -814,6 +870,7 @@ fn connect_with(args: &ClientArgs, reconnect: bool) -> Result<Client, Failure> {
     let options = ClientOptions {
         name: format!("efabus-cli-{}", std::process::id()),
         credentials: secret_from(&args.secret, &args.secret_file)?.or(base.credentials.clone()),
+        user: args.user.clone(),
         reconnect,
         tls,
         ..base
@@ -944,6 +1001,7 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
     client
         .flush(Duration::from_secs(30))
         .map_err(|err| explain(err, Some(&args.client.server)))?;
+    refused_by_broker(&client)?;
     let elapsed = started.elapsed();
     let mut output = Output::new();
     if published < args.count {
@@ -1049,6 +1107,7 @@ fn subscribe(args: SubArgs) -> Result<(), Failure> {
     client
         .flush(Duration::from_secs(5))
         .map_err(|err| explain(err, Some(&args.client.server)))?;
+    refused_by_broker(&client)?;
     // A status line, not a result: a closed stderr is no reason to stop.
     let _ = writeln!(
         io::stderr(),
@@ -1112,6 +1171,7 @@ fn reply(args: ReplyArgs) -> Result<(), Failure> {
     client
         .flush(Duration::from_secs(5))
         .map_err(|err| explain(err, Some(server)))?;
+    refused_by_broker(&client)?;
     let _ = writeln!(
         io::stderr(),
         "answering requests on {}",
@@ -1159,6 +1219,28 @@ fn request(args: ReqArgs) -> Result<(), Failure> {
             Bytes::from(args.data.clone()),
             Duration::from_millis(args.timeout),
         )
-        .map_err(|err| explain(err, Some(&args.client.server)))?;
+        .map_err(|err| {
+            // A request the broker refused waits for no reply: say why.
+            match refused_by_broker(&client) {
+                Err(refused) => refused,
+                Ok(()) => explain(err, Some(&args.client.server)),
+            }
+        })?;
     out!(Output::new(), "{}", String::from_utf8_lossy(&reply.payload))
+}
+
+/// What the broker refused without closing (a permission denied, a payload
+/// over its limit) is the command's failure, in one line.
+fn refused_by_broker(client: &Client) -> Result<(), Failure> {
+    let errors = client.take_errors();
+    let Some((_, first)) = errors.first() else {
+        return Ok(());
+    };
+    let more = match errors.len() {
+        1 => String::new(),
+        n => format!(" (and {} more)", n - 1),
+    };
+    Err(Failure::runtime(format!(
+        "the broker refused: {first}{more}"
+    )))
 }

@@ -1336,3 +1336,94 @@ fn no_secret_appears_in_logs_or_errors() {
     let _ = std::fs::remove_file(&config);
     let _ = std::fs::remove_file(&peer_config);
 }
+
+/// `efabus passwd` hashes a password read from standard input (and makes
+/// tokens); a broker with that user lets the client commands log in with
+/// `--user` and refuses, in one line naming the subject and the rule, what
+/// the user's permissions do not allow.
+#[test]
+fn users_from_passwd_log_in_and_are_held_to_their_permissions() {
+    use std::io::Write as _;
+    let hash_of = |input: &str| {
+        let mut child = efabus()
+            .arg("passwd")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let output = child.wait_with_output().unwrap();
+        assert!(output.status.success(), "{}", stderr(&output));
+        stdout(&output).trim().to_string()
+    };
+    let hash = hash_of("orders-password\n");
+    assert!(hash.starts_with("$argon2id$"), "{hash}");
+    assert!(!hash.contains("orders-password"));
+    let generated = run(&["passwd", "--generate"]);
+    let lines: Vec<String> = stdout(&generated).lines().map(str::to_string).collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines[0].len() >= 32 && lines[1].starts_with("$argon2id$"));
+    assert!(usage_error(&run(&["passwd"])).contains("empty"));
+
+    let server = Server::start(&format!(
+        "[[auth.users]]\nname = \"alice\"\npassword = \"{hash}\"\n\
+         [auth.users.permissions.publish]\nallow = [\"orders.>\"]\ndeny = [\"orders.secret\"]\n\
+         [[auth.users]]\nname = \"robot\"\ntoken = \"{}\"\n",
+        lines[1]
+    ));
+    let as_alice = |extra: &[&str]| {
+        let mut args = vec![
+            "-s",
+            &server.endpoint,
+            "--user",
+            "alice",
+            "--secret",
+            "orders-password",
+        ];
+        args.splice(0..0, extra.iter().copied());
+        run(&args)
+    };
+    let ok = as_alice(&["pub", "orders.eu", "x"]);
+    assert!(ok.status.success(), "{}", stderr(&ok));
+    let denied = as_alice(&["pub", "orders.secret", "x"]);
+    assert_eq!(denied.status.code(), Some(1));
+    let said = stderr(&denied);
+    assert_eq!(said.trim().lines().count(), 1, "{said}");
+    assert!(
+        said.contains("permission denied: publish to \"orders.secret\"")
+            && said.contains("publish deny"),
+        "{said}"
+    );
+    let wrong = run(&[
+        "pub",
+        "-s",
+        &server.endpoint,
+        "--user",
+        "alice",
+        "--secret",
+        "guess",
+        "o.x",
+        "y",
+    ]);
+    assert_eq!(wrong.status.code(), Some(1));
+    assert!(
+        stderr(&wrong).contains("invalid user or password"),
+        "{}",
+        stderr(&wrong)
+    );
+    let token = run(&[
+        "pub",
+        "-s",
+        &server.endpoint,
+        "--secret",
+        &lines[0],
+        "any.subject",
+        "y",
+    ]);
+    assert!(token.status.success(), "{}", stderr(&token));
+}
