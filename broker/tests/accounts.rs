@@ -172,7 +172,7 @@ fn requests_work_without_permission_to_subscribe_to_inboxes() {
     assert_eq!(server.join().unwrap(), Vec::new(), "the reply was allowed");
     assert!(requester.take_errors().is_empty());
     // The requester still may not subscribe elsewhere, nor to every inbox.
-    let _ = requester.subscribe("_INBOX.>").expect("sent");
+    let _every_inbox = requester.subscribe("_INBOX.>").expect("sent");
     requester.flush(WAIT).unwrap();
     let errors = requester.take_errors();
     assert_eq!(errors.len(), 1, "{errors:?}");
