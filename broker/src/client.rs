@@ -29,9 +29,11 @@ use efabus_core::caps::Offer;
 use efabus_core::codec::{self, CodecLimits, FrameKind};
 use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{
-    self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, LinkAuth, PROTOCOL_VERSION,
+    self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, LinkAuth, SecretProof, Welcome,
+    PROTOCOL_VERSION,
 };
 use efabus_core::link::{LinkError, LinkTuning};
+use efabus_core::secret::{constant_time_eq, prove, ProofRole};
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
     DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError,
@@ -104,11 +106,15 @@ pub struct ClientOptions {
     /// Name sent in the handshake.
     pub name: String,
     /// The user to log in as (the server's `auth.users`); `credentials`
-    /// is then its password.
+    /// is then its password, sent in the hello (use TLS).
     pub user: Option<String>,
-    /// The shared secret, the user's password, or a token, when the
-    /// server requires one.
+    /// Without `user`: the shared secret, which is only proven (the hello
+    /// answers the server's challenge with a keyed hash, and the server
+    /// proves it back), never sent. With `user`: its password.
     pub credentials: Option<String>,
+    /// A user's token (`auth.users` with a `token`), sent in the hello
+    /// (use TLS); without `user`.
+    pub token: Option<String>,
     /// How long `connect` waits for the first handshake.
     pub connect_timeout: Duration,
     /// Reconnect after a lost connection (with backoff up to `max_backoff`).
@@ -218,6 +224,7 @@ impl Default for ClientOptions {
             name: format!("efabus-client-{}", std::process::id()),
             user: None,
             credentials: None,
+            token: None,
             connect_timeout: Duration::from_secs(5),
             reconnect: true,
             max_backoff: Duration::from_secs(2),
@@ -1081,6 +1088,12 @@ struct ClientLoop {
     offers: Vec<Offer>,
     /// This side's part of the current handshake's link keys.
     link_secret: Option<LinkSecret>,
+    /// The hello of this connection is sent (it waits for the server's
+    /// challenge).
+    hello_sent: bool,
+    /// The challenge and nonce the hello proved the shared secret with,
+    /// which the welcome's proof must answer.
+    proved: Option<([u8; 32], [u8; 32])>,
     tuning: LinkTuning,
     released: Vec<Bytes>,
     /// Why data endpoints could not open: the start of every handshake's
@@ -1153,6 +1166,8 @@ impl ClientLoop {
             ever_connected: false,
             last_failure: None,
             link_secret: None,
+            hello_sent: false,
+            proved: None,
             offers,
             tuning,
             released: Vec::new(),
@@ -1296,8 +1311,16 @@ impl ClientLoop {
             LinkState::AwaitWelcome { peer, deadline } if now >= deadline => {
                 warn!(server = %self.shared.server, "handshake timed out");
                 self.endpoints[CONTROL].close(peer);
+                // Waiting for the challenge, a cleartext client and a TLS
+                // listener each wait for the other.
+                let tls_hint = if !self.hello_sent && !self.shared.options.tls.is_set() {
+                    "; a TLS listener waits for the client to start TLS: connect with the \
+                     authority that verifies it (tls.ca, --tls-ca)"
+                } else {
+                    ""
+                };
                 self.last_failure = Some(format!(
-                    "no welcome within {:?} (the server did not answer the handshake)",
+                    "no welcome within {:?} (the server did not answer the handshake{tls_hint})",
                     self.shared.options.connect_timeout
                 ));
                 self.link_lost(now);
@@ -1335,16 +1358,19 @@ impl ClientLoop {
                     }
                     None => None,
                 };
-                let hello = Frame::Hello(Hello {
-                    version: PROTOCOL_VERSION,
-                    name: self.shared.options.name.clone(),
-                    credentials: self.shared.options.credentials.clone(),
-                    user: self.shared.options.user.clone(),
-                    offers: self.offers.clone(),
-                    link_auth: self.link_secret.as_ref().map(|s| s.auth().clone()),
-                });
-                let _ = control.send(peer, codec::encode(&hello));
+                self.hello_sent = false;
+                self.proved = None;
                 self.conn.control.peer = peer;
+                // A shared secret is proven against the server's challenge,
+                // its first frame; a hello with nothing to prove goes at
+                // once.
+                let options = &self.shared.options;
+                let proves = options.user.is_none()
+                    && options.token.is_none()
+                    && options.credentials.is_some();
+                if !proves {
+                    self.send_hello(peer, [0; 32]);
+                }
                 self.link = LinkState::AwaitWelcome {
                     peer,
                     deadline: now + self.shared.options.connect_timeout,
@@ -1565,10 +1591,74 @@ impl ClientLoop {
         }
     }
 
+    /// The hello, answering the server's `challenge`: a user's password or
+    /// a token travels in it; a shared secret is only proven.
+    fn send_hello(&mut self, peer: PeerId, challenge: [u8; 32]) {
+        let options = &self.shared.options;
+        let (credentials, proof) = match (&options.user, &options.token, &options.credentials) {
+            (Some(_), _, password) => (password.clone(), None),
+            (None, Some(token), _) => (Some(token.clone()), None),
+            (None, None, Some(secret)) => match crate::session::link_auth::random_bytes() {
+                Ok(nonce) => {
+                    self.proved = Some((challenge, nonce));
+                    let mac = prove(secret, ProofRole::Dialer, &challenge, &nonce);
+                    (None, Some(SecretProof { nonce, mac }))
+                }
+                Err(err) => {
+                    warn!(%err, "cannot prove the shared secret");
+                    (None, None)
+                }
+            },
+            (None, None, None) => (None, None),
+        };
+        let hello = Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            name: options.name.clone(),
+            credentials,
+            user: options.user.clone(),
+            proof,
+            offers: self.offers.clone(),
+            link_auth: self.link_secret.as_ref().map(|s| s.auth().clone()),
+        });
+        let _ = self.endpoints[CONTROL].send(peer, codec::encode(&hello));
+        self.hello_sent = true;
+    }
+
+    /// Whether the welcome proves the server holds the shared secret this
+    /// side proved (or none was proved).
+    fn welcome_proven(&self, welcome: &Welcome) -> bool {
+        let Some((challenge, nonce)) = self.proved else {
+            return true;
+        };
+        let Some(secret) = self.shared.options.credentials.as_deref() else {
+            return true;
+        };
+        let expected = prove(secret, ProofRole::Acceptor, &challenge, &nonce);
+        welcome
+            .proof
+            .is_some_and(|proof| constant_time_eq(&proof, &expected))
+    }
+
     fn on_frame(&mut self, peer: PeerId, frame: Frame) {
         match frame {
+            Frame::Challenge(challenge) => {
+                if matches!(self.link, LinkState::AwaitWelcome { .. }) && !self.hello_sent {
+                    self.send_hello(peer, challenge.nonce);
+                }
+            }
             Frame::Welcome(welcome) => {
                 if !matches!(self.link, LinkState::AwaitWelcome { .. }) {
+                    return;
+                }
+                if !self.welcome_proven(&welcome) {
+                    let text = "the server did not prove it holds the shared secret: it may \
+                                not be the broker meant (check --server and the secret)";
+                    warn!(server = %self.shared.server, "{text}");
+                    self.shared.set_state(ConnectionState::Refused {
+                        code: ErrorCode::Auth,
+                        text: text.to_string(),
+                    });
+                    self.endpoints[CONTROL].close(peer);
                     return;
                 }
                 self.shared

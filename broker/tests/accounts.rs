@@ -58,9 +58,15 @@ fn broker() -> Broker {
 }
 
 fn login(broker: &Broker, user: Option<&str>, secret: Option<&str>) -> Result<Client, Error> {
+    // Without a name, the secret is a token.
+    let (credentials, token) = match user {
+        Some(_) => (secret.map(str::to_string), None),
+        None => (None, secret.map(str::to_string)),
+    };
     let options = ClientOptions {
         user: user.map(str::to_string),
-        credentials: secret.map(str::to_string),
+        credentials,
+        token,
         connect_timeout: WAIT,
         reconnect: false,
         ..ClientOptions::default()

@@ -314,6 +314,7 @@ fn a_hello_naming_another_clients_address_takes_nothing_over() {
         name: "impostor".into(),
         credentials: None,
         user: None,
+        proof: None,
         offers: vec![offer],
         link_auth: Some(efabus_core::frame::LinkAuth {
             key_share,
@@ -520,6 +521,7 @@ fn hello_from(
         name: name.into(),
         credentials: None,
         user: None,
+        proof: None,
         offers: vec![offer],
         link_auth: Some(secret.auth().clone()),
     }));

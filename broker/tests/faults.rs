@@ -91,6 +91,7 @@ impl RawPeer {
             name: name.to_string(),
             credentials: None,
             user: None,
+            proof: None,
             offers: Vec::new(),
             link_auth: None,
         }));

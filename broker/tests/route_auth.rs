@@ -91,6 +91,7 @@ fn ask_for_a_route_as(
         name: "posing-as-a-broker".into(),
         credentials: credentials.map(str::to_string),
         user: None,
+        proof: None,
         offers: Vec::new(),
         link_auth: None,
     }));

@@ -156,9 +156,19 @@ pub struct ClientArgs {
     #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
     /// Log in as this user of the broker's [[auth.users]]; --secret (or
-    /// --secret-file, EFABUS_SECRET) gives its password.
+    /// --secret-file, EFABUS_SECRET) gives its password. Without it the
+    /// secret is the broker's shared secret, only proven, never sent.
     #[arg(long, env = "EFABUS_USER")]
     pub user: Option<String>,
+    /// Log in with a user's token (sent to the broker: use TLS). Visible
+    /// in `ps`: prefer EFABUS_TOKEN.
+    #[arg(
+        long,
+        env = "EFABUS_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "user"
+    )]
+    pub token: Option<String>,
     /// Config whose fabric endpoints (`listen` entries efa-rdm/efa-dgram,
     /// the [fabric] table, the preference list) the client offers the broker.
     #[arg(long, short)]
@@ -453,7 +463,9 @@ fn explain(err: Error, server: Option<&str>) -> Failure {
                 excerpt(text, 4 * EXCERPT_CHARS)
             ),
             if *code == ErrorCode::Auth {
-                "check --secret (or EFABUS_SECRET) against the broker's auth.secret".to_string()
+                "check --secret (or EFABUS_SECRET) against the broker's auth.secret, or \
+                 --user and its password, or --token"
+                    .to_string()
             } else {
                 String::new()
             },
@@ -871,6 +883,7 @@ fn connect_with(args: &ClientArgs, reconnect: bool) -> Result<Client, Failure> {
         name: format!("efabus-cli-{}", std::process::id()),
         credentials: secret_from(&args.secret, &args.secret_file)?.or(base.credentials.clone()),
         user: args.user.clone(),
+        token: args.token.clone().or(base.token.clone()),
         reconnect,
         tls,
         ..base

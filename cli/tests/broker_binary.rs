@@ -291,6 +291,7 @@ impl Raw {
             name: "raw".into(),
             credentials: None,
             user: None,
+            proof: None,
             offers: Vec::new(),
             link_auth: None,
         }));
@@ -308,10 +309,14 @@ impl Raw {
                 let len = u32::from_le_bytes(self.buffer[..4].try_into().unwrap()) as usize + 4;
                 if self.buffer.len() >= len {
                     let bytes: Vec<u8> = self.buffer.drain(..len).collect();
-                    return Some(
-                        codec::decode(Bytes::from(bytes), &CodecLimits::default())
-                            .expect("valid frame"),
-                    );
+                    match codec::decode(Bytes::from(bytes), &CodecLimits::default())
+                        .expect("valid frame")
+                    {
+                        // The broker's first frame, for a secret to be
+                        // proven against; raw peers prove none.
+                        Frame::Challenge(_) => continue,
+                        frame => return Some(frame),
+                    }
                 }
             }
             if Instant::now() > deadline {
@@ -917,6 +922,7 @@ fn repeated_failed_authentications_lock_the_address_out_for_a_while() {
             name: "guesser".into(),
             credentials: Some(secret.into()),
             user: None,
+            proof: None,
             offers: Vec::new(),
             link_auth: None,
         }));
@@ -1138,6 +1144,7 @@ fn a_wrong_protocol_version_gets_the_version_error() {
         name: "future".into(),
         credentials: None,
         user: None,
+        proof: None,
         offers: Vec::new(),
         link_auth: None,
     }));

@@ -1420,7 +1420,7 @@ fn users_from_passwd_log_in_and_are_held_to_their_permissions() {
         "pub",
         "-s",
         &server.endpoint,
-        "--secret",
+        "--token",
         &lines[0],
         "any.subject",
         "y",

@@ -24,6 +24,7 @@ fn seeds() -> Vec<Vec<u8>> {
             name: "fuzz".into(),
             credentials: None,
             user: None,
+            proof: None,
             offers: Vec::new(),
             link_auth: None,
         }),

@@ -249,6 +249,7 @@ fn thousand_idle_connections_with_ten_thousand_subscriptions() {
                 name: format!("idle-{c}"),
                 credentials: None,
                 user: None,
+                proof: None,
                 offers: Vec::new(),
                 link_auth: None,
             },

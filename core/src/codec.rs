@@ -56,8 +56,8 @@ use thiserror::Error;
 
 use crate::caps::Offer;
 use crate::frame::{
-    Credit, Dropped, ErrorFrame, Fragment, Frame, Goodbye, Hello, LinkAuth, Message, Publish,
-    RouteHello, RoutePeers, Subscribe, Welcome, PROTOCOL_VERSION,
+    Challenge, Credit, Dropped, ErrorFrame, Fragment, Frame, Goodbye, Hello, LinkAuth, Message,
+    Publish, RouteHello, RoutePeers, SecretProof, Subscribe, Welcome, PROTOCOL_VERSION,
 };
 use crate::transport::OutFrame;
 
@@ -142,6 +142,8 @@ pub enum FrameKind {
     Dropped = 0x0a,
     /// [`Frame::RoutePeers`] (control).
     RoutePeers = 0x0b,
+    /// [`Frame::Challenge`] (control).
+    Challenge = 0x0c,
     /// [`Frame::Publish`] (data).
     Publish = 0x10,
     /// [`Frame::Message`] (data).
@@ -173,6 +175,7 @@ impl FrameKind {
             Frame::Goodbye(_) => FrameKind::Goodbye,
             Frame::Route(_) => FrameKind::Route,
             Frame::RoutePeers(_) => FrameKind::RoutePeers,
+            Frame::Challenge(_) => FrameKind::Challenge,
             Frame::Dropped(_) => FrameKind::Dropped,
         }
     }
@@ -191,6 +194,7 @@ impl FrameKind {
             0x09 => FrameKind::Route,
             0x0a => FrameKind::Dropped,
             0x0b => FrameKind::RoutePeers,
+            0x0c => FrameKind::Challenge,
             0x10 => FrameKind::Publish,
             0x11 => FrameKind::Message,
             0x12 => FrameKind::Fragment,
@@ -219,6 +223,7 @@ impl FrameKind {
             FrameKind::Route => "route",
             FrameKind::Dropped => "dropped",
             FrameKind::RoutePeers => "route peers",
+            FrameKind::Challenge => "challenge",
             FrameKind::Publish => "publish",
             FrameKind::Message => "message",
             FrameKind::Fragment => "fragment",
@@ -761,6 +766,7 @@ fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), Encode
         Frame::Goodbye(g) => bincode::serde::encode_into_writer(g, writer, config),
         Frame::Route(r) => bincode::serde::encode_into_writer(r, writer, config),
         Frame::RoutePeers(p) => bincode::serde::encode_into_writer(p, writer, config),
+        Frame::Challenge(c) => bincode::serde::encode_into_writer(c, writer, config),
         Frame::Dropped(d) => bincode::serde::encode_into_writer(d, writer, config),
         Frame::Publish(_)
         | Frame::Message(_)
@@ -1249,6 +1255,7 @@ fn other_version_hello(body: &[u8]) -> Option<Frame> {
             name: String::new(),
             credentials: None,
             user: None,
+            proof: None,
             offers: Vec::new(),
             link_auth: None,
         })
@@ -1272,6 +1279,7 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
             let name = String::decode(de).map_err(err)?;
             let user = Option::<String>::decode(de).map_err(err)?;
             let credentials = Option::<String>::decode(de).map_err(err)?;
+            let proof = serde_value::<Option<SecretProof>, D>(kind, de)?;
             let offers = decode_offers(kind, de)?;
             let link_auth = serde_value::<Option<LinkAuth>, D>(kind, de)?;
             Frame::Hello(Hello {
@@ -1279,6 +1287,7 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
                 name,
                 user,
                 credentials,
+                proof,
                 offers,
                 link_auth,
             })
@@ -1291,6 +1300,7 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
             let link_auth = serde_value::<Option<LinkAuth>, D>(kind, de)?;
             let max_subject_len = u32::decode(de).map_err(err)?;
             let max_subject_tokens = u32::decode(de).map_err(err)?;
+            let proof = serde_value::<Option<[u8; 32]>, D>(kind, de)?;
             Frame::Welcome(Welcome {
                 version,
                 name,
@@ -1299,6 +1309,7 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
                 link_auth,
                 max_subject_len,
                 max_subject_tokens,
+                proof,
             })
         }
         FrameKind::Subscribe => Frame::Subscribe(serde_value::<Subscribe, D>(kind, de)?),
@@ -1315,6 +1326,7 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
         FrameKind::Goodbye => Frame::Goodbye(serde_value::<Goodbye, D>(kind, de)?),
         FrameKind::Route => Frame::Route(serde_value::<RouteHello, D>(kind, de)?),
         FrameKind::RoutePeers => Frame::RoutePeers(serde_value::<RoutePeers, D>(kind, de)?),
+        FrameKind::Challenge => Frame::Challenge(serde_value::<Challenge, D>(kind, de)?),
         FrameKind::Dropped => Frame::Dropped(serde_value::<Dropped, D>(kind, de)?),
         FrameKind::Publish
         | FrameKind::Message

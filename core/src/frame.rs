@@ -35,9 +35,12 @@ pub struct Hello {
     /// The user the sender authenticates as (`auth.users`); the
     /// credentials are then that user's password.
     pub user: Option<String>,
-    /// The shared secret, a user's password, or a token, if the server
-    /// requires one.
+    /// A user's password or a token, if the server requires one (or,
+    /// from older clients, the shared secret itself).
     pub credentials: Option<String>,
+    /// Proof that the sender holds the shared secret, answering the
+    /// acceptor's [`Challenge`]; the secret itself never travels.
+    pub proof: Option<SecretProof>,
     /// Data paths the sender can open, best first as configured.
     pub offers: Vec<Offer>,
     /// This side's part of the keys of the data links; data links open
@@ -74,6 +77,27 @@ pub struct Welcome {
     pub max_subject_len: u32,
     /// Most tokens of a subject the server accepts.
     pub max_subject_tokens: u32,
+    /// The accepting side's own proof of the shared secret, for a hello
+    /// that proved it: the dialer checks it before going on.
+    pub proof: Option<[u8; 32]>,
+}
+
+/// The first frame on a new connection, from the accepting side: a fresh
+/// random value that a hello proves the shared secret against.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Challenge {
+    /// The acceptor's random value for this connection.
+    pub nonce: [u8; 32],
+}
+
+/// A dialer's proof of the shared secret: its own fresh value and the
+/// keyed hash over both (see [`crate::secret::prove`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecretProof {
+    /// The dialer's random value for this handshake.
+    pub nonce: [u8; 32],
+    /// The dialer's proof over the challenge and `nonce`.
+    pub mac: [u8; 32],
 }
 
 /// Register interest in a subject pattern.
@@ -292,4 +316,7 @@ pub enum Frame {
     RoutePeers(RoutePeers),
     /// Messages the broker discarded for a subscription.
     Dropped(Dropped),
+    /// The accepting side's first frame: what a shared secret is proven
+    /// against.
+    Challenge(Challenge),
 }

@@ -58,6 +58,7 @@ fn setup() -> &'static Setup {
             name: "peer".into(),
             credentials: Some("secret".into()),
             user: None,
+            proof: None,
             offers: remote.clone(),
             link_auth: Some(LinkAuth {
                 key_share: [9; 32],
@@ -74,6 +75,7 @@ fn setup() -> &'static Setup {
             link_auth: None,
             max_subject_len: 512,
             max_subject_tokens: 32,
+            proof: None,
         }))
         .to_bytes()
         .to_vec();

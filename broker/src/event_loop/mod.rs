@@ -684,13 +684,22 @@ impl EventLoop {
         debug!(session = id, %remote, "accepted");
         self.by_peer.insert((endpoint, peer), id);
         let deadline = now + self.shared.config.handshake_timeout();
-        let session = Session::new(
+        let mut session = Session::new(
             Control { endpoint, peer },
             remote,
             self.liveness(now),
             deadline,
         );
+        // The first frame: what the peer proves a shared secret against.
+        // Without randomness there is no challenge, and a proof cannot
+        // check (the peer may still give a password or token).
+        let challenge = crate::session::link_auth::random_bytes().ok();
+        session.challenge = challenge;
         self.sessions.insert(id, session);
+        if let Some(nonce) = challenge {
+            let frame = Frame::Challenge(efabus_core::frame::Challenge { nonce });
+            self.send(id, codec::encode(&frame), false);
+        }
         self.schedule(deadline);
         if self.reads_paused {
             self.endpoints[endpoint].set_read_paused(peer, true);

@@ -11,7 +11,7 @@ use efabus_core::caps::Offer;
 use efabus_core::codec;
 use efabus_core::frame::{self, DeliveryClass, ErrorCode, Frame, Welcome, PROTOCOL_VERSION};
 use efabus_core::link::LinkTuning;
-use efabus_core::secret::constant_time_eq;
+use efabus_core::secret::{constant_time_eq, prove, ProofRole};
 use efabus_core::subject;
 use efabus_core::transport::Endpoint;
 use rustc_hash::FxHashMap as HashMap;
@@ -115,6 +115,9 @@ pub(super) struct Session {
     pub may_route: bool,
     /// The user the client logged in as (`auth.users`), if it did.
     pub user: Option<String>,
+    /// The challenge sent to an accepted peer, which its hello proves the
+    /// shared secret against.
+    pub challenge: Option<[u8; 32]>,
     /// Why the data paths not taken were not, from the last negotiation.
     pub link_reasons: Vec<String>,
     /// When the session began, and what it moved since.
@@ -130,6 +133,9 @@ pub(super) struct Admission {
     pub user: Option<String>,
     /// That user's permissions, when they restrict anything.
     pub permissions: Option<Arc<crate::config::Permissions>>,
+    /// This side's proof of the shared secret the hello proved, for the
+    /// welcome.
+    pub proof: Option<[u8; 32]>,
 }
 
 /// What this broker brings to a negotiation.
@@ -156,6 +162,7 @@ impl Session {
             },
             may_route: false,
             user: None,
+            challenge: None,
             link_reasons: Vec::new(),
             since: SystemTime::now(),
             counts: SessionCounts::default(),
@@ -215,6 +222,7 @@ impl Session {
         hello: &frame::Hello,
         config: &Config,
         accounts: &Accounts,
+        challenge: Option<&[u8; 32]>,
     ) -> Result<Admission, Refusal> {
         if hello.version != PROTOCOL_VERSION {
             return Err(Refusal::new(
@@ -233,24 +241,49 @@ impl Session {
                     may_route: false,
                     user: Some(name),
                     permissions,
+                    proof: None,
                 }),
                 Login::Refused => Err(Refusal::new(ErrorCode::Auth, "invalid user or password")),
             };
         }
-        // Both comparisons are made, each in constant time.
+        // A shared secret matches when the hello proves it against this
+        // connection's challenge or (from an older client) carries it.
+        // Every comparison is made, each in constant time.
         let matches = |secret: &Option<String>| {
-            secret
-                .as_deref()
-                .map(|secret| constant_time_eq(given.as_bytes(), secret.as_bytes()))
+            secret.as_deref().map(|secret| {
+                let proven = match (&hello.proof, challenge) {
+                    (Some(proof), Some(challenge)) => constant_time_eq(
+                        &prove(secret, ProofRole::Dialer, challenge, &proof.nonce),
+                        &proof.mac,
+                    ),
+                    _ => false,
+                };
+                let carried = hello.credentials.is_some()
+                    && constant_time_eq(given.as_bytes(), secret.as_bytes());
+                proven | carried
+            })
         };
         let cluster = matches(&config.cluster.secret);
         let client = matches(&config.auth.secret);
+        // This side's proof of the secret the hello proved.
+        let secret = if cluster == Some(true) {
+            config.cluster.secret.as_deref()
+        } else {
+            config.auth.secret.as_deref()
+        };
+        let proof = match (&hello.proof, challenge, secret) {
+            (Some(proof), Some(challenge), Some(secret)) => {
+                Some(prove(secret, ProofRole::Acceptor, challenge, &proof.nonce))
+            }
+            _ => None,
+        };
         // The route credential: the cluster secret, else the client
         // secret, else nothing (open mode).
         let admitted = |may_route| Admission {
             may_route,
             user: None,
             permissions: None,
+            proof,
         };
         if cluster == Some(true) || client == Some(true) {
             return Ok(admitted(cluster.or(client).unwrap_or(true)));
@@ -261,13 +294,14 @@ impl Session {
                     may_route: false,
                     user: Some(name),
                     permissions,
+                    proof: None,
                 });
             }
         }
         if client.is_none() && accounts.is_empty() {
             return Ok(admitted(cluster.unwrap_or(true)));
         }
-        let text = if hello.credentials.is_none() {
+        let text = if hello.credentials.is_none() && hello.proof.is_none() {
             "credentials required"
         } else {
             "invalid credentials"
@@ -446,21 +480,24 @@ impl EventLoop {
             self.fail(id, ErrorCode::RateLimited, text);
             return;
         }
-        let admission = match Session::check_hello(&hello, config, &self.shared.accounts) {
-            Ok(admission) => admission,
-            Err(refusal) => {
-                if refusal.code == ErrorCode::Auth {
-                    BrokerStats::add(&self.shared.stats.auth_failures, 1);
-                    if let Some(ip) = address {
-                        self.auth_guard.failed(ip, now);
+        let challenge = session.challenge;
+        let admission =
+            match Session::check_hello(&hello, config, &self.shared.accounts, challenge.as_ref()) {
+                Ok(admission) => admission,
+                Err(refusal) => {
+                    if refusal.code == ErrorCode::Auth {
+                        BrokerStats::add(&self.shared.stats.auth_failures, 1);
+                        if let Some(ip) = address {
+                            self.auth_guard.failed(ip, now);
+                        }
                     }
+                    self.fail(id, refusal.code, refusal.text);
+                    return;
                 }
-                self.fail(id, refusal.code, refusal.text);
-                return;
-            }
-        };
+            };
         session.may_route = admission.may_route;
         session.user = admission.user;
+        let admission_proof = admission.proof;
         if let Some(permissions) = admission.permissions {
             self.restricted.insert(id, permissions);
         }
@@ -504,6 +541,7 @@ impl EventLoop {
             link_auth: secret.map(|secret| secret.auth().clone()),
             max_subject_len: u32::try_from(config.limits.max_subject_len).unwrap_or(u32::MAX),
             max_subject_tokens: u32::try_from(config.limits.max_subject_tokens).unwrap_or(u32::MAX),
+            proof: admission_proof,
         });
         self.send(id, codec::encode(&welcome), false);
         self.session_ready(id);
@@ -569,6 +607,7 @@ mod tests {
             name: "n".repeat(MAX_NAME_LEN),
             credentials: Some("s".repeat(MAX_SECRET_LEN)),
             user: None,
+            proof: None,
             offers: vec![offer; 64],
             link_auth: Some(frame::LinkAuth {
                 key_share: [0xff; 32],

@@ -38,10 +38,11 @@ use std::time::{Duration, Instant};
 
 use efabus_core::codec;
 use efabus_core::frame::{
-    DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, RoutePeers, Subscribe,
-    Welcome, PROTOCOL_VERSION,
+    DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, RoutePeers,
+    SecretProof, Subscribe, Welcome, PROTOCOL_VERSION,
 };
 use efabus_core::log_limit::LogLimit;
+use efabus_core::secret::{constant_time_eq, prove, ProofRole};
 use efabus_transports::registry::EndpointSpec;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -97,6 +98,11 @@ pub(crate) struct RouteRole {
     /// Dialed to a seed (a configured peer, on either side): the two
     /// exchange what they know when it comes up.
     seeded: bool,
+    /// On a route this broker dialed: the hello was sent (it answers the
+    /// peer's challenge), and the challenge and nonce it proved the route
+    /// secret with, which the welcome's proof must answer.
+    hello_sent: bool,
+    proved: Option<([u8; 32], [u8; 32])>,
 }
 
 impl RouteRole {
@@ -109,6 +115,8 @@ impl RouteRole {
             link_secret: None,
             advertised: None,
             seeded: false,
+            hello_sent: false,
+            proved: None,
         }
     }
 
@@ -365,7 +373,6 @@ impl EventLoop {
                 None
             }
         };
-        let link_auth = role.link_secret.as_ref().map(|s| s.auth().clone());
         session.role = Role::Route(Box::new(role));
         debug!(session = id, peer = %slot.endpoint, "dialing peer broker");
         self.by_peer.insert((endpoint, peer), id);
@@ -375,12 +382,46 @@ impl EventLoop {
         if self.reads_paused {
             self.endpoints[endpoint].set_read_paused(peer, true);
         }
+        // The hello waits for the peer's challenge.
+    }
+
+    /// The peer broker's challenge on a route this broker dialed: the
+    /// hello (proving the route secret, never sending it) and the route
+    /// hello go out.
+    pub(super) fn on_route_challenge(&mut self, id: u64, challenge: [u8; 32]) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some(role) = session
+            .route_mut()
+            .filter(|role| role.dialed() && !role.hello_sent)
+        else {
+            return;
+        };
+        role.hello_sent = true;
+        let seeded = role.seeded;
+        let link_auth = role.link_secret.as_ref().map(|s| s.auth().clone());
         let config = &self.shared.config;
+        let proof = match config.route_secret() {
+            Some(secret) => match crate::session::link_auth::random_bytes() {
+                Ok(nonce) => {
+                    role.proved = Some((challenge, nonce));
+                    let mac = prove(secret, ProofRole::Dialer, &challenge, &nonce);
+                    Some(SecretProof { nonce, mac })
+                }
+                Err(err) => {
+                    warn!(session = id, %err, "cannot prove the route secret");
+                    None
+                }
+            },
+            None => None,
+        };
         let hello = Frame::Hello(Hello {
             version: PROTOCOL_VERSION,
             name: config.name.clone(),
-            credentials: config.route_secret().map(str::to_string),
+            credentials: None,
             user: None,
+            proof,
             // A datagram link, where both have one, carries what only
             // best-effort subscribers want.
             offers: self.offers.clone(),
@@ -389,7 +430,7 @@ impl EventLoop {
         let route = Frame::Route(RouteHello {
             broker_id: self.cluster.broker_id,
             advertise: self.cluster.advertise.clone(),
-            seeded: !self.cluster.slots[index].learned,
+            seeded,
         });
         self.send(id, codec::encode(&hello), false);
         self.send(id, codec::encode(&route), false);
@@ -448,6 +489,9 @@ impl EventLoop {
         frame: Frame,
     ) -> Option<Frame> {
         match (state, frame) {
+            (SessionState::AwaitHello { .. }, Frame::Challenge(challenge)) => {
+                self.on_route_challenge(id, challenge.nonce)
+            }
             (SessionState::AwaitHello { .. }, Frame::Welcome(welcome)) => {
                 self.on_route_welcome(id, welcome)
             }
@@ -530,6 +574,29 @@ impl EventLoop {
                 ),
             );
             return;
+        }
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        // The peer proves the route secret back: a broker that does not
+        // hold it is not the peer meant.
+        let proved = session.route_mut().and_then(|role| role.proved);
+        if let (Some((challenge, nonce)), Some(secret)) =
+            (proved, self.shared.config.route_secret())
+        {
+            let expected = prove(secret, ProofRole::Acceptor, &challenge, &nonce);
+            if !welcome
+                .proof
+                .is_some_and(|proof| constant_time_eq(&proof, &expected))
+            {
+                BrokerStats::add(&self.shared.stats.route_refusals, 1);
+                self.fail(
+                    id,
+                    ErrorCode::Auth,
+                    "the peer did not prove it holds the route secret".to_string(),
+                );
+                return;
+            }
         }
         let Some(session) = self.sessions.get_mut(&id) else {
             return;

@@ -18,6 +18,9 @@ pub const WAIT: Duration = Duration::from_secs(10);
 pub struct Raw {
     stream: TcpStream,
     reader: FrameReader,
+    /// The broker's challenge, its first frame (kept out of the frames
+    /// the tests read: a raw peer gives its secret in clear instead).
+    pub challenge: Option<[u8; 32]>,
 }
 
 impl Raw {
@@ -31,6 +34,7 @@ impl Raw {
         Raw {
             stream,
             reader: FrameReader::new(CodecLimits::default()),
+            challenge: None,
         }
     }
 
@@ -45,7 +49,11 @@ impl Raw {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(bytes) = self.reader.next_frame().expect("well-formed stream") {
-                return Some(codec::decode(bytes, &CodecLimits::default()).expect("decodes"));
+                match codec::decode(bytes, &CodecLimits::default()).expect("decodes") {
+                    Frame::Challenge(challenge) => self.challenge = Some(challenge.nonce),
+                    frame => return Some(frame),
+                }
+                continue;
             }
             let left = deadline.checked_duration_since(Instant::now())?;
             self.stream

@@ -185,6 +185,7 @@ pub fn frame() -> impl Strategy<Value = Frame> {
                     name,
                     credentials,
                     user: None,
+                    proof: None,
                     offers,
                     link_auth,
                 })
@@ -205,6 +206,7 @@ pub fn frame() -> impl Strategy<Value = Frame> {
                     link_auth,
                     max_subject_len,
                     max_subject_tokens,
+                    proof: None,
                 })
             ),
         (
