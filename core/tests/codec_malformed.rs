@@ -265,10 +265,10 @@ fn data_frame_errors_are_reported() {
 fn control_body_limits_hold() {
     let limits = CodecLimits::default();
     // More offers than allowed: this version, empty name, no user, no
-    // credentials, count. (A hello of another version gives only its
-    // version.)
+    // credentials, no proof, count. (A hello of another version gives only
+    // its version.)
     let version = PROTOCOL_VERSION as u8;
-    let body = [version, 0, 0, 0, MAX_OFFERS as u8 + 1];
+    let body = [version, 0, 0, 0, 0, MAX_OFFERS as u8 + 1];
     assert_eq!(
         decode(framed(FrameKind::Hello as u8, &body), &limits),
         Err(DecodeError::TooManyOffers {
