@@ -14,10 +14,13 @@
 //! subscription is allowed when an `allow` pattern covers its whole
 //! pattern (or `allow` is empty) and no `deny` pattern could match a
 //! subject it would receive, so a subscription never carries a denied
-//! subject. Replies are always allowed: publishing to `_INBOX.` subjects
-//! (a responder answering) and subscribing to patterns under one literal
-//! inbox, `_INBOX.<token>.`, which only its owner knows (a requester
-//! waiting for answers).
+//! subject. Replies are allowed beside `allow` (never beside `deny`): a
+//! user may publish to the reply subject of a message delivered to it (a
+//! responder answering; the broker remembers the latest
+//! [`REPLIES_REMEMBERED`] per connection), and subscribe under one literal
+//! inbox, `_INBOX.<token>.`, that no other connection uses (a requester
+//! waiting for answers: the first connection to subscribe under an inbox
+//! holds it until it goes). The event loop keeps both ([`Replies`]).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -29,9 +32,8 @@ use parking_lot::Mutex;
 
 use crate::config::{Permissions, Rule, User};
 
-/// Where replies go: subjects under it are always allowed (see the
-/// module docs).
-const INBOX: &str = "_INBOX.";
+/// Reply subjects remembered per restricted connection.
+pub const REPLIES_REMEMBERED: usize = 1024;
 /// Checked credentials remembered at most; the set starts over when full.
 const VERIFIED_MAX: usize = 4096;
 
@@ -105,25 +107,68 @@ fn refusal(rule: &Rule, denied_by: Option<&String>, what: &str) -> String {
     }
 }
 
-/// Whether `pattern` lies under one literal inbox (`_INBOX.<token>.` and
-/// beyond): a requester's own reply subscription.
-fn is_own_inbox(pattern: &str) -> bool {
+/// The inbox (`_INBOX.<token>`) `pattern` lies under with a literal
+/// token, if it does: a requester's reply subscription.
+pub fn inbox_of(pattern: &str) -> Option<&str> {
     let mut tokens = subject::tokens(pattern);
-    matches!(
-        (tokens.next(), tokens.next()),
-        (
-            Some(subject::Token::Literal("_INBOX")),
-            Some(subject::Token::Literal(_))
-        )
-    )
+    match (tokens.next(), tokens.next()) {
+        (Some(subject::Token::Literal("_INBOX")), Some(subject::Token::Literal(token))) => {
+            Some(&pattern[.."_INBOX.".len() + token.len()])
+        }
+        _ => None,
+    }
+}
+
+/// Reply subjects a restricted connection may publish to: those of the
+/// messages delivered to it lately.
+#[derive(Debug, Default)]
+pub struct Replies {
+    order: std::collections::VecDeque<Box<str>>,
+    known: HashSet<Box<str>>,
+}
+
+impl Replies {
+    /// A message with reply subject `reply` was delivered.
+    pub fn remember(&mut self, reply: &str) {
+        if self.known.contains(reply) {
+            return;
+        }
+        if self.order.len() >= REPLIES_REMEMBERED {
+            if let Some(oldest) = self.order.pop_front() {
+                self.known.remove(&oldest);
+            }
+        }
+        self.order.push_back(reply.into());
+        self.known.insert(reply.into());
+    }
+
+    pub fn contains(&self, subject: &str) -> bool {
+        self.known.contains(subject)
+    }
 }
 
 impl Permissions {
+    /// The `deny` pattern refusing a publish to `subject`, if any: no
+    /// exemption overrides it.
+    pub fn publish_denied(&self, subject: &str) -> Option<String> {
+        self.publish
+            .deny
+            .iter()
+            .find(|p| pattern_matches(p, subject))
+            .map(|p| format!("publish deny {p:?}"))
+    }
+
+    /// The `deny` pattern refusing a subscription to `pattern`, if any.
+    pub fn subscribe_denied(&self, pattern: &str) -> Option<String> {
+        self.subscribe
+            .deny
+            .iter()
+            .find(|p| patterns_overlap(p, pattern))
+            .map(|p| format!("subscribe deny {p:?}"))
+    }
+
     /// `Err` names the rule that refuses a publish to `subject`.
     pub fn may_publish(&self, subject: &str) -> Result<(), String> {
-        if subject.starts_with(INBOX) {
-            return Ok(());
-        }
         let rule = &self.publish;
         let denied = rule.deny.iter().find(|p| pattern_matches(p, subject));
         let allowed =
@@ -136,9 +181,6 @@ impl Permissions {
 
     /// `Err` names the rule that refuses a subscription to `pattern`.
     pub fn may_subscribe(&self, pattern: &str) -> Result<(), String> {
-        if is_own_inbox(pattern) {
-            return Ok(());
-        }
         let rule = &self.subscribe;
         let denied = rule.deny.iter().find(|p| patterns_overlap(p, pattern));
         let allowed =
@@ -173,6 +215,8 @@ pub(crate) struct Accounts {
     /// Keyed hashes of (user, secret) pairs checked before.
     verified: Mutex<HashSet<[u8; 32]>>,
     key: [u8; 32],
+    /// A hash no secret checks against, verified for unknown names.
+    decoy: String,
 }
 
 impl Accounts {
@@ -186,6 +230,10 @@ impl Accounts {
             // Without randomness the cache is only less useful: a zero
             // key still never stores a secret.
             key: crate::session::link_auth::random_bytes().unwrap_or([0; 32]),
+            decoy: users
+                .iter()
+                .find_map(|user| user.password.clone())
+                .unwrap_or_default(),
         }
     }
 
@@ -236,6 +284,11 @@ impl Accounts {
                 .as_deref()
                 .is_some_and(|hash| self.verify(&user.name, hash, secret)),
         });
+        if found.is_none() && name.is_some() {
+            // An unknown name takes as long to refuse as a wrong password,
+            // so timing does not tell which names exist.
+            let _ = self.verify("", &self.decoy, secret);
+        }
         match found {
             Some((user, permissions)) => Login::User {
                 name: user.name.clone(),
@@ -276,12 +329,26 @@ mod tests {
         assert!(orders.may_subscribe("orders.>").is_err());
         assert!(orders.may_subscribe(">").is_err());
         assert!(orders.may_subscribe("billing.eu").is_err());
-        // Replies: a requester's own inbox and a responder's answer.
-        assert!(orders.may_subscribe("_INBOX.3f9a1c.>").is_ok());
-        assert!(orders.may_subscribe("_INBOX.*.>").is_err());
-        assert!(orders.may_subscribe("_INBOX.>").is_err());
-        assert!(orders.may_publish("_INBOX.3f9a1c.7").is_ok());
+        // Inboxes are not exempt here (the event loop grants replies).
+        assert!(orders.may_subscribe("_INBOX.3f9a1c.>").is_err());
+        assert!(orders.may_publish("_INBOX.3f9a1c.7").is_err());
+        assert_eq!(inbox_of("_INBOX.3f9a1c.>"), Some("_INBOX.3f9a1c"));
+        assert_eq!(inbox_of("_INBOX.3f9a1c.7"), Some("_INBOX.3f9a1c"));
+        assert_eq!(inbox_of("_INBOX.*.>"), None);
+        assert_eq!(inbox_of("_INBOX.>"), None);
+        assert_eq!(inbox_of("orders.x"), None);
+        assert_eq!(
+            orders.subscribe_denied("orders.*").as_deref(),
+            Some("subscribe deny \"orders.secret\"")
+        );
         assert!(Permissions::default().may_subscribe(">").is_ok());
+
+        let mut replies = Replies::default();
+        for n in 0..=REPLIES_REMEMBERED {
+            replies.remember(&format!("_INBOX.a.{n}"));
+        }
+        assert!(!replies.contains("_INBOX.a.0"), "the oldest is forgotten");
+        assert!(replies.contains(&format!("_INBOX.a.{REPLIES_REMEMBERED}")));
     }
 
     #[test]

@@ -46,7 +46,12 @@ const COMMAND_QUEUE: usize = 65_536;
 /// without TLS: say so at start for each such listener reachable from
 /// other hosts (loopback is this host's own).
 fn warn_of_cleartext_secrets(config: &Config, listening: &[(String, String)]) {
-    if config.tls.is_set() || (config.auth.secret.is_none() && config.cluster.secret.is_none()) {
+    // Shared secrets are only proven, but users' passwords and tokens are
+    // sent, and nothing protects a session after its handshake.
+    let checks_secrets = config.auth.secret.is_some()
+        || config.cluster.secret.is_some()
+        || !config.auth.users.is_empty();
+    if config.tls.is_set() || !checks_secrets {
         return;
     }
     for (_, address) in listening.iter().filter(|(scheme, _)| scheme == tcp::SCHEME) {
@@ -56,8 +61,9 @@ fn warn_of_cleartext_secrets(config: &Config, listening: &[(String, String)]) {
         if !loopback {
             warn!(
                 %address,
-                "secrets are checked on a listener without TLS: clients' and brokers' \
-                 credentials cross the network in the clear; set [tls] cert and key"
+                "credentials are checked on a listener without TLS: users' passwords and \
+                 tokens cross the network in the clear, and sessions are not protected after \
+                 the handshake; set [tls] cert and key"
             );
         }
     }

@@ -1364,11 +1364,7 @@ impl ClientLoop {
                 // A shared secret is proven against the server's challenge,
                 // its first frame; a hello with nothing to prove goes at
                 // once.
-                let options = &self.shared.options;
-                let proves = options.user.is_none()
-                    && options.token.is_none()
-                    && options.credentials.is_some();
-                if !proves {
+                if !self.proves_secret() {
                     self.send_hello(peer, [0; 32]);
                 }
                 self.link = LinkState::AwaitWelcome {
@@ -1605,8 +1601,11 @@ impl ClientLoop {
                     (None, Some(SecretProof { nonce, mac }))
                 }
                 Err(err) => {
+                    // No hello rather than one that proves nothing: the
+                    // handshake times out with the reason.
                     warn!(%err, "cannot prove the shared secret");
-                    (None, None)
+                    self.last_failure = Some(format!("cannot prove the shared secret: {err}"));
+                    return;
                 }
             },
             (None, None, None) => (None, None),
@@ -1624,14 +1623,26 @@ impl ClientLoop {
         self.hello_sent = true;
     }
 
-    /// Whether the welcome proves the server holds the shared secret this
-    /// side proved (or none was proved).
+    /// Whether this side proves a shared secret (rather than logging in
+    /// as a user, with a token, or with nothing).
+    fn proves_secret(&self) -> bool {
+        let options = &self.shared.options;
+        options.user.is_none() && options.token.is_none() && options.credentials.is_some()
+    }
+
+    /// Whether the welcome answers this side's hello: sent after it and,
+    /// when the hello proved the shared secret, proving it back.
     fn welcome_proven(&self, welcome: &Welcome) -> bool {
-        let Some((challenge, nonce)) = self.proved else {
+        if !self.hello_sent {
+            return false;
+        }
+        if !self.proves_secret() {
             return true;
-        };
-        let Some(secret) = self.shared.options.credentials.as_deref() else {
-            return true;
+        }
+        let (Some((challenge, nonce)), Some(secret)) =
+            (self.proved, self.shared.options.credentials.as_deref())
+        else {
+            return false;
         };
         let expected = prove(secret, ProofRole::Acceptor, &challenge, &nonce);
         welcome
@@ -1651,8 +1662,9 @@ impl ClientLoop {
                     return;
                 }
                 if !self.welcome_proven(&welcome) {
-                    let text = "the server did not prove it holds the shared secret: it may \
-                                not be the broker meant (check --server and the secret)";
+                    let text = "the server did not prove it holds the shared secret (or \
+                                welcomed a hello it never got): it may not be the broker \
+                                meant (check --server and the secret)";
                     warn!(server = %self.shared.server, "{text}");
                     self.shared.set_state(ConnectionState::Refused {
                         code: ErrorCode::Auth,

@@ -346,6 +346,9 @@ impl Tls {
                 "needs tls.ca, the authority client certificates must come from".to_string(),
             ));
         }
+        // Without `peers` a broker without `ca` dials no one: the route
+        // to a broker learned from gossip fails with the reason, as its
+        // endpoint dials only with TLS.
         if routes && self.ca.is_none() {
             return Err((
                 "tls.ca",

@@ -164,7 +164,16 @@ fn requests_work_without_permission_to_subscribe_to_inboxes() {
             .publish(&reply, request.payload.clone())
             .expect("reply");
         responder.flush(WAIT).unwrap();
-        responder.take_errors()
+        let answered = responder.take_errors();
+        // What the reply subject tells the responder opens nothing else:
+        // not another inbox subject, nor the requester's inbox to read.
+        let inbox = reply.rsplit_once('.').map(|(inbox, _)| inbox).unwrap().to_string();
+        responder
+            .publish(&format!("{inbox}.forged"), b"x".to_vec())
+            .unwrap();
+        let _eavesdrop = responder.subscribe(&format!("{inbox}.>")).unwrap();
+        responder.flush(WAIT).unwrap();
+        (answered, responder.take_errors())
     });
     let requester = login(&broker, Some("requester"), Some("requester-password")).expect("login");
     let deadline = Instant::now() + WAIT;
@@ -175,12 +184,16 @@ fn requests_work_without_permission_to_subscribe_to_inboxes() {
         }
     };
     assert_eq!(&answer.payload[..], b"ping");
-    assert_eq!(server.join().unwrap(), Vec::new(), "the reply was allowed");
+    let (answered, after) = server.join().unwrap();
+    assert_eq!(answered, Vec::new(), "the reply was allowed");
+    assert_eq!(after.len(), 2, "{after:?}");
+    assert!(after[0].1.contains("forged") && after[0].1.contains("not in publish allow"));
+    assert!(after[1].1.contains("another connection's"), "{after:?}");
     assert!(requester.take_errors().is_empty());
     // The requester still may not subscribe elsewhere, nor to every inbox.
     let _every_inbox = requester.subscribe("_INBOX.>").expect("sent");
     requester.flush(WAIT).unwrap();
     let errors = requester.take_errors();
     assert_eq!(errors.len(), 1, "{errors:?}");
-    assert_eq!(denials(&broker), 1);
+    assert_eq!(denials(&broker), 3);
 }

@@ -90,6 +90,28 @@ impl StandIn {
     }
 }
 
+impl StandIn {
+    /// Serves one connection with a welcome at once, no challenge: what a
+    /// peer that cannot prove the secret might try.
+    fn welcome_first(&self) {
+        let (mut stream, _) = self.listener.accept().unwrap();
+        let welcome = Frame::Welcome(Welcome {
+            version: PROTOCOL_VERSION,
+            name: "impostor".into(),
+            offers: Vec::new(),
+            max_payload: 1 << 20,
+            link_auth: None,
+            max_subject_len: 512,
+            max_subject_tokens: 32,
+            proof: None,
+        });
+        let _ = stream.write_all(&codec::encode(&welcome).to_bytes());
+        stream.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        let mut sink = [0u8; 4096];
+        while matches!(stream.read(&mut sink), Ok(n) if n > 0) {}
+    }
+}
+
 fn contains(haystack: &[u8], needle: &str) -> bool {
     haystack
         .windows(needle.len())
@@ -129,6 +151,18 @@ fn a_client_proves_the_secret_without_sending_it_and_checks_the_server() {
         .unwrap()
         .expect("connected to a server that proved the secret");
 
+    // A welcome before any challenge answers no hello: refused.
+    let server = stand_in.endpoint();
+    let connecting = std::thread::spawn(move || client(&server).map(|_| ()));
+    stand_in.welcome_first();
+    match connecting.join().unwrap() {
+        Err(Error::Refused { code, text }) => {
+            assert_eq!(code, ErrorCode::Auth);
+            assert!(text.contains("never got"), "{text}");
+        }
+        other => panic!("{:?}", other.map(|_| "connected")),
+    }
+
     // A server that cannot prove it is refused.
     let server = stand_in.endpoint();
     let connecting = std::thread::spawn(move || client(&server).map(|_| ()));
@@ -158,6 +192,16 @@ fn a_dialing_broker_proves_the_route_secret_and_checks_the_peer() {
     let deadline = Instant::now() + WAIT;
     while broker.stats().value("route_refusals") == Some(0) {
         assert!(Instant::now() < deadline, "the route was not refused");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(broker.routes().is_empty());
+
+    // Nor does a welcome that answers no hello open one.
+    let refused = broker.stats().value("route_refusals");
+    stand_in.welcome_first();
+    let deadline = Instant::now() + WAIT;
+    while broker.stats().value("route_refusals") == refused {
+        assert!(Instant::now() < deadline, "the early welcome was not refused");
         std::thread::sleep(Duration::from_millis(10));
     }
     assert!(broker.routes().is_empty());

@@ -898,7 +898,7 @@ impl TcpEndpoint {
         host: Option<&str>,
     ) -> Result<Option<rustls::Connection>, TransportError> {
         match (&self.tls, host) {
-            (Some(tls), Some(host)) => tls.connect(host),
+            (Some(tls), Some(host)) => tls.connect(host).map(Some),
             _ => Ok(None),
         }
     }

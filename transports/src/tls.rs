@@ -219,10 +219,16 @@ impl TlsContext {
     }
 
     /// A client session towards `host` (or the configured
-    /// `tls_server_name`), when this side connects with TLS.
-    pub fn connect(&self, host: &str) -> Result<Option<Connection>, TransportError> {
+    /// `tls_server_name`). An endpoint with TLS dials only with TLS: one
+    /// that accepts TLS but has no authority to verify servers with cannot
+    /// dial at all.
+    pub fn connect(&self, host: &str) -> Result<Connection, TransportError> {
         let Some(config) = &self.client else {
-            return Ok(None);
+            return Err(error(
+                "this endpoint speaks TLS and has no authority to verify the server it dials \
+                 (tls_ca); it does not dial in cleartext"
+                    .to_string(),
+            ));
         };
         let name = self.files.server_name.as_deref().unwrap_or(host);
         let name = ServerName::try_from(name.to_string()).map_err(|err| {
@@ -231,7 +237,7 @@ impl TlsContext {
             ))
         })?;
         ClientConnection::new(config.clone(), name)
-            .map(|session| Some(Connection::Client(session)))
+            .map(Connection::Client)
             .map_err(|err| error(err.to_string()))
     }
 }

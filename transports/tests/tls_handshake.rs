@@ -244,3 +244,16 @@ fn unusable_tls_files_fail_the_open_with_the_reason() {
         .expect("a key is not a CA");
     assert!(err.to_string().contains("no PEM certificate"), "{err}");
 }
+
+#[test]
+fn a_tls_endpoint_without_an_authority_does_not_dial_in_cleartext() {
+    let pki = pki::shared();
+    let mut listener = open(true, &server_options(pki));
+    let mut other = open(true, &server_options(pki));
+    let address = String::from_utf8_lossy(&other.local_addr()).into_owned();
+    let err = listener
+        .connect(&address)
+        .expect_err("no cleartext dial from a TLS endpoint");
+    assert!(err.to_string().contains("does not dial in cleartext"), "{err}");
+    other.poll(&mut Vec::new()).expect("poll");
+}

@@ -85,9 +85,15 @@ pub(crate) struct EventLoop {
     polling: Polled,
     sessions: HashMap<u64, Session>,
     by_peer: HashMap<(usize, PeerId), u64>,
-    /// The permissions of sessions whose user is restricted (empty on a
-    /// broker without `auth.users`: one lookup of an empty map a publish).
-    restricted: HashMap<u64, Arc<crate::config::Permissions>>,
+    /// Sessions whose user is restricted: their permissions and the reply
+    /// subjects delivered to them (empty on a broker without
+    /// `auth.users`: one lookup of an empty map a publish).
+    restricted: HashMap<u64, Restricted>,
+    /// Which session holds each inbox (`_INBOX.<token>`) subscribed
+    /// under, and each session's inboxes: a restricted user may subscribe
+    /// under its own inbox only.
+    inboxes: HashMap<String, u64>,
+    inboxes_held: HashMap<u64, Vec<String>>,
     /// The session each proven fabric address belongs to, by endpoint: one
     /// address, one live session.
     fabric_owners: HashMap<(usize, Vec<u8>), u64>,
@@ -141,6 +147,13 @@ pub(crate) struct EventLoop {
     poll_error_log: LogLimit,
     /// Refused connections likewise.
     refused_log: LogLimit,
+}
+
+/// A session whose user's permissions restrict it.
+pub(super) struct Restricted {
+    pub permissions: Arc<crate::config::Permissions>,
+    /// Reply subjects of the messages delivered to it lately.
+    pub replies: crate::accounts::Replies,
 }
 
 /// A payload being delivered: its bytes, and the buffer they lie in, so a
@@ -203,6 +216,8 @@ impl EventLoop {
             sessions: HashMap::default(),
             by_peer: HashMap::default(),
             restricted: HashMap::default(),
+            inboxes: HashMap::default(),
+            inboxes_held: HashMap::default(),
             fabric_owners: HashMap::default(),
             commands,
             codec,
@@ -929,8 +944,16 @@ impl EventLoop {
     }
 
     fn on_publish(&mut self, id: u64, subject: &str, reply: Option<&str>, payload: Payload<'_>) {
-        if let Some(permissions) = self.restricted.get(&id) {
-            if let Err(rule) = permissions.may_publish(subject) {
+        if let Some(restricted) = self.restricted.get(&id) {
+            // An answer to a request delivered to this session is allowed
+            // beside `allow`, never beside `deny`.
+            let permissions = &restricted.permissions;
+            let verdict = match permissions.publish_denied(subject) {
+                Some(rule) => Err(rule),
+                None if restricted.replies.contains(subject) => Ok(()),
+                None => permissions.may_publish(subject),
+            };
+            if let Err(rule) = verdict {
                 self.deny(id, "publish to", subject, &rule);
                 return;
             }
@@ -1001,6 +1024,11 @@ impl EventLoop {
         reply: Option<&str>,
         payload: Payload<'_>,
     ) {
+        if let (Some(reply), false) = (reply, self.restricted.is_empty()) {
+            if let Some(restricted) = self.restricted.get_mut(&target.owner) {
+                restricted.replies.remember(reply);
+            }
+        }
         let Some(session) = self.sessions.get_mut(&target.owner) else {
             return;
         };
@@ -1542,6 +1570,9 @@ impl EventLoop {
         self.remove_interest(id);
         self.dialed_session_gone(id);
         self.restricted.remove(&id);
+        for inbox in self.inboxes_held.remove(&id).unwrap_or_default() {
+            self.inboxes.remove(&inbox);
+        }
         if let Some(mut session) = self.sessions.remove(&id) {
             self.count_discarded(&session);
             for address in session.conn.links.addresses() {

@@ -18,8 +18,8 @@ use rustc_hash::FxHashMap as HashMap;
 use tracing::{debug, info, warn};
 
 use super::route::RouteRole;
-use super::{EventLoop, Payload};
-use crate::accounts::{Accounts, Login};
+use super::{EventLoop, Payload, Restricted};
+use crate::accounts::{inbox_of, Accounts, Login};
 use crate::auth_guard::remote_ip;
 use crate::broker::{BrokerStats, Shared};
 use crate::config::Config;
@@ -499,7 +499,13 @@ impl EventLoop {
         session.user = admission.user;
         let admission_proof = admission.proof;
         if let Some(permissions) = admission.permissions {
-            self.restricted.insert(id, permissions);
+            self.restricted.insert(
+                id,
+                Restricted {
+                    permissions,
+                    replies: Default::default(),
+                },
+            );
         }
         // Keys for the data links, when the peer offers its part.
         let secret = match hello.link_auth.as_ref().map(|_| LinkSecret::new()) {
@@ -548,11 +554,29 @@ impl EventLoop {
     }
 
     pub(super) fn on_subscribe(&mut self, id: u64, subscribe: frame::Subscribe) {
-        if let Some(permissions) = self.restricted.get(&id) {
-            if let Err(rule) = permissions.may_subscribe(&subscribe.pattern) {
+        let inbox = inbox_of(&subscribe.pattern);
+        let holder = inbox.and_then(|inbox| self.inboxes.get(inbox)).copied();
+        if let Some(restricted) = self.restricted.get(&id) {
+            // A subscription under an inbox no other session holds (a
+            // requester's own) is allowed beside `allow`, never beside
+            // `deny`.
+            let permissions = &restricted.permissions;
+            let verdict = match permissions.subscribe_denied(&subscribe.pattern) {
+                Some(rule) => Err(rule),
+                None if inbox.is_some() && holder.is_none_or(|holder| holder == id) => Ok(()),
+                None if inbox.is_some() => {
+                    Err("the inbox is another connection's".to_string())
+                }
+                None => permissions.may_subscribe(&subscribe.pattern),
+            };
+            if let Err(rule) = verdict {
                 self.deny(id, "subscribe to", &subscribe.pattern, &rule);
                 return;
             }
+        }
+        if let (Some(inbox), None) = (inbox, holder) {
+            self.inboxes.insert(inbox.to_string(), id);
+            self.inboxes_held.entry(id).or_default().push(inbox.to_string());
         }
         let Some(session) = self.sessions.get_mut(&id) else {
             return;

@@ -410,8 +410,9 @@ impl EventLoop {
                     Some(SecretProof { nonce, mac })
                 }
                 Err(err) => {
-                    warn!(session = id, %err, "cannot prove the route secret");
-                    None
+                    let text = format!("cannot prove the route secret: {err}");
+                    self.fail(id, ErrorCode::Internal, text);
+                    return;
                 }
             },
             None => None,
@@ -578,25 +579,32 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        // The peer proves the route secret back: a broker that does not
-        // hold it is not the peer meant.
-        let proved = session.route_mut().and_then(|role| role.proved);
-        if let (Some((challenge, nonce)), Some(secret)) =
-            (proved, self.shared.config.route_secret())
-        {
-            let expected = prove(secret, ProofRole::Acceptor, &challenge, &nonce);
-            if !welcome
-                .proof
-                .is_some_and(|proof| constant_time_eq(&proof, &expected))
-            {
-                BrokerStats::add(&self.shared.stats.route_refusals, 1);
-                self.fail(
-                    id,
-                    ErrorCode::Auth,
-                    "the peer did not prove it holds the route secret".to_string(),
-                );
-                return;
+        // The welcome must answer this broker's hello, and the peer prove
+        // the route secret back: a broker that does not hold it is not the
+        // peer meant.
+        let (hello_sent, proved) = session
+            .route_mut()
+            .map_or((false, None), |role| (role.hello_sent, role.proved));
+        let secret = self.shared.config.route_secret();
+        let proven = match (secret, proved) {
+            (Some(secret), Some((challenge, nonce))) => {
+                let expected = prove(secret, ProofRole::Acceptor, &challenge, &nonce);
+                welcome
+                    .proof
+                    .is_some_and(|proof| constant_time_eq(&proof, &expected))
             }
+            (Some(_), None) => false,
+            (None, _) => true,
+        };
+        if !hello_sent || !proven {
+            BrokerStats::add(&self.shared.stats.route_refusals, 1);
+            let text = if hello_sent {
+                "the peer did not prove it holds the route secret"
+            } else {
+                "the peer welcomed a hello it never got"
+            };
+            self.fail(id, ErrorCode::Auth, text.to_string());
+            return;
         }
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
