@@ -167,7 +167,11 @@ fn requests_work_without_permission_to_subscribe_to_inboxes() {
         let answered = responder.take_errors();
         // What the reply subject tells the responder opens nothing else:
         // not another inbox subject, nor the requester's inbox to read.
-        let inbox = reply.rsplit_once('.').map(|(inbox, _)| inbox).unwrap().to_string();
+        let inbox = reply
+            .rsplit_once('.')
+            .map(|(inbox, _)| inbox)
+            .unwrap()
+            .to_string();
         responder
             .publish(&format!("{inbox}.forged"), b"x".to_vec())
             .unwrap();

@@ -106,7 +106,9 @@ impl StandIn {
             proof: None,
         });
         let _ = stream.write_all(&codec::encode(&welcome).to_bytes());
-        stream.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
         let mut sink = [0u8; 4096];
         while matches!(stream.read(&mut sink), Ok(n) if n > 0) {}
     }
@@ -201,7 +203,10 @@ fn a_dialing_broker_proves_the_route_secret_and_checks_the_peer() {
     stand_in.welcome_first();
     let deadline = Instant::now() + WAIT;
     while broker.stats().value("route_refusals") == refused {
-        assert!(Instant::now() < deadline, "the early welcome was not refused");
+        assert!(
+            Instant::now() < deadline,
+            "the early welcome was not refused"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     assert!(broker.routes().is_empty());

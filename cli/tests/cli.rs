@@ -808,6 +808,15 @@ fn spawn_serve(
     (child, lines)
 }
 
+/// The TCP endpoint a `serve` log's last line (its listening line) names.
+fn endpoint_from_log(lines: &[String]) -> String {
+    let line = lines.last().expect("a listening line");
+    let (_, port) = line
+        .rsplit_once("address=127.0.0.1:")
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    format!("tcp/127.0.0.1:{}", port.trim())
+}
+
 /// Lines until one contains `needle` (bounded); all of them.
 fn lines_until(lines: &Receiver<String>, needle: &str) -> Vec<String> {
     let deadline = Instant::now() + WAIT;
@@ -839,12 +848,7 @@ fn sighup_applies_log_level_and_limits_and_names_what_needs_a_restart() {
         started.iter().all(|line| !line.contains('\u{1b}')),
         "{started:?}"
     );
-    let port = started
-        .last()
-        .and_then(|line| line.rsplit("address=127.0.0.1:").next())
-        .expect("the listening line names the address")
-        .trim();
-    let endpoint = format!("tcp/127.0.0.1:{port}");
+    let endpoint = endpoint_from_log(&started);
     let publish = |len: usize| {
         efabus()
             .args(["pub", "-s", &endpoint, "reload.test", &"x".repeat(len)])
@@ -1223,13 +1227,7 @@ fn tls_from_the_command_line() {
         &[],
     );
     let started = lines_until(&lines, "listening");
-    let port = started
-        .last()
-        .and_then(|line| line.rsplit("address=127.0.0.1:").next())
-        .unwrap()
-        .trim()
-        .to_string();
-    let endpoint = format!("tcp/127.0.0.1:{port}");
+    let endpoint = endpoint_from_log(&started);
     let publish = |tls: &[&str]| {
         efabus()
             .args(["pub", "-s", &endpoint, "tls.cli", "x"])
@@ -1286,13 +1284,7 @@ fn no_secret_appears_in_logs_or_errors() {
     .unwrap();
     let (mut server, lines) = spawn_serve(&config, &[], &[("RUST_LOG", "trace")]);
     let started = lines_until(&lines, "listening");
-    let port = started
-        .last()
-        .and_then(|line| line.rsplit("address=127.0.0.1:").next())
-        .unwrap()
-        .trim()
-        .to_string();
-    let endpoint = format!("tcp/127.0.0.1:{port}");
+    let endpoint = endpoint_from_log(&started);
     let mut said = String::new();
     for secret in [SECRET, WRONG, CLUSTER] {
         let output = efabus()

@@ -254,6 +254,9 @@ fn a_tls_endpoint_without_an_authority_does_not_dial_in_cleartext() {
     let err = listener
         .connect(&address)
         .expect_err("no cleartext dial from a TLS endpoint");
-    assert!(err.to_string().contains("does not dial in cleartext"), "{err}");
+    assert!(
+        err.to_string().contains("does not dial in cleartext"),
+        "{err}"
+    );
     other.poll(&mut Vec::new()).expect("poll");
 }

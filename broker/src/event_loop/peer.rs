@@ -564,9 +564,7 @@ impl EventLoop {
             let verdict = match permissions.subscribe_denied(&subscribe.pattern) {
                 Some(rule) => Err(rule),
                 None if inbox.is_some() && holder.is_none_or(|holder| holder == id) => Ok(()),
-                None if inbox.is_some() => {
-                    Err("the inbox is another connection's".to_string())
-                }
+                None if inbox.is_some() => Err("the inbox is another connection's".to_string()),
                 None => permissions.may_subscribe(&subscribe.pattern),
             };
             if let Err(rule) = verdict {
@@ -576,7 +574,10 @@ impl EventLoop {
         }
         if let (Some(inbox), None) = (inbox, holder) {
             self.inboxes.insert(inbox.to_string(), id);
-            self.inboxes_held.entry(id).or_default().push(inbox.to_string());
+            self.inboxes_held
+                .entry(id)
+                .or_default()
+                .push(inbox.to_string());
         }
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
