@@ -37,6 +37,13 @@ pub const REPLIES_REMEMBERED: usize = 1024;
 /// Checked credentials remembered at most; the set starts over when full.
 const VERIFIED_MAX: usize = 4096;
 
+/// The subject common name of a certificate (DER), if it has one.
+pub fn certificate_name(der: &[u8]) -> Option<String> {
+    let (_, certificate) = x509_parser::parse_x509_certificate(der).ok()?;
+    let name = certificate.subject().iter_common_name().next()?;
+    name.as_str().ok().map(str::to_string)
+}
+
 /// A new argon2id hash (PHC string) of `secret`, with a random salt.
 pub fn hash_secret(secret: &str) -> Result<String, String> {
     let salt: [u8; 16] = crate::session::link_auth::random_bytes().map_err(|e| e.to_string())?;
@@ -60,11 +67,16 @@ pub(crate) fn check_users(users: &[User]) -> Result<(), (String, String)> {
         if !names.insert(user.name.as_str()) {
             return Err((key("name"), format!("{:?} is listed twice", user.name)));
         }
-        if user.password.is_none() && user.token.is_none() {
+        if user.password.is_none() && user.token.is_none() && user.certificate.is_none() {
             return Err((
                 key("password"),
-                "a user needs a password or a token (hashes made with `efabus passwd`)".to_string(),
+                "a user needs a password or a token (hashes made with `efabus passwd`), or a \
+                 client certificate's name"
+                    .to_string(),
             ));
+        }
+        if user.certificate.as_deref() == Some("") {
+            return Err((key("certificate"), "must not be empty".to_string()));
         }
         for (field, hash) in [("password", &user.password), ("token", &user.token)] {
             if let Some(hash) = hash {
@@ -266,6 +278,22 @@ impl Accounts {
             verified.insert(seen);
         }
         checks
+    }
+
+    /// The user whose `certificate` is `subject` (a verified client
+    /// certificate's common name).
+    pub(crate) fn login_by_certificate(&self, subject: &str) -> Login {
+        let found = self
+            .users
+            .iter()
+            .find(|(user, _)| user.certificate.as_deref() == Some(subject));
+        match found {
+            Some((user, permissions)) => Login::User {
+                name: user.name.clone(),
+                permissions: (!permissions.allow_everything()).then(|| permissions.clone()),
+            },
+            None => Login::Refused,
+        }
     }
 
     /// The user `name` with password `secret`, or (no name) the user whose

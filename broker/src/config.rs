@@ -251,6 +251,10 @@ pub struct User {
     /// Hash of a token: a client that presents it (without a name) is
     /// this user.
     pub token: Option<String>,
+    /// The subject common name (CN) of a TLS client certificate: a client
+    /// that presents such a certificate, verified against `tls.ca`
+    /// (`tls.verify_clients`), and no other credentials is this user.
+    pub certificate: Option<String>,
     pub permissions: Permissions,
 }
 
@@ -790,6 +794,20 @@ impl Config {
             .map_err(|(key, message)| invalid(key, message))?;
         crate::accounts::check_users(&self.auth.users)
             .map_err(|(key, message)| invalid(&key, message))?;
+        if let Some(i) = self
+            .auth
+            .users
+            .iter()
+            .position(|user| user.certificate.is_some())
+        {
+            if !self.tls.verify_clients {
+                return Err(invalid(
+                    &format!("auth.users[{i}].certificate"),
+                    "names a client certificate, which only tls.verify_clients checks: set it"
+                        .to_string(),
+                ));
+            }
+        }
         if let Some(advertise) = &self.cluster.advertise {
             check_advertised(advertise).map_err(|message| invalid("cluster.advertise", message))?;
         }

@@ -244,3 +244,50 @@ fn tls_settings_that_cannot_work_are_refused_at_start() {
     let err = Broker::start(config).expect_err("a missing certificate file");
     assert!(err.to_string().contains("/nonexistent/cert.pem"), "{err}");
 }
+
+/// A user named by its client certificate: with mutual TLS, a client that
+/// presents a certificate whose subject name a user lists, and no other
+/// credentials, is that user and held to its permissions; another name
+/// from the same authority is refused.
+#[test]
+fn a_client_certificate_names_its_user() {
+    let pki = pki::shared();
+    let users = "[[auth.users]]\nname = \"robot\"\ncertificate = \"client\"\n\
+                 [auth.users.permissions.publish]\nallow = [\"robot.>\"]\n";
+    let broker = broker("cert-users", &format!("{}{users}", toml_tls(pki, true)));
+    let robot = connect(&broker, client_tls(pki, true)).expect("the certificate logs in");
+    robot.publish("robot.status", b"up".to_vec()).unwrap();
+    robot.publish("orders.eu", b"no".to_vec()).unwrap();
+    robot.flush(WAIT).unwrap();
+    let errors = robot.take_errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].1.contains("orders.eu") && errors[0].1.contains("robot"),
+        "{errors:?}"
+    );
+
+    let dir = pki.dir.join("cert-users");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cert, key) = pki
+        .authority
+        .issue(&dir, "other", "someone-else", &["other.local"], false);
+    let other = Tls {
+        ca: Some(pki.ca.clone()),
+        cert: Some(cert),
+        key: Some(key),
+        ..Tls::default()
+    };
+    match connect(&broker, other) {
+        Err(Error::Refused { text, .. }) => assert!(text.contains("credentials"), "{text}"),
+        Err(err) => panic!("{err}"),
+        Ok(_) => panic!("a certificate no user names logged in"),
+    }
+
+    // Certificate users need the broker to ask for certificates.
+    let text = format!(
+        "listen = [\"tcp/127.0.0.1:0\"]\n{}{users}",
+        toml_tls(pki, false)
+    );
+    let err = Config::from_toml_str(&text, "t").expect_err("without verify_clients");
+    assert!(err.to_string().contains("verify_clients"), "{err}");
+}

@@ -565,6 +565,14 @@ pub trait Endpoint: Send {
         Ok(false)
     }
 
+    /// The certificate (DER) a peer presented and this endpoint verified
+    /// (a TLS client certificate under `tls_verify_clients`); `None`
+    /// without one.
+    fn peer_certificate(&self, peer: PeerId) -> Option<Vec<u8>> {
+        let _ = peer;
+        None
+    }
+
     /// Queue one frame for a peer without blocking.
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError>;
 

@@ -845,6 +845,10 @@ impl Endpoint for FaultyEndpoint {
         self.inner.reload_tls()
     }
 
+    fn peer_certificate(&self, peer: PeerId) -> Option<Vec<u8>> {
+        self.inner.peer_certificate(peer)
+    }
+
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
         if self.disconnecting.contains(&peer) {
             return Err(SendError::Closed(peer));

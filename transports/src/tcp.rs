@@ -1432,6 +1432,11 @@ impl Endpoint for TcpEndpoint {
         self.nudge();
     }
 
+    fn peer_certificate(&self, peer: PeerId) -> Option<Vec<u8>> {
+        let conn = self.conns.get(&token_of(peer)?)?;
+        conn.stream.peer_certificate()
+    }
+
     fn reload_tls(&mut self) -> Result<bool, TransportError> {
         match self.tls.as_mut() {
             Some(tls) => tls.reload().map(|()| true),

@@ -287,6 +287,16 @@ impl Wire {
         self.session.is_some()
     }
 
+    /// The end-entity certificate the peer presented (verified by the
+    /// session's configuration), if any.
+    pub fn peer_certificate(&self) -> Option<Vec<u8>> {
+        let session = self.session.as_ref()?.lock();
+        session
+            .peer_certificates()
+            .and_then(|chain| chain.first())
+            .map(|cert| cert.as_ref().to_vec())
+    }
+
     /// Reads plaintext: `Ok(0)` at the end of the stream, `WouldBlock`
     /// when nothing more has arrived. With TLS it reads until the socket
     /// would block or plaintext is there (the session may hold more than

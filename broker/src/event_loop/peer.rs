@@ -223,6 +223,7 @@ impl Session {
         config: &Config,
         accounts: &Accounts,
         challenge: Option<&[u8; 32]>,
+        certificate_name: Option<&str>,
     ) -> Result<Admission, Refusal> {
         if hello.version != PROTOCOL_VERSION {
             return Err(Refusal::new(
@@ -288,15 +289,21 @@ impl Session {
         if cluster == Some(true) || client == Some(true) {
             return Ok(admitted(cluster.or(client).unwrap_or(true)));
         }
-        if hello.credentials.is_some() {
-            if let Login::User { name, permissions } = accounts.login(None, given) {
-                return Ok(Admission {
-                    may_route: false,
-                    user: Some(name),
-                    permissions,
-                    proof: None,
-                });
+        // A token, else a verified client certificate's name.
+        let login = match (hello.credentials.is_some(), certificate_name) {
+            (true, _) => accounts.login(None, given),
+            (false, Some(subject)) if hello.proof.is_none() => {
+                accounts.login_by_certificate(subject)
             }
+            _ => Login::Refused,
+        };
+        if let Login::User { name, permissions } = login {
+            return Ok(Admission {
+                may_route: false,
+                user: Some(name),
+                permissions,
+                proof: None,
+            });
         }
         if client.is_none() && accounts.is_empty() {
             return Ok(admitted(cluster.unwrap_or(true)));
@@ -481,20 +488,30 @@ impl EventLoop {
             return;
         }
         let challenge = session.challenge;
-        let admission =
-            match Session::check_hello(&hello, config, &self.shared.accounts, challenge.as_ref()) {
-                Ok(admission) => admission,
-                Err(refusal) => {
-                    if refusal.code == ErrorCode::Auth {
-                        BrokerStats::add(&self.shared.stats.auth_failures, 1);
-                        if let Some(ip) = address {
-                            self.auth_guard.failed(ip, now);
-                        }
+        let control = session.conn.control;
+        // Only a certificate the endpoint verified is presented here.
+        let certificate_name = self.endpoints[control.endpoint]
+            .peer_certificate(control.peer)
+            .and_then(|der| crate::accounts::certificate_name(&der));
+        let admission = match Session::check_hello(
+            &hello,
+            config,
+            &self.shared.accounts,
+            challenge.as_ref(),
+            certificate_name.as_deref(),
+        ) {
+            Ok(admission) => admission,
+            Err(refusal) => {
+                if refusal.code == ErrorCode::Auth {
+                    BrokerStats::add(&self.shared.stats.auth_failures, 1);
+                    if let Some(ip) = address {
+                        self.auth_guard.failed(ip, now);
                     }
-                    self.fail(id, refusal.code, refusal.text);
-                    return;
                 }
-            };
+                self.fail(id, refusal.code, refusal.text);
+                return;
+            }
+        };
         session.may_route = admission.may_route;
         session.user = admission.user;
         let admission_proof = admission.proof;
