@@ -24,6 +24,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
@@ -219,7 +220,20 @@ pub enum Login {
     },
     /// No user matched.
     Refused,
+    /// This second's hash checks are spent: try again shortly.
+    Busy,
 }
+
+/// The hash checks of this second are spent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Busy;
+
+/// Password and token hash checks (argon2: tens of milliseconds each, on
+/// the broker's event loop) made per second at most; logins beyond are
+/// answered `RateLimited` unchecked (a client retries), so a flood of
+/// logins cannot hold the loop for more than this share of each second.
+/// Checked credentials are remembered and cost nothing again.
+pub const CHECKS_PER_SECOND: u32 = 8;
 
 /// The users of a broker, with the credentials already checked.
 pub(crate) struct Accounts {
@@ -229,6 +243,8 @@ pub(crate) struct Accounts {
     key: [u8; 32],
     /// A hash no secret checks against, verified for unknown names.
     decoy: String,
+    /// When this second of checks began, and how many were made in it.
+    budget: Mutex<(Instant, u32)>,
 }
 
 impl Accounts {
@@ -246,6 +262,7 @@ impl Accounts {
                 .iter()
                 .find_map(|user| user.password.clone())
                 .unwrap_or_default(),
+            budget: Mutex::new((Instant::now(), 0)),
         }
     }
 
@@ -253,8 +270,9 @@ impl Accounts {
         self.users.is_empty()
     }
 
-    /// Whether `secret` checks against `hash`, remembered per `name`.
-    fn verify(&self, name: &str, hash: &str, secret: &str) -> bool {
+    /// Whether `secret` checks against `hash`, remembered per `name`;
+    /// `Err` when the budget of checks for this second is spent.
+    fn verify(&self, name: &str, hash: &str, secret: &str) -> Result<bool, Busy> {
         let mut hasher = blake3::Hasher::new_keyed(&self.key);
         hasher.update(name.as_bytes());
         hasher.update(&[0]);
@@ -263,8 +281,9 @@ impl Accounts {
         hasher.update(secret.as_bytes());
         let seen: [u8; 32] = hasher.finalize().into();
         if self.verified.lock().contains(&seen) {
-            return true;
+            return Ok(true);
         }
+        self.spend_check()?;
         let checks = PasswordHash::new(hash).is_ok_and(|hash| {
             Argon2::default()
                 .verify_password(secret.as_bytes(), &hash)
@@ -277,7 +296,21 @@ impl Accounts {
             }
             verified.insert(seen);
         }
-        checks
+        Ok(checks)
+    }
+
+    /// One hash check out of this second's [`CHECKS_PER_SECOND`].
+    fn spend_check(&self) -> Result<(), Busy> {
+        let mut budget = self.budget.lock();
+        let now = Instant::now();
+        if now.duration_since(budget.0) >= Duration::from_secs(1) {
+            *budget = (now, 0);
+        }
+        if budget.1 >= CHECKS_PER_SECOND {
+            return Err(Busy);
+        }
+        budget.1 += 1;
+        Ok(())
     }
 
     /// The user whose `certificate` is `subject` (a verified client
@@ -288,41 +321,58 @@ impl Accounts {
             .iter()
             .find(|(user, _)| user.certificate.as_deref() == Some(subject));
         match found {
-            Some((user, permissions)) => Login::User {
-                name: user.name.clone(),
-                permissions: (!permissions.allow_everything()).then(|| permissions.clone()),
-            },
+            Some((user, permissions)) => Self::logged_in(user, permissions),
             None => Login::Refused,
+        }
+    }
+
+    fn logged_in(user: &User, permissions: &Arc<Permissions>) -> Login {
+        Login::User {
+            name: user.name.clone(),
+            permissions: (!permissions.allow_everything()).then(|| permissions.clone()),
         }
     }
 
     /// The user `name` with password `secret`, or (no name) the user whose
     /// token `secret` is.
     pub(crate) fn login(&self, name: Option<&str>, secret: &str) -> Login {
-        let found = self.users.iter().find(|(user, _)| match name {
-            Some(name) => {
-                user.name == name
-                    && user
-                        .password
-                        .as_deref()
-                        .is_some_and(|hash| self.verify(name, hash, secret))
-            }
-            None => user
-                .token
-                .as_deref()
-                .is_some_and(|hash| self.verify(&user.name, hash, secret)),
-        });
-        if found.is_none() && name.is_some() {
-            // An unknown name takes as long to refuse as a wrong password,
-            // so timing does not tell which names exist.
-            let _ = self.verify("", &self.decoy, secret);
-        }
-        match found {
-            Some((user, permissions)) => Login::User {
-                name: user.name.clone(),
-                permissions: (!permissions.allow_everything()).then(|| permissions.clone()),
+        let checked = match name {
+            Some(name) => match self.users.iter().find(|(user, _)| user.name == name) {
+                Some((user, permissions)) => match user.password.as_deref() {
+                    Some(hash) => self
+                        .verify(name, hash, secret)
+                        .map(|ok| ok.then(|| Self::logged_in(user, permissions))),
+                    None => Ok(None),
+                },
+                // An unknown name takes as long to refuse as a wrong
+                // password, so timing does not tell which names exist.
+                None => self.verify("", &self.decoy, secret).map(|_| None),
             },
-            None => Login::Refused,
+            None => {
+                let mut found = Ok(None);
+                for (user, permissions) in &self.users {
+                    let Some(hash) = user.token.as_deref() else {
+                        continue;
+                    };
+                    match self.verify(&user.name, hash, secret) {
+                        Ok(true) => {
+                            found = Ok(Some(Self::logged_in(user, permissions)));
+                            break;
+                        }
+                        Ok(false) => {}
+                        Err(busy) => {
+                            found = Err(busy);
+                            break;
+                        }
+                    }
+                }
+                found
+            }
+        };
+        match checked {
+            Ok(Some(login)) => login,
+            Ok(None) => Login::Refused,
+            Err(Busy) => Login::Busy,
         }
     }
 }
@@ -404,7 +454,7 @@ mod tests {
                 assert_eq!(name, "alice");
                 assert!(permissions.is_some());
             }
-            Login::Refused => panic!("alice's password"),
+            Login::Refused | Login::Busy => panic!("alice's password"),
         }
         // Remembered: the same again needs no argon2.
         assert_eq!(accounts.verified.lock().len(), 1);
@@ -423,6 +473,40 @@ mod tests {
             }
         );
         assert_eq!(accounts.login(None, "correct horse"), Login::Refused);
+    }
+
+    #[test]
+    fn hash_checks_are_bounded_per_second_and_remembered_logins_are_not() {
+        let users = vec![User {
+            name: "alice".into(),
+            password: Some(hash_secret("right").unwrap()),
+            ..User::default()
+        }];
+        let accounts = Accounts::new(&users);
+        assert!(matches!(
+            accounts.login(Some("alice"), "right"),
+            Login::User { .. }
+        ));
+        let started = Instant::now();
+        let mut outcomes = Vec::new();
+        for _ in 0..CHECKS_PER_SECOND {
+            outcomes.push(accounts.login(Some("alice"), "wrong"));
+        }
+        // The first login spent one check; so the last wrong one finds
+        // the budget spent, unless a second passed meanwhile.
+        if started.elapsed() < Duration::from_millis(900) {
+            assert_eq!(outcomes.last(), Some(&Login::Busy), "{outcomes:?}");
+            assert_eq!(
+                outcomes.iter().filter(|o| **o == Login::Refused).count(),
+                CHECKS_PER_SECOND as usize - 1
+            );
+            // A login checked before costs no check.
+            assert!(matches!(
+                accounts.login(Some("alice"), "right"),
+                Login::User { .. }
+            ));
+            assert_eq!(accounts.login(Some("mallory"), "x"), Login::Busy);
+        }
     }
 
     #[test]

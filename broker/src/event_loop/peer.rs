@@ -125,6 +125,15 @@ pub(super) struct Session {
     pub counts: SessionCounts,
 }
 
+/// A login refused unchecked: the broker's hash checks for this second
+/// are spent (not `Auth`: the client retries with its backoff).
+fn busy() -> Refusal {
+    Refusal::new(
+        ErrorCode::RateLimited,
+        "too many logins to check right now; retrying shortly",
+    )
+}
+
 /// Who a hello's credentials admit.
 pub(super) struct Admission {
     /// It presented the route credential (or none is needed).
@@ -245,6 +254,7 @@ impl Session {
                     proof: None,
                 }),
                 Login::Refused => Err(Refusal::new(ErrorCode::Auth, "invalid user or password")),
+                Login::Busy => Err(busy()),
             };
         }
         // A shared secret matches when the hello proves it against this
@@ -297,13 +307,17 @@ impl Session {
             }
             _ => Login::Refused,
         };
-        if let Login::User { name, permissions } = login {
-            return Ok(Admission {
-                may_route: false,
-                user: Some(name),
-                permissions,
-                proof: None,
-            });
+        match login {
+            Login::User { name, permissions } => {
+                return Ok(Admission {
+                    may_route: false,
+                    user: Some(name),
+                    permissions,
+                    proof: None,
+                })
+            }
+            Login::Busy => return Err(busy()),
+            Login::Refused => {}
         }
         if client.is_none() && accounts.is_empty() {
             return Ok(admitted(cluster.unwrap_or(true)));
