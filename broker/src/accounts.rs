@@ -60,6 +60,7 @@ pub fn hash_secret(secret: &str) -> Result<String, String> {
 /// names the key.
 pub(crate) fn check_users(users: &[User]) -> Result<(), (String, String)> {
     let mut names = HashSet::new();
+    let mut certificates = HashSet::new();
     for (i, user) in users.iter().enumerate() {
         let key = |field: &str| format!("auth.users[{i}].{field}");
         if user.name.is_empty() {
@@ -76,8 +77,16 @@ pub(crate) fn check_users(users: &[User]) -> Result<(), (String, String)> {
                     .to_string(),
             ));
         }
-        if user.certificate.as_deref() == Some("") {
-            return Err((key("certificate"), "must not be empty".to_string()));
+        if let Some(certificate) = user.certificate.as_deref() {
+            if certificate.is_empty() {
+                return Err((key("certificate"), "must not be empty".to_string()));
+            }
+            if !certificates.insert(certificate) {
+                return Err((
+                    key("certificate"),
+                    format!("{certificate:?} names two users"),
+                ));
+            }
         }
         for (field, hash) in [("password", &user.password), ("token", &user.token)] {
             if let Some(hash) = hash {
@@ -241,7 +250,8 @@ pub(crate) struct Accounts {
     /// Keyed hashes of (user, secret) pairs checked before.
     verified: Mutex<HashSet<[u8; 32]>>,
     key: [u8; 32],
-    /// A hash no secret checks against, verified for unknown names.
+    /// The hash of a random secret nobody knows, checked for unknown
+    /// names.
     decoy: String,
     /// When this second of checks began, and how many were made in it.
     budget: Mutex<(Instant, u32)>,
@@ -258,10 +268,18 @@ impl Accounts {
             // Without randomness the cache is only less useful: a zero
             // key still never stores a secret.
             key: crate::session::link_auth::random_bytes().unwrap_or([0; 32]),
-            decoy: users
+            // Made only where users log in with a secret.
+            decoy: if users
                 .iter()
-                .find_map(|user| user.password.clone())
-                .unwrap_or_default(),
+                .any(|u| u.password.is_some() || u.token.is_some())
+            {
+                crate::session::link_auth::random_bytes::<16>()
+                    .ok()
+                    .and_then(|bytes| hash_secret(&format!("{bytes:?}")).ok())
+                    .unwrap_or_default()
+            } else {
+                String::new()
+            },
             budget: Mutex::new((Instant::now(), 0)),
         }
     }
@@ -270,20 +288,28 @@ impl Accounts {
         self.users.is_empty()
     }
 
-    /// Whether `secret` checks against `hash`, remembered per `name`;
-    /// `Err` when the budget of checks for this second is spent.
-    fn verify(&self, name: &str, hash: &str, secret: &str) -> Result<bool, Busy> {
+    /// The key under which a checked (`name`, `hash`, `secret`) is
+    /// remembered: a keyed hash, never the secret.
+    fn memo_key(&self, name: &str, hash: &str, secret: &str) -> [u8; 32] {
         let mut hasher = blake3::Hasher::new_keyed(&self.key);
         hasher.update(name.as_bytes());
         hasher.update(&[0]);
         hasher.update(hash.as_bytes());
         hasher.update(&[0]);
         hasher.update(secret.as_bytes());
-        let seen: [u8; 32] = hasher.finalize().into();
-        if self.verified.lock().contains(&seen) {
-            return Ok(true);
-        }
-        self.spend_check()?;
+        hasher.finalize().into()
+    }
+
+    /// Whether `secret` was checked against `hash` for `name` before.
+    fn remembered(&self, name: &str, hash: &str, secret: &str) -> bool {
+        self.verified
+            .lock()
+            .contains(&self.memo_key(name, hash, secret))
+    }
+
+    /// Whether `secret` checks against `hash` (argon2), remembered per
+    /// `name` when it does. The caller has spent a check.
+    fn check(&self, name: &str, hash: &str, secret: &str) -> bool {
         let checks = PasswordHash::new(hash).is_ok_and(|hash| {
             Argon2::default()
                 .verify_password(secret.as_bytes(), &hash)
@@ -294,9 +320,9 @@ impl Accounts {
             if verified.len() >= VERIFIED_MAX {
                 verified.clear();
             }
-            verified.insert(seen);
+            verified.insert(self.memo_key(name, hash, secret));
         }
-        Ok(checks)
+        checks
     }
 
     /// One hash check out of this second's [`CHECKS_PER_SECOND`].
@@ -334,46 +360,43 @@ impl Accounts {
     }
 
     /// The user `name` with password `secret`, or (no name) the user whose
-    /// token `secret` is.
+    /// token `secret` is. A login not remembered costs one check of this
+    /// second's budget (a token login checks every token user's hash).
     pub(crate) fn login(&self, name: Option<&str>, secret: &str) -> Login {
-        let checked = match name {
-            Some(name) => match self.users.iter().find(|(user, _)| user.name == name) {
-                Some((user, permissions)) => match user.password.as_deref() {
-                    Some(hash) => self
-                        .verify(name, hash, secret)
-                        .map(|ok| ok.then(|| Self::logged_in(user, permissions))),
-                    None => Ok(None),
-                },
-                // An unknown name takes as long to refuse as a wrong
-                // password, so timing does not tell which names exist.
-                None => self.verify("", &self.decoy, secret).map(|_| None),
-            },
-            None => {
-                let mut found = Ok(None);
-                for (user, permissions) in &self.users {
-                    let Some(hash) = user.token.as_deref() else {
-                        continue;
-                    };
-                    match self.verify(&user.name, hash, secret) {
-                        Ok(true) => {
-                            found = Ok(Some(Self::logged_in(user, permissions)));
-                            break;
-                        }
-                        Ok(false) => {}
-                        Err(busy) => {
-                            found = Err(busy);
-                            break;
-                        }
-                    }
-                }
-                found
-            }
-        };
-        match checked {
-            Ok(Some(login)) => login,
-            Ok(None) => Login::Refused,
-            Err(Busy) => Login::Busy,
+        let candidates: Vec<(&User, &Arc<Permissions>, &str)> = self
+            .users
+            .iter()
+            .filter_map(|(user, permissions)| {
+                let hash = match name {
+                    Some(name) if user.name == name => user.password.as_deref(),
+                    Some(_) => None,
+                    None => user.token.as_deref(),
+                }?;
+                Some((user, permissions, hash))
+            })
+            .collect();
+        let remembered = candidates
+            .iter()
+            .find(|(user, _, hash)| self.remembered(&user.name, hash, secret));
+        if let Some((user, permissions, _)) = remembered {
+            return Self::logged_in(user, permissions);
         }
+        if self.spend_check().is_err() {
+            return Login::Busy;
+        }
+        if candidates.is_empty() {
+            // An unknown name (or one without a password) takes as long to
+            // refuse as a wrong password, so timing does not tell which
+            // names exist.
+            let _ = self.check("", &self.decoy, secret);
+            return Login::Refused;
+        }
+        candidates
+            .iter()
+            .find(|(user, _, hash)| self.check(&user.name, hash, secret))
+            .map_or(Login::Refused, |(user, permissions, _)| {
+                Self::logged_in(user, permissions)
+            })
     }
 }
 
@@ -507,6 +530,27 @@ mod tests {
             ));
             assert_eq!(accounts.login(Some("mallory"), "x"), Login::Busy);
         }
+    }
+
+    #[test]
+    fn a_token_login_costs_one_check_however_many_token_users() {
+        let users: Vec<User> = (0..CHECKS_PER_SECOND + 2)
+            .map(|n| User {
+                name: format!("service-{n}"),
+                token: Some(hash_secret(&format!("token-{n}")).unwrap()),
+                ..User::default()
+            })
+            .collect();
+        let accounts = Accounts::new(&users);
+        let last = CHECKS_PER_SECOND + 1;
+        assert_eq!(
+            accounts.login(None, &format!("token-{last}")),
+            Login::User {
+                name: format!("service-{last}"),
+                permissions: None
+            }
+        );
+        assert_eq!(accounts.budget.lock().1, 1);
     }
 
     #[test]

@@ -337,6 +337,14 @@ impl Tls {
                 "a certificate needs its key: give tls.cert and tls.key".to_string(),
             ));
         }
+        if !serves && self.cert.is_some() && self.ca.is_none() {
+            return Err((
+                "tls.ca",
+                "a client certificate is presented only over TLS, which needs tls.ca, the \
+                 authority to verify the broker with"
+                    .to_string(),
+            ));
+        }
         if serves && self.cert.is_none() {
             return Err((
                 "tls.cert",

@@ -201,3 +201,48 @@ fn requests_work_without_permission_to_subscribe_to_inboxes() {
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert_eq!(denials(&broker), 3);
 }
+
+/// A restricted user cannot make a reply subject a way to publish where
+/// it may not, an inbox is held only while subscriptions under it last,
+/// and an inbox interest from a route is held for the requester behind it.
+#[test]
+fn reply_subjects_and_inboxes_open_nothing_beyond_the_permissions() {
+    let broker = broker();
+    let alice = login(&broker, Some("alice"), Some("alice-password")).expect("alice");
+    // A reply subject alice may not receive is refused with the publish.
+    alice
+        .publish_request("orders.loop", "billing.charge", b"x".to_vec())
+        .unwrap();
+    // One she may receive is fine.
+    alice
+        .publish_request("orders.loop", "orders.answers", b"x".to_vec())
+        .unwrap();
+    alice.flush(WAIT).unwrap();
+    let errors = alice.take_errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].1.contains("reply subject \"billing.charge\""),
+        "{errors:?}"
+    );
+
+    // An inbox is one connection's while it has a subscription under it.
+    let requester = login(&broker, Some("requester"), Some("requester-password")).unwrap();
+    let responder = login(&broker, Some("responder"), Some("responder-password")).unwrap();
+    let held = requester.subscribe("_INBOX.b7e1.>").unwrap();
+    requester.flush(WAIT).unwrap();
+    let _taken = responder.subscribe("_INBOX.b7e1.*").unwrap();
+    responder.flush(WAIT).unwrap();
+    let errors = responder.take_errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].1.contains("another connection's"), "{errors:?}");
+    drop(held);
+    requester.flush(WAIT).unwrap();
+    let _now = responder.subscribe("_INBOX.b7e1.*").unwrap();
+    responder.flush(WAIT).unwrap();
+    assert_eq!(
+        responder.take_errors(),
+        Vec::new(),
+        "released with its subscription"
+    );
+    assert!(requester.take_errors().is_empty());
+}

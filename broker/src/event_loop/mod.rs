@@ -39,6 +39,7 @@ use efabus_core::transport::{
 use mio::{Poll, Token};
 use tracing::{debug, error, info, warn};
 
+use crate::accounts::inbox_of;
 use crate::auth_guard::AuthGuard;
 use crate::broker::{deliver_local, BrokerStats, Command, Shared};
 use crate::delivery::Message;
@@ -92,7 +93,7 @@ pub(crate) struct EventLoop {
     /// Which session holds each inbox (`_INBOX.<token>`) subscribed
     /// under, and each session's inboxes: a restricted user may subscribe
     /// under its own inbox only.
-    inboxes: HashMap<String, u64>,
+    inboxes: HashMap<String, (u64, usize)>,
     inboxes_held: HashMap<u64, Vec<String>>,
     /// The session each proven fabric address belongs to, by endpoint: one
     /// address, one live session.
@@ -147,6 +148,42 @@ pub(crate) struct EventLoop {
     poll_error_log: LogLimit,
     /// Refused connections likewise.
     refused_log: LogLimit,
+}
+
+impl EventLoop {
+    /// Session `id` subscribed under `inbox`: it holds it (one more
+    /// subscription) unless another session does.
+    pub(super) fn hold_inbox(&mut self, id: u64, inbox: &str) {
+        match self.inboxes.get_mut(inbox) {
+            Some((holder, count)) if *holder == id => *count += 1,
+            Some(_) => {}
+            None => {
+                self.inboxes.insert(inbox.to_string(), (id, 1));
+                self.inboxes_held
+                    .entry(id)
+                    .or_default()
+                    .push(inbox.to_string());
+            }
+        }
+    }
+
+    /// One subscription of `id` under `inbox` fewer; the inbox is free
+    /// with the last.
+    pub(super) fn release_inbox(&mut self, id: u64, inbox: &str) {
+        let Some((holder, count)) = self.inboxes.get_mut(inbox) else {
+            return;
+        };
+        if *holder != id {
+            return;
+        }
+        *count -= 1;
+        if *count == 0 {
+            self.inboxes.remove(inbox);
+            if let Some(held) = self.inboxes_held.get_mut(&id) {
+                held.retain(|held| held != inbox);
+            }
+        }
+    }
 }
 
 /// A session whose user's permissions restrict it.
@@ -208,6 +245,12 @@ impl EventLoop {
         // Every session's data links draw from one budget.
         let tuning = shared.config.link_tuning();
         let listener_down = vec![false; shared.listening.len()];
+        // The broker's own requests reply under its inbox.
+        let inboxes = std::iter::once((
+            shared.inbox_prefix.clone(),
+            (crate::subscriptions::LOCAL_OWNER, usize::MAX),
+        ))
+        .collect();
         EventLoop {
             shared,
             poll,
@@ -216,7 +259,7 @@ impl EventLoop {
             sessions: HashMap::default(),
             by_peer: HashMap::default(),
             restricted: HashMap::default(),
-            inboxes: HashMap::default(),
+            inboxes,
             inboxes_held: HashMap::default(),
             fabric_owners: HashMap::default(),
             commands,
@@ -957,6 +1000,19 @@ impl EventLoop {
                 self.deny(id, "publish to", subject, &rule);
                 return;
             }
+            // A reply subject lets whoever answers publish to it: only
+            // this session's own inbox, or what it may receive anyway.
+            if let Some(reply) = reply {
+                let own_inbox = inbox_of(reply)
+                    .and_then(|inbox| self.inboxes.get(inbox))
+                    .is_some_and(|(holder, _)| *holder == id);
+                if !own_inbox && permissions.may_subscribe(reply).is_err() {
+                    let rule = "a reply subject must be this connection's inbox or a subject \
+                                it may subscribe to";
+                    self.deny(id, "publish with reply subject", reply, rule);
+                    return;
+                }
+            }
         }
         let max_payload = self.shared.live.max_payload();
         if !self.payload_allowed(id, payload.bytes.len(), max_payload) {
@@ -1024,9 +1080,13 @@ impl EventLoop {
         reply: Option<&str>,
         payload: Payload<'_>,
     ) {
+        // Requests to a restricted session may be answered (replies go to
+        // inboxes only).
         if let (Some(reply), false) = (reply, self.restricted.is_empty()) {
-            if let Some(restricted) = self.restricted.get_mut(&target.owner) {
-                restricted.replies.remember(reply);
+            if inbox_of(reply).is_some() {
+                if let Some(restricted) = self.restricted.get_mut(&target.owner) {
+                    restricted.replies.remember(reply);
+                }
             }
         }
         let Some(session) = self.sessions.get_mut(&target.owner) else {

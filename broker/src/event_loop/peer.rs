@@ -585,8 +585,11 @@ impl EventLoop {
     }
 
     pub(super) fn on_subscribe(&mut self, id: u64, subscribe: frame::Subscribe) {
-        let inbox = inbox_of(&subscribe.pattern);
-        let holder = inbox.and_then(|inbox| self.inboxes.get(inbox)).copied();
+        let inbox = inbox_of(&subscribe.pattern).map(str::to_string);
+        let holder = inbox
+            .as_deref()
+            .and_then(|inbox| self.inboxes.get(inbox))
+            .map(|(holder, _)| *holder);
         if let Some(restricted) = self.restricted.get(&id) {
             // A subscription under an inbox no other session holds (a
             // requester's own) is allowed beside `allow`, never beside
@@ -603,18 +606,16 @@ impl EventLoop {
                 return;
             }
         }
-        if let (Some(inbox), None) = (inbox, holder) {
-            self.inboxes.insert(inbox.to_string(), id);
-            self.inboxes_held
-                .entry(id)
-                .or_default()
-                .push(inbox.to_string());
-        }
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        if let Err(refusal) = session.subscribe(id, subscribe, &self.shared) {
-            self.report(id, refusal.code, refusal.text);
+        match session.subscribe(id, subscribe, &self.shared) {
+            Err(refusal) => self.report(id, refusal.code, refusal.text),
+            Ok(()) => {
+                if let Some(inbox) = inbox {
+                    self.hold_inbox(id, &inbox);
+                }
+            }
         }
         self.sync_interest();
     }
@@ -637,8 +638,18 @@ impl EventLoop {
     }
 
     pub(super) fn on_unsubscribe(&mut self, id: u64, sid: u64) {
+        let mut inbox = None;
         if let Some(session) = self.sessions.get_mut(&id) {
+            if let Role::Client(subscriptions) = &session.role {
+                inbox = subscriptions
+                    .get(&sid)
+                    .and_then(|sub| inbox_of(&sub.pattern))
+                    .map(str::to_string);
+            }
             session.unsubscribe(id, sid, &self.shared);
+        }
+        if let Some(inbox) = inbox {
+            self.release_inbox(id, &inbox);
         }
         self.sync_interest();
     }

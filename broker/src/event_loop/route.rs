@@ -36,6 +36,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use crate::accounts::inbox_of;
 use efabus_core::codec;
 use efabus_core::frame::{
     DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, RoutePeers,
@@ -87,6 +88,9 @@ pub(crate) struct RouteRole {
     /// they want (best effort for plain entries of best-effort
     /// subscribers only).
     pub(super) announced: HashMap<u64, DeliveryClass>,
+    /// The inboxes the peer's interest entries lie under, by entry id:
+    /// held for the requesters behind the peer.
+    inboxes: HashMap<u64, String>,
     /// Closed because another link to the same broker is kept.
     duplicate: bool,
     /// On a route this broker dialed: its half of the data links' keys,
@@ -111,6 +115,7 @@ impl RouteRole {
             slot,
             broker_id: None,
             announced: HashMap::default(),
+            inboxes: HashMap::default(),
             duplicate: false,
             link_secret: None,
             advertised: None,
@@ -1079,6 +1084,15 @@ impl EventLoop {
         match inserted {
             Ok(()) => {
                 role.announced.insert(subscribe.sid, class);
+                if let Some(inbox) = inbox_of(&subscribe.pattern) {
+                    if role
+                        .inboxes
+                        .insert(subscribe.sid, inbox.to_string())
+                        .is_none()
+                    {
+                        self.hold_inbox(id, inbox);
+                    }
+                }
             }
             Err(err) => {
                 role.announced.remove(&subscribe.sid);
@@ -1103,6 +1117,9 @@ impl EventLoop {
                     .subscriptions
                     .write()
                     .remove_route(SubRef { owner: id, sid });
+            }
+            if let Some(inbox) = role.inboxes.remove(&sid) {
+                self.release_inbox(id, &inbox);
             }
         }
     }
