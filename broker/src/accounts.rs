@@ -375,6 +375,10 @@ impl Accounts {
                 Some((user, permissions, hash))
             })
             .collect();
+        // No token users, or no users at all: nothing to check or hide.
+        if candidates.is_empty() && (name.is_none() || self.users.is_empty()) {
+            return Login::Refused;
+        }
         let remembered = candidates
             .iter()
             .find(|(user, _, hash)| self.remembered(&user.name, hash, secret));
@@ -530,6 +534,16 @@ mod tests {
             ));
             assert_eq!(accounts.login(Some("mallory"), "x"), Login::Busy);
         }
+    }
+
+    #[test]
+    fn logins_with_nothing_to_check_spend_nothing() {
+        let accounts = Accounts::new(&[]);
+        for _ in 0..2 * CHECKS_PER_SECOND {
+            assert_eq!(accounts.login(None, "a secret"), Login::Refused);
+            assert_eq!(accounts.login(Some("anyone"), "x"), Login::Refused);
+        }
+        assert_eq!(accounts.budget.lock().1, 0);
     }
 
     #[test]
