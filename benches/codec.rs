@@ -19,6 +19,7 @@ const SIZES: [usize; 3] = [16, 1024, 64 * 1024];
 
 fn publish(size: usize) -> Frame {
     Frame::Publish(Publish {
+        headers: None,
         subject: "metrics.gpu0.utilisation".to_string(),
         reply: Some("_INBOX.7f3a9c.1".to_string()),
         seq: 42,

@@ -670,7 +670,7 @@ impl Broker {
     /// Publish a message. In-process subscribers receive the same payload
     /// buffer, not a copy.
     pub fn publish(&self, subject: &str, payload: impl Into<Bytes>) -> Result<(), Error> {
-        self.publish_inner(subject, None, payload.into())
+        self.publish_inner(subject, None, None, payload.into())
             .map(|_| ())
     }
 
@@ -681,7 +681,21 @@ impl Broker {
         reply: &str,
         payload: impl Into<Bytes>,
     ) -> Result<(), Error> {
-        self.publish_inner(subject, Some(reply), payload.into())
+        self.publish_inner(subject, Some(reply), None, payload.into())
+            .map(|_| ())
+    }
+
+    /// Publish with a header block (see [`efabus_core::headers`]) and, for a
+    /// request, a reply subject. The block counts towards
+    /// `limits.max_payload` with the payload, as NATS counts it.
+    pub fn publish_with_headers(
+        &self,
+        subject: &str,
+        reply: Option<&str>,
+        headers: impl Into<Bytes>,
+        payload: impl Into<Bytes>,
+    ) -> Result<(), Error> {
+        self.publish_inner(subject, reply, Some(headers.into()), payload.into())
             .map(|_| ())
     }
 
@@ -689,6 +703,7 @@ impl Broker {
         &self,
         subject: &str,
         reply: Option<&str>,
+        headers: Option<Bytes>,
         payload: Bytes,
     ) -> Result<usize, Error> {
         let shared = &self.shared;
@@ -704,13 +719,14 @@ impl Broker {
             })?;
         }
         let max_payload = shared.live.max_payload();
-        if payload.len() as u64 > max_payload {
+        let len = payload.len() + headers.as_ref().map_or(0, Bytes::len);
+        if len as u64 > max_payload {
             return Err(Error::PayloadTooLarge {
-                len: payload.len(),
+                len,
                 max: max_payload,
             });
         }
-        publish_cache::publish(shared, subject, reply.map(Arc::from), payload)
+        publish_cache::publish(shared, subject, reply.map(Arc::from), headers, payload)
     }
 
     /// Subscribe to a pattern (`*` one token, `>` the rest).
@@ -780,7 +796,7 @@ impl Broker {
         let n = self.shared.next_sid.fetch_add(1, Ordering::Relaxed);
         let inbox = format!("{}.{n}", self.shared.inbox_prefix);
         let replies = self.subscribe(&inbox)?;
-        let matched = self.publish_inner(subject, Some(&inbox), payload.into())?;
+        let matched = self.publish_inner(subject, Some(&inbox), None, payload.into())?;
         if matched == 0 {
             return Err(Error::NoResponders(subject.to_string()));
         }
@@ -874,19 +890,20 @@ pub(crate) fn deliver_in_process(
     subject: &Arc<str>,
     targets: &Targets,
     reply: Option<Arc<str>>,
+    headers: Option<Bytes>,
     payload: Bytes,
 ) -> Result<usize, Error> {
     let stats = &shared.stats;
     if let ([(sid, sink)], true) = (targets.local.as_slice(), targets.remote.is_empty()) {
         // The common case: one in-process subscription.
         BrokerStats::add(&stats.messages_in, 1);
-        match sink.deliver_kept(subject, reply, payload) {
+        match sink.deliver_kept(subject, reply, headers, payload) {
             Delivery::Queued => BrokerStats::add(&stats.messages_out, 1),
             outcome => settle_one(shared, *sid, sink, outcome),
         }
         return Ok(1);
     }
-    deliver_in_process_all(shared, subject, targets, reply, payload)
+    deliver_in_process_all(shared, subject, targets, reply, headers, payload)
 }
 
 #[cold]
@@ -906,6 +923,7 @@ fn deliver_in_process_all(
     subject: &Arc<str>,
     targets: &Targets,
     reply: Option<Arc<str>>,
+    headers: Option<Bytes>,
     mut payload: Bytes,
 ) -> Result<usize, Error> {
     let stats = &shared.stats;
@@ -914,7 +932,8 @@ fn deliver_in_process_all(
     let mut closed = Vec::new();
     if let Some(((last_sid, last), others)) = targets.local.split_last() {
         for (sid, sink) in others {
-            let outcome = sink.deliver_kept(subject, reply.clone(), payload.clone());
+            let outcome =
+                sink.deliver_kept(subject, reply.clone(), headers.clone(), payload.clone());
             count_delivery(stats, *sid, sink, outcome, &mut closed);
         }
         let body = if remote {
@@ -922,7 +941,7 @@ fn deliver_in_process_all(
         } else {
             std::mem::take(&mut payload)
         };
-        let outcome = last.deliver_kept(subject, reply.clone(), body);
+        let outcome = last.deliver_kept(subject, reply.clone(), headers.clone(), body);
         count_delivery(stats, *last_sid, last, outcome, &mut closed);
     }
     if !closed.is_empty() {
@@ -934,6 +953,7 @@ fn deliver_in_process_all(
             message: Message {
                 subject: subject.clone(),
                 reply,
+                headers,
                 payload,
             },
         })?;

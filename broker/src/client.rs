@@ -26,7 +26,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use crossbeam_channel::Sender;
 use efabus_core::budget::MemoryBudget;
 use efabus_core::caps::Offer;
-use efabus_core::codec::{self, CodecLimits, FrameKind};
+use efabus_core::codec::{self, CodecLimits, FrameKind, RoutedFields};
 use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{
     self, DeliveryClass, ErrorCode, Frame, Goodbye, Hello, LinkAuth, SecretProof, Welcome,
@@ -490,6 +490,7 @@ impl ClientShared {
         &self,
         subject: &str,
         reply: Option<&str>,
+        headers: Option<Bytes>,
         payload: Bytes,
     ) -> Result<(), Error> {
         if self.shutdown.load(Ordering::Relaxed) {
@@ -514,11 +515,20 @@ impl ClientShared {
             check(reply)?;
         }
         let max = self.max_payload.load(Ordering::Relaxed);
-        if payload.len() as u64 > max {
-            return Err(Error::PayloadTooLarge {
-                len: payload.len(),
-                max,
-            });
+        // Headers count with the body, as NATS counts them; the frame
+        // carries them joined in front of it.
+        let len = payload.len() + headers.as_ref().map_or(0, Bytes::len);
+        let fields = RoutedFields {
+            subject,
+            reply,
+            headers: headers.is_some(),
+        };
+        let payload = match &headers {
+            Some(block) => codec::join_headers(block, &payload),
+            None => payload,
+        };
+        if len as u64 > max {
+            return Err(Error::PayloadTooLarge { len, max });
         }
         let bound = self.options.max_pending_bytes;
         if outbox.bytes >= bound || outbox.items.len() >= MAX_ITEMS {
@@ -544,26 +554,13 @@ impl ClientShared {
                 outbox.open.reserve(room.max(need));
             }
             let before = outbox.open.len();
-            let result = codec::routed_into(
-                &mut outbox.open,
-                FrameKind::Publish,
-                0,
-                subject,
-                reply,
-                &payload,
-            );
+            let result =
+                codec::routed_into(&mut outbox.open, FrameKind::Publish, 0, fields, &payload);
             result.map(|()| outbox.open.len() - before)
         } else {
             let mut head = BytesMut::new();
-            let result = codec::routed_head_into(
-                &mut head,
-                FrameKind::Publish,
-                0,
-                0,
-                subject,
-                reply,
-                payload.len(),
-            );
+            let result =
+                codec::routed_head_into(&mut head, FrameKind::Publish, 0, 0, fields, payload.len());
             result.map(|()| {
                 let frame = OutFrame {
                     head: head.freeze(),
@@ -879,7 +876,7 @@ impl Client {
     }
 
     pub fn publish(&self, subject: &str, payload: impl Into<Bytes>) -> Result<(), Error> {
-        self.publish_inner(subject, None, payload.into())
+        self.publish_inner(subject, None, None, payload.into())
     }
 
     pub fn publish_request(
@@ -888,16 +885,32 @@ impl Client {
         reply: &str,
         payload: impl Into<Bytes>,
     ) -> Result<(), Error> {
-        self.publish_inner(subject, Some(reply), payload.into())
+        self.publish_inner(subject, Some(reply), None, payload.into())
+    }
+
+    /// Publish with a header block (see [`efabus_core::headers`]) and, for a
+    /// request, a reply subject. Subscribers on any session, NATS clients
+    /// among them, receive the block as it is; it counts towards the
+    /// server's `max_payload` with the payload.
+    pub fn publish_with_headers(
+        &self,
+        subject: &str,
+        reply: Option<&str>,
+        headers: impl Into<Bytes>,
+        payload: impl Into<Bytes>,
+    ) -> Result<(), Error> {
+        self.publish_inner(subject, reply, Some(headers.into()), payload.into())
     }
 
     fn publish_inner(
         &self,
         subject: &str,
         reply: Option<&str>,
+        headers: Option<Bytes>,
         payload: Bytes,
     ) -> Result<(), Error> {
-        self.shared.enqueue_publish(subject, reply, payload)
+        self.shared
+            .enqueue_publish(subject, reply, headers, payload)
     }
 
     pub fn subscribe(&self, pattern: &str) -> Result<Subscription, Error> {
@@ -976,7 +989,7 @@ impl Client {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.shared.replies.lock().insert(token, tx);
         let reply_to = format!("{}.{token}", self.shared.inbox_prefix);
-        let sent = self.publish_inner(subject, Some(&reply_to), payload.into());
+        let sent = self.publish_inner(subject, Some(&reply_to), None, payload.into());
         let result = sent.and_then(|()| {
             rx.recv_timeout(timeout).map_err(|err| match err {
                 crossbeam_channel::RecvTimeoutError::Disconnected => Error::Closed,
@@ -1475,7 +1488,7 @@ impl ClientLoop {
             // Only this thread writes the counter: no atomic add needed.
             let control_in = &shared.counters.control_in;
             control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-            let (sid, subject, reply, payload) = match self.read_message(frame) {
+            let (sid, subject, reply, headers, payload) = match self.read_message(frame) {
                 Ok(message) => message,
                 Err(frame) => {
                     subscriptions = None;
@@ -1487,7 +1500,7 @@ impl ClientLoop {
             };
             let inbox = shared.inbox_sid_seen.load(Ordering::Acquire);
             if inbox != 0 && sid == inbox {
-                self.dispatch_reply(subject, reply, payload);
+                self.dispatch_reply(subject, reply, headers, payload);
                 continue;
             }
             let subscriptions = subscriptions.get_or_insert_with(|| shared.subscriptions.lock());
@@ -1497,6 +1510,7 @@ impl ClientLoop {
             let delivery = sub.sink.deliver(Message {
                 subject,
                 reply,
+                headers,
                 payload,
             });
             if delivery == Delivery::Closed {
@@ -1515,14 +1529,15 @@ impl ClientLoop {
 
     /// A `Message` frame as what its subscription gets: the subscription
     /// id, the subject (the last one again when it repeats), the reply
-    /// subject, and the payload (the frame itself, trimmed: no copy and no
-    /// new reference). Any other frame, or a malformed one, comes back (the
-    /// general path reports malformed frames).
+    /// subject, the header block, and the payload (the frame itself,
+    /// trimmed: no copy and no new reference). Any other frame, or a
+    /// malformed one, comes back (the general path reports malformed
+    /// frames).
     #[allow(clippy::type_complexity)]
     fn read_message(
         &mut self,
         frame: Bytes,
-    ) -> Result<(u64, Arc<str>, Option<Arc<str>>, Bytes), Bytes> {
+    ) -> Result<(u64, Arc<str>, Option<Arc<str>>, Option<Bytes>, Bytes), Bytes> {
         let known = self.last_subject.take();
         let known_str = known.as_deref().unwrap_or("");
         let view = match codec::peek_routed_known(&frame, &self.codec, known_str) {
@@ -1550,13 +1565,22 @@ impl ClientLoop {
             }
         };
         let reply = view.reply.map(Arc::from);
-        let (sid, at, len) = (view.sid, view.payload_at, view.payload.len());
+        let (sid, mut at, mut len) = (view.sid, view.payload_at, view.payload.len());
+        let headers = match view.headers_and_body() {
+            (Some(block), body) => {
+                let block_at = at + codec::HEADERS_PREFIX_LEN;
+                at += len - body.len();
+                len = body.len();
+                Some(frame.slice(block_at..block_at + block.len()))
+            }
+            (None, _) => None,
+        };
         // The subject of a stream of messages is kept for the next one.
         self.last_subject = if reuse { known } else { Some(subject.clone()) };
         let mut payload = frame;
         payload.advance(at);
         payload.truncate(len);
-        Ok((sid, subject, reply, payload))
+        Ok((sid, subject, reply, headers, payload))
     }
 
     fn on_event(&mut self, event: Event) {
@@ -1727,6 +1751,7 @@ impl ClientLoop {
                     shared: None,
                 },
                 message.reply.as_deref(),
+                message.headers,
                 message.payload,
             ),
             Frame::Ping { nonce } => self.answer_ping(nonce),
@@ -1775,11 +1800,18 @@ impl ClientLoop {
 
     /// A message from the server: a reply goes to the request waiting for
     /// it, anything else to its subscription's queue.
-    fn on_message(&mut self, sid: u64, subject: Subject<'_>, reply: Option<&str>, payload: Bytes) {
+    fn on_message(
+        &mut self,
+        sid: u64,
+        subject: Subject<'_>,
+        reply: Option<&str>,
+        headers: Option<Bytes>,
+        payload: Bytes,
+    ) {
         let inbox = self.shared.inbox_sid_seen.load(Ordering::Acquire);
         if inbox != 0 && sid == inbox {
             let subject = Arc::from(subject.text);
-            self.dispatch_reply(subject, reply.map(Arc::from), payload);
+            self.dispatch_reply(subject, reply.map(Arc::from), headers, payload);
             return;
         }
         // The subject as a shared string: the last one again while messages
@@ -1800,6 +1832,7 @@ impl ClientLoop {
         let delivery = sub.sink.deliver(Message {
             subject,
             reply: reply.map(Arc::from),
+            headers,
             payload,
         });
         if delivery == Delivery::Closed {
@@ -1813,7 +1846,13 @@ impl ClientLoop {
 
     /// Hand a reply to the request waiting for its token; a reply nobody
     /// waits for (the request timed out) is dropped.
-    fn dispatch_reply(&mut self, subject: Arc<str>, reply: Option<Arc<str>>, payload: Bytes) {
+    fn dispatch_reply(
+        &mut self,
+        subject: Arc<str>,
+        reply: Option<Arc<str>>,
+        headers: Option<Bytes>,
+        payload: Bytes,
+    ) {
         let token = subject
             .rsplit('.')
             .next()
@@ -1823,6 +1862,7 @@ impl ClientLoop {
             let _ = waiting.send(Message {
                 subject,
                 reply,
+                headers,
                 payload,
             });
         }

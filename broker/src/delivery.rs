@@ -74,6 +74,9 @@ pub struct Message {
     pub subject: Arc<str>,
     /// Where to send a reply, for requests.
     pub reply: Option<Arc<str>>,
+    /// The publisher's header block (`NATS/1.0\r\nName: value\r\n\r\n`),
+    /// as it was published; see [`efabus_core::headers`].
+    pub headers: Option<Bytes>,
     pub payload: Bytes,
 }
 
@@ -142,6 +145,8 @@ struct Mark {
     subject: Option<Arc<str>>,
     /// This entry's reply subject.
     reply: Option<Arc<str>>,
+    /// This entry's header block.
+    headers: Option<Bytes>,
 }
 
 /// The part of a queue behind its lock.
@@ -251,6 +256,7 @@ impl State {
                 seq: self.head_seq.saturating_sub(1),
                 subject: Some(subject),
                 reply: None,
+                headers: None,
             });
         }
     }
@@ -423,6 +429,7 @@ impl LocalSink {
         self.push(
             SubjectArg::Owned(message.subject),
             message.reply,
+            message.headers,
             message.payload,
         )
     }
@@ -435,13 +442,20 @@ impl LocalSink {
         &self,
         subject: &Arc<str>,
         reply: Option<Arc<str>>,
+        headers: Option<Bytes>,
         payload: Bytes,
     ) -> Delivery {
-        self.push(SubjectArg::Kept(subject), reply, payload)
+        self.push(SubjectArg::Kept(subject), reply, headers, payload)
     }
 
     #[inline(always)]
-    fn push(&self, subject: SubjectArg<'_>, reply: Option<Arc<str>>, payload: Bytes) -> Delivery {
+    fn push(
+        &self,
+        subject: SubjectArg<'_>,
+        reply: Option<Arc<str>>,
+        headers: Option<Bytes>,
+        payload: Bytes,
+    ) -> Delivery {
         let queue = &*self.queue;
         let mut state = queue.state.lock();
         let mut outcome = Delivery::Queued;
@@ -456,7 +470,7 @@ impl LocalSink {
             (Some(last), SubjectArg::Owned(owned)) => **last == **owned,
             (None, _) => false,
         };
-        if !same || reply.is_some() {
+        if !same || reply.is_some() || headers.is_some() {
             let subject = (!same).then(|| {
                 let subject = match subject {
                     SubjectArg::Owned(owned) => owned,
@@ -470,6 +484,7 @@ impl LocalSink {
                 seq,
                 subject,
                 reply,
+                headers,
             });
         }
         state.push(payload);
@@ -869,6 +884,7 @@ impl Subscription {
         let seq = local.next_seq;
         local.next_seq += 1;
         let mut reply = None;
+        let mut headers = None;
         while local.marks.front().is_some_and(|mark| mark.seq <= seq) {
             if let Some(mark) = local.marks.pop_front() {
                 if let Some(subject) = mark.subject {
@@ -879,6 +895,7 @@ impl Subscription {
                 }
                 if mark.seq == seq {
                     reply = mark.reply;
+                    headers = mark.headers;
                 }
             }
         }
@@ -891,6 +908,7 @@ impl Subscription {
         Message {
             subject: local.subject.clone(),
             reply,
+            headers,
             payload,
         }
     }
@@ -955,6 +973,7 @@ mod tests {
 
     fn message(n: u8) -> Message {
         Message {
+            headers: None,
             subject: "a".into(),
             reply: None,
             payload: Bytes::from(vec![n]),
@@ -1102,11 +1121,11 @@ mod tests {
         let a: Arc<str> = Arc::from("a.one");
         let b: Arc<str> = Arc::from("b.two");
         let payload = |n: u8| Bytes::from(vec![n]);
-        sink.deliver_kept(&a, None, payload(0));
-        sink.deliver_kept(&a, None, payload(1));
-        sink.deliver_kept(&b, None, payload(2));
-        sink.deliver_kept(&b, None, payload(3));
-        sink.deliver_kept(&b, None, payload(4));
+        sink.deliver_kept(&a, None, None, payload(0));
+        sink.deliver_kept(&a, None, None, payload(1));
+        sink.deliver_kept(&b, None, None, payload(2));
+        sink.deliver_kept(&b, None, None, payload(3));
+        sink.deliver_kept(&b, None, None, payload(4));
         // 0 and 1 were discarded; 2 carried b's string, and 3 and 4 refer
         // to it.
         let got: Vec<(String, u8)> = std::iter::from_fn(|| sub.try_recv().ok())
@@ -1123,19 +1142,24 @@ mod tests {
         // The head that carried the string was discarded with the queue
         // emptied: the next entry carries it again.
         for n in 5..9 {
-            sink.deliver_kept(&a, None, payload(n));
+            sink.deliver_kept(&a, None, None, payload(n));
         }
         sink.deliver(Message {
+            headers: None,
             subject: Arc::from("c"),
             reply: Some(Arc::from("r")),
             payload: payload(9),
         });
-        sink.deliver_kept(&a, None, payload(10));
-        let got: Vec<(String, Option<String>, u8)> = std::iter::from_fn(|| sub.try_recv().ok())
+        // Headers belong to their own message only.
+        let block = Bytes::from_static(b"NATS/1.0\r\nA: 1\r\n\r\n");
+        sink.deliver_kept(&a, None, Some(block.clone()), payload(10));
+        sink.deliver_kept(&a, None, None, payload(11));
+        let got: Vec<_> = std::iter::from_fn(|| sub.try_recv().ok())
             .map(|m| {
                 (
                     m.subject.to_string(),
                     m.reply.as_deref().map(str::to_string),
+                    m.headers,
                     m.payload[0],
                 )
             })
@@ -1143,9 +1167,10 @@ mod tests {
         assert_eq!(
             got,
             [
-                ("a.one".into(), None, 8),
-                ("c".into(), Some("r".into()), 9),
-                ("a.one".into(), None, 10)
+                // 8 made room for 11 (three are kept).
+                ("c".into(), Some("r".into()), None, 9),
+                ("a.one".into(), None, Some(block), 10),
+                ("a.one".into(), None, None, 11)
             ]
         );
     }
@@ -1176,9 +1201,10 @@ mod tests {
             let reply = (next(10) == 0).then(|| format!("r.{n}"));
             let payload = Bytes::copy_from_slice(&n.to_le_bytes());
             if next(2) == 0 {
-                sink.deliver_kept(&kept[pick], reply.as_deref().map(Arc::from), payload);
+                sink.deliver_kept(&kept[pick], reply.as_deref().map(Arc::from), None, payload);
             } else {
                 sink.deliver(Message {
+                    headers: None,
                     subject: Arc::from(&*kept[pick]),
                     reply: reply.as_deref().map(Arc::from),
                     payload,
@@ -1236,7 +1262,10 @@ mod tests {
         let subject: Arc<str> = Arc::from("s");
         for n in 0..total {
             let payload = Bytes::copy_from_slice(&n.to_le_bytes());
-            assert_eq!(sink.deliver_kept(&subject, None, payload), Delivery::Queued);
+            assert_eq!(
+                sink.deliver_kept(&subject, None, None, payload),
+                Delivery::Queued
+            );
         }
         drop(sink);
         assert_eq!(reader.join().unwrap(), total);

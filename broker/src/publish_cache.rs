@@ -19,16 +19,17 @@ pub(crate) fn publish(
     shared: &Shared,
     subject: &str,
     reply: Option<Arc<str>>,
+    headers: Option<Bytes>,
     payload: Bytes,
 ) -> Result<usize, Error> {
     let generation = shared.generation.load(Ordering::Acquire);
     CACHE.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut cache) => cache.publish(shared, generation, subject, reply, payload),
+        Ok(mut cache) => cache.publish(shared, generation, subject, reply, headers, payload),
         // Only a re-entrant publish (none exists today) would find the
         // cell taken; it routes with a cache of its own.
         Err(_) => {
             let mut own = PublishCache::EMPTY;
-            own.publish(shared, generation, subject, reply, payload)
+            own.publish(shared, generation, subject, reply, headers, payload)
         }
     })
 }
@@ -63,6 +64,7 @@ impl PublishCache {
         generation: u64,
         subject: &str,
         reply: Option<Arc<str>>,
+        headers: Option<Bytes>,
         payload: Bytes,
     ) -> Result<usize, Error> {
         let last = self.last % CACHED_SUBJECTS;
@@ -73,7 +75,7 @@ impl PublishCache {
         };
         let entry = &self.entries[index];
         match &entry.subject {
-            Some(kept) => deliver_in_process(shared, kept, &entry.targets, reply, payload),
+            Some(kept) => deliver_in_process(shared, kept, &entry.targets, reply, headers, payload),
             None => Ok(0),
         }
     }

@@ -950,3 +950,53 @@ fn a_client_without_reconnection_says_why_it_could_not_connect() {
     assert!(reason.to_lowercase().contains("refused"), "{reason}");
     assert!(started.elapsed() < WAIT / 4, "{:?}", started.elapsed());
 }
+
+#[test]
+fn headers_travel_with_their_message_between_clients_and_embedded_subscribers() {
+    use efabus_core::headers::Headers;
+    for via in BOTH {
+        let (broker, endpoint) = start(via, "");
+        let publisher = connect(&endpoint);
+        let subscriber = connect(&endpoint);
+        let remote = subscriber.subscribe("h.>").expect("subscribes");
+        let local = broker.subscribe("h.>").expect("subscribes");
+        subscriber.flush(WAIT).expect("subscription registered");
+        let mut headers = Headers::new();
+        headers.insert("Trace-Id", "t-1");
+        let block = headers.to_block();
+        publisher
+            .publish_with_headers("h.one", Some("r.1"), block.clone(), "body")
+            .expect("publishes");
+        publisher.publish("h.two", "plain").expect("publishes");
+        // Order holds per publisher: the broker's own publish goes after.
+        publisher.flush(WAIT).expect("flushed");
+        broker
+            .publish_with_headers("h.three", None, block.clone(), Bytes::new())
+            .expect("publishes");
+        let mut seen = Vec::new();
+        for sub in [&remote, &local] {
+            for _ in 0..3 {
+                let message = sub.recv_timeout(WAIT).expect("message within the wait");
+                seen.push((
+                    message.subject.to_string(),
+                    message.reply.as_deref().map(str::to_string),
+                    message.headers.clone(),
+                    message.payload.clone(),
+                ));
+            }
+        }
+        let expected = [
+            ("h.one", Some("r.1"), Some(&block), "body"),
+            ("h.two", None, None, "plain"),
+            ("h.three", None, Some(&block), ""),
+        ];
+        for (got, want) in seen.chunks(3).flat_map(|c| c.iter().zip(expected.iter())) {
+            assert_eq!(got.0, want.0, "{via:?}");
+            assert_eq!(got.1.as_deref(), want.1, "{via:?}");
+            assert_eq!(got.2.as_ref(), want.2, "{via:?} headers of {}", want.0);
+            assert_eq!(&got.3[..], want.3.as_bytes(), "{via:?}");
+        }
+        let parsed = Headers::parse(seen[0].2.as_ref().expect("headers")).expect("parses");
+        assert_eq!(parsed.get("Trace-Id"), Some("t-1"));
+    }
+}

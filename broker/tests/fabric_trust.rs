@@ -183,6 +183,7 @@ fn forged_fabric_messages_are_dropped_and_counted() {
         piece(
             2,
             &Frame::Publish(Publish {
+                headers: None,
                 subject: "trust.forged".into(),
                 reply: None,
                 seq: 0,
@@ -192,6 +193,7 @@ fn forged_fabric_messages_are_dropped_and_counted() {
         piece(
             3,
             &Frame::Publish(Publish {
+                headers: None,
                 subject: "trust.forged".into(),
                 reply: None,
                 seq: 0,
@@ -209,6 +211,7 @@ fn forged_fabric_messages_are_dropped_and_counted() {
         .to_bytes(),
         // And a bare publish, outside the link's sequence.
         codec::encode(&Frame::Publish(Publish {
+            headers: None,
             subject: "trust.forged".into(),
             reply: None,
             seq: 0,
@@ -425,6 +428,7 @@ fn a_hundred_thousand_forged_senders_cost_nothing_lasting() {
     let forged = piece(
         1,
         &Frame::Publish(Publish {
+            headers: None,
             subject: "flood.forged".into(),
             reply: None,
             seq: 0,

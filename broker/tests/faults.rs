@@ -99,6 +99,7 @@ impl RawPeer {
 
     fn publish(&mut self, subject: &str, payload: &'static [u8]) {
         self.send(&Frame::Publish(Publish {
+            headers: None,
             subject: subject.to_string(),
             reply: None,
             seq: 0,
@@ -418,6 +419,7 @@ fn numbered_frame(id: u64, len: usize) -> Bytes {
         .map(|i| (id.wrapping_mul(31).wrapping_add(i as u64 * 7)) as u8)
         .collect();
     codec::encode(&Frame::Publish(Publish {
+        headers: None,
         subject: "link.test".into(),
         reply: None,
         seq: id,

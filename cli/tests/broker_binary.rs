@@ -862,6 +862,7 @@ fn declared_lengths_claim_memory_only_as_bytes_arrive() {
         .collect();
     // After the hello, a publish of 1,000,000 bytes begun with 20 KB.
     let publish = codec::encode(&Frame::Publish(frame::Publish {
+        headers: None,
         subject: "big".into(),
         reply: None,
         seq: 0,
@@ -1023,6 +1024,7 @@ fn the_error(frames: &[Frame]) -> frame::ErrorFrame {
 
 fn publish_frame(subject: &str, payload: Vec<u8>) -> Frame {
     Frame::Publish(frame::Publish {
+        headers: None,
         subject: subject.into(),
         reply: None,
         seq: 0,

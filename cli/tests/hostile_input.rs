@@ -35,6 +35,7 @@ fn seeds() -> Vec<Vec<u8>> {
             class: DeliveryClass::Reliable,
         }),
         Frame::Publish(frame::Publish {
+            headers: None,
             subject: "a.b".into(),
             reply: Some("r.1".into()),
             seq: 0,

@@ -31,7 +31,11 @@
 //! | `Run` (0x14) | nothing | whole frames, back to back |
 //!
 //! Flag bit 0 ([`FLAG_REPLY`]) says a reply subject is present (so an empty
-//! reply is distinguishable from none); other bits must be zero. Subjects
+//! reply is distinguishable from none). Flag bit 1 ([`FLAG_HEADERS`]) says
+//! the message has headers: its payload field then starts with a u32
+//! length `H`, then `H` bytes of header block (NATS's
+//! `NATS/1.0\r\n...\r\n\r\n` form, opaque here), then the body; `H` must fit
+//! the payload field. Other bits must be zero. Subjects
 //! must be UTF-8 and at most [`CodecLimits::max_subject_len`] bytes; whether
 //! they are *valid subjects* is for [`crate::subject`] to say. Payloads and
 //! fragment data are slices of the received buffer, never copies.
@@ -86,6 +90,11 @@ pub const MAX_CONTROL_BODY: usize = 64 * 1024;
 pub const MAX_OFFERS: usize = 64;
 /// Flag bit of `Publish`/`Message`: a reply subject follows the subject.
 pub const FLAG_REPLY: u8 = 0x01;
+/// Flag bit of `Publish`/`Message`: the payload field starts with a header
+/// block and its length (see the module docs).
+pub const FLAG_HEADERS: u8 = 0x02;
+/// Bytes of the header block's length in front of it.
+pub const HEADERS_PREFIX_LEN: usize = 4;
 
 /// Default largest payload of one publish: 8 MiB.
 pub const DEFAULT_MAX_PAYLOAD: usize = 8 << 20;
@@ -305,6 +314,16 @@ pub enum DecodeError {
         /// Which field.
         field: &'static str,
     },
+    /// A header block's length runs past the payload field it starts.
+    #[error("{kind} frame declares {declared} bytes of headers in a payload field of {available}")]
+    HeadersLength {
+        /// Kind of the frame.
+        kind: FrameKind,
+        /// Header bytes declared.
+        declared: u64,
+        /// Bytes of the payload field.
+        available: usize,
+    },
     /// The header's lengths do not add up to the body's length.
     #[error("{kind} header declares a body of {declared} bytes but it holds {actual}")]
     BodyLength {
@@ -469,18 +488,22 @@ pub fn encoded_len(frame: &Frame) -> Result<usize, EncodeError> {
             PUBLISH_HEADER_LEN,
             &p.subject,
             &p.reply,
-            &p.payload,
+            headers_field_len(&p.headers) + p.payload.len(),
         )?,
         Frame::Message(m) => data_frame_len(
             FrameKind::Message,
             MESSAGE_HEADER_LEN,
             &m.subject,
             &m.reply,
-            &m.payload,
+            headers_field_len(&m.headers) + m.payload.len(),
         )?,
-        Frame::Fragment(f) => {
-            data_frame_len(FrameKind::Fragment, FRAGMENT_HEADER_LEN, "", &None, &f.data)?
-        }
+        Frame::Fragment(f) => data_frame_len(
+            FrameKind::Fragment,
+            FRAGMENT_HEADER_LEN,
+            "",
+            &None,
+            f.data.len(),
+        )?,
         Frame::Credit(_) => FRAME_OVERHEAD + CREDIT_BODY_LEN,
         Frame::Run(frames) => {
             check_width(FrameKind::Run, "frames", frames.len(), MAX_RUN_LEN)?;
@@ -502,6 +525,7 @@ pub fn routed_frame_len(
     reply_len: usize,
     payload_len: usize,
 ) -> usize {
+    // `payload_len` counts a header block and its length, when there is one.
     let header = match kind {
         FrameKind::Message => MESSAGE_HEADER_LEN,
         _ => PUBLISH_HEADER_LEN,
@@ -513,17 +537,24 @@ fn reply_len(reply: &Option<String>) -> usize {
     reply.as_ref().map_or(0, String::len)
 }
 
+/// Bytes a header block takes in the payload field: its length and itself.
+fn headers_field_len(headers: &Option<Bytes>) -> usize {
+    headers
+        .as_ref()
+        .map_or(0, |block| HEADERS_PREFIX_LEN + block.len())
+}
+
 fn data_frame_len(
     kind: FrameKind,
     header: usize,
     subject: &str,
     reply: &Option<String>,
-    payload: &Bytes,
+    payload_len: usize,
 ) -> Result<usize, EncodeError> {
     check_width(kind, "subject", subject.len(), u16::MAX as usize)?;
     check_width(kind, "reply subject", reply_len(reply), u16::MAX as usize)?;
-    check_width(kind, "payload", payload.len(), u32::MAX as usize)?;
-    let total = FRAME_OVERHEAD + header + subject.len() + reply_len(reply) + payload.len();
+    check_width(kind, "payload", payload_len, u32::MAX as usize)?;
+    let total = FRAME_OVERHEAD + header + subject.len() + reply_len(reply) + payload_len;
     check_width(kind, "frame", total - PREFIX_LEN, u32::MAX as usize)?;
     Ok(total)
 }
@@ -549,24 +580,26 @@ fn check_width(
 /// payload will follow; the prefix already counts the payload.
 fn write_head(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
     match frame {
-        Frame::Publish(p) => routed_head_into(
-            out,
-            FrameKind::Publish,
-            0,
-            p.seq,
-            &p.subject,
-            p.reply.as_deref(),
-            p.payload.len(),
-        ),
-        Frame::Message(m) => routed_head_into(
-            out,
-            FrameKind::Message,
-            m.sid,
-            m.seq,
-            &m.subject,
-            m.reply.as_deref(),
-            m.payload.len(),
-        ),
+        Frame::Publish(p) => {
+            let fields = RoutedFields {
+                subject: &p.subject,
+                reply: p.reply.as_deref(),
+                headers: p.headers.is_some(),
+            };
+            let payload_len = headers_field_len(&p.headers) + p.payload.len();
+            routed_head_into(out, FrameKind::Publish, 0, p.seq, fields, payload_len)?;
+            put_headers(out, &p.headers)
+        }
+        Frame::Message(m) => {
+            let fields = RoutedFields {
+                subject: &m.subject,
+                reply: m.reply.as_deref(),
+                headers: m.headers.is_some(),
+            };
+            let payload_len = headers_field_len(&m.headers) + m.payload.len();
+            routed_head_into(out, FrameKind::Message, m.sid, m.seq, fields, payload_len)?;
+            put_headers(out, &m.headers)
+        }
         Frame::Fragment(f) => {
             encoded_len(frame)?;
             out.reserve(FRAGMENT_OVERHEAD);
@@ -582,9 +615,51 @@ fn write_head(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
     }
 }
 
+/// The length and bytes of a header block, behind a frame's head.
+fn put_headers(out: &mut BytesMut, headers: &Option<Bytes>) -> Result<(), EncodeError> {
+    if let Some(block) = headers {
+        let len = u32::try_from(block.len()).map_err(|_| EncodeError::FieldTooLong {
+            kind: FrameKind::Publish,
+            field: "headers",
+            len: block.len(),
+            max: u32::MAX as usize,
+        })?;
+        out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(block);
+    }
+    Ok(())
+}
+
+/// The subject, reply subject and headers flag of a `Publish` or `Message`
+/// frame built from parts ([`routed_head_into`], [`routed_into`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RoutedFields<'a> {
+    /// The subject.
+    pub subject: &'a str,
+    /// The reply subject, if any.
+    pub reply: Option<&'a str>,
+    /// Whether the payload field starts with a header block and its length
+    /// ([`FLAG_HEADERS`]); the caller puts them there.
+    pub headers: bool,
+}
+
+impl<'a> RoutedFields<'a> {
+    /// A subject and reply subject, without headers.
+    #[inline]
+    pub fn new(subject: &'a str, reply: Option<&'a str>) -> Self {
+        RoutedFields {
+            subject,
+            reply,
+            headers: false,
+        }
+    }
+}
+
 /// Append the head of a `Publish` or `Message` frame (prefix, kind, header,
 /// subjects) whose `payload_len` payload bytes the caller appends next, or
 /// sends behind it as a separate part. `sid` is ignored for `Publish`.
+/// With `fields.headers`, the payload field (counted in `payload_len`)
+/// must start with a header block's length and the block.
 /// Builds the same bytes as [`encode_into`] with a frame value, without one:
 /// nothing is allocated beyond room in `out`. On error `out` is unchanged.
 #[inline]
@@ -593,10 +668,14 @@ pub fn routed_head_into(
     kind: FrameKind,
     sid: u64,
     seq: u64,
-    subject: &str,
-    reply: Option<&str>,
+    fields: RoutedFields<'_>,
     payload_len: usize,
 ) -> Result<(), EncodeError> {
+    let RoutedFields {
+        subject,
+        reply,
+        headers,
+    } = fields;
     let header = match kind {
         FrameKind::Publish => PUBLISH_HEADER_LEN,
         FrameKind::Message => MESSAGE_HEADER_LEN,
@@ -630,7 +709,8 @@ pub fn routed_head_into(
         at += 8;
     }
     fixed[at..at + 8].copy_from_slice(&seq.to_le_bytes());
-    fixed[at + 8] = if reply.is_some() { FLAG_REPLY } else { 0 };
+    fixed[at + 8] =
+        if reply.is_some() { FLAG_REPLY } else { 0 } | if headers { FLAG_HEADERS } else { 0 };
     fixed[at + 9..at + 11].copy_from_slice(&(subject.len() as u16).to_le_bytes());
     fixed[at + 11..at + 13].copy_from_slice(&(reply_len as u16).to_le_bytes());
     fixed[at + 13..at + 17].copy_from_slice(&(payload_len as u32).to_le_bytes());
@@ -673,12 +753,11 @@ pub fn routed_into(
     out: &mut BytesMut,
     kind: FrameKind,
     sid: u64,
-    subject: &str,
-    reply: Option<&str>,
+    fields: RoutedFields<'_>,
     payload: &[u8],
 ) -> Result<(), EncodeError> {
-    out.reserve(FRAME_OVERHEAD + MESSAGE_HEADER_LEN + subject.len() + payload.len());
-    routed_head_into(out, kind, sid, 0, subject, reply, payload.len())?;
+    out.reserve(FRAME_OVERHEAD + MESSAGE_HEADER_LEN + fields.subject.len() + payload.len());
+    routed_head_into(out, kind, sid, 0, fields, payload.len())?;
     out.extend_from_slice(payload);
     Ok(())
 }
@@ -967,20 +1046,57 @@ pub struct RoutedView<'a> {
     pub subject: &'a str,
     /// The reply subject, if the frame has one.
     pub reply: Option<&'a str>,
-    /// The payload.
+    /// Whether `payload` starts with a header block and its length
+    /// ([`FLAG_HEADERS`]; checked to fit).
+    pub headers: bool,
+    /// The payload field as on the wire: with `headers`, the header
+    /// block's length and the block come before the body (see
+    /// [`RoutedView::headers_and_body`]). Routers pass it on whole.
     pub payload: &'a [u8],
     /// Where the payload starts in the frame (prefix included), for
     /// slicing it out of the frame's `Bytes` without a copy.
     pub payload_at: usize,
 }
 
-impl RoutedView<'_> {
+impl<'a> RoutedView<'a> {
     /// The payload as a slice of `frame`, the buffer this view was read
     /// from: shared, not copied.
     #[inline]
     pub fn payload_of(&self, frame: &Bytes) -> Bytes {
         frame.slice(self.payload_at..self.payload_at + self.payload.len())
     }
+
+    /// The header block (when the frame has one) and the body.
+    #[inline]
+    pub fn headers_and_body(&self) -> (Option<&'a [u8]>, &'a [u8]) {
+        if !self.headers {
+            return (None, self.payload);
+        }
+        split_headers(self.payload)
+            .map_or((None, self.payload), |(block, body)| (Some(block), body))
+    }
+}
+
+/// The payload field of a message with headers: the block's length, the
+/// block, the body (copied into one buffer).
+pub fn join_headers(block: &[u8], body: &[u8]) -> Bytes {
+    let mut field = BytesMut::with_capacity(HEADERS_PREFIX_LEN + block.len() + body.len());
+    // Header blocks come from frames or NATS lines far below 4 GiB; one
+    // that is not is cut to what the field can say, and fails to decode.
+    field.extend_from_slice(&(block.len().min(u32::MAX as usize) as u32).to_le_bytes());
+    field.extend_from_slice(block);
+    field.extend_from_slice(body);
+    field.freeze()
+}
+
+/// A payload field with [`FLAG_HEADERS`] as its header block and body, or
+/// `None` when its length prefix does not fit it.
+#[inline]
+pub fn split_headers(field: &[u8]) -> Option<(&[u8], &[u8])> {
+    let prefix = field.first_chunk::<HEADERS_PREFIX_LEN>()?;
+    let len = u32::from_le_bytes(*prefix) as usize;
+    let rest = &field[HEADERS_PREFIX_LEN..];
+    (len <= rest.len()).then(|| rest.split_at(len))
 }
 
 /// Read a whole frame (prefix included, as endpoints deliver them) without
@@ -1040,7 +1156,7 @@ fn routed_view<'a>(
     let field = |from: usize, to: usize| &fixed[from..to];
     let seq = u64::from_le_bytes(field(0, 8).try_into().unwrap_or_default());
     let flags = fixed[8];
-    if flags & !FLAG_REPLY != 0 {
+    if flags & !(FLAG_REPLY | FLAG_HEADERS) != 0 {
         return Err(DecodeError::UnknownFlags { kind, flags });
     }
     let subject_len = usize::from(u16::from_le_bytes([fixed[9], fixed[10]]));
@@ -1077,6 +1193,19 @@ fn routed_view<'a>(
     let subject = &body[header..subject_end];
     let reply = &body[subject_end..reply_end];
     let payload = &body[reply_end..];
+    let headers = flags & FLAG_HEADERS != 0;
+    if headers && split_headers(payload).is_none() {
+        let declared = payload
+            .first_chunk::<HEADERS_PREFIX_LEN>()
+            .map_or(HEADERS_PREFIX_LEN as u64, |raw| {
+                u64::from(u32::from_le_bytes(*raw))
+            });
+        return Err(DecodeError::HeadersLength {
+            kind,
+            declared,
+            available: payload.len(),
+        });
+    }
     let subject = if subject == known.as_bytes() {
         known
     } else {
@@ -1093,6 +1222,7 @@ fn routed_view<'a>(
         seq,
         subject,
         reply,
+        headers,
         payload,
         payload_at: FRAME_OVERHEAD + reply_end,
     })
@@ -1110,7 +1240,18 @@ fn decode_routed(
     limits: &CodecLimits,
 ) -> Result<Frame, DecodeError> {
     let view = routed_view(kind, &frame[FRAME_OVERHEAD..], limits, "")?;
-    let payload = view.payload_of(frame);
+    let field = view.payload_of(frame);
+    let (headers, payload) = match view.headers_and_body() {
+        (Some(block), body) => {
+            let block_at = HEADERS_PREFIX_LEN;
+            let body_at = field.len() - body.len();
+            (
+                Some(field.slice(block_at..block_at + block.len())),
+                field.slice(body_at..),
+            )
+        }
+        (None, _) => (None, field),
+    };
     let subject = view.subject.to_owned();
     let reply = view.reply.map(str::to_owned);
     Ok(if kind == FrameKind::Message {
@@ -1119,6 +1260,7 @@ fn decode_routed(
             subject,
             reply,
             seq: view.seq,
+            headers,
             payload,
         })
     } else {
@@ -1126,6 +1268,7 @@ fn decode_routed(
             subject,
             reply,
             seq: view.seq,
+            headers,
             payload,
         })
     })
@@ -1477,6 +1620,7 @@ mod tests {
     #[test]
     fn publish_layout_is_as_documented() {
         let frame = Frame::Publish(Publish {
+            headers: None,
             subject: "a.b".into(),
             reply: Some("r".into()),
             seq: 7,
@@ -1502,6 +1646,7 @@ mod tests {
     #[test]
     fn payload_is_sliced_not_copied() {
         let frame = Frame::Message(Message {
+            headers: None,
             sid: 1,
             subject: "s".into(),
             reply: None,
@@ -1519,6 +1664,7 @@ mod tests {
     #[test]
     fn oversized_subject_is_an_encode_error() {
         let frame = Frame::Publish(Publish {
+            headers: None,
             subject: "x".repeat(70_000),
             reply: None,
             seq: 0,
@@ -1578,12 +1724,26 @@ mod tests {
     #[test]
     fn message_sid_reads_what_set_message_sid_wrote() {
         let mut out = BytesMut::new();
-        routed_into(&mut out, FrameKind::Message, 3, "s", None, b"x").expect("encodes");
+        routed_into(
+            &mut out,
+            FrameKind::Message,
+            3,
+            RoutedFields::new("s", None),
+            b"x",
+        )
+        .expect("encodes");
         assert_eq!(message_sid(&out), Some(3));
         set_message_sid(&mut out, 1 << 40);
         assert_eq!(message_sid(&out), Some(1 << 40));
         let mut publish = BytesMut::new();
-        routed_into(&mut publish, FrameKind::Publish, 0, "s", None, b"x").expect("encodes");
+        routed_into(
+            &mut publish,
+            FrameKind::Publish,
+            0,
+            RoutedFields::new("s", None),
+            b"x",
+        )
+        .expect("encodes");
         assert_eq!(message_sid(&publish), None, "not a message");
         assert_eq!(message_sid(&out[..FRAME_OVERHEAD + 4]), None, "too short");
     }
@@ -1595,6 +1755,7 @@ mod tests {
     #[test]
     fn a_run_is_its_frames_behind_a_head_and_opens_into_them() {
         let publish = encode(&Frame::Publish(Publish {
+            headers: None,
             subject: "a".into(),
             reply: None,
             seq: 1,

@@ -13,7 +13,7 @@ use crate::caps::Offer;
 
 /// Version of the wire protocol spoken by this build. A peer whose hello
 /// carries another major version is refused with [`ErrorCode::Version`].
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 
 /// How a subscription wants its messages carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -122,6 +122,9 @@ pub struct Publish {
     pub reply: Option<String>,
     /// Per-publisher sequence number; 0 when the link does not need one.
     pub seq: u64,
+    /// A header block in NATS's form (`NATS/1.0\r\nName: value\r\n\r\n`),
+    /// carried as it is; `None` for a message without headers.
+    pub headers: Option<Bytes>,
     /// The message body, opaque to efabus.
     pub payload: Bytes,
 }
@@ -137,6 +140,8 @@ pub struct Message {
     pub reply: Option<String>,
     /// Per-link sequence number; 0 when the link does not need one.
     pub seq: u64,
+    /// The publisher's header block, if it gave one.
+    pub headers: Option<Bytes>,
     /// The message body, as published.
     pub payload: Bytes,
 }

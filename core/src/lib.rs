@@ -8,7 +8,8 @@
 //! - [`index`]: the subscription index (token trie, literal cache, queue groups).
 //! - [`caps`]: the capability model mirroring libfabric's `fi_info`, its
 //!   `fi_info -v` printer and parser, hint matching and peer negotiation.
-//! - [`frame`] and [`codec`]: the wire frames and their encoding.
+//! - [`frame`] and [`codec`]: the wire frames and their encoding;
+//!   [`headers`]: message header blocks in NATS's form.
 //! - [`fragment`] and [`reorder`]: link logic for small-MTU and unordered links.
 //! - [`link`]: the link layer built on them: what a session sends and
 //!   receives over endpoints that reorder, limit message size or lose messages.
@@ -25,6 +26,7 @@ pub mod codec;
 pub mod credit;
 pub mod fragment;
 pub mod frame;
+pub mod headers;
 pub mod index;
 pub mod link;
 pub mod log_limit;

@@ -50,8 +50,9 @@ fn assert_view_agrees(bytes: &Bytes, limits: &CodecLimits) {
                 (view.subject, view.reply),
                 (&p.subject[..], p.reply.as_deref())
             );
-            assert_eq!((view.seq, view.payload), (p.seq, &p.payload[..]));
-            assert_eq!(view.payload_of(bytes), p.payload);
+            assert_eq!(view.seq, p.seq);
+            let parts = (p.headers.as_deref(), &p.payload[..]);
+            assert_eq!(view.headers_and_body(), parts);
         }
         (Ok(Frame::Message(m)), Ok(Some(view))) => {
             assert_eq!(view.kind, FrameKind::Message);
@@ -60,7 +61,8 @@ fn assert_view_agrees(bytes: &Bytes, limits: &CodecLimits) {
                 (&m.subject[..], m.reply.as_deref())
             );
             assert_eq!((view.sid, view.seq), (m.sid, m.seq));
-            assert_eq!(view.payload_of(bytes), m.payload);
+            let parts = (m.headers.as_deref(), &m.payload[..]);
+            assert_eq!(view.headers_and_body(), parts);
         }
         (Ok(Frame::Publish(_) | Frame::Message(_)), _) => {
             panic!("decoded as a data frame but peeked as {peeked:?}")
@@ -320,6 +322,7 @@ fn control_body_limits_hold() {
 #[test]
 fn encode_refuses_fields_wider_than_the_wire() {
     let frame = Frame::Publish(Publish {
+        headers: None,
         subject: "s".into(),
         reply: Some("r".repeat(usize::from(u16::MAX) + 1)),
         seq: 0,

@@ -6,8 +6,8 @@ mod codec_common;
 use bytes::BytesMut;
 use codec_common::frame;
 use efabus_core::codec::{
-    decode, encode, encode_into, encoded_len, peek_routed, routed_head_into, routed_into,
-    set_message_sid, CodecLimits, FrameKind, FrameReader,
+    decode, encode, encode_into, encoded_len, join_headers, peek_routed, routed_head_into,
+    routed_into, set_message_sid, CodecLimits, FrameKind, FrameReader, RoutedFields,
 };
 use efabus_core::frame::{Frame, Message, Publish};
 use proptest::prelude::*;
@@ -53,30 +53,38 @@ proptest! {
         // Publish and message frames built from borrowed parts are the same
         // bytes, and read back in place to the same fields.
         let parts = match &frame {
-            Frame::Publish(p) => Some((FrameKind::Publish, 0, p.seq, &p.subject, &p.reply, &p.payload)),
-            Frame::Message(m) => Some((FrameKind::Message, m.sid, m.seq, &m.subject, &m.reply, &m.payload)),
+            Frame::Publish(p) => Some((FrameKind::Publish, 0, p.seq, &p.subject, &p.reply, &p.headers, &p.payload)),
+            Frame::Message(m) => Some((FrameKind::Message, m.sid, m.seq, &m.subject, &m.reply, &m.headers, &m.payload)),
             _ => None,
         };
         match parts {
-            Some((kind, sid, seq, subject, reply, payload)) => {
+            Some((kind, sid, seq, subject, reply, headers, payload)) => {
+                // The payload field: a header block (with its length) joined
+                // in front of the body, or the body alone.
+                let field = match headers {
+                    Some(block) => join_headers(block, payload),
+                    None => payload.clone(),
+                };
+                let fields = RoutedFields { subject, reply: reply.as_deref(), headers: headers.is_some() };
                 let mut built = BytesMut::from(&b"keep"[..]);
-                routed_head_into(&mut built, kind, sid, seq, subject, reply.as_deref(), payload.len())
+                routed_head_into(&mut built, kind, sid, seq, fields, field.len())
                     .expect("fits the wire");
-                built.extend_from_slice(payload);
+                built.extend_from_slice(&field);
                 prop_assert_eq!(&built[4..], &wire[..]);
                 let view = peek_routed(&wire, &limits).expect("valid").expect("a data frame");
                 prop_assert_eq!((view.kind, view.sid, view.seq), (kind, sid, seq));
                 prop_assert_eq!((view.subject, view.reply), (&subject[..], reply.as_deref()));
-                prop_assert_eq!(&view.payload_of(&wire), payload);
+                prop_assert_eq!(&view.payload_of(&wire), &field);
+                prop_assert_eq!(view.headers_and_body(), (headers.as_deref(), &payload[..]));
                 if seq == 0 {
                     let mut whole = BytesMut::new();
-                    routed_into(&mut whole, kind, sid, subject, reply.as_deref(), payload)
+                    routed_into(&mut whole, kind, sid, fields, &field)
                         .expect("fits the wire");
                     prop_assert_eq!(&whole[..], &wire[..]);
                     if kind == FrameKind::Message {
                         // Encoded for one subscription, re-addressed to another.
                         let mut other = BytesMut::new();
-                        routed_into(&mut other, kind, sid ^ 1, subject, reply.as_deref(), payload)
+                        routed_into(&mut other, kind, sid ^ 1, fields, &field)
                             .expect("fits the wire");
                         set_message_sid(&mut other, sid);
                         prop_assert_eq!(&other[..], &wire[..]);

@@ -30,6 +30,7 @@ fn bases() -> &'static [Vec<u8>] {
                 subject: "orders.eu.new".into(),
                 reply: Some("_INBOX.1".into()),
                 seq: 7,
+                headers: Some(Bytes::from_static(b"NATS/1.0\r\nA: b\r\n\r\n")),
                 payload: Bytes::from_static(b"payload"),
             }),
             Frame::Message(Message {
@@ -37,6 +38,7 @@ fn bases() -> &'static [Vec<u8>] {
                 subject: "a.b".into(),
                 reply: None,
                 seq: 1,
+                headers: None,
                 payload: Bytes::from_static(b"xyz"),
             }),
             Frame::Fragment(Fragment {
@@ -142,13 +144,16 @@ fuzz_target!(|data: &[u8]| {
             (Ok(Frame::Publish(p)), Ok(Some(view))) => {
                 assert_eq!(view.subject, p.subject);
                 assert_eq!(view.reply, p.reply.as_deref());
-                assert_eq!((view.seq, view.payload), (p.seq, &p.payload[..]));
+                assert_eq!(view.seq, p.seq);
+                let parts = (p.headers.as_deref(), &p.payload[..]);
+                assert_eq!(view.headers_and_body(), parts);
             }
             (Ok(Frame::Message(m)), Ok(Some(view))) => {
                 assert_eq!(view.subject, m.subject);
                 assert_eq!(view.reply, m.reply.as_deref());
                 assert_eq!((view.sid, view.seq), (m.sid, m.seq));
-                assert_eq!(view.payload, &m.payload[..]);
+                let parts = (m.headers.as_deref(), &m.payload[..]);
+                assert_eq!(view.headers_and_body(), parts);
             }
             (Ok(Frame::Publish(_) | Frame::Message(_)), _) => panic!("view refused {decoded:?}"),
             (Ok(_), Ok(None)) => {}

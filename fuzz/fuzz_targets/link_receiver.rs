@@ -26,6 +26,7 @@ const MAX_BYTES: usize = 8 << 10;
 fn frame(id: u64) -> Bytes {
     let len = [0usize, 40, 300, 700][(id % 4) as usize];
     codec::encode(&Frame::Publish(Publish {
+        headers: None,
         subject: "fuzz.link".into(),
         reply: None,
         seq: id,

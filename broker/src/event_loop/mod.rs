@@ -26,7 +26,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use bytes::{Bytes, BytesMut};
 use crossbeam_channel::{Receiver, Sender};
 use efabus_core::caps::Offer;
-use efabus_core::codec::{self, CodecLimits, FrameKind, PREFIX_LEN};
+use efabus_core::codec::{self, CodecLimits, FrameKind, RoutedFields, PREFIX_LEN};
 use efabus_core::credit::CREDIT_DELAY;
 use efabus_core::frame::{DeliveryClass, Dropped, ErrorCode, ErrorFrame, Frame, Goodbye};
 use efabus_core::link::{LinkError, LinkTuning};
@@ -199,15 +199,64 @@ pub(super) struct Restricted {
 /// buffer's reference count.
 #[derive(Clone, Copy)]
 struct Payload<'a> {
+    /// The payload field as on the wire: with `headers`, the header
+    /// block's length and the block come first.
     bytes: &'a [u8],
     frame: &'a Bytes,
     /// Where `bytes` start in `frame`.
     at: usize,
+    headers: bool,
 }
 
-impl Payload<'_> {
+impl<'a> Payload<'a> {
+    /// The payload field of a decoded message: its body alone, or (with
+    /// headers) the header block joined in front of it, in `joined`.
+    fn of_parts(headers: &Option<Bytes>, body: &'a Bytes, joined: &'a mut Bytes) -> Self {
+        let Some(block) = headers else {
+            return Payload {
+                bytes: body,
+                frame: body,
+                at: 0,
+                headers: false,
+            };
+        };
+        *joined = codec::join_headers(block, body);
+        let joined: &'a Bytes = joined;
+        Payload {
+            bytes: joined,
+            frame: joined,
+            at: 0,
+            headers: true,
+        }
+    }
+
     fn to_bytes(self) -> Bytes {
         self.frame.slice(self.at..self.at + self.bytes.len())
+    }
+
+    /// The header block (if any) and the body, shared with the frame.
+    fn split(self) -> (Option<Bytes>, Bytes) {
+        let field = self.to_bytes();
+        if !self.headers {
+            return (None, field);
+        }
+        match codec::split_headers(&field) {
+            Some((block, body)) => {
+                let body_at = field.len() - body.len();
+                let block =
+                    field.slice(codec::HEADERS_PREFIX_LEN..codec::HEADERS_PREFIX_LEN + block.len());
+                (Some(block), field.slice(body_at..))
+            }
+            None => (None, field),
+        }
+    }
+
+    fn fields<'s>(self, subject: &'s str, reply: Option<&'s str>) -> RoutedFields<'s> {
+        RoutedFields {
+            subject,
+            reply,
+            headers: self.headers,
+        }
     }
 }
 
@@ -562,11 +611,9 @@ impl EventLoop {
                 Command::Deliver { targets, message } => {
                     // Announcements made before this publish go first.
                     self.sync_interest();
-                    let payload = Payload {
-                        bytes: &message.payload,
-                        frame: &message.payload,
-                        at: 0,
-                    };
+                    let mut joined = Bytes::new();
+                    let payload =
+                        Payload::of_parts(&message.headers, &message.payload, &mut joined);
                     self.encoded_valid = false;
                     for target in targets {
                         self.deliver_remote(
@@ -901,6 +948,7 @@ impl EventLoop {
                         bytes: view.payload,
                         frame: &bytes,
                         at: view.payload_at,
+                        headers: view.headers,
                     };
                     if route {
                         self.on_route_message(id, view.sid, view.subject, view.reply, payload);
@@ -1015,7 +1063,15 @@ impl EventLoop {
             }
         }
         let max_payload = self.shared.live.max_payload();
-        if !self.payload_allowed(id, payload.bytes.len(), max_payload) {
+        // Headers count with the body, as NATS counts them; their length
+        // prefix does not.
+        let len = payload.bytes.len()
+            - if payload.headers {
+                codec::HEADERS_PREFIX_LEN
+            } else {
+                0
+            };
+        if !self.payload_allowed(id, len, max_payload) {
             return;
         }
         // The lookup validates the subject (the index caches valid ones).
@@ -1052,10 +1108,12 @@ impl EventLoop {
         }
         self.tally.messages_in += 1;
         if !self.targets.local.is_empty() {
+            let (headers, body) = payload.split();
             let message = Message {
                 subject: Arc::from(subject),
                 reply: reply.map(Arc::from),
-                payload: payload.to_bytes(),
+                headers,
+                payload: body,
             };
             deliver_local(&self.shared, &mut self.targets, &message);
         }
@@ -1120,8 +1178,7 @@ impl EventLoop {
                     &mut self.encoded,
                     FrameKind::Message,
                     0,
-                    subject,
-                    reply,
+                    payload.fields(subject, reply),
                     payload.bytes,
                 );
                 if let Err(err) = encoded {
@@ -1152,8 +1209,7 @@ impl EventLoop {
             FrameKind::Message,
             target.sid,
             0,
-            subject,
-            reply,
+            payload.fields(subject, reply),
             payload.bytes.len(),
         );
         if let Err(err) = encoded {

@@ -4,6 +4,7 @@
 //! The session decides; the loop sends what it answers and keeps the
 //! tables that span sessions (which endpoint address is whose).
 
+use bytes::Bytes;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
@@ -464,16 +465,11 @@ impl EventLoop {
             (SessionState::AwaitHello { .. }, Frame::Hello(hello)) => self.on_hello(id, hello),
             // A broker dialing in says it is one (see `route.rs`).
             (SessionState::Ready, Frame::Route(hello)) => self.on_route_hello(id, hello),
-            (SessionState::Ready, Frame::Publish(publish)) => self.on_publish(
-                id,
-                &publish.subject,
-                publish.reply.as_deref(),
-                Payload {
-                    bytes: &publish.payload,
-                    frame: &publish.payload,
-                    at: 0,
-                },
-            ),
+            (SessionState::Ready, Frame::Publish(publish)) => {
+                let mut joined = Bytes::new();
+                let payload = Payload::of_parts(&publish.headers, &publish.payload, &mut joined);
+                self.on_publish(id, &publish.subject, publish.reply.as_deref(), payload)
+            }
             (SessionState::Ready, Frame::Subscribe(subscribe)) => self.on_subscribe(id, subscribe),
             (SessionState::Ready, Frame::Unsubscribe { sid }) => self.on_unsubscribe(id, sid),
             (_, other) => return Some(other),

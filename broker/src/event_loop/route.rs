@@ -33,6 +33,7 @@
 //! ever sent over the one link in use. A broker does not redial an address
 //! that led to a broker it already has a route to.
 
+use bytes::Bytes;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -514,11 +515,8 @@ impl EventLoop {
                 self.on_route_peers(peers.addresses)
             }
             (SessionState::Ready, Frame::Message(message)) if up => {
-                let payload = Payload {
-                    bytes: &message.payload,
-                    frame: &message.payload,
-                    at: 0,
-                };
+                let mut joined = Bytes::new();
+                let payload = Payload::of_parts(&message.headers, &message.payload, &mut joined);
                 let reply = message.reply.as_deref();
                 self.on_route_message(id, message.sid, &message.subject, reply, payload);
             }

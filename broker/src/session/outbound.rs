@@ -852,8 +852,14 @@ mod tests {
     fn a_batch_is_handed_on_as_one_run_of_its_messages() {
         let mut batch = Batch::default();
         let mut encoded = BytesMut::new();
-        codec::routed_into(&mut encoded, codec::FrameKind::Message, 0, "s", None, b"x")
-            .expect("encodes");
+        codec::routed_into(
+            &mut encoded,
+            codec::FrameKind::Message,
+            0,
+            codec::RoutedFields::new("s", None),
+            b"x",
+        )
+        .expect("encodes");
         assert!(batch.push(&encoded, 7), "the first message opens the batch");
         assert!(!batch.push(&encoded, 8));
         let run = batch.take().expect("a run");
@@ -871,8 +877,7 @@ mod tests {
                 &mut encoded,
                 codec::FrameKind::Message,
                 sid,
-                "s",
-                None,
+                codec::RoutedFields::new("s", None),
                 &[0; 40],
             )
             .expect("encodes");

@@ -230,23 +230,29 @@ pub fn frame() -> impl Strategy<Value = Frame> {
             subject(),
             proptest::option::of(subject()),
             any::<u64>(),
+            proptest::option::of(payload()),
             payload()
         )
-            .prop_map(|(subject, reply, seq, payload)| Frame::Publish(Publish {
-                subject,
-                reply,
-                seq,
-                payload
-            })),
+            .prop_map(
+                |(subject, reply, seq, headers, payload)| Frame::Publish(Publish {
+                    headers,
+                    subject,
+                    reply,
+                    seq,
+                    payload
+                })
+            ),
         (
             any::<u64>(),
             subject(),
             proptest::option::of(subject()),
             any::<u64>(),
+            proptest::option::of(payload()),
             payload()
         )
             .prop_map(
-                |(sid, subject, reply, seq, payload)| Frame::Message(Message {
+                |(sid, subject, reply, seq, headers, payload)| Frame::Message(Message {
+                    headers,
                     sid,
                     subject,
                     reply,
