@@ -154,6 +154,9 @@ pub struct ClientOptions {
     /// server asks for a client certificate. `verify_clients` is a
     /// server's setting and does nothing here.
     pub tls: crate::config::Tls,
+    /// Whether this client's own subscriptions receive what it publishes
+    /// (true by default, as in NATS).
+    pub echo: bool,
 }
 
 impl ClientOptions {
@@ -242,6 +245,7 @@ impl Default for ClientOptions {
             faults: None,
             max_link_memory: 512 << 20,
             tls: crate::config::Tls::default(),
+            echo: true,
         }
     }
 }
@@ -996,6 +1000,13 @@ impl Client {
                 crossbeam_channel::RecvTimeoutError::Timeout => Error::Timeout(timeout),
             })
         });
+        // The server's answer when no subscription matched the request.
+        let result = result.and_then(|reply| match &reply.headers {
+            Some(block) if reply.payload.is_empty() && is_no_responders(block) => {
+                Err(Error::NoResponders(subject.to_string()))
+            }
+            _ => Ok(reply),
+        });
         self.shared.replies.lock().remove(&token);
         result
     }
@@ -1635,6 +1646,9 @@ impl ClientLoop {
             (None, None, None) => (None, None),
         };
         let hello = Frame::Hello(Hello {
+            no_echo: !options.echo,
+            // A request nothing answers fails at once (see `request`).
+            no_responders: true,
             version: PROTOCOL_VERSION,
             name: options.name.clone(),
             credentials,
@@ -2232,6 +2246,12 @@ fn subscribe_frame(sid: u64, sub: &ClientSub) -> OutFrame {
         queue: sub.queue.clone(),
         class: sub.class,
     }))
+}
+
+/// Whether a header block is the status a server answers a request with
+/// when nothing is subscribed to its subject.
+fn is_no_responders(block: &[u8]) -> bool {
+    efabus_core::headers::Headers::parse(block).is_ok_and(|h| h.status() == Some(503))
 }
 
 #[cfg(test)]

@@ -293,12 +293,19 @@ fn request_reply_across_the_link() {
         assert_eq!(&answer.payload[..], b"-6", "{via:?}");
         responder.join().unwrap();
 
-        // Nobody answers: the client times out.
+        // Nobody is subscribed: the server says so at once.
+        assert!(matches!(
+            requester.request("svc.none", Bytes::new(), WAIT),
+            Err(Error::NoResponders(subject)) if subject == "svc.none"
+        ));
+        // A responder that does not answer: the client times out.
+        let silent = broker.subscribe("svc.silent").unwrap();
         let short = Duration::from_millis(100);
         assert!(matches!(
-            requester.request("svc.none", Bytes::new(), short),
+            requester.request("svc.silent", Bytes::new(), short),
             Err(Error::Timeout(after)) if after == short
         ));
+        drop(silent);
     }
 }
 
@@ -998,5 +1005,49 @@ fn headers_travel_with_their_message_between_clients_and_embedded_subscribers() 
         }
         let parsed = Headers::parse(seen[0].2.as_ref().expect("headers")).expect("parses");
         assert_eq!(parsed.get("Trace-Id"), Some("t-1"));
+    }
+}
+
+#[test]
+fn a_request_nobody_answers_fails_at_once_and_echo_can_be_turned_off() {
+    for via in BOTH {
+        let (_broker, endpoint) = start(via, "");
+        let client = connect(&endpoint);
+        // Well within the wait: the server answers for the missing responder.
+        let started = Instant::now();
+        match client.request("nobody.home", "x", WAIT) {
+            Err(Error::NoResponders(subject)) => assert_eq!(subject, "nobody.home"),
+            other => panic!("{via:?}: expected no responders, got {other:?}"),
+        }
+        assert!(started.elapsed() < WAIT, "{via:?}: answered, not timed out");
+
+        let quiet = Client::connect_with(
+            &endpoint,
+            ClientOptions {
+                echo: false,
+                ..options()
+            },
+            Registry::with_builtins(),
+        )
+        .expect("connects");
+        let own = quiet.subscribe("echo.>").expect("subscribes");
+        let other = client.subscribe("echo.>").expect("subscribes");
+        client.flush(WAIT).expect("flushed");
+        quiet.flush(WAIT).expect("flushed");
+        quiet.publish("echo.one", "from quiet").expect("publishes");
+        client
+            .publish("echo.two", "from client")
+            .expect("publishes");
+        quiet.flush(WAIT).expect("flushed");
+        client.flush(WAIT).expect("flushed");
+        assert_eq!(recv(&other), "echo.one:from quiet", "{via:?}");
+        assert_eq!(recv(&other), "echo.two:from client", "{via:?}");
+        assert_eq!(recv(&own), "echo.two:from client", "{via:?}: not its own");
+        quiet.flush(WAIT).expect("flushed");
+        assert_eq!(
+            own.try_recv().map(|m| text(&m)),
+            Err(RecvError::Empty),
+            "{via:?}"
+        );
     }
 }

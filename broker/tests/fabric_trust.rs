@@ -313,6 +313,8 @@ fn a_hello_naming_another_clients_address_takes_nothing_over() {
     let mut key_share = [0u8; 32];
     key_share[0] = 9;
     impostor.send(&Frame::Hello(efabus_core::frame::Hello {
+        no_echo: false,
+        no_responders: false,
         version: efabus_core::frame::PROTOCOL_VERSION,
         name: "impostor".into(),
         credentials: None,
@@ -521,6 +523,8 @@ fn hello_from(
     let secret = LinkSecret::new().expect("a secret");
     let mut raw = Raw::connect(broker);
     raw.send(&Frame::Hello(efabus_core::frame::Hello {
+        no_echo: false,
+        no_responders: false,
         version: efabus_core::frame::PROTOCOL_VERSION,
         name: name.into(),
         credentials: None,

@@ -87,6 +87,8 @@ impl RawPeer {
 
     fn hello(&mut self, name: &str) {
         self.send(&Frame::Hello(Hello {
+            no_echo: false,
+            no_responders: false,
             version: PROTOCOL_VERSION,
             name: name.to_string(),
             credentials: None,

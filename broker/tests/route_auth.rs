@@ -87,6 +87,8 @@ fn ask_for_a_route_as(
     seeded: bool,
 ) {
     raw.send(&Frame::Hello(Hello {
+        no_echo: false,
+        no_responders: false,
         version: PROTOCOL_VERSION,
         name: "posing-as-a-broker".into(),
         credentials: credentials.map(str::to_string),

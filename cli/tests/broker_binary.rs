@@ -287,6 +287,8 @@ impl Raw {
 
     fn hello(&mut self) {
         self.send(&Frame::Hello(Hello {
+            no_echo: false,
+            no_responders: false,
             version: PROTOCOL_VERSION,
             name: "raw".into(),
             credentials: None,
@@ -919,6 +921,8 @@ fn repeated_failed_authentications_lock_the_address_out_for_a_while() {
     let attempt = |secret: &str| {
         let mut raw = Raw::connect(&server);
         raw.send(&Frame::Hello(Hello {
+            no_echo: false,
+            no_responders: false,
             version: PROTOCOL_VERSION,
             name: "guesser".into(),
             credentials: Some(secret.into()),
@@ -1142,6 +1146,8 @@ fn a_wrong_protocol_version_gets_the_version_error() {
     let server = Server::start("");
     let mut raw = Raw::connect(&server);
     raw.send(&Frame::Hello(Hello {
+        no_echo: false,
+        no_responders: false,
         version: PROTOCOL_VERSION + 1,
         name: "future".into(),
         credentials: None,

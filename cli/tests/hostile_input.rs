@@ -20,6 +20,8 @@ const WAIT: Duration = Duration::from_secs(10);
 fn seeds() -> Vec<Vec<u8>> {
     let frames = [
         Frame::Hello(Hello {
+            no_echo: false,
+            no_responders: false,
             version: PROTOCOL_VERSION,
             name: "fuzz".into(),
             credentials: None,

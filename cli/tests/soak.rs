@@ -245,6 +245,8 @@ fn thousand_idle_connections_with_ten_thousand_subscriptions() {
         let mut stream = std::net::TcpStream::connect(&server.address).unwrap();
         let mut bytes = efabus::core::codec::encode(&efabus::core::frame::Frame::Hello(
             efabus::core::frame::Hello {
+                no_echo: false,
+                no_responders: false,
                 version: efabus::core::frame::PROTOCOL_VERSION,
                 name: format!("idle-{c}"),
                 credentials: None,

@@ -1394,6 +1394,8 @@ fn other_version_hello(body: &[u8]) -> Option<Frame> {
     let version = u16::decode(&mut DecoderImpl::new(&mut reader, config, ())).ok()?;
     (version != PROTOCOL_VERSION).then(|| {
         Frame::Hello(Hello {
+            no_echo: false,
+            no_responders: false,
             version,
             name: String::new(),
             credentials: None,
@@ -1425,7 +1427,11 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
             let proof = serde_value::<Option<SecretProof>, D>(kind, de)?;
             let offers = decode_offers(kind, de)?;
             let link_auth = serde_value::<Option<LinkAuth>, D>(kind, de)?;
+            let no_echo = bool::decode(de).map_err(err)?;
+            let no_responders = bool::decode(de).map_err(err)?;
             Frame::Hello(Hello {
+                no_echo,
+                no_responders,
                 version,
                 name,
                 user,

@@ -46,6 +46,13 @@ pub struct Hello {
     /// This side's part of the keys of the data links; data links open
     /// only when both sides give one.
     pub link_auth: Option<LinkAuth>,
+    /// Messages this connection publishes are not delivered to its own
+    /// subscriptions (NATS's `echo: false`).
+    pub no_echo: bool,
+    /// A request (a publish with a reply subject) that no subscription
+    /// matches is answered at once on its reply subject with a message
+    /// whose headers say status 503 (NATS's `no_responders`).
+    pub no_responders: bool,
 }
 
 /// One side's part in agreeing the keys of a session's data links: an

@@ -64,6 +64,8 @@ fn setup() -> &'static Setup {
                 key_share: [9; 32],
                 link_id: 7,
             }),
+            no_echo: false,
+            no_responders: false,
         }))
         .to_bytes()
         .to_vec();

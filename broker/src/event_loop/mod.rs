@@ -1107,6 +1107,19 @@ impl EventLoop {
             return;
         }
         self.tally.messages_in += 1;
+        let (no_echo, no_responders) = self
+            .sessions
+            .get(&id)
+            .map_or((false, false), |s| (s.no_echo, s.no_responders));
+        if no_echo {
+            self.targets.remote.retain(|target| target.owner != id);
+        }
+        if let (true, Some(reply)) = (no_responders, reply) {
+            if self.targets.local.is_empty() && self.targets.remote.is_empty() {
+                self.answer_no_responders(id, reply);
+                return;
+            }
+        }
         if !self.targets.local.is_empty() {
             let (headers, body) = payload.split();
             let message = Message {
@@ -1124,6 +1137,36 @@ impl EventLoop {
             let target = self.targets.remote[index];
             self.deliver_remote(target, subject, reply, payload);
         }
+    }
+
+    /// A request that nothing matched, from a session that asked for it:
+    /// a message with status 503 in its headers and no body goes to that
+    /// session's own subscriptions on the reply subject (its inbox), and
+    /// to no one else, whatever its echo setting.
+    fn answer_no_responders(&mut self, id: u64, reply: &str) {
+        let field = codec::join_headers(efabus_core::headers::NO_RESPONDERS, &[]);
+        let matched = self
+            .shared
+            .subscriptions
+            .read()
+            .lookup(reply, &mut self.targets);
+        if matched.is_err() {
+            return;
+        }
+        self.targets.local.clear();
+        self.targets.remote.retain(|target| target.owner == id);
+        let payload = Payload {
+            bytes: &field,
+            frame: &field,
+            at: 0,
+            headers: true,
+        };
+        self.encoded_valid = false;
+        for index in 0..self.targets.remote.len() {
+            let target = self.targets.remote[index];
+            self.deliver_remote(target, reply, None, payload);
+        }
+        self.encoded_valid = false;
     }
 
     /// Deliver one message to a remote subscription. A reliable message

@@ -121,6 +121,12 @@ pub(super) struct Session {
     pub challenge: Option<[u8; 32]>,
     /// Why the data paths not taken were not, from the last negotiation.
     pub link_reasons: Vec<String>,
+    /// The hello's `no_echo`: this session's publishes skip its own
+    /// subscriptions.
+    pub no_echo: bool,
+    /// The hello's `no_responders`: a request nothing matches is answered
+    /// with a 503 status message.
+    pub no_responders: bool,
     /// When the session began, and what it moved since.
     pub since: SystemTime,
     pub counts: SessionCounts,
@@ -174,6 +180,8 @@ impl Session {
             user: None,
             challenge: None,
             link_reasons: Vec::new(),
+            no_echo: false,
+            no_responders: false,
             since: SystemTime::now(),
             counts: SessionCounts::default(),
         }
@@ -524,6 +532,8 @@ impl EventLoop {
         };
         session.may_route = admission.may_route;
         session.user = admission.user;
+        session.no_echo = hello.no_echo;
+        session.no_responders = hello.no_responders;
         let admission_proof = admission.proof;
         if let Some(permissions) = admission.permissions {
             self.restricted.insert(
@@ -666,6 +676,8 @@ mod tests {
         let mut offer = Offer::from_info("efa-rdm", &FabricInfo::tcp(None), vec![0xab; 255]);
         offer.provider = "p".repeat(64);
         let hello = Frame::Hello(frame::Hello {
+            no_echo: false,
+            no_responders: false,
             version: PROTOCOL_VERSION,
             name: "n".repeat(MAX_NAME_LEN),
             credentials: Some("s".repeat(MAX_SECRET_LEN)),

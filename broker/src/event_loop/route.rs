@@ -424,6 +424,8 @@ impl EventLoop {
             None => None,
         };
         let hello = Frame::Hello(Hello {
+            no_echo: false,
+            no_responders: false,
             version: PROTOCOL_VERSION,
             name: config.name.clone(),
             credentials: None,

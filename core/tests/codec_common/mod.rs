@@ -177,18 +177,23 @@ pub fn frame() -> impl Strategy<Value = Frame> {
             text(),
             proptest::option::of(text()),
             offers(),
-            link_auth()
+            link_auth(),
+            any::<(bool, bool)>()
         )
             .prop_map(
-                |(version, name, credentials, offers, link_auth)| Frame::Hello(Hello {
-                    version,
-                    name,
-                    credentials,
-                    user: None,
-                    proof: None,
-                    offers,
-                    link_auth,
-                })
+                |(version, name, credentials, offers, link_auth, (no_echo, no_responders))| {
+                    Frame::Hello(Hello {
+                        no_echo,
+                        no_responders,
+                        version,
+                        name,
+                        credentials,
+                        user: None,
+                        proof: None,
+                        offers,
+                        link_auth,
+                    })
+                }
             ),
         (
             (any::<u16>(), text(), offers(), any::<u64>(), link_auth()),
