@@ -51,14 +51,25 @@ fn warn_of_cleartext_secrets(config: &Config, listening: &[(String, String)]) {
     let checks_secrets = config.auth.secret.is_some()
         || config.cluster.secret.is_some()
         || !config.auth.users.is_empty();
-    if config.tls.is_set() || !checks_secrets {
+    if !checks_secrets {
         return;
     }
-    for (_, address) in listening.iter().filter(|(scheme, _)| scheme == tcp::SCHEME) {
+    for (scheme, address) in listening {
         let loopback = address
             .parse::<std::net::SocketAddr>()
             .is_ok_and(|address| address.ip().is_loopback());
-        if !loopback {
+        if loopback {
+            continue;
+        }
+        if scheme == efabus_transports::nats::SCHEME {
+            // NATS clients send the secret itself, as their token.
+            warn!(
+                %address,
+                "credentials are checked on a NATS listener, which has no TLS: NATS clients \
+                 send passwords, tokens and the shared secret in the clear; keep it on a \
+                 trusted network or on loopback"
+            );
+        } else if scheme == tcp::SCHEME && !config.tls.is_set() {
             warn!(
                 %address,
                 "credentials are checked on a listener without TLS: users' passwords and \
@@ -449,13 +460,18 @@ impl Broker {
         let mut endpoints = Vec::new();
         let mut listening = Vec::new();
         let mut unavailable = None;
+        let broker_id = unique_seed();
         for text in &config.listen {
             let spec = EndpointSpec::parse(text).map_err(|err| Error::Endpoint {
                 endpoint: text.clone(),
                 source: err.into(),
             })?;
             let bind = Some(spec.address().unwrap_or_default().to_string());
-            let endpoint_config = listener_config(&config, spec.scheme(), bind);
+            let mut endpoint_config = listener_config(&config, spec.scheme(), bind);
+            if spec.scheme() == efabus_transports::nats::SCHEME {
+                let id = format!("{broker_id:016X}");
+                endpoint_config.options.push(("server_id".to_string(), id));
+            }
             let endpoint = match registry.open(&spec, &endpoint_config) {
                 Ok(endpoint) => endpoint,
                 // A fabric this host lacks (no EFA device, no provider) or
@@ -555,7 +571,7 @@ impl Broker {
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
             listener_failures: Mutex::new(vec![None; listening.len()]),
             listening,
-            broker_id: unique_seed(),
+            broker_id,
             can_dial: dialer.is_some(),
             routes: Mutex::new(BTreeMap::new()),
             peers: Mutex::new(Vec::new()),

@@ -10,7 +10,7 @@
 use efabus_core::caps::{Choice, Offer};
 use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions};
 use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME, SHM_PROVIDER, SHM_SCHEME};
-use efabus_transports::tcp;
+use efabus_transports::{nats, tcp};
 
 use crate::config::Config;
 
@@ -84,10 +84,10 @@ pub fn as_driven(choice: &Choice) -> Choice {
 pub fn listener_config(config: &Config, scheme: &str, bind: Option<String>) -> EndpointConfig {
     // TCP endpoints take `[tls]`: listeners accept TLS only, routes dial
     // with it.
-    let options = if scheme == tcp::SCHEME {
-        config.tls.endpoint_options()
-    } else {
-        Vec::new()
+    let options = match scheme {
+        tcp::SCHEME => config.tls.endpoint_options(),
+        nats::SCHEME => nats_options(config),
+        _ => Vec::new(),
     };
     EndpointConfig {
         bind,
@@ -97,6 +97,27 @@ pub fn listener_config(config: &Config, scheme: &str, bind: Option<String>) -> E
         fabric: endpoint_options(&config.fabric, scheme),
         options,
     }
+}
+
+/// What a NATS listener tells its clients and holds them to, from the
+/// config (the broker adds its id as `server_id`).
+fn nats_options(config: &Config) -> Vec<(String, String)> {
+    let auth = &config.auth;
+    let auth_required = auth.secret.is_some() || !auth.users.is_empty();
+    // A control line holds a subject, a reply subject or queue group, and
+    // a few numbers.
+    let control_line = (2 * config.limits.max_subject_len + 256)
+        .max(efabus_transports::nats::DEFAULT_MAX_CONTROL_LINE);
+    [
+        ("server_name", config.name.clone()),
+        ("version", env!("CARGO_PKG_VERSION").to_string()),
+        ("max_payload", config.limits.max_payload.to_string()),
+        ("auth_required", auth_required.to_string()),
+        ("max_control_line", control_line.to_string()),
+    ]
+    .into_iter()
+    .map(|(name, value)| (name.to_string(), value))
+    .collect()
 }
 
 /// The fabric options from the config for an endpoint of `scheme`: the

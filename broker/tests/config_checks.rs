@@ -80,7 +80,7 @@ fn listeners_must_name_a_registered_scheme() {
     let (key, message) = refused_key(config);
     assert_eq!(key, "listen[1]");
     assert!(
-        message.contains("known schemes: efa-dgram, efa-rdm, mem, shm, tcp"),
+        message.contains("known schemes: efa-dgram, efa-rdm, mem, nats, shm, tcp"),
         "{message}"
     );
 }

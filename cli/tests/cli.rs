@@ -512,7 +512,7 @@ fn serve_refuses_bad_configuration_with_exit_2() {
     let text = usage_error(&output);
     assert!(text.contains("listen[0]"), "{text}");
     assert!(
-        text.contains("known schemes: efa-dgram, efa-rdm, mem, shm, tcp"),
+        text.contains("known schemes: efa-dgram, efa-rdm, mem, nats, shm, tcp"),
         "{text}"
     );
 

@@ -4,6 +4,8 @@
 //! - [`mem`]: in-process endpoints addressed by name; one-buffer frames
 //!   cross without a copy (a header and payload are joined once).
 //! - [`tcp`]: non-blocking TCP over mio, framed by the 4-byte length prefix.
+//! - [`nats`]: a listener speaking the NATS client protocol, so NATS
+//!   clients in any language are sessions of the broker.
 //! - [`fabric`]: libfabric endpoints (EFA RDM and DGRAM, and libfabric's
 //!   socket providers for development), through a thin C shim.
 //! - `fault` (feature `testing`): a seeded fault-injecting endpoint wrapper
@@ -20,6 +22,7 @@ pub mod fabric;
 #[cfg(feature = "testing")]
 pub mod fault;
 pub mod mem;
+pub mod nats;
 pub mod registry;
 pub mod tcp;
 pub mod tls;

@@ -17,6 +17,7 @@ use thiserror::Error;
 
 use crate::fabric::FabricTransport;
 use crate::mem::MemTransport;
+use crate::nats::NatsTransport;
 use crate::tcp::TcpTransport;
 
 /// Why an endpoint string does not parse.
@@ -182,6 +183,7 @@ impl Registry {
         let mut registry = Registry::new();
         registry.register(Arc::new(MemTransport));
         registry.register(Arc::new(TcpTransport));
+        registry.register(Arc::new(NatsTransport));
         registry.register(Arc::new(FabricTransport::rdm()));
         registry.register(Arc::new(FabricTransport::dgram()));
         registry.register(Arc::new(FabricTransport::shm()));
@@ -322,13 +324,13 @@ mod tests {
         let registry = Registry::with_builtins();
         assert_eq!(
             registry.schemes(),
-            vec!["efa-dgram", "efa-rdm", "mem", "shm", "tcp"]
+            vec!["efa-dgram", "efa-rdm", "mem", "nats", "shm", "tcp"]
         );
         let err = registry.get("carrier-pigeon").err().unwrap();
         assert!(matches!(err, RegistryError::UnknownScheme { .. }));
         assert!(
             err.to_string()
-                .contains("efa-dgram, efa-rdm, mem, shm, tcp"),
+                .contains("efa-dgram, efa-rdm, mem, nats, shm, tcp"),
             "{err}"
         );
         assert_eq!(registry.get("TCP").unwrap().scheme(), "tcp");
@@ -360,7 +362,7 @@ mod tests {
         assert!(registry.register(Arc::new(Fake("ucx"))).is_none());
         assert_eq!(
             registry.schemes(),
-            vec!["efa-dgram", "efa-rdm", "mem", "shm", "tcp", "ucx"]
+            vec!["efa-dgram", "efa-rdm", "mem", "nats", "shm", "tcp", "ucx"]
         );
         let replaced = registry.register(Arc::new(Fake("tcp"))).unwrap();
         assert_eq!(replaced.scheme(), "tcp");

@@ -1,0 +1,621 @@
+//! NATS clients against the broker's NATS listener, with the `async-nats`
+//! crate (the NATS project's Rust client): publish and subscribe with
+//! wildcards, queue groups shared with native clients, request/reply both
+//! ways with its muxed inbox, headers end to end, auto-unsubscribe,
+//! drain, reconnection after a broker restart, users and permissions, a
+//! route between two brokers, the slow-consumer policy, and malformed
+//! protocol lines.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use async_nats::{ConnectOptions, HeaderMap};
+use bytes::Bytes;
+use efabus_broker::{Broker, Client, ClientOptions, Config, Subscription};
+use efabus_core::headers::Headers;
+use efabus_transports::registry::Registry;
+use futures_util::StreamExt;
+
+/// Bound on every wait; things normally happen at once.
+const WAIT: Duration = Duration::from_secs(10);
+
+fn start(extra: &str, nats: &str) -> Broker {
+    let text =
+        format!("name = \"nats-test\"\nlisten = [\"tcp/127.0.0.1:0\", \"nats/{nats}\"]\n{extra}");
+    let config = Config::from_toml_str(&text, "nats test").expect("valid test config");
+    Broker::start(config).expect("broker starts")
+}
+
+/// The `nats://` URL of a broker's NATS listener.
+fn url(broker: &Broker) -> String {
+    let endpoint = broker.endpoint("nats").expect("a nats listener");
+    format!("nats://{}", endpoint.trim_start_matches("nats/"))
+}
+
+fn native(broker: &Broker) -> Client {
+    let endpoint = broker.endpoint("tcp").expect("a tcp listener");
+    let options = ClientOptions {
+        connect_timeout: WAIT,
+        ..ClientOptions::default()
+    };
+    Client::connect_with(&endpoint, options, Registry::with_builtins()).expect("connects")
+}
+
+async fn nats(broker: &Broker) -> async_nats::Client {
+    ConnectOptions::new()
+        .name("nats-test")
+        .connect(url(broker))
+        .await
+        .expect("NATS client connects")
+}
+
+async fn next(sub: &mut async_nats::Subscriber) -> async_nats::Message {
+    tokio::time::timeout(WAIT, sub.next())
+        .await
+        .expect("a message within the wait")
+        .expect("the subscription is open")
+}
+
+fn text(payload: &[u8]) -> String {
+    String::from_utf8_lossy(payload).into_owned()
+}
+
+fn recv_native(sub: &Subscription) -> efabus_broker::Message {
+    sub.recv_timeout(WAIT).expect("a message within the wait")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_and_native_clients_share_subjects_wildcards_and_queue_groups() {
+    let broker = start("", "127.0.0.1:0");
+    let client = nats(&broker).await;
+    let mut star = client.subscribe("orders.*").await.expect("subscribes");
+    let mut tail = client.subscribe("orders.>").await.expect("subscribes");
+    let native = native(&broker);
+    let native_sub = native.subscribe("orders.>").expect("subscribes");
+    let embedded = broker.subscribe("orders.*").expect("subscribes");
+    client.flush().await.expect("flushed");
+    native.flush(WAIT).expect("flushed");
+
+    client
+        .publish("orders.new", Bytes::from_static(b"from nats"))
+        .await
+        .expect("publishes");
+    client
+        .publish("orders.eu.new", Bytes::from_static(b"deep"))
+        .await
+        .expect("publishes");
+    client.flush().await.expect("flushed");
+    native
+        .publish("orders.old", "from native")
+        .expect("publishes");
+    native.flush(WAIT).expect("flushed");
+
+    let star_got: Vec<String> = [next(&mut star).await, next(&mut star).await]
+        .iter()
+        .map(|m| format!("{}:{}", m.subject, text(&m.payload)))
+        .collect();
+    assert_eq!(star_got, ["orders.new:from nats", "orders.old:from native"]);
+    let mut tail_got = Vec::new();
+    for _ in 0..3 {
+        let m = next(&mut tail).await;
+        tail_got.push(format!("{}:{}", m.subject, text(&m.payload)));
+    }
+    assert_eq!(
+        tail_got,
+        [
+            "orders.new:from nats",
+            "orders.eu.new:deep",
+            "orders.old:from native"
+        ]
+    );
+    let native_got: Vec<String> = (0..2)
+        .map(|_| text(&recv_native(&native_sub).payload))
+        .collect();
+    assert_eq!(native_got, ["from nats", "deep"]);
+    assert_eq!(text(&recv_native(&embedded).payload), "from nats");
+
+    // One queue group across a NATS member and a native one: each
+    // message reaches exactly one of them.
+    let mut nats_member = client
+        .queue_subscribe("jobs", "workers".to_string())
+        .await
+        .expect("subscribes");
+    let native_member = native
+        .queue_subscribe("jobs", "workers")
+        .expect("subscribes");
+    client.flush().await.expect("flushed");
+    native.flush(WAIT).expect("flushed");
+    const JOBS: usize = 200;
+    for n in 0..JOBS {
+        native.publish("jobs", n.to_string()).expect("publishes");
+    }
+    native.flush(WAIT).expect("flushed");
+    client.flush().await.expect("flushed");
+    let mut seen = Vec::new();
+    while let Ok(message) = native_member.try_recv() {
+        seen.push(text(&message.payload));
+    }
+    let from_native = seen.len();
+    while seen.len() < JOBS {
+        seen.push(text(&next(&mut nats_member).await.payload));
+    }
+    seen.sort_by_key(|n| n.parse::<usize>().expect("a number"));
+    let expected: Vec<String> = (0..JOBS).map(|n| n.to_string()).collect();
+    assert_eq!(seen, expected, "each job once");
+    assert!(
+        from_native > 0 && from_native < JOBS,
+        "both members took jobs ({from_native} native)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_reply_works_both_ways_and_no_responders_answers_at_once() {
+    let broker = start("", "127.0.0.1:0");
+    let client = nats(&broker).await;
+    let native = native(&broker);
+
+    // A NATS responder answers a native request.
+    let mut service = client.subscribe("svc.upper").await.expect("subscribes");
+    client.flush().await.expect("flushed");
+    let responder = client.clone();
+    let serving = tokio::spawn(async move {
+        let request = next(&mut service).await;
+        let reply = request.reply.expect("a reply subject");
+        let answer = text(&request.payload).to_uppercase();
+        responder
+            .publish(reply, answer.into())
+            .await
+            .expect("answers");
+        responder.flush().await.expect("flushed");
+    });
+    let answer = tokio::task::spawn_blocking(move || {
+        let answer = native
+            .request("svc.upper", "hello", WAIT)
+            .expect("answered");
+        (native, answer)
+    })
+    .await
+    .expect("joins");
+    let (native, answer) = answer;
+    assert_eq!(text(&answer.payload), "HELLO");
+    serving.await.expect("served");
+
+    // A native responder answers a NATS request (its muxed inbox).
+    let native_service = native.subscribe("svc.double").expect("subscribes");
+    native.flush(WAIT).expect("flushed");
+    let answering = std::thread::spawn(move || {
+        for _ in 0..3 {
+            let request = recv_native(&native_service);
+            let n: u32 = text(&request.payload).parse().expect("a number");
+            let reply = request.reply.expect("a reply subject");
+            native
+                .publish(&reply, (2 * n).to_string())
+                .expect("answers");
+        }
+        native.flush(WAIT).expect("flushed");
+    });
+    for n in [1u32, 20, 300] {
+        let answer = client
+            .request("svc.double", n.to_string().into())
+            .await
+            .expect("answered");
+        assert_eq!(text(&answer.payload), (2 * n).to_string());
+    }
+    answering.join().expect("joins");
+
+    // Nothing subscribed: NATS's no-responders status, not a timeout.
+    let started = Instant::now();
+    let err = client
+        .request("svc.nobody", Bytes::new())
+        .await
+        .expect_err("no responders");
+    assert_eq!(
+        err.kind(),
+        async_nats::RequestErrorKind::NoResponders,
+        "{err}"
+    );
+    assert!(started.elapsed() < WAIT);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_cross_between_nats_and_native_clients() {
+    let broker = start("", "127.0.0.1:0");
+    let client = nats(&broker).await;
+    let native = native(&broker);
+    let native_sub = native.subscribe("h.>").expect("subscribes");
+    native.flush(WAIT).expect("flushed");
+    let mut nats_sub = client.subscribe("h.>").await.expect("subscribes");
+    client.flush().await.expect("flushed");
+
+    let mut headers = HeaderMap::new();
+    headers.insert("Trace-Id", "abc-123");
+    headers.append("Tag", "one");
+    headers.append("Tag", "two");
+    client
+        .publish_with_headers("h.nats", headers, Bytes::from_static(b"body"))
+        .await
+        .expect("publishes");
+    client.flush().await.expect("flushed");
+    let got = recv_native(&native_sub);
+    assert_eq!(&got.payload[..], b"body");
+    let parsed = Headers::parse(got.headers.as_ref().expect("headers")).expect("parses");
+    assert_eq!(parsed.get("Trace-Id"), Some("abc-123"));
+    assert_eq!(parsed.get_all("Tag").collect::<Vec<_>>(), ["one", "two"]);
+    let echoed = next(&mut nats_sub).await;
+    let echoed_headers = echoed.headers.expect("headers");
+    assert_eq!(
+        echoed_headers.get("Trace-Id").map(|v| v.as_str()),
+        Some("abc-123")
+    );
+
+    let mut native_headers = Headers::new();
+    native_headers.insert("From", "native");
+    native
+        .publish_with_headers("h.native", None, native_headers.to_block(), "x")
+        .expect("publishes");
+    native.flush(WAIT).expect("flushed");
+    let got = next(&mut nats_sub).await;
+    assert_eq!(&got.payload[..], b"x");
+    let got_headers = got.headers.expect("headers");
+    assert_eq!(got_headers.get("From").map(|v| v.as_str()), Some("native"));
+    // Native's own subscription sees its headers too.
+    assert!(recv_native(&native_sub).headers.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_unsubscribe_and_drain_end_subscriptions_when_nats_says() {
+    let broker = start("", "127.0.0.1:0");
+    let client = nats(&broker).await;
+    let mut limited = client.subscribe("count").await.expect("subscribes");
+    limited
+        .unsubscribe_after(3)
+        .await
+        .expect("auto-unsubscribe");
+    client.flush().await.expect("flushed");
+    for n in 0..10u8 {
+        client
+            .publish("count", Bytes::from(vec![n]))
+            .await
+            .expect("publishes");
+    }
+    client.flush().await.expect("flushed");
+    let mut got = Vec::new();
+    while let Ok(Some(message)) = tokio::time::timeout(WAIT, limited.next()).await {
+        got.push(message.payload[0]);
+    }
+    assert_eq!(got, [0, 1, 2], "three, then the subscription ended");
+    // The broker forgot it: nothing is routed to it any more.
+    let deadline = Instant::now() + WAIT;
+    while broker.subscription_count() != 0 {
+        assert!(Instant::now() < deadline, "the broker still holds it");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // Drain: what was published before is still delivered, then the end.
+    let mut drained = client.subscribe("drain.me").await.expect("subscribes");
+    client.flush().await.expect("flushed");
+    for n in 0..5u8 {
+        client
+            .publish("drain.me", Bytes::from(vec![n]))
+            .await
+            .expect("publishes");
+    }
+    client.flush().await.expect("flushed");
+    drained.drain().await.expect("drains");
+    let mut got = Vec::new();
+    while let Ok(Some(message)) = tokio::time::timeout(WAIT, drained.next()).await {
+        got.push(message.payload[0]);
+    }
+    assert_eq!(got, [0, 1, 2, 3, 4]);
+    client.drain().await.expect("the client drains");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_client_reconnects_and_resubscribes_after_a_broker_restart() {
+    let broker = start("", "127.0.0.1:0");
+    let address = url(&broker);
+    let port = address.rsplit(':').next().expect("a port").to_string();
+    let client = ConnectOptions::new()
+        .reconnect_delay_callback(|_| Duration::from_millis(50))
+        .connect(address.as_str())
+        .await
+        .expect("connects");
+    let mut sub = client.subscribe("after.restart").await.expect("subscribes");
+    client.flush().await.expect("flushed");
+    drop(broker);
+    // The same port again, as a restarted service would.
+    let broker = start("", &format!("127.0.0.1:{port}"));
+    let native = native(&broker);
+    let deadline = Instant::now() + WAIT;
+    // Until the client is back and has subscribed again.
+    loop {
+        native.publish("after.restart", "hello").expect("publishes");
+        native.flush(WAIT).expect("flushed");
+        if let Ok(Some(message)) =
+            tokio::time::timeout(Duration::from_millis(200), sub.next()).await
+        {
+            assert_eq!(text(&message.payload), "hello");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no message after the restart");
+    }
+    client
+        .publish("after.restart", Bytes::from_static(b"own"))
+        .await
+        .expect("publishes");
+    client.flush().await.expect("flushed");
+    loop {
+        let message = next(&mut sub).await;
+        if text(&message.payload) == "own" {
+            break;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_log_in_and_are_held_to_their_permissions() {
+    let hash = efabus_broker::accounts::hash_secret("pw").expect("hashes");
+    let extra = format!(
+        "[[auth.users]]\nname = \"orders\"\npassword = {hash:?}\n\
+         [auth.users.permissions.publish]\nallow = [\"orders.>\"]\ndeny = [\"orders.secret\"]\n\
+         [auth.users.permissions.subscribe]\nallow = [\"orders.>\"]\ndeny = [\"orders.secret\"]\n"
+    );
+    let broker = start(&extra, "127.0.0.1:0");
+
+    let refused = ConnectOptions::new()
+        .user_and_password("orders".into(), "wrong".into())
+        .connect(url(&broker))
+        .await;
+    let err = refused.expect_err("a wrong password is refused");
+    assert!(
+        format!("{err:?}").to_lowercase().contains("authorization"),
+        "{err:?}"
+    );
+
+    let (errors_tx, mut errors) = tokio::sync::mpsc::unbounded_channel();
+    let client = ConnectOptions::new()
+        .user_and_password("orders".into(), "pw".into())
+        .event_callback(move |event| {
+            let errors_tx = errors_tx.clone();
+            async move {
+                if let async_nats::Event::ServerError(err) = event {
+                    let _ = errors_tx.send(err.to_string());
+                }
+            }
+        })
+        .connect(url(&broker))
+        .await
+        .expect("the right password logs in");
+    // A pattern that could match the denied subject is itself denied.
+    let mut allowed = client.subscribe("orders.new").await.expect("subscribes");
+    client.flush().await.expect("flushed");
+    client
+        .publish("orders.secret", Bytes::from_static(b"no"))
+        .await
+        .expect("sent");
+    client
+        .publish("orders.new", Bytes::from_static(b"yes"))
+        .await
+        .expect("sent");
+    client.flush().await.expect("flushed");
+    assert_eq!(text(&next(&mut allowed).await.payload), "yes");
+    let error = tokio::time::timeout(WAIT, errors.recv())
+        .await
+        .expect("an error within the wait")
+        .expect("an error");
+    assert!(
+        error
+            .to_lowercase()
+            .contains("permissions violation for publish to \"orders.secret\""),
+        "{error}"
+    );
+    let _denied = client.subscribe("orders.secret").await.expect("sent");
+    client.flush().await.expect("flushed");
+    let error = tokio::time::timeout(WAIT, errors.recv())
+        .await
+        .expect("an error within the wait")
+        .expect("an error");
+    assert!(
+        error
+            .to_lowercase()
+            .contains("permissions violation for subscription to \"orders.secret\""),
+        "{error}"
+    );
+    assert_eq!(broker.stats().permission_denials.load(Ordering::Relaxed), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_secret_is_a_nats_token() {
+    let broker = start("[auth]\nsecret = \"s3cret\"\n", "127.0.0.1:0");
+    let refused = ConnectOptions::new().connect(url(&broker)).await;
+    assert!(refused.is_err(), "no token, no entry");
+    let client = ConnectOptions::with_token("s3cret".into())
+        .connect(url(&broker))
+        .await
+        .expect("the token logs in");
+    let mut sub = client.subscribe("t").await.expect("subscribes");
+    client
+        .publish("t", Bytes::from_static(b"in"))
+        .await
+        .expect("publishes");
+    assert_eq!(text(&next(&mut sub).await.payload), "in");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_carries_nats_clients_traffic_between_brokers() {
+    let b = start("", "127.0.0.1:0");
+    let b_tcp = b.endpoint("tcp").expect("tcp");
+    let a = start(&format!("peers = [{b_tcp:?}]\n"), "127.0.0.1:0");
+    let on_a = nats(&a).await;
+    let on_b = nats(&b).await;
+    let mut sub = on_b.subscribe("across.>").await.expect("subscribes");
+    on_b.flush().await.expect("flushed");
+    let deadline = Instant::now() + WAIT;
+    while a.route_interest_count() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the route never learned the interest"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut headers = HeaderMap::new();
+    headers.insert("Hop", "a");
+    on_a.publish_with_headers("across.one", headers, Bytes::from_static(b"1"))
+        .await
+        .expect("publishes");
+    on_a.flush().await.expect("flushed");
+    let got = next(&mut sub).await;
+    assert_eq!(
+        (got.subject.as_str(), &got.payload[..]),
+        ("across.one", &b"1"[..])
+    );
+    let hop = got.headers.expect("headers crossed the route");
+    assert_eq!(hop.get("Hop").map(|v| v.as_str()), Some("a"));
+    // Request/reply across the route.
+    let responder = on_b.clone();
+    let mut service = on_b.subscribe("across.svc").await.expect("subscribes");
+    on_b.flush().await.expect("flushed");
+    tokio::spawn(async move {
+        let request = next(&mut service).await;
+        if let Some(reply) = request.reply {
+            let _ = responder.publish(reply, Bytes::from_static(b"pong")).await;
+            let _ = responder.flush().await;
+        }
+    });
+    while a.route_interest_count() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the route never learned the service"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let answer = on_a
+        .request("across.svc", Bytes::from_static(b"ping"))
+        .await
+        .expect("answered across the route");
+    assert_eq!(&answer.payload[..], b"pong");
+}
+
+/// A raw connection that speaks the protocol by hand, to send what no
+/// client library would.
+fn raw(broker: &Broker) -> (BufReader<TcpStream>, TcpStream) {
+    let address = url(broker);
+    let stream = TcpStream::connect(address.trim_start_matches("nats://")).expect("connects");
+    stream.set_read_timeout(Some(WAIT)).expect("timeout");
+    let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+    let mut info = String::new();
+    reader.read_line(&mut info).expect("INFO");
+    assert!(info.starts_with("INFO {"), "{info}");
+    (reader, stream)
+}
+
+#[test]
+fn malformed_lines_get_an_error_and_a_close() {
+    let broker = start("", "127.0.0.1:0");
+    for (input, error) in [
+        (&b"FOO bar\r\n"[..], "-ERR 'Unknown Protocol Operation'"),
+        (b"CONNECT {\r\n", "-ERR 'Parser Error'"),
+        (
+            b"CONNECT {}\r\nPUB a.b notanumber\r\n",
+            "-ERR 'Parser Error'",
+        ),
+        (
+            b"CONNECT {}\r\nPUB a.b 99999999\r\n",
+            "-ERR 'Maximum Payload Violation'",
+        ),
+    ] {
+        let (mut reader, mut stream) = raw(&broker);
+        stream.write_all(input).expect("writes");
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("an answer");
+        assert_eq!(line.trim_end(), error, "{}", text(input));
+        let mut rest = Vec::new();
+        let end = reader.read_to_end(&mut rest);
+        assert!(end.is_ok(), "closed: {end:?}");
+    }
+    // An invalid subject is the broker's error, and the connection stays.
+    let (mut reader, mut stream) = raw(&broker);
+    stream
+        .write_all(b"CONNECT {\"verbose\":true}\r\nPUB a..b 1\r\nx\r\nPING\r\n")
+        .expect("writes");
+    let mut lines = Vec::new();
+    for _ in 0..4 {
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("an answer");
+        lines.push(line.trim_end().to_string());
+    }
+    assert_eq!(lines, ["+OK", "+OK", "-ERR 'Invalid Subject'", "PONG"]);
+    assert!(broker.stats().messages_in.load(Ordering::Relaxed) == 0);
+}
+
+#[test]
+fn a_nats_subscriber_that_stops_reading_meets_the_slow_consumer_policy() {
+    let broker = start(
+        "[limits]\nmax_pending_bytes = 262144\n[slow_consumer]\npolicy = \"disconnect\"\n",
+        "127.0.0.1:0",
+    );
+    let (_reader, mut stream) = raw(&broker);
+    stream
+        .write_all(b"CONNECT {}\r\nSUB slow 1\r\nPING\r\n")
+        .expect("writes");
+    let deadline = Instant::now() + WAIT;
+    while broker.subscription_count() == 0 {
+        assert!(Instant::now() < deadline, "never subscribed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let publisher = native(&broker);
+    let payload = Bytes::from(vec![7u8; 4096]);
+    // Far more than the socket buffers and the pending bound hold.
+    for _ in 0..20_000 {
+        if publisher.publish("slow", payload.clone()).is_err() {
+            break;
+        }
+        if broker
+            .stats()
+            .slow_consumer_disconnects
+            .load(Ordering::Relaxed)
+            > 0
+        {
+            break;
+        }
+    }
+    let _ = publisher.flush(WAIT);
+    while broker
+        .stats()
+        .slow_consumer_disconnects
+        .load(Ordering::Relaxed)
+        == 0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the stalled subscriber was never cut off"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Its connection is closed: reading runs to the end.
+    stream.set_read_timeout(Some(WAIT)).expect("timeout");
+    let mut sink = Vec::new();
+    assert!(stream.read_to_end(&mut sink).is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_sessions_show_in_the_connection_report() {
+    let broker = start("", "127.0.0.1:0");
+    let client = ConnectOptions::new()
+        .name("reporting")
+        .connect(url(&broker))
+        .await
+        .expect("connects");
+    let _sub = client.subscribe("seen.>").await.expect("subscribes");
+    client.flush().await.expect("flushed");
+    let report = broker.connections(true, WAIT).expect("a report");
+    let session = report
+        .iter()
+        .find(|c| c.name == "reporting")
+        .expect("the NATS client is listed");
+    assert_eq!(session.reliable, "nats");
+    assert_eq!(session.subscription_count, 1);
+    assert_eq!(session.subscriptions[0].pattern, "seen.>");
+}

@@ -1,0 +1,614 @@
+//! The NATS listener (scheme `nats`): NATS clients in any language connect
+//! to it with their own client libraries, and the broker sees each as a
+//! client session like a native one, with the same routing, limits,
+//! permissions, slow-consumer policy, statistics and monitoring.
+//!
+//! The endpoint only listens (`nats/HOST:PORT`, 4222 by convention). Each
+//! accepted connection gets the server's `INFO` at once; from then on
+//! [`NatsSession`] translates: the client's protocol lines become efabus
+//! frames in [`Event::Frame`]s, and the frames the broker sends become
+//! protocol lines. The sockets are non-blocking on mio, as in the `tcp`
+//! transport: `send` and `send_run` translate, append to the connection's
+//! bounded output and write at once what the socket takes; past
+//! `queue_bytes` a send returns [`SendError::WouldBlock`] and
+//! [`Event::Writable`] follows when the output has drained to half.
+//! Reading takes at most [`READ_BUDGET`] bytes per connection per poll,
+//! and nothing while the caller has paused the connection.
+//!
+//! Settings come from [`EndpointConfig::options`]: `server_id`,
+//! `server_name`, `version`, `max_payload`, `auth_required`,
+//! `max_pings_out` and `max_control_line` (see [`ServerInfo`]); the broker
+//! fills them from its configuration. TLS is not offered on this listener.
+
+mod session;
+
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use efabus_core::caps::FabricInfo;
+use efabus_core::transport::{
+    split_run, CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness,
+    SendError, Transport, TransportError,
+};
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token, Waker};
+use rustc_hash::FxHashMap;
+
+pub use session::{
+    Fatal, NatsSession, ServerInfo, DEFAULT_MAX_CONTROL_LINE, DEFAULT_MAX_PINGS_OUT,
+    MAX_CONNECT_LINE,
+};
+
+/// The scheme naming this transport in endpoint strings.
+pub const SCHEME: &str = "nats";
+
+/// Most bytes read from one connection in one `poll`.
+pub const READ_BUDGET: usize = 1 << 20;
+
+/// Most connections accepted in one `poll`.
+const ACCEPT_BUDGET: usize = 256;
+
+/// How long a locally closed connection may keep flushing.
+const LINGER: Duration = Duration::from_secs(2);
+
+/// Room the read buffer grows by.
+const READ_CHUNK: usize = 64 << 10;
+
+const WAKER: Token = Token(usize::MAX);
+const LISTENER: Token = Token(usize::MAX - 1);
+
+/// The transport registered under `nats`.
+#[derive(Debug, Default)]
+pub struct NatsTransport;
+
+impl Transport for NatsTransport {
+    fn scheme(&self) -> &str {
+        SCHEME
+    }
+
+    fn infos(&self) -> Result<Vec<FabricInfo>, TransportError> {
+        // Not a data path: nothing to negotiate.
+        Ok(Vec::new())
+    }
+
+    fn open(&self, config: &EndpointConfig) -> Result<Box<dyn Endpoint>, TransportError> {
+        Ok(Box::new(NatsEndpoint::open(config)?))
+    }
+}
+
+/// One client connection.
+struct Conn {
+    stream: TcpStream,
+    remote: String,
+    session: NatsSession,
+    input: BytesMut,
+    output: BytesMut,
+    /// The caller paused reading.
+    paused: bool,
+    /// The socket may hold unread bytes (a budget or a pause stopped the
+    /// reading), so the next poll reads without a readiness event.
+    unread: bool,
+    /// A send was refused: `Writable` is owed once the output drains.
+    owe_writable: bool,
+    /// Closed locally: flushing until this instant, then dropped.
+    closing: Option<Instant>,
+}
+
+/// A listening NATS endpoint. See the module docs.
+pub struct NatsEndpoint {
+    poll: Poll,
+    events: Events,
+    waker: Waker,
+    woken: bool,
+    listener: TcpListener,
+    local: SocketAddr,
+    conns: FxHashMap<u64, Conn>,
+    next_peer: u64,
+    info: ServerInfo,
+    queue_bytes: usize,
+    max_frame: usize,
+    /// Events made outside `poll` (a closed connection, a subscription
+    /// that reached its maximum), handed out by the next `poll`.
+    pending: Vec<Event>,
+    scratch: Vec<Bytes>,
+}
+
+impl std::fmt::Debug for NatsEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsEndpoint")
+            .field("local", &self.local)
+            .field("connections", &self.conns.len())
+            .finish()
+    }
+}
+
+fn option_error(name: &str, text: &str, expected: &str) -> TransportError {
+    TransportError::Other(format!("nats option {name}={text:?}: expected {expected}"))
+}
+
+fn server_info(config: &EndpointConfig) -> Result<ServerInfo, TransportError> {
+    let mut info = ServerInfo::default();
+    for (name, text) in &config.options {
+        let number = || {
+            text.parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| option_error(name, text, "a positive number"))
+        };
+        match name.as_str() {
+            "server_id" => info.server_id = text.clone(),
+            "server_name" => info.server_name = text.clone(),
+            "version" => info.version = text.clone(),
+            "max_payload" => info.max_payload = number()?,
+            "max_pings_out" => info.max_pings_out = number()?,
+            "max_control_line" => info.max_control_line = number()?,
+            "auth_required" => {
+                info.auth_required = text
+                    .parse()
+                    .map_err(|_| option_error(name, text, "true or false"))?
+            }
+            _ => {
+                return Err(TransportError::Other(format!(
+                    "unknown nats option {name:?}"
+                )))
+            }
+        }
+    }
+    Ok(info)
+}
+
+impl NatsEndpoint {
+    /// Listen at `config.bind` (`HOST:PORT`).
+    pub fn open(config: &EndpointConfig) -> Result<Self, TransportError> {
+        let Some(bind) = config.bind.as_deref() else {
+            return Err(TransportError::Unsupported {
+                scheme: SCHEME.to_string(),
+                operation: "an endpoint without an address (NATS clients dial in)",
+            });
+        };
+        let info = server_info(config)?;
+        let addr: SocketAddr = bind.parse().map_err(|err| TransportError::InvalidAddress {
+            addr: bind.to_string(),
+            reason: format!("{err}; expected IP:PORT, such as 127.0.0.1:4222"),
+        })?;
+        let mut listener = TcpListener::bind(addr).map_err(|source| TransportError::Bind {
+            addr: bind.to_string(),
+            source,
+        })?;
+        let local = listener.local_addr()?;
+        let poll = Poll::new()?;
+        poll.registry()
+            .register(&mut listener, LISTENER, Interest::READABLE)?;
+        let waker = Waker::new(poll.registry(), WAKER)?;
+        Ok(NatsEndpoint {
+            poll,
+            events: Events::with_capacity(256),
+            waker,
+            woken: false,
+            listener,
+            local,
+            conns: FxHashMap::default(),
+            next_peer: 1,
+            info,
+            queue_bytes: config.queue_bytes.max(1),
+            max_frame: config.max_frame,
+            pending: Vec::new(),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The bound address (with the port chosen when it was 0).
+    pub fn local_socket_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Make the descriptor readable so the caller polls again soon.
+    fn wake(&mut self) {
+        if !self.woken {
+            self.woken = true;
+            if let Err(err) = self.waker.wake() {
+                tracing::warn!("nats: cannot wake the endpoint: {err}");
+            }
+        }
+    }
+
+    fn accept(&mut self, events: &mut Vec<Event>) {
+        for _ in 0..ACCEPT_BUDGET {
+            let (mut stream, remote) = match self.listener.accept() {
+                Ok(pair) => pair,
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => return,
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+                Err(err) => {
+                    tracing::warn!("nats: accept on {} failed: {err}", self.local);
+                    return;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let peer = self.next_peer;
+            let Ok(token) = usize::try_from(peer) else {
+                return;
+            };
+            if let Err(err) = self.poll.registry().register(
+                &mut stream,
+                Token(token),
+                Interest::READABLE | Interest::WRITABLE,
+            ) {
+                tracing::warn!("nats: cannot register connection from {remote}: {err}");
+                continue;
+            }
+            self.next_peer += 1;
+            let mut conn = Conn {
+                stream,
+                remote: remote.to_string(),
+                session: NatsSession::new(self.info.clone()),
+                input: BytesMut::new(),
+                output: BytesMut::new(),
+                paused: false,
+                unread: false,
+                owe_writable: false,
+                closing: None,
+            };
+            let info = self.info.info_line(
+                peer,
+                &self.local.ip().to_string(),
+                self.local.port(),
+                &remote.ip().to_string(),
+            );
+            conn.output.extend_from_slice(info.as_bytes());
+            let _ = write_out(&mut conn);
+            self.conns.insert(peer, conn);
+            events.push(Event::Accepted {
+                peer: PeerId(peer),
+                remote: remote.to_string(),
+            });
+        }
+        // More may wait: come back without a new readiness edge.
+        self.wake();
+    }
+
+    /// Read and translate what a connection sent, within the budget.
+    fn read(&mut self, peer: u64, events: &mut Vec<Event>) {
+        let Some(conn) = self.conns.get_mut(&peer) else {
+            return;
+        };
+        if conn.closing.is_some() {
+            discard(conn);
+            return;
+        }
+        if conn.paused {
+            conn.unread = true;
+            return;
+        }
+        conn.unread = false;
+        let mut taken = 0;
+        let mut gone = None;
+        while taken < READ_BUDGET {
+            if conn.input.capacity() - conn.input.len() < READ_CHUNK / 4 {
+                conn.input.reserve(READ_CHUNK);
+            }
+            let len = conn.input.len();
+            let room = conn.input.capacity() - len;
+            conn.input.resize(len + room, 0);
+            match conn.stream.read(&mut conn.input[len..]) {
+                Ok(0) => {
+                    conn.input.truncate(len);
+                    gone = Some(CloseReason::PeerClosed);
+                    break;
+                }
+                Ok(n) => {
+                    conn.input.truncate(len + n);
+                    taken += n;
+                }
+                Err(err) => {
+                    conn.input.truncate(len);
+                    match err.kind() {
+                        io::ErrorKind::WouldBlock => break,
+                        io::ErrorKind::Interrupted => continue,
+                        _ => {
+                            gone = Some(CloseReason::Error(err.to_string()));
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        if taken >= READ_BUDGET {
+            conn.unread = true;
+        }
+        let mut frames = std::mem::take(&mut self.scratch);
+        let result = conn
+            .session
+            .receive(&mut conn.input, &mut frames, &mut conn.output);
+        for frame in frames.drain(..) {
+            events.push(Event::Frame {
+                peer: PeerId(peer),
+                frame,
+            });
+        }
+        self.scratch = frames;
+        let _ = write_out(conn);
+        if let Err(Fatal(text)) = result {
+            tracing::debug!(remote = %conn.remote, %text, "nats: closing a client");
+            self.end(
+                peer,
+                CloseReason::Error(format!("NATS protocol: {text}")),
+                events,
+            );
+            return;
+        }
+        if let Some(reason) = gone {
+            self.end(peer, reason, events);
+        } else if conn_unread(&self.conns, peer) {
+            self.wake();
+        }
+    }
+
+    /// A connection ends: what it has queued is flushed as far as the
+    /// socket takes it, and the caller hears of it.
+    fn end(&mut self, peer: u64, reason: CloseReason, events: &mut Vec<Event>) {
+        if let Some(mut conn) = self.conns.remove(&peer) {
+            let _ = write_out(&mut conn);
+            let _ = conn.stream.shutdown(Shutdown::Both);
+            let _ = self.poll.registry().deregister(&mut conn.stream);
+            events.push(Event::Closed {
+                peer: PeerId(peer),
+                reason,
+            });
+        }
+    }
+
+    /// Translate frames for a client and write what the socket takes.
+    fn translate(&mut self, peer: PeerId, frames: &[Bytes]) -> Result<(), SendError> {
+        let Some(conn) = self.conns.get_mut(&peer.0) else {
+            return Err(SendError::Closed(peer));
+        };
+        if conn.closing.is_some() {
+            return Err(SendError::Closed(peer));
+        }
+        let mut to_broker = std::mem::take(&mut self.scratch);
+        let mut result = Ok(());
+        for frame in frames {
+            result = conn
+                .session
+                .deliver(frame, &mut conn.output, &mut to_broker);
+            if result.is_err() {
+                break;
+            }
+        }
+        let write = write_out(conn);
+        let mut made = Vec::new();
+        for frame in to_broker.drain(..) {
+            made.push(Event::Frame { peer, frame });
+        }
+        self.scratch = to_broker;
+        if !made.is_empty() {
+            self.pending.extend(made);
+            self.wake();
+        }
+        if let Err(Fatal(text)) = result {
+            // The broker ended it (an error it reported, a goodbye) or the
+            // client stopped answering pings.
+            let mut events = Vec::new();
+            self.end(peer.0, CloseReason::Error(text), &mut events);
+            self.pending.extend(events);
+            self.wake();
+            return Ok(());
+        }
+        if let Err(err) = write {
+            let mut events = Vec::new();
+            self.end(peer.0, CloseReason::Error(err.to_string()), &mut events);
+            self.pending.extend(events);
+            self.wake();
+        }
+        Ok(())
+    }
+
+    fn room(&self, peer: PeerId) -> Result<bool, SendError> {
+        let conn = self.conns.get(&peer.0).ok_or(SendError::Closed(peer))?;
+        Ok(conn.output.len() < self.queue_bytes)
+    }
+
+    fn owe(&mut self, peer: PeerId) {
+        if let Some(conn) = self.conns.get_mut(&peer.0) {
+            conn.owe_writable = true;
+        }
+    }
+
+    fn service_writable(&mut self, peer: u64, events: &mut Vec<Event>) {
+        let Some(conn) = self.conns.get_mut(&peer) else {
+            return;
+        };
+        if let Err(err) = write_out(conn) {
+            self.end(peer, CloseReason::Error(err.to_string()), events);
+            return;
+        }
+        if conn.owe_writable && conn.output.len() <= self.queue_bytes / 2 {
+            conn.owe_writable = false;
+            events.push(Event::Writable { peer: PeerId(peer) });
+        }
+        if conn.closing.is_some() && conn.output.is_empty() {
+            let _ = conn.stream.shutdown(Shutdown::Write);
+        }
+    }
+
+    /// Drop closing connections that flushed or ran out of time.
+    fn reap(&mut self, now: Instant) {
+        let done: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, conn)| conn.closing.is_some_and(|until| now >= until))
+            .map(|(peer, _)| *peer)
+            .collect();
+        for peer in done {
+            if let Some(mut conn) = self.conns.remove(&peer) {
+                let _ = self.poll.registry().deregister(&mut conn.stream);
+            }
+        }
+    }
+}
+
+fn conn_unread(conns: &FxHashMap<u64, Conn>, peer: u64) -> bool {
+    conns.get(&peer).is_some_and(|conn| conn.unread)
+}
+
+/// Write as much of the output as the socket takes.
+fn write_out(conn: &mut Conn) -> io::Result<()> {
+    while !conn.output.is_empty() {
+        match conn.stream.write(&conn.output) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                let _ = conn.output.split_to(n);
+            }
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(err),
+        }
+    }
+    if conn.output.is_empty() && conn.output.capacity() > READ_CHUNK {
+        conn.output = BytesMut::new();
+    }
+    Ok(())
+}
+
+/// Read and throw away what a closing connection still sends.
+fn discard(conn: &mut Conn) {
+    let mut sink = [0u8; 4096];
+    for _ in 0..64 {
+        match conn.stream.read(&mut sink) {
+            Ok(0) | Err(_) => {
+                conn.closing = Some(Instant::now());
+                return;
+            }
+            Ok(_) => {}
+        }
+    }
+}
+
+impl Endpoint for NatsEndpoint {
+    fn scheme(&self) -> &str {
+        SCHEME
+    }
+
+    fn local_addr(&self) -> Vec<u8> {
+        self.local.to_string().into_bytes()
+    }
+
+    fn max_frame(&self) -> usize {
+        self.max_frame
+    }
+
+    fn connect(&mut self, _: &str) -> Result<PeerId, TransportError> {
+        Err(TransportError::Unsupported {
+            scheme: SCHEME.to_string(),
+            operation: "connect (NATS clients dial in; brokers route over tcp)",
+        })
+    }
+
+    fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
+        if !self.room(peer)? {
+            self.owe(peer);
+            return Err(SendError::WouldBlock(frame));
+        }
+        self.translate(peer, &[frame.to_bytes()])
+    }
+
+    fn send_run(&mut self, peer: PeerId, run: Bytes) -> Result<(), SendError> {
+        if !self.room(peer)? {
+            self.owe(peer);
+            return Err(SendError::WouldBlock(OutFrame::whole(run)));
+        }
+        let mut frames = split_run(&run);
+        let whole: Vec<Bytes> = frames.by_ref().map(|frame| frame.head).collect();
+        if frames.offset() < run.len() {
+            return Err(SendError::Transport(TransportError::Other(format!(
+                "a run of {} bytes ends inside the frame at byte {}",
+                run.len(),
+                frames.offset()
+            ))));
+        }
+        self.translate(peer, &whole)
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError> {
+        events.append(&mut self.pending);
+        self.poll
+            .poll(&mut self.events, Some(Duration::ZERO))
+            .or_else(|err| match err.kind() {
+                io::ErrorKind::Interrupted => Ok(()),
+                _ => Err(err),
+            })?;
+        let mut ready: VecDeque<(Token, bool, bool)> = self
+            .events
+            .iter()
+            .map(|event| {
+                let readable = event.is_readable() || event.is_read_closed() || event.is_error();
+                (event.token(), readable, event.is_writable())
+            })
+            .collect();
+        self.woken = false;
+        // Connections left with unread bytes are read again.
+        for (peer, conn) in &self.conns {
+            if conn.unread && !conn.paused {
+                if let Ok(token) = usize::try_from(*peer) {
+                    ready.push_back((Token(token), true, false));
+                }
+            }
+        }
+        while let Some((token, readable, writable)) = ready.pop_front() {
+            match token {
+                WAKER => {}
+                LISTENER => self.accept(events),
+                Token(token) => {
+                    let peer = token as u64;
+                    if writable {
+                        self.service_writable(peer, events);
+                    }
+                    if readable {
+                        self.read(peer, events);
+                    }
+                }
+            }
+        }
+        self.reap(Instant::now());
+        Ok(())
+    }
+
+    fn close(&mut self, peer: PeerId) {
+        let Some(conn) = self.conns.get_mut(&peer.0) else {
+            return;
+        };
+        if conn.closing.is_none() {
+            let _ = write_out(conn);
+            if conn.output.is_empty() {
+                let _ = conn.stream.shutdown(Shutdown::Write);
+            }
+            conn.closing = Some(Instant::now() + LINGER);
+            self.pending.push(Event::Closed {
+                peer,
+                reason: CloseReason::Local,
+            });
+            self.wake();
+        }
+    }
+
+    fn readiness(&self) -> Readiness {
+        use std::os::fd::AsRawFd;
+        Readiness::Fd(self.poll.as_raw_fd())
+    }
+
+    fn queued_bytes(&self, peer: PeerId) -> usize {
+        self.conns.get(&peer.0).map_or(0, |conn| conn.output.len())
+    }
+
+    fn set_read_paused(&mut self, peer: PeerId, paused: bool) {
+        if let Some(conn) = self.conns.get_mut(&peer.0) {
+            conn.paused = paused;
+            if !paused && conn.unread {
+                self.wake();
+            }
+        }
+    }
+}

@@ -1,0 +1,930 @@
+//! One NATS client connection as a translator, without I/O: protocol text
+//! from the client becomes efabus frames for the broker, and the broker's
+//! frames become protocol text for the client.
+//!
+//! What the client sends is parsed as NATS documents its client protocol:
+//! `CONNECT {json}`, `PUB subject [reply] size`, `HPUB subject [reply]
+//! header_size total_size`, `SUB subject [queue] sid`, `UNSUB sid [max]`,
+//! `PING`, `PONG` (verbs in any case, fields separated by spaces or tabs,
+//! lines ended by CRLF or LF). The broker sees an ordinary client: a
+//! hello, publishes, subscriptions (the client's sid strings are mapped to
+//! efabus's numbers here), pings. Its messages go out as `MSG` or `HMSG`,
+//! its errors as `-ERR` with NATS's texts, its pings as `PING`.
+//!
+//! Anything malformed ends the connection with a `-ERR` saying why; no
+//! input makes this panic, and what it buffers for a client is bounded by
+//! the control line limit and the largest payload.
+
+use std::collections::{HashMap, VecDeque};
+
+use bytes::{Bytes, BytesMut};
+use efabus_core::codec::{self, CodecLimits, FrameKind, RoutedFields};
+use efabus_core::frame::{DeliveryClass, ErrorFrame};
+use efabus_core::frame::{ErrorCode, Frame, Hello, Subscribe, PROTOCOL_VERSION};
+use efabus_core::headers;
+use efabus_core::transport::split_run;
+use rustc_hash::FxHashMap;
+use serde::Deserialize;
+
+/// Longest CONNECT line: its JSON may carry long credentials (the broker
+/// holds a peer that has not logged in to the same bound).
+pub const MAX_CONNECT_LINE: usize = 32 << 10;
+/// Server pings a client may leave unanswered before it is dropped as
+/// stale (NATS's `ping_max` default).
+pub const DEFAULT_MAX_PINGS_OUT: usize = 2;
+/// Longest other protocol line (NATS's `max_control_line` default).
+pub const DEFAULT_MAX_CONTROL_LINE: usize = 4096;
+
+/// What the listener tells every client in its `INFO`, and the limits it
+/// holds clients to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerInfo {
+    /// The server's id (stable while it runs).
+    pub server_id: String,
+    /// The server's name.
+    pub server_name: String,
+    /// The efabus version.
+    pub version: String,
+    /// Largest payload (headers included) of one publish.
+    pub max_payload: usize,
+    /// Whether a CONNECT must carry credentials.
+    pub auth_required: bool,
+    /// Server pings a client may leave unanswered.
+    pub max_pings_out: usize,
+    /// Longest protocol line other than CONNECT.
+    pub max_control_line: usize,
+}
+
+impl Default for ServerInfo {
+    fn default() -> Self {
+        ServerInfo {
+            server_id: String::new(),
+            server_name: String::new(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            max_payload: codec::DEFAULT_MAX_PAYLOAD,
+            auth_required: false,
+            max_pings_out: DEFAULT_MAX_PINGS_OUT,
+            max_control_line: DEFAULT_MAX_CONTROL_LINE,
+        }
+    }
+}
+
+impl ServerInfo {
+    /// The `INFO` line a new client gets.
+    pub fn info_line(&self, client_id: u64, host: &str, port: u16, client_ip: &str) -> String {
+        let info = serde_json::json!({
+            "server_id": self.server_id,
+            "server_name": self.server_name,
+            "version": self.version,
+            "proto": 1,
+            "host": host,
+            "port": port,
+            "headers": true,
+            "max_payload": self.max_payload,
+            "auth_required": self.auth_required,
+            "client_id": client_id,
+            "client_ip": client_ip,
+        });
+        format!("INFO {info}\r\n")
+    }
+}
+
+/// The fields of a CONNECT that efabus reads; others are ignored.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Connect {
+    verbose: bool,
+    echo: Option<bool>,
+    headers: bool,
+    no_responders: bool,
+    name: Option<String>,
+    lang: Option<String>,
+    version: Option<String>,
+    user: Option<String>,
+    pass: Option<String>,
+    auth_token: Option<String>,
+}
+
+/// Why a connection ends: the `-ERR` text NATS uses, already written for
+/// the client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fatal(pub String);
+
+/// A subscription as the client named it.
+#[derive(Debug)]
+struct Sub {
+    /// The client's sid, as it wrote it.
+    name: String,
+    /// Auto-unsubscribe after this many deliveries (`UNSUB sid max`).
+    max: Option<u64>,
+    delivered: u64,
+}
+
+/// A PUB or HPUB line read, waiting for its payload.
+#[derive(Debug)]
+struct PendingPub {
+    subject: String,
+    reply: Option<String>,
+    /// Header bytes at the start of the payload (HPUB), if any.
+    header_len: Option<usize>,
+    total: usize,
+}
+
+/// One client connection's protocol state.
+#[derive(Debug)]
+pub struct NatsSession {
+    info: ServerInfo,
+    /// CONNECT read (or implied: a server without auth takes other
+    /// operations first, as NATS does).
+    connected: bool,
+    verbose: bool,
+    /// The client reads HMSG.
+    headers: bool,
+    subs: FxHashMap<u64, Sub>,
+    by_name: HashMap<String, u64>,
+    next_sid: u64,
+    /// Nonces of the broker's pings the client has not answered yet.
+    broker_pings: VecDeque<u64>,
+    next_nonce: u64,
+    pending: Option<PendingPub>,
+    /// Frames for the broker are built here and split off, so many share
+    /// one allocation.
+    scratch: BytesMut,
+    limits: CodecLimits,
+}
+
+impl NatsSession {
+    /// A connection's state before anything was read.
+    pub fn new(info: ServerInfo) -> Self {
+        NatsSession {
+            info,
+            connected: false,
+            verbose: false,
+            headers: false,
+            subs: FxHashMap::default(),
+            by_name: HashMap::new(),
+            next_sid: 1,
+            broker_pings: VecDeque::new(),
+            next_nonce: 1,
+            pending: None,
+            scratch: BytesMut::new(),
+            limits: CodecLimits {
+                max_frame: usize::MAX,
+                max_subject_len: u16::MAX as usize,
+            },
+        }
+    }
+
+    /// Subscriptions the client holds.
+    pub fn subscriptions(&self) -> usize {
+        self.subs.len()
+    }
+
+    /// Read every whole operation at the front of `input` (what is left
+    /// is an incomplete one): frames for the broker go to `to_broker`, and
+    /// what the client is answered at once (`PONG` before CONNECT, `+OK`,
+    /// `-ERR`) to `to_client`. On `Err` the connection must end after
+    /// `to_client` is written.
+    pub fn receive(
+        &mut self,
+        input: &mut BytesMut,
+        to_broker: &mut Vec<Bytes>,
+        to_client: &mut BytesMut,
+    ) -> Result<(), Fatal> {
+        let result = self.receive_inner(input, to_broker, to_client);
+        if let Err(Fatal(text)) = &result {
+            put_err(to_client, text);
+            input.clear();
+        }
+        result
+    }
+
+    fn receive_inner(
+        &mut self,
+        input: &mut BytesMut,
+        to_broker: &mut Vec<Bytes>,
+        to_client: &mut BytesMut,
+    ) -> Result<(), Fatal> {
+        loop {
+            if let Some(pending) = self.pending.take() {
+                let need = pending.total + 2;
+                if input.len() < need {
+                    self.pending = Some(pending);
+                    return Ok(());
+                }
+                let data = input.split_to(need);
+                if !data.ends_with(b"\r\n") {
+                    return Err(fatal("Parser Error"));
+                }
+                self.publish(pending, &data[..need - 2], to_broker)?;
+                self.ok(to_client);
+                continue;
+            }
+            let limit = if self.connected {
+                self.info.max_control_line
+            } else {
+                MAX_CONNECT_LINE
+            };
+            let Some(end) = memchr::memchr(b'\n', input) else {
+                if input.len() > limit {
+                    return Err(fatal("Maximum Control Line Exceeded"));
+                }
+                return Ok(());
+            };
+            if end > limit {
+                return Err(fatal("Maximum Control Line Exceeded"));
+            }
+            let line = input.split_to(end + 1);
+            let line = line.strip_suffix(b"\n").unwrap_or(&line);
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            self.operation(line, to_broker, to_client)?;
+        }
+    }
+
+    fn operation(
+        &mut self,
+        line: &[u8],
+        to_broker: &mut Vec<Bytes>,
+        to_client: &mut BytesMut,
+    ) -> Result<(), Fatal> {
+        let line = std::str::from_utf8(line).map_err(|_| fatal("Parser Error"))?;
+        let line = line.trim_start_matches([' ', '\t']);
+        let (verb, rest) = line
+            .split_once([' ', '\t'])
+            .map_or((line, ""), |(verb, rest)| (verb, rest));
+        let verb = verb.to_ascii_uppercase();
+        let mut args = rest.split([' ', '\t']).filter(|arg| !arg.is_empty());
+        match verb.as_str() {
+            "CONNECT" => return self.connect(rest, to_broker),
+            "PING" if !self.connected => to_client.extend_from_slice(b"PONG\r\n"),
+            "PING" => {
+                let nonce = self.next_nonce;
+                self.next_nonce += 1;
+                to_broker.push(control(&Frame::Ping { nonce }));
+            }
+            "PONG" => {
+                if let Some(nonce) = self.broker_pings.pop_front() {
+                    to_broker.push(control(&Frame::Pong { nonce }));
+                }
+            }
+            // Clients do not send these, but an echo of them is harmless.
+            "+OK" | "-ERR" | "INFO" => {}
+            "PUB" | "HPUB" | "SUB" | "UNSUB" => {
+                if !self.connected {
+                    if self.info.auth_required {
+                        return Err(fatal("Authorization Violation"));
+                    }
+                    // Without auth, NATS takes operations before CONNECT.
+                    self.connect("{}", to_broker)?;
+                }
+                let args: Vec<&str> = args.by_ref().collect();
+                match verb.as_str() {
+                    "PUB" => self.pub_line(&args, false)?,
+                    "HPUB" => self.pub_line(&args, true)?,
+                    "SUB" => {
+                        self.sub_line(&args, to_broker)?;
+                        self.ok(to_client);
+                    }
+                    _ => {
+                        self.unsub_line(&args, to_broker)?;
+                        self.ok(to_client);
+                    }
+                }
+            }
+            "" => {}
+            _ => return Err(fatal("Unknown Protocol Operation")),
+        }
+        Ok(())
+    }
+
+    fn ok(&self, to_client: &mut BytesMut) {
+        if self.verbose {
+            to_client.extend_from_slice(b"+OK\r\n");
+        }
+    }
+
+    fn connect(&mut self, json: &str, to_broker: &mut Vec<Bytes>) -> Result<(), Fatal> {
+        if self.connected {
+            // A second CONNECT changes nothing.
+            return Ok(());
+        }
+        let connect: Connect =
+            serde_json::from_str(json.trim()).map_err(|_| fatal("Parser Error"))?;
+        self.connected = true;
+        self.verbose = connect.verbose;
+        self.headers = connect.headers;
+        let (user, credentials) = match (connect.user, connect.pass, connect.auth_token) {
+            (Some(user), pass, _) => (Some(user), pass),
+            (None, _, token) => (None, token),
+        };
+        let name = match (&connect.name, &connect.lang) {
+            (Some(name), _) => name.clone(),
+            (None, Some(lang)) => format!(
+                "nats-{lang}-{}",
+                connect.version.as_deref().unwrap_or("client")
+            ),
+            (None, None) => "nats-client".to_string(),
+        };
+        to_broker.push(control(&Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            name,
+            user,
+            credentials,
+            proof: None,
+            offers: Vec::new(),
+            link_auth: None,
+            no_echo: connect.echo == Some(false),
+            // The answer is a status in headers: only for clients that
+            // read them.
+            no_responders: connect.no_responders && connect.headers,
+        })));
+        Ok(())
+    }
+
+    fn pub_line(&mut self, args: &[&str], with_headers: bool) -> Result<(), Fatal> {
+        let (subject, reply, sizes) = match (with_headers, args) {
+            (false, [subject, size]) => (subject, None, [None, Some(*size)]),
+            (false, [subject, reply, size]) => (subject, Some(reply), [None, Some(*size)]),
+            (true, [subject, head, total]) => (subject, None, [Some(*head), Some(*total)]),
+            (true, [subject, reply, head, total]) => {
+                (subject, Some(reply), [Some(*head), Some(*total)])
+            }
+            _ => return Err(fatal("Parser Error")),
+        };
+        let total = sizes[1]
+            .and_then(size)
+            .ok_or_else(|| fatal("Parser Error"))?;
+        let header_len = match sizes[0] {
+            Some(text) => Some(size(text).ok_or_else(|| fatal("Parser Error"))?),
+            None => None,
+        };
+        if header_len.is_some_and(|head| head > total) {
+            return Err(fatal("Parser Error"));
+        }
+        if total > self.info.max_payload {
+            return Err(fatal("Maximum Payload Violation"));
+        }
+        self.pending = Some(PendingPub {
+            subject: subject.to_string(),
+            reply: reply.map(|reply| reply.to_string()),
+            header_len,
+            total,
+        });
+        Ok(())
+    }
+
+    fn publish(
+        &mut self,
+        pending: PendingPub,
+        data: &[u8],
+        to_broker: &mut Vec<Bytes>,
+    ) -> Result<(), Fatal> {
+        let fields = RoutedFields {
+            subject: &pending.subject,
+            reply: pending.reply.as_deref(),
+            headers: pending.header_len.is_some(),
+        };
+        let need = codec::FRAME_OVERHEAD + codec::PUBLISH_HEADER_LEN + data.len() + 4096;
+        if self.scratch.capacity() - self.scratch.len() < need {
+            self.scratch.reserve(need.max(64 << 10));
+        }
+        let encoded = match pending.header_len {
+            Some(head) => {
+                let (block, body) = data.split_at(head);
+                headers::check_block(block).map_err(|_| fatal("Parser Error"))?;
+                let field = codec::join_headers(block, body);
+                codec::routed_into(&mut self.scratch, FrameKind::Publish, 0, fields, &field)
+            }
+            None => codec::routed_into(&mut self.scratch, FrameKind::Publish, 0, fields, data),
+        };
+        // Subjects longer than the wire's 64 KiB field: the broker's own
+        // limits are far below it.
+        encoded.map_err(|_| fatal("Invalid Subject"))?;
+        to_broker.push(self.scratch.split().freeze());
+        Ok(())
+    }
+
+    fn sub_line(&mut self, args: &[&str], to_broker: &mut Vec<Bytes>) -> Result<(), Fatal> {
+        let (pattern, queue, name) = match args {
+            [pattern, name] => (pattern, None, name),
+            [pattern, queue, name] => (pattern, Some(queue), name),
+            _ => return Err(fatal("Parser Error")),
+        };
+        // A sid used again replaces its subscription.
+        if let Some(old) = self.by_name.remove(*name) {
+            self.subs.remove(&old);
+            to_broker.push(control(&Frame::Unsubscribe { sid: old }));
+        }
+        let sid = self.next_sid;
+        self.next_sid += 1;
+        self.by_name.insert(name.to_string(), sid);
+        self.subs.insert(
+            sid,
+            Sub {
+                name: name.to_string(),
+                max: None,
+                delivered: 0,
+            },
+        );
+        to_broker.push(control(&Frame::Subscribe(Subscribe {
+            sid,
+            pattern: pattern.to_string(),
+            queue: queue.map(|queue| queue.to_string()),
+            class: DeliveryClass::Reliable,
+        })));
+        Ok(())
+    }
+
+    fn unsub_line(&mut self, args: &[&str], to_broker: &mut Vec<Bytes>) -> Result<(), Fatal> {
+        let (name, max) = match args {
+            [name] => (name, None),
+            [name, max] => (name, Some(count(max).ok_or_else(|| fatal("Parser Error"))?)),
+            _ => return Err(fatal("Parser Error")),
+        };
+        let Some(&sid) = self.by_name.get(*name) else {
+            // NATS ignores an unknown sid.
+            return Ok(());
+        };
+        match (max, self.subs.get_mut(&sid)) {
+            (Some(max), Some(sub)) if sub.delivered < max => sub.max = Some(max),
+            _ => self.end_sub(sid, to_broker),
+        }
+        Ok(())
+    }
+
+    fn end_sub(&mut self, sid: u64, to_broker: &mut Vec<Bytes>) {
+        if let Some(sub) = self.subs.remove(&sid) {
+            self.by_name.remove(&sub.name);
+            to_broker.push(control(&Frame::Unsubscribe { sid }));
+        }
+    }
+
+    /// Translate one frame from the broker (a run is taken apart). Frames
+    /// the client has no use for (the broker's challenge, drop reports)
+    /// are left out. `Err` when the connection must end once `to_client`
+    /// is written.
+    pub fn deliver(
+        &mut self,
+        frame: &Bytes,
+        to_client: &mut BytesMut,
+        to_broker: &mut Vec<Bytes>,
+    ) -> Result<(), Fatal> {
+        match frame.get(codec::PREFIX_LEN).copied() {
+            Some(kind) if kind == FrameKind::Message as u8 => {
+                self.message(frame, to_client, to_broker);
+                Ok(())
+            }
+            Some(kind) if kind == FrameKind::Run as u8 => {
+                let run = frame.slice(codec::FRAME_OVERHEAD..);
+                for inner in split_run(&run) {
+                    self.deliver(&inner.head, to_client, to_broker)?;
+                }
+                Ok(())
+            }
+            _ => self.control_frame(frame, to_client),
+        }
+    }
+
+    fn message(&mut self, frame: &[u8], to_client: &mut BytesMut, to_broker: &mut Vec<Bytes>) {
+        let Ok(Some(view)) = codec::peek_routed(frame, &self.limits) else {
+            return;
+        };
+        let Some(sub) = self.subs.get_mut(&view.sid) else {
+            // Unsubscribed meanwhile.
+            return;
+        };
+        sub.delivered += 1;
+        let (block, body) = match view.headers_and_body() {
+            (Some(block), body) if self.headers => (Some(block), body),
+            (_, body) => (None, body),
+        };
+        let total = block.map_or(0, <[u8]>::len) + body.len();
+        to_client.reserve(view.subject.len() + sub.name.len() + total + 64);
+        to_client.extend_from_slice(if block.is_some() { b"HMSG " } else { b"MSG " });
+        to_client.extend_from_slice(view.subject.as_bytes());
+        to_client.extend_from_slice(b" ");
+        to_client.extend_from_slice(sub.name.as_bytes());
+        if let Some(reply) = view.reply {
+            to_client.extend_from_slice(b" ");
+            to_client.extend_from_slice(reply.as_bytes());
+        }
+        if let Some(block) = block {
+            to_client.extend_from_slice(b" ");
+            put_decimal(to_client, block.len() as u64);
+        }
+        to_client.extend_from_slice(b" ");
+        put_decimal(to_client, total as u64);
+        to_client.extend_from_slice(b"\r\n");
+        if let Some(block) = block {
+            to_client.extend_from_slice(block);
+        }
+        to_client.extend_from_slice(body);
+        to_client.extend_from_slice(b"\r\n");
+        if sub.max.is_some_and(|max| sub.delivered >= max) {
+            let sid = view.sid;
+            self.end_sub(sid, to_broker);
+        }
+    }
+
+    fn control_frame(&mut self, frame: &Bytes, to_client: &mut BytesMut) -> Result<(), Fatal> {
+        let Ok(decoded) = codec::decode(frame.clone(), &self.limits) else {
+            return Ok(());
+        };
+        match decoded {
+            Frame::Welcome(welcome) => {
+                if let Ok(max) = usize::try_from(welcome.max_payload) {
+                    self.info.max_payload = self.info.max_payload.min(max);
+                }
+                self.ok(to_client);
+            }
+            Frame::Ping { nonce } => {
+                if self.broker_pings.len() >= self.info.max_pings_out {
+                    return Err(err_to(to_client, "Stale Connection"));
+                }
+                self.broker_pings.push_back(nonce);
+                to_client.extend_from_slice(b"PING\r\n");
+            }
+            Frame::Pong { .. } => to_client.extend_from_slice(b"PONG\r\n"),
+            Frame::Error(error) => {
+                let text = nats_error(&error);
+                if error.fatal {
+                    return Err(err_to(to_client, &text));
+                }
+                put_err(to_client, &text);
+            }
+            Frame::Goodbye(_) => return Err(Fatal("server shutting down".to_string())),
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// The text NATS clients know for an efabus error.
+fn nats_error(error: &ErrorFrame) -> String {
+    match error.code {
+        ErrorCode::Auth => "Authorization Violation".to_string(),
+        ErrorCode::PayloadTooLarge => "Maximum Payload Violation".to_string(),
+        ErrorCode::InvalidSubject => "Invalid Subject".to_string(),
+        ErrorCode::TooManySubscriptions => "Maximum Subscriptions Exceeded".to_string(),
+        ErrorCode::TooManyConnections => "Maximum Connections Exceeded".to_string(),
+        ErrorCode::HandshakeTimeout => "Authentication Timeout".to_string(),
+        ErrorCode::SlowConsumer => "Slow Consumer".to_string(),
+        ErrorCode::Malformed | ErrorCode::Protocol => "Unknown Protocol Operation".to_string(),
+        ErrorCode::PermissionDenied => permission_error(&error.text),
+        _ => error.text.replace(['\'', '\r', '\n'], " "),
+    }
+}
+
+/// `Permissions Violation for Publish to "x"` (or `for Subscription to`)
+/// from the broker's text, which names the operation and the subject.
+fn permission_error(text: &str) -> String {
+    let what = text.strip_prefix("permission denied: ").unwrap_or(text);
+    let kind = if what.starts_with("subscribe") {
+        "Subscription"
+    } else {
+        "Publish"
+    };
+    let subject = what
+        .split_once('"')
+        .and_then(|(_, rest)| rest.split_once('"'))
+        .map_or("", |(subject, _)| subject);
+    format!("Permissions Violation for {kind} to \"{subject}\"")
+}
+
+fn fatal(text: &str) -> Fatal {
+    Fatal(text.to_string())
+}
+
+fn err_to(to_client: &mut BytesMut, text: &str) -> Fatal {
+    put_err(to_client, text);
+    Fatal(text.to_string())
+}
+
+fn put_err(to_client: &mut BytesMut, text: &str) {
+    to_client.extend_from_slice(b"-ERR '");
+    to_client.extend_from_slice(text.as_bytes());
+    to_client.extend_from_slice(b"'\r\n");
+}
+
+fn control(frame: &Frame) -> Bytes {
+    codec::encode(frame).to_bytes()
+}
+
+/// A payload size: decimal digits only, within what a publish may hold.
+fn size(text: &str) -> Option<usize> {
+    let valid = !text.is_empty() && text.len() <= 10 && text.bytes().all(|b| b.is_ascii_digit());
+    valid.then(|| text.parse().ok()).flatten()
+}
+
+fn count(text: &str) -> Option<u64> {
+    let valid = !text.is_empty() && text.len() <= 19 && text.bytes().all(|b| b.is_ascii_digit());
+    valid.then(|| text.parse().ok()).flatten()
+}
+
+fn put_decimal(out: &mut BytesMut, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use efabus_core::frame::{Goodbye, Message, Welcome};
+
+    fn session() -> NatsSession {
+        NatsSession::new(ServerInfo {
+            max_payload: 1024,
+            ..ServerInfo::default()
+        })
+    }
+
+    /// Feed `text`, return the frames for the broker (decoded) and the
+    /// answer to the client.
+    fn feed(s: &mut NatsSession, text: &[u8]) -> (Vec<Frame>, String, Result<(), Fatal>) {
+        let mut input = BytesMut::from(text);
+        let (mut frames, mut out) = (Vec::new(), BytesMut::new());
+        let result = s.receive(&mut input, &mut frames, &mut out);
+        let limits = CodecLimits::default();
+        let frames = frames
+            .into_iter()
+            .map(|f| codec::decode(f, &limits).expect("valid frame"))
+            .collect();
+        (frames, String::from_utf8_lossy(&out).into_owned(), result)
+    }
+
+    fn deliver(s: &mut NatsSession, frame: &Frame) -> (String, Vec<Frame>, Result<(), Fatal>) {
+        let (mut out, mut frames) = (BytesMut::new(), Vec::new());
+        let bytes = codec::encode(frame).to_bytes();
+        let result = s.deliver(&bytes, &mut out, &mut frames);
+        let limits = CodecLimits::default();
+        let frames = frames
+            .into_iter()
+            .map(|f| codec::decode(f, &limits).expect("valid frame"))
+            .collect();
+        (String::from_utf8_lossy(&out).into_owned(), frames, result)
+    }
+
+    fn message(
+        sid: u64,
+        subject: &str,
+        headers: Option<&'static [u8]>,
+        body: &'static [u8],
+    ) -> Frame {
+        Frame::Message(Message {
+            sid,
+            subject: subject.into(),
+            reply: Some("r.1".into()),
+            seq: 0,
+            headers: headers.map(Bytes::from_static),
+            payload: Bytes::from_static(body),
+        })
+    }
+
+    #[test]
+    fn connect_becomes_a_hello_with_the_credentials_and_options() {
+        let mut s = session();
+        let line = br#"connect {"verbose":true,"user":"u","pass":"p","echo":false,"headers":true,"no_responders":true,"name":"svc"}"#;
+        let (frames, out, result) = feed(&mut s, &[&line[..], b"\r\nPING\r\n"].concat());
+        assert_eq!(result, Ok(()));
+        assert_eq!(out, "", "+OK waits for the welcome; PONG for the broker");
+        let Frame::Hello(hello) = &frames[0] else {
+            panic!("{frames:?}")
+        };
+        assert_eq!(
+            (hello.name.as_str(), hello.user.as_deref()),
+            ("svc", Some("u"))
+        );
+        assert_eq!(hello.credentials.as_deref(), Some("p"));
+        assert!(hello.no_echo && hello.no_responders);
+        assert!(matches!(frames[1], Frame::Ping { nonce: 1 }));
+        let welcome = Frame::Welcome(Welcome {
+            version: PROTOCOL_VERSION,
+            name: "b".into(),
+            offers: Vec::new(),
+            max_payload: 100,
+            link_auth: None,
+            max_subject_len: 512,
+            max_subject_tokens: 32,
+            proof: None,
+        });
+        assert_eq!(deliver(&mut s, &welcome).0, "+OK\r\n");
+        assert_eq!(deliver(&mut s, &Frame::Pong { nonce: 1 }).0, "PONG\r\n");
+        // The welcome's smaller limit holds from now on.
+        let (_, out, result) = feed(&mut s, b"PUB a 101\r\n");
+        assert_eq!(result, Err(fatal("Maximum Payload Violation")));
+        assert_eq!(out, "-ERR 'Maximum Payload Violation'\r\n");
+    }
+
+    #[test]
+    fn a_token_is_the_credentials_and_echo_stays_on_by_default() {
+        let mut s = session();
+        let (frames, _, _) = feed(&mut s, b"CONNECT {\"auth_token\":\"t\"}\r\n");
+        let Frame::Hello(hello) = &frames[0] else {
+            panic!("{frames:?}")
+        };
+        assert_eq!(
+            (hello.user.as_deref(), hello.credentials.as_deref()),
+            (None, Some("t"))
+        );
+        assert!(!hello.no_echo && !hello.no_responders);
+    }
+
+    #[test]
+    fn publishes_in_pieces_and_in_any_case_become_publish_frames() {
+        let mut s = session();
+        let mut input = BytesMut::from(&b"CONNECT {}\r\npub a.b r 5\r\nhel"[..]);
+        let (mut frames, mut out) = (Vec::new(), BytesMut::new());
+        s.receive(&mut input, &mut frames, &mut out).expect("valid");
+        assert_eq!(
+            frames.len(),
+            1,
+            "the hello; the publish waits for its payload"
+        );
+        input.extend_from_slice(b"lo\r\nHPUB\ta.c  18 20\r\nNATS/1.0\r\nA: b\r\n\r\nhi\r\n");
+        s.receive(&mut input, &mut frames, &mut out).expect("valid");
+        assert!(input.is_empty());
+        let limits = CodecLimits::default();
+        let publishes: Vec<Frame> = frames[1..]
+            .iter()
+            .map(|f| codec::decode(f.clone(), &limits).expect("valid"))
+            .collect();
+        let [Frame::Publish(plain), Frame::Publish(with)] = &publishes[..] else {
+            panic!("{publishes:?}")
+        };
+        assert_eq!(
+            (plain.subject.as_str(), plain.reply.as_deref()),
+            ("a.b", Some("r"))
+        );
+        assert_eq!(
+            (&plain.payload[..], plain.headers.as_deref()),
+            (&b"hello"[..], None)
+        );
+        assert_eq!(&with.payload[..], b"hi");
+        assert_eq!(
+            with.headers.as_deref(),
+            Some(&b"NATS/1.0\r\nA: b\r\n\r\n"[..])
+        );
+    }
+
+    #[test]
+    fn subscriptions_map_sids_both_ways_and_stop_at_their_maximum() {
+        let mut s = session();
+        let (frames, _, _) = feed(
+            &mut s,
+            b"CONNECT {\"headers\":true}\r\nSUB a.* q alpha\r\nUNSUB alpha 2\r\n",
+        );
+        let Frame::Subscribe(sub) = &frames[1] else {
+            panic!("{frames:?}")
+        };
+        assert_eq!(
+            (sub.pattern.as_str(), sub.queue.as_deref()),
+            ("a.*", Some("q"))
+        );
+        assert_eq!(frames.len(), 2, "the maximum is kept here");
+        let sid = sub.sid;
+        let (out, back, _) = deliver(&mut s, &message(sid, "a.x", None, b"one"));
+        assert_eq!(out, "MSG a.x alpha r.1 3\r\none\r\n");
+        assert!(back.is_empty());
+        let (out, back, _) = deliver(
+            &mut s,
+            &message(sid, "a.y", Some(b"NATS/1.0\r\n\r\n"), b"two"),
+        );
+        assert_eq!(out, "HMSG a.y alpha r.1 12 15\r\nNATS/1.0\r\n\r\ntwo\r\n");
+        assert!(matches!(back[..], [Frame::Unsubscribe { sid: gone }] if gone == sid));
+        let (out, _, _) = deliver(&mut s, &message(sid, "a.z", None, b"three"));
+        assert_eq!(out, "", "past the maximum");
+        assert_eq!(s.subscriptions(), 0);
+    }
+
+    #[test]
+    fn a_client_without_headers_gets_the_body_alone() {
+        let mut s = session();
+        let (frames, _, _) = feed(&mut s, b"CONNECT {}\r\nSUB a 1\r\n");
+        let Frame::Subscribe(sub) = &frames[1] else {
+            panic!("{frames:?}")
+        };
+        let (out, _, _) = deliver(
+            &mut s,
+            &message(sub.sid, "a", Some(b"NATS/1.0\r\n\r\n"), b"x"),
+        );
+        assert_eq!(out, "MSG a 1 r.1 1\r\nx\r\n");
+    }
+
+    #[test]
+    fn broker_pings_need_answers_and_errors_use_nats_texts() {
+        let mut s = session();
+        assert_eq!(feed(&mut s, b"CONNECT {}\r\n").2, Ok(()));
+        assert_eq!(deliver(&mut s, &Frame::Ping { nonce: 7 }).0, "PING\r\n");
+        let (frames, _, _) = feed(&mut s, b"PONG\r\n");
+        assert!(matches!(frames[..], [Frame::Pong { nonce: 7 }]));
+        assert_eq!(deliver(&mut s, &Frame::Ping { nonce: 8 }).2, Ok(()));
+        assert_eq!(deliver(&mut s, &Frame::Ping { nonce: 9 }).2, Ok(()));
+        let (out, _, result) = deliver(&mut s, &Frame::Ping { nonce: 10 });
+        assert_eq!(out, "-ERR 'Stale Connection'\r\n");
+        assert!(result.is_err());
+
+        let denied = Frame::Error(ErrorFrame {
+            code: ErrorCode::PermissionDenied,
+            text: "permission denied: subscribe to \"orders.secret\" (deny, user \"u\")".into(),
+            fatal: false,
+        });
+        let (out, _, result) = deliver(&mut s, &denied);
+        assert_eq!(
+            out,
+            "-ERR 'Permissions Violation for Subscription to \"orders.secret\"'\r\n"
+        );
+        assert_eq!(result, Ok(()), "not fatal");
+        let auth = Frame::Error(ErrorFrame {
+            code: ErrorCode::Auth,
+            text: "wrong password".into(),
+            fatal: true,
+        });
+        assert_eq!(
+            deliver(&mut s, &auth).0,
+            "-ERR 'Authorization Violation'\r\n"
+        );
+        let bye = Frame::Goodbye(Goodbye { reason: "x".into() });
+        assert!(deliver(&mut s, &bye).2.is_err());
+    }
+
+    #[test]
+    fn malformed_input_ends_with_an_error_never_a_panic() {
+        let cases: [(&[u8], &str); 9] = [
+            (b"FOO bar\r\n", "Unknown Protocol Operation"),
+            (b"CONNECT {nope\r\n", "Parser Error"),
+            (b"CONNECT {}\r\nPUB a\r\n", "Parser Error"),
+            (b"CONNECT {}\r\nPUB a -1\r\n", "Parser Error"),
+            (b"CONNECT {}\r\nPUB a 99999999999999\r\n", "Parser Error"),
+            (b"CONNECT {}\r\nPUB a 2048\r\n", "Maximum Payload Violation"),
+            (b"CONNECT {}\r\nPUB a 1\r\nxy\r\n", "Parser Error"),
+            (b"CONNECT {}\r\nHPUB a 5 3\r\n", "Parser Error"),
+            (b"CONNECT {}\r\nHPUB a 3 3\r\nabc\r\n", "Parser Error"),
+        ];
+        for (input, error) in cases {
+            let mut s = session();
+            let (_, out, result) = feed(&mut s, input);
+            assert_eq!(
+                result,
+                Err(fatal(error)),
+                "{}",
+                String::from_utf8_lossy(input)
+            );
+            assert!(out.ends_with(&format!("-ERR '{error}'\r\n")), "{out}");
+        }
+        let mut s = session();
+        let long = vec![b'x'; MAX_CONNECT_LINE + 1];
+        assert_eq!(
+            feed(&mut s, &long).2,
+            Err(fatal("Maximum Control Line Exceeded"))
+        );
+        let mut s = session();
+        assert_eq!(feed(&mut s, b"CONNECT {}\r\n").2, Ok(()));
+        let long = [b"SUB ".as_slice(), &[b'a'; 5000]].concat();
+        assert_eq!(
+            feed(&mut s, &long).2,
+            Err(fatal("Maximum Control Line Exceeded"))
+        );
+    }
+
+    #[test]
+    fn operations_before_connect_need_it_only_when_auth_is_required() {
+        let mut open = session();
+        let (frames, out, result) = feed(&mut open, b"PING\r\nSUB a 1\r\n");
+        assert_eq!((out.as_str(), result), ("PONG\r\n", Ok(())));
+        assert!(matches!(frames[..], [Frame::Hello(_), Frame::Subscribe(_)]));
+        let mut closed = NatsSession::new(ServerInfo {
+            auth_required: true,
+            ..ServerInfo::default()
+        });
+        let (frames, out, _) = feed(&mut closed, b"PUB a 1\r\nx\r\n");
+        assert!(frames.is_empty());
+        assert_eq!(out, "-ERR 'Authorization Violation'\r\n");
+    }
+
+    #[test]
+    fn info_names_the_server_and_its_limits() {
+        let info = ServerInfo {
+            server_id: "id".into(),
+            server_name: "n".into(),
+            auth_required: true,
+            ..ServerInfo::default()
+        };
+        let line = info.info_line(3, "127.0.0.1", 4222, "127.0.0.1");
+        let json: serde_json::Value =
+            serde_json::from_str(line.strip_prefix("INFO ").expect("INFO").trim()).expect("json");
+        assert_eq!(json["server_name"], "n");
+        assert_eq!(json["max_payload"], codec::DEFAULT_MAX_PAYLOAD);
+        assert_eq!(json["auth_required"], true);
+        assert_eq!(json["headers"], true);
+        assert_eq!(json["proto"], 1);
+    }
+}
