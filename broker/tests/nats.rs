@@ -58,6 +58,18 @@ async fn next(sub: &mut async_nats::Subscriber) -> async_nats::Message {
         .expect("the subscription is open")
 }
 
+/// A round trip through the broker, answered (with no responders) only
+/// after the broker handled everything this client sent before, and
+/// received after every message the broker sent it before. (async-nats's
+/// `flush` only writes the client's buffer out.)
+async fn sync(client: &async_nats::Client) {
+    let err = client
+        .request("sync.nobody.listens", Bytes::new())
+        .await
+        .expect_err("no responders");
+    assert_eq!(err.kind(), async_nats::RequestErrorKind::NoResponders);
+}
+
 fn text(payload: &[u8]) -> String {
     String::from_utf8_lossy(payload).into_owned()
 }
@@ -75,7 +87,7 @@ async fn nats_and_native_clients_share_subjects_wildcards_and_queue_groups() {
     let native = native(&broker);
     let native_sub = native.subscribe("orders.>").expect("subscribes");
     let embedded = broker.subscribe("orders.*").expect("subscribes");
-    client.flush().await.expect("flushed");
+    sync(&client).await;
     native.flush(WAIT).expect("flushed");
 
     client
@@ -86,7 +98,8 @@ async fn nats_and_native_clients_share_subjects_wildcards_and_queue_groups() {
         .publish("orders.eu.new", Bytes::from_static(b"deep"))
         .await
         .expect("publishes");
-    client.flush().await.expect("flushed");
+    // Order holds per publisher: the native one goes after.
+    sync(&client).await;
     native
         .publish("orders.old", "from native")
         .expect("publishes");
@@ -125,7 +138,7 @@ async fn nats_and_native_clients_share_subjects_wildcards_and_queue_groups() {
     let native_member = native
         .queue_subscribe("jobs", "workers")
         .expect("subscribes");
-    client.flush().await.expect("flushed");
+    sync(&client).await;
     native.flush(WAIT).expect("flushed");
     const JOBS: usize = 200;
     for n in 0..JOBS {
@@ -158,7 +171,7 @@ async fn request_reply_works_both_ways_and_no_responders_answers_at_once() {
 
     // A NATS responder answers a native request.
     let mut service = client.subscribe("svc.upper").await.expect("subscribes");
-    client.flush().await.expect("flushed");
+    sync(&client).await;
     let responder = client.clone();
     let serving = tokio::spawn(async move {
         let request = next(&mut service).await;
@@ -227,7 +240,7 @@ async fn headers_cross_between_nats_and_native_clients() {
     let native_sub = native.subscribe("h.>").expect("subscribes");
     native.flush(WAIT).expect("flushed");
     let mut nats_sub = client.subscribe("h.>").await.expect("subscribes");
-    client.flush().await.expect("flushed");
+    sync(&client).await;
 
     let mut headers = HeaderMap::new();
     headers.insert("Trace-Id", "abc-123");
@@ -273,7 +286,7 @@ async fn auto_unsubscribe_and_drain_end_subscriptions_when_nats_says() {
         .unsubscribe_after(3)
         .await
         .expect("auto-unsubscribe");
-    client.flush().await.expect("flushed");
+    sync(&client).await;
     for n in 0..10u8 {
         client
             .publish("count", Bytes::from(vec![n]))
@@ -286,23 +299,24 @@ async fn auto_unsubscribe_and_drain_end_subscriptions_when_nats_says() {
         got.push(message.payload[0]);
     }
     assert_eq!(got, [0, 1, 2], "three, then the subscription ended");
-    // The broker forgot it: nothing is routed to it any more.
+    // The broker forgot it: nothing is routed to it any more (the
+    // client's request inbox is all it holds).
     let deadline = Instant::now() + WAIT;
-    while broker.subscription_count() != 0 {
+    while broker.subscription_count() != 1 {
         assert!(Instant::now() < deadline, "the broker still holds it");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 
     // Drain: what was published before is still delivered, then the end.
     let mut drained = client.subscribe("drain.me").await.expect("subscribes");
-    client.flush().await.expect("flushed");
+    sync(&client).await;
     for n in 0..5u8 {
         client
             .publish("drain.me", Bytes::from(vec![n]))
             .await
             .expect("publishes");
     }
-    client.flush().await.expect("flushed");
+    sync(&client).await;
     drained.drain().await.expect("drains");
     let mut got = Vec::new();
     while let Ok(Some(message)) = tokio::time::timeout(WAIT, drained.next()).await {
@@ -323,7 +337,7 @@ async fn a_nats_client_reconnects_and_resubscribes_after_a_broker_restart() {
         .await
         .expect("connects");
     let mut sub = client.subscribe("after.restart").await.expect("subscribes");
-    client.flush().await.expect("flushed");
+    sync(&client).await;
     drop(broker);
     // The same port again, as a restarted service would.
     let broker = start("", &format!("127.0.0.1:{port}"));
@@ -451,7 +465,7 @@ async fn a_route_carries_nats_clients_traffic_between_brokers() {
     let on_a = nats(&a).await;
     let on_b = nats(&b).await;
     let mut sub = on_b.subscribe("across.>").await.expect("subscribes");
-    on_b.flush().await.expect("flushed");
+    sync(&on_b).await;
     let deadline = Instant::now() + WAIT;
     while a.route_interest_count() == 0 {
         assert!(
@@ -476,7 +490,7 @@ async fn a_route_carries_nats_clients_traffic_between_brokers() {
     // Request/reply across the route.
     let responder = on_b.clone();
     let mut service = on_b.subscribe("across.svc").await.expect("subscribes");
-    on_b.flush().await.expect("flushed");
+    sync(&on_b).await;
     tokio::spawn(async move {
         let request = next(&mut service).await;
         if let Some(reply) = request.reply {
@@ -609,13 +623,23 @@ async fn nats_sessions_show_in_the_connection_report() {
         .await
         .expect("connects");
     let _sub = client.subscribe("seen.>").await.expect("subscribes");
-    client.flush().await.expect("flushed");
+    sync(&client).await;
     let report = broker.connections(true, WAIT).expect("a report");
     let session = report
         .iter()
         .find(|c| c.name == "reporting")
         .expect("the NATS client is listed");
     assert_eq!(session.reliable, "nats");
-    assert_eq!(session.subscription_count, 1);
-    assert_eq!(session.subscriptions[0].pattern, "seen.>");
+    // Its subscription, and the inbox its requests use.
+    assert_eq!(session.subscription_count, 2);
+    let patterns: Vec<&str> = session
+        .subscriptions
+        .iter()
+        .map(|sub| sub.pattern.as_str())
+        .collect();
+    assert!(patterns.contains(&"seen.>"), "{patterns:?}");
+    assert!(
+        patterns.iter().any(|p| p.starts_with("_INBOX.")),
+        "{patterns:?}"
+    );
 }

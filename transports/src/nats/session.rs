@@ -469,20 +469,28 @@ impl NatsSession {
         to_client: &mut BytesMut,
         to_broker: &mut Vec<Bytes>,
     ) -> Result<(), Fatal> {
-        match frame.get(codec::PREFIX_LEN).copied() {
-            Some(kind) if kind == FrameKind::Message as u8 => {
-                self.message(frame, to_client, to_broker);
-                Ok(())
-            }
-            Some(kind) if kind == FrameKind::Run as u8 => {
-                let run = frame.slice(codec::FRAME_OVERHEAD..);
-                for inner in split_run(&run) {
-                    self.deliver(&inner.head, to_client, to_broker)?;
-                }
-                Ok(())
-            }
-            _ => self.control_frame(frame, to_client),
+        if frame.get(codec::PREFIX_LEN) != Some(&(FrameKind::Run as u8)) {
+            return self.deliver_one(frame, to_client, to_broker);
         }
+        // Runs hold no runs: one level is taken apart.
+        let run = frame.slice(codec::FRAME_OVERHEAD..);
+        for inner in split_run(&run) {
+            self.deliver_one(&inner.head, to_client, to_broker)?;
+        }
+        Ok(())
+    }
+
+    fn deliver_one(
+        &mut self,
+        frame: &Bytes,
+        to_client: &mut BytesMut,
+        to_broker: &mut Vec<Bytes>,
+    ) -> Result<(), Fatal> {
+        if frame.get(codec::PREFIX_LEN) == Some(&(FrameKind::Message as u8)) {
+            self.message(frame, to_client, to_broker);
+            return Ok(());
+        }
+        self.control_frame(frame, to_client)
     }
 
     fn message(&mut self, frame: &[u8], to_client: &mut BytesMut, to_broker: &mut Vec<Bytes>) {
