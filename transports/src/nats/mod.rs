@@ -54,7 +54,7 @@ const ACCEPT_BUDGET: usize = 256;
 /// How long a locally closed connection may keep flushing.
 const LINGER: Duration = Duration::from_secs(2);
 
-/// Room the read buffer grows by.
+/// Bytes one socket read takes at most.
 const READ_CHUNK: usize = 64 << 10;
 
 const WAKER: Token = Token(usize::MAX);
@@ -114,6 +114,8 @@ pub struct NatsEndpoint {
     /// that reached its maximum), handed out by the next `poll`.
     pending: Vec<Event>,
     scratch: Vec<Bytes>,
+    /// What each socket read lands in first.
+    read_buf: Box<[u8]>,
 }
 
 impl std::fmt::Debug for NatsEndpoint {
@@ -197,6 +199,7 @@ impl NatsEndpoint {
             max_frame: config.max_frame,
             pending: Vec::new(),
             scratch: Vec::new(),
+            read_buf: vec![0; READ_CHUNK].into_boxed_slice(),
         })
     }
 
@@ -286,33 +289,25 @@ impl NatsEndpoint {
         let mut taken = 0;
         let mut gone = None;
         while taken < READ_BUDGET {
-            if conn.input.capacity() - conn.input.len() < READ_CHUNK / 4 {
-                conn.input.reserve(READ_CHUNK);
-            }
-            let len = conn.input.len();
-            let room = conn.input.capacity() - len;
-            conn.input.resize(len + room, 0);
-            match conn.stream.read(&mut conn.input[len..]) {
+            // Read into the endpoint's buffer and keep what came: cheaper
+            // than zeroing room in each connection's buffer for every read.
+            match conn.stream.read(&mut self.read_buf) {
                 Ok(0) => {
-                    conn.input.truncate(len);
                     gone = Some(CloseReason::PeerClosed);
                     break;
                 }
                 Ok(n) => {
-                    conn.input.truncate(len + n);
+                    conn.input.extend_from_slice(&self.read_buf[..n]);
                     taken += n;
                 }
-                Err(err) => {
-                    conn.input.truncate(len);
-                    match err.kind() {
-                        io::ErrorKind::WouldBlock => break,
-                        io::ErrorKind::Interrupted => continue,
-                        _ => {
-                            gone = Some(CloseReason::Error(err.to_string()));
-                            break;
-                        }
+                Err(err) => match err.kind() {
+                    io::ErrorKind::WouldBlock => break,
+                    io::ErrorKind::Interrupted => continue,
+                    _ => {
+                        gone = Some(CloseReason::Error(err.to_string()));
+                        break;
                     }
-                }
+                },
             }
         }
         if taken >= READ_BUDGET {

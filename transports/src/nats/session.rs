@@ -17,7 +17,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use efabus_core::codec::{self, CodecLimits, FrameKind, RoutedFields};
 use efabus_core::frame::{DeliveryClass, ErrorFrame};
 use efabus_core::frame::{ErrorCode, Frame, Hello, Subscribe, PROTOCOL_VERSION};
@@ -130,6 +130,62 @@ struct PendingPub {
     total: usize,
 }
 
+/// Most fields an operation takes (HPUB: subject, reply, two sizes).
+const MAX_ARGS: usize = 4;
+
+/// A PUB or HPUB line, borrowed from the input.
+#[derive(Debug)]
+struct PubLine<'l> {
+    subject: &'l str,
+    reply: Option<&'l str>,
+    header_len: Option<usize>,
+    total: usize,
+}
+
+/// The fields of a PUB or HPUB line, checked against the payload limit.
+fn pub_line<'l>(
+    args: &[&'l str],
+    with_headers: bool,
+    max_payload: usize,
+) -> Result<PubLine<'l>, Fatal> {
+    let (subject, reply, head, total) = match (with_headers, args) {
+        (false, [subject, total]) => (*subject, None, None, total),
+        (false, [subject, reply, total]) => (*subject, Some(*reply), None, total),
+        (true, [subject, head, total]) => (*subject, None, Some(*head), total),
+        (true, [subject, reply, head, total]) => (*subject, Some(*reply), Some(*head), total),
+        _ => return Err(fatal("Parser Error")),
+    };
+    let total = size(total).ok_or_else(|| fatal("Parser Error"))?;
+    let header_len = match head {
+        Some(text) => Some(size(text).ok_or_else(|| fatal("Parser Error"))?),
+        None => None,
+    };
+    if header_len.is_some_and(|head| head > total) {
+        return Err(fatal("Parser Error"));
+    }
+    if total > max_payload {
+        return Err(fatal("Maximum Payload Violation"));
+    }
+    Ok(PubLine {
+        subject,
+        reply,
+        header_len,
+        total,
+    })
+}
+
+/// The `total` payload bytes at the start of `rest`, once they and their
+/// CRLF have all arrived (`None` until then).
+fn payload_of(rest: &[u8], total: usize) -> Result<Option<&[u8]>, Fatal> {
+    let Some(data) = rest.get(..total + 2) else {
+        return Ok(None);
+    };
+    if !data.ends_with(b"\r\n") {
+        return Err(fatal("Parser Error"));
+    }
+    Ok(Some(&data[..total]))
+}
+
 /// One client connection's protocol state.
 #[derive(Debug)]
 pub struct NatsSession {
@@ -147,6 +203,9 @@ pub struct NatsSession {
     broker_pings: VecDeque<u64>,
     next_nonce: u64,
     pending: Option<PendingPub>,
+    /// The subject of the last message delivered, which the next one
+    /// usually has too.
+    last_subject: String,
     /// Frames for the broker are built here and split off, so many share
     /// one allocation.
     scratch: BytesMut,
@@ -167,6 +226,7 @@ impl NatsSession {
             broker_pings: VecDeque::new(),
             next_nonce: 1,
             pending: None,
+            last_subject: String::new(),
             scratch: BytesMut::new(),
             limits: CodecLimits {
                 max_frame: usize::MAX,
@@ -205,18 +265,31 @@ impl NatsSession {
         to_broker: &mut Vec<Bytes>,
         to_client: &mut BytesMut,
     ) -> Result<(), Fatal> {
+        // Operations are read in place; what they took is dropped from the
+        // buffer once, at the end.
+        let mut at = 0;
+        let result = self.read_operations(input, &mut at, to_broker, to_client);
+        input.advance(at);
+        result
+    }
+
+    fn read_operations(
+        &mut self,
+        input: &[u8],
+        at: &mut usize,
+        to_broker: &mut Vec<Bytes>,
+        to_client: &mut BytesMut,
+    ) -> Result<(), Fatal> {
         loop {
+            let rest = &input[*at..];
             if let Some(pending) = self.pending.take() {
-                let need = pending.total + 2;
-                if input.len() < need {
+                let Some(data) = payload_of(rest, pending.total)? else {
                     self.pending = Some(pending);
                     return Ok(());
-                }
-                let data = input.split_to(need);
-                if !data.ends_with(b"\r\n") {
-                    return Err(fatal("Parser Error"));
-                }
-                self.publish(pending, &data[..need - 2], to_broker)?;
+                };
+                let (subject, reply) = (&pending.subject, pending.reply.as_deref());
+                self.publish(subject, reply, pending.header_len, data, to_broker)?;
+                *at += pending.total + 2;
                 self.ok(to_client);
                 continue;
             }
@@ -225,8 +298,8 @@ impl NatsSession {
             } else {
                 MAX_CONNECT_LINE
             };
-            let Some(end) = memchr::memchr(b'\n', input) else {
-                if input.len() > limit {
+            let Some(end) = memchr::memchr(b'\n', rest) else {
+                if rest.len() > limit {
                     return Err(fatal("Maximum Control Line Exceeded"));
                 }
                 return Ok(());
@@ -234,67 +307,89 @@ impl NatsSession {
             if end > limit {
                 return Err(fatal("Maximum Control Line Exceeded"));
             }
-            let line = input.split_to(end + 1);
-            let line = line.strip_suffix(b"\n").unwrap_or(&line);
+            let line = &rest[..end];
             let line = line.strip_suffix(b"\r").unwrap_or(line);
-            self.operation(line, to_broker, to_client)?;
+            let Some(publish) = self.operation(line, to_broker, to_client)? else {
+                *at += end + 1;
+                continue;
+            };
+            // A publish: its payload follows the line, usually in full.
+            let Some(data) = payload_of(&rest[end + 1..], publish.total)? else {
+                self.pending = Some(PendingPub {
+                    subject: publish.subject.to_string(),
+                    reply: publish.reply.map(str::to_string),
+                    header_len: publish.header_len,
+                    total: publish.total,
+                });
+                *at += end + 1;
+                return Ok(());
+            };
+            let (subject, reply) = (publish.subject, publish.reply);
+            self.publish(subject, reply, publish.header_len, data, to_broker)?;
+            *at += end + 1 + publish.total + 2;
+            self.ok(to_client);
         }
     }
 
-    fn operation(
+    /// Handle one protocol line; a PUB or HPUB line comes back for its
+    /// payload to be read.
+    fn operation<'l>(
         &mut self,
-        line: &[u8],
+        line: &'l [u8],
         to_broker: &mut Vec<Bytes>,
         to_client: &mut BytesMut,
-    ) -> Result<(), Fatal> {
+    ) -> Result<Option<PubLine<'l>>, Fatal> {
         let line = std::str::from_utf8(line).map_err(|_| fatal("Parser Error"))?;
         let line = line.trim_start_matches([' ', '\t']);
         let (verb, rest) = line
             .split_once([' ', '\t'])
             .map_or((line, ""), |(verb, rest)| (verb, rest));
-        let verb = verb.to_ascii_uppercase();
-        let mut args = rest.split([' ', '\t']).filter(|arg| !arg.is_empty());
-        match verb.as_str() {
-            "CONNECT" => return self.connect(rest, to_broker),
-            "PING" if !self.connected => to_client.extend_from_slice(b"PONG\r\n"),
-            "PING" => {
+        let is = |name: &str| verb.eq_ignore_ascii_case(name);
+        if is("PUB") || is("HPUB") || is("SUB") || is("UNSUB") {
+            if !self.connected {
+                if self.info.auth_required {
+                    return Err(fatal("Authorization Violation"));
+                }
+                // Without auth, NATS takes operations before CONNECT.
+                self.connect("{}", to_broker)?;
+            }
+            let mut args = [""; MAX_ARGS];
+            let mut count = 0;
+            for arg in rest.split([' ', '\t']).filter(|arg| !arg.is_empty()) {
+                let slot = args.get_mut(count).ok_or_else(|| fatal("Parser Error"))?;
+                *slot = arg;
+                count += 1;
+            }
+            let args = &args[..count];
+            if is("PUB") || is("HPUB") {
+                return pub_line(args, is("HPUB"), self.info.max_payload).map(Some);
+            }
+            if is("SUB") {
+                self.sub_line(args, to_broker)?;
+            } else {
+                self.unsub_line(args, to_broker)?;
+            }
+            self.ok(to_client);
+        } else if is("PING") {
+            if self.connected {
                 let nonce = self.next_nonce;
                 self.next_nonce += 1;
                 to_broker.push(control(&Frame::Ping { nonce }));
+            } else {
+                to_client.extend_from_slice(b"PONG\r\n");
             }
-            "PONG" => {
-                if let Some(nonce) = self.broker_pings.pop_front() {
-                    to_broker.push(control(&Frame::Pong { nonce }));
-                }
+        } else if is("PONG") {
+            if let Some(nonce) = self.broker_pings.pop_front() {
+                to_broker.push(control(&Frame::Pong { nonce }));
             }
-            // Clients do not send these, but an echo of them is harmless.
-            "+OK" | "-ERR" | "INFO" => {}
-            "PUB" | "HPUB" | "SUB" | "UNSUB" => {
-                if !self.connected {
-                    if self.info.auth_required {
-                        return Err(fatal("Authorization Violation"));
-                    }
-                    // Without auth, NATS takes operations before CONNECT.
-                    self.connect("{}", to_broker)?;
-                }
-                let args: Vec<&str> = args.by_ref().collect();
-                match verb.as_str() {
-                    "PUB" => self.pub_line(&args, false)?,
-                    "HPUB" => self.pub_line(&args, true)?,
-                    "SUB" => {
-                        self.sub_line(&args, to_broker)?;
-                        self.ok(to_client);
-                    }
-                    _ => {
-                        self.unsub_line(&args, to_broker)?;
-                        self.ok(to_client);
-                    }
-                }
-            }
-            "" => {}
-            _ => return Err(fatal("Unknown Protocol Operation")),
+        } else if is("CONNECT") {
+            self.connect(rest, to_broker)?;
+        } else if !(is("+OK") || is("-ERR") || is("INFO") || verb.is_empty()) {
+            // Clients do not send +OK, -ERR or INFO; an echo of them is
+            // harmless.
+            return Err(fatal("Unknown Protocol Operation"));
         }
-        Ok(())
+        Ok(None)
     }
 
     fn ok(&self, to_client: &mut BytesMut) {
@@ -341,65 +436,48 @@ impl NatsSession {
         Ok(())
     }
 
-    fn pub_line(&mut self, args: &[&str], with_headers: bool) -> Result<(), Fatal> {
-        let (subject, reply, sizes) = match (with_headers, args) {
-            (false, [subject, size]) => (subject, None, [None, Some(*size)]),
-            (false, [subject, reply, size]) => (subject, Some(reply), [None, Some(*size)]),
-            (true, [subject, head, total]) => (subject, None, [Some(*head), Some(*total)]),
-            (true, [subject, reply, head, total]) => {
-                (subject, Some(reply), [Some(*head), Some(*total)])
-            }
-            _ => return Err(fatal("Parser Error")),
-        };
-        let total = sizes[1]
-            .and_then(size)
-            .ok_or_else(|| fatal("Parser Error"))?;
-        let header_len = match sizes[0] {
-            Some(text) => Some(size(text).ok_or_else(|| fatal("Parser Error"))?),
-            None => None,
-        };
-        if header_len.is_some_and(|head| head > total) {
-            return Err(fatal("Parser Error"));
-        }
-        if total > self.info.max_payload {
-            return Err(fatal("Maximum Payload Violation"));
-        }
-        self.pending = Some(PendingPub {
-            subject: subject.to_string(),
-            reply: reply.map(|reply| reply.to_string()),
-            header_len,
-            total,
-        });
-        Ok(())
-    }
-
     fn publish(
         &mut self,
-        pending: PendingPub,
+        subject: &str,
+        reply: Option<&str>,
+        header_len: Option<usize>,
         data: &[u8],
         to_broker: &mut Vec<Bytes>,
     ) -> Result<(), Fatal> {
         let fields = RoutedFields {
-            subject: &pending.subject,
-            reply: pending.reply.as_deref(),
-            headers: pending.header_len.is_some(),
+            subject,
+            reply,
+            headers: header_len.is_some(),
         };
-        let need = codec::FRAME_OVERHEAD + codec::PUBLISH_HEADER_LEN + data.len() + 4096;
+        let need = codec::FRAME_OVERHEAD
+            + codec::PUBLISH_HEADER_LEN
+            + subject.len()
+            + reply.map_or(0, str::len)
+            + codec::HEADERS_PREFIX_LEN
+            + data.len();
         if self.scratch.capacity() - self.scratch.len() < need {
             self.scratch.reserve(need.max(64 << 10));
         }
-        let encoded = match pending.header_len {
+        // Only a subject longer than the wire's 64 KiB field fails here;
+        // the control line limit keeps them far below it.
+        let too_long = |_| fatal("Invalid Subject");
+        match header_len {
             Some(head) => {
-                let (block, body) = data.split_at(head);
-                headers::check_block(block).map_err(|_| fatal("Parser Error"))?;
-                let field = codec::join_headers(block, body);
-                codec::routed_into(&mut self.scratch, FrameKind::Publish, 0, fields, &field)
+                headers::check_block(&data[..head]).map_err(|_| fatal("Parser Error"))?;
+                // The payload field: the block's length, then the block and
+                // the body as they came.
+                let field_len = codec::HEADERS_PREFIX_LEN + data.len();
+                let kind = FrameKind::Publish;
+                codec::routed_head_into(&mut self.scratch, kind, 0, 0, fields, field_len)
+                    .map_err(too_long)?;
+                // `head` is at most the payload limit, a u32.
+                self.scratch
+                    .extend_from_slice(&u32::try_from(head).unwrap_or(u32::MAX).to_le_bytes());
+                self.scratch.extend_from_slice(data);
             }
-            None => codec::routed_into(&mut self.scratch, FrameKind::Publish, 0, fields, data),
-        };
-        // Subjects longer than the wire's 64 KiB field: the broker's own
-        // limits are far below it.
-        encoded.map_err(|_| fatal("Invalid Subject"))?;
+            None => codec::routed_into(&mut self.scratch, FrameKind::Publish, 0, fields, data)
+                .map_err(too_long)?,
+        }
         to_broker.push(self.scratch.split().freeze());
         Ok(())
     }
@@ -494,11 +572,15 @@ impl NatsSession {
     }
 
     fn message(&mut self, frame: &[u8], to_client: &mut BytesMut, to_broker: &mut Vec<Bytes>) {
-        let Ok(Some(view)) = codec::peek_routed(frame, &self.limits) else {
+        // A stream on one subject is checked once, not per message.
+        let known = std::mem::take(&mut self.last_subject);
+        let Ok(Some(view)) = codec::peek_routed_known(frame, &self.limits, &known) else {
+            self.last_subject = known;
             return;
         };
         let Some(sub) = self.subs.get_mut(&view.sid) else {
             // Unsubscribed meanwhile.
+            self.last_subject = known;
             return;
         };
         sub.delivered += 1;
@@ -528,8 +610,14 @@ impl NatsSession {
         }
         to_client.extend_from_slice(body);
         to_client.extend_from_slice(b"\r\n");
-        if sub.max.is_some_and(|max| sub.delivered >= max) {
-            let sid = view.sid;
+        let ended = sub.max.is_some_and(|max| sub.delivered >= max);
+        let sid = view.sid;
+        if !std::ptr::eq(view.subject, known.as_str()) {
+            self.last_subject = view.subject.to_string();
+        } else {
+            self.last_subject = known;
+        }
+        if ended {
             self.end_sub(sid, to_broker);
         }
     }
