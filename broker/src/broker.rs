@@ -703,7 +703,8 @@ impl Broker {
 
     /// Publish with a header block (see [`efabus_core::headers`]) and, for a
     /// request, a reply subject. The block counts towards
-    /// `limits.max_payload` with the payload, as NATS counts it.
+    /// `limits.max_payload` with the payload, as NATS counts it; bytes that
+    /// are not a block are refused with [`Error::Headers`].
     pub fn publish_with_headers(
         &self,
         subject: &str,
@@ -711,7 +712,9 @@ impl Broker {
         headers: impl Into<Bytes>,
         payload: impl Into<Bytes>,
     ) -> Result<(), Error> {
-        self.publish_inner(subject, reply, Some(headers.into()), payload.into())
+        let headers = headers.into();
+        efabus_core::headers::check_block(&headers)?;
+        self.publish_inner(subject, reply, Some(headers), payload.into())
             .map(|_| ())
     }
 

@@ -895,7 +895,9 @@ impl Client {
     /// Publish with a header block (see [`efabus_core::headers`]) and, for a
     /// request, a reply subject. Subscribers on any session, NATS clients
     /// among them, receive the block as it is; it counts towards the
-    /// server's `max_payload` with the payload.
+    /// server's `max_payload` with the payload. Bytes that are not a block
+    /// (`NATS/1.0` first, an empty line last) are refused with
+    /// [`Error::Headers`].
     pub fn publish_with_headers(
         &self,
         subject: &str,
@@ -903,7 +905,9 @@ impl Client {
         headers: impl Into<Bytes>,
         payload: impl Into<Bytes>,
     ) -> Result<(), Error> {
-        self.publish_inner(subject, reply, Some(headers.into()), payload.into())
+        let headers = headers.into();
+        efabus_core::headers::check_block(&headers)?;
+        self.publish_inner(subject, reply, Some(headers), payload.into())
     }
 
     fn publish_inner(

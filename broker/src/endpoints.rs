@@ -114,6 +114,10 @@ fn nats_options(config: &Config) -> Vec<(String, String)> {
         ("max_payload", config.limits.max_payload.to_string()),
         ("auth_required", auth_required.to_string()),
         ("max_control_line", control_line.to_string()),
+        (
+            "max_subscriptions",
+            config.limits.max_subscriptions_per_peer.to_string(),
+        ),
     ]
     .into_iter()
     .map(|(name, value)| (name.to_string(), value))

@@ -27,6 +27,8 @@ pub enum Error {
     },
     #[error("payload of {len} bytes exceeds the limit of {max}")]
     PayloadTooLarge { len: usize, max: u64 },
+    #[error("invalid message headers: {0}")]
+    Headers(#[from] efabus_core::headers::HeadersError),
     #[error("cannot open {endpoint}: {source}")]
     Endpoint {
         endpoint: String,

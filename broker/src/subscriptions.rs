@@ -283,6 +283,39 @@ impl SubscriptionTable {
         Ok(stable)
     }
 
+    /// Like [`lookup`](Self::lookup), for a publisher that does not receive
+    /// its own messages: `owner`'s subscriptions are left out, and a queue
+    /// group picks among its other members.
+    pub fn lookup_excluding(
+        &self,
+        subject: &str,
+        owner: u64,
+        targets: &mut Targets,
+    ) -> Result<(), efabus_core::subject::SubjectError> {
+        targets.clear();
+        self.index
+            .match_subject_excluding(subject, owner, &mut targets.matches)?;
+        if !self.routes.is_empty() {
+            let interest = &self.interest;
+            self.routes.lookup(
+                subject,
+                |pattern, queue| interest.has_group(pattern, queue),
+                &mut targets.route_matches,
+                &mut targets.remote,
+            )?;
+        }
+        for key in &targets.matches {
+            if key.owner == LOCAL_OWNER {
+                if let Some(sink) = self.locals.get(&key.sid) {
+                    targets.local.push((key.sid, sink.clone()));
+                }
+            } else {
+                targets.remote.push(*key);
+            }
+        }
+        Ok(())
+    }
+
     /// Fill `targets` for a message that arrived over a route for the
     /// interest this broker announced as `sid`: never other routes (one
     /// hop); for a plain entry every local plain subscription that matches,

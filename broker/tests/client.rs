@@ -1005,6 +1005,13 @@ fn headers_travel_with_their_message_between_clients_and_embedded_subscribers() 
         }
         let parsed = Headers::parse(seen[0].2.as_ref().expect("headers")).expect("parses");
         assert_eq!(parsed.get("Trace-Id"), Some("t-1"));
+        // Bytes that are not a header block are refused before sending.
+        for not_headers in [&b""[..], b"HTTP/1.1 200\r\n\r\n", b"NATS/1.0\r\n"] {
+            let refused = publisher.publish_with_headers("h.bad", None, not_headers, "x");
+            assert!(matches!(refused, Err(Error::Headers(_))), "{refused:?}");
+            let refused = broker.publish_with_headers("h.bad", None, not_headers, "x");
+            assert!(matches!(refused, Err(Error::Headers(_))), "{refused:?}");
+        }
     }
 }
 
@@ -1035,10 +1042,11 @@ fn a_request_nobody_answers_fails_at_once_and_echo_can_be_turned_off() {
         client.flush(WAIT).expect("flushed");
         quiet.flush(WAIT).expect("flushed");
         quiet.publish("echo.one", "from quiet").expect("publishes");
+        // Order holds per publisher: the other one goes after.
+        quiet.flush(WAIT).expect("flushed");
         client
             .publish("echo.two", "from client")
             .expect("publishes");
-        quiet.flush(WAIT).expect("flushed");
         client.flush(WAIT).expect("flushed");
         assert_eq!(recv(&other), "echo.one:from quiet", "{via:?}");
         assert_eq!(recv(&other), "echo.two:from client", "{via:?}");

@@ -164,6 +164,50 @@ async fn nats_and_native_clients_share_subjects_wildcards_and_queue_groups() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_without_echo_skips_its_own_subscriptions_and_queue_members() {
+    let broker = start("", "127.0.0.1:0");
+    let quiet = ConnectOptions::new()
+        .no_echo()
+        .connect(url(&broker))
+        .await
+        .expect("connects");
+    let mut own = quiet.subscribe("e.plain").await.expect("subscribes");
+    let mut own_member = quiet
+        .queue_subscribe("e.jobs", "workers".to_string())
+        .await
+        .expect("subscribes");
+    let native = native(&broker);
+    let other = native.subscribe("e.plain").expect("subscribes");
+    let other_member = native
+        .queue_subscribe("e.jobs", "workers")
+        .expect("subscribes");
+    native.flush(WAIT).expect("flushed");
+    sync(&quiet).await;
+    for n in 0..50u8 {
+        quiet
+            .publish("e.jobs", Bytes::from(vec![n]))
+            .await
+            .expect("publishes");
+    }
+    quiet
+        .publish("e.plain", Bytes::from_static(b"mine"))
+        .await
+        .expect("publishes");
+    sync(&quiet).await;
+    // Every job reaches the other member; none is lost to the publisher's.
+    for n in 0..50u8 {
+        assert_eq!(recv_native(&other_member).payload[..], [n]);
+    }
+    assert_eq!(text(&recv_native(&other).payload), "mine");
+    // A message from elsewhere still reaches the quiet client.
+    native.publish("e.plain", "theirs").expect("publishes");
+    native.flush(WAIT).expect("flushed");
+    assert_eq!(text(&next(&mut own).await.payload), "theirs");
+    let nothing = tokio::time::timeout(Duration::from_millis(200), own_member.next()).await;
+    assert!(nothing.is_err(), "its own member got {nothing:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_reply_works_both_ways_and_no_responders_answers_at_once() {
     let broker = start("", "127.0.0.1:0");
     let client = nats(&broker).await;
@@ -608,10 +652,16 @@ fn a_nats_subscriber_that_stops_reading_meets_the_slow_consumer_policy() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    // Its connection is closed: reading runs to the end.
+    // Its connection is closed after what was queued for it and the error
+    // saying why: reading runs to the end.
     stream.set_read_timeout(Some(WAIT)).expect("timeout");
-    let mut sink = Vec::new();
-    assert!(stream.read_to_end(&mut sink).is_ok());
+    let mut tail = Vec::new();
+    stream.read_to_end(&mut tail).expect("reads to the end");
+    assert!(
+        text(&tail).trim_end().ends_with("-ERR 'Slow Consumer'"),
+        "ends with {:?}",
+        text(&tail[tail.len().saturating_sub(80)..])
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1081,8 +1081,8 @@ impl<'a> RoutedView<'a> {
 /// block, the body (copied into one buffer).
 pub fn join_headers(block: &[u8], body: &[u8]) -> Bytes {
     let mut field = BytesMut::with_capacity(HEADERS_PREFIX_LEN + block.len() + body.len());
-    // Header blocks come from frames or NATS lines far below 4 GiB; one
-    // that is not is cut to what the field can say, and fails to decode.
+    // Header blocks are held to the payload limit, far below 4 GiB (the
+    // length saturates rather than wraps).
     field.extend_from_slice(&(block.len().min(u32::MAX as usize) as u32).to_le_bytes());
     field.extend_from_slice(block);
     field.extend_from_slice(body);
@@ -1725,6 +1725,44 @@ mod tests {
                 count: 1
             })
         ));
+    }
+
+    #[test]
+    fn a_header_length_past_its_field_is_refused() {
+        let fields = RoutedFields {
+            subject: "s",
+            reply: None,
+            headers: true,
+        };
+        let limits = CodecLimits::default();
+        // Fields too short for a length, or with a length past their end.
+        for field in [
+            &b""[..],
+            b"\x01\0\0",
+            b"\x05\0\0\0abcd",
+            b"\xff\xff\xff\xffx",
+        ] {
+            let mut frame = BytesMut::new();
+            routed_into(&mut frame, FrameKind::Publish, 0, fields, field).expect("encodes");
+            assert!(
+                matches!(
+                    peek_routed(&frame, &limits),
+                    Err(DecodeError::HeadersLength { .. })
+                ),
+                "{field:?}"
+            );
+            assert!(matches!(
+                decode(frame.freeze(), &limits),
+                Err(DecodeError::HeadersLength { .. })
+            ));
+        }
+        // A block that fills its field exactly leaves an empty body.
+        let mut frame = BytesMut::new();
+        routed_into(&mut frame, FrameKind::Publish, 0, fields, b"\x02\0\0\0ab").expect("encodes");
+        let view = peek_routed(&frame, &limits)
+            .expect("valid")
+            .expect("a publish");
+        assert_eq!(view.headers_and_body(), (Some(&b"ab"[..]), &b""[..]));
     }
 
     #[test]

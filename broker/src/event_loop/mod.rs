@@ -234,6 +234,26 @@ impl<'a> Payload<'a> {
         self.frame.slice(self.at..self.at + self.bytes.len())
     }
 
+    /// What counts against `max_payload`: headers with the body, as NATS
+    /// counts them, not the headers' length prefix.
+    fn counted_len(self) -> usize {
+        let prefix = if self.headers {
+            codec::HEADERS_PREFIX_LEN
+        } else {
+            0
+        };
+        self.bytes.len().saturating_sub(prefix)
+    }
+
+    /// A header block, if there is one, must be one: subscribers' clients
+    /// parse it.
+    fn check_headers(self) -> Result<(), efabus_core::headers::HeadersError> {
+        match codec::split_headers(self.bytes) {
+            Some((block, _)) if self.headers => efabus_core::headers::check_block(block),
+            _ => Ok(()),
+        }
+    }
+
     /// The header block (if any) and the body, shared with the frame.
     fn split(self) -> (Option<Bytes>, Bytes) {
         let field = self.to_bytes();
@@ -1063,23 +1083,22 @@ impl EventLoop {
             }
         }
         let max_payload = self.shared.live.max_payload();
-        // Headers count with the body, as NATS counts them; their length
-        // prefix does not.
-        let len = payload.bytes.len()
-            - if payload.headers {
-                codec::HEADERS_PREFIX_LEN
-            } else {
-                0
-            };
-        if !self.payload_allowed(id, len, max_payload) {
+        if !self.payload_allowed(id, payload.counted_len(), max_payload) {
+            return;
+        }
+        if let Err(err) = payload.check_headers() {
+            self.report(id, ErrorCode::Malformed, format!("headers: {err}"));
             return;
         }
         // The lookup validates the subject (the index caches valid ones).
-        let matched = self
-            .shared
-            .subscriptions
-            .read()
-            .lookup(subject, &mut self.targets);
+        let no_echo = self.sessions.get(&id).is_some_and(|s| s.no_echo);
+        let table = self.shared.subscriptions.read();
+        let matched = if no_echo {
+            table.lookup_excluding(subject, id, &mut self.targets)
+        } else {
+            table.lookup(subject, &mut self.targets)
+        };
+        drop(table);
         self.deliver_matched(id, subject, reply, payload, matched);
     }
 
@@ -1107,13 +1126,7 @@ impl EventLoop {
             return;
         }
         self.tally.messages_in += 1;
-        let (no_echo, no_responders) = self
-            .sessions
-            .get(&id)
-            .map_or((false, false), |s| (s.no_echo, s.no_responders));
-        if no_echo {
-            self.targets.remote.retain(|target| target.owner != id);
-        }
+        let no_responders = self.sessions.get(&id).is_some_and(|s| s.no_responders);
         if let (true, Some(reply)) = (no_responders, reply) {
             if self.targets.local.is_empty() && self.targets.remote.is_empty() {
                 self.answer_no_responders(id, reply);

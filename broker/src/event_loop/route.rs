@@ -1138,7 +1138,7 @@ impl EventLoop {
         // The peer broker accepted the message under its own limit; a
         // limit lowered here since start applies to this broker's clients.
         let max_payload = self.shared.config.limits.max_payload;
-        if !self.payload_allowed(id, payload.bytes.len(), max_payload) {
+        if !self.payload_allowed(id, payload.counted_len(), max_payload) {
             return;
         }
         let matched =

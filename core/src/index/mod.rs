@@ -511,6 +511,46 @@ impl SubscriptionIndex {
         }
     }
 
+    /// Like [`match_subject`](Self::match_subject), leaving out the
+    /// subscriptions of `owner`: a queue group picks among its other
+    /// members, and is skipped when all of them are `owner`'s. For a
+    /// publisher that does not receive its own messages; walks the trie.
+    pub fn match_subject_excluding(
+        &self,
+        subject: &str,
+        owner: u64,
+        out: &mut Vec<SubRef>,
+    ) -> Result<(), SubjectError> {
+        out.clear();
+        let mut groups = Vec::new();
+        self.with_tokens(subject, |toks| {
+            self.walk(ROOT, toks, &mut |list: &SubList| {
+                out.extend(list.plain.iter().filter(|sub| sub.owner != owner));
+                groups.extend_from_slice(&list.groups);
+            })
+        })?;
+        for gid in groups {
+            if let Some(member) = self.pick_excluding(gid, owner) {
+                out.push(member);
+            }
+        }
+        Ok(())
+    }
+
+    /// The next member of a group in its rotation that is not `owner`'s.
+    fn pick_excluding(&self, gid: GroupId, owner: u64) -> Option<SubRef> {
+        let group = self.groups.get(gid as usize)?.as_ref()?;
+        let len = group.members.len();
+        (0..len).find_map(|_| {
+            let turn = group.cursor.fetch_add(1, Ordering::Relaxed);
+            group
+                .members
+                .get(turn % len)
+                .copied()
+                .filter(|m| m.owner != owner)
+        })
+    }
+
     /// The next member of a group in its rotation.
     #[inline]
     fn pick(&self, gid: GroupId) -> Option<SubRef> {

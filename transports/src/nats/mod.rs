@@ -9,15 +9,20 @@
 //! frames in [`Event::Frame`]s, and the frames the broker sends become
 //! protocol lines. The sockets are non-blocking on mio, as in the `tcp`
 //! transport: `send` and `send_run` translate, append to the connection's
-//! bounded output and write at once what the socket takes; past
-//! `queue_bytes` a send returns [`SendError::WouldBlock`] and
-//! [`Event::Writable`] follows when the output has drained to half.
-//! Reading takes at most [`READ_BUDGET`] bytes per connection per poll,
-//! and nothing while the caller has paused the connection.
+//! output and write at once what the socket takes; past `queue_bytes` a
+//! message returns [`SendError::WouldBlock`] (control frames, an error
+//! before a close above all, still go) and [`Event::Writable`] follows
+//! when the output has drained to half. Reading takes at most
+//! [`READ_BUDGET`] bytes per connection per poll, and nothing while the
+//! caller has paused the connection, while its output is full (answers to
+//! a client that does not read stop there), or beyond the CONNECT line
+//! while the broker has not accepted it. An ended connection is told to
+//! the caller at once and flushes for at most [`LINGER`].
 //!
 //! Settings come from [`EndpointConfig::options`]: `server_id`,
 //! `server_name`, `version`, `max_payload`, `auth_required`,
-//! `max_pings_out` and `max_control_line` (see [`ServerInfo`]); the broker
+//! `max_pings_out`, `max_control_line` and `max_subscriptions` (see
+//! [`ServerInfo`]); the broker
 //! fills them from its configuration. TLS is not offered on this listener.
 
 mod session;
@@ -29,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use efabus_core::caps::FabricInfo;
+use efabus_core::codec::{self, FrameKind};
 use efabus_core::transport::{
     split_run, CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness,
     SendError, Transport, TransportError,
@@ -51,8 +57,8 @@ pub const READ_BUDGET: usize = 1 << 20;
 /// Most connections accepted in one `poll`.
 const ACCEPT_BUDGET: usize = 256;
 
-/// How long a locally closed connection may keep flushing.
-const LINGER: Duration = Duration::from_secs(2);
+/// How long an ended connection may keep flushing.
+pub const LINGER: Duration = Duration::from_secs(2);
 
 /// Bytes one socket read takes at most.
 const READ_CHUNK: usize = 64 << 10;
@@ -88,13 +94,27 @@ struct Conn {
     output: BytesMut,
     /// The caller paused reading.
     paused: bool,
-    /// The socket may hold unread bytes (a budget or a pause stopped the
-    /// reading), so the next poll reads without a readiness event.
+    /// The socket may hold unread bytes (a budget, a pause or a full
+    /// output stopped the reading), so it is read without a readiness
+    /// event once it may be.
     unread: bool,
     /// A send was refused: `Writable` is owed once the output drains.
     owe_writable: bool,
-    /// Closed locally: flushing until this instant, then dropped.
+    /// Ended (locally or by the endpoint): the caller was told, the output
+    /// is flushing until this instant, and nothing more is read.
     closing: Option<Instant>,
+}
+
+impl Conn {
+    /// Whether more may be read now. Reading waits while the caller paused
+    /// it, while the client's output is full (a client that does not read
+    /// gets no more answers queued), and while its CONNECT awaits the
+    /// broker's verdict beyond what a CONNECT line needs.
+    fn may_read(&self, queue_bytes: usize) -> bool {
+        !self.paused
+            && self.output.len() < queue_bytes
+            && !(self.session.holding() && self.input.len() > MAX_CONNECT_LINE)
+    }
 }
 
 /// A listening NATS endpoint. See the module docs.
@@ -116,6 +136,10 @@ pub struct NatsEndpoint {
     scratch: Vec<Bytes>,
     /// What each socket read lands in first.
     read_buf: Box<[u8]>,
+    /// Connections to read without a readiness event (see `Conn::unread`).
+    to_read: Vec<u64>,
+    /// Connections ended and still flushing.
+    lingering: Vec<u64>,
 }
 
 impl std::fmt::Debug for NatsEndpoint {
@@ -147,6 +171,7 @@ fn server_info(config: &EndpointConfig) -> Result<ServerInfo, TransportError> {
             "max_payload" => info.max_payload = number()?,
             "max_pings_out" => info.max_pings_out = number()?,
             "max_control_line" => info.max_control_line = number()?,
+            "max_subscriptions" => info.max_subscriptions = number()?,
             "auth_required" => {
                 info.auth_required = text
                     .parse()
@@ -200,6 +225,8 @@ impl NatsEndpoint {
             pending: Vec::new(),
             scratch: Vec::new(),
             read_buf: vec![0; READ_CHUNK].into_boxed_slice(),
+            to_read: Vec::new(),
+            lingering: Vec::new(),
         })
     }
 
@@ -278,17 +305,14 @@ impl NatsEndpoint {
             return;
         };
         if conn.closing.is_some() {
-            discard(conn);
+            if discard(conn) {
+                conn.closing = Some(Instant::now());
+            }
             return;
         }
-        if conn.paused {
-            conn.unread = true;
-            return;
-        }
-        conn.unread = false;
         let mut taken = 0;
         let mut gone = None;
-        while taken < READ_BUDGET {
+        while conn.may_read(self.queue_bytes) && taken < READ_BUDGET {
             // Read into the endpoint's buffer and keep what came: cheaper
             // than zeroing room in each connection's buffer for every read.
             match conn.stream.read(&mut self.read_buf) {
@@ -310,9 +334,10 @@ impl NatsEndpoint {
                 },
             }
         }
-        if taken >= READ_BUDGET {
-            conn.unread = true;
-        }
+        // Stopped before the socket was empty: read on later, at once for
+        // a spent budget, when the obstacle goes for the others.
+        conn.unread = gone.is_none() && (taken >= READ_BUDGET || !conn.may_read(self.queue_bytes));
+        let again = conn.unread && taken >= READ_BUDGET;
         let mut frames = std::mem::take(&mut self.scratch);
         let result = conn
             .session
@@ -324,35 +349,52 @@ impl NatsEndpoint {
             });
         }
         self.scratch = frames;
-        let _ = write_out(conn);
+        let written = write_out(conn);
         if let Err(Fatal(text)) = result {
             tracing::debug!(remote = %conn.remote, %text, "nats: closing a client");
-            self.end(
-                peer,
-                CloseReason::Error(format!("NATS protocol: {text}")),
-                events,
-            );
-            return;
-        }
-        if let Some(reason) = gone {
+            let reason = CloseReason::Error(format!("NATS protocol: {text}"));
             self.end(peer, reason, events);
-        } else if conn_unread(&self.conns, peer) {
+        } else if let Some(reason) = gone {
+            self.end(peer, reason, events);
+        } else if let Err(err) = written {
+            self.end(peer, CloseReason::Error(err.to_string()), events);
+        } else if again {
+            self.read_later(peer);
+        }
+    }
+
+    /// Read a connection on the next poll, without a readiness event.
+    fn read_later(&mut self, peer: u64) {
+        if let Some(conn) = self.conns.get_mut(&peer) {
+            conn.unread = true;
+            if !self.to_read.contains(&peer) {
+                self.to_read.push(peer);
+            }
             self.wake();
         }
     }
 
-    /// A connection ends: what it has queued is flushed as far as the
-    /// socket takes it, and the caller hears of it.
+    /// A connection ends: the caller hears of it at once, what is queued
+    /// for the client is flushed as far as it reads (an `-ERR` last), for
+    /// at most [`LINGER`], and nothing more is read from it.
     fn end(&mut self, peer: u64, reason: CloseReason, events: &mut Vec<Event>) {
-        if let Some(mut conn) = self.conns.remove(&peer) {
-            let _ = write_out(&mut conn);
-            let _ = conn.stream.shutdown(Shutdown::Both);
-            let _ = self.poll.registry().deregister(&mut conn.stream);
-            events.push(Event::Closed {
-                peer: PeerId(peer),
-                reason,
-            });
+        let Some(conn) = self.conns.get_mut(&peer) else {
+            return;
+        };
+        if conn.closing.is_some() {
+            // Told already.
+            return;
         }
+        let _ = write_out(conn);
+        if conn.output.is_empty() {
+            let _ = conn.stream.shutdown(Shutdown::Write);
+        }
+        conn.closing = Some(Instant::now() + LINGER);
+        self.lingering.push(peer);
+        events.push(Event::Closed {
+            peer: PeerId(peer),
+            reason,
+        });
     }
 
     /// Translate frames for a client and write what the socket takes.
@@ -374,6 +416,8 @@ impl NatsEndpoint {
             }
         }
         let write = write_out(conn);
+        // A welcome lets the operations behind the CONNECT go on.
+        let resume = conn.unread && conn.may_read(self.queue_bytes) || conn.session.take_resumed();
         let mut made = Vec::new();
         for frame in to_broker.drain(..) {
             made.push(Event::Frame { peer, frame });
@@ -397,6 +441,8 @@ impl NatsEndpoint {
             self.end(peer.0, CloseReason::Error(err.to_string()), &mut events);
             self.pending.extend(events);
             self.wake();
+        } else if resume {
+            self.read_later(peer.0);
         }
         Ok(())
     }
@@ -416,7 +462,19 @@ impl NatsEndpoint {
         let Some(conn) = self.conns.get_mut(&peer) else {
             return;
         };
-        if let Err(err) = write_out(conn) {
+        let written = write_out(conn);
+        if conn.closing.is_some() {
+            match written {
+                Ok(()) if conn.output.is_empty() => {
+                    let _ = conn.stream.shutdown(Shutdown::Write);
+                }
+                Ok(()) => {}
+                // The client is gone: nothing more to flush.
+                Err(_) => conn.closing = Some(Instant::now()),
+            }
+            return;
+        }
+        if let Err(err) = written {
             self.end(peer, CloseReason::Error(err.to_string()), events);
             return;
         }
@@ -424,29 +482,27 @@ impl NatsEndpoint {
             conn.owe_writable = false;
             events.push(Event::Writable { peer: PeerId(peer) });
         }
-        if conn.closing.is_some() && conn.output.is_empty() {
-            let _ = conn.stream.shutdown(Shutdown::Write);
+        if conn.unread && conn.may_read(self.queue_bytes) {
+            self.read_later(peer);
         }
     }
 
-    /// Drop closing connections that flushed or ran out of time.
+    /// Drop ended connections that flushed or ran out of time.
     fn reap(&mut self, now: Instant) {
-        let done: Vec<u64> = self
-            .conns
-            .iter()
-            .filter(|(_, conn)| conn.closing.is_some_and(|until| now >= until))
-            .map(|(peer, _)| *peer)
-            .collect();
-        for peer in done {
-            if let Some(mut conn) = self.conns.remove(&peer) {
-                let _ = self.poll.registry().deregister(&mut conn.stream);
+        let conns = &mut self.conns;
+        let registry = self.poll.registry();
+        self.lingering.retain(|peer| {
+            let done = conns
+                .get(peer)
+                .is_none_or(|conn| conn.closing.is_some_and(|until| now >= until));
+            if done {
+                if let Some(mut conn) = conns.remove(peer) {
+                    let _ = registry.deregister(&mut conn.stream);
+                }
             }
-        }
+            !done
+        });
     }
-}
-
-fn conn_unread(conns: &FxHashMap<u64, Conn>, peer: u64) -> bool {
-    conns.get(&peer).is_some_and(|conn| conn.unread)
 }
 
 /// Write as much of the output as the socket takes.
@@ -468,18 +524,20 @@ fn write_out(conn: &mut Conn) -> io::Result<()> {
     Ok(())
 }
 
-/// Read and throw away what a closing connection still sends.
-fn discard(conn: &mut Conn) {
+/// Read and throw away what an ended connection still sends; true once
+/// the client closed its side (or the socket failed).
+fn discard(conn: &mut Conn) -> bool {
     let mut sink = [0u8; 4096];
     for _ in 0..64 {
         match conn.stream.read(&mut sink) {
-            Ok(0) | Err(_) => {
-                conn.closing = Some(Instant::now());
-                return;
-            }
+            Ok(0) => return true,
             Ok(_) => {}
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => return false,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return true,
         }
     }
+    false
 }
 
 impl Endpoint for NatsEndpoint {
@@ -503,7 +561,11 @@ impl Endpoint for NatsEndpoint {
     }
 
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
-        if !self.room(peer)? {
+        // Messages wait for room; the broker's few control frames (an error
+        // before a close above all) go behind them at once, so a client cut
+        // off as a slow consumer still reads why, last.
+        let message = frame.head.get(codec::PREFIX_LEN) == Some(&(FrameKind::Message as u8));
+        if message && !self.room(peer)? {
             self.owe(peer);
             return Err(SendError::WouldBlock(frame));
         }
@@ -545,11 +607,9 @@ impl Endpoint for NatsEndpoint {
             .collect();
         self.woken = false;
         // Connections left with unread bytes are read again.
-        for (peer, conn) in &self.conns {
-            if conn.unread && !conn.paused {
-                if let Ok(token) = usize::try_from(*peer) {
-                    ready.push_back((Token(token), true, false));
-                }
+        for peer in std::mem::take(&mut self.to_read) {
+            if let Ok(token) = usize::try_from(peer) {
+                ready.push_back((Token(token), true, false));
             }
         }
         while let Some((token, readable, writable)) = ready.pop_front() {
@@ -576,15 +636,9 @@ impl Endpoint for NatsEndpoint {
             return;
         };
         if conn.closing.is_none() {
-            let _ = write_out(conn);
-            if conn.output.is_empty() {
-                let _ = conn.stream.shutdown(Shutdown::Write);
-            }
-            conn.closing = Some(Instant::now() + LINGER);
-            self.pending.push(Event::Closed {
-                peer,
-                reason: CloseReason::Local,
-            });
+            let mut events = Vec::new();
+            self.end(peer.0, CloseReason::Local, &mut events);
+            self.pending.extend(events);
             self.wake();
         }
     }
@@ -602,7 +656,7 @@ impl Endpoint for NatsEndpoint {
         if let Some(conn) = self.conns.get_mut(&peer.0) {
             conn.paused = paused;
             if !paused && conn.unread {
-                self.wake();
+                self.read_later(peer.0);
             }
         }
     }

@@ -53,6 +53,9 @@ pub struct ServerInfo {
     pub max_pings_out: usize,
     /// Longest protocol line other than CONNECT.
     pub max_control_line: usize,
+    /// Most subscriptions one client may hold (the broker's
+    /// `limits.max_subscriptions_per_peer`).
+    pub max_subscriptions: usize,
 }
 
 impl Default for ServerInfo {
@@ -65,6 +68,7 @@ impl Default for ServerInfo {
             auth_required: false,
             max_pings_out: DEFAULT_MAX_PINGS_OUT,
             max_control_line: DEFAULT_MAX_CONTROL_LINE,
+            max_subscriptions: 100_000,
         }
     }
 }
@@ -132,6 +136,8 @@ struct PendingPub {
 
 /// Most fields an operation takes (HPUB: subject, reply, two sizes).
 const MAX_ARGS: usize = 4;
+/// Longest sid a client may give a subscription.
+const MAX_SID_LEN: usize = 128;
 
 /// A PUB or HPUB line, borrowed from the input.
 #[derive(Debug)]
@@ -193,6 +199,12 @@ pub struct NatsSession {
     /// CONNECT read (or implied: a server without auth takes other
     /// operations first, as NATS does).
     connected: bool,
+    /// The broker accepted the CONNECT. Until then nothing after it is
+    /// read: what a client sends is held to the CONNECT line's bound
+    /// before it has logged in, and nothing runs ahead of the verdict.
+    welcomed: bool,
+    /// The welcome came since the owner last asked (see `take_resumed`).
+    resumed: bool,
     verbose: bool,
     /// The client reads HMSG.
     headers: bool,
@@ -218,6 +230,8 @@ impl NatsSession {
         NatsSession {
             info,
             connected: false,
+            welcomed: false,
+            resumed: false,
             verbose: false,
             headers: false,
             subs: FxHashMap::default(),
@@ -238,6 +252,17 @@ impl NatsSession {
     /// Subscriptions the client holds.
     pub fn subscriptions(&self) -> usize {
         self.subs.len()
+    }
+
+    /// Whether operations after the CONNECT wait for the broker's verdict.
+    pub fn holding(&self) -> bool {
+        self.connected && !self.welcomed
+    }
+
+    /// Whether the broker's welcome came since the last call: the input
+    /// held behind the CONNECT may be read on.
+    pub fn take_resumed(&mut self) -> bool {
+        std::mem::take(&mut self.resumed)
     }
 
     /// Read every whole operation at the front of `input` (what is left
@@ -281,6 +306,9 @@ impl NatsSession {
         to_client: &mut BytesMut,
     ) -> Result<(), Fatal> {
         loop {
+            if self.holding() {
+                return Ok(());
+            }
             let rest = &input[*at..];
             if let Some(pending) = self.pending.take() {
                 let Some(data) = payload_of(rest, pending.total)? else {
@@ -365,12 +393,15 @@ impl NatsSession {
                 return pub_line(args, is("HPUB"), self.info.max_payload).map(Some);
             }
             if is("SUB") {
-                self.sub_line(args, to_broker)?;
+                self.sub_line(args, to_broker, to_client)?;
             } else {
                 self.unsub_line(args, to_broker)?;
             }
             self.ok(to_client);
         } else if is("PING") {
+            if !self.connected && self.info.auth_required {
+                return Err(fatal("Authorization Violation"));
+            }
             if self.connected {
                 let nonce = self.next_nonce;
                 self.next_nonce += 1;
@@ -482,12 +513,26 @@ impl NatsSession {
         Ok(())
     }
 
-    fn sub_line(&mut self, args: &[&str], to_broker: &mut Vec<Bytes>) -> Result<(), Fatal> {
+    fn sub_line(
+        &mut self,
+        args: &[&str],
+        to_broker: &mut Vec<Bytes>,
+        to_client: &mut BytesMut,
+    ) -> Result<(), Fatal> {
         let (pattern, queue, name) = match args {
             [pattern, name] => (pattern, None, name),
             [pattern, queue, name] => (pattern, Some(queue), name),
             _ => return Err(fatal("Parser Error")),
         };
+        if name.len() > MAX_SID_LEN {
+            return Err(fatal("Parser Error"));
+        }
+        // Counted here too: the broker's refusal names no sid, and the
+        // map of sids must stay bounded.
+        if self.subs.len() >= self.info.max_subscriptions && !self.by_name.contains_key(*name) {
+            put_err(to_client, "Maximum Subscriptions Exceeded");
+            return Ok(());
+        }
         // A sid used again replaces its subscription.
         if let Some(old) = self.by_name.remove(*name) {
             self.subs.remove(&old);
@@ -631,6 +676,8 @@ impl NatsSession {
                 if let Ok(max) = usize::try_from(welcome.max_payload) {
                     self.info.max_payload = self.info.max_payload.min(max);
                 }
+                self.welcomed = true;
+                self.resumed = true;
                 self.ok(to_client);
             }
             Frame::Ping { nonce } => {
@@ -745,10 +792,41 @@ mod tests {
 
     /// Feed `text`, return the frames for the broker (decoded) and the
     /// answer to the client.
+    fn welcome(max_payload: u64) -> Frame {
+        Frame::Welcome(Welcome {
+            version: PROTOCOL_VERSION,
+            name: "b".into(),
+            offers: Vec::new(),
+            max_payload,
+            link_auth: None,
+            max_subject_len: 512,
+            max_subject_tokens: 32,
+            proof: None,
+        })
+    }
+
+    /// Feed `text` as the broker would see it: a CONNECT is welcomed (its
+    /// `+OK`, if any, is in the answer) before what follows it is read.
     fn feed(s: &mut NatsSession, text: &[u8]) -> (Vec<Frame>, String, Result<(), Fatal>) {
+        feed_as(s, text, true)
+    }
+
+    /// Feed `text`, welcoming a CONNECT or not; return the frames for the
+    /// broker (decoded) and the answer to the client.
+    fn feed_as(
+        s: &mut NatsSession,
+        text: &[u8],
+        welcome_connect: bool,
+    ) -> (Vec<Frame>, String, Result<(), Fatal>) {
         let mut input = BytesMut::from(text);
         let (mut frames, mut out) = (Vec::new(), BytesMut::new());
-        let result = s.receive(&mut input, &mut frames, &mut out);
+        let mut result = s.receive(&mut input, &mut frames, &mut out);
+        while welcome_connect && result.is_ok() && s.holding() {
+            let bytes = codec::encode(&welcome(1024)).to_bytes();
+            s.deliver(&bytes, &mut out, &mut frames).expect("welcomed");
+            assert!(s.take_resumed());
+            result = s.receive(&mut input, &mut frames, &mut out);
+        }
         let limits = CodecLimits::default();
         let frames = frames
             .into_iter()
@@ -789,9 +867,20 @@ mod tests {
     fn connect_becomes_a_hello_with_the_credentials_and_options() {
         let mut s = session();
         let line = br#"connect {"verbose":true,"user":"u","pass":"p","echo":false,"headers":true,"no_responders":true,"name":"svc"}"#;
-        let (frames, out, result) = feed(&mut s, &[&line[..], b"\r\nPING\r\n"].concat());
-        assert_eq!(result, Ok(()));
-        assert_eq!(out, "", "+OK waits for the welcome; PONG for the broker");
+        let mut input = BytesMut::from(&[&line[..], b"\r\nPING\r\n"].concat()[..]);
+        let (mut sent, mut out) = (Vec::new(), BytesMut::new());
+        assert_eq!(s.receive(&mut input, &mut sent, &mut out), Ok(()));
+        assert_eq!(&out[..], b"", "+OK waits for the welcome");
+        assert_eq!(sent.len(), 1, "the PING waits behind the CONNECT");
+        assert!(s.holding());
+        assert_eq!(deliver(&mut s, &welcome(100)).0, "+OK\r\n");
+        assert!(s.take_resumed());
+        s.receive(&mut input, &mut sent, &mut out).expect("valid");
+        let limits = CodecLimits::default();
+        let frames: Vec<Frame> = sent
+            .into_iter()
+            .map(|f| codec::decode(f, &limits).expect("valid frame"))
+            .collect();
         let Frame::Hello(hello) = &frames[0] else {
             panic!("{frames:?}")
         };
@@ -802,17 +891,6 @@ mod tests {
         assert_eq!(hello.credentials.as_deref(), Some("p"));
         assert!(hello.no_echo && hello.no_responders);
         assert!(matches!(frames[1], Frame::Ping { nonce: 1 }));
-        let welcome = Frame::Welcome(Welcome {
-            version: PROTOCOL_VERSION,
-            name: "b".into(),
-            offers: Vec::new(),
-            max_payload: 100,
-            link_auth: None,
-            max_subject_len: 512,
-            max_subject_tokens: 32,
-            proof: None,
-        });
-        assert_eq!(deliver(&mut s, &welcome).0, "+OK\r\n");
         assert_eq!(deliver(&mut s, &Frame::Pong { nonce: 1 }).0, "PONG\r\n");
         // The welcome's smaller limit holds from now on.
         let (_, out, result) = feed(&mut s, b"PUB a 101\r\n");
@@ -839,6 +917,10 @@ mod tests {
         let mut s = session();
         let mut input = BytesMut::from(&b"CONNECT {}\r\npub a.b r 5\r\nhel"[..]);
         let (mut frames, mut out) = (Vec::new(), BytesMut::new());
+        s.receive(&mut input, &mut frames, &mut out).expect("valid");
+        let welcomed = codec::encode(&welcome(1024)).to_bytes();
+        s.deliver(&welcomed, &mut out, &mut frames)
+            .expect("welcomed");
         s.receive(&mut input, &mut frames, &mut out).expect("valid");
         assert_eq!(
             frames.len(),
@@ -1004,6 +1086,39 @@ mod tests {
         let (frames, out, _) = feed(&mut closed, b"PUB a 1\r\nx\r\n");
         assert!(frames.is_empty());
         assert_eq!(out, "-ERR 'Authorization Violation'\r\n");
+    }
+
+    #[test]
+    fn nothing_after_connect_runs_ahead_of_the_verdict() {
+        let mut s = NatsSession::new(ServerInfo {
+            auth_required: true,
+            max_subscriptions: 2,
+            ..ServerInfo::default()
+        });
+        let (_, out, result) = feed_as(&mut s, b"PING\r\n", false);
+        assert_eq!(
+            out, "-ERR 'Authorization Violation'\r\n",
+            "no PONG before logging in"
+        );
+        assert!(result.is_err());
+
+        let mut s = NatsSession::new(ServerInfo {
+            auth_required: true,
+            max_subscriptions: 2,
+            ..ServerInfo::default()
+        });
+        let text = b"CONNECT {\"auth_token\":\"t\"}\r\nPUB a 1\r\nx\r\n";
+        let (frames, _, _) = feed_as(&mut s, text, false);
+        assert!(matches!(frames[..], [Frame::Hello(_)]), "{frames:?}");
+        assert!(s.holding());
+        // Once welcomed, operations run and subscriptions are counted.
+        let subs = b"SUB a 1\r\nSUB b 2\r\nSUB c 3\r\n";
+        let (frames, out, result) = feed(&mut s, subs);
+        assert_eq!(result, Ok(()));
+        assert_eq!(frames.len(), 2, "{frames:?}");
+        assert_eq!(out, "-ERR 'Maximum Subscriptions Exceeded'\r\n");
+        let long = format!("SUB d {}\r\n", "9".repeat(MAX_SID_LEN + 1));
+        assert_eq!(feed(&mut s, long.as_bytes()).2, Err(fatal("Parser Error")));
     }
 
     #[test]
