@@ -259,12 +259,24 @@ impl SubscriptionTable {
         targets: &mut Targets,
     ) -> Result<bool, efabus_core::subject::SubjectError> {
         targets.clear();
-        let mut stable = self
+        let stable = self
             .index
             .match_subject_stable(subject, &mut targets.matches)?;
+        Ok(stable & self.add_routes_and_split(subject, targets)?)
+    }
+
+    /// Completes a lookup whose local matches are in `targets.matches`:
+    /// adds the routes' interest and sorts the matches into in-process
+    /// and remote targets. True when no route's queue group took part.
+    fn add_routes_and_split(
+        &self,
+        subject: &str,
+        targets: &mut Targets,
+    ) -> Result<bool, efabus_core::subject::SubjectError> {
+        let mut stable = true;
         if !self.routes.is_empty() {
             let interest = &self.interest;
-            stable &= self.routes.lookup(
+            stable = self.routes.lookup(
                 subject,
                 |pattern, queue| interest.has_group(pattern, queue),
                 &mut targets.route_matches,
@@ -295,25 +307,7 @@ impl SubscriptionTable {
         targets.clear();
         self.index
             .match_subject_excluding(subject, owner, &mut targets.matches)?;
-        if !self.routes.is_empty() {
-            let interest = &self.interest;
-            self.routes.lookup(
-                subject,
-                |pattern, queue| interest.has_group(pattern, queue),
-                &mut targets.route_matches,
-                &mut targets.remote,
-            )?;
-        }
-        for key in &targets.matches {
-            if key.owner == LOCAL_OWNER {
-                if let Some(sink) = self.locals.get(&key.sid) {
-                    targets.local.push((key.sid, sink.clone()));
-                }
-            } else {
-                targets.remote.push(*key);
-            }
-        }
-        Ok(())
+        self.add_routes_and_split(subject, targets).map(|_| ())
     }
 
     /// Fill `targets` for a message that arrived over a route for the
