@@ -248,9 +248,12 @@ impl<'a> Payload<'a> {
     /// A header block, if there is one, must be one: subscribers' clients
     /// parse it.
     fn check_headers(self) -> Result<(), efabus_core::headers::HeadersError> {
+        if !self.headers {
+            return Ok(());
+        }
         match codec::split_headers(self.bytes) {
-            Some((block, _)) if self.headers => efabus_core::headers::check_block(block),
-            _ => Ok(()),
+            Some((block, _)) => efabus_core::headers::check_block(block),
+            None => Err(efabus_core::headers::HeadersError::Unterminated),
         }
     }
 

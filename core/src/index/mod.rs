@@ -541,13 +541,12 @@ impl SubscriptionIndex {
     fn pick_excluding(&self, gid: GroupId, owner: u64) -> Option<SubRef> {
         let group = self.groups.get(gid as usize)?.as_ref()?;
         let len = group.members.len();
-        (0..len).find_map(|_| {
-            let turn = group.cursor.fetch_add(1, Ordering::Relaxed);
-            group
-                .members
-                .get(turn % len)
-                .copied()
-                .filter(|m| m.owner != owner)
+        // One turn of the rotation, then the next eligible member from
+        // there: other threads picking meanwhile cannot make it miss one.
+        let start = group.cursor.fetch_add(1, Ordering::Relaxed);
+        (0..len).find_map(|i| {
+            let member = group.members.get(start.wrapping_add(i) % len).copied();
+            member.filter(|m| m.owner != owner)
         })
     }
 

@@ -103,6 +103,8 @@ struct Conn {
     /// Ended (locally or by the endpoint): the caller was told, the output
     /// is flushing until this instant, and nothing more is read.
     closing: Option<Instant>,
+    /// Listed in the endpoint's `to_read`.
+    scheduled: bool,
 }
 
 impl Conn {
@@ -113,7 +115,7 @@ impl Conn {
     fn may_read(&self, queue_bytes: usize) -> bool {
         !self.paused
             && self.output.len() < queue_bytes
-            && !(self.session.holding() && self.input.len() > MAX_CONNECT_LINE)
+            && (self.session.welcomed() || self.input.len() <= MAX_CONNECT_LINE)
     }
 }
 
@@ -280,6 +282,7 @@ impl NatsEndpoint {
                 unread: false,
                 owe_writable: false,
                 closing: None,
+                scheduled: false,
             };
             let info = self.info.info_line(
                 peer,
@@ -334,14 +337,20 @@ impl NatsEndpoint {
                 },
             }
         }
-        // Stopped before the socket was empty: read on later, at once for
-        // a spent budget, when the obstacle goes for the others.
-        conn.unread = gone.is_none() && (taken >= READ_BUDGET || !conn.may_read(self.queue_bytes));
-        let again = conn.unread && taken >= READ_BUDGET;
         let mut frames = std::mem::take(&mut self.scratch);
-        let result = conn
-            .session
-            .receive(&mut conn.input, &mut frames, &mut conn.output);
+        // A paused connection's held input waits too.
+        let result = if conn.paused {
+            Ok(())
+        } else {
+            conn.session
+                .receive(&mut conn.input, &mut frames, &mut conn.output)
+        };
+        // Stopped before the socket was empty: read on at once for a spent
+        // budget (or an obstacle the parse removed), else when the
+        // obstacle goes.
+        let may_read = conn.may_read(self.queue_bytes);
+        conn.unread = gone.is_none() && (taken >= READ_BUDGET || !may_read);
+        let again = conn.unread && may_read;
         for frame in frames.drain(..) {
             events.push(Event::Frame {
                 peer: PeerId(peer),
@@ -356,6 +365,13 @@ impl NatsEndpoint {
             self.end(peer, reason, events);
         } else if let Some(reason) = gone {
             self.end(peer, reason, events);
+            // The client is gone: once nothing is left to flush, nothing
+            // is left to wait for.
+            if let Some(conn) = self.conns.get_mut(&peer) {
+                if conn.output.is_empty() {
+                    conn.closing = Some(Instant::now());
+                }
+            }
         } else if let Err(err) = written {
             self.end(peer, CloseReason::Error(err.to_string()), events);
         } else if again {
@@ -367,7 +383,8 @@ impl NatsEndpoint {
     fn read_later(&mut self, peer: u64) {
         if let Some(conn) = self.conns.get_mut(&peer) {
             conn.unread = true;
-            if !self.to_read.contains(&peer) {
+            if !conn.scheduled {
+                conn.scheduled = true;
                 self.to_read.push(peer);
             }
             self.wake();
@@ -449,6 +466,9 @@ impl NatsEndpoint {
 
     fn room(&self, peer: PeerId) -> Result<bool, SendError> {
         let conn = self.conns.get(&peer.0).ok_or(SendError::Closed(peer))?;
+        if conn.closing.is_some() {
+            return Err(SendError::Closed(peer));
+        }
         Ok(conn.output.len() < self.queue_bytes)
     }
 
@@ -564,7 +584,8 @@ impl Endpoint for NatsEndpoint {
         // Messages wait for room; the broker's few control frames (an error
         // before a close above all) go behind them at once, so a client cut
         // off as a slow consumer still reads why, last.
-        let message = frame.head.get(codec::PREFIX_LEN) == Some(&(FrameKind::Message as u8));
+        let kind = frame.head.get(codec::PREFIX_LEN).copied();
+        let message = kind == Some(FrameKind::Message as u8) || kind == Some(FrameKind::Run as u8);
         if message && !self.room(peer)? {
             self.owe(peer);
             return Err(SendError::WouldBlock(frame));
@@ -608,6 +629,9 @@ impl Endpoint for NatsEndpoint {
         self.woken = false;
         // Connections left with unread bytes are read again.
         for peer in std::mem::take(&mut self.to_read) {
+            if let Some(conn) = self.conns.get_mut(&peer) {
+                conn.scheduled = false;
+            }
             if let Ok(token) = usize::try_from(peer) {
                 ready.push_back((Token(token), true, false));
             }

@@ -259,6 +259,12 @@ impl NatsSession {
         self.connected && !self.welcomed
     }
 
+    /// Whether the broker accepted the client's CONNECT: until then it is
+    /// held to what a CONNECT line needs.
+    pub fn welcomed(&self) -> bool {
+        self.welcomed
+    }
+
     /// Whether the broker's welcome came since the last call: the input
     /// held behind the CONNECT may be read on.
     pub fn take_resumed(&mut self) -> bool {
@@ -392,12 +398,15 @@ impl NatsSession {
             if is("PUB") || is("HPUB") {
                 return pub_line(args, is("HPUB"), self.info.max_payload).map(Some);
             }
-            if is("SUB") {
-                self.sub_line(args, to_broker, to_client)?;
+            let accepted = if is("SUB") {
+                self.sub_line(args, to_broker, to_client)?
             } else {
                 self.unsub_line(args, to_broker)?;
+                true
+            };
+            if accepted {
+                self.ok(to_client);
             }
-            self.ok(to_client);
         } else if is("PING") {
             if !self.connected && self.info.auth_required {
                 return Err(fatal("Authorization Violation"));
@@ -518,7 +527,7 @@ impl NatsSession {
         args: &[&str],
         to_broker: &mut Vec<Bytes>,
         to_client: &mut BytesMut,
-    ) -> Result<(), Fatal> {
+    ) -> Result<bool, Fatal> {
         let (pattern, queue, name) = match args {
             [pattern, name] => (pattern, None, name),
             [pattern, queue, name] => (pattern, Some(queue), name),
@@ -531,7 +540,7 @@ impl NatsSession {
         // map of sids must stay bounded.
         if self.subs.len() >= self.info.max_subscriptions && !self.by_name.contains_key(*name) {
             put_err(to_client, "Maximum Subscriptions Exceeded");
-            return Ok(());
+            return Ok(false);
         }
         // A sid used again replaces its subscription.
         if let Some(old) = self.by_name.remove(*name) {
@@ -555,7 +564,7 @@ impl NatsSession {
             queue: queue.map(|queue| queue.to_string()),
             class: DeliveryClass::Reliable,
         })));
-        Ok(())
+        Ok(true)
     }
 
     fn unsub_line(&mut self, args: &[&str], to_broker: &mut Vec<Bytes>) -> Result<(), Fatal> {
