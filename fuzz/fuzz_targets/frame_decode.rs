@@ -18,7 +18,7 @@ use bytes::Bytes;
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::frame::{
     Credit, DeliveryClass, Dropped, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Message,
-    Publish, RouteHello, RoutePeers, Subscribe,
+    Publish, RouteHello, RoutePeers, Subscribe, PROTOCOL_VERSION,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -180,8 +180,12 @@ fuzz_target!(|data: &[u8]| {
             codec::encoded_len(&frame).expect("a decoded frame has a length"),
             out.len()
         );
+        // A hello of another version decodes to its version alone, filled
+        // out with empty fields, which can encode longer than it came.
+        let other_version =
+            matches!(&frame, Frame::Hello(hello) if hello.version != PROTOCOL_VERSION);
         assert!(
-            out.len() <= input.len(),
+            other_version || out.len() <= input.len(),
             "re-encoding grew the frame: {} > {}",
             out.len(),
             input.len()

@@ -11,8 +11,8 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use efabus_core::codec;
 use efabus_core::budget::MemoryBudget;
+use efabus_core::codec;
 use efabus_core::fragment::ReassemblyConfig;
 use efabus_core::frame::{Frame, Publish};
 use efabus_core::link::{LinkConfig, LinkReceiver, LinkSender};

@@ -35,7 +35,10 @@ fuzz_target!(|data: &[u8]| {
         input.extend_from_slice(piece);
         let result = session.receive(&mut input, &mut frames, &mut out);
         for frame in frames.drain(..) {
-            assert!(codec::decode(frame, &limits).is_ok(), "a frame that does not decode");
+            assert!(
+                codec::decode(frame, &limits).is_ok(),
+                "a frame that does not decode"
+            );
         }
         // A line waits for its end within the limit; a payload within its own.
         assert!(input.len() <= MAX_CONNECT_LINE + MAX_PAYLOAD + 2 + step);
