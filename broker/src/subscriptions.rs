@@ -262,23 +262,27 @@ impl SubscriptionTable {
         let stable = self
             .index
             .match_subject_stable(subject, &mut targets.matches)?;
-        Ok(stable & self.add_routes_and_split(subject, targets)?)
+        let interest = &self.interest;
+        let local_group = |pattern: &str, queue: &str| interest.has_group(pattern, queue);
+        Ok(stable & self.add_routes_and_split(subject, targets, local_group)?)
     }
 
     /// Completes a lookup whose local matches are in `targets.matches`:
-    /// adds the routes' interest and sorts the matches into in-process
-    /// and remote targets. True when no route's queue group took part.
+    /// adds the routes' interest (a queue group goes to a route only when
+    /// `local_group` says this broker does not serve it) and sorts the
+    /// matches into in-process and remote targets. True when no route's
+    /// queue group took part.
     fn add_routes_and_split(
         &self,
         subject: &str,
         targets: &mut Targets,
+        local_group: impl Fn(&str, &str) -> bool,
     ) -> Result<bool, efabus_core::subject::SubjectError> {
         let mut stable = true;
         if !self.routes.is_empty() {
-            let interest = &self.interest;
             stable = self.routes.lookup(
                 subject,
-                |pattern, queue| interest.has_group(pattern, queue),
+                local_group,
                 &mut targets.route_matches,
                 &mut targets.remote,
             )?;
@@ -305,9 +309,17 @@ impl SubscriptionTable {
         targets: &mut Targets,
     ) -> Result<(), efabus_core::subject::SubjectError> {
         targets.clear();
+        let mut unserved = Vec::new();
         self.index
-            .match_subject_excluding(subject, owner, &mut targets.matches)?;
-        self.add_routes_and_split(subject, targets).map(|_| ())
+            .match_subject_excluding(subject, owner, &mut targets.matches, &mut unserved)?;
+        // A group served here only by the publisher's own members is
+        // served by its members on other brokers instead.
+        let local_group = |pattern: &str, queue: &str| {
+            self.interest.has_group(pattern, queue)
+                && !unserved.iter().any(|(p, q)| p == pattern && q == queue)
+        };
+        self.add_routes_and_split(subject, targets, local_group)
+            .map(|_| ())
     }
 
     /// Fill `targets` for a message that arrived over a route for the

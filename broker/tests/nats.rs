@@ -556,6 +556,47 @@ async fn a_route_carries_nats_clients_traffic_between_brokers() {
     assert_eq!(&answer.payload[..], b"pong");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_echo_a_queue_group_is_served_across_the_route() {
+    let b = start("", "127.0.0.1:0");
+    let b_tcp = b.endpoint("tcp").expect("tcp");
+    let a = start(&format!("peers = [{b_tcp:?}]\n"), "127.0.0.1:0");
+    // The group's only member on a is the publisher's own; b has another.
+    let quiet = ConnectOptions::new()
+        .no_echo()
+        .connect(url(&a))
+        .await
+        .expect("connects");
+    let _own = quiet
+        .queue_subscribe("r.jobs", "workers".to_string())
+        .await
+        .expect("subscribes");
+    sync(&quiet).await;
+    let on_b = native(&b);
+    let member = on_b
+        .queue_subscribe("r.jobs", "workers")
+        .expect("subscribes");
+    on_b.flush(WAIT).expect("flushed");
+    let deadline = Instant::now() + WAIT;
+    while a.route_interest_count() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the route never learned the group"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for n in 0..20u8 {
+        quiet
+            .publish("r.jobs", Bytes::from(vec![n]))
+            .await
+            .expect("publishes");
+    }
+    sync(&quiet).await;
+    for n in 0..20u8 {
+        assert_eq!(recv_native(&member).payload[..], [n], "every job crosses");
+    }
+}
+
 /// A raw connection that speaks the protocol by hand, to send what no
 /// client library would.
 fn raw(broker: &Broker) -> (BufReader<TcpStream>, TcpStream) {

@@ -513,13 +513,16 @@ impl SubscriptionIndex {
 
     /// Like [`match_subject`](Self::match_subject), leaving out the
     /// subscriptions of `owner`: a queue group picks among its other
-    /// members, and is skipped when all of them are `owner`'s. For a
-    /// publisher that does not receive its own messages; walks the trie.
+    /// members; a group all of whose members are `owner`'s is skipped and
+    /// its (pattern, queue) added to `unserved`, so that members elsewhere
+    /// (on other brokers) may be asked instead. For a publisher that does
+    /// not receive its own messages; walks the trie.
     pub fn match_subject_excluding(
         &self,
         subject: &str,
         owner: u64,
         out: &mut Vec<SubRef>,
+        unserved: &mut Vec<(String, String)>,
     ) -> Result<(), SubjectError> {
         out.clear();
         let mut groups = Vec::new();
@@ -530,11 +533,19 @@ impl SubscriptionIndex {
             })
         })?;
         for gid in groups {
-            if let Some(member) = self.pick_excluding(gid, owner) {
-                out.push(member);
+            match self.pick_excluding(gid, owner) {
+                Some(member) => out.push(member),
+                None => unserved.extend(self.group_key(gid)),
             }
         }
         Ok(())
+    }
+
+    /// The pattern and queue name of a group, from its first member.
+    fn group_key(&self, gid: GroupId) -> Option<(String, String)> {
+        let group = self.groups.get(gid as usize)?.as_ref()?;
+        let entry = self.subs.get(group.members.first()?)?;
+        Some((entry.pattern.to_string(), group.name.to_string()))
     }
 
     /// The next member of a group in its rotation that is not `owner`'s.
