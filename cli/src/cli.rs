@@ -80,7 +80,9 @@ pub struct ServeArgs {
     /// Config file (TOML).
     #[arg(long, short)]
     pub config: Option<PathBuf>,
-    /// Endpoint to listen on, replacing the config's list (repeatable).
+    /// Endpoint to listen on, replacing the config's list (repeatable):
+    /// tcp/HOST:PORT, nats/HOST:PORT (NATS clients), mem/NAME, efa-rdm,
+    /// efa-dgram, shm.
     #[arg(long = "listen", short = 'l')]
     pub listen: Vec<String>,
     /// Node name.
