@@ -672,6 +672,17 @@ impl Endpoint for NatsEndpoint {
         Readiness::Fd(self.poll.as_raw_fd())
     }
 
+    /// A closing connection is dropped by a poll after its deadline, which
+    /// no descriptor announces.
+    fn wait_cap(&self) -> Option<Duration> {
+        let now = Instant::now();
+        self.lingering
+            .iter()
+            .filter_map(|peer| self.conns.get(peer)?.closing)
+            .min()
+            .map(|until| until.saturating_duration_since(now))
+    }
+
     fn queued_bytes(&self, peer: PeerId) -> usize {
         self.conns.get(&peer.0).map_or(0, |conn| conn.output.len())
     }
