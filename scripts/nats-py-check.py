@@ -4,7 +4,10 @@ client: publish and subscribe with wildcards, headers, request/reply (both
 a Python responder and no responders at all), a queue group, auto-unsubscribe
 and drain, and messages to and from a native efabus client.
 
-Usage: nats-py-check.py nats://HOST:PORT
+Usage: nats-py-check.py nats://HOST:PORT [CA [CERT KEY]]
+
+With CA (a PEM file) it connects over TLS, verifying the server against
+that authority, and with CERT and KEY presents that client certificate.
 
 It prints `ready` once subscribed to `from.native` and published on
 `to.native`; whoever runs it then publishes one message on `from.native`
@@ -14,6 +17,7 @@ otherwise.
 """
 
 import asyncio
+import ssl
 import sys
 
 import nats
@@ -27,8 +31,19 @@ def check(condition, what):
         raise AssertionError(what)
 
 
-async def run(url):
-    nc = await nats.connect(url, name="nats-py-check", allow_reconnect=False)
+def tls_context(files):
+    if not files:
+        return None
+    context = ssl.create_default_context(cafile=files[0])
+    if len(files) == 3:
+        context.load_cert_chain(certfile=files[1], keyfile=files[2])
+    return context
+
+
+async def run(url, tls_files):
+    nc = await nats.connect(
+        url, name="nats-py-check", allow_reconnect=False, tls=tls_context(tls_files)
+    )
 
     sub = await nc.subscribe("py.*")
     await nc.publish("py.one", b"1")
@@ -112,11 +127,11 @@ async def run(url):
 
 
 def main():
-    if len(sys.argv) != 2:
+    if len(sys.argv) not in (2, 3, 5):
         print(__doc__, file=sys.stderr)
         return 2
     try:
-        asyncio.run(asyncio.wait_for(run(sys.argv[1]), timeout=60))
+        asyncio.run(asyncio.wait_for(run(sys.argv[1], sys.argv[2:]), timeout=60))
     except Exception as err:  # any failure is the script's answer
         print(f"nats-py check failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1

@@ -61,13 +61,12 @@ fn warn_of_cleartext_secrets(config: &Config, listening: &[(String, String)]) {
         if loopback {
             continue;
         }
-        if scheme == efabus_transports::nats::SCHEME {
+        if scheme == efabus_transports::nats::SCHEME && !config.tls.is_set() {
             // NATS clients send the secret itself, as their token.
             warn!(
                 %address,
-                "credentials are checked on a NATS listener, which has no TLS: NATS clients \
-                 send passwords, tokens and the shared secret in the clear; keep it on a \
-                 trusted network or on loopback"
+                "credentials are checked on a NATS listener without TLS: NATS clients send \
+                 passwords, tokens and the shared secret in the clear; set [tls] cert and key"
             );
         } else if scheme == tcp::SCHEME && !config.tls.is_set() {
             warn!(

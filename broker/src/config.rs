@@ -277,8 +277,8 @@ pub struct Rule {
 }
 
 /// TLS (rustls) on the broker's TCP connections. With `cert` and `key`
-/// set, every TCP listener of the broker accepts TLS only (no cleartext
-/// fallback); routes it dials verify the peer broker's certificate against
+/// set, every TCP and NATS listener of the broker accepts TLS only (no
+/// cleartext fallback); routes it dials verify the peer broker's certificate against
 /// `ca` and present this broker's own (so brokers that verify clients
 /// authenticate each other). Files are PEM; SIGHUP reads them again for
 /// new connections. A client reading this table connects with TLS when
@@ -325,7 +325,7 @@ impl Tls {
         options
     }
 
-    /// `serves` says whether the configuration listens on TCP (a
+    /// `serves` says whether the configuration listens on TCP or NATS (a
     /// broker's); a client's needs no certificate of its own.
     fn check(&self, serves: bool, routes: bool) -> Result<(), (&'static str, String)> {
         if !self.is_set() {
@@ -417,12 +417,14 @@ impl Cluster {
 }
 
 /// Keepalive: a ping every `interval_ms` on an idle link; a peer silent for
-/// `timeout_ms` is considered dead.
+/// `timeout_ms` is considered dead, and a NATS client that leaves
+/// `max_pings_out` pings unanswered is closed with `Stale Connection`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Heartbeat {
     pub interval_ms: u64,
     pub timeout_ms: u64,
+    pub max_pings_out: u32,
 }
 
 impl Default for Heartbeat {
@@ -430,6 +432,7 @@ impl Default for Heartbeat {
         Heartbeat {
             interval_ms: 2_000,
             timeout_ms: 10_000,
+            max_pings_out: 2,
         }
     }
 }
@@ -793,10 +796,12 @@ impl Config {
         if let Some(monitor) = &self.monitor {
             check_monitor(monitor).map_err(|message| invalid("monitor", message))?;
         }
-        let serves_tcp = self
-            .listen
-            .iter()
-            .any(|listen| listen.split('/').next() == Some(efabus_transports::tcp::SCHEME));
+        // NATS listeners take `[tls]` as TCP ones do.
+        let serves_tcp = self.listen.iter().any(|listen| {
+            let scheme = listen.split('/').next();
+            scheme == Some(efabus_transports::tcp::SCHEME)
+                || scheme == Some(efabus_transports::nats::SCHEME)
+        });
         self.tls
             .check(serves_tcp, !self.peers.is_empty())
             .map_err(|(key, message)| invalid(key, message))?;
@@ -842,6 +847,10 @@ impl Config {
             ("limits.subscription_queue", self.limits.subscription_queue),
             ("limits.max_link_memory", self.limits.max_link_memory),
             ("heartbeat.interval_ms", self.heartbeat.interval_ms as usize),
+            (
+                "heartbeat.max_pings_out",
+                self.heartbeat.max_pings_out as usize,
+            ),
             ("fabric.eager_size", self.fabric.eager_size),
             (
                 "fabric.reliable_gap_timeout_ms",

@@ -83,10 +83,14 @@ pub fn as_driven(choice: &Choice) -> Choice {
 /// from its config; `efabus caps` opens them the same way.
 pub fn listener_config(config: &Config, scheme: &str, bind: Option<String>) -> EndpointConfig {
     // TCP endpoints take `[tls]`: listeners accept TLS only, routes dial
-    // with it.
+    // with it. NATS listeners accept TLS only with it too.
     let options = match scheme {
         tcp::SCHEME => config.tls.endpoint_options(),
-        nats::SCHEME => nats_options(config),
+        nats::SCHEME => {
+            let mut options = nats_options(config);
+            options.extend(config.tls.endpoint_options());
+            options
+        }
         _ => Vec::new(),
     };
     EndpointConfig {
@@ -113,6 +117,7 @@ fn nats_options(config: &Config) -> Vec<(String, String)> {
         ("version", env!("CARGO_PKG_VERSION").to_string()),
         ("max_payload", config.limits.max_payload.to_string()),
         ("auth_required", auth_required.to_string()),
+        ("max_pings_out", config.heartbeat.max_pings_out.to_string()),
         ("max_control_line", control_line.to_string()),
         (
             "max_subscriptions",

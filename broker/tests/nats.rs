@@ -3,8 +3,8 @@
 //! wildcards, queue groups shared with native clients, request/reply both
 //! ways with its muxed inbox, headers end to end, auto-unsubscribe,
 //! drain, reconnection after a broker restart, users and permissions, a
-//! route between two brokers, the slow-consumer policy, and malformed
-//! protocol lines.
+//! route between two brokers, the slow-consumer policy, malformed
+//! protocol lines, TLS and mutual TLS, and server pings left unanswered.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -13,8 +13,10 @@ use std::time::{Duration, Instant};
 
 use async_nats::{ConnectOptions, HeaderMap};
 use bytes::Bytes;
+use efabus_broker::config::Tls;
 use efabus_broker::{Broker, Client, ClientOptions, Config, Subscription};
 use efabus_core::headers::Headers;
+use efabus_transports::conformance::pki::{self, Pki};
 use efabus_transports::registry::Registry;
 use futures_util::StreamExt;
 
@@ -600,14 +602,174 @@ async fn without_echo_a_queue_group_is_served_across_the_route() {
 /// A raw connection that speaks the protocol by hand, to send what no
 /// client library would.
 fn raw(broker: &Broker) -> (BufReader<TcpStream>, TcpStream) {
+    let (reader, stream, _) = raw_with_info(broker);
+    (reader, stream)
+}
+
+/// [`raw`], with the `INFO` line the connection began with.
+fn raw_with_info(broker: &Broker) -> (BufReader<TcpStream>, TcpStream, serde_json::Value) {
     let address = url(broker);
     let stream = TcpStream::connect(address.trim_start_matches("nats://")).expect("connects");
     stream.set_read_timeout(Some(WAIT)).expect("timeout");
     let mut reader = BufReader::new(stream.try_clone().expect("clone"));
-    let mut info = String::new();
-    reader.read_line(&mut info).expect("INFO");
-    assert!(info.starts_with("INFO {"), "{info}");
-    (reader, stream)
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("INFO");
+    let info = line
+        .strip_prefix("INFO ")
+        .and_then(|json| serde_json::from_str(json.trim_end()).ok())
+        .unwrap_or_else(|| panic!("an INFO line, not {line:?}"));
+    (reader, stream, info)
+}
+
+fn tls_section(pki: &Pki, verify_clients: bool) -> String {
+    format!(
+        "[tls]\ncert = {:?}\nkey = {:?}\nca = {:?}\nverify_clients = {verify_clients}\n",
+        pki.server_cert, pki.server_key, pki.ca
+    )
+}
+
+/// A native client over TLS, with the test client certificate.
+fn native_tls(broker: &Broker, pki: &Pki) -> Client {
+    let endpoint = broker.endpoint("tcp").expect("a tcp listener");
+    let options = ClientOptions {
+        connect_timeout: WAIT,
+        tls: Tls {
+            ca: Some(pki.ca.clone()),
+            cert: Some(pki.client_cert.clone()),
+            key: Some(pki.client_key.clone()),
+            ..Tls::default()
+        },
+        ..ClientOptions::default()
+    };
+    Client::connect_with(&endpoint, options, Registry::with_builtins()).expect("connects")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_clients_speak_tls_and_nothing_crosses_in_the_clear() {
+    let pki = pki::shared();
+    let broker = start(&tls_section(pki, false), "127.0.0.1:0");
+
+    // INFO asks for TLS; what a client then sends in the clear is not
+    // taken: no PONG, the connection ends.
+    let (mut reader, mut stream, info) = raw_with_info(&broker);
+    assert_eq!(info["tls_required"], true, "{info}");
+    assert_eq!(info.get("tls_verify"), None, "{info}");
+    stream
+        .write_all(b"CONNECT {}\r\nSUB a 1\r\nPING\r\n")
+        .expect("writes");
+    let mut rest = Vec::new();
+    let end = reader.read_to_end(&mut rest);
+    assert!(end.is_ok(), "closed: {end:?}");
+    assert!(!text(&rest).contains("PONG"), "{}", text(&rest));
+    assert_eq!(broker.subscription_count(), 0);
+
+    // Without the authority the server's certificate is not trusted.
+    let stranger = ConnectOptions::new()
+        .require_tls(true)
+        .connect(url(&broker))
+        .await;
+    assert!(stranger.is_err(), "an unverified server is refused");
+
+    let client = ConnectOptions::new()
+        .add_root_certificates(pki.ca.clone().into())
+        .require_tls(true)
+        .connect(url(&broker))
+        .await
+        .expect("connects over TLS");
+    let mut from_native = client.subscribe("tls.to.nats").await.expect("subscribes");
+    sync(&client).await;
+    let native = native_tls(&broker, pki);
+    let from_nats = native.subscribe("tls.to.native").expect("subscribes");
+    native.flush(WAIT).expect("flushed");
+    client
+        .publish("tls.to.native", Bytes::from_static(b"over tls"))
+        .await
+        .expect("publishes");
+    sync(&client).await;
+    assert_eq!(text(&recv_native(&from_nats).payload), "over tls");
+    native.publish("tls.to.nats", "back").expect("publishes");
+    native.flush(WAIT).expect("flushed");
+    assert_eq!(text(&next(&mut from_native).await.payload), "back");
+    // Large messages cross the TLS session whole, both ways.
+    let big = Bytes::from(vec![0x5a; 200_000]);
+    client
+        .publish("tls.to.native", big.clone())
+        .await
+        .expect("publishes");
+    sync(&client).await;
+    assert_eq!(recv_native(&from_nats).payload, big);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_logs_a_nats_client_in_by_its_certificate() {
+    let pki = pki::shared();
+    let extra = format!(
+        "{}[[auth.users]]\nname = \"by-certificate\"\ncertificate = \"client\"\n\
+         [auth.users.permissions.publish]\nallow = [\"cert.>\", \"sync.>\"]\n",
+        tls_section(pki, true)
+    );
+    let broker = start(&extra, "127.0.0.1:0");
+    let (_reader, _stream, info) = raw_with_info(&broker);
+    assert_eq!(info["tls_verify"], true, "{info}");
+    assert_eq!(info["auth_required"], true, "{info}");
+
+    let without = ConnectOptions::new()
+        .add_root_certificates(pki.ca.clone().into())
+        .require_tls(true)
+        .connect(url(&broker))
+        .await;
+    assert!(without.is_err(), "no client certificate, no entry");
+
+    let client = ConnectOptions::new()
+        .name("with-certificate")
+        .add_root_certificates(pki.ca.clone().into())
+        .add_client_certificate(
+            pki.client_cert.clone().into(),
+            pki.client_key.clone().into(),
+        )
+        .require_tls(true)
+        .connect(url(&broker))
+        .await
+        .expect("the certificate logs in");
+    let mut sub = client.subscribe("cert.>").await.expect("subscribes");
+    client
+        .publish("cert.ok", Bytes::from_static(b"allowed"))
+        .await
+        .expect("publishes");
+    client
+        .publish("other.subject", Bytes::from_static(b"denied"))
+        .await
+        .expect("sent");
+    sync(&client).await;
+    assert_eq!(text(&next(&mut sub).await.payload), "allowed");
+    assert_eq!(broker.stats().permission_denials.load(Ordering::Relaxed), 1);
+    let report = broker.connections(false, WAIT).expect("a report");
+    let session = report
+        .iter()
+        .find(|session| session.name == "with-certificate")
+        .expect("listed");
+    assert_eq!(session.user.as_deref(), Some("by-certificate"));
+}
+
+#[test]
+fn a_client_that_leaves_pings_unanswered_is_stale_after_max_pings_out() {
+    let broker = start(
+        "[heartbeat]\ninterval_ms = 100\ntimeout_ms = 20000\nmax_pings_out = 3\n",
+        "127.0.0.1:0",
+    );
+    let (mut reader, mut stream) = raw(&broker);
+    stream.write_all(b"CONNECT {}\r\n").expect("writes");
+    let mut pings = 0;
+    let last = loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("a line");
+        match line.trim_end() {
+            "PING" => pings += 1,
+            other => break other.to_string(),
+        }
+    };
+    assert_eq!(last, "-ERR 'Stale Connection'");
+    assert_eq!(pings, 3);
 }
 
 #[test]

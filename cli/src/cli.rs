@@ -120,8 +120,8 @@ pub struct ServeArgs {
     /// /metrics) on HOST:PORT, e.g. 127.0.0.1:8222 (config: monitor).
     #[arg(long, short = 'm', value_name = "HOST:PORT")]
     pub monitor: Option<String>,
-    /// Certificate chain (PEM) the TCP listeners present; with --tls-key
-    /// every TCP listener accepts TLS only (config: tls.cert).
+    /// Certificate chain (PEM) the TCP and NATS listeners present; with
+    /// --tls-key every such listener accepts TLS only (config: tls.cert).
     #[arg(long, value_name = "FILE")]
     pub tls_cert: Option<String>,
     /// The certificate's private key (PEM; config: tls.key).

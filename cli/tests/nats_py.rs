@@ -1,6 +1,7 @@
 //! The NATS listener with a second language's client: nats-py, the NATS
 //! project's Python client from PyPI, runs `scripts/nats-py-check.py`
-//! against `efabus serve`, with a native client on the other side.
+//! against `efabus serve`, with a native client on the other side, in the
+//! clear and over mutual TLS.
 //! `scripts/test` installs nats-py in a virtual environment and names its
 //! interpreter in `EFABUS_NATS_PYTHON`; without it the test is skipped,
 //! except under CI=true, where it must run.
@@ -13,8 +14,11 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::temp_path;
+use efabus::broker::config::Tls;
 use efabus::core::headers::Headers;
-use efabus::Client;
+use efabus::transports::conformance::pki;
+use efabus::transports::registry::Registry;
+use efabus::{Client, ClientOptions};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -42,6 +46,34 @@ fn lines(stdout: std::process::ChildStdout) -> mpsc::Receiver<String> {
 
 #[test]
 fn nats_py_talks_to_the_nats_listener_and_to_native_clients() {
+    check_with_nats_py("nats.toml", "", Vec::new(), Tls::default());
+}
+
+#[test]
+fn nats_py_talks_over_mutual_tls() {
+    let pki = pki::shared();
+    let section = format!(
+        "[tls]\ncert = {:?}\nkey = {:?}\nca = {:?}\nverify_clients = true\n",
+        pki.server_cert, pki.server_key, pki.ca
+    );
+    let files = vec![
+        pki.ca.clone(),
+        pki.client_cert.clone(),
+        pki.client_key.clone(),
+    ];
+    let native = Tls {
+        ca: Some(pki.ca.clone()),
+        cert: Some(pki.client_cert.clone()),
+        key: Some(pki.client_key.clone()),
+        ..Tls::default()
+    };
+    check_with_nats_py("nats-tls.toml", &section, files, native);
+}
+
+/// Run the nats-py check against `efabus serve` with `extra` in its
+/// config, the script given `script_args` after the URL and the native
+/// client `tls`.
+fn check_with_nats_py(config_name: &str, extra: &str, script_args: Vec<String>, tls: Tls) {
     let Ok(python) = std::env::var("EFABUS_NATS_PYTHON") else {
         assert_ne!(
             std::env::var("CI").as_deref(),
@@ -51,10 +83,12 @@ fn nats_py_talks_to_the_nats_listener_and_to_native_clients() {
         eprintln!("skipped: EFABUS_NATS_PYTHON is not set (scripts/test sets it)");
         return;
     };
-    let config = temp_path("nats.toml");
+    let config = temp_path(config_name);
     std::fs::write(
         &config,
-        "listen = [\"tcp/127.0.0.1:0\", \"nats/127.0.0.1:0\"]\nlog_level = \"error\"\n",
+        format!(
+            "listen = [\"tcp/127.0.0.1:0\", \"nats/127.0.0.1:0\"]\nlog_level = \"error\"\n{extra}"
+        ),
     )
     .expect("writes the config");
     let mut broker = Killed(
@@ -81,7 +115,12 @@ fn nats_py_talks_to_the_nats_listener_and_to_native_clients() {
     }
     let (tcp, nats) = (tcp.expect("tcp"), nats.expect("nats"));
 
-    let native = Client::connect(&tcp).expect("a native client connects");
+    let options = ClientOptions {
+        tls,
+        ..ClientOptions::default()
+    };
+    let native = Client::connect_with(&tcp, options, Registry::with_builtins())
+        .expect("a native client connects");
     let from_python = native.subscribe("to.native").expect("subscribes");
     native.flush(Duration::from_secs(10)).expect("flushed");
 
@@ -90,6 +129,7 @@ fn nats_py_talks_to_the_nats_listener_and_to_native_clients() {
         Command::new(&python)
             .arg(script)
             .arg(&nats)
+            .args(&script_args)
             .stdout(Stdio::piped())
             .spawn()
             .expect("runs the nats-py check"),

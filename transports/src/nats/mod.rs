@@ -22,14 +22,24 @@
 //! Settings come from [`EndpointConfig::options`]: `server_id`,
 //! `server_name`, `version`, `max_payload`, `auth_required`,
 //! `max_pings_out`, `max_control_line` and `max_subscriptions` (see
-//! [`ServerInfo`]); the broker
-//! fills them from its configuration. TLS is not offered on this listener.
+//! [`ServerInfo`]), and the TLS files of the `tcp` transport (`tls_cert`,
+//! `tls_key`, `tls_ca`, `tls_verify_clients`; see [`crate::tls`]); the
+//! broker fills them from its configuration.
+//!
+//! With a certificate the listener requires TLS as NATS servers do: the
+//! `INFO` line goes in the clear with `tls_required` (and `tls_verify`
+//! when client certificates are checked), the client then starts the TLS
+//! handshake, and everything after it, `CONNECT` first, is read and
+//! written through the TLS session. A client that does not start TLS gets
+//! nothing but that `INFO` line; there is no cleartext fallback. Clients
+//! that begin with the handshake before reading `INFO` (NATS's
+//! "TLS first") are not served.
 
 mod session;
 
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr};
+use std::io::{self, IoSlice, Write};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -39,9 +49,12 @@ use efabus_core::transport::{
     split_run, CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness,
     SendError, Transport, TransportError,
 };
-use mio::net::{TcpListener, TcpStream};
+use mio::net::TcpListener;
+use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use rustc_hash::FxHashMap;
+
+use crate::tls::{TlsContext, Wire};
 
 pub use session::{
     Fatal, NatsSession, ServerInfo, DEFAULT_MAX_CONTROL_LINE, DEFAULT_MAX_PINGS_OUT,
@@ -87,7 +100,11 @@ impl Transport for NatsTransport {
 
 /// One client connection.
 struct Conn {
-    stream: TcpStream,
+    /// The socket, through its TLS session on a listener with TLS.
+    stream: Wire,
+    /// What goes on the socket in the clear before the TLS session starts:
+    /// the `INFO` line, on a listener with TLS.
+    clear: BytesMut,
     remote: String,
     session: NatsSession,
     input: BytesMut,
@@ -108,6 +125,12 @@ struct Conn {
 }
 
 impl Conn {
+    /// Nothing is left to write: no output, and no ciphertext or INFO the
+    /// socket has not taken.
+    fn flushed(&self) -> bool {
+        self.output.is_empty() && self.clear.is_empty() && !self.stream.has_pending()
+    }
+
     /// Whether more may be read now. Reading waits while the caller paused
     /// it, while the client's output is full (a client that does not read
     /// gets no more answers queued), and while its CONNECT awaits the
@@ -130,6 +153,8 @@ pub struct NatsEndpoint {
     conns: FxHashMap<u64, Conn>,
     next_peer: u64,
     info: ServerInfo,
+    /// Set when the listener requires TLS.
+    tls: Option<TlsContext>,
     queue_bytes: usize,
     max_frame: usize,
     /// Events made outside `poll` (a closed connection, a subscription
@@ -179,6 +204,8 @@ fn server_info(config: &EndpointConfig) -> Result<ServerInfo, TransportError> {
                     .parse()
                     .map_err(|_| option_error(name, text, "true or false"))?
             }
+            // The TLS files, read by `TlsContext`.
+            _ if name.starts_with("tls_") => {}
             _ => {
                 return Err(TransportError::Other(format!(
                     "unknown nats option {name:?}"
@@ -198,7 +225,10 @@ impl NatsEndpoint {
                 operation: "an endpoint without an address (NATS clients dial in)",
             });
         };
-        let info = server_info(config)?;
+        let mut info = server_info(config)?;
+        let tls = TlsContext::from_config(config, true)?;
+        info.tls_required = tls.is_some();
+        info.tls_verify = config.option("tls_verify_clients") == Some("true");
         let addr: SocketAddr = bind.parse().map_err(|err| TransportError::InvalidAddress {
             addr: bind.to_string(),
             reason: format!("{err}; expected IP:PORT, such as 127.0.0.1:4222"),
@@ -222,6 +252,7 @@ impl NatsEndpoint {
             conns: FxHashMap::default(),
             next_peer: 1,
             info,
+            tls,
             queue_bytes: config.queue_bytes.max(1),
             max_frame: config.max_frame,
             pending: Vec::new(),
@@ -271,9 +302,19 @@ impl NatsEndpoint {
                 tracing::warn!("nats: cannot register connection from {remote}: {err}");
                 continue;
             }
+            let session = match self.tls.as_ref().map(TlsContext::accept).transpose() {
+                Ok(session) => session.flatten(),
+                Err(err) => {
+                    tracing::warn!("nats: no TLS session for the connection from {remote}: {err}");
+                    let _ = self.poll.registry().deregister(&mut stream);
+                    continue;
+                }
+            };
             self.next_peer += 1;
+            let tls = session.is_some();
             let mut conn = Conn {
-                stream,
+                stream: Wire::new(stream, session),
+                clear: BytesMut::new(),
                 remote: remote.to_string(),
                 session: NatsSession::new(self.info.clone()),
                 input: BytesMut::new(),
@@ -290,7 +331,13 @@ impl NatsEndpoint {
                 self.local.port(),
                 &remote.ip().to_string(),
             );
-            conn.output.extend_from_slice(info.as_bytes());
+            // With TLS only the INFO line goes in the clear; the client
+            // starts the handshake once it has read it.
+            if tls {
+                conn.clear.extend_from_slice(info.as_bytes());
+            } else {
+                conn.output.extend_from_slice(info.as_bytes());
+            }
             let _ = write_out(&mut conn);
             self.conns.insert(peer, conn);
             events.push(Event::Accepted {
@@ -368,7 +415,7 @@ impl NatsEndpoint {
             // The client is gone: once nothing is left to flush, nothing
             // is left to wait for.
             if let Some(conn) = self.conns.get_mut(&peer) {
-                if conn.output.is_empty() {
+                if conn.flushed() {
                     conn.closing = Some(Instant::now());
                 }
             }
@@ -403,8 +450,8 @@ impl NatsEndpoint {
             return;
         }
         let _ = write_out(conn);
-        if conn.output.is_empty() {
-            let _ = conn.stream.shutdown(Shutdown::Write);
+        if conn.flushed() {
+            let _ = conn.stream.shutdown_write();
         }
         conn.closing = Some(Instant::now() + LINGER);
         self.lingering.push(peer);
@@ -485,8 +532,8 @@ impl NatsEndpoint {
         let written = write_out(conn);
         if conn.closing.is_some() {
             match written {
-                Ok(()) if conn.output.is_empty() => {
-                    let _ = conn.stream.shutdown(Shutdown::Write);
+                Ok(()) if conn.flushed() => {
+                    let _ = conn.stream.shutdown_write();
                 }
                 Ok(()) => {}
                 // The client is gone: nothing more to flush.
@@ -516,8 +563,9 @@ impl NatsEndpoint {
                 .get(peer)
                 .is_none_or(|conn| conn.closing.is_some_and(|until| now >= until));
             if done {
-                if let Some(mut conn) = conns.remove(peer) {
-                    let _ = registry.deregister(&mut conn.stream);
+                if let Some(conn) = conns.remove(peer) {
+                    use std::os::fd::AsRawFd;
+                    let _ = registry.deregister(&mut SourceFd(&conn.stream.as_raw_fd()));
                 }
             }
             !done
@@ -525,10 +573,24 @@ impl NatsEndpoint {
     }
 }
 
-/// Write as much of the output as the socket takes.
+/// Write as much of the output as the socket takes (through the TLS
+/// session, after what goes in the clear).
 fn write_out(conn: &mut Conn) -> io::Result<()> {
+    while !conn.clear.is_empty() {
+        match (&*conn.stream).write(&conn.clear) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                let _ = conn.clear.split_to(n);
+            }
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(err),
+        }
+    }
+    // Ciphertext the socket did not take goes first.
+    conn.stream.flush_pending()?;
     while !conn.output.is_empty() {
-        match conn.stream.write(&conn.output) {
+        match conn.stream.write_vectored(&[IoSlice::new(&conn.output)]) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => {
                 let _ = conn.output.split_to(n);
@@ -578,6 +640,17 @@ impl Endpoint for NatsEndpoint {
             scheme: SCHEME.to_string(),
             operation: "connect (NATS clients dial in; brokers route over tcp)",
         })
+    }
+
+    fn reload_tls(&mut self) -> Result<bool, TransportError> {
+        match self.tls.as_mut() {
+            Some(tls) => tls.reload().map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    fn peer_certificate(&self, peer: PeerId) -> Option<Vec<u8>> {
+        self.conns.get(&peer.0)?.stream.peer_certificate()
     }
 
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {

@@ -56,6 +56,10 @@ pub struct ServerInfo {
     /// Most subscriptions one client may hold (the broker's
     /// `limits.max_subscriptions_per_peer`).
     pub max_subscriptions: usize,
+    /// Clients must speak TLS (after reading `INFO`).
+    pub tls_required: bool,
+    /// Clients must present a certificate the server verifies.
+    pub tls_verify: bool,
 }
 
 impl Default for ServerInfo {
@@ -69,6 +73,8 @@ impl Default for ServerInfo {
             max_pings_out: DEFAULT_MAX_PINGS_OUT,
             max_control_line: DEFAULT_MAX_CONTROL_LINE,
             max_subscriptions: 100_000,
+            tls_required: false,
+            tls_verify: false,
         }
     }
 }
@@ -76,7 +82,7 @@ impl Default for ServerInfo {
 impl ServerInfo {
     /// The `INFO` line a new client gets.
     pub fn info_line(&self, client_id: u64, host: &str, port: u16, client_ip: &str) -> String {
-        let info = serde_json::json!({
+        let mut info = serde_json::json!({
             "server_id": self.server_id,
             "server_name": self.server_name,
             "version": self.version,
@@ -89,6 +95,13 @@ impl ServerInfo {
             "client_id": client_id,
             "client_ip": client_ip,
         });
+        if self.tls_required {
+            info["tls_required"] = true.into();
+            info["tls_available"] = true.into();
+        }
+        if self.tls_verify {
+            info["tls_verify"] = true.into();
+        }
         format!("INFO {info}\r\n")
     }
 }
