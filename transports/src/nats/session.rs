@@ -227,6 +227,12 @@ pub struct NatsSession {
     /// Nonces of the broker's pings the client has not answered yet.
     broker_pings: VecDeque<u64>,
     next_nonce: u64,
+    /// Under `verbose`: nonces of the pings sent to the broker behind each
+    /// operation it may refuse, in order. Its answer to one is the
+    /// operation's verdict: `+OK`, unless an error came before it.
+    verdicts: VecDeque<u64>,
+    /// The broker refused the operation whose verdict comes next.
+    refused: bool,
     pending: Option<PendingPub>,
     /// The subject of the last message delivered, which the next one
     /// usually has too.
@@ -252,6 +258,8 @@ impl NatsSession {
             next_sid: 1,
             broker_pings: VecDeque::new(),
             next_nonce: 1,
+            verdicts: VecDeque::new(),
+            refused: false,
             pending: None,
             last_subject: String::new(),
             scratch: BytesMut::new(),
@@ -337,7 +345,7 @@ impl NatsSession {
                 let (subject, reply) = (&pending.subject, pending.reply.as_deref());
                 self.publish(subject, reply, pending.header_len, data, to_broker)?;
                 *at += pending.total + 2;
-                self.ok(to_client);
+                self.ok_after_verdict(to_broker);
                 continue;
             }
             let limit = if self.connected {
@@ -374,7 +382,7 @@ impl NatsSession {
             let (subject, reply) = (publish.subject, publish.reply);
             self.publish(subject, reply, publish.header_len, data, to_broker)?;
             *at += end + 1 + publish.total + 2;
-            self.ok(to_client);
+            self.ok_after_verdict(to_broker);
         }
     }
 
@@ -418,7 +426,7 @@ impl NatsSession {
                 true
             };
             if accepted {
-                self.ok(to_client);
+                self.ok_after_verdict(to_broker);
             }
         } else if is("PING") {
             if !self.connected && self.info.auth_required {
@@ -448,6 +456,18 @@ impl NatsSession {
     fn ok(&self, to_client: &mut BytesMut) {
         if self.verbose {
             to_client.extend_from_slice(b"+OK\r\n");
+        }
+    }
+
+    /// Under `verbose`, an operation the broker may refuse gets `+OK` only
+    /// once the broker has handled it without an error, as NATS servers
+    /// answer: a ping behind it brings the verdict.
+    fn ok_after_verdict(&mut self, to_broker: &mut Vec<Bytes>) {
+        if self.verbose {
+            let nonce = self.next_nonce;
+            self.next_nonce += 1;
+            self.verdicts.push_back(nonce);
+            to_broker.push(control(&Frame::Ping { nonce }));
         }
     }
 
@@ -709,6 +729,12 @@ impl NatsSession {
                 self.broker_pings.push_back(nonce);
                 to_client.extend_from_slice(b"PING\r\n");
             }
+            Frame::Pong { nonce } if self.verdicts.front() == Some(&nonce) => {
+                self.verdicts.pop_front();
+                if !std::mem::take(&mut self.refused) {
+                    to_client.extend_from_slice(b"+OK\r\n");
+                }
+            }
             Frame::Pong { .. } => to_client.extend_from_slice(b"PONG\r\n"),
             Frame::Error(error) => {
                 let text = nats_error(&error);
@@ -716,6 +742,7 @@ impl NatsSession {
                     return Err(err_to(to_client, &text));
                 }
                 put_err(to_client, &text);
+                self.refused |= !self.verdicts.is_empty();
             }
             Frame::Goodbye(_) => return Err(Fatal("server shutting down".to_string())),
             _ => {}
@@ -812,8 +839,7 @@ mod tests {
         })
     }
 
-    /// Feed `text`, return the frames for the broker (decoded) and the
-    /// answer to the client.
+    /// The broker's welcome of a CONNECT.
     fn welcome(max_payload: u64) -> Frame {
         Frame::Welcome(Welcome {
             version: PROTOCOL_VERSION,
@@ -1017,6 +1043,46 @@ mod tests {
             &message(sub.sid, "a", Some(b"NATS/1.0\r\n\r\n"), b"x"),
         );
         assert_eq!(out, "MSG a 1 r.1 1\r\nx\r\n");
+    }
+
+    #[test]
+    fn verbose_answers_each_operation_after_the_broker_s_verdict() {
+        let mut s = session();
+        let (_, out, _) = feed(&mut s, b"CONNECT {\"verbose\":true}\r\n");
+        assert_eq!(out, "+OK\r\n");
+        let (frames, out, _) = feed(&mut s, b"PUB a.secret 1\r\nx\r\nPING\r\nSUB b 1\r\n");
+        assert_eq!(out, "", "no +OK before the broker's verdict");
+        let [Frame::Publish(_), Frame::Ping { nonce: publish }, Frame::Ping { nonce: ping }, Frame::Subscribe(_), Frame::Ping { nonce: subscribe }] =
+            frames[..]
+        else {
+            panic!("{frames:?}")
+        };
+        let denied = Frame::Error(ErrorFrame {
+            code: ErrorCode::PermissionDenied,
+            text: "permission denied: publish to \"a.secret\" (deny)".into(),
+            fatal: false,
+        });
+        // The refused publish gets its error instead of +OK; the client's
+        // PING its PONG; the subscription its +OK.
+        let mut answers = String::new();
+        for frame in [
+            denied,
+            Frame::Pong { nonce: publish },
+            Frame::Pong { nonce: ping },
+            Frame::Pong { nonce: subscribe },
+        ] {
+            answers += &deliver(&mut s, &frame).0;
+        }
+        assert_eq!(
+            answers,
+            "-ERR 'Permissions Violation for Publish to \"a.secret\"'\r\nPONG\r\n+OK\r\n"
+        );
+        // Without verbose nothing is asked of the broker.
+        let mut quiet = session();
+        assert_eq!(feed(&mut quiet, b"CONNECT {}\r\n").2, Ok(()));
+        let (frames, out, _) = feed(&mut quiet, b"PUB a 1\r\nx\r\n");
+        assert!(matches!(frames[..], [Frame::Publish(_)]), "{frames:?}");
+        assert_eq!(out, "");
     }
 
     #[test]
