@@ -298,6 +298,9 @@ pub struct Tls {
     /// Verify dialed brokers' certificates against this name rather than
     /// the host in their address.
     pub server_name: Option<String>,
+    /// NATS listeners: clients start TLS before the server's `INFO`
+    /// (NATS's "TLS first"); clients that wait for `INFO` cannot connect.
+    pub handshake_first: bool,
 }
 
 impl Tls {

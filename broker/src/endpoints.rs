@@ -89,6 +89,9 @@ pub fn listener_config(config: &Config, scheme: &str, bind: Option<String>) -> E
         nats::SCHEME => {
             let mut options = nats_options(config);
             options.extend(config.tls.endpoint_options());
+            if config.tls.handshake_first {
+                options.push(("tls_handshake_first".to_string(), "true".to_string()));
+            }
             options
         }
         _ => Vec::new(),

@@ -701,6 +701,39 @@ async fn nats_clients_speak_tls_and_nothing_crosses_in_the_clear() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_first_clients_are_served_when_the_listener_expects_them() {
+    let pki = pki::shared();
+    let extra = format!("{}handshake_first = true\n", tls_section(pki, false));
+    let broker = start(&extra, "127.0.0.1:0");
+    let client = ConnectOptions::new()
+        .add_root_certificates(pki.ca.clone().into())
+        .tls_first()
+        .connect(url(&broker))
+        .await
+        .expect("a TLS-first client connects");
+    let mut sub = client.subscribe("first").await.expect("subscribes");
+    client
+        .publish("first", Bytes::from_static(b"tls first"))
+        .await
+        .expect("publishes");
+    assert_eq!(text(&next(&mut sub).await.payload), "tls first");
+    // Nothing is sent in the clear: a client waiting for INFO reads
+    // nothing.
+    let address = url(&broker);
+    let mut stream = TcpStream::connect(address.trim_start_matches("nats://")).expect("connects");
+    stream
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .expect("timeout");
+    let mut byte = [0u8; 1];
+    let read = stream.read(&mut byte);
+    assert!(
+        read.as_ref()
+            .is_err_and(|err| err.kind() == std::io::ErrorKind::WouldBlock),
+        "{read:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutual_tls_logs_a_nats_client_in_by_its_certificate() {
     let pki = pki::shared();
     let extra = format!(

@@ -31,9 +31,10 @@
 //! when client certificates are checked), the client then starts the TLS
 //! handshake, and everything after it, `CONNECT` first, is read and
 //! written through the TLS session. A client that does not start TLS gets
-//! nothing but that `INFO` line; there is no cleartext fallback. Clients
-//! that begin with the handshake before reading `INFO` (NATS's
-//! "TLS first") are not served.
+//! nothing but that `INFO` line; there is no cleartext fallback. With
+//! `tls_handshake_first=true` clients begin with the handshake instead
+//! (NATS's "TLS first") and `INFO` is the first thing sent through it;
+//! clients that wait for `INFO` first then get nothing.
 
 mod session;
 
@@ -155,6 +156,8 @@ pub struct NatsEndpoint {
     info: ServerInfo,
     /// Set when the listener requires TLS.
     tls: Option<TlsContext>,
+    /// Clients start TLS before `INFO`, which goes through it.
+    handshake_first: bool,
     queue_bytes: usize,
     max_frame: usize,
     /// Events made outside `poll` (a closed connection, a subscription
@@ -204,7 +207,7 @@ fn server_info(config: &EndpointConfig) -> Result<ServerInfo, TransportError> {
                     .parse()
                     .map_err(|_| option_error(name, text, "true or false"))?
             }
-            // The TLS files, read by `TlsContext`.
+            // TLS settings, read by `NatsEndpoint::open` and `TlsContext`.
             _ if name.starts_with("tls_") => {}
             _ => {
                 return Err(TransportError::Other(format!(
@@ -229,6 +232,16 @@ impl NatsEndpoint {
         let tls = TlsContext::from_config(config, true)?;
         info.tls_required = tls.is_some();
         info.tls_verify = config.option("tls_verify_clients") == Some("true");
+        let handshake_first = match config.option("tls_handshake_first") {
+            None | Some("false") => false,
+            Some("true") if tls.is_some() => true,
+            Some("true") => {
+                return Err(TransportError::Other(
+                    "nats option tls_handshake_first needs TLS (tls_cert and tls_key)".to_string(),
+                ))
+            }
+            Some(other) => return Err(option_error("tls_handshake_first", other, "true or false")),
+        };
         let addr: SocketAddr = bind.parse().map_err(|err| TransportError::InvalidAddress {
             addr: bind.to_string(),
             reason: format!("{err}; expected IP:PORT, such as 127.0.0.1:4222"),
@@ -253,6 +266,7 @@ impl NatsEndpoint {
             next_peer: 1,
             info,
             tls,
+            handshake_first,
             queue_bytes: config.queue_bytes.max(1),
             max_frame: config.max_frame,
             pending: Vec::new(),
@@ -332,8 +346,9 @@ impl NatsEndpoint {
                 &remote.ip().to_string(),
             );
             // With TLS only the INFO line goes in the clear; the client
-            // starts the handshake once it has read it.
-            if tls {
+            // starts the handshake once it has read it. Handshake first,
+            // it waits in the session for the handshake to end.
+            if tls && !self.handshake_first {
                 conn.clear.extend_from_slice(info.as_bytes());
             } else {
                 conn.output.extend_from_slice(info.as_bytes());
