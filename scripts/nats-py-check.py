@@ -44,6 +44,10 @@ async def run(url, tls_files):
     nc = await nats.connect(
         url, name="nats-py-check", allow_reconnect=False, tls=tls_context(tls_files)
     )
+    if tls_files:
+        # nats-py starts TLS on a nats:// URL only when INFO requires it.
+        check(nc._server_info.get("tls_required") is True, "INFO requires TLS")
+        print("tls: ok", flush=True)
 
     sub = await nc.subscribe("py.*")
     await nc.publish("py.one", b"1")

@@ -690,7 +690,8 @@ async fn nats_clients_speak_tls_and_nothing_crosses_in_the_clear() {
     native.publish("tls.to.nats", "back").expect("publishes");
     native.flush(WAIT).expect("flushed");
     assert_eq!(text(&next(&mut from_native).await.payload), "back");
-    // Large messages cross the TLS session whole, both ways.
+    // Large messages cross the TLS session whole, both ways, many at a
+    // time: the listener's writes meet a full socket.
     let big = Bytes::from(vec![0x5a; 200_000]);
     client
         .publish("tls.to.native", big.clone())
@@ -698,6 +699,17 @@ async fn nats_clients_speak_tls_and_nothing_crosses_in_the_clear() {
         .expect("publishes");
     sync(&client).await;
     assert_eq!(recv_native(&from_nats).payload, big);
+    for n in 0..20u8 {
+        let mut payload = vec![n; 200_000];
+        payload[0] = b'#';
+        native.publish("tls.to.nats", payload).expect("publishes");
+    }
+    native.flush(WAIT).expect("flushed");
+    for n in 0..20u8 {
+        let message = next(&mut from_native).await;
+        assert_eq!(message.payload.len(), 200_000);
+        assert_eq!((message.payload[0], message.payload[199_999]), (b'#', n));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -52,8 +52,11 @@ fn nats_py_talks_to_the_nats_listener_and_to_native_clients() {
 #[test]
 fn nats_py_talks_over_mutual_tls() {
     let pki = pki::shared();
+    // The only user logs in by its certificate: nothing gets in without
+    // mutual TLS.
     let section = format!(
-        "[tls]\ncert = {:?}\nkey = {:?}\nca = {:?}\nverify_clients = true\n",
+        "[tls]\ncert = {:?}\nkey = {:?}\nca = {:?}\nverify_clients = true\n\
+         [[auth.users]]\nname = \"by-certificate\"\ncertificate = \"client\"\n",
         pki.server_cert, pki.server_key, pki.ca
     );
     let files = vec![
@@ -164,6 +167,12 @@ fn check_with_nats_py(config_name: &str, extra: &str, script_args: Vec<String>, 
         transcript.iter().any(|line| line == "drained: ok"),
         "{transcript:?}"
     );
+    if !script_args.is_empty() {
+        assert!(
+            transcript.iter().any(|line| line == "tls: ok"),
+            "{transcript:?}"
+        );
+    }
 
     let message = from_python
         .recv_timeout(Duration::from_secs(10))

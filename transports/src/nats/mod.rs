@@ -31,7 +31,8 @@
 //! when client certificates are checked), the client then starts the TLS
 //! handshake, and everything after it, `CONNECT` first, is read and
 //! written through the TLS session. A client that does not start TLS gets
-//! nothing but that `INFO` line; there is no cleartext fallback. With
+//! nothing more in the clear (a TLS alert, and the close); there is no
+//! cleartext fallback. With
 //! `tls_handshake_first=true` clients begin with the handshake instead
 //! (NATS's "TLS first") and `INFO` is the first thing sent through it;
 //! clients that wait for `INFO` first then get nothing.
@@ -137,7 +138,10 @@ impl Conn {
     /// gets no more answers queued), and while its CONNECT awaits the
     /// broker's verdict beyond what a CONNECT line needs.
     fn may_read(&self, queue_bytes: usize) -> bool {
+        // With TLS, the client's handshake is read once all of INFO is
+        // out: nothing goes through the session before it.
         !self.paused
+            && self.clear.is_empty()
             && self.output.len() < queue_bytes
             && (self.session.welcomed() || self.input.len() <= MAX_CONNECT_LINE)
     }
@@ -377,6 +381,8 @@ impl NatsEndpoint {
         }
         let mut taken = 0;
         let mut gone = None;
+        // A failed TLS session delivers nothing more: no flushing to wait for.
+        let mut session_failed = false;
         while conn.may_read(self.queue_bytes) && taken < READ_BUDGET {
             // Read into the endpoint's buffer and keep what came: cheaper
             // than zeroing room in each connection's buffer for every read.
@@ -393,6 +399,8 @@ impl NatsEndpoint {
                     io::ErrorKind::WouldBlock => break,
                     io::ErrorKind::Interrupted => continue,
                     _ => {
+                        session_failed =
+                            conn.stream.is_tls() && err.kind() == io::ErrorKind::InvalidData;
                         gone = Some(CloseReason::Error(err.to_string()));
                         break;
                     }
@@ -430,7 +438,7 @@ impl NatsEndpoint {
             // The client is gone: once nothing is left to flush, nothing
             // is left to wait for.
             if let Some(conn) = self.conns.get_mut(&peer) {
-                if conn.flushed() {
+                if conn.flushed() || session_failed {
                     conn.closing = Some(Instant::now());
                 }
             }
@@ -761,14 +769,18 @@ impl Endpoint for NatsEndpoint {
     }
 
     /// A closing connection is dropped by a poll after its deadline, which
-    /// no descriptor announces.
+    /// no descriptor announces. (A wait under a millisecond would be a
+    /// sleep deaf to the descriptors: the deadline may pass by up to one.)
     fn wait_cap(&self) -> Option<Duration> {
         let now = Instant::now();
         self.lingering
             .iter()
             .filter_map(|peer| self.conns.get(peer)?.closing)
             .min()
-            .map(|until| until.saturating_duration_since(now))
+            .map(|until| match until.saturating_duration_since(now) {
+                Duration::ZERO => Duration::ZERO,
+                left => left.max(Duration::from_millis(1)),
+            })
     }
 
     fn queued_bytes(&self, peer: PeerId) -> usize {

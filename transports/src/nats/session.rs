@@ -97,7 +97,6 @@ impl ServerInfo {
         });
         if self.tls_required {
             info["tls_required"] = true.into();
-            info["tls_available"] = true.into();
         }
         if self.tls_verify {
             info["tls_verify"] = true.into();
