@@ -1,0 +1,753 @@
+//! The NATS listener's I/O thread: it owns the listening socket and every
+//! client connection (sockets, TLS sessions, protocol state), reads and
+//! parses what clients send into efabus frames, and formats and writes what
+//! the broker sends them. The broker's event loop sees only frames, through
+//! [`super::NatsEndpoint`], so the protocol work runs beside the routing on
+//! another core.
+//!
+//! The two sides meet in [`Shared`]: events for the broker in one list,
+//! commands for this thread in another, each behind a short lock, and a
+//! wake-up descriptor for each side that is written only when its list
+//! goes from empty to not. Per connection, [`ConnShared`] counts the bytes
+//! queued for the client (frames handed over and not yet translated, and
+//! translated output not yet written), which the endpoint holds to
+//! `queue_bytes`.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Write};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use efabus_core::transport::{split_run, CloseReason, Event, PeerId};
+use mio::net::TcpListener;
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+
+use super::session::{Fatal, NatsSession, ServerInfo, MAX_CONNECT_LINE};
+use crate::tls::{TlsContext, Wire};
+
+/// Most bytes read from one connection in one round.
+pub const READ_BUDGET: usize = 1 << 20;
+
+/// Most connections accepted in one round.
+const ACCEPT_BUDGET: usize = 256;
+
+/// How long an ended connection may keep flushing.
+pub const LINGER: Duration = Duration::from_secs(2);
+
+/// Bytes one socket read takes at most.
+const READ_CHUNK: usize = 64 << 10;
+
+/// How long the thread keeps polling, yielding its core between polls,
+/// after a round with work before it sleeps: a request's answer usually
+/// comes back from the broker within it, and taking it without a wake-up
+/// keeps a round trip through the listener as short as when the broker's
+/// own loop did this work.
+const SPIN: Duration = Duration::from_micros(50);
+
+pub(super) const WAKER: Token = Token(usize::MAX);
+pub(super) const LISTENER: Token = Token(usize::MAX - 1);
+
+/// What the endpoint asks of the I/O thread.
+pub(super) enum Command {
+    /// Frames for a client (one frame, or a run of them), and the bytes
+    /// they were counted as in its queue.
+    Send { peer: u64, frames: Bytes, run: bool },
+    /// End a connection (the endpoint's `close`).
+    Close(u64),
+    /// Stop or resume reading a connection.
+    Pause(u64, bool),
+}
+
+/// What one connection shows the endpoint.
+#[derive(Debug, Default)]
+pub(super) struct ConnShared {
+    /// Bytes queued for the client: handed to the I/O thread and not yet
+    /// translated, or translated and not yet written.
+    pub queued: AtomicUsize,
+    /// A send was refused: `Writable` is owed once the queue drains to half.
+    pub owe: AtomicBool,
+    /// The client certificate its TLS session verified, once known.
+    pub certificate: Mutex<Option<Vec<u8>>>,
+}
+
+/// Where the endpoint and the I/O thread meet.
+pub(super) struct Shared {
+    /// Events for the broker, with the connections they introduce.
+    pub inbox: Mutex<Inbox>,
+    /// Commands for the I/O thread.
+    pub commands: Mutex<Vec<Command>>,
+    /// Wakes the I/O thread.
+    pub worker_waker: Waker,
+    /// Makes the endpoint's descriptor readable.
+    pub endpoint_waker: Waker,
+    /// The endpoint is gone: the thread ends.
+    pub stop: AtomicBool,
+    /// The TLS settings, read again by the endpoint's `reload_tls`.
+    pub tls: Mutex<Option<TlsContext>>,
+}
+
+#[derive(Default)]
+pub(super) struct Inbox {
+    pub events: Vec<Event>,
+    pub accepted: Vec<(u64, Arc<ConnShared>)>,
+}
+
+impl Shared {
+    /// Queue a command; the thread is woken when the queue was empty.
+    pub fn command(&self, command: Command) {
+        let was_empty = {
+            let mut commands = self.commands.lock();
+            commands.push(command);
+            commands.len() == 1
+        };
+        if was_empty {
+            if let Err(err) = self.worker_waker.wake() {
+                tracing::warn!("nats: cannot wake the I/O thread: {err}");
+            }
+        }
+    }
+}
+
+/// One client connection.
+struct Conn {
+    /// The socket, through its TLS session on a listener with TLS.
+    stream: Wire,
+    /// What goes on the socket in the clear before the TLS session starts:
+    /// the `INFO` line, on a listener with TLS.
+    clear: BytesMut,
+    remote: String,
+    session: NatsSession,
+    input: BytesMut,
+    output: BytesMut,
+    /// The caller paused reading.
+    paused: bool,
+    /// The socket may hold unread bytes (a budget, a pause or a full
+    /// output stopped the reading), so it is read without a readiness
+    /// event once it may be.
+    unread: bool,
+    /// What the endpoint reads of this connection.
+    shared: Arc<ConnShared>,
+    /// The output's length as last counted in `shared.queued`.
+    counted: usize,
+    /// The verified client certificate was handed to the endpoint.
+    certificate_told: bool,
+    /// Ended (locally or by the endpoint): the caller was told, the output
+    /// is flushing until this instant, and nothing more is read.
+    closing: Option<Instant>,
+    /// Listed in the endpoint's `to_read`.
+    scheduled: bool,
+}
+
+impl Conn {
+    /// Nothing is left to write: no output, and no ciphertext or INFO the
+    /// socket has not taken.
+    fn flushed(&self) -> bool {
+        self.output.is_empty() && self.clear.is_empty() && !self.stream.has_pending()
+    }
+
+    /// Whether more may be read now. Reading waits while the caller paused
+    /// it, while the client's output is full (a client that does not read
+    /// gets no more answers queued), and while its CONNECT awaits the
+    /// broker's verdict beyond what a CONNECT line needs.
+    fn may_read(&self, queue_bytes: usize) -> bool {
+        // With TLS, the client's handshake is read once all of INFO is
+        // out: nothing goes through the session before it.
+        !self.paused
+            && self.clear.is_empty()
+            && self.output.len() < queue_bytes
+            && (self.session.welcomed() || self.input.len() <= MAX_CONNECT_LINE)
+    }
+}
+
+/// The I/O thread's state. See the module docs.
+pub(super) struct Worker {
+    pub poll: Poll,
+    pub listener: TcpListener,
+    pub local: SocketAddr,
+    pub info: ServerInfo,
+    /// Clients start TLS before `INFO`, which goes through it.
+    pub handshake_first: bool,
+    pub queue_bytes: usize,
+    pub shared: Arc<Shared>,
+    events: Events,
+    woken: bool,
+    conns: FxHashMap<u64, Conn>,
+    next_peer: u64,
+    /// Connections accepted since the broker was last told.
+    accepted: Vec<(u64, Arc<ConnShared>)>,
+    scratch: Vec<Bytes>,
+    /// What each socket read lands in first.
+    read_buf: Box<[u8]>,
+    /// Connections to read without a readiness event (see `Conn::unread`).
+    to_read: Vec<u64>,
+    /// Connections ended and still flushing.
+    lingering: Vec<u64>,
+}
+
+impl Worker {
+    pub fn new(
+        poll: Poll,
+        listener: TcpListener,
+        local: SocketAddr,
+        info: ServerInfo,
+        handshake_first: bool,
+        queue_bytes: usize,
+        shared: Arc<Shared>,
+    ) -> Worker {
+        Worker {
+            poll,
+            listener,
+            local,
+            info,
+            handshake_first,
+            queue_bytes,
+            shared,
+            events: Events::with_capacity(256),
+            woken: false,
+            conns: FxHashMap::default(),
+            next_peer: 1,
+            accepted: Vec::new(),
+            scratch: Vec::new(),
+            read_buf: vec![0; READ_CHUNK].into_boxed_slice(),
+            to_read: Vec::new(),
+            lingering: Vec::new(),
+        }
+    }
+
+    /// Serve until the endpoint is dropped.
+    pub fn run(mut self) {
+        let mut events = Vec::new();
+        let mut busy_at = Instant::now();
+        let mut busy = false;
+        while !self.shared.stop.load(Ordering::Acquire) {
+            let spinning = busy_at.elapsed() < SPIN;
+            let timeout = if self.woken || !self.to_read.is_empty() || spinning {
+                Some(Duration::ZERO)
+            } else {
+                self.linger_wait()
+            };
+            // Nothing to do last round: let another thread have the core
+            // before looking again.
+            if spinning && !busy && !self.woken {
+                std::thread::yield_now();
+            }
+            if let Err(err) = self.poll.poll(&mut self.events, timeout) {
+                if err.kind() != io::ErrorKind::Interrupted {
+                    tracing::warn!("nats: poll failed: {err}");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                continue;
+            }
+            busy = self.round(&mut events);
+            if busy {
+                busy_at = Instant::now();
+            }
+            if !events.is_empty() || !self.accepted.is_empty() {
+                let was_empty = {
+                    let mut inbox = self.shared.inbox.lock();
+                    let was_empty = inbox.events.is_empty() && inbox.accepted.is_empty();
+                    inbox.accepted.append(&mut self.accepted);
+                    inbox.events.append(&mut events);
+                    was_empty
+                };
+                if was_empty {
+                    if let Err(err) = self.shared.endpoint_waker.wake() {
+                        tracing::warn!("nats: cannot wake the endpoint: {err}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// How long to wait with nothing to do: until the first closing
+    /// connection's deadline, at least a millisecond (epoll's unit).
+    fn linger_wait(&self) -> Option<Duration> {
+        let now = Instant::now();
+        self.lingering
+            .iter()
+            .filter_map(|peer| self.conns.get(peer)?.closing)
+            .min()
+            .map(|until| match until.saturating_duration_since(now) {
+                Duration::ZERO => Duration::ZERO,
+                left => left.max(Duration::from_millis(1)),
+            })
+    }
+
+    /// One round: the endpoint's commands, then the sockets that are
+    /// ready. True when there was any.
+    fn round(&mut self, events: &mut Vec<Event>) -> bool {
+        let commands = std::mem::take(&mut *self.shared.commands.lock());
+        let busy = !commands.is_empty() || !self.events.is_empty() || !self.to_read.is_empty();
+        for command in commands {
+            match command {
+                Command::Send { peer, frames, run } => self.send(peer, frames, run, events),
+                Command::Close(peer) => {
+                    if self
+                        .conns
+                        .get(&peer)
+                        .is_some_and(|conn| conn.closing.is_none())
+                    {
+                        self.end(peer, CloseReason::Local, events);
+                    }
+                }
+                Command::Pause(peer, paused) => {
+                    if let Some(conn) = self.conns.get_mut(&peer) {
+                        conn.paused = paused;
+                        if !paused && conn.unread {
+                            self.read_later(peer);
+                        }
+                    }
+                }
+            }
+        }
+        let mut ready: VecDeque<(Token, bool, bool)> = self
+            .events
+            .iter()
+            .map(|event| {
+                let readable = event.is_readable() || event.is_read_closed() || event.is_error();
+                (event.token(), readable, event.is_writable())
+            })
+            .collect();
+        self.woken = false;
+        // Connections left with unread bytes are read again.
+        for peer in std::mem::take(&mut self.to_read) {
+            if let Some(conn) = self.conns.get_mut(&peer) {
+                conn.scheduled = false;
+            }
+            if let Ok(token) = usize::try_from(peer) {
+                ready.push_back((Token(token), true, false));
+            }
+        }
+        while let Some((token, readable, writable)) = ready.pop_front() {
+            match token {
+                WAKER => {}
+                LISTENER => self.accept(events),
+                Token(token) => {
+                    let peer = token as u64;
+                    if writable {
+                        self.service_writable(peer, events);
+                    }
+                    if readable {
+                        self.read(peer, events);
+                    }
+                }
+            }
+        }
+        self.reap(Instant::now());
+        busy
+    }
+
+    /// Frames the broker sent a client: uncounted from its queue as they
+    /// are translated (the output they become is counted instead).
+    fn send(&mut self, peer: u64, frames: Bytes, run: bool, events: &mut Vec<Event>) {
+        if let Some(conn) = self.conns.get(&peer) {
+            conn.shared.queued.fetch_sub(frames.len(), Ordering::SeqCst);
+        }
+        if !run {
+            self.translate(PeerId(peer), &[frames], events);
+            if let Some(conn) = self.conns.get_mut(&peer) {
+                owe_writable(conn, peer, self.queue_bytes, events);
+            }
+            return;
+        }
+        let mut split = split_run(&frames);
+        let whole: Vec<Bytes> = split.by_ref().map(|frame| frame.head).collect();
+        if split.offset() < frames.len() {
+            let text = format!(
+                "a run of {} bytes ends inside the frame at byte {}",
+                frames.len(),
+                split.offset()
+            );
+            tracing::warn!("nats: {text}");
+            self.end(peer, CloseReason::Error(text), events);
+            return;
+        }
+        self.translate(PeerId(peer), &whole, events);
+        if let Some(conn) = self.conns.get_mut(&peer) {
+            owe_writable(conn, peer, self.queue_bytes, events);
+        }
+    }
+
+    /// Make the next round come at once.
+    fn wake(&mut self) {
+        self.woken = true;
+    }
+
+    fn accept(&mut self, events: &mut Vec<Event>) {
+        for _ in 0..ACCEPT_BUDGET {
+            let (mut stream, remote) = match self.listener.accept() {
+                Ok(pair) => pair,
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => return,
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+                Err(err) => {
+                    tracing::warn!("nats: accept on {} failed: {err}", self.local);
+                    return;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let peer = self.next_peer;
+            let Ok(token) = usize::try_from(peer) else {
+                return;
+            };
+            if let Err(err) = self.poll.registry().register(
+                &mut stream,
+                Token(token),
+                Interest::READABLE | Interest::WRITABLE,
+            ) {
+                tracing::warn!("nats: cannot register connection from {remote}: {err}");
+                continue;
+            }
+            let session = match self
+                .shared
+                .tls
+                .lock()
+                .as_ref()
+                .map(TlsContext::accept)
+                .transpose()
+            {
+                Ok(session) => session.flatten(),
+                Err(err) => {
+                    tracing::warn!("nats: no TLS session for the connection from {remote}: {err}");
+                    let _ = self.poll.registry().deregister(&mut stream);
+                    continue;
+                }
+            };
+            self.next_peer += 1;
+            let tls = session.is_some();
+            let mut conn = Conn {
+                stream: Wire::new(stream, session),
+                clear: BytesMut::new(),
+                remote: remote.to_string(),
+                session: NatsSession::new(self.info.clone()),
+                input: BytesMut::new(),
+                output: BytesMut::new(),
+                paused: false,
+                unread: false,
+                shared: Arc::new(ConnShared::default()),
+                counted: 0,
+                certificate_told: false,
+                closing: None,
+                scheduled: false,
+            };
+            let info = self.info.info_line(
+                peer,
+                &self.local.ip().to_string(),
+                self.local.port(),
+                &remote.ip().to_string(),
+            );
+            // With TLS only the INFO line goes in the clear; the client
+            // starts the handshake once it has read it. Handshake first,
+            // it waits in the session for the handshake to end.
+            if tls && !self.handshake_first {
+                conn.clear.extend_from_slice(info.as_bytes());
+            } else {
+                conn.output.extend_from_slice(info.as_bytes());
+            }
+            let _ = write_out(&mut conn);
+            count_output(&mut conn);
+            self.accepted.push((peer, conn.shared.clone()));
+            self.conns.insert(peer, conn);
+            events.push(Event::Accepted {
+                peer: PeerId(peer),
+                remote: remote.to_string(),
+            });
+        }
+        // More may wait: come back without a new readiness edge.
+        self.wake();
+    }
+
+    /// Read and translate what a connection sent, within the budget.
+    fn read(&mut self, peer: u64, events: &mut Vec<Event>) {
+        let Some(conn) = self.conns.get_mut(&peer) else {
+            return;
+        };
+        if conn.closing.is_some() {
+            if discard(conn) {
+                conn.closing = Some(Instant::now());
+            }
+            return;
+        }
+        let mut taken = 0;
+        let mut gone = None;
+        // A failed TLS session delivers nothing more: no flushing to wait for.
+        let mut session_failed = false;
+        while conn.may_read(self.queue_bytes) && taken < READ_BUDGET {
+            // Read into the endpoint's buffer and keep what came: cheaper
+            // than zeroing room in each connection's buffer for every read.
+            match conn.stream.read(&mut self.read_buf) {
+                Ok(0) => {
+                    gone = Some(CloseReason::PeerClosed);
+                    break;
+                }
+                Ok(n) => {
+                    conn.input.extend_from_slice(&self.read_buf[..n]);
+                    taken += n;
+                }
+                Err(err) => match err.kind() {
+                    io::ErrorKind::WouldBlock => break,
+                    io::ErrorKind::Interrupted => continue,
+                    _ => {
+                        session_failed =
+                            conn.stream.is_tls() && err.kind() == io::ErrorKind::InvalidData;
+                        gone = Some(CloseReason::Error(err.to_string()));
+                        break;
+                    }
+                },
+            }
+        }
+        let mut frames = std::mem::take(&mut self.scratch);
+        // A paused connection's held input waits too.
+        let result = if conn.paused {
+            Ok(())
+        } else {
+            conn.session
+                .receive(&mut conn.input, &mut frames, &mut conn.output)
+        };
+        // Stopped before the socket was empty: read on at once for a spent
+        // budget (or an obstacle the parse removed), else when the
+        // obstacle goes.
+        let may_read = conn.may_read(self.queue_bytes);
+        conn.unread = gone.is_none() && (taken >= READ_BUDGET || !may_read);
+        let again = conn.unread && may_read;
+        // The broker looks the certificate up when the CONNECT's hello
+        // arrives, so it is told before the first frame (which comes after
+        // the handshake).
+        if !conn.certificate_told && !frames.is_empty() {
+            conn.certificate_told = true;
+            *conn.shared.certificate.lock() = conn.stream.peer_certificate();
+        }
+        for frame in frames.drain(..) {
+            events.push(Event::Frame {
+                peer: PeerId(peer),
+                frame,
+            });
+        }
+        self.scratch = frames;
+        let written = write_out(conn);
+        count_output(conn);
+        owe_writable(conn, peer, self.queue_bytes, events);
+        if let Err(Fatal(text)) = result {
+            tracing::debug!(remote = %conn.remote, %text, "nats: closing a client");
+            let reason = CloseReason::Error(format!("NATS protocol: {text}"));
+            self.end(peer, reason, events);
+        } else if let Some(reason) = gone {
+            self.end(peer, reason, events);
+            // The client is gone: once nothing is left to flush, nothing
+            // is left to wait for.
+            if let Some(conn) = self.conns.get_mut(&peer) {
+                if conn.flushed() || session_failed {
+                    conn.closing = Some(Instant::now());
+                }
+            }
+        } else if let Err(err) = written {
+            self.end(peer, CloseReason::Error(err.to_string()), events);
+        } else if again {
+            self.read_later(peer);
+        }
+    }
+
+    /// Read a connection on the next poll, without a readiness event.
+    fn read_later(&mut self, peer: u64) {
+        if let Some(conn) = self.conns.get_mut(&peer) {
+            conn.unread = true;
+            if !conn.scheduled {
+                conn.scheduled = true;
+                self.to_read.push(peer);
+            }
+            self.wake();
+        }
+    }
+
+    /// A connection ends: the caller hears of it at once, what is queued
+    /// for the client is flushed as far as it reads (an `-ERR` last), for
+    /// at most [`LINGER`], and nothing more is read from it.
+    fn end(&mut self, peer: u64, reason: CloseReason, events: &mut Vec<Event>) {
+        let Some(conn) = self.conns.get_mut(&peer) else {
+            return;
+        };
+        if conn.closing.is_some() {
+            // Told already.
+            return;
+        }
+        let _ = write_out(conn);
+        count_output(conn);
+        if conn.flushed() {
+            let _ = conn.stream.shutdown_write();
+        }
+        conn.closing = Some(Instant::now() + LINGER);
+        self.lingering.push(peer);
+        events.push(Event::Closed {
+            peer: PeerId(peer),
+            reason,
+        });
+    }
+
+    /// Translate frames for a client and write what the socket takes.
+    /// Translate frames from the broker for a client and write what the
+    /// socket takes; frames for an ended connection are dropped.
+    fn translate(&mut self, peer: PeerId, frames: &[Bytes], events: &mut Vec<Event>) {
+        let Some(conn) = self.conns.get_mut(&peer.0) else {
+            return;
+        };
+        if conn.closing.is_some() {
+            return;
+        }
+        let mut to_broker = std::mem::take(&mut self.scratch);
+        let mut result = Ok(());
+        for frame in frames {
+            result = conn
+                .session
+                .deliver(frame, &mut conn.output, &mut to_broker);
+            if result.is_err() {
+                break;
+            }
+        }
+        let write = write_out(conn);
+        count_output(conn);
+        // A welcome lets the operations behind the CONNECT go on.
+        let resume = conn.unread && conn.may_read(self.queue_bytes) || conn.session.take_resumed();
+        for frame in to_broker.drain(..) {
+            events.push(Event::Frame { peer, frame });
+        }
+        self.scratch = to_broker;
+        if let Err(Fatal(text)) = result {
+            // The broker ended it (an error it reported, a goodbye) or the
+            // client stopped answering pings.
+            self.end(peer.0, CloseReason::Error(text), events);
+            return;
+        }
+        if let Err(err) = write {
+            self.end(peer.0, CloseReason::Error(err.to_string()), events);
+        } else if resume {
+            self.read_later(peer.0);
+        }
+    }
+
+    fn service_writable(&mut self, peer: u64, events: &mut Vec<Event>) {
+        let Some(conn) = self.conns.get_mut(&peer) else {
+            return;
+        };
+        let written = write_out(conn);
+        count_output(conn);
+        if conn.closing.is_some() {
+            match written {
+                Ok(()) if conn.flushed() => {
+                    let _ = conn.stream.shutdown_write();
+                }
+                Ok(()) => {}
+                // The client is gone: nothing more to flush.
+                Err(_) => conn.closing = Some(Instant::now()),
+            }
+            return;
+        }
+        if let Err(err) = written {
+            self.end(peer, CloseReason::Error(err.to_string()), events);
+            return;
+        }
+        owe_writable(conn, peer, self.queue_bytes, events);
+        if conn.unread && conn.may_read(self.queue_bytes) {
+            self.read_later(peer);
+        }
+    }
+
+    /// Drop ended connections that flushed or ran out of time.
+    fn reap(&mut self, now: Instant) {
+        let conns = &mut self.conns;
+        let registry = self.poll.registry();
+        self.lingering.retain(|peer| {
+            let done = conns
+                .get(peer)
+                .is_none_or(|conn| conn.closing.is_some_and(|until| now >= until));
+            if done {
+                if let Some(conn) = conns.remove(peer) {
+                    use std::os::fd::AsRawFd;
+                    let _ = registry.deregister(&mut SourceFd(&conn.stream.as_raw_fd()));
+                }
+            }
+            !done
+        });
+    }
+}
+
+/// Write as much of the output as the socket takes (through the TLS
+/// session, after what goes in the clear).
+fn write_out(conn: &mut Conn) -> io::Result<()> {
+    while !conn.clear.is_empty() {
+        match (&*conn.stream).write(&conn.clear) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                conn.clear.advance(n);
+            }
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(err),
+        }
+    }
+    // Ciphertext the socket did not take goes first.
+    conn.stream.flush_pending()?;
+    while !conn.output.is_empty() {
+        match conn.stream.write_vectored(&[IoSlice::new(&conn.output)]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                conn.output.advance(n);
+            }
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(err),
+        }
+    }
+    if conn.output.is_empty() && conn.output.capacity() > READ_CHUNK {
+        conn.output = BytesMut::new();
+    }
+    Ok(())
+}
+
+/// Read and throw away what an ended connection still sends; true once
+/// the client closed its side (or the socket failed).
+fn discard(conn: &mut Conn) -> bool {
+    let mut sink = [0u8; 4096];
+    for _ in 0..64 {
+        match conn.stream.read(&mut sink) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => return false,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+/// Count a change of the connection's output in its shared queue.
+fn count_output(conn: &mut Conn) {
+    let now = conn.output.len();
+    if now > conn.counted {
+        conn.shared
+            .queued
+            .fetch_add(now - conn.counted, Ordering::SeqCst);
+    } else {
+        conn.shared
+            .queued
+            .fetch_sub(conn.counted - now, Ordering::SeqCst);
+    }
+    conn.counted = now;
+}
+
+/// `Writable` for a connection the endpoint refused a send, once its queue
+/// is down to half.
+fn owe_writable(conn: &mut Conn, peer: u64, queue_bytes: usize, events: &mut Vec<Event>) {
+    // The endpoint sets `owe` before it looks at `queued` again, and this
+    // side lowers `queued` before it looks at `owe`: one of the two sees
+    // the other's change.
+    if conn.shared.queued.load(Ordering::SeqCst) <= queue_bytes / 2
+        && conn.shared.owe.swap(false, Ordering::SeqCst)
+    {
+        events.push(Event::Writable { peer: PeerId(peer) });
+    }
+}
