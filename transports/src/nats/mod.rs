@@ -51,8 +51,8 @@ use bytes::Bytes;
 use efabus_core::caps::FabricInfo;
 use efabus_core::codec::{self, FrameKind};
 use efabus_core::transport::{
-    Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError, Transport,
-    TransportError,
+    CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
+    Transport, TransportError,
 };
 use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -103,6 +103,10 @@ pub struct NatsEndpoint {
     local: SocketAddr,
     /// Open connections, as the broker knows them.
     conns: FxHashMap<u64, Arc<ConnShared>>,
+    /// Connections whose `Closed` the last poll handed out: forgotten at
+    /// the next, once the broker has handled the events before it (a
+    /// CONNECT's hello looks its certificate up here).
+    closed: Vec<u64>,
     queue_bytes: usize,
     max_frame: usize,
     worker: Option<JoinHandle<()>>,
@@ -198,6 +202,8 @@ impl NatsEndpoint {
             worker_waker: Waker::new(worker_poll.registry(), WAKER)?,
             endpoint_waker: Waker::new(poll.registry(), INBOX)?,
             stop: Default::default(),
+            parked: Default::default(),
+            inbound: Default::default(),
             tls: Mutex::new(tls),
         });
         let queue_bytes = config.queue_bytes.max(1);
@@ -219,6 +225,7 @@ impl NatsEndpoint {
             events: Events::with_capacity(4),
             local,
             conns: FxHashMap::default(),
+            closed: Vec::new(),
             queue_bytes,
             max_frame: config.max_frame,
             worker: Some(worker),
@@ -264,7 +271,7 @@ impl Drop for NatsEndpoint {
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.shared.worker_waker.wake();
         if let Some(worker) = self.worker.take() {
-            // The thread closes every connection as it ends.
+            // The thread drops every connection, unflushed, as it ends.
             let _ = worker.join();
         }
     }
@@ -315,12 +322,12 @@ impl Endpoint for NatsEndpoint {
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError> {
-        if self.worker.as_ref().is_some_and(JoinHandle::is_finished) {
-            // Only a fault ends it early: the listener is down.
-            return Err(TransportError::Other(
-                "the NATS listener's I/O thread has ended".to_string(),
-            ));
+        for peer in self.closed.drain(..) {
+            self.conns.remove(&peer);
         }
+        // Only a fault ends the thread early: what it told is handed out,
+        // its connections end, and the listener is down.
+        let ended = self.worker.as_ref().is_some_and(JoinHandle::is_finished);
         // Consume the wake-up before the inbox: events added after this
         // wake the descriptor again.
         self.poll
@@ -334,12 +341,35 @@ impl Endpoint for NatsEndpoint {
             accepted,
         } = std::mem::take(&mut *self.shared.inbox.lock());
         self.conns.extend(accepted);
+        let mut taken = 0;
         for event in &arrived {
-            if let Event::Closed { peer, .. } = event {
-                self.conns.remove(&peer.0);
+            match event {
+                Event::Frame { frame, .. } => taken += frame.len(),
+                Event::Closed { peer, .. } => self.closed.push(peer.0),
+                _ => {}
             }
         }
         events.append(&mut arrived);
+        if taken > 0 {
+            let before = self.shared.inbound.fetch_sub(taken, Ordering::SeqCst);
+            if before >= worker::INBOUND_LIMIT {
+                // Connections may wait for this room.
+                self.shared.wake_parked();
+            }
+        }
+        if ended {
+            let text = "the NATS listener's I/O thread has ended";
+            for (&peer, _) in self.conns.iter() {
+                if !self.closed.contains(&peer) {
+                    events.push(Event::Closed {
+                        peer: PeerId(peer),
+                        reason: CloseReason::Error(text.to_string()),
+                    });
+                    self.closed.push(peer);
+                }
+            }
+            return Err(TransportError::Other(text.to_string()));
+        }
         Ok(())
     }
 
@@ -364,5 +394,107 @@ impl Endpoint for NatsEndpoint {
         if self.conns.contains_key(&peer.0) {
             self.shared.command(Command::Pause(peer.0, paused));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::time::Instant;
+
+    use efabus_core::codec;
+    use efabus_core::frame::{Frame, Welcome, PROTOCOL_VERSION};
+
+    use super::*;
+
+    fn endpoint() -> NatsEndpoint {
+        let config = EndpointConfig {
+            bind: Some("127.0.0.1:0".to_string()),
+            queue_bytes: 1 << 20,
+            max_frame: 1 << 20,
+            ..EndpointConfig::default()
+        };
+        NatsEndpoint::open(&config).expect("listens")
+    }
+
+    /// Poll until `done` holds for what came, within ten seconds.
+    fn poll_until(
+        endpoint: &mut NatsEndpoint,
+        seen: &mut Vec<Event>,
+        done: impl Fn(&[Event]) -> bool,
+    ) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done(seen) {
+            assert!(Instant::now() < deadline, "not within the wait: {seen:?}");
+            endpoint.poll(seen).expect("polls");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_publisher_faster_than_the_broker_is_read_only_as_the_broker_takes() {
+        let mut endpoint = endpoint();
+        let mut client =
+            std::net::TcpStream::connect(endpoint.local_socket_addr()).expect("connects");
+        client.write_all(b"CONNECT {}\r\n").expect("writes");
+        let mut seen = Vec::new();
+        poll_until(&mut endpoint, &mut seen, |seen| {
+            seen.iter()
+                .any(|event| matches!(event, Event::Frame { .. }))
+        });
+        let Some(Event::Accepted { peer, .. }) = seen.first().cloned() else {
+            panic!("{seen:?}")
+        };
+        let welcome = Frame::Welcome(Welcome {
+            version: PROTOCOL_VERSION,
+            name: "b".into(),
+            offers: Vec::new(),
+            max_payload: 1 << 20,
+            link_auth: None,
+            max_subject_len: 512,
+            max_subject_tokens: 32,
+            proof: None,
+        });
+        endpoint
+            .send(peer, codec::encode(&welcome))
+            .expect("welcomed");
+        // Far more than the bound, written while the broker takes nothing.
+        const COUNT: usize = 400_000;
+        let writer = std::thread::spawn(move || {
+            let line = b"PUB flood 16\r\n0123456789abcdef\r\n";
+            let mut batch = Vec::new();
+            for _ in 0..1000 {
+                batch.extend_from_slice(line);
+            }
+            for _ in 0..COUNT / 1000 {
+                client.write_all(&batch).expect("the client writes");
+            }
+            client
+        });
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut most = 0;
+        while Instant::now() < deadline {
+            most = most.max(endpoint.shared.inbound.load(Ordering::SeqCst));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(most > 0, "the I/O thread read nothing");
+        assert!(
+            most <= worker::INBOUND_LIMIT + READ_BUDGET * 2,
+            "{most} bytes waited for the broker"
+        );
+        // Taken, everything comes, in order.
+        seen.clear();
+        let mut publishes = 0;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while publishes < COUNT {
+            assert!(Instant::now() < deadline, "{publishes} of {COUNT} came");
+            endpoint.poll(&mut seen).expect("polls");
+            publishes += seen
+                .drain(..)
+                .filter(|event| matches!(event, Event::Frame { .. }))
+                .count();
+        }
+        assert_eq!(publishes, COUNT);
+        let _client = writer.join().expect("the writer ends");
     }
 }

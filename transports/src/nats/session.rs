@@ -22,7 +22,6 @@ use efabus_core::codec::{self, CodecLimits, FrameKind, RoutedFields};
 use efabus_core::frame::{DeliveryClass, ErrorFrame};
 use efabus_core::frame::{ErrorCode, Frame, Hello, Subscribe, PROTOCOL_VERSION};
 use efabus_core::headers;
-use efabus_core::transport::split_run;
 use rustc_hash::FxHashMap;
 use serde::Deserialize;
 
@@ -236,6 +235,11 @@ pub struct NatsSession {
     /// The subject of the last message delivered, which the next one
     /// usually has too.
     last_subject: String,
+    /// The start of the last message's line (`MSG <subject> <sid>`), and
+    /// the subscription and kind it was for; its subject is
+    /// `last_subject`.
+    line_start: Vec<u8>,
+    line_start_for: Option<(u64, bool)>,
     /// Frames for the broker are built here and split off, so many share
     /// one allocation.
     scratch: BytesMut,
@@ -261,6 +265,8 @@ impl NatsSession {
             refused: false,
             pending: None,
             last_subject: String::new(),
+            line_start: Vec::new(),
+            line_start_for: None,
             scratch: BytesMut::new(),
             limits: CodecLimits {
                 max_frame: usize::MAX,
@@ -629,7 +635,7 @@ impl NatsSession {
     /// is written.
     pub fn deliver(
         &mut self,
-        frame: &Bytes,
+        frame: &[u8],
         to_client: &mut BytesMut,
         to_broker: &mut Vec<Bytes>,
     ) -> Result<(), Fatal> {
@@ -637,16 +643,38 @@ impl NatsSession {
             return self.deliver_one(frame, to_client, to_broker);
         }
         // Runs hold no runs: one level is taken apart.
-        let run = frame.slice(codec::FRAME_OVERHEAD..);
-        for inner in split_run(&run) {
-            self.deliver_one(&inner.head, to_client, to_broker)?;
+        let run = frame.get(codec::FRAME_OVERHEAD..).unwrap_or_default();
+        self.deliver_run(run, to_client, to_broker).map(|_| ())
+    }
+
+    /// Translate the whole frames of a run (frames back to back, as the
+    /// broker hands them to an endpoint's `send_run`), read in place.
+    /// Returns where the whole frames end: less than `run.len()` when
+    /// something trails them.
+    pub fn deliver_run(
+        &mut self,
+        run: &[u8],
+        to_client: &mut BytesMut,
+        to_broker: &mut Vec<Bytes>,
+    ) -> Result<usize, Fatal> {
+        let mut at = 0;
+        while let Some(prefix) = run
+            .get(at..)
+            .and_then(<[u8]>::first_chunk::<{ codec::PREFIX_LEN }>)
+        {
+            let total = (u32::from_le_bytes(*prefix) as usize).saturating_add(codec::PREFIX_LEN);
+            let Some(frame) = run.get(at..at + total) else {
+                break;
+            };
+            self.deliver_one(frame, to_client, to_broker)?;
+            at += total;
         }
-        Ok(())
+        Ok(at)
     }
 
     fn deliver_one(
         &mut self,
-        frame: &Bytes,
+        frame: &[u8],
         to_client: &mut BytesMut,
         to_broker: &mut Vec<Bytes>,
     ) -> Result<(), Fatal> {
@@ -654,7 +682,8 @@ impl NatsSession {
             self.message(frame, to_client, to_broker);
             return Ok(());
         }
-        self.control_frame(frame, to_client)
+        // Control frames are few: decoded from a copy.
+        self.control_frame(&Bytes::copy_from_slice(frame), to_client)
     }
 
     fn message(&mut self, frame: &[u8], to_client: &mut BytesMut, to_broker: &mut Vec<Bytes>) {
@@ -675,11 +704,21 @@ impl NatsSession {
             (_, body) => (None, body),
         };
         let total = block.map_or(0, <[u8]>::len) + body.len();
-        to_client.reserve(view.subject.len() + sub.name.len() + total + 64);
-        to_client.extend_from_slice(if block.is_some() { b"HMSG " } else { b"MSG " });
-        to_client.extend_from_slice(view.subject.as_bytes());
-        to_client.extend_from_slice(b" ");
-        to_client.extend_from_slice(sub.name.as_bytes());
+        // `MSG <subject> <sid>` is written once per run of messages on one
+        // subject for one subscription, and copied for each.
+        let same_subject = std::ptr::eq(view.subject, known.as_str());
+        let hmsg = block.is_some();
+        if !(same_subject && self.line_start_for == Some((view.sid, hmsg))) {
+            self.line_start.clear();
+            self.line_start
+                .extend_from_slice(if hmsg { b"HMSG " } else { b"MSG " });
+            self.line_start.extend_from_slice(view.subject.as_bytes());
+            self.line_start.push(b' ');
+            self.line_start.extend_from_slice(sub.name.as_bytes());
+            self.line_start_for = Some((view.sid, hmsg));
+        }
+        to_client.reserve(self.line_start.len() + total + 64);
+        to_client.extend_from_slice(&self.line_start);
         if let Some(reply) = view.reply {
             to_client.extend_from_slice(b" ");
             to_client.extend_from_slice(reply.as_bytes());
@@ -1028,6 +1067,38 @@ mod tests {
         let (out, _, _) = deliver(&mut s, &message(sid, "a.z", None, b"three"));
         assert_eq!(out, "", "past the maximum");
         assert_eq!(s.subscriptions(), 0);
+    }
+
+    #[test]
+    fn each_message_line_names_its_own_subject_and_subscription() {
+        let mut s = session();
+        let (frames, _, _) = feed(
+            &mut s,
+            b"CONNECT {\"headers\":true}\r\nSUB a.* one\r\nSUB > two\r\n",
+        );
+        let [_, Frame::Subscribe(one), Frame::Subscribe(two)] = &frames[..] else {
+            panic!("{frames:?}")
+        };
+        let (one, two) = (one.sid, two.sid);
+        let block: &'static [u8] = b"NATS/1.0\r\n\r\n";
+        let mut lines = String::new();
+        for (sid, subject, headers) in [
+            (one, "a.x", None),
+            (one, "a.x", None),
+            (two, "a.x", None),
+            (two, "a.x", Some(block)),
+            (one, "a.y", None),
+            (one, "a.x", None),
+        ] {
+            let (out, _, _) = deliver(&mut s, &message(sid, subject, headers, b"p"));
+            lines += out.lines().next().unwrap_or_default();
+            lines += "|";
+        }
+        assert_eq!(
+            lines,
+            "MSG a.x one r.1 1|MSG a.x one r.1 1|MSG a.x two r.1 1|HMSG a.x two r.1 12 13|\
+             MSG a.y one r.1 1|MSG a.x one r.1 1|"
+        );
     }
 
     #[test]

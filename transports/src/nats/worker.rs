@@ -16,12 +16,12 @@
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Write};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
-use efabus_core::transport::{split_run, CloseReason, Event, PeerId};
+use efabus_core::transport::{CloseReason, Event, PeerId};
 use mio::net::TcpListener;
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -44,19 +44,25 @@ pub const LINGER: Duration = Duration::from_secs(2);
 const READ_CHUNK: usize = 64 << 10;
 
 /// How long the thread keeps polling, yielding its core between polls,
-/// after a round with work before it sleeps: a request's answer usually
-/// comes back from the broker within it, and taking it without a wake-up
-/// keeps a round trip through the listener as short as when the broker's
-/// own loop did this work.
+/// after a round with work, before it sleeps: the broker's answer to what
+/// was read (a delivery, a reply) and a client's answer to what was
+/// written usually come within it, and taking them without a wake-up
+/// keeps a round trip through the listener shorter than when the
+/// broker's own loop did this work.
 const SPIN: Duration = Duration::from_micros(50);
+
+/// Most bytes of frames read from clients that may wait for the broker to
+/// take them; past it the thread stops reading (and TCP holds the clients
+/// back) until the broker catches up.
+pub(super) const INBOUND_LIMIT: usize = 4 << 20;
 
 pub(super) const WAKER: Token = Token(usize::MAX);
 pub(super) const LISTENER: Token = Token(usize::MAX - 1);
 
 /// What the endpoint asks of the I/O thread.
 pub(super) enum Command {
-    /// Frames for a client (one frame, or a run of them), and the bytes
-    /// they were counted as in its queue.
+    /// Frames for a client: one frame, or a run of them. Their length was
+    /// counted in the client's `ConnShared::queued`.
     Send { peer: u64, frames: Bytes, run: bool },
     /// End a connection (the endpoint's `close`).
     Close(u64),
@@ -88,6 +94,11 @@ pub(super) struct Shared {
     pub endpoint_waker: Waker,
     /// The endpoint is gone: the thread ends.
     pub stop: AtomicBool,
+    /// The thread is about to sleep, or sleeps, until woken.
+    pub parked: AtomicBool,
+    /// Bytes of frames in `inbox` (and on their way there) that the
+    /// endpoint has not taken yet; reading stops at [`INBOUND_LIMIT`].
+    pub inbound: AtomicUsize,
     /// The TLS settings, read again by the endpoint's `reload_tls`.
     pub tls: Mutex<Option<TlsContext>>,
 }
@@ -99,7 +110,8 @@ pub(super) struct Inbox {
 }
 
 impl Shared {
-    /// Queue a command; the thread is woken when the queue was empty.
+    /// Queue a command; the thread is woken when the queue was empty and
+    /// it sleeps (a thread still polling finds the command itself).
     pub fn command(&self, command: Command) {
         let was_empty = {
             let mut commands = self.commands.lock();
@@ -107,6 +119,16 @@ impl Shared {
             commands.len() == 1
         };
         if was_empty {
+            self.wake_parked();
+        }
+    }
+
+    /// Wake the thread if it sleeps. It says so before it looks at its
+    /// work a last time, and this side looks after adding work: one of
+    /// the two sees the other.
+    pub fn wake_parked(&self) {
+        fence(Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) {
             if let Err(err) = self.worker_waker.wake() {
                 tracing::warn!("nats: cannot wake the I/O thread: {err}");
             }
@@ -140,8 +162,10 @@ struct Conn {
     /// Ended (locally or by the endpoint): the caller was told, the output
     /// is flushing until this instant, and nothing more is read.
     closing: Option<Instant>,
-    /// Listed in the endpoint's `to_read`.
+    /// Listed in the worker's `to_read`.
     scheduled: bool,
+    /// Listed in the worker's `starved`.
+    starved: bool,
 }
 
 impl Conn {
@@ -186,6 +210,12 @@ pub(super) struct Worker {
     read_buf: Box<[u8]>,
     /// Connections to read without a readiness event (see `Conn::unread`).
     to_read: Vec<u64>,
+    /// Connections left unread because the broker had not taken enough of
+    /// what was read ([`INBOUND_LIMIT`]), to read once it has.
+    starved: Vec<u64>,
+    /// Bytes of frames made this round, not yet counted in
+    /// `Shared::inbound`.
+    round_inbound: usize,
     /// Connections ended and still flushing.
     lingering: Vec<u64>,
 }
@@ -216,6 +246,8 @@ impl Worker {
             scratch: Vec::new(),
             read_buf: vec![0; READ_CHUNK].into_boxed_slice(),
             to_read: Vec::new(),
+            starved: Vec::new(),
+            round_inbound: 0,
             lingering: Vec::new(),
         }
     }
@@ -223,21 +255,36 @@ impl Worker {
     /// Serve until the endpoint is dropped.
     pub fn run(mut self) {
         let mut events = Vec::new();
-        let mut busy_at = Instant::now();
+        // When a round last had work.
+        let mut busy_at: Option<Instant> = None;
         let mut busy = false;
         while !self.shared.stop.load(Ordering::Acquire) {
-            let spinning = busy_at.elapsed() < SPIN;
-            let timeout = if self.woken || !self.to_read.is_empty() || spinning {
-                Some(Duration::ZERO)
-            } else {
-                self.linger_wait()
-            };
+            let spinning = busy_at.is_some_and(|at| at.elapsed() < SPIN);
+            let mut timeout =
+                if self.woken || !self.to_read.is_empty() || spinning || self.may_feed_starved() {
+                    Some(Duration::ZERO)
+                } else {
+                    self.linger_wait()
+                };
             // Nothing to do last round: let another thread have the core
             // before looking again.
             if spinning && !busy && !self.woken {
                 std::thread::yield_now();
             }
-            if let Err(err) = self.poll.poll(&mut self.events, timeout) {
+            let parks = timeout != Some(Duration::ZERO);
+            if parks {
+                self.shared.parked.store(true, Ordering::SeqCst);
+                fence(Ordering::SeqCst);
+                // Work added before the flag was seen woke no one.
+                if !self.shared.commands.lock().is_empty() || self.may_feed_starved() {
+                    timeout = Some(Duration::ZERO);
+                }
+            }
+            let polled = self.poll.poll(&mut self.events, timeout);
+            if parks {
+                self.shared.parked.store(false, Ordering::SeqCst);
+            }
+            if let Err(err) = polled {
                 if err.kind() != io::ErrorKind::Interrupted {
                     tracing::warn!("nats: poll failed: {err}");
                     std::thread::sleep(Duration::from_millis(10));
@@ -246,7 +293,14 @@ impl Worker {
             }
             busy = self.round(&mut events);
             if busy {
-                busy_at = Instant::now();
+                busy_at = Some(Instant::now());
+            }
+            if self.round_inbound > 0 {
+                // Counted before the endpoint can take them.
+                self.shared
+                    .inbound
+                    .fetch_add(self.round_inbound, Ordering::SeqCst);
+                self.round_inbound = 0;
             }
             if !events.is_empty() || !self.accepted.is_empty() {
                 let was_empty = {
@@ -263,6 +317,16 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// The broker has taken enough of what was read for the connections
+    /// left unread to be read again.
+    fn may_feed_starved(&self) -> bool {
+        !self.starved.is_empty() && !self.inbound_full()
+    }
+
+    fn inbound_full(&self) -> bool {
+        self.shared.inbound.load(Ordering::SeqCst) + self.round_inbound >= INBOUND_LIMIT
     }
 
     /// How long to wait with nothing to do: until the first closing
@@ -282,6 +346,14 @@ impl Worker {
     /// One round: the endpoint's commands, then the sockets that are
     /// ready. True when there was any.
     fn round(&mut self, events: &mut Vec<Event>) -> bool {
+        if self.may_feed_starved() {
+            for peer in std::mem::take(&mut self.starved) {
+                if let Some(conn) = self.conns.get_mut(&peer) {
+                    conn.starved = false;
+                }
+                self.read_later(peer);
+            }
+        }
         let commands = std::mem::take(&mut *self.shared.commands.lock());
         let busy = !commands.is_empty() || !self.events.is_empty() || !self.to_read.is_empty();
         for command in commands {
@@ -349,26 +421,7 @@ impl Worker {
         if let Some(conn) = self.conns.get(&peer) {
             conn.shared.queued.fetch_sub(frames.len(), Ordering::SeqCst);
         }
-        if !run {
-            self.translate(PeerId(peer), &[frames], events);
-            if let Some(conn) = self.conns.get_mut(&peer) {
-                owe_writable(conn, peer, self.queue_bytes, events);
-            }
-            return;
-        }
-        let mut split = split_run(&frames);
-        let whole: Vec<Bytes> = split.by_ref().map(|frame| frame.head).collect();
-        if split.offset() < frames.len() {
-            let text = format!(
-                "a run of {} bytes ends inside the frame at byte {}",
-                frames.len(),
-                split.offset()
-            );
-            tracing::warn!("nats: {text}");
-            self.end(peer, CloseReason::Error(text), events);
-            return;
-        }
-        self.translate(PeerId(peer), &whole, events);
+        self.translate(PeerId(peer), &frames, run, events);
         if let Some(conn) = self.conns.get_mut(&peer) {
             owe_writable(conn, peer, self.queue_bytes, events);
         }
@@ -434,6 +487,7 @@ impl Worker {
                 certificate_told: false,
                 closing: None,
                 scheduled: false,
+                starved: false,
             };
             let info = self.info.info_line(
                 peer,
@@ -464,6 +518,7 @@ impl Worker {
 
     /// Read and translate what a connection sent, within the budget.
     fn read(&mut self, peer: u64, events: &mut Vec<Event>) {
+        let full = self.inbound_full();
         let Some(conn) = self.conns.get_mut(&peer) else {
             return;
         };
@@ -477,8 +532,8 @@ impl Worker {
         let mut gone = None;
         // A failed TLS session delivers nothing more: no flushing to wait for.
         let mut session_failed = false;
-        while conn.may_read(self.queue_bytes) && taken < READ_BUDGET {
-            // Read into the endpoint's buffer and keep what came: cheaper
+        while !full && conn.may_read(self.queue_bytes) && taken < READ_BUDGET {
+            // Read into the thread's buffer and keep what came: cheaper
             // than zeroing room in each connection's buffer for every read.
             match conn.stream.read(&mut self.read_buf) {
                 Ok(0) => {
@@ -513,8 +568,11 @@ impl Worker {
         // budget (or an obstacle the parse removed), else when the
         // obstacle goes.
         let may_read = conn.may_read(self.queue_bytes);
-        conn.unread = gone.is_none() && (taken >= READ_BUDGET || !may_read);
-        let again = conn.unread && may_read;
+        conn.unread = gone.is_none() && (taken >= READ_BUDGET || !may_read || full);
+        let again = conn.unread && may_read && !full;
+        // Held back only by what the broker has yet to take.
+        let starve = conn.unread && may_read && full && !conn.starved;
+        conn.starved |= starve;
         // The broker looks the certificate up when the CONNECT's hello
         // arrives, so it is told before the first frame (which comes after
         // the handshake).
@@ -523,6 +581,7 @@ impl Worker {
             *conn.shared.certificate.lock() = conn.stream.peer_certificate();
         }
         for frame in frames.drain(..) {
+            self.round_inbound += frame.len();
             events.push(Event::Frame {
                 peer: PeerId(peer),
                 frame,
@@ -549,6 +608,9 @@ impl Worker {
             self.end(peer, CloseReason::Error(err.to_string()), events);
         } else if again {
             self.read_later(peer);
+        }
+        if starve {
+            self.starved.push(peer);
         }
     }
 
@@ -588,10 +650,9 @@ impl Worker {
         });
     }
 
-    /// Translate frames for a client and write what the socket takes.
     /// Translate frames from the broker for a client and write what the
     /// socket takes; frames for an ended connection are dropped.
-    fn translate(&mut self, peer: PeerId, frames: &[Bytes], events: &mut Vec<Event>) {
+    fn translate(&mut self, peer: PeerId, frames: &[u8], run: bool, events: &mut Vec<Event>) {
         let Some(conn) = self.conns.get_mut(&peer.0) else {
             return;
         };
@@ -599,20 +660,31 @@ impl Worker {
             return;
         }
         let mut to_broker = std::mem::take(&mut self.scratch);
-        let mut result = Ok(());
-        for frame in frames {
-            result = conn
-                .session
-                .deliver(frame, &mut conn.output, &mut to_broker);
-            if result.is_err() {
-                break;
-            }
-        }
+        let output = &mut conn.output;
+        let result = if run {
+            conn.session
+                .deliver_run(frames, output, &mut to_broker)
+                .and_then(|end| {
+                    if end == frames.len() {
+                        return Ok(());
+                    }
+                    // The broker hands whole frames only.
+                    let text = format!(
+                        "a run of {} bytes ends inside the frame at byte {end}",
+                        frames.len()
+                    );
+                    tracing::warn!("nats: {text}");
+                    Err(Fatal(text))
+                })
+        } else {
+            conn.session.deliver(frames, output, &mut to_broker)
+        };
         let write = write_out(conn);
         count_output(conn);
         // A welcome lets the operations behind the CONNECT go on.
         let resume = conn.unread && conn.may_read(self.queue_bytes) || conn.session.take_resumed();
         for frame in to_broker.drain(..) {
+            self.round_inbound += frame.len();
             events.push(Event::Frame { peer, frame });
         }
         self.scratch = to_broker;
@@ -742,6 +814,10 @@ fn count_output(conn: &mut Conn) {
 /// `Writable` for a connection the endpoint refused a send, once its queue
 /// is down to half.
 fn owe_writable(conn: &mut Conn, peer: u64, queue_bytes: usize, events: &mut Vec<Event>) {
+    if conn.closing.is_some() {
+        // Ended: the broker was told, and sends nothing more.
+        return;
+    }
     // The endpoint sets `owe` before it looks at `queued` again, and this
     // side lowers `queued` before it looks at `owe`: one of the two sees
     // the other's change.
