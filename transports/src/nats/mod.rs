@@ -359,8 +359,9 @@ impl Endpoint for NatsEndpoint {
         }
         if ended {
             let text = "the NATS listener's I/O thread has ended";
-            for (&peer, _) in self.conns.iter() {
-                if !self.closed.contains(&peer) {
+            let told: std::collections::HashSet<u64> = self.closed.iter().copied().collect();
+            for &peer in self.conns.keys() {
+                if !told.contains(&peer) {
                     events.push(Event::Closed {
                         peer: PeerId(peer),
                         reason: CloseReason::Error(text.to_string()),

@@ -663,11 +663,11 @@ impl NatsSession {
             .and_then(<[u8]>::first_chunk::<{ codec::PREFIX_LEN }>)
         {
             let total = (u32::from_le_bytes(*prefix) as usize).saturating_add(codec::PREFIX_LEN);
-            let Some(frame) = run.get(at..at + total) else {
+            let Some(end) = at.checked_add(total).filter(|&end| end <= run.len()) else {
                 break;
             };
-            self.deliver_one(frame, to_client, to_broker)?;
-            at += total;
+            self.deliver_one(&run[at..end], to_client, to_broker)?;
+            at = end;
         }
         Ok(at)
     }

@@ -37,6 +37,10 @@ pub const READ_BUDGET: usize = 1 << 20;
 /// Most connections accepted in one round.
 const ACCEPT_BUDGET: usize = 256;
 
+/// How long after a failed accept (out of descriptors, say) the backlog
+/// is tried again.
+const ACCEPT_RETRY: Duration = Duration::from_millis(50);
+
 /// How long an ended connection may keep flushing.
 pub const LINGER: Duration = Duration::from_secs(2);
 
@@ -205,6 +209,10 @@ pub(super) struct Worker {
     next_peer: u64,
     /// Connections accepted since the broker was last told.
     accepted: Vec<(u64, Arc<ConnShared>)>,
+    /// When to accept again without a readiness edge: connections left in
+    /// the backlog after a round's budget (at once), or after an accept
+    /// failed (out of descriptors: a little later).
+    accept_at: Option<Instant>,
     scratch: Vec<Bytes>,
     /// What each socket read lands in first.
     read_buf: Box<[u8]>,
@@ -243,6 +251,7 @@ impl Worker {
             conns: FxHashMap::default(),
             next_peer: 1,
             accepted: Vec::new(),
+            accept_at: None,
             scratch: Vec::new(),
             read_buf: vec![0; READ_CHUNK].into_boxed_slice(),
             to_read: Vec::new(),
@@ -264,7 +273,7 @@ impl Worker {
                 if self.woken || !self.to_read.is_empty() || spinning || self.may_feed_starved() {
                     Some(Duration::ZERO)
                 } else {
-                    self.linger_wait()
+                    self.idle_wait()
                 };
             // Nothing to do last round: let another thread have the core
             // before looking again.
@@ -330,12 +339,14 @@ impl Worker {
     }
 
     /// How long to wait with nothing to do: until the first closing
-    /// connection's deadline, at least a millisecond (epoll's unit).
-    fn linger_wait(&self) -> Option<Duration> {
+    /// connection's deadline or the next accept, at least a millisecond
+    /// (epoll's unit).
+    fn idle_wait(&self) -> Option<Duration> {
         let now = Instant::now();
         self.lingering
             .iter()
             .filter_map(|peer| self.conns.get(peer)?.closing)
+            .chain(self.accept_at)
             .min()
             .map(|until| match until.saturating_duration_since(now) {
                 Duration::ZERO => Duration::ZERO,
@@ -378,16 +389,9 @@ impl Worker {
                 }
             }
         }
-        let mut ready: VecDeque<(Token, bool, bool)> = self
-            .events
-            .iter()
-            .map(|event| {
-                let readable = event.is_readable() || event.is_read_closed() || event.is_error();
-                (event.token(), readable, event.is_writable())
-            })
-            .collect();
-        self.woken = false;
-        // Connections left with unread bytes are read again.
+        // Connections left with unread bytes are read again, first: those
+        // the broker's backlog held back have waited longest.
+        let mut ready: VecDeque<(Token, bool, bool)> = VecDeque::new();
         for peer in std::mem::take(&mut self.to_read) {
             if let Some(conn) = self.conns.get_mut(&peer) {
                 conn.scheduled = false;
@@ -396,6 +400,14 @@ impl Worker {
                 ready.push_back((Token(token), true, false));
             }
         }
+        ready.extend(self.events.iter().map(|event| {
+            let readable = event.is_readable() || event.is_read_closed() || event.is_error();
+            (event.token(), readable, event.is_writable())
+        }));
+        if self.accept_at.is_some_and(|at| at <= Instant::now()) {
+            ready.push_back((LISTENER, true, false));
+        }
+        self.woken = false;
         while let Some((token, readable, writable)) = ready.pop_front() {
             match token {
                 WAKER => {}
@@ -433,13 +445,16 @@ impl Worker {
     }
 
     fn accept(&mut self, events: &mut Vec<Event>) {
+        self.accept_at = None;
         for _ in 0..ACCEPT_BUDGET {
             let (mut stream, remote) = match self.listener.accept() {
                 Ok(pair) => pair,
                 Err(err) if err.kind() == io::ErrorKind::WouldBlock => return,
                 Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
                 Err(err) => {
+                    // The backlog stays; no new edge may come for it.
                     tracing::warn!("nats: accept on {} failed: {err}", self.local);
+                    self.accept_at = Some(Instant::now() + ACCEPT_RETRY);
                     return;
                 }
             };
@@ -513,6 +528,7 @@ impl Worker {
             });
         }
         // More may wait: come back without a new readiness edge.
+        self.accept_at = Some(Instant::now());
         self.wake();
     }
 
