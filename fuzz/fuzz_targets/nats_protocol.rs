@@ -2,8 +2,8 @@
 //! choosing where to cut the rest into reads, then the bytes a client
 //! sends. Nothing panics; every frame handed to the broker decodes; what
 //! is buffered stays within the control line and payload limits; after an
-//! error nothing more is read. The same bytes, as a frame from the broker,
-//! are translated without a panic.
+//! error nothing more is read. The same bytes, as a frame and as a run of
+//! frames from the broker, are translated without a panic.
 
 #![no_main]
 
@@ -48,4 +48,8 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     let _ = session.deliver(&Bytes::copy_from_slice(rest), &mut out, &mut frames);
+    // And as a run of frames, read in place: it ends within the bytes.
+    if let Ok(end) = session.deliver_run(rest, &mut out, &mut frames) {
+        assert!(end <= rest.len());
+    }
 });
