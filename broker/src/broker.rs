@@ -343,6 +343,10 @@ pub(crate) enum Command {
     /// Read the TLS files of the endpoints again; answers how many have
     /// TLS, or why one could not.
     ReloadTls(Sender<Result<usize, String>>),
+    /// Hand reloaded limits to the endpoints that hold clients to them
+    /// (NATS listeners): their options for the reloaded configuration.
+    /// Answered once they have them.
+    Reconfigure(Box<crate::config::Config>, Sender<()>),
 }
 
 pub(crate) struct Shared {

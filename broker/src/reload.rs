@@ -190,6 +190,20 @@ impl Broker {
             }
         }
         live.store(config);
+        // NATS listeners hold their clients to some limits themselves: the
+        // reload is done once they have the new ones.
+        let (done, wait) = crossbeam_channel::bounded(1);
+        self.shared
+            .send_command(Command::Reconfigure(Box::new(config.clone()), done))
+            .map_err(|err| ConfigError::Invalid {
+                origin: "(reloaded)".to_string(),
+                line: None,
+                key: "limits".to_string(),
+                message: err.to_string(),
+            })?;
+        if wait.recv_timeout(Duration::from_secs(5)).is_err() {
+            tracing::warn!("the broker did not confirm the reloaded limits within 5 s");
+        }
         Ok(reloaded)
     }
 

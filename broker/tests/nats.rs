@@ -796,6 +796,53 @@ async fn mutual_tls_logs_a_nats_client_in_by_its_certificate() {
     assert_eq!(session.user.as_deref(), Some("by-certificate"));
 }
 
+/// Lines a raw connection reads until its `PONG`.
+fn until_pong(reader: &mut BufReader<TcpStream>) -> Vec<String> {
+    let mut lines = Vec::new();
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("a line");
+        let line = line.trim_end().to_string();
+        if line == "PONG" {
+            return lines;
+        }
+        lines.push(line);
+    }
+}
+
+#[test]
+fn a_reload_changes_the_subscription_limit_of_nats_clients() {
+    let text = "name = \"nats-test\"\nlisten = [\"tcp/127.0.0.1:0\", \"nats/127.0.0.1:0\"]\n\
+                [limits]\nmax_subscriptions_per_peer = 2\n";
+    let config = Config::from_toml_str(text, "nats test").expect("valid test config");
+    let broker = Broker::start(config.clone()).expect("broker starts");
+    let (mut reader, mut stream) = raw(&broker);
+    stream
+        .write_all(b"CONNECT {}\r\nSUB a 1\r\nSUB b 2\r\nSUB c 3\r\nPING\r\n")
+        .expect("writes");
+    assert_eq!(
+        until_pong(&mut reader),
+        ["-ERR 'Maximum Subscriptions Exceeded'"]
+    );
+    let mut raised = config.clone();
+    raised.limits.max_subscriptions_per_peer = 4;
+    broker.reload(&raised).expect("reloads");
+    // The connected client may now hold four; a new one too.
+    stream
+        .write_all(b"SUB c 3\r\nSUB d 4\r\nSUB e 5\r\nPING\r\n")
+        .expect("writes");
+    assert_eq!(
+        until_pong(&mut reader),
+        ["-ERR 'Maximum Subscriptions Exceeded'"]
+    );
+    let (mut new_reader, mut new_stream) = raw(&broker);
+    new_stream
+        .write_all(b"CONNECT {}\r\nSUB a 1\r\nSUB b 2\r\nSUB c 3\r\nSUB d 4\r\nPING\r\n")
+        .expect("writes");
+    assert!(until_pong(&mut new_reader).is_empty());
+    assert_eq!(broker.subscription_count(), 8);
+}
+
 #[test]
 fn a_client_that_leaves_pings_unanswered_is_stale_after_max_pings_out() {
     let broker = start(

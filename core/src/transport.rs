@@ -565,6 +565,14 @@ pub trait Endpoint: Send {
         Ok(false)
     }
 
+    /// New values, from a configuration reload, for options the endpoint
+    /// was opened with ([`EndpointConfig::options`]). An endpoint applies
+    /// those it can change while running and ignores the others.
+    fn reconfigure(&mut self, options: &[(String, String)]) -> Result<(), TransportError> {
+        let _ = options;
+        Ok(())
+    }
+
     /// The certificate (DER) a peer presented and this endpoint verified
     /// (a TLS client certificate under `tls_verify_clients`); `None`
     /// without one.

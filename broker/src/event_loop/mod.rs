@@ -667,6 +667,16 @@ impl EventLoop {
                     }
                     let _ = answer.send(reloaded);
                 }
+                Command::Reconfigure(config, done) => {
+                    for endpoint in &mut self.endpoints {
+                        let scheme = endpoint.scheme().to_string();
+                        let options = endpoints::listener_config(&config, &scheme, None).options;
+                        if let Err(err) = endpoint.reconfigure(&options) {
+                            warn!(%scheme, error = %err, "reloaded limits not applied");
+                        }
+                    }
+                    let _ = done.send(());
+                }
             }
         }
         self.close_batches();

@@ -304,6 +304,28 @@ impl Endpoint for NatsEndpoint {
         }
     }
 
+    /// A reload's `max_subscriptions` and `max_payload` reach the clients
+    /// connected and those to come (`INFO` announces the new payload
+    /// limit); the other options keep the values the endpoint opened with.
+    fn reconfigure(&mut self, options: &[(String, String)]) -> Result<(), TransportError> {
+        let config = EndpointConfig {
+            options: options.to_vec(),
+            ..EndpointConfig::default()
+        };
+        let info = server_info(&config)?;
+        let (applied, wait) = std::sync::mpsc::sync_channel(1);
+        self.shared.command(Command::Limits {
+            max_subscriptions: info.max_subscriptions,
+            max_payload: info.max_payload,
+            applied,
+        });
+        // Operations read after this are held to the new limits. The
+        // thread answers between two rounds, without waiting on anyone.
+        wait.recv_timeout(Duration::from_secs(1)).map_err(|_| {
+            TransportError::Other("the NATS I/O thread did not take the new limits".to_string())
+        })
+    }
+
     fn peer_certificate(&self, peer: PeerId) -> Option<Vec<u8>> {
         self.conns.get(&peer.0)?.certificate.lock().clone()
     }

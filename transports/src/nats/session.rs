@@ -275,6 +275,13 @@ impl NatsSession {
         }
     }
 
+    /// Limits a reload changed: the subscriptions this client may hold
+    /// from now on (those it holds stay), and the largest payload.
+    pub fn set_limits(&mut self, max_subscriptions: usize, max_payload: usize) {
+        self.info.max_subscriptions = max_subscriptions;
+        self.info.max_payload = max_payload;
+    }
+
     /// Subscriptions the client holds.
     pub fn subscriptions(&self) -> usize {
         self.subs.len()

@@ -72,6 +72,13 @@ pub(super) enum Command {
     Close(u64),
     /// Stop or resume reading a connection.
     Pause(u64, bool),
+    /// Limits a reload changed, for every connection; answered once in
+    /// force.
+    Limits {
+        max_subscriptions: usize,
+        max_payload: usize,
+        applied: std::sync::mpsc::SyncSender<()>,
+    },
 }
 
 /// What one connection shows the endpoint.
@@ -378,6 +385,18 @@ impl Worker {
                     {
                         self.end(peer, CloseReason::Local, events);
                     }
+                }
+                Command::Limits {
+                    max_subscriptions,
+                    max_payload,
+                    applied,
+                } => {
+                    self.info.max_subscriptions = max_subscriptions;
+                    self.info.max_payload = max_payload;
+                    for conn in self.conns.values_mut() {
+                        conn.session.set_limits(max_subscriptions, max_payload);
+                    }
+                    let _ = applied.send(());
                 }
                 Command::Pause(peer, paused) => {
                     if let Some(conn) = self.conns.get_mut(&peer) {
