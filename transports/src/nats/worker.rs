@@ -202,14 +202,14 @@ impl Conn {
 
 /// The I/O thread's state. See the module docs.
 pub(super) struct Worker {
-    pub poll: Poll,
-    pub listener: TcpListener,
-    pub local: SocketAddr,
-    pub info: ServerInfo,
+    poll: Poll,
+    listener: TcpListener,
+    local: SocketAddr,
+    info: ServerInfo,
     /// Clients start TLS before `INFO`, which goes through it.
-    pub handshake_first: bool,
-    pub queue_bytes: usize,
-    pub shared: Arc<Shared>,
+    handshake_first: bool,
+    queue_bytes: usize,
+    shared: Arc<Shared>,
     events: Events,
     woken: bool,
     conns: FxHashMap<u64, Conn>,
