@@ -125,14 +125,23 @@ impl OutFrame {
 /// assert_eq!(frames.offset(), 11);
 /// ```
 pub fn split_run(run: &Bytes) -> RunFrames<'_> {
-    RunFrames { run, at: 0 }
+    RunFrames {
+        run,
+        slices: split_run_slices(run),
+    }
+}
+
+/// The frames of a run as plain slices of it, for a reader that needs no
+/// `Bytes` of its own; the same framing as [`split_run`].
+pub fn split_run_slices(run: &[u8]) -> RunSlices<'_> {
+    RunSlices { run, at: 0 }
 }
 
 /// The iterator [`split_run`] returns.
 #[derive(Debug, Clone)]
 pub struct RunFrames<'a> {
     run: &'a Bytes,
-    at: usize,
+    slices: RunSlices<'a>,
 }
 
 impl RunFrames<'_> {
@@ -140,7 +149,7 @@ impl RunFrames<'_> {
     /// iterator is exhausted, where the whole frames end (the run's length
     /// when nothing trails them).
     pub fn offset(&self) -> usize {
-        self.at
+        self.slices.offset()
     }
 }
 
@@ -148,19 +157,42 @@ impl Iterator for RunFrames<'_> {
     type Item = OutFrame;
 
     fn next(&mut self) -> Option<OutFrame> {
+        let start = self.slices.offset();
+        let frame = self.slices.next()?;
+        Some(OutFrame::whole(self.run.slice(start..start + frame.len())))
+    }
+}
+
+impl std::iter::FusedIterator for RunFrames<'_> {}
+
+/// The iterator [`split_run_slices`] returns.
+#[derive(Debug, Clone)]
+pub struct RunSlices<'a> {
+    run: &'a [u8],
+    at: usize,
+}
+
+impl RunSlices<'_> {
+    /// As [`RunFrames::offset`].
+    pub fn offset(&self) -> usize {
+        self.at
+    }
+}
+
+impl<'a> Iterator for RunSlices<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
         let rest = self.run.get(self.at..)?;
         let prefix = rest.first_chunk::<PREFIX_LEN>()?;
         let total = (u32::from_le_bytes(*prefix) as usize).checked_add(PREFIX_LEN)?;
-        if total > rest.len() {
-            return None;
-        }
-        let frame = OutFrame::whole(self.run.slice(self.at..self.at + total));
+        let frame = rest.get(..total)?;
         self.at += total;
         Some(frame)
     }
 }
 
-impl std::iter::FusedIterator for RunFrames<'_> {}
+impl std::iter::FusedIterator for RunSlices<'_> {}
 
 /// How the caller learns that an endpoint has work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -389,8 +389,8 @@ impl EventLoop {
                 continue;
             }
             // Sleep until an fd is ready, a command arrives or the next
-            // session deadline; endpoints that must be polled, or have
-            // deadlines of their own, cap the sleep. A deadline may be met up to a millisecond late: a
+            // session deadline; endpoints that must be polled cap the
+            // sleep. A deadline may be met up to a millisecond late: a
             // shorter wait for it would be a blind sleep (see `wait`), deaf
             // to the descriptors.
             let mut timeout = timers_at

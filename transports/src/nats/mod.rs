@@ -125,14 +125,18 @@ fn option_error(name: &str, text: &str, expected: &str) -> TransportError {
     TransportError::Other(format!("nats option {name}={text:?}: expected {expected}"))
 }
 
-fn server_info(config: &EndpointConfig) -> Result<ServerInfo, TransportError> {
+fn server_info(options: &[(String, String)]) -> Result<ServerInfo, TransportError> {
     let mut info = ServerInfo::default();
-    for (name, text) in &config.options {
+    for (name, text) in options {
         let number = || {
             text.parse::<usize>()
                 .ok()
                 .filter(|n| *n > 0)
                 .ok_or_else(|| option_error(name, text, "a positive number"))
+        };
+        let flag = || {
+            text.parse::<bool>()
+                .map_err(|_| option_error(name, text, "true or false"))
         };
         match name.as_str() {
             "server_id" => info.server_id = text.clone(),
@@ -142,12 +146,10 @@ fn server_info(config: &EndpointConfig) -> Result<ServerInfo, TransportError> {
             "max_pings_out" => info.max_pings_out = number()?,
             "max_control_line" => info.max_control_line = number()?,
             "max_subscriptions" => info.max_subscriptions = number()?,
-            "auth_required" => {
-                info.auth_required = text
-                    .parse()
-                    .map_err(|_| option_error(name, text, "true or false"))?
-            }
-            // TLS settings, read by `NatsEndpoint::open` and `TlsContext`.
+            "auth_required" => info.auth_required = flag()?,
+            "tls_verify_clients" => info.tls_verify = flag()?,
+            "tls_handshake_first" => info.handshake_first = flag()?,
+            // The TLS files, read by `TlsContext`.
             _ if name.starts_with("tls_") => {}
             _ => {
                 return Err(TransportError::Other(format!(
@@ -168,20 +170,14 @@ impl NatsEndpoint {
                 operation: "an endpoint without an address (NATS clients dial in)",
             });
         };
-        let mut info = server_info(config)?;
+        let mut info = server_info(&config.options)?;
         let tls = TlsContext::from_config(config, true)?;
         info.tls_required = tls.is_some();
-        info.tls_verify = config.option("tls_verify_clients") == Some("true");
-        let handshake_first = match config.option("tls_handshake_first") {
-            None | Some("false") => false,
-            Some("true") if tls.is_some() => true,
-            Some("true") => {
-                return Err(TransportError::Other(
-                    "nats option tls_handshake_first needs TLS (tls_cert and tls_key)".to_string(),
-                ))
-            }
-            Some(other) => return Err(option_error("tls_handshake_first", other, "true or false")),
-        };
+        if info.handshake_first && tls.is_none() {
+            return Err(TransportError::Other(
+                "nats option tls_handshake_first needs TLS (tls_cert and tls_key)".to_string(),
+            ));
+        }
         let addr: SocketAddr = bind.parse().map_err(|err| TransportError::InvalidAddress {
             addr: bind.to_string(),
             reason: format!("{err}; expected IP:PORT, such as 127.0.0.1:4222"),
@@ -212,7 +208,6 @@ impl NatsEndpoint {
             listener,
             local,
             info,
-            handshake_first,
             queue_bytes,
             shared.clone(),
         );
@@ -308,11 +303,7 @@ impl Endpoint for NatsEndpoint {
     /// connected and those to come (`INFO` announces the new payload
     /// limit); the other options keep the values the endpoint opened with.
     fn reconfigure(&mut self, options: &[(String, String)]) -> Result<(), TransportError> {
-        let config = EndpointConfig {
-            options: options.to_vec(),
-            ..EndpointConfig::default()
-        };
-        let info = server_info(&config)?;
+        let info = server_info(options)?;
         let (applied, wait) = std::sync::mpsc::sync_channel(1);
         self.shared.command(Command::Limits {
             max_subscriptions: info.max_subscriptions,
@@ -426,7 +417,6 @@ mod tests {
     use std::time::Instant;
 
     use efabus_core::codec;
-    use efabus_core::frame::{Frame, Welcome, PROTOCOL_VERSION};
 
     use super::*;
 
@@ -468,16 +458,7 @@ mod tests {
         let Some(Event::Accepted { peer, .. }) = seen.first().cloned() else {
             panic!("{seen:?}")
         };
-        let welcome = Frame::Welcome(Welcome {
-            version: PROTOCOL_VERSION,
-            name: "b".into(),
-            offers: Vec::new(),
-            max_payload: 1 << 20,
-            link_auth: None,
-            max_subject_len: 512,
-            max_subject_tokens: 32,
-            proof: None,
-        });
+        let welcome = session::tests::welcome(1 << 20);
         endpoint
             .send(peer, codec::encode(&welcome))
             .expect("welcomed");

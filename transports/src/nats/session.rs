@@ -22,6 +22,7 @@ use efabus_core::codec::{self, CodecLimits, FrameKind, RoutedFields};
 use efabus_core::frame::{DeliveryClass, ErrorFrame};
 use efabus_core::frame::{ErrorCode, Frame, Hello, Subscribe, PROTOCOL_VERSION};
 use efabus_core::headers;
+use efabus_core::transport::split_run_slices;
 use rustc_hash::FxHashMap;
 use serde::Deserialize;
 
@@ -59,6 +60,9 @@ pub struct ServerInfo {
     pub tls_required: bool,
     /// Clients must present a certificate the server verifies.
     pub tls_verify: bool,
+    /// Clients start TLS before reading `INFO`, which goes through it
+    /// (NATS's "TLS first"); not announced.
+    pub handshake_first: bool,
 }
 
 impl Default for ServerInfo {
@@ -74,6 +78,7 @@ impl Default for ServerInfo {
             max_subscriptions: 100_000,
             tls_required: false,
             tls_verify: false,
+            handshake_first: false,
         }
     }
 }
@@ -664,19 +669,11 @@ impl NatsSession {
         to_client: &mut BytesMut,
         to_broker: &mut Vec<Bytes>,
     ) -> Result<usize, Fatal> {
-        let mut at = 0;
-        while let Some(prefix) = run
-            .get(at..)
-            .and_then(<[u8]>::first_chunk::<{ codec::PREFIX_LEN }>)
-        {
-            let total = (u32::from_le_bytes(*prefix) as usize).saturating_add(codec::PREFIX_LEN);
-            let Some(end) = at.checked_add(total).filter(|&end| end <= run.len()) else {
-                break;
-            };
-            self.deliver_one(&run[at..end], to_client, to_broker)?;
-            at = end;
+        let mut frames = split_run_slices(run);
+        for frame in frames.by_ref() {
+            self.deliver_one(frame, to_client, to_broker)?;
         }
-        Ok(at)
+        Ok(frames.offset())
     }
 
     fn deliver_one(
@@ -873,7 +870,7 @@ fn put_decimal(out: &mut BytesMut, mut n: u64) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use efabus_core::frame::{Goodbye, Message, Welcome};
 
@@ -885,7 +882,7 @@ mod tests {
     }
 
     /// The broker's welcome of a CONNECT.
-    fn welcome(max_payload: u64) -> Frame {
+    pub(in crate::nats) fn welcome(max_payload: u64) -> Frame {
         Frame::Welcome(Welcome {
             version: PROTOCOL_VERSION,
             name: "b".into(),

@@ -206,8 +206,6 @@ pub(super) struct Worker {
     listener: TcpListener,
     local: SocketAddr,
     info: ServerInfo,
-    /// Clients start TLS before `INFO`, which goes through it.
-    handshake_first: bool,
     queue_bytes: usize,
     shared: Arc<Shared>,
     events: Events,
@@ -241,7 +239,6 @@ impl Worker {
         listener: TcpListener,
         local: SocketAddr,
         info: ServerInfo,
-        handshake_first: bool,
         queue_bytes: usize,
         shared: Arc<Shared>,
     ) -> Worker {
@@ -250,7 +247,6 @@ impl Worker {
             listener,
             local,
             info,
-            handshake_first,
             queue_bytes,
             shared,
             events: Events::with_capacity(256),
@@ -532,7 +528,7 @@ impl Worker {
             // With TLS only the INFO line goes in the clear; the client
             // starts the handshake once it has read it. Handshake first,
             // it waits in the session for the handshake to end.
-            if tls && !self.handshake_first {
+            if tls && !self.info.handshake_first {
                 conn.clear.extend_from_slice(info.as_bytes());
             } else {
                 conn.output.extend_from_slice(info.as_bytes());
@@ -785,34 +781,37 @@ impl Worker {
 /// Write as much of the output as the socket takes (through the TLS
 /// session, after what goes in the clear).
 fn write_out(conn: &mut Conn) -> io::Result<()> {
-    while !conn.clear.is_empty() {
-        match (&*conn.stream).write(&conn.clear) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => {
-                conn.clear.advance(n);
-            }
-            Err(err) if err.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-            Err(err) => return Err(err),
-        }
+    let stream = &conn.stream;
+    if !drain(&mut conn.clear, |bytes| (&**stream).write(bytes))? {
+        return Ok(());
     }
     // Ciphertext the socket did not take goes first.
-    conn.stream.flush_pending()?;
-    while !conn.output.is_empty() {
-        match conn.stream.write_vectored(&[IoSlice::new(&conn.output)]) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => {
-                conn.output.advance(n);
-            }
-            Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-            Err(err) => return Err(err),
-        }
-    }
+    stream.flush_pending()?;
+    drain(&mut conn.output, |bytes| {
+        stream.write_vectored(&[IoSlice::new(bytes)])
+    })?;
     if conn.output.is_empty() && conn.output.capacity() > READ_CHUNK {
         conn.output = BytesMut::new();
     }
     Ok(())
+}
+
+/// Write `buf` with `write` until it is empty (true) or the socket would
+/// block (false).
+fn drain(
+    buf: &mut BytesMut,
+    mut write: impl FnMut(&[u8]) -> io::Result<usize>,
+) -> io::Result<bool> {
+    while !buf.is_empty() {
+        match write(buf) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf.advance(n),
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(err) => return Err(err),
+        }
+    }
+    Ok(true)
 }
 
 /// Read and throw away what an ended connection still sends; true once
