@@ -56,7 +56,7 @@ use crate::session::data_link::{Keying, LinkKind};
 use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::{self, Control, Queued, SendCounts, RUN_MAX};
 use crate::session::{Connection, Heartbeat, Liveness};
-use crate::wait::{prepare_wait, wait, Polled};
+use crate::wait::{prepare_wait, spins_after_work, wait, Polled};
 
 const WAKER: Token = Token(0);
 const ENDPOINT: Token = Token(1);
@@ -1217,6 +1217,7 @@ impl ClientLoop {
         let mut events = Vec::with_capacity(256);
         let polled = Polled::of(self.endpoints.iter().map(|endpoint| endpoint.readiness()));
         let mut idle = 0u32;
+        let mut busy_at = Instant::now();
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let now = Instant::now();
             self.now = now;
@@ -1244,17 +1245,22 @@ impl ClientLoop {
             // After what the endpoints delivered: a gap it filled is no
             // failure, however late.
             self.poll_links(now);
-            // After a busy round the loop goes straight to its wait: work
-            // that came in meanwhile has made a descriptor ready (or the
-            // outbox non-empty, which `park` checks), so the wait returns at
-            // once, and a quiet link saves a round of polling.
+            // After a busy round the loop polls on for `spin_us`, then
+            // waits: work that came in meanwhile has made a descriptor
+            // ready (or the outbox non-empty, which `park` checks), so the
+            // wait returns at once.
             let drained = self.drain_outbox();
             self.check_send_failure();
             let credit_waiting = self.grant_credits(now);
             if busy | drained {
                 idle = 0;
+                busy_at = now;
             } else {
                 idle = idle.saturating_add(1);
+            }
+            if spins_after_work(busy_at, now, self.shared.options.fabric.polling.spin()) {
+                std::thread::yield_now();
+                continue;
             }
             // Sleep until a descriptor is ready, the outbox has work, or the
             // next deadline (at least a millisecond: see `wait`).

@@ -520,6 +520,12 @@ pub struct Fabric {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Polling {
+    /// Every event loop (the broker's and each client's, whatever its
+    /// transports) keeps polling for this long after a round with work,
+    /// yielding its core between rounds, before it waits: a reply or the
+    /// next message that arrives meanwhile costs no wake-up. 0 waits at
+    /// once. An idle loop still uses no CPU.
+    pub spin_us: u64,
     pub busy_polls: u32,
     pub idle_sleep_us: u64,
     /// Sleep on the provider's wait set where it has one (the descriptor
@@ -531,10 +537,18 @@ pub struct Polling {
 impl Default for Polling {
     fn default() -> Self {
         Polling {
+            spin_us: 50,
             busy_polls: 64,
             idle_sleep_us: 1_000,
             wait_fd: true,
         }
+    }
+}
+
+impl Polling {
+    /// `spin_us` as a duration.
+    pub fn spin(&self) -> Duration {
+        Duration::from_micros(self.spin_us)
     }
 }
 

@@ -2,7 +2,7 @@
 //! descriptors, with the adaptive back-off of endpoints that make progress
 //! only when polled (libfabric endpoints without a wait object).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use efabus_core::transport::{Endpoint, Readiness};
 use mio::Poll;
@@ -24,6 +24,17 @@ pub(crate) fn wait(
         std::thread::sleep(timeout);
     }
     Ok(())
+}
+
+/// Whether a loop whose last round with work was at `busy_at` polls again
+/// now (yielding its core first) rather than waits: within `spin` of it.
+/// Measured on 2 cores, 64 B request/reply through the broker at the
+/// median: over TCP 210 us waiting at once, 85-115 us with 50 us of
+/// spinning; over `shm` 205 us and 70 us; over `tcp;ofi_rxm` 330-390 us
+/// and 225-300 us (its polls are system calls, which the spinning loops
+/// then compete for).
+pub(crate) fn spins_after_work(busy_at: Instant, now: Instant, spin: Duration) -> bool {
+    now.saturating_duration_since(busy_at) < spin
 }
 
 /// Idle rounds a loop spins before it sleeps on its fabric wait sets: a
@@ -141,11 +152,26 @@ mod tests {
     }
 
     #[test]
+    fn a_loop_spins_only_within_its_window_after_work() {
+        let busy_at = Instant::now();
+        let spin = Duration::from_micros(50);
+        assert!(spins_after_work(busy_at, busy_at, spin));
+        assert!(spins_after_work(
+            busy_at,
+            busy_at + Duration::from_micros(49),
+            spin
+        ));
+        assert!(!spins_after_work(busy_at, busy_at + spin, spin));
+        assert!(!spins_after_work(busy_at, busy_at, Duration::ZERO));
+    }
+
+    #[test]
     fn a_loop_without_a_descriptor_spins_yields_then_sleeps() {
         let polling = Polling {
             busy_polls: 4,
             idle_sleep_us: 1_000,
             wait_fd: true,
+            ..Polling::default()
         };
         let loop_ = polled(false);
         let yield_end = 4 * (YIELD_ROUNDS_PER_BUSY_POLL + 1);

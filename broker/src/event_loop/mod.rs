@@ -48,7 +48,7 @@ use crate::session::data_link::LinkKind;
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
 use crate::session::{error_frame, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
-use crate::wait::{prepare_wait, wait, Polled};
+use crate::wait::{prepare_wait, spins_after_work, wait, Polled};
 
 use crate::monitoring::{ConnectionKind, ConnectionReport, SubscriptionReport};
 use peer::{Role, Session, SessionState};
@@ -369,6 +369,7 @@ impl EventLoop {
         let mut mio_events = mio::Events::with_capacity(256);
         let mut events = Vec::with_capacity(256);
         let mut idle_spins = 0u32;
+        let mut busy_at = Instant::now();
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
             let now = Instant::now();
@@ -386,6 +387,11 @@ impl EventLoop {
                 self.on_timers(now);
             }
             if busy {
+                busy_at = now;
+                continue;
+            }
+            if spins_after_work(busy_at, now, self.shared.config.fabric.polling.spin()) {
+                std::thread::yield_now();
                 continue;
             }
             // Sleep until an fd is ready, a command arrives or the next
