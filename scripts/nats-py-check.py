@@ -114,6 +114,11 @@ async def run(url, tls_files):
 
     native = await nc.subscribe("from.native")
     await nc.publish("to.native", b"from python", headers={"Lang": "python"})
+    # nats-py writes a flush's PING straight to the socket, ahead of the
+    # SUB and PUB its flusher task has not written yet, so the first PONG
+    # may come before the server saw them. The second flush's PING goes
+    # out after them: its PONG means the subscription is in place.
+    await nc.flush(timeout=WAIT)
     await nc.flush(timeout=WAIT)
     print("ready", flush=True)
     message = await native.next_msg(timeout=WAIT)
