@@ -1612,9 +1612,10 @@ impl FabricEndpoint {
                 continue;
             }
             let fi_addr = state.fi_addr;
-            let mut buf = rma.landing.take(total);
-            buf[..queued.head.len()].copy_from_slice(&queued.head);
-            let body = buf[queued.head.len()..].as_mut_ptr();
+            let body_at = rma.virt_addr.then_some(queued.descriptor.addr);
+            let (mut buf, start) = rma.landing.take_for(queued.head.len(), body_len, body_at);
+            buf[start..start + queued.head.len()].copy_from_slice(&queued.head);
+            let body = buf[start + queued.head.len()..].as_mut_ptr();
             let mr = if self.link.mr_local {
                 let key = rma.registrations.fresh_key();
                 // SAFETY: the region is dropped with the job, which owns
@@ -1649,6 +1650,7 @@ impl FabricEndpoint {
                         id: queued.descriptor.id,
                         mr,
                         buf,
+                        start,
                     });
                 }
                 Err(code) if code.is_again() => {
@@ -1680,7 +1682,7 @@ impl FabricEndpoint {
             return;
         };
         rma.free_slots.push(slot);
-        rma.count_read(job.peer, job.buf.len(), false);
+        rma.count_read(job.peer, job.buf.len() - job.start, false);
         drop(job.mr);
         let Some(state) = self.peers.get_mut(&job.peer) else {
             // Closed meanwhile: nothing to deliver.
@@ -1693,7 +1695,7 @@ impl FabricEndpoint {
             self.drop_peer(job.peer, CloseReason::Error(error));
             return;
         }
-        let frame = rma.landing.frame(job.buf);
+        let frame = rma.landing.frame(job.buf, job.start);
         if frame_declared_len(&frame).map(|n| n + efabus_core::codec::PREFIX_LEN)
             != Some(frame.len())
         {

@@ -175,7 +175,9 @@ pub struct ReadJob {
     /// The buffer's registration, where the provider needs local ones;
     /// before `buf`, so it is closed first when a job is dropped whole.
     pub mr: Option<MemoryRegion>,
+    /// The frame lands at `buf[start..]`.
     pub buf: Vec<u8>,
+    pub start: usize,
 }
 
 /// One read's operation context: room for `struct fi_context2`, at an
@@ -310,7 +312,34 @@ struct Kept {
     bytes: usize,
 }
 
+/// Page size for [`LandingBuffers::take_for`]'s placement.
+const PAGE: usize = 4096;
+
 impl LandingBuffers {
+    /// A buffer for a frame of `head_len + body_len` bytes, and where in it
+    /// the frame starts: with `body_at` (the body's address in the
+    /// sender's memory) the body lands at the same offset within a page.
+    /// Where a copy's destination sits just above its source within a page
+    /// (4K aliasing), the copy was 6 times slower here: a 1 MiB
+    /// `process_vm_readv` (shm's read) took 620 us from offset 0x20 to
+    /// 0x24, 92-105 us at equal or distant offsets.
+    pub fn take_for(
+        &self,
+        head_len: usize,
+        body_len: usize,
+        body_at: Option<u64>,
+    ) -> (Vec<u8>, usize) {
+        let total = head_len + body_len;
+        let Some(body_at) = body_at else {
+            return (self.take(total), 0);
+        };
+        let mut buf = self.take(total + PAGE - 1);
+        let body_base = buf.as_ptr() as usize + head_len;
+        let start = (body_at as usize).wrapping_sub(body_base) % PAGE;
+        buf.truncate(start + total);
+        (buf, start)
+    }
+
     /// A buffer of `len` bytes: a kept one large enough if there is one
     /// (its old bytes are overwritten by the caller), else a new one.
     pub fn take(&self, len: usize) -> Vec<u8> {
@@ -333,10 +362,12 @@ impl LandingBuffers {
         }
     }
 
-    /// `buf` as a frame's bytes; back here when the last of them goes.
-    pub fn frame(&self, buf: Vec<u8>) -> Bytes {
+    /// `buf[start..]` as a frame's bytes; `buf` comes back here when the
+    /// last of them goes.
+    pub fn frame(&self, buf: Vec<u8>, start: usize) -> Bytes {
         Bytes::from_owner(Landed {
             buf,
+            start,
             home: self.clone(),
         })
     }
@@ -363,12 +394,13 @@ impl LandingBuffers {
 /// A landed frame's buffer, given back to its pool when dropped.
 struct Landed {
     buf: Vec<u8>,
+    start: usize,
     home: LandingBuffers,
 }
 
 impl AsRef<[u8]> for Landed {
     fn as_ref(&self) -> &[u8] {
-        &self.buf
+        self.buf.get(self.start..).unwrap_or_default()
     }
 }
 
@@ -388,7 +420,7 @@ mod tests {
         let buf = buffers.take(1000);
         assert_eq!(buf.len(), 1000);
         let address = buf.as_ptr();
-        let frame = buffers.frame(buf);
+        let frame = buffers.frame(buf, 0);
         let part = frame.slice(10..20);
         drop(frame);
         assert_eq!(buffers.kept_bytes(), 0, "a slice still holds it");
@@ -405,10 +437,31 @@ mod tests {
     }
 
     #[test]
+    fn a_body_lands_at_its_source_s_offset_within_a_page() {
+        let buffers = LandingBuffers::default();
+        for (head_len, body_at) in [
+            (36, 0x7f00_0000_0020u64),
+            (0, 0x1000),
+            (13, 0xfff),
+            (36, 0x24),
+        ] {
+            let (mut buf, start) = buffers.take_for(head_len, 10_000, Some(body_at));
+            assert_eq!(buf.len(), start + head_len + 10_000);
+            let body = buf.as_ptr() as u64 + (start + head_len) as u64;
+            assert_eq!(body % PAGE as u64, body_at % PAGE as u64);
+            buf[start] = 7;
+            let frame = buffers.frame(buf, start);
+            assert_eq!((frame.len(), frame[0]), (head_len + 10_000, 7));
+        }
+        let (buf, start) = buffers.take_for(36, 100, None);
+        assert_eq!((buf.len(), start), (136, 0));
+    }
+
+    #[test]
     fn landing_buffers_keep_at_most_their_bound() {
         let buffers = LandingBuffers::default();
         let frames: Vec<Bytes> = (0..3)
-            .map(|_| buffers.frame(buffers.take(LANDING_KEPT_MAX / 2)))
+            .map(|_| buffers.frame(buffers.take(LANDING_KEPT_MAX / 2), 0))
             .collect();
         drop(frames);
         assert!(buffers.kept_bytes() <= LANDING_KEPT_MAX);
