@@ -182,6 +182,56 @@ fn dropping_a_remote_subscription_removes_it_from_the_broker() {
     }
 }
 
+/// The broker keeps the sessions a subject reached while its subscriptions
+/// stay the same; every change in between must show in the next message.
+#[test]
+fn a_stream_on_one_subject_follows_every_subscription_change() {
+    let numbers = |sub: &Subscription| {
+        std::iter::from_fn(|| sub.try_recv().ok())
+            .map(|m| number(&m))
+            .collect::<Vec<_>>()
+    };
+    for via in BOTH {
+        let (broker, endpoint) = start(via, "");
+        let publisher = connect(&endpoint);
+        let subscriber = connect(&endpoint);
+        // After the publisher's flush the broker has routed the message;
+        // after the subscriber's, it is in the subscriber's queue.
+        let publish = |n: u32| {
+            publisher.publish("s.x", numbered(n)).unwrap();
+            publisher.flush(WAIT).unwrap();
+            subscriber.flush(WAIT).unwrap();
+        };
+        let first = subscriber.subscribe("s.x").unwrap();
+        subscriber.flush(WAIT).unwrap();
+        publish(1);
+        publish(2);
+        let wildcard = subscriber.subscribe("s.*").unwrap();
+        subscriber.flush(WAIT).unwrap();
+        publish(3);
+        assert_eq!(numbers(&first), [1, 2, 3], "{via:?}");
+        drop(first);
+        subscriber.flush(WAIT).unwrap();
+        publish(4);
+        let embedded = broker.subscribe("s.x").unwrap();
+        publish(5);
+        assert_eq!(numbers(&embedded), [5], "{via:?}");
+        drop(embedded);
+        let group = [
+            subscriber.queue_subscribe("s.x", "q").unwrap(),
+            subscriber.queue_subscribe("s.x", "q").unwrap(),
+        ];
+        subscriber.flush(WAIT).unwrap();
+        for n in 6..26 {
+            publish(n);
+        }
+        assert_eq!(numbers(&wildcard), (3..26).collect::<Vec<_>>(), "{via:?}");
+        let mut picked: Vec<u32> = group.iter().flat_map(numbers).collect();
+        picked.sort_unstable();
+        assert_eq!(picked, (6..26).collect::<Vec<_>>(), "{via:?}: each once");
+    }
+}
+
 #[test]
 fn queue_groups_span_embedded_and_remote_members() {
     for via in BOTH {

@@ -107,6 +107,10 @@ pub(crate) struct EventLoop {
     blocking: HashSet<u64>,
     reads_paused: bool,
     targets: Targets,
+    /// The sessions the last publish's subject reached, kept while the
+    /// subscription table stays unchanged: a stream of publishes on one
+    /// subject is looked up once.
+    last_route: LastRoute,
     /// What this broker offers in handshakes, one per endpoint that
     /// describes itself.
     offers: Vec<Offer>,
@@ -341,6 +345,7 @@ impl EventLoop {
             blocking: HashSet::default(),
             reads_paused: false,
             targets: Targets::default(),
+            last_route: LastRoute::default(),
             offers,
             tuning,
             released: Vec::new(),
@@ -1111,13 +1116,28 @@ impl EventLoop {
         }
         // The lookup validates the subject (the index caches valid ones).
         let no_echo = self.sessions.get(&id).is_some_and(|s| s.no_echo);
-        let table = self.shared.subscriptions.read();
-        let matched = if no_echo {
-            table.lookup_excluding(subject, id, &mut self.targets)
+        let now_at = self.shared.generation.load(Ordering::Acquire);
+        let matched = if !no_echo && self.last_route.serves(subject, now_at) {
+            self.targets.clear();
+            self.targets
+                .remote
+                .extend_from_slice(&self.last_route.remote);
+            Ok(())
         } else {
-            table.lookup(subject, &mut self.targets)
+            let table = self.shared.subscriptions.read();
+            if no_echo {
+                table.lookup_excluding(subject, id, &mut self.targets)
+            } else {
+                // Read under the lock: it names the state looked up.
+                let looked_up_at = self.shared.generation.load(Ordering::Acquire);
+                let stable = table.lookup_stable(subject, &mut self.targets);
+                drop(table);
+                stable.map(|stable| {
+                    self.last_route
+                        .keep(subject, looked_up_at, stable, &self.targets)
+                })
+            }
         };
-        drop(table);
         self.deliver_matched(id, subject, reply, payload, matched);
     }
 
@@ -2059,5 +2079,34 @@ impl EventLoop {
 fn store_all(values: &[(&AtomicU64, u64)]) {
     for (counter, value) in values {
         counter.store(*value, Ordering::Relaxed);
+    }
+}
+
+/// The remote sessions a subject reached at one generation of the
+/// subscription table. Kept only for an answer that holds for every
+/// message on the subject (no queue group picks a member) and that names
+/// no in-process subscription (those are handed over by draining).
+#[derive(Default)]
+struct LastRoute {
+    subject: String,
+    /// 0 when nothing is kept (generations start at 1).
+    generation: u64,
+    remote: Vec<SubRef>,
+}
+
+impl LastRoute {
+    fn serves(&self, subject: &str, generation: u64) -> bool {
+        self.generation == generation && self.subject == subject
+    }
+
+    fn keep(&mut self, subject: &str, generation: u64, stable: bool, targets: &Targets) {
+        self.generation = 0;
+        if stable && targets.local.is_empty() {
+            self.subject.clear();
+            self.subject.push_str(subject);
+            self.remote.clear();
+            self.remote.extend_from_slice(&targets.remote);
+            self.generation = generation;
+        }
     }
 }
