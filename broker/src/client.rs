@@ -1124,6 +1124,8 @@ struct ClientLoop {
     proved: Option<([u8; 32], [u8; 32])>,
     tuning: LinkTuning,
     released: Vec<Bytes>,
+    /// Frames from the control link gathered for `deliver_messages`.
+    control_frames: Vec<Bytes>,
     /// Why data endpoints could not open: the start of every handshake's
     /// reasons.
     unavailable: Vec<String>,
@@ -1199,6 +1201,7 @@ impl ClientLoop {
             offers,
             tuning,
             released: Vec::new(),
+            control_frames: Vec::new(),
             unavailable,
         }
     }
@@ -1491,31 +1494,63 @@ impl ClientLoop {
     /// neither checked nor copied, and the payload keeps the frame's buffer
     /// without touching its reference count.
     fn on_events(&mut self, events: &mut Vec<Event>) {
+        let mut frames = std::mem::take(&mut self.control_frames);
+        for event in events.drain(..) {
+            match event {
+                Event::Frame { peer, frame } if matches!(self.link, LinkState::Up { peer: up } if up == peer) =>
+                {
+                    // Only this thread writes the counter: no atomic add.
+                    let control_in = &self.shared.counters.control_in;
+                    control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+                    frames.push(frame);
+                }
+                other => {
+                    // What came before it is handled first.
+                    self.deliver_messages(&mut frames, Self::on_control_frame);
+                    self.on_event(other);
+                }
+            }
+        }
+        self.deliver_messages(&mut frames, Self::on_control_frame);
+        self.control_frames = frames;
+    }
+
+    /// A frame on the control link that is not a message.
+    fn on_control_frame(&mut self, frame: Bytes) {
+        if let LinkState::Up { peer } = self.link {
+            self.on_event(Event::Frame { peer, frame });
+        }
+    }
+
+    /// A frame a data link released that is not a message.
+    fn on_data_frame(&mut self, frame: Bytes) {
+        let LinkState::Up { peer: control } = self.link else {
+            return;
+        };
+        match codec::decode(frame, &self.codec) {
+            Ok(frame) => self.on_frame(control, frame),
+            Err(err) => warn!(error = %err, "malformed frame on the data link"),
+        }
+    }
+
+    /// Hands the messages among `frames` (emptied) to their subscriptions,
+    /// taking the subscriptions' lock once for a run of them, and any other
+    /// frame, in order, to `other`. The same path serves the control link
+    /// and the data links.
+    fn deliver_messages(&mut self, frames: &mut Vec<Bytes>, other: fn(&mut Self, Bytes)) {
+        if frames.is_empty() {
+            return;
+        }
+        self.conn.liveness.heard(self.now);
         let shared = self.shared.clone();
         let mut subscriptions = None;
         let mut cut_off = std::mem::take(&mut self.cut_off);
-        for event in events.drain(..) {
-            let frame = match event {
-                Event::Frame { peer, frame } if matches!(self.link, LinkState::Up { peer: up } if up == peer) => {
-                    frame
-                }
-                other => {
-                    subscriptions = None;
-                    self.on_event(other);
-                    continue;
-                }
-            };
-            self.conn.liveness.heard(self.now);
-            // Only this thread writes the counter: no atomic add needed.
-            let control_in = &shared.counters.control_in;
-            control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        for frame in frames.drain(..) {
             let (sid, subject, reply, headers, payload) = match self.read_message(frame) {
                 Ok(message) => message,
                 Err(frame) => {
                     subscriptions = None;
-                    if let LinkState::Up { peer } = self.link {
-                        self.on_event(Event::Frame { peer, frame });
-                    }
+                    other(self, frame);
                     continue;
                 }
             };
@@ -2120,19 +2155,13 @@ impl ClientLoop {
                         .store(link.lost(), Ordering::Relaxed);
                 }
                 if !released.is_empty() {
-                    self.conn.liveness.heard(now);
                     let received = released.len() as u64;
                     self.shared
                         .counters
                         .fabric_in
                         .fetch_add(received, Ordering::Relaxed);
                 }
-                for bytes in released.drain(..) {
-                    match codec::decode(bytes, &self.codec) {
-                        Ok(frame) => self.on_frame(control, frame),
-                        Err(err) => warn!(error = %err, "malformed frame on the data link"),
-                    }
-                }
+                self.deliver_messages(&mut released, Self::on_data_frame);
                 self.released = released;
                 if !self.conn.out.is_empty() {
                     // The message may have been a credit opening the window.
