@@ -1255,13 +1255,17 @@ impl ClientLoop {
             let drained = self.drain_outbox();
             self.check_send_failure();
             let credit_waiting = self.grant_credits(now);
+            // Measured from the end of the work, as the broker's loop does.
+            let after = Instant::now();
+            let spin = self.shared.options.fabric.polling.spin();
             if busy | drained {
                 idle = 0;
-                busy_at = now;
-            } else {
+                busy_at = after;
+            } else if !spins_after_work(busy_at, after, spin) {
+                // The idle rounds of `backoff` start after the spin.
                 idle = idle.saturating_add(1);
             }
-            if spins_after_work(busy_at, now, self.shared.options.fabric.polling.spin()) {
+            if spins_after_work(busy_at, after, spin) {
                 std::thread::yield_now();
                 continue;
             }

@@ -506,8 +506,10 @@ pub struct Fabric {
     pub test_force_mr_local: bool,
 }
 
-/// How a loop that owns fabric endpoints waits for their completion
-/// queues. With a wait set (`wait_fd`, used with libfabric's tcp, udp and
+/// How an event loop waits. After a round with work every loop polls on
+/// for `spin_us`. Then a loop that owns fabric endpoints waits for their
+/// completion queues as follows (idle rounds counted from the end of the
+/// spin). With a wait set (`wait_fd`, used with libfabric's tcp, udp and
 /// rxd providers) it spins for at most 8 of `busy_polls` idle
 /// rounds and then sleeps on the descriptor, which wakes it as soon as a
 /// completion is due: an idle broker uses no CPU. Without one (efa on
@@ -522,9 +524,11 @@ pub struct Fabric {
 pub struct Polling {
     /// Every event loop (the broker's and each client's, whatever its
     /// transports) keeps polling for this long after a round with work,
-    /// yielding its core between rounds, before it waits: a reply or the
-    /// next message that arrives meanwhile costs no wake-up. 0 waits at
-    /// once. An idle loop still uses no CPU.
+    /// yielding its core between rounds, before it waits as described
+    /// above: a reply or the next message that arrives meanwhile costs no
+    /// wake-up. 0 waits at once. Once it has passed, an idle loop costs
+    /// what it did before (nothing with a wait set or without fabric
+    /// endpoints). The NATS listener's I/O thread polls for a fixed 50 us.
     pub spin_us: u64,
     pub busy_polls: u32,
     pub idle_sleep_us: u64,

@@ -202,17 +202,36 @@ fn a_stream_on_one_subject_follows_every_subscription_change() {
             publisher.flush(WAIT).unwrap();
             subscriber.flush(WAIT).unwrap();
         };
-        let first = subscriber.subscribe("s.x").unwrap();
-        subscriber.flush(WAIT).unwrap();
+        // A session of its own: what the broker still sent it after it
+        // unsubscribed shows in its count (its client would drop it).
+        let leaving = Client::connect_with(
+            &endpoint,
+            ClientOptions {
+                name: "leaving".to_string(),
+                ..options()
+            },
+            Registry::with_builtins(),
+        )
+        .expect("client connects");
+        let first = leaving.subscribe("s.x").unwrap();
+        leaving.flush(WAIT).unwrap();
         publish(1);
         publish(2);
         let wildcard = subscriber.subscribe("s.*").unwrap();
         subscriber.flush(WAIT).unwrap();
         publish(3);
+        leaving.flush(WAIT).unwrap();
         assert_eq!(numbers(&first), [1, 2, 3], "{via:?}");
         drop(first);
-        subscriber.flush(WAIT).unwrap();
+        leaving.flush(WAIT).unwrap();
         publish(4);
+        let sent_to_leaving = broker
+            .connections(false, WAIT)
+            .unwrap()
+            .into_iter()
+            .find(|report| report.name == "leaving")
+            .map(|report| report.counts.messages_out);
+        assert_eq!(sent_to_leaving, Some(3), "{via:?}: nothing after it left");
         let embedded = broker.subscribe("s.x").unwrap();
         publish(5);
         assert_eq!(numbers(&embedded), [5], "{via:?}");
@@ -226,7 +245,12 @@ fn a_stream_on_one_subject_follows_every_subscription_change() {
             publish(n);
         }
         assert_eq!(numbers(&wildcard), (3..26).collect::<Vec<_>>(), "{via:?}");
-        let mut picked: Vec<u32> = group.iter().flat_map(numbers).collect();
+        let per_member: Vec<Vec<u32>> = group.iter().map(numbers).collect();
+        assert!(
+            per_member.iter().all(|got| !got.is_empty()),
+            "{via:?}: the group's member is picked per message: {per_member:?}"
+        );
+        let mut picked: Vec<u32> = per_member.concat();
         picked.sort_unstable();
         assert_eq!(picked, (6..26).collect::<Vec<_>>(), "{via:?}: each once");
     }

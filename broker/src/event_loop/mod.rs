@@ -379,9 +379,11 @@ impl EventLoop {
             let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
             let now = Instant::now();
             let credit_waiting = !self.credit_owed.is_empty() && self.grant_credits(now);
+            let spin = self.shared.config.fabric.polling.spin();
             if busy {
                 idle_spins = 0;
-            } else {
+            } else if !spins_after_work(busy_at, now, spin) {
+                // The idle rounds of `backoff` start after the spin.
                 idle_spins = idle_spins.saturating_add(1);
             }
             // Timers of many sessions are served together, at most once
@@ -395,7 +397,7 @@ impl EventLoop {
                 busy_at = now;
                 continue;
             }
-            if spins_after_work(busy_at, now, self.shared.config.fabric.polling.spin()) {
+            if spins_after_work(busy_at, now, spin) {
                 std::thread::yield_now();
                 continue;
             }
