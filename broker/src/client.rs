@@ -1266,7 +1266,11 @@ impl ClientLoop {
                 idle = idle.saturating_add(1);
             }
             if spins_after_work(busy_at, after, spin) {
-                std::thread::yield_now();
+                // Another thread may have the core while this one has
+                // nothing to do; after work, the next round comes at once.
+                if !(busy | drained) {
+                    std::thread::yield_now();
+                }
                 continue;
             }
             // Sleep until a descriptor is ready, the outbox has work, or the
