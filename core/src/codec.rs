@@ -756,7 +756,14 @@ pub fn routed_into(
     fields: RoutedFields<'_>,
     payload: &[u8],
 ) -> Result<(), EncodeError> {
-    out.reserve(FRAME_OVERHEAD + MESSAGE_HEADER_LEN + fields.subject.len() + payload.len());
+    // Exactly the frame's length: a caller that left just that much room
+    // (a run filled to its end) must not see its buffer grow.
+    let header = match kind {
+        FrameKind::Publish => PUBLISH_HEADER_LEN,
+        _ => MESSAGE_HEADER_LEN,
+    };
+    let reply_len = fields.reply.map_or(0, str::len);
+    out.reserve(FRAME_OVERHEAD + header + fields.subject.len() + reply_len + payload.len());
     routed_head_into(out, kind, sid, 0, fields, payload.len())?;
     out.extend_from_slice(payload);
     Ok(())
@@ -1725,6 +1732,36 @@ mod tests {
                 count: 1
             })
         ));
+    }
+
+    #[test]
+    fn a_routed_frame_fits_exactly_the_room_it_needs() {
+        for (kind, reply) in [
+            (FrameKind::Publish, None),
+            (FrameKind::Publish, Some("_INBOX.a.1")),
+            (FrameKind::Message, None),
+            (FrameKind::Message, Some("r")),
+        ] {
+            let fields = RoutedFields {
+                subject: "bench.x",
+                reply,
+                headers: false,
+            };
+            let payload = [7u8; 16];
+            let mut sized = BytesMut::new();
+            routed_into(&mut sized, kind, 9, fields, &payload).expect("encodes");
+            // A buffer with exactly that much room left keeps its memory.
+            let mut out = BytesMut::with_capacity(100 + sized.len());
+            out.extend_from_slice(&[0u8; 100]);
+            let (at, capacity) = (out.as_ptr(), out.capacity());
+            routed_into(&mut out, kind, 9, fields, &payload).expect("encodes");
+            assert_eq!(
+                (out.as_ptr(), out.capacity()),
+                (at, capacity),
+                "{kind:?} {reply:?}"
+            );
+            assert_eq!(&out[100..], &sized[..]);
+        }
     }
 
     #[test]
