@@ -805,6 +805,7 @@ impl Broker {
             rx,
             stats,
             owner,
+            shared.config.fabric.polling.spin(),
         ))
     }
 

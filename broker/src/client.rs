@@ -56,7 +56,7 @@ use crate::session::data_link::{Keying, LinkKind};
 use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::{self, Control, Queued, SendCounts, RUN_MAX};
 use crate::session::{Connection, Heartbeat, Liveness};
-use crate::wait::{prepare_wait, spins_after_work, wait, Polled};
+use crate::wait::{prepare_wait, wait, Polled, SpinWindow};
 
 const WAKER: Token = Token(0);
 const ENDPOINT: Token = Token(1);
@@ -978,6 +978,7 @@ impl Client {
             rx,
             stats,
             owner,
+            shared.options.fabric.polling.spin(),
         );
         shared.send_command(Command::Subscribe { sid })?;
         Ok(subscription)
@@ -1220,7 +1221,7 @@ impl ClientLoop {
         let mut events = Vec::with_capacity(256);
         let polled = Polled::of(self.endpoints.iter().map(|endpoint| endpoint.readiness()));
         let mut idle = 0u32;
-        let mut busy_at = Instant::now();
+        let mut spin_window = SpinWindow::new(Instant::now());
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let now = Instant::now();
             self.now = now;
@@ -1248,8 +1249,8 @@ impl ClientLoop {
             // After what the endpoints delivered: a gap it filled is no
             // failure, however late.
             self.poll_links(now);
-            // After a busy round the loop polls on for `spin_us`, then
-            // waits: work that came in meanwhile has made a descriptor
+            // After a busy round the loop polls on for its spin window
+            // (`SpinWindow`), then waits: work that came in meanwhile has made a descriptor
             // ready (or the outbox non-empty, which `park` checks), so the
             // wait returns at once.
             let drained = self.drain_outbox();
@@ -1260,12 +1261,12 @@ impl ClientLoop {
             let spin = self.shared.options.fabric.polling.spin();
             if busy | drained {
                 idle = 0;
-                busy_at = after;
-            } else if !spins_after_work(busy_at, after, spin) {
+                spin_window.worked(after, spin);
+            } else if !spin_window.spinning(after) {
                 // The idle rounds of `backoff` start after the spin.
                 idle = idle.saturating_add(1);
             }
-            if spins_after_work(busy_at, after, spin) {
+            if spin_window.spinning(after) {
                 // Another thread may have the core while this one has
                 // nothing to do; after work, the next round comes at once.
                 if !(busy | drained) {

@@ -507,7 +507,8 @@ pub struct Fabric {
 }
 
 /// How an event loop waits. After a round with work every loop polls on
-/// for `spin_us`. Then a loop that owns fabric endpoints waits for their
+/// for `spin_us`, or up to five times as long while it serves an exchange
+/// (see `spin_us`). Then a loop that owns fabric endpoints waits for their
 /// completion queues as follows (idle rounds counted from the end of the
 /// spin). With a wait set (`wait_fd`, used with libfabric's tcp, udp and
 /// rxd providers) it spins for at most 8 of `busy_polls` idle
@@ -526,7 +527,10 @@ pub struct Polling {
     /// transports) keeps polling for this long after a round with work,
     /// yielding its core between rounds, before it waits as described
     /// above: a reply or the next message that arrives meanwhile costs no
-    /// wake-up. 0 waits at once. Once it has passed, an idle loop costs
+    /// wake-up. While rounds with work come less than ten times this apart
+    /// (a request/reply exchange), the window grows to twice the longest
+    /// gap between them, up to five times this; one longer gap takes it
+    /// back. 0 waits at once. Once it has passed, an idle loop costs
     /// what it did before (nothing with a wait set or without fabric
     /// endpoints). The NATS listener's I/O thread polls for a fixed 50 us.
     pub spin_us: u64,

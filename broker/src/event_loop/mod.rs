@@ -48,7 +48,7 @@ use crate::session::data_link::LinkKind;
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
 use crate::session::{error_frame, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
-use crate::wait::{prepare_wait, spins_after_work, wait, Polled};
+use crate::wait::{prepare_wait, wait, Polled, SpinWindow};
 
 use crate::monitoring::{ConnectionKind, ConnectionReport, SubscriptionReport};
 use peer::{Role, Session, SessionState};
@@ -374,7 +374,7 @@ impl EventLoop {
         let mut mio_events = mio::Events::with_capacity(256);
         let mut events = Vec::with_capacity(256);
         let mut idle_spins = 0u32;
-        let mut busy_at = Instant::now();
+        let mut spin_window = SpinWindow::new(Instant::now());
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
             let now = Instant::now();
@@ -382,7 +382,7 @@ impl EventLoop {
             let spin = self.shared.config.fabric.polling.spin();
             if busy {
                 idle_spins = 0;
-            } else if !spins_after_work(busy_at, now, spin) {
+            } else if !spin_window.spinning(now) {
                 // The idle rounds of `backoff` start after the spin.
                 idle_spins = idle_spins.saturating_add(1);
             }
@@ -394,10 +394,10 @@ impl EventLoop {
                 self.on_timers(now);
             }
             if busy {
-                busy_at = now;
+                spin_window.worked(now, spin);
                 continue;
             }
-            if spins_after_work(busy_at, now, spin) {
+            if spin_window.spinning(now) {
                 std::thread::yield_now();
                 continue;
             }
