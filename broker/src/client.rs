@@ -49,7 +49,9 @@ use tracing::{debug, error, info, warn};
 use crate::broker::unique_seed;
 use crate::commands::Parker;
 use crate::config::SlowConsumerPolicy;
-use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
+use crate::delivery::{
+    next_yield_window, Delivery, LocalSink, Message, Subscription, Unsubscriber,
+};
 use crate::endpoints;
 use crate::error::Error;
 use crate::session::data_link::{Keying, LinkKind};
@@ -446,6 +448,10 @@ struct ClientShared {
     inbox_sid_seen: AtomicU64,
     /// Requests waiting for a reply, by the token in their reply subject.
     replies: Mutex<HashMap<u64, Sender<Message>>>,
+    /// How long a request yields before it sleeps waiting for its reply
+    /// (nanoseconds), adapted to the last round trip as a subscription's
+    /// reader adapts (`delivery::next_yield_window`).
+    reply_yield_ns: AtomicU64,
     /// The negotiated paths (changes once per handshake).
     link: Mutex<LinkReport>,
     /// Traffic counters, updated per frame without a lock.
@@ -761,6 +767,7 @@ impl Client {
             inbox_sid: Mutex::new(None),
             inbox_sid_seen: AtomicU64::new(0),
             replies: Mutex::new(HashMap::default()),
+            reply_yield_ns: AtomicU64::new(0),
             options,
             outbox: Mutex::new(Outbox::default()),
             room: Condvar::new(),
@@ -999,12 +1006,7 @@ impl Client {
         self.shared.replies.lock().insert(token, tx);
         let reply_to = format!("{}.{token}", self.shared.inbox_prefix);
         let sent = self.publish_inner(subject, Some(&reply_to), None, payload.into());
-        let result = sent.and_then(|()| {
-            rx.recv_timeout(timeout).map_err(|err| match err {
-                crossbeam_channel::RecvTimeoutError::Disconnected => Error::Closed,
-                crossbeam_channel::RecvTimeoutError::Timeout => Error::Timeout(timeout),
-            })
-        });
+        let result = sent.and_then(|()| self.await_reply(&rx, timeout));
         // The server's answer when no subscription matched the request.
         let result = result.and_then(|reply| match &reply.headers {
             Some(block) if reply.payload.is_empty() && is_no_responders(block) => {
@@ -1014,6 +1016,43 @@ impl Client {
         });
         self.shared.replies.lock().remove(&token);
         result
+    }
+
+    /// Wait for a request's reply: yielding the core for up to the window
+    /// the last round trips suggest (a reply that comes meanwhile costs no
+    /// wake-up), then sleeping.
+    fn await_reply(
+        &self,
+        replies: &crossbeam_channel::Receiver<Message>,
+        timeout: Duration,
+    ) -> Result<Message, Error> {
+        let started = Instant::now();
+        let window = Duration::from_nanos(self.shared.reply_yield_ns.load(Ordering::Relaxed));
+        let reply = loop {
+            match replies.try_recv() {
+                Ok(reply) => break Ok(reply),
+                Err(crossbeam_channel::TryRecvError::Disconnected) => break Err(Error::Closed),
+                Err(crossbeam_channel::TryRecvError::Empty) => {}
+            }
+            let waited = started.elapsed();
+            if waited >= window.min(timeout) {
+                break replies
+                    .recv_timeout(timeout.saturating_sub(waited))
+                    .map_err(|err| match err {
+                        crossbeam_channel::RecvTimeoutError::Disconnected => Error::Closed,
+                        crossbeam_channel::RecvTimeoutError::Timeout => Error::Timeout(timeout),
+                    });
+            }
+            std::thread::yield_now();
+        };
+        if reply.is_ok() {
+            let max = self.shared.options.fabric.polling.spin() * crate::wait::SPIN_GROWTH;
+            let next = next_yield_window(started.elapsed(), max);
+            self.shared
+                .reply_yield_ns
+                .store(next.as_nanos() as u64, Ordering::Relaxed);
+        }
+        reply
     }
 
     /// Subscribe the shared reply inbox once.

@@ -654,7 +654,7 @@ struct Local {
 /// services meshed over `tcp;ofi_rxm` asking each other 64 B requests: the
 /// round trip's median went from 106-168 us with a fixed 20 us window (the
 /// reply came after the reader had parked) to 63-71 us.
-fn next_yield_window(waited: Duration, max: Duration) -> Duration {
+pub(crate) fn next_yield_window(waited: Duration, max: Duration) -> Duration {
     let max = max.max(YIELD_MIN);
     if waited > 2 * max {
         YIELD_MIN
