@@ -365,6 +365,10 @@ pub(crate) struct Shared {
     pub(crate) shutdown: AtomicBool,
     pub(crate) stats: BrokerStats,
     pub(crate) inbox_prefix: String,
+    /// How long a request's inbox reader yields before it sleeps, carried
+    /// from one request to the next (nanoseconds; see
+    /// `Subscription::yield_window`).
+    pub(crate) reply_yield_ns: AtomicU64,
     pub(crate) listening: Vec<(String, String)>,
     /// Why each listener (by its index in `listening`) is out of
     /// service, if it is; set by the event loop.
@@ -572,6 +576,7 @@ impl Broker {
             shutdown: AtomicBool::new(false),
             stats,
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
+            reply_yield_ns: AtomicU64::new(0),
             listener_failures: Mutex::new(vec![None; listening.len()]),
             listening,
             broker_id,
@@ -819,14 +824,21 @@ impl Broker {
         let n = self.shared.next_sid.fetch_add(1, Ordering::Relaxed);
         let inbox = format!("{}.{n}", self.shared.inbox_prefix);
         let replies = self.subscribe(&inbox)?;
+        // Each request has an inbox of its own: the window its reader
+        // adapts to the round trips passes from one to the next.
+        let window = &self.shared.reply_yield_ns;
+        replies.set_yield_window(Duration::from_nanos(window.load(Ordering::Relaxed)));
         let matched = self.publish_inner(subject, Some(&inbox), None, payload.into())?;
         if matched == 0 {
             return Err(Error::NoResponders(subject.to_string()));
         }
-        replies.recv_timeout(timeout).map_err(|err| match err {
+        let reply = replies.recv_timeout(timeout).map_err(|err| match err {
             crate::RecvError::Closed => Error::Closed,
             _ => Error::Timeout(timeout),
-        })
+        });
+        let adapted = replies.yield_window().as_nanos() as u64;
+        window.store(adapted, Ordering::Relaxed);
+        reply
     }
 
     /// Wait until every message published so far has been handed to

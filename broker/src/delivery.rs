@@ -748,6 +748,17 @@ impl Subscription {
         &self.stats
     }
 
+    /// How long the reader yields before it parks, as adapted so far.
+    pub(crate) fn yield_window(&self) -> Duration {
+        self.local.lock().yield_window
+    }
+
+    /// Start from a window adapted by an earlier reader (within bounds).
+    pub(crate) fn set_yield_window(&self, window: Duration) {
+        let mut local = self.local.lock();
+        local.yield_window = window.clamp(YIELD_MIN, local.yield_max.max(YIELD_MIN));
+    }
+
     /// Messages waiting to be read.
     pub fn pending(&self) -> usize {
         let local = self.local.lock();
