@@ -30,7 +30,7 @@ use tracing::{info, warn};
 use crate::accounts::Accounts;
 use crate::commands::CommandQueue;
 use crate::config::Config;
-use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
+use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber, YieldWindow};
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::Error;
 use crate::event_loop::{Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
@@ -366,9 +366,8 @@ pub(crate) struct Shared {
     pub(crate) stats: BrokerStats,
     pub(crate) inbox_prefix: String,
     /// How long a request's inbox reader yields before it sleeps, carried
-    /// from one request to the next (nanoseconds; see
-    /// `Subscription::yield_window`).
-    pub(crate) reply_yield_ns: AtomicU64,
+    /// from one request to the next.
+    pub(crate) reply_window: Mutex<YieldWindow>,
     pub(crate) listening: Vec<(String, String)>,
     /// Why each listener (by its index in `listening`) is out of
     /// service, if it is; set by the event loop.
@@ -564,6 +563,7 @@ impl Broker {
             BrokerStats::add(&stats.fabric_buffer_bytes, buffers.held as u64);
             BrokerStats::add(&stats.fabric_registered_bytes, buffers.registered as u64);
         }
+        let reply_window = YieldWindow::new(config.fabric.polling.spin());
         let shared = Arc::new(Shared {
             live: LiveLimits::new(&config),
             accounts: Accounts::new(&config.auth.users),
@@ -576,7 +576,7 @@ impl Broker {
             shutdown: AtomicBool::new(false),
             stats,
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
-            reply_yield_ns: AtomicU64::new(0),
+            reply_window: Mutex::new(reply_window),
             listener_failures: Mutex::new(vec![None; listening.len()]),
             listening,
             broker_id,
@@ -826,8 +826,7 @@ impl Broker {
         let replies = self.subscribe(&inbox)?;
         // Each request has an inbox of its own: the window its reader
         // adapts to the round trips passes from one to the next.
-        let window = &self.shared.reply_yield_ns;
-        replies.set_yield_window(Duration::from_nanos(window.load(Ordering::Relaxed)));
+        replies.set_yield_window(*self.shared.reply_window.lock());
         let matched = self.publish_inner(subject, Some(&inbox), None, payload.into())?;
         if matched == 0 {
             return Err(Error::NoResponders(subject.to_string()));
@@ -836,8 +835,7 @@ impl Broker {
             crate::RecvError::Closed => Error::Closed,
             _ => Error::Timeout(timeout),
         });
-        let adapted = replies.yield_window().as_nanos() as u64;
-        window.store(adapted, Ordering::Relaxed);
+        *self.shared.reply_window.lock() = replies.yield_window();
         reply
     }
 

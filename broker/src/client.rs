@@ -49,9 +49,7 @@ use tracing::{debug, error, info, warn};
 use crate::broker::unique_seed;
 use crate::commands::Parker;
 use crate::config::SlowConsumerPolicy;
-use crate::delivery::{
-    next_yield_window, Delivery, LocalSink, Message, Subscription, Unsubscriber,
-};
+use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber, YieldWindow};
 use crate::endpoints;
 use crate::error::Error;
 use crate::session::data_link::{Keying, LinkKind};
@@ -448,10 +446,9 @@ struct ClientShared {
     inbox_sid_seen: AtomicU64,
     /// Requests waiting for a reply, by the token in their reply subject.
     replies: Mutex<HashMap<u64, Sender<Message>>>,
-    /// How long a request yields before it sleeps waiting for its reply
-    /// (nanoseconds), adapted to the last round trip as a subscription's
-    /// reader adapts (`delivery::next_yield_window`).
-    reply_yield_ns: AtomicU64,
+    /// How long a request yields before it sleeps waiting for its reply,
+    /// adapted to the last round trip.
+    reply_window: Mutex<YieldWindow>,
     /// The negotiated paths (changes once per handshake).
     link: Mutex<LinkReport>,
     /// Traffic counters, updated per frame without a lock.
@@ -767,7 +764,7 @@ impl Client {
             inbox_sid: Mutex::new(None),
             inbox_sid_seen: AtomicU64::new(0),
             replies: Mutex::new(HashMap::default()),
-            reply_yield_ns: AtomicU64::new(0),
+            reply_window: Mutex::new(YieldWindow::new(options.fabric.polling.spin())),
             options,
             outbox: Mutex::new(Outbox::default()),
             room: Condvar::new(),
@@ -1027,7 +1024,7 @@ impl Client {
         timeout: Duration,
     ) -> Result<Message, Error> {
         let started = Instant::now();
-        let window = Duration::from_nanos(self.shared.reply_yield_ns.load(Ordering::Relaxed));
+        let window = self.shared.reply_window.lock().get();
         let reply = loop {
             match replies.try_recv() {
                 Ok(reply) => break Ok(reply),
@@ -1046,11 +1043,7 @@ impl Client {
             std::thread::yield_now();
         };
         if reply.is_ok() {
-            let max = self.shared.options.fabric.polling.spin() * crate::wait::SPIN_GROWTH;
-            let next = next_yield_window(started.elapsed(), max);
-            self.shared
-                .reply_yield_ns
-                .store(next.as_nanos() as u64, Ordering::Relaxed);
+            self.shared.reply_window.lock().waited(started.elapsed());
         }
         reply
     }

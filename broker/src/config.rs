@@ -527,10 +527,12 @@ pub struct Polling {
     /// transports) keeps polling for this long after a round with work,
     /// yielding its core between rounds, before it waits as described
     /// above: a reply or the next message that arrives meanwhile costs no
-    /// wake-up. While rounds with work come less than ten times this apart
+    /// wake-up. While rounds with work come at most ten times this apart
     /// (a request/reply exchange), the window grows to twice the longest
     /// gap between them, up to five times this; one longer gap takes it
-    /// back. 0 waits at once. Once it has passed, an idle loop costs
+    /// back. It also bounds how long a thread waiting for a message (a
+    /// subscription's reader, a request) yields before it sleeps: up to
+    /// five times this, at least 20 us. 0 waits at once. Once it has passed, an idle loop costs
     /// what it did before (nothing with a wait set or without fabric
     /// endpoints). The NATS listener's I/O thread polls for a fixed 50 us.
     pub spin_us: u64,

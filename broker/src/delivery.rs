@@ -44,15 +44,8 @@ const CHUNK: usize = 256;
 const SPARE_CHUNKS: usize = 2;
 /// Rounds of busy waiting (doubling each round) before a reader yields.
 const SPIN_ROUNDS: u32 = 7;
-/// How long a reader with nothing to read yields the processor before it
-/// parks, at least. A parked reader costs the next producer a system call
-/// to wake it, and itself a scheduler wake-up: yielding first keeps a short
-/// pause in a stream (the producer descheduled for a moment) from costing
-/// one. The window adapts (see [`next_yield_window`]): a reader whose
-/// messages come soon after it starts waiting (the replies of a
-/// request/reply exchange) yields for twice that wait, up to the event
-/// loops' largest polling window (5 x `fabric.polling.spin_us`); one whose
-/// messages are rarer parks after this.
+/// How long a thread waiting for a message yields before it sleeps, at
+/// least (see [`YieldWindow`]).
 const YIELD_MIN: Duration = Duration::from_micros(20);
 /// A reader that finds more than one but fewer entries than this waits a
 /// little longer before looking again next time, and so takes fewer,
@@ -639,27 +632,52 @@ struct Local {
     gap: u32,
     /// When the last batch was taken.
     last_batch: Option<Instant>,
-    /// How long the reader yields before it parks, adapted to how long it
-    /// has recently waited for a message, and its upper bound.
-    yield_window: Duration,
-    yield_max: Duration,
+    /// How long the reader yields before it parks.
+    yield_window: YieldWindow,
 }
 
-/// The yield window after a wait of `waited` that ended with a message:
-/// twice the wait, within [`YIELD_MIN`] and `max`; back to the minimum
-/// after a wait longer than twice the maximum, so that a reader of rare
-/// messages does not burn its core between them. (Not after one just
-/// longer than the maximum: a round trip that took longer because a
-/// thread on its way slept would keep the reader parking, and so slow.) Measured on 2 cores, two
-/// services meshed over `tcp;ofi_rxm` asking each other 64 B requests: the
-/// round trip's median went from 106-168 us with a fixed 20 us window (the
-/// reply came after the reader had parked) to 63-71 us.
-pub(crate) fn next_yield_window(waited: Duration, max: Duration) -> Duration {
-    let max = max.max(YIELD_MIN);
-    if waited > 2 * max {
-        YIELD_MIN
-    } else {
-        (waited * 2).clamp(YIELD_MIN, max)
+/// How long a thread waiting for a message (a subscription's reader, a
+/// request's caller) yields its core before it sleeps. A sleeping reader
+/// costs the producer a system call to wake it, and itself a scheduler
+/// wake-up; yielding first keeps a short pause in a stream (the producer
+/// descheduled for a moment) or a quick reply from costing one. The window
+/// is twice the last wait that ended with a message, from [`YIELD_MIN`] up
+/// to the event loops' largest polling window (`SPIN_GROWTH` times
+/// `fabric.polling.spin_us`); a wait longer than twice that (ten polling
+/// windows, as for the loops) takes it back to the minimum, so that a
+/// reader of rare messages does not burn its core between them. Not one
+/// just longer than the maximum: a round trip slowed by a thread on its
+/// way that slept would keep the reader sleeping too, and so slow.
+/// Measured on 2 cores, two services meshed over `tcp;ofi_rxm` asking each
+/// other 64 B requests: the median round trip went from 106-168 us with a
+/// fixed 20 us window (the reply came after the reader had parked) to
+/// 63-71 us.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct YieldWindow {
+    current: Duration,
+    max: Duration,
+}
+
+impl YieldWindow {
+    /// A window for loops polling `spin` (`fabric.polling.spin_us`).
+    pub fn new(spin: Duration) -> YieldWindow {
+        YieldWindow {
+            current: YIELD_MIN,
+            max: (spin * crate::wait::SPIN_GROWTH).max(YIELD_MIN),
+        }
+    }
+
+    pub fn get(self) -> Duration {
+        self.current
+    }
+
+    /// A wait of `waited` ended with a message.
+    pub fn waited(&mut self, waited: Duration) {
+        self.current = if waited > 2 * self.max {
+            YIELD_MIN
+        } else {
+            (waited * 2).clamp(YIELD_MIN, self.max)
+        };
     }
 }
 
@@ -698,7 +716,7 @@ impl std::fmt::Debug for Subscription {
 
 impl Subscription {
     /// `spin` is the event loops' `fabric.polling.spin_us`, which bounds
-    /// how long the reader yields before it parks.
+    /// how long the reader yields before it parks ([`YieldWindow`]).
     pub(crate) fn new(
         sid: u64,
         pattern: String,
@@ -722,8 +740,7 @@ impl Subscription {
                 handed: 0,
                 gap: 0,
                 last_batch: None,
-                yield_window: YIELD_MIN,
-                yield_max: spin * crate::wait::SPIN_GROWTH,
+                yield_window: YieldWindow::new(spin),
             }),
             stats,
             owner,
@@ -749,14 +766,13 @@ impl Subscription {
     }
 
     /// How long the reader yields before it parks, as adapted so far.
-    pub(crate) fn yield_window(&self) -> Duration {
+    pub(crate) fn yield_window(&self) -> YieldWindow {
         self.local.lock().yield_window
     }
 
-    /// Start from a window adapted by an earlier reader (within bounds).
-    pub(crate) fn set_yield_window(&self, window: Duration) {
-        let mut local = self.local.lock();
-        local.yield_window = window.clamp(YIELD_MIN, local.yield_max.max(YIELD_MIN));
+    /// Start from a window adapted by an earlier reader.
+    pub(crate) fn set_yield_window(&self, window: YieldWindow) {
+        self.local.lock().yield_window = window;
     }
 
     /// Messages waiting to be read.
@@ -829,7 +845,7 @@ impl Subscription {
                 }
             }
             let park = match yielding_since {
-                Some(since) => Instant::now().duration_since(since) >= local.yield_window,
+                Some(since) => Instant::now().duration_since(since) >= local.yield_window.get(),
                 None => false,
             };
             if !waiting && !closed && !park {
@@ -853,8 +869,7 @@ impl Subscription {
                 let now = Instant::now();
                 local.last_batch = Some(now);
                 if !matches!(wait, Wait::No) {
-                    local.yield_window =
-                        next_yield_window(now.duration_since(started), local.yield_max);
+                    local.yield_window.waited(now.duration_since(started));
                 }
                 // Several messages but not a full batch: a stream the reader
                 // outpaces, so wait longer next time. A full batch (the
@@ -1017,16 +1032,23 @@ mod tests {
     #[test]
     fn a_reader_yields_for_twice_its_recent_wait_within_bounds() {
         let us = Duration::from_micros;
-        let max = us(250);
-        assert_eq!(next_yield_window(us(0), max), YIELD_MIN);
-        assert_eq!(next_yield_window(us(60), max), us(120));
-        assert_eq!(next_yield_window(us(200), max), max);
-        assert_eq!(next_yield_window(us(500), max), max);
+        let mut window = YieldWindow::new(us(50));
+        assert_eq!(window.get(), YIELD_MIN);
+        let mut after = |waited| {
+            window.waited(waited);
+            window.get()
+        };
+        assert_eq!(after(us(0)), YIELD_MIN);
+        assert_eq!(after(us(60)), us(120));
+        assert_eq!(after(us(200)), us(250));
+        assert_eq!(after(us(500)), us(250));
         // Rarer messages: the reader parks soon again.
-        assert_eq!(next_yield_window(us(501), max), YIELD_MIN);
-        assert_eq!(next_yield_window(Duration::from_secs(1), max), YIELD_MIN);
+        assert_eq!(after(us(501)), YIELD_MIN);
+        assert_eq!(after(Duration::from_secs(1)), YIELD_MIN);
         // No polling after work (`spin_us = 0`): the minimum throughout.
-        assert_eq!(next_yield_window(us(60), Duration::ZERO), YIELD_MIN);
+        let mut window = YieldWindow::new(Duration::ZERO);
+        window.waited(us(60));
+        assert_eq!(window.get(), YIELD_MIN);
     }
 
     struct Nobody;
@@ -1059,6 +1081,35 @@ mod tests {
         std::iter::from_fn(|| sub.try_recv().ok())
             .map(|m| m.payload[0])
             .collect()
+    }
+
+    #[test]
+    fn a_wait_for_a_message_sets_the_reader_s_window_and_a_poll_does_not() {
+        // Loops polling 1 ms: windows of up to 5 ms, kept after waits of up
+        // to 10 ms, so a busy machine's delays do not decide the outcome.
+        let spin = Duration::from_millis(1);
+        let (sink, reader, stats) = LocalSink::new(8, SlowConsumerPolicy::Block, Duration::ZERO);
+        let sub = Subscription::new(1, "a".into(), None, reader, stats, Arc::new(Nobody), spin);
+        let ready = std::sync::Barrier::new(2);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                ready.wait();
+                std::thread::sleep(Duration::from_millis(1));
+                sink.deliver(message(1));
+            });
+            ready.wait();
+            let received = sub.recv_timeout(Duration::from_secs(10));
+            assert_eq!(received.map(|m| m.payload[0]), Ok(1));
+        });
+        // About twice the millisecond waited, far above the minimum.
+        let window = sub.yield_window().get();
+        assert!(window >= 10 * YIELD_MIN, "window {window:?}");
+        // `try_recv` does not wait: neither an empty poll nor a message
+        // found by one changes the window.
+        assert!(sub.try_recv().is_err());
+        sink.deliver(message(2));
+        assert_eq!(sub.try_recv().map(|m| m.payload[0]), Ok(2));
+        assert_eq!(sub.yield_window().get(), window);
     }
 
     #[test]

@@ -41,10 +41,10 @@ const GAP_IN_EXCHANGE: u32 = 2 * SPIN_GROWTH;
 /// `spin_us`), it grows to twice the longest gap, up to `SPIN_GROWTH`
 /// times `spin_us`, so the loop is still polling when the next reply or
 /// request comes; one longer gap takes it back to `spin_us`, so rare work
-/// costs `spin_us` of polling after each. Measured on 2 cores, 64 B
-/// request/reply through the broker, medians of runs of 1,000: over
-/// `tcp;ofi_rxm` 190-340 us with a fixed 50 us window, 84-124 us with
-/// this one; over TCP 111-153 us and 37-82 us; over `shm` 39-69 us both.
+/// costs `spin_us` of polling after each. On 2 cores, with the waiting
+/// threads' windows (`delivery::YieldWindow`), it took 64 B request/reply
+/// through the broker over `tcp;ofi_rxm` from 182-320 us to 84-114 us
+/// (README, "Busy polling").
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct SpinWindow {
     busy_at: Instant,

@@ -1,5 +1,6 @@
-//! An idle broker and its clients use no CPU: the loops poll on for
-//! `fabric.polling.spin_us` after work and then wait on their descriptors.
+//! An idle broker and its clients use no CPU: the loops poll on for their
+//! window after work (`fabric.polling.spin_us`, up to five times that) and
+//! then wait on their descriptors.
 //! Alone in its binary, so that no other test's loops are counted.
 
 use std::time::Duration;
