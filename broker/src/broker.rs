@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use crossbeam_channel::Sender;
@@ -24,15 +24,15 @@ use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use efabus_transports::tcp;
 use mio::unix::SourceFd;
 use mio::{Interest, Poll, Token, Waker};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, RwLock};
 use tracing::{info, warn};
 
 use crate::accounts::Accounts;
 use crate::commands::CommandQueue;
 use crate::config::Config;
-use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber, YieldWindow};
+use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::endpoints::{self, listener_config, with_faults};
-use crate::error::Error;
+use crate::error::{Error, RecvError};
 use crate::event_loop::{Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
 use crate::monitoring::{ConnectionReport, ListenerReport, MatchReport};
 use crate::publish_cache;
@@ -365,9 +365,6 @@ pub(crate) struct Shared {
     pub(crate) shutdown: AtomicBool,
     pub(crate) stats: BrokerStats,
     pub(crate) inbox_prefix: String,
-    /// How long a request's inbox reader yields before it sleeps, carried
-    /// from one request to the next.
-    pub(crate) reply_window: Mutex<YieldWindow>,
     pub(crate) listening: Vec<(String, String)>,
     /// Why each listener (by its index in `listening`) is out of
     /// service, if it is; set by the event loop.
@@ -435,6 +432,96 @@ impl Unsubscriber for Shared {
 pub struct Broker {
     pub(crate) shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Where replies to [`Broker::request`] arrive, from the first request.
+    replies: Mutex<Option<Arc<ReplyInbox>>>,
+}
+
+/// One wildcard inbox (`<inbox prefix>.*`) for all of a broker handle's
+/// requests, as a client has: a request's reply subject is the inbox and a
+/// token, so requests change no subscription (an inbox per request would
+/// send every route an interest update as it starts and another as it
+/// ends). One waiting request at a time reads the inbox and hands each
+/// reply to the request its token names; a lone request reads its own.
+struct ReplyInbox {
+    subscription: Subscription,
+    state: Mutex<InboxState>,
+    /// Signalled when a reply is handed over or the reader steps down.
+    handed: Condvar,
+}
+
+#[derive(Default)]
+struct InboxState {
+    /// Requests waiting, by token, each with its reply once it came.
+    waiting: rustc_hash::FxHashMap<u64, Option<Message>>,
+    /// Whether a request is reading the subscription.
+    reading: bool,
+}
+
+impl ReplyInbox {
+    /// Wait until `deadline` (`None`: for ever) for the reply to `token`,
+    /// reading the inbox whenever no other request does.
+    fn wait_for(
+        &self,
+        token: u64,
+        prefix: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Message, RecvError> {
+        let mut state = self.state.lock();
+        loop {
+            if let Some(reply) = state.waiting.get_mut(&token).and_then(Option::take) {
+                return Ok(reply);
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|deadline| now >= deadline) {
+                return Err(RecvError::Timeout);
+            }
+            if state.reading {
+                match deadline {
+                    Some(deadline) => {
+                        self.handed.wait_until(&mut state, deadline);
+                    }
+                    None => self.handed.wait(&mut state),
+                }
+                continue;
+            }
+            state.reading = true;
+            drop(state);
+            let read = match deadline {
+                Some(deadline) => self
+                    .subscription
+                    .recv_timeout(deadline.saturating_duration_since(now)),
+                None => self.subscription.recv(),
+            };
+            state = self.state.lock();
+            state.reading = false;
+            match read {
+                Ok(reply) => {
+                    let slot = reply_token(&reply.subject, prefix)
+                        .and_then(|token| state.waiting.get_mut(&token));
+                    // A reply to a request that has given up, or a second
+                    // reply to one, is dropped.
+                    if let Some(slot) = slot.filter(|slot| slot.is_none()) {
+                        *slot = Some(reply);
+                    }
+                }
+                Err(RecvError::Closed) => {
+                    self.handed.notify_all();
+                    return Err(RecvError::Closed);
+                }
+                Err(_) => {}
+            }
+            self.handed.notify_all();
+        }
+    }
+}
+
+/// The token of a reply subject `<prefix>.<token>`.
+fn reply_token(subject: &str, prefix: &str) -> Option<u64> {
+    subject
+        .strip_prefix(prefix)?
+        .strip_prefix('.')?
+        .parse()
+        .ok()
 }
 
 impl std::fmt::Debug for Broker {
@@ -563,7 +650,6 @@ impl Broker {
             BrokerStats::add(&stats.fabric_buffer_bytes, buffers.held as u64);
             BrokerStats::add(&stats.fabric_registered_bytes, buffers.registered as u64);
         }
-        let reply_window = YieldWindow::new(config.fabric.polling.spin());
         let shared = Arc::new(Shared {
             live: LiveLimits::new(&config),
             accounts: Accounts::new(&config.auth.users),
@@ -576,7 +662,6 @@ impl Broker {
             shutdown: AtomicBool::new(false),
             stats,
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
-            reply_window: Mutex::new(reply_window),
             listener_failures: Mutex::new(vec![None; listening.len()]),
             listening,
             broker_id,
@@ -600,6 +685,7 @@ impl Broker {
         Ok(Broker {
             shared,
             thread: Mutex::new(Some(thread)),
+            replies: Mutex::new(None),
         })
     }
 
@@ -821,22 +907,39 @@ impl Broker {
         payload: impl Into<Bytes>,
         timeout: Duration,
     ) -> Result<Message, Error> {
-        let n = self.shared.next_sid.fetch_add(1, Ordering::Relaxed);
-        let inbox = format!("{}.{n}", self.shared.inbox_prefix);
-        let replies = self.subscribe(&inbox)?;
-        // Each request has an inbox of its own: the window its reader
-        // adapts to the round trips passes from one to the next.
-        replies.set_yield_window(*self.shared.reply_window.lock());
-        let matched = self.publish_inner(subject, Some(&inbox), None, payload.into())?;
-        if matched == 0 {
-            return Err(Error::NoResponders(subject.to_string()));
+        let inbox = self.reply_inbox()?;
+        let prefix = &self.shared.inbox_prefix;
+        let token = self.shared.next_sid.fetch_add(1, Ordering::Relaxed);
+        inbox.state.lock().waiting.insert(token, None);
+        let reply_to = format!("{prefix}.{token}");
+        let result = match self.publish_inner(subject, Some(&reply_to), None, payload.into()) {
+            Ok(0) => Err(Error::NoResponders(subject.to_string())),
+            Ok(_) => inbox
+                .wait_for(token, prefix, Instant::now().checked_add(timeout))
+                .map_err(|err| match err {
+                    RecvError::Closed => Error::Closed,
+                    _ => Error::Timeout(timeout),
+                }),
+            Err(err) => Err(err),
+        };
+        inbox.state.lock().waiting.remove(&token);
+        result
+    }
+
+    /// The inbox of this handle's requests, subscribed at the first.
+    fn reply_inbox(&self) -> Result<Arc<ReplyInbox>, Error> {
+        let mut replies = self.replies.lock();
+        if let Some(inbox) = &*replies {
+            return Ok(inbox.clone());
         }
-        let reply = replies.recv_timeout(timeout).map_err(|err| match err {
-            crate::RecvError::Closed => Error::Closed,
-            _ => Error::Timeout(timeout),
+        let subscription = self.subscribe(&format!("{}.*", self.shared.inbox_prefix))?;
+        let inbox = Arc::new(ReplyInbox {
+            subscription,
+            state: Mutex::new(InboxState::default()),
+            handed: Condvar::new(),
         });
-        *self.shared.reply_window.lock() = replies.yield_window();
-        reply
+        *replies = Some(inbox.clone());
+        Ok(inbox)
     }
 
     /// Wait until every message published so far has been handed to

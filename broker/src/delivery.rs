@@ -766,13 +766,9 @@ impl Subscription {
     }
 
     /// How long the reader yields before it parks, as adapted so far.
-    pub(crate) fn yield_window(&self) -> YieldWindow {
+    #[cfg(test)]
+    fn yield_window(&self) -> YieldWindow {
         self.local.lock().yield_window
-    }
-
-    /// Start from a window adapted by an earlier reader.
-    pub(crate) fn set_yield_window(&self, window: YieldWindow) {
-        self.local.lock().yield_window = window;
     }
 
     /// Messages waiting to be read.

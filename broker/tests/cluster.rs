@@ -176,6 +176,36 @@ fn request_and_reply_cross_brokers() {
 }
 
 #[test]
+fn requests_across_a_route_share_one_inbox() {
+    let (a, b) = pair();
+    let service = b.subscribe("svc.echo").unwrap();
+    wait_interest(&a, 1);
+    const REQUESTS: usize = 20;
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for _ in 0..REQUESTS {
+                let request = service.recv_timeout(WAIT).expect("a request");
+                let reply = request.reply.expect("a reply subject");
+                b.publish(&reply, request.payload).unwrap();
+            }
+        });
+        for n in 0..REQUESTS {
+            let asked = Bytes::from(n.to_string());
+            let reply = a.request("svc.echo", asked.clone(), WAIT).unwrap();
+            assert_eq!(reply.payload, asked);
+        }
+    });
+    // What A sent B before this message (interest updates included) has
+    // reached B once the message has: B knows A's one inbox for all its
+    // requests, still subscribed (an inbox per request would be gone).
+    let marker = b.subscribe("marker").unwrap();
+    wait_interest(&a, 2);
+    a.publish("marker", &b"m"[..]).unwrap();
+    marker.recv_timeout(WAIT).expect("the marker");
+    assert_eq!(b.route_interest_count(), 1);
+}
+
+#[test]
 fn unsubscribing_on_one_broker_stops_forwarding_from_another() {
     let (a, b) = pair();
     let sub = b.subscribe("feed").unwrap();

@@ -167,6 +167,57 @@ fn request_gets_the_reply_or_no_responders() {
 }
 
 #[test]
+fn concurrent_requests_each_get_their_own_reply_and_late_ones_are_dropped() {
+    let broker = Arc::new(broker(""));
+    let service = broker.subscribe("svc.echo").unwrap();
+    const THREADS: usize = 4;
+    const EACH: usize = 50;
+    std::thread::scope(|scope| {
+        let responder = scope.spawn(|| {
+            let mut answered = 0;
+            // The first request is answered only after its asker gave up.
+            let late = service.recv_timeout(WAIT).expect("a request");
+            std::thread::sleep(Duration::from_millis(100));
+            let reply = late.reply.clone().expect("a reply subject");
+            broker.publish(&reply, late.payload.clone()).unwrap();
+            while answered < THREADS * EACH {
+                let request = service.recv_timeout(WAIT).expect("a request");
+                let reply = request.reply.clone().expect("a reply subject");
+                broker.publish(&reply, request.payload.clone()).unwrap();
+                answered += 1;
+            }
+        });
+        assert!(matches!(
+            broker.request("svc.echo", payload("late"), Duration::from_millis(20)),
+            Err(Error::Timeout(_))
+        ));
+        let askers: Vec<_> = (0..THREADS)
+            .map(|thread| {
+                let broker = &broker;
+                scope.spawn(move || {
+                    for n in 0..EACH {
+                        let asked = Bytes::from(format!("{thread}:{n}"));
+                        let started = Instant::now();
+                        let reply = broker.request("svc.echo", asked.clone(), WAIT).unwrap();
+                        assert_eq!(reply.payload, asked, "a reply to another request");
+                        // A reply handed over by the request reading the
+                        // inbox wakes its own at once, not at its deadline.
+                        assert!(
+                            started.elapsed() < WAIT / 2,
+                            "a handed reply was not noticed"
+                        );
+                    }
+                })
+            })
+            .collect();
+        for asker in askers {
+            asker.join().unwrap();
+        }
+        responder.join().unwrap();
+    });
+}
+
+#[test]
 fn publish_request_carries_the_reply_subject() {
     let broker = broker("");
     let sub = broker.subscribe("ask").unwrap();
