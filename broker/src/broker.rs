@@ -29,7 +29,7 @@ use tracing::{info, warn};
 
 use crate::accounts::Accounts;
 use crate::commands::CommandQueue;
-use crate::config::Config;
+use crate::config::{Config, SlowConsumerPolicy};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::{Error, RecvError};
@@ -844,16 +844,21 @@ impl Broker {
 
     /// Subscribe to a pattern (`*` one token, `>` the rest).
     pub fn subscribe(&self, pattern: &str) -> Result<Subscription, Error> {
-        self.subscribe_inner(pattern, None)
+        self.subscribe_inner(pattern, None, self.shared.live.policy())
     }
 
     /// Subscribe as a member of a queue group: each message matching the
     /// pattern goes to one member of the group.
     pub fn queue_subscribe(&self, pattern: &str, group: &str) -> Result<Subscription, Error> {
-        self.subscribe_inner(pattern, Some(group))
+        self.subscribe_inner(pattern, Some(group), self.shared.live.policy())
     }
 
-    fn subscribe_inner(&self, pattern: &str, queue: Option<&str>) -> Result<Subscription, Error> {
+    fn subscribe_inner(
+        &self,
+        pattern: &str,
+        queue: Option<&str>,
+        policy: SlowConsumerPolicy,
+    ) -> Result<Subscription, Error> {
         let shared = &self.shared;
         if shared.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
@@ -867,7 +872,7 @@ impl Broker {
         let sid = shared.next_sid.fetch_add(1, Ordering::Relaxed);
         let (sink, rx, stats) = LocalSink::new(
             shared.live.subscription_queue(),
-            shared.live.policy(),
+            policy,
             shared.live.block_timeout(),
         );
         shared
@@ -927,12 +932,21 @@ impl Broker {
     }
 
     /// The inbox of this handle's requests, subscribed at the first.
+    /// Between requests nobody reads it, so replies nobody waits for (late
+    /// ones, second ones) gather there until the next request drops them:
+    /// whatever the configured slow-consumer policy, the oldest of them go
+    /// when it is full, so they neither hold up their publishers (`block`)
+    /// nor end the inbox (`disconnect`).
     fn reply_inbox(&self) -> Result<Arc<ReplyInbox>, Error> {
         let mut replies = self.replies.lock();
         if let Some(inbox) = &*replies {
             return Ok(inbox.clone());
         }
-        let subscription = self.subscribe(&format!("{}.*", self.shared.inbox_prefix))?;
+        let subscription = self.subscribe_inner(
+            &format!("{}.*", self.shared.inbox_prefix),
+            None,
+            SlowConsumerPolicy::DropOldest,
+        )?;
         let inbox = Arc::new(ReplyInbox {
             subscription,
             state: Mutex::new(InboxState::default()),

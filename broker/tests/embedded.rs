@@ -177,7 +177,7 @@ fn concurrent_requests_each_get_their_own_reply_and_late_ones_are_dropped() {
             let mut answered = 0;
             // The first request is answered only after its asker gave up.
             let late = service.recv_timeout(WAIT).expect("a request");
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(300));
             let reply = late.reply.clone().expect("a reply subject");
             broker.publish(&reply, late.payload.clone()).unwrap();
             while answered < THREADS * EACH {
@@ -215,6 +215,51 @@ fn concurrent_requests_each_get_their_own_reply_and_late_ones_are_dropped() {
         }
         responder.join().unwrap();
     });
+}
+
+#[test]
+fn unread_replies_neither_end_nor_hold_up_the_request_inbox() {
+    for policy in ["block", "disconnect"] {
+        let broker = broker(&format!(
+            "[limits]\nsubscription_queue = 2\n\
+             [slow_consumer]\npolicy = \"{policy}\"\nblock_timeout_ms = 20000\n"
+        ));
+        let service = broker.subscribe("svc.chatty").unwrap();
+        let (replied, all_replied) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                // Four replies to the first request, all sent while no
+                // request waits: three stay unread in the inbox, one more
+                // than it holds.
+                let request = service.recv_timeout(WAIT).expect("a request");
+                let reply = request.reply.clone().expect("a reply subject");
+                for _ in 0..4 {
+                    let started = Instant::now();
+                    broker.publish(&reply, payload("first")).unwrap();
+                    assert!(started.elapsed() < WAIT, "{policy}: a reply was held up");
+                }
+                replied.send(()).unwrap();
+                let request = service.recv_timeout(WAIT).expect("a second request");
+                let reply = request.reply.clone().expect("a reply subject");
+                broker.publish(&reply, payload("second")).unwrap();
+            });
+            let first = broker.request("svc.chatty", payload("1"), WAIT).unwrap();
+            assert_eq!(&first.payload[..], b"first");
+            all_replied
+                .recv_timeout(2 * WAIT)
+                .expect("the first replies");
+            let second = broker.request("svc.chatty", payload("2"), WAIT).unwrap();
+            assert_eq!(&second.payload[..], b"second", "{policy}");
+        });
+        let stats = broker.stats();
+        assert_eq!(
+            stats
+                .slow_consumer_disconnects
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0,
+            "{policy}"
+        );
+    }
 }
 
 #[test]
