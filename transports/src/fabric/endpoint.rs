@@ -781,12 +781,16 @@ impl FabricEndpoint {
         self.lent_rx -= self.rx_pool.take_returned(&mut self.unposted_rx);
         let budget = self.link.tx_depth + self.link.rx_depth + CQ_BATCH;
         let mut handled = 0;
-        while handled < budget {
-            let n = self.drain_tx()? + self.drain_rx()?;
-            if n == 0 {
+        loop {
+            let (tx, rx) = (self.drain_tx()?, self.drain_rx()?);
+            handled += tx + rx;
+            // A read that came back short of a batch emptied its queue:
+            // what completes after it is found at the next poll. Reading
+            // both queues again only to find them empty doubled the
+            // provider calls (and, with `shm`, its locking) per message.
+            if (tx < CQ_BATCH && rx < CQ_BATCH) || handled >= budget {
                 break;
             }
-            handled += n;
         }
         self.flush_backlogs();
         self.start_reads();
