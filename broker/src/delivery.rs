@@ -976,13 +976,18 @@ impl Subscription {
 
 /// When a receive must give up: `Err(Empty)` for one that may not wait,
 /// `Ok(None)` for one that waits forever.
-fn wait_deadline(wait: Wait, deadline: &mut Option<Instant>) -> Result<Option<Instant>, RecvError> {
+/// When a wait of `wait` ends (`None`: never), computed once into
+/// `deadline`. A timeout too long for the clock waits for ever.
+fn wait_deadline(
+    wait: Wait,
+    deadline: &mut Option<Option<Instant>>,
+) -> Result<Option<Instant>, RecvError> {
     match wait {
         Wait::No => Err(RecvError::Empty),
         Wait::Forever => Ok(None),
-        Wait::For(timeout) => Ok(Some(
-            *deadline.get_or_insert_with(|| Instant::now() + timeout),
-        )),
+        Wait::For(timeout) => {
+            Ok(*deadline.get_or_insert_with(|| Instant::now().checked_add(timeout)))
+        }
     }
 }
 
@@ -1106,6 +1111,19 @@ mod tests {
         sink.deliver(message(2));
         assert_eq!(sub.try_recv().map(|m| m.payload[0]), Ok(2));
         assert_eq!(sub.yield_window().get(), window);
+    }
+
+    #[test]
+    fn a_timeout_beyond_the_clock_waits_for_the_message() {
+        let (sink, sub) = queue(8, SlowConsumerPolicy::Block, Duration::ZERO);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                sink.deliver(message(7));
+            });
+            let received = sub.recv_timeout(Duration::MAX);
+            assert_eq!(received.map(|m| m.payload[0]), Ok(7));
+        });
     }
 
     #[test]
