@@ -281,7 +281,11 @@ fn service(args: &[String]) -> Result<(), Failure> {
             let received = counter.join().map_err(|_| "the counting thread failed")?;
             if received < expected {
                 stop.store(true, Ordering::Relaxed);
-                return Err(format!("{name}: {received} of {expected} streamed messages").into());
+                return Err(format!(
+                    "{name}: {received} of {expected} streamed messages; {}",
+                    broker_state(&broker)
+                )
+                .into());
             }
             println!("{name} received {expected} streamed messages");
             if let Some(kib) = resident_kib() {
@@ -300,6 +304,15 @@ fn service(args: &[String]) -> Result<(), Failure> {
 /// A request that got no answer: what this broker's routes and counters
 /// say, to tell a lost message from a stalled route.
 fn unanswered(broker: &Broker, name: &str, other: &str, err: RecvError) -> Failure {
+    format!(
+        "{name}: no answer from {other} ({err}); {}",
+        broker_state(broker)
+    )
+    .into()
+}
+
+/// This broker's routes and its counters that are not zero.
+fn broker_state(broker: &Broker) -> String {
     let routes: Vec<String> = broker
         .routes()
         .iter()
@@ -313,11 +326,10 @@ fn unanswered(broker: &Broker, name: &str, other: &str, err: RecvError) -> Failu
         .map(|(name, value)| format!("{name}={value}"))
         .collect();
     format!(
-        "{name}: no answer from {other} ({err}); routes: {}; counters: {}",
+        "routes: {}; counters: {}",
         routes.join(", "),
         counters.join(" ")
     )
-    .into()
 }
 
 /// Wait for the routes to every other service, print their paths, then
