@@ -494,6 +494,9 @@ impl ReplyInbox {
             };
             state = self.state.lock();
             state.reading = false;
+            // The waiters wake once this lock is released, with the reply
+            // handed over and the inbox free to read.
+            self.handed.notify_all();
             match read {
                 Ok(reply) => {
                     let slot = reply_token(&reply.subject, prefix)
@@ -504,13 +507,9 @@ impl ReplyInbox {
                         *slot = Some(reply);
                     }
                 }
-                Err(RecvError::Closed) => {
-                    self.handed.notify_all();
-                    return Err(RecvError::Closed);
-                }
+                Err(RecvError::Closed) => return Err(RecvError::Closed),
                 Err(_) => {}
             }
-            self.handed.notify_all();
         }
     }
 }

@@ -1281,8 +1281,8 @@ impl ClientLoop {
             // After what the endpoints delivered: a gap it filled is no
             // failure, however late.
             self.poll_links(now);
-            // After a busy round the loop polls on for its spin window
-            // (`SpinWindow`), then waits: work that came in meanwhile has made a descriptor
+            // After a busy round the loop polls on for its `SpinWindow`,
+            // then waits: work that came in meanwhile has made a descriptor
             // ready (or the outbox non-empty, which `park` checks), so the
             // wait returns at once.
             let drained = self.drain_outbox();

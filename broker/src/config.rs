@@ -532,9 +532,9 @@ pub struct Polling {
     /// gap between them, up to five times this; one longer gap takes it
     /// back. It also bounds how long a thread waiting for a message (a
     /// subscription's reader, a request) yields before it sleeps: up to
-    /// five times this, at least 20 us. 0 waits at once. Once it has passed, an idle loop costs
-    /// what it did before (nothing with a wait set or without fabric
-    /// endpoints). The NATS listener's I/O thread polls for a fixed 50 us.
+    /// five times this, at least 20 us. 0 waits at once. Once it has
+    /// passed, an idle loop costs what it did before (nothing with a wait
+    /// set or without fabric endpoints). The NATS listener's I/O thread polls for a fixed 50 us.
     pub spin_us: u64,
     pub busy_polls: u32,
     pub idle_sleep_us: u64,

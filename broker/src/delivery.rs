@@ -808,7 +808,8 @@ impl Subscription {
     #[inline(never)]
     fn receive_slow(&self, wait: Wait) -> Result<Message, RecvError> {
         let queue = &*self.queue;
-        let started = Instant::now();
+        // A poll (`try_recv`) leaves the yield window alone: no clock read.
+        let started = (!matches!(wait, Wait::No)).then(Instant::now);
         // Computed only once the reader has to wait.
         let mut deadline = None;
         let mut yielding_since = None;
@@ -864,7 +865,7 @@ impl Subscription {
                 drop(state);
                 let now = Instant::now();
                 local.last_batch = Some(now);
-                if !matches!(wait, Wait::No) {
+                if let Some(started) = started {
                     local.yield_window.waited(now.duration_since(started));
                 }
                 // Several messages but not a full batch: a stream the reader
@@ -974,10 +975,9 @@ impl Subscription {
     }
 }
 
-/// When a receive must give up: `Err(Empty)` for one that may not wait,
-/// `Ok(None)` for one that waits forever.
-/// When a wait of `wait` ends (`None`: never), computed once into
-/// `deadline`. A timeout too long for the clock waits for ever.
+/// When a receive must give up, computed once into `deadline`: `Err(Empty)`
+/// for one that may not wait, `Ok(None)` for one that waits for ever (and
+/// for a timeout too long for the clock).
 fn wait_deadline(
     wait: Wait,
     deadline: &mut Option<Option<Instant>>,

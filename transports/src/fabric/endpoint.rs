@@ -341,6 +341,9 @@ pub struct FabricEndpoint {
     tx_control: Vec<bool>,
     /// Inside `progress` (see there).
     progressing: bool,
+    /// A call made while `progressing` asked for progress: the outer call
+    /// reads the queues once more.
+    progress_again: bool,
     /// When a send was last posted, on a manual-progress provider.
     last_post: Option<Instant>,
     /// A `shm` endpoint's entry in `local_shm_endpoints`.
@@ -665,6 +668,7 @@ impl FabricEndpoint {
             tx_body: vec![None; tx_depth],
             tx_control: vec![false; tx_depth],
             progressing: false,
+            progress_again: false,
             last_post: None,
             shm_open: None,
             unposted_rx: (0..rx_depth).rev().collect(),
@@ -763,11 +767,13 @@ impl FabricEndpoint {
         Ok(())
     }
 
-    /// Reads both CQs until empty (bounded per call), queueing events.
+    /// Reads both CQs (more than once only while they come back full or a
+    /// send asked for progress meanwhile), queueing events.
     fn progress(&mut self) -> Result<(), FabricError> {
         // A send made from within progress (a done frame) may find no slot
         // and ask for progress again: the outer call carries on instead.
         if self.progressing {
+            self.progress_again = true;
             return Ok(());
         }
         self.progressing = true;
@@ -785,10 +791,13 @@ impl FabricEndpoint {
             let (tx, rx) = (self.drain_tx()?, self.drain_rx()?);
             handled += tx + rx;
             // A read that came back short of a batch emptied its queue:
-            // what completes after it is found at the next poll. Reading
-            // both queues again only to find them empty doubled the
-            // provider calls (and, with `shm`, its locking) per message.
-            if (tx < CQ_BATCH && rx < CQ_BATCH) || handled >= budget {
+            // what completes after it is found at the next poll, unless a
+            // send made meanwhile is waiting for a slot. Reading both
+            // queues again only to find them empty doubled the provider
+            // calls (and, with `shm`, its locking) per message.
+            let again = std::mem::take(&mut self.progress_again);
+            let full = tx == CQ_BATCH || rx == CQ_BATCH;
+            if tx + rx == 0 || !(full || again) || handled >= budget {
                 break;
             }
         }
