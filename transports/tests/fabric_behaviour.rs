@@ -1027,6 +1027,57 @@ mod suite {
 
     /// Frames sent in a burst, without a poll between them, share
     /// messages, and still arrive whole and in order.
+    /// Every completion-queue read runs the provider's progress, so the tx
+    /// queue is read only while a send or read of ours is due there: a
+    /// ping-pong of small frames, which the provider takes by `fi_inject`
+    /// (no completion), reads it about once in 64 rounds (to find what no
+    /// post of ours accounts for), the rx queue every round.
+    pub fn completion_queues_are_read_as_needed(kind: EpKind, provider: &str) {
+        let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
+            return;
+        };
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        const ROUNDS: usize = 100;
+        for n in 0..ROUNDS {
+            let ping = format!("ping {n}");
+            a.send(pb, frame(ping.as_bytes())).expect("send ping");
+            pump(
+                &mut a,
+                &mut b,
+                &mut ae,
+                &mut be,
+                |_, be| !frames_from(be, pa).is_empty(),
+                "a ping",
+            );
+            assert_eq!(payload_of(&frames_from(&be, pa)[0]), ping.as_bytes());
+            be.clear();
+            b.send(pa, frame(b"pong")).expect("send pong");
+            pump(
+                &mut a,
+                &mut b,
+                &mut ae,
+                &mut be,
+                |ae, _| !frames_from(ae, pb).is_empty(),
+                "a pong",
+            );
+            ae.clear();
+        }
+        for (side, stats) in [("a", a.stats()), ("b", b.stats())] {
+            assert_eq!(stats.received as usize, ROUNDS, "{side}: {stats:?}");
+            // Every provider here takes frames this small by inject.
+            assert_eq!(
+                (stats.injected as usize, stats.sent),
+                (ROUNDS, 0),
+                "{provider}, {side}: {stats:?}"
+            );
+            assert!(
+                stats.tx_cq_reads <= stats.rx_cq_reads / 64 + 1,
+                "{provider}, {side}: tx queue read with nothing due: {stats:?}"
+            );
+        }
+    }
+
     pub fn bursts_are_packed(kind: EpKind, provider: &str) {
         let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
             return;
@@ -1621,6 +1672,11 @@ macro_rules! provider_suite {
             #[test]
             fn strangers_and_forgeries_are_dropped() {
                 suite::strangers_and_forgeries_are_dropped($kind, $provider);
+            }
+
+            #[test]
+            fn completion_queues_are_read_as_needed() {
+                suite::completion_queues_are_read_as_needed($kind, $provider);
             }
 
             #[test]

@@ -117,6 +117,11 @@ const MANUAL_PROGRESS_TICK: Duration = Duration::from_millis(1);
 /// this long between tries.
 const MANUAL_PROGRESS_LINGER: Duration = Duration::from_millis(250);
 
+/// Progress rounds without a tx CQ read, while nothing of ours is due
+/// there, before it is read anyway: a completion no post of ours
+/// accounts for (a provider's error report) is still found.
+const TX_CQ_CHECK_ROUNDS: u32 = 64;
+
 /// Completions read per `fi_cq_read`.
 const CQ_BATCH: usize = 64;
 
@@ -218,6 +223,12 @@ pub struct FabricStats {
     pub lent: u64,
     /// Frames whose body was sent from the caller's buffer, uncopied.
     pub shared_sends: u64,
+    /// Reads of the tx and of the rx completion queue. Each runs the
+    /// provider's progress (with `shm`, under its locks; with
+    /// `tcp;ofi_rxm`, a poll of its sockets), so the tx queue is read only
+    /// while an operation of ours is due there.
+    pub tx_cq_reads: u64,
+    pub rx_cq_reads: u64,
     /// Addresses removed from the address vector to make room.
     pub av_evictions: u64,
     pub would_block: u64,
@@ -344,6 +355,12 @@ pub struct FabricEndpoint {
     /// A call made while `progressing` asked for progress: the outer call
     /// reads the queues once more.
     progress_again: bool,
+    /// Sends posted whose completion is due on the tx CQ (an injected send
+    /// has none). While there are none and no read is in flight, progress
+    /// reads only the rx CQ: every CQ read runs the provider's progress.
+    sends_posted: usize,
+    /// Progress rounds since the tx CQ was last read.
+    rounds_since_tx_read: u32,
     /// When a send was last posted, on a manual-progress provider.
     last_post: Option<Instant>,
     /// A `shm` endpoint's entry in `local_shm_endpoints`.
@@ -669,6 +686,8 @@ impl FabricEndpoint {
             tx_control: vec![false; tx_depth],
             progressing: false,
             progress_again: false,
+            sends_posted: 0,
+            rounds_since_tx_read: 0,
             last_post: None,
             shm_open: None,
             unposted_rx: (0..rx_depth).rev().collect(),
@@ -788,7 +807,13 @@ impl FabricEndpoint {
         let budget = self.link.tx_depth + self.link.rx_depth + CQ_BATCH;
         let mut handled = 0;
         loop {
-            let (tx, rx) = (self.drain_tx()?, self.drain_rx()?);
+            let tx = if self.tx_due() || self.rounds_since_tx_read >= TX_CQ_CHECK_ROUNDS {
+                self.drain_tx()?
+            } else {
+                self.rounds_since_tx_read += 1;
+                0
+            };
+            let rx = self.drain_rx()?;
             handled += tx + rx;
             // A read that came back short of a batch emptied its queue:
             // what completes after it is found at the next poll, unless a
@@ -828,7 +853,19 @@ impl FabricEndpoint {
         Ok(())
     }
 
+    /// Whether a completion of ours is due on the tx CQ: a send posted
+    /// without inject, or a rendezvous read.
+    fn tx_due(&self) -> bool {
+        self.sends_posted > 0
+            || self
+                .rma
+                .as_ref()
+                .is_some_and(|rma| rma.free_slots.len() < rma.slots.len())
+    }
+
     fn drain_tx(&mut self) -> Result<usize, FabricError> {
+        self.rounds_since_tx_read = 0;
+        self.stats.tx_cq_reads += 1;
         match self.tx_cq.read(&mut self.completions)? {
             CqRead::Entries(n) => {
                 for i in 0..n {
@@ -836,6 +873,7 @@ impl FabricEndpoint {
                     match self.rma.as_ref().and_then(|rma| rma.slot_of(context)) {
                         Some(slot) => self.finish_read(slot, None),
                         None => {
+                            self.sends_posted = self.sends_posted.saturating_sub(1);
                             self.finish_send(context);
                         }
                     }
@@ -859,6 +897,7 @@ impl FabricEndpoint {
                         self.finish_read(slot, Some(error.to_string()));
                         return Ok(1);
                     }
+                    self.sends_posted = self.sends_posted.saturating_sub(1);
                     self.on_tx_error(err);
                     return Ok(1);
                 }
@@ -907,6 +946,7 @@ impl FabricEndpoint {
     }
 
     fn drain_rx(&mut self) -> Result<usize, FabricError> {
+        self.stats.rx_cq_reads += 1;
         let read = if self.checks_source {
             self.rx_cq
                 .read_from(&mut self.completions, &mut self.sources)?
@@ -1197,6 +1237,7 @@ impl FabricEndpoint {
             };
             if posted.is_ok() {
                 self.stats.sent += 1;
+                self.sends_posted += 1;
                 self.note_post();
             }
             return posted;
@@ -1222,6 +1263,7 @@ impl FabricEndpoint {
         let posted = unsafe { self.ep.send(ptr, len, desc, dest, context) };
         if posted.is_ok() {
             self.stats.sent += 1;
+            self.sends_posted += 1;
             self.note_post();
         }
         posted
