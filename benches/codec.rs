@@ -60,7 +60,7 @@ fn fabric_tag(c: &mut Criterion) {
     let key = [7u8; 32];
     let sender = [1u8; 16];
     let mut group = c.benchmark_group("fabric_tag");
-    for size in [16usize, 1 << 20] {
+    for size in [16usize, 16 << 10, 1 << 20] {
         let layout = BufferLayout::new(0, size + 4096);
         let frame = encode(&publish(size));
         let mut slot = vec![0u8; layout.slot_stride()];
