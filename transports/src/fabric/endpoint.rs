@@ -804,6 +804,12 @@ impl FabricEndpoint {
     fn progress_once(&mut self) -> Result<(), FabricError> {
         // Slots given back first, so what arrives now may be lent again.
         self.lent_rx -= self.rx_pool.take_returned(&mut self.unposted_rx);
+        // Frames sent since the last call go before the queues are read:
+        // a reply made to what the last call delivered waits for no
+        // provider call (with `tcp;ofi_rxm`, a poll of its sockets).
+        if !self.backlogged.is_empty() {
+            self.flush_backlogs();
+        }
         let budget = self.link.tx_depth + self.link.rx_depth + CQ_BATCH;
         let mut handled = 0;
         loop {
