@@ -1288,6 +1288,11 @@ impl ClientLoop {
             let drained = self.drain_outbox();
             self.check_send_failure();
             let credit_waiting = self.grant_credits(now);
+            // The round's sends leave now, not after the next round's poll
+            // of the control link.
+            for endpoint in &mut self.endpoints {
+                endpoint.flush();
+            }
             // Measured from the end of the work, as the broker's loop does.
             let after = Instant::now();
             let spin = self.shared.options.fabric.polling.spin();

@@ -651,6 +651,12 @@ pub trait Endpoint: Send {
     /// Append what is ready to `events` without blocking.
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError>;
 
+    /// Hand what `send` queued to the wire now, reading nothing: called
+    /// once a round of the caller's loop has made its sends, so they need
+    /// not wait for its next poll of every endpoint. Endpoints that send
+    /// from `send` itself need nothing here (the default).
+    fn flush(&mut self) {}
+
     /// A handle through which other threads may send to the peer directly,
     /// without handing frames to the thread that polls this endpoint; `None`
     /// when the transport has none (the default) or the peer is unknown.

@@ -1005,6 +1005,10 @@ impl Endpoint for FaultyEndpoint {
         self.inner.prepare_wait()
     }
 
+    fn flush(&mut self) {
+        self.inner.flush();
+    }
+
     fn wait_cap(&self) -> Option<std::time::Duration> {
         self.inner.wait_cap()
     }

@@ -1104,6 +1104,43 @@ mod suite {
         }
     }
 
+    /// `flush` posts what `send` queued and reads no completion queue: the
+    /// frame arrives, though the sender was not polled after the send.
+    pub fn flush_posts_without_reading(kind: EpKind, provider: &str) {
+        let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
+            return;
+        };
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        // The first exchange sets up the provider's connection.
+        ping_pong((&mut a, &mut b), (pb, pa), 1);
+        let before = a.stats().clone();
+        a.send(pb, frame(b"flushed")).expect("send");
+        assert_eq!(
+            a.stats().sent + a.stats().injected,
+            before.sent + before.injected
+        );
+        a.flush();
+        let after = a.stats().clone();
+        assert_eq!(
+            after.sent + after.injected,
+            before.sent + before.injected + 1
+        );
+        assert_eq!(
+            (after.tx_cq_reads, after.rx_cq_reads),
+            (before.tx_cq_reads, before.rx_cq_reads),
+            "{provider}: flush read a queue"
+        );
+        let (start, mut events) = (Instant::now(), Vec::new());
+        while frames_from(&events, pa).is_empty() {
+            b.poll(&mut events).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{provider}: the flushed frame never arrived"
+            );
+        }
+        assert_eq!(payload_of(&frames_from(&events, pa)[0]), b"flushed");
+    }
+
     pub fn bursts_are_packed(kind: EpKind, provider: &str) {
         let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
             return;
@@ -1703,6 +1740,11 @@ macro_rules! provider_suite {
             #[test]
             fn completion_queues_are_read_as_needed() {
                 suite::completion_queues_are_read_as_needed($kind, $provider);
+            }
+
+            #[test]
+            fn flush_posts_without_reading() {
+                suite::flush_posts_without_reading($kind, $provider);
             }
 
             #[test]

@@ -393,6 +393,11 @@ impl EventLoop {
                 self.timers_ran = now;
                 self.on_timers(now);
             }
+            // The round's sends leave now, not after the next round's poll
+            // of every endpoint before theirs.
+            for endpoint in &mut self.endpoints {
+                endpoint.flush();
+            }
             if busy {
                 spin_window.worked(now, spin);
                 continue;

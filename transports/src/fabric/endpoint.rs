@@ -2165,6 +2165,14 @@ impl Endpoint for FabricEndpoint {
         result
     }
 
+    /// Posts the backlogs: frames sent since the last poll, packed per
+    /// peer.
+    fn flush(&mut self) {
+        if !self.backlogged.is_empty() {
+            self.flush_backlogs();
+        }
+    }
+
     fn close(&mut self, peer: PeerId) {
         // Posted sends complete on their own; the backlog gets one more try
         // (after progress), and what the provider still refuses is dropped.
