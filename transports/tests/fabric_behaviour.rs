@@ -1025,8 +1025,6 @@ mod suite {
         assert!(b.insert_peer(&[1, 2, 3], &other).is_err());
     }
 
-    /// Frames sent in a burst, without a poll between them, share
-    /// messages, and still arrive whole and in order.
     /// `rounds` ping-pongs of small frames between `a` and `b`.
     fn ping_pong(
         (a, b): (&mut FabricEndpoint, &mut FabricEndpoint),
@@ -1141,6 +1139,8 @@ mod suite {
         assert_eq!(payload_of(&frames_from(&events, pa)[0]), b"flushed");
     }
 
+    /// Frames sent in a burst, without a poll between them, share
+    /// messages, and still arrive whole and in order.
     pub fn bursts_are_packed(kind: EpKind, provider: &str) {
         let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
             return;

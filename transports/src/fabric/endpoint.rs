@@ -17,8 +17,8 @@
 //!   consumer holds its frames (and the provider holds any early messages
 //!   meanwhile; DGRAM, which would drop them, always copies).
 //! - A send copies the frame into a free tx slot, which waits in the peer's
-//!   backlog until the next `poll` (or `prepare_wait`, or `close`) posts
-//!   it; frames sent meanwhile are packed into the same slot while they
+//!   backlog until the next `poll` (or `flush`, `prepare_wait`, `close`)
+//!   posts it; frames sent meanwhile are packed into the same slot while they
 //!   fit, so a burst costs one message, not one per frame. A slot whose
 //!   posted length fits the provider's `inject_size` goes with `fi_inject`
 //!   and is free again at once. No free slot returns `WouldBlock`, and
@@ -223,11 +223,12 @@ pub struct FabricStats {
     pub lent: u64,
     /// Frames whose body was sent from the caller's buffer, uncopied.
     pub shared_sends: u64,
-    /// Reads of the tx and of the rx completion queue. Each runs the
-    /// provider's progress (with `shm`, under its locks; with
-    /// `tcp;ofi_rxm`, a poll of its sockets), so the tx queue is read only
-    /// while an operation of ours is due there.
+    /// Reads of the tx completion queue. Each runs the provider's progress
+    /// (with `shm`, under its locks; with `tcp;ofi_rxm`, a poll of its
+    /// sockets), so the tx queue is read only while an operation of ours
+    /// is due there, and once in `TX_CQ_CHECK_ROUNDS` progress rounds.
     pub tx_cq_reads: u64,
+    /// Reads of the rx completion queue: one or more per progress round.
     pub rx_cq_reads: u64,
     /// Addresses removed from the address vector to make room.
     pub av_evictions: u64,
@@ -271,9 +272,9 @@ struct PeerState {
     /// Tx slots this peer holds: waiting in `backlog` or posted.
     slots: usize,
     /// Encoded tx slots not posted yet, oldest first: new ones, which the
-    /// next poll posts, and ones the provider refused with -FI_EAGAIN
-    /// (e.g. while `tcp;ofi_rxm` connects). The newest may still take
-    /// more frames.
+    /// next poll or flush posts, and ones the provider refused with
+    /// -FI_EAGAIN (e.g. while `tcp;ofi_rxm` connects). The newest may
+    /// still take more frames.
     backlog: VecDeque<usize>,
     wants_writable: bool,
     /// Frame bytes one message to this peer may carry (its receive
@@ -357,7 +358,8 @@ pub struct FabricEndpoint {
     progress_again: bool,
     /// Sends posted whose completion is due on the tx CQ (an injected send
     /// has none). While there are none and no read is in flight, progress
-    /// reads only the rx CQ: every CQ read runs the provider's progress.
+    /// reads only the rx CQ, and the tx CQ once in `TX_CQ_CHECK_ROUNDS`
+    /// rounds: every CQ read runs the provider's progress.
     sends_posted: usize,
     /// Progress rounds since the tx CQ was last read.
     rounds_since_tx_read: u32,
@@ -786,8 +788,10 @@ impl FabricEndpoint {
         Ok(())
     }
 
-    /// Reads both CQs (more than once only while they come back full or a
-    /// send asked for progress meanwhile), queueing events.
+    /// Posts the backlogs, then reads the rx CQ and, while a completion
+    /// of ours is due there (or once in `TX_CQ_CHECK_ROUNDS` rounds), the
+    /// tx CQ: more than once only while they come back full or a send
+    /// asked for progress meanwhile. Queues events.
     fn progress(&mut self) -> Result<(), FabricError> {
         // A send made from within progress (a done frame) may find no slot
         // and ask for progress again: the outer call carries on instead.
@@ -807,9 +811,7 @@ impl FabricEndpoint {
         // Frames sent since the last call go before the queues are read:
         // a reply made to what the last call delivered waits for no
         // provider call (with `tcp;ofi_rxm`, a poll of its sockets).
-        if !self.backlogged.is_empty() {
-            self.flush_backlogs();
-        }
+        self.flush_backlogs();
         let budget = self.link.tx_depth + self.link.rx_depth + CQ_BATCH;
         let mut handled = 0;
         loop {
@@ -834,7 +836,9 @@ impl FabricEndpoint {
         }
         self.flush_backlogs();
         self.start_reads();
+        // The dones of reads just finished leave in this call too.
         self.flush_dones();
+        self.flush_backlogs();
         self.post_receives()?;
         if !self.free_tx.is_empty() {
             // A peer still at its share keeps waiting: waking it would
@@ -879,7 +883,6 @@ impl FabricEndpoint {
                     match self.rma.as_ref().and_then(|rma| rma.slot_of(context)) {
                         Some(slot) => self.finish_read(slot, None),
                         None => {
-                            self.sends_posted = self.sends_posted.saturating_sub(1);
                             self.finish_send(context);
                         }
                     }
@@ -903,7 +906,6 @@ impl FabricEndpoint {
                         self.finish_read(slot, Some(error.to_string()));
                         return Ok(1);
                     }
-                    self.sends_posted = self.sends_posted.saturating_sub(1);
                     self.on_tx_error(err);
                     return Ok(1);
                 }
@@ -918,6 +920,7 @@ impl FabricEndpoint {
             tracing::warn!("tx completion with an unknown context");
             return None;
         };
+        self.sends_posted = self.sends_posted.saturating_sub(1);
         let (peer, _) = self.tx_owner[slot]?;
         self.release_slot(slot);
         Some(peer)
@@ -1298,6 +1301,9 @@ impl FabricEndpoint {
     /// Posts what each peer's backlog holds, oldest first, until the
     /// provider pushes back again.
     fn flush_backlogs(&mut self) {
+        if self.backlogged.is_empty() {
+            return;
+        }
         // Flushing adds no peer to the list, so it is taken and put back.
         let mut waiting = std::mem::take(&mut self.backlogged);
         for &peer in &waiting {
@@ -1360,8 +1366,8 @@ impl FabricEndpoint {
     ) -> Result<(), SendError> {
         let len = frame.len();
         // Pack behind the newest frame not posted yet, when it fits: the
-        // slots in a backlog are posted by the next poll, so frames sent in
-        // one round of the caller's loop share a message.
+        // slots in a backlog are posted by the next poll or flush, so
+        // frames sent in one round of the caller's loop share a message.
         let shared_body = self.shares_body(&frame);
         let tail = self.peers.get(&peer).and_then(|state| {
             let tail = *state.backlog.back()?;
@@ -2168,9 +2174,7 @@ impl Endpoint for FabricEndpoint {
     /// Posts the backlogs: frames sent since the last poll, packed per
     /// peer.
     fn flush(&mut self) {
-        if !self.backlogged.is_empty() {
-            self.flush_backlogs();
-        }
+        self.flush_backlogs();
     }
 
     fn close(&mut self, peer: PeerId) {
