@@ -17,9 +17,9 @@
 //!   no FI_SOURCE), the id the *receiver* gave the link, a counter the
 //!   sender raises with every message, and a tag: the first 16 bytes of
 //!   BLAKE3 in keyed mode, under the link's key for this direction, over
-//!   every frame byte after the tag and then the header before it (frames
-//!   first, so that a long message is hashed from a chunk boundary; see
-//!   [`tag`]). A receiver
+//!   every frame byte after the tag, then the header before it, then the
+//!   frames' length (frames first, so that a long message is hashed from
+//!   a chunk boundary; see [`tag`]). A receiver
 //!   finds the link by its id, checks the address and the tag, and refuses
 //!   a counter it has seen (see `ReplayWindow`); nothing in a message is
 //!   trusted before that.
@@ -46,8 +46,8 @@ use efabus_core::codec::PREFIX_LEN;
 use efabus_core::secret::constant_time_eq;
 use efabus_core::transport::OutFrame;
 
-/// Version of the endpoint header (3: the tag hashes the frames before
-/// the header).
+/// Version of the endpoint header (3: the tag hashes the frames, then the
+/// header, then the frames' length).
 pub const HEADER_VERSION: u8 = 3;
 /// Set in the version byte of a message of the endpoint's own frames.
 pub const CONTROL_FLAG: u8 = 0x80;
@@ -109,18 +109,25 @@ impl Message<'_> {
 }
 
 /// The tag of a message: keyed BLAKE3 over the frame bytes in order, then
-/// the header before the tag, cut to [`TAG_LEN`] bytes.
+/// the header before the tag, then the frames' length (8 bytes, little
+/// endian), cut to [`TAG_LEN`] bytes.
 ///
 /// BLAKE3 hashes runs of whole 1 KiB chunks in parallel only where they
 /// start at a boundary aligned to their length; the header's few dozen
 /// bytes in front shifted every frame byte off it, which halved the speed
-/// for messages of 4 to 32 KiB (packed runs of small frames).
+/// for messages of 4 to 32 KiB (packed runs of small frames). The length
+/// at the end fixes where the frames end and the header starts, so no
+/// other split of the same bytes carries the same tag (the header, of
+/// variable length, no longer leads).
 pub fn tag(key: &[u8; 32], header: &[u8], frames: &[&[u8]]) -> [u8; TAG_LEN] {
     let mut hasher = blake3::Hasher::new_keyed(key);
+    let mut frames_len = 0u64;
     for part in frames {
         hasher.update(part);
+        frames_len += part.len() as u64;
     }
     hasher.update(header);
+    hasher.update(&frames_len.to_le_bytes());
     let mut out = [0u8; TAG_LEN];
     out.copy_from_slice(&hasher.finalize().as_bytes()[..TAG_LEN]);
     out
@@ -603,7 +610,7 @@ mod tests {
     }
 
     #[test]
-    fn the_tag_hashes_the_frames_then_the_header() {
+    fn the_tag_hashes_the_frames_then_the_header_then_their_length() {
         let layout = BufferLayout::new(8, 4096);
         let mut slot = vec![0u8; layout.slot_stride()];
         let sender = [3u8; 16];
@@ -616,11 +623,22 @@ mod tests {
         let mut hasher = blake3::Hasher::new_keyed(&KEY);
         hasher.update(&slot[frames_at..len]);
         hasher.update(&slot[layout.prefix..tag_at]);
+        hasher.update(&((len - frames_at) as u64).to_le_bytes());
         assert_eq!(
             &slot[tag_at..frames_at],
             &hasher.finalize().as_bytes()[..TAG_LEN]
         );
         assert!(message(&layout, &slot, len).is_authentic(&KEY));
+    }
+
+    #[test]
+    fn the_tag_tells_where_the_frames_end() {
+        // The same bytes split in two places between frames and header.
+        let bytes = b"frames then the header";
+        assert_ne!(
+            tag(&KEY, &bytes[6..], &[&bytes[..6]]),
+            tag(&KEY, &bytes[7..], &[&bytes[..7]])
+        );
     }
 
     #[test]
