@@ -18,8 +18,8 @@
 //!   meanwhile; DGRAM, which would drop them, always copies).
 //! - A send copies the frame into a free tx slot, which waits in the peer's
 //!   backlog until the next `poll` (or `flush`, `prepare_wait`, `close`)
-//!   posts it; frames sent meanwhile are packed into the same slot while they
-//!   fit, so a burst costs one message, not one per frame. A slot whose
+//!   posts it; frames sent meanwhile are packed into the same slot while
+//!   they fit, so a burst costs one message, not one per frame. A slot whose
 //!   posted length fits the provider's `inject_size` goes with `fi_inject`
 //!   and is free again at once. No free slot returns `WouldBlock`, and
 //!   `Writable` follows once a slot is free.
@@ -834,10 +834,10 @@ impl FabricEndpoint {
                 break;
             }
         }
-        self.flush_backlogs();
         self.start_reads();
-        // The dones of reads just finished leave in this call too.
         self.flush_dones();
+        // What was sent meanwhile (dones of reads just finished, answers
+        // made while handling completions) leaves in this call too.
         self.flush_backlogs();
         self.post_receives()?;
         if !self.free_tx.is_empty() {
