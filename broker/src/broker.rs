@@ -175,11 +175,14 @@ pub struct BrokerStats {
     pub fabric_rendezvous_registered: AtomicU64,
     pub fabric_rendezvous_registered_bytes: AtomicU64,
     /// What the listeners' providers did: messages handed to them and
-    /// delivered by them, operations that failed, receive buffers lent and
-    /// sends made in place (no copy), address-vector entries evicted, and
-    /// sends handed back because the send slots were full.
+    /// delivered by them (each may carry several frames), completion-queue
+    /// reads made (each runs the provider's progress), operations that
+    /// failed, receive buffers lent and sends made in place (no copy),
+    /// address-vector entries evicted, and sends handed back because the
+    /// send slots were full.
     pub fabric_messages_sent: AtomicU64,
     pub fabric_messages_received: AtomicU64,
+    pub fabric_completion_reads: AtomicU64,
     pub fabric_completion_errors: AtomicU64,
     pub fabric_lent: AtomicU64,
     pub fabric_shared_sends: AtomicU64,
@@ -304,6 +307,10 @@ impl BrokerStats {
             (
                 "fabric_messages_received",
                 get(&self.fabric_messages_received),
+            ),
+            (
+                "fabric_completion_reads",
+                get(&self.fabric_completion_reads),
             ),
             (
                 "fabric_completion_errors",

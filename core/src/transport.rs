@@ -511,8 +511,11 @@ pub struct RendezvousCounts {
 pub struct FabricCounts {
     /// Messages handed to the provider (sends and injects).
     pub messages_sent: u64,
-    /// Messages the provider delivered.
+    /// Messages the provider delivered (each may carry several frames).
     pub messages_received: u64,
+    /// Completion-queue reads made. Each runs the provider's progress, so
+    /// beside the messages it shows what polling costs in provider calls.
+    pub completion_reads: u64,
     /// Operations that failed: completions reporting an error (sends,
     /// receives, reads) and posts the provider refused for another reason
     /// than a full queue.

@@ -267,6 +267,10 @@ fn the_views_show_the_broker_its_connections_and_their_links() {
             value("efabus_fabric_messages_received_total", &[]) > Some(0.0),
             "{text}"
         );
+        assert!(
+            value("efabus_fabric_completion_reads_total", &[]) > Some(0.0),
+            "{text}"
+        );
         assert_eq!(
             value("efabus_fabric_completion_errors_total", &[]),
             Some(0.0)

@@ -1188,7 +1188,10 @@ mod suite {
         assert_eq!(stats.packed as usize, BURST - 1, "{stats:?}");
         let posted = stats.sent + stats.injected - (before.sent + before.injected);
         assert_eq!(posted, 1, "{stats:?}");
+        // Frames and messages are counted apart: the two lone frames came
+        // in two messages, the burst in one.
         assert_eq!(b.stats().received as usize, BURST + 2);
+        assert_eq!(b.stats().received_messages, 3, "{:?}", b.stats());
     }
 
     /// A sender with bigger buffers than its peer packs only up to the

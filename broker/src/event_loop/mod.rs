@@ -548,6 +548,7 @@ impl EventLoop {
             |sum, c| FabricCounts {
                 messages_sent: sum.messages_sent + c.messages_sent,
                 messages_received: sum.messages_received + c.messages_received,
+                completion_reads: sum.completion_reads + c.completion_reads,
                 completion_errors: sum.completion_errors + c.completion_errors,
                 lent: sum.lent + c.lent,
                 shared_sends: sum.shared_sends + c.shared_sends,
@@ -566,6 +567,7 @@ impl EventLoop {
         store_all(&[
             (&stats.fabric_messages_sent, counts.messages_sent),
             (&stats.fabric_messages_received, counts.messages_received),
+            (&stats.fabric_completion_reads, counts.completion_reads),
             (&stats.fabric_completion_errors, counts.completion_errors),
             (&stats.fabric_lent, counts.lent),
             (&stats.fabric_shared_sends, counts.shared_sends),

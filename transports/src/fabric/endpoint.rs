@@ -206,7 +206,11 @@ pub struct LinkInfo {
 pub struct FabricStats {
     pub sent: u64,
     pub injected: u64,
+    /// Frames delivered (a message may carry several).
     pub received: u64,
+    /// Authentic messages taken from the rx queue, the endpoint's own
+    /// (rendezvous descriptors and dones) included.
+    pub received_messages: u64,
     pub provider_packets: u64,
     pub malformed: u64,
     /// Messages naming a link id no live peer has: from senders that never
@@ -1044,6 +1048,7 @@ impl FabricEndpoint {
             self.unposted_rx.push(slot);
             return;
         };
+        self.stats.received_messages += 1;
         let run = if self.lends(range.len()) {
             self.lent_rx += 1;
             self.stats.lent += 1;
@@ -2131,7 +2136,8 @@ impl Endpoint for FabricEndpoint {
         let stats = &self.stats;
         efabus_core::transport::FabricCounts {
             messages_sent: stats.sent + stats.injected,
-            messages_received: stats.received,
+            messages_received: stats.received_messages,
+            completion_reads: stats.tx_cq_reads + stats.rx_cq_reads,
             completion_errors: stats.tx_errors + stats.rx_errors,
             lent: stats.lent,
             shared_sends: stats.shared_sends,
