@@ -398,6 +398,10 @@ pub struct FabricEndpoint {
     tx_owner: Vec<Option<(PeerId, usize)>>,
     /// Per tx slot: the length to post (prefix and header included).
     tx_post_len: Vec<usize>,
+    /// Per tx slot: its tag covers what it holds. A post the provider
+    /// refuses for now is tried again at every poll and flush; the tag of
+    /// a large frame is not worth computing again each time.
+    tx_sealed: Vec<bool>,
     /// Per tx slot: the `fi_addr_t` it goes to, while in use.
     tx_dest: Vec<u64>,
     /// Per tx slot: the frame body sent after the slot's bytes, uncopied,
@@ -687,6 +691,7 @@ impl FabricEndpoint {
             reserved_slots: tx_depth / 8,
             tx_owner: vec![None; tx_depth],
             tx_post_len: vec![0; tx_depth],
+            tx_sealed: vec![false; tx_depth],
             tx_dest: vec![0; tx_depth],
             tx_body: vec![None; tx_depth],
             tx_control: vec![false; tx_depth],
@@ -1215,7 +1220,7 @@ impl FabricEndpoint {
         let key = self.tx_owner[slot]
             .and_then(|(peer, _)| self.peers.get(&peer))
             .map(|state| state.keys.send_key);
-        if let Some(key) = key {
+        if let Some(key) = key.filter(|_| !self.tx_sealed[slot]) {
             // SAFETY: the slot is not posted (it waits in a backlog), so
             // no operation reads it while its tag is written.
             let buf = unsafe { self.tx_pool.slot_mut(slot) };
@@ -1227,6 +1232,7 @@ impl FabricEndpoint {
             if self.header_version != HEADER_VERSION {
                 buf[self.layout.prefix] = self.header_version;
             }
+            self.tx_sealed[slot] = true;
         }
         let ptr = self.tx_pool.slot_ptr(slot);
         let desc = self.tx_pool.desc();
@@ -1387,6 +1393,7 @@ impl FabricEndpoint {
             let buf = unsafe { self.tx_pool.slot_mut(tail) };
             if let Ok(n) = self.layout.append(buf, self.tx_post_len[tail], &frame) {
                 self.tx_post_len[tail] = n;
+                self.tx_sealed[tail] = false;
                 if let Some((_, bytes)) = self.tx_owner[tail].as_mut() {
                     *bytes += len;
                 }
@@ -1448,6 +1455,7 @@ impl FabricEndpoint {
         self.tx_owner[slot] = Some((peer, len));
         self.tx_control[slot] = control;
         self.tx_post_len[slot] = n;
+        self.tx_sealed[slot] = false;
         if shared_body {
             self.stats.shared_sends += 1;
             self.tx_body[slot] = Some(frame.body);
