@@ -521,8 +521,9 @@ impl ReplyInbox {
     }
 }
 
-/// The token of a reply subject `<prefix>.<token>`.
-fn reply_token(subject: &str, prefix: &str) -> Option<u64> {
+/// The token of a reply subject `<prefix>.<token>`: which request of a
+/// `Broker` or `Client` a reply answers.
+pub(crate) fn reply_token(subject: &str, prefix: &str) -> Option<u64> {
     subject
         .strip_prefix(prefix)?
         .strip_prefix('.')?

@@ -46,7 +46,7 @@ use parking_lot::{Condvar, Mutex};
 use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use tracing::{debug, error, info, warn};
 
-use crate::broker::unique_seed;
+use crate::broker::{reply_token, unique_seed};
 use crate::commands::Parker;
 use crate::config::SlowConsumerPolicy;
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber, YieldWindow};
@@ -1958,10 +1958,7 @@ impl ClientLoop {
         headers: Option<Bytes>,
         payload: Bytes,
     ) {
-        let token = subject
-            .rsplit('.')
-            .next()
-            .and_then(|token| token.parse::<u64>().ok());
+        let token = reply_token(&subject, &self.shared.inbox_prefix);
         let waiting = token.and_then(|token| self.shared.replies.lock().remove(&token));
         if let Some(waiting) = waiting {
             let _ = waiting.send(Message {

@@ -875,11 +875,7 @@ impl FabricEndpoint {
     /// Whether a completion of ours is due on the tx CQ: a send posted
     /// without inject, or a rendezvous read.
     fn tx_due(&self) -> bool {
-        self.sends_posted > 0
-            || self
-                .rma
-                .as_ref()
-                .is_some_and(|rma| rma.free_slots.len() < rma.slots.len())
+        self.sends_posted > 0 || self.rma.as_ref().is_some_and(Rendezvous::reads_in_flight)
     }
 
     fn drain_tx(&mut self) -> Result<usize, FabricError> {
@@ -1217,10 +1213,13 @@ impl FabricEndpoint {
     /// it, so the slot is free again at once), else with `fi_send`.
     fn post_slot(&mut self, slot: usize, dest: u64) -> Result<(), FiCode> {
         let len = self.tx_post_len[slot];
-        let key = self.tx_owner[slot]
+        // A slot sealed at an earlier, refused try keeps its tag.
+        let key = (!self.tx_sealed[slot])
+            .then(|| self.tx_owner[slot])
+            .flatten()
             .and_then(|(peer, _)| self.peers.get(&peer))
             .map(|state| state.keys.send_key);
-        if let Some(key) = key.filter(|_| !self.tx_sealed[slot]) {
+        if let Some(key) = key {
             // SAFETY: the slot is not posted (it waits in a backlog), so
             // no operation reads it while its tag is written.
             let buf = unsafe { self.tx_pool.slot_mut(slot) };
@@ -2240,13 +2239,10 @@ impl Endpoint for FabricEndpoint {
                 return false;
             }
             // The provider took none (e.g. `tcp;ofi_rxm` still connecting).
-            // A completion would wake the descriptor only if a send of ours
-            // is in flight; with none, sleeping could outlast the refusal.
-            let in_flight = self
-                .tx_owner
-                .len()
-                .saturating_sub(self.free_tx.len() + left);
-            if self.wait.is_some() && in_flight == 0 {
+            // A completion would wake the descriptor only if a send or read
+            // of ours is in flight; with none, sleeping could outlast the
+            // refusal.
+            if self.wait.is_some() && !self.tx_due() {
                 return false;
             }
         }
@@ -2276,7 +2272,7 @@ impl Endpoint for FabricEndpoint {
         let reads_in_flight = self
             .rma
             .as_ref()
-            .is_some_and(|rma| !rma.sends.is_empty() || rma.free_slots.len() < rma.slots.len());
+            .is_some_and(|rma| !rma.sends.is_empty() || rma.reads_in_flight());
         let recently_posted = self
             .last_post
             .is_some_and(|at| at.elapsed() < MANUAL_PROGRESS_LINGER);

@@ -236,6 +236,12 @@ impl Rendezvous {
         }
     }
 
+    /// Whether a read of ours is in flight (its completion is due on the
+    /// tx queue).
+    pub fn reads_in_flight(&self) -> bool {
+        self.free_slots.len() < self.slots.len()
+    }
+
     /// The queued read to start next, if one may start now: the oldest
     /// whose peer is within its share of reads (so one peer's stalled or
     /// numerous transfers do not hold up the others'), when a slot is free
