@@ -30,7 +30,7 @@ use tracing::{info, warn};
 use crate::accounts::Accounts;
 use crate::commands::CommandQueue;
 use crate::config::{Config, SlowConsumerPolicy};
-use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber};
+use crate::delivery::{Delivery, LocalSink, Message, Subscription, SubscriptionOwner};
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::{Error, RecvError};
 use crate::event_loop::{Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
@@ -423,7 +423,7 @@ impl Shared {
     }
 }
 
-impl Unsubscriber for Shared {
+impl SubscriptionOwner for Shared {
     fn unsubscribe(&self, sid: u64) {
         let mut table = self.subscriptions.write();
         table.remove(SubRef {
@@ -900,7 +900,7 @@ impl Broker {
                 source,
             })?;
         shared.announce(&shared.subscriptions.read());
-        let owner: Arc<dyn Unsubscriber> = shared.clone();
+        let owner: Arc<dyn SubscriptionOwner> = shared.clone();
         Ok(Subscription::new(
             sid,
             pattern.to_string(),

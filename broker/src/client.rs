@@ -1,9 +1,12 @@
 //! The client: the broker's publish/subscribe API against a remote broker.
 //!
-//! A background thread owns the connection: it performs the handshake,
+//! A background thread runs the connection: it performs the handshake,
 //! answers keepalives, delivers incoming messages to subscription queues,
 //! and on a lost connection reconnects with backoff, re-sends every
 //! subscription, then the publishes buffered meanwhile (within a bound).
+//! A thread waiting for a reply, or for a subscription's next message while
+//! the loop finds nothing to do, runs the loop's rounds itself meanwhile
+//! ([`LoopCell`]), and the loop thread steps aside.
 //!
 //! Application threads hand work to that thread through one outbox: a
 //! publish is encoded straight into a shared buffer (small payloads copied
@@ -49,7 +52,7 @@ use tracing::{debug, error, info, warn};
 use crate::broker::{reply_token, unique_seed};
 use crate::commands::Parker;
 use crate::config::SlowConsumerPolicy;
-use crate::delivery::{Delivery, LocalSink, Message, Subscription, Unsubscriber, YieldWindow};
+use crate::delivery::{Delivery, LocalSink, Message, Subscription, SubscriptionOwner, YieldWindow};
 use crate::endpoints;
 use crate::error::Error;
 use crate::session::data_link::{Keying, LinkKind};
@@ -296,6 +299,7 @@ struct LinkCounters {
     link_memory_refusals: AtomicU64,
     link_gap_failures: AtomicU64,
     link_send_failures: AtomicU64,
+    driven_rounds: AtomicU64,
 }
 
 /// Which paths carry a client's traffic, as negotiated in the last handshake.
@@ -334,6 +338,10 @@ pub struct LinkReport {
     /// Connections dropped because a send on the reliable data link failed
     /// part-way (the broker would have waited for the lost frame).
     pub link_send_failures: u64,
+    /// Rounds of the client's event loop run by application threads while
+    /// they waited for a reply or a subscription's next message, rather
+    /// than by the client's own thread.
+    pub driven_rounds: u64,
 }
 
 /// Connection state, readable by application threads.
@@ -453,6 +461,8 @@ struct ClientShared {
     link: Mutex<LinkReport>,
     /// Traffic counters, updated per frame without a lock.
     counters: LinkCounters,
+    /// The session, for threads that drive it while they wait.
+    cell: std::sync::OnceLock<std::sync::Weak<LoopCell>>,
 }
 
 impl ClientShared {
@@ -643,11 +653,32 @@ impl ClientShared {
     }
 }
 
-impl Unsubscriber for ClientShared {
+impl ClientShared {
+    /// The session, for a thread that drives it while it waits; `None` once
+    /// the loop thread has ended.
+    fn session(&self) -> Option<Arc<LoopCell>> {
+        self.cell.get().and_then(std::sync::Weak::upgrade)
+    }
+}
+
+impl SubscriptionOwner for ClientShared {
     fn unsubscribe(&self, sid: u64) {
         if self.subscriptions.lock().remove(&sid).is_some() {
             // After shutdown there is no server to tell.
             let _ = self.send_command(Command::Unsubscribe { sid });
+        }
+    }
+
+    /// A reader drives only while the loop thread finds no work: a stream
+    /// is delivered faster by the loop thread while the reader consumes it
+    /// (1 MiB over `tcp;ofi_rxm` lost about a tenth of its rate with its
+    /// reader driving).
+    fn drive(&self, until: Instant, ready: &dyn Fn() -> bool) -> bool {
+        match self.session() {
+            Some(cell) if !cell.loop_worked.load(Ordering::Relaxed) => {
+                cell.drive(self, until, ready)
+            }
+            _ => false,
         }
     }
 }
@@ -782,13 +813,28 @@ impl Client {
             server_errors: Mutex::new(VecDeque::new()),
             link: Mutex::new(LinkReport::default()),
             counters: LinkCounters::default(),
+            cell: std::sync::OnceLock::new(),
         });
         shared.link.lock().reasons = unavailable;
-        let conn = ClientLoop::new(shared.clone(), poll, endpoint_box, data, address);
-        let thread = std::thread::Builder::new()
-            .name("efabus-client".into())
-            .spawn(move || conn.run())
-            .map_err(Error::Thread)?;
+        let cell = Arc::new(LoopCell {
+            session: Mutex::new(Some(ClientLoop::new(
+                shared.clone(),
+                endpoint_box,
+                data,
+                address,
+            ))),
+            drivers: AtomicUsize::new(0),
+            driven_work: AtomicBool::new(false),
+            loop_worked: AtomicBool::new(false),
+        });
+        let _ = shared.cell.set(Arc::downgrade(&cell));
+        let thread = {
+            let (cell, shared) = (cell.clone(), shared.clone());
+            std::thread::Builder::new()
+                .name("efabus-client".into())
+                .spawn(move || cell.run(&shared, poll))
+                .map_err(Error::Thread)?
+        };
         let client = Client {
             shared,
             thread: Mutex::new(Some(thread)),
@@ -868,6 +914,7 @@ impl Client {
             link_memory_refusals: get(&counters.link_memory_refusals),
             link_gap_failures: get(&counters.link_gap_failures),
             link_send_failures: get(&counters.link_send_failures),
+            driven_rounds: get(&counters.driven_rounds),
             ..self.shared.link.lock().clone()
         }
     }
@@ -974,7 +1021,7 @@ impl Client {
                 sink,
             },
         );
-        let owner: Arc<dyn Unsubscriber> = shared.clone();
+        let owner: Arc<dyn SubscriptionOwner> = shared.clone();
         let subscription = Subscription::new(
             sid,
             pattern.to_string(),
@@ -1040,7 +1087,14 @@ impl Client {
                         crossbeam_channel::RecvTimeoutError::Timeout => Error::Timeout(timeout),
                     });
             }
-            std::thread::yield_now();
+            let until = started + window.min(timeout);
+            let drove = self
+                .shared
+                .session()
+                .is_some_and(|cell| cell.drive(&self.shared, until, &|| !replies.is_empty()));
+            if !drove {
+                std::thread::yield_now();
+            }
         };
         if reply.is_ok() {
             self.shared.reply_window.lock().waited(started.elapsed());
@@ -1107,6 +1161,184 @@ impl Drop for Client {
     }
 }
 
+/// What one loop round found.
+struct Round {
+    /// Events came in or the outbox had frames.
+    worked: bool,
+    /// Credits are owed but held back (`CREDIT_DELAY`).
+    credit_waiting: bool,
+}
+
+/// The client's session, run by its loop thread or by an application
+/// thread while it waits for a reply or for a subscription's next message
+/// ([`LoopCell::drive`]): what that thread waits for then reaches it with
+/// no hand-over between threads, and what it published just before leaves
+/// in its own first round. The loop thread steps aside while a driver
+/// holds the session, so the two do not take turns on the cores.
+struct LoopCell {
+    /// `None` once the loop thread has closed the session.
+    session: Mutex<Option<ClientLoop>>,
+    /// Application threads driving the session now.
+    drivers: AtomicUsize,
+    /// A driven round found work since the loop thread last looked: it
+    /// polls on after the drivers leave, as after its own work.
+    driven_work: AtomicBool,
+    /// The loop thread's last round found work.
+    loop_worked: AtomicBool,
+}
+
+impl LoopCell {
+    /// Runs rounds of the session on the calling thread until `ready`, until
+    /// `until`, or until shutdown. While another thread holds the session
+    /// (the loop thread mid-round, another driver) it yields between tries.
+    /// False, at once, when the session is closed.
+    fn drive(&self, shared: &ClientShared, until: Instant, ready: &dyn Fn() -> bool) -> bool {
+        self.drivers.fetch_add(1, Ordering::SeqCst);
+        let mut open = true;
+        let mut rounds = 0;
+        while !ready() && !shared.shutdown.load(Ordering::Relaxed) && Instant::now() < until {
+            let worked = match self.session.try_lock() {
+                Some(mut guard) => match guard.as_mut() {
+                    Some(session) => {
+                        rounds += 1;
+                        session.round().worked
+                    }
+                    None => {
+                        open = false;
+                        break;
+                    }
+                },
+                None => false,
+            };
+            if worked {
+                self.driven_work.store(true, Ordering::Relaxed);
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        shared
+            .counters
+            .driven_rounds
+            .fetch_add(rounds, Ordering::Relaxed);
+        self.drivers.fetch_sub(1, Ordering::SeqCst);
+        // The loop thread may have slept through the driving (it was asleep
+        // when the driver came): what the driven rounds left for later
+        // (a held-back credit, a timer) is its again.
+        shared.parker.wake_if_parked();
+        open
+    }
+
+    /// The loop thread: rounds until shutdown, polling on for the spin
+    /// window after work and waiting otherwise.
+    fn run(&self, shared: &ClientShared, mut poll: Poll) {
+        let mut mio_events = mio::Events::with_capacity(64);
+        let polled = match self.session.lock().as_ref() {
+            Some(session) => Polled::of(
+                session
+                    .endpoints
+                    .iter()
+                    .map(|endpoint| endpoint.readiness()),
+            ),
+            None => return,
+        };
+        let mut idle = 0u32;
+        let mut spin_window = SpinWindow::new(Instant::now());
+        while !shared.shutdown.load(Ordering::Relaxed) {
+            if self.drivers.load(Ordering::SeqCst) > 0 {
+                // A waiting application thread drives the session.
+                std::thread::yield_now();
+                continue;
+            }
+            if self.driven_work.swap(false, Ordering::Relaxed) {
+                spin_window.worked(Instant::now(), shared.options.fabric.polling.spin());
+                idle = 0;
+            }
+            let mut guard = self.session.lock();
+            let Some(session) = guard.as_mut() else {
+                return;
+            };
+            if matches!(*shared.state.lock(), ConnectionState::Refused { .. }) {
+                // Refused for good: nothing will arrive.
+                shared.end_streams();
+                break;
+            }
+            let round = session.round();
+            self.loop_worked.store(round.worked, Ordering::Relaxed);
+            // Measured from the end of the work, as the broker's loop does.
+            let after = Instant::now();
+            let spin = shared.options.fabric.polling.spin();
+            if round.worked {
+                idle = 0;
+                spin_window.worked(after, spin);
+            } else if !spin_window.spinning(after) {
+                // The idle rounds of `backoff` start after the spin.
+                idle = idle.saturating_add(1);
+            }
+            // After a busy round the loop polls on for its `SpinWindow`,
+            // then waits: work that came in meanwhile has made a descriptor
+            // ready (or the outbox non-empty, which `park` checks), so the
+            // wait returns at once.
+            if spin_window.spinning(after) {
+                drop(guard);
+                // Another thread may have the core while this one has
+                // nothing to do; after work, the next round comes at once.
+                if !round.worked {
+                    std::thread::yield_now();
+                }
+                continue;
+            }
+            // Sleep until a descriptor is ready, the outbox has work, or the
+            // next deadline (at least a millisecond: see `wait`).
+            let mut timeout = session
+                .poll_timeout()
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            if round.credit_waiting {
+                timeout = timeout.min(CREDIT_DELAY);
+            }
+            if polled.must_poll {
+                timeout = timeout.min(polled.backoff(idle, &shared.options.fabric.polling));
+            }
+            if !timeout.is_zero() {
+                match prepare_wait(&mut session.endpoints, timeout) {
+                    Some(allowed) => timeout = allowed,
+                    None => continue,
+                }
+            }
+            let nothing_pending = session.conn.out.is_empty();
+            drop(guard);
+            let parked = shared.parker.park(|| {
+                let mut outbox = shared.outbox.lock();
+                let idle = outbox.is_empty();
+                outbox.loop_idle = idle && nothing_pending;
+                // With frames pending, the outbox waits for the path to
+                // take them (a `Writable` event or a reconnection); a
+                // driver that came meanwhile has the session.
+                (idle || !nothing_pending) && self.drivers.load(Ordering::SeqCst) == 0
+            });
+            if !parked {
+                continue;
+            }
+            if let Err(err) = wait(&mut poll, &mut mio_events, timeout) {
+                if err.kind() != std::io::ErrorKind::Interrupted {
+                    warn!(error = %err, "client poll failed");
+                }
+            }
+            shared.parker.unpark();
+            // Awake again: publishers go through the outbox.
+            shared.outbox.lock().loop_idle = false;
+            if polled.yields(idle, &shared.options.fabric.polling) {
+                std::thread::yield_now();
+            }
+        }
+        // Closed here, on the loop thread, with drivers kept out.
+        let session = self.session.lock().take();
+        if let Some(mut session) = session {
+            session.close();
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LinkState {
     Down { retry_at: Instant },
@@ -1118,7 +1350,8 @@ enum LinkState {
 /// layer) and what only a client has: the outbox, reconnection, replies.
 struct ClientLoop {
     shared: Arc<ClientShared>,
-    poll: Poll,
+    /// The events of the round's endpoint polls.
+    events: Vec<Event>,
     /// The control endpoint (at [`CONTROL`]), then the data endpoints.
     endpoints: Vec<Box<dyn Endpoint>>,
     address: String,
@@ -1167,7 +1400,6 @@ struct ClientLoop {
 impl ClientLoop {
     fn new(
         shared: Arc<ClientShared>,
-        poll: Poll,
         endpoint: Box<dyn Endpoint>,
         data: Vec<Box<dyn Endpoint>>,
         address: String,
@@ -1205,7 +1437,7 @@ impl ClientLoop {
         };
         ClientLoop {
             shared,
-            poll,
+            events: Vec::with_capacity(256),
             endpoints,
             address,
             codec,
@@ -1248,114 +1480,46 @@ impl ClientLoop {
         }
     }
 
-    fn run(mut self) {
-        let mut mio_events = mio::Events::with_capacity(64);
-        let mut events = Vec::with_capacity(256);
-        let polled = Polled::of(self.endpoints.iter().map(|endpoint| endpoint.readiness()));
-        let mut idle = 0u32;
-        let mut spin_window = SpinWindow::new(Instant::now());
-        while !self.shared.shutdown.load(Ordering::Relaxed) {
-            let now = Instant::now();
-            self.now = now;
-            self.on_timers(now);
-            if matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
-                // Refused for good: nothing will arrive.
-                self.shared.end_streams();
-                break;
+    /// One round: timers, every endpoint's events, the links' timers, the
+    /// outbox, credits, and the round's sends handed to the wire. Run by
+    /// the loop thread, or by an application thread that waits for a reply
+    /// while it holds the loop (see [`LoopCell`]).
+    fn round(&mut self) -> Round {
+        let now = Instant::now();
+        self.now = now;
+        self.on_timers(now);
+        let mut events = std::mem::take(&mut self.events);
+        events.clear();
+        if let Err(err) = self.endpoints[CONTROL].poll(&mut events) {
+            warn!(error = %err, "client endpoint poll failed");
+        }
+        let mut busy = !events.is_empty();
+        self.on_events(&mut events);
+        for index in CONTROL + 1..self.endpoints.len() {
+            if let Err(err) = self.endpoints[index].poll(&mut events) {
+                self.data_endpoint_failed(index, &err, now);
             }
-            events.clear();
-            if let Err(err) = self.endpoints[CONTROL].poll(&mut events) {
-                warn!(error = %err, "client endpoint poll failed");
-            }
-            let mut busy = !events.is_empty();
-            self.on_events(&mut events);
-            for index in CONTROL + 1..self.endpoints.len() {
-                if let Err(err) = self.endpoints[index].poll(&mut events) {
-                    self.data_endpoint_failed(index, &err, now);
-                }
-                busy |= !events.is_empty();
-                for event in events.drain(..) {
-                    self.on_data_event(index, event);
-                }
-            }
-            // After what the endpoints delivered: a gap it filled is no
-            // failure, however late.
-            self.poll_links(now);
-            // After a busy round the loop polls on for its `SpinWindow`,
-            // then waits: work that came in meanwhile has made a descriptor
-            // ready (or the outbox non-empty, which `park` checks), so the
-            // wait returns at once.
-            let drained = self.drain_outbox();
-            self.check_send_failure();
-            let credit_waiting = self.grant_credits(now);
-            // The round's sends leave now, not after the next round's poll
-            // of the control link.
-            for endpoint in &mut self.endpoints {
-                endpoint.flush();
-            }
-            // Measured from the end of the work, as the broker's loop does.
-            let after = Instant::now();
-            let spin = self.shared.options.fabric.polling.spin();
-            if busy | drained {
-                idle = 0;
-                spin_window.worked(after, spin);
-            } else if !spin_window.spinning(after) {
-                // The idle rounds of `backoff` start after the spin.
-                idle = idle.saturating_add(1);
-            }
-            if spin_window.spinning(after) {
-                // Another thread may have the core while this one has
-                // nothing to do; after work, the next round comes at once.
-                if !(busy | drained) {
-                    std::thread::yield_now();
-                }
-                continue;
-            }
-            // Sleep until a descriptor is ready, the outbox has work, or the
-            // next deadline (at least a millisecond: see `wait`).
-            let mut timeout = self
-                .poll_timeout()
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
-            if credit_waiting {
-                timeout = timeout.min(CREDIT_DELAY);
-            }
-            if polled.must_poll {
-                let polling = &self.shared.options.fabric.polling;
-                timeout = timeout.min(polled.backoff(idle, polling));
-            }
-            if !timeout.is_zero() {
-                match prepare_wait(&mut self.endpoints, timeout) {
-                    Some(allowed) => timeout = allowed,
-                    None => continue,
-                }
-            }
-            let shared = &self.shared;
-            let nothing_pending = self.conn.out.is_empty();
-            let parked = shared.parker.park(|| {
-                let mut outbox = shared.outbox.lock();
-                let idle = outbox.is_empty();
-                outbox.loop_idle = idle && nothing_pending;
-                // With frames pending, the outbox waits for the path to
-                // take them (a `Writable` event or a reconnection).
-                idle || !nothing_pending
-            });
-            if !parked {
-                continue;
-            }
-            if let Err(err) = wait(&mut self.poll, &mut mio_events, timeout) {
-                if err.kind() != std::io::ErrorKind::Interrupted {
-                    warn!(error = %err, "client poll failed");
-                }
-            }
-            self.shared.parker.unpark();
-            // Awake again: publishers go through the outbox.
-            self.shared.outbox.lock().loop_idle = false;
-            if polled.yields(idle, &self.shared.options.fabric.polling) {
-                std::thread::yield_now();
+            busy |= !events.is_empty();
+            for event in events.drain(..) {
+                self.on_data_event(index, event);
             }
         }
-        self.close();
+        self.events = events;
+        // After what the endpoints delivered: a gap it filled is no
+        // failure, however late.
+        self.poll_links(now);
+        let drained = self.drain_outbox();
+        self.check_send_failure();
+        let credit_waiting = self.grant_credits(now);
+        // The round's sends leave now, not after the next round's poll
+        // of the control link.
+        for endpoint in &mut self.endpoints {
+            endpoint.flush();
+        }
+        Round {
+            worked: busy | drained,
+            credit_waiting,
+        }
     }
 
     fn close(&mut self) {
@@ -1545,7 +1709,8 @@ impl ClientLoop {
             match event {
                 Event::Frame { peer, frame } if matches!(self.link, LinkState::Up { peer: up } if up == peer) =>
                 {
-                    // Only this thread writes the counter: no atomic add.
+                    // Only the thread holding the session writes the
+                    // counter: no atomic add.
                     let control_in = &self.shared.counters.control_in;
                     control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
                     frames.push(frame);
@@ -2441,5 +2606,34 @@ mod tests {
             assert_eq!(&reply.payload[..], &[i]);
         }
         drop(responder.join().unwrap());
+    }
+
+    #[test]
+    fn threads_that_wait_drive_the_session() {
+        // A request's caller, and a subscription's reader while its client's
+        // loop finds nothing to do, run the loop's rounds themselves: what
+        // they wait for comes with no hand-over from the loop thread.
+        let (_broker, endpoint) = tcp_broker();
+        let requester = connect(&endpoint);
+        let responder = connect(&endpoint);
+        let requests = responder.subscribe("svc.echo").unwrap();
+        responder.flush(WAIT).unwrap();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                while let Ok(request) = requests.recv_timeout(WAIT) {
+                    // A request without reply subject ends the echo.
+                    let Some(reply) = &request.reply else { break };
+                    responder.publish(reply, request.payload).unwrap();
+                }
+            });
+            for i in 0..200u32 {
+                let payload = Bytes::from(i.to_le_bytes().to_vec());
+                let reply = requester.request("svc.echo", payload.clone(), WAIT);
+                assert_eq!(reply.unwrap().payload, payload);
+            }
+            requester.publish("svc.echo", Bytes::new()).unwrap();
+        });
+        assert!(requester.link().driven_rounds > 0, "the requester drove");
+        assert!(responder.link().driven_rounds > 0, "the reader drove");
     }
 }

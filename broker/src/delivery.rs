@@ -8,7 +8,12 @@
 //! per visit into its own buffer and hands them out from there, so a reader
 //! that keeps up takes the shared lock once per batch rather than once per
 //! message. A producer wakes the reader only when it is parked; a reader that
-//! finds nothing spins briefly, then yields, then parks.
+//! finds nothing spins briefly, then yields, then parks. A client's reader
+//! runs the client's event loop itself while it would yield
+//! ([`SubscriptionOwner::drive`]), so its next message needs no hand-over
+//! from the client's thread; under `block`, what that reader's own loop
+//! rounds deliver into its queue may go past the bound by one round's
+//! messages, since the round cannot wait for a reader that is running it.
 //!
 //! The bound counts every message not yet handed to the application: those
 //! in the shared queue and those in the reader's buffer. The reader publishes
@@ -25,6 +30,7 @@
 //! a reader that keeps seeing one subject switches to its own copy of it, so
 //! the reference counting of the messages it hands out stays on its thread.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -515,6 +521,11 @@ impl LocalSink {
             return Ok(Delivery::Queued);
         }
         match self.policy {
+            // The reader itself is delivering (it drives its client's loop
+            // while it waits): the round's messages go over the bound.
+            SlowConsumerPolicy::Block if DRIVING_FOR.get() == Arc::as_ptr(&self.queue) as usize => {
+                Ok(Delivery::Queued)
+            }
             SlowConsumerPolicy::Block => match self.wait_for_room(state) {
                 Some(refused) => Err(refused),
                 None => Ok(Delivery::Queued),
@@ -609,9 +620,25 @@ impl Drop for LocalSink {
     }
 }
 
-/// Called when a [`Subscription`] is dropped, to remove its interest.
-pub(crate) trait Unsubscriber: Send + Sync {
+/// What a [`Subscription`] belongs to: a broker or a client.
+pub(crate) trait SubscriptionOwner: Send + Sync {
+    /// Called when the subscription is dropped, to remove its interest.
     fn unsubscribe(&self, sid: u64);
+
+    /// Runs the owner's event loop on the calling thread (a reader waiting
+    /// for its next message) until `until` or until `ready`, so that what
+    /// it waits for reaches it without a hand-over between threads. False,
+    /// at once, when the owner has no loop to lend (then the reader yields).
+    fn drive(&self, _until: Instant, _ready: &dyn Fn() -> bool) -> bool {
+        false
+    }
+}
+
+thread_local! {
+    /// The queue this thread waits on while it drives the queue's owner
+    /// (its address; 0 for none). A push into that queue from this thread's
+    /// own round must not wait for room: it would wait for itself.
+    static DRIVING_FOR: Cell<usize> = const { Cell::new(0) };
 }
 
 /// The reader's side: its batch and the current subject.
@@ -701,7 +728,7 @@ pub struct Subscription {
     queue: Arc<Queue>,
     local: Mutex<Local>,
     stats: Arc<SubscriptionStats>,
-    owner: Arc<dyn Unsubscriber>,
+    owner: Arc<dyn SubscriptionOwner>,
 }
 
 impl std::fmt::Debug for Subscription {
@@ -723,7 +750,7 @@ impl Subscription {
         queue: Option<String>,
         reader: QueueReader,
         stats: Arc<SubscriptionStats>,
-        owner: Arc<dyn Unsubscriber>,
+        owner: Arc<dyn SubscriptionOwner>,
         spin: Duration,
     ) -> Subscription {
         Subscription {
@@ -847,6 +874,7 @@ impl Subscription {
             };
             if !waiting && !closed && !park {
                 let at = wait_deadline(wait, &mut deadline)?;
+                let window = local.yield_window.get();
                 drop(local);
                 if at.is_some_and(|at| Instant::now() >= at) {
                     return Err(RecvError::Timeout);
@@ -855,8 +883,19 @@ impl Subscription {
                     spin(1 << round);
                     round += 1;
                 } else {
-                    yielding_since.get_or_insert_with(Instant::now);
-                    std::thread::yield_now();
+                    let since = *yielding_since.get_or_insert_with(Instant::now);
+                    let until = since + window;
+                    let until = at.map_or(until, |at| at.min(until));
+                    let ready = || {
+                        queue.waiting.load(Ordering::Relaxed)
+                            || queue.closed.load(Ordering::Acquire)
+                    };
+                    let outer = DRIVING_FOR.replace(queue as *const Queue as usize);
+                    let drove = self.owner.drive(until, &ready);
+                    DRIVING_FOR.set(outer);
+                    if !drove {
+                        std::thread::yield_now();
+                    }
                 }
                 continue;
             }
@@ -1054,7 +1093,7 @@ mod tests {
 
     struct Nobody;
 
-    impl Unsubscriber for Nobody {
+    impl SubscriptionOwner for Nobody {
         fn unsubscribe(&self, _sid: u64) {}
     }
 
@@ -1186,6 +1225,59 @@ mod tests {
             "reader made room"
         );
         assert_eq!(reader.join().unwrap(), (vec![0, 1, 2], 0));
+    }
+
+    /// An owner whose loop, driven by the reader, delivers a burst into the
+    /// reader's own queue.
+    struct Burst {
+        sink: Mutex<Option<LocalSink>>,
+        burst: u8,
+        drives: AtomicU64,
+    }
+
+    impl SubscriptionOwner for Burst {
+        fn unsubscribe(&self, _sid: u64) {}
+
+        fn drive(&self, _until: Instant, _ready: &dyn Fn() -> bool) -> bool {
+            self.drives.fetch_add(1, Ordering::Relaxed);
+            if let Some(sink) = self.sink.lock().take() {
+                for n in 0..self.burst {
+                    sink.deliver(message(n));
+                }
+            }
+            true
+        }
+    }
+
+    #[test]
+    fn a_reader_s_own_round_queues_past_the_bound_rather_than_wait_for_itself() {
+        // Under `block` a full queue waits for its reader; when the reader is
+        // the thread delivering (it drives its client's loop while it
+        // waits), that wait could only time out and drop.
+        let (sink, reader, stats) =
+            LocalSink::new(2, SlowConsumerPolicy::Block, Duration::from_millis(50));
+        let owner = Arc::new(Burst {
+            sink: Mutex::new(Some(sink)),
+            burst: 8,
+            drives: AtomicU64::new(0),
+        });
+        let spin = Duration::from_micros(50);
+        let sub = Subscription::new(1, "a".into(), None, reader, stats, owner.clone(), spin);
+        let got: Vec<u8> = (0..8)
+            .map(|_| {
+                sub.recv_timeout(Duration::from_secs(10))
+                    .map(|m| m.payload[0])
+            })
+            .collect::<Result<_, _>>()
+            .expect("the whole burst");
+        assert_eq!(got, (0..8).collect::<Vec<u8>>());
+        assert_eq!(sub.stats().dropped(), 0);
+        assert!(owner.drives.load(Ordering::Relaxed) >= 1);
+        // Another thread's delivery still waits for room, and drops.
+        let (sink, sub) = queue(1, SlowConsumerPolicy::Block, Duration::from_millis(20));
+        assert_eq!(sink.deliver(message(0)), Delivery::Queued);
+        assert_eq!(sink.deliver(message(1)), Delivery::Dropped);
+        assert_eq!(drain(&sub), vec![0]);
     }
 
     #[test]
