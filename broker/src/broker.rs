@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -31,9 +31,10 @@ use crate::accounts::Accounts;
 use crate::commands::CommandQueue;
 use crate::config::{Config, SlowConsumerPolicy};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, SubscriptionOwner};
+use crate::drive::Driven;
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::{Error, RecvError};
-use crate::event_loop::{Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
+use crate::event_loop::{run_loop, Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
 use crate::monitoring::{ConnectionReport, ListenerReport, MatchReport};
 use crate::publish_cache;
 use crate::reload::LiveLimits;
@@ -112,6 +113,10 @@ pub struct BrokerStats {
     pub permission_denials: AtomicU64,
     pub auth_failures: AtomicU64,
     pub refused_connections: AtomicU64,
+    /// Rounds of the event loop that application threads of an embedded
+    /// broker ran while they waited for a message or a reply, rather than
+    /// the loop thread.
+    pub driven_rounds: AtomicU64,
     /// Bytes queued towards remote peers by the broker, right now.
     pub queued_bytes: AtomicU64,
     /// Frames received and sent over negotiated fabric data links.
@@ -254,6 +259,7 @@ impl BrokerStats {
             ("permission_denials", get(&self.permission_denials)),
             ("auth_failures", get(&self.auth_failures)),
             ("refused_connections", get(&self.refused_connections)),
+            ("driven_rounds", get(&self.driven_rounds)),
             ("queued_bytes", get(&self.queued_bytes)),
             ("fabric_frames_in", get(&self.fabric_frames_in)),
             ("fabric_frames_out", get(&self.fabric_frames_out)),
@@ -384,6 +390,9 @@ pub(crate) struct Shared {
     pub(crate) routes: Mutex<BTreeMap<u64, RouteReport>>,
     /// The peer brokers dialed, for [`Broker::peers`].
     pub(crate) peers: Mutex<Vec<String>>,
+    /// The event loop, for application threads that run it while they
+    /// wait (see [`Driven`]).
+    pub(crate) event_loop: OnceLock<Weak<Driven<EventLoop>>>,
 }
 
 /// One route in use, as [`Broker::routes`] reports it.
@@ -431,6 +440,24 @@ impl SubscriptionOwner for Shared {
             sid,
         });
         self.announce(&table);
+    }
+
+    /// A reader of an embedded broker (an in-process subscription, the
+    /// inbox of `Broker::request`) runs the event loop while the loop
+    /// thread finds nothing to do.
+    fn drive(&self, until: Instant, ready: &dyn Fn() -> bool) -> bool {
+        let Some(event_loop) = self.event_loop.get().and_then(Weak::upgrade) else {
+            return false;
+        };
+        if !event_loop.reader_may_drive() {
+            return false;
+        }
+        let Some(rounds) = event_loop.drive(until, ready, &self.shutdown) else {
+            return false;
+        };
+        BrokerStats::add(&self.stats.driven_rounds, rounds);
+        self.commands.wake_if_parked();
+        true
     }
 }
 
@@ -675,20 +702,25 @@ impl Broker {
             can_dial: dialer.is_some(),
             routes: Mutex::new(BTreeMap::new()),
             peers: Mutex::new(Vec::new()),
+            event_loop: OnceLock::new(),
         });
         let cluster = Cluster::new(&shared, dialer);
-        let event_loop = EventLoop::new(
+        let commands = command_rx.clone();
+        let event_loop = Arc::new(Driven::new(EventLoop::new(
             shared.clone(),
-            poll,
             endpoints,
             command_rx,
             codec_limits,
             cluster,
-        );
-        let thread = std::thread::Builder::new()
-            .name("efabus-broker".into())
-            .spawn(move || event_loop.run())
-            .map_err(Error::Thread)?;
+        )));
+        let _ = shared.event_loop.set(Arc::downgrade(&event_loop));
+        let thread = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("efabus-broker".into())
+                .spawn(move || run_loop(&event_loop, &shared, poll, &commands))
+                .map_err(Error::Thread)?
+        };
         Ok(Broker {
             shared,
             thread: Mutex::new(Some(thread)),

@@ -6,7 +6,7 @@
 //! subscription, then the publishes buffered meanwhile (within a bound).
 //! A thread waiting for a reply, or for a subscription's next message while
 //! the loop finds nothing to do, runs the loop's rounds itself meanwhile
-//! ([`LoopCell`]), and the loop thread steps aside.
+//! ([`Driven`]), and the loop thread steps aside.
 //!
 //! Application threads hand work to that thread through one outbox: a
 //! publish is encoded straight into a shared buffer (small payloads copied
@@ -21,7 +21,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -53,6 +53,7 @@ use crate::broker::{reply_token, unique_seed};
 use crate::commands::Parker;
 use crate::config::SlowConsumerPolicy;
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, SubscriptionOwner, YieldWindow};
+use crate::drive::{Driven, Rounds};
 use crate::endpoints;
 use crate::error::Error;
 use crate::session::data_link::{Keying, LinkKind};
@@ -462,7 +463,7 @@ struct ClientShared {
     /// Traffic counters, updated per frame without a lock.
     counters: LinkCounters,
     /// The session, for threads that drive it while they wait.
-    cell: std::sync::OnceLock<std::sync::Weak<LoopCell>>,
+    session: OnceLock<Weak<Driven<ClientLoop>>>,
 }
 
 impl ClientShared {
@@ -654,10 +655,23 @@ impl ClientShared {
 }
 
 impl ClientShared {
-    /// The session, for a thread that drives it while it waits; `None` once
-    /// the loop thread has ended.
-    fn session(&self) -> Option<Arc<LoopCell>> {
-        self.cell.get().and_then(std::sync::Weak::upgrade)
+    /// Run the session on this thread while it waits (see [`Driven`]):
+    /// false, at once, when the loop thread has ended.
+    fn drive(&self, until: Instant, ready: &dyn Fn() -> bool, reader: bool) -> bool {
+        let Some(session) = self.session.get().and_then(Weak::upgrade) else {
+            return false;
+        };
+        if reader && !session.reader_may_drive() {
+            return false;
+        }
+        let Some(rounds) = session.drive(until, ready, &self.shutdown) else {
+            return false;
+        };
+        self.counters
+            .driven_rounds
+            .fetch_add(rounds, Ordering::Relaxed);
+        self.parker.wake_if_parked();
+        true
     }
 }
 
@@ -669,17 +683,8 @@ impl SubscriptionOwner for ClientShared {
         }
     }
 
-    /// A reader drives only while the loop thread finds no work: a stream
-    /// is delivered faster by the loop thread while the reader consumes it
-    /// (1 MiB over `tcp;ofi_rxm` lost about a tenth of its rate with its
-    /// reader driving).
     fn drive(&self, until: Instant, ready: &dyn Fn() -> bool) -> bool {
-        match self.session() {
-            Some(cell) if !cell.loop_worked.load(Ordering::Relaxed) => {
-                cell.drive(self, until, ready)
-            }
-            _ => false,
-        }
+        ClientShared::drive(self, until, ready, true)
     }
 }
 
@@ -813,26 +818,21 @@ impl Client {
             server_errors: Mutex::new(VecDeque::new()),
             link: Mutex::new(LinkReport::default()),
             counters: LinkCounters::default(),
-            cell: std::sync::OnceLock::new(),
+            session: OnceLock::new(),
         });
         shared.link.lock().reasons = unavailable;
-        let cell = Arc::new(LoopCell {
-            session: Mutex::new(Some(ClientLoop::new(
-                shared.clone(),
-                endpoint_box,
-                data,
-                address,
-            ))),
-            drivers: AtomicUsize::new(0),
-            driven_work: AtomicBool::new(false),
-            loop_worked: AtomicBool::new(false),
-        });
-        let _ = shared.cell.set(Arc::downgrade(&cell));
+        let session = Arc::new(Driven::new(ClientLoop::new(
+            shared.clone(),
+            endpoint_box,
+            data,
+            address,
+        )));
+        let _ = shared.session.set(Arc::downgrade(&session));
         let thread = {
-            let (cell, shared) = (cell.clone(), shared.clone());
+            let shared = shared.clone();
             std::thread::Builder::new()
                 .name("efabus-client".into())
-                .spawn(move || cell.run(&shared, poll))
+                .spawn(move || run_loop(&session, &shared, poll))
                 .map_err(Error::Thread)?
         };
         let client = Client {
@@ -1088,11 +1088,7 @@ impl Client {
                     });
             }
             let until = started + window.min(timeout);
-            let drove = self
-                .shared
-                .session()
-                .is_some_and(|cell| cell.drive(&self.shared, until, &|| !replies.is_empty()));
-            if !drove {
+            if !self.shared.drive(until, &|| !replies.is_empty(), false) {
                 std::thread::yield_now();
             }
         };
@@ -1161,6 +1157,12 @@ impl Drop for Client {
     }
 }
 
+impl Rounds for ClientLoop {
+    fn driven_round(&mut self) -> bool {
+        self.round().worked
+    }
+}
+
 /// What one loop round found.
 struct Round {
     /// Events came in or the outbox had frames.
@@ -1169,173 +1171,114 @@ struct Round {
     credit_waiting: bool,
 }
 
-/// The client's session, run by its loop thread or by an application
-/// thread while it waits for a reply or for a subscription's next message
-/// ([`LoopCell::drive`]): what that thread waits for then reaches it with
-/// no hand-over between threads, and what it published just before leaves
-/// in its own first round. The loop thread steps aside while a driver
-/// holds the session, so the two do not take turns on the cores.
-struct LoopCell {
-    /// `None` once the loop thread has closed the session.
-    session: Mutex<Option<ClientLoop>>,
-    /// Application threads driving the session now.
-    drivers: AtomicUsize,
-    /// A driven round found work since the loop thread last looked: it
-    /// polls on after the drivers leave, as after its own work.
-    driven_work: AtomicBool,
-    /// The loop thread's last round found work.
-    loop_worked: AtomicBool,
-}
-
-impl LoopCell {
-    /// Runs rounds of the session on the calling thread until `ready`, until
-    /// `until`, or until shutdown. While another thread holds the session
-    /// (the loop thread mid-round, another driver) it yields between tries.
-    /// False, at once, when the session is closed.
-    fn drive(&self, shared: &ClientShared, until: Instant, ready: &dyn Fn() -> bool) -> bool {
-        self.drivers.fetch_add(1, Ordering::SeqCst);
-        let mut open = true;
-        let mut rounds = 0;
-        while !ready() && !shared.shutdown.load(Ordering::Relaxed) && Instant::now() < until {
-            let worked = match self.session.try_lock() {
-                Some(mut guard) => match guard.as_mut() {
-                    Some(session) => {
-                        rounds += 1;
-                        session.round().worked
-                    }
-                    None => {
-                        open = false;
-                        break;
-                    }
-                },
-                None => false,
-            };
-            if worked {
-                self.driven_work.store(true, Ordering::Relaxed);
-            } else {
-                std::thread::yield_now();
-            }
+/// The client's loop thread: rounds of the session until shutdown, polling
+/// on for the spin window after work and waiting otherwise; stepping aside
+/// while a thread that waits for a reply or a message runs the session
+/// ([`Driven`]).
+fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll) {
+    let mut mio_events = mio::Events::with_capacity(64);
+    let polled = match session.lock().as_ref() {
+        Some(session) => Polled::of(
+            session
+                .endpoints
+                .iter()
+                .map(|endpoint| endpoint.readiness()),
+        ),
+        None => return,
+    };
+    let mut idle = 0u32;
+    let mut spin_window = SpinWindow::new(Instant::now());
+    while !shared.shutdown.load(Ordering::Relaxed) {
+        if session.is_driven() {
+            // A waiting application thread drives the session.
+            std::thread::yield_now();
+            continue;
         }
-        shared
-            .counters
-            .driven_rounds
-            .fetch_add(rounds, Ordering::Relaxed);
-        self.drivers.fetch_sub(1, Ordering::SeqCst);
-        // The loop thread may have slept through the driving (it was asleep
-        // when the driver came): what the driven rounds left for later
-        // (a held-back credit, a timer) is its again.
-        shared.parker.wake_if_parked();
-        open
-    }
-
-    /// The loop thread: rounds until shutdown, polling on for the spin
-    /// window after work and waiting otherwise.
-    fn run(&self, shared: &ClientShared, mut poll: Poll) {
-        let mut mio_events = mio::Events::with_capacity(64);
-        let polled = match self.session.lock().as_ref() {
-            Some(session) => Polled::of(
-                session
-                    .endpoints
-                    .iter()
-                    .map(|endpoint| endpoint.readiness()),
-            ),
-            None => return,
+        if session.take_driven_work() {
+            spin_window.worked(Instant::now(), shared.options.fabric.polling.spin());
+            idle = 0;
+        }
+        let mut guard = session.lock();
+        let Some(state) = guard.as_mut() else {
+            return;
         };
-        let mut idle = 0u32;
-        let mut spin_window = SpinWindow::new(Instant::now());
-        while !shared.shutdown.load(Ordering::Relaxed) {
-            if self.drivers.load(Ordering::SeqCst) > 0 {
-                // A waiting application thread drives the session.
-                std::thread::yield_now();
-                continue;
-            }
-            if self.driven_work.swap(false, Ordering::Relaxed) {
-                spin_window.worked(Instant::now(), shared.options.fabric.polling.spin());
-                idle = 0;
-            }
-            let mut guard = self.session.lock();
-            let Some(session) = guard.as_mut() else {
-                return;
-            };
-            if matches!(*shared.state.lock(), ConnectionState::Refused { .. }) {
-                // Refused for good: nothing will arrive.
-                shared.end_streams();
-                break;
-            }
-            let round = session.round();
-            self.loop_worked.store(round.worked, Ordering::Relaxed);
-            // Measured from the end of the work, as the broker's loop does.
-            let after = Instant::now();
-            let spin = shared.options.fabric.polling.spin();
-            if round.worked {
-                idle = 0;
-                spin_window.worked(after, spin);
-            } else if !spin_window.spinning(after) {
-                // The idle rounds of `backoff` start after the spin.
-                idle = idle.saturating_add(1);
-            }
-            // After a busy round the loop polls on for its `SpinWindow`,
-            // then waits: work that came in meanwhile has made a descriptor
-            // ready (or the outbox non-empty, which `park` checks), so the
-            // wait returns at once.
-            if spin_window.spinning(after) {
-                drop(guard);
-                // Another thread may have the core while this one has
-                // nothing to do; after work, the next round comes at once.
-                if !round.worked {
-                    std::thread::yield_now();
-                }
-                continue;
-            }
-            // Sleep until a descriptor is ready, the outbox has work, or the
-            // next deadline (at least a millisecond: see `wait`).
-            let mut timeout = session
-                .poll_timeout()
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
-            if round.credit_waiting {
-                timeout = timeout.min(CREDIT_DELAY);
-            }
-            if polled.must_poll {
-                timeout = timeout.min(polled.backoff(idle, &shared.options.fabric.polling));
-            }
-            if !timeout.is_zero() {
-                match prepare_wait(&mut session.endpoints, timeout) {
-                    Some(allowed) => timeout = allowed,
-                    None => continue,
-                }
-            }
-            let nothing_pending = session.conn.out.is_empty();
+        if matches!(*shared.state.lock(), ConnectionState::Refused { .. }) {
+            // Refused for good: nothing will arrive.
+            shared.end_streams();
+            break;
+        }
+        let round = state.round();
+        session.loop_worked(round.worked);
+        // Measured from the end of the work, as the broker's loop does.
+        let after = Instant::now();
+        let spin = shared.options.fabric.polling.spin();
+        if round.worked {
+            idle = 0;
+            spin_window.worked(after, spin);
+        } else if !spin_window.spinning(after) {
+            // The idle rounds of `backoff` start after the spin.
+            idle = idle.saturating_add(1);
+        }
+        // After a busy round the loop polls on for its `SpinWindow`,
+        // then waits: work that came in meanwhile has made a descriptor
+        // ready (or the outbox non-empty, which `park` checks), so the
+        // wait returns at once.
+        if spin_window.spinning(after) {
             drop(guard);
-            let parked = shared.parker.park(|| {
-                let mut outbox = shared.outbox.lock();
-                let idle = outbox.is_empty();
-                outbox.loop_idle = idle && nothing_pending;
-                // With frames pending, the outbox waits for the path to
-                // take them (a `Writable` event or a reconnection); a
-                // driver that came meanwhile has the session.
-                (idle || !nothing_pending) && self.drivers.load(Ordering::SeqCst) == 0
-            });
-            if !parked {
-                continue;
-            }
-            if let Err(err) = wait(&mut poll, &mut mio_events, timeout) {
-                if err.kind() != std::io::ErrorKind::Interrupted {
-                    warn!(error = %err, "client poll failed");
-                }
-            }
-            shared.parker.unpark();
-            // Awake again: publishers go through the outbox.
-            shared.outbox.lock().loop_idle = false;
-            if polled.yields(idle, &shared.options.fabric.polling) {
+            // Another thread may have the core while this one has
+            // nothing to do; after work, the next round comes at once.
+            if !round.worked {
                 std::thread::yield_now();
             }
+            continue;
         }
-        // Closed here, on the loop thread, with drivers kept out.
-        let session = self.session.lock().take();
-        if let Some(mut session) = session {
-            session.close();
+        // Sleep until a descriptor is ready, the outbox has work, or the
+        // next deadline (at least a millisecond: see `wait`).
+        let mut timeout = state
+            .poll_timeout()
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        if round.credit_waiting {
+            timeout = timeout.min(CREDIT_DELAY);
         }
+        if polled.must_poll {
+            timeout = timeout.min(polled.backoff(idle, &shared.options.fabric.polling));
+        }
+        if !timeout.is_zero() {
+            match prepare_wait(&mut state.endpoints, timeout) {
+                Some(allowed) => timeout = allowed,
+                None => continue,
+            }
+        }
+        let nothing_pending = state.conn.out.is_empty();
+        drop(guard);
+        let parked = shared.parker.park(|| {
+            let mut outbox = shared.outbox.lock();
+            let idle = outbox.is_empty();
+            outbox.loop_idle = idle && nothing_pending;
+            // With frames pending, the outbox waits for the path to
+            // take them (a `Writable` event or a reconnection); a
+            // driver that came meanwhile has the session.
+            (idle || !nothing_pending) && !session.is_driven()
+        });
+        if !parked {
+            continue;
+        }
+        if let Err(err) = wait(&mut poll, &mut mio_events, timeout) {
+            if err.kind() != std::io::ErrorKind::Interrupted {
+                warn!(error = %err, "client poll failed");
+            }
+        }
+        shared.parker.unpark();
+        // Awake again: publishers go through the outbox.
+        shared.outbox.lock().loop_idle = false;
+        if polled.yields(idle, &shared.options.fabric.polling) {
+            std::thread::yield_now();
+        }
+    }
+    // Closed here, on the loop thread, with drivers kept out.
+    if let Some(mut state) = session.take() {
+        state.close();
     }
 }
 
@@ -1483,7 +1426,7 @@ impl ClientLoop {
     /// One round: timers, every endpoint's events, the links' timers, the
     /// outbox, credits, and the round's sends handed to the wire. Run by
     /// the loop thread, or by an application thread that waits for a reply
-    /// while it holds the loop (see [`LoopCell`]).
+    /// while it holds the loop (see [`Driven`]).
     fn round(&mut self) -> Round {
         let now = Instant::now();
         self.now = now;
@@ -2609,11 +2552,12 @@ mod tests {
     }
 
     #[test]
-    fn threads_that_wait_drive_the_session() {
-        // A request's caller, and a subscription's reader while its client's
-        // loop finds nothing to do, run the loop's rounds themselves: what
-        // they wait for comes with no hand-over from the loop thread.
-        let (_broker, endpoint) = tcp_broker();
+    fn threads_that_wait_drive_the_loop() {
+        // A client's request caller, and a subscription's reader (a
+        // client's, an embedded broker's) while the loop thread finds
+        // nothing to do, run the loop's rounds themselves: what they wait
+        // for comes with no hand-over from the loop thread.
+        let (broker, endpoint) = tcp_broker();
         let requester = connect(&endpoint);
         let responder = connect(&endpoint);
         let requests = responder.subscribe("svc.echo").unwrap();
@@ -2630,10 +2574,16 @@ mod tests {
                 let payload = Bytes::from(i.to_le_bytes().to_vec());
                 let reply = requester.request("svc.echo", payload.clone(), WAIT);
                 assert_eq!(reply.unwrap().payload, payload);
+                // An embedded broker's request waits on its inbox, whose
+                // reader runs the broker's loop.
+                let reply = broker.request("svc.echo", payload.clone(), WAIT);
+                assert_eq!(reply.unwrap().payload, payload);
             }
             requester.publish("svc.echo", Bytes::new()).unwrap();
         });
         assert!(requester.link().driven_rounds > 0, "the requester drove");
         assert!(responder.link().driven_rounds > 0, "the reader drove");
+        let driven = broker.stats().driven_rounds.load(Ordering::Relaxed);
+        assert!(driven > 0, "the broker's inbox reader drove");
     }
 }

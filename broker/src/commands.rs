@@ -105,6 +105,11 @@ impl<C> CommandQueue<C> {
         self.parker.wake();
     }
 
+    /// Wake the loop if it sleeps.
+    pub fn wake_if_parked(&self) {
+        self.parker.wake_if_parked();
+    }
+
     /// Called by the loop before it sleeps; false (stay awake) when
     /// commands are waiting. See [`Parker::park`].
     pub fn park(&self, receiver: &Receiver<C>) -> bool {

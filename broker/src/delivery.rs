@@ -8,12 +8,13 @@
 //! per visit into its own buffer and hands them out from there, so a reader
 //! that keeps up takes the shared lock once per batch rather than once per
 //! message. A producer wakes the reader only when it is parked; a reader that
-//! finds nothing spins briefly, then yields, then parks. A client's reader
-//! runs the client's event loop itself while it would yield
-//! ([`SubscriptionOwner::drive`]), so its next message needs no hand-over
-//! from the client's thread; under `block`, what that reader's own loop
-//! rounds deliver into its queue may go past the bound by one round's
-//! messages, since the round cannot wait for a reader that is running it.
+//! finds nothing spins briefly, then yields, then parks. While it would
+//! yield, a reader runs its owner's event loop itself (a client's, or an
+//! embedded broker's; [`SubscriptionOwner::drive`]), so its next message
+//! needs no hand-over from the loop thread; under `block`, what that
+//! reader's own rounds deliver into its queue may go past the bound by one
+//! round's messages, since the round cannot wait for a reader that is
+//! running it.
 //!
 //! The bound counts every message not yet handed to the application: those
 //! in the shared queue and those in the reader's buffer. The reader publishes

@@ -42,6 +42,7 @@ pub mod client;
 mod commands;
 pub mod config;
 mod delivery;
+mod drive;
 pub mod endpoints;
 pub mod error;
 mod event_loop;

@@ -43,6 +43,7 @@ use crate::accounts::inbox_of;
 use crate::auth_guard::AuthGuard;
 use crate::broker::{deliver_local, BrokerStats, Command, Shared};
 use crate::delivery::Message;
+use crate::drive::{Driven, Rounds};
 use crate::endpoints;
 use crate::session::data_link::LinkKind;
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
@@ -81,7 +82,8 @@ const DROP_REPORT_SPACING: Duration = Duration::from_millis(100);
 
 pub(crate) struct EventLoop {
     shared: Arc<Shared>,
-    poll: Poll,
+    /// The events of the round's endpoint polls.
+    events: Vec<Event>,
     endpoints: Vec<Box<dyn Endpoint>>,
     polling: Polled,
     sessions: HashMap<u64, Session>,
@@ -304,7 +306,6 @@ struct Tally {
 impl EventLoop {
     pub(crate) fn new(
         shared: Arc<Shared>,
-        poll: Poll,
         endpoints: Vec<Box<dyn Endpoint>>,
         commands: Receiver<Command>,
         codec: CodecLimits,
@@ -329,7 +330,7 @@ impl EventLoop {
         .collect();
         EventLoop {
             shared,
-            poll,
+            events: Vec::with_capacity(256),
             endpoints,
             polling,
             sessions: HashMap::default(),
@@ -370,80 +371,35 @@ impl EventLoop {
         }
     }
 
-    pub(crate) fn run(mut self) {
-        let mut mio_events = mio::Events::with_capacity(256);
-        let mut events = Vec::with_capacity(256);
-        let mut idle_spins = 0u32;
-        let mut spin_window = SpinWindow::new(Instant::now());
-        while !self.shared.shutdown.load(Ordering::Relaxed) {
-            let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
-            let now = Instant::now();
-            let credit_waiting = !self.credit_owed.is_empty() && self.grant_credits(now);
-            let spin = self.shared.config.fabric.polling.spin();
-            if busy {
-                idle_spins = 0;
-            } else if !spin_window.spinning(now) {
-                // The idle rounds of `backoff` start after the spin.
-                idle_spins = idle_spins.saturating_add(1);
-            }
-            // Timers of many sessions are served together, at most once
-            // per `TIMER_SPACING`: the visit is over every session.
-            let timers_at = self.next_timer.max(self.timers_ran + TIMER_SPACING);
-            if now >= timers_at {
-                self.timers_ran = now;
-                self.on_timers(now);
-            }
-            // The round's sends leave now, not after the next round's poll
-            // of every endpoint before theirs.
-            for endpoint in &mut self.endpoints {
-                endpoint.flush();
-            }
-            if busy {
-                spin_window.worked(now, spin);
-                continue;
-            }
-            if spin_window.spinning(now) {
-                std::thread::yield_now();
-                continue;
-            }
-            // Sleep until an fd is ready, a command arrives or the next
-            // session deadline; endpoints that must be polled cap the
-            // sleep. A deadline may be met up to a millisecond late: a
-            // shorter wait for it would be a blind sleep (see `wait`), deaf
-            // to the descriptors.
-            let mut timeout = timers_at
-                .saturating_duration_since(now)
-                .max(Duration::from_millis(1));
-            if credit_waiting {
-                timeout = timeout.min(CREDIT_DELAY);
-            }
-            if self.polling.must_poll {
-                let config = &self.shared.config.fabric.polling;
-                timeout = timeout.min(self.polling.backoff(idle_spins, config));
-            }
-            if !timeout.is_zero() {
-                match prepare_wait(&mut self.endpoints, timeout) {
-                    Some(allowed) => timeout = allowed,
-                    None => continue,
-                }
-            }
-            if !self.shared.commands.park(&self.commands) {
-                continue;
-            }
-            if let Err(err) = wait(&mut self.poll, &mut mio_events, timeout) {
-                if err.kind() != std::io::ErrorKind::Interrupted {
-                    warn!(error = %err, "poll failed");
-                }
-            }
-            self.shared.commands.unpark();
-            if self
-                .polling
-                .yields(idle_spins, &self.shared.config.fabric.polling)
-            {
-                std::thread::yield_now();
-            }
+    /// One round: every endpoint's events, the commands of in-process
+    /// publishers, held-back credits, the timers when due, and the round's
+    /// sends handed to the wire. Run by the loop thread, or by an
+    /// application thread of an embedded broker while it waits (see
+    /// [`Driven`]).
+    fn round(&mut self) -> Round {
+        let mut events = std::mem::take(&mut self.events);
+        let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
+        self.events = events;
+        let now = Instant::now();
+        let credit_waiting = !self.credit_owed.is_empty() && self.grant_credits(now);
+        // Timers of many sessions are served together, at most once
+        // per `TIMER_SPACING`: the visit is over every session.
+        let timers_at = self.next_timer.max(self.timers_ran + TIMER_SPACING);
+        if now >= timers_at {
+            self.timers_ran = now;
+            self.on_timers(now);
         }
-        self.shutdown(&mut events);
+        // The round's sends leave now, not after the next round's poll
+        // of every endpoint before theirs.
+        for endpoint in &mut self.endpoints {
+            endpoint.flush();
+        }
+        Round {
+            busy,
+            credit_waiting,
+            now,
+            timers_at,
+        }
     }
 
     /// Poll every endpoint once and handle its events; true if any. The
@@ -2048,7 +2004,8 @@ impl EventLoop {
         self.released = released;
     }
 
-    fn shutdown(&mut self, events: &mut Vec<Event>) {
+    fn shutdown(&mut self) {
+        let mut events = std::mem::take(&mut self.events);
         info!("shutting down");
         let deadline = Instant::now() + self.shared.config.drain_timeout();
         self.blocking.clear();
@@ -2064,7 +2021,7 @@ impl EventLoop {
             self.close_session(id);
         }
         while !self.sessions.is_empty() && Instant::now() < deadline {
-            self.poll_endpoints(events);
+            self.poll_endpoints(&mut events);
             std::thread::sleep(Duration::from_millis(1));
         }
         if !self.sessions.is_empty() {
@@ -2081,6 +2038,117 @@ impl EventLoop {
         }
         self.shared.subscriptions.write().close_locals();
         info!("stopped");
+    }
+}
+
+impl Rounds for EventLoop {
+    fn driven_round(&mut self) -> bool {
+        self.round().busy
+    }
+}
+
+/// What one round found.
+struct Round {
+    /// Events came in or commands were waiting.
+    busy: bool,
+    /// Credits are owed but held back (`CREDIT_DELAY`).
+    credit_waiting: bool,
+    /// When the round's work ended.
+    now: Instant,
+    /// When the timers are due next.
+    timers_at: Instant,
+}
+
+/// The broker's loop thread: rounds until shutdown, polling on for the
+/// spin window after work and waiting otherwise; stepping aside while an
+/// application thread of an embedded broker that waits for a reply or a
+/// message runs the loop ([`Driven`]). Ends with the shutdown's drain.
+pub(crate) fn run_loop(
+    event_loop: &Driven<EventLoop>,
+    shared: &Shared,
+    mut poll: Poll,
+    commands: &Receiver<Command>,
+) {
+    let mut mio_events = mio::Events::with_capacity(256);
+    let polling = match event_loop.lock().as_ref() {
+        Some(state) => state.polling,
+        None => return,
+    };
+    let mut idle_spins = 0u32;
+    let mut spin_window = SpinWindow::new(Instant::now());
+    let config = &shared.config.fabric.polling;
+    while !shared.shutdown.load(Ordering::Relaxed) {
+        if event_loop.is_driven() {
+            // A waiting application thread runs the loop.
+            std::thread::yield_now();
+            continue;
+        }
+        if event_loop.take_driven_work() {
+            spin_window.worked(Instant::now(), config.spin());
+            idle_spins = 0;
+        }
+        let mut guard = event_loop.lock();
+        let Some(state) = guard.as_mut() else {
+            return;
+        };
+        let round = state.round();
+        event_loop.loop_worked(round.busy);
+        let now = round.now;
+        let spin = config.spin();
+        if round.busy {
+            idle_spins = 0;
+            spin_window.worked(now, spin);
+            continue;
+        }
+        if !spin_window.spinning(now) {
+            // The idle rounds of `backoff` start after the spin.
+            idle_spins = idle_spins.saturating_add(1);
+        }
+        if spin_window.spinning(now) {
+            drop(guard);
+            std::thread::yield_now();
+            continue;
+        }
+        // Sleep until an fd is ready, a command arrives or the next
+        // session deadline; endpoints that must be polled cap the
+        // sleep. A deadline may be met up to a millisecond late: a
+        // shorter wait for it would be a blind sleep (see `wait`), deaf
+        // to the descriptors.
+        let mut timeout = round
+            .timers_at
+            .saturating_duration_since(now)
+            .max(Duration::from_millis(1));
+        if round.credit_waiting {
+            timeout = timeout.min(CREDIT_DELAY);
+        }
+        if polling.must_poll {
+            timeout = timeout.min(polling.backoff(idle_spins, config));
+        }
+        if !timeout.is_zero() {
+            match prepare_wait(&mut state.endpoints, timeout) {
+                Some(allowed) => timeout = allowed,
+                None => continue,
+            }
+        }
+        drop(guard);
+        // A driver that came meanwhile has the loop.
+        if !shared.commands.park(commands) || event_loop.is_driven() {
+            shared.commands.unpark();
+            continue;
+        }
+        if let Err(err) = wait(&mut poll, &mut mio_events, timeout) {
+            if err.kind() != std::io::ErrorKind::Interrupted {
+                warn!(error = %err, "poll failed");
+            }
+        }
+        shared.commands.unpark();
+        if polling.yields(idle_spins, config) {
+            std::thread::yield_now();
+        }
+    }
+    // Shut down here, on the loop thread, with drivers kept out.
+    if let Some(mut state) = event_loop.take() {
+        state.shutdown();
     }
 }
 
