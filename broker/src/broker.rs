@@ -452,12 +452,10 @@ impl SubscriptionOwner for Shared {
         if !event_loop.reader_may_drive() {
             return false;
         }
-        let Some(rounds) = event_loop.drive(until, ready, &self.shutdown) else {
-            return false;
-        };
+        let rounds = event_loop.drive(until, ready, &self.shutdown);
         BrokerStats::add(&self.stats.driven_rounds, rounds);
         self.commands.wake_if_parked();
-        true
+        rounds > 0
     }
 }
 

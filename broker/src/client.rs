@@ -655,8 +655,8 @@ impl ClientShared {
 }
 
 impl ClientShared {
-    /// Run the session on this thread while it waits (see [`Driven`]):
-    /// false, at once, when the loop thread has ended.
+    /// Run the session on this thread while it waits (see [`Driven`]);
+    /// false when no round ran (the caller yields instead).
     fn drive(&self, until: Instant, ready: &dyn Fn() -> bool, reader: bool) -> bool {
         let Some(session) = self.session.get().and_then(Weak::upgrade) else {
             return false;
@@ -664,14 +664,12 @@ impl ClientShared {
         if reader && !session.reader_may_drive() {
             return false;
         }
-        let Some(rounds) = session.drive(until, ready, &self.shutdown) else {
-            return false;
-        };
+        let rounds = session.drive(until, ready, &self.shutdown);
         self.counters
             .driven_rounds
             .fetch_add(rounds, Ordering::Relaxed);
         self.parker.wake_if_parked();
-        true
+        rounds > 0
     }
 }
 
@@ -1158,8 +1156,10 @@ impl Drop for Client {
 }
 
 impl Rounds for ClientLoop {
-    fn driven_round(&mut self) -> bool {
-        self.round().worked
+    /// Only a connected session is driven: connecting (name lookups,
+    /// handshakes, giving up when refused) stays with the loop thread.
+    fn driven_round(&mut self) -> Option<bool> {
+        matches!(self.link, LinkState::Up { .. }).then(|| self.round().worked)
     }
 }
 
@@ -1251,15 +1251,17 @@ fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll)
             }
         }
         let nothing_pending = state.conn.out.is_empty();
+        let finished = session.drives_finished();
         drop(guard);
         let parked = shared.parker.park(|| {
+            // What this thread saw holds only if no driver came since.
+            let unchanged = session.may_sleep(finished);
             let mut outbox = shared.outbox.lock();
             let idle = outbox.is_empty();
-            outbox.loop_idle = idle && nothing_pending;
+            outbox.loop_idle = idle && nothing_pending && unchanged;
             // With frames pending, the outbox waits for the path to
-            // take them (a `Writable` event or a reconnection); a
-            // driver that came meanwhile has the session.
-            (idle || !nothing_pending) && !session.is_driven()
+            // take them (a `Writable` event or a reconnection).
+            (idle || !nothing_pending) && unchanged
         });
         if !parked {
             continue;
@@ -2118,6 +2120,10 @@ impl ClientLoop {
             let was_full = outbox.bytes >= bound || outbox.items.len() >= MAX_ITEMS;
             std::mem::swap(&mut self.taken, &mut outbox.items);
             outbox.bytes = 0;
+            // The items taken are on their way: a publish must not pass
+            // them on the publisher's own thread (a driver's round may run
+            // while the loop thread sleeps with the flag set).
+            outbox.loop_idle = false;
             was_full
         };
         if was_full {
@@ -2585,5 +2591,61 @@ mod tests {
         assert!(responder.link().driven_rounds > 0, "the reader drove");
         let driven = broker.stats().driven_rounds.load(Ordering::Relaxed);
         assert!(driven > 0, "the broker's inbox reader drove");
+    }
+
+    #[test]
+    fn publishes_keep_their_order_while_other_threads_drive_the_session() {
+        // One thread publishes a numbered stream, pausing now and then so
+        // that the loop sleeps (and the next publish may go out on the
+        // publisher's own thread); meanwhile another thread of the same
+        // client drives its session with requests and a third queues
+        // subscription commands between the publishes. Every message must
+        // arrive once, in order.
+        let (broker, endpoint) = tcp_broker();
+        let echo = broker.subscribe("svc.echo").unwrap();
+        let stream = broker.subscribe("order").unwrap();
+        let client = connect(&endpoint);
+        const COUNT: u32 = 20_000;
+        let done = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                while let Ok(request) = echo.recv_timeout(WAIT) {
+                    let Some(reply) = &request.reply else { break };
+                    let _ = broker.publish(reply, request.payload);
+                }
+            });
+            let requester = scope.spawn(|| {
+                while !done.load(Ordering::Relaxed) {
+                    client.request("svc.echo", vec![1], WAIT).unwrap();
+                }
+            });
+            scope.spawn(|| {
+                while !done.load(Ordering::Relaxed) {
+                    drop(client.subscribe("churn").unwrap());
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            });
+            let publisher = scope.spawn(|| {
+                for n in 0..COUNT {
+                    client
+                        .publish("order", Bytes::from(n.to_le_bytes().to_vec()))
+                        .unwrap();
+                    if n % 64 == 0 {
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                }
+            });
+            for expected in 0..COUNT {
+                let message = stream.recv_timeout(WAIT).expect("every message");
+                let n = u32::from_le_bytes(message.payload[..4].try_into().unwrap());
+                assert_eq!(n, expected, "out of order");
+            }
+            publisher.join().unwrap();
+            done.store(true, Ordering::Relaxed);
+            requester.join().unwrap();
+            // Ends the echo.
+            broker.publish("svc.echo", Bytes::new()).unwrap();
+        });
+        assert!(client.link().driven_rounds > 0, "the requests drove");
     }
 }

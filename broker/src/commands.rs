@@ -111,9 +111,10 @@ impl<C> CommandQueue<C> {
     }
 
     /// Called by the loop before it sleeps; false (stay awake) when
-    /// commands are waiting. See [`Parker::park`].
-    pub fn park(&self, receiver: &Receiver<C>) -> bool {
-        self.parker.park(|| receiver.is_empty())
+    /// commands are waiting or `idle` says there is other work. See
+    /// [`Parker::park`].
+    pub fn park(&self, receiver: &Receiver<C>, idle: impl FnOnce() -> bool) -> bool {
+        self.parker.park(|| receiver.is_empty() && idle())
     }
 
     /// Called by the loop when it wakes.

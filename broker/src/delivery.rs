@@ -11,10 +11,10 @@
 //! finds nothing spins briefly, then yields, then parks. While it would
 //! yield, a reader runs its owner's event loop itself (a client's, or an
 //! embedded broker's; [`SubscriptionOwner::drive`]), so its next message
-//! needs no hand-over from the loop thread; under `block`, what that
-//! reader's own rounds deliver into its queue may go past the bound by one
-//! round's messages, since the round cannot wait for a reader that is
-//! running it.
+//! needs no hand-over from the loop thread; under `block`, what a round
+//! run by a reader delivers into a queue that same thread reads may go
+//! past the bound by one round's messages, since the round cannot wait for
+//! a reader that is running it.
 //!
 //! The bound counts every message not yet handed to the application: those
 //! in the shared queue and those in the reader's buffer. The reader publishes
@@ -31,7 +31,6 @@
 //! a reader that keeps seeing one subject switches to its own copy of it, so
 //! the reference counting of the messages it hands out stays on its thread.
 
-use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -341,6 +340,19 @@ struct Queue {
     handed: Handed,
     /// Most entries the reader takes per visit.
     batch: usize,
+    /// The thread that last waited for entries (its [`thread_token`]): a
+    /// loop round that thread runs as a driver must not wait for room
+    /// only it can make.
+    reader: AtomicU64,
+}
+
+/// A number for the calling thread, unique in the process (never 0).
+fn thread_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static TOKEN: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    TOKEN.with(|token| *token)
 }
 
 impl Queue {
@@ -417,6 +429,7 @@ impl LocalSink {
             room: Condvar::new(),
             handed: Handed(AtomicU64::new(0)),
             batch,
+            reader: AtomicU64::new(0),
         });
         let stats = Arc::new(SubscriptionStats::default());
         let sink = LocalSink {
@@ -522,9 +535,14 @@ impl LocalSink {
             return Ok(Delivery::Queued);
         }
         match self.policy {
-            // The reader itself is delivering (it drives its client's loop
-            // while it waits): the round's messages go over the bound.
-            SlowConsumerPolicy::Block if DRIVING_FOR.get() == Arc::as_ptr(&self.queue) as usize => {
+            // The delivering thread reads this queue and runs a loop's
+            // round while it waits (for this queue or another): room only
+            // it can make would never come, so the round's messages go
+            // over the bound.
+            SlowConsumerPolicy::Block
+                if crate::drive::driving()
+                    && self.queue.reader.load(Ordering::Relaxed) == thread_token() =>
+            {
                 Ok(Delivery::Queued)
             }
             SlowConsumerPolicy::Block => match self.wait_for_room(state) {
@@ -633,13 +651,6 @@ pub(crate) trait SubscriptionOwner: Send + Sync {
     fn drive(&self, _until: Instant, _ready: &dyn Fn() -> bool) -> bool {
         false
     }
-}
-
-thread_local! {
-    /// The queue this thread waits on while it drives the queue's owner
-    /// (its address; 0 for none). A push into that queue from this thread's
-    /// own round must not wait for room: it would wait for itself.
-    static DRIVING_FOR: Cell<usize> = const { Cell::new(0) };
 }
 
 /// The reader's side: its batch and the current subject.
@@ -836,6 +847,10 @@ impl Subscription {
     #[inline(never)]
     fn receive_slow(&self, wait: Wait) -> Result<Message, RecvError> {
         let queue = &*self.queue;
+        let me = thread_token();
+        if queue.reader.load(Ordering::Relaxed) != me {
+            queue.reader.store(me, Ordering::Relaxed);
+        }
         // A poll (`try_recv`) leaves the yield window alone: no clock read.
         let started = (!matches!(wait, Wait::No)).then(Instant::now);
         // Computed only once the reader has to wait.
@@ -891,10 +906,7 @@ impl Subscription {
                         queue.waiting.load(Ordering::Relaxed)
                             || queue.closed.load(Ordering::Acquire)
                     };
-                    let outer = DRIVING_FOR.replace(queue as *const Queue as usize);
-                    let drove = self.owner.drive(until, &ready);
-                    DRIVING_FOR.set(outer);
-                    if !drove {
+                    if !self.owner.drive(until, &ready) {
                         std::thread::yield_now();
                     }
                 }
@@ -1069,6 +1081,7 @@ impl Drop for Subscription {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::drive::{Driven, Rounds};
 
     #[test]
     fn a_reader_yields_for_twice_its_recent_wait_within_bounds() {
@@ -1228,57 +1241,104 @@ mod tests {
         assert_eq!(reader.join().unwrap(), (vec![0, 1, 2], 0));
     }
 
-    /// An owner whose loop, driven by the reader, delivers a burst into the
-    /// reader's own queue.
-    struct Burst {
-        sink: Mutex<Option<LocalSink>>,
+    /// A loop whose first round delivers a burst into each of its sinks.
+    struct BurstLoop {
+        sinks: Vec<LocalSink>,
         burst: u8,
-        drives: AtomicU64,
+        done: bool,
+    }
+
+    impl Rounds for BurstLoop {
+        fn driven_round(&mut self) -> Option<bool> {
+            if self.done {
+                return Some(false);
+            }
+            self.done = true;
+            for sink in &self.sinks {
+                for n in 0..self.burst {
+                    sink.deliver(message(n));
+                }
+            }
+            Some(true)
+        }
+    }
+
+    /// The owner of subscriptions fed by a [`BurstLoop`], which their
+    /// readers drive.
+    struct Burst {
+        driven: Driven<BurstLoop>,
+        stop: AtomicBool,
     }
 
     impl SubscriptionOwner for Burst {
         fn unsubscribe(&self, _sid: u64) {}
 
-        fn drive(&self, _until: Instant, _ready: &dyn Fn() -> bool) -> bool {
-            self.drives.fetch_add(1, Ordering::Relaxed);
-            if let Some(sink) = self.sink.lock().take() {
-                for n in 0..self.burst {
-                    sink.deliver(message(n));
-                }
-            }
-            true
+        fn drive(&self, until: Instant, ready: &dyn Fn() -> bool) -> bool {
+            self.driven.drive(until, ready, &self.stop) > 0
         }
+    }
+
+    fn burst(sinks: Vec<LocalSink>, burst: u8) -> Arc<Burst> {
+        Arc::new(Burst {
+            driven: Driven::new(BurstLoop {
+                sinks,
+                burst,
+                done: false,
+            }),
+            stop: AtomicBool::new(false),
+        })
     }
 
     #[test]
     fn a_reader_s_own_round_queues_past_the_bound_rather_than_wait_for_itself() {
-        // Under `block` a full queue waits for its reader; when the reader is
-        // the thread delivering (it drives its client's loop while it
-        // waits), that wait could only time out and drop.
-        let (sink, reader, stats) =
-            LocalSink::new(2, SlowConsumerPolicy::Block, Duration::from_millis(50));
-        let owner = Arc::new(Burst {
-            sink: Mutex::new(Some(sink)),
-            burst: 8,
-            drives: AtomicU64::new(0),
-        });
+        // Under `block` a full queue waits for its reader; when the reader
+        // is the thread delivering (it runs its owner's loop while it
+        // waits, here for `first`), that wait could only time out and drop,
+        // in the queue it waits on and in another it reads (`second`).
+        let timeout = Duration::from_millis(50);
+        let (first_sink, first_reader, first_stats) =
+            LocalSink::new(2, SlowConsumerPolicy::Block, timeout);
+        let (second_sink, second_reader, second_stats) =
+            LocalSink::new(2, SlowConsumerPolicy::Block, timeout);
+        let owner = burst(vec![first_sink, second_sink], 8);
         let spin = Duration::from_micros(50);
-        let sub = Subscription::new(1, "a".into(), None, reader, stats, owner.clone(), spin);
+        let subscription = |reader, stats| {
+            Subscription::new(1, "a".into(), None, reader, stats, owner.clone(), spin)
+        };
+        let first = subscription(first_reader, first_stats);
+        let second = subscription(second_reader, second_stats);
+        // This thread reads `second` too.
+        assert_eq!(second.try_recv().err(), Some(RecvError::Empty));
         let got: Vec<u8> = (0..8)
             .map(|_| {
-                sub.recv_timeout(Duration::from_secs(10))
+                first
+                    .recv_timeout(Duration::from_secs(10))
                     .map(|m| m.payload[0])
             })
             .collect::<Result<_, _>>()
             .expect("the whole burst");
         assert_eq!(got, (0..8).collect::<Vec<u8>>());
-        assert_eq!(sub.stats().dropped(), 0);
-        assert!(owner.drives.load(Ordering::Relaxed) >= 1);
-        // Another thread's delivery still waits for room, and drops.
-        let (sink, sub) = queue(1, SlowConsumerPolicy::Block, Duration::from_millis(20));
-        assert_eq!(sink.deliver(message(0)), Delivery::Queued);
-        assert_eq!(sink.deliver(message(1)), Delivery::Dropped);
-        assert_eq!(drain(&sub), vec![0]);
+        assert_eq!(drain(&second), (0..8).collect::<Vec<u8>>());
+        assert_eq!((first.stats().dropped(), second.stats().dropped()), (0, 0));
+
+        // A round run by a thread that does not read the queue still waits
+        // for room, and drops after the block timeout.
+        let (sink, reader, stats) =
+            LocalSink::new(1, SlowConsumerPolicy::Block, Duration::from_millis(20));
+        let owner = burst(vec![sink], 2);
+        let other = Subscription::new(1, "a".into(), None, reader, stats, owner.clone(), spin);
+        std::thread::scope(|scope| {
+            scope.spawn(|| assert_eq!(other.try_recv().err(), Some(RecvError::Empty)));
+        });
+        let far = Instant::now() + Duration::from_secs(10);
+        assert_eq!(
+            owner
+                .driven
+                .drive(far, &|| other.pending() > 0, &owner.stop),
+            1
+        );
+        assert_eq!(other.stats().dropped(), 1);
+        assert_eq!(drain(&other), vec![0]);
     }
 
     #[test]

@@ -9,15 +9,30 @@
 //! leaves in its own first round. The loop thread steps aside while such a
 //! driver holds the loop, so the two do not take turns on the cores.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use parking_lot::{Mutex, MutexGuard};
 
 /// The state of an event loop that runs in rounds.
 pub(crate) trait Rounds: Send {
-    /// Run one round; whether it found work.
-    fn driven_round(&mut self) -> bool;
+    /// Run one round for a driver: whether it found work, or `None` when
+    /// the loop is not to be driven now (it is connecting, say: slow work
+    /// that is the loop thread's).
+    fn driven_round(&mut self) -> Option<bool>;
+}
+
+thread_local! {
+    /// This thread is running a loop's rounds as a driver.
+    static DRIVING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is running a loop's rounds as a driver: a
+/// round it runs must not wait for something only this thread can do
+/// (room in a queue it reads).
+pub(crate) fn driving() -> bool {
+    DRIVING.get()
 }
 
 /// An event loop's state, run by its own thread or by a driver.
@@ -26,6 +41,9 @@ pub(crate) struct Driven<L> {
     state: Mutex<Option<L>>,
     /// Application threads driving the loop now.
     drivers: AtomicUsize,
+    /// Drives finished so far: the loop thread does not go to sleep on
+    /// what it saw before a drive that came and went meanwhile.
+    finished: AtomicU64,
     /// A driven round found work since the loop thread last looked: it
     /// polls on after the drivers leave, as after its own work.
     driven_work: AtomicBool,
@@ -33,42 +51,58 @@ pub(crate) struct Driven<L> {
     loop_worked: AtomicBool,
 }
 
+/// A driver's presence, withdrawn however the drive ends (a round that
+/// panics included: the loop thread would otherwise step aside for good).
+struct Presence<'a, L> {
+    driven: &'a Driven<L>,
+}
+
+impl<'a, L> Presence<'a, L> {
+    fn enter(driven: &'a Driven<L>) -> Presence<'a, L> {
+        driven.drivers.fetch_add(1, Ordering::SeqCst);
+        DRIVING.set(true);
+        Presence { driven }
+    }
+}
+
+impl<L> Drop for Presence<'_, L> {
+    fn drop(&mut self) {
+        DRIVING.set(false);
+        self.driven.finished.fetch_add(1, Ordering::SeqCst);
+        self.driven.drivers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 impl<L: Rounds> Driven<L> {
     pub fn new(state: L) -> Driven<L> {
         Driven {
             state: Mutex::new(Some(state)),
             drivers: AtomicUsize::new(0),
+            finished: AtomicU64::new(0),
             driven_work: AtomicBool::new(false),
             loop_worked: AtomicBool::new(false),
         }
     }
 
     /// Runs rounds on the calling thread until `ready`, until `until`, or
-    /// until `stop`. While another thread holds the loop (the loop thread
+    /// until `stop`; stops early when the loop is closed or not to be
+    /// driven now. While another thread holds the loop (the loop thread
     /// mid-round, another driver) it yields between tries. Returns the
-    /// rounds it ran, `None` (at once) when the loop is closed. The caller
-    /// then wakes the loop thread if it sleeps: it may have slept through
-    /// the driving, and what the driven rounds left for later (a held-back
-    /// credit, a timer) is its again.
-    pub fn drive(
-        &self,
-        until: Instant,
-        ready: &dyn Fn() -> bool,
-        stop: &AtomicBool,
-    ) -> Option<u64> {
-        self.drivers.fetch_add(1, Ordering::SeqCst);
-        let mut rounds = Some(0);
+    /// rounds it ran. A round may run past `until`: it is the loop's round,
+    /// whatever it has to do. The caller then wakes the loop thread if it
+    /// sleeps: it may have slept through the driving, and what the driven
+    /// rounds left for later (a held-back credit, a timer) is its again.
+    pub fn drive(&self, until: Instant, ready: &dyn Fn() -> bool, stop: &AtomicBool) -> u64 {
+        let _presence = Presence::enter(self);
+        let mut rounds = 0;
         while !ready() && !stop.load(Ordering::Relaxed) && Instant::now() < until {
             let worked = match self.state.try_lock() {
-                Some(mut guard) => match guard.as_mut() {
-                    Some(state) => {
-                        rounds = rounds.map(|n| n + 1);
-                        state.driven_round()
+                Some(mut guard) => match guard.as_mut().and_then(L::driven_round) {
+                    Some(worked) => {
+                        rounds += 1;
+                        worked
                     }
-                    None => {
-                        rounds = None;
-                        break;
-                    }
+                    None => break,
                 },
                 None => false,
             };
@@ -78,8 +112,21 @@ impl<L: Rounds> Driven<L> {
                 std::thread::yield_now();
             }
         }
-        self.drivers.fetch_sub(1, Ordering::SeqCst);
         rounds
+    }
+
+    /// For the loop thread, read while it holds the loop: how many drives
+    /// have finished. Before it sleeps it checks that none finished since
+    /// ([`Driven::may_sleep`]).
+    pub fn drives_finished(&self) -> u64 {
+        self.finished.load(Ordering::SeqCst)
+    }
+
+    /// For the loop thread, about to sleep on what it saw when
+    /// [`Driven::drives_finished`] said `finished`: false if a driver is
+    /// here or has come and gone since.
+    pub fn may_sleep(&self, finished: u64) -> bool {
+        !self.is_driven() && self.drives_finished() == finished
     }
 
     /// Whether a subscription's reader should drive: only while the loop
@@ -122,20 +169,28 @@ impl<L: Rounds> Driven<L> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU64;
     use std::sync::Arc;
     use std::time::Duration;
 
-    /// A loop whose rounds count themselves where drivers can see it and
-    /// find work in the first `busy` of them.
+    /// A loop whose rounds count themselves where drivers can see it, find
+    /// work in the first `busy` of them, refuse drivers from round
+    /// `refuse_at` on and panic at round `panic_at`.
     struct Counting {
         rounds: Arc<AtomicU64>,
         busy: u64,
+        refuse_at: u64,
+        panic_at: u64,
     }
 
     impl Rounds for Counting {
-        fn driven_round(&mut self) -> bool {
-            self.rounds.fetch_add(1, Ordering::SeqCst) < self.busy
+        fn driven_round(&mut self) -> Option<bool> {
+            let round = self.rounds.load(Ordering::SeqCst);
+            assert!(round != self.panic_at, "a round failed");
+            if round >= self.refuse_at {
+                return None;
+            }
+            self.rounds.fetch_add(1, Ordering::SeqCst);
+            Some(round < self.busy)
         }
     }
 
@@ -144,31 +199,76 @@ mod tests {
         let state = Counting {
             rounds: rounds.clone(),
             busy,
+            refuse_at: u64::MAX,
+            panic_at: u64::MAX,
         };
         (Arc::new(Driven::new(state)), rounds)
+    }
+
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(10)
     }
 
     #[test]
     fn a_driver_runs_rounds_until_ready_and_reports_them() {
         let (driven, rounds) = counting(2);
         let stop = AtomicBool::new(false);
-        let far = Instant::now() + Duration::from_secs(10);
+        let finished = driven.drives_finished();
         let ready = || rounds.load(Ordering::SeqCst) >= 5;
-        assert_eq!(driven.drive(far, &ready, &stop), Some(5));
+        assert_eq!(driven.drive(far(), &ready, &stop), 5);
         assert!(driven.take_driven_work(), "the first rounds found work");
         assert!(!driven.take_driven_work(), "taken once");
         assert!(!driven.is_driven(), "the driver left");
+        assert!(!driving(), "and is no longer driving");
+        assert!(!driven.may_sleep(finished), "a drive came and went");
+        let finished = driven.drives_finished();
+        assert!(driven.may_sleep(finished));
         // Already ready, past the deadline, or stopped: no round.
-        assert_eq!(driven.drive(far, &|| true, &stop), Some(0));
-        assert_eq!(driven.drive(Instant::now(), &|| false, &stop), Some(0));
+        assert_eq!(driven.drive(far(), &|| true, &stop), 0);
+        assert_eq!(driven.drive(Instant::now(), &|| false, &stop), 0);
         stop.store(true, Ordering::Relaxed);
-        assert_eq!(driven.drive(far, &|| false, &stop), Some(0));
+        assert_eq!(driven.drive(far(), &|| false, &stop), 0);
         assert!(!driven.take_driven_work(), "no round found work");
         // Closed: none, at once.
         stop.store(false, Ordering::Relaxed);
         assert!(driven.take().is_some());
-        assert_eq!(driven.drive(far, &|| false, &stop), None);
+        assert_eq!(driven.drive(far(), &|| false, &stop), 0);
         assert_eq!(rounds.load(Ordering::SeqCst), 5);
+    }
+
+    #[test]
+    fn a_loop_not_to_be_driven_sends_the_driver_back_at_once() {
+        let rounds = Arc::new(AtomicU64::new(0));
+        let driven = Driven::new(Counting {
+            rounds: rounds.clone(),
+            busy: 0,
+            refuse_at: 3,
+            panic_at: u64::MAX,
+        });
+        let stop = AtomicBool::new(false);
+        assert_eq!(driven.drive(far(), &|| false, &stop), 3);
+        assert!(!driven.is_driven());
+    }
+
+    #[test]
+    fn a_round_that_panics_withdraws_the_driver() {
+        let rounds = Arc::new(AtomicU64::new(0));
+        let driven = Driven::new(Counting {
+            rounds,
+            busy: 0,
+            refuse_at: u64::MAX,
+            panic_at: 1,
+        });
+        let stop = AtomicBool::new(false);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            driven.drive(far(), &|| false, &stop)
+        }));
+        assert!(result.is_err());
+        assert!(
+            !driven.is_driven(),
+            "the loop thread would step aside for good"
+        );
+        assert!(!driving());
     }
 
     #[test]
@@ -179,17 +279,17 @@ mod tests {
             let (driven, rounds) = (driven.clone(), rounds.clone());
             std::thread::spawn(move || {
                 let stop = AtomicBool::new(false);
-                let far = Instant::now() + Duration::from_secs(10);
-                driven.drive(far, &|| rounds.load(Ordering::SeqCst) > 0, &stop)
+                driven.drive(far(), &|| rounds.load(Ordering::SeqCst) > 0, &stop)
             })
         };
         // The loop thread sees the driver and would step aside.
         while !driven.is_driven() {
             std::thread::yield_now();
         }
+        assert!(!driven.may_sleep(driven.drives_finished()));
         assert_eq!(rounds.load(Ordering::SeqCst), 0, "no round while held");
         drop(held);
-        assert_eq!(driver.join().unwrap(), Some(1));
+        assert_eq!(driver.join().unwrap(), 1);
         assert!(!driven.is_driven());
     }
 

@@ -2042,8 +2042,8 @@ impl EventLoop {
 }
 
 impl Rounds for EventLoop {
-    fn driven_round(&mut self) -> bool {
-        self.round().busy
+    fn driven_round(&mut self) -> Option<bool> {
+        Some(self.round().busy)
     }
 }
 
@@ -2130,10 +2130,13 @@ pub(crate) fn run_loop(
                 None => continue,
             }
         }
+        let finished = event_loop.drives_finished();
         drop(guard);
-        // A driver that came meanwhile has the loop.
-        if !shared.commands.park(commands) || event_loop.is_driven() {
-            shared.commands.unpark();
+        // What this thread saw holds only if no driver came since.
+        if !shared
+            .commands
+            .park(commands, || event_loop.may_sleep(finished))
+        {
             continue;
         }
         if let Err(err) = wait(&mut poll, &mut mio_events, timeout) {
