@@ -393,6 +393,9 @@ pub(crate) struct Shared {
     /// The event loop, for application threads that run it while they
     /// wait (see [`Driven`]).
     pub(crate) event_loop: OnceLock<Weak<Driven<EventLoop>>>,
+    /// The subscription id of `Broker::request`'s inbox, once subscribed
+    /// (0: none): its reader runs the event loop while it waits.
+    pub(crate) inbox_sid: AtomicU64,
 }
 
 /// One route in use, as [`Broker::routes`] reports it.
@@ -442,10 +445,16 @@ impl SubscriptionOwner for Shared {
         self.announce(&table);
     }
 
-    /// A reader of an embedded broker (an in-process subscription, the
-    /// inbox of `Broker::request`) runs the event loop while the loop
-    /// thread finds nothing to do.
-    fn drive(&self, until: Instant, ready: &dyn Fn() -> bool) -> bool {
+    /// The reader of `Broker::request`'s inbox runs the event loop while
+    /// the loop thread finds nothing to do. Other in-process readers do
+    /// not: in services meshed over routes, where each process has several
+    /// readers and a message for one may come in a round another runs,
+    /// their driving measured no better, and more often worse, than the
+    /// loop thread's hand-over (BENCHMARKS.md, "Latest table").
+    fn drive(&self, sid: u64, until: Instant, ready: &dyn Fn() -> bool) -> bool {
+        if sid != self.inbox_sid.load(Ordering::Relaxed) {
+            return false;
+        }
         let Some(event_loop) = self.event_loop.get().and_then(Weak::upgrade) else {
             return false;
         };
@@ -701,6 +710,7 @@ impl Broker {
             routes: Mutex::new(BTreeMap::new()),
             peers: Mutex::new(Vec::new()),
             event_loop: OnceLock::new(),
+            inbox_sid: AtomicU64::new(0),
         });
         let cluster = Cluster::new(&shared, dialer);
         let commands = command_rx.clone();
@@ -984,6 +994,9 @@ impl Broker {
             None,
             SlowConsumerPolicy::DropOldest,
         )?;
+        self.shared
+            .inbox_sid
+            .store(subscription.sid(), Ordering::Relaxed);
         let inbox = Arc::new(ReplyInbox {
             subscription,
             state: Mutex::new(InboxState::default()),

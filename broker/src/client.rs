@@ -681,7 +681,7 @@ impl SubscriptionOwner for ClientShared {
         }
     }
 
-    fn drive(&self, until: Instant, ready: &dyn Fn() -> bool) -> bool {
+    fn drive(&self, _sid: u64, until: Instant, ready: &dyn Fn() -> bool) -> bool {
         ClientShared::drive(self, until, ready, true)
     }
 }
@@ -1254,9 +1254,11 @@ fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll)
         let finished = session.drives_finished();
         drop(guard);
         let parked = shared.parker.park(|| {
-            // What this thread saw holds only if no driver came since.
-            let unchanged = session.may_sleep(finished);
             let mut outbox = shared.outbox.lock();
+            // What this thread saw holds only if no driver came since;
+            // asked under the outbox lock, so a driver that takes the
+            // outbox's items after this clears the flag set here.
+            let unchanged = session.may_sleep(finished);
             let idle = outbox.is_empty();
             outbox.loop_idle = idle && nothing_pending && unchanged;
             // With frames pending, the outbox waits for the path to

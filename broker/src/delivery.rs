@@ -9,12 +9,12 @@
 //! that keeps up takes the shared lock once per batch rather than once per
 //! message. A producer wakes the reader only when it is parked; a reader that
 //! finds nothing spins briefly, then yields, then parks. While it would
-//! yield, a reader runs its owner's event loop itself (a client's, or an
-//! embedded broker's; [`SubscriptionOwner::drive`]), so its next message
-//! needs no hand-over from the loop thread; under `block`, what a round
-//! run by a reader delivers into a queue that same thread reads may go
-//! past the bound by one round's messages, since the round cannot wait for
-//! a reader that is running it.
+//! yield, a reader may run its owner's event loop itself (a client's
+//! readers, an embedded broker's reply inbox; [`SubscriptionOwner::drive`]),
+//! so its next message needs no hand-over from the loop thread; under
+//! `block`, what a round run by a thread delivers into a queue that same
+//! thread reads may go past the bound by one round's messages, since the
+//! round cannot wait for a reader that is running it ([`may_drive`]).
 //!
 //! The bound counts every message not yet handed to the application: those
 //! in the shared queue and those in the reader's buffer. The reader publishes
@@ -31,9 +31,10 @@
 //! a reader that keeps seeing one subject switches to its own copy of it, so
 //! the reference counting of the messages it hands out stays on its thread.
 
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -346,6 +347,36 @@ struct Queue {
     reader: AtomicU64,
 }
 
+thread_local! {
+    /// The queue this thread waits on while it drives its owner's loop
+    /// (its address; 0 for none).
+    static WAITING_ON: Cell<usize> = const { Cell::new(0) };
+    /// A queue this thread reads that a round it drove filled past its
+    /// bound, with that bound: the thread drives no more rounds until the
+    /// queue is back under it ([`may_drive`]).
+    static OVERFILLED: RefCell<Option<(Weak<Queue>, u64)>> = const { RefCell::new(None) };
+}
+
+/// Whether the calling thread may run a loop's rounds: not while a queue
+/// it reads is over the bound its own rounds took it past, so that those
+/// rounds take it over by one round's messages at most.
+pub(crate) fn may_drive() -> bool {
+    OVERFILLED.with_borrow_mut(|overfilled| {
+        let Some((queue, capacity)) = overfilled else {
+            return true;
+        };
+        let under = queue.upgrade().is_none_or(|queue| {
+            let mut state = queue.state.lock();
+            state.handed_seen = queue.handed.0.load(Ordering::Acquire);
+            state.closed || state.queued() < *capacity
+        });
+        if under {
+            *overfilled = None;
+        }
+        under
+    })
+}
+
 /// A number for the calling thread, unique in the process (never 0).
 fn thread_token() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -539,10 +570,8 @@ impl LocalSink {
             // round while it waits (for this queue or another): room only
             // it can make would never come, so the round's messages go
             // over the bound.
-            SlowConsumerPolicy::Block
-                if crate::drive::driving()
-                    && self.queue.reader.load(Ordering::Relaxed) == thread_token() =>
-            {
+            SlowConsumerPolicy::Block if crate::drive::driving() && self.is_read_here() => {
+                OVERFILLED.set(Some((Arc::downgrade(&self.queue), self.capacity)));
                 Ok(Delivery::Queued)
             }
             SlowConsumerPolicy::Block => match self.wait_for_room(state) {
@@ -572,6 +601,14 @@ impl LocalSink {
         }
         state.handed_seen = self.queue.handed.0.load(Ordering::Acquire);
         state.queued() >= self.capacity
+    }
+
+    /// Whether the calling thread reads this queue: it waits on it now, or
+    /// was the last to wait on it.
+    fn is_read_here(&self) -> bool {
+        let queue = &*self.queue;
+        WAITING_ON.get() == queue as *const Queue as usize
+            || queue.reader.load(Ordering::Relaxed) == thread_token()
     }
 
     /// Waits for the reader to make room, up to the block timeout. `None`
@@ -644,11 +681,12 @@ pub(crate) trait SubscriptionOwner: Send + Sync {
     /// Called when the subscription is dropped, to remove its interest.
     fn unsubscribe(&self, sid: u64);
 
-    /// Runs the owner's event loop on the calling thread (a reader waiting
-    /// for its next message) until `until` or until `ready`, so that what
-    /// it waits for reaches it without a hand-over between threads. False,
-    /// at once, when the owner has no loop to lend (then the reader yields).
-    fn drive(&self, _until: Instant, _ready: &dyn Fn() -> bool) -> bool {
+    /// Runs the owner's event loop on the calling thread (the reader of
+    /// subscription `sid`, waiting for its next message) until `until` or
+    /// until `ready`, so that what it waits for reaches it without a
+    /// hand-over between threads. False when no round ran (the owner lends
+    /// no loop to this reader, or not now): then the reader yields.
+    fn drive(&self, _sid: u64, _until: Instant, _ready: &dyn Fn() -> bool) -> bool {
         false
     }
 }
@@ -906,7 +944,10 @@ impl Subscription {
                         queue.waiting.load(Ordering::Relaxed)
                             || queue.closed.load(Ordering::Acquire)
                     };
-                    if !self.owner.drive(until, &ready) {
+                    let outer = WAITING_ON.replace(queue as *const Queue as usize);
+                    let drove = self.owner.drive(self.sid, until, &ready);
+                    WAITING_ON.set(outer);
+                    if !drove {
                         std::thread::yield_now();
                     }
                 }
@@ -1273,7 +1314,7 @@ mod tests {
     impl SubscriptionOwner for Burst {
         fn unsubscribe(&self, _sid: u64) {}
 
-        fn drive(&self, until: Instant, ready: &dyn Fn() -> bool) -> bool {
+        fn drive(&self, _sid: u64, until: Instant, ready: &dyn Fn() -> bool) -> bool {
             self.driven.drive(until, ready, &self.stop) > 0
         }
     }
@@ -1318,7 +1359,13 @@ mod tests {
             .collect::<Result<_, _>>()
             .expect("the whole burst");
         assert_eq!(got, (0..8).collect::<Vec<u8>>());
+        // Past its bound by one round: this thread drives no more rounds
+        // until it has read `second` back under it.
+        assert!(!may_drive());
+        let soon = Instant::now() + Duration::from_secs(10);
+        assert_eq!(owner.driven.drive(soon, &|| false, &owner.stop), 0);
         assert_eq!(drain(&second), (0..8).collect::<Vec<u8>>());
+        assert!(may_drive());
         assert_eq!((first.stats().dropped(), second.stats().dropped()), (0, 0));
 
         // A round run by a thread that does not read the queue still waits

@@ -55,20 +55,24 @@ pub(crate) struct Driven<L> {
 /// panics included: the loop thread would otherwise step aside for good).
 struct Presence<'a, L> {
     driven: &'a Driven<L>,
+    /// A round ran: the loop thread's view of the loop may be stale.
+    ran: bool,
 }
 
 impl<'a, L> Presence<'a, L> {
     fn enter(driven: &'a Driven<L>) -> Presence<'a, L> {
         driven.drivers.fetch_add(1, Ordering::SeqCst);
         DRIVING.set(true);
-        Presence { driven }
+        Presence { driven, ran: false }
     }
 }
 
 impl<L> Drop for Presence<'_, L> {
     fn drop(&mut self) {
         DRIVING.set(false);
-        self.driven.finished.fetch_add(1, Ordering::SeqCst);
+        if self.ran {
+            self.driven.finished.fetch_add(1, Ordering::SeqCst);
+        }
         self.driven.drivers.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -86,20 +90,26 @@ impl<L: Rounds> Driven<L> {
 
     /// Runs rounds on the calling thread until `ready`, until `until`, or
     /// until `stop`; stops early when the loop is closed or not to be
-    /// driven now. While another thread holds the loop (the loop thread
+    /// driven now, and while a round it ran has filled a queue this thread
+    /// reads past its bound ([`crate::delivery::may_drive`]). While another thread holds the loop (the loop thread
     /// mid-round, another driver) it yields between tries. Returns the
     /// rounds it ran. A round may run past `until`: it is the loop's round,
     /// whatever it has to do. The caller then wakes the loop thread if it
     /// sleeps: it may have slept through the driving, and what the driven
     /// rounds left for later (a held-back credit, a timer) is its again.
     pub fn drive(&self, until: Instant, ready: &dyn Fn() -> bool, stop: &AtomicBool) -> u64 {
-        let _presence = Presence::enter(self);
+        let mut presence = Presence::enter(self);
         let mut rounds = 0;
-        while !ready() && !stop.load(Ordering::Relaxed) && Instant::now() < until {
+        while !ready()
+            && !stop.load(Ordering::Relaxed)
+            && Instant::now() < until
+            && crate::delivery::may_drive()
+        {
             let worked = match self.state.try_lock() {
                 Some(mut guard) => match guard.as_mut().and_then(L::driven_round) {
                     Some(worked) => {
                         rounds += 1;
+                        presence.ran = true;
                         worked
                     }
                     None => break,
@@ -229,6 +239,10 @@ mod tests {
         stop.store(true, Ordering::Relaxed);
         assert_eq!(driven.drive(far(), &|| false, &stop), 0);
         assert!(!driven.take_driven_work(), "no round found work");
+        assert!(
+            driven.may_sleep(finished),
+            "drives without a round change nothing"
+        );
         // Closed: none, at once.
         stop.store(false, Ordering::Relaxed);
         assert!(driven.take().is_some());
