@@ -91,12 +91,13 @@ impl<L: Rounds> Driven<L> {
     /// Runs rounds on the calling thread until `ready`, until `until`, or
     /// until `stop`; stops early when the loop is closed or not to be
     /// driven now, and while a round it ran has filled a queue this thread
-    /// reads past its bound ([`crate::delivery::may_drive`]). While another thread holds the loop (the loop thread
-    /// mid-round, another driver) it yields between tries. Returns the
-    /// rounds it ran. A round may run past `until`: it is the loop's round,
-    /// whatever it has to do. The caller then wakes the loop thread if it
-    /// sleeps: it may have slept through the driving, and what the driven
-    /// rounds left for later (a held-back credit, a timer) is its again.
+    /// reads past its bound ([`crate::delivery::may_drive`]). While another
+    /// thread holds the loop (the loop thread mid-round, another driver) it
+    /// yields between tries. Returns the rounds it ran. A round may run
+    /// past `until`: it is the loop's round, whatever it has to do. The
+    /// caller then wakes the loop thread if it sleeps: it may have slept
+    /// through the driving, and what the driven rounds left for later (a
+    /// held-back credit, a timer) is its again.
     pub fn drive(&self, until: Instant, ready: &dyn Fn() -> bool, stop: &AtomicBool) -> u64 {
         let mut presence = Presence::enter(self);
         let mut rounds = 0;
