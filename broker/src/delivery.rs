@@ -1180,9 +1180,10 @@ mod tests {
 
     #[test]
     fn a_wait_for_a_message_sets_the_reader_s_window_and_a_poll_does_not() {
-        // Loops polling 1 ms: windows of up to 5 ms, kept after waits of up
-        // to 10 ms, so a busy machine's delays do not decide the outcome.
-        let spin = Duration::from_millis(1);
+        // Loops polling 5 ms: windows of up to 25 ms, kept after waits of
+        // up to 50 ms, so a busy machine's delays (other tests' threads
+        // spinning on both cores) do not decide the outcome.
+        let spin = Duration::from_millis(5);
         let (sink, reader, stats) = LocalSink::new(8, SlowConsumerPolicy::Block, Duration::ZERO);
         let sub = Subscription::new(1, "a".into(), None, reader, stats, Arc::new(Nobody), spin);
         let ready = std::sync::Barrier::new(2);
