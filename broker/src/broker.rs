@@ -463,7 +463,6 @@ impl SubscriptionOwner for Shared {
         }
         let rounds = event_loop.drive(until, ready, &self.shutdown);
         BrokerStats::add(&self.stats.driven_rounds, rounds);
-        self.commands.wake_if_parked();
         rounds > 0
     }
 }
@@ -714,13 +713,14 @@ impl Broker {
         });
         let cluster = Cluster::new(&shared, dialer);
         let commands = command_rx.clone();
-        let event_loop = Arc::new(Driven::new(EventLoop::new(
-            shared.clone(),
-            endpoints,
-            command_rx,
-            codec_limits,
-            cluster,
-        )));
+        let wake = {
+            let shared = shared.clone();
+            move || shared.commands.wake_if_parked()
+        };
+        let event_loop = Arc::new(Driven::new(
+            EventLoop::new(shared.clone(), endpoints, command_rx, codec_limits, cluster),
+            wake,
+        ));
         let _ = shared.event_loop.set(Arc::downgrade(&event_loop));
         let thread = {
             let shared = shared.clone();

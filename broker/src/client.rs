@@ -668,7 +668,6 @@ impl ClientShared {
         self.counters
             .driven_rounds
             .fetch_add(rounds, Ordering::Relaxed);
-        self.parker.wake_if_parked();
         rounds > 0
     }
 }
@@ -819,12 +818,14 @@ impl Client {
             session: OnceLock::new(),
         });
         shared.link.lock().reasons = unavailable;
-        let session = Arc::new(Driven::new(ClientLoop::new(
-            shared.clone(),
-            endpoint_box,
-            data,
-            address,
-        )));
+        let wake = {
+            let shared = shared.clone();
+            move || shared.parker.wake_if_parked()
+        };
+        let session = Arc::new(Driven::new(
+            ClientLoop::new(shared.clone(), endpoint_box, data, address),
+            wake,
+        ));
         let _ = shared.session.set(Arc::downgrade(&session));
         let thread = {
             let shared = shared.clone();

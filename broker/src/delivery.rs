@@ -1322,11 +1322,14 @@ mod tests {
 
     fn burst(sinks: Vec<LocalSink>, burst: u8) -> Arc<Burst> {
         Arc::new(Burst {
-            driven: Driven::new(BurstLoop {
-                sinks,
-                burst,
-                done: false,
-            }),
+            driven: Driven::new(
+                BurstLoop {
+                    sinks,
+                    burst,
+                    done: false,
+                },
+                || {},
+            ),
             stop: AtomicBool::new(false),
         })
     }

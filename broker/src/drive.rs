@@ -49,6 +49,10 @@ pub(crate) struct Driven<L> {
     driven_work: AtomicBool,
     /// The loop thread's last round found work.
     loop_worked: AtomicBool,
+    /// Wakes the loop thread if it sleeps: it may have slept through a
+    /// drive, and what the driven rounds left for later (a held-back
+    /// credit, a timer) is its again.
+    wake: Box<dyn Fn() + Send + Sync>,
 }
 
 /// A driver's presence, withdrawn however the drive ends (a round that
@@ -74,17 +78,22 @@ impl<L> Drop for Presence<'_, L> {
             self.driven.finished.fetch_add(1, Ordering::SeqCst);
         }
         self.driven.drivers.fetch_sub(1, Ordering::SeqCst);
+        if self.ran {
+            (self.driven.wake)();
+        }
     }
 }
 
 impl<L: Rounds> Driven<L> {
-    pub fn new(state: L) -> Driven<L> {
+    /// `wake` wakes the loop thread if it sleeps (after a drive).
+    pub fn new(state: L, wake: impl Fn() + Send + Sync + 'static) -> Driven<L> {
         Driven {
             state: Mutex::new(Some(state)),
             drivers: AtomicUsize::new(0),
             finished: AtomicU64::new(0),
             driven_work: AtomicBool::new(false),
             loop_worked: AtomicBool::new(false),
+            wake: Box::new(wake),
         }
     }
 
@@ -94,10 +103,9 @@ impl<L: Rounds> Driven<L> {
     /// reads past its bound ([`crate::delivery::may_drive`]). While another
     /// thread holds the loop (the loop thread mid-round, another driver) it
     /// yields between tries. Returns the rounds it ran. A round may run
-    /// past `until`: it is the loop's round, whatever it has to do. The
-    /// caller then wakes the loop thread if it sleeps: it may have slept
-    /// through the driving, and what the driven rounds left for later (a
-    /// held-back credit, a timer) is its again.
+    /// past `until`: it is the loop's round, whatever it has to do. A
+    /// drive that ran rounds ends by waking the loop thread if it sleeps,
+    /// however it ends.
     pub fn drive(&self, until: Instant, ready: &dyn Fn() -> bool, stop: &AtomicBool) -> u64 {
         let mut presence = Presence::enter(self);
         let mut rounds = 0;
@@ -213,7 +221,7 @@ mod tests {
             refuse_at: u64::MAX,
             panic_at: u64::MAX,
         };
-        (Arc::new(Driven::new(state)), rounds)
+        (Arc::new(Driven::new(state, || {})), rounds)
     }
 
     fn far() -> Instant {
@@ -254,12 +262,15 @@ mod tests {
     #[test]
     fn a_loop_not_to_be_driven_sends_the_driver_back_at_once() {
         let rounds = Arc::new(AtomicU64::new(0));
-        let driven = Driven::new(Counting {
-            rounds: rounds.clone(),
-            busy: 0,
-            refuse_at: 3,
-            panic_at: u64::MAX,
-        });
+        let driven = Driven::new(
+            Counting {
+                rounds: rounds.clone(),
+                busy: 0,
+                refuse_at: 3,
+                panic_at: u64::MAX,
+            },
+            || {},
+        );
         let stop = AtomicBool::new(false);
         assert_eq!(driven.drive(far(), &|| false, &stop), 3);
         assert!(!driven.is_driven());
@@ -268,12 +279,20 @@ mod tests {
     #[test]
     fn a_round_that_panics_withdraws_the_driver() {
         let rounds = Arc::new(AtomicU64::new(0));
-        let driven = Driven::new(Counting {
-            rounds,
-            busy: 0,
-            refuse_at: u64::MAX,
-            panic_at: 1,
-        });
+        let woken = Arc::new(AtomicBool::new(false));
+        let wake = {
+            let woken = woken.clone();
+            move || woken.store(true, Ordering::SeqCst)
+        };
+        let driven = Driven::new(
+            Counting {
+                rounds,
+                busy: 0,
+                refuse_at: u64::MAX,
+                panic_at: 1,
+            },
+            wake,
+        );
         let stop = AtomicBool::new(false);
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             driven.drive(far(), &|| false, &stop)
@@ -284,6 +303,7 @@ mod tests {
             "the loop thread would step aside for good"
         );
         assert!(!driving());
+        assert!(woken.load(Ordering::SeqCst), "the loop thread is woken");
     }
 
     #[test]
