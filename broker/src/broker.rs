@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -31,7 +31,7 @@ use crate::accounts::Accounts;
 use crate::commands::CommandQueue;
 use crate::config::{Config, SlowConsumerPolicy};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, SubscriptionOwner};
-use crate::drive::Driven;
+use crate::drive::{DriveHandle, Driven};
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::{Error, RecvError};
 use crate::event_loop::{run_loop, Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
@@ -392,7 +392,7 @@ pub(crate) struct Shared {
     pub(crate) peers: Mutex<Vec<String>>,
     /// The event loop, for application threads that run it while they
     /// wait (see [`Driven`]).
-    pub(crate) event_loop: OnceLock<Weak<Driven<EventLoop>>>,
+    pub(crate) event_loop: DriveHandle<EventLoop>,
     /// The subscription id of `Broker::request`'s inbox, once subscribed
     /// (0: none): its reader runs the event loop while it waits.
     pub(crate) inbox_sid: AtomicU64,
@@ -455,13 +455,7 @@ impl SubscriptionOwner for Shared {
         if sid != self.inbox_sid.load(Ordering::Relaxed) {
             return false;
         }
-        let Some(event_loop) = self.event_loop.get().and_then(Weak::upgrade) else {
-            return false;
-        };
-        if !event_loop.reader_may_drive() {
-            return false;
-        }
-        let rounds = event_loop.drive(until, ready, &self.shutdown);
+        let rounds = self.event_loop.drive(true, until, ready, &self.shutdown);
         BrokerStats::add(&self.stats.driven_rounds, rounds);
         rounds > 0
     }
@@ -708,7 +702,7 @@ impl Broker {
             can_dial: dialer.is_some(),
             routes: Mutex::new(BTreeMap::new()),
             peers: Mutex::new(Vec::new()),
-            event_loop: OnceLock::new(),
+            event_loop: DriveHandle::new(),
             inbox_sid: AtomicU64::new(0),
         });
         let cluster = Cluster::new(&shared, dialer);
@@ -721,7 +715,7 @@ impl Broker {
             EventLoop::new(shared.clone(), endpoints, command_rx, codec_limits, cluster),
             wake,
         ));
-        let _ = shared.event_loop.set(Arc::downgrade(&event_loop));
+        shared.event_loop.set(&event_loop);
         let thread = {
             let shared = shared.clone();
             std::thread::Builder::new()

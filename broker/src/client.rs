@@ -21,7 +21,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -53,7 +53,7 @@ use crate::broker::{reply_token, unique_seed};
 use crate::commands::Parker;
 use crate::config::SlowConsumerPolicy;
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, SubscriptionOwner, YieldWindow};
-use crate::drive::{Driven, Rounds};
+use crate::drive::{DriveHandle, Driven, Rounds};
 use crate::endpoints;
 use crate::error::Error;
 use crate::session::data_link::{Keying, LinkKind};
@@ -463,7 +463,7 @@ struct ClientShared {
     /// Traffic counters, updated per frame without a lock.
     counters: LinkCounters,
     /// The session, for threads that drive it while they wait.
-    session: OnceLock<Weak<Driven<ClientLoop>>>,
+    session: DriveHandle<ClientLoop>,
 }
 
 impl ClientShared {
@@ -652,19 +652,11 @@ impl ClientShared {
         *self.state.lock() = state;
         self.state_changed.notify_all();
     }
-}
 
-impl ClientShared {
     /// Run the session on this thread while it waits (see [`Driven`]);
     /// false when no round ran (the caller yields instead).
-    fn drive(&self, until: Instant, ready: &dyn Fn() -> bool, reader: bool) -> bool {
-        let Some(session) = self.session.get().and_then(Weak::upgrade) else {
-            return false;
-        };
-        if reader && !session.reader_may_drive() {
-            return false;
-        }
-        let rounds = session.drive(until, ready, &self.shutdown);
+    fn drive(&self, reader: bool, until: Instant, ready: &dyn Fn() -> bool) -> bool {
+        let rounds = self.session.drive(reader, until, ready, &self.shutdown);
         self.counters
             .driven_rounds
             .fetch_add(rounds, Ordering::Relaxed);
@@ -681,7 +673,7 @@ impl SubscriptionOwner for ClientShared {
     }
 
     fn drive(&self, _sid: u64, until: Instant, ready: &dyn Fn() -> bool) -> bool {
-        ClientShared::drive(self, until, ready, true)
+        ClientShared::drive(self, true, until, ready)
     }
 }
 
@@ -815,7 +807,7 @@ impl Client {
             server_errors: Mutex::new(VecDeque::new()),
             link: Mutex::new(LinkReport::default()),
             counters: LinkCounters::default(),
-            session: OnceLock::new(),
+            session: DriveHandle::new(),
         });
         shared.link.lock().reasons = unavailable;
         let wake = {
@@ -826,7 +818,7 @@ impl Client {
             ClientLoop::new(shared.clone(), endpoint_box, data, address),
             wake,
         ));
-        let _ = shared.session.set(Arc::downgrade(&session));
+        shared.session.set(&session);
         let thread = {
             let shared = shared.clone();
             std::thread::Builder::new()
@@ -1087,7 +1079,7 @@ impl Client {
                     });
             }
             let until = started + window.min(timeout);
-            if !self.shared.drive(until, &|| !replies.is_empty(), false) {
+            if !self.shared.drive(false, until, &|| !replies.is_empty()) {
                 std::thread::yield_now();
             }
         };

@@ -11,6 +11,7 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Instant;
 
 use parking_lot::{Mutex, MutexGuard};
@@ -84,6 +85,39 @@ impl<L> Drop for Presence<'_, L> {
     }
 }
 
+/// Where the application threads of a broker or client find its loop to
+/// drive: set once the loop is made, and empty once the loop thread has
+/// ended with it.
+pub(crate) struct DriveHandle<L>(OnceLock<Weak<Driven<L>>>);
+
+impl<L: Rounds> DriveHandle<L> {
+    pub fn new() -> DriveHandle<L> {
+        DriveHandle(OnceLock::new())
+    }
+
+    pub fn set(&self, driven: &Arc<Driven<L>>) {
+        let _ = self.0.set(Arc::downgrade(driven));
+    }
+
+    /// [`Driven::drive`] for a thread that waits: a request for its reply
+    /// always, a subscription's `reader` only while the loop thread finds
+    /// no work. The rounds it ran (none once the loop has ended).
+    pub fn drive(
+        &self,
+        reader: bool,
+        until: Instant,
+        ready: &dyn Fn() -> bool,
+        stop: &AtomicBool,
+    ) -> u64 {
+        match self.0.get().and_then(Weak::upgrade) {
+            Some(driven) if !reader || driven.reader_may_drive() => {
+                driven.drive(until, ready, stop)
+            }
+            _ => 0,
+        }
+    }
+}
+
 impl<L: Rounds> Driven<L> {
     /// `wake` wakes the loop thread if it sleeps (after a drive).
     pub fn new(state: L, wake: impl Fn() + Send + Sync + 'static) -> Driven<L> {
@@ -152,7 +186,7 @@ impl<L: Rounds> Driven<L> {
     /// thread finds no work. A stream is delivered faster by the loop
     /// thread while the reader consumes it (1 MiB over `tcp;ofi_rxm` lost
     /// about a tenth of its rate with its reader driving).
-    pub fn reader_may_drive(&self) -> bool {
+    fn reader_may_drive(&self) -> bool {
         !self.loop_worked.load(Ordering::Relaxed)
     }
 
