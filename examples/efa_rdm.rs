@@ -22,6 +22,8 @@ use efabus::{Broker, Bytes, Client, ClientOptions, Config};
 const WAIT: Duration = Duration::from_secs(5);
 
 fn main() -> ExitCode {
+    // First, while this is the only thread: libfabric's own buffer counts.
+    efabus::transports::fabric::apply_provider_env_defaults();
     let provider = std::env::args().nth(1).unwrap_or_else(|| "efa".to_string());
     match run(&provider) {
         Ok(()) => ExitCode::SUCCESS,

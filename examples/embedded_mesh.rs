@@ -50,6 +50,8 @@ const QUICK: Sizes = Sizes {
 };
 
 fn main() -> ExitCode {
+    // First, while this is the only thread: libfabric's own buffer counts.
+    efabus::transports::fabric::apply_provider_env_defaults();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = if args.first().map(String::as_str) == Some("service") {
         service(&args[1..])

@@ -273,6 +273,8 @@ fn run(provider: &str, size: usize, iterations: usize) -> Result<(), Failure> {
 }
 
 fn main() -> ExitCode {
+    // First, while this is the only thread: libfabric's own buffer counts.
+    efabus::transports::fabric::apply_provider_env_defaults();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let provider = args.first().map_or("tcp;ofi_rxm", String::as_str);
     let number = |index: usize, default: usize, what: &str| -> Result<usize, String> {

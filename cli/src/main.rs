@@ -19,6 +19,8 @@ use cli::{run, Cli};
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 fn main() {
+    // Before any thread exists: the environment is process-wide.
+    efabus_transports::fabric::apply_provider_env_defaults();
     // Background threads return freed pages on their own clock; without
     // them jemalloc only does so while the process keeps allocating, so an
     // idle broker would hold on to its peak.

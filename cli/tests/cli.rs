@@ -691,6 +691,57 @@ fn bench_measures_across_a_route() {
     assert!(text.contains("--via route"), "{text}");
 }
 
+/// Over `tcp;ofi_rxm` the provider itself would post 4,096 receive buffers
+/// of 16 KiB per endpoint (68 MiB resident before any traffic); the binary
+/// has it post 512, one 17 MiB chunk of its pool, unless the environment
+/// sets the count itself.
+#[test]
+fn the_binary_bounds_the_receive_buffers_of_ofi_rxm() {
+    let fabric = "[negotiation]\npreference = [\"efa-rdm\", \"tcp\"]\n\
+                  [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n";
+    let client_config = common::temp_path("rxm-client.toml");
+    std::fs::write(&client_config, format!("listen = [\"efa-rdm\"]\n{fabric}")).unwrap();
+    let client_config = client_config.to_str().unwrap();
+    let fabric_required = std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v == "1");
+    let mut resident_kib = Vec::new();
+    for env in [&[][..], &[("FI_OFI_RXM_MSG_RX_SIZE", "4096")][..]] {
+        let server = Server::start_listening(&["tcp/127.0.0.1:0", "efa-rdm"], fabric, env);
+        // A stream over the broker's fabric listener: it opened, and the
+        // provider's buffers both ways are in use.
+        let output = run(&[
+            "bench",
+            "--json",
+            "--server",
+            &server.endpoint,
+            "--config",
+            client_config,
+            "--count",
+            "20000",
+        ]);
+        assert!(output.status.success(), "{env:?}: {}", stderr(&output));
+        let json = stdout(&output);
+        if !json.contains("\"link\":\"efa-rdm via tcp;ofi_rxm") && !fabric_required {
+            eprintln!("skipping: the broker's efa-rdm listener cannot open here: {json}");
+            return;
+        }
+        assert!(
+            json.contains("\"link\":\"efa-rdm via tcp;ofi_rxm"),
+            "{json}"
+        );
+        assert_eq!(json_number(&json, "delivered"), 20000.0, "{json}");
+        resident_kib.push(server.rss_kib());
+    }
+    let [bounded, provider_default] = resident_kib[..] else {
+        unreachable!("two brokers measured")
+    };
+    eprintln!("broker resident: {bounded} KiB, with 4,096 buffers {provider_default} KiB");
+    assert!(
+        bounded + 40 * 1024 < provider_default,
+        "4,096 buffers hold three more 17 MiB chunks: {bounded} against {provider_default} KiB"
+    );
+    assert!(bounded < 96 * 1024, "{bounded} KiB resident");
+}
+
 /// `efabus bench` counts what it measured: every message of the run and
 /// none of the warm-up, for a count or a duration, and a queue group's run
 /// ends with its last message, not with a member's idle wait for more

@@ -55,8 +55,18 @@ impl Server {
     /// As [`Server::start_at`], with environment variables set for the
     /// process (e.g. `EFABUS_CLUSTER_SECRET`).
     pub fn start_with_env(address: &str, extra_config: &str, env: &[(&str, &str)]) -> Server {
+        Server::start_listening(&[&format!("tcp/{address}")], extra_config, env)
+    }
+
+    /// Start a broker on the given listen entries, of which the first is
+    /// a TCP one.
+    pub fn start_listening(listen: &[&str], extra_config: &str, env: &[(&str, &str)]) -> Server {
         let config_path = temp_path("broker.toml");
-        let config = format!("listen = [\"tcp/{address}\"]\nlog_level = \"error\"\n{extra_config}");
+        let listen: Vec<String> = listen.iter().map(|entry| format!("\"{entry}\"")).collect();
+        let config = format!(
+            "listen = [{}]\nlog_level = \"error\"\n{extra_config}",
+            listen.join(", ")
+        );
         std::fs::write(&config_path, config).expect("write config");
         let mut child = Command::new(env!("CARGO_BIN_EXE_efabus"))
             .args(["serve", "--config"])

@@ -19,6 +19,8 @@
 //!   libfabric; [`config`] its kinds, schemes and address text. Its
 //!   options are the typed [`FabricOptions`] an
 //!   [`EndpointConfig`](efabus_core::transport::EndpointConfig) carries.
+//! - [`apply_provider_env_defaults`] sets the providers' own tunables
+//!   (read only from the environment) that efabus chooses differently.
 //!
 //! Built without libfabric (none found by `build.rs`), the transport still
 //! exists and reports at run time why it is unavailable.
@@ -62,6 +64,7 @@ pub(crate) mod consts;
 pub mod convert;
 pub mod error;
 pub mod layout;
+mod provider_env;
 
 #[cfg(not(efabus_libfabric))]
 mod absent;
@@ -90,6 +93,7 @@ pub use config::{
 #[cfg(efabus_libfabric)]
 pub use endpoint::{FabricEndpoint, FabricStats, LinkInfo};
 pub use error::{FabricError, FiCode};
+pub use provider_env::{apply_provider_env_defaults, PROVIDER_ENV_DEFAULTS};
 
 use efabus_core::caps::FabricInfo;
 use efabus_core::transport::{Endpoint, EndpointConfig, Transport, TransportError};

@@ -1,0 +1,57 @@
+//! Defaults for the providers' own tunables, which libfabric reads only from
+//! the environment, once, when it first loads its providers.
+
+/// Variables efabus sets, with their values, where the environment does
+/// not set them already.
+///
+/// - `FI_OFI_RXM_MSG_RX_SIZE`: `ofi_rxm` over `tcp` posts this many receive
+///   buffers of 16 KiB to each endpoint's shared receive context, allocated
+///   and zeroed when the endpoint opens: 4,096 by default, 68 MiB resident
+///   per endpoint before any traffic (its pool grows by 1,024 buffers at a
+///   time). 512 fit in one 17 MiB pool chunk with room to spare, and are
+///   twice the receives an efabus endpoint keeps posted itself
+///   (`fabric.rx_depth`, 256): a buffer taken is posted again as soon as
+///   the provider hands its message over, and while none is posted the
+///   peer's bytes wait in its TCP connection, so nothing is lost.
+pub const PROVIDER_ENV_DEFAULTS: &[(&str, &str)] = &[("FI_OFI_RXM_MSG_RX_SIZE", "512")];
+
+/// Sets each of [`PROVIDER_ENV_DEFAULTS`] that the environment leaves unset
+/// and returns their names.
+///
+/// Call it first in `main`, before the process spawns any thread and before
+/// anything opens a fabric endpoint: the environment is shared by the whole
+/// process, C code (libfabric among it) reads it without a lock, and
+/// libfabric reads these variables only when it first loads its providers.
+/// The `efabus` command does; a service embedding a broker should too, or
+/// set the variables itself.
+pub fn apply_provider_env_defaults() -> Vec<&'static str> {
+    let unset = defaults_unset(|name| std::env::var_os(name).is_some());
+    for &(name, value) in &unset {
+        std::env::set_var(name, value);
+    }
+    unset.into_iter().map(|(name, _)| name).collect()
+}
+
+/// The defaults whose variables `is_set` says are unset.
+fn defaults_unset(is_set: impl Fn(&str) -> bool) -> Vec<(&'static str, &'static str)> {
+    PROVIDER_ENV_DEFAULTS
+        .iter()
+        .copied()
+        .filter(|(name, _)| !is_set(name))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_variable_the_environment_sets_is_left_as_it_is() {
+        assert_eq!(defaults_unset(|_| false), PROVIDER_ENV_DEFAULTS);
+        assert!(defaults_unset(|_| true).is_empty());
+        let rx_size_set = defaults_unset(|name| name == "FI_OFI_RXM_MSG_RX_SIZE");
+        assert!(rx_size_set
+            .iter()
+            .all(|(name, _)| *name != "FI_OFI_RXM_MSG_RX_SIZE"));
+    }
+}
