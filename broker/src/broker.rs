@@ -459,6 +459,10 @@ impl SubscriptionOwner for Shared {
         BrokerStats::add(&self.stats.driven_rounds, rounds);
         rounds > 0
     }
+
+    fn would_drive(&self, sid: u64) -> bool {
+        sid == self.inbox_sid.load(Ordering::Relaxed) && self.event_loop.reader_would_drive()
+    }
 }
 
 /// An embedded broker. Cheap to share: all methods take `&self`, and the

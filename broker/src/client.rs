@@ -675,6 +675,10 @@ impl SubscriptionOwner for ClientShared {
     fn drive(&self, _sid: u64, until: Instant, ready: &dyn Fn() -> bool) -> bool {
         ClientShared::drive(self, true, until, ready)
     }
+
+    fn would_drive(&self, _sid: u64) -> bool {
+        self.session.reader_would_drive()
+    }
 }
 
 /// A connection to a remote broker, with the same operations as the

@@ -689,6 +689,14 @@ pub(crate) trait SubscriptionOwner: Send + Sync {
     fn drive(&self, _sid: u64, _until: Instant, _ready: &dyn Fn() -> bool) -> bool {
         false
     }
+
+    /// Whether [`SubscriptionOwner::drive`] would run rounds for the reader
+    /// of `sid` now. That reader then drives at once instead of spinning
+    /// first: while it may drive, the loop thread's rounds find nothing,
+    /// and what it waits for comes in a round it runs itself.
+    fn would_drive(&self, _sid: u64) -> bool {
+        false
+    }
 }
 
 /// The reader's side: its batch and the current subject.
@@ -933,6 +941,9 @@ impl Subscription {
                 if at.is_some_and(|at| Instant::now() >= at) {
                     return Err(RecvError::Timeout);
                 }
+                if round == 0 && self.owner.would_drive(self.sid) {
+                    round = SPIN_ROUNDS;
+                }
                 if round < SPIN_ROUNDS {
                     spin(1 << round);
                     round += 1;
@@ -1086,6 +1097,8 @@ fn wait_deadline(
 
 /// Busy-waits for `hints` spin-loop hints (each some tens of nanoseconds).
 fn spin(hints: u32) {
+    #[cfg(test)]
+    tests::SPINS.set(tests::SPINS.get() + 1);
     for _ in 0..hints {
         std::hint::spin_loop();
     }
@@ -1146,10 +1159,64 @@ mod tests {
         assert_eq!(window.get(), YIELD_MIN);
     }
 
+    thread_local! {
+        /// Calls of `spin` on this thread.
+        pub(super) static SPINS: Cell<u64> = const { Cell::new(0) };
+    }
+
     struct Nobody;
 
     impl SubscriptionOwner for Nobody {
         fn unsubscribe(&self, _sid: u64) {}
+    }
+
+    /// An owner that would drive (or not), and records how often its
+    /// reader had spun when it first asked to drive.
+    struct Driving {
+        would: bool,
+        spins_before_drive: Mutex<Option<u64>>,
+    }
+
+    impl SubscriptionOwner for Driving {
+        fn unsubscribe(&self, _sid: u64) {}
+
+        fn drive(&self, _sid: u64, _until: Instant, _ready: &dyn Fn() -> bool) -> bool {
+            self.spins_before_drive
+                .lock()
+                .get_or_insert_with(|| SPINS.get());
+            false
+        }
+
+        fn would_drive(&self, _sid: u64) -> bool {
+            self.would
+        }
+    }
+
+    #[test]
+    fn a_reader_that_would_drive_drives_before_it_spins() {
+        for would in [true, false] {
+            let (_sink, reader, stats) =
+                LocalSink::new(8, SlowConsumerPolicy::Block, Duration::ZERO);
+            let owner = Arc::new(Driving {
+                would,
+                spins_before_drive: Mutex::new(None),
+            });
+            let spin = Duration::from_micros(50);
+            let sub = Subscription::new(1, "a".into(), None, reader, stats, owner.clone(), spin);
+            SPINS.set(0);
+            assert_eq!(
+                sub.recv_timeout(Duration::from_millis(5)).map(|_| ()),
+                Err(RecvError::Timeout)
+            );
+            let spun = owner.spins_before_drive.lock().expect("the reader drove");
+            if would {
+                // Its messages come in rounds it runs: spinning first
+                // would only delay them.
+                assert_eq!(spun, 0);
+            } else {
+                assert_eq!(spun, u64::from(SPIN_ROUNDS));
+            }
+        }
     }
 
     fn message(n: u8) -> Message {

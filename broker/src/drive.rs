@@ -116,6 +116,15 @@ impl<L: Rounds> DriveHandle<L> {
             _ => 0,
         }
     }
+
+    /// Whether a subscription's reader would drive now (see
+    /// [`DriveHandle::drive`]).
+    pub fn reader_would_drive(&self) -> bool {
+        self.0
+            .get()
+            .and_then(Weak::upgrade)
+            .is_some_and(|driven| driven.reader_may_drive())
+    }
 }
 
 impl<L: Rounds> Driven<L> {
