@@ -461,6 +461,7 @@ impl FabricEndpoint {
         let info = first.dup()?;
         drop(list);
         let attrs = info.attrs();
+        super::provider_env::note_unset_defaults(attrs.provider());
         let unusable = |reason: String| FabricError::Unusable {
             provider: attrs.provider().to_string(),
             reason,

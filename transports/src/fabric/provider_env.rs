@@ -1,6 +1,8 @@
 //! Defaults for the providers' own tunables, which libfabric reads only from
 //! the environment, once, when it first loads its providers.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 /// Variables efabus sets, with their values, where the environment does
 /// not set them already.
 ///
@@ -30,6 +32,25 @@ pub fn apply_provider_env_defaults() -> Vec<&'static str> {
         std::env::set_var(name, value);
     }
     unset.into_iter().map(|(name, _)| name).collect()
+}
+
+/// Says once per process, when a `tcp;ofi_rxm` endpoint opens while the
+/// environment leaves its receive buffers to the provider, what that costs
+/// and what to do about it.
+#[cfg_attr(not(efabus_libfabric), allow(dead_code))]
+pub(crate) fn note_unset_defaults(provider: &str) {
+    static NOTED: AtomicBool = AtomicBool::new(false);
+    let rxm_over_tcp = provider.starts_with("tcp") && provider.contains("ofi_rxm");
+    if rxm_over_tcp
+        && std::env::var_os("FI_OFI_RXM_MSG_RX_SIZE").is_none()
+        && !NOTED.swap(true, Ordering::Relaxed)
+    {
+        tracing::info!(
+            "{provider} posts 4,096 receive buffers of 16 KiB (68 MiB) per endpoint: \
+             call efabus_transports::fabric::apply_provider_env_defaults() first in main, \
+             or set FI_OFI_RXM_MSG_RX_SIZE=512"
+        );
+    }
 }
 
 /// The defaults whose variables `is_set` says are unset.
