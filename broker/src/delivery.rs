@@ -1170,10 +1170,11 @@ mod tests {
         fn unsubscribe(&self, _sid: u64) {}
     }
 
-    /// An owner that would drive (or not), and records how often its
-    /// reader had spun when it first asked to drive.
+    /// An owner that would drive (or not): a drive records how often its
+    /// reader had spun and delivers the message the reader waits for.
     struct Driving {
         would: bool,
+        sink: LocalSink,
         spins_before_drive: Mutex<Option<u64>>,
     }
 
@@ -1184,7 +1185,8 @@ mod tests {
             self.spins_before_drive
                 .lock()
                 .get_or_insert_with(|| SPINS.get());
-            false
+            self.sink.deliver(message(1));
+            true
         }
 
         fn would_drive(&self, _sid: u64) -> bool {
@@ -1195,19 +1197,18 @@ mod tests {
     #[test]
     fn a_reader_that_would_drive_drives_before_it_spins() {
         for would in [true, false] {
-            let (_sink, reader, stats) =
+            let (sink, reader, stats) =
                 LocalSink::new(8, SlowConsumerPolicy::Block, Duration::ZERO);
             let owner = Arc::new(Driving {
                 would,
+                sink,
                 spins_before_drive: Mutex::new(None),
             });
             let spin = Duration::from_micros(50);
             let sub = Subscription::new(1, "a".into(), None, reader, stats, owner.clone(), spin);
             SPINS.set(0);
-            assert_eq!(
-                sub.recv_timeout(Duration::from_millis(5)).map(|_| ()),
-                Err(RecvError::Timeout)
-            );
+            let received = sub.recv_timeout(Duration::from_secs(10));
+            assert_eq!(received.map(|m| m.payload[0]), Ok(1));
             let spun = owner.spins_before_drive.lock().expect("the reader drove");
             if would {
                 // Its messages come in rounds it runs: spinning first

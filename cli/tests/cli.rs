@@ -692,11 +692,15 @@ fn bench_measures_across_a_route() {
 }
 
 /// Over `tcp;ofi_rxm` the provider itself would post 4,096 receive buffers
-/// of 16 KiB per endpoint (68 MiB resident before any traffic); the binary
-/// has it post 512, one 17 MiB chunk of its pool, unless the environment
-/// sets the count itself.
+/// of 16 KiB per endpoint (65 MiB resident before any traffic); the binary
+/// has it post 128, within one 16 MiB chunk of its pool, unless the
+/// environment sets the count itself.
 #[test]
 fn the_binary_bounds_the_receive_buffers_of_ofi_rxm() {
+    if std::env::var_os("FI_OFI_RXM_MSG_RX_SIZE").is_some() {
+        eprintln!("skipping: FI_OFI_RXM_MSG_RX_SIZE is set, and the brokers would inherit it");
+        return;
+    }
     let fabric = "[negotiation]\npreference = [\"efa-rdm\", \"tcp\"]\n\
                   [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n";
     let client_config = common::temp_path("rxm-client.toml");
@@ -737,7 +741,7 @@ fn the_binary_bounds_the_receive_buffers_of_ofi_rxm() {
     eprintln!("broker resident: {bounded} KiB, with 4,096 buffers {provider_default} KiB");
     assert!(
         bounded + 40 * 1024 < provider_default,
-        "4,096 buffers hold three more 17 MiB chunks: {bounded} against {provider_default} KiB"
+        "4,096 buffers hold three more 16 MiB chunks: {bounded} against {provider_default} KiB"
     );
     assert!(bounded < 96 * 1024, "{bounded} KiB resident");
 }

@@ -8,30 +8,31 @@ use std::sync::atomic::{AtomicBool, Ordering};
 ///
 /// - `FI_OFI_RXM_MSG_RX_SIZE`: `ofi_rxm` over `tcp` posts this many receive
 ///   buffers of 16 KiB to each endpoint's shared receive context, allocated
-///   and zeroed when the endpoint opens: 4,096 by default, 68 MiB resident
-///   per endpoint before any traffic (its pool grows by 1,024 buffers at a
-///   time). 512 fit in one 17 MiB pool chunk with room to spare, and are
-///   twice the receives an efabus endpoint keeps posted itself
-///   (`fabric.rx_depth`, 256): a buffer taken is posted again as soon as
-///   the provider hands its message over, and while none is posted the
-///   peer's bytes wait in its TCP connection, so nothing is lost.
-pub const PROVIDER_ENV_DEFAULTS: &[(&str, &str)] = &[("FI_OFI_RXM_MSG_RX_SIZE", "512")];
+///   and zeroed when the endpoint opens: 4,096 by default, 65 MiB resident
+///   per endpoint before any traffic (its pool grows by 1,024 buffers, 16
+///   MiB, at a time). 128 fit in one pool chunk: a buffer taken is posted
+///   again as soon as the provider hands its message to one of the
+///   receives efabus keeps posted (`fabric.rx_depth`, 256), and while none
+///   is posted the peer's bytes wait in its TCP connection, so nothing is
+///   lost. Where `ofi_rxm` has no shared receive context (over `verbs`, or
+///   with `FI_OFI_RXM_USE_SRX=0`) the count is per connection, and 128 is
+///   the provider's own default there.
+pub const PROVIDER_ENV_DEFAULTS: &[(&str, &str)] = &[("FI_OFI_RXM_MSG_RX_SIZE", "128")];
 
-/// Sets each of [`PROVIDER_ENV_DEFAULTS`] that the environment leaves unset
-/// and returns their names.
+/// Sets each of [`PROVIDER_ENV_DEFAULTS`] that the environment leaves
+/// unset.
 ///
-/// Call it first in `main`, before the process spawns any thread and before
-/// anything opens a fabric endpoint: the environment is shared by the whole
-/// process, C code (libfabric among it) reads it without a lock, and
+/// Call it first in `main`, before anything starts a thread (an async
+/// runtime's `main` attribute included: its threads exist by the time the
+/// body runs) or opens a fabric endpoint. The environment is shared by the
+/// whole process and C code (libfabric among it) reads it without a lock;
 /// libfabric reads these variables only when it first loads its providers.
 /// The `efabus` command does; a service embedding a broker should too, or
 /// set the variables itself.
-pub fn apply_provider_env_defaults() -> Vec<&'static str> {
-    let unset = defaults_unset(|name| std::env::var_os(name).is_some());
-    for &(name, value) in &unset {
+pub fn apply_provider_env_defaults() {
+    for (name, value) in defaults_unset(|name| std::env::var_os(name).is_some()) {
         std::env::set_var(name, value);
     }
-    unset.into_iter().map(|(name, _)| name).collect()
 }
 
 /// Says once per process, when a `tcp;ofi_rxm` endpoint opens while the
@@ -46,9 +47,9 @@ pub(crate) fn note_unset_defaults(provider: &str) {
         && !NOTED.swap(true, Ordering::Relaxed)
     {
         tracing::info!(
-            "{provider} posts 4,096 receive buffers of 16 KiB (68 MiB) per endpoint: \
-             call efabus_transports::fabric::apply_provider_env_defaults() first in main, \
-             or set FI_OFI_RXM_MSG_RX_SIZE=512"
+            "{provider} posts 4,096 receive buffers of 16 KiB (65 MiB) per endpoint by default: \
+             call apply_provider_env_defaults() (efabus::transports::fabric) first in main, \
+             or set FI_OFI_RXM_MSG_RX_SIZE=128"
         );
     }
 }
@@ -70,9 +71,5 @@ mod tests {
     fn a_variable_the_environment_sets_is_left_as_it_is() {
         assert_eq!(defaults_unset(|_| false), PROVIDER_ENV_DEFAULTS);
         assert!(defaults_unset(|_| true).is_empty());
-        let rx_size_set = defaults_unset(|name| name == "FI_OFI_RXM_MSG_RX_SIZE");
-        assert!(rx_size_set
-            .iter()
-            .all(|(name, _)| *name != "FI_OFI_RXM_MSG_RX_SIZE"));
     }
 }
