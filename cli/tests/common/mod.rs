@@ -59,7 +59,8 @@ impl Server {
     }
 
     /// Start a broker on the given listen entries, of which the first is
-    /// a TCP one.
+    /// a TCP one. It chooses the providers' tunables as the command does
+    /// (those the test runner sets are removed) unless `env` sets them.
     pub fn start_listening(listen: &[&str], extra_config: &str, env: &[(&str, &str)]) -> Server {
         let config_path = temp_path("broker.toml");
         let listen: Vec<String> = listen.iter().map(|entry| format!("\"{entry}\"")).collect();
@@ -71,6 +72,7 @@ impl Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_efabus"))
             .args(["serve", "--config"])
             .arg(&config_path)
+            .env_remove("FI_OFI_RXM_MSG_RX_SIZE")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -4,7 +4,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Variables efabus sets, with their values, where the environment does
-/// not set them already.
+/// not set them already (`scripts/test` exports the same for the test
+/// processes, which do not call [`apply_provider_env_defaults`]).
 ///
 /// - `FI_OFI_RXM_MSG_RX_SIZE`: `ofi_rxm` over `tcp` posts this many receive
 ///   buffers of 16 KiB to each endpoint's shared receive context, allocated
