@@ -31,7 +31,7 @@ use crate::accounts::Accounts;
 use crate::commands::CommandQueue;
 use crate::config::{Config, SlowConsumerPolicy};
 use crate::delivery::{Delivery, LocalSink, Message, Subscription, SubscriptionOwner};
-use crate::drive::{DriveHandle, Driven};
+use crate::drive::DriveHandle;
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::{Error, RecvError};
 use crate::event_loop::{run_loop, Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
@@ -391,7 +391,7 @@ pub(crate) struct Shared {
     /// The peer brokers dialed, for [`Broker::peers`].
     pub(crate) peers: Mutex<Vec<String>>,
     /// The event loop, for application threads that run it while they
-    /// wait (see [`Driven`]).
+    /// wait (see [`crate::drive::Driven`]).
     pub(crate) event_loop: DriveHandle<EventLoop>,
     /// The subscription id of `Broker::request`'s inbox, once subscribed
     /// (0: none): its reader runs the event loop while it waits.
@@ -427,6 +427,11 @@ impl Shared {
         }
     }
 
+    /// Whether `sid` is `Broker::request`'s inbox, whose reader drives.
+    fn is_inbox(&self, sid: u64) -> bool {
+        sid == self.inbox_sid.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn send_command(&self, command: Command) -> Result<(), Error> {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
@@ -452,7 +457,7 @@ impl SubscriptionOwner for Shared {
     /// their driving measured no better, and more often worse, than the
     /// loop thread's hand-over (BENCHMARKS.md, "Latest table").
     fn drive(&self, sid: u64, until: Instant, ready: &dyn Fn() -> bool) -> bool {
-        if sid != self.inbox_sid.load(Ordering::Relaxed) {
+        if !self.is_inbox(sid) {
             return false;
         }
         let rounds = self.event_loop.drive(true, until, ready, &self.shutdown);
@@ -461,7 +466,7 @@ impl SubscriptionOwner for Shared {
     }
 
     fn would_drive(&self, sid: u64) -> bool {
-        sid == self.inbox_sid.load(Ordering::Relaxed) && self.event_loop.reader_would_drive()
+        self.is_inbox(sid) && self.event_loop.reader_would_drive()
     }
 }
 
@@ -715,11 +720,10 @@ impl Broker {
             let shared = shared.clone();
             move || shared.commands.wake_if_parked()
         };
-        let event_loop = Arc::new(Driven::new(
+        let event_loop = shared.event_loop.install(
             EventLoop::new(shared.clone(), endpoints, command_rx, codec_limits, cluster),
             wake,
-        ));
-        shared.event_loop.set(&event_loop);
+        );
         let thread = {
             let shared = shared.clone();
             std::thread::Builder::new()

@@ -818,11 +818,10 @@ impl Client {
             let shared = shared.clone();
             move || shared.parker.wake_if_parked()
         };
-        let session = Arc::new(Driven::new(
+        let session = shared.session.install(
             ClientLoop::new(shared.clone(), endpoint_box, data, address),
             wake,
-        ));
-        shared.session.set(&session);
+        );
         let thread = {
             let shared = shared.clone();
             std::thread::Builder::new()

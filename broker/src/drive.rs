@@ -95,8 +95,18 @@ impl<L: Rounds> DriveHandle<L> {
         DriveHandle(OnceLock::new())
     }
 
-    pub fn set(&self, driven: &Arc<Driven<L>>) {
-        let _ = self.0.set(Arc::downgrade(driven));
+    /// Makes the loop of `state` drivable through this handle; the loop
+    /// thread runs the returned loop. `wake` wakes the loop thread if it
+    /// sleeps (after a drive).
+    pub fn install(&self, state: L, wake: impl Fn() + Send + Sync + 'static) -> Arc<Driven<L>> {
+        let driven = Arc::new(Driven::new(state, wake));
+        let _ = self.0.set(Arc::downgrade(&driven));
+        driven
+    }
+
+    /// The loop, while it exists.
+    fn driven(&self) -> Option<Arc<Driven<L>>> {
+        self.0.get().and_then(Weak::upgrade)
     }
 
     /// [`Driven::drive`] for a thread that waits: a request for its reply
@@ -109,7 +119,7 @@ impl<L: Rounds> DriveHandle<L> {
         ready: &dyn Fn() -> bool,
         stop: &AtomicBool,
     ) -> u64 {
-        match self.0.get().and_then(Weak::upgrade) {
+        match self.driven() {
             Some(driven) if !reader || driven.reader_may_drive() => {
                 driven.drive(until, ready, stop)
             }
@@ -120,9 +130,7 @@ impl<L: Rounds> DriveHandle<L> {
     /// Whether a subscription's reader would drive now (see
     /// [`DriveHandle::drive`]).
     pub fn reader_would_drive(&self) -> bool {
-        self.0
-            .get()
-            .and_then(Weak::upgrade)
+        self.driven()
             .is_some_and(|driven| driven.reader_may_drive())
     }
 }

@@ -18,7 +18,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 ///   lost. Where `ofi_rxm` has no shared receive context (over `verbs`, or
 ///   with `FI_OFI_RXM_USE_SRX=0`) the count is per connection, and 128 is
 ///   the provider's own default there.
-pub const PROVIDER_ENV_DEFAULTS: &[(&str, &str)] = &[("FI_OFI_RXM_MSG_RX_SIZE", "128")];
+pub const PROVIDER_ENV_DEFAULTS: &[(&str, &str)] = &[RXM_RX_SIZE];
+
+/// `ofi_rxm`'s receive buffer count (see [`PROVIDER_ENV_DEFAULTS`]).
+const RXM_RX_SIZE: (&str, &str) = ("FI_OFI_RXM_MSG_RX_SIZE", "128");
 
 /// Sets each of [`PROVIDER_ENV_DEFAULTS`] that the environment leaves
 /// unset.
@@ -42,15 +45,13 @@ pub fn apply_provider_env_defaults() {
 #[cfg_attr(not(efabus_libfabric), allow(dead_code))]
 pub(crate) fn note_unset_defaults(provider: &str) {
     static NOTED: AtomicBool = AtomicBool::new(false);
+    let (name, value) = RXM_RX_SIZE;
     let rxm_over_tcp = provider.starts_with("tcp") && provider.contains("ofi_rxm");
-    if rxm_over_tcp
-        && std::env::var_os("FI_OFI_RXM_MSG_RX_SIZE").is_none()
-        && !NOTED.swap(true, Ordering::Relaxed)
-    {
+    if rxm_over_tcp && std::env::var_os(name).is_none() && !NOTED.swap(true, Ordering::Relaxed) {
         tracing::info!(
             "{provider} posts 4,096 receive buffers of 16 KiB (65 MiB) per endpoint by default: \
              call apply_provider_env_defaults() (efabus::transports::fabric) first in main, \
-             or set FI_OFI_RXM_MSG_RX_SIZE=128"
+             or set {name}={value}"
         );
     }
 }
