@@ -1890,10 +1890,9 @@ impl Checks<'_> {
         message: &super::layout::Message<'_>,
         source: Option<u64>,
     ) -> Option<PeerId> {
-        let now = Instant::now();
         let Some(&peer) = self.links.get(&message.link_id) else {
             self.stats.unknown_links += 1;
-            if let Some(held_back) = self.log.unknown_link.allow(now) {
+            if let Some(held_back) = self.log.unknown_link.allow(Instant::now()) {
                 tracing::debug!(
                     held_back,
                     link = message.link_id,
@@ -1912,7 +1911,7 @@ impl Checks<'_> {
             && message.is_authentic(&state.keys.receive_key);
         if !authentic {
             self.stats.forged += 1;
-            if let Some(held_back) = self.log.forged.allow(now) {
+            if let Some(held_back) = self.log.forged.allow(Instant::now()) {
                 tracing::warn!(
                     held_back,
                     %peer,
@@ -1925,7 +1924,7 @@ impl Checks<'_> {
         }
         if !state.replay.take(message.counter) {
             self.stats.replayed += 1;
-            if let Some(held_back) = self.log.forged.allow(now) {
+            if let Some(held_back) = self.log.forged.allow(Instant::now()) {
                 tracing::warn!(held_back, %peer, "dropped a replayed message");
             }
             return None;
