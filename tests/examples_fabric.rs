@@ -206,23 +206,37 @@ fn pingpong_reports_each_rdm_provider() {
     for provider in ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets", "shm"] {
         // Below the eager size, and above it: by rendezvous where the
         // provider's reads are used (not ofi_rxd's).
+        // Each side sending its own frame (the default), and the frame
+        // received sent back as a broker forwards it.
         for (size, rendezvous) in [("64", false), ("100000", provider != "udp;ofi_rxd")] {
-            let run = run(&example, &[provider, size, "20"]);
-            if !succeeded(&run, provider, &run.stderr) {
-                continue;
+            for echo in [None, Some("forward")] {
+                let mut args = vec![provider, size, "20"];
+                args.extend(echo);
+                let run = run(&example, &args);
+                if !succeeded(&run, provider, &run.stderr) {
+                    continue;
+                }
+                let expected = format!(
+                    "{{\"provider\":\"{provider}\",\"size\":{size},\"iterations\":20,\
+                     \"rendezvous\":{rendezvous},\"echo\":\"{}\",\"usec_per_xfer\":",
+                    echo.unwrap_or("own")
+                );
+                assert!(run.stdout.starts_with(&expected), "{}", run.stdout);
             }
-            let expected = format!(
-                "{{\"provider\":\"{provider}\",\"size\":{size},\"iterations\":20,\
-                 \"rendezvous\":{rendezvous},\"usec_per_xfer\":"
-            );
-            assert!(run.stdout.starts_with(&expected), "{}", run.stdout);
         }
     }
-    let run = run(&example, &["tcp;ofi_rxm", "0"]);
-    assert_eq!(run.code, Some(2));
+    let bad_size = run(&example, &["tcp;ofi_rxm", "0"]);
+    assert_eq!(bad_size.code, Some(2));
     assert!(
-        run.stderr.contains("SIZE must be a positive integer"),
+        bad_size.stderr.contains("SIZE must be a positive integer"),
         "{}",
-        run.stderr
+        bad_size.stderr
+    );
+    let bad_echo = run(&example, &["tcp;ofi_rxm", "64", "20", "back"]);
+    assert_eq!(bad_echo.code, Some(2));
+    assert!(
+        bad_echo.stderr.contains("ECHO must be own or forward"),
+        "{}",
+        bad_echo.stderr
     );
 }
