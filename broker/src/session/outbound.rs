@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
 use efabus_core::codec;
-use efabus_core::transport::{split_run, Endpoint, OutFrame, PeerId, SendError};
+use efabus_core::transport::{split_run_slices, Endpoint, OutFrame, PeerId, SendError};
 use tracing::{debug, warn};
 
 use super::data_link::{DataLink, DataLinks, Sent};
@@ -70,8 +70,8 @@ impl Queued {
             return;
         }
         if self.run {
-            for frame in split_run(&self.frame.head) {
-                if let Some(sid) = codec::message_sid(&frame.head) {
+            for frame in split_run_slices(&self.frame.head) {
+                if let Some(sid) = codec::message_sid(frame) {
                     f(sid);
                 }
             }
@@ -132,7 +132,7 @@ pub(crate) fn transmit(
         Ok(()) => None,
         Err(SendError::WouldBlock(frame)) => {
             let messages = if queued.run && queued.messages > 0 {
-                split_run(&frame.head).count()
+                split_run_slices(&frame.head).count()
             } else {
                 queued.messages
             };
@@ -165,7 +165,8 @@ fn send_run_on(
 ) -> (Option<Queued>, Option<String>) {
     let run = queued.frame.head;
     let limit = link.run_limit();
-    let mut frames = split_run(&run);
+    // Only where each frame ends is needed: the groups are slices of `run`.
+    let mut frames = split_run_slices(&run);
     // Frames taken so far, and the group being gathered: `run[start..at]`,
     // `count` frames.
     let (mut sent, mut start, mut count) = (0, 0, 0);
@@ -865,7 +866,7 @@ mod tests {
         let run = batch.take().expect("a run");
         assert!(run.run);
         assert_eq!(run.messages, 2);
-        assert_eq!(split_run(&run.frame.head).count(), 2);
+        assert_eq!(split_run_slices(&run.frame.head).count(), 2);
         assert!(batch.take().is_none(), "taken once");
     }
 
