@@ -56,7 +56,7 @@ use crate::delivery::{Delivery, LocalSink, Message, Subscription, SubscriptionOw
 use crate::drive::{DriveHandle, Driven, Rounds};
 use crate::endpoints;
 use crate::error::Error;
-use crate::session::data_link::{Keying, LinkKind};
+use crate::session::data_link::{open_released, Keying, LinkKind};
 use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::{self, Control, Queued, SendCounts, RUN_MAX};
 use crate::session::{Connection, Heartbeat, Liveness};
@@ -1333,6 +1333,8 @@ struct ClientLoop {
     proved: Option<([u8; 32], [u8; 32])>,
     tuning: LinkTuning,
     released: Vec<Bytes>,
+    /// Scratch space for splitting the runs in `released`.
+    released_scratch: Vec<Bytes>,
     /// Frames from the control link gathered for `deliver_messages`.
     control_frames: Vec<Bytes>,
     /// Why data endpoints could not open: the start of every handshake's
@@ -1409,6 +1411,7 @@ impl ClientLoop {
             offers,
             tuning,
             released: Vec::new(),
+            released_scratch: Vec::new(),
             control_frames: Vec::new(),
             unavailable,
         }
@@ -2303,6 +2306,9 @@ impl ClientLoop {
                 let now = self.now;
                 let mut released = std::mem::take(&mut self.released);
                 let result = self.conn.links.receive(kind, now, frame, &mut released);
+                // Each message's payload is a slice of its frame, held by
+                // its reader.
+                open_released(&mut released, &mut self.released_scratch);
                 if let (LinkKind::BestEffort, Some(link)) = (kind, &self.conn.links.best_effort) {
                     self.shared
                         .counters
@@ -2402,6 +2408,7 @@ impl ClientLoop {
         }
         let mut released = std::mem::take(&mut self.released);
         let result = self.conn.links.poll(now, &mut released);
+        open_released(&mut released, &mut self.released_scratch);
         let counters = &self.shared.counters;
         if let Some(link) = &self.conn.links.best_effort {
             counters

@@ -953,39 +953,49 @@ pub fn run_head(frames_len: usize) -> Result<[u8; FRAME_OVERHEAD], EncodeError> 
 /// Each frame is checked for a known kind only: decoding it is for the
 /// caller, as for a frame that came alone.
 pub fn open_run(frames: &Bytes, out: &mut Vec<Bytes>) -> Result<usize, DecodeError> {
-    let start = out.len();
+    let count = check_run(frames)?;
     let mut at = 0;
-    let result = loop {
+    for frame in crate::transport::split_run_slices(frames) {
+        out.push(frames.slice(at..at + frame.len()));
+        at += frame.len();
+    }
+    Ok(count)
+}
+
+/// Check the frames of a [`Frame::Run`] (its body, `frames`) as
+/// [`open_run`] does, without taking them out: how many there are, or why
+/// the run does not open. A run that checks splits into exactly its frames
+/// with [`crate::transport::split_run_slices`].
+pub fn check_run(frames: &[u8]) -> Result<usize, DecodeError> {
+    let mut at = 0;
+    let mut count = 0;
+    loop {
         if at == frames.len() {
-            break if at == 0 {
+            return if at == 0 {
                 Err(DecodeError::BadRun("it holds no frame"))
             } else {
-                Ok(out.len() - start)
+                Ok(count)
             };
         }
         let Some(len) = frames[at..]
             .first_chunk::<PREFIX_LEN>()
             .map(|prefix| u32::from_le_bytes(*prefix) as usize)
         else {
-            break Err(DecodeError::BadRun("it ends inside a length prefix"));
+            return Err(DecodeError::BadRun("it ends inside a length prefix"));
         };
         let end = (at + PREFIX_LEN).checked_add(len);
         let Some(end) = end.filter(|&end| len > 0 && end <= frames.len()) else {
-            break Err(DecodeError::BadRun("a frame's length runs past its end"));
+            return Err(DecodeError::BadRun("a frame's length runs past its end"));
         };
         match FrameKind::from_byte(frames[at + PREFIX_LEN]) {
-            None => break Err(DecodeError::UnknownKind(frames[at + PREFIX_LEN])),
+            None => return Err(DecodeError::UnknownKind(frames[at + PREFIX_LEN])),
             Some(FrameKind::Run | FrameKind::Fragment | FrameKind::Credit) => {
-                break Err(DecodeError::BadRun("it holds a link frame"))
+                return Err(DecodeError::BadRun("it holds a link frame"))
             }
-            Some(_) => out.push(frames.slice(at..end)),
+            Some(_) => count += 1,
         }
         at = end;
-    };
-    if result.is_err() {
-        out.truncate(start);
     }
-    result
 }
 
 /// Decode one whole frame, length prefix included, as endpoints deliver
@@ -1851,6 +1861,7 @@ mod tests {
         let limits = CodecLimits::default();
         assert_eq!(decode(wire, &limits), Ok(Frame::Run(frames.clone())));
 
+        assert_eq!(check_run(&frames), Ok(3));
         let mut out = vec![ping(9)];
         assert_eq!(open_run(&frames, &mut out), Ok(3));
         assert_eq!(out, [ping(9), ping(1), publish, ping(2)]);
@@ -1879,6 +1890,7 @@ mod tests {
             (Bytes::from(unknown_kind), "unknown kind"),
             (Bytes::from_static(&[5, 0]), "cut in the prefix"),
         ] {
+            assert!(check_run(&bad).is_err(), "{why}");
             let mut out = vec![ping(9)];
             assert!(open_run(&bad, &mut out).is_err(), "{why}");
             assert_eq!(out, [ping(9)], "{why}: nothing appended");

@@ -15,6 +15,7 @@
 mod peer;
 mod route;
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,7 +46,7 @@ use crate::broker::{deliver_local, BrokerStats, Command, Shared};
 use crate::delivery::Message;
 use crate::drive::{Driven, Rounds};
 use crate::endpoints;
-use crate::session::data_link::LinkKind;
+use crate::session::data_link::{released_frames, LinkKind};
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
 use crate::session::{error_frame, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
@@ -860,10 +861,7 @@ impl EventLoop {
             self.schedule(deadline);
         }
         self.credit_owed.insert(id);
-        self.tally.fabric_frames_in += released.len() as u64;
-        for frame in released.drain(..) {
-            self.on_frame(id, frame);
-        }
+        self.on_released(id, &mut released);
         self.released = released;
         if self
             .sessions
@@ -919,7 +917,25 @@ impl EventLoop {
         self.fail(id, code, format!("data link: {err}"));
     }
 
-    fn on_frame(&mut self, id: u64, bytes: Bytes) {
+    /// The frames of the messages a session's data link released, each
+    /// read in place.
+    fn on_released(&mut self, id: u64, released: &mut Vec<Bytes>) {
+        for message in released.drain(..) {
+            for frame in released_frames(&message) {
+                self.tally.fabric_frames_in += 1;
+                self.on_frame_in(id, &message, frame);
+            }
+        }
+    }
+
+    fn on_frame(&mut self, id: u64, frame: Bytes) {
+        let whole = 0..frame.len();
+        self.on_frame_in(id, &frame, whole);
+    }
+
+    /// The frame `message[range]`: a whole frame, or one of a run's.
+    fn on_frame_in(&mut self, id: u64, message: &Bytes, range: Range<usize>) {
+        let bytes = &message[range.clone()];
         self.tally.bytes_in += bytes.len() as u64;
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
@@ -945,7 +961,7 @@ impl EventLoop {
         };
         if session.state == SessionState::Ready && in_place.is_some() {
             let known = std::mem::take(&mut self.known_subject);
-            match codec::peek_routed_known(&bytes, &self.codec, &known) {
+            match codec::peek_routed_known(bytes, &self.codec, &known) {
                 Ok(Some(view)) if Some(view.kind) == in_place => {
                     let changed = !std::ptr::eq(view.subject, known.as_str());
                     if changed {
@@ -955,8 +971,8 @@ impl EventLoop {
                     }
                     let payload = Payload {
                         bytes: view.payload,
-                        frame: &bytes,
-                        at: view.payload_at,
+                        frame: message,
+                        at: range.start + view.payload_at,
                         headers: view.headers,
                     };
                     if route {
@@ -982,7 +998,7 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        let frame = match codec::decode(bytes, &self.codec) {
+        let frame = match codec::decode(message.slice(range), &self.codec) {
             Ok(frame) => frame,
             Err(err) => {
                 BrokerStats::add(&stats.bad_frames, 1);
@@ -1993,10 +2009,7 @@ impl EventLoop {
                 result = session.conn.links.poll(now, &mut released);
                 self.tally.best_effort_lost += session.conn.links.take_best_effort_lost();
             }
-            self.tally.fabric_frames_in += released.len() as u64;
-            for frame in released.drain(..) {
-                self.on_frame(id, frame);
-            }
+            self.on_released(id, &mut released);
             if let Err(err) = result {
                 self.reliable_link_failed(id, &err);
             }

@@ -697,7 +697,7 @@ mod tests {
 
     #[test]
     fn a_run_of_small_frames_crosses_a_data_link_as_runs_and_opens_in_order() {
-        use super::super::data_link::LinkKind;
+        use super::super::data_link::{open_released, released_frames, LinkKind};
         let (mut endpoints, mut links, _, fabric) = with_data_link(usize::MAX, None);
         let limit = links.reliable.as_ref().map(DataLink::run_limit);
         // Runs of up to 59 bytes of frames: two 20-byte frames share one,
@@ -736,7 +736,8 @@ mod tests {
         // [1, 2], [3], five pieces of the large frame, [4, 5].
         assert_eq!(pieces.len(), 8);
 
-        // The link's receiving half opens what its sending half sent.
+        // The link's receiving half releases what its sending half sent:
+        // the runs whole, their frames read in place or split off.
         let mut out = Vec::new();
         let now = std::time::Instant::now();
         for piece in pieces {
@@ -744,8 +745,15 @@ mod tests {
                 .receive(LinkKind::Reliable, now, piece, &mut out)
                 .expect("a well-formed piece");
         }
-        let received: Vec<Vec<u8>> = out.iter().map(|frame| frame.to_vec()).collect();
-        assert_eq!(received, frames);
+        assert_eq!(out.len(), 4, "[1, 2], [3], the large frame, [4, 5]");
+        let in_place: Vec<Vec<u8>> = out
+            .iter()
+            .flat_map(|message| released_frames(message).map(|frame| message[frame].to_vec()))
+            .collect();
+        assert_eq!(in_place, frames);
+        open_released(&mut out, &mut Vec::new());
+        let split: Vec<Vec<u8>> = out.iter().map(|frame| frame.to_vec()).collect();
+        assert_eq!(split, frames);
     }
 
     #[test]
@@ -772,6 +780,95 @@ mod tests {
         }
         assert!(results.iter().any(Result::is_err), "{results:?}");
         assert!(out.is_empty(), "nothing of it is delivered: {out:?}");
+    }
+
+    #[test]
+    fn a_malformed_run_on_a_best_effort_link_is_dropped_and_counted() {
+        use efabus_core::caps::{negotiate, parse_fi_info_dump, Offer};
+        let infos = parse_fi_info_dump(include_str!(
+            "../../../core/tests/fixtures/efa-fi_info-v.txt"
+        ))
+        .expect("fixture parses");
+        let offer = |id: u8| {
+            infos
+                .iter()
+                .map(|info| {
+                    let scheme = if info.ep_attr.ep_type.is_datagram() {
+                        "efa-dgram"
+                    } else {
+                        "efa-rdm"
+                    };
+                    Offer::from_info(scheme, info, vec![id; 32])
+                })
+                .collect::<Vec<_>>()
+        };
+        let choice = negotiate(&offer(1), &offer(2), &["efa-rdm", "efa-dgram"])
+            .expect("both offer the fabric")
+            .best_effort
+            .expect("a datagram link");
+        let fabric: Taken = Arc::default();
+        let mut endpoint: Box<dyn Endpoint> = Box::new(Scripted {
+            scheme: "efa-dgram",
+            max_frame: 4096,
+            room: usize::MAX,
+            block_at: None,
+            fail_at: usize::MAX,
+            calls: 0,
+            taken: Arc::clone(&fabric),
+        });
+        let keys = efabus_core::transport::LinkKeys {
+            send_key: [1; 32],
+            receive_key: [2; 32],
+            local_id: 1,
+            remote_id: 2,
+        };
+        let mut link = DataLink::open(
+            1,
+            endpoint.as_mut(),
+            &choice,
+            &efabus_core::link::LinkTuning::default(),
+            &keys,
+            super::super::data_link::Proof::Proven,
+        )
+        .unwrap_or_else(|_| panic!("the link opens"));
+        let run_of = |frames: Vec<u8>, count: u64| {
+            let frame = OutFrame {
+                head: Bytes::copy_from_slice(&codec::run_head(frames.len()).unwrap()),
+                body: Bytes::from(frames),
+            };
+            (frame, count)
+        };
+        // A run whose second frame claims more bytes than the run holds,
+        // between a frame alone and a good run.
+        let mut bad = message(20);
+        bad.extend_from_slice(&[60, 0, 0, 0, 0x10, 1, 2]);
+        let sends = [
+            (OutFrame::whole(Bytes::from(message(20))), 1),
+            run_of(bad, 2),
+            run_of([message(20), message(30)].concat(), 2),
+        ];
+        for (frame, count) in sends {
+            assert!(matches!(
+                link.send(endpoint.as_mut(), frame, count),
+                Ok(Sent::Accepted)
+            ));
+        }
+        let mut out = Vec::new();
+        let now = std::time::Instant::now();
+        for piece in fabric.lock().unwrap().clone() {
+            link.receive(now, piece, &mut out)
+                .expect("a lossy link drops what it cannot open");
+        }
+        assert_eq!(link.lost(), 1, "the bad run is counted as lost");
+        let frames: Vec<usize> = out
+            .iter()
+            .flat_map(|message| super::super::data_link::released_frames(message).map(|f| f.len()))
+            .collect();
+        assert_eq!(
+            frames,
+            [20, 20, 30],
+            "the frame alone and the good run's two"
+        );
     }
 
     #[test]
