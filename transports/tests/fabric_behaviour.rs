@@ -573,6 +573,62 @@ mod suite {
         assert_eq!(a.stats().rendezvous_abandoned, 0);
     }
 
+    /// A poll stops starting rendezvous reads once its read start budget
+    /// is spent. With none, every poll starts at most one read, and every
+    /// frame still arrives whole; with no limit (`unlimited`, for a
+    /// provider that takes every queued message in one poll), the reads of
+    /// descriptors that arrived together all start in one poll.
+    pub fn read_start_budget_paces_reads(provider: &str, unlimited: bool) {
+        const FRAMES: usize = 4;
+        let len = 1 << 20;
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 2 << 20) else {
+            return;
+        };
+        let (budget, most) = if unlimited {
+            (Duration::MAX, FRAMES as u64)
+        } else {
+            (Duration::ZERO, 1)
+        };
+        b.set_read_start_budget(budget);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        for n in 0..FRAMES {
+            send_blocking(
+                &mut a,
+                &mut b,
+                pb,
+                numbered_frame(n as u8, len),
+                &mut ae,
+                &mut be,
+            );
+        }
+        // The descriptors leave before `b` looks.
+        a.poll(&mut ae).expect("poll a");
+        let start = Instant::now();
+        let mut most_in_one_poll = 0;
+        while frames_from(&be, pa).len() < FRAMES {
+            let before = b.stats().rendezvous_reads_started;
+            b.poll(&mut be).expect("poll b");
+            most_in_one_poll = most_in_one_poll.max(b.stats().rendezvous_reads_started - before);
+            a.poll(&mut ae).expect("poll a");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{provider}: the frames never arrived"
+            );
+        }
+        assert_eq!(
+            most_in_one_poll, most,
+            "{provider}: reads started in one poll"
+        );
+        let got = frames_from(&be, pa);
+        for n in 0..FRAMES {
+            assert!(
+                got.iter().any(|f| is_numbered(f, n as u8, len)),
+                "{provider}: frame {n} missing or damaged"
+            );
+        }
+        assert_eq!(b.stats().rendezvous_reads_started, FRAMES as u64);
+    }
+
     /// Polls both until `a` holds no rendezvous transfer.
     fn until_released(
         a: &mut FabricEndpoint,
@@ -1865,6 +1921,15 @@ fn rdm_rendezvous_moves_large_frames() {
             &[("force_prefix", "176"), ("force_mr_local", "true")],
         );
     }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_read_start_budget_paces_reads() {
+    for provider in READING_PROVIDERS {
+        suite::read_start_budget_paces_reads(provider, false);
+    }
+    suite::read_start_budget_paces_reads("shm", true);
 }
 
 #[cfg(efabus_libfabric)]

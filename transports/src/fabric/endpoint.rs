@@ -125,6 +125,15 @@ const TX_CQ_CHECK_ROUNDS: u32 = 64;
 /// Completions read per `fi_cq_read`.
 const CQ_BATCH: usize = 64;
 
+/// Time one progress call may spend starting rendezvous reads, the first
+/// always started. Where a read is a copy made inside `fi_read` (`shm`,
+/// by `process_vm_readv`), starting every queued read at once held each
+/// landed frame back until the last copy was done: through a broker, its
+/// reads from the publisher and the subscriber's reads from it took turns
+/// instead of overlapping. Posting a read that the provider moves later
+/// (`tcp;ofi_rxm`, `efa`) takes far less than this.
+const READ_START_BUDGET: Duration = Duration::from_micros(50);
+
 /// Smallest received run of frames lent rather than copied: below it a
 /// copy costs less than a slot held out of the receive queue.
 const LEND_MIN: usize = 8 << 10;
@@ -252,6 +261,8 @@ pub struct FabricStats {
     pub rendezvous_shared: u64,
     /// Bodies registered for remote reads.
     pub rendezvous_registrations: u64,
+    /// Reads of rendezvous transfers started.
+    pub rendezvous_reads_started: u64,
     /// Frames received by rendezvous (read one-sided), and their bytes.
     pub rendezvous_read: u64,
     pub rendezvous_read_bytes: u64,
@@ -369,6 +380,8 @@ pub struct FabricEndpoint {
     rounds_since_tx_read: u32,
     /// When a send was last posted, on a manual-progress provider.
     last_post: Option<Instant>,
+    /// See [`READ_START_BUDGET`].
+    read_start_budget: Duration,
     /// A `shm` endpoint's entry in `local_shm_endpoints`.
     shm_open: Option<Arc<AtomicBool>>,
 
@@ -701,6 +714,7 @@ impl FabricEndpoint {
             sends_posted: 0,
             rounds_since_tx_read: 0,
             last_post: None,
+            read_start_budget: READ_START_BUDGET,
             shm_open: None,
             unposted_rx: (0..rx_depth).rev().collect(),
             lent_rx: 0,
@@ -765,6 +779,13 @@ impl FabricEndpoint {
 
     pub fn stats(&self) -> &FabricStats {
         &self.stats
+    }
+
+    /// How long one poll may spend starting rendezvous reads once the
+    /// first has started (default [`READ_START_BUDGET`], 50 us): zero
+    /// starts one read per poll.
+    pub fn set_read_start_budget(&mut self, budget: Duration) {
+        self.read_start_budget = budget;
     }
 
     /// Rendezvous transfers sent and not yet done (read by their peers, or
@@ -1670,13 +1691,19 @@ impl FabricEndpoint {
         }
     }
 
-    /// Starts queued reads while read slots and the bytes bound allow.
+    /// Starts queued reads while read slots and the bytes bound allow, for
+    /// at most the read start budget ([`READ_START_BUDGET`]) after the
+    /// first.
     fn start_reads(&mut self) {
         let mut failed = Vec::new();
         let Some(rma) = self.rma.as_mut() else {
             return;
         };
+        let mut began: Option<Instant> = None;
         while let Some(at) = rma.startable_read() {
+            if began.is_some_and(|began| began.elapsed() >= self.read_start_budget) {
+                break;
+            }
             let (Some(&slot), Some(queued)) = (rma.free_slots.last(), rma.queue.get(at)) else {
                 break;
             };
@@ -1715,6 +1742,7 @@ impl FabricEndpoint {
             let desc = mr.as_ref().map_or(std::ptr::null_mut(), MemoryRegion::desc);
             let context = rma.slots[slot].context.as_mut_ptr().cast();
             let remote = (queued.descriptor.addr, queued.descriptor.key);
+            began.get_or_insert_with(Instant::now);
             // SAFETY: `buf` and `mr` move into the slot's job below and stay
             // there, untouched, until this read's completion is read; the
             // context is the slot's own boxed storage.
@@ -1724,6 +1752,7 @@ impl FabricEndpoint {
                         break;
                     };
                     rma.free_slots.pop();
+                    self.stats.rendezvous_reads_started += 1;
                     rma.count_read(queued.peer, total, true);
                     rma.slots[slot].job = Some(ReadJob {
                         peer: queued.peer,
