@@ -573,23 +573,28 @@ mod suite {
         assert_eq!(a.stats().rendezvous_abandoned, 0);
     }
 
-    /// A poll stops starting rendezvous reads once its read start budget
-    /// is spent. With none, every poll starts at most one read, and every
-    /// frame still arrives whole; with no limit (`unlimited`, for a
-    /// provider that takes every queued message in one poll), the reads of
-    /// descriptors that arrived together all start in one poll.
-    pub fn read_start_budget_paces_reads(provider: &str, unlimited: bool) {
+    /// A poll starts no further rendezvous read once posting one took the
+    /// slow-post time (a copy made inside `fi_read`). With zero, every
+    /// poll starts at most one read, the endpoint does not wait while
+    /// reads are still queued, and every frame still arrives whole; with
+    /// no limit (`unlimited`, for a provider that takes every queued
+    /// message in one poll), the reads of descriptors that arrived
+    /// together all start in one poll.
+    pub fn slow_read_posts_pace_reads(provider: &str, unlimited: bool) {
         const FRAMES: usize = 4;
         let len = 1 << 20;
-        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 2 << 20) else {
+        // No wait set: only queued work keeps `prepare_wait` from allowing
+        // a wait.
+        let extra = [("wait_fd", "false")];
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &extra, 2 << 20) else {
             return;
         };
-        let (budget, most) = if unlimited {
+        let (slow, most) = if unlimited {
             (Duration::MAX, FRAMES as u64)
         } else {
             (Duration::ZERO, 1)
         };
-        b.set_read_start_budget(budget);
+        b.set_slow_read_post(slow);
         let (mut ae, mut be) = (Vec::new(), Vec::new());
         for n in 0..FRAMES {
             send_blocking(
@@ -603,12 +608,23 @@ mod suite {
         }
         // The descriptors leave before `b` looks.
         a.poll(&mut ae).expect("poll a");
+        assert_eq!(b.stats().rendezvous_reads_started, 0);
         let start = Instant::now();
         let mut most_in_one_poll = 0;
+        let mut saw_reads_queued = false;
         while frames_from(&be, pa).len() < FRAMES {
             let before = b.stats().rendezvous_reads_started;
             b.poll(&mut be).expect("poll b");
-            most_in_one_poll = most_in_one_poll.max(b.stats().rendezvous_reads_started - before);
+            let started = b.stats().rendezvous_reads_started;
+            most_in_one_poll = most_in_one_poll.max(started - before);
+            if started > 0 && started < FRAMES as u64 {
+                // Reads left for the next poll keep the owner polling.
+                assert!(
+                    !b.prepare_wait(),
+                    "{provider}: would wait with reads queued"
+                );
+                saw_reads_queued = true;
+            }
             a.poll(&mut ae).expect("poll a");
             assert!(
                 start.elapsed() < DEADLINE,
@@ -619,6 +635,7 @@ mod suite {
             most_in_one_poll, most,
             "{provider}: reads started in one poll"
         );
+        assert_eq!(saw_reads_queued, !unlimited);
         let got = frames_from(&be, pa);
         for n in 0..FRAMES {
             assert!(
@@ -627,6 +644,7 @@ mod suite {
             );
         }
         assert_eq!(b.stats().rendezvous_reads_started, FRAMES as u64);
+        until_released(&mut a, &mut b, &mut ae, &mut be, "done frames");
     }
 
     /// Polls both until `a` holds no rendezvous transfer.
@@ -1925,11 +1943,11 @@ fn rdm_rendezvous_moves_large_frames() {
 
 #[cfg(efabus_libfabric)]
 #[test]
-fn rdm_read_start_budget_paces_reads() {
+fn rdm_slow_read_posts_pace_reads() {
     for provider in READING_PROVIDERS {
-        suite::read_start_budget_paces_reads(provider, false);
+        suite::slow_read_posts_pace_reads(provider, false);
     }
-    suite::read_start_budget_paces_reads("shm", true);
+    suite::slow_read_posts_pace_reads("shm", true);
 }
 
 #[cfg(efabus_libfabric)]

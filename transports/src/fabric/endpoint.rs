@@ -125,14 +125,16 @@ const TX_CQ_CHECK_ROUNDS: u32 = 64;
 /// Completions read per `fi_cq_read`.
 const CQ_BATCH: usize = 64;
 
-/// Time one progress call may spend starting rendezvous reads, the first
-/// always started. Where a read is a copy made inside `fi_read` (`shm`,
-/// by `process_vm_readv`), starting every queued read at once held each
-/// landed frame back until the last copy was done: through a broker, its
-/// reads from the publisher and the subscriber's reads from it took turns
-/// instead of overlapping. Posting a read that the provider moves later
-/// (`tcp;ofi_rxm`, `efa`) takes far less than this.
-const READ_START_BUDGET: Duration = Duration::from_micros(50);
+/// A rendezvous read whose posting took this long or longer was a copy
+/// made inside `fi_read` (`shm` copies the body there, by
+/// `process_vm_readv`): the poll starts no further read, so that the
+/// frames already landed are handed on before the next copy. Starting
+/// every queued read at once held each landed frame back until the last
+/// copy was done: through a broker, its reads from the publisher and the
+/// subscriber's reads from it took turns instead of overlapping. Posting
+/// a read that the provider moves later takes less (`tcp;ofi_rxm` here:
+/// 4 us at the median, 14 at the 90th percentile, for 1 MiB).
+const SLOW_READ_POST: Duration = Duration::from_micros(50);
 
 /// Smallest received run of frames lent rather than copied: below it a
 /// copy costs less than a slot held out of the receive queue.
@@ -380,8 +382,8 @@ pub struct FabricEndpoint {
     rounds_since_tx_read: u32,
     /// When a send was last posted, on a manual-progress provider.
     last_post: Option<Instant>,
-    /// See [`READ_START_BUDGET`].
-    read_start_budget: Duration,
+    /// See [`SLOW_READ_POST`].
+    slow_read_post: Duration,
     /// A `shm` endpoint's entry in `local_shm_endpoints`.
     shm_open: Option<Arc<AtomicBool>>,
 
@@ -714,7 +716,7 @@ impl FabricEndpoint {
             sends_posted: 0,
             rounds_since_tx_read: 0,
             last_post: None,
-            read_start_budget: READ_START_BUDGET,
+            slow_read_post: SLOW_READ_POST,
             shm_open: None,
             unposted_rx: (0..rx_depth).rev().collect(),
             lent_rx: 0,
@@ -781,11 +783,11 @@ impl FabricEndpoint {
         &self.stats
     }
 
-    /// How long one poll may spend starting rendezvous reads once the
-    /// first has started (default [`READ_START_BUDGET`], 50 us): zero
-    /// starts one read per poll.
-    pub fn set_read_start_budget(&mut self, budget: Duration) {
-        self.read_start_budget = budget;
+    /// How long posting one rendezvous read may take before the poll
+    /// starts no further read (50 us by default: such a read was a copy
+    /// made inside `fi_read`). Zero starts one read per poll.
+    pub fn set_slow_read_post(&mut self, slow: Duration) {
+        self.slow_read_post = slow;
     }
 
     /// Rendezvous transfers sent and not yet done (read by their peers, or
@@ -1691,17 +1693,16 @@ impl FabricEndpoint {
         }
     }
 
-    /// Starts queued reads while read slots and the bytes bound allow, for
-    /// at most the read start budget ([`READ_START_BUDGET`]) after the
-    /// first.
+    /// Starts queued reads while read slots and the bytes bound allow,
+    /// until one takes [`SLOW_READ_POST`] to post.
     fn start_reads(&mut self) {
         let mut failed = Vec::new();
         let Some(rma) = self.rma.as_mut() else {
             return;
         };
-        let mut began: Option<Instant> = None;
+        let mut copied = false;
         while let Some(at) = rma.startable_read() {
-            if began.is_some_and(|began| began.elapsed() >= self.read_start_budget) {
+            if copied {
                 break;
             }
             let (Some(&slot), Some(queued)) = (rma.free_slots.last(), rma.queue.get(at)) else {
@@ -1742,7 +1743,7 @@ impl FabricEndpoint {
             let desc = mr.as_ref().map_or(std::ptr::null_mut(), MemoryRegion::desc);
             let context = rma.slots[slot].context.as_mut_ptr().cast();
             let remote = (queued.descriptor.addr, queued.descriptor.key);
-            began.get_or_insert_with(Instant::now);
+            let posting = Instant::now();
             // SAFETY: `buf` and `mr` move into the slot's job below and stay
             // there, untouched, until this read's completion is read; the
             // context is the slot's own boxed storage.
@@ -1753,6 +1754,7 @@ impl FabricEndpoint {
                     };
                     rma.free_slots.pop();
                     self.stats.rendezvous_reads_started += 1;
+                    copied = posting.elapsed() >= self.slow_read_post;
                     rma.count_read(queued.peer, total, true);
                     rma.slots[slot].job = Some(ReadJob {
                         peer: queued.peer,
@@ -2275,8 +2277,9 @@ impl Endpoint for FabricEndpoint {
                 return false;
             }
         }
-        // A read the provider refused for now is retried by polling only
-        // (done frames wait for tx completions, which wake the descriptor).
+        // Reads left for the next poll (after a slow post, or refused by
+        // the provider for now) start by polling only (done frames wait
+        // for tx completions, which wake the descriptor).
         let rendezvous_waiting = self
             .rma
             .as_ref()
