@@ -198,7 +198,7 @@ fn next_frame(
 }
 
 /// What the answering side sends back (see the module docs).
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 enum Echo {
     Own,
     Forward,

@@ -954,11 +954,7 @@ pub fn run_head(frames_len: usize) -> Result<[u8; FRAME_OVERHEAD], EncodeError> 
 /// caller, as for a frame that came alone.
 pub fn open_run(frames: &Bytes, out: &mut Vec<Bytes>) -> Result<usize, DecodeError> {
     let count = check_run(frames)?;
-    let mut at = 0;
-    for frame in crate::transport::split_run_slices(frames) {
-        out.push(frames.slice(at..at + frame.len()));
-        at += frame.len();
-    }
+    out.extend(crate::transport::split_run(frames).map(|frame| frame.head));
     Ok(count)
 }
 

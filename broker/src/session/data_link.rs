@@ -201,9 +201,10 @@ fn windows(config: &LinkConfig, send_window: u64, recv_window: u64) -> (Window, 
 /// The frames of a [`Frame::Run`] as a data link released it (the run
 /// frame whole), or `None` for any other frame.
 fn run_body(message: &[u8]) -> Option<&[u8]> {
-    (message.get(PREFIX_LEN) == Some(&(FrameKind::Run as u8)))
-        .then(|| message.get(FRAME_OVERHEAD..))
-        .flatten()
+    if message.get(PREFIX_LEN) != Some(&(FrameKind::Run as u8)) {
+        return None;
+    }
+    message.get(FRAME_OVERHEAD..)
 }
 
 /// Where the frames of one message a data link released lie in it: the

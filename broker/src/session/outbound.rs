@@ -646,27 +646,59 @@ mod tests {
         fail_at: usize,
         block_at: Option<usize>,
     ) -> (Vec<Box<dyn Endpoint>>, DataLinks, Taken, Taken) {
+        let control = Arc::default();
+        let mut endpoints = wire(usize::MAX, &control);
+        // Small enough that a frame of a few hundred bytes goes in pieces.
+        let max_frame = codec::FRAGMENT_OVERHEAD + 64;
+        let (endpoint, link, fabric) = scripted_link(false, max_frame, fail_at, block_at);
+        endpoints.push(endpoint);
+        let links = DataLinks {
+            reliable: Some(link),
+            in_use: true,
+            ..DataLinks::default()
+        };
+        (endpoints, links, control, fabric)
+    }
+
+    /// A data link over a scripted fabric endpoint, negotiated from the
+    /// EFA fixture: its RDM endpoint, or with `datagram` its DGRAM one.
+    fn scripted_link(
+        datagram: bool,
+        max_frame: usize,
+        fail_at: usize,
+        block_at: Option<usize>,
+    ) -> (Box<dyn Endpoint>, DataLink, Taken) {
         use efabus_core::caps::{negotiate, parse_fi_info_dump, Offer};
         let infos = parse_fi_info_dump(include_str!(
             "../../../core/tests/fixtures/efa-fi_info-v.txt"
         ))
         .expect("fixture parses");
-        let offer = |id: u8| vec![Offer::from_info("efa-rdm", &infos[0], vec![id; 32])];
-        let choice = negotiate(&offer(1), &offer(2), &["efa-rdm"])
-            .expect("both offer efa-rdm")
-            .reliable;
-        let (control, fabric) = (Arc::default(), Arc::default());
-        let mut endpoints = wire(usize::MAX, &control);
-        endpoints.push(Box::new(Scripted {
-            scheme: "efa-rdm",
-            // Small enough that a frame of a few hundred bytes goes in pieces.
-            max_frame: codec::FRAGMENT_OVERHEAD + 64,
+        let scheme_of = |datagram: bool| if datagram { "efa-dgram" } else { "efa-rdm" };
+        let offer = |id: u8| {
+            let of_info = |info: &efabus_core::caps::FabricInfo| {
+                let scheme = scheme_of(info.ep_attr.ep_type.is_datagram());
+                Offer::from_info(scheme, info, vec![id; 32])
+            };
+            infos.iter().map(of_info).collect::<Vec<_>>()
+        };
+        let negotiated =
+            negotiate(&offer(1), &offer(2), &["efa-rdm", "efa-dgram"]).expect("both offer EFA");
+        let choice = if datagram {
+            negotiated.best_effort.expect("a datagram link")
+        } else {
+            negotiated.reliable
+        };
+        let scheme = scheme_of(datagram);
+        let fabric: Taken = Arc::default();
+        let mut endpoint: Box<dyn Endpoint> = Box::new(Scripted {
+            scheme,
+            max_frame,
             room: usize::MAX,
             block_at,
             fail_at,
             calls: 0,
             taken: Arc::clone(&fabric),
-        }));
+        });
         let keys = efabus_core::transport::LinkKeys {
             send_key: [1; 32],
             receive_key: [2; 32],
@@ -675,19 +707,14 @@ mod tests {
         };
         let link = DataLink::open(
             1,
-            endpoints[1].as_mut(),
+            endpoint.as_mut(),
             &choice,
             &efabus_core::link::LinkTuning::default(),
             &keys,
             super::super::data_link::Proof::Proven,
         )
         .unwrap_or_else(|_| panic!("the link opens"));
-        let links = DataLinks {
-            reliable: Some(link),
-            in_use: true,
-            ..DataLinks::default()
-        };
-        (endpoints, links, control, fabric)
+        (endpoint, link, fabric)
     }
 
     /// A publish of `len` bytes in all, as the broker sends them.
@@ -784,53 +811,7 @@ mod tests {
 
     #[test]
     fn a_malformed_run_on_a_best_effort_link_is_dropped_and_counted() {
-        use efabus_core::caps::{negotiate, parse_fi_info_dump, Offer};
-        let infos = parse_fi_info_dump(include_str!(
-            "../../../core/tests/fixtures/efa-fi_info-v.txt"
-        ))
-        .expect("fixture parses");
-        let offer = |id: u8| {
-            infos
-                .iter()
-                .map(|info| {
-                    let scheme = if info.ep_attr.ep_type.is_datagram() {
-                        "efa-dgram"
-                    } else {
-                        "efa-rdm"
-                    };
-                    Offer::from_info(scheme, info, vec![id; 32])
-                })
-                .collect::<Vec<_>>()
-        };
-        let choice = negotiate(&offer(1), &offer(2), &["efa-rdm", "efa-dgram"])
-            .expect("both offer the fabric")
-            .best_effort
-            .expect("a datagram link");
-        let fabric: Taken = Arc::default();
-        let mut endpoint: Box<dyn Endpoint> = Box::new(Scripted {
-            scheme: "efa-dgram",
-            max_frame: 4096,
-            room: usize::MAX,
-            block_at: None,
-            fail_at: usize::MAX,
-            calls: 0,
-            taken: Arc::clone(&fabric),
-        });
-        let keys = efabus_core::transport::LinkKeys {
-            send_key: [1; 32],
-            receive_key: [2; 32],
-            local_id: 1,
-            remote_id: 2,
-        };
-        let mut link = DataLink::open(
-            1,
-            endpoint.as_mut(),
-            &choice,
-            &efabus_core::link::LinkTuning::default(),
-            &keys,
-            super::super::data_link::Proof::Proven,
-        )
-        .unwrap_or_else(|_| panic!("the link opens"));
+        let (mut endpoint, mut link, fabric) = scripted_link(true, 4096, usize::MAX, None);
         let run_of = |frames: Vec<u8>, count: u64| {
             let frame = OutFrame {
                 head: Bytes::copy_from_slice(&codec::run_head(frames.len()).unwrap()),
