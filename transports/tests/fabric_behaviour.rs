@@ -519,6 +519,30 @@ mod suite {
                 .all(|(i, &byte)| byte == (i as u8) ^ n)
     }
 
+    /// Sends frame `n` of `sizes[n]` bytes for each `n`, numbered.
+    fn send_numbered(
+        (a, b): (&mut FabricEndpoint, &mut FabricEndpoint),
+        to: PeerId,
+        sizes: &[usize],
+        (ae, be): (&mut Vec<Event>, &mut Vec<Event>),
+    ) {
+        for (n, &len) in sizes.iter().enumerate() {
+            send_blocking(a, b, to, numbered_frame(n as u8, len), ae, be);
+        }
+    }
+
+    /// Asserts that `be` holds every numbered frame of `sizes` from `from`,
+    /// whole.
+    fn assert_numbered(be: &[Event], from: PeerId, sizes: &[usize], what: &str) {
+        let got = frames_from(be, from);
+        for (n, &len) in sizes.iter().enumerate() {
+            assert!(
+                got.iter().any(|f| is_numbered(f, n as u8, len)),
+                "{what}: frame {n} of {len} bytes missing or damaged"
+            );
+        }
+    }
+
     /// Frames at the eager limit and one byte either side, and far above
     /// it, cross whole: those above by rendezvous (counted on both sides),
     /// the others eagerly; every registration is released once read. The
@@ -536,16 +560,7 @@ mod suite {
         assert!(a.rendezvous_max() >= 4 << 20, "{}", a.rendezvous_max());
         let sizes = [eager - 1, eager, eager + 1, 3 * eager + 7, 1 << 20, 4 << 20];
         let (mut ae, mut be) = (Vec::new(), Vec::new());
-        for (n, &len) in sizes.iter().enumerate() {
-            send_blocking(
-                &mut a,
-                &mut b,
-                pb,
-                numbered_frame(n as u8, len),
-                &mut ae,
-                &mut be,
-            );
-        }
+        send_numbered((&mut a, &mut b), pb, &sizes, (&mut ae, &mut be));
         pump(
             &mut a,
             &mut b,
@@ -554,13 +569,7 @@ mod suite {
             |_, be| frames_from(be, pa).len() == sizes.len(),
             "every frame",
         );
-        let got = frames_from(&be, pa);
-        for (n, &len) in sizes.iter().enumerate() {
-            assert!(
-                got.iter().any(|f| is_numbered(f, n as u8, len)),
-                "frame {n} of {len} bytes missing or damaged"
-            );
-        }
+        assert_numbered(&be, pa, &sizes, provider);
         let above = sizes.iter().filter(|&&len| len > eager).count() as u64;
         assert_eq!(a.stats().rendezvous_sent, above);
         assert_eq!(b.stats().rendezvous_read, above);
@@ -596,16 +605,8 @@ mod suite {
         };
         b.set_slow_read_post(slow);
         let (mut ae, mut be) = (Vec::new(), Vec::new());
-        for n in 0..FRAMES {
-            send_blocking(
-                &mut a,
-                &mut b,
-                pb,
-                numbered_frame(n as u8, len),
-                &mut ae,
-                &mut be,
-            );
-        }
+        let sizes = [len; FRAMES];
+        send_numbered((&mut a, &mut b), pb, &sizes, (&mut ae, &mut be));
         // The descriptors leave before `b` looks.
         a.poll(&mut ae).expect("poll a");
         assert_eq!(b.stats().rendezvous_reads_started, 0);
@@ -636,13 +637,7 @@ mod suite {
             "{provider}: reads started in one poll"
         );
         assert_eq!(saw_reads_queued, !unlimited);
-        let got = frames_from(&be, pa);
-        for n in 0..FRAMES {
-            assert!(
-                got.iter().any(|f| is_numbered(f, n as u8, len)),
-                "{provider}: frame {n} missing or damaged"
-            );
-        }
+        assert_numbered(&be, pa, &sizes, provider);
         assert_eq!(b.stats().rendezvous_reads_started, FRAMES as u64);
         until_released(&mut a, &mut b, &mut ae, &mut be, "done frames");
     }
