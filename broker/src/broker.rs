@@ -340,7 +340,7 @@ impl BrokerStats {
 pub(crate) enum Command {
     /// Deliver a message published in-process to remote subscribers.
     Deliver {
-        targets: Vec<SubRef>,
+        targets: Arc<[SubRef]>,
         message: Message,
     },
     /// Answer once everything queued before it has been handed to the endpoints.
@@ -1091,12 +1091,13 @@ pub(crate) fn deliver_in_process(
     shared: &Shared,
     subject: &Arc<str>,
     targets: &Targets,
+    remote: Option<&Arc<[SubRef]>>,
     reply: Option<Arc<str>>,
     headers: Option<Bytes>,
     payload: Bytes,
 ) -> Result<usize, Error> {
     let stats = &shared.stats;
-    if let ([(sid, sink)], true) = (targets.local.as_slice(), targets.remote.is_empty()) {
+    if let ([(sid, sink)], None) = (targets.local.as_slice(), remote) {
         // The common case: one in-process subscription.
         BrokerStats::add(&stats.messages_in, 1);
         match sink.deliver_kept(subject, reply, headers, payload) {
@@ -1105,7 +1106,7 @@ pub(crate) fn deliver_in_process(
         }
         return Ok(1);
     }
-    deliver_in_process_all(shared, subject, targets, reply, headers, payload)
+    deliver_in_process_all(shared, subject, targets, remote, reply, headers, payload)
 }
 
 #[cold]
@@ -1124,13 +1125,14 @@ fn deliver_in_process_all(
     shared: &Shared,
     subject: &Arc<str>,
     targets: &Targets,
+    remote_targets: Option<&Arc<[SubRef]>>,
     reply: Option<Arc<str>>,
     headers: Option<Bytes>,
     mut payload: Bytes,
 ) -> Result<usize, Error> {
     let stats = &shared.stats;
     BrokerStats::add(&stats.messages_in, 1);
-    let remote = !targets.remote.is_empty();
+    let remote = remote_targets.is_some();
     let mut closed = Vec::new();
     if let Some(((last_sid, last), others)) = targets.local.split_last() {
         for (sid, sink) in others {
@@ -1149,9 +1151,9 @@ fn deliver_in_process_all(
     if !closed.is_empty() {
         remove_closed(shared, closed);
     }
-    if remote {
+    if let Some(remote_targets) = remote_targets {
         shared.send_command(Command::Deliver {
-            targets: targets.remote.clone(),
+            targets: Arc::clone(remote_targets),
             message: Message {
                 subject: subject.clone(),
                 reply,

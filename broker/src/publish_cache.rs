@@ -11,7 +11,7 @@ use bytes::Bytes;
 
 use crate::broker::{deliver_in_process, Shared};
 use crate::error::Error;
-use crate::subscriptions::Targets;
+use crate::subscriptions::{SubRef, Targets};
 
 /// Publish on this thread's cache: look up `subject` (from the cache when
 /// current), deliver, and return how many subscriptions matched.
@@ -75,7 +75,15 @@ impl PublishCache {
         };
         let entry = &self.entries[index];
         match &entry.subject {
-            Some(kept) => deliver_in_process(shared, kept, &entry.targets, reply, headers, payload),
+            Some(kept) => deliver_in_process(
+                shared,
+                kept,
+                &entry.targets,
+                entry.remote.as_ref(),
+                reply,
+                headers,
+                payload,
+            ),
             None => Ok(0),
         }
     }
@@ -114,6 +122,10 @@ struct CachedTargets {
     generation: u64,
     subject: Option<Arc<str>>,
     targets: Targets,
+    /// `targets.remote`, shared (`None` when empty): each message to
+    /// remote peers hands the event loop a reference rather than a copy
+    /// (an allocation per message, freed on the loop's thread).
+    remote: Option<Arc<[SubRef]>>,
 }
 
 impl CachedTargets {
@@ -121,6 +133,7 @@ impl CachedTargets {
         generation: 0,
         subject: None,
         targets: Targets::new(),
+        remote: None,
     };
 
     /// Whether this entry is current and for `subject`.
@@ -144,6 +157,8 @@ impl CachedTargets {
                 source,
             })?;
         drop(table);
+        let remote = &self.targets.remote;
+        self.remote = (!remote.is_empty()).then(|| Arc::from(remote.as_slice()));
         if self.subject.as_deref() != Some(subject) {
             self.subject = Some(Arc::from(subject));
         }

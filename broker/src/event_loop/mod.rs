@@ -615,7 +615,7 @@ impl EventLoop {
                     let payload =
                         Payload::of_parts(&message.headers, &message.payload, &mut joined);
                     self.encoded_valid = false;
-                    for target in targets {
+                    for &target in targets.iter() {
                         self.deliver_remote(
                             target,
                             &message.subject,
