@@ -1083,21 +1083,25 @@ impl Drop for Broker {
     }
 }
 
-/// Deliver a message published in-process to its targets: to its local
+/// In-process subscriptions a message goes to: (sid, queue).
+pub(crate) type LocalTargets = [(u64, Arc<LocalSink>)];
+
+/// Deliver a message published in-process to its targets: to its `local`
 /// subscriptions (the payload moves to the last one) and, through the event
-/// loop, to remote peers. Returns how many subscriptions matched.
+/// loop, to the `remote` peers (shared with the loop, not copied). Returns
+/// how many subscriptions matched.
 #[inline(always)]
 pub(crate) fn deliver_in_process(
     shared: &Shared,
     subject: &Arc<str>,
-    targets: &Targets,
+    local: &LocalTargets,
     remote: Option<&Arc<[SubRef]>>,
     reply: Option<Arc<str>>,
     headers: Option<Bytes>,
     payload: Bytes,
 ) -> Result<usize, Error> {
     let stats = &shared.stats;
-    if let ([(sid, sink)], None) = (targets.local.as_slice(), remote) {
+    if let ([(sid, sink)], None) = (local, remote) {
         // The common case: one in-process subscription.
         BrokerStats::add(&stats.messages_in, 1);
         match sink.deliver_kept(subject, reply, headers, payload) {
@@ -1106,7 +1110,7 @@ pub(crate) fn deliver_in_process(
         }
         return Ok(1);
     }
-    deliver_in_process_all(shared, subject, targets, remote, reply, headers, payload)
+    deliver_in_process_all(shared, subject, local, remote, reply, headers, payload)
 }
 
 #[cold]
@@ -1124,23 +1128,22 @@ fn settle_one(shared: &Shared, sid: u64, sink: &LocalSink, outcome: Delivery) {
 fn deliver_in_process_all(
     shared: &Shared,
     subject: &Arc<str>,
-    targets: &Targets,
-    remote_targets: Option<&Arc<[SubRef]>>,
+    local: &LocalTargets,
+    remote: Option<&Arc<[SubRef]>>,
     reply: Option<Arc<str>>,
     headers: Option<Bytes>,
     mut payload: Bytes,
 ) -> Result<usize, Error> {
     let stats = &shared.stats;
     BrokerStats::add(&stats.messages_in, 1);
-    let remote = remote_targets.is_some();
     let mut closed = Vec::new();
-    if let Some(((last_sid, last), others)) = targets.local.split_last() {
+    if let Some(((last_sid, last), others)) = local.split_last() {
         for (sid, sink) in others {
             let outcome =
                 sink.deliver_kept(subject, reply.clone(), headers.clone(), payload.clone());
             count_delivery(stats, *sid, sink, outcome, &mut closed);
         }
-        let body = if remote {
+        let body = if remote.is_some() {
             payload.clone()
         } else {
             std::mem::take(&mut payload)
@@ -1151,9 +1154,10 @@ fn deliver_in_process_all(
     if !closed.is_empty() {
         remove_closed(shared, closed);
     }
-    if let Some(remote_targets) = remote_targets {
+    let matched = local.len() + remote.map_or(0, |remote| remote.len());
+    if let Some(remote) = remote {
         shared.send_command(Command::Deliver {
-            targets: Arc::clone(remote_targets),
+            targets: Arc::clone(remote),
             message: Message {
                 subject: subject.clone(),
                 reply,
@@ -1162,7 +1166,7 @@ fn deliver_in_process_all(
             },
         })?;
     }
-    Ok(targets.len())
+    Ok(matched)
 }
 
 /// Hand a message to the in-process subscriptions among `targets`, count

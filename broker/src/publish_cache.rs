@@ -78,7 +78,7 @@ impl PublishCache {
             Some(kept) => deliver_in_process(
                 shared,
                 kept,
-                &entry.targets,
+                &entry.targets.local,
                 entry.remote.as_ref(),
                 reply,
                 headers,
@@ -122,9 +122,10 @@ struct CachedTargets {
     generation: u64,
     subject: Option<Arc<str>>,
     targets: Targets,
-    /// `targets.remote`, shared (`None` when empty): each message to
-    /// remote peers hands the event loop a reference rather than a copy
-    /// (an allocation per message, freed on the loop's thread).
+    /// `targets.remote`, shared (`None` when empty), which deliveries use
+    /// instead of it: each message to remote peers hands the event loop a
+    /// reference rather than a copy (an allocation per message, freed on
+    /// the loop's thread).
     remote: Option<Arc<[SubRef]>>,
 }
 

@@ -55,10 +55,6 @@ impl Targets {
         self.remote.clear();
         self.matches.clear();
     }
-
-    pub fn len(&self) -> usize {
-        self.local.len() + self.remote.len()
-    }
 }
 
 /// Generation numbers are unique across every table of the process, so a

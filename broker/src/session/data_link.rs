@@ -211,17 +211,15 @@ fn run_body(message: &[u8]) -> Option<&[u8]> {
 /// whole message, or each frame of a run (checked by the link). Reading
 /// them in place spares a `Bytes` (two atomic operations) per frame.
 pub(crate) fn released_frames(message: &[u8]) -> impl Iterator<Item = Range<usize>> + '_ {
-    let (whole, run) = match run_body(message) {
-        Some(frames) => (None, Some(split_run_slices(frames))),
-        None => (Some(0..message.len()), None),
-    };
-    let in_run = run.into_iter().flat_map(|mut frames| {
-        std::iter::from_fn(move || {
+    let mut run = run_body(message).map(split_run_slices);
+    let mut whole = run.is_none().then_some(0..message.len());
+    std::iter::from_fn(move || match &mut run {
+        Some(frames) => {
             let start = FRAME_OVERHEAD + frames.offset();
             frames.next().map(|frame| start..start + frame.len())
-        })
-    });
-    whole.into_iter().chain(in_run)
+        }
+        None => whole.take(),
+    })
 }
 
 /// Replace each run among `released` (messages a data link released) by

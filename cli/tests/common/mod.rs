@@ -69,10 +69,13 @@ impl Server {
             listen.join(", ")
         );
         std::fs::write(&config_path, config).expect("write config");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_efabus"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_efabus"));
+        for (name, _) in efabus_transports::fabric::PROVIDER_ENV_DEFAULTS {
+            command.env_remove(name);
+        }
+        let mut child = command
             .args(["serve", "--config"])
             .arg(&config_path)
-            .env_remove("FI_OFI_RXM_MSG_RX_SIZE")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
