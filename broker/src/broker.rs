@@ -455,7 +455,7 @@ impl SubscriptionOwner for Shared {
     /// not: in services meshed over routes, where each process has several
     /// readers and a message for one may come in a round another runs,
     /// their driving measured no better, and more often worse, than the
-    /// loop thread's hand-over (BENCHMARKS.md, "Latest table").
+    /// loop thread's hand-over (BENCHMARKS.md, "Table at fe1ec98").
     fn drive(&self, sid: u64, until: Instant, ready: &dyn Fn() -> bool) -> bool {
         if !self.is_inbox(sid) {
             return false;
