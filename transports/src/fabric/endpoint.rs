@@ -476,6 +476,7 @@ impl FabricEndpoint {
         let info = first.dup()?;
         drop(list);
         let attrs = info.attrs();
+        super::provider_env::note_unset_defaults(attrs.provider());
         let unusable = |reason: String| FabricError::Unusable {
             provider: attrs.provider().to_string(),
             reason,
@@ -540,7 +541,6 @@ impl FabricEndpoint {
             prefix,
             BufferLayout::payload_for(ep_attrs.max_msg_size, prefix, cap),
         );
-        super::provider_env::note_unset_defaults(attrs.provider(), layout.prefix + layout.payload);
         let mr_local = dom.mr_mode & FI_MR_LOCAL != 0 || options.force_mr_local;
         let depth = |wanted: usize, provider: u64| match usize::try_from(provider) {
             Ok(0) | Err(_) => wanted,
