@@ -482,10 +482,12 @@ pub struct Fabric {
     /// Bytes of each RDM buffer (the eager size): frames up to it travel in
     /// posted buffers; larger ones by rendezvous (one-sided reads) with
     /// peers that have RMA, fragmented otherwise. 256 receive and 256 send
-    /// buffers of it make an endpoint's memory. (`max_frame` is read as an
-    /// older name of it.)
+    /// buffers of it make an endpoint's memory. Unset: 32,512, or over
+    /// `tcp;ofi_rxm` that provider's eager limit where it is lower (its
+    /// own rendezvous would carry what is above). (`max_frame` is read as
+    /// an older name of it.)
     #[serde(alias = "max_frame")]
-    pub eager_size: usize,
+    pub eager_size: Option<usize>,
     /// Move RDM frames above `eager_size` by rendezvous where both sides
     /// have RMA; `false` fragments them over eager messages.
     pub rendezvous: bool,
@@ -578,7 +580,7 @@ impl Default for Fabric {
             node: String::new(),
             rx_depth: 0,
             // A payload at the default limit and its header fit one message.
-            eager_size: efabus_core::transport::DEFAULT_RDM_MSG_SIZE,
+            eager_size: None,
             rendezvous: true,
             reliable_gap_timeout_ms: 250,
             polling: Polling::default(),
@@ -878,7 +880,7 @@ impl Config {
                 "heartbeat.max_pings_out",
                 self.heartbeat.max_pings_out as usize,
             ),
-            ("fabric.eager_size", self.fabric.eager_size),
+            ("fabric.eager_size", self.fabric.eager_size.unwrap_or(1)),
             (
                 "fabric.reliable_gap_timeout_ms",
                 self.fabric.reliable_gap_timeout_ms as usize,

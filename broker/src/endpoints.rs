@@ -144,7 +144,7 @@ pub fn endpoint_options(fabric: &crate::config::Fabric, scheme: &str) -> Option<
     let options = match scheme {
         RDM_SCHEME => FabricOptions {
             provider: fabric.provider.trim().to_string(),
-            msg_size: Some(fabric.eager_size),
+            msg_size: fabric.eager_size,
             rendezvous: fabric.rendezvous,
             domain: non_empty(&fabric.domain),
             ..defaults
@@ -155,7 +155,7 @@ pub fn endpoint_options(fabric: &crate::config::Fabric, scheme: &str) -> Option<
         },
         SHM_SCHEME => FabricOptions {
             provider: SHM_PROVIDER.to_string(),
-            msg_size: Some(fabric.eager_size),
+            msg_size: fabric.eager_size,
             rendezvous: fabric.rendezvous,
             ..defaults
         },

@@ -1192,11 +1192,14 @@ fn block_policy_holds_a_fabric_publisher_through_credits() {
         return;
     };
     let most_queued = setup.watch_queue(Duration::from_secs(2));
-    // The client library buffers some publishes; the broker must take far
-    // fewer than were sent.
+    // While nobody reads, the publisher stays held: the broker takes its
+    // queue's bound, the publisher's window in flight and what the stalled
+    // reader's posted receives and provider absorb (eager frames over
+    // `tcp;ofi_rxm` land there without the reader's progress), and then
+    // nothing more.
     let taken = setup.stat("messages_in");
     assert!(
-        taken < SLOW_COUNT / 2,
+        !setup.publishing.is_finished() && taken < SLOW_COUNT,
         "the publisher is held back while nobody reads ({taken} taken)"
     );
     assert!(

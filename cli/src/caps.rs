@@ -26,7 +26,8 @@ use efabus_core::transport::BufferMemory;
 use efabus_core::transport::{DEFAULT_RDM_MSG_SIZE, MAX_MSG_SIZE};
 use efabus_transports::fabric::layout::BufferLayout;
 use efabus_transports::fabric::{
-    probe_like_fi_info, rendezvous_max, EpKind, FabricTransport, DGRAM_SCHEME, RDM_SCHEME,
+    eager_cap, probe_like_fi_info, rendezvous_max, EpKind, FabricTransport, DGRAM_SCHEME,
+    RDM_SCHEME,
 };
 use efabus_transports::registry::{EndpointSpec, Registry};
 use efabus_transports::tcp;
@@ -180,7 +181,9 @@ fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
         _ => options.force_prefix,
     };
     let cap = match info.ep_attr.ep_type {
-        EpType::Rdm => options.msg_size.unwrap_or(DEFAULT_RDM_MSG_SIZE),
+        EpType::Rdm => options.msg_size.unwrap_or_else(|| {
+            DEFAULT_RDM_MSG_SIZE.min(eager_cap(&info.fabric_attr.prov_name).unwrap_or(usize::MAX))
+        }),
         _ => options.msg_size.unwrap_or(MAX_MSG_SIZE),
     };
     let layout = BufferLayout::new(

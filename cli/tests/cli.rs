@@ -742,6 +742,56 @@ fn the_binary_bounds_the_receive_buffers_of_ofi_rxm() {
     assert!(bounded < 96 * 1024, "{bounded} KiB resident");
 }
 
+/// Over `tcp;ofi_rxm` a fabric link's eager buffers stay within the
+/// provider's eager limit (above it `ofi_rxm` would move each message by a
+/// rendezvous of its own): 16 KiB by default, more where every process
+/// raises `FI_OFI_RXM_EAGER_LIMIT`, as it must (`ofi_rxm` refuses
+/// connections between different limits).
+#[test]
+fn fabric_links_over_ofi_rxm_keep_eager_buffers_within_its_eager_limit() {
+    let fabric = "[negotiation]\npreference = [\"efa-rdm\", \"tcp\"]\n\
+                  [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n";
+    let config = common::temp_path("rxm-eager.toml");
+    std::fs::write(&config, format!("listen = [\"efa-rdm\"]\n{fabric}")).unwrap();
+    let fabric_required = std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v == "1");
+    for (env, most) in [
+        (&[][..], 16 << 10),
+        (&[("FI_OFI_RXM_EAGER_LIMIT", "32768")][..], 32 << 10),
+    ] {
+        let server = Server::start_listening(&["tcp/127.0.0.1:0", "efa-rdm"], fabric, env);
+        let mut command = efabus();
+        command.env_remove("FI_OFI_RXM_EAGER_LIMIT");
+        let output = command
+            .envs(env.iter().copied())
+            .args(["pub", "--verbose", "--server", &server.endpoint, "--config"])
+            .arg(&config)
+            .args(["eager.check", "hello"])
+            .output()
+            .expect("run efabus pub");
+        let said = stderr(&output);
+        assert!(output.status.success(), "{env:?}: {said}");
+        let Some(link) = said
+            .lines()
+            .find(|line| line.contains("efa-rdm via tcp;ofi_rxm"))
+        else {
+            assert!(!fabric_required, "the fabric path did not open: {said}");
+            eprintln!("skipping: efa-rdm via tcp;ofi_rxm cannot open here: {said}");
+            return;
+        };
+        let limit: usize = link
+            .split("frame limit ")
+            .nth(1)
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|number| number.parse().ok())
+            .unwrap_or_else(|| panic!("no frame limit in {link:?}"));
+        // The limit is what a buffer holds after the endpoint header.
+        assert!(
+            limit <= most && limit > most - 512,
+            "{env:?}: frame limit {limit}, eager limit {most}"
+        );
+    }
+}
+
 /// `efabus bench` counts what it measured: every message of the run and
 /// none of the warm-up, for a count or a duration, and a queue group's run
 /// ends with its last message, not with a member's idle wait for more

@@ -28,11 +28,15 @@ use common::temp_path;
 const WAIT: Duration = Duration::from_secs(20);
 /// Messages published to both subscribers, and their size: large enough
 /// that each fills a tx slot of its own and, on `tcp;ofi_rxm`, goes by
-/// rendezvous, which a stopped receiver never completes.
-const COUNT: u64 = 1_000;
+/// rendezvous, which a stopped receiver never completes. 100 MiB in all:
+/// more than the bound, the publisher's credit window (32 MiB, granted
+/// before the broker stops granting) and the 16 MiB of registrations the
+/// stopped peer's unread rendezvous hold, together, so `block` must hold
+/// the publisher.
+const COUNT: u64 = 1_600;
 const SIZE: usize = 64 << 10;
 /// The broker's bound on what it queues for one peer: far less than the
-/// 64 MiB sent, yet room for the healthy subscriber to pause a moment.
+/// 100 MiB sent, yet room for the healthy subscriber to pause a moment.
 const PENDING_BOUND: u64 = 16 << 20;
 /// Time between two publishes: 64 MB/s, which every provider here carries
 /// to the healthy subscriber without queueing anywhere near the bound.

@@ -532,9 +532,12 @@ impl FabricEndpoint {
             options.force_prefix
         };
         let cap = match kind {
-            EpKind::Rdm => options
-                .msg_size
-                .unwrap_or(super::config::DEFAULT_RDM_MSG_SIZE),
+            // The default stays within the provider's eager limit; an
+            // eager size given is taken as it is.
+            EpKind::Rdm => options.msg_size.unwrap_or_else(|| {
+                super::config::DEFAULT_RDM_MSG_SIZE
+                    .min(super::eager_cap(attrs.provider()).unwrap_or(usize::MAX))
+            }),
             EpKind::Dgram => options.msg_size.unwrap_or(super::config::MAX_MSG_SIZE),
         };
         let layout = BufferLayout::new(

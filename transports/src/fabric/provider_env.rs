@@ -56,6 +56,35 @@ pub(crate) fn note_unset_defaults(provider: &str) {
     }
 }
 
+/// The most bytes an RDM eager buffer of an endpoint on `provider` takes by
+/// default, where the provider sets one: `ofi_rxm` over `tcp` sends a message
+/// above its eager limit by a rendezvous of its own (a request, a read and
+/// a reply per message), so efabus's eager buffers stay within that limit
+/// and larger frames take efabus's rendezvous. The limit is the
+/// environment's (see [`rxm_eager_limit`]), never set by efabus: `ofi_rxm`
+/// refuses connections between endpoints whose limits differ.
+pub fn eager_cap(provider: &str) -> Option<usize> {
+    let rxm_over_tcp = provider.starts_with("tcp") && provider.contains("ofi_rxm");
+    rxm_over_tcp.then(|| rxm_eager_limit(|name| std::env::var(name).ok()))
+}
+
+/// `ofi_rxm`'s eager limit over `tcp` given the environment (`var`), as
+/// libfabric 1.17 sets it: `FI_OFI_RXM_EAGER_LIMIT`, never below
+/// `FI_OFI_RXM_BUFFER_SIZE`; both 16 KiB when unset. Only decimal values
+/// are read here (libfabric reads a leading number in any base), and
+/// turning its direct sends or dynamic receive buffers off (which makes it
+/// ignore the eager limit) is not followed: either leaves eager buffers
+/// that take the provider's rendezvous, which costs speed, not messages.
+fn rxm_eager_limit(var: impl Fn(&str) -> Option<String>) -> usize {
+    let read = |name: &str| var(name).and_then(|value| value.trim().parse::<usize>().ok());
+    let buffer = read("FI_OFI_RXM_BUFFER_SIZE").unwrap_or(RXM_DEFAULT_EAGER);
+    read("FI_OFI_RXM_EAGER_LIMIT").unwrap_or(buffer).max(buffer)
+}
+
+/// `ofi_rxm`'s buffer size and eager limit when the environment sets
+/// neither.
+const RXM_DEFAULT_EAGER: usize = 16 << 10;
+
 /// The defaults whose variables `is_set` says are unset.
 fn defaults_unset(is_set: impl Fn(&str) -> bool) -> Vec<(&'static str, &'static str)> {
     PROVIDER_ENV_DEFAULTS
@@ -73,5 +102,41 @@ mod tests {
     fn a_variable_the_environment_sets_is_left_as_it_is() {
         assert_eq!(defaults_unset(|_| false), PROVIDER_ENV_DEFAULTS);
         assert!(defaults_unset(|_| true).is_empty());
+    }
+
+    #[test]
+    fn the_rxm_eager_limit_is_its_variable_never_below_the_buffer_size() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(rxm_eager_limit(env(&[])), 16384);
+        assert_eq!(
+            rxm_eager_limit(env(&[("FI_OFI_RXM_EAGER_LIMIT", "32768")])),
+            32768
+        );
+        assert_eq!(
+            rxm_eager_limit(env(&[("FI_OFI_RXM_BUFFER_SIZE", "65536")])),
+            65536
+        );
+        assert_eq!(
+            rxm_eager_limit(env(&[
+                ("FI_OFI_RXM_EAGER_LIMIT", "65536"),
+                ("FI_OFI_RXM_BUFFER_SIZE", "20000")
+            ])),
+            65536
+        );
+        assert_eq!(
+            rxm_eager_limit(env(&[
+                ("FI_OFI_RXM_EAGER_LIMIT", "8192"),
+                ("FI_OFI_RXM_BUFFER_SIZE", "20000")
+            ])),
+            20000,
+            "never below the buffer size"
+        );
     }
 }
