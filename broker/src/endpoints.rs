@@ -9,7 +9,9 @@
 
 use efabus_core::caps::{Choice, Offer};
 use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions};
-use efabus_transports::fabric::{DGRAM_SCHEME, RDM_SCHEME, SHM_PROVIDER, SHM_SCHEME};
+use efabus_transports::fabric::{
+    provider_eager_limit, DGRAM_SCHEME, RDM_SCHEME, SHM_PROVIDER, SHM_SCHEME,
+};
 use efabus_transports::{nats, tcp};
 
 use crate::config::Config;
@@ -21,14 +23,17 @@ pub fn is_data_scheme(scheme: &str) -> bool {
 
 /// The offer an endpoint makes: its fi_info, its address, and a message
 /// size no larger than what its buffers hold, so both sides settle on the
-/// smaller of their frame limits. A `shm` endpoint names its host, and
-/// offers nothing where the host cannot be told.
+/// smaller of their frame limits, and the provider's own eager limit where
+/// peers must agree on it. A `shm` endpoint names its host, and offers
+/// nothing where the host cannot be told.
 pub fn offer_for(endpoint: &dyn Endpoint) -> Option<Offer> {
     let info = endpoint.info()?;
     let mut offer = Offer::from_info(endpoint.scheme(), &info, endpoint.local_addr());
     let capacity = endpoint.max_frame() as u64 + offer.msg_prefix_size;
     offer.max_msg_size = offer.max_msg_size.min(capacity);
     offer.rendezvous_max = endpoint.rendezvous_max() as u64;
+    offer.provider_eager_limit =
+        provider_eager_limit(&offer.provider).map_or(0, |limit| limit as u64);
     if endpoint.scheme() == SHM_SCHEME {
         offer.host = host_identity()?;
     }

@@ -26,8 +26,8 @@ use efabus_core::transport::BufferMemory;
 use efabus_core::transport::{DEFAULT_RDM_MSG_SIZE, MAX_MSG_SIZE};
 use efabus_transports::fabric::layout::BufferLayout;
 use efabus_transports::fabric::{
-    eager_cap, probe_like_fi_info, rendezvous_max, EpKind, FabricTransport, DGRAM_SCHEME,
-    RDM_SCHEME,
+    probe_like_fi_info, provider_eager_limit, rendezvous_max, EpKind, FabricTransport,
+    DGRAM_SCHEME, RDM_SCHEME,
 };
 use efabus_transports::registry::{EndpointSpec, Registry};
 use efabus_transports::tcp;
@@ -182,7 +182,8 @@ fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
     };
     let cap = match info.ep_attr.ep_type {
         EpType::Rdm => options.msg_size.unwrap_or_else(|| {
-            DEFAULT_RDM_MSG_SIZE.min(eager_cap(&info.fabric_attr.prov_name).unwrap_or(usize::MAX))
+            DEFAULT_RDM_MSG_SIZE
+                .min(provider_eager_limit(&info.fabric_attr.prov_name).unwrap_or(usize::MAX))
         }),
         _ => options.msg_size.unwrap_or(MAX_MSG_SIZE),
     };
@@ -206,6 +207,8 @@ fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
         &options,
         (info.ep_attr.max_msg_size, config.max_frame(), max_frame),
     ) as u64;
+    offer.provider_eager_limit =
+        provider_eager_limit(&info.fabric_attr.prov_name).map_or(0, |limit| limit as u64);
     offer.rx_size = offer.rx_size.min(options.rx_depth as u64);
     offer.tx_size = offer.tx_size.min(options.tx_depth as u64);
     offer

@@ -792,6 +792,45 @@ fn fabric_links_over_ofi_rxm_keep_eager_buffers_within_its_eager_limit() {
     }
 }
 
+/// `ofi_rxm` refuses connections between endpoints whose eager limits
+/// differ: a client and a broker that disagree are not paired on it, and
+/// the client's link says why.
+#[test]
+fn fabric_peers_whose_rxm_eager_limits_differ_link_over_tcp_and_say_why() {
+    let fabric = "[negotiation]\npreference = [\"efa-rdm\", \"tcp\"]\n\
+                  [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n";
+    let config = common::temp_path("rxm-eager-differ.toml");
+    std::fs::write(&config, format!("listen = [\"efa-rdm\"]\n{fabric}")).unwrap();
+    let server = Server::start_listening(
+        &["tcp/127.0.0.1:0", "efa-rdm"],
+        fabric,
+        &[("FI_OFI_RXM_EAGER_LIMIT", "32768")],
+    );
+    let output = efabus()
+        .env_remove("FI_OFI_RXM_EAGER_LIMIT")
+        .args(["pub", "--verbose", "--server", &server.endpoint, "--config"])
+        .arg(&config)
+        .args(["eager.differ", "hello"])
+        .output()
+        .expect("run efabus pub");
+    let said = stderr(&output);
+    assert!(output.status.success(), "{said}");
+    if !said.contains("eager limits differ") {
+        assert!(
+            !std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v == "1"),
+            "the eager limits were not compared: {said}"
+        );
+        eprintln!("skipping: efa-rdm via tcp;ofi_rxm cannot open here: {said}");
+        return;
+    }
+    assert!(
+        said.contains("not on the fabric")
+            && said.contains("16384 here, 32768 at the peer")
+            && said.contains("FI_OFI_RXM_EAGER_LIMIT"),
+        "{said}"
+    );
+}
+
 /// `efabus bench` counts what it measured: every message of the run and
 /// none of the warm-up, for a count or a duration, and a queue group's run
 /// ends with its last message, not with a member's idle wait for more

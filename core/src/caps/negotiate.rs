@@ -90,6 +90,11 @@ pub struct Offer {
     /// sent eagerly, the bytes moved by a one-sided read); 0 when it has no
     /// RMA. Frames up to [`Offer::frame_capacity`] always go eagerly.
     pub rendezvous_max: u64,
+    /// The provider's own eager limit where the provider refuses a peer
+    /// whose limit differs (`ofi_rxm` over `tcp`, which reads it from the
+    /// environment of each process); 0 elsewhere. Such a pair would
+    /// negotiate a link the provider then never connects.
+    pub provider_eager_limit: u64,
 }
 
 impl Offer {
@@ -121,6 +126,7 @@ impl Offer {
             address,
             host: String::new(),
             rendezvous_max: 0,
+            provider_eager_limit: 0,
         }
     }
 
@@ -148,7 +154,7 @@ impl Offer {
                 ),
                 (o.msg_order.bits(), o.msg_order.unknown().to_vec()),
                 (o.tx_size, o.rx_size, o.address.clone(), o.host.clone()),
-                o.rendezvous_max,
+                (o.rendezvous_max, o.provider_eager_limit),
             )
         };
         key(self).cmp(&key(other))
@@ -159,7 +165,7 @@ impl fmt::Display for Offer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} ({} {} {} v{}, max_msg_size {}, prefix {}, msg_order [{}], tx {}, rx {})",
+            "{} ({} {} {} v{}, max_msg_size {}, prefix {}, msg_order [{}], tx {}, rx {}",
             self.scheme,
             self.provider,
             self.ep_type,
@@ -170,7 +176,11 @@ impl fmt::Display for Offer {
             self.msg_order,
             self.tx_size,
             self.rx_size
-        )
+        )?;
+        if self.provider_eager_limit > 0 {
+            write!(f, ", provider eager limit {}", self.provider_eager_limit)?;
+        }
+        f.write_str(")")
     }
 }
 
@@ -574,6 +584,14 @@ fn compatible(local: &Offer, remote: &Offer) -> Result<(), String> {
             or_unknown(&remote.host)
         ));
     }
+    if local.provider_eager_limit != remote.provider_eager_limit {
+        return Err(format!(
+            "the provider's eager limits differ ({} here, {} at the peer) and it refuses \
+             such a pair: give FI_OFI_RXM_EAGER_LIMIT (and FI_OFI_RXM_BUFFER_SIZE) the same \
+             value on both sides",
+            local.provider_eager_limit, remote.provider_eager_limit
+        ));
+    }
     let limit = local.frame_capacity().min(remote.frame_capacity());
     if limit < MIN_FRAME_LIMIT {
         return Err(format!(
@@ -660,6 +678,29 @@ mod tests {
         );
         let chosen = negotiate(&here, &[shm(""), rdm], &preference).unwrap();
         assert_eq!(chosen.reliable.local.scheme, "efa-rdm", "an unknown host");
+    }
+
+    #[test]
+    fn providers_that_refuse_other_eager_limits_are_not_paired_across_them() {
+        let rxm = |limit: u64| Offer {
+            provider: "tcp;ofi_rxm".into(),
+            provider_eager_limit: limit,
+            ..offer("efa-rdm", EpType::Rdm, 16384)
+        };
+        let tcp = offer("tcp", EpType::Msg, u64::MAX);
+        let preference = ["efa-rdm", "tcp"];
+        let here = [rxm(16384), tcp.clone()];
+        let chosen = negotiate(&here, &[rxm(16384), tcp.clone()], &preference).unwrap();
+        assert_eq!(chosen.reliable.local.scheme, "efa-rdm");
+        let chosen = negotiate(&here, &[rxm(32768), tcp], &preference).unwrap();
+        assert_eq!(chosen.reliable.local.scheme, "tcp");
+        assert!(
+            chosen.reasons.iter().any(|r| r.contains("efa-rdm")
+                && r.contains("16384 here, 32768 at the peer")
+                && r.contains("FI_OFI_RXM_EAGER_LIMIT")),
+            "{:?}",
+            chosen.reasons
+        );
     }
 
     #[test]

@@ -103,7 +103,7 @@ fn offer() -> impl Strategy<Value = Offer> {
             any::<u32>(),
         ),
         (size(), size(), size(), msg_order(), size(), size(), size()),
-        (address(), size()),
+        (address(), size(), size()),
     )
         .prop_map(
             |(
@@ -117,7 +117,7 @@ fn offer() -> impl Strategy<Value = Offer> {
                     tx_size,
                     rx_size,
                 ),
-                (address, rendezvous_max),
+                (address, rendezvous_max, provider_eager_limit),
             )| Offer {
                 scheme,
                 ep_type,
@@ -134,6 +134,7 @@ fn offer() -> impl Strategy<Value = Offer> {
                 address,
                 host: String::new(),
                 rendezvous_max,
+                provider_eager_limit,
             },
         )
 }

@@ -536,7 +536,7 @@ impl FabricEndpoint {
             // eager size given is taken as it is.
             EpKind::Rdm => options.msg_size.unwrap_or_else(|| {
                 super::config::DEFAULT_RDM_MSG_SIZE
-                    .min(super::eager_cap(attrs.provider()).unwrap_or(usize::MAX))
+                    .min(super::provider_eager_limit(attrs.provider()).unwrap_or(usize::MAX))
             }),
             EpKind::Dgram => options.msg_size.unwrap_or(super::config::MAX_MSG_SIZE),
         };

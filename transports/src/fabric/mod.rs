@@ -93,7 +93,7 @@ pub use config::{
 #[cfg(efabus_libfabric)]
 pub use endpoint::{FabricEndpoint, FabricStats, LinkInfo};
 pub use error::{FabricError, FiCode};
-pub use provider_env::{apply_provider_env_defaults, eager_cap, PROVIDER_ENV_DEFAULTS};
+pub use provider_env::{apply_provider_env_defaults, provider_eager_limit, PROVIDER_ENV_DEFAULTS};
 
 use efabus_core::caps::FabricInfo;
 use efabus_core::transport::{Endpoint, EndpointConfig, Transport, TransportError};

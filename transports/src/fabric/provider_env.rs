@@ -56,14 +56,15 @@ pub(crate) fn note_unset_defaults(provider: &str) {
     }
 }
 
-/// The most bytes an RDM eager buffer of an endpoint on `provider` takes by
-/// default, where the provider sets one: `ofi_rxm` over `tcp` sends a message
-/// above its eager limit by a rendezvous of its own (a request, a read and
-/// a reply per message), so efabus's eager buffers stay within that limit
-/// and larger frames take efabus's rendezvous. The limit is the
-/// environment's (see [`rxm_eager_limit`]), never set by efabus: `ofi_rxm`
-/// refuses connections between endpoints whose limits differ.
-pub fn eager_cap(provider: &str) -> Option<usize> {
+/// The eager limit `provider` keeps of its own, where it has one that
+/// matters to efabus: `ofi_rxm` over `tcp` sends a message above it by a
+/// rendezvous of its own (a request, a read and a reply per message), so
+/// efabus's default RDM eager buffers stay within it and larger frames
+/// take efabus's rendezvous; and it refuses connections between endpoints
+/// whose limits differ, so each offer carries it and negotiation pairs
+/// only equal ones. The limit is the environment's (see
+/// [`rxm_eager_limit`]), never set by efabus.
+pub fn provider_eager_limit(provider: &str) -> Option<usize> {
     let rxm_over_tcp = provider.starts_with("tcp") && provider.contains("ofi_rxm");
     rxm_over_tcp.then(|| rxm_eager_limit(|name| std::env::var(name).ok()))
 }
