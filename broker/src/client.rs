@@ -300,6 +300,7 @@ struct LinkCounters {
     link_memory_refusals: AtomicU64,
     link_gap_failures: AtomicU64,
     link_send_failures: AtomicU64,
+    silent_data_links: AtomicU64,
     driven_rounds: AtomicU64,
 }
 
@@ -339,6 +340,10 @@ pub struct LinkReport {
     /// Connections dropped because a send on the reliable data link failed
     /// part-way (the broker would have waited for the lost frame).
     pub link_send_failures: u64,
+    /// Connections dropped because the reliable data link carried nothing
+    /// back within `connect_timeout` of its first frame; its scheme is not
+    /// offered to this server again (the reason is in `reasons`).
+    pub silent_data_links: u64,
     /// Rounds of the client's event loop run by application threads while
     /// they waited for a reply or a subscription's next message, rather
     /// than by the client's own thread.
@@ -908,6 +913,7 @@ impl Client {
             link_memory_refusals: get(&counters.link_memory_refusals),
             link_gap_failures: get(&counters.link_gap_failures),
             link_send_failures: get(&counters.link_send_failures),
+            silent_data_links: get(&counters.silent_data_links),
             driven_rounds: get(&counters.driven_rounds),
             ..self.shared.link.lock().clone()
         }
@@ -1422,7 +1428,13 @@ impl ClientLoop {
         match self.link {
             LinkState::Down { retry_at } => retry_at,
             LinkState::AwaitWelcome { deadline, .. } => deadline,
-            LinkState::Up { .. } => self.conn.poll_timeout(),
+            LinkState::Up { .. } => {
+                let timeout = self.conn.poll_timeout();
+                match self.conn.links.reliable_silent_since() {
+                    Some(since) => timeout.min(since + self.shared.options.connect_timeout),
+                    None => timeout,
+                }
+            }
         }
     }
 
@@ -1452,8 +1464,9 @@ impl ClientLoop {
         }
         self.events = events;
         // After what the endpoints delivered: a gap it filled is no
-        // failure, however late.
+        // failure, however late, and an answer that came is no silence.
         self.poll_links(now);
+        self.check_silent_link(now);
         let drained = self.drain_outbox();
         self.check_send_failure();
         let credit_waiting = self.grant_credits(now);
@@ -1571,6 +1584,49 @@ impl ClientLoop {
                 self.link_lost(now);
             }
         }
+    }
+
+    /// Whether the reliable data link carried nothing back for the connect
+    /// timeout after its first frame: the provider underneath may have
+    /// refused the connection (ofi_rxm refuses endpoints set up
+    /// differently) and said nothing. Its scheme is then offered to this
+    /// server no more, and the connection starts again without it; what
+    /// went out on the link is lost with it, as with any connection lost.
+    fn check_silent_link(&mut self, now: Instant) {
+        let LinkState::Up { peer: control } = self.link else {
+            return;
+        };
+        let waited = self.shared.options.connect_timeout;
+        if self
+            .conn
+            .links
+            .reliable_silent_since()
+            .is_none_or(|since| now < since + waited)
+        {
+            return;
+        }
+        let Some(scheme) = self.conn.links.reliable.as_ref().map(|l| l.scheme.clone()) else {
+            return;
+        };
+        error!(
+            %scheme,
+            ?waited,
+            "the reliable data link carried nothing back; reconnecting without it"
+        );
+        self.offers.retain(|offer| offer.scheme != scheme);
+        let reason = format!(
+            "{scheme}: its data link carried nothing back within {waited:?} of its first \
+             frame (the provider may have refused the connection: check that both sides \
+             run with the same provider settings)"
+        );
+        self.last_failure = Some(reason.clone());
+        self.unavailable.push(reason);
+        self.shared
+            .counters
+            .silent_data_links
+            .fetch_add(1, Ordering::Relaxed);
+        self.endpoints[CONTROL].close(control);
+        self.link_lost(now);
     }
 
     /// A data endpoint's poll failed: it is offered no more, and a

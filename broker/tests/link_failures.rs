@@ -382,3 +382,75 @@ fn a_failed_fabric_endpoint_moves_its_clients_to_tcp() {
     }
     assert_eq!(stat(&broker, "connections"), 2);
 }
+
+/// A reliable data link that carries nothing back, as one whose provider
+/// refused the connection underneath without a word (here the broker drops
+/// every frame it receives on `efa-rdm`), moves its client to TCP within
+/// the connect timeout, with the reason and a count; what it publishes
+/// then arrives, in order.
+#[test]
+fn a_silent_data_link_moves_its_client_to_tcp() {
+    let Some(broker) = start_broker("scheme = \"efa-rdm\"\ndrop = 1.0", "") else {
+        return;
+    };
+    let connect_timeout = Duration::from_millis(1_500);
+    let options = ClientOptions {
+        name: "silent".into(),
+        connect_timeout,
+        data_paths: vec!["efa-rdm".to_string()],
+        fabric: broker.config().fabric.clone(),
+        ..ClientOptions::default()
+    };
+    let endpoint = broker.endpoint("tcp").expect("the broker listens on TCP");
+    // The client's first frame on the data link (a ping, once welcomed)
+    // goes out before `connect_with` returns; the broker never sees it.
+    let sent_at = Instant::now();
+    let client = Client::connect_with(&endpoint, options, Registry::with_builtins())
+        .unwrap_or_else(|err| panic!("the client connects: {err}"));
+    let link = client.link();
+    assert!(link.reliable.starts_with("efa-rdm via "), "{link:?}");
+    let subscription = client.subscribe("silent.>").unwrap();
+    client.publish("silent.before", b"lost".to_vec()).unwrap();
+    while client.link().silent_data_links == 0 {
+        assert!(
+            sent_at.elapsed() < WAIT,
+            "the silent link was never given up: {:?}",
+            client.link()
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        sent_at.elapsed() >= connect_timeout,
+        "given up after {:?}, before the connect timeout",
+        sent_at.elapsed()
+    );
+    client.flush(WAIT).unwrap();
+    let link = client.link();
+    assert_eq!(link.reliable, "tcp", "{link:?}");
+    assert!(
+        link.reasons
+            .iter()
+            .any(|reason| reason.starts_with("efa-rdm: its data link carried nothing back")),
+        "{link:?}"
+    );
+    assert_eq!(link.silent_data_links, 1);
+    assert!(client.reconnects() >= 1);
+    for n in 0..100u32 {
+        client
+            .publish("silent.after", n.to_le_bytes().to_vec())
+            .unwrap();
+    }
+    client.flush(WAIT).unwrap();
+    let mut next = 0u32;
+    while next < 100 {
+        let message = subscription
+            .recv_timeout(WAIT)
+            .expect("the messages published on TCP");
+        if &message.subject[..] == "silent.before" {
+            continue;
+        }
+        assert_eq!(message.payload[..], next.to_le_bytes());
+        next += 1;
+    }
+    assert_eq!(client.link().silent_data_links, 1, "once, and not again");
+}

@@ -159,6 +159,20 @@ pub(crate) struct DataLink {
     /// Runs that did not open on a lossy link, dropped and counted as lost
     /// (one each: what they held cannot be known).
     bad_runs: u64,
+    /// Whether anything came back from the peer since this side first sent
+    /// (see [`DataLink::silent_since`]).
+    contact: Contact,
+}
+
+/// What a link has heard from its peer since it first sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Contact {
+    /// Nothing sent yet.
+    Unsent,
+    /// Sent at this time, and nothing received since the link opened.
+    SentAt(Instant),
+    /// Something arrived from the peer.
+    Heard,
 }
 
 /// The flow-control windows of a link: what this side may send and what it
@@ -313,6 +327,7 @@ impl DataLink {
             credit_waits_reported: 0,
             bad_credits: 0,
             bad_runs: 0,
+            contact: Contact::Unsent,
         })
     }
 
@@ -387,6 +402,9 @@ impl DataLink {
         endpoint: &mut dyn Endpoint,
         frame: OutFrame,
     ) -> Result<(), DataLinkError> {
+        if self.contact == Contact::Unsent {
+            self.contact = Contact::SentAt(Instant::now());
+        }
         let seq = self.sender.next_sequence();
         let mut wire = Vec::new();
         self.sender
@@ -472,6 +490,7 @@ impl DataLink {
         message: Bytes,
         out: &mut Vec<Bytes>,
     ) -> Result<(), LinkError> {
+        self.contact = Contact::Heard;
         if message.get(PREFIX_LEN) == Some(&(FrameKind::Credit as u8)) {
             return match codec::decode(message, &codec::CodecLimits::default()) {
                 Ok(Frame::Credit(credit)) => {
@@ -501,6 +520,20 @@ impl DataLink {
         let result = self.receiver.receive(now, message, out);
         self.check_runs(out, before)?;
         result
+    }
+
+    /// When this side first sent on the link, while nothing has come back
+    /// from the peer since it opened; `None` before the first send and
+    /// once anything arrived. A reliable link that stays silent long after
+    /// it first sent carries nothing: a broker answers a link's first
+    /// message at once (it asks there for proof of the address), but a
+    /// provider may refuse the connection underneath without a word
+    /// (`ofi_rxm` does between endpoints set up differently).
+    pub fn silent_since(&self) -> Option<Instant> {
+        match self.contact {
+            Contact::SentAt(at) => Some(at),
+            Contact::Unsent | Contact::Heard => None,
+        }
     }
 
     /// Most bytes of whole frames [`Self::send`] takes as one run.
@@ -767,6 +800,12 @@ impl DataLinks {
         self.best_effort
             .as_mut()
             .filter(|link| link.proof == Proof::Proven)
+    }
+
+    /// Since when the reliable link has been silent after its first send
+    /// (see [`DataLink::silent_since`]).
+    pub fn reliable_silent_since(&self) -> Option<Instant> {
+        self.reliable.as_ref().and_then(DataLink::silent_since)
     }
 
     /// Whether a link awaits its proof and has not asked for it yet.

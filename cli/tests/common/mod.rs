@@ -21,6 +21,10 @@ pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// The variables that set `ofi_rxm`'s eager limit, which must agree
+/// between processes: tests leave them out unless they set them.
+pub const RXM_EAGER_VARS: [&str; 2] = ["FI_OFI_RXM_EAGER_LIMIT", "FI_OFI_RXM_BUFFER_SIZE"];
+
 /// A broker process listening on a TCP port chosen by the kernel.
 pub struct Server {
     pub child: Child,
@@ -71,6 +75,10 @@ impl Server {
         std::fs::write(&config_path, config).expect("write config");
         let mut command = Command::new(env!("CARGO_BIN_EXE_efabus"));
         for (name, _) in efabus_transports::fabric::PROVIDER_ENV_DEFAULTS {
+            command.env_remove(name);
+        }
+        // Tests that need ofi_rxm's eager limit set it in `env`.
+        for name in RXM_EAGER_VARS {
             command.env_remove(name);
         }
         let mut child = command

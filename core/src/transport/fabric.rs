@@ -71,7 +71,8 @@ pub struct FabricOptions {
     /// Source service (port).
     pub service: Option<String>,
     /// Bytes per buffer after the provider prefix; `None` is
-    /// [`DEFAULT_RDM_MSG_SIZE`] on RDM and the provider's limit on DGRAM.
+    /// [`DEFAULT_RDM_MSG_SIZE`] on RDM (over `tcp;ofi_rxm` at most that
+    /// provider's eager limit) and the provider's limit on DGRAM.
     pub msg_size: Option<usize>,
     /// Receives kept posted, capped by the provider's rx size.
     pub rx_depth: usize,

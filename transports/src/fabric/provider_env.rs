@@ -71,15 +71,33 @@ pub fn provider_eager_limit(provider: &str) -> Option<usize> {
 
 /// `ofi_rxm`'s eager limit over `tcp` given the environment (`var`), as
 /// libfabric 1.17 sets it: `FI_OFI_RXM_EAGER_LIMIT`, never below
-/// `FI_OFI_RXM_BUFFER_SIZE`; both 16 KiB when unset. Only decimal values
-/// are read here (libfabric reads a leading number in any base), and
-/// turning its direct sends or dynamic receive buffers off (which makes it
-/// ignore the eager limit) is not followed: either leaves eager buffers
-/// that take the provider's rendezvous, which costs speed, not messages.
+/// `FI_OFI_RXM_BUFFER_SIZE`; both 16 KiB when unset. Values are read as
+/// libfabric reads them (see [`leading_number`]). Turning its direct sends
+/// or dynamic receive buffers off (which makes it ignore the eager limit)
+/// is not followed: either leaves eager buffers that take the provider's
+/// rendezvous, which costs speed, not messages.
 fn rxm_eager_limit(var: impl Fn(&str) -> Option<String>) -> usize {
-    let read = |name: &str| var(name).and_then(|value| value.trim().parse::<usize>().ok());
+    let read = |name: &str| var(name).and_then(|value| leading_number(&value));
     let buffer = read("FI_OFI_RXM_BUFFER_SIZE").unwrap_or(RXM_DEFAULT_EAGER);
     read("FI_OFI_RXM_EAGER_LIMIT").unwrap_or(buffer).max(buffer)
+}
+
+/// The number at the head of `text` as C's `strtoul` with base 0 reads it,
+/// which is how libfabric reads a size from the environment: blanks
+/// first, then hexadecimal after `0x`, octal after a leading `0`, decimal
+/// otherwise, up to the first character that is not a digit. `None` where
+/// no digit comes first, or for a sign (no sensible size has one).
+fn leading_number(text: &str) -> Option<usize> {
+    let text = text.trim_start();
+    let (radix, digits) = match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        Some(hex) if hex.starts_with(|c: char| c.is_ascii_hexdigit()) => (16, hex),
+        _ if text.starts_with('0') => (8, text),
+        _ => (10, text),
+    };
+    let end = digits
+        .find(|c: char| !c.is_digit(radix))
+        .unwrap_or(digits.len());
+    usize::from_str_radix(&digits[..end], radix).ok()
 }
 
 /// `ofi_rxm`'s buffer size and eager limit when the environment sets
@@ -103,6 +121,24 @@ mod tests {
     fn a_variable_the_environment_sets_is_left_as_it_is() {
         assert_eq!(defaults_unset(|_| false), PROVIDER_ENV_DEFAULTS);
         assert!(defaults_unset(|_| true).is_empty());
+    }
+
+    #[test]
+    fn sizes_from_the_environment_read_as_libfabric_reads_them() {
+        for (text, expected) in [
+            ("32768", Some(32768)),
+            (" 32768 ", Some(32768)),
+            ("0x8000", Some(32768)),
+            ("0X8000", Some(32768)),
+            ("0100000", Some(32768)),
+            ("32768kb", Some(32768)),
+            ("0", Some(0)),
+            ("", None),
+            ("big", None),
+            ("-1", None),
+        ] {
+            assert_eq!(leading_number(text), expected, "{text:?}");
+        }
     }
 
     #[test]
