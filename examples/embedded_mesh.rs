@@ -14,13 +14,16 @@
 //!
 //! Run without a role, the example is the launcher: it starts the service
 //! processes (this same program with `service` as its first argument),
-//! passes each the seed's address, and waits for all of them. Each service
-//! waits for its routes to every other one, prints the path of each, then
-//! asks every other service 64 B requests (round-trip times) and streams
-//! 16 B messages to it (throughput), and stays up until the launcher says
-//! all are done (by closing its stdin). Exit status: 0 on success, 2 when
-//! the fabric cannot be used here (the reason is printed), 1 on any other
-//! failure.
+//! passes each the seed's address, and paces them through their stdin.
+//! Each service waits for its routes to every other one and prints the
+//! path of each; then, one service at a time, each asks every other
+//! service 64 B requests (round-trip times) and streams 16 B messages to
+//! it (throughput), so what is measured is one service's traffic, as
+//! `fi_pingpong` and `efabus bench` measure one pair, not the services
+//! contending for the cores. Each stays up until the launcher says all
+//! are done (by closing its stdin).
+//! Exit status: 0 on success, 2 when the fabric cannot be used here (the
+//! reason is printed), 1 on any other failure.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -132,21 +135,19 @@ fn launch(args: &[String]) -> Result<(), Failure> {
         let out = BufReader::new(child.stdout.take().ok_or("no stdout")?);
         children.push((child, out));
     }
-    // Each service's lines, up to its "done"; then every stdin is closed.
+    outputs.resize(count, String::new());
+    // Every service ready; then each measures in turn. A service that
+    // failed says so in its lines (and its stdin may be closed: what
+    // cannot be written to it is its failure, told below).
     for (index, (_, out)) in children.iter_mut().enumerate() {
-        if index == outputs.len() {
-            outputs.push(String::new());
-        }
-        let text = &mut outputs[index];
-        for line in out.by_ref().lines() {
-            let line = line?;
-            let done = line == "done";
-            text.push_str(&line);
-            text.push('\n');
-            if done {
-                break;
-            }
-        }
+        read_until(out, READY, &mut outputs[index])?;
+    }
+    for (index, (child, out)) in children.iter_mut().enumerate() {
+        let _ = tell(child, GO);
+        read_until(out, MEASURED, &mut outputs[index])?;
+    }
+    for (index, (_, out)) in children.iter_mut().enumerate() {
+        read_until(out, DONE, &mut outputs[index])?;
     }
     for (child, _) in &mut children {
         drop(child.stdin.take());
@@ -155,7 +156,7 @@ fn launch(args: &[String]) -> Result<(), Failure> {
     let mut stdout = std::io::stdout().lock();
     for ((child, _), text) in children.iter_mut().zip(&outputs) {
         stdout.write_all(text.as_bytes())?;
-        failed |= !child.wait()?.success() || !text.ends_with("done\n");
+        failed |= !child.wait()?.success() || !text.ends_with(&format!("{DONE}\n"));
     }
     if failed {
         stdout.flush()?;
@@ -174,6 +175,39 @@ fn launch(args: &[String]) -> Result<(), Failure> {
     }
     stdout.flush()?;
     Ok(())
+}
+
+/// What the launcher and a service say to pace a run, a line each: the
+/// service is `READY` (its routes up), the launcher says `GO` (measure
+/// now), the service has `MEASURED`, and, once it has received every
+/// other service's stream, it is `DONE`.
+const READY: &str = "ready";
+const GO: &str = "go";
+const MEASURED: &str = "measured";
+const DONE: &str = "done";
+
+/// Appends a service's lines to `text` up to and with `marker`, or to the
+/// end of its output.
+fn read_until(out: &mut impl BufRead, marker: &str, text: &mut String) -> std::io::Result<()> {
+    for line in out.lines() {
+        let line = line?;
+        text.push_str(&line);
+        text.push('\n');
+        if line == marker {
+            break;
+        }
+    }
+    Ok(())
+}
+
+fn tell(child: &mut Child, word: &str) -> std::io::Result<()> {
+    let stdin = child
+        .stdin
+        .as_mut()
+        .ok_or("no stdin")
+        .map_err(std::io::Error::other)?;
+    writeln!(stdin, "{word}")?;
+    stdin.flush()
 }
 
 /// Every value of the numeric field `name` in the JSON lines of `text`.
@@ -278,7 +312,8 @@ fn service(args: &[String]) -> Result<(), Failure> {
             }
             received
         });
-        let result = exchange(&broker, name, count, &replies, sizes, json);
+        let mut commands = std::io::stdin().lock().lines();
+        let result = exchange(&broker, name, count, &replies, sizes, json, &mut commands);
         if result.is_ok() {
             let received = counter.join().map_err(|_| "the counting thread failed")?;
             if received < expected {
@@ -293,10 +328,10 @@ fn service(args: &[String]) -> Result<(), Failure> {
             if let Some(kib) = resident_kib() {
                 println!("{name} resident memory {kib} KiB with {} routes", count - 1);
             }
-            println!("done");
+            println!("{DONE}");
             std::io::stdout().flush()?;
             // Serve the others until the launcher closes stdin.
-            let _ = std::io::stdin().read_to_end(&mut Vec::new());
+            for _ in commands.by_ref() {}
         }
         stop.store(true, Ordering::Relaxed);
         result
@@ -334,8 +369,9 @@ fn broker_state(broker: &Broker) -> String {
     )
 }
 
-/// Wait for the routes to every other service, print their paths, then
-/// measure round trips to each and stream to each.
+/// Wait for the routes to every other service and print their paths; when
+/// the launcher says, measure round trips to each and stream to each, and
+/// print what was measured.
 fn exchange(
     broker: &Broker,
     name: &str,
@@ -343,6 +379,7 @@ fn exchange(
     replies: &Subscription,
     sizes: Sizes,
     json: bool,
+    commands: &mut impl Iterator<Item = std::io::Result<String>>,
 ) -> Result<(), Failure> {
     let deadline = Instant::now() + WAIT;
     while broker.routes().len() < count - 1 {
@@ -365,8 +402,11 @@ fn exchange(
     for route in &routes {
         println!("{name} route to {}: {}", route.name, route.reliable);
     }
+    say(READY)?;
+    await_word(commands, GO)?;
     let payload = Bytes::from(vec![7u8; 64]);
     let inbox = format!("inbox.{name}");
+    let mut medians = Vec::with_capacity(routes.len());
     for route in &routes {
         let other = &route.name;
         let service = format!("svc.{other}");
@@ -383,15 +423,21 @@ fn exchange(
             }
         }
         times.sort_unstable();
-        let p50 = times[times.len() / 2].as_secs_f64() * 1e6;
-        let small = Bytes::from_static(b"0123456789abcdef");
-        let subject = format!("stream.{other}");
+        medians.push(times[times.len() / 2].as_secs_f64() * 1e6);
+    }
+    let small = Bytes::from_static(b"0123456789abcdef");
+    let mut rates = Vec::with_capacity(routes.len());
+    for route in &routes {
+        let subject = format!("stream.{}", route.name);
         let started = Instant::now();
         for _ in 0..sizes.stream {
             broker.publish(&subject, small.clone())?;
         }
         broker.flush(WAIT)?;
-        let rate = sizes.stream as f64 / started.elapsed().as_secs_f64();
+        rates.push(sizes.stream as f64 / started.elapsed().as_secs_f64());
+    }
+    for ((route, p50), rate) in routes.iter().zip(medians).zip(rates) {
+        let other = &route.name;
         if json {
             println!(
                 "{{\"from\":\"{name}\",\"to\":\"{other}\",\"path\":\"{}\",\
@@ -405,7 +451,28 @@ fn exchange(
             );
         }
     }
+    say(MEASURED)?;
     Ok(())
+}
+
+/// One line to the launcher, at once.
+fn say(word: &str) -> std::io::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{word}")?;
+    stdout.flush()
+}
+
+/// Waits for the launcher's `word`.
+fn await_word(
+    commands: &mut impl Iterator<Item = std::io::Result<String>>,
+    word: &str,
+) -> Result<(), Failure> {
+    match commands.next() {
+        Some(Ok(line)) if line.trim() == word => Ok(()),
+        Some(Ok(line)) => Err(format!("expected {word:?} from the launcher, got {line:?}").into()),
+        Some(Err(err)) => Err(err.into()),
+        None => Err(format!("the launcher closed stdin before {word:?}").into()),
+    }
 }
 
 /// This process's resident memory (Linux), for the cost of a route.
