@@ -161,6 +161,10 @@ pub struct BrokerStats {
     /// Sessions ended because the peer never answered the nonce sent to
     /// the fabric address it gave.
     pub unproven_addresses: AtomicU64,
+    /// Routes this broker dialed that ended because their reliable data
+    /// link carried nothing back (their peer is then dialed without the
+    /// fabric).
+    pub silent_data_links: AtomicU64,
     /// What the listeners' own buffers take (fabric endpoints' send and
     /// receive pools), and of that what is registered (pinned).
     pub fabric_buffer_bytes: AtomicU64,
@@ -278,6 +282,7 @@ impl BrokerStats {
             ("fabric_replayed", get(&self.fabric_replayed)),
             ("fabric_malformed", get(&self.fabric_malformed)),
             ("unproven_addresses", get(&self.unproven_addresses)),
+            ("silent_data_links", get(&self.silent_data_links)),
             ("fabric_buffer_bytes", get(&self.fabric_buffer_bytes)),
             (
                 "fabric_registered_bytes",

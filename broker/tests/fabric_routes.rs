@@ -266,6 +266,69 @@ fn a_route_to_a_broker_without_the_fabric_stays_on_tcp_and_says_why() {
     assert_eq!(sub.recv_timeout(WAIT).unwrap().payload, payload(3));
 }
 
+/// A route whose data link carries nothing back (b drops all it receives
+/// on `efa-rdm`, as a provider that refused the connection underneath
+/// would) is ended by the broker that dialed it once its handshake timeout
+/// has passed since the first frame, counted, and dialed again on TCP
+/// with the reason; messages then cross, in order.
+#[test]
+fn a_route_whose_data_link_stays_silent_is_dialed_again_on_tcp() {
+    let drop_all = "[testing.faults]\nscheme = \"efa-rdm\"\ndrop = 1.0";
+    let Some(b) = start_with("b", Some("efa-rdm"), "tcp;ofi_rxm", &[], drop_all) else {
+        return;
+    };
+    let Some(a) = start_with(
+        "a",
+        Some("efa-rdm"),
+        "tcp;ofi_rxm",
+        &[tcp(&b)],
+        "[limits]\nhandshake_timeout_ms = 1000",
+    ) else {
+        return;
+    };
+    let route = the_route(&a);
+    assert!(route.reliable.starts_with("efa-rdm via"), "{route:?}");
+    let sub = b.subscribe("silent").unwrap();
+    wait_until("b's interest at a", || a.route_interest_count() == 1);
+    let silent = || a.stats().silent_data_links.load(Ordering::Relaxed);
+    let sent_at = Instant::now();
+    // Lost with the link that never delivers it.
+    a.publish("silent", payload(0)).unwrap();
+    wait_until("the silent route given up", || silent() == 1);
+    assert!(
+        sent_at.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        sent_at.elapsed()
+    );
+    wait_until("the route back, on TCP", || {
+        a.routes()
+            .first()
+            .is_some_and(|route| route.reliable == "tcp")
+    });
+    let route = the_route(&a);
+    assert!(
+        route
+            .reasons
+            .iter()
+            .any(|reason| reason.starts_with("efa-rdm: the route's data link carried nothing back")),
+        "{route:?}"
+    );
+    wait_until("b's interest at a again", || a.route_interest_count() == 1);
+    for n in 1..=10 {
+        a.publish("silent", payload(n)).unwrap();
+    }
+    let mut next = 1;
+    while next <= 10 {
+        let message = sub.recv_timeout(WAIT).expect("messages on the TCP route");
+        if message.payload == payload(0) {
+            continue;
+        }
+        assert_eq!(message.payload, payload(next), "message {next}");
+        next += 1;
+    }
+    assert_eq!(silent(), 1, "once, and not again");
+}
+
 /// Brokers a and b on `efa-rdm` via `tcp;ofi_rxm`, b with `b_extra` in
 /// its config, a dialing b; returned with b's TCP address once the route
 /// is up on the fabric.

@@ -1985,6 +1985,9 @@ impl EventLoop {
                 next = next.min(deadline);
             }
         }
+        if let Some(silent) = self.silent_route_links(now) {
+            next = next.min(silent);
+        }
         if let Some(dial) = self.cluster.next_dial() {
             next = next.min(dial);
         }

@@ -38,6 +38,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use crate::accounts::inbox_of;
+use crate::endpoints;
+use efabus_core::caps::Offer;
 use efabus_core::codec;
 use efabus_core::frame::{
     DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, RoutePeers,
@@ -164,6 +166,10 @@ struct DialSlot {
     last_reached: Instant,
     /// A learned peer given up; the slot may be reused.
     forgotten: bool,
+    /// Why the fabric is not offered to this peer any more: a route's data
+    /// link to it carried nothing back (see
+    /// [`EventLoop::silent_route_links`]).
+    fabric_silent: Option<String>,
 }
 
 impl DialSlot {
@@ -188,6 +194,7 @@ impl DialSlot {
             learned: false,
             last_reached: now,
             forgotten: false,
+            fabric_silent: None,
         })
     }
 }
@@ -459,6 +466,54 @@ impl EventLoop {
         self.schedule(next);
     }
 
+    /// Routes this broker dialed whose reliable data link has carried
+    /// nothing back for the handshake timeout since it first sent: the
+    /// provider may have refused the connection underneath without a word
+    /// (`ofi_rxm` does between endpoints set up differently). Each such
+    /// route ends with the reason, and its peer is dialed again with the
+    /// control link alone. Returns when the next may fall due.
+    pub(super) fn silent_route_links(&mut self, now: Instant) -> Option<Instant> {
+        let timeout = self.shared.config.handshake_timeout();
+        let mut next = None::<Instant>;
+        let mut silent = Vec::new();
+        for (&id, session) in &self.sessions {
+            let Some(slot) = session.route().and_then(|role| role.slot) else {
+                continue;
+            };
+            let Some(since) = session.conn.links.reliable_silent_since() else {
+                continue;
+            };
+            let due = since + timeout;
+            if now >= due {
+                let scheme = session
+                    .conn
+                    .links
+                    .reliable
+                    .as_ref()
+                    .map_or("", |link| link.scheme.as_str());
+                silent.push((id, slot, scheme.to_string()));
+            } else {
+                next = Some(next.map_or(due, |next| next.min(due)));
+            }
+        }
+        for (id, slot, scheme) in silent {
+            let reason = format!(
+                "{scheme}: the route's data link carried nothing back within {timeout:?} of \
+                 its first frame (the provider may have refused the connection: check that \
+                 both brokers run with the same provider settings)"
+            );
+            warn!(session = id, %reason, "route data link silent; dialing again without the fabric");
+            BrokerStats::add(&self.shared.stats.silent_data_links, 1);
+            self.cluster.slots[slot].fabric_silent = Some(reason.clone());
+            self.fail(id, ErrorCode::Internal, reason);
+            if let Some(session) = self.sessions.get(&id) {
+                let control = session.conn.control;
+                self.endpoints[control.endpoint].close(control.peer);
+            }
+        }
+        next
+    }
+
     /// A session is gone for good: if it was dialed for a peer, schedule
     /// the next attempt.
     pub(super) fn dialed_session_gone(&mut self, id: u64) {
@@ -625,12 +680,28 @@ impl EventLoop {
                 role: HandshakeRole::Dialer,
                 peer,
             });
+        // A peer whose data link once carried nothing back gets the
+        // control link alone.
+        let silent = session
+            .route()
+            .and_then(|role| role.slot)
+            .and_then(|slot| self.cluster.slots[slot].fabric_silent.clone());
+        let offers: Vec<Offer> = match &silent {
+            Some(_) => self
+                .offers
+                .iter()
+                .filter(|offer| !endpoints::is_data_scheme(&offer.scheme))
+                .cloned()
+                .collect(),
+            None => self.offers.clone(),
+        };
         let local = LocalPaths {
-            offers: &self.offers,
+            offers: &offers,
             preference: &self.shared.config.negotiation.preference,
             tuning: &self.tuning,
         };
         session.negotiate(id, &mut self.endpoints, local, &welcome.offers, keying);
+        session.link_reasons.extend(silent);
         // The dialing side moves at once; the peer follows when the first
         // frame arrives on the data link.
         session.conn.links.in_use = session.conn.links.reliable.is_some();
