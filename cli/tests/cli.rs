@@ -749,29 +749,12 @@ fn the_binary_bounds_the_receive_buffers_of_ofi_rxm() {
 /// connections between different limits).
 #[test]
 fn fabric_links_over_ofi_rxm_keep_eager_buffers_within_its_eager_limit() {
-    let fabric = "[negotiation]\npreference = [\"efa-rdm\", \"tcp\"]\n\
-                  [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n";
-    let config = common::temp_path("rxm-eager.toml");
-    std::fs::write(&config, format!("listen = [\"efa-rdm\"]\n{fabric}")).unwrap();
     let fabric_required = std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v == "1");
     for (env, most) in [
         (&[][..], 16 << 10),
         (&[("FI_OFI_RXM_EAGER_LIMIT", "32768")][..], 32 << 10),
     ] {
-        let server = Server::start_listening(&["tcp/127.0.0.1:0", "efa-rdm"], fabric, env);
-        let mut command = efabus();
-        for name in common::RXM_EAGER_VARS {
-            command.env_remove(name);
-        }
-        let output = command
-            .envs(env.iter().copied())
-            .args(["pub", "--verbose", "--server", &server.endpoint, "--config"])
-            .arg(&config)
-            .args(["eager.check", "hello"])
-            .output()
-            .expect("run efabus pub");
-        let said = stderr(&output);
-        assert!(output.status.success(), "{env:?}: {said}");
+        let said = pub_over_rxm(env, env);
         let Some(link) = said
             .lines()
             .find(|line| line.contains("efa-rdm via tcp;ofi_rxm"))
@@ -799,27 +782,7 @@ fn fabric_links_over_ofi_rxm_keep_eager_buffers_within_its_eager_limit() {
 /// the client's link says why.
 #[test]
 fn fabric_peers_whose_rxm_eager_limits_differ_link_over_tcp_and_say_why() {
-    let fabric = "[negotiation]\npreference = [\"efa-rdm\", \"tcp\"]\n\
-                  [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n";
-    let config = common::temp_path("rxm-eager-differ.toml");
-    std::fs::write(&config, format!("listen = [\"efa-rdm\"]\n{fabric}")).unwrap();
-    let server = Server::start_listening(
-        &["tcp/127.0.0.1:0", "efa-rdm"],
-        fabric,
-        &[("FI_OFI_RXM_EAGER_LIMIT", "32768")],
-    );
-    let mut command = efabus();
-    for name in common::RXM_EAGER_VARS {
-        command.env_remove(name);
-    }
-    let output = command
-        .args(["pub", "--verbose", "--server", &server.endpoint, "--config"])
-        .arg(&config)
-        .args(["eager.differ", "hello"])
-        .output()
-        .expect("run efabus pub");
-    let said = stderr(&output);
-    assert!(output.status.success(), "{said}");
+    let said = pub_over_rxm(&[("FI_OFI_RXM_EAGER_LIMIT", "32768")], &[]);
     // Without the fabric here, the reasons name neither the limits nor a
     // link on it.
     if !said.contains("eager limits differ") && !said.contains("efa-rdm via tcp;ofi_rxm") {
@@ -836,6 +799,35 @@ fn fabric_peers_whose_rxm_eager_limits_differ_link_over_tcp_and_say_why() {
             && said.contains("FI_OFI_RXM_EAGER_LIMIT"),
         "{said}"
     );
+}
+
+/// A broker listening on `efa-rdm` via `tcp;ofi_rxm` with `server_env`,
+/// and `efabus pub --verbose` to it from a process with `client_env`
+/// (neither with the runner's eager-limit variables): what the client
+/// said, once it succeeded.
+fn pub_over_rxm(server_env: &[(&str, &str)], client_env: &[(&str, &str)]) -> String {
+    let fabric = "[negotiation]\npreference = [\"efa-rdm\", \"tcp\"]\n\
+                  [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n";
+    let config = common::temp_path("rxm-eager.toml");
+    std::fs::write(&config, format!("listen = [\"efa-rdm\"]\n{fabric}")).unwrap();
+    let server = Server::start_listening(&["tcp/127.0.0.1:0", "efa-rdm"], fabric, server_env);
+    let mut command = efabus();
+    for name in common::RXM_EAGER_VARS {
+        command.env_remove(name);
+    }
+    let output = command
+        .envs(client_env.iter().copied())
+        .args(["pub", "--verbose", "--server", &server.endpoint, "--config"])
+        .arg(&config)
+        .args(["eager.check", "hello"])
+        .output()
+        .expect("run efabus pub");
+    let said = stderr(&output);
+    assert!(
+        output.status.success(),
+        "broker {server_env:?}, client {client_env:?}: {said}"
+    );
+    said
 }
 
 /// `efabus bench` counts what it measured: every message of the run and
