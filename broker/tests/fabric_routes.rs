@@ -313,6 +313,12 @@ fn a_route_whose_data_link_stays_silent_is_dialed_again_on_tcp() {
             .any(|reason| reason.starts_with("efa-rdm: the route's data link carried nothing back")),
         "{route:?}"
     );
+    // b, which dialed nothing, opened no data link for the route either.
+    wait_until("b's route back, on TCP", || {
+        b.routes()
+            .first()
+            .is_some_and(|route| route.reliable == "tcp")
+    });
     wait_until("b's interest at a again", || a.route_interest_count() == 1);
     for n in 1..=10 {
         a.publish("silent", payload(n)).unwrap();

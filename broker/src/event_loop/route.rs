@@ -168,8 +168,9 @@ struct DialSlot {
     forgotten: bool,
     /// Why the fabric is not offered to this peer any more: a route's data
     /// link to it carried nothing back (see
-    /// [`EventLoop::silent_route_links`]).
-    fabric_silent: Option<String>,
+    /// [`EventLoop::silent_route_links`]); with the broker reached then.
+    /// Another broker answering here (or that one restarted) clears it.
+    fabric_silent: Option<(String, Option<u64>)>,
 }
 
 impl DialSlot {
@@ -413,6 +414,7 @@ impl EventLoop {
         };
         role.hello_sent = true;
         let seeded = role.seeded;
+        let slot = role.slot;
         let link_auth = role.link_secret.as_ref().map(|s| s.auth().clone());
         let config = &self.shared.config;
         let proof = match config.route_secret() {
@@ -440,7 +442,7 @@ impl EventLoop {
             proof,
             // A datagram link, where both have one, carries what only
             // best-effort subscribers want.
-            offers: self.offers.clone(),
+            offers: self.route_offers(slot),
             link_auth,
         });
         let route = Frame::Route(RouteHello {
@@ -466,6 +468,20 @@ impl EventLoop {
         self.schedule(next);
     }
 
+    /// What this broker offers on a route it dialed for `slot`: the control
+    /// link alone to a peer whose data link once carried nothing back.
+    fn route_offers(&self, slot: Option<usize>) -> Vec<Offer> {
+        match slot.map(|slot| &self.cluster.slots[slot].fabric_silent) {
+            Some(Some(_)) => self
+                .offers
+                .iter()
+                .filter(|offer| !endpoints::is_data_scheme(&offer.scheme))
+                .cloned()
+                .collect(),
+            _ => self.offers.clone(),
+        }
+    }
+
     /// Routes this broker dialed whose reliable data link has carried
     /// nothing back for the handshake timeout since it first sent: the
     /// provider may have refused the connection underneath without a word
@@ -477,6 +493,9 @@ impl EventLoop {
         let mut next = None::<Instant>;
         let mut silent = Vec::new();
         for (&id, session) in &self.sessions {
+            if session.state == SessionState::Closing || session.cut_off {
+                continue;
+            }
             let Some(slot) = session.route().and_then(|role| role.slot) else {
                 continue;
             };
@@ -504,7 +523,13 @@ impl EventLoop {
             );
             warn!(session = id, %reason, "route data link silent; dialing again without the fabric");
             BrokerStats::add(&self.shared.stats.silent_data_links, 1);
-            self.cluster.slots[slot].fabric_silent = Some(reason.clone());
+            let reached = self.cluster.slots[slot].reached;
+            self.cluster.slots[slot].fabric_silent = Some((reason.clone(), reached));
+            // The link is broken: what waits behind it is dropped and
+            // counted, and the peer told why on the control link.
+            if let Some(session) = self.sessions.get_mut(&id) {
+                session.conn.links.failure = Some(reason.clone());
+            }
             self.fail(id, ErrorCode::Internal, reason);
             if let Some(session) = self.sessions.get(&id) {
                 let control = session.conn.control;
@@ -666,6 +691,15 @@ impl EventLoop {
             self.fail(id, ErrorCode::Auth, text.to_string());
             return;
         }
+        let slot = self
+            .sessions
+            .get(&id)
+            .and_then(|session| session.route())
+            .and_then(|role| role.slot);
+        let offers = self.route_offers(slot);
+        let silent = slot
+            .and_then(|slot| self.cluster.slots[slot].fabric_silent.as_ref())
+            .map(|(reason, _)| reason.clone());
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
@@ -680,21 +714,6 @@ impl EventLoop {
                 role: HandshakeRole::Dialer,
                 peer,
             });
-        // A peer whose data link once carried nothing back gets the
-        // control link alone.
-        let silent = session
-            .route()
-            .and_then(|role| role.slot)
-            .and_then(|slot| self.cluster.slots[slot].fabric_silent.clone());
-        let offers: Vec<Offer> = match &silent {
-            Some(_) => self
-                .offers
-                .iter()
-                .filter(|offer| !endpoints::is_data_scheme(&offer.scheme))
-                .cloned()
-                .collect(),
-            None => self.offers.clone(),
-        };
         let local = LocalPaths {
             offers: &offers,
             preference: &self.shared.config.negotiation.preference,
@@ -812,7 +831,17 @@ impl EventLoop {
             return;
         }
         if let Some(slot) = slot {
-            self.cluster.slots[slot].reached = Some(broker);
+            let slot = &mut self.cluster.slots[slot];
+            slot.reached = Some(broker);
+            // Another broker at this address, or the same one restarted:
+            // its next route tries the fabric again.
+            if slot
+                .fabric_silent
+                .as_ref()
+                .is_some_and(|(_, then)| *then != Some(broker))
+            {
+                slot.fabric_silent = None;
+            }
         }
         if let Some(&other) = self.cluster.by_broker.get(&broker) {
             // Keep the link dialed by the lower id; with the same dialer

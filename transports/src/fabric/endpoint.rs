@@ -464,20 +464,28 @@ impl Drop for FabricEndpoint {
     }
 }
 
-/// Most rounds of completion reads before an `ofi_rxm` endpoint closes.
-const CLOSE_DRAIN_ROUNDS: usize = 64;
+/// Before an `ofi_rxm` endpoint closes, its completion queues are read
+/// until they have stayed empty this long (its peers have stopped sending:
+/// a closing broker's sessions said goodbye), or for at most
+/// `CLOSE_DRAIN_MAX`.
+const CLOSE_QUIET: Duration = Duration::from_millis(20);
+const CLOSE_DRAIN_MAX: Duration = Duration::from_millis(250);
 
 impl FabricEndpoint {
-    /// Reads and discards completions until both queues are empty (at most
-    /// [`CLOSE_DRAIN_ROUNDS`] rounds). libfabric 1.17's `ofi_rxm`, closing
-    /// an endpoint, closes each connection's endpoint before it flushes
-    /// the completion queue the connections share, and a completion still
-    /// queued there then refers to a connection endpoint already freed:
-    /// the process crashes inside `fi_close` (seen about once in a hundred
-    /// runs of the route tests, two brokers in one process). Reading the
-    /// queues first, as a poll would, leaves that flush little or nothing.
+    /// Reads and discards completions until both queues have stayed empty
+    /// for [`CLOSE_QUIET`] (at most [`CLOSE_DRAIN_MAX`]). libfabric 1.17's
+    /// `ofi_rxm`, closing an endpoint, closes each connection's endpoint
+    /// before it flushes the completion queue the connections share, and
+    /// a message that arrived meanwhile leaves a completion there that
+    /// refers to a connection endpoint already freed: the process crashes
+    /// inside `fi_close` (seen in the fabric tests, where brokers and
+    /// clients close while their peers in the same process still send).
+    /// Reading the queues until the peers have gone quiet, as a poll would,
+    /// leaves that flush little or nothing.
     fn drain_before_close(&mut self) {
-        for _ in 0..CLOSE_DRAIN_ROUNDS {
+        let started = Instant::now();
+        let mut quiet_since = started;
+        loop {
             let mut read = false;
             for cq in [&self.tx_cq, &self.rx_cq] {
                 match cq.read(&mut self.completions) {
@@ -486,8 +494,16 @@ impl FabricEndpoint {
                     Ok(CqRead::ErrorAvailable) => read |= matches!(cq.read_error(), Ok(Some(_))),
                 }
             }
-            if !read {
+            let now = Instant::now();
+            if now.duration_since(started) >= CLOSE_DRAIN_MAX {
                 return;
+            }
+            if read {
+                quiet_since = now;
+            } else if now.duration_since(quiet_since) >= CLOSE_QUIET {
+                return;
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
             }
         }
     }
