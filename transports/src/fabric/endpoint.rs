@@ -481,7 +481,9 @@ impl FabricEndpoint {
     /// inside `fi_close` (seen in the fabric tests, where brokers and
     /// clients close while their peers in the same process still send).
     /// Reading the queues until the peers have gone quiet, as a poll would,
-    /// leaves that flush little or nothing.
+    /// leaves that flush little or nothing: the route and client-path test
+    /// binaries crashed 3 times in 60 runs with a single read-out, and not
+    /// in 72 runs with this one.
     fn drain_before_close(&mut self) {
         let started = Instant::now();
         let mut quiet_since = started;
