@@ -1430,10 +1430,8 @@ impl ClientLoop {
             LinkState::AwaitWelcome { deadline, .. } => deadline,
             LinkState::Up { .. } => {
                 let timeout = self.conn.poll_timeout();
-                match self.conn.links.reliable_silent_since() {
-                    Some(since) => timeout.min(since + self.shared.options.connect_timeout),
-                    None => timeout,
-                }
+                self.silent_deadline()
+                    .map_or(timeout, |deadline| timeout.min(deadline))
             }
         }
     }
@@ -1586,6 +1584,13 @@ impl ClientLoop {
         }
     }
 
+    /// When the reliable data link, silent since its first frame, is given
+    /// up (see [`Self::check_silent_link`]).
+    fn silent_deadline(&self) -> Option<Instant> {
+        let since = self.conn.links.reliable_silent_since()?;
+        Some(since + self.shared.options.connect_timeout)
+    }
+
     /// Whether the reliable data link carried nothing back for the connect
     /// timeout after its first frame: the provider underneath may have
     /// refused the connection (ofi_rxm refuses endpoints set up
@@ -1596,37 +1601,38 @@ impl ClientLoop {
         let LinkState::Up { peer: control } = self.link else {
             return;
         };
-        let waited = self.shared.options.connect_timeout;
-        if self
-            .conn
-            .links
-            .reliable_silent_since()
-            .is_none_or(|since| now < since + waited)
-        {
+        if self.silent_deadline().is_none_or(|deadline| now < deadline) {
             return;
         }
         let Some(scheme) = self.conn.links.reliable.as_ref().map(|l| l.scheme.clone()) else {
             return;
         };
+        let waited = self.shared.options.connect_timeout;
         error!(
             %scheme,
             ?waited,
             "the reliable data link carried nothing back; reconnecting without it"
         );
-        self.offers.retain(|offer| offer.scheme != scheme);
         let reason = format!(
             "{scheme}: its data link carried nothing back within {waited:?} of its first \
              frame (the provider may have refused the connection: check that both sides \
              run with the same provider settings)"
         );
         self.last_failure = Some(reason.clone());
-        self.unavailable.push(reason);
+        self.withdraw_scheme(&scheme, reason);
         self.shared
             .counters
             .silent_data_links
             .fetch_add(1, Ordering::Relaxed);
         self.endpoints[CONTROL].close(control);
         self.link_lost(now);
+    }
+
+    /// Offers `scheme` to this server no more, for `reason` (shown in the
+    /// link report).
+    fn withdraw_scheme(&mut self, scheme: &str, reason: String) {
+        self.offers.retain(|offer| offer.scheme != scheme);
+        self.unavailable.push(reason);
     }
 
     /// A data endpoint's poll failed: it is offered no more, and a
@@ -1643,9 +1649,7 @@ impl ClientLoop {
             return;
         }
         error!(%scheme, error = %err, "data endpoint failed; reconnecting without it");
-        self.offers.retain(|offer| offer.scheme != scheme);
-        self.unavailable
-            .push(format!("{scheme}: the endpoint failed: {err}"));
+        self.withdraw_scheme(&scheme, format!("{scheme}: the endpoint failed: {err}"));
         if self
             .conn
             .links

@@ -23,10 +23,9 @@ use efabus_core::caps::{
     Offer,
 };
 use efabus_core::transport::BufferMemory;
-use efabus_core::transport::{DEFAULT_RDM_MSG_SIZE, MAX_MSG_SIZE};
 use efabus_transports::fabric::layout::BufferLayout;
 use efabus_transports::fabric::{
-    probe_like_fi_info, provider_eager_limit, rendezvous_max, EpKind, FabricTransport,
+    buffer_size, probe_like_fi_info, provider_eager_limit, rendezvous_max, EpKind, FabricTransport,
     DGRAM_SCHEME, RDM_SCHEME,
 };
 use efabus_transports::registry::{EndpointSpec, Registry};
@@ -180,13 +179,11 @@ fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
         Ok(prefix) if prefix > 0 => prefix,
         _ => options.force_prefix,
     };
-    let cap = match info.ep_attr.ep_type {
-        EpType::Rdm => options.msg_size.unwrap_or_else(|| {
-            DEFAULT_RDM_MSG_SIZE
-                .min(provider_eager_limit(&info.fabric_attr.prov_name).unwrap_or(usize::MAX))
-        }),
-        _ => options.msg_size.unwrap_or(MAX_MSG_SIZE),
+    let kind = match info.ep_attr.ep_type {
+        EpType::Rdm => EpKind::Rdm,
+        _ => EpKind::Dgram,
     };
+    let cap = buffer_size(kind, &info.fabric_attr.prov_name, &options);
     let layout = BufferLayout::new(
         prefix,
         BufferLayout::payload_for(info.ep_attr.max_msg_size, prefix, cap),
@@ -196,10 +193,6 @@ fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
     offer.max_msg_size = offer
         .max_msg_size
         .min(max_frame as u64 + offer.msg_prefix_size);
-    let kind = match info.ep_attr.ep_type {
-        EpType::Rdm => EpKind::Rdm,
-        _ => EpKind::Dgram,
-    };
     offer.rendezvous_max = rendezvous_max(
         kind,
         &info.fabric_attr.prov_name,

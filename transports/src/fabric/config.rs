@@ -57,6 +57,22 @@ impl EpKind {
 /// reads issued and served.
 pub const RMA_READ_CAPS: u64 = (1 << 2) | (1 << 8) | (1 << 12);
 
+/// Bytes of each posted buffer of an endpoint of `kind` on `provider`
+/// (before the provider's own `max_msg_size` caps it): the eager size
+/// `options` give, else on RDM [`DEFAULT_RDM_MSG_SIZE`] within the
+/// provider's own eager limit (see [`provider_eager_limit`]), on DGRAM
+/// [`MAX_MSG_SIZE`]. The endpoint and `efabus caps` decide through this one
+/// function.
+///
+/// [`provider_eager_limit`]: super::provider_eager_limit
+pub fn buffer_size(kind: EpKind, provider: &str, options: &FabricOptions) -> usize {
+    options.msg_size.unwrap_or_else(|| match kind {
+        EpKind::Rdm => DEFAULT_RDM_MSG_SIZE
+            .min(super::provider_env::provider_eager_limit(provider).unwrap_or(usize::MAX)),
+        EpKind::Dgram => MAX_MSG_SIZE,
+    })
+}
+
 /// Largest frame an endpoint of `kind` on `provider` moves by rendezvous,
 /// given the caps its info grants, whether `options` enable it, the
 /// provider's `max_msg_size` and the caller's `max_frame`; 0 when it has

@@ -580,15 +580,7 @@ impl FabricEndpoint {
         } else {
             options.force_prefix
         };
-        let cap = match kind {
-            // The default stays within the provider's eager limit; an
-            // eager size given is taken as it is.
-            EpKind::Rdm => options.msg_size.unwrap_or_else(|| {
-                super::config::DEFAULT_RDM_MSG_SIZE
-                    .min(super::provider_eager_limit(attrs.provider()).unwrap_or(usize::MAX))
-            }),
-            EpKind::Dgram => options.msg_size.unwrap_or(super::config::MAX_MSG_SIZE),
-        };
+        let cap = super::config::buffer_size(kind, attrs.provider(), options);
         let layout = BufferLayout::new(
             prefix,
             BufferLayout::payload_for(ep_attrs.max_msg_size, prefix, cap),

@@ -87,8 +87,8 @@ mod sys;
 pub use absent::FabricEndpoint;
 pub use attrs::InfoAttrs;
 pub use config::{
-    addr_from_hex, addr_to_hex, rendezvous_max, EpKind, FabricOptionError, FabricOptions,
-    OrderWanted, DGRAM_SCHEME, RDM_SCHEME, RMA_READ_CAPS, SHM_PROVIDER, SHM_SCHEME,
+    addr_from_hex, addr_to_hex, buffer_size, rendezvous_max, EpKind, FabricOptionError,
+    FabricOptions, OrderWanted, DGRAM_SCHEME, RDM_SCHEME, RMA_READ_CAPS, SHM_PROVIDER, SHM_SCHEME,
 };
 #[cfg(efabus_libfabric)]
 pub use endpoint::{FabricEndpoint, FabricStats, LinkInfo};

@@ -2,6 +2,7 @@
 //! the environment, once, when it first loads its providers.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 /// Variables efabus sets, with their values, where the environment does
 /// not set them already (`scripts/test` exports the same for the test
@@ -63,10 +64,13 @@ pub(crate) fn note_unset_defaults(provider: &str) {
 /// take efabus's rendezvous; and it refuses connections between endpoints
 /// whose limits differ, so each offer carries it and negotiation pairs
 /// only equal ones. The limit is the environment's (see
-/// [`rxm_eager_limit`]), never set by efabus.
+/// [`rxm_eager_limit`]), never set by efabus, and read once, as libfabric
+/// reads it once.
 pub fn provider_eager_limit(provider: &str) -> Option<usize> {
+    static RXM_EAGER_LIMIT: OnceLock<usize> = OnceLock::new();
     let rxm_over_tcp = provider.starts_with("tcp") && provider.contains("ofi_rxm");
-    rxm_over_tcp.then(|| rxm_eager_limit(|name| std::env::var(name).ok()))
+    rxm_over_tcp
+        .then(|| *RXM_EAGER_LIMIT.get_or_init(|| rxm_eager_limit(|name| std::env::var(name).ok())))
 }
 
 /// `ofi_rxm`'s eager limit over `tcp` given the environment (`var`), as
