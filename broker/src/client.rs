@@ -301,6 +301,7 @@ struct LinkCounters {
     link_gap_failures: AtomicU64,
     link_send_failures: AtomicU64,
     silent_data_links: AtomicU64,
+    unacknowledged_at_close: AtomicU64,
     driven_rounds: AtomicU64,
 }
 
@@ -344,6 +345,11 @@ pub struct LinkReport {
     /// back within `connect_timeout` of its first frame; its scheme is not
     /// offered to this server again (the reason is in `reasons`).
     pub silent_data_links: u64,
+    /// Frames sent on a reliable data link that the broker had not
+    /// acknowledged when the connection was lost: the broker may have
+    /// taken them (its credit still to come) or not, and they are not sent
+    /// again. Each frame of a run of small ones counts on its own.
+    pub unacknowledged_at_close: u64,
     /// Rounds of the client's event loop run by application threads while
     /// they waited for a reply or a subscription's next message, rather
     /// than by the client's own thread.
@@ -914,6 +920,7 @@ impl Client {
             link_gap_failures: get(&counters.link_gap_failures),
             link_send_failures: get(&counters.link_send_failures),
             silent_data_links: get(&counters.silent_data_links),
+            unacknowledged_at_close: get(&counters.unacknowledged_at_close),
             driven_rounds: get(&counters.driven_rounds),
             ..self.shared.link.lock().clone()
         }
@@ -1664,6 +1671,10 @@ impl ClientLoop {
 
     fn link_lost(&mut self, now: Instant) {
         self.shared.outbox.lock().direct = None;
+        self.shared
+            .counters
+            .unacknowledged_at_close
+            .fetch_add(self.conn.links.unacknowledged_frames(), Ordering::Relaxed);
         self.conn.links.close(&mut self.endpoints);
         let failure = self.last_failure.take();
         if !self.shared.options.reconnect {

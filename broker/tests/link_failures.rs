@@ -243,7 +243,12 @@ fn a_message_lost_towards_the_broker_fails_the_session_promptly() {
         0,
         "a gap is not a malformed frame"
     );
-    assert_eq!(client.link().link_gap_failures, 0, "the broker saw the gap");
+    let link = client.link();
+    assert_eq!(link.link_gap_failures, 0, "the broker saw the gap");
+    assert!(
+        link.unacknowledged_at_close >= 1,
+        "the dropped message at least was never acknowledged: {link:?}"
+    );
     drop(client);
     broker.shutdown();
 }
@@ -434,6 +439,13 @@ fn a_silent_data_link_moves_its_client_to_tcp() {
         "{link:?}"
     );
     assert_eq!(link.silent_data_links, 1);
+    // The broker acknowledged nothing sent on the link: all of it counts
+    // as possibly lost.
+    assert!(link.fabric_frames_out > 0, "{link:?}");
+    assert_eq!(
+        link.unacknowledged_at_close, link.fabric_frames_out,
+        "{link:?}"
+    );
     assert!(client.reconnects() >= 1);
     for n in 0..100u32 {
         client
