@@ -161,6 +161,12 @@ pub struct ClientOptions {
     /// Whether this client's own subscriptions receive what it publishes
     /// (true by default, as in NATS).
     pub echo: bool,
+    /// How long a scheme whose data link carried nothing back is not
+    /// offered to this server (60 s by default): the first reconnection
+    /// after that offers it again, so a broker restarted with mended
+    /// provider settings gets its fabric clients back. Each time the same
+    /// scheme goes silent again the pause doubles, up to an hour.
+    pub silent_link_retry: Duration,
 }
 
 impl ClientOptions {
@@ -250,6 +256,7 @@ impl Default for ClientOptions {
             max_link_memory: 512 << 20,
             tls: crate::config::Tls::default(),
             echo: true,
+            silent_link_retry: Duration::from_secs(60),
         }
     }
 }
@@ -343,7 +350,8 @@ pub struct LinkReport {
     pub link_send_failures: u64,
     /// Connections dropped because the reliable data link carried nothing
     /// back within `connect_timeout` of its first frame; its scheme is not
-    /// offered to this server again (the reason is in `reasons`).
+    /// offered to this server for `ClientOptions::silent_link_retry` (the
+    /// reason is in `reasons` meanwhile).
     pub silent_data_links: u64,
     /// Frames sent on a reliable data link that the broker had not
     /// acknowledged when the connection was lost: the broker may have
@@ -1302,6 +1310,19 @@ enum LinkState {
     Up { peer: PeerId },
 }
 
+/// Longest pause before a scheme whose data link went silent is offered
+/// again.
+const SILENT_RETRY_MAX: Duration = Duration::from_secs(3600);
+
+/// A data scheme this client offers the server no more, and why.
+struct Withdrawn {
+    scheme: String,
+    reason: String,
+    /// When the next connection may offer it again (never for an endpoint
+    /// that failed: it cannot carry anything).
+    until: Option<Instant>,
+}
+
 /// The client's session: the connection to the server (shared session
 /// layer) and what only a client has: the outbox, reconnection, replies.
 struct ClientLoop {
@@ -1335,7 +1356,15 @@ struct ClientLoop {
     ever_connected: bool,
     /// Why the connection was last lost, for a client that gives up.
     last_failure: Option<String>,
+    /// What the hello offers: every endpoint's offer, data endpoints
+    /// first, but those withdrawn.
     offers: Vec<Offer>,
+    /// Every endpoint's offer, in the order the hello makes them.
+    all_offers: Vec<Offer>,
+    withdrawn: Vec<Withdrawn>,
+    /// The pause before each scheme that went silent is offered again:
+    /// it doubles with every silence.
+    silent_pauses: HashMap<String, Duration>,
     /// This side's part of the current handshake's link keys.
     link_secret: Option<LinkSecret>,
     /// The hello of this connection is sent (it waits for the server's
@@ -1365,7 +1394,7 @@ impl ClientLoop {
         let unavailable = shared.link.lock().reasons.clone();
         let endpoints: Vec<Box<dyn Endpoint>> = std::iter::once(endpoint).chain(data).collect();
         // Data endpoints first: the control link is the last resort.
-        let offers = endpoints[CONTROL + 1..]
+        let offers: Vec<Offer> = endpoints[CONTROL + 1..]
             .iter()
             .chain(&endpoints[..=CONTROL])
             .filter_map(|endpoint| endpoints::offer_for(endpoint.as_ref()))
@@ -1421,7 +1450,10 @@ impl ClientLoop {
             link_secret: None,
             hello_sent: false,
             proved: None,
+            all_offers: offers.clone(),
             offers,
+            withdrawn: Vec::new(),
+            silent_pauses: HashMap::default(),
             tuning,
             released: Vec::new(),
             released_scratch: Vec::new(),
@@ -1553,6 +1585,7 @@ impl ClientLoop {
     }
 
     fn start_connect(&mut self, now: Instant) {
+        self.restore_schemes(now);
         let control = &mut self.endpoints[CONTROL];
         match control.connect(&self.address) {
             Ok(peer) => {
@@ -1626,7 +1659,12 @@ impl ClientLoop {
              run with the same provider settings)"
         );
         self.last_failure = Some(reason.clone());
-        self.withdraw_scheme(&scheme, reason);
+        let retry = &self.shared.options.silent_link_retry;
+        let pause = self.silent_pauses.entry(scheme.clone()).or_insert(*retry);
+        // A pause past what a clock can hold is never over.
+        let until = now.checked_add(*pause);
+        *pause = pause.saturating_mul(2).min(SILENT_RETRY_MAX.max(*retry));
+        self.withdraw_scheme(&scheme, reason, until);
         self.shared
             .counters
             .silent_data_links
@@ -1635,11 +1673,37 @@ impl ClientLoop {
         self.link_lost(now);
     }
 
-    /// Offers `scheme` to this server no more, for `reason` (shown in the
-    /// link report).
-    fn withdraw_scheme(&mut self, scheme: &str, reason: String) {
+    /// Offers `scheme` to this server no more (until `until`, if given),
+    /// for `reason` (shown in the link report meanwhile).
+    fn withdraw_scheme(&mut self, scheme: &str, reason: String, until: Option<Instant>) {
         self.offers.retain(|offer| offer.scheme != scheme);
-        self.unavailable.push(reason);
+        self.withdrawn.push(Withdrawn {
+            scheme: scheme.to_string(),
+            reason,
+            until,
+        });
+    }
+
+    /// Offers again the schemes whose pause is over, before a connection
+    /// starts.
+    fn restore_schemes(&mut self, now: Instant) {
+        let before = self.withdrawn.len();
+        self.withdrawn.retain(|withdrawn| {
+            let over = withdrawn.until.is_some_and(|until| until <= now);
+            if over {
+                info!(scheme = %withdrawn.scheme, "offering the scheme again after its pause");
+            }
+            !over
+        });
+        if self.withdrawn.len() != before {
+            let withdrawn = &self.withdrawn;
+            self.offers = self
+                .all_offers
+                .iter()
+                .filter(|offer| withdrawn.iter().all(|w| w.scheme != offer.scheme))
+                .cloned()
+                .collect();
+        }
     }
 
     /// A data endpoint's poll failed: it is offered no more, and a
@@ -1656,7 +1720,8 @@ impl ClientLoop {
             return;
         }
         error!(%scheme, error = %err, "data endpoint failed; reconnecting without it");
-        self.withdraw_scheme(&scheme, format!("{scheme}: the endpoint failed: {err}"));
+        let reason = format!("{scheme}: the endpoint failed: {err}");
+        self.withdraw_scheme(&scheme, reason, None);
         if self
             .conn
             .links
@@ -2345,6 +2410,9 @@ impl ClientLoop {
         let mut report = self.shared.link.lock();
         // The reasons describe this handshake, not every one since start.
         report.reasons.clone_from(&self.unavailable);
+        report
+            .reasons
+            .extend(self.withdrawn.iter().map(|w| w.reason.clone()));
         report.reasons.extend(negotiation.reasons);
         report.reliable = match &self.conn.links.reliable {
             Some(link) => link.description.clone(),

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use efabus_broker::{Broker, Client, ClientOptions, Config, Error, RecvError};
+use efabus_broker::{Broker, Client, ClientOptions, Config, ConnectionState, Error, RecvError};
 use efabus_transports::registry::Registry;
 
 const PROVIDER: &str = "tcp;ofi_rxm";
@@ -39,8 +39,13 @@ fn fabric_required() -> bool {
 /// table; `None` when the provider cannot open here and the fabric is not
 /// required.
 fn start_broker(faults: &str, limits: &str) -> Option<Broker> {
+    start_broker_at("127.0.0.1:0", faults, limits)
+}
+
+/// [`start_broker`], listening on TCP at `address`.
+fn start_broker_at(address: &str, faults: &str, limits: &str) -> Option<Broker> {
     let text = format!(
-        "name = \"link-failures\"\nlisten = [\"tcp/127.0.0.1:0\", \"efa-rdm\"]\n\
+        "name = \"link-failures\"\nlisten = [\"tcp/{address}\", \"efa-rdm\"]\n\
          [limits]\n{limits}\n\
          [fabric]\nprovider = \"{PROVIDER}\"\nnode = \"127.0.0.1\"\nmax_frame = 65536\n\
          [testing.faults]\n{faults}\n"
@@ -465,4 +470,101 @@ fn a_silent_data_link_moves_its_client_to_tcp() {
         next += 1;
     }
     assert_eq!(client.link().silent_data_links, 1, "once, and not again");
+}
+
+/// A scheme given up for a silent data link is offered again once its
+/// pause is over, at the next connection: a broker restarted on the same
+/// address before then still gets the client on TCP, one restarted after
+/// it (its fabric mended) gets it back on `efa-rdm`.
+#[test]
+fn a_silent_scheme_is_offered_again_after_its_pause() {
+    let Some(broker) = start_broker("scheme = \"efa-rdm\"\ndrop = 1.0", "") else {
+        return;
+    };
+    let pause = Duration::from_secs(5);
+    let options = ClientOptions {
+        name: "retrying".into(),
+        connect_timeout: Duration::from_millis(1_000),
+        max_backoff: Duration::from_millis(100),
+        silent_link_retry: pause,
+        data_paths: vec!["efa-rdm".to_string()],
+        fabric: broker.config().fabric.clone(),
+        ..ClientOptions::default()
+    };
+    let endpoint = broker.endpoint("tcp").expect("the broker listens on TCP");
+    let address = endpoint.trim_start_matches("tcp/").to_string();
+    let client = Client::connect_with(&endpoint, options, Registry::with_builtins())
+        .unwrap_or_else(|err| panic!("the client connects: {err}"));
+    let subscription = client.subscribe("retry.>").unwrap();
+    let started = Instant::now();
+    while client.link().silent_data_links == 0 {
+        assert!(
+            started.elapsed() < WAIT,
+            "never given up: {:?}",
+            client.link()
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    let given_up = Instant::now();
+    let silent_reason = |link: &efabus_broker::client::LinkReport| {
+        link.reasons
+            .iter()
+            .any(|reason| reason.starts_with("efa-rdm: its data link carried nothing back"))
+    };
+
+    // Restarted (mended) within the pause: the client comes back on TCP.
+    let restart = |broker: Broker, reconnects: u64| -> Broker {
+        broker.shutdown();
+        drop(broker);
+        let broker = start_broker_at(&address, "", "").expect("the broker starts again");
+        let deadline = Instant::now() + WAIT;
+        while client.reconnects() <= reconnects
+            || !matches!(client.state(), ConnectionState::Connected { .. })
+        {
+            assert!(
+                Instant::now() < deadline,
+                "no reconnection: {:?}",
+                client.state()
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+        client.flush(WAIT).expect("flushed after reconnecting");
+        broker
+    };
+    let broker = restart(broker, client.reconnects());
+    assert!(
+        given_up.elapsed() < pause,
+        "the first restart took {:?}, longer than the pause",
+        given_up.elapsed()
+    );
+    let link = client.link();
+    assert_eq!(link.reliable, "tcp", "{link:?}");
+    assert!(silent_reason(&link), "{link:?}");
+
+    // Restarted after the pause: the scheme is offered again and taken.
+    thread::sleep(pause.saturating_sub(given_up.elapsed()));
+    let broker = restart(broker, client.reconnects());
+    let link = client.link();
+    assert!(link.reliable.starts_with("efa-rdm via "), "{link:?}");
+    assert!(!silent_reason(&link), "{link:?}");
+    assert_eq!(link.silent_data_links, 1, "{link:?}");
+    let fabric_in = link.fabric_frames_in;
+    for n in 0..100u32 {
+        client
+            .publish("retry.after", n.to_le_bytes().to_vec())
+            .unwrap();
+    }
+    client.flush(WAIT).unwrap();
+    for n in 0..100u32 {
+        let message = subscription
+            .recv_timeout(WAIT)
+            .expect("the messages published on the fabric");
+        assert_eq!(message.payload[..], n.to_le_bytes());
+    }
+    assert!(
+        client.link().fabric_frames_in >= fabric_in + 100,
+        "{:?}",
+        client.link()
+    );
+    assert_eq!(stat(&broker, "silent_data_links"), 0);
 }
