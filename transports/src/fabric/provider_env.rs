@@ -58,31 +58,39 @@ pub(crate) fn note_unset_defaults(provider: &str) {
 }
 
 /// The eager limit `provider` keeps of its own, where it has one that
-/// matters to efabus: `ofi_rxm` over `tcp` sends a message above it by a
-/// rendezvous of its own (a request, a read and a reply per message), so
-/// efabus's default RDM eager buffers stay within it and larger frames
-/// take efabus's rendezvous; and it refuses connections between endpoints
-/// whose limits differ, so each offer carries it and negotiation pairs
-/// only equal ones. The limit is the environment's (see
-/// [`rxm_eager_limit`]), never set by efabus, and read once, as libfabric
-/// reads it once.
+/// matters to efabus: `ofi_rxm` sends a message above it by a protocol of
+/// its own (over `tcp` a rendezvous: a request, a read and a reply per
+/// message), so efabus's default RDM eager buffers stay within it and
+/// larger frames take efabus's rendezvous; and it refuses connections
+/// between endpoints whose limits differ (`rxm_verify_connreq`, whatever
+/// the core provider), so each offer carries it and negotiation pairs only
+/// equal ones. The limit is the environment's (see [`rxm_eager_limit`]),
+/// never set by efabus, and read once, as libfabric reads it once.
 pub fn provider_eager_limit(provider: &str) -> Option<usize> {
-    static RXM_EAGER_LIMIT: OnceLock<usize> = OnceLock::new();
-    let rxm_over_tcp = provider.starts_with("tcp") && provider.contains("ofi_rxm");
-    rxm_over_tcp
-        .then(|| *RXM_EAGER_LIMIT.get_or_init(|| rxm_eager_limit(|name| std::env::var(name).ok())))
+    static OVER_TCP: OnceLock<usize> = OnceLock::new();
+    static OVER_OTHER: OnceLock<usize> = OnceLock::new();
+    if !provider.contains("ofi_rxm") {
+        return None;
+    }
+    let over_tcp = provider.starts_with("tcp");
+    let limit = if over_tcp { &OVER_TCP } else { &OVER_OTHER };
+    Some(*limit.get_or_init(|| rxm_eager_limit(over_tcp, |name| std::env::var(name).ok())))
 }
 
-/// `ofi_rxm`'s eager limit over `tcp` given the environment (`var`), as
-/// libfabric 1.17 sets it: `FI_OFI_RXM_EAGER_LIMIT`, never below
-/// `FI_OFI_RXM_BUFFER_SIZE`; both 16 KiB when unset. Values are read as
-/// libfabric reads them (see [`leading_number`]). Turning its direct sends
-/// or dynamic receive buffers off (which makes it ignore the eager limit)
-/// is not followed: either leaves eager buffers that take the provider's
-/// rendezvous, which costs speed, not messages.
-fn rxm_eager_limit(var: impl Fn(&str) -> Option<String>) -> usize {
+/// `ofi_rxm`'s eager limit given the environment (`var`), as libfabric
+/// 1.17 sets it: its buffer size (`FI_OFI_RXM_BUFFER_SIZE`, 16 KiB unset);
+/// over `tcp`, whose receive buffers it takes from the application, its
+/// `FI_OFI_RXM_EAGER_LIMIT` instead, never below the buffer size. Values
+/// are read as libfabric reads them (see [`leading_number`]). Turning its
+/// direct sends or dynamic receive buffers off over `tcp` (which makes it
+/// ignore the eager limit) is not followed: either leaves eager buffers
+/// that take the provider's rendezvous, which costs speed, not messages.
+fn rxm_eager_limit(over_tcp: bool, var: impl Fn(&str) -> Option<String>) -> usize {
     let read = |name: &str| var(name).and_then(|value| leading_number(&value));
     let buffer = read("FI_OFI_RXM_BUFFER_SIZE").unwrap_or(RXM_DEFAULT_EAGER);
+    if !over_tcp {
+        return buffer;
+    }
     read("FI_OFI_RXM_EAGER_LIMIT").unwrap_or(buffer).max(buffer)
 }
 
@@ -146,7 +154,7 @@ mod tests {
     }
 
     #[test]
-    fn the_rxm_eager_limit_is_its_variable_never_below_the_buffer_size() {
+    fn the_rxm_eager_limit_over_tcp_is_its_variable_never_below_the_buffer_size() {
         let env = |pairs: &'static [(&'static str, &'static str)]| {
             move |name: &str| {
                 pairs
@@ -155,29 +163,59 @@ mod tests {
                     .map(|(_, v)| v.to_string())
             }
         };
-        assert_eq!(rxm_eager_limit(env(&[])), 16384);
+        assert_eq!(rxm_eager_limit(true, env(&[])), 16384);
         assert_eq!(
-            rxm_eager_limit(env(&[("FI_OFI_RXM_EAGER_LIMIT", "32768")])),
+            rxm_eager_limit(true, env(&[("FI_OFI_RXM_EAGER_LIMIT", "32768")])),
             32768
         );
         assert_eq!(
-            rxm_eager_limit(env(&[("FI_OFI_RXM_BUFFER_SIZE", "65536")])),
+            rxm_eager_limit(true, env(&[("FI_OFI_RXM_BUFFER_SIZE", "65536")])),
             65536
         );
         assert_eq!(
-            rxm_eager_limit(env(&[
-                ("FI_OFI_RXM_EAGER_LIMIT", "65536"),
-                ("FI_OFI_RXM_BUFFER_SIZE", "20000")
-            ])),
+            rxm_eager_limit(
+                true,
+                env(&[
+                    ("FI_OFI_RXM_EAGER_LIMIT", "65536"),
+                    ("FI_OFI_RXM_BUFFER_SIZE", "20000")
+                ])
+            ),
             65536
         );
         assert_eq!(
-            rxm_eager_limit(env(&[
-                ("FI_OFI_RXM_EAGER_LIMIT", "8192"),
-                ("FI_OFI_RXM_BUFFER_SIZE", "20000")
-            ])),
+            rxm_eager_limit(
+                true,
+                env(&[
+                    ("FI_OFI_RXM_EAGER_LIMIT", "8192"),
+                    ("FI_OFI_RXM_BUFFER_SIZE", "20000")
+                ])
+            ),
             20000,
             "never below the buffer size"
         );
+        // Over other cores (`verbs`) the buffer size is the limit.
+        assert_eq!(rxm_eager_limit(false, env(&[])), 16384);
+        assert_eq!(
+            rxm_eager_limit(false, env(&[("FI_OFI_RXM_EAGER_LIMIT", "32768")])),
+            16384
+        );
+        assert_eq!(
+            rxm_eager_limit(false, env(&[("FI_OFI_RXM_BUFFER_SIZE", "0x10000")])),
+            65536
+        );
+    }
+
+    #[test]
+    fn every_rxm_core_has_an_eager_limit_and_other_providers_none() {
+        for provider in ["tcp;ofi_rxm", "tcp", "verbs;ofi_rxm"] {
+            assert_eq!(
+                provider_eager_limit(provider).is_some(),
+                provider.contains("ofi_rxm"),
+                "{provider}"
+            );
+        }
+        for provider in ["shm", "efa", "sockets", "udp;ofi_rxd"] {
+            assert_eq!(provider_eager_limit(provider), None, "{provider}");
+        }
     }
 }
