@@ -600,7 +600,7 @@ impl Broker {
         };
         let mut endpoints = Vec::new();
         let mut listening = Vec::new();
-        let mut unavailable = None;
+        let mut unavailable = Vec::new();
         let broker_id = unique_seed();
         for text in &config.listen {
             let spec = EndpointSpec::parse(text).map_err(|err| Error::Endpoint {
@@ -620,11 +620,7 @@ impl Broker {
                 Err(source @ RegistryError::Transport { .. })
                     if endpoints::is_data_scheme(spec.scheme()) =>
                 {
-                    warn!(endpoint = %text, reason = %source, "fabric unavailable; peers use the TCP data path");
-                    unavailable = Some(Error::Endpoint {
-                        endpoint: text.clone(),
-                        source,
-                    });
+                    unavailable.push((text.clone(), source));
                     continue;
                 }
                 Err(source) => {
@@ -655,9 +651,21 @@ impl Broker {
             endpoints.push(endpoint);
         }
         warn_of_cleartext_secrets(&config, &listening);
-        if let (true, Some(err)) = (endpoints.is_empty(), unavailable) {
-            // Nothing else to fall back to.
-            return Err(err);
+        // A fabric this host lacks leaves its peers on the other
+        // listeners; with none, there is nothing to fall back to.
+        if endpoints.is_empty() {
+            if let Some((endpoint, source)) = unavailable.into_iter().next() {
+                return Err(Error::Endpoint { endpoint, source });
+            }
+        } else {
+            for (endpoint, err) in &unavailable {
+                // The endpoint is named already.
+                let reason: &dyn std::fmt::Display = match err {
+                    RegistryError::Transport { source, .. } => source,
+                    other => other,
+                };
+                warn!(%endpoint, %reason, "fabric unavailable; peers use the other listeners");
+            }
         }
         // Routes are dialed from a TCP listener, or from an endpoint that
         // only connects out when there is none.

@@ -680,6 +680,45 @@ fn usage_and_config_errors_exit_2_with_one_line() {
     assert!(stderr.contains("efabus serve"), "says what to do: {stderr}");
 }
 
+/// A listener that cannot open is one line naming it once, with the
+/// cause and what to do; a fabric listener alone that cannot open stops
+/// the broker without first claiming its peers fall back to TCP.
+#[test]
+fn a_listener_that_cannot_open_is_one_line_naming_it_once() {
+    let server = Server::start("");
+    let taken = format!("tcp/{}", server.address);
+    let output = common::efabus(&["serve", "--listen", &taken]);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = common::text(&output.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert_eq!(stderr.matches(taken.as_str()).count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("cannot bind") && stderr.contains("pick another address"),
+        "{stderr}"
+    );
+
+    let config = common::temp_path("fabric-only.toml");
+    std::fs::write(
+        &config,
+        "listen = [\"efa-rdm\"]\n[fabric]\nprovider = \"no-such-provider\"\n",
+    )
+    .unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+        .args(["serve", "--log-level", "warn", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&config);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = common::text(&output.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("efabus: error: cannot open efa-rdm: transport efa-rdm is unavailable")
+            && stderr.contains("remove that listener"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn connection_and_subscription_limits_are_enforced() {
     let server = Server::start("[limits]\nmax_connections = 2\nmax_subscriptions_per_peer = 3\n");
