@@ -165,7 +165,9 @@ pub struct ClientOptions {
     /// offered to this server (60 s by default): the first reconnection
     /// after that offers it again, so a broker restarted with mended
     /// provider settings gets its fabric clients back. Each time the same
-    /// scheme goes silent again the pause doubles, up to an hour.
+    /// scheme goes silent again before a link on it carried something
+    /// back, the pause doubles, up to an hour (or this, if longer). Zero
+    /// offers it again at every reconnection.
     pub silent_link_retry: Duration,
 }
 
@@ -353,10 +355,11 @@ pub struct LinkReport {
     /// offered to this server for `ClientOptions::silent_link_retry` (the
     /// reason is in `reasons` meanwhile).
     pub silent_data_links: u64,
-    /// Frames sent on a reliable data link that the broker had not
-    /// acknowledged when the connection was lost: the broker may have
-    /// taken them (its credit still to come) or not, and they are not sent
-    /// again. Each frame of a run of small ones counts on its own.
+    /// Frames sent (or numbered and queued) on a reliable data link that
+    /// the broker had not acknowledged when the connection was lost or the
+    /// client closed: the broker may have taken them (its credit still to
+    /// come) or not, and they are not sent again. Each frame of a run of
+    /// small ones counts on its own.
     pub unacknowledged_at_close: u64,
     /// Rounds of the client's event loop run by application threads while
     /// they waited for a reply or a subscription's next message, rather
@@ -1311,8 +1314,15 @@ enum LinkState {
 }
 
 /// Longest pause before a scheme whose data link went silent is offered
-/// again.
+/// again, unless `silent_link_retry` is longer.
 const SILENT_RETRY_MAX: Duration = Duration::from_secs(3600);
+
+/// The pause after `pause` for a scheme that went silent again: twice as
+/// long, up to [`SILENT_RETRY_MAX`], or `retry` if that is longer (a
+/// configured pause is never shortened).
+fn next_silent_pause(pause: Duration, retry: Duration) -> Duration {
+    pause.saturating_mul(2).min(SILENT_RETRY_MAX.max(retry))
+}
 
 /// A data scheme this client offers the server no more, and why.
 struct Withdrawn {
@@ -1356,14 +1366,14 @@ struct ClientLoop {
     ever_connected: bool,
     /// Why the connection was last lost, for a client that gives up.
     last_failure: Option<String>,
-    /// What the hello offers: every endpoint's offer, data endpoints
-    /// first, but those withdrawn.
-    offers: Vec<Offer>,
-    /// Every endpoint's offer, in the order the hello makes them.
+    /// Every endpoint's offer, data endpoints first: the hello makes
+    /// them in this order, but those withdrawn.
     all_offers: Vec<Offer>,
+    /// At most one entry per scheme.
     withdrawn: Vec<Withdrawn>,
     /// The pause before each scheme that went silent is offered again:
-    /// it doubles with every silence.
+    /// it doubles with every silence, and is forgotten once a link on the
+    /// scheme carries something back.
     silent_pauses: HashMap<String, Duration>,
     /// This side's part of the current handshake's link keys.
     link_secret: Option<LinkSecret>,
@@ -1394,7 +1404,7 @@ impl ClientLoop {
         let unavailable = shared.link.lock().reasons.clone();
         let endpoints: Vec<Box<dyn Endpoint>> = std::iter::once(endpoint).chain(data).collect();
         // Data endpoints first: the control link is the last resort.
-        let offers: Vec<Offer> = endpoints[CONTROL + 1..]
+        let all_offers = endpoints[CONTROL + 1..]
             .iter()
             .chain(&endpoints[..=CONTROL])
             .filter_map(|endpoint| endpoints::offer_for(endpoint.as_ref()))
@@ -1450,8 +1460,7 @@ impl ClientLoop {
             link_secret: None,
             hello_sent: false,
             proved: None,
-            all_offers: offers.clone(),
-            offers,
+            all_offers,
             withdrawn: Vec::new(),
             silent_pauses: HashMap::default(),
             tuning,
@@ -1535,7 +1544,7 @@ impl ClientLoop {
                 events.clear();
                 std::thread::sleep(Duration::from_millis(1));
             }
-            self.conn.links.close(&mut self.endpoints);
+            self.close_data_links();
             let control = &mut self.endpoints[CONTROL];
             control.close(peer);
             // Let the endpoint hand the goodbye to the wire.
@@ -1591,7 +1600,7 @@ impl ClientLoop {
             Ok(peer) => {
                 // A fresh secret per handshake: keys never outlive a session.
                 let wants_links = self
-                    .offers
+                    .offers()
                     .iter()
                     .any(|o| endpoints::is_data_scheme(&o.scheme));
                 self.link_secret = match wants_links.then(LinkSecret::new) {
@@ -1635,12 +1644,18 @@ impl ClientLoop {
     /// timeout after its first frame: the provider underneath may have
     /// refused the connection (ofi_rxm refuses endpoints set up
     /// differently) and said nothing. Its scheme is then offered to this
-    /// server no more, and the connection starts again without it; what
-    /// went out on the link is lost with it, as with any connection lost.
+    /// server no more for a pause (`silent_link_retry`), and the
+    /// connection starts again without it; what went out on the link is
+    /// lost with it, as with any connection lost.
     fn check_silent_link(&mut self, now: Instant) {
         let LinkState::Up { peer: control } = self.link else {
             return;
         };
+        if !self.silent_pauses.is_empty() && self.conn.links.reliable_heard() {
+            if let Some(link) = &self.conn.links.reliable {
+                self.silent_pauses.remove(&link.scheme);
+            }
+        }
         if self.silent_deadline().is_none_or(|deadline| now < deadline) {
             return;
         }
@@ -1659,11 +1674,11 @@ impl ClientLoop {
              run with the same provider settings)"
         );
         self.last_failure = Some(reason.clone());
-        let retry = &self.shared.options.silent_link_retry;
-        let pause = self.silent_pauses.entry(scheme.clone()).or_insert(*retry);
+        let retry = self.shared.options.silent_link_retry;
+        let pause = self.silent_pauses.entry(scheme.clone()).or_insert(retry);
         // A pause past what a clock can hold is never over.
         let until = now.checked_add(*pause);
-        *pause = pause.saturating_mul(2).min(SILENT_RETRY_MAX.max(*retry));
+        *pause = next_silent_pause(*pause, retry);
         self.withdraw_scheme(&scheme, reason, until);
         self.shared
             .counters
@@ -1676,7 +1691,8 @@ impl ClientLoop {
     /// Offers `scheme` to this server no more (until `until`, if given),
     /// for `reason` (shown in the link report meanwhile).
     fn withdraw_scheme(&mut self, scheme: &str, reason: String, until: Option<Instant>) {
-        self.offers.retain(|offer| offer.scheme != scheme);
+        self.withdrawn
+            .retain(|withdrawn| withdrawn.scheme != scheme);
         self.withdrawn.push(Withdrawn {
             scheme: scheme.to_string(),
             reason,
@@ -1687,7 +1703,6 @@ impl ClientLoop {
     /// Offers again the schemes whose pause is over, before a connection
     /// starts.
     fn restore_schemes(&mut self, now: Instant) {
-        let before = self.withdrawn.len();
         self.withdrawn.retain(|withdrawn| {
             let over = withdrawn.until.is_some_and(|until| until <= now);
             if over {
@@ -1695,15 +1710,16 @@ impl ClientLoop {
             }
             !over
         });
-        if self.withdrawn.len() != before {
-            let withdrawn = &self.withdrawn;
-            self.offers = self
-                .all_offers
-                .iter()
-                .filter(|offer| withdrawn.iter().all(|w| w.scheme != offer.scheme))
-                .cloned()
-                .collect();
-        }
+    }
+
+    /// What this connection offers the server: every endpoint's offer but
+    /// those withdrawn.
+    fn offers(&self) -> Vec<Offer> {
+        self.all_offers
+            .iter()
+            .filter(|offer| self.withdrawn.iter().all(|w| w.scheme != offer.scheme))
+            .cloned()
+            .collect()
     }
 
     /// A data endpoint's poll failed: it is offered no more, and a
@@ -1716,7 +1732,8 @@ impl ClientLoop {
         now: Instant,
     ) {
         let scheme = self.endpoints[index].scheme().to_string();
-        if !self.offers.iter().any(|offer| offer.scheme == scheme) {
+        // Reported once; a scheme only paused is withdrawn for good now.
+        if (self.withdrawn.iter()).any(|w| w.scheme == scheme && w.until.is_none()) {
             return;
         }
         error!(%scheme, error = %err, "data endpoint failed; reconnecting without it");
@@ -1734,13 +1751,19 @@ impl ClientLoop {
         }
     }
 
-    fn link_lost(&mut self, now: Instant) {
-        self.shared.outbox.lock().direct = None;
+    /// Close the data links, counting what the broker had not
+    /// acknowledged on them.
+    fn close_data_links(&mut self) {
         self.shared
             .counters
             .unacknowledged_at_close
             .fetch_add(self.conn.links.unacknowledged_frames(), Ordering::Relaxed);
         self.conn.links.close(&mut self.endpoints);
+    }
+
+    fn link_lost(&mut self, now: Instant) {
+        self.shared.outbox.lock().direct = None;
+        self.close_data_links();
         let failure = self.last_failure.take();
         if !self.shared.options.reconnect {
             // Down for good: a close the endpoint reports later is not a
@@ -1992,7 +2015,7 @@ impl ClientLoop {
             credentials,
             user: options.user.clone(),
             proof,
-            offers: self.offers.clone(),
+            offers: self.offers(),
             link_auth: self.link_secret.as_ref().map(|s| s.auth().clone()),
         });
         let _ = self.endpoints[CONTROL].send(peer, codec::encode(&hello));
@@ -2389,6 +2412,7 @@ impl ClientLoop {
     /// server follows when the first frame arrives there.
     fn open_data_links(&mut self, remote: &[Offer], remote_auth: Option<&LinkAuth>) {
         self.conn.links.close(&mut self.endpoints);
+        let offers = self.offers();
         let keying = self
             .link_secret
             .as_ref()
@@ -2400,7 +2424,7 @@ impl ClientLoop {
             });
         let negotiation = self.conn.links.open(
             &mut self.endpoints,
-            &self.offers,
+            &offers,
             remote,
             &self.shared.options.preference,
             &self.tuning,
@@ -2479,7 +2503,6 @@ impl ClientLoop {
             Event::Closed { peer, reason } => {
                 if self.conn.links.kind_of(index, peer).is_some() {
                     warn!(%reason, "data link closed; reconnecting");
-                    self.conn.links.close(&mut self.endpoints);
                     self.endpoints[CONTROL].close(control);
                     self.link_lost(Instant::now());
                 }
@@ -2628,6 +2651,27 @@ mod tests {
             assert!(Instant::now() < deadline, "the client loop never went idle");
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    #[test]
+    fn a_silent_scheme_pauses_twice_as_long_each_time_up_to_an_hour() {
+        let minute = Duration::from_secs(60);
+        assert_eq!(next_silent_pause(minute, minute), 2 * minute);
+        let mut pause = minute;
+        for _ in 0..10 {
+            pause = next_silent_pause(pause, minute);
+        }
+        assert_eq!(pause, SILENT_RETRY_MAX);
+        let day = Duration::from_secs(86_400);
+        assert_eq!(next_silent_pause(day, day), day, "a longer pause is kept");
+        assert_eq!(
+            next_silent_pause(Duration::ZERO, Duration::ZERO),
+            Duration::ZERO
+        );
+        assert_eq!(
+            next_silent_pause(Duration::MAX, Duration::MAX),
+            Duration::MAX
+        );
     }
 
     #[test]

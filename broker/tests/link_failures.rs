@@ -506,6 +506,8 @@ fn a_silent_scheme_is_offered_again_after_its_pause() {
         thread::sleep(Duration::from_millis(10));
     }
     let given_up = Instant::now();
+    // Back on TCP with the broker that went silent, before it goes.
+    client.flush(WAIT).expect("flushed on TCP");
     let silent_reason = |link: &efabus_broker::client::LinkReport| {
         link.reasons
             .iter()
@@ -516,6 +518,14 @@ fn a_silent_scheme_is_offered_again_after_its_pause() {
     let restart = |broker: Broker, reconnects: u64| -> Broker {
         broker.shutdown();
         drop(broker);
+        let deadline = Instant::now() + WAIT;
+        while matches!(client.state(), ConnectionState::Connected { .. }) {
+            assert!(
+                Instant::now() < deadline,
+                "the client never saw the broker go"
+            );
+            thread::sleep(Duration::from_millis(5));
+        }
         let broker = start_broker_at(&address, "", "").expect("the broker starts again");
         let deadline = Instant::now() + WAIT;
         while client.reconnects() <= reconnects
@@ -567,4 +577,64 @@ fn a_silent_scheme_is_offered_again_after_its_pause() {
         client.link()
     );
     assert_eq!(stat(&broker, "silent_data_links"), 0);
+}
+
+/// A data link that the client's endpoint closes under it (an injected
+/// disconnect on a send) ends the connection; what the link had sent and
+/// the broker had not acknowledged is counted, and the client reconnects.
+#[test]
+fn a_data_link_closed_under_a_client_counts_what_it_left_unacknowledged() {
+    let Some(broker) = start_broker("", "") else {
+        return;
+    };
+    let faults = efabus_broker::config::Faults {
+        seed: 5,
+        direction: efabus_transports::fault::FaultDirection::Send,
+        disconnect: 0.02,
+        scheme: Some("efa-rdm".to_string()),
+        ..Default::default()
+    };
+    let options = ClientOptions {
+        name: "disconnected".into(),
+        connect_timeout: Duration::from_secs(5),
+        max_backoff: Duration::from_millis(100),
+        data_paths: vec!["efa-rdm".to_string()],
+        fabric: broker.config().fabric.clone(),
+        faults: Some(faults),
+        ..ClientOptions::default()
+    };
+    let endpoint = broker.endpoint("tcp").expect("the broker listens on TCP");
+    let client = Arc::new(
+        Client::connect_with(&endpoint, options, Registry::with_builtins())
+            .unwrap_or_else(|err| panic!("the client connects: {err}")),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let publisher = {
+        let client = client.clone();
+        spawn_publisher(
+            64,
+            move |payload| {
+                // The connection may be down for a moment: the outbox
+                // keeps what is published meanwhile.
+                client.publish("closed.test", payload).expect("publish");
+            },
+            stop.clone(),
+        )
+    };
+    let started = Instant::now();
+    while client.reconnects() == 0 {
+        assert!(
+            started.elapsed() < WAIT,
+            "never disconnected: {:?}",
+            client.link()
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+    stop.store(true, Ordering::Relaxed);
+    publisher.join().expect("publisher thread");
+    let link = client.link();
+    assert!(
+        link.unacknowledged_at_close >= 1,
+        "the frame the link was closed on at least: {link:?}"
+    );
 }

@@ -808,6 +808,13 @@ impl DataLinks {
         self.reliable.as_ref().and_then(DataLink::silent_since)
     }
 
+    /// Whether something came back on the reliable link.
+    pub fn reliable_heard(&self) -> bool {
+        self.reliable
+            .as_ref()
+            .is_some_and(|link| link.contact == Contact::Heard)
+    }
+
     /// Whether a link awaits its proof and has not asked for it yet.
     pub fn challenge_due(&self) -> bool {
         self.links()
