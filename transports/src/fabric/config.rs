@@ -59,16 +59,24 @@ pub const RMA_READ_CAPS: u64 = (1 << 2) | (1 << 8) | (1 << 12);
 
 /// Bytes of each posted buffer of an endpoint of `kind` on `provider`
 /// (before the provider's own `max_msg_size` caps it): the eager size
-/// `options` give, else on RDM [`DEFAULT_RDM_MSG_SIZE`] within the
-/// provider's own eager limit (see [`provider_eager_limit`]), on DGRAM
-/// [`MAX_MSG_SIZE`]. The endpoint and `efabus caps` decide through this one
-/// function.
+/// `options` give, else on RDM [`DEFAULT_RDM_MSG_SIZE`] (over `tcp;ofi_rxm`
+/// within the provider's own eager limit, see [`provider_eager_limit`]),
+/// on DGRAM [`MAX_MSG_SIZE`]. The endpoint and `efabus caps` decide through
+/// this one function.
 ///
 /// [`provider_eager_limit`]: super::provider_eager_limit
 pub fn buffer_size(kind: EpKind, provider: &str, options: &FabricOptions) -> usize {
     options.msg_size.unwrap_or_else(|| match kind {
-        EpKind::Rdm => DEFAULT_RDM_MSG_SIZE
-            .min(super::provider_env::provider_eager_limit(provider).unwrap_or(usize::MAX)),
+        EpKind::Rdm => {
+            // Measured over `tcp` only; over other `ofi_rxm` cores a larger
+            // message takes the provider's segmentation instead, whose cost
+            // is unknown here, so their default stays.
+            let cap = provider
+                .starts_with("tcp")
+                .then(|| super::provider_env::provider_eager_limit(provider))
+                .flatten();
+            DEFAULT_RDM_MSG_SIZE.min(cap.unwrap_or(usize::MAX))
+        }
         EpKind::Dgram => MAX_MSG_SIZE,
     })
 }

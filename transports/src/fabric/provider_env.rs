@@ -58,13 +58,12 @@ pub(crate) fn note_unset_defaults(provider: &str) {
 }
 
 /// The eager limit `provider` keeps of its own, where it has one that
-/// matters to efabus: `ofi_rxm` sends a message above it by a protocol of
-/// its own (over `tcp` a rendezvous: a request, a read and a reply per
-/// message), so efabus's default RDM eager buffers stay within it and
-/// larger frames take efabus's rendezvous; and it refuses connections
-/// between endpoints whose limits differ (`rxm_verify_connreq`, whatever
-/// the core provider), so each offer carries it and negotiation pairs only
-/// equal ones. The limit is the environment's (see [`rxm_eager_limit`]),
+/// matters to efabus: `ofi_rxm` refuses connections between endpoints
+/// whose limits differ (`rxm_verify_connreq`, whatever the core provider),
+/// so each offer carries it and negotiation pairs only equal ones; and over
+/// `tcp` it sends a message above it by a rendezvous of its own (a request,
+/// a read and a reply per message), so efabus's default RDM eager buffers
+/// stay within it there and larger frames take efabus's rendezvous. The limit is the environment's (see [`rxm_eager_limit`]),
 /// never set by efabus, and read once, as libfabric reads it once.
 pub fn provider_eager_limit(provider: &str) -> Option<usize> {
     static OVER_TCP: OnceLock<usize> = OnceLock::new();
