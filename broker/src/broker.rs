@@ -659,11 +659,7 @@ impl Broker {
             }
         } else {
             for (endpoint, err) in &unavailable {
-                // The endpoint is named already.
-                let reason: &dyn std::fmt::Display = match err {
-                    RegistryError::Transport { source, .. } => source,
-                    other => other,
-                };
+                let reason = err.cause();
                 warn!(%endpoint, %reason, "fabric unavailable; peers use the other listeners");
             }
         }

@@ -29,7 +29,7 @@ pub enum Error {
     PayloadTooLarge { len: usize, max: u64 },
     #[error("invalid message headers: {0}")]
     Headers(#[from] efabus_core::headers::HeadersError),
-    #[error("cannot open {endpoint}: {source}")]
+    #[error("cannot open {endpoint}: {}", .source.cause())]
     Endpoint {
         endpoint: String,
         #[source]

@@ -442,13 +442,8 @@ fn explain(err: Error, server: Option<&str>) -> Failure {
                     1,
                 ),
             };
-            // A transport's error already names the endpoint: say it once.
-            let cause: &dyn std::fmt::Display = match source {
-                RegistryError::Transport { source, .. } => source,
-                other => other,
-            };
             (
-                format!("cannot open {}: {cause}", short(endpoint)),
+                format!("cannot open {}: {}", short(endpoint), source.cause()),
                 hint.to_string(),
                 code,
             )

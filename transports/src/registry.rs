@@ -156,6 +156,17 @@ pub enum RegistryError {
     },
 }
 
+impl RegistryError {
+    /// What went wrong, without the endpoint's name: for messages that
+    /// name the endpoint already.
+    pub fn cause(&self) -> &dyn std::fmt::Display {
+        match self {
+            RegistryError::Transport { source, .. } => source,
+            other => other,
+        }
+    }
+}
+
 /// Transports by scheme.
 #[derive(Clone, Default)]
 pub struct Registry {
