@@ -171,7 +171,7 @@ pub struct ClientArgs {
         conflicts_with = "user"
     )]
     pub token: Option<String>,
-    /// Config whose fabric endpoints (`listen` entries efa-rdm/efa-dgram,
+    /// Config whose fabric endpoints (`listen` entries efa-rdm/efa-dgram/shm,
     /// the [fabric] table, the preference list) the client offers the broker.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
@@ -308,7 +308,7 @@ impl From<ConfigError> for Failure {
             Failure::usage(format!("{err}; fix the option (see `efabus serve --help`)"))
         } else {
             Failure::usage(format!(
-                "{err}; fix the file (config/default.toml shows every key with its default)"
+                "{err}; fix the file (README \"Configuration\" lists every key with its default)"
             ))
         }
     }
