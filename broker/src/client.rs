@@ -1733,7 +1733,11 @@ impl ClientLoop {
     ) {
         let scheme = self.endpoints[index].scheme().to_string();
         // Reported once; a scheme only paused is withdrawn for good now.
-        if (self.withdrawn.iter()).any(|w| w.scheme == scheme && w.until.is_none()) {
+        if self
+            .withdrawn
+            .iter()
+            .any(|w| w.scheme == scheme && w.until.is_none())
+        {
             return;
         }
         error!(%scheme, error = %err, "data endpoint failed; reconnecting without it");
