@@ -356,10 +356,10 @@ pub struct LinkReport {
     /// reason is in `reasons` meanwhile).
     pub silent_data_links: u64,
     /// Frames sent (or numbered and queued) on a reliable data link that
-    /// the broker had not acknowledged when the connection was lost or the
-    /// client closed: the broker may have taken them (its credit still to
-    /// come) or not, and they are not sent again. Each frame of a run of
-    /// small ones counts on its own.
+    /// the broker had not acknowledged when the connection was lost: the
+    /// broker may have taken them (its credit still to come) or not, and
+    /// they are not sent again. Each frame of a run of small ones counts on
+    /// its own. A client's own close is no loss: its goodbye follows them.
     pub unacknowledged_at_close: u64,
     /// Rounds of the client's event loop run by application threads while
     /// they waited for a reply or a subscription's next message, rather
@@ -1544,7 +1544,9 @@ impl ClientLoop {
                 events.clear();
                 std::thread::sleep(Duration::from_millis(1));
             }
-            self.close_data_links();
+            // Not counted as unacknowledged: the goodbye went behind them
+            // on the same path, so the broker takes them before it.
+            self.conn.links.close(&mut self.endpoints);
             let control = &mut self.endpoints[CONTROL];
             control.close(peer);
             // Let the endpoint hand the goodbye to the wire.

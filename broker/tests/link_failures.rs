@@ -638,3 +638,31 @@ fn a_data_link_closed_under_a_client_counts_what_it_left_unacknowledged() {
         "the frame the link was closed on at least: {link:?}"
     );
 }
+
+/// A client's own close loses nothing it published before it: its goodbye
+/// follows the messages on the same path, so none counts as
+/// unacknowledged, and all of them arrive.
+#[test]
+fn a_client_that_closes_counts_nothing_unacknowledged() {
+    let Some(broker) = start_broker("", "") else {
+        return;
+    };
+    let subscription = broker.subscribe("closing.test").expect("subscribe");
+    let client = fabric_client(&broker, "closing");
+    for n in 0..2_000u32 {
+        client
+            .publish("closing.test", n.to_le_bytes().to_vec())
+            .expect("publish");
+    }
+    client.shutdown();
+    for n in 0..2_000u32 {
+        let message = subscription.recv_timeout(WAIT).expect("every message");
+        assert_eq!(message.payload[..], n.to_le_bytes());
+    }
+    assert_eq!(
+        client.link().unacknowledged_at_close,
+        0,
+        "{:?}",
+        client.link()
+    );
+}
