@@ -311,6 +311,7 @@ struct LinkCounters {
     link_send_failures: AtomicU64,
     silent_data_links: AtomicU64,
     unacknowledged_at_close: AtomicU64,
+    discarded_at_close: AtomicU64,
     driven_rounds: AtomicU64,
 }
 
@@ -359,8 +360,13 @@ pub struct LinkReport {
     /// the broker had not acknowledged when the connection was lost: the
     /// broker may have taken them (its credit still to come) or not, and
     /// they are not sent again. Each frame of a run of small ones counts on
-    /// its own. A client's own close is no loss: its goodbye follows them.
+    /// its own. A client's own close counts them only when the server had
+    /// not confirmed them by the end of `shutdown`'s flush.
     pub unacknowledged_at_close: u64,
+    /// Publishes this client still held when it closed (waiting for the
+    /// connection, or pushed back by the server), discarded with it:
+    /// `shutdown` flushes for at most a second first.
+    pub discarded_at_close: u64,
     /// Rounds of the client's event loop run by application threads while
     /// they waited for a reply or a subscription's next message, rather
     /// than by the client's own thread.
@@ -422,11 +428,36 @@ struct Outbox {
     /// Where such a publish goes: the connection's direct sender while the
     /// control link carries the traffic and has one.
     direct: Option<Arc<dyn DirectSend>>,
+    /// The client is closing: no publish is taken any more, so what the
+    /// close counts is all there is.
+    closing: Closing,
+}
+
+/// How far a client's close has come, as its publishers see it.
+#[derive(Default, Clone, Copy, PartialEq, Eq)]
+enum Closing {
+    #[default]
+    Open,
+    /// `shutdown` began; the server confirmed every publish taken before.
+    Flushed,
+    /// `shutdown` began and its flush was not confirmed, or the loop ended
+    /// without it.
+    Unconfirmed,
 }
 
 impl Outbox {
     fn is_empty(&self) -> bool {
         self.open.is_empty() && self.items.is_empty()
+    }
+
+    /// `Publish` frames it holds.
+    fn publishes(&self) -> u64 {
+        let items = self.items.iter().map(|item| match item {
+            Item::Run(run) => outbound::publishes_in(run, true),
+            Item::Frame(frame) => outbound::publishes_in(&frame.head, false),
+            Item::Command(_) => 0,
+        });
+        items.sum::<u64>() + outbound::publishes_in(&self.open, true)
     }
 
     /// Turn the open frames into an item, so what follows queues behind
@@ -537,6 +568,9 @@ impl ClientShared {
             return Err(Error::Closed);
         }
         let mut outbox = self.outbox.lock();
+        if outbox.closing != Closing::Open {
+            return Err(Error::Closed);
+        }
         // Read under the outbox's lock, which a welcome's new limits take
         // to clear the subject checked last.
         let limits = &self.subject_limits();
@@ -932,6 +966,7 @@ impl Client {
             link_send_failures: get(&counters.link_send_failures),
             silent_data_links: get(&counters.silent_data_links),
             unacknowledged_at_close: get(&counters.unacknowledged_at_close),
+            discarded_at_close: get(&counters.discarded_at_close),
             driven_rounds: get(&counters.driven_rounds),
             ..self.shared.link.lock().clone()
         }
@@ -1150,10 +1185,16 @@ impl Client {
             .map_err(|_| Error::Timeout(timeout))
     }
 
-    /// Flush (briefly), say goodbye and close the connection.
+    /// Take no more publishes, flush (waiting at most a second for the
+    /// server), say goodbye and close the connection. What the server had
+    /// not taken by then is discarded and counted
+    /// (`link().discarded_at_close`, `link().unacknowledged_at_close`).
     pub fn shutdown(&self) {
         if !self.shared.shutdown.load(Ordering::Relaxed) {
-            let _ = self.flush(Duration::from_secs(1));
+            self.shared.outbox.lock().closing = Closing::Unconfirmed;
+            if self.flush(Duration::from_secs(1)).is_ok() {
+                self.shared.outbox.lock().closing = Closing::Flushed;
+            }
         }
         self.shared.shutdown.store(true, Ordering::SeqCst);
         self.shared.parker.wake();
@@ -1544,9 +1585,15 @@ impl ClientLoop {
                 events.clear();
                 std::thread::sleep(Duration::from_millis(1));
             }
-            // Not counted as unacknowledged: the goodbye went behind them
-            // on the same path, so the broker takes them before it.
-            self.conn.links.close(&mut self.endpoints);
+            if self.shared.outbox.lock().closing == Closing::Flushed {
+                // The server processed all of it, its credit for the last
+                // frames still to come: nothing to count.
+                self.conn.links.close(&mut self.endpoints);
+            } else {
+                // The server held the path back to the end: what the link
+                // numbered may be in no one's hands but the provider's.
+                self.close_data_links();
+            }
             let control = &mut self.endpoints[CONTROL];
             control.close(peer);
             // Let the endpoint hand the goodbye to the wire.
@@ -1556,6 +1603,26 @@ impl ClientLoop {
                 let _ = control.poll(&mut events);
                 std::thread::sleep(Duration::from_millis(1));
             }
+        }
+        // What the path never took goes with the client: said, not lost
+        // without a word. Publishers are refused from here on, however the
+        // loop came to end.
+        let held = {
+            let mut outbox = self.shared.outbox.lock();
+            if outbox.closing == Closing::Open {
+                outbox.closing = Closing::Unconfirmed;
+            }
+            self.conn.out.publishes() + outbox.publishes()
+        };
+        if held > 0 {
+            warn!(
+                publishes = held,
+                "closing with publishes the server never took"
+            );
+            self.shared
+                .counters
+                .discarded_at_close
+                .fetch_add(held, Ordering::Relaxed);
         }
     }
 

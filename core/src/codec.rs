@@ -734,6 +734,12 @@ pub fn set_message_sid(frame: &mut [u8], sid: u64) {
     }
 }
 
+/// Whether a whole frame (prefix included) is a `Publish`, by its kind
+/// byte alone.
+pub fn is_publish(frame: &[u8]) -> bool {
+    frame.get(PREFIX_LEN) == Some(&(FrameKind::Publish as u8))
+}
+
 /// The subscription id of the `Message` frame that starts at the beginning
 /// of `frame` (encoded as [`routed_into`] or [`encode`] do), or `None` if
 /// it is not one.

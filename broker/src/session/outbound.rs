@@ -63,6 +63,12 @@ impl Queued {
         }
     }
 
+    /// `Publish` frames the entry holds (the frames of a client's run of
+    /// publishes, or the one frame).
+    pub fn publishes(&self) -> u64 {
+        publishes_in(&self.frame.head, self.run)
+    }
+
     /// Call `f` with the subscription id of each `Message` frame the entry
     /// holds (the frames of a run of deliveries, or the one frame).
     pub fn for_each_sid(&self, mut f: impl FnMut(u64)) {
@@ -251,6 +257,17 @@ fn send_on(
     OnLink::Taken
 }
 
+/// `Publish` frames in `head`: a run of whole frames (`run`), or one frame.
+pub(crate) fn publishes_in(head: &[u8], run: bool) -> u64 {
+    if run {
+        split_run_slices(head)
+            .filter(|frame| codec::is_publish(frame))
+            .count() as u64
+    } else {
+        u64::from(codec::is_publish(head))
+    }
+}
+
 /// What the slow-consumer policy made of a queue over its bound.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Overflow {
@@ -368,6 +385,12 @@ impl Outbound {
     /// frames, count none).
     pub fn messages(&self) -> u64 {
         self.queue.iter().map(|q| q.messages as u64).sum()
+    }
+
+    /// `Publish` frames waiting: what a client's queue holds of its
+    /// publishes.
+    pub fn publishes(&self) -> u64 {
+        self.queue.iter().map(Queued::publishes).sum()
     }
 
     /// Apply the slow-consumer policy after a message was queued, when the
