@@ -328,8 +328,7 @@ fn service(args: &[String]) -> Result<(), Failure> {
             if let Some(kib) = resident_kib() {
                 println!("{name} resident memory {kib} KiB with {} routes", count - 1);
             }
-            println!("{DONE}");
-            std::io::stdout().flush()?;
+            say(DONE)?;
             // Serve the others until the launcher closes stdin.
             for _ in commands.by_ref() {}
         }

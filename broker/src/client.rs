@@ -1668,10 +1668,7 @@ impl ClientLoop {
         match control.connect(&self.address) {
             Ok(peer) => {
                 // A fresh secret per handshake: keys never outlive a session.
-                let wants_links = self
-                    .offers()
-                    .iter()
-                    .any(|o| endpoints::is_data_scheme(&o.scheme));
+                let wants_links = self.offers().any(|o| endpoints::is_data_scheme(&o.scheme));
                 self.link_secret = match wants_links.then(LinkSecret::new) {
                     Some(Ok(secret)) => Some(secret),
                     Some(Err(err)) => {
@@ -1783,12 +1780,10 @@ impl ClientLoop {
 
     /// What this connection offers the server: every endpoint's offer but
     /// those withdrawn.
-    fn offers(&self) -> Vec<Offer> {
+    fn offers(&self) -> impl Iterator<Item = &Offer> {
         self.all_offers
             .iter()
             .filter(|offer| self.withdrawn.iter().all(|w| w.scheme != offer.scheme))
-            .cloned()
-            .collect()
     }
 
     /// A data endpoint's poll failed: it is offered no more, and a
@@ -2088,7 +2083,7 @@ impl ClientLoop {
             credentials,
             user: options.user.clone(),
             proof,
-            offers: self.offers(),
+            offers: self.offers().cloned().collect(),
             link_auth: self.link_secret.as_ref().map(|s| s.auth().clone()),
         });
         let _ = self.endpoints[CONTROL].send(peer, codec::encode(&hello));
@@ -2485,7 +2480,7 @@ impl ClientLoop {
     /// server follows when the first frame arrives there.
     fn open_data_links(&mut self, remote: &[Offer], remote_auth: Option<&LinkAuth>) {
         self.conn.links.close(&mut self.endpoints);
-        let offers = self.offers();
+        let offers: Vec<Offer> = self.offers().cloned().collect();
         let keying = self
             .link_secret
             .as_ref()

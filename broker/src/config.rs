@@ -880,7 +880,6 @@ impl Config {
                 "heartbeat.max_pings_out",
                 self.heartbeat.max_pings_out as usize,
             ),
-            ("fabric.eager_size", self.fabric.eager_size.unwrap_or(1)),
             (
                 "fabric.reliable_gap_timeout_ms",
                 self.fabric.reliable_gap_timeout_ms as usize,
@@ -890,6 +889,13 @@ impl Config {
             if value == 0 {
                 return Err(invalid(key, "must be greater than 0".into()));
             }
+        }
+        // Unset, the eager size is the provider's default.
+        if self.fabric.eager_size == Some(0) {
+            return Err(invalid(
+                "fabric.eager_size",
+                "must be greater than 0".into(),
+            ));
         }
         if self.limits.max_payload > u32::MAX as u64 - 4096 {
             return Err(invalid(
@@ -1283,6 +1289,17 @@ mod tests {
         assert!(
             err.contains("fabric.reliable_gap_timeout_ms: must be greater than 0"),
             "{err}"
+        );
+        let err = Config::from_toml_str("[fabric]\neager_size = 0\n", "e.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("fabric.eager_size: must be greater than 0"),
+            "{err}"
+        );
+        assert_eq!(
+            config.fabric.eager_size, None,
+            "unset: the provider's default"
         );
         let err = Config::from_toml_str("[fabric]\nreliable_gap_timeout_ms = 10000\n", "g.toml")
             .unwrap_err()

@@ -22,7 +22,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use efabus_broker::{Broker, Client, ClientOptions, Config, ConnectionState, Error, RecvError};
+use efabus_broker::{
+    Broker, Client, ClientOptions, Config, ConnectionState, Error, RecvError, Subscription,
+};
 use efabus_transports::registry::Registry;
 
 const PROVIDER: &str = "tcp;ofi_rxm";
@@ -39,16 +41,16 @@ fn fabric_required() -> bool {
 /// table; `None` when the provider cannot open here and the fabric is not
 /// required.
 fn start_broker(faults: &str, limits: &str) -> Option<Broker> {
-    start_broker_at("127.0.0.1:0", faults, limits)
+    start_broker_at("127.0.0.1:0", faults, &format!("[limits]\n{limits}"))
 }
 
-/// [`start_broker`], listening on TCP at `address`.
-fn start_broker_at(address: &str, faults: &str, limits: &str) -> Option<Broker> {
+/// [`start_broker`], listening on TCP at `address`, with `tables` (TOML
+/// tables such as `[limits]`) added to its configuration.
+fn start_broker_at(address: &str, faults: &str, tables: &str) -> Option<Broker> {
     let text = format!(
         "name = \"link-failures\"\nlisten = [\"tcp/{address}\", \"efa-rdm\"]\n\
-         [limits]\n{limits}\n\
          [fabric]\nprovider = \"{PROVIDER}\"\nnode = \"127.0.0.1\"\nmax_frame = 65536\n\
-         [testing.faults]\n{faults}\n"
+         [testing.faults]\n{faults}\n{tables}\n"
     );
     let config = Config::from_toml_str(&text, "link failure test").expect("valid test config");
     match Broker::start(config) {
@@ -121,6 +123,24 @@ fn spawn_publisher(
         }
         seq
     })
+}
+
+/// Publish 100 numbered messages on `subject`; they are the next 100
+/// `subscription` receives, in order.
+fn hundred_in_order(publisher: &Client, subscription: &Subscription, subject: &str) {
+    for n in 0..100u32 {
+        publisher
+            .publish(subject, n.to_le_bytes().to_vec())
+            .expect("publish");
+    }
+    publisher.flush(WAIT).expect("flush");
+    for n in 0..100u32 {
+        let message = subscription
+            .recv_timeout(WAIT)
+            .unwrap_or_else(|err| panic!("message {n} on {subject}: {err}"));
+        assert_eq!(&message.subject[..], subject);
+        assert_eq!(message.payload[..], n.to_le_bytes());
+    }
 }
 
 fn seq_of(payload: &[u8]) -> u64 {
@@ -377,19 +397,7 @@ fn a_failed_fabric_endpoint_moves_its_clients_to_tcp() {
         assert_eq!(link.reliable, "tcp", "back on TCP: {link:?}");
     }
     while subscription.try_recv().is_ok() {}
-    for n in 0..100u32 {
-        publisher
-            .publish("fail.after", n.to_le_bytes().to_vec())
-            .unwrap();
-    }
-    publisher.flush(WAIT).unwrap();
-    for n in 0..100u32 {
-        let message = subscription
-            .recv_timeout(WAIT)
-            .expect("a message after the failure");
-        assert_eq!(&message.subject[..], "fail.after");
-        assert_eq!(message.payload[..], n.to_le_bytes());
-    }
+    hundred_in_order(&publisher, &subscription, "fail.after");
     assert_eq!(stat(&broker, "connections"), 2);
 }
 
@@ -559,18 +567,7 @@ fn a_silent_scheme_is_offered_again_after_its_pause() {
     assert!(!silent_reason(&link), "{link:?}");
     assert_eq!(link.silent_data_links, 1, "{link:?}");
     let fabric_in = link.fabric_frames_in;
-    for n in 0..100u32 {
-        client
-            .publish("retry.after", n.to_le_bytes().to_vec())
-            .unwrap();
-    }
-    client.flush(WAIT).unwrap();
-    for n in 0..100u32 {
-        let message = subscription
-            .recv_timeout(WAIT)
-            .expect("the messages published on the fabric");
-        assert_eq!(message.payload[..], n.to_le_bytes());
-    }
+    hundred_in_order(&client, &subscription, "retry.after");
     assert!(
         client.link().fabric_frames_in >= fabric_in + 100,
         "{:?}",
@@ -673,23 +670,12 @@ fn a_client_that_closes_counts_nothing_unacknowledged() {
 /// more than did not arrive; over the fabric and over TCP.
 #[test]
 fn publishes_a_client_still_holds_at_close_are_counted() {
+    let tables = "[limits]\nsubscription_queue = 64\nmax_pending_bytes = 65536\n\
+                  [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 60000";
     for data_paths in [vec!["efa-rdm".to_string()], Vec::new()] {
-        let limits = "subscription_queue = 64\nmax_pending_bytes = 65536";
-        let text = format!(
-            "name = \"held\"\nlisten = [\"tcp/127.0.0.1:0\", \"efa-rdm\"]\n\
-             [limits]\n{limits}\n[slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 60000\n\
-             [fabric]\nprovider = \"{PROVIDER}\"\nnode = \"127.0.0.1\"\n"
-        );
-        let config = Config::from_toml_str(&text, "held test").expect("valid test config");
-        let broker = match Broker::start(config) {
-            Ok(broker) if broker.endpoint("efa-rdm").is_some() || !fabric_required() => broker,
-            Ok(_) => panic!("EFABUS_REQUIRE_FABRIC=1 but provider {PROVIDER} did not open"),
-            Err(err) => panic!("broker does not start: {err}"),
+        let Some(broker) = start_broker_at("127.0.0.1:0", "", tables) else {
+            return;
         };
-        if !data_paths.is_empty() && broker.endpoint("efa-rdm").is_none() {
-            eprintln!("skipping the fabric case: provider {PROVIDER} cannot open here");
-            continue;
-        }
         let subscription = broker.subscribe("held.test").expect("subscribe");
         let options = ClientOptions {
             name: "holding".into(),

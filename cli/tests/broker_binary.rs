@@ -655,14 +655,7 @@ fn graceful_shutdown_delivers_then_exits_zero() {
 
 #[test]
 fn usage_and_config_errors_exit_2_with_one_line() {
-    let bad = common::temp_path("bad.toml");
-    std::fs::write(&bad, "[limits]\nmax_payloadd = 1\n").unwrap();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
-        .args(["serve", "--config"])
-        .arg(&bad)
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_file(&bad);
+    let output = common::serve_with_config("[limits]\nmax_payloadd = 1\n", &[]);
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
@@ -697,18 +690,10 @@ fn a_listener_that_cannot_open_is_one_line_naming_it_once() {
         "{stderr}"
     );
 
-    let config = common::temp_path("fabric-only.toml");
-    std::fs::write(
-        &config,
+    let output = common::serve_with_config(
         "listen = [\"efa-rdm\"]\n[fabric]\nprovider = \"no-such-provider\"\n",
-    )
-    .unwrap();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
-        .args(["serve", "--log-level", "warn", "--config"])
-        .arg(&config)
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_file(&config);
+        &["--log-level", "warn"],
+    );
     assert_eq!(output.status.code(), Some(1));
     let stderr = common::text(&output.stderr);
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");

@@ -26,12 +26,11 @@ const WAIT: Duration = Duration::from_secs(10);
 /// Reliable providers (RDM), each paired with `udp` for DGRAM.
 const RDM_PROVIDERS: &[&str] = &["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"];
 
-fn required() -> bool {
-    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
-}
-
 fn skip(why: &str) {
-    assert!(!required(), "EFABUS_REQUIRE_FABRIC=1 but {why}");
+    assert!(
+        !common::fabric_required(),
+        "EFABUS_REQUIRE_FABRIC=1 but {why}"
+    );
     eprintln!("skipping: {why} (set EFABUS_REQUIRE_FABRIC=1 to fail instead)");
 }
 

@@ -657,7 +657,7 @@ fn bench_measures_across_a_route() {
     )
     .unwrap();
     let config = config.to_str().unwrap();
-    let fabric_required = std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v == "1");
+    let fabric_required = common::fabric_required();
     for (args, path) in [
         (&["--config", config][..], "efa-rdm via tcp;ofi_rxm"),
         (&[][..], "tcp"),
@@ -702,7 +702,7 @@ fn the_binary_bounds_the_receive_buffers_of_ofi_rxm() {
     let client_config = common::temp_path("rxm-client.toml");
     std::fs::write(&client_config, format!("listen = [\"efa-rdm\"]\n{fabric}")).unwrap();
     let client_config = client_config.to_str().unwrap();
-    let fabric_required = std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v == "1");
+    let fabric_required = common::fabric_required();
     let mut resident_kib = Vec::new();
     for env in [&[][..], &[("FI_OFI_RXM_MSG_RX_SIZE", "4096")][..]] {
         let server = Server::start_listening(&["tcp/127.0.0.1:0", "efa-rdm"], fabric, env);
@@ -749,7 +749,7 @@ fn the_binary_bounds_the_receive_buffers_of_ofi_rxm() {
 /// connections between different limits).
 #[test]
 fn fabric_links_over_ofi_rxm_keep_eager_buffers_within_its_eager_limit() {
-    let fabric_required = std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v == "1");
+    let fabric_required = common::fabric_required();
     for (env, most) in [
         (&[][..], 16 << 10),
         (&[("FI_OFI_RXM_EAGER_LIMIT", "32768")][..], 32 << 10),
@@ -787,7 +787,7 @@ fn fabric_peers_whose_rxm_eager_limits_differ_link_over_tcp_and_say_why() {
     // link on it.
     if !said.contains("eager limits differ") && !said.contains("efa-rdm via tcp;ofi_rxm") {
         assert!(
-            !std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v == "1"),
+            !common::fabric_required(),
             "the eager limits were not compared: {said}"
         );
         eprintln!("skipping: efa-rdm via tcp;ofi_rxm cannot open here: {said}");

@@ -44,10 +44,6 @@ const PACE: Duration = Duration::from_millis(1);
 /// How long, under `block`, publishers wait for the stopped peer.
 const BLOCK_TIMEOUT_MS: u64 = 1_000;
 
-fn fabric_required() -> bool {
-    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
-}
-
 fn fabric_table(provider: &str) -> String {
     format!(
         "[fabric]\nprovider = \"{provider}\"\ndgram_provider = \"udp\"\n\
@@ -68,7 +64,7 @@ fn start_broker(provider: &str, policy: &str) -> Option<Broker> {
     let config = Config::from_toml_str(&text, "isolation test").expect("valid test config");
     match Broker::start(config) {
         Ok(broker) if broker.endpoint("efa-rdm").is_some() => Some(broker),
-        Ok(_) | Err(Error::Endpoint { .. }) if !fabric_required() => {
+        Ok(_) | Err(Error::Endpoint { .. }) if !common::fabric_required() => {
             eprintln!("skipping: provider {provider} cannot open here");
             None
         }

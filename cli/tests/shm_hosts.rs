@@ -20,10 +20,6 @@ use common::temp_path;
 
 const WAIT: Duration = Duration::from_secs(10);
 
-fn fabric_required() -> bool {
-    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
-}
-
 const FABRIC: &str = "[fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n";
 
 fn start_broker() -> Option<Broker> {
@@ -33,7 +29,7 @@ fn start_broker() -> Option<Broker> {
         .expect("the broker starts");
     if broker.endpoint("shm").is_none() || broker.endpoint("efa-rdm").is_none() {
         assert!(
-            !fabric_required(),
+            !common::fabric_required(),
             "EFABUS_REQUIRE_FABRIC=1 but shm did not open"
         );
         eprintln!("skipping: shm or tcp;ofi_rxm cannot open here");

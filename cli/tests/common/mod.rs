@@ -21,6 +21,28 @@ pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// Whether a fabric provider that cannot open must fail the test (CI sets
+/// `EFABUS_REQUIRE_FABRIC=1`) rather than skip it.
+pub fn fabric_required() -> bool {
+    std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")
+}
+
+/// Run `efabus serve ARGS --config FILE` to its end, FILE holding
+/// `config` (removed afterwards).
+pub fn serve_with_config(config: &str, args: &[&str]) -> std::process::Output {
+    let path = temp_path("serve.toml");
+    std::fs::write(&path, config).expect("write config");
+    let output = Command::new(env!("CARGO_BIN_EXE_efabus"))
+        .arg("serve")
+        .args(args)
+        .arg("--config")
+        .arg(&path)
+        .output()
+        .expect("run efabus serve");
+    let _ = std::fs::remove_file(&path);
+    output
+}
+
 /// The variables that set `ofi_rxm`'s eager limit, which must agree
 /// between processes: tests leave them out unless they set them.
 pub const RXM_EAGER_VARS: [&str; 2] = ["FI_OFI_RXM_EAGER_LIMIT", "FI_OFI_RXM_BUFFER_SIZE"];

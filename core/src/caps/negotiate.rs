@@ -92,8 +92,8 @@ pub struct Offer {
     pub rendezvous_max: u64,
     /// The provider's own eager limit where the provider refuses a peer
     /// whose limit differs (`ofi_rxm`, which reads it from the environment
-    /// of each process); 0 elsewhere. Such a pair would
-    /// negotiate a link the provider then never connects.
+    /// of each process); 0 elsewhere. Such a pair would negotiate a link
+    /// the provider then never connects.
     pub provider_eager_limit: u64,
 }
 

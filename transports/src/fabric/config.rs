@@ -67,16 +67,14 @@ pub const RMA_READ_CAPS: u64 = (1 << 2) | (1 << 8) | (1 << 12);
 /// [`provider_eager_limit`]: super::provider_eager_limit
 pub fn buffer_size(kind: EpKind, provider: &str, options: &FabricOptions) -> usize {
     options.msg_size.unwrap_or_else(|| match kind {
-        EpKind::Rdm => {
-            // Measured over `tcp` only; over other `ofi_rxm` cores a larger
-            // message takes the provider's segmentation instead, whose cost
-            // is unknown here, so their default stays.
-            let cap = provider
-                .starts_with("tcp")
-                .then(|| super::provider_env::provider_eager_limit(provider))
-                .flatten();
+        // Capped over `tcp` only, where it was measured; over other
+        // `ofi_rxm` cores a larger message takes the provider's
+        // segmentation instead, whose cost is unknown here.
+        EpKind::Rdm if super::provider_env::rxm_over_tcp(provider) => {
+            let cap = super::provider_env::provider_eager_limit(provider);
             DEFAULT_RDM_MSG_SIZE.min(cap.unwrap_or(usize::MAX))
         }
+        EpKind::Rdm => DEFAULT_RDM_MSG_SIZE,
         EpKind::Dgram => MAX_MSG_SIZE,
     })
 }

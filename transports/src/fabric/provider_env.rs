@@ -47,8 +47,10 @@ pub fn apply_provider_env_defaults() {
 pub(crate) fn note_unset_defaults(provider: &str) {
     static NOTED: AtomicBool = AtomicBool::new(false);
     let (name, value) = RXM_RX_SIZE;
-    let rxm_over_tcp = provider.starts_with("tcp") && provider.contains("ofi_rxm");
-    if rxm_over_tcp && std::env::var_os(name).is_none() && !NOTED.swap(true, Ordering::Relaxed) {
+    if rxm_over_tcp(provider)
+        && std::env::var_os(name).is_none()
+        && !NOTED.swap(true, Ordering::Relaxed)
+    {
         tracing::info!(
             "{provider} posts 4,096 receive buffers of 16 KiB (65 MiB) per endpoint by default: \
              call apply_provider_env_defaults() (efabus::transports::fabric) first in main, \
@@ -63,17 +65,23 @@ pub(crate) fn note_unset_defaults(provider: &str) {
 /// so each offer carries it and negotiation pairs only equal ones; and over
 /// `tcp` it sends a message above it by a rendezvous of its own (a request,
 /// a read and a reply per message), so efabus's default RDM eager buffers
-/// stay within it there and larger frames take efabus's rendezvous. The limit is the environment's (see [`rxm_eager_limit`]),
-/// never set by efabus, and read once, as libfabric reads it once.
+/// stay within it there and larger frames take efabus's rendezvous. The
+/// limit is the environment's (see [`rxm_eager_limit`]), never set by
+/// efabus, and read once, as libfabric reads it once.
 pub fn provider_eager_limit(provider: &str) -> Option<usize> {
     static OVER_TCP: OnceLock<usize> = OnceLock::new();
     static OVER_OTHER: OnceLock<usize> = OnceLock::new();
     if !provider.contains("ofi_rxm") {
         return None;
     }
-    let over_tcp = provider.starts_with("tcp");
+    let over_tcp = rxm_over_tcp(provider);
     let limit = if over_tcp { &OVER_TCP } else { &OVER_OTHER };
     Some(*limit.get_or_init(|| rxm_eager_limit(over_tcp, |name| std::env::var(name).ok())))
+}
+
+/// Whether `provider` is `ofi_rxm` over libfabric's `tcp`.
+pub(crate) fn rxm_over_tcp(provider: &str) -> bool {
+    provider.starts_with("tcp") && provider.contains("ofi_rxm")
 }
 
 /// `ofi_rxm`'s eager limit given the environment (`var`), as libfabric
@@ -154,54 +162,33 @@ mod tests {
 
     #[test]
     fn the_rxm_eager_limit_over_tcp_is_its_variable_never_below_the_buffer_size() {
-        let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |name: &str| {
-                pairs
-                    .iter()
+        const LIMIT: &str = "FI_OFI_RXM_EAGER_LIMIT";
+        const BUFFER: &str = "FI_OFI_RXM_BUFFER_SIZE";
+        // Over tcp, then over other cores (`verbs`), where the buffer size
+        // is the limit.
+        type Env = &'static [(&'static str, &'static str)];
+        let cases: [(bool, Env, usize); 8] = [
+            (true, &[], 16384),
+            (true, &[(LIMIT, "32768")], 32768),
+            (true, &[(BUFFER, "65536")], 65536),
+            (true, &[(LIMIT, "65536"), (BUFFER, "20000")], 65536),
+            (true, &[(LIMIT, "8192"), (BUFFER, "20000")], 20000),
+            (false, &[], 16384),
+            (false, &[(LIMIT, "32768")], 16384),
+            (false, &[(BUFFER, "0x10000")], 65536),
+        ];
+        for (over_tcp, env, expected) in cases {
+            let var = |name: &str| {
+                env.iter()
                     .find(|(n, _)| *n == name)
                     .map(|(_, v)| v.to_string())
-            }
-        };
-        assert_eq!(rxm_eager_limit(true, env(&[])), 16384);
-        assert_eq!(
-            rxm_eager_limit(true, env(&[("FI_OFI_RXM_EAGER_LIMIT", "32768")])),
-            32768
-        );
-        assert_eq!(
-            rxm_eager_limit(true, env(&[("FI_OFI_RXM_BUFFER_SIZE", "65536")])),
-            65536
-        );
-        assert_eq!(
-            rxm_eager_limit(
-                true,
-                env(&[
-                    ("FI_OFI_RXM_EAGER_LIMIT", "65536"),
-                    ("FI_OFI_RXM_BUFFER_SIZE", "20000")
-                ])
-            ),
-            65536
-        );
-        assert_eq!(
-            rxm_eager_limit(
-                true,
-                env(&[
-                    ("FI_OFI_RXM_EAGER_LIMIT", "8192"),
-                    ("FI_OFI_RXM_BUFFER_SIZE", "20000")
-                ])
-            ),
-            20000,
-            "never below the buffer size"
-        );
-        // Over other cores (`verbs`) the buffer size is the limit.
-        assert_eq!(rxm_eager_limit(false, env(&[])), 16384);
-        assert_eq!(
-            rxm_eager_limit(false, env(&[("FI_OFI_RXM_EAGER_LIMIT", "32768")])),
-            16384
-        );
-        assert_eq!(
-            rxm_eager_limit(false, env(&[("FI_OFI_RXM_BUFFER_SIZE", "0x10000")])),
-            65536
-        );
+            };
+            assert_eq!(
+                rxm_eager_limit(over_tcp, var),
+                expected,
+                "over tcp: {over_tcp}, {env:?}"
+            );
+        }
     }
 
     #[test]
