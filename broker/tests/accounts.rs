@@ -8,10 +8,15 @@ use std::time::{Duration, Instant};
 
 use efabus_broker::accounts::hash_secret;
 use efabus_broker::{Broker, Client, ClientOptions, Config, Error};
-use efabus_core::frame::ErrorCode;
+use efabus_core::frame::{
+    DeliveryClass, ErrorCode, Frame, Hello, RouteHello, Subscribe, PROTOCOL_VERSION,
+};
 use efabus_transports::registry::Registry;
 
-const WAIT: Duration = Duration::from_secs(10);
+mod raw_common;
+use raw_common::Raw;
+
+use raw_common::WAIT;
 
 fn broker() -> Broker {
     let text = format!(
@@ -203,8 +208,8 @@ fn requests_work_without_permission_to_subscribe_to_inboxes() {
 }
 
 /// A restricted user cannot make a reply subject a way to publish where
-/// it may not, an inbox is held only while subscriptions under it last,
-/// and an inbox interest from a route is held for the requester behind it.
+/// it may not, and an inbox is held only while subscriptions under it
+/// last (an inbox a route announces: the next test).
 #[test]
 fn reply_subjects_and_inboxes_open_nothing_beyond_the_permissions() {
     let broker = broker();
@@ -245,4 +250,93 @@ fn reply_subjects_and_inboxes_open_nothing_beyond_the_permissions() {
         "released with its subscription"
     );
     assert!(requester.take_errors().is_empty());
+}
+
+/// A raw peer posing as broker `broker_id`, with a route to `broker`
+/// (whose `cluster.secret` is "mesh") announcing interest in `pattern`.
+fn route_announcing(broker: &Broker, broker_id: u64, pattern: &str) -> Raw {
+    let mut raw = Raw::connect(broker);
+    raw.send(&Frame::Hello(Hello {
+        no_echo: false,
+        no_responders: false,
+        version: PROTOCOL_VERSION,
+        name: format!("broker-{broker_id}"),
+        credentials: Some("mesh".to_string()),
+        user: None,
+        proof: None,
+        offers: Vec::new(),
+        link_auth: None,
+    }));
+    raw.send(&Frame::Route(RouteHello {
+        broker_id,
+        advertise: None,
+        seeded: false,
+    }));
+    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
+    raw.send(&Frame::Subscribe(Subscribe {
+        sid: 1,
+        pattern: pattern.to_string(),
+        queue: None,
+        class: DeliveryClass::Reliable,
+    }));
+    raw
+}
+
+/// An inbox a route announces is held for the requester behind it while
+/// any route still subscribes under it: when the first route to announce
+/// it goes (as the losing one of two links between the same brokers
+/// does), the other keeps it, and a restricted user still may not
+/// subscribe under it; with the last route gone, it is free.
+#[test]
+fn an_inbox_stays_held_while_any_route_subscribes_under_it() {
+    let text = format!(
+        r#"
+        name = "inboxes"
+        listen = ["tcp/127.0.0.1:0"]
+        [cluster]
+        secret = "mesh"
+        [[auth.users]]
+        name = "responder"
+        password = "{responder}"
+        [auth.users.permissions.subscribe]
+        allow = ["svc.>"]
+        "#,
+        responder = hash_secret("responder-password").unwrap(),
+    );
+    let config = Config::from_toml_str(&text, "inbox test").expect("valid config");
+    let broker = Broker::start(config).expect("the broker starts");
+    let routes = || broker.stats().value("routes").unwrap_or(0);
+    let first = route_announcing(&broker, 42, "_INBOX.f00d.*");
+    let second = route_announcing(&broker, 43, "_INBOX.f00d.*");
+    wait_until("both routes' interest", || {
+        routes() == 2 && broker.route_interest_count() == 2
+    });
+    drop(first);
+    wait_until("the first route gone", || {
+        routes() == 1 && broker.route_interest_count() == 1
+    });
+    let responder = login(&broker, Some("responder"), Some("responder-password")).unwrap();
+    let taken = responder.subscribe("_INBOX.f00d.*").unwrap();
+    responder.flush(WAIT).unwrap();
+    let errors = responder.take_errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].1.contains("another connection's"), "{errors:?}");
+    drop(taken);
+    drop(second);
+    wait_until("the second route gone", || routes() == 0);
+    let _now = responder.subscribe("_INBOX.f00d.*").unwrap();
+    responder.flush(WAIT).unwrap();
+    assert_eq!(
+        responder.take_errors(),
+        Vec::new(),
+        "free with the last route"
+    );
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }

@@ -93,10 +93,10 @@ pub(crate) struct EventLoop {
     /// subjects delivered to them (empty on a broker without
     /// `auth.users`: one lookup of an empty map a publish).
     restricted: HashMap<u64, Restricted>,
-    /// Which session holds each inbox (`_INBOX.<token>`) subscribed
-    /// under, and each session's inboxes: a restricted user may subscribe
-    /// under its own inbox only.
-    inboxes: HashMap<String, (u64, usize)>,
+    /// The sessions subscribed under each inbox (`_INBOX.<token>`), and
+    /// each session's inboxes: a restricted user may subscribe under its
+    /// own inbox only.
+    inboxes: HashMap<String, InboxHolders>,
     inboxes_held: HashMap<u64, Vec<String>>,
     /// The session each proven fabric address belongs to, by endpoint: one
     /// address, one live session.
@@ -158,38 +158,99 @@ pub(crate) struct EventLoop {
 }
 
 impl EventLoop {
-    /// Session `id` subscribed under `inbox`: it holds it (one more
-    /// subscription) unless another session does.
+    /// Session `id` subscribed under `inbox` once more.
     pub(super) fn hold_inbox(&mut self, id: u64, inbox: &str) {
-        match self.inboxes.get_mut(inbox) {
-            Some((holder, count)) if *holder == id => *count += 1,
-            Some(_) => {}
-            None => {
-                self.inboxes.insert(inbox.to_string(), (id, 1));
-                self.inboxes_held
-                    .entry(id)
-                    .or_default()
-                    .push(inbox.to_string());
-            }
+        let holders = self.inboxes.entry(inbox.to_string()).or_default();
+        if holders.add(id) {
+            self.inboxes_held
+                .entry(id)
+                .or_default()
+                .push(inbox.to_string());
         }
     }
 
-    /// One subscription of `id` under `inbox` fewer; the inbox is free
-    /// with the last.
+    /// One subscription of `id` under `inbox` fewer.
     pub(super) fn release_inbox(&mut self, id: u64, inbox: &str) {
-        let Some((holder, count)) = self.inboxes.get_mut(inbox) else {
+        let Some(holders) = self.inboxes.get_mut(inbox) else {
             return;
         };
-        if *holder != id {
-            return;
-        }
-        *count -= 1;
-        if *count == 0 {
-            self.inboxes.remove(inbox);
+        if holders.release(id) {
+            if holders.is_empty() {
+                self.inboxes.remove(inbox);
+            }
             if let Some(held) = self.inboxes_held.get_mut(&id) {
                 held.retain(|held| held != inbox);
             }
         }
+    }
+
+    /// The session whose inbox `inbox` is, if any.
+    pub(super) fn inbox_holder(&self, inbox: &str) -> Option<u64> {
+        self.inboxes.get(inbox).and_then(InboxHolders::holder)
+    }
+
+    /// Session `id` is gone: its inboxes pass to whoever else subscribes
+    /// under them, such as a second route from the same broker.
+    fn release_inboxes_of(&mut self, id: u64) {
+        for inbox in self.inboxes_held.remove(&id).unwrap_or_default() {
+            if let Some(holders) = self.inboxes.get_mut(&inbox) {
+                holders.forget(id);
+                if holders.is_empty() {
+                    self.inboxes.remove(&inbox);
+                }
+            }
+        }
+    }
+}
+
+/// The sessions subscribed under one inbox, each with how many of its
+/// subscriptions lie under it, in the order they came. The first holds
+/// the inbox: a restricted user may subscribe under it, or name it as a
+/// reply subject, only if that is its session. The others keep it held
+/// once the first is gone, so it never falls free while a session (a
+/// route from the broker whose requester it is) still subscribes under
+/// it.
+#[derive(Default)]
+pub(super) struct InboxHolders(Vec<(u64, usize)>);
+
+impl InboxHolders {
+    fn holder(&self) -> Option<u64> {
+        self.0.first().map(|&(id, _)| id)
+    }
+
+    /// One more subscription of `id`; whether `id` is new here.
+    fn add(&mut self, id: u64) -> bool {
+        match self.0.iter_mut().find(|(holder, _)| *holder == id) {
+            Some((_, count)) => {
+                *count += 1;
+                false
+            }
+            None => {
+                self.0.push((id, 1));
+                true
+            }
+        }
+    }
+
+    /// One subscription of `id` fewer; whether that was its last.
+    fn release(&mut self, id: u64) -> bool {
+        let Some(at) = self.0.iter().position(|(holder, _)| *holder == id) else {
+            return false;
+        };
+        self.0[at].1 -= 1;
+        if self.0[at].1 > 0 {
+            return false;
+        }
+        self.0.remove(at);
+        true
+    }
+
+    fn forget(&mut self, id: u64) {
+        self.0.retain(|(holder, _)| *holder != id);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -326,7 +387,7 @@ impl EventLoop {
         // The broker's own requests reply under its inbox.
         let inboxes = std::iter::once((
             shared.inbox_prefix.clone(),
-            (crate::subscriptions::LOCAL_OWNER, usize::MAX),
+            InboxHolders(vec![(crate::subscriptions::LOCAL_OWNER, usize::MAX)]),
         ))
         .collect();
         EventLoop {
@@ -1077,8 +1138,8 @@ impl EventLoop {
             // this session's own inbox, or what it may receive anyway.
             if let Some(reply) = reply {
                 let own_inbox = inbox_of(reply)
-                    .and_then(|inbox| self.inboxes.get(inbox))
-                    .is_some_and(|(holder, _)| *holder == id);
+                    .and_then(|inbox| self.inbox_holder(inbox))
+                    .is_some_and(|holder| holder == id);
                 if !own_inbox && permissions.may_subscribe(reply).is_err() {
                     let rule = "a reply subject must be this connection's inbox or a subject \
                                 it may subscribe to";
@@ -1762,9 +1823,7 @@ impl EventLoop {
         self.remove_interest(id);
         self.dialed_session_gone(id);
         self.restricted.remove(&id);
-        for inbox in self.inboxes_held.remove(&id).unwrap_or_default() {
-            self.inboxes.remove(&inbox);
-        }
+        self.release_inboxes_of(id);
         if let Some(mut session) = self.sessions.remove(&id) {
             self.count_discarded(&session);
             for address in session.conn.links.addresses() {

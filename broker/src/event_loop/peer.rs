@@ -592,10 +592,7 @@ impl EventLoop {
 
     pub(super) fn on_subscribe(&mut self, id: u64, subscribe: frame::Subscribe) {
         let inbox = inbox_of(&subscribe.pattern).map(str::to_string);
-        let holder = inbox
-            .as_deref()
-            .and_then(|inbox| self.inboxes.get(inbox))
-            .map(|(holder, _)| *holder);
+        let holder = inbox.as_deref().and_then(|inbox| self.inbox_holder(inbox));
         if let Some(restricted) = self.restricted.get(&id) {
             // A subscription under an inbox no other session holds (a
             // requester's own) is allowed beside `allow`, never beside
