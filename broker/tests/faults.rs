@@ -204,6 +204,57 @@ fn truncated_frames_get_an_error_and_close_only_their_sender() {
     broker.shutdown();
 }
 
+/// A subscription id given twice: the second is refused (not fatal) and
+/// the first stays as it was, in what is delivered and in what the broker
+/// reports of the connection.
+#[test]
+fn a_subscription_id_given_twice_keeps_the_first() {
+    use efabus_core::frame::{DeliveryClass, Subscribe};
+    let name = fresh_name("duplicate-sid");
+    let config = Config::from_toml_str(&format!("listen = [\"mem/{name}\"]\n"), "duplicate sid")
+        .expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    let mut raw = RawPeer::connect(&name);
+    raw.hello("twice");
+    for pattern in ["dup.first", "dup.second"] {
+        raw.send(&Frame::Subscribe(Subscribe {
+            sid: 1,
+            pattern: pattern.to_string(),
+            queue: None,
+            class: DeliveryClass::Reliable,
+        }));
+    }
+    wait_for("the refusal", || {
+        raw.pump();
+        !raw.error_codes().is_empty()
+    });
+    assert_eq!(raw.error_codes(), vec![(ErrorCode::Protocol, false)]);
+    let reports = broker.connections(true, WAIT).expect("report");
+    let subscriptions: Vec<_> = reports
+        .iter()
+        .flat_map(|report| &report.subscriptions)
+        .map(|sub| (sub.sid, sub.pattern.as_str()))
+        .collect();
+    assert_eq!(subscriptions, vec![(1, "dup.first")]);
+    broker.publish("dup.second", &b"no"[..]).expect("publish");
+    broker.publish("dup.first", &b"yes"[..]).expect("publish");
+    wait_for("the delivery", || {
+        raw.pump();
+        raw.frames.iter().any(|f| matches!(f, Frame::Message(_)))
+    });
+    let delivered: Vec<_> = raw
+        .frames
+        .iter()
+        .filter_map(|frame| match frame {
+            Frame::Message(message) => Some((message.sid, message.subject.to_string())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(delivered, vec![(1, "dup.first".to_string())]);
+    assert!(raw.closed.is_none(), "the connection stays");
+    broker.shutdown();
+}
+
 /// A listener whose every received frame has bytes flipped, next to a
 /// clean one. Whatever the flips do (refused as malformed, a refused
 /// version, or by chance still a valid frame), the broker keeps running,

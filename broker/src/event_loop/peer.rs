@@ -414,17 +414,20 @@ impl Session {
                 format!("invalid pattern {:?}: {err}", subscribe.pattern),
             ));
         }
-        let sub = ClientSub {
-            class: subscribe.class,
-            pattern: subscribe.pattern.clone(),
-            queue: subscribe.queue.clone(),
-        };
-        if subscriptions.insert(subscribe.sid, sub).is_some() {
+        // Checked before recording: the subscription already under this id
+        // stays as it is, in the index and here.
+        if subscriptions.contains_key(&subscribe.sid) {
             return Err(Refusal::new(
                 ErrorCode::Protocol,
                 format!("subscription id {} already in use", subscribe.sid),
             ));
         }
+        let sub = ClientSub {
+            class: subscribe.class,
+            pattern: subscribe.pattern.clone(),
+            queue: subscribe.queue.clone(),
+        };
+        subscriptions.insert(subscribe.sid, sub);
         let key = SubRef {
             owner: id,
             sid: subscribe.sid,
