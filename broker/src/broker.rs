@@ -165,6 +165,10 @@ pub struct BrokerStats {
     /// link carried nothing back (their peer is then dialed without the
     /// fabric).
     pub silent_data_links: AtomicU64,
+    /// Interest entries a route announced that this broker refused (over
+    /// `limits.max_route_interest`, or a pattern its limits refuse):
+    /// their subscribers get nothing published here.
+    pub route_interest_refused: AtomicU64,
     /// What the listeners' own buffers take (fabric endpoints' send and
     /// receive pools), and of that what is registered (pinned).
     pub fabric_buffer_bytes: AtomicU64,
@@ -283,6 +287,7 @@ impl BrokerStats {
             ("fabric_malformed", get(&self.fabric_malformed)),
             ("unproven_addresses", get(&self.unproven_addresses)),
             ("silent_data_links", get(&self.silent_data_links)),
+            ("route_interest_refused", get(&self.route_interest_refused)),
             ("fabric_buffer_bytes", get(&self.fabric_buffer_bytes)),
             (
                 "fabric_registered_bytes",

@@ -176,6 +176,9 @@ pub struct Limits {
     pub max_connections: usize,
     /// Most subscriptions one connection may hold.
     pub max_subscriptions_per_peer: usize,
+    /// Most interest entries one route may announce: the deduplicated
+    /// patterns of all the peer broker's subscribers.
+    pub max_route_interest: usize,
     /// A connection that has not completed its handshake by then is closed.
     pub handshake_timeout_ms: u64,
     /// Bytes queued towards one peer before the slow-consumer policy applies.
@@ -196,6 +199,7 @@ impl Default for Limits {
             max_subject_tokens: 32,
             max_connections: 10_000,
             max_subscriptions_per_peer: 100_000,
+            max_route_interest: 1_000_000,
             handshake_timeout_ms: 5_000,
             max_pending_bytes: 16 << 20,
             subscription_queue: 65_536,
@@ -868,6 +872,7 @@ impl Config {
                 "limits.max_subscriptions_per_peer",
                 self.limits.max_subscriptions_per_peer,
             ),
+            ("limits.max_route_interest", self.limits.max_route_interest),
             (
                 "limits.handshake_timeout_ms",
                 self.limits.handshake_timeout_ms as usize,

@@ -232,6 +232,34 @@ fn unsubscribing_on_one_broker_stops_forwarding_from_another() {
     assert_eq!(a.route_interest_count(), 1);
 }
 
+/// A route's interest beyond `limits.max_route_interest` is refused and
+/// counted, not dropped without a word; what fits keeps working, and a
+/// client's own limit (`max_subscriptions_per_peer`) does not apply to a
+/// route, which carries the patterns of all the peer's subscribers.
+#[test]
+fn route_interest_over_its_limit_is_refused_and_counted() {
+    let b = start(
+        "b",
+        "tcp/127.0.0.1:0",
+        &[],
+        "[limits]\nmax_route_interest = 3\nmax_subscriptions_per_peer = 1\n",
+    );
+    let a = node("a", &[tcp(&b)]);
+    wait_until("the route", || routes(&a) == 1 && routes(&b) == 1);
+    let subs: Vec<_> = (0..5)
+        .map(|n| a.subscribe(&format!("limited.{n}")).unwrap())
+        .collect();
+    let refused = || b.stats().route_interest_refused.load(Ordering::Relaxed);
+    wait_until("two entries refused", || refused() == 2);
+    assert_eq!(b.route_interest_count(), 3);
+    for (n, sub) in subs.iter().enumerate().take(3) {
+        b.publish(&format!("limited.{n}"), Bytes::from(n.to_string()))
+            .unwrap();
+        assert_eq!(receive(sub, 1), [n.to_string()]);
+    }
+    assert_eq!(routes(&a), 1, "the route stays up");
+}
+
 #[test]
 fn a_restarted_peer_is_reconnected_and_interest_restored() {
     let b = node("b", &[]);

@@ -155,6 +155,8 @@ pub(crate) struct EventLoop {
     poll_error_log: LogLimit,
     /// Refused connections likewise.
     refused_log: LogLimit,
+    /// Route interest refused likewise.
+    route_refusal_log: LogLimit,
 }
 
 impl EventLoop {
@@ -430,6 +432,7 @@ impl EventLoop {
             listener_down,
             poll_error_log: LogLimit::new(Duration::from_secs(1)),
             refused_log: LogLimit::new(Duration::from_secs(1)),
+            route_refusal_log: LogLimit::new(Duration::from_secs(1)),
         }
     }
 

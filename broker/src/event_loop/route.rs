@@ -1152,9 +1152,12 @@ impl EventLoop {
         }
     }
 
-    /// The peer broker has subscribers on a pattern.
+    /// The peer broker has subscribers on a pattern. An entry refused
+    /// (over `limits.max_route_interest`, or a pattern this broker's
+    /// limits refuse) is counted and the peer told; its subscribers get
+    /// nothing published here until the route is made again.
     pub(super) fn on_route_subscribe(&mut self, id: u64, subscribe: Subscribe) {
-        let limit = self.shared.live.max_subscriptions_per_peer();
+        let limit = self.shared.config.limits.max_route_interest;
         let Some(role) = self
             .sessions
             .get_mut(&id)
@@ -1162,46 +1165,65 @@ impl EventLoop {
         else {
             return;
         };
-        if role.announced.len() >= limit && !role.announced.contains_key(&subscribe.sid) {
-            let text = format!(
-                "subscription limit of {limit} reached; {} refused",
-                subscribe.pattern
+        let refusal = if role.announced.len() >= limit
+            && !role.announced.contains_key(&subscribe.sid)
+        {
+            Some((
+                ErrorCode::TooManySubscriptions,
+                format!(
+                    "route interest limit of {limit} reached; {} refused",
+                    subscribe.pattern
+                ),
+            ))
+        } else {
+            let key = SubRef {
+                owner: id,
+                sid: subscribe.sid,
+            };
+            let class = crate::interest::route_class(subscribe.queue.as_deref(), subscribe.class);
+            // Replaces whatever the peer announced under this id before.
+            let inserted = self.shared.subscriptions.write().insert_route(
+                key,
+                &subscribe.pattern,
+                subscribe.queue.as_deref(),
+                class,
             );
-            self.report(id, ErrorCode::TooManySubscriptions, text);
-            return;
-        }
-        let key = SubRef {
-            owner: id,
-            sid: subscribe.sid,
-        };
-        let class = crate::interest::route_class(subscribe.queue.as_deref(), subscribe.class);
-        let inserted = self.shared.subscriptions.write().insert_route(
-            key,
-            &subscribe.pattern,
-            subscribe.queue.as_deref(),
-            class,
-        );
-        match inserted {
-            Ok(()) => {
-                role.announced.insert(subscribe.sid, class);
-                if let Some(inbox) = inbox_of(&subscribe.pattern) {
-                    if role
-                        .inboxes
-                        .insert(subscribe.sid, inbox.to_string())
-                        .is_none()
-                    {
-                        self.hold_inbox(id, inbox);
-                    }
+            match inserted {
+                Ok(()) => {
+                    role.announced.insert(subscribe.sid, class);
+                    None
+                }
+                Err(err) => {
+                    role.announced.remove(&subscribe.sid);
+                    Some((
+                        ErrorCode::InvalidSubject,
+                        format!("cannot subscribe to {:?}: {err}", subscribe.pattern),
+                    ))
                 }
             }
-            Err(err) => {
-                role.announced.remove(&subscribe.sid);
-                self.report(
-                    id,
-                    ErrorCode::InvalidSubject,
-                    format!("cannot subscribe to {:?}: {err}", subscribe.pattern),
-                );
+        };
+        // The inbox the entry under this id lies under now, if any.
+        let inbox = inbox_of(&subscribe.pattern)
+            .filter(|_| role.announced.contains_key(&subscribe.sid))
+            .map(str::to_string);
+        let earlier = match &inbox {
+            Some(inbox) => role.inboxes.insert(subscribe.sid, inbox.clone()),
+            None => role.inboxes.remove(&subscribe.sid),
+        };
+        if earlier != inbox {
+            if let Some(earlier) = earlier {
+                self.release_inbox(id, &earlier);
             }
+            if let Some(inbox) = &inbox {
+                self.hold_inbox(id, inbox);
+            }
+        }
+        if let Some((code, text)) = refusal {
+            BrokerStats::add(&self.shared.stats.route_interest_refused, 1);
+            if let Some(held_back) = self.route_refusal_log.allow(Instant::now()) {
+                warn!(session = id, %text, held_back, "route interest refused");
+            }
+            self.report(id, code, text);
         }
     }
 
