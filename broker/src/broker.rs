@@ -169,6 +169,10 @@ pub struct BrokerStats {
     /// `limits.max_route_interest`, or a pattern its limits refuse):
     /// their subscribers get nothing published here.
     pub route_interest_refused: AtomicU64,
+    /// Queue-group messages a route brought for a group whose members
+    /// here had all gone (the peer had not heard yet): lost, not given to
+    /// a member elsewhere.
+    pub route_group_undelivered: AtomicU64,
     /// What the listeners' own buffers take (fabric endpoints' send and
     /// receive pools), and of that what is registered (pinned).
     pub fabric_buffer_bytes: AtomicU64,
@@ -288,6 +292,10 @@ impl BrokerStats {
             ("unproven_addresses", get(&self.unproven_addresses)),
             ("silent_data_links", get(&self.silent_data_links)),
             ("route_interest_refused", get(&self.route_interest_refused)),
+            (
+                "route_group_undelivered",
+                get(&self.route_group_undelivered),
+            ),
             ("fabric_buffer_bytes", get(&self.fabric_buffer_bytes)),
             (
                 "fabric_registered_bytes",

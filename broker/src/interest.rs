@@ -24,6 +24,7 @@
 
 use efabus_core::frame::DeliveryClass;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -45,6 +46,10 @@ pub(crate) enum InterestChange {
     Remove { sid: u64 },
 }
 
+/// Withdrawn queue groups remembered (see `LocalInterest::retired`): a
+/// few seconds of member churn on a busy broker.
+const RETIRED_GROUPS: usize = 1024;
+
 struct Counted {
     sid: u64,
     count: usize,
@@ -57,6 +62,11 @@ pub(crate) struct LocalInterest {
     /// Keyed by [`key`]: patterns and queue names hold no spaces.
     entries: HashMap<String, Counted>,
     by_sid: HashMap<u64, Entry>,
+    /// Queue groups withdrawn lately, by the id they were announced as: a
+    /// message a route sent before it heard of the withdrawal still names
+    /// it, and reaches the group if it has members here again (under a
+    /// new id). The oldest are forgotten beyond [`RETIRED_GROUPS`].
+    retired: VecDeque<(u64, Arc<str>, Arc<str>)>,
     next_sid: u64,
     /// Announcements not yet sent; only kept while a route is up (a route
     /// that comes up is sent the whole table instead).
@@ -143,7 +153,17 @@ impl LocalInterest {
         }
         let sid = entry.sid;
         self.entries.remove(&key);
-        self.by_sid.remove(&sid);
+        if let Some(Entry {
+            pattern,
+            queue: Some(queue),
+            ..
+        }) = self.by_sid.remove(&sid)
+        {
+            if self.retired.len() == RETIRED_GROUPS {
+                self.retired.pop_front();
+            }
+            self.retired.push_back((sid, pattern, queue));
+        }
         if self.listeners > 0 {
             self.changes.push(InterestChange::Remove { sid });
             self.flag.store(true, Ordering::Release);
@@ -166,6 +186,21 @@ impl LocalInterest {
         self.by_sid
             .get(&sid)
             .map(|entry| (&*entry.pattern, entry.queue.as_deref()))
+    }
+
+    /// The (pattern, queue) of the group announced as `sid`, withdrawn
+    /// since or not.
+    pub fn group(&self, sid: u64) -> Option<(&str, &str)> {
+        match self.get(sid) {
+            Some((pattern, Some(queue))) => Some((pattern, queue)),
+            Some((_, None)) => None,
+            None => self
+                .retired
+                .iter()
+                .rev()
+                .find(|(retired, _, _)| *retired == sid)
+                .map(|(_, pattern, queue)| (&**pattern, &**queue)),
+        }
     }
 
     /// A flag set with every announcement logged: whoever sends them clears

@@ -331,10 +331,11 @@ impl SubscriptionTable {
         targets.clear();
         self.index.match_subject(subject, &mut targets.matches)?;
         let group = if LocalInterest::is_group_sid(sid) {
-            match self.interest.get(sid) {
-                Some((pattern, Some(queue))) => Some((pattern, queue)),
-                // Withdrawn meanwhile: that group has no member here.
-                _ => return Ok(()),
+            // Withdrawn meanwhile, it may have members here again under
+            // another id; forgotten, none can be found.
+            match self.interest.group(sid) {
+                Some(group) => Some(group),
+                None => return Ok(()),
             }
         } else {
             None
@@ -362,5 +363,50 @@ impl SubscriptionTable {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A message a route sent for a queue group under the id it was
+    /// announced as reaches the group's member here even after the group
+    /// was withdrawn and announced again under another id (its only member
+    /// left and a new one came, before the peer heard).
+    #[test]
+    fn a_group_message_for_a_withdrawn_id_reaches_the_group_s_new_member() {
+        let mut table = SubscriptionTable::new(SubjectLimits::default());
+        let (_, snapshot) = table.route_up();
+        assert!(snapshot.is_empty());
+        let member = |sid| SubRef { owner: 7, sid };
+        let class = DeliveryClass::Reliable;
+        table
+            .insert("work.*", Some("workers"), member(1), None, class)
+            .unwrap();
+        let (changes, _) = table.route_up();
+        let [InterestChange::Add { sid: first, .. }] = changes[..] else {
+            panic!("{changes:?}");
+        };
+        table.remove(member(1));
+        table
+            .insert("work.*", Some("workers"), member(2), None, class)
+            .unwrap();
+        let (changes, _) = table.route_up();
+        assert!(
+            matches!(changes[..], [InterestChange::Remove { sid }, InterestChange::Add { sid: again, .. }] if sid == first && again != first),
+            "{changes:?}"
+        );
+        let mut targets = Targets::new();
+        table
+            .lookup_from_route("work.1", first, &mut targets)
+            .unwrap();
+        assert_eq!(targets.remote, [member(2)]);
+        // Without a member, nothing is found (and the broker counts it).
+        table.remove(member(2));
+        table
+            .lookup_from_route("work.1", first, &mut targets)
+            .unwrap();
+        assert!(targets.remote.is_empty() && targets.local.is_empty());
     }
 }

@@ -1268,6 +1268,15 @@ impl EventLoop {
                 .subscriptions
                 .read()
                 .lookup_from_route(subject, sid, &mut self.targets);
+        // The peer sent it to this broker's queue group, whose last member
+        // here has gone since: no other broker is given it (one hop).
+        if matched.is_ok()
+            && crate::interest::LocalInterest::is_group_sid(sid)
+            && self.targets.local.is_empty()
+            && self.targets.remote.is_empty()
+        {
+            BrokerStats::add(&self.shared.stats.route_group_undelivered, 1);
+        }
         self.deliver_matched(id, subject, reply, payload, matched);
     }
 }
