@@ -61,6 +61,7 @@ FI_MSG: u64 = 1 << 1;
     FI_ENOPROTOOPT: i32 = 92;
     FI_EBUSY: i32 = 16;
     FI_ENORX: i32 = 269;
+    FI_ENOKEY: i32 = 266;
     FI_OPT_EFA_RNR_RETRY: i64 = -(0xefa << 16);
     EFABUS_FI_VERSION: u64 = (1 << 16) | 17;
 }

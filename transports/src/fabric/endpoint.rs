@@ -679,7 +679,14 @@ impl FabricEndpoint {
             (ep_attrs.max_msg_size, config.max_frame, max_frame),
         );
         let rma = (rendezvous_max > 0)
-            .then(|| Rendezvous::new(dom.mr_mode & FI_MR_VIRT_ADDR != 0, rendezvous_max));
+            .then(|| {
+                Rendezvous::new(
+                    dom.mr_mode & FI_MR_VIRT_ADDR != 0,
+                    rendezvous_max,
+                    dom.mr_key_size,
+                )
+            })
+            .transpose()?;
         let link = LinkInfo {
             kind,
             provider: attrs.provider().to_string(),
@@ -1769,11 +1776,12 @@ impl FabricEndpoint {
             buf[start..start + queued.head.len()].copy_from_slice(&queued.head);
             let body = buf[start + queued.head.len()..].as_mut_ptr();
             let mr = if self.link.mr_local {
-                let key = rma.registrations.fresh_key();
                 // SAFETY: the region is dropped with the job, which owns
                 // `buf` (not moved or resized before then).
-                match unsafe { MemoryRegion::register(&self._domain, body, body_len, FI_READ, key) }
-                {
+                match unsafe {
+                    rma.registrations
+                        .register_fresh(&self._domain, body, body_len, FI_READ)
+                } {
                     Ok(mr) => Some(mr),
                     Err(err) => {
                         let queued = rma.queue.remove(at);

@@ -93,6 +93,8 @@ pub enum FabricError {
         ep_type: &'static str,
         code: FiCode,
     },
+    #[error("cannot draw random memory keys: {0}")]
+    Random(String),
     #[error("fi_dupinfo failed: out of memory")]
     DupInfo,
     #[error("fi_fabric({name}) failed: {code}")]
@@ -199,6 +201,7 @@ impl FabricError {
             | Inject { code }
             | Close { code, .. } => Some(code),
             NotBuilt(_)
+            | Random(_)
             | DupInfo
             | Option { .. }
             | Unusable { .. }

@@ -32,7 +32,8 @@
 //! - `FI_MR_LOCAL`: pools registered once, `fi_mr_desc` passed with every
 //!   post, and each rendezvous landing buffer registered for its read;
 //!   `FI_MR_PROV_KEY`/`ALLOCATED`/`VIRT_ADDR` honoured (keys come from the
-//!   provider and travel as 8 bytes whatever `mr_key_size` is, 4 on EFA;
+//!   provider, else are drawn at random within `mr_key_size`, and travel
+//!   as 8 bytes whatever `mr_key_size` is, 4 on EFA;
 //!   registered memory is allocated first; descriptors name virtual
 //!   addresses under `FI_MR_VIRT_ADDR`, else offsets).
 //! - RDM asks for `FI_RMA | FI_READ | FI_REMOTE_READ` and falls back

@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use bytes::Bytes;
 use efabus_core::transport::PeerId;
 
+use super::consts::FI_ENOKEY;
 use super::error::FabricError;
 use super::handle::{Domain, MemoryRegion};
 use super::layout::RmaDescriptor;
@@ -71,13 +72,66 @@ struct Registration {
     users: usize,
 }
 
+/// The keys this endpoint asks for its registrations. Providers without
+/// FI_MR_PROV_KEY take the key asked for, and a peer that knows a body's
+/// key (and, without FI_MR_VIRT_ADDR, offset 0) can read it; so keys are
+/// drawn from a keyed BLAKE3 stream over a counter, with a random seed,
+/// which a peer cannot predict from the keys it was sent. They fit the
+/// provider's `mr_key_size` and stay clear of the pools' keys (1 and 2).
+pub struct KeySource {
+    seed: [u8; 32],
+    counter: u64,
+    mask: u64,
+}
+
+/// Keys this small are left to the pools.
+const SMALLEST_KEY: u64 = 16;
+
+impl KeySource {
+    /// Keys of `key_size` bytes (0, or more than 8: 8).
+    pub fn new(key_size: u64) -> Result<KeySource, FabricError> {
+        let mut seed = [0u8; 32];
+        getrandom::fill(&mut seed).map_err(|err| FabricError::Random(err.to_string()))?;
+        Ok(KeySource::seeded(seed, key_size))
+    }
+
+    fn seeded(seed: [u8; 32], key_size: u64) -> KeySource {
+        let mask = match key_size {
+            1..=7 => (1u64 << (8 * key_size)) - 1,
+            _ => u64::MAX,
+        };
+        KeySource {
+            seed,
+            counter: 0,
+            mask,
+        }
+    }
+
+    pub fn next_key(&mut self) -> u64 {
+        loop {
+            self.counter += 1;
+            let hash = blake3::keyed_hash(&self.seed, &self.counter.to_le_bytes());
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(&hash.as_bytes()[..8]);
+            let key = u64::from_le_bytes(bytes) & self.mask;
+            if key > SMALLEST_KEY {
+                return key;
+            }
+        }
+    }
+}
+
+/// How many keys a registration tries before it gives up: the provider
+/// refuses one already in use (FI_ENOKEY), which with random keys of 4
+/// bytes or more is rare.
+const KEY_TRIES: usize = 4;
+
 /// Registrations of bodies for remote reads, shared by the transfers of one
 /// body and released with the last of them.
-#[derive(Default)]
 pub struct Registrations {
     entries: HashMap<Region, Registration>,
     bytes: usize,
-    next_key: u64,
+    keys: KeySource,
 }
 
 impl Registrations {
@@ -97,11 +151,33 @@ impl Registrations {
         self.entries.contains_key(&region_of(body))
     }
 
-    /// A key no registration of this endpoint uses (providers without
-    /// FI_MR_PROV_KEY take the key asked for; the pools use 1 and 2).
-    pub fn fresh_key(&mut self) -> u64 {
-        self.next_key = self.next_key.max(16) + 1;
-        self.next_key
+    /// Registers `len` bytes at `buf` for `access` under a fresh key,
+    /// drawing another while the provider has the key in use.
+    ///
+    /// # Safety
+    /// As [`MemoryRegion::register`]: the memory stays allocated until
+    /// the region is dropped.
+    pub unsafe fn register_fresh(
+        &mut self,
+        domain: &Rc<Domain>,
+        buf: *const u8,
+        len: usize,
+        access: u64,
+    ) -> Result<MemoryRegion, FabricError> {
+        let mut tries = 1;
+        loop {
+            let key = self.keys.next_key();
+            // SAFETY: the caller keeps the memory allocated for the
+            // region's lifetime.
+            match unsafe { MemoryRegion::register(domain, buf, len, access, key) } {
+                Err(FabricError::MrReg { code, .. })
+                    if code.code == FI_ENOKEY && tries < KEY_TRIES =>
+                {
+                    tries += 1;
+                }
+                registered => return registered,
+            }
+        }
     }
 
     /// One more use of `body`'s registration, registering it for remote
@@ -117,16 +193,14 @@ impl Registrations {
             entry.users += 1;
             return Ok((entry.mr.key(), true));
         }
-        let key = self.fresh_key();
         // SAFETY: the entry keeps a clone of `body`, so the bytes stay
         // allocated and unmoved until the region is dropped with the entry.
         let mr = unsafe {
-            MemoryRegion::register(
+            self.register_fresh(
                 domain,
                 body.as_ptr(),
                 body.len(),
                 super::consts::FI_REMOTE_READ,
-                key,
             )
         }?;
         let key = mr.key();
@@ -213,11 +287,21 @@ pub struct Rendezvous {
 }
 
 impl Rendezvous {
-    pub fn new(virt_addr: bool, max_frame: usize) -> Rendezvous {
-        Rendezvous {
+    /// Rendezvous for frames up to `max_frame`, its keys of `key_size`
+    /// bytes (the domain's `mr_key_size`).
+    pub fn new(
+        virt_addr: bool,
+        max_frame: usize,
+        key_size: u64,
+    ) -> Result<Rendezvous, FabricError> {
+        Ok(Rendezvous {
             virt_addr,
             max_frame,
-            registrations: Registrations::default(),
+            registrations: Registrations {
+                entries: HashMap::new(),
+                bytes: 0,
+                keys: KeySource::new(key_size)?,
+            },
             sends: HashMap::new(),
             next_id: 0,
             slots: (0..READ_SLOTS)
@@ -233,7 +317,7 @@ impl Rendezvous {
             dones: VecDeque::new(),
             waiters: Vec::new(),
             landing: LandingBuffers::default(),
-        }
+        })
     }
 
     /// Whether a read of ours is in flight (its completion is due on the
@@ -472,5 +556,22 @@ mod tests {
         drop(frames);
         assert!(buffers.kept_bytes() <= LANDING_KEPT_MAX);
         assert!(buffers.kept_bytes() >= LANDING_KEPT_MAX / 2);
+    }
+
+    #[test]
+    fn memory_keys_fit_the_key_size_and_cannot_be_told_from_one_another() {
+        for (key_size, max) in [(4, u64::from(u32::MAX)), (8, u64::MAX), (0, u64::MAX)] {
+            let mut keys = KeySource::seeded([7; 32], key_size);
+            let drawn: Vec<u64> = (0..1000).map(|_| keys.next_key()).collect();
+            assert!(drawn.iter().all(|&key| key > SMALLEST_KEY && key <= max));
+            let distinct: std::collections::HashSet<_> = drawn.iter().collect();
+            assert_eq!(distinct.len(), drawn.len(), "key size {key_size}");
+            // Not a counter: consecutive keys are not a step apart.
+            assert!(drawn.windows(2).all(|pair| pair[1].abs_diff(pair[0]) > 1));
+        }
+        let one = KeySource::seeded([1; 32], 8).next_key();
+        let other = KeySource::seeded([2; 32], 8).next_key();
+        assert_ne!(one, other, "each endpoint's keys depend on its seed");
+        assert_eq!(KeySource::seeded([0; 32], 1).mask, 0xff);
     }
 }
