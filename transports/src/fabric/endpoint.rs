@@ -1237,11 +1237,13 @@ impl FabricEndpoint {
     }
 
     /// Removes the least recently used address no live peer needs and no
-    /// send in flight goes to, or fails when there is none.
+    /// send or read in flight goes to, or fails when there is none.
     fn evict_address(&mut self) -> Result<(), FabricError> {
+        let reads = self.rma.iter().flat_map(|rma| &rma.slots);
         let in_flight: std::collections::HashSet<u64> = (0..self.tx_owner.len())
             .filter(|&slot| self.tx_owner[slot].is_some())
             .map(|slot| self.tx_dest[slot])
+            .chain(reads.filter_map(|slot| slot.job.as_ref().map(|job| job.fi_addr)))
             .collect();
         let Some((addr, fi_addr)) = self
             .av_cache
@@ -1810,6 +1812,7 @@ impl FabricEndpoint {
                     rma.count_read(queued.peer, total, true);
                     rma.slots[slot].job = Some(ReadJob {
                         peer: queued.peer,
+                        fi_addr,
                         id: queued.descriptor.id,
                         mr,
                         buf,

@@ -245,6 +245,9 @@ pub struct QueuedRead {
 /// A read in flight: the buffer it lands in, after the inline head.
 pub struct ReadJob {
     pub peer: PeerId,
+    /// Where the read goes: kept in the address vector until it completes,
+    /// even once its peer is dropped.
+    pub fi_addr: u64,
     pub id: u64,
     /// The buffer's registration, where the provider needs local ones;
     /// before `buf`, so it is closed first when a job is dropped whole.
