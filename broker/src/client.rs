@@ -2637,7 +2637,7 @@ impl ClientLoop {
             return;
         }
         let mut released = std::mem::take(&mut self.released);
-        let result = self.conn.links.poll(now, &mut released);
+        let result = self.conn.links.poll(now, &self.endpoints, &mut released);
         open_released(&mut released, &mut self.released_scratch);
         let counters = &self.shared.counters;
         if let Some(link) = &self.conn.links.best_effort {

@@ -574,6 +574,39 @@ fn carries_large_payloads_over_rdm(provider: Provider) {
     }
 }
 
+/// A large frame's body is read one-sided, and the small frames sent after
+/// it arrive first and wait for it. A read that takes longer than the
+/// reliable gap timeout (here 2 ms, where reading 8 MiB over
+/// `tcp;ofi_rxm` takes several) fails no link: the receiver waits for a
+/// frame it is reading.
+#[test]
+fn a_rendezvous_read_longer_than_the_gap_timeout_fails_no_link() {
+    let provider = Provider { rdm: "tcp;ofi_rxm" };
+    let extra = "reliable_gap_timeout_ms = 2\n[limits]\nmax_payload = 16777216\n";
+    let Some(broker) = start_broker(provider, true, extra) else {
+        return;
+    };
+    let publisher = fabric_client(&broker, provider, "publisher");
+    let subscriber = fabric_client(&broker, provider, "subscriber");
+    let sub = subscriber.subscribe("mixed").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    const COUNT: u64 = 50;
+    for seed in 0..COUNT {
+        let len = if seed % 5 == 0 { 8 << 20 } else { 64 };
+        publisher.publish("mixed", pattern(seed, len)).unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    expect_in_order(&sub, COUNT, "subscriber");
+    let stat = |name| broker.stats().value(name).unwrap_or(0);
+    assert!(
+        stat("fabric_rendezvous_read") >= COUNT / 5,
+        "read by rendezvous"
+    );
+    assert_eq!(stat("link_gap_failures"), 0);
+    assert_eq!(subscriber.link().link_gap_failures, 0);
+    assert_eq!(publisher.link().link_gap_failures, 0);
+}
+
 // ---------------------------------------------------------------------------
 // Best effort over DGRAM.
 

@@ -889,6 +889,15 @@ impl LinkReceiver {
         result
     }
 
+    /// Reliable links: a frame is on its way to the owner in a form it
+    /// cannot see (the endpoint is reading its body): the gap frames wait
+    /// behind may be that frame, so its clock starts again at `now`.
+    pub fn note_frame_in_transit(&mut self, now: Instant) {
+        if let (false, Some(reorder)) = (self.lossy, &mut self.reorder) {
+            reorder.restart_gap_clock(now);
+        }
+    }
+
     /// When [`poll`](LinkReceiver::poll) next has something to do; `None`
     /// when nothing is due by time. On a reliable link, the time the gap
     /// frames wait behind fails the link, if nothing fills it first.

@@ -582,6 +582,15 @@ pub trait Endpoint: Send {
         Refused::default()
     }
 
+    /// Whether a frame from `peer` is on its way in a form the owner does
+    /// not see yet: a rendezvous body being read, or waiting for a read
+    /// slot. Frames sent after it may arrive first, and a reliable link
+    /// waiting for it must not give it up meanwhile.
+    fn receiving_from(&self, peer: PeerId) -> bool {
+        let _ = peer;
+        false
+    }
+
     /// What the endpoint moved by rendezvous, for the owner's statistics.
     fn rendezvous_counts(&self) -> RendezvousCounts {
         RendezvousCounts::default()

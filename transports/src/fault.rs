@@ -833,6 +833,10 @@ impl Endpoint for FaultyEndpoint {
         self.inner.refused()
     }
 
+    fn receiving_from(&self, peer: PeerId) -> bool {
+        self.inner.receiving_from(peer)
+    }
+
     fn rendezvous_counts(&self) -> efabus_core::transport::RendezvousCounts {
         self.inner.rendezvous_counts()
     }

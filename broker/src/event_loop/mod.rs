@@ -2071,7 +2071,7 @@ impl EventLoop {
         for &id in ids {
             let mut result = Ok(());
             if let Some(session) = self.sessions.get_mut(&id) {
-                result = session.conn.links.poll(now, &mut released);
+                result = session.conn.links.poll(now, &self.endpoints, &mut released);
                 self.tally.best_effort_lost += session.conn.links.take_best_effort_lost();
             }
             self.on_released(id, &mut released);

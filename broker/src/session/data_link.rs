@@ -942,14 +942,29 @@ impl DataLinks {
 
     /// Frames and runs the best-effort link releases by the passing of
     /// time; the reliable link's failure when a gap on it did not fill in
-    /// time.
-    pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) -> Result<(), LinkError> {
+    /// time, unless its endpoint is still reading a frame of the peer's
+    /// (a large one's body may take longer than the gap timeout, and the
+    /// frames sent after it wait meanwhile).
+    pub fn poll(
+        &mut self,
+        now: Instant,
+        endpoints: &[Box<dyn Endpoint>],
+        out: &mut Vec<Bytes>,
+    ) -> Result<(), LinkError> {
         if let Some(link) = &mut self.best_effort {
             // Lossy links give gaps up rather than fail.
             let _ = link.poll(now, out);
         }
         match &mut self.reliable {
-            Some(link) => link.poll(now, out),
+            Some(link) => {
+                if endpoints
+                    .get(link.endpoint)
+                    .is_some_and(|endpoint| endpoint.receiving_from(link.peer))
+                {
+                    link.receiver.note_frame_in_transit(now);
+                }
+                link.poll(now, out)
+            }
             None => Ok(()),
         }
     }

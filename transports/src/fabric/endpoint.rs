@@ -2206,6 +2206,12 @@ impl Endpoint for FabricEndpoint {
         }
     }
 
+    fn receiving_from(&self, peer: PeerId) -> bool {
+        self.rma
+            .as_ref()
+            .is_some_and(|rma| rma.receiving_from(peer))
+    }
+
     fn rendezvous_counts(&self) -> efabus_core::transport::RendezvousCounts {
         efabus_core::transport::RendezvousCounts {
             sent: self.stats.rendezvous_sent,

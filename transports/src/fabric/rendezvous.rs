@@ -350,6 +350,11 @@ impl Rendezvous {
         })
     }
 
+    /// Whether a read of `peer`'s is in flight or queued.
+    pub fn receiving_from(&self, peer: PeerId) -> bool {
+        self.reading_by_peer.contains_key(&peer) || self.queue.iter().any(|q| q.peer == peer)
+    }
+
     /// Accounts a read of `total` bytes for `peer` starting (`started`) or
     /// ending.
     pub fn count_read(&mut self, peer: PeerId, total: usize, started: bool) {
