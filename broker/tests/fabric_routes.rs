@@ -307,18 +307,25 @@ fn a_route_whose_data_link_stays_silent_is_dialed_again_on_tcp() {
     });
     let route = the_route(&a);
     assert!(
-        route
-            .reasons
-            .iter()
-            .any(|reason| reason.starts_with("efa-rdm: the route's data link carried nothing back")),
-        "{route:?}"
+        route.reasons.first().is_some_and(|reason| reason
+            .starts_with("reliable: efa-rdm: the route's data link carried nothing back")),
+        "the reason comes first: {route:?}"
     );
-    // b, which dialed nothing, opened no data link for the route either.
+    // b, which dialed nothing, opened no data link for the route either,
+    // and says a did not offer the fabric.
     wait_until("b's route back, on TCP", || {
         b.routes()
             .first()
             .is_some_and(|route| route.reliable == "tcp")
     });
+    let route = the_route(&b);
+    assert!(
+        route
+            .reasons
+            .iter()
+            .any(|reason| reason == "reliable: efa-rdm: not offered by the peer"),
+        "{route:?}"
+    );
     wait_until("b's interest at a again", || a.route_interest_count() == 1);
     for n in 1..=10 {
         a.publish("silent", payload(n)).unwrap();

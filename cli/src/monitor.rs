@@ -144,6 +144,20 @@ pub fn conns(args: ConnsArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// The one reason a row shows for its reliable traffic being off the
+/// fabric: the first about the reliable link that names something other
+/// than a scheme neither side offered (which every scheme in the
+/// preference list but the ones in use produces), else the first at all.
+fn why_not_fabric<'a>(reasons: &[&'a str]) -> &'a str {
+    let reliable = || reasons.iter().filter(|r| r.starts_with("reliable:"));
+    reliable()
+        .find(|reason| !reason.ends_with("offered by neither side"))
+        .or_else(|| reliable().next())
+        .or(reasons.first())
+        .copied()
+        .unwrap_or("")
+}
+
 /// A JSON value as a table cell: strings unquoted, nothing as "-".
 fn text(value: &Value) -> String {
     match value {
@@ -183,12 +197,7 @@ fn print_table(output: &mut Output, view: &Value, key: &str) -> Result<(), Failu
         let why = if link["on_fabric"] == true {
             ""
         } else {
-            reasons
-                .iter()
-                .find(|reason| reason.starts_with("reliable:"))
-                .or(reasons.first())
-                .copied()
-                .unwrap_or("")
+            why_not_fabric(&reasons)
         };
         out!(
             output,
@@ -207,4 +216,32 @@ fn print_table(output: &mut Output, view: &Value, key: &str) -> Result<(), Failu
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::why_not_fabric;
+
+    #[test]
+    fn the_reason_shown_is_the_one_about_a_scheme_someone_offered() {
+        let silent = "reliable: efa-rdm: the route's data link carried nothing back";
+        assert_eq!(
+            why_not_fabric(&[
+                "reliable: shm: offered by neither side",
+                "reliable: efa-rdm: not offered by the peer",
+                "best-effort: efa-dgram: offered by neither side",
+            ]),
+            "reliable: efa-rdm: not offered by the peer"
+        );
+        assert_eq!(
+            why_not_fabric(&[silent, "reliable: efa-rdm: not offered by this side"]),
+            silent
+        );
+        assert_eq!(
+            why_not_fabric(&["reliable: shm: offered by neither side"]),
+            "reliable: shm: offered by neither side"
+        );
+        assert_eq!(why_not_fabric(&["best-effort: x"]), "best-effort: x");
+        assert_eq!(why_not_fabric(&[]), "");
+    }
 }

@@ -720,7 +720,13 @@ impl EventLoop {
             tuning: &self.tuning,
         };
         session.negotiate(id, &mut self.endpoints, local, &welcome.offers, keying);
-        session.link_reasons.extend(silent);
+        // First: why the fabric was not offered says more than the
+        // negotiation's account of its absence.
+        if let Some(silent) = silent {
+            session
+                .link_reasons
+                .insert(0, format!("reliable: {silent}"));
+        }
         // The dialing side moves at once; the peer follows when the first
         // frame arrives on the data link.
         session.conn.links.in_use = session.conn.links.reliable.is_some();
