@@ -1028,11 +1028,12 @@ impl DataLinks {
         })
     }
 
-    /// Best-effort frames waiting for credit (lost if the session ends).
+    /// Best-effort frames waiting for credit, or numbered and refused by
+    /// the endpoint so far (lost if the session ends).
     pub fn best_effort_waiting_frames(&self) -> u64 {
         self.best_effort
             .as_ref()
-            .map_or(0, |link| link.paced.len() as u64)
+            .map_or(0, |link| (link.paced.len() + link.backlog.len()) as u64)
     }
 
     /// Whether the best-effort link holds frames back.
