@@ -363,6 +363,8 @@ pub(crate) enum Command {
     },
     /// Answer once everything queued before it has been handed to the endpoints.
     Flush(Sender<()>),
+    /// Answer when the loop reads it: it is running.
+    Alive(Sender<()>),
     /// Route to one more broker (an endpoint string, checked).
     AddPeer(String),
     /// Report every session (for monitoring), with its subscriptions when
@@ -1031,12 +1033,23 @@ impl Broker {
     }
 
     /// Wait until every message published so far has been handed to
-    /// subscriber queues or to the transports.
+    /// subscriber queues or to the transports (of every session: one whose
+    /// queue stays full, a slow consumer under `drop-oldest`, holds it up
+    /// until `timeout`).
     pub fn flush(&self, timeout: Duration) -> Result<(), Error> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.shared.send_command(Command::Flush(tx))?;
         rx.recv_timeout(timeout)
-            .map_err(|_| Error::Timeout(timeout))
+            .map_err(|err| Error::waiting(err, timeout))
+    }
+
+    /// Whether the event loop is running: it answers at its next round,
+    /// whatever is queued (a health check, unlike [`Broker::flush`]).
+    pub fn responsive(&self, timeout: Duration) -> Result<(), Error> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.shared.send_command(Command::Alive(tx))?;
+        rx.recv_timeout(timeout)
+            .map_err(|err| Error::waiting(err, timeout))
     }
 
     /// Every session of the broker (clients and routes) with its links,
@@ -1055,7 +1068,7 @@ impl Broker {
             answer: tx,
         })?;
         rx.recv_timeout(timeout)
-            .map_err(|_| Error::Timeout(timeout))
+            .map_err(|err| Error::waiting(err, timeout))
     }
 
     /// Which subscriptions a message published on `subject` would reach

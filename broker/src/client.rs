@@ -1182,7 +1182,7 @@ impl Client {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.shared.send_command(Command::Flush(tx))?;
         rx.recv_timeout(timeout)
-            .map_err(|_| Error::Timeout(timeout))
+            .map_err(|err| Error::waiting(err, timeout))
     }
 
     /// Take no more publishes, flush (waiting at most a second for the

@@ -58,6 +58,20 @@ pub enum Error {
     Thread(std::io::Error),
 }
 
+impl Error {
+    /// What waiting `timeout` for the loop's answer came to: the loop
+    /// gone (it drops what it would have answered) is `Closed`.
+    pub(crate) fn waiting(
+        err: crossbeam_channel::RecvTimeoutError,
+        timeout: std::time::Duration,
+    ) -> Error {
+        match err {
+            crossbeam_channel::RecvTimeoutError::Timeout => Error::Timeout(timeout),
+            crossbeam_channel::RecvTimeoutError::Disconnected => Error::Closed,
+        }
+    }
+}
+
 /// Errors from receiving on a [`crate::Subscription`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
 pub enum RecvError {

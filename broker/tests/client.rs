@@ -1134,3 +1134,16 @@ fn a_request_nobody_answers_fails_at_once_and_echo_can_be_turned_off() {
         );
     }
 }
+
+/// The health check (`Broker::responsive`) answers at the loop's next
+/// round while the broker runs, and says `Closed` once it has stopped.
+#[test]
+fn the_broker_answers_its_health_check_until_it_stops() {
+    let (broker, endpoint) = start(Via::Tcp, "");
+    let client = connect(&endpoint);
+    let _sub = client.subscribe("busy").unwrap();
+    client.flush(WAIT).unwrap();
+    broker.responsive(WAIT).expect("the loop answers");
+    broker.shutdown();
+    assert!(matches!(broker.responsive(WAIT), Err(Error::Closed)));
+}

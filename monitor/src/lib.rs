@@ -450,9 +450,9 @@ fn healthz(broker: &Broker) -> Answer {
             &json!({ "status": "unavailable", "listeners_down": down }),
         );
     }
-    // A flush is answered at the end of the loop's next round: the loop
-    // runs, and nothing is built for the answer.
-    match broker.flush(LOOP_ANSWER) {
+    // Answered at the loop's next round, whatever its sessions have
+    // queued: it runs, and nothing is built for the answer.
+    match broker.responsive(LOOP_ANSWER) {
         Ok(()) => Answer::json(200, &json!({ "status": "ok" })),
         Err(err) => Answer::json(
             503,

@@ -689,6 +689,10 @@ impl EventLoop {
                     }
                 }
                 Command::Flush(done) => self.flushes.push(done),
+                Command::Alive(answer) => {
+                    // The asker may have given up waiting.
+                    let _ = answer.send(());
+                }
                 Command::AddPeer(endpoint) => self.add_peer(endpoint),
                 Command::Connections {
                     subscriptions,
