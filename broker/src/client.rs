@@ -1264,7 +1264,10 @@ fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll)
             return;
         };
         if matches!(*shared.state.lock(), ConnectionState::Refused { .. }) {
-            // Refused for good: nothing will arrive.
+            // Refused for good: nothing will arrive, and what is asked of
+            // the client from now on fails at once (`Closed`) rather than
+            // waiting on a loop that has stopped.
+            shared.shutdown.store(true, Ordering::SeqCst);
             shared.end_streams();
             break;
         }

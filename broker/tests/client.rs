@@ -557,6 +557,47 @@ fn client_reconnects_and_resubscribes_after_a_broker_restart() {
     assert_eq!(recv(&sub), "news.c:after");
 }
 
+/// A client the server refuses when it reconnects (the broker came back
+/// with another secret) stops for good: its subscriptions end, and a new
+/// subscribe or a flush fails at once instead of waiting on a stopped loop.
+#[test]
+fn a_client_refused_on_reconnect_fails_what_is_asked_of_it() {
+    let (first, endpoint) = start(Via::Tcp, "[auth]\nsecret = \"old\"\n");
+    let address = endpoint.trim_start_matches("tcp/").to_string();
+    let client = Client::connect_with(
+        &endpoint,
+        ClientOptions {
+            credentials: Some("old".into()),
+            connect_timeout: WAIT,
+            max_backoff: Duration::from_millis(100),
+            ..ClientOptions::default()
+        },
+        Registry::with_builtins(),
+    )
+    .unwrap();
+    let sub = client.subscribe("news").unwrap();
+    client.flush(WAIT).unwrap();
+    first.shutdown();
+    drop(first);
+    let config = Config::from_toml_str(
+        &format!("listen = [\"tcp/{address}\"]\n[auth]\nsecret = \"new\"\n"),
+        "rotated secret",
+    )
+    .unwrap();
+    let _second = Broker::start(config).expect("restart on the same port");
+    eventually("the refusal", || {
+        matches!(client.state(), ConnectionState::Refused { .. })
+    });
+    assert_eq!(
+        sub.recv_timeout(WAIT).map(|m| m.payload),
+        Err(RecvError::Closed)
+    );
+    let started = Instant::now();
+    assert!(matches!(client.subscribe("later"), Err(Error::Closed)));
+    assert!(matches!(client.flush(WAIT), Err(Error::Closed)));
+    assert!(started.elapsed() < WAIT / 2, "{:?}", started.elapsed());
+}
+
 #[test]
 fn wrong_or_missing_credentials_are_refused() {
     for via in BOTH {
