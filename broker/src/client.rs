@@ -104,6 +104,10 @@ fn open_data_endpoint(
     transport.open(&config).map_err(|err| err.to_string())
 }
 
+/// The longest any wait of a client lasts (a century): a longer one
+/// asked for is taken as this.
+const LONGEST_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// Settings of a client connection.
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
@@ -119,7 +123,9 @@ pub struct ClientOptions {
     /// A user's token (`auth.users` with a `token`), sent in the hello
     /// (use TLS); without `user`.
     pub token: Option<String>,
-    /// How long `connect` waits for the first handshake.
+    /// How long `connect` waits for the first handshake. This and the
+    /// other durations here are taken as at most a century (so
+    /// `Duration::MAX` means never).
     pub connect_timeout: Duration,
     /// Reconnect after a lost connection (with backoff up to `max_backoff`).
     pub reconnect: bool,
@@ -175,6 +181,22 @@ impl ClientOptions {
     /// Refuse what the wire could not carry (the hello holds the name and
     /// the credentials; a subscribe holds a pattern of up to the subject
     /// limit), so a bad value is an error here rather than a failure later.
+    /// The options with every duration at most [`LONGEST_WAIT`], so a
+    /// deadline computed from one always fits an `Instant`.
+    fn with_waits_bounded(mut self) -> ClientOptions {
+        for wait in [
+            &mut self.connect_timeout,
+            &mut self.max_backoff,
+            &mut self.block_timeout,
+            &mut self.heartbeat_interval,
+            &mut self.heartbeat_timeout,
+            &mut self.silent_link_retry,
+        ] {
+            *wait = (*wait).min(LONGEST_WAIT);
+        }
+        self
+    }
+
     fn check(&self) -> Result<(), Error> {
         use crate::config::{MAX_NAME_LEN, MAX_SECRET_LEN, MAX_SUBJECT_LEN_LIMIT};
         let invalid = |key: &str, message: String| {
@@ -774,6 +796,7 @@ impl Client {
         registry: Registry,
     ) -> Result<Client, Error> {
         options.check()?;
+        let options = options.with_waits_bounded();
         let spec = EndpointSpec::parse(endpoint).map_err(|err| Error::Endpoint {
             endpoint: endpoint.to_string(),
             source: err.into(),

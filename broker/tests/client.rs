@@ -1188,3 +1188,32 @@ fn the_broker_answers_its_health_check_until_it_stops() {
     broker.shutdown();
     assert!(matches!(broker.responsive(WAIT), Err(Error::Closed)));
 }
+
+/// `Duration::MAX` for every wait of a client means "never": no deadline
+/// overflows.
+#[test]
+fn a_client_whose_waits_are_endless_works() {
+    let (broker, endpoint) = start(Via::Tcp, "");
+    let client = Client::connect_with(
+        &endpoint,
+        ClientOptions {
+            connect_timeout: Duration::MAX,
+            max_backoff: Duration::MAX,
+            block_timeout: Duration::MAX,
+            heartbeat_interval: Duration::MAX,
+            heartbeat_timeout: Duration::MAX,
+            silent_link_retry: Duration::MAX,
+            ..ClientOptions::default()
+        },
+        Registry::with_builtins(),
+    )
+    .expect("connects");
+    let sub = client.subscribe("endless").unwrap();
+    client.flush(WAIT).unwrap();
+    broker.publish("endless", Bytes::from_static(b"x")).unwrap();
+    assert_eq!(recv(&sub), "endless:x");
+    client.publish("endless", Bytes::from_static(b"y")).unwrap();
+    assert_eq!(recv(&sub), "endless:y");
+    let _ = client.request("nobody.home", Bytes::new(), Duration::from_millis(50));
+    drop(client);
+}
