@@ -631,6 +631,11 @@ impl ClientShared {
             self.wait_for_room(&mut outbox, |outbox| {
                 outbox.bytes >= bound || outbox.items.len() >= MAX_ITEMS
             })?;
+            // The close may have begun while this waited: what it counts
+            // is all there is.
+            if outbox.closing != Closing::Open {
+                return Err(Error::Closed);
+            }
         }
         let was_empty = outbox.is_empty();
         let encoded = if payload.len() <= COPY_MAX {
@@ -1194,7 +1199,11 @@ impl Client {
                 sink,
             },
         );
-        self.shared.send_command(Command::Subscribe { sid })?;
+        if let Err(err) = self.shared.send_command(Command::Subscribe { sid }) {
+            // Not subscribed: nothing to list for resubscription either.
+            self.shared.subscriptions.lock().remove(&sid);
+            return Err(err);
+        }
         *inbox = Some(sid);
         self.shared.inbox_sid_seen.store(sid, Ordering::Release);
         Ok(())
