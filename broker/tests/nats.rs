@@ -486,6 +486,26 @@ async fn users_log_in_and_are_held_to_their_permissions() {
     assert_eq!(broker.stats().permission_denials.load(Ordering::Relaxed), 2);
 }
 
+/// A broker without users or a secret checks nothing: a client that
+/// sends a user and password anyway (`nats://u:p@host`) gets in, as with
+/// nats-server, and is not counted as a failed login.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_auth_a_user_and_password_are_not_checked() {
+    let broker = start("", "127.0.0.1:0");
+    let client = ConnectOptions::new()
+        .user_and_password("anyone".into(), "anything".into())
+        .connect(url(&broker))
+        .await
+        .expect("gets in");
+    let mut sub = client.subscribe("open").await.expect("subscribes");
+    client
+        .publish("open", Bytes::from_static(b"in"))
+        .await
+        .expect("publishes");
+    assert_eq!(text(&next(&mut sub).await.payload), "in");
+    assert_eq!(broker.stats().auth_failures.load(Ordering::Relaxed), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shared_secret_is_a_nats_token() {
     let broker = start("[auth]\nsecret = \"s3cret\"\n", "127.0.0.1:0");

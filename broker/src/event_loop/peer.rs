@@ -253,7 +253,10 @@ impl Session {
             ));
         }
         let given = hello.credentials.as_deref().unwrap_or("");
-        if let Some(name) = hello.user.as_deref() {
+        // Without users or a client secret nothing is checked, a name and
+        // password included (as nats-server without auth takes them).
+        let unchecked = accounts.is_empty() && config.auth.secret.is_none();
+        if let Some(name) = hello.user.as_deref().filter(|_| !unchecked) {
             // A user's name and password; users never open routes.
             return match accounts.login(Some(name), given) {
                 Login::User { name, permissions } => Ok(Admission {
