@@ -370,6 +370,9 @@ fn start_lossless(mut config: Config, args: &BenchArgs) -> Result<Broker, Failur
     Broker::start(config).map_err(|err| Failure::runtime(err.to_string()))
 }
 
+/// Largest payload a bench sends (each publisher holds one).
+const MAX_SIZE: usize = 1 << 30;
+
 /// Messages a publisher sends between two looks at the stop flag.
 const STOP_CHECK_EVERY: u64 = 1024;
 
@@ -382,6 +385,21 @@ pub fn run(args: BenchArgs) -> Result<(), Failure> {
         return Err(Failure::usage(
             "--pubs, --subs and --count must be at least 1",
         ));
+    }
+    // Every delivery is counted in a u64.
+    let deliveries = (args.pubs as u64)
+        .checked_mul(args.count)
+        .and_then(|sent| sent.checked_mul(args.subs as u64));
+    if deliveries.is_none() {
+        return Err(Failure::usage(
+            "--pubs x --count x --subs is too large to count; ask for fewer messages",
+        ));
+    }
+    if args.size > MAX_SIZE {
+        return Err(Failure::usage(format!(
+            "--size must be at most {MAX_SIZE} bytes (1 GiB), not {}",
+            args.size
+        )));
     }
     if let Some(seconds) = args.duration {
         if !(seconds > 0.0 && seconds <= MAX_DURATION_SECS) {

@@ -987,8 +987,17 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
         }
         data.into()
     } else if let Some(path) = &args.file {
-        let data = std::fs::read(path)
-            .map_err(|err| Failure::usage(format!("cannot read {}: {err}", path.display())))?;
+        // Read as standard input is: a file whose size says nothing
+        // (`/dev/zero`, a pipe) is not read past the limit.
+        let cannot =
+            |err: io::Error| Failure::usage(format!("cannot read {}: {err}", path.display()));
+        let mut data = Vec::new();
+        Read::take(
+            std::fs::File::open(path).map_err(cannot)?,
+            max.saturating_add(1),
+        )
+        .read_to_end(&mut data)
+        .map_err(cannot)?;
         if data.len() as u64 > max {
             // The file grew since it was measured.
             return Err(too_large("--file", data.len() as u64, max, "the server's"));

@@ -37,7 +37,9 @@ pub struct ConnsArgs {
     pub monitor: String,
     /// Order: cid, start, msgs_to, msgs_from, bytes_to, bytes_from,
     /// pending, dropped, subs.
-    #[arg(long, default_value = "cid")]
+    #[arg(long, default_value = "cid", value_parser = [
+        "cid", "start", "msgs_to", "msgs_from", "bytes_to", "bytes_from", "pending", "dropped", "subs",
+    ])]
     pub sort: String,
     /// Most connections listed.
     #[arg(long, default_value_t = 100)]
@@ -49,6 +51,9 @@ pub struct ConnsArgs {
 
 /// GET `path` from the monitor at `address`, as JSON.
 fn read(address: &str, path: &str) -> Result<Value, Failure> {
+    // A URL given for the address is taken for the address it names.
+    let address = address.strip_prefix("http://").unwrap_or(address);
+    let address = address.trim_end_matches('/');
     let url = format!("http://{address}{path}");
     let agent = ureq::Agent::config_builder()
         .http_status_as_error(false)

@@ -312,6 +312,17 @@ fn pub_sends_a_file_or_sized_payloads() {
     ]);
     let text = usage_error(&output);
     assert!(text.contains("99999999999999"), "{text}");
+    // A file whose size says nothing is read no further than the limit.
+    let output = run(&[
+        "pub",
+        "files.endless",
+        "--file",
+        "/dev/zero",
+        "--server",
+        &server.endpoint,
+    ]);
+    let text = usage_error(&output);
+    assert!(text.contains("4096"), "{text}");
 }
 
 #[test]
@@ -881,6 +892,12 @@ fn bench_reports_what_it_measured() {
         let text = usage_error(&run(&["bench", &format!("--duration={bad}")]));
         assert!(text.contains("--duration"), "{text}");
     }
+    // Counts no counter holds, and sizes no one sends, are refused up front.
+    let count = u64::MAX.to_string();
+    let text = usage_error(&run(&["bench", "--count", &count, "--pubs", "2"]));
+    assert!(text.contains("--count"), "{text}");
+    let text = usage_error(&run(&["bench", "--size", "99999999999999"]));
+    assert!(text.contains("--size"), "{text}");
     let output = run(&[
         "bench", "--mode", "latency", "--via", "tcp", "--count", "200", "--warmup", "20", "--json",
     ]);

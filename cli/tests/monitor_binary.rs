@@ -54,7 +54,9 @@ fn stats_and_conns_read_a_running_broker() {
     assert_eq!(messages_in, Some("3"), "{out}");
     assert!(out.contains("1 subscriptions"), "{out}");
 
-    let conns = efabus(&["conns", "--monitor", &monitor]);
+    // The address may be given as a URL.
+    let url = format!("http://{monitor}/");
+    let conns = efabus(&["conns", "--monitor", &url, "--sort", "msgs_to"]);
     let out = text(&conns.stdout);
     assert!(conns.status.success(), "{}", text(&conns.stderr));
     let row = out
@@ -80,6 +82,10 @@ fn a_monitor_that_is_not_there_is_one_line_that_says_where_to_look() {
             "{command}: {err}"
         );
     }
+    // An order it does not know is a usage error before any request.
+    let output = efabus(&["conns", "--monitor", &address, "--sort", "bogus"]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(text(&output.stderr).contains("possible values"));
 }
 
 #[test]
