@@ -1,6 +1,7 @@
 //! Brokers joined by routes (`peers`): interest travels between them,
 //! messages go one hop, each subscriber anywhere gets a message once, queue
-//! groups span the cluster, and a lost peer is reconnected.
+//! groups span the cluster, a lost peer is reconnected, and brokers given
+//! one seed find the others.
 //!
 //! Every broker listens on a loopback port chosen at run time; waits are
 //! bounded by [`WAIT`].
@@ -409,4 +410,61 @@ fn a_peer_must_be_a_tcp_endpoint_and_a_broker_needs_one_to_dial_from() {
     wait_interest(&b, 1);
     b.publish("x", &b"over the dialer"[..]).unwrap();
     assert_eq!(receive(&sub, 1), ["over the dialer"]);
+}
+
+/// Brokers given only the first as seed learn of each other from it and
+/// form the full mesh over TCP, each message reaching every subscriber
+/// once; one that leaves is forgotten after `cluster.forget_after_ms`, and
+/// meshed again when it comes back.
+#[test]
+fn brokers_given_one_seed_form_the_full_mesh_and_forget_one_that_leaves() {
+    let forget = "[cluster]\nforget_after_ms = 300\n";
+    let a = start("a", "tcp/127.0.0.1:0", &[], forget);
+    let seed = [tcp(&a)];
+    let b = start("b", "tcp/127.0.0.1:0", &seed, forget);
+    let c = start("c", "tcp/127.0.0.1:0", &seed, forget);
+    let meshed = |brokers: &[&Broker]| {
+        for broker in brokers {
+            wait_until("the full mesh", || {
+                routes(broker) == brokers.len() as u64 - 1
+            });
+        }
+    };
+    meshed(&[&a, &b, &c]);
+    assert!(c.peers().contains(&tcp(&b)), "c learned b: {:?}", c.peers());
+    each_message_once_everywhere(&[&a, &b, &c]);
+
+    let b_address = tcp(&b);
+    drop(b);
+    wait_until("b's routes down", || routes(&a) == 1 && routes(&c) == 1);
+    wait_until("b forgotten", || !c.peers().contains(&b_address));
+    let b = start("b", "tcp/127.0.0.1:0", &seed, forget);
+    meshed(&[&a, &b, &c]);
+    each_message_once_everywhere(&[&a, &b, &c]);
+}
+
+/// A subscriber on each broker; each broker publishes ten messages: every
+/// subscriber gets all of them once.
+fn each_message_once_everywhere(brokers: &[&Broker]) {
+    let subs: Vec<Subscription> = brokers
+        .iter()
+        .map(|broker| broker.subscribe("seeded.>").unwrap())
+        .collect();
+    for broker in brokers {
+        wait_interest(broker, brokers.len() - 1);
+    }
+    for (index, broker) in brokers.iter().enumerate() {
+        for n in 0..10 {
+            broker
+                .publish("seeded.data", Bytes::from(format!("{index}-{n}")))
+                .unwrap();
+        }
+    }
+    let expected: BTreeSet<String> = (0..brokers.len())
+        .flat_map(|index| (0..10).map(move |n| format!("{index}-{n}")))
+        .collect();
+    for sub in &subs {
+        let got: BTreeSet<String> = receive(sub, expected.len()).into_iter().collect();
+        assert_eq!(got, expected);
+    }
 }

@@ -344,6 +344,34 @@ fn gossip_from_a_route_is_checked_and_bounded() {
     client.flush(WAIT).expect("and answers them");
 }
 
+/// However many addresses routes send, a broker remembers (and dials) at
+/// most 4,096 it learned: here 6,000 distinct ones in two frames.
+#[test]
+fn gossip_beyond_the_bound_of_learned_brokers_is_not_kept() {
+    let broker = start("gossip-bound", &[], "");
+    let mut raw = Raw::connect(&broker);
+    ask_for_a_route(&mut raw, None);
+    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
+    for frame in 0..2 {
+        let addresses = (0..3_000)
+            .map(|n| {
+                let n = frame * 3_000 + n;
+                format!("tcp/127.1.{}.{}:2", n / 250, n % 250 + 1)
+            })
+            .collect();
+        raw.send(&Frame::RoutePeers(efabus_core::frame::RoutePeers {
+            addresses,
+        }));
+    }
+    wait_until("the bound reached", || broker.peers().len() >= 4_096);
+    // Both frames were read: a second look finds no more.
+    raw.send(&Frame::Ping { nonce: 7 });
+    raw.expect("the pong", |f| matches!(f, Frame::Pong { nonce: 7 }));
+    assert_eq!(broker.peers().len(), 4_096);
+    let client = Client::connect(&tcp(&broker)).expect("the broker still accepts clients");
+    client.flush(WAIT).expect("and answers them");
+}
+
 /// A broker dialed as a seed tells the newcomer the brokers it has routes
 /// to; dialed as a learned peer, it tells nothing (the seed did), so a
 /// join costs one list, not one per broker of the cluster.
