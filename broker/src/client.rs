@@ -497,7 +497,9 @@ struct ClientSub {
     pattern: String,
     queue: Option<String>,
     class: DeliveryClass,
-    sink: LocalSink,
+    /// Shared, so a delivery that may wait for its reader (under `block`)
+    /// is made without holding the table.
+    sink: Arc<LocalSink>,
 }
 
 struct ClientShared {
@@ -1099,7 +1101,7 @@ impl Client {
                 pattern: pattern.to_string(),
                 queue: queue.map(str::to_string),
                 class,
-                sink,
+                sink: Arc::new(sink),
             },
         );
         let owner: Arc<dyn SubscriptionOwner> = shared.clone();
@@ -1190,6 +1192,7 @@ impl Client {
         // Replies are dispatched before reaching a sink; this one only
         // keeps the subscription listed for resubscription.
         let (sink, _unread, _) = LocalSink::new(1, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        let sink = Arc::new(sink);
         self.shared.subscriptions.lock().insert(
             sid,
             ClientSub {
@@ -1962,6 +1965,11 @@ impl ClientLoop {
         }
         self.conn.liveness.heard(self.now);
         let shared = self.shared.clone();
+        // Under `block` a sink may wait for its reader, who may need the
+        // subscription table meanwhile (to subscribe, make a first
+        // request, or drop another subscription): the table is not held
+        // across such a delivery. Otherwise it is taken once per batch.
+        let blocking = shared.options.slow_consumer == SlowConsumerPolicy::Block;
         let mut subscriptions = None;
         let mut cut_off = std::mem::take(&mut self.cut_off);
         for frame in frames.drain(..) {
@@ -1978,20 +1986,39 @@ impl ClientLoop {
                 self.dispatch_reply(subject, reply, headers, payload);
                 continue;
             }
-            let subscriptions = subscriptions.get_or_insert_with(|| shared.subscriptions.lock());
-            let Some(sub) = subscriptions.get(&sid) else {
-                continue;
-            };
-            let delivery = sub.sink.deliver(Message {
+            let message = Message {
                 subject,
                 reply,
                 headers,
                 payload,
-            });
-            if delivery == Delivery::Closed {
-                // Cut off as a slow consumer, or dropped: end the stream
-                // for the reader and stop the server sending more.
-                subscriptions.remove(&sid);
+            };
+            let delivery = if blocking {
+                subscriptions = None;
+                let sink = shared
+                    .subscriptions
+                    .lock()
+                    .get(&sid)
+                    .map(|sub| sub.sink.clone());
+                let Some(sink) = sink else {
+                    continue;
+                };
+                sink.deliver(message)
+            } else {
+                let table = subscriptions.get_or_insert_with(|| shared.subscriptions.lock());
+                let Some(sub) = table.get(&sid) else {
+                    continue;
+                };
+                sub.sink.deliver(message)
+            };
+            // Cut off as a slow consumer, or dropped: end the stream for
+            // the reader and stop the server sending more (unless its
+            // unsubscribe, made meanwhile, does).
+            if delivery == Delivery::Closed
+                && subscriptions
+                    .get_or_insert_with(|| shared.subscriptions.lock())
+                    .remove(&sid)
+                    .is_some()
+            {
                 cut_off.push(sid);
             }
         }
@@ -2303,21 +2330,24 @@ impl ClientLoop {
                 fresh
             }
         };
-        let mut subscriptions = self.shared.subscriptions.lock();
-        let Some(sub) = subscriptions.get(&sid) else {
+        // Not held across the delivery (see `deliver_messages`).
+        let sink = self
+            .shared
+            .subscriptions
+            .lock()
+            .get(&sid)
+            .map(|sub| sub.sink.clone());
+        let Some(sink) = sink else {
             return;
         };
-        let delivery = sub.sink.deliver(Message {
+        let delivery = sink.deliver(Message {
             subject,
             reply: reply.map(Arc::from),
             headers,
             payload,
         });
-        if delivery == Delivery::Closed {
-            // Cut off as a slow consumer, or dropped: end the stream
-            // for the reader and stop the server sending more.
-            subscriptions.remove(&sid);
-            drop(subscriptions);
+        // As in `deliver_messages`.
+        if delivery == Delivery::Closed && self.shared.subscriptions.lock().remove(&sid).is_some() {
             self.send(codec::encode(&Frame::Unsubscribe { sid }));
         }
     }

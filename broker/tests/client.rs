@@ -1217,3 +1217,35 @@ fn a_client_whose_waits_are_endless_works() {
     let _ = client.request("nobody.home", Bytes::new(), Duration::from_millis(50));
     drop(client);
 }
+
+/// Under the client's `block` policy the loop waits for a reader whose
+/// queue is full, without holding the subscription table: that reader may
+/// subscribe meanwhile (here at once, not after the block timeout), then
+/// read on, and nothing is lost.
+#[test]
+fn a_blocked_delivery_leaves_the_reader_free_to_subscribe() {
+    let (broker, endpoint) = start(Via::Tcp, "");
+    let client = stalling_client(&endpoint, 1);
+    let full = client.subscribe("full").unwrap();
+    client.flush(WAIT).unwrap();
+    for n in 0..3 {
+        broker.publish("full", Bytes::from(n.to_string())).unwrap();
+    }
+    // The first fills the queue; the loop then waits with the second.
+    eventually("the queue full", || full.pending() == 1);
+    std::thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    let other = client.subscribe("other").unwrap();
+    assert!(
+        started.elapsed() < WAIT / 2,
+        "subscribe waited {:?} for the blocked delivery",
+        started.elapsed()
+    );
+    assert_eq!(
+        (0..3).map(|_| recv(&full)).collect::<Vec<_>>(),
+        ["full:0", "full:1", "full:2"]
+    );
+    client.flush(WAIT).unwrap();
+    broker.publish("other", Bytes::from_static(b"x")).unwrap();
+    assert_eq!(recv(&other), "other:x");
+}
