@@ -2387,11 +2387,17 @@ impl ClientLoop {
                 subscribe_frame(sid, sub)
             })
             .collect();
+        // Once the path refuses one, the rest wait too, in order, ahead
+        // of the publishes buffered meanwhile.
+        let mut waiting = Vec::new();
         for frame in frames {
-            if let Some(rest) = self.transmit(frame) {
-                self.conn.out.push(rest);
+            if !waiting.is_empty() {
+                waiting.push(Queued::frame(frame, false));
+            } else if let Some(rest) = self.transmit(frame) {
+                waiting.push(rest);
             }
         }
+        self.conn.out.resubscribed(waiting);
     }
 
     /// Take what application threads queued in the outbox and hand it on

@@ -316,6 +316,37 @@ impl Outbound {
         self.queue.push_back(queued);
     }
 
+    /// A client sent its whole subscription table again: the subscribe
+    /// and unsubscribe frames waiting from before are dropped (sent again,
+    /// the server would refuse their ids as in use), and `first`, what of
+    /// the table the path did not take, goes ahead of what stays.
+    pub fn resubscribed(&mut self, first: Vec<Queued>) {
+        let kinds = [
+            codec::FrameKind::Subscribe as u8,
+            codec::FrameKind::Unsubscribe as u8,
+        ];
+        let (bytes, control_bytes) = (&mut self.bytes, &mut self.control_bytes);
+        self.queue.retain(|queued| {
+            let stale = !queued.run
+                && queued.messages == 0
+                && queued
+                    .frame
+                    .head
+                    .get(codec::PREFIX_LEN)
+                    .is_some_and(|kind| kinds.contains(kind));
+            if stale {
+                *bytes -= queued.frame.len();
+                *control_bytes -= queued.frame.len();
+            }
+            !stale
+        });
+        for queued in first.into_iter().rev() {
+            self.bytes += queued.frame.len();
+            self.control_bytes += queued.frame.len();
+            self.queue.push_front(queued);
+        }
+    }
+
     /// Hand `queued` to the path when nothing waits before it, else queue
     /// it; true if any of it was left queued.
     pub fn send(
@@ -1036,5 +1067,42 @@ mod tests {
             out.enforce(SlowConsumerPolicy::Block, 1000, |_| {}),
             Overflow::Within
         );
+    }
+
+    #[test]
+    fn a_resubscription_replaces_the_interest_frames_waiting_and_goes_first() {
+        use efabus_core::frame::{DeliveryClass, Frame, Subscribe};
+        let subscribe = |sid| {
+            Queued::frame(
+                codec::encode(&Frame::Subscribe(Subscribe {
+                    sid,
+                    pattern: "a".into(),
+                    queue: None,
+                    class: DeliveryClass::Reliable,
+                })),
+                false,
+            )
+        };
+        let publish = || Queued::frame(OutFrame::whole(Bytes::from(frame(&[1, 2, 3]))), true);
+        let mut out = Outbound::default();
+        out.push(subscribe(1));
+        out.push(publish());
+        out.push(Queued::frame(
+            codec::encode(&Frame::Unsubscribe { sid: 1 }),
+            false,
+        ));
+        out.resubscribed(vec![subscribe(7), subscribe(8)]);
+        let heads: Vec<Bytes> = out.queue.iter().map(|q| q.frame.head.clone()).collect();
+        assert_eq!(
+            heads,
+            [
+                subscribe(7).frame.head,
+                subscribe(8).frame.head,
+                publish().frame.head
+            ]
+        );
+        let total: usize = out.queue.iter().map(|q| q.frame.len()).sum();
+        assert_eq!(out.bytes(), total);
+        assert_eq!(out.control_bytes(), total - publish().frame.len());
     }
 }
