@@ -1170,6 +1170,20 @@ fn deliver_in_process_all(
     mut payload: Bytes,
 ) -> Result<usize, Error> {
     let stats = &shared.stats;
+    // Remote targets first: handing them over may wait for room and fail,
+    // and a publish that fails has then reached no one (a caller that
+    // tries again delivers it once).
+    if let Some(remote) = remote {
+        shared.send_command(Command::Deliver {
+            targets: Arc::clone(remote),
+            message: Message {
+                subject: subject.clone(),
+                reply: reply.clone(),
+                headers: headers.clone(),
+                payload: payload.clone(),
+            },
+        })?;
+    }
     BrokerStats::add(&stats.messages_in, 1);
     let mut closed = Vec::new();
     if let Some(((last_sid, last), others)) = local.split_last() {
@@ -1178,30 +1192,13 @@ fn deliver_in_process_all(
                 sink.deliver_kept(subject, reply.clone(), headers.clone(), payload.clone());
             count_delivery(stats, *sid, sink, outcome, &mut closed);
         }
-        let body = if remote.is_some() {
-            payload.clone()
-        } else {
-            std::mem::take(&mut payload)
-        };
-        let outcome = last.deliver_kept(subject, reply.clone(), headers.clone(), body);
+        let outcome = last.deliver_kept(subject, reply, headers, std::mem::take(&mut payload));
         count_delivery(stats, *last_sid, last, outcome, &mut closed);
     }
     if !closed.is_empty() {
         remove_closed(shared, closed);
     }
-    let matched = local.len() + remote.map_or(0, |remote| remote.len());
-    if let Some(remote) = remote {
-        shared.send_command(Command::Deliver {
-            targets: Arc::clone(remote),
-            message: Message {
-                subject: subject.clone(),
-                reply,
-                headers,
-                payload,
-            },
-        })?;
-    }
-    Ok(matched)
+    Ok(local.len() + remote.map_or(0, |remote| remote.len()))
 }
 
 /// Hand a message to the in-process subscriptions among `targets`, count
