@@ -2106,7 +2106,8 @@ impl EventLoop {
             self.poll_endpoints(&mut events);
             std::thread::sleep(Duration::from_millis(1));
         }
-        if !self.sessions.is_empty() {
+        let drained = self.sessions.is_empty();
+        if !drained {
             warn!(
                 peers = self.sessions.len(),
                 "drain time over; closing peers with data still queued"
@@ -2115,8 +2116,12 @@ impl EventLoop {
                 self.count_discarded(session);
             }
         }
+        // A flush waiting now succeeds only if nothing was left behind;
+        // otherwise it is dropped unanswered and says `Closed`.
         for done in self.flushes.drain(..) {
-            let _ = done.send(());
+            if drained {
+                let _ = done.send(());
+            }
         }
         self.shared.subscriptions.write().close_locals();
         info!("stopped");
