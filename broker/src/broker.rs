@@ -386,6 +386,8 @@ pub(crate) struct Shared {
     /// The configuration the broker started with; `live` holds the values
     /// of it a reload changed.
     pub(crate) config: Config,
+    /// When the broker started.
+    pub(crate) started: std::time::SystemTime,
     pub(crate) live: LiveLimits,
     /// `auth.users`, with the credentials already checked.
     pub(crate) accounts: Accounts,
@@ -718,6 +720,7 @@ impl Broker {
             BrokerStats::add(&stats.fabric_registered_bytes, buffers.registered as u64);
         }
         let shared = Arc::new(Shared {
+            started: std::time::SystemTime::now(),
             live: LiveLimits::new(&config),
             accounts: Accounts::new(&config.auth.users),
             subject_limits,
@@ -794,6 +797,11 @@ impl Broker {
 
     pub fn config(&self) -> &Config {
         &self.shared.config
+    }
+
+    /// When the broker started.
+    pub fn started(&self) -> std::time::SystemTime {
+        self.shared.started
     }
 
     pub fn stats(&self) -> &BrokerStats {

@@ -82,7 +82,8 @@ impl Monitor {
             .to_ip()
             .ok_or_else(|| bind_error("not an IP address".to_string()))?;
         let server = Arc::new(server);
-        let started = SystemTime::now();
+        // Uptime is the broker's, whenever the monitor started.
+        let started = broker.started();
         let thread = std::thread::Builder::new()
             .name("efabus-monitor".to_string())
             .spawn({

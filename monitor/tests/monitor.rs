@@ -371,3 +371,14 @@ fn healthz_answers_503_when_a_listener_is_gone() {
     let plain = client(&broker, "plain", false);
     plain.flush(WAIT).expect("a TCP client is served");
 }
+
+/// `/varz` gives the broker's start and uptime, not the monitor's: an
+/// embedding service may start its monitor later.
+#[test]
+fn uptime_is_the_broker_s_whenever_the_monitor_started() {
+    let broker = start_broker();
+    std::thread::sleep(Duration::from_millis(1100));
+    let monitor = Monitor::start(Arc::clone(&broker), "127.0.0.1:0").expect("monitor starts");
+    let varz = get_json(&monitor, "/varz");
+    assert!(varz["uptime_secs"].as_u64() >= Some(1), "{varz}");
+}
