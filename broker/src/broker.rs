@@ -35,7 +35,7 @@ use crate::drive::DriveHandle;
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::{Error, RecvError};
 use crate::event_loop::{run_loop, Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
-use crate::monitoring::{ConnectionReport, ListenerReport, MatchReport};
+use crate::monitoring::{ConnectionReport, ListenerReport, MatchReport, RemoteMatch};
 use crate::publish_cache;
 use crate::reload::LiveLimits;
 use crate::subscriptions::{SubRef, SubscriptionTable, Targets, LOCAL_OWNER};
@@ -1083,21 +1083,29 @@ impl Broker {
     /// now; fails for a subject that is not valid.
     pub fn matching(&self, subject: &str) -> Result<MatchReport, Error> {
         let mut targets = crate::subscriptions::Targets::default();
-        self.shared
-            .subscriptions
-            .read()
+        let table = self.shared.subscriptions.read();
+        table
             .lookup(subject, &mut targets)
             .map_err(|source| Error::Subject {
                 subject: subject.to_string(),
                 source,
             })?;
+        let remote = targets
+            .remote
+            .iter()
+            .map(|&target| {
+                let (pattern, queue) = table.describe(target).unwrap_or_default();
+                RemoteMatch {
+                    session: target.owner,
+                    sid: target.sid,
+                    pattern,
+                    queue,
+                }
+            })
+            .collect();
         Ok(MatchReport {
             local: targets.local.len(),
-            remote: targets
-                .remote
-                .iter()
-                .map(|target| (target.owner, target.sid))
-                .collect(),
+            remote,
         })
     }
 

@@ -314,6 +314,13 @@ impl RemoteInterest {
         self.index.remove(key)
     }
 
+    /// The (pattern, queue) a route announced as `key`.
+    pub fn describe(&self, key: SubRef) -> Option<(String, Option<String>)> {
+        let info = self.index.get(key)?;
+        let queue = self.groups.get(&key).map(|(_, queue)| queue.to_string());
+        Some((info.pattern.to_string(), queue))
+    }
+
     /// Forget everything a route announced.
     pub fn remove_owner(&mut self, owner: u64) -> usize {
         self.groups.retain(|key, _| key.owner != owner);

@@ -64,7 +64,7 @@ pub use config::{Config, ConfigError, SlowConsumerPolicy};
 pub use delivery::{Message, Subscription, SubscriptionStats};
 pub use error::{Error, RecvError};
 pub use monitoring::{
-    ConnectionKind, ConnectionReport, ListenerReport, MatchReport, SessionCounts,
+    ConnectionKind, ConnectionReport, ListenerReport, MatchReport, RemoteMatch, SessionCounts,
     SubscriptionReport,
 };
 pub use reload::Reloaded;

@@ -100,7 +100,9 @@ pub struct ConnectionReport {
     pub pending_bytes: u64,
     /// How many subscriptions a client has (0 for a route).
     pub subscription_count: usize,
-    /// A client's subscriptions, when the report was asked with them.
+    /// A client's subscriptions, when the report was asked with them: the
+    /// 1,024 with the lowest ids at most (`subscription_count` has them
+    /// all).
     pub subscriptions: Vec<SubscriptionReport>,
 }
 
@@ -137,7 +139,18 @@ impl ConnectionReport {
 pub struct MatchReport {
     /// In-process subscriptions (the embedded API).
     pub local: usize,
-    /// Remote subscriptions: (session id, subscription id); a queue group
+    /// Remote subscriptions (and routes' interest entries); a queue group
     /// shows the one member picked this time.
-    pub remote: Vec<(u64, u64)>,
+    pub remote: Vec<RemoteMatch>,
+}
+
+/// One remote subscription a subject reaches.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RemoteMatch {
+    /// The session (see [`crate::Broker::connections`]).
+    pub session: u64,
+    /// The subscription's id in that session (a route's: its entry's).
+    pub sid: u64,
+    pub pattern: String,
+    pub queue: Option<String>,
 }

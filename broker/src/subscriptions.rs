@@ -220,6 +220,14 @@ impl SubscriptionTable {
         (changes, self.interest.snapshot())
     }
 
+    /// The (pattern, queue) of a subscription or route interest entry.
+    pub fn describe(&self, key: SubRef) -> Option<(String, Option<String>)> {
+        match self.index.get(key) {
+            Some(info) => Some((info.pattern.to_string(), info.queue.map(str::to_string))),
+            None => self.routes.describe(key),
+        }
+    }
+
     pub fn route_down(&mut self) {
         self.interest.set_listening(false);
     }

@@ -398,21 +398,20 @@ fn subsz(broker: &Broker, query: &HashMap<String, String>) -> Result<Answer, Ans
         let matched = broker
             .matching(subject)
             .map_err(|err| Answer::error(400, err.to_string()))?;
-        let sessions = connections(broker, true)?;
+        // Names only: the patterns come with the match.
+        let sessions = connections(broker, false)?;
         let matches: Vec<Value> = matched
             .remote
             .iter()
-            .map(|&(cid, sid)| {
-                let session = sessions.iter().find(|report| report.id == cid);
-                let sub = session
-                    .and_then(|report| report.subscriptions.iter().find(|sub| sub.sid == sid));
+            .map(|remote| {
+                let session = sessions.iter().find(|report| report.id == remote.session);
                 json!({
-                    "cid": cid,
-                    "sid": sid,
+                    "cid": remote.session,
+                    "sid": remote.sid,
                     "kind": session.map(|report| report.kind.name()),
                     "name": session.map(|report| report.name.as_str()),
-                    "subject": sub.map(|sub| sub.pattern.as_str()),
-                    "queue": sub.and_then(|sub| sub.queue.as_deref()),
+                    "subject": remote.pattern,
+                    "queue": remote.queue,
                 })
             })
             .collect();

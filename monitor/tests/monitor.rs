@@ -382,3 +382,27 @@ fn uptime_is_the_broker_s_whenever_the_monitor_started() {
     let varz = get_json(&monitor, "/varz");
     assert!(varz["uptime_secs"].as_u64() >= Some(1), "{varz}");
 }
+
+/// `/connz?subs=1` lists a connection's first 1,024 subscriptions (by id)
+/// and counts them all; `/subsz?test=` names any of them.
+#[test]
+fn a_connection_s_subscriptions_are_listed_up_to_a_bound() {
+    let broker = start_broker();
+    let monitor = Monitor::start(Arc::clone(&broker), "127.0.0.1:0").expect("monitor starts");
+    let many = client(&broker, "many", false);
+    let subs: Vec<_> = (0..1100)
+        .map(|n| many.subscribe(&format!("many.{n}")).unwrap())
+        .collect();
+    many.flush(WAIT).unwrap();
+    let connz = get_json(&monitor, "/connz?subs=1");
+    let row = connection(&connz, "many");
+    assert_eq!(row["subscriptions"], 1100, "{row}");
+    let listed = row["subscriptions_list"].as_array().map(Vec::len);
+    assert_eq!(listed, Some(1024), "{row}");
+    let subsz = get_json(&monitor, "/subsz?test=many.1099");
+    assert!(
+        subsz["test"]["remote"].to_string().contains("many.1099"),
+        "{subsz:#}"
+    );
+    drop(subs);
+}

@@ -81,6 +81,10 @@ const PACING_RETRY: Duration = Duration::from_millis(50);
 /// drop-oldest policy discarded for it: drops in between are added up.
 const DROP_REPORT_SPACING: Duration = Duration::from_millis(100);
 
+/// Subscriptions a connection report lists at most (the lowest ids);
+/// `subscription_count` says how many there are.
+const SUBSCRIPTIONS_LISTED: usize = 1024;
+
 pub(crate) struct EventLoop {
     shared: Arc<Shared>,
     /// The events of the round's endpoint polls.
@@ -739,19 +743,25 @@ impl EventLoop {
             .map(|(&id, session)| {
                 let links = &session.conn.links;
                 let control = self.endpoints[session.conn.control.endpoint].scheme();
-                let mut subscriptions: Vec<SubscriptionReport> = match &session.role {
-                    Role::Client(subs) if with_subscriptions => subs
-                        .iter()
-                        .map(|(&sid, sub)| SubscriptionReport {
-                            sid,
-                            pattern: sub.pattern.clone(),
-                            queue: sub.queue.clone(),
-                            best_effort: sub.class == DeliveryClass::BestEffort,
-                        })
-                        .collect(),
+                let subscriptions: Vec<SubscriptionReport> = match &session.role {
+                    Role::Client(subs) if with_subscriptions => {
+                        // The first by id, strings copied for those only: a
+                        // connection may hold 100,000.
+                        let mut listed: Vec<_> = subs.iter().collect();
+                        listed.sort_unstable_by_key(|(&sid, _)| sid);
+                        listed
+                            .into_iter()
+                            .take(SUBSCRIPTIONS_LISTED)
+                            .map(|(&sid, sub)| SubscriptionReport {
+                                sid,
+                                pattern: sub.pattern.clone(),
+                                queue: sub.queue.clone(),
+                                best_effort: sub.class == DeliveryClass::BestEffort,
+                            })
+                            .collect()
+                    }
                     _ => Vec::new(),
                 };
-                subscriptions.sort_by_key(|sub| sub.sid);
                 let subscription_count = match &session.role {
                     Role::Client(subs) => subs.len(),
                     Role::Route(_) => 0,
