@@ -1,5 +1,6 @@
-//! The HTTP monitoring listener of a broker. [`Monitor`] serves, on its
-//! own thread, JSON views of the running broker and Prometheus metrics:
+//! The HTTP monitoring listener of a broker. [`Monitor`] serves, on four
+//! threads of its own (a client that stops reading holds up one), JSON
+//! views of the running broker and Prometheus metrics:
 //!
 //! - `/varz`: the server (name, id, version, uptime, listeners, limits),
 //!   its counters and its memory;
@@ -61,11 +62,15 @@ pub enum MonitorError {
     Thread(#[source] std::io::Error),
 }
 
+/// Requests served at once, each on its own thread: a client that stops
+/// reading its answer holds one of them, not the listener.
+const WORKERS: usize = 4;
+
 /// A running monitoring listener; dropping it stops it.
 pub struct Monitor {
     server: Arc<Server>,
     address: SocketAddr,
-    thread: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl Monitor {
@@ -84,18 +89,23 @@ impl Monitor {
         let server = Arc::new(server);
         // Uptime is the broker's, whenever the monitor started.
         let started = broker.started();
-        let thread = std::thread::Builder::new()
-            .name("efabus-monitor".to_string())
-            .spawn({
-                let server = Arc::clone(&server);
-                move || serve(&server, &broker, started)
-            })
-            .map_err(MonitorError::Thread)?;
-        Ok(Monitor {
+        let mut monitor = Monitor {
             server,
             address: local,
-            thread: Some(thread),
-        })
+            threads: Vec::with_capacity(WORKERS),
+        };
+        for _ in 0..WORKERS {
+            let thread = std::thread::Builder::new()
+                .name("efabus-monitor".to_string())
+                .spawn({
+                    let server = Arc::clone(&monitor.server);
+                    let broker = Arc::clone(&broker);
+                    move || serve(&server, &broker, started)
+                })
+                .map_err(MonitorError::Thread)?;
+            monitor.threads.push(thread);
+        }
+        Ok(monitor)
     }
 
     /// The address the listener is bound to.
@@ -106,8 +116,11 @@ impl Monitor {
 
 impl Drop for Monitor {
     fn drop(&mut self) {
-        self.server.unblock();
-        if let Some(thread) = self.thread.take() {
+        // Each call lets one waiting thread go.
+        for _ in &self.threads {
+            self.server.unblock();
+        }
+        for thread in self.threads.drain(..) {
             if thread.join().is_err() {
                 tracing::warn!("monitoring thread panicked");
             }
