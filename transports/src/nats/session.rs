@@ -135,6 +135,8 @@ pub struct Fatal(pub String);
 struct Sub {
     /// The client's sid, as it wrote it.
     name: String,
+    /// Its subject pattern, to find it again when the broker refuses it.
+    pattern: String,
     /// Auto-unsubscribe after this many deliveries (`UNSUB sid max`).
     max: Option<u64>,
     delivered: u64,
@@ -604,6 +606,7 @@ impl NatsSession {
             sid,
             Sub {
                 name: name.to_string(),
+                pattern: pattern.to_string(),
                 max: None,
                 delivered: 0,
             },
@@ -783,6 +786,20 @@ impl NatsSession {
                 if error.fatal {
                     return Err(err_to(to_client, &text));
                 }
+                // The broker has no subscription for a SUB it refused: it
+                // does not count here either (the refusal names no sid;
+                // the newest SUB on its pattern is the one refused).
+                if let Some(pattern) = refused_subscription(&error) {
+                    let newest = self
+                        .subs
+                        .iter()
+                        .filter(|(_, sub)| sub.pattern == pattern)
+                        .map(|(&sid, _)| sid)
+                        .max();
+                    if let Some(sub) = newest.and_then(|sid| self.subs.remove(&sid)) {
+                        self.by_name.remove(&sub.name);
+                    }
+                }
                 put_err(to_client, &text);
                 self.refused |= !self.verdicts.is_empty();
             }
@@ -806,6 +823,23 @@ fn nats_error(error: &ErrorFrame) -> String {
         ErrorCode::Malformed | ErrorCode::Protocol => "Unknown Protocol Operation".to_string(),
         ErrorCode::PermissionDenied => permission_error(&error.text),
         _ => error.text.replace(['\'', '\r', '\n'], " "),
+    }
+}
+
+/// The pattern of a subscription the broker refused, from its error.
+fn refused_subscription(error: &ErrorFrame) -> Option<&str> {
+    fn quoted(text: &str) -> Option<&str> {
+        let (_, rest) = text.split_once('"')?;
+        rest.split_once('"').map(|(quoted, _)| quoted)
+    }
+    let text = error.text.as_str();
+    match error.code {
+        ErrorCode::PermissionDenied => quoted(text.strip_prefix("permission denied: subscribe")?),
+        ErrorCode::InvalidSubject => quoted(text.strip_prefix("invalid pattern")?),
+        ErrorCode::TooManySubscriptions => text
+            .split_once("reached; ")
+            .and_then(|(_, rest)| rest.strip_suffix(" refused")),
+        _ => None,
     }
 }
 
@@ -1071,6 +1105,46 @@ pub(super) mod tests {
         let (out, _, _) = deliver(&mut s, &message(sid, "a.z", None, b"three"));
         assert_eq!(out, "", "past the maximum");
         assert_eq!(s.subscriptions(), 0);
+    }
+
+    /// A SUB the broker refuses holds nothing here either: it does not
+    /// count towards the limit, so a client may subscribe again.
+    #[test]
+    fn a_refused_subscription_is_forgotten() {
+        let mut s = session();
+        let (frames, _, _) = feed(
+            &mut s,
+            b"CONNECT {}\r\nSUB orders.secret 1\r\nSUB ok 2\r\nSUB a..b 3\r\nSUB many 4\r\n",
+        );
+        assert_eq!(frames.len(), 5, "{frames:?}");
+        assert_eq!(s.subscriptions(), 4);
+        for (code, text) in [
+            (
+                ErrorCode::PermissionDenied,
+                "permission denied: subscribe to \"orders.secret\" (deny, user \"u\")",
+            ),
+            (
+                ErrorCode::InvalidSubject,
+                "invalid pattern \"a..b\": empty token",
+            ),
+            (
+                ErrorCode::TooManySubscriptions,
+                "subscription limit of 2 reached; many refused",
+            ),
+            // A publish refused names no subscription.
+            (
+                ErrorCode::PermissionDenied,
+                "permission denied: publish to \"ok\" (deny, user \"u\")",
+            ),
+        ] {
+            let error = Frame::Error(ErrorFrame {
+                code,
+                text: text.into(),
+                fatal: false,
+            });
+            assert_eq!(deliver(&mut s, &error).2, Ok(()));
+        }
+        assert_eq!(s.subscriptions(), 1, "only `ok` is held");
     }
 
     #[test]
