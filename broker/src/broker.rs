@@ -363,8 +363,6 @@ pub(crate) enum Command {
     },
     /// Answer once everything queued before it has been handed to the endpoints.
     Flush(Sender<()>),
-    /// Answer when the loop reads it: it is running.
-    Alive(Sender<()>),
     /// Route to one more broker (an endpoint string, checked).
     AddPeer(String),
     /// Report every session (for monitoring), with its subscriptions when
@@ -398,6 +396,10 @@ pub(crate) struct Shared {
     pub(crate) next_sid: AtomicU64,
     pub(crate) commands: CommandQueue<Command>,
     pub(crate) shutdown: AtomicBool,
+    /// Rounds the event loop has run: a health check watches it move
+    /// rather than queue behind commands (which wait while a publisher is
+    /// held up under `block`).
+    pub(crate) rounds: AtomicU64,
     pub(crate) stats: BrokerStats,
     pub(crate) inbox_prefix: String,
     pub(crate) listening: Vec<(String, String)>,
@@ -730,6 +732,7 @@ impl Broker {
             next_sid: AtomicU64::new(1),
             commands,
             shutdown: AtomicBool::new(false),
+            rounds: AtomicU64::new(0),
             stats,
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
             listener_failures: Mutex::new(vec![None; listening.len()]),
@@ -1051,13 +1054,24 @@ impl Broker {
             .map_err(|err| Error::waiting(err, timeout))
     }
 
-    /// Whether the event loop is running: it answers at its next round,
-    /// whatever is queued (a health check, unlike [`Broker::flush`]).
+    /// Whether the event loop is running: it runs a round within
+    /// `timeout`, whatever is queued (a health check, unlike
+    /// [`Broker::flush`]).
     pub fn responsive(&self, timeout: Duration) -> Result<(), Error> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.shared.send_command(Command::Alive(tx))?;
-        rx.recv_timeout(timeout)
-            .map_err(|err| Error::waiting(err, timeout))
+        let rounds = &self.shared.rounds;
+        let before = rounds.load(Ordering::Acquire);
+        let deadline = Instant::now().checked_add(timeout);
+        self.shared.commands.wake();
+        while rounds.load(Ordering::Acquire) == before {
+            if self.shared.shutdown.load(Ordering::Relaxed) {
+                return Err(Error::Closed);
+            }
+            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+                return Err(Error::Timeout(timeout));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
     }
 
     /// Every session of the broker (clients and routes) with its links,

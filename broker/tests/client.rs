@@ -1249,3 +1249,44 @@ fn a_blocked_delivery_leaves_the_reader_free_to_subscribe() {
     broker.publish("other", Bytes::from_static(b"x")).unwrap();
     assert_eq!(recv(&other), "other:x");
 }
+
+/// The health check answers while the loop holds in-process publishers
+/// up for a slow consumer under `block` (it reads no commands then).
+#[test]
+fn the_health_check_answers_while_publishers_are_held_up() {
+    let (broker, endpoint) = start(
+        Via::Tcp,
+        "[limits]\nmax_pending_bytes = 65536\n\
+         [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 60000\n\
+         [shutdown]\ndrain_timeout_ms = 300\n",
+    );
+    let stalled = stalling_client(&endpoint, 1);
+    let sub = stalled.subscribe("held").unwrap();
+    stalled.flush(WAIT).unwrap();
+    let broker = Arc::new(broker);
+    let publisher = std::thread::spawn({
+        let broker = Arc::clone(&broker);
+        move || {
+            let payload = Bytes::from(vec![1u8; 4096]);
+            // Stops once held up for good (the broker's shutdown below).
+            for _ in 0..100_000 {
+                if broker.publish("held", payload.clone()).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    eventually("the publisher held up", || {
+        broker
+            .connections(false, Duration::from_millis(200))
+            .is_err()
+    });
+    broker
+        .responsive(WAIT)
+        .expect("the loop runs while publishers wait");
+    broker.shutdown();
+    // The reader goes first: its client's loop waits for room in it.
+    drop(sub);
+    drop(stalled);
+    publisher.join().unwrap();
+}

@@ -446,6 +446,7 @@ impl EventLoop {
     /// application thread of an embedded broker while it waits (see
     /// [`Driven`]).
     fn round(&mut self) -> Round {
+        self.shared.rounds.fetch_add(1, Ordering::Release);
         let mut events = std::mem::take(&mut self.events);
         let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
         self.events = events;
@@ -693,10 +694,6 @@ impl EventLoop {
                     }
                 }
                 Command::Flush(done) => self.flushes.push(done),
-                Command::Alive(answer) => {
-                    // The asker may have given up waiting.
-                    let _ = answer.send(());
-                }
                 Command::AddPeer(endpoint) => self.add_peer(endpoint),
                 Command::Connections {
                     subscriptions,
