@@ -1301,8 +1301,16 @@ fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll)
         if matches!(*shared.state.lock(), ConnectionState::Refused { .. }) {
             // Refused for good: nothing will arrive, and what is asked of
             // the client from now on fails at once (`Closed`) rather than
-            // waiting on a loop that has stopped.
+            // waiting on a loop that has stopped. Commands waiting get no
+            // answer (a flush then says `Closed`), and publishers waiting
+            // for room wake to find the client shut.
             shared.shutdown.store(true, Ordering::SeqCst);
+            shared
+                .outbox
+                .lock()
+                .items
+                .retain(|item| !matches!(item, Item::Command(_)));
+            shared.room.notify_all();
             shared.end_streams();
             break;
         }
