@@ -2497,12 +2497,7 @@ impl ClientLoop {
             return self.send(pong);
         };
         if let Err(SendError::WouldBlock(pong)) = self.endpoints[CONTROL].send(peer, pong) {
-            // A server that pings but does not read gets no more answers
-            // once they would take more than the publishes may: its own
-            // heartbeat judges it, and this queue stays bounded.
-            if self.conn.out.control_bytes() <= self.shared.options.max_pending_bytes {
-                self.send(pong);
-            }
+            self.send(pong);
         }
     }
 
