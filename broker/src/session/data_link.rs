@@ -1028,12 +1028,13 @@ impl DataLinks {
         })
     }
 
-    /// Best-effort frames waiting for credit, or numbered and refused by
-    /// the endpoint so far (lost if the session ends).
+    /// Best-effort frames waiting for credit (lost if the session ends).
+    /// Those already numbered and refused by the endpoint are not among
+    /// them: the backlog holds pieces, several to a fragmented frame.
     pub fn best_effort_waiting_frames(&self) -> u64 {
         self.best_effort
             .as_ref()
-            .map_or(0, |link| (link.paced.len() + link.backlog.len()) as u64)
+            .map_or(0, |link| link.paced.len() as u64)
     }
 
     /// Whether the best-effort link holds frames back.
