@@ -164,9 +164,17 @@ pub(crate) struct EventLoop {
 }
 
 impl EventLoop {
-    /// Session `id` subscribed under `inbox` once more.
+    /// Session `id` subscribed under `inbox` once more. Only a route holds
+    /// an inbox another session holds already (two routes from one broker
+    /// both carry its requester's replies); a client subscribing under
+    /// another's inbox does not keep it from its owner when that one
+    /// connects again.
     pub(super) fn hold_inbox(&mut self, id: u64, inbox: &str) {
+        let route = self.sessions.get(&id).is_some_and(|s| s.route().is_some());
         let holders = self.inboxes.entry(inbox.to_string()).or_default();
+        if !route && !holders.is_empty() && !holders.holds(id) {
+            return;
+        }
         if holders.add(id) {
             self.inboxes_held
                 .entry(id)
@@ -209,19 +217,22 @@ impl EventLoop {
     }
 }
 
-/// The sessions subscribed under one inbox, each with how many of its
+/// The sessions holding one inbox, each with how many of its
 /// subscriptions lie under it, in the order they came. The first holds
 /// the inbox: a restricted user may subscribe under it, or name it as a
-/// reply subject, only if that is its session. The others keep it held
-/// once the first is gone, so it never falls free while a session (a
-/// route from the broker whose requester it is) still subscribes under
-/// it.
+/// reply subject, only if that is its session. The others (routes) keep
+/// it held once the first is gone, so it never falls free while a route
+/// from the broker whose requester it is still subscribes under it.
 #[derive(Default)]
 pub(super) struct InboxHolders(Vec<(u64, usize)>);
 
 impl InboxHolders {
     fn holder(&self) -> Option<u64> {
         self.0.first().map(|&(id, _)| id)
+    }
+
+    fn holds(&self, id: u64) -> bool {
+        self.0.iter().any(|&(holder, _)| holder == id)
     }
 
     /// One more subscription of `id`; whether `id` is new here.
