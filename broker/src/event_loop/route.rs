@@ -1226,10 +1226,17 @@ impl EventLoop {
         }
         if let Some((code, text)) = refusal {
             BrokerStats::add(&self.shared.stats.route_interest_refused, 1);
+            // Logged here, and told to the peer (which logs each report),
+            // once a second at most: a peer over the limit refuses
+            // thousands at once. The stat has them all.
             if let Some(held_back) = self.route_refusal_log.allow(Instant::now()) {
                 warn!(session = id, %text, held_back, "route interest refused");
+                let text = match held_back {
+                    0 => text,
+                    more => format!("{text} (and {more} refused before it, not reported)"),
+                };
+                self.report(id, code, text);
             }
-            self.report(id, code, text);
         }
     }
 
