@@ -787,17 +787,14 @@ impl NatsSession {
                     return Err(err_to(to_client, &text));
                 }
                 // The broker has no subscription for a SUB it refused: it
-                // does not count here either (the refusal names no sid;
-                // the newest SUB on its pattern is the one refused).
+                // does not count here either. The refusal names no sid, so
+                // only a pattern one SUB holds says which it was.
                 if let Some(pattern) = refused_subscription(&error) {
-                    let newest = self
-                        .subs
-                        .iter()
-                        .filter(|(_, sub)| sub.pattern == pattern)
-                        .map(|(&sid, _)| sid)
-                        .max();
-                    if let Some(sub) = newest.and_then(|sid| self.subs.remove(&sid)) {
-                        self.by_name.remove(&sub.name);
+                    let mut holding = self.subs.iter().filter(|(_, sub)| sub.pattern == pattern);
+                    if let (Some((&sid, _)), None) = (holding.next(), holding.next()) {
+                        if let Some(sub) = self.subs.remove(&sid) {
+                            self.by_name.remove(&sub.name);
+                        }
                     }
                 }
                 put_err(to_client, &text);
@@ -1145,6 +1142,16 @@ pub(super) mod tests {
             assert_eq!(deliver(&mut s, &error).2, Ok(()));
         }
         assert_eq!(s.subscriptions(), 1, "only `ok` is held");
+        // Two SUBs on one pattern: which was refused cannot be told, and
+        // both stay.
+        assert_eq!(feed(&mut s, b"SUB twice 5\r\nSUB twice 6\r\n").2, Ok(()));
+        let error = Frame::Error(ErrorFrame {
+            code: ErrorCode::PermissionDenied,
+            text: "permission denied: subscribe to \"twice\" (deny, user \"u\")".into(),
+            fatal: false,
+        });
+        assert_eq!(deliver(&mut s, &error).2, Ok(()));
+        assert_eq!(s.subscriptions(), 3);
     }
 
     #[test]
