@@ -130,6 +130,10 @@ struct Connect {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fatal(pub String);
 
+/// Broker pings a client may have waiting in its output at most, however
+/// slowly it reads.
+const MAX_PINGS_QUEUED: usize = 64;
+
 /// A subscription as the client named it.
 #[derive(Debug)]
 struct Sub {
@@ -768,7 +772,15 @@ impl NatsSession {
                 self.ok(to_client);
             }
             Frame::Ping { nonce } => {
-                if self.broker_pings.len() >= self.info.max_pings_out {
+                // Pings still in the output, behind what the client has not
+                // read yet, cannot have been answered: only a client that
+                // has everything sent to it and does not answer is stale. A
+                // slow reader meets the slow-consumer policy instead, and
+                // one that reads nothing the broker's heartbeat timeout.
+                let unanswered = self.broker_pings.len();
+                if unanswered >= MAX_PINGS_QUEUED
+                    || (unanswered >= self.info.max_pings_out && to_client.is_empty())
+                {
                     return Err(err_to(to_client, "Stale Connection"));
                 }
                 self.broker_pings.push_back(nonce);
@@ -1106,6 +1118,22 @@ pub(super) mod tests {
 
     /// A SUB the broker refuses holds nothing here either: it does not
     /// count towards the limit, so a client may subscribe again.
+    /// Pings waiting in the output behind what a slow client has not read
+    /// yet are not held against it; once it has everything, they are.
+    #[test]
+    fn pings_behind_unread_output_do_not_make_a_client_stale() {
+        let mut s = session();
+        assert_eq!(feed(&mut s, b"CONNECT {}\r\n").2, Ok(()));
+        let mut unread = BytesMut::from(&b"MSG a 1 1\r\nx\r\n"[..]);
+        for nonce in 1..=5 {
+            let ping = codec::encode(&Frame::Ping { nonce }).to_bytes();
+            assert_eq!(s.deliver(&ping, &mut unread, &mut Vec::new()), Ok(()));
+        }
+        let (out, _, result) = deliver(&mut s, &Frame::Ping { nonce: 6 });
+        assert_eq!(out, "-ERR 'Stale Connection'\r\n");
+        assert!(result.is_err());
+    }
+
     #[test]
     fn a_refused_subscription_is_forgotten() {
         let mut s = session();
