@@ -97,9 +97,9 @@ pub(crate) struct EventLoop {
     /// subjects delivered to them (empty on a broker without
     /// `auth.users`: one lookup of an empty map a publish).
     restricted: HashMap<u64, Restricted>,
-    /// The sessions subscribed under each inbox (`_INBOX.<token>`), and
-    /// each session's inboxes: a restricted user may subscribe under its
-    /// own inbox only.
+    /// The sessions holding each inbox (`_INBOX.<token>`), and each
+    /// session's inboxes: a restricted user may subscribe under its own
+    /// inbox only.
     inboxes: HashMap<String, InboxHolders>,
     inboxes_held: HashMap<u64, Vec<String>>,
     /// The session each proven fabric address belongs to, by endpoint: one
@@ -203,8 +203,8 @@ impl EventLoop {
         self.inboxes.get(inbox).and_then(InboxHolders::holder)
     }
 
-    /// Session `id` is gone: its inboxes pass to whoever else subscribes
-    /// under them, such as a second route from the same broker.
+    /// Session `id` is gone: its inboxes pass to the routes that hold them
+    /// too (a second route from the same broker).
     fn release_inboxes_of(&mut self, id: u64) {
         for inbox in self.inboxes_held.remove(&id).unwrap_or_default() {
             if let Some(holders) = self.inboxes.get_mut(&inbox) {
