@@ -1195,8 +1195,8 @@ fn deliver_in_process_all(
     subject: &Arc<str>,
     local: &LocalTargets,
     remote: Option<&Arc<[SubRef]>>,
-    reply: Option<Arc<str>>,
-    headers: Option<Bytes>,
+    mut reply: Option<Arc<str>>,
+    mut headers: Option<Bytes>,
     mut payload: Bytes,
 ) -> Result<usize, Error> {
     let stats = &shared.stats;
@@ -1204,14 +1204,25 @@ fn deliver_in_process_all(
     // and a publish that fails has then reached no one (a caller that
     // tries again delivers it once).
     if let Some(remote) = remote {
-        shared.send_command(Command::Deliver {
-            targets: Arc::clone(remote),
-            message: Message {
+        let message = if local.is_empty() {
+            // Nothing else needs the parts: no new references.
+            Message {
+                subject: subject.clone(),
+                reply: reply.take(),
+                headers: headers.take(),
+                payload: std::mem::take(&mut payload),
+            }
+        } else {
+            Message {
                 subject: subject.clone(),
                 reply: reply.clone(),
                 headers: headers.clone(),
                 payload: payload.clone(),
-            },
+            }
+        };
+        shared.send_command(Command::Deliver {
+            targets: Arc::clone(remote),
+            message,
         })?;
     }
     BrokerStats::add(&stats.messages_in, 1);

@@ -44,7 +44,7 @@ use efabus_core::transport::{
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use mio::unix::SourceFd;
 use mio::{Interest, Poll, Token, Waker};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 // Subscription ids are small integers this side assigns.
 use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use tracing::{debug, error, info, warn};
@@ -566,6 +566,45 @@ impl ClientShared {
 
     /// Nothing more will arrive: subscriptions end after what they hold,
     /// and requests still waiting fail now instead of at their timeout.
+    /// Hand `message` to subscription `sid`; true if that cut it off (a
+    /// slow consumer under `disconnect`, or its reader gone) and removed it
+    /// here, so the server is to stop sending (unless an unsubscribe made
+    /// meanwhile removed it). `table` is the subscription table if held,
+    /// taken once for a batch. Under `block` a sink may wait for its
+    /// reader, who may need the table meanwhile (to subscribe, make a
+    /// first request, or drop another subscription), so it is not held
+    /// across such a delivery.
+    fn deliver_to<'a>(
+        &'a self,
+        table: &mut Option<MutexGuard<'a, HashMap<u64, ClientSub>>>,
+        sid: u64,
+        message: Message,
+    ) -> bool {
+        let delivery = if self.options.slow_consumer == SlowConsumerPolicy::Block {
+            *table = None;
+            let sink = self
+                .subscriptions
+                .lock()
+                .get(&sid)
+                .map(|sub| sub.sink.clone());
+            let Some(sink) = sink else {
+                return false;
+            };
+            sink.deliver(message)
+        } else {
+            let subscriptions = table.get_or_insert_with(|| self.subscriptions.lock());
+            let Some(sub) = subscriptions.get(&sid) else {
+                return false;
+            };
+            sub.sink.deliver(message)
+        };
+        delivery == Delivery::Closed
+            && table
+                .get_or_insert_with(|| self.subscriptions.lock())
+                .remove(&sid)
+                .is_some()
+    }
+
     fn end_streams(&self) {
         self.subscriptions.lock().clear();
         self.replies.lock().clear();
@@ -716,7 +755,7 @@ impl ClientShared {
     /// Wait (up to the block timeout) while the outbox is `full`.
     fn wait_for_room(
         &self,
-        outbox: &mut parking_lot::MutexGuard<'_, Outbox>,
+        outbox: &mut MutexGuard<'_, Outbox>,
         full: impl Fn(&Outbox) -> bool,
     ) -> Result<(), Error> {
         let timeout = self.options.block_timeout;
@@ -1165,10 +1204,7 @@ impl Client {
             if waited >= window.min(timeout) {
                 break replies
                     .recv_timeout(timeout.saturating_sub(waited))
-                    .map_err(|err| match err {
-                        crossbeam_channel::RecvTimeoutError::Disconnected => Error::Closed,
-                        crossbeam_channel::RecvTimeoutError::Timeout => Error::Timeout(timeout),
-                    });
+                    .map_err(|err| Error::waiting(err, timeout));
             }
             let until = started + window.min(timeout);
             if !self.shared.drive(false, until, &|| !replies.is_empty()) {
@@ -1973,11 +2009,6 @@ impl ClientLoop {
         }
         self.conn.liveness.heard(self.now);
         let shared = self.shared.clone();
-        // Under `block` a sink may wait for its reader, who may need the
-        // subscription table meanwhile (to subscribe, make a first
-        // request, or drop another subscription): the table is not held
-        // across such a delivery. Otherwise it is taken once per batch.
-        let blocking = shared.options.slow_consumer == SlowConsumerPolicy::Block;
         let mut subscriptions = None;
         let mut cut_off = std::mem::take(&mut self.cut_off);
         for frame in frames.drain(..) {
@@ -2000,33 +2031,7 @@ impl ClientLoop {
                 headers,
                 payload,
             };
-            let delivery = if blocking {
-                subscriptions = None;
-                let sink = shared
-                    .subscriptions
-                    .lock()
-                    .get(&sid)
-                    .map(|sub| sub.sink.clone());
-                let Some(sink) = sink else {
-                    continue;
-                };
-                sink.deliver(message)
-            } else {
-                let table = subscriptions.get_or_insert_with(|| shared.subscriptions.lock());
-                let Some(sub) = table.get(&sid) else {
-                    continue;
-                };
-                sub.sink.deliver(message)
-            };
-            // Cut off as a slow consumer, or dropped: end the stream for
-            // the reader and stop the server sending more (unless its
-            // unsubscribe, made meanwhile, does).
-            if delivery == Delivery::Closed
-                && subscriptions
-                    .get_or_insert_with(|| shared.subscriptions.lock())
-                    .remove(&sid)
-                    .is_some()
-            {
+            if shared.deliver_to(&mut subscriptions, sid, message) {
                 cut_off.push(sid);
             }
         }
@@ -2338,24 +2343,13 @@ impl ClientLoop {
                 fresh
             }
         };
-        // Not held across the delivery (see `deliver_messages`).
-        let sink = self
-            .shared
-            .subscriptions
-            .lock()
-            .get(&sid)
-            .map(|sub| sub.sink.clone());
-        let Some(sink) = sink else {
-            return;
-        };
-        let delivery = sink.deliver(Message {
+        let message = Message {
             subject,
             reply: reply.map(Arc::from),
             headers,
             payload,
-        });
-        // As in `deliver_messages`.
-        if delivery == Delivery::Closed && self.shared.subscriptions.lock().remove(&sid).is_some() {
+        };
+        if self.shared.deliver_to(&mut None, sid, message) {
             self.send(codec::encode(&Frame::Unsubscribe { sid }));
         }
     }

@@ -837,10 +837,6 @@ fn nats_error(error: &ErrorFrame) -> String {
 
 /// The pattern of a subscription the broker refused, from its error.
 fn refused_subscription(error: &ErrorFrame) -> Option<&str> {
-    fn quoted(text: &str) -> Option<&str> {
-        let (_, rest) = text.split_once('"')?;
-        rest.split_once('"').map(|(quoted, _)| quoted)
-    }
     let text = error.text.as_str();
     match error.code {
         ErrorCode::PermissionDenied => quoted(text.strip_prefix("permission denied: subscribe")?),
@@ -861,11 +857,15 @@ fn permission_error(text: &str) -> String {
     } else {
         "Publish"
     };
-    let subject = what
-        .split_once('"')
-        .and_then(|(_, rest)| rest.split_once('"'))
-        .map_or("", |(subject, _)| subject);
+    let subject = quoted(what).unwrap_or("");
     format!("Permissions Violation for {kind} to \"{subject}\"")
+}
+
+/// The first double-quoted part of a broker's error text (the subject or
+/// pattern it names).
+fn quoted(text: &str) -> Option<&str> {
+    let (_, rest) = text.split_once('"')?;
+    rest.split_once('"').map(|(quoted, _)| quoted)
 }
 
 fn fatal(text: &str) -> Fatal {
