@@ -1,6 +1,5 @@
-//! The HTTP monitoring listener of a broker. [`Monitor`] serves, on four
-//! threads of its own (a client that stops reading holds up one), JSON
-//! views of the running broker and Prometheus metrics:
+//! The HTTP monitoring listener of a broker. [`Monitor`] serves JSON views
+//! of the running broker and Prometheus metrics:
 //!
 //! - `/varz`: the server (name, id, version, uptime, listeners, limits),
 //!   its counters and its memory;
@@ -20,17 +19,38 @@
 //! Connection views ask the broker's event loop for a report between two
 //! of its rounds ([`Broker::connections`]), with subscriptions only where
 //! a view shows them; `/healthz` only waits for the loop's next round.
+//!
+//! The listener is an HTTP/1.1 server (hyper) on a thread of its own; the
+//! views are built on at most four more. A connection costs the server a
+//! task, not a thread, and each has bounds ([`MonitorOptions`]): time to
+//! send a request's head, time for each write of an answer to make
+//! progress (a client that stops reading loses its connection), and a
+//! number served at once (more wait in the listen backlog).
 
 use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use efabus_broker::{Broker, ConnectionKind, ConnectionReport, ListenerReport};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::{json, Value};
 use thiserror::Error;
-use tiny_http::{Header, Method, Request, Response, Server};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::{oneshot, Semaphore};
+use tokio::time::Sleep;
 
 pub mod metrics;
 
@@ -62,50 +82,93 @@ pub enum MonitorError {
     Thread(#[source] std::io::Error),
 }
 
-/// Requests served at once, each on its own thread: a client that stops
-/// reading its answer holds one of them, not the listener.
+/// Views built at once; requests beyond wait for one to finish.
 const WORKERS: usize = 4;
+/// How long a stopping listener waits for the views being built.
+const STOP_WAIT: Duration = Duration::from_secs(3);
+
+/// The bounds the listener holds each client to.
+#[derive(Clone, Debug)]
+pub struct MonitorOptions {
+    /// Time a client has to send the head of a request, counted from when
+    /// the connection opens or its last answer went out: an idle
+    /// connection is closed after it.
+    pub read_timeout: Duration,
+    /// Time one write of an answer may go without progress: a client that
+    /// stops reading loses its connection after it.
+    pub write_timeout: Duration,
+    /// Connections served at once; more wait in the listen backlog.
+    pub max_connections: usize,
+}
+
+impl Default for MonitorOptions {
+    fn default() -> Self {
+        MonitorOptions {
+            read_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(10),
+            max_connections: 64,
+        }
+    }
+}
 
 /// A running monitoring listener; dropping it stops it.
 pub struct Monitor {
-    server: Arc<Server>,
     address: SocketAddr,
-    threads: Vec<JoinHandle<()>>,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
 }
 
 impl Monitor {
     /// Listen on `address` (`HOST:PORT`; port 0 picks one) and serve the
-    /// views of `broker` until dropped.
+    /// views of `broker` until dropped, with the default bounds.
     pub fn start(broker: Arc<Broker>, address: &str) -> Result<Monitor, MonitorError> {
+        Monitor::start_with(broker, address, &MonitorOptions::default())
+    }
+
+    /// [`Monitor::start`] with the given bounds.
+    pub fn start_with(
+        broker: Arc<Broker>,
+        address: &str,
+        options: &MonitorOptions,
+    ) -> Result<Monitor, MonitorError> {
         let bind_error = |reason: String| MonitorError::Bind {
             address: address.to_string(),
             reason,
         };
-        let server = Server::http(address).map_err(|err| bind_error(err.to_string()))?;
-        let local = server
-            .server_addr()
-            .to_ip()
-            .ok_or_else(|| bind_error("not an IP address".to_string()))?;
-        let server = Arc::new(server);
-        // Uptime is the broker's, whenever the monitor started.
-        let started = broker.started();
-        let mut monitor = Monitor {
-            server,
+        let listener =
+            std::net::TcpListener::bind(address).map_err(|err| bind_error(err.to_string()))?;
+        let local = listener
+            .local_addr()
+            .map_err(|err| bind_error(err.to_string()))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|err| bind_error(err.to_string()))?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .max_blocking_threads(WORKERS)
+            .thread_name("efabus-monitor")
+            .build()
+            .map_err(MonitorError::Thread)?;
+        let views = Arc::new(Views {
+            // Uptime is the broker's, whenever the monitor started.
+            started: broker.started(),
+            broker,
+        });
+        let (stop, stopped) = oneshot::channel();
+        let options = options.clone();
+        let thread = std::thread::Builder::new()
+            .name("efabus-monitor".to_string())
+            .spawn(move || {
+                runtime.block_on(listen(listener, views, options, stopped));
+                runtime.shutdown_timeout(STOP_WAIT);
+            })
+            .map_err(MonitorError::Thread)?;
+        Ok(Monitor {
             address: local,
-            threads: Vec::with_capacity(WORKERS),
-        };
-        for _ in 0..WORKERS {
-            let thread = std::thread::Builder::new()
-                .name("efabus-monitor".to_string())
-                .spawn({
-                    let server = Arc::clone(&monitor.server);
-                    let broker = Arc::clone(&broker);
-                    move || serve(&server, &broker, started)
-                })
-                .map_err(MonitorError::Thread)?;
-            monitor.threads.push(thread);
-        }
-        Ok(monitor)
+            stop: Some(stop),
+            thread: Some(thread),
+        })
     }
 
     /// The address the listener is bound to.
@@ -116,15 +179,199 @@ impl Monitor {
 
 impl Drop for Monitor {
     fn drop(&mut self) {
-        // Each call lets one waiting thread go.
-        for _ in &self.threads {
-            self.server.unblock();
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
         }
-        for thread in self.threads.drain(..) {
+        if let Some(thread) = self.thread.take() {
             if thread.join().is_err() {
                 tracing::warn!("monitoring thread panicked");
             }
         }
+    }
+}
+
+/// What the views read.
+struct Views {
+    broker: Arc<Broker>,
+    started: SystemTime,
+}
+
+/// Accept connections until `stopped`, serving at most
+/// `options.max_connections` at once.
+async fn listen(
+    listener: std::net::TcpListener,
+    views: Arc<Views>,
+    options: MonitorOptions,
+    mut stopped: oneshot::Receiver<()>,
+) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(listener) => listener,
+        Err(err) => {
+            tracing::warn!(error = %err, "the monitoring listener cannot start");
+            return;
+        }
+    };
+    let slots = Arc::new(Semaphore::new(options.max_connections.max(1)));
+    loop {
+        let slot = tokio::select! {
+            _ = &mut stopped => return,
+            slot = Arc::clone(&slots).acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => return,
+            },
+        };
+        let stream = tokio::select! {
+            _ = &mut stopped => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(err) => {
+                    // Out of descriptors, or a connection reset before it
+                    // was taken: keep listening, a little later.
+                    tracing::debug!(error = %err, "monitoring accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let views = Arc::clone(&views);
+        let options = options.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let io = TokioIo::new(WriteDeadline::new(stream, options.write_timeout));
+            let service = service_fn(move |request| {
+                let views = Arc::clone(&views);
+                async move { Ok::<_, Infallible>(respond(views, request).await) }
+            });
+            let mut connection = http1::Builder::new();
+            connection
+                .timer(TokioTimer::new())
+                .header_read_timeout(options.read_timeout);
+            if let Err(err) = connection.serve_connection(io, service).await {
+                tracing::debug!(error = %err, "monitoring connection ended");
+            }
+        });
+    }
+}
+
+/// The answer to one request, built on a worker thread: the views wait on
+/// the broker's event loop.
+async fn respond(views: Arc<Views>, request: Request<Incoming>) -> Response<Full<Bytes>> {
+    let answer = if matches!(*request.method(), Method::GET | Method::HEAD) {
+        let target = request
+            .uri()
+            .path_and_query()
+            .map_or_else(|| "/".to_string(), |target| target.as_str().to_string());
+        tokio::task::spawn_blocking(move || answer(&target, &views.broker, views.started))
+            .await
+            // A view that fails answers 500; the listener stays.
+            .unwrap_or_else(|_| Answer::error(500, "the view failed; see the broker's log"))
+    } else {
+        Answer::error(405, "only GET is served")
+    };
+    let mut response = Response::new(Full::new(Bytes::from(answer.body)));
+    *response.status_mut() =
+        StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(answer.content_type));
+    response
+}
+
+/// A connection whose writes fail once one has gone `limit` without
+/// progress, so that a client that stops reading cannot keep its
+/// connection (and the answer buffered for it) for ever.
+struct WriteDeadline<S> {
+    inner: S,
+    limit: Duration,
+    /// Running while a write waits.
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl<S> WriteDeadline<S> {
+    fn new(inner: S, limit: Duration) -> Self {
+        WriteDeadline {
+            inner,
+            limit,
+            stalled: None,
+        }
+    }
+
+    /// After a write that could not go on: pending until the deadline,
+    /// then the error that ends the connection.
+    fn wait<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
+        let limit = self.limit;
+        let deadline = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client stopped reading its answer",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn progress<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        match poll {
+            Poll::Pending => self.wait(cx),
+            ready => {
+                self.stalled = None;
+                ready
+            }
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for WriteDeadline<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.progress(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.progress(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.inner).poll_flush(cx);
+        this.progress(cx, poll)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.inner).poll_shutdown(cx);
+        this.progress(cx, poll)
     }
 }
 
@@ -149,29 +396,9 @@ impl Answer {
     }
 }
 
-fn serve(server: &Server, broker: &Broker, started: SystemTime) {
-    for request in server.incoming_requests() {
-        // A view that fails answers 500; the listener stays.
-        let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            answer(&request, broker, started)
-        }))
-        .unwrap_or_else(|_| Answer::error(500, "the view failed; see the broker's log"));
-        let mut response = Response::from_string(answer.body).with_status_code(answer.status);
-        if let Ok(header) = Header::from_bytes(&b"Content-Type"[..], answer.content_type.as_bytes())
-        {
-            response = response.with_header(header);
-        }
-        if let Err(err) = request.respond(response) {
-            tracing::debug!(error = %err, "monitoring answer not sent");
-        }
-    }
-}
-
-fn answer(request: &Request, broker: &Broker, started: SystemTime) -> Answer {
-    if !matches!(request.method(), Method::Get | Method::Head) {
-        return Answer::error(405, "only GET is served");
-    }
-    let (path, query) = request.url().split_once('?').unwrap_or((request.url(), ""));
+/// The view `target` (path and query) names.
+fn answer(target: &str, broker: &Broker, started: SystemTime) -> Answer {
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let query: HashMap<String, String> = form_urlencoded::parse(query.as_bytes())
         .into_owned()
         .collect();

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use efabus_broker::{Broker, Client, ClientOptions, Config};
-use efabus_monitor::Monitor;
+use efabus_monitor::{Monitor, MonitorOptions};
 use efabus_transports::registry::Registry;
 use serde_json::Value;
 
@@ -405,4 +405,109 @@ fn a_connection_s_subscriptions_are_listed_up_to_a_bound() {
         "{subsz:#}"
     );
     drop(subs);
+}
+
+/// A connection to the monitor with a small receive buffer, so that an
+/// answer it does not read soon fills what the sockets hold.
+fn raw_connection(monitor: &Monitor) -> std::net::TcpStream {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).expect("socket");
+    socket.set_recv_buffer_size(4096).expect("receive buffer");
+    socket
+        .connect(&monitor.local_addr().into())
+        .expect("connects to the monitor");
+    socket.into()
+}
+
+/// Reads until the server closes the connection; the bytes read, or
+/// `None` if it was still open after `WAIT`.
+fn read_until_closed(stream: &mut std::net::TcpStream) -> Option<usize> {
+    use std::io::Read;
+    stream.set_read_timeout(Some(WAIT)).expect("read timeout");
+    let mut buffer = vec![0; 1 << 16];
+    let mut total = 0;
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) => return Some(total),
+            Ok(n) => total += n,
+            Err(err) if err.kind() == std::io::ErrorKind::ConnectionReset => return Some(total),
+            Err(_) => return None,
+        }
+    }
+}
+
+/// Clients that send requests ahead and never read the answers lose their
+/// connections after the write timeout, and meanwhile the health check is
+/// answered.
+#[test]
+fn clients_that_stop_reading_lose_their_connection() {
+    use std::io::Write;
+    const STALLED: usize = 5;
+    // Each answer lists 1,024 subscriptions of 200-byte subjects (about
+    // 300 KB): 40 of them are far beyond what the socket buffers hold.
+    const PIPELINED: usize = 40;
+    let broker = start_broker();
+    let options = MonitorOptions {
+        write_timeout: Duration::from_millis(200),
+        ..MonitorOptions::default()
+    };
+    let monitor =
+        Monitor::start_with(Arc::clone(&broker), "127.0.0.1:0", &options).expect("monitor starts");
+    let many = client(&broker, "many", false);
+    let long = "x".repeat(200);
+    let subs: Vec<_> = (0..1024)
+        .map(|n| many.subscribe(&format!("{long}.{n}")).unwrap())
+        .collect();
+    many.flush(WAIT).unwrap();
+    let (_, one_answer) = get(&monitor, "/connz?subs=1");
+    let requests = "GET /connz?subs=1 HTTP/1.1\r\nHost: monitor\r\n\r\n".repeat(PIPELINED);
+    let mut stalled: Vec<std::net::TcpStream> = (0..STALLED)
+        .map(|_| {
+            let mut stream = raw_connection(&monitor);
+            stream
+                .write_all(requests.as_bytes())
+                .expect("requests sent");
+            stream
+        })
+        .collect();
+    let (status, body) = get(&monitor, "/healthz");
+    assert_eq!(status, 200, "{body}");
+    // Give the writes time to stall, then read what was sent.
+    std::thread::sleep(Duration::from_millis(500));
+    for stream in &mut stalled {
+        let read = read_until_closed(stream).expect("the monitor closed the stalled connection");
+        assert!(
+            read < PIPELINED * one_answer.len(),
+            "{read} bytes: every answer was sent"
+        );
+    }
+    drop(subs);
+}
+
+/// Connections that send nothing, or half a request, are closed after the
+/// read timeout: with as many as the monitor serves at once, a request on
+/// a new connection waits for that and is answered.
+#[test]
+fn idle_connections_are_closed_after_the_read_timeout() {
+    use std::io::Write;
+    let broker = start_broker();
+    let options = MonitorOptions {
+        read_timeout: Duration::from_millis(300),
+        max_connections: 4,
+        ..MonitorOptions::default()
+    };
+    let monitor =
+        Monitor::start_with(Arc::clone(&broker), "127.0.0.1:0", &options).expect("monitor starts");
+    let mut idle: Vec<std::net::TcpStream> = (0..4).map(|_| raw_connection(&monitor)).collect();
+    idle[0]
+        .write_all(b"GET /varz HTTP/1.1\r\nHost: mon")
+        .expect("half a request sent");
+    let (status, body) = get(&monitor, "/healthz");
+    assert_eq!(status, 200, "{body}");
+    for stream in &mut idle {
+        assert!(
+            read_until_closed(stream).is_some(),
+            "an idle connection stayed open"
+        );
+    }
 }
