@@ -325,17 +325,19 @@ impl Accounts {
         checks
     }
 
-    /// One hash check out of this second's [`CHECKS_PER_SECOND`].
-    fn spend_check(&self) -> Result<(), Busy> {
+    /// `checks` hash checks out of this second's [`CHECKS_PER_SECOND`]. A
+    /// login that needs more than the whole budget (a token login with
+    /// more token users) may spend it alone, in a second of its own.
+    fn spend_checks(&self, checks: u32) -> Result<(), Busy> {
         let mut budget = self.budget.lock();
         let now = Instant::now();
         if now.duration_since(budget.0) >= Duration::from_secs(1) {
             *budget = (now, 0);
         }
-        if budget.1 >= CHECKS_PER_SECOND {
+        if budget.1 > 0 && budget.1.saturating_add(checks) > CHECKS_PER_SECOND {
             return Err(Busy);
         }
-        budget.1 += 1;
+        budget.1 = budget.1.saturating_add(checks);
         Ok(())
     }
 
@@ -361,7 +363,8 @@ impl Accounts {
 
     /// The user `name` with password `secret`, or (no name) the user whose
     /// token `secret` is. A login not remembered costs one check of this
-    /// second's budget (a token login checks every token user's hash).
+    /// second's budget per hash it may check: one for a name, one per
+    /// token user for a token.
     pub(crate) fn login(&self, name: Option<&str>, secret: &str) -> Login {
         let candidates: Vec<(&User, &Arc<Permissions>, &str)> = self
             .users
@@ -385,7 +388,8 @@ impl Accounts {
         if let Some((user, permissions, _)) = remembered {
             return Self::logged_in(user, permissions);
         }
-        if self.spend_check().is_err() {
+        let checks = u32::try_from(candidates.len().max(1)).unwrap_or(u32::MAX);
+        if self.spend_checks(checks).is_err() {
             return Login::Busy;
         }
         if candidates.is_empty() {
@@ -547,7 +551,34 @@ mod tests {
     }
 
     #[test]
-    fn a_token_login_costs_one_check_however_many_token_users() {
+    fn a_token_login_costs_a_check_per_token_user() {
+        let users: Vec<User> = (0..3)
+            .map(|n| User {
+                name: format!("service-{n}"),
+                token: Some(hash_secret(&format!("token-{n}")).unwrap()),
+                ..User::default()
+            })
+            .collect();
+        let accounts = Accounts::new(&users);
+        let started = Instant::now();
+        assert_eq!(
+            accounts.login(None, "token-2"),
+            Login::User {
+                name: "service-2".into(),
+                permissions: None
+            }
+        );
+        assert_eq!(accounts.login(None, "wrong"), Login::Refused);
+        // Two logins of three checks each, and a third that would pass the
+        // second's eight, unless the second is over.
+        if started.elapsed() < Duration::from_millis(900) {
+            assert_eq!(accounts.budget.lock().1, 6);
+            assert_eq!(accounts.login(None, "wrong again"), Login::Busy);
+        }
+    }
+
+    #[test]
+    fn a_token_login_past_the_whole_budget_gets_a_second_of_its_own() {
         let users: Vec<User> = (0..CHECKS_PER_SECOND + 2)
             .map(|n| User {
                 name: format!("service-{n}"),
@@ -557,6 +588,7 @@ mod tests {
             .collect();
         let accounts = Accounts::new(&users);
         let last = CHECKS_PER_SECOND + 1;
+        let started = Instant::now();
         assert_eq!(
             accounts.login(None, &format!("token-{last}")),
             Login::User {
@@ -564,7 +596,9 @@ mod tests {
                 permissions: None
             }
         );
-        assert_eq!(accounts.budget.lock().1, 1);
+        if started.elapsed() < Duration::from_millis(900) {
+            assert_eq!(accounts.login(None, "wrong"), Login::Busy);
+        }
     }
 
     #[test]
