@@ -598,7 +598,9 @@ impl Default for Fabric {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Shutdown {
-    /// The longest the broker spends flushing queued messages on shutdown.
+    /// The longest the broker spends flushing queued messages on shutdown,
+    /// and the longest a peer being closed (after an error or goodbye) has
+    /// to take what is queued for it.
     pub drain_timeout_ms: u64,
 }
 

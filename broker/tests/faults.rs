@@ -12,6 +12,11 @@
 //!   at most once, in increasing order; partial messages freed after the
 //!   timeout; losses counted.
 //!
+//! - Broker: a peer that sends requests (pings) and reads none of the
+//!   answers is disconnected once they fill its queue; a peer that reads
+//!   nothing and is being closed is closed after the drain time, what was
+//!   queued for it counted.
+//!
 //! Time in the link tests is virtual (a base `Instant` plus a step count),
 //! so timeouts are exercised without sleeping.
 
@@ -27,7 +32,9 @@ use efabus_broker::{Broker, Client, ClientOptions, Config, RecvError};
 use efabus_core::budget::MemoryBudget;
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::fragment::ReassemblyConfig;
-use efabus_core::frame::{ErrorCode, Frame, Hello, Publish, PROTOCOL_VERSION};
+use efabus_core::frame::{
+    DeliveryClass, ErrorCode, Frame, Hello, Publish, Subscribe, PROTOCOL_VERSION,
+};
 use efabus_core::link::{LinkConfig, LinkReceiver, LinkSender};
 use efabus_core::transport::{
     CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError, Transport,
@@ -37,6 +44,8 @@ use efabus_transports::fault::{
 };
 use efabus_transports::mem::MemTransport;
 use efabus_transports::registry::Registry;
+
+mod raw_common;
 
 /// Bound on every wait; things normally happen at once.
 const WAIT: Duration = Duration::from_secs(10);
@@ -798,4 +807,94 @@ fn best_effort_link_survives_one_corrupted_sequence_number() {
         "only {genuine} of 49 genuine frames delivered"
     );
     assert!(receiver.stats().lost <= 1, "{:?}", receiver.stats());
+}
+
+/// Says hello as a client named `name` and waits for the welcome.
+fn hello(raw: &mut raw_common::Raw, name: &str) {
+    raw.send(&Frame::Hello(Hello {
+        no_echo: false,
+        no_responders: false,
+        version: PROTOCOL_VERSION,
+        name: name.to_string(),
+        credentials: None,
+        user: None,
+        proof: None,
+        offers: Vec::new(),
+        link_auth: None,
+    }));
+    raw.expect("the welcome", |frame| matches!(frame, Frame::Welcome(_)));
+}
+
+/// A peer that pings without end and reads none of the pongs: the answers,
+/// which no slow-consumer policy trims, are held to the queue's bound, and
+/// past it the peer is disconnected and counted.
+#[test]
+fn a_peer_that_reads_none_of_its_answers_is_disconnected() {
+    use std::io::Write;
+    let text = "listen = [\"tcp/127.0.0.1:0\"]\n[limits]\nmax_pending_bytes = 65536\n";
+    let config = Config::from_toml_str(text, "faults test").expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    let mut raw = raw_common::Raw::connect(&broker);
+    hello(&mut raw, "deaf");
+    // About 40 MB of pings: their pongs are more than the socket buffers
+    // on both sides and the queue's bound together.
+    let mut burst = Vec::new();
+    for nonce in 0..10_000u64 {
+        burst.extend_from_slice(&codec::encode(&Frame::Ping { nonce }).to_bytes());
+    }
+    let mut stream = raw.stream();
+    let writer = thread::spawn(move || {
+        for _ in 0..300 {
+            // The broker closes the connection once it gives up.
+            if stream.write_all(&burst).is_err() {
+                return;
+            }
+        }
+    });
+    let stats = broker.stats();
+    wait_for("the deaf peer disconnected", || {
+        stats.slow_consumer_disconnects.load(Ordering::Relaxed) == 1
+    });
+    wait_for("its session closed", || {
+        stats.connections.load(Ordering::Relaxed) == 0
+    });
+    writer.join().expect("the writer ends");
+}
+
+/// A peer that reads nothing, then sends a frame that ends its session:
+/// the messages queued for it cannot drain, so the session is closed after
+/// the drain time with them counted, not kept for ever.
+#[test]
+fn a_closing_peer_that_reads_nothing_is_closed_after_the_drain_time() {
+    use std::io::Write;
+    let text = "listen = [\"tcp/127.0.0.1:0\"]\n[shutdown]\ndrain_timeout_ms = 200\n";
+    let config = Config::from_toml_str(text, "faults test").expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    let stats = broker.stats();
+    let mut raw = raw_common::Raw::connect(&broker);
+    hello(&mut raw, "reads-nothing");
+    raw.send(&Frame::Subscribe(Subscribe {
+        sid: 1,
+        pattern: "x".to_string(),
+        queue: None,
+        class: DeliveryClass::Reliable,
+    }));
+    wait_for("the subscription", || broker.subscription_count() == 1);
+    // 32 MiB: more than the socket buffers take, so some stays queued.
+    let payload = Bytes::from(vec![0x5a; 64 << 10]);
+    for _ in 0..512 {
+        broker.publish("x", payload.clone()).expect("published");
+    }
+    wait_for("messages queued for the peer", || {
+        stats.queued_bytes.load(Ordering::Relaxed) > 0
+    });
+    // A whole frame of an unknown kind: the session ends with an error,
+    // queued behind the messages.
+    let mut unknown = codec::encode(&Frame::Ping { nonce: 1 }).to_bytes().to_vec();
+    unknown[codec::FRAME_OVERHEAD - 1] = 0xee;
+    raw.stream().write_all(&unknown).expect("frame sent");
+    wait_for("the session closed", || {
+        stats.connections.load(Ordering::Relaxed) == 0
+    });
+    assert!(stats.connection_drops.load(Ordering::Relaxed) > 0);
 }

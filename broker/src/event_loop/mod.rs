@@ -973,7 +973,7 @@ impl EventLoop {
         if self
             .sessions
             .get(&id)
-            .is_none_or(|session| session.state == SessionState::Closing)
+            .is_none_or(|session| matches!(session.state, SessionState::Closing { .. }))
         {
             return;
         }
@@ -1027,7 +1027,7 @@ impl EventLoop {
             return;
         };
         session.conn.liveness.heard(self.now);
-        if session.state == SessionState::Closing {
+        if matches!(session.state, SessionState::Closing { .. }) {
             return;
         }
         let kind = bytes.get(PREFIX_LEN).copied();
@@ -1498,6 +1498,21 @@ impl EventLoop {
             );
             return;
         }
+        if left_queued
+            && !is_message
+            && session.conn.out.control_bytes() > self.shared.live.max_pending_bytes()
+        {
+            // Answers to the peer's own requests (pongs, errors), which no
+            // policy trims, fill the queue: it sends but does not read.
+            BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
+            warn!(session = id, remote = %session.remote, "peer reads none of the answers to its requests; disconnected");
+            self.fail(
+                id,
+                ErrorCode::SlowConsumer,
+                "the answers to your requests fill your queue: read them".to_string(),
+            );
+            return;
+        }
         if !left_queued || !is_message {
             return;
         }
@@ -1606,7 +1621,7 @@ impl EventLoop {
             session.over_since = None;
         }
         let report = drained && session.drops.due_at().is_some();
-        if empty && session.state == SessionState::Closing {
+        if empty && matches!(session.state, SessionState::Closing { .. }) {
             let control = session.conn.control;
             self.endpoints[control.endpoint].close(control.peer);
         }
@@ -1669,7 +1684,7 @@ impl EventLoop {
         let Some(session) = self.sessions.get(&id) else {
             return;
         };
-        if session.state == SessionState::Closing {
+        if matches!(session.state, SessionState::Closing { .. }) {
             return;
         }
         let reason = session.conn.links.failure.clone().unwrap_or_default();
@@ -1718,7 +1733,9 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        session.state = SessionState::Closing;
+        session.state = SessionState::Closing {
+            deadline: self.now + self.shared.config.drain_timeout(),
+        };
         let control = session.conn.control;
         self.remove_interest(id);
         if self
@@ -1938,6 +1955,7 @@ impl EventLoop {
         let timeout = self.shared.config.heartbeat_timeout();
         let block_timeout = self.shared.live.block_timeout();
         let mut expired = Vec::new();
+        let mut overdue = Vec::new();
         let mut pings = Vec::new();
         let mut slow = Vec::new();
         let mut links_due = Vec::new();
@@ -1960,6 +1978,7 @@ impl EventLoop {
                     Heartbeat::Ping => pings.push(id),
                     Heartbeat::Wait => due = false,
                 },
+                SessionState::Closing { deadline } if now >= deadline => overdue.push(id),
                 _ => due = false,
             }
             if session
@@ -1969,7 +1988,7 @@ impl EventLoop {
                 slow.push(id);
                 due = true;
             }
-            if session.state != SessionState::Closing
+            if !matches!(session.state, SessionState::Closing { .. })
                 && session
                     .conn
                     .links
@@ -2012,6 +2031,15 @@ impl EventLoop {
             self.fail(id, code, text);
             if let Some(session) = self.sessions.get(&id) {
                 // A dead peer will not drain its queue: close now.
+                let control = session.conn.control;
+                self.endpoints[control.endpoint].close(control.peer);
+            }
+        }
+        for &id in &overdue {
+            // Its queue did not drain within the drain time: the peer is
+            // not reading. Closing counts what was still queued.
+            if let Some(session) = self.sessions.get(&id) {
+                debug!(session = id, remote = %session.remote, "closing peer did not drain its queue; closed");
                 let control = session.conn.control;
                 self.endpoints[control.endpoint].close(control.peer);
             }

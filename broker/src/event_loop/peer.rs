@@ -40,8 +40,12 @@ pub(super) enum SessionState {
         deadline: Instant,
     },
     Ready,
-    /// An error or goodbye was sent; close once it is flushed.
-    Closing,
+    /// An error or goodbye was sent; close once it is flushed, or at the
+    /// deadline with what is still queued discarded and counted (a peer
+    /// that reads nothing would otherwise keep its queue for ever).
+    Closing {
+        deadline: Instant,
+    },
 }
 
 /// What a session refuses a peer: the error to send back.
@@ -216,13 +220,12 @@ impl Session {
     }
 
     /// The earliest time the session has something to do by time alone:
-    /// its handshake deadline, heartbeats, lossy links, or the block
-    /// policy's limit (`block_timeout`). A closing session has none.
+    /// its handshake deadline, heartbeats, lossy links, the block
+    /// policy's limit (`block_timeout`), or a closing session's deadline.
     pub fn poll_timeout(&self, block_timeout: std::time::Duration) -> Option<Instant> {
         let own = match self.state {
-            SessionState::AwaitHello { deadline } => deadline,
+            SessionState::AwaitHello { deadline } | SessionState::Closing { deadline } => deadline,
             SessionState::Ready => self.conn.poll_timeout(),
-            SessionState::Closing => return None,
         };
         Some(match self.over_since {
             Some(since) => own.min(since + block_timeout),

@@ -493,7 +493,7 @@ impl EventLoop {
         let mut next = None::<Instant>;
         let mut silent = Vec::new();
         for (&id, session) in &self.sessions {
-            if session.state == SessionState::Closing || session.cut_off {
+            if matches!(session.state, SessionState::Closing { .. }) || session.cut_off {
                 continue;
             }
             let Some(slot) = session.route().and_then(|role| role.slot) else {

@@ -38,6 +38,11 @@ impl Raw {
         }
     }
 
+    /// Another handle on the connection, to write from another thread.
+    pub fn stream(&self) -> TcpStream {
+        self.stream.try_clone().expect("the stream is cloned")
+    }
+
     pub fn send(&mut self, frame: &Frame) {
         self.stream
             .write_all(&codec::encode(frame).to_bytes())
