@@ -20,7 +20,9 @@
 //! [`REPLIES_REMEMBERED`] per connection), and subscribe under one literal
 //! inbox, `_INBOX.<token>.`, that no other connection uses (a requester
 //! waiting for answers: the first connection to subscribe under an inbox
-//! holds it until it goes). The event loop keeps both ([`Replies`]).
+//! holds it until it goes) and that is not the inbox of a request it was
+//! given (a responder does not take over its requester's inbox while the
+//! requester reconnects). The event loop keeps both ([`Replies`]).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -166,6 +168,14 @@ impl Replies {
 
     pub fn contains(&self, subject: &str) -> bool {
         self.known.contains(subject)
+    }
+
+    /// Whether a remembered reply subject lies under `inbox`: a requester
+    /// this connection answered.
+    pub fn names_inbox(&self, inbox: &str) -> bool {
+        self.order
+            .iter()
+            .any(|reply| inbox_of(reply) == Some(inbox))
     }
 }
 

@@ -207,6 +207,39 @@ fn requests_work_without_permission_to_subscribe_to_inboxes() {
     assert_eq!(denials(&broker), 3);
 }
 
+/// A responder learns its requester's inbox from the reply subject. Once
+/// the requester's connection is gone the inbox is held by no one, but
+/// the responder still may not subscribe under it: the requester, back,
+/// gets its replies, not the responder.
+#[test]
+fn a_responder_does_not_take_over_its_requester_s_inbox() {
+    let broker = broker();
+    let responder = login(&broker, Some("responder"), Some("responder-password")).expect("login");
+    let requests = responder.subscribe("svc.echo").expect("subscribe");
+    responder.flush(WAIT).unwrap();
+    let requester = login(&broker, None, Some("watcher-token")).expect("login");
+    let asked = std::thread::spawn(move || {
+        requester
+            .request("svc.echo", b"ping".to_vec(), WAIT)
+            .expect("an answer");
+        // The requester's connection ends: its inbox falls free.
+    });
+    let request = requests.recv_timeout(WAIT).expect("a request");
+    let reply = request.reply.expect("a reply subject");
+    responder.publish(&reply, b"pong".to_vec()).expect("reply");
+    responder.flush(WAIT).unwrap();
+    asked.join().expect("the requester got its answer");
+    let inbox = reply.rsplit_once('.').map(|(inbox, _)| inbox).unwrap();
+    wait_until("the requester gone", || {
+        broker.stats().value("connections") == Some(1)
+    });
+    let _squat = responder.subscribe(&format!("{inbox}.>")).unwrap();
+    responder.flush(WAIT).unwrap();
+    let errors = responder.take_errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].1.contains("a requester's"), "{errors:?}");
+}
+
 /// A restricted user cannot make a reply subject a way to publish where
 /// it may not, and an inbox is held only while subscriptions under it
 /// last (an inbox a route announces: the next test).

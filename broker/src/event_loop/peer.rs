@@ -605,10 +605,17 @@ impl EventLoop {
         if let Some(restricted) = self.restricted.get(&id) {
             // A subscription under an inbox no other session holds (a
             // requester's own) is allowed beside `allow`, never beside
-            // `deny`.
+            // `deny`, and never under the inbox of a request this session
+            // was given: that requester may be reconnecting.
             let permissions = &restricted.permissions;
+            let answered = inbox
+                .as_deref()
+                .is_some_and(|inbox| holder.is_none() && restricted.replies.names_inbox(inbox));
             let verdict = match permissions.subscribe_denied(&subscribe.pattern) {
                 Some(rule) => Err(rule),
+                None if answered => {
+                    Err("the inbox is a requester's this connection was sent".to_string())
+                }
                 None if inbox.is_some() && holder.is_none_or(|holder| holder == id) => Ok(()),
                 None if inbox.is_some() => Err("the inbox is another connection's".to_string()),
                 None => permissions.may_subscribe(&subscribe.pattern),
