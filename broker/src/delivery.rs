@@ -38,6 +38,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use efabus_core::transport::Detacher;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::config::SlowConsumerPolicy;
@@ -183,6 +184,8 @@ struct State {
     closed: bool,
     readers_waiting: usize,
     producers_waiting: usize,
+    /// Copies received payloads that would hold their read buffers.
+    detacher: Detacher,
 }
 
 impl State {
@@ -453,6 +456,7 @@ impl LocalSink {
                 closed: false,
                 readers_waiting: 0,
                 producers_waiting: 0,
+                detacher: Detacher::default(),
             }),
             waiting: AtomicBool::new(false),
             closed: AtomicBool::new(false),
@@ -474,12 +478,17 @@ impl LocalSink {
         (sink, QueueReader { queue }, stats)
     }
 
+    /// Queue a message received off the network: one that waits behind
+    /// others may get its own copy of a small payload ([`Detacher`]), since
+    /// a slice of the buffer it was read into would keep that whole
+    /// buffer.
     pub(crate) fn deliver(&self, message: Message) -> Delivery {
         self.push(
             SubjectArg::Owned(message.subject),
             message.reply,
             message.headers,
             message.payload,
+            true,
         )
     }
 
@@ -494,7 +503,7 @@ impl LocalSink {
         headers: Option<Bytes>,
         payload: Bytes,
     ) -> Delivery {
-        self.push(SubjectArg::Kept(subject), reply, headers, payload)
+        self.push(SubjectArg::Kept(subject), reply, headers, payload, false)
     }
 
     #[inline(always)]
@@ -502,8 +511,9 @@ impl LocalSink {
         &self,
         subject: SubjectArg<'_>,
         reply: Option<Arc<str>>,
-        headers: Option<Bytes>,
-        payload: Bytes,
+        mut headers: Option<Bytes>,
+        mut payload: Bytes,
+        received: bool,
     ) -> Delivery {
         let queue = &*self.queue;
         let mut state = queue.state.lock();
@@ -512,6 +522,15 @@ impl LocalSink {
             match self.make_room(&mut state) {
                 Ok(made) => outcome = made,
                 Err(refused) => return refused,
+            }
+        }
+        if received {
+            if state.len == 0 {
+                state.detacher.passed(&payload);
+            } else if state.detacher.settle(&mut payload) {
+                if let Some(headers) = headers.as_mut() {
+                    *headers = Bytes::copy_from_slice(headers);
+                }
             }
         }
         let same = match (&state.last_subject, &subject) {
@@ -1244,6 +1263,54 @@ mod tests {
         std::iter::from_fn(|| sub.try_recv().ok())
             .map(|m| m.payload[0])
             .collect()
+    }
+
+    /// Received payloads that wait behind others, each from another part
+    /// of the buffer they were read into (a subscriber getting a few of
+    /// the messages read), hold copies, not the buffer; the first, taken
+    /// at once, is not copied.
+    #[test]
+    fn sparse_received_payloads_that_wait_keep_no_larger_buffer_alive() {
+        let (sink, sub) = queue(8, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        let read = Bytes::from(vec![3u8; 64 << 10]);
+        let received = |at: usize| Message {
+            headers: Some(read.slice(at..at + 8)),
+            subject: "a".into(),
+            reply: None,
+            payload: read.slice(at + 8..at + 1500),
+        };
+        for at in [0, 10_000, 20_000] {
+            sink.deliver(received(at));
+        }
+        let first = sub.try_recv().expect("the first message");
+        assert_eq!(first.payload.as_ptr(), read.slice(8..).as_ptr());
+        drop(first);
+        assert!(read.is_unique(), "a waiting payload holds the read buffer");
+        let second = sub.try_recv().expect("the second message");
+        assert_eq!(&second.payload[..], &read[10_008..11_500]);
+    }
+
+    /// Payloads read one after another (a stream to one subscriber) share
+    /// their buffer while they wait: none is copied.
+    #[test]
+    fn a_stream_of_received_payloads_is_queued_without_copies() {
+        let (sink, sub) = queue(8, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        let read = Bytes::from(vec![4u8; 64 << 10]);
+        let payloads: Vec<Bytes> = (0..4)
+            .map(|n| read.slice(n * 1540..n * 1540 + 1500))
+            .collect();
+        for payload in &payloads {
+            sink.deliver(Message {
+                headers: None,
+                subject: "a".into(),
+                reply: None,
+                payload: payload.clone(),
+            });
+        }
+        for payload in &payloads {
+            let got = sub.try_recv().expect("a message");
+            assert_eq!(got.payload.as_ptr(), payload.as_ptr());
+        }
     }
 
     #[test]

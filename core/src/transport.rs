@@ -101,6 +101,57 @@ impl OutFrame {
     }
 }
 
+/// Payloads up to this size are copied before they wait in a queue
+/// ([`Detacher`]).
+pub const DETACH_MAX: usize = 16 << 10;
+/// Most bytes between two payloads read together from one stream (the
+/// next frame's head: its header and subject).
+const ADJACENT_GAP: usize = 1 << 10;
+
+/// Copies the small payloads that would keep a larger buffer alive while
+/// they wait in a queue. A payload sliced from a buffer read off the
+/// network (64 KiB for TCP) keeps that whole buffer, so a queue of such
+/// slices, one from each buffer (a subscriber getting one message in
+/// forty), would hold many times the bytes it counts. A payload that
+/// starts just after the one queued before it (the next message read with
+/// it, as in a stream to one subscriber) shares that one's buffer and is
+/// queued as it is: a stream costs a copy per read buffer, not per
+/// message.
+#[derive(Debug, Default)]
+pub struct Detacher {
+    /// Where the payload queued last ended.
+    last_end: usize,
+}
+
+impl Detacher {
+    /// `payload`, about to wait in the queue: copied unless it follows the
+    /// last one or is larger than [`DETACH_MAX`]. True when it was copied:
+    /// what else of its message lies in the same buffer (its headers)
+    /// needs copying too.
+    pub fn settle(&mut self, payload: &mut Bytes) -> bool {
+        let follows = self.follows(payload);
+        if follows || payload.is_empty() || payload.len() > DETACH_MAX {
+            return false;
+        }
+        *payload = Bytes::copy_from_slice(payload);
+        true
+    }
+
+    /// `payload` was not queued (taken at once), but the next one may
+    /// follow it.
+    pub fn passed(&mut self, payload: &Bytes) {
+        self.follows(payload);
+    }
+
+    fn follows(&mut self, payload: &Bytes) -> bool {
+        // Addresses are only compared, never used.
+        let start = payload.as_ptr() as usize;
+        let follows = start >= self.last_end && start - self.last_end <= ADJACENT_GAP;
+        self.last_end = start + payload.len();
+        follows
+    }
+}
+
 /// The frames of a run, in order, as [`OutFrame::whole`] slices of it (no
 /// copy): `split_run(&run)` for the `run` given to [`Endpoint::send_run`]
 /// or [`DirectSend::send_run`].

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
 use efabus_core::codec;
-use efabus_core::transport::{split_run_slices, Endpoint, OutFrame, PeerId, SendError};
+use efabus_core::transport::{split_run_slices, Detacher, Endpoint, OutFrame, PeerId, SendError};
 use tracing::{debug, warn};
 
 use super::data_link::{DataLink, DataLinks, Sent};
@@ -288,6 +288,7 @@ pub(crate) struct Outbound {
     bytes: usize,
     /// Of `bytes`, those in entries that hold no message.
     control_bytes: usize,
+    detacher: Detacher,
 }
 
 impl Outbound {
@@ -307,8 +308,15 @@ impl Outbound {
         self.control_bytes
     }
 
-    /// Queue an entry behind what waits.
-    pub fn push(&mut self, queued: Queued) {
+    /// Queue an entry behind what waits. The small body of a message a
+    /// broker forwards may be copied ([`Detacher`]): sliced from a buffer
+    /// read off the network, it would keep that whole buffer while it
+    /// waits. (A client's publishes carry its application's payloads.)
+    pub fn push(&mut self, mut queued: Queued) {
+        let message = codec::FrameKind::Message as u8;
+        if queued.frame.head.get(codec::PREFIX_LEN) == Some(&message) {
+            self.detacher.settle(&mut queued.frame.body);
+        }
         self.bytes += queued.frame.len();
         if queued.messages == 0 {
             self.control_bytes += queued.frame.len();
@@ -528,6 +536,7 @@ impl Batch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use efabus_core::transport::DETACH_MAX;
     use std::sync::{Arc, Mutex};
 
     const PREFIX: usize = codec::PREFIX_LEN;
@@ -1066,6 +1075,44 @@ mod tests {
         assert_eq!(
             out.enforce(SlowConsumerPolicy::Block, 1000, |_| {}),
             Overflow::Within
+        );
+    }
+
+    /// Bodies queued from scattered parts of a read buffer are copied (they
+    /// would keep it whole); a body that follows the one queued before it
+    /// shares that one's buffer and is not; nor is a large one.
+    #[test]
+    fn queued_bodies_keep_no_larger_buffer_alive_but_a_stream_is_not_copied() {
+        let read = Bytes::from(vec![7u8; 64 << 10]);
+        let mut out = Outbound::default();
+        // A message's head: a length prefix, then its kind.
+        let head = Bytes::from(vec![0, 0, 0, 0, codec::FrameKind::Message as u8]);
+        let queue = |out: &mut Outbound, body: Bytes| {
+            let head = head.clone();
+            out.push(Queued::frame(OutFrame { head, body }, true));
+        };
+        queue(&mut out, read.slice(100..1600));
+        queue(&mut out, read.slice(20_000..21_500));
+        assert!(read.is_unique(), "a queued body holds the read buffer");
+        assert_eq!(out.bytes(), 2 * (5 + 1500));
+        queue(&mut out, read.slice(21_540..23_040));
+        assert!(!read.is_unique(), "a body following the last was copied");
+        let stream = Bytes::from(vec![8u8; 64 << 10]);
+        queue(&mut out, stream.slice(..DETACH_MAX + 1));
+        assert!(!stream.is_unique(), "a large body was copied");
+        // A publish's body is its publisher's own.
+        let publish = Bytes::from(vec![0, 0, 0, 0, codec::FrameKind::Publish as u8]);
+        let body = stream.slice(30_000..31_000);
+        out.push(Queued::frame(
+            OutFrame {
+                head: publish,
+                body: body.clone(),
+            },
+            true,
+        ));
+        assert_eq!(
+            out.queue.back().map(|q| q.frame.body.as_ptr()),
+            Some(body.as_ptr())
         );
     }
 
