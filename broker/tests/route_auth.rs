@@ -304,6 +304,38 @@ fn refused_routes_count_towards_the_address_lockout() {
     assert_eq!(routes(&broker), 0);
 }
 
+/// With only `cluster.secret` set, clients need no secret, but one that
+/// presents a wrong secret is guessing the cluster's (the welcome would
+/// show a right one): each guess counts against its address, and after
+/// ten even a client without one is refused from there for a while.
+#[test]
+fn guesses_at_the_cluster_secret_count_towards_the_address_lockout() {
+    let broker = start("guarded", &[], "[cluster]\nsecret = \"mesh\"\n");
+    let hello = |credentials: Option<&str>| {
+        Frame::Hello(Hello {
+            no_echo: false,
+            no_responders: false,
+            version: PROTOCOL_VERSION,
+            name: "guesser".into(),
+            credentials: credentials.map(str::to_string),
+            user: None,
+            proof: None,
+            offers: Vec::new(),
+            link_auth: None,
+        })
+    };
+    for guess in 0..10 {
+        let mut raw = Raw::connect(&broker);
+        raw.send(&hello(Some(&format!("guess-{guess}"))));
+        raw.expect("the welcome", |frame| matches!(frame, Frame::Welcome(_)));
+    }
+    assert_eq!(stat(&broker, "auth_failures"), 10);
+    let mut raw = Raw::connect(&broker);
+    raw.send(&hello(None));
+    let frames = raw.until_closed();
+    assert_eq!(fatal_error(&frames).code, ErrorCode::RateLimited);
+}
+
 /// What a route's peer says about other brokers is checked before it is
 /// dialed: host names, malformed and oversized addresses are dropped, and
 /// the broker stays up and dials only the usable addresses.

@@ -118,6 +118,9 @@ pub(super) struct Session {
     /// The peer's hello carried the route credential (or none is needed):
     /// only then may it say it is a broker and become a route.
     pub may_route: bool,
+    /// The hello's secret matched none configured, and was counted
+    /// against its address (a later route request is not counted again).
+    pub guessed: bool,
     /// The user the client logged in as (`auth.users`), if it did.
     pub user: Option<String>,
     /// The challenge sent to an accepted peer, which its hello proves the
@@ -156,6 +159,9 @@ pub(super) struct Admission {
     /// This side's proof of the shared secret the hello proved, for the
     /// welcome.
     pub proof: Option<[u8; 32]>,
+    /// Admitted where nothing is required, with a secret that matched
+    /// none configured: a guess, counted against its address.
+    pub wrong_secret: bool,
 }
 
 /// What this broker brings to a negotiation.
@@ -181,6 +187,7 @@ impl Session {
                 not_before: Instant::now(),
             },
             may_route: false,
+            guessed: false,
             user: None,
             challenge: None,
             link_reasons: Vec::new(),
@@ -267,6 +274,7 @@ impl Session {
                     user: Some(name),
                     permissions,
                     proof: None,
+                    wrong_secret: false,
                 }),
                 Login::Refused => Err(Refusal::new(ErrorCode::Auth, "invalid user or password")),
                 Login::Busy => Err(busy()),
@@ -305,14 +313,15 @@ impl Session {
         };
         // The route credential: the cluster secret, else the client
         // secret, else nothing (open mode).
-        let admitted = |may_route| Admission {
+        let admitted = |may_route, wrong_secret| Admission {
             may_route,
             user: None,
             permissions: None,
             proof,
+            wrong_secret,
         };
         if cluster == Some(true) || client == Some(true) {
-            return Ok(admitted(cluster.or(client).unwrap_or(true)));
+            return Ok(admitted(cluster.or(client).unwrap_or(true), false));
         }
         // A token, else a verified client certificate's name.
         let login = match (hello.credentials.is_some(), certificate_name) {
@@ -329,13 +338,19 @@ impl Session {
                     user: Some(name),
                     permissions,
                     proof: None,
+                    wrong_secret: false,
                 })
             }
             Login::Busy => return Err(busy()),
             Login::Refused => {}
         }
         if client.is_none() && accounts.is_empty() {
-            return Ok(admitted(cluster.unwrap_or(true)));
+            // Only a route needs the cluster secret: a client is admitted
+            // without it, but a wrong one presented is a guess (the welcome
+            // would tell a right one by its proof).
+            let guessed =
+                cluster == Some(false) && (hello.proof.is_some() || hello.credentials.is_some());
+            return Ok(admitted(cluster.unwrap_or(true), guessed));
         }
         let text = if hello.credentials.is_none() && hello.proof.is_none() {
             "credentials required"
@@ -527,7 +542,15 @@ impl EventLoop {
             challenge.as_ref(),
             certificate_name.as_deref(),
         ) {
-            Ok(admission) => admission,
+            Ok(admission) => {
+                if admission.wrong_secret {
+                    BrokerStats::add(&self.shared.stats.auth_failures, 1);
+                    if let Some(ip) = address {
+                        self.auth_guard.failed(ip, now);
+                    }
+                }
+                admission
+            }
             Err(refusal) => {
                 if refusal.code == ErrorCode::Auth {
                     BrokerStats::add(&self.shared.stats.auth_failures, 1);
@@ -540,6 +563,7 @@ impl EventLoop {
             }
         };
         session.may_route = admission.may_route;
+        session.guessed = admission.wrong_secret;
         session.user = admission.user;
         session.no_echo = hello.no_echo;
         session.no_responders = hello.no_responders;

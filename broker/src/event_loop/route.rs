@@ -796,7 +796,7 @@ impl EventLoop {
         let Some(session) = self.sessions.get(&id) else {
             return;
         };
-        if let Some(ip) = remote_ip(&session.remote) {
+        if let Some(ip) = remote_ip(&session.remote).filter(|_| !session.guessed) {
             self.auth_guard.failed(ip, now);
         }
         if let Some(unlogged) = self.cluster.refusal_log.allow(now) {
