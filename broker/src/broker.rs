@@ -361,8 +361,13 @@ pub(crate) enum Command {
         targets: Arc<[SubRef]>,
         message: Message,
     },
-    /// Answer once everything queued before it has been handed to the endpoints.
-    Flush(Sender<()>),
+    /// Answer once everything queued before it has been handed to the
+    /// endpoints, unless the caller stopped waiting (`until`; `None`:
+    /// never) before that.
+    Flush {
+        done: Sender<()>,
+        until: Option<Instant>,
+    },
     /// Route to one more broker (an endpoint string, checked).
     AddPeer(String),
     /// Report every session (for monitoring), with its subscriptions when
@@ -1048,8 +1053,9 @@ impl Broker {
     /// queue stays full, a slow consumer under `drop-oldest`, holds it up
     /// until `timeout`).
     pub fn flush(&self, timeout: Duration) -> Result<(), Error> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.shared.send_command(Command::Flush(tx))?;
+        let (done, rx) = crossbeam_channel::bounded(1);
+        let until = Instant::now().checked_add(timeout);
+        self.shared.send_command(Command::Flush { done, until })?;
         rx.recv_timeout(timeout)
             .map_err(|err| Error::waiting(err, timeout))
     }

@@ -108,7 +108,7 @@ pub(crate) struct EventLoop {
     commands: Receiver<Command>,
     codec: CodecLimits,
     next_session: u64,
-    flushes: Vec<Sender<()>>,
+    flushes: Vec<(Sender<()>, Option<Instant>)>,
     /// Sessions whose queue is over its bound under the block policy: while
     /// any exist, reading from publishers is paused.
     blocking: HashSet<u64>,
@@ -704,7 +704,14 @@ impl EventLoop {
                         );
                     }
                 }
-                Command::Flush(done) => self.flushes.push(done),
+                Command::Flush { done, until } => {
+                    // Flushes whose callers stopped waiting are forgotten:
+                    // with queues that never all drain, they would pile up.
+                    let now = Instant::now();
+                    self.flushes
+                        .retain(|(_, until)| until.is_none_or(|until| until > now));
+                    self.flushes.push((done, until));
+                }
                 Command::AddPeer(endpoint) => self.add_peer(endpoint),
                 Command::Connections {
                     subscriptions,
@@ -810,7 +817,7 @@ impl EventLoop {
         // A flush answered sees the statistics of what it waited for.
         self.flush_tally();
         if self.sessions.values().all(|s| s.conn.out.is_empty()) {
-            for done in self.flushes.drain(..) {
+            for (done, _) in self.flushes.drain(..) {
                 let _ = done.send(());
             }
         }
@@ -2164,7 +2171,7 @@ impl EventLoop {
         }
         // A flush waiting now succeeds only if nothing was left behind;
         // otherwise it is dropped unanswered and says `Closed`.
-        for done in self.flushes.drain(..) {
+        for (done, _) in self.flushes.drain(..) {
             if drained {
                 let _ = done.send(());
             }
