@@ -111,10 +111,17 @@ impl<C> CommandQueue<C> {
     }
 
     /// Called by the loop before it sleeps; false (stay awake) when
-    /// commands are waiting or `idle` says there is other work. See
+    /// commands are waiting (unless the loop `holds_commands`: it reads
+    /// none for now) or `idle` says there is other work. See
     /// [`Parker::park`].
-    pub fn park(&self, receiver: &Receiver<C>, idle: impl FnOnce() -> bool) -> bool {
-        self.parker.park(|| receiver.is_empty() && idle())
+    pub fn park(
+        &self,
+        receiver: &Receiver<C>,
+        holds_commands: bool,
+        idle: impl FnOnce() -> bool,
+    ) -> bool {
+        self.parker
+            .park(|| (holds_commands || receiver.is_empty()) && idle())
     }
 
     /// Called by the loop when it wakes.

@@ -1,15 +1,26 @@
 //! An idle broker and its clients use no CPU: the loops poll on for their
 //! window after work (`fabric.polling.spin_us`, up to five times that) and
 //! then wait on their descriptors.
-//! Alone in its binary, so that no other test's loops are counted.
+//! The same holds while the block policy holds publishers up: the loop
+//! reads none of their commands then, and they do not keep it awake.
+//! Alone in their binary, and one at a time, so that no other test's
+//! loops are counted.
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_broker::{Broker, Client, ClientOptions, Config, Error};
+use efabus_core::frame::{DeliveryClass, Frame, Hello, Subscribe, PROTOCOL_VERSION};
 use efabus_transports::registry::Registry;
 
+mod raw_common;
+
 const WAIT: Duration = Duration::from_secs(10);
+
+/// Held by each test: the CPU counted is all the process's loops.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// CPU time (user + system, in clock ticks) of this process's threads
 /// whose name starts with `efabus-`: the broker's and the clients' loops.
@@ -37,6 +48,9 @@ fn loop_ticks() -> u64 {
 
 #[test]
 fn loops_stop_spinning_once_the_traffic_ends() {
+    let _alone = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let required = std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1");
     let start = |listen: &str| {
         let text = format!(
@@ -108,5 +122,80 @@ fn loops_stop_spinning_once_the_traffic_ends() {
     assert!(
         used * 10 <= 2 * ticks_per_second,
         "the idle loops used {used} ticks over 2 s (at most 10% of a core allowed)"
+    );
+}
+
+/// A subscriber that reads nothing holds in-process publishers up under
+/// the block policy. Their commands wait in the loop's queue, unread until
+/// the subscriber takes something, and the loop sleeps meanwhile.
+#[test]
+fn a_loop_holding_publishers_up_sleeps() {
+    let _alone = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let text = "name = \"held\"\nlisten = [\"tcp/127.0.0.1:0\"]\n\
+                [limits]\nmax_pending_bytes = 65536\n\
+                [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 30000\n";
+    let broker =
+        Arc::new(Broker::start(Config::from_toml_str(text, "idle test").unwrap()).unwrap());
+    let mut raw = raw_common::Raw::connect(&broker);
+    raw.send(&Frame::Hello(Hello {
+        no_echo: false,
+        no_responders: false,
+        version: PROTOCOL_VERSION,
+        name: "reads-nothing".to_string(),
+        credentials: None,
+        user: None,
+        proof: None,
+        offers: Vec::new(),
+        link_auth: None,
+    }));
+    raw.expect("the welcome", |frame| matches!(frame, Frame::Welcome(_)));
+    raw.send(&Frame::Subscribe(Subscribe {
+        sid: 1,
+        pattern: "held".to_string(),
+        queue: None,
+        class: DeliveryClass::Reliable,
+    }));
+    let deadline = Instant::now() + WAIT;
+    while broker.subscription_count() == 0 {
+        assert!(Instant::now() < deadline, "the subscription did not arrive");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let publisher = std::thread::spawn({
+        let broker = Arc::clone(&broker);
+        let stop = Arc::clone(&stop);
+        move || {
+            let payload = Bytes::from(vec![0u8; 1024]);
+            while !stop.load(Ordering::Relaxed) {
+                if broker.publish("held", payload.clone()).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    // The socket buffers fill, then the broker's queue, then the command
+    // queue behind the held publisher.
+    let stats = broker.stats();
+    while stats.queued_bytes.load(Ordering::Relaxed) < 65536 {
+        assert!(
+            Instant::now() < deadline,
+            "the subscriber's queue did not fill"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let ticks_per_second = 100;
+    let before = loop_ticks();
+    std::thread::sleep(Duration::from_secs(1));
+    let used = loop_ticks().saturating_sub(before);
+    // The subscriber goes, and with it the hold.
+    stop.store(true, Ordering::Relaxed);
+    drop(raw);
+    publisher.join().expect("the publisher ends");
+    assert!(
+        used * 10 <= ticks_per_second,
+        "the loop used {used} ticks over 1 s while holding publishers up (at most 10% of a core allowed)"
     );
 }

@@ -2271,11 +2271,14 @@ pub(crate) fn run_loop(
             }
         }
         let finished = event_loop.drives_finished();
+        // While publishers are held under the block policy the loop reads
+        // no commands: waiting ones must not keep it awake.
+        let holds_commands = !state.blocking.is_empty();
         drop(guard);
         // What this thread saw holds only if no driver came since.
         if !shared
             .commands
-            .park(commands, || event_loop.may_sleep(finished))
+            .park(commands, holds_commands, || event_loop.may_sleep(finished))
         {
             continue;
         }
