@@ -8,7 +8,7 @@
 //! event loop through a bounded command queue. The event loop thread
 //! (`crate::event_loop`) owns every endpoint and session.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -19,7 +19,7 @@ use crossbeam_channel::Sender;
 use efabus_core::codec::CodecLimits;
 use efabus_core::frame::DeliveryClass;
 use efabus_core::subject::{self, SubjectLimits};
-use efabus_core::transport::Readiness;
+use efabus_core::transport::{detach, Readiness};
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use efabus_transports::tcp;
 use mio::unix::SourceFd;
@@ -1251,14 +1251,113 @@ fn deliver_in_process_all(
 /// Hand a message to the in-process subscriptions among `targets`, count
 /// the outcome, and remove subscriptions that were cut off as slow consumers
 /// so their readers see the end of the stream.
-pub(crate) fn deliver_local(shared: &Shared, targets: &mut Targets, message: &Message) {
+pub(crate) fn deliver_local(
+    shared: &Shared,
+    targets: &mut Targets,
+    message: &Message,
+    held: &mut HeldLocal,
+    now: Instant,
+) {
     let mut closed = Vec::new();
     for (sid, sink) in targets.local.drain(..) {
-        let outcome = sink.deliver(message.clone());
-        count_delivery(&shared.stats, sid, &sink, outcome, &mut closed);
+        // Behind a message held for it, a message is held too: in order.
+        let outcome = if held.holds(sid) {
+            Delivery::Full
+        } else {
+            sink.try_deliver(message.clone())
+        };
+        match outcome {
+            Delivery::Full => held.hold(sid, sink, message.clone(), now),
+            outcome => count_delivery(&shared.stats, sid, &sink, outcome, &mut closed),
+        }
     }
     if !closed.is_empty() {
         remove_closed(shared, closed);
+    }
+}
+
+/// Messages for in-process subscriptions that the event loop could not
+/// queue, their queues full under the block policy. The loop does not wait
+/// for room as an application thread does (it would stop the whole
+/// broker): it holds them, in order per subscription, reads nothing more
+/// from remote publishers meanwhile, and tries again; one held for the
+/// block timeout is dropped and counted, as a waiting publisher's would be.
+#[derive(Default)]
+pub(crate) struct HeldLocal {
+    messages: VecDeque<HeldMessage>,
+    /// Messages held per subscription id.
+    per_sid: HashMap<u64, usize>,
+}
+
+struct HeldMessage {
+    sid: u64,
+    sink: Arc<LocalSink>,
+    message: Message,
+    since: Instant,
+}
+
+impl HeldLocal {
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty()
+    }
+
+    fn holds(&self, sid: u64) -> bool {
+        self.per_sid.contains_key(&sid)
+    }
+
+    fn hold(&mut self, sid: u64, sink: Arc<LocalSink>, mut message: Message, since: Instant) {
+        // A slice would keep the buffer it was read into (a fabric receive
+        // buffer among them) for as long as the reader takes.
+        detach(&mut message.payload);
+        if let Some(headers) = message.headers.as_mut() {
+            detach(headers);
+        }
+        *self.per_sid.entry(sid).or_default() += 1;
+        self.messages.push_back(HeldMessage {
+            sid,
+            sink,
+            message,
+            since,
+        });
+    }
+
+    /// Offer the held messages again, oldest first; those held longer than
+    /// `block_timeout` are dropped (all of them with `block_timeout`
+    /// zero, at shutdown).
+    pub fn retry(&mut self, shared: &Shared, now: Instant, block_timeout: Duration) {
+        let mut closed = Vec::new();
+        // Subscriptions still full: their later messages wait too.
+        let mut full = Vec::new();
+        for held in std::mem::take(&mut self.messages) {
+            let outcome = if full.contains(&held.sid) {
+                Delivery::Full
+            } else {
+                held.sink.try_deliver(held.message.clone())
+            };
+            match outcome {
+                Delivery::Full if now.saturating_duration_since(held.since) >= block_timeout => {
+                    held.sink.count_dropped();
+                    BrokerStats::add(&shared.stats.slow_consumer_drops, 1);
+                }
+                Delivery::Full => {
+                    full.push(held.sid);
+                    self.messages.push_back(held);
+                    continue;
+                }
+                outcome => {
+                    count_delivery(&shared.stats, held.sid, &held.sink, outcome, &mut closed)
+                }
+            }
+            if let Some(count) = self.per_sid.get_mut(&held.sid) {
+                *count -= 1;
+                if *count == 0 {
+                    self.per_sid.remove(&held.sid);
+                }
+            }
+        }
+        if !closed.is_empty() {
+            remove_closed(shared, closed);
+        }
     }
 }
 
@@ -1279,6 +1378,8 @@ pub(crate) fn count_delivery(
         }
         Delivery::Dropped => BrokerStats::add(&stats.slow_consumer_drops, 1),
         Delivery::Closed => closed.push((sid, sink.is_cut_off())),
+        // Held by the caller, counted when it is queued or dropped.
+        Delivery::Full => {}
     }
 }
 

@@ -141,6 +141,9 @@ pub(crate) enum Delivery {
     /// The subscription is closed (dropped by the application, or cut off
     /// under the disconnect policy).
     Closed,
+    /// Not queued: the queue is full under the block policy, and the
+    /// caller holds the message rather than wait ([`LocalSink::try_deliver`]).
+    Full,
 }
 
 /// What changes at one entry of the queue, besides its payload.
@@ -489,7 +492,28 @@ impl LocalSink {
             message.headers,
             message.payload,
             true,
+            false,
         )
+    }
+
+    /// [`deliver`](Self::deliver) for a thread that must not wait (the
+    /// event loop): under the block policy a full queue answers
+    /// [`Delivery::Full`], with nothing queued or counted.
+    pub(crate) fn try_deliver(&self, message: Message) -> Delivery {
+        self.push(
+            SubjectArg::Owned(message.subject),
+            message.reply,
+            message.headers,
+            message.payload,
+            true,
+            true,
+        )
+    }
+
+    /// A message held for this queue (see [`Delivery::Full`]) was dropped
+    /// after the block timeout.
+    pub(crate) fn count_dropped(&self) {
+        bump(&self.stats.dropped, 1);
     }
 
     /// Like [`deliver`](Self::deliver), for a producer that keeps `subject`
@@ -503,7 +527,14 @@ impl LocalSink {
         headers: Option<Bytes>,
         payload: Bytes,
     ) -> Delivery {
-        self.push(SubjectArg::Kept(subject), reply, headers, payload, false)
+        self.push(
+            SubjectArg::Kept(subject),
+            reply,
+            headers,
+            payload,
+            false,
+            false,
+        )
     }
 
     #[inline(always)]
@@ -514,12 +545,13 @@ impl LocalSink {
         mut headers: Option<Bytes>,
         mut payload: Bytes,
         received: bool,
+        hold: bool,
     ) -> Delivery {
         let queue = &*self.queue;
         let mut state = queue.state.lock();
         let mut outcome = Delivery::Queued;
         if state.closed || state.queued() >= self.capacity {
-            match self.make_room(&mut state) {
+            match self.make_room(&mut state, hold) {
                 Ok(made) => outcome = made,
                 Err(refused) => return refused,
             }
@@ -573,10 +605,14 @@ impl LocalSink {
 
     /// The slow path of a push: the queue is closed or looks full. `Ok`
     /// with the outcome once the message may be queued, `Err` with the
-    /// outcome if it may not.
+    /// outcome if it may not. With `hold`, the block policy does not wait.
     #[cold]
     #[inline(never)]
-    fn make_room(&self, state: &mut MutexGuard<'_, State>) -> Result<Delivery, Delivery> {
+    fn make_room(
+        &self,
+        state: &mut MutexGuard<'_, State>,
+        hold: bool,
+    ) -> Result<Delivery, Delivery> {
         let queue = &*self.queue;
         if state.closed {
             return Err(Delivery::Closed);
@@ -593,6 +629,7 @@ impl LocalSink {
                 OVERFILLED.set(Some((Arc::downgrade(&self.queue), self.capacity)));
                 Ok(Delivery::Queued)
             }
+            SlowConsumerPolicy::Block if hold => Err(Delivery::Full),
             SlowConsumerPolicy::Block => match self.wait_for_room(state) {
                 Some(refused) => Err(refused),
                 None => Ok(Delivery::Queued),

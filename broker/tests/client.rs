@@ -1250,6 +1250,59 @@ fn a_blocked_delivery_leaves_the_reader_free_to_subscribe() {
     assert_eq!(recv(&other), "other:x");
 }
 
+/// An in-process subscription whose queue is full under the block policy
+/// holds up remote publishers, as a remote slow consumer does, but not the
+/// broker's loop: it runs (the health check answers) while the reader
+/// takes nothing, and once it reads, every message arrives, in order.
+#[test]
+fn a_full_in_process_subscription_holds_up_publishers_not_the_loop() {
+    let (broker, endpoint) = start(
+        Via::Tcp,
+        "[limits]\nsubscription_queue = 4\n\
+         [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 20000\n",
+    );
+    let sub = broker.subscribe("held").unwrap();
+    let publisher = connect(&endpoint);
+    for n in 0..20 {
+        publisher.publish("held", numbered(n)).unwrap();
+    }
+    eventually("a message past the full queue", || {
+        broker.stats().value("messages_in") >= Some(5)
+    });
+    broker
+        .responsive(Duration::from_secs(1))
+        .expect("the loop runs while the reader takes nothing");
+    check_order(&sub, 20, "held");
+    assert_eq!(sub.stats().dropped(), 0);
+    publisher.flush(WAIT).unwrap();
+}
+
+/// Held for an in-process subscription longer than the block timeout, a
+/// remote publisher's message is dropped and counted, as a waiting
+/// in-process publisher's is, and the publishers are read again.
+#[test]
+fn a_message_held_past_the_block_timeout_is_dropped_and_counted() {
+    let (broker, endpoint) = start(
+        Via::Tcp,
+        "[limits]\nsubscription_queue = 1\n\
+         [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 100\n",
+    );
+    let sub = broker.subscribe("held").unwrap();
+    let publisher = connect(&endpoint);
+    for n in 0..3 {
+        publisher.publish("held", numbered(n)).unwrap();
+    }
+    // Nobody reads for longer than the block timeout.
+    eventually("the held messages dropped", || {
+        broker.stats().value("slow_consumer_drops") == Some(2)
+    });
+    assert_eq!(sub.stats().dropped(), 2);
+    assert_eq!(number(&sub.recv_timeout(WAIT).unwrap()), 0);
+    // The publisher is read again.
+    publisher.publish("held", numbered(3)).unwrap();
+    assert_eq!(number(&sub.recv_timeout(WAIT).unwrap()), 3);
+}
+
 /// The health check answers while the loop holds in-process publishers
 /// up for a slow consumer under `block` (it reads no commands then).
 #[test]

@@ -102,8 +102,16 @@ impl OutFrame {
 }
 
 /// Payloads up to this size are copied before they wait in a queue
-/// ([`Detacher`]).
+/// ([`Detacher`], [`detach`]).
 pub const DETACH_MAX: usize = 16 << 10;
+
+/// `payload`, copied when it is at most [`DETACH_MAX`] bytes long, so that
+/// it keeps no larger buffer alive while it waits.
+pub fn detach(payload: &mut Bytes) {
+    if !payload.is_empty() && payload.len() <= DETACH_MAX {
+        *payload = Bytes::copy_from_slice(payload);
+    }
+}
 /// Most bytes between two payloads read together from one stream (the
 /// next frame's head: its header and subject).
 const ADJACENT_GAP: usize = 1 << 10;
@@ -133,7 +141,7 @@ impl Detacher {
         if follows || payload.is_empty() || payload.len() > DETACH_MAX {
             return false;
         }
-        *payload = Bytes::copy_from_slice(payload);
+        detach(payload);
         true
     }
 

@@ -42,7 +42,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::accounts::inbox_of;
 use crate::auth_guard::AuthGuard;
-use crate::broker::{deliver_local, BrokerStats, Command, Shared};
+use crate::broker::{deliver_local, BrokerStats, Command, HeldLocal, Shared};
 use crate::delivery::Message;
 use crate::drive::{Driven, Rounds};
 use crate::endpoints;
@@ -77,6 +77,9 @@ const TIMER_SPACING: Duration = Duration::from_millis(50);
 /// How often a session whose best-effort frames wait for credit is tried
 /// again when nothing else wakes it (a credit lost on the way).
 const PACING_RETRY: Duration = Duration::from_millis(50);
+/// How soon messages held for full in-process subscriptions are offered
+/// again (their readers do not wake the loop when they make room).
+const HELD_RETRY: Duration = Duration::from_millis(1);
 /// Shortest time between two reports to one client of what the
 /// drop-oldest policy discarded for it: drops in between are added up.
 const DROP_REPORT_SPACING: Duration = Duration::from_millis(100);
@@ -109,6 +112,9 @@ pub(crate) struct EventLoop {
     codec: CodecLimits,
     next_session: u64,
     flushes: Vec<(Sender<()>, Option<Instant>)>,
+    /// Messages for in-process subscriptions whose queues are full under
+    /// the block policy (see [`HeldLocal`]).
+    held_local: HeldLocal,
     /// Sessions whose queue is over its bound under the block policy: while
     /// any exist, reading from publishers is paused.
     blocking: HashSet<u64>,
@@ -422,6 +428,7 @@ impl EventLoop {
             codec,
             next_session: 1,
             flushes: Vec::new(),
+            held_local: HeldLocal::default(),
             blocking: HashSet::default(),
             reads_paused: false,
             targets: Targets::default(),
@@ -1254,7 +1261,18 @@ impl EventLoop {
                 headers,
                 payload: body,
             };
-            deliver_local(&self.shared, &mut self.targets, &message);
+            deliver_local(
+                &self.shared,
+                &mut self.targets,
+                &message,
+                &mut self.held_local,
+                self.now,
+            );
+            if !self.held_local.is_empty() {
+                // Publishers wait, as for a remote slow consumer.
+                self.set_reads_paused(true);
+                self.schedule(self.now + HELD_RETRY);
+            }
         }
         self.encoded_valid = false;
         // By index: delivering needs `self`, and the list is not touched
@@ -1591,6 +1609,14 @@ impl EventLoop {
         waiting
     }
 
+    /// Read publishers again once nothing holds them up: no slow consumer
+    /// blocking, no message held for an in-process subscription.
+    fn release_reads(&mut self) {
+        if self.blocking.is_empty() && self.held_local.is_empty() {
+            self.set_reads_paused(false);
+        }
+    }
+
     fn set_reads_paused(&mut self, paused: bool) {
         if self.reads_paused == paused {
             return;
@@ -1632,8 +1658,8 @@ impl EventLoop {
             let control = session.conn.control;
             self.endpoints[control.endpoint].close(control.peer);
         }
-        if drained && self.blocking.remove(&id) && self.blocking.is_empty() {
-            self.set_reads_paused(false);
+        if drained && self.blocking.remove(&id) {
+            self.release_reads();
         }
         if report {
             self.report_drops(id, Instant::now());
@@ -1764,8 +1790,8 @@ impl EventLoop {
                 }
             }
         }
-        if self.blocking.remove(&id) && self.blocking.is_empty() {
-            self.set_reads_paused(false);
+        if self.blocking.remove(&id) {
+            self.release_reads();
         }
     }
 
@@ -1961,6 +1987,12 @@ impl EventLoop {
         self.next_timer = now + IDLE_WAKE;
         let timeout = self.shared.config.heartbeat_timeout();
         let block_timeout = self.shared.live.block_timeout();
+        if !self.held_local.is_empty() {
+            self.held_local.retry(&self.shared, now, block_timeout);
+            if self.held_local.is_empty() {
+                self.release_reads();
+            }
+        }
         let mut expired = Vec::new();
         let mut overdue = Vec::new();
         let mut pings = Vec::new();
@@ -2116,6 +2148,9 @@ impl EventLoop {
         if queued > 0 {
             next = next.min(now + GAUGE_REFRESH);
         }
+        if !self.held_local.is_empty() {
+            next = next.min(now + HELD_RETRY);
+        }
         self.schedule(next);
         self.flush_tally();
     }
@@ -2144,6 +2179,10 @@ impl EventLoop {
         info!("shutting down");
         let deadline = Instant::now() + self.shared.config.drain_timeout();
         self.blocking.clear();
+        // Messages held for full in-process subscriptions are dropped and
+        // counted: their readers have the drain time no more than others.
+        self.held_local
+            .retry(&self.shared, Instant::now(), Duration::ZERO);
         self.set_reads_paused(false);
         // Deliver what in-process publishers queued before the shutdown.
         while self.drain_commands(usize::MAX) {}
