@@ -472,10 +472,22 @@ impl EventLoop {
         let credit_waiting = !self.credit_owed.is_empty() && self.grant_credits(now);
         // Timers of many sessions are served together, at most once
         // per `TIMER_SPACING`: the visit is over every session.
-        let timers_at = self.next_timer.max(self.timers_ran + TIMER_SPACING);
+        let mut timers_at = self.next_timer.max(self.timers_ran + TIMER_SPACING);
         if now >= timers_at {
             self.timers_ran = now;
             self.on_timers(now);
+        }
+        // Held messages are offered every round, not at the timers'
+        // spacing: their readers do not wake the loop, and remote
+        // publishers wait meanwhile.
+        if !self.held_local.is_empty() {
+            let block_timeout = self.shared.live.block_timeout();
+            self.held_local.retry(&self.shared, now, block_timeout);
+            if self.held_local.is_empty() {
+                self.release_reads();
+            } else {
+                timers_at = timers_at.min(now + HELD_RETRY);
+            }
         }
         // The round's sends leave now, not after the next round's poll
         // of every endpoint before theirs.
@@ -1271,7 +1283,6 @@ impl EventLoop {
             if !self.held_local.is_empty() {
                 // Publishers wait, as for a remote slow consumer.
                 self.set_reads_paused(true);
-                self.schedule(self.now + HELD_RETRY);
             }
         }
         self.encoded_valid = false;
@@ -1987,12 +1998,6 @@ impl EventLoop {
         self.next_timer = now + IDLE_WAKE;
         let timeout = self.shared.config.heartbeat_timeout();
         let block_timeout = self.shared.live.block_timeout();
-        if !self.held_local.is_empty() {
-            self.held_local.retry(&self.shared, now, block_timeout);
-            if self.held_local.is_empty() {
-                self.release_reads();
-            }
-        }
         let mut expired = Vec::new();
         let mut overdue = Vec::new();
         let mut pings = Vec::new();
@@ -2148,9 +2153,6 @@ impl EventLoop {
         if queued > 0 {
             next = next.min(now + GAUGE_REFRESH);
         }
-        if !self.held_local.is_empty() {
-            next = next.min(now + HELD_RETRY);
-        }
         self.schedule(next);
         self.flush_tally();
     }
@@ -2179,8 +2181,8 @@ impl EventLoop {
         info!("shutting down");
         let deadline = Instant::now() + self.shared.config.drain_timeout();
         self.blocking.clear();
-        // Messages held for full in-process subscriptions are dropped and
-        // counted: their readers have the drain time no more than others.
+        // Messages held for full in-process subscriptions are offered
+        // once more; those with no room are dropped and counted.
         self.held_local
             .retry(&self.shared, Instant::now(), Duration::ZERO);
         self.set_reads_paused(false);
@@ -2198,6 +2200,10 @@ impl EventLoop {
             self.poll_endpoints(&mut events);
             std::thread::sleep(Duration::from_millis(1));
         }
+        // Held during the drain (sessions still publishing): offered once
+        // more, else dropped and counted.
+        self.held_local
+            .retry(&self.shared, Instant::now(), Duration::ZERO);
         let drained = self.sessions.is_empty();
         if !drained {
             warn!(
