@@ -1536,10 +1536,13 @@ impl EventLoop {
         }
         if left_queued
             && !is_message
+            && session.route().is_none()
             && session.conn.out.control_bytes() > self.shared.live.max_pending_bytes()
         {
-            // Answers to the peer's own requests (pongs, errors), which no
-            // policy trims, fill the queue: it sends but does not read.
+            // Answers to a client's own requests (pongs, errors), which no
+            // policy trims, fill the queue: it sends but does not read. (A
+            // route's control frames include the interest announced to it,
+            // which may rightly pass the bound.)
             BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
             warn!(session = id, remote = %session.remote, "peer reads none of the answers to its requests; disconnected");
             self.fail(
