@@ -1559,11 +1559,20 @@ impl EventLoop {
         let bound = live.max_pending_bytes();
         // A client is told what is discarded for each of its subscriptions
         // (a route's peer broker counts nothing per subscription).
-        let client = session.route().is_none();
+        // Only for subscriptions it still has: an id it dropped, whose
+        // messages were still queued, is not kept for a report.
+        let subscribed = match &session.role {
+            Role::Client(subscriptions) => Some(subscriptions),
+            Role::Route(_) => None,
+        };
         let pending = &mut session.drops.pending;
         let overflow = session.conn.out.enforce(live.policy(), bound, |discarded| {
-            if client {
-                discarded.for_each_sid(|sid| *pending.entry(sid).or_default() += 1);
+            if let Some(subscribed) = subscribed {
+                discarded.for_each_sid(|sid| {
+                    if subscribed.contains_key(&sid) {
+                        *pending.entry(sid).or_default() += 1;
+                    }
+                });
             }
         });
         match overflow {

@@ -690,10 +690,6 @@ impl EventLoop {
                     .map(str::to_string);
             }
             session.unsubscribe(id, sid, &self.shared);
-            // Drops not yet reported for it go untold (the broker's
-            // counters have them): a client cycling through ids while its
-            // queue stays full would otherwise grow this without bound.
-            session.drops.pending.remove(&sid);
         }
         if let Some(inbox) = inbox {
             self.release_inbox(id, &inbox);
