@@ -1602,7 +1602,12 @@ impl EventLoop {
                     session.over_since = Some(now);
                     self.next_timer = self.next_timer.min(now + live.block_timeout());
                 }
-                self.blocking.insert(id);
+                if self.blocking.insert(id) && self.reads_paused {
+                    // Paused already (for others): a slow consumer itself
+                    // keeps being read.
+                    let control = session.conn.control;
+                    self.endpoints[control.endpoint].set_read_paused(control.peer, false);
+                }
                 self.set_reads_paused(true);
             }
         }
@@ -1637,6 +1642,21 @@ impl EventLoop {
     fn release_reads(&mut self) {
         if self.blocking.is_empty() && self.held_local.is_empty() {
             self.set_reads_paused(false);
+        }
+    }
+
+    /// Session `id` is no longer a slow consumer holding publishers up.
+    /// While others still do, it is a publisher held up like the rest.
+    fn leave_blocking(&mut self, id: u64) {
+        if !self.blocking.remove(&id) {
+            return;
+        }
+        self.release_reads();
+        if self.reads_paused {
+            if let Some(session) = self.sessions.get(&id) {
+                let control = session.conn.control;
+                self.endpoints[control.endpoint].set_read_paused(control.peer, true);
+            }
         }
     }
 
@@ -1681,8 +1701,8 @@ impl EventLoop {
             let control = session.conn.control;
             self.endpoints[control.endpoint].close(control.peer);
         }
-        if drained && self.blocking.remove(&id) {
-            self.release_reads();
+        if drained {
+            self.leave_blocking(id);
         }
         if report {
             self.report_drops(id, Instant::now());
@@ -1813,9 +1833,7 @@ impl EventLoop {
                 }
             }
         }
-        if self.blocking.remove(&id) {
-            self.release_reads();
-        }
+        self.leave_blocking(id);
     }
 
     /// An endpoint's poll failed. A fabric endpoint is taken out of
