@@ -311,19 +311,27 @@ fn refused_routes_count_towards_the_address_lockout() {
 #[test]
 fn guesses_at_the_cluster_secret_count_towards_the_address_lockout() {
     let broker = start("guarded", &[], "[cluster]\nsecret = \"mesh\"\n");
-    let hello = |credentials: Option<&str>| {
+    let hello_as = |user: Option<&str>, credentials: Option<&str>| {
         Frame::Hello(Hello {
             no_echo: false,
             no_responders: false,
             version: PROTOCOL_VERSION,
             name: "guesser".into(),
             credentials: credentials.map(str::to_string),
-            user: None,
+            user: user.map(str::to_string),
             proof: None,
             offers: Vec::new(),
             link_auth: None,
         })
     };
+    let hello = |credentials: Option<&str>| hello_as(None, credentials);
+    // A user's name and password are not checked without users: no guess.
+    for _ in 0..10 {
+        let mut raw = Raw::connect(&broker);
+        raw.send(&hello_as(Some("alice"), Some("password")));
+        raw.expect("the welcome", |frame| matches!(frame, Frame::Welcome(_)));
+    }
+    assert_eq!(stat(&broker, "auth_failures"), 0);
     for guess in 0..10 {
         let mut raw = Raw::connect(&broker);
         raw.send(&hello(Some(&format!("guess-{guess}"))));

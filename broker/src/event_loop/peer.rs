@@ -348,8 +348,10 @@ impl Session {
             // Only a route needs the cluster secret: a client is admitted
             // without it, but a wrong one presented is a guess (the welcome
             // would tell a right one by its proof).
-            let guessed =
-                cluster == Some(false) && (hello.proof.is_some() || hello.credentials.is_some());
+            // (A user's name and password are not checked here at all.)
+            let guessed = cluster == Some(false)
+                && hello.user.is_none()
+                && (hello.proof.is_some() || hello.credentials.is_some());
             return Ok(admitted(cluster.unwrap_or(true), guessed));
         }
         let text = if hello.credentials.is_none() && hello.proof.is_none() {
