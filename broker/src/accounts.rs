@@ -26,7 +26,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
@@ -335,14 +335,20 @@ impl Accounts {
         checks
     }
 
-    /// `checks` hash checks out of this second's [`CHECKS_PER_SECOND`]. A
-    /// login that needs more than the whole budget (a token login with
-    /// more token users) may spend it alone, in a second of its own.
+    /// `checks` hash checks out of the budget of [`CHECKS_PER_SECOND`]. A
+    /// login that needs more than a second's (a token login with more
+    /// token users) may spend them when none are spent, and the seconds
+    /// after pay for it: the checks average at most the budget.
     fn spend_checks(&self, checks: u32) -> Result<(), Busy> {
         let mut budget = self.budget.lock();
         let now = Instant::now();
-        if now.duration_since(budget.0) >= Duration::from_secs(1) {
-            *budget = (now, 0);
+        let seconds = now.duration_since(budget.0).as_secs();
+        if seconds > 0 {
+            let repaid = u32::try_from(seconds)
+                .unwrap_or(u32::MAX)
+                .saturating_mul(CHECKS_PER_SECOND);
+            budget.1 = budget.1.saturating_sub(repaid);
+            budget.0 = now;
         }
         if budget.1 > 0 && budget.1.saturating_add(checks) > CHECKS_PER_SECOND {
             return Err(Busy);
@@ -421,6 +427,7 @@ impl Accounts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn rule(allow: &[&str], deny: &[&str]) -> Rule {
         Rule {
@@ -588,7 +595,7 @@ mod tests {
     }
 
     #[test]
-    fn a_token_login_past_the_whole_budget_gets_a_second_of_its_own() {
+    fn a_token_login_past_the_whole_budget_is_paid_for_by_the_seconds_after() {
         let users: Vec<User> = (0..CHECKS_PER_SECOND + 2)
             .map(|n| User {
                 name: format!("service-{n}"),
@@ -609,6 +616,11 @@ mod tests {
         if started.elapsed() < Duration::from_millis(900) {
             assert_eq!(accounts.login(None, "wrong"), Login::Busy);
         }
+        // Ten checks spent: a second later two are still owed.
+        let second_ago = Instant::now().checked_sub(Duration::from_secs(1));
+        accounts.budget.lock().0 = second_ago.expect("the clock is past one second");
+        assert_eq!(accounts.login(None, "wrong"), Login::Busy);
+        assert_eq!(accounts.budget.lock().1, 2);
     }
 
     #[test]
