@@ -121,14 +121,16 @@ const ADJACENT_GAP: usize = 1 << 10;
 /// network (64 KiB for TCP) keeps that whole buffer, so a queue of such
 /// slices, one from each buffer (a subscriber getting one message in
 /// forty), would hold many times the bytes it counts. A payload that
-/// starts just after the one queued before it (the next message read with
-/// it, as in a stream to one subscriber) shares that one's buffer and is
-/// queued as it is: a stream costs a copy per read buffer, not per
-/// message.
+/// starts just after the one before it (the next message read with it, as
+/// in a stream to one subscriber), which kept its buffer, shares that
+/// buffer and is queued as it is: a stream costs a copy per read buffer,
+/// not per message.
 #[derive(Debug, Default)]
 pub struct Detacher {
-    /// Where the payload queued last ended.
+    /// Where the payload before ended.
     last_end: usize,
+    /// The payload before kept its buffer (it was not copied).
+    last_kept: bool,
 }
 
 impl Detacher {
@@ -138,23 +140,26 @@ impl Detacher {
     /// needs copying too.
     pub fn settle(&mut self, payload: &mut Bytes) -> bool {
         let follows = self.follows(payload);
-        if follows || payload.is_empty() || payload.len() > DETACH_MAX {
-            return false;
+        let copy = !follows && !payload.is_empty() && payload.len() <= DETACH_MAX;
+        self.last_kept = !copy;
+        if copy {
+            detach(payload);
         }
-        detach(payload);
-        true
+        copy
     }
 
-    /// `payload` was not queued (taken at once), but the next one may
-    /// follow it.
+    /// `payload` was not queued (it went on at once), but the next one
+    /// may follow it.
     pub fn passed(&mut self, payload: &Bytes) {
         self.follows(payload);
+        self.last_kept = true;
     }
 
     fn follows(&mut self, payload: &Bytes) -> bool {
         // Addresses are only compared, never used.
         let start = payload.as_ptr() as usize;
-        let follows = start >= self.last_end && start - self.last_end <= ADJACENT_GAP;
+        let follows =
+            self.last_kept && start >= self.last_end && start - self.last_end <= ADJACENT_GAP;
         self.last_end = start + payload.len();
         follows
     }

@@ -281,6 +281,11 @@ pub(crate) enum Overflow {
     Block,
 }
 
+/// Whether `frame` is a `Message` (one a broker forwards).
+fn is_message_frame(frame: &OutFrame) -> bool {
+    frame.head.get(codec::PREFIX_LEN) == Some(&(codec::FrameKind::Message as u8))
+}
+
 /// The frames a session's path could not take yet, in order.
 #[derive(Default)]
 pub(crate) struct Outbound {
@@ -313,8 +318,7 @@ impl Outbound {
     /// read off the network, it would keep that whole buffer while it
     /// waits. (A client's publishes carry its application's payloads.)
     pub fn push(&mut self, mut queued: Queued) {
-        let message = codec::FrameKind::Message as u8;
-        if queued.frame.head.get(codec::PREFIX_LEN) == Some(&message) {
+        if is_message_frame(&queued.frame) {
             self.detacher.settle(&mut queued.frame.body);
         }
         self.bytes += queued.frame.len();
@@ -366,6 +370,10 @@ impl Outbound {
         queued: Queued,
     ) -> bool {
         let rest = if self.queue.is_empty() {
+            if is_message_frame(&queued.frame) {
+                // The next one queued may follow it in its read buffer.
+                self.detacher.passed(&queued.frame.body);
+            }
             transmit(endpoints, control, links, counts, queued)
         } else {
             Some(queued)
@@ -1095,8 +1103,17 @@ mod tests {
         queue(&mut out, read.slice(20_000..21_500));
         assert!(read.is_unique(), "a queued body holds the read buffer");
         assert_eq!(out.bytes(), 2 * (5 + 1500));
+        // Following a copied one, a body is copied too.
         queue(&mut out, read.slice(21_540..23_040));
-        assert!(!read.is_unique(), "a body following the last was copied");
+        assert!(
+            read.is_unique(),
+            "a body after a copied one holds the buffer"
+        );
+        // Following one that went on at once, it is not.
+        let stream = Bytes::from(vec![6u8; 64 << 10]);
+        out.detacher.passed(&stream.slice(..1500));
+        queue(&mut out, stream.slice(1540..3040));
+        assert!(!stream.is_unique(), "a body following the last was copied");
         let stream = Bytes::from(vec![8u8; 64 << 10]);
         queue(&mut out, stream.slice(..DETACH_MAX + 1));
         assert!(!stream.is_unique(), "a large body was copied");
