@@ -154,6 +154,7 @@ impl Monitor {
             // Uptime is the broker's, whenever the monitor started.
             started: broker.started(),
             broker,
+            workers: Arc::new(Semaphore::new(WORKERS)),
         });
         let (stop, stopped) = oneshot::channel();
         let options = options.clone();
@@ -194,6 +195,10 @@ impl Drop for Monitor {
 struct Views {
     broker: Arc<Broker>,
     started: SystemTime,
+    /// One per view being built: a request waits for one before its view
+    /// is queued, so views queue no further than the workers (a client
+    /// that closes while it waits takes its request with it).
+    workers: Arc<Semaphore>,
 }
 
 /// Accept connections until `stopped`, serving at most
@@ -261,10 +266,16 @@ async fn respond(views: Arc<Views>, request: Request<Incoming>) -> Response<Full
             .uri()
             .path_and_query()
             .map_or_else(|| "/".to_string(), |target| target.as_str().to_string());
-        tokio::task::spawn_blocking(move || answer(&target, &views.broker, views.started))
+        match Arc::clone(&views.workers).acquire_owned().await {
+            Ok(worker) => tokio::task::spawn_blocking(move || {
+                let _worker = worker;
+                answer(&target, &views.broker, views.started)
+            })
             .await
             // A view that fails answers 500; the listener stays.
-            .unwrap_or_else(|_| Answer::error(500, "the view failed; see the broker's log"))
+            .unwrap_or_else(|_| Answer::error(500, "the view failed; see the broker's log")),
+            Err(_) => Answer::error(503, "the monitor is stopping"),
+        }
     } else {
         Answer::error(405, "only GET is served")
     };
