@@ -486,27 +486,30 @@ impl LocalSink {
     /// a slice of the buffer it was read into would keep that whole
     /// buffer.
     pub(crate) fn deliver(&self, message: Message) -> Delivery {
-        self.push(
-            SubjectArg::Owned(message.subject),
-            message.reply,
-            message.headers,
-            message.payload,
-            true,
-            false,
-        )
+        self.deliver_received(message, false)
     }
 
     /// [`deliver`](Self::deliver) for a thread that must not wait (the
     /// event loop): under the block policy a full queue answers
     /// [`Delivery::Full`], with nothing queued or counted.
     pub(crate) fn try_deliver(&self, message: Message) -> Delivery {
+        self.deliver_received(message, true)
+    }
+
+    fn deliver_received(&self, message: Message, hold: bool) -> Delivery {
+        let Message {
+            subject,
+            reply,
+            headers,
+            payload,
+        } = message;
         self.push(
-            SubjectArg::Owned(message.subject),
-            message.reply,
-            message.headers,
-            message.payload,
+            SubjectArg::Owned(subject),
+            reply,
+            headers,
+            payload,
             true,
-            true,
+            hold,
         )
     }
 

@@ -809,22 +809,6 @@ fn best_effort_link_survives_one_corrupted_sequence_number() {
     assert!(receiver.stats().lost <= 1, "{:?}", receiver.stats());
 }
 
-/// Says hello as a client named `name` and waits for the welcome.
-fn hello(raw: &mut raw_common::Raw, name: &str) {
-    raw.send(&Frame::Hello(Hello {
-        no_echo: false,
-        no_responders: false,
-        version: PROTOCOL_VERSION,
-        name: name.to_string(),
-        credentials: None,
-        user: None,
-        proof: None,
-        offers: Vec::new(),
-        link_auth: None,
-    }));
-    raw.expect("the welcome", |frame| matches!(frame, Frame::Welcome(_)));
-}
-
 /// A peer that pings without end and reads none of the pongs: the answers,
 /// which no slow-consumer policy trims, are held to the queue's bound, and
 /// past it the peer is disconnected and counted.
@@ -835,7 +819,7 @@ fn a_peer_that_reads_none_of_its_answers_is_disconnected() {
     let config = Config::from_toml_str(text, "faults test").expect("valid config");
     let broker = Broker::start(config).expect("broker starts");
     let mut raw = raw_common::Raw::connect(&broker);
-    hello(&mut raw, "deaf");
+    raw.hello_as_client("deaf");
     // About 40 MB of pings: their pongs are more than the socket buffers
     // on both sides and the queue's bound together.
     let mut burst = Vec::new();
@@ -872,7 +856,7 @@ fn a_closing_peer_that_reads_nothing_is_closed_after_the_drain_time() {
     let broker = Broker::start(config).expect("broker starts");
     let stats = broker.stats();
     let mut raw = raw_common::Raw::connect(&broker);
-    hello(&mut raw, "reads-nothing");
+    raw.hello_as_client("reads-nothing");
     raw.send(&Frame::Subscribe(Subscribe {
         sid: 1,
         pattern: "x".to_string(),

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_broker::{Broker, Client, ClientOptions, Config, Error};
-use efabus_core::frame::{DeliveryClass, Frame, Hello, Subscribe, PROTOCOL_VERSION};
+use efabus_core::frame::{DeliveryClass, Frame, Subscribe};
 use efabus_transports::registry::Registry;
 
 mod raw_common;
@@ -139,18 +139,7 @@ fn a_loop_holding_publishers_up_sleeps() {
     let broker =
         Arc::new(Broker::start(Config::from_toml_str(text, "idle test").unwrap()).unwrap());
     let mut raw = raw_common::Raw::connect(&broker);
-    raw.send(&Frame::Hello(Hello {
-        no_echo: false,
-        no_responders: false,
-        version: PROTOCOL_VERSION,
-        name: "reads-nothing".to_string(),
-        credentials: None,
-        user: None,
-        proof: None,
-        offers: Vec::new(),
-        link_auth: None,
-    }));
-    raw.expect("the welcome", |frame| matches!(frame, Frame::Welcome(_)));
+    raw.hello_as_client("reads-nothing");
     raw.send(&Frame::Subscribe(Subscribe {
         sid: 1,
         pattern: "held".to_string(),

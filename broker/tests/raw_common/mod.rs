@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use efabus_broker::Broker;
 use efabus_core::codec::{self, CodecLimits, FrameReader};
-use efabus_core::frame::Frame;
+use efabus_core::frame::{Frame, Hello, PROTOCOL_VERSION};
 
 /// Longest any wait here takes.
 pub const WAIT: Duration = Duration::from_secs(10);
@@ -36,6 +36,22 @@ impl Raw {
             reader: FrameReader::new(CodecLimits::default()),
             challenge: None,
         }
+    }
+
+    /// Say hello as a plain client named `name` and wait for the welcome.
+    pub fn hello_as_client(&mut self, name: &str) {
+        self.send(&Frame::Hello(Hello {
+            no_echo: false,
+            no_responders: false,
+            version: PROTOCOL_VERSION,
+            name: name.to_string(),
+            credentials: None,
+            user: None,
+            proof: None,
+            offers: Vec::new(),
+            link_auth: None,
+        }));
+        self.expect("the welcome", |frame| matches!(frame, Frame::Welcome(_)));
     }
 
     /// Another handle on the connection, to write from another thread.
