@@ -342,6 +342,20 @@ fn guesses_at_the_cluster_secret_count_towards_the_address_lockout() {
     raw.send(&hello(None));
     let frames = raw.until_closed();
     assert_eq!(fatal_error(&frames).code, ErrorCode::RateLimited);
+
+    // Nor is a password beside a user's name taken for the secret: the
+    // right one there opens no route (so it could not be guessed so).
+    let other = start("guarded-too", &[], "[cluster]\nsecret = \"mesh\"\n");
+    let mut raw = Raw::connect(&other);
+    raw.send(&hello_as(Some("alice"), Some("mesh")));
+    raw.send(&Frame::Route(RouteHello {
+        broker_id: 42,
+        advertise: None,
+        seeded: false,
+    }));
+    let frames = raw.until_closed();
+    assert_eq!(fatal_error(&frames).code, ErrorCode::Auth);
+    assert_eq!(routes(&other), 0);
 }
 
 /// What a route's peer says about other brokers is checked before it is

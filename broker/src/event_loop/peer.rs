@@ -292,7 +292,10 @@ impl Session {
                     ),
                     _ => false,
                 };
+                // With a user's name, the credentials are its password
+                // (not checked where there are no users), never a secret.
                 let carried = hello.credentials.is_some()
+                    && hello.user.is_none()
                     && constant_time_eq(given.as_bytes(), secret.as_bytes());
                 proven | carried
             })
@@ -349,9 +352,9 @@ impl Session {
             // without it, but a wrong one presented is a guess (the welcome
             // would tell a right one by its proof).
             // (A user's name and password are not checked here at all.)
-            let guessed = cluster == Some(false)
-                && hello.user.is_none()
-                && (hello.proof.is_some() || hello.credentials.is_some());
+            let presented =
+                hello.proof.is_some() || (hello.credentials.is_some() && hello.user.is_none());
+            let guessed = cluster == Some(false) && presented;
             return Ok(admitted(cluster.unwrap_or(true), guessed));
         }
         let text = if hello.credentials.is_none() && hello.proof.is_none() {
