@@ -1313,6 +1313,7 @@ impl HeldLocal {
             detach(headers);
         }
         *self.per_sid.entry(sid).or_default() += 1;
+        sink.hold_one();
         self.messages.push_back(HeldMessage {
             sid,
             sink,
@@ -1322,9 +1323,9 @@ impl HeldLocal {
     }
 
     /// Offer the held messages again, oldest first; those held longer than
-    /// `block_timeout` are dropped (all of them with `block_timeout`
-    /// zero, at shutdown).
-    pub fn retry(&mut self, shared: &Shared, now: Instant, block_timeout: Duration) {
+    /// their subscription's block timeout are dropped (all those without
+    /// room, `at_end` of a shutdown).
+    pub fn retry(&mut self, shared: &Shared, now: Instant, at_end: bool) {
         let mut closed = Vec::new();
         // Subscriptions still full: their later messages wait too.
         let mut full = Vec::new();
@@ -1334,8 +1335,9 @@ impl HeldLocal {
             } else {
                 held.sink.try_deliver(held.message.clone())
             };
+            let waited = now.saturating_duration_since(held.since);
             match outcome {
-                Delivery::Full if now.saturating_duration_since(held.since) >= block_timeout => {
+                Delivery::Full if at_end || waited >= held.sink.block_timeout() => {
                     held.sink.count_dropped();
                     BrokerStats::add(&shared.stats.slow_consumer_drops, 1);
                 }
@@ -1348,6 +1350,7 @@ impl HeldLocal {
                     count_delivery(&shared.stats, held.sid, &held.sink, outcome, &mut closed)
                 }
             }
+            held.sink.unhold_one();
             if let Some(count) = self.per_sid.get_mut(&held.sid) {
                 *count -= 1;
                 if *count == 0 {

@@ -33,7 +33,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -420,6 +420,10 @@ pub(crate) struct LocalSink {
     stats: Arc<SubscriptionStats>,
     /// Set when the disconnect policy cut the subscription off.
     cut_off: AtomicBool,
+    /// Messages the event loop holds for this queue ([`Delivery::Full`]).
+    /// While it holds any, producers that may wait do, even with room:
+    /// the held ones go first.
+    held: AtomicUsize,
 }
 
 /// The reading half of a queue, made by [`LocalSink::new`] for
@@ -477,6 +481,7 @@ impl LocalSink {
             block_timeout,
             stats: stats.clone(),
             cut_off: AtomicBool::new(false),
+            held: AtomicUsize::new(0),
         };
         (sink, QueueReader { queue }, stats)
     }
@@ -519,6 +524,33 @@ impl LocalSink {
         bump(&self.stats.dropped, 1);
     }
 
+    /// The event loop holds one more message for this queue.
+    pub(crate) fn hold_one(&self) {
+        self.held.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A message the event loop held for this queue went (queued,
+    /// dropped, or the queue closed).
+    pub(crate) fn unhold_one(&self) {
+        if self.held.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // The last one: producers waiting behind it go. Under the
+            // lock, so none misses this between its check and its wait.
+            let _state = self.queue.state.lock();
+            self.queue.room.notify_all();
+        }
+    }
+
+    /// How long a message waits for room here (fixed when the
+    /// subscription was made).
+    pub(crate) fn block_timeout(&self) -> Duration {
+        self.block_timeout
+    }
+
+    /// Whether a producer that may wait must, for messages the loop holds.
+    fn behind_held(&self, hold: bool) -> bool {
+        !hold && self.held.load(Ordering::Acquire) > 0
+    }
+
     /// Like [`deliver`](Self::deliver), for a producer that keeps `subject`
     /// and passes the same string again for its next messages: those are
     /// queued without touching the string's reference count.
@@ -553,7 +585,7 @@ impl LocalSink {
         let queue = &*self.queue;
         let mut state = queue.state.lock();
         let mut outcome = Delivery::Queued;
-        if state.closed || state.queued() >= self.capacity {
+        if state.closed || state.queued() >= self.capacity || self.behind_held(hold) {
             match self.make_room(&mut state, hold) {
                 Ok(made) => outcome = made,
                 Err(refused) => return refused,
@@ -620,7 +652,7 @@ impl LocalSink {
         if state.closed {
             return Err(Delivery::Closed);
         }
-        if !self.is_full(state) {
+        if !self.is_full(state) && !self.behind_held(hold) {
             return Ok(Delivery::Queued);
         }
         match self.policy {
@@ -682,7 +714,7 @@ impl LocalSink {
             if state.closed {
                 return Some(Delivery::Closed);
             }
-            if !self.is_full(state) {
+            if !self.is_full(state) && !self.behind_held(false) {
                 return None;
             }
             if timed_out {

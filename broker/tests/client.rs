@@ -1277,6 +1277,53 @@ fn a_full_in_process_subscription_holds_up_publishers_not_the_loop() {
     publisher.flush(WAIT).unwrap();
 }
 
+/// A remote and an in-process publisher into one full in-process
+/// subscription under the block policy, its reader slow for longer than
+/// the block timeout: every message arrives, the remote one's in order
+/// (the loop holds them while in-process publishers wait behind them).
+#[test]
+fn a_full_subscription_shared_by_remote_and_in_process_publishers_loses_nothing() {
+    let (broker, endpoint) = start(
+        Via::Tcp,
+        "[limits]\nsubscription_queue = 4\n\
+         [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 1000\n",
+    );
+    let broker = Arc::new(broker);
+    let sub = broker.subscribe("shared").unwrap();
+    const LOCAL: u32 = 400;
+    const REMOTE: u32 = 20;
+    let local = std::thread::spawn({
+        let broker = Arc::clone(&broker);
+        move || {
+            for n in 0..LOCAL {
+                broker
+                    .publish("shared", numbered(n))
+                    .expect("in-process publish");
+            }
+        }
+    });
+    let publisher = connect(&endpoint);
+    for n in 0..REMOTE {
+        publisher
+            .publish("shared", numbered(1_000_000 + n))
+            .unwrap();
+    }
+    // A slow reader: 5 ms a message, 2 s in all, past the block timeout.
+    let mut remote = Vec::new();
+    let mut local_seen = 0;
+    while local_seen + (remote.len() as u32) < LOCAL + REMOTE {
+        let message = sub.recv_timeout(WAIT).expect("a message");
+        match number(&message) {
+            n if n >= 1_000_000 => remote.push(n - 1_000_000),
+            _ => local_seen += 1,
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    local.join().unwrap();
+    assert_eq!(remote, (0..REMOTE).collect::<Vec<_>>());
+    assert_eq!(sub.stats().dropped(), 0);
+}
+
 /// Held for an in-process subscription longer than the block timeout, a
 /// remote publisher's message is dropped and counted, as a waiting
 /// in-process publisher's is, and the publishers are read again.

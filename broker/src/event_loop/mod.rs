@@ -481,8 +481,7 @@ impl EventLoop {
         // spacing: their readers do not wake the loop, and remote
         // publishers wait meanwhile.
         if !self.held_local.is_empty() {
-            let block_timeout = self.shared.live.block_timeout();
-            self.held_local.retry(&self.shared, now, block_timeout);
+            self.held_local.retry(&self.shared, now, false);
             if self.held_local.is_empty() {
                 self.release_reads();
             } else {
@@ -2211,10 +2210,6 @@ impl EventLoop {
         info!("shutting down");
         let deadline = Instant::now() + self.shared.config.drain_timeout();
         self.blocking.clear();
-        // Messages held for full in-process subscriptions are offered
-        // once more; those with no room are dropped and counted.
-        self.held_local
-            .retry(&self.shared, Instant::now(), Duration::ZERO);
         self.set_reads_paused(false);
         // Deliver what in-process publishers queued before the shutdown.
         while self.drain_commands(usize::MAX) {}
@@ -2226,14 +2221,17 @@ impl EventLoop {
             self.send(id, goodbye.clone(), false);
             self.close_session(id);
         }
-        while !self.sessions.is_empty() && Instant::now() < deadline {
+        // Messages held for full in-process subscriptions get the drain
+        // time too (their readers read until the end); then those still
+        // without room are dropped and counted.
+        while (!self.sessions.is_empty() || !self.held_local.is_empty())
+            && Instant::now() < deadline
+        {
             self.poll_endpoints(&mut events);
+            self.held_local.retry(&self.shared, Instant::now(), false);
             std::thread::sleep(Duration::from_millis(1));
         }
-        // Held during the drain (sessions still publishing): offered once
-        // more, else dropped and counted.
-        self.held_local
-            .retry(&self.shared, Instant::now(), Duration::ZERO);
+        self.held_local.retry(&self.shared, Instant::now(), true);
         let drained = self.sessions.is_empty();
         if !drained {
             warn!(
