@@ -26,7 +26,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
@@ -348,7 +348,7 @@ impl Accounts {
                 .unwrap_or(u32::MAX)
                 .saturating_mul(CHECKS_PER_SECOND);
             budget.1 = budget.1.saturating_sub(repaid);
-            budget.0 = now;
+            budget.0 += Duration::from_secs(seconds);
         }
         if budget.1 > 0 && budget.1.saturating_add(checks) > CHECKS_PER_SECOND {
             return Err(Busy);
@@ -427,7 +427,6 @@ impl Accounts {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     fn rule(allow: &[&str], deny: &[&str]) -> Rule {
         Rule {
