@@ -174,6 +174,9 @@ pub struct Limits {
     pub max_subject_tokens: usize,
     /// Most simultaneous connections; more are refused with an error.
     pub max_connections: usize,
+    /// Most accepted connections from one address still in their
+    /// handshake (they have not said hello); more are refused.
+    pub max_handshakes_per_address: usize,
     /// Most subscriptions one connection may hold.
     pub max_subscriptions_per_peer: usize,
     /// Most interest entries one route may announce: the deduplicated
@@ -198,6 +201,7 @@ impl Default for Limits {
             max_subject_len: 512,
             max_subject_tokens: 32,
             max_connections: 10_000,
+            max_handshakes_per_address: 256,
             max_subscriptions_per_peer: 100_000,
             max_route_interest: 1_000_000,
             handshake_timeout_ms: 5_000,
@@ -870,6 +874,10 @@ impl Config {
             ("limits.max_subject_len", self.limits.max_subject_len),
             ("limits.max_subject_tokens", self.limits.max_subject_tokens),
             ("limits.max_connections", self.limits.max_connections),
+            (
+                "limits.max_handshakes_per_address",
+                self.limits.max_handshakes_per_address,
+            ),
             (
                 "limits.max_subscriptions_per_peer",
                 self.limits.max_subscriptions_per_peer,

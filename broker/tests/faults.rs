@@ -15,7 +15,8 @@
 //! - Broker: a peer that sends requests (pings) and reads none of the
 //!   answers is disconnected once they fill its queue; a peer that reads
 //!   nothing and is being closed is closed after the drain time, what was
-//!   queued for it counted.
+//!   queued for it counted; one address cannot hold more than 256
+//!   connections that never say hello.
 //!
 //! Time in the link tests is virtual (a base `Instant` plus a step count),
 //! so timeouts are exercised without sleeping.
@@ -881,4 +882,33 @@ fn a_closing_peer_that_reads_nothing_is_closed_after_the_drain_time() {
         stats.connections.load(Ordering::Relaxed) == 0
     });
     assert!(stats.connection_drops.load(Ordering::Relaxed) > 0);
+}
+
+/// Connections that never say hello hold a slot each for the handshake
+/// time: one address may hold 256 such at once, not every slot. Once they
+/// go, the address connects again.
+#[test]
+fn one_address_holds_at_most_256_connections_in_their_handshake() {
+    let text = "listen = [\"tcp/127.0.0.1:0\"]\n";
+    let config = Config::from_toml_str(text, "faults test").expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    let silent: Vec<raw_common::Raw> = (0..256)
+        .map(|_| raw_common::Raw::connect(&broker))
+        .collect();
+    wait_for("256 connections accepted", || {
+        broker.stats().connections.load(Ordering::Relaxed) == 256
+    });
+    let mut one_more = raw_common::Raw::connect(&broker);
+    let error = match one_more.expect("a refusal", |frame| matches!(frame, Frame::Error(_))) {
+        Frame::Error(error) => error,
+        other => panic!("not an error: {other:?}"),
+    };
+    assert_eq!(error.code, ErrorCode::TooManyConnections, "{error:?}");
+    assert!(error.text.contains("handshake"), "{error:?}");
+    drop(silent);
+    wait_for("the silent connections gone", || {
+        broker.stats().connections.load(Ordering::Relaxed) == 0
+    });
+    let mut again = raw_common::Raw::connect(&broker);
+    again.hello_as_client("back");
 }

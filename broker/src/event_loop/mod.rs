@@ -15,6 +15,7 @@
 mod peer;
 mod route;
 
+use std::net::IpAddr;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -41,7 +42,7 @@ use mio::{Poll, Token};
 use tracing::{debug, error, info, warn};
 
 use crate::accounts::inbox_of;
-use crate::auth_guard::AuthGuard;
+use crate::auth_guard::{remote_ip, AuthGuard};
 use crate::broker::{deliver_local, BrokerStats, Command, HeldLocal, Shared};
 use crate::delivery::Message;
 use crate::drive::{Driven, Rounds};
@@ -153,6 +154,8 @@ pub(crate) struct EventLoop {
     timers_ran: Instant,
     /// Failed authentications per remote address.
     auth_guard: AuthGuard,
+    /// Accepted sessions still in their handshake, per peer address.
+    handshaking: HashMap<IpAddr, usize>,
     /// The endpoints' refused messages as last put in the stats.
     refused: Refused,
     rendezvous: RendezvousCounts,
@@ -448,6 +451,7 @@ impl EventLoop {
             next_timer: Instant::now(),
             timers_ran: Instant::now(),
             auth_guard: AuthGuard::default(),
+            handshaking: HashMap::default(),
             refused: Refused::default(),
             rendezvous: RendezvousCounts::default(),
             fabric: FabricCounts::default(),
@@ -877,6 +881,8 @@ impl EventLoop {
         let now = Instant::now();
         let stats = &self.shared.stats;
         let max_connections = self.shared.live.max_connections();
+        let address = remote_ip(&remote);
+        let handshaking = address.map_or(0, |ip| self.handshaking.get(&ip).copied().unwrap_or(0));
         let refuse = if self.shared.shutdown.load(Ordering::Relaxed) {
             Some((ErrorCode::Internal, "server is shutting down".to_string()))
         } else if self.sessions.len() >= max_connections {
@@ -884,8 +890,26 @@ impl EventLoop {
                 ErrorCode::TooManyConnections,
                 format!("connection limit of {max_connections} reached"),
             ))
+        } else if handshaking >= self.shared.config.limits.max_handshakes_per_address {
+            // One address cannot fill the connection slots with peers
+            // that never say hello (each holds one for the handshake
+            // timeout).
+            Some((
+                ErrorCode::TooManyConnections,
+                format!("{handshaking} connections from this address are still in their handshake"),
+            ))
         } else {
-            None
+            address
+                .and_then(|ip| self.auth_guard.locked(ip, now))
+                .map(|wait| {
+                    (
+                        ErrorCode::RateLimited,
+                        format!(
+                            "too many failed authentications from this address; retry in {} s",
+                            wait.as_secs() + 1
+                        ),
+                    )
+                })
         };
         if let Some((code, text)) = refuse {
             BrokerStats::add(&stats.refused_connections, 1);
@@ -916,6 +940,10 @@ impl EventLoop {
             self.liveness(now),
             deadline,
         );
+        if let Some(ip) = address {
+            *self.handshaking.entry(ip).or_default() += 1;
+            session.handshaking_from = Some(ip);
+        }
         // The first frame: what the peer proves a shared secret against.
         // Without randomness there is no challenge, and a proof cannot
         // check (the peer may still give a password or token).
@@ -1812,6 +1840,7 @@ impl EventLoop {
             deadline: self.now + self.shared.config.drain_timeout(),
         };
         let control = session.conn.control;
+        self.end_handshake(id);
         self.remove_interest(id);
         if self
             .sessions
@@ -1935,6 +1964,7 @@ impl EventLoop {
     }
 
     fn forget_session(&mut self, id: u64, reason: &CloseReason) {
+        self.end_handshake(id);
         self.remove_interest(id);
         self.dialed_session_gone(id);
         self.restricted.remove(&id);
@@ -2001,6 +2031,7 @@ impl EventLoop {
     /// A session finished its handshake: its timers change from the
     /// handshake deadline to its heartbeats.
     fn session_ready(&mut self, id: u64) {
+        self.end_handshake(id);
         let block_timeout = self.shared.live.block_timeout();
         let deadline = self
             .sessions
@@ -2008,6 +2039,24 @@ impl EventLoop {
             .and_then(|session| session.poll_timeout(block_timeout));
         if let Some(deadline) = deadline {
             self.schedule(deadline);
+        }
+    }
+
+    /// Session `id` is no longer in its handshake: its address counts it
+    /// no more.
+    fn end_handshake(&mut self, id: u64) {
+        let Some(ip) = self
+            .sessions
+            .get_mut(&id)
+            .and_then(|session| session.handshaking_from.take())
+        else {
+            return;
+        };
+        if let Some(count) = self.handshaking.get_mut(&ip) {
+            *count -= 1;
+            if *count == 0 {
+                self.handshaking.remove(&ip);
+            }
         }
     }
 

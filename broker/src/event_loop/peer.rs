@@ -126,6 +126,9 @@ pub(super) struct Session {
     /// The challenge sent to an accepted peer, which its hello proves the
     /// shared secret against.
     pub challenge: Option<[u8; 32]>,
+    /// While an accepted peer has not finished its handshake: its address,
+    /// counted among those handshaking from there.
+    pub handshaking_from: Option<std::net::IpAddr>,
     /// Why the data paths not taken were not, from the last negotiation.
     pub link_reasons: Vec<String>,
     /// The hello's `no_echo`: this session's publishes skip its own
@@ -190,6 +193,7 @@ impl Session {
             guessed: false,
             user: None,
             challenge: None,
+            handshaking_from: None,
             link_reasons: Vec::new(),
             no_echo: false,
             no_responders: false,
