@@ -33,9 +33,7 @@ use efabus_broker::{Broker, Client, ClientOptions, Config, RecvError};
 use efabus_core::budget::MemoryBudget;
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::fragment::ReassemblyConfig;
-use efabus_core::frame::{
-    DeliveryClass, ErrorCode, Frame, Hello, Publish, Subscribe, PROTOCOL_VERSION,
-};
+use efabus_core::frame::{DeliveryClass, ErrorCode, Frame, Publish, Subscribe};
 use efabus_core::link::{LinkConfig, LinkReceiver, LinkSender};
 use efabus_core::transport::{
     CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError, Transport,
@@ -96,17 +94,7 @@ impl RawPeer {
     }
 
     fn hello(&mut self, name: &str) {
-        self.send(&Frame::Hello(Hello {
-            no_echo: false,
-            no_responders: false,
-            version: PROTOCOL_VERSION,
-            name: name.to_string(),
-            credentials: None,
-            user: None,
-            proof: None,
-            offers: Vec::new(),
-            link_auth: None,
-        }));
+        self.send(&raw_common::client_hello(name));
     }
 
     fn publish(&mut self, subject: &str, payload: &'static [u8]) {

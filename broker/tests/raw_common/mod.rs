@@ -14,6 +14,22 @@ use efabus_core::frame::{Frame, Hello, PROTOCOL_VERSION};
 /// Longest any wait here takes.
 pub const WAIT: Duration = Duration::from_secs(10);
 
+/// The hello of a plain client named `name`: no credentials, no data
+/// paths offered.
+pub fn client_hello(name: &str) -> Frame {
+    Frame::Hello(Hello {
+        no_echo: false,
+        no_responders: false,
+        version: PROTOCOL_VERSION,
+        name: name.to_string(),
+        credentials: None,
+        user: None,
+        proof: None,
+        offers: Vec::new(),
+        link_auth: None,
+    })
+}
+
 /// A peer speaking raw frames over TCP.
 pub struct Raw {
     stream: TcpStream,
@@ -40,17 +56,7 @@ impl Raw {
 
     /// Say hello as a plain client named `name` and wait for the welcome.
     pub fn hello_as_client(&mut self, name: &str) {
-        self.send(&Frame::Hello(Hello {
-            no_echo: false,
-            no_responders: false,
-            version: PROTOCOL_VERSION,
-            name: name.to_string(),
-            credentials: None,
-            user: None,
-            proof: None,
-            offers: Vec::new(),
-            link_auth: None,
-        }));
+        self.send(&client_hello(name));
         self.expect("the welcome", |frame| matches!(frame, Frame::Welcome(_)));
     }
 
