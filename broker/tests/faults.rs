@@ -900,3 +900,41 @@ fn one_address_holds_at_most_256_connections_in_their_handshake() {
     let mut again = raw_common::Raw::connect(&broker);
     again.hello_as_client("back");
 }
+
+/// Under the block policy a remote consumer that takes nothing for the
+/// block timeout is disconnected and counted, and the publishers it held
+/// up go on.
+#[test]
+fn a_consumer_that_takes_nothing_for_the_block_timeout_is_cut_off() {
+    let text = "listen = [\"tcp/127.0.0.1:0\"]\n\
+                [limits]\nmax_pending_bytes = 65536\n\
+                [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 300\n";
+    let config = Config::from_toml_str(text, "faults test").expect("valid config");
+    let broker = Arc::new(Broker::start(config).expect("broker starts"));
+    let mut raw = raw_common::Raw::connect(&broker);
+    raw.hello_as_client("takes-nothing");
+    raw.send(&Frame::Subscribe(Subscribe {
+        sid: 1,
+        pattern: "held".to_string(),
+        queue: None,
+        class: DeliveryClass::Reliable,
+    }));
+    wait_for("the subscription", || broker.subscription_count() == 1);
+    let publisher = thread::spawn({
+        let broker = Arc::clone(&broker);
+        move || {
+            let payload = Bytes::from(vec![0u8; 1024]);
+            // About 16 MB: past the socket buffers and the bound, so the
+            // publisher is held up until the consumer is cut off.
+            for _ in 0..16_000 {
+                broker.publish("held", payload.clone()).expect("publish");
+            }
+        }
+    });
+    let stats = broker.stats();
+    wait_for("the consumer cut off", || {
+        stats.slow_consumer_disconnects.load(Ordering::Relaxed) == 1
+    });
+    publisher.join().expect("the publisher goes on");
+    drop(raw);
+}

@@ -1707,6 +1707,7 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
+        let before = session.conn.out.bytes();
         let empty = session
             .conn
             .flush(&mut self.endpoints, &mut self.tally.sent);
@@ -1722,6 +1723,10 @@ impl EventLoop {
         let drained = session.conn.out.bytes() <= bound / 2;
         if drained {
             session.over_since = None;
+        } else if session.over_since.is_some() && session.conn.out.bytes() < before {
+            // It takes messages, if slowly: the block timeout counts from
+            // its last progress, not from when it first fell behind.
+            session.over_since = Some(Instant::now());
         }
         let report = drained && session.drops.due_at().is_some();
         if empty && matches!(session.state, SessionState::Closing { .. }) {
