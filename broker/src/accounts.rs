@@ -566,16 +566,20 @@ mod tests {
         assert_eq!(accounts.budget.lock().1, 0);
     }
 
-    #[test]
-    fn a_token_login_costs_a_check_per_token_user() {
-        let users: Vec<User> = (0..3)
+    /// Users `service-N` with tokens `token-N`.
+    fn token_users(count: u32) -> Vec<User> {
+        (0..count)
             .map(|n| User {
                 name: format!("service-{n}"),
                 token: Some(hash_secret(&format!("token-{n}")).unwrap()),
                 ..User::default()
             })
-            .collect();
-        let accounts = Accounts::new(&users);
+            .collect()
+    }
+
+    #[test]
+    fn a_token_login_costs_a_check_per_token_user() {
+        let accounts = Accounts::new(&token_users(3));
         let started = Instant::now();
         assert_eq!(
             accounts.login(None, "token-2"),
@@ -595,14 +599,7 @@ mod tests {
 
     #[test]
     fn a_token_login_past_the_whole_budget_is_paid_for_by_the_seconds_after() {
-        let users: Vec<User> = (0..CHECKS_PER_SECOND + 2)
-            .map(|n| User {
-                name: format!("service-{n}"),
-                token: Some(hash_secret(&format!("token-{n}")).unwrap()),
-                ..User::default()
-            })
-            .collect();
-        let accounts = Accounts::new(&users);
+        let accounts = Accounts::new(&token_users(CHECKS_PER_SECOND + 2));
         let last = CHECKS_PER_SECOND + 1;
         let started = Instant::now();
         assert_eq!(

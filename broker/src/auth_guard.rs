@@ -45,6 +45,19 @@ pub(crate) fn remote_ip(remote: &str) -> Option<IpAddr> {
 }
 
 impl AuthGuard {
+    /// Why a peer from `ip` is refused unchecked, if it is: the text of
+    /// its `RateLimited` error (not `Auth`: a client refused for its
+    /// credentials gives up, and one with the right secret behind a shared
+    /// address must not).
+    pub fn lockout(&mut self, ip: IpAddr, now: Instant) -> Option<String> {
+        self.locked(ip, now).map(|wait| {
+            format!(
+                "too many failed authentications from this address; retry in {} s",
+                wait.as_secs() + 1
+            )
+        })
+    }
+
     /// How much longer hellos from `ip` are refused unchecked, if they are.
     pub fn locked(&mut self, ip: IpAddr, now: Instant) -> Option<Duration> {
         let failures = self.by_address.get(&ip)?;

@@ -8,7 +8,7 @@
 //! event loop through a bounded command queue. The event loop thread
 //! (`crate::event_loop`) owns every endpoint and session.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -1261,7 +1261,7 @@ pub(crate) fn deliver_local(
     let mut closed = Vec::new();
     for (sid, sink) in targets.local.drain(..) {
         // Behind a message held for it, a message is held too: in order.
-        let outcome = if held.holds(sid) {
+        let outcome = if sink.is_held() {
             Delivery::Full
         } else {
             sink.try_deliver(message.clone())
@@ -1285,8 +1285,6 @@ pub(crate) fn deliver_local(
 #[derive(Default)]
 pub(crate) struct HeldLocal {
     messages: VecDeque<HeldMessage>,
-    /// Messages held per subscription id.
-    per_sid: HashMap<u64, usize>,
 }
 
 struct HeldMessage {
@@ -1301,10 +1299,6 @@ impl HeldLocal {
         self.messages.is_empty()
     }
 
-    fn holds(&self, sid: u64) -> bool {
-        self.per_sid.contains_key(&sid)
-    }
-
     fn hold(&mut self, sid: u64, sink: Arc<LocalSink>, mut message: Message, since: Instant) {
         // A slice would keep the buffer it was read into (a fabric receive
         // buffer among them) for as long as the reader takes.
@@ -1312,7 +1306,6 @@ impl HeldLocal {
         if let Some(headers) = message.headers.as_mut() {
             detach(headers);
         }
-        *self.per_sid.entry(sid).or_default() += 1;
         sink.hold_one();
         self.messages.push_back(HeldMessage {
             sid,
@@ -1333,7 +1326,7 @@ impl HeldLocal {
             let outcome = if full.contains(&held.sid) {
                 Delivery::Full
             } else {
-                held.sink.try_deliver(held.message.clone())
+                held.sink.offer_held(held.message.clone())
             };
             let waited = now.saturating_duration_since(held.since);
             match outcome {
@@ -1351,12 +1344,6 @@ impl HeldLocal {
                 }
             }
             held.sink.unhold_one();
-            if let Some(count) = self.per_sid.get_mut(&held.sid) {
-                *count -= 1;
-                if *count == 0 {
-                    self.per_sid.remove(&held.sid);
-                }
-            }
         }
         if !closed.is_empty() {
             remove_closed(shared, closed);

@@ -491,17 +491,24 @@ impl LocalSink {
     /// a slice of the buffer it was read into would keep that whole
     /// buffer.
     pub(crate) fn deliver(&self, message: Message) -> Delivery {
-        self.deliver_received(message, false)
+        self.push_message(message, true, false)
     }
 
     /// [`deliver`](Self::deliver) for a thread that must not wait (the
     /// event loop): under the block policy a full queue answers
     /// [`Delivery::Full`], with nothing queued or counted.
     pub(crate) fn try_deliver(&self, message: Message) -> Delivery {
-        self.deliver_received(message, true)
+        self.push_message(message, true, true)
     }
 
-    fn deliver_received(&self, message: Message, hold: bool) -> Delivery {
+    /// A message the event loop held for this queue, offered again as
+    /// [`try_deliver`](Self::try_deliver) does; its payload was copied
+    /// when it was held, so it is not copied again.
+    pub(crate) fn offer_held(&self, message: Message) -> Delivery {
+        self.push_message(message, false, true)
+    }
+
+    fn push_message(&self, message: Message, received: bool, hold: bool) -> Delivery {
         let Message {
             subject,
             reply,
@@ -513,7 +520,7 @@ impl LocalSink {
             reply,
             headers,
             payload,
-            true,
+            received,
             hold,
         )
     }
@@ -522,6 +529,12 @@ impl LocalSink {
     /// after the block timeout.
     pub(crate) fn count_dropped(&self) {
         bump(&self.stats.dropped, 1);
+    }
+
+    /// Whether the event loop holds messages for this queue: the next
+    /// ones go behind them.
+    pub(crate) fn is_held(&self) -> bool {
+        self.held.load(Ordering::Acquire) > 0
     }
 
     /// The event loop holds one more message for this queue.
@@ -548,7 +561,7 @@ impl LocalSink {
 
     /// Whether a producer that may wait must, for messages the loop holds.
     fn behind_held(&self, hold: bool) -> bool {
-        !hold && self.held.load(Ordering::Acquire) > 0
+        !hold && self.is_held()
     }
 
     /// Like [`deliver`](Self::deliver), for a producer that keeps `subject`

@@ -8,9 +8,7 @@ use std::time::{Duration, Instant};
 
 use efabus_broker::accounts::hash_secret;
 use efabus_broker::{Broker, Client, ClientOptions, Config, Error};
-use efabus_core::frame::{
-    DeliveryClass, ErrorCode, Frame, Hello, RouteHello, Subscribe, PROTOCOL_VERSION,
-};
+use efabus_core::frame::{ErrorCode, Frame, Hello, RouteHello, PROTOCOL_VERSION};
 use efabus_transports::registry::Registry;
 
 mod raw_common;
@@ -306,12 +304,7 @@ fn route_announcing(broker: &Broker, broker_id: u64, pattern: &str) -> Raw {
         seeded: false,
     }));
     raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
-    raw.send(&Frame::Subscribe(Subscribe {
-        sid: 1,
-        pattern: pattern.to_string(),
-        queue: None,
-        class: DeliveryClass::Reliable,
-    }));
+    raw.send(&raw_common::subscribe(1, pattern));
     raw
 }
 

@@ -33,7 +33,7 @@ use efabus_broker::{Broker, Client, ClientOptions, Config, RecvError};
 use efabus_core::budget::MemoryBudget;
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::fragment::ReassemblyConfig;
-use efabus_core::frame::{DeliveryClass, ErrorCode, Frame, Publish, Subscribe};
+use efabus_core::frame::{ErrorCode, Frame, Publish};
 use efabus_core::link::{LinkConfig, LinkReceiver, LinkSender};
 use efabus_core::transport::{
     CloseReason, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError, Transport,
@@ -207,7 +207,6 @@ fn truncated_frames_get_an_error_and_close_only_their_sender() {
 /// reports of the connection.
 #[test]
 fn a_subscription_id_given_twice_keeps_the_first() {
-    use efabus_core::frame::{DeliveryClass, Subscribe};
     let name = fresh_name("duplicate-sid");
     let config = Config::from_toml_str(&format!("listen = [\"mem/{name}\"]\n"), "duplicate sid")
         .expect("valid config");
@@ -215,12 +214,7 @@ fn a_subscription_id_given_twice_keeps_the_first() {
     let mut raw = RawPeer::connect(&name);
     raw.hello("twice");
     for pattern in ["dup.first", "dup.second"] {
-        raw.send(&Frame::Subscribe(Subscribe {
-            sid: 1,
-            pattern: pattern.to_string(),
-            queue: None,
-            class: DeliveryClass::Reliable,
-        }));
+        raw.send(&raw_common::subscribe(1, pattern));
     }
     wait_for("the refusal", || {
         raw.pump();
@@ -846,12 +840,7 @@ fn a_closing_peer_that_reads_nothing_is_closed_after_the_drain_time() {
     let stats = broker.stats();
     let mut raw = raw_common::Raw::connect(&broker);
     raw.hello_as_client("reads-nothing");
-    raw.send(&Frame::Subscribe(Subscribe {
-        sid: 1,
-        pattern: "x".to_string(),
-        queue: None,
-        class: DeliveryClass::Reliable,
-    }));
+    raw.send(&raw_common::subscribe(1, "x"));
     wait_for("the subscription", || broker.subscription_count() == 1);
     // 32 MiB: more than the socket buffers take, so some stays queued.
     let payload = Bytes::from(vec![0x5a; 64 << 10]);
@@ -913,12 +902,7 @@ fn a_consumer_that_takes_nothing_for_the_block_timeout_is_cut_off() {
     let broker = Arc::new(Broker::start(config).expect("broker starts"));
     let mut raw = raw_common::Raw::connect(&broker);
     raw.hello_as_client("takes-nothing");
-    raw.send(&Frame::Subscribe(Subscribe {
-        sid: 1,
-        pattern: "held".to_string(),
-        queue: None,
-        class: DeliveryClass::Reliable,
-    }));
+    raw.send(&raw_common::subscribe(1, "held"));
     wait_for("the subscription", || broker.subscription_count() == 1);
     let publisher = thread::spawn({
         let broker = Arc::clone(&broker);

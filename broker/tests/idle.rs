@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_broker::{Broker, Client, ClientOptions, Config, Error};
-use efabus_core::frame::{DeliveryClass, Frame, Subscribe};
 use efabus_transports::registry::Registry;
 
 mod raw_common;
@@ -140,12 +139,7 @@ fn a_loop_holding_publishers_up_sleeps() {
         Arc::new(Broker::start(Config::from_toml_str(text, "idle test").unwrap()).unwrap());
     let mut raw = raw_common::Raw::connect(&broker);
     raw.hello_as_client("reads-nothing");
-    raw.send(&Frame::Subscribe(Subscribe {
-        sid: 1,
-        pattern: "held".to_string(),
-        queue: None,
-        class: DeliveryClass::Reliable,
-    }));
+    raw.send(&raw_common::subscribe(1, "held"));
     let deadline = Instant::now() + WAIT;
     while broker.subscription_count() == 0 {
         assert!(Instant::now() < deadline, "the subscription did not arrive");

@@ -151,8 +151,6 @@ impl Monitor {
             .build()
             .map_err(MonitorError::Thread)?;
         let views = Arc::new(Views {
-            // Uptime is the broker's, whenever the monitor started.
-            started: broker.started(),
             broker,
             workers: Arc::new(Semaphore::new(WORKERS)),
         });
@@ -194,7 +192,6 @@ impl Drop for Monitor {
 /// What the views read.
 struct Views {
     broker: Arc<Broker>,
-    started: SystemTime,
     /// One per view being built: a request waits for one before its view
     /// is queued, so views queue no further than the workers (a client
     /// that closes while it waits takes its request with it).
@@ -269,7 +266,7 @@ async fn respond(views: Arc<Views>, request: Request<Incoming>) -> Response<Full
         match Arc::clone(&views.workers).acquire_owned().await {
             Ok(worker) => tokio::task::spawn_blocking(move || {
                 let _worker = worker;
-                answer(&target, &views.broker, views.started)
+                answer(&target, &views.broker)
             })
             .await
             // A view that fails answers 500; the listener stays.
@@ -408,7 +405,9 @@ impl Answer {
 }
 
 /// The view `target` (path and query) names.
-fn answer(target: &str, broker: &Broker, started: SystemTime) -> Answer {
+fn answer(target: &str, broker: &Broker) -> Answer {
+    // Uptime is the broker's, whenever the monitor started.
+    let started = broker.started();
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let query: HashMap<String, String> = form_urlencoded::parse(query.as_bytes())
         .into_owned()

@@ -900,16 +900,8 @@ impl EventLoop {
             ))
         } else {
             address
-                .and_then(|ip| self.auth_guard.locked(ip, now))
-                .map(|wait| {
-                    (
-                        ErrorCode::RateLimited,
-                        format!(
-                            "too many failed authentications from this address; retry in {} s",
-                            wait.as_secs() + 1
-                        ),
-                    )
-                })
+                .and_then(|ip| self.auth_guard.lockout(ip, now))
+                .map(|text| (ErrorCode::RateLimited, text))
         };
         if let Some((code, text)) = refuse {
             BrokerStats::add(&stats.refused_connections, 1);

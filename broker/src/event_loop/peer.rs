@@ -527,14 +527,8 @@ impl EventLoop {
         let config = &self.shared.config;
         let address = remote_ip(&session.remote);
         let now = self.now;
-        if let Some(wait) = address.and_then(|ip| self.auth_guard.locked(ip, now)) {
+        if let Some(text) = address.and_then(|ip| self.auth_guard.lockout(ip, now)) {
             BrokerStats::add(&self.shared.stats.auth_failures, 1);
-            let text = format!(
-                "too many failed authentications from this address; retry in {} s",
-                wait.as_secs() + 1
-            );
-            // Not `Auth`: a client refused for its credentials gives up, and
-            // one with the right secret behind a shared address must not.
             self.fail(id, ErrorCode::RateLimited, text);
             return;
         }

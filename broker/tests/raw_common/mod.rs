@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use efabus_broker::Broker;
 use efabus_core::codec::{self, CodecLimits, FrameReader};
-use efabus_core::frame::{Frame, Hello, PROTOCOL_VERSION};
+use efabus_core::frame::{DeliveryClass, Frame, Hello, Subscribe, PROTOCOL_VERSION};
 
 /// Longest any wait here takes.
 pub const WAIT: Duration = Duration::from_secs(10);
@@ -27,6 +27,16 @@ pub fn client_hello(name: &str) -> Frame {
         proof: None,
         offers: Vec::new(),
         link_auth: None,
+    })
+}
+
+/// A plain (reliable, no queue group) subscription to `pattern` as `sid`.
+pub fn subscribe(sid: u64, pattern: &str) -> Frame {
+    Frame::Subscribe(Subscribe {
+        sid,
+        pattern: pattern.to_string(),
+        queue: None,
+        class: DeliveryClass::Reliable,
     })
 }
 
