@@ -487,6 +487,11 @@ pub struct Fabric {
     /// Receive buffers posted per endpoint, capped by the provider's rx
     /// size; 0 keeps the default of 256.
     pub rx_depth: usize,
+    /// Post an RDM endpoint's receive memory as a few large
+    /// `FI_MULTI_RECV` buffers (eight buffers' worth each) where the
+    /// provider grants it, so that each message takes only the bytes it
+    /// needs; `false` posts `rx_depth` buffers of `eager_size` each.
+    pub multi_recv: bool,
     /// Bytes of each RDM buffer (the eager size): frames up to it travel in
     /// posted buffers; larger ones by rendezvous (one-sided reads) with
     /// peers that have RMA, fragmented otherwise. 256 receive and 256 send
@@ -587,6 +592,7 @@ impl Default for Fabric {
             domain: String::new(),
             node: String::new(),
             rx_depth: 0,
+            multi_recv: true,
             // A payload at the default limit and its header fit one message.
             eager_size: None,
             rendezvous: true,

@@ -140,7 +140,7 @@ fn nats_options(config: &Config) -> Vec<(String, String)> {
 /// The fabric options from the config for an endpoint of `scheme`: the
 /// `[fabric]` table for the libfabric endpoints (`efa-rdm` takes
 /// `provider`, `eager_size` as its buffer size, `rendezvous` and `domain`; `efa-dgram`
-/// takes `dgram_provider`; both take `node`, `rx_depth`, the polling
+/// takes `dgram_provider`; both take `node`, `rx_depth`, `multi_recv`, the polling
 /// `wait_fd` and the testing aids), `None` for the others. `efabus caps`
 /// lists fabric infos with the same options (print them with
 /// [`FabricOptions::describe`] or `Display`).
@@ -173,6 +173,7 @@ pub fn endpoint_options(fabric: &crate::config::Fabric, scheme: &str) -> Option<
             0 => options.rx_depth,
             depth => depth,
         },
+        multi_recv: fabric.multi_recv,
         force_prefix: fabric.test_force_prefix,
         force_mr_local: fabric.test_force_mr_local,
         wait_fd: fabric.polling.wait_fd,

@@ -366,8 +366,15 @@ fn open_offer(
 /// One line on what an endpoint's buffers take.
 fn buffer_line(scheme: &str, memory: BufferMemory) -> String {
     let mib = |bytes: usize| bytes as f64 / f64::from(1 << 20);
+    let receives = match memory.multi_recv {
+        (0, _) => String::new(),
+        (count, bytes) => format!(
+            "; receives in {count} multi-receive buffers of {} KiB",
+            bytes >> 10
+        ),
+    };
     format!(
-        "  {scheme}: buffers {:.1} MiB, of which registered (pinned) {:.1} MiB",
+        "  {scheme}: buffers {:.1} MiB, of which registered (pinned) {:.1} MiB{receives}",
         mib(memory.held),
         mib(memory.registered)
     )

@@ -36,7 +36,7 @@ _Static_assert(EFABUS_OPT_EFA_RNR_RETRY == -FI_PROV_SPECIFIC_EFA,
 #define C(name) { #name, (uint64_t)(name) }
 static const struct efabus_constant constants[] = {
 	C(FI_MSG), C(FI_RMA), C(FI_READ), C(FI_REMOTE_READ),
-	C(FI_RECV), C(FI_SEND), C(FI_TRANSMIT),
+	C(FI_RECV), C(FI_SEND), C(FI_TRANSMIT), C(FI_MULTI_RECV),
 	C(FI_SOURCE), C(FI_CONTEXT), C(FI_MSG_PREFIX), C(FI_CONTEXT2),
 	C(FI_MR_LOCAL), C(FI_MR_VIRT_ADDR), C(FI_MR_ALLOCATED), C(FI_MR_PROV_KEY),
 	C(FI_MR_ENDPOINT), C(FI_MR_HMEM), C(FI_ORDER_SAS), C(FI_EP_UNSPEC),
@@ -348,7 +348,7 @@ int efabus_cq_open(struct fid_domain *domain, uint64_t size, struct fid_wait *wa
 
 	memset(&attr, 0, sizeof(attr));
 	attr.size = size;
-	attr.format = FI_CQ_FORMAT_MSG;
+	attr.format = FI_CQ_FORMAT_DATA;
 	if (wait) {
 		attr.wait_obj = FI_WAIT_SET;
 		attr.wait_set = wait;
@@ -363,10 +363,12 @@ int efabus_cq_close(struct fid_cq *cq)
 	return fi_close(&cq->fid);
 }
 
-_Static_assert(sizeof(struct efabus_completion) == sizeof(struct fi_cq_msg_entry),
+_Static_assert(sizeof(struct efabus_completion) == sizeof(struct fi_cq_data_entry),
 	       "completion layout");
 _Static_assert(offsetof(struct efabus_completion, len) ==
-	       offsetof(struct fi_cq_msg_entry, len), "completion layout");
+	       offsetof(struct fi_cq_data_entry, len), "completion layout");
+_Static_assert(offsetof(struct efabus_completion, buf) ==
+	       offsetof(struct fi_cq_data_entry, buf), "completion layout");
 
 int64_t efabus_cq_read(struct fid_cq *cq, struct efabus_completion *buf, uint64_t count)
 {
@@ -480,6 +482,29 @@ int64_t efabus_recv(struct fid_ep *ep, void *buf, uint64_t len, void *desc,
 		    void *context)
 {
 	return fi_recv(ep, buf, len, desc, FI_ADDR_UNSPEC, context);
+}
+
+int64_t efabus_recv_multi(struct fid_ep *ep, void *buf, uint64_t len, void *desc,
+			  void *context)
+{
+	struct iovec iov = { .iov_base = buf, .iov_len = len };
+	struct fi_msg msg = {
+		.msg_iov = &iov,
+		.desc = &desc,
+		.iov_count = 1,
+		.addr = FI_ADDR_UNSPEC,
+		.context = context,
+	};
+
+	return fi_recvmsg(ep, &msg, FI_MULTI_RECV);
+}
+
+int efabus_ep_set_min_multi_recv(struct fid_ep *ep, uint64_t min)
+{
+	size_t value = (size_t)min;
+
+	return fi_setopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_MIN_MULTI_RECV, &value,
+			 sizeof(value));
 }
 
 int64_t efabus_send(struct fid_ep *ep, const void *buf, uint64_t len, void *desc,

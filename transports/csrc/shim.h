@@ -145,11 +145,16 @@ struct efabus_info_view {
 	const char *link_network_type;
 };
 
-/* A completion, as read from a CQ opened with FI_CQ_FORMAT_MSG. */
+/*
+ * A completion, as read from a CQ opened with FI_CQ_FORMAT_DATA: `buf` says
+ * where a message landed in a multi-receive buffer.
+ */
 struct efabus_completion {
 	void *op_context;
 	uint64_t flags;
 	uint64_t len;
+	void *buf;
+	uint64_t data;
 };
 
 /* A CQ error entry with the provider's explanation already rendered. */
@@ -207,7 +212,7 @@ int efabus_wait_fd(struct fid_wait *wait, int *fd);
 int efabus_wait_close(struct fid_wait *wait);
 /* fi_trywait on one wait set: 0 when the caller may block on its fd. */
 int efabus_trywait(struct fid_fabric *fabric, struct fid_wait *wait);
-/* FI_CQ_FORMAT_MSG; signals `wait` when not NULL, else no wait object. */
+/* FI_CQ_FORMAT_DATA; signals `wait` when not NULL, else no wait object. */
 int efabus_cq_open(struct fid_domain *domain, uint64_t size, struct fid_wait *wait,
 		   struct fid_cq **cq);
 int efabus_cq_close(struct fid_cq *cq);
@@ -225,6 +230,8 @@ int efabus_ep_bind_av(struct fid_ep *ep, struct fid_av *av);
 int efabus_ep_bind_cq(struct fid_ep *ep, struct fid_cq *cq, uint64_t flags);
 /* Sets FI_OPT_EFA_RNR_RETRY; the caller makes sure the endpoint is efa RDM. */
 int efabus_ep_set_efa_rnr_retry(struct fid_ep *ep, uint64_t retry);
+/* Sets FI_OPT_MIN_MULTI_RECV: a multi-receive buffer with less room is released. */
+int efabus_ep_set_min_multi_recv(struct fid_ep *ep, uint64_t min);
 int efabus_enable(struct fid_ep *ep);
 int efabus_getname(struct fid_ep *ep, void *addr, uint64_t *addrlen);
 
@@ -236,6 +243,9 @@ uint64_t efabus_mr_key(struct fid_mr *mr);
 
 int64_t efabus_recv(struct fid_ep *ep, void *buf, uint64_t len, void *desc,
 		    void *context);
+/* fi_recvmsg with FI_MULTI_RECV: one buffer that many messages fill in turn. */
+int64_t efabus_recv_multi(struct fid_ep *ep, void *buf, uint64_t len, void *desc,
+			  void *context);
 int64_t efabus_send(struct fid_ep *ep, const void *buf, uint64_t len, void *desc,
 		    uint64_t dest, void *context);
 int64_t efabus_inject(struct fid_ep *ep, const void *buf, uint64_t len,

@@ -1600,11 +1600,13 @@ mod suite {
     /// Large received messages are lent rather than copied: at most half
     /// the receives are held out by frames the caller keeps (the rest
     /// arrive as copies), dropped frames give their slots back, and lent
-    /// frames stay readable after their endpoint is gone.
+    /// frames stay readable after their endpoint is gone. One receive per
+    /// message here (see `multi_receive_buffers_take_many_messages`).
     pub fn large_frames_are_lent(kind: EpKind, provider: &str) {
-        let Some((mut a, mut b)) = pair(kind, provider, &[]) else {
+        let Some((mut a, mut b)) = pair(kind, provider, &[("multi_recv", "false")]) else {
             return;
         };
+        assert!(!b.link().multi_recv);
         let peers = insert_each_other(&mut a, &mut b);
         let len = 12 << 10;
         let kept = deliver_tagged(&mut a, &mut b, peers, 0..RX_DEPTH as u8, len);
@@ -1628,6 +1630,64 @@ mod suite {
         for f in &kept {
             assert_eq!(payload_of(f), tagged(tag_of(f), len));
         }
+    }
+
+    /// Where the provider grants FI_MULTI_RECV, the receive memory is
+    /// posted as a few buffers that many messages fill in turn: far fewer
+    /// posts than messages, yet every message intact, the largest ones too
+    /// (the provider lets go of a buffer before one no longer fits). Lent
+    /// frames hold their buffer until they are dropped, and while one
+    /// buffer is held that way the other takes everything, copied.
+    pub fn multi_receive_buffers_take_many_messages(provider: &str) {
+        let Some((mut a, mut b)) = pair(EpKind::Rdm, provider, &[]) else {
+            return;
+        };
+        let link = b.link().clone();
+        assert!(link.multi_recv, "{provider} grants FI_MULTI_RECV: {link:?}");
+        assert!(link.multi_recv_len >= 8 * link.max_frame, "{link:?}");
+        let peers = insert_each_other(&mut a, &mut b);
+        let posts = b.stats().rx_posts;
+        assert_eq!(
+            posts, 2,
+            "{RX_DEPTH} buffers' worth make two multi-receive buffers"
+        );
+
+        let before = b.stats().received_messages;
+        deliver_tagged(&mut a, &mut b, peers, 0..200, 4000);
+        let messages = b.stats().received_messages - before;
+        let reposts = b.stats().rx_posts - posts;
+        assert!(messages >= 200, "each frame its own message: {messages}");
+        assert!(
+            reposts > 0 && reposts * 10 < messages,
+            "{reposts} buffers posted again for {messages} messages"
+        );
+
+        // The largest frames one message carries, more than both buffers
+        // hold at once.
+        let largest = a.link().max_frame - 4;
+        deliver_tagged(&mut a, &mut b, peers, 0..3 * RX_DEPTH as u8, largest);
+        assert_eq!(b.stats().rx_errors, 0, "{:?}", b.stats());
+
+        // Frames of 12 KiB are lent: those of the first buffer are kept,
+        // which holds it; the other buffer takes the rest, copied.
+        let len = 12 << 10;
+        let lent = b.stats().lent;
+        let kept = deliver_tagged(&mut a, &mut b, peers, 0..40, len);
+        let lent_kept = b.stats().lent - lent;
+        assert!(lent_kept > 0 && lent_kept < 40, "{lent_kept} of 40 lent");
+        deliver_tagged(&mut a, &mut b, peers, 100..180, len);
+        assert_eq!(
+            b.stats().lent - lent,
+            lent_kept,
+            "a second buffer lent while the first is held"
+        );
+        check_tagged(&kept, 0..40, len);
+        drop(kept);
+        deliver_tagged(&mut a, &mut b, peers, 200..240, len);
+        assert!(
+            b.stats().lent - lent > lent_kept,
+            "dropped frames did not give their buffer back"
+        );
     }
 
     /// A frame body of 8 KiB or more goes from the caller's buffer where
@@ -1904,6 +1964,15 @@ const RDM_PROVIDERS: [&str; 3] = ["tcp;ofi_rxm", "udp;ofi_rxd", "sockets"];
 fn rdm_large_frames_are_lent() {
     for provider in RDM_PROVIDERS {
         suite::large_frames_are_lent(efabus_transports::fabric::EpKind::Rdm, provider);
+    }
+}
+
+/// Multi-receive buffers on every RDM provider here.
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_multi_receive_buffers_take_many_messages() {
+    for provider in RDM_PROVIDERS.iter().chain(&["shm"]) {
+        suite::multi_receive_buffers_take_many_messages(provider);
     }
 }
 

@@ -17,6 +17,7 @@
 //! | `msg_size` | bytes per buffer after the provider prefix (RDM: the eager size; larger frames go by rendezvous or are fragmented); DGRAM uses the provider limit when unset | 32512 |
 //! | `rendezvous` | RDM: move frames above the eager size by one-sided reads where the provider grants FI_RMA | true |
 //! | `rx_depth` | receives kept posted, capped by the provider's rx size | 256 |
+//! | `multi_recv` | RDM: post the receive memory as a few `FI_MULTI_RECV` buffers that many messages fill in turn, where the provider grants it | true |
 //! | `tx_depth` | sends in flight, capped by the provider's tx size | 256 |
 //! | `av_size` | address vector size hint | 1024 |
 //! | `max_addresses` | most distinct peer addresses kept in the address vector (least recently used ones without a live peer are removed) | 65536 |
@@ -76,6 +77,10 @@ pub struct FabricOptions {
     pub msg_size: Option<usize>,
     /// Receives kept posted, capped by the provider's rx size.
     pub rx_depth: usize,
+    /// RDM: post the receive memory (`rx_depth` buffers' worth) as a few
+    /// large `FI_MULTI_RECV` buffers where the provider grants it, so a
+    /// message takes only the bytes it needs.
+    pub multi_recv: bool,
     /// Sends in flight, capped by the provider's tx size.
     pub tx_depth: usize,
     /// Address vector size hint.
@@ -122,7 +127,7 @@ const MAX_FORCE_PREFIX: usize = 4096;
 
 /// The option names [`FabricOptions::parse`] reads (besides `iface`, an
 /// alias of `domain`), in the order [`FabricOptions::describe`] lists them.
-pub const FABRIC_OPTION_KEYS: [&str; 16] = [
+pub const FABRIC_OPTION_KEYS: [&str; 17] = [
     "provider",
     "domain",
     "fabric",
@@ -131,6 +136,7 @@ pub const FABRIC_OPTION_KEYS: [&str; 16] = [
     "msg_size",
     "rendezvous",
     "rx_depth",
+    "multi_recv",
     "tx_depth",
     "av_size",
     "max_addresses",
@@ -163,6 +169,7 @@ impl Default for FabricOptions {
             service: None,
             msg_size: None,
             rx_depth: DEFAULT_DEPTH,
+            multi_recv: true,
             tx_depth: DEFAULT_DEPTH,
             av_size: 1024,
             max_addresses: 1 << 16,
@@ -250,6 +257,10 @@ impl FabricOptions {
             }
             "rx_depth" => {
                 self.rx_depth = number()?;
+                key
+            }
+            "multi_recv" => {
+                self.multi_recv = flag()?;
                 key
             }
             "tx_depth" => {
@@ -409,6 +420,7 @@ impl FabricOptions {
         pairs.extend([
             ("rendezvous", self.rendezvous.to_string()),
             ("rx_depth", self.rx_depth.to_string()),
+            ("multi_recv", self.multi_recv.to_string()),
             ("tx_depth", self.tx_depth.to_string()),
             ("av_size", self.av_size.to_string()),
             ("max_addresses", self.max_addresses.to_string()),
@@ -611,6 +623,7 @@ mod tests {
                 "msg_size",
                 "rendezvous",
                 "rx_depth",
+                "multi_recv",
                 "tx_depth",
                 "av_size",
                 "max_addresses",
@@ -625,7 +638,7 @@ mod tests {
         assert_eq!(back, o);
         assert!(
             o.to_string().starts_with(
-                "provider=tcp;ofi_rxm domain=lo msg_size=16384 rendezvous=false rx_depth=64 tx_depth=256"
+                "provider=tcp;ofi_rxm domain=lo msg_size=16384 rendezvous=false rx_depth=64 multi_recv=true tx_depth=256"
             ),
             "{o}"
         );

@@ -21,6 +21,7 @@ FI_MSG: u64 = 1 << 1;
     FI_RECV: u64 = 1 << 10;
     FI_SEND: u64 = 1 << 11;
     FI_TRANSMIT: u64 = 1 << 11;
+    FI_MULTI_RECV: u64 = 1 << 16;
     FI_SOURCE: u64 = 1 << 57;
     FI_CONTEXT: u64 = 1 << 59;
     FI_MSG_PREFIX: u64 = 1 << 58;

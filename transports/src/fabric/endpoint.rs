@@ -3,19 +3,27 @@
 //! [`Endpoint`] trait.
 //!
 //! Set-up: fi_getinfo → fabric → domain → AV (FI_AV_TABLE) → wait set
-//! (FI_WAIT_FD, where offered) → tx and rx CQs (FI_CQ_FORMAT_MSG, on the
+//! (FI_WAIT_FD, where offered) → tx and rx CQs (FI_CQ_FORMAT_DATA, on the
 //! wait set or FI_WAIT_NONE) → endpoint → bind → (efa RDM:
-//! FI_OPT_EFA_RNR_RETRY) → enable → fi_getname → receives posted.
+//! FI_OPT_EFA_RNR_RETRY) → enable → (FI_OPT_MIN_MULTI_RECV) → fi_getname
+//! → receives posted.
 //!
 //! Data path:
-//! - Receives stay posted, `rx_depth` of them, each a slot of the rx pool.
-//!   A completion is decoded and its frames handed on. Small messages are
-//!   copied out and the slot reposted at once. On RDM a message of at
-//!   least `LEND_MIN` bytes is lent instead: its frames point into the
-//!   slot, which is reposted once they are all dropped. At most half the
-//!   slots are lent at a time, so receives stay posted however long a
-//!   consumer holds its frames (and the provider holds any early messages
-//!   meanwhile; DGRAM, which would drop them, always copies).
+//! - Receives stay posted, each a slot of the rx pool. On RDM, where the
+//!   provider grants FI_MULTI_RECV (and `multi_recv` is set), a slot is a
+//!   multi-receive buffer of `MULTI_RECV_SLOTS` eager buffers' worth,
+//!   which messages fill one after another, each taking only its own
+//!   bytes; the provider releases it once less than one largest message
+//!   fits, and it is posted again. Otherwise `rx_depth` slots of one eager
+//!   buffer each take a message each. A completion is decoded and its
+//!   frames handed on. Small messages are copied out (and a slot of one
+//!   message reposted at once). On RDM a message of at least `LEND_MIN`
+//!   bytes is lent instead: its frames point into the slot, which is
+//!   reposted once the provider has released it and they are all dropped.
+//!   At most half the slots hold lent frames at a time, so receives stay
+//!   posted however long a consumer holds its frames (and the provider
+//!   holds any early messages meanwhile; DGRAM, which would drop them,
+//!   always copies).
 //! - A send copies the frame into a free tx slot, which waits in the peer's
 //!   backlog until the next `poll` (or `flush`, `prepare_wait`, `close`)
 //!   posts it; frames sent meanwhile are packed into the same slot while
@@ -140,6 +148,14 @@ const SLOW_READ_POST: Duration = Duration::from_micros(50);
 /// copy costs less than a slot held out of the receive queue.
 const LEND_MIN: usize = 8 << 10;
 
+/// Eager buffers' worth of memory in one multi-receive buffer: a buffer
+/// takes at least `MULTI_RECV_SLOTS - 1` messages of the largest size, and
+/// many more small ones, before the provider releases it; the receive
+/// memory of `rx_depth` eager buffers makes `rx_depth / MULTI_RECV_SLOTS`
+/// of them (at least two, so one is posted while the other is taken
+/// back).
+const MULTI_RECV_SLOTS: usize = 8;
+
 /// Smallest frame body sent from where it lies rather than copied.
 const SHARE_MIN: usize = 8 << 10;
 
@@ -196,6 +212,10 @@ pub struct LinkInfo {
     /// Buffers one send may gather (`tx_attr.iov_limit`).
     pub tx_iov_limit: usize,
     pub rx_depth: usize,
+    /// Receives are posted as FI_MULTI_RECV buffers (RDM, granted and
+    /// asked for), `multi_recv_len` bytes each.
+    pub multi_recv: bool,
+    pub multi_recv_len: usize,
     pub tx_depth: usize,
     pub addr_format: u64,
     pub resource_mgmt: u64,
@@ -236,6 +256,9 @@ pub struct FabricStats {
     pub packed: u64,
     /// Received messages lent to the caller rather than copied.
     pub lent: u64,
+    /// Receives posted (a multi-receive buffer takes many messages per
+    /// post).
+    pub rx_posts: u64,
     /// Frames whose body was sent from the caller's buffer, uncopied.
     pub shared_sends: u64,
     /// Reads of the tx completion queue. Each runs the provider's progress
@@ -423,7 +446,9 @@ pub struct FabricEndpoint {
     /// held until the send completes.
     tx_body: Vec<Option<Bytes>>,
     unposted_rx: Vec<usize>,
-    /// Rx slots lent out with received frames.
+    /// Per rx slot: frames were lent from it since it was last posted.
+    rx_lent_from: Vec<bool>,
+    /// Rx slots with `rx_lent_from` set.
     lent_rx: usize,
     pending: VecDeque<Event>,
     /// Peers whose backlog is not empty (or was, until they went away).
@@ -609,12 +634,21 @@ impl FabricEndpoint {
         // stream its own progress thread blocks on the full pair (seen with
         // libfabric 1.17), so it is polled.
         let want_wait = options.wait_fd && attrs.provider() != "sockets";
+        let multi_recv =
+            kind == EpKind::Rdm && options.multi_recv && attrs.caps & FI_MULTI_RECV != 0;
+        // A multi-receive buffer completes a message at a time, many per
+        // post: room for as many completions as eager buffers fit in it.
+        let rx_completions = if multi_recv {
+            rx_depth * MULTI_RECV_SLOTS
+        } else {
+            rx_depth
+        };
         let (wait, tx_cq, rx_cq) = open_cqs(
             &fabric,
             &domain,
             want_wait,
             tx_depth + rendezvous::READ_SLOTS,
-            rx_depth,
+            rx_completions,
         )?;
         let mut ep = FiEndpoint::open(&domain, &info)?;
         ep.bind_av(&av)?;
@@ -638,6 +672,15 @@ impl FabricEndpoint {
             }
         }
         ep.enable()?;
+        // A buffer is released once the largest message no longer fits.
+        let multi_recv = multi_recv
+            && match ep.set_min_multi_recv(layout.recv_len()) {
+                Ok(()) => true,
+                Err(err) => {
+                    tracing::warn!("{err}; posting one receive per message");
+                    false
+                }
+            };
         let local_addr = ep.name()?;
         if local_addr.is_empty() || local_addr.len() > usize::from(u8::MAX) {
             return Err(unusable(format!("address of {} bytes", local_addr.len())));
@@ -653,7 +696,15 @@ impl FabricEndpoint {
             )));
         }
         let stride = layout.slot_stride();
-        let mut rx_pool = BufferPool::new(rx_depth, stride)?;
+        let (rx_slots, rx_stride) = if multi_recv {
+            (
+                rx_depth.div_ceil(MULTI_RECV_SLOTS).max(2),
+                stride * MULTI_RECV_SLOTS,
+            )
+        } else {
+            (rx_depth, stride)
+        };
+        let mut rx_pool = BufferPool::new(rx_slots, rx_stride)?;
         let mut tx_pool = BufferPool::new(tx_depth, stride)?;
         // Received frames may be forwarded from the rx pool as they lie when
         // its region also allows sends; a provider refusing that gets a
@@ -705,6 +756,8 @@ impl FabricEndpoint {
             mr_local,
             tx_iov_limit,
             rx_depth,
+            multi_recv,
+            multi_recv_len: if multi_recv { rx_stride } else { 0 },
             tx_depth,
             addr_format: attrs.addr_format,
             resource_mgmt: dom.resource_mgmt,
@@ -731,11 +784,16 @@ impl FabricEndpoint {
             info,
             scheme: kind.scheme(),
             buffers: BufferMemory {
-                held: (rx_depth + tx_depth) * stride,
+                held: rx_slots * rx_stride + tx_depth * stride,
                 registered: if mr_local {
-                    (rx_depth + tx_depth) * stride
+                    rx_slots * rx_stride + tx_depth * stride
                 } else {
                     0
+                },
+                multi_recv: if multi_recv {
+                    (rx_slots, rx_stride)
+                } else {
+                    (0, 0)
                 },
             },
             link,
@@ -769,7 +827,8 @@ impl FabricEndpoint {
             last_post: None,
             slow_read_post: SLOW_READ_POST,
             shm_open: None,
-            unposted_rx: (0..rx_depth).rev().collect(),
+            unposted_rx: (0..rx_slots).rev().collect(),
+            rx_lent_from: vec![false; rx_slots],
             lent_rx: 0,
             pending: VecDeque::new(),
             backlogged: Vec::new(),
@@ -790,7 +849,7 @@ impl FabricEndpoint {
         if !endpoint.unposted_rx.is_empty() {
             tracing::debug!(
                 left = endpoint.unposted_rx.len(),
-                "provider accepted fewer receives than rx_depth; the rest are posted later"
+                "provider accepted fewer receives than were offered; the rest are posted later"
             );
         }
         Ok(endpoint)
@@ -852,18 +911,34 @@ impl FabricEndpoint {
     /// Posts every receive slot not currently posted. A -FI_EAGAIN leaves
     /// the rest for the next poll.
     fn post_receives(&mut self) -> Result<(), FabricError> {
-        let len = self.layout.recv_len();
+        let multi_recv = self.link.multi_recv;
+        let len = if multi_recv {
+            self.link.multi_recv_len
+        } else {
+            self.layout.recv_len()
+        };
         let desc = self.rx_pool.desc();
         while let Some(&slot) = self.unposted_rx.last() {
             let buf = self.rx_pool.slot_ptr(slot);
             let context = self.rx_pool.context(slot);
-            // SAFETY: the slot is not posted (it is in `unposted_rx`), lies
-            // in the rx pool, which outlives the endpoint (drop order), and
-            // is not touched until its completion is read; `desc` is the
-            // pool's region or NULL when the provider needs none.
-            match unsafe { self.ep.recv(buf, len, desc, context) } {
+            // SAFETY: the slot is not posted (it is in `unposted_rx`, so
+            // nothing lent from it is alive), lies in the rx pool, which
+            // outlives the endpoint (drop order), and is not touched until
+            // its completions are read (of a multi-receive buffer, only
+            // the bytes each reports landed); `desc` is the pool's region
+            // or NULL when the provider needs none.
+            let posted = unsafe {
+                if multi_recv {
+                    self.ep.recv_multi(buf, len, desc, context)
+                } else {
+                    self.ep.recv(buf, len, desc, context)
+                }
+            };
+            match posted {
                 Ok(()) => {
                     self.unposted_rx.pop();
+                    self.rx_pool.hold(slot);
+                    self.stats.rx_posts += 1;
                 }
                 Err(code) if code.is_again() => break,
                 Err(code) => return Err(FabricError::Recv { code }),
@@ -891,7 +966,12 @@ impl FabricEndpoint {
 
     fn progress_once(&mut self) -> Result<(), FabricError> {
         // Slots given back first, so what arrives now may be lent again.
-        self.lent_rx -= self.rx_pool.take_returned(&mut self.unposted_rx);
+        let first = self.unposted_rx.len();
+        self.rx_pool.take_returned(&mut self.unposted_rx);
+        for i in first..self.unposted_rx.len() {
+            let slot = self.unposted_rx[i];
+            self.lent_rx -= usize::from(std::mem::take(&mut self.rx_lent_from[slot]));
+        }
         // Frames sent since the last call go before the queues are read:
         // a reply made to what the last call delivered waits for no
         // provider call (with `tcp;ofi_rxm`, a poll of its sockets).
@@ -1045,19 +1125,22 @@ impl FabricEndpoint {
         match read {
             CqRead::Entries(n) => {
                 for i in 0..n {
-                    let Completion {
-                        op_context, len, ..
-                    } = self.completions[i];
+                    let completion = self.completions[i];
                     let source = self.checks_source.then(|| self.sources[i]);
-                    self.on_receive(op_context, len, source);
+                    self.on_receive(&completion, source);
                 }
                 Ok(n)
             }
             CqRead::ErrorAvailable => {
                 if let Some(err) = self.rx_cq.read_error()? {
                     self.stats.rx_errors += 1;
-                    if let Some(slot) = self.rx_pool.slot_of(err.op_context) {
-                        self.unposted_rx.push(slot);
+                    // A slot of one message is done with; a multi-receive
+                    // buffer once the provider says it has let go of it.
+                    let released = !self.link.multi_recv
+                        || err.flags & FI_MULTI_RECV != 0
+                        || err.code.code == FI_ECANCELED;
+                    if let (Some(slot), true) = (self.rx_pool.slot_of(err.op_context), released) {
+                        self.release_rx(slot);
                     }
                     if err.code.code != FI_ECANCELED {
                         let error = FabricError::Completion {
@@ -1082,16 +1165,57 @@ impl FabricEndpoint {
 
     /// One receive completion; `source` is the sender's address-vector
     /// entry where the provider reports it (FI_SOURCE).
-    fn on_receive(&mut self, context: *mut std::ffi::c_void, len: u64, source: Option<u64>) {
-        let Some(slot) = self.rx_pool.slot_of(context) else {
+    fn on_receive(&mut self, completion: &Completion, source: Option<u64>) {
+        let Some(slot) = self.rx_pool.slot_of(completion.op_context) else {
             tracing::warn!("rx completion with an unknown context");
             return;
         };
-        let len = usize::try_from(len).unwrap_or(usize::MAX);
-        // SAFETY: the completion for this slot was just read, so the
-        // provider is done with it; it is not posted again before the end
-        // of this call (or, when lent, before the pool hands it back).
-        let data = unsafe { self.rx_pool.slot(slot) };
+        self.take_message(slot, completion, source);
+        // A slot of one message is done with; a multi-receive buffer once
+        // the provider has let go of it.
+        if !self.link.multi_recv || completion.flags & FI_MULTI_RECV != 0 {
+            self.release_rx(slot);
+        }
+    }
+
+    /// The provider is done with rx slot `slot`: it is posted again once
+    /// no frame lent from it is alive.
+    fn release_rx(&mut self, slot: usize) {
+        if self.rx_pool.release(slot) {
+            self.lent_rx -= usize::from(std::mem::take(&mut self.rx_lent_from[slot]));
+            self.unposted_rx.push(slot);
+        }
+    }
+
+    /// Decodes, checks and hands on the message a receive completion in
+    /// rx slot `slot` reports.
+    fn take_message(&mut self, slot: usize, completion: &Completion, source: Option<u64>) {
+        let len = usize::try_from(completion.len).unwrap_or(usize::MAX);
+        let (offset, data) = if self.link.multi_recv {
+            if len == 0 {
+                // The provider let go of the buffer with no message.
+                return;
+            }
+            // SAFETY: this completion was read: the provider writes the
+            // bytes it reports no more, and they are not written again
+            // before the buffer is posted again.
+            let landed = unsafe {
+                self.rx_pool
+                    .landed(slot, completion.buf.cast_const().cast(), len)
+            };
+            let Some(landed) = landed else {
+                self.stats.rx_errors += 1;
+                self.stats.last_error = Some("a receive completion outside its buffer".into());
+                tracing::warn!("rx completion outside its multi-receive buffer");
+                return;
+            };
+            landed
+        } else {
+            // SAFETY: the completion for this slot was just read, so the
+            // provider is done with it; it is not posted again before it
+            // is released (or, when lent, before the pool hands it back).
+            (0, unsafe { self.rx_pool.slot(slot) })
+        };
         // Where the frames lie in the slot, and which peer sent them.
         let accepted = match self.layout.decode(data, len) {
             Ok(Received::ProviderOnly) => {
@@ -1121,22 +1245,24 @@ impl FabricEndpoint {
             }
         };
         let Some((peer, range, control)) = accepted else {
-            self.unposted_rx.push(slot);
             return;
         };
         self.stats.received_messages += 1;
-        let run = if self.lends(range.len()) {
-            self.lent_rx += 1;
+        let range = offset + range.start..offset + range.end;
+        let run = if self.lends(slot, range.len()) {
+            if !std::mem::replace(&mut self.rx_lent_from[slot], true) {
+                self.lent_rx += 1;
+            }
             self.stats.lent += 1;
-            // SAFETY: the slot's completion was read, and it is not in
-            // `unposted_rx`, so it is not posted again until the pool hands
-            // it back once the frames are dropped.
+            // SAFETY: the endpoint holds the slot until `on_receive`
+            // releases it, the range's completion was read, and the slot
+            // is not posted again until the pool hands it back once the
+            // frames are dropped.
             unsafe { self.rx_pool.lend(slot, range) }
         } else {
-            // SAFETY: as above; the slot is reposted only after this copy.
-            let run = Bytes::copy_from_slice(unsafe { &self.rx_pool.slot(slot)[range] });
-            self.unposted_rx.push(slot);
-            run
+            // SAFETY: as above; the slot is posted again only after this
+            // copy.
+            Bytes::copy_from_slice(unsafe { self.rx_pool.part(slot, range) })
         };
         for range in frames(&run) {
             if control {
@@ -1163,12 +1289,16 @@ impl FabricEndpoint {
                 && self.free_tx.len() > self.reserved_slots
     }
 
-    /// Whether a received run of `len` bytes is lent rather than copied:
-    /// large enough, on RDM only (a DGRAM peer's window counts on every
-    /// receive staying posted; an RDM provider holds early messages itself),
-    /// and while at most half the receive slots are lent.
-    fn lends(&self, len: usize) -> bool {
-        len >= LEND_MIN && self.link.kind == EpKind::Rdm && self.lent_rx < self.link.rx_depth / 2
+    /// Whether a received run of `len` bytes in rx slot `slot` is lent
+    /// rather than copied: large enough, on RDM only (a DGRAM peer's window
+    /// counts on every receive staying posted; an RDM provider holds early
+    /// messages itself), and while at most half the receive slots hold
+    /// lent frames (a multi-receive buffer that holds some already may
+    /// lend more).
+    fn lends(&self, slot: usize, len: usize) -> bool {
+        len >= LEND_MIN
+            && self.link.kind == EpKind::Rdm
+            && (self.rx_lent_from[slot] || self.lent_rx < self.rx_pool.count() / 2)
     }
 
     fn add_peer(&mut self, addr: &[u8], keys: &LinkKeys) -> Result<PeerId, FabricError> {
@@ -2042,11 +2172,19 @@ pub(crate) fn get_info(
     } else {
         0
     };
+    let multi_recv = if kind == EpKind::Rdm && options.multi_recv {
+        FI_MULTI_RECV
+    } else {
+        0
+    };
     // Most wanted first; a provider without one of them gets the rest.
     let mut wanted: Vec<u64> = Vec::new();
-    for caps in [FI_MSG | source | rma, FI_MSG | source, FI_MSG | rma, FI_MSG] {
-        if !wanted.contains(&caps) {
-            wanted.push(caps);
+    for multi_recv in [multi_recv, 0] {
+        for caps in [FI_MSG | source | rma, FI_MSG | source, FI_MSG | rma, FI_MSG] {
+            let caps = caps | multi_recv;
+            if !wanted.contains(&caps) {
+                wanted.push(caps);
+            }
         }
     }
     let mut result = get_info_with(kind, options, wanted[0]);

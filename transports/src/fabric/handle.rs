@@ -322,7 +322,7 @@ impl Drop for WaitSet {
     }
 }
 
-/// A completion queue (`FI_CQ_FORMAT_MSG`), polled, and signalling a
+/// A completion queue (`FI_CQ_FORMAT_DATA`), polled, and signalling a
 /// [`WaitSet`] when it was opened with one.
 pub struct CompletionQueue {
     ptr: NonNull<sys::fid_cq>,
@@ -552,6 +552,18 @@ impl FiEndpoint {
         })
     }
 
+    /// Sets `FI_OPT_MIN_MULTI_RECV`: the provider releases a multi-receive
+    /// buffer once less than `min` bytes of it are left. Before `enable`.
+    pub fn set_min_multi_recv(&mut self, min: usize) -> Result<(), FabricError> {
+        // SAFETY: the endpoint is open; the option takes a size_t, which the
+        // shim passes by pointer with its size.
+        let ret = unsafe { sys::efabus_ep_set_min_multi_recv(self.ptr.as_ptr(), min as u64) };
+        check(ret, |code| FabricError::SetOpt {
+            option: "FI_OPT_MIN_MULTI_RECV",
+            code,
+        })
+    }
+
     pub fn enable(&mut self) -> Result<(), FabricError> {
         // SAFETY: the endpoint is open and bound.
         let ret = unsafe { sys::efabus_enable(self.ptr.as_ptr()) };
@@ -600,6 +612,34 @@ impl FiEndpoint {
         // SAFETY: the endpoint is open; the caller upholds the buffer rules.
         let ret =
             unsafe { sys::efabus_recv(self.ptr.as_ptr(), buf.cast(), len as u64, desc, context) };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(FiCode::from_ret(ret))
+        }
+    }
+
+    /// Posts `len` bytes at `buf` as one multi-receive buffer
+    /// (`FI_MULTI_RECV`): messages land in it one after another, each with
+    /// a completion carrying `context` and where it landed, and the last
+    /// also carries the `FI_MULTI_RECV` flag, once the provider is done
+    /// with the buffer.
+    ///
+    /// # Safety
+    /// As for [`recv`](Self::recv), until the completion flagged
+    /// `FI_MULTI_RECV` is read; Rust code may read what a completion
+    /// reported landed before then, and must not write any of it.
+    pub unsafe fn recv_multi(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        desc: *mut c_void,
+        context: *mut c_void,
+    ) -> Result<(), FiCode> {
+        // SAFETY: the endpoint is open; the caller upholds the buffer rules.
+        let ret = unsafe {
+            sys::efabus_recv_multi(self.ptr.as_ptr(), buf.cast(), len as u64, desc, context)
+        };
         if ret == 0 {
             Ok(())
         } else {

@@ -8,11 +8,15 @@
 //! sized, which satisfies providers asking for FI_CONTEXT or FI_CONTEXT2,
 //! and double as the slot index when a completion comes back.
 //!
-//! A slot may be lent out as [`Bytes`] instead of copied: the bytes point
-//! into the pool, and the slot comes back (see
-//! [`BufferPool::take_returned`]) once every clone of them is dropped, on
-//! whatever thread. The memory lives as long as the pool or any lent bytes,
-//! whichever is longer; the region over it closes with the pool.
+//! Parts of a slot may be lent out as [`Bytes`] instead of copied: the
+//! bytes point into the pool, and the slot comes back (see
+//! [`BufferPool::take_returned`]) once its owner has released it
+//! ([`BufferPool::release`]: the provider is done with it) and every clone
+//! of every part lent from it is dropped, on whatever thread. A slot
+//! posted as a multi-receive buffer lends each message as it lands, while
+//! the provider still fills the rest. The memory lives as long as the pool
+//! or any lent bytes, whichever is longer; the region over it closes with
+//! the pool.
 
 use std::alloc::{self, Layout};
 use std::ffi::c_void;
@@ -57,12 +61,22 @@ impl Drop for PoolMemory {
     }
 }
 
-/// Slots whose lent bytes were dropped, waiting to be posted again.
-#[derive(Default)]
+/// Who holds each slot, and the slots whose last holder let go.
 struct Returns {
     /// `slots.len()`, readable without the lock.
     count: AtomicUsize,
+    /// Slots released and no longer lent, waiting to be posted again.
     slots: Mutex<Vec<usize>>,
+    /// Per slot: one for each lent part still alive, plus one while its
+    /// owner holds it ([`BufferPool::hold`] to [`BufferPool::release`]).
+    holds: Box<[AtomicUsize]>,
+}
+
+impl Returns {
+    /// Drops one hold on `slot`; true when it was the last.
+    fn let_go(&self, slot: usize) -> bool {
+        self.holds[slot].fetch_sub(1, Ordering::AcqRel) == 1
+    }
 }
 
 /// Read-only bytes of one lent slot; gives the slot back when dropped.
@@ -89,9 +103,11 @@ impl AsRef<[u8]> for LentSlot {
 
 impl Drop for LentSlot {
     fn drop(&mut self) {
-        let mut slots = self.returns.slots.lock();
-        slots.push(self.slot);
-        self.returns.count.store(slots.len(), Ordering::Release);
+        if self.returns.let_go(self.slot) {
+            let mut slots = self.returns.slots.lock();
+            slots.push(self.slot);
+            self.returns.count.store(slots.len(), Ordering::Release);
+        }
     }
 }
 
@@ -125,7 +141,11 @@ impl BufferPool {
             stride,
             count,
             contexts: vec![OpContext([ptr::null_mut(); 8]); count].into_boxed_slice(),
-            returns: Arc::default(),
+            returns: Arc::new(Returns {
+                count: AtomicUsize::new(0),
+                slots: Mutex::new(Vec::new()),
+                holds: (0..count).map(|_| AtomicUsize::new(0)).collect(),
+            }),
         })
     }
 
@@ -189,12 +209,28 @@ impl BufferPool {
         start >= base && start + bytes.len() <= base + self.size()
     }
 
+    /// The owner takes slot `i` (to post it); it comes back to the owner
+    /// when [`release`](Self::release) says so, or else through
+    /// [`take_returned`](Self::take_returned).
+    pub fn hold(&self, i: usize) {
+        let before = self.returns.holds[i].fetch_add(1, Ordering::AcqRel);
+        debug_assert_eq!(before, 0, "slot {i} taken while held");
+    }
+
+    /// The owner lets go of slot `i` (the provider is done with it): true
+    /// when nothing lent from it is alive, so it may be posted again now;
+    /// false when the last lent part to be dropped hands it back.
+    pub fn release(&self, i: usize) -> bool {
+        self.returns.let_go(i)
+    }
+
     /// Bytes `range` of slot `i`, without copying.
     ///
     /// # Safety
-    /// No operation using the slot may be posted (its completion was
-    /// read), and the slot is neither posted nor written again before
-    /// [`take_returned`](Self::take_returned) hands it back.
+    /// The owner holds the slot ([`hold`](Self::hold), not yet
+    /// [`release`](Self::release)d); no operation writes `range` any more
+    /// (its completion was read); and nothing writes it again before
+    /// [`take_returned`](Self::take_returned) hands the slot back.
     pub unsafe fn lend(&self, i: usize, range: Range<usize>) -> Bytes {
         assert!(
             range.start <= range.end && range.end <= self.stride,
@@ -203,6 +239,7 @@ impl BufferPool {
         );
         // SAFETY: slot_ptr checks i; the range is inside the slot.
         let start = unsafe { self.slot_ptr(i).add(range.start) };
+        self.returns.holds[i].fetch_add(1, Ordering::AcqRel);
         Bytes::from_owner(LentSlot {
             _memory: self.mem.clone(),
             start,
@@ -212,8 +249,8 @@ impl BufferPool {
         })
     }
 
-    /// Moves the slots whose lent bytes were dropped since the last call
-    /// into `into`; returns how many.
+    /// Moves the slots released whose last lent bytes were dropped since
+    /// the last call into `into`; returns how many.
     pub fn take_returned(&self, into: &mut Vec<usize>) -> usize {
         if self.returns.count.load(Ordering::Acquire) == 0 {
             return 0;
@@ -223,6 +260,40 @@ impl BufferPool {
         into.append(&mut slots);
         self.returns.count.store(0, Ordering::Release);
         n
+    }
+
+    /// `len` bytes of slot `i` from `at`, a pointer a completion reported
+    /// (where a message landed in a multi-receive buffer), or `None` when
+    /// they do not lie wholly in the slot.
+    ///
+    /// # Safety
+    /// No operation writes those bytes any more (their completion was
+    /// read).
+    pub unsafe fn landed(&self, i: usize, at: *const u8, len: usize) -> Option<(usize, &[u8])> {
+        let offset = (at as usize).checked_sub(self.slot_ptr(i) as usize)?;
+        if offset.checked_add(len)? > self.stride {
+            return None;
+        }
+        // SAFETY: inside slot i (checked above), and the caller guarantees
+        // the provider no longer writes them.
+        let bytes = unsafe { std::slice::from_raw_parts(at, len) };
+        Some((offset, bytes))
+    }
+
+    /// Bytes `range` of slot `i` for reading.
+    ///
+    /// # Safety
+    /// No operation writes those bytes any more (their completion was
+    /// read).
+    pub unsafe fn part(&self, i: usize, range: Range<usize>) -> &[u8] {
+        assert!(
+            range.start <= range.end && range.end <= self.stride,
+            "range {range:?} of a {}-byte slot",
+            self.stride
+        );
+        // SAFETY: inside slot i (slot_ptr checks i), and the caller
+        // guarantees the provider no longer writes them.
+        unsafe { std::slice::from_raw_parts(self.slot_ptr(i).add(range.start), range.len()) }
     }
 
     /// Slot `i` for reading.
@@ -317,10 +388,13 @@ mod tests {
         let mut pool = BufferPool::new(3, 64).unwrap();
         // SAFETY: nothing is posted on this pool.
         unsafe { pool.slot_mut(1)[..4].copy_from_slice(b"lend") };
-        // SAFETY: slot 1 is not posted, and not touched until it is back.
+        pool.hold(1);
+        // SAFETY: slot 1 is held and not posted, and not touched until it
+        // is back.
         let lent = unsafe { pool.lend(1, 0..4) };
         let clone = lent.slice(1..);
         let mut back = Vec::new();
+        assert!(!pool.release(1), "lent bytes still hold it");
         assert_eq!(pool.take_returned(&mut back), 0);
         drop(lent);
         assert_eq!(pool.take_returned(&mut back), 0, "a clone still holds it");
@@ -328,10 +402,48 @@ mod tests {
         assert_eq!(pool.take_returned(&mut back), 1);
         assert_eq!(back, [1]);
 
-        // SAFETY: slot 2 is not posted, and not touched until it is back.
+        pool.hold(2);
+        // SAFETY: slot 2 is held and not posted, and not touched until it
+        // is back.
         let kept = unsafe { pool.lend(2, 0..4) };
         drop(pool);
         assert_eq!(&kept[..], &[0; 4], "the memory outlives the pool");
+    }
+
+    #[test]
+    fn a_slot_comes_back_once_released_and_every_part_is_dropped() {
+        let pool = BufferPool::new(2, 64).unwrap();
+        let mut back = Vec::new();
+        pool.hold(0);
+        // SAFETY: slot 0 is held and not posted; the parts do not overlap.
+        let (first, second) = unsafe { (pool.lend(0, 0..8), pool.lend(0, 8..24)) };
+        drop(first);
+        drop(second);
+        assert_eq!(pool.take_returned(&mut back), 0, "its owner still holds it");
+        assert!(pool.release(0), "nothing lent is alive: back to the owner");
+        assert_eq!(pool.take_returned(&mut back), 0);
+
+        pool.hold(0);
+        // SAFETY: as above.
+        let part = unsafe { pool.lend(0, 24..32) };
+        assert!(!pool.release(0));
+        drop(part);
+        assert_eq!(pool.take_returned(&mut back), 1);
+        assert_eq!(back, [0]);
+    }
+
+    #[test]
+    fn landed_bytes_must_lie_in_their_slot() {
+        let pool = BufferPool::new(2, 64).unwrap();
+        let base = pool.slot_ptr(1).cast_const();
+        // SAFETY: nothing is posted on this pool.
+        unsafe {
+            let (offset, bytes) = pool.landed(1, base.add(16), 48).unwrap();
+            assert_eq!((offset, bytes.len()), (16, 48));
+            assert!(pool.landed(1, base.add(16), 49).is_none(), "past the slot");
+            assert!(pool.landed(1, pool.slot_ptr(0), 8).is_none(), "before it");
+            assert!(pool.landed(1, base.add(8), usize::MAX).is_none());
+        }
     }
 
     #[test]

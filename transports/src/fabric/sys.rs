@@ -140,13 +140,15 @@ pub struct efabus_info_view {
     pub link_network_type: *const c_char,
 }
 
-/// Mirror of `struct efabus_completion` (= `struct fi_cq_msg_entry`).
+/// Mirror of `struct efabus_completion` (= `struct fi_cq_data_entry`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct efabus_completion {
     pub op_context: *mut c_void,
     pub flags: u64,
     pub len: u64,
+    pub buf: *mut c_void,
+    pub data: u64,
 }
 
 impl Default for efabus_completion {
@@ -155,6 +157,8 @@ impl Default for efabus_completion {
             op_context: std::ptr::null_mut(),
             flags: 0,
             len: 0,
+            buf: std::ptr::null_mut(),
+            data: 0,
         }
     }
 }
@@ -247,6 +251,7 @@ extern "C" {
     pub fn efabus_ep_bind_av(ep: *mut fid_ep, av: *mut fid_av) -> c_int;
     pub fn efabus_ep_bind_cq(ep: *mut fid_ep, cq: *mut fid_cq, flags: u64) -> c_int;
     pub fn efabus_ep_set_efa_rnr_retry(ep: *mut fid_ep, retry: u64) -> c_int;
+    pub fn efabus_ep_set_min_multi_recv(ep: *mut fid_ep, min: u64) -> c_int;
     pub fn efabus_enable(ep: *mut fid_ep) -> c_int;
     pub fn efabus_getname(ep: *mut fid_ep, addr: *mut c_void, addrlen: *mut u64) -> c_int;
 
@@ -263,6 +268,13 @@ extern "C" {
     pub fn efabus_mr_key(mr: *mut fid_mr) -> u64;
 
     pub fn efabus_recv(
+        ep: *mut fid_ep,
+        buf: *mut c_void,
+        len: u64,
+        desc: *mut c_void,
+        context: *mut c_void,
+    ) -> i64;
+    pub fn efabus_recv_multi(
         ep: *mut fid_ep,
         buf: *mut c_void,
         len: u64,
