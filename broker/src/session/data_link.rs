@@ -127,9 +127,11 @@ pub(crate) struct DataLink {
     /// Lossy links: how long the window may stay full without a credit
     /// before it is reset (the receiver has given those frames up by then).
     stall_reset: Duration,
-    /// Wire frames already numbered but refused by the endpoint: they must
-    /// go before anything else, and are never dropped.
-    backlog: VecDeque<OutFrame>,
+    /// Wire pieces already numbered but refused by the endpoint, each with
+    /// whether it is the last of its frame: they must go before anything
+    /// else, and are never dropped (but for the rest of a lossy link's
+    /// frame whose piece failed).
+    backlog: VecDeque<(OutFrame, bool)>,
     /// Lossy links: frames waiting for credit, in order, at most
     /// [`PACED_MAX_BYTES`] of them (the oldest give way, counted in
     /// `dropped`). A datagram sender paces to what the receiver has
@@ -415,13 +417,15 @@ impl DataLink {
             })?;
         let bytes = wire.iter().map(|piece| piece.len() as u64).sum();
         self.window.sent(seq, wire.len() as u32, bytes);
-        let mut pieces = wire.into_iter();
-        while let Some(piece) = pieces.next() {
+        let count = wire.len();
+        let mut pieces = wire.into_iter().enumerate();
+        while let Some((index, piece)) = pieces.next() {
             match endpoint.send(self.peer, piece) {
                 Ok(()) => {}
                 Err(SendError::WouldBlock(piece)) => {
-                    self.backlog.push_back(piece);
-                    self.backlog.extend(pieces);
+                    self.backlog.push_back((piece, index + 1 == count));
+                    self.backlog
+                        .extend(pieces.map(|(index, piece)| (piece, index + 1 == count)));
                     break;
                 }
                 Err(source) => return Err(self.send_error(source)),
@@ -453,19 +457,35 @@ impl DataLink {
         true
     }
 
-    /// Hand the backlog to the endpoint; true when it is empty.
+    /// Hand the backlog to the endpoint; true when it is empty. On a
+    /// failure the rest of the failed piece's frame goes with it (the peer
+    /// could not put it together any more).
     pub fn flush(&mut self, endpoint: &mut dyn Endpoint) -> Result<bool, DataLinkError> {
-        while let Some(piece) = self.backlog.pop_front() {
+        while let Some((piece, last)) = self.backlog.pop_front() {
             match endpoint.send(self.peer, piece) {
                 Ok(()) => {}
                 Err(SendError::WouldBlock(piece)) => {
-                    self.backlog.push_front(piece);
+                    self.backlog.push_front((piece, last));
                     return Ok(false);
                 }
-                Err(source) => return Err(self.send_error(source)),
+                Err(source) => {
+                    if !last {
+                        while let Some((_, last)) = self.backlog.pop_front() {
+                            if last {
+                                break;
+                            }
+                        }
+                    }
+                    return Err(self.send_error(source));
+                }
             }
         }
         Ok(true)
+    }
+
+    /// Frames with a piece in the backlog.
+    fn backlog_frames(&self) -> u64 {
+        self.backlog.iter().filter(|(_, last)| *last).count() as u64
     }
 
     fn send_error(&self, source: SendError) -> DataLinkError {
@@ -477,7 +497,7 @@ impl DataLink {
 
     /// Bytes waiting in the backlog.
     pub fn backlog_bytes(&self) -> usize {
-        self.backlog.iter().map(OutFrame::len).sum()
+        self.backlog.iter().map(|(piece, _)| piece.len()).sum()
     }
 
     /// One message from the endpoint: what it completes goes to `out` in
@@ -1028,13 +1048,12 @@ impl DataLinks {
         })
     }
 
-    /// Best-effort frames waiting for credit (lost if the session ends).
-    /// Those already numbered and refused by the endpoint are not among
-    /// them: the backlog holds pieces, several to a fragmented frame.
+    /// Best-effort frames waiting for credit or for the endpoint (lost if
+    /// the session ends).
     pub fn best_effort_waiting_frames(&self) -> u64 {
         self.best_effort
             .as_ref()
-            .map_or(0, |link| link.paced.len() as u64)
+            .map_or(0, |link| link.paced.len() as u64 + link.backlog_frames())
     }
 
     /// Whether the best-effort link holds frames back.

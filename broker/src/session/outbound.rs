@@ -721,7 +721,8 @@ mod tests {
         let mut endpoints = wire(usize::MAX, &control);
         // Small enough that a frame of a few hundred bytes goes in pieces.
         let max_frame = codec::FRAGMENT_OVERHEAD + 64;
-        let (endpoint, link, fabric) = scripted_link(false, max_frame, fail_at, block_at);
+        let (endpoint, link, fabric) =
+            scripted_link(false, max_frame, (fail_at, block_at, usize::MAX));
         endpoints.push(endpoint);
         let links = DataLinks {
             reliable: Some(link),
@@ -733,11 +734,12 @@ mod tests {
 
     /// A data link over a scripted fabric endpoint, negotiated from the
     /// EFA fixture: its RDM endpoint, or with `datagram` its DGRAM one.
+    /// The endpoint fails every send from call `fail_at` on, refuses call
+    /// `block_at` once, and takes `room` pieces in all.
     fn scripted_link(
         datagram: bool,
         max_frame: usize,
-        fail_at: usize,
-        block_at: Option<usize>,
+        (fail_at, block_at, room): (usize, Option<usize>, usize),
     ) -> (Box<dyn Endpoint>, DataLink, Taken) {
         use efabus_core::caps::{negotiate, parse_fi_info_dump, Offer};
         let infos = parse_fi_info_dump(include_str!(
@@ -764,7 +766,7 @@ mod tests {
         let mut endpoint: Box<dyn Endpoint> = Box::new(Scripted {
             scheme,
             max_frame,
-            room: usize::MAX,
+            room,
             block_at,
             fail_at,
             calls: 0,
@@ -880,9 +882,62 @@ mod tests {
         assert!(out.is_empty(), "nothing of it is delivered: {out:?}");
     }
 
+    /// A control link and a best-effort data link over a scripted
+    /// endpoint whose frames of 300 bytes take five pieces each.
+    fn with_best_effort_link(
+        script: (usize, Option<usize>, usize),
+    ) -> (Vec<Box<dyn Endpoint>>, DataLinks) {
+        let mut endpoints = wire(usize::MAX, &Arc::default());
+        let (endpoint, link, _) = scripted_link(true, codec::FRAGMENT_OVERHEAD + 64, script);
+        endpoints.push(endpoint);
+        let links = DataLinks {
+            best_effort: Some(link),
+            in_use: true,
+            ..DataLinks::default()
+        };
+        (endpoints, links)
+    }
+
+    #[test]
+    fn best_effort_frames_the_endpoint_refused_count_as_waiting() {
+        // Room for seven pieces: the first frame goes, the second leaves
+        // three of its pieces with the link, the third waits behind them.
+        let (mut endpoints, mut links) = with_best_effort_link((usize::MAX, None, 7));
+        for _ in 0..3 {
+            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(300)))));
+        }
+        links.pace_best_effort(&mut endpoints);
+        assert!(links.best_effort_waiting());
+        assert_eq!(
+            links.best_effort_waiting_frames(),
+            2,
+            "lost if the session ends now: the refused frame and the one behind it"
+        );
+        assert_eq!(links.take_best_effort_drops(), 0);
+    }
+
+    #[test]
+    fn a_best_effort_piece_that_fails_takes_the_rest_of_its_frame() {
+        // The second frame's second piece is refused, then fails when it
+        // is tried again before the third frame: its other pieces go with
+        // it, and it and the frame behind it are counted dropped.
+        let (mut endpoints, mut links) = with_best_effort_link((8, Some(7), usize::MAX));
+        for _ in 0..3 {
+            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(300)))));
+        }
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(links.take_best_effort_drops(), 2);
+        assert!(
+            !links.best_effort_waiting(),
+            "no piece of the failed frame is left to send"
+        );
+        assert_eq!(links.best_effort_waiting_frames(), 0);
+    }
+
     #[test]
     fn a_malformed_run_on_a_best_effort_link_is_dropped_and_counted() {
-        let (mut endpoint, mut link, fabric) = scripted_link(true, 4096, usize::MAX, None);
+        let (mut endpoint, mut link, fabric) =
+            scripted_link(true, 4096, (usize::MAX, None, usize::MAX));
         let run_of = |frames: Vec<u8>, count: u64| {
             let frame = OutFrame {
                 head: Bytes::copy_from_slice(&codec::run_head(frames.len()).unwrap()),
