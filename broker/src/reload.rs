@@ -191,16 +191,27 @@ impl Broker {
         }
         live.store(config);
         // NATS listeners hold their clients to some limits themselves: the
-        // reload is done once they have the new ones.
+        // reload is done once they have the new ones. A loop that cannot
+        // take the command (stopping, or its queue full past the block
+        // timeout) gets none of them: the running values are put back.
         let (done, wait) = crossbeam_channel::bounded(1);
-        self.shared
-            .send_command(Command::Reconfigure(Box::new(config.clone()), done))
-            .map_err(|err| ConfigError::Invalid {
+        let sent = self
+            .shared
+            .send_command(Command::Reconfigure(Box::new(config.clone()), done));
+        if let Err(err) = sent {
+            live.store(&running);
+            let tls = if started.tls.is_set() {
+                "; the TLS files were read again"
+            } else {
+                ""
+            };
+            return Err(ConfigError::Invalid {
                 origin: "(reloaded)".to_string(),
                 line: None,
                 key: "limits".to_string(),
-                message: err.to_string(),
-            })?;
+                message: format!("{err}: the running limits stay{tls}; try again"),
+            });
+        }
         if wait.recv_timeout(Duration::from_secs(5)).is_err() {
             tracing::warn!("the broker did not confirm the reloaded limits within 5 s");
         }

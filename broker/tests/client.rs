@@ -985,6 +985,28 @@ fn a_reloaded_policy_and_pending_bound_apply_to_a_running_broker() {
     while sub.recv_timeout(Duration::from_millis(300)).is_ok() {}
 }
 
+/// A reload the event loop cannot take (here: the broker is stopping)
+/// fails and changes nothing: the running limits stay.
+#[test]
+fn a_reload_the_loop_cannot_take_changes_nothing() {
+    let (broker, _endpoint) = start(Via::Tcp, "");
+    let before = broker.running_config();
+    let mut config = before.clone();
+    config.limits.max_pending_bytes = 262_144;
+    config.slow_consumer.policy = efabus_broker::SlowConsumerPolicy::Disconnect;
+    broker.shutdown();
+    let err = broker
+        .reload(&config)
+        .expect_err("a stopping broker takes no reload");
+    let after = broker.running_config();
+    assert_eq!(
+        after.limits.max_pending_bytes,
+        before.limits.max_pending_bytes
+    );
+    assert_eq!(after.slow_consumer.policy, before.slow_consumer.policy);
+    assert!(err.to_string().contains("the running limits stay"), "{err}");
+}
+
 /// Subjects are checked against the server's limits from its welcome,
 /// not the client's defaults (512 bytes, 32 tokens).
 #[test]
