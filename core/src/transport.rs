@@ -677,11 +677,12 @@ pub trait Endpoint: Send {
         Ok(false)
     }
 
-    /// New values, from a configuration reload, for options the endpoint
-    /// was opened with ([`EndpointConfig::options`]). An endpoint applies
-    /// those it can change while running and ignores the others.
-    fn reconfigure(&mut self, options: &[(String, String)]) -> Result<(), TransportError> {
-        let _ = options;
+    /// New values, from a configuration reload, for what the endpoint was
+    /// opened with (its [`EndpointConfig::options`] and queue bounds). An
+    /// endpoint applies those it can change while running and ignores the
+    /// others.
+    fn reconfigure(&mut self, config: &EndpointConfig) -> Result<(), TransportError> {
+        let _ = config;
         Ok(())
     }
 

@@ -754,7 +754,8 @@ fn describe(err: &io::Error) -> String {
     }
 }
 
-/// Per-endpoint bounds, fixed at open.
+/// Per-endpoint bounds, set at open; a reload may change the queue bounds
+/// ([`Endpoint::reconfigure`]), for the endpoint's own sends from then on.
 #[derive(Debug, Clone, Copy)]
 struct Limits {
     max_frame: usize,
@@ -1444,6 +1445,14 @@ impl Endpoint for TcpEndpoint {
         }
     }
 
+    /// A reload's queue bounds hold the endpoint's own sends from now on
+    /// (direct senders handed out keep the bounds they were made with).
+    fn reconfigure(&mut self, config: &EndpointConfig) -> Result<(), TransportError> {
+        self.limits.queue_frames = config.queue_frames.max(1);
+        self.limits.queue_bytes = config.queue_bytes.max(1);
+        Ok(())
+    }
+
     fn set_accepted_receive_limit(&mut self, limit: Option<usize>) {
         self.accepted_frame_limit = limit;
     }
@@ -1965,6 +1974,36 @@ mod tests {
             .flat_map(|_| (0..3u8).map(|i| framed(&[i])))
             .collect();
         assert_eq!(frames_of(&got), expect);
+    }
+
+    #[test]
+    fn a_reload_changes_the_queue_bound() {
+        let server = listener(Vec::new());
+        let addr = server.local_socket_addr().unwrap();
+        let small = EndpointConfig {
+            queue_bytes: 3 * framed(b"a").len(),
+            ..EndpointConfig::default()
+        };
+        let mut client = TcpEndpoint::open(&small).unwrap();
+        // Not connected yet: nothing leaves, the queue fills.
+        let peer = client.connect(&addr.to_string()).unwrap();
+        let taken = |client: &mut TcpEndpoint| {
+            (0..100)
+                .take_while(|_| {
+                    client
+                        .send(peer, OutFrame::whole(framed(b"a").into()))
+                        .is_ok()
+                })
+                .count()
+        };
+        assert_eq!(taken(&mut client), 3);
+        client
+            .reconfigure(&EndpointConfig {
+                queue_bytes: 10 * framed(b"a").len(),
+                ..small
+            })
+            .unwrap();
+        assert_eq!(taken(&mut client), 7, "the raised bound takes seven more");
     }
 
     #[test]

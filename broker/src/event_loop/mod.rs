@@ -756,8 +756,8 @@ impl EventLoop {
                 Command::Reconfigure(config, done) => {
                     for endpoint in &mut self.endpoints {
                         let scheme = endpoint.scheme().to_string();
-                        let options = endpoints::listener_config(&config, &scheme, None).options;
-                        if let Err(err) = endpoint.reconfigure(&options) {
+                        let reloaded = endpoints::listener_config(&config, &scheme, None);
+                        if let Err(err) = endpoint.reconfigure(&reloaded) {
                             warn!(%scheme, error = %err, "reloaded limits not applied");
                         }
                     }

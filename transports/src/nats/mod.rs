@@ -299,15 +299,18 @@ impl Endpoint for NatsEndpoint {
         }
     }
 
-    /// A reload's `max_subscriptions` and `max_payload` reach the clients
-    /// connected and those to come (`INFO` announces the new payload
-    /// limit); the other options keep the values the endpoint opened with.
-    fn reconfigure(&mut self, options: &[(String, String)]) -> Result<(), TransportError> {
-        let info = server_info(options)?;
+    /// A reload's `max_subscriptions`, `max_payload` and queue bound reach
+    /// the clients connected and those to come (`INFO` announces the new
+    /// payload limit); the other options keep the values the endpoint
+    /// opened with.
+    fn reconfigure(&mut self, config: &EndpointConfig) -> Result<(), TransportError> {
+        let info = server_info(&config.options)?;
+        self.queue_bytes = config.queue_bytes.max(1);
         let (applied, wait) = std::sync::mpsc::sync_channel(1);
         self.shared.command(Command::Limits {
             max_subscriptions: info.max_subscriptions,
             max_payload: info.max_payload,
+            queue_bytes: self.queue_bytes,
             applied,
         });
         // Operations read after this are held to the new limits. The

@@ -77,6 +77,7 @@ pub(super) enum Command {
     Limits {
         max_subscriptions: usize,
         max_payload: usize,
+        queue_bytes: usize,
         applied: std::sync::mpsc::SyncSender<()>,
     },
 }
@@ -385,8 +386,10 @@ impl Worker {
                 Command::Limits {
                     max_subscriptions,
                     max_payload,
+                    queue_bytes,
                     applied,
                 } => {
+                    self.queue_bytes = queue_bytes;
                     self.info.max_subscriptions = max_subscriptions;
                     self.info.max_payload = max_payload;
                     for conn in self.conns.values_mut() {
