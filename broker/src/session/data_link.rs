@@ -129,8 +129,8 @@ pub(crate) struct DataLink {
     stall_reset: Duration,
     /// Wire pieces already numbered but refused by the endpoint, each with
     /// whether it is the last of its frame: they must go before anything
-    /// else, and are never dropped (but for the rest of a lossy link's
-    /// frame whose piece failed).
+    /// else, and are never dropped (but for the rest of a frame whose
+    /// piece failed).
     backlog: VecDeque<(OutFrame, bool)>,
     /// Lossy links: frames waiting for credit, in order, at most
     /// [`PACED_MAX_BYTES`] of them (the oldest give way, counted in
@@ -377,6 +377,11 @@ impl DataLink {
     /// Lossy links: send the frames waiting for credit, as far as the
     /// window and the endpoint take them.
     pub fn pace(&mut self, endpoint: &mut dyn Endpoint) -> Result<(), DataLinkError> {
+        // Pieces the endpoint refused go first, with or without frames
+        // behind them.
+        if !self.flush(endpoint)? {
+            return Ok(());
+        }
         while let Some(len) = self.paced.front().map(OutFrame::len) {
             if !self.flush(endpoint)? || !self.admit(len) {
                 return Ok(());

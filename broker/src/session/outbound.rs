@@ -917,6 +917,21 @@ mod tests {
     }
 
     #[test]
+    fn refused_best_effort_pieces_go_with_nothing_queued_behind_them() {
+        // The last frame's second piece is refused once: pacing again
+        // sends the rest though no frame waits for credit.
+        let (mut endpoints, mut links) = with_best_effort_link((usize::MAX, Some(7), usize::MAX));
+        for _ in 0..2 {
+            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(300)))));
+        }
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(links.best_effort_waiting_frames(), 1);
+        links.pace_best_effort(&mut endpoints);
+        assert!(!links.best_effort_waiting());
+        assert_eq!(links.take_best_effort_drops(), 0);
+    }
+
+    #[test]
     fn a_best_effort_piece_that_fails_takes_the_rest_of_its_frame() {
         // The second frame's second piece is refused, then fails when it
         // is tried again before the third frame: its other pieces go with
