@@ -487,10 +487,10 @@ pub struct Fabric {
     /// Receive buffers posted per endpoint, capped by the provider's rx
     /// size; 0 keeps the default of 256.
     pub rx_depth: usize,
-    /// Post an RDM endpoint's receive memory as a few large
-    /// `FI_MULTI_RECV` buffers (eight buffers' worth each) where the
-    /// provider grants it, so that each message takes only the bytes it
-    /// needs; `false` posts `rx_depth` buffers of `eager_size` each.
+    /// Post an `efa` RDM endpoint's receive memory as a few large
+    /// `FI_MULTI_RECV` buffers (eight buffers' worth each), so that each
+    /// message takes only the bytes it needs; `false`, and the other
+    /// providers, post `rx_depth` buffers of `eager_size` each.
     pub multi_recv: bool,
     /// Bytes of each RDM buffer (the eager size): frames up to it travel in
     /// posted buffers; larger ones by rendezvous (one-sided reads) with

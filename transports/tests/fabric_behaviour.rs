@@ -1632,14 +1632,20 @@ mod suite {
         }
     }
 
-    /// Where the provider grants FI_MULTI_RECV, the receive memory is
-    /// posted as a few buffers that many messages fill in turn: far fewer
-    /// posts than messages, yet every message intact, the largest ones too
-    /// (the provider lets go of a buffer before one no longer fits). Lent
-    /// frames hold their buffer until they are dropped, and while one
-    /// buffer is held that way the other takes everything, copied.
+    /// Multi-receive buffers (forced: efabus relies on them on efa
+    /// alone; here one sender's messages land one at a time): the receive
+    /// memory is posted as a few buffers that many messages fill in turn,
+    /// far fewer posts than messages, yet every message intact, the
+    /// largest ones too (the provider lets go of a buffer before one no
+    /// longer fits). Lent frames hold their buffer until they are dropped,
+    /// and while one buffer is held that way the other takes everything,
+    /// copied.
     pub fn multi_receive_buffers_take_many_messages(provider: &str) {
-        let Some((mut a, mut b)) = pair(EpKind::Rdm, provider, &[]) else {
+        if let Some((_, b)) = pair(EpKind::Rdm, provider, &[]) {
+            assert!(!b.link().multi_recv, "{provider} is not relied on for it");
+        }
+        let Some((mut a, mut b)) = pair(EpKind::Rdm, provider, &[("force_multi_recv", "true")])
+        else {
             return;
         };
         let link = b.link().clone();

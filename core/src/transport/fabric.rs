@@ -17,7 +17,7 @@
 //! | `msg_size` | bytes per buffer after the provider prefix (RDM: the eager size; larger frames go by rendezvous or are fragmented); DGRAM uses the provider limit when unset | 32512 |
 //! | `rendezvous` | RDM: move frames above the eager size by one-sided reads where the provider grants FI_RMA | true |
 //! | `rx_depth` | receives kept posted, capped by the provider's rx size | 256 |
-//! | `multi_recv` | RDM: post the receive memory as a few `FI_MULTI_RECV` buffers that many messages fill in turn, where the provider grants it | true |
+//! | `multi_recv` | RDM: post the receive memory as a few `FI_MULTI_RECV` buffers that many messages fill in turn, where the provider grants it and lets go of a buffer only once every message in it has landed (efa) | true |
 //! | `tx_depth` | sends in flight, capped by the provider's tx size | 256 |
 //! | `av_size` | address vector size hint | 1024 |
 //! | `max_addresses` | most distinct peer addresses kept in the address vector (least recently used ones without a live peer are removed) | 65536 |
@@ -26,6 +26,7 @@
 //! | `wait_fd` | open a wait set where the provider offers one, so the owner may sleep on its descriptor | true |
 //! | `force_prefix` | test only: reserve this many prefix bytes as if the provider asked (multiple of 8) | 0 |
 //! | `force_mr_local` | test only: register the pools and pass descriptors as if FI_MR_LOCAL were required | false |
+//! | `force_multi_recv` | test only: post multi-receive buffers on any provider that grants `FI_MULTI_RECV` (see `multi_recv`) | false |
 
 use std::fmt;
 
@@ -78,8 +79,11 @@ pub struct FabricOptions {
     /// Receives kept posted, capped by the provider's rx size.
     pub rx_depth: usize,
     /// RDM: post the receive memory (`rx_depth` buffers' worth) as a few
-    /// large `FI_MULTI_RECV` buffers where the provider grants it, so a
-    /// message takes only the bytes it needs.
+    /// large `FI_MULTI_RECV` buffers, so a message takes only the bytes it
+    /// needs, where the provider grants it and lets go of a buffer only
+    /// once every message in it has landed (efa; libfabric 1.17's
+    /// `ofi_rxm` may report a buffer released while a message matched
+    /// earlier is still being written into it).
     pub multi_recv: bool,
     /// Sends in flight, capped by the provider's tx size.
     pub tx_depth: usize,
@@ -103,6 +107,10 @@ pub struct FabricOptions {
     /// Testing aid: register the pools and pass descriptors as if the
     /// provider required FI_MR_LOCAL.
     pub force_mr_local: bool,
+    /// Testing aid: post multi-receive buffers on any provider that grants
+    /// `FI_MULTI_RECV` (with `multi_recv`), for tests whose messages land
+    /// one at a time.
+    pub force_multi_recv: bool,
     /// Ask the provider for a wait set so an idle owner can sleep on a
     /// descriptor (`Readiness::PollOrWait`); providers without one are
     /// polled as before.
@@ -127,7 +135,7 @@ const MAX_FORCE_PREFIX: usize = 4096;
 
 /// The option names [`FabricOptions::parse`] reads (besides `iface`, an
 /// alias of `domain`), in the order [`FabricOptions::describe`] lists them.
-pub const FABRIC_OPTION_KEYS: [&str; 17] = [
+pub const FABRIC_OPTION_KEYS: [&str; 18] = [
     "provider",
     "domain",
     "fabric",
@@ -145,6 +153,7 @@ pub const FABRIC_OPTION_KEYS: [&str; 17] = [
     "wait_fd",
     "force_prefix",
     "force_mr_local",
+    "force_multi_recv",
 ];
 
 /// A fabric option value that cannot be used, by the option's name.
@@ -178,6 +187,7 @@ impl Default for FabricOptions {
             rendezvous: true,
             force_prefix: 0,
             force_mr_local: false,
+            force_multi_recv: false,
             wait_fd: true,
         }
     }
@@ -294,6 +304,10 @@ impl FabricOptions {
             }
             "force_mr_local" => {
                 self.force_mr_local = flag()?;
+                key
+            }
+            "force_multi_recv" => {
+                self.force_multi_recv = flag()?;
                 key
             }
             "wait_fd" => {
@@ -429,6 +443,7 @@ impl FabricOptions {
             ("wait_fd", self.wait_fd.to_string()),
             ("force_prefix", self.force_prefix.to_string()),
             ("force_mr_local", self.force_mr_local.to_string()),
+            ("force_multi_recv", self.force_multi_recv.to_string()),
         ]);
         pairs
     }
@@ -631,7 +646,8 @@ mod tests {
                 "order",
                 "wait_fd",
                 "force_prefix",
-                "force_mr_local"
+                "force_mr_local",
+                "force_multi_recv"
             ]
         );
         let back = FabricOptions::parse(pairs.iter().map(|(k, v)| (*k, v.as_str())), None).unwrap();
@@ -642,6 +658,6 @@ mod tests {
             ),
             "{o}"
         );
-        assert!(o.to_string().ends_with("force_mr_local=false"), "{o}");
+        assert!(o.to_string().ends_with("force_multi_recv=false"), "{o}");
     }
 }

@@ -10,8 +10,10 @@
 //!
 //! Data path:
 //! - Receives stay posted, each a slot of the rx pool. On RDM, where the
-//!   provider grants FI_MULTI_RECV (and `multi_recv` is set), a slot is a
-//!   multi-receive buffer of `MULTI_RECV_SLOTS` eager buffers' worth,
+//!   provider grants FI_MULTI_RECV and gives a buffer back only once all
+//!   its messages have landed (`releases_whole_buffers`), and `multi_recv`
+//!   is set, a slot is a multi-receive buffer of `MULTI_RECV_SLOTS` eager
+//!   buffers' worth,
 //!   which messages fill one after another, each taking only its own
 //!   bytes; the provider releases it once less than one largest message
 //!   fits, and it is posted again. Otherwise `rx_depth` slots of one eager
@@ -446,6 +448,8 @@ pub struct FabricEndpoint {
     /// held until the send completes.
     tx_body: Vec<Option<Bytes>>,
     unposted_rx: Vec<usize>,
+    /// Per rx slot: posted, and not yet let go of by the provider.
+    rx_posted: Vec<bool>,
     /// Per rx slot: frames were lent from it since it was last posted.
     rx_lent_from: Vec<bool>,
     /// Rx slots with `rx_lent_from` set.
@@ -634,10 +638,13 @@ impl FabricEndpoint {
         // stream its own progress thread blocks on the full pair (seen with
         // libfabric 1.17), so it is polled.
         let want_wait = options.wait_fd && attrs.provider() != "sockets";
-        let multi_recv =
-            kind == EpKind::Rdm && options.multi_recv && attrs.caps & FI_MULTI_RECV != 0;
-        // A multi-receive buffer completes a message at a time, many per
-        // post: room for as many completions as eager buffers fit in it.
+        let multi_recv = kind == EpKind::Rdm
+            && options.multi_recv
+            && attrs.caps & FI_MULTI_RECV != 0
+            && (options.force_multi_recv || releases_whole_buffers(attrs.provider()));
+        // A multi-receive buffer completes many messages per post: more
+        // room than one completion per buffer (small messages may still
+        // outrun it; the providers' queues then hold the rest).
         let rx_completions = if multi_recv {
             rx_depth * MULTI_RECV_SLOTS
         } else {
@@ -828,6 +835,7 @@ impl FabricEndpoint {
             slow_read_post: SLOW_READ_POST,
             shm_open: None,
             unposted_rx: (0..rx_slots).rev().collect(),
+            rx_posted: vec![false; rx_slots],
             rx_lent_from: vec![false; rx_slots],
             lent_rx: 0,
             pending: VecDeque::new(),
@@ -921,6 +929,9 @@ impl FabricEndpoint {
         while let Some(&slot) = self.unposted_rx.last() {
             let buf = self.rx_pool.slot_ptr(slot);
             let context = self.rx_pool.context(slot);
+            // Held before the post: its completions may be written during
+            // the call.
+            self.rx_pool.hold(slot);
             // SAFETY: the slot is not posted (it is in `unposted_rx`, so
             // nothing lent from it is alive), lies in the rx pool, which
             // outlives the endpoint (drop order), and is not touched until
@@ -934,10 +945,14 @@ impl FabricEndpoint {
                     self.ep.recv(buf, len, desc, context)
                 }
             };
+            if posted.is_err() {
+                // Nothing lent from it: it stays with the endpoint.
+                self.rx_pool.release(slot);
+            }
             match posted {
                 Ok(()) => {
                     self.unposted_rx.pop();
-                    self.rx_pool.hold(slot);
+                    self.rx_posted[slot] = true;
                     self.stats.rx_posts += 1;
                 }
                 Err(code) if code.is_again() => break,
@@ -1139,7 +1154,8 @@ impl FabricEndpoint {
                     let released = !self.link.multi_recv
                         || err.flags & FI_MULTI_RECV != 0
                         || err.code.code == FI_ECANCELED;
-                    if let (Some(slot), true) = (self.rx_pool.slot_of(err.op_context), released) {
+                    let slot = self.rx_pool.slot_of(err.op_context);
+                    if let Some(slot) = slot.filter(|&slot| released && self.rx_posted[slot]) {
                         self.release_rx(slot);
                     }
                     if err.code.code != FI_ECANCELED {
@@ -1170,6 +1186,14 @@ impl FabricEndpoint {
             tracing::warn!("rx completion with an unknown context");
             return;
         };
+        if !self.rx_posted[slot] {
+            // The provider let go of this buffer already, and it may be
+            // posted again: what it reports now cannot be trusted.
+            self.stats.rx_errors += 1;
+            self.stats.last_error = Some("a receive completion for a buffer let go of".into());
+            tracing::warn!("rx completion for a receive buffer the provider had let go of");
+            return;
+        }
         self.take_message(slot, completion, source);
         // A slot of one message is done with; a multi-receive buffer once
         // the provider has let go of it.
@@ -1181,6 +1205,7 @@ impl FabricEndpoint {
     /// The provider is done with rx slot `slot`: it is posted again once
     /// no frame lent from it is alive.
     fn release_rx(&mut self, slot: usize) {
+        self.rx_posted[slot] = false;
         if self.rx_pool.release(slot) {
             self.lent_rx -= usize::from(std::mem::take(&mut self.rx_lent_from[slot]));
             self.unposted_rx.push(slot);
@@ -2177,11 +2202,11 @@ pub(crate) fn get_info(
     } else {
         0
     };
-    // Most wanted first; a provider without one of them gets the rest.
+    // Most wanted first; a provider without one of them gets the rest
+    // (multi-receive buffers matter least).
     let mut wanted: Vec<u64> = Vec::new();
-    for multi_recv in [multi_recv, 0] {
-        for caps in [FI_MSG | source | rma, FI_MSG | source, FI_MSG | rma, FI_MSG] {
-            let caps = caps | multi_recv;
+    for caps in [FI_MSG | source | rma, FI_MSG | source, FI_MSG | rma, FI_MSG] {
+        for caps in [caps | multi_recv, caps] {
             if !wanted.contains(&caps) {
                 wanted.push(caps);
             }
@@ -2197,6 +2222,20 @@ pub(crate) fn get_info(
         }
     }
     result
+}
+
+/// Whether `provider` lets go of a multi-receive buffer only once every
+/// message that landed in it is complete, so that it may be posted again
+/// at once: efa does (it tracks each buffer's messages). libfabric 1.17's
+/// `ofi_rxm` does not: it reports the buffer released with the message
+/// that filled it while one matched before it may still be arriving (its
+/// segmented and rendezvous messages, and over `tcp` a message read
+/// straight into the buffer), so that message would land in a buffer
+/// posted again; seen here as a completion for a buffer already given
+/// back, with 64 KiB eager buffers. The other providers here are not
+/// relied on either.
+fn releases_whole_buffers(provider: &str) -> bool {
+    provider == "efa"
 }
 
 /// Whether `addr` has the form of the names the shm provider gives its

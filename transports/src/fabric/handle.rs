@@ -553,7 +553,9 @@ impl FiEndpoint {
     }
 
     /// Sets `FI_OPT_MIN_MULTI_RECV`: the provider releases a multi-receive
-    /// buffer once less than `min` bytes of it are left. Before `enable`.
+    /// buffer once less than `min` bytes of it are left. After `enable`
+    /// (libfabric 1.17's `shm` crashes when it is set before), before any
+    /// receive is posted.
     pub fn set_min_multi_recv(&mut self, min: usize) -> Result<(), FabricError> {
         // SAFETY: the endpoint is open; the option takes a size_t, which the
         // shim passes by pointer with its size.

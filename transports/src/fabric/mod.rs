@@ -51,7 +51,7 @@
 //!   `Readiness::PollOrWait` with its descriptor, `fi_trywait` guarding
 //!   every sleep; otherwise `Readiness::MustPoll`.
 //! - Receives are kept posted (`rx_depth`, capped by the provider's rx
-//!   size): on RDM, where `FI_MULTI_RECV` is granted, as that many eager
+//!   size): on efa RDM, which grants `FI_MULTI_RECV`, as that many eager
 //!   buffers' worth of multi-receive buffers (`FI_OPT_MIN_MULTI_RECV` set
 //!   to the largest message, after `fi_enable`: libfabric 1.17's `shm`
 //!   crashes when it is set before); `FI_OPT_EFA_RNR_RETRY` is set on efa

@@ -75,7 +75,9 @@ struct Returns {
 impl Returns {
     /// Drops one hold on `slot`; true when it was the last.
     fn let_go(&self, slot: usize) -> bool {
-        self.holds[slot].fetch_sub(1, Ordering::AcqRel) == 1
+        let before = self.holds[slot].fetch_sub(1, Ordering::AcqRel);
+        debug_assert_ne!(before, 0, "slot {slot} let go of more often than held");
+        before == 1
     }
 }
 
@@ -239,7 +241,8 @@ impl BufferPool {
         );
         // SAFETY: slot_ptr checks i; the range is inside the slot.
         let start = unsafe { self.slot_ptr(i).add(range.start) };
-        self.returns.holds[i].fetch_add(1, Ordering::AcqRel);
+        let before = self.returns.holds[i].fetch_add(1, Ordering::AcqRel);
+        debug_assert_ne!(before, 0, "slot {i} lent while not held");
         Bytes::from_owner(LentSlot {
             _memory: self.mem.clone(),
             start,
