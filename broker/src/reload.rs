@@ -189,19 +189,25 @@ impl Broker {
                 reloaded.needs_restart.push(key);
             }
         }
-        live.store(config);
-        // NATS listeners hold their clients to some limits themselves: the
-        // reload is done once they have the new ones. A loop that cannot
-        // take the command (stopping, or its queue full past the block
-        // timeout) gets none of them: the running values are put back.
+        // The event loop takes the new limits first (its endpoints, NATS
+        // listeners above all, hold peers to some of them themselves), and
+        // only then are they in force for everyone: a reload the loop
+        // cannot take changes nothing. The reload is done once the
+        // endpoints have them.
         let (done, wait) = crossbeam_channel::bounded(1);
         let sent = self
             .shared
             .send_command(Command::Reconfigure(Box::new(config.clone()), done));
         if let Err(err) = sent {
-            live.store(&running);
+            let why = match err {
+                crate::Error::Closed => "the broker is shutting down".to_string(),
+                _ => format!(
+                    "the broker's command queue stayed full for {:?}; try again",
+                    live.block_timeout()
+                ),
+            };
             let tls = if started.tls.is_set() {
-                "; the TLS files were read again"
+                " (the TLS files were read again)"
             } else {
                 ""
             };
@@ -209,9 +215,10 @@ impl Broker {
                 origin: "(reloaded)".to_string(),
                 line: None,
                 key: "limits".to_string(),
-                message: format!("{err}: the running limits stay{tls}; try again"),
+                message: format!("{why}: the running limits stay{tls}"),
             });
         }
+        live.store(config);
         if wait.recv_timeout(Duration::from_secs(5)).is_err() {
             tracing::warn!("the broker did not confirm the reloaded limits within 5 s");
         }

@@ -849,6 +849,10 @@ impl Endpoint for FaultyEndpoint {
         self.inner.reload_tls()
     }
 
+    fn reconfigure(&mut self, config: &EndpointConfig) -> Result<(), TransportError> {
+        self.inner.reconfigure(config)
+    }
+
     fn peer_certificate(&self, peer: PeerId) -> Option<Vec<u8>> {
         self.inner.peer_certificate(peer)
     }

@@ -305,19 +305,21 @@ impl Endpoint for NatsEndpoint {
     /// opened with.
     fn reconfigure(&mut self, config: &EndpointConfig) -> Result<(), TransportError> {
         let info = server_info(&config.options)?;
-        self.queue_bytes = config.queue_bytes.max(1);
+        let queue_bytes = config.queue_bytes.max(1);
         let (applied, wait) = std::sync::mpsc::sync_channel(1);
         self.shared.command(Command::Limits {
             max_subscriptions: info.max_subscriptions,
             max_payload: info.max_payload,
-            queue_bytes: self.queue_bytes,
+            queue_bytes,
             applied,
         });
         // Operations read after this are held to the new limits. The
         // thread answers between two rounds, without waiting on anyone.
         wait.recv_timeout(Duration::from_secs(1)).map_err(|_| {
             TransportError::Other("the NATS I/O thread did not take the new limits".to_string())
-        })
+        })?;
+        self.queue_bytes = queue_bytes;
+        Ok(())
     }
 
     fn peer_certificate(&self, peer: PeerId) -> Option<Vec<u8>> {
