@@ -929,8 +929,7 @@ impl FabricEndpoint {
         while let Some(&slot) = self.unposted_rx.last() {
             let buf = self.rx_pool.slot_ptr(slot);
             let context = self.rx_pool.context(slot);
-            // Held before the post: its completions may be written during
-            // the call.
+            // Held from its post on; a post that fails gives it back.
             self.rx_pool.hold(slot);
             // SAFETY: the slot is not posted (it is in `unposted_rx`, so
             // nothing lent from it is alive), lies in the rx pool, which
@@ -1187,8 +1186,11 @@ impl FabricEndpoint {
             return;
         };
         if !self.rx_posted[slot] {
-            // The provider let go of this buffer already, and it may be
-            // posted again: what it reports now cannot be trusted.
+            // The provider let go of this buffer already: what it reports
+            // now cannot be trusted. (Once the buffer is posted again such
+            // a completion cannot be told from a new one, which is why
+            // multi-receive buffers are used only where the provider lets
+            // go of a buffer once all its messages are in.)
             self.stats.rx_errors += 1;
             self.stats.last_error = Some("a receive completion for a buffer let go of".into());
             tracing::warn!("rx completion for a receive buffer the provider had let go of");
@@ -2197,7 +2199,10 @@ pub(crate) fn get_info(
     } else {
         0
     };
-    let multi_recv = if kind == EpKind::Rdm && options.multi_recv {
+    let multi_recv = if kind == EpKind::Rdm
+        && options.multi_recv
+        && (options.force_multi_recv || releases_whole_buffers(&options.provider))
+    {
         FI_MULTI_RECV
     } else {
         0
