@@ -937,13 +937,7 @@ impl FabricEndpoint {
             // its completions are read (of a multi-receive buffer, only
             // the bytes each reports landed); `desc` is the pool's region
             // or NULL when the provider needs none.
-            let posted = unsafe {
-                if multi_recv {
-                    self.ep.recv_multi(buf, len, desc, context)
-                } else {
-                    self.ep.recv(buf, len, desc, context)
-                }
-            };
+            let posted = unsafe { self.ep.recv(buf, len, desc, context, multi_recv) };
             if posted.is_err() {
                 // Nothing lent from it: it stays with the endpoint.
                 self.rx_pool.release(slot);

@@ -598,50 +598,34 @@ impl FiEndpoint {
         }
     }
 
-    /// Posts a receive of `len` bytes at `buf`.
+    /// Posts a receive of `len` bytes at `buf`; with `multi`, as one
+    /// multi-receive buffer (`FI_MULTI_RECV`): messages land in it one
+    /// after another, each with a completion carrying `context` and where
+    /// it landed, and a completion flagged `FI_MULTI_RECV` (the last
+    /// message's, or one of its own) says the provider is done with it.
     ///
     /// # Safety
     /// `buf..buf+len` must stay valid and untouched by Rust code until the
-    /// completion carrying `context` is read or the endpoint is closed;
-    /// `desc` is NULL or the descriptor of a region covering the buffer.
+    /// completion carrying `context` (with `multi`, the one flagged
+    /// `FI_MULTI_RECV`) is read or the endpoint is closed; with `multi`,
+    /// Rust code may read what a completion reported landed before then,
+    /// and must not write any of it. `desc` is NULL or the descriptor of a
+    /// region covering the buffer.
     pub unsafe fn recv(
         &self,
         buf: *mut u8,
         len: usize,
         desc: *mut c_void,
         context: *mut c_void,
+        multi: bool,
     ) -> Result<(), FiCode> {
-        // SAFETY: the endpoint is open; the caller upholds the buffer rules.
-        let ret =
-            unsafe { sys::efabus_recv(self.ptr.as_ptr(), buf.cast(), len as u64, desc, context) };
-        if ret == 0 {
-            Ok(())
+        let post = if multi {
+            sys::efabus_recv_multi
         } else {
-            Err(FiCode::from_ret(ret))
-        }
-    }
-
-    /// Posts `len` bytes at `buf` as one multi-receive buffer
-    /// (`FI_MULTI_RECV`): messages land in it one after another, each with
-    /// a completion carrying `context` and where it landed, and the last
-    /// also carries the `FI_MULTI_RECV` flag, once the provider is done
-    /// with the buffer.
-    ///
-    /// # Safety
-    /// As for [`recv`](Self::recv), until the completion flagged
-    /// `FI_MULTI_RECV` is read; Rust code may read what a completion
-    /// reported landed before then, and must not write any of it.
-    pub unsafe fn recv_multi(
-        &self,
-        buf: *mut u8,
-        len: usize,
-        desc: *mut c_void,
-        context: *mut c_void,
-    ) -> Result<(), FiCode> {
-        // SAFETY: the endpoint is open; the caller upholds the buffer rules.
-        let ret = unsafe {
-            sys::efabus_recv_multi(self.ptr.as_ptr(), buf.cast(), len as u64, desc, context)
+            sys::efabus_recv
         };
+        // SAFETY: the endpoint is open; the caller upholds the buffer rules.
+        let ret = unsafe { post(self.ptr.as_ptr(), buf.cast(), len as u64, desc, context) };
         if ret == 0 {
             Ok(())
         } else {
