@@ -156,7 +156,10 @@ impl Broker {
     /// [`RELOADABLE`]) and names the other keys that changed. `log_level`
     /// is left to whoever installed the log subscriber and is in neither
     /// list. A configuration that does not validate, or raises
-    /// `limits.max_payload` past the starting value, changes nothing.
+    /// `limits.max_payload` past the starting value, changes nothing; nor
+    /// does one the event loop cannot take (the broker is stopping, or its
+    /// command queue stays full past the block timeout), though TLS files
+    /// are read again before that is known.
     pub fn reload(&self, config: &Config) -> Result<Reloaded, ConfigError> {
         config.validate("(reloaded)")?;
         let started = &self.shared.config;
@@ -189,22 +192,21 @@ impl Broker {
                 reloaded.needs_restart.push(key);
             }
         }
-        // The event loop takes the new limits first (its endpoints, NATS
-        // listeners above all, hold peers to some of them themselves), and
-        // only then are they in force for everyone: a reload the loop
-        // cannot take changes nothing. The reload is done once the
-        // endpoints have them.
+        // The event loop is asked first (its endpoints, NATS listeners
+        // above all, hold peers to some limits themselves): a reload it
+        // cannot take changes nothing. Once the command is queued the
+        // limits are in force, and the endpoints take theirs when the loop
+        // reads it, which the reload waits for.
         let (done, wait) = crossbeam_channel::bounded(1);
         let sent = self
             .shared
             .send_command(Command::Reconfigure(Box::new(config.clone()), done));
         if let Err(err) = sent {
             let why = match err {
-                crate::Error::Closed => "the broker is shutting down".to_string(),
-                _ => format!(
-                    "the broker's command queue stayed full for {:?}; try again",
-                    live.block_timeout()
-                ),
+                crate::Error::Blocked(waited) => {
+                    format!("the broker's command queue stayed full for {waited:?}; try again")
+                }
+                _ => "the broker is shutting down".to_string(),
             };
             let tls = if started.tls.is_set() {
                 " (the TLS files were read again)"
@@ -220,7 +222,10 @@ impl Broker {
         }
         live.store(config);
         if wait.recv_timeout(Duration::from_secs(5)).is_err() {
-            tracing::warn!("the broker did not confirm the reloaded limits within 5 s");
+            tracing::warn!(
+                "the limits are reloaded, but the event loop has not given its endpoints \
+                 theirs within 5 s (it is holding publishers back); they follow when it does"
+            );
         }
         Ok(reloaded)
     }

@@ -313,13 +313,14 @@ impl Endpoint for NatsEndpoint {
             queue_bytes,
             applied,
         });
+        // The thread takes the command sooner or later: the endpoint's side
+        // of the bound follows it now.
+        self.queue_bytes = queue_bytes;
         // Operations read after this are held to the new limits. The
         // thread answers between two rounds, without waiting on anyone.
         wait.recv_timeout(Duration::from_secs(1)).map_err(|_| {
             TransportError::Other("the NATS I/O thread did not take the new limits".to_string())
-        })?;
-        self.queue_bytes = queue_bytes;
-        Ok(())
+        })
     }
 
     fn peer_certificate(&self, peer: PeerId) -> Option<Vec<u8>> {
