@@ -638,10 +638,8 @@ impl FabricEndpoint {
         // stream its own progress thread blocks on the full pair (seen with
         // libfabric 1.17), so it is polled.
         let want_wait = options.wait_fd && attrs.provider() != "sockets";
-        let multi_recv = kind == EpKind::Rdm
-            && options.multi_recv
-            && attrs.caps & FI_MULTI_RECV != 0
-            && (options.force_multi_recv || releases_whole_buffers(attrs.provider()));
+        // Only an asked-for grant is relied on, as for FI_SOURCE.
+        let multi_recv = wants_multi_recv(kind, options) && attrs.caps & FI_MULTI_RECV != 0;
         // A multi-receive buffer completes many messages per post: more
         // room than one completion per buffer (small messages may still
         // outrun it; the providers' queues then hold the rest).
@@ -2193,10 +2191,7 @@ pub(crate) fn get_info(
     } else {
         0
     };
-    let multi_recv = if kind == EpKind::Rdm
-        && options.multi_recv
-        && (options.force_multi_recv || releases_whole_buffers(&options.provider))
-    {
+    let multi_recv = if wants_multi_recv(kind, options) {
         FI_MULTI_RECV
     } else {
         0
@@ -2235,6 +2230,14 @@ pub(crate) fn get_info(
 /// relied on either.
 fn releases_whole_buffers(provider: &str) -> bool {
     provider == "efa"
+}
+
+/// Whether an endpoint of `kind` with `options` asks for FI_MULTI_RECV,
+/// and posts multi-receive buffers where it is granted.
+fn wants_multi_recv(kind: EpKind, options: &FabricOptions) -> bool {
+    kind == EpKind::Rdm
+        && options.multi_recv
+        && (options.force_multi_recv || releases_whole_buffers(&options.provider))
 }
 
 /// Whether `addr` has the form of the names the shm provider gives its

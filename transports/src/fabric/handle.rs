@@ -598,11 +598,12 @@ impl FiEndpoint {
         }
     }
 
-    /// Posts a receive of `len` bytes at `buf`; with `multi`, as one
-    /// multi-receive buffer (`FI_MULTI_RECV`): messages land in it one
-    /// after another, each with a completion carrying `context` and where
-    /// it landed, and a completion flagged `FI_MULTI_RECV` (the last
-    /// message's, or one of its own) says the provider is done with it.
+    /// Posts a receive of `len` bytes at `buf`; with `multi` (FI_MULTI_RECV
+    /// granted, `FI_OPT_MIN_MULTI_RECV` set), as one multi-receive buffer:
+    /// messages land in it one after another, each with a completion
+    /// carrying `context` and where it landed, and a completion flagged
+    /// `FI_MULTI_RECV` (the last message's, or one of its own) or an
+    /// `FI_ECANCELED` error says the provider is done with it.
     ///
     /// # Safety
     /// `buf..buf+len` must stay valid and untouched by Rust code until the
