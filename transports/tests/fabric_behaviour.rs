@@ -1696,6 +1696,32 @@ mod suite {
         );
     }
 
+    /// With eight multi-receive buffers, frames kept for good hold at most
+    /// half of them: the rest take everything after, copied, and no
+    /// message is lost for want of a posted buffer.
+    pub fn kept_frames_hold_at_most_half_the_multi_receive_buffers(provider: &str) {
+        let extra = [("force_multi_recv", "true"), ("rx_depth", "64")];
+        let Some((mut a, mut b)) = pair(EpKind::Rdm, provider, &extra) else {
+            return;
+        };
+        let buffer = b.link().multi_recv_len;
+        assert_eq!(b.buffers().multi_recv, (8, buffer), "{:?}", b.link());
+        let peers = insert_each_other(&mut a, &mut b);
+        let len = 12 << 10;
+        // Far more than all eight buffers hold, every frame kept.
+        let kept = deliver_tagged(&mut a, &mut b, peers, 0..250, len);
+        let lent = b.stats().lent;
+        let per_buffer = buffer as u64 / len as u64 + 1;
+        assert!(
+            lent > 0 && lent <= 4 * per_buffer,
+            "{lent} frames lent, {per_buffer} at most to a buffer"
+        );
+        check_tagged(&kept, 0..250, len);
+        drop(kept);
+        deliver_tagged(&mut a, &mut b, peers, 0..20, len);
+        assert!(b.stats().lent > lent, "the buffers came back to lend again");
+    }
+
     /// A frame body of 8 KiB or more goes from the caller's buffer where
     /// the provider needs no registration; with registration required
     /// (forced here), only a body lent from the rx pool does: a receiver
@@ -1979,6 +2005,7 @@ fn rdm_large_frames_are_lent() {
 fn rdm_multi_receive_buffers_take_many_messages() {
     for provider in RDM_PROVIDERS.iter().chain(&["shm"]) {
         suite::multi_receive_buffers_take_many_messages(provider);
+        suite::kept_frames_hold_at_most_half_the_multi_receive_buffers(provider);
     }
 }
 
