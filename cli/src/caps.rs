@@ -367,8 +367,8 @@ fn open_offer(
 fn buffer_line(scheme: &str, memory: BufferMemory) -> String {
     let mib = |bytes: usize| bytes as f64 / f64::from(1 << 20);
     let receives = match memory.multi_recv {
-        (0, _) => String::new(),
-        (count, bytes) => format!(
+        None => String::new(),
+        Some((count, bytes)) => format!(
             "; receives in {count} multi-receive buffers of {} KiB",
             bytes >> 10
         ),

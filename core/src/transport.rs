@@ -527,9 +527,9 @@ pub struct BufferMemory {
     /// requires registration (`FI_MR_LOCAL`, as efa does).
     pub registered: usize,
     /// Receives posted as multi-receive buffers (`FI_MULTI_RECV`), many
-    /// messages to each: how many, and the bytes of each; `(0, 0)` when
-    /// each posted receive takes one message.
-    pub multi_recv: (usize, usize),
+    /// messages to each: how many, and the bytes of each; `None` when each
+    /// posted receive takes one message.
+    pub multi_recv: Option<(usize, usize)>,
 }
 
 /// Messages an endpoint refused before they reached any peer, by reason,

@@ -1606,7 +1606,7 @@ mod suite {
         let Some((mut a, mut b)) = pair(kind, provider, &[("multi_recv", "false")]) else {
             return;
         };
-        assert!(!b.link().multi_recv);
+        assert!(b.link().multi_recv.is_none());
         let peers = insert_each_other(&mut a, &mut b);
         let len = 12 << 10;
         let kept = deliver_tagged(&mut a, &mut b, peers, 0..RX_DEPTH as u8, len);
@@ -1642,15 +1642,22 @@ mod suite {
     /// copied.
     pub fn multi_receive_buffers_take_many_messages(provider: &str) {
         if let Some((_, b)) = pair(EpKind::Rdm, provider, &[]) {
-            assert!(!b.link().multi_recv, "{provider} is not relied on for it");
+            assert!(
+                b.link().multi_recv.is_none(),
+                "{provider} is not relied on for it"
+            );
         }
         let Some((mut a, mut b)) = pair(EpKind::Rdm, provider, &[("force_multi_recv", "true")])
         else {
             return;
         };
         let link = b.link().clone();
-        assert!(link.multi_recv, "{provider} grants FI_MULTI_RECV: {link:?}");
-        assert!(link.multi_recv_len >= 8 * link.max_frame, "{link:?}");
+        let buffer = link.multi_recv;
+        assert!(
+            buffer.is_some(),
+            "{provider} grants FI_MULTI_RECV: {link:?}"
+        );
+        assert!(buffer >= Some(8 * link.max_frame), "{link:?}");
         let peers = insert_each_other(&mut a, &mut b);
         let posts = b.stats().rx_posts;
         assert_eq!(
@@ -1704,8 +1711,8 @@ mod suite {
         let Some((mut a, mut b)) = pair(EpKind::Rdm, provider, &extra) else {
             return;
         };
-        let buffer = b.link().multi_recv_len;
-        assert_eq!(b.buffers().multi_recv, (8, buffer), "{:?}", b.link());
+        let buffer = b.link().multi_recv.expect("multi-receive buffers, forced");
+        assert_eq!(b.buffers().multi_recv, Some((8, buffer)), "{:?}", b.link());
         let peers = insert_each_other(&mut a, &mut b);
         let len = 12 << 10;
         // Far more than all eight buffers hold, every frame kept.

@@ -214,10 +214,9 @@ pub struct LinkInfo {
     /// Buffers one send may gather (`tx_attr.iov_limit`).
     pub tx_iov_limit: usize,
     pub rx_depth: usize,
-    /// Receives are posted as FI_MULTI_RECV buffers (RDM, granted and
-    /// asked for), `multi_recv_len` bytes each.
-    pub multi_recv: bool,
-    pub multi_recv_len: usize,
+    /// The bytes of each receive buffer when receives are posted as
+    /// FI_MULTI_RECV buffers (RDM, granted and asked for).
+    pub multi_recv: Option<usize>,
     pub tx_depth: usize,
     pub addr_format: u64,
     pub resource_mgmt: u64,
@@ -761,8 +760,7 @@ impl FabricEndpoint {
             mr_local,
             tx_iov_limit,
             rx_depth,
-            multi_recv,
-            multi_recv_len: if multi_recv { rx_stride } else { 0 },
+            multi_recv: multi_recv.then_some(rx_stride),
             tx_depth,
             addr_format: attrs.addr_format,
             resource_mgmt: dom.resource_mgmt,
@@ -795,11 +793,7 @@ impl FabricEndpoint {
                 } else {
                     0
                 },
-                multi_recv: if multi_recv {
-                    (rx_slots, rx_stride)
-                } else {
-                    (0, 0)
-                },
+                multi_recv: multi_recv.then_some((rx_slots, rx_stride)),
             },
             link,
             layout,
@@ -917,12 +911,8 @@ impl FabricEndpoint {
     /// Posts every receive slot not currently posted. A -FI_EAGAIN leaves
     /// the rest for the next poll.
     fn post_receives(&mut self) -> Result<(), FabricError> {
-        let multi_recv = self.link.multi_recv;
-        let len = if multi_recv {
-            self.link.multi_recv_len
-        } else {
-            self.layout.recv_len()
-        };
+        let multi_recv = self.link.multi_recv.is_some();
+        let len = self.link.multi_recv.unwrap_or(self.layout.recv_len());
         let desc = self.rx_pool.desc();
         while let Some(&slot) = self.unposted_rx.last() {
             let buf = self.rx_pool.slot_ptr(slot);
@@ -935,19 +925,20 @@ impl FabricEndpoint {
             // its completions are read (of a multi-receive buffer, only
             // the bytes each reports landed); `desc` is the pool's region
             // or NULL when the provider needs none.
-            let posted = unsafe { self.ep.recv(buf, len, desc, context, multi_recv) };
-            if posted.is_err() {
-                // Nothing lent from it: it stays with the endpoint.
-                self.rx_pool.release(slot);
-            }
-            match posted {
+            match unsafe { self.ep.recv(buf, len, desc, context, multi_recv) } {
                 Ok(()) => {
                     self.unposted_rx.pop();
                     self.rx_posted[slot] = true;
                     self.stats.rx_posts += 1;
                 }
-                Err(code) if code.is_again() => break,
-                Err(code) => return Err(FabricError::Recv { code }),
+                Err(code) => {
+                    // Nothing lent from it: it stays with the endpoint.
+                    self.rx_pool.release(slot);
+                    if code.is_again() {
+                        break;
+                    }
+                    return Err(FabricError::Recv { code });
+                }
             }
         }
         Ok(())
@@ -975,8 +966,7 @@ impl FabricEndpoint {
         let first = self.unposted_rx.len();
         self.rx_pool.take_returned(&mut self.unposted_rx);
         for i in first..self.unposted_rx.len() {
-            let slot = self.unposted_rx[i];
-            self.lent_rx -= usize::from(std::mem::take(&mut self.rx_lent_from[slot]));
+            self.forget_lends(self.unposted_rx[i]);
         }
         // Frames sent since the last call go before the queues are read:
         // a reply made to what the last call delivered waits for no
@@ -1140,11 +1130,7 @@ impl FabricEndpoint {
             CqRead::ErrorAvailable => {
                 if let Some(err) = self.rx_cq.read_error()? {
                     self.stats.rx_errors += 1;
-                    // A slot of one message is done with; a multi-receive
-                    // buffer once the provider says it has let go of it.
-                    let released = !self.link.multi_recv
-                        || err.flags & FI_MULTI_RECV != 0
-                        || err.code.code == FI_ECANCELED;
+                    let released = self.let_go(err.flags) || err.code.code == FI_ECANCELED;
                     let slot = self.rx_pool.slot_of(err.op_context);
                     if let Some(slot) = slot.filter(|&slot| released && self.rx_posted[slot]) {
                         self.release_rx(slot);
@@ -1189,11 +1175,16 @@ impl FabricEndpoint {
             return;
         }
         self.take_message(slot, completion, source);
-        // A slot of one message is done with; a multi-receive buffer once
-        // the provider has let go of it.
-        if !self.link.multi_recv || completion.flags & FI_MULTI_RECV != 0 {
+        if self.let_go(completion.flags) {
             self.release_rx(slot);
         }
+    }
+
+    /// Whether a receive completion with `flags` ends its slot's post: a
+    /// slot of one message is done with; a multi-receive buffer once the
+    /// provider says it has let go of it.
+    fn let_go(&self, flags: u64) -> bool {
+        self.link.multi_recv.is_none() || flags & FI_MULTI_RECV != 0
     }
 
     /// The provider is done with rx slot `slot`: it is posted again once
@@ -1201,16 +1192,22 @@ impl FabricEndpoint {
     fn release_rx(&mut self, slot: usize) {
         self.rx_posted[slot] = false;
         if self.rx_pool.release(slot) {
-            self.lent_rx -= usize::from(std::mem::take(&mut self.rx_lent_from[slot]));
+            self.forget_lends(slot);
             self.unposted_rx.push(slot);
         }
+    }
+
+    /// Rx slot `slot`, back from the provider and every lent frame, no
+    /// longer counts against the lending budget.
+    fn forget_lends(&mut self, slot: usize) {
+        self.lent_rx -= usize::from(std::mem::take(&mut self.rx_lent_from[slot]));
     }
 
     /// Decodes, checks and hands on the message a receive completion in
     /// rx slot `slot` reports.
     fn take_message(&mut self, slot: usize, completion: &Completion, source: Option<u64>) {
         let len = usize::try_from(completion.len).unwrap_or(usize::MAX);
-        let (offset, data) = if self.link.multi_recv {
+        let (offset, data) = if self.link.multi_recv.is_some() {
             if len == 0 {
                 // The provider let go of the buffer with no message.
                 return;
