@@ -1332,7 +1332,8 @@ impl HeldLocal {
             match outcome {
                 Delivery::Full if at_end || waited >= held.sink.block_timeout() => {
                     held.sink.count_dropped();
-                    BrokerStats::add(&shared.stats.slow_consumer_drops, 1);
+                    let dropped = Delivery::Dropped;
+                    count_delivery(&shared.stats, held.sid, &held.sink, dropped, &mut closed);
                 }
                 Delivery::Full => {
                     full.push(held.sid);

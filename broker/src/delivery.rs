@@ -38,7 +38,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use efabus_core::transport::Detacher;
+use efabus_core::transport::{detach, Detacher};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::config::SlowConsumerPolicy;
@@ -609,7 +609,7 @@ impl LocalSink {
                 state.detacher.passed(&payload);
             } else if state.detacher.settle(&mut payload) {
                 if let Some(headers) = headers.as_mut() {
-                    *headers = Bytes::copy_from_slice(headers);
+                    detach(headers);
                 }
             }
         }

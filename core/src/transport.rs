@@ -143,7 +143,7 @@ impl Detacher {
         let copy = !follows && !payload.is_empty() && payload.len() <= DETACH_MAX;
         self.last_kept = !copy;
         if copy {
-            detach(payload);
+            *payload = Bytes::copy_from_slice(payload);
         }
         copy
     }

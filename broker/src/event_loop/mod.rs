@@ -696,11 +696,16 @@ impl EventLoop {
         ]);
     }
 
+    /// Whether the loop reads no commands for now: while publishers are
+    /// held under the block policy, in-process publishers wait too.
+    fn holds_commands(&self) -> bool {
+        !self.blocking.is_empty()
+    }
+
     fn drain_commands(&mut self, max: usize) -> bool {
         // Interest goes to route peers ahead of any message queued after it.
         self.sync_interest();
-        if !self.blocking.is_empty() {
-            // Under the block policy, in-process publishers wait too.
+        if self.holds_commands() {
             return false;
         }
         let mut handled = 0;
@@ -2390,9 +2395,8 @@ pub(crate) fn run_loop(
             }
         }
         let finished = event_loop.drives_finished();
-        // While publishers are held under the block policy the loop reads
-        // no commands: waiting ones must not keep it awake.
-        let holds_commands = !state.blocking.is_empty();
+        // Commands the loop does not read now must not keep it awake.
+        let holds_commands = state.holds_commands();
         drop(guard);
         // What this thread saw holds only if no driver came since.
         if !shared

@@ -320,15 +320,15 @@ impl Session {
         };
         // The route credential: the cluster secret, else the client
         // secret, else nothing (open mode).
-        let admitted = |may_route, wrong_secret| Admission {
+        let admitted = |may_route| Admission {
             may_route,
             user: None,
             permissions: None,
             proof,
-            wrong_secret,
+            wrong_secret: false,
         };
         if cluster == Some(true) || client == Some(true) {
-            return Ok(admitted(cluster.or(client).unwrap_or(true), false));
+            return Ok(admitted(cluster.or(client).unwrap_or(true)));
         }
         // A token, else a verified client certificate's name.
         let login = match (hello.credentials.is_some(), certificate_name) {
@@ -359,7 +359,10 @@ impl Session {
             let presented =
                 hello.proof.is_some() || (hello.credentials.is_some() && hello.user.is_none());
             let guessed = cluster == Some(false) && presented;
-            return Ok(admitted(cluster.unwrap_or(true), guessed));
+            return Ok(Admission {
+                wrong_secret: guessed,
+                ..admitted(cluster.unwrap_or(true))
+            });
         }
         let text = if hello.credentials.is_none() && hello.proof.is_none() {
             "credentials required"

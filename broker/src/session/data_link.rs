@@ -422,15 +422,17 @@ impl DataLink {
             })?;
         let bytes = wire.iter().map(|piece| piece.len() as u64).sum();
         self.window.sent(seq, wire.len() as u32, bytes);
-        let count = wire.len();
-        let mut pieces = wire.into_iter().enumerate();
-        while let Some((index, piece)) = pieces.next() {
+        let mut pieces = wire.into_iter();
+        while let Some(piece) = pieces.next() {
             match endpoint.send(self.peer, piece) {
                 Ok(()) => {}
                 Err(SendError::WouldBlock(piece)) => {
-                    self.backlog.push_back((piece, index + 1 == count));
-                    self.backlog
-                        .extend(pieces.map(|(index, piece)| (piece, index + 1 == count)));
+                    self.backlog.push_back((piece, false));
+                    self.backlog.extend(pieces.map(|piece| (piece, false)));
+                    // The last piece queued is its frame's last.
+                    if let Some(last) = self.backlog.back_mut() {
+                        last.1 = true;
+                    }
                     break;
                 }
                 Err(source) => return Err(self.send_error(source)),
