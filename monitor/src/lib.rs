@@ -88,7 +88,7 @@ const WORKERS: usize = 4;
 const STOP_WAIT: Duration = Duration::from_secs(3);
 
 /// The bounds the listener holds each client to.
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct MonitorOptions {
     /// Time a client has to send the head of a request, counted from when
     /// the connection opens or its last answer went out: an idle
@@ -143,19 +143,24 @@ impl Monitor {
         listener
             .set_nonblocking(true)
             .map_err(|err| bind_error(err.to_string()))?;
+        // The views' semaphore keeps blocking threads to `WORKERS`.
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_io()
             .enable_time()
-            .max_blocking_threads(WORKERS)
             .thread_name("efabus-monitor")
             .build()
             .map_err(MonitorError::Thread)?;
+        let listener = {
+            let _runtime = runtime.enter();
+            tokio::net::TcpListener::from_std(listener)
+                .map_err(|err| bind_error(err.to_string()))?
+        };
         let views = Arc::new(Views {
             broker,
             workers: Arc::new(Semaphore::new(WORKERS)),
         });
         let (stop, stopped) = oneshot::channel();
-        let options = options.clone();
+        let options = *options;
         let thread = std::thread::Builder::new()
             .name("efabus-monitor".to_string())
             .spawn(move || {
@@ -201,18 +206,11 @@ struct Views {
 /// Accept connections until `stopped`, serving at most
 /// `options.max_connections` at once.
 async fn listen(
-    listener: std::net::TcpListener,
+    listener: tokio::net::TcpListener,
     views: Arc<Views>,
     options: MonitorOptions,
     mut stopped: oneshot::Receiver<()>,
 ) {
-    let listener = match tokio::net::TcpListener::from_std(listener) {
-        Ok(listener) => listener,
-        Err(err) => {
-            tracing::warn!(error = %err, "the monitoring listener cannot start");
-            return;
-        }
-    };
     let slots = Arc::new(Semaphore::new(options.max_connections.max(1)));
     loop {
         let slot = tokio::select! {
@@ -236,7 +234,6 @@ async fn listen(
             },
         };
         let views = Arc::clone(&views);
-        let options = options.clone();
         tokio::spawn(async move {
             let _slot = slot;
             let io = TokioIo::new(WriteDeadline::new(stream, options.write_timeout));
@@ -370,16 +367,13 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<S> {
         self.inner.is_write_vectored()
     }
 
+    // A socket's flush and shutdown wait for nothing the client does.
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let poll = Pin::new(&mut this.inner).poll_flush(cx);
-        this.progress(cx, poll)
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let poll = Pin::new(&mut this.inner).poll_shutdown(cx);
-        this.progress(cx, poll)
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
     }
 }
 
