@@ -164,21 +164,20 @@ impl Broker {
         config.validate("(reloaded)")?;
         let started = &self.shared.config;
         if config.limits.max_payload > started.limits.max_payload {
-            return Err(ConfigError::Invalid {
-                origin: "(reloaded)".to_string(),
-                line: None,
-                key: "limits.max_payload".to_string(),
-                message: format!(
+            return Err(reload_error(
+                "limits.max_payload",
+                format!(
                     "{} is more than the {} the broker started with; raising it needs a restart",
                     config.limits.max_payload, started.limits.max_payload
                 ),
-            });
+            ));
         }
         let live = &self.shared.live;
         let _reloading = live.reloading.lock();
         let running = live.applied_to(started);
         let mut reloaded = Reloaded::default();
-        if started.tls.is_set() {
+        let tls = started.tls.is_set();
+        if tls {
             self.reload_tls()?;
             reloaded.applied.push(TLS_FILES.to_string());
         }
@@ -208,17 +207,15 @@ impl Broker {
                 }
                 _ => "the broker is shutting down".to_string(),
             };
-            let tls = if started.tls.is_set() {
+            let tls = if tls {
                 " (the TLS files were read again)"
             } else {
                 ""
             };
-            return Err(ConfigError::Invalid {
-                origin: "(reloaded)".to_string(),
-                line: None,
-                key: "limits".to_string(),
-                message: format!("{why}: the running limits stay{tls}"),
-            });
+            return Err(reload_error(
+                "limits",
+                format!("{why}: the running limits stay{tls}"),
+            ));
         }
         live.store(config);
         if wait.recv_timeout(Duration::from_secs(5)).is_err() {
@@ -232,12 +229,7 @@ impl Broker {
 
     /// Has the endpoints read their TLS files again.
     fn reload_tls(&self) -> Result<(), ConfigError> {
-        let failed = |message: String| ConfigError::Invalid {
-            origin: "(reloaded)".to_string(),
-            line: None,
-            key: "tls".to_string(),
-            message,
-        };
+        let failed = |message: String| reload_error("tls", message);
         let (answer, wait) = crossbeam_channel::bounded(1);
         self.shared
             .send_command(Command::ReloadTls(answer))
@@ -253,6 +245,16 @@ impl Broker {
     /// what [`reload`](Self::reload) changed since.
     pub fn running_config(&self) -> Config {
         self.shared.live.applied_to(&self.shared.config)
+    }
+}
+
+/// Why a reload changed nothing, at `key`.
+fn reload_error(key: &str, message: String) -> ConfigError {
+    ConfigError::Invalid {
+        origin: "(reloaded)".to_string(),
+        line: None,
+        key: key.to_string(),
+        message,
     }
 }
 

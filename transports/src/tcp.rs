@@ -778,12 +778,20 @@ impl Limits {
                     ))
                 })?,
         };
-        Ok(Limits {
+        let mut limits = Limits {
             max_frame: config.max_frame,
-            queue_frames: config.queue_frames.max(1),
-            queue_bytes: config.queue_bytes.max(1),
+            queue_frames: 1,
+            queue_bytes: 1,
             read_budget,
-        })
+        };
+        limits.set_queue(config);
+        Ok(limits)
+    }
+
+    /// The queue bounds of `config` (at open, and from a reload).
+    fn set_queue(&mut self, config: &EndpointConfig) {
+        self.queue_frames = config.queue_frames.max(1);
+        self.queue_bytes = config.queue_bytes.max(1);
     }
 }
 
@@ -1448,8 +1456,7 @@ impl Endpoint for TcpEndpoint {
     /// A reload's queue bounds hold the endpoint's own sends from now on
     /// (direct senders handed out keep the bounds they were made with).
     fn reconfigure(&mut self, config: &EndpointConfig) -> Result<(), TransportError> {
-        self.limits.queue_frames = config.queue_frames.max(1);
-        self.limits.queue_bytes = config.queue_bytes.max(1);
+        self.limits.set_queue(config);
         Ok(())
     }
 
