@@ -172,10 +172,14 @@ impl Replies {
 
     /// Whether a remembered reply subject lies under `inbox`: a requester
     /// this connection answered.
+    /// `inbox` is one as [`inbox_of`] gives it, and replies are literal
+    /// subjects: a prefix check up to a token's end says as much.
     pub fn names_inbox(&self, inbox: &str) -> bool {
-        self.order
-            .iter()
-            .any(|reply| inbox_of(reply) == Some(inbox))
+        self.order.iter().any(|reply| {
+            reply
+                .strip_prefix(inbox)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+        })
     }
 }
 

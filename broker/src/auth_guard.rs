@@ -59,7 +59,7 @@ impl AuthGuard {
     }
 
     /// How much longer hellos from `ip` are refused unchecked, if they are.
-    pub fn locked(&mut self, ip: IpAddr, now: Instant) -> Option<Duration> {
+    fn locked(&mut self, ip: IpAddr, now: Instant) -> Option<Duration> {
         let failures = self.by_address.get(&ip)?;
         let end = failures.since + WINDOW;
         if now >= end {
