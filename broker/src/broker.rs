@@ -30,7 +30,9 @@ use tracing::{info, warn};
 use crate::accounts::Accounts;
 use crate::commands::CommandQueue;
 use crate::config::{Config, SlowConsumerPolicy};
-use crate::delivery::{Delivery, LocalSink, Message, Subscription, SubscriptionOwner};
+use crate::delivery::{
+    self, Delivery, LocalSink, Message, Responder, Subscription, SubscriptionOwner,
+};
 use crate::drive::DriveHandle;
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::{Error, RecvError};
@@ -928,7 +930,12 @@ impl Broker {
                 max: max_payload,
             });
         }
-        publish_cache::publish(shared, subject, reply.map(Arc::from), headers, payload)
+        let reached =
+            publish_cache::publish(shared, subject, reply.map(Arc::from), headers, payload);
+        if delivery::answers_waiting() {
+            publish_answers(shared);
+        }
+        reached
     }
 
     /// Subscribe to a pattern (`*` one token, `>` the rest).
@@ -942,12 +949,88 @@ impl Broker {
         self.subscribe_inner(pattern, Some(group), self.shared.live.policy())
     }
 
+    /// Answer requests on `pattern` with `handler`: each message that
+    /// matches is handed to it, and what it returns for a request (a
+    /// message with a reply subject) is published to the reply subject.
+    ///
+    /// The handler runs on the thread that delivers the message: the
+    /// broker's event loop for messages from clients and routes, or the
+    /// publishing thread for in-process ones. So a request costs no
+    /// hand-over to a thread of the application, which is what makes a
+    /// round trip between services short (README "Embedded API"); in
+    /// exchange the handler holds up everything else that thread does
+    /// while it runs. It must be quick and must not wait: no
+    /// [`Broker::request`] or [`Broker::flush`] inside it, and it returns
+    /// its reply rather than publishing it. Work that takes longer belongs
+    /// to a [`Subscription`] read by a thread of the application.
+    pub fn respond<F>(&self, pattern: &str, handler: F) -> Result<Responder, Error>
+    where
+        F: Fn(&Message) -> Option<Bytes> + Send + Sync + 'static,
+    {
+        self.respond_inner(pattern, None, Arc::new(handler))
+    }
+
+    /// [`Broker::respond`] as a member of a queue group: each request reaches
+    /// one member of the group in the whole cluster.
+    pub fn queue_respond<F>(
+        &self,
+        pattern: &str,
+        group: &str,
+        handler: F,
+    ) -> Result<Responder, Error>
+    where
+        F: Fn(&Message) -> Option<Bytes> + Send + Sync + 'static,
+    {
+        self.respond_inner(pattern, Some(group), Arc::new(handler))
+    }
+
+    fn respond_inner(
+        &self,
+        pattern: &str,
+        queue: Option<&str>,
+        answer: delivery::Answer,
+    ) -> Result<Responder, Error> {
+        let (sink, reader, stats) = LocalSink::answering(answer);
+        let sid = self.register(pattern, queue, sink)?;
+        let owner: Arc<dyn SubscriptionOwner> = self.shared.clone();
+        Ok(Responder::new(
+            sid,
+            pattern.to_string(),
+            queue.map(str::to_string),
+            reader,
+            stats,
+            owner,
+        ))
+    }
+
     fn subscribe_inner(
         &self,
         pattern: &str,
         queue: Option<&str>,
         policy: SlowConsumerPolicy,
     ) -> Result<Subscription, Error> {
+        let shared = &self.shared;
+        let (sink, rx, stats) = LocalSink::new(
+            shared.live.subscription_queue(),
+            policy,
+            shared.live.block_timeout(),
+        );
+        let sid = self.register(pattern, queue, sink)?;
+        let owner: Arc<dyn SubscriptionOwner> = shared.clone();
+        Ok(Subscription::new(
+            sid,
+            pattern.to_string(),
+            queue.map(str::to_string),
+            rx,
+            stats,
+            owner,
+            shared.config.fabric.polling.spin(),
+        ))
+    }
+
+    /// Puts `sink` in the subscription table under a new id, announced to
+    /// route peers.
+    fn register(&self, pattern: &str, queue: Option<&str>, sink: LocalSink) -> Result<u64, Error> {
         let shared = &self.shared;
         if shared.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
@@ -959,11 +1042,6 @@ impl Broker {
             }
         })?;
         let sid = shared.next_sid.fetch_add(1, Ordering::Relaxed);
-        let (sink, rx, stats) = LocalSink::new(
-            shared.live.subscription_queue(),
-            policy,
-            shared.live.block_timeout(),
-        );
         shared
             .subscriptions
             .write()
@@ -982,16 +1060,7 @@ impl Broker {
                 source,
             })?;
         shared.announce(&shared.subscriptions.read());
-        let owner: Arc<dyn SubscriptionOwner> = shared.clone();
-        Ok(Subscription::new(
-            sid,
-            pattern.to_string(),
-            queue.map(str::to_string),
-            rx,
-            stats,
-            owner,
-            shared.config.fabric.polling.spin(),
-        ))
+        Ok(sid)
     }
 
     /// Send a request and wait for the first reply.
@@ -1182,6 +1251,22 @@ pub(crate) fn deliver_in_process(
         return Ok(1);
     }
     deliver_in_process_all(shared, subject, local, remote, reply, headers, payload)
+}
+
+/// Publish the replies responders made on this publishing thread (replies
+/// carry no reply subject, so they make no more of their own).
+#[cold]
+#[inline(never)]
+fn publish_answers(shared: &Shared) {
+    while delivery::answers_waiting() {
+        for answered in delivery::take_answers() {
+            let published =
+                publish_cache::publish(shared, &answered.subject, None, None, answered.payload);
+            if published.is_err() {
+                answered.stats.count_unanswered();
+            }
+        }
+    }
 }
 
 #[cold]

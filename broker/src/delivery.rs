@@ -30,6 +30,15 @@
 //! request. A stream on one subject therefore queues no string at all, and
 //! a reader that keeps seeing one subject switches to its own copy of it, so
 //! the reference counting of the messages it hands out stays on its thread.
+//!
+//! # Responders
+//!
+//! A [`Responder`]'s sink has no reader: the thread that delivers a message
+//! to it (the event loop, a thread driving it, or an in-process publisher)
+//! runs the handler at once and keeps the reply in a per-thread list
+//! ([`take_answers`]); the delivering code publishes it once it is done
+//! delivering, so a request is answered with no hand-over to another
+//! thread.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -115,6 +124,11 @@ impl SubscriptionStats {
     /// them in `connection_drops`).
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed) + self.dropped_by_broker()
+    }
+
+    /// A responder's reply that could not be published.
+    pub(crate) fn count_unanswered(&self) {
+        self.dropped.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Of [`Self::dropped`], the messages the broker reported it discarded
@@ -424,6 +438,35 @@ pub(crate) struct LocalSink {
     /// While it holds any, producers that may wait do, even with room:
     /// the held ones go first.
     held: AtomicUsize,
+    /// A responder's handler: messages go to it instead of the queue.
+    answer: Option<Answer>,
+}
+
+/// A responder's handler ([`crate::Broker::respond`]).
+pub(crate) type Answer = Arc<dyn Fn(&Message) -> Option<Bytes> + Send + Sync>;
+
+/// A reply a handler made, to be published by the code that delivered the
+/// request once it is done delivering; `stats` counts it if it cannot be.
+pub(crate) struct Answered {
+    pub subject: Arc<str>,
+    pub payload: Bytes,
+    pub stats: Arc<SubscriptionStats>,
+}
+
+thread_local! {
+    /// The replies handlers made on this thread, not yet published.
+    static ANSWERS: RefCell<Vec<Answered>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether handlers on this thread made replies not yet published.
+pub(crate) fn answers_waiting() -> bool {
+    ANSWERS.with(|answers| !answers.borrow().is_empty())
+}
+
+/// The replies handlers made on this thread, oldest first, for the caller
+/// to publish.
+pub(crate) fn take_answers() -> Vec<Answered> {
+    ANSWERS.with(|answers| std::mem::take(&mut *answers.borrow_mut()))
 }
 
 /// The reading half of a queue, made by [`LocalSink::new`] for
@@ -482,8 +525,18 @@ impl LocalSink {
             stats: stats.clone(),
             cut_off: AtomicBool::new(false),
             held: AtomicUsize::new(0),
+            answer: None,
         };
         (sink, QueueReader { queue }, stats)
+    }
+
+    /// A responder's sink: every message goes to `answer` on the thread
+    /// that delivers it. The queue only marks the responder closed.
+    pub(crate) fn answering(answer: Answer) -> (LocalSink, QueueReader, Arc<SubscriptionStats>) {
+        let (mut sink, reader, stats) =
+            LocalSink::new(1, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        sink.answer = Some(answer);
+        (sink, reader, stats)
     }
 
     /// Queue a message received off the network: one that waits behind
@@ -595,6 +648,9 @@ impl LocalSink {
         received: bool,
         hold: bool,
     ) -> Delivery {
+        if let Some(answer) = &self.answer {
+            return self.answer_now(answer, subject, reply, headers, payload);
+        }
         let queue = &*self.queue;
         let mut state = queue.state.lock();
         let mut outcome = Delivery::Queued;
@@ -649,6 +705,55 @@ impl LocalSink {
             queue.ready.notify_one();
         }
         outcome
+    }
+
+    /// A responder's delivery: the handler runs here, and its reply to a
+    /// request waits in this thread's [`ANSWERS`]. A handler that panics
+    /// loses its reply (counted as dropped), not the delivering thread.
+    #[inline(never)]
+    fn answer_now(
+        &self,
+        answer: &Answer,
+        subject: SubjectArg<'_>,
+        reply: Option<Arc<str>>,
+        headers: Option<Bytes>,
+        payload: Bytes,
+    ) -> Delivery {
+        if self.queue.closed.load(Ordering::Acquire) {
+            return Delivery::Closed;
+        }
+        let subject = match subject {
+            SubjectArg::Owned(owned) => owned,
+            SubjectArg::Kept(kept) => kept.clone(),
+        };
+        let message = Message {
+            subject,
+            reply,
+            headers,
+            payload,
+        };
+        // Handlers may run on several threads at once: no queue lock here.
+        self.stats.delivered.fetch_add(1, Ordering::Relaxed);
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| answer(&message))) {
+            Ok(Some(payload)) => {
+                if let Some(subject) = message.reply {
+                    let stats = self.stats.clone();
+                    ANSWERS.with(|answers| {
+                        answers.borrow_mut().push(Answered {
+                            subject,
+                            payload,
+                            stats,
+                        })
+                    });
+                }
+            }
+            Ok(None) => {}
+            Err(_) => {
+                self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(subject = %message.subject, "a responder's handler panicked");
+            }
+        }
+        Delivery::Queued
     }
 
     /// The slow path of a push: the queue is closed or looks full. `Ok`
@@ -1232,6 +1337,79 @@ impl Drop for Subscription {
         self.queue.room.notify_all();
         drop(state);
         self.local.lock().buf.clear();
+        self.owner.unsubscribe(self.sid);
+    }
+}
+
+/// Messages matching a pattern, each handed to a handler on the thread
+/// that delivers it, which publishes the handler's reply to a request
+/// ([`crate::Broker::respond`]). Dropping it unsubscribes; a message a
+/// publishing thread is delivering meanwhile may still reach the handler.
+///
+/// Its [`stats`](Self::stats) count the messages handled as delivered, and
+/// as dropped the replies lost: a handler that panicked, or a reply that
+/// could not be published (the broker shutting down, its subject invalid).
+pub struct Responder {
+    sid: u64,
+    pattern: String,
+    queue_group: Option<String>,
+    queue: Arc<Queue>,
+    stats: Arc<SubscriptionStats>,
+    owner: Arc<dyn SubscriptionOwner>,
+}
+
+impl std::fmt::Debug for Responder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Responder")
+            .field("sid", &self.sid)
+            .field("pattern", &self.pattern)
+            .field("queue", &self.queue_group)
+            .finish()
+    }
+}
+
+impl Responder {
+    pub(crate) fn new(
+        sid: u64,
+        pattern: String,
+        queue_group: Option<String>,
+        reader: QueueReader,
+        stats: Arc<SubscriptionStats>,
+        owner: Arc<dyn SubscriptionOwner>,
+    ) -> Responder {
+        Responder {
+            sid,
+            pattern,
+            queue_group,
+            queue: reader.queue,
+            stats,
+            owner,
+        }
+    }
+
+    /// The subscription id, unique within its broker.
+    pub fn sid(&self) -> u64 {
+        self.sid
+    }
+
+    pub fn pattern(&self) -> &str {
+        &self.pattern
+    }
+
+    pub fn queue_group(&self) -> Option<&str> {
+        self.queue_group.as_deref()
+    }
+
+    pub fn stats(&self) -> &SubscriptionStats {
+        &self.stats
+    }
+}
+
+impl Drop for Responder {
+    fn drop(&mut self) {
+        // Closed first: a publishing thread's cached route still holding
+        // the sink is refused from now on.
+        self.queue.close();
         self.owner.unsubscribe(self.sid);
     }
 }

@@ -61,7 +61,7 @@ use bytes::Bytes;
 pub use broker::{Broker, BrokerStats, RouteReport};
 pub use client::{Client, ClientOptions, ConnectionState};
 pub use config::{Config, ConfigError, SlowConsumerPolicy};
-pub use delivery::{Message, Subscription, SubscriptionStats};
+pub use delivery::{Message, Responder, Subscription, SubscriptionStats};
 pub use error::{Error, RecvError};
 pub use monitoring::{
     ConnectionKind, ConnectionReport, ListenerReport, MatchReport, RemoteMatch, SessionCounts,

@@ -177,6 +177,45 @@ fn request_and_reply_cross_brokers() {
 }
 
 #[test]
+fn responders_answer_across_a_route_and_share_a_queue_group() {
+    let (a, b) = pair();
+    let on_b = b
+        .queue_respond("svc.where", "workers", |_| Some(Bytes::from_static(b"b")))
+        .unwrap();
+    let on_a = a
+        .queue_respond("svc.where", "workers", |_| Some(Bytes::from_static(b"a")))
+        .unwrap();
+    wait_interest(&a, 1);
+    wait_interest(&b, 1);
+    // A broker with a member of the group delivers to it (README
+    // "Clustering"): each request is answered once, by the nearer member.
+    let client = Client::connect(&tcp(&a)).unwrap();
+    for _ in 0..10 {
+        let reply = client
+            .request("svc.where", Bytes::from_static(b"?"), WAIT)
+            .unwrap();
+        assert_eq!(&reply.payload[..], b"a");
+    }
+    let reply = b.request("svc.where", &b"?"[..], WAIT).unwrap();
+    assert_eq!(&reply.payload[..], b"b");
+    assert_eq!(
+        (on_a.stats().delivered(), on_b.stats().delivered()),
+        (10, 1)
+    );
+    // Once A's member is gone, requests from A and its client cross the
+    // route to B's, answered on B's event loop.
+    drop(on_a);
+    wait_until("A's member withdrawn", || {
+        a.request("svc.where", &b"?"[..], WAIT)
+            .is_ok_and(|reply| &reply.payload[..] == b"b")
+    });
+    let reply = client
+        .request("svc.where", Bytes::from_static(b"?"), WAIT)
+        .unwrap();
+    assert_eq!(&reply.payload[..], b"b");
+}
+
+#[test]
 fn requests_across_a_route_share_one_inbox() {
     let (a, b) = pair();
     let service = b.subscribe("svc.echo").unwrap();

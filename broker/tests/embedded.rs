@@ -581,3 +581,99 @@ fn handles_are_thread_safe() {
     assert_send_sync::<Message>();
     assert_send_sync::<Error>();
 }
+
+/// A broker listening on loopback TCP, for a client of it.
+fn tcp_broker() -> (Broker, String) {
+    let text = "name = \"embedded-test\"\nlisten = [\"tcp/127.0.0.1:0\"]\n";
+    let config = efabus_broker::Config::from_toml_str(text, "embedded test").unwrap();
+    let broker = Broker::start(config).unwrap();
+    let endpoint = broker.endpoint("tcp").expect("a tcp listener");
+    (broker, endpoint)
+}
+
+#[test]
+fn a_responder_answers_in_process_requests_and_client_requests() {
+    let (broker, endpoint) = tcp_broker();
+    let responder = broker
+        .respond("svc.upper", |request| {
+            Some(Bytes::from(request.payload.to_ascii_uppercase()))
+        })
+        .unwrap();
+    // In process: answered on the requesting thread.
+    let reply = broker.request("svc.upper", payload("hi"), WAIT).unwrap();
+    assert_eq!(&reply.payload[..], b"HI");
+    // From a client: answered on the event loop.
+    let client = Client::connect(&endpoint).unwrap();
+    let reply = client.request("svc.upper", payload("there"), WAIT).unwrap();
+    assert_eq!(&reply.payload[..], b"THERE");
+    assert_eq!(responder.stats().delivered(), 2);
+    assert_eq!(responder.stats().dropped(), 0);
+}
+
+#[test]
+fn a_responder_sees_plain_messages_and_answers_only_requests() {
+    let broker = broker("");
+    let seen = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = seen.clone();
+    let _responder = broker
+        .respond("svc.>", move |_| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(payload("answer"))
+        })
+        .unwrap();
+    // A reply subject the responder's own pattern matches: the reply reaches
+    // it too, and makes no further reply (it has no reply subject).
+    let watcher = broker.subscribe("svc.replies").unwrap();
+    broker.publish("svc.plain", payload("x")).unwrap();
+    broker
+        .publish_request("svc.ask", "svc.replies", payload("y"))
+        .unwrap();
+    let reply = watcher.recv_timeout(WAIT).unwrap();
+    assert_eq!(text(&reply), "svc.replies:answer");
+    assert_eq!(seen.load(std::sync::atomic::Ordering::Relaxed), 3);
+    assert!(watcher.recv_timeout(Duration::from_millis(100)).is_err());
+}
+
+#[test]
+fn a_handler_that_panics_loses_its_reply_and_the_broker_goes_on() {
+    let (broker, endpoint) = tcp_broker();
+    let responder = broker
+        .respond("svc.fragile", |request| {
+            assert!(&request.payload[..] != b"boom", "the handler fails");
+            Some(request.payload.clone())
+        })
+        .unwrap();
+    let client = Client::connect(&endpoint).unwrap();
+    // On the event loop and on a publishing thread.
+    let lost = client.request("svc.fragile", payload("boom"), Duration::from_millis(300));
+    assert!(matches!(lost, Err(Error::Timeout(_))), "{lost:?}");
+    let lost = broker.request("svc.fragile", payload("boom"), Duration::from_millis(300));
+    assert!(matches!(lost, Err(Error::Timeout(_))), "{lost:?}");
+    assert_eq!(responder.stats().dropped(), 2);
+    let reply = client.request("svc.fragile", payload("ok"), WAIT).unwrap();
+    assert_eq!(&reply.payload[..], b"ok");
+    let reply = broker.request("svc.fragile", payload("ok"), WAIT).unwrap();
+    assert_eq!(&reply.payload[..], b"ok");
+}
+
+#[test]
+fn a_dropped_responder_answers_nothing_more() {
+    let broker = broker("");
+    let calls = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = calls.clone();
+    let responder = broker
+        .respond("svc.once", move |request| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(request.payload.clone())
+        })
+        .unwrap();
+    // The publishing thread's cached route to it is warm.
+    broker.request("svc.once", payload("a"), WAIT).unwrap();
+    drop(responder);
+    let after = broker.request("svc.once", payload("b"), Duration::from_millis(200));
+    assert!(
+        matches!(after, Err(Error::NoResponders(_)) | Err(Error::Timeout(_))),
+        "{after:?}"
+    );
+    assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 1);
+}

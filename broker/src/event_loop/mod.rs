@@ -554,10 +554,45 @@ impl EventLoop {
                 }
             }
         }
+        // Replies of responders to what came in go out in this round.
+        if crate::delivery::answers_waiting() {
+            self.publish_answers();
+        }
         self.close_batches();
         self.flush_tally();
         self.publish_endpoint_counts();
         busy
+    }
+
+    /// Publish the replies responders made in this round's deliveries, as
+    /// an in-process publisher's would be (replies carry no reply subject,
+    /// so they make no more of their own).
+    #[cold]
+    #[inline(never)]
+    fn publish_answers(&mut self) {
+        while crate::delivery::answers_waiting() {
+            for answered in crate::delivery::take_answers() {
+                let subject = &*answered.subject;
+                let matched = self
+                    .shared
+                    .subscriptions
+                    .read()
+                    .lookup(subject, &mut self.targets);
+                if matched.is_err() {
+                    answered.stats.count_unanswered();
+                    continue;
+                }
+                let mut joined = Bytes::new();
+                let payload = Payload::of_parts(&None, &answered.payload, &mut joined);
+                self.deliver_matched(
+                    crate::subscriptions::LOCAL_OWNER,
+                    subject,
+                    None,
+                    payload,
+                    matched,
+                );
+            }
+        }
     }
 
     /// Add the round's counts to the shared statistics.
