@@ -82,6 +82,11 @@ pub struct BenchArgs {
     /// With `--via route`: the fabric endpoints both brokers listen on.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
+    /// Latency with `--via route`: the far broker answers with
+    /// `Broker::respond`, on the thread that delivers each request, instead
+    /// of a thread of the bench reading a subscription.
+    #[arg(long)]
+    pub inline: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -108,6 +113,8 @@ struct LatencyReport {
     target: String,
     payload_bytes: usize,
     link: String,
+    /// `inline` (`Broker::respond`) or `thread` (a subscription's reader).
+    responder: &'static str,
     round_trips: u64,
     seconds: f64,
     p50_us: f64,
@@ -764,7 +771,22 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         (None, Some(far)) => far,
         _ => target.through(&responder)?,
     };
-    let requests = responder_ref.subscribe(&subject).map_err(bench_error)?;
+    let inline = match (args.inline, &target.far) {
+        (false, _) => None,
+        (true, Some(far)) => Some(
+            far.respond(&subject, |request| Some(request.payload.clone()))
+                .map_err(bench_error)?,
+        ),
+        (true, None) => {
+            return Err(Failure::usage(
+                "--inline answers on the far broker of `--via route`",
+            ))
+        }
+    };
+    let requests = match inline {
+        None => Some(responder_ref.subscribe(&subject).map_err(bench_error)?),
+        Some(_) => None,
+    };
     responder_ref
         .flush(Duration::from_secs(10))
         .map_err(bench_error)?;
@@ -779,7 +801,7 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     let mut elapsed = Duration::ZERO;
     std::thread::scope(|scope| -> Result<(), Failure> {
         let echo = scope.spawn(|| {
-            for request in requests {
+            for request in requests.into_iter().flatten() {
                 // A request without reply subject is the signal to stop.
                 let Some(reply) = request.reply else { break };
                 if responder_ref.publish(&reply, request.payload).is_err() {
@@ -817,7 +839,8 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
             elapsed = started.elapsed();
             Ok(())
         });
-        // Ends the responder's iteration.
+        // Ends the responder's iteration (an inline responder answers
+        // nothing without a reply subject).
         let _ = responder_ref.publish(&subject, Bytes::new());
         let _ = echo.join();
         result
@@ -829,6 +852,7 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         target: target.description.clone(),
         payload_bytes: args.size,
         link: target.link.lock().clone(),
+        responder: if inline.is_some() { "inline" } else { "thread" },
         round_trips: histogram.len(),
         seconds: elapsed.as_secs_f64(),
         p50_us: us(0.5),
