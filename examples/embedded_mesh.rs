@@ -2,7 +2,8 @@
 //! standalone broker: every service process starts its own `Broker`, the
 //! first one is the others' seed, and they find each other and route over
 //! `efa-rdm` (or `shm` on one host). A request from one service to another
-//! is one fabric hop each way.
+//! is one fabric hop each way, answered where it arrives
+//! (`Broker::respond`).
 //!
 //! ```text
 //! cargo run --release --example embedded_mesh                    # tcp;ofi_rxm, 3 services
@@ -288,23 +289,18 @@ fn service(args: &[String]) -> Result<(), Failure> {
     }
     println!("listening {}", broker.endpoint("tcp").ok_or("no tcp")?);
 
-    // Requests to this service are answered and streams to it counted,
-    // each on its own thread, until the launcher says all are done.
-    let requests = broker.subscribe(&format!("svc.{name}"))?;
+    // Requests to this service are answered where they arrive (the
+    // broker's event loop), with no hand-over to a thread of the service;
+    // streams to it are counted on a thread of their own, until the
+    // launcher says all are done.
+    let _answering = broker.respond(&format!("svc.{name}"), |request| {
+        Some(request.payload.clone())
+    })?;
     let stream = broker.subscribe(&format!("stream.{name}"))?;
     let replies = broker.subscribe(&format!("inbox.{name}"))?;
     let stop = AtomicBool::new(false);
     let expected = sizes.stream * (count - 1);
     std::thread::scope(|scope| -> Result<(), Failure> {
-        scope.spawn(|| {
-            while !stop.load(Ordering::Relaxed) {
-                if let Ok(request) = requests.recv_timeout(Duration::from_millis(50)) {
-                    if let Some(reply) = request.reply {
-                        let _ = broker.publish(&reply, request.payload);
-                    }
-                }
-            }
-        });
         let counter = scope.spawn(|| {
             let mut received = 0;
             while received < expected && stream.recv_timeout(WAIT).is_ok() {
