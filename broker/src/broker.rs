@@ -932,7 +932,7 @@ impl Broker {
         }
         let reached =
             publish_cache::publish(shared, subject, reply.map(Arc::from), headers, payload);
-        if delivery::answers_waiting() {
+        if delivery::answers_waiting(delivery::answer_origin(shared)) {
             publish_answers(shared);
         }
         reached
@@ -954,8 +954,10 @@ impl Broker {
     /// message with a reply subject) is published to the reply subject.
     ///
     /// The handler runs on the thread that delivers the message: the
-    /// broker's event loop for messages from clients and routes, or the
-    /// publishing thread for in-process ones. So a request costs no
+    /// broker's event loop (or an application thread running its rounds
+    /// while it waits) for messages from clients and routes, or the
+    /// publishing thread for in-process ones. A reply over
+    /// `limits.max_payload` is dropped and counted. So a request costs no
     /// hand-over to a thread of the application, which is what makes a
     /// round trip between services short (README "Embedded API"); in
     /// exchange the handler holds up everything else that thread does
@@ -990,7 +992,8 @@ impl Broker {
         queue: Option<&str>,
         answer: delivery::Answer,
     ) -> Result<Responder, Error> {
-        let (sink, reader, stats) = LocalSink::answering(answer);
+        let origin = delivery::answer_origin(&self.shared);
+        let (sink, reader, stats) = LocalSink::answering(answer, origin);
         let sid = self.register(pattern, queue, sink)?;
         let owner: Arc<dyn SubscriptionOwner> = self.shared.clone();
         Ok(Responder::new(
@@ -1257,14 +1260,16 @@ pub(crate) fn deliver_in_process(
 /// carry no reply subject, so they make no more of their own).
 #[cold]
 #[inline(never)]
-fn publish_answers(shared: &Shared) {
-    while delivery::answers_waiting() {
-        for answered in delivery::take_answers() {
-            let published =
-                publish_cache::publish(shared, &answered.subject, None, None, answered.payload);
-            if published.is_err() {
-                answered.stats.count_unanswered();
-            }
+fn publish_answers(shared: &Arc<Shared>) {
+    let max_payload = shared.live.max_payload();
+    for answered in delivery::take_answers(delivery::answer_origin(shared)) {
+        let published = if answered.payload.len() as u64 > max_payload {
+            false
+        } else {
+            publish_cache::publish(shared, &answered.subject, None, None, answered.payload).is_ok()
+        };
+        if !published {
+            answered.stats.count_unanswered();
         }
     }
 }

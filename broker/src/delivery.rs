@@ -438,8 +438,9 @@ pub(crate) struct LocalSink {
     /// While it holds any, producers that may wait do, even with room:
     /// the held ones go first.
     held: AtomicUsize,
-    /// A responder's handler: messages go to it instead of the queue.
-    answer: Option<Answer>,
+    /// A responder's handler, and the broker or client it answers through
+    /// ([`answer_origin`]): messages go to it instead of the queue.
+    answer: Option<(Answer, usize)>,
 }
 
 /// A responder's handler ([`crate::Broker::respond`]).
@@ -448,6 +449,10 @@ pub(crate) type Answer = Arc<dyn Fn(&Message) -> Option<Bytes> + Send + Sync>;
 /// A reply a handler made, to be published by the code that delivered the
 /// request once it is done delivering; `stats` counts it if it cannot be.
 pub(crate) struct Answered {
+    /// The broker or client whose responder made it: a thread may deliver
+    /// for several (a handler publishing through another broker, say), and
+    /// each publishes only its own replies.
+    origin: usize,
     pub subject: Arc<str>,
     pub payload: Bytes,
     pub stats: Arc<SubscriptionStats>,
@@ -456,17 +461,41 @@ pub(crate) struct Answered {
 thread_local! {
     /// The replies handlers made on this thread, not yet published.
     static ANSWERS: RefCell<Vec<Answered>> = const { RefCell::new(Vec::new()) };
+    /// How many there are: every publish asks, and almost always the
+    /// answer is none.
+    static ANSWERS_PENDING: Cell<usize> = const { Cell::new(0) };
 }
 
-/// Whether handlers on this thread made replies not yet published.
-pub(crate) fn answers_waiting() -> bool {
-    ANSWERS.with(|answers| !answers.borrow().is_empty())
+/// What tells the replies of one broker's or client's responders from
+/// another's: the address of its shared state.
+pub(crate) fn answer_origin<T>(shared: &Arc<T>) -> usize {
+    Arc::as_ptr(shared) as usize
 }
 
-/// The replies handlers made on this thread, oldest first, for the caller
-/// to publish.
-pub(crate) fn take_answers() -> Vec<Answered> {
-    ANSWERS.with(|answers| std::mem::take(&mut *answers.borrow_mut()))
+/// Whether handlers on this thread made replies for `origin` not yet
+/// published.
+pub(crate) fn answers_waiting(origin: usize) -> bool {
+    ANSWERS_PENDING.get() > 0
+        && ANSWERS.with(|answers| answers.borrow().iter().any(|a| a.origin == origin))
+}
+
+/// The replies handlers on this thread made for `origin`, oldest first,
+/// for the caller to publish.
+pub(crate) fn take_answers(origin: usize) -> Vec<Answered> {
+    ANSWERS.with(|answers| {
+        let mut answers = answers.borrow_mut();
+        let mine: Vec<Answered> = if answers.iter().all(|a| a.origin == origin) {
+            std::mem::take(&mut *answers)
+        } else {
+            let (mine, others) = std::mem::take(&mut *answers)
+                .into_iter()
+                .partition(|a| a.origin == origin);
+            *answers = others;
+            mine
+        };
+        ANSWERS_PENDING.set(answers.len());
+        mine
+    })
 }
 
 /// The reading half of a queue, made by [`LocalSink::new`] for
@@ -531,11 +560,15 @@ impl LocalSink {
     }
 
     /// A responder's sink: every message goes to `answer` on the thread
-    /// that delivers it. The queue only marks the responder closed.
-    pub(crate) fn answering(answer: Answer) -> (LocalSink, QueueReader, Arc<SubscriptionStats>) {
+    /// that delivers it, its replies for `origin` to publish. The queue
+    /// only marks the responder closed.
+    pub(crate) fn answering(
+        answer: Answer,
+        origin: usize,
+    ) -> (LocalSink, QueueReader, Arc<SubscriptionStats>) {
         let (mut sink, reader, stats) =
             LocalSink::new(1, SlowConsumerPolicy::DropOldest, Duration::ZERO);
-        sink.answer = Some(answer);
+        sink.answer = Some((answer, origin));
         (sink, reader, stats)
     }
 
@@ -648,8 +681,8 @@ impl LocalSink {
         received: bool,
         hold: bool,
     ) -> Delivery {
-        if let Some(answer) = &self.answer {
-            return self.answer_now(answer, subject, reply, headers, payload);
+        if let Some((answer, origin)) = &self.answer {
+            return self.answer_now(answer, *origin, subject, reply, headers, payload);
         }
         let queue = &*self.queue;
         let mut state = queue.state.lock();
@@ -714,6 +747,7 @@ impl LocalSink {
     fn answer_now(
         &self,
         answer: &Answer,
+        origin: usize,
         subject: SubjectArg<'_>,
         reply: Option<Arc<str>>,
         headers: Option<Bytes>,
@@ -739,17 +773,22 @@ impl LocalSink {
                 if let Some(subject) = message.reply {
                     let stats = self.stats.clone();
                     ANSWERS.with(|answers| {
-                        answers.borrow_mut().push(Answered {
+                        let mut answers = answers.borrow_mut();
+                        answers.push(Answered {
+                            origin,
                             subject,
                             payload,
                             stats,
-                        })
+                        });
+                        ANSWERS_PENDING.set(answers.len());
                     });
                 }
             }
             Ok(None) => {}
             Err(_) => {
-                self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                if message.reply.is_some() {
+                    self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                }
                 tracing::warn!(subject = %message.subject, "a responder's handler panicked");
             }
         }
@@ -1347,8 +1386,10 @@ impl Drop for Subscription {
 /// publishing thread is delivering meanwhile may still reach the handler.
 ///
 /// Its [`stats`](Self::stats) count the messages handled as delivered, and
-/// as dropped the replies lost: a handler that panicked, or a reply that
-/// could not be published (the broker shutting down, its subject invalid).
+/// as dropped the replies to requests lost: the handler panicked, or its
+/// reply was over the payload limit (`limits.max_payload`, or a client's
+/// server's), or could not be published from an in-process request (the
+/// broker shutting down).
 pub struct Responder {
     sid: u64,
     pattern: String,

@@ -25,8 +25,9 @@ pub(crate) fn publish(
     let generation = shared.generation.load(Ordering::Acquire);
     CACHE.with(|cell| match cell.try_borrow_mut() {
         Ok(mut cache) => cache.publish(shared, generation, subject, reply, headers, payload),
-        // Only a re-entrant publish (none exists today) would find the
-        // cell taken; it routes with a cache of its own.
+        // Only a re-entrant publish (a responder's handler publishing
+        // while its request is delivered) finds the cell taken; it routes
+        // with a cache of its own.
         Err(_) => {
             let mut own = PublishCache::EMPTY;
             own.publish(shared, generation, subject, reply, headers, payload)

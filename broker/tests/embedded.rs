@@ -677,3 +677,51 @@ fn a_dropped_responder_answers_nothing_more() {
     );
     assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
+
+#[test]
+fn replies_go_out_through_the_broker_whose_responder_made_them() {
+    let a = broker("");
+    let b = Arc::new(broker(""));
+    let on_b = b.subscribe("notes").unwrap();
+    // Two handlers that publish through another broker: whichever runs
+    // second does so while the first one's reply waits to be published
+    // through `a`.
+    let handler = |name: &'static str| {
+        let b = b.clone();
+        move |_: &Message| {
+            b.publish("notes", payload(name)).unwrap();
+            Some(payload(name))
+        }
+    };
+    let _first = a.respond("svc.x", handler("first")).unwrap();
+    let _second = a.respond("svc.x", handler("second")).unwrap();
+    let replies = a.subscribe("replies").unwrap();
+    a.publish_request("svc.x", "replies", payload("?")).unwrap();
+    let mut got: Vec<String> = (0..2)
+        .map(|_| text(&replies.recv_timeout(WAIT).unwrap()))
+        .collect();
+    got.sort();
+    assert_eq!(got, ["replies:first", "replies:second"]);
+    let mut notes = drain(&on_b);
+    notes.sort();
+    assert_eq!(notes, ["notes:first", "notes:second"]);
+}
+
+#[test]
+fn a_reply_over_the_payload_limit_is_dropped_and_counted() {
+    let text = "name = \"embedded-test\"\nlisten = [\"tcp/127.0.0.1:0\"]\n\
+                [limits]\nmax_payload = 100\n";
+    let config = efabus_broker::Config::from_toml_str(text, "embedded test").unwrap();
+    let broker = Broker::start(config).unwrap();
+    let responder = broker
+        .respond("svc.big", |_| Some(Bytes::from(vec![0u8; 200])))
+        .unwrap();
+    let client = Client::connect(&broker.endpoint("tcp").unwrap()).unwrap();
+    let short = Duration::from_millis(300);
+    // On a publishing thread and on the event loop.
+    let lost = broker.request("svc.big", payload("?"), short);
+    assert!(matches!(lost, Err(Error::Timeout(_))), "{lost:?}");
+    let lost = client.request("svc.big", payload("?"), short);
+    assert!(matches!(lost, Err(Error::Timeout(_))), "{lost:?}");
+    assert_eq!(responder.stats().dropped(), 2);
+}

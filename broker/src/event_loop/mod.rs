@@ -480,6 +480,11 @@ impl EventLoop {
         if now >= timers_at {
             self.timers_ran = now;
             self.on_timers(now);
+            // Frames the links released (a gap filled, a timeout) may
+            // have been requests to responders here.
+            if self.publish_answers() {
+                self.close_batches();
+            }
         }
         // Held messages are offered every round, not at the timers'
         // spacing: their readers do not wake the loop, and remote
@@ -554,10 +559,7 @@ impl EventLoop {
                 }
             }
         }
-        // Replies of responders to what came in go out in this round.
-        if crate::delivery::answers_waiting() {
-            self.publish_answers();
-        }
+        self.publish_answers();
         self.close_batches();
         self.flush_tally();
         self.publish_endpoint_counts();
@@ -565,34 +567,38 @@ impl EventLoop {
     }
 
     /// Publish the replies responders made in this round's deliveries, as
-    /// an in-process publisher's would be (replies carry no reply subject,
-    /// so they make no more of their own).
-    #[cold]
-    #[inline(never)]
-    fn publish_answers(&mut self) {
-        while crate::delivery::answers_waiting() {
-            for answered in crate::delivery::take_answers() {
-                let subject = &*answered.subject;
-                let matched = self
-                    .shared
-                    .subscriptions
-                    .read()
-                    .lookup(subject, &mut self.targets);
-                if matched.is_err() {
-                    answered.stats.count_unanswered();
-                    continue;
-                }
-                let mut joined = Bytes::new();
-                let payload = Payload::of_parts(&None, &answered.payload, &mut joined);
-                self.deliver_matched(
-                    crate::subscriptions::LOCAL_OWNER,
-                    subject,
-                    None,
-                    payload,
-                    matched,
-                );
-            }
+    /// an in-process publisher's would be, so they go out in this round;
+    /// true if there were any. Called after each step of a round that
+    /// delivers (the endpoints' events, the timers' released frames).
+    /// Replies carry no reply subject, so they make no more of their own.
+    fn publish_answers(&mut self) -> bool {
+        let origin = crate::delivery::answer_origin(&self.shared);
+        if !crate::delivery::answers_waiting(origin) {
+            return false;
         }
+        let max_payload = self.shared.live.max_payload();
+        for answered in crate::delivery::take_answers(origin) {
+            let subject = &*answered.subject;
+            let matched = self
+                .shared
+                .subscriptions
+                .read()
+                .lookup(subject, &mut self.targets);
+            if matched.is_err() || answered.payload.len() as u64 > max_payload {
+                answered.stats.count_unanswered();
+                continue;
+            }
+            let mut joined = Bytes::new();
+            let payload = Payload::of_parts(&None, &answered.payload, &mut joined);
+            self.deliver_matched(
+                crate::subscriptions::LOCAL_OWNER,
+                subject,
+                None,
+                payload,
+                matched,
+            );
+        }
+        true
     }
 
     /// Add the round's counts to the shared statistics.
