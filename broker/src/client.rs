@@ -52,7 +52,9 @@ use tracing::{debug, error, info, warn};
 use crate::broker::{reply_token, unique_seed};
 use crate::commands::Parker;
 use crate::config::SlowConsumerPolicy;
-use crate::delivery::{Delivery, LocalSink, Message, Subscription, SubscriptionOwner, YieldWindow};
+use crate::delivery::{
+    Delivery, LocalSink, Message, Responder, Subscription, SubscriptionOwner, YieldWindow,
+};
 use crate::drive::{DriveHandle, Driven, Rounds};
 use crate::endpoints;
 use crate::error::Error;
@@ -596,7 +598,15 @@ impl ClientShared {
             let Some(sub) = subscriptions.get(&sid) else {
                 return false;
             };
-            sub.sink.deliver(message)
+            if sub.sink.is_answering() {
+                // A handler may subscribe or drop a handle, which takes
+                // the table.
+                let sink = sub.sink.clone();
+                *table = None;
+                sink.deliver(message)
+            } else {
+                sub.sink.deliver(message)
+            }
         };
         delivery == Delivery::Closed
             && table
@@ -1110,12 +1120,93 @@ impl Client {
         self.subscribe_inner(pattern, None, DeliveryClass::BestEffort)
     }
 
+    /// Answer requests on `pattern` with `handler` on this client's loop
+    /// thread (or a thread driving it), as [`crate::Broker::respond`] does
+    /// on a broker's: no hand-over to a thread of the application. The
+    /// handler must be quick and must not wait (no [`Client::request`] or
+    /// [`Client::flush`] inside it); it returns its reply rather than
+    /// publishing it. A reply over the server's payload limit is dropped
+    /// and counted.
+    pub fn respond<F>(&self, pattern: &str, handler: F) -> Result<Responder, Error>
+    where
+        F: Fn(&Message) -> Option<Bytes> + Send + Sync + 'static,
+    {
+        self.respond_inner(pattern, None, Arc::new(handler))
+    }
+
+    /// [`Client::respond`] as a member of a queue group.
+    pub fn queue_respond<F>(
+        &self,
+        pattern: &str,
+        group: &str,
+        handler: F,
+    ) -> Result<Responder, Error>
+    where
+        F: Fn(&Message) -> Option<Bytes> + Send + Sync + 'static,
+    {
+        self.respond_inner(pattern, Some(group), Arc::new(handler))
+    }
+
+    fn respond_inner(
+        &self,
+        pattern: &str,
+        queue: Option<&str>,
+        answer: crate::delivery::Answer,
+    ) -> Result<Responder, Error> {
+        let shared = &self.shared;
+        let origin = crate::delivery::answer_origin(shared);
+        let (sink, reader, stats) = LocalSink::answering(answer, origin);
+        let sid = self.add_subscription(pattern, queue, DeliveryClass::Reliable, sink)?;
+        let owner: Arc<dyn SubscriptionOwner> = shared.clone();
+        let responder = Responder::new(
+            sid,
+            pattern.to_string(),
+            queue.map(str::to_string),
+            reader,
+            stats,
+            owner,
+        );
+        shared.send_command(Command::Subscribe { sid })?;
+        Ok(responder)
+    }
+
     fn subscribe_inner(
         &self,
         pattern: &str,
         queue: Option<&str>,
         class: DeliveryClass,
     ) -> Result<Subscription, Error> {
+        let shared = &self.shared;
+        let (sink, rx, stats) = LocalSink::new(
+            shared.options.subscription_queue,
+            shared.options.slow_consumer,
+            shared.options.block_timeout,
+        );
+        let sid = self.add_subscription(pattern, queue, class, sink)?;
+        let owner: Arc<dyn SubscriptionOwner> = shared.clone();
+        let subscription = Subscription::new(
+            sid,
+            pattern.to_string(),
+            queue.map(str::to_string),
+            rx,
+            stats,
+            owner,
+            shared.options.fabric.polling.spin(),
+        );
+        shared.send_command(Command::Subscribe { sid })?;
+        Ok(subscription)
+    }
+
+    /// Checks the pattern and group and puts `sink` in the table under a
+    /// new id; the caller makes the handle (whose drop removes it) before
+    /// telling the loop to subscribe.
+    fn add_subscription(
+        &self,
+        pattern: &str,
+        queue: Option<&str>,
+        class: DeliveryClass,
+        sink: LocalSink,
+    ) -> Result<u64, Error> {
         let shared = &self.shared;
         let limits = shared.subject_limits();
         subject::validate_pattern(pattern, &limits).map_err(|source| Error::Subject {
@@ -1129,11 +1220,6 @@ impl Client {
             })?;
         }
         let sid = shared.next_sid.fetch_add(1, Ordering::Relaxed);
-        let (sink, rx, stats) = LocalSink::new(
-            shared.options.subscription_queue,
-            shared.options.slow_consumer,
-            shared.options.block_timeout,
-        );
         shared.subscriptions.lock().insert(
             sid,
             ClientSub {
@@ -1143,18 +1229,7 @@ impl Client {
                 sink: Arc::new(sink),
             },
         );
-        let owner: Arc<dyn SubscriptionOwner> = shared.clone();
-        let subscription = Subscription::new(
-            sid,
-            pattern.to_string(),
-            queue.map(str::to_string),
-            rx,
-            stats,
-            owner,
-            shared.options.fabric.polling.spin(),
-        );
-        shared.send_command(Command::Subscribe { sid })?;
-        Ok(subscription)
+        Ok(sid)
     }
 
     /// Send a request and wait for the first reply.
@@ -1460,6 +1535,9 @@ struct Withdrawn {
 /// layer) and what only a client has: the outbox, reconnection, replies.
 struct ClientLoop {
     shared: Arc<ClientShared>,
+    /// Tells this client's responders' replies from others' made on the
+    /// same thread ([`crate::delivery::answer_origin`]).
+    answer_origin: usize,
     /// The events of the round's endpoint polls.
     events: Vec<Event>,
     /// The control endpoint (at [`CONTROL`]), then the data endpoints.
@@ -1556,6 +1634,7 @@ impl ClientLoop {
             ..defaults
         };
         ClientLoop {
+            answer_origin: crate::delivery::answer_origin(&shared),
             shared,
             events: Vec::with_capacity(256),
             endpoints,
@@ -1636,6 +1715,12 @@ impl ClientLoop {
         // failure, however late, and an answer that came is no silence.
         self.poll_links(now);
         self.check_silent_link(now);
+        // Replies of responders to what came in (from the endpoints or
+        // released by the links) go out in this round.
+        if crate::delivery::answers_waiting(self.answer_origin) {
+            self.publish_answers();
+            busy = true;
+        }
         let drained = self.drain_outbox();
         self.check_send_failure();
         let credit_waiting = self.grant_credits(now);
@@ -1647,6 +1732,28 @@ impl ClientLoop {
         Round {
             worked: busy | drained,
             credit_waiting,
+        }
+    }
+
+    /// Send the replies this client's responders made in this round's
+    /// deliveries, on the loop's own path (a publisher waiting for room in
+    /// the outbox would wait for this very thread).
+    #[cold]
+    #[inline(never)]
+    fn publish_answers(&mut self) {
+        let max = self.shared.max_payload.load(Ordering::Relaxed);
+        for answered in crate::delivery::take_answers(self.answer_origin) {
+            if answered.payload.len() as u64 > max {
+                answered.stats.count_unanswered();
+                continue;
+            }
+            self.send(codec::encode(&Frame::Publish(frame::Publish {
+                subject: answered.subject.to_string(),
+                reply: None,
+                seq: 0,
+                headers: None,
+                payload: answered.payload,
+            })));
         }
     }
 

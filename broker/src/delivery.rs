@@ -740,6 +740,11 @@ impl LocalSink {
         outcome
     }
 
+    /// Whether this is a responder's sink, whose deliveries run user code.
+    pub(crate) fn is_answering(&self) -> bool {
+        self.answer.is_some()
+    }
+
     /// A responder's delivery: the handler runs here, and its reply to a
     /// request waits in this thread's [`ANSWERS`]. A handler that panics
     /// loses its reply (counted as dropped), not the delivering thread.

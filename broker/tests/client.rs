@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_broker::{
-    Broker, Client, ClientOptions, Config, ConnectionState, Error, Message, RecvError, Subscription,
+    Broker, Client, ClientOptions, Config, ConnectionState, Error, Message, RecvError, Responder,
+    SlowConsumerPolicy, Subscription,
 };
 use efabus_core::frame::ErrorCode;
 use efabus_transports::registry::Registry;
@@ -1411,4 +1412,103 @@ fn the_health_check_answers_while_publishers_are_held_up() {
     drop(sub);
     drop(stalled);
     publisher.join().unwrap();
+}
+
+#[test]
+fn a_client_responder_answers_on_its_loop_and_survives_a_panicking_handler() {
+    let (broker, endpoint) = start(Via::Tcp, "");
+    let service = connect(&endpoint);
+    let responder = service
+        .respond("svc.len", |request| {
+            assert!(!request.payload.is_empty(), "the handler fails");
+            Some(Bytes::from(request.payload.len().to_string()))
+        })
+        .unwrap();
+    service.flush(WAIT).unwrap();
+    let asker = connect(&endpoint);
+    let reply = asker
+        .request("svc.len", Bytes::from_static(b"four"), WAIT)
+        .unwrap();
+    assert_eq!(&reply.payload[..], b"4");
+    let reply = broker
+        .request("svc.len", Bytes::from(vec![1u8; 5000]), WAIT)
+        .unwrap();
+    assert_eq!(&reply.payload[..], b"5000");
+    // The handler panics: that reply is lost and counted, the client's
+    // loop goes on answering.
+    let lost = asker.request("svc.len", Bytes::new(), Duration::from_millis(300));
+    assert!(matches!(lost, Err(Error::Timeout(_))), "{lost:?}");
+    let reply = asker
+        .request("svc.len", Bytes::from_static(b"again"), WAIT)
+        .unwrap();
+    assert_eq!(&reply.payload[..], b"5");
+    assert_eq!(responder.stats().delivered(), 4);
+    assert_eq!(responder.stats().dropped(), 1);
+    // Dropped, it answers no more.
+    drop(responder);
+    service.flush(WAIT).unwrap();
+    let after = asker.request(
+        "svc.len",
+        Bytes::from_static(b"x"),
+        Duration::from_millis(300),
+    );
+    assert!(
+        matches!(after, Err(Error::NoResponders(_)) | Err(Error::Timeout(_))),
+        "{after:?}"
+    );
+}
+
+#[test]
+fn client_queue_responders_share_requests_and_count_oversized_replies() {
+    let (_broker, endpoint) = start(Via::Tcp, "[limits]\nmax_payload = 1024");
+    let members: Vec<(Arc<Client>, Responder)> = (0..2)
+        .map(|_| {
+            let client = Arc::new(
+                Client::connect_with(
+                    &endpoint,
+                    ClientOptions {
+                        // Deliveries under this policy are made with the
+                        // subscription table at hand: a handler that takes it
+                        // must not find it held.
+                        slow_consumer: SlowConsumerPolicy::DropOldest,
+                        ..options()
+                    },
+                    Registry::with_builtins(),
+                )
+                .unwrap(),
+            );
+            let inside = Arc::downgrade(&client);
+            let responder = client
+                .queue_respond("svc.q", "workers", move |request| {
+                    if let Some(client) = inside.upgrade() {
+                        drop(client.subscribe("svc.other").unwrap());
+                    }
+                    let len = if &request.payload[..] == b"big" {
+                        2000
+                    } else {
+                        2
+                    };
+                    Some(Bytes::from(vec![b'k'; len]))
+                })
+                .unwrap();
+            client.flush(WAIT).unwrap();
+            (client, responder)
+        })
+        .collect();
+    let asker = connect(&endpoint);
+    for _ in 0..20 {
+        let reply = asker
+            .request("svc.q", Bytes::from_static(b"?"), WAIT)
+            .unwrap();
+        assert_eq!(&reply.payload[..], b"kk");
+    }
+    let lost = asker.request(
+        "svc.q",
+        Bytes::from_static(b"big"),
+        Duration::from_millis(300),
+    );
+    assert!(matches!(lost, Err(Error::Timeout(_))), "{lost:?}");
+    let delivered: u64 = members.iter().map(|(_, r)| r.stats().delivered()).sum();
+    let dropped: u64 = members.iter().map(|(_, r)| r.stats().dropped()).sum();
+    assert_eq!((delivered, dropped), (21, 1));
 }

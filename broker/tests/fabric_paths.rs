@@ -1306,6 +1306,36 @@ fn disconnect_policy_cuts_off_a_stalled_fabric_reader() {
     assert_eq!(setup.stat("connections"), 1, "only the publisher is left");
 }
 
+/// A client's responder answers on its loop over the fabric: requests of
+/// every size from another fabric client and from the broker itself.
+fn a_client_responder_answers_over_rdm(provider: Provider) {
+    let Some(broker) = start_broker(provider, true, "") else {
+        return;
+    };
+    let service = fabric_client(&broker, provider, "service");
+    let responder = service
+        .respond("svc.check", |request| {
+            Some(Bytes::from(check_pattern(request).to_le_bytes().to_vec()))
+        })
+        .unwrap();
+    service.flush(WAIT).unwrap();
+    let asker = fabric_client(&broker, provider, "asker");
+    let sizes = [16, 4096, RDM_FRAME - 512, RDM_FRAME * 3 + 7];
+    for (seed, len) in sizes.into_iter().enumerate() {
+        let seed = seed as u64;
+        let reply = asker
+            .request("svc.check", pattern(seed, len), WAIT)
+            .unwrap_or_else(|err| panic!("{len} B from a client: {err}"));
+        assert_eq!(&reply.payload[..], &seed.to_le_bytes(), "{len} B");
+        let reply = broker
+            .request("svc.check", pattern(seed + 100, len), WAIT)
+            .unwrap_or_else(|err| panic!("{len} B from the broker: {err}"));
+        assert_eq!(&reply.payload[..], &(seed + 100).to_le_bytes(), "{len} B");
+    }
+    assert_eq!(responder.stats().delivered(), 2 * sizes.len() as u64);
+    assert_eq!(responder.stats().dropped(), 0);
+}
+
 macro_rules! provider_tests {
     ($($module:ident => $rdm:literal;)*) => {$(
         /// Tests over one reliable provider.
@@ -1356,6 +1386,11 @@ macro_rules! provider_tests {
             #[test]
             fn renegotiates_after_a_broker_restart() {
                 super::renegotiates_after_a_broker_restart(PROVIDER);
+            }
+
+            #[test]
+            fn a_client_responder_answers_over_rdm() {
+                super::a_client_responder_answers_over_rdm(PROVIDER);
             }
 
             #[test]

@@ -82,9 +82,10 @@ pub struct BenchArgs {
     /// With `--via route`: the fabric endpoints both brokers listen on.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
-    /// Latency with `--via route`: the far broker answers with
-    /// `Broker::respond`, on the thread that delivers each request, instead
-    /// of a thread of the bench reading a subscription.
+    /// Latency: the responder answers with `respond` (the far broker's
+    /// with `--via route`, its client's with --server), on the thread that
+    /// delivers each request, instead of a thread of the bench reading a
+    /// subscription.
     #[arg(long)]
     pub inline: bool,
 }
@@ -277,6 +278,11 @@ impl Target {
 
     /// A handle for one publisher or subscriber.
     fn handle(&self) -> Result<Arc<dyn PubSub>, Failure> {
+        Ok(Arc::new(self.client()?))
+    }
+
+    /// A client of the broker under test, for one publisher or subscriber.
+    fn client(&self) -> Result<Client, Failure> {
         match (&self.endpoint, &self.broker) {
             (Some(endpoint), _) => {
                 let options = ClientOptions {
@@ -304,7 +310,7 @@ impl Target {
                     other => Failure::runtime(format!("cannot connect to {endpoint}: {other}")),
                 })?;
                 *self.link.lock() = client.link().reliable;
-                Ok(Arc::new(client))
+                Ok(client)
             }
             (None, Some(_)) => Err(Failure::runtime(
                 "embedded handles are borrowed, not opened",
@@ -763,26 +769,29 @@ fn warm_up(
 fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     let subject = format!("bench.rpc.{}", std::process::id());
     let payload = Bytes::from(vec![0x5a; args.size]);
-    let responder: Option<Arc<dyn PubSub>> = match target.endpoint {
-        Some(_) => Some(target.handle()?),
+    let responder_client = match target.endpoint {
+        Some(_) => Some(target.client()?),
         None => None,
     };
-    let responder_ref: &dyn PubSub = match (&responder, &target.far) {
-        (None, Some(far)) => far,
-        _ => target.through(&responder)?,
+    let responder_ref: &dyn PubSub = match (&responder_client, &target.far, &target.broker) {
+        (Some(client), ..) => client,
+        (None, Some(far), _) => far,
+        (None, None, Some(broker)) => broker,
+        (None, None, None) => return Err(Failure::runtime("no target")),
     };
-    let inline = match (args.inline, &target.far) {
-        (false, _) => None,
-        (true, Some(far)) => Some(
-            far.respond(&subject, |request| Some(request.payload.clone()))
-                .map_err(bench_error)?,
-        ),
-        (true, None) => {
-            return Err(Failure::usage(
-                "--inline answers on the far broker of `--via route`",
-            ))
-        }
-    };
+    // An inline responder answers on the thread that delivers each request:
+    // a client's loop against a server, the far broker's loop across a
+    // route, the requesting thread in process.
+    let echo = |request: &efabus_broker::Message| Some(request.payload.clone());
+    let inline = match (args.inline, &responder_client, &target.far, &target.broker) {
+        (false, ..) => None,
+        (true, Some(client), ..) => Some(client.respond(&subject, echo)),
+        (true, None, Some(far), _) => Some(far.respond(&subject, echo)),
+        (true, None, None, Some(broker)) => Some(broker.respond(&subject, echo)),
+        (true, None, None, None) => None,
+    }
+    .transpose()
+    .map_err(bench_error)?;
     let requests = match inline {
         None => Some(responder_ref.subscribe(&subject).map_err(bench_error)?),
         Some(_) => None,
