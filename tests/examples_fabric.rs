@@ -54,6 +54,7 @@ fn example(name: &str) -> Option<PathBuf> {
 }
 
 struct Run {
+    pid: u32,
     code: Option<i32>,
     stdout: String,
     stderr: String,
@@ -61,8 +62,14 @@ struct Run {
 
 /// Run the example with `args`, killing it if it outlives [`RUN_LIMIT`].
 fn run(example: &PathBuf, args: &[&str]) -> Run {
-    let mut child = Command::new(example)
-        .args(args)
+    let mut command = Command::new(example);
+    command.args(args);
+    run_command(command, args)
+}
+
+/// [`run`] for any command; `args` name it if it runs too long.
+fn run_command(mut command: Command, args: &[&str]) -> Run {
+    let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -92,6 +99,7 @@ fn run(example: &PathBuf, args: &[&str]) -> Run {
         std::thread::sleep(Duration::from_millis(20));
     };
     Run {
+        pid: child.id(),
         code: status.code(),
         stdout: out.join().expect("stdout reader"),
         stderr: err.join().expect("stderr reader"),
@@ -238,5 +246,31 @@ fn pingpong_reports_each_rdm_provider() {
         bad_echo.stderr.contains("ECHO must be own or forward"),
         "{}",
         bad_echo.stderr
+    );
+}
+
+/// A `shm` region that a dead process with the same process id left in
+/// `/dev/shm` does not keep `shm` from opening (libfabric's `shm` names
+/// regions after the process and fails `fi_enable` with `-FI_EBUSY` on an
+/// existing name). The shell leaves an old region named after itself,
+/// then becomes the example, keeping its process id.
+#[test]
+fn a_dead_process_s_shm_region_does_not_block_shm() {
+    let Some(example) = example("fabric_pingpong") else {
+        return;
+    };
+    let script = r#"touch -d 2000-01-01 "/dev/shm/$$:0:0" && exec "$0" shm 64 10"#;
+    let mut command = Command::new("sh");
+    command.args(["-c", script]).arg(&example);
+    let run = run_command(command, &["sh", "-c", script]);
+    // What a failed run left behind is this test's to remove.
+    let _ = std::fs::remove_file(format!("/dev/shm/{}:0:0", run.pid));
+    if !succeeded(&run, "shm", &run.stderr) {
+        return;
+    }
+    assert!(
+        run.stdout.starts_with("{\"provider\":\"shm\",\"size\":64,"),
+        "{}",
+        run.stdout
     );
 }

@@ -86,6 +86,8 @@ pub mod pool;
 #[cfg(efabus_libfabric)]
 mod rendezvous;
 #[cfg(efabus_libfabric)]
+mod stale_shm;
+#[cfg(efabus_libfabric)]
 mod sys;
 
 #[cfg(not(efabus_libfabric))]
@@ -295,6 +297,9 @@ impl FabricTransport {
         let options = self
             .options_for(Some(config))
             .map_err(|e| TransportError::Other(e.to_string()))?;
+        if options.provider == SHM_PROVIDER {
+            stale_shm::remove_stale_regions();
+        }
         let mut endpoint =
             FabricEndpoint::open(self.kind, &options, config).map_err(|err| match err {
                 FabricError::GetInfo { .. } => self.unavailable(&err),
