@@ -283,8 +283,14 @@ fn service(args: &[String]) -> Result<(), Failure> {
     )?;
     let broker = Broker::start(config)?;
     if let Some(scheme) = scheme.filter(|scheme| broker.endpoint(scheme).is_none()) {
+        let why: Vec<String> = broker
+            .unopened()
+            .iter()
+            .map(|(entry, reason)| format!("{entry}: {reason}"))
+            .collect();
         return Err(Failure::Unavailable(format!(
-            "{scheme} via {provider} did not open"
+            "{scheme} via {provider} did not open ({})",
+            why.join("; ")
         )));
     }
     println!("listening {}", broker.endpoint("tcp").ok_or("no tcp")?);

@@ -410,6 +410,8 @@ pub(crate) struct Shared {
     pub(crate) stats: BrokerStats,
     pub(crate) inbox_prefix: String,
     pub(crate) listening: Vec<(String, String)>,
+    /// `(listen entry, reason)` of each fabric listener that did not open.
+    pub(crate) unopened: Vec<(String, String)>,
     /// Why each listener (by its index in `listening`) is out of
     /// service, if it is; set by the event loop.
     pub(crate) listener_failures: Mutex<Vec<Option<String>>>,
@@ -679,15 +681,15 @@ impl Broker {
         warn_of_cleartext_secrets(&config, &listening);
         // A fabric this host lacks leaves its peers on the other
         // listeners; with none, there is nothing to fall back to.
-        if endpoints.is_empty() {
-            if let Some((endpoint, source)) = unavailable.into_iter().next() {
-                return Err(Error::Endpoint { endpoint, source });
-            }
-        } else {
-            for (endpoint, err) in &unavailable {
-                let reason = err.cause();
-                warn!(%endpoint, %reason, "fabric unavailable; peers use the other listeners");
-            }
+        if endpoints.is_empty() && !unavailable.is_empty() {
+            let (endpoint, source) = unavailable.swap_remove(0);
+            return Err(Error::Endpoint { endpoint, source });
+        }
+        let mut unopened = Vec::with_capacity(unavailable.len());
+        for (endpoint, err) in unavailable {
+            let reason = err.cause().to_string();
+            warn!(%endpoint, %reason, "fabric unavailable; peers use the other listeners");
+            unopened.push((endpoint, reason));
         }
         // Routes are dialed from a TCP listener, or from an endpoint that
         // only connects out when there is none.
@@ -744,6 +746,7 @@ impl Broker {
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
             listener_failures: Mutex::new(vec![None; listening.len()]),
             listening,
+            unopened,
             broker_id,
             can_dial: dialer.is_some(),
             routes: Mutex::new(BTreeMap::new()),
@@ -778,6 +781,14 @@ impl Broker {
     /// `(scheme, address)` of each listening endpoint, with actual ports.
     pub fn listening(&self) -> &[(String, String)] {
         &self.shared.listening
+    }
+
+    /// `(listen entry, reason)` of each fabric listener of the config that
+    /// could not open at start (no such device or provider here, say): the
+    /// broker serves on its other listeners, and peers negotiate what is
+    /// left.
+    pub fn unopened(&self) -> &[(String, String)] {
+        &self.shared.unopened
     }
 
     /// Every listener with its state: up, or out of service and why.

@@ -899,6 +899,11 @@ fn a_missing_fabric_leaves_the_broker_on_tcp() {
     let config = Config::from_toml_str(text, "no fabric").expect("valid test config");
     let broker = Broker::start(config).expect("the broker starts on TCP");
     assert_eq!(broker.endpoint("efa-rdm"), None);
+    // The embedding service can tell why.
+    let unopened = broker.unopened();
+    assert_eq!(unopened.len(), 1, "{unopened:?}");
+    assert_eq!(unopened[0].0, "efa-rdm");
+    assert!(!unopened[0].1.is_empty(), "{unopened:?}");
     let client = connect_with(&broker, fabric_options(&broker, "hopeful"));
     let link = client.link();
     assert_eq!(link.reliable, "tcp", "{link:?}");
