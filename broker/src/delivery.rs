@@ -792,7 +792,7 @@ impl LocalSink {
             Ok(None) => {}
             Err(_) => {
                 if message.reply.is_some() {
-                    self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                    self.stats.count_unanswered();
                 }
                 tracing::warn!(subject = %message.subject, "a responder's handler panicked");
             }
@@ -1387,8 +1387,9 @@ impl Drop for Subscription {
 
 /// Messages matching a pattern, each handed to a handler on the thread
 /// that delivers it, which publishes the handler's reply to a request
-/// ([`crate::Broker::respond`]). Dropping it unsubscribes; a message a
-/// publishing thread is delivering meanwhile may still reach the handler.
+/// ([`crate::Broker::respond`], [`crate::Client::respond`]). Dropping it
+/// unsubscribes; a message a publishing thread is delivering meanwhile may
+/// still reach the handler.
 ///
 /// Its [`stats`](Self::stats) count the messages handled as delivered, and
 /// as dropped the replies to requests lost: the handler panicked, or its
@@ -1433,7 +1434,7 @@ impl Responder {
         }
     }
 
-    /// The subscription id, unique within its broker.
+    /// The subscription id, unique within its broker or client.
     pub fn sid(&self) -> u64 {
         self.sid
     }
@@ -1446,6 +1447,7 @@ impl Responder {
         self.queue_group.as_deref()
     }
 
+    /// Requests handled and replies lost (see [`Responder`]).
     pub fn stats(&self) -> &SubscriptionStats {
         &self.stats
     }
