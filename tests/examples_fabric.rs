@@ -250,27 +250,47 @@ fn pingpong_reports_each_rdm_provider() {
 }
 
 /// A `shm` region that a dead process with the same process id left in
-/// `/dev/shm` does not keep `shm` from opening (libfabric's `shm` names
-/// regions after the process and fails `fi_enable` with `-FI_EBUSY` on an
-/// existing name). The shell leaves an old region named after itself,
-/// then becomes the example, keeping its process id.
+/// `/dev/shm` does not keep `shm` from opening. libfabric's `shm` would
+/// name this process's first region `PID:N:0` (N the user, or the domain's
+/// index, by version) and fail `fi_enable` with `-FI_EBUSY` on an existing
+/// name. The shell leaves old regions under both names, then becomes the
+/// example, keeping its process id.
 #[test]
 fn a_dead_process_s_shm_region_does_not_block_shm() {
     let Some(example) = example("fabric_pingpong") else {
         return;
     };
-    let script = r#"touch -d 2000-01-01 "/dev/shm/$$:0:0" && exec "$0" shm 64 10"#;
-    let mut command = Command::new("sh");
-    command.args(["-c", script]).arg(&example);
-    let run = run_command(command, &["sh", "-c", script]);
-    // What a failed run left behind is this test's to remove.
-    let _ = std::fs::remove_file(format!("/dev/shm/{}:0:0", run.pid));
-    if !succeeded(&run, "shm", &run.stderr) {
+    let plain = run(&example, &["shm", "64", "10"]);
+    if !succeeded(&plain, "shm", &plain.stderr) {
         return;
     }
+    let script = r#"for name in "$$:0:0" "$$:$(id -u):0"; do
+                        touch -d 2000-01-01 "/dev/shm/$name" || exit 1
+                    done
+                    exec "$0" shm 64 10"#;
+    let mut command = Command::new("sh");
+    command.args(["-c", script]).arg(&example);
+    let run = run_command(command, &["sh", "-c", "(stale regions)"]);
+    // What the shell left is this test's to remove.
+    for name in [
+        format!("{}:0:0", run.pid),
+        format!("{}:{}:0", run.pid, uid()),
+    ] {
+        let _ = std::fs::remove_file(format!("/dev/shm/{name}"));
+    }
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
     assert!(
         run.stdout.starts_with("{\"provider\":\"shm\",\"size\":64,"),
         "{}",
         run.stdout
     );
+}
+
+/// This process's user id, as `id -u` says it.
+fn uid() -> String {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
+        .unwrap_or_default()
 }

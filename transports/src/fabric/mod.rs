@@ -86,8 +86,6 @@ pub mod pool;
 #[cfg(efabus_libfabric)]
 mod rendezvous;
 #[cfg(efabus_libfabric)]
-mod stale_shm;
-#[cfg(efabus_libfabric)]
 mod sys;
 
 #[cfg(not(efabus_libfabric))]
@@ -260,15 +258,15 @@ impl FabricTransport {
         Ok(options)
     }
 
-    /// `shm` endpoints are opened with the `shm` provider and no source
-    /// address, whatever the options say.
+    /// `shm` endpoints are opened with the `shm` provider and a name of
+    /// this process's own ([`shm_name`]), whatever the options say.
     fn for_scheme(&self, options: FabricOptions) -> FabricOptions {
         if self.scheme != SHM_SCHEME {
             return options;
         }
         FabricOptions {
             provider: SHM_PROVIDER.to_string(),
-            node: None,
+            node: Some(shm_name().to_string()),
             service: None,
             ..options
         }
@@ -297,9 +295,6 @@ impl FabricTransport {
         let options = self
             .options_for(Some(config))
             .map_err(|e| TransportError::Other(e.to_string()))?;
-        if options.provider == SHM_PROVIDER {
-            stale_shm::remove_stale_regions();
-        }
         let mut endpoint =
             FabricEndpoint::open(self.kind, &options, config).map_err(|err| match err {
                 FabricError::GetInfo { .. } => self.unavailable(&err),
@@ -371,4 +366,28 @@ impl Transport for FabricTransport {
             )))
         }
     }
+}
+
+/// The name this process's `shm` endpoints are opened under: its process
+/// id followed by ten random digits. Left to itself, libfabric 1.17's
+/// `shm` names an endpoint's region in `/dev/shm` after the process id
+/// alone and will not open one whose name exists (`fi_enable` fails with
+/// `-FI_EBUSY`). A process killed before it closed its endpoints leaves
+/// its regions behind, and a later process given the same id (or one in
+/// another pid namespace sharing `/dev/shm`) could then not open `shm`
+/// at all. The provider adds the user and the endpoint's index to the
+/// name, so endpoints of one process stay apart. Digits only: peers check
+/// that an `shm` address has the provider's form.
+fn shm_name() -> &'static str {
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| {
+        let mut random = [0u8; 8];
+        // Without randomness the name is the process id alone, as the
+        // provider would choose.
+        let nonce = match getrandom::fill(&mut random) {
+            Ok(()) => format!("{:010}", u64::from_le_bytes(random) % 10_000_000_000),
+            Err(_) => String::new(),
+        };
+        format!("{}{nonce}", std::process::id())
+    })
 }
