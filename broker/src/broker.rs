@@ -1272,14 +1272,11 @@ pub(crate) fn deliver_in_process(
 #[cold]
 #[inline(never)]
 fn publish_answers(shared: &Arc<Shared>) {
-    let max_payload = shared.live.max_payload();
-    for answered in delivery::take_answers(delivery::answer_origin(shared)) {
-        let published = if answered.payload.len() as u64 > max_payload {
-            false
-        } else {
-            publish_cache::publish(shared, &answered.subject, None, None, answered.payload).is_ok()
-        };
-        if !published {
+    let origin = delivery::answer_origin(shared);
+    for answered in delivery::take_answers(origin, shared.live.max_payload()) {
+        let published =
+            publish_cache::publish(shared, &answered.subject, None, None, answered.payload);
+        if published.is_err() {
             answered.stats.count_unanswered();
         }
     }

@@ -1125,8 +1125,10 @@ impl Client {
     /// on a broker's: no hand-over to a thread of the application. The
     /// handler must be quick and must not wait (no [`Client::request`] or
     /// [`Client::flush`] inside it); it returns its reply rather than
-    /// publishing it. A reply over the server's payload limit is dropped
-    /// and counted.
+    /// publishing it (a publish from it waits up to the block timeout when
+    /// the outbox is full: the loop that would empty it is running the
+    /// handler). A reply over the server's payload limit is dropped and
+    /// counted.
     pub fn respond<F>(&self, pattern: &str, handler: F) -> Result<Responder, Error>
     where
         F: Fn(&Message) -> Option<Bytes> + Send + Sync + 'static,
@@ -1741,12 +1743,8 @@ impl ClientLoop {
     #[cold]
     #[inline(never)]
     fn publish_answers(&mut self) {
-        let max = self.shared.max_payload.load(Ordering::Relaxed);
-        for answered in crate::delivery::take_answers(self.answer_origin) {
-            if answered.payload.len() as u64 > max {
-                answered.stats.count_unanswered();
-                continue;
-            }
+        let max_payload = self.shared.max_payload.load(Ordering::Relaxed);
+        for answered in crate::delivery::take_answers(self.answer_origin, max_payload) {
             self.send(codec::encode(&Frame::Publish(frame::Publish {
                 subject: answered.subject.to_string(),
                 reply: None,

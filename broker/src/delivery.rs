@@ -480,8 +480,21 @@ pub(crate) fn answers_waiting(origin: usize) -> bool {
 }
 
 /// The replies handlers on this thread made for `origin`, oldest first,
-/// for the caller to publish.
-pub(crate) fn take_answers(origin: usize) -> Vec<Answered> {
+/// for the caller to publish; those over `max_payload` are dropped here
+/// and counted.
+pub(crate) fn take_answers(origin: usize, max_payload: u64) -> Vec<Answered> {
+    let mut mine = take_all_answers(origin);
+    mine.retain(|answered| {
+        let fits = answered.payload.len() as u64 <= max_payload;
+        if !fits {
+            answered.stats.count_unanswered();
+        }
+        fits
+    });
+    mine
+}
+
+fn take_all_answers(origin: usize) -> Vec<Answered> {
     ANSWERS.with(|answers| {
         let mut answers = answers.borrow_mut();
         let mine: Vec<Answered> = if answers.iter().all(|a| a.origin == origin) {
@@ -1395,7 +1408,9 @@ impl Drop for Subscription {
 /// as dropped the replies to requests lost: the handler panicked, or its
 /// reply was over the payload limit (`limits.max_payload`, or a client's
 /// server's), or could not be published from an in-process request (the
-/// broker shutting down).
+/// broker shutting down). A client's responder counts there too the
+/// requests its broker discarded for it
+/// ([`SubscriptionStats::dropped_by_broker`]).
 pub struct Responder {
     sid: u64,
     pattern: String,
@@ -1447,7 +1462,7 @@ impl Responder {
         self.queue_group.as_deref()
     }
 
-    /// Requests handled and replies lost (see [`Responder`]).
+    /// Messages handled and replies lost (see [`Responder`]).
     pub fn stats(&self) -> &SubscriptionStats {
         &self.stats
     }

@@ -784,11 +784,10 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     // route, the requesting thread in process.
     let echo = |request: &efabus_broker::Message| Some(request.payload.clone());
     let inline = match (args.inline, &responder_client, &target.far, &target.broker) {
-        (false, ..) => None,
+        (false, ..) | (true, None, None, None) => None,
         (true, Some(client), ..) => Some(client.respond(&subject, echo)),
         (true, None, Some(far), _) => Some(far.respond(&subject, echo)),
         (true, None, None, Some(broker)) => Some(broker.respond(&subject, echo)),
-        (true, None, None, None) => None,
     }
     .transpose()
     .map_err(bench_error)?;

@@ -484,6 +484,7 @@ impl EventLoop {
             // have been requests to responders here.
             if self.publish_answers() {
                 self.close_batches();
+                self.flush_tally();
             }
         }
         // Held messages are offered every round, not at the timers'
@@ -577,14 +578,14 @@ impl EventLoop {
             return false;
         }
         let max_payload = self.shared.live.max_payload();
-        for answered in crate::delivery::take_answers(origin) {
+        for answered in crate::delivery::take_answers(origin, max_payload) {
             let subject = &*answered.subject;
             let matched = self
                 .shared
                 .subscriptions
                 .read()
                 .lookup(subject, &mut self.targets);
-            if matched.is_err() || answered.payload.len() as u64 > max_payload {
+            if matched.is_err() {
                 answered.stats.count_unanswered();
                 continue;
             }
