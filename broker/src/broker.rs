@@ -967,15 +967,16 @@ impl Broker {
     /// The handler runs on the thread that delivers the message: the
     /// broker's event loop (or an application thread running its rounds
     /// while it waits) for messages from clients and routes, or the
-    /// publishing thread for in-process ones. A reply over
-    /// `limits.max_payload` is dropped and counted. So a request costs no
+    /// publishing thread for in-process ones. So a request costs no
     /// hand-over to a thread of the application, which is what makes a
     /// round trip between services short (README "Embedded API"); in
     /// exchange the handler holds up everything else that thread does
     /// while it runs. It must be quick and must not wait: no
     /// [`Broker::request`] or [`Broker::flush`] inside it, and it returns
     /// its reply rather than publishing it. Work that takes longer belongs
-    /// to a [`Subscription`] read by a thread of the application.
+    /// to a [`Subscription`] read by a thread of the application. A reply
+    /// over `limits.max_payload` is dropped and counted in the
+    /// [`Responder`]'s stats.
     pub fn respond<F>(&self, pattern: &str, handler: F) -> Result<Responder, Error>
     where
         F: Fn(&Message) -> Option<Bytes> + Send + Sync + 'static,
