@@ -412,6 +412,9 @@ pub(crate) struct Shared {
     pub(crate) listening: Vec<(String, String)>,
     /// `(listen entry, reason)` of each fabric listener that did not open.
     pub(crate) unopened: Vec<(String, String)>,
+    /// Marks this broker's responders' replies
+    /// ([`delivery::new_answer_origin`]).
+    pub(crate) answer_origin: usize,
     /// Why each listener (by its index in `listening`) is out of
     /// service, if it is; set by the event loop.
     pub(crate) listener_failures: Mutex<Vec<Option<String>>>,
@@ -747,6 +750,7 @@ impl Broker {
             listener_failures: Mutex::new(vec![None; listening.len()]),
             listening,
             unopened,
+            answer_origin: delivery::new_answer_origin(),
             broker_id,
             can_dial: dialer.is_some(),
             routes: Mutex::new(BTreeMap::new()),
@@ -943,7 +947,7 @@ impl Broker {
         }
         let reached =
             publish_cache::publish(shared, subject, reply.map(Arc::from), headers, payload);
-        if delivery::answers_waiting(delivery::answer_origin(shared)) {
+        if delivery::answers_waiting(shared.answer_origin) {
             publish_answers(shared);
         }
         reached
@@ -1004,8 +1008,7 @@ impl Broker {
         queue: Option<&str>,
         answer: delivery::Answer,
     ) -> Result<Responder, Error> {
-        let origin = delivery::answer_origin(&self.shared);
-        let (sink, reader, stats) = LocalSink::answering(answer, origin);
+        let (sink, reader, stats) = LocalSink::answering(answer, self.shared.answer_origin);
         let sid = self.register(pattern, queue, sink)?;
         let owner: Arc<dyn SubscriptionOwner> = self.shared.clone();
         Ok(Responder::new(
@@ -1272,9 +1275,9 @@ pub(crate) fn deliver_in_process(
 /// carry no reply subject, so they make no more of their own).
 #[cold]
 #[inline(never)]
-fn publish_answers(shared: &Arc<Shared>) {
-    let origin = delivery::answer_origin(shared);
-    for answered in delivery::take_answers(origin, shared.live.max_payload()) {
+fn publish_answers(shared: &Shared) {
+    let max_payload = shared.live.max_payload();
+    for answered in delivery::take_answers(shared.answer_origin, max_payload) {
         let published =
             publish_cache::publish(shared, &answered.subject, None, None, answered.payload);
         if published.is_err() {

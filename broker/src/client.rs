@@ -506,6 +506,9 @@ struct ClientSub {
 
 struct ClientShared {
     server: String,
+    /// Marks this client's responders' replies
+    /// ([`crate::delivery::new_answer_origin`]).
+    answer_origin: usize,
     options: ClientOptions,
     outbox: Mutex<Outbox>,
     /// Publishers wait here for room in the outbox.
@@ -923,6 +926,7 @@ impl Client {
         let connect_timeout = options.connect_timeout;
         let subject_limits = options.subject_limits;
         let shared = Arc::new(ClientShared {
+            answer_origin: crate::delivery::new_answer_origin(),
             server: endpoint.to_string(),
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
             inbox_sid: Mutex::new(None),
@@ -1156,8 +1160,7 @@ impl Client {
         answer: crate::delivery::Answer,
     ) -> Result<Responder, Error> {
         let shared = &self.shared;
-        let origin = crate::delivery::answer_origin(shared);
-        let (sink, reader, stats) = LocalSink::answering(answer, origin);
+        let (sink, reader, stats) = LocalSink::answering(answer, shared.answer_origin);
         let sid = self.add_subscription(pattern, queue, DeliveryClass::Reliable, sink)?;
         let owner: Arc<dyn SubscriptionOwner> = shared.clone();
         let responder = Responder::new(
@@ -1537,9 +1540,6 @@ struct Withdrawn {
 /// layer) and what only a client has: the outbox, reconnection, replies.
 struct ClientLoop {
     shared: Arc<ClientShared>,
-    /// Tells this client's responders' replies from others' made on the
-    /// same thread ([`crate::delivery::answer_origin`]).
-    answer_origin: usize,
     /// The events of the round's endpoint polls.
     events: Vec<Event>,
     /// The control endpoint (at [`CONTROL`]), then the data endpoints.
@@ -1636,7 +1636,6 @@ impl ClientLoop {
             ..defaults
         };
         ClientLoop {
-            answer_origin: crate::delivery::answer_origin(&shared),
             shared,
             events: Vec::with_capacity(256),
             endpoints,
@@ -1719,7 +1718,7 @@ impl ClientLoop {
         self.check_silent_link(now);
         // Replies of responders to what came in (from the endpoints or
         // released by the links) go out in this round.
-        if crate::delivery::answers_waiting(self.answer_origin) {
+        if crate::delivery::answers_waiting(self.shared.answer_origin) {
             self.publish_answers();
             busy = true;
         }
@@ -1744,7 +1743,7 @@ impl ClientLoop {
     #[inline(never)]
     fn publish_answers(&mut self) {
         let max_payload = self.shared.max_payload.load(Ordering::Relaxed);
-        for answered in crate::delivery::take_answers(self.answer_origin, max_payload) {
+        for answered in crate::delivery::take_answers(self.shared.answer_origin, max_payload) {
             self.send(codec::encode(&Frame::Publish(frame::Publish {
                 subject: answered.subject.to_string(),
                 reply: None,

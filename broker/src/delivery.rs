@@ -439,7 +439,7 @@ pub(crate) struct LocalSink {
     /// the held ones go first.
     held: AtomicUsize,
     /// A responder's handler, and the broker or client it answers through
-    /// ([`answer_origin`]): messages go to it instead of the queue.
+    /// ([`new_answer_origin`]): messages go to it instead of the queue.
     answer: Option<(Answer, usize)>,
 }
 
@@ -466,10 +466,11 @@ thread_local! {
     static ANSWERS_PENDING: Cell<usize> = const { Cell::new(0) };
 }
 
-/// What tells the replies of one broker's or client's responders from
-/// another's: the address of its shared state.
-pub(crate) fn answer_origin<T>(shared: &Arc<T>) -> usize {
-    Arc::as_ptr(shared) as usize
+/// A new broker's or client's mark on its responders' replies, which tells
+/// them from another's: unique in the process, never reused.
+pub(crate) fn new_answer_origin() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// Whether handlers on this thread made replies for `origin` not yet

@@ -573,7 +573,7 @@ impl EventLoop {
     /// delivers (the endpoints' events, the timers' released frames).
     /// Replies carry no reply subject, so they make no more of their own.
     fn publish_answers(&mut self) -> bool {
-        let origin = crate::delivery::answer_origin(&self.shared);
+        let origin = self.shared.answer_origin;
         if !crate::delivery::answers_waiting(origin) {
             return false;
         }
