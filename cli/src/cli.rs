@@ -12,7 +12,7 @@
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,7 +23,9 @@ use efabus_core::transport::TransportError;
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use efabus_transports::tcp;
 
-use efabus_broker::{Broker, Client, ClientOptions, Config, ConfigError, Error, RecvError};
+use efabus_broker::{
+    Broker, Client, ClientOptions, Config, ConfigError, ConnectionState, Error, Message, RecvError,
+};
 
 /// The default server for client commands.
 pub const DEFAULT_SERVER: &str = "tcp/127.0.0.1:7420";
@@ -1187,9 +1189,30 @@ fn reply(args: ReplyArgs) -> Result<(), Failure> {
     check_subject(&args.subject, true)?;
     let client = connect(&args.client)?;
     let server = &args.client.server;
-    let requests = match &args.queue {
-        Some(group) => client.queue_subscribe(&args.subject, group),
-        None => client.subscribe(&args.subject),
+    // Requests are answered on the client's loop as they arrive
+    // (`Client::respond`): no hand-over to this thread per request.
+    let answered = Arc::new(AtomicU64::new(0));
+    let without_reply = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (answered, without_reply) = (answered.clone(), without_reply.clone());
+        let answer = Bytes::from(args.data.clone());
+        let limit = args.count;
+        move |request: &Message| {
+            if request.reply.is_none() {
+                // A plain publish on the subject: nobody to answer.
+                without_reply.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            // Past --count, requests go unanswered while this exits.
+            let claimed = answered.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                limit.is_none_or(|max| n < max).then_some(n + 1)
+            });
+            claimed.is_ok().then(|| answer.clone())
+        }
+    };
+    let responder = match &args.queue {
+        Some(group) => client.queue_respond(&args.subject, group, handler),
+        None => client.respond(&args.subject, handler),
     }
     .map_err(|err| explain(err, Some(server)))?;
     client
@@ -1202,32 +1225,31 @@ fn reply(args: ReplyArgs) -> Result<(), Failure> {
         excerpt(&args.subject, EXCERPT_CHARS)
     );
     let stop = stop_on_signals()?;
-    let answer = Bytes::from(args.data.clone());
-    let (mut answered, mut without_reply) = (0u64, 0u64);
-    while !stop.load(Ordering::Relaxed) && args.count.is_none_or(|count| answered < count) {
-        match requests.recv_timeout(Duration::from_millis(100)) {
-            Ok(request) => match request.reply.as_deref() {
-                Some(reply) => {
-                    client
-                        .publish(reply, answer.clone())
-                        .map_err(|err| explain(err, Some(server)))?;
-                    answered += 1;
-                }
-                // A plain publish on the subject: nobody to answer.
-                None => without_reply += 1,
-            },
-            Err(RecvError::Timeout | RecvError::Empty) => {}
-            Err(RecvError::Closed) => {
-                return Err(Failure::runtime(format!(
-                    "the connection to the broker was lost after {answered} answers"
-                )))
-            }
+    let done = || {
+        args.count
+            .is_some_and(|count| answered.load(Ordering::Relaxed) >= count)
+    };
+    while !stop.load(Ordering::Relaxed) && !done() {
+        if matches!(
+            client.state(),
+            ConnectionState::Closed
+                | ConnectionState::Refused { .. }
+                | ConnectionState::Unreachable { .. }
+        ) {
+            return Err(Failure::runtime(format!(
+                "the connection to the broker was lost after {} answers",
+                answered.load(Ordering::Relaxed)
+            )));
         }
+        std::thread::sleep(Duration::from_millis(20));
     }
+    drop(responder);
+    // The answers went out before the flush asked for.
     client
         .flush(Duration::from_secs(5))
         .map_err(|err| explain(err, Some(server)))?;
-    let mut said = format!("answered {answered} requests");
+    let mut said = format!("answered {} requests", answered.load(Ordering::Relaxed));
+    let without_reply = without_reply.load(Ordering::Relaxed);
     if without_reply > 0 {
         said.push_str(&format!("; {without_reply} messages had no reply subject"));
     }

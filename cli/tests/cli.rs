@@ -1575,3 +1575,56 @@ fn users_from_passwd_log_in_and_are_held_to_their_permissions() {
     ]);
     assert!(token.status.success(), "{}", stderr(&token));
 }
+
+#[test]
+fn reply_counts_plain_messages_beside_the_requests_it_answers() {
+    let server = Server::start("");
+    let mut responder = spawn_piped(&[
+        "reply",
+        "svc.ask",
+        "yes",
+        "--count",
+        "1",
+        "--server",
+        &server.endpoint,
+    ]);
+    let status = lines_of(responder.0.stderr.take().unwrap());
+    let said = status.recv_timeout(WAIT).expect("reply says it is ready");
+    assert!(said.starts_with("answering requests on svc.ask"), "{said}");
+    let output = run(&["pub", "svc.ask", "plain", "--server", &server.endpoint]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let output = run(&["req", "svc.ask", "--server", &server.endpoint]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(stdout(&output).trim(), "yes");
+    assert_eq!(exit_code(&mut responder), Some(0));
+    let mut said = String::new();
+    responder
+        .0
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut said)
+        .unwrap();
+    assert_eq!(
+        said.trim(),
+        "answered 1 requests; 1 messages had no reply subject"
+    );
+}
+
+#[test]
+fn reply_says_when_the_broker_is_gone() {
+    let mut server = Server::start("");
+    let mut responder = spawn_piped(&["reply", "svc.ask", "yes", "--server", &server.endpoint]);
+    let status = lines_of(responder.0.stderr.take().unwrap());
+    let said = status.recv_timeout(WAIT).expect("reply says it is ready");
+    assert!(said.starts_with("answering requests on svc.ask"), "{said}");
+    let output = run(&["req", "svc.ask", "--server", &server.endpoint]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    server.kill();
+    assert_eq!(exit_code(&mut responder), Some(1));
+    let error = status.recv_timeout(WAIT).expect("reply says why it ended");
+    assert!(
+        error.contains("the connection to the broker was lost after 1 answers"),
+        "{error}"
+    );
+}
