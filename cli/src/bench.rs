@@ -421,6 +421,11 @@ pub fn run(args: BenchArgs) -> Result<(), Failure> {
             )));
         }
     }
+    if args.inline && args.mode != BenchMode::Latency {
+        return Err(Failure::usage(
+            "--inline chooses how latency round trips are answered: use it with --mode latency",
+        ));
+    }
     let target = Target::open(&args)?;
     match args.mode {
         BenchMode::Throughput => throughput(&args, &target),

@@ -698,8 +698,19 @@ fn bench_measures_across_a_route() {
     ]);
     assert!(output.status.success(), "{}", stderr(&output));
     assert_eq!(json_number(&stdout(&output), "round_trips"), 100.0);
+    assert!(stdout(&output).contains("\"responder\":\"thread\""));
+    // The far broker answers on its loop.
+    let output = run(&[
+        "bench", "--mode", "latency", "--via", "route", "--config", config, "--count", "100",
+        "--inline", "--json",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(json_number(&stdout(&output), "round_trips"), 100.0);
+    assert!(stdout(&output).contains("\"responder\":\"inline\""));
     let text = usage_error(&run(&["bench", "--config", config]));
     assert!(text.contains("--via route"), "{text}");
+    let text = usage_error(&run(&["bench", "--inline", "--count", "10"]));
+    assert!(text.contains("--mode latency"), "{text}");
 }
 
 /// Over `tcp;ofi_rxm` the provider itself would post 4,096 receive buffers
