@@ -3,7 +3,8 @@
 //! first one is the others' seed, and they find each other and route over
 //! `efa-rdm` (or `shm` on one host). A request from one service to another
 //! is one fabric hop each way, answered where it arrives
-//! (`Broker::respond`).
+//! (`Broker::respond`) and awaited by a requester that runs the broker's
+//! loop while it waits (`Broker::request`).
 //!
 //! ```text
 //! cargo run --release --example embedded_mesh                    # tcp;ofi_rxm, 3 services
@@ -32,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use efabus::{Broker, Bytes, Config, RecvError, Subscription};
+use efabus::{Broker, Bytes, Config};
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -303,7 +304,6 @@ fn service(args: &[String]) -> Result<(), Failure> {
         Some(request.payload.clone())
     })?;
     let stream = broker.subscribe(&format!("stream.{name}"))?;
-    let replies = broker.subscribe(&format!("inbox.{name}"))?;
     let stop = AtomicBool::new(false);
     let expected = sizes.stream * (count - 1);
     std::thread::scope(|scope| -> Result<(), Failure> {
@@ -315,7 +315,7 @@ fn service(args: &[String]) -> Result<(), Failure> {
             received
         });
         let mut commands = std::io::stdin().lock().lines();
-        let result = exchange(&broker, name, count, &replies, sizes, json, &mut commands);
+        let result = exchange(&broker, name, count, sizes, json, &mut commands);
         if result.is_ok() {
             let received = counter.join().map_err(|_| "the counting thread failed")?;
             if received < expected {
@@ -341,7 +341,7 @@ fn service(args: &[String]) -> Result<(), Failure> {
 
 /// A request that got no answer: what this broker's routes and counters
 /// say, to tell a lost message from a stalled route.
-fn unanswered(broker: &Broker, name: &str, other: &str, err: RecvError) -> Failure {
+fn unanswered(broker: &Broker, name: &str, other: &str, err: efabus::Error) -> Failure {
     format!(
         "{name}: no answer from {other} ({err}); {}",
         broker_state(broker)
@@ -377,7 +377,6 @@ fn exchange(
     broker: &Broker,
     name: &str,
     count: usize,
-    replies: &Subscription,
     sizes: Sizes,
     json: bool,
     commands: &mut impl Iterator<Item = std::io::Result<String>>,
@@ -391,8 +390,8 @@ fn exchange(
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    // The others' three subscriptions each, announced over the routes.
-    while broker.route_interest_count() < 3 * (count - 1) {
+    // The others' two subscriptions each, announced over the routes.
+    while broker.route_interest_count() < 2 * (count - 1) {
         if Instant::now() > deadline {
             return Err(format!("{name}: the others' subscriptions never arrived").into());
         }
@@ -406,7 +405,6 @@ fn exchange(
     say(READY)?;
     await_word(commands, GO)?;
     let payload = Bytes::from(vec![7u8; 64]);
-    let inbox = format!("inbox.{name}");
     let mut medians = Vec::with_capacity(routes.len());
     for route in &routes {
         let other = &route.name;
@@ -414,9 +412,10 @@ fn exchange(
         let mut times = Vec::with_capacity(sizes.round_trips);
         for _ in 0..sizes.round_trips {
             let started = Instant::now();
-            broker.publish_request(&service, &inbox, payload.clone())?;
-            let answer = replies
-                .recv_timeout(WAIT)
+            // `Broker::request` waits by running the broker's loop rounds
+            // itself: the answer needs no hand-over from the loop thread.
+            let answer = broker
+                .request(&service, payload.clone(), WAIT)
                 .map_err(|err| unanswered(broker, name, other, err))?;
             times.push(started.elapsed());
             if answer.payload != payload {
