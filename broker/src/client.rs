@@ -1744,13 +1744,20 @@ impl ClientLoop {
     fn publish_answers(&mut self) {
         let max_payload = self.shared.max_payload.load(Ordering::Relaxed);
         for answered in crate::delivery::take_answers(self.shared.answer_origin, max_payload) {
-            self.send(codec::encode(&Frame::Publish(frame::Publish {
-                subject: answered.subject.to_string(),
+            let fields = RoutedFields {
+                subject: &answered.subject,
                 reply: None,
-                seq: 0,
-                headers: None,
-                payload: answered.payload,
-            })));
+                headers: false,
+            };
+            let mut head = BytesMut::new();
+            let len = answered.payload.len();
+            match codec::routed_head_into(&mut head, FrameKind::Publish, 0, 0, fields, len) {
+                Ok(()) => self.send(OutFrame {
+                    head: head.freeze(),
+                    body: answered.payload,
+                }),
+                Err(_) => answered.stats.count_unanswered(),
+            }
         }
     }
 

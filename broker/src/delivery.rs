@@ -461,9 +461,6 @@ pub(crate) struct Answered {
 thread_local! {
     /// The replies handlers made on this thread, not yet published.
     static ANSWERS: RefCell<Vec<Answered>> = const { RefCell::new(Vec::new()) };
-    /// How many there are: every publish asks, and almost always the
-    /// answer is none.
-    static ANSWERS_PENDING: Cell<usize> = const { Cell::new(0) };
 }
 
 /// A new broker's or client's mark on its responders' replies, which tells
@@ -476,8 +473,7 @@ pub(crate) fn new_answer_origin() -> usize {
 /// Whether handlers on this thread made replies for `origin` not yet
 /// published.
 pub(crate) fn answers_waiting(origin: usize) -> bool {
-    ANSWERS_PENDING.get() > 0
-        && ANSWERS.with(|answers| answers.borrow().iter().any(|a| a.origin == origin))
+    ANSWERS.with(|answers| answers.borrow().iter().any(|a| a.origin == origin))
 }
 
 /// The replies handlers on this thread made for `origin`, oldest first,
@@ -507,7 +503,6 @@ fn take_all_answers(origin: usize) -> Vec<Answered> {
             *answers = others;
             mine
         };
-        ANSWERS_PENDING.set(answers.len());
         mine
     })
 }
@@ -792,14 +787,12 @@ impl LocalSink {
                 if let Some(subject) = message.reply {
                     let stats = self.stats.clone();
                     ANSWERS.with(|answers| {
-                        let mut answers = answers.borrow_mut();
-                        answers.push(Answered {
+                        answers.borrow_mut().push(Answered {
                             origin,
                             subject,
                             payload,
                             stats,
-                        });
-                        ANSWERS_PENDING.set(answers.len());
+                        })
                     });
                 }
             }

@@ -788,14 +788,17 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     // a client's loop against a server, the far broker's loop across a
     // route, the requesting thread in process.
     let echo = |request: &efabus_broker::Message| Some(request.payload.clone());
-    let inline = match (args.inline, &responder_client, &target.far, &target.broker) {
-        (false, ..) | (true, None, None, None) => None,
-        (true, Some(client), ..) => Some(client.respond(&subject, echo)),
-        (true, None, Some(far), _) => Some(far.respond(&subject, echo)),
-        (true, None, None, Some(broker)) => Some(broker.respond(&subject, echo)),
-    }
-    .transpose()
-    .map_err(bench_error)?;
+    let inline = if args.inline {
+        let responder = match (&responder_client, &target.far, &target.broker) {
+            (Some(client), ..) => client.respond(&subject, echo),
+            (None, Some(far), _) => far.respond(&subject, echo),
+            (None, None, Some(broker)) => broker.respond(&subject, echo),
+            (None, None, None) => return Err(Failure::runtime("no target")),
+        };
+        Some(responder.map_err(bench_error)?)
+    } else {
+        None
+    };
     let requests = match inline {
         None => Some(responder_ref.subscribe(&subject).map_err(bench_error)?),
         Some(_) => None,
