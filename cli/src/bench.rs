@@ -730,7 +730,10 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
 
 /// Publishes `args.warmup` messages from each publisher and waits until
 /// the subscribers have received all of them (one copy per message in a
-/// queue group, one per subscriber otherwise).
+/// queue group, one per subscriber otherwise). The subscriptions are
+/// drained while the warm-up is published: a warm-up larger than what a
+/// subscription queues would otherwise leave the publisher waiting for
+/// room and the subscriber for a reader, until the server gives one up.
 fn warm_up(
     args: &BenchArgs,
     subject: &str,
@@ -739,14 +742,6 @@ fn warm_up(
     subscriptions: &[Subscription],
 ) -> Result<(), Failure> {
     const WARMUP_LIMIT: Duration = Duration::from_secs(60);
-    for publisher in publishers {
-        for _ in 0..args.warmup {
-            publisher
-                .publish(subject, payload.clone())
-                .map_err(bench_error)?;
-        }
-        publisher.flush(WARMUP_LIMIT).map_err(bench_error)?;
-    }
     let copies = if args.queue {
         1
     } else {
@@ -754,21 +749,42 @@ fn warm_up(
     };
     let expected = args.warmup * publishers.len() as u64 * copies;
     let deadline = Instant::now() + WARMUP_LIMIT;
-    let mut received = 0;
-    while received < expected {
-        for sub in subscriptions {
-            while sub.try_recv().is_ok() {
-                received += 1;
+    std::thread::scope(|scope| {
+        let mut publishing = Some(scope.spawn(|| -> Result<(), Failure> {
+            for publisher in publishers {
+                for _ in 0..args.warmup {
+                    publisher
+                        .publish(subject, payload.clone())
+                        .map_err(bench_error)?;
+                }
+                publisher.flush(WARMUP_LIMIT).map_err(bench_error)?;
             }
+            Ok(())
+        }));
+        let mut received = 0;
+        loop {
+            for sub in subscriptions {
+                while sub.try_recv().is_ok() {
+                    received += 1;
+                }
+            }
+            // A publisher's error ends the warm-up as soon as it is known.
+            if let Some(handle) = publishing.take_if(|handle| handle.is_finished()) {
+                handle
+                    .join()
+                    .map_err(|_| Failure::runtime("the warm-up publisher panicked"))??;
+            }
+            if received >= expected && publishing.is_none() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(Failure::runtime(format!(
+                    "only {received} of {expected} warm-up messages arrived in {WARMUP_LIMIT:?}"
+                )));
+            }
+            std::thread::yield_now();
         }
-        if Instant::now() > deadline {
-            return Err(Failure::runtime(format!(
-                "only {received} of {expected} warm-up messages arrived in {WARMUP_LIMIT:?}"
-            )));
-        }
-        std::thread::yield_now();
-    }
-    Ok(())
+    })
 }
 
 fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {

@@ -852,6 +852,30 @@ fn pub_over_rxm(server_env: &[(&str, &str)], client_env: &[(&str, &str)]) -> Str
     said
 }
 
+/// A warm-up larger than what a bench subscription queues (2^20
+/// messages) and the server holds for it still arrives whole under the
+/// server's default slow-consumer policy: the subscriptions are read while
+/// the warm-up is published, so the server has no reason to drop any.
+#[test]
+fn bench_warm_up_larger_than_a_subscription_queue_arrives_whole() {
+    let server = Server::start("[limits]\nmax_pending_bytes = 65536\n");
+    let output = run(&[
+        "bench",
+        "--json",
+        "--server",
+        &server.endpoint,
+        "--size",
+        "1",
+        "--warmup",
+        "1600000",
+        "--count",
+        "1000",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let json = stdout(&output);
+    assert_eq!(json_number(&json, "delivered"), 1000.0, "{json}");
+}
+
 /// `efabus bench` counts what it measured: every message of the run and
 /// none of the warm-up, for a count or a duration, and a queue group's run
 /// ends with its last message, not with a member's idle wait for more
