@@ -53,14 +53,15 @@ fn codec(c: &mut Criterion) {
 }
 
 /// Sealing a fabric message (its tag written) and checking it, as each
-/// sender and receiver does once per message, for frames of 16 B and
-/// 1 MiB of payload behind a 16-byte sender address.
+/// sender and receiver does once per message, for payloads of 16 B,
+/// 10,000 B (a packed run of small frames is of that order), 16 KiB and
+/// 1 MiB behind a 16-byte sender address.
 fn fabric_tag(c: &mut Criterion) {
-    use efabus_transports::fabric::layout::{BufferLayout, Received};
-    let key = [7u8; 32];
+    use efabus_transports::fabric::layout::{BufferLayout, Received, TagKey};
+    let key = TagKey::new(&[7u8; 32]);
     let sender = [1u8; 16];
     let mut group = c.benchmark_group("fabric_tag");
-    for size in [16usize, 16 << 10, 1 << 20] {
+    for size in [16usize, 10_000, 16 << 10, 1 << 20] {
         let layout = BufferLayout::new(0, size + 4096);
         let frame = encode(&publish(size));
         let mut slot = vec![0u8; layout.slot_stride()];

@@ -494,6 +494,12 @@ pub trait Transport: Send + Sync {
 /// What authenticates one link of a connectionless endpoint: a key for
 /// each direction and an id for each end. The session layer agrees them
 /// over its control link; they never travel on the link they protect.
+///
+/// Keys serve one link only, once: a fabric endpoint tags each message
+/// with AES-GCM using the link's message counter, which starts afresh with
+/// each link, as the nonce, and GCM must never see one nonce twice under a
+/// key. The session layer derives them from an X25519 exchange of its own
+/// for each session, with both link ids and the scheme.
 #[derive(Clone, PartialEq, Eq)]
 pub struct LinkKeys {
     /// Key of the messages this side sends.

@@ -98,8 +98,8 @@ use super::handle::{
 use super::info::{Hints, Info, InfoList};
 use super::layout::{
     check_frame, frame_declared_len, frame_kind, frames, rma_done, rma_done_id, BufferLayout,
-    Received, ReplayWindow, RmaDescriptor, CONTROL_FLAG, HEADER_VERSION, RMA_DESCRIPTOR_KIND,
-    RMA_DONE_KIND,
+    Received, ReplayWindow, RmaDescriptor, TagKey, CONTROL_FLAG, HEADER_VERSION,
+    RMA_DESCRIPTOR_KIND, RMA_DONE_KIND,
 };
 use super::log_limit::BadInputLog;
 use super::pool::BufferPool;
@@ -305,6 +305,9 @@ struct PeerState {
     addr: Vec<u8>,
     fi_addr: u64,
     keys: LinkKeys,
+    /// What tags the messages sent to the peer, and checks those from it.
+    send_tag: TagKey,
+    receive_tag: TagKey,
     /// Counter of the last message sent.
     sent_counter: u64,
     replay: ReplayWindow,
@@ -1365,6 +1368,8 @@ impl FabricEndpoint {
                 addr: addr.to_vec(),
                 fi_addr,
                 keys: keys.clone(),
+                send_tag: TagKey::new(&keys.send_key),
+                receive_tag: TagKey::new(&keys.receive_key),
                 sent_counter: 0,
                 replay: ReplayWindow::default(),
                 queued_bytes: 0,
@@ -1437,12 +1442,11 @@ impl FabricEndpoint {
     fn post_slot(&mut self, slot: usize, dest: u64) -> Result<(), FiCode> {
         let len = self.tx_post_len[slot];
         // A slot sealed at an earlier, refused try keeps its tag.
-        let key = (!self.tx_sealed[slot])
+        let state = (!self.tx_sealed[slot])
             .then(|| self.tx_owner[slot])
             .flatten()
-            .and_then(|(peer, _)| self.peers.get(&peer))
-            .map(|state| state.keys.send_key);
-        if let Some(key) = key {
+            .and_then(|(peer, _)| self.peers.get(&peer));
+        if let Some(state) = state {
             // SAFETY: the slot is not posted (it waits in a backlog), so
             // no operation reads it while its tag is written.
             let buf = unsafe { self.tx_pool.slot_mut(slot) };
@@ -1450,7 +1454,7 @@ impl FabricEndpoint {
             if self.tx_control[slot] {
                 buf[self.layout.prefix] = HEADER_VERSION | CONTROL_FLAG;
             }
-            self.layout.seal(buf, len, body, &key);
+            self.layout.seal(buf, len, body, &state.send_tag);
             if self.header_version != HEADER_VERSION {
                 buf[self.layout.prefix] = self.header_version;
             }
@@ -2138,9 +2142,8 @@ impl Checks<'_> {
         // Where the provider names the sender, it must be the peer's own
         // entry (a sender not in the address vector has none).
         let from_peer = source.is_none_or(|source| source == state.fi_addr);
-        let authentic = from_peer
-            && state.addr == message.sender
-            && message.is_authentic(&state.keys.receive_key);
+        let authentic =
+            from_peer && state.addr == message.sender && message.is_authentic(&state.receive_tag);
         if !authentic {
             self.stats.forged += 1;
             if let Some(held_back) = self.log.forged.allow(Instant::now()) {
