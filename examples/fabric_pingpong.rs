@@ -227,10 +227,15 @@ fn run(provider: &str, size: usize, iterations: usize, echo: Echo) -> Result<(),
     let mut pinger = open(provider, size)?;
     let mut ponger = open(provider, size)?;
     // Every fabric message is authenticated; a session layer agrees the
-    // keys over its control link, here both ends are in one process.
+    // keys over its control link, here both ends are in one process. Keys
+    // serve one link only, so each run draws its own.
+    let mut keys = [[0u8; 32]; 2];
+    for key in &mut keys {
+        getrandom::fill(key).map_err(|e| format!("no random link keys: {e}"))?;
+    }
     let pinger_keys = LinkKeys {
-        send_key: [1; 32],
-        receive_key: [2; 32],
+        send_key: keys[0],
+        receive_key: keys[1],
         local_id: 1,
         remote_id: 2,
     };

@@ -497,9 +497,10 @@ pub trait Transport: Send + Sync {
 ///
 /// Keys serve one link only, once: a fabric endpoint tags each message
 /// with AES-GCM using the link's message counter, which starts afresh with
-/// each link, as the nonce, and GCM must never see one nonce twice under a
-/// key. The session layer derives them from an X25519 exchange of its own
-/// for each session, with both link ids and the scheme.
+/// each link, as the nonce, and two messages tagged under one nonce and
+/// key would let anyone who saw them forge others. The session layer
+/// derives keys from an X25519 exchange of its own for each session, with
+/// both link ids and the scheme.
 #[derive(Clone, PartialEq, Eq)]
 pub struct LinkKeys {
     /// Key of the messages this side sends.
@@ -635,7 +636,9 @@ pub trait Endpoint: Send {
     /// the peer), for connectionless endpoints such as libfabric RDM/DGRAM,
     /// with the keys that authenticate every message of the link. Each call
     /// makes a new peer, even for an address already known: two links to
-    /// one address are told apart by their ids.
+    /// one address are told apart by their ids. Keys serve one link only
+    /// (see [`LinkKeys`]); a fabric endpoint refuses a send key that one of
+    /// its latest links had.
     fn insert_peer(&mut self, addr: &[u8], keys: &LinkKeys) -> Result<PeerId, TransportError> {
         let _ = (addr, keys);
         Err(TransportError::Unsupported {

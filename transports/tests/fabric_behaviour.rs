@@ -186,8 +186,15 @@ mod suite {
         let (a_keys, b_keys) = link_keys();
         let pb = a.insert_peer(&b_addr, &a_keys).expect("insert b");
         let pa = b.insert_peer(&a_addr, &b_keys).expect("insert a");
-        // A link id is one link's alone.
+        // A link id is one link's alone, and so is a send key: messages
+        // are tagged with the link's counter as the nonce.
         assert!(a.insert_peer(&b_addr, &a_keys).is_err());
+        let mut same_send_key = a_keys.clone();
+        same_send_key.local_id = a_keys.local_id.wrapping_add(1000);
+        let refused = a
+            .insert_peer(&b_addr, &same_send_key)
+            .expect_err("a send key taken twice");
+        assert!(refused.to_string().contains("send key"), "{refused}");
         (pb, pa)
     }
 

@@ -98,7 +98,7 @@ use super::handle::{
 use super::info::{Hints, Info, InfoList};
 use super::layout::{
     check_frame, frame_declared_len, frame_kind, frames, rma_done, rma_done_id, BufferLayout,
-    Received, ReplayWindow, RmaDescriptor, TagKey, CONTROL_FLAG, HEADER_VERSION,
+    Received, ReplayWindow, RmaDescriptor, TagKey, UsedSendKeys, CONTROL_FLAG, HEADER_VERSION,
     RMA_DESCRIPTOR_KIND, RMA_DONE_KIND,
 };
 use super::log_limit::BadInputLog;
@@ -420,6 +420,8 @@ pub struct FabricEndpoint {
     peers: FxHashMap<PeerId, PeerState>,
     /// Live peers by the id this side gave their link.
     links: FxHashMap<u64, PeerId>,
+    /// Send keys of the latest links, none of which may serve another.
+    used_send_keys: UsedSendKeys,
     /// Addresses inserted in the address vector.
     av_cache: HashMap<Vec<u8>, AvEntry>,
     /// Ticks at each insert, for least-recently-used eviction.
@@ -806,6 +808,7 @@ impl FabricEndpoint {
             next_peer: 1,
             peers: FxHashMap::default(),
             links: FxHashMap::default(),
+            used_send_keys: UsedSendKeys::default(),
             av_cache: HashMap::new(),
             av_clock: 0,
             max_addresses: options.max_addresses.min(av_limit),
@@ -1323,6 +1326,9 @@ impl FabricEndpoint {
     fn add_peer(&mut self, addr: &[u8], keys: &LinkKeys) -> Result<PeerId, FabricError> {
         if self.links.contains_key(&keys.local_id) {
             return Err(FabricError::LinkIdInUse(keys.local_id));
+        }
+        if !self.used_send_keys.take(&keys.send_key) {
+            return Err(FabricError::SendKeyReused);
         }
         self.av_clock += 1;
         let fi_addr = match self.av_cache.get_mut(addr) {

@@ -111,6 +111,10 @@ pub enum FabricError {
     AddressesFull { limit: usize },
     #[error("link id {0} is in use on this endpoint")]
     LinkIdInUse(u64),
+    #[error(
+        "the link's send key served an earlier link of this endpoint; keys serve one link only"
+    )]
+    SendKeyReused,
     #[error("not a name the shm provider gives its endpoints (fi_shm://, then digits and colons)")]
     NotAnShmName,
     #[error("fi_cq_open failed: {code}")]
@@ -208,6 +212,7 @@ impl FabricError {
             | Alloc { .. }
             | AddressesFull { .. }
             | LinkIdInUse(_)
+            | SendKeyReused
             | NotAnShmName => None,
         }
     }

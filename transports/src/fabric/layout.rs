@@ -129,6 +129,39 @@ impl std::fmt::Debug for TagKey {
     }
 }
 
+/// Send keys an endpoint remembers (see [`UsedSendKeys`]).
+pub const SEND_KEYS_KEPT: usize = 1 << 16;
+
+/// Fingerprints of the send keys an endpoint's latest links took, so that
+/// none is taken again with its counter starting afresh: GCM must never
+/// see one nonce twice under a key. Keys come from a fresh X25519
+/// exchange for every session, so a repeat could only be a caller's bug,
+/// which would repeat a recent link's; the oldest of [`SEND_KEYS_KEPT`]
+/// are forgotten so that memory stays bounded over a long life.
+#[derive(Default)]
+pub struct UsedSendKeys {
+    seen: std::collections::HashSet<[u8; 16]>,
+    order: std::collections::VecDeque<[u8; 16]>,
+}
+
+impl UsedSendKeys {
+    /// Records `key`; false when it was recorded before.
+    pub fn take(&mut self, key: &[u8; 32]) -> bool {
+        let mut fingerprint = [0u8; 16];
+        fingerprint.copy_from_slice(&blake3::hash(key).as_bytes()[..16]);
+        if !self.seen.insert(fingerprint) {
+            return false;
+        }
+        self.order.push_back(fingerprint);
+        if self.order.len() > SEND_KEYS_KEPT {
+            if let Some(oldest) = self.order.pop_front() {
+                self.seen.remove(&oldest);
+            }
+        }
+        true
+    }
+}
+
 /// Scratch bytes kept per thread for tagging, beyond which they are freed.
 const SCRATCH_KEPT: usize = 1 << 20;
 
@@ -144,14 +177,21 @@ thread_local! {
 /// the tag kept: messages travel in clear. `None` only for input GCM
 /// cannot take (64 GiB), which no message comes near.
 ///
-/// GCM's tag is an authenticator whatever the plaintexts, even ones a
-/// forger chose or read, as long as no nonce is used twice under one key.
-/// The counter rises with every message of a link and a link's keys serve
-/// that link alone (see `LinkKeys`). Encrypting a copy costs its copy,
-/// but ring tags associated data alone (GMAC) at under 2 GB/s, where its
-/// encryption with AES-NI and carry-less multiplication runs at 7-9 GB/s.
-/// That beats keyed BLAKE3, the tag before it, on what a fabric carries:
-/// BLAKE3 hashes about 1 GB/s within one 1 KiB chunk and reaches 5-6 GB/s
+/// The tag is E_K(nonce, 1) xor GHASH_H(ciphertext, lengths), and the
+/// receiver makes the same ciphertext from the bytes it got: whatever the
+/// plaintexts, even ones a forger chose or read, a forgery under a counter
+/// not used yet means guessing a fresh AES output, and under a used one
+/// knowing H, each with odds of about (blocks + 1) / 2^128 per try. Two
+/// messages tagged under one counter would give H away, and with it
+/// forgeries under every counter whose tag was seen and not yet taken by
+/// the receiver: the counter rises with every message of a link, a link's
+/// keys serve that link alone (see `LinkKeys`), and an endpoint refuses a
+/// send key one of its latest links had ([`UsedSendKeys`]). Keyed BLAKE3,
+/// the tag before it, needed no nonce; GCM was taken for its speed.
+/// Encrypting a copy costs its copy, but ring tags associated data alone
+/// (GMAC) at under 2 GB/s, where its encryption with AES-NI and carry-less
+/// multiplication runs at 7-9 GB/s. That beats BLAKE3 on what a fabric
+/// carries: BLAKE3 hashes about 1 GB/s within one 1 KiB chunk and reaches 5-6 GB/s
 /// only over many whole chunks at once, so a packed message of 10,000
 /// bytes took it 3.8 us to seal, and takes this 1.4 (`cargo bench --bench
 /// codec -- fabric_tag`).
@@ -161,12 +201,15 @@ thread_local! {
 pub fn tag(key: &TagKey, counter: u64, header: &[u8], frames: &[&[u8]]) -> Option<[u8; TAG_LEN]> {
     SCRATCH.with_borrow_mut(|scratch| {
         scratch.clear();
+        let frames_len: usize = frames.iter().map(|part| part.len()).sum();
+        // Exactly: grown by doubling, a message near the kept bound would
+        // leave the scratch above it and have it freed every time.
+        scratch.reserve_exact(frames_len + header.len() + 8);
         for part in frames {
             scratch.extend_from_slice(part);
         }
-        let frames_len = scratch.len() as u64;
         scratch.extend_from_slice(header);
-        scratch.extend_from_slice(&frames_len.to_le_bytes());
+        scratch.extend_from_slice(&(frames_len as u64).to_le_bytes());
         let mut nonce = [0u8; NONCE_LEN];
         nonce[NONCE_LEN - 8..].copy_from_slice(&counter.to_le_bytes());
         let sealed = key
@@ -714,6 +757,39 @@ mod tests {
         let first = tag(&KEY, 1, b"header", &[bytes]);
         assert_eq!(first, tag(&KEY, 1, b"header", &[bytes]));
         assert_ne!(first, tag(&KEY, 2, b"header", &[bytes]));
+    }
+
+    #[test]
+    fn a_tag_of_zeros_or_a_flipped_control_flag_is_refused() {
+        let layout = BufferLayout::new(0, 256);
+        let mut slot = vec![0u8; layout.slot_stride()];
+        let sender = [3u8; 16];
+        let len = layout
+            .encode(&mut slot, &sender, (5, 1), &frame(b"publish this"))
+            .unwrap();
+        layout.seal(&mut slot, len, &[], &KEY);
+        let mut control = slot.clone();
+        control[layout.prefix] ^= CONTROL_FLAG;
+        let got = message(&layout, &control, len);
+        assert!(got.control, "the flag decodes");
+        assert!(!got.is_authentic(&KEY));
+        let tag_at = layout.prefix + HEADER_FIXED + sender.len() + 16;
+        slot[tag_at..tag_at + TAG_LEN].fill(0);
+        assert!(!message(&layout, &slot, len).is_authentic(&KEY));
+    }
+
+    #[test]
+    fn a_send_key_is_taken_once_and_the_oldest_are_forgotten() {
+        let mut used = UsedSendKeys::default();
+        assert!(used.take(&[1; 32]));
+        assert!(!used.take(&[1; 32]), "taken again");
+        for n in 0..SEND_KEYS_KEPT as u32 {
+            let mut key = [2u8; 32];
+            key[..4].copy_from_slice(&n.to_le_bytes());
+            assert!(used.take(&key));
+        }
+        assert_eq!(used.order.len(), SEND_KEYS_KEPT);
+        assert!(used.take(&[1; 32]), "forgotten past the bound");
     }
 
     #[test]
