@@ -304,7 +304,9 @@ pub struct FabricStats {
 struct PeerState {
     addr: Vec<u8>,
     fi_addr: u64,
-    keys: LinkKeys,
+    /// The id this side gave the link, and the one the peer gave it.
+    local_id: u64,
+    remote_id: u64,
     /// What tags the messages sent to the peer, and checks those from it.
     send_tag: TagKey,
     receive_tag: TagKey,
@@ -1373,7 +1375,8 @@ impl FabricEndpoint {
             PeerState {
                 addr: addr.to_vec(),
                 fi_addr,
-                keys: keys.clone(),
+                local_id: keys.local_id,
+                remote_id: keys.remote_id,
                 send_tag: TagKey::new(&keys.send_key),
                 receive_tag: TagKey::new(&keys.receive_key),
                 sent_counter: 0,
@@ -1434,7 +1437,7 @@ impl FabricEndpoint {
             self.release_slot(slot);
         }
         if let Some(state) = self.peers.remove(&peer) {
-            self.links.remove(&state.keys.local_id);
+            self.links.remove(&state.local_id);
             if let Some(entry) = self.av_cache.get_mut(&state.addr) {
                 entry.users = entry.users.saturating_sub(1);
             }
@@ -1661,7 +1664,7 @@ impl FabricEndpoint {
             Some(state) => {
                 state.sent_counter += 1;
                 self.tx_dest[slot] = state.fi_addr;
-                (state.keys.remote_id, state.sent_counter)
+                (state.remote_id, state.sent_counter)
             }
             None => {
                 self.free_tx.push(slot);

@@ -18,10 +18,10 @@
 //!   sender raises with every message, and a tag: AES-256-GCM's, under
 //!   the link's key for this direction with the counter as the nonce, over
 //!   every frame byte after the tag, then the header before it, then the
-//!   frames' length (see [`tag`]; the message itself is not encrypted). A receiver
-//!   finds the link by its id, checks the address and the tag, and refuses
-//!   a counter it has seen (see `ReplayWindow`); nothing in a message is
-//!   trusted before that.
+//!   frames' length (see [`tag`]; the message itself is not encrypted). A
+//!   receiver finds the link by its id, checks the address and the tag,
+//!   and refuses a counter it has seen (see `ReplayWindow`); nothing in a
+//!   message is trusted before that.
 //! - A message carries one or more whole frames back to back (a sender
 //!   packs the frames it is handed between two polls, up to the peer's
 //!   frame limit); their own length prefixes must account for the rest of
@@ -186,15 +186,15 @@ thread_local! {
 /// forgeries under every counter whose tag was seen and not yet taken by
 /// the receiver: the counter rises with every message of a link, a link's
 /// keys serve that link alone (see `LinkKeys`), and an endpoint refuses a
-/// send key one of its latest links had ([`UsedSendKeys`]). Keyed BLAKE3,
-/// the tag before it, needed no nonce; GCM was taken for its speed.
-/// Encrypting a copy costs its copy, but ring tags associated data alone
-/// (GMAC) at under 2 GB/s, where its encryption with AES-NI and carry-less
-/// multiplication runs at 7-9 GB/s. That beats BLAKE3 on what a fabric
-/// carries: BLAKE3 hashes about 1 GB/s within one 1 KiB chunk and reaches 5-6 GB/s
-/// only over many whole chunks at once, so a packed message of 10,000
-/// bytes took it 3.8 us to seal, and takes this 1.4 (`cargo bench --bench
-/// codec -- fabric_tag`).
+/// send key one of its latest links had ([`UsedSendKeys`]).
+///
+/// Keyed BLAKE3, the tag before it, needed no nonce; GCM was taken for its
+/// speed. BLAKE3 hashes about 1 GB/s within one 1 KiB chunk and reaches
+/// 5-6 GB/s only over many whole chunks at once, so a packed message of
+/// 10,000 bytes took it 3.8 us to seal; ring's AES-GCM encrypts at 7-9
+/// GB/s here (AES-NI, carry-less multiplication) and takes 1.4 (`cargo
+/// bench --bench codec -- fabric_tag`). It tags associated data alone
+/// (GMAC) at under 2 GB/s, so a copy is encrypted instead.
 ///
 /// The length at the end fixes where the frames end and the header
 /// starts, so no other split of the same bytes carries the same tag.
