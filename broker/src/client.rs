@@ -137,7 +137,12 @@ pub struct ClientOptions {
     /// Messages queued per subscription before the policy applies.
     pub subscription_queue: usize,
     pub slow_consumer: SlowConsumerPolicy,
-    /// How long `publish` waits when the outgoing buffer is full.
+    /// How long `publish` waits when the outgoing buffer is full, and,
+    /// under [`SlowConsumerPolicy::Block`], how long the client's loop
+    /// waits for room in a full subscription before it drops the message
+    /// (counted). The loop reads and answers nothing while it waits, so
+    /// keep this below the server's heartbeat timeout (10 s by default),
+    /// or the server takes the client for dead.
     pub block_timeout: Duration,
     pub heartbeat_interval: Duration,
     pub heartbeat_timeout: Duration,
