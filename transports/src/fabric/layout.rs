@@ -130,14 +130,15 @@ impl std::fmt::Debug for TagKey {
 }
 
 /// Send keys an endpoint remembers (see [`UsedSendKeys`]).
-pub const SEND_KEYS_KEPT: usize = 1 << 16;
+pub const SEND_KEYS_KEPT: usize = 4096;
 
 /// Fingerprints of the send keys an endpoint's latest links took, so that
 /// none is taken again with its counter starting afresh: GCM must never
 /// see one nonce twice under a key. Keys come from a fresh X25519
 /// exchange for every session, so a repeat could only be a caller's bug,
-/// which would repeat a recent link's; the oldest of [`SEND_KEYS_KEPT`]
-/// are forgotten so that memory stays bounded over a long life.
+/// which would repeat a recent link's (a retry of one that failed to
+/// open, say); the oldest of [`SEND_KEYS_KEPT`] are forgotten, so that
+/// this stays within about 300 KiB over a long life.
 #[derive(Default)]
 pub struct UsedSendKeys {
     seen: std::collections::HashSet<[u8; 16]>,
