@@ -687,6 +687,52 @@ mod suite {
         until_released(&mut a, &mut b, &mut ae, &mut be, "its done frame");
     }
 
+    /// A frame of 1 MiB read from `provider` lands in huge pages where the
+    /// endpoint uses them for it (`shm`), in ordinary memory elsewhere;
+    /// `None` when the provider cannot open here.
+    pub fn mebibyte_frame_lands_in_huge_pages(provider: &str) -> Option<bool> {
+        let len = 1 << 20;
+        let (mut a, mut b, pb, pa) = rendezvous_pair(provider, &[], len + 4096)?;
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_blocking(&mut a, &mut b, pb, numbered_frame(5, len), &mut ae, &mut be);
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| !frames_from(be, pa).is_empty(),
+            "the 1 MiB frame",
+        );
+        let frame = frames_from(&be, pa).remove(0);
+        assert!(is_numbered(&frame, 5, len));
+        let huge = huge_kib_at(frame.as_ptr() as usize).expect("the frame's mapping in smaps");
+        Some(huge > 0)
+    }
+
+    /// Kibibytes of anonymous huge pages in the mapping that holds `addr`
+    /// (`/proc/self/smaps`).
+    fn huge_kib_at(addr: usize) -> Option<u64> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line
+                .split_once(' ')
+                .and_then(|(range, _)| range.split_once('-'));
+            if let Some((lo, hi)) = range {
+                if let (Ok(lo), Ok(hi)) =
+                    (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+                {
+                    inside = (lo..hi).contains(&addr);
+                    continue;
+                }
+            }
+            if let Some(kib) = line.strip_prefix("AnonHugePages:").filter(|_| inside) {
+                return kib.trim().trim_end_matches("kB").trim().parse().ok();
+            }
+        }
+        None
+    }
+
     /// The same body sent to two peers is registered once.
     pub fn rendezvous_shares_one_registration(provider: &str) {
         let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 1 << 20) else {
@@ -2066,6 +2112,25 @@ fn rdm_slow_read_posts_pace_reads() {
 fn rdm_rendezvous_moves_64_mib() {
     for provider in READING_PROVIDERS {
         suite::rendezvous_moves_64_mib(provider);
+    }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_rendezvous_lands_large_frames_in_huge_pages_over_shm() {
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    // Only where the system gives huge pages on request and not to every
+    // mapping: `[always]` would back the heap's large buffers too.
+    if !thp.contains("[madvise]") {
+        eprintln!("skipped: transparent huge pages are not in madvise mode here ({thp:?})");
+        return;
+    }
+    if let Some(huge) = suite::mebibyte_frame_lands_in_huge_pages("shm") {
+        assert!(huge, "a 1 MiB frame read over shm is not in huge pages");
+    }
+    if let Some(huge) = suite::mebibyte_frame_lands_in_huge_pages("tcp;ofi_rxm") {
+        assert!(!huge, "over tcp;ofi_rxm a 1 MiB frame needs no huge pages");
     }
 }
 

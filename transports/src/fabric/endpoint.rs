@@ -740,7 +740,7 @@ impl FabricEndpoint {
             options,
             (ep_attrs.max_msg_size, config.max_frame, max_frame),
         );
-        let rma = (rendezvous_max > 0)
+        let mut rma = (rendezvous_max > 0)
             .then(|| {
                 Rendezvous::new(
                     dom.mr_mode & FI_MR_VIRT_ADDR != 0,
@@ -749,6 +749,14 @@ impl FabricEndpoint {
                 )
             })
             .transpose()?;
+        if let Some(rma) = rma
+            .as_mut()
+            .filter(|_| attrs.provider() == super::config::SHM_PROVIDER)
+        {
+            // Its reads are `process_vm_readv`, which pins the source's
+            // pages per read: landing buffers are sources when forwarded.
+            rma.landing.use_huge_pages();
+        }
         let link = LinkInfo {
             kind,
             provider: attrs.provider().to_string(),
@@ -1921,7 +1929,7 @@ impl FabricEndpoint {
                 break;
             };
             let body_len = queued.descriptor.body_len as usize;
-            let total = queued.head.len() + body_len;
+            let footprint = rma.landing.footprint(queued);
             let Some(state) = self.peers.get(&queued.peer) else {
                 rma.queue.remove(at);
                 continue;
@@ -1968,7 +1976,7 @@ impl FabricEndpoint {
                     rma.free_slots.pop();
                     self.stats.rendezvous_reads_started += 1;
                     copied = posting.elapsed() >= self.slow_read_post;
-                    rma.count_read(queued.peer, total, true);
+                    rma.count_read(queued.peer, footprint, true);
                     rma.slots[slot].job = Some(ReadJob {
                         peer: queued.peer,
                         fi_addr,
@@ -1976,6 +1984,7 @@ impl FabricEndpoint {
                         mr,
                         buf,
                         start,
+                        footprint,
                     });
                 }
                 Err(code) if code.is_again() => {
@@ -2007,7 +2016,7 @@ impl FabricEndpoint {
             return;
         };
         rma.free_slots.push(slot);
-        rma.count_read(job.peer, job.buf.len() - job.start, false);
+        rma.count_read(job.peer, job.footprint, false);
         drop(job.mr);
         let Some(state) = self.peers.get_mut(&job.peer) else {
             // Closed meanwhile: nothing to deliver.

@@ -13,7 +13,8 @@
 //!   code of the crate lives in these modules, [`endpoint`] and its
 //!   rendezvous bookkeeping (`rendezvous`: registrations shared per body,
 //!   transfers waiting for their done, reads queued and in flight, reused
-//!   landing buffers).
+//!   landing buffers, and `huge`: the huge-page mappings `shm`'s large
+//!   frames land in).
 //! - [`endpoint`] is the [`Endpoint`](efabus_core::transport::Endpoint)
 //!   implementation; [`layout`] its buffer layout, testable without
 //!   libfabric; [`config`] its kinds, schemes and address text. Its
@@ -77,6 +78,8 @@ mod absent;
 pub mod endpoint;
 #[cfg(efabus_libfabric)]
 pub mod handle;
+#[cfg(efabus_libfabric)]
+mod huge;
 #[cfg(efabus_libfabric)]
 pub mod info;
 #[cfg(efabus_libfabric)]

@@ -27,6 +27,7 @@ use efabus_core::transport::PeerId;
 use super::consts::FI_ENOKEY;
 use super::error::FabricError;
 use super::handle::{Domain, MemoryRegion};
+use super::huge::{HugePages, HUGE_PAGE};
 use super::layout::RmaDescriptor;
 
 /// Distinct body bytes registered at once (a single frame may exceed it
@@ -253,8 +254,10 @@ pub struct ReadJob {
     /// before `buf`, so it is closed first when a job is dropped whole.
     pub mr: Option<MemoryRegion>,
     /// The frame lands at `buf[start..]`.
-    pub buf: Vec<u8>,
+    pub buf: LandingBuf,
     pub start: usize,
+    /// What the read counts against the reading bounds.
+    pub footprint: usize,
 }
 
 /// One read's operation context: room for `struct fi_context2`, at an
@@ -338,7 +341,7 @@ impl Rendezvous {
             return None;
         }
         self.queue.iter().position(|queued| {
-            let total = queued.head.len() + queued.descriptor.body_len as usize;
+            let total = self.landing.footprint(queued);
             let (reads, bytes) = self
                 .reading_by_peer
                 .get(&queued.peer)
@@ -355,8 +358,8 @@ impl Rendezvous {
         self.reading_by_peer.contains_key(&peer) || self.queue.iter().any(|q| q.peer == peer)
     }
 
-    /// Accounts a read of `total` bytes for `peer` starting (`started`) or
-    /// ending.
+    /// Accounts a read for `peer` whose landing buffer takes `total` bytes
+    /// ([`LandingBuffers::footprint`]), starting (`started`) or ending.
     pub fn count_read(&mut self, peer: PeerId, total: usize, started: bool) {
         let entry = self.reading_by_peer.entry(peer).or_default();
         if started {
@@ -399,21 +402,104 @@ impl Rendezvous {
 /// Buffers reads land in, reused once the frames built on them are
 /// dropped (wherever that happens): a fresh buffer per frame would cost
 /// its pages' faults and zeroing on every read, more than the read itself.
+/// Where [`LandingBuffers::use_huge_pages`] says so, large frames land in
+/// huge pages ([`HugePages`]), which a peer's kernel-copied read (`shm`)
+/// takes about twice as fast.
 #[derive(Clone, Default)]
 pub struct LandingBuffers {
     kept: Arc<Mutex<Kept>>,
+    /// Bodies at least this long land in huge pages.
+    huge_from: Option<usize>,
 }
 
 #[derive(Default)]
 struct Kept {
-    buffers: Vec<Vec<u8>>,
+    buffers: Vec<LandingBuf>,
     bytes: usize,
 }
 
 /// Page size for [`LandingBuffers::take_for`]'s placement.
 const PAGE: usize = 4096;
 
+/// Bodies from this long on land in huge pages where the endpoint asks
+/// for them: frames of 1 MiB (their heads inline, up to [`INLINE_MAX`])
+/// and larger, so that about half of such a buffer is slack at most.
+pub const HUGE_LANDING_MIN: usize = (1 << 20) - INLINE_MAX;
+
+/// One landing buffer: `len` bytes in use of its capacity.
+pub enum LandingBuf {
+    Heap(Vec<u8>),
+    Huge { pages: HugePages, len: usize },
+}
+
+impl LandingBuf {
+    fn capacity(&self) -> usize {
+        match self {
+            LandingBuf::Heap(buf) => buf.capacity(),
+            LandingBuf::Huge { pages, .. } => pages.capacity(),
+        }
+    }
+
+    /// Sets the length (at most the capacity for huge pages); a heap
+    /// buffer's bytes beyond its last length are zeroed.
+    fn set_len(&mut self, new_len: usize) {
+        match self {
+            LandingBuf::Heap(buf) => buf.resize(new_len, 0),
+            LandingBuf::Huge { pages, len } => *len = new_len.min(pages.capacity()),
+        }
+    }
+
+    fn is_huge(&self) -> bool {
+        matches!(self, LandingBuf::Huge { .. })
+    }
+}
+
+impl std::ops::Deref for LandingBuf {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            LandingBuf::Heap(buf) => buf,
+            LandingBuf::Huge { pages, len } => &pages.as_slice()[..*len],
+        }
+    }
+}
+
+impl std::ops::DerefMut for LandingBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            LandingBuf::Heap(buf) => buf,
+            LandingBuf::Huge { pages, len } => &mut pages.as_mut_slice()[..*len],
+        }
+    }
+}
+
 impl LandingBuffers {
+    /// Land bodies of [`HUGE_LANDING_MIN`] bytes or more in huge pages.
+    pub fn use_huge_pages(&mut self) {
+        self.huge_from = Some(HUGE_LANDING_MIN);
+    }
+
+    /// Bytes the landing buffer for `queued` takes: its frame, or the huge
+    /// pages it lands in. The reading bounds count these, so that they
+    /// bound memory wherever frames land.
+    pub fn footprint(&self, queued: &QueuedRead) -> usize {
+        let body_len = usize::try_from(queued.descriptor.body_len).unwrap_or(usize::MAX);
+        let total = queued.head.len().saturating_add(body_len);
+        if self.lands_huge(body_len) {
+            total
+                .saturating_add(PAGE - 1)
+                .checked_next_multiple_of(HUGE_PAGE)
+                .unwrap_or(usize::MAX)
+        } else {
+            total
+        }
+    }
+
+    fn lands_huge(&self, body_len: usize) -> bool {
+        self.huge_from.is_some_and(|from| body_len >= from)
+    }
+
     /// A buffer for a frame of `head_len + body_len` bytes, and where in it
     /// the frame starts: with `body_at` (the body's address in the
     /// sender's memory) the body lands at the same offset within a page.
@@ -426,24 +512,33 @@ impl LandingBuffers {
         head_len: usize,
         body_len: usize,
         body_at: Option<u64>,
-    ) -> (Vec<u8>, usize) {
+    ) -> (LandingBuf, usize) {
         let total = head_len + body_len;
         let Some(body_at) = body_at else {
             return (self.take(total), 0);
         };
-        let mut buf = self.take(total + PAGE - 1);
+        let mut buf = self.take_kind(total + PAGE - 1, self.lands_huge(body_len));
         let body_base = buf.as_ptr() as usize + head_len;
         let start = (body_at as usize).wrapping_sub(body_base) % PAGE;
-        buf.truncate(start + total);
+        buf.set_len(start + total);
         (buf, start)
     }
 
-    /// A buffer of `len` bytes: a kept one large enough if there is one
-    /// (its old bytes are overwritten by the caller), else a new one.
-    pub fn take(&self, len: usize) -> Vec<u8> {
+    /// A heap buffer of `len` bytes: a kept one large enough if there is
+    /// one (its old bytes are overwritten by the caller), else a new one.
+    pub fn take(&self, len: usize) -> LandingBuf {
+        self.take_kind(len, false)
+    }
+
+    /// A buffer of `len` bytes, in huge pages if `huge` (a heap one when
+    /// none can be mapped).
+    fn take_kind(&self, len: usize, huge: bool) -> LandingBuf {
         let reused = {
             let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-            let found = kept.buffers.iter().position(|buf| buf.capacity() >= len);
+            let found = kept
+                .buffers
+                .iter()
+                .position(|buf| buf.is_huge() == huge && buf.capacity() >= len);
             found.map(|at| {
                 let buf = kept.buffers.swap_remove(at);
                 kept.bytes -= buf.capacity();
@@ -452,26 +547,30 @@ impl LandingBuffers {
         };
         match reused {
             Some(mut buf) => {
-                // Only bytes beyond its last length are zeroed.
-                buf.resize(len, 0);
+                buf.set_len(len);
                 buf
             }
-            None => vec![0u8; len],
+            None => match huge.then(|| HugePages::new(len)).flatten() {
+                Some(pages) => LandingBuf::Huge { pages, len },
+                // Zeroed by the allocator: fresh pages are not written
+                // until the read lands in them.
+                None => LandingBuf::Heap(vec![0u8; len]),
+            },
         }
     }
 
     /// `buf[start..]` as a frame's bytes; `buf` comes back here when the
     /// last of them goes.
-    pub fn frame(&self, buf: Vec<u8>, start: usize) -> Bytes {
+    pub fn frame(&self, buf: LandingBuf, start: usize) -> Bytes {
         Bytes::from_owner(Landed {
-            buf,
+            buf: Some(buf),
             start,
             home: self.clone(),
         })
     }
 
     /// Keeps `buf` for reuse, within the bound.
-    pub fn keep(&self, buf: Vec<u8>) {
+    pub fn keep(&self, buf: LandingBuf) {
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
         if kept.bytes + buf.capacity() <= LANDING_KEPT_MAX {
             kept.bytes += buf.capacity();
@@ -491,20 +590,26 @@ impl LandingBuffers {
 
 /// A landed frame's buffer, given back to its pool when dropped.
 struct Landed {
-    buf: Vec<u8>,
+    /// Taken only by `drop`.
+    buf: Option<LandingBuf>,
     start: usize,
     home: LandingBuffers,
 }
 
 impl AsRef<[u8]> for Landed {
     fn as_ref(&self) -> &[u8] {
-        self.buf.get(self.start..).unwrap_or_default()
+        self.buf
+            .as_deref()
+            .and_then(|buf| buf.get(self.start..))
+            .unwrap_or_default()
     }
 }
 
 impl Drop for Landed {
     fn drop(&mut self) {
-        self.home.keep(std::mem::take(&mut self.buf));
+        if let Some(buf) = self.buf.take() {
+            self.home.keep(buf);
+        }
     }
 }
 
@@ -553,6 +658,50 @@ mod tests {
         }
         let (buf, start) = buffers.take_for(36, 100, None);
         assert_eq!((buf.len(), start), (136, 0));
+    }
+
+    #[test]
+    fn large_bodies_land_in_huge_pages_where_asked() {
+        let queued = |head_len: usize, body_len: usize| QueuedRead {
+            peer: PeerId(1),
+            descriptor: RmaDescriptor {
+                id: 1,
+                addr: 0x7f00_0000_0123,
+                key: 1,
+                body_len: body_len as u64,
+            },
+            head: vec![0; head_len],
+        };
+        let mut buffers = LandingBuffers::default();
+        let mebibyte = queued(60, 1 << 20);
+        assert_eq!(buffers.footprint(&mebibyte), 60 + (1 << 20), "not asked");
+        buffers.use_huge_pages();
+        for (head_len, body_len, huge) in [
+            (60, 1 << 20, true),
+            (INLINE_MAX, HUGE_LANDING_MIN, true),
+            (60, HUGE_LANDING_MIN - 1, false),
+            (60, 3 << 20, true),
+        ] {
+            let read = queued(head_len, body_len);
+            let (buf, start) = buffers.take_for(head_len, body_len, Some(read.descriptor.addr));
+            assert_eq!(buf.is_huge(), huge, "{body_len}");
+            assert_eq!(buf.len(), start + head_len + body_len);
+            let body = buf.as_ptr() as u64 + (start + head_len) as u64;
+            assert_eq!(body % PAGE as u64, read.descriptor.addr % PAGE as u64);
+            if huge {
+                assert_eq!(buf.capacity(), buffers.footprint(&read));
+                assert_eq!(buf.as_ptr() as usize % HUGE_PAGE, 0);
+            } else {
+                assert_eq!(buffers.footprint(&read), head_len + body_len);
+            }
+            // Given back and taken again: the same kind comes back.
+            let address = buf.as_ptr();
+            drop(buffers.frame(buf, start));
+            let (again, _) = buffers.take_for(head_len, body_len, Some(read.descriptor.addr));
+            assert_eq!((again.as_ptr(), again.is_huge()), (address, huge));
+            buffers.keep(again);
+        }
+        assert!(buffers.kept_bytes() <= LANDING_KEPT_MAX);
     }
 
     #[test]
