@@ -24,8 +24,9 @@
 //!
 //! The endpoints are opened and linked as a broker's are: the default eager
 //! buffers, and frames above them by rendezvous where the provider has RMA
-//! reads (`"rendezvous":true` in the output); without (ofi_rxd), eager
-//! buffers that hold the frame.
+//! reads (`"rendezvous":true` in the output; over `shm`, frames of 1 MiB
+//! land in huge pages); without (ofi_rxd), eager buffers that hold the
+//! frame.
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -93,6 +94,8 @@ fn open_with(
                 msg_size,
                 rx_depth: DEPTH,
                 tx_depth: DEPTH,
+                // As a broker's: over shm, large frames land in huge pages.
+                huge_landing: true,
                 ..FabricOptions::default()
             }),
             ..EndpointConfig::default()

@@ -106,7 +106,12 @@ pub fn listener_config(config: &Config, scheme: &str, bind: Option<String>) -> E
         max_frame: config.max_frame(),
         queue_frames: 65_536,
         queue_bytes: config.limits.max_pending_bytes.min(4 << 20),
-        fabric: endpoint_options(&config.fabric, scheme),
+        // A broker passes large frames on: its subscribers read them from
+        // where they landed.
+        fabric: endpoint_options(&config.fabric, scheme).map(|fabric| FabricOptions {
+            huge_landing: true,
+            ..fabric
+        }),
         options,
     }
 }
@@ -228,4 +233,24 @@ pub fn with_faults(
         );
     }
     endpoint
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broker_s_fabric_endpoints_land_large_frames_in_huge_pages_and_a_client_s_do_not() {
+        let config = Config::default();
+        for scheme in [RDM_SCHEME, SHM_SCHEME] {
+            let broker = listener_config(&config, scheme, None)
+                .fabric
+                .expect("fabric");
+            assert!(broker.huge_landing, "{scheme}");
+            // What a client opens its data endpoints with.
+            let client = endpoint_options(&config.fabric, scheme).expect("fabric");
+            assert!(!client.huge_landing, "{scheme}");
+        }
+        assert!(listener_config(&config, tcp::SCHEME, None).fabric.is_none());
+    }
 }

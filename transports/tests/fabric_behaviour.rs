@@ -687,12 +687,15 @@ mod suite {
         until_released(&mut a, &mut b, &mut ae, &mut be, "its done frame");
     }
 
-    /// A frame of 1 MiB read from `provider` lands in huge pages where the
-    /// endpoint uses them for it (`shm`), in ordinary memory elsewhere;
-    /// `None` when the provider cannot open here.
-    pub fn mebibyte_frame_lands_in_huge_pages(provider: &str) -> Option<bool> {
+    /// Reads `provider`'s receiver started into huge pages for one frame
+    /// of 1 MiB, with the endpoints opened with `extra`; `None` when the
+    /// provider cannot open here.
+    pub fn huge_landings_of_a_mebibyte_frame(
+        provider: &str,
+        extra: &[(&str, &str)],
+    ) -> Option<u64> {
         let len = 1 << 20;
-        let (mut a, mut b, pb, pa) = rendezvous_pair(provider, &[], len + 4096)?;
+        let (mut a, mut b, pb, pa) = rendezvous_pair(provider, extra, len + 4096)?;
         let (mut ae, mut be) = (Vec::new(), Vec::new());
         send_blocking(&mut a, &mut b, pb, numbered_frame(5, len), &mut ae, &mut be);
         pump(
@@ -703,34 +706,9 @@ mod suite {
             |_, be| !frames_from(be, pa).is_empty(),
             "the 1 MiB frame",
         );
-        let frame = frames_from(&be, pa).remove(0);
-        assert!(is_numbered(&frame, 5, len));
-        let huge = huge_kib_at(frame.as_ptr() as usize).expect("the frame's mapping in smaps");
-        Some(huge > 0)
-    }
-
-    /// Kibibytes of anonymous huge pages in the mapping that holds `addr`
-    /// (`/proc/self/smaps`).
-    fn huge_kib_at(addr: usize) -> Option<u64> {
-        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
-        let mut inside = false;
-        for line in smaps.lines() {
-            let range = line
-                .split_once(' ')
-                .and_then(|(range, _)| range.split_once('-'));
-            if let Some((lo, hi)) = range {
-                if let (Ok(lo), Ok(hi)) =
-                    (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
-                {
-                    inside = (lo..hi).contains(&addr);
-                    continue;
-                }
-            }
-            if let Some(kib) = line.strip_prefix("AnonHugePages:").filter(|_| inside) {
-                return kib.trim().trim_end_matches("kB").trim().parse().ok();
-            }
-        }
-        None
+        assert!(is_numbered(&frames_from(&be, pa)[0], 5, len));
+        assert_eq!(b.stats().rendezvous_read, 1);
+        Some(b.stats().rendezvous_huge_landed)
     }
 
     /// The same body sent to two peers is registered once.
@@ -2117,20 +2095,20 @@ fn rdm_rendezvous_moves_64_mib() {
 
 #[cfg(efabus_libfabric)]
 #[test]
-fn rdm_rendezvous_lands_large_frames_in_huge_pages_over_shm() {
+fn rdm_rendezvous_lands_large_frames_in_huge_pages_over_shm_when_asked() {
     let thp =
         std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    // Only where the system gives huge pages on request and not to every
-    // mapping: `[always]` would back the heap's large buffers too.
-    if !thp.contains("[madvise]") {
-        eprintln!("skipped: transparent huge pages are not in madvise mode here ({thp:?})");
-        return;
+    let expected = u64::from(!thp.is_empty() && !thp.contains("[never]"));
+    let asked = [("huge_landing", "true")];
+    if let Some(huge) = suite::huge_landings_of_a_mebibyte_frame("shm", &asked) {
+        assert_eq!(huge, expected, "shm, asked, transparent huge pages {thp:?}");
     }
-    if let Some(huge) = suite::mebibyte_frame_lands_in_huge_pages("shm") {
-        assert!(huge, "a 1 MiB frame read over shm is not in huge pages");
+    if let Some(huge) = suite::huge_landings_of_a_mebibyte_frame("shm", &[]) {
+        assert_eq!(huge, 0, "shm, not asked");
     }
-    if let Some(huge) = suite::mebibyte_frame_lands_in_huge_pages("tcp;ofi_rxm") {
-        assert!(!huge, "over tcp;ofi_rxm a 1 MiB frame needs no huge pages");
+    // Its reads go through sockets: nothing to gain there.
+    if let Some(huge) = suite::huge_landings_of_a_mebibyte_frame("tcp;ofi_rxm", &asked) {
+        assert_eq!(huge, 0, "tcp;ofi_rxm");
     }
 }
 

@@ -24,6 +24,7 @@
 //! | `rnr_retry` | `FI_OPT_EFA_RNR_RETRY` for efa RDM (0-6: 7, retry without limit, is refused, as a send to a receiver that posts nothing must fail and free its slot) | 6 |
 //! | `order` | `prefer` (ask for FI_ORDER_SAS, accept without), `require`, `none` | `prefer` |
 //! | `wait_fd` | open a wait set where the provider offers one, so the owner may sleep on its descriptor | true |
+//! | `huge_landing` | RDM over `shm`: land rendezvous frames of 1 MiB and more in transparent huge pages, which a peer's read of them (a `process_vm_readv` that pins their pages) takes about twice as fast; each such frame holds whole 2 MiB pages while it lives. For endpoints that pass on what they receive (a broker's) | false (a broker's: true) |
 //! | `force_prefix` | test only: reserve this many prefix bytes as if the provider asked (multiple of 8) | 0 |
 //! | `force_mr_local` | test only: register the pools and pass descriptors as if FI_MR_LOCAL were required | false |
 //! | `force_multi_recv` | test only: post multi-receive buffers on any provider that grants `FI_MULTI_RECV` (see `multi_recv`) | false |
@@ -115,6 +116,10 @@ pub struct FabricOptions {
     /// descriptor (`Readiness::PollOrWait`); providers without one are
     /// polled as before.
     pub wait_fd: bool,
+    /// RDM over `shm`: land rendezvous frames of 1 MiB and more in
+    /// transparent huge pages, for endpoints whose frames peers read again
+    /// (a broker forwarding them); see the module docs.
+    pub huge_landing: bool,
 }
 
 /// Default bytes per RDM buffer (the eager size): 256 receive and 256 send
@@ -135,7 +140,7 @@ const MAX_FORCE_PREFIX: usize = 4096;
 
 /// The option names [`FabricOptions::parse`] reads (besides `iface`, an
 /// alias of `domain`), in the order [`FabricOptions::describe`] lists them.
-pub const FABRIC_OPTION_KEYS: [&str; 18] = [
+pub const FABRIC_OPTION_KEYS: [&str; 19] = [
     "provider",
     "domain",
     "fabric",
@@ -151,6 +156,7 @@ pub const FABRIC_OPTION_KEYS: [&str; 18] = [
     "rnr_retry",
     "order",
     "wait_fd",
+    "huge_landing",
     "force_prefix",
     "force_mr_local",
     "force_multi_recv",
@@ -189,6 +195,7 @@ impl Default for FabricOptions {
             force_mr_local: false,
             force_multi_recv: false,
             wait_fd: true,
+            huge_landing: false,
         }
     }
 }
@@ -312,6 +319,10 @@ impl FabricOptions {
             }
             "wait_fd" => {
                 self.wait_fd = flag()?;
+                key
+            }
+            "huge_landing" => {
+                self.huge_landing = flag()?;
                 key
             }
             _ => {
@@ -441,6 +452,7 @@ impl FabricOptions {
             ("rnr_retry", self.rnr_retry.to_string()),
             ("order", self.order.name().to_string()),
             ("wait_fd", self.wait_fd.to_string()),
+            ("huge_landing", self.huge_landing.to_string()),
             ("force_prefix", self.force_prefix.to_string()),
             ("force_mr_local", self.force_mr_local.to_string()),
             ("force_multi_recv", self.force_multi_recv.to_string()),
@@ -626,6 +638,7 @@ mod tests {
             rendezvous: false,
             force_prefix: 64,
             wait_fd: false,
+            huge_landing: true,
             ..FabricOptions::default()
         };
         let pairs = o.describe();
@@ -645,6 +658,7 @@ mod tests {
                 "rnr_retry",
                 "order",
                 "wait_fd",
+                "huge_landing",
                 "force_prefix",
                 "force_mr_local",
                 "force_multi_recv"

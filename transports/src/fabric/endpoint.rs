@@ -292,6 +292,9 @@ pub struct FabricStats {
     /// Frames received by rendezvous (read one-sided), and their bytes.
     pub rendezvous_read: u64,
     pub rendezvous_read_bytes: u64,
+    /// Of the reads started, those landing in huge pages (`huge_landing`
+    /// over `shm`).
+    pub rendezvous_huge_landed: u64,
     /// Transfers released without their done frame: the peer closed first.
     pub rendezvous_abandoned: u64,
     /// Sends refused for a while by the registration bounds.
@@ -749,13 +752,14 @@ impl FabricEndpoint {
                 )
             })
             .transpose()?;
-        if let Some(rma) = rma
-            .as_mut()
-            .filter(|_| attrs.provider() == super::config::SHM_PROVIDER)
-        {
+        if let Some(rma) = rma.as_mut().filter(|rma| {
+            options.huge_landing && rma.virt_addr && attrs.provider() == super::config::SHM_PROVIDER
+        }) {
             // Its reads are `process_vm_readv`, which pins the source's
             // pages per read: landing buffers are sources when forwarded.
-            rma.landing.use_huge_pages();
+            if !rma.landing.use_huge_pages() {
+                tracing::debug!("no transparent huge pages here: landing buffers stay ordinary");
+            }
         }
         let link = LinkInfo {
             kind,
@@ -1929,7 +1933,7 @@ impl FabricEndpoint {
                 break;
             };
             let body_len = queued.descriptor.body_len as usize;
-            let footprint = rma.landing.footprint(queued);
+            let total = queued.head.len() + body_len;
             let Some(state) = self.peers.get(&queued.peer) else {
                 rma.queue.remove(at);
                 continue;
@@ -1976,7 +1980,11 @@ impl FabricEndpoint {
                     rma.free_slots.pop();
                     self.stats.rendezvous_reads_started += 1;
                     copied = posting.elapsed() >= self.slow_read_post;
+                    let footprint = buf.footprint(total);
                     rma.count_read(queued.peer, footprint, true);
+                    if buf.is_huge() {
+                        self.stats.rendezvous_huge_landed += 1;
+                    }
                     rma.slots[slot].job = Some(ReadJob {
                         peer: queued.peer,
                         fi_addr,

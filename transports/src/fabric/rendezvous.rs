@@ -27,7 +27,7 @@ use efabus_core::transport::PeerId;
 use super::consts::FI_ENOKEY;
 use super::error::FabricError;
 use super::handle::{Domain, MemoryRegion};
-use super::huge::{HugePages, HUGE_PAGE};
+use super::huge::{self, HugePages};
 use super::layout::RmaDescriptor;
 
 /// Distinct body bytes registered at once (a single frame may exceed it
@@ -408,13 +408,14 @@ impl Rendezvous {
 #[derive(Clone, Default)]
 pub struct LandingBuffers {
     kept: Arc<Mutex<Kept>>,
-    /// Bodies at least this long land in huge pages.
-    huge_from: Option<usize>,
+    /// The huge-page size, where large bodies land in huge pages.
+    huge_page: Option<usize>,
 }
 
 #[derive(Default)]
 struct Kept {
-    buffers: Vec<LandingBuf>,
+    /// Oldest first.
+    buffers: VecDeque<LandingBuf>,
     bytes: usize,
 }
 
@@ -423,7 +424,7 @@ const PAGE: usize = 4096;
 
 /// Bodies from this long on land in huge pages where the endpoint asks
 /// for them: frames of 1 MiB (their heads inline, up to [`INLINE_MAX`])
-/// and larger, so that about half of such a buffer is slack at most.
+/// and larger, so that about half of a 2 MiB page is slack at most.
 pub const HUGE_LANDING_MIN: usize = (1 << 20) - INLINE_MAX;
 
 /// One landing buffer: `len` bytes in use of its capacity.
@@ -440,17 +441,38 @@ impl LandingBuf {
         }
     }
 
-    /// Sets the length (at most the capacity for huge pages); a heap
+    /// Sets the length, within the capacity for huge pages; a heap
     /// buffer's bytes beyond its last length are zeroed.
     fn set_len(&mut self, new_len: usize) {
         match self {
             LandingBuf::Heap(buf) => buf.resize(new_len, 0),
-            LandingBuf::Huge { pages, len } => *len = new_len.min(pages.capacity()),
+            LandingBuf::Huge { pages, len } => {
+                // A read is posted for the whole length: a shorter slice
+                // would let the provider write past the mapping.
+                assert!(new_len <= pages.capacity(), "landing beyond its mapping");
+                *len = new_len;
+            }
         }
     }
 
-    fn is_huge(&self) -> bool {
+    pub fn is_huge(&self) -> bool {
         matches!(self, LandingBuf::Huge { .. })
+    }
+
+    /// The memory a read landing here counts against the reading bounds:
+    /// the frame's bytes (`total`), or all the pages of a huge buffer.
+    pub fn footprint(&self, total: usize) -> usize {
+        if self.is_huge() {
+            self.capacity()
+        } else {
+            total
+        }
+    }
+}
+
+impl Default for LandingBuf {
+    fn default() -> Self {
+        LandingBuf::Heap(Vec::new())
     }
 }
 
@@ -475,29 +497,29 @@ impl std::ops::DerefMut for LandingBuf {
 }
 
 impl LandingBuffers {
-    /// Land bodies of [`HUGE_LANDING_MIN`] bytes or more in huge pages.
-    pub fn use_huge_pages(&mut self) {
-        self.huge_from = Some(HUGE_LANDING_MIN);
+    /// Land bodies of [`HUGE_LANDING_MIN`] bytes or more in huge pages,
+    /// where the system has them; false where it has none.
+    pub fn use_huge_pages(&mut self) -> bool {
+        self.huge_page = huge::page_size();
+        self.huge_page.is_some()
     }
 
-    /// Bytes the landing buffer for `queued` takes: its frame, or the huge
-    /// pages it lands in. The reading bounds count these, so that they
-    /// bound memory wherever frames land.
+    /// The memory the landing buffer for `queued` will take, as
+    /// [`LandingBuf::footprint`] counts it (the bounds are checked with
+    /// this before a buffer is taken). Descriptors are checked against the
+    /// link's frame limit before they are queued.
     pub fn footprint(&self, queued: &QueuedRead) -> usize {
-        let body_len = usize::try_from(queued.descriptor.body_len).unwrap_or(usize::MAX);
-        let total = queued.head.len().saturating_add(body_len);
-        if self.lands_huge(body_len) {
-            total
-                .saturating_add(PAGE - 1)
-                .checked_next_multiple_of(HUGE_PAGE)
-                .unwrap_or(usize::MAX)
-        } else {
-            total
+        let body_len = queued.descriptor.body_len as usize;
+        let total = queued.head.len() + body_len;
+        match self.huge_page_for(body_len) {
+            Some(page) => (total + PAGE - 1).next_multiple_of(page),
+            None => total,
         }
     }
 
-    fn lands_huge(&self, body_len: usize) -> bool {
-        self.huge_from.is_some_and(|from| body_len >= from)
+    /// The huge-page size when a body this long lands in huge pages.
+    fn huge_page_for(&self, body_len: usize) -> Option<usize> {
+        self.huge_page.filter(|_| body_len >= HUGE_LANDING_MIN)
     }
 
     /// A buffer for a frame of `head_len + body_len` bytes, and where in it
@@ -517,7 +539,8 @@ impl LandingBuffers {
         let Some(body_at) = body_at else {
             return (self.take(total), 0);
         };
-        let mut buf = self.take_kind(total + PAGE - 1, self.lands_huge(body_len));
+        let huge = self.huge_page_for(body_len).is_some();
+        let mut buf = self.take_kind(total + PAGE - 1, huge);
         let body_base = buf.as_ptr() as usize + head_len;
         let start = (body_at as usize).wrapping_sub(body_base) % PAGE;
         buf.set_len(start + total);
@@ -531,18 +554,21 @@ impl LandingBuffers {
     }
 
     /// A buffer of `len` bytes, in huge pages if `huge` (a heap one when
-    /// none can be mapped).
+    /// none can be mapped): the smallest kept one of its kind that is large
+    /// enough, else a new one.
     fn take_kind(&self, len: usize, huge: bool) -> LandingBuf {
         let reused = {
             let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-            let found = kept
-                .buffers
-                .iter()
-                .position(|buf| buf.is_huge() == huge && buf.capacity() >= len);
-            found.map(|at| {
-                let buf = kept.buffers.swap_remove(at);
+            let found = (0..kept.buffers.len())
+                .filter(|&at| {
+                    let buf = &kept.buffers[at];
+                    buf.is_huge() == huge && buf.capacity() >= len
+                })
+                .min_by_key(|&at| kept.buffers[at].capacity());
+            found.and_then(|at| {
+                let buf = kept.buffers.remove(at)?;
                 kept.bytes -= buf.capacity();
-                buf
+                Some(buf)
             })
         };
         match reused {
@@ -563,19 +589,35 @@ impl LandingBuffers {
     /// last of them goes.
     pub fn frame(&self, buf: LandingBuf, start: usize) -> Bytes {
         Bytes::from_owner(Landed {
-            buf: Some(buf),
+            buf,
             start,
             home: self.clone(),
         })
     }
 
-    /// Keeps `buf` for reuse, within the bound.
+    /// Keeps `buf` for reuse within the bound, letting the oldest kept
+    /// ones go to make room: the sizes in use now are the ones worth
+    /// keeping.
     pub fn keep(&self, buf: LandingBuf) {
-        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-        if kept.bytes + buf.capacity() <= LANDING_KEPT_MAX {
-            kept.bytes += buf.capacity();
-            kept.buffers.push(buf);
+        let capacity = buf.capacity();
+        if capacity > LANDING_KEPT_MAX {
+            return;
         }
+        let mut evicted = Vec::new();
+        {
+            let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+            while kept.bytes + capacity > LANDING_KEPT_MAX {
+                let Some(old) = kept.buffers.pop_front() else {
+                    break;
+                };
+                kept.bytes -= old.capacity();
+                evicted.push(old);
+            }
+            kept.bytes += capacity;
+            kept.buffers.push_back(buf);
+        }
+        // Freed (unmapped) outside the lock.
+        drop(evicted);
     }
 
     /// Bytes kept for reuse now.
@@ -590,26 +632,20 @@ impl LandingBuffers {
 
 /// A landed frame's buffer, given back to its pool when dropped.
 struct Landed {
-    /// Taken only by `drop`.
-    buf: Option<LandingBuf>,
+    buf: LandingBuf,
     start: usize,
     home: LandingBuffers,
 }
 
 impl AsRef<[u8]> for Landed {
     fn as_ref(&self) -> &[u8] {
-        self.buf
-            .as_deref()
-            .and_then(|buf| buf.get(self.start..))
-            .unwrap_or_default()
+        self.buf.get(self.start..).unwrap_or_default()
     }
 }
 
 impl Drop for Landed {
     fn drop(&mut self) {
-        if let Some(buf) = self.buf.take() {
-            self.home.keep(buf);
-        }
+        self.home.keep(std::mem::take(&mut self.buf));
     }
 }
 
@@ -675,7 +711,11 @@ mod tests {
         let mut buffers = LandingBuffers::default();
         let mebibyte = queued(60, 1 << 20);
         assert_eq!(buffers.footprint(&mebibyte), 60 + (1 << 20), "not asked");
-        buffers.use_huge_pages();
+        if !buffers.use_huge_pages() {
+            // No huge pages here: everything lands as before.
+            assert_eq!(buffers.footprint(&mebibyte), 60 + (1 << 20));
+            return;
+        }
         for (head_len, body_len, huge) in [
             (60, 1 << 20, true),
             (INLINE_MAX, HUGE_LANDING_MIN, true),
@@ -683,16 +723,20 @@ mod tests {
             (60, 3 << 20, true),
         ] {
             let read = queued(head_len, body_len);
+            let total = head_len + body_len;
             let (buf, start) = buffers.take_for(head_len, body_len, Some(read.descriptor.addr));
             assert_eq!(buf.is_huge(), huge, "{body_len}");
-            assert_eq!(buf.len(), start + head_len + body_len);
+            assert_eq!(buf.len(), start + total);
             let body = buf.as_ptr() as u64 + (start + head_len) as u64;
             assert_eq!(body % PAGE as u64, read.descriptor.addr % PAGE as u64);
+            // What the bounds were told before the buffer was taken is
+            // what it takes.
+            assert_eq!(buffers.footprint(&read), buf.footprint(total));
             if huge {
-                assert_eq!(buf.capacity(), buffers.footprint(&read));
-                assert_eq!(buf.as_ptr() as usize % HUGE_PAGE, 0);
+                assert_eq!(buf.footprint(total), buf.capacity());
+                assert!(buf.capacity() < 2 * total + (4 << 20), "{}", buf.capacity());
             } else {
-                assert_eq!(buffers.footprint(&read), head_len + body_len);
+                assert_eq!(buf.footprint(total), total);
             }
             // Given back and taken again: the same kind comes back.
             let address = buf.as_ptr();
@@ -701,7 +745,35 @@ mod tests {
             assert_eq!((again.as_ptr(), again.is_huge()), (address, huge));
             buffers.keep(again);
         }
+        // The smallest kept buffer that fits is taken: the 1 MiB frame's,
+        // not the 3 MiB one's.
+        let (small, _) = buffers.take_for(60, 1 << 20, Some(0));
+        assert!(small.is_huge());
+        assert!(small.capacity() < 3 << 20, "{}", small.capacity());
         assert!(buffers.kept_bytes() <= LANDING_KEPT_MAX);
+    }
+
+    #[test]
+    fn keeping_a_buffer_lets_the_oldest_go_when_full() {
+        let buffers = LandingBuffers::default();
+        let third = LANDING_KEPT_MAX / 3;
+        let taken: Vec<LandingBuf> = (0..3).map(|_| buffers.take(third)).collect();
+        for buf in taken {
+            buffers.keep(buf);
+        }
+        assert_eq!(buffers.kept_bytes(), 3 * third);
+        // A larger one makes room for itself.
+        buffers.keep(buffers.take(LANDING_KEPT_MAX / 2));
+        assert!(buffers.kept_bytes() <= LANDING_KEPT_MAX);
+        assert!(buffers.kept_bytes() >= LANDING_KEPT_MAX / 2);
+        assert_eq!(
+            buffers.take(LANDING_KEPT_MAX / 2).capacity(),
+            LANDING_KEPT_MAX / 2
+        );
+        // One above the bound is not kept, and takes nothing with it.
+        let before = buffers.kept_bytes();
+        buffers.keep(LandingBuf::Heap(vec![0; LANDING_KEPT_MAX + 1]));
+        assert_eq!(buffers.kept_bytes(), before);
     }
 
     #[test]
