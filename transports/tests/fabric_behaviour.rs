@@ -675,16 +675,24 @@ mod suite {
         let (mut ae, mut be) = (Vec::new(), Vec::new());
         send_blocking(&mut a, &mut b, pb, numbered_frame(7, len), &mut ae, &mut be);
         assert_eq!(a.rendezvous_held(), (1, len - 16), "the body is registered");
-        pump(
-            &mut a,
-            &mut b,
-            &mut ae,
-            &mut be,
-            |_, be| !frames_from(be, pa).is_empty(),
-            "the 64 MiB frame",
-        );
-        assert!(is_numbered(&frames_from(&be, pa)[0], 7, len));
+        receive_numbered(&mut a, &mut b, &mut ae, &mut be, pa, 7, len);
         until_released(&mut a, &mut b, &mut ae, &mut be, "its done frame");
+    }
+
+    /// Polls both until `b` has a frame from `pa`, and checks it is frame
+    /// `n` of `len` bytes.
+    fn receive_numbered(
+        a: &mut FabricEndpoint,
+        b: &mut FabricEndpoint,
+        ae: &mut Vec<Event>,
+        be: &mut Vec<Event>,
+        pa: PeerId,
+        n: u8,
+        len: usize,
+    ) {
+        let what = format!("frame {n} of {len} bytes");
+        pump(a, b, ae, be, |_, be| !frames_from(be, pa).is_empty(), &what);
+        assert!(is_numbered(&frames_from(be, pa)[0], n, len), "{what}");
     }
 
     /// Reads `provider`'s receiver started into huge pages for one frame
@@ -698,15 +706,7 @@ mod suite {
         let (mut a, mut b, pb, pa) = rendezvous_pair(provider, extra, len + 4096)?;
         let (mut ae, mut be) = (Vec::new(), Vec::new());
         send_blocking(&mut a, &mut b, pb, numbered_frame(5, len), &mut ae, &mut be);
-        pump(
-            &mut a,
-            &mut b,
-            &mut ae,
-            &mut be,
-            |_, be| !frames_from(be, pa).is_empty(),
-            "the 1 MiB frame",
-        );
-        assert!(is_numbered(&frames_from(&be, pa)[0], 5, len));
+        receive_numbered(&mut a, &mut b, &mut ae, &mut be, pa, 5, len);
         assert_eq!(b.stats().rendezvous_read, 1);
         Some(b.stats().rendezvous_huge_landed)
     }
