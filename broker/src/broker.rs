@@ -180,11 +180,13 @@ pub struct BrokerStats {
     pub fabric_buffer_bytes: AtomicU64,
     pub fabric_registered_bytes: AtomicU64,
     /// Frames the listeners sent and received by rendezvous, the bytes
-    /// read, the bodies registered for them, and transfers released
-    /// because their peer closed first.
+    /// read (and the frames of those landed in huge pages), the bodies
+    /// registered for them, and transfers released because their peer
+    /// closed first.
     pub fabric_rendezvous_sent: AtomicU64,
     pub fabric_rendezvous_read: AtomicU64,
     pub fabric_rendezvous_read_bytes: AtomicU64,
+    pub fabric_rendezvous_huge_landed: AtomicU64,
     pub fabric_rendezvous_registrations: AtomicU64,
     pub fabric_rendezvous_abandoned: AtomicU64,
     /// Frames sent by rendezvous from a body registered already (the
@@ -308,6 +310,10 @@ impl BrokerStats {
             (
                 "fabric_rendezvous_read_bytes",
                 get(&self.fabric_rendezvous_read_bytes),
+            ),
+            (
+                "fabric_rendezvous_huge_landed",
+                get(&self.fabric_rendezvous_huge_landed),
             ),
             (
                 "fabric_rendezvous_registrations",

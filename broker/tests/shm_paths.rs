@@ -5,7 +5,8 @@
 //! in the default preference: its reliable traffic really moves there
 //! (counted on both sides), in order, large messages whole by rendezvous,
 //! request/reply included. A client that offers only
-//! `efa-rdm` stays there, and the two see each other's messages.
+//! `efa-rdm` stays there, and the two see each other's messages. The
+//! broker lands large frames read over `shm` in huge pages.
 //! (Peers on another host never pair on `shm`: `efabus_core`'s negotiation
 //! tests, and `cli/tests/shm_hosts.rs` with a process that names another
 //! host.)
@@ -137,4 +138,43 @@ fn a_same_host_client_moves_to_shm() {
         .expect("an answer");
     assert_eq!(&answer.payload[..], b"over shm");
     responder.join().unwrap();
+}
+
+/// A broker's large frames over `shm` land in huge pages (its subscribers
+/// read them from there), where the system gives huge pages; counted in
+/// `fabric_rendezvous_huge_landed`.
+#[test]
+fn a_broker_lands_large_shm_frames_in_huge_pages() {
+    let Some(broker) = start_broker() else {
+        return;
+    };
+    let publisher = client(&broker, "publisher", &["shm"]);
+    let subscriber = client(&broker, "subscriber", &["shm"]);
+    assert!(publisher.link().reliable.starts_with("shm via shm"));
+    let sub = subscriber.subscribe("huge.>").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    let before = stat(&broker, "fabric_rendezvous_huge_landed");
+    let large: Vec<Bytes> = (0..4u8)
+        .map(|seed| Bytes::from(vec![seed; 1 << 20]))
+        .collect();
+    for payload in &large {
+        publisher.publish("huge.frames", payload.clone()).unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    for payload in &large {
+        let message = sub.recv_timeout(WAIT).expect("every message");
+        assert_eq!(&message.payload, payload, "whole, in order");
+    }
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let expected = if thp.is_empty() || thp.contains("[never]") {
+        0
+    } else {
+        large.len() as u64
+    };
+    assert_eq!(
+        stat(&broker, "fabric_rendezvous_huge_landed") - before,
+        expected,
+        "transparent huge pages {thp:?}"
+    );
 }

@@ -569,6 +569,9 @@ pub struct RendezvousCounts {
     pub read: u64,
     /// Their bytes.
     pub read_bytes: u64,
+    /// Of those read, the ones landed in huge pages (a broker's large
+    /// frames over `shm`).
+    pub huge_landed: u64,
     /// Transfers released without their done: the peer closed first.
     pub abandoned: u64,
     /// Frames whose body was registered already (sent to another peer

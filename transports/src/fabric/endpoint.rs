@@ -2423,6 +2423,7 @@ impl Endpoint for FabricEndpoint {
             registrations: self.stats.rendezvous_registrations,
             read: self.stats.rendezvous_read,
             read_bytes: self.stats.rendezvous_read_bytes,
+            huge_landed: self.stats.rendezvous_huge_landed,
             abandoned: self.stats.rendezvous_abandoned,
             cache_hits: self.stats.rendezvous_shared,
             registered: self
