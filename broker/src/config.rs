@@ -504,6 +504,12 @@ pub struct Fabric {
     /// Move RDM frames above `eager_size` by rendezvous where both sides
     /// have RMA; `false` fragments them over eager messages.
     pub rendezvous: bool,
+    /// A broker's `shm` endpoint lands rendezvous frames of 1 MiB and more
+    /// in transparent huge pages, which its subscribers read about twice
+    /// as fast; each such frame holds whole 2 MiB pages while it lives.
+    /// `false` saves that memory. Clients never do it (they pass nothing
+    /// on).
+    pub huge_landing: bool,
     /// How long frames may wait on a reliable data link behind a message
     /// that went missing, with no piece of it arriving, before the session
     /// is ended (and the peer reconnects) instead of stalling until the
@@ -596,6 +602,7 @@ impl Default for Fabric {
             // A payload at the default limit and its header fit one message.
             eager_size: None,
             rendezvous: true,
+            huge_landing: true,
             reliable_gap_timeout_ms: 250,
             polling: Polling::default(),
             test_force_prefix: 0,

@@ -109,7 +109,7 @@ pub fn listener_config(config: &Config, scheme: &str, bind: Option<String>) -> E
         // A broker passes large frames on: its subscribers read them from
         // where they landed.
         fabric: endpoint_options(&config.fabric, scheme).map(|fabric| FabricOptions {
-            huge_landing: true,
+            huge_landing: config.fabric.huge_landing,
             ..fabric
         }),
         options,
@@ -241,7 +241,7 @@ mod tests {
 
     #[test]
     fn a_broker_s_fabric_endpoints_land_large_frames_in_huge_pages_and_a_client_s_do_not() {
-        let config = Config::default();
+        let mut config = Config::default();
         for scheme in [RDM_SCHEME, SHM_SCHEME] {
             let broker = listener_config(&config, scheme, None)
                 .fabric
@@ -252,5 +252,8 @@ mod tests {
             assert!(!client.huge_landing, "{scheme}");
         }
         assert!(listener_config(&config, tcp::SCHEME, None).fabric.is_none());
+        config.fabric.huge_landing = false;
+        let broker = listener_config(&config, SHM_SCHEME, None).fabric;
+        assert!(!broker.expect("fabric").huge_landing, "turned off");
     }
 }

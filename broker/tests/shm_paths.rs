@@ -170,10 +170,15 @@ fn a_broker_lands_large_shm_frames_in_huge_pages() {
     } else {
         0
     };
-    assert_eq!(
-        stat(&broker, "fabric_rendezvous_huge_landed") - before,
-        expected
-    );
+    // Published at the end of the broker's round, which may come after
+    // the subscriber has the last frame.
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut landed = stat(&broker, "fabric_rendezvous_huge_landed") - before;
+    while landed < expected && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+        landed = stat(&broker, "fabric_rendezvous_huge_landed") - before;
+    }
+    assert_eq!(landed, expected);
 }
 
 /// Whether this system gives transparent huge pages to memory that asks

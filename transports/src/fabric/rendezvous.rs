@@ -359,7 +359,7 @@ impl Rendezvous {
     }
 
     /// Accounts a read for `peer` whose landing buffer takes `total` bytes
-    /// ([`LandingBuffers::footprint`]), starting (`started`) or ending.
+    /// ([`LandingBuf::footprint`]), starting (`started`) or ending.
     pub fn count_read(&mut self, peer: PeerId, total: usize, started: bool) {
         let entry = self.reading_by_peer.entry(peer).or_default();
         if started {
@@ -554,15 +554,24 @@ impl LandingBuffers {
     }
 
     /// A buffer of `len` bytes, in huge pages if `huge` (a heap one when
-    /// none can be mapped): the smallest kept one of its kind that is large
-    /// enough, else a new one.
+    /// none can be mapped): a kept one if one fits (the smallest heap one,
+    /// or a huge one of exactly the pages `len` needs, so that what the
+    /// bounds count is what [`footprint`](Self::footprint) predicted),
+    /// else a new one.
     fn take_kind(&self, len: usize, huge: bool) -> LandingBuf {
+        let huge_capacity = self
+            .huge_page
+            .filter(|_| huge)
+            .map(|page| len.next_multiple_of(page));
         let reused = {
             let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
             let found = (0..kept.buffers.len())
                 .filter(|&at| {
                     let buf = &kept.buffers[at];
-                    buf.is_huge() == huge && buf.capacity() >= len
+                    match huge_capacity {
+                        Some(capacity) => buf.is_huge() && buf.capacity() == capacity,
+                        None => !buf.is_huge() && buf.capacity() >= len,
+                    }
                 })
                 .min_by_key(|&at| kept.buffers[at].capacity());
             found.and_then(|at| {
@@ -745,12 +754,31 @@ mod tests {
             assert_eq!((again.as_ptr(), again.is_huge()), (address, huge));
             buffers.keep(again);
         }
-        // The smallest kept buffer that fits is taken: the 1 MiB frame's,
-        // not the 3 MiB one's.
-        let (small, _) = buffers.take_for(60, 1 << 20, Some(0));
-        assert!(small.is_huge());
-        assert!(small.capacity() < 3 << 20, "{}", small.capacity());
         assert!(buffers.kept_bytes() <= LANDING_KEPT_MAX);
+        // With only the 3 MiB frame's pages kept, a 1 MiB frame gets pages
+        // of its own: what the bounds were told is what it takes.
+        let (small, _) = buffers.take_for(60, 1 << 20, Some(0));
+        let (large, _) = buffers.take_for(60, 3 << 20, Some(0));
+        drop(small);
+        let large_capacity = large.capacity();
+        buffers.keep(large);
+        let kept = buffers.kept_bytes();
+        let read = queued(60, 1 << 20);
+        let (small, _) = buffers.take_for(60, 1 << 20, Some(0));
+        assert_eq!(buffers.footprint(&read), small.footprint(60 + (1 << 20)));
+        assert!(small.capacity() < large_capacity);
+        assert_eq!(buffers.kept_bytes(), kept, "the 3 MiB pages stay kept");
+    }
+
+    #[test]
+    fn the_smallest_kept_heap_buffer_that_fits_is_taken() {
+        let buffers = LandingBuffers::default();
+        let (large, small) = (buffers.take(4 << 20), buffers.take(2 << 20));
+        let small_at = small.as_ptr();
+        buffers.keep(large);
+        buffers.keep(small);
+        let taken = buffers.take(3 << 19);
+        assert_eq!((taken.as_ptr(), taken.len()), (small_at, 3 << 19));
     }
 
     #[test]
@@ -762,10 +790,9 @@ mod tests {
             buffers.keep(buf);
         }
         assert_eq!(buffers.kept_bytes(), 3 * third);
-        // A larger one makes room for itself.
+        // A larger one makes room for itself: the two oldest go.
         buffers.keep(buffers.take(LANDING_KEPT_MAX / 2));
-        assert!(buffers.kept_bytes() <= LANDING_KEPT_MAX);
-        assert!(buffers.kept_bytes() >= LANDING_KEPT_MAX / 2);
+        assert_eq!(buffers.kept_bytes(), third + LANDING_KEPT_MAX / 2);
         assert_eq!(
             buffers.take(LANDING_KEPT_MAX / 2).capacity(),
             LANDING_KEPT_MAX / 2
