@@ -165,7 +165,7 @@ fn a_broker_lands_large_shm_frames_in_huge_pages() {
         let message = sub.recv_timeout(WAIT).expect("every message");
         assert_eq!(&message.payload, payload, "whole, in order");
     }
-    let expected = if huge_pages_here() {
+    let expected = if efabus_transports::fabric::huge_page_size().is_some() {
         large.len() as u64
     } else {
         0
@@ -179,19 +179,4 @@ fn a_broker_lands_large_shm_frames_in_huge_pages() {
         landed = stat(&broker, "fabric_rendezvous_huge_landed") - before;
     }
     assert_eq!(landed, expected);
-}
-
-/// Whether this system gives transparent huge pages to memory that asks
-/// (`enabled` not `[never]`, and a huge-page size), as the endpoint
-/// decides it.
-fn huge_pages_here() -> bool {
-    let thp = "/sys/kernel/mm/transparent_hugepage";
-    let enabled = std::fs::read_to_string(format!("{thp}/enabled")).unwrap_or_default();
-    let size = std::fs::read_to_string(format!("{thp}/hpage_pmd_size")).unwrap_or_default();
-    !enabled.is_empty()
-        && !enabled.contains("[never]")
-        && size
-            .trim()
-            .parse::<usize>()
-            .is_ok_and(usize::is_power_of_two)
 }

@@ -2093,26 +2093,10 @@ fn rdm_rendezvous_moves_64_mib() {
     }
 }
 
-/// Whether this system gives transparent huge pages to memory that asks
-/// (`enabled` not `[never]`, and a huge-page size), as the endpoint
-/// decides it.
-#[cfg(efabus_libfabric)]
-fn huge_pages_here() -> bool {
-    let thp = "/sys/kernel/mm/transparent_hugepage";
-    let enabled = std::fs::read_to_string(format!("{thp}/enabled")).unwrap_or_default();
-    let size = std::fs::read_to_string(format!("{thp}/hpage_pmd_size")).unwrap_or_default();
-    !enabled.is_empty()
-        && !enabled.contains("[never]")
-        && size
-            .trim()
-            .parse::<usize>()
-            .is_ok_and(usize::is_power_of_two)
-}
-
 #[cfg(efabus_libfabric)]
 #[test]
 fn rdm_rendezvous_lands_large_frames_in_huge_pages_over_shm_when_asked() {
-    let expected = u64::from(huge_pages_here());
+    let expected = u64::from(efabus_transports::fabric::huge_page_size().is_some());
     let asked = [("huge_landing", "true")];
     if let Some(huge) = suite::huge_landings_of_a_mebibyte_frame("shm", &asked) {
         assert_eq!(huge, expected, "shm, asked");

@@ -141,9 +141,47 @@ pub fn addr_from_hex(text: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
+const THP: &str = "/sys/kernel/mm/transparent_hugepage";
+
+/// The size of a transparent huge page here (2 MiB on x86-64, and on
+/// arm64 with 4 KiB pages), or `None` where the kernel gives none to
+/// memory that asks (`never` in `enabled`, or no such setting): where a
+/// broker's large `shm` frames can land in huge pages
+/// ([`FabricOptions::huge_landing`]).
+pub fn huge_page_size() -> Option<usize> {
+    static SIZE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *SIZE.get_or_init(|| {
+        let enabled = std::fs::read_to_string(format!("{THP}/enabled")).ok()?;
+        if enabled.contains("[never]") {
+            return None;
+        }
+        std::fs::read_to_string(format!("{THP}/hpage_pmd_size"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+            .filter(|size: &usize| size.is_power_of_two())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_huge_page_size_is_the_kernel_s_where_it_gives_them() {
+        let dir = "/sys/kernel/mm/transparent_hugepage";
+        let enabled = std::fs::read_to_string(format!("{dir}/enabled")).unwrap_or_default();
+        let size = std::fs::read_to_string(format!("{dir}/hpage_pmd_size"))
+            .ok()
+            .and_then(|text| text.trim().parse::<usize>().ok());
+        if enabled.contains("[always]") || enabled.contains("[madvise]") {
+            assert_eq!(huge_page_size(), size, "{enabled:?}");
+            assert!(size.is_some_and(|size| size >= 1 << 20), "{size:?}");
+        } else {
+            assert_eq!(huge_page_size(), None, "{enabled:?}");
+        }
+    }
 
     #[test]
     fn hex_round_trips_and_rejects_junk() {

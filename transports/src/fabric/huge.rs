@@ -11,28 +11,8 @@
 
 use std::ffi::c_void;
 use std::ptr::{self, NonNull};
-use std::sync::OnceLock;
 
-const THP: &str = "/sys/kernel/mm/transparent_hugepage";
-
-/// The size of a transparent huge page here (2 MiB on x86-64, and on
-/// arm64 with 4 KiB pages), or `None` where the kernel gives none to
-/// memory that asks (`never` in `enabled`, or no such setting).
-pub fn page_size() -> Option<usize> {
-    static SIZE: OnceLock<Option<usize>> = OnceLock::new();
-    *SIZE.get_or_init(|| {
-        let enabled = std::fs::read_to_string(format!("{THP}/enabled")).ok()?;
-        if enabled.contains("[never]") {
-            return None;
-        }
-        std::fs::read_to_string(format!("{THP}/hpage_pmd_size"))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-            .filter(|size: &usize| size.is_power_of_two())
-    })
-}
+use super::config::huge_page_size as page_size;
 
 /// A private anonymous mapping of whole huge pages, aligned to one and
 /// advised (`MADV_HUGEPAGE`) to be backed by them as it is touched,
@@ -52,7 +32,7 @@ unsafe impl Sync for HugePages {}
 
 impl HugePages {
     /// At least `len` bytes (a whole number of huge pages), or `None` when
-    /// the system has no huge pages ([`page_size`]) or the mapping cannot
+    /// the system has no huge pages ([`page_size`](super::config::huge_page_size)) or the mapping cannot
     /// be made.
     pub fn new(len: usize) -> Option<HugePages> {
         let page = page_size()?;

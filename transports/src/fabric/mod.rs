@@ -95,8 +95,9 @@ mod sys;
 pub use absent::FabricEndpoint;
 pub use attrs::InfoAttrs;
 pub use config::{
-    addr_from_hex, addr_to_hex, buffer_size, rendezvous_max, EpKind, FabricOptionError,
-    FabricOptions, OrderWanted, DGRAM_SCHEME, RDM_SCHEME, RMA_READ_CAPS, SHM_PROVIDER, SHM_SCHEME,
+    addr_from_hex, addr_to_hex, buffer_size, huge_page_size, rendezvous_max, EpKind,
+    FabricOptionError, FabricOptions, OrderWanted, DGRAM_SCHEME, RDM_SCHEME, RMA_READ_CAPS,
+    SHM_PROVIDER, SHM_SCHEME,
 };
 #[cfg(efabus_libfabric)]
 pub use endpoint::{FabricEndpoint, FabricStats, LinkInfo};

@@ -27,7 +27,7 @@ use efabus_core::transport::PeerId;
 use super::consts::FI_ENOKEY;
 use super::error::FabricError;
 use super::handle::{Domain, MemoryRegion};
-use super::huge::{self, HugePages};
+use super::huge::HugePages;
 use super::layout::RmaDescriptor;
 
 /// Distinct body bytes registered at once (a single frame may exceed it
@@ -500,7 +500,7 @@ impl LandingBuffers {
     /// Land bodies of [`HUGE_LANDING_MIN`] bytes or more in huge pages,
     /// where the system has them; false where it has none.
     pub fn use_huge_pages(&mut self) -> bool {
-        self.huge_page = huge::page_size();
+        self.huge_page = super::config::huge_page_size();
         self.huge_page.is_some()
     }
 
