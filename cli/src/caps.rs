@@ -25,8 +25,8 @@ use efabus_core::caps::{
 use efabus_core::transport::BufferMemory;
 use efabus_transports::fabric::layout::BufferLayout;
 use efabus_transports::fabric::{
-    buffer_size, probe_like_fi_info, provider_eager_limit, rendezvous_max, EpKind, FabricTransport,
-    DGRAM_SCHEME, RDM_SCHEME,
+    buffer_size, huge_page_size, probe_like_fi_info, provider_eager_limit, rendezvous_max, EpKind,
+    FabricTransport, DGRAM_SCHEME, RDM_SCHEME, SHM_SCHEME,
 };
 use efabus_transports::registry::{EndpointSpec, Registry};
 use efabus_transports::tcp;
@@ -305,7 +305,10 @@ fn from_transports(args: &CapsArgs, config: &Config, output: &mut Output) -> Res
         match open_offer(&registry, config, spec) {
             Ok(Some((offer, buffers))) => {
                 if buffers.held > 0 {
-                    memory.push(buffer_line(&offer.scheme, buffers));
+                    let huge = (offer.scheme == SHM_SCHEME && config.fabric.huge_landing)
+                        .then(huge_page_size)
+                        .flatten();
+                    memory.push(buffer_line(&offer.scheme, buffers, huge));
                 }
                 local.push(offer);
             }
@@ -363,8 +366,9 @@ fn open_offer(
     Ok(endpoints::offer_for(endpoint.as_ref()).map(|offer| (offer, endpoint.buffers())))
 }
 
-/// One line on what an endpoint's buffers take.
-fn buffer_line(scheme: &str, memory: BufferMemory) -> String {
+/// One line on what an endpoint's buffers take, and whether its large
+/// frames land in huge pages of `huge` bytes.
+fn buffer_line(scheme: &str, memory: BufferMemory, huge: Option<usize>) -> String {
     let mib = |bytes: usize| bytes as f64 / f64::from(1 << 20);
     let receives = match memory.multi_recv {
         None => String::new(),
@@ -373,8 +377,15 @@ fn buffer_line(scheme: &str, memory: BufferMemory) -> String {
             bytes >> 10
         ),
     };
+    let landing = match huge {
+        None => String::new(),
+        Some(page) => format!(
+            "; frames of 1 MiB and more land in {} MiB huge pages",
+            page >> 20
+        ),
+    };
     format!(
-        "  {scheme}: buffers {:.1} MiB, of which registered (pinned) {:.1} MiB{receives}",
+        "  {scheme}: buffers {:.1} MiB, of which registered (pinned) {:.1} MiB{receives}{landing}",
         mib(memory.held),
         mib(memory.registered)
     )

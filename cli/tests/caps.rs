@@ -175,3 +175,37 @@ fn caps_negotiation_view_equals_what_a_broker_and_client_negotiate() {
         caps_view_matches_a_live_negotiation(provider);
     }
 }
+
+/// `caps` says where a broker's large `shm` frames land: in huge pages
+/// where the system has them, unless `fabric.huge_landing` is off.
+#[test]
+fn caps_shows_where_a_broker_s_large_shm_frames_land() {
+    let huge = efabus_transports::fabric::huge_page_size();
+    for (setting, expected) in [("true", huge), ("false", None)] {
+        let toml = format!(
+            "name = \"caps-huge\"\nlog_level = \"error\"\n\
+             listen = [\"tcp/127.0.0.1:0\", \"shm\"]\n\
+             [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\nhuge_landing = {setting}\n"
+        );
+        let path = common::temp_path("caps-huge.toml");
+        std::fs::write(&path, &toml).expect("write config");
+        let output = efabus(&["caps", "--config", path.to_str().expect("utf-8 path")]);
+        let _ = std::fs::remove_file(&path);
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        let view = text(&output.stdout);
+        let Some(line) = view.lines().find(|line| line.starts_with("  shm: buffers")) else {
+            return skip(&format!("shm did not open here:\n{view}"));
+        };
+        let landing = expected.map(|page| {
+            format!(
+                "; frames of 1 MiB and more land in {} MiB huge pages",
+                page >> 20
+            )
+        });
+        assert!(
+            line.ends_with(landing.as_deref().unwrap_or(" MiB")),
+            "huge_landing = {setting}: {line}"
+        );
+        assert_eq!(line.contains("huge pages"), landing.is_some(), "{line}");
+    }
+}
