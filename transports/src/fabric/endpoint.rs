@@ -1933,7 +1933,6 @@ impl FabricEndpoint {
                 break;
             };
             let body_len = queued.descriptor.body_len as usize;
-            let total = queued.head.len() + body_len;
             let Some(state) = self.peers.get(&queued.peer) else {
                 rma.queue.remove(at);
                 continue;
@@ -1980,20 +1979,19 @@ impl FabricEndpoint {
                     rma.free_slots.pop();
                     self.stats.rendezvous_reads_started += 1;
                     copied = posting.elapsed() >= self.slow_read_post;
-                    let footprint = buf.footprint(total);
-                    rma.count_read(queued.peer, footprint, true);
                     if buf.is_huge() {
                         self.stats.rendezvous_huge_landed += 1;
                     }
-                    rma.slots[slot].job = Some(ReadJob {
+                    let job = ReadJob {
                         peer: queued.peer,
                         fi_addr,
                         id: queued.descriptor.id,
                         mr,
                         buf,
                         start,
-                        footprint,
-                    });
+                    };
+                    rma.count_read(queued.peer, job.footprint(), true);
+                    rma.slots[slot].job = Some(job);
                 }
                 Err(code) if code.is_again() => {
                     drop(mr);
@@ -2024,7 +2022,7 @@ impl FabricEndpoint {
             return;
         };
         rma.free_slots.push(slot);
-        rma.count_read(job.peer, job.footprint, false);
+        rma.count_read(job.peer, job.footprint(), false);
         drop(job.mr);
         let Some(state) = self.peers.get_mut(&job.peer) else {
             // Closed meanwhile: nothing to deliver.

@@ -256,8 +256,14 @@ pub struct ReadJob {
     /// The frame lands at `buf[start..]`.
     pub buf: LandingBuf,
     pub start: usize,
-    /// What the read counts against the reading bounds.
-    pub footprint: usize,
+}
+
+impl ReadJob {
+    /// What the read counts against the reading bounds, from its start to
+    /// its end.
+    pub fn footprint(&self) -> usize {
+        self.buf.footprint(self.buf.len() - self.start)
+    }
 }
 
 /// One read's operation context: room for `struct fi_context2`, at an
