@@ -60,6 +60,13 @@ fn client(broker: &Broker, name: &str, data_paths: &[&str]) -> Client {
     Client::connect_with(&tcp, options, Registry::with_builtins()).expect("client connects")
 }
 
+/// Four payloads of 1 MiB, each of its own byte: they go by rendezvous.
+fn mebibyte_payloads() -> Vec<Bytes> {
+    (0..4u8)
+        .map(|seed| Bytes::from(vec![seed; 1 << 20]))
+        .collect()
+}
+
 fn stat(broker: &Broker, name: &str) -> u64 {
     broker
         .stats()
@@ -91,9 +98,7 @@ fn a_same_host_client_moves_to_shm() {
             .publish("shm.small", n.to_le_bytes().to_vec())
             .unwrap();
     }
-    let large: Vec<Bytes> = (0..4u8)
-        .map(|seed| Bytes::from(vec![seed; 1 << 20]))
-        .collect();
+    let large = mebibyte_payloads();
     for payload in &large {
         remote.publish("shm.large", payload.clone()).unwrap();
     }
@@ -154,9 +159,7 @@ fn a_broker_lands_large_shm_frames_in_huge_pages() {
     let sub = subscriber.subscribe("huge.>").unwrap();
     subscriber.flush(WAIT).unwrap();
     let before = stat(&broker, "fabric_rendezvous_huge_landed");
-    let large: Vec<Bytes> = (0..4u8)
-        .map(|seed| Bytes::from(vec![seed; 1 << 20]))
-        .collect();
+    let large = mebibyte_payloads();
     for payload in &large {
         publisher.publish("huge.frames", payload.clone()).unwrap();
     }

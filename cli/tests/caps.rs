@@ -119,6 +119,16 @@ fn fabric_config(provider: &str) -> String {
     )
 }
 
+/// What `efabus caps --config FILE` prints for a config of `toml`.
+fn caps_with_config(toml: &str) -> String {
+    let path = common::temp_path("caps.toml");
+    std::fs::write(&path, toml).expect("write config");
+    let output = efabus(&["caps", "--config", path.to_str().expect("utf-8 path")]);
+    let _ = std::fs::remove_file(&path);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    text(&output.stdout)
+}
+
 /// The line of `text` that starts with `label`, without it.
 fn line_after<'a>(text: &'a str, label: &str) -> &'a str {
     text.lines()
@@ -151,12 +161,7 @@ fn caps_view_matches_a_live_negotiation(provider: &str) {
         "{provider}: the client is not on the fabric: {link:?}"
     );
 
-    let path = common::temp_path("caps.toml");
-    std::fs::write(&path, &toml).expect("write config");
-    let output = efabus(&["caps", "--config", path.to_str().expect("utf-8 path")]);
-    let _ = std::fs::remove_file(&path);
-    assert!(output.status.success(), "{}", text(&output.stderr));
-    let view = text(&output.stdout);
+    let view = caps_with_config(&toml);
     assert_eq!(
         line_after(&view, "reliable: "),
         link.reliable,
@@ -187,12 +192,7 @@ fn caps_shows_where_a_broker_s_large_shm_frames_land() {
              listen = [\"tcp/127.0.0.1:0\", \"shm\"]\n\
              [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\nhuge_landing = {setting}\n"
         );
-        let path = common::temp_path("caps-huge.toml");
-        std::fs::write(&path, &toml).expect("write config");
-        let output = efabus(&["caps", "--config", path.to_str().expect("utf-8 path")]);
-        let _ = std::fs::remove_file(&path);
-        assert!(output.status.success(), "{}", text(&output.stderr));
-        let view = text(&output.stdout);
+        let view = caps_with_config(&toml);
         let Some(line) = view.lines().find(|line| line.starts_with("  shm: buffers")) else {
             return skip(&format!("shm did not open here:\n{view}"));
         };

@@ -427,6 +427,12 @@ impl BufferLayout {
         HEADER_FIXED + addr_len + HEADER_AUTH
     }
 
+    /// Where the tag starts in that header: after the link id and the
+    /// counter; the tag covers the header bytes before it.
+    pub fn tag_offset(addr_len: usize) -> usize {
+        Self::header_len(addr_len) - TAG_LEN
+    }
+
     /// Largest frame (length prefix included) a sender with an address of
     /// `addr_len` bytes can put in one message.
     pub fn max_frame(&self, addr_len: usize) -> usize {
@@ -507,7 +513,7 @@ impl BufferLayout {
         let Some(&addr_len) = slot.get(self.prefix + 1) else {
             return;
         };
-        let tag_at = self.prefix + HEADER_FIXED + usize::from(addr_len) + 16;
+        let tag_at = self.prefix + Self::tag_offset(usize::from(addr_len));
         let frames_at = tag_at + TAG_LEN;
         if len < frames_at || len > slot.len() {
             return;
@@ -562,7 +568,7 @@ impl BufferLayout {
             bytes.copy_from_slice(&auth[at..at + 8]);
             u64::from_le_bytes(bytes)
         };
-        let header = &message[..HEADER_FIXED + addr_len + 16];
+        let header = &message[..Self::tag_offset(addr_len)];
         let tag = &auth[16..];
         let (link_id, counter) = (word(0), word(8));
         if frames.is_empty() {
@@ -693,14 +699,24 @@ mod tests {
         assert!(!got.is_authentic(&TagKey::new(&[8; 32])), "another key");
     }
 
+    /// The sender of [`sealed`]'s messages.
+    const SENDER: [u8; 16] = [3; 16];
+
+    /// A message from [`SENDER`] carrying the frame of `payload`, sealed
+    /// under `KEY`: its slot and length.
+    fn sealed(layout: &BufferLayout, payload: &[u8]) -> (Vec<u8>, usize) {
+        let mut slot = vec![0u8; layout.slot_stride()];
+        let len = layout
+            .encode(&mut slot, &SENDER, (5, 1), &frame(payload))
+            .unwrap();
+        layout.seal(&mut slot, len, &[], &KEY);
+        (slot, len)
+    }
+
     #[test]
     fn any_changed_byte_fails_the_tag() {
         let layout = BufferLayout::new(8, 256);
-        let mut slot = vec![0u8; layout.slot_stride()];
-        let len = layout
-            .encode(&mut slot, &[3u8; 16], (5, 1), &frame(b"publish this"))
-            .unwrap();
-        layout.seal(&mut slot, len, &[], &KEY);
+        let (slot, len) = sealed(&layout, b"publish this");
         assert!(message(&layout, &slot, len).is_authentic(&KEY));
         // Every byte after the prefix counts: address, ids, tag, frames.
         for at in layout.prefix + 2..len {
@@ -715,13 +731,8 @@ mod tests {
     #[test]
     fn the_tag_seals_the_frames_then_the_header_then_their_length() {
         let layout = BufferLayout::new(8, 4096);
-        let mut slot = vec![0u8; layout.slot_stride()];
-        let sender = [3u8; 16];
-        let len = layout
-            .encode(&mut slot, &sender, (5, 1), &frame(&[0x5a; 3000]))
-            .unwrap();
-        layout.seal(&mut slot, len, &[], &KEY);
-        let tag_at = layout.prefix + HEADER_FIXED + sender.len() + 16;
+        let (slot, len) = sealed(&layout, &[0x5a; 3000]);
+        let tag_at = layout.prefix + BufferLayout::tag_offset(SENDER.len());
         let frames_at = tag_at + TAG_LEN;
         // Worked out here with ring's AES-256-GCM directly: the counter
         // (1) as the nonce, the ciphertext dropped, its tag kept.
@@ -763,18 +774,13 @@ mod tests {
     #[test]
     fn a_tag_of_zeros_or_a_flipped_control_flag_is_refused() {
         let layout = BufferLayout::new(0, 256);
-        let mut slot = vec![0u8; layout.slot_stride()];
-        let sender = [3u8; 16];
-        let len = layout
-            .encode(&mut slot, &sender, (5, 1), &frame(b"publish this"))
-            .unwrap();
-        layout.seal(&mut slot, len, &[], &KEY);
+        let (mut slot, len) = sealed(&layout, b"publish this");
         let mut control = slot.clone();
         control[layout.prefix] ^= CONTROL_FLAG;
         let got = message(&layout, &control, len);
         assert!(got.control, "the flag decodes");
         assert!(!got.is_authentic(&KEY));
-        let tag_at = layout.prefix + HEADER_FIXED + sender.len() + 16;
+        let tag_at = layout.prefix + BufferLayout::tag_offset(SENDER.len());
         slot[tag_at..tag_at + TAG_LEN].fill(0);
         assert!(!message(&layout, &slot, len).is_authentic(&KEY));
     }
