@@ -39,6 +39,9 @@ pub const SEPARATOR: char = '.';
 pub const SINGLE_WILDCARD: &str = "*";
 /// The trailing multi-token wildcard.
 pub const FULL_WILDCARD: &str = ">";
+/// What reply subjects start with (`_INBOX.<inbox>.<token>`), as NATS
+/// clients and efabus's own make them.
+pub const INBOX_PREFIX: &str = "_INBOX.";
 
 /// Size limits applied to subjects, patterns and queue names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -219,6 +222,12 @@ pub fn validate_queue_name(name: &str, limits: &SubjectLimits) -> Result<(), Que
         }
     }
     Ok(())
+}
+
+/// True when `subject` is a reply inbox: each request has its own, so
+/// it is matched once or twice and never again.
+pub fn is_inbox(subject: &str) -> bool {
+    subject.starts_with(INBOX_PREFIX)
 }
 
 /// True when `s` contains no wildcard token (it may still be invalid).

@@ -10,7 +10,8 @@
 //!
 //! Memory is bounded: each shard holds at most a fixed number of entries and
 //! evicts a quarter of them (in hash order, which is keyed and so effectively
-//! random) when full; results with very large fan-out are not cached at all.
+//! random) when full; results with very large fan-out are not cached at all,
+//! nor are reply inboxes (`_INBOX.`), which are each matched once or twice.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};

@@ -48,8 +48,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use thiserror::Error;
 
 use crate::subject::{
-    tokens, validate_pattern, validate_queue_name, validate_subject, QueueNameError, SubjectError,
-    SubjectLimits, Token,
+    is_inbox, tokens, validate_pattern, validate_queue_name, validate_subject, QueueNameError,
+    SubjectError, SubjectLimits, Token,
 };
 use cache::Cache;
 use children::Children;
@@ -430,7 +430,9 @@ impl SubscriptionIndex {
     #[inline]
     fn match_cached(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<bool, SubjectError> {
         out.clear();
-        if !self.cache.enabled() {
+        // A reply inbox kept would cost an insert and evict a subject that
+        // recurs.
+        if !self.cache.enabled() || is_inbox(subject) {
             return self.match_walk(subject, out);
         }
         let hash = self.cache.hash(subject);

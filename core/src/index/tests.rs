@@ -168,6 +168,23 @@ fn stability_reports_whether_a_queue_group_matched() {
 }
 
 #[test]
+fn reply_inboxes_are_matched_but_not_cached() {
+    let mut idx = SubscriptionIndex::default();
+    idx.insert("_INBOX.a1.*", None, key(1, 1)).unwrap();
+    idx.insert("_INBOX.>", None, key(1, 2)).unwrap();
+    for token in 0..10 {
+        assert_eq!(
+            matched(&idx, &format!("_INBOX.a1.{token}")),
+            BTreeSet::from([key(1, 1), key(1, 2)])
+        );
+    }
+    assert_eq!(idx.cached_subjects(), 0);
+    // A subject that only looks alike is cached as any other.
+    assert_eq!(matched(&idx, "_INBOXES.a1"), BTreeSet::new());
+    assert_eq!(idx.cached_subjects(), 1);
+}
+
+#[test]
 fn invalid_subjects_are_not_cached() {
     let idx = SubscriptionIndex::default();
     let mut out = vec![key(9, 9)];
