@@ -465,8 +465,15 @@ impl Shared {
     /// route peers (the loop sends announcements before anything else).
     pub(crate) fn announce(&self, table: &SubscriptionTable) {
         if table.interest_changed() {
-            self.commands.wake();
+            self.wake_loop();
         }
+    }
+
+    /// Wakes the loop thread, from waiting for events or from sleeping
+    /// while a driver has left ([`crate::drive::Driven::wake_sleeper`]).
+    fn wake_loop(&self) {
+        self.commands.wake();
+        self.event_loop.wake_sleeper();
     }
 
     /// Whether `sid` is `Broker::request`'s inbox, whose reader drives.
@@ -478,7 +485,9 @@ impl Shared {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        self.commands.send(command, self.live.block_timeout())
+        self.commands.send(command, self.live.block_timeout())?;
+        self.event_loop.wake_sleeper();
+        Ok(())
     }
 }
 
@@ -1099,7 +1108,11 @@ impl Broker {
         let token = self.shared.next_sid.fetch_add(1, Ordering::Relaxed);
         inbox.state.lock().waiting.insert(token, None);
         let reply_to = format!("{prefix}.{token}");
-        let result = match self.publish_inner(subject, Some(&reply_to), None, payload.into()) {
+        // The request leaves in this thread's drive for the reply.
+        let published = crate::drive::before_driving(|| {
+            self.publish_inner(subject, Some(&reply_to), None, payload.into())
+        });
+        let result = match published {
             Ok(0) => Err(Error::NoResponders(subject.to_string())),
             Ok(_) => inbox
                 .wait_for(token, prefix, Instant::now().checked_add(timeout))
@@ -1160,7 +1173,7 @@ impl Broker {
         let rounds = &self.shared.rounds;
         let before = rounds.load(Ordering::Acquire);
         let deadline = Instant::now().checked_add(timeout);
-        self.shared.commands.wake();
+        self.shared.wake_loop();
         while rounds.load(Ordering::Acquire) == before {
             if self.shared.shutdown.load(Ordering::Relaxed) {
                 return Err(Error::Closed);
@@ -1226,7 +1239,7 @@ impl Broker {
     /// time), say goodbye to every peer and stop the loop.
     pub fn shutdown(&self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        self.shared.commands.wake();
+        self.shared.wake_loop();
         if let Some(thread) = self.thread.lock().take() {
             if thread.join().is_err() {
                 warn!("broker event loop panicked");

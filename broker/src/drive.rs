@@ -7,12 +7,15 @@
 //! a waiting thread can run the loop's rounds itself: what it waits for
 //! then reaches it with no hand-over, and what it published just before
 //! leaves in its own first round. The loop thread steps aside while such a
-//! driver holds the loop, so the two do not take turns on the cores.
+//! driver holds the loop, and sleeps rather than yields meanwhile
+//! ([`Driven::sleep_while_driven`]), so the two do not take turns on the
+//! cores.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
-use std::time::Instant;
+use std::thread::Thread;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, MutexGuard};
 
@@ -27,6 +30,31 @@ pub(crate) trait Rounds: Send {
 thread_local! {
     /// This thread is running a loop's rounds as a driver.
     static DRIVING: Cell<bool> = const { Cell::new(false) };
+    /// This thread is about to drive: what it asks of the loop meanwhile
+    /// (a request's publish) is for its own rounds to do.
+    static ABOUT_TO_DRIVE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// How long the loop thread sleeps at a time while a driver holds the
+/// loop: how late, at most, it takes the loop back from a driver that
+/// left without another coming (what arrives meanwhile waits that long;
+/// what an application thread asks of the loop wakes it at once).
+pub(crate) const DRIVEN_SLEEP: Duration = Duration::from_micros(100);
+
+/// Runs `publish`, whose sends the calling thread's drive right after
+/// makes (a request's): they do not wake the loop thread from
+/// [`Driven::sleep_while_driven`].
+pub(crate) fn before_driving<T>(publish: impl FnOnce() -> T) -> T {
+    /// Clears the mark however `publish` ends.
+    struct Mark;
+    impl Drop for Mark {
+        fn drop(&mut self) {
+            ABOUT_TO_DRIVE.set(false);
+        }
+    }
+    ABOUT_TO_DRIVE.set(true);
+    let _mark = Mark;
+    publish()
 }
 
 /// Whether the calling thread is running a loop's rounds as a driver: a
@@ -50,6 +78,11 @@ pub(crate) struct Driven<L> {
     driven_work: AtomicBool,
     /// The loop thread's last round found work.
     loop_worked: AtomicBool,
+    /// The loop thread sleeps while a driver holds the loop
+    /// ([`Driven::sleep_while_driven`]).
+    asleep: AtomicBool,
+    /// The loop thread, to wake from that sleep.
+    loop_thread: OnceLock<Thread>,
     /// Wakes the loop thread if it sleeps: it may have slept through a
     /// drive, and what the driven rounds left for later (a held-back
     /// credit, a timer) is its again.
@@ -133,6 +166,16 @@ impl<L: Rounds> DriveHandle<L> {
         self.driven()
             .is_some_and(|driven| driven.reader_may_drive())
     }
+
+    /// [`Driven::wake_sleeper`], unless the calling thread is about to
+    /// drive ([`before_driving`]).
+    pub fn wake_sleeper(&self) {
+        if !ABOUT_TO_DRIVE.get() {
+            if let Some(driven) = self.driven() {
+                driven.wake_sleeper();
+            }
+        }
+    }
 }
 
 impl<L: Rounds> Driven<L> {
@@ -144,6 +187,8 @@ impl<L: Rounds> Driven<L> {
             finished: AtomicU64::new(0),
             driven_work: AtomicBool::new(false),
             loop_worked: AtomicBool::new(false),
+            asleep: AtomicBool::new(false),
+            loop_thread: OnceLock::new(),
             wake: Box::new(wake),
         }
     }
@@ -155,16 +200,24 @@ impl<L: Rounds> Driven<L> {
     /// thread holds the loop (the loop thread mid-round, another driver) it
     /// yields between tries. Returns the rounds it ran. A round may run
     /// past `until`: it is the loop's round, whatever it has to do. A
-    /// drive that ran rounds ends by waking the loop thread if it sleeps,
-    /// however it ends.
+    /// drive that ran rounds ends by waking the loop thread if it waits for
+    /// events, however it ends; one that ends before `ready` also wakes it
+    /// from its sleep for a driver ([`Driven::sleep_while_driven`]).
     pub fn drive(&self, until: Instant, ready: &dyn Fn() -> bool, stop: &AtomicBool) -> u64 {
         let mut presence = Presence::enter(self);
         let mut rounds = 0;
-        while !ready()
-            && !stop.load(Ordering::Relaxed)
-            && Instant::now() < until
-            && crate::delivery::may_drive()
-        {
+        let mut got_it = false;
+        loop {
+            if ready() {
+                got_it = true;
+                break;
+            }
+            if stop.load(Ordering::Relaxed)
+                || Instant::now() >= until
+                || !crate::delivery::may_drive()
+            {
+                break;
+            }
             let worked = match self.state.try_lock() {
                 Some(mut guard) => match guard.as_mut().and_then(L::driven_round) {
                     Some(worked) => {
@@ -181,6 +234,12 @@ impl<L: Rounds> Driven<L> {
             } else {
                 std::thread::yield_now();
             }
+        }
+        drop(presence);
+        // A driver that leaves without what it waited for goes on waiting
+        // for the loop thread to bring it.
+        if !got_it {
+            self.wake_sleeper();
         }
         rounds
     }
@@ -200,11 +259,42 @@ impl<L: Rounds> Driven<L> {
     }
 
     /// Whether a subscription's reader should drive: only while the loop
-    /// thread finds no work. A stream is delivered faster by the loop
-    /// thread while the reader consumes it (1 MiB over `tcp;ofi_rxm` lost
-    /// about a tenth of its rate with its reader driving).
+    /// thread finds no work, or sleeps for a driver that has just left. A
+    /// stream is delivered faster by the loop thread while the reader
+    /// consumes it (1 MiB over `tcp;ofi_rxm` lost about a tenth of its
+    /// rate with its reader driving).
     fn reader_may_drive(&self) -> bool {
-        !self.loop_worked.load(Ordering::Relaxed)
+        !self.loop_worked.load(Ordering::Relaxed) || self.asleep.load(Ordering::SeqCst)
+    }
+
+    /// For the loop thread while a driver holds the loop: sleeps up to
+    /// `limit` instead of yielding. A thread that yields stays runnable,
+    /// and where cores are few it takes turns from the driver and from
+    /// the peer process the driver exchanges with. It is woken early only
+    /// by what an application thread asks of the loop when no driver is
+    /// there to do it ([`Driven::wake_sleeper`]), not as each drive ends:
+    /// a requester leaves and drives again microseconds later, and the
+    /// loop thread woken in between would take the loop from it.
+    pub fn sleep_while_driven(&self, limit: Duration) {
+        let _ = self.loop_thread.set(std::thread::current());
+        self.asleep.store(true, Ordering::SeqCst);
+        if self.is_driven() {
+            std::thread::park_timeout(limit);
+        }
+        self.asleep.store(false, Ordering::SeqCst);
+    }
+
+    /// Wakes the loop thread from [`Driven::sleep_while_driven`] if no
+    /// driver is left to do what was just asked of the loop.
+    pub fn wake_sleeper(&self) {
+        if self.asleep.load(Ordering::SeqCst)
+            && !self.is_driven()
+            && self.asleep.swap(false, Ordering::SeqCst)
+        {
+            if let Some(thread) = self.loop_thread.get() {
+                thread.unpark();
+            }
+        }
     }
 
     /// For the loop thread: whether a driver has the loop now (the loop
@@ -377,6 +467,104 @@ mod tests {
         drop(held);
         assert_eq!(driver.join().unwrap(), 1);
         assert!(!driven.is_driven());
+    }
+
+    /// A loop thread sleeping in [`Driven::sleep_while_driven`] (for up
+    /// to 30 s) while a driver is present, once it is asleep.
+    fn sleeper_under_a_driver(
+        driven: &Arc<Driven<Counting>>,
+    ) -> (Presence<'_, Counting>, std::thread::JoinHandle<()>) {
+        let driver = Presence::enter(driven);
+        DRIVING.set(false);
+        let sleeper = {
+            let driven = driven.clone();
+            std::thread::spawn(move || driven.sleep_while_driven(Duration::from_secs(30)))
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !driven.asleep.load(Ordering::SeqCst) {
+            assert!(Instant::now() < deadline, "the loop thread did not sleep");
+            std::thread::yield_now();
+        }
+        (driver, sleeper)
+    }
+
+    /// Waits for the sleeper to wake, failing if only its 30 s limit
+    /// would end its sleep.
+    fn woken(sleeper: std::thread::JoinHandle<()>) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !sleeper.is_finished() {
+            assert!(Instant::now() < deadline, "the loop thread was not woken");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        sleeper.join().expect("the sleep ended");
+    }
+
+    #[test]
+    fn the_loop_thread_sleeps_for_a_driver_and_is_woken_by_work_no_driver_does() {
+        let (driven, _) = counting(0);
+        let (driver, sleeper) = sleeper_under_a_driver(&driven);
+        // Whatever the loop thread's last round found, a reader drives.
+        driven.loop_worked(true);
+        assert!(driven.reader_may_drive());
+        // A driver is there to do what is asked: the sleep goes on.
+        driven.wake_sleeper();
+        assert!(driven.asleep.load(Ordering::SeqCst));
+        // The driver leaves: that alone does not wake the loop thread
+        // (woken, it would have cleared the flag).
+        drop(driver);
+        assert!(driven.asleep.load(Ordering::SeqCst));
+        // Work asked of the loop with no driver there does.
+        driven.wake_sleeper();
+        woken(sleeper);
+        assert!(!driven.asleep.load(Ordering::SeqCst));
+        driven.loop_worked(true);
+        assert!(!driven.reader_may_drive(), "awake and busy again");
+    }
+
+    #[test]
+    fn a_thread_about_to_drive_leaves_the_loop_thread_asleep() {
+        let handle = DriveHandle::new();
+        let driven = handle.install(
+            Counting {
+                rounds: Arc::new(AtomicU64::new(0)),
+                busy: 0,
+                refuse_at: u64::MAX,
+                panic_at: u64::MAX,
+            },
+            || {},
+        );
+        let (driver, sleeper) = sleeper_under_a_driver(&driven);
+        drop(driver);
+        // A request's publish: its own drive will send it.
+        before_driving(|| handle.wake_sleeper());
+        assert!(driven.asleep.load(Ordering::SeqCst));
+        // Any other publish wakes the loop thread.
+        handle.wake_sleeper();
+        woken(sleeper);
+    }
+
+    #[test]
+    fn a_driver_that_gives_up_wakes_the_loop_thread_and_one_answered_does_not() {
+        let (driven, _) = counting(0);
+        let stop = AtomicBool::new(false);
+        let (driver, sleeper) = sleeper_under_a_driver(&driven);
+        drop(driver);
+        // Answered: it will be back (a requester's next request).
+        assert_eq!(driven.drive(far(), &|| true, &stop), 0);
+        assert!(driven.asleep.load(Ordering::SeqCst));
+        // Out of time without its answer: the loop thread must bring it.
+        driven.drive(Instant::now(), &|| false, &stop);
+        woken(sleeper);
+        assert!(!driven.asleep.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn a_sleep_for_a_driver_who_has_gone_is_no_sleep() {
+        let (driven, _) = counting(0);
+        let started = Instant::now();
+        driven.sleep_while_driven(Duration::from_secs(30));
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(!driven.asleep.load(Ordering::SeqCst));
     }
 
     #[test]

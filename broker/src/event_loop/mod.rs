@@ -45,7 +45,7 @@ use crate::accounts::inbox_of;
 use crate::auth_guard::{remote_ip, AuthGuard};
 use crate::broker::{deliver_local, BrokerStats, Command, HeldLocal, Shared};
 use crate::delivery::Message;
-use crate::drive::{Driven, Rounds};
+use crate::drive::{Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
 use crate::session::data_link::{released_frames, LinkKind};
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
@@ -2388,7 +2388,7 @@ pub(crate) fn run_loop(
     while !shared.shutdown.load(Ordering::Relaxed) {
         if event_loop.is_driven() {
             // A waiting application thread runs the loop.
-            std::thread::yield_now();
+            event_loop.sleep_while_driven(DRIVEN_SLEEP);
             continue;
         }
         if event_loop.take_driven_work() {
