@@ -469,8 +469,18 @@ impl EventLoop {
     /// [`Driven`]).
     fn round(&mut self) -> Round {
         self.shared.rounds.fetch_add(1, Ordering::Release);
+        // Commands first, and what they queued sent before the endpoints
+        // are polled: a request that an application thread published just
+        // before running this round leaves without waiting for every
+        // endpoint's poll (2.5 us of a 64 B round trip between meshed
+        // services over `tcp;ofi_rxm`).
+        self.now = Instant::now();
+        let commanded = self.drain_commands(4096);
+        if commanded {
+            self.flush_endpoints();
+        }
         let mut events = std::mem::take(&mut self.events);
-        let busy = self.poll_endpoints(&mut events) | self.drain_commands(4096);
+        let busy = self.poll_endpoints(&mut events) | commanded;
         self.events = events;
         let now = Instant::now();
         let credit_waiting = !self.credit_owed.is_empty() && self.grant_credits(now);
@@ -500,14 +510,19 @@ impl EventLoop {
         }
         // The round's sends leave now, not after the next round's poll
         // of every endpoint before theirs.
-        for endpoint in &mut self.endpoints {
-            endpoint.flush();
-        }
+        self.flush_endpoints();
         Round {
             busy,
             credit_waiting,
             now,
             timers_at,
+        }
+    }
+
+    /// Hands every endpoint's queued sends to its transport.
+    fn flush_endpoints(&mut self) {
+        for endpoint in &mut self.endpoints {
+            endpoint.flush();
         }
     }
 
