@@ -485,9 +485,9 @@ impl Shared {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        self.commands.send(command, self.live.block_timeout())?;
-        self.event_loop.wake_sleeper();
-        Ok(())
+        self.commands.send(command, self.live.block_timeout(), || {
+            self.event_loop.wake_sleeper()
+        })
     }
 }
 
@@ -1123,6 +1123,12 @@ impl Broker {
             Err(err) => Err(err),
         };
         inbox.state.lock().waiting.remove(&token);
+        // The reply came without this thread driving (an in-process
+        // responder answered at once, another request read the inbox):
+        // what the publish queued is the loop thread's.
+        if !self.shared.commands.is_empty() {
+            self.shared.event_loop.wake_sleeper();
+        }
         result
     }
 

@@ -82,11 +82,14 @@ impl<C> CommandQueue<C> {
     }
 
     /// Queue a command; when the queue is full, wait up to `timeout`.
-    pub fn send(&self, command: C, timeout: Duration) -> Result<(), Error> {
+    /// `also_wake` wakes the loop thread where it may sleep outside the
+    /// parker, each time this does (before waiting for room, and after).
+    pub fn send(&self, command: C, timeout: Duration, also_wake: impl Fn()) -> Result<(), Error> {
         let result = match self.commands.try_send(command) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(command)) => {
                 self.parker.wake_if_parked();
+                also_wake();
                 self.commands
                     .send_timeout(command, timeout)
                     .map_err(|err| match err {
@@ -97,7 +100,13 @@ impl<C> CommandQueue<C> {
             Err(TrySendError::Disconnected(_)) => Err(Error::Closed),
         };
         self.parker.wake_if_parked();
+        also_wake();
         result
+    }
+
+    /// Whether commands wait for the loop.
+    pub fn is_empty(&self) -> bool {
+        self.commands.is_empty()
     }
 
     /// Wake the loop whether or not it sleeps (e.g. for shutdown).

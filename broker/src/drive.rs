@@ -81,8 +81,13 @@ pub(crate) struct Driven<L> {
     /// The loop thread sleeps while a driver holds the loop
     /// ([`Driven::sleep_while_driven`]).
     asleep: AtomicBool,
+    /// Something was asked of the loop while a driver held it: the driver
+    /// wakes the loop thread as it leaves, in case its rounds missed it.
+    wanted: AtomicBool,
     /// The loop thread, to wake from that sleep.
     loop_thread: OnceLock<Thread>,
+    /// Times the loop thread was woken from that sleep.
+    sleeper_wakes: AtomicU64,
     /// Wakes the loop thread if it sleeps: it may have slept through a
     /// drive, and what the driven rounds left for later (a held-back
     /// credit, a timer) is its again.
@@ -188,7 +193,9 @@ impl<L: Rounds> Driven<L> {
             driven_work: AtomicBool::new(false),
             loop_worked: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
+            wanted: AtomicBool::new(false),
             loop_thread: OnceLock::new(),
+            sleeper_wakes: AtomicU64::new(0),
             wake: Box::new(wake),
         }
     }
@@ -237,9 +244,10 @@ impl<L: Rounds> Driven<L> {
         }
         drop(presence);
         // A driver that leaves without what it waited for goes on waiting
-        // for the loop thread to bring it.
-        if !got_it {
-            self.wake_sleeper();
+        // for the loop thread to bring it; and what was asked of the loop
+        // while this one drove may have come after its last round.
+        if !got_it || self.wanted.swap(false, Ordering::SeqCst) {
+            self.wake_if_asleep();
         }
         rounds
     }
@@ -270,11 +278,12 @@ impl<L: Rounds> Driven<L> {
     /// For the loop thread while a driver holds the loop: sleeps up to
     /// `limit` instead of yielding. A thread that yields stays runnable,
     /// and where cores are few it takes turns from the driver and from
-    /// the peer process the driver exchanges with. It is woken early only
-    /// by what an application thread asks of the loop when no driver is
-    /// there to do it ([`Driven::wake_sleeper`]), not as each drive ends:
-    /// a requester leaves and drives again microseconds later, and the
-    /// loop thread woken in between would take the loop from it.
+    /// the peer process the driver exchanges with. It is woken early by
+    /// what an application thread asks of the loop ([`Driven::wake_sleeper`])
+    /// and by a driver that leaves without its answer, not as every drive
+    /// ends: a requester leaves with its reply and drives again
+    /// microseconds later, and the loop thread woken in between would take
+    /// the loop from it.
     pub fn sleep_while_driven(&self, limit: Duration) {
         let _ = self.loop_thread.set(std::thread::current());
         self.asleep.store(true, Ordering::SeqCst);
@@ -284,21 +293,36 @@ impl<L: Rounds> Driven<L> {
         self.asleep.store(false, Ordering::SeqCst);
     }
 
-    /// Wakes the loop thread from [`Driven::sleep_while_driven`] if no
-    /// driver is left to do what was just asked of the loop.
+    /// Wakes the loop thread from [`Driven::sleep_while_driven`] for what
+    /// was just asked of the loop: now if no driver is there to do it,
+    /// else when the driver leaves.
     pub fn wake_sleeper(&self) {
+        // Awake and not stepping aside, the loop thread finds the work in
+        // its rounds; this is the case of every publish in a stream.
+        if !self.asleep.load(Ordering::SeqCst) && !self.is_driven() {
+            return;
+        }
+        // Paired with the driver's leaving (`drivers`, then `wanted`): one
+        // of the two sees the other.
+        self.wanted.store(true, Ordering::SeqCst);
+        self.wake_if_asleep();
+    }
+
+    /// Wakes the loop thread if it sleeps for a driver and none is left.
+    fn wake_if_asleep(&self) {
         if self.asleep.load(Ordering::SeqCst)
             && !self.is_driven()
             && self.asleep.swap(false, Ordering::SeqCst)
         {
             if let Some(thread) = self.loop_thread.get() {
+                self.sleeper_wakes.fetch_add(1, Ordering::Relaxed);
                 thread.unpark();
             }
         }
     }
 
     /// For the loop thread: whether a driver has the loop now (the loop
-    /// thread then yields rather than runs a round).
+    /// thread then sleeps rather than runs a round).
     pub fn is_driven(&self) -> bool {
         self.drivers.load(Ordering::SeqCst) > 0
     }
@@ -469,8 +493,10 @@ mod tests {
         assert!(!driven.is_driven());
     }
 
-    /// A loop thread sleeping in [`Driven::sleep_while_driven`] (for up
-    /// to 30 s) while a driver is present, once it is asleep.
+    /// A loop thread sleeping in [`Driven::sleep_while_driven`] while a
+    /// driver is present, once it is asleep. It sleeps again after any
+    /// early return that is not a wake (a spurious one, or its 30 s), so
+    /// what the tests see is who woke it.
     fn sleeper_under_a_driver(
         driven: &Arc<Driven<Counting>>,
     ) -> (Presence<'_, Counting>, std::thread::JoinHandle<()>) {
@@ -478,7 +504,12 @@ mod tests {
         DRIVING.set(false);
         let sleeper = {
             let driven = driven.clone();
-            std::thread::spawn(move || driven.sleep_while_driven(Duration::from_secs(30)))
+            std::thread::spawn(move || {
+                let wakes = driven.sleeper_wakes.load(Ordering::SeqCst);
+                while driven.sleeper_wakes.load(Ordering::SeqCst) == wakes {
+                    driven.sleep_while_driven(Duration::from_secs(30));
+                }
+            })
         };
         let deadline = Instant::now() + Duration::from_secs(10);
         while !driven.asleep.load(Ordering::SeqCst) {
@@ -488,8 +519,7 @@ mod tests {
         (driver, sleeper)
     }
 
-    /// Waits for the sleeper to wake, failing if only its 30 s limit
-    /// would end its sleep.
+    /// Waits for the sleeper to be woken, failing if it is not.
     fn woken(sleeper: std::thread::JoinHandle<()>) {
         let deadline = Instant::now() + Duration::from_secs(10);
         while !sleeper.is_finished() {
@@ -499,8 +529,12 @@ mod tests {
         sleeper.join().expect("the sleep ended");
     }
 
+    fn wakes(driven: &Driven<Counting>) -> u64 {
+        driven.sleeper_wakes.load(Ordering::SeqCst)
+    }
+
     #[test]
-    fn the_loop_thread_sleeps_for_a_driver_and_is_woken_by_work_no_driver_does() {
+    fn the_loop_thread_sleeps_for_a_driver_and_is_woken_by_what_is_asked_of_it() {
         let (driven, _) = counting(0);
         let (driver, sleeper) = sleeper_under_a_driver(&driven);
         // Whatever the loop thread's last round found, a reader drives.
@@ -508,17 +542,48 @@ mod tests {
         assert!(driven.reader_may_drive());
         // A driver is there to do what is asked: the sleep goes on.
         driven.wake_sleeper();
-        assert!(driven.asleep.load(Ordering::SeqCst));
-        // The driver leaves: that alone does not wake the loop thread
-        // (woken, it would have cleared the flag).
+        assert_eq!(wakes(&driven), 0);
+        // The driver leaves: that alone does not wake the loop thread...
         drop(driver);
-        assert!(driven.asleep.load(Ordering::SeqCst));
-        // Work asked of the loop with no driver there does.
+        assert_eq!(wakes(&driven), 0);
+        // ...what is asked of the loop with no driver there does.
         driven.wake_sleeper();
+        assert_eq!(wakes(&driven), 1);
         woken(sleeper);
-        assert!(!driven.asleep.load(Ordering::SeqCst));
         driven.loop_worked(true);
         assert!(!driven.reader_may_drive(), "awake and busy again");
+    }
+
+    #[test]
+    fn what_is_asked_during_a_drive_wakes_the_loop_thread_when_the_driver_leaves() {
+        let (driven, _) = counting(0);
+        let stop = AtomicBool::new(false);
+        let (driver, sleeper) = sleeper_under_a_driver(&driven);
+        drop(driver);
+        // A drive that ends with its answer, nothing asked meanwhile:
+        // the requester will be back.
+        assert_eq!(driven.drive(far(), &|| true, &stop), 0);
+        assert_eq!(wakes(&driven), 0);
+        // Asked while a driver holds the loop, after its last round.
+        let asked = || {
+            driven.wake_sleeper();
+            true
+        };
+        driven.drive(far(), &asked, &stop);
+        assert_eq!(wakes(&driven), 1, "woken as the driver left");
+        woken(sleeper);
+    }
+
+    #[test]
+    fn a_driver_that_gives_up_wakes_the_loop_thread() {
+        let (driven, _) = counting(0);
+        let stop = AtomicBool::new(false);
+        let (driver, sleeper) = sleeper_under_a_driver(&driven);
+        drop(driver);
+        // Out of time without its answer: the loop thread must bring it.
+        driven.drive(Instant::now(), &|| false, &stop);
+        assert_eq!(wakes(&driven), 1);
+        woken(sleeper);
     }
 
     #[test]
@@ -537,25 +602,11 @@ mod tests {
         drop(driver);
         // A request's publish: its own drive will send it.
         before_driving(|| handle.wake_sleeper());
-        assert!(driven.asleep.load(Ordering::SeqCst));
+        assert_eq!(wakes(&driven), 0);
         // Any other publish wakes the loop thread.
         handle.wake_sleeper();
+        assert_eq!(wakes(&driven), 1);
         woken(sleeper);
-    }
-
-    #[test]
-    fn a_driver_that_gives_up_wakes_the_loop_thread_and_one_answered_does_not() {
-        let (driven, _) = counting(0);
-        let stop = AtomicBool::new(false);
-        let (driver, sleeper) = sleeper_under_a_driver(&driven);
-        drop(driver);
-        // Answered: it will be back (a requester's next request).
-        assert_eq!(driven.drive(far(), &|| true, &stop), 0);
-        assert!(driven.asleep.load(Ordering::SeqCst));
-        // Out of time without its answer: the loop thread must bring it.
-        driven.drive(Instant::now(), &|| false, &stop);
-        woken(sleeper);
-        assert!(!driven.asleep.load(Ordering::SeqCst));
     }
 
     #[test]

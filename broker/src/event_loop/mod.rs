@@ -462,9 +462,9 @@ impl EventLoop {
         }
     }
 
-    /// One round: every endpoint's events, the commands of in-process
-    /// publishers, held-back credits, the timers when due, and the round's
-    /// sends handed to the wire. Run by the loop thread, or by an
+    /// One round: the commands of in-process publishers (and what they
+    /// queued, sent at once), every endpoint's events, held-back credits,
+    /// the timers when due, and the round's sends handed to the wire. Run by the loop thread, or by an
     /// application thread of an embedded broker while it waits (see
     /// [`Driven`]).
     fn round(&mut self) -> Round {
