@@ -37,8 +37,9 @@ thread_local! {
 
 /// How long the loop thread sleeps at a time while a driver holds the
 /// loop: how late, at most, it takes the loop back from a driver that
-/// left without another coming (what arrives meanwhile waits that long;
-/// what an application thread asks of the loop wakes it at once).
+/// left with its answer (what arrives meanwhile waits that long; what an
+/// application thread asks of the loop wakes it, at once or as the driver
+/// leaves).
 pub(crate) const DRIVEN_SLEEP: Duration = Duration::from_micros(100);
 
 /// Runs `publish`, whose sends the calling thread's drive right after

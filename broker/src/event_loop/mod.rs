@@ -464,9 +464,9 @@ impl EventLoop {
 
     /// One round: the commands of in-process publishers (and what they
     /// queued, sent at once), every endpoint's events, held-back credits,
-    /// the timers when due, and the round's sends handed to the wire. Run by the loop thread, or by an
-    /// application thread of an embedded broker while it waits (see
-    /// [`Driven`]).
+    /// the timers when due, and the round's sends handed to the wire. Run
+    /// by the loop thread, or by an application thread of an embedded
+    /// broker while it waits (see [`Driven`]).
     fn round(&mut self) -> Round {
         self.shared.rounds.fetch_add(1, Ordering::Release);
         // Commands first, and what they queued sent before the endpoints

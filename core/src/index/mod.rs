@@ -460,9 +460,9 @@ impl SubscriptionIndex {
     }
 
     /// Like [`match_subject`](Self::match_subject) but always walks the trie,
-    /// neither reading nor filling the cache. Allocates nothing once `out`
-    /// has grown; meant for one-off subjects (e.g. reply inboxes) and for
-    /// measuring the trie itself.
+    /// neither reading nor filling the cache (as `match_subject` does for
+    /// reply inboxes). Allocates nothing once `out` has grown; meant for
+    /// one-off subjects and for measuring the trie itself.
     pub fn match_uncached(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<(), SubjectError> {
         out.clear();
         self.match_walk(subject, out).map(|_| ())
