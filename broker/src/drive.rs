@@ -520,6 +520,14 @@ mod tests {
         (driver, sleeper)
     }
 
+    /// A loop thread still asleep after the driver it slept for left with
+    /// its answer.
+    fn sleeper_after_a_driver(driven: &Arc<Driven<Counting>>) -> std::thread::JoinHandle<()> {
+        let (driver, sleeper) = sleeper_under_a_driver(driven);
+        drop(driver);
+        sleeper
+    }
+
     /// Waits for the sleeper to be woken, failing if it is not.
     fn woken(sleeper: std::thread::JoinHandle<()>) {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -558,9 +566,8 @@ mod tests {
     #[test]
     fn what_is_asked_during_a_drive_wakes_the_loop_thread_when_the_driver_leaves() {
         let (driven, _) = counting(0);
+        let sleeper = sleeper_after_a_driver(&driven);
         let stop = AtomicBool::new(false);
-        let (driver, sleeper) = sleeper_under_a_driver(&driven);
-        drop(driver);
         // A drive that ends with its answer, nothing asked meanwhile:
         // the requester will be back.
         assert_eq!(driven.drive(far(), &|| true, &stop), 0);
@@ -578,9 +585,8 @@ mod tests {
     #[test]
     fn a_driver_that_gives_up_wakes_the_loop_thread() {
         let (driven, _) = counting(0);
+        let sleeper = sleeper_after_a_driver(&driven);
         let stop = AtomicBool::new(false);
-        let (driver, sleeper) = sleeper_under_a_driver(&driven);
-        drop(driver);
         // Out of time without its answer: the loop thread must bring it.
         driven.drive(Instant::now(), &|| false, &stop);
         assert_eq!(wakes(&driven), 1);
@@ -599,8 +605,7 @@ mod tests {
             },
             || {},
         );
-        let (driver, sleeper) = sleeper_under_a_driver(&driven);
-        drop(driver);
+        let sleeper = sleeper_after_a_driver(&driven);
         // A request's publish: its own drive will send it.
         before_driving(|| handle.wake_sleeper());
         assert_eq!(wakes(&driven), 0);
