@@ -728,12 +728,26 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
     Ok(())
 }
 
+/// What the warm-up keeps in flight, in bytes of payload and framing: well
+/// under what a server queues for a subscriber (`max_pending_bytes`,
+/// 16 MiB by default and rarely below 64 KiB), so that a server dropping
+/// for slow consumers drops none of it.
+const WARMUP_IN_FLIGHT: u64 = 32 * 1024;
+/// But never fewer messages than this: large ones then still travel
+/// several at once, as the measured run's do, and the warm-up fills the
+/// fabric's concurrent rendezvous reads and their landing buffers.
+const WARMUP_MIN_IN_FLIGHT: u64 = 8;
+
 /// Publishes `args.warmup` messages from each publisher and waits until
 /// the subscribers have received all of them (one copy per message in a
 /// queue group, one per subscriber otherwise). The subscriptions are
 /// drained while the warm-up is published: a warm-up larger than what a
 /// subscription queues would otherwise leave the publisher waiting for
 /// room and the subscriber for a reader, until the server gives one up.
+/// And the publishers keep at most [`WARMUP_IN_FLIGHT`] ahead of the
+/// subscribers (at least [`WARMUP_MIN_IN_FLIGHT`] messages): published at
+/// full speed, a warm-up outran a subscriber on a loaded machine and the
+/// server's default policy dropped some of it.
 fn warm_up(
     args: &BenchArgs,
     subject: &str,
@@ -749,13 +763,23 @@ fn warm_up(
     };
     let expected = args.warmup * publishers.len() as u64 * copies;
     let deadline = Instant::now() + WARMUP_LIMIT;
+    let ahead = (WARMUP_IN_FLIGHT / (payload.len() as u64 + 64)).max(WARMUP_MIN_IN_FLIGHT) * copies;
+    let arrived = AtomicU64::new(0);
     std::thread::scope(|scope| {
         let mut publishing = Some(scope.spawn(|| -> Result<(), Failure> {
+            let mut sent = 0;
             for publisher in publishers {
                 for _ in 0..args.warmup {
+                    // Past the deadline the reader reports what is missing.
+                    while sent >= arrived.load(Ordering::Relaxed) + ahead
+                        && Instant::now() <= deadline
+                    {
+                        std::thread::yield_now();
+                    }
                     publisher
                         .publish(subject, payload.clone())
                         .map_err(bench_error)?;
+                    sent += copies;
                 }
                 publisher.flush(WARMUP_LIMIT).map_err(bench_error)?;
             }
@@ -768,6 +792,7 @@ fn warm_up(
                     received += 1;
                 }
             }
+            arrived.store(received, Ordering::Relaxed);
             // A publisher's error ends the warm-up as soon as it is known.
             if let Some(handle) = publishing.take_if(|handle| handle.is_finished()) {
                 handle
