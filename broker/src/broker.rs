@@ -470,7 +470,7 @@ impl Shared {
     }
 
     /// Wakes the loop thread, from waiting for events or from sleeping
-    /// while a driver has left ([`crate::drive::Driven::wake_sleeper`]).
+    /// while a driver has left ([`crate::drive::DriveHandle::wake_sleeper`]).
     fn wake_loop(&self) {
         self.commands.wake();
         self.event_loop.wake_sleeper();

@@ -69,8 +69,8 @@ pub(crate) fn driving() -> bool {
 pub(crate) struct Driven<L> {
     /// `None` once the loop thread has closed the loop.
     state: Mutex<Option<L>>,
-    /// Application threads driving the loop now.
-    drivers: AtomicUsize,
+    /// Who drives the loop, and the loop thread's sleep meanwhile.
+    gate: Arc<Gate>,
     /// Drives finished so far: the loop thread does not go to sleep on
     /// what it saw before a drive that came and went meanwhile.
     finished: AtomicU64,
@@ -79,6 +79,19 @@ pub(crate) struct Driven<L> {
     driven_work: AtomicBool,
     /// The loop thread's last round found work.
     loop_worked: AtomicBool,
+    /// Wakes the loop thread if it sleeps: it may have slept through a
+    /// drive, and what the driven rounds left for later (a held-back
+    /// credit, a timer) is its again.
+    wake: Box<dyn Fn() + Send + Sync>,
+}
+
+/// The drivers of a loop and the loop thread's sleep while they drive,
+/// shared with [`DriveHandle`] so that what application threads ask of
+/// the loop checks them without reaching the loop itself.
+#[derive(Default)]
+struct Gate {
+    /// Application threads driving the loop now.
+    drivers: AtomicUsize,
     /// The loop thread sleeps while a driver holds the loop
     /// ([`Driven::sleep_while_driven`]).
     asleep: AtomicBool,
@@ -89,10 +102,40 @@ pub(crate) struct Driven<L> {
     loop_thread: OnceLock<Thread>,
     /// Times the loop thread was woken from that sleep.
     sleeper_wakes: AtomicU64,
-    /// Wakes the loop thread if it sleeps: it may have slept through a
-    /// drive, and what the driven rounds left for later (a held-back
-    /// credit, a timer) is its again.
-    wake: Box<dyn Fn() + Send + Sync>,
+}
+
+impl Gate {
+    fn is_driven(&self) -> bool {
+        self.drivers.load(Ordering::SeqCst) > 0
+    }
+
+    /// Wakes the loop thread from [`Driven::sleep_while_driven`] for what
+    /// was just asked of the loop: now if no driver is there to do it,
+    /// else when the driver leaves.
+    fn wake_sleeper(&self) {
+        // Awake and not stepping aside, the loop thread finds the work in
+        // its rounds; this is the case of every publish in a stream.
+        if !self.asleep.load(Ordering::SeqCst) && !self.is_driven() {
+            return;
+        }
+        // Paired with the driver's leaving (`drivers`, then `wanted`): one
+        // of the two sees the other.
+        self.wanted.store(true, Ordering::SeqCst);
+        self.wake_if_asleep();
+    }
+
+    /// Wakes the loop thread if it sleeps for a driver and none is left.
+    fn wake_if_asleep(&self) {
+        if self.asleep.load(Ordering::SeqCst)
+            && !self.is_driven()
+            && self.asleep.swap(false, Ordering::SeqCst)
+        {
+            if let Some(thread) = self.loop_thread.get() {
+                self.sleeper_wakes.fetch_add(1, Ordering::Relaxed);
+                thread.unpark();
+            }
+        }
+    }
 }
 
 /// A driver's presence, withdrawn however the drive ends (a round that
@@ -105,7 +148,7 @@ struct Presence<'a, L> {
 
 impl<'a, L> Presence<'a, L> {
     fn enter(driven: &'a Driven<L>) -> Presence<'a, L> {
-        driven.drivers.fetch_add(1, Ordering::SeqCst);
+        driven.gate.drivers.fetch_add(1, Ordering::SeqCst);
         DRIVING.set(true);
         Presence { driven, ran: false }
     }
@@ -117,7 +160,7 @@ impl<L> Drop for Presence<'_, L> {
         if self.ran {
             self.driven.finished.fetch_add(1, Ordering::SeqCst);
         }
-        self.driven.drivers.fetch_sub(1, Ordering::SeqCst);
+        self.driven.gate.drivers.fetch_sub(1, Ordering::SeqCst);
         if self.ran {
             (self.driven.wake)();
         }
@@ -127,7 +170,7 @@ impl<L> Drop for Presence<'_, L> {
 /// Where the application threads of a broker or client find its loop to
 /// drive: set once the loop is made, and empty once the loop thread has
 /// ended with it.
-pub(crate) struct DriveHandle<L>(OnceLock<Weak<Driven<L>>>);
+pub(crate) struct DriveHandle<L>(OnceLock<(Weak<Driven<L>>, Arc<Gate>)>);
 
 impl<L: Rounds> DriveHandle<L> {
     pub fn new() -> DriveHandle<L> {
@@ -139,13 +182,13 @@ impl<L: Rounds> DriveHandle<L> {
     /// sleeps (after a drive).
     pub fn install(&self, state: L, wake: impl Fn() + Send + Sync + 'static) -> Arc<Driven<L>> {
         let driven = Arc::new(Driven::new(state, wake));
-        let _ = self.0.set(Arc::downgrade(&driven));
+        let _ = self.0.set((Arc::downgrade(&driven), driven.gate.clone()));
         driven
     }
 
     /// The loop, while it exists.
     fn driven(&self) -> Option<Arc<Driven<L>>> {
-        self.0.get().and_then(Weak::upgrade)
+        self.0.get().and_then(|(driven, _)| driven.upgrade())
     }
 
     /// [`Driven::drive`] for a thread that waits: a request for its reply
@@ -173,12 +216,13 @@ impl<L: Rounds> DriveHandle<L> {
             .is_some_and(|driven| driven.reader_may_drive())
     }
 
-    /// [`Driven::wake_sleeper`], unless the calling thread is about to
+    /// Wakes the loop thread from [`Driven::sleep_while_driven`] for what
+    /// was just asked of the loop, unless the calling thread is about to
     /// drive ([`before_driving`]).
     pub fn wake_sleeper(&self) {
         if !ABOUT_TO_DRIVE.get() {
-            if let Some(driven) = self.driven() {
-                driven.wake_sleeper();
+            if let Some((_, gate)) = self.0.get() {
+                gate.wake_sleeper();
             }
         }
     }
@@ -189,14 +233,10 @@ impl<L: Rounds> Driven<L> {
     pub fn new(state: L, wake: impl Fn() + Send + Sync + 'static) -> Driven<L> {
         Driven {
             state: Mutex::new(Some(state)),
-            drivers: AtomicUsize::new(0),
+            gate: Arc::new(Gate::default()),
             finished: AtomicU64::new(0),
             driven_work: AtomicBool::new(false),
             loop_worked: AtomicBool::new(false),
-            asleep: AtomicBool::new(false),
-            wanted: AtomicBool::new(false),
-            loop_thread: OnceLock::new(),
-            sleeper_wakes: AtomicU64::new(0),
             wake: Box::new(wake),
         }
     }
@@ -247,8 +287,8 @@ impl<L: Rounds> Driven<L> {
         // A driver that leaves without what it waited for goes on waiting
         // for the loop thread to bring it; and what was asked of the loop
         // while this one drove may have come after its last round.
-        if !got_it || self.wanted.swap(false, Ordering::SeqCst) {
-            self.wake_if_asleep();
+        if !got_it || self.gate.wanted.swap(false, Ordering::SeqCst) {
+            self.gate.wake_if_asleep();
         }
         rounds
     }
@@ -273,59 +313,32 @@ impl<L: Rounds> Driven<L> {
     /// consumes it (1 MiB over `tcp;ofi_rxm` lost about a tenth of its
     /// rate with its reader driving).
     fn reader_may_drive(&self) -> bool {
-        !self.loop_worked.load(Ordering::Relaxed) || self.asleep.load(Ordering::SeqCst)
+        !self.loop_worked.load(Ordering::Relaxed) || self.gate.asleep.load(Ordering::SeqCst)
     }
 
     /// For the loop thread while a driver holds the loop: sleeps up to
     /// `limit` instead of yielding. A thread that yields stays runnable,
     /// and where cores are few it takes turns from the driver and from
     /// the peer process the driver exchanges with. It is woken early by
-    /// what an application thread asks of the loop ([`Driven::wake_sleeper`])
+    /// what an application thread asks of the loop ([`DriveHandle::wake_sleeper`])
     /// and by a driver that leaves without its answer, not as every drive
     /// ends: a requester leaves with its reply and drives again
     /// microseconds later, and the loop thread woken in between would take
     /// the loop from it.
     pub fn sleep_while_driven(&self, limit: Duration) {
-        let _ = self.loop_thread.set(std::thread::current());
-        self.asleep.store(true, Ordering::SeqCst);
-        if self.is_driven() {
+        let gate = &self.gate;
+        let _ = gate.loop_thread.set(std::thread::current());
+        gate.asleep.store(true, Ordering::SeqCst);
+        if gate.is_driven() {
             std::thread::park_timeout(limit);
         }
-        self.asleep.store(false, Ordering::SeqCst);
-    }
-
-    /// Wakes the loop thread from [`Driven::sleep_while_driven`] for what
-    /// was just asked of the loop: now if no driver is there to do it,
-    /// else when the driver leaves.
-    pub fn wake_sleeper(&self) {
-        // Awake and not stepping aside, the loop thread finds the work in
-        // its rounds; this is the case of every publish in a stream.
-        if !self.asleep.load(Ordering::SeqCst) && !self.is_driven() {
-            return;
-        }
-        // Paired with the driver's leaving (`drivers`, then `wanted`): one
-        // of the two sees the other.
-        self.wanted.store(true, Ordering::SeqCst);
-        self.wake_if_asleep();
-    }
-
-    /// Wakes the loop thread if it sleeps for a driver and none is left.
-    fn wake_if_asleep(&self) {
-        if self.asleep.load(Ordering::SeqCst)
-            && !self.is_driven()
-            && self.asleep.swap(false, Ordering::SeqCst)
-        {
-            if let Some(thread) = self.loop_thread.get() {
-                self.sleeper_wakes.fetch_add(1, Ordering::Relaxed);
-                thread.unpark();
-            }
-        }
+        gate.asleep.store(false, Ordering::SeqCst);
     }
 
     /// For the loop thread: whether a driver has the loop now (the loop
     /// thread then sleeps rather than runs a round).
     pub fn is_driven(&self) -> bool {
-        self.drivers.load(Ordering::SeqCst) > 0
+        self.gate.is_driven()
     }
 
     /// For the loop thread: whether driven rounds found work since it last
@@ -506,14 +519,14 @@ mod tests {
         let sleeper = {
             let driven = driven.clone();
             std::thread::spawn(move || {
-                let wakes = driven.sleeper_wakes.load(Ordering::SeqCst);
-                while driven.sleeper_wakes.load(Ordering::SeqCst) == wakes {
+                let wakes = driven.gate.sleeper_wakes.load(Ordering::SeqCst);
+                while driven.gate.sleeper_wakes.load(Ordering::SeqCst) == wakes {
                     driven.sleep_while_driven(Duration::from_secs(30));
                 }
             })
         };
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !driven.asleep.load(Ordering::SeqCst) {
+        while !driven.gate.asleep.load(Ordering::SeqCst) {
             assert!(Instant::now() < deadline, "the loop thread did not sleep");
             std::thread::yield_now();
         }
@@ -539,7 +552,7 @@ mod tests {
     }
 
     fn wakes(driven: &Driven<Counting>) -> u64 {
-        driven.sleeper_wakes.load(Ordering::SeqCst)
+        driven.gate.sleeper_wakes.load(Ordering::SeqCst)
     }
 
     #[test]
@@ -550,13 +563,13 @@ mod tests {
         driven.loop_worked(true);
         assert!(driven.reader_may_drive());
         // A driver is there to do what is asked: the sleep goes on.
-        driven.wake_sleeper();
+        driven.gate.wake_sleeper();
         assert_eq!(wakes(&driven), 0);
         // The driver leaves: that alone does not wake the loop thread...
         drop(driver);
         assert_eq!(wakes(&driven), 0);
         // ...what is asked of the loop with no driver there does.
-        driven.wake_sleeper();
+        driven.gate.wake_sleeper();
         assert_eq!(wakes(&driven), 1);
         woken(sleeper);
         driven.loop_worked(true);
@@ -574,7 +587,7 @@ mod tests {
         assert_eq!(wakes(&driven), 0);
         // Asked while a driver holds the loop, after its last round.
         let asked = || {
-            driven.wake_sleeper();
+            driven.gate.wake_sleeper();
             true
         };
         driven.drive(far(), &asked, &stop);
@@ -621,7 +634,7 @@ mod tests {
         let started = Instant::now();
         driven.sleep_while_driven(Duration::from_secs(30));
         assert!(started.elapsed() < Duration::from_secs(10));
-        assert!(!driven.asleep.load(Ordering::SeqCst));
+        assert!(!driven.gate.asleep.load(Ordering::SeqCst));
     }
 
     #[test]
