@@ -17,8 +17,8 @@
 //!   no FI_SOURCE), the id the *receiver* gave the link, a counter the
 //!   sender raises with every message, and a tag: AES-256-GCM's, under
 //!   the link's key for this direction with the counter as the nonce, over
-//!   every frame byte after the tag, then the header before it, then the
-//!   frames' length (see [`tag`]; the message itself is not encrypted). A
+//!   every frame byte after the tag, then the header before it, then both
+//!   lengths (see [`tag`]; the message itself is not encrypted). A
 //!   receiver finds the link by its id, checks the address and the tag,
 //!   and refuses a counter it has seen (see `ReplayWindow`); nothing in a
 //!   message is trusted before that.
@@ -46,9 +46,9 @@ use efabus_core::secret::constant_time_eq;
 use efabus_core::transport::OutFrame;
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 
-/// Version of the endpoint header (4: the tag is AES-256-GCM's, see
-/// [`tag`]).
-pub const HEADER_VERSION: u8 = 4;
+/// Version of the endpoint header (5: the tag is AES-256-GCM's over
+/// whole blocks, see [`tag`]).
+pub const HEADER_VERSION: u8 = 5;
 /// Set in the version byte of a message of the endpoint's own frames.
 pub const CONTROL_FLAG: u8 = 0x80;
 /// Bytes of the endpoint header before the sender address.
@@ -173,7 +173,8 @@ thread_local! {
 /// The tag of a message: AES-256-GCM under the link's key for its
 /// direction, with the message's counter as the nonce (its last 8 bytes,
 /// the first 4 zero), over the frame bytes in order, then the header
-/// before the tag, then the frames' length (8 bytes, little endian). The
+/// before the tag, then zeros up to a whole 16-byte block, then the
+/// frames' length and the header's (8 bytes each, little endian). The
 /// ciphertext, made in a scratch buffer of the thread's, is dropped and
 /// the tag kept: messages travel in clear. `None` only for input GCM
 /// cannot take (64 GiB), which no message comes near.
@@ -197,20 +198,25 @@ thread_local! {
 /// bench --bench codec -- fabric_tag`). It tags associated data alone
 /// (GMAC) at under 2 GB/s, so a copy is encrypted instead.
 ///
-/// The length at the end fixes where the frames end and the header
-/// starts, so no other split of the same bytes carries the same tag.
+/// The two lengths at the end fix where the frames end and the header
+/// starts, so no other split of the same bytes carries the same tag. The
+/// zeros before them spare ring its path for a last partial block, 20-45
+/// ns here (a 16-byte publish sealed in 138 ns before, 109 with them).
 pub fn tag(key: &TagKey, counter: u64, header: &[u8], frames: &[&[u8]]) -> Option<[u8; TAG_LEN]> {
     SCRATCH.with_borrow_mut(|scratch| {
         scratch.clear();
         let frames_len: usize = frames.iter().map(|part| part.len()).sum();
+        let padded = (frames_len + header.len()).next_multiple_of(GCM_BLOCK);
         // Exactly: grown by doubling, a message near the kept bound would
         // leave the scratch above it and have it freed every time.
-        scratch.reserve_exact(frames_len + header.len() + 8);
+        scratch.reserve_exact(padded + TAG_LENGTHS);
         for part in frames {
             scratch.extend_from_slice(part);
         }
         scratch.extend_from_slice(header);
+        scratch.resize(padded, 0);
         scratch.extend_from_slice(&(frames_len as u64).to_le_bytes());
+        scratch.extend_from_slice(&(header.len() as u64).to_le_bytes());
         let mut nonce = [0u8; NONCE_LEN];
         nonce[NONCE_LEN - 8..].copy_from_slice(&counter.to_le_bytes());
         let sealed = key
@@ -228,6 +234,11 @@ pub fn tag(key: &TagKey, counter: u64, header: &[u8], frames: &[&[u8]]) -> Optio
         sealed
     })
 }
+
+/// Bytes of one AES block, which GCM works in.
+const GCM_BLOCK: usize = 16;
+/// Bytes of the lengths that end a tag's input: one block.
+const TAG_LENGTHS: usize = 16;
 
 /// The counters of one link's incoming messages seen lately: a counter is
 /// taken once, and one older than the window is refused, so a message
@@ -729,16 +740,20 @@ mod tests {
     }
 
     #[test]
-    fn the_tag_seals_the_frames_then_the_header_then_their_length() {
+    fn the_tag_seals_the_frames_the_header_zeros_and_both_lengths() {
         let layout = BufferLayout::new(8, 4096);
         let (slot, len) = sealed(&layout, &[0x5a; 3000]);
         let tag_at = layout.prefix + BufferLayout::tag_offset(SENDER.len());
         let frames_at = tag_at + TAG_LEN;
         // Worked out here with ring's AES-256-GCM directly: the counter
         // (1) as the nonce, the ciphertext dropped, its tag kept.
+        let header = &slot[layout.prefix..tag_at];
         let mut sealed = slot[frames_at..len].to_vec();
-        sealed.extend_from_slice(&slot[layout.prefix..tag_at]);
+        sealed.extend_from_slice(header);
+        assert_ne!(sealed.len() % 16, 0, "a last partial block is padded");
+        sealed.resize(sealed.len().next_multiple_of(16), 0);
         sealed.extend_from_slice(&((len - frames_at) as u64).to_le_bytes());
+        sealed.extend_from_slice(&(header.len() as u64).to_le_bytes());
         let mut nonce = [0u8; NONCE_LEN];
         nonce[NONCE_LEN - 8..].copy_from_slice(&1u64.to_le_bytes());
         let key = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &KEY_BYTES).unwrap());
@@ -760,6 +775,20 @@ mod tests {
         assert_ne!(
             tag(&KEY, 1, &bytes[6..], &[&bytes[..6]]),
             tag(&KEY, 1, &bytes[7..], &[&bytes[..7]])
+        );
+    }
+
+    #[test]
+    fn zeros_that_end_a_header_are_not_taken_for_the_padding() {
+        // Padded to one block, both inputs would be the same bytes but
+        // for the header's length.
+        assert_ne!(
+            tag(&KEY, 1, b"header", &[b"frames"]),
+            tag(&KEY, 1, b"header\0", &[b"frames"])
+        );
+        assert_ne!(
+            tag(&KEY, 1, b"header", &[b"frames"]),
+            tag(&KEY, 1, b"header", &[b"frames", &[0]])
         );
     }
 
