@@ -494,6 +494,7 @@ fn link_config(lossy: bool, window: usize) -> LinkConfig {
         gap_timeout: Duration::from_millis(20),
         reliable_gap_timeout: Duration::from_millis(250),
         reorder_window: window,
+        skip_distance: window,
         reassembly: ReassemblyConfig {
             timeout: Duration::from_millis(50),
             ..ReassemblyConfig::default()

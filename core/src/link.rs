@@ -58,8 +58,9 @@
 //! On a **lossy** link a partial message is dropped once no piece of it
 //! arrived for the reassembly timeout, and a missing sequence is skipped
 //! once a later frame has waited [`LinkConfig::gap_timeout`]
-//! ([`GapPolicy::SkipAfter`]); a frame beyond the reorder window skips
-//! ahead at once. Every sequence given up is counted exactly
+//! ([`GapPolicy::SkipAfter`]), or once [`LinkConfig::skip_distance`]
+//! pieces have arrived while frames wait for it; a frame beyond the
+//! reorder window skips ahead at once. Every sequence given up is counted exactly
 //! once in [`ReceiveStats::lost`], so after the receiver has settled
 //! (nothing held, nothing partial) `delivered + lost` equals the highest
 //! sequence any piece arrived for. Sequences after the last piece that
@@ -159,6 +160,15 @@ pub struct LinkConfig {
     pub reliable_gap_timeout: Duration,
     /// See [`LinkTuning::reorder_window`].
     pub reorder_window: usize,
+    /// On a lossy link, how many pieces may arrive behind a missing
+    /// sequence (while frames wait for it) before it is given up at once,
+    /// without waiting for `gap_timeout`: half the pieces the peer may have
+    /// in flight. Credits stop at the first gap, so a sender that lost one
+    /// datagram would otherwise send the rest of its window and then wait
+    /// for the gap timeout, and what it was asked to send meanwhile would
+    /// overflow its queue; a piece of the gap that comes later still is
+    /// dropped as late.
+    pub skip_distance: usize,
     /// See [`LinkTuning::reassembly`].
     pub reassembly: ReassemblyConfig,
     /// See [`LinkTuning::memory`].
@@ -183,6 +193,9 @@ impl LinkConfig {
             gap_timeout: tuning.gap_timeout,
             reliable_gap_timeout: tuning.reliable_gap_timeout,
             reorder_window: tuning.reorder_window,
+            skip_distance: usize::try_from(params.recv_window / 2)
+                .unwrap_or(usize::MAX)
+                .max(1),
             reassembly: tuning.reassembly.clone(),
             memory: tuning.memory.clone(),
         }
@@ -539,6 +552,11 @@ pub struct LinkReceiver {
     /// Lossy links: pieces seen far beyond the window, as (lowest, highest,
     /// how many). One piece alone never moves the link that far.
     far_ahead: Option<(u64, u64, u32)>,
+    /// Lossy links: [`LinkConfig::skip_distance`].
+    skip_distance: usize,
+    /// Lossy links, while frames wait for a missing sequence: that
+    /// sequence and the pieces that arrived since.
+    behind_gap: Option<(u64, usize)>,
     /// Reliable links: the gap that timed out (reported from then on;
     /// the link is dead).
     gap_failure: Option<LinkError>,
@@ -587,6 +605,8 @@ impl LinkReceiver {
             stats: ReceiveStats::default(),
             marks_released: 0,
             far_ahead: None,
+            skip_distance: config.skip_distance.max(1),
+            behind_gap: None,
             gap_failure: None,
             gap_deadline: None,
         }
@@ -646,6 +666,7 @@ impl LinkReceiver {
         if result.is_err() {
             self.stats.refused += 1;
         }
+        self.skip_gap_at_distance();
         // Expiry on the way in may have left only abandoned sequences.
         self.settle_tail(now);
         // Whatever happened, hand over what was released.
@@ -887,6 +908,30 @@ impl LinkReceiver {
         let result = self.check_gap(now);
         self.note_gap_deadline();
         result
+    }
+
+    /// Lossy links: counts a piece that arrived while frames wait for a
+    /// missing sequence, and gives that sequence up once
+    /// [`LinkConfig::skip_distance`] pieces have.
+    fn skip_gap_at_distance(&mut self) {
+        let Some(reorder) = self.reorder.as_mut().filter(|_| self.lossy) else {
+            return;
+        };
+        if reorder.held() == 0 {
+            self.behind_gap = None;
+            return;
+        }
+        let missing = reorder.expected();
+        let pieces = match self.behind_gap {
+            Some((gap, pieces)) if gap == missing => pieces + 1,
+            _ => 1,
+        };
+        if pieces >= self.skip_distance {
+            reorder.skip_first_gap(&mut self.released);
+            self.behind_gap = None;
+        } else {
+            self.behind_gap = Some((missing, pieces));
+        }
     }
 
     /// Reliable links: a frame is on its way to the owner in a form it

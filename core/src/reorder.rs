@@ -86,6 +86,8 @@ pub struct ReorderStats {
     pub gap_timeouts: u64,
     /// Times an item beyond the window skipped ahead.
     pub window_skips: u64,
+    /// Times the owner gave a gap up early ([`ReorderBuffer::skip_first_gap`]).
+    pub early_skips: u64,
     /// Times [`ReorderBuffer::check_gap`] found a gap overdue
     /// ([`GapPolicy::FailAfter`]).
     pub gap_failures: u64,
@@ -288,6 +290,23 @@ impl<T> ReorderBuffer<T> {
         out.len() - before
     }
 
+    /// Under [`GapPolicy::SkipAfter`]: gives up the missing sequences
+    /// before the first held item now, as the gap timeout would later (the
+    /// owner judged they will not come), appending what is released to
+    /// `out`. Returns how many were released.
+    pub fn skip_first_gap(&mut self, out: &mut Vec<T>) -> usize {
+        if !matches!(self.config.gap_policy, GapPolicy::SkipAfter(_)) {
+            return 0;
+        }
+        let Some(offset) = self.slots.iter().position(Option::is_some) else {
+            return 0;
+        };
+        let before = out.len();
+        self.stats.early_skips += 1;
+        self.skip_to(self.expected + offset as u64, out);
+        out.len() - before
+    }
+
     /// When [`poll`](ReorderBuffer::poll) will next skip a gap
     /// (`SkipAfter`), or [`check_gap`](ReorderBuffer::check_gap) report
     /// one (`FailAfter`), if ever.
@@ -415,6 +434,32 @@ impl<T> ReorderBuffer<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn skip_first_gap_gives_up_only_the_first_gap() {
+        let now = Instant::now();
+        let mut buf = ReorderBuffer::new(ReorderConfig {
+            capacity: 64,
+            gap_policy: GapPolicy::SkipAfter(Duration::from_secs(3600)),
+        });
+        let mut out = Vec::new();
+        for seq in [3, 4, 7] {
+            buf.push(now, seq, seq, &mut out).unwrap();
+        }
+        assert!(out.is_empty());
+        assert_eq!(buf.skip_first_gap(&mut out), 2);
+        assert_eq!(out, vec![3, 4]);
+        assert_eq!((buf.expected(), buf.stats().lost), (5, 2));
+        assert_eq!(buf.skip_first_gap(&mut out), 1);
+        assert_eq!(out, vec![3, 4, 7]);
+        assert_eq!(buf.skip_first_gap(&mut out), 0, "nothing held");
+        assert_eq!(buf.stats().early_skips, 2);
+        // Late ones are duplicates now.
+        assert_eq!(
+            buf.push(now, 6, 6, &mut out),
+            Ok(Pushed::Duplicate { released: 0 })
+        );
+    }
 
     #[test]
     fn releases_in_order() {

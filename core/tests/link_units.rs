@@ -519,6 +519,55 @@ fn lossy_link_follows_a_long_real_gap_but_not_a_lone_far_piece() {
     );
 }
 
+/// On a lossy link a missing sequence is given up once `skip_distance`
+/// pieces have arrived while frames wait behind it, without the gap
+/// timeout: the sender, whose credits stop at the gap, need not wait.
+#[test]
+fn a_lossy_gap_is_given_up_after_skip_distance_pieces() {
+    let mut cfg = config(1472, true, true, 64, Duration::from_secs(3600), ms(1000));
+    cfg.skip_distance = 4;
+    let mut tx = LinkSender::new(&cfg).expect("sender");
+    let mut rx = LinkReceiver::new(&cfg);
+    let now = Instant::now();
+    // Frame 2 in three pieces, the others in one.
+    let wire: Vec<Vec<Bytes>> = (1..=8u64)
+        .map(|id| {
+            let mut pieces = Vec::new();
+            let len = if id == 2 { 4000 } else { 64 };
+            tx.prepare(test_frame(id, len, 64), &mut pieces).unwrap();
+            pieces.iter().map(OutFrame::to_bytes).collect()
+        })
+        .collect();
+    assert_eq!(wire[1].len(), 3);
+    let mut out = Vec::new();
+    rx.receive(now, wire[0][0].clone(), &mut out).unwrap();
+    // Two of frame 2's pieces; the third is lost.
+    for piece in &wire[1][..2] {
+        rx.receive(now, piece.clone(), &mut out).unwrap();
+    }
+    for frame in &wire[2..5] {
+        rx.receive(now, frame[0].clone(), &mut out).unwrap();
+    }
+    let ids = |out: &Vec<Bytes>| out.iter().map(|f| frame_id(f)).collect::<Vec<_>>();
+    assert_eq!(
+        ids(&out),
+        [1],
+        "three pieces behind the gap: it is waited for"
+    );
+    rx.receive(now, wire[5][0].clone(), &mut out).unwrap();
+    assert_eq!(ids(&out), [1, 3, 4, 5, 6], "the fourth gives it up");
+    for frame in &wire[6..] {
+        rx.receive(now, frame[0].clone(), &mut out).unwrap();
+    }
+    rx.receive(now, wire[1][2].clone(), &mut out).unwrap();
+    assert_eq!(
+        ids(&out),
+        [1, 3, 4, 5, 6, 7, 8],
+        "the late piece is dropped"
+    );
+    assert_eq!(rx.stats().lost, 1);
+}
+
 /// Wire frames for frames `1..=count` of `len` bytes each.
 fn wire_frames(tx: &mut LinkSender, count: u64, len: usize) -> Vec<Vec<Bytes>> {
     (1..=count)

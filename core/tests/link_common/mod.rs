@@ -54,6 +54,7 @@ pub fn config(
         gap_timeout: gap,
         reliable_gap_timeout: gap,
         reorder_window: window,
+        skip_distance: window,
         reassembly: ReassemblyConfig {
             timeout: reassembly_timeout,
             ..ReassemblyConfig::default()
