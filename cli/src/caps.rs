@@ -25,8 +25,8 @@ use efabus_core::caps::{
 use efabus_core::transport::BufferMemory;
 use efabus_transports::fabric::layout::BufferLayout;
 use efabus_transports::fabric::{
-    buffer_size, huge_page_size, probe_like_fi_info, provider_eager_limit, rendezvous_max, EpKind,
-    FabricTransport, DGRAM_SCHEME, RDM_SCHEME, SHM_SCHEME,
+    buffer_size, huge_page_size, probe_like_fi_info, provider_eager_limit, receive_depth,
+    rendezvous_max, EpKind, FabricTransport, DGRAM_SCHEME, RDM_SCHEME, SHM_SCHEME,
 };
 use efabus_transports::registry::{EndpointSpec, Registry};
 use efabus_transports::tcp;
@@ -202,7 +202,13 @@ fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
     ) as u64;
     offer.provider_eager_limit =
         provider_eager_limit(&info.fabric_attr.prov_name).map_or(0, |limit| limit as u64);
-    offer.rx_size = offer.rx_size.min(options.rx_depth as u64);
+    let rx_depth = receive_depth(
+        kind,
+        &info.fabric_attr.prov_name,
+        &options,
+        layout.recv_len(),
+    );
+    offer.rx_size = offer.rx_size.min(rx_depth as u64);
     offer.tx_size = offer.tx_size.min(options.tx_depth as u64);
     offer
 }

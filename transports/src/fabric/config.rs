@@ -79,6 +79,48 @@ pub fn buffer_size(kind: EpKind, provider: &str, options: &FabricOptions) -> usi
     })
 }
 
+/// Receive buffers an endpoint of `kind` on `provider` keeps posted, each of
+/// `buffer` bytes, before the provider's own rx size caps it:
+/// `options.rx_depth`, except on `udp` datagram endpoints. There a datagram
+/// waits in the kernel's socket until a poll reads it into a posted buffer,
+/// and the socket holds far fewer than 256 (`net.core.rmem_default`, 208
+/// KiB here): a peer sending the credit window of posted buffers lost a
+/// third of its 1,472-byte datagrams on the way (counted as lost), and
+/// each loss held its credits until the gap was given up. So the posted
+/// receives, and with them the window a peer is given, are capped at what
+/// the socket holds ([`udp_socket_datagrams`]). EFA receives datagrams
+/// straight into the posted buffers. The endpoint and `efabus caps` decide
+/// through this one function.
+pub fn receive_depth(
+    kind: EpKind,
+    provider: &str,
+    options: &FabricOptions,
+    buffer: usize,
+) -> usize {
+    match kind {
+        EpKind::Dgram if provider == "udp" => options.rx_depth.min(udp_socket_datagrams(
+            buffer,
+            std::fs::read_to_string("/proc/sys/net/core/rmem_default").ok(),
+        )),
+        _ => options.rx_depth,
+    }
+}
+
+/// Datagrams of `buffer` bytes a UDP socket holds, given the kernel's
+/// default receive buffer (`rmem_default`, as read; 212,992 bytes, Linux's
+/// own default, where it cannot be read). The kernel charges a datagram
+/// its buffer's true size, more than the datagram: here 64 datagrams of
+/// 1,472 bytes at full rate lost none and 80 lost a few, so each is
+/// counted at twice its size and 512 bytes more (61 of them). At least 8.
+pub fn udp_socket_datagrams(buffer: usize, rmem_default: Option<String>) -> usize {
+    const LINUX_RMEM_DEFAULT: usize = 212_992;
+    let socket = rmem_default
+        .and_then(|text| text.trim().parse::<usize>().ok())
+        .unwrap_or(LINUX_RMEM_DEFAULT);
+    let charged = buffer.saturating_mul(2).saturating_add(512);
+    (socket / charged).max(8)
+}
+
 /// Largest frame an endpoint of `kind` on `provider` moves by rendezvous,
 /// given the caps its info grants, whether `options` enable it, the
 /// provider's `max_msg_size` and the caller's `max_frame`; 0 when it has
@@ -180,6 +222,24 @@ mod tests {
             assert!(size.is_some_and(|size| size >= 1 << 20), "{size:?}");
         } else {
             assert_eq!(huge_page_size(), None, "{enabled:?}");
+        }
+    }
+
+    #[test]
+    fn a_udp_endpoint_posts_what_its_socket_holds() {
+        assert_eq!(udp_socket_datagrams(1472, Some("212992\n".into())), 61);
+        assert_eq!(udp_socket_datagrams(1472, None), 61, "Linux's default");
+        assert_eq!(udp_socket_datagrams(1472, Some("junk".into())), 61);
+        assert_eq!(udp_socket_datagrams(1472, Some("4194304".into())), 1213);
+        assert_eq!(udp_socket_datagrams(65_000, Some("212992".into())), 8);
+        let options = FabricOptions::default();
+        let udp = receive_depth(EpKind::Dgram, "udp", &options, 1472);
+        assert!((8..=options.rx_depth).contains(&udp), "{udp}");
+        for (kind, provider) in [(EpKind::Dgram, "efa"), (EpKind::Rdm, "udp;ofi_rxd")] {
+            assert_eq!(
+                receive_depth(kind, provider, &options, 1472),
+                options.rx_depth
+            );
         }
     }
 

@@ -628,7 +628,9 @@ impl FabricEndpoint {
             Ok(0) | Err(_) => wanted,
             Ok(p) => wanted.min(p),
         };
-        let rx_depth = depth(options.rx_depth, rx.size);
+        let wanted_rx =
+            super::config::receive_depth(kind, attrs.provider(), options, layout.recv_len());
+        let rx_depth = depth(wanted_rx, rx.size);
         let tx_depth = depth(options.tx_depth, tx.size);
         let inject_size = usize::try_from(tx.inject_size).unwrap_or(usize::MAX);
         let tx_iov_limit = usize::try_from(tx.iov_limit).unwrap_or(usize::MAX);

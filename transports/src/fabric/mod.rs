@@ -95,7 +95,7 @@ mod sys;
 pub use absent::FabricEndpoint;
 pub use attrs::InfoAttrs;
 pub use config::{
-    addr_from_hex, addr_to_hex, buffer_size, huge_page_size, rendezvous_max, EpKind,
+    addr_from_hex, addr_to_hex, buffer_size, huge_page_size, receive_depth, rendezvous_max, EpKind,
     FabricOptionError, FabricOptions, OrderWanted, DGRAM_SCHEME, RDM_SCHEME, RMA_READ_CAPS,
     SHM_PROVIDER, SHM_SCHEME,
 };
