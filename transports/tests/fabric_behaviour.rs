@@ -507,6 +507,114 @@ mod suite {
         Some((a, b, pb, pa))
     }
 
+    /// An authenticated peer's own frames that say what they may not (a
+    /// descriptor cut short, over the link's limits or lying about its
+    /// length, a done frame for a transfer never sent, an unknown kind, any
+    /// on a link without rendezvous) end the link with the reason and are
+    /// counted as malformed; nothing is read or delivered.
+    pub fn hostile_endpoint_frames_end_the_link(provider: &str) {
+        use efabus_transports::fabric::layout::{rma_done, RmaDescriptor, RMA_DESCRIPTOR_KIND};
+        let descriptor = |body_len: u64, head: &[u8]| {
+            RmaDescriptor {
+                id: 7,
+                addr: 0,
+                key: 0,
+                body_len,
+            }
+            .encode(head)
+        };
+        let framed = |kind: u8, rest: &[u8]| {
+            let mut bytes = ((rest.len() + 1) as u32).to_le_bytes().to_vec();
+            bytes.push(kind);
+            bytes.extend_from_slice(rest);
+            Bytes::from(bytes)
+        };
+        let mut lying_head = 100u32.to_le_bytes().to_vec();
+        lying_head.extend_from_slice(&[1; 12]);
+        let cases: Vec<(&str, Bytes, bool, &str)> = vec![
+            (
+                "cut short",
+                framed(RMA_DESCRIPTOR_KIND, &[0; 20]),
+                true,
+                "malformed rendezvous descriptor",
+            ),
+            (
+                "no body",
+                descriptor(0, &[]),
+                true,
+                "offered a rendezvous frame of 0 + 0",
+            ),
+            (
+                "over the limit",
+                descriptor(1 << 40, &[]),
+                true,
+                "over the link's",
+            ),
+            (
+                "a long head",
+                descriptor(16, &[0; 5000]),
+                true,
+                "inline bytes",
+            ),
+            (
+                "a lying head",
+                descriptor(1000, &lying_head),
+                true,
+                "declaring 100 bytes",
+            ),
+            (
+                "an unknown done",
+                rma_done(12345),
+                true,
+                "which it was not sent",
+            ),
+            (
+                "an unknown kind",
+                framed(0xf7, &[0; 8]),
+                true,
+                "unknown kind",
+            ),
+            (
+                "without rendezvous",
+                descriptor(1000, &[]),
+                false,
+                "without rendezvous",
+            ),
+        ];
+        for (case, bad, rendezvous, reason) in cases {
+            let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 1 << 20) else {
+                return;
+            };
+            if !rendezvous {
+                b.set_peer_rendezvous(pa, 0);
+            }
+            a.send_endpoint_frame(pb, bad).expect("sent");
+            let (mut ae, mut be) = (Vec::new(), Vec::new());
+            pump(
+                &mut a,
+                &mut b,
+                &mut ae,
+                &mut be,
+                |_, be| {
+                    be.iter()
+                        .any(|e| matches!(e, Event::Closed { peer, .. } if *peer == pa))
+                },
+                case,
+            );
+            let closed = be.iter().find_map(|e| match e {
+                Event::Closed { peer, reason } if *peer == pa => Some(reason.to_string()),
+                _ => None,
+            });
+            assert!(
+                closed.as_deref().is_some_and(|text| text.contains(reason)),
+                "{provider}, {case}: closed with {closed:?}, not {reason:?}"
+            );
+            assert_eq!(b.stats().malformed, 1, "{provider}, {case}");
+            assert!(frames_from(&be, pa).is_empty(), "{provider}, {case}");
+            assert_eq!(b.stats().rendezvous_read, 0, "{provider}, {case}");
+        }
+    }
+
     /// A frame of `len` bytes (length prefix included) whose bytes say
     /// which frame `n` it is: a head of 16 bytes, as a message header is
     /// small, and the rest in its body.
@@ -1985,6 +2093,14 @@ macro_rules! provider_suite {
             }
         }
     };
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn hostile_endpoint_frames_end_the_link() {
+    for provider in ["tcp;ofi_rxm", "sockets", "shm"] {
+        suite::hostile_endpoint_frames_end_the_link(provider);
+    }
 }
 
 #[cfg(efabus_libfabric)]

@@ -891,6 +891,14 @@ impl FabricEndpoint {
         self.header_version = version;
     }
 
+    /// Testing aid: send `frame` to `peer` as one of the endpoint's own
+    /// frames (a rendezvous descriptor or done frame), whatever it says,
+    /// as a peer holding the link's keys could.
+    #[cfg(feature = "testing")]
+    pub fn send_endpoint_frame(&mut self, peer: PeerId, frame: Bytes) -> Result<(), SendError> {
+        self.send_eager(peer, OutFrame::whole(frame), true)
+    }
+
     /// What the provider granted.
     pub fn link(&self) -> &LinkInfo {
         &self.link

@@ -779,6 +779,34 @@ mod tests {
     }
 
     #[test]
+    fn descriptors_and_done_frames_decode_only_whole() {
+        let descriptor = RmaDescriptor {
+            id: 1,
+            addr: 2,
+            key: 3,
+            body_len: 4,
+        };
+        let frame = descriptor.encode(b"head");
+        assert_eq!(
+            RmaDescriptor::decode(&frame),
+            Some((descriptor.clone(), &b"head"[..]))
+        );
+        assert_eq!(
+            RmaDescriptor::decode(&descriptor.encode(&[])),
+            Some((descriptor, &[][..]))
+        );
+        for cut in 0..RMA_DESCRIPTOR_FIXED {
+            assert_eq!(RmaDescriptor::decode(&frame[..cut]), None, "cut at {cut}");
+        }
+        let done = rma_done(9);
+        assert_eq!(RmaDescriptor::decode(&done), None, "another kind");
+        assert_eq!(rma_done_id(&done), Some(9));
+        assert_eq!(rma_done_id(&done[..done.len() - 1]), None);
+        assert_eq!(rma_done_id(&[&done[..], &[0]].concat()), None);
+        assert_eq!(rma_done_id(&frame), None, "another kind");
+    }
+
+    #[test]
     fn zeros_that_end_a_header_are_not_taken_for_the_padding() {
         // Padded to one block, both inputs would be the same bytes but
         // for the header's length.
