@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use efabus_broker::{Broker, Client, Config, Error, RouteReport, Subscription};
+use efabus_broker::{Broker, Client, Config, Error, Message, RouteReport, Subscription};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -636,6 +636,7 @@ fn brokers_given_one_seed_mesh_on_the_fabric() {
     // learns of c too, unless c's route reached it first.)
     assert!(c.peers().contains(&tcp(&b)), "c learned b: {:?}", c.peers());
     every_message_once(&[&a, &b, &c]);
+    one_member_of_a_group_in_the_cluster(&[&a, &b, &c]);
 
     // b leaves; c keeps dialing the address it learned, then forgets it.
     let b_address = tcp(&b);
@@ -692,6 +693,81 @@ fn every_message_once(brokers: &[&Broker]) {
             "nothing more on broker {index}"
         );
     }
+}
+
+/// A queue group with a member on each broker: a job published on any
+/// broker reaches one member in the whole cluster (its broker's own);
+/// with the last broker's member gone, what that broker publishes goes
+/// to the others' members across the routes, each job still once.
+fn one_member_of_a_group_in_the_cluster(brokers: &[&Broker]) {
+    let job = |message: Message| u64::from_le_bytes(message.payload[..8].try_into().unwrap());
+    let mut members: Vec<Subscription> = brokers
+        .iter()
+        .map(|broker| broker.queue_subscribe("mesh.jobs", "workers").unwrap())
+        .collect();
+    for broker in brokers {
+        wait_until("every broker's group member", || {
+            broker.route_interest_count() == brokers.len() - 1
+        });
+    }
+    let per_broker = 30;
+    for (index, broker) in brokers.iter().enumerate() {
+        for n in 0..per_broker {
+            broker
+                .publish("mesh.jobs", payload(index * per_broker + n))
+                .unwrap();
+        }
+    }
+    let total = brokers.len() * per_broker;
+    let mut taken = Vec::new();
+    for (index, member) in members.iter().enumerate() {
+        let mine: Vec<u64> = (0..per_broker)
+            .map(|_| {
+                job(member
+                    .recv_timeout(WAIT)
+                    .unwrap_or_else(|err| panic!("member {index}: {err}")))
+            })
+            .collect();
+        taken.extend(mine);
+    }
+    // The last member leaves: its broker has only the others' members.
+    let last = brokers.len() - 1;
+    drop(members.pop());
+    wait_until("the last member withdrawn", || {
+        brokers[0].route_interest_count() == brokers.len() - 2
+    });
+    for n in 0..per_broker {
+        brokers[last]
+            .publish("mesh.jobs", payload(total + n))
+            .unwrap();
+    }
+    let deadline = Instant::now() + WAIT;
+    let mut remote = 0;
+    while remote < per_broker {
+        assert!(
+            Instant::now() < deadline,
+            "{remote} of {per_broker} reached the other members"
+        );
+        for member in &members {
+            while let Ok(message) = member.try_recv() {
+                taken.push(job(message));
+                remote += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for (index, member) in members.iter().enumerate() {
+        assert!(
+            member.recv_timeout(Duration::from_millis(200)).is_err(),
+            "nothing more for member {index}"
+        );
+    }
+    taken.sort_unstable();
+    assert_eq!(
+        taken,
+        (0..(total + per_broker) as u64).collect::<Vec<_>>(),
+        "each job once in the cluster"
+    );
 }
 
 macro_rules! route_tests {
