@@ -574,6 +574,62 @@ fn carries_large_payloads_over_rdm(provider: Provider) {
     }
 }
 
+/// A large message fanned out to several fabric subscribers is read once
+/// from the publisher and registered once by the broker, which serves
+/// every subscriber's read from that one registration, and releases it.
+#[test]
+fn a_large_message_fanned_out_is_registered_once() {
+    const SUBSCRIBERS: u64 = 3;
+    let provider = Provider { rdm: "tcp;ofi_rxm" };
+    let Some(broker) = start_broker(provider, true, "") else {
+        return;
+    };
+    let publisher = fabric_client(&broker, provider, "publisher");
+    let clients: Vec<Client> = (0..SUBSCRIBERS)
+        .map(|n| fabric_client(&broker, provider, &format!("subscriber {n}")))
+        .collect();
+    let subs: Vec<Subscription> = clients
+        .iter()
+        .map(|client| {
+            let sub = client.subscribe("fan.out").unwrap();
+            client.flush(WAIT).unwrap();
+            sub
+        })
+        .collect();
+    let stat = |name| broker.stats().value(name).unwrap_or(0);
+    let before = (
+        stat("fabric_rendezvous_read"),
+        stat("fabric_rendezvous_sent"),
+        stat("fabric_rendezvous_registrations"),
+        stat("fabric_rendezvous_cache_hits"),
+    );
+    publisher.publish("fan.out", pattern(1, 900 << 10)).unwrap();
+    for sub in &subs {
+        assert_eq!(check_pattern(&recv(sub, "a subscriber")), 1);
+    }
+    let deadline = Instant::now() + WAIT;
+    while stat("fabric_rendezvous_registered") > 0 {
+        assert!(Instant::now() < deadline, "a transfer was never released");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let after = (
+        stat("fabric_rendezvous_read"),
+        stat("fabric_rendezvous_sent"),
+        stat("fabric_rendezvous_registrations"),
+        stat("fabric_rendezvous_cache_hits"),
+    );
+    assert_eq!(
+        (
+            after.0 - before.0,
+            after.1 - before.1,
+            after.2 - before.2,
+            after.3 - before.3
+        ),
+        (1, SUBSCRIBERS, 1, SUBSCRIBERS - 1),
+        "read once, sent to each, registered once, the rest from the cache"
+    );
+}
+
 /// A large frame's body is read one-sided, and the small frames sent after
 /// it arrive first and wait for it. A read that takes longer than the
 /// reliable gap timeout (here 2 ms, where reading 8 MiB over
