@@ -1027,21 +1027,28 @@ mod suite {
         );
         assert_eq!(a.stats().rendezvous_abandoned, 3);
 
-        // A receiver whose reads may be in flight when the sender gives it
-        // up, and which is then dropped: nothing breaks on either side, and
-        // the sender is left holding nothing.
+        // A receiver whose reads are under way when the sender gives it
+        // up, and which is then dropped: nothing breaks on either side, the
+        // sender is left holding nothing, and each transfer still out is
+        // counted as abandoned.
         let Some((mut a, mut b, pb, _)) = rendezvous_pair(provider, &[], 2 << 20) else {
             return;
         };
         for n in 0..3 {
             a.send(pb, numbered_frame(n, 1 << 20)).expect("send");
         }
-        for _ in 0..3 {
+        let start = Instant::now();
+        while b.stats().rendezvous_reads_started == 0 {
             a.poll(&mut Vec::new()).expect("poll a");
             b.poll(&mut Vec::new()).expect("poll b");
+            assert!(start.elapsed() < DEADLINE, "no read started");
         }
+        let outstanding = a.rendezvous_held().0 as u64;
+        assert!(outstanding > 0, "every transfer was done already");
+        let abandoned = a.stats().rendezvous_abandoned;
         a.close(pb);
         assert_eq!(a.rendezvous_held(), (0, 0));
+        assert_eq!(a.stats().rendezvous_abandoned - abandoned, outstanding);
         for _ in 0..3 {
             b.poll(&mut Vec::new()).expect("poll b");
         }
