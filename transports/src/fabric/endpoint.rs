@@ -1777,12 +1777,11 @@ impl FabricEndpoint {
         } else {
             body.len()
         };
-        let peer_full = state.rma_sends > 0
-            && (state.rma_sends >= rendezvous::PEER_TRANSFERS_MAX
-                || state.rma_bytes + body.len() > rendezvous::PEER_BYTES_MAX);
-        let registered = rma.registrations.bytes();
-        let endpoint_full = registered > 0 && registered + new_bytes > rendezvous::REGISTERED_MAX;
-        if peer_full || endpoint_full {
+        if rendezvous::must_wait(
+            (state.rma_sends, state.rma_bytes),
+            body.len(),
+            (rma.registrations.bytes(), new_bytes),
+        ) {
             self.stats.rendezvous_deferred += 1;
             if !rma.waiters.contains(&peer) {
                 rma.waiters.push(peer);

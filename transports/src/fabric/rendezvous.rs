@@ -55,6 +55,21 @@ pub const PEER_READING_MAX: usize = 16 << 20;
 /// head is registered whole (copied into one buffer first).
 pub const INLINE_MAX: usize = 4 << 10;
 
+/// Whether a transfer of `body_len` bytes must wait for others to finish:
+/// its peer has `(transfers, bytes)` out, at [`PEER_TRANSFERS_MAX`] or
+/// with no room under [`PEER_BYTES_MAX`], or the endpoint has
+/// `registered` bytes and `new` more (0 for a body registered already)
+/// would pass [`REGISTERED_MAX`]. A peer with nothing out, and an
+/// endpoint with nothing registered, never wait: any frame the link
+/// allows moves.
+pub fn must_wait(peer: (usize, usize), body_len: usize, (registered, new): (usize, usize)) -> bool {
+    let (transfers, bytes) = peer;
+    let peer_full =
+        transfers > 0 && (transfers >= PEER_TRANSFERS_MAX || bytes + body_len > PEER_BYTES_MAX);
+    let endpoint_full = registered > 0 && registered + new > REGISTERED_MAX;
+    peer_full || endpoint_full
+}
+
 /// Bytes of landing buffers kept for reuse once their frames are dropped.
 pub const LANDING_KEPT_MAX: usize = 64 << 20;
 
@@ -667,6 +682,74 @@ impl Drop for Landed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transfers_wait_at_the_peer_s_share_and_the_endpoint_s_bound() {
+        const MIB: usize = 1 << 20;
+        // Nothing out, nothing registered: any size goes.
+        assert!(!must_wait(
+            (0, 0),
+            4 * REGISTERED_MAX,
+            (0, 4 * REGISTERED_MAX)
+        ));
+        // The peer's share, in transfers and in bytes.
+        assert!(!must_wait(
+            (PEER_TRANSFERS_MAX - 1, MIB),
+            MIB,
+            (2 * MIB, MIB)
+        ));
+        assert!(must_wait((PEER_TRANSFERS_MAX, MIB), MIB, (2 * MIB, MIB)));
+        assert!(!must_wait((1, PEER_BYTES_MAX - MIB), MIB, (2 * MIB, MIB)));
+        assert!(must_wait(
+            (1, PEER_BYTES_MAX - MIB),
+            MIB + 1,
+            (2 * MIB, MIB + 1)
+        ));
+        // The endpoint's: a body registered already adds nothing.
+        let full = REGISTERED_MAX - MIB;
+        assert!(!must_wait((0, 0), MIB, (full, MIB)));
+        assert!(must_wait((0, 0), MIB + 1, (full, MIB + 1)));
+        assert!(!must_wait((0, 0), 8 * MIB, (REGISTERED_MAX, 0)));
+    }
+
+    #[test]
+    fn reads_start_within_each_peer_s_share_and_the_endpoint_s_bound() {
+        let mut rma = Rendezvous::new(true, 1 << 30, 8).expect("keys");
+        let queued = |peer: u64, body_len: usize| QueuedRead {
+            peer: PeerId(peer),
+            descriptor: RmaDescriptor {
+                id: 0,
+                addr: 0,
+                key: 0,
+                body_len: body_len as u64,
+            },
+            head: Vec::new(),
+        };
+        // Peer 1 at its share of reads: its next waits, peer 2's starts.
+        for _ in 0..PEER_READS_MAX {
+            rma.count_read(PeerId(1), 1 << 20, true);
+        }
+        rma.queue.push_back(queued(1, 1 << 20));
+        rma.queue.push_back(queued(2, 1 << 20));
+        assert_eq!(rma.startable_read(), Some(1));
+        // Peer 2 at its share of bytes: nothing more of its starts either.
+        rma.count_read(PeerId(2), PEER_READING_MAX, true);
+        assert_eq!(rma.startable_read(), None);
+        // A peer with nothing in flight may read one frame of any size,
+        // within what the endpoint reads at once.
+        rma.queue.push_back(queued(3, PEER_READING_MAX * 2));
+        assert_eq!(rma.startable_read(), Some(2));
+        let filling = READING_MAX - rma.reading;
+        rma.count_read(PeerId(3), filling, true);
+        rma.queue.push_back(queued(4, 1));
+        assert_eq!(rma.startable_read(), None, "the endpoint's bound");
+        // Reads that end make room again.
+        rma.count_read(PeerId(3), filling, false);
+        assert_eq!(rma.startable_read(), Some(2));
+        // And with no slot free, nothing starts.
+        rma.free_slots.clear();
+        assert_eq!(rma.startable_read(), None);
+    }
 
     #[test]
     fn landing_buffers_come_back_when_their_frames_go() {
