@@ -748,13 +748,12 @@ fn best_effort_class_survives_corrupt_and_truncated_pieces() {
     assert_eq!(receiver.partial_messages(), 0);
 }
 
-/// One piece whose sequence number was corrupted into a huge value makes a
-/// lossy, sequenced receiver skip ahead to it: every later genuine frame
-/// then counts as a duplicate and the link delivers nothing more, while
-/// `lost` counts the whole skipped range. Kept as a reproduction until the
-/// link layer bounds how far one piece may move it.
+/// One piece whose sequence number was corrupted into a huge value would,
+/// followed, make a lossy, sequenced receiver skip ahead to it: every later
+/// genuine frame would count as a duplicate and `lost` the whole skipped
+/// range. A lone far piece is refused instead: the genuine frames all
+/// arrive and at most the corrupted one is lost.
 #[test]
-
 fn best_effort_link_survives_one_corrupted_sequence_number() {
     let config = link_config(true, 256);
     let mut sender = LinkSender::new(&config).expect("sender");

@@ -89,6 +89,13 @@ pub struct Offer {
     /// Largest frame this side sends and takes by rendezvous (a descriptor
     /// sent eagerly, the bytes moved by a one-sided read); 0 when it has no
     /// RMA. Frames up to [`Offer::frame_capacity`] always go eagerly.
+    /// One figure covers both roles: an endpoint that offers it both
+    /// serves reads of its own frames and issues reads of its peer's (it
+    /// asks for FI_READ and FI_REMOTE_READ together, or for neither). No
+    /// key size is offered: keys travel as 64 bits in the descriptor, which
+    /// holds EFA's 4-byte keys and those of every provider here (one with
+    /// longer keys, `mr_key_size` above 8, would need a descriptor of its
+    /// own).
     pub rendezvous_max: u64,
     /// The provider's own eager limit where the provider refuses a peer
     /// whose limit differs (`ofi_rxm`, which reads it from the environment
