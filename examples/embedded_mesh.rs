@@ -328,7 +328,10 @@ fn service(args: &[String]) -> Result<(), Failure> {
             }
             println!("{name} received {expected} streamed messages");
             if let Some(kib) = resident_kib() {
-                println!("{name} resident memory {kib} KiB with {} routes", count - 1);
+                println!(
+                    "{name} resident memory {kib} KiB with {} routes, after the exchange",
+                    count - 1
+                );
             }
             say(DONE)?;
             // Serve the others until the launcher closes stdin.
@@ -401,6 +404,12 @@ fn exchange(
     routes.sort_by(|a, b| a.name.cmp(&b.name));
     for route in &routes {
         println!("{name} route to {}: {}", route.name, route.reliable);
+    }
+    if let Some(kib) = resident_kib() {
+        println!(
+            "{name} resident memory {kib} KiB with {} routes, before any traffic",
+            count - 1
+        );
     }
     say(READY)?;
     await_word(commands, GO)?;
