@@ -742,6 +742,30 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
         n
     }
 
+    /// Drop `peer`'s partial messages whose ids are below `floor`, which
+    /// can no longer complete (their sequences were given up); counted as
+    /// expired. Returns how many were dropped.
+    pub fn give_up_below(&mut self, peer: &K, floor: u64) -> usize {
+        let Some(state) = self.peers.get_mut(peer) else {
+            return 0;
+        };
+        let stale: Vec<u64> = state
+            .partials
+            .keys()
+            .copied()
+            .filter(|&id| id < floor)
+            .collect();
+        let freed: Vec<usize> = stale
+            .iter()
+            .filter_map(|id| state.partials.remove(id).map(|p| p.reserved))
+            .collect();
+        for &reserved in &freed {
+            self.stats.expired += 1;
+            self.forget(reserved);
+        }
+        freed.len()
+    }
+
     /// Forget a peer: its partial messages and remembered ids.
     pub fn remove_peer(&mut self, peer: &K) {
         if let Some(state) = self.peers.remove(peer) {

@@ -160,10 +160,10 @@ pub struct LinkConfig {
     pub reliable_gap_timeout: Duration,
     /// See [`LinkTuning::reorder_window`].
     pub reorder_window: usize,
-    /// On a lossy link, how many pieces may arrive behind a missing
-    /// sequence (while frames wait for it) before it is given up at once,
-    /// without waiting for `gap_timeout`: half the pieces the peer may have
-    /// in flight. Credits stop at the first gap, so a sender that lost one
+    /// On a lossy link, how many pieces of later sequences may be taken
+    /// while one is missing (and frames wait for it) before it is given up
+    /// at once, without waiting for `gap_timeout`: half the pieces the peer
+    /// may have in flight (at least one). Credits stop at the first gap, so a sender that lost one
     /// datagram would otherwise send the rest of its window and then wait
     /// for the gap timeout, and what it was asked to send meanwhile would
     /// overflow its queue; a piece of the gap that comes later still is
@@ -554,8 +554,8 @@ pub struct LinkReceiver {
     far_ahead: Option<(u64, u64, u32)>,
     /// Lossy links: [`LinkConfig::skip_distance`].
     skip_distance: usize,
-    /// Lossy links, while frames wait for a missing sequence: that
-    /// sequence and the pieces that arrived since.
+    /// Lossy links: the next sequence due and the pieces of later ones
+    /// taken since it became due.
     behind_gap: Option<(u64, usize)>,
     /// Reliable links: the gap that timed out (reported from then on;
     /// the link is dead).
@@ -902,6 +902,7 @@ impl LinkReceiver {
             if let Some(reorder) = &mut self.reorder {
                 reorder.poll(now, &mut self.released);
             }
+            self.forget_skipped_partials();
             self.settle_tail(now);
         }
         self.drain(out);
@@ -910,27 +911,29 @@ impl LinkReceiver {
         result
     }
 
-    /// Lossy links: counts a piece that arrived while frames wait for a
-    /// missing sequence, and gives that sequence up once
-    /// [`LinkConfig::skip_distance`] pieces have.
+    /// Lossy links: gives the missing sequence frames wait for up once
+    /// [`LinkConfig::skip_distance`] pieces of later ones have been taken
+    /// since it became due.
     fn skip_gap_at_distance(&mut self) {
         let Some(reorder) = self.reorder.as_mut().filter(|_| self.lossy) else {
             return;
         };
-        if reorder.held() == 0 {
-            self.behind_gap = None;
-            return;
-        }
-        let missing = reorder.expected();
-        let pieces = match self.behind_gap {
-            Some((gap, pieces)) if gap == missing => pieces + 1,
-            _ => 1,
-        };
-        if pieces >= self.skip_distance {
+        let far_enough = self
+            .behind_gap
+            .is_some_and(|(gap, pieces)| gap == reorder.expected() && pieces >= self.skip_distance);
+        if far_enough && reorder.held() > 0 {
             reorder.skip_first_gap(&mut self.released);
             self.behind_gap = None;
-        } else {
-            self.behind_gap = Some((missing, pieces));
+            self.forget_skipped_partials();
+        }
+    }
+
+    /// Lossy links: partial messages of sequences given up can no longer
+    /// complete (their later pieces are dropped as late); their memory goes
+    /// back at once rather than at the reassembly timeout.
+    fn forget_skipped_partials(&mut self) {
+        if let Some(reorder) = &self.reorder {
+            self.reassembler.give_up_below(&(), reorder.expected());
         }
     }
 
@@ -1025,8 +1028,17 @@ impl LinkReceiver {
     }
 
     fn note_seen(&mut self, msg_id: u64) {
-        if self.reorder.is_some() {
-            self.highest_seen = self.highest_seen.max(msg_id);
+        let Some(reorder) = &self.reorder else {
+            return;
+        };
+        self.highest_seen = self.highest_seen.max(msg_id);
+        let due = reorder.expected();
+        if self.lossy && msg_id > due {
+            let pieces = match self.behind_gap {
+                Some((gap, pieces)) if gap == due => pieces + 1,
+                _ => 1,
+            };
+            self.behind_gap = Some((due, pieces));
         }
     }
 

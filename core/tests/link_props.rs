@@ -237,12 +237,14 @@ proptest! {
     fn lossy_sequenced_under_timeouts_accounts_for_every_frame(
         limit in prop_oneof![Just(1472usize), Just(8888usize)],
         window in 1usize..16,
+        skip_distance in 1usize..32,
         specs in frames(24),
         fate in proptest::collection::vec((0u8..100, any::<u64>(), 0u64..30), 0..2048),
         drop_percent in 0u8..40,
         dups in proptest::collection::vec((any::<usize>(), any::<usize>()), 0..30),
     ) {
-        let cfg = config(limit, true, true, window, Duration::from_millis(10), Duration::from_millis(25));
+        let mut cfg = config(limit, true, true, window, Duration::from_millis(10), Duration::from_millis(25));
+        cfg.skip_distance = skip_distance;
         let mut sender = LinkSender::new(&cfg).unwrap();
         let mut rx = LinkReceiver::new(&cfg);
         let (originals, wire) = send_all(&mut sender, &specs, limit);

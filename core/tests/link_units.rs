@@ -554,8 +554,14 @@ fn a_lossy_gap_is_given_up_after_skip_distance_pieces() {
         [1],
         "three pieces behind the gap: it is waited for"
     );
+    assert_eq!(rx.partial_messages(), 1);
     rx.receive(now, wire[5][0].clone(), &mut out).unwrap();
     assert_eq!(ids(&out), [1, 3, 4, 5, 6], "the fourth gives it up");
+    assert_eq!(
+        (rx.partial_messages(), rx.buffered_bytes()),
+        (0, 0),
+        "frame 2's pieces can no longer complete: freed"
+    );
     for frame in &wire[6..] {
         rx.receive(now, frame[0].clone(), &mut out).unwrap();
     }
