@@ -853,30 +853,25 @@ fn large_best_effort_messages_at_full_speed_are_not_lost_on_the_link() {
 }
 
 /// The same burst with one in 200 of the broker's datagrams dropped: each
-/// loss costs the message it was part of, and the link goes on at once
-/// (a loss used to hold the link's credits for the gap timeout, and what
-/// was published meanwhile overflowed the broker's pacing: a quarter as
-/// many arrived).
+/// loss costs the message it was part of, and the link goes on at once.
+/// A loss used to hold the link's credits for the gap timeout, and what
+/// was published meanwhile overflowed the broker's pacing: 1,142-1,279
+/// arrived, against 4,526-4,655 since (4,871-5,143 with nothing dropped).
 #[test]
 fn a_lost_datagram_does_not_hold_the_link() {
     let faults =
         "[testing.faults]\nscheme = \"efa-dgram\"\ndirection = \"send\"\nseed = 5\ndrop = 0.005\n";
-    let Some(lossless) = best_effort_burst(4096, "") else {
+    let Some(burst) = best_effort_burst(4096, faults) else {
         return;
     };
-    let Some(lossy) = best_effort_burst(4096, faults) else {
-        return;
-    };
-    assert!(lossy.lost > 0, "no datagram was dropped: {lossy:?}");
+    assert!(burst.lost > 0, "no datagram was dropped: {burst:?}");
     // Three datagrams a message: about 1.5% of what was carried.
     assert!(
-        lossy.lost * 100 <= (lossy.received + lossy.lost) * 5,
-        "{lossy:?}"
+        burst.lost * 100 <= (burst.received + burst.lost) * 5,
+        "{burst:?}"
     );
-    assert!(
-        lossy.received * 2 >= lossless.received,
-        "losses slowed the link: {lossy:?} against {lossless:?}"
-    );
+    // Twice the pacing bound's worth (4 MiB): held links delivered less.
+    assert!(burst.received >= 2048, "losses held the link: {burst:?}");
 }
 
 /// What one burst of [`best_effort_burst`] came to.

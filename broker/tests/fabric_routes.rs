@@ -701,6 +701,13 @@ fn every_message_once(brokers: &[&Broker]) {
 /// to the others' members across the routes, each job still once.
 fn one_member_of_a_group_in_the_cluster(brokers: &[&Broker]) {
     let job = |message: Message| u64::from_le_bytes(message.payload[..8].try_into().unwrap());
+    // The last test's subscriptions withdrawn everywhere first, so that the
+    // counts below are the group's.
+    for broker in brokers {
+        wait_until("earlier interest withdrawn", || {
+            broker.route_interest_count() == 0
+        });
+    }
     let mut members: Vec<Subscription> = brokers
         .iter()
         .map(|broker| broker.queue_subscribe("mesh.jobs", "workers").unwrap())
