@@ -90,7 +90,8 @@ pub fn buffer_size(kind: EpKind, provider: &str, options: &FabricOptions) -> usi
 /// receives, and with them the window a peer is given, are capped at what
 /// the socket holds ([`udp_socket_datagrams`]). EFA receives datagrams
 /// straight into the posted buffers. The endpoint and `efabus caps` decide
-/// through this one function.
+/// through this one function (`caps` reads this host's socket size, also
+/// for a dump taken on another).
 pub fn receive_depth(
     kind: EpKind,
     provider: &str,
