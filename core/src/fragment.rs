@@ -690,24 +690,8 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
         let floor_before = state.floor;
         state.record(msg_id, how, self.config.done_window);
         let floor = state.floor;
-        if floor == floor_before || state.partials.is_empty() {
-            return;
-        }
-        let stale: Vec<u64> = state
-            .partials
-            .keys()
-            .copied()
-            .filter(|&id| id < floor)
-            .collect();
-        let mut freed = Vec::new();
-        for id in stale {
-            if let Some(p) = state.partials.remove(&id) {
-                freed.push(p.reserved);
-            }
-        }
-        for reserved in freed {
-            self.stats.expired += 1;
-            self.forget(reserved);
+        if floor != floor_before {
+            self.give_up_below(peer, floor);
         }
     }
 
