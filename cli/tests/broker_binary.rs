@@ -1265,3 +1265,105 @@ fn sigint_shuts_down_gracefully_like_sigterm() {
         "goodbye on SIGINT too"
     );
 }
+
+/// The broker's counter `name`, from its monitoring listener's `/varz`.
+fn varz_total(monitor: &str, name: &str) -> u64 {
+    let mut stream = TcpStream::connect(monitor).expect("the monitor answers");
+    write!(stream, "GET /varz HTTP/1.0\r\nHost: {monitor}\r\n\r\n").expect("ask");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read /varz");
+    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
+    let varz: serde_json::Value = serde_json::from_str(body).expect("/varz is JSON");
+    varz["totals"][name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("/varz has no total {name}"))
+}
+
+/// A fabric subscriber that stops (SIGSTOP) while the broker has large
+/// messages registered for it to read, then dies (SIGKILL): the broker
+/// counts the transfers it was holding as abandoned and releases every
+/// registration.
+#[test]
+fn a_subscriber_killed_mid_read_leaves_the_broker_holding_nothing() {
+    let fabric = "[fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n";
+    let listen = ["tcp/127.0.0.1:0", "efa-rdm"];
+    let server = Server::start_listening(
+        &listen,
+        &format!("monitor = \"127.0.0.1:0\"\n{fabric}"),
+        &[],
+    );
+    let monitor = server
+        .monitor
+        .clone()
+        .expect("the broker serves monitoring");
+    let client_config = common::temp_path("subscriber.toml");
+    std::fs::write(
+        &client_config,
+        format!("listen = [\"tcp/127.0.0.1:0\", \"efa-rdm\"]\n{fabric}"),
+    )
+    .expect("write the subscriber's config");
+    let mut victim = common::Process(
+        std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+            .args([
+                "sub",
+                "big",
+                "-v",
+                "--raw",
+                "--server",
+                &server.endpoint,
+                "--config",
+            ])
+            .arg(&client_config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let said = lines_of(victim.0.stderr.take().unwrap());
+    let connected = said.recv_timeout(WAIT).expect("the subscriber connected");
+    assert_eq!(
+        said.recv_timeout(WAIT).as_deref(),
+        Ok("subscribed to big"),
+        "{connected}"
+    );
+    if !connected.contains("reliable: efa-rdm via tcp;ofi_rxm") {
+        assert!(!common::fabric_required(), "not on the fabric: {connected}");
+        eprintln!("skipping: {connected}");
+        return;
+    }
+    let _ = std::fs::remove_file(&client_config);
+    let stop = std::process::Command::new("kill")
+        .args(["-STOP", &victim.0.id().to_string()])
+        .status()
+        .expect("kill -STOP");
+    assert!(stop.success());
+
+    let publisher = client(&server);
+    let body = efabus::Bytes::from(vec![7u8; 1 << 20]);
+    for _ in 0..8 {
+        publisher.publish("big", body.clone()).unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    assert!(
+        eventually(WAIT, || varz_total(
+            &monitor,
+            "fabric_rendezvous_registered"
+        ) > 0),
+        "nothing held for the stopped subscriber"
+    );
+    let abandoned = varz_total(&monitor, "fabric_rendezvous_abandoned");
+    victim.kill();
+    assert!(
+        eventually(WAIT, || {
+            varz_total(&monitor, "fabric_rendezvous_registered") == 0
+                && varz_total(&monitor, "fabric_rendezvous_registered_bytes") == 0
+        }),
+        "registrations still held after the subscriber died: {} ({} bytes)",
+        varz_total(&monitor, "fabric_rendezvous_registered"),
+        varz_total(&monitor, "fabric_rendezvous_registered_bytes")
+    );
+    assert!(
+        varz_total(&monitor, "fabric_rendezvous_abandoned") > abandoned,
+        "the transfers it was sent were not counted as abandoned"
+    );
+}
