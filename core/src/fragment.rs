@@ -236,8 +236,9 @@ impl Default for ReassemblyConfig {
 pub struct ReassemblyStats {
     /// Whole frames returned.
     pub completed: u64,
-    /// Partial messages dropped by the timeout (or pushed out of the done
-    /// window while still incomplete).
+    /// Partial messages dropped by the timeout, pushed out of the done
+    /// window while still incomplete, or given up by the owner
+    /// ([`Reassembler::give_up_below`]).
     pub expired: u64,
     /// New messages refused for lack of memory or message slots.
     pub dropped_over_budget: u64,
@@ -728,7 +729,8 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
 
     /// Drop `peer`'s partial messages whose ids are below `floor`, which
     /// can no longer complete (their sequences were given up); counted as
-    /// expired. Returns how many were dropped.
+    /// expired. Their ids are not remembered: the caller drops later
+    /// pieces below `floor` itself. Returns how many were dropped.
     pub fn give_up_below(&mut self, peer: &K, floor: u64) -> usize {
         let Some(state) = self.peers.get_mut(peer) else {
             return 0;

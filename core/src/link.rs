@@ -662,11 +662,15 @@ impl LinkReceiver {
             return Err(failure.clone());
         }
         self.owner_called(now);
+        let given_up = self.sequences_given_up();
         let result = self.receive_inner(now, message, out);
         if result.is_err() {
             self.stats.refused += 1;
         }
         self.skip_gap_at_distance();
+        if self.sequences_given_up() > given_up {
+            self.forget_skipped_partials();
+        }
         // Expiry on the way in may have left only abandoned sequences.
         self.settle_tail(now);
         // Whatever happened, hand over what was released.
@@ -802,10 +806,11 @@ impl LinkReceiver {
             // A new piece of a message still incomplete: if it belongs to
             // the gap frames are waiting behind, the gap is filling.
             let repeats = self.reassembler.stats().duplicates + self.reassembler.stats().late;
-            if let Some(reorder) = &mut self.reorder {
-                if repeats == repeats_before {
+            if repeats == repeats_before {
+                if let Some(reorder) = &mut self.reorder {
                     reorder.note_progress(now, msg_id);
                 }
+                self.count_behind_gap(msg_id, expected_before);
             }
             return Ok(());
         };
@@ -870,6 +875,7 @@ impl LinkReceiver {
                 if is_frame && msg_id != expected_before {
                     self.stats.reordered += 1;
                 }
+                self.count_behind_gap(msg_id, expected_before);
             }
             Ok(Pushed::Duplicate { .. }) => {
                 self.memory.release(charged);
@@ -899,10 +905,13 @@ impl LinkReceiver {
         self.owner_called(now);
         if self.lossy {
             self.expire(now);
+            let given_up = self.sequences_given_up();
             if let Some(reorder) = &mut self.reorder {
                 reorder.poll(now, &mut self.released);
             }
-            self.forget_skipped_partials();
+            if self.sequences_given_up() > given_up {
+                self.forget_skipped_partials();
+            }
             self.settle_tail(now);
         }
         self.drain(out);
@@ -924,13 +933,14 @@ impl LinkReceiver {
         if far_enough && reorder.held() > 0 {
             reorder.skip_first_gap(&mut self.released);
             self.behind_gap = None;
-            self.forget_skipped_partials();
         }
     }
 
-    /// Lossy links: partial messages of sequences given up can no longer
-    /// complete (their later pieces are dropped as late); their memory goes
-    /// back at once rather than at the reassembly timeout.
+    /// Lossy links, once sequences were given up (by the gap timeout, a
+    /// piece beyond the window, or [`LinkConfig::skip_distance`]): their
+    /// partial messages can no longer complete (later pieces of them are
+    /// dropped as late before they reach the reassembler), so their memory
+    /// goes back now rather than at the reassembly timeout.
     fn forget_skipped_partials(&mut self) {
         if let Some(reorder) = &self.reorder {
             self.reassembler.give_up_below(&(), reorder.expected());
@@ -1028,18 +1038,30 @@ impl LinkReceiver {
     }
 
     fn note_seen(&mut self, msg_id: u64) {
-        let Some(reorder) = &self.reorder else {
-            return;
-        };
-        self.highest_seen = self.highest_seen.max(msg_id);
-        let due = reorder.expected();
-        if self.lossy && msg_id > due {
-            let pieces = match self.behind_gap {
-                Some((gap, pieces)) if gap == due => pieces + 1,
-                _ => 1,
-            };
-            self.behind_gap = Some((due, pieces));
+        if self.reorder.is_some() {
+            self.highest_seen = self.highest_seen.max(msg_id);
         }
+    }
+
+    /// Lossy links: a new piece of sequence `msg_id` was taken while `due`
+    /// was the next sequence; one of a later sequence counts towards
+    /// giving `due` up ([`LinkConfig::skip_distance`]).
+    fn count_behind_gap(&mut self, msg_id: u64, due: u64) {
+        if !self.lossy || msg_id <= due {
+            return;
+        }
+        let pieces = match self.behind_gap {
+            Some((gap, pieces)) if gap == due => pieces + 1,
+            _ => 1,
+        };
+        self.behind_gap = Some((due, pieces));
+    }
+
+    /// Sequences the reorder buffer has given up so far.
+    fn sequences_given_up(&self) -> u64 {
+        self.reorder
+            .as_ref()
+            .map_or(0, |reorder| reorder.stats().lost)
     }
 
     /// Lossy, sequenced links: once nothing is held or partial, every

@@ -520,8 +520,9 @@ fn lossy_link_follows_a_long_real_gap_but_not_a_lone_far_piece() {
 }
 
 /// On a lossy link a missing sequence is given up once `skip_distance`
-/// pieces have arrived while frames wait behind it, without the gap
-/// timeout: the sender, whose credits stop at the gap, need not wait.
+/// pieces of later sequences have been taken since it became due (and
+/// frames wait behind it), without the gap timeout: the sender, whose
+/// credits stop at the gap, need not wait. Repeated pieces do not count.
 #[test]
 fn a_lossy_gap_is_given_up_after_skip_distance_pieces() {
     let mut cfg = config(1472, true, true, 64, Duration::from_secs(3600), ms(1000));
@@ -546,6 +547,7 @@ fn a_lossy_gap_is_given_up_after_skip_distance_pieces() {
         rx.receive(now, piece.clone(), &mut out).unwrap();
     }
     for frame in &wire[2..5] {
+        rx.receive(now, frame[0].clone(), &mut out).unwrap();
         rx.receive(now, frame[0].clone(), &mut out).unwrap();
     }
     let ids = |out: &Vec<Bytes>| out.iter().map(|f| frame_id(f)).collect::<Vec<_>>();
@@ -572,6 +574,42 @@ fn a_lossy_gap_is_given_up_after_skip_distance_pieces() {
         "the late piece is dropped"
     );
     assert_eq!(rx.stats().lost, 1);
+}
+
+/// A gap given up by its timeout while a piece is being received (not at
+/// a poll) frees the partial message of the missing sequence at once.
+#[test]
+fn a_partial_message_given_up_on_the_way_in_is_freed_at_once() {
+    let mut cfg = config(1472, true, true, 64, ms(10), ms(1000));
+    cfg.skip_distance = 1000;
+    let mut tx = LinkSender::new(&cfg).expect("sender");
+    let mut rx = LinkReceiver::new(&cfg);
+    let wire: Vec<Vec<Bytes>> = (1..=4u64)
+        .map(|id| {
+            let mut pieces = Vec::new();
+            let len = if id == 2 { 4000 } else { 64 };
+            tx.prepare(test_frame(id, len, 64), &mut pieces).unwrap();
+            pieces.iter().map(OutFrame::to_bytes).collect()
+        })
+        .collect();
+    let now = Instant::now();
+    let mut out = Vec::new();
+    rx.receive(now, wire[0][0].clone(), &mut out).unwrap();
+    rx.receive(now, wire[1][0].clone(), &mut out).unwrap();
+    rx.receive(now, wire[2][0].clone(), &mut out).unwrap();
+    assert_eq!((rx.partial_messages(), rx.held()), (1, 1));
+    // Frame 3 has waited out the gap timeout when frame 4 comes.
+    rx.receive(now + ms(20), wire[3][0].clone(), &mut out)
+        .unwrap();
+    assert_eq!(
+        out.iter().map(|f| frame_id(f)).collect::<Vec<_>>(),
+        [1, 3, 4]
+    );
+    assert_eq!(
+        (rx.partial_messages(), rx.buffered_bytes()),
+        (0, 0),
+        "frame 2's piece freed without waiting for a poll"
+    );
 }
 
 /// Wire frames for frames `1..=count` of `len` bytes each.
