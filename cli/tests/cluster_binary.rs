@@ -119,6 +119,7 @@ fn the_cluster_secret_from_the_environment_opens_routes() {
 fn routes(monitor: &str) -> Vec<(String, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(monitor).expect("the monitor answers");
+    stream.set_read_timeout(Some(WAIT)).expect("a read timeout");
     write!(stream, "GET /routez HTTP/1.0\r\nHost: {monitor}\r\n\r\n").expect("ask");
     let mut response = String::new();
     stream.read_to_string(&mut response).expect("read /routez");
