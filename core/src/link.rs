@@ -59,11 +59,11 @@
 //! arrived for the reassembly timeout, and a missing sequence is skipped
 //! once a later frame has waited [`LinkConfig::gap_timeout`]
 //! ([`GapPolicy::SkipAfter`]), or once [`LinkConfig::skip_distance`]
-//! pieces have arrived while frames wait for it; a frame beyond the
-//! reorder window skips ahead at once. Every sequence given up is counted exactly
-//! once in [`ReceiveStats::lost`], so after the receiver has settled
-//! (nothing held, nothing partial) `delivered + lost` equals the highest
-//! sequence any piece arrived for. Sequences after the last piece that
+//! pieces of later sequences have been taken while frames wait for it; a
+//! frame beyond the reorder window skips ahead at once. Every sequence
+//! given up is counted exactly once in [`ReceiveStats::lost`], so after
+//! the receiver has settled (nothing held, nothing partial) `delivered +
+//! lost` equals the highest sequence any piece arrived for. Sequences after the last piece that
 //! arrived cannot be known and are not counted. The gap timeout should
 //! exceed the time one frame's pieces take to arrive, or large frames are
 //! skipped while still arriving.
@@ -163,11 +163,11 @@ pub struct LinkConfig {
     /// On a lossy link, how many pieces of later sequences may be taken
     /// while one is missing (and frames wait for it) before it is given up
     /// at once, without waiting for `gap_timeout`: half the pieces the peer
-    /// may have in flight (at least one). Credits stop at the first gap, so a sender that lost one
-    /// datagram would otherwise send the rest of its window and then wait
-    /// for the gap timeout, and what it was asked to send meanwhile would
-    /// overflow its queue; a piece of the gap that comes later still is
-    /// dropped as late.
+    /// may have in flight (at least one). Credits stop at the first gap,
+    /// so a sender that lost one datagram would otherwise send the rest of
+    /// its window and then wait for the gap timeout, and what it was asked
+    /// to send meanwhile would overflow its queue; a piece of the gap that
+    /// comes later still is dropped as late.
     pub skip_distance: usize,
     /// See [`LinkTuning::reassembly`].
     pub reassembly: ReassemblyConfig,
