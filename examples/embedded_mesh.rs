@@ -327,12 +327,7 @@ fn service(args: &[String]) -> Result<(), Failure> {
                 .into());
             }
             println!("{name} received {expected} streamed messages");
-            if let Some(kib) = resident_kib() {
-                println!(
-                    "{name} resident memory {kib} KiB with {} routes, after the exchange",
-                    count - 1
-                );
-            }
+            print_resident(name, count - 1, "after the exchange");
             say(DONE)?;
             // Serve the others until the launcher closes stdin.
             for _ in commands.by_ref() {}
@@ -405,12 +400,7 @@ fn exchange(
     for route in &routes {
         println!("{name} route to {}: {}", route.name, route.reliable);
     }
-    if let Some(kib) = resident_kib() {
-        println!(
-            "{name} resident memory {kib} KiB with {} routes, before any traffic",
-            count - 1
-        );
-    }
+    print_resident(name, count - 1, "before any traffic");
     say(READY)?;
     await_word(commands, GO)?;
     let payload = Bytes::from(vec![7u8; 64]);
@@ -484,9 +474,15 @@ fn await_word(
     }
 }
 
-/// This process's resident memory (Linux), for the cost of a route.
-fn resident_kib() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
+/// Prints this process's resident memory (Linux), for the cost of a
+/// route; nothing where it cannot be read.
+fn print_resident(name: &str, routes: usize, when: &str) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.split_whitespace().next());
+    if let Some(kib) = kib {
+        println!("{name} resident memory {kib} KiB with {routes} routes, {when}");
+    }
 }

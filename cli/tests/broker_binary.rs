@@ -1268,14 +1268,7 @@ fn sigint_shuts_down_gracefully_like_sigterm() {
 
 /// The broker's counter `name`, from its monitoring listener's `/varz`.
 fn varz_total(monitor: &str, name: &str) -> u64 {
-    let mut stream = TcpStream::connect(monitor).expect("the monitor answers");
-    stream.set_read_timeout(Some(WAIT)).expect("a read timeout");
-    write!(stream, "GET /varz HTTP/1.0\r\nHost: {monitor}\r\n\r\n").expect("ask");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read /varz");
-    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
-    let varz: serde_json::Value = serde_json::from_str(body).expect("/varz is JSON");
-    varz["totals"][name]
+    common::monitor_json(monitor, "/varz")["totals"][name]
         .as_u64()
         .unwrap_or_else(|| panic!("/varz has no total {name}"))
 }

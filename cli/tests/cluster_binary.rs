@@ -117,31 +117,15 @@ fn the_cluster_secret_from_the_environment_opens_routes() {
 /// The routes `/routez` of the broker monitored at `monitor` reports, as
 /// (remote, reliable link) pairs.
 fn routes(monitor: &str) -> Vec<(String, String)> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(monitor).expect("the monitor answers");
-    stream.set_read_timeout(Some(WAIT)).expect("a read timeout");
-    write!(stream, "GET /routez HTTP/1.0\r\nHost: {monitor}\r\n\r\n").expect("ask");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read /routez");
-    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
-    let json: serde_json::Value = serde_json::from_str(body).expect("/routez is JSON");
-    json["routes"]
-        .as_array()
-        .map(|routes| {
-            routes
-                .iter()
-                .map(|route| {
-                    (
-                        route["remote"].as_str().unwrap_or_default().to_string(),
-                        route["link"]["reliable"]
-                            .as_str()
-                            .unwrap_or_default()
-                            .to_string(),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default()
+    let routez = common::monitor_json(monitor, "/routez");
+    let Some(routes) = routez["routes"].as_array() else {
+        return Vec::new();
+    };
+    let text = |value: &serde_json::Value| value.as_str().unwrap_or_default().to_string();
+    routes
+        .iter()
+        .map(|route| (text(&route["remote"]), text(&route["link"]["reliable"])))
+        .collect()
 }
 
 /// A broker killed (SIGKILL, as a crash) while a peer streams to it over a

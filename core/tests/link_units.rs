@@ -531,14 +531,7 @@ fn a_lossy_gap_is_given_up_after_skip_distance_pieces() {
     let mut rx = LinkReceiver::new(&cfg);
     let now = Instant::now();
     // Frame 2 in three pieces, the others in one.
-    let wire: Vec<Vec<Bytes>> = (1..=8u64)
-        .map(|id| {
-            let mut pieces = Vec::new();
-            let len = if id == 2 { 4000 } else { 64 };
-            tx.prepare(test_frame(id, len, 64), &mut pieces).unwrap();
-            pieces.iter().map(OutFrame::to_bytes).collect()
-        })
-        .collect();
+    let wire = wire_frames_sized(&mut tx, 8, |id| if id == 2 { 4000 } else { 64 });
     assert_eq!(wire[1].len(), 3);
     let mut out = Vec::new();
     rx.receive(now, wire[0][0].clone(), &mut out).unwrap();
@@ -584,14 +577,7 @@ fn a_partial_message_given_up_on_the_way_in_is_freed_at_once() {
     cfg.skip_distance = 1000;
     let mut tx = LinkSender::new(&cfg).expect("sender");
     let mut rx = LinkReceiver::new(&cfg);
-    let wire: Vec<Vec<Bytes>> = (1..=4u64)
-        .map(|id| {
-            let mut pieces = Vec::new();
-            let len = if id == 2 { 4000 } else { 64 };
-            tx.prepare(test_frame(id, len, 64), &mut pieces).unwrap();
-            pieces.iter().map(OutFrame::to_bytes).collect()
-        })
-        .collect();
+    let wire = wire_frames_sized(&mut tx, 4, |id| if id == 2 { 4000 } else { 64 });
     let now = Instant::now();
     let mut out = Vec::new();
     rx.receive(now, wire[0][0].clone(), &mut out).unwrap();
@@ -614,10 +600,19 @@ fn a_partial_message_given_up_on_the_way_in_is_freed_at_once() {
 
 /// Wire frames for frames `1..=count` of `len` bytes each.
 fn wire_frames(tx: &mut LinkSender, count: u64, len: usize) -> Vec<Vec<Bytes>> {
+    wire_frames_sized(tx, count, |_| len)
+}
+
+/// Wire frames for frames `1..=count`, frame `id` of `len(id)` bytes.
+fn wire_frames_sized(
+    tx: &mut LinkSender,
+    count: u64,
+    len: impl Fn(u64) -> usize,
+) -> Vec<Vec<Bytes>> {
     (1..=count)
         .map(|id| {
             let mut wire = Vec::new();
-            tx.prepare(test_frame(id, len, 64), &mut wire).unwrap();
+            tx.prepare(test_frame(id, len(id), 64), &mut wire).unwrap();
             wire.iter().map(OutFrame::to_bytes).collect()
         })
         .collect()

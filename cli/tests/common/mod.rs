@@ -190,6 +190,23 @@ impl Drop for Server {
     }
 }
 
+/// The JSON a broker's monitoring listener at `monitor` (host:port)
+/// answers for `path` (e.g. `/varz`).
+pub fn monitor_json(monitor: &str, path: &str) -> serde_json::Value {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(monitor).expect("the monitor answers");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("a read timeout");
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {monitor}\r\n\r\n").expect("ask");
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .expect("read the answer");
+    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
+    serde_json::from_str(body).unwrap_or_else(|err| panic!("{path} is not JSON: {err}"))
+}
+
 /// Poll `condition` until it holds or `timeout` passes.
 pub fn eventually(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
