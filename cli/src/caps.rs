@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 use clap::{Args, ValueEnum};
 use efabus_broker::{endpoints, Config};
 use efabus_core::caps::{
-    check, negotiate, parse_fi_info_dump, to_fi_info_text, EpType, FabricInfo, Hints, Negotiated,
-    Offer,
+    check, negotiate, parse_fi_info_dump, to_fi_info_text, AddrFormat, EpType, FabricInfo, Hints,
+    Negotiated, Offer,
 };
 use efabus_core::transport::BufferMemory;
 use efabus_transports::fabric::layout::BufferLayout;
@@ -189,7 +189,10 @@ fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
         BufferLayout::payload_for(info.ep_attr.max_msg_size, prefix, cap),
     );
     let addr_len = usize::try_from(info.src_addrlen).unwrap_or(0);
-    let max_frame = layout.max_frame(addr_len).min(config.max_frame());
+    let text_addresses = info.addr_format == AddrFormat::Str;
+    let max_frame = layout
+        .frame_limit(addr_len, text_addresses)
+        .min(config.max_frame());
     offer.max_msg_size = offer
         .max_msg_size
         .min(max_frame as u64 + offer.msg_prefix_size);

@@ -130,6 +130,20 @@ fn caps_lists_the_transports_and_the_negotiation() {
     }
 }
 
+/// `shm` names its endpoints with text of varying length, and each
+/// message carries its sender's name: a dump of it is read as endpoints
+/// opened on it limit frames, leaving room for the longest name a header
+/// carries (32512 - 2 - 255 - 32), as a live `shm` link reports.
+#[test]
+fn caps_leaves_room_for_the_longest_shm_name() {
+    let dump = fixture("libfabric-1.17-shm-rdm.txt");
+    let output = run(&["caps", "--input", &dump]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    let expected = "reliable: efa-rdm via shm FI_EP_RDM: frame limit 32223,";
+    assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+}
+
 #[test]
 fn caps_reads_a_saved_dump_and_says_what_efabus_would_choose() {
     let dump = fixture("efa-fi_info-v.txt");

@@ -53,9 +53,11 @@ const TX_DEPTH: usize = 16;
 /// RDM buffer size for most cases.
 const MSG_SIZE: usize = 16384;
 
-/// Room for what a fabric endpoint puts in a message besides the frame
-/// (the sender's address, at most 255 bytes, and its length).
-const FRAME_HEADER_ROOM: usize = 256;
+/// Room for what a fabric endpoint puts in a message besides the frame:
+/// its header with the longest sender address it carries.
+const FRAME_HEADER_ROOM: usize = efabus_transports::fabric::layout::BufferLayout::header_len(
+    efabus_transports::fabric::layout::MAX_ADDR_LEN,
+);
 
 fn required() -> bool {
     std::env::var("EFABUS_REQUIRE_FABRIC").is_ok_and(|v| v.trim() == "1")

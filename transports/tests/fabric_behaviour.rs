@@ -926,6 +926,93 @@ mod suite {
         assert_eq!(b.stats().rendezvous_read, count as u64 / 2);
     }
 
+    /// Ends the test process, saying `what`, unless dropped within `after`:
+    /// for a test that may hang inside libfabric, where no deadline of its
+    /// own can end it.
+    struct Watchdog(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+    impl Watchdog {
+        fn arm(after: Duration, what: &'static str) -> Watchdog {
+            let disarmed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let watched = disarmed.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(after);
+                if !watched.load(std::sync::atomic::Ordering::Acquire) {
+                    eprintln!("{what} within {after:?}");
+                    std::process::exit(1);
+                }
+            });
+            Watchdog(disarmed)
+        }
+    }
+
+    impl Drop for Watchdog {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// `shm` names an endpoint after the process, the user and the
+    /// endpoint's index, so one peer's address may be longer than the
+    /// other's, and each message carries its sender's. A frame at the
+    /// negotiated limit from the sender with the longer name and the larger
+    /// buffers must still fit the other's posted receive whole.
+    pub fn shm_sender_with_a_longer_name_fits_the_receivers_buffers() {
+        let t = transport(EpKind::Rdm, "shm");
+        let Some((_, mut b)) = pair(EpKind::Rdm, "shm", &[]) else {
+            return;
+        };
+        let larger = config("shm", &[("msg_size", "65536")]);
+        // Each endpoint of the process takes the next index, which ends
+        // its name: open until one has a name longer than b's (the index
+        // gains a digit), at most as many as that takes (other tests open
+        // endpoints meanwhile, which only shortens the way).
+        let name = String::from_utf8_lossy(&b.local_addr()).to_string();
+        let index: u64 = name
+            .trim_end_matches('\0')
+            .rsplit(':')
+            .next()
+            .and_then(|index| index.parse().ok())
+            .unwrap_or_else(|| panic!("no endpoint index at the end of {name:?}"));
+        let opens = 10u64.pow(index.checked_ilog10().unwrap_or(0) + 1) - index;
+        let mut a = None;
+        for _ in 0..opens {
+            let candidate = t.open_fabric(&larger).expect("open shm");
+            if candidate.local_addr().len() > b.local_addr().len() {
+                a = Some(candidate);
+                break;
+            }
+        }
+        let mut a = a.unwrap_or_else(|| {
+            panic!("no shm endpoint with a longer name than {name:?} in {opens} opens")
+        });
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        // As a link does: both sides limited to the smaller of the two.
+        let limit = a.max_frame().min(b.max_frame());
+        a.set_peer_frame_limit(pb, limit);
+        b.set_peer_frame_limit(pa, limit);
+        let payload = vec![0x6Bu8; limit - 4];
+        // libfabric 1.17's `shm` hangs in the receiver's poll on a message
+        // longer than the posted receive: no deadline in this thread would
+        // end the test then. The watchdog is disarmed when the test ends,
+        // by a panic too.
+        let watchdog = Watchdog::arm(2 * DEADLINE, "the receiver's poll never returned");
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_blocking(&mut a, &mut b, pb, frame(&payload), &mut ae, &mut be);
+        let start = Instant::now();
+        while frames_from(&be, pa).is_empty() && b.stats().rx_errors == 0 {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "the frame at the limit never came"
+            );
+        }
+        drop(watchdog);
+        assert_eq!(b.stats().rx_errors, 0, "{:?}", b.stats());
+        assert_eq!(payload_of(&frames_from(&be, pa)[0]), &payload[..]);
+    }
+
     /// A `shm` peer in this process whose endpoint closes: sending to it
     /// ends its link with the reason instead of reaching into its region,
     /// which went with it.
@@ -1642,7 +1729,9 @@ mod suite {
     pub fn oversized_message_is_dropped(kind: EpKind, provider: &str) {
         let t = transport(kind, provider);
         let big_cfg = config(provider, &[]);
-        let small_cfg = config(provider, &[("msg_size", "256")]);
+        // Room for the header with `shm`'s longest name, and far less than
+        // the frame sent.
+        let small_cfg = config(provider, &[("msg_size", "512")]);
         let (mut a, mut b) = match (t.open_fabric(&big_cfg), t.open_fabric(&small_cfg)) {
             (Ok(a), Ok(b)) => (a, b),
             (Err(err), _) | (_, Err(err)) => {
@@ -1652,7 +1741,7 @@ mod suite {
                 return;
             }
         };
-        assert!(b.max_frame() < 256);
+        assert!(b.max_frame() < 512);
         let (pb, pa) = insert_each_other(&mut a, &mut b);
         let (mut ae, mut be) = (Vec::new(), Vec::new());
         a.send(pb, frame(&[7u8; 1000]))
@@ -2255,6 +2344,12 @@ fn rdm_rendezvous_bounds_and_abandoned_transfers() {
     for provider in READING_PROVIDERS {
         suite::rendezvous_bounds_and_abandoned_transfers(provider);
     }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_shm_sender_with_a_longer_name_fits_the_receivers_buffers() {
+    suite::shm_sender_with_a_longer_name_fits_the_receivers_buffers();
 }
 
 #[cfg(efabus_libfabric)]

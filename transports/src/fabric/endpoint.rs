@@ -99,7 +99,7 @@ use super::info::{Hints, Info, InfoList};
 use super::layout::{
     check_frame, frame_declared_len, frame_kind, frames, rma_done, rma_done_id, BufferLayout,
     Received, ReplayWindow, RmaDescriptor, TagKey, UsedSendKeys, CONTROL_FLAG, HEADER_VERSION,
-    RMA_DESCRIPTOR_KIND, RMA_DONE_KIND,
+    MAX_ADDR_LEN, RMA_DESCRIPTOR_KIND, RMA_DONE_KIND,
 };
 use super::log_limit::BadInputLog;
 use super::pool::BufferPool;
@@ -698,14 +698,17 @@ impl FabricEndpoint {
                 }
             };
         let local_addr = ep.name()?;
-        if local_addr.is_empty() || local_addr.len() > usize::from(u8::MAX) {
+        if local_addr.is_empty() || local_addr.len() > MAX_ADDR_LEN {
             return Err(unusable(format!("address of {} bytes", local_addr.len())));
         }
+        let text_addresses = attrs.addr_format == FI_ADDR_STR;
         // SAFETY: the length fi_getname reported is the provider's address
         // size for this endpoint's format, which says whether it is text.
-        unsafe { av.set_addr_len(local_addr.len(), attrs.addr_format == FI_ADDR_STR) };
+        unsafe { av.set_addr_len(local_addr.len(), text_addresses) };
 
-        let max_frame = layout.max_frame(local_addr.len()).min(config.max_frame);
+        let max_frame = layout
+            .frame_limit(local_addr.len(), text_addresses)
+            .min(config.max_frame);
         if max_frame < 64 {
             return Err(unusable(format!(
                 "only {max_frame} bytes per message remain after prefix and header"

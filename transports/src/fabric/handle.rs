@@ -19,6 +19,7 @@ use std::rc::Rc;
 use super::consts::*;
 use super::error::{FabricError, FiCode};
 use super::info::Info;
+use super::layout::MAX_ADDR_LEN;
 use super::sys;
 
 fn check(ret: i32, err: impl FnOnce(FiCode) -> FabricError) -> Result<(), FabricError> {
@@ -104,14 +105,10 @@ impl Drop for Domain {
     }
 }
 
-/// Longest text address accepted, NUL included (libfabric's own names are
-/// far shorter).
-pub const MAX_TEXT_ADDR: usize = 255;
-
-/// A text address libfabric may read: at most [`MAX_TEXT_ADDR`] bytes,
+/// A text address libfabric may read: at most [`MAX_ADDR_LEN`] bytes,
 /// printable ASCII up to a NUL inside them.
 fn is_text_address(addr: &[u8]) -> bool {
-    addr.len() <= MAX_TEXT_ADDR
+    addr.len() <= MAX_ADDR_LEN
         && addr
             .iter()
             .position(|&b| b == 0)
@@ -153,7 +150,7 @@ impl AddressVector {
 
     /// Sets the address size inserts must have, and whether addresses are
     /// text (`FI_ADDR_STR`, as `shm` uses; text addresses may be of any
-    /// length up to [`MAX_TEXT_ADDR`], as names differ in length).
+    /// length up to [`MAX_ADDR_LEN`], as names differ in length).
     ///
     /// # Safety
     /// `len` is the provider's address size for this domain's format (the
@@ -779,10 +776,10 @@ mod tests {
         assert!(!is_text_address(b"\0"), "empty");
         assert!(!is_text_address(b"fi_shm://12 34\0"), "a space");
         assert!(!is_text_address(b"fi_shm://\x01\0"), "a control byte");
-        let mut long = vec![b'a'; MAX_TEXT_ADDR];
+        let mut long = vec![b'a'; MAX_ADDR_LEN];
         long.push(0);
         assert!(!is_text_address(&long), "too long");
-        long.truncate(MAX_TEXT_ADDR - 1);
+        long.truncate(MAX_ADDR_LEN - 1);
         long.push(0);
         assert!(is_text_address(&long));
     }

@@ -53,6 +53,8 @@ pub const HEADER_VERSION: u8 = 5;
 pub const CONTROL_FLAG: u8 = 0x80;
 /// Bytes of the endpoint header before the sender address.
 pub const HEADER_FIXED: usize = 2;
+/// Longest sender address a header carries (its length is one byte).
+pub const MAX_ADDR_LEN: usize = u8::MAX as usize;
 /// Bytes of the authenticator: its tag.
 pub const TAG_LEN: usize = 16;
 /// Bytes of the endpoint header after the sender address: link id,
@@ -434,7 +436,7 @@ impl BufferLayout {
     }
 
     /// Endpoint header bytes for a sender address of `addr_len` bytes.
-    pub fn header_len(addr_len: usize) -> usize {
+    pub const fn header_len(addr_len: usize) -> usize {
         HEADER_FIXED + addr_len + HEADER_AUTH
     }
 
@@ -448,6 +450,25 @@ impl BufferLayout {
     /// `addr_len` bytes can put in one message.
     pub fn max_frame(&self, addr_len: usize) -> usize {
         self.payload.saturating_sub(Self::header_len(addr_len))
+    }
+
+    /// Largest frame an endpoint whose own address has `addr_len` bytes
+    /// sends and takes. Every message carries its sender's address, and a
+    /// posted receive must hold the largest a peer sends. Binary addresses
+    /// of one format all have the same length (the address vector takes
+    /// no other); text ones differ between peers (`shm` names an endpoint
+    /// after its process, user and index), and a frame at the smaller
+    /// side's limit from a peer with a longer name would overrun the
+    /// receive (libfabric 1.17's `shm` hung the receiver in its poll on
+    /// such a message of 16 KiB). So with text
+    /// addresses frames are limited as if the sender's were the longest a
+    /// header carries.
+    pub fn frame_limit(&self, addr_len: usize, text_addresses: bool) -> usize {
+        self.max_frame(if text_addresses {
+            MAX_ADDR_LEN
+        } else {
+            addr_len
+        })
     }
 
     /// Bytes posted to send `frame_len` bytes of frame.
