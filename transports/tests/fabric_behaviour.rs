@@ -588,7 +588,12 @@ mod suite {
             if !rendezvous {
                 b.set_peer_rendezvous(pa, 0);
             }
+            // Twice before a poll, so both travel in one message: the
+            // first ends the link, and the second is neither read nor
+            // counted.
+            a.send_endpoint_frame(pb, bad.clone()).expect("sent");
             a.send_endpoint_frame(pb, bad).expect("sent");
+            assert_eq!(a.stats().packed, 1, "{provider}, {case}: one message");
             let (mut ae, mut be) = (Vec::new(), Vec::new());
             pump(
                 &mut a,

@@ -1315,6 +1315,11 @@ impl FabricEndpoint {
         };
         for range in frames(&run) {
             if control {
+                // A refused frame ends the link: the rest of its message
+                // is not read (nor counted again).
+                if !self.peers.contains_key(&peer) {
+                    break;
+                }
                 self.on_endpoint_frame(peer, &run[range]);
                 continue;
             }
