@@ -899,7 +899,7 @@ impl FabricEndpoint {
     /// as a peer holding the link's keys could.
     #[cfg(feature = "testing")]
     pub fn send_endpoint_frame(&mut self, peer: PeerId, frame: Bytes) -> Result<(), SendError> {
-        self.send_eager(peer, OutFrame::whole(frame), true)
+        self.send_eager(peer, OutFrame::whole(frame), EagerFrame::Descriptor)
     }
 
     /// What the provider granted.
@@ -1632,14 +1632,15 @@ impl FabricEndpoint {
     }
 
     /// Sends `frame` (checked, within the eager limit) in a tx slot: packed
-    /// behind the newest unposted frame for the peer where it fits. A
-    /// `control` frame is the endpoint's own and goes in a control message.
+    /// behind the newest unposted frame for the peer where it fits. The
+    /// endpoint's own frames go in control messages.
     fn send_eager(
         &mut self,
         peer: PeerId,
         frame: OutFrame,
-        control: bool,
+        kind: EagerFrame,
     ) -> Result<(), SendError> {
+        let control = kind != EagerFrame::Caller;
         let len = frame.len();
         // Pack behind the newest frame not posted yet, when it fits: the
         // slots in a backlog are posted by the next poll or flush, so
@@ -1677,6 +1678,9 @@ impl FabricEndpoint {
                 .is_some_and(|state| endpoint.may_take_slot(state))
         };
         if !may_take(self) || self.free_tx.is_empty() {
+            if kind == EagerFrame::Done {
+                return Err(SendError::WouldBlock(frame));
+            }
             // Completions read now may free slots of this peer's.
             self.progress().map_err(other)?;
             if !self.peers.contains_key(&peer) {
@@ -1809,7 +1813,7 @@ impl FabricEndpoint {
             body_len: body.len() as u64,
         }
         .encode(&inline);
-        match self.send_eager(peer, OutFrame::whole(descriptor), true) {
+        match self.send_eager(peer, OutFrame::whole(descriptor), EagerFrame::Descriptor) {
             Ok(()) => {}
             Err(err) => {
                 if let Some(rma) = self.rma.as_mut() {
@@ -2091,7 +2095,7 @@ impl FabricEndpoint {
                 continue;
             }
             if let Err(SendError::WouldBlock(_)) =
-                self.send_eager(peer, OutFrame::whole(rma_done(id)), true)
+                self.send_eager(peer, OutFrame::whole(rma_done(id)), EagerFrame::Done)
             {
                 blocked.push(peer);
                 kept.push_back((peer, id));
@@ -2146,6 +2150,21 @@ impl FabricEndpoint {
         }
         SendError::WouldBlock(frame)
     }
+}
+
+/// Whose frame an eager send carries.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum EagerFrame {
+    /// A caller's.
+    Caller,
+    /// The endpoint's own, sent for a caller's send (a rendezvous
+    /// descriptor): a refusal is the caller's, counted, and `Writable`
+    /// follows.
+    Descriptor,
+    /// The endpoint's own, sent by itself (a done frame): refused, it waits
+    /// in the endpoint and is tried again at every poll, so a refusal is
+    /// not counted as a send handed back.
+    Done,
 }
 
 /// The endpoint's parts a received message is checked against, borrowed
@@ -2487,7 +2506,7 @@ impl Endpoint for FabricEndpoint {
         if rendezvous {
             self.send_rendezvous(peer, frame)
         } else {
-            self.send_eager(peer, frame, false)
+            self.send_eager(peer, frame, EagerFrame::Caller)
         }
     }
 
