@@ -59,8 +59,7 @@ struct Counted {
 /// with reference counts, as route peers are told it.
 #[derive(Default)]
 pub(crate) struct LocalInterest {
-    /// Keyed by [`key`]: patterns and queue names hold no spaces.
-    entries: HashMap<String, Counted>,
+    entries: HashMap<EntryKey, Counted>,
     by_sid: HashMap<u64, Entry>,
     /// Queue groups withdrawn lately, by the id they were announced as: a
     /// message a route sent before it heard of the withdrawal still names
@@ -94,14 +93,16 @@ pub(crate) fn route_class(queue: Option<&str>, class: DeliveryClass) -> Delivery
     }
 }
 
-/// Patterns and queue names hold no spaces; a best-effort entry ends in
-/// " ~".
-fn key(pattern: &str, queue: Option<&str>, class: DeliveryClass) -> String {
-    match (queue, route_class(queue, class)) {
-        (Some(queue), _) => format!("{pattern} {queue}"),
-        (None, DeliveryClass::BestEffort) => format!("{pattern} ~"),
-        (None, DeliveryClass::Reliable) => pattern.to_string(),
-    }
+/// One entry of [`LocalInterest`]: pattern, queue group, and the class
+/// its messages cross a route in.
+type EntryKey = (String, Option<String>, DeliveryClass);
+
+fn key(pattern: &str, queue: Option<&str>, class: DeliveryClass) -> EntryKey {
+    (
+        pattern.to_string(),
+        queue.map(str::to_string),
+        route_class(queue, class),
+    )
 }
 
 impl LocalInterest {
@@ -435,6 +436,25 @@ mod tests {
         local.remove("b", Some("q"), DeliveryClass::Reliable);
         assert!(!local.has_changes());
         assert_eq!(local.len(), 0);
+    }
+
+    #[test]
+    fn a_queue_group_is_never_taken_for_best_effort_interest() {
+        let mut local = LocalInterest::default();
+        local.set_listening(true);
+        // Any name is a queue group's, "~" too: apart from best-effort
+        // interest in the same subject.
+        local.add("jobs", None, DeliveryClass::BestEffort);
+        local.add("jobs", Some("~"), DeliveryClass::Reliable);
+        assert_eq!(local.len(), 2);
+        assert_eq!(local.take_changes().len(), 2, "both are announced");
+        assert!(local.has_group("jobs", "~"));
+        local.remove("jobs", Some("~"), DeliveryClass::Reliable);
+        assert!(
+            !local.has_group("jobs", "~"),
+            "the best-effort subscriber is no member of the group"
+        );
+        assert_eq!(local.len(), 1);
     }
 
     #[test]
