@@ -426,6 +426,53 @@ fn gossip_beyond_the_bound_of_learned_brokers_is_not_kept() {
     client.flush(WAIT).expect("and answers them");
 }
 
+/// A route peer that pings without end and reads none of the pongs: a
+/// route's control frames are not trimmed by the slow-consumer policy,
+/// so its answers stop once they fill the queue's bound, and what the
+/// broker holds for it stays there.
+#[test]
+fn a_route_that_reads_none_of_its_answers_is_held_to_the_bound() {
+    use std::io::Write;
+    const BOUND: u64 = 65_536;
+    let broker = start(
+        "deaf-route",
+        &[],
+        &format!("[limits]\nmax_pending_bytes = {BOUND}\n"),
+    );
+    let mut raw = Raw::connect(&broker);
+    ask_for_a_route(&mut raw, None);
+    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
+    // About 32 MB of pings: their pongs are far more than the socket
+    // buffers on both sides and the bound together.
+    let mut burst = Vec::new();
+    for nonce in 0..10_000u64 {
+        burst.extend_from_slice(&efabus_core::codec::encode(&Frame::Ping { nonce }).to_bytes());
+    }
+    const BURSTS: u64 = 250;
+    let mut stream = raw.stream();
+    stream
+        .set_write_timeout(Some(WAIT))
+        .expect("a write timeout");
+    for _ in 0..BURSTS {
+        stream.write_all(&burst).expect("the broker reads on");
+    }
+    let sent = BURSTS * burst.len() as u64;
+    wait_until("every ping read", || {
+        broker.stats().bytes_in.load(Ordering::Relaxed) >= sent
+    });
+    // The gauge is refreshed a few times a second: watch it a while.
+    let watched = Instant::now();
+    while watched.elapsed() < Duration::from_millis(500) {
+        let queued = broker.stats().queued_bytes.load(Ordering::Relaxed);
+        assert!(
+            queued <= BOUND + 16_384,
+            "{queued} bytes queued for a route that reads nothing"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(routes(&broker), 1, "the route stays up");
+}
+
 /// A broker dialed as a seed tells the newcomer the brokers it has routes
 /// to; dialed as a learned peer, it tells nothing (the seed did), so a
 /// join costs one list, not one per broker of the cluster.

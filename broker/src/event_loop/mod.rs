@@ -1568,6 +1568,15 @@ impl EventLoop {
                     _ => return,
                 }
             }
+            // A route's control frames are not held to the bound (the
+            // interest announced to it may rightly pass it), so answers to
+            // its pings stop being queued there: one that pings and reads
+            // nothing must not grow its queue without end.
+            if session.route().is_some()
+                && session.conn.out.control_bytes() > self.shared.live.max_pending_bytes()
+            {
+                return;
+            }
         }
         self.send(id, pong, false);
     }
