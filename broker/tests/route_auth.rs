@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_broker::{Broker, Client, ClientOptions, Config, RecvError};
-use efabus_core::frame::{ErrorCode, ErrorFrame, Frame, Hello, RouteHello, PROTOCOL_VERSION};
+use efabus_core::frame::{
+    Challenge, ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, Welcome, PROTOCOL_VERSION,
+};
 use efabus_transports::registry::Registry;
 
 mod raw_common;
@@ -471,6 +473,73 @@ fn a_route_that_reads_none_of_its_answers_is_held_to_the_bound() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(routes(&broker), 1, "the route stays up");
+}
+
+/// A peer broker that closes a route this broker dialed as the duplicate
+/// of another it keeps (possibly one this broker has already dropped, as
+/// after a one-way outage) is dialed again only after the longest backoff
+/// (2 s), not at once, which would only be closed again, round after round.
+#[test]
+fn a_route_closed_as_a_duplicate_is_not_dialed_again_at_once() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a listener");
+    let address = format!("tcp/{}", listener.local_addr().expect("its address"));
+    listener.set_nonblocking(true).expect("non-blocking");
+    let broker = start("redialer", &[address], "");
+    let stream = accept_within(&listener, WAIT).expect("the broker dials");
+    stream.set_nonblocking(false).expect("blocking");
+    let mut peer = Raw::accepted(stream);
+    // As an accepting broker: a challenge first, which the hello answers.
+    peer.send(&Frame::Challenge(Challenge { nonce: [7; 32] }));
+    peer.expect("the broker's hello", |f| matches!(f, Frame::Hello(_)));
+    peer.send(&Frame::Welcome(Welcome {
+        version: PROTOCOL_VERSION,
+        name: "peer-broker".into(),
+        offers: Vec::new(),
+        max_payload: 1 << 20,
+        link_auth: None,
+        max_subject_len: 256,
+        max_subject_tokens: 16,
+        proof: None,
+    }));
+    peer.expect("the broker's route hello", |f| matches!(f, Frame::Route(_)));
+    peer.send(&Frame::Route(RouteHello {
+        broker_id: 42,
+        advertise: None,
+        seeded: false,
+    }));
+    wait_until("the route up", || routes(&broker) == 1);
+    peer.send(&Frame::Goodbye(Goodbye {
+        reason: "duplicate route".into(),
+    }));
+    drop(peer);
+    wait_until("the route down", || routes(&broker) == 0);
+    let closed = Instant::now();
+    if accept_within(&listener, Duration::from_secs(1)).is_some() {
+        panic!(
+            "dialed again {:?} after the peer closed it as a duplicate",
+            closed.elapsed()
+        );
+    }
+    // Then it is dialed again, in case the peer kept a link that is gone.
+    accept_within(&listener, WAIT).expect("dialed again after the backoff");
+}
+
+/// The next connection to the non-blocking `listener` within `within`.
+fn accept_within(
+    listener: &std::net::TcpListener,
+    within: Duration,
+) -> Option<std::net::TcpStream> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        match listener.accept() {
+            Ok((stream, _)) => return Some(stream),
+            Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(err) => panic!("accept: {err}"),
+        }
+    }
+    None
 }
 
 /// A broker dialed as a seed tells the newcomer the brokers it has routes

@@ -1227,6 +1227,9 @@ impl EventLoop {
             (SessionState::Ready, Frame::Pong { nonce }) => self.on_pong(id, nonce),
             (_, Frame::Goodbye(goodbye)) => {
                 debug!(session = id, reason = %goodbye.reason, "peer said goodbye");
+                if goodbye.reason == route::DUPLICATE_ROUTE {
+                    self.closed_as_duplicate(id);
+                }
                 self.close_session(id);
             }
             (_, Frame::Error(error)) => {

@@ -68,6 +68,9 @@ use crate::subscriptions::SubRef;
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Longest wait between attempts.
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// The goodbye that closes the one of two routes between the same brokers
+/// that is not kept.
+pub(super) const DUPLICATE_ROUTE: &str = "duplicate route";
 /// Most brokers learned from peers kept at once: a bound on what gossip
 /// can make this broker remember and dial.
 const LEARNED_MAX: usize = 4096;
@@ -156,7 +159,9 @@ struct DialSlot {
     reached: Option<u64>,
     /// The route over this slot's session came up.
     was_up: bool,
-    /// The link was closed because another one to the same broker is in use.
+    /// The link was closed (here or by the peer) because another one
+    /// between the same brokers is in use: it is dialed again only after
+    /// the longest backoff.
     superseded: bool,
     /// The address leads back to this broker: never dialed again.
     own: bool,
@@ -554,6 +559,9 @@ impl EventLoop {
         let slot = &mut self.cluster.slots[index];
         slot.session = None;
         if std::mem::take(&mut slot.superseded) {
+            // A redial that then fails before its route is up backs off as
+            // any failed dial does.
+            slot.was_up = false;
             slot.next_attempt = now + BACKOFF_MAX;
         } else if std::mem::take(&mut slot.was_up) {
             // A route that was up is redialed at once, then with backoff;
@@ -566,6 +574,22 @@ impl EventLoop {
         }
         let next = self.cluster.slots[index].next_attempt;
         self.schedule(next);
+    }
+
+    /// The peer closed this route as the duplicate of another it keeps
+    /// from this broker. Dialed again at once, it would only be closed
+    /// again for as long as the peer holds the other, which may be a link
+    /// this broker has already dropped (after a one-way outage, until the
+    /// peer's heartbeat ends it): so it waits the longest backoff.
+    pub(super) fn closed_as_duplicate(&mut self, id: u64) {
+        let slot = self
+            .sessions
+            .get(&id)
+            .and_then(|session| session.route())
+            .and_then(|role| role.slot);
+        if let Some(slot) = slot {
+            self.cluster.slots[slot].superseded = true;
+        }
     }
 
     /// A decoded frame on a route's control link; what a route does not
@@ -863,13 +887,13 @@ impl EventLoop {
                 if let Some(role) = self.sessions.get_mut(&other).and_then(|s| s.route_mut()) {
                     role.duplicate = true;
                 }
-                self.goodbye(other, "duplicate route");
+                self.goodbye(other, DUPLICATE_ROUTE);
             } else {
                 info!(session = id, broker = %broker_hex(broker), "two routes to one broker: closing the one dialed by the higher id");
                 if let Some(slot) = slot {
                     self.cluster.slots[slot].superseded = true;
                 }
-                self.goodbye(id, "duplicate route");
+                self.goodbye(id, DUPLICATE_ROUTE);
                 return;
             }
         }

@@ -56,7 +56,12 @@ impl Raw {
             .expect("listens on tcp")
             .trim_start_matches("tcp/")
             .to_string();
-        let stream = TcpStream::connect(address).expect("connects");
+        Raw::accepted(TcpStream::connect(address).expect("connects"))
+    }
+
+    /// A peer on `stream`: one to a broker, or one a broker made to the
+    /// test (as a route's dial).
+    pub fn accepted(stream: TcpStream) -> Raw {
         Raw {
             stream,
             reader: FrameReader::new(CodecLimits::default()),
