@@ -1026,6 +1026,22 @@ impl EventLoop {
     fn on_route_peers(&mut self, addresses: Vec<String>) {
         let now = self.now;
         let routed: HashSet<String> = self.route_addresses().into_iter().map(|(_, a)| a).collect();
+        // Looked up by address once per frame: a frame of 4,096 addresses
+        // checked one by one against 4,096 slots kept the loop busy for
+        // tens of milliseconds.
+        let mut known: HashMap<String, usize> = HashMap::default();
+        let mut reusable = Vec::new();
+        let mut learned = 0;
+        for (index, slot) in self.cluster.slots.iter().enumerate() {
+            if !slot.forgotten {
+                known.entry(slot.endpoint.clone()).or_insert(index);
+            } else if slot.session.is_none() {
+                reusable.push(index);
+            }
+            learned += usize::from(slot.learned);
+        }
+        // Lowest first, as they are taken.
+        reusable.reverse();
         let mut added = false;
         for address in addresses.into_iter().take(PEERS_PER_FRAME_MAX) {
             if crate::config::check_advertised(&address).is_err()
@@ -1036,34 +1052,31 @@ impl EventLoop {
             }
             // A route vouches for it: a learned peer is kept while some
             // broker still has a route to it.
-            if let Some(slot) = self
-                .cluster
-                .slots
-                .iter_mut()
-                .find(|slot| !slot.forgotten && slot.endpoint == address)
-            {
-                slot.last_reached = now;
+            if let Some(&index) = known.get(&address) {
+                self.cluster.slots[index].last_reached = now;
                 continue;
             }
             let Some(mut slot) = DialSlot::new(&address, now) else {
                 continue;
             };
             slot.learned = true;
-            let reusable = self
-                .cluster
-                .slots
-                .iter()
-                .position(|slot| slot.forgotten && slot.session.is_none());
-            match reusable {
-                Some(index) => self.cluster.slots[index] = slot,
-                None if self.cluster.slots.iter().filter(|s| s.learned).count() < LEARNED_MAX => {
-                    self.cluster.slots.push(slot)
+            // Only learned slots are forgotten: taking one keeps the count.
+            let index = match reusable.pop() {
+                Some(index) => {
+                    self.cluster.slots[index] = slot;
+                    index
+                }
+                None if learned < LEARNED_MAX => {
+                    learned += 1;
+                    self.cluster.slots.push(slot);
+                    self.cluster.slots.len() - 1
                 }
                 None => {
                     debug!(peer = %address, "too many learned peer brokers; not dialing this one");
                     continue;
                 }
-            }
+            };
+            known.insert(address.clone(), index);
             info!(peer = %address, "peer broker learned from a route");
             added = true;
         }
