@@ -716,14 +716,19 @@ impl LinkReceiver {
                 return Ok(());
             }
             let capacity = reorder.config().capacity;
-            let mut refuse = false;
-            if self.lossy {
+            // Sequences count up from 1: one within a window of the end of
+            // the range is no real one, and following it would carry the
+            // next expected sequence past `u64::MAX`.
+            let refuse = if msg_id > u64::MAX - capacity as u64 {
+                true
+            } else if self.lossy {
                 // A corrupted sequence number would make the link skip far
                 // ahead and then drop every genuine frame as stale. A real
                 // jump (after a long loss) shows up as several pieces close
                 // together; a lone far piece is refused.
                 let window = capacity as u64;
                 let far = window.saturating_mul(FAR_AHEAD_WINDOWS).max(FAR_AHEAD_MIN);
+                let mut refuse = false;
                 if msg_id - expected_before >= far {
                     let votes = match self.far_ahead {
                         Some((low, high, votes))
@@ -743,9 +748,10 @@ impl LinkReceiver {
                 if !refuse {
                     self.far_ahead = None;
                 }
+                refuse
             } else {
-                refuse = msg_id - expected_before >= capacity as u64;
-            }
+                msg_id - expected_before >= capacity as u64
+            };
             if refuse {
                 self.stats.window_exceeded += 1;
                 return Err(ReorderError::WindowExceeded {

@@ -233,6 +233,16 @@ impl<T> ReorderBuffer<T> {
             return Ok(false);
         }
         let capacity = self.config.capacity as u64;
+        // Sequences count up from 1: skipping towards one within a window
+        // of the end of the range would carry `expected` past `u64::MAX`.
+        if seq > u64::MAX - capacity {
+            self.stats.window_exceeded += 1;
+            return Err(ReorderError::WindowExceeded {
+                seq,
+                expected: self.expected,
+                capacity: self.config.capacity,
+            });
+        }
         if seq - self.expected >= capacity {
             match self.config.gap_policy {
                 GapPolicy::Wait | GapPolicy::FailAfter(_) => {
@@ -434,6 +444,23 @@ impl<T> ReorderBuffer<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sequences_at_the_end_of_the_range_are_refused() {
+        let now = Instant::now();
+        let mut buf = ReorderBuffer::new(ReorderConfig {
+            capacity: 8,
+            gap_policy: GapPolicy::SkipAfter(Duration::from_millis(10)),
+        });
+        let mut out = Vec::new();
+        assert!(buf.push(now, u64::MAX, 1, &mut out).is_err());
+        assert!(buf.push(now, u64::MAX - 7, 1, &mut out).is_err());
+        buf.poll(now + Duration::from_millis(20), &mut out);
+        assert!(out.is_empty());
+        assert_eq!(buf.stats().lost, 0);
+        buf.push(now, u64::MAX - 8, 1, &mut out)
+            .expect("the last usable");
+    }
 
     #[test]
     fn skip_first_gap_gives_up_only_the_first_gap() {

@@ -519,6 +519,34 @@ fn lossy_link_follows_a_long_real_gap_but_not_a_lone_far_piece() {
     );
 }
 
+/// Sequences count up from 1, so a piece numbered near the end of the
+/// range is not a real one, however often it comes: a lossy link refuses
+/// it rather than skip towards it (which ran the next expected sequence
+/// past `u64::MAX` and counted about 2^64 frames lost).
+#[test]
+fn a_lossy_link_refuses_sequences_at_the_end_of_the_range() {
+    let cfg = config(1472, true, true, 8, ms(10), Duration::from_secs(1));
+    let mut rx = LinkReceiver::new(&cfg);
+    let now = Instant::now();
+    let mut out = Vec::new();
+    for _ in 0..3 {
+        let piece = fragment_bytes(u64::MAX, 0, 1, 8, &[0; 8]);
+        assert!(rx.receive(now, piece, &mut out).is_err(), "refused");
+    }
+    rx.poll(now + ms(20), &mut out).expect("nothing held");
+    rx.poll(now + ms(40), &mut out).expect("nothing held");
+    assert!(out.is_empty());
+    assert_eq!(rx.stats().lost, 0, "{:?}", rx.stats());
+    // The link carries on from where it was.
+    let mut tx = LinkSender::new(&cfg).expect("sender");
+    let mut wire = Vec::new();
+    tx.prepare(test_frame(0, 64, 64), &mut wire)
+        .expect("prepare");
+    rx.receive(now + ms(50), wire[0].to_bytes(), &mut out)
+        .expect("sequence 1");
+    assert_eq!(out.len(), 1);
+}
+
 /// On a lossy link a missing sequence is given up once `skip_distance`
 /// pieces of later sequences have been taken since it became due (and
 /// frames wait behind it), without the gap timeout: the sender, whose
