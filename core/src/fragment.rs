@@ -564,7 +564,9 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
             None => {}
         }
 
-        if fragment.count == 1 {
+        // A whole piece completes its message, unless pieces of another
+        // form of that message are held (checked below, with the others).
+        if fragment.count == 1 && !state.partials.contains_key(&msg_id) {
             self.stats.completed += 1;
             self.finish(&peer, msg_id, Finished::Completed);
             return Ok(Some(fragment.data));
@@ -869,6 +871,21 @@ mod tests {
         assert!(place(&frag(1, 0, 1, 10, 9), max).is_err());
         assert!(place(&frag(1, 0, 2, u32::MAX, 1 << 20), max).is_err());
         assert!(place(&frag(1, 0, u32::MAX, u32::MAX, 1), usize::MAX).is_ok());
+    }
+
+    #[test]
+    fn a_whole_piece_does_not_complete_a_message_partly_held() {
+        let mut r = Reassembler::new(ReassemblyConfig::default());
+        let t0 = Instant::now();
+        assert_eq!(r.handle_fragment(t0, 1, frag(1, 0, 2, 10, 5)), Ok(None));
+        assert!(
+            matches!(
+                r.handle_fragment(t0, 1, frag(1, 0, 1, 5, 5)),
+                Err(ReassemblyError::Invalid { .. })
+            ),
+            "a message cannot be both in one piece and in two"
+        );
+        assert_eq!(r.stats().completed, 0);
     }
 
     #[test]
