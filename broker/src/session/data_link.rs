@@ -77,6 +77,10 @@ pub(crate) enum Sent {
     Accepted,
     /// The reliable link is full; the frame is handed back untouched.
     Blocked(OutFrame),
+    /// The reliable link failed on pieces of earlier frames before it took
+    /// this one, which is handed back untouched (to be counted with what
+    /// is queued, not lost unseen).
+    Failed(OutFrame, DataLinkError),
 }
 
 /// Pings a data link sends to ask for its proof (the first when the
@@ -348,8 +352,11 @@ impl DataLink {
             self.pace(endpoint)?;
             return Ok(Sent::Accepted);
         }
-        if !self.flush(endpoint)? || !self.admit(frame.len()) {
-            return Ok(Sent::Blocked(frame));
+        match self.flush(endpoint) {
+            Err(err) => return Ok(Sent::Failed(frame, err)),
+            Ok(false) => return Ok(Sent::Blocked(frame)),
+            Ok(true) if !self.admit(frame.len()) => return Ok(Sent::Blocked(frame)),
+            Ok(true) => {}
         }
         // Recorded first: a run whose send fails is lost with the link,
         // and counted with what was in flight when the session ends.

@@ -103,7 +103,8 @@ pub(crate) struct SendCounts {
 /// reason than a full path is dropped here: the link is failing and its
 /// closing event follows. A frame the reliable data link fails to send is
 /// lost with the link ([`DataLinks::failure`]): what comes after it is
-/// given back, never sent behind the gap.
+/// given back, never sent behind the gap, and so is a frame the link
+/// failed on earlier frames' pieces before it took it.
 pub(crate) fn transmit(
     endpoints: &mut [Box<dyn Endpoint>],
     control: Control,
@@ -122,6 +123,9 @@ pub(crate) fn transmit(
             match send_on(link, endpoint, counts, queued.frame, 1) {
                 OnLink::Taken => (None, None),
                 OnLink::Full(frame) => (Some(Queued { frame, ..queued }), None),
+                OnLink::FailedBefore(frame, reason) => {
+                    (Some(Queued { frame, ..queued }), Some(reason))
+                }
                 OnLink::Failed(reason) => (None, Some(reason)),
             }
         };
@@ -194,6 +198,13 @@ fn send_run_on(
                     let messages = queued.messages.saturating_sub(sent);
                     return (Some(Queued::run(run.slice(start..), messages)), None);
                 }
+                OnLink::FailedBefore(_, reason) => {
+                    let messages = queued.messages.saturating_sub(sent);
+                    return (
+                        Some(Queued::run(run.slice(start..), messages)),
+                        Some(reason),
+                    );
+                }
                 OnLink::Failed(reason) => {
                     let messages = queued.messages.saturating_sub(sent + count);
                     let rest = (at < run.len()).then(|| Queued::run(run.slice(at..), messages));
@@ -234,6 +245,9 @@ enum OnLink {
     /// The reliable link failed sending it: the frame is lost, and the
     /// link with it.
     Failed(String),
+    /// The reliable link failed before it took the frame, which comes back
+    /// untouched.
+    FailedBefore(OutFrame, String),
 }
 
 /// Send one frame on a data link, a run of `frames` or a frame alone.
@@ -249,6 +263,10 @@ fn send_on(
     match result {
         Ok(Sent::Accepted) => counts.fabric_frames_out += frames,
         Ok(Sent::Blocked(frame)) => return OnLink::Full(frame),
+        Ok(Sent::Failed(frame, reason)) => {
+            warn!(%reason, "reliable data link send failed");
+            return OnLink::FailedBefore(frame, reason.to_string());
+        }
         Err(reason) => {
             warn!(%reason, "reliable data link send failed");
             return OnLink::Failed(reason.to_string());
@@ -1066,6 +1084,46 @@ mod tests {
         .is_some());
         assert_eq!(fabric.lock().unwrap().len(), 2);
         assert!(control.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_frame_the_failing_backlog_kept_from_the_link_comes_back() {
+        // The third piece finds the endpoint full, so the first frame's
+        // last pieces wait in the backlog; the next try fails.
+        let (mut endpoints, mut links, _, fabric) = with_data_link(4, Some(3));
+        let mut counts = SendCounts::default();
+        let first = Queued::frame(OutFrame::whole(Bytes::from(message(300))), true);
+        assert!(transmit(&mut endpoints, CONTROL, &mut links, &mut counts, first).is_none());
+        assert!(links.has_backlog());
+        // A run sent now is not handed to the link: it comes back whole,
+        // its messages counted, to be dropped and counted with the queue.
+        let run = Bytes::from([message(20), message(30)].concat());
+        let rest = transmit(
+            &mut endpoints,
+            CONTROL,
+            &mut links,
+            &mut counts,
+            Queued::run(run.clone(), 2),
+        )
+        .expect("the run comes back");
+        assert!(links.failure.is_some());
+        assert_eq!((rest.frame.to_bytes(), rest.messages), (run, 2));
+        assert_eq!(fabric.lock().unwrap().len(), 2);
+        // So does a frame alone.
+        let (mut endpoints, mut links, _, _) = with_data_link(4, Some(3));
+        let first = Queued::frame(OutFrame::whole(Bytes::from(message(300))), true);
+        assert!(transmit(&mut endpoints, CONTROL, &mut links, &mut counts, first).is_none());
+        let alone = Bytes::from(message(20));
+        let rest = transmit(
+            &mut endpoints,
+            CONTROL,
+            &mut links,
+            &mut counts,
+            Queued::frame(OutFrame::whole(alone.clone()), true),
+        )
+        .expect("the frame comes back");
+        assert!(links.failure.is_some());
+        assert_eq!((rest.frame.to_bytes(), rest.messages), (alone, 1));
     }
 
     #[test]
