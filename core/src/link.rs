@@ -186,19 +186,33 @@ impl LinkConfig {
         tuning: &LinkTuning,
     ) -> LinkConfig {
         let negotiated = usize::try_from(params.frame_limit).unwrap_or(usize::MAX);
-        LinkConfig {
+        let mut config = LinkConfig {
             frame_limit: negotiated.min(endpoint_max_frame),
             sequenced: params.sequence_and_reorder,
             lossy: !params.reliable,
             gap_timeout: tuning.gap_timeout,
             reliable_gap_timeout: tuning.reliable_gap_timeout,
             reorder_window: tuning.reorder_window,
-            skip_distance: usize::try_from(params.recv_window / 2)
-                .unwrap_or(usize::MAX)
-                .max(1),
+            skip_distance: 1,
             reassembly: tuning.reassembly.clone(),
             memory: tuning.memory.clone(),
-        }
+        };
+        // Half the pieces the peer may have in flight: with its credits
+        // stopped at the gap it sends at most that window, so a distance
+        // of half the negotiated queues, when they are larger, never came.
+        let window = params.recv_window.min(config.piece_limit());
+        config.skip_distance = usize::try_from(window / 2).unwrap_or(usize::MAX).max(1);
+        config
+    }
+
+    /// Most pieces a peer may have in flight towards this link (its credit
+    /// window never grants more): within the reorder window, and twice the
+    /// reassembly slots, since a fragmented message has at least two
+    /// pieces in flight and the slots cannot run out.
+    pub fn piece_limit(&self) -> u64 {
+        self.reorder_window
+            .min(self.reassembly.max_messages.saturating_mul(2))
+            .max(1) as u64
     }
 }
 

@@ -547,6 +547,21 @@ fn a_lossy_link_refuses_sequences_at_the_end_of_the_range() {
     assert_eq!(out.len(), 1);
 }
 
+/// The early skip must be reachable: with its credits stopped at a gap,
+/// a peer sends at most the piece window it was granted, so the distance
+/// is half of that, however many receives the endpoints posted.
+#[test]
+fn the_skip_distance_fits_the_window_the_peer_is_granted() {
+    let negotiated = negotiate(&efa_host(1), &efa_host(2), &["efa-rdm", "efa-dgram"]).unwrap();
+    let mut params = negotiated.best_effort.expect("a datagram link").params;
+    for (queues, distance) in [(256, 128), (2048, 1024), (4096, 1024), (8192, 1024)] {
+        params.recv_window = queues;
+        let cfg = LinkConfig::from_params(&params, 8928 - 40, &LinkTuning::default());
+        assert_eq!(cfg.piece_limit(), 2048, "twice the 1,024 reassembly slots");
+        assert_eq!(cfg.skip_distance, distance, "{queues} posted receives");
+    }
+}
+
 /// On a lossy link a missing sequence is given up once `skip_distance`
 /// pieces of later sequences have been taken since it became due (and
 /// frames wait behind it), without the gap timeout: the sender, whose

@@ -185,9 +185,8 @@ enum Contact {
 /// grants the peer, in pieces and in bytes (at most half the memory either
 /// may hold back for reordering and reassembly). On a lossy link the piece
 /// window is the negotiated queue size (the peer's posted receives), as a
-/// datagram beyond them is lost. On a reliable link it is twice the
-/// reassembly slots, within the reorder window: a fragmented message has at
-/// least two pieces in flight, so the slots cannot run out. Pieces are
+/// datagram beyond them is lost, within [`LinkConfig::piece_limit`]. On a
+/// reliable link it is that limit. Pieces are
 /// packed many to a message, and the endpoint's share of send slots per
 /// peer already bounds the messages in flight, so a window of posted
 /// receives would only stall small frames (it held 16-byte messages over
@@ -198,10 +197,7 @@ enum Contact {
 /// window and reassembly slots are not configurable).
 fn windows(config: &LinkConfig, send_window: u64, recv_window: u64) -> (Window, Window) {
     let pieces = |negotiated: u64| {
-        let limit = config
-            .reorder_window
-            .min(config.reassembly.max_messages * 2)
-            .max(1) as u64;
+        let limit = config.piece_limit();
         let wanted = if config.lossy { negotiated } else { limit };
         u32::try_from(wanted.clamp(1, limit)).unwrap_or(u32::MAX)
     };
