@@ -1035,6 +1035,7 @@ impl EventLoop {
             .conn
             .links
             .receive(kind, self.now, bytes, &mut released);
+        let mut challenged = false;
         if session.conn.links.challenge_due() {
             // The peer has its side of the links up: ask it to show that
             // it receives at the addresses it gave.
@@ -1042,6 +1043,7 @@ impl EventLoop {
                 .conn
                 .links
                 .send_challenges(&mut self.endpoints, false);
+            challenged = true;
         }
         // A gap this left is given up (best effort) or fails the link
         // (reliable) by time.
@@ -1072,6 +1074,21 @@ impl EventLoop {
             } else {
                 debug!(session = id, error = %err, "best-effort link refused a message");
             }
+        }
+        if challenged {
+            self.end_if_data_link_failed(id);
+        }
+    }
+
+    /// Ends the session whose reliable data link failed a send that
+    /// nothing queued will come back to (a challenge's ping).
+    fn end_if_data_link_failed(&mut self, id: u64) {
+        if self
+            .sessions
+            .get(&id)
+            .is_some_and(|session| session.conn.links.failure.is_some())
+        {
+            self.data_link_send_failed(id);
         }
     }
 
@@ -2269,6 +2286,7 @@ impl EventLoop {
                     "no answer from the fabric address this peer gave".to_string(),
                 );
             }
+            self.end_if_data_link_failed(id);
         }
         for &id in &reports {
             self.report_drops(id, now);

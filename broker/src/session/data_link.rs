@@ -336,7 +336,9 @@ impl DataLink {
     /// Send one frame through the link layer: a frame alone, or a `Run`
     /// of `frames` frames (reliable links only). A lossy link that cannot
     /// send it now keeps it for [`pace`](Self::pace) (older waiting frames
-    /// may give way to it, counted in `dropped`).
+    /// may give way to it, counted in `dropped`), also when it returns the
+    /// endpoint's error; on a reliable link an error means the link failed
+    /// with the frame numbered.
     pub fn send(
         &mut self,
         endpoint: &mut dyn Endpoint,
@@ -860,6 +862,7 @@ impl DataLinks {
     /// not receive at the address it gave, and the session should end.
     pub fn send_challenges(&mut self, endpoints: &mut [Box<dyn Endpoint>], again: bool) -> bool {
         let mut unanswered = false;
+        let mut failure = None;
         for link in self.links_mut() {
             let Proof::Awaiting { nonce, asked } = link.proof else {
                 continue;
@@ -872,17 +875,26 @@ impl DataLinks {
                 continue;
             }
             let ping = codec::encode(&Frame::Ping { nonce });
-            // A ping the link refused (blocked, or a datagram dropped)
-            // counts as asked too, so the next heartbeat asks again.
-            if link
-                .send(endpoints[link.endpoint].as_mut(), ping, 1)
-                .is_ok()
-            {
-                link.proof = Proof::Awaiting {
-                    nonce,
-                    asked: asked + 1,
-                };
+            match link.send(endpoints[link.endpoint].as_mut(), ping, 1) {
+                // A ping the link refused (blocked, or a datagram dropped)
+                // counts as asked too, so the next heartbeat asks again.
+                Ok(Sent::Accepted | Sent::Blocked(_)) => {
+                    link.proof = Proof::Awaiting {
+                        nonce,
+                        asked: asked + 1,
+                    };
+                }
+                // A reliable link that failed (on the ping or on earlier
+                // frames' pieces) has a gap the peer waits for in vain; a
+                // lossy one keeps the ping for credit.
+                Ok(Sent::Failed(_, err)) | Err(err) if !link.lossy => {
+                    failure = Some(err.to_string());
+                }
+                Ok(Sent::Failed(..)) | Err(_) => {}
             }
+        }
+        if let Some(failure) = failure {
+            self.failure.get_or_insert(failure);
         }
         unanswered
     }

@@ -1127,6 +1127,18 @@ mod tests {
     }
 
     #[test]
+    fn a_challenge_the_reliable_link_fails_to_send_fails_the_link() {
+        // Every send fails: the challenge's ping cannot go.
+        let (mut endpoints, mut links, _, _) = with_data_link(1, None);
+        if let Some(link) = links.reliable.as_mut() {
+            link.proof = super::super::data_link::Proof::Awaiting { nonce: 7, asked: 0 };
+        }
+        assert!(!links.send_challenges(&mut endpoints, false));
+        let reason = links.failure.clone().expect("the link has failed");
+        assert!(reason.contains("completion error"), "{reason}");
+    }
+
+    #[test]
     fn a_batch_is_handed_on_as_one_run_of_its_messages() {
         let mut batch = Batch::default();
         let mut encoded = BytesMut::new();
