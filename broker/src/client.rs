@@ -1634,10 +1634,9 @@ impl ClientLoop {
         let tuning = LinkTuning {
             reliable_gap_timeout: shared.options.fabric.reliable_gap_timeout(),
             memory: MemoryBudget::new(shared.options.max_link_memory),
-            reassembly: efabus_core::fragment::ReassemblyConfig {
-                max_frame: shared.options.max_frame,
-                ..defaults.reassembly
-            },
+            reassembly: efabus_core::fragment::ReassemblyConfig::for_frames_up_to(
+                shared.options.max_frame,
+            ),
             ..defaults
         };
         ClientLoop {

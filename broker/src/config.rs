@@ -1045,16 +1045,14 @@ impl Config {
 
     /// The link settings of this broker's data links: the reliable gap
     /// timeout, one memory budget of `limits.max_link_memory` for all, and
-    /// no frame reassembled beyond what `limits.max_payload` allows.
+    /// no frame reassembled beyond what `limits.max_payload` allows (with
+    /// room per link for one of the largest).
     pub(crate) fn link_tuning(&self) -> efabus_core::link::LinkTuning {
         let defaults = efabus_core::link::LinkTuning::default();
         efabus_core::link::LinkTuning {
             reliable_gap_timeout: self.fabric.reliable_gap_timeout(),
             memory: efabus_core::budget::MemoryBudget::new(self.limits.max_link_memory),
-            reassembly: efabus_core::fragment::ReassemblyConfig {
-                max_frame: self.max_frame(),
-                ..defaults.reassembly
-            },
+            reassembly: efabus_core::fragment::ReassemblyConfig::for_frames_up_to(self.max_frame()),
             ..defaults
         }
     }
@@ -1296,6 +1294,20 @@ mod tests {
         )
         .expect("a frame of 2112 bytes fits");
         assert_eq!(config.limits.max_link_memory, 4096);
+    }
+
+    #[test]
+    fn each_link_can_put_the_largest_frame_together() {
+        let config = Config::from_toml_str("[limits]\nmax_payload = 104857600\n", "p.toml")
+            .expect("100 MiB payloads");
+        let reassembly = config.link_tuning().reassembly;
+        assert_eq!(reassembly.max_frame, config.max_frame());
+        assert!(
+            reassembly.max_bytes > config.max_frame(),
+            "{} bytes of reassembly for frames of {}",
+            reassembly.max_bytes,
+            config.max_frame()
+        );
     }
 
     #[test]

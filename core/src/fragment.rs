@@ -231,6 +231,24 @@ impl Default for ReassemblyConfig {
     }
 }
 
+impl ReassemblyConfig {
+    /// The defaults for frames up to `max_frame`, with room for at least
+    /// one of them: a partial message reserves its whole length and its
+    /// piece bitmap when its first piece arrives, so a frame larger than
+    /// `max_bytes` could never be put together, and a link that must
+    /// fragment it would lose it for good. (The bitmap is counted for
+    /// pieces of 128 bytes or more; links carry at least 256 per message.)
+    pub fn for_frames_up_to(max_frame: usize) -> Self {
+        let defaults = ReassemblyConfig::default();
+        let one_frame = max_frame.saturating_add(max_frame / 1024 + 64);
+        ReassemblyConfig {
+            max_frame,
+            max_bytes: defaults.max_bytes.max(one_frame),
+            ..defaults
+        }
+    }
+}
+
 /// What a [`Reassembler`] has seen.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ReassemblyStats {
@@ -871,6 +889,27 @@ mod tests {
         assert!(place(&frag(1, 0, 1, 10, 9), max).is_err());
         assert!(place(&frag(1, 0, 2, u32::MAX, 1 << 20), max).is_err());
         assert!(place(&frag(1, 0, u32::MAX, u32::MAX, 1), usize::MAX).is_ok());
+    }
+
+    #[test]
+    fn a_frame_at_the_limit_can_be_put_together() {
+        let max_frame = (100 << 20) + 4096;
+        let mut r = Reassembler::new(ReassemblyConfig::for_frames_up_to(max_frame));
+        let t0 = Instant::now();
+        let total = max_frame as u32;
+        let piece = 8192;
+        let count = total.div_ceil(piece);
+        assert_eq!(
+            r.handle_fragment(t0, 1, frag(1, 0, count, total, piece as usize)),
+            Ok(None),
+            "the first piece of the largest frame is taken"
+        );
+        assert_eq!(r.partial_messages(), 1);
+        // The defaults stay where frames are smaller.
+        assert_eq!(
+            ReassemblyConfig::for_frames_up_to(1 << 20).max_bytes,
+            ReassemblyConfig::default().max_bytes
+        );
     }
 
     #[test]

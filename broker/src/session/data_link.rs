@@ -194,22 +194,31 @@ enum Contact {
 /// rather than once took them from about 690k/s to 800k/s).
 /// Until its first credit a sender assumes the window it would grant
 /// itself: both sides run the same `LinkTuning` defaults (the reorder
-/// window and reassembly slots are not configurable).
+/// window and reassembly slots are not configurable), except the
+/// reassembly memory, which grows with a side's frame limit
+/// ([`ReassemblyConfig::for_frames_up_to`]): in bytes a sender assumes
+/// what every peer grants at least, half the default.
+///
+/// [`ReassemblyConfig::for_frames_up_to`]: efabus_core::fragment::ReassemblyConfig::for_frames_up_to
 fn windows(config: &LinkConfig, send_window: u64, recv_window: u64) -> (Window, Window) {
     let pieces = |negotiated: u64| {
         let limit = config.piece_limit();
         let wanted = if config.lossy { negotiated } else { limit };
         u32::try_from(wanted.clamp(1, limit)).unwrap_or(u32::MAX)
     };
-    let bytes = (config.reassembly.max_bytes as u64 / 2).max(1);
+    let bytes = |max_bytes: usize| (max_bytes as u64 / 2).max(1);
+    let least = config
+        .reassembly
+        .max_bytes
+        .min(efabus_core::fragment::ReassemblyConfig::default().max_bytes);
     (
         Window {
             pieces: pieces(send_window),
-            bytes,
+            bytes: bytes(least),
         },
         Window {
             pieces: pieces(recv_window),
-            bytes,
+            bytes: bytes(config.reassembly.max_bytes),
         },
     )
 }
@@ -1114,5 +1123,39 @@ impl DataLinks {
         }
         self.in_use = false;
         self.failure = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use efabus_core::fragment::ReassemblyConfig;
+    use efabus_core::link::LinkTuning;
+
+    fn config(max_frame: usize) -> LinkConfig {
+        let tuning = LinkTuning::default();
+        LinkConfig {
+            frame_limit: 16 << 10,
+            sequenced: true,
+            lossy: false,
+            gap_timeout: tuning.gap_timeout,
+            reliable_gap_timeout: tuning.reliable_gap_timeout,
+            reorder_window: tuning.reorder_window,
+            skip_distance: 1,
+            reassembly: ReassemblyConfig::for_frames_up_to(max_frame),
+            memory: tuning.memory,
+        }
+    }
+
+    #[test]
+    fn a_sender_assumes_no_more_bytes_than_any_peer_grants() {
+        let default = ReassemblyConfig::default().max_bytes as u64 / 2;
+        let (send, grant) = windows(&config(1 << 20), 256, 256);
+        assert_eq!((send.bytes, grant.bytes), (default, default));
+        // A side whose frames go up to 200 MiB grants more, but until the
+        // peer's first credit sends no more than a default peer holds.
+        let (send, grant) = windows(&config(200 << 20), 256, 256);
+        assert_eq!(send.bytes, default);
+        assert!(grant.bytes > 100 << 20, "{}", grant.bytes);
     }
 }
