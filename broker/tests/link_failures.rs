@@ -319,6 +319,69 @@ fn a_message_lost_towards_a_client_fails_its_connection_promptly() {
     broker.shutdown();
 }
 
+/// When the broker's reliable data link to a client closes under a queue
+/// for it, the session ends at once, what was queued counted in
+/// `connection_drops`, and the client is told on the control link: not
+/// after the drain time (30 s here), with the error waiting behind the
+/// queue for the link that is gone. Over `shm`, which has no connection
+/// whose end the client would see, the control link is how it learns.
+#[test]
+fn a_data_link_closed_under_a_queue_ends_the_session_at_once() {
+    // Closed as a frame from the client arrives (its credits for the
+    // stream), not by a send of the broker's failing.
+    let text = "name = \"cut\"\nlisten = [\"tcp/127.0.0.1:0\", \"shm\"]\n\
+                [shutdown]\ndrain_timeout_ms = 30000\n\
+                [testing.faults]\nseed = 5\ndisconnect = 0.05\nscheme = \"shm\"\n";
+    let config = Config::from_toml_str(text, "link failure test").expect("valid test config");
+    let broker = Broker::start(config).expect("the broker starts");
+    if broker.endpoint("shm").is_none() {
+        assert!(
+            !fabric_required(),
+            "EFABUS_REQUIRE_FABRIC=1 but shm did not open"
+        );
+        eprintln!("skipping: shm cannot open here");
+        return;
+    }
+    let options = ClientOptions {
+        name: "cut-off".into(),
+        connect_timeout: Duration::from_secs(5),
+        data_paths: vec!["shm".to_string()],
+        ..ClientOptions::default()
+    };
+    let endpoint = broker.endpoint("tcp").expect("the broker listens on TCP");
+    let client = Client::connect_with(&endpoint, options, Registry::with_builtins())
+        .expect("the client connects");
+    assert!(
+        client.link().reliable.starts_with("shm via shm"),
+        "{:?}",
+        client.link()
+    );
+    let sub = client.subscribe("cut.test").expect("subscribe");
+    client.flush(WAIT).expect("subscribed");
+    // More than the link's credit window (32 MiB), published faster than
+    // the link takes them, so some wait in the queue when it closes.
+    let started = Instant::now();
+    let payload = vec![0u8; 16 << 10];
+    for _ in 0..4_000 {
+        broker
+            .publish("cut.test", payload.clone())
+            .expect("publish");
+    }
+    while client.reconnects() == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the client was not told: {:?}; broker {:?}",
+            client.link(),
+            broker.stats().snapshot()
+        );
+        let _ = sub.recv_timeout(Duration::from_millis(1));
+    }
+    assert!(
+        stat(&broker, "connection_drops") > 0,
+        "the queue was counted"
+    );
+}
+
 /// Frames held behind a lost message count against the broker's memory
 /// for all data links (`limits.max_link_memory`, here 256 KiB): a
 /// publisher of 16 KiB messages reaches it long before the gap timeout, and

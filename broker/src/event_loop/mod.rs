@@ -933,7 +933,22 @@ impl EventLoop {
                 if data_link {
                     // The data path failed under a live control link: end
                     // the session so the peer reconnects and renegotiates.
-                    self.fail(id, ErrorCode::Internal, format!("data link lost: {reason}"));
+                    // With the reliable link gone, what is queued for it
+                    // never drains: marked failed, the queue is counted
+                    // and the error goes on the control link at once (a
+                    // peer on `shm` or EFA sees no connection end).
+                    let text = format!("data link lost: {reason}");
+                    if let Some(session) = self.sessions.get_mut(&id) {
+                        let links = &mut session.conn.links;
+                        let reliable = links
+                            .reliable
+                            .as_ref()
+                            .is_some_and(|link| link.endpoint == endpoint && link.peer == peer);
+                        if reliable {
+                            links.failure.get_or_insert_with(|| text.clone());
+                        }
+                    }
+                    self.fail(id, ErrorCode::Internal, text);
                 } else {
                     self.forget_session(id, &reason);
                 }
