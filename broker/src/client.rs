@@ -228,11 +228,13 @@ impl ClientOptions {
                 ));
             }
         }
-        if self.max_link_memory < self.max_frame {
+        let one_frame = efabus_core::fragment::ReassemblyConfig::reservation_for(self.max_frame);
+        if self.max_link_memory < one_frame {
             return Err(invalid(
                 "max_link_memory",
                 format!(
-                    "is {}; at least max_frame ({})",
+                    "is {}; at least {one_frame}, what putting together one frame of max_frame \
+                     ({}) takes",
                     self.max_link_memory, self.max_frame
                 ),
             ));

@@ -945,12 +945,14 @@ impl Config {
                 ),
             ));
         }
-        if self.limits.max_link_memory < self.max_frame() {
+        let one_frame = efabus_core::fragment::ReassemblyConfig::reservation_for(self.max_frame());
+        if self.limits.max_link_memory < one_frame {
             // Below that, the largest frame could never be reassembled.
             return Err(invalid(
                 "limits.max_link_memory",
                 format!(
-                    "is {}; it must be at least the frame limit of {} bytes \
+                    "is {}; it must be at least {one_frame} bytes, what putting together \
+                     one frame of the frame limit of {} bytes takes \
                      (limits.max_payload + 2 × limits.max_subject_len + 64)",
                     self.limits.max_link_memory,
                     self.max_frame()
@@ -1294,6 +1296,14 @@ mod tests {
         )
         .expect("a frame of 2112 bytes fits");
         assert_eq!(config.limits.max_link_memory, 4096);
+        // The frame alone is not enough: its piece bitmap is reserved too.
+        let err = Config::from_toml_str(
+            "[limits]\nmax_payload = 1024\nmax_link_memory = 2112\n",
+            "m.toml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("at least 2178 bytes"), "{err}");
     }
 
     #[test]

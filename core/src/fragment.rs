@@ -240,12 +240,18 @@ impl ReassemblyConfig {
     /// pieces of 128 bytes or more; links carry at least 256 per message.)
     pub fn for_frames_up_to(max_frame: usize) -> Self {
         let defaults = ReassemblyConfig::default();
-        let one_frame = max_frame.saturating_add(max_frame / 1024 + 64);
         ReassemblyConfig {
             max_frame,
-            max_bytes: defaults.max_bytes.max(one_frame),
+            max_bytes: defaults.max_bytes.max(Self::reservation_for(max_frame)),
             ..defaults
         }
+    }
+
+    /// What putting together a frame of `frame_len` bytes reserves at
+    /// most, in pieces of 128 bytes or more: the frame and its piece
+    /// bitmap.
+    pub fn reservation_for(frame_len: usize) -> usize {
+        frame_len.saturating_add(frame_len / 1024 + 64)
     }
 }
 
