@@ -59,7 +59,10 @@ struct Counted {
 /// with reference counts, as route peers are told it.
 #[derive(Default)]
 pub(crate) struct LocalInterest {
-    entries: HashMap<EntryKey, Counted>,
+    /// Each pattern's entries, by queue group and class: a pattern has
+    /// few, so a list, searched without allocating (a group's message asks,
+    /// per route target, whether this broker serves the group).
+    entries: HashMap<String, Vec<Kept>>,
     by_sid: HashMap<u64, Entry>,
     /// Queue groups withdrawn lately, by the id they were announced as: a
     /// message a route sent before it heard of the withdrawal still names
@@ -93,33 +96,43 @@ pub(crate) fn route_class(queue: Option<&str>, class: DeliveryClass) -> Delivery
     }
 }
 
-/// One entry of [`LocalInterest`]: pattern, queue group, and the class
-/// its messages cross a route in.
-type EntryKey = (String, Option<String>, DeliveryClass);
-
-fn key(pattern: &str, queue: Option<&str>, class: DeliveryClass) -> EntryKey {
-    (
-        pattern.to_string(),
-        queue.map(str::to_string),
-        route_class(queue, class),
-    )
-}
+/// One of a pattern's entries: its queue group, the class it crosses a
+/// route in, and its subscriptions.
+type Kept = (Option<String>, DeliveryClass, Counted);
 
 impl LocalInterest {
+    /// The list holding (pattern, queue) with `class` (as it crosses a
+    /// route), and where in it.
+    fn find_mut(
+        &mut self,
+        pattern: &str,
+        queue: Option<&str>,
+        class: DeliveryClass,
+    ) -> Option<(&mut Vec<Kept>, usize)> {
+        let list = self.entries.get_mut(pattern)?;
+        let at = list
+            .iter()
+            .position(|(q, c, _)| q.as_deref() == queue && *c == class)?;
+        Some((list, at))
+    }
+
     /// Count one more subscription on (pattern, queue) that takes `class`
     /// delivery.
     pub fn add(&mut self, pattern: &str, queue: Option<&str>, class: DeliveryClass) {
         let class = route_class(queue, class);
-        let key = key(pattern, queue, class);
-        if let Some(entry) = self.entries.get_mut(&key) {
-            entry.count += 1;
+        if let Some((list, at)) = self.find_mut(pattern, queue, class) {
+            list[at].2.count += 1;
             return;
         }
         // Group entries get odd ids, plain ones even: a message for an id
         // just withdrawn still says which kind of interest it was for.
         self.next_sid += 1;
         let sid = self.next_sid * 2 + u64::from(queue.is_some());
-        self.entries.insert(key, Counted { sid, count: 1 });
+        self.entries.entry(pattern.to_string()).or_default().push((
+            queue.map(str::to_string),
+            class,
+            Counted { sid, count: 1 },
+        ));
         let pattern: Arc<str> = Arc::from(pattern);
         let queue: Option<Arc<str>> = queue.map(Arc::from);
         self.by_sid.insert(
@@ -144,16 +157,18 @@ impl LocalInterest {
     /// Count one subscription on (pattern, queue) less, of the class it
     /// was added with.
     pub fn remove(&mut self, pattern: &str, queue: Option<&str>, class: DeliveryClass) {
-        let key = key(pattern, queue, class);
-        let Some(entry) = self.entries.get_mut(&key) else {
+        let class = route_class(queue, class);
+        let Some((list, at)) = self.find_mut(pattern, queue, class) else {
             return;
         };
-        entry.count -= 1;
-        if entry.count > 0 {
+        list[at].2.count -= 1;
+        if list[at].2.count > 0 {
             return;
         }
-        let sid = entry.sid;
-        self.entries.remove(&key);
+        let sid = list.swap_remove(at).2.sid;
+        if list.is_empty() {
+            self.entries.remove(pattern);
+        }
         if let Some(Entry {
             pattern,
             queue: Some(queue),
@@ -173,8 +188,10 @@ impl LocalInterest {
 
     /// Whether this broker has a subscriber in the queue group.
     pub fn has_group(&self, pattern: &str, queue: &str) -> bool {
+        // A group's entry always crosses reliably (`route_class`).
         self.entries
-            .contains_key(&key(pattern, Some(queue), DeliveryClass::Reliable))
+            .get(pattern)
+            .is_some_and(|list| list.iter().any(|(q, ..)| q.as_deref() == Some(queue)))
     }
 
     /// Whether `sid` was (or would be) announced for a queue group.
@@ -254,7 +271,7 @@ impl LocalInterest {
     /// Distinct entries.
     #[cfg(test)]
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.by_sid.len()
     }
 }
 
