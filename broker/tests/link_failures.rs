@@ -54,15 +54,7 @@ fn start_broker_at(address: &str, faults: &str, tables: &str) -> Option<Broker> 
     );
     let config = Config::from_toml_str(&text, "link failure test").expect("valid test config");
     match Broker::start(config) {
-        Ok(broker) if broker.endpoint("efa-rdm").is_none() => {
-            assert!(
-                !fabric_required(),
-                "EFABUS_REQUIRE_FABRIC=1 but provider {PROVIDER} did not open"
-            );
-            eprintln!("skipping: provider {PROVIDER} cannot open here");
-            None
-        }
-        Ok(broker) => Some(broker),
+        Ok(broker) => listens_on(&broker, "efa-rdm", PROVIDER).then_some(broker),
         Err(err @ Error::Endpoint { .. }) if !fabric_required() => {
             eprintln!(
                 "skipping: provider {PROVIDER} cannot open here: {err} \
@@ -72,6 +64,20 @@ fn start_broker_at(address: &str, faults: &str, tables: &str) -> Option<Broker> 
         }
         Err(err) => panic!("broker with provider {PROVIDER} does not start: {err}"),
     }
+}
+
+/// Whether `broker` listens on `scheme` (over `provider`); if not, the
+/// test is skipped with a message, unless the fabric is required.
+fn listens_on(broker: &Broker, scheme: &str, provider: &str) -> bool {
+    if broker.endpoint(scheme).is_some() {
+        return true;
+    }
+    assert!(
+        !fabric_required(),
+        "EFABUS_REQUIRE_FABRIC=1 but provider {provider} did not open"
+    );
+    eprintln!("skipping: provider {provider} cannot open here");
+    false
 }
 
 /// A client on the broker's fabric, checked to use it.
@@ -334,12 +340,7 @@ fn a_data_link_closed_under_a_queue_ends_the_session_at_once() {
                 [testing.faults]\nseed = 5\ndisconnect = 0.05\nscheme = \"shm\"\n";
     let config = Config::from_toml_str(text, "link failure test").expect("valid test config");
     let broker = Broker::start(config).expect("the broker starts");
-    if broker.endpoint("shm").is_none() {
-        assert!(
-            !fabric_required(),
-            "EFABUS_REQUIRE_FABRIC=1 but shm did not open"
-        );
-        eprintln!("skipping: shm cannot open here");
+    if !listens_on(&broker, "shm", "shm") {
         return;
     }
     let options = ClientOptions {
