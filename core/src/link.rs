@@ -682,9 +682,7 @@ impl LinkReceiver {
             self.stats.refused += 1;
         }
         self.skip_gap_at_distance();
-        if self.sequences_given_up() > given_up {
-            self.forget_skipped_partials();
-        }
+        self.forget_skipped_partials(given_up);
         // Expiry on the way in may have left only abandoned sequences.
         self.settle_tail(now);
         // Whatever happened, hand over what was released.
@@ -929,9 +927,7 @@ impl LinkReceiver {
             if let Some(reorder) = &mut self.reorder {
                 reorder.poll(now, &mut self.released);
             }
-            if self.sequences_given_up() > given_up {
-                self.forget_skipped_partials();
-            }
+            self.forget_skipped_partials(given_up);
             self.settle_tail(now);
         }
         self.drain(out);
@@ -956,12 +952,16 @@ impl LinkReceiver {
         }
     }
 
-    /// Lossy links, once sequences were given up (by the gap timeout, a
-    /// piece beyond the window, or [`LinkConfig::skip_distance`]): their
-    /// partial messages can no longer complete (later pieces of them are
-    /// dropped as late before they reach the reassembler), so their memory
-    /// goes back now rather than at the reassembly timeout.
-    fn forget_skipped_partials(&mut self) {
+    /// Lossy links, once sequences were given up since the count was
+    /// `given_up_before` (by the gap timeout, a piece beyond the window, or
+    /// [`LinkConfig::skip_distance`]): their partial messages can no longer
+    /// complete (later pieces of them are dropped as late before they reach
+    /// the reassembler), so their memory goes back now rather than at the
+    /// reassembly timeout. The partials are scanned only then.
+    fn forget_skipped_partials(&mut self, given_up_before: u64) {
+        if self.sequences_given_up() == given_up_before {
+            return;
+        }
         if let Some(reorder) = &self.reorder {
             self.reassembler.give_up_below(&(), reorder.expected());
         }
