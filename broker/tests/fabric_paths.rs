@@ -870,6 +870,68 @@ fn a_lost_datagram_does_not_hold_the_link() {
     assert!(burst.received >= 2048, "losses held the link: {burst:?}");
 }
 
+/// A client that offers `efa-dgram` but leaves it out of its preference
+/// never opens its side of the datagram link the broker chose from its
+/// offers: the broker's pings there go unanswered, and it closes that
+/// link alone, saying why. The session stays; best-effort messages come
+/// over the reliable link, whole and in order.
+#[test]
+fn a_datagram_link_the_peer_never_opened_is_closed_alone() {
+    let provider = Provider { rdm: "tcp;ofi_rxm" };
+    let heartbeat = "[heartbeat]\ninterval_ms = 100\ntimeout_ms = 5000\n";
+    let Some(broker) = start_broker(provider, true, heartbeat) else {
+        return;
+    };
+    let client = connect_with(
+        &broker,
+        ClientOptions {
+            preference: vec!["efa-rdm".to_string(), "tcp".to_string()],
+            ..fabric_options(&broker, "rdm-only")
+        },
+    );
+    assert_eq!(client.link().best_effort, None, "{:?}", client.link());
+    let sub = client.subscribe_best_effort("be.>").unwrap();
+    client.flush(WAIT).unwrap();
+    let unproven = || {
+        broker
+            .stats()
+            .unproven_addresses
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let deadline = Instant::now() + WAIT;
+    while unproven() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the datagram link was never given up"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let report = broker
+        .connections(false, WAIT)
+        .unwrap()
+        .into_iter()
+        .find(|report| report.name == "rdm-only")
+        .expect("the client's session");
+    assert_eq!(report.best_effort, None, "{report:?}");
+    assert!(report.reliable.starts_with("efa-rdm"), "{report:?}");
+    assert!(
+        report
+            .reasons
+            .iter()
+            .any(|reason| reason.contains("no answer from the peer there")),
+        "{report:?}"
+    );
+    // Five more heartbeats: nothing else is asked, nothing ends.
+    std::thread::sleep(Duration::from_millis(500));
+    for n in 0..100 {
+        broker.publish("be.data", pattern(n, 64)).unwrap();
+    }
+    broker.flush(WAIT).unwrap();
+    expect_in_order(&sub, 100, "best effort on the reliable link");
+    assert_eq!(client.reconnects(), 0);
+    assert_eq!(unproven(), 1);
+}
+
 /// Drops one in 200 of the frames the broker sends on its datagram link
 /// (seeded, so the same ones each run).
 const DROP_ONE_DATAGRAM_IN_200: &str =

@@ -2287,13 +2287,25 @@ impl EventLoop {
             // A challenge lost on a datagram link is asked again, a few
             // times; a peer that never answers does not receive at the
             // address it gave, and its held traffic would wait for ever.
-            let unanswered = self.sessions.get_mut(&id).is_some_and(|session| {
-                session
-                    .conn
-                    .links
-                    .send_challenges(&mut self.endpoints, true)
-            });
-            if unanswered {
+            let Some(session) = self.sessions.get_mut(&id) else {
+                continue;
+            };
+            let unanswered = session
+                .conn
+                .links
+                .send_challenges(&mut self.endpoints, true);
+            if let Some(link) = unanswered.best_effort_given_up {
+                BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
+                let description = &link.description;
+                warn!(session = id, remote = %session.remote, link = %description, "no answer on the best-effort link; best-effort messages go on the reliable link");
+                session.link_reasons.push(format!(
+                    "best-effort: {description}: no answer from the peer there; carried on the reliable link"
+                ));
+                // Forgotten first: its closing is not the session's loss.
+                self.by_peer.remove(&(link.endpoint, link.peer));
+                self.endpoints[link.endpoint].close(link.peer);
+            }
+            if unanswered.session_ends {
                 BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
                 self.fail(
                     id,

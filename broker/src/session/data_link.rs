@@ -88,6 +88,15 @@ pub(crate) enum Sent {
 /// session is ended.
 pub(crate) const MAX_CHALLENGES: u32 = 3;
 
+/// Links whose proof [`DataLinks::send_challenges`] asked for in vain.
+#[derive(Default)]
+pub(crate) struct Unanswered {
+    /// The best-effort link given up for it, for the owner to close.
+    pub best_effort_given_up: Option<DataLink>,
+    /// A link the session cannot do without went unanswered.
+    pub session_ends: bool,
+}
+
 /// Whether the peer has shown that it receives at the address it gave.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Proof {
@@ -866,11 +875,26 @@ impl DataLinks {
     /// first time (`again` false: the peer's first data message arrived),
     /// or once more to those asked before (`again`: a datagram may have
     /// been lost). A link never asked is not asked by `again`: the peer may
-    /// not have its side up, and would drop it. Returns whether a link has
-    /// been asked `MAX_CHALLENGES` times without an answer: the peer does
-    /// not receive at the address it gave, and the session should end.
-    pub fn send_challenges(&mut self, endpoints: &mut [Box<dyn Endpoint>], again: bool) -> bool {
-        let mut unanswered = false;
+    /// not have its side up, and would drop it.
+    ///
+    /// A link asked `MAX_CHALLENGES` times without an answer does not
+    /// reach the peer at the address it gave. A best-effort link the peer
+    /// never sent on is closed alone (the peer may not have opened it:
+    /// its preference or its endpoint may differ from this side's): it is
+    /// handed back for the owner to close, and best-effort traffic goes
+    /// where it went before the proof. Any other ends the session.
+    pub fn send_challenges(
+        &mut self,
+        endpoints: &mut [Box<dyn Endpoint>],
+        again: bool,
+    ) -> Unanswered {
+        let mut unanswered = Unanswered::default();
+        if again && self.best_effort.as_ref().is_some_and(|link| {
+            link.contact != Contact::Heard
+                && matches!(link.proof, Proof::Awaiting { asked, .. } if asked >= MAX_CHALLENGES)
+        }) {
+            unanswered.best_effort_given_up = self.best_effort.take();
+        }
         let mut failure = None;
         for link in self.links_mut() {
             let Proof::Awaiting { nonce, asked } = link.proof else {
@@ -880,7 +904,7 @@ impl DataLinks {
                 continue;
             }
             if asked >= MAX_CHALLENGES {
-                unanswered = true;
+                unanswered.session_ends = true;
                 continue;
             }
             let ping = codec::encode(&Frame::Ping { nonce });

@@ -1133,7 +1133,8 @@ mod tests {
         if let Some(link) = links.reliable.as_mut() {
             link.proof = super::super::data_link::Proof::Awaiting { nonce: 7, asked: 0 };
         }
-        assert!(!links.send_challenges(&mut endpoints, false));
+        let unanswered = links.send_challenges(&mut endpoints, false);
+        assert!(!unanswered.session_ends && unanswered.best_effort_given_up.is_none());
         let reason = links.failure.clone().expect("the link has failed");
         assert!(reason.contains("completion error"), "{reason}");
     }
