@@ -12,7 +12,8 @@
 //! knows no link id is counted as such and costs the broker nothing it
 //! keeps. A client whose hello names another client's fabric address gets
 //! no traffic sent there and takes nothing over from it; a client that
-//! reconnects from its own address replaces its old session.
+//! reconnects from its own address replaces its old session. A session
+//! that is closing acknowledges nothing it drops.
 //!
 //! `tcp;ofi_rxm` on loopback; skipped unless libfabric opens here, a
 //! failure instead under `EFABUS_REQUIRE_FABRIC=1`.
@@ -815,4 +816,126 @@ fn a_publisher_at_full_speed_from_the_start_proves_its_address() {
     }
     assert_eq!(stat(&broker, "unproven_addresses"), 0);
     assert_eq!(publisher.reconnects(), 0);
+}
+
+/// What `peer` receives from the broker within `quiet` after the last
+/// message: each message decoded, and each piece opened to the frame it
+/// carries (runs and undecodable messages are skipped).
+fn frames_from_broker(peer: &mut FabricEndpoint, quiet: Duration) -> Vec<Frame> {
+    let mut frames = Vec::new();
+    let mut until = Instant::now() + quiet;
+    let limits = codec::CodecLimits::default();
+    while Instant::now() < until {
+        let mut events = Vec::new();
+        peer.poll(&mut events).expect("poll the peer");
+        if events.is_empty() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for event in events {
+            let efabus_core::transport::Event::Frame { frame: bytes, .. } = event else {
+                continue;
+            };
+            until = Instant::now() + quiet;
+            match codec::decode(bytes, &limits) {
+                Ok(Frame::Fragment(piece)) if piece.count == 1 => {
+                    if let Ok(frame) = codec::decode(piece.data, &limits) {
+                        frames.push(frame);
+                    }
+                }
+                Ok(frame) => frames.push(frame),
+                Err(_) => {}
+            }
+        }
+    }
+    frames
+}
+
+/// The highest sequence the broker's credits in `frames` acknowledge.
+fn acknowledged(frames: &[Frame]) -> Option<u64> {
+    frames
+        .iter()
+        .filter_map(|frame| match frame {
+            Frame::Credit(credit) => Some(credit.ack_seq),
+            _ => None,
+        })
+        .max()
+}
+
+/// A session that failed (here: an unexpected frame) closes once its queue
+/// has drained, reading nothing more meanwhile. What its peer sends on the
+/// data link in that time is dropped, so it must not be acknowledged
+/// either: the peer counts what was never acknowledged as possibly lost,
+/// and takes what was as delivered.
+#[test]
+fn a_closing_session_acknowledges_nothing_it_drops() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Some(broker) = start_broker_with(
+        "[limits]\nmax_pending_bytes = 268435456\n[shutdown]\ndrain_timeout_ms = 30000\n\
+         [heartbeat]\ninterval_ms = 30000\ntimeout_ms = 60000",
+    ) else {
+        return;
+    };
+    let mut peer = attacker_endpoint();
+    let (mut raw, to_broker) = hello_from(&broker, &mut peer, "closing", None);
+    // The first data message starts the address proof, answered here.
+    let send = |peer: &mut FabricEndpoint, piece: Bytes| {
+        peer.send(to_broker, efabus_core::transport::OutFrame::whole(piece))
+            .expect("an idle endpoint takes a frame");
+    };
+    send(&mut peer, piece(1, &raw_common::subscribe(1, "flood.>")));
+    let nonce = frames_from_broker(&mut peer, Duration::from_millis(300))
+        .into_iter()
+        .find_map(|frame| match frame {
+            Frame::Ping { nonce } => Some(nonce),
+            _ => None,
+        })
+        .expect("the broker's challenge");
+    raw.send(&Frame::Pong { nonce });
+    // Proven: the subscription is acknowledged.
+    let deadline = Instant::now() + WAIT;
+    while acknowledged(&frames_from_broker(&mut peer, Duration::from_millis(50))) != Some(1) {
+        assert!(
+            Instant::now() < deadline,
+            "the subscription was never acknowledged"
+        );
+    }
+    // This peer grants no credit: most of 64 MB stays queued for it.
+    for _ in 0..4_000 {
+        broker
+            .publish("flood.data", Bytes::from(vec![0u8; 16 * 1024]))
+            .unwrap();
+    }
+    assert!(
+        eventually(|| stat(&broker, "queued_bytes") > 16 << 20),
+        "{:?}",
+        broker.stats().snapshot()
+    );
+    // What the window let through is taken, unacknowledged.
+    frames_from_broker(&mut peer, Duration::from_millis(100));
+    // A frame no client sends fails the session, which then drains its
+    // queue for up to 30 s; the publish behind it is not read.
+    let challenge = Frame::Challenge(efabus_core::frame::Challenge { nonce: [0; 32] });
+    let publish = Frame::Publish(Publish {
+        subject: "flood.late".into(),
+        reply: None,
+        seq: 0,
+        headers: None,
+        payload: Bytes::from_static(b"late"),
+    });
+    send(&mut peer, piece(2, &challenge));
+    send(&mut peer, piece(3, &publish));
+    let credits = acknowledged(&frames_from_broker(&mut peer, Duration::from_millis(300)));
+    let session = broker
+        .connections(false, WAIT)
+        .unwrap()
+        .into_iter()
+        .find(|session| session.name == "closing")
+        .expect("the session, draining");
+    assert!(!session.ready, "the session did not fail: {session:?}");
+    assert!(
+        credits.is_none_or(|through| through < 2),
+        "the closing session acknowledged through {credits:?}"
+    );
 }

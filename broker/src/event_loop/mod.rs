@@ -1742,7 +1742,9 @@ impl EventLoop {
 
     /// Send the credits that are due. While publishers are held back under
     /// the block policy, their data links get none: the credit window then
-    /// stops them as a paused socket stops TCP publishers.
+    /// stops them as a paused socket stops TCP publishers. A closing
+    /// session gets none either: a credit acknowledges what arrived, and
+    /// it drops what arrives, which its peer must count as not delivered.
     /// True when a credit that is not held back is still owed (it waits
     /// for [`CREDIT_DELAY`] to pass).
     fn grant_credits(&mut self, now: Instant) -> bool {
@@ -1752,6 +1754,9 @@ impl EventLoop {
             let Some(session) = self.sessions.get_mut(id) else {
                 return false;
             };
+            if matches!(session.state, SessionState::Closing { .. }) {
+                return false;
+            }
             let held = self.reads_paused && !self.blocking.contains(id);
             if held {
                 return session.conn.links.owe_credit();
