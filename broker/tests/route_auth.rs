@@ -428,6 +428,46 @@ fn gossip_beyond_the_bound_of_learned_brokers_is_not_kept() {
     client.flush(WAIT).expect("and answers them");
 }
 
+/// Gossip naming many brokers that take connections and never answer:
+/// each dial holds a session until its handshake times out, so dialing
+/// them all at once filled a low `limits.max_connections` and clients were
+/// refused. Learned brokers are dialed a few at a time.
+#[test]
+fn gossip_of_silent_brokers_leaves_room_for_clients() {
+    const SILENT: usize = 200;
+    let listeners: Vec<std::net::TcpListener> = (0..SILENT)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a listener"))
+        .collect();
+    let broker = start(
+        "silent-gossip",
+        &[],
+        "[limits]\nmax_connections = 40\nhandshake_timeout_ms = 10000\n",
+    );
+    let mut raw = Raw::connect(&broker);
+    ask_for_a_route(&mut raw, None);
+    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
+    let addresses = listeners
+        .iter()
+        .map(|listener| format!("tcp/{}", listener.local_addr().expect("its address")))
+        .collect();
+    raw.send(&Frame::RoutePeers(efabus_core::frame::RoutePeers {
+        addresses,
+    }));
+    wait_until("the silent brokers learned", || {
+        broker.peers().len() >= SILENT
+    });
+    wait_until("dials made", || stat(&broker, "connections") > 1);
+    // Two more rounds of dial timers (100 ms each) find no room either.
+    std::thread::sleep(Duration::from_millis(250));
+    let connections = stat(&broker, "connections");
+    assert!(
+        connections <= 17,
+        "{connections} sessions: the route and its dials"
+    );
+    let client = Client::connect(&tcp(&broker)).expect("a client is still accepted");
+    client.flush(WAIT).expect("and answered");
+}
+
 /// A route peer that pings without end and reads none of the pongs: a
 /// route's control frames are not trimmed by the slow-consumer policy,
 /// so its answers stop once they fill the queue's bound, and what the

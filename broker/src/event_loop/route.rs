@@ -74,6 +74,10 @@ pub(super) const DUPLICATE_ROUTE: &str = "duplicate route";
 /// Most brokers learned from peers kept at once: a bound on what gossip
 /// can make this broker remember and dial.
 const LEARNED_MAX: usize = 4096;
+/// Most learned brokers dialed at once whose route is not up yet: each
+/// dial holds a session (counted against `limits.max_connections`) until
+/// its handshake ends, and gossip can name thousands at once.
+const LEARNED_DIALS_MAX: usize = 16;
 /// Most addresses sent in one `RoutePeers` frame: with IP addresses (at
 /// most 54 bytes as `tcp/[v6]:port`) a frame stays under 16 KiB.
 const PEERS_PER_FRAME: usize = 256;
@@ -171,6 +175,9 @@ struct DialSlot {
     last_reached: Instant,
     /// A learned peer given up; the slot may be reused.
     forgotten: bool,
+    /// Due, but left for later: as many learned brokers were being dialed
+    /// as may be. Dialed as soon as one of those dials ends.
+    deferred: bool,
     /// Why the fabric is not offered to this peer any more: a route's data
     /// link to it carried nothing back (see
     /// [`EventLoop::silent_route_links`]); with the broker reached then.
@@ -200,6 +207,7 @@ impl DialSlot {
             learned: false,
             last_reached: now,
             forgotten: false,
+            deferred: false,
             fabric_silent: None,
         })
     }
@@ -323,9 +331,22 @@ impl EventLoop {
             return;
         }
         let forget_after = self.shared.config.cluster.forget_after();
+        let mut learned_dials = self
+            .cluster
+            .slots
+            .iter()
+            .filter(|slot| slot.learned && slot.live())
+            .filter_map(|slot| slot.session)
+            .filter(|id| {
+                self.sessions
+                    .get(id)
+                    .and_then(Session::route)
+                    .is_some_and(|route| !route.is_up())
+            })
+            .count();
         for index in 0..self.cluster.slots.len() {
             let slot = &mut self.cluster.slots[index];
-            if !slot.live() || slot.session.is_some() || now < slot.next_attempt {
+            if !slot.live() || slot.session.is_some() || now < slot.next_attempt && !slot.deferred {
                 continue;
             }
             if slot
@@ -343,6 +364,17 @@ impl EventLoop {
                 self.cluster.peers_changed = true;
                 continue;
             }
+            if slot.learned {
+                if learned_dials >= LEARNED_DIALS_MAX {
+                    // Its turn comes as others' dials end (or, at the
+                    // latest, at this attempt).
+                    slot.deferred = true;
+                    slot.next_attempt = now + BACKOFF_MIN;
+                    continue;
+                }
+                learned_dials += 1;
+            }
+            slot.deferred = false;
             self.dial(index, endpoint, now);
         }
         if let Some(next) = self.cluster.next_dial() {
@@ -558,6 +590,11 @@ impl EventLoop {
         };
         let slot = &mut self.cluster.slots[index];
         slot.session = None;
+        if slot.learned {
+            // Room for a dial left for later.
+            self.schedule(now);
+        }
+        let slot = &mut self.cluster.slots[index];
         if std::mem::take(&mut slot.superseded) {
             // A redial that then fails before its route is up backs off as
             // any failed dial does.
@@ -928,6 +965,10 @@ impl EventLoop {
             slot.failures = 0;
             slot.backoff = BACKOFF_MIN;
             slot.last_reached = Instant::now();
+            if slot.learned {
+                // Room for a dial left for later.
+                self.schedule(Instant::now());
+            }
         }
         let (pending, snapshot) = self.shared.subscriptions.write().route_up();
         let others: Vec<u64> = self.cluster.by_broker.values().copied().collect();
