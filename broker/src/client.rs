@@ -2765,7 +2765,8 @@ impl ClientLoop {
                     self.link_lost(Instant::now());
                 }
             }
-            Event::Accepted { .. } => {}
+            // A client proves its own address; it holds no peer's reads.
+            Event::Accepted { .. } | Event::ReadHeld { .. } => {}
         }
     }
 

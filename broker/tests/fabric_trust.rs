@@ -939,3 +939,47 @@ fn a_closing_session_acknowledges_nothing_it_drops() {
         "the closing session acknowledged through {credits:?}"
     );
 }
+
+/// An impostor that names a victim's fabric address and offers a frame by
+/// rendezvous "from" it: the broker would read the body at the victim's
+/// address, with the offset and key the impostor gave (a read `shm` makes
+/// straight from the victim's memory, checking no key). Reads wait for
+/// the address's proof, which never comes: none is made, and the session
+/// ends unproven.
+#[test]
+fn no_read_goes_to_an_address_not_proven() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Some(broker) = start_broker_with("[heartbeat]\ninterval_ms = 200\ntimeout_ms = 5000")
+    else {
+        return;
+    };
+    let victim = fabric_client(&broker, "victim");
+    victim.flush(WAIT).unwrap();
+    let victim_address =
+        addr_from_hex(victim.link().fabric_address.as_deref().expect("address")).unwrap();
+    let mut attacker = attacker_endpoint();
+    let (_impostor, to_broker) =
+        hello_from(&broker, &mut attacker, "impostor", Some(&victim_address));
+    attacker.set_peer_rendezvous(to_broker, attacker.rendezvous_max());
+    attacker.claim_address(&victim_address);
+    // Above the eager size: it goes by rendezvous.
+    let large = Frame::Publish(Publish {
+        subject: "loot".into(),
+        reply: None,
+        seq: 0,
+        headers: None,
+        payload: Bytes::from(vec![7u8; 100_000]),
+    });
+    assert!(attacker.max_frame() < 100_000 && attacker.rendezvous_max() > 100_000);
+    send_all(&mut attacker, to_broker, &[piece(1, &large)]);
+    assert!(
+        eventually(|| stat(&broker, "unproven_addresses") == 1),
+        "{:?}",
+        broker.stats().snapshot()
+    );
+    assert_eq!(stat(&broker, "fabric_rendezvous_read"), 0);
+    assert_eq!(stat(&broker, "fabric_completion_errors"), 0);
+    assert_eq!(victim.reconnects(), 0);
+}

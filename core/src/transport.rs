@@ -331,6 +331,13 @@ pub enum Event {
         /// The peer that can take frames again.
         peer: PeerId,
     },
+    /// The peer offered a frame whose read waits for its release
+    /// ([`Endpoint::hold_reads`]): it is there, and its owner may now ask
+    /// it to prove its address.
+    ReadHeld {
+        /// The peer whose read waits.
+        peer: PeerId,
+    },
     /// The peer is gone; its id will not appear again.
     Closed {
         /// The peer that is gone.
@@ -779,6 +786,18 @@ pub trait Endpoint: Send {
     /// sides offered.
     fn set_peer_rendezvous(&mut self, peer: PeerId, limit: usize) {
         let _ = (peer, limit);
+    }
+
+    /// Whether reads of `peer`'s rendezvous frames wait (`held`) or may
+    /// start. A read goes to the peer's address with the offset and key
+    /// its descriptor gives; where the provider does not report each
+    /// message's source (the sender's address is what the frame says),
+    /// or checks no key on a read (`shm`'s reads straight from the other
+    /// process), that address is known to be the sender's own only once
+    /// the peer has proven it. Descriptors queue meanwhile, within their
+    /// per-peer bound. Endpoints without rendezvous ignore it.
+    fn hold_reads(&mut self, peer: PeerId, held: bool) {
+        let _ = (peer, held);
     }
 
     /// The most frame bytes one message to `peer` may carry, as the link

@@ -669,7 +669,9 @@ pub fn close_by_either_side<F: EndpointFactory + ?Sized>(f: &F) {
                 .log
                 .iter()
                 .filter(|e| match e {
-                    Event::Closed { peer, .. } | Event::Writable { peer } => *peer == id,
+                    Event::Closed { peer, .. }
+                    | Event::Writable { peer }
+                    | Event::ReadHeld { peer } => *peer == id,
                     Event::Frame { .. } | Event::Accepted { .. } => false,
                 })
                 .count();

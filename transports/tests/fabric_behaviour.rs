@@ -702,6 +702,46 @@ mod suite {
         assert_eq!(a.stats().rendezvous_abandoned, 0);
     }
 
+    /// Reads of a peer whose reads are held wait, queued, however often
+    /// the receiver polls; released, they start and the frames arrive
+    /// whole, in order.
+    pub fn held_reads_wait_for_their_release(provider: &str) {
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 4 << 20) else {
+            return;
+        };
+        if a.rendezvous_max() == 0 {
+            return;
+        }
+        b.hold_reads(pa, true);
+        let eager = a.max_frame();
+        let sizes = [eager + 1, 1 << 20];
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_numbered((&mut a, &mut b), pb, &sizes, (&mut ae, &mut be));
+        // Both descriptors are in: their reads queued (or started).
+        let start = Instant::now();
+        while b.rendezvous_queued() as u64 + b.stats().rendezvous_reads_started < 2 {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(start.elapsed() < DEADLINE, "the descriptors never came");
+        }
+        for _ in 0..1000 {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+        }
+        assert_eq!(b.stats().rendezvous_reads_started, 0, "{provider}");
+        assert!(frames_from(&be, pa).is_empty(), "{provider}");
+        b.hold_reads(pa, false);
+        pump(
+            &mut a,
+            &mut b,
+            &mut ae,
+            &mut be,
+            |_, be| frames_from(be, pa).len() == sizes.len(),
+            "the frames, once released",
+        );
+        assert_numbered(&be, pa, &sizes, provider);
+    }
+
     /// A poll starts no further rendezvous read once posting one took the
     /// slow-post time (a copy made inside `fi_read`). With zero, every
     /// poll starts at most one read, the endpoint does not wait while
@@ -2303,6 +2343,14 @@ fn rdm_rendezvous_moves_large_frames() {
             provider,
             &[("force_prefix", "176"), ("force_mr_local", "true")],
         );
+    }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_held_reads_wait_for_their_release() {
+    for provider in READING_PROVIDERS {
+        suite::held_reads_wait_for_their_release(provider);
     }
 }
 

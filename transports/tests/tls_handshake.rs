@@ -63,7 +63,7 @@ fn attempt(
                 }
                 Event::Frame { .. } => server_frames += 1,
                 Event::Closed { reason, .. } => server_closed = Some(reason),
-                Event::Writable { .. } => {}
+                Event::Writable { .. } | Event::ReadHeld { .. } => {}
             }
         }
         client.poll(&mut events).expect("client polls");

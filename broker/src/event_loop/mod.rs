@@ -922,6 +922,13 @@ impl EventLoop {
                     self.flush_session(id);
                 }
             }
+            Event::ReadHeld { peer } => {
+                // The peer's side of the link is up, its frame waiting
+                // for the address's proof: ask for it now.
+                if let Some(&id) = self.by_peer.get(&(endpoint, peer)) {
+                    self.challenge_if_due(id);
+                }
+            }
             Event::Closed { peer, reason } => {
                 let Some(id) = self.by_peer.remove(&(endpoint, peer)) else {
                     return;
@@ -1050,15 +1057,14 @@ impl EventLoop {
             .conn
             .links
             .receive(kind, self.now, bytes, &mut released);
-        let mut challenged = false;
-        if session.conn.links.challenge_due() {
+        let challenged = session.conn.links.challenge_due();
+        if challenged {
             // The peer has its side of the links up: ask it to show that
             // it receives at the addresses it gave.
             session
                 .conn
                 .links
                 .send_challenges(&mut self.endpoints, false);
-            challenged = true;
         }
         // A gap this left is given up (best effort) or fails the link
         // (reliable) by time.
@@ -1091,6 +1097,21 @@ impl EventLoop {
             }
         }
         if challenged {
+            self.end_if_data_link_failed(id);
+        }
+    }
+
+    /// Asks the peer of session `id` to prove the addresses of its data
+    /// links, if they wait for that and were not asked yet.
+    fn challenge_if_due(&mut self, id: u64) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if session.conn.links.challenge_due() {
+            session
+                .conn
+                .links
+                .send_challenges(&mut self.endpoints, false);
             self.end_if_data_link_failed(id);
         }
     }
@@ -2042,7 +2063,7 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        let proven = session.conn.links.on_pong(nonce);
+        let proven = session.conn.links.on_pong(nonce, &mut self.endpoints);
         if proven.is_empty() {
             return;
         }

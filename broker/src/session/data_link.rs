@@ -307,6 +307,10 @@ impl DataLink {
         if rendezvous > config.frame_limit {
             endpoint.set_peer_rendezvous(peer, rendezvous);
             config.frame_limit = rendezvous;
+            // A read goes to the address the peer gave: only once proven.
+            if proof != Proof::Proven {
+                endpoint.hold_reads(peer, true);
+            }
         }
         let sender = LinkSender::new(&config).map_err(|source| DataLinkError::Parameters {
             scheme: choice.scheme.clone(),
@@ -933,12 +937,18 @@ impl DataLinks {
     }
 
     /// A `Pong` from the peer: the links whose challenge it answers are
-    /// proven. Returns the addresses proven, as `(endpoint, address)`.
-    pub fn on_pong(&mut self, nonce: u64) -> Vec<(usize, Vec<u8>)> {
+    /// proven, and their rendezvous reads may start. Returns the addresses
+    /// proven, as `(endpoint, address)`.
+    pub fn on_pong(
+        &mut self,
+        nonce: u64,
+        endpoints: &mut [Box<dyn Endpoint>],
+    ) -> Vec<(usize, Vec<u8>)> {
         let mut proven = Vec::new();
         for link in self.links_mut() {
             if matches!(link.proof, Proof::Awaiting { nonce: n, .. } if n == nonce) {
                 link.proof = Proof::Proven;
+                endpoints[link.endpoint].hold_reads(link.peer, false);
                 proven.push((link.endpoint, link.address.clone()));
             }
         }

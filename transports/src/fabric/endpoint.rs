@@ -941,6 +941,12 @@ impl FabricEndpoint {
             .map_or((0, 0), |rma| (rma.sends.len(), rma.registrations.bytes()))
     }
 
+    /// Rendezvous frames offered by peers whose reads have not started
+    /// yet (waiting for a read slot, their peer's share, or a hold).
+    pub fn rendezvous_queued(&self) -> usize {
+        self.rma.as_ref().map_or(0, |rma| rma.queue.len())
+    }
+
     /// Posts every receive slot not currently posted. A -FI_EAGAIN leaves
     /// the rest for the next poll.
     fn post_receives(&mut self) -> Result<(), FabricError> {
@@ -1904,6 +1910,9 @@ impl FabricEndpoint {
                 descriptor,
                 head: head.to_vec(),
             });
+            if rma.held.contains(&peer) {
+                self.pending.push_back(Event::ReadHeld { peer });
+            }
         }
         Ok(())
     }
@@ -2122,6 +2131,7 @@ impl FabricEndpoint {
             queue,
             dones,
             waiters,
+            held,
             ..
         } = rma;
         sends.retain(|_, sent| {
@@ -2133,6 +2143,7 @@ impl FabricEndpoint {
             false
         });
         queue.retain(|queued| queued.peer != peer);
+        held.remove(&peer);
         dones.retain(|&(to, _)| to != peer);
         waiters.retain(|&waiter| waiter != peer);
         self.stats.rendezvous_abandoned += abandoned;
@@ -2551,6 +2562,19 @@ impl Endpoint for FabricEndpoint {
     fn set_peer_rendezvous(&mut self, peer: PeerId, limit: usize) {
         if let Some(state) = self.peers.get_mut(&peer) {
             state.rendezvous = limit.min(self.link.rendezvous_max);
+        }
+    }
+
+    fn hold_reads(&mut self, peer: PeerId, held: bool) {
+        if !self.peers.contains_key(&peer) {
+            return;
+        }
+        if let Some(rma) = self.rma.as_mut() {
+            if held {
+                rma.held.insert(peer);
+            } else {
+                rma.held.remove(&peer);
+            }
         }
     }
 

@@ -17,7 +17,7 @@
 //! transfers waiting for their done frame, and the receiver's reads (queued
 //! and in flight). The endpoint drives it and issues the reads.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -305,6 +305,9 @@ pub struct Rendezvous {
     /// Bytes of the reads in flight, and per peer their count and bytes.
     pub reading: usize,
     pub reading_by_peer: HashMap<PeerId, (usize, usize)>,
+    /// Peers whose reads wait in the queue until their owner releases
+    /// them ([`Endpoint::hold_reads`](efabus_core::transport::Endpoint::hold_reads)).
+    pub held: HashSet<PeerId>,
     /// Done frames the tx slots had no room for yet.
     pub dones: VecDeque<(PeerId, u64)>,
     /// Peers refused a transfer by the registration bounds, told when
@@ -341,6 +344,7 @@ impl Rendezvous {
             queue: VecDeque::new(),
             reading: 0,
             reading_by_peer: HashMap::new(),
+            held: HashSet::new(),
             dones: VecDeque::new(),
             waiters: Vec::new(),
             landing: LandingBuffers::default(),
@@ -355,13 +359,16 @@ impl Rendezvous {
 
     /// The queued read to start next, if one may start now: the oldest
     /// whose peer is within its share of reads (so one peer's stalled or
-    /// numerous transfers do not hold up the others'), when a slot is free
-    /// and the bytes allow.
+    /// numerous transfers do not hold up the others') and not held, when a
+    /// slot is free and the bytes allow.
     pub fn startable_read(&self) -> Option<usize> {
         if self.free_slots.is_empty() {
             return None;
         }
         self.queue.iter().position(|queued| {
+            if self.held.contains(&queued.peer) {
+                return false;
+            }
             let total = self.landing.footprint(queued);
             let (reads, bytes) = self
                 .reading_by_peer
