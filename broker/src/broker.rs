@@ -175,6 +175,10 @@ pub struct BrokerStats {
     /// here had all gone (the peer had not heard yet): lost, not given to
     /// a member elsewhere.
     pub route_group_undelivered: AtomicU64,
+    /// Messages kept from a route because the peer broker takes none so
+    /// large (its `limits.max_payload`, or subject limits, below this
+    /// broker's): its subscribers do not get them.
+    pub route_oversized: AtomicU64,
     /// What the listeners' own buffers take (fabric endpoints' send and
     /// receive pools), and of that what is registered (pinned).
     pub fabric_buffer_bytes: AtomicU64,
@@ -300,6 +304,7 @@ impl BrokerStats {
                 "route_group_undelivered",
                 get(&self.route_group_undelivered),
             ),
+            ("route_oversized", get(&self.route_oversized)),
             ("fabric_buffer_bytes", get(&self.fabric_buffer_bytes)),
             (
                 "fabric_registered_bytes",

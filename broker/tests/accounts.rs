@@ -302,6 +302,7 @@ fn route_announcing(broker: &Broker, broker_id: u64, pattern: &str) -> Raw {
         broker_id,
         advertise: None,
         seeded: false,
+        limits: raw_common::default_route_limits(),
     }));
     raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
     raw.send(&raw_common::subscribe(1, pattern));

@@ -112,6 +112,47 @@ fn a_subscriber_on_one_broker_gets_what_another_publishes() {
     });
 }
 
+/// Brokers whose limits differ (as in the middle of a rolling change):
+/// what the receiving broker would refuse (a payload over its
+/// `max_payload`, a subject over its `max_subject_len` or
+/// `max_subject_tokens`) is kept back by the sender and counted, and the
+/// route stays up for everything else. Before, the receiver ended the
+/// route at such a message, and its peer redialed into the same end.
+#[test]
+fn a_message_over_the_peer_brokers_limits_is_kept_back_not_the_route() {
+    let b = start(
+        "b",
+        "tcp/127.0.0.1:0",
+        &[],
+        "[limits]\nmax_subject_len = 64\nmax_subject_tokens = 4\n",
+    );
+    let a = start(
+        "a",
+        "tcp/127.0.0.1:0",
+        &[tcp(&b)],
+        "[limits]\nmax_payload = 4194304\n",
+    );
+    wait_until("the route", || routes(&a) == 1 && routes(&b) == 1);
+    let sub = b.subscribe(">").unwrap();
+    wait_interest(&a, 1);
+    let publisher = Client::connect(&tcp(&a)).unwrap();
+    let long_subject = format!("x.{}", "y".repeat(70));
+    for (subject, payload) in [
+        ("big", vec![1u8; 2 << 20]),
+        ("small.1", b"1".to_vec()),
+        (long_subject.as_str(), b"long".to_vec()),
+        ("a.b.c.d.e", b"deep".to_vec()),
+        ("small.2", b"2".to_vec()),
+    ] {
+        publisher.publish(subject, Bytes::from(payload)).unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    assert_eq!(receive(&sub, 2), ["1", "2"]);
+    assert_eq!(a.stats().route_oversized.load(Ordering::Relaxed), 3);
+    assert_eq!((routes(&a), routes(&b)), (1, 1));
+    assert_eq!(a.stats().connections_total.load(Ordering::Relaxed), 2);
+}
+
 #[test]
 fn brokers_listing_each_other_keep_one_route_and_deliver_once() {
     let b = node("b", &[]);

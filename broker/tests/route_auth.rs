@@ -103,6 +103,7 @@ fn ask_for_a_route_as(
         broker_id: 42,
         advertise: advertise.map(str::to_string),
         seeded,
+        limits: raw_common::default_route_limits(),
     }));
 }
 
@@ -354,6 +355,7 @@ fn guesses_at_the_cluster_secret_count_towards_the_address_lockout() {
         broker_id: 42,
         advertise: None,
         seeded: false,
+        limits: raw_common::default_route_limits(),
     }));
     let frames = raw.until_closed();
     assert_eq!(fatal_error(&frames).code, ErrorCode::Auth);
@@ -546,6 +548,7 @@ fn a_route_closed_as_a_duplicate_is_not_dialed_again_at_once() {
         broker_id: 42,
         advertise: None,
         seeded: false,
+        limits: raw_common::default_route_limits(),
     }));
     wait_until("the route up", || routes(&broker) == 1);
     peer.send(&Frame::Goodbye(Goodbye {

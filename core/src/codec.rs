@@ -1909,6 +1909,11 @@ mod tests {
                     broker_id: 1 << 40,
                     advertise: Some("tcp/0.0.0.0:7420".into()),
                     seeded: false,
+                    limits: crate::frame::RouteLimits {
+                        max_payload: 1 << 20,
+                        max_subject_len: 512,
+                        max_subject_tokens: 32,
+                    },
                 }),
                 FrameKind::Route,
             ),

@@ -13,7 +13,7 @@ use crate::caps::Offer;
 
 /// Version of the wire protocol spoken by this build. A peer whose hello
 /// carries another major version is refused with [`ErrorCode::Version`].
-pub const PROTOCOL_VERSION: u16 = 12;
+pub const PROTOCOL_VERSION: u16 = 13;
 
 /// How a subscription wants its messages carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -250,6 +250,34 @@ pub struct RouteHello {
     /// tells its routes about the other. Routes dialed to learned brokers
     /// leave this to the periodic exchange, so a join costs one list.
     pub seeded: bool,
+    /// The largest messages the sender takes from routes. The other
+    /// broker forwards nothing beyond them (it counts what it keeps
+    /// back): a route between brokers with different limits is not ended
+    /// by a message only one of them accepts.
+    pub limits: RouteLimits,
+}
+
+/// What a broker takes in one message from a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteLimits {
+    /// Payload bytes (a header block not counted).
+    pub max_payload: u64,
+    /// Bytes of a subject, and of a reply subject.
+    pub max_subject_len: u32,
+    /// Tokens of a subject, and of a reply subject.
+    pub max_subject_tokens: u32,
+}
+
+impl RouteLimits {
+    /// Whether a message on `subject` with `reply` and `payload_len`
+    /// payload bytes is within these limits.
+    pub fn admit(&self, subject: &str, reply: Option<&str>, payload_len: usize) -> bool {
+        let fits = |name: &str| {
+            name.len() <= self.max_subject_len as usize
+                && name.bytes().filter(|&b| b == b'.').count() < self.max_subject_tokens as usize
+        };
+        payload_len as u64 <= self.max_payload && fits(subject) && reply.is_none_or(fits)
+    }
 }
 
 /// Sent over a route: the brokers the sender has routes to, by the

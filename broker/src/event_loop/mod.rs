@@ -1484,6 +1484,9 @@ impl EventLoop {
                 }
             }
         }
+        if !self.within_route_limits(target.owner, subject, reply, payload.counted_len()) {
+            return;
+        }
         let Some(session) = self.sessions.get_mut(&target.owner) else {
             return;
         };

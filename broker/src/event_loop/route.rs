@@ -42,8 +42,8 @@ use crate::endpoints;
 use efabus_core::caps::Offer;
 use efabus_core::codec;
 use efabus_core::frame::{
-    DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, RoutePeers,
-    SecretProof, Subscribe, Welcome, PROTOCOL_VERSION,
+    DeliveryClass, ErrorCode, ErrorFrame, Frame, Goodbye, Hello, RouteHello, RouteLimits,
+    RoutePeers, SecretProof, Subscribe, Welcome, PROTOCOL_VERSION,
 };
 use efabus_core::log_limit::LogLimit;
 use efabus_core::secret::{constant_time_eq, prove, ProofRole};
@@ -117,6 +117,8 @@ pub(crate) struct RouteRole {
     /// secret with, which the welcome's proof must answer.
     hello_sent: bool,
     proved: Option<([u8; 32], [u8; 32])>,
+    /// What the peer broker takes in one message (its route hello).
+    pub(super) peer_limits: Option<RouteLimits>,
 }
 
 impl RouteRole {
@@ -132,6 +134,7 @@ impl RouteRole {
             seeded: false,
             hello_sent: false,
             proved: None,
+            peer_limits: None,
         }
     }
 
@@ -229,6 +232,8 @@ pub(crate) struct Cluster {
     announcements: Arc<AtomicBool>,
     /// Refused routes are logged at most once per `REFUSAL_LOG_SPACING`.
     refusal_log: LogLimit,
+    /// Messages kept from a route by its peer's limits, logged likewise.
+    oversized_log: LogLimit,
     /// When a route is next told the known brokers, and which one.
     next_gossip: Instant,
     gossip_turn: usize,
@@ -261,6 +266,7 @@ impl Cluster {
             by_broker: HashMap::default(),
             announcements: shared.subscriptions.read().interest_flag(),
             refusal_log: LogLimit::new(REFUSAL_LOG_SPACING),
+            oversized_log: LogLimit::new(REFUSAL_LOG_SPACING),
             next_gossip: now,
             gossip_turn: 0,
             peers_changed: true,
@@ -486,6 +492,7 @@ impl EventLoop {
             broker_id: self.cluster.broker_id,
             advertise: self.cluster.advertise.clone(),
             seeded,
+            limits: self.route_limits(),
         });
         self.send(id, codec::encode(&hello), false);
         self.send(id, codec::encode(&route), false);
@@ -827,6 +834,7 @@ impl EventLoop {
                     broker_id: self.cluster.broker_id,
                     advertise: self.cluster.advertise.clone(),
                     seeded: hello.seeded,
+                    limits: self.route_limits(),
                 });
                 self.send(id, codec::encode(&answer), false);
             }
@@ -838,6 +846,7 @@ impl EventLoop {
                 .and_then(|address| resolve_advertised(address, &session.remote));
             if let Some(role) = session.route_mut() {
                 role.advertised = advertised;
+                role.peer_limits = Some(hello.limits);
                 // An accepted route is a seed route if its dialer says so.
                 if role.slot.is_none() {
                     role.seeded = hello.seeded;
@@ -845,6 +854,55 @@ impl EventLoop {
             }
         }
         self.route_established(id, hello.broker_id);
+    }
+
+    /// What this broker takes in one message from a route: messages from
+    /// routes are held to the starting `limits.max_payload` (the frame
+    /// limit of its endpoints is set from it).
+    fn route_limits(&self) -> RouteLimits {
+        let limits = &self.shared.config.limits;
+        RouteLimits {
+            max_payload: limits.max_payload,
+            max_subject_len: u32::try_from(limits.max_subject_len).unwrap_or(u32::MAX),
+            max_subject_tokens: u32::try_from(limits.max_subject_tokens).unwrap_or(u32::MAX),
+        }
+    }
+
+    /// A message for a route that the peer broker would refuse (over the
+    /// limits in its route hello): kept back and counted, rather than sent
+    /// to end the route. True when it may go.
+    pub(super) fn within_route_limits(
+        &mut self,
+        owner: u64,
+        subject: &str,
+        reply: Option<&str>,
+        payload_len: usize,
+    ) -> bool {
+        let Some(limits) = self
+            .sessions
+            .get(&owner)
+            .and_then(|session| session.route())
+            .and_then(|role| role.peer_limits)
+        else {
+            return true;
+        };
+        if limits.admit(subject, reply, payload_len) {
+            return true;
+        }
+        BrokerStats::add(&self.shared.stats.route_oversized, 1);
+        if let Some(unlogged) = self.cluster.oversized_log.allow(self.now) {
+            warn!(
+                session = owner,
+                %subject,
+                payload_len,
+                max_payload = limits.max_payload,
+                max_subject_len = limits.max_subject_len,
+                max_subject_tokens = limits.max_subject_tokens,
+                unlogged,
+                "message over the peer broker's limits not forwarded"
+            );
+        }
+        false
     }
 
     /// A peer without the route credential asked to become a route: it is

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use efabus_broker::Broker;
 use efabus_core::codec::{self, CodecLimits, FrameReader};
-use efabus_core::frame::{DeliveryClass, Frame, Hello, Subscribe, PROTOCOL_VERSION};
+use efabus_core::frame::{DeliveryClass, Frame, Hello, RouteLimits, Subscribe, PROTOCOL_VERSION};
 
 /// Longest any wait here takes.
 pub const WAIT: Duration = Duration::from_secs(10);
@@ -28,6 +28,15 @@ pub fn client_hello(name: &str) -> Frame {
         offers: Vec::new(),
         link_auth: None,
     })
+}
+
+/// The limits a broker with the default config takes from routes.
+pub fn default_route_limits() -> RouteLimits {
+    RouteLimits {
+        max_payload: 1 << 20,
+        max_subject_len: 512,
+        max_subject_tokens: 32,
+    }
 }
 
 /// A plain (reliable, no queue group) subscription to `pattern` as `sid`.

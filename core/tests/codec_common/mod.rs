@@ -4,7 +4,7 @@ use bytes::Bytes;
 use efabus_core::caps::{EpType, MsgOrder, Offer, Protocol};
 use efabus_core::frame::{
     Credit, DeliveryClass, Dropped, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Hello,
-    LinkAuth, Message, Publish, RouteHello, RoutePeers, Subscribe, Welcome,
+    LinkAuth, Message, Publish, RouteHello, RouteLimits, RoutePeers, Subscribe, Welcome,
 };
 use proptest::prelude::*;
 
@@ -294,15 +294,24 @@ pub fn frame() -> impl Strategy<Value = Frame> {
         (error_code(), text(), any::<bool>())
             .prop_map(|(code, text, fatal)| Frame::Error(ErrorFrame { code, text, fatal })),
         text().prop_map(|reason| Frame::Goodbye(Goodbye { reason })),
-        (any::<u64>(), proptest::option::of(text()), any::<bool>()).prop_map(
-            |(broker_id, advertise, seeded)| {
+        (
+            any::<u64>(),
+            proptest::option::of(text()),
+            any::<bool>(),
+            any::<(u64, u32, u32)>()
+        )
+            .prop_map(|(broker_id, advertise, seeded, limits)| {
                 Frame::Route(RouteHello {
                     broker_id,
                     advertise,
                     seeded,
+                    limits: RouteLimits {
+                        max_payload: limits.0,
+                        max_subject_len: limits.1,
+                        max_subject_tokens: limits.2,
+                    },
                 })
-            }
-        ),
+            }),
         proptest::collection::vec(text(), 0..4)
             .prop_map(|addresses| Frame::RoutePeers(RoutePeers { addresses })),
         (any::<u64>(), any::<u64>())
