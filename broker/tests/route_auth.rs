@@ -470,6 +470,32 @@ fn gossip_of_silent_brokers_leaves_room_for_clients() {
     client.flush(WAIT).expect("and answered");
 }
 
+/// A broker learned behind hundreds that take connections and never
+/// answer still gets its turn: the dials that free up go first to the
+/// brokers left waiting, not always to the first learned, which here
+/// fail and come due again faster than they can all be dialed.
+#[test]
+fn a_live_broker_learned_after_many_silent_ones_is_dialed() {
+    const SILENT: usize = 200;
+    let listeners: Vec<std::net::TcpListener> = (0..SILENT)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a listener"))
+        .collect();
+    let live = start("live", &[], "");
+    let broker = start("crowded", &[], "[limits]\nhandshake_timeout_ms = 200\n");
+    let mut raw = Raw::connect(&broker);
+    ask_for_a_route(&mut raw, None);
+    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
+    let mut addresses: Vec<String> = listeners
+        .iter()
+        .map(|listener| format!("tcp/{}", listener.local_addr().expect("its address")))
+        .collect();
+    addresses.push(tcp(&live));
+    raw.send(&Frame::RoutePeers(efabus_core::frame::RoutePeers {
+        addresses,
+    }));
+    wait_until("the route to the live broker", || routes(&live) == 1);
+}
+
 /// A route peer that pings without end and reads none of the pongs: a
 /// route's control frames are not trimmed by the slow-consumer policy,
 /// so its answers stop once they fill the queue's bound, and what the

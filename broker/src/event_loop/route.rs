@@ -234,6 +234,8 @@ pub(crate) struct Cluster {
     refusal_log: LogLimit,
     /// Messages kept from a route by its peer's limits, logged likewise.
     oversized_log: LogLimit,
+    /// The slot the next pass of [`EventLoop::dial_routes`] looks at first.
+    dial_from: usize,
     /// When a route is next told the known brokers, and which one.
     next_gossip: Instant,
     gossip_turn: usize,
@@ -267,6 +269,7 @@ impl Cluster {
             announcements: shared.subscriptions.read().interest_flag(),
             refusal_log: LogLimit::new(REFUSAL_LOG_SPACING),
             oversized_log: LogLimit::new(REFUSAL_LOG_SPACING),
+            dial_from: 0,
             next_gossip: now,
             gossip_turn: 0,
             peers_changed: true,
@@ -350,7 +353,13 @@ impl EventLoop {
                     .is_some_and(|route| !route.is_up())
             })
             .count();
-        for index in 0..self.cluster.slots.len() {
+        // From the first slot left for later last time: each learned
+        // broker gets its turn, whichever others keep failing.
+        let count = self.cluster.slots.len();
+        let start = self.cluster.dial_from;
+        let mut first_deferred = None;
+        for step in 0..count {
+            let index = (start + step) % count;
             let slot = &mut self.cluster.slots[index];
             if !slot.live() || slot.session.is_some() || now < slot.next_attempt && !slot.deferred {
                 continue;
@@ -364,7 +373,11 @@ impl EventLoop {
                 slot.last_reached = now;
                 continue;
             }
-            if slot.learned && now.saturating_duration_since(slot.last_reached) > forget_after {
+            // One waiting for its turn has not been tried yet.
+            if slot.learned
+                && !slot.deferred
+                && now.saturating_duration_since(slot.last_reached) > forget_after
+            {
                 info!(peer = %slot.endpoint, "learned peer broker unreachable too long; forgotten");
                 slot.forgotten = true;
                 self.cluster.peers_changed = true;
@@ -376,6 +389,7 @@ impl EventLoop {
                     // latest, at this attempt).
                     slot.deferred = true;
                     slot.next_attempt = now + BACKOFF_MIN;
+                    first_deferred.get_or_insert(index);
                     continue;
                 }
                 learned_dials += 1;
@@ -383,6 +397,7 @@ impl EventLoop {
             slot.deferred = false;
             self.dial(index, endpoint, now);
         }
+        self.cluster.dial_from = first_deferred.unwrap_or(0);
         if let Some(next) = self.cluster.next_dial() {
             self.schedule(next);
         }
