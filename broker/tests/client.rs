@@ -1300,6 +1300,40 @@ fn a_full_in_process_subscription_holds_up_publishers_not_the_loop() {
     publisher.flush(WAIT).unwrap();
 }
 
+/// While publishers are held back (here: for a full in-process
+/// subscription whose reader is slow, under the block policy), the broker
+/// reads none of its clients, so their answers to its pings wait unread.
+/// That silence is the broker's own doing: no client is taken for dead
+/// for it, however long the hold lasts beyond the heartbeat timeout.
+#[test]
+fn clients_held_back_are_not_taken_for_dead() {
+    let (broker, endpoint) = start(
+        Via::Tcp,
+        "[limits]\nsubscription_queue = 4\n\
+         [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 20000\n\
+         [heartbeat]\ninterval_ms = 50\ntimeout_ms = 300\n",
+    );
+    let sub = broker.subscribe("held").unwrap();
+    let bystander = connect(&endpoint);
+    bystander.flush(WAIT).unwrap();
+    let publisher = connect(&endpoint);
+    const COUNT: u32 = 100;
+    for n in 0..COUNT {
+        publisher.publish("held", numbered(n)).unwrap();
+    }
+    // 10 ms a message: the hold lasts about a second, three heartbeat
+    // timeouts.
+    for expected in 0..COUNT {
+        let message = sub.recv_timeout(WAIT).expect("a held message");
+        assert_eq!(number(&message), expected);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    publisher.flush(WAIT).unwrap();
+    bystander.flush(WAIT).unwrap();
+    assert_eq!((publisher.reconnects(), bystander.reconnects()), (0, 0));
+    assert_eq!(broker.stats().value("connections_total"), Some(2));
+}
+
 /// A remote and an in-process publisher into one full in-process
 /// subscription under the block policy, its reader slow for longer than
 /// the block timeout: every message arrives, the remote one's in order

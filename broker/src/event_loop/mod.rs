@@ -2224,6 +2224,11 @@ impl EventLoop {
         let mut next = now + IDLE_WAKE;
         for (&id, session) in &mut self.sessions {
             queued += (session.conn.out.bytes() + session.conn.links.backlog_bytes()) as u64;
+            if self.reads_paused && !self.blocking.contains(&id) {
+                // Not read while publishers are held back (nor given
+                // credit): its silence is this broker's doing.
+                session.conn.liveness.excuse(now);
+            }
             let mut due = true;
             match session.state {
                 SessionState::AwaitHello { deadline } if now >= deadline => {

@@ -65,6 +65,14 @@ impl Liveness {
         self.last_heard = now;
     }
 
+    /// The peer is not being read (this side holds it back): its silence
+    /// until `now` does not count against it, and pings still go out.
+    pub fn excuse(&mut self, now: Instant) {
+        let grace = self.interval.min(self.timeout / 2);
+        let excused = now.checked_sub(grace).unwrap_or(now);
+        self.last_heard = self.last_heard.max(excused);
+    }
+
     /// What is due at `now`; a ping asked for counts as sent.
     pub fn poll(&mut self, now: Instant) -> Heartbeat {
         if now.duration_since(self.last_heard) >= self.timeout {
@@ -179,6 +187,23 @@ mod tests {
         assert_eq!(quiet.poll(start + second), Heartbeat::Wait);
         assert_eq!(quiet.next_deadline(), start + 2 * second);
         assert_eq!(quiet.poll(start + 2 * second), Heartbeat::Ping);
+    }
+
+    #[test]
+    fn an_excused_peer_is_pinged_but_never_taken_for_dead() {
+        let start = Instant::now();
+        let second = Duration::from_secs(1);
+        let mut held = Liveness::new(start, second, 3 * second, true);
+        for at in 1..10 {
+            let now = start + at * second;
+            held.excuse(now);
+            assert_eq!(held.poll(now), Heartbeat::Ping, "at {at} s");
+            assert!(held.next_deadline() > now);
+        }
+        // Read again, and silent: dead a timeout after the last excuse's
+        // grace began.
+        let resumed = start + 9 * second;
+        assert_eq!(held.poll(resumed + 2 * second), Heartbeat::Dead);
     }
 
     #[test]
