@@ -342,6 +342,44 @@ fn a_route_whose_data_link_stays_silent_is_dialed_again_on_tcp() {
     assert_eq!(silent(), 1, "once, and not again");
 }
 
+/// After its route's data link stayed silent, a peer dialed on TCP alone
+/// that restarts at the same address with a working fabric gets its route
+/// back on the fabric: the route that finds a new broker there is dialed
+/// again with the fabric offered (it stayed on TCP until it broke).
+#[test]
+fn a_silent_peer_restarted_with_a_working_fabric_comes_back_on_it() {
+    let drop_all = "[testing.faults]\nscheme = \"efa-rdm\"\ndrop = 1.0";
+    let Some(b) = start_with("b", Some("efa-rdm"), "tcp;ofi_rxm", &[], drop_all) else {
+        return;
+    };
+    let b_tcp = tcp(&b);
+    let Some(a) = start_with(
+        "a",
+        Some("efa-rdm"),
+        "tcp;ofi_rxm",
+        std::slice::from_ref(&b_tcp),
+        "[limits]\nhandshake_timeout_ms = 500",
+    ) else {
+        return;
+    };
+    let _sub = b.subscribe("silent").unwrap();
+    wait_until("b's interest at a", || a.route_interest_count() == 1);
+    a.publish("silent", payload(0)).unwrap();
+    wait_until("the route back, on TCP", || {
+        a.routes()
+            .first()
+            .is_some_and(|route| route.reliable == "tcp")
+    });
+    drop(b);
+    wait_until("the route down", || a.routes().is_empty());
+    let b = restart_on_the_fabric(&b_tcp, &a);
+    let sub = b.subscribe("again").unwrap();
+    wait_until("b's interest at a", || a.route_interest_count() == 1);
+    a.publish("again", payload(5)).unwrap();
+    assert_eq!(sub.recv_timeout(WAIT).unwrap().payload, payload(5));
+    assert!(the_route(&a).reliable.starts_with("efa-rdm via"));
+}
+
 /// Brokers a and b on `efa-rdm` via `tcp;ofi_rxm`, b with `b_extra` in
 /// its config, a dialing b; returned with b's TCP address once the route
 /// is up on the fabric.

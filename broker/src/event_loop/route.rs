@@ -970,17 +970,22 @@ impl EventLoop {
             self.goodbye(id, "a broker does not route to itself");
             return;
         }
-        if let Some(slot) = slot {
-            let slot = &mut self.cluster.slots[slot];
+        if let Some(index) = slot {
+            let slot = &mut self.cluster.slots[index];
             slot.reached = Some(broker);
             // Another broker at this address, or the same one restarted:
-            // its next route tries the fabric again.
+            // this route was dialed without the fabric, so it is dialed
+            // again at once, the fabric offered.
             if slot
                 .fabric_silent
                 .as_ref()
                 .is_some_and(|(_, then)| *then != Some(broker))
             {
                 slot.fabric_silent = None;
+                slot.was_up = true;
+                info!(session = id, peer = %remote, broker = %broker_hex(broker), "a new broker where the fabric stayed silent; dialing again with it");
+                self.goodbye(id, "dialing again to offer the fabric");
+                return;
             }
         }
         if let Some(&other) = self.cluster.by_broker.get(&broker) {
