@@ -360,14 +360,16 @@ impl Rendezvous {
     /// The queued read to start next, if one may start now: the oldest
     /// whose peer is within its share of reads (so one peer's stalled or
     /// numerous transfers do not hold up the others') and not held, when a
-    /// slot is free and the bytes allow.
+    /// slot is free and the endpoint's bytes allow it. When they do not,
+    /// nothing younger starts before it: smaller reads passing it would
+    /// keep a large one waiting for as long as they keep coming.
     pub fn startable_read(&self) -> Option<usize> {
         if self.free_slots.is_empty() {
             return None;
         }
-        self.queue.iter().position(|queued| {
+        for (index, queued) in self.queue.iter().enumerate() {
             if self.held.contains(&queued.peer) {
-                return false;
+                continue;
             }
             let total = self.landing.footprint(queued);
             let (reads, bytes) = self
@@ -375,10 +377,13 @@ impl Rendezvous {
                 .get(&queued.peer)
                 .copied()
                 .unwrap_or_default();
-            let peer_ok = reads == 0 || reads < PEER_READS_MAX && bytes + total <= PEER_READING_MAX;
+            if reads > 0 && (reads >= PEER_READS_MAX || bytes + total > PEER_READING_MAX) {
+                continue;
+            }
             let all_ok = self.reading == 0 || self.reading + total <= READING_MAX;
-            peer_ok && all_ok
-        })
+            return all_ok.then_some(index);
+        }
+        None
     }
 
     /// Whether a read of `peer`'s is in flight or queued.
@@ -756,6 +761,32 @@ mod tests {
         // And with no slot free, nothing starts.
         rma.free_slots.clear();
         assert_eq!(rma.startable_read(), None);
+    }
+
+    #[test]
+    fn a_large_read_waiting_for_room_is_not_passed_by_smaller_ones() {
+        let mut rma = Rendezvous::new(true, 1 << 30, 8).expect("keys");
+        let queued = |peer: u64, body_len: usize| QueuedRead {
+            peer: PeerId(peer),
+            descriptor: RmaDescriptor {
+                id: 0,
+                addr: 0,
+                key: 0,
+                body_len: body_len as u64,
+            },
+            head: Vec::new(),
+        };
+        // Other peers' reads take all but 1 MiB of the endpoint's bytes.
+        rma.count_read(PeerId(1), READING_MAX - (1 << 20), true);
+        rma.queue.push_back(queued(2, 32 << 20));
+        rma.queue.push_back(queued(3, 1 << 10));
+        assert_eq!(rma.startable_read(), None, "the small one waits behind");
+        // A peer's share still lets the others by: peer 2 at its share.
+        rma.count_read(PeerId(1), READING_MAX - (1 << 20), false);
+        for _ in 0..PEER_READS_MAX {
+            rma.count_read(PeerId(2), 1 << 10, true);
+        }
+        assert_eq!(rma.startable_read(), Some(1));
     }
 
     #[test]
