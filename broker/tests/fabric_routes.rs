@@ -875,3 +875,45 @@ fn a_burst_before_the_address_proof_waits_for_it() {
     assert_eq!(stat("unproven_addresses"), 0);
     assert_eq!(stat("connection_drops"), 0);
 }
+
+/// The accepting broker sends its interest snapshot on TCP as the route
+/// comes up, then moves to the data link once the dialing broker uses it.
+/// Interest changed just then (here: 200 of 50,000 subscriptions dropped
+/// over 20 ms from b's first fabric frame) must not overtake the snapshot
+/// still on its way: a would apply each unsubscribe before the subscribe
+/// it undoes, and keep the stale entries until the route was remade (it
+/// kept all 200 in three runs of four before the switch waited for a to
+/// have read what went on TCP).
+#[test]
+fn interest_changed_as_a_route_moves_to_the_fabric_is_not_overtaken() {
+    const SUBSCRIPTIONS: usize = 50_000;
+    const DROPPED: usize = 200;
+    let Some(b) = start("b", Some("efa-rdm"), "tcp;ofi_rxm", &[]) else {
+        return;
+    };
+    let mut subs: Vec<_> = (0..SUBSCRIPTIONS)
+        .map(|n| b.subscribe(&format!("p.{n}")).unwrap())
+        .collect();
+    let Some(a) = start("a", Some("efa-rdm"), "tcp;ofi_rxm", &[tcp(&b)]) else {
+        return;
+    };
+    // a's own interest goes on its data link as its route comes up.
+    let _mine = a.subscribe("mine").unwrap();
+    let deadline = Instant::now() + WAIT;
+    while b.stats().fabric_frames_in.load(Ordering::Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "nothing came on b's data link");
+        std::hint::spin_loop();
+    }
+    for _ in 0..DROPPED {
+        drop(subs.pop());
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    let left = SUBSCRIPTIONS - DROPPED;
+    wait_until("a's view of b's interest", || {
+        a.route_interest_count() == left
+    });
+    // And it stays there.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(a.route_interest_count(), left);
+    assert!(the_route(&a).reliable.starts_with("efa-rdm via"));
+}

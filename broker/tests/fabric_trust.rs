@@ -893,6 +893,15 @@ fn a_closing_session_acknowledges_nothing_it_drops() {
         })
         .expect("the broker's challenge");
     raw.send(&Frame::Pong { nonce });
+    // And the ping sent on the control link with it, which shows that
+    // this peer has read what went there before.
+    let Frame::Ping { nonce } = raw.expect(
+        "the control link's ping",
+        |frame| matches!(frame, Frame::Ping { nonce } if *nonce != 0),
+    ) else {
+        unreachable!()
+    };
+    raw.send(&Frame::Pong { nonce });
     // Proven: the subscription is acknowledged.
     let deadline = Instant::now() + WAIT;
     while acknowledged(&frames_from_broker(&mut peer, Duration::from_millis(50))) != Some(1) {

@@ -1060,11 +1060,11 @@ impl EventLoop {
         let challenged = session.conn.links.challenge_due();
         if challenged {
             // The peer has its side of the links up: ask it to show that
-            // it receives at the addresses it gave.
-            session
-                .conn
-                .links
-                .send_challenges(&mut self.endpoints, false);
+            // it receives at the addresses it gave, and to have read what
+            // went on the control link before.
+            let links = &mut session.conn.links;
+            links.send_challenges(&mut self.endpoints, false);
+            links.start_barrier(&mut self.endpoints, session.conn.control);
         }
         // A gap this left is given up (best effort) or fails the link
         // (reliable) by time.
@@ -1108,10 +1108,9 @@ impl EventLoop {
             return;
         };
         if session.conn.links.challenge_due() {
-            session
-                .conn
-                .links
-                .send_challenges(&mut self.endpoints, false);
+            let links = &mut session.conn.links;
+            links.send_challenges(&mut self.endpoints, false);
+            links.start_barrier(&mut self.endpoints, session.conn.control);
             self.end_if_data_link_failed(id);
         }
     }
@@ -1837,6 +1836,11 @@ impl EventLoop {
             return;
         };
         let before = session.conn.out.bytes();
+        let control = session.conn.control;
+        session
+            .conn
+            .links
+            .send_barrier(&mut self.endpoints, control);
         let empty = session
             .conn
             .flush(&mut self.endpoints, &mut self.tally.sent);
@@ -2066,8 +2070,9 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
+        let barrier_passed = session.conn.links.on_barrier_pong(nonce);
         let proven = session.conn.links.on_pong(nonce, &mut self.endpoints);
-        if proven.is_empty() {
+        if proven.is_empty() && !barrier_passed {
             return;
         }
         debug!(

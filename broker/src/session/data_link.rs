@@ -28,6 +28,7 @@ use thiserror::Error;
 use tracing::warn;
 
 use super::link_auth::{random_u64, HandshakeRole, LinkSecret};
+use super::outbound::Control;
 use crate::endpoints;
 
 /// Why a data link could not open or send.
@@ -701,6 +702,23 @@ pub(crate) struct Keying<'a> {
     pub peer: &'a LinkAuth,
 }
 
+/// The accepting side's switch to the reliable link waits for the peer to
+/// have read what it sent on the control link before: frames sent on the
+/// data link afterwards could otherwise be taken before them (a route's
+/// unsubscribe before the subscribe it undoes, still in the interest
+/// snapshot on TCP). A ping on the control link, behind all of that, is
+/// the barrier: its pong comes once the peer has read up to it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Barrier {
+    /// Nothing to wait for (or the pong came).
+    #[default]
+    Passed,
+    /// The ping is still to go: the control link took no more for now.
+    Unsent(u64),
+    /// The ping went; its pong has not come back yet.
+    Awaiting(u64),
+}
+
 /// The data links both sides agreed on in one handshake.
 pub(crate) struct Negotiation {
     /// This side's offer of each link opened: put in the welcome so the
@@ -716,14 +734,18 @@ pub(crate) struct Negotiation {
 pub(crate) struct DataLinks {
     pub reliable: Option<DataLink>,
     /// Whether frames to the peer go over `reliable` yet. The side that
-    /// accepted the handshake switches once the peer has used it, so
-    /// nothing it sends overtakes what is still on the control link.
+    /// accepted the handshake switches once the peer has used it (and,
+    /// before anything goes there, the peer has proven the address and
+    /// passed the [`Barrier`]).
     pub in_use: bool,
     pub best_effort: Option<DataLink>,
     /// Why the reliable link may send nothing more: a send failed after its
     /// frame was numbered, so the peer would wait for that sequence in
     /// vain. Nothing goes out behind it; the owner ends the connection.
     pub failure: Option<String>,
+    /// On the accepting side, what the switch to the reliable link waits
+    /// for besides its address's proof.
+    pub barrier: Barrier,
 }
 
 impl DataLinks {
@@ -846,7 +868,46 @@ impl DataLinks {
             && self
                 .reliable
                 .as_ref()
-                .is_some_and(|link| link.proof != Proof::Proven)
+                .is_some_and(|link| link.proof != Proof::Proven || self.barrier != Barrier::Passed)
+    }
+
+    /// On the accepting side, as the peer's side of the links comes up:
+    /// the frames sent on the control link so far must be read before any
+    /// sent on the reliable link ([`Barrier`]).
+    pub fn start_barrier(&mut self, endpoints: &mut [Box<dyn Endpoint>], control: Control) {
+        if self.reliable.is_none() || self.barrier != Barrier::Passed {
+            return;
+        }
+        // Without randomness there is no nonce: no barrier, as before.
+        let Ok(nonce) = random_u64() else {
+            return;
+        };
+        self.barrier = Barrier::Unsent(nonce);
+        self.send_barrier(endpoints, control);
+    }
+
+    /// Sends the barrier's ping if it is still to go, straight to the
+    /// control link, behind everything handed to it (call again when the
+    /// link takes frames again).
+    pub fn send_barrier(&mut self, endpoints: &mut [Box<dyn Endpoint>], control: Control) {
+        let Barrier::Unsent(nonce) = self.barrier else {
+            return;
+        };
+        let ping = codec::encode(&Frame::Ping { nonce });
+        // Refused when full: sent again from the next flush. When failing,
+        // the link's closing event ends the session.
+        if endpoints[control.endpoint].send(control.peer, ping).is_ok() {
+            self.barrier = Barrier::Awaiting(nonce);
+        }
+    }
+
+    /// A `Pong` from the peer: whether it answers the barrier's ping.
+    pub fn on_barrier_pong(&mut self, nonce: u64) -> bool {
+        if self.barrier == Barrier::Awaiting(nonce) {
+            self.barrier = Barrier::Passed;
+            return true;
+        }
+        false
     }
 
     /// The best-effort link, once the peer has proven its address there.
@@ -1157,6 +1218,7 @@ impl DataLinks {
         }
         self.in_use = false;
         self.failure = None;
+        self.barrier = Barrier::Passed;
     }
 }
 
