@@ -151,8 +151,9 @@ pub struct ClientOptions {
     /// Subject limits checked before the server's welcome; from then on
     /// the server's own (which it sends in the welcome) apply.
     pub subject_limits: SubjectLimits,
-    /// Data endpoints to offer the server (`efa-rdm`, `efa-dgram`); the
-    /// handshake decides, per the preference list, which carry traffic.
+    /// Data endpoints to open (`efa-rdm`, `efa-dgram`) and offer the
+    /// server, those `preference` lists (the others are left closed); the
+    /// handshake decides, per that list, which carry traffic.
     pub data_paths: Vec<String>,
     /// libfabric settings for the data endpoints.
     pub fabric: crate::config::Fabric,
@@ -908,6 +909,17 @@ impl Client {
         let mut data = Vec::new();
         let mut unavailable = Vec::new();
         for text in &options.data_paths {
+            // A path the preference leaves out would never carry traffic
+            // (and must not be offered: the server would open its side).
+            let scheme = text.split('/').next().unwrap_or(text);
+            if !options
+                .preference
+                .iter()
+                .any(|preferred| preferred == scheme)
+            {
+                unavailable.push(format!("{scheme}: not in the preference list; not opened"));
+                continue;
+            }
             match open_data_endpoint(&registry, text, &options) {
                 Ok(endpoint) => {
                     let index = 1 + data.len();

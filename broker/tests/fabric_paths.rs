@@ -870,26 +870,40 @@ fn a_lost_datagram_does_not_hold_the_link() {
     assert!(burst.received >= 2048, "losses held the link: {burst:?}");
 }
 
-/// A client that offers `efa-dgram` but leaves it out of its preference
-/// never opens its side of the datagram link the broker chose from its
-/// offers: the broker's pings there go unanswered, and it closes that
-/// link alone, saying why. The session stays; best-effort messages come
-/// over the reliable link, whole and in order.
+/// A datagram link whose peer never answers there (here the client's
+/// datagram endpoint drops all it receives, as one that did not open its
+/// side would) is given up alone once the broker has asked three times,
+/// saying why; the session stays, and best-effort messages come over the
+/// reliable link, whole and in order. (It ended the session, every few
+/// seconds.) A client whose preference leaves `efa-dgram` out neither
+/// opens nor offers it, so the broker opens no datagram link for it.
 #[test]
-fn a_datagram_link_the_peer_never_opened_is_closed_alone() {
+fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
     let provider = Provider { rdm: "tcp;ofi_rxm" };
     let heartbeat = "[heartbeat]\ninterval_ms = 100\ntimeout_ms = 5000\n";
     let Some(broker) = start_broker(provider, true, heartbeat) else {
         return;
     };
-    let client = connect_with(
+    let rdm_only = connect_with(
         &broker,
         ClientOptions {
             preference: vec!["efa-rdm".to_string(), "tcp".to_string()],
             ..fabric_options(&broker, "rdm-only")
         },
     );
-    assert_eq!(client.link().best_effort, None, "{:?}", client.link());
+    let deaf = efabus_broker::config::Faults {
+        scheme: Some("efa-dgram".to_string()),
+        direction: efabus_transports::fault::FaultDirection::Receive,
+        drop: 1.0,
+        ..Default::default()
+    };
+    let client = connect_with(
+        &broker,
+        ClientOptions {
+            faults: Some(deaf),
+            ..fabric_options(&broker, "deaf-datagrams")
+        },
+    );
     let sub = client.subscribe_best_effort("be.>").unwrap();
     client.flush(WAIT).unwrap();
     let unproven = || {
@@ -910,7 +924,7 @@ fn a_datagram_link_the_peer_never_opened_is_closed_alone() {
         .connections(false, WAIT)
         .unwrap()
         .into_iter()
-        .find(|report| report.name == "rdm-only")
+        .find(|report| report.name == "deaf-datagrams")
         .expect("the client's session");
     assert_eq!(report.best_effort, None, "{report:?}");
     assert!(report.reliable.starts_with("efa-rdm"), "{report:?}");
@@ -930,6 +944,21 @@ fn a_datagram_link_the_peer_never_opened_is_closed_alone() {
     expect_in_order(&sub, 100, "best effort on the reliable link");
     assert_eq!(client.reconnects(), 0);
     assert_eq!(unproven(), 1);
+    let rdm_only_report = broker
+        .connections(false, WAIT)
+        .unwrap()
+        .into_iter()
+        .find(|report| report.name == "rdm-only")
+        .expect("the other client's session");
+    assert_eq!(rdm_only_report.best_effort, None, "{rdm_only_report:?}");
+    let link = rdm_only.link();
+    assert_eq!(link.best_effort, None);
+    assert!(
+        link.reasons
+            .iter()
+            .any(|reason| reason == "efa-dgram: not in the preference list; not opened"),
+        "{link:?}"
+    );
 }
 
 /// Drops one in 200 of the frames the broker sends on its datagram link

@@ -527,18 +527,21 @@ impl EventLoop {
         self.schedule(next);
     }
 
-    /// What this broker offers on a route it dialed for `slot`: the control
-    /// link alone to a peer whose data link once carried nothing back.
+    /// What this broker offers on a route it dialed for `slot`: what its
+    /// preference would choose (the peer must not open a path this broker
+    /// leaves out), and the control link alone to a peer whose data link
+    /// once carried nothing back.
     fn route_offers(&self, slot: Option<usize>) -> Vec<Offer> {
-        match slot.map(|slot| &self.cluster.slots[slot].fabric_silent) {
-            Some(Some(_)) => self
-                .offers
-                .iter()
-                .filter(|offer| !endpoints::is_data_scheme(&offer.scheme))
-                .cloned()
-                .collect(),
-            _ => self.offers.clone(),
-        }
+        let silent = slot.is_some_and(|slot| self.cluster.slots[slot].fabric_silent.is_some());
+        let preference = &self.shared.config.negotiation.preference;
+        self.offers
+            .iter()
+            .filter(|offer| {
+                !endpoints::is_data_scheme(&offer.scheme)
+                    || !silent && preference.contains(&offer.scheme)
+            })
+            .cloned()
+            .collect()
     }
 
     /// Routes this broker dialed whose reliable data link has carried

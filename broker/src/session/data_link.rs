@@ -944,22 +944,18 @@ impl DataLinks {
     ///
     /// A link asked `MAX_CHALLENGES` times without an answer does not
     /// reach the peer at the address it gave. A best-effort link the peer
-    /// never sent on is closed alone (the peer may not have opened it:
-    /// its preference or its endpoint may differ from this side's): it is
-    /// handed back for the owner to close, and best-effort traffic goes
-    /// where it went before the proof. Any other ends the session.
+    /// never sent on is given up alone, unless the session ends anyway
+    /// (the peer's datagram endpoint may have failed to open, or every
+    /// ping was lost): it is handed back for the owner to close, and
+    /// best-effort traffic goes where it went before the proof. Any other
+    /// ends the session.
     pub fn send_challenges(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
         again: bool,
     ) -> Unanswered {
         let mut unanswered = Unanswered::default();
-        if again && self.best_effort.as_ref().is_some_and(|link| {
-            link.contact != Contact::Heard
-                && matches!(link.proof, Proof::Awaiting { asked, .. } if asked >= MAX_CHALLENGES)
-        }) {
-            unanswered.best_effort_given_up = self.best_effort.take();
-        }
+        let mut give_up_best_effort = false;
         let mut failure = None;
         for link in self.links_mut() {
             let Proof::Awaiting { nonce, asked } = link.proof else {
@@ -969,7 +965,11 @@ impl DataLinks {
                 continue;
             }
             if asked >= MAX_CHALLENGES {
-                unanswered.session_ends = true;
+                if link.lossy && link.contact != Contact::Heard {
+                    give_up_best_effort = true;
+                } else {
+                    unanswered.session_ends = true;
+                }
                 continue;
             }
             let ping = codec::encode(&Frame::Ping { nonce });
@@ -993,6 +993,10 @@ impl DataLinks {
         }
         if let Some(failure) = failure {
             self.failure.get_or_insert(failure);
+        }
+        // Alone: a session that ends closes it anyway.
+        if give_up_best_effort && !unanswered.session_ends {
+            unanswered.best_effort_given_up = self.best_effort.take();
         }
         unanswered
     }
