@@ -1057,14 +1057,21 @@ impl EventLoop {
             .conn
             .links
             .receive(kind, self.now, bytes, &mut released);
+        // Moving to the reliable link, this side first asks the peer to
+        // have read what went on the control link.
+        let control = session.conn.control;
+        session
+            .conn
+            .links
+            .send_barrier(&mut self.endpoints, control);
         let challenged = session.conn.links.challenge_due();
         if challenged {
             // The peer has its side of the links up: ask it to show that
-            // it receives at the addresses it gave, and to have read what
-            // went on the control link before.
-            let links = &mut session.conn.links;
-            links.send_challenges(&mut self.endpoints, false);
-            links.start_barrier(&mut self.endpoints, session.conn.control);
+            // it receives at the addresses it gave.
+            session
+                .conn
+                .links
+                .send_challenges(&mut self.endpoints, false);
         }
         // A gap this left is given up (best effort) or fails the link
         // (reliable) by time.
@@ -1108,9 +1115,10 @@ impl EventLoop {
             return;
         };
         if session.conn.links.challenge_due() {
-            let links = &mut session.conn.links;
-            links.send_challenges(&mut self.endpoints, false);
-            links.start_barrier(&mut self.endpoints, session.conn.control);
+            session
+                .conn
+                .links
+                .send_challenges(&mut self.endpoints, false);
             self.end_if_data_link_failed(id);
         }
     }
@@ -1189,6 +1197,16 @@ impl EventLoop {
         };
         session.conn.liveness.heard(self.now);
         if matches!(session.state, SessionState::Closing { .. }) {
+            // Nothing more is read, but the barrier's answer: what waits
+            // behind it is the closing session's to drain.
+            if bytes.get(PREFIX_LEN) == Some(&(FrameKind::Pong as u8)) {
+                if let Ok(Frame::Pong { nonce }) = codec::decode(message.slice(range), &self.codec)
+                {
+                    if session.conn.links.on_barrier_pong(nonce) {
+                        self.flush_session(id);
+                    }
+                }
+            }
             return;
         }
         let kind = bytes.get(PREFIX_LEN).copied();
@@ -1673,15 +1691,19 @@ impl EventLoop {
             // Held for a proof that has not come, the queue is over its
             // bound with frames the slow-consumer policy does not trim
             // (answers to the peer's own pings): the peer is not receiving
-            // where it said. Messages over the bound are the policy's to
-            // handle: a burst published before the proof comes back waits
-            // for it (block) or gives way (drop-oldest) as any other.
-            BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
-            self.fail(
-                id,
-                ErrorCode::Protocol,
-                "the queue for an unproven fabric address is full".to_string(),
-            );
+            // where it said, or not reading its control link. Messages
+            // over the bound are the policy's to handle: a burst published
+            // before the proof comes back waits for it (block) or gives
+            // way (drop-oldest) as any other.
+            let text = if session.conn.links.only_barrier_holds() {
+                // It is not reading what was sent: a slow consumer.
+                BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
+                "the queue is full while the peer has not read its control link"
+            } else {
+                BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
+                "the queue for an unproven fabric address is full"
+            };
+            self.fail(id, ErrorCode::Protocol, text.to_string());
             return;
         }
         if left_queued
@@ -1946,8 +1968,11 @@ impl EventLoop {
         info!(session = id, remote = %session.remote, ?code, %text, "closing peer");
         let frame = error_frame(code, text, true);
         // A queue behind a failed data link never drains, nor does one
-        // held for a data link whose address was never proven.
-        let path_broken = session.conn.links.failure.is_some() || session.conn.links.held();
+        // held for a data link whose address was never proven (one held
+        // for the barrier alone goes once the peer has read its control
+        // link, which a closing session still hears).
+        let links = &session.conn.links;
+        let path_broken = links.failure.is_some() || links.held() && !links.only_barrier_holds();
         if code == ErrorCode::SlowConsumer || path_broken {
             // A slow consumer's queue would never drain either: drop it and
             // say why on the control link, where nothing waits for the

@@ -702,12 +702,13 @@ pub(crate) struct Keying<'a> {
     pub peer: &'a LinkAuth,
 }
 
-/// The accepting side's switch to the reliable link waits for the peer to
-/// have read what it sent on the control link before: frames sent on the
-/// data link afterwards could otherwise be taken before them (a route's
-/// unsubscribe before the subscribe it undoes, still in the interest
-/// snapshot on TCP). A ping on the control link, behind all of that, is
-/// the barrier: its pong comes once the peer has read up to it.
+/// The accepting side's switch to the reliable link (when the peer's
+/// first message arrives there) waits for the peer to have read what it
+/// sent on the control link before: frames sent on the data link
+/// afterwards could otherwise be taken before them (a route's unsubscribe
+/// before the subscribe it undoes, still in the interest snapshot on
+/// TCP). A ping on the control link, behind all of that, is the barrier:
+/// its pong comes once the peer has read up to it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) enum Barrier {
     /// Nothing to wait for (or the pong came).
@@ -871,21 +872,6 @@ impl DataLinks {
                 .is_some_and(|link| link.proof != Proof::Proven || self.barrier != Barrier::Passed)
     }
 
-    /// On the accepting side, as the peer's side of the links comes up:
-    /// the frames sent on the control link so far must be read before any
-    /// sent on the reliable link ([`Barrier`]).
-    pub fn start_barrier(&mut self, endpoints: &mut [Box<dyn Endpoint>], control: Control) {
-        if self.reliable.is_none() || self.barrier != Barrier::Passed {
-            return;
-        }
-        // Without randomness there is no nonce: no barrier, as before.
-        let Ok(nonce) = random_u64() else {
-            return;
-        };
-        self.barrier = Barrier::Unsent(nonce);
-        self.send_barrier(endpoints, control);
-    }
-
     /// Sends the barrier's ping if it is still to go, straight to the
     /// control link, behind everything handed to it (call again when the
     /// link takes frames again).
@@ -899,6 +885,16 @@ impl DataLinks {
         if endpoints[control.endpoint].send(control.peer, ping).is_ok() {
             self.barrier = Barrier::Awaiting(nonce);
         }
+    }
+
+    /// Whether the move to the reliable link waits for the [`Barrier`]
+    /// alone (the address proven).
+    pub fn only_barrier_holds(&self) -> bool {
+        self.held()
+            && self
+                .reliable
+                .as_ref()
+                .is_some_and(|link| link.proof == Proof::Proven)
     }
 
     /// A `Pong` from the peer: whether it answers the barrier's ping.
@@ -1061,7 +1057,17 @@ impl DataLinks {
     ) -> Result<(), LinkError> {
         let link = match kind {
             LinkKind::Reliable => {
-                self.in_use = true;
+                if !self.in_use {
+                    // The accepting side moves now: what it sent on the
+                    // control link so far must be read first.
+                    self.in_use = true;
+                    match random_u64() {
+                        Ok(nonce) => self.barrier = Barrier::Unsent(nonce),
+                        Err(err) => {
+                            warn!(%err, "no barrier before the data link: frames sent on it may overtake the control link's")
+                        }
+                    }
+                }
                 self.reliable.as_mut()
             }
             LinkKind::BestEffort => self.best_effort.as_mut(),
