@@ -18,7 +18,7 @@ use bytes::Bytes;
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::frame::{
     Credit, DeliveryClass, Dropped, ErrorCode, ErrorFrame, Fragment, Frame, Goodbye, Message,
-    Publish, RouteHello, RoutePeers, Subscribe, PROTOCOL_VERSION,
+    Publish, RouteHello, RouteLimits, RoutePeers, Subscribe, PROTOCOL_VERSION,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -73,6 +73,11 @@ fn bases() -> &'static [Vec<u8>] {
                 broker_id: 7,
                 advertise: Some("tcp/127.0.0.1:7420".into()),
                 seeded: false,
+                limits: RouteLimits {
+                    max_payload: 1 << 20,
+                    max_subject_len: 512,
+                    max_subject_tokens: 32,
+                },
             }),
             Frame::RoutePeers(RoutePeers {
                 addresses: vec!["tcp/10.0.0.2:7420".into()],

@@ -53,6 +53,7 @@ fuzz_target!(|data: &[u8]| {
         gap_timeout: Duration::from_millis(10),
         reliable_gap_timeout: Duration::from_millis(10),
         reorder_window: WINDOW,
+        skip_distance: WINDOW / 2,
         reassembly: ReassemblyConfig {
             max_bytes: MAX_BYTES,
             max_messages: 4,
