@@ -902,7 +902,7 @@ fn interest_changed_as_a_route_moves_to_the_fabric_is_not_overtaken() {
     let deadline = Instant::now() + WAIT;
     while b.stats().fabric_frames_in.load(Ordering::Relaxed) == 0 {
         assert!(Instant::now() < deadline, "nothing came on b's data link");
-        std::hint::spin_loop();
+        std::thread::yield_now();
     }
     for _ in 0..DROPPED {
         drop(subs.pop());
