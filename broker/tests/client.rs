@@ -1304,12 +1304,13 @@ fn a_full_in_process_subscription_holds_up_publishers_not_the_loop() {
 /// subscription whose reader is slow, under the block policy), the broker
 /// reads none of its clients, so their answers to its pings wait unread.
 /// That silence is the broker's own doing: no client is taken for dead
-/// for it, however long the hold lasts beyond the heartbeat timeout.
+/// for it, however long the hold lasts beyond the heartbeat timeout, and
+/// no handshake times out for it.
 #[test]
 fn clients_held_back_are_not_taken_for_dead() {
     let (broker, endpoint) = start(
         Via::Tcp,
-        "[limits]\nsubscription_queue = 4\n\
+        "[limits]\nsubscription_queue = 4\nhandshake_timeout_ms = 300\n\
          [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 20000\n\
          [heartbeat]\ninterval_ms = 50\ntimeout_ms = 300\n",
     );
@@ -1322,16 +1323,31 @@ fn clients_held_back_are_not_taken_for_dead() {
         publisher.publish("held", numbered(n)).unwrap();
     }
     // 10 ms a message: the hold lasts about a second, three heartbeat
-    // timeouts.
+    // timeouts and three handshake timeouts. A client connecting in it
+    // has its hello read once the hold ends.
+    let mut late = None;
     for expected in 0..COUNT {
         let message = sub.recv_timeout(WAIT).expect("a held message");
         assert_eq!(number(&message), expected);
+        if expected == 10 {
+            let endpoint = endpoint.clone();
+            late = Some(std::thread::spawn(move || connect(&endpoint)));
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
+    let late = late.expect("started").join().expect("connected");
     publisher.flush(WAIT).unwrap();
     bystander.flush(WAIT).unwrap();
-    assert_eq!((publisher.reconnects(), bystander.reconnects()), (0, 0));
-    assert_eq!(broker.stats().value("connections_total"), Some(2));
+    late.flush(WAIT).unwrap();
+    assert_eq!(
+        (
+            publisher.reconnects(),
+            bystander.reconnects(),
+            late.reconnects()
+        ),
+        (0, 0, 0)
+    );
+    assert_eq!(broker.stats().value("connections_total"), Some(3));
 }
 
 /// A remote and an in-process publisher into one full in-process

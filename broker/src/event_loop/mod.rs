@@ -1842,12 +1842,18 @@ impl EventLoop {
             return;
         }
         self.reads_paused = paused;
-        for (id, session) in &self.sessions {
+        let handshake = self.now + self.shared.config.handshake_timeout();
+        for (id, session) in &mut self.sessions {
             // The slow consumers themselves keep being read: they may
             // only be acknowledging or saying goodbye.
             if !self.blocking.contains(id) {
                 let control = session.conn.control;
                 self.endpoints[control.endpoint].set_read_paused(control.peer, paused);
+                // A handshake left unread gets its whole time once read.
+                if let (false, SessionState::AwaitHello { deadline }) = (paused, &mut session.state)
+                {
+                    *deadline = (*deadline).max(handshake);
+                }
             }
         }
     }
@@ -2239,6 +2245,7 @@ impl EventLoop {
         // What was due is served now; what is left is scheduled anew below.
         self.next_timer = now + IDLE_WAKE;
         let timeout = self.shared.config.heartbeat_timeout();
+        let handshake_timeout = self.shared.config.handshake_timeout();
         let block_timeout = self.shared.live.block_timeout();
         let mut expired = Vec::new();
         let mut overdue = Vec::new();
@@ -2254,10 +2261,13 @@ impl EventLoop {
         let mut next = now + IDLE_WAKE;
         for (&id, session) in &mut self.sessions {
             queued += (session.conn.out.bytes() + session.conn.links.backlog_bytes()) as u64;
+            // Not read while publishers are held back (nor given credit):
+            // its silence is this broker's doing, its handshake's too.
             if self.reads_paused && !self.blocking.contains(&id) {
-                // Not read while publishers are held back (nor given
-                // credit): its silence is this broker's doing.
                 session.conn.liveness.excuse(now);
+                if let SessionState::AwaitHello { deadline } = &mut session.state {
+                    *deadline = (*deadline).max(now + handshake_timeout);
+                }
             }
             let mut due = true;
             match session.state {
