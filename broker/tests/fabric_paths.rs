@@ -870,6 +870,16 @@ fn a_lost_datagram_does_not_hold_the_link() {
     assert!(burst.received >= 2048, "losses held the link: {burst:?}");
 }
 
+/// The broker's report of the session of the client named `name`.
+fn session_named(broker: &Broker, name: &str) -> efabus_broker::ConnectionReport {
+    broker
+        .connections(false, WAIT)
+        .unwrap()
+        .into_iter()
+        .find(|report| report.name == name)
+        .unwrap_or_else(|| panic!("no session named {name}"))
+}
+
 /// A datagram link whose peer never answers there (here the client's
 /// datagram endpoint drops all it receives, as one that did not open its
 /// side would) is given up alone once the broker has asked three times,
@@ -920,12 +930,7 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    let report = broker
-        .connections(false, WAIT)
-        .unwrap()
-        .into_iter()
-        .find(|report| report.name == "deaf-datagrams")
-        .expect("the client's session");
+    let report = session_named(&broker, "deaf-datagrams");
     assert_eq!(report.best_effort, None, "{report:?}");
     assert!(report.reliable.starts_with("efa-rdm"), "{report:?}");
     assert!(
@@ -944,12 +949,7 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
     expect_in_order(&sub, 100, "best effort on the reliable link");
     assert_eq!(client.reconnects(), 0);
     assert_eq!(unproven(), 1);
-    let rdm_only_report = broker
-        .connections(false, WAIT)
-        .unwrap()
-        .into_iter()
-        .find(|report| report.name == "rdm-only")
-        .expect("the other client's session");
+    let rdm_only_report = session_named(&broker, "rdm-only");
     assert_eq!(rdm_only_report.best_effort, None, "{rdm_only_report:?}");
     let link = rdm_only.link();
     assert_eq!(link.best_effort, None);

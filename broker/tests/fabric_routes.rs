@@ -370,14 +370,7 @@ fn a_silent_peer_restarted_with_a_working_fabric_comes_back_on_it() {
             .first()
             .is_some_and(|route| route.reliable == "tcp")
     });
-    drop(b);
-    wait_until("the route down", || a.routes().is_empty());
-    let b = restart_on_the_fabric(&b_tcp, &a);
-    let sub = b.subscribe("again").unwrap();
-    wait_until("b's interest at a", || a.route_interest_count() == 1);
-    a.publish("again", payload(5)).unwrap();
-    assert_eq!(sub.recv_timeout(WAIT).unwrap().payload, payload(5));
-    assert!(the_route(&a).reliable.starts_with("efa-rdm via"));
+    comes_back_on_the_fabric(&a, b, &b_tcp);
 }
 
 /// Brokers a and b on `efa-rdm` via `tcp;ofi_rxm`, b with `b_extra` in
@@ -418,14 +411,21 @@ fn a_restarted_peer_comes_back_on_the_fabric() {
     let Some((a, b, b_tcp)) = a_routed_to_b("") else {
         return;
     };
+    comes_back_on_the_fabric(&a, b, &b_tcp);
+}
+
+/// Stops `b`, routed to from `a`, starts it again at its TCP address
+/// `b_tcp` (the same address, a new fabric endpoint), and checks that
+/// the route comes back on the fabric and carries a message.
+fn comes_back_on_the_fabric(a: &Broker, b: Broker, b_tcp: &str) {
     drop(b);
     wait_until("the route down", || a.routes().is_empty());
-    // The same TCP address, a new fabric endpoint.
-    let b = restart_on_the_fabric(&b_tcp, &a);
+    let b = restart_on_the_fabric(b_tcp, a);
     let sub = b.subscribe("again").unwrap();
     wait_until("b's interest at a", || a.route_interest_count() == 1);
     a.publish("again", payload(5)).unwrap();
     assert_eq!(sub.recv_timeout(WAIT).unwrap().payload, payload(5));
+    assert!(the_route(a).reliable.starts_with("efa-rdm via"));
 }
 
 /// A route whose fabric fails under load loses nothing uncounted on the

@@ -402,6 +402,31 @@ fn gossip_from_a_route_is_checked_and_bounded() {
     client.flush(WAIT).expect("and answers them");
 }
 
+/// `count` listeners on loopback that take connections and never answer
+/// (the kernel completes the handshakes; nothing reads), as brokers that
+/// hang would, and their addresses as routes advertise them.
+fn silent_brokers(count: usize) -> (Vec<std::net::TcpListener>, Vec<String>) {
+    let listeners: Vec<std::net::TcpListener> = (0..count)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a listener"))
+        .collect();
+    let addresses = listeners
+        .iter()
+        .map(|listener| format!("tcp/{}", listener.local_addr().expect("its address")))
+        .collect();
+    (listeners, addresses)
+}
+
+/// A route to `broker` from a raw peer that tells it of `addresses`.
+fn gossip_to(broker: &Broker, addresses: Vec<String>) -> Raw {
+    let mut raw = Raw::connect(broker);
+    ask_for_a_route(&mut raw, None);
+    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
+    raw.send(&Frame::RoutePeers(efabus_core::frame::RoutePeers {
+        addresses,
+    }));
+    raw
+}
+
 /// However many addresses routes send, a broker remembers (and dials) at
 /// most 4,096 it learned: here 6,000 distinct ones in two frames.
 #[test]
@@ -437,24 +462,13 @@ fn gossip_beyond_the_bound_of_learned_brokers_is_not_kept() {
 #[test]
 fn gossip_of_silent_brokers_leaves_room_for_clients() {
     const SILENT: usize = 200;
-    let listeners: Vec<std::net::TcpListener> = (0..SILENT)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a listener"))
-        .collect();
+    let (_listeners, addresses) = silent_brokers(SILENT);
     let broker = start(
         "silent-gossip",
         &[],
         "[limits]\nmax_connections = 40\nhandshake_timeout_ms = 10000\n",
     );
-    let mut raw = Raw::connect(&broker);
-    ask_for_a_route(&mut raw, None);
-    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
-    let addresses = listeners
-        .iter()
-        .map(|listener| format!("tcp/{}", listener.local_addr().expect("its address")))
-        .collect();
-    raw.send(&Frame::RoutePeers(efabus_core::frame::RoutePeers {
-        addresses,
-    }));
+    let _route = gossip_to(&broker, addresses);
     wait_until("the silent brokers learned", || {
         broker.peers().len() >= SILENT
     });
@@ -476,23 +490,11 @@ fn gossip_of_silent_brokers_leaves_room_for_clients() {
 /// fail and come due again faster than they can all be dialed.
 #[test]
 fn a_live_broker_learned_after_many_silent_ones_is_dialed() {
-    const SILENT: usize = 200;
-    let listeners: Vec<std::net::TcpListener> = (0..SILENT)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a listener"))
-        .collect();
+    let (_listeners, mut addresses) = silent_brokers(200);
     let live = start("live", &[], "");
     let broker = start("crowded", &[], "[limits]\nhandshake_timeout_ms = 200\n");
-    let mut raw = Raw::connect(&broker);
-    ask_for_a_route(&mut raw, None);
-    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
-    let mut addresses: Vec<String> = listeners
-        .iter()
-        .map(|listener| format!("tcp/{}", listener.local_addr().expect("its address")))
-        .collect();
     addresses.push(tcp(&live));
-    raw.send(&Frame::RoutePeers(efabus_core::frame::RoutePeers {
-        addresses,
-    }));
+    let _route = gossip_to(&broker, addresses);
     wait_until("the route to the live broker", || routes(&live) == 1);
 }
 

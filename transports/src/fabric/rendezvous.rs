@@ -695,6 +695,20 @@ impl Drop for Landed {
 mod tests {
     use super::*;
 
+    /// A read of `body_len` bytes offered by peer `peer`.
+    fn queued(peer: u64, body_len: usize) -> QueuedRead {
+        QueuedRead {
+            peer: PeerId(peer),
+            descriptor: RmaDescriptor {
+                id: 0,
+                addr: 0,
+                key: 0,
+                body_len: body_len as u64,
+            },
+            head: Vec::new(),
+        }
+    }
+
     #[test]
     fn transfers_wait_at_the_peer_s_share_and_the_endpoint_s_bound() {
         const MIB: usize = 1 << 20;
@@ -727,16 +741,6 @@ mod tests {
     #[test]
     fn reads_start_within_each_peer_s_share_and_the_endpoint_s_bound() {
         let mut rma = Rendezvous::new(true, 1 << 30, 8).expect("keys");
-        let queued = |peer: u64, body_len: usize| QueuedRead {
-            peer: PeerId(peer),
-            descriptor: RmaDescriptor {
-                id: 0,
-                addr: 0,
-                key: 0,
-                body_len: body_len as u64,
-            },
-            head: Vec::new(),
-        };
         // Peer 1 at its share of reads: its next waits, peer 2's starts.
         for _ in 0..PEER_READS_MAX {
             rma.count_read(PeerId(1), 1 << 20, true);
@@ -766,16 +770,6 @@ mod tests {
     #[test]
     fn a_large_read_waiting_for_room_is_not_passed_by_smaller_ones() {
         let mut rma = Rendezvous::new(true, 1 << 30, 8).expect("keys");
-        let queued = |peer: u64, body_len: usize| QueuedRead {
-            peer: PeerId(peer),
-            descriptor: RmaDescriptor {
-                id: 0,
-                addr: 0,
-                key: 0,
-                body_len: body_len as u64,
-            },
-            head: Vec::new(),
-        };
         // Other peers' reads take all but 1 MiB of the endpoint's bytes.
         rma.count_read(PeerId(1), READING_MAX - (1 << 20), true);
         rma.queue.push_back(queued(2, 32 << 20));
