@@ -185,14 +185,16 @@ pub struct BrokerStats {
     pub fabric_registered_bytes: AtomicU64,
     /// Frames the listeners sent and received by rendezvous, the bytes
     /// read (and the frames of those landed in huge pages), the bodies
-    /// registered for them, and transfers released because their peer
-    /// closed first.
+    /// registered for them, transfers released because their peer closed
+    /// first, and peers' frames whose read was given up for the same
+    /// reason.
     pub fabric_rendezvous_sent: AtomicU64,
     pub fabric_rendezvous_read: AtomicU64,
     pub fabric_rendezvous_read_bytes: AtomicU64,
     pub fabric_rendezvous_huge_landed: AtomicU64,
     pub fabric_rendezvous_registrations: AtomicU64,
     pub fabric_rendezvous_abandoned: AtomicU64,
+    pub fabric_rendezvous_reads_given_up: AtomicU64,
     /// Frames sent by rendezvous from a body registered already (the
     /// registration cache served them), and the registrations held right
     /// now with their bytes.
@@ -327,6 +329,10 @@ impl BrokerStats {
             (
                 "fabric_rendezvous_abandoned",
                 get(&self.fabric_rendezvous_abandoned),
+            ),
+            (
+                "fabric_rendezvous_reads_given_up",
+                get(&self.fabric_rendezvous_reads_given_up),
             ),
             (
                 "fabric_rendezvous_cache_hits",

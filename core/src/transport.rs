@@ -581,6 +581,10 @@ pub struct RendezvousCounts {
     pub huge_landed: u64,
     /// Transfers released without their done: the peer closed first.
     pub abandoned: u64,
+    /// Peers' frames whose read was given up because the peer closed
+    /// first (offered and not read yet, or read after it closed): the
+    /// receiving side's count of what the sender counts in `abandoned`.
+    pub reads_given_up: u64,
     /// Frames whose body was registered already (sent to another peer
     /// too): served from the registration cache.
     pub cache_hits: u64,

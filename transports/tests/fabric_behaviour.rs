@@ -704,7 +704,8 @@ mod suite {
 
     /// Reads of a peer whose reads are held wait, queued, however often
     /// the receiver polls; released, they start and the frames arrive
-    /// whole, in order.
+    /// whole, in order. Held again and then closed, the peer's reads are
+    /// given up, and counted as such.
     pub fn held_reads_wait_for_their_release(provider: &str) {
         let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 4 << 20) else {
             return;
@@ -712,23 +713,9 @@ mod suite {
         if a.rendezvous_max() == 0 {
             return;
         }
-        b.hold_reads(pa, true);
-        let eager = a.max_frame();
-        let sizes = [eager + 1, 1 << 20];
+        let sizes = [a.max_frame() + 1, 1 << 20];
         let (mut ae, mut be) = (Vec::new(), Vec::new());
-        send_numbered((&mut a, &mut b), pb, &sizes, (&mut ae, &mut be));
-        // Both descriptors are in: their reads queued (or started).
-        let start = Instant::now();
-        while b.rendezvous_queued() as u64 + b.stats().rendezvous_reads_started < 2 {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(start.elapsed() < DEADLINE, "the descriptors never came");
-        }
-        for _ in 0..1000 {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-        }
-        assert_eq!(b.stats().rendezvous_reads_started, 0, "{provider}");
+        offer_held((&mut a, &mut b), (pb, pa), &sizes, (&mut ae, &mut be));
         assert!(frames_from(&be, pa).is_empty(), "{provider}");
         b.hold_reads(pa, false);
         pump(
@@ -740,6 +727,38 @@ mod suite {
             "the frames, once released",
         );
         assert_numbered(&be, pa, &sizes, provider);
+        offer_held((&mut a, &mut b), (pb, pa), &sizes, (&mut ae, &mut be));
+        b.close(pa);
+        assert_eq!(b.rendezvous_queued(), 0, "{provider}");
+        assert_eq!(b.stats().rendezvous_reads_given_up, 2, "{provider}");
+        assert_eq!(b.stats().rendezvous_read, 2, "{provider}: the first two");
+    }
+
+    /// Has `a` offer frames of `sizes` to a `b` that holds `a`'s reads,
+    /// and polls both until the descriptors are in: their reads queued,
+    /// none started.
+    fn offer_held(
+        (a, b): (&mut FabricEndpoint, &mut FabricEndpoint),
+        (pb, pa): (PeerId, PeerId),
+        sizes: &[usize],
+        (ae, be): (&mut Vec<Event>, &mut Vec<Event>),
+    ) {
+        b.hold_reads(pa, true);
+        let started = b.stats().rendezvous_reads_started;
+        send_numbered((&mut *a, &mut *b), pb, sizes, (&mut *ae, &mut *be));
+        let start = Instant::now();
+        while b.rendezvous_queued() as u64 + b.stats().rendezvous_reads_started - started
+            < sizes.len() as u64
+        {
+            a.poll(ae).expect("poll a");
+            b.poll(be).expect("poll b");
+            assert!(start.elapsed() < DEADLINE, "the descriptors never came");
+        }
+        for _ in 0..1000 {
+            a.poll(ae).expect("poll a");
+            b.poll(be).expect("poll b");
+        }
+        assert_eq!(b.stats().rendezvous_reads_started, started, "reads held");
     }
 
     /// A poll starts no further rendezvous read once posting one took the

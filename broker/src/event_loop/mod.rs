@@ -729,6 +729,7 @@ impl EventLoop {
                 read_bytes: sum.read_bytes + c.read_bytes,
                 huge_landed: sum.huge_landed + c.huge_landed,
                 abandoned: sum.abandoned + c.abandoned,
+                reads_given_up: sum.reads_given_up + c.reads_given_up,
                 cache_hits: sum.cache_hits + c.cache_hits,
                 registered: sum.registered + c.registered,
                 registered_bytes: sum.registered_bytes + c.registered_bytes,
@@ -746,6 +747,10 @@ impl EventLoop {
             (&stats.fabric_rendezvous_huge_landed, counts.huge_landed),
             (&stats.fabric_rendezvous_registrations, counts.registrations),
             (&stats.fabric_rendezvous_abandoned, counts.abandoned),
+            (
+                &stats.fabric_rendezvous_reads_given_up,
+                counts.reads_given_up,
+            ),
             (&stats.fabric_rendezvous_cache_hits, counts.cache_hits),
             (&stats.fabric_rendezvous_registered, counts.registered),
             (

@@ -297,6 +297,8 @@ pub struct FabricStats {
     pub rendezvous_huge_landed: u64,
     /// Transfers released without their done frame: the peer closed first.
     pub rendezvous_abandoned: u64,
+    /// Reads of a peer's frames given up because the peer closed first.
+    pub rendezvous_reads_given_up: u64,
     /// Sends refused for a while by the registration bounds.
     pub rendezvous_deferred: u64,
     /// The most recent error the endpoint absorbed (a failed completion
@@ -2056,6 +2058,7 @@ impl FabricEndpoint {
         drop(job.mr);
         let Some(state) = self.peers.get_mut(&job.peer) else {
             // Closed meanwhile: nothing to deliver.
+            self.stats.rendezvous_reads_given_up += 1;
             return;
         };
         state.rma_reads -= 1;
@@ -2142,7 +2145,9 @@ impl FabricEndpoint {
             abandoned += 1;
             false
         });
+        let offered = queue.len();
         queue.retain(|queued| queued.peer != peer);
+        self.stats.rendezvous_reads_given_up += (offered - queue.len()) as u64;
         held.remove(&peer);
         dones.retain(|&(to, _)| to != peer);
         waiters.retain(|&waiter| waiter != peer);
@@ -2470,6 +2475,7 @@ impl Endpoint for FabricEndpoint {
             read_bytes: self.stats.rendezvous_read_bytes,
             huge_landed: self.stats.rendezvous_huge_landed,
             abandoned: self.stats.rendezvous_abandoned,
+            reads_given_up: self.stats.rendezvous_reads_given_up,
             cache_hits: self.stats.rendezvous_shared,
             registered: self
                 .rma
