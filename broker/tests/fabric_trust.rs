@@ -618,7 +618,13 @@ fn an_address_never_proven_gets_no_traffic_and_ends_the_session() {
         "nothing reached the impostor's own endpoint"
     );
     assert_eq!(victim.reconnects(), 0);
-    assert_eq!(stat(&broker, "connections"), 2, "victim and publisher");
+    // The impostor's session is forgotten once its control link's close
+    // is seen, a loop round after the error went.
+    assert!(
+        eventually(|| stat(&broker, "connections") == 2),
+        "victim and publisher only: {:?}",
+        broker.stats().snapshot()
+    );
 }
 
 /// A peer that never proves its fabric address and floods pings on its
