@@ -327,7 +327,8 @@ fn a_message_lost_towards_a_client_fails_its_connection_promptly() {
 
 /// When the broker's reliable data link to a client closes under a queue
 /// for it, the session ends at once, what was queued counted in
-/// `connection_drops`, and the client is told on the control link: not
+/// `connection_drops` (and what was in flight in
+/// `unacknowledged_at_close`), and the client is told on the control link: not
 /// after the drain time (30 s here), with the error waiting behind the
 /// queue for the link that is gone. Over `shm`, which has no connection
 /// whose end the client would see, the control link is how it learns.
@@ -377,9 +378,13 @@ fn a_data_link_closed_under_a_queue_ends_the_session_at_once() {
         );
         let _ = sub.recv_timeout(Duration::from_millis(1));
     }
+    // What was queued is counted as dropped, what the link had taken
+    // and the client not acknowledged as unacknowledged: on a loaded
+    // machine the client may have emptied the queue by then.
     assert!(
-        stat(&broker, "connection_drops") > 0,
-        "the queue was counted"
+        stat(&broker, "connection_drops") + stat(&broker, "unacknowledged_at_close") > 0,
+        "what the link left was counted: {:?}",
+        broker.stats().snapshot()
     );
 }
 
