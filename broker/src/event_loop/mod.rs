@@ -1506,12 +1506,17 @@ impl EventLoop {
                 }
             }
         }
-        if !self.within_route_limits(target.owner, subject, reply, payload.counted_len()) {
-            return;
-        }
         let Some(session) = self.sessions.get_mut(&target.owner) else {
             return;
         };
+        let over_peer_limits = session
+            .route()
+            .and_then(|role| role.peer_limits)
+            .filter(|limits| !limits.admit(subject, reply, payload.counted_len()));
+        if let Some(limits) = over_peer_limits {
+            self.keep_back_from_route(target.owner, &limits, subject, payload.counted_len());
+            return;
+        }
         self.tally.messages_out += 1;
         if session.route().is_some() {
             self.tally.route_messages_out += 1;

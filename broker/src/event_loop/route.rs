@@ -886,27 +886,16 @@ impl EventLoop {
         }
     }
 
-    /// A message for a route that the peer broker would refuse (over the
-    /// limits in its route hello): kept back and counted, rather than sent
-    /// to end the route. True when it may go.
-    pub(super) fn within_route_limits(
+    /// A message for route `owner` that the peer broker would refuse (over
+    /// `limits`, from its route hello): kept back and counted, rather than
+    /// sent to end the route.
+    pub(super) fn keep_back_from_route(
         &mut self,
         owner: u64,
+        limits: &RouteLimits,
         subject: &str,
-        reply: Option<&str>,
         payload_len: usize,
-    ) -> bool {
-        let Some(limits) = self
-            .sessions
-            .get(&owner)
-            .and_then(|session| session.route())
-            .and_then(|role| role.peer_limits)
-        else {
-            return true;
-        };
-        if limits.admit(subject, reply, payload_len) {
-            return true;
-        }
+    ) {
         BrokerStats::add(&self.shared.stats.route_oversized, 1);
         if let Some(unlogged) = self.cluster.oversized_log.allow(self.now) {
             warn!(
@@ -920,7 +909,6 @@ impl EventLoop {
                 "message over the peer broker's limits not forwarded"
             );
         }
-        false
     }
 
     /// A peer without the route credential asked to become a route: it is
