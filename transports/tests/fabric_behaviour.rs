@@ -499,12 +499,21 @@ mod suite {
             (Err(err), _) | (_, Err(err)) => panic!("opening {provider} endpoints: {err}"),
         };
         let (pb, pa) = insert_each_other(&mut a, &mut b);
-        for (endpoint, peer) in [(&mut a, pb), (&mut b, pa)] {
+        allow_rendezvous((&mut a, &mut b), (pb, pa));
+        Some((a, b, pb, pa))
+    }
+
+    /// Lets `a` and `b` (each other's `pb` and `pa`) send each other
+    /// frames up to their rendezvous limits.
+    fn allow_rendezvous(
+        (a, b): (&mut FabricEndpoint, &mut FabricEndpoint),
+        (pb, pa): (PeerId, PeerId),
+    ) {
+        for (endpoint, peer) in [(a, pb), (b, pa)] {
             let eager = endpoint.max_frame();
             endpoint.set_peer_frame_limit(peer, eager);
             endpoint.set_peer_rendezvous(peer, endpoint.rendezvous_max());
         }
-        Some((a, b, pb, pa))
     }
 
     /// An authenticated peer's own frames that say what they may not (a
@@ -729,7 +738,7 @@ mod suite {
         assert_numbered(&be, pa, &sizes, provider);
         offer_held((&mut a, &mut b), (pb, pa), &sizes, (&mut ae, &mut be));
         b.close(pa);
-        assert_eq!(b.rendezvous_queued(), 0, "{provider}");
+        assert_eq!(b.rendezvous_queued(), (0, 0), "{provider}");
         assert_eq!(b.stats().rendezvous_reads_given_up, 2, "{provider}");
         assert_eq!(b.stats().rendezvous_read, 2, "{provider}: the first two");
     }
@@ -747,7 +756,7 @@ mod suite {
         let started = b.stats().rendezvous_reads_started;
         send_numbered((&mut *a, &mut *b), pb, sizes, (&mut *ae, &mut *be));
         let start = Instant::now();
-        while b.rendezvous_queued() as u64 + b.stats().rendezvous_reads_started - started
+        while b.rendezvous_queued().0 as u64 + b.stats().rendezvous_reads_started - started
             < sizes.len() as u64
         {
             a.poll(ae).expect("poll a");
@@ -759,6 +768,69 @@ mod suite {
             b.poll(be).expect("poll b");
         }
         assert_eq!(b.stats().rendezvous_reads_started, started, "reads held");
+    }
+
+    /// The descriptors waiting for their reads hold no more than the
+    /// receiver's bound, all peers together: past it, the peer whose
+    /// descriptors hold the most is cut off, its reads given up and
+    /// counted, and the other peer's read goes on.
+    pub fn queued_descriptors_are_bounded_across_peers(provider: &str) {
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 4 << 20) else {
+            return;
+        };
+        if a.rendezvous_max() == 0 {
+            return;
+        }
+        let cfg = EndpointConfig {
+            max_frame: 4 << 20,
+            ..config(provider, &[])
+        };
+        let mut c = transport(EpKind::Rdm, provider)
+            .open_fabric(&cfg)
+            .expect("open a third endpoint");
+        let (pb_from_c, pc) = insert_each_other(&mut c, &mut b);
+        allow_rendezvous((&mut c, &mut b), (pb_from_c, pc));
+        let size = a.max_frame() + 1;
+        let (mut ae, mut be, mut ce) = (Vec::new(), Vec::new(), Vec::new());
+        offer_held((&mut a, &mut b), (pb, pa), &[size; 3], (&mut ae, &mut be));
+        let (queued, bytes) = b.rendezvous_queued();
+        assert_eq!(queued, 3, "{provider}");
+        // Room for a fourth descriptor's half: c's first one passes it.
+        b.set_rendezvous_queued_max(bytes + bytes / 6);
+        b.hold_reads(pc, true);
+        send_numbered((&mut c, &mut b), pb_from_c, &[size], (&mut ce, &mut be));
+        let a_closed = |be: &[Event]| {
+            be.iter().find_map(|event| match event {
+                Event::Closed { peer, reason } if *peer == pa => Some(reason.to_string()),
+                _ => None,
+            })
+        };
+        let start = Instant::now();
+        while b.rendezvous_queued().0 == 3 {
+            c.poll(&mut ce).expect("poll c");
+            b.poll(&mut be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{provider}: c's descriptor never came"
+            );
+        }
+        let closed = a_closed(&be).unwrap_or_else(|| panic!("{provider}: a kept its reads"));
+        assert!(
+            closed.contains("rendezvous descriptors"),
+            "{provider}: {closed}"
+        );
+        assert_eq!(b.stats().rendezvous_reads_given_up, 3, "{provider}");
+        assert_eq!(b.rendezvous_queued().0, 1, "{provider}: c's read stays");
+        b.hold_reads(pc, false);
+        pump(
+            &mut c,
+            &mut b,
+            &mut ce,
+            &mut be,
+            |_, be| !frames_from(be, pc).is_empty(),
+            "c's frame",
+        );
+        assert_numbered(&be, pc, &[size], provider);
     }
 
     /// A poll starts no further rendezvous read once posting one took the
@@ -2370,6 +2442,14 @@ fn rdm_rendezvous_moves_large_frames() {
 fn rdm_held_reads_wait_for_their_release() {
     for provider in READING_PROVIDERS {
         suite::held_reads_wait_for_their_release(provider);
+    }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_queued_descriptors_are_bounded_across_peers() {
+    for provider in READING_PROVIDERS {
+        suite::queued_descriptors_are_bounded_across_peers(provider);
     }
 }
 

@@ -944,9 +944,21 @@ impl FabricEndpoint {
     }
 
     /// Rendezvous frames offered by peers whose reads have not started
-    /// yet (waiting for a read slot, their peer's share, or a hold).
-    pub fn rendezvous_queued(&self) -> usize {
-        self.rma.as_ref().map_or(0, |rma| rma.queue.len())
+    /// yet (waiting for a read slot, their peer's share, or a hold), and
+    /// the memory their descriptors hold.
+    pub fn rendezvous_queued(&self) -> (usize, usize) {
+        self.rma
+            .as_ref()
+            .map_or((0, 0), |rma| (rma.queue.len(), rma.queue.bytes()))
+    }
+
+    /// The memory the descriptors waiting for their reads may hold, all
+    /// peers together ([`rendezvous::QUEUED_MAX`] by default); past it,
+    /// the peer whose descriptors hold the most is cut off.
+    pub fn set_rendezvous_queued_max(&mut self, bytes: usize) {
+        if let Some(rma) = self.rma.as_mut() {
+            rma.queue.set_max(bytes);
+        }
     }
 
     /// Posts every receive slot not currently posted. A -FI_EAGAIN leaves
@@ -1915,6 +1927,15 @@ impl FabricEndpoint {
             if rma.held.contains(&peer) {
                 self.pending.push_back(Event::ReadHeld { peer });
             }
+            if let Some(hog) = rma.queue.over_bound() {
+                let reason = format!(
+                    "held the most of the {} bytes of rendezvous descriptors waiting to be read",
+                    rma.queue.max()
+                );
+                tracing::warn!(peer = %hog, "{reason}; closing the link");
+                self.stats.last_error = Some(format!("peer {hog} {reason}"));
+                self.drop_peer(hog, CloseReason::Error(reason));
+            }
         }
         Ok(())
     }
@@ -2145,9 +2166,7 @@ impl FabricEndpoint {
             abandoned += 1;
             false
         });
-        let offered = queue.len();
-        queue.retain(|queued| queued.peer != peer);
-        self.stats.rendezvous_reads_given_up += (offered - queue.len()) as u64;
+        self.stats.rendezvous_reads_given_up += queue.remove_peer(peer) as u64;
         held.remove(&peer);
         dones.retain(|&(to, _)| to != peer);
         waiters.retain(|&waiter| waiter != peer);

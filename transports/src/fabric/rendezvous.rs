@@ -54,6 +54,10 @@ pub const PEER_READING_MAX: usize = 16 << 20;
 /// Largest frame head sent inline in a descriptor; a frame with a larger
 /// head is registered whole (copied into one buffer first).
 pub const INLINE_MAX: usize = 4 << 10;
+/// Memory the descriptors waiting for their reads may hold, all peers
+/// together (each peer holds at most [`PEER_TRANSFERS_MAX`] of them, but
+/// peers are many): past it, the peer holding the most is cut off.
+pub const QUEUED_MAX: usize = 64 << 20;
 
 /// Whether a transfer of `body_len` bytes must wait for others to finish:
 /// its peer has `(transfers, bytes)` out, at [`PEER_TRANSFERS_MAX`] or
@@ -258,6 +262,100 @@ pub struct QueuedRead {
     pub head: Vec<u8>,
 }
 
+impl QueuedRead {
+    /// The memory it holds while queued.
+    fn cost(&self) -> usize {
+        std::mem::size_of::<QueuedRead>() + self.head.capacity()
+    }
+}
+
+/// The descriptors waiting for their reads, oldest first, and the memory
+/// they hold.
+pub struct ReadQueue {
+    reads: VecDeque<QueuedRead>,
+    bytes: usize,
+    max: usize,
+}
+
+impl ReadQueue {
+    /// A queue whose descriptors may hold `max` bytes.
+    pub fn new(max: usize) -> ReadQueue {
+        ReadQueue {
+            reads: VecDeque::new(),
+            bytes: 0,
+            max,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.reads.len()
+    }
+
+    /// The memory the queued descriptors hold.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The memory its descriptors may hold.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    pub fn set_max(&mut self, max: usize) {
+        self.max = max;
+    }
+
+    pub fn get(&self, at: usize) -> Option<&QueuedRead> {
+        self.reads.get(at)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &QueuedRead> {
+        self.reads.iter()
+    }
+
+    pub fn push_back(&mut self, read: QueuedRead) {
+        self.bytes += read.cost();
+        self.reads.push_back(read);
+    }
+
+    pub fn remove(&mut self, at: usize) -> Option<QueuedRead> {
+        let read = self.reads.remove(at)?;
+        self.bytes -= read.cost();
+        Some(read)
+    }
+
+    /// Removes `peer`'s descriptors; returns how many there were.
+    pub fn remove_peer(&mut self, peer: PeerId) -> usize {
+        let before = self.reads.len();
+        let mut freed = 0;
+        self.reads.retain(|read| {
+            let keep = read.peer != peer;
+            if !keep {
+                freed += read.cost();
+            }
+            keep
+        });
+        self.bytes -= freed;
+        before - self.reads.len()
+    }
+
+    /// The peer to cut off while the queue holds more than its bound: the
+    /// one whose descriptors hold the most.
+    pub fn over_bound(&self) -> Option<PeerId> {
+        if self.bytes <= self.max {
+            return None;
+        }
+        let mut by_peer: HashMap<PeerId, usize> = HashMap::new();
+        for read in &self.reads {
+            *by_peer.entry(read.peer).or_default() += read.cost();
+        }
+        by_peer
+            .into_iter()
+            .max_by_key(|&(peer, bytes)| (bytes, std::cmp::Reverse(peer)))
+            .map(|(peer, _)| peer)
+    }
+}
+
 /// A read in flight: the buffer it lands in, after the inline head.
 pub struct ReadJob {
     pub peer: PeerId,
@@ -301,7 +399,7 @@ pub struct Rendezvous {
     next_id: u64,
     pub slots: Vec<ReadSlot>,
     pub free_slots: Vec<usize>,
-    pub queue: VecDeque<QueuedRead>,
+    pub queue: ReadQueue,
     /// Bytes of the reads in flight, and per peer their count and bytes.
     pub reading: usize,
     pub reading_by_peer: HashMap<PeerId, (usize, usize)>,
@@ -341,7 +439,7 @@ impl Rendezvous {
                 })
                 .collect(),
             free_slots: (0..READ_SLOTS).rev().collect(),
-            queue: VecDeque::new(),
+            queue: ReadQueue::new(QUEUED_MAX),
             reading: 0,
             reading_by_peer: HashMap::new(),
             held: HashSet::new(),
@@ -707,6 +805,32 @@ mod tests {
             },
             head: Vec::new(),
         }
+    }
+
+    #[test]
+    fn the_read_queue_counts_what_its_descriptors_hold() {
+        let with_head = |peer: u64, head_len: usize| QueuedRead {
+            head: vec![0; head_len],
+            ..queued(peer, 1 << 20)
+        };
+        let cost = |head_len: usize| std::mem::size_of::<QueuedRead>() + head_len;
+        let mut queue = ReadQueue::new(cost(50) + 2 * cost(10));
+        queue.push_back(with_head(1, 50));
+        queue.push_back(with_head(2, 10));
+        queue.push_back(with_head(2, 10));
+        assert_eq!(queue.bytes(), cost(50) + 2 * cost(10));
+        assert_eq!(queue.over_bound(), None, "at the bound, not past it");
+        queue.push_back(with_head(3, 0));
+        // Peer 2 holds the most, though peer 1's one descriptor is larger.
+        let twice_ten = 2 * cost(10);
+        assert!(twice_ten > cost(50), "the sizes make peer 2 the largest");
+        assert_eq!(queue.over_bound(), Some(PeerId(2)));
+        assert_eq!(queue.remove_peer(PeerId(2)), 2);
+        assert_eq!(queue.over_bound(), None);
+        assert_eq!(queue.remove(0).map(|read| read.peer), Some(PeerId(1)));
+        assert_eq!(queue.bytes(), cost(0));
+        assert_eq!(queue.remove(0).map(|read| read.peer), Some(PeerId(3)));
+        assert_eq!((queue.len(), queue.bytes()), (0, 0));
     }
 
     #[test]
