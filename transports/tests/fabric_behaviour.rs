@@ -770,6 +770,55 @@ mod suite {
         assert_eq!(b.stats().rendezvous_reads_started, started, "reads held");
     }
 
+    /// A read in flight when the receiver closes its sender's link
+    /// delivers nothing when it ends, and is counted given up. Returns
+    /// whether the read was still in flight at the close (`None` when the
+    /// provider has no rendezvous): over `shm` the receiver makes the copy
+    /// itself and `sockets` progresses on a thread of its own, so the
+    /// close's last progress may end it first.
+    pub fn a_read_ending_after_its_link_closed_is_given_up(provider: &str) -> Option<bool> {
+        let (mut a, mut b, pb, pa) = rendezvous_pair(provider, &[], 4 << 20)?;
+        if a.rendezvous_max() == 0 {
+            return None;
+        }
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_numbered((&mut a, &mut b), pb, &[1 << 20], (&mut ae, &mut be));
+        let start = Instant::now();
+        // `a` is not polled once the read has started: where the sender's
+        // progress serves the read, it cannot end before the close.
+        while b.stats().rendezvous_reads_started == 0 {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{provider}: the read never started"
+            );
+        }
+        b.close(pa);
+        if b.stats().rendezvous_read == 1 {
+            return Some(false);
+        }
+        assert_eq!(
+            b.stats().rendezvous_reads_given_up,
+            0,
+            "{provider}: in flight"
+        );
+        until_counted(
+            &mut a,
+            &mut b,
+            &mut be,
+            |stats| stats.rendezvous_reads_given_up,
+            &format!("{provider}: the read in flight"),
+        );
+        assert_eq!(b.stats().rendezvous_reads_given_up, 1, "{provider}");
+        assert_eq!(b.stats().rendezvous_read, 0, "{provider}");
+        assert!(
+            frames_from(&be, pa).is_empty(),
+            "{provider}: nothing delivered"
+        );
+        Some(true)
+    }
+
     /// The descriptors waiting for their reads hold no more than the
     /// receiver's bound, all peers together: past it, the peer whose
     /// descriptors hold the most is cut off, its reads given up and
@@ -2442,6 +2491,19 @@ fn rdm_rendezvous_moves_large_frames() {
 fn rdm_held_reads_wait_for_their_release() {
     for provider in READING_PROVIDERS {
         suite::held_reads_wait_for_their_release(provider);
+    }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_a_read_ending_after_its_link_closed_is_given_up() {
+    for provider in READING_PROVIDERS {
+        let in_flight = suite::a_read_ending_after_its_link_closed_is_given_up(provider);
+        // `tcp;ofi_rxm` serves a read only in its sender's polls; `sockets`
+        // has a progress thread of its own, and `shm` reads in the caller.
+        if provider == "tcp;ofi_rxm" {
+            assert_ne!(in_flight, Some(false), "{provider} read without its sender");
+        }
     }
 }
 
