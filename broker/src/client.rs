@@ -942,6 +942,27 @@ impl Client {
                 }
             }
         }
+        // And those the preference names but no data path opens are not
+        // offered either: say how to offer them.
+        let unlisted: Vec<&str> = options
+            .preference
+            .iter()
+            .map(String::as_str)
+            .filter(|&scheme| {
+                crate::endpoints::is_data_scheme(scheme)
+                    && !options
+                        .data_paths
+                        .iter()
+                        .any(|text| text.split('/').next() == Some(scheme))
+            })
+            .collect();
+        if !unlisted.is_empty() {
+            unavailable.push(format!(
+                "{}: preferred but not among this client's data paths (`listen` in its \
+                 config, `ClientOptions::data_paths`); not opened",
+                unlisted.join(", ")
+            ));
+        }
         let connect_timeout = options.connect_timeout;
         let subject_limits = options.subject_limits;
         let shared = Arc::new(ClientShared {

@@ -1050,6 +1050,9 @@ fn plain_client_stays_on_tcp_and_interoperates(provider: Provider) {
     let link = plain.link();
     assert_eq!(link.reliable, "tcp", "{link:?}");
     assert_eq!(link.best_effort, None, "{link:?}");
+    let unlisted = "shm, efa-rdm, efa-dgram: preferred but not among this client's data paths \
+                    (`listen` in its config, `ClientOptions::data_paths`); not opened";
+    assert!(link.reasons.iter().any(|r| r == unlisted), "{link:?}");
 
     let at_plain = plain.subscribe("mix.to-plain").unwrap();
     let at_plain_best_effort = plain.subscribe_best_effort("mix.be").unwrap();
