@@ -880,6 +880,26 @@ fn session_named(broker: &Broker, name: &str) -> efabus_broker::ConnectionReport
         .unwrap_or_else(|| panic!("no session named {name}"))
 }
 
+/// Messages of 50 kB (36 datagrams over `udp`, more than half the
+/// link's window, so only one is in flight at a time) with one datagram
+/// in 200 dropped: a loss costs its message and the link goes on. It held
+/// the link until the sender, without credits, reset its window 400 ms
+/// later (no later message could come to settle the loss): 120-133
+/// arrived, against 461-537 since.
+#[test]
+fn a_lost_datagram_does_not_hold_a_link_of_messages_over_half_its_window() {
+    let Some(burst) = best_effort_burst(50_000, DROP_ONE_DATAGRAM_IN_200) else {
+        return;
+    };
+    assert!(burst.lost > 0, "no datagram was dropped: {burst:?}");
+    // 36 datagrams a message: about 16.5% of what was carried.
+    assert!(
+        burst.lost * 100 <= (burst.received + burst.lost) * 30,
+        "{burst:?}"
+    );
+    assert!(burst.received >= 250, "losses held the link: {burst:?}");
+}
+
 /// A datagram link whose peer never answers there (here the client's
 /// datagram endpoint drops all it receives, as one that did not open its
 /// side would) is given up alone once the broker has asked three times,

@@ -553,6 +553,15 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
         self.partials
     }
 
+    /// While `peer`'s message `msg_id` is partial: the pieces of it taken
+    /// so far, and when the last of them was.
+    pub fn progress(&self, peer: &K, msg_id: u64) -> Option<(u32, Instant)> {
+        self.peers
+            .get(peer)
+            .and_then(|state| state.partials.get(&msg_id))
+            .map(|partial| (partial.received, partial.last_seen))
+    }
+
     /// Take one piece from `peer`. Returns the whole frame (as the sender
     /// passed it to [`Fragmenter::fragment`]) when this piece completes it.
     pub fn handle_fragment(

@@ -59,8 +59,12 @@
 //! arrived for the reassembly timeout, and a missing sequence is skipped
 //! once a later frame has waited [`LinkConfig::gap_timeout`]
 //! ([`GapPolicy::SkipAfter`]), or once [`LinkConfig::skip_distance`]
-//! pieces of later sequences have been taken while frames wait for it; a
-//! frame beyond the reorder window skips ahead at once. Every sequence
+//! pieces that passed it (of later sequences, or later pieces of its own
+//! message) have been taken; a partial message that is the sequence due,
+//! with nothing whole behind it, is given up once no piece of it arrived
+//! for the gap timeout (the sender's credits may be stopped at it, so
+//! that nothing later can come); a frame beyond the reorder window skips
+//! ahead at once. Every sequence
 //! given up is counted exactly once in [`ReceiveStats::lost`], so after
 //! the receiver has settled (nothing held, nothing partial) `delivered +
 //! lost` equals the highest sequence any piece arrived for. Sequences after the last piece that
@@ -682,6 +686,9 @@ impl LinkReceiver {
             self.stats.refused += 1;
         }
         self.skip_gap_at_distance();
+        if self.lossy {
+            self.expire_due_partial(now);
+        }
         self.forget_skipped_partials(given_up);
         // Expiry on the way in may have left only abandoned sequences.
         self.settle_tail(now);
@@ -713,7 +720,7 @@ impl LinkReceiver {
                 FrameKind::Fragment as u8,
             )));
         };
-        let (msg_id, count) = (fragment.msg_id, fragment.count);
+        let (msg_id, count, index) = (fragment.msg_id, fragment.count, fragment.index);
 
         // Sequenced: drop what is already settled, refuse what is beyond a
         // reliable window, before anything is stored.
@@ -781,6 +788,12 @@ impl LinkReceiver {
         let expired_before = self.reassembler.stats().expired;
         let repeats_before = self.reassembler.stats().duplicates + self.reassembler.stats().late;
         let needed = fragment.total_len as usize + (count as usize).div_ceil(64) * 8;
+        // A piece of the message the link waits for that comes after one
+        // of its pieces still missing passes that piece, as pieces of
+        // later messages do: with its sender's credits stopped at the gap,
+        // no later message may be able to come at all.
+        let passes_gap = msg_id > expected_before
+            || (self.lossy && msg_id == expected_before && index > self.pieces_received(msg_id));
         self.reassembler.set_held_elsewhere(self.held_bytes);
         let result = self.reassembler.handle_fragment(now, (), fragment);
         if !self.lossy && self.reassembler.stats().expired > expired_before {
@@ -828,7 +841,7 @@ impl LinkReceiver {
                 if let Some(reorder) = &mut self.reorder {
                     reorder.note_progress(now, msg_id);
                 }
-                self.count_behind_gap(msg_id, expected_before);
+                self.count_behind_gap(passes_gap, expected_before);
             }
             return Ok(());
         };
@@ -893,7 +906,7 @@ impl LinkReceiver {
                 if is_frame && msg_id != expected_before {
                     self.stats.reordered += 1;
                 }
-                self.count_behind_gap(msg_id, expected_before);
+                self.count_behind_gap(msg_id > expected_before, expected_before);
             }
             Ok(Pushed::Duplicate { .. }) => {
                 self.memory.release(charged);
@@ -924,6 +937,7 @@ impl LinkReceiver {
         if self.lossy {
             self.expire(now);
             let given_up = self.sequences_given_up();
+            self.expire_due_partial(now);
             if let Some(reorder) = &mut self.reorder {
                 reorder.poll(now, &mut self.released);
             }
@@ -936,9 +950,10 @@ impl LinkReceiver {
         result
     }
 
-    /// Lossy links: gives the missing sequence frames wait for up once
-    /// [`LinkConfig::skip_distance`] pieces of later ones have been taken
-    /// since it became due.
+    /// Lossy links: gives the missing sequence up once
+    /// [`LinkConfig::skip_distance`] pieces that passed it have been taken
+    /// since it became due: up to the first whole frame waiting, or, with
+    /// none, that sequence alone.
     fn skip_gap_at_distance(&mut self) {
         let Some(reorder) = self.reorder.as_mut().filter(|_| self.lossy) else {
             return;
@@ -946,8 +961,12 @@ impl LinkReceiver {
         let far_enough = self
             .behind_gap
             .is_some_and(|(gap, pieces)| gap == reorder.expected() && pieces >= self.skip_distance);
-        if far_enough && reorder.held() > 0 {
-            reorder.skip_first_gap(&mut self.released);
+        if far_enough {
+            if reorder.held() > 0 {
+                reorder.skip_first_gap(&mut self.released);
+            } else {
+                reorder.skip_expected(&mut self.released);
+            }
             self.behind_gap = None;
         }
     }
@@ -981,10 +1000,14 @@ impl LinkReceiver {
     /// frames wait behind fails the link, if nothing fills it first.
     pub fn next_deadline(&self) -> Option<Instant> {
         let gap = self.reorder.as_ref().and_then(ReorderBuffer::next_deadline);
-        match (self.reassembler.next_deadline(), gap) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [
+            self.reassembler.next_deadline(),
+            gap,
+            self.due_partial_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Reliable links: fail once the gap frames wait behind is overdue, or
@@ -1057,17 +1080,54 @@ impl LinkReceiver {
         }
     }
 
+    /// Pieces of partial message `msg_id` taken so far.
+    fn pieces_received(&self, msg_id: u64) -> u32 {
+        self.reassembler
+            .progress(&(), msg_id)
+            .map_or(0, |(pieces, _)| pieces)
+    }
+
+    /// Lossy links: when the sequence due is a partial message and nothing
+    /// waits behind it (what waits has the gap timeout's own clock), the
+    /// time it is given up unless a piece of it comes. With the sender's
+    /// credits stopped at it, no later message may come to settle it.
+    fn due_partial_deadline(&self) -> Option<Instant> {
+        let reorder = self.reorder.as_ref().filter(|_| self.lossy)?;
+        let GapPolicy::SkipAfter(limit) = reorder.config().gap_policy else {
+            return None;
+        };
+        if reorder.held() > 0 || self.reassembler.partial_messages() == 0 {
+            return None;
+        }
+        let (_, last_piece) = self.reassembler.progress(&(), reorder.expected())?;
+        Some(last_piece + limit)
+    }
+
+    /// Lossy links: gives the sequence due up once its partial message is
+    /// past [`Self::due_partial_deadline`].
+    fn expire_due_partial(&mut self, now: Instant) {
+        if self
+            .due_partial_deadline()
+            .is_some_and(|deadline| now >= deadline)
+        {
+            if let Some(reorder) = &mut self.reorder {
+                reorder.skip_expected(&mut self.released);
+            }
+        }
+    }
+
     fn note_seen(&mut self, msg_id: u64) {
         if self.reorder.is_some() {
             self.highest_seen = self.highest_seen.max(msg_id);
         }
     }
 
-    /// Lossy links: a new piece of sequence `msg_id` was taken while `due`
-    /// was the next sequence; one of a later sequence counts towards
-    /// giving `due` up ([`LinkConfig::skip_distance`]).
-    fn count_behind_gap(&mut self, msg_id: u64, due: u64) {
-        if !self.lossy || msg_id <= due {
+    /// Lossy links: a new piece was taken while `due` was the next
+    /// sequence; one that `passes` a piece of `due` still missing (of a
+    /// later sequence, or a later piece of `due`) counts towards giving
+    /// `due` up ([`LinkConfig::skip_distance`]).
+    fn count_behind_gap(&mut self, passes: bool, due: u64) {
+        if !self.lossy || !passes {
             return;
         }
         let pieces = match self.behind_gap {

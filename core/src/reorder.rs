@@ -317,6 +317,18 @@ impl<T> ReorderBuffer<T> {
         out.len() - before
     }
 
+    /// Under [`GapPolicy::SkipAfter`], with nothing held: gives up the
+    /// expected sequence alone (the owner judged it will not come, though
+    /// no later one is whole yet). Returns whether it did.
+    pub fn skip_expected(&mut self, out: &mut Vec<T>) -> bool {
+        if !matches!(self.config.gap_policy, GapPolicy::SkipAfter(_)) || self.held > 0 {
+            return false;
+        }
+        self.stats.early_skips += 1;
+        self.skip_to(self.expected + 1, out);
+        true
+    }
+
     /// When [`poll`](ReorderBuffer::poll) will next skip a gap
     /// (`SkipAfter`), or [`check_gap`](ReorderBuffer::check_gap) report
     /// one (`FailAfter`), if ever.
@@ -481,6 +493,12 @@ mod tests {
         assert_eq!(out, vec![3, 4, 7]);
         assert_eq!(buf.skip_first_gap(&mut out), 0, "nothing held");
         assert_eq!(buf.stats().early_skips, 2);
+        // With nothing held, the expected sequence alone can be given up.
+        assert!(buf.skip_expected(&mut out));
+        assert_eq!((buf.expected(), buf.stats().lost), (9, 5));
+        assert_eq!(buf.stats().early_skips, 3);
+        buf.push(now, 9, 9, &mut out).unwrap();
+        assert_eq!(out, vec![3, 4, 7, 9]);
         // Late ones are duplicates now.
         assert_eq!(
             buf.push(now, 6, 6, &mut out),

@@ -177,6 +177,9 @@ fn tiny_fragment() -> Fragment {
     }
 }
 
+/// A message partly received, the sequence due with nothing behind it,
+/// is given up at the gap timeout (the sender's credits may be stopped at
+/// it), counted once; a piece of it arriving later is dropped as settled.
 #[test]
 fn a_lost_tail_is_settled_and_counted() {
     // Sequence 1 arrives whole; of sequence 2 one piece of two; 3 never.
@@ -195,10 +198,12 @@ fn a_lost_tail_is_settled_and_counted() {
     rx.receive(t0, wire[1].to_bytes(), &mut out).unwrap();
     assert_eq!(out.len(), 1);
     assert_eq!(rx.partial_messages(), 1);
-    assert_eq!(rx.next_deadline(), Some(t0 + ms(50)));
-    rx.poll(t0 + ms(49), &mut out).unwrap();
+    // The partial message is the sequence due, with nothing behind it:
+    // given up at the gap timeout, not the reassembly timeout.
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(10)));
+    rx.poll(t0 + ms(9), &mut out).unwrap();
     assert_eq!(rx.partial_messages(), 1);
-    rx.poll(t0 + ms(50), &mut out).unwrap();
+    rx.poll(t0 + ms(10), &mut out).unwrap();
     assert_eq!((rx.partial_messages(), rx.buffered_bytes()), (0, 0));
     let stats = rx.stats();
     assert_eq!((stats.lost, stats.expired_partials), (1, 1));
@@ -609,6 +614,43 @@ fn a_lossy_gap_is_given_up_after_skip_distance_pieces() {
         [1, 3, 4, 5, 6, 7, 8],
         "the late piece is dropped"
     );
+    assert_eq!(rx.stats().lost, 1);
+}
+
+/// A message with more pieces than the skip distance, one of them lost:
+/// its own later pieces pass the missing one, so it is given up once
+/// `skip_distance` of them have come, though no later message is whole
+/// (with the sender's credits stopped at the gap, none may come until
+/// then). Pieces that come in order pass nothing.
+#[test]
+fn a_piece_lost_from_a_message_larger_than_the_skip_distance_is_given_up() {
+    let mut cfg = config(1472, true, true, 64, Duration::from_secs(3600), ms(1000));
+    cfg.skip_distance = 4;
+    let mut tx = LinkSender::new(&cfg).expect("sender");
+    let mut rx = LinkReceiver::new(&cfg);
+    let now = Instant::now();
+    let wire = wire_frames_sized(&mut tx, 3, |id| if id == 2 { 12_000 } else { 64 });
+    let pieces = &wire[1];
+    assert!(pieces.len() >= 8, "{} pieces", pieces.len());
+    let mut out = Vec::new();
+    rx.receive(now, wire[0][0].clone(), &mut out).unwrap();
+    // Piece 1 is lost; pieces 2 to 4 pass it, three of the four needed.
+    for piece in [&pieces[0], &pieces[2], &pieces[3], &pieces[4]] {
+        rx.receive(now, piece.clone(), &mut out).unwrap();
+    }
+    assert_eq!((rx.stats().lost, rx.partial_messages()), (0, 1));
+    rx.receive(now, pieces[5].clone(), &mut out).unwrap();
+    assert_eq!(
+        (rx.stats().lost, rx.partial_messages(), rx.buffered_bytes()),
+        (1, 0, 0),
+        "the fourth piece past the lost one gives the message up"
+    );
+    for piece in &pieces[6..] {
+        rx.receive(now, piece.clone(), &mut out).unwrap();
+    }
+    rx.receive(now, wire[2][0].clone(), &mut out).unwrap();
+    let ids = out.iter().map(|f| frame_id(f)).collect::<Vec<_>>();
+    assert_eq!(ids, [1, 3], "the rest of frame 2 is late, frame 3 goes on");
     assert_eq!(rx.stats().lost, 1);
 }
 
