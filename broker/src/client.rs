@@ -362,7 +362,9 @@ pub struct LinkReport {
     pub control_frames_in: u64,
     /// Frames sent over the reliable fabric data link.
     pub fabric_frames_out: u64,
-    /// Best-effort messages the datagram link gave up on (gaps, expiries).
+    /// Best-effort messages the datagram links gave up on (gaps,
+    /// expiries, and those unsettled when a link closed) since the client
+    /// started.
     pub best_effort_lost: u64,
     /// Sends that found the broker's credit window full on the reliable
     /// fabric data link (the frame waited in the client).
@@ -1820,7 +1822,7 @@ impl ClientLoop {
             if self.shared.outbox.lock().closing == Closing::Flushed {
                 // The server processed all of it, its credit for the last
                 // frames still to come: nothing to count.
-                self.conn.links.close(&mut self.endpoints);
+                self.close_links();
             } else {
                 // The server held the path back to the end: what the link
                 // numbered may be in no one's hands but the provider's.
@@ -2058,7 +2060,17 @@ impl ClientLoop {
             .counters
             .unacknowledged_at_close
             .fetch_add(self.conn.links.unacknowledged_frames(), Ordering::Relaxed);
-        self.conn.links.close(&mut self.endpoints);
+        self.close_links();
+    }
+
+    /// Closes the data links, counting the best-effort messages lost with
+    /// them.
+    fn close_links(&mut self) {
+        let lost = self.conn.links.close(&mut self.endpoints);
+        self.shared
+            .counters
+            .best_effort_lost
+            .fetch_add(lost, Ordering::Relaxed);
     }
 
     fn link_lost(&mut self, now: Instant) {
@@ -2702,7 +2714,7 @@ impl ClientLoop {
     /// The client moves its traffic to the reliable data link at once; the
     /// server follows when the first frame arrives there.
     fn open_data_links(&mut self, remote: &[Offer], remote_auth: Option<&LinkAuth>) {
-        self.conn.links.close(&mut self.endpoints);
+        self.close_links();
         let offers: Vec<Offer> = self.offers().cloned().collect();
         let keying = self
             .link_secret
@@ -2763,11 +2775,11 @@ impl ClientLoop {
                 // Each message's payload is a slice of its frame, held by
                 // its reader.
                 open_released(&mut released, &mut self.released_scratch);
-                if let (LinkKind::BestEffort, Some(link)) = (kind, &self.conn.links.best_effort) {
+                if kind == LinkKind::BestEffort {
                     self.shared
                         .counters
                         .best_effort_lost
-                        .store(link.lost(), Ordering::Relaxed);
+                        .fetch_add(self.conn.links.take_best_effort_lost(), Ordering::Relaxed);
                 }
                 if !released.is_empty() {
                     let received = released.len() as u64;
@@ -2864,11 +2876,9 @@ impl ClientLoop {
         let result = self.conn.links.poll(now, &self.endpoints, &mut released);
         open_released(&mut released, &mut self.released_scratch);
         let counters = &self.shared.counters;
-        if let Some(link) = &self.conn.links.best_effort {
-            counters
-                .best_effort_lost
-                .store(link.lost(), Ordering::Relaxed);
-        }
+        counters
+            .best_effort_lost
+            .fetch_add(self.conn.links.take_best_effort_lost(), Ordering::Relaxed);
         // Frames held behind a gap the timeout gave up on arrived over the
         // fabric too.
         counters

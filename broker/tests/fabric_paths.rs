@@ -900,6 +900,64 @@ fn a_lost_datagram_does_not_hold_a_link_of_messages_over_half_its_window() {
     assert!(burst.received >= 250, "losses held the link: {burst:?}");
 }
 
+/// The best-effort losses a client counted stay counted when it
+/// reconnects (the new link's count replaced them, from zero).
+#[test]
+fn best_effort_losses_stay_counted_across_reconnects() {
+    let provider = Provider { rdm: "tcp;ofi_rxm" };
+    let Some(first) = start_broker(provider, true, "") else {
+        return;
+    };
+    let address = tcp_endpoint(&first).trim_start_matches("tcp/").to_string();
+    let lossy = efabus_broker::config::Faults {
+        scheme: Some("efa-dgram".to_string()),
+        direction: efabus_transports::fault::FaultDirection::Receive,
+        drop: 0.05,
+        seed: 3,
+        ..Default::default()
+    };
+    let client = connect_with(
+        &first,
+        ClientOptions {
+            faults: Some(lossy),
+            max_backoff: Duration::from_millis(100),
+            ..fabric_options(&first, "lossy")
+        },
+    );
+    let sub = client.subscribe_best_effort("lossy.>").unwrap();
+    client.flush(WAIT).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while client.link().best_effort_lost == 0 {
+        assert!(Instant::now() < deadline, "no loss was counted");
+        for n in 0..50 {
+            first.publish("lossy.data", pattern(n, 64)).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let lost = client.link().best_effort_lost;
+    first.shutdown();
+    drop(first);
+    let second = start_broker_on(&address, provider, true, "").expect("restart on the same port");
+    while client.reconnects() < 1 {
+        assert!(Instant::now() < deadline, "the client never reconnected");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    client.flush(WAIT).unwrap();
+    while sub.try_recv().is_ok() {}
+    // Best effort arriving on the new link: its count adds to the old.
+    let mut arrived = false;
+    while !arrived {
+        assert!(Instant::now() < deadline, "nothing arrived on the new link");
+        second.publish("lossy.data", pattern(0, 64)).unwrap();
+        arrived = sub.recv_timeout(Duration::from_millis(20)).is_ok();
+    }
+    let after = client.link().best_effort_lost;
+    assert!(
+        after >= lost,
+        "{lost} losses counted, {after} after reconnecting"
+    );
+}
+
 /// A datagram link whose peer never answers there (here the client's
 /// datagram endpoint drops all it receives, as one that did not open its
 /// side would) is given up alone once the broker has asked three times,

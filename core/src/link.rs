@@ -646,6 +646,18 @@ impl LinkReceiver {
         self.reorder.as_ref().map(ReorderBuffer::expected)
     }
 
+    /// Lossy links: the sequences up to the highest any piece came for
+    /// that are neither delivered nor counted lost (waiting behind a gap,
+    /// partial, or missing), which are lost if the link ends now.
+    pub fn unsettled(&self) -> u64 {
+        match &self.reorder {
+            Some(reorder) if self.lossy && self.highest_seen >= reorder.expected() => {
+                self.highest_seen - reorder.expected() + 1
+            }
+            _ => 0,
+        }
+    }
+
     /// Frames held waiting for an earlier sequence.
     pub fn held(&self) -> usize {
         self.reorder.as_ref().map_or(0, ReorderBuffer::held)

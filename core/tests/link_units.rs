@@ -654,6 +654,35 @@ fn a_piece_lost_from_a_message_larger_than_the_skip_distance_is_given_up() {
     assert_eq!(rx.stats().lost, 1);
 }
 
+/// What a lossy link holds unsettled is what it would lose if it ended
+/// now: frames waiting behind a gap, partial messages and the missing
+/// sequences up to the highest seen, none of them delivered or counted.
+#[test]
+fn a_lossy_link_counts_what_it_holds_unsettled() {
+    let cfg = config(1472, true, true, 64, Duration::from_secs(3600), ms(1000));
+    let mut tx = LinkSender::new(&cfg).expect("sender");
+    let mut rx = LinkReceiver::new(&cfg);
+    let now = Instant::now();
+    let wire = wire_frames_sized(&mut tx, 5, |id| if id == 5 { 4000 } else { 64 });
+    let mut out = Vec::new();
+    assert_eq!(rx.unsettled(), 0);
+    rx.receive(now, wire[0][0].clone(), &mut out).unwrap();
+    assert_eq!(rx.unsettled(), 0, "delivered");
+    // 2 missing, 3 waiting, 4 missing, 5 partial.
+    rx.receive(now, wire[2][0].clone(), &mut out).unwrap();
+    rx.receive(now, wire[4][0].clone(), &mut out).unwrap();
+    assert_eq!((out.len(), rx.held(), rx.partial_messages()), (1, 1, 1));
+    assert_eq!(rx.unsettled(), 4);
+    assert_eq!(rx.stats().lost, 0);
+    // Sequence 2 arrives: 2 and 3 are delivered.
+    rx.receive(now, wire[1][0].clone(), &mut out).unwrap();
+    assert_eq!(out.len(), 3);
+    assert_eq!(rx.unsettled(), 2);
+    // A reliable link holds nothing it could lose.
+    let reliable = LinkReceiver::new(&config(1472, true, false, 64, ms(100), ms(1000)));
+    assert_eq!(reliable.unsettled(), 0);
+}
+
 /// A gap given up by its timeout while a piece is being received (not at
 /// a poll) frees the partial message of the missing sequence at once.
 #[test]

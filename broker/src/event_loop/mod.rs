@@ -2160,7 +2160,8 @@ impl EventLoop {
                     self.fabric_owners.remove(&key);
                 }
             }
-            session.conn.links.close(&mut self.endpoints);
+            let lost = session.conn.links.close(&mut self.endpoints);
+            BrokerStats::add(&self.shared.stats.best_effort_lost, lost);
             self.shared
                 .stats
                 .connections

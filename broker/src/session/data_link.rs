@@ -1218,8 +1218,15 @@ impl DataLinks {
         })
     }
 
-    /// Close both links and forget them.
-    pub fn close(&mut self, endpoints: &mut [Box<dyn Endpoint>]) {
+    /// Close both links and forget them. Returns the best-effort messages
+    /// from the peer lost with them: found missing and not yet told
+    /// ([`DataLinks::take_best_effort_lost`]), or not yet settled.
+    pub fn close(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> u64 {
+        let unsettled = self
+            .best_effort
+            .as_ref()
+            .map_or(0, |link| link.receiver.unsettled());
+        let lost = self.take_best_effort_lost().saturating_add(unsettled);
         for link in [self.reliable.take(), self.best_effort.take()]
             .into_iter()
             .flatten()
@@ -1229,6 +1236,7 @@ impl DataLinks {
         self.in_use = false;
         self.failure = None;
         self.barrier = Barrier::Passed;
+        lost
     }
 }
 
