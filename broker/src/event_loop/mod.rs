@@ -1083,7 +1083,9 @@ impl EventLoop {
         let link = match kind {
             LinkKind::Reliable => session.conn.links.reliable.as_ref(),
             LinkKind::BestEffort => {
-                self.tally.best_effort_lost += session.conn.links.take_best_effort_lost();
+                // Saturating: a peer can claim any jump in its sequence.
+                let lost = session.conn.links.take_best_effort_lost();
+                self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(lost);
                 session.conn.links.best_effort.as_ref()
             }
         };
@@ -2447,7 +2449,8 @@ impl EventLoop {
             let mut result = Ok(());
             if let Some(session) = self.sessions.get_mut(&id) {
                 result = session.conn.links.poll(now, &self.endpoints, &mut released);
-                self.tally.best_effort_lost += session.conn.links.take_best_effort_lost();
+                let lost = session.conn.links.take_best_effort_lost();
+                self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(lost);
             }
             self.on_released(id, &mut released);
             if let Err(err) = result {

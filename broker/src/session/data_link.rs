@@ -684,7 +684,7 @@ impl DataLink {
 
     /// Messages given up on this link (lossy links), as the receiver counts.
     pub fn lost(&self) -> u64 {
-        self.receiver.stats().lost + self.bad_runs
+        self.receiver.stats().lost.saturating_add(self.bad_runs)
     }
 }
 
