@@ -404,13 +404,21 @@ impl<T> ReorderBuffer<T> {
 
     /// Drops arrival records of released items; returns the oldest left.
     fn oldest_held(&mut self) -> Option<(Instant, u64)> {
-        while let Some(&(arrived, seq)) = self.arrivals.front() {
-            if seq >= self.expected {
-                return Some((arrived, seq));
-            }
+        self.prune_arrivals();
+        self.arrivals.front().copied()
+    }
+
+    /// Drops the arrival records of released items from the front: the
+    /// records of items released behind one still held go with it (the
+    /// window bounds how long that is held).
+    fn prune_arrivals(&mut self) {
+        while self
+            .arrivals
+            .front()
+            .is_some_and(|&(_, seq)| seq < self.expected)
+        {
             self.arrivals.pop_front();
         }
-        None
     }
 
     /// Release everything before `target` (counting holes as lost), then the
@@ -445,10 +453,13 @@ impl<T> ReorderBuffer<T> {
             }
         }
         // Keep no trailing empty slots at the front of an empty buffer,
-        // nor arrival records of items all released.
+        // nor arrival records of items all released: under `FailAfter`
+        // nothing else drops them while gaps keep filling in time.
         if self.held == 0 {
             self.slots.clear();
             self.arrivals.clear();
+        } else {
+            self.prune_arrivals();
         }
     }
 }
@@ -472,6 +483,26 @@ mod tests {
         assert_eq!(buf.stats().lost, 0);
         buf.push(now, u64::MAX - 8, 1, &mut out)
             .expect("the last usable");
+    }
+
+    #[test]
+    fn arrival_records_stay_bounded_while_gaps_keep_filling() {
+        // 2, 4, 1, 6, 3, 8, 5, ...: something is held at every moment,
+        // and every gap fills at once.
+        let now = Instant::now();
+        let mut buf = ReorderBuffer::new(ReorderConfig {
+            capacity: 64,
+            gap_policy: GapPolicy::FailAfter(Duration::from_secs(3600)),
+        });
+        let mut out = Vec::new();
+        buf.push(now, 2, 2, &mut out).unwrap();
+        for k in 1..=10_000u64 {
+            buf.push(now, 2 * k + 2, 2 * k + 2, &mut out).unwrap();
+            buf.push(now, 2 * k - 1, 2 * k - 1, &mut out).unwrap();
+            assert_eq!(buf.held(), 1);
+            assert!(buf.arrivals.len() <= 2, "{} records", buf.arrivals.len());
+        }
+        assert_eq!(out.len(), 20_000);
     }
 
     #[test]
