@@ -483,13 +483,17 @@ impl EventLoop {
         let busy = self.poll_endpoints(&mut events) | commanded;
         self.events = events;
         let now = Instant::now();
-        let credit_waiting = !self.credit_owed.is_empty() && self.grant_credits(now);
+        let mut credit_waiting = !self.credit_owed.is_empty() && self.grant_credits(now);
         // Timers of many sessions are served together, at most once
         // per `TIMER_SPACING`: the visit is over every session.
         let mut timers_at = self.next_timer.max(self.timers_ran + TIMER_SPACING);
         if now >= timers_at {
             self.timers_ran = now;
             self.on_timers(now);
+            // Gaps the timers gave up are acknowledged in this round.
+            if !self.credit_owed.is_empty() {
+                credit_waiting |= self.grant_credits(now);
+            }
             // Frames the links released (a gap filled, a timeout) may
             // have been requests to responders here.
             if self.publish_answers() {
@@ -2451,6 +2455,11 @@ impl EventLoop {
                 result = session.conn.links.poll(now, &self.endpoints, &mut released);
                 let lost = session.conn.links.take_best_effort_lost();
                 self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(lost);
+                // A gap given up by time moves the link on: the peer, its
+                // credits stopped at the gap, waits for word of it.
+                if session.conn.links.owe_credit() {
+                    self.credit_owed.insert(id);
+                }
             }
             self.on_released(id, &mut released);
             if let Err(err) = result {
