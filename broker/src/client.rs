@@ -1611,6 +1611,9 @@ struct ClientLoop {
     ever_connected: bool,
     /// Why the connection was last lost, for a client that gives up.
     last_failure: Option<String>,
+    /// The reason of the server's goodbye on this connection, if it said
+    /// one: why the connection ends when the server closes it.
+    goodbye: Option<String>,
     /// Every endpoint's offer, data endpoints first: the hello makes
     /// them in this order, but those withdrawn.
     all_offers: Vec<Offer>,
@@ -1701,6 +1704,7 @@ impl ClientLoop {
             next_nonce: 1,
             ever_connected: false,
             last_failure: None,
+            goodbye: None,
             link_secret: None,
             hello_sent: false,
             proved: None,
@@ -2074,6 +2078,7 @@ impl ClientLoop {
     }
 
     fn link_lost(&mut self, now: Instant) {
+        self.goodbye = None;
         self.shared.outbox.lock().direct = None;
         self.close_data_links();
         let failure = self.last_failure.take();
@@ -2281,7 +2286,10 @@ impl ClientLoop {
             Event::Writable { peer } if Some(peer) == current => self.flush_pending(),
             Event::Closed { peer, reason } if Some(peer) == current => {
                 info!(server = %self.shared.server, %reason, "connection lost");
-                self.last_failure = Some(reason.to_string());
+                self.last_failure = Some(match self.goodbye.take() {
+                    Some(said) => format!("the server said goodbye: {said}"),
+                    None => reason.to_string(),
+                });
                 self.link_lost(Instant::now());
             }
             _ => {}
@@ -2465,6 +2473,7 @@ impl ClientLoop {
             }
             Frame::Goodbye(goodbye) => {
                 info!(reason = %goodbye.reason, "server said goodbye");
+                self.goodbye = Some(goodbye.reason);
             }
             Frame::Dropped(dropped) => {
                 // Counted with the subscription's own drops; a report for

@@ -708,6 +708,8 @@ fn broker_shutdown_says_goodbye_to_clients() {
     eventually("the client to see the connection closed", || {
         client.state() == ConnectionState::Closed
     });
+    let why = client.closed_because().unwrap_or_default();
+    assert_eq!(why, "the server said goodbye: server shutting down");
 }
 
 #[test]
