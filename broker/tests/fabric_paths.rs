@@ -493,6 +493,42 @@ fn keeps_fifo_order_with_mixed_sizes(provider: Provider) {
     expect_in_order(&remote_from_local, count, "embedded to client");
 }
 
+/// A broker shutting down delivers what it accepted to a client on the
+/// fabric, and its goodbye, before it closes the control link: the
+/// client's connection ends with the server's reason and every message.
+/// (The control link closed once the queue was handed to the data link,
+/// not once the client had it, so that the tail and the goodbye could be
+/// lost.)
+fn shutdown_delivers_then_says_goodbye_over_rdm(provider: Provider) {
+    let Some(broker) = start_broker(provider, true, "") else {
+        return;
+    };
+    let client = connect_with(
+        &broker,
+        ClientOptions {
+            reconnect: false,
+            ..fabric_options(&broker, "leaving")
+        },
+    );
+    assert_on_fabric(&client, provider, "leaving");
+    let sub = client.subscribe("bye.>").unwrap();
+    client.flush(WAIT).unwrap();
+    let count = 300;
+    for n in 0..count {
+        let len = 64 + (n as usize % 7) * 3_000;
+        broker.publish("bye.data", pattern(n, len)).unwrap();
+    }
+    broker.shutdown();
+    expect_in_order(&sub, count, "published before the shutdown");
+    let deadline = Instant::now() + WAIT;
+    while client.state() != ConnectionState::Closed {
+        assert!(Instant::now() < deadline, "the client never saw the end");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let why = client.closed_because().unwrap_or_default();
+    assert!(why.contains("the server said goodbye"), "{why}");
+}
+
 /// Payloads far larger than one RDM message cross whole, every way; the
 /// sizes straddle the negotiated frame limit and its multiples.
 fn carries_large_payloads_over_rdm(provider: Provider) {
@@ -1691,6 +1727,11 @@ macro_rules! provider_tests {
             #[test]
             fn carries_large_payloads_over_rdm() {
                 super::carries_large_payloads_over_rdm(PROVIDER);
+            }
+
+            #[test]
+            fn shutdown_delivers_then_says_goodbye_over_rdm() {
+                super::shutdown_delivers_then_says_goodbye_over_rdm(PROVIDER);
             }
 
             #[test]

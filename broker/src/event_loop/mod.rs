@@ -1061,6 +1061,7 @@ impl EventLoop {
         let Some(kind) = session.conn.links.kind_of(endpoint, peer) else {
             return;
         };
+        let closing = matches!(session.state, SessionState::Closing { .. });
         let mut released = std::mem::take(&mut self.released);
         let result = session
             .conn
@@ -1106,6 +1107,9 @@ impl EventLoop {
         {
             // The message may have been a credit opening the window.
             self.flush_session(id);
+        } else if closing {
+            // Or the credit acknowledging the last of what it drains.
+            self.close_if_drained(id);
         }
         if let Err(err) = result {
             if kind == LinkKind::Reliable {
@@ -1906,9 +1910,8 @@ impl EventLoop {
             session.over_since = Some(Instant::now());
         }
         let report = drained && session.drops.due_at().is_some();
-        if empty && matches!(session.state, SessionState::Closing { .. }) {
-            let control = session.conn.control;
-            self.endpoints[control.endpoint].close(control.peer);
+        if empty {
+            self.close_if_drained(id);
         }
         if drained {
             self.leave_blocking(id);
@@ -2024,14 +2027,29 @@ impl EventLoop {
         session.state = SessionState::Closing {
             deadline: self.now + self.shared.config.drain_timeout(),
         };
-        let control = session.conn.control;
         self.end_handshake(id);
         self.remove_interest(id);
-        if self
-            .sessions
-            .get(&id)
-            .is_some_and(|s| s.conn.out.is_empty())
+        self.close_if_drained(id);
+    }
+
+    /// Closes a closing session's control link once nothing is queued for
+    /// it and the peer has acknowledged what its reliable data link
+    /// carried (the goodbye or error among it, often): the peer ends its
+    /// side when the control link closes, and frames still on their way
+    /// on the fabric would be lost. Not for a session cut off or whose
+    /// data link failed, which acknowledges nothing more.
+    fn close_if_drained(&mut self, id: u64) {
+        let Some(session) = self.sessions.get(&id) else {
+            return;
+        };
+        let links = &session.conn.links;
+        let acknowledged =
+            session.cut_off || links.failure.is_some() || links.unacknowledged_frames() == 0;
+        if matches!(session.state, SessionState::Closing { .. })
+            && session.conn.out.is_empty()
+            && acknowledged
         {
+            let control = session.conn.control;
             self.endpoints[control.endpoint].close(control.peer);
         }
     }
@@ -2077,11 +2095,16 @@ impl EventLoop {
             .map(|(&id, _)| id)
             .collect();
         for id in affected {
-            self.fail(
-                id,
-                ErrorCode::Internal,
-                format!("the broker's {scheme} endpoint failed: {err}"),
-            );
+            let reason = format!("the broker's {scheme} endpoint failed: {err}");
+            if let Some(session) = self.sessions.get_mut(&id) {
+                let links = &mut session.conn.links;
+                // Its reliable link carries nothing more: what is queued
+                // for it is dropped (counted), not waited for.
+                if links.reliable.as_ref().is_some_and(|l| l.endpoint == index) {
+                    links.failure.get_or_insert_with(|| reason.clone());
+                }
+            }
+            self.fail(id, ErrorCode::Internal, reason);
         }
     }
 
