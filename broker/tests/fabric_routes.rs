@@ -405,6 +405,36 @@ fn restart_on_the_fabric(b_tcp: &str, a: &Broker) -> Broker {
     b
 }
 
+/// A broker leaving a fabric route drains it in moments, not at a drain
+/// deadline, even with its route just moved to the fabric: what it routed
+/// before the shutdown arrives, and neither side waits for the other's
+/// acknowledgements once a goodbye has passed. (The leaving broker's
+/// queue waited for an address proof whose answer a closing session did
+/// not read, until the peer took it for dead; and each closing side
+/// waited for acknowledgements the other, closing, no longer sent.)
+#[test]
+fn a_broker_leaving_a_fabric_route_drains_it_at_once() {
+    let slow_drain = "[shutdown]\ndrain_timeout_ms = 20000";
+    let Some(b) = start_with("b", Some("efa-rdm"), "tcp;ofi_rxm", &[], slow_drain) else {
+        return;
+    };
+    let Some(a) = start_with("a", Some("efa-rdm"), "tcp;ofi_rxm", &[tcp(&b)], slow_drain) else {
+        return;
+    };
+    assert!(the_route(&a).reliable.starts_with("efa-rdm via"));
+    let sub = a.subscribe("leaving.>").unwrap();
+    wait_until("a's interest at b", || b.route_interest_count() == 1);
+    for n in 0..100 {
+        b.publish("leaving.data", payload(n)).unwrap();
+    }
+    let started = Instant::now();
+    b.shutdown();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(10), "b took {took:?} to leave");
+    expect_in_order(&sub, 100, "routed before the shutdown");
+    wait_until("the route down", || a.routes().is_empty());
+}
+
 /// A peer broker that restarts comes back on the fabric.
 #[test]
 fn a_restarted_peer_comes_back_on_the_fabric() {

@@ -1212,15 +1212,28 @@ impl EventLoop {
         };
         session.conn.liveness.heard(self.now);
         if matches!(session.state, SessionState::Closing { .. }) {
-            // Nothing more is read, but the barrier's answer: what waits
-            // behind it is the closing session's to drain.
-            if bytes.get(PREFIX_LEN) == Some(&(FrameKind::Pong as u8)) {
-                if let Ok(Frame::Pong { nonce }) = codec::decode(message.slice(range), &self.codec)
-                {
-                    if session.conn.links.on_barrier_pong(nonce) {
-                        self.flush_session(id);
+            // Nothing more is read, but the answers the data link's move
+            // waits for, the barrier's and the address proof's (what waits
+            // behind them is the closing session's to drain), and a
+            // goodbye (the peer, closing too, acknowledges nothing more).
+            match bytes.get(PREFIX_LEN).copied() {
+                Some(kind) if kind == FrameKind::Pong as u8 => {
+                    if let Ok(Frame::Pong { nonce }) =
+                        codec::decode(message.slice(range), &self.codec)
+                    {
+                        let links = &mut session.conn.links;
+                        let passed = links.on_barrier_pong(nonce);
+                        let proven = !links.on_pong(nonce, &mut self.endpoints).is_empty();
+                        if passed || proven {
+                            self.flush_session(id);
+                        }
                     }
                 }
+                Some(kind) if kind == FrameKind::Goodbye as u8 => {
+                    self.peer_left(id);
+                    self.close_if_drained(id);
+                }
+                _ => {}
             }
             return;
         }
@@ -1315,6 +1328,7 @@ impl EventLoop {
                 if goodbye.reason == route::DUPLICATE_ROUTE {
                     self.closed_as_duplicate(id);
                 }
+                self.peer_left(id);
                 self.close_session(id);
             }
             (_, Frame::Error(error)) => {
@@ -2039,18 +2053,29 @@ impl EventLoop {
     /// on the fabric would be lost. Not for a session cut off or whose
     /// data link failed, which acknowledges nothing more.
     fn close_if_drained(&mut self, id: u64) {
-        let Some(session) = self.sessions.get(&id) else {
+        let Some(session) = self
+            .sessions
+            .get(&id)
+            .filter(|s| matches!(s.state, SessionState::Closing { .. }) && s.conn.out.is_empty())
+        else {
             return;
         };
         let links = &session.conn.links;
-        let acknowledged =
-            session.cut_off || links.failure.is_some() || links.unacknowledged_frames() == 0;
-        if matches!(session.state, SessionState::Closing { .. })
-            && session.conn.out.is_empty()
-            && acknowledged
+        if session.cut_off
+            || session.peer_left
+            || links.failure.is_some()
+            || links.unacknowledged_frames() == 0
         {
             let control = session.conn.control;
             self.endpoints[control.endpoint].close(control.peer);
+        }
+    }
+
+    /// The peer of session `id` said goodbye: it acknowledges nothing
+    /// more, so its session's drain does not wait for that.
+    fn peer_left(&mut self, id: u64) {
+        if let Some(session) = self.sessions.get_mut(&id) {
+            session.peer_left = true;
         }
     }
 

@@ -113,6 +113,9 @@ pub(super) struct Session {
     /// Disconnected as a slow consumer: its queue was dropped, and what is
     /// still routed to it before it is gone is dropped too.
     pub cut_off: bool,
+    /// The peer said goodbye: it acknowledges nothing more, so a drain
+    /// does not wait for its acknowledgements.
+    pub peer_left: bool,
     /// What the drop-oldest policy discarded for a client, to tell it.
     pub drops: DropReports,
     /// The peer's hello carried the route credential (or none is needed):
@@ -185,6 +188,7 @@ impl Session {
             batch: Batch::default(),
             over_since: None,
             cut_off: false,
+            peer_left: false,
             drops: DropReports {
                 pending: HashMap::default(),
                 not_before: Instant::now(),
