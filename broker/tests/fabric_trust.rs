@@ -522,6 +522,28 @@ fn hello_from(
         offer.address = address.to_vec();
     }
     let secret = LinkSecret::new().expect("a secret");
+    let (raw, welcome) = welcomed(broker, name, offer, &secret);
+    let keys = secret
+        .keys(
+            HandshakeRole::Dialer,
+            welcome.link_auth.as_ref().expect("the broker's part"),
+            "efa-rdm",
+        )
+        .expect("keys");
+    let to_broker = attacker
+        .insert_peer(&broker_fabric_address(broker), &keys)
+        .expect("insert the broker");
+    (raw, to_broker)
+}
+
+/// A raw control link to `broker` that said hello as `name`, offering
+/// `offer` with `secret`'s half of the link keys, and the welcome.
+fn welcomed(
+    broker: &Broker,
+    name: &str,
+    offer: efabus_core::caps::Offer,
+    secret: &efabus_broker::link_auth::LinkSecret,
+) -> (Raw, efabus_core::frame::Welcome) {
     let mut raw = Raw::connect(broker);
     raw.send(&Frame::Hello(efabus_core::frame::Hello {
         no_echo: false,
@@ -537,17 +559,32 @@ fn hello_from(
     let Frame::Welcome(welcome) = raw.expect("welcome", |f| matches!(f, Frame::Welcome(_))) else {
         unreachable!()
     };
-    let keys = secret
-        .keys(
-            HandshakeRole::Dialer,
-            welcome.link_auth.as_ref().expect("the broker's part"),
-            "efa-rdm",
-        )
-        .expect("keys");
-    let to_broker = attacker
-        .insert_peer(&broker_fabric_address(broker), &keys)
-        .expect("insert the broker");
-    (raw, to_broker)
+    (raw, welcome)
+}
+
+/// A hello whose data path the broker cannot open (here an address of
+/// the wrong size for its endpoint; as well a `shm` address vector full
+/// past libfabric's 256 peers) is welcomed with no data path offered, so
+/// that the client stays on TCP from the start. (It was offered them all,
+/// opened its side, moved its traffic there and lost it until it gave the
+/// link up as silent.)
+#[test]
+fn a_data_path_the_broker_cannot_open_is_not_offered_back() {
+    let Some(broker) = start_broker() else {
+        return;
+    };
+    let attacker = attacker_endpoint();
+    let mut offer = efabus_broker::endpoints::offer_for(&attacker).expect("an offer");
+    offer.address = vec![1, 2, 3];
+    let secret = efabus_broker::link_auth::LinkSecret::new().expect("a secret");
+    let (_raw, welcome) = welcomed(&broker, "unopenable", offer, &secret);
+    let schemes: Vec<&str> = welcome.offers.iter().map(|o| o.scheme.as_str()).collect();
+    assert!(
+        schemes
+            .iter()
+            .all(|s| !efabus_broker::endpoints::is_data_scheme(s)),
+        "data paths offered back: {schemes:?}"
+    );
 }
 
 /// An impostor that does use the data link: it offers the victim's fabric

@@ -402,7 +402,7 @@ impl Session {
         for link in [&links.reliable, &links.best_effort].into_iter().flatten() {
             info!(session = id, link = %link.description, "data path negotiated");
         }
-        if negotiation.opened.is_empty() {
+        if negotiation.opened.is_empty() && !negotiation.failed {
             // Normal where neither side has a fabric; the reasons are in
             // the route's or client's link report.
             debug!(

@@ -725,6 +725,10 @@ pub(crate) struct Negotiation {
     /// This side's offer of each link opened: put in the welcome so the
     /// peer arrives at the same choice. Empty when no data link opened.
     pub opened: Vec<Offer>,
+    /// A link chosen could not open here: the peer must not be offered
+    /// the data paths (it would open its side and send where nobody
+    /// reads).
+    pub failed: bool,
     /// Why candidates were skipped or links could not open, for reports.
     pub reasons: Vec<String>,
 }
@@ -764,6 +768,7 @@ impl DataLinks {
     ) -> Negotiation {
         let mut negotiation = Negotiation {
             opened: Vec::new(),
+            failed: false,
             reasons: Vec::new(),
         };
         let negotiated = match negotiate(local, remote, preference) {
@@ -834,6 +839,7 @@ impl DataLinks {
                 Err(reason) => {
                     warn!(%reason, "data path unusable; staying on the control link");
                     negotiation.reasons.push(reason.to_string());
+                    negotiation.failed = true;
                 }
             }
         }
