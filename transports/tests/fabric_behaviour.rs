@@ -1866,6 +1866,51 @@ mod suite {
         assert_eq!(payload_of(&after[0]), b"after the replay");
     }
 
+    /// libfabric 1.17's `shm` takes a name whose region does not exist and
+    /// gives the next name inserted the same entry, whose removal unmaps
+    /// both: such a name is refused, and a live peer's frames keep
+    /// arriving. One name spelled with more bytes after its NUL is the
+    /// same name: one entry. (A peer inserted after such a name got its
+    /// entry, and evicting the first made every frame to it vanish.)
+    pub fn shm_names_without_a_region_are_refused() {
+        let Some((mut a, mut b)) = pair(EpKind::Rdm, "shm", &[("max_addresses", "2")]) else {
+            return;
+        };
+        let mut c = transport(EpKind::Rdm, "shm")
+            .open_fabric(&config("shm", &[]))
+            .expect("open c");
+        // No process has this number: no region of that name exists.
+        let (keys, _) = link_keys();
+        let refused = a.insert_peer(b"fi_shm://4000000000:0:0\0", &keys);
+        let refused = refused.expect_err("a name without a region");
+        assert!(
+            refused.to_string().contains("no shared-memory region"),
+            "{refused}"
+        );
+        let (pb, pa) = insert_each_other(&mut a, &mut b);
+        let mut spelled = b.local_addr();
+        spelled.extend_from_slice(b"\0\0");
+        let (keys, _) = link_keys();
+        let again = a.insert_peer(&spelled, &keys).expect("the same name");
+        assert_eq!(a.fabric_counts().addresses, 1, "one entry for both");
+        a.close(again);
+        // Room for c without evicting b's entry, the only one.
+        let (pc, pa_at_c) = insert_each_other(&mut a, &mut c);
+        assert_eq!(a.stats().av_evictions, 0);
+        let (mut ae, mut be, mut ce) = (Vec::new(), Vec::new(), Vec::new());
+        send_blocking(&mut a, &mut b, pb, frame(b"to b"), &mut ae, &mut be);
+        send_blocking(&mut a, &mut c, pc, frame(b"to c"), &mut ae, &mut ce);
+        let start = Instant::now();
+        while frames_from(&be, pa).is_empty() || frames_from(&ce, pa_at_c).is_empty() {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            c.poll(&mut ce).expect("poll c");
+            assert!(start.elapsed() < DEADLINE, "a frame did not arrive");
+        }
+        assert_eq!(payload_of(&frames_from(&be, pa)[0]), b"to b");
+        assert_eq!(payload_of(&frames_from(&ce, pa_at_c)[0]), b"to c");
+    }
+
     /// An address vector bounded to two addresses holds the addresses of
     /// two live peers and refuses a third; once a peer closes, its address
     /// is removed (least recently used first) to make room, and the peers
@@ -2593,4 +2638,10 @@ fn rdm_backpressure_then_writable() {
     for provider in RDM_PROVIDERS {
         suite::backpressure_then_writable(efabus_transports::fabric::EpKind::Rdm, provider);
     }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn shm_names_without_a_region_are_refused() {
+    suite::shm_names_without_a_region_are_refused();
 }

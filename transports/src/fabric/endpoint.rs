@@ -271,6 +271,9 @@ pub struct FabricStats {
     pub rx_cq_reads: u64,
     /// Addresses removed from the address vector to make room.
     pub av_evictions: u64,
+    /// Addresses the provider gave an entry that an unused older address
+    /// had, which went to them (see [`FabricError::AddressAliased`]).
+    pub av_aliases: u64,
     pub would_block: u64,
     /// Sends refused because the peer held its whole share of the tx slots
     /// or bytes while other slots were free (a slow or stopped receiver).
@@ -1382,6 +1385,19 @@ impl FabricEndpoint {
         if !self.used_send_keys.take(&keys.send_key) {
             return Err(FabricError::SendKeyReused);
         }
+        // shm maps the region a name points at when it is inserted: only
+        // names of its own form, none chosen by a peer. It reads a name up
+        // to its NUL, so that is the name: two spellings of one would be
+        // two entries of one peer.
+        let shm = self.link.provider == super::config::SHM_PROVIDER;
+        let addr = if shm {
+            match addr.iter().position(|&b| b == 0) {
+                Some(end) if is_shm_name(addr) => &addr[..=end],
+                _ => return Err(FabricError::NotAnShmName),
+            }
+        } else {
+            addr
+        };
         self.av_clock += 1;
         let fi_addr = match self.av_cache.get_mut(addr) {
             Some(entry) => {
@@ -1390,15 +1406,38 @@ impl FabricEndpoint {
                 entry.fi_addr
             }
             None => {
-                // shm maps the region a name points at when it is inserted:
-                // only names of its own form, none chosen by a peer.
-                if self.link.provider == super::config::SHM_PROVIDER && !is_shm_name(addr) {
-                    return Err(FabricError::NotAnShmName);
+                // libfabric 1.17's shm takes a name whose region does not
+                // exist, leaves its slot free, and gives the next name that
+                // slot's entry: two names, one `fi_addr`, whose removal
+                // unmaps both, and an entry counted against its 256 each
+                // time. Such names are refused here; one whose region goes
+                // between this look and the insert is caught below.
+                if shm && !shm_region_exists(addr) {
+                    return Err(FabricError::NoShmRegion);
                 }
                 if self.av_cache.len() >= self.max_addresses {
                     self.evict_address()?;
                 }
                 let fi_addr = self.av.insert(addr)?;
+                // The older name's entry is given to the new one (never
+                // removed: the provider counted both inserts) when no peer
+                // uses it; else the new name is refused.
+                let aliased = shm
+                    .then(|| {
+                        self.av_cache
+                            .iter()
+                            .find(|(_, entry)| entry.fi_addr == fi_addr)
+                            .map(|(name, entry)| (name.clone(), entry.users))
+                    })
+                    .flatten();
+                match aliased {
+                    Some((_, users)) if users > 0 => return Err(FabricError::AddressAliased),
+                    Some((older, _)) => {
+                        self.av_cache.remove(&older);
+                        self.stats.av_aliases += 1;
+                    }
+                    None => {}
+                }
                 self.av_cache.insert(
                     addr.to_vec(),
                     AvEntry {
@@ -2346,6 +2385,17 @@ fn is_shm_name(addr: &[u8]) -> bool {
         return false;
     };
     end > 0 && rest[..end].iter().all(|&b| b.is_ascii_digit() || b == b':')
+}
+
+/// Whether the shared-memory region a shm name (already checked by
+/// [`is_shm_name`], so digits and colons before its NUL) points at exists
+/// on this host.
+fn shm_region_exists(name: &[u8]) -> bool {
+    let region = name
+        .strip_prefix(b"fi_shm://")
+        .and_then(|rest| rest.split(|&b| b == 0).next())
+        .and_then(|region| std::str::from_utf8(region).ok());
+    region.is_some_and(|region| std::path::Path::new("/dev/shm").join(region).exists())
 }
 
 /// Whether FI_SOURCE is asked of `provider`. The network providers report

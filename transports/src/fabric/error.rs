@@ -117,6 +117,13 @@ pub enum FabricError {
     SendKeyReused,
     #[error("not a name the shm provider gives its endpoints (fi_shm://, then digits and colons)")]
     NotAnShmName,
+    #[error(
+        "the provider gave this address the entry of another address, in use by a live peer \
+         (shm maps a name whose region does not exist to the slot the next name takes)"
+    )]
+    AddressAliased,
+    #[error("no shared-memory region of that shm name exists on this host")]
+    NoShmRegion,
     #[error("fi_cq_open failed: {code}")]
     CqOpen { code: FiCode },
     #[error("fi_cq_read failed: {code}")]
@@ -213,7 +220,9 @@ impl FabricError {
             | AddressesFull { .. }
             | LinkIdInUse(_)
             | SendKeyReused
-            | NotAnShmName => None,
+            | NotAnShmName
+            | AddressAliased
+            | NoShmRegion => None,
         }
     }
 }
