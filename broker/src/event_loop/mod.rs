@@ -1221,12 +1221,7 @@ impl EventLoop {
                     if let Ok(Frame::Pong { nonce }) =
                         codec::decode(message.slice(range), &self.codec)
                     {
-                        let links = &mut session.conn.links;
-                        let passed = links.on_barrier_pong(nonce);
-                        let proven = !links.on_pong(nonce, &mut self.endpoints).is_empty();
-                        if passed || proven {
-                            self.flush_session(id);
-                        }
+                        self.on_pong(id, nonce);
                     }
                 }
                 Some(kind) if kind == FrameKind::Goodbye as u8 => {
@@ -1924,7 +1919,7 @@ impl EventLoop {
             session.over_since = Some(Instant::now());
         }
         let report = drained && session.drops.due_at().is_some();
-        if empty {
+        if empty && matches!(session.state, SessionState::Closing { .. }) {
             self.close_if_drained(id);
         }
         if drained {
@@ -2160,7 +2155,8 @@ impl EventLoop {
     /// A `Pong` that may answer a data link's challenge: the peer receives
     /// at that address, which is now this session's alone. An older
     /// session that held the same address (the same client, reconnected)
-    /// ends.
+    /// ends. Or the barrier's ping. A closing session hears these too:
+    /// what waits behind them is its to drain.
     fn on_pong(&mut self, id: u64, nonce: u64) {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
