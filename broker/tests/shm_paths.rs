@@ -20,6 +20,9 @@ use bytes::Bytes;
 use efabus_broker::{Broker, Client, ClientOptions, Config};
 use efabus_transports::registry::Registry;
 
+mod raw_common;
+use raw_common::Raw;
+
 const WAIT: Duration = Duration::from_secs(10);
 /// The fabric buffer size: the 1 MiB payloads below go by rendezvous.
 const FRAME: usize = 65_536;
@@ -182,4 +185,70 @@ fn a_broker_lands_large_shm_frames_in_huge_pages() {
         landed = stat(&broker, "fabric_rendezvous_huge_landed") - before;
     }
     assert_eq!(landed, expected);
+}
+
+/// A client whose `shm` link the broker cannot open (here a name with no
+/// region behind it; as well `shm` full past libfabric's 256 peers) is
+/// offered the next path both have, `efa-rdm`, rather than none: the
+/// welcome carries the broker's `efa-rdm` side alone, so the client
+/// arrives at the same choice.
+#[test]
+fn a_client_whose_shm_link_cannot_open_is_offered_efa_rdm() {
+    use efabus_broker::endpoints::offer_for;
+    use efabus_core::frame::{Frame, Hello, PROTOCOL_VERSION};
+    use efabus_core::transport::{EndpointConfig, FabricOptions};
+    use efabus_transports::fabric::FabricTransport;
+
+    let Some(broker) = start_broker() else {
+        return;
+    };
+    let open = |transport: FabricTransport, provider: &str| {
+        let config = EndpointConfig {
+            fabric: Some(FabricOptions {
+                provider: provider.to_string(),
+                node: Some("127.0.0.1".to_string()),
+                msg_size: Some(FRAME),
+                ..FabricOptions::default()
+            }),
+            ..EndpointConfig::default()
+        };
+        transport.open_fabric(&config).expect("an endpoint")
+    };
+    let shm = open(FabricTransport::shm(), "shm");
+    let rdm = open(FabricTransport::rdm(), "tcp;ofi_rxm");
+    let mut shm_offer = offer_for(&shm).expect("an shm offer");
+    // No process has this number: no region of that name exists.
+    shm_offer.address = b"fi_shm://4000000000:0:0\0".to_vec();
+    let rdm_offer = offer_for(&rdm).expect("an efa-rdm offer");
+    let secret = efabus_broker::link_auth::LinkSecret::new().expect("a secret");
+    let mut raw = Raw::connect(&broker);
+    raw.send(&Frame::Hello(Hello {
+        no_echo: false,
+        no_responders: false,
+        version: PROTOCOL_VERSION,
+        name: "shm-refused".into(),
+        credentials: None,
+        user: None,
+        proof: None,
+        offers: vec![shm_offer, rdm_offer],
+        link_auth: Some(secret.auth().clone()),
+    }));
+    let Frame::Welcome(welcome) = raw.expect("welcome", |f| matches!(f, Frame::Welcome(_))) else {
+        unreachable!()
+    };
+    let schemes: Vec<&str> = welcome.offers.iter().map(|o| o.scheme.as_str()).collect();
+    assert!(schemes.contains(&"efa-rdm"), "{schemes:?}");
+    assert!(!schemes.contains(&"shm"), "{schemes:?}");
+    let broker_rdm = welcome
+        .offers
+        .iter()
+        .find(|o| o.scheme == "efa-rdm")
+        .expect("the broker's efa-rdm side");
+    let ours = efabus_core::caps::negotiate(
+        &[offer_for(&rdm).expect("an efa-rdm offer")],
+        std::slice::from_ref(broker_rdm),
+        &["shm", "efa-rdm"],
+    )
+    .expect("a path in common");
+    assert_eq!(ours.reliable.scheme, "efa-rdm");
 }

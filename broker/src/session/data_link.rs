@@ -725,12 +725,42 @@ pub(crate) struct Negotiation {
     /// This side's offer of each link opened: put in the welcome so the
     /// peer arrives at the same choice. Empty when no data link opened.
     pub opened: Vec<Offer>,
-    /// A link chosen could not open here: the peer must not be offered
-    /// the data paths (it would open its side and send where nobody
-    /// reads).
+    /// A link chosen could not open here (another may have opened in its
+    /// place): when none opened, the peer must not be offered the data
+    /// paths (it would open its side and send where nobody reads).
     pub failed: bool,
     /// Why candidates were skipped or links could not open, for reports.
     pub reasons: Vec<String>,
+}
+
+/// Opens `choice` on `endpoint` (at `index`) under keys derived for it,
+/// asking the peer to prove its address when this side accepted.
+fn open_keyed(
+    endpoint: &mut dyn Endpoint,
+    index: usize,
+    choice: &Choice,
+    tuning: &LinkTuning,
+    keying: &Keying<'_>,
+) -> Result<DataLink, DataLinkError> {
+    let keys = keying
+        .secret
+        .keys(keying.role, keying.peer, &choice.scheme)
+        .map_err(|source| DataLinkError::Keys {
+            scheme: choice.scheme.clone(),
+            source,
+        })?;
+    // The side that accepted checks the address it was given.
+    let proof = match keying.role {
+        HandshakeRole::Dialer => Proof::Proven,
+        HandshakeRole::Acceptor => Proof::Awaiting {
+            nonce: random_u64().map_err(|source| DataLinkError::Keys {
+                scheme: choice.scheme.clone(),
+                source,
+            })?,
+            asked: 0,
+        },
+    };
+    DataLink::open(index, endpoint, choice, tuning, &keys, proof)
 }
 
 /// A session's data links: a reliable one (RDM) and a best-effort one
@@ -755,8 +785,12 @@ pub(crate) struct DataLinks {
 
 impl DataLinks {
     /// Choose data paths from both sides' offers and open the chosen links
-    /// on `endpoints` (found by scheme). Nothing opens when negotiation
-    /// finds no path in common; the control link then carries everything.
+    /// on `endpoints` (found by scheme). A link that cannot open here (the
+    /// peer's address refused, `shm` full past its peers) takes its scheme
+    /// out of this side's offers and the choice is made again, so the next
+    /// path both sides have is tried before the control link. Nothing
+    /// opens when negotiation finds no path in common; the control link
+    /// then carries everything.
     pub fn open(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
@@ -771,79 +805,67 @@ impl DataLinks {
             failed: false,
             reasons: Vec::new(),
         };
-        let negotiated = match negotiate(local, remote, preference) {
-            Ok(negotiated) => negotiated,
-            Err(err) => {
-                negotiation.reasons.push(err.to_string());
-                return negotiation;
-            }
-        };
-        negotiation
-            .reasons
-            .extend(negotiated.reasons.iter().cloned());
-        for (choice, kind) in [
-            (Some(&negotiated.reliable), LinkKind::Reliable),
-            (negotiated.best_effort.as_ref(), LinkKind::BestEffort),
-        ] {
-            let Some(choice) = choice else { continue };
-            if !endpoints::is_data_scheme(&choice.scheme) {
-                continue;
-            }
-            let Some(index) = endpoints.iter().position(|e| e.scheme() == choice.scheme) else {
-                continue;
+        // Schemes whose link failed to open here; each pass drops one more,
+        // so the passes end.
+        let mut unusable: Vec<String> = Vec::new();
+        loop {
+            let usable: Vec<Offer> = local
+                .iter()
+                .filter(|o| !unusable.contains(&o.scheme))
+                .cloned()
+                .collect();
+            let negotiated = match negotiate(&usable, remote, preference) {
+                Ok(negotiated) => negotiated,
+                Err(err) => {
+                    negotiation.reasons.push(err.to_string());
+                    return negotiation;
+                }
             };
-            // Every fabric message is authenticated: no keys, no link.
-            let Some(keying) = &keying else {
-                negotiation.reasons.push(format!(
-                    "{}: the peer gave no link keys; staying on the control link",
-                    choice.scheme
-                ));
-                continue;
-            };
-            let keys = keying
-                .secret
-                .keys(keying.role, keying.peer, &choice.scheme)
-                .and_then(|keys| {
-                    // The side that accepted checks the address it was given.
-                    let proof = match keying.role {
-                        HandshakeRole::Dialer => Proof::Proven,
-                        HandshakeRole::Acceptor => Proof::Awaiting {
-                            nonce: random_u64()?,
-                            asked: 0,
-                        },
-                    };
-                    Ok((keys, proof))
-                })
-                .map_err(|source| DataLinkError::Keys {
-                    scheme: choice.scheme.clone(),
-                    source,
-                });
-            let opened = keys.and_then(|(keys, proof)| {
-                DataLink::open(
-                    index,
-                    endpoints[index].as_mut(),
-                    choice,
-                    tuning,
-                    &keys,
-                    proof,
-                )
-            });
-            match opened {
-                Ok(link) => {
-                    negotiation.opened.push(choice.local.clone());
-                    match kind {
-                        LinkKind::Reliable => self.reliable = Some(link),
-                        LinkKind::BestEffort => self.best_effort = Some(link),
+            let mut choose_again = false;
+            for (choice, kind) in [
+                (Some(&negotiated.reliable), LinkKind::Reliable),
+                (negotiated.best_effort.as_ref(), LinkKind::BestEffort),
+            ] {
+                let Some(choice) = choice else { continue };
+                let slot = match kind {
+                    LinkKind::Reliable => &mut self.reliable,
+                    LinkKind::BestEffort => &mut self.best_effort,
+                };
+                // Opened in an earlier pass (a failure of the other kind's
+                // scheme does not change this kind's choice).
+                if slot.is_some() || !endpoints::is_data_scheme(&choice.scheme) {
+                    continue;
+                }
+                let Some(index) = endpoints.iter().position(|e| e.scheme() == choice.scheme) else {
+                    continue;
+                };
+                // Every fabric message is authenticated: no keys, no link.
+                let Some(keying) = &keying else {
+                    negotiation.reasons.push(format!(
+                        "{}: the peer gave no link keys; staying on the control link",
+                        choice.scheme
+                    ));
+                    continue;
+                };
+                match open_keyed(endpoints[index].as_mut(), index, choice, tuning, keying) {
+                    Ok(link) => {
+                        negotiation.opened.push(choice.local.clone());
+                        *slot = Some(link);
+                    }
+                    Err(reason) => {
+                        warn!(%reason, "data path unusable; trying the next one in common");
+                        negotiation.reasons.push(reason.to_string());
+                        negotiation.failed = true;
+                        unusable.push(choice.scheme.clone());
+                        choose_again = true;
                     }
                 }
-                Err(reason) => {
-                    warn!(%reason, "data path unusable; staying on the control link");
-                    negotiation.reasons.push(reason.to_string());
-                    negotiation.failed = true;
-                }
+            }
+            if !choose_again {
+                negotiation.reasons.extend(negotiated.reasons);
+                return negotiation;
             }
         }
-        negotiation
     }
 
     fn links(&self) -> impl Iterator<Item = &DataLink> {
