@@ -228,6 +228,19 @@ impl BrokerStats {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// [`add`](Self::add) for counts a peer's claim sets (a best-effort
+    /// sender may claim a sequence jump of nearly 2^64, all of it lost):
+    /// the total stops at `u64::MAX` instead of wrapping round to a small
+    /// number.
+    pub(crate) fn add_saturating(counter: &AtomicU64, n: u64) {
+        if n > 0 {
+            // The closure always returns Some: the update cannot fail.
+            let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |total| {
+                Some(total.saturating_add(n))
+            });
+        }
+    }
+
     /// Whether the value named `name` in [`snapshot`](Self::snapshot) is
     /// a level right now (connections, queued bytes, registrations held)
     /// rather than a running total.
@@ -1541,4 +1554,22 @@ pub(crate) fn unique_seed() -> u64 {
     );
     hasher.write_u32(std::process::id());
     hasher.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two peers each claiming a loss of nearly 2^64 leave the total at
+    /// its top, not wrapped round to a small number.
+    #[test]
+    fn peer_claimed_counts_saturate() {
+        let lost = AtomicU64::new(0);
+        BrokerStats::add_saturating(&lost, u64::MAX - 1);
+        BrokerStats::add_saturating(&lost, u64::MAX - 1);
+        assert_eq!(lost.load(Ordering::Relaxed), u64::MAX);
+        let counted = AtomicU64::new(5);
+        BrokerStats::add_saturating(&counted, 7);
+        assert_eq!(counted.load(Ordering::Relaxed), 12);
+    }
 }

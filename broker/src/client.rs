@@ -49,7 +49,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use tracing::{debug, error, info, warn};
 
-use crate::broker::{reply_token, unique_seed};
+use crate::broker::{reply_token, unique_seed, BrokerStats};
 use crate::commands::Parker;
 use crate::config::SlowConsumerPolicy;
 use crate::delivery::{
@@ -2071,10 +2071,7 @@ impl ClientLoop {
     /// them.
     fn close_links(&mut self) {
         let lost = self.conn.links.close(&mut self.endpoints);
-        self.shared
-            .counters
-            .best_effort_lost
-            .fetch_add(lost, Ordering::Relaxed);
+        BrokerStats::add_saturating(&self.shared.counters.best_effort_lost, lost);
     }
 
     fn link_lost(&mut self, now: Instant) {
@@ -2785,10 +2782,10 @@ impl ClientLoop {
                 // its reader.
                 open_released(&mut released, &mut self.released_scratch);
                 if kind == LinkKind::BestEffort {
-                    self.shared
-                        .counters
-                        .best_effort_lost
-                        .fetch_add(self.conn.links.take_best_effort_lost(), Ordering::Relaxed);
+                    BrokerStats::add_saturating(
+                        &self.shared.counters.best_effort_lost,
+                        self.conn.links.take_best_effort_lost(),
+                    );
                 }
                 if !released.is_empty() {
                     let received = released.len() as u64;
@@ -2885,9 +2882,10 @@ impl ClientLoop {
         let result = self.conn.links.poll(now, &self.endpoints, &mut released);
         open_released(&mut released, &mut self.released_scratch);
         let counters = &self.shared.counters;
-        counters
-            .best_effort_lost
-            .fetch_add(self.conn.links.take_best_effort_lost(), Ordering::Relaxed);
+        BrokerStats::add_saturating(
+            &counters.best_effort_lost,
+            self.conn.links.take_best_effort_lost(),
+        );
         // Frames held behind a gap the timeout gave up on arrived over the
         // fabric too.
         counters

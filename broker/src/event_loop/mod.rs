@@ -638,7 +638,7 @@ impl EventLoop {
             BrokerStats::add(&stats.route_messages_in, tally.route_messages_in);
         }
         if tally.best_effort_lost > 0 {
-            BrokerStats::add(&stats.best_effort_lost, tally.best_effort_lost);
+            BrokerStats::add_saturating(&stats.best_effort_lost, tally.best_effort_lost);
         }
         if tally.route_messages_out > 0 {
             BrokerStats::add(&stats.route_messages_out, tally.route_messages_out);
@@ -2211,7 +2211,7 @@ impl EventLoop {
                 }
             }
             let lost = session.conn.links.close(&mut self.endpoints);
-            BrokerStats::add(&self.shared.stats.best_effort_lost, lost);
+            BrokerStats::add_saturating(&self.shared.stats.best_effort_lost, lost);
             self.shared
                 .stats
                 .connections
