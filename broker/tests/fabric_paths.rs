@@ -308,6 +308,9 @@ fn routes_every_way_over_rdm(provider: Provider) {
     let local = broker.subscribe("to.local").unwrap();
     let at_bob = bob.subscribe("to.bob.>").unwrap();
     bob.flush(WAIT).unwrap();
+    // The flush's pong comes once alice's move to the data link is done,
+    // the broker's barrier ping on her control link included.
+    alice.flush(WAIT).unwrap();
     let alice_before = counters(&broker, &alice);
     let bob_before = counters(&broker, &bob);
 
