@@ -1246,6 +1246,29 @@ mod suite {
         ));
     }
 
+    /// A read queued for an in-process `shm` peer that then closes is
+    /// given up when its turn comes, and counted as such.
+    pub fn a_queued_read_of_a_closed_in_process_shm_peer_is_counted() {
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair("shm", &[], 4 << 20) else {
+            return;
+        };
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        offer_held((&mut a, &mut b), (pb, pa), &[1 << 20], (&mut ae, &mut be));
+        drop(a);
+        b.hold_reads(pa, false);
+        let start = Instant::now();
+        while !be
+            .iter()
+            .any(|e| matches!(e, Event::Closed { peer, .. } if *peer == pa))
+        {
+            b.poll(&mut be).expect("poll b");
+            assert!(start.elapsed() < DEADLINE, "the link was never ended");
+        }
+        assert_eq!(b.stats().rendezvous_reads_given_up, 1);
+        assert_eq!(b.stats().rendezvous_read, 0);
+        assert!(frames_from(&be, pa).is_empty(), "nothing delivered");
+    }
+
     /// A receiver that stops reading holds at most its share of the
     /// sender's registrations (the sender is told to wait, then `Writable`
     /// once the receiver reads again); one that goes away for good has its
@@ -2638,6 +2661,12 @@ fn rdm_backpressure_then_writable() {
     for provider in RDM_PROVIDERS {
         suite::backpressure_then_writable(efabus_transports::fabric::EpKind::Rdm, provider);
     }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn a_queued_read_of_a_closed_in_process_shm_peer_is_counted() {
+    suite::a_queued_read_of_a_closed_in_process_shm_peer_is_counted();
 }
 
 #[cfg(efabus_libfabric)]

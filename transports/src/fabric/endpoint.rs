@@ -2098,6 +2098,8 @@ impl FabricEndpoint {
             }
         }
         for (peer, error) in failed {
+            // Out of the queue already, so the drop below does not count it.
+            self.stats.rendezvous_reads_given_up += 1;
             self.stats.tx_errors += 1;
             tracing::warn!(%peer, "{error}");
             self.drop_peer(peer, CloseReason::Error(error));
@@ -2123,6 +2125,7 @@ impl FabricEndpoint {
         };
         state.rma_reads -= 1;
         if let Some(error) = error {
+            self.stats.rendezvous_reads_given_up += 1;
             tracing::warn!(peer = %job.peer, "{error}");
             self.stats.last_error = Some(error.clone());
             self.drop_peer(job.peer, CloseReason::Error(error));
