@@ -1246,6 +1246,57 @@ mod suite {
         ));
     }
 
+    /// A read whose sender stopped serving it (a process suspended, one
+    /// that never polls) and whose link then closed does not hold up the
+    /// reads of anyone else: one of 120 MiB held most of what the endpoint
+    /// reads at once (128 MiB), and a second peer's 16 MiB frame waited
+    /// behind it for as long as it lived.
+    pub fn a_read_of_a_closed_link_does_not_hold_up_others(provider: &str) {
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 128 << 20) else {
+            return;
+        };
+        if a.rendezvous_max() == 0 {
+            return;
+        }
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_numbered((&mut a, &mut b), pb, &[120 << 20], (&mut ae, &mut be));
+        let start = Instant::now();
+        while b.stats().rendezvous_reads_started == 0 {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{provider}: the read never started"
+            );
+        }
+        // `a` is not polled again: where the sender's progress serves the
+        // read, it stays in flight.
+        b.close(pa);
+        if b.stats().rendezvous_reads_given_up > 0 {
+            return; // the provider ended it within the close: nothing held
+        }
+        let mut c = transport(EpKind::Rdm, provider)
+            .open_fabric(&EndpointConfig {
+                max_frame: 128 << 20,
+                ..config(provider, &[])
+            })
+            .expect("open c");
+        let (pb_at_c, pc) = insert_each_other(&mut c, &mut b);
+        allow_rendezvous((&mut c, &mut b), (pb_at_c, pc));
+        let mut ce = Vec::new();
+        send_numbered((&mut c, &mut b), pb_at_c, &[16 << 20], (&mut ce, &mut be));
+        let start = Instant::now();
+        while frames_from(&be, pc).is_empty() {
+            c.poll(&mut ce).expect("poll c");
+            b.poll(&mut be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{provider}: the second peer's frame waited behind the closed link's read"
+            );
+        }
+        assert_numbered(&be, pc, &[16 << 20], provider);
+    }
+
     /// A read queued for an in-process `shm` peer that then closes is
     /// given up when its turn comes, and counted as such.
     pub fn a_queued_read_of_a_closed_in_process_shm_peer_is_counted() {
@@ -2661,6 +2712,12 @@ fn rdm_backpressure_then_writable() {
     for provider in RDM_PROVIDERS {
         suite::backpressure_then_writable(efabus_transports::fabric::EpKind::Rdm, provider);
     }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn a_read_of_a_closed_link_does_not_hold_up_others() {
+    suite::a_read_of_a_closed_link_does_not_hold_up_others("tcp;ofi_rxm");
 }
 
 #[cfg(efabus_libfabric)]

@@ -668,7 +668,7 @@ impl FabricEndpoint {
             &fabric,
             &domain,
             want_wait,
-            tx_depth + rendezvous::READ_SLOTS,
+            tx_depth + rendezvous::READ_SLOTS + rendezvous::ORPHANS_MAX,
             rx_completions,
         )?;
         let mut ep = FiEndpoint::open(&domain, &info)?;
@@ -2081,6 +2081,7 @@ impl FabricEndpoint {
                         mr,
                         buf,
                         start,
+                        orphaned: false,
                     };
                     rma.count_read(queued.peer, job.footprint(), true);
                     rma.slots[slot].job = Some(job);
@@ -2115,8 +2116,7 @@ impl FabricEndpoint {
         let Some(job) = rma.slots[slot].job.take() else {
             return;
         };
-        rma.free_slots.push(slot);
-        rma.count_read(job.peer, job.footprint(), false);
+        rma.read_ended(slot, &job);
         drop(job.mr);
         let Some(state) = self.peers.get_mut(&job.peer) else {
             // Closed meanwhile: nothing to deliver.
@@ -2185,7 +2185,8 @@ impl FabricEndpoint {
 
     /// Releases what rendezvous holds for `peer`, which is closing: its
     /// transfers (counted as abandoned) and its queued reads. Its reads in
-    /// flight finish into nothing.
+    /// flight finish into nothing, outside the reading bounds (see
+    /// [`rendezvous::ORPHANS_MAX`]).
     fn drop_rendezvous(&mut self, peer: PeerId) {
         let Some(rma) = self.rma.as_mut() else {
             return;
@@ -2212,6 +2213,7 @@ impl FabricEndpoint {
         held.remove(&peer);
         dones.retain(|&(to, _)| to != peer);
         waiters.retain(|&waiter| waiter != peer);
+        rma.orphan_reads(peer);
         self.stats.rendezvous_abandoned += abandoned;
         if abandoned > 0 {
             self.wake_rendezvous_waiters();

@@ -51,6 +51,14 @@ pub const READING_MAX: usize = 128 << 20;
 /// others' reads go on.
 pub const PEER_READS_MAX: usize = 8;
 pub const PEER_READING_MAX: usize = 16 << 20;
+/// Reads of links that closed while they were in flight ("orphans"),
+/// and their bytes, held outside the bounds above: the provider may still
+/// land them, so each keeps its buffer until it completes, but a spare
+/// slot takes its place, so that peers that stop serving their reads and
+/// go (a suspended process, say) do not use up everyone else's. Past
+/// these, a closed link's reads count as before.
+pub const ORPHANS_MAX: usize = READ_SLOTS;
+pub const ORPHANED_MAX: usize = READING_MAX;
 /// Largest frame head sent inline in a descriptor; a frame with a larger
 /// head is registered whole (copied into one buffer first).
 pub const INLINE_MAX: usize = 4 << 10;
@@ -369,6 +377,8 @@ pub struct ReadJob {
     /// The frame lands at `buf[start..]`.
     pub buf: LandingBuf,
     pub start: usize,
+    /// Its link closed while it was in flight (see [`ORPHANS_MAX`]).
+    pub orphaned: bool,
 }
 
 impl ReadJob {
@@ -399,6 +409,13 @@ pub struct Rendezvous {
     next_id: u64,
     pub slots: Vec<ReadSlot>,
     pub free_slots: Vec<usize>,
+    /// Slots whose orphaned read completed, to stand in for the next
+    /// orphan's (so there are never more than [`READ_SLOTS`] plus
+    /// [`ORPHANS_MAX`]).
+    spare_slots: Vec<usize>,
+    /// Orphaned reads in flight, and their bytes.
+    pub orphans: usize,
+    orphaned_bytes: usize,
     pub queue: ReadQueue,
     /// Bytes of the reads in flight, and per peer their count and bytes.
     pub reading: usize,
@@ -439,6 +456,9 @@ impl Rendezvous {
                 })
                 .collect(),
             free_slots: (0..READ_SLOTS).rev().collect(),
+            spare_slots: Vec::new(),
+            orphans: 0,
+            orphaned_bytes: 0,
             queue: ReadQueue::new(QUEUED_MAX),
             reading: 0,
             reading_by_peer: HashMap::new(),
@@ -452,7 +472,52 @@ impl Rendezvous {
     /// Whether a read of ours is in flight (its completion is due on the
     /// tx queue).
     pub fn reads_in_flight(&self) -> bool {
-        self.free_slots.len() < self.slots.len()
+        self.free_slots.len() + self.spare_slots.len() < self.slots.len()
+    }
+
+    /// Takes the reads in flight of `peer`, whose link has closed, out of
+    /// the reading bounds while [`ORPHANS_MAX`] and [`ORPHANED_MAX`] allow:
+    /// each keeps its slot and buffer until the provider completes it, and
+    /// a spare slot joins the free ones in its place.
+    pub fn orphan_reads(&mut self, peer: PeerId) {
+        for index in 0..self.slots.len() {
+            let Some(job) = self.slots[index].job.as_mut() else {
+                continue;
+            };
+            if job.peer != peer || job.orphaned {
+                continue;
+            }
+            let footprint = job.footprint();
+            if self.orphans >= ORPHANS_MAX || self.orphaned_bytes + footprint > ORPHANED_MAX {
+                return;
+            }
+            job.orphaned = true;
+            self.count_read(peer, footprint, false);
+            self.orphans += 1;
+            self.orphaned_bytes += footprint;
+            let stand_in = self.spare_slots.pop().unwrap_or_else(|| {
+                self.slots.push(ReadSlot {
+                    context: Box::new([0; 8]),
+                    job: None,
+                });
+                self.slots.len() - 1
+            });
+            self.free_slots.push(stand_in);
+        }
+    }
+
+    /// Slot `slot`'s read, whose job was just taken, has ended: its slot
+    /// is free again (a spare one, if the read was orphaned), and its
+    /// bytes no longer count.
+    pub fn read_ended(&mut self, slot: usize, job: &ReadJob) {
+        if job.orphaned {
+            self.orphans -= 1;
+            self.orphaned_bytes -= job.footprint();
+            self.spare_slots.push(slot);
+        } else {
+            self.free_slots.push(slot);
+            self.count_read(job.peer, job.footprint(), false);
+        }
     }
 
     /// The queued read to start next, if one may start now: the oldest
@@ -905,6 +970,68 @@ mod tests {
             rma.count_read(PeerId(2), 1 << 10, true);
         }
         assert_eq!(rma.startable_read(), Some(1));
+    }
+
+    /// Starts a read of `len` bytes from `peer` in a free slot, as the
+    /// endpoint does; returns the slot.
+    fn start_read(rma: &mut Rendezvous, peer: u64, len: usize) -> usize {
+        let slot = rma.free_slots.pop().expect("a free slot");
+        let (buf, start) = rma.landing.take_for(0, len, None);
+        let job = ReadJob {
+            peer: PeerId(peer),
+            fi_addr: 0,
+            id: 1,
+            mr: None,
+            buf,
+            start,
+            orphaned: false,
+        };
+        rma.count_read(PeerId(peer), job.footprint(), true);
+        rma.slots[slot].job = Some(job);
+        slot
+    }
+
+    #[test]
+    fn reads_of_a_closed_link_leave_the_bounds_within_their_own() {
+        let mut rma = Rendezvous::new(true, 1 << 30, 8).expect("keys");
+        let first = start_read(&mut rma, 1, 1 << 20);
+        start_read(&mut rma, 1, 1 << 20);
+        start_read(&mut rma, 2, 1 << 20);
+        let reading = rma.reading;
+        rma.orphan_reads(PeerId(1));
+        assert_eq!(rma.orphans, 2);
+        assert_eq!(rma.reading, reading / 3, "peer 2's read alone counts");
+        assert_eq!(rma.free_slots.len(), READ_SLOTS - 1, "stand-ins for both");
+        assert!(rma.reads_in_flight());
+        // An orphan that ends gives its slot to the spares, not the free
+        // list; the next orphan takes it.
+        let job = rma.slots[first].job.take().expect("a job");
+        rma.read_ended(first, &job);
+        assert_eq!((rma.orphans, rma.free_slots.len()), (1, READ_SLOTS - 1));
+        let slots = rma.slots.len();
+        rma.orphan_reads(PeerId(2));
+        assert_eq!(rma.slots.len(), slots, "the spare stood in");
+        assert_eq!((rma.orphans, rma.reading), (2, 0));
+        while let Some(index) = rma.slots.iter().position(|s| s.job.is_some()) {
+            let job = rma.slots[index].job.take().expect("a job");
+            assert!(job.orphaned);
+            rma.read_ended(index, &job);
+        }
+        assert!(!rma.reads_in_flight());
+        assert_eq!(rma.free_slots.len(), READ_SLOTS);
+        assert_eq!(rma.orphans, 0);
+    }
+
+    #[test]
+    fn orphans_past_their_bound_keep_counting() {
+        let mut rma = Rendezvous::new(true, 1 << 30, 8).expect("keys");
+        start_read(&mut rma, 1, ORPHANED_MAX + 1);
+        start_read(&mut rma, 2, 1 << 20);
+        rma.orphan_reads(PeerId(1));
+        assert_eq!(rma.orphans, 0, "its footprint is past the bound");
+        rma.orphan_reads(PeerId(2));
+        assert_eq!(rma.orphans, 1);
+        assert!(rma.reading >= ORPHANED_MAX, "the first still counts");
     }
 
     #[test]
