@@ -498,12 +498,12 @@ fn a_live_broker_learned_after_many_silent_ones_is_dialed() {
     wait_until("the route to the live broker", || routes(&live) == 1);
 }
 
-/// A route peer that pings without end and reads none of the pongs: a
-/// route's control frames are not trimmed by the slow-consumer policy,
-/// so its answers stop once they fill the queue's bound, and what the
-/// broker holds for it stays there.
-#[test]
-fn a_route_that_reads_none_of_its_answers_is_held_to_the_bound() {
+/// A route peer that sends `frame`s without end and reads none of what
+/// they are answered with (`answer`, about as large as the frames): a
+/// route's control frames are not trimmed by the slow-consumer policy, so
+/// the answers stop once they fill the queue's bound, and what the broker
+/// holds for it stays there.
+fn a_route_that_reads_none_of_its_answers_is_held_to_the_bound(frame: impl Fn(u64) -> Frame) {
     use std::io::Write;
     const BOUND: u64 = 65_536;
     let broker = start(
@@ -514,22 +514,22 @@ fn a_route_that_reads_none_of_its_answers_is_held_to_the_bound() {
     let mut raw = Raw::connect(&broker);
     ask_for_a_route(&mut raw, None);
     raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
-    // About 32 MB of pings: their pongs are far more than the socket
+    // About 32 MB of frames: their answers are far more than the socket
     // buffers on both sides and the bound together.
     let mut burst = Vec::new();
-    for nonce in 0..10_000u64 {
-        burst.extend_from_slice(&efabus_core::codec::encode(&Frame::Ping { nonce }).to_bytes());
+    for n in 0..10_000u64 {
+        burst.extend_from_slice(&efabus_core::codec::encode(&frame(n)).to_bytes());
     }
-    const BURSTS: u64 = 250;
+    let bursts = (32 << 20) / burst.len() as u64 + 1;
     let mut stream = raw.stream();
     stream
         .set_write_timeout(Some(WAIT))
         .expect("a write timeout");
-    for _ in 0..BURSTS {
+    for _ in 0..bursts {
         stream.write_all(&burst).expect("the broker reads on");
     }
-    let sent = BURSTS * burst.len() as u64;
-    wait_until("every ping read", || {
+    let sent = bursts * burst.len() as u64;
+    wait_until("every frame read", || {
         broker.stats().bytes_in.load(Ordering::Relaxed) >= sent
     });
     // The gauge is refreshed a few times a second: watch it a while.
@@ -543,6 +543,27 @@ fn a_route_that_reads_none_of_its_answers_is_held_to_the_bound() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(routes(&broker), 1, "the route stays up");
+}
+
+#[test]
+fn a_route_that_reads_none_of_its_pongs_is_held_to_the_bound() {
+    a_route_that_reads_none_of_its_answers_is_held_to_the_bound(|nonce| Frame::Ping { nonce });
+}
+
+/// Messages the broker refuses (here for their subject) are answered with
+/// an error report each.
+#[test]
+fn a_route_that_reads_none_of_its_error_reports_is_held_to_the_bound() {
+    a_route_that_reads_none_of_its_answers_is_held_to_the_bound(|_| {
+        Frame::Message(efabus_core::frame::Message {
+            sid: 2,
+            subject: "not..valid".into(),
+            reply: None,
+            seq: 0,
+            headers: None,
+            payload: Bytes::from_static(b"x"),
+        })
+    });
 }
 
 /// A peer broker that closes a route this broker dialed as the duplicate

@@ -1968,6 +1968,17 @@ impl EventLoop {
 
     /// Report a non-fatal error to the peer.
     fn report(&mut self, id: u64, code: ErrorCode, text: String) {
+        // As with pongs (see `answer_ping`): reports to a route, whose
+        // control frames no bound trims, stop being queued once they fill
+        // its bound, so a peer that sends what is refused and reads nothing
+        // does not grow its queue without end.
+        if self.sessions.get(&id).is_some_and(|session| {
+            session.route().is_some()
+                && session.conn.out.control_bytes() > self.shared.live.max_pending_bytes()
+        }) {
+            debug!(session = id, ?code, %text, "error report to a route not reading them dropped");
+            return;
+        }
         debug!(session = id, ?code, %text, "error reported to peer");
         let frame = error_frame(code, text, false);
         self.send(id, frame, false);
