@@ -616,6 +616,53 @@ fn a_route_closed_as_a_duplicate_is_not_dialed_again_at_once() {
     accept_within(&listener, WAIT).expect("dialed again after the backoff");
 }
 
+/// A peer that welcomes this broker's dial but never sends its route
+/// hello is given the handshake timeout, as one that never welcomes is,
+/// and dialed again: held for ever, it kept its dial slot (and a learned
+/// one its share of the learned dials, so brokers learned after it were
+/// never dialed).
+#[test]
+fn a_route_welcomed_but_never_brought_up_is_closed_in_time() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a listener");
+    let address = format!("tcp/{}", listener.local_addr().expect("its address"));
+    listener.set_nonblocking(true).expect("non-blocking");
+    let broker = start(
+        "stalled-dialer",
+        &[address],
+        "[limits]\nhandshake_timeout_ms = 500\n\
+         [heartbeat]\ninterval_ms = 5000\ntimeout_ms = 60000\n",
+    );
+    let stream = accept_within(&listener, WAIT).expect("the broker dials");
+    stream.set_nonblocking(false).expect("blocking");
+    let mut peer = Raw::accepted(stream);
+    peer.send(&Frame::Challenge(Challenge { nonce: [7; 32] }));
+    peer.expect("the broker's hello", |f| matches!(f, Frame::Hello(_)));
+    peer.send(&Frame::Welcome(Welcome {
+        version: PROTOCOL_VERSION,
+        name: "half-a-broker".into(),
+        offers: Vec::new(),
+        max_payload: 1 << 20,
+        link_auth: None,
+        max_subject_len: 256,
+        max_subject_tokens: 16,
+        proof: None,
+    }));
+    peer.expect("the broker's route hello", |f| matches!(f, Frame::Route(_)));
+    let welcomed = Instant::now();
+    // No route hello back; the heartbeat's pings are answered by nothing,
+    // and its timeout is far off.
+    let error = peer.expect("the handshake timeout", |f| matches!(f, Frame::Error(_)));
+    assert!(format!("{error:?}").contains("handshake"), "{error:?}");
+    // Its own deadline wakes the loop: not left for the next heartbeat.
+    assert!(
+        welcomed.elapsed() < Duration::from_secs(4),
+        "closed after {:?}",
+        welcomed.elapsed()
+    );
+    assert_eq!(routes(&broker), 0);
+    accept_within(&listener, WAIT).expect("dialed again");
+}
+
 /// The next connection to the non-blocking `listener` within `within`.
 fn accept_within(
     listener: &std::net::TcpListener,

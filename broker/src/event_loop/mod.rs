@@ -1879,9 +1879,8 @@ impl EventLoop {
                 let control = session.conn.control;
                 self.endpoints[control.endpoint].set_read_paused(control.peer, paused);
                 // A handshake left unread gets its whole time once read.
-                if let (false, SessionState::AwaitHello { deadline }) = (paused, &mut session.state)
-                {
-                    *deadline = (*deadline).max(handshake);
+                if !paused {
+                    session.extend_handshake(handshake);
                 }
             }
         }
@@ -2337,13 +2336,17 @@ impl EventLoop {
             // its silence is this broker's doing, its handshake's too.
             if self.reads_paused && !self.blocking.contains(&id) {
                 session.conn.liveness.excuse(now);
-                if let SessionState::AwaitHello { deadline } = &mut session.state {
-                    *deadline = (*deadline).max(now + handshake_timeout);
-                }
+                session.extend_handshake(now + handshake_timeout);
             }
             let mut due = true;
+            let route_late = session
+                .route()
+                .is_some_and(|role| !role.is_up() && role.up_by.is_some_and(|by| now >= by));
             match session.state {
                 SessionState::AwaitHello { deadline } if now >= deadline => {
+                    expired.push((id, ErrorCode::HandshakeTimeout))
+                }
+                SessionState::Ready if route_late => {
                     expired.push((id, ErrorCode::HandshakeTimeout))
                 }
                 SessionState::Ready => match session.conn.liveness.poll(now) {

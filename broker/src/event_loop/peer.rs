@@ -234,13 +234,33 @@ impl Session {
         }
     }
 
+    /// Gives a handshake still under way (a hello awaited, or a dialed
+    /// route's route hello) until `until` at least: it was not read
+    /// meanwhile, so its silence is not its own.
+    pub fn extend_handshake(&mut self, until: Instant) {
+        if let SessionState::AwaitHello { deadline } = &mut self.state {
+            *deadline = (*deadline).max(until);
+        }
+        if let Some(role) = self.route_mut().filter(|role| !role.is_up()) {
+            if let Some(by) = role.up_by.as_mut() {
+                *by = (*by).max(until);
+            }
+        }
+    }
+
     /// The earliest time the session has something to do by time alone:
-    /// its handshake deadline, heartbeats, lossy links, the block
+    /// its handshake deadline (a dialed route's included), heartbeats, lossy links, the block
     /// policy's limit (`block_timeout`), or a closing session's deadline.
     pub fn poll_timeout(&self, block_timeout: std::time::Duration) -> Option<Instant> {
         let own = match self.state {
             SessionState::AwaitHello { deadline } | SessionState::Closing { deadline } => deadline,
-            SessionState::Ready => self.conn.poll_timeout(),
+            SessionState::Ready => {
+                let conn = self.conn.poll_timeout();
+                match self.route().filter(|role| !role.is_up()) {
+                    Some(role) => role.up_by.map_or(conn, |by| by.min(conn)),
+                    None => conn,
+                }
+            }
         };
         Some(match self.over_since {
             Some(since) => own.min(since + block_timeout),

@@ -119,6 +119,10 @@ pub(crate) struct RouteRole {
     proved: Option<([u8; 32], [u8; 32])>,
     /// What the peer broker takes in one message (its route hello).
     pub(super) peer_limits: Option<RouteLimits>,
+    /// On a route this broker dialed, once welcomed: when the peer's
+    /// route hello is due. One welcomed that never comes up would hold
+    /// its dial slot, and its share of the learned dials, for ever.
+    pub(super) up_by: Option<Instant>,
 }
 
 impl RouteRole {
@@ -135,6 +139,7 @@ impl RouteRole {
             hello_sent: false,
             proved: None,
             peer_limits: None,
+            up_by: None,
         }
     }
 
@@ -791,6 +796,10 @@ impl EventLoop {
         };
         session.name = welcome.name;
         session.state = SessionState::Ready;
+        let up_by = self.now + self.shared.config.handshake_timeout();
+        if let Some(role) = session.route_mut() {
+            role.up_by = Some(up_by);
+        }
         let secret = session.route_mut().and_then(|role| role.link_secret.take());
         let keying = secret
             .as_ref()
