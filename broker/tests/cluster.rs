@@ -523,6 +523,22 @@ fn brokers_given_one_seed_form_the_full_mesh_and_forget_one_that_leaves() {
     each_message_once_everywhere(&[&a, &b, &c]);
 }
 
+/// Brokers of one host seeded by host name (`tcp/localhost:PORT`) learn
+/// each other's loopback addresses from the seed all the same: a peer
+/// dialed by name is not known to be on another host.
+#[test]
+fn brokers_seeded_by_host_name_mesh_on_one_host() {
+    let a = node("a", &[]);
+    let port = tcp(&a).rsplit(':').next().expect("a port").to_string();
+    let seed = [format!("tcp/localhost:{port}")];
+    let b = node("b", &seed);
+    let c = node("c", &seed);
+    for broker in [&a, &b, &c] {
+        wait_until("the full mesh", || routes(broker) == 2);
+    }
+    each_message_once_everywhere(&[&a, &b, &c]);
+}
+
 /// A subscriber on each broker; each broker publishes ten messages: every
 /// subscriber gets all of them once.
 fn each_message_once_everywhere(brokers: &[&Broker]) {

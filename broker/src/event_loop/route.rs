@@ -324,6 +324,30 @@ fn resolve_advertised(advertised: &str, remote: &str) -> Option<String> {
     Some(format!("tcp/{}", SocketAddr::new(seen?, socket.port())))
 }
 
+/// The IP address of `address` (`tcp/IP:PORT`, a route's remote or an
+/// advertised address), when it names one rather than a host name.
+fn ip_of(address: &str) -> Option<std::net::IpAddr> {
+    let socket: SocketAddr = address
+        .strip_prefix("tcp/")
+        .unwrap_or(address)
+        .parse()
+        .ok()?;
+    Some(socket.ip().to_canonical())
+}
+
+/// Whether `address` is on the loopback: it means this host, and passed
+/// on to a broker elsewhere it would mean that broker's own host.
+fn is_loopback(address: &str) -> bool {
+    ip_of(address).is_some_and(|ip| ip.is_loopback())
+}
+
+/// Whether a route's `remote` is known to be on another host: an address
+/// not on the loopback. (A peer dialed by host name, `tcp/localhost:7420`
+/// say, is not known to be: no name is looked up on the event loop.)
+fn is_elsewhere(remote: &str) -> bool {
+    ip_of(remote).is_some_and(|ip| !ip.is_loopback())
+}
+
 impl EventLoop {
     /// Route to one more broker (from [`crate::Broker::add_peer`]).
     pub(super) fn add_peer(&mut self, endpoint: String) {
@@ -685,7 +709,7 @@ impl EventLoop {
             }
             (SessionState::Ready, Frame::Route(hello)) => self.on_route_hello(id, hello),
             (SessionState::Ready, Frame::RoutePeers(peers)) if up => {
-                self.on_route_peers(peers.addresses)
+                self.on_route_peers(id, peers.addresses)
             }
             (SessionState::Ready, Frame::Message(message)) if up => {
                 let mut joined = Bytes::new();
@@ -1127,7 +1151,15 @@ impl EventLoop {
     /// Tell route `id` of `addresses`, in frames of at most
     /// `PEERS_PER_FRAME` addresses (each at most a few hundred bytes, so a
     /// frame stays well under the control frame limit).
-    fn send_peers(&mut self, id: u64, addresses: Vec<String>) {
+    fn send_peers(&mut self, id: u64, mut addresses: Vec<String>) {
+        // Loopback addresses only to a broker that may be on this host.
+        if self
+            .sessions
+            .get(&id)
+            .is_some_and(|session| is_elsewhere(&session.remote))
+        {
+            addresses.retain(|address| !is_loopback(address));
+        }
         for chunk in addresses.chunks(PEERS_PER_FRAME) {
             let frame = Frame::RoutePeers(RoutePeers {
                 addresses: chunk.to_vec(),
@@ -1141,9 +1173,15 @@ impl EventLoop {
 
     /// Addresses of brokers a route's peer has routes to: those this
     /// broker neither has a route to nor dials yet are dialed from now on
-    /// (learned, so forgotten once unreachable for `forget_after_ms`).
-    fn on_route_peers(&mut self, addresses: Vec<String>) {
+    /// (learned, so forgotten once unreachable for `forget_after_ms`). A
+    /// loopback address is not taken from a broker known to be elsewhere:
+    /// it names that broker's host, not this one.
+    fn on_route_peers(&mut self, id: u64, addresses: Vec<String>) {
         let now = self.now;
+        let elsewhere = self
+            .sessions
+            .get(&id)
+            .is_some_and(|session| is_elsewhere(&session.remote));
         let routed: HashSet<String> = self.route_addresses().into_iter().map(|(_, a)| a).collect();
         // Looked up by address once per frame: a frame of 4,096 addresses
         // checked one by one against 4,096 slots kept the loop busy for
@@ -1164,6 +1202,7 @@ impl EventLoop {
         let mut added = false;
         for address in addresses.into_iter().take(PEERS_PER_FRAME_MAX) {
             if crate::config::check_advertised(&address).is_err()
+                || elsewhere && is_loopback(&address)
                 || self.cluster.advertise.as_deref() == Some(address.as_str())
                 || routed.contains(&address)
             {
@@ -1452,7 +1491,7 @@ impl EventLoop {
 
 #[cfg(test)]
 mod tests {
-    use super::{resolve_advertised, PEERS_PER_FRAME};
+    use super::{is_elsewhere, is_loopback, resolve_advertised, PEERS_PER_FRAME};
     use efabus_core::codec;
     use efabus_core::frame::{Frame, RoutePeers};
 
@@ -1464,6 +1503,28 @@ mod tests {
             addresses: vec![longest; PEERS_PER_FRAME],
         });
         assert!(codec::try_encode(&frame).is_ok());
+    }
+
+    /// Gossip passes a loopback address only between brokers of one host:
+    /// routes' remotes (dialed `tcp/` endpoints, accepted socket
+    /// addresses) and advertised addresses are told apart the same way.
+    #[test]
+    fn loopback_addresses_are_told_from_others() {
+        for (address, loopback, elsewhere) in [
+            ("tcp/127.0.0.1:7420", true, false),
+            ("127.0.0.5:5000", true, false),
+            ("tcp/[::1]:7420", true, false),
+            ("[::ffff:127.0.0.1]:5000", true, false),
+            ("tcp/10.0.0.2:7420", false, true),
+            ("10.0.0.9:5000", false, true),
+            // A host name may be this host: not known to be elsewhere.
+            ("tcp/localhost:7420", false, false),
+            ("tcp/broker-a:7420", false, false),
+            ("", false, false),
+        ] {
+            assert_eq!(is_loopback(address), loopback, "{address}");
+            assert_eq!(is_elsewhere(address), elsewhere, "{address}");
+        }
     }
 
     #[test]
