@@ -1297,6 +1297,68 @@ mod suite {
         assert_numbered(&be, pc, &[16 << 20], provider);
     }
 
+    /// An endpoint closed while reads of its peer's frames are in flight
+    /// that the peer never serves (it stopped polling) does not crash the
+    /// process: over `tcp;ofi_rxm` with two such reads libfabric 1.17
+    /// crashed inside `fi_close`, so the endpoint is left open instead.
+    pub fn closing_with_reads_never_served_does_not_crash(provider: &str) {
+        let Some((mut a, mut b, pb, _)) = rendezvous_pair(provider, &[], 16 << 20) else {
+            return;
+        };
+        if a.rendezvous_max() == 0 {
+            return;
+        }
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_numbered(
+            (&mut a, &mut b),
+            pb,
+            &[8 << 20, 8 << 20],
+            (&mut ae, &mut be),
+        );
+        let start = Instant::now();
+        while b.stats().rendezvous_reads_started < 2 {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{provider}: the reads never started"
+            );
+        }
+        // `a` is not polled again: the reads cannot end.
+        assert_eq!(b.stats().rendezvous_read, 0, "{provider}");
+        assert_eq!(b.drain_for_close(), 2, "{provider}: left open");
+        drop(b);
+        drop(a);
+    }
+
+    /// Reads whose peer served them before the close, their completions
+    /// still queued, end in the close's drain: the endpoint is closed,
+    /// not left open with its memory.
+    pub fn closing_with_reads_served_closes(provider: &str) {
+        let Some((mut a, mut b, pb, _)) = rendezvous_pair(provider, &[], 16 << 20) else {
+            return;
+        };
+        if a.rendezvous_max() == 0 {
+            return;
+        }
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_numbered((&mut a, &mut b), pb, &[1 << 20], (&mut ae, &mut be));
+        let start = Instant::now();
+        while b.stats().rendezvous_reads_started < 1 {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{provider}: the read never started"
+            );
+        }
+        // `a` serves the read; `b` does not poll its completion.
+        for _ in 0..2000 {
+            a.poll(&mut ae).expect("poll a");
+        }
+        assert_eq!(b.drain_for_close(), 0, "{provider}: left open");
+    }
+
     /// A read queued for an in-process `shm` peer that then closes is
     /// given up when its turn comes, and counted as such.
     pub fn a_queued_read_of_a_closed_in_process_shm_peer_is_counted() {
@@ -2718,6 +2780,18 @@ fn rdm_backpressure_then_writable() {
 #[test]
 fn a_read_of_a_closed_link_does_not_hold_up_others() {
     suite::a_read_of_a_closed_link_does_not_hold_up_others("tcp;ofi_rxm");
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn closing_with_reads_never_served_does_not_crash() {
+    suite::closing_with_reads_never_served_does_not_crash("tcp;ofi_rxm");
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn closing_with_reads_served_closes() {
+    suite::closing_with_reads_served_closes("tcp;ofi_rxm");
 }
 
 #[cfg(efabus_libfabric)]

@@ -491,6 +491,8 @@ impl Drop for MemoryRegion {
 /// An active endpoint (`fi_endpoint`).
 pub struct FiEndpoint {
     ptr: NonNull<sys::fid_ep>,
+    /// Left open when dropped (see [`FiEndpoint::leave_open`]).
+    left_open: bool,
     // Bound objects: kept alive until the endpoint is closed.
     _av: Option<Rc<AddressVector>>,
     _cqs: Vec<Rc<CompletionQueue>>,
@@ -509,6 +511,7 @@ impl FiEndpoint {
         })?;
         Ok(FiEndpoint {
             ptr,
+            left_open: false,
             _av: None,
             _cqs: Vec::new(),
             _domain: domain.clone(),
@@ -754,8 +757,24 @@ impl FiEndpoint {
     }
 }
 
+impl FiEndpoint {
+    /// Never closes the endpoint, nor (through the references it holds)
+    /// what it is bound to: for an endpoint whose close would crash the
+    /// provider. Nothing calls into it again, so what it still refers to
+    /// is never touched; its owner must leave that memory allocated too.
+    pub fn leave_open(&mut self) {
+        self.left_open = true;
+        std::mem::forget(self._av.clone());
+        std::mem::forget(self._cqs.clone());
+        std::mem::forget(self._domain.clone());
+    }
+}
+
 impl Drop for FiEndpoint {
     fn drop(&mut self) {
+        if self.left_open {
+            return;
+        }
         // SAFETY: open handle, closed once, before the AV/CQs/domain it
         // holds (fields drop after this body runs).
         report_close("endpoint", unsafe {

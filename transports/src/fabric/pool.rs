@@ -151,6 +151,15 @@ impl BufferPool {
         })
     }
 
+    /// Keeps the pool's memory, its registration and its operation
+    /// contexts for the rest of the process, for an endpoint left open
+    /// (see `FiEndpoint::leave_open`) that may still refer to them.
+    pub fn leave_allocated(&mut self) {
+        std::mem::forget(Arc::clone(&self.mem));
+        std::mem::forget(self.mr.take());
+        Box::leak(std::mem::take(&mut self.contexts));
+    }
+
     fn base(&self) -> *mut u8 {
         self.mem.ptr.as_ptr()
     }
