@@ -1359,6 +1359,65 @@ mod suite {
         assert_eq!(b.drain_for_close(), 0, "{provider}: left open");
     }
 
+    /// A transfer whose link closes before the peer's done keeps its body
+    /// a while: the peer may still be reading it (over `shm` it reads this
+    /// process's memory itself; over `tcp;ofi_rxm` the provider serves a
+    /// read already asked for from that memory), and must not read memory
+    /// put to another use. (It was let go of at once.)
+    pub fn an_abandoned_transfer_keeps_its_body(provider: &str) {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        struct Owned(Vec<u8>, Arc<AtomicBool>);
+        impl AsRef<[u8]> for Owned {
+            fn as_ref(&self) -> &[u8] {
+                &self.0
+            }
+        }
+        impl Drop for Owned {
+            fn drop(&mut self) {
+                self.1.store(true, Ordering::SeqCst);
+            }
+        }
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 2 << 20) else {
+            return;
+        };
+        if a.rendezvous_max() == 0 {
+            return;
+        }
+        let len = 1 << 20;
+        let dropped = Arc::new(AtomicBool::new(false));
+        let mut head = ((len - 4) as u32).to_le_bytes().to_vec();
+        head.extend_from_slice(&[0; 12]);
+        let frame = OutFrame {
+            head: Bytes::from(head),
+            body: Bytes::from_owner(Owned(vec![9; len - 16], dropped.clone())),
+        };
+        b.hold_reads(pa, true);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_blocking(&mut a, &mut b, pb, frame, &mut ae, &mut be);
+        let start = Instant::now();
+        while b.rendezvous_queued().0 == 0 {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{provider}: the descriptor never came"
+            );
+        }
+        a.close(pb);
+        assert_eq!(a.stats().rendezvous_abandoned, 1, "{provider}");
+        assert_eq!(
+            a.rendezvous_held(),
+            (0, 0),
+            "{provider}: registration released"
+        );
+        assert_eq!(a.rendezvous_abandoned_kept(), (1, len - 16), "{provider}");
+        assert!(
+            !dropped.load(Ordering::SeqCst),
+            "{provider}: the body was let go of"
+        );
+    }
+
     /// A read queued for an in-process `shm` peer that then closes is
     /// given up when its turn comes, and counted as such.
     pub fn a_queued_read_of_a_closed_in_process_shm_peer_is_counted() {
@@ -2792,6 +2851,14 @@ fn closing_with_reads_never_served_does_not_crash() {
 #[test]
 fn closing_with_reads_served_closes() {
     suite::closing_with_reads_served_closes("tcp;ofi_rxm");
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn an_abandoned_transfer_keeps_its_body() {
+    for provider in ["tcp;ofi_rxm", "shm"] {
+        suite::an_abandoned_transfer_keeps_its_body(provider);
+    }
 }
 
 #[cfg(efabus_libfabric)]

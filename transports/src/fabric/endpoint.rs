@@ -1003,6 +1003,12 @@ impl FabricEndpoint {
             .map_or((0, 0), |rma| (rma.sends.len(), rma.registrations.bytes()))
     }
 
+    /// Bodies of transfers abandoned by their link's close that are kept
+    /// while the peer may still read them, and their bytes.
+    pub fn rendezvous_abandoned_kept(&self) -> (usize, usize) {
+        self.rma.as_ref().map_or((0, 0), |rma| rma.abandoned.held())
+    }
+
     /// Rendezvous frames offered by peers whose reads have not started
     /// yet (waiting for a read slot, their peer's share, or a hold), and
     /// the memory their descriptors hold.
@@ -1108,6 +1114,9 @@ impl FabricEndpoint {
             }
         }
         self.start_reads();
+        if let Some(rma) = self.rma.as_mut().filter(|rma| !rma.abandoned.is_empty()) {
+            rma.abandoned.let_go(Instant::now());
+        }
         self.flush_dones();
         // What was sent meanwhile (dones of reads just finished, answers
         // made while handling completions) leaves in this call too.
@@ -2241,7 +2250,8 @@ impl FabricEndpoint {
     }
 
     /// Releases what rendezvous holds for `peer`, which is closing: its
-    /// transfers (counted as abandoned) and its queued reads. Its reads in
+    /// transfers (counted as abandoned; their bodies kept a while, see
+    /// [`rendezvous::ABANDONED_KEPT_FOR`]) and its queued reads. Its reads in
     /// flight finish into nothing, outside the reading bounds (see
     /// [`rendezvous::ORPHANS_MAX`]).
     fn drop_rendezvous(&mut self, peer: PeerId) {
@@ -2256,11 +2266,18 @@ impl FabricEndpoint {
             dones,
             waiters,
             held,
+            abandoned: kept,
             ..
         } = rma;
+        let now = Instant::now();
         sends.retain(|_, sent| {
             if sent.peer != peer {
                 return true;
+            }
+            // The peer may still be reading it: kept a while, registered
+            // or not.
+            if let Some(body) = registrations.body(sent.region) {
+                kept.keep(body, now);
             }
             registrations.release(sent.region);
             abandoned += 1;

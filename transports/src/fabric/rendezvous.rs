@@ -20,6 +20,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_core::transport::PeerId;
@@ -59,6 +60,15 @@ pub const PEER_READING_MAX: usize = 16 << 20;
 /// these, a closed link's reads count as before.
 pub const ORPHANS_MAX: usize = READ_SLOTS;
 pub const ORPHANED_MAX: usize = READING_MAX;
+/// How long the body of a transfer whose link closed before the peer's
+/// done is kept, and how much of such bodies: the peer may still be
+/// reading it (over `shm` it reads this process's memory itself; over
+/// `tcp;ofi_rxm` the provider goes on serving a read already asked for
+/// from that memory), and until it learns that the link has gone (at the
+/// latest by its heartbeat timeout, 10 s by default) what it reads must
+/// not be memory put to another use. Past the bound the oldest go first.
+pub const ABANDONED_KEPT_FOR: Duration = Duration::from_secs(15);
+pub const ABANDONED_KEPT_MAX: usize = 128 << 20;
 /// Largest frame head sent inline in a descriptor; a frame with a larger
 /// head is registered whole (copied into one buffer first).
 pub const INLINE_MAX: usize = 4 << 10;
@@ -244,6 +254,11 @@ impl Registrations {
         Ok((key, false))
     }
 
+    /// The bytes registered for `region`, if it is.
+    pub fn body(&self, region: Region) -> Option<Bytes> {
+        self.entries.get(&region).map(|entry| entry._body.clone())
+    }
+
     /// One use of `region` fewer; the registration goes with the last.
     pub fn release(&mut self, region: Region) {
         if let Some(entry) = self.entries.get_mut(&region) {
@@ -253,6 +268,46 @@ impl Registrations {
                 self.bytes -= region.1;
             }
         }
+    }
+}
+
+/// Bodies of transfers abandoned by their link's close, kept for
+/// [`ABANDONED_KEPT_FOR`] within [`ABANDONED_KEPT_MAX`] bytes.
+#[derive(Default)]
+pub struct Abandoned {
+    /// When each may go, oldest first.
+    bodies: VecDeque<(Instant, Bytes)>,
+    bytes: usize,
+}
+
+impl Abandoned {
+    pub fn keep(&mut self, body: Bytes, now: Instant) {
+        self.bytes += body.len();
+        self.bodies.push_back((now + ABANDONED_KEPT_FOR, body));
+        while self.bytes > ABANDONED_KEPT_MAX {
+            let Some((_, oldest)) = self.bodies.pop_front() else {
+                break;
+            };
+            self.bytes -= oldest.len();
+        }
+    }
+
+    /// Lets go of the bodies whose time is up.
+    pub fn let_go(&mut self, now: Instant) {
+        while self.bodies.front().is_some_and(|(until, _)| *until <= now) {
+            if let Some((_, body)) = self.bodies.pop_front() {
+                self.bytes -= body.len();
+            }
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bodies.is_empty()
+    }
+
+    /// Bodies kept, and their bytes.
+    pub fn held(&self) -> (usize, usize) {
+        (self.bodies.len(), self.bytes)
     }
 }
 
@@ -429,6 +484,7 @@ pub struct Rendezvous {
     /// transfers finish.
     pub waiters: Vec<PeerId>,
     pub landing: LandingBuffers,
+    pub abandoned: Abandoned,
 }
 
 impl Rendezvous {
@@ -466,6 +522,7 @@ impl Rendezvous {
             dones: VecDeque::new(),
             waiters: Vec::new(),
             landing: LandingBuffers::default(),
+            abandoned: Abandoned::default(),
         })
     }
 
@@ -1032,6 +1089,28 @@ mod tests {
         rma.orphan_reads(PeerId(2));
         assert_eq!(rma.orphans, 1);
         assert!(rma.reading >= ORPHANED_MAX, "the first still counts");
+    }
+
+    #[test]
+    fn abandoned_bodies_are_kept_for_their_time_within_their_bound() {
+        let now = Instant::now();
+        let mut kept = Abandoned::default();
+        let body = Bytes::from(vec![7u8; 1 << 20]);
+        kept.keep(body.clone(), now);
+        kept.let_go(now + ABANDONED_KEPT_FOR / 2);
+        assert_eq!(kept.held(), (1, 1 << 20), "kept while the peer may read");
+        kept.let_go(now + ABANDONED_KEPT_FOR);
+        assert_eq!(kept.held(), (0, 0));
+        assert!(body.is_unique(), "let go of");
+        // Past the bound the oldest go first.
+        let count = ABANDONED_KEPT_MAX / (1 << 20);
+        let first = Bytes::from(vec![1u8; 1 << 20]);
+        kept.keep(first.clone(), now);
+        for _ in 1..=count {
+            kept.keep(Bytes::from(vec![2u8; 1 << 20]), now);
+        }
+        assert_eq!(kept.held(), (count, ABANDONED_KEPT_MAX));
+        assert!(first.is_unique(), "the oldest went");
     }
 
     #[test]
