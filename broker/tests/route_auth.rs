@@ -455,6 +455,36 @@ fn gossip_beyond_the_bound_of_learned_brokers_is_not_kept() {
     client.flush(WAIT).expect("and answers them");
 }
 
+/// Gossip naming this broker itself by an address it does not advertise
+/// (here its listener's own; as well any 127.x address for a listener
+/// bound to every address) is not learned: dialed, it would lead back to
+/// itself, and such a slot was kept for good, counted among the 4,096.
+#[test]
+fn gossip_naming_this_broker_is_not_dialed() {
+    let broker = start(
+        "aliased",
+        &[],
+        "[cluster]\nadvertise = \"tcp/192.0.2.1:7420\"\n",
+    );
+    let mut raw = Raw::connect(&broker);
+    ask_for_a_route(&mut raw, None);
+    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
+    let connections = stat(&broker, "connections_total");
+    raw.send(&Frame::RoutePeers(efabus_core::frame::RoutePeers {
+        addresses: vec![tcp(&broker)],
+    }));
+    raw.send(&Frame::Ping { nonce: 7 });
+    raw.expect("the pong", |f| matches!(f, Frame::Pong { nonce: 7 }));
+    // Dials go out on the loop's next timer round (100 ms).
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        stat(&broker, "connections_total"),
+        connections,
+        "dialed itself"
+    );
+    assert!(broker.peers().is_empty(), "{:?}", broker.peers());
+}
+
 /// Gossip naming many brokers that take connections and never answer:
 /// each dial holds a session until its handshake times out, so dialing
 /// them all at once filled a low `limits.max_connections` and clients were

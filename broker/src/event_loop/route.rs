@@ -226,6 +226,8 @@ pub(crate) struct Cluster {
     broker_id: u64,
     /// Where other brokers dial this one, as told to routes.
     advertise: Option<String>,
+    /// The addresses its TCP listeners are bound to.
+    tcp_listening: Vec<SocketAddr>,
     /// The endpoint routes are dialed from.
     dialer: Option<usize>,
     /// Endpoints below this index are listeners.
@@ -264,9 +266,16 @@ impl Cluster {
                 .find(|(scheme, _)| scheme == "tcp")
                 .map(|(_, address)| format!("tcp/{address}"))
         });
+        let tcp_listening = shared
+            .listening
+            .iter()
+            .filter(|(scheme, _)| scheme == "tcp")
+            .filter_map(|(_, address)| address.parse().ok())
+            .collect();
         Cluster {
             broker_id: shared.broker_id,
             advertise,
+            tcp_listening,
             dialer,
             listeners: shared.listening.len(),
             slots,
@@ -339,6 +348,25 @@ fn ip_of(address: &str) -> Option<std::net::IpAddr> {
 /// on to a broker elsewhere it would mean that broker's own host.
 fn is_loopback(address: &str) -> bool {
     ip_of(address).is_some_and(|ip| ip.is_loopback())
+}
+
+/// Whether `address` reaches one of `listening` (this broker's own TCP
+/// listeners) over the loopback: the same port on the listener's own
+/// loopback address, or on any loopback address for a listener bound to
+/// every address. Such an address would only be a route to itself.
+fn is_own_loopback_alias(address: &str, listening: &[SocketAddr]) -> bool {
+    let Some(socket) = address
+        .strip_prefix("tcp/")
+        .and_then(|a| a.parse::<SocketAddr>().ok())
+    else {
+        return false;
+    };
+    let ip = socket.ip().to_canonical();
+    ip.is_loopback()
+        && listening.iter().any(|listener| {
+            let bound = listener.ip().to_canonical();
+            listener.port() == socket.port() && (bound.is_unspecified() || bound == ip)
+        })
 }
 
 /// Whether a route's `remote` is known to be on another host: an address
@@ -1203,6 +1231,7 @@ impl EventLoop {
         for address in addresses.into_iter().take(PEERS_PER_FRAME_MAX) {
             if crate::config::check_advertised(&address).is_err()
                 || elsewhere && is_loopback(&address)
+                || is_own_loopback_alias(&address, &self.cluster.tcp_listening)
                 || self.cluster.advertise.as_deref() == Some(address.as_str())
                 || routed.contains(&address)
             {
@@ -1491,7 +1520,9 @@ impl EventLoop {
 
 #[cfg(test)]
 mod tests {
-    use super::{is_elsewhere, is_loopback, resolve_advertised, PEERS_PER_FRAME};
+    use super::{
+        is_elsewhere, is_loopback, is_own_loopback_alias, resolve_advertised, PEERS_PER_FRAME,
+    };
     use efabus_core::codec;
     use efabus_core::frame::{Frame, RoutePeers};
 
@@ -1524,6 +1555,25 @@ mod tests {
         ] {
             assert_eq!(is_loopback(address), loopback, "{address}");
             assert_eq!(is_elsewhere(address), elsewhere, "{address}");
+        }
+    }
+
+    /// Gossip may name this broker by a loopback alias (any 127.x address
+    /// reaches a listener bound to every address): not learned.
+    #[test]
+    fn loopback_aliases_of_this_broker_are_told_apart() {
+        let everywhere = ["0.0.0.0:7420".parse().expect("an address")];
+        let loopback = ["127.0.0.1:7420".parse().expect("an address")];
+        for (address, listening, own) in [
+            ("tcp/127.3.4.5:7420", &everywhere, true),
+            ("tcp/127.0.0.1:7420", &everywhere, true),
+            ("tcp/127.0.0.1:7420", &loopback, true),
+            ("tcp/127.3.4.5:7420", &loopback, false),
+            ("tcp/127.0.0.1:7421", &everywhere, false),
+            ("tcp/10.0.0.2:7420", &everywhere, false),
+            ("tcp/localhost:7420", &everywhere, false),
+        ] {
+            assert_eq!(is_own_loopback_alias(address, listening), own, "{address}");
         }
     }
 
