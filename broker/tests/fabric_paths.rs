@@ -1213,6 +1213,30 @@ fn plain_client_stays_on_tcp_and_interoperates(provider: Provider) {
     );
 }
 
+/// A broker whose `negotiation.preference` leaves out its fabric paths
+/// offers a fabric client none of them in its welcome: the client stays
+/// on TCP and is served at once. (The welcome carried every path the
+/// broker listens on: the client chose `efa-rdm`, which the broker had
+/// not opened, and its subscriptions and publishes went where nobody
+/// read until it gave the link up as silent.)
+fn a_broker_preferring_tcp_keeps_fabric_clients_on_tcp(provider: Provider) {
+    let Some(broker) = start_broker(provider, true, "[negotiation]\npreference = [\"tcp\"]\n")
+    else {
+        return;
+    };
+    let client = connect_with(&broker, fabric_options(&broker, "fabric-minded"));
+    let link = client.link();
+    assert_eq!(link.reliable, "tcp", "{link:?}");
+    assert_eq!(link.best_effort, None, "{link:?}");
+    let sub = client.subscribe("pref.>").unwrap();
+    client
+        .flush(Duration::from_secs(2))
+        .expect("served at once");
+    broker.publish("pref.x", &b"over tcp"[..]).unwrap();
+    assert_eq!(&recv(&sub, "the message").payload[..], b"over tcp");
+    assert_eq!(broker.stats().value("silent_data_links"), Some(0));
+}
+
 /// A client that offers fabric endpoints to a broker without any stays on
 /// TCP, says why, and works.
 fn fabric_client_without_fabric_broker_uses_tcp(provider: Provider) {
@@ -1745,6 +1769,11 @@ macro_rules! provider_tests {
             #[test]
             fn plain_client_stays_on_tcp_and_interoperates() {
                 super::plain_client_stays_on_tcp_and_interoperates(PROVIDER);
+            }
+
+            #[test]
+            fn a_broker_preferring_tcp_keeps_fabric_clients_on_tcp() {
+                super::a_broker_preferring_tcp_keeps_fabric_clients_on_tcp(PROVIDER);
             }
 
             #[test]

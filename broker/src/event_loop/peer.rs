@@ -399,7 +399,8 @@ impl Session {
     /// Choose the data paths from both sides' offers, open the chosen data
     /// links, and return the offers to put in the welcome: this side of
     /// each chosen link (so the peer arrives at the same choice), or every
-    /// offer when only the control link is in common.
+    /// offer this side's preference admits when only the control link is
+    /// in common.
     pub fn negotiate(
         &mut self,
         id: u64,
@@ -424,12 +425,19 @@ impl Session {
         }
         if negotiation.opened.is_empty() && !negotiation.failed {
             // Normal where neither side has a fabric; the reasons are in
-            // the route's or client's link report.
+            // the route's or client's link report, for which the peer is
+            // shown the paths this side would take: one it leaves out of
+            // its preference, the peer must not choose (it would open its
+            // side and send where nobody reads).
             debug!(
                 session = id,
                 "no data path in common; the control link carries everything"
             );
-            return offers.to_vec();
+            return offers
+                .iter()
+                .filter(|o| !endpoints::is_data_scheme(&o.scheme) || preference.contains(&o.scheme))
+                .cloned()
+                .collect();
         }
         let mut chosen = negotiation.opened;
         chosen.extend(
