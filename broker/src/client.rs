@@ -429,9 +429,15 @@ pub enum ConnectionState {
 
 /// Work for the loop that is not a publish.
 enum Command {
-    Subscribe { sid: u64 },
-    Unsubscribe { sid: u64 },
-    Flush(Sender<()>),
+    Subscribe {
+        sid: u64,
+    },
+    Unsubscribe {
+        sid: u64,
+    },
+    /// Answered once the server's pong comes, or with `NotConnected`
+    /// when the connection is lost first.
+    Flush(Sender<Result<(), Error>>),
 }
 
 /// One entry of the outbox, in the order application threads made them.
@@ -1370,12 +1376,15 @@ impl Client {
         Ok(())
     }
 
-    /// Wait until the server has processed everything sent before.
+    /// Wait until the server has processed everything sent before. Fails
+    /// with `NotConnected` when the connection is lost before the server
+    /// said so (what was sent before may then be lost, counted in
+    /// `link().unacknowledged_at_close`).
     pub fn flush(&self, timeout: Duration) -> Result<(), Error> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.shared.send_command(Command::Flush(tx))?;
         rx.recv_timeout(timeout)
-            .map_err(|err| Error::waiting(err, timeout))
+            .map_err(|err| Error::waiting(err, timeout))?
     }
 
     /// Take no more publishes, flush (waiting at most a second for the
@@ -1606,7 +1615,7 @@ struct ClientLoop {
     now: Instant,
     /// Subscriptions cut off as slow consumers while delivering a batch.
     cut_off: Vec<u64>,
-    flushes: Vec<(u64, Sender<()>)>,
+    flushes: Vec<(u64, Sender<Result<(), Error>>)>,
     next_nonce: u64,
     ever_connected: bool,
     /// Why the connection was last lost, for a client that gives up.
@@ -2075,6 +2084,10 @@ impl ClientLoop {
     }
 
     fn link_lost(&mut self, now: Instant) {
+        // Their pings went with the connection: no pong will answer them.
+        for (_, done) in self.flushes.drain(..) {
+            let _ = done.send(Err(Error::NotConnected(self.shared.server.clone())));
+        }
         self.goodbye = None;
         self.shared.outbox.lock().direct = None;
         self.close_data_links();
@@ -2443,7 +2456,7 @@ impl ClientLoop {
             Frame::Pong { nonce } => {
                 self.flushes.retain(|(waiting, done)| {
                     if *waiting <= nonce {
-                        let _ = done.send(());
+                        let _ = done.send(Ok(()));
                         false
                     } else {
                         true

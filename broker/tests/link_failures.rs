@@ -470,6 +470,39 @@ fn a_failed_fabric_endpoint_moves_its_clients_to_tcp() {
     assert_eq!(stat(&broker, "connections"), 2);
 }
 
+/// A flush whose ping went with a connection that is then lost (here on a
+/// data link the broker drops everything from, given up as silent) fails
+/// at once with `NotConnected`: no pong can answer it. (It waited its
+/// whole timeout, however soon the client was connected again.)
+#[test]
+fn a_flush_lost_with_its_connection_fails_at_once() {
+    let Some(broker) = start_broker("scheme = \"efa-rdm\"\ndrop = 1.0", "") else {
+        return;
+    };
+    let options = ClientOptions {
+        name: "flushing".into(),
+        connect_timeout: Duration::from_millis(1_500),
+        data_paths: vec!["efa-rdm".to_string()],
+        fabric: broker.config().fabric.clone(),
+        ..ClientOptions::default()
+    };
+    let endpoint = broker.endpoint("tcp").expect("the broker listens on TCP");
+    let client = Client::connect_with(&endpoint, options, Registry::with_builtins())
+        .unwrap_or_else(|err| panic!("the client connects: {err}"));
+    assert!(client.link().reliable.starts_with("efa-rdm via "));
+    let asked = Instant::now();
+    let flushed = client.flush(WAIT);
+    assert!(
+        matches!(flushed, Err(Error::NotConnected(_))),
+        "{flushed:?} after {:?}",
+        asked.elapsed()
+    );
+    assert!(asked.elapsed() < WAIT, "{:?}", asked.elapsed());
+    assert!(client.link().silent_data_links >= 1);
+    // Connected again, over TCP, a flush is answered.
+    client.flush(WAIT).expect("a flush on the new connection");
+}
+
 /// A reliable data link that carries nothing back, as one whose provider
 /// refused the connection underneath without a word (here the broker drops
 /// every frame it receives on `efa-rdm`), moves its client to TCP within
