@@ -1673,17 +1673,22 @@ impl EventLoop {
                     _ => return,
                 }
             }
-            // A route's control frames are not held to the bound (the
-            // interest announced to it may rightly pass it), so answers to
-            // its pings stop being queued there: one that pings and reads
-            // nothing must not grow its queue without end.
-            if session.route().is_some()
-                && session.conn.out.control_bytes() > self.shared.live.max_pending_bytes()
-            {
+            if self.route_reads_no_answers(session) {
                 return;
             }
         }
         self.send(id, pong, false);
+    }
+
+    /// Whether `session` is a route whose control frames queued have
+    /// passed the queue's bound. A route's control frames are not held to
+    /// it (the interest announced to it may rightly pass it), so answers
+    /// to what the peer sends (pongs, error reports) stop being queued
+    /// then: a peer that sends and reads nothing must not grow its queue
+    /// without end.
+    fn route_reads_no_answers(&self, session: &Session) -> bool {
+        session.route().is_some()
+            && session.conn.out.control_bytes() > self.shared.live.max_pending_bytes()
     }
 
     /// Hand a frame or run to the session's path when nothing waits before
@@ -1967,14 +1972,11 @@ impl EventLoop {
 
     /// Report a non-fatal error to the peer.
     fn report(&mut self, id: u64, code: ErrorCode, text: String) {
-        // As with pongs (see `answer_ping`): reports to a route, whose
-        // control frames no bound trims, stop being queued once they fill
-        // its bound, so a peer that sends what is refused and reads nothing
-        // does not grow its queue without end.
-        if self.sessions.get(&id).is_some_and(|session| {
-            session.route().is_some()
-                && session.conn.out.control_bytes() > self.shared.live.max_pending_bytes()
-        }) {
+        if self
+            .sessions
+            .get(&id)
+            .is_some_and(|session| self.route_reads_no_answers(session))
+        {
             debug!(session = id, ?code, %text, "error report to a route not reading them dropped");
             return;
         }

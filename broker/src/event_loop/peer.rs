@@ -249,8 +249,9 @@ impl Session {
     }
 
     /// The earliest time the session has something to do by time alone:
-    /// its handshake deadline (a dialed route's included), heartbeats, lossy links, the block
-    /// policy's limit (`block_timeout`), or a closing session's deadline.
+    /// its handshake deadline (a dialed route's included), heartbeats,
+    /// lossy links, the block policy's limit (`block_timeout`), or a
+    /// closing session's deadline.
     pub fn poll_timeout(&self, block_timeout: std::time::Duration) -> Option<Instant> {
         let own = match self.state {
             SessionState::AwaitHello { deadline } | SessionState::Closing { deadline } => deadline,

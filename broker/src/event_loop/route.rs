@@ -333,15 +333,15 @@ fn resolve_advertised(advertised: &str, remote: &str) -> Option<String> {
     Some(format!("tcp/{}", SocketAddr::new(seen?, socket.port())))
 }
 
-/// The IP address of `address` (`tcp/IP:PORT`, a route's remote or an
-/// advertised address), when it names one rather than a host name.
+/// The socket address `address` names (`tcp/IP:PORT`, a route's remote
+/// or an advertised address), when it names an IP rather than a host.
+fn socket_of(address: &str) -> Option<SocketAddr> {
+    address.strip_prefix("tcp/").unwrap_or(address).parse().ok()
+}
+
+/// The IP address of `address` (see [`socket_of`]).
 fn ip_of(address: &str) -> Option<std::net::IpAddr> {
-    let socket: SocketAddr = address
-        .strip_prefix("tcp/")
-        .unwrap_or(address)
-        .parse()
-        .ok()?;
-    Some(socket.ip().to_canonical())
+    socket_of(address).map(|socket| socket.ip().to_canonical())
 }
 
 /// Whether `address` is on the loopback: it means this host, and passed
@@ -355,10 +355,7 @@ fn is_loopback(address: &str) -> bool {
 /// loopback address, or on any loopback address for a listener bound to
 /// every address. Such an address would only be a route to itself.
 fn is_own_loopback_alias(address: &str, listening: &[SocketAddr]) -> bool {
-    let Some(socket) = address
-        .strip_prefix("tcp/")
-        .and_then(|a| a.parse::<SocketAddr>().ok())
-    else {
+    let Some(socket) = socket_of(address) else {
         return false;
     };
     let ip = socket.ip().to_canonical();
