@@ -606,23 +606,7 @@ fn a_route_closed_as_a_duplicate_is_not_dialed_again_at_once() {
     let address = format!("tcp/{}", listener.local_addr().expect("its address"));
     listener.set_nonblocking(true).expect("non-blocking");
     let broker = start("redialer", &[address], "");
-    let stream = accept_within(&listener, WAIT).expect("the broker dials");
-    stream.set_nonblocking(false).expect("blocking");
-    let mut peer = Raw::accepted(stream);
-    // As an accepting broker: a challenge first, which the hello answers.
-    peer.send(&Frame::Challenge(Challenge { nonce: [7; 32] }));
-    peer.expect("the broker's hello", |f| matches!(f, Frame::Hello(_)));
-    peer.send(&Frame::Welcome(Welcome {
-        version: PROTOCOL_VERSION,
-        name: "peer-broker".into(),
-        offers: Vec::new(),
-        max_payload: 1 << 20,
-        link_auth: None,
-        max_subject_len: 256,
-        max_subject_tokens: 16,
-        proof: None,
-    }));
-    peer.expect("the broker's route hello", |f| matches!(f, Frame::Route(_)));
+    let mut peer = welcome_a_dial(&listener, "peer-broker");
     peer.send(&Frame::Route(RouteHello {
         broker_id: 42,
         advertise: None,
@@ -662,22 +646,7 @@ fn a_route_welcomed_but_never_brought_up_is_closed_in_time() {
         "[limits]\nhandshake_timeout_ms = 500\n\
          [heartbeat]\ninterval_ms = 5000\ntimeout_ms = 60000\n",
     );
-    let stream = accept_within(&listener, WAIT).expect("the broker dials");
-    stream.set_nonblocking(false).expect("blocking");
-    let mut peer = Raw::accepted(stream);
-    peer.send(&Frame::Challenge(Challenge { nonce: [7; 32] }));
-    peer.expect("the broker's hello", |f| matches!(f, Frame::Hello(_)));
-    peer.send(&Frame::Welcome(Welcome {
-        version: PROTOCOL_VERSION,
-        name: "half-a-broker".into(),
-        offers: Vec::new(),
-        max_payload: 1 << 20,
-        link_auth: None,
-        max_subject_len: 256,
-        max_subject_tokens: 16,
-        proof: None,
-    }));
-    peer.expect("the broker's route hello", |f| matches!(f, Frame::Route(_)));
+    let mut peer = welcome_a_dial(&listener, "half-a-broker");
     let welcomed = Instant::now();
     // No route hello back; the heartbeat's pings are answered by nothing,
     // and its timeout is far off.
@@ -691,6 +660,29 @@ fn a_route_welcomed_but_never_brought_up_is_closed_in_time() {
     );
     assert_eq!(routes(&broker), 0);
     accept_within(&listener, WAIT).expect("dialed again");
+}
+
+/// Takes the broker's dial on `listener` as a peer broker named `name`
+/// would, up to the broker's route hello (not answered).
+fn welcome_a_dial(listener: &std::net::TcpListener, name: &str) -> Raw {
+    let stream = accept_within(listener, WAIT).expect("the broker dials");
+    stream.set_nonblocking(false).expect("blocking");
+    let mut peer = Raw::accepted(stream);
+    // As an accepting broker: a challenge first, which the hello answers.
+    peer.send(&Frame::Challenge(Challenge { nonce: [7; 32] }));
+    peer.expect("the broker's hello", |f| matches!(f, Frame::Hello(_)));
+    peer.send(&Frame::Welcome(Welcome {
+        version: PROTOCOL_VERSION,
+        name: name.into(),
+        offers: Vec::new(),
+        max_payload: 1 << 20,
+        link_auth: None,
+        max_subject_len: 256,
+        max_subject_tokens: 16,
+        proof: None,
+    }));
+    peer.expect("the broker's route hello", |f| matches!(f, Frame::Route(_)));
+    peer
 }
 
 /// The next connection to the non-blocking `listener` within `within`.

@@ -660,6 +660,30 @@ mod suite {
         }
     }
 
+    /// Has `a` send `b` (`to`) numbered frames of `sizes`, all by
+    /// rendezvous, and polls both until `b` has started a read for each;
+    /// `a` is polled no more after that, so where the sender's progress
+    /// serves a read (`tcp;ofi_rxm`) the reads stay in flight.
+    fn start_reads_then_stall(
+        (a, b): (&mut FabricEndpoint, &mut FabricEndpoint),
+        to: PeerId,
+        sizes: &[usize],
+        (ae, be): (&mut Vec<Event>, &mut Vec<Event>),
+        provider: &str,
+    ) {
+        let started = b.stats().rendezvous_reads_started;
+        send_numbered((&mut *a, &mut *b), to, sizes, (&mut *ae, &mut *be));
+        let start = Instant::now();
+        while b.stats().rendezvous_reads_started < started + sizes.len() as u64 {
+            a.poll(ae).expect("poll a");
+            b.poll(be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{provider}: the reads never started"
+            );
+        }
+    }
+
     /// Asserts that `be` holds every numbered frame of `sizes` from `from`,
     /// whole.
     fn assert_numbered(be: &[Event], from: PeerId, sizes: &[usize], what: &str) {
@@ -782,18 +806,15 @@ mod suite {
             return None;
         }
         let (mut ae, mut be) = (Vec::new(), Vec::new());
-        send_numbered((&mut a, &mut b), pb, &[1 << 20], (&mut ae, &mut be));
-        let start = Instant::now();
-        // `a` is not polled once the read has started: where the sender's
-        // progress serves the read, it cannot end before the close.
-        while b.stats().rendezvous_reads_started == 0 {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(
-                start.elapsed() < DEADLINE,
-                "{provider}: the read never started"
-            );
-        }
+        // Where the sender's progress serves the read, it cannot end before
+        // the close.
+        start_reads_then_stall(
+            (&mut a, &mut b),
+            pb,
+            &[1 << 20],
+            (&mut ae, &mut be),
+            provider,
+        );
         b.close(pa);
         if b.stats().rendezvous_read == 1 {
             return Some(false);
@@ -1259,18 +1280,13 @@ mod suite {
             return;
         }
         let (mut ae, mut be) = (Vec::new(), Vec::new());
-        send_numbered((&mut a, &mut b), pb, &[120 << 20], (&mut ae, &mut be));
-        let start = Instant::now();
-        while b.stats().rendezvous_reads_started == 0 {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(
-                start.elapsed() < DEADLINE,
-                "{provider}: the read never started"
-            );
-        }
-        // `a` is not polled again: where the sender's progress serves the
-        // read, it stays in flight.
+        start_reads_then_stall(
+            (&mut a, &mut b),
+            pb,
+            &[120 << 20],
+            (&mut ae, &mut be),
+            provider,
+        );
         b.close(pa);
         if b.stats().rendezvous_reads_given_up > 0 {
             return; // the provider ended it within the close: nothing held
@@ -1309,22 +1325,9 @@ mod suite {
             return;
         }
         let (mut ae, mut be) = (Vec::new(), Vec::new());
-        send_numbered(
-            (&mut a, &mut b),
-            pb,
-            &[8 << 20, 8 << 20],
-            (&mut ae, &mut be),
-        );
-        let start = Instant::now();
-        while b.stats().rendezvous_reads_started < 2 {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(
-                start.elapsed() < DEADLINE,
-                "{provider}: the reads never started"
-            );
-        }
-        // `a` is not polled again: the reads cannot end.
+        let sizes = [8 << 20, 8 << 20];
+        start_reads_then_stall((&mut a, &mut b), pb, &sizes, (&mut ae, &mut be), provider);
+        // The reads cannot end.
         assert_eq!(b.stats().rendezvous_read, 0, "{provider}");
         assert_eq!(b.drain_for_close(), 2, "{provider}: left open");
         drop(b);
@@ -1342,16 +1345,13 @@ mod suite {
             return;
         }
         let (mut ae, mut be) = (Vec::new(), Vec::new());
-        send_numbered((&mut a, &mut b), pb, &[1 << 20], (&mut ae, &mut be));
-        let start = Instant::now();
-        while b.stats().rendezvous_reads_started < 1 {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(
-                start.elapsed() < DEADLINE,
-                "{provider}: the read never started"
-            );
-        }
+        start_reads_then_stall(
+            (&mut a, &mut b),
+            pb,
+            &[1 << 20],
+            (&mut ae, &mut be),
+            provider,
+        );
         // `a` serves the read; `b` does not poll its completion.
         for _ in 0..2000 {
             a.poll(&mut ae).expect("poll a");
