@@ -7,9 +7,9 @@
 //! a waiting thread can run the loop's rounds itself: what it waits for
 //! then reaches it with no hand-over, and what it published just before
 //! leaves in its own first round. The loop thread steps aside while such a
-//! driver holds the loop, and sleeps rather than yields meanwhile
-//! ([`Driven::sleep_while_driven`]), so the two do not take turns on the
-//! cores.
+//! driver holds the loop: an embedded broker's sleeps rather than yields
+//! meanwhile ([`Driven::sleep_while_driven`]), so the two do not take turns
+//! on the cores; a client's yields its core between looks.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
