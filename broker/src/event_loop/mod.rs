@@ -2343,7 +2343,8 @@ impl EventLoop {
             let mut due = true;
             let route_late = session
                 .route()
-                .is_some_and(|role| !role.is_up() && role.up_by.is_some_and(|by| now >= by));
+                .and_then(|role| role.up_by)
+                .is_some_and(|by| now >= by);
             match session.state {
                 SessionState::AwaitHello { deadline } if now >= deadline => {
                     expired.push((id, ErrorCode::HandshakeTimeout))

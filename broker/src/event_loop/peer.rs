@@ -241,10 +241,8 @@ impl Session {
         if let SessionState::AwaitHello { deadline } = &mut self.state {
             *deadline = (*deadline).max(until);
         }
-        if let Some(role) = self.route_mut().filter(|role| !role.is_up()) {
-            if let Some(by) = role.up_by.as_mut() {
-                *by = (*by).max(until);
-            }
+        if let Some(by) = self.route_mut().and_then(|role| role.up_by.as_mut()) {
+            *by = (*by).max(until);
         }
     }
 
@@ -257,10 +255,8 @@ impl Session {
             SessionState::AwaitHello { deadline } | SessionState::Closing { deadline } => deadline,
             SessionState::Ready => {
                 let conn = self.conn.poll_timeout();
-                match self.route().filter(|role| !role.is_up()) {
-                    Some(role) => role.up_by.map_or(conn, |by| by.min(conn)),
-                    None => conn,
-                }
+                let up_by = self.route().and_then(|role| role.up_by);
+                up_by.map_or(conn, |by| by.min(conn))
             }
         };
         Some(match self.over_since {

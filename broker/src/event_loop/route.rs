@@ -119,9 +119,10 @@ pub(crate) struct RouteRole {
     proved: Option<([u8; 32], [u8; 32])>,
     /// What the peer broker takes in one message (its route hello).
     pub(super) peer_limits: Option<RouteLimits>,
-    /// On a route this broker dialed, once welcomed: when the peer's
-    /// route hello is due. One welcomed that never comes up would hold
-    /// its dial slot, and its share of the learned dials, for ever.
+    /// On a route this broker dialed, from the welcome until it is up:
+    /// when the peer's route hello is due. One welcomed that never comes
+    /// up would hold its dial slot, and its share of the learned dials,
+    /// for ever.
     pub(super) up_by: Option<Instant>,
 }
 
@@ -1068,6 +1069,7 @@ impl EventLoop {
             return;
         };
         role.broker_id = Some(broker);
+        role.up_by = None;
         let links = &session.conn.links;
         let control_scheme = self.endpoints[session.conn.control.endpoint].scheme();
         let report = RouteReport {
