@@ -318,7 +318,7 @@ impl ClientOptions {
             data_paths: config
                 .listen
                 .iter()
-                .filter(|spec| endpoints::is_data_scheme(spec.split('/').next().unwrap_or("")))
+                .filter(|spec| endpoints::is_data_scheme(endpoints::scheme_of(spec)))
                 .cloned()
                 .collect(),
             fabric: config.fabric.clone(),
@@ -919,7 +919,7 @@ impl Client {
         for text in &options.data_paths {
             // A path the preference leaves out would never carry traffic
             // (and must not be offered: the server would open its side).
-            let scheme = text.split('/').next().unwrap_or(text);
+            let scheme = endpoints::scheme_of(text);
             if !options
                 .preference
                 .iter()
@@ -961,7 +961,7 @@ impl Client {
                     && !options
                         .data_paths
                         .iter()
-                        .any(|text| text.split('/').next() == Some(scheme))
+                        .any(|text| endpoints::scheme_of(text) == scheme)
             })
             .collect();
         if !unlisted.is_empty() {

@@ -850,9 +850,8 @@ impl Config {
         }
         // NATS listeners take `[tls]` as TCP ones do.
         let serves_tcp = self.listen.iter().any(|listen| {
-            let scheme = listen.split('/').next();
-            scheme == Some(efabus_transports::tcp::SCHEME)
-                || scheme == Some(efabus_transports::nats::SCHEME)
+            let scheme = crate::endpoints::scheme_of(listen);
+            scheme == efabus_transports::tcp::SCHEME || scheme == efabus_transports::nats::SCHEME
         });
         self.tls
             .check(serves_tcp, !self.peers.is_empty())

@@ -21,6 +21,12 @@ pub fn is_data_scheme(scheme: &str) -> bool {
     scheme == RDM_SCHEME || scheme == DGRAM_SCHEME || scheme == SHM_SCHEME
 }
 
+/// The scheme of an endpoint string (`scheme/address`, or a scheme
+/// alone), unchecked.
+pub fn scheme_of(endpoint: &str) -> &str {
+    endpoint.split('/').next().unwrap_or(endpoint)
+}
+
 /// The offer an endpoint makes: its fi_info, its address, and a message
 /// size no larger than what its buffers hold, so both sides settle on the
 /// smaller of their frame limits, and the provider's own eager limit where
