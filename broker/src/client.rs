@@ -1734,9 +1734,14 @@ impl ClientLoop {
             LinkState::Down { retry_at } => retry_at,
             LinkState::AwaitWelcome { deadline, .. } => deadline,
             LinkState::Up { .. } => {
-                let timeout = self.conn.poll_timeout();
-                self.silent_deadline()
-                    .map_or(timeout, |deadline| timeout.min(deadline))
+                let best_effort = self
+                    .conn
+                    .links
+                    .best_effort_due(self.now, self.shared.options.connect_timeout);
+                [self.silent_deadline(), best_effort]
+                    .into_iter()
+                    .flatten()
+                    .fold(self.conn.poll_timeout(), Instant::min)
             }
         }
     }
@@ -1770,6 +1775,7 @@ impl ClientLoop {
         // failure, however late, and an answer that came is no silence.
         self.poll_links(now);
         self.check_silent_link(now);
+        self.tend_best_effort_link(now);
         // Replies of responders to what came in (from the endpoints or
         // released by the links) go out in this round.
         if crate::delivery::answers_waiting(self.shared.answer_origin) {
@@ -1999,6 +2005,35 @@ impl ClientLoop {
             .fetch_add(1, Ordering::Relaxed);
         self.endpoints[CONTROL].close(control);
         self.link_lost(now);
+    }
+
+    /// The best-effort link's first frame, sent again while nothing has
+    /// come back there, and the link given up alone when nothing came back
+    /// within the connect timeout (see [`DataLinks::tend_best_effort`]).
+    ///
+    /// [`DataLinks::tend_best_effort`]: crate::session::data_link::DataLinks::tend_best_effort
+    fn tend_best_effort_link(&mut self, now: Instant) {
+        if !matches!(self.link, LinkState::Up { .. }) {
+            return;
+        }
+        let timeout = self.shared.options.connect_timeout;
+        let every = self.shared.options.heartbeat_interval.min(timeout / 4);
+        let Some(closed) =
+            self.conn
+                .links
+                .tend_best_effort(&mut self.endpoints, now, every, timeout)
+        else {
+            return;
+        };
+        BrokerStats::add_saturating(&self.shared.counters.best_effort_lost, closed.lost);
+        let description = &closed.description;
+        warn!(link = %description, waited = ?timeout, "nothing came back on the best-effort link; best effort comes over the reliable path");
+        let mut report = self.shared.link.lock();
+        report.best_effort = None;
+        report.reasons.push(format!(
+            "best-effort: {description}: nothing came back there within {timeout:?} of its \
+             first frame; carried on the reliable path"
+        ));
     }
 
     /// Offers `scheme` to this server no more (until `until`, if given),

@@ -1002,7 +1002,9 @@ fn best_effort_losses_stay_counted_across_reconnects() {
 /// side would) is given up alone once the broker has asked three times,
 /// saying why; the session stays, and best-effort messages come over the
 /// reliable link, whole and in order. (It ended the session, every few
-/// seconds.) A client whose preference leaves `efa-dgram` out neither
+/// seconds.) The client, hearing nothing there within its connect
+/// timeout, gives its side up as well, and its link report says so. A
+/// client whose preference leaves `efa-dgram` out neither
 /// opens nor offers it, so the broker opens no datagram link for it.
 #[test]
 fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
@@ -1028,6 +1030,7 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
         &broker,
         ClientOptions {
             faults: Some(deaf),
+            connect_timeout: Duration::from_secs(2),
             ..fabric_options(&broker, "deaf-datagrams")
         },
     );
@@ -1066,6 +1069,23 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
     expect_in_order(&sub, 100, "best effort on the reliable link");
     assert_eq!(client.reconnects(), 0);
     assert_eq!(unproven(), 1);
+    // The client gives its side up too, having heard nothing there.
+    let deadline = Instant::now() + WAIT;
+    while client.link().best_effort.is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "the client kept its datagram link: {:?}",
+            client.link()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let link = client.link();
+    assert!(
+        link.reasons
+            .iter()
+            .any(|reason| reason.contains("nothing came back there")),
+        "{link:?}"
+    );
     let rdm_only_report = session_named(&broker, "rdm-only");
     assert_eq!(rdm_only_report.best_effort, None, "{rdm_only_report:?}");
     let link = rdm_only.link();
@@ -1075,6 +1095,59 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
             .iter()
             .any(|reason| reason == "efa-dgram: not in the preference list; not opened"),
         "{link:?}"
+    );
+}
+
+/// A client whose reliable path is TCP and whose best-effort path is
+/// `efa-dgram` (a preference that leaves `efa-rdm` out) gets its
+/// best-effort messages over the datagram link, as its link report says:
+/// the link's first frame, sent by the client as it opens, lets the broker
+/// ask for the address's proof there. (Nothing went on that link, so the
+/// broker never asked, and carried best effort on TCP for good.)
+#[test]
+fn a_client_on_tcp_gets_best_effort_over_its_datagram_link() {
+    let provider = Provider { rdm: "tcp;ofi_rxm" };
+    let Some(broker) = start_broker(provider, true, "") else {
+        return;
+    };
+    let client = connect_with(
+        &broker,
+        ClientOptions {
+            preference: vec!["efa-dgram".to_string(), "tcp".to_string()],
+            ..fabric_options(&broker, "datagrams-only")
+        },
+    );
+    let link = client.link();
+    assert_eq!(link.reliable, "tcp", "{link:?}");
+    assert!(
+        link.best_effort
+            .as_deref()
+            .is_some_and(|path| path.starts_with("efa-dgram via udp")),
+        "{link:?}"
+    );
+    let sub = client.subscribe_best_effort("be.>").unwrap();
+    client.flush(WAIT).unwrap();
+    let deadline = Instant::now() + WAIT;
+    let mut n = 0;
+    while client.link().fabric_frames_in == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "best effort never came over the datagram link: {:?}",
+            client.link()
+        );
+        broker.publish("be.data", pattern(n, 64)).unwrap();
+        broker.flush(WAIT).unwrap();
+        recv(&sub, "best effort");
+        n += 1;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let report = session_named(&broker, "datagrams-only");
+    assert!(
+        report
+            .best_effort
+            .as_deref()
+            .is_some_and(|path| path.starts_with("efa-dgram")),
+        "{report:?}"
     );
 }
 

@@ -531,9 +531,19 @@ fn a_route_that_fails_under_load_counts_what_it_lost() {
 /// A broker listening on TCP, `efa-rdm` (`tcp;ofi_rxm`) and `efa-dgram`
 /// (`udp`), routing to `peers`, with `extra` lines at the top level.
 fn start_with_datagrams(name: &str, peers: &[String], extra: &str) -> Option<Broker> {
+    start_listening(
+        name,
+        r#"["tcp/127.0.0.1:0", "efa-rdm", "efa-dgram"]"#,
+        peers,
+        extra,
+    )
+}
+
+/// [`start_with_datagrams`] listening on `listen`.
+fn start_listening(name: &str, listen: &str, peers: &[String], extra: &str) -> Option<Broker> {
     let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
     let text = format!(
-        "name = {name:?}\nlisten = [\"tcp/127.0.0.1:0\", \"efa-rdm\", \"efa-dgram\"]\n\
+        "name = {name:?}\nlisten = {listen}\n\
          peers = [{}]\n{extra}\n\
          [fabric]\nprovider = \"tcp;ofi_rxm\"\ndgram_provider = \"udp\"\nnode = \"127.0.0.1\"\n",
         peers.join(", ")
@@ -709,6 +719,88 @@ fn best_effort_interest_rides_the_route_s_datagram_link() {
         assert_eq!(message.payload, payload_of(n, 64));
         n += 1;
     }
+}
+
+/// Brokers listening on `efa-dgram` beside TCP alone route reliably on
+/// TCP and best effort on the datagram link, both ways: toward the broker
+/// that dialed too, whose first frame there lets the other ask for the
+/// address's proof (nothing of the dialer's own went there, so it was
+/// never asked, and best effort toward it stayed on TCP).
+#[test]
+fn best_effort_toward_the_dialer_rides_a_datagram_link_beside_tcp() {
+    let listen = r#"["tcp/127.0.0.1:0", "efa-dgram"]"#;
+    let Some(b) = start_listening("b", listen, &[], "") else {
+        return;
+    };
+    let Some(a) = start_listening("a", listen, &[tcp(&b)], "") else {
+        return;
+    };
+    for broker in [&a, &b] {
+        let route = the_route(broker);
+        assert_eq!(route.reliable, "tcp", "{route:?}");
+        let best_effort = route.best_effort.clone().unwrap_or_default();
+        assert!(best_effort.starts_with("efa-dgram via udp"), "{route:?}");
+    }
+    for (from, to) in [(&b, &a), (&a, &b)] {
+        let client = Client::connect(&tcp(to)).unwrap();
+        let sub = client.subscribe_best_effort("be.>").unwrap();
+        client.flush(WAIT).unwrap();
+        wait_until("the interest across", || from.route_interest_count() == 1);
+        let before = fabric_frames_in(to);
+        let (got, _) = publish_until_marker(from, &sub, 0, 100);
+        assert!(!got.is_empty(), "nothing arrived");
+        assert!(
+            fabric_frames_in(to) > before,
+            "best effort crossed on TCP, not the datagram link: {:?}",
+            to.routes()
+        );
+        drop(client);
+        wait_until("the interest gone", || from.route_interest_count() == 0);
+    }
+}
+
+/// A route whose dialing broker receives nothing on its datagram link:
+/// both brokers give that link up alone, saying why (the dialer once
+/// nothing came back there within the handshake timeout), and best effort
+/// crosses on the reliable link, both ways; the route stays.
+#[test]
+fn a_route_s_datagram_link_that_hears_nothing_is_given_up_on_both_sides() {
+    let listen = r#"["tcp/127.0.0.1:0", "efa-dgram"]"#;
+    let Some(b) = start_listening("b", listen, &[], "[heartbeat]\ninterval_ms = 100") else {
+        return;
+    };
+    let deaf = "[limits]\nhandshake_timeout_ms = 1000\n\
+                [testing.faults]\nscheme = \"efa-dgram\"\ndirection = \"receive\"\ndrop = 1.0";
+    let Some(a) = start_listening("a", listen, &[tcp(&b)], deaf) else {
+        return;
+    };
+    for (broker, why) in [
+        (&a, "nothing came back there"),
+        (&b, "no answer from the peer"),
+    ] {
+        wait_until("the datagram link given up", || {
+            broker
+                .routes()
+                .first()
+                .is_some_and(|route| route.best_effort.is_none())
+        });
+        let route = the_route(broker);
+        assert!(
+            route.reasons.iter().any(|reason| reason.contains(why)),
+            "{route:?}"
+        );
+    }
+    for (from, to) in [(&b, &a), (&a, &b)] {
+        let client = Client::connect(&tcp(to)).unwrap();
+        let sub = client.subscribe_best_effort("be.>").unwrap();
+        client.flush(WAIT).unwrap();
+        wait_until("the interest across", || from.route_interest_count() == 1);
+        let (got, _) = publish_until_marker(from, &sub, 0, 100);
+        assert_eq!(got, (0..100).collect::<Vec<u64>>());
+        drop(client);
+        wait_until("the interest gone", || from.route_interest_count() == 0);
+    }
+    assert_eq!(a.routes().len(), 1);
 }
 
 /// Three brokers, the second and third given only the first as their

@@ -2164,6 +2164,53 @@ impl EventLoop {
         }
     }
 
+    /// The best-effort link of a route this broker dialed, while nothing
+    /// has come back there: its first frame sent again, or the link given
+    /// up alone after the handshake timeout (see
+    /// [`DataLinks::tend_best_effort`]).
+    ///
+    /// [`DataLinks::tend_best_effort`]: crate::session::data_link::DataLinks::tend_best_effort
+    pub(super) fn tend_best_effort_link(&mut self, id: u64, now: Instant) {
+        let every = self.shared.config.heartbeat_interval();
+        let give_up_after = self.shared.config.handshake_timeout();
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some(closed) = session.conn.links.tend_best_effort(
+            &mut self.endpoints,
+            now,
+            every.min(give_up_after / 4),
+            give_up_after,
+        ) else {
+            if let Some(at) = session.conn.links.best_effort_due(now, give_up_after) {
+                self.schedule(at);
+            }
+            return;
+        };
+        // Its closing, reported later, is not the session's loss.
+        self.by_peer.remove(&closed.address);
+        self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(closed.lost);
+        let description = &closed.description;
+        warn!(session = id, remote = %session.remote, link = %description, "nothing came back on the best-effort link; best-effort messages go on the reliable link");
+        let reason = format!(
+            "best-effort: {description}: nothing came back there within {give_up_after:?} of \
+             its first frame; carried on the reliable link"
+        );
+        self.best_effort_given_up(id, reason);
+    }
+
+    /// Session `id`'s best-effort link was given up alone: `reason` goes
+    /// into its connection report, or its route's.
+    fn best_effort_given_up(&mut self, id: u64, reason: String) {
+        if let Some(report) = self.shared.routes.lock().get_mut(&id) {
+            report.best_effort = None;
+            report.reasons.push(reason.clone());
+        }
+        if let Some(session) = self.sessions.get_mut(&id) {
+            session.link_reasons.push(reason);
+        }
+    }
+
     /// A `Pong` that may answer a data link's challenge: the peer receives
     /// at that address, which is now this session's alone. An older
     /// session that held the same address (the same client, reconnected)
@@ -2327,6 +2374,7 @@ impl EventLoop {
         let mut links_due = Vec::new();
         let mut reports = Vec::new();
         let mut pacing = Vec::new();
+        let mut unheard = Vec::new();
         let bound = self.shared.live.max_pending_bytes();
         let mut queued = 0u64;
         // The next deadline, of the sessions with nothing due now (the
@@ -2381,6 +2429,12 @@ impl EventLoop {
                 if let Some(deadline) = session.poll_timeout(block_timeout) {
                     next = next.min(deadline);
                 }
+            }
+            // A dialed route's datagram link that has heard nothing yet.
+            match session.conn.links.best_effort_due(now, handshake_timeout) {
+                Some(at) if at > now => next = next.min(at),
+                Some(_) => unheard.push(id),
+                None => {}
             }
             // Best-effort frames waiting for a credit that may have been
             // lost: the link resets a window stalled that long.
@@ -2450,12 +2504,13 @@ impl EventLoop {
                 BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
                 let description = &link.description;
                 warn!(session = id, remote = %session.remote, link = %description, "no answer on the best-effort link; best-effort messages go on the reliable link");
-                session.link_reasons.push(format!(
+                let reason = format!(
                     "best-effort: {description}: no answer from the peer there; carried on the reliable link"
-                ));
+                );
                 // Forgotten first: its closing is not the session's loss.
                 self.by_peer.remove(&(link.endpoint, link.peer));
                 self.endpoints[link.endpoint].close(link.peer);
+                self.best_effort_given_up(id, reason);
             }
             if unanswered.session_ends {
                 BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
@@ -2472,6 +2527,9 @@ impl EventLoop {
         }
         for &id in &pacing {
             self.flush_session(id);
+        }
+        for &id in &unheard {
+            self.tend_best_effort_link(id, now);
         }
         // The sessions seen to above, as they stand now.
         for id in expired

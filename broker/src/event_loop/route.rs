@@ -879,6 +879,7 @@ impl EventLoop {
             self.by_peer.insert(address, id);
         }
         self.session_ready(id);
+        self.tend_best_effort_link(id, self.now);
     }
 
     /// The peer's route hello: on a dialed route, the answer; on an

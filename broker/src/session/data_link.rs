@@ -720,6 +720,16 @@ pub(crate) enum Barrier {
     Awaiting(u64),
 }
 
+/// A link [`DataLinks::close_best_effort`] closed.
+pub(crate) struct Closed {
+    pub description: String,
+    /// Its `(endpoint, peer)`.
+    pub address: (usize, PeerId),
+    /// Best-effort messages from the peer lost with it (as
+    /// [`DataLinks::close`] counts them).
+    pub lost: u64,
+}
+
 /// The data links both sides agreed on in one handshake.
 pub(crate) struct Negotiation {
     /// This side's offer of each link opened: put in the welcome so the
@@ -781,6 +791,11 @@ pub(crate) struct DataLinks {
     /// On the accepting side, what the switch to the reliable link waits
     /// for besides its address's proof.
     pub barrier: Barrier,
+    /// Whether this side dialed (its links need no proof from the peer).
+    pub(crate) dialed: bool,
+    /// On the dialing side, when the best-effort link's first frame goes
+    /// again (see [`Self::tend_best_effort`]); `None`: at once.
+    pub(crate) announce_again_at: Option<Instant>,
 }
 
 impl DataLinks {
@@ -805,6 +820,10 @@ impl DataLinks {
             failed: false,
             reasons: Vec::new(),
         };
+        self.dialed = keying
+            .as_ref()
+            .is_some_and(|keying| keying.role == HandshakeRole::Dialer);
+        self.announce_again_at = None;
         // Schemes whose link failed to open here; each pass drops one more,
         // so the passes end.
         let mut unusable: Vec<String> = Vec::new();
@@ -941,6 +960,59 @@ impl DataLinks {
             .filter(|link| link.proof == Proof::Proven)
     }
 
+    /// On the side that dialed, sends a `Ping` on the best-effort link
+    /// while nothing has come back there, once every `every`, and gives
+    /// the link up alone (closed, as [`Self::close_best_effort`]) when
+    /// nothing came back within `give_up_after` of its first frame. The
+    /// peer asks there for the address's proof once the link's first
+    /// message arrives, and sends nothing on it before; a reliable data
+    /// link's first frame starts that for both links, but beside the
+    /// control link nothing else of this side's goes on the best-effort
+    /// link (best-effort traffic flows toward the dialer), so the peer
+    /// would never ask. Again every `every`: a datagram may be lost.
+    /// Silence past `give_up_after` means the peer asked in vain (this
+    /// side receives nothing there) or never heard this side: it carries
+    /// best effort on the reliable path either way.
+    pub fn tend_best_effort(
+        &mut self,
+        endpoints: &mut [Box<dyn Endpoint>],
+        now: Instant,
+        every: Duration,
+        give_up_after: Duration,
+    ) -> Option<Closed> {
+        let due = self.best_effort_due(now, give_up_after)?;
+        let link = self.best_effort.as_mut()?;
+        if link
+            .silent_since()
+            .is_some_and(|since| now >= since + give_up_after)
+        {
+            return self.close_best_effort(endpoints);
+        }
+        if now >= due {
+            let ping = codec::encode(&Frame::Ping { nonce: 0 });
+            // Refused (no credit, a datagram dropped): sent again in time.
+            let _ = link.send(endpoints[link.endpoint].as_mut(), ping, 1);
+            self.announce_again_at = Some(now + every);
+        }
+        None
+    }
+
+    /// When [`Self::tend_best_effort`] has something to do next.
+    pub fn best_effort_due(&self, now: Instant, give_up_after: Duration) -> Option<Instant> {
+        if !self.dialed {
+            return None;
+        }
+        let link = self
+            .best_effort
+            .as_ref()
+            .filter(|link| link.contact != Contact::Heard)?;
+        let again = self.announce_again_at.unwrap_or(now);
+        Some(
+            link.silent_since()
+                .map_or(again, |since| again.min(since + give_up_after)),
+        )
+    }
+
     /// Since when the reliable link has been silent after its first send
     /// (see [`DataLink::silent_since`]).
     pub fn reliable_silent_since(&self) -> Option<Instant> {
@@ -967,12 +1039,12 @@ impl DataLinks {
     /// not have its side up, and would drop it.
     ///
     /// A link asked `MAX_CHALLENGES` times without an answer does not
-    /// reach the peer at the address it gave. A best-effort link the peer
-    /// never sent on is given up alone, unless the session ends anyway
-    /// (the peer's datagram endpoint may have failed to open, or every
-    /// ping was lost): it is handed back for the owner to close, and
-    /// best-effort traffic goes where it went before the proof. Any other
-    /// ends the session.
+    /// reach the peer at the address it gave. A best-effort link is given
+    /// up alone, unless the session ends anyway (the peer's datagram
+    /// endpoint may receive nothing, or every ping was lost; the peer
+    /// gives it up as well when nothing comes back there): it is handed
+    /// back for the owner to close, and best-effort traffic goes where it
+    /// went before the proof. A reliable one ends the session.
     pub fn send_challenges(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
@@ -989,7 +1061,7 @@ impl DataLinks {
                 continue;
             }
             if asked >= MAX_CHALLENGES {
-                if link.lossy && link.contact != Contact::Heard {
+                if link.lossy {
                     give_up_best_effort = true;
                 } else {
                     unanswered.session_ends = true;
@@ -1250,21 +1322,30 @@ impl DataLinks {
     /// from the peer lost with them: found missing and not yet told
     /// ([`DataLinks::take_best_effort_lost`]), or not yet settled.
     pub fn close(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> u64 {
-        let unsettled = self
-            .best_effort
-            .as_ref()
-            .map_or(0, |link| link.receiver.unsettled());
-        let lost = self.take_best_effort_lost().saturating_add(unsettled);
-        for link in [self.reliable.take(), self.best_effort.take()]
-            .into_iter()
-            .flatten()
-        {
+        let lost = self
+            .close_best_effort(endpoints)
+            .map_or(0, |closed| closed.lost);
+        if let Some(link) = self.reliable.take() {
             endpoints[link.endpoint].close(link.peer);
         }
         self.in_use = false;
         self.failure = None;
         self.barrier = Barrier::Passed;
         lost
+    }
+
+    /// Close the best-effort link alone and forget it.
+    pub fn close_best_effort(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> Option<Closed> {
+        let unsettled = self.best_effort.as_ref()?.receiver.unsettled();
+        let lost = self.take_best_effort_lost().saturating_add(unsettled);
+        let link = self.best_effort.take()?;
+        endpoints[link.endpoint].close(link.peer);
+        self.announce_again_at = None;
+        Some(Closed {
+            description: link.description,
+            address: (link.endpoint, link.peer),
+            lost,
+        })
     }
 }
 
