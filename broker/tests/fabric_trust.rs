@@ -29,7 +29,7 @@ use efabus_transports::fabric::{addr_from_hex, FabricEndpoint, FabricTransport};
 use efabus_transports::registry::Registry;
 
 mod raw_common;
-use raw_common::{Raw, WAIT};
+use raw_common::{CutRelay, Raw, WAIT};
 
 /// Held by every test here, so the one that measures memory runs alone.
 static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -701,59 +701,6 @@ fn pings_from_an_unproven_address_end_the_session_at_the_queue_bound() {
         format!("{error:?}").contains("queue for an unproven fabric address is full"),
         "{error:?}"
     );
-}
-
-/// A TCP relay between clients and the broker that can drop its clients'
-/// side of every connection while keeping the broker's side open, as a
-/// lost network path leaves the broker with a session whose peer is gone.
-struct CutRelay {
-    address: std::net::SocketAddr,
-    /// Each relayed connection's client side, and its broker side, which
-    /// is kept open after a cut.
-    pairs: std::sync::Arc<std::sync::Mutex<Vec<(std::net::TcpStream, std::net::TcpStream)>>>,
-}
-
-impl CutRelay {
-    fn start(broker: &Broker) -> CutRelay {
-        let target = broker
-            .endpoint("tcp")
-            .and_then(|spec| spec.strip_prefix("tcp/").map(str::to_string))
-            .expect("tcp listener");
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("relay listener");
-        let address = listener.local_addr().expect("relay address");
-        let pairs = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let kept = pairs.clone();
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(client) = client else { return };
-                let Ok(server) = std::net::TcpStream::connect(&target) else {
-                    return;
-                };
-                let relay = |mut from: std::net::TcpStream, mut to: std::net::TcpStream| {
-                    // Stops when either side fails, without closing the
-                    // other: a cut leaves the broker's side open.
-                    std::thread::spawn(move || {
-                        let _ = std::io::copy(&mut from, &mut to);
-                    });
-                };
-                relay(client.try_clone().unwrap(), server.try_clone().unwrap());
-                relay(server.try_clone().unwrap(), client.try_clone().unwrap());
-                kept.lock().unwrap().push((client, server));
-            }
-        });
-        CutRelay { address, pairs }
-    }
-
-    fn endpoint(&self) -> String {
-        format!("tcp/{}", self.address)
-    }
-
-    /// Close the clients' side of every connection so far.
-    fn cut_clients(&self) {
-        for (client, _) in self.pairs.lock().unwrap().iter() {
-            let _ = client.shutdown(std::net::Shutdown::Both);
-        }
-    }
 }
 
 /// A client that lost its connection while the broker still holds its
