@@ -12,15 +12,19 @@ use efabus_core::frame::{ErrorCode, Frame, Hello, RouteHello, PROTOCOL_VERSION};
 use efabus_transports::registry::Registry;
 
 mod raw_common;
-use raw_common::Raw;
-
-use raw_common::WAIT;
+use raw_common::{CutRelay, Raw, WAIT};
 
 fn broker() -> Broker {
+    broker_with("")
+}
+
+/// [`broker`] with `extra` tables (before the users).
+fn broker_with(extra: &str) -> Broker {
     let text = format!(
         r#"
         name = "accounts"
         listen = ["tcp/127.0.0.1:0"]
+        {extra}
         [[auth.users]]
         name = "alice"
         password = "{alice}"
@@ -236,6 +240,52 @@ fn a_responder_does_not_take_over_its_requester_s_inbox() {
     let errors = responder.take_errors();
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(errors[0].1.contains("a requester's"), "{errors:?}");
+}
+
+/// A restricted requester whose network path was cut reconnects while
+/// its old connection lingers (the broker notices only at the heartbeat
+/// timeout): that connection still holds the inbox, so the new one's
+/// subscription under it waits, and takes the inbox when the old one
+/// ends. Requests are answered again without another reconnection.
+/// (The subscription was refused for good: every request timed out until
+/// the client happened to reconnect again.)
+#[test]
+fn a_reconnected_requester_gets_its_inbox_back_when_the_old_connection_ends() {
+    let broker = broker_with("[heartbeat]\ninterval_ms = 200\ntimeout_ms = 1500");
+    let responder = login(&broker, None, Some("watcher-token")).expect("login");
+    let requests = responder.subscribe("svc.echo").expect("subscribe");
+    responder.flush(WAIT).unwrap();
+    std::thread::spawn(move || {
+        while let Ok(request) = requests.recv_timeout(Duration::from_secs(30)) {
+            if let Some(reply) = request.reply {
+                let _ = responder.publish(&reply, request.payload);
+            }
+        }
+    });
+    let relay = CutRelay::start(&broker);
+    let options = ClientOptions {
+        user: Some("requester".to_string()),
+        credentials: Some("requester-password".to_string()),
+        connect_timeout: WAIT,
+        ..ClientOptions::default()
+    };
+    let requester = Client::connect_with(&relay.endpoint(), options, Registry::with_builtins())
+        .expect("the requester connects");
+    let ask = || requester.request("svc.echo", b"ping".to_vec(), Duration::from_millis(500));
+    assert_eq!(&ask().expect("an answer").payload[..], b"ping");
+    relay.cut_clients();
+    wait_until("the requester back", || requester.reconnects() == 1);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match ask() {
+            Ok(answer) => {
+                assert_eq!(&answer.payload[..], b"ping");
+                break;
+            }
+            Err(err) => assert!(Instant::now() < deadline, "no answer since: {err}"),
+        }
+    }
+    assert_eq!(requester.reconnects(), 1);
 }
 
 /// A restricted user cannot make a reply subject a way to publish where

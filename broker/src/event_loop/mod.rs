@@ -198,12 +198,30 @@ impl EventLoop {
             return;
         };
         if holders.release(id) {
-            if holders.is_empty() {
+            let freed = holders.is_empty();
+            if freed {
                 self.inboxes.remove(inbox);
             }
             if let Some(held) = self.inboxes_held.get_mut(&id) {
                 held.retain(|held| held != inbox);
             }
+            if freed {
+                self.inbox_freed(inbox);
+            }
+        }
+    }
+
+    /// `inbox` is held by no one now: a subscription waiting for it (see
+    /// [`Restricted::awaits_inbox`]) is made.
+    fn inbox_freed(&mut self, inbox: &str) {
+        let waiting = self.restricted.iter_mut().find_map(|(&id, restricted)| {
+            restricted
+                .awaits_inbox
+                .take_if(|s| crate::accounts::inbox_of(&s.pattern) == Some(inbox))
+                .map(|subscribe| (id, subscribe))
+        });
+        if let Some((id, subscribe)) = waiting {
+            self.on_subscribe(id, subscribe);
         }
     }
 
@@ -220,6 +238,7 @@ impl EventLoop {
                 holders.forget(id);
                 if holders.is_empty() {
                     self.inboxes.remove(&inbox);
+                    self.inbox_freed(&inbox);
                 }
             }
         }
@@ -285,6 +304,9 @@ pub(super) struct Restricted {
     pub permissions: Arc<crate::config::Permissions>,
     /// Reply subjects of the messages delivered to it lately.
     pub replies: crate::accounts::Replies,
+    /// A subscription under an inbox an earlier connection of the same
+    /// user holds, made once that connection lets it go.
+    pub awaits_inbox: Option<efabus_core::frame::Subscribe>,
 }
 
 /// A payload being delivered: its bytes, and the buffer they lie in, so a

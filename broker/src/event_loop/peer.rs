@@ -609,6 +609,7 @@ impl EventLoop {
                 Restricted {
                     permissions,
                     replies: Default::default(),
+                    awaits_inbox: None,
                 },
             );
         }
@@ -676,6 +677,17 @@ impl EventLoop {
                     Err("the inbox is a requester's this connection was sent".to_string())
                 }
                 None if inbox.is_some() && holder.is_none_or(|holder| holder == id) => Ok(()),
+                None if holder.is_some_and(|holder| self.same_user(holder, id)) => {
+                    // The same user connected again while its earlier
+                    // connection lingers (a network path cut: the broker
+                    // notices at the heartbeat timeout). The inbox passes
+                    // to this one when that one lets it go.
+                    debug!(session = id, pattern = %subscribe.pattern, "subscription waits for its inbox");
+                    if let Some(restricted) = self.restricted.get_mut(&id) {
+                        restricted.awaits_inbox = Some(subscribe);
+                    }
+                    return;
+                }
                 None if inbox.is_some() => Err("the inbox is another connection's".to_string()),
                 None => permissions.may_subscribe(&subscribe.pattern),
             };
@@ -715,7 +727,22 @@ impl EventLoop {
         );
     }
 
+    /// Whether sessions `a` and `b` logged in as one user.
+    fn same_user(&self, a: u64, b: u64) -> bool {
+        let user = |id| self.sessions.get(&id).and_then(|s| s.user.as_deref());
+        user(a).is_some_and(|name| user(b) == Some(name))
+    }
+
     pub(super) fn on_unsubscribe(&mut self, id: u64, sid: u64) {
+        if let Some(restricted) = self.restricted.get_mut(&id) {
+            if restricted
+                .awaits_inbox
+                .as_ref()
+                .is_some_and(|s| s.sid == sid)
+            {
+                restricted.awaits_inbox = None;
+            }
+        }
         let mut inbox = None;
         if let Some(session) = self.sessions.get_mut(&id) {
             if let Role::Client(subscriptions) = &session.role {
