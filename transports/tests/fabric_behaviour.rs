@@ -30,6 +30,8 @@ fn libfabric_is_linked_when_required() {
 #[cfg(efabus_libfabric)]
 mod suite {
     use std::collections::HashSet;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     use bytes::Bytes;
@@ -576,6 +578,12 @@ mod suite {
                 rma_done(12345),
                 true,
                 "which it was not sent",
+            ),
+            (
+                "a malformed fence",
+                framed(0xf2, &[0; 3]),
+                true,
+                "malformed rendezvous fence",
             ),
             (
                 "an unknown kind",
@@ -1365,19 +1373,6 @@ mod suite {
     /// read already asked for from that memory), and must not read memory
     /// put to another use. (It was let go of at once.)
     pub fn an_abandoned_transfer_keeps_its_body(provider: &str) {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        use std::sync::Arc;
-        struct Owned(Vec<u8>, Arc<AtomicBool>);
-        impl AsRef<[u8]> for Owned {
-            fn as_ref(&self) -> &[u8] {
-                &self.0
-            }
-        }
-        impl Drop for Owned {
-            fn drop(&mut self) {
-                self.1.store(true, Ordering::SeqCst);
-            }
-        }
         let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 2 << 20) else {
             return;
         };
@@ -1386,12 +1381,7 @@ mod suite {
         }
         let len = 1 << 20;
         let dropped = Arc::new(AtomicBool::new(false));
-        let mut head = ((len - 4) as u32).to_le_bytes().to_vec();
-        head.extend_from_slice(&[0; 12]);
-        let frame = OutFrame {
-            head: Bytes::from(head),
-            body: Bytes::from_owner(Owned(vec![9; len - 16], dropped.clone())),
-        };
+        let frame = tracked_frame(len, 9, &dropped);
         b.hold_reads(pa, true);
         let (mut ae, mut be) = (Vec::new(), Vec::new());
         send_blocking(&mut a, &mut b, pb, frame, &mut ae, &mut be);
@@ -1416,6 +1406,86 @@ mod suite {
             !dropped.load(Ordering::SeqCst),
             "{provider}: the body was let go of"
         );
+    }
+
+    /// A reader that sends its done before its read has finished (as a
+    /// peer holding the link's keys could) does not have the body let go
+    /// of while `tcp;ofi_rxm`, which serves the read in the sender's
+    /// progress, still sends it from that memory: the fence frame the done
+    /// is answered with goes out behind the read's bytes, and the body
+    /// goes when it has. (It was let go of at the done: memory put to
+    /// another use by then would have been sent as the rest of the read.)
+    pub fn an_early_done_does_not_free_a_body_being_read() {
+        use efabus_transports::fabric::layout::rma_done;
+        let provider = "tcp;ofi_rxm";
+        let len = 32 << 20;
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], len + (1 << 20)) else {
+            return;
+        };
+        assert!(a.link().fenced_release, "{provider} serves reads itself");
+        let dropped = Arc::new(AtomicBool::new(false));
+        let frame = tracked_frame(len, 9, &dropped);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_blocking(&mut a, &mut b, pb, frame, &mut ae, &mut be);
+        let start = Instant::now();
+        while b.stats().rendezvous_reads_started == 0 {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(start.elapsed() < DEADLINE, "the read never started");
+        }
+        // The first transfer's id is 1; `b` reads no more for now (the
+        // provider's progress is manual: it moves only in `b`'s calls).
+        b.send_endpoint_frame(pa, rma_done(1))
+            .expect("the early done");
+        b.flush();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(300) {
+            a.poll(&mut ae).expect("poll a");
+        }
+        assert!(
+            !dropped.load(Ordering::SeqCst),
+            "the body was let go of while being read"
+        );
+        assert_eq!(a.rendezvous_held().0, 1, "still registered");
+        let start = Instant::now();
+        while !dropped.load(Ordering::SeqCst) {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(start.elapsed() < DEADLINE, "the body was never let go of");
+        }
+        // The last bytes may still wait in `b`'s socket.
+        let whole = |be: &[Event]| {
+            frames_from(be, pa)
+                .iter()
+                .any(|f| f.len() == len && f[16..].iter().all(|&byte| byte == 9))
+        };
+        while !whole(&be) {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(start.elapsed() < DEADLINE, "the frame was not read whole");
+        }
+    }
+
+    /// A frame of `len` bytes whose body (all `fill`) sets `dropped` when
+    /// it is let go of.
+    fn tracked_frame(len: usize, fill: u8, dropped: &Arc<AtomicBool>) -> OutFrame {
+        struct Owned(Vec<u8>, Arc<AtomicBool>);
+        impl AsRef<[u8]> for Owned {
+            fn as_ref(&self) -> &[u8] {
+                &self.0
+            }
+        }
+        impl Drop for Owned {
+            fn drop(&mut self) {
+                self.1.store(true, Ordering::SeqCst);
+            }
+        }
+        let mut head = ((len - 4) as u32).to_le_bytes().to_vec();
+        head.extend_from_slice(&[0; 12]);
+        OutFrame {
+            head: Bytes::from(head),
+            body: Bytes::from_owner(Owned(vec![fill; len - 16], dropped.clone())),
+        }
     }
 
     /// A read queued for an in-process `shm` peer that then closes is
@@ -2859,6 +2929,12 @@ fn an_abandoned_transfer_keeps_its_body() {
     for provider in ["tcp;ofi_rxm", "shm"] {
         suite::an_abandoned_transfer_keeps_its_body(provider);
     }
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn an_early_done_does_not_free_a_body_being_read() {
+    suite::an_early_done_does_not_free_a_body_being_read();
 }
 
 #[cfg(efabus_libfabric)]

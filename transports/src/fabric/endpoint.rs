@@ -97,13 +97,13 @@ use super::handle::{
 };
 use super::info::{Hints, Info, InfoList};
 use super::layout::{
-    check_frame, frame_declared_len, frame_kind, frames, rma_done, rma_done_id, BufferLayout,
-    Received, ReplayWindow, RmaDescriptor, TagKey, UsedSendKeys, CONTROL_FLAG, HEADER_VERSION,
-    MAX_ADDR_LEN, RMA_DESCRIPTOR_KIND, RMA_DONE_KIND,
+    check_frame, frame_declared_len, frame_kind, frames, rma_done, rma_done_id, rma_fence,
+    rma_fence_id, BufferLayout, Received, ReplayWindow, RmaDescriptor, TagKey, UsedSendKeys,
+    CONTROL_FLAG, HEADER_VERSION, MAX_ADDR_LEN, RMA_DESCRIPTOR_KIND, RMA_DONE_KIND, RMA_FENCE_KIND,
 };
 use super::log_limit::BadInputLog;
 use super::pool::BufferPool;
-use super::rendezvous::{self, Outstanding, QueuedRead, ReadJob, Rendezvous};
+use super::rendezvous::{self, Outstanding, Owed, QueuedRead, ReadJob, Rendezvous};
 
 /// Modes efabus honours: it reserves prefixes and always passes a
 /// context big enough for `struct fi_context2`.
@@ -231,6 +231,15 @@ pub struct LinkInfo {
     /// Largest frame moved by rendezvous (FI_RMA reads granted and
     /// enabled); 0 without.
     pub rendezvous_max: usize,
+    /// A transfer's body is let go once a fence frame, sent when the
+    /// reader's done arrives, has been sent, not at the done: the provider
+    /// serves a read of this endpoint's memory itself, in its progress,
+    /// from the memory (`ofi_rxm` over `tcp`), possibly after a reader
+    /// that finished early (or lied) sent its done, and queues the read's
+    /// bytes ahead of any send posted after the read's request came, so
+    /// the fence's completion shows that they are all out. Elsewhere the
+    /// done lets the body go at once.
+    pub fenced_release: bool,
 }
 
 /// Counters of what the endpoint did, for diagnostics.
@@ -405,6 +414,9 @@ pub struct FabricEndpoint {
     /// Per tx slot: it carries the endpoint's own frames (a control
     /// message), which are never packed with the caller's.
     tx_control: Vec<bool>,
+    /// Per tx slot: the transfer whose fence frame it carries, let go when
+    /// its send completes (see [`LinkInfo::fenced_release`]).
+    tx_fence: Vec<Option<u64>>,
     /// Inside `progress` (see there).
     progressing: bool,
     /// A call made while `progressing` asked for progress: the outer call
@@ -855,6 +867,7 @@ impl FabricEndpoint {
             rnr_retry,
             source_checked: checks_source,
             rendezvous_max: rma.as_ref().map_or(0, |rma| rma.max_frame),
+            fenced_release: rma.is_some() && super::provider_env::rxm_over_tcp(attrs.provider()),
         };
         tracing::debug!(?link, "fabric endpoint open");
 
@@ -906,6 +919,7 @@ impl FabricEndpoint {
             tx_dest: vec![0; tx_depth],
             tx_body: vec![None; tx_depth],
             tx_control: vec![false; tx_depth],
+            tx_fence: vec![None; tx_depth],
             progressing: false,
             progress_again: false,
             sends_posted: 0,
@@ -1161,7 +1175,14 @@ impl FabricEndpoint {
                     match self.rma.as_ref().and_then(|rma| rma.slot_of(context)) {
                         Some(slot) => self.finish_read(slot, None),
                         None => {
+                            let fence = self
+                                .tx_pool
+                                .slot_of(context)
+                                .and_then(|slot| self.tx_fence[slot].take());
                             self.finish_send(context);
+                            if let Some(id) = fence {
+                                self.end_transfer(id);
+                            }
                         }
                     }
                 }
@@ -1652,7 +1673,8 @@ impl FabricEndpoint {
             }
             return posted;
         }
-        if BufferLayout::fits_inject(self.link.inject_size, len) {
+        // A fence's completion is what it is sent for.
+        if BufferLayout::fits_inject(self.link.inject_size, len) && self.tx_fence[slot].is_none() {
             // SAFETY: the slot holds `len` encoded bytes and is not posted.
             let bytes = unsafe { std::slice::from_raw_parts(ptr.cast_const(), len) };
             match self.ep.inject(bytes, dest) {
@@ -1690,6 +1712,7 @@ impl FabricEndpoint {
     /// Returns a tx slot to the free list, uncounting its bytes.
     fn release_slot(&mut self, slot: usize) {
         self.tx_body[slot] = None;
+        self.tx_fence[slot] = None;
         if let Some((peer, len)) = self.tx_owner[slot].take() {
             if let Some(state) = self.peers.get_mut(&peer) {
                 state.queued_bytes = state.queued_bytes.saturating_sub(len);
@@ -1774,8 +1797,11 @@ impl FabricEndpoint {
         let tail = self.peers.get(&peer).and_then(|state| {
             let tail = *state.backlog.back()?;
             let packed = self.tx_owner[tail].map_or(0, |(_, bytes)| bytes);
-            let open =
-                self.tx_body[tail].is_none() && !shared_body && self.tx_control[tail] == control;
+            let open = self.tx_body[tail].is_none()
+                && self.tx_fence[tail].is_none()
+                && !shared_body
+                && !matches!(kind, EagerFrame::Fence(_))
+                && self.tx_control[tail] == control;
             (open && packed + len <= state.pack_limit).then_some(tail)
         });
         if let Some(tail) = tail {
@@ -1803,7 +1829,7 @@ impl FabricEndpoint {
                 .is_some_and(|state| endpoint.may_take_slot(state))
         };
         if !may_take(self) || self.free_tx.is_empty() {
-            if kind == EagerFrame::Done {
+            if matches!(kind, EagerFrame::Done | EagerFrame::Fence(_)) {
                 return Err(SendError::WouldBlock(frame));
             }
             // Completions read now may free slots of this peer's.
@@ -1848,6 +1874,10 @@ impl FabricEndpoint {
         };
         self.tx_owner[slot] = Some((peer, len));
         self.tx_control[slot] = control;
+        self.tx_fence[slot] = match kind {
+            EagerFrame::Fence(id) => Some(id),
+            _ => None,
+        };
         self.tx_post_len[slot] = n;
         self.tx_sealed[slot] = false;
         if shared_body {
@@ -1951,7 +1981,14 @@ impl FabricEndpoint {
             }
         }
         if let Some(rma) = self.rma.as_mut() {
-            rma.sends.insert(id, Outstanding { peer, region });
+            rma.sends.insert(
+                id,
+                Outstanding {
+                    peer,
+                    region,
+                    fenced: false,
+                },
+            );
         }
         if let Some(state) = self.peers.get_mut(&peer) {
             state.rma_sends += 1;
@@ -1977,6 +2014,10 @@ impl FabricEndpoint {
             }
             Some(RMA_DESCRIPTOR_KIND) => self.on_descriptor(peer, rendezvous, frame).err(),
             Some(RMA_DONE_KIND) => self.on_done(peer, frame).err(),
+            // Only its completion at the sender matters.
+            Some(RMA_FENCE_KIND) => rma_fence_id(frame)
+                .is_none()
+                .then(|| "sent a malformed rendezvous fence".to_string()),
             _ => Some("sent a control frame of an unknown kind".to_string()),
         };
         if let Some(reason) = refusal {
@@ -2047,20 +2088,39 @@ impl FabricEndpoint {
 
     fn on_done(&mut self, peer: PeerId, frame: &[u8]) -> Result<(), String> {
         let id = rma_done_id(frame).ok_or("sent a malformed rendezvous done")?;
+        let fenced_release = self.link.fenced_release;
         let rma = self.rma.as_mut().ok_or("closed")?;
-        match rma.sends.get(&id) {
-            Some(sent) if sent.peer == peer => {}
+        let sent = match rma.sends.get_mut(&id) {
+            Some(sent) if sent.peer == peer => sent,
             _ => return Err(format!("finished rendezvous {id}, which it was not sent")),
+        };
+        if !fenced_release {
+            self.end_transfer(id);
+            return Ok(());
         }
-        if let Some(sent) = rma.sends.remove(&id) {
-            rma.registrations.release(sent.region);
-            if let Some(state) = self.peers.get_mut(&peer) {
-                state.rma_sends -= 1;
-                state.rma_bytes -= sent.region.1;
-            }
+        // A second done changes nothing.
+        if !std::mem::replace(&mut sent.fenced, true) {
+            rma.dones.push_back((peer, Owed::Fence(id)));
+            self.flush_dones();
+        }
+        Ok(())
+    }
+
+    /// Transfer `id` is over: its registration released, its peer's share
+    /// given back.
+    fn end_transfer(&mut self, id: u64) {
+        let Some(rma) = self.rma.as_mut() else {
+            return;
+        };
+        let Some(sent) = rma.sends.remove(&id) else {
+            return;
+        };
+        rma.registrations.release(sent.region);
+        if let Some(state) = self.peers.get_mut(&sent.peer) {
+            state.rma_sends -= 1;
+            state.rma_bytes -= sent.region.1;
         }
         self.wake_rendezvous_waiters();
-        Ok(())
     }
 
     /// Peers refused by the registration bounds may try again.
@@ -2214,7 +2274,7 @@ impl FabricEndpoint {
             frame,
         });
         if let Some(rma) = self.rma.as_mut() {
-            rma.dones.push_back((job.peer, job.id));
+            rma.dones.push_back((job.peer, Owed::Done(job.id)));
         }
     }
 
@@ -2227,19 +2287,23 @@ impl FabricEndpoint {
         };
         let mut kept = VecDeque::new();
         let mut blocked = Vec::new();
-        for (peer, id) in waiting {
+        for (peer, owed) in waiting {
             if !self.peers.contains_key(&peer) {
                 continue;
             }
             if blocked.contains(&peer) {
-                kept.push_back((peer, id));
+                kept.push_back((peer, owed));
                 continue;
             }
+            let (frame, kind) = match owed {
+                Owed::Done(id) => (rma_done(id), EagerFrame::Done),
+                Owed::Fence(id) => (rma_fence(id), EagerFrame::Fence(id)),
+            };
             if let Err(SendError::WouldBlock(_)) =
-                self.send_eager(peer, OutFrame::whole(rma_done(id)), EagerFrame::Done)
+                self.send_eager(peer, OutFrame::whole(frame), kind)
             {
                 blocked.push(peer);
-                kept.push_back((peer, id));
+                kept.push_back((peer, owed));
             }
         }
         if let Some(rma) = self.rma.as_mut() {
@@ -2318,6 +2382,9 @@ enum EagerFrame {
     /// in the endpoint and is tried again at every poll, so a refusal is
     /// not counted as a send handed back.
     Done,
+    /// A fence frame, as `Done`, but sent alone and never injected: its
+    /// completion lets transfer `id`'s body go.
+    Fence(u64),
 }
 
 /// The endpoint's parts a received message is checked against, borrowed

@@ -332,6 +332,11 @@ pub enum LayoutError {
 pub const RMA_DESCRIPTOR_KIND: u8 = 0xf0;
 /// Kind byte of a rendezvous done frame, in a control message.
 pub const RMA_DONE_KIND: u8 = 0xf1;
+/// Kind byte of a rendezvous fence frame, in a control message: sent by a
+/// transfer's sender when the reader's done arrives, where the provider
+/// serves reads in order with later sends (see `LinkInfo::fenced_release`);
+/// the reader ignores it.
+pub const RMA_FENCE_KIND: u8 = 0xf2;
 /// Bytes of a descriptor frame before the frame head it carries.
 pub const RMA_DESCRIPTOR_FIXED: usize = PREFIX_LEN + 1 + 4 * 8;
 const RMA_DONE_LEN: usize = PREFIX_LEN + 1 + 8;
@@ -394,16 +399,36 @@ impl RmaDescriptor {
 
 /// The done frame for rendezvous `id`.
 pub fn rma_done(id: u64) -> Bytes {
-    let mut out = Vec::with_capacity(RMA_DONE_LEN);
-    out.extend_from_slice(&((RMA_DONE_LEN - PREFIX_LEN) as u32).to_le_bytes());
-    out.push(RMA_DONE_KIND);
-    out.extend_from_slice(&id.to_le_bytes());
-    out.into()
+    id_frame(RMA_DONE_KIND, id)
 }
 
 /// The id a done frame (prefix included) names.
 pub fn rma_done_id(frame: &[u8]) -> Option<u64> {
-    if frame.len() != RMA_DONE_LEN || frame[PREFIX_LEN] != RMA_DONE_KIND {
+    id_of(RMA_DONE_KIND, frame)
+}
+
+/// The fence frame for rendezvous `id`.
+pub fn rma_fence(id: u64) -> Bytes {
+    id_frame(RMA_FENCE_KIND, id)
+}
+
+/// The id a fence frame (prefix included) names.
+pub fn rma_fence_id(frame: &[u8]) -> Option<u64> {
+    id_of(RMA_FENCE_KIND, frame)
+}
+
+/// A frame of `kind` carrying a rendezvous id alone.
+fn id_frame(kind: u8, id: u64) -> Bytes {
+    let mut out = Vec::with_capacity(RMA_DONE_LEN);
+    out.extend_from_slice(&((RMA_DONE_LEN - PREFIX_LEN) as u32).to_le_bytes());
+    out.push(kind);
+    out.extend_from_slice(&id.to_le_bytes());
+    out.into()
+}
+
+/// The id an [`id_frame`] of `kind` (prefix included) carries.
+fn id_of(kind: u8, frame: &[u8]) -> Option<u64> {
+    if frame.len() != RMA_DONE_LEN || frame[PREFIX_LEN] != kind {
         return None;
     }
     let mut bytes = [0u8; 8];
@@ -825,6 +850,8 @@ mod tests {
         assert_eq!(rma_done_id(&done[..done.len() - 1]), None);
         assert_eq!(rma_done_id(&[&done[..], &[0]].concat()), None);
         assert_eq!(rma_done_id(&frame), None, "another kind");
+        assert_eq!(rma_fence_id(&rma_fence(9)), Some(9));
+        assert_eq!(rma_fence_id(&done), None, "a done is no fence");
     }
 
     #[test]

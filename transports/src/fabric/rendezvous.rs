@@ -5,7 +5,9 @@
 //! place, a descriptor (see [`super::layout::RmaDescriptor`]) carrying the
 //! frame's head; the receiver reads the body into a buffer of its own with
 //! `fi_read`, delivers the rebuilt frame and answers with a done frame, on
-//! which the sender releases the body. Reads, chosen over writes into a
+//! which the sender releases the body (over `ofi_rxm` on `tcp`, once a
+//! fence frame it sends behind the read's bytes is out: see
+//! `LinkInfo::fenced_release`). Reads, chosen over writes into a
 //! buffer the receiver grants, cost one control message each way as writes
 //! would, but let the receiver pace them: it reads only as much as it has
 //! room for, and a receiver that stops reading stops costing the sender
@@ -315,6 +317,18 @@ impl Abandoned {
 pub struct Outstanding {
     pub peer: PeerId,
     pub region: Region,
+    /// The done came, and a fence frame follows it (see
+    /// `LinkInfo::fenced_release`): the body goes once the fence is sent.
+    pub fenced: bool,
+}
+
+/// A frame of the endpoint's own owed to a peer, waiting for a tx slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owed {
+    /// The done of a read finished.
+    Done(u64),
+    /// The fence behind a transfer's read (see [`Outstanding::fenced`]).
+    Fence(u64),
 }
 
 /// A descriptor received, waiting for a read slot.
@@ -478,8 +492,8 @@ pub struct Rendezvous {
     /// Peers whose reads wait in the queue until their owner releases
     /// them ([`Endpoint::hold_reads`](efabus_core::transport::Endpoint::hold_reads)).
     pub held: HashSet<PeerId>,
-    /// Done frames the tx slots had no room for yet.
-    pub dones: VecDeque<(PeerId, u64)>,
+    /// Done and fence frames the tx slots had no room for yet.
+    pub dones: VecDeque<(PeerId, Owed)>,
     /// Peers refused a transfer by the registration bounds, told when
     /// transfers finish.
     pub waiters: Vec<PeerId>,
