@@ -703,6 +703,55 @@ fn pings_from_an_unproven_address_end_the_session_at_the_queue_bound() {
     );
 }
 
+/// A peer welcomed onto `efa-rdm` that never sends on its data link (as
+/// a client whose own side failed to open, which stays on TCP): once the
+/// handshake timeout has passed the broker closes its side, and its
+/// connection report names the control link and says why. Traffic goes on
+/// over TCP. (The broker kept its side for the session's life, reported
+/// as the session's path.)
+#[test]
+fn a_data_link_the_peer_never_uses_is_closed_in_time() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Some(broker) = start_broker_with(
+        "[limits]\nhandshake_timeout_ms = 500\n[heartbeat]\ninterval_ms = 30000\ntimeout_ms = 60000",
+    ) else {
+        return;
+    };
+    let mut unused = attacker_endpoint();
+    let (mut raw, _) = hello_from(&broker, &mut unused, "never-on-the-fabric", None);
+    let report = || {
+        broker
+            .connections(false, WAIT)
+            .unwrap()
+            .into_iter()
+            .find(|report| report.name == "never-on-the-fabric")
+            .expect("the session")
+    };
+    assert!(report().reliable.starts_with("efa-rdm"), "{:?}", report());
+    assert!(
+        eventually(|| report().reliable == "tcp"),
+        "the data link was kept: {:?}",
+        report()
+    );
+    assert!(
+        report()
+            .reasons
+            .iter()
+            .any(|reason| reason.contains("never sent there")),
+        "{:?}",
+        report()
+    );
+    raw.send(&raw_common::subscribe(1, "still.>"));
+    raw.send(&Frame::Ping { nonce: 7 });
+    raw.expect("the pong", |f| matches!(f, Frame::Pong { nonce: 7 }));
+    broker
+        .publish("still.here", Bytes::from_static(b"x"))
+        .unwrap();
+    raw.expect("the message over TCP", |f| matches!(f, Frame::Message(_)));
+}
+
 /// A client that lost its connection while the broker still holds its
 /// session (the broker would notice only at the heartbeat timeout, 30 s
 /// here) reconnects from the same fabric endpoint. Once its new session

@@ -2218,19 +2218,53 @@ impl EventLoop {
             "best-effort: {description}: nothing came back there within {give_up_after:?} of \
              its first frame; carried on the reliable link"
         );
-        self.best_effort_given_up(id, reason);
+        self.data_link_given_up(id, reason);
     }
 
-    /// Session `id`'s best-effort link was given up alone: `reason` goes
-    /// into its connection report, or its route's.
-    fn best_effort_given_up(&mut self, id: u64, reason: String) {
+    /// The data links session `id`'s peer was welcomed onto and never sent
+    /// on within the handshake timeout: closed (see
+    /// [`DataLinks::unused_deadline`]), each with the reason.
+    ///
+    /// [`DataLinks::unused_deadline`]: crate::session::data_link::DataLinks::unused_deadline
+    fn close_unused_links(&mut self, id: u64) {
+        let timeout = self.shared.config.handshake_timeout();
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        for closed in session.conn.links.close_unused(&mut self.endpoints) {
+            // Its closing, reported later, is not the session's loss.
+            self.by_peer.remove(&closed.address);
+            self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(closed.lost);
+            let description = &closed.description;
+            warn!(session = id, link = %description, "the peer never sent on its data link; closed, the control link carries its traffic");
+            let reason = format!(
+                "{description}: the peer never sent there within {timeout:?} of its welcome; \
+                 carried on the control link"
+            );
+            self.data_link_given_up(id, reason);
+        }
+    }
+
+    /// Session `id` gave a data link up: `reason` goes into its connection
+    /// report, and its route's shows the links left.
+    fn data_link_given_up(&mut self, id: u64, reason: String) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
         if let Some(report) = self.shared.routes.lock().get_mut(&id) {
-            report.best_effort = None;
+            let links = &session.conn.links;
+            report.reliable = links.reliable.as_ref().map_or_else(
+                || {
+                    self.endpoints[session.conn.control.endpoint]
+                        .scheme()
+                        .to_string()
+                },
+                |link| link.description.clone(),
+            );
+            report.best_effort = links.best_effort.as_ref().map(|l| l.description.clone());
             report.reasons.push(reason.clone());
         }
-        if let Some(session) = self.sessions.get_mut(&id) {
-            session.link_reasons.push(reason);
-        }
+        session.link_reasons.push(reason);
     }
 
     /// A `Pong` that may answer a data link's challenge: the peer receives
@@ -2397,6 +2431,7 @@ impl EventLoop {
         let mut reports = Vec::new();
         let mut pacing = Vec::new();
         let mut unheard = Vec::new();
+        let mut unused = Vec::new();
         let bound = self.shared.live.max_pending_bytes();
         let mut queued = 0u64;
         // The next deadline, of the sessions with nothing due now (the
@@ -2456,6 +2491,12 @@ impl EventLoop {
             match session.conn.links.best_effort_due(now, handshake_timeout) {
                 Some(at) if at > now => next = next.min(at),
                 Some(_) => unheard.push(id),
+                None => {}
+            }
+            // Links of an accepted peer that it has not sent on.
+            match session.conn.links.unused_deadline(handshake_timeout) {
+                Some(at) if at > now => next = next.min(at),
+                Some(_) => unused.push(id),
                 None => {}
             }
             // Best-effort frames waiting for a credit that may have been
@@ -2532,7 +2573,7 @@ impl EventLoop {
                 // Forgotten first: its closing is not the session's loss.
                 self.by_peer.remove(&(link.endpoint, link.peer));
                 self.endpoints[link.endpoint].close(link.peer);
-                self.best_effort_given_up(id, reason);
+                self.data_link_given_up(id, reason);
             }
             if unanswered.session_ends {
                 BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
@@ -2552,6 +2593,9 @@ impl EventLoop {
         }
         for &id in &unheard {
             self.tend_best_effort_link(id, now);
+        }
+        for &id in &unused {
+            self.close_unused_links(id);
         }
         // The sessions seen to above, as they stand now.
         for id in expired

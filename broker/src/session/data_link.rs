@@ -577,6 +577,12 @@ impl DataLink {
         result
     }
 
+    /// On the side that accepted: the peer has sent nothing here yet (so
+    /// it was not asked for its address's proof either).
+    fn never_heard_from(&self) -> bool {
+        matches!(self.proof, Proof::Awaiting { asked: 0, .. })
+    }
+
     /// When this side first sent on the link, while nothing has come back
     /// from the peer since it opened; `None` before the first send and
     /// once anything arrived. A reliable link that stays silent long after
@@ -796,6 +802,9 @@ pub(crate) struct DataLinks {
     /// On the dialing side, when the best-effort link's first frame goes
     /// again (see [`Self::tend_best_effort`]); `None`: at once.
     pub(crate) announce_again_at: Option<Instant>,
+    /// On the accepting side, when its links opened (see
+    /// [`Self::unused_deadline`]).
+    pub(crate) opened_at: Option<Instant>,
 }
 
 impl DataLinks {
@@ -824,6 +833,7 @@ impl DataLinks {
             .as_ref()
             .is_some_and(|keying| keying.role == HandshakeRole::Dialer);
         self.announce_again_at = None;
+        self.opened_at = (!self.dialed).then(Instant::now);
         // Schemes whose link failed to open here; each pass drops one more,
         // so the passes end.
         let mut unusable: Vec<String> = Vec::new();
@@ -1332,6 +1342,41 @@ impl DataLinks {
         self.failure = None;
         self.barrier = Barrier::Passed;
         lost
+    }
+
+    /// On the side that accepted, when the links the peer has sent nothing
+    /// on are given up: `timeout` after they opened. A peer sends on each
+    /// link it opened at once (a dialer's first frames), so one it has not
+    /// sent on by then it never opened (its side failed), and the link
+    /// would only hold an address and report a path nothing takes. `None`
+    /// on the dialing side, and once the peer has sent on each.
+    pub fn unused_deadline(&self, timeout: Duration) -> Option<Instant> {
+        let opened = self.opened_at?;
+        self.links()
+            .any(DataLink::never_heard_from)
+            .then_some(opened + timeout)
+    }
+
+    /// Close the links [`Self::unused_deadline`] speaks of and forget
+    /// them.
+    pub fn close_unused(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> Vec<Closed> {
+        let mut closed = Vec::new();
+        if let Some(link) = self.reliable.take_if(|link| link.never_heard_from()) {
+            endpoints[link.endpoint].close(link.peer);
+            closed.push(Closed {
+                description: link.description,
+                address: (link.endpoint, link.peer),
+                lost: 0,
+            });
+        }
+        if self
+            .best_effort
+            .as_ref()
+            .is_some_and(DataLink::never_heard_from)
+        {
+            closed.extend(self.close_best_effort(endpoints));
+        }
+        closed
     }
 
     /// Close the best-effort link alone and forget it.
