@@ -715,7 +715,7 @@ fn a_data_link_the_peer_never_uses_is_closed_in_time() {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let Some(broker) = start_broker_with(
-        "[limits]\nhandshake_timeout_ms = 500\n[heartbeat]\ninterval_ms = 30000\ntimeout_ms = 60000",
+        "[limits]\nhandshake_timeout_ms = 2000\n[heartbeat]\ninterval_ms = 30000\ntimeout_ms = 60000",
     ) else {
         return;
     };

@@ -47,7 +47,7 @@ use crate::broker::{deliver_local, BrokerStats, Command, HeldLocal, Shared};
 use crate::delivery::Message;
 use crate::drive::{Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
-use crate::session::data_link::{released_frames, LinkKind};
+use crate::session::data_link::{released_frames, Ask, LinkKind};
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
 use crate::session::{error_frame, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
@@ -1096,14 +1096,14 @@ impl EventLoop {
             .conn
             .links
             .send_barrier(&mut self.endpoints, control);
-        let challenged = session.conn.links.challenge_due();
+        let challenged = session.conn.links.challenge_due(kind);
         if challenged {
-            // The peer has its side of the links up: ask it to show that
-            // it receives at the addresses it gave.
+            // The peer has its side of this link up: ask it to show that
+            // it receives at the address it gave.
             session
                 .conn
                 .links
-                .send_challenges(&mut self.endpoints, false);
+                .send_challenges(&mut self.endpoints, Ask::First(kind));
         }
         // A gap this left is given up (best effort) or fails the link
         // (reliable) by time.
@@ -1145,17 +1145,18 @@ impl EventLoop {
         }
     }
 
-    /// Asks the peer of session `id` to prove the addresses of its data
-    /// links, if they wait for that and were not asked yet.
+    /// Asks the peer of session `id` to prove the address of its reliable
+    /// data link, where a frame it offers by rendezvous waits for that, if
+    /// it was not asked yet.
     fn challenge_if_due(&mut self, id: u64) {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        if session.conn.links.challenge_due() {
+        if session.conn.links.challenge_due(LinkKind::Reliable) {
             session
                 .conn
                 .links
-                .send_challenges(&mut self.endpoints, false);
+                .send_challenges(&mut self.endpoints, Ask::First(LinkKind::Reliable));
             self.end_if_data_link_failed(id);
         }
     }
@@ -2562,7 +2563,7 @@ impl EventLoop {
             let unanswered = session
                 .conn
                 .links
-                .send_challenges(&mut self.endpoints, true);
+                .send_challenges(&mut self.endpoints, Ask::Again);
             if let Some(link) = unanswered.best_effort_given_up {
                 BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
                 let description = &link.description;

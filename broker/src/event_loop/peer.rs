@@ -639,6 +639,11 @@ impl EventLoop {
         for address in session.conn.links.addresses() {
             self.by_peer.insert(address, id);
         }
+        // Links it never sends on are closed by then.
+        let unused_by = session
+            .conn
+            .links
+            .unused_deadline(self.shared.config.handshake_timeout());
         // Authenticated: its frames may now be as large as any peer's.
         let control = session.conn.control;
         self.endpoints[control.endpoint].set_receive_limit(control.peer, None);
@@ -656,6 +661,9 @@ impl EventLoop {
             proof: admission_proof,
         });
         self.send(id, codec::encode(&welcome), false);
+        if let Some(at) = unused_by {
+            self.schedule(at);
+        }
         self.session_ready(id);
     }
 

@@ -879,6 +879,16 @@ impl EventLoop {
             self.by_peer.insert(address, id);
         }
         self.session_ready(id);
+        if self
+            .sessions
+            .get(&id)
+            .is_some_and(|session| session.conn.links.reliable.is_some())
+        {
+            // At once, as a client's: the peer asks there for the
+            // address's proof, and closes a link unused past the
+            // handshake timeout.
+            self.send(id, codec::encode(&Frame::Ping { nonce: 0 }), false);
+        }
         self.tend_best_effort_link(id, self.now);
     }
 

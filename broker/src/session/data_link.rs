@@ -89,6 +89,15 @@ pub(crate) enum Sent {
 /// session is ended.
 pub(crate) const MAX_CHALLENGES: u32 = 3;
 
+/// Which links [`DataLinks::send_challenges`] asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ask {
+    /// This one, for the first time.
+    First(LinkKind),
+    /// Those asked before and not answered yet.
+    Again,
+}
+
 /// Links whose proof [`DataLinks::send_challenges`] asked for in vain.
 #[derive(Default)]
 pub(crate) struct Unanswered {
@@ -178,6 +187,9 @@ pub(crate) struct DataLink {
     /// Whether anything came back from the peer since this side first sent
     /// (see [`DataLink::silent_since`]).
     contact: Contact,
+    /// A credit came from the peer: it has taken this side's address
+    /// (an accepting side sends none before the proof).
+    credited: bool,
 }
 
 /// What a link has heard from its peer since it first sent.
@@ -353,6 +365,7 @@ impl DataLink {
             bad_credits: 0,
             bad_runs: 0,
             contact: Contact::Unsent,
+            credited: false,
         })
     }
 
@@ -549,6 +562,7 @@ impl DataLink {
         if message.get(PREFIX_LEN) == Some(&(FrameKind::Credit as u8)) {
             return match codec::decode(message, &codec::CodecLimits::default()) {
                 Ok(Frame::Credit(credit)) => {
+                    self.credited = true;
                     if self.window.on_credit(&credit) {
                         while self
                             .runs_in_flight
@@ -799,9 +813,11 @@ pub(crate) struct DataLinks {
     pub barrier: Barrier,
     /// Whether this side dialed (its links need no proof from the peer).
     pub(crate) dialed: bool,
-    /// On the dialing side, when the best-effort link's first frame goes
-    /// again (see [`Self::tend_best_effort`]); `None`: at once.
+    /// On the dialing side, when the best-effort link's ping goes again
+    /// (see [`Self::tend_best_effort`]); `None`: at once.
     pub(crate) announce_again_at: Option<Instant>,
+    /// On the dialing side, when the best-effort link's first ping went.
+    pub(crate) announced_since: Option<Instant>,
     /// On the accepting side, when its links opened (see
     /// [`Self::unused_deadline`]).
     pub(crate) opened_at: Option<Instant>,
@@ -833,6 +849,7 @@ impl DataLinks {
             .as_ref()
             .is_some_and(|keying| keying.role == HandshakeRole::Dialer);
         self.announce_again_at = None;
+        self.announced_since = None;
         self.opened_at = (!self.dialed).then(Instant::now);
         // Schemes whose link failed to open here; each pass drops one more,
         // so the passes end.
@@ -963,26 +980,30 @@ impl DataLinks {
         false
     }
 
-    /// The best-effort link, once the peer has proven its address there.
+    /// The best-effort link, once the peer has proven its address there
+    /// (on the side that dialed: once a credit from the peer showed that
+    /// it took this side's, see [`Self::tend_best_effort`]).
     pub fn best_effort_proven(&mut self) -> Option<&mut DataLink> {
+        let dialed = self.dialed;
         self.best_effort
             .as_mut()
-            .filter(|link| link.proof == Proof::Proven)
+            .filter(|link| link.proof == Proof::Proven && (link.credited || !dialed))
     }
 
     /// On the side that dialed, sends a `Ping` on the best-effort link
-    /// while nothing has come back there, once every `every`, and gives
-    /// the link up alone (closed, as [`Self::close_best_effort`]) when
-    /// nothing came back within `give_up_after` of its first frame. The
-    /// peer asks there for the address's proof once the link's first
-    /// message arrives, and sends nothing on it before; a reliable data
-    /// link's first frame starts that for both links, but beside the
-    /// control link nothing else of this side's goes on the best-effort
-    /// link (best-effort traffic flows toward the dialer), so the peer
-    /// would never ask. Again every `every`: a datagram may be lost.
-    /// Silence past `give_up_after` means the peer asked in vain (this
-    /// side receives nothing there) or never heard this side: it carries
-    /// best effort on the reliable path either way.
+    /// until the peer's first credit comes back there, once every `every`,
+    /// and gives the link up alone (closed, as [`Self::close_best_effort`])
+    /// when none came within `give_up_after` of the first. The peer asks
+    /// there for the address's proof once the link's first message
+    /// arrives; beside a control link nothing else of this side's may go
+    /// on the best-effort link (best-effort traffic may flow toward the
+    /// dialer alone), so the peer would never ask. Once this side's
+    /// address is proven the peer credits the pings it took, and only
+    /// then does this side send there too (a peer that gave the link up
+    /// would drop what came). Again every `every`: a datagram may be
+    /// lost. No credit within `give_up_after` means the peer asked in
+    /// vain (this side receives nothing there) or never heard this side:
+    /// it carries best effort on the reliable path either way.
     pub fn tend_best_effort(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
@@ -991,17 +1012,18 @@ impl DataLinks {
         give_up_after: Duration,
     ) -> Option<Closed> {
         let due = self.best_effort_due(now, give_up_after)?;
-        let link = self.best_effort.as_mut()?;
-        if link
-            .silent_since()
+        if self
+            .announced_since
             .is_some_and(|since| now >= since + give_up_after)
         {
             return self.close_best_effort(endpoints);
         }
         if now >= due {
+            let link = self.best_effort.as_mut()?;
             let ping = codec::encode(&Frame::Ping { nonce: 0 });
             // Refused (no credit, a datagram dropped): sent again in time.
             let _ = link.send(endpoints[link.endpoint].as_mut(), ping, 1);
+            self.announced_since.get_or_insert(now);
             self.announce_again_at = Some(now + every);
         }
         None
@@ -1009,16 +1031,12 @@ impl DataLinks {
 
     /// When [`Self::tend_best_effort`] has something to do next.
     pub fn best_effort_due(&self, now: Instant, give_up_after: Duration) -> Option<Instant> {
-        if !self.dialed {
+        if !self.dialed || self.best_effort.as_ref()?.credited {
             return None;
         }
-        let link = self
-            .best_effort
-            .as_ref()
-            .filter(|link| link.contact != Contact::Heard)?;
         let again = self.announce_again_at.unwrap_or(now);
         Some(
-            link.silent_since()
+            self.announced_since
                 .map_or(again, |since| again.min(since + give_up_after)),
         )
     }
@@ -1036,17 +1054,26 @@ impl DataLinks {
             .is_some_and(|link| link.contact == Contact::Heard)
     }
 
-    /// Whether a link awaits its proof and has not asked for it yet.
-    pub fn challenge_due(&self) -> bool {
-        self.links()
-            .any(|link| matches!(link.proof, Proof::Awaiting { asked: 0, .. }))
+    /// Whether link `kind` awaits its proof and has not asked for it yet.
+    pub fn challenge_due(&self, kind: LinkKind) -> bool {
+        self.link(kind).is_some_and(DataLink::never_heard_from)
     }
 
-    /// Sends a `Ping` with its nonce to each link awaiting its proof: the
-    /// first time (`again` false: the peer's first data message arrived),
-    /// or once more to those asked before (`again`: a datagram may have
-    /// been lost). A link never asked is not asked by `again`: the peer may
-    /// not have its side up, and would drop it.
+    fn link(&self, kind: LinkKind) -> Option<&DataLink> {
+        match kind {
+            LinkKind::Reliable => self.reliable.as_ref(),
+            LinkKind::BestEffort => self.best_effort.as_ref(),
+        }
+    }
+
+    /// Sends a `Ping` with its nonce to each link awaiting its proof that
+    /// `ask` names: the first time to link `kind` ([`Ask::First`]: the
+    /// peer's first message there arrived, so it has that side up), or
+    /// once more to those asked before ([`Ask::Again`]: a datagram may
+    /// have been lost). A link never asked is not asked again: the peer
+    /// may not have its side up (its own opening failed), and would drop
+    /// it; such a link is closed by time instead
+    /// ([`Self::unused_deadline`]).
     ///
     /// A link asked `MAX_CHALLENGES` times without an answer does not
     /// reach the peer at the address it gave. A best-effort link is given
@@ -1055,19 +1082,26 @@ impl DataLinks {
     /// gives it up as well when nothing comes back there): it is handed
     /// back for the owner to close, and best-effort traffic goes where it
     /// went before the proof. A reliable one ends the session.
-    pub fn send_challenges(
-        &mut self,
-        endpoints: &mut [Box<dyn Endpoint>],
-        again: bool,
-    ) -> Unanswered {
+    pub fn send_challenges(&mut self, endpoints: &mut [Box<dyn Endpoint>], ask: Ask) -> Unanswered {
         let mut unanswered = Unanswered::default();
         let mut give_up_best_effort = false;
         let mut failure = None;
-        for link in self.links_mut() {
+        let links = [
+            (LinkKind::Reliable, &mut self.reliable),
+            (LinkKind::BestEffort, &mut self.best_effort),
+        ];
+        for (kind, link) in links {
+            let Some(link) = link.as_mut() else {
+                continue;
+            };
             let Proof::Awaiting { nonce, asked } = link.proof else {
                 continue;
             };
-            if (asked > 0) != again {
+            let asked_now = match ask {
+                Ask::First(first) => first == kind && asked == 0,
+                Ask::Again => asked > 0,
+            };
+            if !asked_now {
                 continue;
             }
             if asked >= MAX_CHALLENGES {
@@ -1386,6 +1420,7 @@ impl DataLinks {
         let link = self.best_effort.take()?;
         endpoints[link.endpoint].close(link.peer);
         self.announce_again_at = None;
+        self.announced_since = None;
         Some(Closed {
             description: link.description,
             address: (link.endpoint, link.peer),

@@ -1126,6 +1126,59 @@ mod tests {
         assert_eq!((rest.frame.to_bytes(), rest.messages), (alone, 1));
     }
 
+    /// The peer's first message on its datagram link asks for that link's
+    /// proof alone: its reliable side may never have opened (its own
+    /// opening failed), and a reliable link asked in vain ends the session.
+    /// Unanswered, the datagram link is given up alone; the reliable one,
+    /// never used, is left to the handshake timeout.
+    #[test]
+    fn a_first_message_asks_for_its_own_link_s_proof_alone() {
+        use super::super::data_link::{Ask, LinkKind, Proof, MAX_CHALLENGES};
+        let control = Arc::default();
+        let mut endpoints = wire(usize::MAX, &control);
+        let room = (usize::MAX, None, usize::MAX);
+        let (rdm, mut reliable, _) = scripted_link(false, codec::FRAGMENT_OVERHEAD + 64, room);
+        let (dgram, mut best_effort, _) = scripted_link(true, 2048, room);
+        endpoints.push(rdm);
+        reliable.endpoint = 1;
+        reliable.proof = Proof::Awaiting { nonce: 1, asked: 0 };
+        endpoints.push(dgram);
+        best_effort.endpoint = 2;
+        best_effort.proof = Proof::Awaiting { nonce: 2, asked: 0 };
+        let mut links = DataLinks {
+            reliable: Some(reliable),
+            best_effort: Some(best_effort),
+            opened_at: Some(std::time::Instant::now()),
+            ..DataLinks::default()
+        };
+        let proof = |links: &DataLinks, kind| match kind {
+            LinkKind::Reliable => links.reliable.as_ref().map(|link| link.proof),
+            LinkKind::BestEffort => links.best_effort.as_ref().map(|link| link.proof),
+        };
+        assert!(links.challenge_due(LinkKind::BestEffort));
+        let unanswered = links.send_challenges(&mut endpoints, Ask::First(LinkKind::BestEffort));
+        assert!(!unanswered.session_ends);
+        assert_eq!(
+            proof(&links, LinkKind::Reliable),
+            Some(Proof::Awaiting { nonce: 1, asked: 0 })
+        );
+        assert_eq!(
+            proof(&links, LinkKind::BestEffort),
+            Some(Proof::Awaiting { nonce: 2, asked: 1 })
+        );
+        let mut given_up = None;
+        for _ in 0..MAX_CHALLENGES {
+            let unanswered = links.send_challenges(&mut endpoints, Ask::Again);
+            assert!(!unanswered.session_ends, "the reliable link was asked");
+            given_up = given_up.or(unanswered.best_effort_given_up);
+        }
+        assert!(given_up.is_some(), "the datagram link was kept");
+        assert!(links.challenge_due(LinkKind::Reliable));
+        assert!(links
+            .unused_deadline(std::time::Duration::from_secs(5))
+            .is_some());
+    }
+
     #[test]
     fn a_challenge_the_reliable_link_fails_to_send_fails_the_link() {
         // Every send fails: the challenge's ping cannot go.
@@ -1133,7 +1186,10 @@ mod tests {
         if let Some(link) = links.reliable.as_mut() {
             link.proof = super::super::data_link::Proof::Awaiting { nonce: 7, asked: 0 };
         }
-        let unanswered = links.send_challenges(&mut endpoints, false);
+        let unanswered = links.send_challenges(
+            &mut endpoints,
+            super::super::data_link::Ask::First(super::super::data_link::LinkKind::Reliable),
+        );
         assert!(!unanswered.session_ends && unanswered.best_effort_given_up.is_none());
         let reason = links.failure.clone().expect("the link has failed");
         assert!(reason.contains("completion error"), "{reason}");
