@@ -106,6 +106,9 @@ pub(crate) struct EventLoop {
     /// inbox only.
     inboxes: HashMap<String, InboxHolders>,
     inboxes_held: HashMap<u64, Vec<String>>,
+    /// The sessions with subscriptions waiting for each inbox (see
+    /// [`Restricted::awaits_inbox`]).
+    inbox_waiters: HashMap<String, Vec<u64>>,
     /// The session each proven fabric address belongs to, by endpoint: one
     /// address, one live session.
     fabric_owners: HashMap<(usize, Vec<u8>), u64>,
@@ -211,17 +214,27 @@ impl EventLoop {
         }
     }
 
-    /// `inbox` is held by no one now: a subscription waiting for it (see
-    /// [`Restricted::awaits_inbox`]) is made.
+    /// `inbox` is held by no one now: the subscriptions waiting for it
+    /// (see [`Restricted::awaits_inbox`]) are made, the newest
+    /// connection's first (it takes the inbox; an older one waiting is
+    /// stale too, and is refused).
     fn inbox_freed(&mut self, inbox: &str) {
-        let waiting = self.restricted.iter_mut().find_map(|(&id, restricted)| {
-            restricted
-                .awaits_inbox
-                .take_if(|s| crate::accounts::inbox_of(&s.pattern) == Some(inbox))
-                .map(|subscribe| (id, subscribe))
-        });
-        if let Some((id, subscribe)) = waiting {
-            self.on_subscribe(id, subscribe);
+        let Some(mut waiters) = self.inbox_waiters.remove(inbox) else {
+            return;
+        };
+        waiters.sort_unstable_by(|a, b| b.cmp(a));
+        waiters.dedup();
+        for id in waiters {
+            let Some(restricted) = self.restricted.get_mut(&id) else {
+                continue;
+            };
+            let (waited, kept) = std::mem::take(&mut restricted.awaits_inbox)
+                .into_iter()
+                .partition(|s| crate::accounts::inbox_of(&s.pattern) == Some(inbox));
+            restricted.awaits_inbox = kept;
+            for subscribe in waited {
+                self.on_subscribe(id, subscribe);
+            }
         }
     }
 
@@ -300,13 +313,18 @@ impl InboxHolders {
 }
 
 /// A session whose user's permissions restrict it.
+/// Subscriptions one connection may have waiting for inboxes (a client
+/// has one inbox, under which it subscribes once).
+pub(super) const AWAITED_MAX: usize = 8;
+
 pub(super) struct Restricted {
     pub permissions: Arc<crate::config::Permissions>,
     /// Reply subjects of the messages delivered to it lately.
     pub replies: crate::accounts::Replies,
-    /// A subscription under an inbox an earlier connection of the same
-    /// user holds, made once that connection lets it go.
-    pub awaits_inbox: Option<efabus_core::frame::Subscribe>,
+    /// Subscriptions under an inbox an earlier connection of the same
+    /// user holds, made once that connection lets it go (at most
+    /// [`AWAITED_MAX`]).
+    pub awaits_inbox: Vec<efabus_core::frame::Subscribe>,
 }
 
 /// A payload being delivered: its bytes, and the buffer they lie in, so a
@@ -448,6 +466,7 @@ impl EventLoop {
             restricted: HashMap::default(),
             inboxes,
             inboxes_held: HashMap::default(),
+            inbox_waiters: HashMap::default(),
             fabric_owners: HashMap::default(),
             commands,
             codec,
@@ -2313,7 +2332,17 @@ impl EventLoop {
         self.end_handshake(id);
         self.remove_interest(id);
         self.dialed_session_gone(id);
-        self.restricted.remove(&id);
+        if let Some(restricted) = self.restricted.remove(&id) {
+            for subscribe in &restricted.awaits_inbox {
+                let inbox = crate::accounts::inbox_of(&subscribe.pattern).unwrap_or_default();
+                if let Some(waiters) = self.inbox_waiters.get_mut(inbox) {
+                    waiters.retain(|&waiter| waiter != id);
+                    if waiters.is_empty() {
+                        self.inbox_waiters.remove(inbox);
+                    }
+                }
+            }
+        }
         self.release_inboxes_of(id);
         if let Some(mut session) = self.sessions.remove(&id) {
             self.count_discarded(&session);

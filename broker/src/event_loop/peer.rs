@@ -19,7 +19,7 @@ use rustc_hash::FxHashMap as HashMap;
 use tracing::{debug, info, warn};
 
 use super::route::RouteRole;
-use super::{EventLoop, Payload, Restricted};
+use super::{EventLoop, Payload, Restricted, AWAITED_MAX};
 use crate::accounts::{inbox_of, Accounts, Login};
 use crate::auth_guard::remote_ip;
 use crate::broker::{BrokerStats, Shared};
@@ -609,7 +609,7 @@ impl EventLoop {
                 Restricted {
                     permissions,
                     replies: Default::default(),
-                    awaits_inbox: None,
+                    awaits_inbox: Vec::new(),
                 },
             );
         }
@@ -685,14 +685,17 @@ impl EventLoop {
                     Err("the inbox is a requester's this connection was sent".to_string())
                 }
                 None if inbox.is_some() && holder.is_none_or(|holder| holder == id) => Ok(()),
-                None if holder.is_some_and(|holder| self.same_user(holder, id)) => {
+                None if holder.is_some_and(|holder| holder < id && self.same_user(holder, id))
+                    && restricted.awaits_inbox.len() < AWAITED_MAX =>
+                {
                     // The same user connected again while its earlier
                     // connection lingers (a network path cut: the broker
                     // notices at the heartbeat timeout). The inbox passes
                     // to this one when that one lets it go.
                     debug!(session = id, pattern = %subscribe.pattern, "subscription waits for its inbox");
-                    if let Some(restricted) = self.restricted.get_mut(&id) {
-                        restricted.awaits_inbox = Some(subscribe);
+                    if let (Some(inbox), Some(restricted)) = (inbox, self.restricted.get_mut(&id)) {
+                        restricted.awaits_inbox.push(subscribe);
+                        self.inbox_waiters.entry(inbox).or_default().push(id);
                     }
                     return;
                 }
@@ -743,13 +746,7 @@ impl EventLoop {
 
     pub(super) fn on_unsubscribe(&mut self, id: u64, sid: u64) {
         if let Some(restricted) = self.restricted.get_mut(&id) {
-            if restricted
-                .awaits_inbox
-                .as_ref()
-                .is_some_and(|s| s.sid == sid)
-            {
-                restricted.awaits_inbox = None;
-            }
+            restricted.awaits_inbox.retain(|waiting| waiting.sid != sid);
         }
         let mut inbox = None;
         if let Some(session) = self.sessions.get_mut(&id) {
