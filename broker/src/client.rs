@@ -2032,7 +2032,7 @@ impl ClientLoop {
         report.best_effort = None;
         report.reasons.push(format!(
             "best-effort: {description}: nothing came back there within {timeout:?} of its \
-             first frame; carried on the reliable path"
+             first ping; carried on the reliable path"
         ));
     }
 

@@ -2232,11 +2232,12 @@ impl EventLoop {
         // Its closing, reported later, is not the session's loss.
         self.by_peer.remove(&closed.address);
         self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(closed.lost);
+        BrokerStats::add(&self.shared.stats.best_effort_drops, closed.unsent);
         let description = &closed.description;
         warn!(session = id, remote = %session.remote, link = %description, "nothing came back on the best-effort link; best-effort messages go on the reliable link");
         let reason = format!(
             "best-effort: {description}: nothing came back there within {give_up_after:?} of \
-             its first frame; carried on the reliable link"
+             its first ping; carried on the reliable link"
         );
         self.data_link_given_up(id, reason);
     }
@@ -2255,6 +2256,7 @@ impl EventLoop {
             // Its closing, reported later, is not the session's loss.
             self.by_peer.remove(&closed.address);
             self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(closed.lost);
+            BrokerStats::add(&self.shared.stats.best_effort_drops, closed.unsent);
             let description = &closed.description;
             warn!(session = id, link = %description, "the peer never sent on its data link; closed, the control link carries its traffic");
             let reason = format!(

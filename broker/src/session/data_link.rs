@@ -190,6 +190,9 @@ pub(crate) struct DataLink {
     /// A credit came from the peer: it has taken this side's address
     /// (an accepting side sends none before the proof).
     credited: bool,
+    /// A dialer's datagram link: frames wait for the peer's first credit
+    /// (see [`DataLinks::tend_best_effort`]).
+    awaits_credit: bool,
 }
 
 /// What a link has heard from its peer since it first sent.
@@ -366,6 +369,7 @@ impl DataLink {
             bad_runs: 0,
             contact: Contact::Unsent,
             credited: false,
+            awaits_credit: false,
         })
     }
 
@@ -418,6 +422,9 @@ impl DataLink {
     /// Lossy links: send the frames waiting for credit, as far as the
     /// window and the endpoint take them.
     pub fn pace(&mut self, endpoint: &mut dyn Endpoint) -> Result<(), DataLinkError> {
+        if self.awaits_credit && !self.credited {
+            return Ok(());
+        }
         // Pieces the endpoint refused go first, with or without frames
         // behind them.
         if !self.flush(endpoint)? {
@@ -748,6 +755,9 @@ pub(crate) struct Closed {
     /// Best-effort messages from the peer lost with it (as
     /// [`DataLinks::close`] counts them).
     pub lost: u64,
+    /// Frames for the peer dropped with it, or on it and not told yet
+    /// ([`DataLinks::take_best_effort_drops`]).
+    pub unsent: u64,
 }
 
 /// The data links both sides agreed on in one handshake.
@@ -908,6 +918,9 @@ impl DataLinks {
                 }
             }
             if !choose_again {
+                if let Some(link) = self.best_effort.as_mut() {
+                    link.awaits_credit = self.dialed;
+                }
                 negotiation.reasons.extend(negotiated.reasons);
                 return negotiation;
             }
@@ -981,29 +994,29 @@ impl DataLinks {
     }
 
     /// The best-effort link, once the peer has proven its address there
-    /// (on the side that dialed: once a credit from the peer showed that
-    /// it took this side's, see [`Self::tend_best_effort`]).
+    /// (on the side that dialed, at once: its frames wait there for the
+    /// peer's first credit, see [`Self::tend_best_effort`]).
     pub fn best_effort_proven(&mut self) -> Option<&mut DataLink> {
-        let dialed = self.dialed;
         self.best_effort
             .as_mut()
-            .filter(|link| link.proof == Proof::Proven && (link.credited || !dialed))
+            .filter(|link| link.proof == Proof::Proven)
     }
 
     /// On the side that dialed, sends a `Ping` on the best-effort link
     /// until the peer's first credit comes back there, once every `every`,
     /// and gives the link up alone (closed, as [`Self::close_best_effort`])
-    /// when none came within `give_up_after` of the first. The peer asks
-    /// there for the address's proof once the link's first message
+    /// when none came within `give_up_after` of the first ping. The peer
+    /// asks there for the address's proof once the link's first message
     /// arrives; beside a control link nothing else of this side's may go
     /// on the best-effort link (best-effort traffic may flow toward the
     /// dialer alone), so the peer would never ask. Once this side's
-    /// address is proven the peer credits the pings it took, and only
-    /// then does this side send there too (a peer that gave the link up
-    /// would drop what came). Again every `every`: a datagram may be
-    /// lost. No credit within `give_up_after` means the peer asked in
-    /// vain (this side receives nothing there) or never heard this side:
-    /// it carries best effort on the reliable path either way.
+    /// address is proven the peer credits the pings it took; until then
+    /// this side's frames wait on the link (within its paced bound), so
+    /// none goes where the peer may have given the link up, and none is
+    /// overtaken by one sent on another path. Again every `every`: a
+    /// datagram may be lost. No credit within `give_up_after` means the
+    /// peer gave the link up, never heard this side, or this side receives
+    /// nothing there: the peer carries best effort on the reliable path.
     pub fn tend_best_effort(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
@@ -1021,8 +1034,9 @@ impl DataLinks {
         if now >= due {
             let link = self.best_effort.as_mut()?;
             let ping = codec::encode(&Frame::Ping { nonce: 0 });
-            // Refused (no credit, a datagram dropped): sent again in time.
-            let _ = link.send(endpoints[link.endpoint].as_mut(), ping, 1);
+            // Ahead of the frames waiting for the credit it asks for;
+            // refused (a datagram dropped), it goes again in time.
+            let _ = link.transmit(endpoints[link.endpoint].as_mut(), ping);
             self.announced_since.get_or_insert(now);
             self.announce_again_at = Some(now + every);
         }
@@ -1401,6 +1415,7 @@ impl DataLinks {
                 description: link.description,
                 address: (link.endpoint, link.peer),
                 lost: 0,
+                unsent: 0,
             });
         }
         if self
@@ -1417,6 +1432,9 @@ impl DataLinks {
     pub fn close_best_effort(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> Option<Closed> {
         let unsettled = self.best_effort.as_ref()?.receiver.unsettled();
         let lost = self.take_best_effort_lost().saturating_add(unsettled);
+        let unsent = self
+            .take_best_effort_drops()
+            .saturating_add(self.best_effort_waiting_frames());
         let link = self.best_effort.take()?;
         endpoints[link.endpoint].close(link.peer);
         self.announce_again_at = None;
@@ -1425,6 +1443,7 @@ impl DataLinks {
             description: link.description,
             address: (link.endpoint, link.peer),
             lost,
+            unsent,
         })
     }
 }
