@@ -214,6 +214,16 @@ impl EventLoop {
         }
     }
 
+    /// Session `id` waits for `inbox` no more.
+    pub(super) fn forget_waiter(&mut self, id: u64, inbox: &str) {
+        if let Some(waiters) = self.inbox_waiters.get_mut(inbox) {
+            waiters.retain(|&waiter| waiter != id);
+            if waiters.is_empty() {
+                self.inbox_waiters.remove(inbox);
+            }
+        }
+    }
+
     /// `inbox` is held by no one now: the subscriptions waiting for it
     /// (see [`Restricted::awaits_inbox`]) are made, the newest
     /// connection's first (it takes the inbox; an older one waiting is
@@ -225,7 +235,12 @@ impl EventLoop {
         waiters.sort_unstable_by(|a, b| b.cmp(a));
         waiters.dedup();
         for id in waiters {
-            let Some(restricted) = self.restricted.get_mut(&id) else {
+            // A closing session takes nothing more.
+            let open = self
+                .sessions
+                .get(&id)
+                .is_some_and(|session| !matches!(session.state, SessionState::Closing { .. }));
+            let Some(restricted) = self.restricted.get_mut(&id).filter(|_| open) else {
                 continue;
             };
             let (waited, kept) = std::mem::take(&mut restricted.awaits_inbox)
@@ -2336,12 +2351,8 @@ impl EventLoop {
         self.dialed_session_gone(id);
         if let Some(restricted) = self.restricted.remove(&id) {
             for subscribe in &restricted.awaits_inbox {
-                let inbox = crate::accounts::inbox_of(&subscribe.pattern).unwrap_or_default();
-                if let Some(waiters) = self.inbox_waiters.get_mut(inbox) {
-                    waiters.retain(|&waiter| waiter != id);
-                    if waiters.is_empty() {
-                        self.inbox_waiters.remove(inbox);
-                    }
+                if let Some(inbox) = crate::accounts::inbox_of(&subscribe.pattern) {
+                    self.forget_waiter(id, inbox);
                 }
             }
         }

@@ -695,7 +695,10 @@ impl EventLoop {
                     debug!(session = id, pattern = %subscribe.pattern, "subscription waits for its inbox");
                     if let (Some(inbox), Some(restricted)) = (inbox, self.restricted.get_mut(&id)) {
                         restricted.awaits_inbox.push(subscribe);
-                        self.inbox_waiters.entry(inbox).or_default().push(id);
+                        let waiters = self.inbox_waiters.entry(inbox).or_default();
+                        if !waiters.contains(&id) {
+                            waiters.push(id);
+                        }
                     }
                     return;
                 }
@@ -746,7 +749,17 @@ impl EventLoop {
 
     pub(super) fn on_unsubscribe(&mut self, id: u64, sid: u64) {
         if let Some(restricted) = self.restricted.get_mut(&id) {
-            restricted.awaits_inbox.retain(|waiting| waiting.sid != sid);
+            let waited = restricted
+                .awaits_inbox
+                .iter()
+                .position(|waiting| waiting.sid == sid)
+                .map(|at| restricted.awaits_inbox.remove(at));
+            if let Some(inbox) = waited.as_ref().and_then(|s| inbox_of(&s.pattern)) {
+                let still = |s: &frame::Subscribe| inbox_of(&s.pattern) == Some(inbox);
+                if !restricted.awaits_inbox.iter().any(still) {
+                    self.forget_waiter(id, inbox);
+                }
+            }
         }
         let mut inbox = None;
         if let Some(session) = self.sessions.get_mut(&id) {
