@@ -1466,6 +1466,58 @@ mod suite {
         }
     }
 
+    /// A link closed while its peer's read is still being served (the
+    /// reader stopped reading its socket) keeps the body until a fence
+    /// sent behind the read is out, however long, not for a time:
+    /// `ofi_rxm` keeps its connection after the link is gone and would
+    /// send the rest of the read from that memory whenever the reader read
+    /// on. (The body went after 15 s, reused memory or not.)
+    pub fn a_closed_link_s_body_waits_for_its_fence() {
+        let provider = "tcp;ofi_rxm";
+        let len = 32 << 20;
+        let Some((mut a, mut b, pb, _)) = rendezvous_pair(provider, &[], len + (1 << 20)) else {
+            return;
+        };
+        let dropped = Arc::new(AtomicBool::new(false));
+        let frame = tracked_frame(len, 5, &dropped);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_blocking(&mut a, &mut b, pb, frame, &mut ae, &mut be);
+        let start = Instant::now();
+        while b.stats().rendezvous_reads_started == 0 {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(start.elapsed() < DEADLINE, "the read never started");
+        }
+        // `b` reads no more for now; `a` closes the link.
+        a.close(pb);
+        let closed = Instant::now();
+        assert_eq!(a.rendezvous_abandoned_kept(), (1, len - 16));
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(300) {
+            a.poll(&mut ae).expect("poll a");
+        }
+        assert!(
+            !dropped.load(Ordering::SeqCst),
+            "let go of while being read"
+        );
+        // `b` reads on: once the read's bytes are out, so is the fence.
+        let start = Instant::now();
+        while !dropped.load(Ordering::SeqCst) {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "the body was kept after its fence went"
+            );
+        }
+        assert_eq!(a.rendezvous_abandoned_kept(), (0, 0));
+        // By the fence, not by the 15 s that bodies without one are kept.
+        assert!(
+            closed.elapsed() < Duration::from_secs(15),
+            "let go of by time"
+        );
+    }
+
     /// A frame of `len` bytes whose body (all `fill`) sets `dropped` when
     /// it is let go of.
     fn tracked_frame(len: usize, fill: u8, dropped: &Arc<AtomicBool>) -> OutFrame {
@@ -2935,6 +2987,12 @@ fn an_abandoned_transfer_keeps_its_body() {
 #[test]
 fn an_early_done_does_not_free_a_body_being_read() {
     suite::an_early_done_does_not_free_a_body_being_read();
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn a_closed_link_s_body_waits_for_its_fence() {
+    suite::a_closed_link_s_body_waits_for_its_fence();
 }
 
 #[cfg(efabus_libfabric)]

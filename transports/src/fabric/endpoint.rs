@@ -1182,6 +1182,9 @@ impl FabricEndpoint {
                             self.finish_send(context);
                             if let Some(id) = fence {
                                 self.end_transfer(id);
+                                if let Some(rma) = self.rma.as_mut() {
+                                    rma.abandoned.fence_passed(id);
+                                }
                             }
                         }
                     }
@@ -1603,7 +1606,7 @@ impl FabricEndpoint {
         if !self.peers.contains_key(&peer) {
             return;
         }
-        self.drop_rendezvous(peer);
+        let fence = self.drop_rendezvous(peer);
         let backlog = self
             .peers
             .get_mut(&peer)
@@ -1611,6 +1614,9 @@ impl FabricEndpoint {
             .unwrap_or_default();
         for slot in backlog {
             self.release_slot(slot);
+        }
+        if let Some(fence) = fence {
+            self.post_closing_fence(peer, fence);
         }
         if let Some(state) = self.peers.remove(&peer) {
             self.links.remove(&state.local_id);
@@ -2318,10 +2324,15 @@ impl FabricEndpoint {
     /// [`rendezvous::ABANDONED_KEPT_FOR`]) and its queued reads. Its reads in
     /// flight finish into nothing, outside the reading bounds (see
     /// [`rendezvous::ORPHANS_MAX`]).
-    fn drop_rendezvous(&mut self, peer: PeerId) {
-        let Some(rma) = self.rma.as_mut() else {
-            return;
-        };
+    fn drop_rendezvous(&mut self, peer: PeerId) -> Option<u64> {
+        let fenced_release = self.link.fenced_release;
+        let rma = self.rma.as_mut()?;
+        // Over a provider that serves reads in order with later sends, the
+        // bodies wait for a fence sent behind their reads (the provider
+        // keeps its connection, and may send them long after the link is
+        // gone).
+        let fence = fenced_release.then(|| rma.next_id());
+        let evicted_before = rma.abandoned.fenced_evicted;
         let mut abandoned = 0;
         let Rendezvous {
             sends,
@@ -2341,7 +2352,7 @@ impl FabricEndpoint {
             // The peer may still be reading it: kept a while, registered
             // or not.
             if let Some(body) = registrations.body(sent.region) {
-                kept.keep(body, now);
+                kept.keep(body, now, fence);
             }
             registrations.release(sent.region);
             abandoned += 1;
@@ -2352,9 +2363,40 @@ impl FabricEndpoint {
         dones.retain(|&(to, _)| to != peer);
         waiters.retain(|&waiter| waiter != peer);
         rma.orphan_reads(peer);
+        let evicted = rma.abandoned.fenced_evicted - evicted_before;
+        if evicted > 0 {
+            tracing::warn!(
+                evicted,
+                "abandoned rendezvous bodies over their bound let go of before their fence"
+            );
+        }
         self.stats.rendezvous_abandoned += abandoned;
         if abandoned > 0 {
             self.wake_rendezvous_waiters();
+        }
+        fence.filter(|_| abandoned > 0)
+    }
+
+    /// Posts `fence` to `peer`, whose link is closing, behind what the
+    /// provider still sends it (see `drop_rendezvous`). Not posted (no
+    /// slot, the provider refusing), the bodies waiting for it stay within
+    /// their bound.
+    fn post_closing_fence(&mut self, peer: PeerId, fence: u64) {
+        let frame = OutFrame::whole(rma_fence(fence));
+        if self
+            .send_eager(peer, frame, EagerFrame::Fence(fence))
+            .is_err()
+        {
+            return;
+        }
+        let Some(state) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let (Some(slot), dest) = (state.backlog.pop_front(), state.fi_addr) else {
+            return;
+        };
+        if self.post_slot(slot, dest).is_err() {
+            self.release_slot(slot);
         }
     }
 

@@ -274,21 +274,41 @@ impl Registrations {
 }
 
 /// Bodies of transfers abandoned by their link's close, kept for
-/// [`ABANDONED_KEPT_FOR`] within [`ABANDONED_KEPT_MAX`] bytes.
+/// [`ABANDONED_KEPT_FOR`], or until a fence sent behind their reads is out
+/// (where the provider serves reads in order with later sends, see
+/// `LinkInfo::fenced_release`), within [`ABANDONED_KEPT_MAX`] bytes.
 #[derive(Default)]
 pub struct Abandoned {
     /// When each may go, oldest first.
-    bodies: VecDeque<(Instant, Bytes)>,
+    timed: VecDeque<(Instant, Bytes)>,
+    /// The fence each waits for, oldest first.
+    fenced: VecDeque<(u64, Bytes)>,
     bytes: usize,
+    /// Bodies let go of past the bound while their fence was still to
+    /// come.
+    pub fenced_evicted: u64,
 }
 
 impl Abandoned {
-    pub fn keep(&mut self, body: Bytes, now: Instant) {
+    /// Keeps `body` until `fence` is out, or without one for its time.
+    pub fn keep(&mut self, body: Bytes, now: Instant, fence: Option<u64>) {
         self.bytes += body.len();
-        self.bodies.push_back((now + ABANDONED_KEPT_FOR, body));
+        match fence {
+            Some(fence) => self.fenced.push_back((fence, body)),
+            None => self.timed.push_back((now + ABANDONED_KEPT_FOR, body)),
+        }
+        // Past the bound the oldest go, those waiting for their time
+        // first.
         while self.bytes > ABANDONED_KEPT_MAX {
-            let Some((_, oldest)) = self.bodies.pop_front() else {
-                break;
+            let oldest = match self.timed.pop_front() {
+                Some((_, body)) => body,
+                None => match self.fenced.pop_front() {
+                    Some((_, body)) => {
+                        self.fenced_evicted += 1;
+                        body
+                    }
+                    None => break,
+                },
             };
             self.bytes -= oldest.len();
         }
@@ -296,20 +316,32 @@ impl Abandoned {
 
     /// Lets go of the bodies whose time is up.
     pub fn let_go(&mut self, now: Instant) {
-        while self.bodies.front().is_some_and(|(until, _)| *until <= now) {
-            if let Some((_, body)) = self.bodies.pop_front() {
+        while self.timed.front().is_some_and(|(until, _)| *until <= now) {
+            if let Some((_, body)) = self.timed.pop_front() {
                 self.bytes -= body.len();
             }
         }
     }
 
+    /// Lets go of the bodies that waited for `fence`.
+    pub fn fence_passed(&mut self, fence: u64) {
+        let bytes = &mut self.bytes;
+        self.fenced.retain(|(waited, body)| {
+            let passed = *waited == fence;
+            if passed {
+                *bytes -= body.len();
+            }
+            !passed
+        });
+    }
+
     pub fn is_empty(&self) -> bool {
-        self.bodies.is_empty()
+        self.timed.is_empty() && self.fenced.is_empty()
     }
 
     /// Bodies kept, and their bytes.
     pub fn held(&self) -> (usize, usize) {
-        (self.bodies.len(), self.bytes)
+        (self.timed.len() + self.fenced.len(), self.bytes)
     }
 }
 
@@ -1110,7 +1142,7 @@ mod tests {
         let now = Instant::now();
         let mut kept = Abandoned::default();
         let body = Bytes::from(vec![7u8; 1 << 20]);
-        kept.keep(body.clone(), now);
+        kept.keep(body.clone(), now, None);
         kept.let_go(now + ABANDONED_KEPT_FOR / 2);
         assert_eq!(kept.held(), (1, 1 << 20), "kept while the peer may read");
         kept.let_go(now + ABANDONED_KEPT_FOR);
@@ -1119,12 +1151,43 @@ mod tests {
         // Past the bound the oldest go first.
         let count = ABANDONED_KEPT_MAX / (1 << 20);
         let first = Bytes::from(vec![1u8; 1 << 20]);
-        kept.keep(first.clone(), now);
+        kept.keep(first.clone(), now, None);
         for _ in 1..=count {
-            kept.keep(Bytes::from(vec![2u8; 1 << 20]), now);
+            kept.keep(Bytes::from(vec![2u8; 1 << 20]), now, None);
         }
         assert_eq!(kept.held(), (count, ABANDONED_KEPT_MAX));
         assert!(first.is_unique(), "the oldest went");
+    }
+
+    #[test]
+    fn fenced_bodies_wait_for_their_fence_not_their_time() {
+        let now = Instant::now();
+        let mut kept = Abandoned::default();
+        let body = Bytes::from(vec![7u8; 1 << 20]);
+        kept.keep(body.clone(), now, Some(3));
+        kept.let_go(now + ABANDONED_KEPT_FOR * 2);
+        assert_eq!(kept.held(), (1, 1 << 20), "kept past its time");
+        kept.fence_passed(2);
+        assert_eq!(kept.held(), (1, 1 << 20), "another fence");
+        kept.fence_passed(3);
+        assert_eq!(kept.held(), (0, 0));
+        assert!(body.is_unique(), "let go of");
+        // Past the bound those waiting for their time go first, then the
+        // oldest fenced, counted.
+        let fenced = Bytes::from(vec![1u8; 1 << 20]);
+        kept.keep(fenced.clone(), now, Some(4));
+        let timed = Bytes::from(vec![1u8; 1 << 20]);
+        kept.keep(timed.clone(), now, None);
+        for _ in 0..ABANDONED_KEPT_MAX / (1 << 20) - 1 {
+            kept.keep(Bytes::from(vec![2u8; 1 << 20]), now, Some(5));
+        }
+        assert!(
+            timed.is_unique() && !fenced.is_unique(),
+            "the timed one went first"
+        );
+        kept.keep(Bytes::from(vec![2u8; 1 << 20]), now, Some(5));
+        assert!(fenced.is_unique(), "then the oldest fenced");
+        assert_eq!(kept.fenced_evicted, 1);
     }
 
     #[test]
