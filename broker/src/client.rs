@@ -2007,8 +2007,8 @@ impl ClientLoop {
         self.link_lost(now);
     }
 
-    /// The best-effort link's first frame, sent again while nothing has
-    /// come back there, and the link given up alone when nothing came back
+    /// The best-effort link's ping, sent again until the broker's first
+    /// credit comes back there, and the link given up alone when none came
     /// within the connect timeout (see [`DataLinks::tend_best_effort`]).
     ///
     /// [`DataLinks::tend_best_effort`]: crate::session::data_link::DataLinks::tend_best_effort
@@ -2017,21 +2017,21 @@ impl ClientLoop {
             return;
         }
         let timeout = self.shared.options.connect_timeout;
-        let every = self.shared.options.heartbeat_interval.min(timeout / 4);
+        let heartbeat = self.shared.options.heartbeat_interval;
         let Some(closed) =
             self.conn
                 .links
-                .tend_best_effort(&mut self.endpoints, now, every, timeout)
+                .tend_best_effort(&mut self.endpoints, now, heartbeat, timeout)
         else {
             return;
         };
         BrokerStats::add_saturating(&self.shared.counters.best_effort_lost, closed.lost);
         let description = &closed.description;
-        warn!(link = %description, waited = ?timeout, "nothing came back on the best-effort link; best effort comes over the reliable path");
+        warn!(link = %description, waited = ?timeout, "no credit came back on the best-effort link; best effort comes over the reliable path");
         let mut report = self.shared.link.lock();
         report.best_effort = None;
         report.reasons.push(format!(
-            "best-effort: {description}: nothing came back there within {timeout:?} of its \
+            "best-effort: {description}: no credit came back there within {timeout:?} of its \
              first ping; carried on the reliable path"
         ));
     }

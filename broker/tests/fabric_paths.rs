@@ -1083,7 +1083,7 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
     assert!(
         link.reasons
             .iter()
-            .any(|reason| reason.contains("nothing came back there")),
+            .any(|reason| reason.contains("no credit came back there")),
         "{link:?}"
     );
     let rdm_only_report = session_named(&broker, "rdm-only");

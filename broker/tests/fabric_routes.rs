@@ -761,7 +761,7 @@ fn best_effort_toward_the_dialer_rides_a_datagram_link_beside_tcp() {
 
 /// A route whose dialing broker receives nothing on its datagram link:
 /// both brokers give that link up alone, saying why (the dialer once
-/// nothing came back there within the handshake timeout), and best effort
+/// no credit came back there within the handshake timeout), and best effort
 /// crosses on the reliable link, both ways; the route stays.
 #[test]
 fn a_route_s_datagram_link_that_hears_nothing_is_given_up_on_both_sides() {
@@ -775,7 +775,7 @@ fn a_route_s_datagram_link_that_hears_nothing_is_given_up_on_both_sides() {
         return;
     };
     for (broker, why) in [
-        (&a, "nothing came back there"),
+        (&a, "no credit came back there"),
         (&b, "no answer from the peer"),
     ] {
         wait_until("the datagram link given up", || {

@@ -47,7 +47,7 @@ use crate::broker::{deliver_local, BrokerStats, Command, HeldLocal, Shared};
 use crate::delivery::Message;
 use crate::drive::{Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
-use crate::session::data_link::{released_frames, Ask, LinkKind};
+use crate::session::data_link::{released_frames, Ask, Closed, LinkKind};
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
 use crate::session::{error_frame, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
@@ -2221,40 +2221,32 @@ impl EventLoop {
         }
     }
 
-    /// The best-effort link of a route this broker dialed, while nothing
-    /// has come back there: its first frame sent again, or the link given
-    /// up alone after the handshake timeout (see
-    /// [`DataLinks::tend_best_effort`]).
+    /// The best-effort link of a route this broker dialed, until the
+    /// peer's first credit: its ping sent again, or the link given up alone
+    /// after the handshake timeout (see [`DataLinks::tend_best_effort`]).
     ///
     /// [`DataLinks::tend_best_effort`]: crate::session::data_link::DataLinks::tend_best_effort
     pub(super) fn tend_best_effort_link(&mut self, id: u64, now: Instant) {
-        let every = self.shared.config.heartbeat_interval();
+        let heartbeat = self.shared.config.heartbeat_interval();
         let give_up_after = self.shared.config.handshake_timeout();
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        let Some(closed) = session.conn.links.tend_best_effort(
-            &mut self.endpoints,
-            now,
-            every.min(give_up_after / 4),
-            give_up_after,
-        ) else {
-            if let Some(at) = session.conn.links.best_effort_due(now, give_up_after) {
+        let links = &mut session.conn.links;
+        let Some(closed) =
+            links.tend_best_effort(&mut self.endpoints, now, heartbeat, give_up_after)
+        else {
+            if let Some(at) = links.best_effort_due(now, give_up_after) {
                 self.schedule(at);
             }
             return;
         };
-        // Its closing, reported later, is not the session's loss.
-        self.by_peer.remove(&closed.address);
-        self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(closed.lost);
-        BrokerStats::add(&self.shared.stats.best_effort_drops, closed.unsent);
-        let description = &closed.description;
-        warn!(session = id, remote = %session.remote, link = %description, "nothing came back on the best-effort link; best-effort messages go on the reliable link");
         let reason = format!(
-            "best-effort: {description}: nothing came back there within {give_up_after:?} of \
-             its first ping; carried on the reliable link"
+            "best-effort: {}: no credit came back there within {give_up_after:?} of its first \
+             ping; carried on the reliable link",
+            closed.description
         );
-        self.data_link_given_up(id, reason);
+        self.data_link_closed_alone(id, &closed, reason);
     }
 
     /// The data links session `id`'s peer was welcomed onto and never sent
@@ -2268,18 +2260,24 @@ impl EventLoop {
             return;
         };
         for closed in session.conn.links.close_unused(&mut self.endpoints) {
-            // Its closing, reported later, is not the session's loss.
-            self.by_peer.remove(&closed.address);
-            self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(closed.lost);
-            BrokerStats::add(&self.shared.stats.best_effort_drops, closed.unsent);
-            let description = &closed.description;
-            warn!(session = id, link = %description, "the peer never sent on its data link; closed, the control link carries its traffic");
             let reason = format!(
-                "{description}: the peer never sent there within {timeout:?} of its welcome; \
-                 carried on the control link"
+                "{}: the peer never sent there within {timeout:?} of its welcome; carried on \
+                 the control link",
+                closed.description
             );
-            self.data_link_given_up(id, reason);
+            self.data_link_closed_alone(id, &closed, reason);
         }
+    }
+
+    /// Session `id` closed one of its data links alone, for `reason`: what
+    /// was lost with it counted, the reason logged and reported.
+    fn data_link_closed_alone(&mut self, id: u64, closed: &Closed, reason: String) {
+        // Its closing, reported later, is not the session's loss.
+        self.by_peer.remove(&closed.address);
+        self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(closed.lost);
+        BrokerStats::add(&self.shared.stats.best_effort_drops, closed.unsent);
+        warn!(session = id, %reason, "data link closed alone");
+        self.data_link_given_up(id, reason);
     }
 
     /// Session `id` gave a data link up: `reason` goes into its connection
@@ -2530,7 +2528,7 @@ impl EventLoop {
                     next = next.min(deadline);
                 }
             }
-            // A dialed route's datagram link that has heard nothing yet.
+            // A dialed route's datagram link not credited yet.
             match session.conn.links.best_effort_due(now, handshake_timeout) {
                 Some(at) if at > now => next = next.min(at),
                 Some(_) => unheard.push(id),

@@ -1003,8 +1003,8 @@ impl DataLinks {
     }
 
     /// On the side that dialed, sends a `Ping` on the best-effort link
-    /// until the peer's first credit comes back there, once every `every`,
-    /// and gives the link up alone (closed, as [`Self::close_best_effort`])
+    /// until the peer's first credit comes back there, once a `heartbeat`
+    /// (at most a quarter of `give_up_after`), and gives the link up alone (closed, as [`Self::close_best_effort`])
     /// when none came within `give_up_after` of the first ping. The peer
     /// asks there for the address's proof once the link's first message
     /// arrives; beside a control link nothing else of this side's may go
@@ -1013,18 +1013,19 @@ impl DataLinks {
     /// address is proven the peer credits the pings it took; until then
     /// this side's frames wait on the link (within its paced bound), so
     /// none goes where the peer may have given the link up, and none is
-    /// overtaken by one sent on another path. Again every `every`: a
-    /// datagram may be lost. No credit within `give_up_after` means the
+    /// overtaken by one sent on another path. Again and again: a datagram
+    /// may be lost. No credit within `give_up_after` means the
     /// peer gave the link up, never heard this side, or this side receives
     /// nothing there: the peer carries best effort on the reliable path.
     pub fn tend_best_effort(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
         now: Instant,
-        every: Duration,
+        heartbeat: Duration,
         give_up_after: Duration,
     ) -> Option<Closed> {
         let due = self.best_effort_due(now, give_up_after)?;
+        let every = heartbeat.min(give_up_after / 4);
         if self
             .announced_since
             .is_some_and(|since| now >= since + give_up_after)
