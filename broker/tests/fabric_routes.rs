@@ -836,13 +836,20 @@ fn brokers_given_one_seed_mesh_on_the_fabric() {
         }
     };
     mesh(&[&a, &b, &c]);
-    // c joined last: its seed told it of b before b could dial it. (b
-    // learns of c too, unless c's route reached it first.)
-    assert!(c.peers().contains(&tcp(&b)), "c learned b: {:?}", c.peers());
+    // Each learned of the other from the seed, unless the other's route
+    // reached it first (a broker does not dial one it has a route to):
+    // one of them at least.
+    assert!(
+        c.peers().contains(&tcp(&b)) || b.peers().contains(&tcp(&c)),
+        "neither learned the other: {:?} {:?}",
+        b.peers(),
+        c.peers()
+    );
     every_message_once(&[&a, &b, &c]);
     one_member_of_a_group_in_the_cluster(&[&a, &b, &c]);
 
-    // b leaves; c keeps dialing the address it learned, then forgets it.
+    // b leaves; c keeps dialing the address it learned (if it did), then
+    // forgets it.
     let b_address = tcp(&b);
     drop(b);
     wait_until("b's routes down", || {
