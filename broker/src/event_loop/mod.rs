@@ -1610,7 +1610,7 @@ impl EventLoop {
         }
         let links = &mut session.conn.links;
         // The class matters only where a datagram link exists.
-        let best_effort = links.best_effort_proven().is_some()
+        let best_effort = links.best_effort_link().is_some()
             && session.class_of(target.sid) == Some(DeliveryClass::BestEffort);
         if !best_effort && payload.bytes.len() <= COPY_MAX {
             // The message is encoded once per publish and copied into each
@@ -2614,6 +2614,7 @@ impl EventLoop {
                 // Forgotten first: its closing is not the session's loss.
                 self.by_peer.remove(&(link.endpoint, link.peer));
                 self.endpoints[link.endpoint].close(link.peer);
+                BrokerStats::add(&self.shared.stats.best_effort_drops, link.unsent());
                 self.data_link_given_up(id, reason);
             }
             if unanswered.session_ends {

@@ -422,7 +422,10 @@ impl DataLink {
     /// Lossy links: send the frames waiting for credit, as far as the
     /// window and the endpoint take them.
     pub fn pace(&mut self, endpoint: &mut dyn Endpoint) -> Result<(), DataLinkError> {
-        if self.awaits_credit && !self.credited {
+        // Frames wait for the peer's proof (a dialer's, for its credit):
+        // none goes to an address not proven, and none sent on the link
+        // before is overtaken by one sent another way meanwhile.
+        if self.proof != Proof::Proven || self.awaits_credit && !self.credited {
             return Ok(());
         }
         // Pieces the endpoint refused go first, with or without frames
@@ -596,6 +599,15 @@ impl DataLink {
         let result = self.receiver.receive(now, message, out);
         self.check_runs(out, before)?;
         result
+    }
+
+    /// Frames dropped here and not told yet
+    /// ([`DataLinks::take_best_effort_drops`]), and those still waiting:
+    /// what the link's closing leaves unsent.
+    pub fn unsent(&self) -> u64 {
+        (self.dropped - self.dropped_told)
+            .saturating_add(self.paced.len() as u64)
+            .saturating_add(self.backlog_frames())
     }
 
     /// On the side that accepted: the peer has sent nothing here yet (so
@@ -993,13 +1005,14 @@ impl DataLinks {
         false
     }
 
-    /// The best-effort link, once the peer has proven its address there
-    /// (on the side that dialed, at once: its frames wait there for the
-    /// peer's first credit, see [`Self::tend_best_effort`]).
-    pub fn best_effort_proven(&mut self) -> Option<&mut DataLink> {
-        self.best_effort
-            .as_mut()
-            .filter(|link| link.proof == Proof::Proven)
+    /// The best-effort link, which takes the session's best-effort
+    /// frames from its opening on: they wait there for the peer's proof of
+    /// its address (on the side that dialed, for the peer's first credit,
+    /// see [`Self::tend_best_effort`]), within the link's paced bound, so
+    /// that none is overtaken by one sent on the reliable path before the
+    /// link was usable. Given up, it counts what waited as dropped.
+    pub fn best_effort_link(&mut self) -> Option<&mut DataLink> {
+        self.best_effort.as_mut()
     }
 
     /// On the side that dialed, sends a `Ping` on the best-effort link
@@ -1095,8 +1108,9 @@ impl DataLinks {
     /// up alone, unless the session ends anyway (the peer's datagram
     /// endpoint may receive nothing, or every ping was lost; the peer
     /// gives it up as well when nothing comes back there): it is handed
-    /// back for the owner to close, and best-effort traffic goes where it
-    /// went before the proof. A reliable one ends the session.
+    /// back for the owner to close (what waited on it for the proof is
+    /// counted dropped), and best-effort traffic goes on the reliable path.
+    /// A reliable one ends the session.
     pub fn send_challenges(&mut self, endpoints: &mut [Box<dyn Endpoint>], ask: Ask) -> Unanswered {
         let mut unanswered = Unanswered::default();
         let mut give_up_best_effort = false;
@@ -1128,7 +1142,14 @@ impl DataLinks {
                 continue;
             }
             let ping = codec::encode(&Frame::Ping { nonce });
-            match link.send(endpoints[link.endpoint].as_mut(), ping, 1) {
+            // On a lossy link ahead of the frames that wait for its answer.
+            let sent = if link.lossy {
+                link.transmit(endpoints[link.endpoint].as_mut(), ping)
+                    .map(|()| Sent::Accepted)
+            } else {
+                link.send(endpoints[link.endpoint].as_mut(), ping, 1)
+            };
+            match sent {
                 // A ping the link refused (blocked, or a datagram dropped)
                 // counts as asked too, so the next heartbeat asks again.
                 Ok(Sent::Accepted | Sent::Blocked(_)) => {
@@ -1292,7 +1313,7 @@ impl DataLinks {
     /// Queue a frame on the best-effort link, once its address is proven,
     /// for [`pace_best_effort`](Self::pace_best_effort); false without one.
     pub fn queue_best_effort(&mut self, frame: OutFrame) -> bool {
-        let Some(link) = self.best_effort_proven() else {
+        let Some(link) = self.best_effort_link() else {
             return false;
         };
         link.wait_for_credit(frame);
@@ -1304,7 +1325,7 @@ impl DataLinks {
     /// frames (counted in its `dropped`) and is logged: best-effort traffic
     /// never ends the session.
     pub fn pace_best_effort(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> u64 {
-        let Some(link) = self.best_effort_proven() else {
+        let Some(link) = self.best_effort_link() else {
             return 0;
         };
         if let Err(reason) = link.pace(endpoints[link.endpoint].as_mut()) {
@@ -1433,10 +1454,8 @@ impl DataLinks {
     pub fn close_best_effort(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> Option<Closed> {
         let unsettled = self.best_effort.as_ref()?.receiver.unsettled();
         let lost = self.take_best_effort_lost().saturating_add(unsettled);
-        let unsent = self
-            .take_best_effort_drops()
-            .saturating_add(self.best_effort_waiting_frames());
         let link = self.best_effort.take()?;
+        let unsent = link.unsent();
         endpoints[link.endpoint].close(link.peer);
         self.announce_again_at = None;
         self.announced_since = None;

@@ -934,6 +934,40 @@ mod tests {
         assert_eq!(links.take_best_effort_drops(), 0);
     }
 
+    /// Best-effort frames wait on the link for the peer's proof: none
+    /// goes to an address not proven, and none sent on the link later is
+    /// overtaken by one that went another way meanwhile (they went over
+    /// the reliable link until the proof, then here). Given up unproven,
+    /// the link counts them unsent.
+    #[test]
+    fn best_effort_frames_wait_on_the_link_for_its_proof() {
+        use super::super::data_link::Proof;
+        let (mut endpoints, mut links) = with_best_effort_link((usize::MAX, None, usize::MAX));
+        let awaiting = Proof::Awaiting { nonce: 3, asked: 1 };
+        if let Some(link) = links.best_effort.as_mut() {
+            link.proof = awaiting;
+        }
+        for _ in 0..3 {
+            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        }
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(
+            links.best_effort_waiting_frames(),
+            3,
+            "sent before the proof"
+        );
+        links.on_pong(3, &mut endpoints);
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(links.best_effort_waiting_frames(), 0);
+        if let Some(link) = links.best_effort.as_mut() {
+            link.proof = awaiting;
+        }
+        assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        links.pace_best_effort(&mut endpoints);
+        let closed = links.close_best_effort(&mut endpoints);
+        assert_eq!(closed.map(|closed| closed.unsent), Some(1));
+    }
+
     #[test]
     fn refused_best_effort_pieces_go_with_nothing_queued_behind_them() {
         // The last frame's second piece is refused once: pacing again
