@@ -1233,7 +1233,14 @@ impl FabricEndpoint {
         if err.code.code == FI_ENORX {
             self.stats.rnr_failures += 1;
         }
+        let fence = self
+            .tx_pool
+            .slot_of(err.op_context)
+            .and_then(|slot| self.tx_fence[slot].take());
         let peer = self.finish_send(err.op_context);
+        if let (Some(fence), Some(rma)) = (fence, self.rma.as_mut()) {
+            rma.abandoned.fence_lost(fence, Instant::now());
+        }
         let error = FabricError::Completion {
             op: "fi_send",
             code: err.code,
@@ -1734,7 +1741,8 @@ impl FabricEndpoint {
         if self.backlogged.is_empty() {
             return;
         }
-        // Flushing adds no peer to the list, so it is taken and put back.
+        // Flushing adds no peer to the list (but one it closes, which is
+        // gone), so it is taken and put back.
         let mut waiting = std::mem::take(&mut self.backlogged);
         for &peer in &waiting {
             self.flush_backlog(peer);
@@ -2379,24 +2387,31 @@ impl FabricEndpoint {
 
     /// Posts `fence` to `peer`, whose link is closing, behind what the
     /// provider still sends it (see `drop_rendezvous`). Not posted (no
-    /// slot, the provider refusing), the bodies waiting for it stay within
-    /// their bound.
+    /// slot of the peer's share, the provider refusing), the bodies
+    /// waiting for it wait for their time instead, with a warning.
     fn post_closing_fence(&mut self, peer: PeerId, fence: u64) {
         let frame = OutFrame::whole(rma_fence(fence));
-        if self
+        let posted = self
             .send_eager(peer, frame, EagerFrame::Fence(fence))
-            .is_err()
-        {
-            return;
-        }
-        let Some(state) = self.peers.get_mut(&peer) else {
-            return;
-        };
-        let (Some(slot), dest) = (state.backlog.pop_front(), state.fi_addr) else {
-            return;
-        };
-        if self.post_slot(slot, dest).is_err() {
-            self.release_slot(slot);
+            .is_ok()
+            && match self.peers.get_mut(&peer) {
+                Some(state) => match (state.backlog.pop_front(), state.fi_addr) {
+                    (Some(slot), dest) => {
+                        let posted = self.post_slot(slot, dest).is_ok();
+                        if !posted {
+                            self.release_slot(slot);
+                        }
+                        posted
+                    }
+                    (None, _) => false,
+                },
+                None => false,
+            };
+        if !posted {
+            tracing::warn!(%peer, "no fence could follow a closed link's reads; its bodies are kept for a time instead");
+            if let Some(rma) = self.rma.as_mut() {
+                rma.abandoned.fence_lost(fence, Instant::now());
+            }
         }
     }
 

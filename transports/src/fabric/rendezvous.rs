@@ -323,6 +323,18 @@ impl Abandoned {
         }
     }
 
+    /// The bodies waiting for `fence`, which will not come (never posted,
+    /// or its send failed), wait for their time instead.
+    pub fn fence_lost(&mut self, fence: u64, now: Instant) {
+        let (lost, kept): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut self.fenced)
+            .into_iter()
+            .partition(|(waited, _)| *waited == fence);
+        self.fenced = kept;
+        let until = now + ABANDONED_KEPT_FOR;
+        self.timed
+            .extend(lost.into_iter().map(|(_, body)| (until, body)));
+    }
+
     /// Lets go of the bodies that waited for `fence`.
     pub fn fence_passed(&mut self, fence: u64) {
         let bytes = &mut self.bytes;
@@ -1188,6 +1200,15 @@ mod tests {
         kept.keep(Bytes::from(vec![2u8; 1 << 20]), now, Some(5));
         assert!(fenced.is_unique(), "then the oldest fenced");
         assert_eq!(kept.fenced_evicted, 1);
+        // A fence that will not come leaves its bodies to their time.
+        let mut kept = Abandoned::default();
+        let body = Bytes::from(vec![3u8; 1 << 20]);
+        kept.keep(body.clone(), now, Some(6));
+        kept.fence_lost(6, now);
+        kept.let_go(now + ABANDONED_KEPT_FOR / 2);
+        assert_eq!(kept.held(), (1, 1 << 20));
+        kept.let_go(now + ABANDONED_KEPT_FOR);
+        assert!(body.is_unique(), "let go of by time");
     }
 
     #[test]
