@@ -2246,7 +2246,7 @@ impl EventLoop {
              ping; carried on the reliable link",
             closed.description
         );
-        self.data_link_closed_alone(id, &closed, reason);
+        self.data_link_closed_alone(id, closed, reason);
     }
 
     /// The data links session `id`'s peer was welcomed onto and never sent
@@ -2265,13 +2265,17 @@ impl EventLoop {
                  the control link",
                 closed.description
             );
-            self.data_link_closed_alone(id, &closed, reason);
+            self.data_link_closed_alone(id, closed, reason);
         }
     }
 
     /// Session `id` closed one of its data links alone, for `reason`: what
     /// was lost with it counted, the reason logged and reported.
-    fn data_link_closed_alone(&mut self, id: u64, closed: &Closed, reason: String) {
+    fn data_link_closed_alone(&mut self, id: u64, closed: Closed, reason: String) {
+        // What waited on it for its proof or credit goes the reliable way.
+        for frame in closed.waiting {
+            self.send(id, frame, true);
+        }
         // Its closing, reported later, is not the session's loss.
         self.by_peer.remove(&closed.address);
         self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(closed.lost);
@@ -2604,7 +2608,7 @@ impl EventLoop {
                 .conn
                 .links
                 .send_challenges(&mut self.endpoints, Ask::Again);
-            if let Some(link) = unanswered.best_effort_given_up {
+            if let Some(mut link) = unanswered.best_effort_given_up {
                 BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
                 let description = &link.description;
                 warn!(session = id, remote = %session.remote, link = %description, "no answer on the best-effort link; best-effort messages go on the reliable link");
@@ -2615,6 +2619,9 @@ impl EventLoop {
                 self.by_peer.remove(&(link.endpoint, link.peer));
                 self.endpoints[link.endpoint].close(link.peer);
                 BrokerStats::add(&self.shared.stats.best_effort_drops, link.unsent());
+                for frame in link.take_waiting() {
+                    self.send(id, frame, true);
+                }
                 self.data_link_given_up(id, reason);
             }
             if unanswered.session_ends {

@@ -422,15 +422,10 @@ impl DataLink {
     /// Lossy links: send the frames waiting for credit, as far as the
     /// window and the endpoint take them.
     pub fn pace(&mut self, endpoint: &mut dyn Endpoint) -> Result<(), DataLinkError> {
-        // Frames wait for the peer's proof (a dialer's, for its credit):
-        // none goes to an address not proven, and none sent on the link
-        // before is overtaken by one sent another way meanwhile.
-        if self.proof != Proof::Proven || self.awaits_credit && !self.credited {
-            return Ok(());
-        }
         // Pieces the endpoint refused go first, with or without frames
-        // behind them.
-        if !self.flush(endpoint)? {
+        // behind them (before the link is usable, only pings asking for
+        // that are there).
+        if !self.flush(endpoint)? || !self.usable() {
             return Ok(());
         }
         while let Some(len) = self.paced.front().map(OutFrame::len) {
@@ -601,13 +596,33 @@ impl DataLink {
         result
     }
 
+    /// Whether frames waiting for credit may go: the peer proved its
+    /// address (a dialer's link: the peer's first credit came). Until then
+    /// none goes to an address not proven, and none sent here is overtaken
+    /// by one sent another way meanwhile.
+    fn usable(&self) -> bool {
+        self.proof == Proof::Proven && (self.credited || !self.awaits_credit)
+    }
+
     /// Frames dropped here and not told yet
-    /// ([`DataLinks::take_best_effort_drops`]), and those still waiting:
-    /// what the link's closing leaves unsent.
+    /// ([`DataLinks::take_best_effort_drops`]), and those numbered and
+    /// left in the backlog (before the link is usable, only its pings):
+    /// what the link's closing loses.
     pub fn unsent(&self) -> u64 {
-        (self.dropped - self.dropped_told)
-            .saturating_add(self.paced.len() as u64)
-            .saturating_add(self.backlog_frames())
+        let backlog = if self.usable() {
+            self.backlog_frames()
+        } else {
+            0
+        };
+        (self.dropped - self.dropped_told).saturating_add(backlog)
+    }
+
+    /// The frames waiting for credit, taken: a link given up before it
+    /// became usable sent none of them, so they may go another way in
+    /// their order.
+    pub fn take_waiting(&mut self) -> VecDeque<OutFrame> {
+        self.paced_bytes = 0;
+        std::mem::take(&mut self.paced)
     }
 
     /// On the side that accepted: the peer has sent nothing here yet (so
@@ -770,6 +785,8 @@ pub(crate) struct Closed {
     /// Frames for the peer dropped with it, or on it and not told yet
     /// ([`DataLinks::take_best_effort_drops`]).
     pub unsent: u64,
+    /// Frames that waited on it for credit (see [`DataLink::take_waiting`]).
+    pub waiting: VecDeque<OutFrame>,
 }
 
 /// The data links both sides agreed on in one handshake.
@@ -1159,12 +1176,18 @@ impl DataLinks {
                     };
                 }
                 // A reliable link that failed (on the ping or on earlier
-                // frames' pieces) has a gap the peer waits for in vain; a
-                // lossy one keeps the ping for credit.
+                // frames' pieces) has a gap the peer waits for in vain; on
+                // a lossy one the ping is lost like a datagram, and counts
+                // as asked.
                 Ok(Sent::Failed(_, err)) | Err(err) if !link.lossy => {
                     failure = Some(err.to_string());
                 }
-                Ok(Sent::Failed(..)) | Err(_) => {}
+                Ok(Sent::Failed(..)) | Err(_) => {
+                    link.proof = Proof::Awaiting {
+                        nonce,
+                        asked: asked + 1,
+                    };
+                }
             }
         }
         if let Some(failure) = failure {
@@ -1438,6 +1461,7 @@ impl DataLinks {
                 address: (link.endpoint, link.peer),
                 lost: 0,
                 unsent: 0,
+                waiting: VecDeque::new(),
             });
         }
         if self
@@ -1454,8 +1478,9 @@ impl DataLinks {
     pub fn close_best_effort(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> Option<Closed> {
         let unsettled = self.best_effort.as_ref()?.receiver.unsettled();
         let lost = self.take_best_effort_lost().saturating_add(unsettled);
-        let link = self.best_effort.take()?;
+        let mut link = self.best_effort.take()?;
         let unsent = link.unsent();
+        let waiting = link.take_waiting();
         endpoints[link.endpoint].close(link.peer);
         self.announce_again_at = None;
         self.announced_since = None;
@@ -1464,6 +1489,7 @@ impl DataLinks {
             address: (link.endpoint, link.peer),
             lost,
             unsent,
+            waiting,
         })
     }
 }

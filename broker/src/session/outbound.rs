@@ -938,7 +938,7 @@ mod tests {
     /// goes to an address not proven, and none sent on the link later is
     /// overtaken by one that went another way meanwhile (they went over
     /// the reliable link until the proof, then here). Given up unproven,
-    /// the link counts them unsent.
+    /// the link hands them back, none sent, to go the reliable way.
     #[test]
     fn best_effort_frames_wait_on_the_link_for_its_proof() {
         use super::super::data_link::Proof;
@@ -965,7 +965,10 @@ mod tests {
         assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
         links.pace_best_effort(&mut endpoints);
         let closed = links.close_best_effort(&mut endpoints);
-        assert_eq!(closed.map(|closed| closed.unsent), Some(1));
+        assert_eq!(
+            closed.map(|closed| (closed.unsent, closed.waiting.len())),
+            Some((0, 1))
+        );
     }
 
     #[test]
