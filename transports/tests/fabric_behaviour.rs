@@ -1417,22 +1417,19 @@ mod suite {
     /// another use by then would have been sent as the rest of the read.)
     pub fn an_early_done_does_not_free_a_body_being_read() {
         use efabus_transports::fabric::layout::rma_done;
-        let provider = "tcp;ofi_rxm";
         let len = 32 << 20;
-        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], len + (1 << 20)) else {
+        let Some(StalledRead {
+            mut a,
+            mut b,
+            pa,
+            dropped,
+            mut ae,
+            mut be,
+            ..
+        }) = stalled_read(len, 9)
+        else {
             return;
         };
-        assert!(a.link().fenced_release, "{provider} serves reads itself");
-        let dropped = Arc::new(AtomicBool::new(false));
-        let frame = tracked_frame(len, 9, &dropped);
-        let (mut ae, mut be) = (Vec::new(), Vec::new());
-        send_blocking(&mut a, &mut b, pb, frame, &mut ae, &mut be);
-        let start = Instant::now();
-        while b.stats().rendezvous_reads_started == 0 {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(start.elapsed() < DEADLINE, "the read never started");
-        }
         // The first transfer's id is 1; `b` reads no more for now (the
         // provider's progress is manual: it moves only in `b`'s calls).
         b.send_endpoint_frame(pa, rma_done(1))
@@ -1473,21 +1470,19 @@ mod suite {
     /// send the rest of the read from that memory whenever the reader read
     /// on. (The body went after 15 s, reused memory or not.)
     pub fn a_closed_link_s_body_waits_for_its_fence() {
-        let provider = "tcp;ofi_rxm";
         let len = 32 << 20;
-        let Some((mut a, mut b, pb, _)) = rendezvous_pair(provider, &[], len + (1 << 20)) else {
+        let Some(StalledRead {
+            mut a,
+            mut b,
+            pb,
+            dropped,
+            mut ae,
+            mut be,
+            ..
+        }) = stalled_read(len, 5)
+        else {
             return;
         };
-        let dropped = Arc::new(AtomicBool::new(false));
-        let frame = tracked_frame(len, 5, &dropped);
-        let (mut ae, mut be) = (Vec::new(), Vec::new());
-        send_blocking(&mut a, &mut b, pb, frame, &mut ae, &mut be);
-        let start = Instant::now();
-        while b.stats().rendezvous_reads_started == 0 {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(start.elapsed() < DEADLINE, "the read never started");
-        }
         // `b` reads no more for now; `a` closes the link.
         a.close(pb);
         let closed = Instant::now();
@@ -1516,6 +1511,44 @@ mod suite {
             closed.elapsed() < Duration::from_secs(15),
             "let go of by time"
         );
+    }
+
+    /// A `tcp;ofi_rxm` pair where `b` has started to read a frame of `len`
+    /// bytes `a` sent it by rendezvous, its body all `fill`.
+    struct StalledRead {
+        a: FabricEndpoint,
+        b: FabricEndpoint,
+        pb: PeerId,
+        pa: PeerId,
+        /// Set when `a` lets the body go.
+        dropped: Arc<AtomicBool>,
+        ae: Vec<Event>,
+        be: Vec<Event>,
+    }
+
+    fn stalled_read(len: usize, fill: u8) -> Option<StalledRead> {
+        let provider = "tcp;ofi_rxm";
+        let (mut a, mut b, pb, pa) = rendezvous_pair(provider, &[], len + (1 << 20))?;
+        assert!(a.link().fenced_release, "{provider} serves reads itself");
+        let dropped = Arc::new(AtomicBool::new(false));
+        let frame = tracked_frame(len, fill, &dropped);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_blocking(&mut a, &mut b, pb, frame, &mut ae, &mut be);
+        let start = Instant::now();
+        while b.stats().rendezvous_reads_started == 0 {
+            a.poll(&mut ae).expect("poll a");
+            b.poll(&mut be).expect("poll b");
+            assert!(start.elapsed() < DEADLINE, "the read never started");
+        }
+        Some(StalledRead {
+            a,
+            b,
+            pb,
+            pa,
+            dropped,
+            ae,
+            be,
+        })
     }
 
     /// A frame of `len` bytes whose body (all `fill`) sets `dropped` when
