@@ -668,28 +668,85 @@ mod suite {
         }
     }
 
-    /// Has `a` send `b` (`to`) numbered frames of `sizes`, all by
-    /// rendezvous, and polls both until `b` has started a read for each;
-    /// `a` is polled no more after that, so where the sender's progress
-    /// serves a read (`tcp;ofi_rxm`) the reads stay in flight.
-    fn start_reads_then_stall(
-        (a, b): (&mut FabricEndpoint, &mut FabricEndpoint),
-        to: PeerId,
-        sizes: &[usize],
-        (ae, be): (&mut Vec<Event>, &mut Vec<Event>),
+    /// [`rendezvous_pair`], `None` also where the provider has no
+    /// rendezvous.
+    #[allow(clippy::type_complexity)]
+    fn rma_pair(
         provider: &str,
+        max_frame: usize,
+    ) -> Option<(FabricEndpoint, FabricEndpoint, PeerId, PeerId)> {
+        rendezvous_pair(provider, &[], max_frame).filter(|(a, ..)| a.rendezvous_max() > 0)
+    }
+
+    /// Polls `a` and `b` until `done` holds, within [`DEADLINE`] (`what`:
+    /// what never happened).
+    fn poll_until(
+        (a, b): (&mut FabricEndpoint, &mut FabricEndpoint),
+        (ae, be): (&mut Vec<Event>, &mut Vec<Event>),
+        what: &str,
+        mut done: impl FnMut(&FabricEndpoint, &FabricEndpoint, &[Event]) -> bool,
     ) {
-        let started = b.stats().rendezvous_reads_started;
-        send_numbered((&mut *a, &mut *b), to, sizes, (&mut *ae, &mut *be));
         let start = Instant::now();
-        while b.stats().rendezvous_reads_started < started + sizes.len() as u64 {
+        while !done(a, b, be) {
             a.poll(ae).expect("poll a");
             b.poll(be).expect("poll b");
-            assert!(
-                start.elapsed() < DEADLINE,
-                "{provider}: the reads never started"
-            );
+            assert!(start.elapsed() < DEADLINE, "{what}");
         }
+    }
+
+    /// Two RDM endpoints with rendezvous ([`rma_pair`]), their events,
+    /// and a read of `b`'s in flight of each frame `a` sent it.
+    struct Stalled {
+        a: FabricEndpoint,
+        b: FabricEndpoint,
+        pb: PeerId,
+        pa: PeerId,
+        ae: Vec<Event>,
+        be: Vec<Event>,
+    }
+
+    /// [`rma_pair`] where `a` has sent `b` numbered frames of `sizes`, all
+    /// by rendezvous, and both were polled until `b` started a read for
+    /// each; `a` is polled no more after that, so where the sender's
+    /// progress serves a read (`tcp;ofi_rxm`) the reads stay in flight.
+    fn stalled_reads(provider: &str, max_frame: usize, sizes: &[usize]) -> Option<Stalled> {
+        stalled(provider, max_frame, |a, b, pb, ae, be| {
+            send_numbered((a, b), pb, sizes, (ae, be));
+            sizes.len() as u64
+        })
+    }
+
+    /// [`rma_pair`] where `a` sent `b` what `send` sends (returning how many
+    /// frames), and both were polled until `b` started a read for each.
+    fn stalled(
+        provider: &str,
+        max_frame: usize,
+        send: impl FnOnce(
+            &mut FabricEndpoint,
+            &mut FabricEndpoint,
+            PeerId,
+            &mut Vec<Event>,
+            &mut Vec<Event>,
+        ) -> u64,
+    ) -> Option<Stalled> {
+        let (mut a, mut b, pb, pa) = rma_pair(provider, max_frame)?;
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        let started =
+            b.stats().rendezvous_reads_started + send(&mut a, &mut b, pb, &mut ae, &mut be);
+        poll_until(
+            (&mut a, &mut b),
+            (&mut ae, &mut be),
+            &format!("{provider}: the reads never started"),
+            |_, b, _| b.stats().rendezvous_reads_started >= started,
+        );
+        Some(Stalled {
+            a,
+            b,
+            pb,
+            pa,
+            ae,
+            be,
+        })
     }
 
     /// Asserts that `be` holds every numbered frame of `sizes` from `from`,
@@ -809,20 +866,15 @@ mod suite {
     /// itself and `sockets` progresses on a thread of its own, so the
     /// close's last progress may end it first.
     pub fn a_read_ending_after_its_link_closed_is_given_up(provider: &str) -> Option<bool> {
-        let (mut a, mut b, pb, pa) = rendezvous_pair(provider, &[], 4 << 20)?;
-        if a.rendezvous_max() == 0 {
-            return None;
-        }
-        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        let Stalled {
+            mut a,
+            mut b,
+            pa,
+            mut be,
+            ..
+        } = stalled_reads(provider, 4 << 20, &[1 << 20])?;
         // Where the sender's progress serves the read, it cannot end before
         // the close.
-        start_reads_then_stall(
-            (&mut a, &mut b),
-            pb,
-            &[1 << 20],
-            (&mut ae, &mut be),
-            provider,
-        );
         b.close(pa);
         if b.stats().rendezvous_read == 1 {
             return Some(false);
@@ -1281,20 +1333,12 @@ mod suite {
     /// reads at once (128 MiB), and a second peer's 16 MiB frame waited
     /// behind it for as long as it lived.
     pub fn a_read_of_a_closed_link_does_not_hold_up_others(provider: &str) {
-        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 128 << 20) else {
+        let Some(Stalled {
+            mut b, pa, mut be, ..
+        }) = stalled_reads(provider, 128 << 20, &[120 << 20])
+        else {
             return;
         };
-        if a.rendezvous_max() == 0 {
-            return;
-        }
-        let (mut ae, mut be) = (Vec::new(), Vec::new());
-        start_reads_then_stall(
-            (&mut a, &mut b),
-            pb,
-            &[120 << 20],
-            (&mut ae, &mut be),
-            provider,
-        );
         b.close(pa);
         if b.stats().rendezvous_reads_given_up > 0 {
             return; // the provider ended it within the close: nothing held
@@ -1309,15 +1353,12 @@ mod suite {
         allow_rendezvous((&mut c, &mut b), (pb_at_c, pc));
         let mut ce = Vec::new();
         send_numbered((&mut c, &mut b), pb_at_c, &[16 << 20], (&mut ce, &mut be));
-        let start = Instant::now();
-        while frames_from(&be, pc).is_empty() {
-            c.poll(&mut ce).expect("poll c");
-            b.poll(&mut be).expect("poll b");
-            assert!(
-                start.elapsed() < DEADLINE,
-                "{provider}: the second peer's frame waited behind the closed link's read"
-            );
-        }
+        poll_until(
+            (&mut c, &mut b),
+            (&mut ce, &mut be),
+            &format!("{provider}: the second peer's frame waited behind the closed link's read"),
+            |_, _, be| !frames_from(be, pc).is_empty(),
+        );
         assert_numbered(&be, pc, &[16 << 20], provider);
     }
 
@@ -1326,15 +1367,10 @@ mod suite {
     /// process: over `tcp;ofi_rxm` with two such reads libfabric 1.17
     /// crashed inside `fi_close`, so the endpoint is left open instead.
     pub fn closing_with_reads_never_served_does_not_crash(provider: &str) {
-        let Some((mut a, mut b, pb, _)) = rendezvous_pair(provider, &[], 16 << 20) else {
+        let Some(Stalled { a, mut b, .. }) = stalled_reads(provider, 16 << 20, &[8 << 20, 8 << 20])
+        else {
             return;
         };
-        if a.rendezvous_max() == 0 {
-            return;
-        }
-        let (mut ae, mut be) = (Vec::new(), Vec::new());
-        let sizes = [8 << 20, 8 << 20];
-        start_reads_then_stall((&mut a, &mut b), pb, &sizes, (&mut ae, &mut be), provider);
         // The reads cannot end.
         assert_eq!(b.stats().rendezvous_read, 0, "{provider}");
         assert_eq!(b.drain_for_close(), 2, "{provider}: left open");
@@ -1346,20 +1382,15 @@ mod suite {
     /// still queued, end in the close's drain: the endpoint is closed,
     /// not left open with its memory.
     pub fn closing_with_reads_served_closes(provider: &str) {
-        let Some((mut a, mut b, pb, _)) = rendezvous_pair(provider, &[], 16 << 20) else {
+        let Some(Stalled {
+            mut a,
+            mut b,
+            mut ae,
+            ..
+        }) = stalled_reads(provider, 16 << 20, &[1 << 20])
+        else {
             return;
         };
-        if a.rendezvous_max() == 0 {
-            return;
-        }
-        let (mut ae, mut be) = (Vec::new(), Vec::new());
-        start_reads_then_stall(
-            (&mut a, &mut b),
-            pb,
-            &[1 << 20],
-            (&mut ae, &mut be),
-            provider,
-        );
         // `a` serves the read; `b` does not poll its completion.
         for _ in 0..2000 {
             a.poll(&mut ae).expect("poll a");
@@ -1373,27 +1404,21 @@ mod suite {
     /// read already asked for from that memory), and must not read memory
     /// put to another use. (It was let go of at once.)
     pub fn an_abandoned_transfer_keeps_its_body(provider: &str) {
-        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &[], 2 << 20) else {
+        let Some((mut a, mut b, pb, pa)) = rma_pair(provider, 2 << 20) else {
             return;
         };
-        if a.rendezvous_max() == 0 {
-            return;
-        }
         let len = 1 << 20;
         let dropped = Arc::new(AtomicBool::new(false));
         let frame = tracked_frame(len, 9, &dropped);
         b.hold_reads(pa, true);
         let (mut ae, mut be) = (Vec::new(), Vec::new());
         send_blocking(&mut a, &mut b, pb, frame, &mut ae, &mut be);
-        let start = Instant::now();
-        while b.rendezvous_queued().0 == 0 {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(
-                start.elapsed() < DEADLINE,
-                "{provider}: the descriptor never came"
-            );
-        }
+        poll_until(
+            (&mut a, &mut b),
+            (&mut ae, &mut be),
+            &format!("{provider}: the descriptor never came"),
+            |_, b, _| b.rendezvous_queued().0 > 0,
+        );
         a.close(pb);
         assert_eq!(a.stats().rendezvous_abandoned, 1, "{provider}");
         assert_eq!(
@@ -1418,15 +1443,17 @@ mod suite {
     pub fn an_early_done_does_not_free_a_body_being_read() {
         use efabus_transports::fabric::layout::rma_done;
         let len = 32 << 20;
-        let Some(StalledRead {
-            mut a,
-            mut b,
-            pa,
+        let Some((
+            Stalled {
+                mut a,
+                mut b,
+                pa,
+                mut ae,
+                mut be,
+                ..
+            },
             dropped,
-            mut ae,
-            mut be,
-            ..
-        }) = stalled_read(len, 9)
+        )) = stalled_read(len, 9)
         else {
             return;
         };
@@ -1444,23 +1471,23 @@ mod suite {
             "the body was let go of while being read"
         );
         assert_eq!(a.rendezvous_held().0, 1, "still registered");
-        let start = Instant::now();
-        while !dropped.load(Ordering::SeqCst) {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(start.elapsed() < DEADLINE, "the body was never let go of");
-        }
+        poll_until(
+            (&mut a, &mut b),
+            (&mut ae, &mut be),
+            "the body was never let go of",
+            |_, _, _| dropped.load(Ordering::SeqCst),
+        );
         // The last bytes may still wait in `b`'s socket.
-        let whole = |be: &[Event]| {
-            frames_from(be, pa)
-                .iter()
-                .any(|f| f.len() == len && f[16..].iter().all(|&byte| byte == 9))
-        };
-        while !whole(&be) {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(start.elapsed() < DEADLINE, "the frame was not read whole");
-        }
+        poll_until(
+            (&mut a, &mut b),
+            (&mut ae, &mut be),
+            "the frame was not read whole",
+            |_, _, be| {
+                frames_from(be, pa)
+                    .iter()
+                    .any(|f| f.len() == len && f[16..].iter().all(|&byte| byte == 9))
+            },
+        );
     }
 
     /// A link closed while its peer's read is still being served (the
@@ -1471,15 +1498,17 @@ mod suite {
     /// on. (The body went after 15 s, reused memory or not.)
     pub fn a_closed_link_s_body_waits_for_its_fence() {
         let len = 32 << 20;
-        let Some(StalledRead {
-            mut a,
-            mut b,
-            pb,
+        let Some((
+            Stalled {
+                mut a,
+                mut b,
+                pb,
+                mut ae,
+                mut be,
+                ..
+            },
             dropped,
-            mut ae,
-            mut be,
-            ..
-        }) = stalled_read(len, 5)
+        )) = stalled_read(len, 5)
         else {
             return;
         };
@@ -1496,15 +1525,12 @@ mod suite {
             "let go of while being read"
         );
         // `b` reads on: once the read's bytes are out, so is the fence.
-        let start = Instant::now();
-        while !dropped.load(Ordering::SeqCst) {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(
-                start.elapsed() < DEADLINE,
-                "the body was kept after its fence went"
-            );
-        }
+        poll_until(
+            (&mut a, &mut b),
+            (&mut ae, &mut be),
+            "the body was kept after its fence went",
+            |_, _, _| dropped.load(Ordering::SeqCst),
+        );
         assert_eq!(a.rendezvous_abandoned_kept(), (0, 0));
         // By the fence, not by the 15 s that bodies without one are kept.
         assert!(
@@ -1513,42 +1539,21 @@ mod suite {
         );
     }
 
-    /// A `tcp;ofi_rxm` pair where `b` has started to read a frame of `len`
-    /// bytes `a` sent it by rendezvous, its body all `fill`.
-    struct StalledRead {
-        a: FabricEndpoint,
-        b: FabricEndpoint,
-        pb: PeerId,
-        pa: PeerId,
-        /// Set when `a` lets the body go.
-        dropped: Arc<AtomicBool>,
-        ae: Vec<Event>,
-        be: Vec<Event>,
-    }
-
-    fn stalled_read(len: usize, fill: u8) -> Option<StalledRead> {
+    /// [`stalled_reads`] over `tcp;ofi_rxm` of one frame of `len` bytes,
+    /// its body all `fill`, and the flag set when `a` lets the body go.
+    fn stalled_read(len: usize, fill: u8) -> Option<(Stalled, Arc<AtomicBool>)> {
         let provider = "tcp;ofi_rxm";
-        let (mut a, mut b, pb, pa) = rendezvous_pair(provider, &[], len + (1 << 20))?;
-        assert!(a.link().fenced_release, "{provider} serves reads itself");
         let dropped = Arc::new(AtomicBool::new(false));
         let frame = tracked_frame(len, fill, &dropped);
-        let (mut ae, mut be) = (Vec::new(), Vec::new());
-        send_blocking(&mut a, &mut b, pb, frame, &mut ae, &mut be);
-        let start = Instant::now();
-        while b.stats().rendezvous_reads_started == 0 {
-            a.poll(&mut ae).expect("poll a");
-            b.poll(&mut be).expect("poll b");
-            assert!(start.elapsed() < DEADLINE, "the read never started");
-        }
-        Some(StalledRead {
-            a,
-            b,
-            pb,
-            pa,
-            dropped,
-            ae,
-            be,
-        })
+        let stalled = stalled(provider, len + (1 << 20), |a, b, pb, ae, be| {
+            send_blocking(a, b, pb, frame, ae, be);
+            1
+        })?;
+        assert!(
+            stalled.a.link().fenced_release,
+            "{provider} serves reads itself"
+        );
+        Some((stalled, dropped))
     }
 
     /// A frame of `len` bytes whose body (all `fill`) sets `dropped` when
