@@ -288,6 +288,48 @@ fn a_reconnected_requester_gets_its_inbox_back_when_the_old_connection_ends() {
     assert_eq!(requester.reconnects(), 1);
 }
 
+/// Two later connections of one user wait for the inbox an earlier one
+/// holds: when it is let go the newest takes it, and the older one, as
+/// stale as the first, is refused.
+#[test]
+fn a_freed_inbox_goes_to_the_newest_connection_waiting_for_it() {
+    let broker = broker();
+    let requester = || login(&broker, Some("requester"), Some("requester-password")).unwrap();
+    let first = requester();
+    let held = first.subscribe("_INBOX.q7.>").unwrap();
+    first.flush(WAIT).unwrap();
+    let older = requester();
+    let older_waits = older.subscribe("_INBOX.q7.>").unwrap();
+    older.flush(WAIT).unwrap();
+    let newer = requester();
+    let newer_waits = newer.subscribe("_INBOX.q7.>").unwrap();
+    newer.flush(WAIT).unwrap();
+    assert!(older.take_errors().is_empty(), "waiting, not refused");
+    assert!(newer.take_errors().is_empty(), "waiting, not refused");
+
+    drop(held);
+    first.flush(WAIT).unwrap();
+    wait_until("the older connection refused", || {
+        let errors = older.take_errors();
+        assert!(
+            errors.iter().all(|e| e.1.contains("another connection's")),
+            "{errors:?}"
+        );
+        !errors.is_empty()
+    });
+    let watcher = login(&broker, None, Some("watcher-token")).unwrap();
+    watcher
+        .publish("_INBOX.q7.answer", b"yours".to_vec())
+        .unwrap();
+    watcher.flush(WAIT).unwrap();
+    let answer = newer_waits
+        .recv_timeout(WAIT)
+        .expect("the newest holds the inbox");
+    assert_eq!(&answer.payload[..], b"yours");
+    assert!(older_waits.try_recv().is_err(), "one holder only");
+    assert!(newer.take_errors().is_empty());
+}
+
 /// A restricted user cannot make a reply subject a way to publish where
 /// it may not, and an inbox is held only while subscriptions under it
 /// last (an inbox a route announces: the next test).
