@@ -196,8 +196,11 @@ pub struct BrokerStats {
     pub fabric_rendezvous_abandoned: AtomicU64,
     pub fabric_rendezvous_reads_given_up: AtomicU64,
     /// Frames sent by rendezvous from a body registered already (the
-    /// registration cache served them), and the registrations held right
-    /// now with their bytes.
+    /// registration cache served them), and the rendezvous registrations
+    /// held right now with their bytes: bodies offered to peers' reads and,
+    /// under FI_MR_LOCAL, the buffers reads in flight land in
+    /// (`fabric_rendezvous_registrations` counts the bodies registered
+    /// since the start).
     pub fabric_rendezvous_cache_hits: AtomicU64,
     pub fabric_rendezvous_registered: AtomicU64,
     pub fabric_rendezvous_registered_bytes: AtomicU64,

@@ -588,7 +588,9 @@ pub struct RendezvousCounts {
     /// Frames whose body was registered already (sent to another peer
     /// too): served from the registration cache.
     pub cache_hits: u64,
-    /// Registrations held right now.
+    /// Registrations held right now: bodies offered to peers' reads and,
+    /// where the provider needs local registrations (FI_MR_LOCAL), the
+    /// buffers reads in flight land in.
     pub registered: u64,
     /// Their bytes.
     pub registered_bytes: u64,

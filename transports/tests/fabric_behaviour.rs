@@ -1578,6 +1578,54 @@ mod suite {
         }
     }
 
+    /// Where the provider needs local registrations, the buffer a read
+    /// lands in is registered while the read is out and counted beside
+    /// the bodies offered (`RendezvousCounts::registered`); both go once
+    /// the frame is in.
+    pub fn landing_registrations_are_counted(provider: &str) {
+        let len = 4 << 20;
+        let forced = [("force_mr_local", "true")];
+        let Some((mut a, mut b, pb, pa)) = rendezvous_pair(provider, &forced, len + (1 << 20))
+            .filter(|(a, ..)| a.rendezvous_max() > 0)
+        else {
+            return;
+        };
+        assert!(b.link().mr_local);
+        let (mut ae, mut be) = (Vec::new(), Vec::new());
+        send_numbered((&mut a, &mut b), pb, &[len], (&mut ae, &mut be));
+        poll_until(
+            (&mut a, &mut b),
+            (&mut ae, &mut be),
+            &format!("{provider}: the read never started"),
+            |_, b, _| b.stats().rendezvous_reads_started >= 1,
+        );
+        // Its completion is read at b's next poll at the earliest.
+        let (offered, landing) = (a.rendezvous_counts(), b.rendezvous_counts());
+        assert_eq!(
+            (offered.registered, offered.registered_bytes),
+            (1, len as u64 - 16),
+            "{provider}: the body offered"
+        );
+        assert_eq!(landing.registered, 1, "{provider}: the landing buffer");
+        assert_eq!(
+            landing.registered_bytes,
+            len as u64 - 16,
+            "{provider}: the landing buffer's bytes"
+        );
+        poll_until(
+            (&mut a, &mut b),
+            (&mut ae, &mut be),
+            &format!("{provider}: registrations still held"),
+            |a, b, be| {
+                !frames_from(be, pa).is_empty()
+                    && a.rendezvous_counts().registered == 0
+                    && b.rendezvous_counts().registered == 0
+            },
+        );
+        assert_numbered(&be, pa, &[len], provider);
+        assert_eq!(b.rendezvous_counts().registered_bytes, 0, "{provider}");
+    }
+
     /// A read queued for an in-process `shm` peer that then closes is
     /// given up when its turn comes, and counted as such.
     pub fn a_queued_read_of_a_closed_in_process_shm_peer_is_counted() {
@@ -3031,6 +3079,14 @@ fn an_early_done_does_not_free_a_body_being_read() {
 #[test]
 fn a_closed_link_s_body_waits_for_its_fence() {
     suite::a_closed_link_s_body_waits_for_its_fence();
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn rdm_landing_registrations_are_counted() {
+    for provider in READING_PROVIDERS {
+        suite::landing_registrations_are_counted(provider);
+    }
 }
 
 #[cfg(efabus_libfabric)]

@@ -2740,6 +2740,19 @@ impl Endpoint for FabricEndpoint {
     }
 
     fn rendezvous_counts(&self) -> efabus_core::transport::RendezvousCounts {
+        // Bodies registered for the peers' reads, and, where the provider
+        // needs local registrations, the buffers this endpoint's reads
+        // land in (the slots are looked at only while reads are out).
+        let (registered, registered_bytes) = self.rma.as_ref().map_or((0, 0), |rma| {
+            let offered = (rma.registrations.len(), rma.registrations.bytes());
+            if !(self.link.mr_local && rma.reads_in_flight()) {
+                return offered;
+            }
+            rma.slots
+                .iter()
+                .filter_map(|slot| slot.job.as_ref()?.mr.as_ref())
+                .fold(offered, |(count, bytes), mr| (count + 1, bytes + mr.len()))
+        });
         efabus_core::transport::RendezvousCounts {
             sent: self.stats.rendezvous_sent,
             registrations: self.stats.rendezvous_registrations,
@@ -2749,14 +2762,8 @@ impl Endpoint for FabricEndpoint {
             abandoned: self.stats.rendezvous_abandoned,
             reads_given_up: self.stats.rendezvous_reads_given_up,
             cache_hits: self.stats.rendezvous_shared,
-            registered: self
-                .rma
-                .as_ref()
-                .map_or(0, |rma| rma.registrations.len() as u64),
-            registered_bytes: self
-                .rma
-                .as_ref()
-                .map_or(0, |rma| rma.registrations.bytes() as u64),
+            registered: registered as u64,
+            registered_bytes: registered_bytes as u64,
         }
     }
 

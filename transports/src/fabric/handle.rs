@@ -427,6 +427,7 @@ impl Drop for CompletionQueue {
 /// A registered memory region (`fi_mr_reg`).
 pub struct MemoryRegion {
     ptr: NonNull<sys::fid_mr>,
+    len: usize,
     _domain: Rc<Domain>,
 }
 
@@ -464,6 +465,7 @@ impl MemoryRegion {
         })?;
         Ok(MemoryRegion {
             ptr,
+            len,
             _domain: domain.clone(),
         })
     }
@@ -472,6 +474,12 @@ impl MemoryRegion {
     pub fn desc(&self) -> *mut c_void {
         // SAFETY: the region is open.
         unsafe { sys::efabus_mr_desc(self.ptr.as_ptr()) }
+    }
+
+    /// Bytes registered.
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
+        self.len
     }
 
     /// The remote key (`fi_mr_key`), provider-chosen under FI_MR_PROV_KEY.
