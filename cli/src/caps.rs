@@ -19,10 +19,11 @@ use std::path::{Path, PathBuf};
 use clap::{Args, ValueEnum};
 use efabus_broker::{endpoints, Config};
 use efabus_core::caps::{
-    check, negotiate, parse_fi_info_dump, to_fi_info_text, AddrFormat, EpType, FabricInfo, Hints,
-    Negotiated, Offer,
+    check, negotiate, parse_fi_info_dump, to_fi_info_text, AddrFormat, Caps, EpType, FabricInfo,
+    Hints, MrMode, Negotiated, Offer,
 };
 use efabus_core::transport::BufferMemory;
+use efabus_transports::fabric::config::{buffer_memory, queue_depth, wants_multi_recv};
 use efabus_transports::fabric::layout::BufferLayout;
 use efabus_transports::fabric::{
     buffer_size, huge_page_size, probe_like_fi_info, provider_eager_limit, receive_depth,
@@ -120,7 +121,8 @@ fn read_dump(path: &Path) -> Result<Vec<FabricInfo>, Failure> {
 
 /// The offers a host with these infos would make with `config`: the first
 /// accepted entry per scheme, as an endpoint opened on it would offer it
-/// ([`as_opened`]), plus TCP.
+/// ([`as_opened`]), plus TCP; and lines on each entry, then on what each
+/// accepted one's buffers would take.
 fn offers(
     infos: &[FabricInfo],
     provider: Option<&str>,
@@ -128,6 +130,7 @@ fn offers(
 ) -> (Vec<Offer>, Vec<String>) {
     let mut offers: Vec<Offer> = Vec::new();
     let mut lines = Vec::new();
+    let mut memory = Vec::new();
     for info in infos {
         let name = format!(
             "{} {} {}",
@@ -151,7 +154,11 @@ fn offers(
             }
             Ok(()) => {
                 lines.push(format!("  accepted {name} as {scheme}"));
-                offers.push(as_opened(scheme, info, config));
+                let (offer, buffers) = as_opened(scheme, info, config);
+                if buffers.held > 0 {
+                    memory.push(buffer_line(scheme, buffers, None));
+                }
+                offers.push(offer);
             }
             Err(rejection) => lines.push(format!("  rejected {name}: {rejection}")),
         }
@@ -161,17 +168,18 @@ fn offers(
         &FabricInfo::tcp(None),
         Vec::new(),
     ));
+    lines.extend(memory);
     (offers, lines)
 }
 
 /// The offer an endpoint opened on `info` with `config` makes, as a live
 /// one reports it ([`endpoints::offer_for`]): queues at most the configured
 /// depths, and messages at most what a buffer holds after the endpoint's
-/// header, within the broker's frame limit.
-fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
+/// header, within the broker's frame limit; and what its buffers take.
+fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> (Offer, BufferMemory) {
     let mut offer = Offer::from_info(scheme, info, Vec::new());
     let Some(options) = endpoints::endpoint_options(&config.fabric, scheme) else {
-        return offer;
+        return (offer, BufferMemory::default());
     };
     // The endpoint reserves the provider's prefix whether or not its mode
     // asks for it, else the forced one.
@@ -211,9 +219,16 @@ fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> Offer {
         &options,
         layout.recv_len(),
     );
-    offer.rx_size = offer.rx_size.min(rx_depth as u64);
-    offer.tx_size = offer.tx_size.min(options.tx_depth as u64);
-    offer
+    let depths = (
+        queue_depth(rx_depth, info.rx_attr.size),
+        queue_depth(options.tx_depth, info.tx_attr.size),
+    );
+    offer.rx_size = depths.0 as u64;
+    offer.tx_size = depths.1 as u64;
+    let multi_recv = wants_multi_recv(kind, &options) && info.caps.contains(&Caps::MULTI_RECV);
+    let mr_local = info.domain_attr.mr_mode.contains(&MrMode::LOCAL) || options.force_mr_local;
+    let buffers = buffer_memory(layout.slot_stride(), depths, multi_recv, mr_local);
+    (offer, buffers)
 }
 
 fn from_dump(
@@ -414,5 +429,35 @@ fn as_driven(negotiated: &Negotiated) -> Negotiated {
         reliable: driven(&negotiated.reliable),
         best_effort: negotiated.best_effort.as_ref().map(driven),
         reasons: negotiated.reasons.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An efa-rdm endpoint opened with the defaults on the EFA host of the
+    /// saved dump pins at most 16 MiB of buffers.
+    #[test]
+    fn efa_endpoints_pin_at_most_16_mib_by_default() {
+        let dump = include_str!("../../core/tests/fixtures/efa-fi_info-v.txt");
+        let infos = parse_fi_info_dump(dump).expect("the saved EFA dump parses");
+        let rdm = infos
+            .iter()
+            .find(|info| info.ep_attr.ep_type == EpType::Rdm)
+            .expect("an RDM entry");
+        let (offer, buffers) = as_opened(RDM_SCHEME, rdm, &Config::default());
+        assert_eq!((offer.rx_size, offer.tx_size), (256, 256));
+        assert!(
+            buffers.multi_recv.is_some(),
+            "efa takes multi-receive buffers"
+        );
+        assert_eq!(buffers.registered, buffers.held, "efa registers them all");
+        assert!(
+            buffers.registered <= 16 << 20,
+            "{} bytes registered",
+            buffers.registered
+        );
+        assert!(buffers.registered > 15 << 20, "{buffers:?}");
     }
 }

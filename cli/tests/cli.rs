@@ -169,6 +169,11 @@ fn caps_reads_a_saved_dump_and_says_what_efabus_would_choose() {
         "reliable: efa-rdm via efa FI_EP_RDM: frame limit 32446, \
          rendezvous (RMA read) up to 1049664, prefix 176",
         "best-effort: efa-dgram via efa FI_EP_DGRAM: frame limit 8822, prefix 40",
+        // What the buffers take: 256 receives as multi-receive buffers
+        // and 256 sends, all registered (the dump's FI_MR_LOCAL).
+        "efa-rdm: buffers 16.0 MiB, of which registered (pinned) 16.0 MiB; \
+         receives in 32 multi-receive buffers of 255 KiB",
+        "efa-dgram: buffers 4.4 MiB, of which registered (pinned) 4.4 MiB",
     ] {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
     }

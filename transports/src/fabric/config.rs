@@ -4,6 +4,7 @@
 //! ([`FabricOptions`], defined beside `EndpointConfig` in
 //! `efabus_core::transport`, which carries them) and re-exported here.
 
+use efabus_core::transport::BufferMemory;
 pub use efabus_core::transport::{
     FabricOptionError, FabricOptions, OrderWanted, DEFAULT_RDM_MSG_SIZE, MAX_MSG_SIZE,
 };
@@ -50,6 +51,73 @@ impl EpKind {
             EpKind::Rdm => super::consts::FI_EP_RDM,
             EpKind::Dgram => super::consts::FI_EP_DGRAM,
         }
+    }
+}
+
+/// Eager buffers' worth of memory in one multi-receive buffer: a buffer
+/// takes at least `MULTI_RECV_SLOTS - 1` messages of the largest size, and
+/// many more small ones, before the provider releases it; the receive
+/// memory of `rx_depth` eager buffers makes `rx_depth / MULTI_RECV_SLOTS`
+/// of them (at least two, so one is posted while the other is taken
+/// back).
+pub const MULTI_RECV_SLOTS: usize = 8;
+
+/// Whether `provider` lets go of a multi-receive buffer only once every
+/// message that landed in it is complete, so that it may be posted again
+/// at once: efa does (it tracks each buffer's messages). libfabric 1.17's
+/// `ofi_rxm` does not: it reports the buffer released with the message
+/// that filled it while one matched before it may still be arriving (its
+/// segmented and rendezvous messages, and over `tcp` a message read
+/// straight into the buffer), so that message would land in a buffer
+/// posted again; seen here as a completion for a buffer already given
+/// back, with 64 KiB eager buffers. The other providers here are not
+/// relied on either.
+pub fn releases_whole_buffers(provider: &str) -> bool {
+    provider == "efa"
+}
+
+/// Whether an endpoint of `kind` with `options` asks for FI_MULTI_RECV,
+/// and posts multi-receive buffers where it is granted.
+pub fn wants_multi_recv(kind: EpKind, options: &FabricOptions) -> bool {
+    kind == EpKind::Rdm
+        && options.multi_recv
+        && (options.force_multi_recv || releases_whole_buffers(&options.provider))
+}
+
+/// An endpoint's queue depth: `wanted`, within the provider's `size`
+/// for that queue (0 or unknown: no limit given).
+pub fn queue_depth(wanted: usize, size: u64) -> usize {
+    match usize::try_from(size) {
+        Ok(0) | Err(_) => wanted,
+        Ok(size) => wanted.min(size),
+    }
+}
+
+/// What an endpoint's buffer pools take, with `depths` (receives, sends)
+/// eager buffers of `stride` bytes: receives as multi-receive buffers of
+/// [`MULTI_RECV_SLOTS`] eager buffers each (at least two) where
+/// `multi_recv`, all of it registered where the provider needs local
+/// registrations (`mr_local`). The endpoint and `efabus caps` decide
+/// through this one function.
+pub fn buffer_memory(
+    stride: usize,
+    (rx_depth, tx_depth): (usize, usize),
+    multi_recv: bool,
+    mr_local: bool,
+) -> BufferMemory {
+    let (rx_slots, rx_stride) = if multi_recv {
+        (
+            rx_depth.div_ceil(MULTI_RECV_SLOTS).max(2),
+            stride * MULTI_RECV_SLOTS,
+        )
+    } else {
+        (rx_depth, stride)
+    };
+    let held = rx_slots * rx_stride + tx_depth * stride;
+    BufferMemory {
+        held,
+        registered: if mr_local { held } else { 0 },
+        multi_recv: multi_recv.then_some((rx_slots, rx_stride)),
     }
 }
 

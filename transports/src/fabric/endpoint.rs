@@ -11,11 +11,10 @@
 //! Data path:
 //! - Receives stay posted, each a slot of the rx pool. On RDM, where the
 //!   provider grants FI_MULTI_RECV and gives a buffer back only once all
-//!   its messages have landed (`releases_whole_buffers`), and `multi_recv`
-//!   is set, a slot is a multi-receive buffer of `MULTI_RECV_SLOTS` eager
-//!   buffers' worth,
-//!   which messages fill one after another, each taking only its own
-//!   bytes; the provider releases it once less than one largest message
+//!   its messages have landed (`config::releases_whole_buffers`), and
+//!   `multi_recv` is set, a slot is a multi-receive buffer of
+//!   `config::MULTI_RECV_SLOTS` eager buffers' worth, which messages fill
+//!   one after another, each taking only its own bytes; the provider releases it once less than one largest message
 //!   fits, and it is posted again. Otherwise `rx_depth` slots of one eager
 //!   buffer each take a message each. A completion is decoded and its
 //!   frames handed on. Small messages are copied out (and a slot of one
@@ -149,14 +148,6 @@ const SLOW_READ_POST: Duration = Duration::from_micros(50);
 /// Smallest received run of frames lent rather than copied: below it a
 /// copy costs less than a slot held out of the receive queue.
 const LEND_MIN: usize = 8 << 10;
-
-/// Eager buffers' worth of memory in one multi-receive buffer: a buffer
-/// takes at least `MULTI_RECV_SLOTS - 1` messages of the largest size, and
-/// many more small ones, before the provider releases it; the receive
-/// memory of `rx_depth` eager buffers makes `rx_depth / MULTI_RECV_SLOTS`
-/// of them (at least two, so one is posted while the other is taken
-/// back).
-const MULTI_RECV_SLOTS: usize = 8;
 
 /// Smallest frame body sent from where it lies rather than copied.
 const SHARE_MIN: usize = 8 << 10;
@@ -698,14 +689,10 @@ impl FabricEndpoint {
             BufferLayout::payload_for(ep_attrs.max_msg_size, prefix, cap),
         );
         let mr_local = dom.mr_mode & FI_MR_LOCAL != 0 || options.force_mr_local;
-        let depth = |wanted: usize, provider: u64| match usize::try_from(provider) {
-            Ok(0) | Err(_) => wanted,
-            Ok(p) => wanted.min(p),
-        };
         let wanted_rx =
             super::config::receive_depth(kind, attrs.provider(), options, layout.recv_len());
-        let rx_depth = depth(wanted_rx, rx.size);
-        let tx_depth = depth(options.tx_depth, tx.size);
+        let rx_depth = super::config::queue_depth(wanted_rx, rx.size);
+        let tx_depth = super::config::queue_depth(options.tx_depth, tx.size);
         let inject_size = usize::try_from(tx.inject_size).unwrap_or(usize::MAX);
         let tx_iov_limit = usize::try_from(tx.iov_limit).unwrap_or(usize::MAX);
 
@@ -724,12 +711,13 @@ impl FabricEndpoint {
         // libfabric 1.17), so it is polled.
         let want_wait = options.wait_fd && attrs.provider() != "sockets";
         // Only an asked-for grant is relied on, as for FI_SOURCE.
-        let multi_recv = wants_multi_recv(kind, options) && attrs.caps & FI_MULTI_RECV != 0;
+        let multi_recv =
+            super::config::wants_multi_recv(kind, options) && attrs.caps & FI_MULTI_RECV != 0;
         // A multi-receive buffer completes many messages per post: more
         // room than one completion per buffer (small messages may still
         // outrun it; the providers' queues then hold the rest).
         let rx_completions = if multi_recv {
-            rx_depth * MULTI_RECV_SLOTS
+            rx_depth * super::config::MULTI_RECV_SLOTS
         } else {
             rx_depth
         };
@@ -789,14 +777,9 @@ impl FabricEndpoint {
             )));
         }
         let stride = layout.slot_stride();
-        let (rx_slots, rx_stride) = if multi_recv {
-            (
-                rx_depth.div_ceil(MULTI_RECV_SLOTS).max(2),
-                stride * MULTI_RECV_SLOTS,
-            )
-        } else {
-            (rx_depth, stride)
-        };
+        let buffers =
+            super::config::buffer_memory(stride, (rx_depth, tx_depth), multi_recv, mr_local);
+        let (rx_slots, rx_stride) = buffers.multi_recv.unwrap_or((rx_depth, stride));
         let mut rx_pool = BufferPool::new(rx_slots, rx_stride)?;
         let mut tx_pool = BufferPool::new(tx_depth, stride)?;
         // Received frames may be forwarded from the rx pool as they lie when
@@ -885,15 +868,7 @@ impl FabricEndpoint {
             _fabric: fabric,
             info,
             scheme: kind.scheme(),
-            buffers: BufferMemory {
-                held: rx_slots * rx_stride + tx_depth * stride,
-                registered: if mr_local {
-                    rx_slots * rx_stride + tx_depth * stride
-                } else {
-                    0
-                },
-                multi_recv: multi_recv.then_some((rx_slots, rx_stride)),
-            },
+            buffers,
             link,
             layout,
             header_addr: local_addr.clone(),
@@ -2528,7 +2503,7 @@ pub(crate) fn get_info(
     } else {
         0
     };
-    let multi_recv = if wants_multi_recv(kind, options) {
+    let multi_recv = if super::config::wants_multi_recv(kind, options) {
         FI_MULTI_RECV
     } else {
         0
@@ -2553,28 +2528,6 @@ pub(crate) fn get_info(
         }
     }
     result
-}
-
-/// Whether `provider` lets go of a multi-receive buffer only once every
-/// message that landed in it is complete, so that it may be posted again
-/// at once: efa does (it tracks each buffer's messages). libfabric 1.17's
-/// `ofi_rxm` does not: it reports the buffer released with the message
-/// that filled it while one matched before it may still be arriving (its
-/// segmented and rendezvous messages, and over `tcp` a message read
-/// straight into the buffer), so that message would land in a buffer
-/// posted again; seen here as a completion for a buffer already given
-/// back, with 64 KiB eager buffers. The other providers here are not
-/// relied on either.
-fn releases_whole_buffers(provider: &str) -> bool {
-    provider == "efa"
-}
-
-/// Whether an endpoint of `kind` with `options` asks for FI_MULTI_RECV,
-/// and posts multi-receive buffers where it is granted.
-fn wants_multi_recv(kind: EpKind, options: &FabricOptions) -> bool {
-    kind == EpKind::Rdm
-        && options.multi_recv
-        && (options.force_multi_recv || releases_whole_buffers(&options.provider))
 }
 
 /// Whether `addr` has the form of the names the shm provider gives its
