@@ -1266,13 +1266,6 @@ fn sigint_shuts_down_gracefully_like_sigterm() {
     );
 }
 
-/// The broker's counter `name`, from its monitoring listener's `/varz`.
-fn varz_total(monitor: &str, name: &str) -> u64 {
-    common::monitor_json(monitor, "/varz")["totals"][name]
-        .as_u64()
-        .unwrap_or_else(|| panic!("/varz has no total {name}"))
-}
-
 /// A fabric subscriber that stops (SIGSTOP) while the broker has large
 /// messages registered for it to read, then dies (SIGKILL): the broker
 /// counts the transfers it was holding as abandoned and releases every
@@ -1339,25 +1332,25 @@ fn a_subscriber_killed_mid_read_leaves_the_broker_holding_nothing() {
     }
     publisher.flush(WAIT).unwrap();
     assert!(
-        eventually(WAIT, || varz_total(
+        eventually(WAIT, || common::varz_total(
             &monitor,
             "fabric_rendezvous_registered"
         ) > 0),
         "nothing held for the stopped subscriber"
     );
-    let abandoned = varz_total(&monitor, "fabric_rendezvous_abandoned");
+    let abandoned = common::varz_total(&monitor, "fabric_rendezvous_abandoned");
     victim.kill();
     assert!(
         eventually(WAIT, || {
-            varz_total(&monitor, "fabric_rendezvous_registered") == 0
-                && varz_total(&monitor, "fabric_rendezvous_registered_bytes") == 0
+            common::varz_total(&monitor, "fabric_rendezvous_registered") == 0
+                && common::varz_total(&monitor, "fabric_rendezvous_registered_bytes") == 0
         }),
         "registrations still held after the subscriber died: {} ({} bytes)",
-        varz_total(&monitor, "fabric_rendezvous_registered"),
-        varz_total(&monitor, "fabric_rendezvous_registered_bytes")
+        common::varz_total(&monitor, "fabric_rendezvous_registered"),
+        common::varz_total(&monitor, "fabric_rendezvous_registered_bytes")
     );
     assert!(
-        varz_total(&monitor, "fabric_rendezvous_abandoned") > abandoned,
+        common::varz_total(&monitor, "fabric_rendezvous_abandoned") > abandoned,
         "the transfers it was sent were not counted as abandoned"
     );
 }

@@ -128,9 +128,11 @@ fn routes(monitor: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-/// A broker killed (SIGKILL, as a crash) while a peer streams to it over a
-/// fabric route, then started again at its address: the route comes back
-/// on the fabric, and from then on each message arrives once and in order,
+/// A broker that hangs (SIGSTOP) while a peer streams to it over a fabric
+/// route and is then killed (SIGKILL, as a crash), then started again at
+/// its address: what the survivor routed to it meanwhile is counted there
+/// as lost (queued, or sent and not acknowledged), the route comes back on
+/// the fabric, and from then on each message arrives once and in order,
 /// none of those from before (no duplicates, no loops).
 #[test]
 fn a_killed_broker_comes_back_on_the_fabric() {
@@ -161,36 +163,81 @@ fn a_killed_broker_comes_back_on_the_fabric() {
     let probe = sub_before.subscribe("probe").expect("subscribe");
     let before = sub_before.subscribe("kill.>").expect("subscribe");
     wait_for_route(&publisher, &probe);
+    // A probe sent after the one that came may still be on its way.
+    while probe.recv_timeout(Duration::from_millis(200)).is_ok() {}
+    let total = |name: &str| common::varz_total(&a_monitor, name);
+    let routed_at_start = total("route_messages_out");
 
-    // A stream under way when b dies: what b's subscriber got of it came
-    // once and in order.
+    // A stream that b delivers whole, so that b holds none of it when it
+    // dies (what a crashed broker had taken and not passed on is lost
+    // with it, and no survivor can count it).
     let number = |n: u64| Bytes::from(n.to_le_bytes().to_vec());
-    let mut last = None;
-    let mut take = |message: efabus::Message| {
-        let n = u64::from_le_bytes(message.payload[..8].try_into().expect("8 bytes"));
-        assert!(last.is_none_or(|last| last < n), "{n} after {last:?}");
-        last = Some(n);
-    };
     for n in 0..1_000u64 {
         publisher.publish("kill.data", number(n)).expect("publish");
     }
-    for _ in 0..100 {
-        take(before.recv_timeout(WAIT).expect("the stream arrives"));
+    for n in 0..1_000u64 {
+        let message = before.recv_timeout(WAIT).expect("the stream arrives");
+        assert_eq!(message.payload, number(n), "once and in order");
     }
-    b.kill();
+    // a's counts reach its monitor at the end of its loop rounds: every
+    // message of the stream counted before the baselines are taken.
+    assert!(
+        common::eventually(WAIT, || total("route_messages_out")
+            == routed_at_start + 1_000),
+        "a counted {} routed messages of the 1,000",
+        total("route_messages_out") - routed_at_start
+    );
+    let dropped = || total("connection_drops") + total("slow_consumer_drops");
+    let (routed_before, dropped_before, unacknowledged_before) = (
+        total("route_messages_out"),
+        dropped(),
+        total("unacknowledged_at_close"),
+    );
+    b.stop();
+    // What a routes to b from now on is lost: a counts it as it learns
+    // that b has gone.
     for n in 1_000..2_000u64 {
         publisher.publish("kill.data", number(n)).expect("publish");
     }
-    while let Ok(message) = before.recv_timeout(Duration::from_millis(200)) {
-        take(message);
-    }
-    eprintln!("b's subscriber got up to {last:?} of 0..2000 before b was killed");
-    drop(sub_before);
+    publisher.flush(WAIT).expect("flush");
+    let routed = || total("route_messages_out") - routed_before;
+    assert!(
+        common::eventually(WAIT, || routed() == 1_000),
+        "a routed {} of the 1,000 published while b hung",
+        routed()
+    );
+    b.kill();
     assert!(
         common::eventually(WAIT, || routes(&a_monitor).is_empty()),
         "a still reports a route to the killed b: {:?}",
         routes(&a_monitor)
     );
+    let counts = || {
+        (
+            routed(),
+            dropped() - dropped_before,
+            total("unacknowledged_at_close") - unacknowledged_before,
+        )
+    };
+    let counted = |(lost, dropped, unacknowledged): (u64, u64, u64)| {
+        dropped <= lost && lost <= dropped + unacknowledged
+    };
+    common::eventually(WAIT, || counted(counts()));
+    let (lost, dropped, unacknowledged) = counts();
+    eprintln!(
+        "a routed {lost} messages to b while it hung: {dropped} dropped, \
+         {unacknowledged} unacknowledged"
+    );
+    assert!(
+        counted((lost, dropped, unacknowledged)),
+        "{lost} messages routed to the hung b, {dropped} counted as dropped and \
+         {unacknowledged} as unacknowledged"
+    );
+    assert!(
+        before.recv_timeout(Duration::from_millis(200)).is_err(),
+        "nothing from a dead broker"
+    );
+    drop(sub_before);
 
     let b_again = Server::start_listening(
         &[&format!("tcp/{}", b.address), "efa-rdm"],

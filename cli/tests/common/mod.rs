@@ -159,6 +159,15 @@ impl Server {
             .unwrap_or(0)
     }
 
+    /// Stop the process (SIGSTOP), as a hung one: it takes nothing more.
+    pub fn stop(&self) {
+        let status = Command::new("kill")
+            .args(["-STOP", &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -STOP failed");
+    }
+
     /// Kill the process at once (SIGKILL), as a crash would.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -205,6 +214,13 @@ pub fn monitor_json(monitor: &str, path: &str) -> serde_json::Value {
         .expect("read the answer");
     let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
     serde_json::from_str(body).unwrap_or_else(|err| panic!("{path} is not JSON: {err}"))
+}
+
+/// The count `name` among the totals `/varz` at `monitor` reports.
+pub fn varz_total(monitor: &str, name: &str) -> u64 {
+    monitor_json(monitor, "/varz")["totals"][name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("/varz has no total {name}"))
 }
 
 /// Poll `condition` until it holds or `timeout` passes.
