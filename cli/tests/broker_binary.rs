@@ -1271,9 +1271,28 @@ fn sigint_shuts_down_gracefully_like_sigterm() {
 /// counts the transfers it was holding as abandoned and releases every
 /// registration.
 #[test]
-fn a_subscriber_killed_mid_read_leaves_the_broker_holding_nothing() {
+fn a_subscriber_killed_before_reading_leaves_the_broker_holding_nothing() {
+    subscriber_killed("efa-rdm", false);
+}
+
+/// The same for a subscriber stopped and killed in the middle of a stream
+/// of large messages (the first has arrived, the next are being read),
+/// over `tcp;ofi_rxm` and over `shm`.
+#[test]
+fn a_subscriber_killed_mid_stream_leaves_the_broker_holding_nothing() {
+    subscriber_killed("efa-rdm", true);
+    subscriber_killed("shm", true);
+}
+
+/// An `efabus sub` process on the broker's `scheme` data path (`efa-rdm`
+/// over `tcp;ofi_rxm`, or `shm`), stopped (SIGSTOP) while the broker has 1
+/// MiB messages registered for it, before any is published or
+/// (`mid_stream`) once the first of a stream has arrived, then killed: the
+/// broker counts the transfers still out as abandoned and releases every
+/// registration.
+fn subscriber_killed(scheme: &str, mid_stream: bool) {
     let fabric = "[fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n";
-    let listen = ["tcp/127.0.0.1:0", "efa-rdm"];
+    let listen = ["tcp/127.0.0.1:0", scheme];
     let server = Server::start_listening(
         &listen,
         &format!("monitor = \"127.0.0.1:0\"\n{fabric}"),
@@ -1283,10 +1302,13 @@ fn a_subscriber_killed_mid_read_leaves_the_broker_holding_nothing() {
         .monitor
         .clone()
         .expect("the broker serves monitoring");
-    let client_config = common::temp_path("subscriber.toml");
+    let client_config = common::temp_path(&format!("subscriber-{scheme}.toml"));
     std::fs::write(
         &client_config,
-        format!("listen = [\"tcp/127.0.0.1:0\", \"efa-rdm\"]\n{fabric}"),
+        format!(
+            "listen = [\"tcp/127.0.0.1:0\", {scheme:?}]\n{fabric}\
+             [negotiation]\npreference = [{scheme:?}, \"tcp\"]\n"
+        ),
     )
     .expect("write the subscriber's config");
     let mut victim = common::Process(
@@ -1301,12 +1323,13 @@ fn a_subscriber_killed_mid_read_leaves_the_broker_holding_nothing() {
                 "--config",
             ])
             .arg(&client_config)
-            .stdout(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap(),
     );
     let said = lines_of(victim.0.stderr.take().unwrap());
+    let printed = lines_of(victim.0.stdout.take().unwrap());
     let connected = said.recv_timeout(WAIT).expect("the subscriber connected");
     assert_eq!(
         said.recv_timeout(WAIT).as_deref(),
@@ -1314,29 +1337,55 @@ fn a_subscriber_killed_mid_read_leaves_the_broker_holding_nothing() {
         "{connected}"
     );
     let _ = std::fs::remove_file(&client_config);
-    if !connected.contains("reliable: efa-rdm via tcp;ofi_rxm") {
-        assert!(!common::fabric_required(), "not on the fabric: {connected}");
+    let path = match scheme {
+        "shm" => "reliable: shm via shm",
+        _ => "reliable: efa-rdm via tcp;ofi_rxm",
+    };
+    if !connected.contains(path) {
+        assert!(!common::fabric_required(), "not on {scheme}: {connected}");
         eprintln!("skipping: {connected}");
         return;
     }
-    let stop = std::process::Command::new("kill")
-        .args(["-STOP", &victim.0.id().to_string()])
-        .status()
-        .expect("kill -STOP");
-    assert!(stop.success());
+    let stop = || {
+        let stop = std::process::Command::new("kill")
+            .args(["-STOP", &victim.0.id().to_string()])
+            .status()
+            .expect("kill -STOP");
+        assert!(stop.success());
+    };
 
-    let publisher = client(&server);
-    let body = efabus::Bytes::from(vec![7u8; 1 << 20]);
-    for _ in 0..8 {
-        publisher.publish("big", body.clone()).unwrap();
+    if !mid_stream {
+        stop();
     }
-    publisher.flush(WAIT).unwrap();
+    // The publisher streams until the subscriber is dead, so the broker
+    // always has messages for it.
+    let publisher = client(&server);
+    let streaming = Arc::new(AtomicBool::new(true));
+    let stream = {
+        let streaming = streaming.clone();
+        let body = efabus::Bytes::from(vec![b'7'; 1 << 20]);
+        std::thread::spawn(move || {
+            while streaming.load(Ordering::Relaxed) {
+                if publisher.publish("big", body.clone()).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        })
+    };
+    if mid_stream {
+        let first = printed
+            .recv_timeout(WAIT)
+            .expect("the first message arrives");
+        assert_eq!(first.len(), 1 << 20, "{scheme}: the first message whole");
+        stop();
+    }
     assert!(
         eventually(WAIT, || common::varz_total(
             &monitor,
             "fabric_rendezvous_registered"
         ) > 0),
-        "nothing held for the stopped subscriber"
+        "{scheme}: nothing held for the stopped subscriber"
     );
     let abandoned = common::varz_total(&monitor, "fabric_rendezvous_abandoned");
     victim.kill();
@@ -1345,12 +1394,16 @@ fn a_subscriber_killed_mid_read_leaves_the_broker_holding_nothing() {
             common::varz_total(&monitor, "fabric_rendezvous_registered") == 0
                 && common::varz_total(&monitor, "fabric_rendezvous_registered_bytes") == 0
         }),
-        "registrations still held after the subscriber died: {} ({} bytes)",
+        "{scheme}: registrations still held after the subscriber died: {} ({} bytes)",
         common::varz_total(&monitor, "fabric_rendezvous_registered"),
         common::varz_total(&monitor, "fabric_rendezvous_registered_bytes")
     );
+    streaming.store(false, Ordering::Relaxed);
+    stream.join().expect("the publisher stops");
+    let abandoned = common::varz_total(&monitor, "fabric_rendezvous_abandoned") - abandoned;
     assert!(
-        common::varz_total(&monitor, "fabric_rendezvous_abandoned") > abandoned,
-        "the transfers it was sent were not counted as abandoned"
+        abandoned > 0,
+        "{scheme}: the transfers still out were not counted as abandoned"
     );
+    eprintln!("{scheme}: {abandoned} transfers abandoned as the subscriber died");
 }
