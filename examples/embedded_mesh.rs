@@ -19,8 +19,10 @@
 //! passes each the seed's address, and paces them through their stdin.
 //! Each service waits for its routes to every other one and prints the
 //! path of each; then, one service at a time, each asks every other
-//! service 64 B requests (round-trip times) and streams 16 B messages to
-//! it (throughput), so what is measured is one service's traffic, as
+//! service 64 B requests (round-trip times), streams 16 B messages to it
+//! (messages sent per second) and 1 MiB messages (bytes delivered per
+//! second: timed until a request sent behind them is answered), so what
+//! is measured is one service's traffic, as
 //! `fi_pingpong` and `efabus bench` measure one pair, not the services
 //! contending for the cores. Each stays up until the launcher says all
 //! are done (by closing its stdin).
@@ -42,17 +44,24 @@ const WAIT: Duration = Duration::from_secs(20);
 struct Sizes {
     round_trips: usize,
     stream: usize,
+    /// Messages of [`BULK`] bytes.
+    bulk: usize,
 }
 
 const FULL: Sizes = Sizes {
     round_trips: 2_000,
     stream: 200_000,
+    bulk: 1_000,
 };
 /// `--quick`: enough to show it works, for the tests.
 const QUICK: Sizes = Sizes {
     round_trips: 50,
     stream: 2_000,
+    bulk: 20,
 };
+
+/// Bytes of each message of the bulk stream.
+const BULK: usize = 1 << 20;
 
 fn main() -> ExitCode {
     // First, while this is the only thread: libfabric's own buffer counts.
@@ -169,10 +178,12 @@ fn launch(args: &[String]) -> Result<(), Failure> {
         let all = outputs.concat();
         let rtt = median(json_numbers(&all, "rtt_p50_us"));
         let rate = median(json_numbers(&all, "stream_16_per_sec"));
+        let bulk = median(json_numbers(&all, "stream_1mib_mb_per_sec"));
         writeln!(
             stdout,
             "{{\"provider\":\"{provider}\",\"services\":{count},\
-             \"rtt_p50_us\":{rtt:.1},\"stream_16_per_sec\":{rate:.0}}}"
+             \"rtt_p50_us\":{rtt:.1},\"stream_16_per_sec\":{rate:.0},\
+             \"stream_1mib_mb_per_sec\":{bulk:.0}}}"
         )?;
     }
     stdout.flush()?;
@@ -304,8 +315,10 @@ fn service(args: &[String]) -> Result<(), Failure> {
         Some(request.payload.clone())
     })?;
     let stream = broker.subscribe(&format!("stream.{name}"))?;
+    let bulk = broker.subscribe(&format!("bulk.{name}"))?;
     let stop = AtomicBool::new(false);
     let expected = sizes.stream * (count - 1);
+    let expected_bulk = sizes.bulk * (count - 1);
     std::thread::scope(|scope| -> Result<(), Failure> {
         let counter = scope.spawn(|| {
             let mut received = 0;
@@ -314,19 +327,33 @@ fn service(args: &[String]) -> Result<(), Failure> {
             }
             received
         });
+        let bulk_counter = scope.spawn(|| {
+            let mut received = 0;
+            while received < expected_bulk {
+                match bulk.recv_timeout(WAIT) {
+                    Ok(message) if message.payload.len() == BULK => received += 1,
+                    _ => break,
+                }
+            }
+            received
+        });
         let mut commands = std::io::stdin().lock().lines();
         let result = exchange(&broker, name, count, sizes, json, &mut commands);
         if result.is_ok() {
             let received = counter.join().map_err(|_| "the counting thread failed")?;
-            if received < expected {
+            let received_bulk = bulk_counter
+                .join()
+                .map_err(|_| "the counting thread failed")?;
+            if received < expected || received_bulk < expected_bulk {
                 stop.store(true, Ordering::Relaxed);
                 return Err(format!(
-                    "{name}: {received} of {expected} streamed messages; {}",
+                    "{name}: {received} of {expected} streamed messages, {received_bulk} of \
+                     {expected_bulk} of 1 MiB; {}",
                     broker_state(&broker)
                 )
                 .into());
             }
-            println!("{name} received {expected} streamed messages");
+            println!("{name} received {expected} streamed messages and {expected_bulk} of 1 MiB");
             print_resident(name, count - 1, "after the exchange");
             say(DONE)?;
             // Serve the others until the launcher closes stdin.
@@ -388,8 +415,8 @@ fn exchange(
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    // The others' two subscriptions each, announced over the routes.
-    while broker.route_interest_count() < 2 * (count - 1) {
+    // The others' three subscriptions each, announced over the routes.
+    while broker.route_interest_count() < 3 * (count - 1) {
         if Instant::now() > deadline {
             return Err(format!("{name}: the others' subscriptions never arrived").into());
         }
@@ -435,18 +462,36 @@ fn exchange(
         broker.flush(WAIT)?;
         rates.push(sizes.stream as f64 / started.elapsed().as_secs_f64());
     }
-    for ((route, p50), rate) in routes.iter().zip(medians).zip(rates) {
+    // 1 MiB messages, timed until a request sent behind them on the same
+    // route is answered: the other service has taken them all by then.
+    let large = Bytes::from(vec![7u8; BULK]);
+    let mut bulk_rates = Vec::with_capacity(routes.len());
+    for route in &routes {
+        let other = &route.name;
+        let subject = format!("bulk.{other}");
+        let started = Instant::now();
+        for _ in 0..sizes.bulk {
+            broker.publish(&subject, large.clone())?;
+        }
+        broker
+            .request(&format!("svc.{other}"), payload.clone(), WAIT)
+            .map_err(|err| unanswered(broker, name, other, err))?;
+        let bytes = (sizes.bulk * BULK) as f64;
+        bulk_rates.push(bytes / started.elapsed().as_secs_f64() / 1e6);
+    }
+    for (((route, p50), rate), mbs) in routes.iter().zip(medians).zip(rates).zip(bulk_rates) {
         let other = &route.name;
         if json {
             println!(
                 "{{\"from\":\"{name}\",\"to\":\"{other}\",\"path\":\"{}\",\
-                 \"rtt_p50_us\":{p50:.1},\"stream_16_per_sec\":{rate:.0}}}",
+                 \"rtt_p50_us\":{p50:.1},\"stream_16_per_sec\":{rate:.0},\
+                 \"stream_1mib_mb_per_sec\":{mbs:.0}}}",
                 route.reliable
             );
         } else {
             println!(
                 "{name} asked {other}: 64 B round trip p50 {p50:.1} us; \
-                 16 B stream sent at {rate:.0}/s"
+                 16 B stream sent at {rate:.0}/s; 1 MiB stream delivered at {mbs:.0} MB/s"
             );
         }
     }
