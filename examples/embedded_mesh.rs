@@ -320,23 +320,8 @@ fn service(args: &[String]) -> Result<(), Failure> {
     let expected = sizes.stream * (count - 1);
     let expected_bulk = sizes.bulk * (count - 1);
     std::thread::scope(|scope| -> Result<(), Failure> {
-        let counter = scope.spawn(|| {
-            let mut received = 0;
-            while received < expected && stream.recv_timeout(WAIT).is_ok() {
-                received += 1;
-            }
-            received
-        });
-        let bulk_counter = scope.spawn(|| {
-            let mut received = 0;
-            while received < expected_bulk {
-                match bulk.recv_timeout(WAIT) {
-                    Ok(message) if message.payload.len() == BULK => received += 1,
-                    _ => break,
-                }
-            }
-            received
-        });
+        let counter = scope.spawn(|| count_messages(&stream, expected, 16));
+        let bulk_counter = scope.spawn(|| count_messages(&bulk, expected_bulk, BULK));
         let mut commands = std::io::stdin().lock().lines();
         let result = exchange(&broker, name, count, sizes, json, &mut commands);
         if result.is_ok() {
@@ -344,7 +329,7 @@ fn service(args: &[String]) -> Result<(), Failure> {
             let received_bulk = bulk_counter
                 .join()
                 .map_err(|_| "the counting thread failed")?;
-            if received < expected || received_bulk < expected_bulk {
+            if received != expected || received_bulk != expected_bulk {
                 stop.store(true, Ordering::Relaxed);
                 return Err(format!(
                     "{name}: {received} of {expected} streamed messages, {received_bulk} of \
@@ -362,6 +347,25 @@ fn service(args: &[String]) -> Result<(), Failure> {
         stop.store(true, Ordering::Relaxed);
         result
     })
+}
+
+/// Counts the messages of `len` bytes `subscription` receives, up to
+/// `expected` and then any that come within a further 200 ms
+/// (duplicates); stops early at a message of another length, or when
+/// none comes for [`WAIT`].
+fn count_messages(subscription: &efabus::Subscription, expected: usize, len: usize) -> usize {
+    let mut received = 0;
+    loop {
+        let wait = if received < expected {
+            WAIT
+        } else {
+            Duration::from_millis(200)
+        };
+        match subscription.recv_timeout(wait) {
+            Ok(message) if message.payload.len() == len => received += 1,
+            _ => return received,
+        }
+    }
 }
 
 /// A request that got no answer: what this broker's routes and counters
