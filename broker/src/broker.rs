@@ -483,6 +483,10 @@ pub struct RouteReport {
     pub reliable: String,
     /// The best-effort path, when it is a separate datagram link.
     pub best_effort: Option<String>,
+    /// While the route rides a reliable data link: this broker's id for
+    /// it, which the peer's frames there carry (as a client's
+    /// `server_link_id`).
+    pub link_id: Option<u64>,
     /// Why other paths were not chosen (on TCP: why not the fabric).
     pub reasons: Vec<String>,
 }

@@ -8,7 +8,8 @@
 //! victim's next sequence numbers or lie far outside its window), writing
 //! the victim's address as sender, under a key it had to guess. None of it
 //! may be delivered, move the victim's sequence or credit state, or end the
-//! victim's session, and the broker counts every message. A stranger that
+//! victim's session, and the broker counts every message; the same holds
+//! on a route's data link, with the dialing broker as victim. A stranger that
 //! knows no link id is counted as such and costs the broker nothing it
 //! keeps. A client whose hello names another client's fabric address gets
 //! no traffic sent there and takes nothing over from it; a client that
@@ -157,29 +158,12 @@ fn send_all(attacker: &mut FabricEndpoint, to: efabus_core::transport::PeerId, f
     }
 }
 
-#[test]
-fn forged_fabric_messages_are_dropped_and_counted() {
-    let _alone = ALONE
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let Some(broker) = start_broker() else {
-        return;
-    };
-    let listener = fabric_client(&broker, "listener");
-    let sub = listener.subscribe("trust.>").unwrap();
-    listener.flush(WAIT).unwrap();
-    let victim = fabric_client(&broker, "victim");
-    victim.publish("trust.real", &b"0"[..]).unwrap();
-    victim.flush(WAIT).unwrap();
-    assert_eq!(&sub.recv_timeout(WAIT).unwrap().payload[..], b"0");
-    let report = victim.link();
-    let victim_address =
-        addr_from_hex(report.fabric_address.as_deref().expect("victim address")).unwrap();
-    let link_id = report.server_link_id.expect("the broker's link id");
-
-    let mut attacker = attacker_endpoint();
-    let broker_address = broker_fabric_address(&broker);
-    let forgeries: Vec<Bytes> = [
+/// Well-formed efabus frames an attacker would send on a victim's link:
+/// publishes under the victim's next sequence numbers, a piece far
+/// outside any window, a credit opening the window wide, and a publish
+/// outside the link's sequence.
+fn forgeries() -> Vec<Bytes> {
+    [
         // The victim's next sequence numbers, with a publish each.
         piece(
             2,
@@ -220,7 +204,32 @@ fn forged_fabric_messages_are_dropped_and_counted() {
         }))
         .to_bytes(),
     ]
-    .into();
+    .into()
+}
+
+#[test]
+fn forged_fabric_messages_are_dropped_and_counted() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Some(broker) = start_broker() else {
+        return;
+    };
+    let listener = fabric_client(&broker, "listener");
+    let sub = listener.subscribe("trust.>").unwrap();
+    listener.flush(WAIT).unwrap();
+    let victim = fabric_client(&broker, "victim");
+    victim.publish("trust.real", &b"0"[..]).unwrap();
+    victim.flush(WAIT).unwrap();
+    assert_eq!(&sub.recv_timeout(WAIT).unwrap().payload[..], b"0");
+    let report = victim.link();
+    let victim_address =
+        addr_from_hex(report.fabric_address.as_deref().expect("victim address")).unwrap();
+    let link_id = report.server_link_id.expect("the broker's link id");
+
+    let mut attacker = attacker_endpoint();
+    let broker_address = broker_fabric_address(&broker);
+    let forgeries = forgeries();
 
     // First as a stranger: no link id the broker knows.
     let stranger = LinkKeys {
@@ -289,6 +298,76 @@ fn forged_fabric_messages_are_dropped_and_counted() {
     );
     assert_eq!(stat(&broker, "connections"), 2, "both sessions are up");
     assert_eq!(victim.reconnects(), 0);
+}
+
+/// A route's data link is held to the same rule. Frames naming the
+/// dialing broker's fabric address and the accepting broker's id for the
+/// route's link, under a guessed key, are dropped and counted as forged;
+/// the route stays up and what the dialing broker publishes still arrives,
+/// all of it, in order.
+#[test]
+fn forged_frames_on_a_route_s_data_link_are_dropped_and_counted() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Some(a) = start_broker() else {
+        return;
+    };
+    let seed = a.endpoint("tcp").expect("tcp listener");
+    let Some(b) = start_broker_with(&format!("peers = [{seed:?}]")) else {
+        return;
+    };
+    assert!(
+        eventually(|| a
+            .routes()
+            .first()
+            .is_some_and(|route| route.reliable.starts_with("efa-rdm"))),
+        "the route is not on the fabric: {:?}",
+        a.routes()
+    );
+    let link_id = a.routes()[0].link_id.expect("a's id for the route's link");
+    let sub = a.subscribe("trust.>").unwrap();
+    assert!(
+        eventually(|| b.route_interest_count() == 1),
+        "a's interest at b"
+    );
+    b.publish("trust.real", &b"0"[..]).unwrap();
+    assert_eq!(&sub.recv_timeout(WAIT).unwrap().payload[..], b"0");
+
+    let mut attacker = attacker_endpoint();
+    let guessed = LinkKeys {
+        send_key: [0x42; 32],
+        receive_key: [0x43; 32],
+        local_id: 78,
+        remote_id: link_id,
+    };
+    let to_a = attacker
+        .insert_peer(&broker_fabric_address(&a), &guessed)
+        .expect("insert a");
+    attacker.claim_address(&broker_fabric_address(&b));
+    let forgeries = forgeries();
+    send_all(&mut attacker, to_a, &forgeries);
+    assert!(
+        eventually(|| stat(&a, "fabric_forged") >= forgeries.len() as u64),
+        "forgeries counted: {:?}",
+        a.stats().snapshot()
+    );
+
+    for n in 1..=200u32 {
+        b.publish("trust.real", Bytes::from(n.to_string())).unwrap();
+    }
+    for n in 1..=200u32 {
+        let message = sub.recv_timeout(WAIT).expect("b's message");
+        assert_eq!(message.subject.as_ref(), "trust.real", "nothing forged");
+        assert_eq!(message.payload, Bytes::from(n.to_string()));
+    }
+    assert!(sub.recv_timeout(Duration::from_millis(200)).is_err());
+    assert_eq!(stat(&a, "bad_frames"), 0, "{:?}", a.stats().snapshot());
+    let routes = a.routes();
+    assert!(
+        routes.len() == 1 && routes[0].reliable.starts_with("efa-rdm"),
+        "the route is still up on the fabric: {routes:?}"
+    );
 }
 
 #[test]

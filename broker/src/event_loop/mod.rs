@@ -2301,6 +2301,7 @@ impl EventLoop {
                 |link| link.description.clone(),
             );
             report.best_effort = links.best_effort.as_ref().map(|l| l.description.clone());
+            report.link_id = links.reliable.as_ref().and(session.link_id);
             report.reasons.push(reason.clone());
         }
         session.link_reasons.push(reason);

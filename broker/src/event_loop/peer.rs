@@ -134,6 +134,9 @@ pub(super) struct Session {
     pub handshaking_from: Option<std::net::IpAddr>,
     /// Why the data paths not taken were not, from the last negotiation.
     pub link_reasons: Vec<String>,
+    /// This side's id for the data links of the last negotiation, which
+    /// the peer's frames there carry.
+    pub link_id: Option<u64>,
     /// The hello's `no_echo`: this session's publishes skip its own
     /// subscriptions.
     pub no_echo: bool,
@@ -199,6 +202,7 @@ impl Session {
             challenge: None,
             handshaking_from: None,
             link_reasons: Vec::new(),
+            link_id: None,
             no_echo: false,
             no_responders: false,
             since: SystemTime::now(),
@@ -411,6 +415,7 @@ impl Session {
             preference,
             tuning,
         } = local;
+        self.link_id = keying.as_ref().map(|keying| keying.secret.auth().link_id);
         let links = &mut self.conn.links;
         let negotiation = links.open(endpoints, offers, remote, preference, tuning, keying);
         for reason in &negotiation.reasons {

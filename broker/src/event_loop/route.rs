@@ -1093,6 +1093,7 @@ impl EventLoop {
                 |link| link.description.clone(),
             ),
             best_effort: links.best_effort.as_ref().map(|l| l.description.clone()),
+            link_id: links.reliable.as_ref().and(session.link_id),
             reasons: session.link_reasons.clone(),
         };
         let name = report.name.clone();
