@@ -11,7 +11,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use efabus_broker::{Broker, Client, Config, RecvError, Subscription};
+use efabus_broker::{Broker, Client, ClientOptions, Config, RecvError, Subscription};
+use efabus_transports::registry::Registry;
 
 const WAIT: Duration = Duration::from_secs(10);
 /// How long a subscription is watched for a message that must not come.
@@ -110,6 +111,73 @@ fn a_subscriber_on_one_broker_gets_what_another_publishes() {
     wait_until("3 messages routed", || {
         routed_out(&a) == 3 && b.stats().route_messages_in.load(Ordering::Relaxed) == 3
     });
+}
+
+/// Across a TCP route, each publisher's messages reach each subscriber on
+/// the other broker once and in that publisher's order: two publishers on
+/// a (the embedded broker and a client of it), 20,000 messages each, every
+/// hundredth of 64 KiB, to an embedded and a client subscriber on b. Both
+/// brokers hold publishers back rather than drop (`block`).
+#[test]
+fn a_route_keeps_each_publishers_order() {
+    let lossless = "[slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 20000";
+    let b = start("b", "tcp/127.0.0.1:0", &[], lossless);
+    let a = start("a", "tcp/127.0.0.1:0", &[tcp(&b)], lossless);
+    wait_until("the route", || routes(&a) == 1 && routes(&b) == 1);
+    let embedded_sub = b.subscribe("order.>").unwrap();
+    let client_b = Client::connect(&tcp(&b)).unwrap();
+    let client_sub = client_b.subscribe("order.>").unwrap();
+    client_b.flush(WAIT).unwrap();
+    // One pattern, one entry.
+    wait_interest(&a, 1);
+
+    const EACH: u32 = 20_000;
+    let message = |publisher: u8, n: u32| {
+        let mut payload = vec![publisher];
+        payload.extend_from_slice(&n.to_le_bytes());
+        if n % 100 == 0 {
+            payload.resize(64 << 10, 7);
+        }
+        Bytes::from(payload)
+    };
+    // Its publishes may wait on a busy machine longer than the default.
+    let patient = ClientOptions {
+        block_timeout: WAIT,
+        ..ClientOptions::default()
+    };
+    let client_a = Client::connect_with(&tcp(&a), patient, Registry::with_builtins()).unwrap();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for n in 0..EACH {
+                a.publish("order.embedded", message(0, n)).unwrap();
+            }
+        });
+        for n in 0..EACH {
+            client_a.publish("order.client", message(1, n)).unwrap();
+        }
+        client_a.flush(WAIT).unwrap();
+    });
+    for (name, sub) in [("embedded", &embedded_sub), ("client", &client_sub)] {
+        let mut next = [0u32; 2];
+        while next != [EACH; 2] {
+            let got = sub
+                .recv_timeout(WAIT)
+                .unwrap_or_else(|err| panic!("{name} subscriber after {next:?}: {err}"));
+            let publisher = usize::from(got.payload[0]);
+            let n = u32::from_le_bytes(got.payload[1..5].try_into().unwrap());
+            assert_eq!(
+                n, next[publisher],
+                "{name} subscriber: publisher {publisher}'s messages once and in order"
+            );
+            assert_eq!(got.payload.len(), message(got.payload[0], n).len());
+            next[publisher] += 1;
+        }
+        assert_eq!(
+            sub.recv_timeout(QUIET).map(|m| m.payload.len()),
+            Err(RecvError::Timeout),
+            "{name} subscriber: nothing more"
+        );
+    }
 }
 
 /// Brokers whose limits differ (as in the middle of a rolling change):
