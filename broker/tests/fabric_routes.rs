@@ -252,6 +252,7 @@ fn a_route_to_a_broker_without_the_fabric_stays_on_tcp_and_says_why() {
     };
     let route = the_route(&a);
     assert_eq!(route.reliable, "tcp", "{route:?}");
+    assert_eq!(route.link_id, None, "no data link, no link id");
     assert!(
         route
             .reasons
@@ -259,7 +260,16 @@ fn a_route_to_a_broker_without_the_fabric_stays_on_tcp_and_says_why() {
             .any(|reason| reason.contains("efa-rdm")),
         "the reason names the fabric path not taken: {route:?}"
     );
-    assert_eq!(the_route(&b).reliable, "tcp");
+    // b says why too: it has no fabric of its own to offer.
+    let route = the_route(&b);
+    assert_eq!((route.reliable.as_str(), route.link_id), ("tcp", None));
+    assert!(
+        route
+            .reasons
+            .iter()
+            .any(|reason| reason.contains("efa-rdm: not offered by this side")),
+        "{route:?}"
+    );
     let sub = b.subscribe("plain").unwrap();
     wait_until("b's interest at a", || a.route_interest_count() == 1);
     a.publish("plain", payload(3)).unwrap();
