@@ -326,6 +326,12 @@ fn forged_frames_on_a_route_s_data_link_are_dropped_and_counted() {
         a.routes()
     );
     let link_id = a.routes()[0].link_id.expect("a's id for the route's link");
+    let b_link_id = b.routes().first().and_then(|route| route.link_id);
+    assert!(
+        b_link_id.is_some_and(|id| id != link_id),
+        "b reports its own id for the link: {:?}",
+        b.routes()
+    );
     let sub = a.subscribe("trust.>").unwrap();
     assert!(
         eventually(|| b.route_interest_count() == 1),
@@ -363,9 +369,12 @@ fn forged_frames_on_a_route_s_data_link_are_dropped_and_counted() {
     }
     assert!(sub.recv_timeout(Duration::from_millis(200)).is_err());
     assert_eq!(stat(&a, "bad_frames"), 0, "{:?}", a.stats().snapshot());
+    // The same route: a link id is drawn afresh for each handshake.
     let routes = a.routes();
     assert!(
-        routes.len() == 1 && routes[0].reliable.starts_with("efa-rdm"),
+        routes.len() == 1
+            && routes[0].reliable.starts_with("efa-rdm")
+            && routes[0].link_id == Some(link_id),
         "the route is still up on the fabric: {routes:?}"
     );
 }
