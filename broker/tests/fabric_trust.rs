@@ -22,7 +22,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use efabus_broker::{Broker, Client, ClientOptions, Config, Error};
+use efabus_broker::{Broker, Client, ClientOptions, Config, Error, Subscription};
 use efabus_core::codec;
 use efabus_core::frame::{Credit, Fragment, Frame, Publish};
 use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions, LinkKeys};
@@ -207,6 +207,21 @@ fn forgeries() -> Vec<Bytes> {
     .into()
 }
 
+/// What the victim publishes on `trust.real` with `publish` (200
+/// numbered messages) reaches `sub` whole and in order, and nothing else
+/// does.
+fn arrives_whole(sub: &Subscription, mut publish: impl FnMut(Bytes)) {
+    for n in 1..=200u32 {
+        publish(Bytes::from(n.to_string()));
+    }
+    for n in 1..=200u32 {
+        let message = sub.recv_timeout(WAIT).expect("the victim's message");
+        assert_eq!(message.subject.as_ref(), "trust.real", "nothing forged");
+        assert_eq!(message.payload, Bytes::from(n.to_string()));
+    }
+    assert!(sub.recv_timeout(Duration::from_millis(200)).is_err());
+}
+
 #[test]
 fn forged_fabric_messages_are_dropped_and_counted() {
     let _alone = ALONE
@@ -278,18 +293,10 @@ fn forged_fabric_messages_are_dropped_and_counted() {
     // Nothing forged was delivered; the victim's session is up, its
     // sequence and window untouched: what it sends now all arrives, in
     // order.
-    for n in 1..=200u32 {
-        victim
-            .publish("trust.real", Bytes::from(n.to_string()))
-            .unwrap();
-    }
-    victim.flush(WAIT).unwrap();
-    for n in 1..=200u32 {
-        let message = sub.recv_timeout(WAIT).expect("the victim's message");
-        assert_eq!(message.subject.as_ref(), "trust.real", "nothing forged");
-        assert_eq!(message.payload, Bytes::from(n.to_string()));
-    }
-    assert!(sub.recv_timeout(Duration::from_millis(200)).is_err());
+    arrives_whole(&sub, |payload| {
+        victim.publish("trust.real", payload).unwrap();
+        victim.flush(WAIT).unwrap();
+    });
     assert_eq!(
         stat(&broker, "bad_frames"),
         0,
@@ -359,15 +366,7 @@ fn forged_frames_on_a_route_s_data_link_are_dropped_and_counted() {
         a.stats().snapshot()
     );
 
-    for n in 1..=200u32 {
-        b.publish("trust.real", Bytes::from(n.to_string())).unwrap();
-    }
-    for n in 1..=200u32 {
-        let message = sub.recv_timeout(WAIT).expect("b's message");
-        assert_eq!(message.subject.as_ref(), "trust.real", "nothing forged");
-        assert_eq!(message.payload, Bytes::from(n.to_string()));
-    }
-    assert!(sub.recv_timeout(Duration::from_millis(200)).is_err());
+    arrives_whole(&sub, |payload| b.publish("trust.real", payload).unwrap());
     assert_eq!(stat(&a, "bad_frames"), 0, "{:?}", a.stats().snapshot());
     // The same route: a link id is drawn afresh for each handshake.
     let routes = a.routes();
