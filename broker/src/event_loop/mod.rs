@@ -43,7 +43,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::accounts::inbox_of;
 use crate::auth_guard::{remote_ip, AuthGuard};
-use crate::broker::{deliver_local, BrokerStats, Command, HeldLocal, Shared};
+use crate::broker::{deliver_local, BrokerStats, Command, HeldLocal, RouteReport, Shared};
 use crate::delivery::Message;
 use crate::drive::{Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
@@ -233,7 +233,6 @@ impl EventLoop {
             return;
         };
         waiters.sort_unstable_by(|a, b| b.cmp(a));
-        waiters.dedup();
         for id in waiters {
             // A closing session takes nothing more.
             let open = self
@@ -325,6 +324,19 @@ impl InboxHolders {
     fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+}
+
+/// The paths `report` shows for a route's `session` (`control`: its
+/// control link's scheme): the reliable data link, or the control link;
+/// the datagram link; and this side's id for the reliable data link.
+fn set_route_paths(report: &mut RouteReport, session: &Session, control: &str) {
+    let links = &session.conn.links;
+    report.reliable = links
+        .reliable
+        .as_ref()
+        .map_or_else(|| control.to_string(), |link| link.description.clone());
+    report.best_effort = links.best_effort.as_ref().map(|l| l.description.clone());
+    report.link_id = links.reliable.as_ref().and(session.link_id);
 }
 
 /// A session whose user's permissions restrict it.
@@ -2291,17 +2303,8 @@ impl EventLoop {
             return;
         };
         if let Some(report) = self.shared.routes.lock().get_mut(&id) {
-            let links = &session.conn.links;
-            report.reliable = links.reliable.as_ref().map_or_else(
-                || {
-                    self.endpoints[session.conn.control.endpoint]
-                        .scheme()
-                        .to_string()
-                },
-                |link| link.description.clone(),
-            );
-            report.best_effort = links.best_effort.as_ref().map(|l| l.description.clone());
-            report.link_id = links.reliable.as_ref().and(session.link_id);
+            let control = self.endpoints[session.conn.control.endpoint].scheme();
+            set_route_paths(report, session, control);
             report.reasons.push(reason.clone());
         }
         session.link_reasons.push(reason);
@@ -2609,21 +2612,13 @@ impl EventLoop {
                 .conn
                 .links
                 .send_challenges(&mut self.endpoints, Ask::Again);
-            if let Some(mut link) = unanswered.best_effort_given_up {
+            if let Some(closed) = unanswered.best_effort_given_up {
                 BrokerStats::add(&self.shared.stats.unproven_addresses, 1);
-                let description = &link.description;
-                warn!(session = id, remote = %session.remote, link = %description, "no answer on the best-effort link; best-effort messages go on the reliable link");
                 let reason = format!(
-                    "best-effort: {description}: no answer from the peer there; carried on the reliable link"
+                    "best-effort: {}: no answer from the peer there; carried on the reliable link",
+                    closed.description
                 );
-                // Forgotten first: its closing is not the session's loss.
-                self.by_peer.remove(&(link.endpoint, link.peer));
-                self.endpoints[link.endpoint].close(link.peer);
-                BrokerStats::add(&self.shared.stats.best_effort_drops, link.unsent());
-                for frame in link.take_waiting() {
-                    self.send(id, frame, true);
-                }
-                self.data_link_given_up(id, reason);
+                self.data_link_closed_alone(id, closed, reason);
             }
             if unanswered.session_ends {
                 BrokerStats::add(&self.shared.stats.unproven_addresses, 1);

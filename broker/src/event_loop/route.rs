@@ -54,7 +54,7 @@ use std::sync::Arc;
 use tracing::{debug, info, warn};
 
 use super::peer::{LocalPaths, Role, Session, SessionState};
-use super::{EventLoop, Payload};
+use super::{set_route_paths, EventLoop, Payload};
 use crate::auth_guard::remote_ip;
 use crate::broker::{BrokerStats, RouteReport, Shared};
 use crate::interest::InterestChange;
@@ -1081,25 +1081,30 @@ impl EventLoop {
         };
         role.broker_id = Some(broker);
         role.up_by = None;
-        let links = &session.conn.links;
-        let control_scheme = self.endpoints[session.conn.control.endpoint].scheme();
-        let report = RouteReport {
+        let mut report = RouteReport {
             name: session.name.clone(),
             broker_id: broker_hex(broker),
             remote: remote.clone(),
             dialed: slot.is_some(),
-            reliable: links.reliable.as_ref().map_or_else(
-                || control_scheme.to_string(),
-                |link| link.description.clone(),
-            ),
-            best_effort: links.best_effort.as_ref().map(|l| l.description.clone()),
-            link_id: links.reliable.as_ref().and(session.link_id),
+            reliable: String::new(),
+            best_effort: None,
+            link_id: None,
             reasons: session.link_reasons.clone(),
         };
+        set_route_paths(
+            &mut report,
+            session,
+            self.endpoints[session.conn.control.endpoint].scheme(),
+        );
         let name = report.name.clone();
         // Without a data link, why: a route that fell back to TCP unnoticed
         // is the slow path no one asked for.
-        let no_fabric = links.reliable.is_none().then(|| report.reasons.join("; "));
+        let no_fabric = session
+            .conn
+            .links
+            .reliable
+            .is_none()
+            .then(|| report.reasons.join("; "));
         if let Some(slot) = slot {
             let slot = &mut self.cluster.slots[slot];
             slot.was_up = true;

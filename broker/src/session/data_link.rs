@@ -101,8 +101,9 @@ pub(crate) enum Ask {
 /// Links whose proof [`DataLinks::send_challenges`] asked for in vain.
 #[derive(Default)]
 pub(crate) struct Unanswered {
-    /// The best-effort link given up for it, for the owner to close.
-    pub best_effort_given_up: Option<DataLink>,
+    /// The best-effort link given up for it, closed (as
+    /// [`DataLinks::close_best_effort`]).
+    pub best_effort_given_up: Option<Closed>,
     /// A link the session cannot do without went unanswered.
     pub session_ends: bool,
 }
@@ -594,6 +595,16 @@ impl DataLink {
         let result = self.receiver.receive(now, message, out);
         self.check_runs(out, before)?;
         result
+    }
+
+    /// Which of a session's links this is: the lossy one carries best
+    /// effort.
+    fn kind(&self) -> LinkKind {
+        if self.lossy {
+            LinkKind::BestEffort
+        } else {
+            LinkKind::Reliable
+        }
     }
 
     /// Whether frames waiting for credit may go: the peer proved its
@@ -1124,27 +1135,21 @@ impl DataLinks {
     /// reach the peer at the address it gave. A best-effort link is given
     /// up alone, unless the session ends anyway (the peer's datagram
     /// endpoint may receive nothing, or every ping was lost; the peer
-    /// gives it up as well when nothing comes back there): it is handed
-    /// back for the owner to close (what waited on it for the proof is
-    /// counted dropped), and best-effort traffic goes on the reliable path.
+    /// gives it up as well when nothing comes back there): it is closed
+    /// and handed back (with the frames that waited on it for the proof,
+    /// for the owner to send the reliable way), and best-effort traffic
+    /// goes on the reliable path.
     /// A reliable one ends the session.
     pub fn send_challenges(&mut self, endpoints: &mut [Box<dyn Endpoint>], ask: Ask) -> Unanswered {
         let mut unanswered = Unanswered::default();
         let mut give_up_best_effort = false;
         let mut failure = None;
-        let links = [
-            (LinkKind::Reliable, &mut self.reliable),
-            (LinkKind::BestEffort, &mut self.best_effort),
-        ];
-        for (kind, link) in links {
-            let Some(link) = link.as_mut() else {
-                continue;
-            };
+        for link in self.links_mut() {
             let Proof::Awaiting { nonce, asked } = link.proof else {
                 continue;
             };
             let asked_now = match ask {
-                Ask::First(first) => first == kind && asked == 0,
+                Ask::First(first) => first == link.kind() && asked == 0,
                 Ask::Again => asked > 0,
             };
             if !asked_now {
@@ -1195,7 +1200,7 @@ impl DataLinks {
         }
         // Alone: a session that ends closes it anyway.
         if give_up_best_effort && !unanswered.session_ends {
-            unanswered.best_effort_given_up = self.best_effort.take();
+            unanswered.best_effort_given_up = self.close_best_effort(endpoints);
         }
         unanswered
     }

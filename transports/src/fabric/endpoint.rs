@@ -14,8 +14,9 @@
 //!   its messages have landed (`config::releases_whole_buffers`), and
 //!   `multi_recv` is set, a slot is a multi-receive buffer of
 //!   `config::MULTI_RECV_SLOTS` eager buffers' worth, which messages fill
-//!   one after another, each taking only its own bytes; the provider releases it once less than one largest message
-//!   fits, and it is posted again. Otherwise `rx_depth` slots of one eager
+//!   one after another, each taking only its own bytes; the provider
+//!   releases it once less than one largest message fits, and it is
+//!   posted again. Otherwise `rx_depth` slots of one eager
 //!   buffer each take a message each. A completion is decoded and its
 //!   frames handed on. Small messages are copied out (and a slot of one
 //!   message reposted at once). On RDM a message of at least `LEND_MIN`
@@ -1150,12 +1151,7 @@ impl FabricEndpoint {
                     match self.rma.as_ref().and_then(|rma| rma.slot_of(context)) {
                         Some(slot) => self.finish_read(slot, None),
                         None => {
-                            let fence = self
-                                .tx_pool
-                                .slot_of(context)
-                                .and_then(|slot| self.tx_fence[slot].take());
-                            self.finish_send(context);
-                            if let Some(id) = fence {
+                            if let (_, Some(id)) = self.finish_send(context) {
                                 self.end_transfer(id);
                                 if let Some(rma) = self.rma.as_mut() {
                                     rma.abandoned.fence_passed(id);
@@ -1191,16 +1187,20 @@ impl FabricEndpoint {
         }
     }
 
-    /// Frees a tx slot whose send completed; returns its peer.
-    fn finish_send(&mut self, context: *mut std::ffi::c_void) -> Option<PeerId> {
+    /// Frees a tx slot whose send completed; returns its peer, and the
+    /// transfer whose fence it carried.
+    fn finish_send(&mut self, context: *mut std::ffi::c_void) -> (Option<PeerId>, Option<u64>) {
         let Some(slot) = self.tx_pool.slot_of(context) else {
             tracing::warn!("tx completion with an unknown context");
-            return None;
+            return (None, None);
         };
         self.sends_posted = self.sends_posted.saturating_sub(1);
-        let (peer, _) = self.tx_owner[slot]?;
+        let fence = self.tx_fence[slot].take();
+        let Some((peer, _)) = self.tx_owner[slot] else {
+            return (None, fence);
+        };
         self.release_slot(slot);
-        Some(peer)
+        (Some(peer), fence)
     }
 
     fn on_tx_error(&mut self, err: CqError) {
@@ -1208,11 +1208,7 @@ impl FabricEndpoint {
         if err.code.code == FI_ENORX {
             self.stats.rnr_failures += 1;
         }
-        let fence = self
-            .tx_pool
-            .slot_of(err.op_context)
-            .and_then(|slot| self.tx_fence[slot].take());
-        let peer = self.finish_send(err.op_context);
+        let (peer, fence) = self.finish_send(err.op_context);
         if let (Some(fence), Some(rma)) = (fence, self.rma.as_mut()) {
             rma.abandoned.fence_lost(fence, Instant::now());
         }
@@ -2089,7 +2085,7 @@ impl FabricEndpoint {
         }
         // A second done changes nothing.
         if !std::mem::replace(&mut sent.fenced, true) {
-            rma.dones.push_back((peer, Owed::Fence(id)));
+            rma.owed.push_back((peer, Owed::Fence(id)));
             self.flush_dones();
         }
         Ok(())
@@ -2263,7 +2259,7 @@ impl FabricEndpoint {
             frame,
         });
         if let Some(rma) = self.rma.as_mut() {
-            rma.dones.push_back((job.peer, Owed::Done(job.id)));
+            rma.owed.push_back((job.peer, Owed::Done(job.id)));
         }
     }
 
@@ -2271,7 +2267,7 @@ impl FabricEndpoint {
     /// send slots are full wait for the next round (a tx completion), the
     /// others go on.
     fn flush_dones(&mut self) {
-        let Some(waiting) = self.rma.as_mut().map(|rma| std::mem::take(&mut rma.dones)) else {
+        let Some(waiting) = self.rma.as_mut().map(|rma| std::mem::take(&mut rma.owed)) else {
             return;
         };
         let mut kept = VecDeque::new();
@@ -2297,8 +2293,8 @@ impl FabricEndpoint {
         }
         if let Some(rma) = self.rma.as_mut() {
             // Reads finished meanwhile queued theirs behind these.
-            kept.append(&mut rma.dones);
-            rma.dones = kept;
+            kept.append(&mut rma.owed);
+            rma.owed = kept;
         }
     }
 
@@ -2321,7 +2317,7 @@ impl FabricEndpoint {
             sends,
             registrations,
             queue,
-            dones,
+            owed,
             waiters,
             held,
             abandoned: kept,
@@ -2343,7 +2339,7 @@ impl FabricEndpoint {
         });
         self.stats.rendezvous_reads_given_up += queue.remove_peer(peer) as u64;
         held.remove(&peer);
-        dones.retain(|&(to, _)| to != peer);
+        owed.retain(|&(to, _)| to != peer);
         waiters.retain(|&waiter| waiter != peer);
         rma.orphan_reads(peer);
         let evicted = rma.abandoned.fenced_evicted - evicted_before;

@@ -537,7 +537,7 @@ pub struct Rendezvous {
     /// them ([`Endpoint::hold_reads`](efabus_core::transport::Endpoint::hold_reads)).
     pub held: HashSet<PeerId>,
     /// Done and fence frames the tx slots had no room for yet.
-    pub dones: VecDeque<(PeerId, Owed)>,
+    pub owed: VecDeque<(PeerId, Owed)>,
     /// Peers refused a transfer by the registration bounds, told when
     /// transfers finish.
     pub waiters: Vec<PeerId>,
@@ -577,7 +577,7 @@ impl Rendezvous {
             reading: 0,
             reading_by_peer: HashMap::new(),
             held: HashSet::new(),
-            dones: VecDeque::new(),
+            owed: VecDeque::new(),
             waiters: Vec::new(),
             landing: LandingBuffers::default(),
             abandoned: Abandoned::default(),
