@@ -63,7 +63,9 @@
 //! Every action is counted in [`FaultStats`].
 //!
 //! Apart from frames, [`FaultConfig::fail_polls_after`] makes every poll
-//! fail once that many frames were received, as a failed device would.
+//! fail once that many frames were received, as a failed device would, and
+//! [`FaultConfig::stall_after`] makes one poll block for
+//! [`FaultConfig::stall_ms`], as a provider call stuck on a lock would.
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -164,6 +166,12 @@ pub struct FaultConfig {
     /// endpoint whose device went away does (`fault_fail_polls_after`; 0,
     /// the default, never).
     pub fail_polls_after: u64,
+    /// Once this many frames were received, the next poll blocks for
+    /// `stall_ms` before it goes on, once (`fault_stall_after`; 0, the
+    /// default, never).
+    pub stall_after: u64,
+    /// How long that poll blocks, in milliseconds (`fault_stall_ms`).
+    pub stall_ms: u64,
     /// Only endpoints of this scheme get faults, where one configuration
     /// serves several endpoints (a broker's listeners, a client's links);
     /// `None` (the default) is all of them. Not a transport option.
@@ -185,6 +193,8 @@ impl Default for FaultConfig {
             truncate: 0.0,
             disconnect: 0.0,
             fail_polls_after: 0,
+            stall_after: 0,
+            stall_ms: 0,
             scheme: None,
         }
     }
@@ -206,7 +216,7 @@ pub enum FaultConfigError {
 }
 
 /// The option keys [`FaultConfig::from_options`] reads.
-pub const OPTION_KEYS: [&str; 12] = [
+pub const OPTION_KEYS: [&str; 14] = [
     "fault_seed",
     "fault_direction",
     "fault_drop",
@@ -219,6 +229,8 @@ pub const OPTION_KEYS: [&str; 12] = [
     "fault_truncate",
     "fault_disconnect",
     "fault_fail_polls_after",
+    "fault_stall_after",
+    "fault_stall_ms",
 ];
 
 impl FaultConfig {
@@ -314,6 +326,12 @@ impl FaultConfig {
                 "fault_fail_polls_after" => {
                     config.fail_polls_after = value.trim().parse().map_err(|_| not_a_number())?;
                 }
+                "fault_stall_after" => {
+                    config.stall_after = value.trim().parse().map_err(|_| not_a_number())?;
+                }
+                "fault_stall_ms" => {
+                    config.stall_ms = value.trim().parse().map_err(|_| not_a_number())?;
+                }
                 _ => {
                     return Err(FaultConfigError::UnknownKey {
                         key: key.clone(),
@@ -347,6 +365,11 @@ impl FaultConfig {
                 "fault_fail_polls_after".to_string(),
                 self.fail_polls_after.to_string(),
             ),
+            (
+                "fault_stall_after".to_string(),
+                self.stall_after.to_string(),
+            ),
+            ("fault_stall_ms".to_string(), self.stall_ms.to_string()),
         ];
         for (key, rate) in self.rates() {
             options.push((key.to_string(), rate.to_string()));
@@ -639,8 +662,10 @@ pub struct FaultyEndpoint {
     disconnecting: HashSet<PeerId>,
     stats: SharedFaultStats,
     scratch: Vec<Event>,
-    /// Frames received so far, for `fail_polls_after`.
+    /// Frames received so far, for `fail_polls_after` and `stall_after`.
     received: u64,
+    /// Whether the poll `stall_after` blocks has come.
+    stalled: bool,
 }
 
 impl std::fmt::Debug for FaultyEndpoint {
@@ -678,6 +703,7 @@ impl FaultyEndpoint {
             stats,
             scratch: Vec::new(),
             received: 0,
+            stalled: false,
         }
     }
 
@@ -946,6 +972,11 @@ impl Endpoint for FaultyEndpoint {
         if limit > 0 && self.received >= limit {
             return Err(TransportError::Other(INJECTED_POLL_FAILURE.to_string()));
         }
+        let stall = self.config.stall_after;
+        if stall > 0 && self.received >= stall && !self.stalled {
+            self.stalled = true;
+            std::thread::sleep(std::time::Duration::from_millis(self.config.stall_ms));
+        }
         for due in self.receive.tick() {
             events.push(Event::Frame {
                 peer: due.peer,
@@ -1148,6 +1179,7 @@ mod tests {
     use super::*;
     use crate::mem::MemTransport;
     use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Duration;
 
     static NEXT: AtomicU64 = AtomicU64::new(1);
 
@@ -1546,6 +1578,36 @@ mod tests {
             FaultConfig::from_options(&[("fault_fail_polls_after".to_string(), "7".to_string())])
                 .expect("valid option");
         assert_eq!(config.fail_polls_after, 7);
+        assert_eq!(FaultConfig::from_options(&config.to_options()), Ok(config));
+    }
+
+    #[test]
+    fn one_poll_stalls_once_enough_frames_came() {
+        let (mut p, _) = pair(with(FaultDirection::Receive, |c| {
+            c.stall_after = 3;
+            c.stall_ms = 300;
+        }));
+        p.send_all(&frames(5));
+        p.tx.poll(&mut Vec::new()).expect("poll tx");
+        let mut events = Vec::new();
+        let timed = |p: &mut Pair, events: &mut Vec<Event>| {
+            let start = std::time::Instant::now();
+            p.rx.poll(events).expect("poll");
+            start.elapsed()
+        };
+        assert!(timed(&mut p, &mut events) < Duration::from_millis(300));
+        assert_eq!(events.len(), 5, "{events:?}");
+        assert!(timed(&mut p, &mut events) >= Duration::from_millis(300));
+        assert!(
+            timed(&mut p, &mut events) < Duration::from_millis(300),
+            "once"
+        );
+        let config = FaultConfig::from_options(&[
+            ("fault_stall_after".to_string(), "7".to_string()),
+            ("fault_stall_ms".to_string(), "9".to_string()),
+        ])
+        .expect("valid options");
+        assert_eq!((config.stall_after, config.stall_ms), (7, 9));
         assert_eq!(FaultConfig::from_options(&config.to_options()), Ok(config));
     }
 
