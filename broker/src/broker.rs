@@ -40,6 +40,7 @@ use crate::event_loop::{run_loop, Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER
 use crate::monitoring::{ConnectionReport, ListenerReport, MatchReport, RemoteMatch};
 use crate::publish_cache;
 use crate::reload::LiveLimits;
+use crate::round_watch::{LoopStall, RoundWatch, WatchedEndpoint};
 use crate::subscriptions::{SubRef, SubscriptionTable, Targets, LOCAL_OWNER};
 
 /// Commands queued from in-process publishers to the loop before they wait.
@@ -440,6 +441,9 @@ pub(crate) struct Shared {
     /// rather than queue behind commands (which wait while a publisher is
     /// held up under `block`).
     pub(crate) rounds: AtomicU64,
+    /// Where the round under way is, for [`Broker::stalled_round`]; the
+    /// loop's endpoints mark their calls in it.
+    pub(crate) round_watch: Arc<RoundWatch>,
     pub(crate) stats: BrokerStats,
     pub(crate) inbox_prefix: String,
     pub(crate) listening: Vec<(String, String)>,
@@ -768,6 +772,14 @@ impl Broker {
             dialer = Some(endpoints.len());
             endpoints.push(endpoint);
         }
+        let round_watch = Arc::new(RoundWatch::new());
+        let endpoints: Vec<Box<dyn efabus_core::transport::Endpoint>> = endpoints
+            .into_iter()
+            .enumerate()
+            .map(|(index, endpoint)| {
+                WatchedEndpoint::wrap(endpoint, Arc::clone(&round_watch), index)
+            })
+            .collect();
         let (commands, command_rx) = CommandQueue::new(waker, COMMAND_QUEUE);
         let subject_limits = SubjectLimits {
             max_len: config.limits.max_subject_len,
@@ -791,6 +803,7 @@ impl Broker {
             commands,
             shutdown: AtomicBool::new(false),
             rounds: AtomicU64::new(0),
+            round_watch,
             stats,
             inbox_prefix: format!("_INBOX.{:016x}", unique_seed()),
             listener_failures: Mutex::new(vec![None; listening.len()]),
@@ -1221,6 +1234,25 @@ impl Broker {
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())
+    }
+
+    /// The event loop's round under way when it has run for `at_least`:
+    /// how long, and the endpoint call it is in (which listener, polled,
+    /// sent on, ...). A round takes microseconds; one that lasts seconds
+    /// is stuck in a call that does not return (README "shm"), and the
+    /// loop serves nothing meanwhile. Read without waiting for the loop,
+    /// unlike [`Broker::responsive`].
+    pub fn stalled_round(&self, at_least: Duration) -> Option<LoopStall> {
+        let listening = &self.shared.listening;
+        self.shared
+            .round_watch
+            .stalled(at_least, Instant::now(), |index| {
+                match listening.get(index) {
+                    Some((scheme, address)) => format!("{scheme}/{address}"),
+                    // The one endpoint that is not a listener.
+                    None => "tcp (for peers)".to_string(),
+                }
+            })
     }
 
     /// Every session of the broker (clients and routes) with its links,

@@ -50,6 +50,7 @@ mod interest;
 pub mod monitoring;
 mod publish_cache;
 pub mod reload;
+mod round_watch;
 mod session;
 mod subscriptions;
 mod wait;
@@ -68,6 +69,7 @@ pub use monitoring::{
     SubscriptionReport,
 };
 pub use reload::Reloaded;
+pub use round_watch::{EndpointCall, LoopStall};
 /// How a session's data links agree their keys (for peers written apart
 /// from [`Client`]).
 pub use session::link_auth;

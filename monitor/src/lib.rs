@@ -12,7 +12,8 @@
 //! - `/subsz`: subscription counts; `?test=SUBJECT` says which
 //!   subscriptions a message on SUBJECT would reach;
 //! - `/healthz`: 200 while every listener is up and the broker's event
-//!   loop answers, else 503 with what is down;
+//!   loop answers, else 503 with what is down (and, for a loop stuck in
+//!   one round, where: [`Broker::stalled_round`]);
 //! - `/metrics`: the counters in the Prometheus text format
 //!   ([`metrics`]).
 //!
@@ -694,14 +695,23 @@ fn healthz(broker: &Broker) -> Answer {
             &json!({ "status": "unavailable", "listeners_down": down }),
         );
     }
+    // A round stuck this long will not answer either: say where it is.
+    if let Some(stall) = broker.stalled_round(LOOP_ANSWER) {
+        return Answer::json(
+            503,
+            &json!({ "status": "unavailable", "error": stall.to_string() }),
+        );
+    }
     // Answered at the loop's next round, whatever its sessions have
     // queued: it runs, and nothing is built for the answer.
     match broker.responsive(LOOP_ANSWER) {
         Ok(()) => Answer::json(200, &json!({ "status": "ok" })),
-        Err(err) => Answer::json(
-            503,
-            &json!({ "status": "unavailable", "error": err.to_string() }),
-        ),
+        Err(err) => {
+            let error = broker
+                .stalled_round(LOOP_ANSWER)
+                .map_or_else(|| err.to_string(), |stall| stall.to_string());
+            Answer::json(503, &json!({ "status": "unavailable", "error": error }))
+        }
     }
 }
 

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use efabus_broker::{Broker, Client, ClientOptions, Config};
+use efabus_broker::{Broker, Client, ClientOptions, Config, EndpointCall};
 use efabus_monitor::{Monitor, MonitorOptions};
 use efabus_transports::registry::Registry;
 use serde_json::Value;
@@ -370,6 +370,60 @@ fn healthz_answers_503_when_a_listener_is_gone() {
     // The TCP listener still serves.
     let plain = client(&broker, "plain", false);
     plain.flush(WAIT).expect("a TCP client is served");
+}
+
+/// An event loop stuck in one round (the TCP listener's poll blocks for 6 s
+/// once a frame has come, as a provider call stuck on a lock would) turns
+/// `/healthz` to 503, saying which listener the loop is polling (without
+/// waiting for the loop once the round has lasted 2 s), and back to 200
+/// when the round ends.
+#[test]
+fn healthz_says_where_a_stuck_event_loop_is() {
+    let broker =
+        start_broker_with("[testing.faults]\nscheme = \"tcp\"\nstall_after = 1\nstall_ms = 6000");
+    let monitor = Monitor::start(Arc::clone(&broker), "127.0.0.1:0").expect("monitor starts");
+    assert_eq!(get(&monitor, "/healthz").0, 200);
+    // Its hello is the frame that stalls the next poll.
+    let connecting = {
+        let broker = Arc::clone(&broker);
+        std::thread::spawn(move || client(&broker, "staller", false))
+    };
+    let tcp = broker.endpoint("tcp").expect("a TCP listener");
+    let deadline = Instant::now() + WAIT;
+    let (status, body) = loop {
+        let (status, body) = get(&monitor, "/healthz");
+        if status != 200 || Instant::now() > deadline {
+            break (status, body);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status, 503, "{body}");
+    let health: Value = serde_json::from_str(&body).expect("JSON");
+    let error = health["error"].as_str().expect("an error");
+    assert!(
+        error.contains("in one round") && error.contains(&format!("polling {tcp}")),
+        "{health:#}"
+    );
+    let stall = broker
+        .stalled_round(Duration::from_secs(2))
+        .expect("still stuck");
+    assert_eq!(stall.endpoint, Some((tcp.clone(), EndpointCall::Poll)));
+    assert!(stall.running_for < Duration::from_secs(7), "{stall}");
+    // Known stuck: answered without waiting 2 s for the loop.
+    let asked = Instant::now();
+    let (status, body) = get(&monitor, "/healthz");
+    assert_eq!(status, 503, "{body}");
+    assert!(asked.elapsed() < Duration::from_secs(2), "{body}");
+    let (status, body) = loop {
+        let (status, body) = get(&monitor, "/healthz");
+        if status == 200 || Instant::now() > deadline {
+            break (status, body);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status, 200, "the round ended: {body}");
+    let staller = connecting.join().expect("the client connects");
+    staller.flush(WAIT).expect("and is served");
 }
 
 /// `/varz` gives the broker's start and uptime, not the monitor's: an

@@ -536,13 +536,16 @@ impl EventLoop {
     /// by the loop thread, or by an application thread of an embedded
     /// broker while it waits (see [`Driven`]).
     fn round(&mut self) -> Round {
+        self.now = Instant::now();
+        // Dated before it is counted: a health check that sees no new
+        // round finds this one's start.
+        self.shared.round_watch.round_began(self.now);
         self.shared.rounds.fetch_add(1, Ordering::Release);
         // Commands first, and what they queued sent before the endpoints
         // are polled: a request that an application thread published just
         // before running this round leaves without waiting for every
         // endpoint's poll (2.5 us of a 64 B round trip between meshed
         // services over `tcp;ofi_rxm`).
-        self.now = Instant::now();
         let commanded = self.drain_commands(4096);
         if commanded {
             self.flush_endpoints();
@@ -583,6 +586,7 @@ impl EventLoop {
         // The round's sends leave now, not after the next round's poll
         // of every endpoint before theirs.
         self.flush_endpoints();
+        self.shared.round_watch.round_ended();
         Round {
             busy,
             credit_waiting,
@@ -2702,6 +2706,9 @@ impl EventLoop {
     fn shutdown(&mut self) {
         let mut events = std::mem::take(&mut self.events);
         info!("shutting down");
+        // The drain's passes are rounds to the stall watch (`RoundWatch`).
+        let watch = Arc::clone(&self.shared.round_watch);
+        watch.round_began(Instant::now());
         let deadline = Instant::now() + self.shared.config.drain_timeout();
         self.blocking.clear();
         self.set_reads_paused(false);
@@ -2721,9 +2728,11 @@ impl EventLoop {
         while (!self.sessions.is_empty() || !self.held_local.is_empty())
             && Instant::now() < deadline
         {
+            watch.round_ended();
+            std::thread::sleep(Duration::from_millis(1));
+            watch.round_began(Instant::now());
             self.poll_endpoints(&mut events);
             self.held_local.retry(&self.shared, Instant::now(), false);
-            std::thread::sleep(Duration::from_millis(1));
         }
         self.held_local.retry(&self.shared, Instant::now(), true);
         let drained = self.sessions.is_empty();
@@ -2744,6 +2753,9 @@ impl EventLoop {
             }
         }
         self.shared.subscriptions.write().close_locals();
+        // Closing a fabric endpoint runs its provider's progress too.
+        drop(std::mem::take(&mut self.endpoints));
+        watch.round_ended();
         info!("stopped");
     }
 }
@@ -2832,7 +2844,11 @@ pub(crate) fn run_loop(
             timeout = timeout.min(polling.backoff(idle_spins, config));
         }
         if !timeout.is_zero() {
-            match prepare_wait(&mut state.endpoints, timeout) {
+            // It runs the providers' progress too: watched as the round.
+            shared.round_watch.round_began(now);
+            let prepared = prepare_wait(&mut state.endpoints, timeout);
+            shared.round_watch.round_ended();
+            match prepared {
                 Some(allowed) => timeout = allowed,
                 None => continue,
             }
