@@ -619,12 +619,29 @@ pub struct Shutdown {
     /// and the longest a peer being closed (after an error or goodbye) has
     /// to take what is queued for it.
     pub drain_timeout_ms: u64,
+    /// `efabus serve` ends with status 3 once it has seen its event loop
+    /// in one round for this long. Rounds take microseconds; one that
+    /// lasts is stuck in a call that does not return (README "shm": a
+    /// same-host peer stopped or killed inside libfabric's `shm`), and
+    /// such a broker serves nothing and would not stop for a signal
+    /// either: exiting lets a supervisor start it again. A pause of the
+    /// whole process (a debugger, SIGSTOP) does not count. An error saying
+    /// where the loop is stuck is logged at 10 s (or at this, if shorter).
+    /// 0 never exits. An embedded broker reports it
+    /// ([`crate::Broker::stalled_round`]) and leaves the decision to its
+    /// service.
+    pub exit_on_stall_ms: u64,
 }
+
+/// Shortest `shutdown.exit_on_stall_ms` other than 0: a loop must not be
+/// taken for stuck in a round that is merely long.
+pub const MIN_EXIT_ON_STALL_MS: u64 = 1_000;
 
 impl Default for Shutdown {
     fn default() -> Self {
         Shutdown {
             drain_timeout_ms: 5_000,
+            exit_on_stall_ms: 60_000,
         }
     }
 }
@@ -838,6 +855,16 @@ impl Config {
             ));
         }
         check_log_level(&self.log_level).map_err(|message| invalid("log_level", message))?;
+        let exit_on_stall = self.shutdown.exit_on_stall_ms;
+        if exit_on_stall != 0 && exit_on_stall < MIN_EXIT_ON_STALL_MS {
+            return Err(invalid(
+                "shutdown.exit_on_stall_ms",
+                format!(
+                    "{exit_on_stall} is too short to tell a stuck event loop from a slow round: \
+                     use 0 (never) or at least {MIN_EXIT_ON_STALL_MS}"
+                ),
+            ));
+        }
         for (i, listen) in self.listen.iter().enumerate() {
             efabus_transports::registry::EndpointSpec::parse(listen)
                 .map_err(|err| invalid(&format!("listen[{i}]"), err.to_string()))?;

@@ -725,8 +725,15 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
     // Caught before anything starts, so a stop at any time is graceful.
     let mut signals = stop_signals()?;
     let monitor_address = config.monitor.clone();
+    let exit_on_stall = Duration::from_millis(config.shutdown.exit_on_stall_ms);
     let broker = Broker::start_with_registry(config, registry).map_err(|err| explain(err, None))?;
     let broker = Arc::new(broker);
+    let stall_watch = Arc::clone(&broker);
+    // Runs through shutdown too: a stuck loop would hold the join forever.
+    std::thread::Builder::new()
+        .name("efabus-stall-watch".into())
+        .spawn(move || watch_for_stalls(&stall_watch, exit_on_stall))
+        .map_err(|err| Failure::runtime(format!("cannot start the stall watch: {err}")))?;
     let monitor = match &monitor_address {
         Some(address) => Some(
             efabus_monitor::Monitor::start(Arc::clone(&broker), address).map_err(|err| {
@@ -776,6 +783,68 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
         .map(|(name, value)| format!("{name}={value}"))
         .collect();
     out!(output, "stopped: {}", stats.join(" "))
+}
+
+/// How often the stall watch looks at the event loop.
+const STALL_CHECK: Duration = Duration::from_secs(1);
+/// How long a round is seen under way before the stall watch logs where
+/// it is stuck.
+const STALL_REPORT: Duration = Duration::from_secs(10);
+/// `serve`'s exit status when its event loop is stuck.
+const STALLED_EXIT: i32 = 3;
+
+/// Watches the broker's event loop for a round that does not end: logs an
+/// error saying where it is stuck once it has seen the round under way for
+/// `STALL_REPORT` (or `exit_after`, if shorter), and ends the process with
+/// [`STALLED_EXIT`] once it has seen it for `exit_after` (never when
+/// zero), as nothing else would stop it. Only this thread's own waits
+/// count, each at most twice `STALL_CHECK`: a pause of the whole process
+/// (a debugger, SIGSTOP) is no stall of the loop. It lasts as long as the
+/// process: a shutdown's drain is watched too.
+fn watch_for_stalls(broker: &Broker, exit_after: Duration) {
+    let report_after = if exit_after.is_zero() {
+        STALL_REPORT
+    } else {
+        STALL_REPORT.min(exit_after)
+    };
+    // The round seen under way, and for how long.
+    let mut seen: Option<(u64, Duration)> = None;
+    let mut reported = false;
+    let mut last = Instant::now();
+    loop {
+        std::thread::sleep(STALL_CHECK);
+        let now = Instant::now();
+        let waited = now.duration_since(last).min(2 * STALL_CHECK);
+        last = now;
+        let Some(stall) = broker.stalled_round(STALL_CHECK) else {
+            seen = None;
+            reported = false;
+            continue;
+        };
+        let observed = match seen {
+            Some((round, observed)) if round == stall.round => observed + waited,
+            _ => Duration::ZERO,
+        };
+        seen = Some((stall.round, observed));
+        if !exit_after.is_zero() && observed >= exit_after {
+            tracing::error!(%stall, "exiting: the broker serves nothing while its loop is stuck");
+            eprintln!(
+                "efabus: error: {stall}, a call that does not return (README \"shm\"); \
+                 exiting with status {STALLED_EXIT} so that a supervisor can start it \
+                 again (shutdown.exit_on_stall_ms)"
+            );
+            // Not `process::exit`: libfabric's destructor would tear its
+            // providers down under the stuck thread.
+            efabus_transports::fabric::exit_at_once(STALLED_EXIT);
+        }
+        if !reported && observed >= report_after {
+            reported = true;
+            tracing::error!(
+                %stall,
+                "the broker serves nothing meanwhile (README \"shm\"); see shutdown.exit_on_stall_ms"
+            );
+        }
+    }
 }
 
 /// SIGHUP: read the configuration again. The log level changes at once

@@ -1043,6 +1043,42 @@ fn lines_until(lines: &Receiver<String>, needle: &str) -> Vec<String> {
     panic!("no line with {needle:?} in {seen:?}");
 }
 
+/// A broker whose event loop is stuck in one round (`[testing.faults]`:
+/// its TCP listener's poll blocks for a minute once a frame has come, as a
+/// provider call stuck on a lock would) says where, and `serve` exits with
+/// status 3 after `shutdown.exit_on_stall_ms`, where nothing else would
+/// stop it.
+#[test]
+fn serve_exits_with_status_3_when_its_event_loop_is_stuck() {
+    let config = common::temp_path("stall.toml");
+    std::fs::write(
+        &config,
+        "listen = [\"tcp/127.0.0.1:0\"]\n[shutdown]\nexit_on_stall_ms = 1500\n\
+         [testing.faults]\nscheme = \"tcp\"\nstall_after = 1\nstall_ms = 60000\n",
+    )
+    .unwrap();
+    let (mut server, lines) = spawn_serve(&config, &[], &[]);
+    let endpoint = endpoint_from_log(&lines_until(&lines, "listening"));
+    // Its hello is the frame that stalls the next poll.
+    let _publisher = Process(
+        efabus()
+            .args(["pub", "-s", &endpoint, "stall.test", "x"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn efabus pub"),
+    );
+    let seen = lines_until(&lines, "exiting with status 3");
+    let polling = format!("polling {endpoint}");
+    assert!(
+        seen.iter()
+            .any(|line| line.contains("in one round for ") && line.contains(&polling)),
+        "{seen:?}"
+    );
+    let status = server.0.wait().expect("serve ends");
+    assert_eq!(status.code(), Some(3));
+}
+
 #[test]
 fn sighup_applies_log_level_and_limits_and_names_what_needs_a_restart() {
     let config = common::temp_path("reload.toml");

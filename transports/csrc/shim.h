@@ -181,6 +181,8 @@ uint32_t efabus_runtime_version(void);
 /* Remove SIGINT/SIGTERM handlers installed when libfabric's dependencies
  * were loaded; returns how many were removed, or -1 on error. */
 int efabus_reset_termination_signals(void);
+/* _exit(2): end the process without running libfabric's destructor. */
+void efabus_exit_at_once(int status);
 uint32_t efabus_requested_version(void);
 const char *efabus_strerror(int err);
 

@@ -142,6 +142,23 @@ pub fn reset_inherited_termination_handlers() -> Result<usize, std::io::Error> {
     }
 }
 
+/// End the process with `status` at once, running no exit handlers: for a
+/// process whose thread may be stuck inside libfabric, where libfabric's
+/// own destructor (run by `std::process::exit`) would tear its providers
+/// down under it.
+pub fn exit_at_once(status: i32) -> ! {
+    #[cfg(efabus_libfabric)]
+    {
+        // SAFETY: `_exit(2)` takes an integer and never returns; it reads
+        // and writes no memory of ours.
+        unsafe { sys::efabus_exit_at_once(status) }
+    }
+    #[cfg(not(efabus_libfabric))]
+    {
+        std::process::exit(status)
+    }
+}
+
 /// What `fi_info -p <provider> -t <ep_type> [-s <source>] -v` lists, as
 /// [`FabricInfo`]s: the same hints (every mode and mr_mode bit accepted,
 /// no capability asked for), so the two can be compared entry by entry.

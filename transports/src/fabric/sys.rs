@@ -186,6 +186,7 @@ extern "C" {
     pub fn efabus_constants(count: *mut usize) -> *const efabus_constant;
     pub fn efabus_runtime_version() -> u32;
     pub fn efabus_reset_termination_signals() -> c_int;
+    pub fn efabus_exit_at_once(status: c_int) -> !;
     pub fn efabus_requested_version() -> u32;
     pub fn efabus_strerror(err: c_int) -> *const c_char;
 
