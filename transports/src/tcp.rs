@@ -44,10 +44,15 @@
 //! reaches the caller, and the caller cannot send to a peer it was told is
 //! closed.
 //!
-//! `connect` resolves the address (blocking, for host names), starts a
-//! non-blocking connect and returns the peer at once; frames queue until the
-//! link is up, and a failed connect (after every resolved address is tried)
-//! shows as `Closed { Error }`. `close` flushes what is queued without
+//! `connect` returns the peer at once and never waits: an IP address is
+//! dialed there (a non-blocking connect), a host name is resolved on a
+//! thread of its own (a resolver can take seconds, and the caller is an
+//! event loop serving everyone else) and dialed by the poll that finds the
+//! answer (the answer then serves dials of that name for [`ANSWER_TTL`]).
+//! Frames queue until the link is up, and a failed connect (a name that
+//! does not resolve, or every resolved address tried) shows as
+//! `Closed { Error }`; closing a peer whose name is still being looked up
+//! drops what was queued for it, as nothing of it is on the wire. `close` flushes what is queued without
 //! blocking, shuts the write side down and keeps draining the socket until
 //! the peer closes too (or [`LINGER`] passes), so the peer reads every frame
 //! and then an orderly close rather than a reset.
@@ -58,6 +63,7 @@ use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
+use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -826,6 +832,67 @@ pub struct TcpEndpoint {
     scratch: Vec<(Token, bool, bool, bool)>,
     /// TLS for accepted and dialed connections, when the options ask.
     tls: Option<TlsContext>,
+    /// Dialed host names whose addresses are being looked up.
+    resolving: HashMap<Token, Resolving>,
+    /// Lookups still running for peers closed meanwhile: their answers
+    /// serve the next dial (a dial closed by its owner's handshake timeout
+    /// while the resolver was slow is then answered at once).
+    orphaned_lookups: Vec<(String, Receiver<LookupAnswer>)>,
+    /// Addresses looked up lately, by `host:port`, and when.
+    answers: HashMap<String, (Instant, Vec<SocketAddr>)>,
+    /// How a host name is looked up ([`resolve`]; tests put theirs).
+    lookup: Lookup,
+}
+
+type LookupAnswer = Result<Vec<SocketAddr>, TransportError>;
+type Lookup = Arc<dyn Fn(&str) -> LookupAnswer + Send + Sync>;
+
+/// Host names looked up at once (a thread each, closed dials' included); a
+/// dial past them fails (and is retried by its owner).
+const RESOLVING_MAX: usize = 64;
+/// How long a looked-up address list serves later dials of the same name.
+const ANSWER_TTL: Duration = Duration::from_secs(30);
+
+/// A dial waiting for its host name's addresses (see the module docs), and
+/// what was asked of the connection meanwhile.
+struct Resolving {
+    peer: PeerId,
+    /// `host:port` as dialed, and the host alone (for TLS).
+    addr: String,
+    host: String,
+    answer: Receiver<LookupAnswer>,
+    /// Frames and runs sent meanwhile, in order, within the queue bounds.
+    queued: Vec<Queued>,
+    queued_frames: usize,
+    queued_bytes: usize,
+    /// A send was refused for room: `Writable` follows once it is dialed.
+    blocked: bool,
+    receive_limit: Option<Option<usize>>,
+    read_paused: bool,
+}
+
+enum Queued {
+    Frame(OutFrame),
+    /// A run and how many frames it holds.
+    Run(Bytes, usize),
+}
+
+impl Resolving {
+    /// Whether the connection queue's bounds take this much more (the
+    /// first item always fits, as there); `Writable` is owed when not.
+    fn has_room(&mut self, frames: usize, len: usize, limits: &Limits) -> bool {
+        let room = self.queued_frames == 0
+            || (self.queued_frames + frames <= limits.queue_frames
+                && self.queued_bytes + len <= limits.queue_bytes);
+        self.blocked |= !room;
+        room
+    }
+
+    fn push(&mut self, frames: usize, len: usize, item: Queued) {
+        self.queued_frames += frames;
+        self.queued_bytes += len;
+        self.queued.push(item);
+    }
 }
 
 impl std::fmt::Debug for TcpEndpoint {
@@ -897,6 +964,10 @@ impl TcpEndpoint {
             round: 0,
             scratch: Vec::new(),
             tls,
+            resolving: HashMap::new(),
+            orphaned_lookups: Vec::new(),
+            answers: HashMap::new(),
+            lookup: Arc::new(resolve),
         })
     }
 
@@ -921,14 +992,191 @@ impl TcpEndpoint {
     /// Connect to the first of `addrs` that answers, in order.
     fn connect_any(
         &mut self,
-        mut addrs: Vec<SocketAddr>,
+        addrs: Vec<SocketAddr>,
         host: &str,
     ) -> Result<PeerId, TransportError> {
-        let tls_host = self.tls.is_some().then(|| host.to_string());
         // A name TLS cannot verify against fails here, before connecting.
-        self.client_session(tls_host.as_deref())?;
+        self.client_session(self.tls.is_some().then_some(host))?;
         let (peer, token) = self.peek_id()?;
         self.next_peer += 1;
+        self.dial(peer, token, addrs, host)?;
+        Ok(peer)
+    }
+
+    /// Look `addr`'s host name up on a thread of its own; the poll that
+    /// finds the answer dials it ([`TcpEndpoint::settle_resolutions`]).
+    fn connect_by_name(&mut self, addr: &str) -> Result<PeerId, TransportError> {
+        let invalid = |reason: &str| TransportError::InvalidAddress {
+            addr: addr.to_string(),
+            reason: reason.to_string(),
+        };
+        let Some((host, port)) = addr.rsplit_once(':') else {
+            return Err(invalid("expected host:port"));
+        };
+        if host.is_empty() || port.parse::<u16>().is_err() {
+            return Err(invalid("expected host:port"));
+        }
+        let host = host_of(addr).to_string();
+        match self.answers.get(addr) {
+            Some((at, addrs)) if at.elapsed() < ANSWER_TTL => {
+                let addrs = addrs.clone();
+                return self.connect_any(addrs, &host);
+            }
+            Some(_) => {
+                self.answers.remove(addr);
+            }
+            None => {}
+        }
+        self.client_session(self.tls.is_some().then_some(host.as_str()))?;
+        let (peer, token) = self.peek_id()?;
+        // A lookup of the name left running by a closed dial serves this one.
+        let answer = match self
+            .orphaned_lookups
+            .iter()
+            .position(|(name, _)| name == addr)
+        {
+            Some(at) => self.orphaned_lookups.swap_remove(at).1,
+            None => self.start_lookup(addr)?,
+        };
+        self.next_peer += 1;
+        self.resolving.insert(
+            token,
+            Resolving {
+                peer,
+                addr: addr.to_string(),
+                host,
+                answer,
+                queued: Vec::new(),
+                queued_frames: 0,
+                queued_bytes: 0,
+                blocked: false,
+                receive_limit: None,
+                read_paused: false,
+            },
+        );
+        Ok(peer)
+    }
+
+    /// A thread that looks `addr` up and wakes the endpoint with the answer.
+    fn start_lookup(&self, addr: &str) -> Result<Receiver<LookupAnswer>, TransportError> {
+        if self.resolving.len() + self.orphaned_lookups.len() >= RESOLVING_MAX {
+            return Err(TransportError::Other(format!(
+                "{RESOLVING_MAX} host names are being looked up already; dial {addr} again later"
+            )));
+        }
+        let (tell, answer) = std::sync::mpsc::channel();
+        let attention = Arc::clone(&self.attention);
+        let lookup = Arc::clone(&self.lookup);
+        let name = addr.to_string();
+        std::thread::Builder::new()
+            .name("efabus-resolve".into())
+            .spawn(move || {
+                // The endpoint may be gone, and its receiver with it.
+                let _ = tell.send(lookup(&name));
+                if let Err(err) = attention.waker.wake() {
+                    tracing::warn!("tcp: cannot wake endpoint: {err}");
+                }
+            })
+            .map_err(|err| TransportError::Other(format!("cannot look {addr} up: {err}")))?;
+        Ok(answer)
+    }
+
+    /// Keeps `addrs` for later dials of `addr`, forgetting those past
+    /// [`ANSWER_TTL`].
+    fn remember(&mut self, addr: &str, addrs: Vec<SocketAddr>, now: Instant) {
+        self.answers
+            .retain(|_, (at, _)| now.duration_since(*at) < ANSWER_TTL);
+        self.answers.insert(addr.to_string(), (now, addrs));
+    }
+
+    /// Dial the host names whose addresses have come, handing each the
+    /// frames sent meanwhile; a name that did not resolve closes its peer.
+    fn settle_resolutions(&mut self, events: &mut Vec<Event>) {
+        let now = Instant::now();
+        let mut found = Vec::new();
+        self.orphaned_lookups
+            .retain(|(addr, answer)| match answer.try_recv() {
+                Ok(Ok(addrs)) => {
+                    found.push((addr.clone(), addrs));
+                    false
+                }
+                Ok(Err(_)) | Err(TryRecvError::Disconnected) => false,
+                Err(TryRecvError::Empty) => true,
+            });
+        for (addr, addrs) in found {
+            self.remember(&addr, addrs, now);
+        }
+        let answered: Vec<(Token, LookupAnswer)> = self
+            .resolving
+            .iter()
+            .filter_map(|(&token, waiting)| match waiting.answer.try_recv() {
+                Ok(answer) => Some((token, answer)),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => Some((
+                    token,
+                    Err(TransportError::Other(
+                        "the name lookup ended without an answer".into(),
+                    )),
+                )),
+            })
+            .collect();
+        for (token, answer) in answered {
+            let Some(waiting) = self.resolving.remove(&token) else {
+                continue;
+            };
+            let peer = waiting.peer;
+            if let Ok(addrs) = &answer {
+                self.remember(&waiting.addr, addrs.clone(), now);
+            }
+            if let Err(err) = answer.and_then(|addrs| self.dial(peer, token, addrs, &waiting.host))
+            {
+                events.push(Event::Closed {
+                    peer,
+                    reason: CloseReason::Error(err.to_string()),
+                });
+                continue;
+            }
+            let Some(conn) = self.conns.get_mut(&token) else {
+                // No address answered: its `Closed` is pending.
+                continue;
+            };
+            if let Some(limit) = waiting.receive_limit {
+                conn.frame_limit = limit;
+            }
+            conn.read_paused = waiting.read_paused;
+            if !waiting.queued.is_empty() {
+                // Taken within the queue's bounds already.
+                let mut out = conn.out.lock();
+                for item in waiting.queued {
+                    match item {
+                        Queued::Frame(frame) => out.push_frame(frame),
+                        Queued::Run(run, frames) => out.push_run(run, frames),
+                    }
+                }
+                drop(out);
+                if !conn.dirty {
+                    conn.dirty = true;
+                    self.dirty.push(token);
+                }
+                self.nudge();
+            }
+            if waiting.blocked {
+                events.push(Event::Writable { peer });
+            }
+        }
+    }
+
+    /// Start connecting `peer` (its id issued, under `token`) to the first
+    /// of `addrs` that answers; a connect that fails at once is reported
+    /// as the peer's `Closed`, as a later failure is.
+    fn dial(
+        &mut self,
+        peer: PeerId,
+        token: Token,
+        mut addrs: Vec<SocketAddr>,
+        host: &str,
+    ) -> Result<(), TransportError> {
+        let tls_host = self.tls.is_some().then(|| host.to_string());
         let mut failures = Vec::new();
         match self.start_connect(token, &mut addrs, &mut failures) {
             Some((stream, addr)) => {
@@ -948,7 +1196,7 @@ impl TcpEndpoint {
                 self.nudge();
             }
         }
-        Ok(peer)
+        Ok(())
     }
 
     /// This endpoint described in fi_info terms, with its listening
@@ -1249,12 +1497,22 @@ impl Endpoint for TcpEndpoint {
     }
 
     fn connect(&mut self, addr: &str) -> Result<PeerId, TransportError> {
-        let addrs = resolve(addr)?;
-        self.connect_any(addrs, host_of(addr))
+        match addr.parse::<SocketAddr>() {
+            Ok(socket) => self.connect_any(vec![socket], host_of(addr)),
+            Err(_) => self.connect_by_name(addr),
+        }
     }
 
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
         prefix::check(&frame, self.limits.max_frame)?;
+        if let Some(waiting) = token_of(peer).and_then(|token| self.resolving.get_mut(&token)) {
+            let len = frame.len();
+            if !waiting.has_room(1, len, &self.limits) {
+                return Err(SendError::WouldBlock(frame));
+            }
+            waiting.push(1, len, Queued::Frame(frame));
+            return Ok(());
+        }
         let Some((token, conn)) =
             token_of(peer).and_then(|token| Some((token, self.conns.get_mut(&token)?)))
         else {
@@ -1284,6 +1542,14 @@ impl Endpoint for TcpEndpoint {
     fn send_run(&mut self, peer: PeerId, run: Bytes) -> Result<(), SendError> {
         let frames = count_run(&run, self.limits.max_frame)?;
         if frames == 0 {
+            return Ok(());
+        }
+        if let Some(waiting) = token_of(peer).and_then(|token| self.resolving.get_mut(&token)) {
+            let len = run.len();
+            if !waiting.has_room(frames, len, &self.limits) {
+                return Err(SendError::WouldBlock(OutFrame::whole(run)));
+            }
+            waiting.push(frames, len, Queued::Run(run, frames));
             return Ok(());
         }
         let Some((token, conn)) =
@@ -1338,6 +1604,9 @@ impl Endpoint for TcpEndpoint {
             Err(err) => return Err(err.into()),
         }
         events.extend(self.pending.drain(..));
+        if !self.resolving.is_empty() || !self.orphaned_lookups.is_empty() {
+            self.settle_resolutions(events);
+        }
 
         // Each connection is serviced at most once per poll: what epoll
         // reported, then those with unread data left over from the last
@@ -1416,6 +1685,17 @@ impl Endpoint for TcpEndpoint {
         let Some(token) = token_of(peer) else {
             return;
         };
+        if let Some(waiting) = self.resolving.remove(&token) {
+            // What was queued goes with it; the answer still serves the
+            // next dial of the name.
+            self.orphaned_lookups.push((waiting.addr, waiting.answer));
+            self.pending.push_back(Event::Closed {
+                peer,
+                reason: CloseReason::Local,
+            });
+            self.nudge();
+            return;
+        }
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
@@ -1465,7 +1745,12 @@ impl Endpoint for TcpEndpoint {
     }
 
     fn set_receive_limit(&mut self, peer: PeerId, limit: Option<usize>) {
-        if let Some(conn) = token_of(peer).and_then(|token| self.conns.get_mut(&token)) {
+        let Some(token) = token_of(peer) else {
+            return;
+        };
+        if let Some(waiting) = self.resolving.get_mut(&token) {
+            waiting.receive_limit = Some(limit);
+        } else if let Some(conn) = self.conns.get_mut(&token) {
             conn.frame_limit = limit;
         }
     }
@@ -1474,6 +1759,10 @@ impl Endpoint for TcpEndpoint {
         let Some(token) = token_of(peer) else {
             return;
         };
+        if let Some(waiting) = self.resolving.get_mut(&token) {
+            waiting.read_paused = paused;
+            return;
+        }
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
@@ -1493,6 +1782,9 @@ impl Endpoint for TcpEndpoint {
     }
 
     fn queued_bytes(&self, peer: PeerId) -> usize {
+        if let Some(waiting) = token_of(peer).and_then(|token| self.resolving.get(&token)) {
+            return waiting.queued_bytes;
+        }
         token_of(peer)
             .and_then(|token| self.conns.get(&token))
             .filter(|c| c.closing.is_none())
@@ -1809,6 +2101,152 @@ mod tests {
             server.poll(&mut got).unwrap();
             std::thread::sleep(Duration::from_micros(200));
         }
+    }
+
+    /// Polls `server` once, adding the payloads of the frames it got.
+    fn take_payloads(server: &mut TcpEndpoint, got: &mut Vec<Vec<u8>>) {
+        let mut arrived = Vec::new();
+        server.poll(&mut arrived).unwrap();
+        got.extend(arrived.into_iter().filter_map(|e| match e {
+            Event::Frame { frame, .. } => Some(frame[codec::PREFIX_LEN..].to_vec()),
+            _ => None,
+        }));
+    }
+
+    /// A host name is looked up off the caller's thread: `connect` returns
+    /// while the lookup is held, frames sent meanwhile wait (past the queue
+    /// bounds `WouldBlock`, then `Writable`) and arrive in order once the
+    /// answer comes; a name that resolves to nothing closes its peer with
+    /// the reason.
+    #[test]
+    fn host_names_are_looked_up_without_holding_up_the_caller() {
+        let mut server = listener(Vec::new());
+        let port = server.local_socket_addr().unwrap().port();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let held = Mutex::new(held);
+        let mut client = TcpEndpoint::open(&EndpointConfig {
+            queue_frames: 2,
+            ..EndpointConfig::default()
+        })
+        .unwrap();
+        client.lookup = Arc::new(move |name: &str| {
+            if name.starts_with("nowhere.") {
+                return Err(TransportError::InvalidAddress {
+                    addr: name.to_string(),
+                    reason: "the name resolves to no address".into(),
+                });
+            }
+            // Held until the test lets it go, which it does only once
+            // `connect` has returned.
+            if held.lock().recv_timeout(WAIT).is_err() {
+                return Err(TransportError::Other("the lookup was never let go".into()));
+            }
+            resolve(&format!("127.0.0.1:{port}"))
+        });
+        let peer = client.connect(&format!("held.example:{port}")).unwrap();
+        for n in 0..2u8 {
+            client
+                .send(peer, OutFrame::whole(framed(&[n]).into()))
+                .expect("queued while the name is looked up");
+        }
+        let refused = client.send(peer, OutFrame::whole(framed(&[2]).into()));
+        assert!(
+            matches!(refused, Err(SendError::WouldBlock(_))),
+            "{refused:?}"
+        );
+        assert_eq!(client.queued_bytes(peer), 2 * 5);
+        let mut events = Vec::new();
+        client.poll(&mut events).unwrap();
+        assert!(events.is_empty(), "nothing before the answer: {events:?}");
+
+        release.send(()).unwrap();
+        let mut got = Vec::new();
+        let mut writable = false;
+        let deadline = Instant::now() + WAIT;
+        while got.len() < 2 || !writable {
+            assert!(Instant::now() < deadline, "timed out; got {got:?}");
+            let mut events = Vec::new();
+            client.poll(&mut events).unwrap();
+            assert!(closed_reason(&events, peer).is_none(), "{events:?}");
+            writable |= events
+                .iter()
+                .any(|e| matches!(e, Event::Writable { peer: p } if *p == peer));
+            take_payloads(&mut server, &mut got);
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert_eq!(got, [vec![0u8], vec![1u8]]);
+
+        let nowhere = client.connect(&format!("nowhere.example:{port}")).unwrap();
+        let mut events = Vec::new();
+        poll_until(&mut client, &mut events, |events| {
+            closed_reason(events, nowhere).is_some()
+        });
+        match closed_reason(&events, nowhere) {
+            Some(CloseReason::Error(reason)) => {
+                assert!(reason.contains("resolves to no address"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A dial closed while its name is looked up ends with one local
+    /// `Closed` and nothing sent; the lookup goes on and serves the next
+    /// dial of the name, and its answer the one after, with no other
+    /// lookup.
+    #[test]
+    fn a_lookup_outlives_its_closed_dial_and_serves_the_next() {
+        let mut server = listener(Vec::new());
+        let port = server.local_socket_addr().unwrap().port();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let held = Mutex::new(held);
+        let lookups = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut client = TcpEndpoint::open(&EndpointConfig::default()).unwrap();
+        let counted = Arc::clone(&lookups);
+        client.lookup = Arc::new(move |_: &str| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if held.lock().recv_timeout(WAIT).is_err() {
+                return Err(TransportError::Other("the lookup was never let go".into()));
+            }
+            resolve(&format!("127.0.0.1:{port}"))
+        });
+        let name = format!("slow.example:{port}");
+        let first = client.connect(&name).unwrap();
+        client
+            .send(first, OutFrame::whole(framed(b"dropped").into()))
+            .unwrap();
+        client.close(first);
+        let mut events = Vec::new();
+        client.poll(&mut events).unwrap();
+        assert_eq!(closed_reason(&events, first), Some(CloseReason::Local));
+
+        // Still held: the second dial waits on the same lookup.
+        let second = client.connect(&name).unwrap();
+        release.send(()).unwrap();
+        let mut got = Vec::new();
+        let mut send_and_receive = |client: &mut TcpEndpoint, peer: PeerId, text: &[u8]| {
+            client
+                .send(peer, OutFrame::whole(framed(text).into()))
+                .unwrap();
+            let deadline = Instant::now() + WAIT;
+            let before = got.len();
+            while got.len() == before {
+                assert!(Instant::now() < deadline, "timed out; got {got:?}");
+                let mut events = Vec::new();
+                client.poll(&mut events).unwrap();
+                assert!(closed_reason(&events, peer).is_none(), "{events:?}");
+                take_payloads(&mut server, &mut got);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        };
+        send_and_receive(&mut client, second, b"second");
+        let third = client.connect(&name).unwrap();
+        send_and_receive(&mut client, third, b"third");
+        assert_eq!(
+            got,
+            [b"second".to_vec(), b"third".to_vec()],
+            "nothing of the closed dial"
+        );
+        assert_eq!(lookups.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 
     #[test]

@@ -2358,7 +2358,7 @@ impl EventLoop {
     fn forget_session(&mut self, id: u64, reason: &CloseReason) {
         self.end_handshake(id);
         self.remove_interest(id);
-        self.dialed_session_gone(id);
+        self.dialed_session_gone(id, reason);
         if let Some(restricted) = self.restricted.remove(&id) {
             for subscribe in &restricted.awaits_inbox {
                 if let Some(inbox) = crate::accounts::inbox_of(&subscribe.pattern) {

@@ -315,7 +315,7 @@ fn broker_hex(id: u64) -> String {
 /// `tcp/IP:PORT`, with an unspecified host (`0.0.0.0`, `[::]`), or a
 /// loopback one from a peer that is not on loopback, replaced by the IP the
 /// route came from (`remote`). `None` if unusable: host names are not
-/// learned (their lookup would block the event loop).
+/// learned (each dial would look them up again).
 fn resolve_advertised(advertised: &str, remote: &str) -> Option<String> {
     crate::config::check_advertised(advertised).ok()?;
     let socket: SocketAddr = advertised.strip_prefix("tcp/")?.parse().ok()?;
@@ -658,7 +658,11 @@ impl EventLoop {
 
     /// A session is gone for good: if it was dialed for a peer, schedule
     /// the next attempt.
-    pub(super) fn dialed_session_gone(&mut self, id: u64) {
+    pub(super) fn dialed_session_gone(
+        &mut self,
+        id: u64,
+        reason: &efabus_core::transport::CloseReason,
+    ) {
         let now = Instant::now();
         let Some(index) = self
             .cluster
@@ -687,7 +691,8 @@ impl EventLoop {
             slot.next_attempt = now;
             slot.last_reached = now;
         } else {
-            self.dial_failed(index, now, "link closed before the route came up");
+            let reason = format!("link closed before the route came up: {reason}");
+            self.dial_failed(index, now, &reason);
         }
         let next = self.cluster.slots[index].next_attempt;
         self.schedule(next);
