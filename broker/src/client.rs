@@ -58,6 +58,7 @@ use crate::delivery::{
 use crate::drive::{DriveHandle, Driven, Rounds};
 use crate::endpoints;
 use crate::error::Error;
+use crate::round_watch::{LoopStall, RoundWatch, WatchedEndpoint};
 use crate::session::data_link::{open_released, Keying, LinkKind};
 use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::{self, Control, Queued, SendCounts, RUN_MAX};
@@ -558,6 +559,10 @@ struct ClientShared {
     reply_window: Mutex<YieldWindow>,
     /// The negotiated paths (changes once per handshake).
     link: Mutex<LinkReport>,
+    /// Where the loop's round under way is ([`Client::stalled_round`]),
+    /// and its endpoints' names: the server's, then the data schemes.
+    round_watch: Arc<RoundWatch>,
+    endpoint_names: Vec<String>,
     /// Traffic counters, updated per frame without a lock.
     counters: LinkCounters,
     /// The session, for threads that drive it while they wait.
@@ -997,6 +1002,10 @@ impl Client {
             closed_because: Mutex::new(None),
             server_errors: Mutex::new(VecDeque::new()),
             link: Mutex::new(LinkReport::default()),
+            round_watch: Arc::new(RoundWatch::new()),
+            endpoint_names: std::iter::once(endpoint.to_string())
+                .chain(data.iter().map(|data| data.scheme().to_string()))
+                .collect(),
             counters: LinkCounters::default(),
             session: DriveHandle::new(),
         });
@@ -1387,6 +1396,24 @@ impl Client {
             .map_err(|err| Error::waiting(err, timeout))?
     }
 
+    /// The client loop's round under way when it has run for `at_least`:
+    /// how long, and the endpoint call it is in (the server's endpoint, or
+    /// a data link's scheme). A round takes microseconds; one that lasts
+    /// is stuck in a call that does not return, as when the broker was
+    /// stopped or killed inside libfabric's `shm` (README "shm"): nothing
+    /// then moves on this client. Read without waiting for the loop.
+    pub fn stalled_round(&self, at_least: Duration) -> Option<LoopStall> {
+        let names = &self.shared.endpoint_names;
+        self.shared
+            .round_watch
+            .stalled(at_least, Instant::now(), |index| {
+                names
+                    .get(index)
+                    .cloned()
+                    .unwrap_or_else(|| format!("endpoint {index}"))
+            })
+    }
+
     /// Take no more publishes, flush (waiting at most a second for the
     /// server), say goodbye and close the connection. What the server had
     /// not taken by then is discarded and counted
@@ -1519,7 +1546,11 @@ fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll)
             timeout = timeout.min(polled.backoff(idle, &shared.options.fabric.polling));
         }
         if !timeout.is_zero() {
-            match prepare_wait(&mut state.endpoints, timeout) {
+            // It runs the providers' progress too: watched as the round.
+            shared.round_watch.round_began(Instant::now());
+            let prepared = prepare_wait(&mut state.endpoints, timeout);
+            shared.round_watch.round_ended();
+            match prepared {
                 Some(allowed) => timeout = allowed,
                 None => continue,
             }
@@ -1659,7 +1690,13 @@ impl ClientLoop {
         address: String,
     ) -> ClientLoop {
         let unavailable = shared.link.lock().reasons.clone();
-        let endpoints: Vec<Box<dyn Endpoint>> = std::iter::once(endpoint).chain(data).collect();
+        let endpoints: Vec<Box<dyn Endpoint>> = std::iter::once(endpoint)
+            .chain(data)
+            .enumerate()
+            .map(|(index, endpoint)| {
+                WatchedEndpoint::wrap(endpoint, Arc::clone(&shared.round_watch), index)
+            })
+            .collect();
         // Data endpoints first: the control link is the last resort.
         let all_offers = endpoints[CONTROL + 1..]
             .iter()
@@ -1753,6 +1790,7 @@ impl ClientLoop {
     fn round(&mut self) -> Round {
         let now = Instant::now();
         self.now = now;
+        self.shared.round_watch.round_began(now);
         self.on_timers(now);
         let mut events = std::mem::take(&mut self.events);
         events.clear();
@@ -1790,6 +1828,7 @@ impl ClientLoop {
         for endpoint in &mut self.endpoints {
             endpoint.flush();
         }
+        self.shared.round_watch.round_ended();
         Round {
             worked: busy | drained,
             credit_waiting,
@@ -1822,6 +1861,9 @@ impl ClientLoop {
     }
 
     fn close(&mut self) {
+        // Watched as a round: it polls and closes the endpoints.
+        let watch = Arc::clone(&self.shared.round_watch);
+        watch.round_began(Instant::now());
         self.shared.outbox.lock().direct = None;
         while self.drain_outbox() {}
         if let LinkState::Up { peer } = self.link {
@@ -1877,6 +1919,9 @@ impl ClientLoop {
                 .discarded_at_close
                 .fetch_add(held, Ordering::Relaxed);
         }
+        // Closing a fabric endpoint runs its provider's progress too.
+        drop(std::mem::take(&mut self.endpoints));
+        watch.round_ended();
     }
 
     fn on_timers(&mut self, now: Instant) {

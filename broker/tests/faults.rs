@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_broker::config::Faults;
-use efabus_broker::{Broker, Client, ClientOptions, Config, RecvError};
+use efabus_broker::{Broker, Client, ClientOptions, Config, EndpointCall, RecvError};
 use efabus_core::budget::MemoryBudget;
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::fragment::ReassemblyConfig;
@@ -379,6 +379,61 @@ fn client_faults_from_the_config_wrap_its_connection() {
     let client = Client::connect_with(&endpoint, clean, Registry::with_builtins())
         .expect("connects with faults at rate 0");
     client.flush(WAIT).expect("flushed");
+    drop(client);
+    broker.shutdown();
+}
+
+/// A client whose loop is stuck in one round (its connection's poll
+/// blocks for 3 s once 20 frames have come, as a provider call stuck on a
+/// lock would) says so, naming the server's endpoint and the poll; once
+/// the round ends it says nothing and gets the rest.
+#[test]
+fn a_client_stuck_in_one_round_says_where() {
+    let name = fresh_name("client-stall");
+    let config = Config::from_toml_str(
+        &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
+        "faults test",
+    )
+    .expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    let endpoint = format!("mem/{name}");
+    let options = ClientOptions {
+        faults: Some(Faults {
+            stall_after: 20,
+            stall_ms: 3000,
+            ..Faults::default()
+        }),
+        ..ClientOptions::default()
+    };
+    let client =
+        Client::connect_with(&endpoint, options, Registry::with_builtins()).expect("connects");
+    let subscription = client.subscribe("stall.>").expect("subscribe");
+    client.flush(WAIT).expect("subscribed");
+    for n in 0..100u8 {
+        broker.publish("stall.x", vec![n]).expect("publish");
+    }
+    let mut stall = None;
+    wait_for("the client's loop to be seen stuck", || {
+        stall = client.stalled_round(Duration::from_millis(500));
+        stall.is_some()
+    });
+    let stall = stall.expect("seen");
+    assert_eq!(
+        stall.endpoint,
+        Some((endpoint.clone(), EndpointCall::Poll)),
+        "{stall}"
+    );
+    assert!(
+        stall.to_string().contains(&format!("polling {endpoint}")),
+        "{stall}"
+    );
+    wait_for("the round to end", || {
+        client.stalled_round(Duration::from_millis(500)).is_none()
+    });
+    for n in 0..100u8 {
+        let message = subscription.recv_timeout(WAIT).expect("every message");
+        assert_eq!(message.payload[..], [n]);
+    }
     drop(client);
     broker.shutdown();
 }
