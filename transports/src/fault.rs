@@ -65,7 +65,8 @@
 //! Apart from frames, [`FaultConfig::fail_polls_after`] makes every poll
 //! fail once that many frames were received, as a failed device would, and
 //! [`FaultConfig::stall_after`] makes one poll block for
-//! [`FaultConfig::stall_ms`], as a provider call stuck on a lock would.
+//! [`FaultConfig::stall_ms`], as a provider call stuck on a lock would, and
+//! [`FaultConfig::panic_after`] makes one poll panic, as a bug would.
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -89,6 +90,9 @@ pub const INJECTED_DISCONNECT: &str = "injected fault: disconnect";
 
 /// The error of a poll failed by `fail_polls_after`.
 pub const INJECTED_POLL_FAILURE: &str = "injected fault: poll failure";
+
+/// The message of a poll's panic by `panic_after`.
+pub const INJECTED_PANIC: &str = "injected fault: a poll panics";
 
 /// Which frames a [`FaultyEndpoint`] touches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -172,6 +176,9 @@ pub struct FaultConfig {
     pub stall_after: u64,
     /// How long that poll blocks, in milliseconds (`fault_stall_ms`).
     pub stall_ms: u64,
+    /// Once this many frames were received, the next poll panics, once
+    /// (`fault_panic_after`; 0, the default, never).
+    pub panic_after: u64,
     /// Only endpoints of this scheme get faults, where one configuration
     /// serves several endpoints (a broker's listeners, a client's links);
     /// `None` (the default) is all of them. Not a transport option.
@@ -195,6 +202,7 @@ impl Default for FaultConfig {
             fail_polls_after: 0,
             stall_after: 0,
             stall_ms: 0,
+            panic_after: 0,
             scheme: None,
         }
     }
@@ -216,7 +224,7 @@ pub enum FaultConfigError {
 }
 
 /// The option keys [`FaultConfig::from_options`] reads.
-pub const OPTION_KEYS: [&str; 14] = [
+pub const OPTION_KEYS: [&str; 15] = [
     "fault_seed",
     "fault_direction",
     "fault_drop",
@@ -231,6 +239,7 @@ pub const OPTION_KEYS: [&str; 14] = [
     "fault_fail_polls_after",
     "fault_stall_after",
     "fault_stall_ms",
+    "fault_panic_after",
 ];
 
 impl FaultConfig {
@@ -332,6 +341,9 @@ impl FaultConfig {
                 "fault_stall_ms" => {
                     config.stall_ms = value.trim().parse().map_err(|_| not_a_number())?;
                 }
+                "fault_panic_after" => {
+                    config.panic_after = value.trim().parse().map_err(|_| not_a_number())?;
+                }
                 _ => {
                     return Err(FaultConfigError::UnknownKey {
                         key: key.clone(),
@@ -370,6 +382,10 @@ impl FaultConfig {
                 self.stall_after.to_string(),
             ),
             ("fault_stall_ms".to_string(), self.stall_ms.to_string()),
+            (
+                "fault_panic_after".to_string(),
+                self.panic_after.to_string(),
+            ),
         ];
         for (key, rate) in self.rates() {
             options.push((key.to_string(), rate.to_string()));
@@ -666,6 +682,8 @@ pub struct FaultyEndpoint {
     received: u64,
     /// Whether the poll `stall_after` blocks has come.
     stalled: bool,
+    /// Whether the poll `panic_after` fails has come.
+    panicked: bool,
 }
 
 impl std::fmt::Debug for FaultyEndpoint {
@@ -704,6 +722,7 @@ impl FaultyEndpoint {
             scratch: Vec::new(),
             received: 0,
             stalled: false,
+            panicked: false,
         }
     }
 
@@ -976,6 +995,11 @@ impl Endpoint for FaultyEndpoint {
         if stall > 0 && self.received >= stall && !self.stalled {
             self.stalled = true;
             std::thread::sleep(std::time::Duration::from_millis(self.config.stall_ms));
+        }
+        let panic_at = self.config.panic_after;
+        if panic_at > 0 && self.received >= panic_at && !self.panicked {
+            self.panicked = true;
+            panic!("{INJECTED_PANIC}");
         }
         for due in self.receive.tick() {
             events.push(Event::Frame {
@@ -1608,6 +1632,29 @@ mod tests {
         ])
         .expect("valid options");
         assert_eq!((config.stall_after, config.stall_ms), (7, 9));
+        assert_eq!(FaultConfig::from_options(&config.to_options()), Ok(config));
+    }
+
+    #[test]
+    fn one_poll_panics_once_enough_frames_came() {
+        let (mut p, _) = pair(with(FaultDirection::Receive, |c| c.panic_after = 3));
+        p.send_all(&frames(5));
+        p.tx.poll(&mut Vec::new()).expect("poll tx");
+        let mut events = Vec::new();
+        p.rx.poll(&mut events).expect("the frames come");
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = p.rx.poll(&mut Vec::new());
+        }));
+        let message = panicked.expect_err("the next poll panics");
+        assert_eq!(
+            message.downcast_ref::<String>().map(String::as_str),
+            Some(INJECTED_PANIC)
+        );
+        p.rx.poll(&mut events).expect("once");
+        let config =
+            FaultConfig::from_options(&[("fault_panic_after".to_string(), "7".to_string())])
+                .expect("valid option");
+        assert_eq!(config.panic_after, 7);
         assert_eq!(FaultConfig::from_options(&config.to_options()), Ok(config));
     }
 
