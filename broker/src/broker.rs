@@ -1255,6 +1255,12 @@ impl Broker {
             })
     }
 
+    /// Whether the event loop's thread has panicked (the panic's message is
+    /// on standard error). Such a broker serves nothing.
+    pub fn loop_ended(&self) -> bool {
+        self.shared.round_watch.panicked()
+    }
+
     /// Every session of the broker (clients and routes) with its links,
     /// counters and, with `subscriptions`, its subscriptions, as the event
     /// loop sees them between two rounds (the loop spends a pass over its

@@ -13,7 +13,7 @@
 //! a cache line of their own).
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,8 @@ pub(crate) struct RoundWatch {
     /// `CALLS * index + call + 1` while calling into endpoint `index`; 0
     /// elsewhere.
     endpoint: AtomicUsize,
+    /// The loop's thread panicked ([`RoundWatch::ended_on_unwind`]).
+    panicked: AtomicBool,
 }
 
 /// What the loop may be calling an endpoint for.
@@ -100,6 +102,7 @@ impl RoundWatch {
             epoch: Instant::now(),
             began: AtomicU64::new(0),
             endpoint: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
         }
     }
 
@@ -111,6 +114,18 @@ impl RoundWatch {
 
     pub(crate) fn round_ended(&self) {
         self.began.store(0, Ordering::Relaxed);
+    }
+
+    /// Ends the round under way, and records the panic, when the loop's
+    /// thread unwinds past the guard: a loop that died is not stuck in a
+    /// call, and what its thread still drops (the endpoints) is no round.
+    pub(crate) fn ended_on_unwind(&self) -> RoundEndsOnUnwind<'_> {
+        RoundEndsOnUnwind(self)
+    }
+
+    /// Whether the loop's thread panicked.
+    pub(crate) fn panicked(&self) -> bool {
+        self.panicked.load(Ordering::Acquire)
     }
 
     fn calling(&self, index: usize, call: EndpointCall) {
@@ -146,6 +161,19 @@ impl RoundWatch {
             round: stamp,
             endpoint,
         })
+    }
+}
+
+/// See [`RoundWatch::ended_on_unwind`].
+pub(crate) struct RoundEndsOnUnwind<'a>(&'a RoundWatch);
+
+impl Drop for RoundEndsOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.round_ended();
+            self.0.returned();
+            self.0.panicked.store(true, Ordering::Release);
+        }
     }
 }
 

@@ -790,14 +790,16 @@ const STALL_CHECK: Duration = Duration::from_secs(1);
 /// How long a round is seen under way before the stall watch logs where
 /// it is stuck.
 const STALL_REPORT: Duration = Duration::from_secs(10);
-/// `serve`'s exit status when its event loop is stuck.
+/// `serve`'s exit status when its event loop is stuck or has ended.
 const STALLED_EXIT: i32 = 3;
 
 /// Watches the broker's event loop for a round that does not end: logs an
 /// error saying where it is stuck once it has seen the round under way for
 /// `STALL_REPORT` (or `exit_after`, if shorter), and ends the process with
 /// [`STALLED_EXIT`] once it has seen it for `exit_after` (never when
-/// zero), as nothing else would stop it. Only this thread's own waits
+/// zero), as nothing else would stop it; and at once when the loop's
+/// thread has ended (a panic), as it would serve nothing. Only this
+/// thread's own waits
 /// count, each at most twice `STALL_CHECK`: a pause of the whole process
 /// (a debugger, SIGSTOP) is no stall of the loop. It lasts as long as the
 /// process: a shutdown's drain is watched too.
@@ -816,6 +818,15 @@ fn watch_for_stalls(broker: &Broker, exit_after: Duration) {
         let now = Instant::now();
         let waited = now.duration_since(last).min(2 * STALL_CHECK);
         last = now;
+        if broker.loop_ended() {
+            tracing::error!("the broker's event loop has ended: it panicked (see above)");
+            eprintln!(
+                "efabus: error: the broker's event loop has ended (it panicked, as said \
+                 above); exiting with status {STALLED_EXIT} so that a supervisor can start it \
+                 again"
+            );
+            efabus_transports::fabric::exit_at_once(STALLED_EXIT);
+        }
         let Some(stall) = broker.stalled_round(STALL_CHECK) else {
             seen = None;
             reported = false;

@@ -1079,6 +1079,42 @@ fn serve_exits_with_status_3_when_its_event_loop_is_stuck() {
     assert_eq!(status.code(), Some(3));
 }
 
+/// A broker whose event loop panicked (`[testing.faults]`: its TCP
+/// listener's poll panics once a frame has come) serves nothing: `serve`
+/// says so and exits with status 3 at once.
+#[test]
+fn serve_exits_with_status_3_when_its_event_loop_has_ended() {
+    let config = common::temp_path("loop-panic.toml");
+    std::fs::write(
+        &config,
+        "listen = [\"tcp/127.0.0.1:0\"]\n[testing.faults]\nscheme = \"tcp\"\npanic_after = 1\n",
+    )
+    .unwrap();
+    let (mut server, lines) = spawn_serve(&config, &[], &[]);
+    let endpoint = endpoint_from_log(&lines_until(&lines, "listening"));
+    let _publisher = Process(
+        efabus()
+            .args(["pub", "-s", &endpoint, "panic.test", "x"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn efabus pub"),
+    );
+    let seen = lines_until(&lines, "exiting with status 3");
+    assert!(
+        seen.iter()
+            .any(|line| line.contains("event loop has ended")),
+        "{seen:?}"
+    );
+    assert!(
+        seen.iter()
+            .any(|line| line.contains("injected fault: a poll panics")),
+        "the panic is told: {seen:?}"
+    );
+    let status = server.0.wait().expect("serve ends");
+    assert_eq!(status.code(), Some(3));
+}
+
 #[test]
 fn sighup_applies_log_level_and_limits_and_names_what_needs_a_restart() {
     let config = common::temp_path("reload.toml");

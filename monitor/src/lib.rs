@@ -58,6 +58,8 @@ pub mod metrics;
 /// How long a view waits for the event loop's report before it answers
 /// 503.
 const LOOP_ANSWER: Duration = Duration::from_secs(2);
+/// What `/healthz` says of a broker whose event loop has ended.
+const LOOP_ENDED: &str = "the event loop has ended: it panicked (its message is on standard error)";
 /// Connections a `/connz` page lists unless asked otherwise, and at most.
 const PAGE_DEFAULT: usize = 1024;
 const PAGE_MAX: usize = 10_000;
@@ -682,6 +684,12 @@ fn listener_view(listener: &ListenerReport) -> Value {
 fn healthz(broker: &Broker) -> Answer {
     if broker.is_shut_down() {
         return Answer::json(503, &json!({ "status": "stopped" }));
+    }
+    if broker.loop_ended() {
+        return Answer::json(
+            503,
+            &json!({ "status": "unavailable", "error": LOOP_ENDED }),
+        );
     }
     let down: Vec<Value> = broker
         .listeners()

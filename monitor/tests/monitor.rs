@@ -426,6 +426,46 @@ fn healthz_says_where_a_stuck_event_loop_is() {
     staller.flush(WAIT).expect("and is served");
 }
 
+/// An event loop that panicked (the TCP listener's poll panics once a
+/// frame has come) turns `/healthz` to 503 saying so, and is no stall.
+#[test]
+fn healthz_says_when_the_event_loop_has_ended() {
+    let broker = start_broker_with("[testing.faults]\nscheme = \"tcp\"\npanic_after = 1");
+    let monitor = Monitor::start(Arc::clone(&broker), "127.0.0.1:0").expect("monitor starts");
+    assert_eq!(get(&monitor, "/healthz").0, 200);
+    assert!(!broker.loop_ended());
+    // Its hello is the frame that makes the next poll panic; the connect
+    // itself may fail.
+    let connecting = {
+        let broker = Arc::clone(&broker);
+        std::thread::spawn(move || {
+            let _ = Client::connect_with(
+                &broker.endpoint("tcp").expect("a TCP listener"),
+                ClientOptions {
+                    connect_timeout: Duration::from_secs(1),
+                    reconnect: false,
+                    ..ClientOptions::default()
+                },
+                Registry::with_builtins(),
+            );
+        })
+    };
+    let deadline = Instant::now() + WAIT;
+    while !broker.loop_ended() {
+        assert!(Instant::now() < deadline, "the loop never ended");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (status, body) = get(&monitor, "/healthz");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("the event loop has ended"), "{body}");
+    assert_eq!(
+        broker.stalled_round(Duration::ZERO),
+        None,
+        "a dead loop is not stuck"
+    );
+    connecting.join().expect("the connect ends");
+}
+
 /// `/varz` gives the broker's start and uptime, not the monitor's: an
 /// embedding service may start its monitor later.
 #[test]

@@ -678,11 +678,12 @@ pub struct FaultyEndpoint {
     disconnecting: HashSet<PeerId>,
     stats: SharedFaultStats,
     scratch: Vec<Event>,
-    /// Frames received so far, for `fail_polls_after` and `stall_after`.
+    /// Frames received so far, for `fail_polls_after`, `stall_after` and
+    /// `panic_after`.
     received: u64,
     /// Whether the poll `stall_after` blocks has come.
     stalled: bool,
-    /// Whether the poll `panic_after` fails has come.
+    /// Whether the poll `panic_after` panics has come.
     panicked: bool,
 }
 

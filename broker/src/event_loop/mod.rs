@@ -2788,6 +2788,7 @@ pub(crate) fn run_loop(
     mut poll: Poll,
     commands: &Receiver<Command>,
 ) {
+    let _unwinding = shared.round_watch.ended_on_unwind();
     let mut mio_events = mio::Events::with_capacity(256);
     let polling = match event_loop.lock().as_ref() {
         Some(state) => state.polling,
