@@ -1414,6 +1414,12 @@ impl Client {
             })
     }
 
+    /// Whether the client loop's thread has panicked (the panic's message
+    /// is on standard error). Nothing then moves on this client.
+    pub fn loop_ended(&self) -> bool {
+        self.shared.round_watch.panicked()
+    }
+
     /// Take no more publishes, flush (waiting at most a second for the
     /// server), say goodbye and close the connection. What the server had
     /// not taken by then is discarded and counted
@@ -1466,6 +1472,7 @@ struct Round {
 /// while a thread that waits for a reply or a message runs the session
 /// ([`Driven`]).
 fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll) {
+    let _unwinding = shared.round_watch.ended_on_unwind();
     let mut mio_events = mio::Events::with_capacity(64);
     let polled = match session.lock().as_ref() {
         Some(session) => Polled::of(

@@ -438,6 +438,41 @@ fn a_client_stuck_in_one_round_says_where() {
     broker.shutdown();
 }
 
+/// A client whose loop panicked (its connection's poll panics once 20
+/// frames have come) says its loop has ended, and is no stall.
+#[test]
+fn a_client_whose_loop_panicked_says_so() {
+    let name = fresh_name("client-panic");
+    let config = Config::from_toml_str(
+        &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
+        "faults test",
+    )
+    .expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    let options = ClientOptions {
+        faults: Some(Faults {
+            panic_after: 20,
+            ..Faults::default()
+        }),
+        ..ClientOptions::default()
+    };
+    let client = Client::connect_with(&format!("mem/{name}"), options, Registry::with_builtins())
+        .expect("connects");
+    let _subscription = client.subscribe("panic.>").expect("subscribe");
+    client.flush(WAIT).expect("subscribed");
+    assert!(!client.loop_ended());
+    for n in 0..100u8 {
+        broker.publish("panic.x", vec![n]).expect("publish");
+    }
+    wait_for("the client's loop to end", || client.loop_ended());
+    assert_eq!(
+        client.stalled_round(Duration::ZERO),
+        None,
+        "a dead loop is not stuck"
+    );
+    broker.shutdown();
+}
+
 // ------------------------------------------------------------- link level
 
 /// A mem link between two fault injectors: `tx` sends, `rx` receives.
