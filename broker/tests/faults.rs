@@ -383,13 +383,14 @@ fn client_faults_from_the_config_wrap_its_connection() {
     broker.shutdown();
 }
 
-/// A client whose loop is stuck in one round (its connection's poll
-/// blocks for 3 s once 20 frames have come, as a provider call stuck on a
-/// lock would) says so, naming the server's endpoint and the poll; once
-/// the round ends it says nothing and gets the rest.
-#[test]
-fn a_client_stuck_in_one_round_says_where() {
-    let name = fresh_name("client-stall");
+/// A broker on a fresh `mem` endpoint and a client of it with `faults`,
+/// subscribed to `SUBJECT.>`; then the broker publishes bytes 0 to 99 on
+/// `SUBJECT.x`. With the endpoint.
+fn client_under_faults(
+    subject: &str,
+    faults: Faults,
+) -> (Broker, Client, efabus_broker::Subscription, String) {
+    let name = fresh_name(subject);
     let config = Config::from_toml_str(
         &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
         "faults test",
@@ -398,20 +399,36 @@ fn a_client_stuck_in_one_round_says_where() {
     let broker = Broker::start(config).expect("broker starts");
     let endpoint = format!("mem/{name}");
     let options = ClientOptions {
-        faults: Some(Faults {
-            stall_after: 20,
-            stall_ms: 3000,
-            ..Faults::default()
-        }),
+        faults: Some(faults),
         ..ClientOptions::default()
     };
     let client =
         Client::connect_with(&endpoint, options, Registry::with_builtins()).expect("connects");
-    let subscription = client.subscribe("stall.>").expect("subscribe");
+    let subscription = client
+        .subscribe(&format!("{subject}.>"))
+        .expect("subscribe");
     client.flush(WAIT).expect("subscribed");
+    assert!(!client.loop_ended());
     for n in 0..100u8 {
-        broker.publish("stall.x", vec![n]).expect("publish");
+        broker
+            .publish(&format!("{subject}.x"), vec![n])
+            .expect("publish");
     }
+    (broker, client, subscription, endpoint)
+}
+
+/// A client whose loop is stuck in one round (its connection's poll
+/// blocks for 3 s once 20 frames have come, as a provider call stuck on a
+/// lock would) says so, naming the server's endpoint and the poll; once
+/// the round ends it says nothing and gets the rest.
+#[test]
+fn a_client_stuck_in_one_round_says_where() {
+    let faults = Faults {
+        stall_after: 20,
+        stall_ms: 3000,
+        ..Faults::default()
+    };
+    let (broker, client, subscription, endpoint) = client_under_faults("stall", faults);
     let mut stall = None;
     wait_for("the client's loop to be seen stuck", || {
         stall = client.stalled_round(Duration::from_millis(500));
@@ -442,28 +459,11 @@ fn a_client_stuck_in_one_round_says_where() {
 /// frames have come) says its loop has ended, and is no stall.
 #[test]
 fn a_client_whose_loop_panicked_says_so() {
-    let name = fresh_name("client-panic");
-    let config = Config::from_toml_str(
-        &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
-        "faults test",
-    )
-    .expect("valid config");
-    let broker = Broker::start(config).expect("broker starts");
-    let options = ClientOptions {
-        faults: Some(Faults {
-            panic_after: 20,
-            ..Faults::default()
-        }),
-        ..ClientOptions::default()
+    let faults = Faults {
+        panic_after: 20,
+        ..Faults::default()
     };
-    let client = Client::connect_with(&format!("mem/{name}"), options, Registry::with_builtins())
-        .expect("connects");
-    let _subscription = client.subscribe("panic.>").expect("subscribe");
-    client.flush(WAIT).expect("subscribed");
-    assert!(!client.loop_ended());
-    for n in 0..100u8 {
-        broker.publish("panic.x", vec![n]).expect("publish");
-    }
+    let (broker, client, _subscription, _) = client_under_faults("panic", faults);
     wait_for("the client's loop to end", || client.loop_ended());
     assert_eq!(
         client.stalled_round(Duration::ZERO),

@@ -1043,6 +1043,28 @@ fn lines_until(lines: &Receiver<String>, needle: &str) -> Vec<String> {
     panic!("no line with {needle:?} in {seen:?}");
 }
 
+/// `efabus serve` on TCP with `config` (TOML after the `listen` line),
+/// sent one publish by `efabus pub`: its log until it says it exits with
+/// status 3, its endpoint, and the status it ended with.
+fn serve_until_it_exits_3(name: &str, config: &str) -> (Vec<String>, String, Option<i32>) {
+    let path = common::temp_path(name);
+    std::fs::write(&path, format!("listen = [\"tcp/127.0.0.1:0\"]\n{config}")).unwrap();
+    let (mut server, lines) = spawn_serve(&path, &[], &[]);
+    let endpoint = endpoint_from_log(&lines_until(&lines, "listening"));
+    // Its hello is the frame after which the faults come.
+    let _publisher = Process(
+        efabus()
+            .args(["pub", "-s", &endpoint, "faults.test", "x"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn efabus pub"),
+    );
+    let seen = lines_until(&lines, "exiting with status 3");
+    let status = server.0.wait().expect("serve ends");
+    (seen, endpoint, status.code())
+}
+
 /// A broker whose event loop is stuck in one round (`[testing.faults]`:
 /// its TCP listener's poll blocks for a minute once a frame has come, as a
 /// provider call stuck on a lock would) says where, and `serve` exits with
@@ -1050,33 +1072,18 @@ fn lines_until(lines: &Receiver<String>, needle: &str) -> Vec<String> {
 /// stop it.
 #[test]
 fn serve_exits_with_status_3_when_its_event_loop_is_stuck() {
-    let config = common::temp_path("stall.toml");
-    std::fs::write(
-        &config,
-        "listen = [\"tcp/127.0.0.1:0\"]\n[shutdown]\nexit_on_stall_ms = 1500\n\
+    let (seen, endpoint, status) = serve_until_it_exits_3(
+        "stall.toml",
+        "[shutdown]\nexit_on_stall_ms = 1500\n\
          [testing.faults]\nscheme = \"tcp\"\nstall_after = 1\nstall_ms = 60000\n",
-    )
-    .unwrap();
-    let (mut server, lines) = spawn_serve(&config, &[], &[]);
-    let endpoint = endpoint_from_log(&lines_until(&lines, "listening"));
-    // Its hello is the frame that stalls the next poll.
-    let _publisher = Process(
-        efabus()
-            .args(["pub", "-s", &endpoint, "stall.test", "x"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn efabus pub"),
     );
-    let seen = lines_until(&lines, "exiting with status 3");
     let polling = format!("polling {endpoint}");
     assert!(
         seen.iter()
             .any(|line| line.contains("in one round for ") && line.contains(&polling)),
         "{seen:?}"
     );
-    let status = server.0.wait().expect("serve ends");
-    assert_eq!(status.code(), Some(3));
+    assert_eq!(status, Some(3));
 }
 
 /// A broker whose event loop panicked (`[testing.faults]`: its TCP
@@ -1084,23 +1091,10 @@ fn serve_exits_with_status_3_when_its_event_loop_is_stuck() {
 /// says so and exits with status 3 at once.
 #[test]
 fn serve_exits_with_status_3_when_its_event_loop_has_ended() {
-    let config = common::temp_path("loop-panic.toml");
-    std::fs::write(
-        &config,
-        "listen = [\"tcp/127.0.0.1:0\"]\n[testing.faults]\nscheme = \"tcp\"\npanic_after = 1\n",
-    )
-    .unwrap();
-    let (mut server, lines) = spawn_serve(&config, &[], &[]);
-    let endpoint = endpoint_from_log(&lines_until(&lines, "listening"));
-    let _publisher = Process(
-        efabus()
-            .args(["pub", "-s", &endpoint, "panic.test", "x"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn efabus pub"),
+    let (seen, _, status) = serve_until_it_exits_3(
+        "loop-panic.toml",
+        "[testing.faults]\nscheme = \"tcp\"\npanic_after = 1\n",
     );
-    let seen = lines_until(&lines, "exiting with status 3");
     assert!(
         seen.iter()
             .any(|line| line.contains("event loop has ended")),
@@ -1111,8 +1105,7 @@ fn serve_exits_with_status_3_when_its_event_loop_has_ended() {
             .any(|line| line.contains("injected fault: a poll panics")),
         "the panic is told: {seen:?}"
     );
-    let status = server.0.wait().expect("serve ends");
-    assert_eq!(status.code(), Some(3));
+    assert_eq!(status, Some(3));
 }
 
 #[test]
