@@ -242,13 +242,8 @@ impl Out {
         }
     }
 
-    /// Whether `frames` more frames of `len` bytes fit the bounds. An empty
-    /// queue always takes one send, so a frame or run larger than the byte
-    /// bound (but within `max_frame`) can still pass.
     fn has_room(&self, frames: usize, len: usize, limits: &Limits) -> bool {
-        self.frames == 0
-            || (self.frames + frames <= limits.queue_frames
-                && self.bytes + len <= limits.queue_bytes)
+        limits.queue_takes((self.frames, self.bytes), frames, len)
     }
 
     fn push_frame(&mut self, frame: OutFrame) {
@@ -771,6 +766,13 @@ struct Limits {
 }
 
 impl Limits {
+    /// Whether a queue holding `(frames, bytes)` takes `more` frames of
+    /// `len` bytes. An empty queue always takes one send, so a frame or run
+    /// larger than the byte bound (but within `max_frame`) can still pass.
+    fn queue_takes(&self, (frames, bytes): (usize, usize), more: usize, len: usize) -> bool {
+        frames == 0 || (frames + more <= self.queue_frames && bytes + len <= self.queue_bytes)
+    }
+
     fn from_config(config: &EndpointConfig) -> Result<Self, TransportError> {
         let read_budget = match config.option("read_budget") {
             None => READ_BUDGET,
@@ -878,12 +880,10 @@ enum Queued {
 }
 
 impl Resolving {
-    /// Whether the connection queue's bounds take this much more (the
-    /// first item always fits, as there); `Writable` is owed when not.
+    /// Whether the connection queue's bounds take this much more;
+    /// `Writable` is owed when not.
     fn has_room(&mut self, frames: usize, len: usize, limits: &Limits) -> bool {
-        let room = self.queued_frames == 0
-            || (self.queued_frames + frames <= limits.queue_frames
-                && self.queued_bytes + len <= limits.queue_bytes);
+        let room = limits.queue_takes((self.queued_frames, self.queued_bytes), frames, len);
         self.blocked |= !room;
         room
     }
