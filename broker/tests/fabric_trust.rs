@@ -324,13 +324,19 @@ fn forged_frames_on_a_route_s_data_link_are_dropped_and_counted() {
     let Some(b) = start_broker_with(&format!("peers = [{seed:?}]")) else {
         return;
     };
-    assert!(
-        eventually(|| a
+    // Each broker records the route when its own side of the handshake
+    // ends, so b (which waits for a's welcome) may see it later than a.
+    let on_fabric = |broker: &Broker| {
+        broker
             .routes()
             .first()
-            .is_some_and(|route| route.reliable.starts_with("efa-rdm"))),
-        "the route is not on the fabric: {:?}",
-        a.routes()
+            .is_some_and(|route| route.reliable.starts_with("efa-rdm") && route.link_id.is_some())
+    };
+    assert!(
+        eventually(|| on_fabric(&a) && on_fabric(&b)),
+        "the route is not on the fabric at both ends: {:?} {:?}",
+        a.routes(),
+        b.routes()
     );
     let link_id = a.routes()[0].link_id.expect("a's id for the route's link");
     let b_link_id = b.routes().first().and_then(|route| route.link_id);
