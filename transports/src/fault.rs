@@ -66,7 +66,8 @@
 //! fail once that many frames were received, as a failed device would, and
 //! [`FaultConfig::stall_after`] makes one poll block for
 //! [`FaultConfig::stall_ms`], as a provider call stuck on a lock would, and
-//! [`FaultConfig::panic_after`] makes one poll panic, as a bug would.
+//! [`FaultConfig::panic_after`] makes the poll that takes the n-th frame
+//! received panic, as a bug in handling one would.
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -176,7 +177,9 @@ pub struct FaultConfig {
     pub stall_after: u64,
     /// How long that poll blocks, in milliseconds (`fault_stall_ms`).
     pub stall_ms: u64,
-    /// Once this many frames were received, the next poll panics, once
+    /// The poll that receives the frame that makes this many in all panics
+    /// as it takes that frame, once, as a bug in handling a frame would;
+    /// the frames that poll had taken after it are lost with it
     /// (`fault_panic_after`; 0, the default, never).
     pub panic_after: u64,
     /// Only endpoints of this scheme get faults, where one configuration
@@ -997,11 +1000,6 @@ impl Endpoint for FaultyEndpoint {
             self.stalled = true;
             std::thread::sleep(std::time::Duration::from_millis(self.config.stall_ms));
         }
-        let panic_at = self.config.panic_after;
-        if panic_at > 0 && self.received >= panic_at && !self.panicked {
-            self.panicked = true;
-            panic!("{INJECTED_PANIC}");
-        }
         for due in self.receive.tick() {
             events.push(Event::Frame {
                 peer: due.peer,
@@ -1020,6 +1018,11 @@ impl Endpoint for FaultyEndpoint {
         for event in scratch.drain(..) {
             if matches!(event, Event::Frame { .. }) {
                 self.received += 1;
+                let panic_at = self.config.panic_after;
+                if panic_at > 0 && self.received >= panic_at && !self.panicked {
+                    self.panicked = true;
+                    panic!("{INJECTED_PANIC}");
+                }
             }
             match event {
                 Event::Frame { peer, .. } if self.disconnecting.contains(&peer) => {}
@@ -1642,15 +1645,15 @@ mod tests {
         p.send_all(&frames(5));
         p.tx.poll(&mut Vec::new()).expect("poll tx");
         let mut events = Vec::new();
-        p.rx.poll(&mut events).expect("the frames come");
         let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _ = p.rx.poll(&mut Vec::new());
+            let _ = p.rx.poll(&mut events);
         }));
-        let message = panicked.expect_err("the next poll panics");
+        let message = panicked.expect_err("the poll taking the third frame panics");
         assert_eq!(
             message.downcast_ref::<String>().map(String::as_str),
             Some(INJECTED_PANIC)
         );
+        assert_eq!(events.len(), 2, "as it takes the third");
         p.rx.poll(&mut events).expect("once");
         let config =
             FaultConfig::from_options(&[("fault_panic_after".to_string(), "7".to_string())])
