@@ -823,9 +823,11 @@ impl Broker {
             let shared = shared.clone();
             move || shared.commands.wake_if_parked()
         };
+        let round_watch = shared.round_watch.clone();
         let event_loop = shared.event_loop.install(
             EventLoop::new(shared.clone(), endpoints, command_rx, codec_limits, cluster),
             wake,
+            move || round_watch.ended_by_panic(),
         );
         let thread = {
             let shared = shared.clone();
@@ -1255,8 +1257,10 @@ impl Broker {
             })
     }
 
-    /// Whether the event loop's thread has panicked (the panic's message is
-    /// on standard error). Such a broker serves nothing.
+    /// Whether the event loop has panicked (the panic's message is on
+    /// standard error), on its thread or in a round an application thread
+    /// ran while it waited, whose caller then got the panic. Such a broker
+    /// serves nothing.
     pub fn loop_ended(&self) -> bool {
         self.shared.round_watch.panicked()
     }

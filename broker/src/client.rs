@@ -1014,9 +1014,11 @@ impl Client {
             let shared = shared.clone();
             move || shared.parker.wake_if_parked()
         };
+        let round_watch = shared.round_watch.clone();
         let session = shared.session.install(
             ClientLoop::new(shared.clone(), endpoint_box, data, address),
             wake,
+            move || round_watch.ended_by_panic(),
         );
         let thread = {
             let shared = shared.clone();
@@ -1414,8 +1416,10 @@ impl Client {
             })
     }
 
-    /// Whether the client loop's thread has panicked (the panic's message
-    /// is on standard error). Nothing then moves on this client.
+    /// Whether the client's loop has panicked (the panic's message is on
+    /// standard error), on its thread or in a round an application thread
+    /// ran while it waited, whose caller then got the panic. Nothing then
+    /// moves on this client.
     pub fn loop_ended(&self) -> bool {
         self.shared.round_watch.panicked()
     }
@@ -1474,7 +1478,7 @@ struct Round {
 fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll) {
     let _unwinding = shared.round_watch.ended_on_unwind();
     let mut mio_events = mio::Events::with_capacity(64);
-    let polled = match session.lock().as_ref() {
+    let polled = match session.lock() {
         Some(session) => Polled::of(
             session
                 .endpoints
@@ -1495,10 +1499,11 @@ fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll)
             spin_window.worked(Instant::now(), shared.options.fabric.polling.spin());
             idle = 0;
         }
-        let mut guard = session.lock();
-        let Some(state) = guard.as_mut() else {
+        let Some(mut guard) = session.lock() else {
+            error!("a round run by an application thread panicked: the client's loop has ended");
             return;
         };
+        let state = &mut *guard;
         if matches!(*shared.state.lock(), ConnectionState::Refused { .. }) {
             // Refused for good: nothing will arrive, and what is asked of
             // the client from now on fails at once (`Closed`) rather than

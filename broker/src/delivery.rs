@@ -1805,6 +1805,7 @@ mod tests {
                     done: false,
                 },
                 || {},
+                || {},
             ),
             stop: AtomicBool::new(false),
         })

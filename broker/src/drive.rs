@@ -9,7 +9,9 @@
 //! leaves in its own first round. The loop thread steps aside while such a
 //! driver holds the loop: an embedded broker's sleeps rather than yields
 //! meanwhile ([`Driven::sleep_while_driven`]), so the two do not take turns
-//! on the cores; a client's yields its core between looks.
+//! on the cores; a client's yields its core between looks. A round that
+//! panics on a driver's thread ends the loop, as one that panics on the
+//! loop thread does ([`Driven::lock`]).
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -17,7 +19,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{MappedMutexGuard, Mutex, MutexGuard};
 
 /// The state of an event loop that runs in rounds.
 pub(crate) trait Rounds: Send {
@@ -69,6 +71,11 @@ pub(crate) fn driving() -> bool {
 pub(crate) struct Driven<L> {
     /// `None` once the loop thread has closed the loop.
     state: Mutex<Option<L>>,
+    /// A driver's round panicked: the loop's state may be half changed, so
+    /// no round runs on it again and the loop thread ends.
+    broken: AtomicBool,
+    /// Records, on the driver's thread, that its round panicked.
+    on_broken: Box<dyn Fn() + Send + Sync>,
     /// Who drives the loop, and the loop thread's sleep meanwhile.
     gate: Arc<Gate>,
     /// Drives finished so far: the loop thread does not go to sleep on
@@ -157,12 +164,31 @@ impl<'a, L> Presence<'a, L> {
 impl<L> Drop for Presence<'_, L> {
     fn drop(&mut self) {
         DRIVING.set(false);
-        if self.ran {
+        // A round that panicked broke the loop (even as the drive's first
+        // round): its thread is to see that now, wherever it waits.
+        let panicked = std::thread::panicking();
+        let ran = self.ran || panicked;
+        if ran {
             self.driven.finished.fetch_add(1, Ordering::SeqCst);
         }
         self.driven.gate.drivers.fetch_sub(1, Ordering::SeqCst);
-        if self.ran {
+        if ran {
             (self.driven.wake)();
+        }
+        if panicked {
+            self.driven.gate.wake_if_asleep();
+        }
+    }
+}
+
+/// Marks the loop broken if a driver's round unwinds past it.
+struct BreaksOnUnwind<'a, L>(&'a Driven<L>);
+
+impl<L> Drop for BreaksOnUnwind<'_, L> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.broken.store(true, Ordering::SeqCst);
+            (self.0.on_broken)();
         }
     }
 }
@@ -179,9 +205,15 @@ impl<L: Rounds> DriveHandle<L> {
 
     /// Makes the loop of `state` drivable through this handle; the loop
     /// thread runs the returned loop. `wake` wakes the loop thread if it
-    /// sleeps (after a drive).
-    pub fn install(&self, state: L, wake: impl Fn() + Send + Sync + 'static) -> Arc<Driven<L>> {
-        let driven = Arc::new(Driven::new(state, wake));
+    /// sleeps (after a drive); `on_broken` records a driver's round that
+    /// panicked.
+    pub fn install(
+        &self,
+        state: L,
+        wake: impl Fn() + Send + Sync + 'static,
+        on_broken: impl Fn() + Send + Sync + 'static,
+    ) -> Arc<Driven<L>> {
+        let driven = Arc::new(Driven::new(state, wake, on_broken));
         let _ = self.0.set((Arc::downgrade(&driven), driven.gate.clone()));
         driven
     }
@@ -229,10 +261,17 @@ impl<L: Rounds> DriveHandle<L> {
 }
 
 impl<L: Rounds> Driven<L> {
-    /// `wake` wakes the loop thread if it sleeps (after a drive).
-    pub fn new(state: L, wake: impl Fn() + Send + Sync + 'static) -> Driven<L> {
+    /// `wake` wakes the loop thread if it sleeps (after a drive);
+    /// `on_broken` records, on the driver's thread, a round that panicked.
+    pub fn new(
+        state: L,
+        wake: impl Fn() + Send + Sync + 'static,
+        on_broken: impl Fn() + Send + Sync + 'static,
+    ) -> Driven<L> {
         Driven {
             state: Mutex::new(Some(state)),
+            broken: AtomicBool::new(false),
+            on_broken: Box::new(on_broken),
             gate: Arc::new(Gate::default()),
             finished: AtomicU64::new(0),
             driven_work: AtomicBool::new(false),
@@ -267,14 +306,22 @@ impl<L: Rounds> Driven<L> {
                 break;
             }
             let worked = match self.state.try_lock() {
-                Some(mut guard) => match guard.as_mut().and_then(L::driven_round) {
-                    Some(worked) => {
-                        rounds += 1;
-                        presence.ran = true;
-                        worked
+                Some(mut guard) => {
+                    if self.broken.load(Ordering::SeqCst) {
+                        break;
                     }
-                    None => break,
-                },
+                    // Dropped before the guard: the loop is marked broken
+                    // before anyone else can take it.
+                    let _breaks = BreaksOnUnwind(self);
+                    match guard.as_mut().and_then(L::driven_round) {
+                        Some(worked) => {
+                            rounds += 1;
+                            presence.ran = true;
+                            worked
+                        }
+                        None => break,
+                    }
+                }
                 None => false,
             };
             if worked {
@@ -347,9 +394,16 @@ impl<L: Rounds> Driven<L> {
         self.driven_work.swap(false, Ordering::Relaxed)
     }
 
-    /// For the loop thread: the loop, for one of its own rounds.
-    pub fn lock(&self) -> MutexGuard<'_, Option<L>> {
-        self.state.lock()
+    /// For the loop thread: the loop, for one of its own rounds; `None`
+    /// once it is closed, or broken by a driver's round that panicked (the
+    /// loop thread then ends without the shutdown's drain, which would run
+    /// on state the panic left half changed).
+    pub fn lock(&self) -> Option<MappedMutexGuard<'_, L>> {
+        let guard = self.state.lock();
+        if self.broken.load(Ordering::SeqCst) {
+            return None;
+        }
+        MutexGuard::try_map(guard, Option::as_mut).ok()
     }
 
     /// For the loop thread: what its last round found.
@@ -357,10 +411,14 @@ impl<L: Rounds> Driven<L> {
         self.loop_worked.store(worked, Ordering::Relaxed);
     }
 
-    /// For the loop thread, at its end: the loop, to close; drivers find
-    /// it closed from then on.
+    /// For the loop thread, at its end: the loop, to close (none if it is
+    /// broken, see [`Driven::lock`]); drivers find it closed from then on.
     pub fn take(&self) -> Option<L> {
-        self.state.lock().take()
+        let mut guard = self.state.lock();
+        if self.broken.load(Ordering::SeqCst) {
+            return None;
+        }
+        guard.take()
     }
 }
 
@@ -400,7 +458,7 @@ mod tests {
             refuse_at: u64::MAX,
             panic_at: u64::MAX,
         };
-        (Arc::new(Driven::new(state, || {})), rounds)
+        (Arc::new(Driven::new(state, || {}, || {})), rounds)
     }
 
     fn far() -> Instant {
@@ -449,40 +507,70 @@ mod tests {
                 panic_at: u64::MAX,
             },
             || {},
+            || {},
         );
         let stop = AtomicBool::new(false);
         assert_eq!(driven.drive(far(), &|| false, &stop), 3);
         assert!(!driven.is_driven());
     }
 
+    /// A round that panics on a driver's thread withdraws the driver, wakes
+    /// the loop thread and breaks the loop: the loop thread and later
+    /// drivers find it gone, its shutdown's drain included. Whether the
+    /// panic comes in the drive's first round or a later one.
     #[test]
-    fn a_round_that_panics_withdraws_the_driver() {
-        let rounds = Arc::new(AtomicU64::new(0));
-        let woken = Arc::new(AtomicBool::new(false));
-        let wake = {
-            let woken = woken.clone();
-            move || woken.store(true, Ordering::SeqCst)
-        };
-        let driven = Driven::new(
-            Counting {
-                rounds,
-                busy: 0,
-                refuse_at: u64::MAX,
-                panic_at: 1,
-            },
-            wake,
-        );
-        let stop = AtomicBool::new(false);
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            driven.drive(far(), &|| false, &stop)
-        }));
-        assert!(result.is_err());
-        assert!(
-            !driven.is_driven(),
-            "the loop thread would step aside for good"
-        );
-        assert!(!driving());
-        assert!(woken.load(Ordering::SeqCst), "the loop thread is woken");
+    fn a_round_that_panics_withdraws_the_driver_and_ends_the_loop() {
+        for panic_at in [0, 1] {
+            let rounds = Arc::new(AtomicU64::new(0));
+            let woken = Arc::new(AtomicBool::new(false));
+            let wake = {
+                let woken = woken.clone();
+                move || woken.store(true, Ordering::SeqCst)
+            };
+            let broke = Arc::new(AtomicU64::new(0));
+            let on_broken = {
+                let broke = broke.clone();
+                move || {
+                    broke.fetch_add(1, Ordering::SeqCst);
+                }
+            };
+            let driven = Driven::new(
+                Counting {
+                    rounds: rounds.clone(),
+                    busy: 0,
+                    refuse_at: u64::MAX,
+                    panic_at,
+                },
+                wake,
+                on_broken,
+            );
+            assert!(driven.lock().is_some(), "whole before the panic");
+            let finished = driven.drives_finished();
+            let stop = AtomicBool::new(false);
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                driven.drive(far(), &|| false, &stop)
+            }));
+            assert!(result.is_err());
+            assert!(
+                !driven.is_driven(),
+                "the loop thread would step aside for good"
+            );
+            assert!(!driving());
+            assert!(woken.load(Ordering::SeqCst), "the loop thread is woken");
+            assert!(
+                !driven.may_sleep(finished),
+                "nor does it sleep on what it saw before"
+            );
+            assert_eq!(broke.load(Ordering::SeqCst), 1, "the panic is recorded");
+            assert!(driven.lock().is_none(), "the loop thread ends");
+            assert_eq!(
+                driven.drive(far(), &|| false, &stop),
+                0,
+                "no round runs on the broken loop"
+            );
+            assert_eq!(rounds.load(Ordering::SeqCst), panic_at);
+            assert!(driven.take().is_none(), "nor its drain");
+        }
     }
 
     #[test]
@@ -616,6 +704,7 @@ mod tests {
                 refuse_at: u64::MAX,
                 panic_at: u64::MAX,
             },
+            || {},
             || {},
         );
         let sleeper = sleeper_after_a_driver(&driven);

@@ -123,7 +123,16 @@ impl RoundWatch {
         RoundEndsOnUnwind(self)
     }
 
-    /// Whether the loop's thread panicked.
+    /// Ends the round under way and records that the loop panicked, for a
+    /// round an application thread ran
+    /// ([`crate::drive::DriveHandle::install`]).
+    pub(crate) fn ended_by_panic(&self) {
+        self.round_ended();
+        self.returned();
+        self.panicked.store(true, Ordering::Release);
+    }
+
+    /// Whether the loop panicked, on its thread or in a driven round.
     pub(crate) fn panicked(&self) -> bool {
         self.panicked.load(Ordering::Acquire)
     }
@@ -170,9 +179,7 @@ pub(crate) struct RoundEndsOnUnwind<'a>(&'a RoundWatch);
 impl Drop for RoundEndsOnUnwind<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.0.round_ended();
-            self.0.returned();
-            self.0.panicked.store(true, Ordering::Release);
+            self.0.ended_by_panic();
         }
     }
 }

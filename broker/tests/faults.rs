@@ -473,6 +473,95 @@ fn a_client_whose_loop_panicked_says_so() {
     broker.shutdown();
 }
 
+/// How long a request waits for a loop that took the panic on its thread.
+const ASK_WAIT: Duration = Duration::from_secs(2);
+
+/// Requests `ask` until one fails or panics, and says whether the caller
+/// itself got the panic; each answer must echo its request.
+fn ask_until_the_loop_breaks(
+    request: impl Fn(u8) -> Result<efabus_broker::Message, efabus_broker::Error>,
+) -> bool {
+    for n in 0..100u8 {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| request(n))) {
+            Ok(Ok(reply)) => assert_eq!(&reply.payload[..], [n]),
+            Ok(Err(err)) => {
+                eprintln!("the loop thread took the panic at request {n}: {err}");
+                return false;
+            }
+            Err(_) => return true,
+        }
+    }
+    panic!("no request met the injected panic");
+}
+
+/// A round that a request's caller runs on its own thread while it waits
+/// (README "Busy polling") and that panics ends the client's loop, as a
+/// panic on the loop's thread does: the caller gets the panic, the client
+/// says its loop ended and reports no stall, and no round runs on the
+/// half-changed loop again. The panic comes with a reply, which arrives
+/// while its caller runs the loop; the loop thread taking it instead (if
+/// it held the loop just then) ends the loop too.
+#[test]
+fn a_panic_in_a_round_a_caller_ran_ends_the_client_loop() {
+    let name = fresh_name("driven");
+    let config = Config::from_toml_str(
+        &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
+        "faults test",
+    )
+    .expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    let _responder = broker
+        .respond("ask", |message| Some(message.payload.clone()))
+        .expect("responder");
+    let options = ClientOptions {
+        faults: Some(Faults {
+            panic_after: 30,
+            ..Faults::default()
+        }),
+        ..ClientOptions::default()
+    };
+    let client = Client::connect_with(&format!("mem/{name}"), options, Registry::with_builtins())
+        .expect("connects");
+    let caller_panicked = ask_until_the_loop_breaks(|n| client.request("ask", vec![n], ASK_WAIT));
+    eprintln!("the caller took the panic: {caller_panicked}");
+    wait_for("the client's loop to end", || client.loop_ended());
+    assert_eq!(
+        client.stalled_round(Duration::ZERO),
+        None,
+        "a dead loop is not stuck"
+    );
+    broker.shutdown();
+}
+
+/// The same for an embedded broker whose application thread runs the
+/// broker's loop while its request waits for a remote responder's reply.
+#[test]
+fn a_panic_in_a_round_a_caller_ran_ends_the_broker_loop() {
+    let name = fresh_name("driven-broker");
+    let config = Config::from_toml_str(
+        &format!(
+            "name = \"faults\"\nlisten = [\"mem/{name}\"]\n\
+             [testing.faults]\npanic_after = 30\n"
+        ),
+        "faults test",
+    )
+    .expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    let responder = Client::connect(&format!("mem/{name}")).expect("connects");
+    let _answering = responder
+        .respond("ask", |message| Some(message.payload.clone()))
+        .expect("responder");
+    responder.flush(WAIT).expect("subscribed");
+    let caller_panicked = ask_until_the_loop_breaks(|n| broker.request("ask", vec![n], ASK_WAIT));
+    eprintln!("the caller took the panic: {caller_panicked}");
+    wait_for("the broker's loop to end", || broker.loop_ended());
+    assert_eq!(
+        broker.stalled_round(Duration::ZERO),
+        None,
+        "a dead loop is not stuck"
+    );
+}
+
 // ------------------------------------------------------------- link level
 
 /// A mem link between two fault injectors: `tx` sends, `rx` receives.

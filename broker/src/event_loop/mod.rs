@@ -2790,7 +2790,7 @@ pub(crate) fn run_loop(
 ) {
     let _unwinding = shared.round_watch.ended_on_unwind();
     let mut mio_events = mio::Events::with_capacity(256);
-    let polling = match event_loop.lock().as_ref() {
+    let polling = match event_loop.lock() {
         Some(state) => state.polling,
         None => return,
     };
@@ -2807,10 +2807,11 @@ pub(crate) fn run_loop(
             spin_window.worked(Instant::now(), config.spin());
             idle_spins = 0;
         }
-        let mut guard = event_loop.lock();
-        let Some(state) = guard.as_mut() else {
+        let Some(mut guard) = event_loop.lock() else {
+            error!("a round run by an application thread panicked: the event loop has ended");
             return;
         };
+        let state = &mut *guard;
         let round = state.round();
         event_loop.loop_worked(round.busy);
         let now = round.now;
