@@ -1419,7 +1419,9 @@ impl Client {
     /// Whether the client's loop has panicked (the panic's message is on
     /// standard error), on its thread or in a round an application thread
     /// ran while it waited, whose caller then got the panic. Nothing then
-    /// moves on this client.
+    /// moves on this client: requests waiting fail, subscriptions end after
+    /// what they hold, and what is asked of it from then on is
+    /// [`Error::Closed`].
     pub fn loop_ended(&self) -> bool {
         self.shared.round_watch.panicked()
     }
@@ -1471,12 +1473,28 @@ struct Round {
     credit_waiting: bool,
 }
 
+/// Ends what waits on the client when its loop thread ends before a
+/// shutdown (a panic there or in a round a waiting thread ran): nothing
+/// will arrive, so requests fail at once, subscriptions end after what
+/// they hold, and what is asked of the client from then on is `Closed`.
+struct EndsWaitsOnExit<'a>(&'a ClientShared);
+
+impl Drop for EndsWaitsOnExit<'_> {
+    fn drop(&mut self) {
+        if !self.0.shutdown.swap(true, Ordering::SeqCst) {
+            self.0.room.notify_all();
+            self.0.end_streams();
+        }
+    }
+}
+
 /// The client's loop thread: rounds of the session until shutdown, polling
 /// on for the spin window after work and waiting otherwise; stepping aside
 /// while a thread that waits for a reply or a message runs the session
 /// ([`Driven`]).
 fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll) {
     let _unwinding = shared.round_watch.ended_on_unwind();
+    let _ending = EndsWaitsOnExit(shared);
     let mut mio_events = mio::Events::with_capacity(64);
     let polled = match session.lock() {
         Some(session) => Polled::of(

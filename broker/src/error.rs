@@ -52,7 +52,7 @@ pub enum Error {
     TooManySubscriptions(usize),
     #[error("publish blocked for longer than {0:?} by a slow consumer")]
     Blocked(std::time::Duration),
-    #[error("the broker or client is shut down")]
+    #[error("the broker or client is shut down, or its event loop has ended")]
     Closed,
     #[error("cannot start the broker thread: {0}")]
     Thread(std::io::Error),

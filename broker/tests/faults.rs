@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use efabus_broker::config::Faults;
-use efabus_broker::{Broker, Client, ClientOptions, Config, EndpointCall, RecvError};
+use efabus_broker::{Broker, Client, ClientOptions, Config, EndpointCall, Error, RecvError};
 use efabus_core::budget::MemoryBudget;
 use efabus_core::codec::{self, CodecLimits};
 use efabus_core::fragment::ReassemblyConfig;
@@ -470,6 +470,8 @@ fn a_client_whose_loop_panicked_says_so() {
         None,
         "a dead loop is not stuck"
     );
+    let published = client.publish("panic.x", vec![0]);
+    assert!(matches!(published, Err(Error::Closed)), "{published:?}");
     broker.shutdown();
 }
 
@@ -530,6 +532,11 @@ fn a_panic_in_a_round_a_caller_ran_ends_the_client_loop() {
         None,
         "a dead loop is not stuck"
     );
+    // Nothing will arrive: what is asked of the client fails at once.
+    let started = Instant::now();
+    let asked = client.request("ask", vec![0], WAIT);
+    assert!(matches!(asked, Err(Error::Closed)), "{asked:?}");
+    assert!(started.elapsed() < WAIT / 2, "at once");
     broker.shutdown();
 }
 
