@@ -615,12 +615,14 @@ impl ReplyInbox {
             }
             state.reading = true;
             drop(state);
+            let freed_on_unwind = FreedOnUnwind(self);
             let read = match deadline {
                 Some(deadline) => self
                     .subscription
                     .recv_timeout(deadline.saturating_duration_since(now)),
                 None => self.subscription.recv(),
             };
+            drop(freed_on_unwind);
             state = self.state.lock();
             state.reading = false;
             // The waiters wake once this lock is released, with the reply
@@ -639,6 +641,20 @@ impl ReplyInbox {
                 Err(RecvError::Closed) => return Err(RecvError::Closed),
                 Err(_) => {}
             }
+        }
+    }
+}
+
+/// Frees a [`ReplyInbox`] for its other waiters if its reader's read
+/// unwinds (a loop round the reader ran panicked); they would otherwise
+/// wait for it to their deadlines.
+struct FreedOnUnwind<'a>(&'a ReplyInbox);
+
+impl Drop for FreedOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.state.lock().reading = false;
+            self.0.handed.notify_all();
         }
     }
 }
@@ -1260,7 +1276,9 @@ impl Broker {
     /// Whether the event loop has panicked (the panic's message is on
     /// standard error), on its thread or in a round an application thread
     /// ran while it waited, whose caller then got the panic. Such a broker
-    /// serves nothing.
+    /// serves nothing: requests waiting fail, in-process subscriptions end
+    /// after what they hold, and what is asked of it from then on is
+    /// [`Error::Closed`] ([`Broker::is_shut_down`] says true).
     pub fn loop_ended(&self) -> bool {
         self.shared.round_watch.panicked()
     }

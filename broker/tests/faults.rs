@@ -567,6 +567,12 @@ fn a_panic_in_a_round_a_caller_ran_ends_the_broker_loop() {
         None,
         "a dead loop is not stuck"
     );
+    // Nothing will be routed: what is asked of the broker fails at once.
+    let started = Instant::now();
+    let asked = broker.request("ask", vec![0], WAIT);
+    assert!(matches!(asked, Err(Error::Closed)), "{asked:?}");
+    assert!(started.elapsed() < WAIT / 2, "at once");
+    assert!(matches!(broker.subscribe("more"), Err(Error::Closed)));
 }
 
 // ------------------------------------------------------------- link level

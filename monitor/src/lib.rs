@@ -682,14 +682,15 @@ fn listener_view(listener: &ListenerReport) -> Value {
 }
 
 fn healthz(broker: &Broker) -> Answer {
-    if broker.is_shut_down() {
-        return Answer::json(503, &json!({ "status": "stopped" }));
-    }
+    // First: a loop that ended also marks the broker shut down.
     if broker.loop_ended() {
         return Answer::json(
             503,
             &json!({ "status": "unavailable", "error": LOOP_ENDED }),
         );
+    }
+    if broker.is_shut_down() {
+        return Answer::json(503, &json!({ "status": "stopped" }));
     }
     let down: Vec<Value> = broker
         .listeners()

@@ -2778,6 +2778,21 @@ struct Round {
     timers_at: Instant,
 }
 
+/// Ends what waits on an embedded broker when its loop thread ends before
+/// a shutdown (a panic there or in a round a waiting thread ran): nothing
+/// will be routed, so in-process subscriptions end after what they hold,
+/// requests waiting fail, and what is asked of the broker from then on is
+/// `Closed`.
+struct EndsWaitsOnExit<'a>(&'a Shared);
+
+impl Drop for EndsWaitsOnExit<'_> {
+    fn drop(&mut self) {
+        if !self.0.shutdown.swap(true, Ordering::SeqCst) {
+            self.0.subscriptions.write().close_locals();
+        }
+    }
+}
+
 /// The broker's loop thread: rounds until shutdown, polling on for the
 /// spin window after work and waiting otherwise; stepping aside while an
 /// application thread of an embedded broker that waits for a reply or a
@@ -2789,6 +2804,7 @@ pub(crate) fn run_loop(
     commands: &Receiver<Command>,
 ) {
     let _unwinding = shared.round_watch.ended_on_unwind();
+    let _ending = EndsWaitsOnExit(shared);
     let mut mio_events = mio::Events::with_capacity(256);
     let polling = match event_loop.lock() {
         Some(state) => state.polling,
