@@ -1082,6 +1082,51 @@ fn one_address_holds_at_most_256_connections_in_their_handshake() {
     again.hello_as_client("back");
 }
 
+/// A consumer that says goodbye while over its bound under the block
+/// policy, and then reads nothing, is closed at the block timeout (long
+/// before its drain time) with what it still had queued counted as lost,
+/// but it is no slow consumer: it was leaving.
+#[test]
+fn a_blocking_consumer_that_leaves_is_closed_at_the_block_timeout_not_cut_off() {
+    let text = "listen = [\"tcp/127.0.0.1:0\"]\n\
+                [limits]\nmax_pending_bytes = 65536\n\
+                [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 300\n\
+                [shutdown]\ndrain_timeout_ms = 60000\n";
+    let config = Config::from_toml_str(text, "faults test").expect("valid config");
+    let broker = Arc::new(Broker::start(config).expect("broker starts"));
+    let mut raw = raw_common::Raw::connect(&broker);
+    raw.hello_as_client("leaves");
+    raw.send(&raw_common::subscribe(1, "held"));
+    wait_for("the subscription", || broker.subscription_count() == 1);
+    let publisher = thread::spawn({
+        let broker = Arc::clone(&broker);
+        move || {
+            let payload = Bytes::from(vec![0u8; 1024]);
+            for _ in 0..16_000 {
+                broker.publish("held", payload.clone()).expect("publish");
+            }
+        }
+    });
+    let stats = broker.stats();
+    wait_for("the consumer over its bound", || {
+        stats.queued_bytes.load(Ordering::Relaxed) > 65_536
+    });
+    raw.send(&Frame::Goodbye(efabus_core::frame::Goodbye {
+        reason: "leaving".into(),
+    }));
+    // Within `wait_for`'s 10 s: at the block timeout, not the drain time.
+    wait_for("the leaving consumer closed", || {
+        stats.connections.load(Ordering::Relaxed) == 0
+    });
+    publisher.join().expect("the publisher goes on");
+    assert_eq!(stats.slow_consumer_disconnects.load(Ordering::Relaxed), 0);
+    assert!(
+        stats.connection_drops.load(Ordering::Relaxed) > 0,
+        "what it had queued is counted"
+    );
+    drop(raw);
+}
+
 /// Under the block policy a remote consumer that takes nothing for the
 /// block timeout is disconnected and counted, and the publishers it held
 /// up go on.

@@ -2522,7 +2522,14 @@ impl EventLoop {
                 .over_since
                 .is_some_and(|since| now.duration_since(since) >= block_timeout)
             {
-                slow.push(id);
+                // A session closing for another reason (its peer said
+                // goodbye, say) is closed now, as at its drain deadline,
+                // not cut off as a slow consumer.
+                match session.state {
+                    SessionState::Closing { deadline } if now < deadline => overdue.push(id),
+                    SessionState::Closing { .. } => {}
+                    _ => slow.push(id),
+                }
                 due = true;
             }
             if !matches!(session.state, SessionState::Closing { .. })
