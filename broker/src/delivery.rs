@@ -377,6 +377,22 @@ thread_local! {
     static OVERFILLED: RefCell<Option<(Weak<Queue>, u64)>> = const { RefCell::new(None) };
 }
 
+/// Marks `WAITING_ON` for a drive, and puts the outer mark back however
+/// the drive ends (a round that panics included: the thread lives on).
+struct WaitingOn(usize);
+
+impl WaitingOn {
+    fn mark(queue: &Queue) -> WaitingOn {
+        WaitingOn(WAITING_ON.replace(queue as *const Queue as usize))
+    }
+}
+
+impl Drop for WaitingOn {
+    fn drop(&mut self) {
+        WAITING_ON.set(self.0);
+    }
+}
+
 /// Whether the calling thread may run a loop's rounds: not while a queue
 /// it reads is over the bound its own rounds took it past, so that those
 /// rounds take it over by one round's messages at most.
@@ -1215,9 +1231,10 @@ impl Subscription {
                         queue.waiting.load(Ordering::Relaxed)
                             || queue.closed.load(Ordering::Acquire)
                     };
-                    let outer = WAITING_ON.replace(queue as *const Queue as usize);
-                    let drove = self.owner.drive(self.sid, until, &ready);
-                    WAITING_ON.set(outer);
+                    let drove = {
+                        let _waiting = WaitingOn::mark(queue);
+                        self.owner.drive(self.sid, until, &ready)
+                    };
                     if !drove {
                         std::thread::yield_now();
                     }

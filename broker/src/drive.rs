@@ -10,10 +10,12 @@
 //! driver holds the loop: an embedded broker's sleeps rather than yields
 //! meanwhile ([`Driven::sleep_while_driven`]), so the two do not take turns
 //! on the cores; a client's yields its core between looks. A round that
-//! panics on a driver's thread ends the loop, as one that panics on the
-//! loop thread does ([`Driven::lock`]).
+//! panics, on a driver's thread or the loop thread, breaks the loop: its
+//! state may be half changed, so no round runs on it again and the loop
+//! thread ends ([`HeldLoop`]).
 
 use std::cell::Cell;
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::thread::Thread;
@@ -71,10 +73,10 @@ pub(crate) fn driving() -> bool {
 pub(crate) struct Driven<L> {
     /// `None` once the loop thread has closed the loop.
     state: Mutex<Option<L>>,
-    /// A driver's round panicked: the loop's state may be half changed, so
-    /// no round runs on it again and the loop thread ends.
+    /// A round panicked ([`HeldLoop`]). Written and read under `state`'s
+    /// lock (read without it only as a hint), which orders it.
     broken: AtomicBool,
-    /// Records, on the driver's thread, that its round panicked.
+    /// Records that a round panicked, on the thread that ran it.
     on_broken: Box<dyn Fn() + Send + Sync>,
     /// Who drives the loop, and the loop thread's sleep meanwhile.
     gate: Arc<Gate>,
@@ -151,13 +153,20 @@ struct Presence<'a, L> {
     driven: &'a Driven<L>,
     /// A round ran: the loop thread's view of the loop may be stale.
     ran: bool,
+    /// The thread was unwinding already (a drive from a `Drop`): only a
+    /// panic of the drive's own is one.
+    unwinding_before: bool,
 }
 
 impl<'a, L> Presence<'a, L> {
     fn enter(driven: &'a Driven<L>) -> Presence<'a, L> {
         driven.gate.drivers.fetch_add(1, Ordering::SeqCst);
         DRIVING.set(true);
-        Presence { driven, ran: false }
+        Presence {
+            driven,
+            ran: false,
+            unwinding_before: std::thread::panicking(),
+        }
     }
 }
 
@@ -166,7 +175,7 @@ impl<L> Drop for Presence<'_, L> {
         DRIVING.set(false);
         // A round that panicked broke the loop (even as the drive's first
         // round): its thread is to see that now, wherever it waits.
-        let panicked = std::thread::panicking();
+        let panicked = std::thread::panicking() && !self.unwinding_before;
         let ran = self.ran || panicked;
         if ran {
             self.driven.finished.fetch_add(1, Ordering::SeqCst);
@@ -181,14 +190,37 @@ impl<L> Drop for Presence<'_, L> {
     }
 }
 
-/// Marks the loop broken if a driver's round unwinds past it.
-struct BreaksOnUnwind<'a, L>(&'a Driven<L>);
+/// The loop, held for rounds by the loop thread or a driver. A panic
+/// while it is held breaks the loop before the lock is let go, whoever
+/// holds it: no one runs a round on state the panic left half changed.
+pub(crate) struct HeldLoop<'a, L> {
+    state: MappedMutexGuard<'a, L>,
+    driven: &'a Driven<L>,
+    /// The thread was unwinding already when it took the loop (from a
+    /// `Drop`): only a panic of its own breaks the loop.
+    unwinding_before: bool,
+}
 
-impl<L> Drop for BreaksOnUnwind<'_, L> {
+impl<L> Deref for HeldLoop<'_, L> {
+    type Target = L;
+
+    fn deref(&self) -> &L {
+        &self.state
+    }
+}
+
+impl<L> DerefMut for HeldLoop<'_, L> {
+    fn deref_mut(&mut self) -> &mut L {
+        &mut self.state
+    }
+}
+
+impl<L> Drop for HeldLoop<'_, L> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.broken.store(true, Ordering::SeqCst);
-            (self.0.on_broken)();
+        // Runs before the fields' drops, so before the lock is let go.
+        if std::thread::panicking() && !self.unwinding_before {
+            self.driven.broken.store(true, Ordering::Relaxed);
+            (self.driven.on_broken)();
         }
     }
 }
@@ -205,8 +237,8 @@ impl<L: Rounds> DriveHandle<L> {
 
     /// Makes the loop of `state` drivable through this handle; the loop
     /// thread runs the returned loop. `wake` wakes the loop thread if it
-    /// sleeps (after a drive); `on_broken` records a driver's round that
-    /// panicked.
+    /// sleeps (after a drive); `on_broken` records a round that panicked,
+    /// on the thread that ran it.
     pub fn install(
         &self,
         state: L,
@@ -262,7 +294,7 @@ impl<L: Rounds> DriveHandle<L> {
 
 impl<L: Rounds> Driven<L> {
     /// `wake` wakes the loop thread if it sleeps (after a drive);
-    /// `on_broken` records, on the driver's thread, a round that panicked.
+    /// `on_broken` records a round that panicked, on the thread that ran it.
     pub fn new(
         state: L,
         wake: impl Fn() + Send + Sync + 'static,
@@ -281,8 +313,8 @@ impl<L: Rounds> Driven<L> {
     }
 
     /// Runs rounds on the calling thread until `ready`, until `until`, or
-    /// until `stop`; stops early when the loop is closed or not to be
-    /// driven now, and while a round it ran has filled a queue this thread
+    /// until `stop`; stops early when the loop is closed, broken or not to
+    /// be driven now, and while a round it ran has filled a queue this thread
     /// reads past its bound ([`crate::delivery::may_drive`]). While another
     /// thread holds the loop (the loop thread mid-round, another driver) it
     /// yields between tries. Returns the rounds it ran. A round may run
@@ -291,6 +323,11 @@ impl<L: Rounds> Driven<L> {
     /// events, however it ends; one that ends before `ready` also wakes it
     /// from its sleep for a driver ([`Driven::sleep_while_driven`]).
     pub fn drive(&self, until: Instant, ready: &dyn Fn() -> bool, stop: &AtomicBool) -> u64 {
+        // A hint, read without the lock: drivers of a broken loop keep
+        // away, so that its thread, which steps aside for them, ends.
+        if self.broken.load(Ordering::Relaxed) {
+            return 0;
+        }
         let mut presence = Presence::enter(self);
         let mut rounds = 0;
         let mut got_it = false;
@@ -306,14 +343,12 @@ impl<L: Rounds> Driven<L> {
                 break;
             }
             let worked = match self.state.try_lock() {
-                Some(mut guard) => {
-                    if self.broken.load(Ordering::SeqCst) {
+                Some(guard) => {
+                    // Broken or closed: no round, now or later.
+                    let Some(mut held) = self.hold(guard) else {
                         break;
-                    }
-                    // Dropped before the guard: the loop is marked broken
-                    // before anyone else can take it.
-                    let _breaks = BreaksOnUnwind(self);
-                    match guard.as_mut().and_then(L::driven_round) {
+                    };
+                    match held.driven_round() {
                         Some(worked) => {
                             rounds += 1;
                             presence.ran = true;
@@ -395,15 +430,24 @@ impl<L: Rounds> Driven<L> {
     }
 
     /// For the loop thread: the loop, for one of its own rounds; `None`
-    /// once it is closed, or broken by a driver's round that panicked (the
-    /// loop thread then ends without the shutdown's drain, which would run
-    /// on state the panic left half changed).
-    pub fn lock(&self) -> Option<MappedMutexGuard<'_, L>> {
-        let guard = self.state.lock();
-        if self.broken.load(Ordering::SeqCst) {
+    /// once it is closed, or broken by a round that panicked (the loop
+    /// thread then ends without the shutdown's drain, which would run on
+    /// state the panic left half changed).
+    pub fn lock(&self) -> Option<HeldLoop<'_, L>> {
+        self.hold(self.state.lock())
+    }
+
+    /// The loop under `guard`, unless it is closed or broken.
+    fn hold<'a>(&'a self, guard: MutexGuard<'a, Option<L>>) -> Option<HeldLoop<'a, L>> {
+        if self.broken.load(Ordering::Relaxed) {
             return None;
         }
-        MutexGuard::try_map(guard, Option::as_mut).ok()
+        let state = MutexGuard::try_map(guard, Option::as_mut).ok()?;
+        Some(HeldLoop {
+            state,
+            driven: self,
+            unwinding_before: std::thread::panicking(),
+        })
     }
 
     /// For the loop thread: what its last round found.
@@ -415,7 +459,7 @@ impl<L: Rounds> Driven<L> {
     /// broken, see [`Driven::lock`]); drivers find it closed from then on.
     pub fn take(&self) -> Option<L> {
         let mut guard = self.state.lock();
-        if self.broken.load(Ordering::SeqCst) {
+        if self.broken.load(Ordering::Relaxed) {
             return None;
         }
         guard.take()
@@ -571,6 +615,83 @@ mod tests {
             assert_eq!(rounds.load(Ordering::SeqCst), panic_at);
             assert!(driven.take().is_none(), "nor its drain");
         }
+    }
+
+    /// A panic while the loop thread holds the loop breaks it too, before
+    /// a driver can take it.
+    #[test]
+    fn a_panic_on_the_loop_thread_breaks_the_loop() {
+        let broke = Arc::new(AtomicU64::new(0));
+        let on_broken = {
+            let broke = broke.clone();
+            move || {
+                broke.fetch_add(1, Ordering::SeqCst);
+            }
+        };
+        let rounds = Arc::new(AtomicU64::new(0));
+        let driven = Driven::new(
+            Counting {
+                rounds: rounds.clone(),
+                busy: 0,
+                refuse_at: u64::MAX,
+                panic_at: u64::MAX,
+            },
+            || {},
+            on_broken,
+        );
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _held = driven.lock();
+            panic!("a bug in the loop thread's round");
+        }));
+        assert!(result.is_err());
+        assert_eq!(broke.load(Ordering::SeqCst), 1);
+        assert!(driven.lock().is_none());
+        let stop = AtomicBool::new(false);
+        assert_eq!(driven.drive(far(), &|| false, &stop), 0);
+        assert_eq!(rounds.load(Ordering::SeqCst), 0);
+    }
+
+    /// A thread already unwinding from a panic of its own (a `Drop` that
+    /// makes a request) may drive: its rounds that end well break nothing.
+    #[test]
+    fn a_drive_from_a_drop_while_unwinding_breaks_nothing() {
+        struct DrivesOnDrop<'a>(&'a Driven<Counting>, &'a AtomicU64);
+        impl Drop for DrivesOnDrop<'_> {
+            fn drop(&mut self) {
+                let stop = AtomicBool::new(false);
+                let rounds = self.1;
+                let ran = self
+                    .0
+                    .drive(far(), &|| rounds.load(Ordering::SeqCst) >= 3, &stop);
+                assert_eq!(ran, 3);
+            }
+        }
+        let broke = Arc::new(AtomicU64::new(0));
+        let on_broken = {
+            let broke = broke.clone();
+            move || {
+                broke.fetch_add(1, Ordering::SeqCst);
+            }
+        };
+        let rounds = Arc::new(AtomicU64::new(0));
+        let driven = Driven::new(
+            Counting {
+                rounds: rounds.clone(),
+                busy: 0,
+                refuse_at: u64::MAX,
+                panic_at: u64::MAX,
+            },
+            || {},
+            on_broken,
+        );
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _drives = DrivesOnDrop(&driven, &rounds);
+            panic!("the application's own");
+        }));
+        assert!(result.is_err());
+        assert_eq!(rounds.load(Ordering::SeqCst), 3);
+        assert_eq!(broke.load(Ordering::SeqCst), 0, "no round panicked");
+        assert!(driven.lock().is_some(), "the loop goes on");
     }
 
     #[test]

@@ -34,7 +34,8 @@ pub(crate) struct RoundWatch {
     /// `CALLS * index + call + 1` while calling into endpoint `index`; 0
     /// elsewhere.
     endpoint: AtomicUsize,
-    /// The loop's thread panicked ([`RoundWatch::ended_on_unwind`]).
+    /// The loop panicked, on its thread ([`RoundWatch::ended_on_unwind`])
+    /// or in a round a waiting thread ran ([`RoundWatch::ended_by_panic`]).
     panicked: AtomicBool,
 }
 

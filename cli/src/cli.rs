@@ -797,8 +797,8 @@ const STALLED_EXIT: i32 = 3;
 /// error saying where it is stuck once it has seen the round under way for
 /// `STALL_REPORT` (or `exit_after`, if shorter), and ends the process with
 /// [`STALLED_EXIT`] once it has seen it for `exit_after` (never when
-/// zero), as nothing else would stop it; and at once when the loop's
-/// thread has ended (a panic), as it would serve nothing. Only this
+/// zero), as nothing else would stop it; and at once when the loop has
+/// ended (a panic), as it would serve nothing. Only this
 /// thread's own waits
 /// count, each at most twice `STALL_CHECK`: a pause of the whole process
 /// (a debugger, SIGSTOP) is no stall of the loop. It lasts as long as the
