@@ -615,7 +615,10 @@ impl ReplyInbox {
             }
             state.reading = true;
             drop(state);
-            let freed_on_unwind = FreedOnUnwind(self);
+            let freed_on_unwind = FreedOnUnwind {
+                inbox: self,
+                unwinding_before: std::thread::panicking(),
+            };
             let read = match deadline {
                 Some(deadline) => self
                     .subscription
@@ -648,13 +651,18 @@ impl ReplyInbox {
 /// Frees a [`ReplyInbox`] for its other waiters if its reader's read
 /// unwinds (a loop round the reader ran panicked); they would otherwise
 /// wait for it to their deadlines.
-struct FreedOnUnwind<'a>(&'a ReplyInbox);
+struct FreedOnUnwind<'a> {
+    inbox: &'a ReplyInbox,
+    /// The thread was unwinding already (a request from a `Drop`): only a
+    /// panic of the read's own is one.
+    unwinding_before: bool,
+}
 
 impl Drop for FreedOnUnwind<'_> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.state.lock().reading = false;
-            self.0.handed.notify_all();
+        if std::thread::panicking() && !self.unwinding_before {
+            self.inbox.state.lock().reading = false;
+            self.inbox.handed.notify_all();
         }
     }
 }
@@ -1137,9 +1145,14 @@ impl Broker {
             }
         })?;
         let sid = shared.next_sid.fetch_add(1, Ordering::Relaxed);
-        shared
-            .subscriptions
-            .write()
+        let mut table = shared.subscriptions.write();
+        // Asked again under the table's lock, which the shutdown takes to
+        // close every in-process subscription: one put in after that would
+        // never be closed.
+        if shared.shutdown.load(Ordering::SeqCst) {
+            return Err(Error::Closed);
+        }
+        table
             .insert(
                 pattern,
                 queue,
@@ -1154,6 +1167,7 @@ impl Broker {
                 pattern: pattern.to_string(),
                 source,
             })?;
+        drop(table);
         shared.announce(&shared.subscriptions.read());
         Ok(sid)
     }
@@ -1345,7 +1359,8 @@ impl Broker {
         self.shared.subscriptions.write().close_locals();
     }
 
-    /// Whether shutdown has begun.
+    /// Whether shutdown has begun, or the event loop has ended
+    /// ([`Broker::loop_ended`]).
     pub fn is_shut_down(&self) -> bool {
         self.shared.shutdown.load(Ordering::Relaxed)
     }

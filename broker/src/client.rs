@@ -644,6 +644,26 @@ impl ClientShared {
         self.replies.lock().clear();
     }
 
+    /// Nothing will move on this client again (refused for good, or its
+    /// loop ended): what is asked of it from now on fails at once
+    /// (`Closed`) rather than waiting on a loop that has stopped. Commands
+    /// waiting get no answer (a flush then says `Closed`), publishers
+    /// waiting for room wake to find the client shut, requests waiting
+    /// fail and subscriptions end after what they hold. False if it was
+    /// shut down already.
+    fn end_for_good(&self) -> bool {
+        if self.shutdown.swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        self.outbox
+            .lock()
+            .items
+            .retain(|item| !matches!(item, Item::Command(_)));
+        self.room.notify_all();
+        self.end_streams();
+        true
+    }
+
     /// The subject limits in force: the server's once welcomed.
     fn subject_limits(&self) -> SubjectLimits {
         SubjectLimits {
@@ -1431,7 +1451,8 @@ impl Client {
     /// not taken by then is discarded and counted
     /// (`link().discarded_at_close`, `link().unacknowledged_at_close`).
     pub fn shutdown(&self) {
-        if !self.shared.shutdown.load(Ordering::Relaxed) {
+        // A loop that ended answers no flush.
+        if !self.shared.shutdown.load(Ordering::Relaxed) && !self.loop_ended() {
             self.shared.outbox.lock().closing = Closing::Unconfirmed;
             if self.flush(Duration::from_secs(1)).is_ok() {
                 self.shared.outbox.lock().closing = Closing::Flushed;
@@ -1473,28 +1494,33 @@ struct Round {
     credit_waiting: bool,
 }
 
-/// Ends what waits on the client when its loop thread ends before a
-/// shutdown (a panic there or in a round a waiting thread ran): nothing
-/// will arrive, so requests fail at once, subscriptions end after what
-/// they hold, and what is asked of the client from then on is `Closed`.
+/// Ends the client for good when its loop thread ends before a shutdown
+/// (a panic there or in a round a waiting thread ran), and says so in its
+/// state.
 struct EndsWaitsOnExit<'a>(&'a ClientShared);
 
 impl Drop for EndsWaitsOnExit<'_> {
     fn drop(&mut self) {
-        if !self.0.shutdown.swap(true, Ordering::SeqCst) {
-            self.0.room.notify_all();
-            self.0.end_streams();
+        let shared = self.0;
+        if shared.end_for_good() {
+            *shared.closed_because.lock() = Some(LOOP_ENDED.to_string());
+            shared.set_state(ConnectionState::Closed);
         }
     }
 }
+
+/// Why a client whose loop ended is closed.
+const LOOP_ENDED: &str = "the client's loop ended: it panicked (its message is on standard error)";
 
 /// The client's loop thread: rounds of the session until shutdown, polling
 /// on for the spin window after work and waiting otherwise; stepping aside
 /// while a thread that waits for a reply or a message runs the session
 /// ([`Driven`]).
 fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll) {
-    let _unwinding = shared.round_watch.ended_on_unwind();
+    // Dropped last: the panic is recorded (`_unwinding`) before the
+    // client is marked shut down.
     let _ending = EndsWaitsOnExit(shared);
+    let _unwinding = shared.round_watch.ended_on_unwind();
     let mut mio_events = mio::Events::with_capacity(64);
     let polled = match session.lock() {
         Some(session) => Polled::of(
@@ -1523,19 +1549,7 @@ fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll)
         };
         let state = &mut *guard;
         if matches!(*shared.state.lock(), ConnectionState::Refused { .. }) {
-            // Refused for good: nothing will arrive, and what is asked of
-            // the client from now on fails at once (`Closed`) rather than
-            // waiting on a loop that has stopped. Commands waiting get no
-            // answer (a flush then says `Closed`), and publishers waiting
-            // for room wake to find the client shut.
-            shared.shutdown.store(true, Ordering::SeqCst);
-            shared
-                .outbox
-                .lock()
-                .items
-                .retain(|item| !matches!(item, Item::Command(_)));
-            shared.room.notify_all();
-            shared.end_streams();
+            shared.end_for_good();
             break;
         }
         let round = state.round();

@@ -2810,8 +2810,10 @@ pub(crate) fn run_loop(
     mut poll: Poll,
     commands: &Receiver<Command>,
 ) {
-    let _unwinding = shared.round_watch.ended_on_unwind();
+    // Dropped last: the panic is recorded (`_unwinding`) before the
+    // broker is marked shut down.
     let _ending = EndsWaitsOnExit(shared);
+    let _unwinding = shared.round_watch.ended_on_unwind();
     let mut mio_events = mio::Events::with_capacity(256);
     let polling = match event_loop.lock() {
         Some(state) => state.polling,
