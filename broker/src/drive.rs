@@ -505,6 +505,30 @@ mod tests {
         (Arc::new(Driven::new(state, || {}, || {})), rounds)
     }
 
+    /// A loop of [`Counting`] rounds, never busy, that panics at round
+    /// `panic_at`; with its rounds run and the panics it recorded
+    /// (`on_broken`).
+    fn breakable(
+        panic_at: u64,
+        wake: impl Fn() + Send + Sync + 'static,
+    ) -> (Driven<Counting>, Arc<AtomicU64>, Arc<AtomicU64>) {
+        let rounds = Arc::new(AtomicU64::new(0));
+        let broke = Arc::new(AtomicU64::new(0));
+        let on_broken = {
+            let broke = broke.clone();
+            move || {
+                broke.fetch_add(1, Ordering::SeqCst);
+            }
+        };
+        let state = Counting {
+            rounds: rounds.clone(),
+            busy: 0,
+            refuse_at: u64::MAX,
+            panic_at,
+        };
+        (Driven::new(state, wake, on_broken), rounds, broke)
+    }
+
     fn far() -> Instant {
         Instant::now() + Duration::from_secs(10)
     }
@@ -565,29 +589,12 @@ mod tests {
     #[test]
     fn a_round_that_panics_withdraws_the_driver_and_ends_the_loop() {
         for panic_at in [0, 1] {
-            let rounds = Arc::new(AtomicU64::new(0));
             let woken = Arc::new(AtomicBool::new(false));
             let wake = {
                 let woken = woken.clone();
                 move || woken.store(true, Ordering::SeqCst)
             };
-            let broke = Arc::new(AtomicU64::new(0));
-            let on_broken = {
-                let broke = broke.clone();
-                move || {
-                    broke.fetch_add(1, Ordering::SeqCst);
-                }
-            };
-            let driven = Driven::new(
-                Counting {
-                    rounds: rounds.clone(),
-                    busy: 0,
-                    refuse_at: u64::MAX,
-                    panic_at,
-                },
-                wake,
-                on_broken,
-            );
+            let (driven, rounds, broke) = breakable(panic_at, wake);
             assert!(driven.lock().is_some(), "whole before the panic");
             let finished = driven.drives_finished();
             let stop = AtomicBool::new(false);
@@ -621,24 +628,7 @@ mod tests {
     /// a driver can take it.
     #[test]
     fn a_panic_on_the_loop_thread_breaks_the_loop() {
-        let broke = Arc::new(AtomicU64::new(0));
-        let on_broken = {
-            let broke = broke.clone();
-            move || {
-                broke.fetch_add(1, Ordering::SeqCst);
-            }
-        };
-        let rounds = Arc::new(AtomicU64::new(0));
-        let driven = Driven::new(
-            Counting {
-                rounds: rounds.clone(),
-                busy: 0,
-                refuse_at: u64::MAX,
-                panic_at: u64::MAX,
-            },
-            || {},
-            on_broken,
-        );
+        let (driven, rounds, broke) = breakable(u64::MAX, || {});
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let _held = driven.lock();
             panic!("a bug in the loop thread's round");
@@ -666,24 +656,7 @@ mod tests {
                 assert_eq!(ran, 3);
             }
         }
-        let broke = Arc::new(AtomicU64::new(0));
-        let on_broken = {
-            let broke = broke.clone();
-            move || {
-                broke.fetch_add(1, Ordering::SeqCst);
-            }
-        };
-        let rounds = Arc::new(AtomicU64::new(0));
-        let driven = Driven::new(
-            Counting {
-                rounds: rounds.clone(),
-                busy: 0,
-                refuse_at: u64::MAX,
-                panic_at: u64::MAX,
-            },
-            || {},
-            on_broken,
-        );
+        let (driven, rounds, broke) = breakable(u64::MAX, || {});
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let _drives = DrivesOnDrop(&driven, &rounds);
             panic!("the application's own");

@@ -477,6 +477,14 @@ fn a_client_whose_loop_panicked_says_so() {
     broker.shutdown();
 }
 
+/// Asks with `ask`, which must fail with `Closed` at once.
+fn closed_at_once<T: std::fmt::Debug>(ask: impl FnOnce() -> Result<T, Error>) {
+    let started = Instant::now();
+    let asked = ask();
+    assert!(matches!(asked, Err(Error::Closed)), "{asked:?}");
+    assert!(started.elapsed() < WAIT / 2, "at once");
+}
+
 /// Sets up with `setup` and requests with `ask` (which must echo its
 /// request) until a request's caller itself gets the injected panic, and
 /// returns that setup. The panic comes with a reply, in the round its
@@ -493,8 +501,8 @@ fn until_a_caller_takes_the_panic<S>(
             let started = Instant::now();
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ask(&set, n))) {
                 Ok(Ok(reply)) => assert_eq!(&reply.payload[..], [n]),
-                Ok(Err(err)) => {
-                    assert!(matches!(err, Error::Closed), "{err:?}");
+                Ok(asked) => {
+                    assert!(matches!(asked, Err(Error::Closed)), "{asked:?}");
                     assert!(started.elapsed() < WAIT / 2, "at once");
                     eprintln!("the loop thread took the panic at request {n}; again");
                     break;
@@ -546,10 +554,7 @@ fn a_panic_in_a_round_a_caller_ran_ends_the_client_loop() {
         "a dead loop is not stuck"
     );
     // Nothing will arrive: what is asked of the client fails at once.
-    let started = Instant::now();
-    let asked = client.request("ask", vec![0], WAIT);
-    assert!(matches!(asked, Err(Error::Closed)), "{asked:?}");
-    assert!(started.elapsed() < WAIT / 2, "at once");
+    closed_at_once(|| client.request("ask", vec![0], WAIT));
     assert_eq!(client.state(), ConnectionState::Closed);
     assert!(client
         .closed_because()
@@ -589,10 +594,7 @@ fn a_panic_in_a_round_a_caller_ran_ends_the_broker_loop() {
         "a dead loop is not stuck"
     );
     // Nothing will be routed: what is asked of the broker fails at once.
-    let started = Instant::now();
-    let asked = broker.request("ask", vec![0], WAIT);
-    assert!(matches!(asked, Err(Error::Closed)), "{asked:?}");
-    assert!(started.elapsed() < WAIT / 2, "at once");
+    closed_at_once(|| broker.request("ask", vec![0], WAIT));
     assert!(matches!(broker.subscribe("more"), Err(Error::Closed)));
 }
 
@@ -1103,20 +1105,23 @@ fn one_address_holds_at_most_256_connections_in_their_handshake() {
     again.hello_as_client("back");
 }
 
-/// A consumer that says goodbye while over its bound under the block
-/// policy, and then reads nothing, is closed at the block timeout (long
-/// before its drain time) with what it still had queued counted as lost,
-/// but it is no slow consumer: it was leaving.
-#[test]
-fn a_blocking_consumer_that_leaves_is_closed_at_the_block_timeout_not_cut_off() {
-    let text = "listen = [\"tcp/127.0.0.1:0\"]\n\
-                [limits]\nmax_pending_bytes = 65536\n\
-                [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 2000\n\
-                [shutdown]\ndrain_timeout_ms = 60000\n";
-    let config = Config::from_toml_str(text, "faults test").expect("valid config");
+/// A broker under the block policy with a 64 KiB bound (the rest of its
+/// `[slow_consumer]` section and any section after it in `rest`), a
+/// remote consumer `name` subscribed to `held` that reads nothing, and an
+/// in-process publisher of about 16 MB to it: past the socket buffers and
+/// the bound, so the publisher is held up until the consumer is gone.
+fn a_consumer_holding_up_a_publisher(
+    name: &str,
+    rest: &str,
+) -> (Arc<Broker>, raw_common::Raw, thread::JoinHandle<()>) {
+    let text = format!(
+        "listen = [\"tcp/127.0.0.1:0\"]\n[limits]\nmax_pending_bytes = 65536\n\
+         [slow_consumer]\npolicy = \"block\"\n{rest}"
+    );
+    let config = Config::from_toml_str(&text, "faults test").expect("valid config");
     let broker = Arc::new(Broker::start(config).expect("broker starts"));
     let mut raw = raw_common::Raw::connect(&broker);
-    raw.hello_as_client("leaves");
+    raw.hello_as_client(name);
     raw.send(&raw_common::subscribe(1, "held"));
     wait_for("the subscription", || broker.subscription_count() == 1);
     let publisher = thread::spawn({
@@ -1128,6 +1133,19 @@ fn a_blocking_consumer_that_leaves_is_closed_at_the_block_timeout_not_cut_off() 
             }
         }
     });
+    (broker, raw, publisher)
+}
+
+/// A consumer that says goodbye while over its bound under the block
+/// policy, and then reads nothing, is closed at the block timeout (long
+/// before its drain time) with what it still had queued counted as lost,
+/// but it is no slow consumer: it was leaving.
+#[test]
+fn a_blocking_consumer_that_leaves_is_closed_at_the_block_timeout_not_cut_off() {
+    let (broker, mut raw, publisher) = a_consumer_holding_up_a_publisher(
+        "leaves",
+        "block_timeout_ms = 2000\n[shutdown]\ndrain_timeout_ms = 60000\n",
+    );
     let stats = broker.stats();
     wait_for("the consumer over its bound", || {
         stats.queued_bytes.load(Ordering::Relaxed) > 65_536
@@ -1153,26 +1171,8 @@ fn a_blocking_consumer_that_leaves_is_closed_at_the_block_timeout_not_cut_off() 
 /// up go on.
 #[test]
 fn a_consumer_that_takes_nothing_for_the_block_timeout_is_cut_off() {
-    let text = "listen = [\"tcp/127.0.0.1:0\"]\n\
-                [limits]\nmax_pending_bytes = 65536\n\
-                [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 300\n";
-    let config = Config::from_toml_str(text, "faults test").expect("valid config");
-    let broker = Arc::new(Broker::start(config).expect("broker starts"));
-    let mut raw = raw_common::Raw::connect(&broker);
-    raw.hello_as_client("takes-nothing");
-    raw.send(&raw_common::subscribe(1, "held"));
-    wait_for("the subscription", || broker.subscription_count() == 1);
-    let publisher = thread::spawn({
-        let broker = Arc::clone(&broker);
-        move || {
-            let payload = Bytes::from(vec![0u8; 1024]);
-            // About 16 MB: past the socket buffers and the bound, so the
-            // publisher is held up until the consumer is cut off.
-            for _ in 0..16_000 {
-                broker.publish("held", payload.clone()).expect("publish");
-            }
-        }
-    });
+    let (broker, raw, publisher) =
+        a_consumer_holding_up_a_publisher("takes-nothing", "block_timeout_ms = 300\n");
     let stats = broker.stats();
     wait_for("the consumer cut off", || {
         stats.slow_consumer_disconnects.load(Ordering::Relaxed) == 1
