@@ -2269,6 +2269,46 @@ mod suite {
         assert_eq!(payload_of(&after[0]), b"after the replay");
     }
 
+    /// Over `shm`, the entry removed to make room is one of a peer whose
+    /// process has gone (its region removed), not the least recently used
+    /// one of a peer still running: libfabric 1.17 keeps state of a peer
+    /// whose entry is removed, which that peer finds stale when it comes
+    /// back.
+    pub fn shm_evicts_a_departed_peer_first() {
+        let Some((mut a, running)) = pair(EpKind::Rdm, "shm", &[("max_addresses", "2")]) else {
+            return;
+        };
+        let t = transport(EpKind::Rdm, "shm");
+        let departing = t.open_fabric(&config("shm", &[])).expect("open");
+        let newcomer = t.open_fabric(&config("shm", &[])).expect("open");
+        let departing_addr = departing.local_addr();
+        // The running peer's entry is the older one: the least recently
+        // used once both peers are closed.
+        for addr in [running.local_addr(), departing_addr.clone()] {
+            let (keys, _) = link_keys();
+            let peer = a.insert_peer(&addr, &keys).expect("insert");
+            a.close(peer);
+        }
+        drop(departing);
+        let region = departing_addr
+            .strip_prefix(b"fi_shm://")
+            .and_then(|rest| rest.split(|&b| b == 0).next())
+            .map(|name| {
+                std::path::Path::new("/dev/shm").join(String::from_utf8_lossy(name).as_ref())
+            })
+            .expect("an shm name");
+        assert!(!region.exists(), "the departed peer's region is gone");
+        let (keys, _) = link_keys();
+        a.insert_peer(&newcomer.local_addr(), &keys)
+            .expect("room made");
+        assert_eq!(a.stats().av_evictions, 1);
+        // The running peer's entry is still there: no eviction for it.
+        let (keys, _) = link_keys();
+        a.insert_peer(&running.local_addr(), &keys)
+            .expect("the running peer");
+        assert_eq!(a.stats().av_evictions, 1, "the departed peer's entry went");
+    }
+
     /// libfabric 1.17's `shm` takes a name whose region does not exist and
     /// gives the next name inserted the same entry, whose removal unmaps
     /// both: such a name is refused, and a live peer's frames keep
@@ -3099,4 +3139,10 @@ fn a_queued_read_of_a_closed_in_process_shm_peer_is_counted() {
 #[test]
 fn shm_names_without_a_region_are_refused() {
     suite::shm_names_without_a_region_are_refused();
+}
+
+#[cfg(efabus_libfabric)]
+#[test]
+fn shm_evicts_a_departed_peer_first() {
+    suite::shm_evicts_a_departed_peer_first();
 }

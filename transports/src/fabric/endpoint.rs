@@ -1554,7 +1554,11 @@ impl FabricEndpoint {
     }
 
     /// Removes the least recently used address no live peer needs and no
-    /// send or read in flight goes to, or fails when there is none.
+    /// send or read in flight goes to, or fails when there is none. Over
+    /// `shm`, one whose process has gone (its region removed) goes before
+    /// any other, among the [`DEPARTED_LOOKS`] least recently used:
+    /// libfabric 1.17 keeps state of a peer whose entry is removed, which
+    /// a process still running finds stale when it comes back.
     fn evict_address(&mut self) -> Result<(), FabricError> {
         let reads = self.rma.iter().flat_map(|rma| &rma.slots);
         let in_flight: std::collections::HashSet<u64> = (0..self.tx_owner.len())
@@ -1562,12 +1566,23 @@ impl FabricEndpoint {
             .map(|slot| self.tx_dest[slot])
             .chain(reads.filter_map(|slot| slot.job.as_ref().map(|job| job.fi_addr)))
             .collect();
-        let Some((addr, fi_addr)) = self
+        let mut unused: Vec<(&Vec<u8>, &AvEntry)> = self
             .av_cache
             .iter()
             .filter(|(_, entry)| entry.users == 0 && !in_flight.contains(&entry.fi_addr))
-            .min_by_key(|(_, entry)| entry.last_used)
-            .map(|(addr, entry)| (addr.clone(), entry.fi_addr))
+            .collect();
+        unused.sort_unstable_by_key(|(_, entry)| entry.last_used);
+        let departed = (self.link.provider == super::config::SHM_PROVIDER)
+            .then(|| {
+                unused
+                    .iter()
+                    .take(DEPARTED_LOOKS)
+                    .find(|(addr, _)| !shm_region_exists(addr))
+            })
+            .flatten();
+        let Some((addr, fi_addr)) = departed
+            .or(unused.first())
+            .map(|(addr, entry)| ((*addr).clone(), entry.fi_addr))
         else {
             return Err(FabricError::AddressesFull {
                 limit: self.max_addresses,
@@ -2542,6 +2557,11 @@ fn is_shm_name(addr: &[u8]) -> bool {
 /// Whether the shared-memory region a shm name (already checked by
 /// [`is_shm_name`], so digits and colons before its NUL) points at exists
 /// on this host.
+/// How many of the least recently used unused `shm` addresses an
+/// eviction looks at for one whose process has gone: each look is a
+/// `stat` on the event loop's thread.
+const DEPARTED_LOOKS: usize = 32;
+
 fn shm_region_exists(name: &[u8]) -> bool {
     let region = name
         .strip_prefix(b"fi_shm://")
