@@ -1362,7 +1362,8 @@ impl Broker {
     /// Whether shutdown has begun, or the event loop has ended
     /// ([`Broker::loop_ended`]).
     pub fn is_shut_down(&self) -> bool {
-        self.shared.shutdown.load(Ordering::Relaxed)
+        // Acquire: a loop that ended recorded its panic before the mark.
+        self.shared.shutdown.load(Ordering::Acquire)
     }
 }
 

@@ -1098,8 +1098,9 @@ impl Client {
         self.shared.state.lock().clone()
     }
 
-    /// Why a client that does not reconnect lost its connection, once it
-    /// has (`ConnectionState::Closed` after being connected).
+    /// Why a client that does not reconnect lost its connection, or whose
+    /// loop ended, once it has (`ConnectionState::Closed` after being
+    /// connected).
     pub fn closed_because(&self) -> Option<String> {
         self.shared.closed_because.lock().clone()
     }
@@ -1439,8 +1440,9 @@ impl Client {
     /// Whether the client's loop has panicked (the panic's message is on
     /// standard error), on its thread or in a round an application thread
     /// ran while it waited, whose caller then got the panic. Nothing then
-    /// moves on this client: requests waiting fail, subscriptions end after
-    /// what they hold, and what is asked of it from then on is
+    /// moves on this client: its state is `Closed` (with the reason in
+    /// [`Client::closed_because`]), requests waiting fail, subscriptions
+    /// end after what they hold, and what is asked of it from then on is
     /// [`Error::Closed`].
     pub fn loop_ended(&self) -> bool {
         self.shared.round_watch.panicked()
@@ -1451,8 +1453,7 @@ impl Client {
     /// not taken by then is discarded and counted
     /// (`link().discarded_at_close`, `link().unacknowledged_at_close`).
     pub fn shutdown(&self) {
-        // A loop that ended answers no flush.
-        if !self.shared.shutdown.load(Ordering::Relaxed) && !self.loop_ended() {
+        if !self.shared.shutdown.load(Ordering::Relaxed) {
             self.shared.outbox.lock().closing = Closing::Unconfirmed;
             if self.flush(Duration::from_secs(1)).is_ok() {
                 self.shared.outbox.lock().closing = Closing::Flushed;
@@ -1502,9 +1503,12 @@ struct EndsWaitsOnExit<'a>(&'a ClientShared);
 impl Drop for EndsWaitsOnExit<'_> {
     fn drop(&mut self) {
         let shared = self.0;
-        if shared.end_for_good() {
+        // Said before anything fails with `Closed`: a caller that sees
+        // that finds the reason.
+        if !shared.shutdown.load(Ordering::SeqCst) {
             *shared.closed_because.lock() = Some(LOOP_ENDED.to_string());
             shared.set_state(ConnectionState::Closed);
+            shared.end_for_good();
         }
     }
 }

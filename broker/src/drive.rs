@@ -197,7 +197,9 @@ pub(crate) struct HeldLoop<'a, L> {
     state: MappedMutexGuard<'a, L>,
     driven: &'a Driven<L>,
     /// The thread was unwinding already when it took the loop (from a
-    /// `Drop`): only a panic of its own breaks the loop.
+    /// `Drop`): only a panic of its own breaks the loop. (A panic of a
+    /// round run so, caught within that `Drop`, goes unseen, as it does
+    /// by `std`'s mutex poisoning; uncaught, it aborts the process.)
     unwinding_before: bool,
 }
 
@@ -238,7 +240,8 @@ impl<L: Rounds> DriveHandle<L> {
     /// Makes the loop of `state` drivable through this handle; the loop
     /// thread runs the returned loop. `wake` wakes the loop thread if it
     /// sleeps (after a drive); `on_broken` records a round that panicked,
-    /// on the thread that ran it.
+    /// on the thread that ran it, while that thread still holds the loop:
+    /// it must neither take the loop nor wait.
     pub fn install(
         &self,
         state: L,
@@ -294,7 +297,8 @@ impl<L: Rounds> DriveHandle<L> {
 
 impl<L: Rounds> Driven<L> {
     /// `wake` wakes the loop thread if it sleeps (after a drive);
-    /// `on_broken` records a round that panicked, on the thread that ran it.
+    /// `on_broken` records a round that panicked (see
+    /// [`DriveHandle::install`]).
     pub fn new(
         state: L,
         wake: impl Fn() + Send + Sync + 'static,
@@ -645,7 +649,9 @@ mod tests {
     /// makes a request) may drive: its rounds that end well break nothing.
     #[test]
     fn a_drive_from_a_drop_while_unwinding_breaks_nothing() {
-        struct DrivesOnDrop<'a>(&'a Driven<Counting>, &'a AtomicU64);
+        /// Drives until 3 rounds have run, and counts the drive's rounds
+        /// (an assertion failing in a `Drop` while unwinding would abort).
+        struct DrivesOnDrop<'a>(&'a Driven<Counting>, &'a AtomicU64, &'a AtomicU64);
         impl Drop for DrivesOnDrop<'_> {
             fn drop(&mut self) {
                 let stop = AtomicBool::new(false);
@@ -653,15 +659,17 @@ mod tests {
                 let ran = self
                     .0
                     .drive(far(), &|| rounds.load(Ordering::SeqCst) >= 3, &stop);
-                assert_eq!(ran, 3);
+                self.2.store(ran, Ordering::SeqCst);
             }
         }
         let (driven, rounds, broke) = breakable(u64::MAX, || {});
+        let ran = AtomicU64::new(0);
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _drives = DrivesOnDrop(&driven, &rounds);
+            let _drives = DrivesOnDrop(&driven, &rounds, &ran);
             panic!("the application's own");
         }));
         assert!(result.is_err());
+        assert_eq!(ran.load(Ordering::SeqCst), 3);
         assert_eq!(rounds.load(Ordering::SeqCst), 3);
         assert_eq!(broke.load(Ordering::SeqCst), 0, "no round panicked");
         assert!(driven.lock().is_some(), "the loop goes on");

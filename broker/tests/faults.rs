@@ -497,6 +497,7 @@ fn until_a_caller_takes_the_panic<S>(
 ) -> S {
     for _ in 0..5 {
         let set = setup();
+        let mut met = false;
         for n in 0..100u8 {
             let started = Instant::now();
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ask(&set, n))) {
@@ -505,11 +506,13 @@ fn until_a_caller_takes_the_panic<S>(
                     assert!(matches!(asked, Err(Error::Closed)), "{asked:?}");
                     assert!(started.elapsed() < WAIT / 2, "at once");
                     eprintln!("the loop thread took the panic at request {n}; again");
+                    met = true;
                     break;
                 }
                 Err(_) => return set,
             }
         }
+        assert!(met, "no request of 100 met the injected panic");
     }
     panic!("the loop thread took the panic five times");
 }
