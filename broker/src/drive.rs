@@ -640,8 +640,16 @@ mod tests {
         assert!(result.is_err());
         assert_eq!(broke.load(Ordering::SeqCst), 1);
         assert!(driven.lock().is_none());
+        // A driver keeps away, not even stepping in: the loop thread
+        // steps aside for drivers, and is to end.
         let stop = AtomicBool::new(false);
-        assert_eq!(driven.drive(far(), &|| false, &stop), 0);
+        let stepped_in = Cell::new(false);
+        let ready = || {
+            stepped_in.set(true);
+            false
+        };
+        assert_eq!(driven.drive(far(), &ready, &stop), 0);
+        assert!(!stepped_in.get());
         assert_eq!(rounds.load(Ordering::SeqCst), 0);
     }
 
