@@ -200,50 +200,24 @@ fn too_large_frame(text: &str) -> OutFrame {
     }))
 }
 
-/// The sending half of a connection. The endpoint and the peer's
-/// [`DirectSend`] handles share it behind a lock, so frames from either
-/// queue in one order.
-struct Out {
-    stream: Arc<Wire>,
-    connected: bool,
-    /// `close` was called: take nothing more, shut down once flushed.
-    closing: bool,
-    /// The write side has been shut down.
-    shut: bool,
-    /// Queued parts, each with the number of frames it completes (0 for a
-    /// frame's head, 1 for its last part, n for a run of n whole frames).
+/// Frames and runs queued for a connection, in order, with their count.
+#[derive(Default)]
+struct Parts {
+    /// Each part with the number of frames it completes (0 for a frame's
+    /// head, 1 for its last part, n for a run of n whole frames).
     parts: VecDeque<(Bytes, usize)>,
     frames: usize,
     bytes: usize,
-    /// A send was refused; owe the caller a `Writable`.
-    blocked: bool,
-    /// The socket refused bytes; wait for its writable edge before writing.
-    write_blocked: bool,
-    /// A write made on the spot failed; the next poll drops the connection.
-    broken: Option<String>,
-    /// `write_vectored` calls made, for tests and diagnostics.
-    writes: u64,
 }
 
-impl Out {
-    fn new(stream: Arc<Wire>, connected: bool) -> Self {
-        Out {
-            stream,
-            connected,
-            closing: false,
-            shut: false,
-            parts: VecDeque::new(),
-            frames: 0,
-            bytes: 0,
-            blocked: false,
-            write_blocked: false,
-            broken: None,
-            writes: 0,
-        }
-    }
-
-    fn has_room(&self, frames: usize, len: usize, limits: &Limits) -> bool {
-        limits.queue_takes((self.frames, self.bytes), frames, len)
+impl Parts {
+    /// Whether the bounds take `frames` more frames of `len` bytes. An
+    /// empty queue always takes one send, so a frame or run larger than
+    /// the byte bound (but within `max_frame`) can still pass.
+    fn takes(&self, frames: usize, len: usize, limits: &Limits) -> bool {
+        self.frames == 0
+            || (self.frames + frames <= limits.queue_frames
+                && self.bytes + len <= limits.queue_bytes)
     }
 
     fn push_frame(&mut self, frame: OutFrame) {
@@ -267,6 +241,54 @@ impl Out {
         self.parts.push_back((run, frames));
     }
 
+    /// Puts `later` behind what is queued.
+    fn append(&mut self, mut later: Parts) {
+        self.frames += later.frames;
+        self.bytes += later.bytes;
+        self.parts.append(&mut later.parts);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+}
+
+/// The sending half of a connection. The endpoint and the peer's
+/// [`DirectSend`] handles share it behind a lock, so frames from either
+/// queue in one order.
+struct Out {
+    stream: Arc<Wire>,
+    connected: bool,
+    /// `close` was called: take nothing more, shut down once flushed.
+    closing: bool,
+    /// The write side has been shut down.
+    shut: bool,
+    queue: Parts,
+    /// A send was refused; owe the caller a `Writable`.
+    blocked: bool,
+    /// The socket refused bytes; wait for its writable edge before writing.
+    write_blocked: bool,
+    /// A write made on the spot failed; the next poll drops the connection.
+    broken: Option<String>,
+    /// `write_vectored` calls made, for tests and diagnostics.
+    writes: u64,
+}
+
+impl Out {
+    fn new(stream: Arc<Wire>, connected: bool) -> Self {
+        Out {
+            stream,
+            connected,
+            closing: false,
+            shut: false,
+            queue: Parts::default(),
+            blocked: false,
+            write_blocked: false,
+            broken: None,
+            writes: 0,
+        }
+    }
+
     /// Write now if the socket may take it; a failure is kept in `broken`
     /// for the endpoint to report. True when nothing is left to write.
     fn write_now(&mut self) -> bool {
@@ -275,7 +297,7 @@ impl Out {
                 self.broken = Some(describe(&err));
             }
         }
-        self.parts.is_empty() && !self.stream.has_pending()
+        self.queue.is_empty() && !self.stream.has_pending()
     }
 
     /// Write queued parts until done or the socket is full.
@@ -283,10 +305,10 @@ impl Out {
         if !self.connected {
             return Ok(());
         }
-        while !self.parts.is_empty() {
+        while !self.queue.is_empty() {
             let mut iov = [IoSlice::new(&[]); MAX_IOV];
             let mut n = 0;
-            for ((part, _), slot) in self.parts.iter().zip(iov.iter_mut()) {
+            for ((part, _), slot) in self.queue.parts.iter().zip(iov.iter_mut()) {
                 *slot = IoSlice::new(part);
                 n += 1;
             }
@@ -308,10 +330,10 @@ impl Out {
             }
         }
         // TLS records the socket did not take yet go before anything else.
-        if self.parts.is_empty() && !self.write_blocked && !self.stream.flush_pending()? {
+        if self.queue.is_empty() && !self.write_blocked && !self.stream.flush_pending()? {
             self.write_blocked = true;
         }
-        if self.parts.is_empty() && self.closing && !self.shut && !self.stream.has_pending() {
+        if self.queue.is_empty() && self.closing && !self.shut && !self.stream.has_pending() {
             self.shut = true;
             // Sends FIN once everything queued is out; the peer reads it as
             // an orderly close after the last frame.
@@ -325,15 +347,16 @@ impl Out {
     }
 
     fn consume(&mut self, mut written: usize) {
-        self.bytes -= written.min(self.bytes);
+        let queue = &mut self.queue;
+        queue.bytes -= written.min(queue.bytes);
         while written > 0 {
-            let Some((part, frames)) = self.parts.front_mut() else {
+            let Some((part, frames)) = queue.parts.front_mut() else {
                 return;
             };
             if part.len() <= written {
                 written -= part.len();
-                self.frames -= (*frames).min(self.frames);
-                self.parts.pop_front();
+                queue.frames -= (*frames).min(queue.frames);
+                queue.parts.pop_front();
             } else {
                 part.advance(written);
                 written = 0;
@@ -343,7 +366,7 @@ impl Out {
 
     /// True when a refused sender may go again.
     fn drained_to_half(&self, queue_frames: usize, queue_bytes: usize) -> bool {
-        self.frames <= queue_frames / 2 && self.bytes <= queue_bytes / 2
+        self.queue.frames <= queue_frames / 2 && self.queue.bytes <= queue_bytes / 2
     }
 }
 
@@ -387,10 +410,10 @@ impl DirectSend for Direct {
         if out.closing || out.broken.is_some() {
             return Err(SendError::Closed(peer_of(self.token)));
         }
-        if !out.has_room(1, frame.len(), &self.limits) {
+        if !out.queue.takes(1, frame.len(), &self.limits) {
             return Err(SendError::WouldBlock(frame));
         }
-        out.push_frame(frame);
+        out.queue.push_frame(frame);
         out.write_now();
         self.after_write(&out);
         Ok(())
@@ -405,10 +428,10 @@ impl DirectSend for Direct {
         if out.closing || out.broken.is_some() {
             return Err(SendError::Closed(peer_of(self.token)));
         }
-        if !out.has_room(frames, run.len(), &self.limits) {
+        if !out.queue.takes(frames, run.len(), &self.limits) {
             return Err(SendError::WouldBlock(OutFrame::whole(run)));
         }
-        out.push_run(run, frames);
+        out.queue.push_run(run, frames);
         out.write_now();
         self.after_write(&out);
         Ok(())
@@ -766,13 +789,6 @@ struct Limits {
 }
 
 impl Limits {
-    /// Whether a queue holding `(frames, bytes)` takes `more` frames of
-    /// `len` bytes. An empty queue always takes one send, so a frame or run
-    /// larger than the byte bound (but within `max_frame`) can still pass.
-    fn queue_takes(&self, (frames, bytes): (usize, usize), more: usize, len: usize) -> bool {
-        frames == 0 || (frames + more <= self.queue_frames && bytes + len <= self.queue_bytes)
-    }
-
     fn from_config(config: &EndpointConfig) -> Result<Self, TransportError> {
         let read_budget = match config.option("read_budget") {
             None => READ_BUDGET,
@@ -863,35 +879,21 @@ struct Resolving {
     addr: String,
     host: String,
     answer: Receiver<LookupAnswer>,
-    /// Frames and runs sent meanwhile, in order, within the queue bounds.
-    queued: Vec<Queued>,
-    queued_frames: usize,
-    queued_bytes: usize,
+    /// Frames and runs sent meanwhile, within the connection's bounds.
+    queued: Parts,
     /// A send was refused for room: `Writable` follows once it is dialed.
     blocked: bool,
     receive_limit: Option<Option<usize>>,
     read_paused: bool,
 }
 
-enum Queued {
-    Frame(OutFrame),
-    /// A run and how many frames it holds.
-    Run(Bytes, usize),
-}
-
 impl Resolving {
-    /// Whether the connection queue's bounds take this much more;
-    /// `Writable` is owed when not.
+    /// Whether the connection's bounds take this much more; `Writable` is
+    /// owed when not.
     fn has_room(&mut self, frames: usize, len: usize, limits: &Limits) -> bool {
-        let room = limits.queue_takes((self.queued_frames, self.queued_bytes), frames, len);
+        let room = self.queued.takes(frames, len, limits);
         self.blocked |= !room;
         room
-    }
-
-    fn push(&mut self, frames: usize, len: usize, item: Queued) {
-        self.queued_frames += frames;
-        self.queued_bytes += len;
-        self.queued.push(item);
     }
 }
 
@@ -1046,9 +1048,7 @@ impl TcpEndpoint {
                 addr: addr.to_string(),
                 host,
                 answer,
-                queued: Vec::new(),
-                queued_frames: 0,
-                queued_bytes: 0,
+                queued: Parts::default(),
                 blocked: false,
                 receive_limit: None,
                 read_paused: false,
@@ -1146,14 +1146,7 @@ impl TcpEndpoint {
             conn.read_paused = waiting.read_paused;
             if !waiting.queued.is_empty() {
                 // Taken within the queue's bounds already.
-                let mut out = conn.out.lock();
-                for item in waiting.queued {
-                    match item {
-                        Queued::Frame(frame) => out.push_frame(frame),
-                        Queued::Run(run, frames) => out.push_run(run, frames),
-                    }
-                }
-                drop(out);
+                conn.out.lock().queue.append(waiting.queued);
                 if !conn.dirty {
                     conn.dirty = true;
                     self.dirty.push(token);
@@ -1384,7 +1377,7 @@ impl TcpEndpoint {
         let mut out = conn.out.lock();
         // Past the queue bounds if need be: one small frame, and nothing
         // more is queued after it.
-        out.push_frame(too_large_frame(&text));
+        out.queue.push_frame(too_large_frame(&text));
         out.closing = true;
         let failed = out.flush().is_err();
         drop(out);
@@ -1506,11 +1499,10 @@ impl Endpoint for TcpEndpoint {
     fn send(&mut self, peer: PeerId, frame: OutFrame) -> Result<(), SendError> {
         prefix::check(&frame, self.limits.max_frame)?;
         if let Some(waiting) = token_of(peer).and_then(|token| self.resolving.get_mut(&token)) {
-            let len = frame.len();
-            if !waiting.has_room(1, len, &self.limits) {
+            if !waiting.has_room(1, frame.len(), &self.limits) {
                 return Err(SendError::WouldBlock(frame));
             }
-            waiting.push(1, len, Queued::Frame(frame));
+            waiting.queued.push_frame(frame);
             return Ok(());
         }
         let Some((token, conn)) =
@@ -1522,11 +1514,11 @@ impl Endpoint for TcpEndpoint {
             return Err(SendError::Closed(peer));
         }
         let mut out = conn.out.lock();
-        if !out.has_room(1, frame.len(), &self.limits) {
+        if !out.queue.takes(1, frame.len(), &self.limits) {
             out.blocked = true;
             return Err(SendError::WouldBlock(frame));
         }
-        out.push_frame(frame);
+        out.queue.push_frame(frame);
         drop(out);
         if !conn.dirty {
             conn.dirty = true;
@@ -1545,11 +1537,10 @@ impl Endpoint for TcpEndpoint {
             return Ok(());
         }
         if let Some(waiting) = token_of(peer).and_then(|token| self.resolving.get_mut(&token)) {
-            let len = run.len();
-            if !waiting.has_room(frames, len, &self.limits) {
+            if !waiting.has_room(frames, run.len(), &self.limits) {
                 return Err(SendError::WouldBlock(OutFrame::whole(run)));
             }
-            waiting.push(frames, len, Queued::Run(run, frames));
+            waiting.queued.push_run(run, frames);
             return Ok(());
         }
         let Some((token, conn)) =
@@ -1561,11 +1552,11 @@ impl Endpoint for TcpEndpoint {
         if conn.closing.is_some() || out.broken.is_some() {
             return Err(SendError::Closed(peer));
         }
-        if !out.has_room(frames, run.len(), &self.limits) {
+        if !out.queue.takes(frames, run.len(), &self.limits) {
             out.blocked = true;
             return Err(SendError::WouldBlock(OutFrame::whole(run)));
         }
-        out.push_run(run, frames);
+        out.queue.push_run(run, frames);
         let settled = out.write_now() || (out.connected && out.write_blocked);
         let broken = out.broken.is_some();
         drop(out);
@@ -1783,12 +1774,12 @@ impl Endpoint for TcpEndpoint {
 
     fn queued_bytes(&self, peer: PeerId) -> usize {
         if let Some(waiting) = token_of(peer).and_then(|token| self.resolving.get(&token)) {
-            return waiting.queued_bytes;
+            return waiting.queued.bytes;
         }
         token_of(peer)
             .and_then(|token| self.conns.get(&token))
             .filter(|c| c.closing.is_none())
-            .map(|c| c.out.lock().bytes)
+            .map(|c| c.out.lock().queue.bytes)
             .unwrap_or(0)
     }
 }
@@ -2378,7 +2369,7 @@ mod tests {
             client.send_run(peer, Bytes::from([good, huge].concat())),
             Err(SendError::TooLarge { .. })
         ));
-        assert_eq!(client.conns[&token_of(peer).unwrap()].out.lock().frames, 0);
+        assert_eq!(client.conns[&token_of(peer).unwrap()].out.lock().queue.frames, 0);
         assert!(matches!(
             client.send_run(PeerId(999), Bytes::from(framed(b"x"))),
             Err(SendError::Closed(_))
