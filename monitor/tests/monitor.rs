@@ -372,6 +372,19 @@ fn healthz_answers_503_when_a_listener_is_gone() {
     plain.flush(WAIT).expect("a TCP client is served");
 }
 
+/// `/healthz` asked every 50 ms until its status is `wanted`, or `WAIT`
+/// has passed: the last answer.
+fn healthz_once(monitor: &Monitor, wanted: impl Fn(u16) -> bool) -> (u16, String) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (status, body) = get(monitor, "/healthz");
+        if wanted(status) || Instant::now() > deadline {
+            return (status, body);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// An event loop stuck in one round (the TCP listener's poll blocks for 6 s
 /// once a frame has come, as a provider call stuck on a lock would) turns
 /// `/healthz` to 503, saying which listener the loop is polling (without
@@ -389,14 +402,7 @@ fn healthz_says_where_a_stuck_event_loop_is() {
         std::thread::spawn(move || client(&broker, "staller", false))
     };
     let tcp = broker.endpoint("tcp").expect("a TCP listener");
-    let deadline = Instant::now() + WAIT;
-    let (status, body) = loop {
-        let (status, body) = get(&monitor, "/healthz");
-        if status != 200 || Instant::now() > deadline {
-            break (status, body);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let (status, body) = healthz_once(&monitor, |status| status != 200);
     assert_eq!(status, 503, "{body}");
     let health: Value = serde_json::from_str(&body).expect("JSON");
     let error = health["error"].as_str().expect("an error");
@@ -414,13 +420,7 @@ fn healthz_says_where_a_stuck_event_loop_is() {
     let (status, body) = get(&monitor, "/healthz");
     assert_eq!(status, 503, "{body}");
     assert!(asked.elapsed() < Duration::from_secs(2), "{body}");
-    let (status, body) = loop {
-        let (status, body) = get(&monitor, "/healthz");
-        if status == 200 || Instant::now() > deadline {
-            break (status, body);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let (status, body) = healthz_once(&monitor, |status| status == 200);
     assert_eq!(status, 200, "the round ended: {body}");
     let staller = connecting.join().expect("the client connects");
     staller.flush(WAIT).expect("and is served");
@@ -434,7 +434,7 @@ fn healthz_says_when_the_event_loop_has_ended() {
     let monitor = Monitor::start(Arc::clone(&broker), "127.0.0.1:0").expect("monitor starts");
     assert_eq!(get(&monitor, "/healthz").0, 200);
     assert!(!broker.loop_ended());
-    // Its hello is the frame that makes the next poll panic; the connect
+    // Its hello is the frame whose poll panics; the connect
     // itself may fail.
     let connecting = {
         let broker = Arc::clone(&broker);

@@ -2104,6 +2104,34 @@ mod tests {
         }));
     }
 
+    /// Makes `client` look names up as counted in `lookups`: a name under
+    /// `nowhere.` resolves to nothing at once; any other is held until the
+    /// returned sender lets it go (the tests do so only once `connect` has
+    /// returned), then resolves to `127.0.0.1:port`.
+    fn held_lookups(
+        client: &mut TcpEndpoint,
+        port: u16,
+        lookups: &Arc<std::sync::atomic::AtomicUsize>,
+    ) -> std::sync::mpsc::Sender<()> {
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let held = Mutex::new(held);
+        let counted = Arc::clone(lookups);
+        client.lookup = Arc::new(move |name: &str| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if name.starts_with("nowhere.") {
+                return Err(TransportError::InvalidAddress {
+                    addr: name.to_string(),
+                    reason: "the name resolves to no address".into(),
+                });
+            }
+            if held.lock().recv_timeout(WAIT).is_err() {
+                return Err(TransportError::Other("the lookup was never let go".into()));
+            }
+            resolve(&format!("127.0.0.1:{port}"))
+        });
+        release
+    }
+
     /// A host name is looked up off the caller's thread: `connect` returns
     /// while the lookup is held, frames sent meanwhile wait (past the queue
     /// bounds `WouldBlock`, then `Writable`) and arrive in order once the
@@ -2113,27 +2141,12 @@ mod tests {
     fn host_names_are_looked_up_without_holding_up_the_caller() {
         let mut server = listener(Vec::new());
         let port = server.local_socket_addr().unwrap().port();
-        let (release, held) = std::sync::mpsc::channel::<()>();
-        let held = Mutex::new(held);
         let mut client = TcpEndpoint::open(&EndpointConfig {
             queue_frames: 2,
             ..EndpointConfig::default()
         })
         .unwrap();
-        client.lookup = Arc::new(move |name: &str| {
-            if name.starts_with("nowhere.") {
-                return Err(TransportError::InvalidAddress {
-                    addr: name.to_string(),
-                    reason: "the name resolves to no address".into(),
-                });
-            }
-            // Held until the test lets it go, which it does only once
-            // `connect` has returned.
-            if held.lock().recv_timeout(WAIT).is_err() {
-                return Err(TransportError::Other("the lookup was never let go".into()));
-            }
-            resolve(&format!("127.0.0.1:{port}"))
-        });
+        let release = held_lookups(&mut client, port, &Default::default());
         let peer = client.connect(&format!("held.example:{port}")).unwrap();
         for n in 0..2u8 {
             client
@@ -2188,18 +2201,9 @@ mod tests {
     fn a_lookup_outlives_its_closed_dial_and_serves_the_next() {
         let mut server = listener(Vec::new());
         let port = server.local_socket_addr().unwrap().port();
-        let (release, held) = std::sync::mpsc::channel::<()>();
-        let held = Mutex::new(held);
         let lookups = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let mut client = TcpEndpoint::open(&EndpointConfig::default()).unwrap();
-        let counted = Arc::clone(&lookups);
-        client.lookup = Arc::new(move |_: &str| {
-            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            if held.lock().recv_timeout(WAIT).is_err() {
-                return Err(TransportError::Other("the lookup was never let go".into()));
-            }
-            resolve(&format!("127.0.0.1:{port}"))
-        });
+        let release = held_lookups(&mut client, port, &lookups);
         let name = format!("slow.example:{port}");
         let first = client.connect(&name).unwrap();
         client
@@ -2369,7 +2373,14 @@ mod tests {
             client.send_run(peer, Bytes::from([good, huge].concat())),
             Err(SendError::TooLarge { .. })
         ));
-        assert_eq!(client.conns[&token_of(peer).unwrap()].out.lock().queue.frames, 0);
+        assert_eq!(
+            client.conns[&token_of(peer).unwrap()]
+                .out
+                .lock()
+                .queue
+                .frames,
+            0
+        );
         assert!(matches!(
             client.send_run(PeerId(999), Bytes::from(framed(b"x"))),
             Err(SendError::Closed(_))
