@@ -53,7 +53,7 @@ use crate::broker::{reply_token, unique_seed, BrokerStats};
 use crate::commands::Parker;
 use crate::config::SlowConsumerPolicy;
 use crate::delivery::{
-    Delivery, LocalSink, Message, Responder, Subscription, SubscriptionOwner, YieldWindow,
+    LocalSink, Message, Responder, Subscription, SubscriptionOwner, YieldWindow,
 };
 use crate::drive::{DriveHandle, Driven, Rounds};
 use crate::endpoints;
@@ -590,8 +590,6 @@ impl ClientShared {
         Ok(())
     }
 
-    /// Nothing more will arrive: subscriptions end after what they hold,
-    /// and requests still waiting fail now instead of at their timeout.
     /// Hand `message` to subscription `sid`; true if that cut it off (a
     /// slow consumer under `disconnect`, or its reader gone) and removed it
     /// here, so the server is to stop sending (unless an unsubscribe made
@@ -606,7 +604,33 @@ impl ClientShared {
         sid: u64,
         message: Message,
     ) -> bool {
-        let delivery = if self.options.slow_consumer == SlowConsumerPolicy::Block {
+        self.deliver_run(table, sid, &mut vec![message])
+    }
+
+    /// [`deliver_run`](Self::deliver_run) for a run that may be empty,
+    /// noting in `cut_off` a subscription it cut off.
+    fn hand_over<'a>(
+        &'a self,
+        table: &mut Option<MutexGuard<'a, HashMap<u64, ClientSub>>>,
+        sid: u64,
+        run: &mut Vec<Message>,
+        cut_off: &mut Vec<u64>,
+    ) {
+        if !run.is_empty() && self.deliver_run(table, sid, run) {
+            cut_off.push(sid);
+        }
+    }
+
+    /// [`deliver_to`](Self::deliver_to) for messages in a row to one
+    /// subscription: one look-up and one hold of its queue's lock for all
+    /// of them. `run` is left empty.
+    fn deliver_run<'a>(
+        &'a self,
+        table: &mut Option<MutexGuard<'a, HashMap<u64, ClientSub>>>,
+        sid: u64,
+        run: &mut Vec<Message>,
+    ) -> bool {
+        let closed = if self.options.slow_consumer == SlowConsumerPolicy::Block {
             *table = None;
             let sink = self
                 .subscriptions
@@ -614,12 +638,14 @@ impl ClientShared {
                 .get(&sid)
                 .map(|sub| sub.sink.clone());
             let Some(sink) = sink else {
+                run.clear();
                 return false;
             };
-            sink.deliver(message)
+            sink.deliver_run(run)
         } else {
             let subscriptions = table.get_or_insert_with(|| self.subscriptions.lock());
             let Some(sub) = subscriptions.get(&sid) else {
+                run.clear();
                 return false;
             };
             if sub.sink.is_answering() {
@@ -627,18 +653,20 @@ impl ClientShared {
                 // the table.
                 let sink = sub.sink.clone();
                 *table = None;
-                sink.deliver(message)
+                sink.deliver_run(run)
             } else {
-                sub.sink.deliver(message)
+                sub.sink.deliver_run(run)
             }
         };
-        delivery == Delivery::Closed
+        closed
             && table
                 .get_or_insert_with(|| self.subscriptions.lock())
                 .remove(&sid)
                 .is_some()
     }
 
+    /// Nothing more will arrive: subscriptions end after what they hold,
+    /// and requests still waiting fail now instead of at their timeout.
     fn end_streams(&self) {
         self.subscriptions.lock().clear();
         self.replies.lock().clear();
@@ -1694,6 +1722,9 @@ struct ClientLoop {
     now: Instant,
     /// Subscriptions cut off as slow consumers while delivering a batch.
     cut_off: Vec<u64>,
+    /// Messages read in a row for one subscription, queued together
+    /// (empty between rounds).
+    run: Vec<Message>,
     flushes: Vec<(u64, Sender<Result<(), Error>>)>,
     next_nonce: u64,
     ever_connected: bool,
@@ -1794,6 +1825,7 @@ impl ClientLoop {
             subscribed: FxHashSet::default(),
             now,
             cut_off: Vec::new(),
+            run: Vec::new(),
             flushes: Vec::new(),
             next_nonce: 1,
             ever_connected: false,
@@ -2316,10 +2348,14 @@ impl ClientLoop {
         let shared = self.shared.clone();
         let mut subscriptions = None;
         let mut cut_off = std::mem::take(&mut self.cut_off);
+        // Messages in a row for one subscription are queued together.
+        let mut run = std::mem::take(&mut self.run);
+        let mut run_sid = 0;
         for frame in frames.drain(..) {
             let (sid, subject, reply, headers, payload) = match self.read_message(frame) {
                 Ok(message) => message,
                 Err(frame) => {
+                    shared.hand_over(&mut subscriptions, run_sid, &mut run, &mut cut_off);
                     subscriptions = None;
                     other(self, frame);
                     continue;
@@ -2327,19 +2363,25 @@ impl ClientLoop {
             };
             let inbox = shared.inbox_sid_seen.load(Ordering::Acquire);
             if inbox != 0 && sid == inbox {
+                // What came before the reply is queued before its
+                // requester wakes.
+                shared.hand_over(&mut subscriptions, run_sid, &mut run, &mut cut_off);
                 self.dispatch_reply(subject, reply, headers, payload);
                 continue;
             }
-            let message = Message {
+            if sid != run_sid {
+                shared.hand_over(&mut subscriptions, run_sid, &mut run, &mut cut_off);
+            }
+            run_sid = sid;
+            run.push(Message {
                 subject,
                 reply,
                 headers,
                 payload,
-            };
-            if shared.deliver_to(&mut subscriptions, sid, message) {
-                cut_off.push(sid);
-            }
+            });
         }
+        shared.hand_over(&mut subscriptions, run_sid, &mut run, &mut cut_off);
+        self.run = run;
         drop(subscriptions);
         for sid in cut_off.drain(..) {
             self.send(codec::encode(&Frame::Unsubscribe { sid }));

@@ -4,7 +4,9 @@
 //! # The queue
 //!
 //! Producers (publishing threads, the event loop, a client's I/O thread)
-//! append under one short lock. The reader takes up to a batch of messages
+//! append under one short lock (a client's I/O thread queues the messages
+//! it read in a row for one subscription under one hold while the queue
+//! has room, then one by one). The reader takes up to a batch of messages
 //! per visit into its own buffer and hands them out from there, so a reader
 //! that keeps up takes the shared lock once per batch rather than once per
 //! message. A producer wakes the reader only when it is parked; a reader that
@@ -701,8 +703,8 @@ impl LocalSink {
         &self,
         subject: SubjectArg<'_>,
         reply: Option<Arc<str>>,
-        mut headers: Option<Bytes>,
-        mut payload: Bytes,
+        headers: Option<Bytes>,
+        payload: Bytes,
         received: bool,
         hold: bool,
     ) -> Delivery {
@@ -711,9 +713,88 @@ impl LocalSink {
         }
         let queue = &*self.queue;
         let mut state = queue.state.lock();
+        let outcome =
+            self.push_locked(&mut state, subject, reply, headers, payload, received, hold);
+        let wake = state.readers_waiting > 0;
+        drop(state);
+        // Outside the lock, so the reader wakes to an unlocked queue. A
+        // waiting reader joined the condition variable before releasing
+        // the lock, so it cannot miss this.
+        if wake {
+            queue.ready.notify_one();
+        }
+        outcome
+    }
+
+    /// Queue messages received off the network for one subscription, in
+    /// order, as [`deliver`] does one by one: under one hold of the queue's
+    /// lock while the queue has room, then (the reader woken) one by one,
+    /// so that the reader takes what is queued between them as it would
+    /// have before the policy acts. True when the queue is closed: what
+    /// was left of `run` is dropped, as a message delivered to a closed
+    /// queue is.
+    ///
+    /// [`deliver`]: Self::deliver
+    pub(crate) fn deliver_run(&self, run: &mut Vec<Message>) -> bool {
+        let mut messages = run.drain(..);
+        let mut closed = false;
+        // A responder's handler runs per message.
+        if self.answer.is_none() {
+            let queue = &*self.queue;
+            let mut state = queue.state.lock();
+            while !state.closed && state.queued() < self.capacity && !self.is_held() {
+                let Some(message) = messages.next() else {
+                    break;
+                };
+                let Message {
+                    subject,
+                    reply,
+                    headers,
+                    payload,
+                } = message;
+                let outcome = self.push_locked(
+                    &mut state,
+                    SubjectArg::Owned(subject),
+                    reply,
+                    headers,
+                    payload,
+                    true,
+                    false,
+                );
+                debug_assert_eq!(outcome, Delivery::Queued);
+            }
+            let wake = state.readers_waiting > 0;
+            drop(state);
+            if wake {
+                queue.ready.notify_one();
+            }
+        }
+        for message in messages {
+            if self.deliver(message) == Delivery::Closed {
+                closed = true;
+                break;
+            }
+        }
+        closed
+    }
+
+    /// [`push`](Self::push) with the queue's lock held; the caller wakes a
+    /// waiting reader once it lets the lock go.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn push_locked(
+        &self,
+        state: &mut MutexGuard<'_, State>,
+        subject: SubjectArg<'_>,
+        reply: Option<Arc<str>>,
+        mut headers: Option<Bytes>,
+        mut payload: Bytes,
+        received: bool,
+        hold: bool,
+    ) -> Delivery {
         let mut outcome = Delivery::Queued;
         if state.closed || state.queued() >= self.capacity || self.behind_held(hold) {
-            match self.make_room(&mut state, hold) {
+            match self.make_room(state, hold) {
                 Ok(made) => outcome = made,
                 Err(refused) => return refused,
             }
@@ -751,17 +832,9 @@ impl LocalSink {
         }
         state.push(payload);
         if state.len == 1 {
-            queue.waiting.store(true, Ordering::Relaxed);
+            self.queue.waiting.store(true, Ordering::Relaxed);
         }
         bump(&self.stats.delivered, 1);
-        let wake = state.readers_waiting > 0;
-        drop(state);
-        // Outside the lock, so the reader wakes to an unlocked queue. A
-        // waiting reader joined the condition variable before releasing
-        // the lock, so it cannot miss this.
-        if wake {
-            queue.ready.notify_one();
-        }
         outcome
     }
 
@@ -1600,6 +1673,84 @@ mod tests {
         std::iter::from_fn(|| sub.try_recv().ok())
             .map(|m| m.payload[0])
             .collect()
+    }
+
+    /// A run longer than the queue's room, queued under `block` for a
+    /// reader asleep on the empty queue: the reader is woken before the
+    /// producer waits for room, and every message arrives, in order, with
+    /// none dropped.
+    #[test]
+    fn a_run_larger_than_the_room_reaches_a_sleeping_reader_whole() {
+        let (sink, sub) = queue(2, SlowConsumerPolicy::Block, Duration::from_secs(2));
+        std::thread::scope(|scope| {
+            let reader = scope.spawn(|| {
+                (0..6)
+                    .map_while(|_| sub.recv_timeout(Duration::from_secs(10)).ok())
+                    .map(|m| m.payload[0])
+                    .collect::<Vec<u8>>()
+            });
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while sink.queue.state.lock().readers_waiting == 0 {
+                assert!(Instant::now() < deadline, "the reader never waited");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let mut run: Vec<Message> = (0..6).map(message).collect();
+            assert!(!sink.deliver_run(&mut run), "the queue is open");
+            assert!(run.is_empty());
+            assert_eq!(reader.join().expect("the reader"), vec![0, 1, 2, 3, 4, 5]);
+        });
+        assert_eq!(sub.stats().dropped(), 0);
+        assert_eq!(sub.stats().delivered(), 6);
+    }
+
+    /// A run for a queue closed part-way (the disconnect policy at the
+    /// bound) says so, queues what came before, and drops the rest.
+    #[test]
+    fn a_run_into_a_queue_that_closes_reports_it_closed() {
+        let (sink, sub) = queue(2, SlowConsumerPolicy::Disconnect, Duration::ZERO);
+        let mut run: Vec<Message> = (0..5).map(message).collect();
+        assert!(sink.deliver_run(&mut run));
+        assert!(run.is_empty());
+        assert_eq!(drain(&sub), vec![0, 1]);
+        // The message that found the queue full is counted; those after
+        // it went to a closed queue, as one by one.
+        assert_eq!(sub.stats().delivered(), 2);
+        assert_eq!(sub.stats().dropped(), 1);
+        let mut more = vec![message(9)];
+        assert!(sink.deliver_run(&mut more), "a closed queue takes no more");
+    }
+
+    /// A run is queued as the same messages one by one would be: subjects,
+    /// replies and payloads in order.
+    #[test]
+    fn a_run_keeps_each_message_s_subject_and_reply() {
+        let (sink, sub) = queue(8, SlowConsumerPolicy::Block, Duration::ZERO);
+        let mut run = vec![
+            Message {
+                reply: Some("r.1".into()),
+                ..message(1)
+            },
+            Message {
+                subject: "b".into(),
+                ..message(2)
+            },
+            message(3),
+        ];
+        assert!(!sink.deliver_run(&mut run));
+        let got: Vec<(String, Option<String>, u8)> = std::iter::from_fn(|| sub.try_recv().ok())
+            .map(|m| {
+                let reply = m.reply.as_deref().map(str::to_string);
+                (m.subject.to_string(), reply, m.payload[0])
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("a".to_string(), Some("r.1".to_string()), 1),
+                ("b".to_string(), None, 2),
+                ("a".to_string(), None, 3),
+            ]
+        );
     }
 
     /// Received payloads that wait behind others, each from another part

@@ -428,6 +428,45 @@ fn each_publisher_is_received_in_order() {
     }
 }
 
+/// A responder that publishes an event and then replies: the requester
+/// finds the event queued when its request returns, though the two
+/// arrive together and the reply goes to the waiting request at once.
+#[test]
+fn what_came_before_a_reply_is_queued_when_the_request_returns() {
+    for via in BOTH {
+        let (_broker, endpoint) = start(via, "");
+        let requester = connect(&endpoint);
+        let responder = connect(&endpoint);
+        let events = requester.subscribe("orders.>").unwrap();
+        let requests = responder.subscribe("svc.orders").unwrap();
+        requester.flush(WAIT).unwrap();
+        responder.flush(WAIT).unwrap();
+        let rounds = 50;
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                for _ in 0..rounds {
+                    let request = requests.recv_timeout(WAIT).expect("a request");
+                    let reply = request.reply.expect("a reply subject");
+                    responder
+                        .publish("orders.created", request.payload.clone())
+                        .unwrap();
+                    responder.publish(&reply, request.payload).unwrap();
+                }
+            });
+            for n in 0..rounds {
+                let reply = requester
+                    .request("svc.orders", numbered(n), WAIT)
+                    .expect("a reply");
+                assert_eq!(number(&reply), n);
+                let event = events.try_recv().unwrap_or_else(|err| {
+                    panic!("{via:?}: round {n}: the event before the reply: {err:?}")
+                });
+                assert_eq!(number(&event), n, "{via:?}");
+            }
+        });
+    }
+}
+
 #[test]
 fn large_payloads_cross_intact() {
     let size = 512 * 1024;
