@@ -1482,13 +1482,39 @@ fn deliver_in_process_all(
     Ok(local.len() + remote.map_or(0, |remote| remote.len()))
 }
 
+/// A message as the event loop read it, its subject not yet copied: a
+/// queue copies it only if it keeps it.
+pub(crate) struct MessageParts<'a> {
+    pub subject: &'a str,
+    /// The subject as a shared string, once a queue or a held message
+    /// needed one: the others take the same.
+    pub shared_subject: std::cell::OnceCell<Arc<str>>,
+    pub reply: Option<Arc<str>>,
+    pub headers: Option<Bytes>,
+    pub payload: Bytes,
+}
+
+impl MessageParts<'_> {
+    fn to_message(&self) -> Message {
+        Message {
+            subject: self
+                .shared_subject
+                .get_or_init(|| Arc::from(self.subject))
+                .clone(),
+            reply: self.reply.clone(),
+            headers: self.headers.clone(),
+            payload: self.payload.clone(),
+        }
+    }
+}
+
 /// Hand a message to the in-process subscriptions among `targets`, count
 /// the outcome, and remove subscriptions that were cut off as slow consumers
 /// so their readers see the end of the stream.
 pub(crate) fn deliver_local(
     shared: &Shared,
     targets: &mut Targets,
-    message: &Message,
+    message: MessageParts<'_>,
     held: &mut HeldLocal,
     now: Instant,
 ) {
@@ -1498,10 +1524,16 @@ pub(crate) fn deliver_local(
         let outcome = if sink.is_held() {
             Delivery::Full
         } else {
-            sink.try_deliver(message.clone())
+            sink.try_deliver(
+                message.subject,
+                &message.shared_subject,
+                message.reply.clone(),
+                message.headers.clone(),
+                message.payload.clone(),
+            )
         };
         match outcome {
-            Delivery::Full => held.hold(sid, sink, message.clone(), now),
+            Delivery::Full => held.hold(sid, sink, message.to_message(), now),
             outcome => count_delivery(&shared.stats, sid, &sink, outcome, &mut closed),
         }
     }

@@ -42,7 +42,7 @@
 //! delivering, so a request is answered with no hand-over to another
 //! thread.
 
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -440,6 +440,20 @@ enum SubjectArg<'a> {
     Owned(Arc<str>),
     /// A string the producer keeps and passes again for later messages.
     Kept(&'a Arc<str>),
+    /// A string of the producer's own, copied only if the queue keeps it
+    /// (a subject other than the last one queued): once into the cell,
+    /// which the producer's other queues for the same message share.
+    Borrowed(&'a str, &'a OnceCell<Arc<str>>),
+}
+
+impl SubjectArg<'_> {
+    fn into_shared(self) -> Arc<str> {
+        match self {
+            SubjectArg::Owned(owned) => owned,
+            SubjectArg::Kept(kept) => kept.clone(),
+            SubjectArg::Borrowed(text, shared) => shared.get_or_init(|| Arc::from(text)).clone(),
+        }
+    }
 }
 
 /// The producer side of a subscription's bounded queue.
@@ -610,8 +624,24 @@ impl LocalSink {
     /// [`deliver`](Self::deliver) for a thread that must not wait (the
     /// event loop): under the block policy a full queue answers
     /// [`Delivery::Full`], with nothing queued or counted.
-    pub(crate) fn try_deliver(&self, message: Message) -> Delivery {
-        self.push_message(message, true, true)
+    /// The subject is copied only when the queue keeps it, into `shared`
+    /// (see [`SubjectArg::Borrowed`]).
+    pub(crate) fn try_deliver(
+        &self,
+        subject: &str,
+        shared: &OnceCell<Arc<str>>,
+        reply: Option<Arc<str>>,
+        headers: Option<Bytes>,
+        payload: Bytes,
+    ) -> Delivery {
+        self.push(
+            SubjectArg::Borrowed(subject, shared),
+            reply,
+            headers,
+            payload,
+            true,
+            true,
+        )
     }
 
     /// A message the event loop held for this queue, offered again as
@@ -811,14 +841,12 @@ impl LocalSink {
         let same = match (&state.last_subject, &subject) {
             (Some(last), SubjectArg::Kept(kept)) => Arc::ptr_eq(last, kept) || **last == ***kept,
             (Some(last), SubjectArg::Owned(owned)) => **last == **owned,
+            (Some(last), SubjectArg::Borrowed(text, _)) => **last == **text,
             (None, _) => false,
         };
         if !same || reply.is_some() || headers.is_some() {
             let subject = (!same).then(|| {
-                let subject = match subject {
-                    SubjectArg::Owned(owned) => owned,
-                    SubjectArg::Kept(kept) => kept.clone(),
-                };
+                let subject = subject.into_shared();
                 state.last_subject = Some(subject.clone());
                 subject
             });
@@ -859,10 +887,7 @@ impl LocalSink {
         if self.queue.closed.load(Ordering::Acquire) {
             return Delivery::Closed;
         }
-        let subject = match subject {
-            SubjectArg::Owned(owned) => owned,
-            SubjectArg::Kept(kept) => kept.clone(),
-        };
+        let subject = subject.into_shared();
         let message = Message {
             subject,
             reply,

@@ -43,8 +43,9 @@ use tracing::{debug, error, info, warn};
 
 use crate::accounts::inbox_of;
 use crate::auth_guard::{remote_ip, AuthGuard};
-use crate::broker::{deliver_local, BrokerStats, Command, HeldLocal, RouteReport, Shared};
-use crate::delivery::Message;
+use crate::broker::{
+    deliver_local, BrokerStats, Command, HeldLocal, MessageParts, RouteReport, Shared,
+};
 use crate::drive::{Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
 use crate::session::data_link::{released_frames, Ask, Closed, LinkKind};
@@ -1520,8 +1521,9 @@ impl EventLoop {
         }
         if !self.targets.local.is_empty() {
             let (headers, body) = payload.split();
-            let message = Message {
-                subject: Arc::from(subject),
+            let message = MessageParts {
+                subject,
+                shared_subject: std::cell::OnceCell::new(),
                 reply: reply.map(Arc::from),
                 headers,
                 payload: body,
@@ -1529,7 +1531,7 @@ impl EventLoop {
             deliver_local(
                 &self.shared,
                 &mut self.targets,
-                &message,
+                message,
                 &mut self.held_local,
                 self.now,
             );
