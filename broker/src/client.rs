@@ -39,7 +39,7 @@ use efabus_core::link::{LinkError, LinkTuning};
 use efabus_core::secret::{constant_time_eq, prove, ProofRole};
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
-    DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError,
+    split_run, DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError,
 };
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use mio::unix::SourceFd;
@@ -2451,6 +2451,15 @@ impl ClientLoop {
             LinkState::Down { .. } => None,
         };
         match event {
+            // Not asked for (`deliver_runs`): taken frame by frame.
+            Event::Frames { peer, run } => {
+                for frame in split_run(&run) {
+                    self.on_event(Event::Frame {
+                        peer,
+                        frame: frame.head,
+                    });
+                }
+            }
             Event::Frame { peer, frame } if Some(peer) == current => {
                 self.conn.liveness.heard(self.now);
                 match codec::decode(frame, &self.codec) {
@@ -2954,6 +2963,17 @@ impl ClientLoop {
             return;
         };
         match event {
+            Event::Frames { peer, run } => {
+                for frame in split_run(&run) {
+                    self.on_data_event(
+                        index,
+                        Event::Frame {
+                            peer,
+                            frame: frame.head,
+                        },
+                    );
+                }
+            }
             Event::Frame { peer, frame } => {
                 let Some(kind) = self.conn.links.kind_of(index, peer) else {
                     return;

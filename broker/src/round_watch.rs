@@ -225,6 +225,9 @@ impl Endpoint for WatchedEndpoint {
     fn max_frame(&self) -> usize {
         self.inner.max_frame()
     }
+    fn deliver_runs(&mut self) -> bool {
+        self.inner.deliver_runs()
+    }
     fn connect(&mut self, addr: &str) -> Result<PeerId, TransportError> {
         self.marked(EndpointCall::Connect, |e| e.connect(addr))
     }

@@ -326,6 +326,16 @@ pub enum Event {
         /// The frame, length prefix included.
         frame: Bytes,
     },
+    /// Whole frames read together, back to back, each with its length
+    /// prefix: read them with [`split_run`] or [`split_run_slices`]. Only
+    /// from an endpoint that agreed to [`Endpoint::deliver_runs`]; others
+    /// give each frame in a [`Event::Frame`] of its own.
+    Frames {
+        /// The peer they came from.
+        peer: PeerId,
+        /// The frames, in the order the peer sent them.
+        run: Bytes,
+    },
     /// The peer's send queue has room again after a `WouldBlock`.
     Writable {
         /// The peer that can take frames again.
@@ -756,6 +766,14 @@ pub trait Endpoint: Send {
 
     /// Append what is ready to `events` without blocking.
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<(), TransportError>;
+
+    /// Asks the endpoint to give frames read together as one
+    /// [`Event::Frames`] instead of an [`Event::Frame`] each, for a caller
+    /// that reads them in place: one buffer reference per read rather than
+    /// per frame. True when it will; the default does not.
+    fn deliver_runs(&mut self) -> bool {
+        false
+    }
 
     /// Hand what `send` queued to the wire now, reading nothing: called
     /// once a round of the caller's loop has made its sends, so they need

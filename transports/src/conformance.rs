@@ -672,7 +672,7 @@ pub fn close_by_either_side<F: EndpointFactory + ?Sized>(f: &F) {
                     Event::Closed { peer, .. }
                     | Event::Writable { peer }
                     | Event::ReadHeld { peer } => *peer == id,
-                    Event::Frame { .. } | Event::Accepted { .. } => false,
+                    Event::Frame { .. } | Event::Frames { .. } | Event::Accepted { .. } => false,
                 })
                 .count();
             assert_eq!(mentions, 1, "exactly one Closed for {id} on node {node}");

@@ -565,7 +565,7 @@ impl Conn {
     /// Read until the socket would block or the budget is spent, delivering
     /// whole frames. `Err` means the connection is over.
     fn read(&mut self, peer: PeerId, limits: &Limits, events: &mut Vec<Event>) -> Result<(), Gone> {
-        let max_frame = limits.max_frame;
+        let (max_frame, runs) = (limits.max_frame, limits.runs);
         let mut budget = limits.read_budget;
         let mut read_now = 0;
         self.read_more = false;
@@ -573,7 +573,7 @@ impl Conn {
         // the frames before it may have lifted the limit.
         let handed_on = events.len();
         if std::mem::take(&mut self.deferred)
-            && self.split_frames(peer, max_frame, false, events)? == Split::Deferred
+            && self.split_frames(peer, max_frame, runs, false, events)? == Split::Deferred
         {
             self.deferred = true;
             self.read_more = true;
@@ -625,7 +625,8 @@ impl Conn {
                     // Frames handed on earlier in this call count as just
                     // handed on: the caller has not seen them yet either.
                     let behind_frames = events.len() > handed_on;
-                    if self.split_frames(peer, max_frame, behind_frames, events)? == Split::Deferred
+                    if self.split_frames(peer, max_frame, runs, behind_frames, events)?
+                        == Split::Deferred
                     {
                         self.deferred = true;
                         self.read_more = true;
@@ -670,6 +671,7 @@ impl Conn {
         &mut self,
         peer: PeerId,
         max_frame: usize,
+        runs: bool,
         behind_frames: bool,
         events: &mut Vec<Event>,
     ) -> Result<Split, Gone> {
@@ -699,7 +701,11 @@ impl Conn {
             whole += total;
             ends.push(whole);
         }
-        if whole > 0 {
+        if whole > 0 && runs && ends.len() > 1 {
+            let run = self.rbuf.split_to(whole).freeze();
+            self.filled -= whole;
+            events.push(Event::Frames { peer, run });
+        } else if whole > 0 {
             let mut piece = self.rbuf.split_to(whole).freeze();
             self.filled -= whole;
             let mut start = 0;
@@ -786,6 +792,9 @@ struct Limits {
     queue_frames: usize,
     queue_bytes: usize,
     read_budget: usize,
+    /// Frames read together go in one [`Event::Frames`]
+    /// ([`Endpoint::deliver_runs`]).
+    runs: bool,
 }
 
 impl Limits {
@@ -807,6 +816,7 @@ impl Limits {
             queue_frames: 1,
             queue_bytes: 1,
             read_budget,
+            runs: false,
         };
         limits.set_queue(config);
         Ok(limits)
@@ -1481,6 +1491,11 @@ impl Endpoint for TcpEndpoint {
         SCHEME
     }
 
+    fn deliver_runs(&mut self) -> bool {
+        self.limits.runs = true;
+        true
+    }
+
     fn local_addr(&self) -> Vec<u8> {
         self.local.clone().into_bytes()
     }
@@ -1787,6 +1802,7 @@ impl Endpoint for TcpEndpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use efabus_core::transport::split_run;
     use std::io::{Read, Write};
     use std::net::TcpStream as StdStream;
 
@@ -2350,6 +2366,53 @@ mod tests {
             frames_of(e).len() == all.len()
         });
         assert_eq!(frames_of(&events), all);
+    }
+
+    /// Asked for runs, an endpoint gives the frames of one read in one
+    /// `Frames` event (a frame read alone still in a `Frame`): every frame
+    /// once, in order, split as `split_run` reads them.
+    #[test]
+    fn frames_read_together_arrive_as_one_run_when_asked() {
+        let (mut server, mut client, _, peer) = connected_pair();
+        assert!(server.deliver_runs());
+        let expect: Vec<Vec<u8>> = (0..200u32)
+            .map(|i| framed(&i.to_le_bytes().repeat(1 + i as usize % 7)))
+            .collect();
+        client.send_run(peer, Bytes::from(expect.concat())).unwrap();
+        let lone = framed(b"alone");
+        let mut events = Vec::new();
+        let mut got: Vec<Vec<u8>> = Vec::new();
+        let mut runs = 0;
+        let mut sent_lone = false;
+        let deadline = Instant::now() + WAIT;
+        while got.len() < expect.len() + 1 {
+            assert!(Instant::now() < deadline, "{} of the frames", got.len());
+            if got.len() == expect.len() && !sent_lone {
+                client
+                    .send(peer, OutFrame::whole(lone.clone().into()))
+                    .unwrap();
+                sent_lone = true;
+            }
+            client.poll(&mut Vec::new()).unwrap();
+            server.poll(&mut events).unwrap();
+            for event in events.drain(..) {
+                match event {
+                    Event::Frames { run, .. } => {
+                        runs += 1;
+                        let frames = split_run(&run);
+                        let before = got.len();
+                        got.extend(frames.map(|f| f.head.to_vec()));
+                        assert!(got.len() - before > 1, "a run of one frame");
+                    }
+                    Event::Frame { frame, .. } => got.push(frame.to_vec()),
+                    _ => {}
+                }
+            }
+        }
+        assert!(runs >= 1, "no run was delivered");
+        let mut all = expect;
+        all.push(lone);
+        assert_eq!(got, all);
     }
 
     #[test]

@@ -62,6 +62,7 @@ fn attempt(
                     let _ = server.send(peer, numbered(2, 0, 100));
                 }
                 Event::Frame { .. } => server_frames += 1,
+                Event::Frames { .. } => panic!("runs were not asked for"),
                 Event::Closed { reason, .. } => server_closed = Some(reason),
                 Event::Writable { .. } | Event::ReadHeld { .. } => {}
             }

@@ -35,8 +35,8 @@ use efabus_core::link::{LinkError, LinkTuning};
 use efabus_core::log_limit::LogLimit;
 use efabus_core::subject;
 use efabus_core::transport::{
-    CloseReason, Endpoint, Event, FabricCounts, OutFrame, PeerId, Refused, RendezvousCounts,
-    SendError, TransportError,
+    split_run, split_run_slices, CloseReason, Endpoint, Event, FabricCounts, OutFrame, PeerId,
+    Refused, RendezvousCounts, SendError, TransportError,
 };
 use mio::{Poll, Token};
 use tracing::{debug, error, info, warn};
@@ -467,6 +467,11 @@ impl EventLoop {
         codec: CodecLimits,
         cluster: Cluster,
     ) -> EventLoop {
+        let mut endpoints = endpoints;
+        for endpoint in &mut endpoints {
+            // Frames read together are read in place (`on_frame_in`).
+            endpoint.deliver_runs();
+        }
         let polling = Polled::of(endpoints.iter().map(|e| e.readiness()));
         // An endpoint opened only to dial routes offers nothing.
         let offers = endpoints
@@ -603,6 +608,29 @@ impl EventLoop {
         }
     }
 
+    /// The session frames from `peer` on endpoint `index` belong to, and
+    /// whether that endpoint carries its control link; `last` keeps the
+    /// answer for the peer's next frames.
+    fn frames_from(
+        &self,
+        index: usize,
+        peer: PeerId,
+        last: &mut Option<(PeerId, u64, bool)>,
+    ) -> Option<(u64, bool)> {
+        if let Some((known, id, control)) = *last {
+            if known == peer {
+                return Some((id, control));
+            }
+        }
+        let id = *self.by_peer.get(&(index, peer))?;
+        let control = self
+            .sessions
+            .get(&id)
+            .is_some_and(|s| s.conn.control.endpoint == index);
+        *last = Some((peer, id, control));
+        Some((id, control))
+    }
+
     /// Poll every endpoint once and handle its events; true if any. The
     /// deliveries this produces are batched per peer and handed to the
     /// endpoints once the events are handled.
@@ -625,24 +653,31 @@ impl EventLoop {
             for event in events.drain(..) {
                 match event {
                     Event::Frame { peer, frame } => {
-                        let known = match last {
-                            Some((known, id, control)) if known == peer => Some((id, control)),
-                            _ => self.by_peer.get(&(index, peer)).map(|&id| {
-                                let control = self
-                                    .sessions
-                                    .get(&id)
-                                    .is_some_and(|s| s.conn.control.endpoint == index);
-                                (id, control)
-                            }),
-                        };
-                        let Some((id, control)) = known else {
+                        let Some((id, control)) = self.frames_from(index, peer, &mut last) else {
                             continue;
                         };
-                        last = Some((peer, id, control));
                         if control {
                             self.on_frame(id, frame);
                         } else {
                             self.on_wire(id, index, peer, frame);
+                        }
+                    }
+                    Event::Frames { peer, run } => {
+                        let Some((id, control)) = self.frames_from(index, peer, &mut last) else {
+                            continue;
+                        };
+                        if control {
+                            // Read in place: no reference to the buffer
+                            // per frame.
+                            let mut at = 0;
+                            for frame in split_run_slices(&run) {
+                                self.on_frame_in(id, &run, at..at + frame.len());
+                                at += frame.len();
+                            }
+                        } else {
+                            for frame in split_run(&run) {
+                                self.on_wire(id, index, peer, frame.head);
+                            }
                         }
                     }
                     other => {
@@ -997,6 +1032,13 @@ impl EventLoop {
             Event::Frame { peer, frame } => {
                 if let Some(&id) = self.by_peer.get(&(endpoint, peer)) {
                     self.on_wire(id, endpoint, peer, frame);
+                }
+            }
+            Event::Frames { peer, run } => {
+                if let Some(&id) = self.by_peer.get(&(endpoint, peer)) {
+                    for frame in split_run(&run) {
+                        self.on_wire(id, endpoint, peer, frame.head);
+                    }
                 }
             }
             Event::Writable { peer } => {
