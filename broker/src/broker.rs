@@ -1508,16 +1508,27 @@ impl MessageParts<'_> {
     }
 }
 
-/// Hand a message to the in-process subscriptions among `targets`, count
-/// the outcome, and remove subscriptions that were cut off as slow consumers
-/// so their readers see the end of the stream.
+/// Hand a message to the in-process subscriptions among `targets`. A
+/// message for one subscription (a stream) is gathered in `runs`
+/// ([`LocalRuns`]); one for several, or for a responder (whose handler
+/// runs now, and may publish), is queued at once, behind what was
+/// gathered.
 pub(crate) fn deliver_local(
     shared: &Shared,
     targets: &mut Targets,
     message: MessageParts<'_>,
+    runs: &mut LocalRuns,
     held: &mut HeldLocal,
     now: Instant,
 ) {
+    if let [(sid, sink)] = targets.local.as_slice() {
+        if !sink.is_answering() {
+            runs.gather(shared, held, now, *sid, sink, &message);
+            targets.local.clear();
+            return;
+        }
+    }
+    runs.queue(shared, held, now);
     let mut closed = Vec::new();
     for (sid, sink) in targets.local.drain(..) {
         // Behind a message held for it, a message is held too: in order.
@@ -1539,6 +1550,121 @@ pub(crate) fn deliver_local(
     }
     if !closed.is_empty() {
         remove_closed(shared, closed);
+    }
+}
+
+/// Messages the event loop read in a row for one in-process subscription
+/// (and for no other), queued together: one hold of the queue's lock for
+/// the run instead of one per message. Any other delivery queues the run
+/// first, and so does the loop once it has handled what it read and
+/// before it answers a ping, so messages become visible in the order they
+/// were read, as one by one.
+#[derive(Default)]
+pub(crate) struct LocalRuns {
+    /// The subscription the gathered messages are for.
+    target: Option<(u64, Arc<LocalSink>)>,
+    messages: Vec<Message>,
+    /// The subject of the last message gathered, shared by the next ones
+    /// on it. It stays the loop's own: queues keep copies, so its count is
+    /// not touched by their readers.
+    last_subject: Option<Arc<str>>,
+}
+
+/// Room for messages a run's list keeps between runs.
+const RUN_KEPT_MAX: usize = 4096;
+
+impl LocalRuns {
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty()
+    }
+
+    fn gather(
+        &mut self,
+        shared: &Shared,
+        held: &mut HeldLocal,
+        now: Instant,
+        sid: u64,
+        sink: &Arc<LocalSink>,
+        message: &MessageParts<'_>,
+    ) {
+        let same = matches!(&self.target, Some((at, to)) if *at == sid && Arc::ptr_eq(to, sink));
+        if !same {
+            self.queue(shared, held, now);
+            self.target = Some((sid, Arc::clone(sink)));
+        }
+        let subject = match &self.last_subject {
+            Some(last) if **last == *message.subject => last.clone(),
+            _ => {
+                let fresh: Arc<str> = Arc::from(message.subject);
+                self.last_subject = Some(fresh.clone());
+                fresh
+            }
+        };
+        self.messages.push(Message {
+            subject,
+            reply: message.reply.clone(),
+            headers: message.headers.clone(),
+            payload: message.payload.clone(),
+        });
+    }
+
+    /// Queue what was gathered, in order; what finds the queue full under
+    /// `block` is held, as [`HeldLocal`] says, and is counted when it is
+    /// queued or dropped.
+    pub fn queue(&mut self, shared: &Shared, held: &mut HeldLocal, now: Instant) {
+        let Some((sid, sink)) = self.target.take() else {
+            return;
+        };
+        let mut rest = self.messages.drain(..);
+        // Behind a message held for it, a message is held too.
+        if !sink.is_held() {
+            let queued = sink.queue_while_room(&mut rest, true);
+            if queued > 0 {
+                BrokerStats::add(&shared.stats.messages_out, queued as u64);
+            }
+        }
+        let mut closed = Vec::new();
+        for message in rest.by_ref() {
+            let outcome = if sink.is_held() {
+                Delivery::Full
+            } else {
+                sink.try_deliver(
+                    &message.subject,
+                    &std::cell::OnceCell::new(),
+                    message.reply.clone(),
+                    message.headers.clone(),
+                    message.payload.clone(),
+                )
+            };
+            match outcome {
+                Delivery::Full => {
+                    // With a subject of its own: the loop's stays the
+                    // loop's.
+                    let message = match Arc::strong_count(&message.subject) {
+                        1 => message,
+                        _ => Message {
+                            subject: Arc::from(&*message.subject),
+                            ..message
+                        },
+                    };
+                    held.hold(sid, sink.clone(), message, now);
+                }
+                outcome => {
+                    count_delivery(&shared.stats, sid, &sink, outcome, &mut closed);
+                    // The rest would go to a closed queue too.
+                    if !closed.is_empty() {
+                        break;
+                    }
+                }
+            }
+        }
+        drop(rest);
+        if self.messages.capacity() > RUN_KEPT_MAX {
+            self.messages = Vec::new();
+        }
+        if !closed.is_empty() {
+            remove_closed(shared, closed);
+        }
     }
 }
 

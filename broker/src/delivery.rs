@@ -4,16 +4,17 @@
 //! # The queue
 //!
 //! Producers (publishing threads, the event loop, a client's I/O thread)
-//! append under one short lock (a client's I/O thread queues the messages
-//! it read in a row for one subscription under one hold while the queue
-//! has room, then one by one). The reader takes up to a batch of messages
-//! per visit into its own buffer and hands them out from there, so a reader
-//! that keeps up takes the shared lock once per batch rather than once per
-//! message. A producer wakes the reader only when it is parked; a reader that
-//! finds nothing spins briefly, then yields, then parks. While it would
-//! yield, a reader may run its owner's event loop itself (a client's
-//! readers, an embedded broker's reply inbox; [`SubscriptionOwner::drive`]),
-//! so its next message needs no hand-over from the loop thread; under
+//! append under one short lock (a client's I/O thread and the event loop
+//! queue the messages they read in a row for one subscription under one
+//! hold while the queue has room, then one by one). The reader takes up
+//! to a batch of messages per visit into its own buffer and hands them out
+//! from there, so a reader that keeps up takes the shared lock once per
+//! batch rather than once per message. A producer wakes the reader only
+//! when it is parked; a reader that finds nothing spins briefly, then
+//! yields, then parks. While it would yield, a reader may run its owner's
+//! event loop itself (a client's readers, an embedded broker's reply
+//! inbox; [`SubscriptionOwner::drive`]), so its next message needs no
+//! hand-over from the loop thread; under
 //! `block`, what a round run by a thread delivers into a queue that same
 //! thread reads may go past the bound by one round's messages, since the
 //! round cannot wait for a reader that is running it ([`may_drive`]).
@@ -767,45 +768,61 @@ impl LocalSink {
     /// [`deliver`]: Self::deliver
     pub(crate) fn deliver_run(&self, run: &mut Vec<Message>) -> bool {
         let mut messages = run.drain(..);
-        let mut closed = false;
-        // A responder's handler runs per message.
-        if self.answer.is_none() {
-            let queue = &*self.queue;
-            let mut state = queue.state.lock();
-            while !state.closed && state.queued() < self.capacity && !self.is_held() {
-                let Some(message) = messages.next() else {
-                    break;
-                };
-                let Message {
-                    subject,
-                    reply,
-                    headers,
-                    payload,
-                } = message;
-                let outcome = self.push_locked(
-                    &mut state,
-                    SubjectArg::Owned(subject),
-                    reply,
-                    headers,
-                    payload,
-                    true,
-                    false,
-                );
-                debug_assert_eq!(outcome, Delivery::Queued);
-            }
-            let wake = state.readers_waiting > 0;
-            drop(state);
-            if wake {
-                queue.ready.notify_one();
-            }
-        }
+        self.queue_while_room(&mut messages, false);
         for message in messages {
             if self.deliver(message) == Delivery::Closed {
-                closed = true;
-                break;
+                return true;
             }
         }
-        closed
+        false
+    }
+
+    /// The first of `messages`, received off the network, queued under one
+    /// hold of the lock for as long as the queue has room (not closed, not
+    /// full, nothing held for it), each as [`Delivery::Queued`]; the rest
+    /// are left to the caller. With `copy_subjects` a subject the caller
+    /// still shares is passed as [`SubjectArg::Borrowed`]: the queue keeps
+    /// a copy of its own, not the caller's string. How many
+    /// were queued. A responder's sink queues none: its handler runs per
+    /// message.
+    pub(crate) fn queue_while_room(
+        &self,
+        messages: &mut impl Iterator<Item = Message>,
+        copy_subjects: bool,
+    ) -> usize {
+        if self.answer.is_some() {
+            return 0;
+        }
+        let queue = &*self.queue;
+        let mut state = queue.state.lock();
+        let mut queued = 0;
+        while !state.closed && state.queued() < self.capacity && !self.is_held() {
+            let Some(message) = messages.next() else {
+                break;
+            };
+            let Message {
+                subject,
+                reply,
+                headers,
+                payload,
+            } = message;
+            let copy = OnceCell::new();
+            // A string no one else holds is the queue's to keep.
+            let subject = match copy_subjects && Arc::strong_count(&subject) > 1 {
+                true => SubjectArg::Borrowed(&subject, &copy),
+                false => SubjectArg::Owned(subject),
+            };
+            let outcome =
+                self.push_locked(&mut state, subject, reply, headers, payload, true, false);
+            debug_assert_eq!(outcome, Delivery::Queued);
+            queued += 1;
+        }
+        let wake = queued > 0 && state.readers_waiting > 0;
+        drop(state);
+        if wake {
+            queue.ready.notify_one();
+        }
+        queued
     }
 
     /// [`push`](Self::push) with the queue's lock held; the caller wakes a

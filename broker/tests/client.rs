@@ -428,6 +428,79 @@ fn each_publisher_is_received_in_order() {
     }
 }
 
+/// Messages a remote publisher sent together, on alternating subjects, to
+/// two in-process subscriptions (one matching both subjects): each gets
+/// its own in order, with each message's own subject, and each delivery
+/// is counted once.
+#[test]
+fn interleaved_subjects_reach_each_in_process_subscription_in_order() {
+    for via in BOTH {
+        let (broker, endpoint) = start(via, "");
+        let both = broker.subscribe("mix.*").unwrap();
+        let only_x = broker.subscribe("mix.x").unwrap();
+        let publisher = connect(&endpoint);
+        const COUNT: u32 = 2_000;
+        for n in 0..COUNT {
+            let subject = if n % 2 == 0 { "mix.x" } else { "mix.y" };
+            publisher.publish(subject, numbered(n)).unwrap();
+        }
+        publisher.flush(WAIT).unwrap();
+        for n in 0..COUNT {
+            let message = both.recv_timeout(WAIT).expect("a message on mix.*");
+            let subject = if n % 2 == 0 { "mix.x" } else { "mix.y" };
+            assert_eq!(
+                (&*message.subject, number(&message)),
+                (subject, n),
+                "{via:?}"
+            );
+        }
+        for n in (0..COUNT).step_by(2) {
+            let message = only_x.recv_timeout(WAIT).expect("a message on mix.x");
+            assert_eq!(
+                (&*message.subject, number(&message)),
+                ("mix.x", n),
+                "{via:?}"
+            );
+        }
+        // Counted once each (just after they are queued).
+        eventually("every delivery counted", || {
+            broker.stats().value("messages_out") >= Some(u64::from(COUNT + COUNT / 2))
+        });
+        assert_eq!(
+            broker.stats().value("messages_out"),
+            Some(u64::from(COUNT + COUNT / 2)),
+            "{via:?}"
+        );
+    }
+}
+
+/// A client's flush returns once the broker has handled what the client
+/// sent before it: its messages to in-process subscriptions are queued.
+#[test]
+fn a_flush_returns_once_in_process_subscriptions_have_the_messages() {
+    for via in BOTH {
+        let (broker, endpoint) = start(via, "");
+        let sub = broker.subscribe("flushed").unwrap();
+        let publisher = connect(&endpoint);
+        for round in 0..20u32 {
+            for n in 0..50 {
+                publisher
+                    .publish("flushed", numbered(round * 50 + n))
+                    .unwrap();
+            }
+            publisher.flush(WAIT).unwrap();
+            let got: Vec<u32> = std::iter::from_fn(|| sub.try_recv().ok())
+                .map(|m| number(&m))
+                .collect();
+            assert_eq!(
+                got,
+                (round * 50..round * 50 + 50).collect::<Vec<_>>(),
+                "{via:?}: round {round}"
+            );
+        }
+    }
+}
+
 /// A responder that publishes an event and then replies: the requester
 /// finds the event queued when its request returns, though the two
 /// arrive together and the reply goes to the waiting request at once.

@@ -44,7 +44,7 @@ use tracing::{debug, error, info, warn};
 use crate::accounts::inbox_of;
 use crate::auth_guard::{remote_ip, AuthGuard};
 use crate::broker::{
-    deliver_local, BrokerStats, Command, HeldLocal, MessageParts, RouteReport, Shared,
+    deliver_local, BrokerStats, Command, HeldLocal, LocalRuns, MessageParts, RouteReport, Shared,
 };
 use crate::drive::{Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
@@ -120,6 +120,9 @@ pub(crate) struct EventLoop {
     /// Messages for in-process subscriptions whose queues are full under
     /// the block policy (see [`HeldLocal`]).
     held_local: HeldLocal,
+    /// Messages for in-process subscriptions, gathered while the loop
+    /// handles what it read ([`EventLoop::queue_local_runs`]).
+    local_runs: LocalRuns,
     /// Sessions whose queue is over its bound under the block policy: while
     /// any exist, reading from publishers is paused.
     blocking: HashSet<u64>,
@@ -506,6 +509,7 @@ impl EventLoop {
             next_session: 1,
             flushes: Vec::new(),
             held_local: HeldLocal::default(),
+            local_runs: LocalRuns::default(),
             blocking: HashSet::default(),
             reads_paused: false,
             targets: Targets::default(),
@@ -567,6 +571,9 @@ impl EventLoop {
         if now >= timers_at {
             self.timers_ran = now;
             self.on_timers(now);
+            // What the links released is queued (or held, pausing
+            // reads) before credit is granted for it.
+            self.queue_local_runs();
             // Gaps the timers gave up are acknowledged in this round.
             if !self.credit_owed.is_empty() {
                 credit_waiting |= self.grant_credits(now);
@@ -577,7 +584,10 @@ impl EventLoop {
                 self.close_batches();
                 self.flush_tally();
             }
+            self.queue_local_runs();
         }
+        // Gathered anywhere else in the round: queued before it ends.
+        self.queue_local_runs();
         // Held messages are offered every round, not at the timers'
         // spacing: their readers do not wake the loop, and remote
         // publishers wait meanwhile.
@@ -605,6 +615,20 @@ impl EventLoop {
     fn flush_endpoints(&mut self) {
         for endpoint in &mut self.endpoints {
             endpoint.flush();
+        }
+    }
+
+    /// Queue the messages gathered for an in-process subscription
+    /// ([`LocalRuns`]). If some found their queue full and are held,
+    /// remote publishers wait, as for a remote slow consumer.
+    fn queue_local_runs(&mut self) {
+        if self.local_runs.is_empty() {
+            return;
+        }
+        self.local_runs
+            .queue(&self.shared, &mut self.held_local, self.now);
+        if !self.held_local.is_empty() {
+            self.set_reads_paused(true);
         }
     }
 
@@ -686,8 +710,12 @@ impl EventLoop {
                     }
                 }
             }
+            self.queue_local_runs();
         }
         self.publish_answers();
+        // Before credits are granted: reads may have to pause for what
+        // finds its queue full.
+        self.queue_local_runs();
         self.close_batches();
         self.flush_tally();
         self.publish_endpoint_counts();
@@ -1574,6 +1602,7 @@ impl EventLoop {
                 &self.shared,
                 &mut self.targets,
                 message,
+                &mut self.local_runs,
                 &mut self.held_local,
                 self.now,
             );
@@ -1780,6 +1809,9 @@ impl EventLoop {
     /// credit only once it has, so the answer must not wait behind frames
     /// held for credit. Elsewhere it goes behind what was sent before.
     fn answer_ping(&mut self, id: u64, nonce: u64) {
+        // The answer says that what was sent before the ping was handled:
+        // delivered to in-process subscriptions too.
+        self.queue_local_runs();
         let mut pong = codec::encode(&Frame::Pong { nonce });
         if let Some(session) = self.sessions.get(&id) {
             if session.route().is_some() && session.conn.links.in_use {
