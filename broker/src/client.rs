@@ -53,7 +53,7 @@ use crate::broker::{reply_token, unique_seed, BrokerStats};
 use crate::commands::Parker;
 use crate::config::SlowConsumerPolicy;
 use crate::delivery::{
-    LocalSink, Message, Responder, Subscription, SubscriptionOwner, YieldWindow,
+    Delivery, LocalSink, Message, Responder, Subscription, SubscriptionOwner, YieldWindow,
 };
 use crate::drive::{DriveHandle, Driven, Rounds};
 use crate::endpoints;
@@ -77,6 +77,8 @@ const DATA_TOKENS: usize = 2;
 const COPY_MAX: usize = 1 << 10;
 /// Messages that share one subject string before the next gets a fresh one.
 const SUBJECT_SHARES: usize = 64;
+/// Room for messages the list of a run keeps between rounds.
+const RUN_KEPT_MAX: usize = 4096;
 /// Most items (runs, large frames, commands) the outbox holds before
 /// application threads wait for room.
 const MAX_ITEMS: usize = 65_536;
@@ -604,7 +606,7 @@ impl ClientShared {
         sid: u64,
         message: Message,
     ) -> bool {
-        self.deliver_run(table, sid, &mut vec![message])
+        self.to_sink(table, sid, |sink| sink.deliver(message) == Delivery::Closed)
     }
 
     /// [`deliver_run`](Self::deliver_run) for a run that may be empty,
@@ -630,6 +632,22 @@ impl ClientShared {
         sid: u64,
         run: &mut Vec<Message>,
     ) -> bool {
+        let closed = self.to_sink(table, sid, |sink| sink.deliver_run(run));
+        // Nothing to deliver to: dropped, as a message to a closed queue.
+        run.clear();
+        closed
+    }
+
+    /// Runs `deliver` with the sink of subscription `sid` (nothing when it
+    /// is gone, as [`deliver_to`](Self::deliver_to) says of the table);
+    /// when it says the queue is closed, the subscription is removed here
+    /// and the answer is whether this removed it.
+    fn to_sink<'a>(
+        &'a self,
+        table: &mut Option<MutexGuard<'a, HashMap<u64, ClientSub>>>,
+        sid: u64,
+        deliver: impl FnOnce(&LocalSink) -> bool,
+    ) -> bool {
         let closed = if self.options.slow_consumer == SlowConsumerPolicy::Block {
             *table = None;
             let sink = self
@@ -638,14 +656,12 @@ impl ClientShared {
                 .get(&sid)
                 .map(|sub| sub.sink.clone());
             let Some(sink) = sink else {
-                run.clear();
                 return false;
             };
-            sink.deliver_run(run)
+            deliver(&sink)
         } else {
             let subscriptions = table.get_or_insert_with(|| self.subscriptions.lock());
             let Some(sub) = subscriptions.get(&sid) else {
-                run.clear();
                 return false;
             };
             if sub.sink.is_answering() {
@@ -653,9 +669,9 @@ impl ClientShared {
                 // the table.
                 let sink = sub.sink.clone();
                 *table = None;
-                sink.deliver_run(run)
+                deliver(&sink)
             } else {
-                sub.sink.deliver_run(run)
+                deliver(&sub.sink)
             }
         };
         closed
@@ -2381,7 +2397,10 @@ impl ClientLoop {
             });
         }
         shared.hand_over(&mut subscriptions, run_sid, &mut run, &mut cut_off);
-        self.run = run;
+        // A burst's list is not kept for good.
+        if run.capacity() <= RUN_KEPT_MAX {
+            self.run = run;
+        }
         drop(subscriptions);
         for sid in cut_off.drain(..) {
             self.send(codec::encode(&Frame::Unsubscribe { sid }));
