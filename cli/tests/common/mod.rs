@@ -160,12 +160,21 @@ impl Server {
     }
 
     /// Stop the process (SIGSTOP), as a hung one: it takes nothing more.
+    /// Returns once every thread of it has stopped: the signal only asks,
+    /// and on a busy machine a thread may run on for a while after `kill`
+    /// returns.
     pub fn stop(&self) {
+        let pid = self.pid();
         let status = Command::new("kill")
-            .args(["-STOP", &self.pid().to_string()])
+            .args(["-STOP", &pid.to_string()])
             .status()
             .expect("run kill");
         assert!(status.success(), "kill -STOP failed");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !all_threads_stopped(pid) {
+            assert!(Instant::now() < deadline, "broker {pid} did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Kill the process at once (SIGKILL), as a crash would.
@@ -250,4 +259,19 @@ impl Drop for Process {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Whether every thread of process `pid` is stopped (state `T` in its
+/// `/proc` entry).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+        // The state follows the command name, which is in parentheses.
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state == "T")
+    })
 }
