@@ -777,14 +777,13 @@ impl LocalSink {
         false
     }
 
-    /// The first of `messages`, received off the network, queued under one
-    /// hold of the lock for as long as the queue has room (not closed, not
-    /// full, nothing held for it), each as [`Delivery::Queued`]; the rest
-    /// are left to the caller. With `copy_subjects` a subject the caller
-    /// still shares is passed as [`SubjectArg::Borrowed`]: the queue keeps
-    /// a copy of its own, not the caller's string. How many
-    /// were queued. A responder's sink queues none: its handler runs per
-    /// message.
+    /// Queues `messages` (received off the network) under one hold of the
+    /// lock for as long as the queue has room (open, not full, nothing held
+    /// for it), each as [`Delivery::Queued`], and leaves the rest to the
+    /// caller; returns how many it queued. With `copy_subjects`, a subject
+    /// the caller still shares goes as [`SubjectArg::Borrowed`], so the
+    /// queue keeps a copy of its own. A responder's sink queues none: its
+    /// handler runs per message.
     pub(crate) fn queue_while_room(
         &self,
         messages: &mut impl Iterator<Item = Message>,
