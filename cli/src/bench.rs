@@ -453,6 +453,8 @@ const MAX_DURATION_SECS: f64 = 86_400.0;
 /// `--duration` run (at most 256 messages, at least one).
 const BYTES_PER_CLOCK_READ: usize = 1 << 20;
 
+/// Most messages a throughput reader takes from its subscription at once.
+const RECV_BATCH: usize = 256;
 /// How long a throughput reader waits for a message before checking
 /// whether the run is over.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
@@ -536,7 +538,7 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                 // Each reader counts for itself and adds to the shared count
                 // now and then (a shared counter bumped by every reader for
                 // every message costs more than receiving it); a queue group
-                // needs the shared count per message to know when to stop.
+                // needs the shared count per batch to know when to stop.
                 let mut unshared = 0u64;
                 let share_every = if args.queue { 1 } else { 4096 };
                 let mut goal_now = goal.load(Ordering::Acquire);
@@ -548,6 +550,7 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                 // A reader waits in short slices, so as to notice a goal
                 // fixed or reached elsewhere, and gives up after IDLE_LIMIT.
                 let mut idle = Duration::ZERO;
+                let mut batch = Vec::with_capacity(RECV_BATCH);
                 loop {
                     let reached = if args.queue {
                         delivered.load(Ordering::Relaxed) >= goal_now
@@ -559,7 +562,7 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                     }
                     // What is already queued is taken without a timed
                     // wait (which reads the clock on every call).
-                    let next = match sub.try_recv() {
+                    let next = match sub.recv_many(&mut batch, RECV_BATCH, Duration::ZERO) {
                         Err(RecvError::Empty) => {
                             if std::mem::take(&mut receipt_unmarked) {
                                 last_receipt = Some(Instant::now());
@@ -569,22 +572,23 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                                 goal_now = fresh;
                                 continue;
                             }
-                            sub.recv_timeout(WAIT_SLICE)
+                            sub.recv_many(&mut batch, RECV_BATCH, WAIT_SLICE)
                         }
                         other => other,
                     };
                     match next {
-                        Ok(_) => {
+                        Ok(received) => {
+                            batch.clear();
                             idle = Duration::ZERO;
                             receipt_unmarked = true;
-                            local += 1;
-                            unshared += 1;
-                            if unshared == share_every {
+                            local += received as u64;
+                            unshared += received as u64;
+                            if unshared >= share_every {
                                 let total = delivered.fetch_add(unshared, Ordering::Relaxed);
-                                unshared = 0;
-                                if total % 65_536 + share_every > 65_536 {
-                                    bar.set_position(total + share_every);
+                                if total / 65_536 != (total + unshared) / 65_536 {
+                                    bar.set_position(total + unshared);
                                 }
+                                unshared = 0;
                             }
                         }
                         Err(RecvError::Timeout | RecvError::Empty) => {
