@@ -1531,6 +1531,53 @@ impl Rounds for ClientLoop {
     }
 }
 
+/// A `Message` frame read in place ([`ClientLoop::read_message`]).
+struct ReadMessage {
+    sid: u64,
+    /// `None`: the subject of the message read before it.
+    subject: Option<Arc<str>>,
+    reply: Option<Arc<str>>,
+    headers: Option<Bytes>,
+    payload: Bytes,
+}
+
+/// Messages read in a row for subscription `sid`, queued together: plain
+/// ones (no reply subject, no headers) on one subject as their payloads
+/// alone, so that a stream costs no subject reference per message; the
+/// others whole. At most one of the two lists holds messages.
+#[derive(Default)]
+struct Run {
+    sid: u64,
+    plain_subject: Option<Arc<str>>,
+    plain: Vec<Bytes>,
+    messages: Vec<Message>,
+}
+
+impl Run {
+    /// Queues what the run holds (it is left empty), noting in `cut_off` a
+    /// subscription it cut off.
+    fn hand_over<'a>(
+        &mut self,
+        shared: &'a ClientShared,
+        table: &mut Option<MutexGuard<'a, HashMap<u64, ClientSub>>>,
+        cut_off: &mut Vec<u64>,
+    ) {
+        if let Some(subject) = self.plain_subject.take() {
+            let plain = &mut self.plain;
+            if !plain.is_empty()
+                && shared.to_sink(table, self.sid, |sink| {
+                    sink.deliver_plain_run(&subject, plain)
+                })
+            {
+                cut_off.push(self.sid);
+            }
+            // Nothing to deliver to: dropped, as a message to a closed queue.
+            plain.clear();
+        }
+        shared.hand_over(table, self.sid, &mut self.messages, cut_off);
+    }
+}
+
 /// What one loop round found.
 struct Round {
     /// Events came in or the outbox had frames.
@@ -1727,10 +1774,10 @@ struct ClientLoop {
     conn: Connection,
     /// Items taken from the outbox, being handed on.
     taken: VecDeque<Item>,
-    /// The subject of the last message delivered, shared by the next ones
-    /// on the same subject.
+    /// The subject of the last message read, shared by the next ones on
+    /// the same subject.
     last_subject: Option<Arc<str>>,
-    /// Messages that shared `last_subject` so far.
+    /// Messages handed on whole that shared `last_subject` so far.
     subject_shares: usize,
     /// Subscriptions sent to the server on the current connection.
     subscribed: FxHashSet<u64>,
@@ -1740,7 +1787,7 @@ struct ClientLoop {
     cut_off: Vec<u64>,
     /// Messages read in a row for one subscription, queued together
     /// (empty between rounds).
-    run: Vec<Message>,
+    run: Run,
     flushes: Vec<(u64, Sender<Result<(), Error>>)>,
     next_nonce: u64,
     ever_connected: bool,
@@ -1841,7 +1888,7 @@ impl ClientLoop {
             subscribed: FxHashSet::default(),
             now,
             cut_off: Vec::new(),
-            run: Vec::new(),
+            run: Run::default(),
             flushes: Vec::new(),
             next_nonce: 1,
             ever_connected: false,
@@ -2364,43 +2411,63 @@ impl ClientLoop {
         let shared = self.shared.clone();
         let mut subscriptions = None;
         let mut cut_off = std::mem::take(&mut self.cut_off);
-        // Messages in a row for one subscription are queued together.
         let mut run = std::mem::take(&mut self.run);
-        let mut run_sid = 0;
         for frame in frames.drain(..) {
-            let (sid, subject, reply, headers, payload) = match self.read_message(frame) {
-                Ok(message) => message,
+            let read = match self.read_message(frame) {
+                Ok(read) => read,
                 Err(frame) => {
-                    shared.hand_over(&mut subscriptions, run_sid, &mut run, &mut cut_off);
+                    run.hand_over(&shared, &mut subscriptions, &mut cut_off);
                     subscriptions = None;
                     other(self, frame);
                     continue;
                 }
             };
             let inbox = shared.inbox_sid_seen.load(Ordering::Acquire);
-            if inbox != 0 && sid == inbox {
+            if inbox != 0 && read.sid == inbox {
                 // What came before the reply is queued before its
                 // requester wakes.
-                shared.hand_over(&mut subscriptions, run_sid, &mut run, &mut cut_off);
-                self.dispatch_reply(subject, reply, headers, payload);
+                run.hand_over(&shared, &mut subscriptions, &mut cut_off);
+                let subject = self.message_subject(read.subject);
+                self.dispatch_reply(subject, read.reply, read.headers, read.payload);
                 continue;
             }
-            if sid != run_sid {
-                shared.hand_over(&mut subscriptions, run_sid, &mut run, &mut cut_off);
+            if read.sid != run.sid {
+                run.hand_over(&shared, &mut subscriptions, &mut cut_off);
+                run.sid = read.sid;
             }
-            run_sid = sid;
-            run.push(Message {
-                subject,
-                reply,
-                headers,
-                payload,
-            });
+            let plain = read.reply.is_none() && read.headers.is_none();
+            if plain && read.subject.is_none() && !run.plain.is_empty() {
+                // The plain run goes on: its subject is the last one.
+                run.plain.push(read.payload);
+            } else if plain {
+                run.hand_over(&shared, &mut subscriptions, &mut cut_off);
+                run.plain_subject = match read.subject {
+                    Some(subject) => Some(subject),
+                    None => self.last_subject.clone(),
+                };
+                run.plain.push(read.payload);
+            } else {
+                if !run.plain.is_empty() {
+                    run.hand_over(&shared, &mut subscriptions, &mut cut_off);
+                }
+                let subject = self.message_subject(read.subject);
+                run.messages.push(Message {
+                    subject,
+                    reply: read.reply,
+                    headers: read.headers,
+                    payload: read.payload,
+                });
+            }
         }
-        shared.hand_over(&mut subscriptions, run_sid, &mut run, &mut cut_off);
-        // A burst's list is not kept for good.
-        if run.capacity() <= RUN_KEPT_MAX {
-            self.run = run;
+        run.hand_over(&shared, &mut subscriptions, &mut cut_off);
+        // A burst's lists are not kept for good.
+        if run.plain.capacity() > RUN_KEPT_MAX {
+            run.plain = Vec::new();
         }
+        if run.messages.capacity() > RUN_KEPT_MAX {
+            run.messages = Vec::new();
+        }
+        self.run = run;
         drop(subscriptions);
         for sid in cut_off.drain(..) {
             self.send(codec::encode(&Frame::Unsubscribe { sid }));
@@ -2409,16 +2476,12 @@ impl ClientLoop {
     }
 
     /// A `Message` frame as what its subscription gets: the subscription
-    /// id, the subject (the last one again when it repeats), the reply
-    /// subject, the header block, and the payload (the frame itself,
-    /// trimmed: no copy and no new reference). Any other frame, or a
-    /// malformed one, comes back (the general path reports malformed
+    /// id, the subject (`None`: the last one again, [`Self::last_subject`]),
+    /// the reply subject, the header block, and the payload (the frame
+    /// itself, trimmed: no copy and no new reference). Any other frame, or
+    /// a malformed one, comes back (the general path reports malformed
     /// frames).
-    #[allow(clippy::type_complexity)]
-    fn read_message(
-        &mut self,
-        frame: Bytes,
-    ) -> Result<(u64, Arc<str>, Option<Arc<str>>, Option<Bytes>, Bytes), Bytes> {
+    fn read_message(&mut self, frame: Bytes) -> Result<ReadMessage, Bytes> {
         let known = self.last_subject.take();
         let known_str = known.as_deref().unwrap_or("");
         let view = match codec::peek_routed_known(&frame, &self.codec, known_str) {
@@ -2428,23 +2491,8 @@ impl ClientLoop {
                 return Err(frame);
             }
         };
-        // A stream of messages on one subject shares the subject's string,
-        // a fresh one every `SUBJECT_SHARES` messages: the reading thread
-        // releases the copies it is done with while this one hands out
-        // more, and a count touched by both for every message would move
-        // between their cores every time.
-        self.subject_shares += 1;
-        let reuse = self.subject_shares < SUBJECT_SHARES
-            && known
-                .as_ref()
-                .is_some_and(|shared| std::ptr::eq(&**shared, view.subject));
-        let subject = match (&known, reuse) {
-            (Some(shared), true) => shared.clone(),
-            _ => {
-                self.subject_shares = 0;
-                Arc::from(view.subject)
-            }
-        };
+        let repeated = known.is_some() && std::ptr::eq(known_str, view.subject);
+        let subject = (!repeated).then(|| Arc::<str>::from(view.subject));
         let reply = view.reply.map(Arc::from);
         let (sid, mut at, mut len) = (view.sid, view.payload_at, view.payload.len());
         let headers = match view.headers_and_body() {
@@ -2456,12 +2504,46 @@ impl ClientLoop {
             }
             (None, _) => None,
         };
-        // The subject of a stream of messages is kept for the next one.
-        self.last_subject = if reuse { known } else { Some(subject.clone()) };
+        self.last_subject = match &subject {
+            None => known,
+            Some(fresh) => {
+                self.subject_shares = 0;
+                Some(fresh.clone())
+            }
+        };
         let mut payload = frame;
         payload.advance(at);
         payload.truncate(len);
-        Ok((sid, subject, reply, headers, payload))
+        Ok(ReadMessage {
+            sid,
+            subject,
+            reply,
+            headers,
+            payload,
+        })
+    }
+
+    /// The subject string of a message [`Self::read_message`] read, for a
+    /// message handed on by itself. A stream of such messages on one
+    /// subject shares the subject's string, a fresh one every
+    /// `SUBJECT_SHARES` messages: the reading thread releases the copies it
+    /// is done with while this one hands out more, and a count touched by
+    /// both for every message would move between their cores every time.
+    fn message_subject(&mut self, subject: Option<Arc<str>>) -> Arc<str> {
+        if let Some(subject) = subject {
+            return subject;
+        }
+        debug_assert!(self.last_subject.is_some(), "a repeated subject was read");
+        self.subject_shares += 1;
+        match &self.last_subject {
+            Some(last) if self.subject_shares < SUBJECT_SHARES => last.clone(),
+            last => {
+                let fresh: Arc<str> = Arc::from(last.as_deref().unwrap_or(""));
+                self.subject_shares = 0;
+                self.last_subject = Some(fresh.clone());
+                fresh
+            }
+        }
     }
 
     fn on_event(&mut self, event: Event) {

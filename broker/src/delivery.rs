@@ -435,6 +435,19 @@ impl Queue {
     }
 }
 
+/// A received payload about to be queued: copied, with its headers, when
+/// it would keep a larger buffer alive ([`Detacher`]).
+#[inline(always)]
+fn settle_received(state: &mut State, payload: &mut Bytes, headers: &mut Option<Bytes>) {
+    if state.len == 0 {
+        state.detacher.passed(payload);
+    } else if state.detacher.settle(payload) {
+        if let Some(headers) = headers.as_mut() {
+            detach(headers);
+        }
+    }
+}
+
 /// How a producer passes the subject.
 enum SubjectArg<'a> {
     /// A string made for this message.
@@ -824,6 +837,66 @@ impl LocalSink {
         queued
     }
 
+    /// [`deliver_run`](Self::deliver_run) for plain messages (no reply
+    /// subject, no headers) on one subject, given as their payloads: the
+    /// subject is looked at once for the run, not per message. `payloads`
+    /// is left empty. True if the queue is closed.
+    pub(crate) fn deliver_plain_run(&self, subject: &Arc<str>, payloads: &mut Vec<Bytes>) -> bool {
+        let mut payloads = payloads.drain(..);
+        self.queue_plain_while_room(subject, &mut payloads);
+        for payload in payloads {
+            let subject = SubjectArg::Kept(subject);
+            if self.push(subject, None, None, payload, true, false) == Delivery::Closed {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// [`queue_while_room`](Self::queue_while_room) for plain messages on
+    /// `subject`: after the first, each needs no subject check and no mark,
+    /// since the message queued just before it, under the same hold of the
+    /// lock, had the same subject.
+    fn queue_plain_while_room(
+        &self,
+        subject: &Arc<str>,
+        payloads: &mut impl Iterator<Item = Bytes>,
+    ) -> usize {
+        if self.answer.is_some() {
+            return 0;
+        }
+        let queue = &*self.queue;
+        let mut state = queue.state.lock();
+        let mut queued = 0;
+        while !state.closed && state.queued() < self.capacity && !self.is_held() {
+            let Some(mut payload) = payloads.next() else {
+                break;
+            };
+            if queued == 0 {
+                let outcome = self.push_locked(
+                    &mut state,
+                    SubjectArg::Kept(subject),
+                    None,
+                    None,
+                    payload,
+                    true,
+                    false,
+                );
+                debug_assert_eq!(outcome, Delivery::Queued);
+            } else {
+                settle_received(&mut state, &mut payload, &mut None);
+                self.append_locked(&mut state, payload);
+            }
+            queued += 1;
+        }
+        let wake = queued > 0 && state.readers_waiting > 0;
+        drop(state);
+        if wake {
+            queue.ready.notify_one();
+        }
+        queued
+    }
+
     /// [`push`](Self::push) with the queue's lock held; the caller wakes a
     /// waiting reader once it lets the lock go.
     #[allow(clippy::too_many_arguments)]
@@ -846,13 +919,7 @@ impl LocalSink {
             }
         }
         if received {
-            if state.len == 0 {
-                state.detacher.passed(&payload);
-            } else if state.detacher.settle(&mut payload) {
-                if let Some(headers) = headers.as_mut() {
-                    detach(headers);
-                }
-            }
+            settle_received(state, &mut payload, &mut headers);
         }
         let same = match (&state.last_subject, &subject) {
             (Some(last), SubjectArg::Kept(kept)) => Arc::ptr_eq(last, kept) || **last == ***kept,
@@ -874,12 +941,19 @@ impl LocalSink {
                 headers,
             });
         }
+        self.append_locked(state, payload);
+        outcome
+    }
+
+    /// Appends a payload whose subject, reply and headers are marked (or
+    /// need no mark), and counts it.
+    #[inline(always)]
+    fn append_locked(&self, state: &mut MutexGuard<'_, State>, payload: Bytes) {
         state.push(payload);
         if state.len == 1 {
             self.queue.waiting.store(true, Ordering::Relaxed);
         }
         bump(&self.stats.delivered, 1);
-        outcome
     }
 
     /// Whether this is a responder's sink, whose deliveries run user code.
@@ -1801,6 +1875,52 @@ mod tests {
         assert_eq!(sub.stats().dropped(), 1);
         let mut more = vec![message(9)];
         assert!(sink.deliver_run(&mut more), "a closed queue takes no more");
+    }
+
+    /// A plain run goes as its messages one by one would: under its one
+    /// subject, after a message on another, and past the queue's room to a
+    /// reader that makes room.
+    #[test]
+    fn a_plain_run_is_queued_as_its_messages_one_by_one() {
+        let (sink, sub) = queue(4, SlowConsumerPolicy::Block, Duration::from_secs(10));
+        let read = Bytes::from((0..=255u8).collect::<Vec<u8>>());
+        sink.deliver(Message {
+            subject: "other".into(),
+            ..message(0)
+        });
+        let subject: Arc<str> = "a.b".into();
+        let mut plain: Vec<Bytes> = (1..7).map(|n| read.slice(n..n + 1)).collect();
+        std::thread::scope(|scope| {
+            // Room for three: the rest wait for the reader.
+            let reader = scope.spawn(|| {
+                (0..7)
+                    .map_while(|_| sub.recv_timeout(Duration::from_secs(10)).ok())
+                    .map(|m| (m.subject.to_string(), m.reply, m.headers, m.payload[0]))
+                    .collect::<Vec<_>>()
+            });
+            assert!(!sink.deliver_plain_run(&subject, &mut plain));
+            assert!(plain.is_empty());
+            let got = reader.join().expect("the reader");
+            let expected: Vec<_> = (0..7)
+                .map(|n| {
+                    let subject = if n == 0 { "other" } else { "a.b" };
+                    (subject.to_string(), None, None, n)
+                })
+                .collect();
+            assert_eq!(got, expected);
+        });
+        assert_eq!(sub.stats().delivered(), 7);
+    }
+
+    /// A plain run into a closed queue says so.
+    #[test]
+    fn a_plain_run_into_a_closed_queue_reports_it_closed() {
+        let (sink, sub) = queue(4, SlowConsumerPolicy::Block, Duration::ZERO);
+        sink.close();
+        let mut plain = vec![Bytes::from_static(b"x")];
+        assert!(sink.deliver_plain_run(&"a".into(), &mut plain));
+        assert!(plain.is_empty());
+        assert_eq!(sub.try_recv(), Err(RecvError::Closed));
     }
 
     /// `recv_many` takes the first message as `recv_timeout` would, then

@@ -402,6 +402,96 @@ fn check_order(sub: &Subscription, count: u32, label: &str) {
     assert_eq!(sub.stats().dropped(), 0, "{label}");
 }
 
+/// What the n-th message of [`a_mixed_stream_arrives_whole_and_in_order`]
+/// is: its subject, reply subject and header block.
+fn mixed(n: u32) -> (String, Option<String>, Option<Bytes>) {
+    let subject = if n / 5 % 3 == 0 { "mix.a" } else { "mix.b" }.to_string();
+    let reply = (n % 7 == 3).then(|| format!("inbox.{n}"));
+    let headers = (n % 11 == 5).then(|| Bytes::from(format!("NATS/1.0\r\nSeq: {n}\r\n\r\n")));
+    (subject, reply, headers)
+}
+
+/// Plain messages on one subject (no reply subject, no headers) are handed
+/// to a subscription together; a stream that changes subject, carries
+/// replies and headers now and then, and feeds two subscriptions of one
+/// client by turns must still reach each whole and in order, read one by
+/// one or many at once.
+#[test]
+fn a_mixed_stream_arrives_whole_and_in_order() {
+    let count = 6_000;
+    for via in BOTH {
+        let (_broker, endpoint) = start(via, "");
+        let publisher = connect(&endpoint);
+        let subscriber = connect(&endpoint);
+        let all = subscriber.subscribe("mix.>").unwrap();
+        // Every third block of five also goes to this one, so the client
+        // reads runs for `all` cut by messages for it.
+        let only_a = subscriber.subscribe("mix.a").unwrap();
+        subscriber.flush(WAIT).unwrap();
+        for n in 0..count {
+            let (subject, reply, headers) = mixed(n);
+            match headers {
+                Some(block) => publisher
+                    .publish_with_headers(&subject, reply.as_deref(), block, numbered(n))
+                    .unwrap(),
+                None => match &reply {
+                    Some(reply) => publisher
+                        .publish_request(&subject, reply, numbered(n))
+                        .unwrap(),
+                    None => publisher.publish(&subject, numbered(n)).unwrap(),
+                },
+            }
+        }
+        publisher.flush(WAIT).unwrap();
+        let check = |message: &Message, expected: u32, label: &str| {
+            let (subject, reply, headers) = mixed(expected);
+            assert_eq!(number(message), expected, "{via:?} {label}: out of order");
+            assert_eq!(
+                &*message.subject, subject,
+                "{via:?} {label}: message {expected}"
+            );
+            assert_eq!(
+                message.reply.as_deref(),
+                reply.as_deref(),
+                "{via:?} {label}: message {expected}"
+            );
+            assert_eq!(
+                message.headers, headers,
+                "{via:?} {label}: message {expected}"
+            );
+        };
+        let mut batch = Vec::new();
+        let mut next = 0;
+        while next < count {
+            batch.clear();
+            all.recv_many(&mut batch, 100, WAIT)
+                .expect("messages on mix.>");
+            assert!(batch.len() <= 100, "{via:?}: more than asked for");
+            for message in &batch {
+                check(message, next, "mix.>");
+                next += 1;
+            }
+        }
+        for expected in (0..count).filter(|&n| mixed(n).0 == "mix.a") {
+            check(
+                &only_a.recv_timeout(WAIT).expect("a message on mix.a"),
+                expected,
+                "mix.a",
+            );
+        }
+        assert_eq!(
+            all.try_recv(),
+            Err(RecvError::Empty),
+            "{via:?}: nothing more"
+        );
+        assert_eq!(
+            only_a.try_recv(),
+            Err(RecvError::Empty),
+            "{via:?}: nothing more"
+        );
+    }
+}
+
 #[test]
 fn each_publisher_is_received_in_order() {
     let count = 10_000;
