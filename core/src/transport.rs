@@ -115,52 +115,109 @@ pub fn detach(payload: &mut Bytes) {
 /// Most bytes between two payloads read together from one stream (the
 /// next frame's head: its header and subject).
 const ADJACENT_GAP: usize = 1 << 10;
+/// Payloads in a row, each following the one before it, after which the
+/// next one that follows keeps its buffer ([`Detacher`])...
+pub const CHAIN_TO_KEEP: u32 = 64;
+/// ... or the bytes such a chain spans.
+pub const CHAIN_SPAN_TO_KEEP: usize = 16 << 10;
 
 /// Copies the small payloads that would keep a larger buffer alive while
 /// they wait in a queue. A payload sliced from a buffer read off the
-/// network (64 KiB for TCP) keeps that whole buffer, so a queue of such
-/// slices, one from each buffer (a subscriber getting one message in
-/// forty), would hold many times the bytes it counts. A payload that
-/// starts just after the one before it (the next message read with it, as
-/// in a stream to one subscriber), which kept its buffer, shares that
-/// buffer and is queued as it is: a stream costs a copy per read buffer,
-/// not per message.
-#[derive(Debug, Default)]
+/// network (64 KiB for a busy TCP connection) keeps that whole buffer, so
+/// a queue of such slices, one from each buffer (a subscriber getting one
+/// message in forty), would hold many times the bytes it counts.
+///
+/// A payload that follows the one before it (the next message read with
+/// it, as in a stream to one subscriber) shares that buffer and is queued
+/// as it is once the chain of payloads in a row, each following the one
+/// before it, has [`CHAIN_TO_KEEP`] payloads or spans
+/// [`CHAIN_SPAN_TO_KEEP`] bytes, or began with a payload that kept its
+/// buffer (one that went on at once, unqueued, or one too large to copy).
+/// So a stream costs at most 64 copies per read buffer, not one per
+/// message, also while its queue stays deep (a reader behind its
+/// producer); and a queue holds at most one buffer per 64 payloads, or
+/// per 16 KiB of them, beyond its own bytes (for 65,536 waiting payloads
+/// and 64 KiB buffers, 64 MiB in the worst pattern: each buffer holding
+/// just one such chain for it). A queue bounded in bytes rather than
+/// messages takes [`Detacher::strict`].
+#[derive(Debug)]
 pub struct Detacher {
     /// Where the payload before ended.
     last_end: usize,
-    /// The payload before kept its buffer (it was not copied).
-    last_kept: bool,
+    /// Payloads in a row up to the one before, each following the one
+    /// before it.
+    chain: u32,
+    /// Where that chain's first payload started.
+    chain_start: usize,
+    /// The chain after which a payload that follows keeps its buffer
+    /// ([`STRICT`]: only a chain that began with a kept payload).
+    chain_to_keep: u32,
+}
+
+/// The `chain_to_keep` of [`Detacher::strict`].
+const STRICT: u32 = u32::MAX;
+
+impl Default for Detacher {
+    fn default() -> Detacher {
+        Detacher {
+            last_end: 0,
+            chain: 0,
+            chain_start: 0,
+            chain_to_keep: CHAIN_TO_KEEP,
+        }
+    }
 }
 
 impl Detacher {
-    /// `payload`, about to wait in the queue: copied unless it follows the
-    /// last one or is larger than [`DETACH_MAX`]. True when it was copied:
-    /// what else of its message lies in the same buffer (its headers)
-    /// needs copying too.
+    /// A detacher that lets a chain keep its buffer only when it began with
+    /// a payload that kept it (went on at once, or too large to copy): a
+    /// queue that does not empty copies every small payload past its first
+    /// buffer, but holds no buffer it does not count, whatever the
+    /// pattern.
+    pub fn strict() -> Detacher {
+        Detacher {
+            chain_to_keep: STRICT,
+            ..Detacher::default()
+        }
+    }
+
+    /// `payload`, about to wait in a queue: copied unless it may keep its
+    /// buffer (see [`Detacher`]) or is larger than [`DETACH_MAX`]. True
+    /// when it was copied: what else of its message lies in the same
+    /// buffer (its headers) needs copying too.
     pub fn settle(&mut self, payload: &mut Bytes) -> bool {
-        let follows = self.follows(payload);
-        let copy = !follows && !payload.is_empty() && payload.len() <= DETACH_MAX;
-        self.last_kept = !copy;
+        let span = self.last_end.saturating_sub(self.chain_start);
+        let long = self.chain >= self.chain_to_keep
+            || (self.chain_to_keep != STRICT && span >= CHAIN_SPAN_TO_KEEP);
+        let keep = self.follows(payload) && long;
+        let copy = !keep && !payload.is_empty() && payload.len() <= DETACH_MAX;
         if copy {
             *payload = Bytes::copy_from_slice(payload);
+        } else if !payload.is_empty() {
+            // It keeps its buffer: the next one may share it at once.
+            self.chain = self.chain_to_keep;
         }
         copy
     }
 
     /// `payload` was not queued (it went on at once), but the next one
-    /// may follow it.
+    /// may follow it, and keep its buffer.
     pub fn passed(&mut self, payload: &Bytes) {
         self.follows(payload);
-        self.last_kept = true;
+        self.chain = self.chain_to_keep;
     }
 
     fn follows(&mut self, payload: &Bytes) -> bool {
         // Addresses are only compared, never used.
         let start = payload.as_ptr() as usize;
-        let follows =
-            self.last_kept && start >= self.last_end && start - self.last_end <= ADJACENT_GAP;
+        let follows = start >= self.last_end && start - self.last_end <= ADJACENT_GAP;
         self.last_end = start + payload.len();
+        if follows {
+            self.chain = self.chain.saturating_add(1);
+        } else {
+            self.chain = 1;
+            self.chain_start = start;
+        }
         follows
     }
 }
@@ -885,6 +942,63 @@ pub trait Endpoint: Send {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Slices of `buffer` one after another, `gap` bytes apart: a stream's
+    /// payloads with the heads of their frames between them.
+    fn stream(buffer: &Bytes, count: usize, len: usize, gap: usize) -> Vec<Bytes> {
+        (0..count)
+            .map(|n| buffer.slice(n * (len + gap)..n * (len + gap) + len))
+            .collect()
+    }
+
+    /// A stream that reaches a new read buffer while its queue holds
+    /// messages (a reader behind its producer) goes back to sharing its
+    /// buffer after a chain of copies, rather than copying every payload
+    /// from then on; payloads apart from one another are all copied.
+    #[test]
+    fn a_stream_copies_a_few_payloads_per_buffer_and_sparse_ones_all() {
+        let mut detacher = Detacher::default();
+        let first = Bytes::from(vec![1u8; 64 << 10]);
+        let second = Bytes::from(vec![2u8; 64 << 10]);
+        detacher.passed(&first.slice(..16));
+        let mut copied = 0;
+        for buffer in [&first, &second] {
+            for mut payload in stream(buffer, 1_000, 16, 24).into_iter().skip(1) {
+                copied += usize::from(detacher.settle(&mut payload));
+            }
+        }
+        // The second buffer's first payload follows nothing it kept: it
+        // and the chain behind it are copied, then the buffer is shared.
+        assert_eq!(copied, CHAIN_TO_KEEP as usize);
+        // A strict one copies the whole of the second buffer's stream.
+        let mut strict = Detacher::strict();
+        strict.passed(&first.slice(..16));
+        let copied: usize = [&first, &second]
+            .into_iter()
+            .flat_map(|buffer| stream(buffer, 1_000, 16, 24).into_iter().skip(1))
+            .map(|mut payload| usize::from(strict.settle(&mut payload)))
+            .sum();
+        assert_eq!(copied, 999);
+        // Larger payloads: after a chain of 16 KiB.
+        let third = Bytes::from(vec![4u8; 64 << 10]);
+        let copied: usize = stream(&third, 30, 2_000, 24)
+            .into_iter()
+            .map(|mut payload| usize::from(detacher.settle(&mut payload)))
+            .sum();
+        assert_eq!(copied, CHAIN_SPAN_TO_KEEP.div_ceil(2_024));
+        // One too large to copy keeps its buffer, and so may the next.
+        let fourth = Bytes::from(vec![5u8; 64 << 10]);
+        let mut large = fourth.slice(..DETACH_MAX + 1);
+        assert!(!detacher.settle(&mut large));
+        let mut next = fourth.slice(DETACH_MAX + 30..DETACH_MAX + 46);
+        assert!(!detacher.settle(&mut next), "a payload after a kept one");
+        let sparse = Bytes::from(vec![3u8; 64 << 10]);
+        for at in (0..40).map(|n| n * 1_500) {
+            let mut payload = sparse.slice(at..at + 16);
+            assert!(detacher.settle(&mut payload), "a payload at {at} was kept");
+            assert_ne!(payload.as_ptr(), sparse[at..].as_ptr(), "not a copy");
+        }
+    }
 
     /// Takes up to `room` frames, then refuses.
     struct Recorder {

@@ -305,13 +305,25 @@ fn is_message_frame(frame: &OutFrame) -> bool {
 }
 
 /// The frames a session's path could not take yet, in order.
-#[derive(Default)]
 pub(crate) struct Outbound {
     queue: VecDeque<Queued>,
     bytes: usize,
     /// Of `bytes`, those in entries that hold no message.
     control_bytes: usize,
+    /// Strict: the queue is bounded in the bytes it counts
+    /// (`limits.max_pending_bytes`), which held buffers would exceed.
     detacher: Detacher,
+}
+
+impl Default for Outbound {
+    fn default() -> Outbound {
+        Outbound {
+            queue: VecDeque::new(),
+            bytes: 0,
+            control_bytes: 0,
+            detacher: Detacher::strict(),
+        }
+    }
 }
 
 impl Outbound {
