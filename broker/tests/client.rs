@@ -412,15 +412,16 @@ fn mixed(n: u32) -> (String, Option<String>, Option<Bytes>) {
 }
 
 /// Plain messages on one subject (no reply subject, no headers) are handed
-/// to a subscription together; a stream that changes subject, carries
-/// replies and headers now and then, and feeds two subscriptions of one
-/// client by turns must still reach each whole and in order, read one by
-/// one or many at once.
+/// to a subscription together, by a client's loop and by the broker's; a
+/// stream that changes subject, carries replies and headers now and then,
+/// and feeds two subscriptions of one client by turns must still reach
+/// each whole and in order, read one by one or many at once.
 #[test]
 fn a_mixed_stream_arrives_whole_and_in_order() {
     let count = 6_000;
     for via in BOTH {
-        let (_broker, endpoint) = start(via, "");
+        let (broker, endpoint) = start(via, "");
+        let local = broker.subscribe("mix.>").unwrap();
         let publisher = connect(&endpoint);
         let subscriber = connect(&endpoint);
         let all = subscriber.subscribe("mix.>").unwrap();
@@ -460,16 +461,17 @@ fn a_mixed_stream_arrives_whole_and_in_order() {
                 "{via:?} {label}: message {expected}"
             );
         };
-        let mut batch = Vec::new();
-        let mut next = 0;
-        while next < count {
-            batch.clear();
-            all.recv_many(&mut batch, 100, WAIT)
-                .expect("messages on mix.>");
-            assert!(batch.len() <= 100, "{via:?}: more than asked for");
-            for message in &batch {
-                check(message, next, "mix.>");
-                next += 1;
+        for (sub, label) in [(&all, "mix.>"), (&local, "in-process mix.>")] {
+            let mut batch = Vec::new();
+            let mut next = 0;
+            while next < count {
+                batch.clear();
+                sub.recv_many(&mut batch, 100, WAIT).expect(label);
+                assert!(batch.len() <= 100, "{via:?}: more than asked for");
+                for message in &batch {
+                    check(message, next, label);
+                    next += 1;
+                }
             }
         }
         for expected in (0..count).filter(|&n| mixed(n).0 == "mix.a") {
@@ -486,6 +488,11 @@ fn a_mixed_stream_arrives_whole_and_in_order() {
         );
         assert_eq!(
             only_a.try_recv(),
+            Err(RecvError::Empty),
+            "{via:?}: nothing more"
+        );
+        assert_eq!(
+            local.try_recv(),
             Err(RecvError::Empty),
             "{via:?}: nothing more"
         );
