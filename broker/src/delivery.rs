@@ -1923,6 +1923,23 @@ mod tests {
         assert_eq!(sub.try_recv(), Err(RecvError::Closed));
     }
 
+    /// A plain run longer than the room: under `drop-oldest` the oldest
+    /// go, counted; under `disconnect` the queue closes at the bound and
+    /// the run says so.
+    #[test]
+    fn a_plain_run_past_the_room_follows_the_policy() {
+        let payloads = || (0..6u8).map(|n| Bytes::from(vec![n])).collect::<Vec<_>>();
+        let (sink, sub) = queue(4, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        assert!(!sink.deliver_plain_run(&"a".into(), &mut payloads()));
+        assert_eq!(drain(&sub), vec![2, 3, 4, 5]);
+        assert_eq!(sub.stats().delivered(), 6);
+        assert_eq!(sub.stats().dropped(), 2);
+        let (sink, sub) = queue(4, SlowConsumerPolicy::Disconnect, Duration::ZERO);
+        assert!(sink.deliver_plain_run(&"a".into(), &mut payloads()));
+        assert_eq!(drain(&sub), vec![0, 1, 2, 3]);
+        assert_eq!(sub.stats().dropped(), 1);
+    }
+
     /// `recv_many` takes the first message as `recv_timeout` would, then
     /// what waits behind it, up to `max`, and never more than it finds.
     #[test]
