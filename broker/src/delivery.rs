@@ -802,16 +802,7 @@ impl LocalSink {
         messages: &mut impl Iterator<Item = Message>,
         copy_subjects: bool,
     ) -> usize {
-        if self.answer.is_some() {
-            return 0;
-        }
-        let queue = &*self.queue;
-        let mut state = queue.state.lock();
-        let mut queued = 0;
-        while !state.closed && state.queued() < self.capacity && !self.is_held() {
-            let Some(message) = messages.next() else {
-                break;
-            };
+        self.queue_items_while_room(messages, |sink, state, message, _| {
             let Message {
                 subject,
                 reply,
@@ -824,9 +815,31 @@ impl LocalSink {
                 true => SubjectArg::Borrowed(&subject, &copy),
                 false => SubjectArg::Owned(subject),
             };
-            let outcome =
-                self.push_locked(&mut state, subject, reply, headers, payload, true, false);
+            let outcome = sink.push_locked(state, subject, reply, headers, payload, true, false);
             debug_assert_eq!(outcome, Delivery::Queued);
+        })
+    }
+
+    /// Takes `items` under one hold of the lock for as long as the queue
+    /// has room, each queued by `push` (given whether it is the first of
+    /// this hold); returns how many it took, and wakes a waiting reader.
+    #[inline(always)]
+    fn queue_items_while_room<T>(
+        &self,
+        items: &mut impl Iterator<Item = T>,
+        mut push: impl FnMut(&Self, &mut MutexGuard<'_, State>, T, bool),
+    ) -> usize {
+        if self.answer.is_some() {
+            return 0;
+        }
+        let queue = &*self.queue;
+        let mut state = queue.state.lock();
+        let mut queued = 0;
+        while !state.closed && state.queued() < self.capacity && !self.is_held() {
+            let Some(item) = items.next() else {
+                break;
+            };
+            push(self, &mut state, item, queued == 0);
             queued += 1;
         }
         let wake = queued > 0 && state.readers_waiting > 0;
@@ -862,39 +875,16 @@ impl LocalSink {
         subject: &Arc<str>,
         payloads: &mut impl Iterator<Item = Bytes>,
     ) -> usize {
-        if self.answer.is_some() {
-            return 0;
-        }
-        let queue = &*self.queue;
-        let mut state = queue.state.lock();
-        let mut queued = 0;
-        while !state.closed && state.queued() < self.capacity && !self.is_held() {
-            let Some(mut payload) = payloads.next() else {
-                break;
-            };
-            if queued == 0 {
-                let outcome = self.push_locked(
-                    &mut state,
-                    SubjectArg::Kept(subject),
-                    None,
-                    None,
-                    payload,
-                    true,
-                    false,
-                );
+        self.queue_items_while_room(payloads, |sink, state, mut payload, first| {
+            if first {
+                let subject = SubjectArg::Kept(subject);
+                let outcome = sink.push_locked(state, subject, None, None, payload, true, false);
                 debug_assert_eq!(outcome, Delivery::Queued);
             } else {
-                settle_received(&mut state, &mut payload, &mut None);
-                self.append_locked(&mut state, payload);
+                settle_received(state, &mut payload, &mut None);
+                sink.append_locked(state, payload);
             }
-            queued += 1;
-        }
-        let wake = queued > 0 && state.readers_waiting > 0;
-        drop(state);
-        if wake {
-            queue.ready.notify_one();
-        }
-        queued
+        })
     }
 
     /// [`push`](Self::push) with the queue's lock held; the caller wakes a
