@@ -118,8 +118,8 @@ const ADJACENT_GAP: usize = 1 << 10;
 /// Payloads in a row, each following the one before it, after which the
 /// next one that follows keeps its buffer ([`Detacher`])...
 pub const CHAIN_TO_KEEP: u32 = 64;
-/// ... or the bytes such a chain spans.
-pub const CHAIN_SPAN_TO_KEEP: usize = 16 << 10;
+/// ... or the payload bytes of such a chain.
+pub const CHAIN_BYTES_TO_KEEP: usize = 16 << 10;
 
 /// Copies the small payloads that would keep a larger buffer alive while
 /// they wait in a queue. A payload sliced from a buffer read off the
@@ -130,9 +130,10 @@ pub const CHAIN_SPAN_TO_KEEP: usize = 16 << 10;
 /// A payload that follows the one before it (the next message read with
 /// it, as in a stream to one subscriber) shares that buffer and is queued
 /// as it is once the chain of payloads in a row, each following the one
-/// before it, has [`CHAIN_TO_KEEP`] payloads or spans
-/// [`CHAIN_SPAN_TO_KEEP`] bytes, or began with a payload that kept its
-/// buffer (one that went on at once, unqueued, or one too large to copy).
+/// before it, has [`CHAIN_TO_KEEP`] payloads or [`CHAIN_BYTES_TO_KEEP`]
+/// bytes of them, or began with a payload that kept its buffer (one too
+/// large to copy, or one [`Detacher::passed`]: handed on at once, or
+/// first into an empty queue).
 /// So a stream costs at most 64 copies per read buffer, not one per
 /// message, also while its queue stays deep (a reader behind its
 /// producer); and a queue holds at most one buffer per 64 payloads, or
@@ -147,8 +148,8 @@ pub struct Detacher {
     /// Payloads in a row up to the one before, each following the one
     /// before it.
     chain: u32,
-    /// Where that chain's first payload started.
-    chain_start: usize,
+    /// The payload bytes of that chain.
+    chain_bytes: usize,
     /// The chain after which a payload that follows keeps its buffer
     /// ([`STRICT`]: only a chain that began with a kept payload).
     chain_to_keep: u32,
@@ -162,7 +163,7 @@ impl Default for Detacher {
         Detacher {
             last_end: 0,
             chain: 0,
-            chain_start: 0,
+            chain_bytes: 0,
             chain_to_keep: CHAIN_TO_KEEP,
         }
     }
@@ -170,10 +171,10 @@ impl Default for Detacher {
 
 impl Detacher {
     /// A detacher that lets a chain keep its buffer only when it began with
-    /// a payload that kept it (went on at once, or too large to copy): a
-    /// queue that does not empty copies every small payload past its first
-    /// buffer, but holds no buffer it does not count, whatever the
-    /// pattern.
+    /// a payload that kept it: a queue that does not empty copies every
+    /// small payload past its first buffer, and holds beyond the bytes it
+    /// counts at most the buffers of the payload last passed and of those
+    /// too large to copy, whatever the pattern.
     pub fn strict() -> Detacher {
         Detacher {
             chain_to_keep: STRICT,
@@ -186,9 +187,8 @@ impl Detacher {
     /// when it was copied: what else of its message lies in the same
     /// buffer (its headers) needs copying too.
     pub fn settle(&mut self, payload: &mut Bytes) -> bool {
-        let span = self.last_end.saturating_sub(self.chain_start);
         let long = self.chain >= self.chain_to_keep
-            || (self.chain_to_keep != STRICT && span >= CHAIN_SPAN_TO_KEEP);
+            || (self.chain_to_keep != STRICT && self.chain_bytes >= CHAIN_BYTES_TO_KEEP);
         let keep = self.follows(payload) && long;
         let copy = !keep && !payload.is_empty() && payload.len() <= DETACH_MAX;
         if copy {
@@ -200,8 +200,8 @@ impl Detacher {
         copy
     }
 
-    /// `payload` was not queued (it went on at once), but the next one
-    /// may follow it, and keep its buffer.
+    /// `payload` went on at once, or is the first in an empty queue (taken
+    /// soon): the next one may follow it, and keep its buffer.
     pub fn passed(&mut self, payload: &Bytes) {
         self.follows(payload);
         self.chain = self.chain_to_keep;
@@ -213,10 +213,15 @@ impl Detacher {
         let follows = start >= self.last_end && start - self.last_end <= ADJACENT_GAP;
         self.last_end = start + payload.len();
         if follows {
-            self.chain = self.chain.saturating_add(1);
+            // Counting never takes a chain to `STRICT`: only a kept payload.
+            self.chain = match self.chain {
+                STRICT => STRICT,
+                n => (n + 1).min(STRICT - 1),
+            };
+            self.chain_bytes = self.chain_bytes.saturating_add(payload.len());
         } else {
             self.chain = 1;
-            self.chain_start = start;
+            self.chain_bytes = payload.len();
         }
         follows
     }
@@ -985,13 +990,27 @@ mod tests {
             .into_iter()
             .map(|mut payload| usize::from(detacher.settle(&mut payload)))
             .sum();
-        assert_eq!(copied, CHAIN_SPAN_TO_KEEP.div_ceil(2_024));
+        assert_eq!(copied, CHAIN_BYTES_TO_KEEP.div_ceil(2_000));
         // One too large to copy keeps its buffer, and so may the next.
         let fourth = Bytes::from(vec![5u8; 64 << 10]);
         let mut large = fourth.slice(..DETACH_MAX + 1);
         assert!(!detacher.settle(&mut large));
         let mut next = fourth.slice(DETACH_MAX + 30..DETACH_MAX + 46);
         assert!(!detacher.settle(&mut next), "a payload after a kept one");
+        // The same with a strict one, which no chain of copies satisfies.
+        let mut strict = Detacher::strict();
+        let mut large = fourth.slice(..DETACH_MAX + 1);
+        assert!(!strict.settle(&mut large));
+        let mut next = fourth.slice(DETACH_MAX + 30..DETACH_MAX + 46);
+        assert!(!strict.settle(&mut next), "a payload after a kept one");
+        // Payloads 1 KiB apart (others' messages between them) are copied
+        // until 64 follow one another: their bytes count, not the span.
+        let sixth = Bytes::from(vec![6u8; 256 << 10]);
+        let copied: usize = stream(&sixth, 100, 16, 1_000)
+            .into_iter()
+            .map(|mut payload| usize::from(detacher.settle(&mut payload)))
+            .sum();
+        assert_eq!(copied, CHAIN_TO_KEEP as usize);
         let sparse = Bytes::from(vec![3u8; 64 << 10]);
         for at in (0..40).map(|n| n * 1_500) {
             let mut payload = sparse.slice(at..at + 16);
