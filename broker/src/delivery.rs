@@ -856,26 +856,10 @@ impl LocalSink {
     /// is left empty. True if the queue is closed.
     pub(crate) fn deliver_plain_run(&self, subject: &Arc<str>, payloads: &mut Vec<Bytes>) -> bool {
         let mut payloads = payloads.drain(..);
-        self.queue_plain_while_room(subject, &mut payloads);
-        for payload in payloads {
-            let subject = SubjectArg::Kept(subject);
-            if self.push(subject, None, None, payload, true, false) == Delivery::Closed {
-                return true;
-            }
-        }
-        false
-    }
-
-    /// [`queue_while_room`](Self::queue_while_room) for plain messages on
-    /// `subject`: after the first, each needs no subject check and no mark,
-    /// since the message queued just before it, under the same hold of the
-    /// lock, had the same subject.
-    fn queue_plain_while_room(
-        &self,
-        subject: &Arc<str>,
-        payloads: &mut impl Iterator<Item = Bytes>,
-    ) -> usize {
-        self.queue_items_while_room(payloads, |sink, state, mut payload, first| {
+        // While there is room: after the first, a payload needs no subject
+        // check and no mark, since the message queued just before it, under
+        // the same hold of the lock, had the same subject.
+        self.queue_items_while_room(&mut payloads, |sink, state, mut payload, first| {
             if first {
                 let subject = SubjectArg::Kept(subject);
                 let outcome = sink.push_locked(state, subject, None, None, payload, true, false);
@@ -884,7 +868,14 @@ impl LocalSink {
                 settle_received(state, &mut payload, &mut None);
                 sink.append_locked(state, payload);
             }
-        })
+        });
+        for payload in payloads {
+            let subject = SubjectArg::Kept(subject);
+            if self.push(subject, None, None, payload, true, false) == Delivery::Closed {
+                return true;
+            }
+        }
+        false
     }
 
     /// [`push`](Self::push) with the queue's lock held; the caller wakes a
@@ -1338,7 +1329,8 @@ impl Subscription {
     /// messages this way, for one lock of its batch and one count
     /// published to the producers per call rather than per message. The
     /// errors are [`recv_timeout`](Self::recv_timeout)'s, and `Empty` for
-    /// a zero `timeout` that found nothing; nothing is appended then.
+    /// a zero `timeout` that found nothing; nothing is appended then. A
+    /// `max` of 0 takes nothing and returns at once.
     pub fn recv_many(
         &self,
         out: &mut Vec<Message>,
