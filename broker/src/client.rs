@@ -1832,13 +1832,16 @@ impl ClientLoop {
         address: String,
     ) -> ClientLoop {
         let unavailable = shared.link.lock().reasons.clone();
-        let endpoints: Vec<Box<dyn Endpoint>> = std::iter::once(endpoint)
+        let mut endpoints: Vec<Box<dyn Endpoint>> = std::iter::once(endpoint)
             .chain(data)
             .enumerate()
             .map(|(index, endpoint)| {
                 WatchedEndpoint::wrap(endpoint, Arc::clone(&shared.round_watch), index)
             })
             .collect();
+        // What the control link reads comes as runs, split in `on_events`:
+        // one event per read rather than one per frame.
+        endpoints[CONTROL].deliver_runs();
         // Data endpoints first: the control link is the last resort.
         let all_offers = endpoints[CONTROL + 1..]
             .iter()
@@ -2361,14 +2364,21 @@ impl ClientLoop {
     fn on_events(&mut self, events: &mut Vec<Event>) {
         let mut frames = std::mem::take(&mut self.control_frames);
         for event in events.drain(..) {
+            let up = |peer| matches!(self.link, LinkState::Up { peer: up } if up == peer);
             match event {
-                Event::Frame { peer, frame } if matches!(self.link, LinkState::Up { peer: up } if up == peer) =>
-                {
+                Event::Frame { peer, frame } if up(peer) => {
                     // Only the thread holding the session writes the
                     // counter: no atomic add.
                     let control_in = &self.shared.counters.control_in;
                     control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
                     frames.push(frame);
+                }
+                Event::Frames { peer, run } if up(peer) => {
+                    let before = frames.len();
+                    frames.extend(split_run(&run).map(|frame| frame.head));
+                    let control_in = &self.shared.counters.control_in;
+                    let read = (frames.len() - before) as u64;
+                    control_in.store(control_in.load(Ordering::Relaxed) + read, Ordering::Relaxed);
                 }
                 other => {
                     // What came before it is handled first.
@@ -2552,7 +2562,8 @@ impl ClientLoop {
             LinkState::Down { .. } => None,
         };
         match event {
-            // Not asked for (`deliver_runs`): taken frame by frame.
+            // Before the link is up (a welcome and what follows it), or
+            // from an endpoint that was not asked: taken frame by frame.
             Event::Frames { peer, run } => {
                 for frame in split_run(&run) {
                     self.on_event(Event::Frame {
