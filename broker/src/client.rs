@@ -2364,21 +2364,20 @@ impl ClientLoop {
     fn on_events(&mut self, events: &mut Vec<Event>) {
         let mut frames = std::mem::take(&mut self.control_frames);
         for event in events.drain(..) {
-            let up = |peer| matches!(self.link, LinkState::Up { peer: up } if up == peer);
             match event {
-                Event::Frame { peer, frame } if up(peer) => {
-                    // Only the thread holding the session writes the
-                    // counter: no atomic add.
-                    let control_in = &self.shared.counters.control_in;
-                    control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-                    frames.push(frame);
-                }
-                Event::Frames { peer, run } if up(peer) => {
+                Event::Frame { peer, frame } => self.take_control_frame(peer, frame, &mut frames),
+                Event::Frames { peer, run } if self.is_up(peer) => {
                     let before = frames.len();
                     frames.extend(split_run(&run).map(|frame| frame.head));
                     let control_in = &self.shared.counters.control_in;
                     let read = (frames.len() - before) as u64;
                     control_in.store(control_in.load(Ordering::Relaxed) + read, Ordering::Relaxed);
+                }
+                // A run that brings the welcome goes on as the link is up.
+                Event::Frames { peer, run } => {
+                    for frame in split_run(&run) {
+                        self.take_control_frame(peer, frame.head, &mut frames);
+                    }
                 }
                 other => {
                     // What came before it is handled first.
@@ -2389,6 +2388,28 @@ impl ClientLoop {
         }
         self.deliver_messages(&mut frames, Self::on_control_frame);
         self.control_frames = frames;
+    }
+
+    /// A frame the control endpoint read: gathered in `frames` while the
+    /// link to its peer is up, else handled at once, after what was
+    /// gathered.
+    #[inline]
+    fn take_control_frame(&mut self, peer: PeerId, frame: Bytes, frames: &mut Vec<Bytes>) {
+        if self.is_up(peer) {
+            // Only the thread holding the session writes the counter: no
+            // atomic add.
+            let control_in = &self.shared.counters.control_in;
+            control_in.store(control_in.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            frames.push(frame);
+        } else {
+            self.deliver_messages(frames, Self::on_control_frame);
+            self.on_event(Event::Frame { peer, frame });
+        }
+    }
+
+    /// Whether the control link to `peer` is up.
+    fn is_up(&self, peer: PeerId) -> bool {
+        matches!(self.link, LinkState::Up { peer: up } if up == peer)
     }
 
     /// A frame on the control link that is not a message.
@@ -2562,8 +2583,8 @@ impl ClientLoop {
             LinkState::Down { .. } => None,
         };
         match event {
-            // Before the link is up (a welcome and what follows it), or
-            // from an endpoint that was not asked: taken frame by frame.
+            // `on_events` splits the control link's runs; any other is
+            // taken frame by frame alike.
             Event::Frames { peer, run } => {
                 for frame in split_run(&run) {
                     self.on_event(Event::Frame {
