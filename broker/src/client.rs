@@ -609,35 +609,6 @@ impl ClientShared {
         self.to_sink(table, sid, |sink| sink.deliver(message) == Delivery::Closed)
     }
 
-    /// [`deliver_run`](Self::deliver_run) for a run that may be empty,
-    /// noting in `cut_off` a subscription it cut off.
-    fn hand_over<'a>(
-        &'a self,
-        table: &mut Option<MutexGuard<'a, HashMap<u64, ClientSub>>>,
-        sid: u64,
-        run: &mut Vec<Message>,
-        cut_off: &mut Vec<u64>,
-    ) {
-        if !run.is_empty() && self.deliver_run(table, sid, run) {
-            cut_off.push(sid);
-        }
-    }
-
-    /// [`deliver_to`](Self::deliver_to) for messages in a row to one
-    /// subscription: one look-up and one hold of its queue's lock for all
-    /// of them. `run` is left empty.
-    fn deliver_run<'a>(
-        &'a self,
-        table: &mut Option<MutexGuard<'a, HashMap<u64, ClientSub>>>,
-        sid: u64,
-        run: &mut Vec<Message>,
-    ) -> bool {
-        let closed = self.to_sink(table, sid, |sink| sink.deliver_run(run));
-        // Nothing to deliver to: dropped, as a message to a closed queue.
-        run.clear();
-        closed
-    }
-
     /// Runs `deliver` with the sink of subscription `sid` (nothing when it
     /// is gone, as [`deliver_to`](Self::deliver_to) says of the table);
     /// when it says the queue is closed, the subscription is removed here
@@ -1554,27 +1525,32 @@ struct Run {
 }
 
 impl Run {
-    /// Queues what the run holds (it is left empty), noting in `cut_off` a
-    /// subscription it cut off.
+    /// Queues what the run holds, as [`ClientShared::deliver_to`] would
+    /// one by one but with one look-up of the subscription and one hold of
+    /// its queue's lock while there is room; the run is left empty. A
+    /// subscription it cut off is noted in `cut_off`.
     fn hand_over<'a>(
         &mut self,
         shared: &'a ClientShared,
         table: &mut Option<MutexGuard<'a, HashMap<u64, ClientSub>>>,
         cut_off: &mut Vec<u64>,
     ) {
-        if let Some(subject) = self.plain_subject.take() {
-            let plain = &mut self.plain;
-            if !plain.is_empty()
-                && shared.to_sink(table, self.sid, |sink| {
-                    sink.deliver_plain_run(&subject, plain)
-                })
-            {
-                cut_off.push(self.sid);
+        let (plain, messages) = (&mut self.plain, &mut self.messages);
+        let closed = match self.plain_subject.take() {
+            Some(subject) if !plain.is_empty() => shared.to_sink(table, self.sid, |sink| {
+                sink.deliver_plain_run(&subject, plain)
+            }),
+            _ if !messages.is_empty() => {
+                shared.to_sink(table, self.sid, |sink| sink.deliver_run(messages))
             }
-            // Nothing to deliver to: dropped, as a message to a closed queue.
-            plain.clear();
+            _ => false,
+        };
+        // Nothing to deliver to: dropped, as messages to a closed queue.
+        plain.clear();
+        messages.clear();
+        if closed {
+            cut_off.push(self.sid);
         }
-        shared.hand_over(table, self.sid, &mut self.messages, cut_off);
     }
 }
 
