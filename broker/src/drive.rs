@@ -714,17 +714,34 @@ mod tests {
     ) -> (Presence<'_, Counting>, std::thread::JoinHandle<()>) {
         let driver = Presence::enter(driven);
         DRIVING.set(false);
+        let (task_tx, task_rx) = std::sync::mpsc::channel();
         let sleeper = {
             let driven = driven.clone();
             std::thread::spawn(move || {
+                let _ = task_tx.send(std::fs::read_link("/proc/thread-self"));
                 let wakes = driven.gate.sleeper_wakes.load(Ordering::SeqCst);
                 while driven.gate.sleeper_wakes.load(Ordering::SeqCst) == wakes {
                     driven.sleep_while_driven(Duration::from_secs(30));
                 }
             })
         };
+        // Parked, not only about to: a driver that left before the sleeper
+        // saw it would leave it looping, never woken, instead.
+        let task = task_rx
+            .recv()
+            .expect("the sleeper's task")
+            .expect("/proc/thread-self");
+        let parked = || {
+            std::fs::read_to_string(std::path::Path::new("/proc").join(&task).join("stat"))
+                .ok()
+                .and_then(|stat| {
+                    stat.rsplit_once(") ")
+                        .map(|(_, rest)| rest.starts_with('S'))
+                })
+                .unwrap_or(false)
+        };
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !driven.gate.asleep.load(Ordering::SeqCst) {
+        while !(driven.gate.asleep.load(Ordering::SeqCst) && parked()) {
             assert!(Instant::now() < deadline, "the loop thread did not sleep");
             std::thread::yield_now();
         }
