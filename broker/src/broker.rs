@@ -1531,25 +1531,40 @@ pub(crate) fn deliver_local(
     runs.queue(shared, held, now);
     let mut closed = Vec::new();
     for (sid, sink) in targets.local.drain(..) {
-        // Behind a message held for it, a message is held too: in order.
-        let outcome = if sink.is_held() {
-            Delivery::Full
-        } else {
-            sink.try_deliver(
-                message.subject,
-                &message.shared_subject,
-                message.reply.clone(),
-                message.headers.clone(),
-                message.payload.clone(),
-            )
-        };
-        match outcome {
-            Delivery::Full => held.hold(sid, sink, message.to_message(), now),
-            outcome => count_delivery(&shared.stats, sid, &sink, outcome, &mut closed),
-        }
+        offer_local(shared, held, now, sid, &sink, &message, &mut closed);
     }
     if !closed.is_empty() {
         remove_closed(shared, closed);
+    }
+}
+
+/// Offers `message` to in-process subscription `sid` without waiting, as
+/// the event loop does: held when its queue is full under `block`, or when
+/// a message is held for it already (so it stays behind that one), else
+/// queued or dropped and counted, a closed queue noted in `closed`.
+fn offer_local(
+    shared: &Shared,
+    held: &mut HeldLocal,
+    now: Instant,
+    sid: u64,
+    sink: &Arc<LocalSink>,
+    message: &MessageParts<'_>,
+    closed: &mut Vec<(u64, bool)>,
+) {
+    let outcome = if sink.is_held() {
+        Delivery::Full
+    } else {
+        sink.try_deliver(
+            message.subject,
+            &message.shared_subject,
+            message.reply.clone(),
+            message.headers.clone(),
+            message.payload.clone(),
+        )
+    };
+    match outcome {
+        Delivery::Full => held.hold(sid, Arc::clone(sink), message.to_message(), now),
+        outcome => count_delivery(&shared.stats, sid, sink, outcome, closed),
     }
 }
 
@@ -1625,37 +1640,19 @@ impl LocalRuns {
         }
         let mut closed = Vec::new();
         for message in rest.by_ref() {
-            let outcome = if sink.is_held() {
-                Delivery::Full
-            } else {
-                sink.try_deliver(
-                    &message.subject,
-                    &std::cell::OnceCell::new(),
-                    message.reply.clone(),
-                    message.headers.clone(),
-                    message.payload.clone(),
-                )
+            // A message held gets a subject of its own: the loop's stays
+            // the loop's.
+            let parts = MessageParts {
+                subject: &message.subject,
+                shared_subject: std::cell::OnceCell::new(),
+                reply: message.reply,
+                headers: message.headers,
+                payload: message.payload,
             };
-            match outcome {
-                Delivery::Full => {
-                    // With a subject of its own: the loop's stays the
-                    // loop's.
-                    let message = match Arc::strong_count(&message.subject) {
-                        1 => message,
-                        _ => Message {
-                            subject: Arc::from(&*message.subject),
-                            ..message
-                        },
-                    };
-                    held.hold(sid, sink.clone(), message, now);
-                }
-                outcome => {
-                    count_delivery(&shared.stats, sid, &sink, outcome, &mut closed);
-                    // The rest would go to a closed queue too.
-                    if !closed.is_empty() {
-                        break;
-                    }
-                }
+            offer_local(shared, held, now, sid, &sink, &parts, &mut closed);
+            // The rest would go to a closed queue too.
+            if !closed.is_empty() {
+                break;
             }
         }
         drop(rest);
