@@ -39,6 +39,7 @@ use crate::error::{Error, RecvError};
 use crate::event_loop::{run_loop, Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
 use crate::monitoring::{ConnectionReport, ListenerReport, MatchReport, RemoteMatch};
 use crate::publish_cache;
+use crate::published::{PublishedMessage, PublishedQueue};
 use crate::reload::LiveLimits;
 use crate::round_watch::{LoopStall, RoundWatch, WatchedEndpoint};
 use crate::subscriptions::{SubRef, SubscriptionTable, Targets, LOCAL_OWNER};
@@ -390,13 +391,9 @@ impl BrokerStats {
     }
 }
 
-/// Work handed to the event loop by other threads.
+/// Work handed to the event loop by other threads (besides the messages
+/// they publish for remote subscribers, [`Shared::published`]).
 pub(crate) enum Command {
-    /// Deliver a message published in-process to remote subscribers.
-    Deliver {
-        targets: Arc<[SubRef]>,
-        message: Message,
-    },
     /// Answer once everything queued before it has been handed to the
     /// endpoints, unless the caller stopped waiting (`until`; `None`:
     /// never) before that.
@@ -436,6 +433,9 @@ pub(crate) struct Shared {
     pub(crate) generation: Arc<AtomicU64>,
     pub(crate) next_sid: AtomicU64,
     pub(crate) commands: CommandQueue<Command>,
+    /// In-process publishes for remote subscribers, bounded as the
+    /// commands are.
+    pub(crate) published: PublishedQueue,
     pub(crate) shutdown: AtomicBool,
     /// Rounds the event loop has run: a health check watches it move
     /// rather than queue behind commands (which wait while a publisher is
@@ -523,6 +523,29 @@ impl Shared {
         self.commands.send(command, self.live.block_timeout(), || {
             self.event_loop.wake_sleeper()
         })
+    }
+
+    /// Queues a message published in-process for remote subscribers.
+    fn send_published(
+        &self,
+        targets: &Arc<[SubRef]>,
+        subject: &Arc<str>,
+        message: PublishedMessage,
+    ) -> Result<(), Error> {
+        if self.shutdown.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        let wake = || {
+            self.commands.wake_if_parked();
+            self.event_loop.wake_sleeper();
+        };
+        self.published
+            .push(targets, subject, message, self.live.block_timeout(), wake)
+    }
+
+    /// Whether work waits for the loop thread: commands or publishes.
+    fn work_waits(&self) -> bool {
+        !self.commands.is_empty() || !self.published.is_empty()
     }
 }
 
@@ -825,6 +848,7 @@ impl Broker {
             subscriptions: RwLock::new(table),
             next_sid: AtomicU64::new(1),
             commands,
+            published: PublishedQueue::new(COMMAND_QUEUE),
             shutdown: AtomicBool::new(false),
             rounds: AtomicU64::new(0),
             round_watch,
@@ -1202,7 +1226,7 @@ impl Broker {
         // The reply came without this thread driving (an in-process
         // responder answered at once, another request read the inbox):
         // what the publish queued is the loop thread's.
-        if !self.shared.commands.is_empty() {
+        if self.shared.work_waits() {
             self.shared.event_loop.wake_sleeper();
         }
         result
@@ -1446,24 +1470,19 @@ fn deliver_in_process_all(
     if let Some(remote) = remote {
         let message = if local.is_empty() {
             // Nothing else needs the parts: no new references.
-            Message {
-                subject: subject.clone(),
+            PublishedMessage {
                 reply: reply.take(),
                 headers: headers.take(),
                 payload: std::mem::take(&mut payload),
             }
         } else {
-            Message {
-                subject: subject.clone(),
+            PublishedMessage {
                 reply: reply.clone(),
                 headers: headers.clone(),
                 payload: payload.clone(),
             }
         };
-        shared.send_command(Command::Deliver {
-            targets: Arc::clone(remote),
-            message,
-        })?;
+        shared.send_published(remote, subject, message)?;
     }
     BrokerStats::add(&stats.messages_in, 1);
     let mut closed = Vec::new();

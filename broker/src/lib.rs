@@ -49,6 +49,7 @@ mod event_loop;
 mod interest;
 pub mod monitoring;
 mod publish_cache;
+mod published;
 pub mod reload;
 mod round_watch;
 mod session;

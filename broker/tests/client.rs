@@ -598,6 +598,49 @@ fn a_flush_returns_once_in_process_subscriptions_have_the_messages() {
     }
 }
 
+/// In-process publishes to remote subscribers, more than the loop hands
+/// on in one round and in runs on alternating subjects: a flush returns
+/// once every message published before it is handed on, and each
+/// subscription receives its messages in order.
+#[test]
+fn a_flush_follows_every_in_process_publish_to_remote_subscribers() {
+    let count = 10_000u32;
+    let subject_of = |n: u32| {
+        if (n / 100) % 2 == 0 {
+            "runs.a"
+        } else {
+            "runs.b"
+        }
+    };
+    for via in BOTH {
+        let (broker, endpoint) = start(via, "");
+        let subscriber = connect(&endpoint);
+        let subs = [
+            subscriber.subscribe("runs.a").unwrap(),
+            subscriber.subscribe("runs.b").unwrap(),
+        ];
+        subscriber.flush(WAIT).unwrap();
+        let before = stat(&broker, "messages_out");
+        for n in 0..count {
+            broker.publish(subject_of(n), numbered(n)).unwrap();
+        }
+        broker.flush(WAIT).unwrap();
+        assert_eq!(
+            stat(&broker, "messages_out") - before,
+            u64::from(count),
+            "{via:?}: handed on before the flush returned"
+        );
+        for (sub, subject) in subs.iter().zip(["runs.a", "runs.b"]) {
+            let expected: Vec<u32> = (0..count).filter(|&n| subject_of(n) == subject).collect();
+            let got: Vec<u32> = expected
+                .iter()
+                .map(|_| number(&sub.recv_timeout(WAIT).expect("a published message")))
+                .collect();
+            assert_eq!(got, expected, "{via:?}: {subject}");
+        }
+    }
+}
+
 /// A responder that publishes an event and then replies: the requester
 /// finds the event queued when its request returns, though the two
 /// arrive together and the reply goes to the waiting request at once.

@@ -48,6 +48,7 @@ use crate::broker::{
 };
 use crate::drive::{Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
+use crate::published::PublishedRun;
 use crate::session::data_link::{released_frames, Ask, Closed, LinkKind};
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
 use crate::session::{error_frame, Heartbeat, Liveness};
@@ -114,6 +115,13 @@ pub(crate) struct EventLoop {
     /// address, one live session.
     fabric_owners: HashMap<(usize, Vec<u8>), u64>,
     commands: Receiver<Command>,
+    /// Runs taken from [`Shared::published`], delivered from
+    /// `published_next` (run, message) on: a round delivers a bounded
+    /// number of messages.
+    published: Vec<PublishedRun>,
+    published_next: (usize, usize),
+    /// Messages of `published` delivered, not yet reported to the queue.
+    published_delivered: usize,
     codec: CodecLimits,
     next_session: u64,
     flushes: Vec<(Sender<()>, Option<Instant>)>,
@@ -505,6 +513,9 @@ impl EventLoop {
             inbox_waiters: HashMap::default(),
             fabric_owners: HashMap::default(),
             commands,
+            published: Vec::new(),
+            published_next: (0, 0),
+            published_delivered: 0,
             codec,
             next_session: 1,
             flushes: Vec::new(),
@@ -912,6 +923,7 @@ impl EventLoop {
         if self.holds_commands() {
             return false;
         }
+        let delivered = self.deliver_published(max);
         let mut handled = 0;
         while handled < max {
             let Ok(command) = self.commands.try_recv() else {
@@ -919,23 +931,9 @@ impl EventLoop {
             };
             handled += 1;
             match command {
-                Command::Deliver { targets, message } => {
-                    // Announcements made before this publish go first.
-                    self.sync_interest();
-                    let mut joined = Bytes::new();
-                    let payload =
-                        Payload::of_parts(&message.headers, &message.payload, &mut joined);
-                    self.encoded_valid = false;
-                    for &target in targets.iter() {
-                        self.deliver_remote(
-                            target,
-                            &message.subject,
-                            message.reply.as_deref(),
-                            payload,
-                        );
-                    }
-                }
                 Command::Flush { done, until } => {
+                    // What was published before the flush goes first.
+                    self.deliver_published(usize::MAX);
                     // Flushes whose callers stopped waiting are forgotten:
                     // with queues that never all drain, they would pile up.
                     let now = Instant::now();
@@ -977,7 +975,47 @@ impl EventLoop {
         self.close_batches();
         self.flush_tally();
         self.answer_flushes();
-        handled > 0
+        handled > 0 || delivered > 0
+    }
+
+    /// Delivers up to `max` messages that in-process threads published for
+    /// remote subscribers, in publish order; returns how many.
+    fn deliver_published(&mut self, max: usize) -> usize {
+        let mut runs = std::mem::take(&mut self.published);
+        let (mut run_at, mut message_at) = self.published_next;
+        let mut delivered = 0;
+        let mut joined = Bytes::new();
+        while delivered < max {
+            let Some(run) = runs.get(run_at) else {
+                runs.clear();
+                let done = std::mem::take(&mut self.published_delivered);
+                self.shared.published.take(done, &mut runs);
+                (run_at, message_at) = (0, 0);
+                if runs.is_empty() {
+                    break;
+                }
+                // Announcements made before these publishes go first.
+                self.sync_interest();
+                continue;
+            };
+            let end = run.messages.len().min(message_at.saturating_add(max - delivered));
+            for message in &run.messages[message_at..end] {
+                let payload = Payload::of_parts(&message.headers, &message.payload, &mut joined);
+                self.encoded_valid = false;
+                for &target in run.targets.iter() {
+                    self.deliver_remote(target, &run.subject, message.reply.as_deref(), payload);
+                }
+            }
+            delivered += end - message_at;
+            message_at = end;
+            if message_at == run.messages.len() {
+                (run_at, message_at) = (run_at + 1, 0);
+            }
+        }
+        self.published = runs;
+        self.published_next = (run_at, message_at);
+        self.published_delivered += delivered;
+        delivered
     }
 
     /// Every session as monitoring sees it, by id; subscriptions listed
@@ -2795,7 +2833,10 @@ impl EventLoop {
         let deadline = Instant::now() + self.shared.config.drain_timeout();
         self.blocking.clear();
         self.set_reads_paused(false);
-        // Deliver what in-process publishers queued before the shutdown.
+        // Deliver what in-process publishers queued before the shutdown,
+        // and what they queued until the queue closed.
+        while self.drain_commands(usize::MAX) {}
+        self.shared.published.close();
         while self.drain_commands(usize::MAX) {}
         let goodbye = codec::encode(&Frame::Goodbye(Goodbye {
             reason: "server shutting down".to_string(),
@@ -2961,10 +3002,9 @@ pub(crate) fn run_loop(
         let holds_commands = state.holds_commands();
         drop(guard);
         // What this thread saw holds only if no driver came since.
-        if !shared
-            .commands
-            .park(commands, holds_commands, || event_loop.may_sleep(finished))
-        {
+        if !shared.commands.park(commands, holds_commands, || {
+            (holds_commands || shared.published.is_empty()) && event_loop.may_sleep(finished)
+        }) {
             continue;
         }
         if let Err(err) = wait(&mut poll, &mut mio_events, timeout) {

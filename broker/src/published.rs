@@ -1,0 +1,278 @@
+//! In-process publishes bound for remote subscribers (clients and routes),
+//! on their way from the publishing threads to the event loop. They wait
+//! as runs: messages in publish order, each run for one subject and one
+//! set of targets. A stream costs its publishing thread a lock and a push
+//! per message, and the loop one take per round; handed over one by one,
+//! each message cost both threads the reference counts of its targets and
+//! subject, cache lines the other thread had just written.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::error::Error;
+use crate::subscriptions::SubRef;
+
+/// One published message, without the subject and targets its run holds.
+pub(crate) struct PublishedMessage {
+    pub reply: Option<Arc<str>>,
+    pub headers: Option<Bytes>,
+    pub payload: Bytes,
+}
+
+/// Messages published in a row on one subject for one set of targets.
+pub(crate) struct PublishedRun {
+    pub targets: Arc<[SubRef]>,
+    pub subject: Arc<str>,
+    pub messages: Vec<PublishedMessage>,
+}
+
+/// The runs waiting for the event loop, bounded in messages.
+pub(crate) struct PublishedQueue {
+    state: Mutex<State>,
+    /// Signalled when the loop makes room or the queue closes.
+    room: Condvar,
+    /// Messages waiting or taken and not yet delivered, at most.
+    capacity: usize,
+}
+
+struct State {
+    runs: Vec<PublishedRun>,
+    /// Messages in `runs` and those the loop took and has not reported
+    /// delivered: what the bound counts.
+    queued: usize,
+    producers_waiting: usize,
+    /// Set by the loop's shutdown: no more messages are taken.
+    closed: bool,
+}
+
+impl PublishedQueue {
+    pub fn new(capacity: usize) -> PublishedQueue {
+        PublishedQueue {
+            state: Mutex::new(State {
+                runs: Vec::new(),
+                queued: 0,
+                producers_waiting: 0,
+                closed: false,
+            }),
+            room: Condvar::new(),
+            capacity,
+        }
+    }
+
+    /// Queues `message` for `targets`, behind the last run when it is for
+    /// the same targets and subject (the same shared values, as a
+    /// publishing thread's cache passes them). While the queue is full it
+    /// waits up to `timeout` for room, then fails with
+    /// [`Error::Blocked`]; [`Error::Closed`] once the loop has shut down.
+    /// `wake` wakes the loop: called when the queue had nothing waiting
+    /// (a loop that took everything before finds this one when it next
+    /// looks, or is woken now), and before waiting for room.
+    pub fn push(
+        &self,
+        targets: &Arc<[SubRef]>,
+        subject: &Arc<str>,
+        message: PublishedMessage,
+        timeout: Duration,
+        wake: impl Fn(),
+    ) -> Result<(), Error> {
+        let mut state = self.state.lock();
+        if state.queued >= self.capacity && !state.closed {
+            self.wait_for_room(&mut state, timeout, &wake)?;
+        }
+        if state.closed {
+            return Err(Error::Closed);
+        }
+        let first = state.runs.is_empty();
+        match state.runs.last_mut() {
+            Some(run)
+                if Arc::ptr_eq(&run.targets, targets) && Arc::ptr_eq(&run.subject, subject) =>
+            {
+                run.messages.push(message)
+            }
+            _ => state.runs.push(PublishedRun {
+                targets: Arc::clone(targets),
+                subject: Arc::clone(subject),
+                messages: vec![message],
+            }),
+        }
+        state.queued += 1;
+        drop(state);
+        if first {
+            wake();
+        }
+        Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wait_for_room(
+        &self,
+        state: &mut MutexGuard<'_, State>,
+        timeout: Duration,
+        wake: &impl Fn(),
+    ) -> Result<(), Error> {
+        let deadline = Instant::now().checked_add(timeout);
+        while state.queued >= self.capacity && !state.closed {
+            MutexGuard::unlocked(state, wake);
+            state.producers_waiting += 1;
+            let timed_out = match deadline {
+                Some(deadline) => self.room.wait_until(state, deadline).timed_out(),
+                None => {
+                    self.room.wait(state);
+                    false
+                }
+            };
+            state.producers_waiting -= 1;
+            if timed_out && state.queued >= self.capacity && !state.closed {
+                return Err(Error::Blocked(timeout));
+            }
+        }
+        Ok(())
+    }
+
+    /// For the loop: counts `delivered` messages it took before as
+    /// delivered (room for as many), then moves the waiting runs into
+    /// `runs`, which must be empty.
+    pub fn take(&self, delivered: usize, runs: &mut Vec<PublishedRun>) {
+        debug_assert!(runs.is_empty());
+        let mut state = self.state.lock();
+        state.queued -= delivered.min(state.queued);
+        std::mem::swap(&mut state.runs, runs);
+        if delivered > 0 && state.producers_waiting > 0 {
+            self.room.notify_all();
+        }
+    }
+
+    /// Whether runs wait for the loop to take them.
+    pub fn is_empty(&self) -> bool {
+        self.state.lock().runs.is_empty()
+    }
+
+    /// For the loop's shutdown: later pushes fail with [`Error::Closed`],
+    /// and producers waiting for room stop waiting. What waits still is
+    /// the loop's to take.
+    pub fn close(&self) {
+        let mut state = self.state.lock();
+        state.closed = true;
+        self.room.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn message(byte: u8) -> PublishedMessage {
+        PublishedMessage {
+            reply: None,
+            headers: None,
+            payload: Bytes::from(vec![byte]),
+        }
+    }
+
+    fn payloads(runs: &[PublishedRun]) -> Vec<Vec<u8>> {
+        runs.iter()
+            .map(|run| run.messages.iter().map(|m| m.payload[0]).collect())
+            .collect()
+    }
+
+    fn targets(sid: u64) -> Arc<[SubRef]> {
+        Arc::from(vec![SubRef { owner: 1, sid }])
+    }
+
+    #[test]
+    fn messages_for_the_same_targets_and_subject_join_one_run_in_order() {
+        let queue = PublishedQueue::new(16);
+        let (a, b) = (targets(1), targets(2));
+        let (x, y): (Arc<str>, Arc<str>) = (Arc::from("x"), Arc::from("y"));
+        let wakes = Cell::new(0);
+        let wake = || wakes.set(wakes.get() + 1);
+        let second = Duration::from_secs(1);
+        for (targets, subject, byte) in [
+            (&a, &x, 1),
+            (&a, &x, 2),
+            (&b, &x, 3),
+            (&b, &y, 4),
+            (&b, &y, 5),
+        ] {
+            queue
+                .push(targets, subject, message(byte), second, wake)
+                .unwrap();
+        }
+        // Only the first push found the queue empty.
+        assert_eq!(wakes.get(), 1);
+        let mut runs = Vec::new();
+        queue.take(0, &mut runs);
+        assert_eq!(payloads(&runs), vec![vec![1, 2], vec![3], vec![4, 5]]);
+        assert!(Arc::ptr_eq(&runs[2].targets, &b) && Arc::ptr_eq(&runs[2].subject, &y));
+        assert!(queue.is_empty());
+        // Emptied by the take, the queue wakes the loop again.
+        queue.push(&a, &x, message(6), second, wake).unwrap();
+        assert_eq!(wakes.get(), 2);
+    }
+
+    #[test]
+    fn a_full_queue_blocks_until_the_loop_reports_delivery() {
+        let queue = Arc::new(PublishedQueue::new(2));
+        let (a, x): (Arc<[SubRef]>, Arc<str>) = (targets(1), Arc::from("x"));
+        let short = Duration::from_millis(20);
+        queue.push(&a, &x, message(1), short, || {}).unwrap();
+        queue.push(&a, &x, message(2), short, || {}).unwrap();
+        assert!(matches!(
+            queue.push(&a, &x, message(3), short, || {}),
+            Err(Error::Blocked(_))
+        ));
+        // Taken but not delivered: still counted against the bound.
+        let mut runs = Vec::new();
+        queue.take(0, &mut runs);
+        assert!(matches!(
+            queue.push(&a, &x, message(3), short, || {}),
+            Err(Error::Blocked(_))
+        ));
+        // A producer waiting for room goes on once the loop reports the
+        // two delivered.
+        let waiting = {
+            let (queue, a, x) = (queue.clone(), a.clone(), x.clone());
+            std::thread::spawn(move || {
+                queue.push(&a, &x, message(3), Duration::from_secs(10), || {})
+            })
+        };
+        while queue.state.lock().producers_waiting == 0 {
+            std::thread::yield_now();
+        }
+        let mut more = Vec::new();
+        queue.take(2, &mut more);
+        waiting.join().unwrap().unwrap();
+        let mut last = Vec::new();
+        queue.take(0, &mut last);
+        assert_eq!(payloads(&last), vec![vec![3]]);
+    }
+
+    #[test]
+    fn a_closed_queue_refuses_pushes_and_releases_waiting_producers() {
+        let queue = Arc::new(PublishedQueue::new(1));
+        let (a, x): (Arc<[SubRef]>, Arc<str>) = (targets(1), Arc::from("x"));
+        queue
+            .push(&a, &x, message(1), Duration::ZERO, || {})
+            .unwrap();
+        let waiting = {
+            let (queue, a, x) = (queue.clone(), a.clone(), x.clone());
+            std::thread::spawn(move || {
+                queue.push(&a, &x, message(2), Duration::from_secs(30), || {})
+            })
+        };
+        while queue.state.lock().producers_waiting == 0 {
+            std::thread::yield_now();
+        }
+        queue.close();
+        assert!(matches!(waiting.join().unwrap(), Err(Error::Closed)));
+        // What was queued before the close is still the loop's.
+        let mut runs = Vec::new();
+        queue.take(0, &mut runs);
+        assert_eq!(payloads(&runs), vec![vec![1]]);
+    }
+}
