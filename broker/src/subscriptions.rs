@@ -329,21 +329,25 @@ impl SubscriptionTable {
     /// Fill `targets` for a message that arrived over a route for the
     /// interest this broker announced as `sid`: never other routes (one
     /// hop); for a plain entry every local plain subscription that matches,
-    /// for a queue group one local member of that group.
+    /// for a queue group one local member of that group. True when the
+    /// answer holds for every message on this subject and `sid` until the
+    /// generation changes: no queue group took part.
     pub fn lookup_from_route(
         &self,
         subject: &str,
         sid: u64,
         targets: &mut Targets,
-    ) -> Result<(), efabus_core::subject::SubjectError> {
+    ) -> Result<bool, efabus_core::subject::SubjectError> {
         targets.clear();
-        self.index.match_subject(subject, &mut targets.matches)?;
+        let stable = self
+            .index
+            .match_subject_stable(subject, &mut targets.matches)?;
         let group = if LocalInterest::is_group_sid(sid) {
             // Withdrawn meanwhile, it may have members here again under
             // another id; forgotten, none can be found.
             match self.interest.group(sid) {
                 Some(group) => Some(group),
-                None => return Ok(()),
+                None => return Ok(false),
             }
         } else {
             None
@@ -370,7 +374,7 @@ impl SubscriptionTable {
                 targets.remote.push(*key);
             }
         }
-        Ok(())
+        Ok(stable)
     }
 }
 

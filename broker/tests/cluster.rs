@@ -381,6 +381,37 @@ fn unsubscribing_on_one_broker_stops_forwarding_from_another() {
     assert_eq!(a.route_interest_count(), 1);
 }
 
+/// A stream arriving over a route follows the receiving broker's
+/// subscriptions as they change under one interest entry, which the
+/// sending broker is not told about: a second subscriber on the same
+/// pattern gets every message routed after it subscribed, and once the
+/// first has gone the second still gets everything.
+#[test]
+fn a_stream_from_a_route_follows_subscriptions_that_change_under_one_entry() {
+    let (a, b) = pair();
+    let first = b.subscribe("feed").unwrap();
+    wait_interest(&a, 1);
+    let publish = |range: std::ops::Range<usize>| {
+        for n in range {
+            a.publish("feed", Bytes::from(n.to_string())).unwrap();
+        }
+        a.flush(WAIT).unwrap();
+    };
+    let numbers =
+        |range: std::ops::Range<usize>| -> Vec<String> { range.map(|n| n.to_string()).collect() };
+    publish(0..500);
+    assert_eq!(receive(&first, 500), numbers(0..500));
+    let second = b.subscribe("feed").unwrap();
+    publish(500..1000);
+    assert_eq!(receive(&first, 500), numbers(500..1000));
+    assert_eq!(receive(&second, 500), numbers(500..1000));
+    drop(first);
+    publish(1000..1500);
+    assert_eq!(receive(&second, 500), numbers(1000..1500));
+    assert_eq!(a.route_interest_count(), 1);
+    assert_eq!(b.stats().value("slow_consumer_drops"), Some(0));
+}
+
 /// A route's interest beyond `limits.max_route_interest` is refused and
 /// counted, not dropped without a word; what fits keeps working, and a
 /// client's own limit (`max_subscriptions_per_peer`) does not apply to a

@@ -46,6 +46,7 @@ use crate::auth_guard::{remote_ip, AuthGuard};
 use crate::broker::{
     deliver_local, BrokerStats, Command, HeldLocal, LocalRuns, MessageParts, RouteReport, Shared,
 };
+use crate::delivery::LocalSink;
 use crate::drive::{Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
 use crate::published::PublishedRun;
@@ -136,10 +137,11 @@ pub(crate) struct EventLoop {
     blocking: HashSet<u64>,
     reads_paused: bool,
     targets: Targets,
-    /// The sessions the last publish's subject reached, kept while the
-    /// subscription table stays unchanged: a stream of publishes on one
-    /// subject is looked up once.
+    /// The subscriptions the last publish's subject reached, kept while
+    /// the subscription table stays unchanged: a stream of publishes on
+    /// one subject is looked up once. Likewise for messages from routes.
     last_route: LastRoute,
+    last_from_route: LastRoute,
     /// What this broker offers in handshakes, one per endpoint that
     /// describes itself.
     offers: Vec<Offer>,
@@ -525,6 +527,7 @@ impl EventLoop {
             reads_paused: false,
             targets: Targets::default(),
             last_route: LastRoute::default(),
+            last_from_route: LastRoute::default(),
             offers,
             tuning,
             released: Vec::new(),
@@ -998,7 +1001,10 @@ impl EventLoop {
                 self.sync_interest();
                 continue;
             };
-            let end = run.messages.len().min(message_at.saturating_add(max - delivered));
+            let end = run
+                .messages
+                .len()
+                .min(message_at.saturating_add(max - delivered));
             for message in &run.messages[message_at..end] {
                 let payload = Payload::of_parts(&message.headers, &message.payload, &mut joined);
                 self.encoded_valid = false;
@@ -1572,11 +1578,8 @@ impl EventLoop {
         // The lookup validates the subject (the index caches valid ones).
         let no_echo = self.sessions.get(&id).is_some_and(|s| s.no_echo);
         let now_at = self.shared.generation.load(Ordering::Acquire);
-        let matched = if !no_echo && self.last_route.serves(subject, now_at) {
-            self.targets.clear();
-            self.targets
-                .remote
-                .extend_from_slice(&self.last_route.remote);
+        let matched = if !no_echo && self.last_route.serves(subject, 0, now_at) {
+            self.last_route.fill(&mut self.targets);
             Ok(())
         } else {
             let table = self.shared.subscriptions.read();
@@ -1589,7 +1592,7 @@ impl EventLoop {
                 drop(table);
                 stable.map(|stable| {
                     self.last_route
-                        .keep(subject, looked_up_at, stable, &self.targets)
+                        .keep(subject, 0, looked_up_at, stable, &self.targets)
                 })
             }
         };
@@ -3030,28 +3033,41 @@ fn store_all(values: &[(&AtomicU64, u64)]) {
     }
 }
 
-/// The remote sessions a subject reached at one generation of the
-/// subscription table. Kept only for an answer that holds for every
-/// message on the subject (no queue group picks a member) and that names
-/// no in-process subscription (those are handed over by draining).
+/// The subscriptions a subject reached at one generation of the
+/// subscription table, for messages from one source (`from`: a route's
+/// interest id, or 0 for a client's publishes). Kept only for an answer
+/// that holds for every message on the subject: no queue group picks a
+/// member.
 #[derive(Default)]
-struct LastRoute {
+pub(super) struct LastRoute {
     subject: String,
+    from: u64,
     /// 0 when nothing is kept (generations start at 1).
     generation: u64,
+    local: Vec<(u64, Arc<LocalSink>)>,
     remote: Vec<SubRef>,
 }
 
 impl LastRoute {
-    fn serves(&self, subject: &str, generation: u64) -> bool {
-        self.generation == generation && self.subject == subject
+    fn serves(&self, subject: &str, from: u64, generation: u64) -> bool {
+        self.generation == generation && self.from == from && self.subject == subject
     }
 
-    fn keep(&mut self, subject: &str, generation: u64, stable: bool, targets: &Targets) {
+    /// Puts the kept answer into `targets`.
+    fn fill(&self, targets: &mut Targets) {
+        targets.clear();
+        targets.local.extend(self.local.iter().cloned());
+        targets.remote.extend_from_slice(&self.remote);
+    }
+
+    fn keep(&mut self, subject: &str, from: u64, generation: u64, stable: bool, targets: &Targets) {
         self.generation = 0;
-        if stable && targets.local.is_empty() {
+        self.local.clear();
+        if stable {
             self.subject.clear();
             self.subject.push_str(subject);
+            self.from = from;
+            self.local.extend(targets.local.iter().cloned());
             self.remote.clear();
             self.remote.extend_from_slice(&targets.remote);
             self.generation = generation;
