@@ -39,7 +39,7 @@ use efabus_core::link::{LinkError, LinkTuning};
 use efabus_core::secret::{constant_time_eq, prove, ProofRole};
 use efabus_core::subject::{self, SubjectLimits};
 use efabus_core::transport::{
-    split_run, DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, SendError,
+    split_run, DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness, SendError,
 };
 use efabus_transports::registry::{EndpointSpec, Registry, RegistryError};
 use mio::unix::SourceFd;
@@ -63,7 +63,7 @@ use crate::session::data_link::{open_released, Keying, LinkKind};
 use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::{self, Control, Queued, SendCounts, RUN_MAX};
 use crate::session::{Connection, Heartbeat, Liveness};
-use crate::wait::{prepare_wait, wait, Polled, SpinWindow};
+use crate::wait::{prepare_wait, puts_off_polling, wait, Polled, SpinWindow};
 
 const WAKER: Token = Token(0);
 const ENDPOINT: Token = Token(1);
@@ -1741,6 +1741,11 @@ struct ClientLoop {
     events: Vec<Event>,
     /// The control endpoint (at [`CONTROL`]), then the data endpoints.
     endpoints: Vec<Box<dyn Endpoint>>,
+    /// When the control endpoint, if it has a descriptor, was last polled
+    /// and found nothing (`None` after it found work).
+    control_quiet_since: Option<Instant>,
+    /// The last round found work on a data endpoint.
+    data_busy: bool,
     address: String,
     codec: CodecLimits,
     link: LinkState,
@@ -1849,6 +1854,8 @@ impl ClientLoop {
         ClientLoop {
             shared,
             events: Vec::with_capacity(256),
+            control_quiet_since: None,
+            data_busy: false,
             endpoints,
             address,
             codec,
@@ -1916,20 +1923,30 @@ impl ClientLoop {
         self.on_timers(now);
         let mut events = std::mem::take(&mut self.events);
         events.clear();
-        if let Err(err) = self.endpoints[CONTROL].poll(&mut events) {
-            warn!(error = %err, "client endpoint poll failed");
+        let control = &mut self.endpoints[CONTROL];
+        let mut busy = false;
+        if !puts_off_polling(self.data_busy, self.control_quiet_since, now, &**control) {
+            if let Err(err) = control.poll(&mut events) {
+                warn!(error = %err, "client endpoint poll failed");
+            }
+            busy = !events.is_empty();
+            if let Readiness::Fd(_) = control.readiness() {
+                self.control_quiet_since = (!busy).then_some(now);
+            }
         }
-        let mut busy = !events.is_empty();
         self.on_events(&mut events);
+        let mut data_busy = false;
         for index in CONTROL + 1..self.endpoints.len() {
             if let Err(err) = self.endpoints[index].poll(&mut events) {
                 self.data_endpoint_failed(index, &err, now);
             }
-            busy |= !events.is_empty();
+            data_busy |= !events.is_empty();
             for event in events.drain(..) {
                 self.on_data_event(index, event);
             }
         }
+        self.data_busy = data_busy;
+        busy |= data_busy;
         self.events = events;
         // After what the endpoints delivered: a gap it filled is no
         // failure, however late, and an answer that came is no silence.

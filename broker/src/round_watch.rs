@@ -279,6 +279,9 @@ impl Endpoint for WatchedEndpoint {
     fn readiness(&self) -> Readiness {
         self.inner.readiness()
     }
+    fn has_own_work(&self) -> bool {
+        self.inner.has_own_work()
+    }
     fn rendezvous_max(&self) -> usize {
         self.inner.rendezvous_max()
     }

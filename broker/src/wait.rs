@@ -26,6 +26,30 @@ pub(crate) fn wait(
     Ok(())
 }
 
+/// While a loop is busy with endpoints that must be polled (the
+/// fabric's), an endpoint with a descriptor (TCP) whose last poll found
+/// nothing is polled at most this often: each of its polls is a system
+/// call, and a stream over `shm` between two brokers made one per round,
+/// about a million a second per loop.
+const FD_POLL_GAP: Duration = Duration::from_micros(20);
+
+/// Whether a loop puts off polling `endpoint` this round: one with a
+/// descriptor whose last poll found nothing (at `quiet_since`) less than
+/// [`FD_POLL_GAP`] ago and that has no work of its own, while the loop's
+/// last round found work on endpoints that must be polled
+/// (`busy_polling`). An idle loop polls every endpoint every round, so a
+/// loop spinning after a reply finds the next request at once.
+pub(crate) fn puts_off_polling(
+    busy_polling: bool,
+    quiet_since: Option<Instant>,
+    now: Instant,
+    endpoint: &dyn Endpoint,
+) -> bool {
+    busy_polling
+        && quiet_since.is_some_and(|since| now.saturating_duration_since(since) < FD_POLL_GAP)
+        && !endpoint.has_own_work()
+}
+
 /// How far the polling window after work may grow, in `spin_us`.
 pub(crate) const SPIN_GROWTH: u32 = 5;
 /// Gaps between rounds with work up to this many `spin_us` belong to one
@@ -185,6 +209,30 @@ pub(crate) fn prepare_wait(
 mod tests {
     use super::*;
     use crate::config::Polling;
+    use efabus_core::transport::EndpointConfig;
+    use efabus_transports::tcp::TcpEndpoint;
+
+    #[test]
+    fn a_quiet_descriptor_endpoint_is_put_off_only_while_the_loop_is_busy_polling() {
+        let endpoint = TcpEndpoint::open(&EndpointConfig {
+            bind: Some("127.0.0.1:0".into()),
+            ..EndpointConfig::default()
+        })
+        .expect("a loopback listener");
+        assert!(!endpoint.has_own_work());
+        let quiet = Instant::now();
+        let soon = quiet + FD_POLL_GAP / 2;
+        assert!(puts_off_polling(true, Some(quiet), soon, &endpoint));
+        // An idle loop, an endpoint that found work, a gap gone by.
+        assert!(!puts_off_polling(false, Some(quiet), soon, &endpoint));
+        assert!(!puts_off_polling(true, None, soon, &endpoint));
+        assert!(!puts_off_polling(
+            true,
+            Some(quiet),
+            quiet + FD_POLL_GAP,
+            &endpoint
+        ));
+    }
 
     fn polled(wakeable: bool) -> Polled {
         Polled {

@@ -859,6 +859,15 @@ pub trait Endpoint: Send {
     /// How the caller learns there is work.
     fn readiness(&self) -> Readiness;
 
+    /// For a [`Readiness::Fd`] endpoint: whether `poll` has work the
+    /// descriptor may not show (frames queued for writing, reads left over
+    /// from the last poll, a wake-up not yet taken). A caller busy with
+    /// other endpoints may put off polling one whose last poll found
+    /// nothing, but never while this says true. The default always does.
+    fn has_own_work(&self) -> bool {
+        true
+    }
+
     /// Largest frame the endpoint sends and takes by rendezvous (a
     /// descriptor sent eagerly, the bytes read one-sided by the receiver);
     /// 0 when it has none. Offered to peers, see

@@ -63,6 +63,7 @@ use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 
@@ -374,12 +375,15 @@ impl Out {
 /// failed), and the waker that makes the endpoint poll them.
 struct Attention {
     tokens: Mutex<Vec<Token>>,
+    /// `tokens` may hold some: read without the lock by `has_own_work`.
+    called: AtomicBool,
     waker: Waker,
 }
 
 impl Attention {
     fn call(&self, token: Token) {
         self.tokens.lock().push(token);
+        self.called.store(true, Ordering::Release);
         if let Err(err) = self.waker.wake() {
             tracing::warn!("tcp: cannot wake endpoint: {err}");
         }
@@ -959,6 +963,7 @@ impl TcpEndpoint {
             events: Events::with_capacity(256),
             attention: Arc::new(Attention {
                 tokens: Mutex::new(Vec::new()),
+                called: AtomicBool::new(false),
                 waker,
             }),
             woken: false,
@@ -1640,6 +1645,8 @@ impl Endpoint for TcpEndpoint {
             }
         }
         let leftover = std::mem::take(&mut self.read_more);
+        // Cleared before the take: a call after it is seen next time.
+        self.attention.called.store(false, Ordering::Relaxed);
         let called = std::mem::take(&mut *self.attention.tokens.lock());
         for token in leftover
             .into_iter()
@@ -1783,6 +1790,18 @@ impl Endpoint for TcpEndpoint {
         Readiness::Fd(self.poll.as_raw_fd())
     }
 
+    fn has_own_work(&self) -> bool {
+        self.woken
+            || self.accept_more
+            || !self.pending.is_empty()
+            || !self.dirty.is_empty()
+            || !self.read_more.is_empty()
+            || !self.lingering.is_empty()
+            || !self.resolving.is_empty()
+            || !self.orphaned_lookups.is_empty()
+            || self.attention.called.load(Ordering::Acquire)
+    }
+
     fn info(&self) -> Option<FabricInfo> {
         Some(TcpEndpoint::info(self))
     }
@@ -1848,6 +1867,40 @@ mod tests {
             })
             .unwrap();
         (stream, peer)
+    }
+
+    /// Poll until the endpoint says it has no work of its own.
+    fn poll_until_quiet(ep: &mut TcpEndpoint) {
+        let deadline = Instant::now() + WAIT;
+        let mut events = Vec::new();
+        while ep.has_own_work() {
+            assert!(Instant::now() < deadline, "still busy; got {events:?}");
+            ep.poll(&mut events).unwrap();
+        }
+    }
+
+    /// A loop busy with other endpoints polls this one only when its
+    /// descriptor says so, unless it has work of its own: a frame queued
+    /// for a peer, or a direct sender's call, until a poll has taken it.
+    #[test]
+    fn a_queued_frame_or_a_call_is_work_of_the_endpoints_own() {
+        let mut ep = listener(Vec::new());
+        let (mut stream, peer) = raw_client(&mut ep);
+        poll_until_quiet(&mut ep);
+        ep.send(
+            peer,
+            OutFrame::whole(Bytes::from_static(b"\x05\0\0\0hello")),
+        )
+        .unwrap();
+        assert!(ep.has_own_work());
+        poll_until_quiet(&mut ep);
+        let mut read = [0u8; 9];
+        stream.set_read_timeout(Some(WAIT)).unwrap();
+        stream.read_exact(&mut read).unwrap();
+        assert_eq!(&read[4..], b"hello");
+        ep.attention.call(token_of(peer).unwrap());
+        assert!(ep.has_own_work());
+        poll_until_quiet(&mut ep);
     }
 
     #[test]

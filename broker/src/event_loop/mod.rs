@@ -36,7 +36,7 @@ use efabus_core::log_limit::LogLimit;
 use efabus_core::subject;
 use efabus_core::transport::{
     split_run, split_run_slices, CloseReason, Endpoint, Event, FabricCounts, OutFrame, PeerId,
-    Refused, RendezvousCounts, SendError, TransportError,
+    Readiness, Refused, RendezvousCounts, SendError, TransportError,
 };
 use mio::{Poll, Token};
 use tracing::{debug, error, info, warn};
@@ -54,7 +54,7 @@ use crate::session::data_link::{released_frames, Ask, Closed, LinkKind};
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
 use crate::session::{error_frame, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
-use crate::wait::{prepare_wait, wait, Polled, SpinWindow};
+use crate::wait::{prepare_wait, puts_off_polling, wait, Polled, SpinWindow};
 
 use crate::monitoring::{ConnectionKind, ConnectionReport, SubscriptionReport};
 use peer::{Role, Session, SessionState};
@@ -98,6 +98,11 @@ pub(crate) struct EventLoop {
     events: Vec<Event>,
     endpoints: Vec<Box<dyn Endpoint>>,
     polling: Polled,
+    /// When each endpoint with a descriptor was last polled and found
+    /// nothing (`None` after it found work, and for the others).
+    fd_quiet_since: Vec<Option<Instant>>,
+    /// The last round found work on an endpoint that must be polled.
+    polled_busy: bool,
     sessions: HashMap<u64, Session>,
     by_peer: HashMap<(usize, PeerId), u64>,
     /// Sessions whose user is restricted: their permissions and the reply
@@ -486,6 +491,7 @@ impl EventLoop {
             endpoint.deliver_runs();
         }
         let polling = Polled::of(endpoints.iter().map(|e| e.readiness()));
+        let endpoint_count = endpoints.len();
         // An endpoint opened only to dial routes offers nothing.
         let offers = endpoints
             .iter()
@@ -507,6 +513,8 @@ impl EventLoop {
             events: Vec::with_capacity(256),
             endpoints,
             polling,
+            fd_quiet_since: vec![None; endpoint_count],
+            polled_busy: false,
             sessions: HashMap::default(),
             by_peer: HashMap::default(),
             restricted: HashMap::default(),
@@ -674,8 +682,14 @@ impl EventLoop {
     /// endpoints once the events are handled.
     fn poll_endpoints(&mut self, events: &mut Vec<Event>) -> bool {
         let mut busy = false;
+        let mut polled_busy = false;
         self.now = Instant::now();
         for index in 0..self.endpoints.len() {
+            let quiet_since = self.fd_quiet_since.get(index).copied().flatten();
+            let endpoint = &*self.endpoints[index];
+            if puts_off_polling(self.polled_busy, quiet_since, self.now, endpoint) {
+                continue;
+            }
             events.clear();
             match self.endpoints[index].poll(events) {
                 Err(err) => self.endpoint_failed(index, &err),
@@ -684,7 +698,15 @@ impl EventLoop {
                 }
                 Ok(()) => {}
             }
-            busy |= !events.is_empty();
+            let found = !events.is_empty();
+            busy |= found;
+            if let Readiness::Fd(_) = self.endpoints[index].readiness() {
+                if let Some(quiet_since) = self.fd_quiet_since.get_mut(index) {
+                    *quiet_since = (!found).then_some(self.now);
+                }
+            } else {
+                polled_busy |= found;
+            }
             // Frames come in runs from one peer: its session is looked up
             // once per run (and whether this is its control link).
             let mut last: Option<(PeerId, u64, bool)> = None;
@@ -726,6 +748,7 @@ impl EventLoop {
             }
             self.queue_local_runs();
         }
+        self.polled_busy = polled_busy;
         self.publish_answers();
         // Before credits are granted: reads may have to pause for what
         // finds its queue full.
