@@ -5,7 +5,8 @@
 //! Threads: in-process publishers look up targets on their own thread through the
 //! shared subscription table (see [`crate::publish_cache`]) and deliver to
 //! in-process subscribers directly; deliveries to remote peers reach the
-//! event loop through a bounded command queue. The event loop thread
+//! event loop as runs through a bounded queue (`crate::published`), other
+//! requests through a bounded command queue. The event loop thread
 //! (`crate::event_loop`) owns every endpoint and session.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -44,7 +45,8 @@ use crate::reload::LiveLimits;
 use crate::round_watch::{LoopStall, RoundWatch, WatchedEndpoint};
 use crate::subscriptions::{SubRef, SubscriptionTable, Targets, LOCAL_OWNER};
 
-/// Commands queued from in-process publishers to the loop before they wait.
+/// Commands queued for the loop, and messages in-process publishers queued
+/// for remote subscribers, before a thread that adds one waits.
 const COMMAND_QUEUE: usize = 65_536;
 
 /// A secret the broker checks travels in the clear on a TCP listener
@@ -535,8 +537,12 @@ impl Shared {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        let wake = || {
-            self.commands.wake_if_parked();
+        // The loop finds a push behind others when it takes them; a
+        // sleeping loop thread is told of each (that check is cheap).
+        let wake = |first: bool| {
+            if first {
+                self.commands.wake_if_parked();
+            }
             self.event_loop.wake_sleeper();
         };
         self.published

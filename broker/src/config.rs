@@ -222,7 +222,7 @@ pub struct SlowConsumer {
     /// long is disconnected with a `SlowConsumer` error; a message for a
     /// full in-process subscription is dropped and counted after waiting
     /// that long. It also bounds how long an in-process publish waits for
-    /// room in the broker's command queue.
+    /// room among the messages queued for the broker's loop (65,536).
     pub block_timeout_ms: u64,
 }
 

@@ -40,11 +40,15 @@ pub(crate) struct PublishedQueue {
 
 struct State {
     runs: Vec<PublishedRun>,
-    /// Messages in `runs` and those the loop took and has not reported
-    /// delivered: what the bound counts.
+    /// Messages in `runs` and those the loop took and has not yet
+    /// reported delivered: what the bound counts.
     queued: usize,
+    /// Messages ever pushed: a flush waits for the loop to have delivered
+    /// as many.
+    pushed: u64,
     producers_waiting: usize,
-    /// Set by the loop's shutdown: no more messages are taken.
+    /// Set when the loop ends: no more messages are accepted (the loop
+    /// still takes what waits).
     closed: bool,
 }
 
@@ -54,6 +58,7 @@ impl PublishedQueue {
             state: Mutex::new(State {
                 runs: Vec::new(),
                 queued: 0,
+                pushed: 0,
                 producers_waiting: 0,
                 closed: false,
             }),
@@ -67,16 +72,16 @@ impl PublishedQueue {
     /// publishing thread's cache passes them). While the queue is full it
     /// waits up to `timeout` for room, then fails with
     /// [`Error::Blocked`]; [`Error::Closed`] once the loop has shut down.
-    /// `wake` wakes the loop: called when the queue had nothing waiting
-    /// (a loop that took everything before finds this one when it next
-    /// looks, or is woken now), and before waiting for room.
+    /// `wake` wakes the loop, given whether the queue had nothing waiting
+    /// (a loop that took everything before finds the others when it next
+    /// looks); also called before waiting for room.
     pub fn push(
         &self,
         targets: &Arc<[SubRef]>,
         subject: &Arc<str>,
         message: PublishedMessage,
         timeout: Duration,
-        wake: impl Fn(),
+        wake: impl Fn(bool),
     ) -> Result<(), Error> {
         let mut state = self.state.lock();
         if state.queued >= self.capacity && !state.closed {
@@ -99,10 +104,9 @@ impl PublishedQueue {
             }),
         }
         state.queued += 1;
+        state.pushed += 1;
         drop(state);
-        if first {
-            wake();
-        }
+        wake(first);
         Ok(())
     }
 
@@ -112,11 +116,11 @@ impl PublishedQueue {
         &self,
         state: &mut MutexGuard<'_, State>,
         timeout: Duration,
-        wake: &impl Fn(),
+        wake: &impl Fn(bool),
     ) -> Result<(), Error> {
         let deadline = Instant::now().checked_add(timeout);
         while state.queued >= self.capacity && !state.closed {
-            MutexGuard::unlocked(state, wake);
+            MutexGuard::unlocked(state, || wake(true));
             state.producers_waiting += 1;
             let timed_out = match deadline {
                 Some(deadline) => self.room.wait_until(state, deadline).timed_out(),
@@ -133,15 +137,21 @@ impl PublishedQueue {
         Ok(())
     }
 
-    /// For the loop: counts `delivered` messages it took before as
-    /// delivered (room for as many), then moves the waiting runs into
-    /// `runs`, which must be empty.
-    pub fn take(&self, delivered: usize, runs: &mut Vec<PublishedRun>) {
+    /// For the loop: moves the waiting runs into `runs`, which must be
+    /// empty. They count against the bound until reported [`delivered`].
+    ///
+    /// [`delivered`]: Self::delivered
+    pub fn take(&self, runs: &mut Vec<PublishedRun>) {
         debug_assert!(runs.is_empty());
+        std::mem::swap(&mut self.state.lock().runs, runs);
+    }
+
+    /// For the loop: `count` messages it took are delivered, which makes
+    /// room for as many.
+    pub fn delivered(&self, count: usize) {
         let mut state = self.state.lock();
-        state.queued -= delivered.min(state.queued);
-        std::mem::swap(&mut state.runs, runs);
-        if delivered > 0 && state.producers_waiting > 0 {
+        state.queued -= count.min(state.queued);
+        if state.producers_waiting > 0 {
             self.room.notify_all();
         }
     }
@@ -151,9 +161,14 @@ impl PublishedQueue {
         self.state.lock().runs.is_empty()
     }
 
-    /// For the loop's shutdown: later pushes fail with [`Error::Closed`],
-    /// and producers waiting for room stop waiting. What waits still is
-    /// the loop's to take.
+    /// Messages pushed so far.
+    pub fn pushed(&self) -> u64 {
+        self.state.lock().pushed
+    }
+
+    /// For the loop as it ends (shut down, or broken by a panic): later
+    /// pushes fail with [`Error::Closed`], and producers waiting for room
+    /// stop waiting. What waits still is the loop's to take.
     pub fn close(&self) {
         let mut state = self.state.lock();
         state.closed = true;
@@ -190,7 +205,7 @@ mod tests {
         let (a, b) = (targets(1), targets(2));
         let (x, y): (Arc<str>, Arc<str>) = (Arc::from("x"), Arc::from("y"));
         let wakes = Cell::new(0);
-        let wake = || wakes.set(wakes.get() + 1);
+        let wake = |first: bool| wakes.set(wakes.get() + u32::from(first));
         let second = Duration::from_secs(1);
         for (targets, subject, byte) in [
             (&a, &x, 1),
@@ -205,8 +220,9 @@ mod tests {
         }
         // Only the first push found the queue empty.
         assert_eq!(wakes.get(), 1);
+        assert_eq!(queue.pushed(), 5);
         let mut runs = Vec::new();
-        queue.take(0, &mut runs);
+        queue.take(&mut runs);
         assert_eq!(payloads(&runs), vec![vec![1, 2], vec![3], vec![4, 5]]);
         assert!(Arc::ptr_eq(&runs[2].targets, &b) && Arc::ptr_eq(&runs[2].subject, &y));
         assert!(queue.is_empty());
@@ -220,17 +236,17 @@ mod tests {
         let queue = Arc::new(PublishedQueue::new(2));
         let (a, x): (Arc<[SubRef]>, Arc<str>) = (targets(1), Arc::from("x"));
         let short = Duration::from_millis(20);
-        queue.push(&a, &x, message(1), short, || {}).unwrap();
-        queue.push(&a, &x, message(2), short, || {}).unwrap();
+        queue.push(&a, &x, message(1), short, |_| {}).unwrap();
+        queue.push(&a, &x, message(2), short, |_| {}).unwrap();
         assert!(matches!(
-            queue.push(&a, &x, message(3), short, || {}),
+            queue.push(&a, &x, message(3), short, |_| {}),
             Err(Error::Blocked(_))
         ));
         // Taken but not delivered: still counted against the bound.
         let mut runs = Vec::new();
-        queue.take(0, &mut runs);
+        queue.take(&mut runs);
         assert!(matches!(
-            queue.push(&a, &x, message(3), short, || {}),
+            queue.push(&a, &x, message(3), short, |_| {}),
             Err(Error::Blocked(_))
         ));
         // A producer waiting for room goes on once the loop reports the
@@ -238,17 +254,16 @@ mod tests {
         let waiting = {
             let (queue, a, x) = (queue.clone(), a.clone(), x.clone());
             std::thread::spawn(move || {
-                queue.push(&a, &x, message(3), Duration::from_secs(10), || {})
+                queue.push(&a, &x, message(3), Duration::from_secs(10), |_| {})
             })
         };
         while queue.state.lock().producers_waiting == 0 {
             std::thread::yield_now();
         }
-        let mut more = Vec::new();
-        queue.take(2, &mut more);
+        queue.delivered(2);
         waiting.join().unwrap().unwrap();
         let mut last = Vec::new();
-        queue.take(0, &mut last);
+        queue.take(&mut last);
         assert_eq!(payloads(&last), vec![vec![3]]);
     }
 
@@ -257,12 +272,12 @@ mod tests {
         let queue = Arc::new(PublishedQueue::new(1));
         let (a, x): (Arc<[SubRef]>, Arc<str>) = (targets(1), Arc::from("x"));
         queue
-            .push(&a, &x, message(1), Duration::ZERO, || {})
+            .push(&a, &x, message(1), Duration::ZERO, |_| {})
             .unwrap();
         let waiting = {
             let (queue, a, x) = (queue.clone(), a.clone(), x.clone());
             std::thread::spawn(move || {
-                queue.push(&a, &x, message(2), Duration::from_secs(30), || {})
+                queue.push(&a, &x, message(2), Duration::from_secs(30), |_| {})
             })
         };
         while queue.state.lock().producers_waiting == 0 {
@@ -272,7 +287,7 @@ mod tests {
         assert!(matches!(waiting.join().unwrap(), Err(Error::Closed)));
         // What was queued before the close is still the loop's.
         let mut runs = Vec::new();
-        queue.take(0, &mut runs);
+        queue.take(&mut runs);
         assert_eq!(payloads(&runs), vec![vec![1]]);
     }
 }

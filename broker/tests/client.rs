@@ -641,6 +641,36 @@ fn a_flush_follows_every_in_process_publish_to_remote_subscribers() {
     }
 }
 
+/// More in-process publishes to a remote subscriber than the queue to the
+/// loop holds (65,536), without a flush: the loop makes room as it
+/// delivers, so every one arrives and none fails for lack of room. Both
+/// sides hold publishers back rather than drop.
+#[test]
+fn more_in_process_publishes_than_the_loops_queue_holds_all_arrive() {
+    let count = 150_000u32;
+    let lossless = "[slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 20000";
+    let (broker, endpoint) = start(Via::Tcp, lossless);
+    let subscriber = Client::connect_with(
+        &endpoint,
+        ClientOptions {
+            slow_consumer: SlowConsumerPolicy::Block,
+            block_timeout: WAIT,
+            ..options()
+        },
+        Registry::with_builtins(),
+    )
+    .expect("client connects");
+    let sub = subscriber.subscribe("many").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| check_order(&sub, count, "past the queue's bound"));
+        for n in 0..count {
+            broker.publish("many", numbered(n)).unwrap();
+        }
+        reader.join().unwrap();
+    });
+}
+
 /// A responder that publishes an event and then replies: the requester
 /// finds the event queued when its request returns, though the two
 /// arrive together and the reply goes to the waiting request at once.

@@ -126,11 +126,15 @@ pub(crate) struct EventLoop {
     /// number of messages.
     published: Vec<PublishedRun>,
     published_next: (usize, usize),
-    /// Messages of `published` delivered, not yet reported to the queue.
-    published_delivered: usize,
+    /// Messages delivered from [`Shared::published`] in total.
+    published_total: u64,
     codec: CodecLimits,
     next_session: u64,
-    flushes: Vec<(Sender<()>, Option<Instant>)>,
+    /// Flushes waiting: each is answered once the messages published
+    /// before it are delivered (`published_total` has reached its count)
+    /// and every session's queue is empty, unless its caller stopped
+    /// waiting (`until`) first.
+    flushes: Vec<Flush>,
     /// Messages for in-process subscriptions whose queues are full under
     /// the block policy (see [`HeldLocal`]).
     held_local: HeldLocal,
@@ -525,7 +529,7 @@ impl EventLoop {
             commands,
             published: Vec::new(),
             published_next: (0, 0),
-            published_delivered: 0,
+            published_total: 0,
             codec,
             next_session: 1,
             flushes: Vec::new(),
@@ -562,8 +566,9 @@ impl EventLoop {
         }
     }
 
-    /// One round: the commands of in-process publishers (and what they
-    /// queued, sent at once), every endpoint's events, held-back credits,
+    /// One round: what in-process threads published for remote
+    /// subscribers and asked of the loop (sent at once), every endpoint's
+    /// events, held-back credits,
     /// the timers when due, and the round's sends handed to the wire. Run
     /// by the loop thread, or by an application thread of an embedded
     /// broker while it waits (see [`Driven`]).
@@ -958,14 +963,16 @@ impl EventLoop {
             handled += 1;
             match command {
                 Command::Flush { done, until } => {
-                    // What was published before the flush goes first.
-                    self.deliver_published(usize::MAX);
                     // Flushes whose callers stopped waiting are forgotten:
                     // with queues that never all drain, they would pile up.
                     let now = Instant::now();
                     self.flushes
-                        .retain(|(_, until)| until.is_none_or(|until| until > now));
-                    self.flushes.push((done, until));
+                        .retain(|flush| flush.until.is_none_or(|until| until > now));
+                    self.flushes.push(Flush {
+                        done,
+                        until,
+                        published: self.shared.published.pushed(),
+                    });
                 }
                 Command::AddPeer(endpoint) => self.add_peer(endpoint),
                 Command::Connections {
@@ -1014,8 +1021,7 @@ impl EventLoop {
         while delivered < max {
             let Some(run) = runs.get(run_at) else {
                 runs.clear();
-                let done = std::mem::take(&mut self.published_delivered);
-                self.shared.published.take(done, &mut runs);
+                self.shared.published.take(&mut runs);
                 (run_at, message_at) = (0, 0);
                 if runs.is_empty() {
                     break;
@@ -1043,8 +1049,17 @@ impl EventLoop {
         }
         self.published = runs;
         self.published_next = (run_at, message_at);
-        self.published_delivered += delivered;
+        if delivered > 0 {
+            self.published_total += delivered as u64;
+            self.shared.published.delivered(delivered);
+        }
         delivered
+    }
+
+    /// Whether runs the loop took from [`Shared::published`] wait to be
+    /// delivered.
+    fn has_published_left(&self) -> bool {
+        self.published_next.0 < self.published.len()
     }
 
     /// Every session as monitoring sees it, by id; subscriptions listed
@@ -1115,9 +1130,14 @@ impl EventLoop {
         // A flush answered sees the statistics of what it waited for.
         self.flush_tally();
         if self.sessions.values().all(|s| s.conn.out.is_empty()) {
-            for (done, _) in self.flushes.drain(..) {
-                let _ = done.send(());
-            }
+            let delivered = self.published_total;
+            self.flushes.retain(|flush| {
+                let answered = flush.published <= delivered;
+                if answered {
+                    let _ = flush.done.send(());
+                }
+                !answered
+            });
         }
     }
 
@@ -2860,10 +2880,15 @@ impl EventLoop {
         self.blocking.clear();
         self.set_reads_paused(false);
         // Deliver what in-process publishers queued before the shutdown,
-        // and what they queued until the queue closed.
-        while self.drain_commands(usize::MAX) {}
+        // and what they queued until the queue closed, past the bounds of
+        // consumers that would hold the loop's commands back.
         self.shared.published.close();
-        while self.drain_commands(usize::MAX) {}
+        loop {
+            self.blocking.clear();
+            if !self.drain_commands(usize::MAX) {
+                break;
+            }
+        }
         let goodbye = codec::encode(&Frame::Goodbye(Goodbye {
             reason: "server shutting down".to_string(),
         }));
@@ -2897,7 +2922,7 @@ impl EventLoop {
         }
         // A flush waiting now succeeds only if nothing was left behind;
         // otherwise it is dropped unanswered and says `Closed`.
-        for (done, _) in self.flushes.drain(..) {
+        for Flush { done, .. } in self.flushes.drain(..) {
             if drained {
                 let _ = done.send(());
             }
@@ -2937,6 +2962,7 @@ struct EndsWaitsOnExit<'a>(&'a Shared);
 
 impl Drop for EndsWaitsOnExit<'_> {
     fn drop(&mut self) {
+        self.0.published.close();
         if !self.0.shutdown.swap(true, Ordering::SeqCst) {
             self.0.subscriptions.write().close_locals();
         }
@@ -3026,10 +3052,12 @@ pub(crate) fn run_loop(
         let finished = event_loop.drives_finished();
         // Commands the loop does not read now must not keep it awake.
         let holds_commands = state.holds_commands();
+        let published_left = state.has_published_left();
         drop(guard);
         // What this thread saw holds only if no driver came since.
         if !shared.commands.park(commands, holds_commands, || {
-            (holds_commands || shared.published.is_empty()) && event_loop.may_sleep(finished)
+            (holds_commands || !published_left && shared.published.is_empty())
+                && event_loop.may_sleep(finished)
         }) {
             continue;
         }
@@ -3054,6 +3082,15 @@ fn store_all(values: &[(&AtomicU64, u64)]) {
     for (counter, value) in values {
         counter.store(*value, Ordering::Relaxed);
     }
+}
+
+/// A flush waiting for the loop ([`EventLoop::answer_flushes`]).
+struct Flush {
+    done: Sender<()>,
+    until: Option<Instant>,
+    /// [`Shared::published`]'s count of messages pushed when the flush
+    /// came: those are delivered before it is answered.
+    published: u64,
 }
 
 /// The subscriptions a subject reached at one generation of the
