@@ -412,6 +412,31 @@ fn a_stream_from_a_route_follows_subscriptions_that_change_under_one_entry() {
     assert_eq!(b.stats().value("slow_consumer_drops"), Some(0));
 }
 
+/// Messages a route brings for a queue group take turns among its
+/// members there: the member is picked per message, never kept for the
+/// subject.
+#[test]
+fn a_queue_group_fed_over_a_route_shares_its_messages() {
+    let (a, b) = pair();
+    let members = [
+        b.queue_subscribe("jobs", "g").unwrap(),
+        b.queue_subscribe("jobs", "g").unwrap(),
+    ];
+    wait_interest(&a, 1);
+    for n in 0..200 {
+        a.publish("jobs", Bytes::from(n.to_string())).unwrap();
+    }
+    a.flush(WAIT).unwrap();
+    wait_until("200 messages taken", || {
+        members.iter().map(|m| m.stats().delivered()).sum::<u64>() == 200
+    });
+    let each: Vec<u64> = members.iter().map(|m| m.stats().delivered()).collect();
+    assert!(
+        each.iter().all(|&n| n > 0),
+        "both members take turns: {each:?}"
+    );
+}
+
 /// A route's interest beyond `limits.max_route_interest` is refused and
 /// counted, not dropped without a word; what fits keeps working, and a
 /// client's own limit (`max_subscriptions_per_peer`) does not apply to a

@@ -1620,26 +1620,44 @@ impl EventLoop {
         }
         // The lookup validates the subject (the index caches valid ones).
         let no_echo = self.sessions.get(&id).is_some_and(|s| s.no_echo);
-        let now_at = self.shared.generation.load(Ordering::Acquire);
-        let matched = if !no_echo && self.last_route.serves(subject, 0, now_at) {
-            self.last_route.fill(&mut self.targets);
-            Ok(())
+        let matched = if no_echo {
+            self.shared
+                .subscriptions
+                .read()
+                .lookup_excluding(subject, id, &mut self.targets)
         } else {
-            let table = self.shared.subscriptions.read();
-            if no_echo {
-                table.lookup_excluding(subject, id, &mut self.targets)
-            } else {
-                // Read under the lock: it names the state looked up.
-                let looked_up_at = self.shared.generation.load(Ordering::Acquire);
-                let stable = table.lookup_stable(subject, &mut self.targets);
-                drop(table);
-                stable.map(|stable| {
-                    self.last_route
-                        .keep(subject, 0, looked_up_at, stable, &self.targets)
-                })
-            }
+            self.look_up(subject, None)
         };
         self.deliver_matched(id, subject, reply, payload, matched);
+    }
+
+    /// Looks `subject` up into `self.targets` for a client's publish
+    /// (`route_sid` `None`) or for a message a route brought for the
+    /// interest this broker announced as `route_sid`, from the answer kept
+    /// for the last such subject while it holds.
+    pub(super) fn look_up(
+        &mut self,
+        subject: &str,
+        route_sid: Option<u64>,
+    ) -> Result<(), subject::SubjectError> {
+        let kept = match route_sid {
+            None => &mut self.last_route,
+            Some(_) => &mut self.last_from_route,
+        };
+        let now_at = self.shared.generation.load(Ordering::Acquire);
+        if kept.serves(subject, route_sid, now_at) {
+            kept.fill(&mut self.targets);
+            return Ok(());
+        }
+        let table = self.shared.subscriptions.read();
+        // Read under the lock: it names the state looked up.
+        let looked_up_at = self.shared.generation.load(Ordering::Acquire);
+        let stable = match route_sid {
+            None => table.lookup_stable(subject, &mut self.targets),
+            Some(sid) => table.lookup_from_route(subject, sid, &mut self.targets),
+        };
+        drop(table);
+        stable.map(|stable| kept.keep(subject, route_sid, looked_up_at, stable, &self.targets))
     }
 
     /// Deliver a message whose subscriptions were looked up into `self.targets`,
@@ -2633,6 +2651,9 @@ impl EventLoop {
     fn on_timers(&mut self, now: Instant) {
         // What was due is served now; what is left is scheduled anew below.
         self.next_timer = now + IDLE_WAKE;
+        let generation = self.shared.generation.load(Ordering::Acquire);
+        self.last_route.forget_if_stale(generation);
+        self.last_from_route.forget_if_stale(generation);
         let timeout = self.shared.config.heartbeat_timeout();
         let handshake_timeout = self.shared.config.handshake_timeout();
         let block_timeout = self.shared.live.block_timeout();
@@ -3094,14 +3115,14 @@ struct Flush {
 }
 
 /// The subscriptions a subject reached at one generation of the
-/// subscription table, for messages from one source (`from`: a route's
-/// interest id, or 0 for a client's publishes). Kept only for an answer
+/// subscription table, for clients' publishes or for messages a route
+/// brought for one interest id (`route_sid`). Kept only for an answer
 /// that holds for every message on the subject: no queue group picks a
 /// member.
 #[derive(Default)]
-pub(super) struct LastRoute {
+struct LastRoute {
     subject: String,
-    from: u64,
+    route_sid: Option<u64>,
     /// 0 when nothing is kept (generations start at 1).
     generation: u64,
     local: Vec<(u64, Arc<LocalSink>)>,
@@ -3109,8 +3130,17 @@ pub(super) struct LastRoute {
 }
 
 impl LastRoute {
-    fn serves(&self, subject: &str, from: u64, generation: u64) -> bool {
-        self.generation == generation && self.from == from && self.subject == subject
+    fn serves(&self, subject: &str, route_sid: Option<u64>, generation: u64) -> bool {
+        self.generation == generation && self.route_sid == route_sid && self.subject == subject
+    }
+
+    /// Lets go of an answer the table has moved past: it may hold
+    /// in-process subscriptions dropped since, and their queues.
+    fn forget_if_stale(&mut self, generation: u64) {
+        if self.generation != generation {
+            self.generation = 0;
+            self.local.clear();
+        }
     }
 
     /// Puts the kept answer into `targets`.
@@ -3120,13 +3150,20 @@ impl LastRoute {
         targets.remote.extend_from_slice(&self.remote);
     }
 
-    fn keep(&mut self, subject: &str, from: u64, generation: u64, stable: bool, targets: &Targets) {
+    fn keep(
+        &mut self,
+        subject: &str,
+        route_sid: Option<u64>,
+        generation: u64,
+        stable: bool,
+        targets: &Targets,
+    ) {
         self.generation = 0;
         self.local.clear();
         if stable {
             self.subject.clear();
             self.subject.push_str(subject);
-            self.from = from;
+            self.route_sid = route_sid;
             self.local.extend(targets.local.iter().cloned());
             self.remote.clear();
             self.remote.extend_from_slice(&targets.remote);

@@ -1521,21 +1521,7 @@ impl EventLoop {
         if !self.payload_allowed(id, payload.counted_len(), max_payload) {
             return;
         }
-        let now_at = self.shared.generation.load(Ordering::Acquire);
-        let matched = if self.last_from_route.serves(subject, sid, now_at) {
-            self.last_from_route.fill(&mut self.targets);
-            Ok(())
-        } else {
-            let table = self.shared.subscriptions.read();
-            // Read under the lock: it names the state looked up.
-            let looked_up_at = self.shared.generation.load(Ordering::Acquire);
-            let stable = table.lookup_from_route(subject, sid, &mut self.targets);
-            drop(table);
-            stable.map(|stable| {
-                self.last_from_route
-                    .keep(subject, sid, looked_up_at, stable, &self.targets)
-            })
-        };
+        let matched = self.look_up(subject, Some(sid));
         // The peer sent it to this broker's queue group, whose last member
         // here has gone since: no other broker is given it (one hop).
         if matched.is_ok()
