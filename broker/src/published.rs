@@ -199,6 +199,30 @@ mod tests {
         Arc::from(vec![SubRef { owner: 1, sid }])
     }
 
+    /// A producer pushing `byte` on a thread of its own, once it waits
+    /// for room.
+    fn push_waiting(
+        queue: &Arc<PublishedQueue>,
+        targets: &Arc<[SubRef]>,
+        subject: &Arc<str>,
+        byte: u8,
+    ) -> std::thread::JoinHandle<Result<(), Error>> {
+        let (shared, targets, subject) = (queue.clone(), targets.clone(), subject.clone());
+        let waiting = std::thread::spawn(move || {
+            shared.push(
+                &targets,
+                &subject,
+                message(byte),
+                Duration::from_secs(30),
+                |_| {},
+            )
+        });
+        while queue.state.lock().producers_waiting == 0 {
+            std::thread::yield_now();
+        }
+        waiting
+    }
+
     #[test]
     fn messages_for_the_same_targets_and_subject_join_one_run_in_order() {
         let queue = PublishedQueue::new(16);
@@ -251,15 +275,7 @@ mod tests {
         ));
         // A producer waiting for room goes on once the loop reports the
         // two delivered.
-        let waiting = {
-            let (queue, a, x) = (queue.clone(), a.clone(), x.clone());
-            std::thread::spawn(move || {
-                queue.push(&a, &x, message(3), Duration::from_secs(10), |_| {})
-            })
-        };
-        while queue.state.lock().producers_waiting == 0 {
-            std::thread::yield_now();
-        }
+        let waiting = push_waiting(&queue, &a, &x, 3);
         queue.delivered(2);
         waiting.join().unwrap().unwrap();
         let mut last = Vec::new();
@@ -274,15 +290,7 @@ mod tests {
         queue
             .push(&a, &x, message(1), Duration::ZERO, |_| {})
             .unwrap();
-        let waiting = {
-            let (queue, a, x) = (queue.clone(), a.clone(), x.clone());
-            std::thread::spawn(move || {
-                queue.push(&a, &x, message(2), Duration::from_secs(30), |_| {})
-            })
-        };
-        while queue.state.lock().producers_waiting == 0 {
-            std::thread::yield_now();
-        }
+        let waiting = push_waiting(&queue, &a, &x, 2);
         queue.close();
         assert!(matches!(waiting.join().unwrap(), Err(Error::Closed)));
         // What was queued before the close is still the loop's.
