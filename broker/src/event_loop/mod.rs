@@ -568,10 +568,10 @@ impl EventLoop {
 
     /// One round: what in-process threads published for remote
     /// subscribers and asked of the loop (sent at once), every endpoint's
-    /// events, held-back credits,
-    /// the timers when due, and the round's sends handed to the wire. Run
-    /// by the loop thread, or by an application thread of an embedded
-    /// broker while it waits (see [`Driven`]).
+    /// events, held-back credits, the timers when due, and the round's
+    /// sends handed to the wire. Run by the loop thread, or by an
+    /// application thread of an embedded broker while it waits (see
+    /// [`Driven`]).
     fn round(&mut self) -> Round {
         self.now = Instant::now();
         // Dated before it is counted: a health check that sees no new
@@ -1635,7 +1635,7 @@ impl EventLoop {
     /// (`route_sid` `None`) or for a message a route brought for the
     /// interest this broker announced as `route_sid`, from the answer kept
     /// for the last such subject while it holds.
-    pub(super) fn look_up(
+    fn look_up(
         &mut self,
         subject: &str,
         route_sid: Option<u64>,
