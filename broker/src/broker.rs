@@ -397,11 +397,13 @@ impl BrokerStats {
 /// they publish for remote subscribers, [`Shared::published`]).
 pub(crate) enum Command {
     /// Answer once everything queued before it has been handed to the
-    /// endpoints, unless the caller stopped waiting (`until`; `None`:
+    /// endpoints, the first `published` messages of [`Shared::published`]
+    /// among them, unless the caller stopped waiting (`until`; `None`:
     /// never) before that.
     Flush {
         done: Sender<()>,
         until: Option<Instant>,
+        published: u64,
     },
     /// Route to one more broker (an endpoint string, checked).
     AddPeer(String),
@@ -551,7 +553,7 @@ impl Shared {
 
     /// Whether work waits for the loop thread: commands or publishes.
     fn work_waits(&self) -> bool {
-        !self.commands.is_empty() || !self.published.is_empty()
+        !self.commands.is_empty() || self.published.outstanding()
     }
 }
 
@@ -1273,7 +1275,12 @@ impl Broker {
     pub fn flush(&self, timeout: Duration) -> Result<(), Error> {
         let (done, rx) = crossbeam_channel::bounded(1);
         let until = Instant::now().checked_add(timeout);
-        self.shared.send_command(Command::Flush { done, until })?;
+        let published = self.shared.published.pushed();
+        self.shared.send_command(Command::Flush {
+            done,
+            until,
+            published,
+        })?;
         rx.recv_timeout(timeout)
             .map_err(|err| Error::waiting(err, timeout))
     }

@@ -221,8 +221,9 @@ pub struct SlowConsumer {
     /// subscriber whose queue stays over `limits.max_pending_bytes` that
     /// long is disconnected with a `SlowConsumer` error; a message for a
     /// full in-process subscription is dropped and counted after waiting
-    /// that long. It also bounds how long an in-process publish waits for
-    /// room among the messages queued for the broker's loop (65,536).
+    /// that long. It also bounds how long an in-process publish, or a
+    /// request to the broker's loop (a flush, a reload, a report), waits
+    /// for room among those queued for the loop (65,536 of each).
     pub block_timeout_ms: u64,
 }
 

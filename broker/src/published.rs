@@ -156,9 +156,10 @@ impl PublishedQueue {
         }
     }
 
-    /// Whether runs wait for the loop to take them.
-    pub fn is_empty(&self) -> bool {
-        self.state.lock().runs.is_empty()
+    /// Whether messages wait to be delivered: in the queue, or taken by
+    /// the loop and not yet reported delivered.
+    pub fn outstanding(&self) -> bool {
+        self.state.lock().queued > 0
     }
 
     /// Messages pushed so far.
@@ -249,7 +250,10 @@ mod tests {
         queue.take(&mut runs);
         assert_eq!(payloads(&runs), vec![vec![1, 2], vec![3], vec![4, 5]]);
         assert!(Arc::ptr_eq(&runs[2].targets, &b) && Arc::ptr_eq(&runs[2].subject, &y));
-        assert!(queue.is_empty());
+        // Taken, the messages wait until reported delivered.
+        assert!(queue.outstanding());
+        queue.delivered(5);
+        assert!(!queue.outstanding());
         // Emptied by the take, the queue wakes the loop again.
         queue.push(&a, &x, message(6), second, wake).unwrap();
         assert_eq!(wakes.get(), 2);

@@ -132,8 +132,8 @@ pub(crate) struct EventLoop {
     next_session: u64,
     /// Flushes waiting: each is answered once the messages published
     /// before it are delivered (`published_total` has reached its count)
-    /// and every session's queue is empty, unless its caller stopped
-    /// waiting (`until`) first.
+    /// and every session's queue is empty. One whose caller stopped
+    /// waiting (`until`) is dropped when the next flush comes.
     flushes: Vec<Flush>,
     /// Messages for in-process subscriptions whose queues are full under
     /// the block policy (see [`HeldLocal`]).
@@ -578,6 +578,11 @@ impl EventLoop {
         // round finds this one's start.
         self.shared.round_watch.round_began(self.now);
         self.shared.rounds.fetch_add(1, Ordering::Release);
+        // A kept answer the table has moved past is let go: it may hold
+        // in-process subscriptions dropped since, and their queues.
+        let generation = self.shared.generation.load(Ordering::Acquire);
+        self.last_route.forget_if_stale(generation);
+        self.last_from_route.forget_if_stale(generation);
         // Commands first, and what they queued sent before the endpoints
         // are polled: a request that an application thread published just
         // before running this round leaves without waiting for every
@@ -962,7 +967,11 @@ impl EventLoop {
             };
             handled += 1;
             match command {
-                Command::Flush { done, until } => {
+                Command::Flush {
+                    done,
+                    until,
+                    published,
+                } => {
                     // Flushes whose callers stopped waiting are forgotten:
                     // with queues that never all drain, they would pile up.
                     let now = Instant::now();
@@ -971,7 +980,7 @@ impl EventLoop {
                     self.flushes.push(Flush {
                         done,
                         until,
-                        published: self.shared.published.pushed(),
+                        published,
                     });
                 }
                 Command::AddPeer(endpoint) => self.add_peer(endpoint),
@@ -1054,12 +1063,6 @@ impl EventLoop {
             self.shared.published.delivered(delivered);
         }
         delivered
-    }
-
-    /// Whether runs the loop took from [`Shared::published`] wait to be
-    /// delivered.
-    fn has_published_left(&self) -> bool {
-        self.published_next.0 < self.published.len()
     }
 
     /// Every session as monitoring sees it, by id; subscriptions listed
@@ -2651,9 +2654,6 @@ impl EventLoop {
     fn on_timers(&mut self, now: Instant) {
         // What was due is served now; what is left is scheduled anew below.
         self.next_timer = now + IDLE_WAKE;
-        let generation = self.shared.generation.load(Ordering::Acquire);
-        self.last_route.forget_if_stale(generation);
-        self.last_from_route.forget_if_stale(generation);
         let timeout = self.shared.config.heartbeat_timeout();
         let handshake_timeout = self.shared.config.handshake_timeout();
         let block_timeout = self.shared.live.block_timeout();
@@ -2910,6 +2910,8 @@ impl EventLoop {
                 break;
             }
         }
+        // Delivering past those bounds paused reads again.
+        self.set_reads_paused(false);
         let goodbye = codec::encode(&Frame::Goodbye(Goodbye {
             reason: "server shutting down".to_string(),
         }));
@@ -3073,12 +3075,10 @@ pub(crate) fn run_loop(
         let finished = event_loop.drives_finished();
         // Commands the loop does not read now must not keep it awake.
         let holds_commands = state.holds_commands();
-        let published_left = state.has_published_left();
         drop(guard);
         // What this thread saw holds only if no driver came since.
         if !shared.commands.park(commands, holds_commands, || {
-            (holds_commands || !published_left && shared.published.is_empty())
-                && event_loop.may_sleep(finished)
+            (holds_commands || !shared.published.outstanding()) && event_loop.may_sleep(finished)
         }) {
             continue;
         }
