@@ -1611,6 +1611,10 @@ pub(crate) struct LocalRuns {
     /// The subscription the gathered messages are for.
     target: Option<(u64, Arc<LocalSink>)>,
     messages: Vec<Message>,
+    /// Or, while every message gathered is plain (no reply subject, no
+    /// headers) and on `last_subject`, their payloads alone: no subject
+    /// reference per message, nor a subject check in the queue.
+    plain: Vec<Bytes>,
     /// The subject of the last message gathered, shared by the next ones
     /// on it. It stays the loop's own: queues keep copies, so its count is
     /// not touched by their readers.
@@ -1622,7 +1626,7 @@ const RUN_KEPT_MAX: usize = 4096;
 
 impl LocalRuns {
     pub fn is_empty(&self) -> bool {
-        self.messages.is_empty()
+        self.messages.is_empty() && self.plain.is_empty()
     }
 
     fn gather(
@@ -1639,8 +1643,24 @@ impl LocalRuns {
             self.queue(shared, held, now);
             self.target = Some((sid, Arc::clone(sink)));
         }
+        let same_subject = self
+            .last_subject
+            .as_ref()
+            .is_some_and(|last| **last == *message.subject);
+        let plain = message.reply.is_none() && message.headers.is_none();
+        if plain && self.messages.is_empty() && (same_subject || self.plain.is_empty()) {
+            if !same_subject {
+                self.last_subject = Some(Arc::from(message.subject));
+            }
+            self.plain.push(message.payload.clone());
+            return;
+        }
+        if !self.plain.is_empty() {
+            // What came before this message goes first.
+            self.queue_plain(shared, held, now, sid, sink);
+        }
         let subject = match &self.last_subject {
-            Some(last) if **last == *message.subject => last.clone(),
+            Some(last) if same_subject => last.clone(),
             _ => {
                 let fresh: Arc<str> = Arc::from(message.subject);
                 self.last_subject = Some(fresh.clone());
@@ -1662,6 +1682,10 @@ impl LocalRuns {
         let Some((sid, sink)) = self.target.take() else {
             return;
         };
+        if !self.plain.is_empty() {
+            self.queue_plain(shared, held, now, sid, &sink);
+            return;
+        }
         let mut rest = self.messages.drain(..);
         // Behind a message held for it, a message is held too.
         if !sink.is_held() {
@@ -1690,6 +1714,51 @@ impl LocalRuns {
         drop(rest);
         if self.messages.capacity() > RUN_KEPT_MAX {
             self.messages = Vec::new();
+        }
+        if !closed.is_empty() {
+            remove_closed(shared, closed);
+        }
+    }
+    /// Queue the plain payloads gathered for `sink`, as [`queue`] does
+    /// messages.
+    ///
+    /// [`queue`]: Self::queue
+    fn queue_plain(
+        &mut self,
+        shared: &Shared,
+        held: &mut HeldLocal,
+        now: Instant,
+        sid: u64,
+        sink: &Arc<LocalSink>,
+    ) {
+        // Never `None`: a payload is gathered with its subject.
+        let Some(subject) = self.last_subject.clone() else {
+            return;
+        };
+        let mut rest = self.plain.drain(..);
+        if !sink.is_held() {
+            let queued = sink.queue_plain_while_room_copied(&subject, &mut rest);
+            if queued > 0 {
+                BrokerStats::add(&shared.stats.messages_out, queued as u64);
+            }
+        }
+        let mut closed = Vec::new();
+        for payload in rest.by_ref() {
+            let parts = MessageParts {
+                subject: &subject,
+                shared_subject: std::cell::OnceCell::new(),
+                reply: None,
+                headers: None,
+                payload,
+            };
+            offer_local(shared, held, now, sid, sink, &parts, &mut closed);
+            if !closed.is_empty() {
+                break;
+            }
+        }
+        drop(rest);
+        if self.plain.capacity() > RUN_KEPT_MAX {
+            self.plain = Vec::new();
         }
         if !closed.is_empty() {
             remove_closed(shared, closed);

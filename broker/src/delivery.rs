@@ -856,19 +856,7 @@ impl LocalSink {
     /// is left empty. True if the queue is closed.
     pub(crate) fn deliver_plain_run(&self, subject: &Arc<str>, payloads: &mut Vec<Bytes>) -> bool {
         let mut payloads = payloads.drain(..);
-        // While there is room: after the first, a payload needs no subject
-        // check and no mark, since the message queued just before it, under
-        // the same hold of the lock, had the same subject.
-        self.queue_items_while_room(&mut payloads, |sink, state, mut payload, first| {
-            if first {
-                let subject = SubjectArg::Kept(subject);
-                let outcome = sink.push_locked(state, subject, None, None, payload, true, false);
-                debug_assert_eq!(outcome, Delivery::Queued);
-            } else {
-                settle_received(state, &mut payload, &mut None);
-                sink.append_locked(state, payload);
-            }
-        });
+        self.queue_plain_while_room(SubjectArg::Kept(subject), &mut payloads);
         for payload in payloads {
             let subject = SubjectArg::Kept(subject);
             if self.push(subject, None, None, payload, true, false) == Delivery::Closed {
@@ -876,6 +864,44 @@ impl LocalSink {
             }
         }
         false
+    }
+
+    /// [`queue_while_room`](Self::queue_while_room) for plain messages
+    /// (no reply subject, no headers) on the loop's `subject`, given as
+    /// their payloads: the subject is copied only if the queue keeps it.
+    pub(crate) fn queue_plain_while_room_copied(
+        &self,
+        subject: &str,
+        payloads: &mut impl Iterator<Item = Bytes>,
+    ) -> usize {
+        let copy = OnceCell::new();
+        self.queue_plain_while_room(SubjectArg::Borrowed(subject, &copy), payloads)
+    }
+
+    /// Queues plain payloads on `subject` while there is room: after the
+    /// first, a payload needs no subject check and no mark, since the
+    /// message queued just before it, under the same hold of the lock,
+    /// had the same subject.
+    #[inline(always)]
+    fn queue_plain_while_room(
+        &self,
+        subject: SubjectArg<'_>,
+        payloads: &mut impl Iterator<Item = Bytes>,
+    ) -> usize {
+        let mut subject = Some(subject);
+        self.queue_items_while_room(payloads, |sink, state, mut payload, _| {
+            match subject.take() {
+                Some(subject) => {
+                    let outcome =
+                        sink.push_locked(state, subject, None, None, payload, true, false);
+                    debug_assert_eq!(outcome, Delivery::Queued);
+                }
+                None => {
+                    settle_received(state, &mut payload, &mut None);
+                    sink.append_locked(state, payload);
+                }
+            }
+        })
     }
 
     /// [`push`](Self::push) with the queue's lock held; the caller wakes a
