@@ -1657,7 +1657,7 @@ impl LocalRuns {
         }
         if !self.plain.is_empty() {
             // What came before this message goes first.
-            self.queue_plain(shared, held, now, sid, sink);
+            self.queue_for(shared, held, now, sid, sink);
         }
         let subject = match &self.last_subject {
             Some(last) if same_subject => last.clone(),
@@ -1679,20 +1679,42 @@ impl LocalRuns {
     /// `block` is held, as [`HeldLocal`] says, and is counted when it is
     /// queued or dropped.
     pub fn queue(&mut self, shared: &Shared, held: &mut HeldLocal, now: Instant) {
-        let Some((sid, sink)) = self.target.take() else {
-            return;
-        };
-        if !self.plain.is_empty() {
-            self.queue_plain(shared, held, now, sid, &sink);
-            return;
+        if let Some((sid, sink)) = self.target.take() {
+            self.queue_for(shared, held, now, sid, &sink);
+        }
+    }
+
+    /// [`queue`](Self::queue) for `sink`, the gathered messages' target.
+    fn queue_for(
+        &mut self,
+        shared: &Shared,
+        held: &mut HeldLocal,
+        now: Instant,
+        sid: u64,
+        sink: &Arc<LocalSink>,
+    ) {
+        // Behind a message held for it, a message is held too.
+        let room = !sink.is_held();
+        let mut queued = 0;
+        if let (false, Some(subject)) = (self.plain.is_empty(), &self.last_subject) {
+            let mut rest = self.plain.drain(..);
+            if room {
+                queued += sink.queue_plain_while_room_copied(subject, &mut rest);
+            }
+            // What finds no room goes on as whole messages.
+            self.messages.extend(rest.map(|payload| Message {
+                subject: subject.clone(),
+                reply: None,
+                headers: None,
+                payload,
+            }));
         }
         let mut rest = self.messages.drain(..);
-        // Behind a message held for it, a message is held too.
-        if !sink.is_held() {
-            let queued = sink.queue_while_room(&mut rest, true);
-            if queued > 0 {
-                BrokerStats::add(&shared.stats.messages_out, queued as u64);
-            }
+        if room {
+            queued += sink.queue_while_room(&mut rest, true);
+        }
+        if queued > 0 {
+            BrokerStats::add(&shared.stats.messages_out, queued as u64);
         }
         let mut closed = Vec::new();
         for message in rest.by_ref() {
@@ -1705,7 +1727,7 @@ impl LocalRuns {
                 headers: message.headers,
                 payload: message.payload,
             };
-            offer_local(shared, held, now, sid, &sink, &parts, &mut closed);
+            offer_local(shared, held, now, sid, sink, &parts, &mut closed);
             // The rest would go to a closed queue too.
             if !closed.is_empty() {
                 break;
@@ -1715,48 +1737,6 @@ impl LocalRuns {
         if self.messages.capacity() > RUN_KEPT_MAX {
             self.messages = Vec::new();
         }
-        if !closed.is_empty() {
-            remove_closed(shared, closed);
-        }
-    }
-    /// Queue the plain payloads gathered for `sink`, as [`queue`] does
-    /// messages.
-    ///
-    /// [`queue`]: Self::queue
-    fn queue_plain(
-        &mut self,
-        shared: &Shared,
-        held: &mut HeldLocal,
-        now: Instant,
-        sid: u64,
-        sink: &Arc<LocalSink>,
-    ) {
-        // Never `None`: a payload is gathered with its subject.
-        let Some(subject) = self.last_subject.clone() else {
-            return;
-        };
-        let mut rest = self.plain.drain(..);
-        if !sink.is_held() {
-            let queued = sink.queue_plain_while_room_copied(&subject, &mut rest);
-            if queued > 0 {
-                BrokerStats::add(&shared.stats.messages_out, queued as u64);
-            }
-        }
-        let mut closed = Vec::new();
-        for payload in rest.by_ref() {
-            let parts = MessageParts {
-                subject: &subject,
-                shared_subject: std::cell::OnceCell::new(),
-                reply: None,
-                headers: None,
-                payload,
-            };
-            offer_local(shared, held, now, sid, sink, &parts, &mut closed);
-            if !closed.is_empty() {
-                break;
-            }
-        }
-        drop(rest);
         if self.plain.capacity() > RUN_KEPT_MAX {
             self.plain = Vec::new();
         }
