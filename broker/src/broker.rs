@@ -1602,10 +1602,11 @@ fn offer_local(
 
 /// Messages the event loop read in a row for one in-process subscription
 /// (and for no other), queued together: one hold of the queue's lock for
-/// the run instead of one per message. Any other delivery queues the run
-/// first, and so does the loop once it has handled what it read and
-/// before it answers a ping, so messages become visible in the order they
-/// were read, as one by one.
+/// the run instead of one per message (two when plain messages are
+/// followed by others). Any other delivery queues the run first, and so
+/// does the loop once it has handled what it read and before it answers a
+/// ping, so messages become visible in the order they were read, as one
+/// by one.
 #[derive(Default)]
 pub(crate) struct LocalRuns {
     /// The subscription the gathered messages are for.
@@ -1613,7 +1614,10 @@ pub(crate) struct LocalRuns {
     messages: Vec<Message>,
     /// Or, while every message gathered is plain (no reply subject, no
     /// headers) and on `last_subject`, their payloads alone: no subject
-    /// reference per message, nor a subject check in the queue.
+    /// reference per message, nor a subject check in the queue. A message
+    /// of another kind or subject queues them, and the run goes on in
+    /// `messages` (so alternating subjects cost one more lock hold, not
+    /// one per change). Never both at once.
     plain: Vec<Bytes>,
     /// The subject of the last message gathered, shared by the next ones
     /// on it. It stays the loop's own: queues keep copies, so its count is
@@ -1693,9 +1697,11 @@ impl LocalRuns {
         sid: u64,
         sink: &Arc<LocalSink>,
     ) {
+        debug_assert!(self.plain.is_empty() || self.messages.is_empty());
         // Behind a message held for it, a message is held too.
         let room = !sink.is_held();
         let mut queued = 0;
+        // (`last_subject` is set whenever payloads are gathered.)
         if let (false, Some(subject)) = (self.plain.is_empty(), &self.last_subject) {
             let mut rest = self.plain.drain(..);
             if room {
@@ -1710,7 +1716,7 @@ impl LocalRuns {
             }));
         }
         let mut rest = self.messages.drain(..);
-        if room {
+        if room && rest.len() > 0 {
             queued += sink.queue_while_room(&mut rest, true);
         }
         if queued > 0 {

@@ -802,7 +802,7 @@ impl LocalSink {
         messages: &mut impl Iterator<Item = Message>,
         copy_subjects: bool,
     ) -> usize {
-        self.queue_items_while_room(messages, |sink, state, message, _| {
+        self.queue_items_while_room(messages, |sink, state, message| {
             let Message {
                 subject,
                 reply,
@@ -821,13 +821,13 @@ impl LocalSink {
     }
 
     /// Takes `items` under one hold of the lock for as long as the queue
-    /// has room, each queued by `push` (given whether it is the first of
-    /// this hold); returns how many it took, and wakes a waiting reader.
+    /// has room, each queued by `push`; returns how many it took, and
+    /// wakes a waiting reader.
     #[inline(always)]
     fn queue_items_while_room<T>(
         &self,
         items: &mut impl Iterator<Item = T>,
-        mut push: impl FnMut(&Self, &mut MutexGuard<'_, State>, T, bool),
+        mut push: impl FnMut(&Self, &mut MutexGuard<'_, State>, T),
     ) -> usize {
         if self.answer.is_some() {
             return 0;
@@ -839,7 +839,7 @@ impl LocalSink {
             let Some(item) = items.next() else {
                 break;
             };
-            push(self, &mut state, item, queued == 0);
+            push(self, &mut state, item);
             queued += 1;
         }
         let wake = queued > 0 && state.readers_waiting > 0;
@@ -867,8 +867,9 @@ impl LocalSink {
     }
 
     /// [`queue_while_room`](Self::queue_while_room) for plain messages
-    /// (no reply subject, no headers) on the loop's `subject`, given as
-    /// their payloads: the subject is copied only if the queue keeps it.
+    /// (no reply subject, no headers) on `subject`, a string the caller
+    /// keeps, given as their payloads: it is copied only if the queue
+    /// keeps it.
     pub(crate) fn queue_plain_while_room_copied(
         &self,
         subject: &str,
@@ -889,17 +890,14 @@ impl LocalSink {
         payloads: &mut impl Iterator<Item = Bytes>,
     ) -> usize {
         let mut subject = Some(subject);
-        self.queue_items_while_room(payloads, |sink, state, mut payload, _| {
-            match subject.take() {
-                Some(subject) => {
-                    let outcome =
-                        sink.push_locked(state, subject, None, None, payload, true, false);
-                    debug_assert_eq!(outcome, Delivery::Queued);
-                }
-                None => {
-                    settle_received(state, &mut payload, &mut None);
-                    sink.append_locked(state, payload);
-                }
+        self.queue_items_while_room(payloads, |sink, state, mut payload| match subject.take() {
+            Some(subject) => {
+                let outcome = sink.push_locked(state, subject, None, None, payload, true, false);
+                debug_assert_eq!(outcome, Delivery::Queued);
+            }
+            None => {
+                settle_received(state, &mut payload, &mut None);
+                sink.append_locked(state, payload);
             }
         })
     }

@@ -499,6 +499,55 @@ fn a_mixed_stream_arrives_whole_and_in_order() {
     }
 }
 
+/// The same stream into an in-process subscription whose queue holds 4
+/// under `block`: the broker's loop holds what finds no room and queues it
+/// as the reader makes room, plain runs and the rest alike, each message
+/// whole and in order.
+#[test]
+fn a_mixed_stream_through_a_tiny_blocking_queue_arrives_whole_and_in_order() {
+    let count = 3_000;
+    let (broker, endpoint) = start(
+        Via::Tcp,
+        "[limits]\nsubscription_queue = 4\n\
+         [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 20000",
+    );
+    let local = broker.subscribe("mix.>").unwrap();
+    let publisher = connect(&endpoint);
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            for expected in 0..count {
+                let message = local.recv_timeout(WAIT).expect("a mixed message");
+                let (subject, reply, headers) = mixed(expected);
+                assert_eq!(number(&message), expected, "out of order");
+                assert_eq!(&*message.subject, subject, "message {expected}");
+                assert_eq!(
+                    message.reply.as_deref(),
+                    reply.as_deref(),
+                    "message {expected}"
+                );
+                assert_eq!(message.headers, headers, "message {expected}");
+            }
+        });
+        for n in 0..count {
+            let (subject, reply, headers) = mixed(n);
+            match headers {
+                Some(block) => publisher
+                    .publish_with_headers(&subject, reply.as_deref(), block, numbered(n))
+                    .unwrap(),
+                None => match &reply {
+                    Some(reply) => publisher
+                        .publish_request(&subject, reply, numbered(n))
+                        .unwrap(),
+                    None => publisher.publish(&subject, numbered(n)).unwrap(),
+                },
+            }
+        }
+        publisher.flush(WAIT).unwrap();
+        reader.join().unwrap();
+    });
+    assert_eq!(local.stats().dropped(), 0);
+}
+
 #[test]
 fn each_publisher_is_received_in_order() {
     let count = 10_000;
