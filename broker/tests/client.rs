@@ -411,6 +411,32 @@ fn mixed(n: u32) -> (String, Option<String>, Option<Bytes>) {
     (subject, reply, headers)
 }
 
+/// Publishes the n-th message of [`mixed`].
+fn publish_mixed(publisher: &Client, n: u32) {
+    let (subject, reply, headers) = mixed(n);
+    let published = match (headers, &reply) {
+        (Some(block), _) => {
+            publisher.publish_with_headers(&subject, reply.as_deref(), block, numbered(n))
+        }
+        (None, Some(reply)) => publisher.publish_request(&subject, reply, numbered(n)),
+        (None, None) => publisher.publish(&subject, numbered(n)),
+    };
+    published.expect("published");
+}
+
+/// Checks that `message` is the `expected`-th of [`mixed`], whole.
+fn check_mixed(message: &Message, expected: u32, label: &str) {
+    let (subject, reply, headers) = mixed(expected);
+    assert_eq!(number(message), expected, "{label}: out of order");
+    assert_eq!(&*message.subject, subject, "{label}: message {expected}");
+    assert_eq!(
+        message.reply.as_deref(),
+        reply.as_deref(),
+        "{label}: message {expected}"
+    );
+    assert_eq!(message.headers, headers, "{label}: message {expected}");
+}
+
 /// Plain messages on one subject (no reply subject, no headers) are handed
 /// to a subscription together, by a client's loop and by the broker's; a
 /// stream that changes subject, carries replies and headers now and then,
@@ -430,36 +456,11 @@ fn a_mixed_stream_arrives_whole_and_in_order() {
         let only_a = subscriber.subscribe("mix.a").unwrap();
         subscriber.flush(WAIT).unwrap();
         for n in 0..count {
-            let (subject, reply, headers) = mixed(n);
-            match headers {
-                Some(block) => publisher
-                    .publish_with_headers(&subject, reply.as_deref(), block, numbered(n))
-                    .unwrap(),
-                None => match &reply {
-                    Some(reply) => publisher
-                        .publish_request(&subject, reply, numbered(n))
-                        .unwrap(),
-                    None => publisher.publish(&subject, numbered(n)).unwrap(),
-                },
-            }
+            publish_mixed(&publisher, n);
         }
         publisher.flush(WAIT).unwrap();
         let check = |message: &Message, expected: u32, label: &str| {
-            let (subject, reply, headers) = mixed(expected);
-            assert_eq!(number(message), expected, "{via:?} {label}: out of order");
-            assert_eq!(
-                &*message.subject, subject,
-                "{via:?} {label}: message {expected}"
-            );
-            assert_eq!(
-                message.reply.as_deref(),
-                reply.as_deref(),
-                "{via:?} {label}: message {expected}"
-            );
-            assert_eq!(
-                message.headers, headers,
-                "{via:?} {label}: message {expected}"
-            );
+            check_mixed(message, expected, &format!("{via:?} {label}"));
         };
         for (sub, label) in [(&all, "mix.>"), (&local, "in-process mix.>")] {
             let mut batch = Vec::new();
@@ -517,30 +518,11 @@ fn a_mixed_stream_through_a_tiny_blocking_queue_arrives_whole_and_in_order() {
         let reader = scope.spawn(|| {
             for expected in 0..count {
                 let message = local.recv_timeout(WAIT).expect("a mixed message");
-                let (subject, reply, headers) = mixed(expected);
-                assert_eq!(number(&message), expected, "out of order");
-                assert_eq!(&*message.subject, subject, "message {expected}");
-                assert_eq!(
-                    message.reply.as_deref(),
-                    reply.as_deref(),
-                    "message {expected}"
-                );
-                assert_eq!(message.headers, headers, "message {expected}");
+                check_mixed(&message, expected, "a tiny queue");
             }
         });
         for n in 0..count {
-            let (subject, reply, headers) = mixed(n);
-            match headers {
-                Some(block) => publisher
-                    .publish_with_headers(&subject, reply.as_deref(), block, numbered(n))
-                    .unwrap(),
-                None => match &reply {
-                    Some(reply) => publisher
-                        .publish_request(&subject, reply, numbered(n))
-                        .unwrap(),
-                    None => publisher.publish(&subject, numbered(n)).unwrap(),
-                },
-            }
+            publish_mixed(&publisher, n);
         }
         publisher.flush(WAIT).unwrap();
         reader.join().unwrap();
