@@ -6,6 +6,7 @@
 //! each message cost both threads the reference counts of its targets and
 //! subject, cache lines the other thread had just written.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,6 +33,9 @@ pub(crate) struct PublishedRun {
 /// The runs waiting for the event loop, bounded in messages.
 pub(crate) struct PublishedQueue {
     state: Mutex<State>,
+    /// Whether `state.runs` holds any, written under the lock: a loop
+    /// round finds an idle queue without taking it.
+    has_runs: AtomicBool,
     /// Signalled when the loop makes room or the queue closes.
     room: Condvar,
     /// Messages waiting or taken and not yet delivered, at most.
@@ -62,6 +66,7 @@ impl PublishedQueue {
                 producers_waiting: 0,
                 closed: false,
             }),
+            has_runs: AtomicBool::new(false),
             room: Condvar::new(),
             capacity,
         }
@@ -91,6 +96,9 @@ impl PublishedQueue {
             return Err(Error::Closed);
         }
         let first = state.runs.is_empty();
+        if first {
+            self.has_runs.store(true, Ordering::Release);
+        }
         match state.runs.last_mut() {
             Some(run)
                 if Arc::ptr_eq(&run.targets, targets) && Arc::ptr_eq(&run.subject, subject) =>
@@ -139,11 +147,17 @@ impl PublishedQueue {
 
     /// For the loop: moves the waiting runs into `runs`, which must be
     /// empty. They count against the bound until reported [`delivered`].
+    /// A push that comes while this looks is found next time.
     ///
     /// [`delivered`]: Self::delivered
     pub fn take(&self, runs: &mut Vec<PublishedRun>) {
         debug_assert!(runs.is_empty());
-        std::mem::swap(&mut self.state.lock().runs, runs);
+        if !self.has_runs.load(Ordering::Acquire) {
+            return;
+        }
+        let mut state = self.state.lock();
+        std::mem::swap(&mut state.runs, runs);
+        self.has_runs.store(false, Ordering::Release);
     }
 
     /// For the loop: `count` messages it took are delivered, which makes
