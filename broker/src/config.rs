@@ -536,9 +536,9 @@ pub struct Fabric {
 /// rxd providers) it spins for at most 8 of `busy_polls` idle
 /// rounds and then sleeps on the descriptor, which wakes it as soon as a
 /// completion is due: an idle broker uses no CPU. Without one (efa on
-/// libfabric 1.17, or `wait_fd = false`) it spins for `busy_polls` idle
+/// libfabric 1.17, shm, or `wait_fd = false`) it spins for `busy_polls` idle
 /// rounds (one core at 100%, lowest latency), then polls and yields the
-/// core for 64 times as many, then sleeps 50 us between polls for
+/// core for as many again, then sleeps 50 us between polls for
 /// `busy_polls` rounds, then `idle_sleep_us` between polls, so
 /// an idle broker wakes about 1000 times a second (about 3% of a core with
 /// `tcp;ofi_rxm`, whose progress call is costly). Traffic resets the count.

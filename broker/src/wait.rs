@@ -113,13 +113,17 @@ const WAKEABLE_SPINS: u32 = 8;
 /// polls and then yields its core, between spinning and sleeping. A
 /// sleep, however short, costs a timer wake-up (50 us or more with the
 /// kernel's default timer slack); a yield returns at once when no other
-/// thread wants the core, and hands it over when one does. Measured over
-/// shm on 2 cores, 64 B round trips through the broker: 440 us (p50) with
-/// sleeps straight after spinning, 245 us with 16 rounds per `busy_polls`
-/// of yields, 211 us with 64. Spinning instead made it far worse (4.7 ms
-/// with 2,000 spins): the spinners took the cores from the threads with
-/// work.
-const YIELD_ROUNDS_PER_BUSY_POLL: u32 = 64;
+/// thread wants the core, and hands it over when one does, but each round
+/// still costs its polls' system calls. The window after work (`spin_us`)
+/// already keeps a loop serving an exchange yielding; these rounds add
+/// only what follows it. Measured over shm on 2 cores through the broker
+/// (medians of 3 alternated runs), against 64 rounds per `busy_polls`:
+/// 16 B streaming 6.5M to 8.2M msg/s and 1 MiB 8.5 to 9.3 GB/s, with 64 B
+/// round trips unchanged (13.3 and 12.9 us): a broker streaming 1 MiB had
+/// made 153,000 `epoll_wait` and 85,000 `sched_yield` calls a second
+/// between its reads. Sleeping straight after the spin (none) had cost
+/// round trips twice as long, when they took 200 us or more.
+const YIELD_ROUNDS_PER_BUSY_POLL: u32 = 1;
 
 /// How a loop's endpoints want to be waited on.
 #[derive(Debug, Clone, Copy)]
