@@ -6,7 +6,9 @@
 //! subscription, then the publishes buffered meanwhile (within a bound).
 //! A thread waiting for a reply, or for a subscription's next message while
 //! the loop finds nothing to do, runs the loop's rounds itself meanwhile
-//! ([`Driven`]), and the loop thread steps aside.
+//! ([`Driven`]), and the loop thread sleeps meanwhile (up to 100 us at a
+//! time), woken by what is asked of the loop or by a driver that leaves
+//! without its answer.
 //!
 //! Application threads hand work to that thread through one outbox: a
 //! publish is encoded straight into a shared buffer (small payloads copied
@@ -55,7 +57,7 @@ use crate::config::SlowConsumerPolicy;
 use crate::delivery::{
     Delivery, LocalSink, Message, Responder, Subscription, SubscriptionOwner, YieldWindow,
 };
-use crate::drive::{DriveHandle, Driven, Rounds};
+use crate::drive::{DriveHandle, Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
 use crate::error::Error;
 use crate::round_watch::{LoopStall, RoundWatch, WatchedEndpoint};
@@ -586,9 +588,7 @@ impl ClientShared {
         outbox.close_run();
         outbox.items.push_back(Item::Command(command));
         drop(outbox);
-        if was_empty {
-            self.parker.wake_if_parked();
-        }
+        self.wake_loop(was_empty);
         Ok(())
     }
 
@@ -815,10 +815,19 @@ impl ClientShared {
             }
         }
         drop(outbox);
+        self.wake_loop(was_empty);
+        Ok(())
+    }
+
+    /// Tells the loop thread of what was just queued for it: from waiting
+    /// for events if the outbox was empty (a stream wakes it once), and
+    /// from sleeping while a driver holds the loop whatever it held (that
+    /// check is cheap; see [`DriveHandle::wake_sleeper`]).
+    fn wake_loop(&self, was_empty: bool) {
         if was_empty {
             self.parker.wake_if_parked();
         }
-        Ok(())
+        self.session.wake_sleeper();
     }
 
     /// Wait (up to the block timeout) while the outbox is `full`.
@@ -830,6 +839,7 @@ impl ClientShared {
         let timeout = self.options.block_timeout;
         let deadline = Instant::now() + timeout;
         self.parker.wake();
+        self.session.wake_sleeper();
         while full(outbox) {
             if self.shutdown.load(Ordering::Relaxed) {
                 return Err(Error::Closed);
@@ -1346,7 +1356,11 @@ impl Client {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.shared.replies.lock().insert(token, tx);
         let reply_to = format!("{}.{token}", self.shared.inbox_prefix);
-        let sent = self.publish_inner(subject, Some(&reply_to), None, payload.into());
+        // Sent by this thread's drive right after: the loop thread, asleep
+        // for an earlier drive, is left asleep.
+        let sent = crate::drive::before_driving(|| {
+            self.publish_inner(subject, Some(&reply_to), None, payload.into())
+        });
         let result = sent.and_then(|()| self.await_reply(&rx, timeout));
         // The server's answer when no subscription matched the request.
         let result = result.and_then(|reply| match &reply.headers {
@@ -1476,6 +1490,7 @@ impl Client {
         }
         self.shared.shutdown.store(true, Ordering::SeqCst);
         self.shared.parker.wake();
+        self.shared.session.wake_sleeper();
         // Publishers waiting for room see the shutdown.
         self.shared.room.notify_all();
         if let Some(thread) = self.thread.lock().take() {
@@ -1606,8 +1621,10 @@ fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll)
     let mut spin_window = SpinWindow::new(Instant::now());
     while !shared.shutdown.load(Ordering::Relaxed) {
         if session.is_driven() {
-            // A waiting application thread drives the session.
-            std::thread::yield_now();
+            // A waiting application thread drives the session. Asleep
+            // rather than yielding: on few cores a yielding thread takes
+            // turns from the driver and from the peer it exchanges with.
+            session.sleep_while_driven(DRIVEN_SLEEP);
             continue;
         }
         if session.take_driven_work() {

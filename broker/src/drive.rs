@@ -7,9 +7,9 @@
 //! a waiting thread can run the loop's rounds itself: what it waits for
 //! then reaches it with no hand-over, and what it published just before
 //! leaves in its own first round. The loop thread steps aside while such a
-//! driver holds the loop: an embedded broker's sleeps rather than yields
-//! meanwhile ([`Driven::sleep_while_driven`]), so the two do not take turns
-//! on the cores; a client's yields its core between looks. A round that
+//! driver holds the loop: it sleeps rather than yields meanwhile
+//! ([`Driven::sleep_while_driven`]), so the two do not take turns on the
+//! cores. A round that
 //! panics, on a driver's thread or the loop thread, breaks the loop: its
 //! state may be half changed, so no round runs on it again and the loop
 //! thread ends ([`HeldLoop`]).
