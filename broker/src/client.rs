@@ -447,8 +447,8 @@ enum Command {
 
 /// One entry of the outbox, in the order application threads made them.
 enum Item {
-    /// Whole frames back to back.
-    Run(Bytes),
+    /// Whole frames back to back, and how many.
+    Run(Bytes, usize),
     /// One frame whose payload is shared, not copied.
     Frame(OutFrame),
     Command(Command),
@@ -459,6 +459,14 @@ enum Item {
 struct Outbox {
     /// Frames encoded back to back since the last item.
     open: BytesMut,
+    /// Frames in `open`.
+    open_frames: usize,
+    /// Most bytes of frames a run holds: what the path the loop sends on
+    /// takes as one piece ([`DataLinks::run_limit`]), kept by the loop, so
+    /// that a run goes without being read again.
+    ///
+    /// [`DataLinks::run_limit`]: crate::session::data_link::DataLinks::run_limit
+    run_limit: usize,
     items: VecDeque<Item>,
     /// Frame bytes in `open` and `items`, bounded by `max_pending_bytes`.
     bytes: usize,
@@ -498,7 +506,7 @@ impl Outbox {
     /// `Publish` frames it holds.
     fn publishes(&self) -> u64 {
         let items = self.items.iter().map(|item| match item {
-            Item::Run(run) => outbound::publishes_in(run, true),
+            Item::Run(run, _) => outbound::publishes_in(run, true),
             Item::Frame(frame) => outbound::publishes_in(&frame.head, false),
             Item::Command(_) => 0,
         });
@@ -511,7 +519,8 @@ impl Outbox {
         if !self.open.is_empty() {
             let run = std::mem::take(&mut self.open).freeze();
             self.run_hint = run.len();
-            self.items.push_back(Item::Run(run));
+            let frames = std::mem::take(&mut self.open_frames);
+            self.items.push_back(Item::Run(run, frames));
         }
     }
 }
@@ -757,17 +766,22 @@ impl ClientShared {
                 + subject.len()
                 + reply.map_or(0, str::len)
                 + payload.len();
-            if !outbox.open.is_empty() && outbox.open.len() + need > outbox.open.capacity() {
+            let len = outbox.open.len() + need;
+            if !outbox.open.is_empty() && (len > outbox.open.capacity() || len > outbox.run_limit) {
                 outbox.close_run();
             }
             if outbox.open.capacity() < need {
                 let room = (outbox.run_hint * 2).clamp(RUN_MIN, RUN_MAX);
-                outbox.open.reserve(room.max(need));
+                let room = room.min(outbox.run_limit).max(need);
+                outbox.open.reserve(room);
             }
             let before = outbox.open.len();
             let result =
                 codec::routed_into(&mut outbox.open, FrameKind::Publish, 0, fields, &payload);
-            result.map(|()| outbox.open.len() - before)
+            result.map(|()| {
+                outbox.open_frames += 1;
+                outbox.open.len() - before
+            })
         } else {
             let mut head = BytesMut::new();
             let result =
@@ -800,7 +814,7 @@ impl ClientShared {
                 outbox.close_run();
                 if let Some(item) = outbox.items.pop_front() {
                     let result = match &item {
-                        Item::Run(run) => direct.send_run(run.clone()),
+                        Item::Run(run, _) => direct.send_run(run.clone()),
                         Item::Frame(frame) => direct.send(frame.clone()),
                         Item::Command(_) => Err(SendError::Closed(PeerId(0))),
                     };
@@ -1032,7 +1046,10 @@ impl Client {
             replies: Mutex::new(HashMap::default()),
             reply_window: Mutex::new(YieldWindow::new(options.fabric.polling.spin())),
             options,
-            outbox: Mutex::new(Outbox::default()),
+            outbox: Mutex::new(Outbox {
+                run_limit: usize::MAX,
+                ..Outbox::default()
+            }),
             room: Condvar::new(),
             parker: Parker::new(waker),
             shutdown: AtomicBool::new(false),
@@ -2924,6 +2941,7 @@ impl ClientLoop {
             let was_full = outbox.bytes >= bound || outbox.items.len() >= MAX_ITEMS;
             std::mem::swap(&mut self.taken, &mut outbox.items);
             outbox.bytes = 0;
+            outbox.run_limit = self.conn.links.run_limit();
             // The items taken are on their way: a publish must not pass
             // them on the publisher's own thread (a driver's round may run
             // while the loop thread sleeps with the flag set).
@@ -2935,7 +2953,10 @@ impl ClientLoop {
         }
         while let Some(item) = self.taken.pop_front() {
             match item {
-                Item::Run(run) => self.send_out(Queued::run(run, 0)),
+                Item::Run(run, frames) => self.send_out(Queued {
+                    frames,
+                    ..Queued::run(run, 0)
+                }),
                 Item::Frame(frame) => self.send_out(Queued::frame(frame, false)),
                 Item::Command(command) => self.on_command(command),
             }

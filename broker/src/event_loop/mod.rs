@@ -1826,7 +1826,8 @@ impl EventLoop {
                 }
                 self.encoded_valid = true;
             }
-            let session = if session.batch.has_room(self.encoded.len()) {
+            let limit = session.conn.links.run_limit();
+            let session = if session.batch.has_room(self.encoded.len(), limit) {
                 session
             } else {
                 self.close_batch(target.owner);
@@ -1835,7 +1836,7 @@ impl EventLoop {
                 };
                 session
             };
-            if session.batch.push(&self.encoded, target.sid) {
+            if session.batch.push(&self.encoded, target.sid, limit) {
                 self.dirty.push(target.owner);
             }
             return;

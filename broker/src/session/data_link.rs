@@ -986,6 +986,16 @@ impl DataLinks {
             .filter(|link| in_use && link.proof == Proof::Proven)
     }
 
+    /// Most bytes of whole frames a run may hold to go to the peer as one
+    /// piece: the reliable link's limit while it is in use, else no limit
+    /// of the link's (the control link takes runs of any length).
+    pub fn run_limit(&self) -> usize {
+        match &self.reliable {
+            Some(link) if self.in_use => link.run_limit(),
+            _ => usize::MAX,
+        }
+    }
+
     /// Whether frames to the peer wait: it uses the reliable link, which
     /// has not proven its address yet. They go neither there nor on the
     /// control link (from where they could arrive after later ones sent on

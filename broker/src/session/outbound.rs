@@ -42,6 +42,10 @@ pub(crate) struct Queued {
     pub messages: usize,
     /// Several whole frames back to back, for `send_run`.
     pub run: bool,
+    /// A run's frames where its maker counted them (0: not counted): a
+    /// run that fits one piece of a data link then goes without reading
+    /// where each of its frames ends.
+    pub frames: usize,
 }
 
 impl Queued {
@@ -51,6 +55,7 @@ impl Queued {
             frame,
             messages: usize::from(is_message),
             run: false,
+            frames: 1,
         }
     }
 
@@ -60,6 +65,15 @@ impl Queued {
             frame: OutFrame::whole(run),
             messages,
             run: true,
+            frames: 0,
+        }
+    }
+
+    /// A run of `messages` frames, each a message.
+    pub fn messages_run(run: Bytes, messages: usize) -> Queued {
+        Queued {
+            frames: messages,
+            ..Queued::run(run, messages)
         }
     }
 
@@ -141,15 +155,22 @@ pub(crate) fn transmit(
     match result {
         Ok(()) => None,
         Err(SendError::WouldBlock(frame)) => {
+            // What comes back may be the rest of a run: counted again.
             let messages = if queued.run && queued.messages > 0 {
                 split_run_slices(&frame.head).count()
             } else {
                 queued.messages
             };
+            let frames = if queued.run && queued.frames > 0 {
+                messages
+            } else {
+                queued.frames
+            };
             Some(Queued {
                 frame,
                 messages,
                 run: queued.run,
+                frames,
             })
         }
         Err(err) => {
@@ -175,6 +196,16 @@ fn send_run_on(
 ) -> (Option<Queued>, Option<String>) {
     let run = queued.frame.head;
     let limit = link.run_limit();
+    let totals = Totals {
+        messages: queued.messages,
+        frames: queued.frames,
+    };
+    if queued.frames > 0 && run.len() <= limit {
+        // One piece, its frames counted when the run was made: where each
+        // of them ends need not be read.
+        let piece = (0, run.len(), queued.frames);
+        return send_piece(link, endpoint, counts, &run, piece, totals, 0).unwrap_or((None, None));
+    }
     // Only where each frame ends is needed: the groups are slices of `run`.
     let mut frames = split_run_slices(&run);
     // Frames taken so far, and the group being gathered: `run[start..at]`,
@@ -188,34 +219,57 @@ fn send_run_on(
             continue;
         }
         if count > 0 {
-            let outcome = match group(&run, start, at, count) {
-                Ok(frame) => send_on(link, endpoint, counts, frame, count as u64),
-                Err(reason) => OnLink::Failed(reason),
-            };
-            match outcome {
-                OnLink::Taken => sent += count,
-                OnLink::Full(_) => {
-                    let messages = queued.messages.saturating_sub(sent);
-                    return (Some(Queued::run(run.slice(start..), messages)), None);
-                }
-                OnLink::FailedBefore(_, reason) => {
-                    let messages = queued.messages.saturating_sub(sent);
-                    return (
-                        Some(Queued::run(run.slice(start..), messages)),
-                        Some(reason),
-                    );
-                }
-                OnLink::Failed(reason) => {
-                    let messages = queued.messages.saturating_sub(sent + count);
-                    let rest = (at < run.len()).then(|| Queued::run(run.slice(at..), messages));
-                    return (rest, Some(reason));
-                }
+            let piece = (start, at, count);
+            if let Some(result) = send_piece(link, endpoint, counts, &run, piece, totals, sent) {
+                return result;
             }
+            sent += count;
         }
         if next.is_none() {
             return (None, None);
         }
         (start, count) = (at, 1);
+    }
+}
+
+/// A run's messages and, where counted, frames (see [`Queued`]).
+#[derive(Clone, Copy)]
+struct Totals {
+    messages: usize,
+    frames: usize,
+}
+
+/// Sends `run[start..end]`, `count` frames, as one piece, after `sent` of
+/// the run's frames went: `None` when the link took it, else what
+/// [`send_run_on`] gives back (the frames from `start`, or those after
+/// `end` when the link failed on this piece) and the failure.
+fn send_piece(
+    link: &mut DataLink,
+    endpoint: &mut dyn Endpoint,
+    counts: &mut SendCounts,
+    run: &Bytes,
+    (start, end, count): (usize, usize, usize),
+    totals: Totals,
+    sent: usize,
+) -> Option<(Option<Queued>, Option<String>)> {
+    let outcome = match group(run, start, end, count) {
+        Ok(frame) => send_on(link, endpoint, counts, frame, count as u64),
+        Err(reason) => OnLink::Failed(reason),
+    };
+    // What is left after `done` of the run's frames; uncounted frames
+    // stay uncounted.
+    let rest = |from: usize, done: usize| Queued {
+        frames: totals.frames.saturating_sub(done),
+        ..Queued::run(run.slice(from..), totals.messages.saturating_sub(done))
+    };
+    match outcome {
+        OnLink::Taken => None,
+        OnLink::Full(_) => Some((Some(rest(start, sent)), None)),
+        OnLink::FailedBefore(_, reason) => Some((Some(rest(start, sent)), Some(reason))),
+        OnLink::Failed(reason) => {
+            let after = (end < run.len()).then(|| rest(end, sent + count));
+            Some((after, Some(reason)))
+        }
     }
 }
 
@@ -522,20 +576,25 @@ pub(crate) struct Batch {
 }
 
 impl Batch {
-    /// Whether `need` more bytes fit the buffer without growing it: a batch
-    /// never grows its buffer (growing copies, and large buffers come from
-    /// fresh pages); it is handed on where its room ends.
-    pub fn has_room(&self, need: usize) -> bool {
-        self.messages == 0 || self.buffer.len() + need <= self.buffer.capacity()
+    /// Whether `need` more bytes fit the buffer without growing it, and
+    /// the run within `limit` bytes (the most its path sends as one piece,
+    /// [`DataLinks::run_limit`]): a batch never grows its buffer (growing
+    /// copies, and large buffers come from fresh pages), and a run its
+    /// path takes whole goes without being read again. It is handed on
+    /// where its room ends.
+    pub fn has_room(&self, need: usize, limit: usize) -> bool {
+        let len = self.buffer.len() + need;
+        self.messages == 0 || (len <= self.buffer.capacity() && len <= limit)
     }
 
-    /// Append an encoded message for subscription `sid`; true if it is the
-    /// batch's first.
-    pub fn push(&mut self, encoded: &[u8], sid: u64) -> bool {
+    /// Append an encoded message for subscription `sid`, in a buffer of at
+    /// most `limit` bytes (see [`has_room`](Self::has_room)) unless the
+    /// message needs more; true if it is the batch's first.
+    pub fn push(&mut self, encoded: &[u8], sid: u64, limit: usize) -> bool {
         let need = encoded.len();
         if self.buffer.capacity() - self.buffer.len() < need {
             let room = (self.hint * 2).clamp(BATCH_MIN, RUN_MAX);
-            self.buffer.reserve(room.max(need));
+            self.buffer.reserve(room.min(limit).max(need));
         }
         let at = self.buffer.len();
         self.buffer.extend_from_slice(encoded);
@@ -556,7 +615,7 @@ impl Batch {
         };
         let messages = std::mem::take(&mut self.messages);
         self.hint = run.len().clamp(BATCH_MIN, RUN_MAX);
-        Some(Queued::run(run, messages))
+        Some(Queued::messages_run(run, messages))
     }
 
     /// Messages in the batch.
@@ -1256,13 +1315,72 @@ mod tests {
             b"x",
         )
         .expect("encodes");
-        assert!(batch.push(&encoded, 7), "the first message opens the batch");
-        assert!(!batch.push(&encoded, 8));
+        assert!(
+            batch.push(&encoded, 7, usize::MAX),
+            "the first message opens the batch"
+        );
+        assert!(!batch.push(&encoded, 8, usize::MAX));
         let run = batch.take().expect("a run");
         assert!(run.run);
         assert_eq!(run.messages, 2);
+        assert_eq!(run.frames, 2, "every frame of a batch is a message");
         assert_eq!(split_run_slices(&run.frame.head).count(), 2);
         assert!(batch.take().is_none(), "taken once");
+    }
+
+    #[test]
+    fn a_batch_ends_where_its_path_takes_one_piece() {
+        let mut batch = Batch::default();
+        let encoded = [7u8; 20];
+        let limit = 50;
+        assert!(
+            batch.has_room(encoded.len(), limit),
+            "an empty batch takes any"
+        );
+        batch.push(&encoded, 1, limit);
+        assert!(batch.has_room(encoded.len(), limit), "40 bytes of 50");
+        batch.push(&encoded, 2, limit);
+        assert!(!batch.has_room(encoded.len(), limit), "60 bytes of 50");
+        let run = batch.take().expect("a run");
+        assert_eq!((run.frame.head.len(), run.frames), (40, 2));
+        // The buffers are no larger than the limit: closing one there
+        // leaves no unused room behind.
+        batch.push(&encoded, 3, limit);
+        assert!(batch.buffer.capacity() < BATCH_MIN);
+    }
+
+    #[test]
+    fn a_counted_run_within_a_piece_goes_whole_as_a_walked_one_does() {
+        use super::super::data_link::{released_frames, LinkKind};
+        let (mut endpoints, mut links, _, fabric) = with_data_link(usize::MAX, None);
+        let small = |n: u8| {
+            let mut frame = message(20);
+            frame[PREFIX + 1] = n;
+            frame
+        };
+        let frames = [small(1), small(2)];
+        let run = Bytes::from(frames.concat());
+        let mut counts = SendCounts::default();
+        let queued = Queued::messages_run(run, 2);
+        let rest = transmit(&mut endpoints, CONTROL, &mut links, &mut counts, queued);
+        assert!(rest.is_none(), "taken");
+        assert_eq!(counts.fabric_frames_out, 2);
+        let pieces = fabric.lock().unwrap().clone();
+        assert_eq!(pieces.len(), 1, "one piece");
+        let mut out = Vec::new();
+        links
+            .receive(
+                LinkKind::Reliable,
+                std::time::Instant::now(),
+                pieces[0].clone(),
+                &mut out,
+            )
+            .expect("a well-formed piece");
+        let released: Vec<Vec<u8>> = out
+            .iter()
+            .flat_map(|message| released_frames(message).map(|frame| message[frame].to_vec()))
+            .collect();
+        assert_eq!(released, frames);
     }
 
     #[test]
