@@ -853,7 +853,7 @@ impl ClientShared {
         let timeout = self.options.block_timeout;
         let deadline = Instant::now() + timeout;
         self.parker.wake();
-        self.session.wake_sleeper();
+        crate::drive::before_blocking(|| self.session.wake_sleeper());
         while full(outbox) {
             if self.shutdown.load(Ordering::Relaxed) {
                 return Err(Error::Closed);

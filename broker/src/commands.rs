@@ -89,7 +89,7 @@ impl<C> CommandQueue<C> {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(command)) => {
                 self.parker.wake_if_parked();
-                also_wake();
+                crate::drive::before_blocking(&also_wake);
                 self.commands
                     .send_timeout(command, timeout)
                     .map_err(|err| match err {

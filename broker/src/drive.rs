@@ -62,6 +62,22 @@ pub(crate) fn before_driving<T>(publish: impl FnOnce() -> T) -> T {
     publish()
 }
 
+/// Runs `wake`, a wake-up of the loop thread made before the calling
+/// thread blocks (waiting for room in a queue), as a wake from any other
+/// thread: even inside [`before_driving`], since no drive of this thread's
+/// comes before the block ends.
+pub(crate) fn before_blocking<T>(wake: impl FnOnce() -> T) -> T {
+    /// Puts the mark back however `wake` ends.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ABOUT_TO_DRIVE.set(self.0);
+        }
+    }
+    let _restore = Restore(ABOUT_TO_DRIVE.replace(false));
+    wake()
+}
+
 /// Whether the calling thread is running a loop's rounds as a driver: a
 /// round it runs must not wait for something only this thread can do
 /// (room in a queue it reads).
@@ -130,6 +146,20 @@ impl Gate {
         // Paired with the driver's leaving (`drivers`, then `wanted`): one
         // of the two sees the other.
         self.wanted.store(true, Ordering::SeqCst);
+        self.wake_if_asleep();
+    }
+
+    /// Wakes the loop thread for a driver that leaves; while another
+    /// driver is still there, leaves the wake to it as it leaves (`wanted`).
+    fn wake_or_leave_to_last_driver(&self) {
+        if self.is_driven() {
+            self.wanted.store(true, Ordering::SeqCst);
+            // Paired with a leaving driver's `drivers`, then `wanted`: the
+            // other one gone meanwhile may not have seen the flag.
+            if self.is_driven() {
+                return;
+            }
+        }
         self.wake_if_asleep();
     }
 
@@ -374,7 +404,7 @@ impl<L: Rounds> Driven<L> {
         // for the loop thread to bring it; and what was asked of the loop
         // while this one drove may have come after its last round.
         if !got_it || self.gate.wanted.swap(false, Ordering::SeqCst) {
-            self.gate.wake_if_asleep();
+            self.gate.wake_or_leave_to_last_driver();
         }
         rounds
     }
@@ -811,6 +841,41 @@ mod tests {
     }
 
     #[test]
+    fn of_two_drivers_the_last_to_leave_wakes_the_loop_thread() {
+        let (driven, _) = counting(0);
+        let sleeper = sleeper_after_a_driver(&driven);
+        // Another driver, there until its answer comes.
+        let answered = Arc::new(AtomicBool::new(false));
+        let other = {
+            let (driven, answered) = (driven.clone(), answered.clone());
+            std::thread::spawn(move || {
+                let stop = AtomicBool::new(false);
+                driven.drive(far(), &|| answered.load(Ordering::SeqCst), &stop)
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !driven.is_driven() {
+            assert!(Instant::now() < deadline, "the other driver did not come");
+            std::thread::yield_now();
+        }
+        // Asked of the loop during this drive, which leaves with its
+        // answer while the other driver is still there: nothing to wake
+        // yet...
+        let stop = AtomicBool::new(false);
+        let asked = || {
+            driven.gate.wake_sleeper();
+            true
+        };
+        driven.drive(far(), &asked, &stop);
+        assert_eq!(wakes(&driven), 0);
+        // ...until the other leaves, with its answer too.
+        answered.store(true, Ordering::SeqCst);
+        other.join().expect("the other drive ended");
+        assert_eq!(wakes(&driven), 1, "woken as the last driver left");
+        woken(sleeper);
+    }
+
+    #[test]
     fn a_driver_that_gives_up_wakes_the_loop_thread() {
         let (driven, _) = counting(0);
         let sleeper = sleeper_after_a_driver(&driven);
@@ -840,6 +905,30 @@ mod tests {
         assert_eq!(wakes(&driven), 0);
         // Any other publish wakes the loop thread.
         handle.wake_sleeper();
+        assert_eq!(wakes(&driven), 1);
+        woken(sleeper);
+    }
+
+    #[test]
+    fn a_thread_about_to_drive_that_blocks_first_wakes_the_loop_thread() {
+        let handle = DriveHandle::new();
+        let driven = handle.install(
+            Counting {
+                rounds: Arc::new(AtomicU64::new(0)),
+                busy: 0,
+                refuse_at: u64::MAX,
+                panic_at: u64::MAX,
+            },
+            || {},
+            || {},
+        );
+        let sleeper = sleeper_after_a_driver(&driven);
+        // A request's publish that finds its queue full: it waits for the
+        // loop thread to make room before any drive of its own.
+        before_driving(|| {
+            before_blocking(|| handle.wake_sleeper());
+            assert!(ABOUT_TO_DRIVE.get(), "still about to drive once room came");
+        });
         assert_eq!(wakes(&driven), 1);
         woken(sleeper);
     }

@@ -128,7 +128,7 @@ impl PublishedQueue {
     ) -> Result<(), Error> {
         let deadline = Instant::now().checked_add(timeout);
         while state.queued >= self.capacity && !state.closed {
-            MutexGuard::unlocked(state, || wake(true));
+            MutexGuard::unlocked(state, || crate::drive::before_blocking(|| wake(true)));
             state.producers_waiting += 1;
             let timed_out = match deadline {
                 Some(deadline) => self.room.wait_until(state, deadline).timed_out(),
