@@ -455,7 +455,6 @@ enum Item {
 }
 
 /// What application threads hand to the loop (see the module docs).
-#[derive(Default)]
 struct Outbox {
     /// Frames encoded back to back since the last item.
     open: BytesMut,
@@ -498,6 +497,24 @@ enum Closing {
     Unconfirmed,
 }
 
+impl Default for Outbox {
+    fn default() -> Self {
+        Outbox {
+            open: BytesMut::new(),
+            open_frames: 0,
+            // No path yet: no limit of its own.
+            run_limit: usize::MAX,
+            items: VecDeque::new(),
+            bytes: 0,
+            valid_subject: String::new(),
+            run_hint: 0,
+            loop_idle: false,
+            direct: None,
+            closing: Closing::Open,
+        }
+    }
+}
+
 impl Outbox {
     fn is_empty(&self) -> bool {
         self.open.is_empty() && self.items.is_empty()
@@ -511,6 +528,21 @@ impl Outbox {
             Item::Command(_) => 0,
         });
         items.sum::<u64>() + outbound::publishes_in(&self.open, true)
+    }
+
+    /// Room for `need` more bytes in the open run: a run never grows its
+    /// buffer (growing copies, and large buffers come from fresh pages)
+    /// nor passes `run_limit`; it ends where its room does, and the next
+    /// starts with twice the last one's size, within the limit.
+    fn make_room(&mut self, need: usize) {
+        let len = self.open.len() + need;
+        if !self.open.is_empty() && (len > self.open.capacity() || len > self.run_limit) {
+            self.close_run();
+        }
+        if self.open.capacity() < need {
+            let room = (self.run_hint * 2).clamp(RUN_MIN, RUN_MAX);
+            self.open.reserve(room.min(self.run_limit).max(need));
+        }
     }
 
     /// Turn the open frames into an item, so what follows queues behind
@@ -758,23 +790,12 @@ impl ClientShared {
         }
         let was_empty = outbox.is_empty();
         let encoded = if payload.len() <= COPY_MAX {
-            // A run never grows its buffer (growing copies, and large
-            // buffers come from fresh pages): it ends where its room does,
-            // and the next starts with twice the last one's size.
             let need = codec::FRAME_OVERHEAD
                 + codec::PUBLISH_HEADER_LEN
                 + subject.len()
                 + reply.map_or(0, str::len)
                 + payload.len();
-            let len = outbox.open.len() + need;
-            if !outbox.open.is_empty() && (len > outbox.open.capacity() || len > outbox.run_limit) {
-                outbox.close_run();
-            }
-            if outbox.open.capacity() < need {
-                let room = (outbox.run_hint * 2).clamp(RUN_MIN, RUN_MAX);
-                let room = room.min(outbox.run_limit).max(need);
-                outbox.open.reserve(room);
-            }
+            outbox.make_room(need);
             let before = outbox.open.len();
             let result =
                 codec::routed_into(&mut outbox.open, FrameKind::Publish, 0, fields, &payload);
@@ -1046,10 +1067,7 @@ impl Client {
             replies: Mutex::new(HashMap::default()),
             reply_window: Mutex::new(YieldWindow::new(options.fabric.polling.spin())),
             options,
-            outbox: Mutex::new(Outbox {
-                run_limit: usize::MAX,
-                ..Outbox::default()
-            }),
+            outbox: Mutex::new(Outbox::default()),
             room: Condvar::new(),
             parker: Parker::new(waker),
             shutdown: AtomicBool::new(false),
@@ -3317,6 +3335,33 @@ mod tests {
             ..ClientOptions::default()
         };
         Client::connect_with(endpoint, options, Registry::with_builtins()).expect("connects")
+    }
+
+    #[test]
+    fn publish_runs_end_at_their_paths_piece_and_count_their_frames() {
+        let mut outbox = Outbox::default();
+        assert_eq!(outbox.run_limit, usize::MAX, "no limit before a path");
+        // A data link that takes 100 bytes of frames in one piece.
+        outbox.run_limit = 100;
+        for _ in 0..5 {
+            outbox.make_room(30);
+            outbox.open.extend_from_slice(&[0; 30]);
+            outbox.open_frames += 1;
+            assert!(outbox.open.capacity() <= 100, "no room beyond the piece");
+        }
+        outbox.close_run();
+        let runs: Vec<(usize, usize)> = outbox
+            .items
+            .iter()
+            .map(|item| match item {
+                Item::Run(run, frames) => (run.len(), *frames),
+                _ => panic!("only runs were made"),
+            })
+            .collect();
+        assert_eq!(runs, vec![(90, 3), (60, 2)]);
+        // A frame larger than the piece still goes, alone.
+        outbox.make_room(150);
+        assert!(outbox.open.capacity() >= 150);
     }
 
     /// Wait until the client's loop sleeps with nothing queued, so the next

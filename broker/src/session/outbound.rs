@@ -155,17 +155,15 @@ pub(crate) fn transmit(
     match result {
         Ok(()) => None,
         Err(SendError::WouldBlock(frame)) => {
-            // What comes back may be the rest of a run: counted again.
-            let messages = if queued.run && queued.messages > 0 {
-                split_run_slices(&frame.head).count()
-            } else {
-                queued.messages
-            };
-            let frames = if queued.run && queued.frames > 0 {
-                messages
-            } else {
-                queued.frames
-            };
+            // What comes back may be the rest of a run: counted again
+            // where it was counted (every frame of a run of messages is
+            // one).
+            let (mut messages, mut frames) = (queued.messages, queued.frames);
+            if queued.run && (messages > 0 || frames > 0) {
+                let left = split_run_slices(&frame.head).count();
+                messages = if messages > 0 { left } else { 0 };
+                frames = if frames > 0 { left } else { 0 };
+            }
             Some(Queued {
                 frame,
                 messages,
@@ -753,11 +751,21 @@ mod tests {
         .expect("one frame left");
         assert!(rest.run);
         assert_eq!(rest.messages, 1);
+        assert_eq!(rest.frames, 0, "not counted before, not counted now");
         assert_eq!(rest.frame.to_bytes(), run_of(&[b"ccc"]));
         assert_eq!(
             counts.fabric_frames_out, 0,
             "the control link is not the fabric"
         );
+        // A client's run of publishes: frames counted, no messages.
+        let counted = Queued {
+            frames: 3,
+            ..Queued::run(run_of(&[b"a", b"bb", b"ccc"]), 0)
+        };
+        let mut endpoints = wire(2, &Arc::default());
+        let rest = transmit(&mut endpoints, CONTROL, &mut links, &mut counts, counted)
+            .expect("one frame left");
+        assert_eq!((rest.messages, rest.frames), (0, 1));
     }
 
     #[test]
