@@ -886,8 +886,8 @@ mod tests {
         woken(sleeper);
     }
 
-    #[test]
-    fn a_thread_about_to_drive_leaves_the_loop_thread_asleep() {
+    /// A handle with a loop of [`Counting`] rounds, never busy, installed.
+    fn installed() -> (DriveHandle<Counting>, Arc<Driven<Counting>>) {
         let handle = DriveHandle::new();
         let driven = handle.install(
             Counting {
@@ -899,6 +899,12 @@ mod tests {
             || {},
             || {},
         );
+        (handle, driven)
+    }
+
+    #[test]
+    fn a_thread_about_to_drive_leaves_the_loop_thread_asleep() {
+        let (handle, driven) = installed();
         let sleeper = sleeper_after_a_driver(&driven);
         // A request's publish: its own drive will send it.
         before_driving(|| handle.wake_sleeper());
@@ -911,17 +917,7 @@ mod tests {
 
     #[test]
     fn a_thread_about_to_drive_that_blocks_first_wakes_the_loop_thread() {
-        let handle = DriveHandle::new();
-        let driven = handle.install(
-            Counting {
-                rounds: Arc::new(AtomicU64::new(0)),
-                busy: 0,
-                refuse_at: u64::MAX,
-                panic_at: u64::MAX,
-            },
-            || {},
-            || {},
-        );
+        let (handle, driven) = installed();
         let sleeper = sleeper_after_a_driver(&driven);
         // A request's publish that finds its queue full: it waits for the
         // loop thread to make room before any drive of its own.
