@@ -118,8 +118,10 @@ fn value_edit() -> impl Strategy<Value = ValueEdit> {
     ]
 }
 
-/// Apply to the first line from `start` (cyclically) that the edit fits.
-fn apply_value_edit(lines: &mut [String], edit: &ValueEdit) {
+/// Apply to the first line from `start` (cyclically) that the edit fits;
+/// `nth` is the edit's place among those applied, which keeps the fields
+/// edits add apart (two of one name in one block are rightly refused).
+fn apply_value_edit(lines: &mut [String], edit: &ValueEdit, nth: usize) {
     let n = lines.len();
     let start = match edit {
         ValueEdit::AddFlag(i, _)
@@ -146,7 +148,7 @@ fn apply_value_edit(lines: &mut [String], edit: &ValueEdit) {
             ValueEdit::SetNumber(_, v) if value.parse::<u64>().is_ok() => format!("{key}: {v}"),
             ValueEdit::AddField(_, k2, v2) if !value.is_empty() => {
                 let indent = &line[..line.len() - line.trim_start().len()];
-                format!("{line}\n{indent}{k2}: {v2}")
+                format!("{line}\n{indent}{k2}{nth}: {v2}")
             }
             _ => continue,
         };
@@ -187,8 +189,8 @@ proptest! {
         edits in prop::collection::vec(value_edit(), 1..8),
     ) {
         let mut lines: Vec<String> = FIXTURES[which].lines().map(str::to_string).collect();
-        for e in &edits {
-            apply_value_edit(&mut lines, e);
+        for (nth, e) in edits.iter().enumerate() {
+            apply_value_edit(&mut lines, e, nth);
         }
         let text = lines.join("\n");
         let infos = parse_fi_info_dump(&text);
