@@ -924,7 +924,8 @@ fn session_named(broker: &Broker, name: &str) -> efabus_broker::ConnectionReport
 /// in 200 dropped: a loss costs its message and the link goes on. It held
 /// the link until the sender, without credits, reset its window 400 ms
 /// later (no later message could come to settle the loss): 120-133
-/// arrived, against 461-537 since.
+/// arrived. Then for the gap timeout (100 ms): 456-537. Now, the
+/// message's last piece having come, for a twentieth of it: 2,606.
 #[test]
 fn a_lost_datagram_does_not_hold_a_link_of_messages_over_half_its_window() {
     let Some(burst) = best_effort_burst(50_000, DROP_ONE_DATAGRAM_IN_200) else {
@@ -936,7 +937,7 @@ fn a_lost_datagram_does_not_hold_a_link_of_messages_over_half_its_window() {
         burst.lost * 100 <= (burst.received + burst.lost) * 30,
         "{burst:?}"
     );
-    assert!(burst.received >= 250, "losses held the link: {burst:?}");
+    assert!(burst.received >= 1_000, "losses held the link: {burst:?}");
 }
 
 /// The best-effort losses a client counted stay counted when it

@@ -562,6 +562,21 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
             .map(|partial| (partial.received, partial.last_seen))
     }
 
+    /// While `peer`'s message `msg_id` is partial: whether its last piece
+    /// (the highest index) is among those taken.
+    pub fn last_piece_taken(&self, peer: &K, msg_id: u64) -> bool {
+        self.peers
+            .get(peer)
+            .and_then(|state| state.partials.get(&msg_id))
+            .is_some_and(|partial| {
+                let last = partial.count.saturating_sub(1) as usize;
+                partial
+                    .have
+                    .get(last / 64)
+                    .is_some_and(|word| word & (1u64 << (last % 64)) != 0)
+            })
+    }
+
     /// Take one piece from `peer`. Returns the whole frame (as the sender
     /// passed it to [`Fragmenter::fragment`]) when this piece completes it.
     pub fn handle_fragment(

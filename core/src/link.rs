@@ -63,7 +63,8 @@
 //! message) have been taken; a partial message that is the sequence due,
 //! with nothing whole behind it, is given up once no piece of it arrived
 //! for the gap timeout (the sender's credits may be stopped at it, so
-//! that nothing later can come); a frame beyond the reorder window skips
+//! that nothing later can come), or for a twentieth of it once its last
+//! piece has come ([`LAST_PIECE_WAIT_SHARE`]); a frame beyond the reorder window skips
 //! ahead at once. Every sequence
 //! given up is counted exactly once in [`ReceiveStats::lost`], so after
 //! the receiver has settled (nothing held, nothing partial) `delivered +
@@ -109,6 +110,15 @@ const MAX_WIRE_FRAME: usize = match (PREFIX_LEN as u64).checked_add(u32::MAX as 
     Some(max) if max <= usize::MAX as u64 => max as usize,
     _ => usize::MAX,
 };
+
+/// On a lossy link, the part of the gap timeout a partial message that is
+/// the sequence due waits once its last piece has come (see
+/// [`LinkReceiver::poll`]): 5 ms of the default 100. A message larger than
+/// half the link's window is alone in flight, so a lost piece of it used to
+/// hold the link for the whole timeout (50 kB messages over `udp` with one
+/// datagram in 200 dropped: 94 of them carried in 2 s, against 1,797 in
+/// 0.6 s with none dropped).
+pub const LAST_PIECE_WAIT_SHARE: u32 = 20;
 
 /// Settings of a link that are not negotiated: the local policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1103,6 +1113,9 @@ impl LinkReceiver {
     /// waits behind it (what waits has the gap timeout's own clock), the
     /// time it is given up unless a piece of it comes. With the sender's
     /// credits stopped at it, no later message may come to settle it.
+    /// Once its last piece has come, the sender has sent all of it (pieces
+    /// go in order), so a piece still missing was lost or reordered far
+    /// behind: [`LAST_PIECE_WAIT_SHARE`] of the gap timeout tells which.
     fn due_partial_deadline(&self) -> Option<Instant> {
         let reorder = self.reorder.as_ref().filter(|_| self.lossy)?;
         let GapPolicy::SkipAfter(limit) = reorder.config().gap_policy else {
@@ -1111,8 +1124,14 @@ impl LinkReceiver {
         if reorder.held() > 0 || self.reassembler.partial_messages() == 0 {
             return None;
         }
-        let (_, last_piece) = self.reassembler.progress(&(), reorder.expected())?;
-        Some(last_piece + limit)
+        let due = reorder.expected();
+        let (_, last_piece) = self.reassembler.progress(&(), due)?;
+        let wait = if self.reassembler.last_piece_taken(&(), due) {
+            limit / LAST_PIECE_WAIT_SHARE
+        } else {
+            limit
+        };
+        Some(last_piece + wait)
     }
 
     /// Lossy links: gives the sequence due up once its partial message is

@@ -218,6 +218,43 @@ fn a_lost_tail_is_settled_and_counted() {
     assert_eq!(frame_id(&out[0]), 1);
 }
 
+/// The same once the message's last piece has come: the sender sent all
+/// of it, so the piece still missing is given up after a twentieth of the
+/// gap timeout (`LAST_PIECE_WAIT_SHARE`), and the link goes on.
+#[test]
+fn a_message_missing_a_piece_before_its_last_is_settled_sooner() {
+    use efabus_core::link::LAST_PIECE_WAIT_SHARE;
+    // Sequence 1 of three pieces: the middle one is lost.
+    let cfg = config(FRAGMENT_OVERHEAD + 16, true, true, 64, ms(100), ms(500));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut rx = LinkReceiver::new(&cfg);
+    let mut wire = Vec::new();
+    tx.prepare(test_frame(1, 40, 40), &mut wire).unwrap();
+    tx.prepare(test_frame(2, 16, 16), &mut wire).unwrap();
+    assert_eq!(wire.len(), 4, "three pieces, then one");
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    rx.receive(t0, wire[0].to_bytes(), &mut out).unwrap();
+    // With only its first piece, the message waits the whole timeout.
+    assert_eq!(rx.next_deadline(), Some(t0 + ms(100)));
+    rx.receive(t0, wire[2].to_bytes(), &mut out).unwrap();
+    let sooner = t0 + ms(100) / LAST_PIECE_WAIT_SHARE;
+    assert!(sooner < t0 + ms(10), "a small share of the timeout");
+    assert_eq!(rx.next_deadline(), Some(sooner));
+    rx.poll(sooner - Duration::from_micros(1), &mut out)
+        .unwrap();
+    assert_eq!(rx.partial_messages(), 1, "not before");
+    rx.poll(sooner, &mut out).unwrap();
+    assert_eq!(rx.partial_messages(), 0);
+    assert_eq!(rx.stats().lost, 1);
+    // What the sender's credits let through next is delivered.
+    rx.receive(sooner, wire[3].to_bytes(), &mut out).unwrap();
+    assert_eq!(
+        out.iter().map(|frame| frame_id(frame)).collect::<Vec<_>>(),
+        [2]
+    );
+}
+
 #[test]
 fn a_gap_before_an_abandoned_message_is_skipped_after_the_gap_timeout() {
     // 1 never arrives, one piece of 2 does and expires: 1 and 2 are lost.
