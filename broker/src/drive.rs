@@ -42,8 +42,8 @@ thread_local! {
 /// How long the loop thread sleeps at a time while a driver holds the
 /// loop: how late, at most, it takes the loop back from a driver that
 /// left with its answer (what arrives meanwhile waits that long; what an
-/// application thread asks of the loop wakes it, at once or as the driver
-/// leaves).
+/// application thread asks of the loop wakes it, at once or as the last
+/// driver leaves).
 pub(crate) const DRIVEN_SLEEP: Duration = Duration::from_micros(100);
 
 /// Runs `publish`, whose sends the calling thread's drive right after
@@ -120,8 +120,10 @@ struct Gate {
     /// The loop thread sleeps while a driver holds the loop
     /// ([`Driven::sleep_while_driven`]).
     asleep: AtomicBool,
-    /// Something was asked of the loop while a driver held it: the driver
-    /// wakes the loop thread as it leaves, in case its rounds missed it.
+    /// A wake is owed to the loop thread while a driver holds the loop
+    /// (something was asked of the loop, or a driver left without its
+    /// answer): the last driver to leave makes it, in case the rounds
+    /// missed what was asked.
     wanted: AtomicBool,
     /// The loop thread, to wake from that sleep.
     loop_thread: OnceLock<Thread>,
@@ -155,10 +157,12 @@ impl Gate {
         if self.is_driven() {
             self.wanted.store(true, Ordering::SeqCst);
             // Paired with a leaving driver's `drivers`, then `wanted`: the
-            // other one gone meanwhile may not have seen the flag.
+            // other one gone meanwhile may not have seen the flag, and the
+            // wake made here settles it.
             if self.is_driven() {
                 return;
             }
+            self.wanted.store(false, Ordering::SeqCst);
         }
         self.wake_if_asleep();
     }
@@ -215,7 +219,7 @@ impl<L> Drop for Presence<'_, L> {
             (self.driven.wake)();
         }
         if panicked {
-            self.driven.gate.wake_if_asleep();
+            self.driven.gate.wake_or_leave_to_last_driver();
         }
     }
 }
@@ -355,7 +359,8 @@ impl<L: Rounds> Driven<L> {
     /// past `until`: it is the loop's round, whatever it has to do. A
     /// drive that ran rounds ends by waking the loop thread if it waits for
     /// events, however it ends; one that ends before `ready` also wakes it
-    /// from its sleep for a driver ([`Driven::sleep_while_driven`]).
+    /// from its sleep for a driver ([`Driven::sleep_while_driven`]), or
+    /// leaves that to the last driver to leave while another drives.
     pub fn drive(&self, until: Instant, ready: &dyn Fn() -> bool, stop: &AtomicBool) -> u64 {
         // A hint, read without the lock: drivers of a broken loop keep
         // away, so that its thread, which steps aside for them, ends.
@@ -437,8 +442,9 @@ impl<L: Rounds> Driven<L> {
     /// and where cores are few it takes turns from the driver and from
     /// the peer process the driver exchanges with. It is woken early by
     /// what an application thread asks of the loop ([`DriveHandle::wake_sleeper`])
-    /// and by a driver that leaves without its answer, not as every drive
-    /// ends: a requester leaves with its reply and drives again
+    /// and by a driver that leaves without its answer (the last one to
+    /// leave, while several drive), not as every drive ends: a requester
+    /// leaves with its reply and drives again
     /// microseconds later, and the loop thread woken in between would take
     /// the loop from it.
     pub fn sleep_while_driven(&self, limit: Duration) {
