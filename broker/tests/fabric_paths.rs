@@ -924,7 +924,7 @@ fn session_named(broker: &Broker, name: &str) -> efabus_broker::ConnectionReport
 /// in 200 dropped: a loss costs its message and the link goes on. It held
 /// the link until the sender, without credits, reset its window 400 ms
 /// later (no later message could come to settle the loss): 120-133
-/// arrived. Then for the gap timeout (100 ms): 456-537. Now, the
+/// arrived. Then for the gap timeout (100 ms): 461-537. Now, the
 /// message's last piece having come, for a twentieth of it: 2,606.
 #[test]
 fn a_lost_datagram_does_not_hold_a_link_of_messages_over_half_its_window() {

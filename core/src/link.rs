@@ -71,7 +71,10 @@
 //! lost` equals the highest sequence any piece arrived for. Sequences after the last piece that
 //! arrived cannot be known and are not counted. The gap timeout should
 //! exceed the time one frame's pieces take to arrive, or large frames are
-//! skipped while still arriving.
+//! skipped while still arriving; once a frame's last piece has come, a
+//! piece of it reordered further behind than a twentieth of the timeout
+//! (with no piece between) is taken for lost. The owner hands over what
+//! its endpoint delivered before it polls, so its own delays do not count.
 //!
 //! # Memory
 //!

@@ -255,6 +255,35 @@ fn a_message_missing_a_piece_before_its_last_is_settled_sooner() {
     );
 }
 
+/// Pieces reordered behind the last one are waited for while they keep
+/// coming within that share of the timeout of each other.
+#[test]
+fn pieces_reordered_behind_the_last_still_complete_their_message() {
+    use efabus_core::link::LAST_PIECE_WAIT_SHARE;
+    let cfg = config(FRAGMENT_OVERHEAD + 16, true, true, 64, ms(100), ms(500));
+    let mut tx = LinkSender::new(&cfg).unwrap();
+    let mut rx = LinkReceiver::new(&cfg);
+    let mut wire = Vec::new();
+    tx.prepare(test_frame(1, 40, 40), &mut wire).unwrap();
+    assert_eq!(wire.len(), 3);
+    let share = ms(100) / LAST_PIECE_WAIT_SHARE;
+    let step = share - Duration::from_micros(1);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    let mut at = t0;
+    for piece in [2, 0, 1] {
+        rx.poll(at, &mut out).unwrap();
+        rx.receive(at, wire[piece].to_bytes(), &mut out).unwrap();
+        at += step;
+    }
+    rx.poll(at, &mut out).unwrap();
+    assert_eq!(
+        out.iter().map(|frame| frame_id(frame)).collect::<Vec<_>>(),
+        [1]
+    );
+    assert_eq!(rx.stats().lost, 0);
+}
+
 #[test]
 fn a_gap_before_an_abandoned_message_is_skipped_after_the_gap_timeout() {
     // 1 never arrives, one piece of 2 does and expires: 1 and 2 are lost.
