@@ -3359,9 +3359,14 @@ mod tests {
             })
             .collect();
         assert_eq!(runs, vec![(90, 3), (60, 2)]);
-        // A frame larger than the piece still goes, alone.
+        // A frame larger than the piece still goes, alone: the open run
+        // ends before it.
+        outbox.make_room(30);
+        outbox.open.extend_from_slice(&[0; 30]);
+        outbox.open_frames += 1;
         outbox.make_room(150);
-        assert!(outbox.open.capacity() >= 150);
+        assert!(outbox.open.is_empty() && outbox.open.capacity() >= 150);
+        assert!(matches!(outbox.items.back(), Some(Item::Run(run, 1)) if run.len() == 30));
     }
 
     /// Wait until the client's loop sleeps with nothing queued, so the next
