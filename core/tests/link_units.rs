@@ -177,15 +177,20 @@ fn tiny_fragment() -> Fragment {
     }
 }
 
+/// Both ends of a lossy, sequenced link whose pieces carry 16 bytes, with
+/// these gap and reassembly timeouts.
+fn small_piece_lossy_link(gap: Duration, reassembly: Duration) -> (LinkSender, LinkReceiver) {
+    let cfg = config(FRAGMENT_OVERHEAD + 16, true, true, 64, gap, reassembly);
+    (LinkSender::new(&cfg).unwrap(), LinkReceiver::new(&cfg))
+}
+
 /// A message partly received, the sequence due with nothing behind it,
 /// is given up at the gap timeout (the sender's credits may be stopped at
 /// it), counted once; a piece of it arriving later is dropped as settled.
 #[test]
 fn a_lost_tail_is_settled_and_counted() {
     // Sequence 1 arrives whole; of sequence 2 one piece of two; 3 never.
-    let cfg = config(FRAGMENT_OVERHEAD + 16, true, true, 64, ms(10), ms(50));
-    let mut tx = LinkSender::new(&cfg).unwrap();
-    let mut rx = LinkReceiver::new(&cfg);
+    let (mut tx, mut rx) = small_piece_lossy_link(ms(10), ms(50));
     let mut wire = Vec::new();
     tx.prepare(test_frame(1, 16, 16), &mut wire).unwrap();
     tx.prepare(test_frame(2, 32, 32), &mut wire).unwrap();
@@ -225,9 +230,7 @@ fn a_lost_tail_is_settled_and_counted() {
 fn a_message_missing_a_piece_before_its_last_is_settled_sooner() {
     use efabus_core::link::LAST_PIECE_WAIT_SHARE;
     // Sequence 1 of three pieces: the middle one is lost.
-    let cfg = config(FRAGMENT_OVERHEAD + 16, true, true, 64, ms(100), ms(500));
-    let mut tx = LinkSender::new(&cfg).unwrap();
-    let mut rx = LinkReceiver::new(&cfg);
+    let (mut tx, mut rx) = small_piece_lossy_link(ms(100), ms(500));
     let mut wire = Vec::new();
     tx.prepare(test_frame(1, 40, 40), &mut wire).unwrap();
     tx.prepare(test_frame(2, 16, 16), &mut wire).unwrap();
@@ -260,9 +263,7 @@ fn a_message_missing_a_piece_before_its_last_is_settled_sooner() {
 #[test]
 fn pieces_reordered_behind_the_last_still_complete_their_message() {
     use efabus_core::link::LAST_PIECE_WAIT_SHARE;
-    let cfg = config(FRAGMENT_OVERHEAD + 16, true, true, 64, ms(100), ms(500));
-    let mut tx = LinkSender::new(&cfg).unwrap();
-    let mut rx = LinkReceiver::new(&cfg);
+    let (mut tx, mut rx) = small_piece_lossy_link(ms(100), ms(500));
     let mut wire = Vec::new();
     tx.prepare(test_frame(1, 40, 40), &mut wire).unwrap();
     assert_eq!(wire.len(), 3);
