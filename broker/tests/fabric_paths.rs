@@ -840,7 +840,7 @@ fn best_effort_over_dgram(provider: Provider) {
 /// used to deliver 750 of 20,000), and every message is accounted for.
 #[test]
 fn best_effort_bursts_are_paced_to_the_receiver() {
-    let Some(burst) = best_effort_burst(32, "") else {
+    let Some(burst) = best_effort_burst(32, "", Duration::ZERO) else {
         return;
     };
     assert!(
@@ -857,7 +857,7 @@ fn best_effort_bursts_are_paced_to_the_receiver() {
 /// what came after it), and every loss is counted.
 #[test]
 fn a_lost_datagram_costs_only_the_messages_it_carried() {
-    let Some(burst) = best_effort_burst(32, DROP_ONE_DATAGRAM_IN_200) else {
+    let Some(burst) = best_effort_burst(32, DROP_ONE_DATAGRAM_IN_200, Duration::ZERO) else {
         return;
     };
     assert!(burst.lost > 0, "no datagram was dropped: {burst:?}");
@@ -877,7 +877,7 @@ fn a_lost_datagram_costs_only_the_messages_it_carried() {
 /// holding the link's credits (549 of 20,000 arrived).
 #[test]
 fn large_best_effort_messages_at_full_speed_are_not_lost_on_the_link() {
-    let Some(burst) = best_effort_burst(4096, "") else {
+    let Some(burst) = best_effort_burst(4096, "", LARGE_BURST) else {
         return;
     };
     let carried = burst.received + burst.lost;
@@ -893,10 +893,12 @@ fn large_best_effort_messages_at_full_speed_are_not_lost_on_the_link() {
 /// loss costs the message it was part of, and the link goes on at once.
 /// A loss used to hold the link's credits for the gap timeout, and what
 /// was published meanwhile overflowed the broker's pacing: 1,142-1,279
-/// arrived, against 4,526-4,655 since (4,871-5,143 with nothing dropped).
+/// arrived, against 4,526-4,655 since (4,871-5,143 with nothing dropped),
+/// in bursts of 20,000; in bursts of 3 s, 15,530 in a debug build (16,554
+/// with nothing dropped) and 33,395 in a release one.
 #[test]
 fn a_lost_datagram_does_not_hold_the_link() {
-    let Some(burst) = best_effort_burst(4096, DROP_ONE_DATAGRAM_IN_200) else {
+    let Some(burst) = best_effort_burst(4096, DROP_ONE_DATAGRAM_IN_200, LARGE_BURST) else {
         return;
     };
     assert!(burst.lost > 0, "no datagram was dropped: {burst:?}");
@@ -924,11 +926,15 @@ fn session_named(broker: &Broker, name: &str) -> efabus_broker::ConnectionReport
 /// in 200 dropped: a loss costs its message and the link goes on. It held
 /// the link until the sender, without credits, reset its window 400 ms
 /// later (no later message could come to settle the loss): 120-133
-/// arrived. Then for the gap timeout (100 ms): 461-537. Now, the
-/// message's last piece having come, for a twentieth of it: 2,606.
+/// arrived. Then for the gap timeout (100 ms): 461-537, about 80 a
+/// second. Now, the message's last piece having come, for a twentieth of
+/// it: 2,208-2,606 in a debug build (250-430 a second), 687-879 in a
+/// release one (230-290 a second, its publisher taking more of the
+/// cores). Counted per second of the burst, which lasts as long as a
+/// debug build's publisher needs for 20,000, and at least 3 s.
 #[test]
 fn a_lost_datagram_does_not_hold_a_link_of_messages_over_half_its_window() {
-    let Some(burst) = best_effort_burst(50_000, DROP_ONE_DATAGRAM_IN_200) else {
+    let Some(burst) = best_effort_burst(50_000, DROP_ONE_DATAGRAM_IN_200, LARGE_BURST) else {
         return;
     };
     assert!(burst.lost > 0, "no datagram was dropped: {burst:?}");
@@ -937,7 +943,8 @@ fn a_lost_datagram_does_not_hold_a_link_of_messages_over_half_its_window() {
         burst.lost * 100 <= (burst.received + burst.lost) * 30,
         "{burst:?}"
     );
-    assert!(burst.received >= 1_000, "losses held the link: {burst:?}");
+    let per_second = burst.received as f64 / burst.seconds;
+    assert!(per_second >= 120.0, "losses held the link: {burst:?}");
 }
 
 /// The best-effort losses a client counted stay counted when it
@@ -1157,32 +1164,50 @@ fn a_client_on_tcp_gets_best_effort_over_its_datagram_link() {
 const DROP_ONE_DATAGRAM_IN_200: &str =
     "[testing.faults]\nscheme = \"efa-dgram\"\ndirection = \"send\"\nseed = 5\ndrop = 0.005\n";
 
+/// How long a burst of large messages lasts at least (see
+/// [`best_effort_burst`]).
+const LARGE_BURST: Duration = Duration::from_secs(3);
+
 /// What one burst of [`best_effort_burst`] came to.
 #[derive(Debug)]
 struct Burst {
     count: u64,
+    /// How long publishing took.
+    seconds: f64,
     received: u64,
     /// Counted lost by the subscriber's datagram link.
     lost: u64,
     /// Dropped by the broker's pacing.
     dropped: u64,
+    /// Dropped by the subscription's queue.
+    queue_dropped: u64,
 }
 
-/// Publishes 20,000 best-effort messages of `size` bytes from the broker
-/// (`extra` appended to its config) at full speed to one subscriber on
-/// `efa-dgram`, then markers behind them until one arrives: every message
-/// is then delivered, counted lost, or dropped by the broker, which is
-/// checked, as are order and contents. `None` where the fabric cannot open.
-fn best_effort_burst(size: usize, extra: &str) -> Option<Burst> {
+/// Publishes best-effort messages of `size` bytes from the broker (`extra`
+/// appended to its config) at full speed to one subscriber on
+/// `efa-dgram`, 20,000 and for at least `at_least`, then markers behind
+/// them until one arrives: every message is then delivered, counted lost,
+/// dropped by the broker, or dropped by the subscription's own queue (the
+/// burst is read only once published), which is checked, as are order and
+/// contents.
+/// `None` where the fabric cannot open. What the link carries while the
+/// burst lasts is what callers judge, and a release build publishes large
+/// messages several times as fast as a debug one: `at_least` keeps their
+/// thresholds for both.
+fn best_effort_burst(size: usize, extra: &str, at_least: Duration) -> Option<Burst> {
     const COUNT: u64 = 20_000;
     let provider = Provider { rdm: "tcp;ofi_rxm" };
     let broker = start_broker(provider, true, extra)?;
     let client = fabric_client(&broker, provider, "paced");
     let sub = client.subscribe_best_effort("burst.>").unwrap();
     client.flush(WAIT).unwrap();
-    for n in 0..COUNT {
-        broker.publish("burst.data", pattern(n, size)).unwrap();
+    let started = Instant::now();
+    let mut count = 0u64;
+    while count < COUNT || started.elapsed() < at_least {
+        broker.publish("burst.data", pattern(count, size)).unwrap();
+        count += 1;
     }
+    let seconds = started.elapsed().as_secs_f64();
     let mut received = 0u64;
     let mut last: Option<u64> = None;
     let mut markers = 0u64;
@@ -1190,7 +1215,7 @@ fn best_effort_burst(size: usize, extra: &str) -> Option<Burst> {
     'waiting: loop {
         assert!(Instant::now() < deadline, "no marker arrived");
         broker
-            .publish("burst.marker", pattern(COUNT + markers, 12))
+            .publish("burst.marker", pattern(count + markers, 12))
             .unwrap();
         markers += 1;
         while let Ok(message) = sub.recv_timeout(Duration::from_millis(200)) {
@@ -1207,14 +1232,16 @@ fn best_effort_burst(size: usize, extra: &str) -> Option<Burst> {
         }
     }
     let burst = Burst {
-        count: COUNT,
+        count,
+        seconds,
         received,
         lost: client.link().best_effort_lost,
         dropped: best_effort_drops(&broker),
+        queue_dropped: sub.stats().dropped(),
     };
     eprintln!("{size} B: {burst:?}");
     assert!(
-        burst.received + burst.lost + burst.dropped >= COUNT,
+        burst.received + burst.lost + burst.dropped + burst.queue_dropped >= count,
         "unaccounted: {burst:?}"
     );
     Some(burst)
