@@ -880,9 +880,8 @@ fn large_best_effort_messages_at_full_speed_are_not_lost_on_the_link() {
     let Some(burst) = best_effort_burst(4096, "", LARGE_BURST) else {
         return;
     };
-    let carried = burst.received + burst.lost;
     assert!(
-        burst.lost * 100 <= carried,
+        burst.lost * 100 <= burst.carried(),
         "more than 1% of what the link carried was lost: {burst:?}"
     );
     // At least the pacing bound's worth (4 MiB) got through.
@@ -894,8 +893,10 @@ fn large_best_effort_messages_at_full_speed_are_not_lost_on_the_link() {
 /// A loss used to hold the link's credits for the gap timeout, and what
 /// was published meanwhile overflowed the broker's pacing: 1,142-1,279
 /// arrived, against 4,526-4,655 since (4,871-5,143 with nothing dropped),
-/// in bursts of 20,000; in bursts of 3 s, 15,530 in a debug build (16,554
-/// with nothing dropped) and 33,395 in a release one.
+/// in bursts of 20,000 (about 1 s in a debug build); in bursts of 3 s,
+/// 15,530 in a debug build (16,554 with nothing dropped) and 33,395 in a
+/// release one: 5,000-11,000 a second of publishing, where a held link
+/// carried about 1,200.
 #[test]
 fn a_lost_datagram_does_not_hold_the_link() {
     let Some(burst) = best_effort_burst(4096, DROP_ONE_DATAGRAM_IN_200, LARGE_BURST) else {
@@ -903,12 +904,9 @@ fn a_lost_datagram_does_not_hold_the_link() {
     };
     assert!(burst.lost > 0, "no datagram was dropped: {burst:?}");
     // Three datagrams a message: about 1.5% of what was carried.
-    assert!(
-        burst.lost * 100 <= (burst.received + burst.lost) * 5,
-        "{burst:?}"
-    );
-    // Twice the pacing bound's worth (4 MiB): held links delivered less.
-    assert!(burst.received >= 2048, "losses held the link: {burst:?}");
+    assert!(burst.lost * 100 <= burst.carried() * 5, "{burst:?}");
+    let per_second = burst.received as f64 / burst.seconds;
+    assert!(per_second >= 2_500.0, "losses held the link: {burst:?}");
 }
 
 /// The broker's report of the session of the client named `name`.
@@ -930,8 +928,9 @@ fn session_named(broker: &Broker, name: &str) -> efabus_broker::ConnectionReport
 /// second. Now, the message's last piece having come, for a twentieth of
 /// it: 2,208-2,606 in a debug build (250-430 a second), 687-879 in a
 /// release one (230-290 a second, its publisher taking more of the
-/// cores). Counted per second of the burst, which lasts as long as a
-/// debug build's publisher needs for 20,000, and at least 3 s.
+/// cores). Counted per second of publishing (what drains after it, about
+/// 80 messages, counts too), which lasts as long as a debug build's
+/// publisher needs for 20,000, and at least 3 s.
 #[test]
 fn a_lost_datagram_does_not_hold_a_link_of_messages_over_half_its_window() {
     let Some(burst) = best_effort_burst(50_000, DROP_ONE_DATAGRAM_IN_200, LARGE_BURST) else {
@@ -939,10 +938,7 @@ fn a_lost_datagram_does_not_hold_a_link_of_messages_over_half_its_window() {
     };
     assert!(burst.lost > 0, "no datagram was dropped: {burst:?}");
     // 36 datagrams a message: about 16.5% of what was carried.
-    assert!(
-        burst.lost * 100 <= (burst.received + burst.lost) * 30,
-        "{burst:?}"
-    );
+    assert!(burst.lost * 100 <= burst.carried() * 30, "{burst:?}");
     let per_second = burst.received as f64 / burst.seconds;
     assert!(per_second >= 120.0, "losses held the link: {burst:?}");
 }
@@ -1181,6 +1177,13 @@ struct Burst {
     dropped: u64,
     /// Dropped by the subscription's queue.
     queue_dropped: u64,
+}
+
+impl Burst {
+    /// Messages that crossed the link or were lost on it.
+    fn carried(&self) -> u64 {
+        self.received + self.queue_dropped + self.lost
+    }
 }
 
 /// Publishes best-effort messages of `size` bytes from the broker (`extra`
