@@ -500,6 +500,10 @@ fn a_mixed_stream_arrives_whole_and_in_order() {
     }
 }
 
+/// Subscription queues of 4 messages under `block`, with time to wait.
+const TINY_BLOCKING_QUEUE: &str = "[limits]\nsubscription_queue = 4\n\
+     [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 20000\n";
+
 /// The same stream into an in-process subscription whose queue holds 4
 /// under `block`: the broker's loop holds what finds no room and queues it
 /// as the reader makes room, plain runs and the rest alike, each message
@@ -507,11 +511,7 @@ fn a_mixed_stream_arrives_whole_and_in_order() {
 #[test]
 fn a_mixed_stream_through_a_tiny_blocking_queue_arrives_whole_and_in_order() {
     let count = 3_000;
-    let (broker, endpoint) = start(
-        Via::Tcp,
-        "[limits]\nsubscription_queue = 4\n\
-         [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 20000",
-    );
+    let (broker, endpoint) = start(Via::Tcp, TINY_BLOCKING_QUEUE);
     let local = broker.subscribe("mix.>").unwrap();
     let publisher = connect(&endpoint);
     std::thread::scope(|scope| {
@@ -1594,11 +1594,7 @@ fn a_blocked_delivery_leaves_the_reader_free_to_subscribe() {
 /// takes nothing, and once it reads, every message arrives, in order.
 #[test]
 fn a_full_in_process_subscription_holds_up_publishers_not_the_loop() {
-    let (broker, endpoint) = start(
-        Via::Tcp,
-        "[limits]\nsubscription_queue = 4\n\
-         [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 20000\n",
-    );
+    let (broker, endpoint) = start(Via::Tcp, TINY_BLOCKING_QUEUE);
     let sub = broker.subscribe("held").unwrap();
     let publisher = connect(&endpoint);
     for n in 0..20 {

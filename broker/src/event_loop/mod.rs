@@ -2899,8 +2899,6 @@ impl EventLoop {
         let watch = Arc::clone(&self.shared.round_watch);
         watch.round_began(Instant::now());
         let deadline = Instant::now() + self.shared.config.drain_timeout();
-        self.blocking.clear();
-        self.set_reads_paused(false);
         // Deliver what in-process publishers queued before the shutdown,
         // and what they queued until the queue closed, past the bounds of
         // consumers that would hold the loop's commands back.
