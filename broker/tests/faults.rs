@@ -477,6 +477,69 @@ fn a_client_whose_loop_panicked_says_so() {
     broker.shutdown();
 }
 
+/// A publisher waiting for room in a full outbox is told `Closed` as soon
+/// as the loop that would have made the room panics, not at the end of
+/// its block timeout. The loop is held in one poll (1.5 s once 10 frames
+/// have come) while the publisher fills the outbox, and panics on the
+/// frames that came meanwhile.
+#[test]
+fn a_publisher_waiting_for_room_learns_at_once_that_the_loop_panicked() {
+    let name = fresh_name("room");
+    let config = Config::from_toml_str(
+        &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
+        "faults test",
+    )
+    .expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    let block_timeout = Duration::from_secs(30);
+    let options = ClientOptions {
+        faults: Some(Faults {
+            stall_after: 10,
+            stall_ms: 1500,
+            panic_after: 40,
+            ..Faults::default()
+        }),
+        max_pending_bytes: 4096,
+        block_timeout,
+        ..ClientOptions::default()
+    };
+    let client = Arc::new(
+        Client::connect_with(&format!("mem/{name}"), options, Registry::with_builtins())
+            .expect("connects"),
+    );
+    let _subscription = client.subscribe("room.>").expect("subscribe");
+    client.flush(WAIT).expect("subscribed");
+    let publisher = {
+        let client = client.clone();
+        thread::spawn(move || loop {
+            if let Err(err) = client.publish("elsewhere", vec![0; 256]) {
+                return (err, Instant::now());
+            }
+        })
+    };
+    // Ten frames (with the client's own) bring the stall; those sent while
+    // it lasts, the panic once it ends.
+    for n in 0..10u8 {
+        broker.publish("room.x", vec![n]).expect("publish");
+    }
+    wait_for("the client's loop to stall", || {
+        client.stalled_round(Duration::from_millis(200)).is_some()
+    });
+    for n in 10..50u8 {
+        broker.publish("room.x", vec![n]).expect("publish");
+    }
+    wait_for("the client's loop to end", || client.loop_ended());
+    let ended = Instant::now();
+    let (err, refused_at) = publisher.join().expect("the publisher returns");
+    assert!(matches!(err, Error::Closed), "{err:?}");
+    assert!(
+        refused_at.saturating_duration_since(ended) < block_timeout / 3,
+        "the waiting publisher was told {:?} after the loop ended",
+        refused_at.saturating_duration_since(ended)
+    );
+    broker.shutdown();
+}
+
 /// Asks with `ask`, which must fail with `Closed` at once.
 fn closed_at_once<T: std::fmt::Debug>(ask: impl FnOnce() -> Result<T, Error>) {
     let started = Instant::now();
