@@ -47,7 +47,7 @@ fn error(message: String) -> TransportError {
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
 }
 
 fn read_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, TransportError> {

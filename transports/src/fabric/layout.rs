@@ -40,11 +40,11 @@
 //! that costs at most one prefix of each limit and is right whichever way a
 //! provider reads the rule.
 
+use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 use bytes::Bytes;
 use efabus_core::codec::PREFIX_LEN;
 use efabus_core::secret::constant_time_eq;
 use efabus_core::transport::OutFrame;
-use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 
 /// Version of the endpoint header (5: the tag is AES-256-GCM's over
 /// whole blocks, see [`tag`]).
@@ -195,15 +195,17 @@ thread_local! {
 /// Keyed BLAKE3, the tag before it, needed no nonce; GCM was taken for its
 /// speed. BLAKE3 hashes about 1 GB/s within one 1 KiB chunk and reaches
 /// 5-6 GB/s only over many whole chunks at once, so a packed message of
-/// 10,000 bytes took it 3.8 us to seal; ring's AES-GCM encrypts at 7-9
-/// GB/s here (AES-NI, carry-less multiplication) and takes 1.4 (`cargo
-/// bench --bench codec -- fabric_tag`). It tags associated data alone
-/// (GMAC) at under 2 GB/s, so a copy is encrypted instead.
+/// 10,000 bytes took it 3.8 us to seal; AWS-LC's AES-GCM (512-bit VAES
+/// here) takes 0.89, ring's, used before it, 1.24 (`cargo bench --bench
+/// codec -- fabric_tag`). Tagging the bytes as associated data alone
+/// (GMAC) would spare the AES pass but not the copy (the parts are not
+/// contiguous), and would change the tag on the wire.
 ///
 /// The two lengths at the end fix where the frames end and the header
 /// starts, so no other split of the same bytes carries the same tag. The
-/// zeros before them spare ring its path for a last partial block, 20-45
-/// ns here (a 16-byte publish sealed in 138 ns before, 109 with them).
+/// zeros before them spare GCM its path for a last partial block, 20-45
+/// ns under ring (a 16-byte publish sealed in 138 ns before, 109 with
+/// them).
 pub fn tag(key: &TagKey, counter: u64, header: &[u8], frames: &[&[u8]]) -> Option<[u8; TAG_LEN]> {
     SCRATCH.with_borrow_mut(|scratch| {
         scratch.clear();
@@ -791,7 +793,7 @@ mod tests {
         let (slot, len) = sealed(&layout, &[0x5a; 3000]);
         let tag_at = layout.prefix + BufferLayout::tag_offset(SENDER.len());
         let frames_at = tag_at + TAG_LEN;
-        // Worked out here with ring's AES-256-GCM directly: the counter
+        // Worked out here with AES-256-GCM directly: the counter
         // (1) as the nonce, the ciphertext dropped, its tag kept.
         let header = &slot[layout.prefix..tag_at];
         let mut sealed = slot[frames_at..len].to_vec();
