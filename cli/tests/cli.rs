@@ -133,14 +133,14 @@ fn caps_lists_the_transports_and_the_negotiation() {
 /// `shm` names its endpoints with text of varying length, and each
 /// message carries its sender's name: a dump of it is read as endpoints
 /// opened on it limit frames, leaving room for the longest name a header
-/// carries (32512 - 2 - 255 - 32), as a live `shm` link reports.
+/// carries (32512 - 19 - 255 - 16), as a live `shm` link reports.
 #[test]
 fn caps_leaves_room_for_the_longest_shm_name() {
     let dump = fixture("libfabric-1.17-shm-rdm.txt");
     let output = run(&["caps", "--input", &dump]);
     assert!(output.status.success(), "{}", stderr(&output));
     let text = stdout(&output);
-    let expected = "reliable: efa-rdm via shm FI_EP_RDM: frame limit 32223,";
+    let expected = "reliable: efa-rdm via shm FI_EP_RDM: frame limit 32222,";
     assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
 }
 
@@ -161,14 +161,14 @@ fn caps_reads_a_saved_dump_and_says_what_efabus_would_choose() {
         "accepted efa rdmap70s0-rdm FI_EP_RDM as efa-rdm",
         "accepted efa rdmap70s0-dgrm FI_EP_DGRAM as efa-dgram",
         // As endpoints opened on it would offer it: what an eager buffer
-        // holds after the endpoint header (32512 - 66), larger frames by
+        // holds after the endpoint header (32512 - 67), larger frames by
         // rendezvous up to the broker's frame limit (the dump grants
         // FI_RMA, FI_READ and FI_REMOTE_READ), what a datagram holds
-        // after prefix and endpoint header (8928 - 40 - 66), and queues at
+        // after prefix and endpoint header (8928 - 40 - 67), and queues at
         // the configured depth, as live links report them.
-        "reliable: efa-rdm via efa FI_EP_RDM: frame limit 32446, \
+        "reliable: efa-rdm via efa FI_EP_RDM: frame limit 32445, \
          rendezvous (RMA read) up to 1049664, prefix 176",
-        "best-effort: efa-dgram via efa FI_EP_DGRAM: frame limit 8822, prefix 40",
+        "best-effort: efa-dgram via efa FI_EP_DGRAM: frame limit 8821, prefix 40",
         // What the buffers take: 256 receives as multi-receive buffers
         // and 256 sends, all registered (the dump's FI_MR_LOCAL).
         "efa-rdm: buffers 16.0 MiB, of which registered (pinned) 16.0 MiB; \

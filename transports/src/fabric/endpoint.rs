@@ -99,7 +99,7 @@ use super::info::{Hints, Info, InfoList};
 use super::layout::{
     check_frame, frame_declared_len, frame_kind, frames, rma_done, rma_done_id, rma_fence,
     rma_fence_id, BufferLayout, Received, ReplayWindow, RmaDescriptor, TagKey, UsedSendKeys,
-    CONTROL_FLAG, HEADER_VERSION, MAX_ADDR_LEN, RMA_DESCRIPTOR_KIND, RMA_DONE_KIND, RMA_FENCE_KIND,
+    HEADER_VERSION, MAX_ADDR_LEN, RMA_DESCRIPTOR_KIND, RMA_DONE_KIND, RMA_FENCE_KIND,
 };
 use super::log_limit::BadInputLog;
 use super::pool::BufferPool;
@@ -1636,7 +1636,7 @@ impl FabricEndpoint {
             let buf = unsafe { self.tx_pool.slot_mut(slot) };
             let body = self.tx_body[slot].as_deref().unwrap_or_default();
             if self.tx_control[slot] {
-                buf[self.layout.prefix] = HEADER_VERSION | CONTROL_FLAG;
+                self.layout.mark_control(buf);
             }
             self.layout.seal(buf, len, body, &state.send_tag);
             if self.header_version != HEADER_VERSION {

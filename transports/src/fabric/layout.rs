@@ -2,9 +2,9 @@
 //! endpoint header that names the sender and authenticates the message.
 //!
 //! ```text
-//! | provider prefix | ver | alen | sender address | link id | counter | tag | efabus frames (u32 LE len + len bytes)... |
-//! ^ pointer passed to fi_send/fi_recv   8 B LE    8 B LE   16 B
-//!                   ^ payload starts here
+//! | provider prefix | ver | tag  | flags | alen | sender address | link id | counter | efabus frames (u32 LE len + len bytes)... |
+//! ^ pointer passed to fi_send/fi_recv                                8 B LE    8 B LE
+//!                   ^ payload starts here, the tag's 16 bytes after the version
 //! ```
 //!
 //! - With `FI_MSG_PREFIX` the provider owns the first `msg_prefix_size`
@@ -15,25 +15,27 @@
 //! - The endpoint header carries the sender's own `fi_getname` bytes (not
 //!   every provider reports a source address: `tcp;ofi_rxm` in 1.17 offers
 //!   no FI_SOURCE), the id the *receiver* gave the link, a counter the
-//!   sender raises with every message, and a tag: AES-256-GCM's, under
-//!   the link's key for this direction with the counter as the nonce, over
-//!   every frame byte after the tag, then the header before it, then both
-//!   lengths (see [`tag`]; the message itself is not encrypted). A
-//!   receiver finds the link by its id, checks the address and the tag,
-//!   and refuses a counter it has seen (see `ReplayWindow`); nothing in a
-//!   message is trusted before that.
+//!   sender raises with every message, and a tag: GMAC's (AES-256-GCM
+//!   with nothing to encrypt), under the link's key for this direction
+//!   with the version and the counter as the nonce, over every byte after
+//!   the tag, from the flags to the last frame (see [`tag`]; the message
+//!   itself is not encrypted). The version byte is bound through the
+//!   nonce rather than covered, and a receiver takes only its own. A receiver finds the link by its id, checks the address and
+//!   the tag, and refuses a counter it has seen (see `ReplayWindow`);
+//!   nothing in a message is trusted before that.
 //! - A message carries one or more whole frames back to back (a sender
 //!   packs the frames it is handed between two polls, up to the peer's
 //!   frame limit); their own length prefixes must account for the rest of
 //!   the message exactly.
 //!
-//! - A message with [`CONTROL_FLAG`] set in its version byte carries the
+//! - A message with [`CONTROL_FLAG`] set in its flags byte carries the
 //!   endpoint's own frames, never handed to or taken from its caller (whose
 //!   frames may hold any bytes): rendezvous descriptors ([`RmaDescriptor`]:
 //!   the id, remote address, key and length of a registered body, then the
 //!   frame's head) and rendezvous dones ([`rma_done`]: the id whose read
 //!   finished, so the sender releases the body). The flag is under the tag
-//!   like the rest of the header.
+//!   like the rest of the header; no other flag is defined, and a message
+//!   with one is refused.
 //!
 //! The limits count the prefix against the provider's `max_msg_size` and
 //! `inject_size` even though fi_getinfo(3) says the prefix is not counted:
@@ -46,20 +48,26 @@ use efabus_core::codec::PREFIX_LEN;
 use efabus_core::secret::constant_time_eq;
 use efabus_core::transport::OutFrame;
 
-/// Version of the endpoint header (5: the tag is AES-256-GCM's over
-/// whole blocks, see [`tag`]).
-pub const HEADER_VERSION: u8 = 5;
-/// Set in the version byte of a message of the endpoint's own frames.
+/// Version of the endpoint header (6: the tag comes first and is GMAC's
+/// over everything after it, see [`tag`]).
+pub const HEADER_VERSION: u8 = 6;
+/// Set in the flags byte of a message of the endpoint's own frames.
 pub const CONTROL_FLAG: u8 = 0x80;
-/// Bytes of the endpoint header before the sender address.
-pub const HEADER_FIXED: usize = 2;
-/// Longest sender address a header carries (its length is one byte).
-pub const MAX_ADDR_LEN: usize = u8::MAX as usize;
 /// Bytes of the authenticator: its tag.
 pub const TAG_LEN: usize = 16;
-/// Bytes of the endpoint header after the sender address: link id,
-/// counter and tag.
-pub const HEADER_AUTH: usize = 8 + 8 + TAG_LEN;
+/// Where the tag lies in the header: after the version byte.
+pub const TAG_AT: usize = 1;
+/// Where the flags byte lies in the header: right after the tag, which
+/// covers it and everything after it.
+pub const FLAGS_AT: usize = TAG_AT + TAG_LEN;
+/// Bytes of the endpoint header before the sender address: version, tag,
+/// flags and the address's length.
+pub const HEADER_FIXED: usize = FLAGS_AT + 2;
+/// Longest sender address a header carries (its length is one byte).
+pub const MAX_ADDR_LEN: usize = u8::MAX as usize;
+/// Bytes of the endpoint header after the sender address: link id and
+/// counter.
+pub const HEADER_IDS: usize = 8 + 8;
 /// Slots start on this boundary (a cache line), so prefixes and payloads
 /// never share lines between slots.
 pub const SLOT_ALIGN: usize = 64;
@@ -92,8 +100,8 @@ pub struct Message<'a> {
     pub link_id: u64,
     /// The sender's message counter.
     pub counter: u64,
-    /// The header bytes the tag covers (all before the tag).
-    pub header: &'a [u8],
+    /// The bytes the tag covers: all after it, frames included.
+    pub covered: &'a [u8],
     /// The frames are the endpoint's own ([`CONTROL_FLAG`]).
     pub control: bool,
     pub tag: &'a [u8],
@@ -104,7 +112,7 @@ pub struct Message<'a> {
 impl Message<'_> {
     /// Whether the tag is the one `key` gives this message.
     pub fn is_authentic(&self, key: &TagKey) -> bool {
-        match tag(key, self.counter, self.header, &[self.frames]) {
+        match tag(key, self.counter, &[self.covered]) {
             // The time taken tells a forger nothing of where it went wrong.
             Some(expected) => constant_time_eq(&expected, self.tag),
             None => false,
@@ -172,77 +180,74 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The tag of a message: AES-256-GCM under the link's key for its
-/// direction, with the message's counter as the nonce (its last 8 bytes,
-/// the first 4 zero), over the frame bytes in order, then the header
-/// before the tag, then zeros up to a whole 16-byte block, then the
-/// frames' length and the header's (8 bytes each, little endian). The
-/// ciphertext, made in a scratch buffer of the thread's, is dropped and
-/// the tag kept: messages travel in clear. `None` only for input GCM
-/// cannot take (64 GiB), which no message comes near.
+/// The tag of a message: GMAC under the link's key for its direction,
+/// that is AES-256-GCM with nothing to encrypt and the message's bytes as
+/// its associated data, with the header version and the message's counter
+/// as the nonce (its first byte and its last 8, little endian; the rest
+/// zero). `parts` are those bytes in order: one slice
+/// where the message lies whole (a received one, one sent from its slot),
+/// or its slot's bytes and a body sent from elsewhere, which are copied
+/// into a scratch buffer of the thread's first (GCM takes its associated
+/// data in one piece). `None` only for input GCM cannot take, which no
+/// message comes near.
 ///
-/// The tag is E_K(nonce, 1) xor GHASH_H(ciphertext, lengths), and the
-/// receiver makes the same ciphertext from the bytes it got: whatever the
-/// plaintexts, even ones a forger chose or read, a forgery under a counter
-/// not used yet means guessing a fresh AES output, and under a used one
+/// The tag is E_K(nonce, 1) xor GHASH_H(bytes, lengths): whatever the
+/// bytes, even ones a forger chose or read, a forgery under a counter not
+/// used yet means guessing a fresh AES output, and under a used one
 /// knowing H, each with odds of about (blocks + 1) / 2^128 per try. Two
 /// messages tagged under one counter would give H away, and with it
 /// forgeries under every counter whose tag was seen and not yet taken by
 /// the receiver: the counter rises with every message of a link, a link's
 /// keys serve that link alone (see `LinkKeys`), and an endpoint refuses a
-/// send key one of its latest links had ([`UsedSendKeys`]).
+/// send key one of its latest links had ([`UsedSendKeys`]). GHASH ends
+/// with the bytes' length, and where the frames start is read from the
+/// covered header (the address's length), so no other reading of the
+/// same bytes carries the same tag.
 ///
-/// Keyed BLAKE3, the tag before it, needed no nonce; GCM was taken for its
-/// speed. BLAKE3 hashes about 1 GB/s within one 1 KiB chunk and reaches
-/// 5-6 GB/s only over many whole chunks at once, so a packed message of
-/// 10,000 bytes took it 3.8 us to seal; AWS-LC's AES-GCM (512-bit VAES
-/// here) takes 0.89, ring's, used before it, 1.24 (`cargo bench --bench
-/// codec -- fabric_tag`). Tagging the bytes as associated data alone
-/// (GMAC) would spare the AES pass but not the copy (the parts are not
-/// contiguous), and would change the tag on the wire.
-///
-/// The two lengths at the end fix where the frames end and the header
-/// starts, so no other split of the same bytes carries the same tag. The
-/// zeros before them spare GCM its path for a last partial block, 20-45
-/// ns under ring (a 16-byte publish sealed in 138 ns before, 109 with
-/// them).
-pub fn tag(key: &TagKey, counter: u64, header: &[u8], frames: &[&[u8]]) -> Option<[u8; TAG_LEN]> {
-    SCRATCH.with_borrow_mut(|scratch| {
-        scratch.clear();
-        let frames_len: usize = frames.iter().map(|part| part.len()).sum();
-        let padded = (frames_len + header.len()).next_multiple_of(GCM_BLOCK);
-        // Exactly: grown by doubling, a message near the kept bound would
-        // leave the scratch above it and have it freed every time.
-        scratch.reserve_exact(padded + TAG_LENGTHS);
-        for part in frames {
-            scratch.extend_from_slice(part);
-        }
-        scratch.extend_from_slice(header);
-        scratch.resize(padded, 0);
-        scratch.extend_from_slice(&(frames_len as u64).to_le_bytes());
-        scratch.extend_from_slice(&(header.len() as u64).to_le_bytes());
-        let mut nonce = [0u8; NONCE_LEN];
-        nonce[NONCE_LEN - 8..].copy_from_slice(&counter.to_le_bytes());
-        let sealed = key
-            .0
-            .seal_in_place_separate_tag(Nonce::assume_unique_for_key(nonce), Aad::empty(), scratch)
+/// Keyed BLAKE3, the tag before GCM, needed no nonce; GCM was taken for
+/// its speed, and GMAC for needing neither an AES pass over the bytes nor
+/// (but for a body sent from elsewhere) a copy of them. A packed message of 10,000 bytes took BLAKE3 3.8 us to
+/// seal, GCM over a scratch copy 1.24 under ring and 0.89 under AWS-LC
+/// (512-bit VAES and carry-less multiplication here), and takes GMAC 0.43
+/// (`cargo bench --bench codec -- fabric_tag`).
+pub fn tag(key: &TagKey, counter: u64, parts: &[&[u8]]) -> Option<[u8; TAG_LEN]> {
+    let mut nonce = [0u8; NONCE_LEN];
+    nonce[0] = HEADER_VERSION;
+    nonce[NONCE_LEN - 8..].copy_from_slice(&counter.to_le_bytes());
+    let gmac = |bytes: &[u8]| {
+        key.0
+            .seal_in_place_separate_tag(
+                Nonce::assume_unique_for_key(nonce),
+                Aad::from(bytes),
+                &mut [],
+            )
             .ok()
             .map(|tag| {
                 let mut out = [0u8; TAG_LEN];
                 out.copy_from_slice(tag.as_ref());
                 out
-            });
-        if scratch.capacity() > SCRATCH_KEPT {
-            *scratch = Vec::new();
-        }
-        sealed
-    })
+            })
+    };
+    let mut filled = parts.iter().filter(|part| !part.is_empty());
+    match (filled.next(), filled.next()) {
+        (None, _) => gmac(&[]),
+        (Some(whole), None) => gmac(whole),
+        (Some(_), Some(_)) => SCRATCH.with_borrow_mut(|scratch| {
+            scratch.clear();
+            // Exactly: grown by doubling, a message near the kept bound
+            // would leave the scratch above it and have it freed every time.
+            scratch.reserve_exact(parts.iter().map(|part| part.len()).sum());
+            for part in parts {
+                scratch.extend_from_slice(part);
+            }
+            let sealed = gmac(scratch);
+            if scratch.capacity() > SCRATCH_KEPT {
+                *scratch = Vec::new();
+            }
+            sealed
+        }),
+    }
 }
-
-/// Bytes of one AES block, which GCM works in.
-const GCM_BLOCK: usize = 16;
-/// Bytes of the lengths that end a tag's input: one block.
-const TAG_LENGTHS: usize = 16;
 
 /// The counters of one link's incoming messages seen lately: a counter is
 /// taken once, and one older than the window is refused, so a message
@@ -319,6 +324,8 @@ pub enum LayoutError {
     Short { len: usize },
     #[error("unknown endpoint header version {0}")]
     Version(u8),
+    #[error("unknown endpoint header flags {0:#04x}")]
+    Flags(u8),
     #[error("sender address of {addr_len} bytes overruns a {len}-byte message")]
     Address { addr_len: usize, len: usize },
     #[error("frame length prefix says {declared} bytes but {actual} follow")]
@@ -464,13 +471,7 @@ impl BufferLayout {
 
     /// Endpoint header bytes for a sender address of `addr_len` bytes.
     pub const fn header_len(addr_len: usize) -> usize {
-        HEADER_FIXED + addr_len + HEADER_AUTH
-    }
-
-    /// Where the tag starts in that header: after the link id and the
-    /// counter; the tag covers the header bytes before it.
-    pub fn tag_offset(addr_len: usize) -> usize {
-        Self::header_len(addr_len) - TAG_LEN
+        HEADER_FIXED + addr_len + HEADER_IDS
     }
 
     /// Largest frame (length prefix included) a sender with an address of
@@ -534,13 +535,14 @@ impl BufferLayout {
         }
         let mut at = self.prefix;
         slot[at] = HEADER_VERSION;
-        slot[at + 1] = addr_len;
+        slot[at + FLAGS_AT] = 0;
+        slot[at + FLAGS_AT + 1] = addr_len;
         at += HEADER_FIXED;
         slot[at..at + sender.len()].copy_from_slice(sender);
         at += sender.len();
         slot[at..at + 8].copy_from_slice(&link_id.to_le_bytes());
         slot[at + 8..at + 16].copy_from_slice(&counter.to_le_bytes());
-        at += HEADER_AUTH;
+        at += HEADER_IDS;
         slot[at..at + frame.head.len()].copy_from_slice(&frame.head);
         at += frame.head.len();
         slot[at..at + frame.body.len()].copy_from_slice(&frame.body);
@@ -566,29 +568,37 @@ impl BufferLayout {
         Ok(total)
     }
 
+    /// Marks the message encoded in `slot` as carrying the endpoint's own
+    /// frames ([`CONTROL_FLAG`]), before it is sealed.
+    pub fn mark_control(&self, slot: &mut [u8]) {
+        if let Some(flags) = slot.get_mut(self.prefix + FLAGS_AT) {
+            *flags |= CONTROL_FLAG;
+        }
+    }
+
     /// Writes the tag of the `len` bytes encoded in `slot`, followed on
     /// the wire by `body` (sent from where it lies), under `key`.
     pub fn seal(&self, slot: &mut [u8], len: usize, body: &[u8], key: &TagKey) {
-        let Some(&addr_len) = slot.get(self.prefix + 1) else {
+        let start = self.prefix;
+        let Some(&addr_len) = slot.get(start + FLAGS_AT + 1) else {
             return;
         };
-        let tag_at = self.prefix + Self::tag_offset(usize::from(addr_len));
-        let frames_at = tag_at + TAG_LEN;
-        if len < frames_at || len > slot.len() {
+        let counter_at = start + Self::header_len(usize::from(addr_len)) - 8;
+        if len < counter_at + 8 || len > slot.len() {
             return;
         }
         let mut counter = [0u8; 8];
-        counter.copy_from_slice(&slot[tag_at - 8..tag_at]);
-        // A message that cannot be tagged (none can: AES-GCM takes up to
-        // 64 GiB) goes with a tag of zeros, which no receiver accepts.
+        counter.copy_from_slice(&slot[counter_at..counter_at + 8]);
+        // A message that cannot be tagged (none can: GCM takes far more
+        // than any message) goes with a tag of zeros, which no receiver
+        // accepts.
         let value = tag(
             key,
             u64::from_le_bytes(counter),
-            &slot[self.prefix..tag_at],
-            &[&slot[frames_at..len], body],
+            &[&slot[start + FLAGS_AT..len], body],
         )
         .unwrap_or_default();
-        slot[tag_at..frames_at].copy_from_slice(&value);
+        slot[start + TAG_AT..start + FLAGS_AT].copy_from_slice(&value);
     }
 
     /// Reads a received buffer whose completion reported `len` bytes
@@ -605,11 +615,15 @@ impl BufferLayout {
         if message.len() < HEADER_FIXED {
             return Err(LayoutError::Short { len: message.len() });
         }
-        if message[0] & !CONTROL_FLAG != HEADER_VERSION {
+        if message[0] != HEADER_VERSION {
             return Err(LayoutError::Version(message[0]));
         }
-        let control = message[0] & CONTROL_FLAG != 0;
-        let addr_len = usize::from(message[1]);
+        let flags = message[FLAGS_AT];
+        if flags & !CONTROL_FLAG != 0 {
+            return Err(LayoutError::Flags(flags));
+        }
+        let control = flags & CONTROL_FLAG != 0;
+        let addr_len = usize::from(message[FLAGS_AT + 1]);
         let rest = &message[HEADER_FIXED..];
         if addr_len > rest.len() {
             return Err(LayoutError::Address {
@@ -617,18 +631,18 @@ impl BufferLayout {
                 len: message.len(),
             });
         }
-        if addr_len + HEADER_AUTH > rest.len() {
+        if addr_len + HEADER_IDS > rest.len() {
             return Err(LayoutError::Short { len: message.len() });
         }
         let (sender, rest) = rest.split_at(addr_len);
-        let (auth, frames) = rest.split_at(HEADER_AUTH);
+        let (ids, frames) = rest.split_at(HEADER_IDS);
         let word = |at: usize| {
             let mut bytes = [0u8; 8];
-            bytes.copy_from_slice(&auth[at..at + 8]);
+            bytes.copy_from_slice(&ids[at..at + 8]);
             u64::from_le_bytes(bytes)
         };
-        let header = &message[..Self::tag_offset(addr_len)];
-        let tag = &auth[16..];
+        let tag = &message[TAG_AT..FLAGS_AT];
+        let covered = &message[FLAGS_AT..];
         let (link_id, counter) = (word(0), word(8));
         if frames.is_empty() {
             return Err(LayoutError::NoFrame);
@@ -650,7 +664,7 @@ impl BufferLayout {
             sender,
             link_id,
             counter,
-            header,
+            covered,
             control,
             tag,
             frames,
@@ -739,13 +753,16 @@ mod tests {
         layout.seal(&mut slot, len, &[], &KEY);
         assert_eq!(
             len,
-            layout.prefix + 2 + sender.len() + HEADER_AUTH + 4 + payload.len()
+            layout.prefix + BufferLayout::header_len(sender.len()) + 4 + payload.len()
         );
         // The provider's prefix is untouched.
         assert!(slot[..layout.prefix].iter().all(|&b| b == 0xAA));
         // The payload starts right after the prefix.
         assert_eq!(slot[layout.prefix], HEADER_VERSION);
-        assert_eq!(usize::from(slot[layout.prefix + 1]), sender.len());
+        assert_eq!(
+            usize::from(slot[layout.prefix + FLAGS_AT + 1]),
+            sender.len()
+        );
         let got = message(&layout, &slot, len);
         assert_eq!(got.sender, sender);
         assert_eq!((got.link_id, got.counter), (41, 9));
@@ -777,53 +794,84 @@ mod tests {
         let layout = BufferLayout::new(8, 256);
         let (slot, len) = sealed(&layout, b"publish this");
         assert!(message(&layout, &slot, len).is_authentic(&KEY));
-        // Every byte after the prefix counts: address, ids, tag, frames.
-        for at in layout.prefix + 2..len {
+        let start = layout.prefix;
+        let sent_tag = &slot[start + TAG_AT..start + FLAGS_AT];
+        // A changed version is not read at all.
+        let mut forged = slot.clone();
+        forged[start] ^= 0x01;
+        assert!(layout.decode(&forged, len).is_err());
+        // A changed tag byte fails the check.
+        for at in start + TAG_AT..start + FLAGS_AT {
             let mut forged = slot.clone();
             forged[at] ^= 0x01;
-            if let Ok(Received::Frames(m)) = layout.decode(&forged, len) {
-                assert!(!m.is_authentic(&KEY), "byte {at} changed unnoticed");
-            }
+            assert!(
+                !message(&layout, &forged, len).is_authentic(&KEY),
+                "tag byte {at}"
+            );
+        }
+        // Every byte after the tag is covered (flags, address length,
+        // address, ids, frames), whether or not the changed message would
+        // still be read.
+        for at in start + FLAGS_AT..len {
+            let mut forged = slot.clone();
+            forged[at] ^= 0x01;
+            let counter = message(&layout, &slot, len).counter;
+            let retagged = tag(&KEY, counter, &[&forged[start + FLAGS_AT..len]]);
+            assert_ne!(
+                retagged.as_ref().map(|t| &t[..]),
+                Some(sent_tag),
+                "byte {at}"
+            );
         }
     }
 
     #[test]
-    fn the_tag_seals_the_frames_the_header_zeros_and_both_lengths() {
+    fn the_tag_is_gmac_over_every_byte_after_it() {
         let layout = BufferLayout::new(8, 4096);
         let (slot, len) = sealed(&layout, &[0x5a; 3000]);
-        let tag_at = layout.prefix + BufferLayout::tag_offset(SENDER.len());
-        let frames_at = tag_at + TAG_LEN;
-        // Worked out here with AES-256-GCM directly: the counter
-        // (1) as the nonce, the ciphertext dropped, its tag kept.
-        let header = &slot[layout.prefix..tag_at];
-        let mut sealed = slot[frames_at..len].to_vec();
-        sealed.extend_from_slice(header);
-        assert_ne!(sealed.len() % 16, 0, "a last partial block is padded");
-        sealed.resize(sealed.len().next_multiple_of(16), 0);
-        sealed.extend_from_slice(&((len - frames_at) as u64).to_le_bytes());
-        sealed.extend_from_slice(&(header.len() as u64).to_le_bytes());
+        // Worked out here with AES-256-GCM directly: the version and the
+        // counter (1) as the nonce, nothing to encrypt, the bytes after the
+        // tag as the associated data.
         let mut nonce = [0u8; NONCE_LEN];
+        nonce[0] = 6;
         nonce[NONCE_LEN - 8..].copy_from_slice(&1u64.to_le_bytes());
         let key = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &KEY_BYTES).unwrap());
         let expected = key
             .seal_in_place_separate_tag(
                 Nonce::assume_unique_for_key(nonce),
-                Aad::empty(),
-                &mut sealed,
+                Aad::from(&slot[layout.prefix + FLAGS_AT..len]),
+                &mut [],
             )
             .unwrap();
-        assert_eq!(&slot[tag_at..frames_at], expected.as_ref());
+        assert_eq!(
+            &slot[layout.prefix + TAG_AT..layout.prefix + FLAGS_AT],
+            expected.as_ref()
+        );
         assert!(message(&layout, &slot, len).is_authentic(&KEY));
+        // And pinned, so that a change of the tag on the wire is seen.
+        assert_eq!(
+            tag(&KEY, 1, &[b"efabus fabric message"]).map(|t| hex(&t)),
+            Some(PINNED_TAG.to_string())
+        );
+    }
+
+    /// The tag of `b"efabus fabric message"` under `KEY` and counter 1,
+    /// as another implementation of AES-GCM (OpenSSL's, through Python's
+    /// `cryptography`) gives it for that associated data, nothing to
+    /// encrypt and the nonce `06 00 00 00` then 1 as 8 bytes little endian.
+    const PINNED_TAG: &str = "26c3fd424bb1707da06cbd9c6f0cb886";
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
     }
 
     #[test]
-    fn the_tag_tells_where_the_frames_end() {
-        // The same bytes split in two places between frames and header.
-        let bytes = b"frames then the header";
-        assert_ne!(
-            tag(&KEY, 1, &bytes[6..], &[&bytes[..6]]),
-            tag(&KEY, 1, &bytes[7..], &[&bytes[..7]])
-        );
+    fn parts_are_tagged_as_the_bytes_they_make_together() {
+        let bytes = b"a slot's bytes then a body";
+        let whole = tag(&KEY, 1, &[bytes]);
+        assert_eq!(whole, tag(&KEY, 1, &[&bytes[..6], &bytes[6..]]));
+        assert_eq!(whole, tag(&KEY, 1, &[&bytes[..], &[]]));
+        assert_eq!(whole, tag(&KEY, 1, &[&[], &bytes[..7], &bytes[7..]]));
     }
 
     #[test]
@@ -857,25 +905,22 @@ mod tests {
     }
 
     #[test]
-    fn zeros_that_end_a_header_are_not_taken_for_the_padding() {
-        // Padded to one block, both inputs would be the same bytes but
-        // for the header's length.
+    fn trailing_zeros_change_the_tag() {
+        // GHASH pads the last block with zeros and then takes the length:
+        // bytes that differ only by zeros at the end are told apart.
+        assert_ne!(tag(&KEY, 1, &[b"frames"]), tag(&KEY, 1, &[b"frames\0"]));
         assert_ne!(
-            tag(&KEY, 1, b"header", &[b"frames"]),
-            tag(&KEY, 1, b"header\0", &[b"frames"])
-        );
-        assert_ne!(
-            tag(&KEY, 1, b"header", &[b"frames"]),
-            tag(&KEY, 1, b"header", &[b"frames", &[0]])
+            tag(&KEY, 1, &[&[7u8; 16]]),
+            tag(&KEY, 1, &[&[7u8; 16], &[0u8; 16]])
         );
     }
 
     #[test]
     fn the_same_bytes_under_another_counter_get_another_tag() {
-        let bytes = b"the same frames";
-        let first = tag(&KEY, 1, b"header", &[bytes]);
-        assert_eq!(first, tag(&KEY, 1, b"header", &[bytes]));
-        assert_ne!(first, tag(&KEY, 2, b"header", &[bytes]));
+        let bytes: &[u8] = b"the same frames";
+        let first = tag(&KEY, 1, &[bytes]);
+        assert_eq!(first, tag(&KEY, 1, &[bytes]));
+        assert_ne!(first, tag(&KEY, 2, &[bytes]));
     }
 
     #[test]
@@ -883,13 +928,38 @@ mod tests {
         let layout = BufferLayout::new(0, 256);
         let (mut slot, len) = sealed(&layout, b"publish this");
         let mut control = slot.clone();
-        control[layout.prefix] ^= CONTROL_FLAG;
+        control[layout.prefix + FLAGS_AT] ^= CONTROL_FLAG;
         let got = message(&layout, &control, len);
         assert!(got.control, "the flag decodes");
         assert!(!got.is_authentic(&KEY));
-        let tag_at = layout.prefix + BufferLayout::tag_offset(SENDER.len());
-        slot[tag_at..tag_at + TAG_LEN].fill(0);
+        slot[layout.prefix + TAG_AT..layout.prefix + FLAGS_AT].fill(0);
         assert!(!message(&layout, &slot, len).is_authentic(&KEY));
+    }
+
+    #[test]
+    fn a_marked_control_message_is_sealed_with_its_flag() {
+        let layout = BufferLayout::new(8, 256);
+        let mut slot = vec![0u8; layout.slot_stride()];
+        let len = layout
+            .encode(&mut slot, &SENDER, (5, 1), &frame(b"done"))
+            .unwrap();
+        layout.mark_control(&mut slot);
+        layout.seal(&mut slot, len, &[], &KEY);
+        let got = message(&layout, &slot, len);
+        assert!(got.control);
+        assert!(got.is_authentic(&KEY));
+    }
+
+    #[test]
+    fn other_versions_and_unknown_flags_are_refused() {
+        let layout = BufferLayout::new(0, 256);
+        let (slot, len) = sealed(&layout, b"publish this");
+        let mut old = slot.clone();
+        old[layout.prefix] = 5;
+        assert_eq!(layout.decode(&old, len), Err(LayoutError::Version(5)));
+        let mut flagged = slot;
+        flagged[layout.prefix + FLAGS_AT] |= 0x01;
+        assert_eq!(layout.decode(&flagged, len), Err(LayoutError::Flags(0x01)));
     }
 
     #[test]
@@ -907,21 +977,22 @@ mod tests {
     }
 
     #[test]
-    fn a_message_larger_than_the_scratch_kept_is_tagged_and_checked() {
+    fn a_body_larger_than_the_scratch_kept_is_tagged_and_not_kept() {
         let layout = BufferLayout::new(0, SCRATCH_KEPT * 2);
         let mut slot = vec![0u8; layout.slot_stride()];
-        let len = layout
-            .encode(
-                &mut slot,
-                &[1u8; 4],
-                (2, 3),
-                &frame(&vec![9u8; SCRATCH_KEPT + 1]),
-            )
-            .unwrap();
-        layout.seal(&mut slot, len, &[], &KEY);
-        assert!(message(&layout, &slot, len).is_authentic(&KEY));
-        slot[len - 1] ^= 1;
-        assert!(!message(&layout, &slot, len).is_authentic(&KEY));
+        let body = vec![9u8; SCRATCH_KEPT + 1];
+        let head = OutFrame::whole(Bytes::from((body.len() as u32).to_le_bytes().to_vec()));
+        let len = layout.encode(&mut slot, &[1u8; 4], (2, 3), &head).unwrap();
+        // Sent from elsewhere: tagged through the scratch buffer.
+        layout.seal(&mut slot, len, &body, &KEY);
+        assert!(SCRATCH.with_borrow(|scratch| scratch.capacity()) <= SCRATCH_KEPT);
+        let mut wire = slot[..len].to_vec();
+        wire.extend_from_slice(&body);
+        let got = message(&layout, &wire, wire.len());
+        assert!(got.is_authentic(&KEY));
+        let last = wire.len() - 1;
+        wire[last] ^= 1;
+        assert!(!message(&layout, &wire, wire.len()).is_authentic(&KEY));
     }
 
     #[test]
@@ -999,10 +1070,10 @@ mod tests {
             .unwrap();
         len = layout.append(&mut slot, len, &frame(b"")).unwrap();
         len = layout.append(&mut slot, len, &frame(b"third one")).unwrap();
-        // 40 prefix + 42 header + (9 + 4 + 13) frames = 108; 33 more do not fit.
-        assert_eq!(len, 108);
+        // 40 prefix + 43 header + (9 + 4 + 13) frames = 109; 32 more do not fit.
+        assert_eq!(len, 109);
         assert_eq!(
-            layout.append(&mut slot, len, &frame(&[0u8; 29])),
+            layout.append(&mut slot, len, &frame(&[0u8; 28])),
             Err(LayoutError::Overrun { len: 141, cap: 140 })
         );
         layout.seal(&mut slot, len, &[], &KEY);
@@ -1027,7 +1098,7 @@ mod tests {
         assert_eq!(layout.recv_len(), 176 + 65536);
         assert_eq!(layout.slot_stride() % SLOT_ALIGN, 0);
         assert!(layout.slot_stride() >= layout.recv_len());
-        assert_eq!(layout.max_frame(EFA_ADDR_LEN), 65536 - 66);
+        assert_eq!(layout.max_frame(EFA_ADDR_LEN), 65536 - 67);
         round_trip(layout, &[7u8; EFA_ADDR_LEN], b"hello over srd");
         let max = vec![0x5Au8; layout.max_frame(EFA_ADDR_LEN) - 4];
         round_trip(layout, &[7u8; EFA_ADDR_LEN], &max);
@@ -1041,7 +1112,7 @@ mod tests {
         // The whole posted length never exceeds what the provider allows.
         assert_eq!(layout.recv_len(), 8928);
         let max_frame = layout.max_frame(EFA_ADDR_LEN);
-        assert_eq!(max_frame, 8928 - 40 - 66);
+        assert_eq!(max_frame, 8928 - 40 - 67);
         assert_eq!(layout.send_len(EFA_ADDR_LEN, max_frame), 8928);
         round_trip(layout, &[1u8; EFA_ADDR_LEN], &vec![3u8; max_frame - 4]);
     }
@@ -1049,7 +1120,7 @@ mod tests {
     #[test]
     fn inject_only_within_the_limit_prefix_included() {
         let layout = BufferLayout::new(EFA_RDM_PREFIX, 65536);
-        let fits = EFA_RDM_INJECT - EFA_RDM_PREFIX - 2 - EFA_ADDR_LEN - HEADER_AUTH;
+        let fits = EFA_RDM_INJECT - EFA_RDM_PREFIX - BufferLayout::header_len(EFA_ADDR_LEN);
         let posted = |frame_len| layout.send_len(EFA_ADDR_LEN, frame_len);
         assert!(BufferLayout::fits_inject(EFA_RDM_INJECT, posted(fits)));
         assert!(!BufferLayout::fits_inject(EFA_RDM_INJECT, posted(fits + 1)));
@@ -1076,7 +1147,7 @@ mod tests {
     fn no_prefix_layout_starts_at_zero() {
         let layout = BufferLayout::new(0, 1472);
         round_trip(layout, &[9u8; 16], b"x");
-        assert_eq!(layout.max_frame(16), 1472 - 50);
+        assert_eq!(layout.max_frame(16), 1472 - 51);
     }
 
     #[test]
@@ -1095,22 +1166,22 @@ mod tests {
         ));
         // Wrong version.
         slot[8] = 9;
-        assert_eq!(layout.decode(&slot, 20), Err(LayoutError::Version(9)));
+        assert_eq!(layout.decode(&slot, 40), Err(LayoutError::Version(9)));
         // Address longer than the message.
         slot[8] = HEADER_VERSION;
-        slot[9] = 200;
+        slot[8 + FLAGS_AT + 1] = 200;
         assert!(matches!(
-            layout.decode(&slot, 20),
+            layout.decode(&slot, 40),
             Err(LayoutError::Address { .. })
         ));
-        // Address and authenticator longer than the message.
-        slot[9] = 2;
+        // Address and ids longer than the message.
+        slot[8 + FLAGS_AT + 1] = 2;
         assert!(matches!(
-            layout.decode(&slot, 20),
+            layout.decode(&slot, 40),
             Err(LayoutError::Short { .. })
         ));
         // Frame length prefix disagrees with the message length.
-        let frame_at = 8 + 2 + 2 + HEADER_AUTH;
+        let frame_at = 8 + BufferLayout::header_len(2);
         slot[frame_at..frame_at + 4].copy_from_slice(&100u32.to_le_bytes());
         assert_eq!(
             layout.decode(&slot, frame_at + 8),
