@@ -20,9 +20,10 @@
 //!   with the version and the counter as the nonce, over every byte after
 //!   the tag, from the flags to the last frame (see [`tag`]; the message
 //!   itself is not encrypted). The version byte is bound through the
-//!   nonce rather than covered, and a receiver takes only its own. A receiver finds the link by its id, checks the address and
-//!   the tag, and refuses a counter it has seen (see `ReplayWindow`);
-//!   nothing in a message is trusted before that.
+//!   nonce rather than covered, and a receiver takes only its own. A
+//!   receiver finds the link by its id, checks the address and the tag,
+//!   and refuses a counter it has seen (see `ReplayWindow`); nothing in a
+//!   message is trusted before that.
 //! - A message carries one or more whole frames back to back (a sender
 //!   packs the frames it is handed between two polls, up to the peer's
 //!   frame limit); their own length prefixes must account for the rest of
@@ -184,12 +185,12 @@ thread_local! {
 /// that is AES-256-GCM with nothing to encrypt and the message's bytes as
 /// its associated data, with the header version and the message's counter
 /// as the nonce (its first byte and its last 8, little endian; the rest
-/// zero). `parts` are those bytes in order: one slice
-/// where the message lies whole (a received one, one sent from its slot),
-/// or its slot's bytes and a body sent from elsewhere, which are copied
-/// into a scratch buffer of the thread's first (GCM takes its associated
-/// data in one piece). `None` only for input GCM cannot take, which no
-/// message comes near.
+/// zero). `parts` are those bytes in order: one slice where the message
+/// lies whole (a received one, one sent from its slot), or its slot's
+/// bytes and a body sent from elsewhere, which are copied into a scratch
+/// buffer of the thread's first (GCM takes its associated data in one
+/// piece). `None` only for input GCM cannot take, which no message comes
+/// near.
 ///
 /// The tag is E_K(nonce, 1) xor GHASH_H(bytes, lengths): whatever the
 /// bytes, even ones a forger chose or read, a forgery under a counter not
@@ -206,10 +207,11 @@ thread_local! {
 ///
 /// Keyed BLAKE3, the tag before GCM, needed no nonce; GCM was taken for
 /// its speed, and GMAC for needing neither an AES pass over the bytes nor
-/// (but for a body sent from elsewhere) a copy of them. A packed message of 10,000 bytes took BLAKE3 3.8 us to
-/// seal, GCM over a scratch copy 1.24 under ring and 0.89 under AWS-LC
-/// (512-bit VAES and carry-less multiplication here), and takes GMAC 0.43
-/// (`cargo bench --bench codec -- fabric_tag`).
+/// (but for a body sent from elsewhere) a copy of them. A packed message
+/// of 10,000 bytes took BLAKE3 3.8 us to seal, GCM over a scratch copy
+/// 1.24 under ring and 0.89 under AWS-LC (512-bit VAES and carry-less
+/// multiplication here), and takes GMAC 0.43 (`cargo bench --bench codec
+/// -- fabric_tag`).
 pub fn tag(key: &TagKey, counter: u64, parts: &[&[u8]]) -> Option<[u8; TAG_LEN]> {
     let mut nonce = [0u8; NONCE_LEN];
     nonce[0] = HEADER_VERSION;
