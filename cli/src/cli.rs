@@ -1104,9 +1104,7 @@ fn publish(args: PubArgs) -> Result<(), Failure> {
         }
     }
     progress.finish_and_clear();
-    client
-        .flush(Duration::from_secs(30))
-        .map_err(|err| explain(err, Some(&args.client.server)))?;
+    confirm(&client, &args.client.server, Duration::from_secs(30))?;
     refused_by_broker(&client)?;
     let elapsed = started.elapsed();
     let mut output = Output::new();
@@ -1210,9 +1208,7 @@ fn subscribe(args: SubArgs) -> Result<(), Failure> {
         None => client.subscribe(&args.pattern),
     }
     .map_err(|err| explain(err, Some(&args.client.server)))?;
-    client
-        .flush(Duration::from_secs(5))
-        .map_err(|err| explain(err, Some(&args.client.server)))?;
+    confirm(&client, &args.client.server, Duration::from_secs(5))?;
     refused_by_broker(&client)?;
     // A status line, not a result: a closed stderr is no reason to stop.
     let _ = writeln!(
@@ -1295,9 +1291,7 @@ fn reply(args: ReplyArgs) -> Result<(), Failure> {
         None => client.respond(&args.subject, handler),
     }
     .map_err(|err| explain(err, Some(server)))?;
-    client
-        .flush(Duration::from_secs(5))
-        .map_err(|err| explain(err, Some(server)))?;
+    confirm(&client, server, Duration::from_secs(5))?;
     refused_by_broker(&client)?;
     let _ = writeln!(
         io::stderr(),
@@ -1325,9 +1319,7 @@ fn reply(args: ReplyArgs) -> Result<(), Failure> {
     }
     drop(responder);
     // The answers went out before the flush asked for.
-    client
-        .flush(Duration::from_secs(5))
-        .map_err(|err| explain(err, Some(server)))?;
+    confirm(&client, server, Duration::from_secs(5))?;
     let mut said = format!("answered {} requests", answered.load(Ordering::Relaxed));
     let without_reply = without_reply.load(Ordering::Relaxed);
     if without_reply > 0 {
@@ -1353,6 +1345,52 @@ fn request(args: ReqArgs) -> Result<(), Failure> {
             }
         })?;
     out!(Output::new(), "{}", String::from_utf8_lossy(&reply.payload))
+}
+
+/// Waits up to `timeout` for the broker to confirm what the client asked
+/// of it so far. A data path that carries nothing back (a provider that
+/// refused the connection underneath, a peer of another fabric header
+/// version) is given up within the connect timeout, and with it the
+/// confirmation: a client that reconnects is asked again once connected
+/// anew without that path; one that does not has ended, and the reason
+/// is the command's failure.
+fn confirm(client: &Client, server: &str, timeout: Duration) -> Result<(), Failure> {
+    let deadline = Instant::now() + 2 * timeout;
+    loop {
+        let reconnects = client.reconnects();
+        let result = client.flush(timeout);
+        let lost = matches!(result, Err(Error::NotConnected(_) | Error::Timeout(_)));
+        if !lost || !connected_anew(client, reconnects, deadline) {
+            return result.map_err(|err| match client.closed_because() {
+                Some(reason) => Failure::runtime(format!(
+                    "lost the connection to {}: {}",
+                    excerpt(server, EXCERPT_CHARS),
+                    excerpt(&reason, 4 * EXCERPT_CHARS)
+                )),
+                None => explain(err, Some(server)),
+            });
+        }
+    }
+}
+
+/// Whether the client, connected `reconnects` times again when its flush
+/// went, is on a newer connection before `deadline`. One still on the
+/// same connection gets a moment to say that it lost it (a broker merely
+/// slow to answer does not get a second wait).
+fn connected_anew(client: &Client, reconnects: u64, deadline: Instant) -> bool {
+    let moment = Instant::now() + Duration::from_millis(200);
+    loop {
+        let now = Instant::now();
+        match client.state() {
+            ConnectionState::Connected { .. } if client.reconnects() > reconnects => {
+                return now < deadline
+            }
+            ConnectionState::Connected { .. } if now < moment.min(deadline) => {}
+            ConnectionState::Connecting if now < deadline => {}
+            _ => return false,
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// What the broker refused without closing (a permission denied, a payload

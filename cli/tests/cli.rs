@@ -842,6 +842,115 @@ fn fabric_peers_whose_rxm_eager_limits_differ_link_over_tcp_and_say_why() {
     );
 }
 
+/// A fabric path that carries nothing back (here the broker drops every
+/// frame it receives on `efa-rdm`, as a peer of another fabric header
+/// version would) is given up within the connect timeout. `efabus sub`
+/// then ends saying why, or with `--reconnect` goes on over TCP and gets
+/// what is published: its subscription's confirmation, lost with the
+/// first connection, is asked for again on the next.
+#[test]
+fn sub_over_a_silent_fabric_path_says_why_or_goes_on_over_tcp() {
+    let fabric = "[negotiation]\npreference = [\"efa-rdm\", \"tcp\"]\n\
+                  [fabric]\nprovider = \"tcp;ofi_rxm\"\nnode = \"127.0.0.1\"\n";
+    let server = Server::start_listening(
+        &["tcp/127.0.0.1:0", "efa-rdm"],
+        &format!("{fabric}[testing.faults]\nscheme = \"efa-rdm\"\ndrop = 1.0\n"),
+        &[],
+    );
+    let config = common::temp_path("silent-path.toml");
+    std::fs::write(&config, format!("listen = [\"efa-rdm\"]\n{fabric}")).unwrap();
+    let config = config.to_str().expect("a UTF-8 path");
+    let sub = |extra: &[&str]| {
+        let mut args = vec![
+            "sub",
+            "-v",
+            "--server",
+            &server.endpoint,
+            "--config",
+            config,
+        ];
+        args.extend(extra);
+        args.push("silent.>");
+        // The broker runs without ofi_rxm's eager-limit variables.
+        let mut command = efabus();
+        for name in common::RXM_EAGER_VARS {
+            command.env_remove(name);
+        }
+        let mut child = Process(
+            command
+                .args(&args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn efabus sub"),
+        );
+        let lines = lines_of(child.0.stdout.take().unwrap());
+        let status = lines_of(child.0.stderr.take().unwrap());
+        (child, lines, status)
+    };
+    let ended_within = |child: &mut Process, limit: Duration| {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = child.0.try_wait() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    };
+
+    let (mut plain, _, plain_status) = sub(&[]);
+    let connected = plain_status
+        .recv_timeout(WAIT)
+        .expect("sub says how it connected");
+    if !connected.contains("efa-rdm via tcp;ofi_rxm") {
+        assert!(!common::fabric_required(), "no fabric path: {connected}");
+        eprintln!("skipping: efa-rdm via tcp;ofi_rxm cannot open here: {connected}");
+        return;
+    }
+    assert_eq!(ended_within(&mut plain, 3 * WAIT), Some(1), "sub ends");
+    // Until its end of file: the process has ended.
+    let said: Vec<String> = plain_status.iter().collect();
+    assert!(
+        said.iter()
+            .any(|line| line.contains("lost the connection to")
+                && line.contains("efa-rdm: its data link carried nothing back")),
+        "{said:?}"
+    );
+
+    let (mut riding, lines, status) = sub(&["--reconnect"]);
+    let deadline = Instant::now() + 3 * WAIT;
+    let mut seen = Vec::new();
+    while !seen
+        .iter()
+        .any(|line: &String| line.starts_with("subscribed to "))
+    {
+        assert!(Instant::now() < deadline, "never subscribed: {seen:?}");
+        if let Ok(line) = status.recv_timeout(Duration::from_millis(100)) {
+            seen.push(line);
+        }
+        assert!(riding.0.try_wait().unwrap().is_none(), "ended: {seen:?}");
+    }
+    assert!(
+        seen[0].contains("efa-rdm via tcp;ofi_rxm")
+            && seen
+                .iter()
+                .any(|line| line.contains("carried nothing back")),
+        "it started on the fabric and left it: {seen:?}"
+    );
+    let published = efabus()
+        .args(["pub", "--server", &server.endpoint, "silent.x", "over tcp"])
+        .output()
+        .expect("run efabus pub");
+    assert!(published.status.success(), "{}", stderr(&published));
+    assert_eq!(
+        lines.recv_timeout(WAIT).as_deref(),
+        Ok("[silent.x] over tcp"),
+        "{seen:?}"
+    );
+    let _ = std::fs::remove_file(config);
+}
+
 /// A broker listening on `efa-rdm` via `tcp;ofi_rxm` with `server_env`,
 /// and `efabus pub --verbose` to it from a process with `client_env`
 /// (neither with the runner's eager-limit variables): what the client
