@@ -346,13 +346,7 @@ fn corrupted_frames_never_reach_other_peers() {
 /// arrives and the connect fails, while the broker did see the connection.
 #[test]
 fn client_faults_from_the_config_wrap_its_connection() {
-    let name = fresh_name("client");
-    let config = Config::from_toml_str(
-        &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
-        "faults test",
-    )
-    .expect("valid config");
-    let broker = Broker::start(config).expect("broker starts");
+    let (broker, endpoint) = mem_broker("client");
 
     let client_config = Config::from_toml_str(
         "[testing.faults]\nseed = 3\ndrop = 1.0\n",
@@ -366,7 +360,6 @@ fn client_faults_from_the_config_wrap_its_connection() {
         reconnect: false,
         ..from_file
     };
-    let endpoint = format!("mem/{name}");
     let failed = Client::connect_with(&endpoint, options.clone(), Registry::with_builtins());
     assert!(failed.is_err(), "connected although every frame is dropped");
     assert!(broker.stats().connections_total.load(Ordering::Relaxed) >= 1);
@@ -385,6 +378,19 @@ fn client_faults_from_the_config_wrap_its_connection() {
     broker.shutdown();
 }
 
+/// A broker on a fresh `mem` endpoint named after `tag`, and that
+/// endpoint.
+fn mem_broker(tag: &str) -> (Broker, String) {
+    let name = fresh_name(tag);
+    let config = Config::from_toml_str(
+        &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
+        "faults test",
+    )
+    .expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    (broker, format!("mem/{name}"))
+}
+
 /// A broker on a fresh `mem` endpoint and a client of it with `faults`,
 /// subscribed to `SUBJECT.>`; then the broker publishes bytes 0 to 99 on
 /// `SUBJECT.x`. With the endpoint.
@@ -392,14 +398,7 @@ fn client_under_faults(
     subject: &str,
     faults: Faults,
 ) -> (Broker, Client, efabus_broker::Subscription, String) {
-    let name = fresh_name(subject);
-    let config = Config::from_toml_str(
-        &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
-        "faults test",
-    )
-    .expect("valid config");
-    let broker = Broker::start(config).expect("broker starts");
-    let endpoint = format!("mem/{name}");
+    let (broker, endpoint) = mem_broker(subject);
     let options = ClientOptions {
         faults: Some(faults),
         ..ClientOptions::default()
@@ -484,13 +483,7 @@ fn a_client_whose_loop_panicked_says_so() {
 /// frames that came meanwhile.
 #[test]
 fn a_publisher_waiting_for_room_learns_at_once_that_the_loop_panicked() {
-    let name = fresh_name("room");
-    let config = Config::from_toml_str(
-        &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
-        "faults test",
-    )
-    .expect("valid config");
-    let broker = Broker::start(config).expect("broker starts");
+    let (broker, endpoint) = mem_broker("room");
     let block_timeout = Duration::from_secs(30);
     let options = ClientOptions {
         faults: Some(Faults {
@@ -504,8 +497,7 @@ fn a_publisher_waiting_for_room_learns_at_once_that_the_loop_panicked() {
         ..ClientOptions::default()
     };
     let client = Arc::new(
-        Client::connect_with(&format!("mem/{name}"), options, Registry::with_builtins())
-            .expect("connects"),
+        Client::connect_with(&endpoint, options, Registry::with_builtins()).expect("connects"),
     );
     let _subscription = client.subscribe("room.>").expect("subscribe");
     client.flush(WAIT).expect("subscribed");
@@ -594,13 +586,7 @@ fn until_a_caller_takes_the_panic<S>(
 fn a_panic_in_a_round_a_caller_ran_ends_the_client_loop() {
     let (broker, client, _responder) = until_a_caller_takes_the_panic(
         || {
-            let name = fresh_name("driven");
-            let config = Config::from_toml_str(
-                &format!("name = \"faults\"\nlisten = [\"mem/{name}\"]\n"),
-                "faults test",
-            )
-            .expect("valid config");
-            let broker = Broker::start(config).expect("broker starts");
+            let (broker, endpoint) = mem_broker("driven");
             let responder = broker
                 .respond("ask", |message| Some(message.payload.clone()))
                 .expect("responder");
@@ -611,9 +597,8 @@ fn a_panic_in_a_round_a_caller_ran_ends_the_client_loop() {
                 }),
                 ..ClientOptions::default()
             };
-            let client =
-                Client::connect_with(&format!("mem/{name}"), options, Registry::with_builtins())
-                    .expect("connects");
+            let client = Client::connect_with(&endpoint, options, Registry::with_builtins())
+                .expect("connects");
             (broker, client, responder)
         },
         |(_, client, _), n| client.request("ask", vec![n], WAIT),

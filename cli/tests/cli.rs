@@ -104,7 +104,12 @@ fn spawn_piped(args: &[&str]) -> Process {
 
 /// Wait (bounded) for a child to exit; its status code.
 fn exit_code(child: &mut Process) -> Option<i32> {
-    let deadline = Instant::now() + WAIT;
+    exit_code_within(child, WAIT)
+}
+
+/// Wait up to `limit` for a child to exit; its status code.
+fn exit_code_within(child: &mut Process, limit: Duration) -> Option<i32> {
+    let deadline = Instant::now() + limit;
     while Instant::now() < deadline {
         if let Ok(Some(status)) = child.0.try_wait() {
             return status.code();
@@ -888,16 +893,6 @@ fn sub_over_a_silent_fabric_path_says_why_or_goes_on_over_tcp() {
         let status = lines_of(child.0.stderr.take().unwrap());
         (child, lines, status)
     };
-    let ended_within = |child: &mut Process, limit: Duration| {
-        let deadline = Instant::now() + limit;
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = child.0.try_wait() {
-                return status.code();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    };
 
     let (mut plain, _, plain_status) = sub(&[]);
     let connected = plain_status
@@ -908,7 +903,7 @@ fn sub_over_a_silent_fabric_path_says_why_or_goes_on_over_tcp() {
         eprintln!("skipping: efa-rdm via tcp;ofi_rxm cannot open here: {connected}");
         return;
     }
-    assert_eq!(ended_within(&mut plain, 3 * WAIT), Some(1), "sub ends");
+    assert_eq!(exit_code_within(&mut plain, 3 * WAIT), Some(1), "sub ends");
     // Until its end of file: the process has ended.
     let said: Vec<String> = plain_status.iter().collect();
     assert!(
