@@ -2218,11 +2218,11 @@ impl ClientLoop {
             return;
         };
         let waited = self.shared.options.connect_timeout;
-        error!(
-            %scheme,
-            ?waited,
-            "the reliable data link carried nothing back; reconnecting without it"
-        );
+        let then = match self.shared.options.reconnect {
+            true => "reconnecting without it",
+            false => "the connection ends (the client does not reconnect)",
+        };
+        error!(%scheme, ?waited, "the reliable data link carried nothing back; {then}");
         let reason = format!(
             "{scheme}: its data link carried nothing back within {waited:?} of its first \
              frame (the provider may have refused the connection, or the broker speaks \
