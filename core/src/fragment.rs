@@ -343,6 +343,27 @@ struct Partial {
     last_seen: Instant,
 }
 
+impl Partial {
+    /// Whether piece `index` is among those taken.
+    fn has(&self, index: u32) -> bool {
+        let index = index as usize;
+        self.have
+            .get(index / 64)
+            .is_some_and(|word| word & (1u64 << (index % 64)) != 0)
+    }
+}
+
+/// How far a partial message has come ([`Reassembler::progress`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartialProgress {
+    /// Pieces taken so far.
+    pub received: u32,
+    /// When the last of them was taken.
+    pub last_seen: Instant,
+    /// Whether the message's last piece (the highest index) is among them.
+    pub last_piece_taken: bool,
+}
+
 #[derive(Debug, Default)]
 struct PeerState {
     partials: HashMap<u64, Partial>,
@@ -553,27 +574,15 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
         self.partials
     }
 
-    /// While `peer`'s message `msg_id` is partial: the pieces of it taken
-    /// so far, and when the last of them was.
-    pub fn progress(&self, peer: &K, msg_id: u64) -> Option<(u32, Instant)> {
+    /// How far `peer`'s message `msg_id` has come while it is partial.
+    pub fn progress(&self, peer: &K, msg_id: u64) -> Option<PartialProgress> {
         self.peers
             .get(peer)
             .and_then(|state| state.partials.get(&msg_id))
-            .map(|partial| (partial.received, partial.last_seen))
-    }
-
-    /// While `peer`'s message `msg_id` is partial: whether its last piece
-    /// (the highest index) is among those taken.
-    pub fn last_piece_taken(&self, peer: &K, msg_id: u64) -> bool {
-        self.peers
-            .get(peer)
-            .and_then(|state| state.partials.get(&msg_id))
-            .is_some_and(|partial| {
-                let last = partial.count.saturating_sub(1) as usize;
-                partial
-                    .have
-                    .get(last / 64)
-                    .is_some_and(|word| word & (1u64 << (last % 64)) != 0)
+            .map(|partial| PartialProgress {
+                received: partial.received,
+                last_seen: partial.last_seen,
+                last_piece_taken: partial.has(partial.count.saturating_sub(1)),
             })
     }
 

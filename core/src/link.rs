@@ -1109,7 +1109,7 @@ impl LinkReceiver {
     fn pieces_received(&self, msg_id: u64) -> u32 {
         self.reassembler
             .progress(&(), msg_id)
-            .map_or(0, |(pieces, _)| pieces)
+            .map_or(0, |progress| progress.received)
     }
 
     /// Lossy links: when the sequence due is a partial message and nothing
@@ -1128,13 +1128,13 @@ impl LinkReceiver {
             return None;
         }
         let due = reorder.expected();
-        let (_, last_piece) = self.reassembler.progress(&(), due)?;
-        let wait = if self.reassembler.last_piece_taken(&(), due) {
+        let progress = self.reassembler.progress(&(), due)?;
+        let wait = if progress.last_piece_taken {
             limit / LAST_PIECE_WAIT_SHARE
         } else {
             limit
         };
-        Some(last_piece + wait)
+        Some(progress.last_seen + wait)
     }
 
     /// Lossy links: gives the sequence due up once its partial message is
