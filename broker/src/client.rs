@@ -2972,10 +2972,7 @@ impl ClientLoop {
         }
         while let Some(item) = self.taken.pop_front() {
             match item {
-                Item::Run(run, frames) => self.send_out(Queued {
-                    frames,
-                    ..Queued::run(run, 0)
-                }),
+                Item::Run(run, frames) => self.send_out(Queued::counted_run(run, 0, frames)),
                 Item::Frame(frame) => self.send_out(Queued::frame(frame, false)),
                 Item::Command(command) => self.on_command(command),
             }

@@ -905,7 +905,7 @@ fn a_lost_datagram_does_not_hold_the_link() {
     assert!(burst.lost > 0, "no datagram was dropped: {burst:?}");
     // Three datagrams a message: about 1.5% of what was carried.
     assert!(burst.lost * 100 <= burst.carried() * 5, "{burst:?}");
-    let per_second = burst.received as f64 / burst.seconds;
+    let per_second = burst.received_per_second();
     assert!(per_second >= 2_500.0, "losses held the link: {burst:?}");
 }
 
@@ -939,7 +939,7 @@ fn a_lost_datagram_does_not_hold_a_link_of_messages_over_half_its_window() {
     assert!(burst.lost > 0, "no datagram was dropped: {burst:?}");
     // 36 datagrams a message: about 16.5% of what was carried.
     assert!(burst.lost * 100 <= burst.carried() * 30, "{burst:?}");
-    let per_second = burst.received as f64 / burst.seconds;
+    let per_second = burst.received_per_second();
     assert!(per_second >= 120.0, "losses held the link: {burst:?}");
 }
 
@@ -1183,6 +1183,11 @@ impl Burst {
     /// Messages that crossed the link or were lost on it.
     fn carried(&self) -> u64 {
         self.received + self.queue_dropped + self.lost
+    }
+
+    /// Messages received per second of publishing.
+    fn received_per_second(&self) -> f64 {
+        self.received as f64 / self.seconds
     }
 }
 

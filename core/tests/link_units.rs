@@ -288,9 +288,7 @@ fn pieces_reordered_behind_the_last_still_complete_their_message() {
 #[test]
 fn a_gap_before_an_abandoned_message_is_skipped_after_the_gap_timeout() {
     // 1 never arrives, one piece of 2 does and expires: 1 and 2 are lost.
-    let cfg = config(FRAGMENT_OVERHEAD + 16, true, true, 64, ms(10), ms(50));
-    let mut tx = LinkSender::new(&cfg).unwrap();
-    let mut rx = LinkReceiver::new(&cfg);
+    let (mut tx, mut rx) = small_piece_lossy_link(ms(10), ms(50));
     let mut wire = Vec::new();
     tx.prepare(test_frame(1, 16, 16), &mut wire).unwrap();
     tx.prepare(test_frame(2, 32, 32), &mut wire).unwrap();

@@ -69,12 +69,17 @@ impl Queued {
         }
     }
 
-    /// A run of `messages` frames, each a message.
-    pub fn messages_run(run: Bytes, messages: usize) -> Queued {
+    /// A run of `frames` counted frames holding `messages` messages.
+    pub fn counted_run(run: Bytes, messages: usize, frames: usize) -> Queued {
         Queued {
-            frames: messages,
+            frames,
             ..Queued::run(run, messages)
         }
+    }
+
+    /// A run of `messages` frames, each a message.
+    pub fn messages_run(run: Bytes, messages: usize) -> Queued {
+        Queued::counted_run(run, messages, messages)
     }
 
     /// `Publish` frames the entry holds (the frames of a client's run of
@@ -256,9 +261,12 @@ fn send_piece(
     };
     // What is left after `done` of the run's frames; uncounted frames
     // stay uncounted.
-    let rest = |from: usize, done: usize| Queued {
-        frames: totals.frames.saturating_sub(done),
-        ..Queued::run(run.slice(from..), totals.messages.saturating_sub(done))
+    let rest = |from: usize, done: usize| {
+        Queued::counted_run(
+            run.slice(from..),
+            totals.messages.saturating_sub(done),
+            totals.frames.saturating_sub(done),
+        )
     };
     match outcome {
         OnLink::Taken => None,
@@ -758,10 +766,7 @@ mod tests {
             "the control link is not the fabric"
         );
         // A client's run of publishes: frames counted, no messages.
-        let counted = Queued {
-            frames: 3,
-            ..Queued::run(run_of(&[b"a", b"bb", b"ccc"]), 0)
-        };
+        let counted = Queued::counted_run(run_of(&[b"a", b"bb", b"ccc"]), 0, 3);
         let mut endpoints = wire(2, &Arc::default());
         let rest = transmit(&mut endpoints, CONTROL, &mut links, &mut counts, counted)
             .expect("one frame left");
