@@ -1555,7 +1555,7 @@ pub(crate) fn deliver_local(
 ) {
     if let [(sid, sink)] = targets.local.as_slice() {
         if !sink.is_answering() {
-            runs.gather(shared, held, now, *sid, sink, &message);
+            runs.gather(shared, held, now, *sid, sink, message);
             targets.local.clear();
             return;
         }
@@ -1640,7 +1640,7 @@ impl LocalRuns {
         now: Instant,
         sid: u64,
         sink: &Arc<LocalSink>,
-        message: &MessageParts<'_>,
+        message: MessageParts<'_>,
     ) {
         let same = matches!(&self.target, Some((at, to)) if *at == sid && Arc::ptr_eq(to, sink));
         if !same {
@@ -1656,7 +1656,7 @@ impl LocalRuns {
             if !same_subject {
                 self.last_subject = Some(Arc::from(message.subject));
             }
-            self.plain.push(message.payload.clone());
+            self.plain.push(message.payload);
             return;
         }
         if !self.plain.is_empty() {
@@ -1673,9 +1673,9 @@ impl LocalRuns {
         };
         self.messages.push(Message {
             subject,
-            reply: message.reply.clone(),
-            headers: message.headers.clone(),
-            payload: message.payload.clone(),
+            reply: message.reply,
+            headers: message.headers,
+            payload: message.payload,
         });
     }
 
