@@ -2225,9 +2225,8 @@ impl ClientLoop {
         error!(%scheme, ?waited, "the reliable data link carried nothing back; {then}");
         let reason = format!(
             "{scheme}: its data link carried nothing back within {waited:?} of its first \
-             frame (the provider may have refused the connection, or the broker speaks \
-             another fabric header version: check that both sides run the same efabus \
-             with the same provider settings)"
+             frame (the provider may have refused the connection: check that both sides \
+             have the same provider settings)"
         );
         self.last_failure = Some(reason.clone());
         let retry = self.shared.options.silent_link_retry;

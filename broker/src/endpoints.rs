@@ -9,6 +9,7 @@
 
 use efabus_core::caps::{Choice, Offer};
 use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions};
+use efabus_transports::fabric::layout::HEADER_VERSION;
 use efabus_transports::fabric::{
     provider_eager_limit, DGRAM_SCHEME, RDM_SCHEME, SHM_PROVIDER, SHM_SCHEME,
 };
@@ -27,7 +28,8 @@ pub fn scheme_of(endpoint: &str) -> &str {
     endpoint.split('/').next().unwrap_or(endpoint)
 }
 
-/// The offer an endpoint makes: its fi_info, its address, and a message
+/// The offer an endpoint makes: its fi_info (a fabric endpoint's marked
+/// with the version of its message header), its address, and a message
 /// size no larger than what its buffers hold, so both sides settle on the
 /// smaller of their frame limits, and the provider's own eager limit where
 /// peers must agree on it. A `shm` endpoint names its host, and offers
@@ -35,6 +37,9 @@ pub fn scheme_of(endpoint: &str) -> &str {
 pub fn offer_for(endpoint: &dyn Endpoint) -> Option<Offer> {
     let info = endpoint.info()?;
     let mut offer = Offer::from_info(endpoint.scheme(), &info, endpoint.local_addr());
+    if is_data_scheme(endpoint.scheme()) {
+        offer.mark_fabric_header(HEADER_VERSION);
+    }
     let capacity = endpoint.max_frame() as u64 + offer.msg_prefix_size;
     offer.max_msg_size = offer.max_msg_size.min(capacity);
     offer.rendezvous_max = endpoint.rendezvous_max() as u64;

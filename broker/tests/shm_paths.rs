@@ -252,3 +252,102 @@ fn a_client_whose_shm_link_cannot_open_is_offered_efa_rdm() {
     .expect("a path in common");
     assert_eq!(ours.reliable.scheme, "efa-rdm");
 }
+
+/// A client whose fabric offers state another message header version (a
+/// different efabus release), or none (a release from before offers
+/// stated it), shares no fabric path with the broker: its session is on
+/// TCP from its first frame, with the reason, instead of opening data
+/// links that would carry nothing.
+#[test]
+fn a_client_of_another_fabric_header_version_stays_on_tcp() {
+    use efabus_broker::endpoints::offer_for;
+    use efabus_core::frame::{Frame, Hello, PROTOCOL_VERSION};
+    use efabus_core::transport::{EndpointConfig, FabricOptions};
+    use efabus_transports::fabric::layout::HEADER_VERSION;
+    use efabus_transports::fabric::FabricTransport;
+
+    let Some(broker) = start_broker() else {
+        return;
+    };
+    let open = |transport: FabricTransport, provider: &str| {
+        let config = EndpointConfig {
+            fabric: Some(FabricOptions {
+                provider: provider.to_string(),
+                node: Some("127.0.0.1".to_string()),
+                msg_size: Some(FRAME),
+                ..FabricOptions::default()
+            }),
+            ..EndpointConfig::default()
+        };
+        transport.open_fabric(&config).expect("an endpoint")
+    };
+    let shm = open(FabricTransport::shm(), "shm");
+    let rdm = open(FabricTransport::rdm(), "tcp;ofi_rxm");
+    // The session of a raw client whose offers state `header` (None: no
+    // version at all), as the broker reports it.
+    let session_with = |name: &str, header: Option<u8>| {
+        let mut offers = vec![
+            offer_for(&shm).expect("an shm offer"),
+            offer_for(&rdm).expect("an efa-rdm offer"),
+        ];
+        for offer in &mut offers {
+            assert_eq!(offer.fabric_header(), HEADER_VERSION, "{offer}");
+            match header {
+                Some(version) => offer.mark_fabric_header(version),
+                None => offer.protocol_version = offer.provider_version(),
+            }
+        }
+        let secret = efabus_broker::link_auth::LinkSecret::new().expect("a secret");
+        let mut raw = Raw::connect(&broker);
+        raw.send(&Frame::Hello(Hello {
+            no_echo: false,
+            no_responders: false,
+            version: PROTOCOL_VERSION,
+            name: name.into(),
+            credentials: None,
+            user: None,
+            proof: None,
+            offers,
+            link_auth: Some(secret.auth().clone()),
+        }));
+        raw.expect("welcome", |f| matches!(f, Frame::Welcome(_)));
+        let report = broker
+            .connections(false, WAIT)
+            .expect("the broker reports its connections")
+            .into_iter()
+            .find(|report| report.name == name)
+            .unwrap_or_else(|| panic!("no session named {name}"));
+        (raw, report)
+    };
+    // This release's offers pair; another version's, or none, do not.
+    let (_same, report) = session_with("same-release", Some(HEADER_VERSION));
+    assert!(report.reliable.starts_with("shm"), "{report:?}");
+    for (name, header, stated) in [
+        (
+            "newer",
+            Some(HEADER_VERSION + 1),
+            format!("version {}", HEADER_VERSION + 1),
+        ),
+        (
+            "older",
+            Some(HEADER_VERSION - 1),
+            format!("version {}", HEADER_VERSION - 1),
+        ),
+        ("unstated", None, "none stated".to_string()),
+    ] {
+        let (_raw, report) = session_with(name, header);
+        assert_eq!(report.reliable, "tcp", "{report:?}");
+        for scheme in ["shm", "efa-rdm"] {
+            let expected = format!(
+                "{scheme}: efabus fabric message headers differ (version {HEADER_VERSION} here, \
+                 {stated}"
+            );
+            assert!(
+                report.reasons.iter().any(|r| r.contains(&expected)),
+                "{scheme} {expected:?}: {:?}",
+                report.reasons
+            );
+        }
+    }
+    assert_eq!(stat(&broker, "silent_data_links"), 0);
+}

@@ -635,9 +635,8 @@ impl EventLoop {
         for (id, slot, scheme) in silent {
             let reason = format!(
                 "{scheme}: the route's data link carried nothing back within {timeout:?} of \
-                 its first frame (the provider may have refused the connection, or the peer \
-                 speaks another fabric header version: check that both brokers run the same \
-                 efabus with the same provider settings)"
+                 its first frame (the provider may have refused the connection: check that \
+                 both brokers have the same provider settings)"
             );
             warn!(session = id, %reason, "route data link silent; dialing again without the fabric");
             BrokerStats::add(&self.shared.stats.silent_data_links, 1);

@@ -11,7 +11,9 @@
 //! offer of that scheme is checked:
 //!
 //! - same endpoint type, same provider, same protocol, and protocol versions
-//!   equal (or one of them unspecified, 0);
+//!   equal (or one of them unspecified, 0): for fabric offers that is the
+//!   provider's version and the version of efabus's fabric message header
+//!   together (see [`Offer::mark_fabric_header`]);
 //! - a frame limit (see [`LinkParams::frame_limit`]) of at least
 //!   [`MIN_FRAME_LIMIT`] bytes.
 //!
@@ -51,6 +53,12 @@ pub const MAX_WIRE_FRAME: u64 = 4 + u32::MAX as u64;
 /// A link whose frame limit is below this cannot carry efabus frames
 /// usefully (headers plus some payload) and is not chosen.
 pub const MIN_FRAME_LIMIT: u64 = 256;
+
+/// Where an offer's `protocol_version` holds the version of efabus's
+/// fabric message header (see [`Offer::mark_fabric_header`]); the bits
+/// below hold the provider's own version.
+const FABRIC_HEADER_SHIFT: u32 = 24;
+const PROVIDER_VERSION_MASK: u32 = (1 << FABRIC_HEADER_SHIFT) - 1;
 
 /// What one side can open as a data path, sent in the handshake.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -137,6 +145,30 @@ impl Offer {
         }
     }
 
+    /// Marks a fabric offer with the version of the message header its
+    /// endpoint writes, in the top byte of `protocol_version` (the
+    /// provider's own version keeps the low 24 bits). The offer keeps its
+    /// shape, so a peer of a release that does not mark its offers sees a
+    /// version other than its own and refuses the pair as well: two
+    /// releases whose fabric messages cannot be read by each other take the
+    /// next path both offer at once, with the reason, instead of opening a
+    /// link that carries nothing.
+    pub fn mark_fabric_header(&mut self, header_version: u8) {
+        self.protocol_version = (self.protocol_version & PROVIDER_VERSION_MASK)
+            | (u32::from(header_version) << FABRIC_HEADER_SHIFT);
+    }
+
+    /// The fabric message header version the offer states (see
+    /// [`Offer::mark_fabric_header`]); 0 when it states none.
+    pub fn fabric_header(&self) -> u8 {
+        (self.protocol_version >> FABRIC_HEADER_SHIFT) as u8
+    }
+
+    /// The provider's own protocol version.
+    pub fn provider_version(&self) -> u32 {
+        self.protocol_version & PROVIDER_VERSION_MASK
+    }
+
     /// Largest frame this side can put in one message: `max_msg_size`
     /// minus the prefix.
     pub fn frame_capacity(&self) -> u64 {
@@ -172,17 +204,20 @@ impl fmt::Display for Offer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} ({} {} {} v{}, max_msg_size {}, prefix {}, msg_order [{}], tx {}, rx {}",
+            "{} ({} {} {} v{}",
             self.scheme,
             self.provider,
             self.ep_type,
             self.protocol,
-            self.protocol_version,
-            self.max_msg_size,
-            self.msg_prefix_size,
-            self.msg_order,
-            self.tx_size,
-            self.rx_size
+            self.provider_version()
+        )?;
+        if self.fabric_header() > 0 {
+            write!(f, ", efabus header v{}", self.fabric_header())?;
+        }
+        write!(
+            f,
+            ", max_msg_size {}, prefix {}, msg_order [{}], tx {}, rx {}",
+            self.max_msg_size, self.msg_prefix_size, self.msg_order, self.tx_size, self.rx_size
         )?;
         if self.provider_eager_limit > 0 {
             write!(f, ", provider eager limit {}", self.provider_eager_limit)?;
@@ -579,9 +614,22 @@ fn compatible(local: &Offer, remote: &Offer) -> Result<(), String> {
         && local.protocol_version != 0
         && remote.protocol_version != 0
     {
+        let stated = |version: u8| match version {
+            0 => "none stated (an older efabus)".to_string(),
+            version => format!("version {version}"),
+        };
+        if local.fabric_header() != remote.fabric_header() {
+            return Err(format!(
+                "efabus fabric message headers differ ({} here, {} at the peer), so neither \
+                 could read the other's messages: run the same efabus release on both sides",
+                stated(local.fabric_header()),
+                stated(remote.fabric_header())
+            ));
+        }
         return Err(format!(
             "protocol versions differ ({} here, {} at the peer)",
-            local.protocol_version, remote.protocol_version
+            local.provider_version(),
+            remote.provider_version()
         ));
     }
     if local.host != remote.host {
@@ -757,5 +805,43 @@ mod tests {
         assert!(compatible(&a, &tiny)
             .unwrap_err()
             .contains("below the minimum"));
+    }
+
+    #[test]
+    fn fabric_offers_pair_only_with_the_same_message_header() {
+        let mut unmarked = offer("efa-rdm", EpType::Rdm, 1 << 20);
+        unmarked.protocol_version = 4;
+        let mut six = unmarked.clone();
+        six.mark_fabric_header(6);
+        assert_eq!((six.fabric_header(), six.provider_version()), (6, 4));
+        assert!(six.to_string().contains("v4, efabus header v6"), "{six}");
+        assert!(compatible(&six, &six.clone()).is_ok());
+
+        let mut seven = unmarked.clone();
+        seven.mark_fabric_header(7);
+        let reason = compatible(&six, &seven).unwrap_err();
+        assert!(
+            reason.contains("headers differ (version 6 here, version 7 at the peer)"),
+            "{reason}"
+        );
+        // A release that marks nothing: the same provider version is no
+        // match, from either side.
+        let reason = compatible(&six, &unmarked).unwrap_err();
+        assert!(
+            reason.contains("none stated (an older efabus) at the peer"),
+            "{reason}"
+        );
+        assert!(compatible(&unmarked, &six).is_err());
+
+        // Marking keeps the provider's version, and the provider's
+        // versions still decide for equal headers.
+        let mut other_provider = unmarked.clone();
+        other_provider.protocol_version = 5;
+        other_provider.mark_fabric_header(6);
+        let reason = compatible(&six, &other_provider).unwrap_err();
+        assert!(
+            reason.contains("protocol versions differ (4 here, 5 at the peer)"),
+            "{reason}"
+        );
     }
 }
