@@ -145,14 +145,12 @@ impl Gate {
         if !self.asleep.load(Ordering::SeqCst) && !self.is_driven() {
             return;
         }
-        // Paired with the driver's leaving (`drivers`, then `wanted`): one
-        // of the two sees the other.
-        self.wanted.store(true, Ordering::SeqCst);
-        self.wake_if_asleep();
+        self.wake_or_leave_to_last_driver();
     }
 
-    /// Wakes the loop thread for a driver that leaves; while another
-    /// driver is still there, leaves the wake to it as it leaves (`wanted`).
+    /// Wakes the loop thread now if no driver is there, else leaves the
+    /// wake to the last driver to leave (`wanted`): for what was asked of
+    /// the loop, or for a driver that leaves.
     fn wake_or_leave_to_last_driver(&self) {
         if self.is_driven() {
             self.wanted.store(true, Ordering::SeqCst);
@@ -879,6 +877,19 @@ mod tests {
         other.join().expect("the other drive ended");
         assert_eq!(wakes(&driven), 1, "woken as the last driver left");
         woken(sleeper);
+    }
+
+    #[test]
+    fn a_wake_made_at_once_owes_none_to_a_later_driver() {
+        let (driven, _) = counting(0);
+        let sleeper = sleeper_after_a_driver(&driven);
+        // No driver is there: what is asked wakes the loop thread now...
+        driven.gate.wake_sleeper();
+        assert_eq!(wakes(&driven), 1);
+        woken(sleeper);
+        // ...and leaves no wake owed, which the next driver to leave with
+        // its answer would make for nothing.
+        assert!(!driven.gate.wanted.load(Ordering::SeqCst));
     }
 
     #[test]
