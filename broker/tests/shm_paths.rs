@@ -257,11 +257,11 @@ fn a_client_whose_shm_link_cannot_open_is_offered_efa_rdm() {
 /// different efabus release), or none (a release from before offers
 /// stated it), shares no fabric path with the broker: its session is on
 /// TCP from its first frame, with the reason, instead of opening data
-/// links that would carry nothing.
+/// links that would carry nothing. So is a route another broker dials.
 #[test]
-fn a_client_of_another_fabric_header_version_stays_on_tcp() {
+fn a_peer_of_another_fabric_header_version_stays_on_tcp() {
     use efabus_broker::endpoints::offer_for;
-    use efabus_core::frame::{Frame, Hello, PROTOCOL_VERSION};
+    use efabus_core::frame::{Frame, Hello, RouteHello, PROTOCOL_VERSION};
     use efabus_core::transport::{EndpointConfig, FabricOptions};
     use efabus_transports::fabric::layout::HEADER_VERSION;
     use efabus_transports::fabric::FabricTransport;
@@ -283,9 +283,9 @@ fn a_client_of_another_fabric_header_version_stays_on_tcp() {
     };
     let shm = open(FabricTransport::shm(), "shm");
     let rdm = open(FabricTransport::rdm(), "tcp;ofi_rxm");
-    // The session of a raw client whose offers state `header` (None: no
-    // version at all), as the broker reports it.
-    let session_with = |name: &str, header: Option<u8>| {
+    // Offers of this endpoint pair as stating `header` (None: no version
+    // at all).
+    let offers_stating = |header: Option<u8>| {
         let mut offers = vec![
             offer_for(&shm).expect("an shm offer"),
             offer_for(&rdm).expect("an efa-rdm offer"),
@@ -297,9 +297,11 @@ fn a_client_of_another_fabric_header_version_stays_on_tcp() {
                 None => offer.protocol_version = offer.provider_version(),
             }
         }
+        offers
+    };
+    let hello = |name: &str, header: Option<u8>| {
         let secret = efabus_broker::link_auth::LinkSecret::new().expect("a secret");
-        let mut raw = Raw::connect(&broker);
-        raw.send(&Frame::Hello(Hello {
+        Frame::Hello(Hello {
             no_echo: false,
             no_responders: false,
             version: PROTOCOL_VERSION,
@@ -307,9 +309,15 @@ fn a_client_of_another_fabric_header_version_stays_on_tcp() {
             credentials: None,
             user: None,
             proof: None,
-            offers,
+            offers: offers_stating(header),
             link_auth: Some(secret.auth().clone()),
-        }));
+        })
+    };
+    // The session of a raw client whose offers state `header`, as the
+    // broker reports it.
+    let session_with = |name: &str, header: Option<u8>| {
+        let mut raw = Raw::connect(&broker);
+        raw.send(&hello(name, header));
         raw.expect("welcome", |f| matches!(f, Frame::Welcome(_)));
         let report = broker
             .connections(false, WAIT)
@@ -349,5 +357,29 @@ fn a_client_of_another_fabric_header_version_stays_on_tcp() {
             );
         }
     }
+    // A broker dialing a route with another version's offers: the same.
+    let mut raw = Raw::connect(&broker);
+    raw.send(&hello("other-broker", Some(HEADER_VERSION + 1)));
+    raw.send(&Frame::Route(RouteHello {
+        broker_id: 42,
+        advertise: None,
+        seeded: false,
+        limits: raw_common::default_route_limits(),
+    }));
+    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
+    let route = broker
+        .routes()
+        .into_iter()
+        .find(|route| route.name == "other-broker")
+        .expect("the route");
+    assert_eq!(route.reliable, "tcp", "{route:?}");
+    assert!(
+        route
+            .reasons
+            .iter()
+            .any(|r| r.contains("efa-rdm: efabus fabric message headers differ")),
+        "{:?}",
+        route.reasons
+    );
     assert_eq!(stat(&broker, "silent_data_links"), 0);
 }
