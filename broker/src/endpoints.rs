@@ -7,7 +7,7 @@
 //! `efabus caps` uses the same functions, so what it shows is what a live
 //! broker does.
 
-use efabus_core::caps::{Choice, Offer};
+use efabus_core::caps::{Choice, FabricInfo, Offer};
 use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions};
 use efabus_transports::fabric::layout::HEADER_VERSION;
 use efabus_transports::fabric::{
@@ -36,10 +36,7 @@ pub fn scheme_of(endpoint: &str) -> &str {
 /// nothing where the host cannot be told.
 pub fn offer_for(endpoint: &dyn Endpoint) -> Option<Offer> {
     let info = endpoint.info()?;
-    let mut offer = Offer::from_info(endpoint.scheme(), &info, endpoint.local_addr());
-    if is_data_scheme(endpoint.scheme()) {
-        offer.mark_fabric_header(HEADER_VERSION);
-    }
+    let mut offer = offer_on(endpoint.scheme(), &info, endpoint.local_addr());
     let capacity = endpoint.max_frame() as u64 + offer.msg_prefix_size;
     offer.max_msg_size = offer.max_msg_size.min(capacity);
     offer.rendezvous_max = endpoint.rendezvous_max() as u64;
@@ -49,6 +46,17 @@ pub fn offer_for(endpoint: &dyn Endpoint) -> Option<Offer> {
         offer.host = host_identity()?;
     }
     Some(offer)
+}
+
+/// The offer of an endpoint of `scheme` opened on `info` at `address`,
+/// before [`offer_for`] fits it to the endpoint: a fabric one marked with
+/// the version of the message header this build writes.
+pub fn offer_on(scheme: &str, info: &FabricInfo, address: Vec<u8>) -> Offer {
+    let mut offer = Offer::from_info(scheme, info, address);
+    if is_data_scheme(scheme) {
+        offer.mark_fabric_header(HEADER_VERSION);
+    }
+    offer
 }
 
 /// The environment variable that sets this host's identity for `shm`

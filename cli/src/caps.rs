@@ -24,7 +24,7 @@ use efabus_core::caps::{
 };
 use efabus_core::transport::BufferMemory;
 use efabus_transports::fabric::config::{buffer_memory, queue_depth, wants_multi_recv};
-use efabus_transports::fabric::layout::{BufferLayout, HEADER_VERSION};
+use efabus_transports::fabric::layout::BufferLayout;
 use efabus_transports::fabric::{
     buffer_size, huge_page_size, probe_like_fi_info, provider_eager_limit, receive_depth,
     rendezvous_max, EpKind, FabricTransport, DGRAM_SCHEME, RDM_SCHEME, SHM_SCHEME,
@@ -177,8 +177,7 @@ fn offers(
 /// depths, and messages at most what a buffer holds after the endpoint's
 /// header, within the broker's frame limit; and what its buffers take.
 fn as_opened(scheme: &str, info: &FabricInfo, config: &Config) -> (Offer, BufferMemory) {
-    let mut offer = Offer::from_info(scheme, info, Vec::new());
-    offer.mark_fabric_header(HEADER_VERSION);
+    let mut offer = endpoints::offer_on(scheme, info, Vec::new());
     let Some(options) = endpoints::endpoint_options(&config.fabric, scheme) else {
         return (offer, BufferMemory::default());
     };

@@ -10,10 +10,10 @@
 //! are never used. For each scheme, every pair of one local and one remote
 //! offer of that scheme is checked:
 //!
-//! - same endpoint type, same provider, same protocol, and protocol versions
-//!   equal (or one of them unspecified, 0): for fabric offers that is the
-//!   provider's version and the version of efabus's fabric message header
-//!   together (see [`Offer::mark_fabric_header`]);
+//! - same endpoint type, same provider, same protocol, the same fabric
+//!   message header version stated (see [`Offer::mark_fabric_header`]),
+//!   and the providers' protocol versions equal (or one of them
+//!   unspecified, 0);
 //! - a frame limit (see [`LinkParams::frame_limit`]) of at least
 //!   [`MIN_FRAME_LIMIT`] bytes.
 //!
@@ -71,7 +71,10 @@ pub struct Offer {
     pub provider: String,
     /// Wire protocol.
     pub protocol: Protocol,
-    /// Version of the wire protocol; 0 when unspecified.
+    /// Version of the wire protocol; 0 when unspecified. A fabric offer's
+    /// holds the provider's version in its low 24 bits and the version of
+    /// efabus's fabric message header in its top byte
+    /// ([`Offer::mark_fabric_header`]).
     pub protocol_version: u32,
     /// Largest message, prefix included.
     pub max_msg_size: u64,
@@ -610,26 +613,23 @@ fn compatible(local: &Offer, remote: &Offer) -> Result<(), String> {
             local.protocol, remote.protocol
         ));
     }
-    if local.protocol_version != remote.protocol_version
-        && local.protocol_version != 0
-        && remote.protocol_version != 0
-    {
+    if local.fabric_header() != remote.fabric_header() {
         let stated = |version: u8| match version {
             0 => "none stated (an older efabus)".to_string(),
             version => format!("version {version}"),
         };
-        if local.fabric_header() != remote.fabric_header() {
-            return Err(format!(
-                "efabus fabric message headers differ ({} here, {} at the peer), so neither \
-                 could read the other's messages: run the same efabus release on both sides",
-                stated(local.fabric_header()),
-                stated(remote.fabric_header())
-            ));
-        }
         return Err(format!(
-            "protocol versions differ ({} here, {} at the peer)",
-            local.provider_version(),
-            remote.provider_version()
+            "efabus fabric message headers differ ({} here, {} at the peer): only peers that \
+             state the same version are paired on the fabric; run the same efabus release on \
+             both sides",
+            stated(local.fabric_header()),
+            stated(remote.fabric_header())
+        ));
+    }
+    let (here, there) = (local.provider_version(), remote.provider_version());
+    if here != there && here != 0 && there != 0 {
+        return Err(format!(
+            "protocol versions differ ({here} here, {there} at the peer)"
         ));
     }
     if local.host != remote.host {
@@ -832,6 +832,18 @@ mod tests {
             "{reason}"
         );
         assert!(compatible(&unmarked, &six).is_err());
+
+        // A provider that states no version of its own (libfabric's `udp`)
+        // leaves the header to decide.
+        let mut udp = unmarked.clone();
+        udp.protocol_version = 0;
+        let mut udp_six = udp.clone();
+        udp_six.mark_fabric_header(6);
+        assert!(compatible(&udp_six, &udp).is_err());
+        assert!(
+            compatible(&udp_six, &six).is_ok(),
+            "provider version 0 is unspecified"
+        );
 
         // Marking keeps the provider's version, and the provider's
         // versions still decide for equal headers.
