@@ -6,7 +6,9 @@
 //! (counted on both sides), in order, large messages whole by rendezvous,
 //! request/reply included. A client that offers only
 //! `efa-rdm` stays there, and the two see each other's messages. The
-//! broker lands large frames read over `shm` in huge pages.
+//! broker lands large frames read over `shm` in huge pages. A client, or
+//! a broker dialing a route, whose fabric offers state another message
+//! header version pairs on neither fabric scheme.
 //! (Peers on another host never pair on `shm`: `efabus_core`'s negotiation
 //! tests, and `cli/tests/shm_hosts.rs` with a process that names another
 //! host.)

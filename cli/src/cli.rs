@@ -1350,10 +1350,9 @@ fn request(args: ReqArgs) -> Result<(), Failure> {
 /// Waits up to `timeout` for the broker to confirm what the client asked
 /// of it so far. A data path that carries nothing back (a provider that
 /// refused the connection underneath) is given up within the connect
-/// timeout, and with it the
-/// confirmation: a client that reconnects is asked again once connected
-/// anew without that path; one that does not has ended, and the reason
-/// is the command's failure.
+/// timeout, and with it the confirmation: a client that reconnects is
+/// asked again once connected anew without that path; one that does not
+/// has ended, and the reason is the command's failure.
 fn confirm(client: &Client, server: &str, timeout: Duration) -> Result<(), Failure> {
     let deadline = Instant::now() + 2 * timeout;
     loop {

@@ -152,7 +152,8 @@ impl Offer {
     /// endpoint writes, in the top byte of `protocol_version` (the
     /// provider's own version keeps the low 24 bits). The offer keeps its
     /// shape, so a peer of a release that does not mark its offers sees a
-    /// version other than its own and refuses the pair as well: two
+    /// version other than its own and refuses the pair as well (unless its
+    /// provider states none, 0, which it takes for unspecified): two
     /// releases whose fabric messages cannot be read by each other take the
     /// next path both offer at once, with the reason, instead of opening a
     /// link that carries nothing.
