@@ -20,6 +20,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use efabus_broker::{Broker, Client, ClientOptions, Config};
+use efabus_core::transport::{Endpoint, EndpointConfig, FabricOptions};
+use efabus_transports::fabric::FabricTransport;
 use efabus_transports::registry::Registry;
 
 mod raw_common;
@@ -70,6 +72,27 @@ fn mebibyte_payloads() -> Vec<Bytes> {
     (0..4u8)
         .map(|seed| Bytes::from(vec![seed; 1 << 20]))
         .collect()
+}
+
+/// A raw client's own `shm` and `efa-rdm` endpoints (`tcp;ofi_rxm`), to
+/// offer the broker by hand.
+fn raw_endpoints() -> (impl Endpoint, impl Endpoint) {
+    let open = |transport: FabricTransport, provider: &str| {
+        let config = EndpointConfig {
+            fabric: Some(FabricOptions {
+                provider: provider.to_string(),
+                node: Some("127.0.0.1".to_string()),
+                msg_size: Some(FRAME),
+                ..FabricOptions::default()
+            }),
+            ..EndpointConfig::default()
+        };
+        transport.open_fabric(&config).expect("an endpoint")
+    };
+    (
+        open(FabricTransport::shm(), "shm"),
+        open(FabricTransport::rdm(), "tcp;ofi_rxm"),
+    )
 }
 
 fn stat(broker: &Broker, name: &str) -> u64 {
@@ -198,26 +221,11 @@ fn a_broker_lands_large_shm_frames_in_huge_pages() {
 fn a_client_whose_shm_link_cannot_open_is_offered_efa_rdm() {
     use efabus_broker::endpoints::offer_for;
     use efabus_core::frame::{Frame, Hello, PROTOCOL_VERSION};
-    use efabus_core::transport::{EndpointConfig, FabricOptions};
-    use efabus_transports::fabric::FabricTransport;
 
     let Some(broker) = start_broker() else {
         return;
     };
-    let open = |transport: FabricTransport, provider: &str| {
-        let config = EndpointConfig {
-            fabric: Some(FabricOptions {
-                provider: provider.to_string(),
-                node: Some("127.0.0.1".to_string()),
-                msg_size: Some(FRAME),
-                ..FabricOptions::default()
-            }),
-            ..EndpointConfig::default()
-        };
-        transport.open_fabric(&config).expect("an endpoint")
-    };
-    let shm = open(FabricTransport::shm(), "shm");
-    let rdm = open(FabricTransport::rdm(), "tcp;ofi_rxm");
+    let (shm, rdm) = raw_endpoints();
     let mut shm_offer = offer_for(&shm).expect("an shm offer");
     // No process has this number: no region of that name exists.
     shm_offer.address = b"fi_shm://4000000000:0:0\0".to_vec();
@@ -264,27 +272,12 @@ fn a_client_whose_shm_link_cannot_open_is_offered_efa_rdm() {
 fn a_peer_of_another_fabric_header_version_stays_on_tcp() {
     use efabus_broker::endpoints::offer_for;
     use efabus_core::frame::{Frame, Hello, RouteHello, PROTOCOL_VERSION};
-    use efabus_core::transport::{EndpointConfig, FabricOptions};
     use efabus_transports::fabric::layout::HEADER_VERSION;
-    use efabus_transports::fabric::FabricTransport;
 
     let Some(broker) = start_broker() else {
         return;
     };
-    let open = |transport: FabricTransport, provider: &str| {
-        let config = EndpointConfig {
-            fabric: Some(FabricOptions {
-                provider: provider.to_string(),
-                node: Some("127.0.0.1".to_string()),
-                msg_size: Some(FRAME),
-                ..FabricOptions::default()
-            }),
-            ..EndpointConfig::default()
-        };
-        transport.open_fabric(&config).expect("an endpoint")
-    };
-    let shm = open(FabricTransport::shm(), "shm");
-    let rdm = open(FabricTransport::rdm(), "tcp;ofi_rxm");
+    let (shm, rdm) = raw_endpoints();
     // Offers of this endpoint pair as stating `header` (None: no version
     // at all).
     let offers_stating = |header: Option<u8>| {
