@@ -42,9 +42,9 @@ pub(crate) struct Queued {
     pub messages: usize,
     /// Several whole frames back to back, for `send_run`.
     pub run: bool,
-    /// A run's frames where its maker counted them (0: not counted): a
-    /// run that fits one piece of a data link then goes without reading
-    /// where each of its frames ends.
+    /// Frames it holds, counted by the run's maker: a run that fits one
+    /// piece of a data link goes without reading where each of its frames
+    /// ends.
     pub frames: usize,
 }
 
@@ -59,21 +59,13 @@ impl Queued {
         }
     }
 
-    /// A run of whole frames holding `messages` messages.
-    pub fn run(run: Bytes, messages: usize) -> Queued {
+    /// A run of `frames` whole frames holding `messages` messages.
+    pub fn counted_run(run: Bytes, messages: usize, frames: usize) -> Queued {
         Queued {
             frame: OutFrame::whole(run),
             messages,
             run: true,
-            frames: 0,
-        }
-    }
-
-    /// A run of `frames` counted frames holding `messages` messages.
-    pub fn counted_run(run: Bytes, messages: usize, frames: usize) -> Queued {
-        Queued {
             frames,
-            ..Queued::run(run, messages)
         }
     }
 
@@ -161,13 +153,11 @@ pub(crate) fn transmit(
         Ok(()) => None,
         Err(SendError::WouldBlock(frame)) => {
             // What comes back may be the rest of a run: counted again
-            // where it was counted (every frame of a run of messages is
-            // one).
+            // (every frame of a run of messages is one).
             let (mut messages, mut frames) = (queued.messages, queued.frames);
-            if queued.run && (messages > 0 || frames > 0) {
-                let left = split_run_slices(&frame.head).count();
-                messages = if messages > 0 { left } else { 0 };
-                frames = if frames > 0 { left } else { 0 };
+            if queued.run {
+                frames = split_run_slices(&frame.head).count();
+                messages = if messages > 0 { frames } else { 0 };
             }
             Some(Queued {
                 frame,
@@ -203,7 +193,7 @@ fn send_run_on(
         messages: queued.messages,
         frames: queued.frames,
     };
-    if queued.frames > 0 && run.len() <= limit {
+    if run.len() <= limit {
         // One piece, its frames counted when the run was made: where each
         // of them ends need not be read.
         let piece = (0, run.len(), queued.frames);
@@ -235,7 +225,7 @@ fn send_run_on(
     }
 }
 
-/// A run's messages and, where counted, frames (see [`Queued`]).
+/// A run's messages and frames (see [`Queued`]).
 #[derive(Clone, Copy)]
 struct Totals {
     messages: usize,
@@ -259,8 +249,7 @@ fn send_piece(
         Ok(frame) => send_on(link, endpoint, counts, frame, count as u64),
         Err(reason) => OnLink::Failed(reason),
     };
-    // What is left after `done` of the run's frames; uncounted frames
-    // stay uncounted.
+    // What is left after `done` of the run's frames.
     let rest = |from: usize, done: usize| {
         Queued::counted_run(
             run.slice(from..),
@@ -754,12 +743,11 @@ mod tests {
             CONTROL,
             &mut links,
             &mut counts,
-            Queued::run(run, 3),
+            Queued::messages_run(run, 3),
         )
         .expect("one frame left");
         assert!(rest.run);
-        assert_eq!(rest.messages, 1);
-        assert_eq!(rest.frames, 0, "not counted before, not counted now");
+        assert_eq!((rest.messages, rest.frames), (1, 1));
         assert_eq!(rest.frame.to_bytes(), run_of(&[b"ccc"]));
         assert_eq!(
             counts.fabric_frames_out, 0,
@@ -925,7 +913,7 @@ mod tests {
             CONTROL,
             &mut links,
             &mut counts,
-            Queued::run(run, frames.len()),
+            Queued::messages_run(run, frames.len()),
         );
         assert!(rest.is_none(), "the link takes it all");
         assert_eq!(counts.fabric_frames_out, 6, "frames, not runs, are counted");
@@ -1148,7 +1136,7 @@ mod tests {
             CONTROL,
             &mut links,
             &mut counts,
-            Queued::run(run, 3),
+            Queued::messages_run(run, 3),
         )
         .expect("what follows the failed frame comes back");
         assert!(rest.run);
@@ -1224,7 +1212,7 @@ mod tests {
             CONTROL,
             &mut links,
             &mut counts,
-            Queued::run(run.clone(), 2),
+            Queued::messages_run(run.clone(), 2),
         )
         .expect("the run comes back");
         assert!(links.failure.is_some());
@@ -1415,7 +1403,7 @@ mod tests {
         for sid in [1, 2, 1] {
             run.extend_from_slice(&message(sid));
         }
-        out.push(Queued::run(run.freeze(), 3));
+        out.push(Queued::messages_run(run.freeze(), 3));
         out.push(Queued::frame(
             codec::encode(&efabus_core::frame::Frame::Ping { nonce: 1 }),
             false,
@@ -1443,7 +1431,7 @@ mod tests {
             OutFrame::whole(Bytes::from(frame(b"ctrl"))),
             false,
         ));
-        out.push(Queued::run(Bytes::from(frame(&[0; 100])), 1));
+        out.push(Queued::messages_run(Bytes::from(frame(&[0; 100])), 1));
         out.push(Queued::frame(
             OutFrame::whole(Bytes::from(frame(&[0; 50]))),
             true,
