@@ -2218,9 +2218,10 @@ impl ClientLoop {
             return;
         };
         let waited = self.shared.options.connect_timeout;
-        let then = match self.shared.options.reconnect {
-            true => "reconnecting without it",
-            false => "the connection ends (the client does not reconnect)",
+        let then = if self.shared.options.reconnect {
+            "reconnecting without it"
+        } else {
+            "the connection ends (the client does not reconnect)"
         };
         error!(%scheme, ?waited, "the reliable data link carried nothing back; {then}");
         let reason = format!(

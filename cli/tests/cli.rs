@@ -849,10 +849,10 @@ fn fabric_peers_whose_rxm_eager_limits_differ_link_over_tcp_and_say_why() {
 
 /// A fabric path that carries nothing back (here the broker drops every
 /// frame it receives on `efa-rdm`, as a provider that refused the
-/// connection underneath would) is given up within the connect timeout. `efabus sub`
-/// then ends saying why, or with `--reconnect` goes on over TCP and gets
-/// what is published: its subscription's confirmation, lost with the
-/// first connection, is asked for again on the next.
+/// connection underneath would) is given up within the connect timeout.
+/// `efabus sub` then ends saying why, or with `--reconnect` goes on over
+/// TCP and gets what is published: its subscription's confirmation, lost
+/// with the first connection, is asked for again on the next.
 #[test]
 fn sub_over_a_silent_fabric_path_says_why_or_goes_on_over_tcp() {
     let fabric = "[negotiation]\npreference = [\"efa-rdm\", \"tcp\"]\n\
