@@ -704,6 +704,78 @@ fn a_listener_that_cannot_open_is_one_line_naming_it_once() {
     );
 }
 
+/// libfabric is loaded when a fabric endpoint first needs it: where it
+/// cannot be (here a file that does not exist), the fabric listener says
+/// why in one line, the broker serves on its TCP listener, and a command
+/// that does not use the fabric never notices.
+#[test]
+fn a_broker_that_cannot_load_libfabric_serves_on_its_other_listeners() {
+    if !efabus::transports::fabric::LIBFABRIC_LOADED_AT_FIRST_USE {
+        eprintln!("skipping: this build links libfabric (or has none)");
+        return;
+    }
+    let missing = ("EFABUS_LIBFABRIC", "/nonexistent/libfabric.so.1");
+    let config = common::temp_path("no-libfabric.toml");
+    std::fs::write(
+        &config,
+        "listen = [\"tcp/127.0.0.1:0\", \"shm\"]\nlog_level = \"warn\"\n",
+    )
+    .unwrap();
+    let mut broker = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env(missing.0, missing.1)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(broker.stdout.take().unwrap());
+    let mut line = String::new();
+    let endpoint = loop {
+        line.clear();
+        let read = std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+        assert!(read > 0, "the broker ended without listening");
+        if let Some(endpoint) = line.trim().strip_prefix("listening on tcp/") {
+            break format!("tcp/{endpoint}");
+        }
+    };
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+        .args(["pub", "loading.check", "hello", "--server", &endpoint])
+        .env(missing.0, missing.1)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", common::text(&output.stderr));
+
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+        .args(["caps", "--config", "/dev/null"])
+        .env(missing.0, missing.1)
+        .output()
+        .unwrap();
+    let said = common::text(&output.stdout);
+    assert!(
+        said.contains("shm is unavailable: libfabric could not be loaded: /nonexistent/"),
+        "{said}"
+    );
+
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &broker.id().to_string()])
+        .status();
+    let status = broker.wait().unwrap();
+    let _ = std::fs::remove_file(&config);
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut broker.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    let reasons: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.contains("libfabric could not be loaded"))
+        .collect();
+    assert_eq!(reasons.len(), 1, "{stderr}");
+    assert!(
+        reasons[0].contains("endpoint=shm") && reasons[0].contains("EFABUS_LIBFABRIC"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn connection_and_subscription_limits_are_enforced() {
     let server = Server::start("[limits]\nmax_connections = 2\nmax_subscriptions_per_peer = 3\n");

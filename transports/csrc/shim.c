@@ -1,9 +1,14 @@
 /*
  * efabus libfabric shim. libfabric's data-path API is static inline over
  * function tables, so Rust cannot call it directly: each function here is
- * one call, with no policy of its own. See shim.h for the structs.
+ * one call, with no policy of its own, but for loading libfabric itself at
+ * its first use (below). See shim.h for the structs.
  */
+#define _GNU_SOURCE /* dlvsym */
+#include <dlfcn.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -21,6 +26,168 @@
 
 /* The API version efabus is written against; 2.x libraries honour it. */
 #define EFABUS_FI_VERSION FI_VERSION(1, 17)
+
+#ifdef EFABUS_FI_HEADER_MAJOR
+_Static_assert(FI_MAJOR_VERSION == EFABUS_FI_HEADER_MAJOR &&
+		       FI_MINOR_VERSION == EFABUS_FI_HEADER_MINOR,
+	       "these headers are not those of the libfabric build.rs found");
+#endif
+
+#ifdef EFABUS_FI_INFO_ABI
+/*
+ * libfabric is loaded at the first call that needs it, not with the
+ * process (build.rs says why). Its exported functions are looked up at the
+ * symbol versions a program linked against these headers would bind.
+ */
+#define FI_LIBRARY "libfabric.so.1"
+
+static struct {
+	int (*getinfo)(uint32_t, const char *, const char *, uint64_t,
+		       const struct fi_info *, struct fi_info **);
+	void (*freeinfo)(struct fi_info *);
+	struct fi_info *(*dupinfo)(const struct fi_info *);
+	int (*fabric)(struct fi_fabric_attr *, struct fid_fabric **, void *);
+	const char *(*strerror)(int);
+	char *(*tostr_r)(char *, size_t, const void *, enum fi_type);
+	uint32_t (*version)(void);
+} lib;
+static pthread_once_t lib_once = PTHREAD_ONCE_INIT;
+static char lib_error[512];
+
+#define FI(name) (lib.name)
+
+/* Why loading failed (EFABUS_FI_NOT_FOUND or EFABUS_FI_TOO_OLD, 0 if it
+ * did not), with the text in lib_error. */
+static int lib_failure;
+
+static void *try_open(const char *file, int flags)
+{
+	void *handle = dlopen(file, flags);
+	size_t used = strlen(lib_error);
+	const char *why;
+
+	if (handle || used + 3 >= sizeof(lib_error))
+		return handle;
+	why = dlerror();
+	snprintf(lib_error + used, sizeof(lib_error) - used, "%s%s",
+		 used ? "; " : "", why ? why : file);
+	return handle;
+}
+
+/*
+ * A libfabric the process has loaded already (an embedding program's own)
+ * is used as it is. Otherwise EFABUS_LIBFABRIC names the file, and then
+ * only it is tried; else the build's directory (for a prefix such as
+ * /opt/amazon/efa), then the loader's search (LD_LIBRARY_PATH).
+ */
+static void *open_library(const char **opened)
+{
+	const char *chosen = getenv("EFABUS_LIBFABRIC");
+	void *handle = dlopen(FI_LIBRARY, RTLD_NOW | RTLD_NOLOAD);
+
+	*opened = FI_LIBRARY;
+	if (handle)
+		return handle;
+	if (chosen && chosen[0]) {
+		*opened = chosen;
+		return try_open(chosen, RTLD_NOW | RTLD_LOCAL);
+	}
+#ifdef EFABUS_FI_LIBRARY_DIR
+	*opened = EFABUS_FI_LIBRARY_DIR "/" FI_LIBRARY;
+	handle = try_open(*opened, RTLD_NOW | RTLD_LOCAL);
+	if (handle)
+		return handle;
+	*opened = FI_LIBRARY;
+#endif
+	return try_open(FI_LIBRARY, RTLD_NOW | RTLD_LOCAL);
+}
+
+static void *symbol(void *handle, const char *opened, const char *name,
+		    const char *version)
+{
+	void *found = dlvsym(handle, name, version);
+
+	if (!found && !lib_error[0])
+		snprintf(lib_error, sizeof(lib_error),
+			 "%s has no %s of symbol version %s: it is older than "
+			 "the libfabric %d.%d efabus was built with",
+			 opened, name, version, FI_MAJOR_VERSION,
+			 FI_MINOR_VERSION);
+	return found;
+}
+
+/*
+ * Libraries libfabric pulls in (psm's) install handlers for SIGINT,
+ * SIGTERM, SIGSEGV and others as they load; the process keeps the
+ * dispositions it had, so that its own handlers (and Rust's stack overflow
+ * report) are not replaced by a library it loaded later. (A handler that
+ * another thread installs while the library loads is put back too.)
+ */
+static void load_library(void)
+{
+	struct sigaction before[64];
+	int saved[64] = { 0 };
+	int last = SIGRTMIN < 64 ? SIGRTMIN : 64;
+	const char *opened;
+	void *handle;
+	int sig;
+
+	for (sig = 1; sig < last; sig++)
+		saved[sig] = sig != SIGKILL && sig != SIGSTOP &&
+			     sigaction(sig, NULL, &before[sig]) == 0;
+	handle = open_library(&opened);
+	for (sig = 1; sig < last; sig++) {
+		struct sigaction now;
+
+		if (!saved[sig] || sigaction(sig, NULL, &now) != 0)
+			continue;
+		if (now.sa_handler != before[sig].sa_handler ||
+		    now.sa_flags != before[sig].sa_flags)
+			sigaction(sig, &before[sig], NULL);
+	}
+	if (!handle) {
+		lib_failure = EFABUS_FI_NOT_FOUND;
+		return;
+	}
+	lib_error[0] = '\0'; /* what failed before the file that opened */
+
+	lib.getinfo = symbol(handle, opened, "fi_getinfo", EFABUS_FI_INFO_ABI);
+	lib.freeinfo = symbol(handle, opened, "fi_freeinfo", EFABUS_FI_INFO_ABI);
+	lib.dupinfo = symbol(handle, opened, "fi_dupinfo", EFABUS_FI_INFO_ABI);
+	lib.fabric = symbol(handle, opened, "fi_fabric", "FABRIC_1.1");
+	lib.strerror = symbol(handle, opened, "fi_strerror", "FABRIC_1.0");
+	lib.tostr_r = symbol(handle, opened, "fi_tostr_r", "FABRIC_1.4");
+	lib.version = symbol(handle, opened, "fi_version", "FABRIC_1.0");
+	if (lib_error[0]) {
+		/* Kept loaded: its constructors ran, and may have left threads. */
+		memset(&lib, 0, sizeof(lib));
+		lib_failure = EFABUS_FI_TOO_OLD;
+	}
+}
+
+int efabus_fi_load(void)
+{
+	pthread_once(&lib_once, load_library);
+	return lib_failure;
+}
+
+const char *efabus_fi_load_error(void)
+{
+	return lib_error;
+}
+#else
+#define FI(name) fi_##name
+
+int efabus_fi_load(void)
+{
+	return 0;
+}
+
+const char *efabus_fi_load_error(void)
+{
+	return "";
+}
+#endif
 
 /*
  * FI_OPT_EFA_RNR_RETRY is an enum value (so #ifdef cannot see it) in
@@ -61,7 +228,7 @@ const struct efabus_constant *efabus_constants(size_t *count)
 
 uint32_t efabus_runtime_version(void)
 {
-	return fi_version();
+	return efabus_fi_load() ? 0 : FI(version)();
 }
 
 uint32_t efabus_requested_version(void)
@@ -71,7 +238,7 @@ uint32_t efabus_requested_version(void)
 
 const char *efabus_strerror(int err)
 {
-	return fi_strerror(err);
+	return efabus_fi_load() ? NULL : FI(strerror)(err);
 }
 
 /* Replaces a string owned by an fi_info (freed by fi_freeinfo). */
@@ -91,7 +258,9 @@ int efabus_getinfo(const char *node, const char *service, uint64_t flags,
 	int ret;
 
 	*info = NULL;
-	hints = fi_allocinfo();
+	if (efabus_fi_load())
+		return -FI_ENOSYS;
+	hints = FI(dupinfo)(NULL); /* fi_allocinfo(), which is inline */
 	if (!hints)
 		return -FI_ENOMEM;
 
@@ -111,14 +280,14 @@ int efabus_getinfo(const char *node, const char *service, uint64_t flags,
 	if (!ret)
 		ret = set_string(&hints->fabric_attr->name, h->fabric_name);
 	if (!ret)
-		ret = fi_getinfo(EFABUS_FI_VERSION, node, service, flags, hints, info);
-	fi_freeinfo(hints);
+		ret = FI(getinfo)(EFABUS_FI_VERSION, node, service, flags, hints, info);
+	FI(freeinfo)(hints);
 	return ret;
 }
 
 void efabus_freeinfo(struct fi_info *info)
 {
-	fi_freeinfo(info);
+	FI(freeinfo)(info);
 }
 
 struct fi_info *efabus_info_next(const struct fi_info *info)
@@ -128,7 +297,7 @@ struct fi_info *efabus_info_next(const struct fi_info *info)
 
 struct fi_info *efabus_dupinfo(const struct fi_info *info)
 {
-	return fi_dupinfo(info);
+	return FI(dupinfo)(info);
 }
 
 void efabus_info_view(const struct fi_info *info, struct efabus_info_view *v)
@@ -259,13 +428,13 @@ size_t efabus_info_tostr(const struct fi_info *info, char *buf, size_t len)
 	if (!len)
 		return 0;
 	buf[0] = '\0';
-	fi_tostr_r(buf, len, info, FI_TYPE_INFO);
+	FI(tostr_r)(buf, len, info, FI_TYPE_INFO);
 	return strnlen(buf, len);
 }
 
 int efabus_fabric(const struct fi_info *info, struct fid_fabric **fabric)
 {
-	return fi_fabric(info->fabric_attr, fabric, NULL);
+	return FI(fabric)(info->fabric_attr, fabric, NULL);
 }
 
 int efabus_fabric_close(struct fid_fabric *fabric)

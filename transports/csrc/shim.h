@@ -176,6 +176,17 @@ struct efabus_constant {
 
 const struct efabus_constant *efabus_constants(size_t *count);
 
+/* Loads libfabric if this is the first call: 0 when it is loaded, else
+ * EFABUS_FI_NOT_FOUND (no file could be opened) or EFABUS_FI_TOO_OLD (the
+ * file lacks a function efabus needs), and efabus_fi_load_error() says
+ * why. efabus_runtime_version, efabus_strerror and efabus_getinfo load it
+ * themselves; the functions taking an fi_info or fabric need one that
+ * efabus_getinfo returned, so the library is loaded by then. */
+#define EFABUS_FI_NOT_FOUND 1
+#define EFABUS_FI_TOO_OLD 2
+int efabus_fi_load(void);
+const char *efabus_fi_load_error(void);
+
 uint32_t efabus_runtime_version(void);
 
 /* Remove SIGINT/SIGTERM handlers installed when libfabric's dependencies

@@ -86,6 +86,18 @@ pub enum FabricError {
     /// The crate was built without libfabric.
     #[error("{0}")]
     NotBuilt(String),
+    /// No libfabric could be loaded when first needed.
+    #[error(
+        "libfabric could not be loaded: {0}; install it (Debian and Ubuntu: libfabric1), \
+         put its directory in LD_LIBRARY_PATH, or name the file in EFABUS_LIBFABRIC"
+    )]
+    NotLoaded(String),
+    /// The libfabric found lacks a function at the version efabus needs.
+    #[error(
+        "libfabric cannot be used: {0}; name a newer one in EFABUS_LIBFABRIC or rebuild \
+         efabus against this one"
+    )]
+    TooOld(String),
     #[error("fi_getinfo found nothing for provider {provider:?} ({ep_type}): {code}{}",
         if code.code == super::consts::FI_ENODATA { " (no matching device or provider)" } else { "" })]
     GetInfo {
@@ -212,6 +224,8 @@ impl FabricError {
             | Inject { code }
             | Close { code, .. } => Some(code),
             NotBuilt(_)
+            | NotLoaded(_)
+            | TooOld(_)
             | Random(_)
             | DupInfo
             | Option { .. }

@@ -67,10 +67,29 @@ fn opt_ptr(value: &Option<CString>) -> *const c_char {
     value.as_ref().map_or(ptr::null(), |v| v.as_ptr())
 }
 
+/// Loads libfabric if it is not loaded yet (once per process; it is not
+/// loaded with the program, see the shim).
+pub fn load() -> Result<(), FabricError> {
+    // SAFETY: the shim loads the library once (pthread_once) and only
+    // writes its own static state; it takes no arguments.
+    let failure = unsafe { sys::efabus_fi_load() };
+    if failure == 0 {
+        return Ok(());
+    }
+    // SAFETY: the shim returns a pointer to its own static NUL-terminated
+    // buffer, written once before the load reported failure.
+    let why = unsafe { CStr::from_ptr(sys::efabus_fi_load_error()) };
+    let why = why.to_string_lossy().into_owned();
+    Err(match failure {
+        sys::EFABUS_FI_TOO_OLD => FabricError::TooOld(why),
+        _ => FabricError::NotLoaded(why),
+    })
+}
+
 /// `fi_strerror` text for a positive error code.
 pub fn strerror(code: i32) -> String {
     // SAFETY: fi_strerror accepts any int and returns a pointer to a static
-    // NUL-terminated string (or NULL, handled below).
+    // NUL-terminated string (or NULL: unknown code, or no libfabric).
     let text = unsafe { sys::efabus_strerror(code) };
     if text.is_null() {
         return format!("error {code}");
@@ -81,9 +100,11 @@ pub fn strerror(code: i32) -> String {
         .into_owned()
 }
 
-/// The libfabric version the program runs against, as (major, minor).
+/// The libfabric version the program runs against, as (major, minor);
+/// (0, 0) when it cannot be loaded.
 pub fn runtime_version() -> (u32, u32) {
-    // SAFETY: fi_version takes no arguments and only returns a number.
+    // SAFETY: fi_version takes no arguments and only returns a number (the
+    // shim loads the library first).
     let v = unsafe { sys::efabus_runtime_version() };
     (v >> 16, v & 0xffff)
 }
@@ -104,6 +125,7 @@ unsafe impl Sync for InfoList {}
 impl InfoList {
     /// Calls `fi_getinfo` with efabus's API version (1.17).
     pub fn get(hints: &Hints) -> Result<InfoList, FabricError> {
+        load()?;
         let provider = cstring(&hints.provider, "provider")?;
         let domain = cstring(&hints.domain, "domain")?;
         let fabric = cstring(&hints.fabric, "fabric")?;

@@ -6,7 +6,9 @@
 //! - `csrc/shim.c` (built by `build.rs`) wraps libfabric's `static inline`
 //!   API in plain functions and flattens `fi_info` into a struct of
 //!   fixed-width fields, so the Rust side never mirrors libfabric's own
-//!   structs (which differ between 1.x and 2.x).
+//!   structs (which differ between 1.x and 2.x). It loads libfabric at
+//!   the first call that needs it ([`load_libfabric`]), not with the
+//!   process.
 //! - [`info`], [`handle`] and [`pool`] are the safe wrapper: `fi_getinfo`
 //!   lists, one owning type per libfabric object (closed in `Drop`,
 //!   parents kept alive by `Rc`), registered buffer pools. All `unsafe`
@@ -107,8 +109,34 @@ pub use provider_env::{apply_provider_env_defaults, provider_eager_limit, PROVID
 use efabus_core::caps::FabricInfo;
 use efabus_core::transport::{Endpoint, EndpointConfig, Transport, TransportError};
 
-/// Whether this build links libfabric.
+/// Whether this build has the fabric transport.
 pub const LIBFABRIC_LINKED: bool = cfg!(efabus_libfabric);
+
+/// Whether libfabric is loaded at its first use ([`load_libfabric`])
+/// rather than with the program: so in every build against a libfabric
+/// release whose symbol versions the build knows (up to 2.6).
+pub const LIBFABRIC_LOADED_AT_FIRST_USE: bool = cfg!(efabus_libfabric_at_first_use);
+
+/// Loads libfabric now rather than at the first fabric call, or says why it
+/// cannot be. A process that never opens a fabric endpoint never loads it
+/// (with distribution builds of libfabric, loading costs about 200 ms: a
+/// library it pulls in times the CPU as it loads). Loading keeps the
+/// process's signal handlers as they were: a program that installs its own
+/// from another thread should do so before the first fabric call (or call
+/// this first), as a handler installed while the library loads is put back.
+/// A libfabric the program loaded already (its own) is the one used.
+pub fn load_libfabric() -> Result<(), FabricError> {
+    #[cfg(efabus_libfabric)]
+    {
+        info::load()
+    }
+    #[cfg(not(efabus_libfabric))]
+    {
+        Err(FabricError::NotBuilt(
+            env!("EFABUS_LIBFABRIC_MISSING").to_string(),
+        ))
+    }
+}
 
 /// Why the fabric transport cannot work in this build, if it cannot.
 pub fn build_unavailable_reason() -> Option<&'static str> {
@@ -123,10 +151,12 @@ pub fn build_unavailable_reason() -> Option<&'static str> {
 }
 
 /// Remove the SIGINT and SIGTERM handlers that libfabric's dependencies
-/// (psm, infinipath) install when the library is loaded: they end the
-/// process at once, which would defeat a graceful shutdown. Call it before
-/// installing the application's own handlers. Returns how many handlers were
-/// removed.
+/// (psm, infinipath) install when the library is loaded with the program
+/// (a build against a libfabric newer than the loader knows links it): they
+/// end the process at once, which would defeat a graceful shutdown. Call it
+/// before installing the application's own handlers. Returns how many
+/// handlers were removed. (Loaded at first use, libfabric leaves the
+/// process's handlers as they were.)
 pub fn reset_inherited_termination_handlers() -> Result<usize, std::io::Error> {
     #[cfg(efabus_libfabric)]
     {
@@ -318,7 +348,9 @@ impl FabricTransport {
             .map_err(|e| TransportError::Other(e.to_string()))?;
         let mut endpoint =
             FabricEndpoint::open(self.kind, &options, config).map_err(|err| match err {
-                FabricError::GetInfo { .. } => self.unavailable(&err),
+                FabricError::GetInfo { .. }
+                | FabricError::NotLoaded(_)
+                | FabricError::TooOld(_) => self.unavailable(&err),
                 other => TransportError::Other(other.to_string()),
             })?;
         endpoint.scheme = self.scheme;

@@ -182,8 +182,13 @@ pub struct efabus_constant {
     pub value: u64,
 }
 
+/// What `efabus_fi_load` returns when libfabric cannot be used (shim.h).
+pub const EFABUS_FI_TOO_OLD: c_int = 2;
+
 extern "C" {
     pub fn efabus_constants(count: *mut usize) -> *const efabus_constant;
+    pub fn efabus_fi_load() -> c_int;
+    pub fn efabus_fi_load_error() -> *const c_char;
     pub fn efabus_runtime_version() -> u32;
     pub fn efabus_reset_termination_signals() -> c_int;
     pub fn efabus_exit_at_once(status: c_int) -> !;
