@@ -729,13 +729,18 @@ fn a_broker_that_cannot_load_libfabric_serves_on_its_other_listeners() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut stdout = std::io::BufReader::new(broker.stdout.take().unwrap());
-    let mut line = String::new();
+    let stdout = broker.stdout.take().unwrap();
+    let (lines, said) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)).map_while(Result::ok) {
+            let _ = lines.send(line);
+        }
+    });
     let endpoint = loop {
-        line.clear();
-        let read = std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
-        assert!(read > 0, "the broker ended without listening");
-        if let Some(endpoint) = line.trim().strip_prefix("listening on tcp/") {
+        let line = said
+            .recv_timeout(WAIT)
+            .expect("the broker did not say where it listens");
+        if let Some(endpoint) = line.strip_prefix("listening on tcp/") {
             break format!("tcp/{endpoint}");
         }
     };
@@ -760,7 +765,17 @@ fn a_broker_that_cannot_load_libfabric_serves_on_its_other_listeners() {
     let _ = std::process::Command::new("kill")
         .args(["-TERM", &broker.id().to_string()])
         .status();
-    let status = broker.wait().unwrap();
+    let stopping = Instant::now();
+    let status = loop {
+        if let Some(status) = broker.try_wait().unwrap() {
+            break status;
+        }
+        if stopping.elapsed() > WAIT {
+            let _ = broker.kill();
+            panic!("the broker did not stop on SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     let _ = std::fs::remove_file(&config);
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut broker.stderr.take().unwrap(), &mut stderr).unwrap();

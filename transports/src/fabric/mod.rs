@@ -113,8 +113,9 @@ use efabus_core::transport::{Endpoint, EndpointConfig, Transport, TransportError
 pub const LIBFABRIC_LINKED: bool = cfg!(efabus_libfabric);
 
 /// Whether libfabric is loaded at its first use ([`load_libfabric`])
-/// rather than with the program: so in every build against a libfabric
-/// release whose symbol versions the build knows (up to 2.6).
+/// rather than with the program: in builds against libfabric 1.17 to 2.6
+/// (whose symbol versions the build knows) that found a `libfabric.so.1`;
+/// later releases are linked.
 pub const LIBFABRIC_LOADED_AT_FIRST_USE: bool = cfg!(efabus_libfabric_at_first_use);
 
 /// Loads libfabric now rather than at the first fabric call, or says why it
