@@ -14,7 +14,9 @@
 #
 # Distribution libfabric packages may not include the efa provider (see
 # "Running on EFA" in README.md); an image for EFA then builds on the AWS
-# EFA installer's libfabric instead.
+# EFA installer's libfabric instead. efabus loads libfabric when a fabric
+# endpoint first needs it: an image without libfabric1 serves on TCP, its
+# fabric listeners saying why they cannot open.
 
 FROM rust:1-bookworm AS build
 RUN apt-get update \
