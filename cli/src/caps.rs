@@ -288,6 +288,11 @@ fn like_fi_info(args: &CapsArgs, provider: &str, output: &mut Output) -> Result<
 }
 
 fn from_transports(args: &CapsArgs, config: &Config, output: &mut Output) -> Result<(), Failure> {
+    match efabus_transports::fabric::load_libfabric() {
+        Ok(loaded) => out!(output, "{loaded}")?,
+        Err(err) => out!(output, "{err}")?,
+    }
+    out!(output)?;
     let mut registry = Registry::with_builtins();
     for transport in [FabricTransport::rdm(), FabricTransport::dgram()] {
         let scheme = transport.kind().scheme();

@@ -758,7 +758,8 @@ fn a_broker_that_cannot_load_libfabric_serves_on_its_other_listeners() {
         .unwrap();
     let said = common::text(&output.stdout);
     assert!(
-        said.contains("shm is unavailable: libfabric could not be loaded: /nonexistent/"),
+        said.starts_with("libfabric could not be loaded: /nonexistent/")
+            && said.contains("shm is unavailable: libfabric could not be loaded: /nonexistent/"),
         "{said}"
     );
 

@@ -101,6 +101,31 @@ fn caps_verbose_for_a_provider_equals_fi_info() {
     compare_with_fi_info("udp", "dgram", "FI_EP_DGRAM");
 }
 
+/// `caps` says first which libfabric it loaded: hosts often have more
+/// than one (the distribution's, the EFA installer's).
+#[test]
+fn caps_names_the_libfabric_it_uses() {
+    let output = efabus(&["caps", "--config", "/dev/null"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let said = text(&output.stdout);
+    let first = said.lines().next().unwrap_or_default();
+    if !efabus::transports::fabric::LIBFABRIC_LINKED {
+        assert!(first.contains("not found at build time"), "{said}");
+        return;
+    }
+    let (version, rest) = first
+        .strip_prefix("libfabric ")
+        .and_then(|rest| rest.split_once(" from "))
+        .unwrap_or_else(|| panic!("no libfabric line first:\n{said}"));
+    assert!(
+        version.starts_with("1.") || version.starts_with("2."),
+        "{first}"
+    );
+    let path = rest.split(" (").next().unwrap_or_default();
+    assert!(std::path::Path::new(path).exists(), "{first}");
+    assert!(rest.ends_with(" headers)"), "{first}");
+}
+
 #[test]
 fn caps_for_an_unknown_provider_fails_with_the_reason() {
     let output = efabus(&["caps", "--provider", "no-such-provider"]);

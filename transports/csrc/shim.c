@@ -231,6 +231,20 @@ uint32_t efabus_runtime_version(void)
 	return efabus_fi_load() ? 0 : FI(version)();
 }
 
+uint32_t efabus_header_version(void)
+{
+	return FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION);
+}
+
+const char *efabus_fi_loaded_from(void)
+{
+	Dl_info where;
+
+	if (efabus_fi_load() || !dladdr((void *)FI(getinfo), &where))
+		return NULL;
+	return where.dli_fname;
+}
+
 uint32_t efabus_requested_version(void)
 {
 	return EFABUS_FI_VERSION;

@@ -188,6 +188,10 @@ int efabus_fi_load(void);
 const char *efabus_fi_load_error(void);
 
 uint32_t efabus_runtime_version(void);
+/* The version of the headers the shim was compiled with. */
+uint32_t efabus_header_version(void);
+/* The file libfabric was loaded from (NULL when it is not loaded). */
+const char *efabus_fi_loaded_from(void);
 
 /* Remove SIGINT/SIGTERM handlers installed when libfabric's dependencies
  * were loaded; returns how many were removed, or -1 on error. */

@@ -44,8 +44,13 @@ fn libfabric_is_loaded_at_first_use_and_keeps_the_signal_handlers() {
     );
     let handlers = signal_handlers();
 
-    load_libfabric().expect("libfabric loads");
+    let loaded = load_libfabric().expect("libfabric loads");
     assert!(libfabric_mapped());
+    // It says which file it is, and that file is on this host.
+    assert!(loaded.path.contains("libfabric.so"), "{loaded}");
+    assert!(std::path::Path::new(&loaded.path).exists(), "{loaded}");
+    assert!(loaded.version >= (1, 17), "{loaded}");
+    assert!(loaded.built_with >= (1, 17), "{loaded}");
     // psm, which distribution builds pull in, installs handlers for
     // SIGINT, SIGTERM, SIGSEGV, SIGILL and others as it loads.
     assert_eq!(

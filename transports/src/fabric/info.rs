@@ -86,6 +86,30 @@ pub fn load() -> Result<(), FabricError> {
     })
 }
 
+/// The libfabric this process uses, loading it if it is not loaded yet.
+pub fn loaded() -> Result<super::LoadedLibfabric, FabricError> {
+    load()?;
+    // SAFETY: the library is loaded; the shim returns NULL or the loader's
+    // own NUL-terminated name of the file, which lives as long as the
+    // library, which is never unloaded.
+    let from = unsafe { sys::efabus_fi_loaded_from() };
+    let path = if from.is_null() {
+        "an unknown file".to_string()
+    } else {
+        // SAFETY: non-NULL, NUL-terminated (above).
+        unsafe { CStr::from_ptr(from) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    // SAFETY: a number compiled into the shim.
+    let headers = unsafe { sys::efabus_header_version() };
+    Ok(super::LoadedLibfabric {
+        path,
+        version: runtime_version(),
+        built_with: (headers >> 16, headers & 0xffff),
+    })
+}
+
 /// `fi_strerror` text for a positive error code.
 pub fn strerror(code: i32) -> String {
     // SAFETY: fi_strerror accepts any int and returns a pointer to a static

@@ -118,18 +118,40 @@ pub const LIBFABRIC_LINKED: bool = cfg!(efabus_libfabric);
 /// later releases are linked.
 pub const LIBFABRIC_LOADED_AT_FIRST_USE: bool = cfg!(efabus_libfabric_at_first_use);
 
-/// Loads libfabric now rather than at the first fabric call, or says why it
-/// cannot be. A process that never opens a fabric endpoint never loads it
-/// (with distribution builds of libfabric, loading costs about 200 ms: a
-/// library it pulls in times the CPU as it loads). Loading keeps the
-/// process's signal handlers as they were: a program that installs its own
-/// from another thread should do so before the first fabric call (or call
-/// this first), as a handler installed while the library loads is put back.
-/// A libfabric the program loaded already (its own) is the one used.
-pub fn load_libfabric() -> Result<(), FabricError> {
+/// Which libfabric a process uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadedLibfabric {
+    /// The file it was loaded from.
+    pub path: String,
+    /// Its version, (major, minor).
+    pub version: (u32, u32),
+    /// The version of the headers efabus was built with.
+    pub built_with: (u32, u32),
+}
+
+impl std::fmt::Display for LoadedLibfabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "libfabric {}.{} from {} (efabus built with {}.{} headers)",
+            self.version.0, self.version.1, self.path, self.built_with.0, self.built_with.1
+        )
+    }
+}
+
+/// Loads libfabric now rather than at the first fabric call and says which
+/// one it is, or why it cannot be loaded. A process that never opens a
+/// fabric endpoint never loads it (with distribution builds of libfabric,
+/// loading costs about 200 ms: a library it pulls in times the CPU as it
+/// loads). Loading keeps the process's signal handlers as they were: a
+/// program that installs its own from another thread should do so before
+/// the first fabric call (or call this first), as a handler installed while
+/// the library loads is put back. A libfabric the program loaded already
+/// (its own) is the one used.
+pub fn load_libfabric() -> Result<LoadedLibfabric, FabricError> {
     #[cfg(efabus_libfabric)]
     {
-        info::load()
+        info::loaded()
     }
     #[cfg(not(efabus_libfabric))]
     {
@@ -355,6 +377,13 @@ impl FabricTransport {
                 other => TransportError::Other(other.to_string()),
             })?;
         endpoint.scheme = self.scheme;
+        // Which libfabric serves the process, once: hosts may have several.
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            if let Ok(loaded) = info::loaded() {
+                tracing::info!("{loaded}");
+            }
+        });
         Ok(endpoint)
     }
 

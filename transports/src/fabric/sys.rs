@@ -190,6 +190,8 @@ extern "C" {
     pub fn efabus_fi_load() -> c_int;
     pub fn efabus_fi_load_error() -> *const c_char;
     pub fn efabus_runtime_version() -> u32;
+    pub fn efabus_header_version() -> u32;
+    pub fn efabus_fi_loaded_from() -> *const c_char;
     pub fn efabus_reset_termination_signals() -> c_int;
     pub fn efabus_exit_at_once(status: c_int) -> !;
     pub fn efabus_requested_version() -> u32;
