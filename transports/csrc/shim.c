@@ -236,11 +236,14 @@ uint32_t efabus_header_version(void)
 	return FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION);
 }
 
+/* NULL also when libfabric is inside the program (a static link). */
 const char *efabus_fi_loaded_from(void)
 {
-	Dl_info where;
+	Dl_info where, program;
 
-	if (efabus_fi_load() || !dladdr((void *)FI(getinfo), &where))
+	if (efabus_fi_load() || !dladdr((void *)FI(getinfo), &where) ||
+	    !dladdr((void *)efabus_fi_loaded_from, &program) ||
+	    where.dli_fbase == program.dli_fbase)
 		return NULL;
 	return where.dli_fname;
 }

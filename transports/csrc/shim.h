@@ -190,7 +190,8 @@ const char *efabus_fi_load_error(void);
 uint32_t efabus_runtime_version(void);
 /* The version of the headers the shim was compiled with. */
 uint32_t efabus_header_version(void);
-/* The file libfabric was loaded from (NULL when it is not loaded). */
+/* The file libfabric was loaded from (NULL when it is not loaded, or is
+ * part of the program). */
 const char *efabus_fi_loaded_from(void);
 
 /* Remove SIGINT/SIGTERM handlers installed when libfabric's dependencies

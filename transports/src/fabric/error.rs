@@ -94,8 +94,8 @@ pub enum FabricError {
     NotLoaded(String),
     /// The libfabric found lacks a function at the version efabus needs.
     #[error(
-        "libfabric cannot be used: {0}; name a newer one in EFABUS_LIBFABRIC or rebuild \
-         efabus against this one"
+        "libfabric cannot be used: {0}; name a newer one in EFABUS_LIBFABRIC (unless the \
+         program has loaded its own) or rebuild efabus against this one"
     )]
     TooOld(String),
     #[error("fi_getinfo found nothing for provider {provider:?} ({ep_type}): {code}{}",

@@ -70,8 +70,10 @@ fn opt_ptr(value: &Option<CString>) -> *const c_char {
 /// Loads libfabric if it is not loaded yet (once per process; it is not
 /// loaded with the program, see the shim).
 pub fn load() -> Result<(), FabricError> {
-    // SAFETY: the shim loads the library once (pthread_once) and only
-    // writes its own static state; it takes no arguments.
+    // SAFETY: the shim loads the library once (pthread_once), which runs
+    // the constructors of libfabric and what it pulls in, and puts back the
+    // process's signal dispositions they changed; it touches no memory of
+    // ours and takes no arguments.
     let failure = unsafe { sys::efabus_fi_load() };
     if failure == 0 {
         return Ok(());
@@ -94,7 +96,7 @@ pub fn loaded() -> Result<super::LoadedLibfabric, FabricError> {
     // library, which is never unloaded.
     let from = unsafe { sys::efabus_fi_loaded_from() };
     let path = if from.is_null() {
-        "an unknown file".to_string()
+        "this program (linked into it)".to_string()
     } else {
         // SAFETY: non-NULL, NUL-terminated (above).
         unsafe { CStr::from_ptr(from) }

@@ -8,7 +8,8 @@
 //!   fixed-width fields, so the Rust side never mirrors libfabric's own
 //!   structs (which differ between 1.x and 2.x). It loads libfabric at
 //!   the first call that needs it ([`load_libfabric`]), not with the
-//!   process.
+//!   process (where [`LIBFABRIC_LOADED_AT_FIRST_USE`]; builds against
+//!   releases it does not know link it).
 //! - [`info`], [`handle`] and [`pool`] are the safe wrapper: `fi_getinfo`
 //!   lists, one owning type per libfabric object (closed in `Drop`,
 //!   parents kept alive by `Rc`), registered buffer pools. All `unsafe`
@@ -109,7 +110,9 @@ pub use provider_env::{apply_provider_env_defaults, provider_eager_limit, PROVID
 use efabus_core::caps::FabricInfo;
 use efabus_core::transport::{Endpoint, EndpointConfig, Transport, TransportError};
 
-/// Whether this build has the fabric transport.
+/// Whether this build has the fabric transport (libfabric was found when
+/// it was built). Whether the library is linked into the program or loaded
+/// at its first use is [`LIBFABRIC_LOADED_AT_FIRST_USE`].
 pub const LIBFABRIC_LINKED: bool = cfg!(efabus_libfabric);
 
 /// Whether libfabric is loaded at its first use ([`load_libfabric`])
@@ -140,14 +143,15 @@ impl std::fmt::Display for LoadedLibfabric {
 }
 
 /// Loads libfabric now rather than at the first fabric call and says which
-/// one it is, or why it cannot be loaded. A process that never opens a
-/// fabric endpoint never loads it (with distribution builds of libfabric,
-/// loading costs about 200 ms: a library it pulls in times the CPU as it
-/// loads). Loading keeps the process's signal handlers as they were: a
-/// program that installs its own from another thread should do so before
-/// the first fabric call (or call this first), as a handler installed while
-/// the library loads is put back. A libfabric the program loaded already
-/// (its own) is the one used.
+/// one it is, or why it cannot be loaded. Where
+/// [`LIBFABRIC_LOADED_AT_FIRST_USE`], a process that never opens a fabric
+/// endpoint never loads it (with distribution builds of libfabric, loading
+/// costs about 200 ms: a library it pulls in times the CPU as it loads),
+/// and loading keeps the process's signal handlers as they were: a program
+/// that installs its own from another thread should do so before the first
+/// fabric call (or call this first), as a handler installed while the
+/// library loads is put back. A libfabric the program loaded already (its
+/// own) is the one used.
 pub fn load_libfabric() -> Result<LoadedLibfabric, FabricError> {
     #[cfg(efabus_libfabric)]
     {
@@ -175,11 +179,11 @@ pub fn build_unavailable_reason() -> Option<&'static str> {
 
 /// Remove the SIGINT and SIGTERM handlers that libfabric's dependencies
 /// (psm, infinipath) install when the library is loaded with the program
-/// (a build against a libfabric newer than the loader knows links it): they
-/// end the process at once, which would defeat a graceful shutdown. Call it
-/// before installing the application's own handlers. Returns how many
-/// handlers were removed. (Loaded at first use, libfabric leaves the
-/// process's handlers as they were.)
+/// (where [`LIBFABRIC_LOADED_AT_FIRST_USE`] is false): they end the process
+/// at once, which would defeat a graceful shutdown. It removes any handler
+/// of the two, the application's own included: call it before installing
+/// those. Returns how many handlers were removed. (Loaded at first use,
+/// libfabric leaves the process's handlers as they were.)
 pub fn reset_inherited_termination_handlers() -> Result<usize, std::io::Error> {
     #[cfg(efabus_libfabric)]
     {
