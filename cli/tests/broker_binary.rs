@@ -721,15 +721,18 @@ fn a_broker_that_cannot_load_libfabric_serves_on_its_other_listeners() {
         "listen = [\"tcp/127.0.0.1:0\", \"shm\"]\nlog_level = \"warn\"\n",
     )
     .unwrap();
-    let mut broker = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
-        .args(["serve", "--config"])
-        .arg(&config)
-        .env(missing.0, missing.1)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = broker.stdout.take().unwrap();
+    // Killed if the test fails before it stops it.
+    let mut broker = common::Process(
+        std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env(missing.0, missing.1)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stdout = broker.0.stdout.take().unwrap();
     let (lines, said) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)).map_while(Result::ok) {
@@ -744,6 +747,8 @@ fn a_broker_that_cannot_load_libfabric_serves_on_its_other_listeners() {
             break format!("tcp/{endpoint}");
         }
     };
+    // Read by now.
+    let _ = std::fs::remove_file(&config);
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
         .args(["pub", "loading.check", "hello", "--server", &endpoint])
         .env(missing.0, missing.1)
@@ -764,22 +769,21 @@ fn a_broker_that_cannot_load_libfabric_serves_on_its_other_listeners() {
     );
 
     let _ = std::process::Command::new("kill")
-        .args(["-TERM", &broker.id().to_string()])
+        .args(["-TERM", &broker.0.id().to_string()])
         .status();
     let stopping = Instant::now();
     let status = loop {
-        if let Some(status) = broker.try_wait().unwrap() {
+        if let Some(status) = broker.0.try_wait().unwrap() {
             break status;
         }
-        if stopping.elapsed() > WAIT {
-            let _ = broker.kill();
-            panic!("the broker did not stop on SIGTERM");
-        }
+        assert!(
+            stopping.elapsed() < WAIT,
+            "the broker did not stop on SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
-    let _ = std::fs::remove_file(&config);
     let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut broker.stderr.take().unwrap(), &mut stderr).unwrap();
+    std::io::Read::read_to_string(&mut broker.0.stderr.take().unwrap(), &mut stderr).unwrap();
     assert_eq!(status.code(), Some(0), "{stderr}");
     let reasons: Vec<&str> = stderr
         .lines()

@@ -61,4 +61,10 @@ fn libfabric_is_loaded_at_first_use_and_keeps_the_signal_handlers() {
     // The library found serves calls: `udp` is built into every libfabric.
     let entries = probe_like_fi_info("udp", EpKind::Dgram, Some("127.0.0.1")).expect("fi_getinfo");
     assert!(!entries.is_empty());
+    // The first `fi_getinfo` starts libfabric's providers.
+    assert_eq!(
+        signal_handlers(),
+        handlers,
+        "starting libfabric's providers changed the signal handlers"
+    );
 }
