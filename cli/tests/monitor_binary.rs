@@ -69,6 +69,37 @@ fn stats_and_conns_read_a_running_broker() {
     assert_eq!(&cells[5..10], ["3", "3", "0", "0", "1"], "{row}");
 }
 
+/// `/varz` names the libfabric a broker with a fabric listener loaded,
+/// and none for a broker without one (asking does not load it).
+#[test]
+fn varz_names_the_libfabric_in_use() {
+    let tcp_only = Server::start("monitor = \"127.0.0.1:0\"");
+    let varz = common::monitor_json(tcp_only.monitor.as_ref().unwrap(), "/varz");
+    if efabus::transports::fabric::LIBFABRIC_LOADED_AT_FIRST_USE {
+        assert!(varz["libfabric"].is_null(), "{varz}");
+    }
+    if !efabus::transports::fabric::LIBFABRIC_LINKED {
+        return;
+    }
+    let with_shm = Server::start_listening(
+        &["tcp/127.0.0.1:0", "shm"],
+        "monitor = \"127.0.0.1:0\"",
+        &[],
+    );
+    let varz = common::monitor_json(with_shm.monitor.as_ref().unwrap(), "/varz");
+    if varz["libfabric"].is_null() && !common::fabric_required() {
+        eprintln!("skipping: the broker could not load libfabric here: {varz}");
+        return;
+    }
+    let path = varz["libfabric"]["path"].as_str().unwrap_or_default();
+    assert!(std::path::Path::new(path).exists(), "{varz}");
+    let version = varz["libfabric"]["version"].as_str().unwrap_or_default();
+    assert!(
+        version.starts_with("1.") || version.starts_with("2."),
+        "{varz}"
+    );
+}
+
 #[test]
 fn a_monitor_that_is_not_there_is_one_line_that_says_where_to_look() {
     let address = format!("127.0.0.1:{}", closed_port());

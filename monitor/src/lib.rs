@@ -1,8 +1,8 @@
 //! The HTTP monitoring listener of a broker. [`Monitor`] serves JSON views
 //! of the running broker and Prometheus metrics:
 //!
-//! - `/varz`: the server (name, id, version, uptime, listeners, limits),
-//!   its counters and its memory;
+//! - `/varz`: the server (name, id, version, uptime, listeners, limits,
+//!   the libfabric in use), its counters and its memory;
 //! - `/connz`: the client connections, each with the links it negotiated
 //!   (and on TCP why not the fabric), its counters and pending bytes;
 //!   `?subs=1` lists subscriptions, `?sort=`, `?offset=` and `?limit=`
@@ -483,8 +483,22 @@ fn varz(broker: &Broker, started: SystemTime) -> Answer {
             "subscriptions": broker.subscription_count(),
             "totals": totals,
             "memory": { "resident_bytes": resident_bytes() },
+            "libfabric": libfabric_view(),
         }),
     )
+}
+
+/// The libfabric the process uses: null until a fabric endpoint has loaded
+/// it (asking does not load it).
+fn libfabric_view() -> Value {
+    match efabus_transports::fabric::libfabric_in_use() {
+        Some(loaded) => json!({
+            "path": loaded.path,
+            "version": format!("{}.{}", loaded.version.0, loaded.version.1),
+            "built_with": format!("{}.{}", loaded.built_with.0, loaded.built_with.1),
+        }),
+        None => Value::Null,
+    }
 }
 
 /// The broker's sessions (with their subscriptions when `subscriptions`),

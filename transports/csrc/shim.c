@@ -53,6 +53,8 @@ static struct {
 } lib;
 static pthread_once_t lib_once = PTHREAD_ONCE_INIT;
 static char lib_error[512];
+/* Set (release) once the library is loaded and its functions found. */
+static int lib_ready;
 
 #define FI(name) (lib.name)
 
@@ -162,7 +164,14 @@ static void load_library(void)
 		/* Kept loaded: its constructors ran, and may have left threads. */
 		memset(&lib, 0, sizeof(lib));
 		lib_failure = EFABUS_FI_TOO_OLD;
+		return;
 	}
+	__atomic_store_n(&lib_ready, 1, __ATOMIC_RELEASE);
+}
+
+int efabus_fi_is_loaded(void)
+{
+	return __atomic_load_n(&lib_ready, __ATOMIC_ACQUIRE);
 }
 
 int efabus_fi_load(void)
@@ -181,6 +190,11 @@ const char *efabus_fi_load_error(void)
 int efabus_fi_load(void)
 {
 	return 0;
+}
+
+int efabus_fi_is_loaded(void)
+{
+	return 1;
 }
 
 const char *efabus_fi_load_error(void)

@@ -186,6 +186,8 @@ const struct efabus_constant *efabus_constants(size_t *count);
 #define EFABUS_FI_TOO_OLD 2
 int efabus_fi_load(void);
 const char *efabus_fi_load_error(void);
+/* Whether libfabric is loaded, without loading it. */
+int efabus_fi_is_loaded(void);
 
 uint32_t efabus_runtime_version(void);
 /* The version of the headers the shim was compiled with. */

@@ -165,6 +165,23 @@ pub fn load_libfabric() -> Result<LoadedLibfabric, FabricError> {
     }
 }
 
+/// The libfabric this process uses, if it has loaded it (this does not
+/// load it): for reports on a running process.
+pub fn libfabric_in_use() -> Option<LoadedLibfabric> {
+    #[cfg(efabus_libfabric)]
+    {
+        // SAFETY: reads a flag of the shim's; loads nothing.
+        if unsafe { sys::efabus_fi_is_loaded() } == 0 {
+            return None;
+        }
+        info::loaded().ok()
+    }
+    #[cfg(not(efabus_libfabric))]
+    {
+        None
+    }
+}
+
 /// Why the fabric transport cannot work in this build, if it cannot.
 pub fn build_unavailable_reason() -> Option<&'static str> {
     #[cfg(efabus_libfabric)]

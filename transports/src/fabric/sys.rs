@@ -189,6 +189,7 @@ extern "C" {
     pub fn efabus_constants(count: *mut usize) -> *const efabus_constant;
     pub fn efabus_fi_load() -> c_int;
     pub fn efabus_fi_load_error() -> *const c_char;
+    pub fn efabus_fi_is_loaded() -> c_int;
     pub fn efabus_runtime_version() -> u32;
     pub fn efabus_header_version() -> u32;
     pub fn efabus_fi_loaded_from() -> *const c_char;
