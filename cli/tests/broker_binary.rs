@@ -715,42 +715,21 @@ fn a_broker_that_cannot_load_libfabric_serves_on_its_other_listeners() {
         return;
     }
     let missing = ("EFABUS_LIBFABRIC", "/nonexistent/libfabric.so.1");
-    let config = common::temp_path("no-libfabric.toml");
-    std::fs::write(
-        &config,
-        "listen = [\"tcp/127.0.0.1:0\", \"shm\"]\nlog_level = \"warn\"\n",
-    )
-    .unwrap();
-    // Killed if the test fails before it stops it.
-    let mut broker = common::Process(
-        std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env(missing.0, missing.1)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap(),
+    let mut server = Server::start_logging(
+        &["tcp/127.0.0.1:0", "shm"],
+        "",
+        &[missing],
+        "warn",
+        std::process::Stdio::piped(),
     );
-    let stdout = broker.0.stdout.take().unwrap();
-    let (lines, said) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)).map_while(Result::ok) {
-            let _ = lines.send(line);
-        }
-    });
-    let endpoint = loop {
-        let line = said
-            .recv_timeout(WAIT)
-            .expect("the broker did not say where it listens");
-        if let Some(endpoint) = line.strip_prefix("listening on tcp/") {
-            break format!("tcp/{endpoint}");
-        }
-    };
-    // Read by now.
-    let _ = std::fs::remove_file(&config);
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_efabus"))
-        .args(["pub", "loading.check", "hello", "--server", &endpoint])
+        .args([
+            "pub",
+            "loading.check",
+            "hello",
+            "--server",
+            &server.endpoint,
+        ])
         .env(missing.0, missing.1)
         .output()
         .unwrap();
@@ -768,23 +747,10 @@ fn a_broker_that_cannot_load_libfabric_serves_on_its_other_listeners() {
         "{said}"
     );
 
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &broker.0.id().to_string()])
-        .status();
-    let stopping = Instant::now();
-    let status = loop {
-        if let Some(status) = broker.0.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            stopping.elapsed() < WAIT,
-            "the broker did not stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = server.terminate();
     let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut broker.0.stderr.take().unwrap(), &mut stderr).unwrap();
-    assert_eq!(status.code(), Some(0), "{stderr}");
+    std::io::Read::read_to_string(&mut server.child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status, Some(0), "{stderr}");
     let reasons: Vec<&str> = stderr
         .lines()
         .filter(|line| line.contains("libfabric could not be loaded"))

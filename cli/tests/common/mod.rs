@@ -88,10 +88,22 @@ impl Server {
     /// a TCP one. It chooses the providers' tunables as the command does
     /// (those the test runner sets are removed) unless `env` sets them.
     pub fn start_listening(listen: &[&str], extra_config: &str, env: &[(&str, &str)]) -> Server {
+        Server::start_logging(listen, extra_config, env, "error", Stdio::inherit())
+    }
+
+    /// As [`Server::start_listening`], logging at `log_level` to `stderr`
+    /// (piped: the test reads `child.stderr`, after [`Server::terminate`]).
+    pub fn start_logging(
+        listen: &[&str],
+        extra_config: &str,
+        env: &[(&str, &str)],
+        log_level: &str,
+        stderr: Stdio,
+    ) -> Server {
         let config_path = temp_path("broker.toml");
         let listen: Vec<String> = listen.iter().map(|entry| format!("\"{entry}\"")).collect();
         let config = format!(
-            "listen = [{}]\nlog_level = \"error\"\n{extra_config}",
+            "listen = [{}]\nlog_level = \"{log_level}\"\n{extra_config}",
             listen.join(", ")
         );
         std::fs::write(&config_path, config).expect("write config");
@@ -108,7 +120,7 @@ impl Server {
             .arg(&config_path)
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("spawn efabus serve");
         let stdout = child.stdout.take().expect("stdout");
