@@ -867,8 +867,11 @@ impl LandingBuffers {
     /// A buffer of `len` bytes, in huge pages if `huge` (a heap one when
     /// none can be mapped): a kept one if one fits (the smallest heap one,
     /// or a huge one of exactly the pages `len` needs, so that what the
-    /// bounds count is what [`footprint`](Self::footprint) predicted),
-    /// else a new one.
+    /// bounds count is what [`footprint`](Self::footprint) predicted; of
+    /// equal ones the last kept, whose bytes are likeliest still in a
+    /// core's cache: taking the oldest cycled a stream of 1 MiB frames
+    /// through every kept buffer, and through the broker it ran 10-20%
+    /// slower), else a new one.
     fn take_kind(&self, len: usize, huge: bool) -> LandingBuf {
         let huge_capacity = self
             .huge_page
@@ -877,6 +880,7 @@ impl LandingBuffers {
         let reused = {
             let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
             let found = (0..kept.buffers.len())
+                .rev()
                 .filter(|&at| {
                     let buf = &kept.buffers[at];
                     match huge_capacity {
@@ -1328,6 +1332,16 @@ mod tests {
         buffers.keep(small);
         let taken = buffers.take(3 << 19);
         assert_eq!((taken.as_ptr(), taken.len()), (small_at, 3 << 19));
+    }
+
+    #[test]
+    fn of_equal_kept_buffers_the_last_kept_is_taken() {
+        let buffers = LandingBuffers::default();
+        let (first, second) = (buffers.take(1 << 20), buffers.take(1 << 20));
+        let second_at = second.as_ptr();
+        buffers.keep(first);
+        buffers.keep(second);
+        assert_eq!(buffers.take(1 << 20).as_ptr(), second_at);
     }
 
     #[test]
