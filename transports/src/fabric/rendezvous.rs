@@ -97,6 +97,15 @@ pub fn must_wait(peer: (usize, usize), body_len: usize, (registered, new): (usiz
 /// Bytes of landing buffers kept for reuse once their frames are dropped.
 pub const LANDING_KEPT_MAX: usize = 64 << 20;
 
+/// How much larger than the `len` bytes it is taken for a kept heap
+/// landing buffer may be: the frame holds the whole buffer while it lives
+/// (in a subscriber's queue, say) but the bounds count its own bytes, so a
+/// small frame must not take a much larger buffer. An eighth, or a page:
+/// frames of one size reuse each other's buffers whatever their heads.
+pub fn reuse_slack(len: usize) -> usize {
+    (len / 8).max(PAGE)
+}
+
 /// Where a body lies: its address and length, the cache's key.
 pub type Region = (usize, usize);
 
@@ -865,9 +874,10 @@ impl LandingBuffers {
     }
 
     /// A buffer of `len` bytes, in huge pages if `huge` (a heap one when
-    /// none can be mapped): a kept one if one fits (the smallest heap one,
-    /// or a huge one of exactly the pages `len` needs, so that what the
-    /// bounds count is what [`footprint`](Self::footprint) predicted; of
+    /// none can be mapped): a kept one if one fits (the smallest heap one
+    /// at most [`reuse_slack`] larger, or a huge one of exactly the pages
+    /// `len` needs, so that what the bounds count is what
+    /// [`footprint`](Self::footprint) predicted, give or take that slack; of
     /// equal ones the last kept, whose bytes are likeliest still in a
     /// core's cache: taking the oldest cycled a stream of 1 MiB frames
     /// through every kept buffer, and through the broker it ran 10-20%
@@ -885,7 +895,11 @@ impl LandingBuffers {
                     let buf = &kept.buffers[at];
                     match huge_capacity {
                         Some(capacity) => buf.is_huge() && buf.capacity() == capacity,
-                        None => !buf.is_huge() && buf.capacity() >= len,
+                        None => {
+                            !buf.is_huge()
+                                && (len..=len.saturating_add(reuse_slack(len)))
+                                    .contains(&buf.capacity())
+                        }
                     }
                 })
                 .min_by_key(|&at| kept.buffers[at].capacity());
@@ -1330,8 +1344,24 @@ mod tests {
         let small_at = small.as_ptr();
         buffers.keep(large);
         buffers.keep(small);
-        let taken = buffers.take(3 << 19);
-        assert_eq!((taken.as_ptr(), taken.len()), (small_at, 3 << 19));
+        let len = (2 << 20) - 1000;
+        let taken = buffers.take(len);
+        assert_eq!((taken.as_ptr(), taken.len()), (small_at, len));
+    }
+
+    #[test]
+    fn a_frame_takes_no_kept_buffer_much_larger_than_itself() {
+        let buffers = LandingBuffers::default();
+        let large = buffers.take(1 << 20);
+        let large_at = large.as_ptr();
+        buffers.keep(large);
+        // A 20 KiB frame would hold the whole 1 MiB while it lives.
+        let small = buffers.take(20 << 10);
+        assert_ne!(small.as_ptr(), large_at);
+        assert!(small.capacity() <= (20 << 10) + reuse_slack(20 << 10));
+        // One within the slack takes it.
+        let near = (1 << 20) - (64 << 10);
+        assert_eq!(buffers.take(near).as_ptr(), large_at);
     }
 
     #[test]
