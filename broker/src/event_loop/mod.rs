@@ -829,6 +829,9 @@ impl EventLoop {
         if tally.fabric_frames_in > 0 {
             BrokerStats::add(&stats.fabric_frames_in, tally.fabric_frames_in);
         }
+        if tally.sent.refused_messages > 0 {
+            BrokerStats::add(&stats.connection_drops, tally.sent.refused_messages);
+        }
         if tally.sent.fabric_frames_out > 0 {
             BrokerStats::add(&stats.fabric_frames_out, tally.sent.fabric_frames_out);
         }

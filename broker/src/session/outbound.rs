@@ -105,14 +105,20 @@ pub(crate) struct SendCounts {
     pub fabric_frames_out: u64,
     /// Sends that found a data link's credit window full.
     pub credit_waits: u64,
+    /// Messages in frames the control link refused outright (the peer
+    /// closed, or its connection failed): lost with the connection.
+    pub refused_messages: u64,
 }
 
 /// Send one frame or run on the session's current path: the reliable data
 /// link once in use (nothing while its address is not proven yet), else
 /// the control link. Gives back what the path could not take (a run's
 /// untaken frames, as a run). A frame the control link refuses for another
-/// reason than a full path is dropped here: the link is failing and its
-/// closing event follows. A frame the reliable data link fails to send is
+/// reason than a full path is dropped here, its messages counted in
+/// [`SendCounts::refused_messages`]: the link is failing (or was closed
+/// already: a session flushed after its peer's timeout) and its closing
+/// event, which counts what is still queued, follows. A frame the reliable
+/// data link fails to send is
 /// lost with the link ([`DataLinks::failure`]): what comes after it is
 /// given back, never sent behind the gap, and so is a frame the link
 /// failed on earlier frames' pieces before it took it.
@@ -168,6 +174,7 @@ pub(crate) fn transmit(
         }
         Err(err) => {
             debug!(error = %err, "send failed");
+            counts.refused_messages += queued.messages as u64;
             None
         }
     }
@@ -759,6 +766,35 @@ mod tests {
         let rest = transmit(&mut endpoints, CONTROL, &mut links, &mut counts, counted)
             .expect("one frame left");
         assert_eq!((rest.messages, rest.frames), (0, 1));
+    }
+
+    #[test]
+    fn messages_a_failing_control_link_refuses_are_counted() {
+        let mut endpoints: Vec<Box<dyn Endpoint>> = vec![Box::new(Scripted {
+            scheme: "wire",
+            max_frame: 1 << 20,
+            room: usize::MAX,
+            block_at: None,
+            fail_at: 1,
+            calls: 0,
+            taken: Arc::default(),
+        })];
+        let mut links = DataLinks::default();
+        let mut counts = SendCounts::default();
+        let mut out = Outbound::default();
+        out.push(Queued::frame(
+            OutFrame::whole(Bytes::from(frame(b"1"))),
+            true,
+        ));
+        out.push(Queued::messages_run(run_of(&[b"a", b"bb"]), 2));
+        out.push(Queued::frame(
+            OutFrame::whole(Bytes::from(frame(b"x"))),
+            false,
+        ));
+        assert_eq!(out.messages(), 3);
+        assert!(out.flush(&mut endpoints, CONTROL, &mut links, &mut counts));
+        assert_eq!(out.messages(), 0, "nothing waits for a failed link");
+        assert_eq!(counts.refused_messages, 3, "each lost message counted");
     }
 
     #[test]
