@@ -126,7 +126,9 @@ impl SubscriptionStats {
     /// Messages lost with a connection are not in it (the broker counts
     /// them in `connection_drops`).
     pub fn dropped(&self) -> u64 {
-        self.dropped.load(Ordering::Relaxed) + self.dropped_by_broker()
+        self.dropped
+            .load(Ordering::Relaxed)
+            .saturating_add(self.dropped_by_broker())
     }
 
     /// A responder's reply that could not be published.
@@ -142,7 +144,9 @@ impl SubscriptionStats {
 }
 
 /// Adds to a counter that is only written under the queue's lock: a plain
-/// load and store, no locked instruction.
+/// load and store, no locked instruction. (`dropped` is also counted
+/// outside the lock, by the event loop, so it is always added to
+/// atomically.)
 fn bump(counter: &AtomicU64, n: u64) {
     counter.store(counter.load(Ordering::Relaxed) + n, Ordering::Relaxed);
 }
@@ -685,7 +689,7 @@ impl LocalSink {
     /// A message held for this queue (see [`Delivery::Full`]) was dropped
     /// after the block timeout.
     pub(crate) fn count_dropped(&self) {
-        bump(&self.stats.dropped, 1);
+        self.stats.dropped.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Whether the event loop holds messages for this queue: the next
@@ -1054,7 +1058,7 @@ impl LocalSink {
                 state.closed = true;
                 queue.closed.store(true, Ordering::Release);
                 self.cut_off.store(true, Ordering::Relaxed);
-                bump(&self.stats.dropped, 1);
+                self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                 queue.ready.notify_all();
                 queue.room.notify_all();
                 Err(Delivery::Closed)
@@ -1096,7 +1100,7 @@ impl LocalSink {
                 return None;
             }
             if timed_out {
-                bump(&self.stats.dropped, 1);
+                self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                 return Some(Delivery::Dropped);
             }
         }
@@ -1115,7 +1119,7 @@ impl LocalSink {
             dropped += 1;
         }
         state.prune_marks();
-        bump(&self.stats.dropped, dropped);
+        self.stats.dropped.fetch_add(dropped, Ordering::Relaxed);
         dropped
     }
 
@@ -1133,9 +1137,12 @@ impl LocalSink {
     /// The broker reports it discarded `count` messages for this (a
     /// client's) subscription.
     pub(crate) fn count_dropped_by_broker(&self, count: u64) {
-        self.stats
-            .dropped_by_broker
-            .fetch_add(count, Ordering::Relaxed);
+        // The count comes off the network: it saturates rather than wraps.
+        let _ = self.stats.dropped_by_broker.fetch_update(
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+            |total| Some(total.saturating_add(count)),
+        );
     }
 }
 
@@ -1944,6 +1951,19 @@ mod tests {
         assert!(sink.deliver_plain_run(&"a".into(), &mut payloads()));
         assert_eq!(drain(&sub), vec![0, 1, 2, 3]);
         assert_eq!(sub.stats().dropped(), 1);
+    }
+
+    /// The broker's drop reports carry counts off the network: a huge one
+    /// saturates the totals instead of wrapping them (or, in a debug
+    /// build, panicking the reader that asks).
+    #[test]
+    fn drop_counts_from_the_broker_saturate() {
+        let (sink, sub) = queue(4, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+        sink.count_dropped();
+        sink.count_dropped_by_broker(u64::MAX - 1);
+        sink.count_dropped_by_broker(5);
+        assert_eq!(sub.stats().dropped_by_broker(), u64::MAX);
+        assert_eq!(sub.stats().dropped(), u64::MAX);
     }
 
     /// `recv_many` takes the first message as `recv_timeout` would, then
