@@ -700,6 +700,19 @@ impl ClientShared {
         self.replies.lock().clear();
     }
 
+    /// Answers the flushes still waiting in the outbox with `error` (and
+    /// takes them out).
+    fn answer_queued_flushes(&self, error: impl Fn() -> Error) {
+        let mut outbox = self.outbox.lock();
+        outbox.items.retain(|item| match item {
+            Item::Command(Command::Flush(done)) => {
+                let _ = done.send(Err(error()));
+                false
+            }
+            _ => true,
+        });
+    }
+
     /// Nothing will move on this client again (refused for good, or its
     /// loop ended): what is asked of it from now on fails at once
     /// (`Closed`) rather than waiting on a loop that has stopped. Commands
@@ -2374,7 +2387,7 @@ impl ClientLoop {
             // answer: waiting out the connect timeout would only hide it.
             // A server's refusal stays what the client reports.
             if matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {
-                self.shared.shutdown.store(true, Ordering::SeqCst);
+                self.shared.end_for_good();
                 return;
             }
             let state = match failure {
@@ -2390,7 +2403,11 @@ impl ClientLoop {
                 },
             };
             self.shared.set_state(state);
-            self.shared.shutdown.store(true, Ordering::SeqCst);
+            // Flushes still queued behind publishes fail as the sent ones
+            // did; waiting publishers wake to a closed client.
+            self.shared
+                .answer_queued_flushes(|| Error::NotConnected(self.shared.server.clone()));
+            self.shared.end_for_good();
             return;
         }
         if !matches!(*self.shared.state.lock(), ConnectionState::Refused { .. }) {

@@ -1873,3 +1873,75 @@ fn client_queue_responders_share_requests_and_count_oversized_replies() {
     let dropped: u64 = members.iter().map(|(_, r)| r.stats().dropped()).sum();
     assert_eq!((delivered, dropped), (21, 1));
 }
+
+/// A client that does not reconnect and loses its connection while its
+/// outbox is full (the broker holds its publishes for a subscriber that
+/// reads nothing, under `block`) answers what waits at once: a flush
+/// queued behind the publishes fails with `NotConnected`, as one whose
+/// ping was sent does, and a publisher waiting for room with `Closed`,
+/// not after their timeouts (10 s here).
+#[test]
+fn a_lost_connection_without_reconnect_ends_waiting_flushes_and_publishers() {
+    let (broker, endpoint) = start(
+        Via::Tcp,
+        "[limits]\nmax_pending_bytes = 65536\nsubscription_queue = 4\n\
+         [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 60000\n\
+         [shutdown]\ndrain_timeout_ms = 300\n",
+    );
+    let unread = broker.subscribe("held").unwrap();
+    let waits = Duration::from_secs(10);
+    let client = Arc::new(
+        Client::connect_with(
+            &endpoint,
+            ClientOptions {
+                reconnect: false,
+                max_pending_bytes: 65536,
+                block_timeout: waits,
+                ..options()
+            },
+            Registry::with_builtins(),
+        )
+        .expect("client connects"),
+    );
+    let publisher = std::thread::spawn({
+        let client = Arc::clone(&client);
+        move || {
+            let payload = Bytes::from(vec![1u8; 4096]);
+            loop {
+                if let Err(err) = client.publish("held", payload.clone()) {
+                    return (err, Instant::now());
+                }
+            }
+        }
+    });
+    // The broker stops reading the connection, the client's path and then
+    // its outbox fill, and the publisher waits for room.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!publisher.is_finished(), "the publisher waits for room");
+    let flusher = std::thread::spawn({
+        let client = Arc::clone(&client);
+        move || (client.flush(waits), Instant::now())
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !flusher.is_finished(),
+        "the flush waits behind the publishes"
+    );
+    let lost = Instant::now();
+    broker.shutdown();
+    let (flushed, flushed_at) = flusher.join().unwrap();
+    let (refused, refused_at) = publisher.join().unwrap();
+    assert!(
+        matches!(flushed, Err(Error::NotConnected(_))),
+        "{flushed:?}"
+    );
+    assert!(matches!(refused, Error::Closed), "{refused:?}");
+    for (what, at) in [("flush", flushed_at), ("publisher", refused_at)] {
+        let after = at.saturating_duration_since(lost);
+        assert!(
+            after < Duration::from_secs(3),
+            "the {what} waited {after:?}"
+        );
+    }
+    drop(unread);
+}
