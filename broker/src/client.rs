@@ -151,7 +151,9 @@ pub struct ClientOptions {
     pub block_timeout: Duration,
     pub heartbeat_interval: Duration,
     pub heartbeat_timeout: Duration,
-    /// Largest frame accepted from the server.
+    /// Largest frame accepted from the server, and sent to it: a publish
+    /// whose frame would be larger is refused (`PayloadTooLarge`), whatever
+    /// the server's payload limit.
     pub max_frame: usize,
     /// Subject limits checked before the server's welcome; from then on
     /// the server's own (which it sends in the welcome) apply.
@@ -789,6 +791,20 @@ impl ClientShared {
         };
         if len as u64 > max {
             return Err(Error::PayloadTooLarge { len, max });
+        }
+        // The server's limit may pass what this client's own frames carry:
+        // such a frame would be refused by its connection.
+        let frame_len = codec::FRAME_OVERHEAD
+            + codec::PUBLISH_HEADER_LEN
+            + subject.len()
+            + reply.map_or(0, str::len)
+            + payload.len();
+        if frame_len > self.options.max_frame {
+            let max = self.options.max_frame.saturating_sub(frame_len - len);
+            return Err(Error::PayloadTooLarge {
+                len,
+                max: max as u64,
+            });
         }
         let bound = self.options.max_pending_bytes;
         if outbox.bytes >= bound || outbox.items.len() >= MAX_ITEMS {
@@ -1930,6 +1946,7 @@ impl ClientLoop {
                 Control {
                     endpoint: CONTROL,
                     peer: PeerId(0),
+                    keeps_refused: true,
                 },
                 liveness,
             ),

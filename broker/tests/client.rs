@@ -1945,3 +1945,32 @@ fn a_lost_connection_without_reconnect_ends_waiting_flushes_and_publishers() {
     }
     drop(unread);
 }
+
+/// A publish larger than the client's own frames carry is refused with the
+/// room there is, even where the server's payload limit would take it
+/// (before, it was accepted and then dropped by the connection unseen).
+#[test]
+fn a_publish_over_the_client_s_frame_limit_is_refused() {
+    let (_broker, endpoint) = start(Via::Tcp, "");
+    let client = Client::connect_with(
+        &endpoint,
+        ClientOptions {
+            max_frame: 64 << 10,
+            ..options()
+        },
+        Registry::with_builtins(),
+    )
+    .expect("client connects");
+    let sub = client.subscribe("big").unwrap();
+    client.flush(WAIT).unwrap();
+    match client.publish("big", vec![7u8; 100 << 10]) {
+        Err(Error::PayloadTooLarge { len, max }) => {
+            assert_eq!(len, 100 << 10);
+            assert!(max < 64 << 10 && max > 60 << 10, "{max}");
+        }
+        other => panic!("{other:?}"),
+    }
+    client.publish("big", vec![7u8; 60 << 10]).unwrap();
+    let message = sub.recv_timeout(WAIT).unwrap();
+    assert_eq!(message.payload.len(), 60 << 10);
+}

@@ -1258,7 +1258,11 @@ impl EventLoop {
         self.by_peer.insert((endpoint, peer), id);
         let deadline = now + self.shared.config.handshake_timeout();
         let mut session = Session::new(
-            Control { endpoint, peer },
+            Control {
+                endpoint,
+                peer,
+                keeps_refused: false,
+            },
             remote,
             self.liveness(now),
             deadline,
