@@ -886,6 +886,16 @@ impl Config {
             .map_err(|(key, message)| invalid(key, message))?;
         crate::accounts::check_users(&self.auth.users)
             .map_err(|(key, message)| invalid(&key, message))?;
+        if !self.peers.is_empty() && !self.auth.users.is_empty() && self.route_secret().is_none() {
+            // Routes present no user's credentials, and with users set no
+            // broker takes a hello without any: every dial would be
+            // refused (and count against this host's address).
+            return Err(invalid(
+                "peers",
+                "with auth.users set, routes need cluster.secret (the same on every broker):                  users never open routes"
+                    .to_string(),
+            ));
+        }
         if let Some(i) = self
             .auth
             .users
@@ -1622,6 +1632,27 @@ mod tests {
             route_secret("[auth]\nsecret = \"clients\"\n[cluster]\nsecret = \"mesh\"\n").as_deref(),
             Some("mesh")
         );
+    }
+
+    #[test]
+    fn routes_among_users_need_a_secret() {
+        let hash = crate::accounts::hash_secret("pw").unwrap();
+        let users = format!("[[auth.users]]\nname = \"app\"\npassword = \"{hash}\"\n");
+        let peers = "peers = [\"tcp/127.0.0.1:7421\"]\n";
+        let err = Config::from_toml_str(&format!("{peers}{users}"), "u.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("peers") && err.contains("cluster.secret"),
+            "{err}"
+        );
+        // Users alone, or routes with a secret, are fine.
+        Config::from_toml_str(&users, "u.toml").unwrap();
+        Config::from_toml_str(
+            &format!("{peers}{users}[cluster]\nsecret = \"mesh\"\n"),
+            "u.toml",
+        )
+        .unwrap();
     }
 
     #[test]
