@@ -145,7 +145,8 @@ pub struct ClientOptions {
     /// How long `publish` waits when the outgoing buffer is full, and,
     /// under [`SlowConsumerPolicy::Block`], how long the client's loop
     /// waits for room in a full subscription before it drops the message
-    /// (counted). The loop reads and answers nothing while it waits, so
+    /// (counted; the messages after it are dropped at once until the
+    /// reader takes one). The loop reads and answers nothing while it waits, so
     /// keep this below the server's heartbeat timeout (10 s by default),
     /// or the server takes the client for dead.
     pub block_timeout: Duration,
@@ -1557,6 +1558,12 @@ impl Client {
         self.shared.session.wake_sleeper();
         // Publishers waiting for room see the shutdown.
         self.shared.room.notify_all();
+        // So does the loop, waiting for room in a subscription whose
+        // reader stopped (`block`): the subscriptions end with the client,
+        // after what they hold.
+        for sub in self.shared.subscriptions.lock().values() {
+            sub.sink.close();
+        }
         if let Some(thread) = self.thread.lock().take() {
             if thread.join().is_err() {
                 warn!("client thread panicked");

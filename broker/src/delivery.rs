@@ -204,6 +204,11 @@ struct State {
     taken: u64,
     /// The reader's `handed` count as last seen (never above the real one).
     handed_seen: u64,
+    /// The reader's `handed` count when a producer last waited out the
+    /// block timeout: while the reader has taken nothing since, the next
+    /// messages are dropped without waiting again (a run received for a
+    /// stalled reader would otherwise wait the timeout once per message).
+    stalled_at: Option<u64>,
     /// No more messages are accepted; the reader drains what is queued.
     closed: bool,
     readers_waiting: usize,
@@ -591,6 +596,7 @@ impl LocalSink {
                 last_subject: None,
                 taken: 0,
                 handed_seen: 0,
+                stalled_at: None,
                 closed: false,
                 readers_waiting: 0,
                 producers_waiting: 0,
@@ -1084,10 +1090,16 @@ impl LocalSink {
             || queue.reader.load(Ordering::Relaxed) == thread_token()
     }
 
-    /// Waits for the reader to make room, up to the block timeout. `None`
-    /// when there is room; otherwise the outcome (dropped and counted, or
-    /// closed).
+    /// Waits for the reader to make room, up to the block timeout (not at
+    /// all once a wait timed out and the reader has taken nothing since).
+    /// `None` when there is room; otherwise the outcome (dropped and
+    /// counted, or closed).
     fn wait_for_room(&self, state: &mut MutexGuard<'_, State>) -> Option<Delivery> {
+        let handed = self.queue.handed.0.load(Ordering::Acquire);
+        if state.stalled_at == Some(handed) {
+            self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+            return Some(Delivery::Dropped);
+        }
         let deadline = Instant::now() + self.block_timeout;
         loop {
             state.producers_waiting += 1;
@@ -1100,6 +1112,7 @@ impl LocalSink {
                 return None;
             }
             if timed_out {
+                state.stalled_at = Some(self.queue.handed.0.load(Ordering::Acquire));
                 self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                 return Some(Delivery::Dropped);
             }

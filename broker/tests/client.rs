@@ -1974,3 +1974,77 @@ fn a_publish_over_the_client_s_frame_limit_is_refused() {
     let message = sub.recv_timeout(WAIT).unwrap();
     assert_eq!(message.payload.len(), 60 << 10);
 }
+
+/// Under `block`, a run of messages for a subscription whose reader
+/// stopped waits the block timeout once, not once per message: the rest
+/// are dropped (counted) at once, until the reader takes one again.
+#[test]
+fn a_stalled_blocking_subscription_waits_the_timeout_once_per_stall() {
+    let (_broker, endpoint) = start(Via::Tcp, "");
+    let timeout = Duration::from_millis(300);
+    let subscriber = Client::connect_with(
+        &endpoint,
+        ClientOptions {
+            subscription_queue: 4,
+            slow_consumer: SlowConsumerPolicy::Block,
+            block_timeout: timeout,
+            ..options()
+        },
+        Registry::with_builtins(),
+    )
+    .expect("client connects");
+    let stalled = subscriber.subscribe("stall").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    let publisher = connect(&endpoint);
+    let started = Instant::now();
+    for i in 0..50u32 {
+        publisher
+            .publish("stall", i.to_be_bytes().to_vec())
+            .unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    eventually("46 messages dropped", || stalled.stats().dropped() == 46);
+    // One wait, not 46 (13.8 s).
+    assert!(started.elapsed() < 10 * timeout, "{:?}", started.elapsed());
+    // The reader takes again: the next message waits for room as before.
+    let first = stalled.recv_timeout(WAIT).unwrap();
+    assert_eq!(&first.payload[..], 0u32.to_be_bytes());
+    publisher.publish("stall", b"after".to_vec()).unwrap();
+    publisher.flush(WAIT).unwrap();
+    let mut last = None;
+    while let Ok(message) = stalled.recv_timeout(Duration::from_millis(500)) {
+        last = Some(message);
+    }
+    assert_eq!(last.map(|m| m.payload), Some(Bytes::from_static(b"after")));
+    assert_eq!(stalled.stats().dropped(), 46);
+}
+
+/// A client dropped before its subscription, while its loop waits for
+/// room in that subscription (`block`, a reader that stopped), ends at
+/// once rather than after the block timeout (60 s here).
+#[test]
+fn a_client_dropped_while_its_loop_waits_for_a_stalled_reader_ends_at_once() {
+    let (_broker, endpoint) = start(Via::Tcp, "");
+    let subscriber = stalling_client(&endpoint, 4);
+    let stalled = subscriber.subscribe("stall").unwrap();
+    subscriber.flush(WAIT).unwrap();
+    let publisher = connect(&endpoint);
+    for i in 0..10u32 {
+        publisher
+            .publish("stall", i.to_be_bytes().to_vec())
+            .unwrap();
+    }
+    publisher.flush(WAIT).unwrap();
+    eventually("the queue full", || stalled.stats().delivered() == 4);
+    std::thread::sleep(Duration::from_millis(100));
+    let dropping = Instant::now();
+    drop(subscriber);
+    assert!(
+        dropping.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        dropping.elapsed()
+    );
+    // What it held is still read; then the subscription ends.
+    let held: Vec<Message> = stalled.collect();
+    assert_eq!(held.len(), 4);
+}
