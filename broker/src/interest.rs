@@ -275,17 +275,25 @@ impl LocalInterest {
     }
 }
 
+/// A route's queue group entry: its pattern, its queue and the group's
+/// turn (shared by the group's entries on every route).
+type GroupEntry = (Arc<str>, Arc<str>, Arc<AtomicUsize>);
+
 /// What route peers announced: a subscription index keyed by (route
 /// session, announced sid), with the queue group of each group entry kept
 /// aside (the index holds every entry as plain, so this side picks the
 /// routes for groups itself).
 pub(crate) struct RemoteInterest {
     index: SubscriptionIndex,
-    groups: HashMap<SubRef, (Arc<str>, Arc<str>)>,
+    /// Each group entry's (pattern, queue), and the turn of that group.
+    groups: HashMap<SubRef, GroupEntry>,
+    /// The turn for picking among the routes that announced a (pattern,
+    /// queue), one per group: with one for all, a message matching two
+    /// groups on two routes advanced it by two, so each group always got
+    /// the same route.
+    turns: HashMap<(Arc<str>, Arc<str>), Arc<AtomicUsize>>,
     /// Plain entries that want best-effort delivery.
     best_effort: HashSet<SubRef>,
-    /// Turns for picking among routes that share a queue group.
-    turn: AtomicUsize,
 }
 
 impl RemoteInterest {
@@ -293,8 +301,8 @@ impl RemoteInterest {
         RemoteInterest {
             index: SubscriptionIndex::new(config),
             groups: HashMap::default(),
+            turns: HashMap::default(),
             best_effort: HashSet::default(),
-            turn: AtomicUsize::new(0),
         }
     }
 
@@ -315,8 +323,9 @@ impl RemoteInterest {
         self.index.insert(pattern, None, key)?;
         match (queue, class) {
             (Some(queue), _) => {
-                self.groups
-                    .insert(key, (Arc::from(pattern), Arc::from(queue)));
+                let group = (Arc::<str>::from(pattern), Arc::<str>::from(queue));
+                let turn = Arc::clone(self.turns.entry(group.clone()).or_default());
+                self.groups.insert(key, (group.0, group.1, turn));
             }
             (None, DeliveryClass::BestEffort) => {
                 self.best_effort.insert(key);
@@ -327,7 +336,12 @@ impl RemoteInterest {
     }
 
     pub fn remove(&mut self, key: SubRef) -> bool {
-        self.groups.remove(&key);
+        if let Some((pattern, queue, turn)) = self.groups.remove(&key) {
+            // The group's last entry: its turn goes with it.
+            if Arc::strong_count(&turn) == 2 {
+                self.turns.remove(&(pattern, queue));
+            }
+        }
         self.best_effort.remove(&key);
         self.index.remove(key)
     }
@@ -335,13 +349,14 @@ impl RemoteInterest {
     /// The (pattern, queue) a route announced as `key`.
     pub fn describe(&self, key: SubRef) -> Option<(String, Option<String>)> {
         let info = self.index.get(key)?;
-        let queue = self.groups.get(&key).map(|(_, queue)| queue.to_string());
+        let queue = self.groups.get(&key).map(|(_, queue, _)| queue.to_string());
         Some((info.pattern.to_string(), queue))
     }
 
     /// Forget everything a route announced.
     pub fn remove_owner(&mut self, owner: u64) -> usize {
         self.groups.retain(|key, _| key.owner != owner);
+        self.turns.retain(|_, turn| Arc::strong_count(turn) > 1);
         self.best_effort.retain(|key| key.owner != owner);
         self.index.remove_owner(owner)
     }
@@ -384,7 +399,7 @@ impl RemoteInterest {
         });
         let mut stable = true;
         let mut last_owner = None;
-        let mut wanted: Vec<(&str, &str, Vec<SubRef>)> = Vec::new();
+        let mut wanted: Vec<(&str, &str, &AtomicUsize, Vec<SubRef>)> = Vec::new();
         for &key in scratch.iter() {
             match self.groups.get(&key) {
                 None => {
@@ -393,23 +408,23 @@ impl RemoteInterest {
                         last_owner = Some(key.owner);
                     }
                 }
-                Some((pattern, queue)) => {
+                Some((pattern, queue, turn)) => {
                     stable = false;
                     if local_group(pattern, queue) {
                         continue;
                     }
                     match wanted
                         .iter_mut()
-                        .find(|(p, q, _)| *p == &**pattern && *q == &**queue)
+                        .find(|(p, q, _, _)| *p == &**pattern && *q == &**queue)
                     {
-                        Some((_, _, routes)) => routes.push(key),
-                        None => wanted.push((pattern, queue, vec![key])),
+                        Some((_, _, _, routes)) => routes.push(key),
+                        None => wanted.push((pattern, queue, turn, vec![key])),
                     }
                 }
             }
         }
-        for (_, _, routes) in wanted {
-            let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        for (_, _, turn, routes) in wanted {
+            let turn = turn.fetch_add(1, Ordering::Relaxed);
             out.push(routes[turn % routes.len()]);
         }
         Ok(stable)
@@ -612,5 +627,41 @@ mod tests {
             )
             .unwrap();
         assert_eq!(out, [SubRef::new(8, 5)]);
+    }
+
+    #[test]
+    fn each_queue_group_takes_the_routes_in_turn() {
+        // Two routes, each with members of two groups on one subject.
+        let mut routes = remote();
+        for (key, queue) in [
+            (SubRef::new(7, 1), "q1"),
+            (SubRef::new(7, 2), "q2"),
+            (SubRef::new(8, 1), "q1"),
+            (SubRef::new(8, 2), "q2"),
+        ] {
+            routes
+                .insert(key, "work", Some(queue), DeliveryClass::Reliable)
+                .unwrap();
+        }
+        let (mut scratch, mut out) = (Vec::new(), Vec::new());
+        let mut owners_of = |queue_sid: u64| {
+            let mut owners = HashSet::default();
+            for _ in 0..4 {
+                out.clear();
+                routes
+                    .lookup("work", |_, _| false, &mut scratch, &mut out)
+                    .unwrap();
+                assert_eq!(out.len(), 2, "one route per group: {out:?}");
+                owners.extend(out.iter().filter(|k| k.sid == queue_sid).map(|k| k.owner));
+            }
+            owners
+        };
+        assert_eq!(owners_of(1).len(), 2, "q1 reaches both routes");
+        assert_eq!(owners_of(2).len(), 2, "q2 reaches both routes");
+        // A group's turn goes with its last entry.
+        assert_eq!(routes.turns.len(), 2);
+        routes.remove_owner(7);
+        routes.remove(SubRef::new(8, 1));
+        assert_eq!(routes.turns.len(), 1);
     }
 }
