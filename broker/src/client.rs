@@ -1953,7 +1953,6 @@ impl ClientLoop {
                 Control {
                     endpoint: CONTROL,
                     peer: PeerId(0),
-                    keeps_refused: true,
                 },
                 liveness,
             ),

@@ -1258,11 +1258,7 @@ impl EventLoop {
         self.by_peer.insert((endpoint, peer), id);
         let deadline = now + self.shared.config.handshake_timeout();
         let mut session = Session::new(
-            Control {
-                endpoint,
-                peer,
-                keeps_refused: false,
-            },
+            Control { endpoint, peer },
             remote,
             self.liveness(now),
             deadline,

@@ -486,11 +486,7 @@ impl EventLoop {
         BrokerStats::add(&stats.connections, 1);
         BrokerStats::add(&stats.connections_total, 1);
         let deadline = now + self.shared.config.handshake_timeout();
-        let control = Control {
-            endpoint,
-            peer,
-            keeps_refused: false,
-        };
+        let control = Control { endpoint, peer };
         let mut session =
             Session::new(control, slot.endpoint.clone(), self.liveness(now), deadline);
         let mut role = RouteRole::new(Some(index));

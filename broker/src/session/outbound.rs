@@ -32,11 +32,6 @@ const BATCH_KEEP: usize = 4 << 10;
 pub(crate) struct Control {
     pub endpoint: usize,
     pub peer: PeerId,
-    /// What the link refuses because it closed or failed comes back to
-    /// the queue instead of being dropped and counted: a client, which
-    /// sends its queue again once it reconnects (or counts it at its
-    /// close), keeps a copy of each entry while the link takes it.
-    pub keeps_refused: bool,
 }
 
 /// One entry of the outbound queue.
@@ -119,12 +114,13 @@ pub(crate) struct SendCounts {
 /// link once in use (nothing while its address is not proven yet), else
 /// the control link. Gives back what the path could not take (a run's
 /// untaken frames, as a run). A frame the control link refuses for another
-/// reason than a full path comes back too where the control link
-/// [`keeps_refused`](Control::keeps_refused) and it was closing or
-/// failed; else it is dropped here, its messages counted in
+/// reason than a full path is dropped here, its messages counted in
 /// [`SendCounts::refused_messages`]: the link is failing (or was closed
 /// already: a session flushed after its peer's timeout) and its closing
-/// event, which counts what is still queued, follows. A frame the reliable
+/// event, which counts what is still queued, follows. (A client's publishes
+/// carry no message count: refused by a failing connection, they are lost
+/// with it as those in flight are, at most once across a reconnect; keeping
+/// a copy of each to send again cost 4 KiB publishes over TCP 5%.) A frame the reliable
 /// data link fails to send is
 /// lost with the link ([`DataLinks::failure`]): what comes after it is
 /// given back, never sent behind the gap, and so is a frame the link
@@ -157,7 +153,6 @@ pub(crate) fn transmit(
         return rest;
     }
     let endpoint = endpoints[control.endpoint].as_mut();
-    let kept = control.keeps_refused.then(|| queued.frame.clone());
     let result = if queued.run {
         endpoint.send_run(control.peer, queued.frame.head)
     } else {
@@ -182,13 +177,8 @@ pub(crate) fn transmit(
         }
         Err(err @ (SendError::Closed(_) | SendError::Transport(_))) => {
             debug!(error = %err, "send failed");
-            match kept {
-                Some(frame) => Some(Queued { frame, ..queued }),
-                None => {
-                    counts.refused_messages += queued.messages as u64;
-                    None
-                }
-            }
+            counts.refused_messages += queued.messages as u64;
+            None
         }
         Err(err) => {
             // Never sendable on this link: a frame over its limit, which
@@ -748,7 +738,6 @@ mod tests {
     const CONTROL: Control = Control {
         endpoint: 0,
         peer: PeerId(1),
-        keeps_refused: false,
     };
 
     fn run_of(bodies: &[&[u8]]) -> Bytes {
@@ -816,34 +805,6 @@ mod tests {
         assert!(out.flush(&mut endpoints, CONTROL, &mut links, &mut counts));
         assert_eq!(out.messages(), 0, "nothing waits for a failed link");
         assert_eq!(counts.refused_messages, 3, "each lost message counted");
-    }
-
-    #[test]
-    fn a_client_keeps_what_its_failing_control_link_refuses() {
-        let mut endpoints: Vec<Box<dyn Endpoint>> = vec![Box::new(Scripted {
-            scheme: "wire",
-            max_frame: 1 << 20,
-            room: usize::MAX,
-            block_at: None,
-            fail_at: 1,
-            calls: 0,
-            taken: Arc::default(),
-        })];
-        let control = Control {
-            keeps_refused: true,
-            ..CONTROL
-        };
-        let mut links = DataLinks::default();
-        let mut counts = SendCounts::default();
-        let mut out = Outbound::default();
-        // A client's run of publishes: frames, no messages of the broker's.
-        let run = run_of(&[b"a", b"bb"]);
-        out.push(Queued::counted_run(run.clone(), 0, 2));
-        assert!(!out.flush(&mut endpoints, control, &mut links, &mut counts));
-        assert_eq!(out.bytes(), run.len(), "nothing counted as sent");
-        let kept = out.queue.front().expect("the run stays queued");
-        assert_eq!((kept.frame.to_bytes(), kept.frames), (run, 2));
-        assert_eq!(counts.refused_messages, 0);
     }
 
     #[test]
