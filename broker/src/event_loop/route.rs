@@ -340,6 +340,17 @@ fn socket_of(address: &str) -> Option<SocketAddr> {
     address.strip_prefix("tcp/").unwrap_or(address).parse().ok()
 }
 
+/// `address`, a `tcp/IP:PORT` literal, in one spelling: an IPv4 address
+/// mapped into IPv6 as IPv4, an IPv6 one in its shortest lower-case text
+/// (no scope). `None` for anything else.
+fn canonical_address(address: &str) -> Option<String> {
+    let socket: SocketAddr = address.strip_prefix("tcp/")?.parse().ok()?;
+    Some(format!(
+        "tcp/{}",
+        SocketAddr::new(socket.ip().to_canonical(), socket.port())
+    ))
+}
+
 /// The IP address of `address` (see [`socket_of`]).
 fn ip_of(address: &str) -> Option<std::net::IpAddr> {
     socket_of(address).map(|socket| socket.ip().to_canonical())
@@ -1231,7 +1242,15 @@ impl EventLoop {
             .sessions
             .get(&id)
             .is_some_and(|session| is_elsewhere(&session.remote));
-        let routed: HashSet<String> = self.route_addresses().into_iter().map(|(_, a)| a).collect();
+        // Compared in one spelling: `[::ffff:a00:2]` and `10.0.0.2` are one
+        // broker, not two slots and two routes.
+        let spelled = |address: String| canonical_address(&address).unwrap_or(address);
+        let routed: HashSet<String> = self
+            .route_addresses()
+            .into_iter()
+            .map(|(_, address)| spelled(address))
+            .collect();
+        let advertised = self.cluster.advertise.clone().map(spelled);
         // Looked up by address once per frame: a frame of 4,096 addresses
         // checked one by one against 4,096 slots kept the loop busy for
         // tens of milliseconds.
@@ -1240,20 +1259,25 @@ impl EventLoop {
         let mut learned = 0;
         for (index, slot) in self.cluster.slots.iter().enumerate() {
             if !slot.forgotten {
-                known.entry(slot.endpoint.clone()).or_insert(index);
+                known.entry(spelled(slot.endpoint.clone())).or_insert(index);
             } else if slot.session.is_none() {
                 reusable.push(index);
             }
-            learned += usize::from(slot.learned);
+            // One found to lead back here is kept (it is not dialed
+            // again), but takes no room from brokers to learn.
+            learned += usize::from(slot.learned && !slot.own);
         }
         // Lowest first, as they are taken.
         reusable.reverse();
         let mut added = false;
         for address in addresses.into_iter().take(PEERS_PER_FRAME_MAX) {
+            let Some(address) = canonical_address(&address) else {
+                continue;
+            };
             if crate::config::check_advertised(&address).is_err()
                 || elsewhere && is_loopback(&address)
                 || is_own_loopback_alias(&address, &self.cluster.tcp_listening)
-                || self.cluster.advertise.as_deref() == Some(address.as_str())
+                || advertised.as_deref() == Some(address.as_str())
                 || routed.contains(&address)
             {
                 continue;
@@ -1538,7 +1562,8 @@ impl EventLoop {
 #[cfg(test)]
 mod tests {
     use super::{
-        is_elsewhere, is_loopback, is_own_loopback_alias, resolve_advertised, PEERS_PER_FRAME,
+        canonical_address, is_elsewhere, is_loopback, is_own_loopback_alias, resolve_advertised,
+        PEERS_PER_FRAME,
     };
     use efabus_core::codec;
     use efabus_core::frame::{Frame, RoutePeers};
@@ -1591,6 +1616,33 @@ mod tests {
             ("tcp/localhost:7420", &everywhere, false),
         ] {
             assert_eq!(is_own_loopback_alias(address, listening), own, "{address}");
+        }
+    }
+
+    /// Spellings of one address are one: a route gossiping 4,096 of them
+    /// would otherwise take every learned slot and dial one broker again
+    /// and again.
+    #[test]
+    fn gossiped_addresses_are_compared_in_one_spelling() {
+        for alias in [
+            "tcp/10.0.0.2:7420",
+            "tcp/[::ffff:a00:2]:7420",
+            "tcp/[0::ffff:0a00:0002]:7420",
+            "tcp/[::FFFF:A00:2]:7420",
+            "tcp/[0:0:0:0:0:ffff:10.0.0.2]:7420",
+        ] {
+            assert_eq!(
+                canonical_address(alias).as_deref(),
+                Some("tcp/10.0.0.2:7420"),
+                "{alias}"
+            );
+        }
+        assert_eq!(
+            canonical_address("tcp/[2001:DB8:0:0::1]:7420").as_deref(),
+            Some("tcp/[2001:db8::1]:7420")
+        );
+        for other in ["tcp/node-1:7420", "10.0.0.2:7420", "tcp/10.0.0.2"] {
+            assert_eq!(canonical_address(other), None, "{other}");
         }
     }
 
