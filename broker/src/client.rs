@@ -625,7 +625,11 @@ impl ClientShared {
             return Err(Error::Closed);
         }
         let mut outbox = self.outbox.lock();
-        if outbox.items.len() >= MAX_ITEMS {
+        // An unsubscribe (at most one per subscription made) goes in
+        // whatever the outbox holds: dropping a subscription must neither
+        // wait nor, refused, leave the server sending what nobody reads.
+        let bounded = !matches!(command, Command::Unsubscribe { .. });
+        if bounded && outbox.items.len() >= MAX_ITEMS {
             self.wait_for_room(&mut outbox, |outbox| outbox.items.len() >= MAX_ITEMS)?;
         }
         let was_empty = outbox.is_empty();
@@ -3373,6 +3377,54 @@ mod tests {
             ..ClientOptions::default()
         };
         Client::connect_with(endpoint, options, Registry::with_builtins()).expect("connects")
+    }
+
+    /// Dropping a subscription while the outbox is at its item bound
+    /// neither waits for room nor loses the unsubscribe: the server stops
+    /// sending what nobody would read.
+    #[test]
+    fn an_unsubscribe_goes_in_when_the_outbox_is_full() {
+        let (broker, endpoint) = tcp_broker();
+        let client = connect(&endpoint);
+        let sub = client.subscribe("gone").unwrap();
+        client.flush(WAIT).unwrap();
+        let patterns = || -> Vec<String> {
+            let reports = broker.connections(true, WAIT).expect("a report");
+            reports
+                .iter()
+                .flat_map(|report| report.subscriptions.iter())
+                .map(|sub| sub.pattern.clone())
+                .collect()
+        };
+        assert_eq!(patterns(), ["gone"]);
+        let filler = || Item::Command(Command::Unsubscribe { sid: u64::MAX });
+        {
+            // The loop runs no round meanwhile, so nothing is taken.
+            let driven = client.shared.session.driven_loop().expect("the loop");
+            let _held = driven.lock().expect("the loop runs");
+            client
+                .shared
+                .outbox
+                .lock()
+                .items
+                .extend((0..MAX_ITEMS).map(|_| filler()));
+            let dropping = Instant::now();
+            drop(sub);
+            assert!(
+                dropping.elapsed() < Duration::from_secs(1),
+                "{:?}",
+                dropping.elapsed()
+            );
+            let mut outbox = client.shared.outbox.lock();
+            assert_eq!(outbox.items.len(), MAX_ITEMS + 1);
+            // The filler goes; the unsubscribe, last, stays.
+            outbox.items.retain(|item| {
+                !matches!(item, Item::Command(Command::Unsubscribe { sid: u64::MAX }))
+            });
+            assert_eq!(outbox.items.len(), 1);
+        }
+        client.flush(WAIT).unwrap();
+        assert!(patterns().is_empty(), "{:?}", patterns());
     }
 
     #[test]

@@ -290,6 +290,12 @@ impl<L: Rounds> DriveHandle<L> {
         self.0.get().and_then(|(driven, _)| driven.upgrade())
     }
 
+    /// The loop, for a test to hold it (no round runs meanwhile).
+    #[cfg(test)]
+    pub fn driven_loop(&self) -> Option<Arc<Driven<L>>> {
+        self.driven()
+    }
+
     /// [`Driven::drive`] for a thread that waits: a request for its reply
     /// always, a subscription's `reader` only while the loop thread finds
     /// no work. The rounds it ran (none once the loop has ended).
