@@ -887,12 +887,14 @@ impl Config {
         crate::accounts::check_users(&self.auth.users)
             .map_err(|(key, message)| invalid(&key, message))?;
         if !self.peers.is_empty() && !self.auth.users.is_empty() && self.route_secret().is_none() {
-            // Routes present no user's credentials, and with users set no
-            // broker takes a hello without any: every dial would be
-            // refused (and count against this host's address).
+            // Routes present no user's credentials, and a broker with users
+            // takes no hello without any: the brokers that dial this one
+            // (its peers dial back, and others learn of it) are refused,
+            // each refusal counting against their address.
             return Err(invalid(
                 "peers",
-                "with auth.users set, routes need cluster.secret (the same on every broker):                  users never open routes"
+                "with auth.users set, routes that present no secret are refused (users never \
+                 open routes): set cluster.secret, the same on every broker"
                     .to_string(),
             ));
         }
