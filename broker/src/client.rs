@@ -2422,7 +2422,6 @@ impl ClientLoop {
                 failure if self.ever_connected => {
                     *self.shared.closed_because.lock() =
                         Some(failure.unwrap_or_else(|| "connection lost".to_string()));
-                    self.shared.end_streams();
                     ConnectionState::Closed
                 }
                 _ => ConnectionState::Unreachable {

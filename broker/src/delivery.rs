@@ -1112,7 +1112,9 @@ impl LocalSink {
                 return None;
             }
             if timed_out {
-                state.stalled_at = Some(self.queue.handed.0.load(Ordering::Acquire));
+                // The count that proved the queue full: a reader that took
+                // one since is not taken for stalled.
+                state.stalled_at = Some(state.handed_seen);
                 self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                 return Some(Delivery::Dropped);
             }
