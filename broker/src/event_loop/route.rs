@@ -326,12 +326,11 @@ fn resolve_advertised(advertised: &str, remote: &str) -> Option<String> {
         .parse::<SocketAddr>()
         .ok()
         .map(|r| r.ip().to_canonical());
-    let ip = socket.ip();
+    let ip = socket.ip().to_canonical();
     let replace = ip.is_unspecified() || ip.is_loopback() && seen.is_some_and(|s| !s.is_loopback());
-    if !replace {
-        return Some(advertised.to_string());
-    }
-    Some(format!("tcp/{}", SocketAddr::new(seen?, socket.port())))
+    let ip = if replace { seen? } else { ip };
+    // In the one spelling learned addresses are kept in.
+    Some(format!("tcp/{}", SocketAddr::new(ip, socket.port())))
 }
 
 /// The socket address `address` names (`tcp/IP:PORT`, a route's remote
@@ -1193,7 +1192,8 @@ impl EventLoop {
         };
         // Reached now: a slot for this address is the same broker.
         for slot in &mut self.cluster.slots {
-            if slot.endpoint == new {
+            // Peers in `peers` keep the spelling they were given.
+            if slot.endpoint == new || canonical_address(&slot.endpoint).as_ref() == Some(&new) {
                 slot.reached = Some(broker);
                 slot.last_reached = now;
             }
@@ -1263,9 +1263,7 @@ impl EventLoop {
             } else if slot.session.is_none() {
                 reusable.push(index);
             }
-            // One found to lead back here is kept (it is not dialed
-            // again), but takes no room from brokers to learn.
-            learned += usize::from(slot.learned && !slot.own);
+            learned += usize::from(slot.learned);
         }
         // Lowest first, as they are taken.
         reusable.reverse();
@@ -1649,6 +1647,11 @@ mod tests {
     #[test]
     fn advertised_addresses_resolve_against_where_the_route_came_from() {
         let resolve = resolve_advertised;
+        assert_eq!(
+            resolve("tcp/[::FFFF:a00:2]:7420", "10.0.0.9:5000").as_deref(),
+            Some("tcp/10.0.0.2:7420"),
+            "in the spelling learned addresses are kept in"
+        );
         assert_eq!(
             resolve("tcp/10.0.0.2:7420", "10.0.0.9:5000").as_deref(),
             Some("tcp/10.0.0.2:7420"),
