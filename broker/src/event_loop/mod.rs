@@ -1964,9 +1964,11 @@ impl EventLoop {
             return;
         }
         let is_message = queued.messages > 0;
+        let refused = self.tally.sent.refused_messages;
         let left_queued = session
             .conn
             .send(&mut self.endpoints, &mut self.tally.sent, queued);
+        session.counts.dropped += self.tally.sent.refused_messages - refused;
         if session.conn.links.failure.is_some() {
             self.data_link_send_failed(id);
             return;
@@ -2160,9 +2162,11 @@ impl EventLoop {
             .conn
             .links
             .send_barrier(&mut self.endpoints, control);
+        let refused = self.tally.sent.refused_messages;
         let empty = session
             .conn
             .flush(&mut self.endpoints, &mut self.tally.sent);
+        session.counts.dropped += self.tally.sent.refused_messages - refused;
         let dropped = session.conn.links.take_best_effort_drops();
         if dropped > 0 {
             BrokerStats::add(&self.shared.stats.best_effort_drops, dropped);

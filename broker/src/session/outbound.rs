@@ -175,15 +175,14 @@ pub(crate) fn transmit(
                 frames,
             })
         }
-        Err(err @ (SendError::Closed(_) | SendError::Transport(_))) => {
-            debug!(error = %err, "send failed");
-            counts.refused_messages += queued.messages as u64;
-            None
-        }
         Err(err) => {
-            // Never sendable on this link: a frame over its limit, which
-            // the senders check before they queue one.
-            warn!(error = %err, "a frame the control link cannot take was dropped");
+            if let SendError::TooLarge { .. } = err {
+                // Never sendable on this link; its senders check the limit
+                // before they queue a frame, so this is a bug to hear of.
+                warn!(error = %err, "a frame the control link cannot take was dropped");
+            } else {
+                debug!(error = %err, "send failed");
+            }
             counts.refused_messages += queued.messages as u64;
             None
         }
