@@ -575,6 +575,52 @@ fn a_route_that_reads_none_of_its_answers_is_held_to_the_bound(frame: impl Fn(u6
     assert_eq!(routes(&broker), 1, "the route stays up");
 }
 
+/// A route peer that keeps pinging (so it is heard) but takes nothing,
+/// while this broker's interest changes for it pass the queue's bound:
+/// routes are left out of that bound, so the queue grew without end; it
+/// is cut off once it has taken nothing for the heartbeat timeout, counted
+/// as a slow consumer.
+#[test]
+fn a_route_that_takes_nothing_while_its_control_frames_pile_up_is_cut_off() {
+    use std::io::Write;
+    const BOUND: u64 = 65_536;
+    let broker = start(
+        "deaf-to-interest",
+        &[],
+        &format!(
+            "[limits]\nmax_pending_bytes = {BOUND}\n\
+             [heartbeat]\ninterval_ms = 200\ntimeout_ms = 1000\n"
+        ),
+    );
+    let mut raw = Raw::connect(&broker);
+    ask_for_a_route(&mut raw, None);
+    raw.expect("the route hello back", |f| matches!(f, Frame::Route(_)));
+    let mut pinger = raw.stream();
+    let pinging = std::thread::spawn(move || {
+        let ping = efabus_core::codec::encode(&Frame::Ping { nonce: 7 }).to_bytes();
+        // Until the broker closes the connection.
+        while pinger.write_all(&ping).is_ok() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    let churned = Instant::now();
+    let mut n = 0u64;
+    while routes(&broker) == 1 {
+        assert!(churned.elapsed() < WAIT, "the route stays up");
+        // Each subscription made and dropped is two interest frames.
+        for _ in 0..1000 {
+            let pattern = format!("interest.{n}.that.the.route.peer.never.takes");
+            drop(broker.subscribe(&pattern).expect("a subscription"));
+            n += 1;
+        }
+    }
+    assert!(stat(&broker, "slow_consumer_disconnects") >= 1);
+    let queued = broker.stats().queued_bytes.load(Ordering::Relaxed);
+    assert!(queued < 64 << 20, "{queued} bytes queued");
+    drop(raw);
+    pinging.join().expect("the pinger ends");
+}
+
 #[test]
 fn a_route_that_reads_none_of_its_pongs_is_held_to_the_bound() {
     a_route_that_reads_none_of_its_answers_is_held_to_the_bound(|nonce| Frame::Ping { nonce });

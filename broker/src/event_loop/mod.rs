@@ -2667,6 +2667,7 @@ impl EventLoop {
         let block_timeout = self.shared.live.block_timeout();
         let mut expired = Vec::new();
         let mut overdue = Vec::new();
+        let mut stalled_routes = Vec::new();
         let mut pings = Vec::new();
         let mut slow = Vec::new();
         let mut links_due = Vec::new();
@@ -2720,6 +2721,26 @@ impl EventLoop {
                     _ => slow.push(id),
                 }
                 due = true;
+            }
+            // Routes are left out of the bound on control frames (an
+            // interest snapshot may rightly pass it), so a route peer that
+            // takes nothing would grow its queue without end (pings,
+            // interest changes, gossip): one that takes nothing for the
+            // heartbeat timeout while they pass the bound is cut off.
+            if session.route().is_some() && matches!(session.state, SessionState::Ready) {
+                let taken = session.conn.out.taken();
+                let (since, seen) = &mut session.route_stalled;
+                if taken != *seen || session.conn.out.control_bytes() <= bound {
+                    (*since, *seen) = (None, taken);
+                } else {
+                    let since = *since.get_or_insert(now);
+                    if now.duration_since(since) >= timeout {
+                        stalled_routes.push(id);
+                        due = true;
+                    } else {
+                        next = next.min(since + timeout);
+                    }
+                }
             }
             if !matches!(session.state, SessionState::Closing { .. })
                 && session
@@ -2779,6 +2800,19 @@ impl EventLoop {
                 let control = session.conn.control;
                 self.endpoints[control.endpoint].close(control.peer);
             }
+        }
+        for &id in &stalled_routes {
+            BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
+            if let Some(session) = self.sessions.get(&id) {
+                warn!(session = id, remote = %session.remote, "route took nothing while its control frames passed the queue's bound; closed");
+            }
+            self.fail(
+                id,
+                ErrorCode::SlowConsumer,
+                format!(
+                    "you took nothing for {timeout:?} while the frames for you passed the bound"
+                ),
+            );
         }
         for &id in &overdue {
             // Its queue did not drain within the drain time: the peer is

@@ -110,6 +110,10 @@ pub(super) struct Session {
     pub batch: Batch,
     /// Since when the queue has been over its bound under the block policy.
     pub over_since: Option<Instant>,
+    /// A route's control frames over the queue's bound with nothing taken
+    /// from the queue: since when, and how much the queue had had taken
+    /// (see `Outbound::taken`) when last looked at.
+    pub route_stalled: (Option<Instant>, u64),
     /// Disconnected as a slow consumer: its queue was dropped, and what is
     /// still routed to it before it is gone is dropped too.
     pub cut_off: bool,
@@ -190,6 +194,7 @@ impl Session {
             role: Role::Client(HashMap::default()),
             batch: Batch::default(),
             over_since: None,
+            route_stalled: (None, 0),
             cut_off: false,
             peer_left: false,
             drops: DropReports {

@@ -375,6 +375,9 @@ pub(crate) struct Outbound {
     bytes: usize,
     /// Of `bytes`, those in entries that hold no message.
     control_bytes: usize,
+    /// Bytes of queued entries the path has taken, in total: whether a
+    /// queue moves at all.
+    taken: u64,
     /// Strict: the queue is bounded in the bytes it counts
     /// (`limits.max_pending_bytes`), which held buffers would exceed.
     detacher: Detacher,
@@ -386,6 +389,7 @@ impl Default for Outbound {
             queue: VecDeque::new(),
             bytes: 0,
             control_bytes: 0,
+            taken: 0,
             detacher: Detacher::strict(),
         }
     }
@@ -406,6 +410,11 @@ impl Outbound {
     /// trims.
     pub fn control_bytes(&self) -> usize {
         self.control_bytes
+    }
+
+    /// Bytes of queued entries the path has taken since the queue began.
+    pub fn taken(&self) -> u64 {
+        self.taken
     }
 
     /// Queue an entry behind what waits. The small body of a message a
@@ -512,6 +521,7 @@ impl Outbound {
             let rest = transmit(endpoints, control, links, counts, queued);
             let sent = len - rest.as_ref().map_or(0, |rest| rest.frame.len());
             self.bytes -= sent;
+            self.taken += sent as u64;
             if holds_no_message {
                 self.control_bytes -= sent;
             }
