@@ -233,8 +233,13 @@ pub struct NatsSession {
     subs: FxHashMap<u64, Sub>,
     by_name: HashMap<String, u64>,
     next_sid: u64,
-    /// Nonces of the broker's pings the client has not answered yet.
-    broker_pings: VecDeque<u64>,
+    /// Nonces of the broker's pings the client has not answered yet, each
+    /// with whether it came while the client's input was not read (its
+    /// answer may be waiting unread: it does not count towards staleness).
+    broker_pings: VecDeque<(u64, bool)>,
+    /// The owner is not reading the client's input now (the broker paused
+    /// it).
+    reads_held: bool,
     next_nonce: u64,
     /// Under `verbose`: nonces of the pings sent to the broker behind each
     /// operation it may refuse, in order. Its answer to one is the
@@ -271,6 +276,7 @@ impl NatsSession {
             by_name: HashMap::new(),
             next_sid: 1,
             broker_pings: VecDeque::new(),
+            reads_held: false,
             next_nonce: 1,
             verdicts: VecDeque::new(),
             refused: false,
@@ -463,7 +469,7 @@ impl NatsSession {
                 to_client.extend_from_slice(b"PONG\r\n");
             }
         } else if is("PONG") {
-            if let Some(nonce) = self.broker_pings.pop_front() {
+            if let Some((nonce, _)) = self.broker_pings.pop_front() {
                 to_broker.push(control(&Frame::Pong { nonce }));
             }
         } else if is("CONNECT") {
@@ -648,6 +654,13 @@ impl NatsSession {
         }
     }
 
+    /// Whether the owner reads the client's input now: while it does not
+    /// (the broker paused it), the client's answers to pings wait unread
+    /// and its silence is not held against it.
+    pub fn set_reads_held(&mut self, held: bool) {
+        self.reads_held = held;
+    }
+
     /// Translate one frame from the broker (a run is taken apart). Frames
     /// the client has no use for (the broker's challenge, drop reports)
     /// are left out. `Err` when the connection must end once `to_client`
@@ -777,13 +790,19 @@ impl NatsSession {
                 // has everything sent to it and does not answer is stale. A
                 // slow reader meets the slow-consumer policy instead, and
                 // one that reads nothing the broker's heartbeat timeout.
+                // Nor is one whose answers this side is not reading (the
+                // broker holds it back under `block`): the pings sent
+                // meanwhile are not counted against it.
                 let unanswered = self.broker_pings.len();
+                let counted = self.broker_pings.iter().filter(|(_, held)| !held).count();
                 if unanswered >= MAX_PINGS_QUEUED
-                    || (unanswered >= self.info.max_pings_out && to_client.is_empty())
+                    || (!self.reads_held
+                        && counted >= self.info.max_pings_out
+                        && to_client.is_empty())
                 {
                     return Err(err_to(to_client, "Stale Connection"));
                 }
-                self.broker_pings.push_back(nonce);
+                self.broker_pings.push_back((nonce, self.reads_held));
                 to_client.extend_from_slice(b"PING\r\n");
             }
             Frame::Pong { nonce } if self.verdicts.front() == Some(&nonce) => {
@@ -1266,6 +1285,34 @@ pub(super) mod tests {
         let (frames, out, _) = feed(&mut quiet, b"PUB a 1\r\nx\r\n");
         assert!(matches!(frames[..], [Frame::Publish(_)]), "{frames:?}");
         assert_eq!(out, "");
+    }
+
+    /// Pings sent while the broker does not read the client (held back
+    /// under `block`) find their answers unread: not counted against it,
+    /// neither then nor once reading resumes, until answered.
+    #[test]
+    fn pings_sent_while_reads_are_held_do_not_make_a_client_stale() {
+        let mut s = session();
+        assert_eq!(feed(&mut s, b"CONNECT {}\r\n").2, Ok(()));
+        s.set_reads_held(true);
+        for nonce in 1..=10 {
+            let (out, _, result) = deliver(&mut s, &Frame::Ping { nonce });
+            assert_eq!((out.as_str(), result), ("PING\r\n", Ok(())), "ping {nonce}");
+        }
+        s.set_reads_held(false);
+        // Read again: one more unanswered is not yet two.
+        assert_eq!(deliver(&mut s, &Frame::Ping { nonce: 11 }).2, Ok(()));
+        assert_eq!(deliver(&mut s, &Frame::Ping { nonce: 12 }).2, Ok(()));
+        // The answers come in order: the oldest ping's first.
+        let (frames, _, _) = feed(&mut s, b"PONG\r\n");
+        assert!(
+            matches!(frames[..], [Frame::Pong { nonce: 1 }]),
+            "{frames:?}"
+        );
+        // A client that answers nothing after reads resume is still stale.
+        let (out, _, result) = deliver(&mut s, &Frame::Ping { nonce: 13 });
+        assert_eq!(out, "-ERR 'Stale Connection'\r\n");
+        assert!(result.is_err());
     }
 
     #[test]

@@ -400,6 +400,7 @@ impl Worker {
                 Command::Pause(peer, paused) => {
                     if let Some(conn) = self.conns.get_mut(&peer) {
                         conn.paused = paused;
+                        conn.session.set_reads_held(paused);
                         if !paused && conn.unread {
                             self.read_later(peer);
                         }
