@@ -478,7 +478,7 @@ fn varz(broker: &Broker, started: SystemTime) -> Answer {
                 "max_link_memory": limits.max_link_memory,
                 "subscription_queue": limits.subscription_queue,
                 "block_timeout_ms": config.slow_consumer.block_timeout_ms,
-                "slow_consumer_policy": format!("{:?}", config.slow_consumer.policy).to_lowercase(),
+                "slow_consumer_policy": config.slow_consumer.policy,
             },
             "subscriptions": broker.subscription_count(),
             "totals": totals,

@@ -63,7 +63,7 @@ pub fn render(
     let mut registry = Registry::with_prefix("efabus");
     registry.register(
         "uptime_seconds",
-        "Seconds since the monitor started",
+        "Seconds since the broker started",
         gauge(uptime_secs),
     );
     for (name, value) in broker.stats().snapshot() {

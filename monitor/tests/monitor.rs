@@ -179,6 +179,8 @@ fn the_views_show_the_broker_its_connections_and_their_links() {
         varz["limits"]["max_payload"],
         broker.config().limits.max_payload
     );
+    // Spelled as the configuration spells it.
+    assert_eq!(varz["limits"]["slow_consumer_policy"], "drop-oldest");
     assert!(varz["memory"]["resident_bytes"].as_u64() > Some(0));
     assert_eq!(varz["subscriptions"], 2);
 
