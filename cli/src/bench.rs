@@ -46,10 +46,10 @@ pub struct BenchArgs {
     /// subscribers on the other, so every message crosses the route.
     #[arg(long, default_value = "embedded")]
     pub via: String,
-    /// Publishers.
+    /// Publishers (at most 4096), each on a thread of its own.
     #[arg(long, short, default_value_t = 1)]
     pub pubs: usize,
-    /// Subscribers.
+    /// Subscribers (at most 4096), each on a thread of its own.
     #[arg(long = "subs", short = 'S', default_value_t = 1)]
     pub subs: usize,
     /// Subscribers share one queue group (each message reaches one of them).
@@ -389,8 +389,18 @@ const MAX_SIZE: usize = 1 << 30;
 /// Messages a publisher sends between two looks at the stop flag.
 const STOP_CHECK_EVERY: u64 = 1024;
 
+/// Most publishers, and most subscribers, a bench runs: each has a thread.
+const MAX_SIDE_THREADS: usize = 4096;
+
 fn bench_error(err: Error) -> Failure {
     Failure::runtime(err.to_string())
+}
+
+/// A bench thread the system would not start.
+fn thread_failure(role: &str, flag: &str, err: &std::io::Error) -> Failure {
+    Failure::runtime(format!(
+        "cannot start a {role} thread: {err}; ask for fewer with {flag}"
+    ))
 }
 
 pub fn run(args: BenchArgs) -> Result<(), Failure> {
@@ -398,6 +408,11 @@ pub fn run(args: BenchArgs) -> Result<(), Failure> {
         return Err(Failure::usage(
             "--pubs, --subs and --count must be at least 1",
         ));
+    }
+    if args.pubs > MAX_SIDE_THREADS || args.subs > MAX_SIDE_THREADS {
+        return Err(Failure::usage(format!(
+            "--pubs and --subs take at most {MAX_SIDE_THREADS} each (a thread apiece)"
+        )));
     }
     // Every delivery is counted in a u64.
     let deliveries = (args.pubs as u64)
@@ -533,7 +548,7 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         let mut readers = Vec::new();
         for sub in &subscriptions {
             let (goal, delivered, done_at, bar) = (&goal, &delivered, &done_at, &bar);
-            readers.push(scope.spawn(move || {
+            let reader = std::thread::Builder::new().spawn_scoped(scope, move || {
                 let mut local = 0u64;
                 // Each reader counts for itself and adds to the shared count
                 // now and then (a shared counter bumped by every reader for
@@ -608,7 +623,8 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
                     *done = (*done).max(at);
                 }
                 delivered.fetch_add(unshared, Ordering::Relaxed);
-            }));
+            });
+            readers.push(reader.map_err(|err| thread_failure("subscriber", "--subs", &err))?);
         }
         let deadline = duration.map(|d| started + d);
         let mut writers = Vec::new();
@@ -616,32 +632,34 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
             let payload = payload.clone();
             let subject = subject.as_str();
             let stop = &*stop;
-            writers.push(scope.spawn(move || -> Result<u64, Error> {
-                let mut sent = 0;
-                match deadline {
-                    None => {
-                        while sent < args.count && !stop.load(Ordering::Relaxed) {
-                            let burst = STOP_CHECK_EVERY.min(args.count - sent);
-                            for _ in 0..burst {
-                                handle.publish(subject, payload.clone())?;
+            let writer =
+                std::thread::Builder::new().spawn_scoped(scope, move || -> Result<u64, Error> {
+                    let mut sent = 0;
+                    match deadline {
+                        None => {
+                            while sent < args.count && !stop.load(Ordering::Relaxed) {
+                                let burst = STOP_CHECK_EVERY.min(args.count - sent);
+                                for _ in 0..burst {
+                                    handle.publish(subject, payload.clone())?;
+                                }
+                                sent += burst;
                             }
-                            sent += burst;
+                        }
+                        Some(deadline) => {
+                            let per_clock_read =
+                                (BYTES_PER_CLOCK_READ / args.size.max(1)).clamp(1, 256);
+                            while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+                                for _ in 0..per_clock_read {
+                                    handle.publish(subject, payload.clone())?;
+                                }
+                                sent += per_clock_read as u64;
+                            }
                         }
                     }
-                    Some(deadline) => {
-                        let per_clock_read =
-                            (BYTES_PER_CLOCK_READ / args.size.max(1)).clamp(1, 256);
-                        while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
-                            for _ in 0..per_clock_read {
-                                handle.publish(subject, payload.clone())?;
-                            }
-                            sent += per_clock_read as u64;
-                        }
-                    }
-                }
-                handle.flush(Duration::from_secs(60))?;
-                Ok(sent)
-            }));
+                    handle.flush(Duration::from_secs(60))?;
+                    Ok(sent)
+                });
+            writers.push(writer.map_err(|err| thread_failure("publisher", "--pubs", &err))?);
         }
         let mut published = 0;
         let mut failure = None;

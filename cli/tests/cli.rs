@@ -999,6 +999,19 @@ fn bench_warm_up_larger_than_a_subscription_queue_arrives_whole() {
     assert_eq!(json_number(&json, "delivered"), 1000.0, "{json}");
 }
 
+/// More publishers or subscribers than a bench starts threads for is a
+/// usage error in one line, not a panic once the system refuses a thread.
+#[test]
+fn bench_refuses_more_threads_than_it_starts() {
+    for flag in ["--subs", "--pubs"] {
+        let output = run(&["bench", flag, "1000000", "--count", "1"]);
+        assert_eq!(output.status.code(), Some(2), "{flag}: {}", stderr(&output));
+        let err = stderr(&output);
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains("at most 4096"), "{err}");
+    }
+}
+
 /// `efabus bench` counts what it measured: every message of the run and
 /// none of the warm-up, for a count or a duration, and a queue group's run
 /// ends with its last message, not with a member's idle wait for more
