@@ -721,7 +721,7 @@ impl Config {
     }
 
     fn load_file(path: &Path, schemes: Option<&[&str]>) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = read_bounded(path, CONFIG_FILE_MAX).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),
             source,
         })?;
@@ -1241,6 +1241,27 @@ pub fn check_monitor(address: &str) -> Result<(), String> {
 /// Why an address cannot be advertised to other brokers: it must be an IP
 /// address and port (`tcp/10.0.0.2:7420`), so that a broker learning it
 /// dials it without a name lookup on its event loop.
+/// Largest configuration file read: far past any real one, and a bound
+/// for a path that names no file at all (`/dev/zero`).
+pub const CONFIG_FILE_MAX: u64 = 16 << 20;
+
+/// The text of `path`, refused (`InvalidData`) past `max` bytes instead of
+/// read to the end, whatever the path names.
+pub fn read_bounded(path: &Path, max: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(max + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("longer than {max} bytes"),
+        ));
+    }
+    Ok(text)
+}
+
 pub(crate) fn check_advertised(address: &str) -> Result<(), String> {
     check_peer(address)?;
     let literal = address

@@ -101,8 +101,12 @@ fn scheme_for(info: &FabricInfo) -> Option<&'static str> {
     }
 }
 
+/// Largest `fi_info -v` dump read (a host's whole dump is a few hundred
+/// KiB).
+const DUMP_MAX: u64 = 16 << 20;
+
 fn read_dump(path: &Path) -> Result<Vec<FabricInfo>, Failure> {
-    let text = std::fs::read_to_string(path)
+    let text = efabus_broker::config::read_bounded(path, DUMP_MAX)
         .map_err(|err| Failure::usage(format!("cannot read {}: {err}", path.display())))?;
     let infos = parse_fi_info_dump(&text).map_err(|err| {
         Failure::usage(format!(

@@ -564,6 +564,9 @@ fn init_logging(level: &str, format: LogFormat) -> Result<Option<LogReload>, Fai
     Ok(from_env.is_none().then_some(handle))
 }
 
+/// Largest secret file read.
+const SECRET_FILE_MAX: u64 = 64 << 10;
+
 /// The first line of `file` when one is given (a file named on the
 /// command line is meant over a secret in the environment), else the
 /// secret given as a flag or its environment variable.
@@ -571,9 +574,10 @@ fn secret_from(value: &Option<String>, file: &Option<PathBuf>) -> Result<Option<
     let Some(path) = file else {
         return Ok(value.clone());
     };
-    let text = std::fs::read_to_string(path).map_err(|err| {
+    // A secret is at most 4 KiB: a file far longer is not one.
+    let text = efabus_broker::config::read_bounded(path, SECRET_FILE_MAX).map_err(|err| {
         Failure::usage(format!(
-            "cannot read the secret file {}: {err}",
+            "cannot read the secret file {}: {err}; name a file whose first line is the secret",
             path.display()
         ))
     })?;

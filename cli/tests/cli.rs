@@ -999,6 +999,29 @@ fn bench_warm_up_larger_than_a_subscription_queue_arrives_whole() {
     assert_eq!(json_number(&json, "delivered"), 1000.0, "{json}");
 }
 
+/// Files are read within a bound: a path that names no file with an end
+/// (`/dev/zero`) is refused in one line, not read until memory runs out.
+#[test]
+fn files_too_large_are_refused_not_read_to_the_end() {
+    for (args, names) in [
+        (
+            &["serve", "--secret-file", "/dev/zero", "--check"][..],
+            "secret file",
+        ),
+        (
+            &["serve", "--config", "/dev/zero", "--check"][..],
+            "config file",
+        ),
+        (&["caps", "--input", "/dev/zero"][..], "/dev/zero"),
+    ] {
+        let output = run(args);
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(names) && err.contains("longer than"), "{err}");
+    }
+}
+
 /// More publishers or subscribers than a bench starts threads for is a
 /// usage error in one line, not a panic once the system refuses a thread.
 #[test]
