@@ -439,6 +439,10 @@ fn explain(err: Error, server: Option<&str>) -> Failure {
                     "check the endpoint string (tcp/HOST:PORT with a port from 0 to 65535)",
                     2,
                 ),
+                // The TLS files a client was given (`--tls-*`).
+                _ if source.cause().to_string().starts_with("tls:") => {
+                    ("fix the --tls-* files (a PEM certificate chain, its key, a CA)", 2)
+                }
                 _ => (
                     "check the endpoint string (mem/NAME, tcp/HOST:PORT, efa-rdm, efa-dgram, shm)",
                     1,
@@ -707,6 +711,18 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
     let schemes: Vec<String> = registry.schemes().iter().map(|s| s.to_string()).collect();
     let schemes: Vec<&str> = schemes.iter().map(String::as_str).collect();
     let config = serve_config(&args, &schemes)?;
+    let tls = &config.tls;
+    efabus_transports::tls::check_files(
+        tls.cert.as_deref(),
+        tls.key.as_deref(),
+        tls.ca.as_deref(),
+        tls.verify_clients,
+    )
+    .map_err(|err| {
+        Failure::usage(format!(
+            "{err}; fix tls.cert, tls.key or tls.ca (or --tls-*)"
+        ))
+    })?;
     if args.check {
         let source = args.config.as_ref().map_or_else(
             || "the built-in default (or $EFABUS_CONFIG)".to_string(),

@@ -999,6 +999,42 @@ fn bench_warm_up_larger_than_a_subscription_queue_arrives_whole() {
     assert_eq!(json_number(&json, "delivered"), 1000.0, "{json}");
 }
 
+/// A TLS file that cannot be used is a configuration error, found by
+/// `serve --check` too, and a client's `--tls-*` file is named as such,
+/// not taken for a bad endpoint string.
+#[test]
+fn unusable_tls_files_are_configuration_errors() {
+    let missing = "/nonexistent/efabus-test.pem";
+    for args in [
+        &[
+            "serve",
+            "-l",
+            "tcp/127.0.0.1:0",
+            "--tls-cert",
+            missing,
+            "--tls-key",
+            missing,
+            "--check",
+        ][..],
+        &[
+            "pub",
+            "x",
+            "hi",
+            "--tls-ca",
+            missing,
+            "--server",
+            "tcp/127.0.0.1:9",
+        ][..],
+    ] {
+        let output = run(args);
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(missing) && err.contains("tls"), "{err}");
+        assert!(!err.contains("endpoint string"), "{err}");
+    }
+}
+
 /// Files are read within a bound: a path that names no file with an end
 /// (`/dev/zero`) is refused in one line, not read until memory runs out.
 #[test]

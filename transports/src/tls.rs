@@ -159,6 +159,27 @@ impl TlsFiles {
     }
 }
 
+/// Reads the TLS files a broker's settings name, as its listeners and
+/// dialed routes will (a certificate with its key, the authorities), so a
+/// file that cannot be used is reported before anything opens.
+pub fn check_files(
+    cert: Option<&str>,
+    key: Option<&str>,
+    ca: Option<&str>,
+    verify_clients: bool,
+) -> Result<(), TransportError> {
+    let files = TlsFiles {
+        cert: cert.map(str::to_string),
+        key: key.map(str::to_string),
+        ca: ca.map(str::to_string),
+        verify_clients,
+        server_name: None,
+    };
+    files.server_config()?;
+    files.client_config()?;
+    Ok(())
+}
+
 /// What an endpoint needs to speak TLS: the server side (when it listens
 /// with a certificate) and the client side (when it trusts a CA).
 #[derive(Debug)]
