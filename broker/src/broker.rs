@@ -407,12 +407,6 @@ pub(crate) enum Command {
     },
     /// Route to one more broker (an endpoint string, checked).
     AddPeer(String),
-    /// Report every session (for monitoring), with its subscriptions when
-    /// asked.
-    Connections {
-        subscriptions: bool,
-        answer: Sender<Vec<ConnectionReport>>,
-    },
     /// Read the TLS files of the endpoints again; answers how many have
     /// TLS, or why one could not.
     ReloadTls(Sender<Result<usize, String>>),
@@ -437,6 +431,13 @@ pub(crate) struct Shared {
     pub(crate) generation: Arc<AtomicU64>,
     pub(crate) next_sid: AtomicU64,
     pub(crate) commands: CommandQueue<Command>,
+    /// Requests for a report of every session (for monitoring), each with
+    /// whether to list subscriptions: apart from the commands, so that the
+    /// loop answers them every round, also while it holds the commands
+    /// (publishers held under `block`, when a slow consumer is what one
+    /// looks for).
+    pub(crate) reports: Mutex<Vec<(bool, Sender<Vec<ConnectionReport>>)>>,
+    pub(crate) reports_waiting: AtomicBool,
     /// In-process publishes for remote subscribers, bounded as the
     /// commands are.
     pub(crate) published: PublishedQueue,
@@ -856,6 +857,8 @@ impl Broker {
             subscriptions: RwLock::new(table),
             next_sid: AtomicU64::new(1),
             commands,
+            reports: Mutex::new(Vec::new()),
+            reports_waiting: AtomicBool::new(false),
             published: PublishedQueue::new(COMMAND_QUEUE),
             shutdown: AtomicBool::new(false),
             rounds: AtomicU64::new(0),
@@ -1344,11 +1347,14 @@ impl Broker {
         subscriptions: bool,
         timeout: Duration,
     ) -> Result<Vec<ConnectionReport>, Error> {
+        let shared = &self.shared;
+        if shared.shutdown.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.shared.send_command(Command::Connections {
-            subscriptions,
-            answer: tx,
-        })?;
+        shared.reports.lock().push((subscriptions, tx));
+        shared.reports_waiting.store(true, Ordering::Release);
+        shared.event_loop.wake_sleeper();
         rx.recv_timeout(timeout)
             .map_err(|err| Error::waiting(err, timeout))
     }

@@ -1734,8 +1734,9 @@ fn a_message_held_past_the_block_timeout_is_dropped_and_counted() {
     assert_eq!(number(&sub.recv_timeout(WAIT).unwrap()), 3);
 }
 
-/// The health check answers while the loop holds in-process publishers
-/// up for a slow consumer under `block` (it reads no commands then).
+/// The health check and the session reports answer while the loop holds
+/// in-process publishers up for a slow consumer under `block` (it reads no
+/// commands then).
 #[test]
 fn the_health_check_answers_while_publishers_are_held_up() {
     let (broker, endpoint) = start(
@@ -1761,13 +1762,23 @@ fn the_health_check_answers_while_publishers_are_held_up() {
         }
     });
     eventually("the publisher held up", || {
-        broker
-            .connections(false, Duration::from_millis(200))
-            .is_err()
+        broker.stats().queued_bytes.load(Ordering::Relaxed) >= 65536
     });
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!publisher.is_finished(), "the publisher is held up");
     broker
         .responsive(WAIT)
         .expect("the loop runs while publishers wait");
+    // The loop holds its commands meanwhile; the session reports
+    // monitoring asks for still come (the slow consumer is what one looks
+    // for then).
+    let reports = broker
+        .connections(false, Duration::from_secs(2))
+        .expect("reports while publishers are held");
+    assert!(
+        reports.iter().any(|report| report.pending_bytes >= 65536),
+        "{reports:?}"
+    );
     broker.shutdown();
     // The reader goes first: its client's loop waits for room in it.
     drop(sub);

@@ -950,6 +950,18 @@ impl EventLoop {
         ]);
     }
 
+    /// Answers the session reports asked for, whatever the loop holds.
+    fn answer_reports(&mut self) {
+        if !self.shared.reports_waiting.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let asked = std::mem::take(&mut *self.shared.reports.lock());
+        for (subscriptions, answer) in asked {
+            // The asker may have given up waiting.
+            let _ = answer.send(self.connection_reports(subscriptions));
+        }
+    }
+
     /// Whether the loop reads no commands for now: while publishers are
     /// held under the block policy, in-process publishers wait too.
     fn holds_commands(&self) -> bool {
@@ -959,6 +971,7 @@ impl EventLoop {
     fn drain_commands(&mut self, max: usize) -> bool {
         // Interest goes to route peers ahead of any message queued after it.
         self.sync_interest();
+        self.answer_reports();
         if self.holds_commands() {
             return false;
         }
@@ -987,13 +1000,6 @@ impl EventLoop {
                     });
                 }
                 Command::AddPeer(endpoint) => self.add_peer(endpoint),
-                Command::Connections {
-                    subscriptions,
-                    answer,
-                } => {
-                    // The asker may have given up waiting.
-                    let _ = answer.send(self.connection_reports(subscriptions));
-                }
                 Command::ReloadTls(answer) => {
                     let mut reloaded = Ok(0);
                     for endpoint in &mut self.endpoints {
