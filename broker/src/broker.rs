@@ -1354,6 +1354,9 @@ impl Broker {
         let (tx, rx) = crossbeam_channel::bounded(1);
         shared.reports.lock().push((subscriptions, tx));
         shared.reports_waiting.store(true, Ordering::Release);
+        // As a command wakes it: parked (the loop checks the flag before
+        // it parks) or stepping aside for a driver.
+        shared.commands.wake_if_parked();
         shared.event_loop.wake_sleeper();
         rx.recv_timeout(timeout)
             .map_err(|err| Error::waiting(err, timeout))

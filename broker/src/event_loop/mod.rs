@@ -3124,7 +3124,9 @@ pub(crate) fn run_loop(
         drop(guard);
         // What this thread saw holds only if no driver came since.
         if !shared.commands.park(commands, holds_commands, || {
-            (holds_commands || !shared.published.outstanding()) && event_loop.may_sleep(finished)
+            (holds_commands || !shared.published.outstanding())
+                && !shared.reports_waiting.load(Ordering::Acquire)
+                && event_loop.may_sleep(finished)
         }) {
             continue;
         }
