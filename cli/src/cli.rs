@@ -1416,14 +1416,22 @@ fn connected_anew(client: &Client, reconnects: u64, deadline: Instant) -> bool {
 /// over its limit) is the command's failure, in one line.
 fn refused_by_broker(client: &Client) -> Result<(), Failure> {
     let errors = client.take_errors();
-    let Some((_, first)) = errors.first() else {
+    let Some((code, first)) = errors.first() else {
         return Ok(());
     };
     let more = match errors.len() {
         1 => String::new(),
         n => format!(" (and {} more)", n - 1),
     };
+    let hint = match code {
+        ErrorCode::PermissionDenied => "; the user's permissions in [[auth.users]] decide this",
+        ErrorCode::PayloadTooLarge => "; send less, or raise limits.max_payload on the broker",
+        ErrorCode::InvalidSubject => "; fix the subject (tokens separated by dots, none empty)",
+        _ => "",
+    };
+    // The broker's text may carry a subject of up to its limit whole.
     Err(Failure::runtime(format!(
-        "the broker refused: {first}{more}"
+        "the broker refused: {}{more}{hint}",
+        excerpt(first, 4 * EXCERPT_CHARS)
     )))
 }

@@ -1839,9 +1839,16 @@ fn users_from_passwd_log_in_and_are_held_to_their_permissions() {
     assert_eq!(said.trim().lines().count(), 1, "{said}");
     assert!(
         said.contains("permission denied: publish to \"orders.secret\"")
-            && said.contains("publish deny"),
+            && said.contains("publish deny")
+            && said.contains("permissions in [[auth.users]]"),
         "{said}"
     );
+    // A long subject is shown cut, the line stays short.
+    let long = format!("other.{}", "x".repeat(400));
+    let denied = as_alice(&["pub", &long, "x"]);
+    let said = stderr(&denied);
+    assert_eq!(said.trim().lines().count(), 1, "{said}");
+    assert!(said.len() < 400, "{} chars: {said}", said.len());
     let wrong = run(&[
         "pub",
         "-s",
