@@ -2066,3 +2066,28 @@ fn a_client_dropped_while_its_loop_waits_for_a_stalled_reader_ends_at_once() {
     let held: Vec<Message> = stalled.collect();
     assert_eq!(held.len(), 4);
 }
+
+/// A connection's report lists its first 1,024 subscriptions by id, in
+/// order, whatever how many it holds (picked without sorting them all).
+#[test]
+fn a_report_lists_the_first_subscriptions_by_id() {
+    let (broker, endpoint) = start(Via::Tcp, "");
+    let client = connect(&endpoint);
+    let subs: Vec<Subscription> = (0..1100)
+        .map(|i| client.subscribe(&format!("listed.{i}")).unwrap())
+        .collect();
+    client.flush(WAIT).unwrap();
+    let reports = broker.connections(true, WAIT).expect("a report");
+    let report = reports
+        .iter()
+        .find(|report| report.subscription_count == 1100)
+        .expect("the client's report");
+    let patterns: Vec<&str> = report
+        .subscriptions
+        .iter()
+        .map(|sub| sub.pattern.as_str())
+        .collect();
+    let expected: Vec<String> = (0..1024).map(|i| format!("listed.{i}")).collect();
+    assert_eq!(patterns, expected);
+    drop(subs);
+}

@@ -1088,6 +1088,14 @@ impl EventLoop {
                         // The first by id, strings copied for those only: a
                         // connection may hold 100,000.
                         let mut listed: Vec<_> = subs.iter().collect();
+                        // The lowest ids picked in linear time, only those
+                        // sorted: a whole sort of each connection's set on
+                        // the event loop, per request, stalled deliveries.
+                        if listed.len() > SUBSCRIPTIONS_LISTED {
+                            listed
+                                .select_nth_unstable_by_key(SUBSCRIPTIONS_LISTED, |(&sid, _)| sid);
+                            listed.truncate(SUBSCRIPTIONS_LISTED);
+                        }
                         listed.sort_unstable_by_key(|(&sid, _)| sid);
                         listed
                             .into_iter()
