@@ -950,6 +950,16 @@ impl EventLoop {
         ]);
     }
 
+    /// Cuts off a peer that takes too little: counted as a slow consumer,
+    /// logged with `why`, and told `text` before it is closed.
+    fn disconnect_slow(&mut self, id: u64, why: &str, text: String) {
+        BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
+        if let Some(session) = self.sessions.get(&id) {
+            warn!(session = id, remote = %session.remote, "{why}");
+        }
+        self.fail(id, ErrorCode::SlowConsumer, text);
+    }
+
     /// Answers the session reports asked for, whatever the loop holds.
     fn answer_reports(&mut self) {
         if !self.shared.reports_waiting.swap(false, Ordering::AcqRel) {
@@ -2023,11 +2033,9 @@ impl EventLoop {
             // policy trims, fill the queue: it sends but does not read. (A
             // route's control frames include the interest announced to it,
             // which may rightly pass the bound.)
-            BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
-            warn!(session = id, remote = %session.remote, "peer reads none of the answers to its requests; disconnected");
-            self.fail(
+            self.disconnect_slow(
                 id,
-                ErrorCode::SlowConsumer,
+                "peer reads none of the answers to its requests; disconnected",
                 "the answers to your requests fill your queue: read them".to_string(),
             );
             return;
@@ -2067,15 +2075,11 @@ impl EventLoop {
                     self.schedule(at);
                 }
             }
-            Overflow::Disconnect => {
-                BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
-                warn!(session = id, remote = %session.remote, "slow consumer disconnected");
-                self.fail(
-                    id,
-                    ErrorCode::SlowConsumer,
-                    format!("more than {bound} bytes queued"),
-                );
-            }
+            Overflow::Disconnect => self.disconnect_slow(
+                id,
+                "slow consumer disconnected",
+                format!("more than {bound} bytes queued"),
+            ),
             Overflow::Block => {
                 if session.over_since.is_none() {
                     let now = Instant::now();
@@ -2816,13 +2820,9 @@ impl EventLoop {
             }
         }
         for &id in &stalled_routes {
-            BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
-            if let Some(session) = self.sessions.get(&id) {
-                warn!(session = id, remote = %session.remote, "route took nothing while its control frames passed the queue's bound; closed");
-            }
-            self.fail(
+            self.disconnect_slow(
                 id,
-                ErrorCode::SlowConsumer,
+                "route took nothing while its control frames passed the queue's bound; closed",
                 format!(
                     "you took nothing for {timeout:?} while the frames for you passed the bound"
                 ),
@@ -2838,13 +2838,9 @@ impl EventLoop {
             }
         }
         for &id in &slow {
-            BrokerStats::add(&self.shared.stats.slow_consumer_disconnects, 1);
-            if let Some(session) = self.sessions.get(&id) {
-                warn!(session = id, remote = %session.remote, "slow consumer blocked publishers too long; disconnected");
-            }
-            self.fail(
+            self.disconnect_slow(
                 id,
-                ErrorCode::SlowConsumer,
+                "slow consumer blocked publishers too long; disconnected",
                 format!("could not take messages for {block_timeout:?}"),
             );
         }
