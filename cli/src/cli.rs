@@ -440,9 +440,13 @@ fn explain(err: Error, server: Option<&str>) -> Failure {
                     2,
                 ),
                 // The TLS files a client was given (`--tls-*`).
-                _ if source.cause().to_string().starts_with("tls:") => {
-                    ("fix the --tls-* files (a PEM certificate chain, its key, a CA)", 2)
-                }
+                RegistryError::Transport {
+                    source: TransportError::Tls(_),
+                    ..
+                } => (
+                    "fix the --tls-* files (a PEM certificate chain, its key, a CA)",
+                    2,
+                ),
                 _ => (
                     "check the endpoint string (mem/NAME, tcp/HOST:PORT, efa-rdm, efa-dgram, shm)",
                     1,

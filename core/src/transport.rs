@@ -517,6 +517,10 @@ pub enum TransportError {
     /// Any other I/O failure.
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+    /// TLS settings that cannot be used (a file that cannot be read, a
+    /// key that does not fit its certificate); the text says what.
+    #[error("tls: {0}")]
+    Tls(String),
     /// A failure specific to the transport; the text says what.
     #[error("{0}")]
     Other(String),

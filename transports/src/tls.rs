@@ -43,7 +43,7 @@ use rustls::ServerConnection;
 use rustls::{ClientConfig, ClientConnection, Connection, RootCertStore, ServerConfig};
 
 fn error(message: String) -> TransportError {
-    TransportError::Other(format!("tls: {message}"))
+    TransportError::Tls(message)
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
