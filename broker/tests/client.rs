@@ -66,7 +66,11 @@ fn options() -> ClientOptions {
 }
 
 fn connect(endpoint: &str) -> Client {
-    Client::connect_with(endpoint, options(), Registry::with_builtins()).expect("client connects")
+    connect_as(endpoint, options())
+}
+
+fn connect_as(endpoint: &str, options: ClientOptions) -> Client {
+    Client::connect_with(endpoint, options, Registry::with_builtins()).expect("client connects")
 }
 
 fn text(message: &Message) -> String {
@@ -1098,7 +1102,7 @@ fn options_the_wire_cannot_carry_are_refused_at_connect() {
 /// nothing itself): a subscriber the application does not read stops
 /// reading its socket, and the broker's queue for it fills.
 fn stalling_client(endpoint: &str, queue: usize) -> Client {
-    Client::connect_with(
+    connect_as(
         endpoint,
         ClientOptions {
             subscription_queue: queue,
@@ -1107,9 +1111,7 @@ fn stalling_client(endpoint: &str, queue: usize) -> Client {
             reconnect: false,
             ..options()
         },
-        Registry::with_builtins(),
     )
-    .expect("client connects")
 }
 
 /// A subscription dropped while its client waits for room in it (the
@@ -1901,19 +1903,15 @@ fn a_lost_connection_without_reconnect_ends_waiting_flushes_and_publishers() {
     );
     let unread = broker.subscribe("held").unwrap();
     let waits = Duration::from_secs(10);
-    let client = Arc::new(
-        Client::connect_with(
-            &endpoint,
-            ClientOptions {
-                reconnect: false,
-                max_pending_bytes: 65536,
-                block_timeout: waits,
-                ..options()
-            },
-            Registry::with_builtins(),
-        )
-        .expect("client connects"),
-    );
+    let client = Arc::new(connect_as(
+        &endpoint,
+        ClientOptions {
+            reconnect: false,
+            max_pending_bytes: 65536,
+            block_timeout: waits,
+            ..options()
+        },
+    ));
     let publisher = std::thread::spawn({
         let client = Arc::clone(&client);
         move || {
@@ -1963,15 +1961,13 @@ fn a_lost_connection_without_reconnect_ends_waiting_flushes_and_publishers() {
 #[test]
 fn a_publish_over_the_client_s_frame_limit_is_refused() {
     let (_broker, endpoint) = start(Via::Tcp, "");
-    let client = Client::connect_with(
+    let client = connect_as(
         &endpoint,
         ClientOptions {
             max_frame: 64 << 10,
             ..options()
         },
-        Registry::with_builtins(),
-    )
-    .expect("client connects");
+    );
     let sub = client.subscribe("big").unwrap();
     client.flush(WAIT).unwrap();
     match client.publish("big", vec![7u8; 100 << 10]) {
@@ -1993,7 +1989,7 @@ fn a_publish_over_the_client_s_frame_limit_is_refused() {
 fn a_stalled_blocking_subscription_waits_the_timeout_once_per_stall() {
     let (_broker, endpoint) = start(Via::Tcp, "");
     let timeout = Duration::from_millis(300);
-    let subscriber = Client::connect_with(
+    let subscriber = connect_as(
         &endpoint,
         ClientOptions {
             subscription_queue: 4,
@@ -2001,9 +1997,7 @@ fn a_stalled_blocking_subscription_waits_the_timeout_once_per_stall() {
             block_timeout: timeout,
             ..options()
         },
-        Registry::with_builtins(),
-    )
-    .expect("client connects");
+    );
     let stalled = subscriber.subscribe("stall").unwrap();
     subscriber.flush(WAIT).unwrap();
     let publisher = connect(&endpoint);
