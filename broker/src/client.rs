@@ -824,12 +824,7 @@ impl ClientShared {
         }
         let was_empty = outbox.is_empty();
         let encoded = if payload.len() <= COPY_MAX {
-            let need = codec::FRAME_OVERHEAD
-                + codec::PUBLISH_HEADER_LEN
-                + subject.len()
-                + reply.map_or(0, str::len)
-                + payload.len();
-            outbox.make_room(need);
+            outbox.make_room(frame_len);
             let before = outbox.open.len();
             let result =
                 codec::routed_into(&mut outbox.open, FrameKind::Publish, 0, fields, &payload);
