@@ -117,6 +117,10 @@ pub struct BrokerStats {
     /// Publishes and subscriptions a user's permissions refused (each
     /// answered with a `PermissionDenied` error).
     pub permission_denials: AtomicU64,
+    /// Publishes refused for an invalid subject or reply subject (each
+    /// answered with an `InvalidSubject` error; a NATS client that did
+    /// not ask for `pedantic` is not told, as NATS servers accept them).
+    pub invalid_publishes: AtomicU64,
     pub auth_failures: AtomicU64,
     pub refused_connections: AtomicU64,
     /// Rounds of the event loop that application threads of an embedded
@@ -299,6 +303,7 @@ impl BrokerStats {
             ("bad_frames", get(&self.bad_frames)),
             ("oversized_payloads", get(&self.oversized_payloads)),
             ("permission_denials", get(&self.permission_denials)),
+            ("invalid_publishes", get(&self.invalid_publishes)),
             ("auth_failures", get(&self.auth_failures)),
             ("refused_connections", get(&self.refused_connections)),
             ("driven_rounds", get(&self.driven_rounds)),

@@ -1706,6 +1706,7 @@ impl EventLoop {
             None => Ok(()),
         });
         if let Err(err) = valid {
+            BrokerStats::add(&self.shared.stats.invalid_publishes, 1);
             self.report(
                 id,
                 ErrorCode::InvalidSubject,

@@ -114,6 +114,7 @@ impl ServerInfo {
 #[serde(default)]
 struct Connect {
     verbose: bool,
+    pedantic: bool,
     echo: Option<bool>,
     headers: bool,
     no_responders: bool,
@@ -228,6 +229,9 @@ pub struct NatsSession {
     /// The welcome came since the owner last asked (see `take_resumed`).
     resumed: bool,
     verbose: bool,
+    /// The client asked to be told of publishes to invalid subjects
+    /// (`pedantic`); others are not, as NATS servers accept them.
+    pedantic: bool,
     /// The client reads HMSG.
     headers: bool,
     subs: FxHashMap<u64, Sub>,
@@ -271,6 +275,7 @@ impl NatsSession {
             welcomed: false,
             resumed: false,
             verbose: false,
+            pedantic: false,
             headers: false,
             subs: FxHashMap::default(),
             by_name: HashMap::new(),
@@ -509,6 +514,7 @@ impl NatsSession {
             serde_json::from_str(json.trim()).map_err(|_| fatal("Parser Error"))?;
         self.connected = true;
         self.verbose = connect.verbose;
+        self.pedantic = connect.pedantic;
         self.headers = connect.headers;
         let (user, credentials) = match (connect.user, connect.pass, connect.auth_token) {
             (Some(user), pass, _) => (Some(user), pass),
@@ -817,6 +823,17 @@ impl NatsSession {
                 if error.fatal {
                     return Err(err_to(to_client, &text));
                 }
+                if refused_publish_subject(&error) {
+                    // NATS servers route such a publish unless the client
+                    // is pedantic, and NATS clients close on any other
+                    // `-ERR`: the broker has counted it
+                    // (`invalid_publishes`), the client is not told.
+                    if self.pedantic {
+                        put_err(to_client, "Invalid Publish Subject");
+                        self.refused |= !self.verdicts.is_empty();
+                    }
+                    return Ok(());
+                }
                 // The broker has no subscription for a SUB it refused: it
                 // does not count here either. The refusal names no sid, so
                 // only a pattern one SUB holds says which it was.
@@ -852,6 +869,11 @@ fn nats_error(error: &ErrorFrame) -> String {
         ErrorCode::PermissionDenied => permission_error(&error.text),
         _ => error.text.replace(['\'', '\r', '\n'], " "),
     }
+}
+
+/// Whether the broker refused a publish for its subject or reply subject.
+fn refused_publish_subject(error: &ErrorFrame) -> bool {
+    error.code == ErrorCode::InvalidSubject && error.text.starts_with("invalid subject ")
 }
 
 /// The pattern of a subscription the broker refused, from its error.
