@@ -486,6 +486,39 @@ async fn users_log_in_and_are_held_to_their_permissions() {
     assert_eq!(broker.stats().permission_denials.load(Ordering::Relaxed), 2);
 }
 
+/// Refused SUBs are forgotten by the listener too, however many share a
+/// pattern: they take none of the client's room for subscriptions.
+#[test]
+fn refused_subscriptions_take_no_room() {
+    let hash = efabus_broker::accounts::hash_secret("pw").expect("hashes");
+    let extra = format!(
+        "[limits]\nmax_subscriptions_per_peer = 2\n\
+         [[auth.users]]\nname = \"u\"\npassword = {hash:?}\n\
+         [auth.users.permissions.subscribe]\ndeny = [\"secret\"]\n"
+    );
+    let broker = start(&extra, "127.0.0.1:0");
+    let (mut reader, mut stream) = raw(&broker);
+    let mut input = String::from("CONNECT {\"user\":\"u\",\"pass\":\"pw\"}\r\n");
+    for sid in 1..=3 {
+        input.push_str(&format!("SUB secret {sid}\r\n"));
+    }
+    input.push_str("SUB a 4\r\nSUB b 5\r\nPING\r\n");
+    stream.write_all(input.as_bytes()).expect("writes");
+    let mut lines = Vec::new();
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("an answer");
+        let line = line.trim_end().to_string();
+        if line == "PONG" {
+            break;
+        }
+        lines.push(line);
+    }
+    let denied = "-ERR 'Permissions Violation for Subscription to \"secret\"'";
+    assert_eq!(lines, [denied, denied, denied], "`a` and `b` are taken");
+    assert_eq!(broker.subscription_count(), 2);
+}
+
 /// A broker without users or a secret checks nothing: a client that
 /// sends a user and password anyway (`nats://u:p@host`) gets in, as with
 /// nats-server, and is not counted as a failed login.

@@ -135,13 +135,26 @@ pub struct Fatal(pub String);
 /// slowly it reads.
 const MAX_PINGS_QUEUED: usize = 64;
 
+/// SUBs a client may have on their way to the broker's verdict beyond its
+/// subscription limit.
+const MAX_SUBS_AWAITING_VERDICT: usize = 1024;
+
+/// An operation waiting for the broker's verdict (see `verdicts`).
+#[derive(Debug, Clone, Copy)]
+struct Verdict {
+    /// The ping sent behind it.
+    nonce: u64,
+    /// `+OK` is owed to the client (`verbose`) unless it is refused.
+    owes_ok: bool,
+    /// The subscription a SUB made: forgotten if the broker refuses it.
+    sub: Option<u64>,
+}
+
 /// A subscription as the client named it.
 #[derive(Debug)]
 struct Sub {
     /// The client's sid, as it wrote it.
     name: String,
-    /// Its subject pattern, to find it again when the broker refuses it.
-    pattern: String,
     /// Auto-unsubscribe after this many deliveries (`UNSUB sid max`).
     max: Option<u64>,
     delivered: u64,
@@ -245,10 +258,12 @@ pub struct NatsSession {
     /// it).
     reads_held: bool,
     next_nonce: u64,
-    /// Under `verbose`: nonces of the pings sent to the broker behind each
-    /// operation it may refuse, in order. Its answer to one is the
-    /// operation's verdict: `+OK`, unless an error came before it.
-    verdicts: VecDeque<u64>,
+    /// The pings sent to the broker behind operations whose verdict
+    /// matters here, in order: every operation it may refuse under
+    /// `verbose`, every SUB. The broker handles a connection's frames in
+    /// order, so an error that comes before the first one's answer is
+    /// that operation's.
+    verdicts: VecDeque<Verdict>,
     /// The broker refused the operation whose verdict comes next.
     refused: bool,
     pending: Option<PendingPub>,
@@ -379,7 +394,7 @@ impl NatsSession {
                 let (subject, reply) = (&pending.subject, pending.reply.as_deref());
                 self.publish(subject, reply, pending.header_len, data, to_broker)?;
                 *at += pending.total + 2;
-                self.ok_after_verdict(to_broker);
+                self.ask_verdict(None, to_broker);
                 continue;
             }
             let limit = if self.connected {
@@ -416,7 +431,7 @@ impl NatsSession {
             let (subject, reply) = (publish.subject, publish.reply);
             self.publish(subject, reply, publish.header_len, data, to_broker)?;
             *at += end + 1 + publish.total + 2;
-            self.ok_after_verdict(to_broker);
+            self.ask_verdict(None, to_broker);
         }
     }
 
@@ -453,14 +468,13 @@ impl NatsSession {
             if is("PUB") || is("HPUB") {
                 return pub_line(args, is("HPUB"), self.info.max_payload).map(Some);
             }
-            let accepted = if is("SUB") {
-                self.sub_line(args, to_broker, to_client)?
+            if is("SUB") {
+                if let Some(sid) = self.sub_line(args, to_broker, to_client)? {
+                    self.ask_verdict(Some(sid), to_broker);
+                }
             } else {
                 self.unsub_line(args, to_broker)?;
-                true
-            };
-            if accepted {
-                self.ok_after_verdict(to_broker);
+                self.ask_verdict(None, to_broker);
             }
         } else if is("PING") {
             if !self.connected && self.info.auth_required {
@@ -495,12 +509,18 @@ impl NatsSession {
 
     /// Under `verbose`, an operation the broker may refuse gets `+OK` only
     /// once the broker has handled it without an error, as NATS servers
-    /// answer: a ping behind it brings the verdict.
-    fn ok_after_verdict(&mut self, to_broker: &mut Vec<Bytes>) {
-        if self.verbose {
+    /// answer; and a SUB the broker refuses must be forgotten here, though
+    /// its refusal names no sid. A ping behind the operation brings the
+    /// verdict.
+    fn ask_verdict(&mut self, sub: Option<u64>, to_broker: &mut Vec<Bytes>) {
+        if self.verbose || sub.is_some() {
             let nonce = self.next_nonce;
             self.next_nonce += 1;
-            self.verdicts.push_back(nonce);
+            self.verdicts.push_back(Verdict {
+                nonce,
+                owes_ok: self.verbose,
+                sub,
+            });
             to_broker.push(control(&Frame::Ping { nonce }));
         }
     }
@@ -595,7 +615,7 @@ impl NatsSession {
         args: &[&str],
         to_broker: &mut Vec<Bytes>,
         to_client: &mut BytesMut,
-    ) -> Result<bool, Fatal> {
+    ) -> Result<Option<u64>, Fatal> {
         let (pattern, queue, name) = match args {
             [pattern, name] => (pattern, None, name),
             [pattern, queue, name] => (pattern, Some(queue), name),
@@ -604,11 +624,16 @@ impl NatsSession {
         if name.len() > MAX_SID_LEN {
             return Err(fatal("Parser Error"));
         }
-        // Counted here too: the broker's refusal names no sid, and the
-        // map of sids must stay bounded.
-        if self.subs.len() >= self.info.max_subscriptions && !self.by_name.contains_key(*name) {
+        // The broker holds the client to its limit, and the SUBs it refuses
+        // are forgotten here at their verdicts; this bounds the map of sids
+        // while verdicts are on their way.
+        let room = self
+            .info
+            .max_subscriptions
+            .saturating_add(MAX_SUBS_AWAITING_VERDICT);
+        if self.subs.len() >= room && !self.by_name.contains_key(*name) {
             put_err(to_client, "Maximum Subscriptions Exceeded");
-            return Ok(false);
+            return Ok(None);
         }
         // A sid used again replaces its subscription.
         if let Some(old) = self.by_name.remove(*name) {
@@ -622,7 +647,6 @@ impl NatsSession {
             sid,
             Sub {
                 name: name.to_string(),
-                pattern: pattern.to_string(),
                 max: None,
                 delivered: 0,
             },
@@ -633,7 +657,7 @@ impl NatsSession {
             queue: queue.map(|queue| queue.to_string()),
             class: DeliveryClass::Reliable,
         })));
-        Ok(true)
+        Ok(Some(sid))
     }
 
     fn unsub_line(&mut self, args: &[&str], to_broker: &mut Vec<Bytes>) -> Result<(), Fatal> {
@@ -654,10 +678,20 @@ impl NatsSession {
     }
 
     fn end_sub(&mut self, sid: u64, to_broker: &mut Vec<Bytes>) {
-        if let Some(sub) = self.subs.remove(&sid) {
-            self.by_name.remove(&sub.name);
+        if self.forget_sub(sid) {
             to_broker.push(control(&Frame::Unsubscribe { sid }));
         }
+    }
+
+    /// Drops subscription `sid` here; its name stays if a later SUB took it.
+    fn forget_sub(&mut self, sid: u64) -> bool {
+        let Some(sub) = self.subs.remove(&sid) else {
+            return false;
+        };
+        if self.by_name.get(&sub.name) == Some(&sid) {
+            self.by_name.remove(&sub.name);
+        }
+        true
     }
 
     /// Whether the owner reads the client's input now: while it does not
@@ -811,9 +845,10 @@ impl NatsSession {
                 self.broker_pings.push_back((nonce, self.reads_held));
                 to_client.extend_from_slice(b"PING\r\n");
             }
-            Frame::Pong { nonce } if self.verdicts.front() == Some(&nonce) => {
-                self.verdicts.pop_front();
-                if !std::mem::take(&mut self.refused) {
+            Frame::Pong { nonce } if self.verdicts.front().map(|v| v.nonce) == Some(nonce) => {
+                let verdict = self.verdicts.pop_front();
+                let refused = std::mem::take(&mut self.refused);
+                if verdict.is_some_and(|verdict| verdict.owes_ok) && !refused {
                     to_client.extend_from_slice(b"+OK\r\n");
                 }
             }
@@ -835,15 +870,11 @@ impl NatsSession {
                     return Ok(());
                 }
                 // The broker has no subscription for a SUB it refused: it
-                // does not count here either. The refusal names no sid, so
-                // only a pattern one SUB holds says which it was.
-                if let Some(pattern) = refused_subscription(&error) {
-                    let mut holding = self.subs.iter().filter(|(_, sub)| sub.pattern == pattern);
-                    if let (Some((&sid, _)), None) = (holding.next(), holding.next()) {
-                        if let Some(sub) = self.subs.remove(&sid) {
-                            self.by_name.remove(&sub.name);
-                        }
-                    }
+                // does not count here either. The refusal names no sid; the
+                // SUB is the operation whose verdict comes next.
+                let refused_sub = self.verdicts.front().and_then(|verdict| verdict.sub);
+                if let (true, Some(sid)) = (refused_subscription(&error), refused_sub) {
+                    self.forget_sub(sid);
                 }
                 put_err(to_client, &text);
                 self.refused |= !self.verdicts.is_empty();
@@ -876,16 +907,13 @@ fn refused_publish_subject(error: &ErrorFrame) -> bool {
     error.code == ErrorCode::InvalidSubject && error.text.starts_with("invalid subject ")
 }
 
-/// The pattern of a subscription the broker refused, from its error.
-fn refused_subscription(error: &ErrorFrame) -> Option<&str> {
-    let text = error.text.as_str();
+/// Whether the broker's error refuses a subscription.
+fn refused_subscription(error: &ErrorFrame) -> bool {
     match error.code {
-        ErrorCode::PermissionDenied => quoted(text.strip_prefix("permission denied: subscribe")?),
-        ErrorCode::InvalidSubject => quoted(text.strip_prefix("invalid pattern")?),
-        ErrorCode::TooManySubscriptions => text
-            .split_once("reached; ")
-            .and_then(|(_, rest)| rest.strip_suffix(" refused")),
-        _ => None,
+        ErrorCode::PermissionDenied => error.text.starts_with("permission denied: subscribe"),
+        ErrorCode::InvalidSubject => !refused_publish_subject(error),
+        ErrorCode::TooManySubscriptions => true,
+        _ => false,
     }
 }
 
@@ -1141,7 +1169,9 @@ pub(super) mod tests {
             (sub.pattern.as_str(), sub.queue.as_deref()),
             ("a.*", Some("q"))
         );
-        assert_eq!(frames.len(), 2, "the maximum is kept here");
+        // The SUB and the ping that brings its verdict; the maximum is
+        // kept here.
+        assert!(matches!(frames[2..], [Frame::Ping { .. }]), "{frames:?}");
         let sid = sub.sid;
         let (out, back, _) = deliver(&mut s, &message(sid, "a.x", None, b"one"));
         assert_eq!(out, "MSG a.x alpha r.1 3\r\none\r\n");
@@ -1180,47 +1210,71 @@ pub(super) mod tests {
         let mut s = session();
         let (frames, _, _) = feed(
             &mut s,
-            b"CONNECT {}\r\nSUB orders.secret 1\r\nSUB ok 2\r\nSUB a..b 3\r\nSUB many 4\r\n",
+            b"CONNECT {}\r\nSUB orders.secret 1\r\nSUB ok 2\r\nSUB a..b 3\r\nPUB ok 1\r\nx\r\nSUB many 4\r\nSUB twice 5\r\nSUB twice 6\r\n",
         );
-        assert_eq!(frames.len(), 5, "{frames:?}");
-        assert_eq!(s.subscriptions(), 4);
-        for (code, text) in [
-            (
-                ErrorCode::PermissionDenied,
-                "permission denied: subscribe to \"orders.secret\" (deny, user \"u\")",
-            ),
-            (
-                ErrorCode::InvalidSubject,
-                "invalid pattern \"a..b\": empty token",
-            ),
-            (
-                ErrorCode::TooManySubscriptions,
-                "subscription limit of 2 reached; many refused",
-            ),
-            // A publish refused names no subscription.
-            (
-                ErrorCode::PermissionDenied,
-                "permission denied: publish to \"ok\" (deny, user \"u\")",
-            ),
-        ] {
-            let error = Frame::Error(ErrorFrame {
+        // Each SUB is followed by the ping that brings its verdict.
+        let pings: Vec<u64> = frames
+            .iter()
+            .filter_map(|frame| match frame {
+                Frame::Ping { nonce } => Some(*nonce),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(pings.len(), 6, "{frames:?}");
+        assert_eq!(s.subscriptions(), 6);
+        let error = |code, text: &str| {
+            Frame::Error(ErrorFrame {
                 code,
                 text: text.into(),
                 fatal: false,
-            });
-            assert_eq!(deliver(&mut s, &error).2, Ok(()));
+            })
+        };
+        let denied = |subject: &str| {
+            let text = format!("permission denied: subscribe to \"{subject}\" (deny, user \"u\")");
+            error(ErrorCode::PermissionDenied, &text)
+        };
+        // The broker's answers in its order: an error before a SUB's ping
+        // comes back refuses that SUB. The same pattern twice (5 refused, 6
+        // not) is told apart, and a publish refused in between names no
+        // subscription.
+        let answers = [
+            denied("orders.secret"),
+            Frame::Pong { nonce: pings[0] },
+            Frame::Pong { nonce: pings[1] },
+            error(
+                ErrorCode::InvalidSubject,
+                "invalid pattern \"a..b\": empty token",
+            ),
+            Frame::Pong { nonce: pings[2] },
+            error(
+                ErrorCode::PermissionDenied,
+                "permission denied: publish to \"ok\" (deny, user \"u\")",
+            ),
+            error(
+                ErrorCode::TooManySubscriptions,
+                "subscription limit of 4 reached; many refused",
+            ),
+            Frame::Pong { nonce: pings[3] },
+            denied("twice"),
+            Frame::Pong { nonce: pings[4] },
+            Frame::Pong { nonce: pings[5] },
+        ];
+        let mut out = String::new();
+        for answer in answers {
+            let (text, _, result) = deliver(&mut s, &answer);
+            assert_eq!(result, Ok(()));
+            out.push_str(&text);
         }
-        assert_eq!(s.subscriptions(), 1, "only `ok` is held");
-        // Two SUBs on one pattern: which was refused cannot be told, and
-        // both stay.
-        assert_eq!(feed(&mut s, b"SUB twice 5\r\nSUB twice 6\r\n").2, Ok(()));
-        let error = Frame::Error(ErrorFrame {
-            code: ErrorCode::PermissionDenied,
-            text: "permission denied: subscribe to \"twice\" (deny, user \"u\")".into(),
-            fatal: false,
-        });
-        assert_eq!(deliver(&mut s, &error).2, Ok(()));
-        assert_eq!(s.subscriptions(), 3);
+        assert_eq!(s.subscriptions(), 2, "`ok` and the second `twice` are held");
+        assert_eq!(out.matches("-ERR").count(), 5, "{out}");
+        assert!(!out.contains("+OK") && !out.contains("PONG"), "{out}");
+        // The sid refused first is free, the one taken again kept.
+        let (frames, _, _) = feed(&mut s, b"UNSUB 6\r\nUNSUB 5\r\n");
+        assert!(
+            matches!(frames[..], [Frame::Unsubscribe { .. }]),
+            "{frames:?}"
+        );
+        assert_eq!(s.subscriptions(), 1);
     }
 
     #[test]
@@ -1230,7 +1284,9 @@ pub(super) mod tests {
             &mut s,
             b"CONNECT {\"headers\":true}\r\nSUB a.* one\r\nSUB > two\r\n",
         );
-        let [_, Frame::Subscribe(one), Frame::Subscribe(two)] = &frames[..] else {
+        let [_, Frame::Subscribe(one), Frame::Ping { .. }, Frame::Subscribe(two), Frame::Ping { .. }] =
+            &frames[..]
+        else {
             panic!("{frames:?}")
         };
         let (one, two) = (one.sid, two.sid);
@@ -1418,7 +1474,10 @@ pub(super) mod tests {
         let mut open = session();
         let (frames, out, result) = feed(&mut open, b"PING\r\nSUB a 1\r\n");
         assert_eq!((out.as_str(), result), ("PONG\r\n", Ok(())));
-        assert!(matches!(frames[..], [Frame::Hello(_), Frame::Subscribe(_)]));
+        assert!(matches!(
+            frames[..],
+            [Frame::Hello(_), Frame::Subscribe(_), Frame::Ping { .. }]
+        ));
         let mut closed = NatsSession::new(ServerInfo {
             auth_required: true,
             ..ServerInfo::default()
@@ -1451,11 +1510,16 @@ pub(super) mod tests {
         let (frames, _, _) = feed_as(&mut s, text, false);
         assert!(matches!(frames[..], [Frame::Hello(_)]), "{frames:?}");
         assert!(s.holding());
-        // Once welcomed, operations run and subscriptions are counted.
-        let subs = b"SUB a 1\r\nSUB b 2\r\nSUB c 3\r\n";
-        let (frames, out, result) = feed(&mut s, subs);
+        // Once welcomed, operations run, and subscriptions whose verdicts
+        // have not come are bounded.
+        let room = 2 + MAX_SUBS_AWAITING_VERDICT;
+        let subs: String = (0..=room)
+            .map(|sid| format!("SUB s{sid} {sid}\r\n"))
+            .collect();
+        let (frames, out, result) = feed(&mut s, subs.as_bytes());
         assert_eq!(result, Ok(()));
-        assert_eq!(frames.len(), 2, "{frames:?}");
+        let subscribes = frames.iter().filter(|f| matches!(f, Frame::Subscribe(_)));
+        assert_eq!(subscribes.count(), room, "the last one is refused here");
         assert_eq!(out, "-ERR 'Maximum Subscriptions Exceeded'\r\n");
         let long = format!("SUB d {}\r\n", "9".repeat(MAX_SID_LEN + 1));
         assert_eq!(feed(&mut s, long.as_bytes()).2, Err(fatal("Parser Error")));
