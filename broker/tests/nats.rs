@@ -372,6 +372,50 @@ async fn auto_unsubscribe_and_drain_end_subscriptions_when_nats_says() {
     client.drain().await.expect("the client drains");
 }
 
+/// A queue group member that auto-unsubscribes is counted as the broker
+/// routes: the group's messages past its maximum go to the other
+/// members, none to one that would drop them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_member_s_maximum_passes_the_rest_to_the_group() {
+    let broker = start("", "127.0.0.1:0");
+    let client = nats(&broker).await;
+    let mut limited = client
+        .queue_subscribe("work", "group".into())
+        .await
+        .expect("subscribes");
+    limited
+        .unsubscribe_after(2)
+        .await
+        .expect("auto-unsubscribe");
+    let mut other = client
+        .queue_subscribe("work", "group".into())
+        .await
+        .expect("subscribes");
+    sync(&client).await;
+    const SENT: usize = 40;
+    for n in 0..SENT {
+        client
+            .publish("work", Bytes::from(n.to_string()))
+            .await
+            .expect("publishes");
+    }
+    client.flush().await.expect("flushed");
+    let mut got_limited = 0;
+    while let Ok(Some(_)) = tokio::time::timeout(WAIT, limited.next()).await {
+        got_limited += 1;
+    }
+    let mut got_other = 0;
+    while got_limited + got_other < SENT {
+        let message = tokio::time::timeout(WAIT, other.next()).await;
+        assert!(
+            matches!(message, Ok(Some(_))),
+            "{got_limited} + {got_other} of {SENT} delivered"
+        );
+        got_other += 1;
+    }
+    assert_eq!(got_limited, 2, "the limited member took its maximum");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_client_reconnects_and_resubscribes_after_a_broker_restart() {
     let broker = start("", "127.0.0.1:0");

@@ -10,8 +10,9 @@
 //! byte, so the whole frame is `N + 4` bytes; [`CodecLimits::max_frame`]
 //! bounds that whole size.
 //!
-//! Control frames (`Hello`, `Welcome`, `Subscribe`, `Unsubscribe`, `Ping`,
-//! `Pong`, `Error`, `Goodbye`, `Route`, `Dropped`) carry their struct encoded with bincode 2
+//! Control frames (`Hello`, `Welcome`, `Subscribe`, `Unsubscribe`,
+//! `UnsubscribeAfter`, `Ping`, `Pong`, `Error`, `Goodbye`, `Route`,
+//! `RoutePeers`, `Dropped`, `Challenge`) carry their struct encoded with bincode 2
 //! (serde, `config::standard()`: varint integers, little-endian). Their body
 //! is at most [`MAX_CONTROL_BODY`] bytes, a handshake carries at most
 //! [`MAX_OFFERS`] offers, and the decoder runs with a byte limit of sixteen
@@ -153,6 +154,8 @@ pub enum FrameKind {
     RoutePeers = 0x0b,
     /// [`Frame::Challenge`] (control).
     Challenge = 0x0c,
+    /// [`Frame::UnsubscribeAfter`] (control).
+    UnsubscribeAfter = 0x0d,
     /// [`Frame::Publish`] (data).
     Publish = 0x10,
     /// [`Frame::Message`] (data).
@@ -186,6 +189,7 @@ impl FrameKind {
             Frame::RoutePeers(_) => FrameKind::RoutePeers,
             Frame::Challenge(_) => FrameKind::Challenge,
             Frame::Dropped(_) => FrameKind::Dropped,
+            Frame::UnsubscribeAfter { .. } => FrameKind::UnsubscribeAfter,
         }
     }
 
@@ -204,6 +208,7 @@ impl FrameKind {
             0x0a => FrameKind::Dropped,
             0x0b => FrameKind::RoutePeers,
             0x0c => FrameKind::Challenge,
+            0x0d => FrameKind::UnsubscribeAfter,
             0x10 => FrameKind::Publish,
             0x11 => FrameKind::Message,
             0x12 => FrameKind::Fragment,
@@ -233,6 +238,7 @@ impl FrameKind {
             FrameKind::Dropped => "dropped",
             FrameKind::RoutePeers => "route peers",
             FrameKind::Challenge => "challenge",
+            FrameKind::UnsubscribeAfter => "unsubscribe after",
             FrameKind::Publish => "publish",
             FrameKind::Message => "message",
             FrameKind::Fragment => "fragment",
@@ -860,6 +866,9 @@ fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), Encode
         Frame::RoutePeers(p) => bincode::serde::encode_into_writer(p, writer, config),
         Frame::Challenge(c) => bincode::serde::encode_into_writer(c, writer, config),
         Frame::Dropped(d) => bincode::serde::encode_into_writer(d, writer, config),
+        Frame::UnsubscribeAfter { sid, remaining } => {
+            bincode::serde::encode_into_writer((sid, remaining), writer, config)
+        }
         Frame::Publish(_)
         | Frame::Message(_)
         | Frame::Fragment(_)
@@ -1496,6 +1505,10 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
         FrameKind::RoutePeers => Frame::RoutePeers(serde_value::<RoutePeers, D>(kind, de)?),
         FrameKind::Challenge => Frame::Challenge(serde_value::<Challenge, D>(kind, de)?),
         FrameKind::Dropped => Frame::Dropped(serde_value::<Dropped, D>(kind, de)?),
+        FrameKind::UnsubscribeAfter => Frame::UnsubscribeAfter {
+            sid: u64::decode(de).map_err(err)?,
+            remaining: u64::decode(de).map_err(err)?,
+        },
         FrameKind::Publish
         | FrameKind::Message
         | FrameKind::Fragment
@@ -1904,6 +1917,13 @@ mod tests {
         for (frame, kind) in [
             (Frame::Ping { nonce: 3 }, FrameKind::Ping),
             (Frame::Unsubscribe { sid: 9 }, FrameKind::Unsubscribe),
+            (
+                Frame::UnsubscribeAfter {
+                    sid: 9,
+                    remaining: 2,
+                },
+                FrameKind::UnsubscribeAfter,
+            ),
             (
                 Frame::Route(RouteHello {
                     broker_id: 1 << 40,

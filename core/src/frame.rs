@@ -359,4 +359,13 @@ pub enum Frame {
     /// The accepting side's first frame: what a shared secret is proven
     /// against.
     Challenge(Challenge),
+    /// Ends a subscription once the broker has delivered this many more
+    /// messages to it (NATS's `UNSUB sid max`): a queue group's later
+    /// messages go to its other members, not to one that will drop them.
+    UnsubscribeAfter {
+        /// The id the subscription was registered with.
+        sid: u64,
+        /// Messages still to deliver; 0 ends it at once.
+        remaining: u64,
+    },
 }

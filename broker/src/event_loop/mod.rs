@@ -138,6 +138,9 @@ pub(crate) struct EventLoop {
     /// Messages for in-process subscriptions whose queues are full under
     /// the block policy (see [`HeldLocal`]).
     held_local: HeldLocal,
+    /// Subscriptions whose delivery limit the publish being routed reached
+    /// (`Session::limited`), ended once it is routed.
+    limits_reached: Vec<SubRef>,
     /// Messages for in-process subscriptions, gathered while the loop
     /// handles what it read ([`EventLoop::queue_local_runs`]).
     local_runs: LocalRuns,
@@ -534,6 +537,7 @@ impl EventLoop {
             next_session: 1,
             flushes: Vec::new(),
             held_local: HeldLocal::default(),
+            limits_reached: Vec::new(),
             local_runs: LocalRuns::default(),
             blocking: HashSet::default(),
             reads_paused: false,
@@ -1068,6 +1072,9 @@ impl EventLoop {
                 for &target in run.targets.iter() {
                     self.deliver_remote(target, &run.subject, message.reply.as_deref(), payload);
                 }
+            }
+            if !self.limits_reached.is_empty() {
+                self.end_limited_subscriptions();
             }
             delivered += end - message_at;
             message_at = end;
@@ -1751,6 +1758,9 @@ impl EventLoop {
             let target = self.targets.remote[index];
             self.deliver_remote(target, subject, reply, payload);
         }
+        if !self.limits_reached.is_empty() {
+            self.end_limited_subscriptions();
+        }
     }
 
     /// A request that nothing matched, from a session that asked for it:
@@ -1781,6 +1791,9 @@ impl EventLoop {
             self.deliver_remote(target, reply, None, payload);
         }
         self.encoded_valid = false;
+        if !self.limits_reached.is_empty() {
+            self.end_limited_subscriptions();
+        }
     }
 
     /// Deliver one message to a remote subscription. A reliable message
@@ -1814,6 +1827,16 @@ impl EventLoop {
         if let Some(limits) = over_peer_limits {
             self.keep_back_from_route(target.owner, &limits, subject, payload.counted_len());
             return;
+        }
+        let limited = (!session.limited.is_empty())
+            .then(|| session.limited.get_mut(&target.sid))
+            .flatten();
+        if let Some(left) = limited {
+            *left -= 1;
+            if *left == 0 {
+                session.limited.remove(&target.sid);
+                self.limits_reached.push(target);
+            }
         }
         self.tally.messages_out += 1;
         if session.route().is_some() {

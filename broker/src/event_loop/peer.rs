@@ -122,6 +122,9 @@ pub(super) struct Session {
     pub peer_left: bool,
     /// What the drop-oldest policy discarded for a client, to tell it.
     pub drops: DropReports,
+    /// A client's subscriptions that end after so many more deliveries
+    /// (`Frame::UnsubscribeAfter`), by id: a subset of its subscriptions.
+    pub limited: HashMap<u64, u64>,
     /// The peer's hello carried the route credential (or none is needed):
     /// only then may it say it is a broker and become a route.
     pub may_route: bool,
@@ -201,6 +204,7 @@ impl Session {
                 pending: HashMap::default(),
                 not_before: Instant::now(),
             },
+            limited: HashMap::default(),
             may_route: false,
             guessed: false,
             user: None,
@@ -527,6 +531,7 @@ impl Session {
         }
         // Nobody is left to tell.
         self.drops.pending.remove(&sid);
+        self.limited.remove(&sid);
         shared
             .subscriptions
             .write()
@@ -555,6 +560,9 @@ impl EventLoop {
             }
             (SessionState::Ready, Frame::Subscribe(subscribe)) => self.on_subscribe(id, subscribe),
             (SessionState::Ready, Frame::Unsubscribe { sid }) => self.on_unsubscribe(id, sid),
+            (SessionState::Ready, Frame::UnsubscribeAfter { sid, remaining }) => {
+                self.on_unsubscribe_after(id, sid, remaining)
+            }
             (_, other) => return Some(other),
         }
         None
@@ -785,6 +793,30 @@ impl EventLoop {
             self.release_inbox(id, &inbox);
         }
         self.sync_interest();
+    }
+
+    /// A client's subscription `sid` ends after `remaining` more
+    /// deliveries, counted as the broker routes them (`deliver_remote`),
+    /// so that a queue group's messages past them go to other members.
+    fn on_unsubscribe_after(&mut self, id: u64, sid: u64, remaining: u64) {
+        if remaining == 0 {
+            return self.on_unsubscribe(id, sid);
+        }
+        if let Some(session) = self.sessions.get_mut(&id) {
+            if let Role::Client(subscriptions) = &session.role {
+                if subscriptions.contains_key(&sid) {
+                    session.limited.insert(sid, remaining);
+                }
+            }
+        }
+    }
+
+    /// Ends the subscriptions whose last delivery the publish just routed
+    /// made.
+    pub(super) fn end_limited_subscriptions(&mut self) {
+        while let Some(target) = self.limits_reached.pop() {
+            self.on_unsubscribe(target.owner, target.sid);
+        }
     }
 }
 

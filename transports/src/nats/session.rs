@@ -671,7 +671,13 @@ impl NatsSession {
             return Ok(());
         };
         match (max, self.subs.get_mut(&sid)) {
-            (Some(max), Some(sub)) if sub.delivered < max => sub.max = Some(max),
+            (Some(max), Some(sub)) if sub.delivered < max => {
+                sub.max = Some(max);
+                // The broker counts them too, as it routes: a queue
+                // group's messages past the maximum go to other members.
+                let remaining = max - sub.delivered;
+                to_broker.push(control(&Frame::UnsubscribeAfter { sid, remaining }));
+            }
             _ => self.end_sub(sid, to_broker),
         }
         Ok(())
@@ -1169,10 +1175,13 @@ pub(super) mod tests {
             (sub.pattern.as_str(), sub.queue.as_deref()),
             ("a.*", Some("q"))
         );
-        // The SUB and the ping that brings its verdict; the maximum is
-        // kept here.
-        assert!(matches!(frames[2..], [Frame::Ping { .. }]), "{frames:?}");
+        // The SUB, the ping that brings its verdict, and the maximum for
+        // the broker to count as well.
         let sid = sub.sid;
+        assert!(
+            matches!(frames[2..], [Frame::Ping { .. }, Frame::UnsubscribeAfter { sid: limited, remaining: 2 }] if limited == sid),
+            "{frames:?}"
+        );
         let (out, back, _) = deliver(&mut s, &message(sid, "a.x", None, b"one"));
         assert_eq!(out, "MSG a.x alpha r.1 3\r\none\r\n");
         assert!(back.is_empty());
@@ -1187,8 +1196,6 @@ pub(super) mod tests {
         assert_eq!(s.subscriptions(), 0);
     }
 
-    /// A SUB the broker refuses holds nothing here either: it does not
-    /// count towards the limit, so a client may subscribe again.
     /// Pings waiting in the output behind what a slow client has not read
     /// yet are not held against it; once it has everything, they are.
     #[test]
@@ -1205,6 +1212,8 @@ pub(super) mod tests {
         assert!(result.is_err());
     }
 
+    /// A SUB the broker refuses holds nothing here either: it does not
+    /// count towards the limit, so a client may subscribe again.
     #[test]
     fn a_refused_subscription_is_forgotten() {
         let mut s = session();
