@@ -86,6 +86,10 @@ fn warn_of_cleartext_secrets(config: &Config, listening: &[(String, String)]) {
     }
 }
 
+/// A request for a report of every session: the sessions whose
+/// subscriptions to list, and where the answer goes.
+pub(crate) type ReportRequest = (Vec<u64>, Sender<Vec<ConnectionReport>>);
+
 /// Counters of a running broker.
 #[derive(Debug, Default)]
 pub struct BrokerStats {
@@ -436,12 +440,11 @@ pub(crate) struct Shared {
     pub(crate) generation: Arc<AtomicU64>,
     pub(crate) next_sid: AtomicU64,
     pub(crate) commands: CommandQueue<Command>,
-    /// Requests for a report of every session (for monitoring), each with
-    /// whether to list subscriptions: apart from the commands, so that the
-    /// loop answers them every round, also while it holds the commands
-    /// (publishers held under `block`, when a slow consumer is what one
-    /// looks for).
-    pub(crate) reports: Mutex<Vec<(bool, Sender<Vec<ConnectionReport>>)>>,
+    /// Requests for a report of every session (for monitoring): apart
+    /// from the commands, so that the loop answers them every round, also
+    /// while it holds the commands (publishers held under `block`, when a
+    /// slow consumer is what one looks for).
+    pub(crate) reports: Mutex<Vec<ReportRequest>>,
     pub(crate) reports_waiting: AtomicBool,
     /// In-process publishes for remote subscribers, bounded as the
     /// commands are.
@@ -1342,14 +1345,15 @@ impl Broker {
         self.shared.round_watch.panicked()
     }
 
-    /// Every session of the broker (clients and routes) with its links,
-    /// counters and, with `subscriptions`, its subscriptions, as the event
-    /// loop sees them between two rounds (the loop spends a pass over its
-    /// sessions on it); fails when the loop does not answer within
-    /// `timeout`.
+    /// Every session of the broker (clients and routes) with its links and
+    /// counters, and the subscriptions of the clients whose ids
+    /// `subscriptions_of` names, as the event loop sees them between two
+    /// rounds (the loop spends a pass over its sessions on it, and copies
+    /// only the subscriptions asked for); fails when the loop does not
+    /// answer within `timeout`.
     pub fn connections(
         &self,
-        subscriptions: bool,
+        subscriptions_of: &[u64],
         timeout: Duration,
     ) -> Result<Vec<ConnectionReport>, Error> {
         let shared = &self.shared;
@@ -1357,7 +1361,7 @@ impl Broker {
             return Err(Error::Closed);
         }
         let (tx, rx) = crossbeam_channel::bounded(1);
-        shared.reports.lock().push((subscriptions, tx));
+        shared.reports.lock().push((subscriptions_of.to_vec(), tx));
         shared.reports_waiting.store(true, Ordering::Release);
         // As a command wakes it: parked (the loop checks the flag before
         // it parks) or stepping aside for a driver.

@@ -3383,7 +3383,14 @@ mod tests {
         let sub = client.subscribe("gone").unwrap();
         client.flush(WAIT).unwrap();
         let patterns = || -> Vec<String> {
-            let reports = broker.connections(true, WAIT).expect("a report");
+            // Every connection, with its subscriptions.
+            let ids: Vec<u64> = broker
+                .connections(&[], WAIT)
+                .expect("a report")
+                .iter()
+                .map(|c| c.id)
+                .collect();
+            let reports = broker.connections(&ids, WAIT).expect("a report");
             reports
                 .iter()
                 .flat_map(|report| report.subscriptions.iter())

@@ -232,7 +232,7 @@ fn a_stream_on_one_subject_follows_every_subscription_change() {
         leaving.flush(WAIT).unwrap();
         publish(4);
         let sent_to_leaving = broker
-            .connections(false, WAIT)
+            .connections(&[], WAIT)
             .unwrap()
             .into_iter()
             .find(|report| report.name == "leaving")
@@ -1775,7 +1775,7 @@ fn the_health_check_answers_while_publishers_are_held_up() {
     // monitoring asks for still come (the slow consumer is what one looks
     // for then).
     let reports = broker
-        .connections(false, Duration::from_secs(2))
+        .connections(&[], Duration::from_secs(2))
         .expect("reports while publishers are held");
     assert!(
         reports.iter().any(|report| report.pending_bytes >= 65536),
@@ -2071,7 +2071,14 @@ fn a_report_lists_the_first_subscriptions_by_id() {
         .map(|i| client.subscribe(&format!("listed.{i}")).unwrap())
         .collect();
     client.flush(WAIT).unwrap();
-    let reports = broker.connections(true, WAIT).expect("a report");
+    // Every connection, with its subscriptions.
+    let ids: Vec<u64> = broker
+        .connections(&[], WAIT)
+        .expect("a report")
+        .iter()
+        .map(|c| c.id)
+        .collect();
+    let reports = broker.connections(&ids, WAIT).expect("a report");
     let report = reports
         .iter()
         .find(|report| report.subscription_count == 1100)
@@ -2083,5 +2090,22 @@ fn a_report_lists_the_first_subscriptions_by_id() {
         .collect();
     let expected: Vec<String> = (0..1024).map(|i| format!("listed.{i}")).collect();
     assert_eq!(patterns, expected);
+    // Only the connections asked for have theirs copied.
+    let other = connect(&endpoint);
+    let _other_sub = other.subscribe("other.one").unwrap();
+    other.flush(WAIT).unwrap();
+    let reports = broker.connections(&[], WAIT).expect("a report");
+    let other_id = reports
+        .iter()
+        .find(|report| report.subscription_count == 1)
+        .expect("the other client's report")
+        .id;
+    let reports = broker.connections(&[other_id], WAIT).expect("a report");
+    let listed: Vec<(u64, usize)> = reports
+        .iter()
+        .map(|report| (report.id, report.subscriptions.len()))
+        .filter(|&(_, listed)| listed > 0)
+        .collect();
+    assert_eq!(listed, [(other_id, 1)]);
     drop(subs);
 }

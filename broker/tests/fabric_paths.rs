@@ -912,7 +912,7 @@ fn a_lost_datagram_does_not_hold_the_link() {
 /// The broker's report of the session of the client named `name`.
 fn session_named(broker: &Broker, name: &str) -> efabus_broker::ConnectionReport {
     broker
-        .connections(false, WAIT)
+        .connections(&[], WAIT)
         .unwrap()
         .into_iter()
         .find(|report| report.name == name)

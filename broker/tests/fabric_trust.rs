@@ -816,7 +816,7 @@ fn a_data_link_the_peer_never_uses_is_closed_in_time() {
     let (mut raw, _) = hello_from(&broker, &mut unused, "never-on-the-fabric", None);
     let report = || {
         broker
-            .connections(false, WAIT)
+            .connections(&[], WAIT)
             .unwrap()
             .into_iter()
             .find(|report| report.name == "never-on-the-fabric")
@@ -1069,7 +1069,7 @@ fn a_closing_session_acknowledges_nothing_it_drops() {
     send(&mut peer, piece(3, &publish));
     let credits = acknowledged(&frames_from_broker(&mut peer, Duration::from_millis(300)));
     let session = broker
-        .connections(false, WAIT)
+        .connections(&[], WAIT)
         .unwrap()
         .into_iter()
         .find(|session| session.name == "closing")

@@ -223,7 +223,14 @@ fn a_subscription_id_given_twice_keeps_the_first() {
         !raw.error_codes().is_empty()
     });
     assert_eq!(raw.error_codes(), vec![(ErrorCode::Protocol, false)]);
-    let reports = broker.connections(true, WAIT).expect("report");
+    // Every connection, with its subscriptions.
+    let ids: Vec<u64> = broker
+        .connections(&[], WAIT)
+        .expect("report")
+        .iter()
+        .map(|c| c.id)
+        .collect();
+    let reports = broker.connections(&ids, WAIT).expect("report");
     let subscriptions: Vec<_> = reports
         .iter()
         .flat_map(|report| &report.subscriptions)

@@ -885,7 +885,7 @@ async fn mutual_tls_logs_a_nats_client_in_by_its_certificate() {
     sync(&client).await;
     assert_eq!(text(&next(&mut sub).await.payload), "allowed");
     assert_eq!(broker.stats().permission_denials.load(Ordering::Relaxed), 1);
-    let report = broker.connections(false, WAIT).expect("a report");
+    let report = broker.connections(&[], WAIT).expect("a report");
     let session = report
         .iter()
         .find(|session| session.name == "with-certificate")
@@ -1079,7 +1079,14 @@ async fn nats_sessions_show_in_the_connection_report() {
         .expect("connects");
     let _sub = client.subscribe("seen.>").await.expect("subscribes");
     sync(&client).await;
-    let report = broker.connections(true, WAIT).expect("a report");
+    // Every connection, with its subscriptions.
+    let ids: Vec<u64> = broker
+        .connections(&[], WAIT)
+        .expect("a report")
+        .iter()
+        .map(|c| c.id)
+        .collect();
+    let report = broker.connections(&ids, WAIT).expect("a report");
     let session = report
         .iter()
         .find(|c| c.name == "reporting")

@@ -315,7 +315,7 @@ fn a_peer_of_another_fabric_header_version_stays_on_tcp() {
         raw.send(&hello(name, header));
         raw.expect("welcome", |f| matches!(f, Frame::Welcome(_)));
         let report = broker
-            .connections(false, WAIT)
+            .connections(&[], WAIT)
             .expect("the broker reports its connections")
             .into_iter()
             .find(|report| report.name == name)

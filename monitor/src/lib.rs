@@ -501,11 +501,11 @@ fn libfabric_view() -> Value {
     }
 }
 
-/// The broker's sessions (with their subscriptions when `subscriptions`),
-/// or 503 when its event loop does not answer.
-fn connections(broker: &Broker, subscriptions: bool) -> Result<Vec<ConnectionReport>, Answer> {
+/// The broker's sessions (with the subscriptions of those
+/// `subscriptions_of` names), or 503 when its event loop does not answer.
+fn connections(broker: &Broker, subscriptions_of: &[u64]) -> Result<Vec<ConnectionReport>, Answer> {
     broker
-        .connections(subscriptions, LOOP_ANSWER)
+        .connections(subscriptions_of, LOOP_ANSWER)
         .map_err(|err| Answer::error(503, format!("the broker did not answer: {err}")))
 }
 
@@ -540,16 +540,27 @@ fn list(
         ));
     }
     let subs = flag(query, "subs");
-    let mut reports: Vec<ConnectionReport> = connections(broker, subs)?
+    let mut reports: Vec<ConnectionReport> = connections(broker, &[])?
         .into_iter()
         .filter(|report| report.kind == kind)
         .collect();
     sort_reports(&mut reports, sort);
     let total = reports.len();
-    let page: Vec<Value> = reports
+    let mut page: Vec<ConnectionReport> = reports.into_iter().skip(offset).take(limit).collect();
+    if subs && kind == ConnectionKind::Client {
+        // Asked for the page alone: the loop copies no other connection's
+        // subscriptions. A connection gone meanwhile lists none.
+        let ids: Vec<u64> = page.iter().map(|report| report.id).collect();
+        let mut listed: HashMap<u64, Vec<_>> = connections(broker, &ids)?
+            .into_iter()
+            .map(|report| (report.id, report.subscriptions))
+            .collect();
+        for report in &mut page {
+            report.subscriptions = listed.remove(&report.id).unwrap_or_default();
+        }
+    }
+    let page: Vec<Value> = page
         .iter()
-        .skip(offset)
-        .take(limit)
         .map(|report| connection_json(report, subs))
         .collect();
     let key = match kind {
@@ -660,7 +671,7 @@ fn subsz(broker: &Broker, query: &HashMap<String, String>) -> Result<Answer, Ans
             .matching(subject)
             .map_err(|err| Answer::error(400, err.to_string()))?;
         // Names only: the patterns come with the match.
-        let sessions = connections(broker, false)?;
+        let sessions = connections(broker, &[])?;
         let matches: Vec<Value> = matched
             .remote
             .iter()
@@ -739,7 +750,7 @@ fn healthz(broker: &Broker) -> Answer {
 }
 
 fn metrics_page(broker: &Broker, started: SystemTime) -> Result<Answer, Answer> {
-    let sessions = connections(broker, false)?;
+    let sessions = connections(broker, &[])?;
     let body = metrics::render(broker, &sessions, seconds_since(started))
         .map_err(|err| Answer::error(500, format!("metrics did not encode: {err}")))?;
     Ok(Answer {

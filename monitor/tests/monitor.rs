@@ -495,6 +495,20 @@ fn a_connection_s_subscriptions_are_listed_up_to_a_bound() {
     assert_eq!(row["subscriptions"], 1100, "{row}");
     let listed = row["subscriptions_list"].as_array().map(Vec::len);
     assert_eq!(listed, Some(1024), "{row}");
+    // A page lists its own connections' subscriptions (the loop copies
+    // those alone).
+    let few = client(&broker, "few", false);
+    let _few_sub = few.subscribe("few.one").unwrap();
+    few.flush(WAIT).unwrap();
+    for (offset, name, listed) in [(0, "many", 1024), (1, "few", 1)] {
+        let path = format!("/connz?subs=1&sort=subs&offset={offset}&limit=1");
+        let connz = get_json(&monitor, &path);
+        let page = connz["connections"].as_array().expect("a page");
+        assert_eq!(page.len(), 1, "{connz}");
+        assert_eq!(page[0]["name"], name, "{connz}");
+        let list = page[0]["subscriptions_list"].as_array().map(Vec::len);
+        assert_eq!(list, Some(listed), "{connz}");
+    }
     let subsz = get_json(&monitor, "/subsz?test=many.1099");
     assert!(
         subsz["test"]["remote"].to_string().contains("many.1099"),

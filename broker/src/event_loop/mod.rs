@@ -970,9 +970,9 @@ impl EventLoop {
             return;
         }
         let asked = std::mem::take(&mut *self.shared.reports.lock());
-        for (subscriptions, answer) in asked {
+        for (subscriptions_of, answer) in asked {
             // The asker may have given up waiting.
-            let _ = answer.send(self.connection_reports(subscriptions));
+            let _ = answer.send(self.connection_reports(&subscriptions_of));
         }
     }
 
@@ -1092,8 +1092,9 @@ impl EventLoop {
     }
 
     /// Every session as monitoring sees it, by id; subscriptions listed
-    /// only when asked.
-    fn connection_reports(&self, with_subscriptions: bool) -> Vec<ConnectionReport> {
+    /// only for the sessions asked.
+    fn connection_reports(&self, subscriptions_of: &[u64]) -> Vec<ConnectionReport> {
+        let listed: rustc_hash::FxHashSet<u64> = subscriptions_of.iter().copied().collect();
         let mut reports: Vec<ConnectionReport> = self
             .sessions
             .iter()
@@ -1101,7 +1102,7 @@ impl EventLoop {
                 let links = &session.conn.links;
                 let control = self.endpoints[session.conn.control.endpoint].scheme();
                 let subscriptions: Vec<SubscriptionReport> = match &session.role {
-                    Role::Client(subs) if with_subscriptions => {
+                    Role::Client(subs) if listed.contains(&id) => {
                         // The first by id, strings copied for those only: a
                         // connection may hold 100,000.
                         let mut listed: Vec<_> = subs.iter().collect();
