@@ -2923,4 +2923,67 @@ mod tests {
         assert!(!is_shm_name(b"fi_shm://../x\0"));
         assert!(!is_shm_name(b"fi_sockaddr_in://127.0.0.1:1\0"));
     }
+
+    /// A peer's binary address is read only as far as it goes, whatever
+    /// its family field says: over the providers whose addresses are
+    /// 16-byte `sockaddr_in`s, one naming AF_INET6 (whose `sockaddr_in6`
+    /// is 28 bytes) ends where a page that cannot be read begins. (The
+    /// `sockets` provider read past it.)
+    #[test]
+    fn an_address_naming_a_longer_family_is_not_read_past_its_end() {
+        use super::super::FabricTransport;
+        use efabus_core::transport::{Endpoint, EndpointConfig};
+        for (provider, transport) in [
+            ("sockets", FabricTransport::rdm()),
+            ("tcp;ofi_rxm", FabricTransport::rdm()),
+            ("udp;ofi_rxd", FabricTransport::rdm()),
+            ("udp", FabricTransport::dgram()),
+        ] {
+            let options = [
+                ("provider", provider),
+                ("rx_depth", "16"),
+                ("tx_depth", "16"),
+            ];
+            let config = EndpointConfig {
+                bind: Some("127.0.0.1".to_string()),
+                fabric: Some(FabricOptions::parse(options, None).expect("valid options")),
+                ..EndpointConfig::default()
+            };
+            let Ok(mut endpoint) = transport.open_fabric(&config) else {
+                eprintln!("skipping: {provider} unavailable");
+                continue;
+            };
+            let own = endpoint.local_addr();
+            assert_eq!(own.len(), 16, "{provider}: a sockaddr_in");
+            let page = 4096;
+            // SAFETY: a fresh private anonymous mapping; no memory is named.
+            let map = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    2 * page,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(map, libc::MAP_FAILED);
+            let start = map.cast::<u8>();
+            // SAFETY: the second page lies within the mapping made above.
+            let guarded = unsafe { libc::mprotect(start.add(page).cast(), page, libc::PROT_NONE) };
+            assert_eq!(guarded, 0);
+            // SAFETY: the last 16 bytes of the mapping's first page,
+            // readable and writable, referred to by nothing else until the
+            // unmap below.
+            let addr =
+                unsafe { std::slice::from_raw_parts_mut(start.add(page - own.len()), own.len()) };
+            addr.copy_from_slice(&own);
+            addr[..2].copy_from_slice(&(libc::AF_INET6 as u16).to_ne_bytes());
+            let (keys, _) = crate::conformance::link_keys();
+            // Inserted or refused: either way nothing past it was read.
+            let _ = endpoint.insert_peer(addr, &keys);
+            // SAFETY: `addr` is not used again; the mapping is ours.
+            assert_eq!(unsafe { libc::munmap(map, 2 * page) }, 0);
+        }
+    }
 }

@@ -163,9 +163,11 @@ impl AddressVector {
     }
 
     /// Inserts one address and returns its `fi_addr_t`. The address must
-    /// have the provider's size (libfabric reads that many bytes) or, when
-    /// addresses are text, be printable text ended by a NUL within it
-    /// (libfabric reads a text address up to its NUL, wherever that is).
+    /// have the provider's size (it goes in zero-padded, so a provider
+    /// that sizes it by its family field reads no further than the
+    /// padding) or, when addresses are text, be printable text ended by a
+    /// NUL within it (libfabric reads a text address up to its NUL,
+    /// wherever that is).
     pub fn insert(&self, addr: &[u8]) -> Result<u64, FabricError> {
         let usable = if self.text.get() {
             is_text_address(addr)
@@ -178,10 +180,30 @@ impl AddressVector {
                 code: FiCode::from_ret(FI_EINVAL.into()),
             });
         }
+        // A binary address goes in zero-padded to MAX_ADDR_LEN + 1 bytes:
+        // providers whose addresses are socket addresses (`tcp`, `udp`,
+        // `sockets`, `ofi_rxm` above them) size one by its family field,
+        // which is the peer's to write, so a 16-byte address naming
+        // AF_INET6 is read as the 28 bytes of a `sockaddr_in6`.
+        let mut padded = [0u8; MAX_ADDR_LEN + 1];
+        let addr = if self.text.get() {
+            addr
+        } else {
+            let Some(room) = padded.get_mut(..addr.len()) else {
+                return Err(FabricError::AvInsert {
+                    len: addr.len(),
+                    code: FiCode::from_ret(FI_EINVAL.into()),
+                });
+            };
+            room.copy_from_slice(addr);
+            &padded[..]
+        };
         let mut fi_addr = FI_ADDR_NOTAVAIL;
-        // SAFETY: the AV is open; `addr` holds exactly the provider's
-        // address size, which is what fi_av_insert reads for one address,
-        // or is text ending at a NUL inside it, where libfabric stops
+        // SAFETY: the AV is open. A binary address is the provider's
+        // address size followed by zeros up to 256 bytes, more than any
+        // socket address (`sockaddr_storage` is 128) or fabric address
+        // libfabric reads for one entry, whatever its family field says;
+        // a text address ends at a NUL inside it, where libfabric stops
         // reading (both checked above).
         let ret =
             unsafe { sys::efabus_av_insert(self.ptr.as_ptr(), addr.as_ptr().cast(), &mut fi_addr) };
