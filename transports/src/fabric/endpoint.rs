@@ -102,7 +102,7 @@ use super::layout::{
     HEADER_VERSION, MAX_ADDR_LEN, RMA_DESCRIPTOR_KIND, RMA_DONE_KIND, RMA_FENCE_KIND,
 };
 use super::log_limit::BadInputLog;
-use super::pool::BufferPool;
+use super::pool::{touch_pages, BufferPool};
 use super::rendezvous::{self, Outstanding, Owed, QueuedRead, ReadJob, Rendezvous};
 
 /// Modes efabus honours: it reserves prefixes and always passes a
@@ -2166,6 +2166,10 @@ impl FabricEndpoint {
             buf[start..start + queued.head.len()].copy_from_slice(&queued.head);
             let body = buf[start + queued.head.len()..].as_mut_ptr();
             let mr = if self.link.mr_local {
+                // Registered memory must be backed (FI_MR_ALLOCATED, which
+                // EFA asks beside FI_MR_LOCAL): a fresh zeroed buffer's
+                // pages may all be the shared zero page until written.
+                touch_pages(&mut buf[start + queued.head.len()..]);
                 // SAFETY: the region is dropped with the job, which owns
                 // `buf` (not moved or resized before then).
                 match unsafe {

@@ -34,6 +34,17 @@ use super::handle::{Domain, MemoryRegion};
 
 const PAGE: usize = 4096;
 
+/// Writes one byte of each page of `buf`, so that every page has a frame
+/// of its own (a fresh zeroed allocation may map all of them to the shared
+/// zero page) before the memory is registered where the provider requires
+/// backed memory (FI_MR_ALLOCATED).
+pub fn touch_pages(buf: &mut [u8]) {
+    for offset in (0..buf.len()).step_by(PAGE) {
+        // Not a store the compiler may drop as writing what is there.
+        buf[offset] = std::hint::black_box(0);
+    }
+}
+
 /// Storage the provider may use per operation (`struct fi_context2`).
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
@@ -349,6 +360,32 @@ impl BufferPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Kilobytes of the mapping holding `addr` that are resident.
+    fn resident_kib(addr: usize) -> usize {
+        super::super::huge::tests::smaps_of(addr)
+            .iter()
+            .find_map(|line| line.strip_prefix("Rss:"))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("an Rss line")
+    }
+
+    #[test]
+    fn touched_pages_are_each_backed() {
+        // Large enough to be a mapping of its own, untouched until here.
+        let len = 8 << 20;
+        let mut buf = vec![0u8; len];
+        let addr = buf.as_ptr() as usize;
+        let before = resident_kib(addr);
+        touch_pages(&mut buf);
+        let after = resident_kib(addr);
+        // All but the page the allocator wrote its header to.
+        let kib = len >> 10;
+        assert!(
+            after.saturating_sub(before) >= kib - 8,
+            "{before} then {after} kB"
+        );
+    }
 
     #[test]
     fn slots_and_contexts_map_back_to_indices() {
