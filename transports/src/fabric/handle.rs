@@ -376,7 +376,8 @@ impl CompletionQueue {
     /// Reads up to `buf.len()` completions; also drives manual progress.
     pub fn read(&self, buf: &mut [Completion]) -> Result<CqRead, FabricError> {
         // SAFETY: the CQ is open and `buf` has room for buf.len() entries of
-        // fi_cq_msg_entry layout (checked by a static assert in the shim).
+        // fi_cq_data_entry layout (the shim opens CQs in FI_CQ_FORMAT_DATA
+        // and checks the layout with static asserts).
         let ret =
             unsafe { sys::efabus_cq_read(self.ptr.as_ptr(), buf.as_mut_ptr(), buf.len() as u64) };
         cq_read_result(ret)
@@ -392,7 +393,8 @@ impl CompletionQueue {
     ) -> Result<CqRead, FabricError> {
         let count = buf.len().min(sources.len());
         // SAFETY: the CQ is open; `buf` has room for `count` entries of
-        // fi_cq_msg_entry layout (checked by a static assert in the shim)
+        // fi_cq_data_entry layout (FI_CQ_FORMAT_DATA, checked by static
+        // asserts in the shim)
         // and `sources` for `count` fi_addr_t values.
         let ret = unsafe {
             sys::efabus_cq_readfrom(

@@ -102,8 +102,11 @@ struct LentSlot {
     returns: Arc<Returns>,
 }
 
-// SAFETY: the bytes are only read, and nothing writes a lent slot until it
-// is returned (the pool does not post it), so any thread may hold them.
+// SAFETY: the bytes are only read, and nothing writes them while they are
+// lent: an ordinary slot is not posted again until every part is returned,
+// and a multi-receive slot, still posted while it lends, lends only the
+// messages the provider has completed, which it does not write again
+// (later messages land after them), so any thread may hold them.
 unsafe impl Send for LentSlot {}
 
 impl AsRef<[u8]> for LentSlot {

@@ -151,6 +151,10 @@ pub struct efabus_completion {
     pub data: u64,
 }
 
+// The shim asserts the C side against `fi_cq_data_entry` (40 bytes on
+// 64-bit targets); this holds the Rust side to the same size.
+const _: () = assert!(std::mem::size_of::<efabus_completion>() == 40);
+
 impl Default for efabus_completion {
     fn default() -> Self {
         efabus_completion {
