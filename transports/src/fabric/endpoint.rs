@@ -2161,6 +2161,7 @@ impl FabricEndpoint {
                 continue;
             }
             let fi_addr = state.fi_addr;
+            let (peer, id) = (queued.peer, queued.descriptor.id);
             let body_at = rma.virt_addr.then_some(queued.descriptor.addr);
             let (mut buf, start) = rma.landing.take_for(queued.head.len(), body_len, body_at);
             buf[start..start + queued.head.len()].copy_from_slice(&queued.head);
@@ -2195,9 +2196,7 @@ impl FabricEndpoint {
             // context is the slot's own boxed storage.
             match unsafe { self.ep.read(body, body_len, desc, fi_addr, remote, context) } {
                 Ok(()) => {
-                    let Some(queued) = rma.queue.remove(at) else {
-                        break;
-                    };
+                    rma.queue.remove(at);
                     rma.free_slots.pop();
                     self.stats.rendezvous_reads_started += 1;
                     copied = posting.elapsed() >= self.slow_read_post;
@@ -2205,15 +2204,15 @@ impl FabricEndpoint {
                         self.stats.rendezvous_huge_landed += 1;
                     }
                     let job = ReadJob {
-                        peer: queued.peer,
+                        peer,
                         fi_addr,
-                        id: queued.descriptor.id,
+                        id,
                         mr,
                         buf,
                         start,
                         orphaned: false,
                     };
-                    rma.count_read(queued.peer, job.footprint(), true);
+                    rma.count_read(peer, job.footprint(), true);
                     rma.slots[slot].job = Some(job);
                 }
                 Err(code) if code.is_again() => {
