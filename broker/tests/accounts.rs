@@ -375,6 +375,44 @@ fn reply_subjects_and_inboxes_open_nothing_beyond_the_permissions() {
     assert!(requester.take_errors().is_empty());
 }
 
+/// A user allowed to subscribe under every inbox still may not name
+/// another connection's inbox as its reply subject: the answer would land
+/// in a requester's inbox as the answer to a request it never made.
+#[test]
+fn a_reply_subject_may_not_be_another_connection_s_inbox() {
+    let broker = broker_with(&format!(
+        r#"
+        [[auth.users]]
+        name = "inboxes"
+        password = "{hash}"
+        [auth.users.permissions.publish]
+        allow = ["svc.>"]
+        [auth.users.permissions.subscribe]
+        allow = ["_INBOX.>"]
+        "#,
+        hash = hash_secret("inboxes-password").unwrap(),
+    ));
+    let requester = login(&broker, Some("requester"), Some("requester-password")).unwrap();
+    let held = requester.subscribe("_INBOX.r9.>").unwrap();
+    requester.flush(WAIT).unwrap();
+    let other = login(&broker, Some("inboxes"), Some("inboxes-password")).unwrap();
+    other
+        .publish_request("svc.pay", "_INBOX.r9.1", b"x".to_vec())
+        .unwrap();
+    // An inbox nobody holds, under its permissions, is its own to name.
+    other
+        .publish_request("svc.pay", "_INBOX.o4.1", b"x".to_vec())
+        .unwrap();
+    other.flush(WAIT).unwrap();
+    let errors = other.take_errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].1.contains("reply subject \"_INBOX.r9.1\""),
+        "{errors:?}"
+    );
+    drop(held);
+}
+
 /// A raw peer posing as broker `broker_id`, with a route to `broker`
 /// (whose `cluster.secret` is "mesh") announcing interest in `pattern`.
 fn route_announcing(broker: &Broker, broker_id: u64, pattern: &str) -> Raw {

@@ -1635,14 +1635,17 @@ impl EventLoop {
                 return;
             }
             // A reply subject lets whoever answers publish to it: only
-            // this session's own inbox, or what it may receive anyway.
+            // this session's own inbox, or what it may receive anyway and
+            // is not another connection's inbox (an answer there would
+            // reach that requester as if it had asked).
             if let Some(reply) = reply {
-                let own_inbox = inbox_of(reply)
-                    .and_then(|inbox| self.inbox_holder(inbox))
-                    .is_some_and(|holder| holder == id);
-                if !own_inbox && permissions.may_subscribe(reply).is_err() {
+                let allowed = match inbox_of(reply).and_then(|inbox| self.inbox_holder(inbox)) {
+                    Some(holder) => holder == id,
+                    None => permissions.may_subscribe(reply).is_ok(),
+                };
+                if !allowed {
                     let rule = "a reply subject must be this connection's inbox or a subject \
-                                it may subscribe to";
+                                it may subscribe to, not another connection's inbox";
                     self.deny(id, "publish with reply subject", reply, rule);
                     return;
                 }
