@@ -4,10 +4,11 @@
 //! A user is a name with a password, or a token, each stored only as an
 //! argon2id hash ([`hash_secret`], which `efabus passwd` prints). A client
 //! logs in with the name and password in its hello, or with the token
-//! alone. Checking a hash costs tens of milliseconds on purpose, on the
-//! broker's event loop: what checked once is remembered (by a keyed hash
-//! of the name and secret, never the secret itself), and failures count
-//! towards the address's lockout like any refused hello.
+//! alone. Checking a hash costs tens of milliseconds on purpose, so the
+//! broker checks them on a login thread, not its event loop: what checked
+//! once is remembered (by a keyed hash of the name and secret, never the
+//! secret itself) and taken on the loop, and failures count towards the
+//! address's lockout like any refused hello.
 //!
 //! Permissions: a publish is allowed when its subject is matched by an
 //! `allow` pattern (or `allow` is empty) and by no `deny` pattern. A
@@ -381,11 +382,25 @@ impl Accounts {
         }
     }
 
+    /// [`login_with`](Self::login_with), hashes checked as needed.
+    #[cfg(test)]
+    pub(crate) fn login(&self, name: Option<&str>, secret: &str) -> Login {
+        self.login_with(name, secret, true)
+            .unwrap_or(Login::Refused)
+    }
+
     /// The user `name` with password `secret`, or (no name) the user whose
     /// token `secret` is. A login not remembered costs one check of this
     /// second's budget per hash it may check: one for a name, one per
-    /// token user for a token.
-    pub(crate) fn login(&self, name: Option<&str>, secret: &str) -> Login {
+    /// token user for a token. Without `may_hash`, `None` where a hash
+    /// would be checked (a login neither remembered nor refused
+    /// unchecked): the event loop hands such logins to the login thread.
+    pub(crate) fn login_with(
+        &self,
+        name: Option<&str>,
+        secret: &str,
+        may_hash: bool,
+    ) -> Option<Login> {
         let candidates: Vec<(&User, &Arc<Permissions>, &str)> = self
             .users
             .iter()
@@ -400,31 +415,34 @@ impl Accounts {
             .collect();
         // No token users, or no users at all: nothing to check or hide.
         if candidates.is_empty() && (name.is_none() || self.users.is_empty()) {
-            return Login::Refused;
+            return Some(Login::Refused);
         }
         let remembered = candidates
             .iter()
             .find(|(user, _, hash)| self.remembered(&user.name, hash, secret));
         if let Some((user, permissions, _)) = remembered {
-            return Self::logged_in(user, permissions);
+            return Some(Self::logged_in(user, permissions));
+        }
+        if !may_hash {
+            return None;
         }
         let checks = u32::try_from(candidates.len().max(1)).unwrap_or(u32::MAX);
         if self.spend_checks(checks).is_err() {
-            return Login::Busy;
+            return Some(Login::Busy);
         }
         if candidates.is_empty() {
             // An unknown name (or one without a password) takes as long to
             // refuse as a wrong password, so timing does not tell which
             // names exist.
             let _ = self.check("", &self.decoy, secret);
-            return Login::Refused;
+            return Some(Login::Refused);
         }
-        candidates
+        let found = candidates
             .iter()
-            .find(|(user, _, hash)| self.check(&user.name, hash, secret))
-            .map_or(Login::Refused, |(user, permissions, _)| {
-                Self::logged_in(user, permissions)
-            })
+            .find(|(user, _, hash)| self.check(&user.name, hash, secret));
+        Some(found.map_or(Login::Refused, |(user, permissions, _)| {
+            Self::logged_in(user, permissions)
+        }))
     }
 }
 

@@ -37,7 +37,7 @@ use crate::delivery::{
 use crate::drive::DriveHandle;
 use crate::endpoints::{self, listener_config, with_faults};
 use crate::error::{Error, RecvError};
-use crate::event_loop::{run_loop, Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
+use crate::event_loop::{run_loop, CheckedLogin, Cluster, EventLoop, HANDSHAKE_FRAME_MAX, WAKER};
 use crate::monitoring::{ConnectionReport, ListenerReport, MatchReport, RemoteMatch};
 use crate::publish_cache;
 use crate::published::{PublishedMessage, PublishedQueue};
@@ -446,6 +446,11 @@ pub(crate) struct Shared {
     /// slow consumer is what one looks for).
     pub(crate) reports: Mutex<Vec<ReportRequest>>,
     pub(crate) reports_waiting: AtomicBool,
+    /// Hellos the login thread has checked, for the loop to continue
+    /// (`logins_checked` says some wait), answered every round as reports
+    /// are.
+    pub(crate) checked_logins: Mutex<Vec<CheckedLogin>>,
+    pub(crate) logins_checked: AtomicBool,
     /// In-process publishes for remote subscribers, bounded as the
     /// commands are.
     pub(crate) published: PublishedQueue,
@@ -867,6 +872,8 @@ impl Broker {
             commands,
             reports: Mutex::new(Vec::new()),
             reports_waiting: AtomicBool::new(false),
+            checked_logins: Mutex::new(Vec::new()),
+            logins_checked: AtomicBool::new(false),
             published: PublishedQueue::new(COMMAND_QUEUE),
             shutdown: AtomicBool::new(false),
             rounds: AtomicU64::new(0),

@@ -82,6 +82,106 @@ fn login(broker: &Broker, user: Option<&str>, secret: Option<&str>) -> Result<Cl
     Client::connect_with(&server, options, Registry::with_builtins())
 }
 
+/// Password and token hashes are checked off the event loop: while a
+/// wrong token is checked against eight token users' hashes (tens of
+/// milliseconds each, on purpose), a connected client is served as usual.
+#[test]
+fn checking_hashes_holds_up_nobody_else() {
+    let tokens: String = (0..8)
+        .map(|n| {
+            format!(
+                "[[auth.users]]\nname = \"service-{n}\"\ntoken = \"{}\"\n",
+                hash_secret(&format!("token-{n}")).unwrap()
+            )
+        })
+        .collect();
+    let broker = broker_with(&tokens);
+    let alice = login(&broker, Some("alice"), Some("alice-password")).expect("alice");
+    // The hashes checked this second are spent: the next login's wait.
+    std::thread::sleep(Duration::from_millis(1100));
+    let started = Instant::now();
+    let (wrong, checked) = std::thread::scope(|scope| {
+        let wrong = scope.spawn(|| {
+            let refused = login(&broker, None, Some("no-such-token"));
+            (refused.err(), started.elapsed())
+        });
+        let mut slowest = Duration::ZERO;
+        while !wrong.is_finished() {
+            let flushed = Instant::now();
+            alice.flush(WAIT).expect("flushed");
+            slowest = slowest.max(flushed.elapsed());
+        }
+        (wrong.join().expect("the login thread"), slowest)
+    });
+    let (error, took) = wrong;
+    assert!(
+        matches!(
+            error,
+            Some(Error::Refused {
+                code: ErrorCode::Auth,
+                ..
+            })
+        ),
+        "a wrong token is refused: {error:?}"
+    );
+    assert!(
+        checked < took / 2,
+        "a flush took {checked:?} while a login took {took:?}"
+    );
+}
+
+/// What a client sends right behind its hello, while its password is
+/// checked off the loop, is handled once it is logged in, in order.
+#[test]
+fn frames_behind_a_hello_being_checked_wait_for_its_verdict() {
+    let broker = broker();
+    let mut raw = Raw::connect(&broker);
+    let Frame::Hello(mut hello) = raw_common::client_hello("pipelined") else {
+        unreachable!("a hello")
+    };
+    hello.user = Some("alice".to_string());
+    hello.credentials = Some("alice-password".to_string());
+    raw.send(&Frame::Hello(hello));
+    raw.send(&raw_common::subscribe(1, "orders.new"));
+    raw.send(&Frame::Ping { nonce: 7 });
+    raw.expect("the welcome", |f| matches!(f, Frame::Welcome(_)));
+    raw.expect("the pong, after the subscription", |f| {
+        matches!(f, Frame::Pong { nonce: 7 })
+    });
+    broker.publish("orders.new", &b"made"[..]).expect("publish");
+    raw.expect(
+        "the message",
+        |f| matches!(f, Frame::Message(m) if m.sid == 1),
+    );
+
+    // What waits is bounded: past 64 frames the peer is refused.
+    let mut flood = Raw::connect(&broker);
+    let Frame::Hello(mut hello) = raw_common::client_hello("flood") else {
+        unreachable!("a hello")
+    };
+    hello.user = Some("alice".to_string());
+    hello.credentials = Some("not-her-password".to_string());
+    // In one write, so they arrive before the verdict.
+    let mut bytes = efabus_core::codec::encode(&Frame::Hello(hello))
+        .to_bytes()
+        .to_vec();
+    for nonce in 0..100 {
+        bytes.extend_from_slice(&efabus_core::codec::encode(&Frame::Ping { nonce }).to_bytes());
+    }
+    std::io::Write::write_all(&mut flood.stream(), &bytes).expect("written");
+    let frames = flood.until_closed();
+    assert!(
+        frames
+            .iter()
+            .any(|f| matches!(f, Frame::Error(e) if e.code == ErrorCode::Protocol)),
+        "{frames:?}"
+    );
+    assert!(
+        !frames.iter().any(|f| matches!(f, Frame::Pong { .. })),
+        "{frames:?}"
+    );
+}
+
 fn denials(broker: &Broker) -> u64 {
     broker.stats().value("permission_denials").unwrap_or(0)
 }

@@ -57,7 +57,8 @@ use crate::subscriptions::{SubRef, Targets};
 use crate::wait::{prepare_wait, puts_off_polling, wait, Polled, SpinWindow};
 
 use crate::monitoring::{ConnectionKind, ConnectionReport, SubscriptionReport};
-use peer::{Role, Session, SessionState};
+pub(crate) use peer::CheckedLogin;
+use peer::{LoginCheck, Role, Session, SessionState, DEFERRED_MAX};
 pub(crate) use route::Cluster;
 
 pub(crate) const WAKER: Token = Token(0);
@@ -141,6 +142,9 @@ pub(crate) struct EventLoop {
     /// Subscriptions whose delivery limit the publish being routed reached
     /// (`Session::limited`), ended once it is routed.
     limits_reached: Vec<SubRef>,
+    /// Hellos with a password or token hash to check go to the login
+    /// thread through this (started at the first).
+    login_checks: Option<Sender<Box<LoginCheck>>>,
     /// Messages for in-process subscriptions, gathered while the loop
     /// handles what it read ([`EventLoop::queue_local_runs`]).
     local_runs: LocalRuns,
@@ -538,6 +542,7 @@ impl EventLoop {
             flushes: Vec::new(),
             held_local: HeldLocal::default(),
             limits_reached: Vec::new(),
+            login_checks: None,
             local_runs: LocalRuns::default(),
             blocking: HashSet::default(),
             reads_paused: false,
@@ -986,6 +991,7 @@ impl EventLoop {
         // Interest goes to route peers ahead of any message queued after it.
         self.sync_interest();
         self.answer_reports();
+        self.finish_login_checks();
         if self.holds_commands() {
             return false;
         }
@@ -1498,6 +1504,18 @@ impl EventLoop {
                     self.close_if_drained(id);
                 }
                 _ => {}
+            }
+            return;
+        }
+        if session.checking_hello {
+            // Behind a hello being checked: handled once it is.
+            if session.deferred.len() >= DEFERRED_MAX {
+                // Its check's verdict, when it comes, is for nobody.
+                session.checking_hello = false;
+                let text = format!("more than {DEFERRED_MAX} frames behind a hello being checked");
+                self.fail(id, ErrorCode::Protocol, text);
+            } else {
+                session.deferred.push(message.slice(range));
             }
             return;
         }
@@ -3158,6 +3176,7 @@ pub(crate) fn run_loop(
         if !shared.commands.park(commands, holds_commands, || {
             (holds_commands || !shared.published.outstanding())
                 && !shared.reports_waiting.load(Ordering::Acquire)
+                && !shared.logins_checked.load(Ordering::Acquire)
                 && event_loop.may_sleep(finished)
         }) {
             continue;

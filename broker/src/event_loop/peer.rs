@@ -5,6 +5,8 @@
 //! tables that span sessions (which endpoint address is whose).
 
 use bytes::Bytes;
+use crossbeam_channel::Sender;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
@@ -122,6 +124,12 @@ pub(super) struct Session {
     pub peer_left: bool,
     /// What the drop-oldest policy discarded for a client, to tell it.
     pub drops: DropReports,
+    /// Its hello is on the login thread (a password or token hash to
+    /// check); what it sends meanwhile is kept in `deferred`.
+    pub checking_hello: bool,
+    /// Frames that came behind a hello being checked, handled once it is
+    /// (at most [`DEFERRED_MAX`]).
+    pub deferred: Vec<Bytes>,
     /// A client's subscriptions that end after so many more deliveries
     /// (`Frame::UnsubscribeAfter`), by id: a subset of its subscriptions.
     pub limited: HashMap<u64, u64>,
@@ -153,6 +161,44 @@ pub(super) struct Session {
     /// When the session began, and what it moved since.
     pub since: SystemTime,
     pub counts: SessionCounts,
+}
+
+/// Frames a peer may send behind a hello that is being checked.
+pub(super) const DEFERRED_MAX: usize = 64;
+
+/// What a hello's check decided: admitted, or refused and why.
+pub(super) type HelloVerdict = Result<Admission, Refusal>;
+
+/// A hello whose credentials the login thread checks.
+pub(super) struct LoginCheck {
+    id: u64,
+    hello: frame::Hello,
+    challenge: Option<[u8; 32]>,
+    certificate_name: Option<String>,
+}
+
+impl LoginCheck {
+    fn run(&self, shared: &Shared) -> HelloVerdict {
+        let challenge = self.challenge.as_ref();
+        let name = self.certificate_name.as_deref();
+        Session::check_hello(
+            &self.hello,
+            &shared.config,
+            &shared.accounts,
+            challenge,
+            name,
+            true,
+        )
+        // Checked with every hash it needs, it always has a verdict.
+        .unwrap_or_else(|| Err(Refusal::new(ErrorCode::Auth, "invalid credentials")))
+    }
+}
+
+/// A hello the login thread checked, for the loop to continue.
+pub(crate) struct CheckedLogin {
+    id: u64,
+    hello: frame::Hello,
+    verdict: HelloVerdict,
 }
 
 /// A login refused unchecked: the broker's hash checks for this second
@@ -205,6 +251,8 @@ impl Session {
                 not_before: Instant::now(),
             },
             limited: HashMap::default(),
+            checking_hello: false,
+            deferred: Vec::new(),
             may_route: false,
             guessed: false,
             user: None,
@@ -283,22 +331,24 @@ impl Session {
     /// presented the route credential ([`Config::route_secret`]), or none
     /// is configured (the open mode). A hello with `cluster.secret` is
     /// accepted even where `auth.secret` is set: a dialing broker presents
-    /// the cluster's secret, not the clients'.
+    /// the cluster's secret, not the clients'. Without `may_hash`, `None`
+    /// where a user's password or token hash would have to be checked.
     pub fn check_hello(
         hello: &frame::Hello,
         config: &Config,
         accounts: &Accounts,
         challenge: Option<&[u8; 32]>,
         certificate_name: Option<&str>,
-    ) -> Result<Admission, Refusal> {
+        may_hash: bool,
+    ) -> Option<HelloVerdict> {
         if hello.version != PROTOCOL_VERSION {
-            return Err(Refusal::new(
+            return Some(Err(Refusal::new(
                 ErrorCode::Version,
                 format!(
                     "protocol version {} not supported (this server speaks {PROTOCOL_VERSION})",
                     hello.version
                 ),
-            ));
+            )));
         }
         let given = hello.credentials.as_deref().unwrap_or("");
         // Without users or a client secret nothing is checked, a name and
@@ -306,7 +356,7 @@ impl Session {
         let unchecked = accounts.is_empty() && config.auth.secret.is_none();
         if let Some(name) = hello.user.as_deref().filter(|_| !unchecked) {
             // A user's name and password; users never open routes.
-            return match accounts.login(Some(name), given) {
+            return Some(match accounts.login_with(Some(name), given, may_hash)? {
                 Login::User { name, permissions } => Ok(Admission {
                     may_route: false,
                     user: Some(name),
@@ -316,7 +366,7 @@ impl Session {
                 }),
                 Login::Refused => Err(Refusal::new(ErrorCode::Auth, "invalid user or password")),
                 Login::Busy => Err(busy()),
-            };
+            });
         }
         // A shared secret matches when the hello proves it against this
         // connection's challenge or (from an older client) carries it.
@@ -362,11 +412,11 @@ impl Session {
             wrong_secret: false,
         };
         if cluster == Some(true) || client == Some(true) {
-            return Ok(admitted(cluster.or(client).unwrap_or(true)));
+            return Some(Ok(admitted(cluster.or(client).unwrap_or(true))));
         }
         // A token, else a verified client certificate's name.
         let login = match (hello.credentials.is_some(), certificate_name) {
-            (true, _) => accounts.login(None, given),
+            (true, _) => accounts.login_with(None, given, may_hash)?,
             (false, Some(subject)) if hello.proof.is_none() => {
                 accounts.login_by_certificate(subject)
             }
@@ -374,15 +424,15 @@ impl Session {
         };
         match login {
             Login::User { name, permissions } => {
-                return Ok(Admission {
+                return Some(Ok(Admission {
                     may_route: false,
                     user: Some(name),
                     permissions,
                     proof: None,
                     wrong_secret: false,
-                })
+                }))
             }
-            Login::Busy => return Err(busy()),
+            Login::Busy => return Some(Err(busy())),
             Login::Refused => {}
         }
         if client.is_none() && accounts.is_empty() {
@@ -393,17 +443,17 @@ impl Session {
             let presented =
                 hello.proof.is_some() || (hello.credentials.is_some() && hello.user.is_none());
             let guessed = cluster == Some(false) && presented;
-            return Ok(Admission {
+            return Some(Ok(Admission {
                 wrong_secret: guessed,
                 ..admitted(cluster.unwrap_or(true))
-            });
+            }));
         }
         let text = if hello.credentials.is_none() && hello.proof.is_none() {
             "credentials required"
         } else {
             "invalid credentials"
         };
-        Err(Refusal::new(ErrorCode::Auth, text))
+        Some(Err(Refusal::new(ErrorCode::Auth, text)))
     }
 
     /// Choose the data paths from both sides' offers, open the chosen data
@@ -588,13 +638,49 @@ impl EventLoop {
         let certificate_name = self.endpoints[control.endpoint]
             .peer_certificate(control.peer)
             .and_then(|der| crate::accounts::certificate_name(&der));
-        let admission = match Session::check_hello(
-            &hello,
-            config,
-            &self.shared.accounts,
-            challenge.as_ref(),
-            certificate_name.as_deref(),
-        ) {
+        let accounts = &self.shared.accounts;
+        let (challenge_ref, name) = (challenge.as_ref(), certificate_name.as_deref());
+        if let Some(verdict) =
+            Session::check_hello(&hello, config, accounts, challenge_ref, name, false)
+        {
+            return self.on_hello_checked(id, hello, verdict);
+        }
+        // A user's password or token hash to check: tens of milliseconds
+        // each on purpose, on the login thread, not on this loop. What the
+        // peer sends meanwhile waits (`Session::deferred`).
+        let check = Box::new(LoginCheck {
+            id,
+            hello,
+            challenge,
+            certificate_name,
+        });
+        let sent = match self.login_checks() {
+            Some(checks) => checks.send(check).map_err(|unsent| unsent.into_inner()),
+            None => Err(check),
+        };
+        let check = match sent {
+            Ok(()) => {
+                if let Some(session) = self.sessions.get_mut(&id) {
+                    session.checking_hello = true;
+                }
+                return;
+            }
+            // No login thread: checked here after all.
+            Err(check) => check,
+        };
+        let verdict = check.run(&self.shared);
+        self.on_hello_checked(id, check.hello, verdict);
+    }
+
+    /// The rest of a hello, once its credentials are checked.
+    pub(super) fn on_hello_checked(&mut self, id: u64, hello: frame::Hello, verdict: HelloVerdict) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let config = &self.shared.config;
+        let address = remote_ip(&session.remote);
+        let now = self.now;
+        let admission = match verdict {
             Ok(admission) => {
                 if admission.wrong_secret {
                     BrokerStats::add(&self.shared.stats.auth_failures, 1);
@@ -683,6 +769,69 @@ impl EventLoop {
             self.schedule(at);
         }
         self.session_ready(id);
+        // What the peer sent behind its hello while it was checked.
+        let deferred = self
+            .sessions
+            .get_mut(&id)
+            .map(|session| std::mem::take(&mut session.deferred))
+            .unwrap_or_default();
+        for frame in deferred {
+            self.on_frame(id, frame);
+        }
+    }
+
+    /// The sender of hellos to check on the login thread, started at the
+    /// first; `None` (and the hello checked on the loop) where the
+    /// system gives no thread, which is logged once.
+    fn login_checks(&mut self) -> Option<&Sender<Box<LoginCheck>>> {
+        if self.login_checks.is_none() {
+            let shared = Arc::clone(&self.shared);
+            let (checks, received) = crossbeam_channel::unbounded::<Box<LoginCheck>>();
+            let started = std::thread::Builder::new()
+                .name("efabus-logins".to_string())
+                .spawn(move || {
+                    // Ends when the loop, the only sender, is gone.
+                    for check in received {
+                        let verdict = check.run(&shared);
+                        let LoginCheck { id, hello, .. } = *check;
+                        shared
+                            .checked_logins
+                            .lock()
+                            .push(CheckedLogin { id, hello, verdict });
+                        shared.logins_checked.store(true, Ordering::Release);
+                        shared.commands.wake_if_parked();
+                        shared.event_loop.wake_sleeper();
+                    }
+                });
+            match started {
+                Ok(_) => self.login_checks = Some(checks),
+                Err(err) => {
+                    warn!(error = %err, "no login thread: password and token hashes are checked on the event loop");
+                    return None;
+                }
+            }
+        }
+        self.login_checks.as_ref()
+    }
+
+    /// Continues the hellos the login thread has checked.
+    pub(super) fn finish_login_checks(&mut self) {
+        if !self.shared.logins_checked.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let checked = std::mem::take(&mut *self.shared.checked_logins.lock());
+        for CheckedLogin { id, hello, verdict } in checked {
+            // Gone meanwhile (its handshake timed out, say): nobody to
+            // answer.
+            let Some(session) = self.sessions.get_mut(&id) else {
+                continue;
+            };
+            let awaited = matches!(session.state, SessionState::AwaitHello { .. });
+            if !std::mem::take(&mut session.checking_hello) || !awaited {
+                continue;
+            }
+            self.on_hello_checked(id, hello, verdict);
+        }
     }
 
     pub(super) fn on_subscribe(&mut self, id: u64, subscribe: frame::Subscribe) {
