@@ -86,9 +86,21 @@ fn warn_of_cleartext_secrets(config: &Config, listening: &[(String, String)]) {
     }
 }
 
-/// A request for a report of every session: the sessions whose
-/// subscriptions to list, and where the answer goes.
-pub(crate) type ReportRequest = (Vec<u64>, Sender<Vec<ConnectionReport>>);
+/// What the event loop is asked apart from its commands, answered every
+/// round, also while it holds the commands.
+pub(crate) enum LoopRequest {
+    /// A report of every session, with the subscriptions of the sessions
+    /// named.
+    Connections(Vec<u64>, Sender<Vec<ConnectionReport>>),
+    /// Read the endpoints' TLS files again, all or none; answers how many
+    /// have TLS, or why one could not. Taken only if the flag was not set
+    /// first (by an asker that stopped waiting), and it is set when taken.
+    ReloadTls(Arc<AtomicBool>, Sender<Result<usize, String>>),
+    /// Hand reloaded limits to the endpoints that hold clients to them
+    /// (NATS listeners): their options for the reloaded configuration.
+    /// Answered once they have them.
+    Reconfigure(Box<crate::config::Config>, Sender<()>),
+}
 
 /// Counters of a running broker.
 #[derive(Debug, Default)]
@@ -416,13 +428,6 @@ pub(crate) enum Command {
     },
     /// Route to one more broker (an endpoint string, checked).
     AddPeer(String),
-    /// Read the TLS files of the endpoints again; answers how many have
-    /// TLS, or why one could not.
-    ReloadTls(Sender<Result<usize, String>>),
-    /// Hand reloaded limits to the endpoints that hold clients to them
-    /// (NATS listeners): their options for the reloaded configuration.
-    /// Answered once they have them.
-    Reconfigure(Box<crate::config::Config>, Sender<()>),
 }
 
 pub(crate) struct Shared {
@@ -440,11 +445,11 @@ pub(crate) struct Shared {
     pub(crate) generation: Arc<AtomicU64>,
     pub(crate) next_sid: AtomicU64,
     pub(crate) commands: CommandQueue<Command>,
-    /// Requests for a report of every session (for monitoring): apart
-    /// from the commands, so that the loop answers them every round, also
-    /// while it holds the commands (publishers held under `block`, when a
-    /// slow consumer is what one looks for).
-    pub(crate) reports: Mutex<Vec<ReportRequest>>,
+    /// Requests apart from the commands, so that the loop answers them
+    /// every round, also while it holds the commands (publishers held
+    /// under `block`): reports of every session (for monitoring, when a
+    /// slow consumer is what one looks for) and TLS reloads.
+    pub(crate) reports: Mutex<Vec<LoopRequest>>,
     pub(crate) reports_waiting: AtomicBool,
     /// Hellos the login thread has checked, for the loop to continue
     /// (`logins_checked` says some wait), answered every round as reports
@@ -514,6 +519,17 @@ pub struct RouteReport {
 }
 
 impl Shared {
+    /// Puts `request` to the event loop, which answers it in its next
+    /// round whatever it holds, and wakes it.
+    pub(crate) fn ask_loop(&self, request: LoopRequest) {
+        self.reports.lock().push(request);
+        self.reports_waiting.store(true, Ordering::Release);
+        // As a command wakes it: parked (the loop checks the flag before
+        // it parks) or stepping aside for a driver.
+        self.commands.wake_if_parked();
+        self.event_loop.wake_sleeper();
+    }
+
     /// Wake the loop when a subscription change is to be announced to
     /// route peers (the loop sends announcements before anything else).
     pub(crate) fn announce(&self, table: &SubscriptionTable) {
@@ -1368,12 +1384,7 @@ impl Broker {
             return Err(Error::Closed);
         }
         let (tx, rx) = crossbeam_channel::bounded(1);
-        shared.reports.lock().push((subscriptions_of.to_vec(), tx));
-        shared.reports_waiting.store(true, Ordering::Release);
-        // As a command wakes it: parked (the loop checks the flag before
-        // it parks) or stepping aside for a driver.
-        shared.commands.wake_if_parked();
-        shared.event_loop.wake_sleeper();
+        shared.ask_loop(LoopRequest::Connections(subscriptions_of.to_vec(), tx));
         rx.recv_timeout(timeout)
             .map_err(|err| Error::waiting(err, timeout))
     }

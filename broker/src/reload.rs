@@ -19,11 +19,15 @@
 //! not grow past the value the broker started with, because the
 //! endpoints' frame limits were sized from it.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::broker::{Broker, Command};
+use crate::broker::{Broker, LoopRequest};
 use crate::config::{Config, ConfigError, SlowConsumerPolicy};
+
+/// How long a reload waits for the event loop to read the TLS files.
+const TLS_RELOAD_WAIT: Duration = Duration::from_secs(5);
 
 /// What [`Reloaded::applied`] says when the TLS files were read again.
 pub const TLS_FILES: &str = "tls (certificate, key and authority files read again)";
@@ -157,9 +161,10 @@ impl Broker {
     /// is left to whoever installed the log subscriber and is in neither
     /// list. A configuration that does not validate, or raises
     /// `limits.max_payload` past the starting value, changes nothing; nor
-    /// does one the event loop cannot take (the broker is stopping, or its
-    /// command queue stays full past the block timeout), though TLS files
-    /// are read again before that is known.
+    /// does one made while the broker is stopping, though TLS files are
+    /// read again before that is known. TLS files are taken by every
+    /// listener or by none. The event loop takes a reload between two
+    /// rounds, also while it holds publishers back for a slow consumer.
     pub fn reload(&self, config: &Config) -> Result<Reloaded, ConfigError> {
         config.validate("(reloaded)")?;
         let started = &self.shared.config;
@@ -191,22 +196,11 @@ impl Broker {
                 reloaded.needs_restart.push(key);
             }
         }
-        // The event loop is asked first (its endpoints, NATS listeners
-        // above all, hold peers to some limits themselves): a reload it
-        // cannot take changes nothing. Once the command is queued the
-        // limits are in force, and the endpoints take theirs when the loop
-        // reads it, which the reload waits for.
-        let (done, wait) = crossbeam_channel::bounded(1);
-        let sent = self
-            .shared
-            .send_command(Command::Reconfigure(Box::new(config.clone()), done));
-        if let Err(err) = sent {
-            let why = match err {
-                crate::Error::Blocked(waited) => {
-                    format!("the broker's command queue stayed full for {waited:?}; try again")
-                }
-                _ => "the broker is shutting down".to_string(),
-            };
+        // The event loop's endpoints (NATS listeners above all) hold peers
+        // to some limits themselves: the loop hands them theirs between
+        // two rounds, also while it holds publishers back, which the
+        // reload waits for. A broker that is stopping takes nothing.
+        if self.shared.shutdown.load(Ordering::Relaxed) {
             let tls = if tls {
                 " (the TLS files were read again)"
             } else {
@@ -214,30 +208,46 @@ impl Broker {
             };
             return Err(reload_error(
                 "limits",
-                format!("{why}: the running limits stay{tls}"),
+                format!("the broker is shutting down: the running limits stay{tls}"),
             ));
         }
+        let (done, wait) = crossbeam_channel::bounded(1);
+        self.shared
+            .ask_loop(LoopRequest::Reconfigure(Box::new(config.clone()), done));
         live.store(config);
         if wait.recv_timeout(Duration::from_secs(5)).is_err() {
             tracing::warn!(
                 "the limits are reloaded, but the event loop has not given its endpoints \
-                 theirs within 5 s (it is holding publishers back); they follow when it does"
+                 theirs within 5 s (a round is taking that long); they follow when it ends"
             );
         }
         Ok(reloaded)
     }
 
-    /// Has the endpoints read their TLS files again.
+    /// Has the endpoints read their TLS files again, all or none. The
+    /// loop answers between two rounds, also while it holds publishers
+    /// back; one that does not within 5 s never takes this reload.
     fn reload_tls(&self) -> Result<(), ConfigError> {
         let failed = |message: String| reload_error("tls", message);
+        if self.shared.shutdown.load(Ordering::Relaxed) {
+            return Err(failed("the broker is shutting down".to_string()));
+        }
         let (answer, wait) = crossbeam_channel::bounded(1);
+        let taken = Arc::new(AtomicBool::new(false));
         self.shared
-            .send_command(Command::ReloadTls(answer))
-            .map_err(|err| failed(err.to_string()))?;
-        match wait.recv_timeout(Duration::from_secs(5)) {
+            .ask_loop(LoopRequest::ReloadTls(Arc::clone(&taken), answer));
+        let mut answered = wait.recv_timeout(TLS_RELOAD_WAIT);
+        if answered.is_err() && taken.swap(true, Ordering::AcqRel) {
+            // Taken just now: the loop is reading the files.
+            answered = wait.recv_timeout(TLS_RELOAD_WAIT);
+        }
+        match answered {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(reason)) => Err(failed(format!("{reason}; the certificates in use stay"))),
-            Err(_) => Err(failed("the broker did not answer".to_string())),
+            Err(_) => Err(failed(format!(
+                "the broker's event loop did not answer within {TLS_RELOAD_WAIT:?}; the \
+                 certificates in use stay"
+            ))),
         }
     }
 

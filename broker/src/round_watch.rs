@@ -252,6 +252,9 @@ impl Endpoint for WatchedEndpoint {
     fn reload_tls(&mut self) -> Result<bool, TransportError> {
         self.inner.reload_tls()
     }
+    fn revert_tls(&mut self) {
+        self.inner.revert_tls();
+    }
     fn reconfigure(&mut self, config: &EndpointConfig) -> Result<(), TransportError> {
         self.inner.reconfigure(config)
     }

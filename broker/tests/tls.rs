@@ -224,6 +224,88 @@ fn reload_reads_the_certificates_again() {
     connect(&broker, client_tls(&second, false)).expect("still the second");
 }
 
+/// A reload takes the new files on every listener or on none: when one
+/// listener cannot (here an injected failure on the NATS listener, read
+/// after the TCP one), the TCP listener goes back to the certificate in
+/// use.
+#[test]
+fn a_reload_one_listener_refuses_changes_no_listener() {
+    let first = Pki::new("reload-all-or-none");
+    let text = format!(
+        "name = \"all-or-none\"\nlisten = [\"tcp/127.0.0.1:0\", \"nats/127.0.0.1:0\"]\n{}\
+         [testing.faults]\nfail_tls_reload = true\nscheme = \"nats\"\n",
+        toml_tls(&first, false)
+    );
+    let config = Config::from_toml_str(&text, "tls test").expect("valid config");
+    let broker = Broker::start(config).expect("the broker starts");
+    connect(&broker, client_tls(&first, false)).expect("connects");
+    let second = Pki::new("reload-all-or-none-second");
+    std::fs::copy(&second.server_cert, &first.server_cert).unwrap();
+    std::fs::copy(&second.server_key, &first.server_key).unwrap();
+    let err = broker
+        .reload(&broker.running_config())
+        .expect_err("the NATS listener refuses");
+    assert!(err.to_string().contains("stay"), "{err}");
+    connect(&broker, client_tls(&first, false)).expect("the TCP listener's certificate stays");
+    assert!(connect(&broker, client_tls(&second, false)).is_err());
+}
+
+/// A reload reads the TLS files while the broker holds publishers back
+/// for a slow consumer under `block` (its event loop reads no commands
+/// then, and the reload does not wait for them).
+#[test]
+fn a_reload_takes_new_certificates_while_publishers_are_held_up() {
+    let pki = Pki::new("reload-while-held");
+    let extra = format!(
+        "{}[limits]\nmax_pending_bytes = 65536\n\
+         [slow_consumer]\npolicy = \"block\"\nblock_timeout_ms = 60000\n\
+         [shutdown]\ndrain_timeout_ms = 300\n",
+        toml_tls(&pki, false)
+    );
+    let broker = std::sync::Arc::new(broker("reload-held", &extra));
+    let options = ClientOptions {
+        connect_timeout: Duration::from_secs(3),
+        reconnect: false,
+        tls: client_tls(&pki, false),
+        subscription_queue: 1,
+        slow_consumer: efabus_broker::SlowConsumerPolicy::Block,
+        block_timeout: Duration::from_secs(60),
+        ..ClientOptions::default()
+    };
+    let server = broker.endpoint("tcp").expect("tcp listener");
+    let stalled =
+        Client::connect_with(&server, options, Registry::with_builtins()).expect("connects");
+    let sub = stalled.subscribe("held").unwrap();
+    stalled.flush(WAIT).unwrap();
+    let publisher = std::thread::spawn({
+        let broker = std::sync::Arc::clone(&broker);
+        move || {
+            let payload = bytes::Bytes::from(vec![1u8; 4096]);
+            // Stops once held up for good (the broker's shutdown below).
+            for _ in 0..100_000 {
+                if broker.publish("held", payload.clone()).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let deadline = Instant::now() + WAIT;
+    while broker.stats().value("queued_bytes") < Some(65536) {
+        assert!(Instant::now() < deadline, "the publisher was never held up");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!publisher.is_finished(), "the publisher is held up");
+    let reloaded = broker
+        .reload(&broker.running_config())
+        .expect("reloaded while publishers are held");
+    assert_eq!(reloaded.applied, [TLS_FILES]);
+    broker.shutdown();
+    drop(sub);
+    drop(stalled);
+    publisher.join().unwrap();
+}
+
 #[test]
 fn tls_settings_that_cannot_work_are_refused_at_start() {
     let pki = pki::shared();

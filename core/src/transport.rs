@@ -778,6 +778,11 @@ pub trait Endpoint: Send {
         Ok(false)
     }
 
+    /// Puts back the TLS configuration the last successful
+    /// [`reload_tls`](Self::reload_tls) replaced: a broker whose other
+    /// endpoint failed to reload keeps every endpoint on the files in use.
+    fn revert_tls(&mut self) {}
+
     /// New values, from a configuration reload, for what the endpoint was
     /// opened with (its [`EndpointConfig::options`] and queue bounds). An
     /// endpoint applies those it can change while running and ignores the

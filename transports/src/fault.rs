@@ -182,6 +182,9 @@ pub struct FaultConfig {
     /// the frames that poll had taken after it are lost with it
     /// (`fault_panic_after`; 0, the default, never).
     pub panic_after: u64,
+    /// Every TLS reload of the endpoint fails, as one whose files cannot
+    /// be read would (`[testing.faults]` only; not a transport option).
+    pub fail_tls_reload: bool,
     /// Only endpoints of this scheme get faults, where one configuration
     /// serves several endpoints (a broker's listeners, a client's links);
     /// `None` (the default) is all of them. Not a transport option.
@@ -206,6 +209,7 @@ impl Default for FaultConfig {
             stall_after: 0,
             stall_ms: 0,
             panic_after: 0,
+            fail_tls_reload: false,
             scheme: None,
         }
     }
@@ -895,7 +899,16 @@ impl Endpoint for FaultyEndpoint {
     }
 
     fn reload_tls(&mut self) -> Result<bool, TransportError> {
+        if self.config.fail_tls_reload {
+            return Err(TransportError::Tls(
+                "an injected failure (fail_tls_reload)".to_string(),
+            ));
+        }
         self.inner.reload_tls()
+    }
+
+    fn revert_tls(&mut self) {
+        self.inner.revert_tls();
     }
 
     fn reconfigure(&mut self, config: &EndpointConfig) -> Result<(), TransportError> {

@@ -1746,6 +1746,12 @@ impl Endpoint for TcpEndpoint {
         }
     }
 
+    fn revert_tls(&mut self) {
+        if let Some(tls) = self.tls.as_mut() {
+            tls.revert();
+        }
+    }
+
     /// A reload's queue bounds hold the endpoint's own sends from now on
     /// (direct senders handed out keep the bounds they were made with).
     fn reconfigure(&mut self, config: &EndpointConfig) -> Result<(), TransportError> {

@@ -187,6 +187,15 @@ pub struct TlsContext {
     files: TlsFiles,
     server: Option<Arc<ServerConfig>>,
     client: Option<Arc<ClientConfig>>,
+    /// What the last reload replaced, for [`revert`](Self::revert).
+    replaced: Option<Replaced>,
+}
+
+/// The server and client sides a reload replaced.
+#[derive(Debug)]
+struct Replaced {
+    server: Option<Arc<ServerConfig>>,
+    client: Option<Arc<ClientConfig>>,
 }
 
 impl TlsContext {
@@ -209,6 +218,7 @@ impl TlsContext {
             files,
             server: None,
             client: None,
+            replaced: None,
         };
         context.reload()?;
         Ok(Some(context))
@@ -219,9 +229,20 @@ impl TlsContext {
     pub fn reload(&mut self) -> Result<(), TransportError> {
         let server = self.files.server_config()?;
         let client = self.files.client_config()?;
-        self.server = server;
-        self.client = client;
+        self.replaced = Some(Replaced {
+            server: std::mem::replace(&mut self.server, server),
+            client: std::mem::replace(&mut self.client, client),
+        });
         Ok(())
+    }
+
+    /// Puts back what the last [`reload`](Self::reload) replaced (when
+    /// another endpoint's reload failed: all take the new files or none).
+    pub fn revert(&mut self) {
+        if let Some(Replaced { server, client }) = self.replaced.take() {
+            self.server = server;
+            self.client = client;
+        }
     }
 
     /// Whether accepted connections speak TLS.

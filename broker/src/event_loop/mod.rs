@@ -44,7 +44,8 @@ use tracing::{debug, error, info, warn};
 use crate::accounts::inbox_of;
 use crate::auth_guard::{remote_ip, AuthGuard};
 use crate::broker::{
-    deliver_local, BrokerStats, Command, HeldLocal, LocalRuns, MessageParts, RouteReport, Shared,
+    deliver_local, BrokerStats, Command, HeldLocal, LocalRuns, LoopRequest, MessageParts,
+    RouteReport, Shared,
 };
 use crate::delivery::LocalSink;
 use crate::drive::{Driven, Rounds, DRIVEN_SLEEP};
@@ -969,15 +970,54 @@ impl EventLoop {
         self.fail(id, ErrorCode::SlowConsumer, text);
     }
 
-    /// Answers the session reports asked for, whatever the loop holds.
+    /// Has every endpoint read its TLS files again, or none: those that
+    /// did are put back when one fails. How many have TLS, or why not.
+    fn reload_tls(&mut self) -> Result<usize, String> {
+        let mut reloaded = Vec::new();
+        for index in 0..self.endpoints.len() {
+            match self.endpoints[index].reload_tls() {
+                Ok(true) => reloaded.push(index),
+                Ok(false) => {}
+                Err(err) => {
+                    for &done in &reloaded {
+                        self.endpoints[done].revert_tls();
+                    }
+                    return Err(format!("{}: {err}", self.endpoints[index].scheme()));
+                }
+            }
+        }
+        Ok(reloaded.len())
+    }
+
+    /// Answers the requests put apart from the commands (`LoopRequest`),
+    /// whatever the loop holds.
     fn answer_reports(&mut self) {
         if !self.shared.reports_waiting.swap(false, Ordering::AcqRel) {
             return;
         }
         let asked = std::mem::take(&mut *self.shared.reports.lock());
-        for (subscriptions_of, answer) in asked {
+        for request in asked {
             // The asker may have given up waiting.
-            let _ = answer.send(self.connection_reports(&subscriptions_of));
+            match request {
+                LoopRequest::Connections(subscriptions_of, answer) => {
+                    let _ = answer.send(self.connection_reports(&subscriptions_of));
+                }
+                LoopRequest::ReloadTls(taken, answer) => {
+                    if !taken.swap(true, Ordering::AcqRel) {
+                        let _ = answer.send(self.reload_tls());
+                    }
+                }
+                LoopRequest::Reconfigure(config, done) => {
+                    for endpoint in &mut self.endpoints {
+                        let scheme = endpoint.scheme().to_string();
+                        let reloaded = endpoints::listener_config(&config, &scheme, None);
+                        if let Err(err) = endpoint.reconfigure(&reloaded) {
+                            warn!(%scheme, error = %err, "reloaded limits not applied");
+                        }
+                    }
+                    let _ = done.send(());
+                }
+            }
         }
     }
 
@@ -1020,27 +1060,6 @@ impl EventLoop {
                     });
                 }
                 Command::AddPeer(endpoint) => self.add_peer(endpoint),
-                Command::ReloadTls(answer) => {
-                    let mut reloaded = Ok(0);
-                    for endpoint in &mut self.endpoints {
-                        match endpoint.reload_tls() {
-                            Ok(true) => reloaded = reloaded.map(|n| n + 1),
-                            Ok(false) => {}
-                            Err(err) => reloaded = Err(err.to_string()),
-                        }
-                    }
-                    let _ = answer.send(reloaded);
-                }
-                Command::Reconfigure(config, done) => {
-                    for endpoint in &mut self.endpoints {
-                        let scheme = endpoint.scheme().to_string();
-                        let reloaded = endpoints::listener_config(&config, &scheme, None);
-                        if let Err(err) = endpoint.reconfigure(&reloaded) {
-                            warn!(%scheme, error = %err, "reloaded limits not applied");
-                        }
-                    }
-                    let _ = done.send(());
-                }
             }
         }
         self.close_batches();

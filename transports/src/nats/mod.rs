@@ -299,6 +299,12 @@ impl Endpoint for NatsEndpoint {
         }
     }
 
+    fn revert_tls(&mut self) {
+        if let Some(tls) = self.shared.tls.lock().as_mut() {
+            tls.revert();
+        }
+    }
+
     /// A reload's `max_subscriptions`, `max_payload` and queue bound reach
     /// the clients connected and those to come (`INFO` announces the new
     /// payload limit); the other options keep the values the endpoint
