@@ -18,6 +18,8 @@ use efabus_broker::{Broker, Client, ClientOptions, Config, Subscription};
 use efabus_core::headers::Headers;
 use efabus_transports::conformance::pki::{self, Pki};
 use efabus_transports::registry::Registry;
+
+mod raw_common;
 use futures_util::StreamExt;
 
 /// Bound on every wait; things normally happen at once.
@@ -414,6 +416,58 @@ async fn a_queue_member_s_maximum_passes_the_rest_to_the_group() {
         got_other += 1;
     }
     assert_eq!(got_limited, 2, "the limited member took its maximum");
+}
+
+/// The limit the listener gives the broker counts deliveries from the
+/// first limit (a NATS queue member's, from its SUB): a total of 6 set
+/// after 4 deliveries lets 2 more through, whatever was on its way to
+/// the listener meanwhile, and the group's other member gets the rest
+/// (published by a client: the broker picks the member as it routes).
+#[test]
+fn a_delivery_limit_counts_from_the_first_limit() {
+    use efabus_core::frame::{DeliveryClass, Frame, Subscribe};
+    let broker = start("", "127.0.0.1:0");
+    let mut raw = raw_common::Raw::connect(&broker);
+    raw.hello_as_client("limited");
+    raw.send(&Frame::Subscribe(Subscribe {
+        sid: 1,
+        pattern: "work".to_string(),
+        queue: Some("g".to_string()),
+        class: DeliveryClass::Reliable,
+    }));
+    raw.send(&Frame::UnsubscribeAfter {
+        sid: 1,
+        total: u64::MAX,
+    });
+    raw.send(&Frame::Ping { nonce: 1 });
+    raw.expect("the pong", |f| matches!(f, Frame::Pong { nonce: 1 }));
+    let messages = |raw: &mut raw_common::Raw| {
+        raw.frames_for(Duration::from_millis(300))
+            .iter()
+            .filter(|f| matches!(f, Frame::Message(_)))
+            .count()
+    };
+    let publisher = native(&broker);
+    for _ in 0..4 {
+        publisher.publish("work", &b"alone"[..]).expect("publish");
+    }
+    publisher.flush(WAIT).expect("flushed");
+    assert_eq!(messages(&mut raw), 4, "the only member");
+    let other = native(&broker);
+    let rest = other.queue_subscribe("work", "g").expect("subscribes");
+    other.flush(WAIT).expect("flushed");
+    raw.send(&Frame::UnsubscribeAfter { sid: 1, total: 6 });
+    raw.send(&Frame::Ping { nonce: 2 });
+    raw.expect("the pong", |f| matches!(f, Frame::Pong { nonce: 2 }));
+    for _ in 0..20 {
+        publisher.publish("work", &b"shared"[..]).expect("publish");
+    }
+    publisher.flush(WAIT).expect("flushed");
+    assert_eq!(messages(&mut raw), 2, "up to 6 in all");
+    for _ in 0..18 {
+        rest.recv_timeout(WAIT)
+            .expect("the rest at the other member");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -866,8 +866,8 @@ fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), Encode
         Frame::RoutePeers(p) => bincode::serde::encode_into_writer(p, writer, config),
         Frame::Challenge(c) => bincode::serde::encode_into_writer(c, writer, config),
         Frame::Dropped(d) => bincode::serde::encode_into_writer(d, writer, config),
-        Frame::UnsubscribeAfter { sid, remaining } => {
-            bincode::serde::encode_into_writer((sid, remaining), writer, config)
+        Frame::UnsubscribeAfter { sid, total } => {
+            bincode::serde::encode_into_writer((sid, total), writer, config)
         }
         Frame::Publish(_)
         | Frame::Message(_)
@@ -1507,7 +1507,7 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
         FrameKind::Dropped => Frame::Dropped(serde_value::<Dropped, D>(kind, de)?),
         FrameKind::UnsubscribeAfter => Frame::UnsubscribeAfter {
             sid: u64::decode(de).map_err(err)?,
-            remaining: u64::decode(de).map_err(err)?,
+            total: u64::decode(de).map_err(err)?,
         },
         FrameKind::Publish
         | FrameKind::Message
@@ -1918,10 +1918,7 @@ mod tests {
             (Frame::Ping { nonce: 3 }, FrameKind::Ping),
             (Frame::Unsubscribe { sid: 9 }, FrameKind::Unsubscribe),
             (
-                Frame::UnsubscribeAfter {
-                    sid: 9,
-                    remaining: 2,
-                },
+                Frame::UnsubscribeAfter { sid: 9, total: 2 },
                 FrameKind::UnsubscribeAfter,
             ),
             (

@@ -359,13 +359,16 @@ pub enum Frame {
     /// The accepting side's first frame: what a shared secret is proven
     /// against.
     Challenge(Challenge),
-    /// Ends a subscription once the broker has delivered this many more
-    /// messages to it (NATS's `UNSUB sid max`): a queue group's later
-    /// messages go to its other members, not to one that will drop them.
+    /// Ends a subscription once the broker has delivered `total` messages
+    /// to it, counted from the first such frame for it (NATS's `UNSUB sid
+    /// max`; a NATS queue subscription is counted from its `SUB`, with
+    /// `u64::MAX` at first): a queue group's later messages go to its
+    /// other members, not to one that will drop them. A later frame
+    /// changes the total; one already reached ends the subscription.
     UnsubscribeAfter {
         /// The id the subscription was registered with.
         sid: u64,
-        /// Messages still to deliver; 0 ends it at once.
-        remaining: u64,
+        /// Deliveries in all, from the first such frame.
+        total: u64,
     },
 }

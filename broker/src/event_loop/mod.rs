@@ -1097,9 +1097,9 @@ impl EventLoop {
                 for &target in run.targets.iter() {
                     self.deliver_remote(target, &run.subject, message.reply.as_deref(), payload);
                 }
-            }
-            if !self.limits_reached.is_empty() {
-                self.end_limited_subscriptions();
+                if !self.limits_reached.is_empty() {
+                    self.end_limited_subscriptions();
+                }
             }
             delivered += end - message_at;
             message_at = end;
@@ -1872,9 +1872,9 @@ impl EventLoop {
         let limited = (!session.limited.is_empty())
             .then(|| session.limited.get_mut(&target.sid))
             .flatten();
-        if let Some(left) = limited {
-            *left -= 1;
-            if *left == 0 {
+        if let Some(limit) = limited {
+            limit.delivered += 1;
+            if limit.delivered >= limit.total {
                 session.limited.remove(&target.sid);
                 self.limits_reached.push(target);
             }

@@ -130,9 +130,9 @@ pub(super) struct Session {
     /// Frames that came behind a hello being checked, handled once it is
     /// (at most [`DEFERRED_MAX`]).
     pub deferred: Vec<Bytes>,
-    /// A client's subscriptions that end after so many more deliveries
+    /// A client's subscriptions that end after so many deliveries
     /// (`Frame::UnsubscribeAfter`), by id: a subset of its subscriptions.
-    pub limited: HashMap<u64, u64>,
+    pub limited: HashMap<u64, DeliveryLimit>,
     /// The peer's hello carried the route credential (or none is needed):
     /// only then may it say it is a broker and become a route.
     pub may_route: bool,
@@ -161,6 +161,16 @@ pub(super) struct Session {
     /// When the session began, and what it moved since.
     pub since: SystemTime,
     pub counts: SessionCounts,
+}
+
+/// Deliveries to a subscription counted against its limit
+/// (`Frame::UnsubscribeAfter`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct DeliveryLimit {
+    /// Delivered since the first limit came.
+    pub delivered: u64,
+    /// The subscription ends once `delivered` reaches it.
+    pub total: u64,
 }
 
 /// Frames a peer may send behind a hello that is being checked.
@@ -610,8 +620,8 @@ impl EventLoop {
             }
             (SessionState::Ready, Frame::Subscribe(subscribe)) => self.on_subscribe(id, subscribe),
             (SessionState::Ready, Frame::Unsubscribe { sid }) => self.on_unsubscribe(id, sid),
-            (SessionState::Ready, Frame::UnsubscribeAfter { sid, remaining }) => {
-                self.on_unsubscribe_after(id, sid, remaining)
+            (SessionState::Ready, Frame::UnsubscribeAfter { sid, total }) => {
+                self.on_unsubscribe_after(id, sid, total)
             }
             (_, other) => return Some(other),
         }
@@ -944,19 +954,27 @@ impl EventLoop {
         self.sync_interest();
     }
 
-    /// A client's subscription `sid` ends after `remaining` more
-    /// deliveries, counted as the broker routes them (`deliver_remote`),
-    /// so that a queue group's messages past them go to other members.
-    fn on_unsubscribe_after(&mut self, id: u64, sid: u64, remaining: u64) {
-        if remaining == 0 {
-            return self.on_unsubscribe(id, sid);
+    /// A client's subscription `sid` ends once `total` messages are
+    /// delivered to it, counted from the first such limit as the broker
+    /// routes them (`deliver_remote`), so that a queue group's messages
+    /// past them go to other members.
+    fn on_unsubscribe_after(&mut self, id: u64, sid: u64, total: u64) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Role::Client(subscriptions) = &session.role else {
+            return;
+        };
+        if !subscriptions.contains_key(&sid) {
+            return;
         }
-        if let Some(session) = self.sessions.get_mut(&id) {
-            if let Role::Client(subscriptions) = &session.role {
-                if subscriptions.contains_key(&sid) {
-                    session.limited.insert(sid, remaining);
-                }
-            }
+        let limit = session.limited.entry(sid).or_insert(DeliveryLimit {
+            delivered: 0,
+            total,
+        });
+        limit.total = total;
+        if limit.delivered >= total {
+            self.on_unsubscribe(id, sid);
         }
     }
 

@@ -155,6 +155,9 @@ struct Verdict {
 struct Sub {
     /// The client's sid, as it wrote it.
     name: String,
+    /// A queue group's member: the broker counts its deliveries from the
+    /// start (see `unsub_line`).
+    queue: bool,
     /// Auto-unsubscribe after this many deliveries (`UNSUB sid max`).
     max: Option<u64>,
     delivered: u64,
@@ -647,6 +650,7 @@ impl NatsSession {
             sid,
             Sub {
                 name: name.to_string(),
+                queue: queue.is_some(),
                 max: None,
                 delivered: 0,
             },
@@ -657,6 +661,12 @@ impl NatsSession {
             queue: queue.map(|queue| queue.to_string()),
             class: DeliveryClass::Reliable,
         })));
+        if queue.is_some() {
+            // Counted by the broker from here: a maximum set later holds
+            // with the messages on their way here counted too.
+            let total = u64::MAX;
+            to_broker.push(control(&Frame::UnsubscribeAfter { sid, total }));
+        }
         Ok(Some(sid))
     }
 
@@ -675,8 +685,10 @@ impl NatsSession {
                 sub.max = Some(max);
                 // The broker counts them too, as it routes: a queue
                 // group's messages past the maximum go to other members.
-                let remaining = max - sub.delivered;
-                to_broker.push(control(&Frame::UnsubscribeAfter { sid, remaining }));
+                // A queue member's deliveries are counted from its SUB;
+                // another's from now, and only what it still takes.
+                let total = if sub.queue { max } else { max - sub.delivered };
+                to_broker.push(control(&Frame::UnsubscribeAfter { sid, total }));
             }
             _ => self.end_sub(sid, to_broker),
         }
@@ -1175,11 +1187,29 @@ pub(super) mod tests {
             (sub.pattern.as_str(), sub.queue.as_deref()),
             ("a.*", Some("q"))
         );
-        // The SUB, the ping that brings its verdict, and the maximum for
-        // the broker to count as well.
+        // A queue member: the broker counts its deliveries from the SUB
+        // (no limit yet), then the ping that brings the SUB's verdict, and
+        // the maximum, in all, for the broker to hold it to as well.
         let sid = sub.sid;
+        let limits: Vec<(u64, u64)> = frames
+            .iter()
+            .filter_map(|frame| match frame {
+                Frame::UnsubscribeAfter { sid, total } => Some((*sid, *total)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(limits, [(sid, u64::MAX), (sid, 2)], "{frames:?}");
+        // Not a queue member: the broker counts from the UNSUB what it
+        // still takes.
+        let (frames, _, _) = feed(&mut s, b"SUB b beta\r\n");
+        let Frame::Subscribe(plain) = &frames[0] else {
+            panic!("{frames:?}")
+        };
+        let plain = plain.sid;
+        let (_, _, _) = deliver(&mut s, &message(plain, "b", None, b"x"));
+        let (frames, _, _) = feed(&mut s, b"UNSUB beta 3\r\n");
         assert!(
-            matches!(frames[2..], [Frame::Ping { .. }, Frame::UnsubscribeAfter { sid: limited, remaining: 2 }] if limited == sid),
+            matches!(frames[..], [Frame::UnsubscribeAfter { sid, total: 2 }] if sid == plain),
             "{frames:?}"
         );
         let (out, back, _) = deliver(&mut s, &message(sid, "a.x", None, b"one"));
@@ -1193,7 +1223,7 @@ pub(super) mod tests {
         assert!(matches!(back[..], [Frame::Unsubscribe { sid: gone }] if gone == sid));
         let (out, _, _) = deliver(&mut s, &message(sid, "a.z", None, b"three"));
         assert_eq!(out, "", "past the maximum");
-        assert_eq!(s.subscriptions(), 0);
+        assert_eq!(s.subscriptions(), 1, "`beta` is left");
     }
 
     /// Pings waiting in the output behind what a slow client has not read
