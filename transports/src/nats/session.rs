@@ -155,6 +155,8 @@ struct Verdict {
 struct Sub {
     /// The client's sid, as it wrote it.
     name: String,
+    /// Its subject pattern: a refusal names it.
+    pattern: String,
     /// A queue group's member: the broker counts its deliveries from the
     /// start (see `unsub_line`).
     queue: bool,
@@ -650,6 +652,7 @@ impl NatsSession {
             sid,
             Sub {
                 name: name.to_string(),
+                pattern: pattern.to_string(),
                 queue: queue.is_some(),
                 max: None,
                 delivered: 0,
@@ -888,11 +891,25 @@ impl NatsSession {
                     return Ok(());
                 }
                 // The broker has no subscription for a SUB it refused: it
-                // does not count here either. The refusal names no sid; the
-                // SUB is the operation whose verdict comes next.
-                let refused_sub = self.verdicts.front().and_then(|verdict| verdict.sub);
-                if let (true, Some(sid)) = (refused_subscription(&error), refused_sub) {
-                    self.forget_sub(sid);
+                // does not count here either. The refusal names no sid,
+                // only the pattern: the SUB is the operation whose verdict
+                // comes next if that is its pattern; else (a SUB the
+                // broker took up later, under an inbox it waited for) the
+                // one SUB holding it.
+                if let Some(pattern) = refused_subscription(&error) {
+                    let holds =
+                        |sid: &u64| self.subs.get(sid).is_some_and(|s| s.pattern == pattern);
+                    let next = self.verdicts.front().and_then(|verdict| verdict.sub);
+                    let refused = next.filter(holds).or_else(|| {
+                        let mut holding = self.subs.iter().filter(|(_, s)| s.pattern == pattern);
+                        match (holding.next(), holding.next()) {
+                            (Some((&sid, _)), None) => Some(sid),
+                            _ => None,
+                        }
+                    });
+                    if let Some(sid) = refused {
+                        self.forget_sub(sid);
+                    }
                 }
                 put_err(to_client, &text);
                 self.refused |= !self.verdicts.is_empty();
@@ -925,13 +942,16 @@ fn refused_publish_subject(error: &ErrorFrame) -> bool {
     error.code == ErrorCode::InvalidSubject && error.text.starts_with("invalid subject ")
 }
 
-/// Whether the broker's error refuses a subscription.
-fn refused_subscription(error: &ErrorFrame) -> bool {
+/// The pattern of a subscription the broker refused, from its error.
+fn refused_subscription(error: &ErrorFrame) -> Option<&str> {
+    let text = error.text.as_str();
     match error.code {
-        ErrorCode::PermissionDenied => error.text.starts_with("permission denied: subscribe"),
-        ErrorCode::InvalidSubject => !refused_publish_subject(error),
-        ErrorCode::TooManySubscriptions => true,
-        _ => false,
+        ErrorCode::PermissionDenied => quoted(text.strip_prefix("permission denied: subscribe")?),
+        ErrorCode::InvalidSubject if !refused_publish_subject(error) => quoted(text),
+        ErrorCode::TooManySubscriptions => text
+            .split_once("reached; ")
+            .and_then(|(_, rest)| rest.strip_suffix(" refused")),
+        _ => None,
     }
 }
 
@@ -1240,6 +1260,46 @@ pub(super) mod tests {
         let (out, _, result) = deliver(&mut s, &Frame::Ping { nonce: 6 });
         assert_eq!(out, "-ERR 'Stale Connection'\r\n");
         assert!(result.is_err());
+    }
+
+    /// A refusal that comes later than its SUB's verdict (the broker
+    /// made the SUB wait for an inbox and refused it when it took it up)
+    /// forgets that SUB, not the one whose verdict is due.
+    #[test]
+    fn a_late_refusal_forgets_the_sub_it_names() {
+        let mut s = session();
+        let (frames, _, _) = feed(&mut s, b"CONNECT {}\r\nSUB _INBOX.r.> 1\r\nSUB b 2\r\n");
+        let pings: Vec<u64> = frames
+            .iter()
+            .filter_map(|frame| match frame {
+                Frame::Ping { nonce } => Some(*nonce),
+                _ => None,
+            })
+            .collect();
+        for nonce in pings {
+            assert_eq!(deliver(&mut s, &Frame::Pong { nonce }).2, Ok(()));
+        }
+        let (frames, _, _) = feed(&mut s, b"SUB c 3\r\n");
+        assert!(matches!(
+            frames[..],
+            [Frame::Subscribe(_), Frame::Ping { .. }]
+        ));
+        let late = Frame::Error(ErrorFrame {
+            code: ErrorCode::PermissionDenied,
+            text: "permission denied: subscribe to \"_INBOX.r.>\" (the inbox is another \
+                   connection's, user \"u\")"
+                .into(),
+            fatal: false,
+        });
+        assert_eq!(deliver(&mut s, &late).2, Ok(()));
+        assert_eq!(s.subscriptions(), 2);
+        let (frames, _, _) = feed(&mut s, b"UNSUB 1\r\n");
+        assert!(frames.is_empty(), "the inbox SUB is forgotten: {frames:?}");
+        let (frames, _, _) = feed(&mut s, b"UNSUB 3\r\n");
+        assert!(
+            matches!(frames[..], [Frame::Unsubscribe { .. }]),
+            "`c` is held: {frames:?}"
+        );
     }
 
     /// A SUB the broker refuses holds nothing here either: it does not
