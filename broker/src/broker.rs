@@ -1159,7 +1159,7 @@ impl Broker {
         queue: Option<&str>,
         answer: delivery::Answer,
     ) -> Result<Responder, Error> {
-        let (sink, reader, stats) = LocalSink::answering(answer, self.shared.answer_origin);
+        let (sink, reader, stats) = LocalSink::answering(&answer, self.shared.answer_origin);
         let sid = self.register(pattern, queue, sink)?;
         let owner: Arc<dyn SubscriptionOwner> = self.shared.clone();
         Ok(Responder::new(
@@ -1169,6 +1169,7 @@ impl Broker {
             reader,
             stats,
             owner,
+            answer,
         ))
     }
 

@@ -1329,7 +1329,7 @@ impl Client {
         answer: crate::delivery::Answer,
     ) -> Result<Responder, Error> {
         let shared = &self.shared;
-        let (sink, reader, stats) = LocalSink::answering(answer, shared.answer_origin);
+        let (sink, reader, stats) = LocalSink::answering(&answer, shared.answer_origin);
         let sid = self.add_subscription(pattern, queue, DeliveryClass::Reliable, sink)?;
         let owner: Arc<dyn SubscriptionOwner> = shared.clone();
         let responder = Responder::new(
@@ -1339,6 +1339,7 @@ impl Client {
             reader,
             stats,
             owner,
+            answer,
         );
         shared.send_command(Command::Subscribe { sid })?;
         Ok(responder)

@@ -495,8 +495,16 @@ pub(crate) struct LocalSink {
     held: AtomicUsize,
     /// A responder's handler, and the broker or client it answers through
     /// ([`new_answer_origin`]): messages go to it instead of the queue.
-    answer: Option<(Answer, usize)>,
+    /// Weak: the [`Responder`] owns the handler, so that what it captured
+    /// is dropped where the responder is, never where a sink's last
+    /// reference goes (under a subscription table's lock, from a
+    /// publisher's cache or a lookup's list: a captured subscription's
+    /// unsubscribe there would wait for that lock for ever).
+    answer: Option<(WeakAnswer, usize)>,
 }
+
+/// What a responder's sink keeps of its handler.
+type WeakAnswer = std::sync::Weak<dyn Fn(&Message) -> Option<Bytes> + Send + Sync>;
 
 /// A responder's handler ([`crate::Broker::respond`]).
 pub(crate) type Answer = Arc<dyn Fn(&Message) -> Option<Bytes> + Send + Sync>;
@@ -628,12 +636,12 @@ impl LocalSink {
     /// that delivers it, its replies for `origin` to publish. The queue
     /// only marks the responder closed.
     pub(crate) fn answering(
-        answer: Answer,
+        answer: &Answer,
         origin: usize,
     ) -> (LocalSink, QueueReader, Arc<SubscriptionStats>) {
         let (mut sink, reader, stats) =
             LocalSink::new(1, SlowConsumerPolicy::DropOldest, Duration::ZERO);
-        sink.answer = Some((answer, origin));
+        sink.answer = Some((Arc::downgrade(answer), origin));
         (sink, reader, stats)
     }
 
@@ -763,7 +771,11 @@ impl LocalSink {
         hold: bool,
     ) -> Delivery {
         if let Some((answer, origin)) = &self.answer {
-            return self.answer_now(answer, *origin, subject, reply, headers, payload);
+            // Gone with its responder, which closed the queue first.
+            let Some(answer) = answer.upgrade() else {
+                return Delivery::Closed;
+            };
+            return self.answer_now(&answer, *origin, subject, reply, headers, payload);
         }
         let queue = &*self.queue;
         let mut state = queue.state.lock();
@@ -1687,6 +1699,8 @@ pub struct Responder {
     queue: Arc<Queue>,
     stats: Arc<SubscriptionStats>,
     owner: Arc<dyn SubscriptionOwner>,
+    /// The handler, dropped with this (its sink holds it weakly).
+    _handler: Answer,
 }
 
 impl std::fmt::Debug for Responder {
@@ -1707,6 +1721,7 @@ impl Responder {
         reader: QueueReader,
         stats: Arc<SubscriptionStats>,
         owner: Arc<dyn SubscriptionOwner>,
+        handler: Answer,
     ) -> Responder {
         Responder {
             sid,
@@ -1715,6 +1730,7 @@ impl Responder {
             queue: reader.queue,
             stats,
             owner,
+            _handler: handler,
         }
     }
 

@@ -725,3 +725,40 @@ fn a_reply_over_the_payload_limit_is_dropped_and_counted() {
     assert!(matches!(lost, Err(Error::Timeout(_))), "{lost:?}");
     assert_eq!(responder.stats().dropped(), 2);
 }
+
+/// A responder's handler that owns a subscription is dropped with the
+/// responder, not where the last reference to its sink goes: a
+/// publisher's cache still held the sink, and dropping the handler while
+/// refreshing that cache under the subscription table's lock made the
+/// captured subscription's unsubscribe wait for that lock for ever.
+#[test]
+fn a_handler_owning_a_subscription_is_dropped_without_a_deadlock() {
+    let broker = Arc::new(broker(""));
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn({
+        let broker = Arc::clone(&broker);
+        move || {
+            let owned = broker.subscribe("events").expect("subscribes");
+            let responder = broker
+                .respond("svc", move |_| {
+                    let _ = owned.pending();
+                    None
+                })
+                .expect("responds");
+            // This thread's cache now holds the responder's sink.
+            broker.publish("svc", &b"one"[..]).expect("publish");
+            drop(responder);
+            // The cache is refreshed: the sink's last reference goes.
+            broker.publish("svc", &b"two"[..]).expect("publish");
+            broker.publish("other", &b"three"[..]).expect("publish");
+            let _ = done.send(());
+        }
+    });
+    if finished.recv_timeout(WAIT).is_err() {
+        // A thread stuck holding the table's lock would hold up the
+        // broker's shutdown too.
+        std::mem::forget(broker);
+        panic!("publishing after dropping the responder hung");
+    }
+    assert_eq!(broker.subscription_count(), 0, "both gone");
+}
