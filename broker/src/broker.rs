@@ -49,6 +49,10 @@ use crate::subscriptions::{SubRef, SubscriptionTable, Targets, LOCAL_OWNER};
 /// for remote subscribers, before a thread that adds one waits.
 const COMMAND_QUEUE: usize = 65_536;
 
+/// Replies a broker's request inbox holds at least (see
+/// `Broker::reply_inbox`).
+const REPLY_INBOX_MIN: usize = 4096;
+
 /// A secret the broker checks travels in the clear on a TCP listener
 /// without TLS: say so at start for each such listener reachable from
 /// other hosts (loopback is this host's own).
@@ -1106,13 +1110,15 @@ impl Broker {
 
     /// Subscribe to a pattern (`*` one token, `>` the rest).
     pub fn subscribe(&self, pattern: &str) -> Result<Subscription, Error> {
-        self.subscribe_inner(pattern, None, self.shared.live.policy())
+        let capacity = self.shared.live.subscription_queue();
+        self.subscribe_inner(pattern, None, self.shared.live.policy(), capacity)
     }
 
     /// Subscribe as a member of a queue group: each message matching the
     /// pattern goes to one member of the group.
     pub fn queue_subscribe(&self, pattern: &str, group: &str) -> Result<Subscription, Error> {
-        self.subscribe_inner(pattern, Some(group), self.shared.live.policy())
+        let capacity = self.shared.live.subscription_queue();
+        self.subscribe_inner(pattern, Some(group), self.shared.live.policy(), capacity)
     }
 
     /// Answer requests on `pattern` with `handler`: each message that
@@ -1178,13 +1184,10 @@ impl Broker {
         pattern: &str,
         queue: Option<&str>,
         policy: SlowConsumerPolicy,
+        capacity: usize,
     ) -> Result<Subscription, Error> {
         let shared = &self.shared;
-        let (sink, rx, stats) = LocalSink::new(
-            shared.live.subscription_queue(),
-            policy,
-            shared.live.block_timeout(),
-        );
+        let (sink, rx, stats) = LocalSink::new(capacity, policy, shared.live.block_timeout());
         let sid = self.register(pattern, queue, sink)?;
         let owner: Arc<dyn SubscriptionOwner> = shared.clone();
         Ok(Subscription::new(
@@ -1280,16 +1283,21 @@ impl Broker {
     /// ones, second ones) gather there until the next request drops them:
     /// whatever the configured slow-consumer policy, the oldest of them go
     /// when it is full, so they neither hold up their publishers (`block`)
-    /// nor end the inbox (`disconnect`).
+    /// nor end the inbox (`disconnect`). It holds at least
+    /// [`REPLY_INBOX_MIN`] whatever `limits.subscription_queue` says: all
+    /// of a handle's requests share it, and a queue lowered to hold
+    /// subscribers' publishers back would drop replies still waited for.
     fn reply_inbox(&self) -> Result<Arc<ReplyInbox>, Error> {
         let mut replies = self.replies.lock();
         if let Some(inbox) = &*replies {
             return Ok(inbox.clone());
         }
+        let capacity = self.shared.live.subscription_queue().max(REPLY_INBOX_MIN);
         let subscription = self.subscribe_inner(
             &format!("{}.*", self.shared.inbox_prefix),
             None,
             SlowConsumerPolicy::DropOldest,
+            capacity,
         )?;
         self.shared
             .inbox_sid

@@ -762,3 +762,28 @@ fn a_handler_owning_a_subscription_is_dropped_without_a_deadlock() {
     }
     assert_eq!(broker.subscription_count(), 0, "both gone");
 }
+
+/// Requests made at once share their handle's inbox, which holds more
+/// replies than a lowered `limits.subscription_queue`: replies still
+/// waited for are not dropped for the room.
+#[test]
+fn concurrent_requests_get_their_replies_with_a_small_subscription_queue() {
+    let broker = Arc::new(broker("[limits]\nsubscription_queue = 2\n"));
+    let _echo = broker
+        .respond("svc.echo", |request| Some(request.payload.clone()))
+        .expect("responds");
+    std::thread::scope(|scope| {
+        for thread in 0..16u32 {
+            let broker = &broker;
+            scope.spawn(move || {
+                for n in 0..200u32 {
+                    let payload = Bytes::from(format!("{thread}-{n}"));
+                    let reply = broker
+                        .request("svc.echo", payload.clone(), WAIT)
+                        .expect("a reply");
+                    assert_eq!(reply.payload, payload);
+                }
+            });
+        }
+    });
+}
