@@ -121,7 +121,8 @@ pub struct BrokerStats {
     pub slow_consumer_disconnects: AtomicU64,
     /// Messages queued for a remote peer that were discarded with its
     /// connection: cut off as a slow consumer, lost, or still queued when
-    /// the shutdown drain time ran out.
+    /// the shutdown drain time ran out; also those an in-process publisher
+    /// had routed to it that still waited for the event loop when it went.
     pub connection_drops: AtomicU64,
     /// Frames a peer's reliable data link had sent that the peer had not
     /// acknowledged when its session ended: taken by the peer before it

@@ -1859,6 +1859,10 @@ impl EventLoop {
             }
         }
         let Some(session) = self.sessions.get_mut(&target.owner) else {
+            // Routed to a peer gone since (an in-process publisher's
+            // message, its targets picked on its thread, that waited for
+            // this loop): lost with that connection.
+            BrokerStats::add(&self.shared.stats.connection_drops, 1);
             return;
         };
         let over_peer_limits = session
