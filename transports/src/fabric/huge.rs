@@ -121,12 +121,12 @@ impl Drop for HugePages {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+mod tests {
     use super::*;
 
     /// The lines `/proc/self/smaps` gives for the mapping that holds
     /// `addr`.
-    pub(in crate::fabric) fn smaps_of(addr: usize) -> Vec<String> {
+    fn smaps_of(addr: usize) -> Vec<String> {
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
         let mut lines = Vec::new();
         let mut inside = false;
