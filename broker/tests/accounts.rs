@@ -134,16 +134,32 @@ fn checking_hashes_holds_up_nobody_else() {
 /// checked off the loop, is handled once it is logged in, in order.
 #[test]
 fn frames_behind_a_hello_being_checked_wait_for_its_verdict() {
+    use efabus_core::codec::encode;
     let broker = broker();
-    let mut raw = Raw::connect(&broker);
-    let Frame::Hello(mut hello) = raw_common::client_hello("pipelined") else {
-        unreachable!("a hello")
+    let hello = |name: &str, password: &str| {
+        let Frame::Hello(mut hello) = raw_common::client_hello(name) else {
+            unreachable!("a hello")
+        };
+        hello.user = Some("alice".to_string());
+        hello.credentials = Some(password.to_string());
+        Frame::Hello(hello)
     };
-    hello.user = Some("alice".to_string());
-    hello.credentials = Some("alice-password".to_string());
-    raw.send(&Frame::Hello(hello));
-    raw.send(&raw_common::subscribe(1, "orders.new"));
-    raw.send(&Frame::Ping { nonce: 7 });
+    // A hello and the frames behind it, in one write, so that they all
+    // arrive before the verdict.
+    let pipelined = |hello: &Frame, behind: &[Frame]| {
+        let raw = Raw::connect(&broker);
+        let mut bytes = encode(hello).to_bytes().to_vec();
+        for frame in behind {
+            bytes.extend_from_slice(&encode(frame).to_bytes());
+        }
+        std::io::Write::write_all(&mut raw.stream(), &bytes).expect("written");
+        (raw, bytes.len() as u64)
+    };
+    let behind = [
+        raw_common::subscribe(1, "orders.new"),
+        Frame::Ping { nonce: 7 },
+    ];
+    let (mut raw, sent) = pipelined(&hello("pipelined", "alice-password"), &behind);
     raw.expect("the welcome", |f| matches!(f, Frame::Welcome(_)));
     raw.expect("the pong, after the subscription", |f| {
         matches!(f, Frame::Pong { nonce: 7 })
@@ -153,29 +169,25 @@ fn frames_behind_a_hello_being_checked_wait_for_its_verdict() {
         "the message",
         |f| matches!(f, Frame::Message(m) if m.sid == 1),
     );
+    // Each byte counted once, those kept waiting too.
+    assert_eq!(broker.stats().value("bytes_in"), Some(sent));
 
-    // What waits is bounded: past 64 frames the peer is refused.
-    let mut flood = Raw::connect(&broker);
-    let Frame::Hello(mut hello) = raw_common::client_hello("flood") else {
-        unreachable!("a hello")
+    // What waits is bounded: 64 frames are taken, more end the connection.
+    let pings = |count: u64| {
+        (0..count)
+            .map(|nonce| Frame::Ping { nonce })
+            .collect::<Vec<_>>()
     };
-    hello.user = Some("alice".to_string());
-    hello.credentials = Some("not-her-password".to_string());
-    // In one write, so they arrive before the verdict.
-    let mut bytes = efabus_core::codec::encode(&Frame::Hello(hello))
-        .to_bytes()
-        .to_vec();
-    for nonce in 0..100 {
-        bytes.extend_from_slice(&efabus_core::codec::encode(&Frame::Ping { nonce }).to_bytes());
-    }
-    std::io::Write::write_all(&mut flood.stream(), &bytes).expect("written");
+    let (mut raw, _) = pipelined(&hello("sixty-four", "alice-password"), &pings(64));
+    raw.expect("the welcome", |f| matches!(f, Frame::Welcome(_)));
+    raw.expect("the last pong", |f| matches!(f, Frame::Pong { nonce: 63 }));
+    let (mut flood, _) = pipelined(&hello("flood", "not-her-password"), &pings(100));
     let frames = flood.until_closed();
-    assert!(
-        frames
-            .iter()
-            .any(|f| matches!(f, Frame::Error(e) if e.code == ErrorCode::Protocol)),
-        "{frames:?}"
-    );
+    let refused = |f: &Frame| {
+        matches!(f, Frame::Error(e) if e.code == ErrorCode::Protocol
+            && e.text.contains("more than 64 frames behind a hello"))
+    };
+    assert!(frames.iter().any(refused), "{frames:?}");
     assert!(
         !frames.iter().any(|f| matches!(f, Frame::Pong { .. })),
         "{frames:?}"

@@ -1500,10 +1500,15 @@ impl EventLoop {
     /// The frame `message[range]`: a whole frame, or one of a run's.
     fn on_frame_in(&mut self, id: u64, message: &Bytes, range: Range<usize>) {
         let bytes = &message[range.clone()];
-        self.tally.bytes_in += bytes.len() as u64;
         let Some(session) = self.sessions.get_mut(&id) else {
+            self.tally.bytes_in += bytes.len() as u64;
             return;
         };
+        // A frame kept behind a hello being checked is counted when it is
+        // handled.
+        if !session.checking_hello {
+            self.tally.bytes_in += bytes.len() as u64;
+        }
         session.conn.liveness.heard(self.now);
         if matches!(session.state, SessionState::Closing { .. }) {
             // Nothing more is read, but the answers the data link's move
