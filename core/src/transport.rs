@@ -781,6 +781,8 @@ pub trait Endpoint: Send {
     /// Puts back the TLS configuration the last successful
     /// [`reload_tls`](Self::reload_tls) replaced: a broker whose other
     /// endpoint failed to reload keeps every endpoint on the files in use.
+    /// An endpoint that wraps another and passes `reload_tls` on must pass
+    /// this on too (the default does nothing).
     fn revert_tls(&mut self) {}
 
     /// New values, from a configuration reload, for what the endpoint was
