@@ -250,9 +250,10 @@ fn a_reload_one_listener_refuses_changes_no_listener() {
     assert!(connect(&broker, client_tls(&second, false)).is_err());
 }
 
-/// A reload reads the TLS files while the broker holds publishers back
+/// A reload reads new TLS files while the broker holds publishers back
 /// for a slow consumer under `block` (its event loop reads no commands
-/// then, and the reload does not wait for them).
+/// then, and the reload does not wait for them); a client dialing once
+/// the slow consumer has gone is given the new certificate.
 #[test]
 fn a_reload_takes_new_certificates_while_publishers_are_held_up() {
     let pki = Pki::new("reload-while-held");
@@ -296,13 +297,18 @@ fn a_reload_takes_new_certificates_while_publishers_are_held_up() {
     }
     std::thread::sleep(Duration::from_millis(100));
     assert!(!publisher.is_finished(), "the publisher is held up");
+    let second = Pki::new("reload-while-held-second");
+    std::fs::copy(&second.server_cert, &pki.server_cert).unwrap();
+    std::fs::copy(&second.server_key, &pki.server_key).unwrap();
     let reloaded = broker
         .reload(&broker.running_config())
         .expect("reloaded while publishers are held");
     assert_eq!(reloaded.applied, [TLS_FILES]);
-    broker.shutdown();
+    // The slow consumer goes: the broker serves again.
     drop(sub);
     drop(stalled);
+    connect(&broker, client_tls(&second, false)).expect("the new certificate is presented");
+    broker.shutdown();
     publisher.join().unwrap();
 }
 
