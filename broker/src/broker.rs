@@ -53,6 +53,22 @@ const COMMAND_QUEUE: usize = 65_536;
 /// `Broker::reply_inbox`).
 const REPLY_INBOX_MIN: usize = 4096;
 
+/// Payload bytes in-process publishes may have waiting for the event loop
+/// on their way to remote subscribers, at least (beside the
+/// [`COMMAND_QUEUE`] messages).
+const PUBLISHED_BYTES_MIN: usize = 64 << 20;
+
+/// What in-process publishes bound for remote subscribers may hold while
+/// they wait for the event loop: four times `limits.max_pending_bytes`
+/// (what one peer's queue holds), at least [`PUBLISHED_BYTES_MIN`].
+fn published_bytes(config: &Config) -> usize {
+    config
+        .limits
+        .max_pending_bytes
+        .saturating_mul(4)
+        .max(PUBLISHED_BYTES_MIN)
+}
+
 /// A secret the broker checks travels in the clear on a TCP listener
 /// without TLS: say so at start for each such listener reachable from
 /// other hosts (loopback is this host's own).
@@ -871,6 +887,7 @@ impl Broker {
             })
             .collect();
         let (commands, command_rx) = CommandQueue::new(waker, COMMAND_QUEUE);
+        let published = PublishedQueue::new(COMMAND_QUEUE, published_bytes(&config));
         let subject_limits = SubjectLimits {
             max_len: config.limits.max_subject_len,
             max_tokens: config.limits.max_subject_tokens,
@@ -895,7 +912,7 @@ impl Broker {
             reports_waiting: AtomicBool::new(false),
             checked_logins: Mutex::new(Vec::new()),
             logins_checked: AtomicBool::new(false),
-            published: PublishedQueue::new(COMMAND_QUEUE),
+            published,
             shutdown: AtomicBool::new(false),
             rounds: AtomicU64::new(0),
             round_watch,

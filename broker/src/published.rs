@@ -23,6 +23,13 @@ pub(crate) struct PublishedMessage {
     pub payload: Bytes,
 }
 
+impl PublishedMessage {
+    /// What it counts against the queue's bound in bytes.
+    pub fn size(&self) -> usize {
+        self.payload.len() + self.headers.as_ref().map_or(0, Bytes::len)
+    }
+}
+
 /// Messages published in a row on one subject for one set of targets.
 pub(crate) struct PublishedRun {
     pub targets: Arc<[SubRef]>,
@@ -30,7 +37,7 @@ pub(crate) struct PublishedRun {
     pub messages: Vec<PublishedMessage>,
 }
 
-/// The runs waiting for the event loop, bounded in messages.
+/// The runs waiting for the event loop, bounded in messages and in bytes.
 pub(crate) struct PublishedQueue {
     state: Mutex<State>,
     /// Whether `state.runs` holds any, written under the lock: a loop
@@ -40,6 +47,9 @@ pub(crate) struct PublishedQueue {
     room: Condvar,
     /// Messages waiting or taken and not yet delivered, at most.
     capacity: usize,
+    /// Their payload and header bytes, at most (one message larger goes
+    /// alone).
+    capacity_bytes: usize,
 }
 
 struct State {
@@ -47,6 +57,8 @@ struct State {
     /// Messages in `runs` and those the loop took and has not yet
     /// reported delivered: what the bound counts.
     queued: usize,
+    /// Their payload and header bytes.
+    queued_bytes: usize,
     /// Messages ever pushed: a flush waits for the loop to have delivered
     /// as many.
     pushed: u64,
@@ -57,11 +69,12 @@ struct State {
 }
 
 impl PublishedQueue {
-    pub fn new(capacity: usize) -> PublishedQueue {
+    pub fn new(capacity: usize, capacity_bytes: usize) -> PublishedQueue {
         PublishedQueue {
             state: Mutex::new(State {
                 runs: Vec::new(),
                 queued: 0,
+                queued_bytes: 0,
                 pushed: 0,
                 producers_waiting: 0,
                 closed: false,
@@ -69,7 +82,14 @@ impl PublishedQueue {
             has_runs: AtomicBool::new(false),
             room: Condvar::new(),
             capacity,
+            capacity_bytes,
         }
+    }
+
+    /// Whether `state` has no room for a message of `size` bytes.
+    fn full(&self, state: &State, size: usize) -> bool {
+        state.queued >= self.capacity
+            || (state.queued > 0 && state.queued_bytes.saturating_add(size) > self.capacity_bytes)
     }
 
     /// Queues `message` for `targets`, behind the last run when it is for
@@ -88,9 +108,10 @@ impl PublishedQueue {
         timeout: Duration,
         wake: impl Fn(bool),
     ) -> Result<(), Error> {
+        let size = message.size();
         let mut state = self.state.lock();
-        if state.queued >= self.capacity && !state.closed {
-            self.wait_for_room(&mut state, timeout, &wake)?;
+        if self.full(&state, size) && !state.closed {
+            self.wait_for_room(&mut state, size, timeout, &wake)?;
         }
         if state.closed {
             return Err(Error::Closed);
@@ -112,6 +133,7 @@ impl PublishedQueue {
             }),
         }
         state.queued += 1;
+        state.queued_bytes += size;
         state.pushed += 1;
         drop(state);
         wake(first);
@@ -123,11 +145,12 @@ impl PublishedQueue {
     fn wait_for_room(
         &self,
         state: &mut MutexGuard<'_, State>,
+        size: usize,
         timeout: Duration,
         wake: &impl Fn(bool),
     ) -> Result<(), Error> {
         let deadline = Instant::now().checked_add(timeout);
-        while state.queued >= self.capacity && !state.closed {
+        while self.full(state, size) && !state.closed {
             MutexGuard::unlocked(state, || crate::drive::before_blocking(|| wake(true)));
             state.producers_waiting += 1;
             let timed_out = match deadline {
@@ -138,7 +161,7 @@ impl PublishedQueue {
                 }
             };
             state.producers_waiting -= 1;
-            if timed_out && state.queued >= self.capacity && !state.closed {
+            if timed_out && self.full(state, size) && !state.closed {
                 return Err(Error::Blocked(timeout));
             }
         }
@@ -160,11 +183,13 @@ impl PublishedQueue {
         self.has_runs.store(false, Ordering::Release);
     }
 
-    /// For the loop: `count` messages it took are delivered, which makes
-    /// room for as many.
-    pub fn delivered(&self, count: usize) {
+    /// For the loop: `count` messages it took, of `bytes` in all (as
+    /// [`PublishedMessage::size`] counts them), are delivered, which makes
+    /// room for them.
+    pub fn delivered(&self, count: usize, bytes: usize) {
         let mut state = self.state.lock();
         state.queued -= count.min(state.queued);
+        state.queued_bytes -= bytes.min(state.queued_bytes);
         if state.producers_waiting > 0 {
             self.room.notify_all();
         }
@@ -240,7 +265,7 @@ mod tests {
 
     #[test]
     fn messages_for_the_same_targets_and_subject_join_one_run_in_order() {
-        let queue = PublishedQueue::new(16);
+        let queue = PublishedQueue::new(16, usize::MAX);
         let (a, b) = (targets(1), targets(2));
         let (x, y): (Arc<str>, Arc<str>) = (Arc::from("x"), Arc::from("y"));
         let wakes = Cell::new(0);
@@ -266,7 +291,7 @@ mod tests {
         assert!(Arc::ptr_eq(&runs[2].targets, &b) && Arc::ptr_eq(&runs[2].subject, &y));
         // Taken, the messages wait until reported delivered.
         assert!(queue.outstanding());
-        queue.delivered(5);
+        queue.delivered(5, 5);
         assert!(!queue.outstanding());
         // Emptied by the take, the queue wakes the loop again.
         queue.push(&a, &x, message(6), second, wake).unwrap();
@@ -275,7 +300,7 @@ mod tests {
 
     #[test]
     fn a_full_queue_blocks_until_the_loop_reports_delivery() {
-        let queue = Arc::new(PublishedQueue::new(2));
+        let queue = Arc::new(PublishedQueue::new(2, usize::MAX));
         let (a, x): (Arc<[SubRef]>, Arc<str>) = (targets(1), Arc::from("x"));
         let short = Duration::from_millis(20);
         queue.push(&a, &x, message(1), short, |_| {}).unwrap();
@@ -294,7 +319,7 @@ mod tests {
         // A producer waiting for room goes on once the loop reports the
         // two delivered.
         let waiting = push_waiting(&queue, &a, &x, 3);
-        queue.delivered(2);
+        queue.delivered(2, 2);
         waiting.join().unwrap().unwrap();
         let mut last = Vec::new();
         queue.take(&mut last);
@@ -302,8 +327,36 @@ mod tests {
     }
 
     #[test]
+    fn the_bytes_waiting_are_bounded_but_for_one_message() {
+        let queue = Arc::new(PublishedQueue::new(100, 10));
+        let (a, x): (Arc<[SubRef]>, Arc<str>) = (targets(1), Arc::from("x"));
+        let sized = |len: usize| PublishedMessage {
+            reply: None,
+            headers: Some(Bytes::from(vec![0; 2])),
+            payload: Bytes::from(vec![7; len]),
+        };
+        let short = Duration::from_millis(20);
+        // One message over the bound goes alone.
+        queue.push(&a, &x, sized(30), short, |_| {}).unwrap();
+        assert!(matches!(
+            queue.push(&a, &x, sized(1), short, |_| {}),
+            Err(Error::Blocked(_))
+        ));
+        let mut runs = Vec::new();
+        queue.take(&mut runs);
+        queue.delivered(1, 32);
+        // Headers count: 4 + 4 bytes fit in 10, a third does not.
+        queue.push(&a, &x, sized(2), short, |_| {}).unwrap();
+        queue.push(&a, &x, sized(2), short, |_| {}).unwrap();
+        assert!(matches!(
+            queue.push(&a, &x, sized(2), short, |_| {}),
+            Err(Error::Blocked(_))
+        ));
+    }
+
+    #[test]
     fn a_closed_queue_refuses_pushes_and_releases_waiting_producers() {
-        let queue = Arc::new(PublishedQueue::new(1));
+        let queue = Arc::new(PublishedQueue::new(1, usize::MAX));
         let (a, x): (Arc<[SubRef]>, Arc<str>) = (targets(1), Arc::from("x"));
         queue
             .push(&a, &x, message(1), Duration::ZERO, |_| {})

@@ -1073,7 +1073,7 @@ impl EventLoop {
     fn deliver_published(&mut self, max: usize) -> usize {
         let mut runs = std::mem::take(&mut self.published);
         let (mut run_at, mut message_at) = self.published_next;
-        let mut delivered = 0;
+        let (mut delivered, mut delivered_bytes) = (0, 0);
         let mut joined = Bytes::new();
         while delivered < max {
             let Some(run) = runs.get(run_at) else {
@@ -1093,6 +1093,7 @@ impl EventLoop {
                 .min(message_at.saturating_add(max - delivered));
             for message in &run.messages[message_at..end] {
                 let payload = Payload::of_parts(&message.headers, &message.payload, &mut joined);
+                delivered_bytes += message.size();
                 self.encoded_valid = false;
                 for &target in run.targets.iter() {
                     self.deliver_remote(target, &run.subject, message.reply.as_deref(), payload);
@@ -1111,7 +1112,7 @@ impl EventLoop {
         self.published_next = (run_at, message_at);
         if delivered > 0 {
             self.published_total += delivered as u64;
-            self.shared.published.delivered(delivered);
+            self.shared.published.delivered(delivered, delivered_bytes);
         }
         delivered
     }
