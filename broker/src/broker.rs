@@ -1416,6 +1416,21 @@ impl Broker {
             .map_err(|err| Error::waiting(err, timeout))
     }
 
+    /// [`connections`](Self::connections) with the subscriptions of every
+    /// client (its first 1,024 by id each): two passes, the second copying
+    /// them all, where monitoring asks for a page's alone.
+    pub fn connections_with_subscriptions(
+        &self,
+        timeout: Duration,
+    ) -> Result<Vec<ConnectionReport>, Error> {
+        let ids: Vec<u64> = self
+            .connections(&[], timeout)?
+            .iter()
+            .map(|report| report.id)
+            .collect();
+        self.connections(&ids, timeout)
+    }
+
     /// Which subscriptions a message published on `subject` would reach
     /// now; fails for a subject that is not valid.
     pub fn matching(&self, subject: &str) -> Result<MatchReport, Error> {

@@ -3384,14 +3384,9 @@ mod tests {
         let sub = client.subscribe("gone").unwrap();
         client.flush(WAIT).unwrap();
         let patterns = || -> Vec<String> {
-            // Every connection, with its subscriptions.
-            let ids: Vec<u64> = broker
-                .connections(&[], WAIT)
-                .expect("a report")
-                .iter()
-                .map(|c| c.id)
-                .collect();
-            let reports = broker.connections(&ids, WAIT).expect("a report");
+            let reports = broker
+                .connections_with_subscriptions(WAIT)
+                .expect("a report");
             reports
                 .iter()
                 .flat_map(|report| report.subscriptions.iter())

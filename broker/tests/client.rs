@@ -2071,14 +2071,9 @@ fn a_report_lists_the_first_subscriptions_by_id() {
         .map(|i| client.subscribe(&format!("listed.{i}")).unwrap())
         .collect();
     client.flush(WAIT).unwrap();
-    // Every connection, with its subscriptions.
-    let ids: Vec<u64> = broker
-        .connections(&[], WAIT)
-        .expect("a report")
-        .iter()
-        .map(|c| c.id)
-        .collect();
-    let reports = broker.connections(&ids, WAIT).expect("a report");
+    let reports = broker
+        .connections_with_subscriptions(WAIT)
+        .expect("a report");
     let report = reports
         .iter()
         .find(|report| report.subscription_count == 1100)

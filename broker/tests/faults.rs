@@ -223,14 +223,7 @@ fn a_subscription_id_given_twice_keeps_the_first() {
         !raw.error_codes().is_empty()
     });
     assert_eq!(raw.error_codes(), vec![(ErrorCode::Protocol, false)]);
-    // Every connection, with its subscriptions.
-    let ids: Vec<u64> = broker
-        .connections(&[], WAIT)
-        .expect("report")
-        .iter()
-        .map(|c| c.id)
-        .collect();
-    let reports = broker.connections(&ids, WAIT).expect("report");
+    let reports = broker.connections_with_subscriptions(WAIT).expect("report");
     let subscriptions: Vec<_> = reports
         .iter()
         .flat_map(|report| &report.subscriptions)

@@ -1133,14 +1133,9 @@ async fn nats_sessions_show_in_the_connection_report() {
         .expect("connects");
     let _sub = client.subscribe("seen.>").await.expect("subscribes");
     sync(&client).await;
-    // Every connection, with its subscriptions.
-    let ids: Vec<u64> = broker
-        .connections(&[], WAIT)
-        .expect("a report")
-        .iter()
-        .map(|c| c.id)
-        .collect();
-    let report = broker.connections(&ids, WAIT).expect("a report");
+    let report = broker
+        .connections_with_subscriptions(WAIT)
+        .expect("a report");
     let session = report
         .iter()
         .find(|c| c.name == "reporting")
