@@ -196,6 +196,13 @@ fn frames_behind_a_hello_being_checked_wait_for_its_verdict() {
     );
 }
 
+/// `client` was refused once, in an error naming `text`.
+fn one_error_naming(client: &Client, text: &str) {
+    let errors = client.take_errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].1.contains(text), "{errors:?}");
+}
+
 fn denials(broker: &Broker) -> u64 {
     broker.stats().value("permission_denials").unwrap_or(0)
 }
@@ -460,12 +467,7 @@ fn reply_subjects_and_inboxes_open_nothing_beyond_the_permissions() {
         .publish_request("orders.loop", "orders.answers", b"x".to_vec())
         .unwrap();
     alice.flush(WAIT).unwrap();
-    let errors = alice.take_errors();
-    assert_eq!(errors.len(), 1, "{errors:?}");
-    assert!(
-        errors[0].1.contains("reply subject \"billing.charge\""),
-        "{errors:?}"
-    );
+    one_error_naming(&alice, "reply subject \"billing.charge\"");
 
     // An inbox is one connection's while it has a subscription under it.
     let requester = login(&broker, Some("requester"), Some("requester-password")).unwrap();
@@ -518,12 +520,7 @@ fn a_reply_subject_may_not_be_another_connection_s_inbox() {
         .publish_request("svc.pay", "_INBOX.o4.1", b"x".to_vec())
         .unwrap();
     other.flush(WAIT).unwrap();
-    let errors = other.take_errors();
-    assert_eq!(errors.len(), 1, "{errors:?}");
-    assert!(
-        errors[0].1.contains("reply subject \"_INBOX.r9.1\""),
-        "{errors:?}"
-    );
+    one_error_naming(&other, "reply subject \"_INBOX.r9.1\"");
     drop(held);
 }
 

@@ -1031,6 +1031,17 @@ pub(super) mod tests {
         })
     }
 
+    /// The nonces of the pings among `frames`, in order.
+    fn pings_in(frames: &[Frame]) -> Vec<u64> {
+        frames
+            .iter()
+            .filter_map(|frame| match frame {
+                Frame::Ping { nonce } => Some(*nonce),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The broker's welcome of a CONNECT.
     pub(in crate::nats) fn welcome(max_payload: u64) -> Frame {
         Frame::Welcome(Welcome {
@@ -1269,13 +1280,7 @@ pub(super) mod tests {
     fn a_late_refusal_forgets_the_sub_it_names() {
         let mut s = session();
         let (frames, _, _) = feed(&mut s, b"CONNECT {}\r\nSUB _INBOX.r.> 1\r\nSUB b 2\r\n");
-        let pings: Vec<u64> = frames
-            .iter()
-            .filter_map(|frame| match frame {
-                Frame::Ping { nonce } => Some(*nonce),
-                _ => None,
-            })
-            .collect();
+        let pings = pings_in(&frames);
         for nonce in pings {
             assert_eq!(deliver(&mut s, &Frame::Pong { nonce }).2, Ok(()));
         }
@@ -1312,13 +1317,7 @@ pub(super) mod tests {
             b"CONNECT {}\r\nSUB orders.secret 1\r\nSUB ok 2\r\nSUB a..b 3\r\nPUB ok 1\r\nx\r\nSUB many 4\r\nSUB twice 5\r\nSUB twice 6\r\n",
         );
         // Each SUB is followed by the ping that brings its verdict.
-        let pings: Vec<u64> = frames
-            .iter()
-            .filter_map(|frame| match frame {
-                Frame::Ping { nonce } => Some(*nonce),
-                _ => None,
-            })
-            .collect();
+        let pings = pings_in(&frames);
         assert_eq!(pings.len(), 6, "{frames:?}");
         assert_eq!(s.subscriptions(), 6);
         let error = |code, text: &str| {
