@@ -157,9 +157,11 @@ struct Sub {
     name: String,
     /// Its subject pattern: a refusal names it.
     pattern: String,
-    /// A queue group's member: the broker counts its deliveries from the
-    /// start (see `unsub_line`).
-    queue: bool,
+    /// Deliveries written here before the broker began counting them
+    /// against a limit (`Frame::UnsubscribeAfter` counts from the first
+    /// such frame): 0 for a queue group's member, counted from its SUB;
+    /// `None` before a plain subscription's first `UNSUB sid max`.
+    counted_from: Option<u64>,
     /// Auto-unsubscribe after this many deliveries (`UNSUB sid max`).
     max: Option<u64>,
     delivered: u64,
@@ -653,7 +655,7 @@ impl NatsSession {
             Sub {
                 name: name.to_string(),
                 pattern: pattern.to_string(),
-                queue: queue.is_some(),
+                counted_from: queue.map(|_| 0),
                 max: None,
                 delivered: 0,
             },
@@ -688,9 +690,10 @@ impl NatsSession {
                 sub.max = Some(max);
                 // The broker counts them too, as it routes: a queue
                 // group's messages past the maximum go to other members.
-                // A queue member's deliveries are counted from its SUB;
-                // another's from now, and only what it still takes.
-                let total = if sub.queue { max } else { max - sub.delivered };
+                // A queue member's deliveries are counted from its SUB,
+                // another's from its first maximum.
+                let from = *sub.counted_from.get_or_insert(sub.delivered);
+                let total = max - from;
                 to_broker.push(control(&Frame::UnsubscribeAfter { sid, total }));
             }
             _ => self.end_sub(sid, to_broker),
@@ -1241,6 +1244,14 @@ pub(super) mod tests {
         let (frames, _, _) = feed(&mut s, b"UNSUB beta 3\r\n");
         assert!(
             matches!(frames[..], [Frame::UnsubscribeAfter { sid, total: 2 }] if sid == plain),
+            "{frames:?}"
+        );
+        // A second maximum counts from where the first began: one more
+        // written since, a maximum of 4 is 3 for the broker, not 2.
+        let (_, _, _) = deliver(&mut s, &message(plain, "b", None, b"y"));
+        let (frames, _, _) = feed(&mut s, b"UNSUB beta 4\r\n");
+        assert!(
+            matches!(frames[..], [Frame::UnsubscribeAfter { sid, total: 3 }] if sid == plain),
             "{frames:?}"
         );
         let (out, back, _) = deliver(&mut s, &message(sid, "a.x", None, b"one"));
