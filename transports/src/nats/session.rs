@@ -898,24 +898,31 @@ impl NatsSession {
                 // only the pattern: the SUB is the operation whose verdict
                 // comes next if that is its pattern; else (a SUB the
                 // broker took up later, under an inbox it waited for) the
-                // one SUB holding it.
-                if let Some(pattern) = refused_subscription(&error) {
-                    let holds =
-                        |sid: &u64| self.subs.get(sid).is_some_and(|s| s.pattern == pattern);
+                // one SUB holding it, and no verdict is the refusal's.
+                let mut for_next = true;
+                if refused_subscription(&error) {
+                    let names = |sub: &Sub| refusal_names(&error, &sub.pattern);
+                    let holds = |sid: &u64| self.subs.get(sid).is_some_and(names);
                     let next = self.verdicts.front().and_then(|verdict| verdict.sub);
-                    let refused = next.filter(holds).or_else(|| {
-                        let mut holding = self.subs.iter().filter(|(_, s)| s.pattern == pattern);
-                        match (holding.next(), holding.next()) {
-                            (Some((&sid, _)), None) => Some(sid),
-                            _ => None,
+                    let refused = match next.filter(holds) {
+                        Some(sid) => Some(sid),
+                        None => {
+                            for_next = false;
+                            let mut holding = self.subs.iter().filter(|(_, sub)| names(sub));
+                            match (holding.next(), holding.next()) {
+                                (Some((&sid, _)), None) => Some(sid),
+                                _ => None,
+                            }
                         }
-                    });
+                    };
                     if let Some(sid) = refused {
                         self.forget_sub(sid);
                     }
                 }
                 put_err(to_client, &text);
-                self.refused |= !self.verdicts.is_empty();
+                if for_next {
+                    self.refused |= !self.verdicts.is_empty();
+                }
             }
             Frame::Goodbye(_) => return Err(Fatal("server shutting down".to_string())),
             _ => {}
@@ -945,17 +952,32 @@ fn refused_publish_subject(error: &ErrorFrame) -> bool {
     error.code == ErrorCode::InvalidSubject && error.text.starts_with("invalid subject ")
 }
 
-/// The pattern of a subscription the broker refused, from its error.
-fn refused_subscription(error: &ErrorFrame) -> Option<&str> {
-    let text = error.text.as_str();
+/// Whether the broker's error refuses a subscription.
+fn refused_subscription(error: &ErrorFrame) -> bool {
     match error.code {
-        ErrorCode::PermissionDenied => quoted(text.strip_prefix("permission denied: subscribe")?),
-        ErrorCode::InvalidSubject if !refused_publish_subject(error) => quoted(text),
-        ErrorCode::TooManySubscriptions => text
-            .split_once("reached; ")
-            .and_then(|(_, rest)| rest.strip_suffix(" refused")),
-        _ => None,
+        ErrorCode::PermissionDenied => error.text.starts_with("permission denied: subscribe"),
+        ErrorCode::InvalidSubject => !refused_publish_subject(error),
+        ErrorCode::TooManySubscriptions => true,
+        _ => false,
     }
+}
+
+/// Whether a subscription refusal is for `pattern`: the broker writes it
+/// first, in Rust's debug form (quoted, escaped), or bare at the end of a
+/// limit's refusal.
+fn refusal_names(error: &ErrorFrame, pattern: &str) -> bool {
+    let text = error.text.as_str();
+    if error.code == ErrorCode::TooManySubscriptions {
+        return text.ends_with(&format!("; {pattern} refused"));
+    }
+    let named = [
+        "permission denied: subscribe to ",
+        "invalid pattern ",
+        "cannot subscribe to ",
+    ]
+    .iter()
+    .find_map(|prefix| text.strip_prefix(prefix));
+    named.is_some_and(|rest| rest.starts_with(&format!("{pattern:?}")))
 }
 
 /// `Permissions Violation for Publish to "x"` (or `for Subscription to`)
@@ -1316,6 +1338,49 @@ pub(super) mod tests {
             matches!(frames[..], [Frame::Unsubscribe { .. }]),
             "`c` is held: {frames:?}"
         );
+    }
+
+    /// A refusal names its pattern as the broker writes it (escaped), and a
+    /// late one is no operation's verdict: the `+OK` due is still given.
+    #[test]
+    fn refusals_are_matched_to_escaped_patterns_and_late_ones_to_no_verdict() {
+        let mut s = session();
+        let (frames, _, _) = feed(&mut s, b"CONNECT {\"verbose\":true}\r\nSUB a\"b 1\r\n");
+        let pings = pings_in(&frames);
+        let denied = |pattern: &str| {
+            Frame::Error(ErrorFrame {
+                code: ErrorCode::PermissionDenied,
+                text: format!("permission denied: subscribe to {pattern:?} (deny, user \"u\")"),
+                fatal: false,
+            })
+        };
+        assert_eq!(deliver(&mut s, &denied("a\"b")).2, Ok(()));
+        let (out, _, _) = deliver(&mut s, &Frame::Pong { nonce: pings[0] });
+        assert_eq!(
+            (out.as_str(), s.subscriptions()),
+            ("", 0),
+            "refused, forgotten"
+        );
+        // Accepted, then refused late while a publish's verdict is due.
+        let (frames, _, _) = feed(&mut s, b"SUB c 2\r\n");
+        let (out, _, _) = deliver(
+            &mut s,
+            &Frame::Pong {
+                nonce: pings_in(&frames)[0],
+            },
+        );
+        assert_eq!(out, "+OK\r\n");
+        let (frames, _, _) = feed(&mut s, b"PUB d 1\r\nx\r\n");
+        let publish_verdict = pings_in(&frames)[0];
+        assert_eq!(deliver(&mut s, &denied("c")).2, Ok(()));
+        assert_eq!(s.subscriptions(), 0, "`c` forgotten");
+        let (out, _, _) = deliver(
+            &mut s,
+            &Frame::Pong {
+                nonce: publish_verdict,
+            },
+        );
+        assert_eq!(out, "+OK\r\n", "the publish was not refused");
     }
 
     /// A SUB the broker refuses holds nothing here either: it does not
