@@ -146,6 +146,9 @@ pub(crate) struct EventLoop {
     /// Hellos with a password or token hash to check go to the login
     /// thread through this (started at the first).
     login_checks: Option<Sender<Box<LoginCheck>>>,
+    /// The frames being handled came behind a hello and were kept while it
+    /// was checked (`Session::deferred`).
+    replaying_deferred: bool,
     /// Messages for in-process subscriptions, gathered while the loop
     /// handles what it read ([`EventLoop::queue_local_runs`]).
     local_runs: LocalRuns,
@@ -544,6 +547,7 @@ impl EventLoop {
             held_local: HeldLocal::default(),
             limits_reached: Vec::new(),
             login_checks: None,
+            replaying_deferred: false,
             local_runs: LocalRuns::default(),
             blocking: HashSet::default(),
             reads_paused: false,
@@ -1501,15 +1505,14 @@ impl EventLoop {
     /// The frame `message[range]`: a whole frame, or one of a run's.
     fn on_frame_in(&mut self, id: u64, message: &Bytes, range: Range<usize>) {
         let bytes = &message[range.clone()];
-        let Some(session) = self.sessions.get_mut(&id) else {
-            self.tally.bytes_in += bytes.len() as u64;
-            return;
-        };
-        // A frame kept behind a hello being checked is counted when it is
-        // handled.
-        if !session.checking_hello {
+        // A frame kept behind a hello being checked was counted when it
+        // came.
+        if !self.replaying_deferred {
             self.tally.bytes_in += bytes.len() as u64;
         }
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
         session.conn.liveness.heard(self.now);
         if matches!(session.state, SessionState::Closing { .. }) {
             // Nothing more is read, but the answers the data link's move

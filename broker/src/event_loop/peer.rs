@@ -785,9 +785,11 @@ impl EventLoop {
             .get_mut(&id)
             .map(|session| std::mem::take(&mut session.deferred))
             .unwrap_or_default();
+        self.replaying_deferred = true;
         for frame in deferred {
             self.on_frame(id, frame);
         }
+        self.replaying_deferred = false;
     }
 
     /// The sender of hellos to check on the login thread, started at the
