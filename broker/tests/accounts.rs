@@ -99,32 +99,30 @@ fn checking_hashes_holds_up_nobody_else() {
     let alice = login(&broker, Some("alice"), Some("alice-password")).expect("alice");
     // The hashes checked this second are spent: the next login's wait.
     std::thread::sleep(Duration::from_millis(1100));
+    let mut wrong = Raw::connect(&broker);
+    let Frame::Hello(mut hello) = raw_common::client_hello("wrong-token") else {
+        unreachable!("a hello")
+    };
+    hello.credentials = Some("no-such-token".to_string());
+    wrong.send(&Frame::Hello(hello));
     let started = Instant::now();
-    let (wrong, flushes) = std::thread::scope(|scope| {
-        let wrong = scope.spawn(|| {
-            let refused = login(&broker, None, Some("no-such-token"));
-            (refused.err(), started.elapsed())
-        });
-        // Flushes answered while the login is under way: with the hashes
-        // checked on the loop, only those before its hello came (3 here),
-        // as the loop answers nothing while it checks; else hundreds.
+    let (refusal, flushes) = std::thread::scope(|scope| {
+        let refused =
+            scope.spawn(move || wrong.expect("the refusal", |f| matches!(f, Frame::Error(_))));
+        // Flushes answered from the hello's sending to its refusal: with
+        // the hashes checked on the loop, one or two (it answers nothing
+        // while it checks); with the login thread, hundreds.
         let mut flushes = 0;
-        while !wrong.is_finished() {
+        while !refused.is_finished() {
             alice.flush(WAIT).expect("flushed");
             flushes += 1;
         }
-        (wrong.join().expect("the login thread"), flushes)
+        (refused.join().expect("the refusal's reader"), flushes)
     });
-    let (error, took) = wrong;
+    let took = started.elapsed();
     assert!(
-        matches!(
-            error,
-            Some(Error::Refused {
-                code: ErrorCode::Auth,
-                ..
-            })
-        ),
-        "a wrong token is refused: {error:?}"
+        matches!(&refusal, Frame::Error(e) if e.code == ErrorCode::Auth),
+        "a wrong token is refused: {refusal:?}"
     );
     assert!(
         flushes >= 15,
@@ -138,11 +136,13 @@ fn checking_hashes_holds_up_nobody_else() {
 fn frames_behind_a_hello_being_checked_wait_for_its_verdict() {
     use efabus_core::codec::encode;
     let broker = broker();
-    let hello = |name: &str, password: &str| {
-        let Frame::Hello(mut hello) = raw_common::client_hello(name) else {
+    // Each login a user's first, so that its password is checked on the
+    // login thread (one remembered is taken at once).
+    let hello = |user: &str, password: &str| {
+        let Frame::Hello(mut hello) = raw_common::client_hello(user) else {
             unreachable!("a hello")
         };
-        hello.user = Some("alice".to_string());
+        hello.user = Some(user.to_string());
         hello.credentials = Some(password.to_string());
         Frame::Hello(hello)
     };
@@ -161,7 +161,7 @@ fn frames_behind_a_hello_being_checked_wait_for_its_verdict() {
         raw_common::subscribe(1, "orders.new"),
         Frame::Ping { nonce: 7 },
     ];
-    let (mut raw, sent) = pipelined(&hello("pipelined", "alice-password"), &behind);
+    let (mut raw, sent) = pipelined(&hello("alice", "alice-password"), &behind);
     raw.expect("the welcome", |f| matches!(f, Frame::Welcome(_)));
     raw.expect("the pong, after the subscription", |f| {
         matches!(f, Frame::Pong { nonce: 7 })
@@ -180,10 +180,11 @@ fn frames_behind_a_hello_being_checked_wait_for_its_verdict() {
             .map(|nonce| Frame::Ping { nonce })
             .collect::<Vec<_>>()
     };
-    let (mut raw, _) = pipelined(&hello("sixty-four", "alice-password"), &pings(64));
+    let (mut raw, more) = pipelined(&hello("requester", "requester-password"), &pings(64));
     raw.expect("the welcome", |f| matches!(f, Frame::Welcome(_)));
     raw.expect("the last pong", |f| matches!(f, Frame::Pong { nonce: 63 }));
-    let (mut flood, _) = pipelined(&hello("flood", "not-her-password"), &pings(100));
+    assert_eq!(broker.stats().value("bytes_in"), Some(sent + more));
+    let (mut flood, _) = pipelined(&hello("responder", "not-its-password"), &pings(100));
     let frames = flood.until_closed();
     let refused = |f: &Frame| {
         matches!(f, Frame::Error(e) if e.code == ErrorCode::Protocol
