@@ -391,12 +391,23 @@ mod tests {
     fn every_page_a_slice_spans_is_touched() {
         // Large enough to be a mapping of its own, untouched until here.
         let mut buf = vec![0u8; 8 << 20];
+        let first = (buf.as_ptr() as usize).div_ceil(PAGE) * PAGE;
+        // SAFETY: advice on whole pages inside the allocation: where
+        // transparent huge pages are always on, a write would make its
+        // untouched neighbours resident too.
+        let advised =
+            unsafe { libc::madvise(first as *mut libc::c_void, 64 * PAGE, libc::MADV_NOHUGEPAGE) };
+        assert_eq!(advised, 0, "madvise");
         // Two pages' worth starting 64 bytes into page 10: it spans three.
-        let at = 10 * PAGE - buf.as_ptr() as usize % PAGE + 64;
+        let at = first - buf.as_ptr() as usize + 10 * PAGE + 64;
         let slice = &mut buf[at..at + 2 * PAGE];
         touch_pages(slice);
-        let start = slice.as_ptr();
-        assert_eq!(resident_pages(start, 3), [true, true, true]);
+        let page_before = slice.as_ptr().wrapping_sub(PAGE);
+        assert_eq!(
+            resident_pages(page_before, 5),
+            [false, true, true, true, false],
+            "the pages before, of and after the slice"
+        );
     }
 
     #[test]
