@@ -683,7 +683,7 @@ impl EventLoop {
     }
 
     /// The rest of a hello, once its credentials are checked.
-    pub(super) fn on_hello_checked(&mut self, id: u64, hello: frame::Hello, verdict: HelloVerdict) {
+    fn on_hello_checked(&mut self, id: u64, hello: frame::Hello, verdict: HelloVerdict) {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
@@ -794,7 +794,8 @@ impl EventLoop {
 
     /// The sender of hellos to check on the login thread, started at the
     /// first; `None` (and the hello checked on the loop) where the
-    /// system gives no thread, which is logged once.
+    /// system gives no thread, which is logged (and tried again at the
+    /// next such hello).
     fn login_checks(&mut self) -> Option<&Sender<Box<LoginCheck>>> {
         if self.login_checks.is_none() {
             let shared = Arc::clone(&self.shared);
