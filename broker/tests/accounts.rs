@@ -410,6 +410,56 @@ fn a_reconnected_requester_gets_its_inbox_back_when_the_old_connection_ends() {
     assert_eq!(requester.reconnects(), 1);
 }
 
+/// A delivery limit (the NATS listener's `UNSUB sid max`) given to a
+/// subscription that waits for its inbox holds once the subscription is
+/// made.
+#[test]
+fn a_limit_on_a_subscription_waiting_for_its_inbox_holds_once_it_is_made() {
+    use efabus_core::frame::{DeliveryClass, Subscribe};
+    let broker = broker();
+    let first = login(&broker, Some("requester"), Some("requester-password")).unwrap();
+    let held = first.subscribe("_INBOX.q8.>").unwrap();
+    first.flush(WAIT).unwrap();
+    let mut raw = Raw::connect(&broker);
+    let Frame::Hello(mut hello) = raw_common::client_hello("waiting") else {
+        unreachable!("a hello")
+    };
+    hello.user = Some("requester".to_string());
+    hello.credentials = Some("requester-password".to_string());
+    raw.send(&Frame::Hello(hello));
+    raw.expect("the welcome", |f| matches!(f, Frame::Welcome(_)));
+    raw.send(&Frame::Subscribe(Subscribe {
+        sid: 1,
+        pattern: "_INBOX.q8.>".to_string(),
+        queue: Some("g".to_string()),
+        class: DeliveryClass::Reliable,
+    }));
+    raw.send(&Frame::UnsubscribeAfter { sid: 1, total: 2 });
+    raw.send(&Frame::Ping { nonce: 8 });
+    raw.expect("both taken", |f| matches!(f, Frame::Pong { nonce: 8 }));
+    drop(held);
+    first.flush(WAIT).unwrap();
+    let watcher = login(&broker, None, Some("watcher-token")).unwrap();
+    wait_until("the waiting subscription made", || {
+        broker.subscription_count() >= 1
+    });
+    for _ in 0..5 {
+        watcher.publish("_INBOX.q8.x", b"answer".to_vec()).unwrap();
+    }
+    watcher.flush(WAIT).unwrap();
+    raw.send(&Frame::Ping { nonce: 9 });
+    let mut messages = 0;
+    loop {
+        match raw.next_frame(WAIT) {
+            Some(Frame::Message(_)) => messages += 1,
+            Some(Frame::Pong { nonce: 9 }) => break,
+            Some(_) => {}
+            None => panic!("no answer to the ping"),
+        }
+    }
+    assert_eq!(messages, 2, "the limit held");
+}
+
 /// Two later connections of one user wait for the inbox an earlier one
 /// holds: when it is let go the newest takes it, and the older one, as
 /// stale as the first, is refused.

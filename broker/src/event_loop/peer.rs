@@ -131,7 +131,8 @@ pub(super) struct Session {
     /// (at most [`DEFERRED_MAX`]).
     pub deferred: Vec<Bytes>,
     /// A client's subscriptions that end after so many deliveries
-    /// (`Frame::UnsubscribeAfter`), by id: a subset of its subscriptions.
+    /// (`Frame::UnsubscribeAfter`), by id: some of its subscriptions, or
+    /// of those waiting for their inbox (`Restricted::awaits_inbox`).
     pub limited: HashMap<u64, DeliveryLimit>,
     /// The peer's hello carried the route credential (or none is needed):
     /// only then may it say it is a broker and become a route.
@@ -962,13 +963,19 @@ impl EventLoop {
     /// routes them (`deliver_remote`), so that a queue group's messages
     /// past them go to other members.
     fn on_unsubscribe_after(&mut self, id: u64, sid: u64, total: u64) {
+        // A subscription waiting for its inbox (`awaits_inbox`) is counted
+        // from when it is made.
+        let awaited = self
+            .restricted
+            .get(&id)
+            .is_some_and(|restricted| restricted.awaits_inbox.iter().any(|s| s.sid == sid));
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
         let Role::Client(subscriptions) = &session.role else {
             return;
         };
-        if !subscriptions.contains_key(&sid) {
+        if !subscriptions.contains_key(&sid) && !awaited {
             return;
         }
         let limit = session.limited.entry(sid).or_insert(DeliveryLimit {
