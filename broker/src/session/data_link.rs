@@ -22,7 +22,7 @@ use efabus_core::frame::Frame;
 use efabus_core::frame::LinkAuth;
 use efabus_core::link::{LinkConfig, LinkError, LinkReceiver, LinkSender, LinkTuning};
 use efabus_core::transport::{
-    split_run_slices, Endpoint, LinkKeys, OutFrame, PeerId, SendError, TransportError,
+    split_run_slices, Detacher, Endpoint, LinkKeys, OutFrame, PeerId, SendError, TransportError,
 };
 use thiserror::Error;
 use tracing::warn;
@@ -162,6 +162,10 @@ pub(crate) struct DataLink {
     /// posted rather than dropping what finds the window full.
     paced: VecDeque<OutFrame>,
     paced_bytes: usize,
+    /// Copies the small bodies that would keep a larger buffer alive while
+    /// they wait for credit (a message's payload sliced from a publisher's
+    /// read buffer): the bound counts frame bytes.
+    paced_detacher: Detacher,
     /// Most bytes of whole frames one [`Frame::Run`] carries here: a run
     /// crosses in one eager piece, never by rendezvous or in fragments.
     run_limit: usize,
@@ -359,6 +363,7 @@ impl DataLink {
             backlog: VecDeque::new(),
             paced: VecDeque::new(),
             paced_bytes: 0,
+            paced_detacher: Detacher::strict(),
             run_limit,
             runs_in_flight: VecDeque::new(),
             dropped: 0,
@@ -409,7 +414,13 @@ impl DataLink {
 
     /// Lossy links: queue `frame` behind those waiting for credit, the
     /// oldest giving way beyond [`PACED_MAX_BYTES`].
-    fn wait_for_credit(&mut self, frame: OutFrame) {
+    fn wait_for_credit(&mut self, mut frame: OutFrame) {
+        if self.paced.is_empty() {
+            // Likely sent at once: the next may follow it in its buffer.
+            self.paced_detacher.passed(&frame.body);
+        } else {
+            self.paced_detacher.settle(&mut frame.body);
+        }
         self.paced_bytes += frame.len();
         self.paced.push_back(frame);
         while self.paced_bytes > PACED_MAX_BYTES && self.paced.len() > 1 {

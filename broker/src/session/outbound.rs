@@ -1043,6 +1043,24 @@ mod tests {
         (endpoints, links)
     }
 
+    /// Frames waiting for credit keep no larger buffer alive: a small body
+    /// sliced from a publisher's read buffer is copied (the paced queue
+    /// counts frame bytes), but for the first into an empty queue.
+    #[test]
+    fn best_effort_frames_waiting_for_credit_keep_no_read_buffer() {
+        let (_endpoints, mut links) = with_best_effort_link((usize::MAX, None, 0));
+        let buffers: Vec<Bytes> = (0..100).map(|_| Bytes::from(vec![7u8; 64 << 10])).collect();
+        for buffer in &buffers {
+            let frame = OutFrame {
+                head: Bytes::from_static(b"head"),
+                body: buffer.slice(100..164),
+            };
+            assert!(links.queue_best_effort(frame));
+        }
+        let kept = buffers.iter().filter(|buffer| !buffer.is_unique()).count();
+        assert_eq!(kept, 1, "only the first, passed into an empty queue");
+    }
+
     #[test]
     fn best_effort_frames_the_endpoint_refused_count_as_waiting() {
         // Room for seven pieces: the first frame goes, the second leaves
