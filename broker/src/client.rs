@@ -141,6 +141,10 @@ pub struct ClientOptions {
     pub max_pending_bytes: usize,
     /// Messages queued per subscription before the policy applies.
     pub subscription_queue: usize,
+    /// What a full subscription queue does. Best-effort subscriptions
+    /// always drop their oldest: waiting for one under `block` would stop
+    /// the client's loop, and with it its reliable traffic, for a class
+    /// whose messages may be lost anyway.
     pub slow_consumer: SlowConsumerPolicy,
     /// How long `publish` waits when the outgoing buffer is full, and,
     /// under [`SlowConsumerPolicy::Block`], how long the client's loop
@@ -1352,9 +1356,13 @@ impl Client {
         class: DeliveryClass,
     ) -> Result<Subscription, Error> {
         let shared = &self.shared;
+        let policy = match class {
+            DeliveryClass::BestEffort => SlowConsumerPolicy::DropOldest,
+            DeliveryClass::Reliable => shared.options.slow_consumer,
+        };
         let (sink, rx, stats) = LocalSink::new(
             shared.options.subscription_queue,
-            shared.options.slow_consumer,
+            policy,
             shared.options.block_timeout,
         );
         let sid = self.add_subscription(pattern, queue, class, sink)?;

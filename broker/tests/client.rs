@@ -2104,3 +2104,24 @@ fn a_report_lists_the_first_subscriptions_by_id() {
     assert_eq!(listed, [(other_id, 1)]);
     drop(subs);
 }
+
+/// A best-effort subscription nobody reads drops its oldest whatever the
+/// client's policy: under `block` it would stop the client's loop, and
+/// with it the client's reliable traffic, for messages that may be lost.
+#[test]
+fn a_stalled_best_effort_subscription_holds_up_no_reliable_traffic() {
+    let (broker, endpoint) = start(Via::Tcp, "");
+    let client = stalling_client(&endpoint, 1);
+    let unread = client.subscribe_best_effort("be").unwrap();
+    let reliable = client.subscribe("rel").unwrap();
+    client.flush(WAIT).unwrap();
+    for n in 0..10u8 {
+        broker.publish("be", vec![n]).unwrap();
+    }
+    broker.publish("rel", &b"through"[..]).unwrap();
+    let message = reliable.recv_timeout(WAIT).expect("the reliable message");
+    assert_eq!(&message.payload[..], b"through");
+    eventually("the best-effort drops counted", || {
+        unread.stats().dropped() > 0
+    });
+}
