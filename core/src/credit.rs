@@ -184,6 +184,12 @@ fn min_window(a: Window, b: Window) -> Window {
 /// a quarter of the window.
 pub const CREDIT_DELAY: Duration = Duration::from_millis(1);
 
+/// How long after its last credit a lossy link's receiver, with nothing
+/// new to acknowledge, sends that credit once more: a sender whose window
+/// it filled would otherwise wait, if it was lost, until it gives up on
+/// what it has in flight.
+pub const CREDIT_REPEAT_AFTER: Duration = Duration::from_millis(20);
+
 /// The receiving side: when to send a credit, and what it says.
 #[derive(Debug)]
 pub struct CreditGrant {
@@ -194,6 +200,8 @@ pub struct CreditGrant {
     /// Received since the last credit was sent.
     pieces_since: u64,
     bytes_since: u64,
+    /// The last credit has not been sent again (see [`Self::repeat_due`]).
+    unrepeated: bool,
 }
 
 impl CreditGrant {
@@ -205,6 +213,7 @@ impl CreditGrant {
             last_sent_at: None,
             pieces_since: 0,
             bytes_since: 0,
+            unrepeated: false,
         }
     }
 
@@ -252,6 +261,27 @@ impl CreditGrant {
         self.last_sent_at = Some(now);
         self.pieces_since = 0;
         self.bytes_since = 0;
+        self.unrepeated = true;
+    }
+
+    /// For a lossy link: the last credit, to send once more, when nothing
+    /// new has been acknowledged for [`CREDIT_REPEAT_AFTER`] since it went
+    /// (credits are cumulative: a sender takes one it had). A credit lost
+    /// then costs that wait, not the sender's.
+    pub fn repeat_due(&self, now: Instant, through: u64) -> Option<Credit> {
+        let at = self.repeat_at()?;
+        (through <= self.last_ack && now >= at).then(|| self.credit(self.last_ack))
+    }
+
+    /// When the last credit is due to be sent again, if it is to be.
+    pub fn repeat_at(&self) -> Option<Instant> {
+        let sent = self.last_sent_at.filter(|_| self.unrepeated)?;
+        sent.checked_add(CREDIT_REPEAT_AFTER)
+    }
+
+    /// Record that the last credit was sent again.
+    pub fn repeated(&mut self) {
+        self.unrepeated = false;
     }
 
     /// The window this grant advertises.
@@ -270,6 +300,36 @@ mod tests {
             bytes,
             ack_seq,
         }
+    }
+
+    /// The last credit goes once more when nothing new was acknowledged
+    /// for a while (a lost one then costs that wait), and only once.
+    #[test]
+    fn the_last_credit_is_repeated_once_after_a_quiet_while() {
+        let window = Window {
+            pieces: 8,
+            bytes: 1 << 20,
+        };
+        let mut grant = CreditGrant::new(window);
+        let start = Instant::now();
+        assert_eq!(grant.repeat_at(), None, "nothing sent yet");
+        let first = grant.credit(5);
+        grant.sent(start, &first);
+        let at = grant.repeat_at().expect("a repeat is due later");
+        assert_eq!(at, start + CREDIT_REPEAT_AFTER);
+        assert_eq!(grant.repeat_due(start, 5), None, "too soon");
+        assert_eq!(grant.repeat_due(at, 5), Some(first));
+        // Something new to acknowledge: a fresh credit, not a repeat.
+        assert_eq!(grant.repeat_due(at, 6), None);
+        grant.repeated();
+        assert_eq!(grant.repeat_at(), None);
+        assert_eq!(grant.repeat_due(at + CREDIT_REPEAT_AFTER, 5), None, "once");
+        // The next credit is repeated in turn.
+        grant.sent(at, &grant.credit(9));
+        assert_eq!(
+            grant.repeat_due(at + CREDIT_REPEAT_AFTER, 9),
+            Some(grant.credit(9))
+        );
     }
 
     #[test]

@@ -707,9 +707,12 @@ impl DataLink {
     }
 
     /// Whether the peer is owed a credit (call [`Self::send_credit`] until
-    /// it is not).
+    /// it is not): one that acknowledges more, or on a lossy link the last
+    /// one again ([`CreditGrant::repeat_due`]).
     pub fn owes_credit(&self) -> bool {
-        self.grant.owes(self.delivered_through())
+        let through = self.delivered_through();
+        self.grant.owes(through)
+            || (self.lossy && self.grant.repeat_due(Instant::now(), through).is_some())
     }
 
     /// Send the peer a credit if one is due (or at once with `force`).
@@ -722,14 +725,26 @@ impl DataLink {
         } else {
             self.grant.due(now, through)
         };
-        let Some(credit) = credit else {
+        let repeat = match credit {
+            Some(_) => None,
+            None if self.lossy => self.grant.repeat_due(now, through),
+            None => None,
+        };
+        let Some(credit) = credit.or(repeat) else {
             return;
         };
+        if repeat.is_some() {
+            // Tried once, whatever the endpoint says: a repeat is a second
+            // chance, not owed.
+            self.grant.repeated();
+        }
         if endpoint
             .send(self.peer, codec::encode(&Frame::Credit(credit)))
             .is_ok()
         {
-            self.grant.sent(now, &credit);
+            if repeat.is_none() {
+                self.grant.sent(now, &credit);
+            }
             self.credits_out += 1;
         }
     }
@@ -753,9 +768,14 @@ impl DataLink {
     }
 
     /// When the link next has something to do by time alone: a gap a
-    /// lossy link gives up on, or a reliable link fails on.
+    /// lossy link gives up on, or a reliable link fails on; a lossy link's
+    /// last credit to send again.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.receiver.next_deadline()
+        let repeat = self.grant.repeat_at().filter(|_| self.lossy);
+        match (self.receiver.next_deadline(), repeat) {
+            (Some(gap), Some(repeat)) => Some(gap.min(repeat)),
+            (gap, repeat) => gap.or(repeat),
+        }
     }
 
     /// Messages given up on this link (lossy links), as the receiver counts.
