@@ -53,8 +53,8 @@ const COMMAND_QUEUE: usize = 65_536;
 /// `Broker::reply_inbox`).
 const REPLY_INBOX_MIN: usize = 4096;
 
-/// Payload bytes in-process publishes may have waiting for the event loop
-/// on their way to remote subscribers, at least (beside the
+/// Payload and header bytes in-process publishes may have waiting for the
+/// event loop on their way to remote subscribers, at least (beside the
 /// [`COMMAND_QUEUE`] messages).
 const PUBLISHED_BYTES_MIN: usize = 64 << 20;
 
@@ -469,7 +469,8 @@ pub(crate) struct Shared {
     /// Requests apart from the commands, so that the loop answers them
     /// every round, also while it holds the commands (publishers held
     /// under `block`): reports of every session (for monitoring, when a
-    /// slow consumer is what one looks for) and TLS reloads.
+    /// slow consumer is what one looks for) and reloads (TLS files,
+    /// endpoints' limits).
     pub(crate) reports: Mutex<Vec<LoopRequest>>,
     pub(crate) reports_waiting: AtomicBool,
     /// Hellos the login thread has checked, for the loop to continue
