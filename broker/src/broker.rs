@@ -471,11 +471,11 @@ pub(crate) struct Shared {
     /// under `block`): reports of every session (for monitoring, when a
     /// slow consumer is what one looks for) and reloads (TLS files,
     /// endpoints' limits).
-    pub(crate) reports: Mutex<Vec<LoopRequest>>,
-    pub(crate) reports_waiting: AtomicBool,
+    pub(crate) loop_requests: Mutex<Vec<LoopRequest>>,
+    pub(crate) loop_requests_waiting: AtomicBool,
     /// Hellos the login thread has checked, for the loop to continue
-    /// (`logins_checked` says some wait), answered every round as reports
-    /// are.
+    /// (`logins_checked` says some wait), taken every round as the loop's
+    /// requests are.
     pub(crate) checked_logins: Mutex<Vec<CheckedLogin>>,
     pub(crate) logins_checked: AtomicBool,
     /// In-process publishes for remote subscribers, bounded as the
@@ -544,8 +544,8 @@ impl Shared {
     /// Puts `request` to the event loop, which answers it in its next
     /// round whatever it holds, and wakes it.
     pub(crate) fn ask_loop(&self, request: LoopRequest) {
-        self.reports.lock().push(request);
-        self.reports_waiting.store(true, Ordering::Release);
+        self.loop_requests.lock().push(request);
+        self.loop_requests_waiting.store(true, Ordering::Release);
         // As a command wakes it: parked (the loop checks the flag before
         // it parks) or stepping aside for a driver.
         self.commands.wake_if_parked();
@@ -909,8 +909,8 @@ impl Broker {
             subscriptions: RwLock::new(table),
             next_sid: AtomicU64::new(1),
             commands,
-            reports: Mutex::new(Vec::new()),
-            reports_waiting: AtomicBool::new(false),
+            loop_requests: Mutex::new(Vec::new()),
+            loop_requests_waiting: AtomicBool::new(false),
             checked_logins: Mutex::new(Vec::new()),
             logins_checked: AtomicBool::new(false),
             published,

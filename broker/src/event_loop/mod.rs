@@ -995,11 +995,15 @@ impl EventLoop {
 
     /// Answers the requests put apart from the commands (`LoopRequest`),
     /// whatever the loop holds.
-    fn answer_reports(&mut self) {
-        if !self.shared.reports_waiting.swap(false, Ordering::AcqRel) {
+    fn answer_loop_requests(&mut self) {
+        if !self
+            .shared
+            .loop_requests_waiting
+            .swap(false, Ordering::AcqRel)
+        {
             return;
         }
-        let asked = std::mem::take(&mut *self.shared.reports.lock());
+        let asked = std::mem::take(&mut *self.shared.loop_requests.lock());
         for request in asked {
             // The asker may have given up waiting.
             match request {
@@ -1034,7 +1038,7 @@ impl EventLoop {
     fn drain_commands(&mut self, max: usize) -> bool {
         // Interest goes to route peers ahead of any message queued after it.
         self.sync_interest();
-        self.answer_reports();
+        self.answer_loop_requests();
         self.finish_login_checks();
         if self.holds_commands() {
             return false;
@@ -3207,7 +3211,7 @@ pub(crate) fn run_loop(
         // What this thread saw holds only if no driver came since.
         if !shared.commands.park(commands, holds_commands, || {
             (holds_commands || !shared.published.outstanding())
-                && !shared.reports_waiting.load(Ordering::Acquire)
+                && !shared.loop_requests_waiting.load(Ordering::Acquire)
                 && !shared.logins_checked.load(Ordering::Acquire)
                 && event_loop.may_sleep(finished)
         }) {
