@@ -169,10 +169,11 @@ impl AddressVector {
     /// NUL within it (libfabric reads a text address up to its NUL,
     /// wherever that is).
     pub fn insert(&self, addr: &[u8]) -> Result<u64, FabricError> {
-        let usable = if self.text.get() {
+        let text = self.text.get();
+        let usable = if text {
             is_text_address(addr)
         } else {
-            !addr.is_empty() && addr.len() == self.addr_len.get()
+            !addr.is_empty() && addr.len() == self.addr_len.get() && addr.len() <= MAX_ADDR_LEN
         };
         if !usable || self.addr_len.get() == 0 {
             return Err(FabricError::AvInsert {
@@ -186,16 +187,10 @@ impl AddressVector {
         // which is the peer's to write, so a 16-byte address naming
         // AF_INET6 is read as the 28 bytes of a `sockaddr_in6`.
         let mut padded = [0u8; MAX_ADDR_LEN + 1];
-        let addr = if self.text.get() {
+        let given = if text {
             addr
         } else {
-            let Some(room) = padded.get_mut(..addr.len()) else {
-                return Err(FabricError::AvInsert {
-                    len: addr.len(),
-                    code: FiCode::from_ret(FI_EINVAL.into()),
-                });
-            };
-            room.copy_from_slice(addr);
+            padded[..addr.len()].copy_from_slice(addr);
             &padded[..]
         };
         let mut fi_addr = FI_ADDR_NOTAVAIL;
@@ -205,8 +200,9 @@ impl AddressVector {
         // libfabric reads for one entry, whatever its family field says;
         // a text address ends at a NUL inside it, where libfabric stops
         // reading (both checked above).
-        let ret =
-            unsafe { sys::efabus_av_insert(self.ptr.as_ptr(), addr.as_ptr().cast(), &mut fi_addr) };
+        let ret = unsafe {
+            sys::efabus_av_insert(self.ptr.as_ptr(), given.as_ptr().cast(), &mut fi_addr)
+        };
         if ret == 1 && fi_addr != FI_ADDR_NOTAVAIL {
             Ok(fi_addr)
         } else {
