@@ -1106,9 +1106,7 @@ impl EventLoop {
                 for &target in run.targets.iter() {
                     self.deliver_remote(target, &run.subject, message.reply.as_deref(), payload);
                 }
-                if !self.limits_reached.is_empty() {
-                    self.end_limited_subscriptions();
-                }
+                self.end_limited_subscriptions();
             }
             delivered += end - message_at;
             message_at = end;
@@ -1812,9 +1810,7 @@ impl EventLoop {
             let target = self.targets.remote[index];
             self.deliver_remote(target, subject, reply, payload);
         }
-        if !self.limits_reached.is_empty() {
-            self.end_limited_subscriptions();
-        }
+        self.end_limited_subscriptions();
     }
 
     /// A request that nothing matched, from a session that asked for it:
@@ -1845,9 +1841,7 @@ impl EventLoop {
             self.deliver_remote(target, reply, None, payload);
         }
         self.encoded_valid = false;
-        if !self.limits_reached.is_empty() {
-            self.end_limited_subscriptions();
-        }
+        self.end_limited_subscriptions();
     }
 
     /// Deliver one message to a remote subscription. A reliable message
@@ -1886,14 +1880,14 @@ impl EventLoop {
             self.keep_back_from_route(target.owner, &limits, subject, payload.counted_len());
             return;
         }
-        let limited = (!session.limited.is_empty())
-            .then(|| session.limited.get_mut(&target.sid))
-            .flatten();
-        if let Some(limit) = limited {
-            limit.delivered += 1;
-            if limit.delivered >= limit.total {
-                session.limited.remove(&target.sid);
-                self.limits_reached.push(target);
+        // Most sessions have no limits: no lookup per delivery for them.
+        if !session.limited.is_empty() {
+            if let Some(limit) = session.limited.get_mut(&target.sid) {
+                limit.delivered += 1;
+                if limit.delivered >= limit.total {
+                    session.limited.remove(&target.sid);
+                    self.limits_reached.push(target);
+                }
             }
         }
         self.tally.messages_out += 1;

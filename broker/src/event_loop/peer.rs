@@ -989,7 +989,8 @@ impl EventLoop {
     }
 
     /// Ends the subscriptions whose last delivery the publish just routed
-    /// made.
+    /// made (most often none).
+    #[inline]
     pub(super) fn end_limited_subscriptions(&mut self) {
         while let Some(target) = self.limits_reached.pop() {
             self.on_unsubscribe(target.owner, target.sid);
