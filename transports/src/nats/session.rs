@@ -968,7 +968,10 @@ fn refused_subscription(error: &ErrorFrame) -> bool {
 fn refusal_names(error: &ErrorFrame, pattern: &str) -> bool {
     let text = error.text.as_str();
     if error.code == ErrorCode::TooManySubscriptions {
-        return text.ends_with(&format!("; {pattern} refused"));
+        return text
+            .strip_suffix(" refused")
+            .and_then(|rest| rest.strip_suffix(pattern))
+            .is_some_and(|rest| rest.ends_with("; "));
     }
     let named = [
         "permission denied: subscribe to ",
@@ -977,7 +980,22 @@ fn refusal_names(error: &ErrorFrame, pattern: &str) -> bool {
     ]
     .iter()
     .find_map(|prefix| text.strip_prefix(prefix));
-    named.is_some_and(|rest| rest.starts_with(&format!("{pattern:?}")))
+    // Compared as it is formatted, without a copy per subscription tried.
+    named.is_some_and(|rest| {
+        let mut expected = Prefix(rest);
+        std::fmt::Write::write_fmt(&mut expected, format_args!("{pattern:?}")).is_ok()
+    })
+}
+
+/// Text that must begin with what is written to it: a write that does not
+/// match fails.
+struct Prefix<'a>(&'a str);
+
+impl std::fmt::Write for Prefix<'_> {
+    fn write_str(&mut self, written: &str) -> std::fmt::Result {
+        self.0 = self.0.strip_prefix(written).ok_or(std::fmt::Error)?;
+        Ok(())
+    }
 }
 
 /// `Permissions Violation for Publish to "x"` (or `for Subscription to`)
