@@ -720,20 +720,17 @@ impl DataLink {
     /// refused one is simply sent later.
     pub fn send_credit(&mut self, endpoint: &mut dyn Endpoint, now: Instant, force: bool) {
         let through = self.delivered_through();
-        let credit = if force && self.grant.owes(through) {
+        let fresh = if force && self.grant.owes(through) {
             Some(self.grant.credit(through))
         } else {
             self.grant.due(now, through)
         };
-        let repeat = match credit {
-            Some(_) => None,
-            None if self.lossy => self.grant.repeat_due(now, through),
-            None => None,
-        };
-        let Some(credit) = credit.or(repeat) else {
+        let repeat = fresh.is_none() && self.lossy;
+        let Some(credit) = fresh.or_else(|| self.grant.repeat_due(now, through).filter(|_| repeat))
+        else {
             return;
         };
-        if repeat.is_some() {
+        if repeat {
             // Tried once, whatever the endpoint says: a repeat is a second
             // chance, not owed.
             self.grant.repeated();
@@ -742,7 +739,7 @@ impl DataLink {
             .send(self.peer, codec::encode(&Frame::Credit(credit)))
             .is_ok()
         {
-            if repeat.is_none() {
+            if !repeat {
                 self.grant.sent(now, &credit);
             }
             self.credits_out += 1;
@@ -772,10 +769,10 @@ impl DataLink {
     /// last credit to send again.
     pub fn next_deadline(&self) -> Option<Instant> {
         let repeat = self.grant.repeat_at().filter(|_| self.lossy);
-        match (self.receiver.next_deadline(), repeat) {
-            (Some(gap), Some(repeat)) => Some(gap.min(repeat)),
-            (gap, repeat) => gap.or(repeat),
-        }
+        [self.receiver.next_deadline(), repeat]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Messages given up on this link (lossy links), as the receiver counts.
