@@ -167,6 +167,10 @@ pub struct FaultConfig {
     pub truncate: f64,
     /// Frames on which the peer is disconnected (`fault_disconnect`).
     pub disconnect: f64,
+    /// Once this many frames of the faulted direction passed, every later
+    /// one is lost, as on a path that went quiet (`fault_drop_after`; 0,
+    /// the default, never).
+    pub drop_after: u64,
     /// Once this many frames were received, every later poll fails, as an
     /// endpoint whose device went away does (`fault_fail_polls_after`; 0,
     /// the default, never).
@@ -205,6 +209,7 @@ impl Default for FaultConfig {
             corrupt: 0.0,
             truncate: 0.0,
             disconnect: 0.0,
+            drop_after: 0,
             fail_polls_after: 0,
             stall_after: 0,
             stall_ms: 0,
@@ -231,7 +236,7 @@ pub enum FaultConfigError {
 }
 
 /// The option keys [`FaultConfig::from_options`] reads.
-pub const OPTION_KEYS: [&str; 15] = [
+pub const OPTION_KEYS: [&str; 16] = [
     "fault_seed",
     "fault_direction",
     "fault_drop",
@@ -243,6 +248,7 @@ pub const OPTION_KEYS: [&str; 15] = [
     "fault_corrupt",
     "fault_truncate",
     "fault_disconnect",
+    "fault_drop_after",
     "fault_fail_polls_after",
     "fault_stall_after",
     "fault_stall_ms",
@@ -252,7 +258,7 @@ pub const OPTION_KEYS: [&str; 15] = [
 impl FaultConfig {
     /// Whether some fault can happen to a frame.
     pub fn is_active(&self) -> bool {
-        self.rates().iter().any(|(_, rate)| *rate > 0.0)
+        self.rates().iter().any(|(_, rate)| *rate > 0.0) || self.drop_after > 0
     }
 
     /// Whether an endpoint of `scheme` gets faults.
@@ -339,6 +345,9 @@ impl FaultConfig {
                 "fault_corrupt" => config.corrupt = rate()?,
                 "fault_truncate" => config.truncate = rate()?,
                 "fault_disconnect" => config.disconnect = rate()?,
+                "fault_drop_after" => {
+                    config.drop_after = value.trim().parse().map_err(|_| not_a_number())?;
+                }
                 "fault_fail_polls_after" => {
                     config.fail_polls_after = value.trim().parse().map_err(|_| not_a_number())?;
                 }
@@ -380,6 +389,7 @@ impl FaultConfig {
                 "fault_max_delay_polls".to_string(),
                 self.max_delay_polls.to_string(),
             ),
+            ("fault_drop_after".to_string(), self.drop_after.to_string()),
             (
                 "fault_fail_polls_after".to_string(),
                 self.fail_polls_after.to_string(),
@@ -538,6 +548,8 @@ struct Plan {
 struct Injector<T> {
     rng: Rng,
     held: Vec<Held<T>>,
+    /// Frames planned so far.
+    planned: u64,
 }
 
 impl<T> Injector<T> {
@@ -545,12 +557,15 @@ impl<T> Injector<T> {
         Injector {
             rng: Rng(seed),
             held: Vec::new(),
+            planned: 0,
         }
     }
 
     /// Decide a frame's fate. `len` is its length; `keep` how many leading
     /// bytes corruption and truncation leave alone.
     fn plan(&mut self, config: &FaultConfig, len: usize, keep: usize) -> Plan {
+        self.planned += 1;
+        let quiet = config.drop_after > 0 && self.planned > config.drop_after;
         let rng = &mut self.rng;
         let mut plan = Plan {
             disconnect: rng.hit(config.disconnect),
@@ -562,7 +577,7 @@ impl<T> Injector<T> {
         if plan.disconnect {
             return plan;
         }
-        plan.drop = rng.hit(config.drop);
+        plan.drop = rng.hit(config.drop) || quiet;
         if plan.drop {
             return plan;
         }
@@ -1378,6 +1393,27 @@ mod tests {
             };
             assert_eq!((c.frames, c.dropped), (20, 20), "{direction:?}");
         }
+    }
+
+    #[test]
+    fn drop_after_passes_that_many_frames_and_loses_every_later_one() {
+        for direction in BOTH_WAYS {
+            let (mut p, stats) = pair(with(direction, |c| c.drop_after = 5));
+            p.send_all(&frames(20));
+            assert_eq!(p.frames(5), frames(5), "{direction:?}");
+            let s = stats.snapshot();
+            let c = if direction == FaultDirection::Send {
+                s.send
+            } else {
+                s.receive
+            };
+            assert_eq!((c.frames, c.dropped), (20, 15), "{direction:?}");
+        }
+        let options = [("fault_drop_after".to_string(), "7".to_string())];
+        let config = FaultConfig::from_options(&options).expect("parses");
+        assert_eq!(config.drop_after, 7);
+        assert!(config.is_active());
+        assert_eq!(FaultConfig::from_options(&config.to_options()), Ok(config));
     }
 
     #[test]
