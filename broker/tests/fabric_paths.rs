@@ -919,6 +919,85 @@ fn session_named(broker: &Broker, name: &str) -> efabus_broker::ConnectionReport
         .unwrap_or_else(|| panic!("no session named {name}"))
 }
 
+/// A datagram link that goes quiet once in use (the client's datagram
+/// endpoint takes nothing after its first 20 frames): the broker, credited
+/// no more there, pings for a credit, and with the client still heard on
+/// its reliable link gives the link up alone, saying why. Every message
+/// published meanwhile is delivered or counted: what it sent there
+/// unconfirmed in `best_effort_drops`, what waited for credit carried on
+/// the reliable link with what follows. (The link used to reset its window
+/// every 400 ms and send into the void, counting nothing.)
+#[test]
+fn a_datagram_link_that_goes_quiet_is_given_up_and_its_losses_counted() {
+    let provider = Provider { rdm: "tcp;ofi_rxm" };
+    let heartbeat = "[heartbeat]\ninterval_ms = 100\ntimeout_ms = 5000\n";
+    let Some(broker) = start_broker(provider, true, heartbeat) else {
+        return;
+    };
+    let quiet = efabus_broker::config::Faults {
+        scheme: Some("efa-dgram".to_string()),
+        direction: efabus_transports::fault::FaultDirection::Receive,
+        drop_after: 20,
+        ..Default::default()
+    };
+    let name = "quiet-datagrams";
+    let client = connect_with(
+        &broker,
+        ClientOptions {
+            faults: Some(quiet),
+            ..fabric_options(&broker, name)
+        },
+    );
+    let sub = client.subscribe_best_effort("be.>").unwrap();
+    client.flush(WAIT).unwrap();
+    let drops_before = best_effort_drops(&broker);
+    let mut published = 0;
+    let deadline = Instant::now() + WAIT;
+    while session_named(&broker, name).best_effort.is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "the quiet datagram link was never given up"
+        );
+        for _ in 0..20 {
+            broker.publish("be.data", pattern(published, 64)).unwrap();
+            published += 1;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let report = session_named(&broker, name);
+    assert!(report.reliable.starts_with("efa-rdm"), "{report:?}");
+    assert!(
+        report
+            .reasons
+            .iter()
+            .any(|reason| reason.contains("no credit came back there for 3 pings")),
+        "{report:?}"
+    );
+    for _ in 0..100 {
+        broker.publish("be.data", pattern(published, 64)).unwrap();
+        published += 1;
+    }
+    broker.flush(WAIT).unwrap();
+    // In order, each once; the last 100 all arrive (reliably).
+    let mut received = 0;
+    let mut last = None;
+    while last != Some(published - 1) {
+        let seed = check_pattern(&recv(&sub, "best effort"));
+        assert!(last.is_none_or(|last| seed > last), "{seed} after {last:?}");
+        last = Some(seed);
+        received += 1;
+    }
+    assert_eq!(sub.stats().dropped(), 0);
+    let dropped = best_effort_drops(&broker) - drops_before;
+    assert!(dropped > 0, "nothing counted of {published}");
+    assert_eq!(
+        received + dropped,
+        published,
+        "{received} received and {dropped} counted of {published}"
+    );
+    assert_eq!(client.reconnects(), 0);
+}
+
 /// Messages of 50 kB (36 datagrams over `udp`, more than half the
 /// link's window, so only one is in flight at a time) with one datagram
 /// in 200 dropped: a loss costs its message and the link goes on. It held

@@ -51,7 +51,7 @@ use crate::delivery::LocalSink;
 use crate::drive::{Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
 use crate::published::PublishedRun;
-use crate::session::data_link::{released_frames, Ask, Closed, LinkKind};
+use crate::session::data_link::{released_frames, Ask, Closed, LinkKind, MAX_PROBES};
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
 use crate::session::{error_frame, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
@@ -2548,6 +2548,31 @@ impl EventLoop {
         self.data_link_closed_alone(id, closed, reason);
     }
 
+    /// Session `id`'s datagram link, its frames unconfirmed for a while:
+    /// pinged for a credit, or given up once pings went unanswered (see
+    /// [`DataLinks::probe_best_effort`]).
+    ///
+    /// [`DataLinks::probe_best_effort`]: crate::session::data_link::DataLinks::probe_best_effort
+    fn probe_best_effort_link(&mut self, id: u64, now: Instant) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let heard_at = session.conn.liveness.last_heard();
+        let links = &mut session.conn.links;
+        let Some(closed) = links.probe_best_effort(&mut self.endpoints, now, heard_at) else {
+            if let Some(at) = links.best_effort_probe_at() {
+                self.schedule(at);
+            }
+            return;
+        };
+        let reason = format!(
+            "best-effort: {}: no credit came back there for {MAX_PROBES} pings; what it sent \
+             unconfirmed counted as dropped, the rest carried on the reliable link",
+            closed.description
+        );
+        self.data_link_closed_alone(id, closed, reason);
+    }
+
     /// The data links session `id`'s peer was welcomed onto and never sent
     /// on within the handshake timeout: closed (see
     /// [`DataLinks::unused_deadline`]), each with the reason.
@@ -2769,6 +2794,7 @@ impl EventLoop {
         let mut pacing = Vec::new();
         let mut unheard = Vec::new();
         let mut unused = Vec::new();
+        let mut unconfirmed = Vec::new();
         let bound = self.shared.live.max_pending_bytes();
         let mut queued = 0u64;
         // The next deadline, of the sessions with nothing due now (the
@@ -2861,6 +2887,14 @@ impl EventLoop {
             match session.conn.links.unused_deadline(handshake_timeout) {
                 Some(at) if at > now => next = next.min(at),
                 Some(_) => unused.push(id),
+                None => {}
+            }
+            // A datagram link whose frames the peer has not confirmed;
+            // not while its credits are not read.
+            match session.conn.links.best_effort_probe_at() {
+                _ if self.reads_paused && !self.blocking.contains(&id) => {}
+                Some(at) if at > now => next = next.min(at),
+                Some(_) => unconfirmed.push(id),
                 None => {}
             }
             // Best-effort frames waiting for a credit that may have been
@@ -2961,6 +2995,9 @@ impl EventLoop {
         }
         for &id in &unused {
             self.close_unused_links(id);
+        }
+        for &id in &unconfirmed {
+            self.probe_best_effort_link(id, now);
         }
         // The sessions seen to above, as they stand now.
         for id in expired

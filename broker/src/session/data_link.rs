@@ -198,7 +198,40 @@ pub(crate) struct DataLink {
     /// A dialer's datagram link: frames wait for the peer's first credit
     /// (see [`DataLinks::tend_best_effort`]).
     awaits_credit: bool,
+    /// Lossy links: how far the peer's credits confirm what was sent.
+    confirmed: Confirmed,
 }
+
+/// Lossy links: what the peer's credits confirm of what this side sent. A
+/// datagram link may stop delivering once in use (a path or device gone
+/// quiet) while its session lives on: the receiver, hearing nothing, sees
+/// no gap to count, and the sender's window, reset when it stays full,
+/// sends into the void again and again. Credits are the only word back, so
+/// frames left unconfirmed for a while are followed by a numbered ping,
+/// which a live receiver acknowledges (counting as lost what it finds
+/// missing below it); a link whose pings go unanswered is given up, and
+/// what it sent unconfirmed is counted as lost
+/// ([`DataLinks::probe_best_effort`]).
+#[derive(Debug, Default)]
+struct Confirmed {
+    /// Highest sequence a credit acknowledged.
+    through: u64,
+    /// Since when frames sent have gone unconfirmed: the last credit, if
+    /// it left some, or the first send after it. `None` when all are.
+    waiting_since: Option<Instant>,
+    /// Times a credit was asked for since the last one came, the first
+    /// and the latest time.
+    probes: u32,
+    first_probe: Option<Instant>,
+    last_probe: Option<Instant>,
+    /// Pings numbered for those asks (one finding the endpoint full is
+    /// not sent).
+    pings: u64,
+}
+
+/// Unanswered pings after which [`DataLinks::probe_best_effort`] gives a
+/// datagram link up.
+pub(crate) const MAX_PROBES: u32 = 3;
 
 /// What a link has heard from its peer since it first sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -376,6 +409,7 @@ impl DataLink {
             contact: Contact::Unsent,
             credited: false,
             awaits_credit: false,
+            confirmed: Confirmed::default(),
         })
     }
 
@@ -469,6 +503,9 @@ impl DataLink {
     ) -> Result<(), DataLinkError> {
         if self.contact == Contact::Unsent {
             self.contact = Contact::SentAt(Instant::now());
+        }
+        if self.lossy && self.confirmed.waiting_since.is_none() {
+            self.confirmed.waiting_since = Some(Instant::now());
         }
         let seq = self.sender.next_sequence();
         let mut wire = Vec::new();
@@ -580,6 +617,9 @@ impl DataLink {
             return match codec::decode(message, &codec::CodecLimits::default()) {
                 Ok(Frame::Credit(credit)) => {
                     self.credited = true;
+                    if self.lossy {
+                        self.on_confirmed(now, credit.ack_seq);
+                    }
                     if self.window.on_credit(&credit) {
                         while self
                             .runs_in_flight
@@ -778,6 +818,49 @@ impl DataLink {
     /// Messages given up on this link (lossy links), as the receiver counts.
     pub fn lost(&self) -> u64 {
         self.receiver.stats().lost.saturating_add(self.bad_runs)
+    }
+
+    /// Frames numbered so far (sequences start at 1).
+    fn numbered(&self) -> u64 {
+        self.sender.next_sequence().saturating_sub(1)
+    }
+
+    /// A credit from the peer acknowledged `ack_seq`: it hears this side
+    /// (a credit older than the window knows shows that too).
+    fn on_confirmed(&mut self, now: Instant, ack_seq: u64) {
+        let numbered = self.numbered();
+        let confirmed = &mut self.confirmed;
+        confirmed.through = confirmed.through.max(ack_seq.min(numbered));
+        confirmed.waiting_since = (numbered > confirmed.through).then_some(now);
+        confirmed.probes = 0;
+        confirmed.pings = 0;
+        confirmed.first_probe = None;
+        confirmed.last_probe = None;
+    }
+
+    /// Lossy links: when frames sent will have gone unconfirmed long
+    /// enough for the next ping (or, after [`MAX_PROBES`], for the link to
+    /// be given up): `stall_reset` after they began to wait, then after
+    /// each ping.
+    pub fn probe_at(&self) -> Option<Instant> {
+        if !self.lossy || !self.usable() {
+            return None;
+        }
+        let since = self.confirmed.waiting_since?;
+        self.confirmed
+            .last_probe
+            .unwrap_or(since)
+            .checked_add(self.stall_reset)
+    }
+
+    /// Frames sent and not confirmed by any credit, but for the pings that
+    /// asked for one and what still waits in the backlog (counted apart,
+    /// see [`Self::unsent`]).
+    fn unconfirmed(&self) -> u64 {
+        self.numbered()
+            .saturating_sub(self.confirmed.through)
+            .saturating_sub(self.confirmed.pings)
+            .saturating_sub(self.backlog_frames())
     }
 }
 
@@ -1384,6 +1467,55 @@ impl DataLinks {
         };
         link.wait_for_credit(frame);
         true
+    }
+
+    /// When the best-effort link's frames will have gone unconfirmed long
+    /// enough for [`Self::probe_best_effort`].
+    pub fn best_effort_probe_at(&self) -> Option<Instant> {
+        self.best_effort.as_ref()?.probe_at()
+    }
+
+    /// The best-effort link, its frames unconfirmed since
+    /// [`Self::best_effort_probe_at`]: a numbered ping asks the peer for a
+    /// credit (a live one acknowledges it, settling what it lacks below
+    /// it). After [`MAX_PROBES`] unanswered, with the peer `heard_at` on
+    /// another link since the first (alive, so its datagram link is what
+    /// failed, not the peer, whose silence its heartbeat judges), the link
+    /// is given up (closed, as [`Self::close_best_effort`]) with what it
+    /// sent unconfirmed counted in its `unsent`. A peer that sends there
+    /// too (a route's broker), no longer credited, gives its side up in
+    /// turn; a client's side stays open, unused.
+    pub fn probe_best_effort(
+        &mut self,
+        endpoints: &mut [Box<dyn Endpoint>],
+        now: Instant,
+        heard_at: Instant,
+    ) -> Option<Closed> {
+        let link = self.best_effort.as_mut()?;
+        if link.probe_at().is_none_or(|at| now < at) {
+            return None;
+        }
+        let confirmed = &mut link.confirmed;
+        if confirmed.probes >= MAX_PROBES && confirmed.first_probe.is_some_and(|at| heard_at > at) {
+            link.dropped = link.dropped.saturating_add(link.unconfirmed());
+            return self.close_best_effort(endpoints);
+        }
+        confirmed.probes += 1;
+        confirmed.first_probe.get_or_insert(now);
+        confirmed.last_probe = Some(now);
+        let endpoint = endpoints[link.endpoint].as_mut();
+        // Behind what the endpoint has not taken yet, or not at all: a
+        // link that cannot send is as silent as one that is not heard.
+        match link.flush(endpoint) {
+            Ok(true) => {
+                link.confirmed.pings += 1;
+                let _ = link.transmit(endpoint, codec::encode(&Frame::Ping { nonce: 0 }));
+            }
+            Ok(false) => {}
+            // The frame whose piece failed is lost (as in pacing).
+            Err(_) => link.dropped += 1,
+        }
+        None
     }
 
     /// Send what the best-effort link holds back for credit or for the

@@ -1116,6 +1116,110 @@ mod tests {
         );
     }
 
+    /// A datagram link whose frames go unconfirmed asks for a credit with
+    /// a numbered ping a while after they began to wait, then after each
+    /// ping; a credit stops that. Pings unanswered while the peer is heard
+    /// otherwise give the link up, what it sent unconfirmed counted (not
+    /// the pings); while the peer is not heard at all, it keeps asking.
+    #[test]
+    fn a_datagram_link_whose_frames_go_unconfirmed_is_pinged_then_given_up() {
+        use super::super::data_link::{LinkKind, MAX_PROBES};
+        use efabus_core::frame::{Credit, Frame};
+        let mut endpoints = wire(usize::MAX, &Arc::default());
+        let (endpoint, link, fabric) = scripted_link(true, 4096, (usize::MAX, None, usize::MAX));
+        endpoints.push(endpoint);
+        let mut links = DataLinks {
+            best_effort: Some(link),
+            in_use: true,
+            ..DataLinks::default()
+        };
+        let sent = |fabric: &Taken| fabric.lock().unwrap().len();
+        let credit = |links: &mut DataLinks, ack_seq: u64, now| {
+            let frame = codec::encode(&Frame::Credit(Credit {
+                messages: 64,
+                bytes: 1 << 20,
+                ack_seq,
+            }));
+            let mut out = Vec::new();
+            links
+                .receive(LinkKind::BestEffort, now, frame.to_bytes(), &mut out)
+                .expect("a credit is taken");
+        };
+        assert_eq!(links.best_effort_probe_at(), None, "nothing sent");
+        for _ in 0..4 {
+            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        }
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(sent(&fabric), 4);
+        let due = links.best_effort_probe_at().expect("frames unconfirmed");
+        let early = due - std::time::Duration::from_millis(1);
+        assert!(links
+            .probe_best_effort(&mut endpoints, early, early)
+            .is_none());
+        assert_eq!(sent(&fabric), 4, "no ping before it is due");
+        // Two confirmed: the other two wait from this credit on.
+        let now = due;
+        credit(&mut links, 2, now);
+        let due = links.best_effort_probe_at().expect("two unconfirmed");
+        assert!(due > now);
+        // Pings go, each a while after the one before.
+        let mut at = due;
+        for ping in 1..=MAX_PROBES {
+            assert!(links.probe_best_effort(&mut endpoints, at, now).is_none());
+            assert_eq!(sent(&fabric), 4 + ping as usize);
+            let next = links.best_effort_probe_at().expect("still unconfirmed");
+            assert!(next > at);
+            at = next;
+        }
+        // Not heard since the first ping: the peer's silence is its
+        // heartbeat's to judge; the link asks again.
+        assert!(links.probe_best_effort(&mut endpoints, at, now).is_none());
+        assert_eq!(sent(&fabric), 4 + MAX_PROBES as usize + 1);
+        let at = links.best_effort_probe_at().expect("still unconfirmed");
+        // Heard on another link meanwhile: given up, the two data frames
+        // it sent unconfirmed counted, not its pings.
+        let closed = links
+            .probe_best_effort(&mut endpoints, at, at)
+            .expect("the link is given up");
+        assert_eq!((closed.unsent, closed.waiting.len()), (2, 0));
+        assert!(links.best_effort_link().is_none());
+    }
+
+    /// A credit that acknowledges a ping stops the pings: the link is live.
+    #[test]
+    fn a_credit_after_a_ping_keeps_the_datagram_link() {
+        use super::super::data_link::LinkKind;
+        use efabus_core::frame::{Credit, Frame};
+        let mut endpoints = wire(usize::MAX, &Arc::default());
+        let (endpoint, link, fabric) = scripted_link(true, 4096, (usize::MAX, None, usize::MAX));
+        endpoints.push(endpoint);
+        let mut links = DataLinks {
+            best_effort: Some(link),
+            in_use: true,
+            ..DataLinks::default()
+        };
+        assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        links.pace_best_effort(&mut endpoints);
+        let due = links.best_effort_probe_at().expect("a frame unconfirmed");
+        assert!(links.probe_best_effort(&mut endpoints, due, due).is_none());
+        assert_eq!(fabric.lock().unwrap().len(), 2, "the frame and a ping");
+        let credit = codec::encode(&Frame::Credit(Credit {
+            messages: 64,
+            bytes: 1 << 20,
+            ack_seq: 2,
+        }));
+        links
+            .receive(
+                LinkKind::BestEffort,
+                due,
+                credit.to_bytes(),
+                &mut Vec::new(),
+            )
+            .expect("a credit is taken");
+        assert_eq!(links.best_effort_probe_at(), None, "all confirmed");
+        assert_eq!(links.take_best_effort_drops(), 0);
+    }
+
     #[test]
     fn refused_best_effort_pieces_go_with_nothing_queued_behind_them() {
         // The last frame's second piece is refused once: pacing again
