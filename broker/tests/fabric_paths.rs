@@ -888,6 +888,41 @@ fn large_best_effort_messages_at_full_speed_are_not_lost_on_the_link() {
     assert!(burst.received >= 1024, "{burst:?}");
 }
 
+/// Best-effort messages of more datagrams than the receiver has posted
+/// (512 KiB: 357 datagrams over `udp`, whose socket holds about 61): the
+/// sender sends a window of each at a time, as far as the receiver's
+/// credits say it holds, so they arrive. Sent in one burst, they overran
+/// the socket and were lost, nearly all of them.
+#[test]
+fn best_effort_messages_larger_than_the_window_arrive() {
+    const COUNT: u64 = 20;
+    const SIZE: usize = 512 << 10;
+    let provider = Provider { rdm: "tcp;ofi_rxm" };
+    let Some(broker) = start_broker(provider, true, "") else {
+        return;
+    };
+    let client = fabric_client(&broker, provider, "large-best-effort");
+    let sub = client.subscribe_best_effort("large.>").unwrap();
+    client.flush(WAIT).unwrap();
+    let mut received = 0;
+    for n in 0..COUNT {
+        broker.publish("large.data", pattern(n, SIZE)).unwrap();
+        if let Ok(message) = sub.recv_timeout(Duration::from_secs(1)) {
+            assert_eq!(message.payload.len(), SIZE);
+            assert!(check_pattern(&message) <= n);
+            received += 1;
+        }
+    }
+    while sub.recv_timeout(Duration::from_millis(200)).is_ok() {
+        received += 1;
+    }
+    let lost = client.link().best_effort_lost;
+    assert!(
+        received >= COUNT - 2,
+        "{received} of {COUNT} arrived ({lost} counted lost)"
+    );
+}
+
 /// The same burst with one in 200 of the broker's datagrams dropped: each
 /// loss costs the message it was part of, and the link goes on at once.
 /// A loss used to hold the link's credits for the gap timeout, and what

@@ -12,7 +12,10 @@
 //! `ack_seq` is taken; you may have `messages` pieces and `bytes` bytes
 //! beyond it". A lost, duplicated or late credit therefore never corrupts
 //! the window; the next one repairs it. Credits travel outside the link's
-//! sequence so that they never wait for credit themselves.
+//! sequence so that they never wait for credit themselves. On a lossy link
+//! a receiver still taking in a message of more pieces than the window
+//! adds what it holds of it to `messages`: the sender of such a message
+//! sends a window of it at a time, and goes on as its pieces arrive.
 //!
 //! The initial window comes from the negotiated queue sizes
 //! ([`crate::caps::LinkParams::send_window`]); the receiver's credits may
@@ -202,6 +205,11 @@ pub struct CreditGrant {
     bytes_since: u64,
     /// The last credit has not been sent again (see [`Self::repeat_due`]).
     unrepeated: bool,
+    /// Pieces held of the next message still arriving, granted on top of
+    /// the window (see [`Self::note_partial`]), and as the last credit
+    /// granted them.
+    held: u64,
+    last_held: u64,
 }
 
 impl CreditGrant {
@@ -214,7 +222,29 @@ impl CreditGrant {
             pieces_since: 0,
             bytes_since: 0,
             unrepeated: false,
+            held: 0,
+            last_held: 0,
         }
+    }
+
+    /// Lossy links: the receiver holds `held` of the `count` pieces of
+    /// the next message, still arriving. A message of more pieces than
+    /// the window goes a window at a time (its pieces beyond the window
+    /// would find no posted buffer): credits grant what is held of it on
+    /// top of the window, for a message of more than half the window, one
+    /// more credit each quarter window of its pieces.
+    pub fn note_partial(&mut self, held: u32, count: u32) {
+        self.held = if u64::from(count) * 2 > u64::from(self.window.pieces) {
+            u64::from(held)
+        } else {
+            0
+        };
+    }
+
+    /// Whether what is held of a message still arriving grew by a quarter
+    /// window since the last credit.
+    fn held_grew(&self) -> bool {
+        self.held >= self.last_held + u64::from(self.window.pieces / 4).max(1)
     }
 
     /// Count one wire message of `bytes` taken from the link.
@@ -229,7 +259,7 @@ impl CreditGrant {
     /// the last credit, or [`CREDIT_DELAY`] has passed.
     pub fn due(&self, now: Instant, through: u64) -> Option<Credit> {
         if through <= self.last_ack {
-            return None;
+            return self.held_grew().then(|| self.credit(self.last_ack));
         }
         let quarter_pieces = u64::from(self.window.pieces / 4).max(1);
         let quarter_bytes = (self.window.bytes / 4).max(1);
@@ -241,15 +271,18 @@ impl CreditGrant {
     }
 
     /// Whether an acknowledgement is owed at all (`through` moved since the
-    /// last credit): the caller keeps asking [`Self::due`] until it is not.
+    /// last credit, or what is held of a message still arriving grew): the
+    /// caller keeps asking [`Self::due`] until it is not.
     pub fn owes(&self, through: u64) -> bool {
-        through > self.last_ack
+        through > self.last_ack || self.held_grew()
     }
 
-    /// The credit for `through`, due or not.
+    /// The credit for `through`, due or not: the window beyond it, and
+    /// what is held of a message still arriving.
     pub fn credit(&self, through: u64) -> Credit {
+        let held = u32::try_from(self.held).unwrap_or(u32::MAX);
         Credit {
-            messages: self.window.pieces,
+            messages: self.window.pieces.saturating_add(held),
             bytes: self.window.bytes,
             ack_seq: through,
         }
@@ -258,6 +291,7 @@ impl CreditGrant {
     /// Record that `credit` was handed to the endpoint.
     pub fn sent(&mut self, now: Instant, credit: &Credit) {
         self.last_ack = self.last_ack.max(credit.ack_seq);
+        self.last_held = u64::from(credit.messages.saturating_sub(self.window.pieces));
         self.last_sent_at = Some(now);
         self.pieces_since = 0;
         self.bytes_since = 0;
@@ -451,6 +485,40 @@ mod tests {
             "after the delay"
         );
         assert!(!grant.owes(3));
+    }
+
+    /// What is held of a message of more than half the window still
+    /// arriving is granted on top of the window, a credit each quarter
+    /// window of it, with nothing new acknowledged; a smaller message's
+    /// pieces are not.
+    #[test]
+    fn pieces_held_of_a_large_message_are_granted_as_they_arrive() {
+        let start = Instant::now();
+        let mut grant = CreditGrant::new(Window {
+            pieces: 8,
+            bytes: 1 << 20,
+        });
+        let first = grant.due(start, 1).expect("first credit");
+        grant.sent(start, &first);
+        grant.note_partial(3, 4);
+        assert!(!grant.owes(1), "a message of half the window or less");
+        grant.note_partial(1, 20);
+        assert!(!grant.owes(1), "less than a quarter window held");
+        grant.note_partial(2, 20);
+        assert!(grant.owes(1));
+        let credit = grant.due(start, 1).expect("a quarter window held");
+        assert_eq!((credit.ack_seq, credit.messages), (1, 10));
+        grant.sent(start, &credit);
+        grant.note_partial(3, 20);
+        assert_eq!(grant.due(start, 1), None, "one more piece is not enough");
+        grant.note_partial(4, 20);
+        assert_eq!(grant.due(start, 1).map(|credit| credit.messages), Some(12));
+        // The message done, the window alone again.
+        grant.note_partial(0, 0);
+        let done = grant
+            .due(start + CREDIT_DELAY, 2)
+            .expect("a sequence acknowledged");
+        assert_eq!((done.ack_seq, done.messages), (2, 8));
     }
 
     #[test]

@@ -362,6 +362,8 @@ pub struct PartialProgress {
     pub last_seen: Instant,
     /// Whether the message's last piece (the highest index) is among them.
     pub last_piece_taken: bool,
+    /// Pieces of the message in all.
+    pub count: u32,
 }
 
 #[derive(Debug, Default)]
@@ -583,6 +585,7 @@ impl<K: Hash + Eq + Clone> Reassembler<K> {
                 received: partial.received,
                 last_seen: partial.last_seen,
                 last_piece_taken: partial.has(partial.count.saturating_sub(1)),
+                count: partial.count,
             })
     }
 

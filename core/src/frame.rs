@@ -13,7 +13,7 @@ use crate::caps::Offer;
 
 /// Version of the wire protocol spoken by this build. A peer whose hello
 /// carries another major version is refused with [`ErrorCode::Version`].
-pub const PROTOCOL_VERSION: u16 = 13;
+pub const PROTOCOL_VERSION: u16 = 14;
 
 /// How a subscription wants its messages carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]

@@ -671,6 +671,14 @@ impl LinkReceiver {
         }
     }
 
+    /// Sequenced links: pieces taken of the next sequence due while it is
+    /// partial, and its pieces in all; `(0, 0)` when it is not.
+    pub fn next_partial(&self) -> (u32, u32) {
+        self.expected_sequence()
+            .and_then(|next| self.reassembler.progress(&(), next))
+            .map_or((0, 0), |progress| (progress.received, progress.count))
+    }
+
     /// Frames held waiting for an earlier sequence.
     pub fn held(&self) -> usize {
         self.reorder.as_ref().map_or(0, ReorderBuffer::held)

@@ -200,6 +200,27 @@ pub(crate) struct DataLink {
     awaits_credit: bool,
     /// Lossy links: how far the peer's credits confirm what was sent.
     confirmed: Confirmed,
+    /// Lossy links: the rest of a frame of more pieces than the window,
+    /// sent a window at a time.
+    trickle: Option<Trickle>,
+}
+
+/// The pieces of a frame larger than a lossy link's window still to send:
+/// datagrams beyond the receiver's posted buffers would be lost, so the
+/// frame (sent alone) goes out as far as the receiver's credits say it
+/// holds of it (see [`CreditGrant::note_partial`]).
+///
+/// [`CreditGrant::note_partial`]: efabus_core::credit::CreditGrant::note_partial
+#[derive(Debug)]
+struct Trickle {
+    /// The frame's sequence: a credit acknowledging it (delivered or
+    /// given up) ends the trickle.
+    seq: u64,
+    pieces: VecDeque<OutFrame>,
+    /// Pieces handed to the endpoint so far.
+    sent: u64,
+    /// Pieces the peer's credits allow beyond what they acknowledge.
+    granted: u64,
 }
 
 /// Lossy links: what the peer's credits confirm of what this side sent. A
@@ -410,6 +431,7 @@ impl DataLink {
             credited: false,
             awaits_credit: false,
             confirmed: Confirmed::default(),
+            trickle: None,
         })
     }
 
@@ -474,6 +496,7 @@ impl DataLink {
         if !self.flush(endpoint)? || !self.usable() {
             return Ok(());
         }
+        self.send_trickle(endpoint)?;
         while let Some(len) = self.paced.front().map(OutFrame::len) {
             if !self.flush(endpoint)? || !self.admit(len) {
                 return Ok(());
@@ -483,6 +506,35 @@ impl DataLink {
             };
             self.paced_bytes -= frame.len();
             self.transmit(endpoint, frame)?;
+        }
+        Ok(())
+    }
+
+    /// Lossy links: the pieces of a frame larger than the window that the
+    /// peer's credits now allow (the frames behind it wait: the window
+    /// counts it whole).
+    fn send_trickle(&mut self, endpoint: &mut dyn Endpoint) -> Result<(), DataLinkError> {
+        let Some(trickle) = self.trickle.as_mut() else {
+            return Ok(());
+        };
+        while trickle.sent < trickle.granted {
+            let Some(piece) = trickle.pieces.pop_front() else {
+                break;
+            };
+            match endpoint.send(self.peer, piece) {
+                Ok(()) => trickle.sent += 1,
+                Err(SendError::WouldBlock(piece)) => {
+                    trickle.pieces.push_front(piece);
+                    return Ok(());
+                }
+                Err(source) => {
+                    self.trickle = None;
+                    return Err(self.send_error(source));
+                }
+            }
+        }
+        if trickle.pieces.is_empty() {
+            self.trickle = None;
         }
         Ok(())
     }
@@ -517,6 +569,16 @@ impl DataLink {
             })?;
         let bytes = wire.iter().map(|piece| piece.len() as u64).sum();
         self.window.sent(seq, wire.len() as u32, bytes);
+        let window = self.window.window().pieces as usize;
+        if self.lossy && wire.len() > window {
+            let rest = wire.split_off(window);
+            self.trickle = Some(Trickle {
+                seq,
+                pieces: rest.into(),
+                sent: window as u64,
+                granted: window as u64,
+            });
+        }
         let mut pieces = wire.into_iter();
         while let Some(piece) = pieces.next() {
             match endpoint.send(self.peer, piece) {
@@ -556,6 +618,9 @@ impl DataLink {
         }
         self.window.reset();
         self.stalled_since = None;
+        // What was left of a frame sent a window at a time goes no
+        // further: the receiver gives it up by now.
+        self.trickle = None;
         true
     }
 
@@ -578,6 +643,8 @@ impl DataLink {
                             }
                         }
                     }
+                    // A frame sent a window at a time is lost with it.
+                    self.trickle = None;
                     return Err(self.send_error(source));
                 }
             }
@@ -619,6 +686,13 @@ impl DataLink {
                     self.credited = true;
                     if self.lossy {
                         self.on_confirmed(now, credit.ack_seq);
+                        if let Some(trickle) = self.trickle.as_mut() {
+                            if credit.ack_seq >= trickle.seq {
+                                self.trickle = None;
+                            } else {
+                                trickle.granted = trickle.granted.max(u64::from(credit.messages));
+                            }
+                        }
                     }
                     if self.window.on_credit(&credit) {
                         while self
@@ -644,6 +718,10 @@ impl DataLink {
         self.grant.on_received(message.len());
         let before = out.len();
         let result = self.receiver.receive(now, message, out);
+        if self.lossy {
+            let (held, count) = self.receiver.next_partial();
+            self.grant.note_partial(held, count);
+        }
         self.check_runs(out, before)?;
         result
     }
@@ -800,6 +878,10 @@ impl DataLink {
     pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) -> Result<(), LinkError> {
         let before = out.len();
         let result = self.receiver.poll(now, out);
+        if self.lossy {
+            let (held, count) = self.receiver.next_partial();
+            self.grant.note_partial(held, count);
+        }
         self.check_runs(out, before)?;
         result
     }
@@ -1572,9 +1654,9 @@ impl DataLinks {
 
     /// Whether the best-effort link holds frames back.
     pub fn best_effort_waiting(&self) -> bool {
-        self.best_effort
-            .as_ref()
-            .is_some_and(|link| !link.paced.is_empty() || !link.backlog.is_empty())
+        self.best_effort.as_ref().is_some_and(|link| {
+            !link.paced.is_empty() || !link.backlog.is_empty() || link.trickle.is_some()
+        })
     }
 
     /// Whether frames numbered for the peer wait for the endpoint.

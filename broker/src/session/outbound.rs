@@ -1220,6 +1220,65 @@ mod tests {
         assert_eq!(links.take_best_effort_drops(), 0);
     }
 
+    /// A best-effort frame of more pieces than the window goes a window
+    /// at a time: more as the peer's credits grant what it holds of it,
+    /// the frame behind it once a credit acknowledges it.
+    #[test]
+    fn a_best_effort_frame_larger_than_the_window_goes_as_credits_allow() {
+        use super::super::data_link::LinkKind;
+        use efabus_core::frame::{Credit, Frame};
+        let mut endpoints = wire(usize::MAX, &Arc::default());
+        let max_frame = codec::FRAGMENT_OVERHEAD + 64;
+        let (endpoint, link, fabric) =
+            scripted_link(true, max_frame, (usize::MAX, None, usize::MAX));
+        endpoints.push(endpoint);
+        let mut links = DataLinks {
+            best_effort: Some(link),
+            in_use: true,
+            ..DataLinks::default()
+        };
+        let sent = |fabric: &Taken| fabric.lock().unwrap().len();
+        let credit = |links: &mut DataLinks, ack_seq: u64, messages: u32| {
+            let frame = codec::encode(&Frame::Credit(Credit {
+                messages,
+                bytes: 1 << 30,
+                ack_seq,
+            }));
+            links
+                .receive(
+                    LinkKind::BestEffort,
+                    std::time::Instant::now(),
+                    frame.to_bytes(),
+                    &mut Vec::new(),
+                )
+                .expect("a credit is taken");
+        };
+        // Far more pieces than any window here.
+        assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(512 << 10)))));
+        assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        links.pace_best_effort(&mut endpoints);
+        let window = sent(&fabric);
+        assert!(window > 1 && window < 8000, "{window} pieces went");
+        assert!(links.best_effort_waiting());
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(sent(&fabric), window, "nothing more without credit");
+        // The peer holds ten of them: ten more go.
+        credit(&mut links, 0, window as u32 + 10);
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(sent(&fabric), window + 10);
+        // The frame acknowledged (taken or given up): the rest of it is
+        // not sent, the frame behind it is.
+        credit(&mut links, 1, window as u32);
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(
+            sent(&fabric),
+            window + 10 + 2,
+            "the next frame's two pieces"
+        );
+        assert!(!links.best_effort_waiting());
+        assert_eq!(links.take_best_effort_drops(), 0);
+    }
+
     #[test]
     fn refused_best_effort_pieces_go_with_nothing_queued_behind_them() {
         // The last frame's second piece is refused once: pacing again
