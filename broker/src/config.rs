@@ -867,8 +867,7 @@ impl Config {
             ));
         }
         for (i, listen) in self.listen.iter().enumerate() {
-            efabus_transports::registry::EndpointSpec::parse(listen)
-                .map_err(|err| invalid(&format!("listen[{i}]"), err.to_string()))?;
+            check_listen(listen).map_err(|message| invalid(&format!("listen[{i}]"), message))?;
         }
         for (i, peer) in self.peers.iter().enumerate() {
             check_peer(peer).map_err(|message| invalid(&format!("peers[{i}]"), message))?;
@@ -1189,6 +1188,30 @@ pub fn locate(text: &str, key: &str) -> Option<usize> {
 
 /// Why a `peers` entry cannot name a route: routes are dialed over TCP,
 /// to a broker's listening address (their data path is negotiated then).
+/// A listener's endpoint string: TCP and NATS listeners bind `HOST:PORT`
+/// (port 0 picks a free one), checked here so that `serve --check` refuses
+/// what the listener could not open.
+fn check_listen(listen: &str) -> Result<(), String> {
+    let spec =
+        efabus_transports::registry::EndpointSpec::parse(listen).map_err(|e| e.to_string())?;
+    let scheme = spec.scheme();
+    if scheme != tcp::SCHEME && scheme != efabus_transports::nats::SCHEME {
+        return Ok(());
+    }
+    let address = spec.address().unwrap_or_default();
+    let valid = address
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    if !valid {
+        let port = if scheme == tcp::SCHEME { 7420 } else { 4222 };
+        return Err(format!(
+            "`{listen}` needs the address to bind, `{scheme}/HOST:PORT` (port 0 picks a free \
+             one), e.g. `{scheme}/0.0.0.0:{port}`"
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn check_peer(peer: &str) -> Result<(), String> {
     let spec = efabus_transports::registry::EndpointSpec::parse(peer).map_err(|e| e.to_string())?;
     if spec.scheme() != tcp::SCHEME {
@@ -1607,6 +1630,36 @@ mod tests {
         );
         let unset: Testing = toml::from_str("").unwrap();
         assert_eq!(refuse_faults(unset.faults.as_ref()), Ok(()));
+    }
+
+    /// TCP and NATS listeners need an address to bind, with a port the
+    /// listener can open, before anything opens (`serve --check`).
+    #[test]
+    fn tcp_and_nats_listeners_bind_host_and_port() {
+        let listen = |entry: &str| {
+            Config::from_toml_str(&format!("listen = [\"mem/a\", \"{entry}\"]\n"), "l.toml")
+        };
+        for good in [
+            "tcp/127.0.0.1:0",
+            "tcp/node-1:7420",
+            "nats/[::1]:4222",
+            "efa-rdm",
+        ] {
+            assert!(listen(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "tcp",
+            "tcp/127.0.0.1",
+            "tcp/127.0.0.1:99999",
+            "tcp/:7420",
+            "nats/host",
+        ] {
+            let err = listen(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("line 1: listen[1]") && err.contains("HOST:PORT"),
+                "{bad}: {err}"
+            );
+        }
     }
 
     #[test]
