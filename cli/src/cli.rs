@@ -498,6 +498,13 @@ fn explain(err: Error, server: Option<&str>) -> Failure {
             "is anything subscribed to that subject? raise --timeout if it is slow".to_string(),
             1,
         ),
+        Error::Blocked(_) => (
+            err.to_string(),
+            "the broker holds publishers back for a slow subscriber (slow_consumer.policy = \
+             \"block\"); `efabus conns` shows whose queue is full"
+                .to_string(),
+            1,
+        ),
         Error::NoResponders(subject) => (
             format!("no subscriber for {}", short(subject)),
             "start a responder that subscribes to that subject".to_string(),
@@ -1384,13 +1391,20 @@ fn confirm(client: &Client, server: &str, timeout: Duration) -> Result<(), Failu
         let result = client.flush(timeout);
         let lost = matches!(result, Err(Error::NotConnected(_) | Error::Timeout(_)));
         if !lost || !connected_anew(client, reconnects, deadline) {
-            return result.map_err(|err| match client.closed_because() {
-                Some(reason) => Failure::runtime(format!(
+            return result.map_err(|err| match (client.closed_because(), err) {
+                (Some(reason), _) => Failure::runtime(format!(
                     "lost the connection to {}: {}",
                     excerpt(server, EXCERPT_CHARS),
                     excerpt(&reason, 4 * EXCERPT_CHARS)
                 )),
-                None => explain(err, Some(server)),
+                // Not a request's timeout: `explain`'s hint is for `req`.
+                (None, Error::Timeout(waited)) => Failure::runtime(format!(
+                    "{} did not confirm within {waited:?}; it may be holding publishers back \
+                     for a slow subscriber (slow_consumer.policy = \"block\") or be stuck: \
+                     see `efabus stats` and `efabus conns`",
+                    excerpt(server, EXCERPT_CHARS)
+                )),
+                (None, err) => explain(err, Some(server)),
             });
         }
     }
@@ -1438,4 +1452,25 @@ fn refused_by_broker(client: &Client) -> Result<(), Failure> {
         "the broker refused: {}{more}{hint}",
         excerpt(first, 4 * EXCERPT_CHARS)
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A publish held back by the broker's `block` policy says where to
+    /// look; a request's timeout keeps the hint about subscribers.
+    #[test]
+    fn errors_are_explained_with_their_own_next_step() {
+        let blocked = explain(Error::Blocked(Duration::from_secs(2)), None);
+        assert_eq!(blocked.code, 1);
+        assert!(
+            blocked.message.contains("slow_consumer.policy") && blocked.message.contains("conns"),
+            "{}",
+            blocked.message
+        );
+        let timeout = explain(Error::Timeout(Duration::from_secs(5)), None);
+        assert!(timeout.message.contains("--timeout"), "{}", timeout.message);
+        assert!(!timeout.message.contains('\n'));
+    }
 }
