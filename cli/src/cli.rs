@@ -579,14 +579,30 @@ fn init_logging(level: &str, format: LogFormat) -> Result<Option<LogReload>, Fai
     Ok(from_env.is_none().then_some(handle))
 }
 
+/// Where a secret comes from, as an error names it.
+const SECRET_FLAGS: &str = "--secret or EFABUS_SECRET";
+
 /// Largest secret file read.
 const SECRET_FILE_MAX: u64 = 64 << 10;
 
 /// The first line of `file` when one is given (a file named on the
 /// command line is meant over a secret in the environment), else the
 /// secret given as a flag or its environment variable.
-fn secret_from(value: &Option<String>, file: &Option<PathBuf>) -> Result<Option<String>, Failure> {
+/// An empty secret is refused here, naming where it came from (an empty
+/// line in an environment file is easily left behind), rather than as the
+/// configuration's `auth.secret`.
+fn secret_from(
+    value: &Option<String>,
+    file: &Option<PathBuf>,
+    names: &str,
+) -> Result<Option<String>, Failure> {
     let Some(path) = file else {
+        if value.as_deref() == Some("") {
+            return Err(Failure::usage(format!(
+                "the secret given ({names}) is empty; give one, or leave it unset to run \
+                 without"
+            )));
+        }
         return Ok(value.clone());
     };
     // A secret is at most 4 KiB: a file far longer is not one.
@@ -596,7 +612,13 @@ fn secret_from(value: &Option<String>, file: &Option<PathBuf>) -> Result<Option<
             path.display()
         ))
     })?;
-    Ok(Some(text.lines().next().unwrap_or_default().to_string()))
+    match text.lines().next() {
+        Some(secret) if !secret.is_empty() => Ok(Some(secret.to_string())),
+        _ => Err(Failure::usage(format!(
+            "the secret file {}: its first line is empty; put the secret there",
+            path.display()
+        ))),
+    }
 }
 
 /// `efabus passwd`: reads a password (twice, without echo, from a
@@ -686,10 +708,15 @@ fn serve_config(args: &ServeArgs, schemes: &[&str]) -> Result<Config, Failure> {
     if let Some(level) = &args.log_level {
         config.log_level = level.clone();
     }
-    if let Some(secret) = secret_from(&args.secret, &args.secret_file)? {
+    if let Some(secret) = secret_from(&args.secret, &args.secret_file, SECRET_FLAGS)? {
         config.auth.secret = Some(secret);
     }
-    if let Some(secret) = secret_from(&args.cluster_secret, &args.cluster_secret_file)? {
+    let cluster_flags = "--cluster-secret or EFABUS_CLUSTER_SECRET";
+    if let Some(secret) = secret_from(
+        &args.cluster_secret,
+        &args.cluster_secret_file,
+        cluster_flags,
+    )? {
         config.cluster.secret = Some(secret);
     }
     if args.monitor.is_some() {
@@ -996,7 +1023,8 @@ fn connect_with(args: &ClientArgs, reconnect: bool) -> Result<Client, Failure> {
     }
     let options = ClientOptions {
         name: format!("efabus-cli-{}", std::process::id()),
-        credentials: secret_from(&args.secret, &args.secret_file)?.or(base.credentials.clone()),
+        credentials: secret_from(&args.secret, &args.secret_file, SECRET_FLAGS)?
+            .or(base.credentials.clone()),
         user: args.user.clone(),
         token: args.token.clone().or(base.token.clone()),
         reconnect,

@@ -614,14 +614,14 @@ fn serve_refuses_bad_configuration_with_exit_2() {
         "",
     ]);
     let text = usage_error(&output);
-    assert!(text.contains("cluster.secret: is empty"), "{text}");
+    assert!(text.contains("EFABUS_CLUSTER_SECRET) is empty"), "{text}");
     let output = efabus()
         .args(["serve", "--listen", "tcp/127.0.0.1:0"])
         .env("EFABUS_CLUSTER_SECRET", "")
         .output()
         .unwrap();
     let text = usage_error(&output);
-    assert!(text.contains("cluster.secret: is empty"), "{text}");
+    assert!(text.contains("EFABUS_CLUSTER_SECRET) is empty"), "{text}");
 
     let cases = [
         (
@@ -1056,6 +1056,43 @@ fn files_too_large_are_refused_not_read_to_the_end() {
         assert_eq!(err.trim().lines().count(), 1, "{err}");
         assert!(err.contains(names) && err.contains("longer than"), "{err}");
     }
+}
+
+/// An empty secret is refused where it came from: an empty
+/// `EFABUS_SECRET=` (as an environment file leaves it) or a secret file
+/// whose first line is empty, not as the configuration's `auth.secret`
+/// with a hint to fix an option never given.
+#[test]
+fn an_empty_secret_is_refused_naming_where_it_came_from() {
+    let output = efabus()
+        .args(["serve", "--check"])
+        .env("EFABUS_SECRET", "")
+        .output()
+        .expect("run efabus");
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("EFABUS_SECRET) is empty"), "{err}");
+    let dir = std::env::temp_dir().join(format!("efabus-empty-secret-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("secret");
+    std::fs::write(&file, "\nsecond line\n").unwrap();
+    for command in [&["serve", "--check"][..], &["pub", "x", "y"][..]] {
+        let output = efabus()
+            .args(command)
+            .arg("--secret-file")
+            .arg(&file)
+            .env_remove("EFABUS_SECRET")
+            .output()
+            .expect("run efabus");
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{command:?}: {err}");
+        assert!(
+            err.contains(&file.display().to_string()) && err.contains("first line is empty"),
+            "{err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// More publishers or subscribers than a bench starts threads for is a
