@@ -2557,16 +2557,15 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        let heard_at = session.conn.liveness.last_heard();
         let links = &mut session.conn.links;
-        let Some(closed) = links.probe_best_effort(&mut self.endpoints, now, heard_at) else {
+        let Some(closed) = links.probe_best_effort(&mut self.endpoints, now) else {
             if let Some(at) = links.best_effort_probe_at() {
                 self.schedule(at);
             }
             return;
         };
         let reason = format!(
-            "best-effort: {}: no credit came back there for {MAX_PROBES} pings; what it sent \
+            "best-effort: {}: {MAX_PROBES} pings there went unanswered; what it sent \
              unconfirmed counted as dropped, the rest carried on the reliable link",
             closed.description
         );
@@ -2631,6 +2630,7 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
+        session.conn.links.on_probe_pong(nonce, self.now);
         let barrier_passed = session.conn.links.on_barrier_pong(nonce);
         let proven = session.conn.links.on_pong(nonce, &mut self.endpoints);
         if proven.is_empty() && !barrier_passed {
@@ -2890,7 +2890,7 @@ impl EventLoop {
                 None => {}
             }
             // A datagram link whose frames the peer has not confirmed;
-            // not while its credits are not read.
+            // not while the answers to its pings are not read.
             match session.conn.links.best_effort_probe_at() {
                 _ if self.reads_paused && !self.blocking.contains(&id) => {}
                 Some(at) if at > now => next = next.min(at),

@@ -151,11 +151,11 @@ pub(crate) struct DataLink {
     /// Lossy links: how long the window may stay full without a credit
     /// before it is reset (the receiver has given those frames up by then).
     stall_reset: Duration,
-    /// Wire pieces already numbered but refused by the endpoint, each with
-    /// whether it is the last of its frame: they must go before anything
-    /// else, and are never dropped (but for the rest of a frame whose
-    /// piece failed).
-    backlog: VecDeque<(OutFrame, bool)>,
+    /// Wire pieces already numbered but refused by the endpoint, the last
+    /// of each frame with the frame's sequence: they must go before
+    /// anything else, and are never dropped (but for the rest of a frame
+    /// whose piece failed).
+    backlog: VecDeque<(OutFrame, Option<u64>)>,
     /// Lossy links: frames waiting for credit, in order, at most
     /// [`PACED_MAX_BYTES`] of them (the oldest give way, counted in
     /// `dropped`). A datagram sender paces to what the receiver has
@@ -227,27 +227,28 @@ struct Trickle {
 /// datagram link may stop delivering once in use (a path or device gone
 /// quiet) while its session lives on: the receiver, hearing nothing, sees
 /// no gap to count, and the sender's window, reset when it stays full,
-/// sends into the void again and again. Credits are the only word back, so
-/// frames left unconfirmed for a while are followed by a numbered ping,
-/// which a live receiver acknowledges (counting as lost what it finds
-/// missing below it); a link whose pings go unanswered is given up, and
-/// what it sent unconfirmed is counted as lost
-/// ([`DataLinks::probe_best_effort`]).
+/// sends into the void again and again. Frames left unconfirmed for a
+/// while are followed by a numbered ping there: a live receiver answers it
+/// (a `Pong`, even while it holds its credits back) and acknowledges it
+/// (counting as lost what it finds missing below it); a link whose pings
+/// go unanswered is given up, and what it sent unconfirmed is counted as
+/// lost ([`DataLinks::probe_best_effort`]).
 #[derive(Debug, Default)]
 struct Confirmed {
     /// Highest sequence a credit acknowledged.
     through: u64,
-    /// Since when frames sent have gone unconfirmed: the last credit, if
-    /// it left some, or the first send after it. `None` when all are.
+    /// Since when frames sent have gone unconfirmed: the last credit or
+    /// answered ping, if frames were left unconfirmed, or the first send
+    /// after it. `None` when all are confirmed.
     waiting_since: Option<Instant>,
-    /// Times a credit was asked for since the last one came, the first
-    /// and the latest time.
+    /// Pings sent since then, the latest one's nonce and time.
     probes: u32,
-    first_probe: Option<Instant>,
+    probe_nonce: u64,
     last_probe: Option<Instant>,
-    /// Pings numbered for those asks (one finding the endpoint full is
-    /// not sent).
-    pings: u64,
+    /// Sequences above `through` that are no messages to count as lost
+    /// when the link is given up: the pings, and frames already counted
+    /// as dropped when their send failed.
+    not_messages: Vec<u64>,
 }
 
 /// Unanswered pings after which [`DataLinks::probe_best_effort`] gives a
@@ -528,7 +529,8 @@ impl DataLink {
                     return Ok(());
                 }
                 Err(source) => {
-                    self.trickle = None;
+                    let seq = trickle.seq;
+                    self.failed(seq);
                     return Err(self.send_error(source));
                 }
             }
@@ -584,15 +586,18 @@ impl DataLink {
             match endpoint.send(self.peer, piece) {
                 Ok(()) => {}
                 Err(SendError::WouldBlock(piece)) => {
-                    self.backlog.push_back((piece, false));
-                    self.backlog.extend(pieces.map(|piece| (piece, false)));
+                    self.backlog.push_back((piece, None));
+                    self.backlog.extend(pieces.map(|piece| (piece, None)));
                     // The last piece queued is its frame's last.
                     if let Some(last) = self.backlog.back_mut() {
-                        last.1 = true;
+                        last.1 = Some(seq);
                     }
                     break;
                 }
-                Err(source) => return Err(self.send_error(source)),
+                Err(source) => {
+                    self.failed(seq);
+                    return Err(self.send_error(source));
+                }
             }
         }
         Ok(())
@@ -636,15 +641,16 @@ impl DataLink {
                     return Ok(false);
                 }
                 Err(source) => {
-                    if !last {
-                        while let Some((_, last)) = self.backlog.pop_front() {
-                            if last {
-                                break;
-                            }
-                        }
+                    let mut seq = last;
+                    while seq.is_none() {
+                        let Some((_, last)) = self.backlog.pop_front() else {
+                            break;
+                        };
+                        seq = last;
                     }
-                    // A frame sent a window at a time is lost with it.
-                    self.trickle = None;
+                    if let Some(seq) = seq {
+                        self.failed(seq);
+                    }
                     return Err(self.send_error(source));
                 }
             }
@@ -654,7 +660,10 @@ impl DataLink {
 
     /// Frames with a piece in the backlog.
     fn backlog_frames(&self) -> u64 {
-        self.backlog.iter().filter(|(_, last)| *last).count() as u64
+        self.backlog
+            .iter()
+            .filter(|(_, last)| last.is_some())
+            .count() as u64
     }
 
     fn send_error(&self, source: SendError) -> DataLinkError {
@@ -689,8 +698,14 @@ impl DataLink {
                         if let Some(trickle) = self.trickle.as_mut() {
                             if credit.ack_seq >= trickle.seq {
                                 self.trickle = None;
-                            } else {
-                                trickle.granted = trickle.granted.max(u64::from(credit.messages));
+                            } else if credit.ack_seq + 1 == trickle.seq
+                                && u64::from(credit.messages) > trickle.granted
+                            {
+                                // What the peer holds is of the message
+                                // after `ack_seq`: this one. Going on, it
+                                // is no stalled window to reset.
+                                trickle.granted = u64::from(credit.messages);
+                                self.stalled_since = None;
                             }
                         }
                     }
@@ -718,10 +733,7 @@ impl DataLink {
         self.grant.on_received(message.len());
         let before = out.len();
         let result = self.receiver.receive(now, message, out);
-        if self.lossy {
-            let (held, count) = self.receiver.next_partial();
-            self.grant.note_partial(held, count);
-        }
+        self.note_partial();
         self.check_runs(out, before)?;
         result
     }
@@ -878,10 +890,7 @@ impl DataLink {
     pub fn poll(&mut self, now: Instant, out: &mut Vec<Bytes>) -> Result<(), LinkError> {
         let before = out.len();
         let result = self.receiver.poll(now, out);
-        if self.lossy {
-            let (held, count) = self.receiver.next_partial();
-            self.grant.note_partial(held, count);
-        }
+        self.note_partial();
         self.check_runs(out, before)?;
         result
     }
@@ -902,6 +911,19 @@ impl DataLink {
         self.receiver.stats().lost.saturating_add(self.bad_runs)
     }
 
+    /// Lossy links: what is held of the next message still arriving goes
+    /// into the credits ([`CreditGrant::note_partial`]).
+    fn note_partial(&mut self) {
+        if self.lossy {
+            let (held, count) = if self.receiver.partial_messages() == 0 {
+                (0, 0)
+            } else {
+                self.receiver.next_partial()
+            };
+            self.grant.note_partial(held, count);
+        }
+    }
+
     /// Frames numbered so far (sequences start at 1).
     fn numbered(&self) -> u64 {
         self.sender.next_sequence().saturating_sub(1)
@@ -913,11 +935,34 @@ impl DataLink {
         let numbered = self.numbered();
         let confirmed = &mut self.confirmed;
         confirmed.through = confirmed.through.max(ack_seq.min(numbered));
-        confirmed.waiting_since = (numbered > confirmed.through).then_some(now);
+        let through = confirmed.through;
+        confirmed.not_messages.retain(|&seq| seq > through);
+        self.heard_on_link(now);
+    }
+
+    /// The peer hears this link: the pings start over, from `now` if
+    /// frames are left unconfirmed.
+    fn heard_on_link(&mut self, now: Instant) {
+        let unconfirmed = self.numbered() > self.confirmed.through;
+        let confirmed = &mut self.confirmed;
+        confirmed.waiting_since = unconfirmed.then_some(now);
         confirmed.probes = 0;
-        confirmed.pings = 0;
-        confirmed.first_probe = None;
         confirmed.last_probe = None;
+    }
+
+    /// Lossy links: frame `seq`'s send failed, and it is counted as
+    /// dropped where that failure is handled.
+    fn failed(&mut self, seq: u64) {
+        if self.lossy {
+            self.confirmed.not_messages.push(seq);
+        }
+        if self
+            .trickle
+            .as_ref()
+            .is_some_and(|trickle| trickle.seq == seq)
+        {
+            self.trickle = None;
+        }
     }
 
     /// Lossy links: when frames sent will have gone unconfirmed long
@@ -936,12 +981,12 @@ impl DataLink {
     }
 
     /// Frames sent and not confirmed by any credit, but for the pings that
-    /// asked for one and what still waits in the backlog (counted apart,
-    /// see [`Self::unsent`]).
+    /// asked for one, those counted dropped already and what still waits
+    /// in the backlog (counted apart, see [`Self::unsent`]).
     fn unconfirmed(&self) -> u64 {
         self.numbered()
             .saturating_sub(self.confirmed.through)
-            .saturating_sub(self.confirmed.pings)
+            .saturating_sub(self.confirmed.not_messages.len() as u64)
             .saturating_sub(self.backlog_frames())
     }
 }
@@ -1558,46 +1603,58 @@ impl DataLinks {
     }
 
     /// The best-effort link, its frames unconfirmed since
-    /// [`Self::best_effort_probe_at`]: a numbered ping asks the peer for a
-    /// credit (a live one acknowledges it, settling what it lacks below
-    /// it). After [`MAX_PROBES`] unanswered, with the peer `heard_at` on
-    /// another link since the first (alive, so its datagram link is what
-    /// failed, not the peer, whose silence its heartbeat judges), the link
-    /// is given up (closed, as [`Self::close_best_effort`]) with what it
-    /// sent unconfirmed counted in its `unsent`. A peer that sends there
-    /// too (a route's broker), no longer credited, gives its side up in
-    /// turn; a client's side stays open, unused.
+    /// [`Self::best_effort_probe_at`]: a numbered ping asks the peer to
+    /// show it hears the link (a live one answers it, and acknowledges it,
+    /// settling what it lacks below it). After [`MAX_PROBES`] answered
+    /// neither way, the link is given up (closed, as
+    /// [`Self::close_best_effort`]) with what it sent unconfirmed counted
+    /// in its `unsent`; a peer gone altogether is its heartbeat's to find.
+    /// A peer that sends there too (a route's broker), no longer credited,
+    /// gives its side up in turn; a client's side stays open, unused.
     pub fn probe_best_effort(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
         now: Instant,
-        heard_at: Instant,
     ) -> Option<Closed> {
         let link = self.best_effort.as_mut()?;
         if link.probe_at().is_none_or(|at| now < at) {
             return None;
         }
-        let confirmed = &mut link.confirmed;
-        if confirmed.probes >= MAX_PROBES && confirmed.first_probe.is_some_and(|at| heard_at > at) {
+        if link.confirmed.probes >= MAX_PROBES {
             link.dropped = link.dropped.saturating_add(link.unconfirmed());
             return self.close_best_effort(endpoints);
         }
+        let confirmed = &mut link.confirmed;
         confirmed.probes += 1;
-        confirmed.first_probe.get_or_insert(now);
         confirmed.last_probe = Some(now);
         let endpoint = endpoints[link.endpoint].as_mut();
         // Behind what the endpoint has not taken yet, or not at all: a
         // link that cannot send is as silent as one that is not heard.
         match link.flush(endpoint) {
             Ok(true) => {
-                link.confirmed.pings += 1;
-                let _ = link.transmit(endpoint, codec::encode(&Frame::Ping { nonce: 0 }));
+                // Its sequence tells its answer from other pings' (those
+                // of heartbeats carry 0, challenges a random nonce).
+                let seq = link.sender.next_sequence();
+                link.confirmed.probe_nonce = seq;
+                link.confirmed.not_messages.push(seq);
+                let _ = link.transmit(endpoint, codec::encode(&Frame::Ping { nonce: seq }));
             }
             Ok(false) => {}
             // The frame whose piece failed is lost (as in pacing).
             Err(_) => link.dropped += 1,
         }
         None
+    }
+
+    /// A `Pong` that may answer the best-effort link's latest ping (see
+    /// [`Self::probe_best_effort`]): the peer hears that link, though it
+    /// may credit nothing for a while (holding its publishers back).
+    pub fn on_probe_pong(&mut self, nonce: u64, now: Instant) {
+        if let Some(link) = self.best_effort.as_mut() {
+            if link.confirmed.probes > 0 && link.confirmed.probe_nonce == nonce {
+                link.heard_on_link(now);
+            }
+        }
     }
 
     /// Send what the best-effort link holds back for credit or for the

@@ -65,11 +65,6 @@ impl Liveness {
         self.last_heard = now;
     }
 
-    /// When the peer was last heard (or excused).
-    pub fn last_heard(&self) -> Instant {
-        self.last_heard
-    }
-
     /// The peer is not being read (this side holds it back): its silence
     /// until `now` does not count against it, and pings still go out.
     pub fn excuse(&mut self, now: Instant) {

@@ -1116,11 +1116,11 @@ mod tests {
         );
     }
 
-    /// A datagram link whose frames go unconfirmed asks for a credit with
-    /// a numbered ping a while after they began to wait, then after each
-    /// ping; a credit stops that. Pings unanswered while the peer is heard
-    /// otherwise give the link up, what it sent unconfirmed counted (not
-    /// the pings); while the peer is not heard at all, it keeps asking.
+    /// A datagram link whose frames go unconfirmed sends a numbered ping a
+    /// while after they began to wait, then after each ping; a credit, or
+    /// the `Pong` answering the latest ping (a peer holding its credits
+    /// back), starts that over. Pings answered neither way give the link
+    /// up, what it sent unconfirmed counted (not the pings).
     #[test]
     fn a_datagram_link_whose_frames_go_unconfirmed_is_pinged_then_given_up() {
         use super::super::data_link::{LinkKind, MAX_PROBES};
@@ -1153,33 +1153,34 @@ mod tests {
         assert_eq!(sent(&fabric), 4);
         let due = links.best_effort_probe_at().expect("frames unconfirmed");
         let early = due - std::time::Duration::from_millis(1);
-        assert!(links
-            .probe_best_effort(&mut endpoints, early, early)
-            .is_none());
+        assert!(links.probe_best_effort(&mut endpoints, early).is_none());
         assert_eq!(sent(&fabric), 4, "no ping before it is due");
         // Two confirmed: the other two wait from this credit on.
         let now = due;
         credit(&mut links, 2, now);
         let due = links.best_effort_probe_at().expect("two unconfirmed");
         assert!(due > now);
-        // Pings go, each a while after the one before.
-        let mut at = due;
+        // A ping, answered: the pings start over from the answer.
+        assert!(links.probe_best_effort(&mut endpoints, due).is_none());
+        assert_eq!(sent(&fabric), 5);
+        links.on_probe_pong(99, due);
+        assert!(links.best_effort_probe_at().expect("still unconfirmed") > due);
+        let answered = due + std::time::Duration::from_millis(5);
+        links.on_probe_pong(5, answered);
+        let mut at = links.best_effort_probe_at().expect("still unconfirmed");
+        assert!(at > answered);
+        // Pings unanswered, each a while after the one before.
         for ping in 1..=MAX_PROBES {
-            assert!(links.probe_best_effort(&mut endpoints, at, now).is_none());
-            assert_eq!(sent(&fabric), 4 + ping as usize);
+            assert!(links.probe_best_effort(&mut endpoints, at).is_none());
+            assert_eq!(sent(&fabric), 5 + ping as usize);
             let next = links.best_effort_probe_at().expect("still unconfirmed");
             assert!(next > at);
             at = next;
         }
-        // Not heard since the first ping: the peer's silence is its
-        // heartbeat's to judge; the link asks again.
-        assert!(links.probe_best_effort(&mut endpoints, at, now).is_none());
-        assert_eq!(sent(&fabric), 4 + MAX_PROBES as usize + 1);
-        let at = links.best_effort_probe_at().expect("still unconfirmed");
-        // Heard on another link meanwhile: given up, the two data frames
-        // it sent unconfirmed counted, not its pings.
+        // Given up: the two data frames it sent unconfirmed counted, not
+        // its four pings.
         let closed = links
-            .probe_best_effort(&mut endpoints, at, at)
+            .probe_best_effort(&mut endpoints, at)
             .expect("the link is given up");
         assert_eq!((closed.unsent, closed.waiting.len()), (2, 0));
         assert!(links.best_effort_link().is_none());
@@ -1201,7 +1202,7 @@ mod tests {
         assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
         links.pace_best_effort(&mut endpoints);
         let due = links.best_effort_probe_at().expect("a frame unconfirmed");
-        assert!(links.probe_best_effort(&mut endpoints, due, due).is_none());
+        assert!(links.probe_best_effort(&mut endpoints, due).is_none());
         assert_eq!(fabric.lock().unwrap().len(), 2, "the frame and a ping");
         let credit = codec::encode(&Frame::Credit(Credit {
             messages: 64,
@@ -1276,6 +1277,68 @@ mod tests {
             "the next frame's two pieces"
         );
         assert!(!links.best_effort_waiting());
+        assert_eq!(links.take_best_effort_drops(), 0);
+    }
+
+    /// A frame sent a window at a time outlasts the stall reset while
+    /// credits keep granting more of it (frames wait behind it all that
+    /// while); a credit acknowledging a frame before it grants nothing of
+    /// it (what the peer holds is of that other message).
+    #[test]
+    fn a_best_effort_frame_going_as_credits_allow_is_not_cut_off() {
+        use super::super::data_link::LinkKind;
+        use efabus_core::frame::{Credit, Frame};
+        let mut endpoints = wire(usize::MAX, &Arc::default());
+        let max_frame = codec::FRAGMENT_OVERHEAD + 64;
+        let (endpoint, link, fabric) =
+            scripted_link(true, max_frame, (usize::MAX, None, usize::MAX));
+        endpoints.push(endpoint);
+        let mut links = DataLinks {
+            best_effort: Some(link),
+            in_use: true,
+            ..DataLinks::default()
+        };
+        let sent = |fabric: &Taken| fabric.lock().unwrap().len();
+        let credit = |links: &mut DataLinks, ack_seq: u64, messages: u32| {
+            let frame = codec::encode(&Frame::Credit(Credit {
+                messages,
+                bytes: 1 << 30,
+                ack_seq,
+            }));
+            links
+                .receive(
+                    LinkKind::BestEffort,
+                    std::time::Instant::now(),
+                    frame.to_bytes(),
+                    &mut Vec::new(),
+                )
+                .expect("a credit is taken");
+        };
+        // A small frame confirmed first, then one of far more pieces than
+        // the window, and one behind it.
+        assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(sent(&fabric), 2);
+        credit(&mut links, 1, 100);
+        assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(512 << 10)))));
+        assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        links.pace_best_effort(&mut endpoints);
+        let window = sent(&fabric) - 2;
+        assert_eq!(window, 100, "the window the credit granted");
+        // A stale credit, below the frame: it grants nothing of it.
+        credit(&mut links, 0, window as u32 + 100);
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(sent(&fabric), 2 + window);
+        // Credits granting more of it, past the stall reset (400 ms).
+        let mut granted = window;
+        for _ in 0..6 {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            granted += 10;
+            credit(&mut links, 1, granted as u32);
+            links.pace_best_effort(&mut endpoints);
+            assert_eq!(sent(&fabric), 2 + granted, "the frame was cut off");
+        }
+        assert!(links.best_effort_waiting());
         assert_eq!(links.take_best_effort_drops(), 0);
     }
 
