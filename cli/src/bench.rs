@@ -76,10 +76,9 @@ pub struct BenchArgs {
     /// Shared secret for --server.
     #[arg(long, env = "EFABUS_SECRET", hide_env_values = true)]
     pub secret: Option<String>,
-    /// With --server: a config whose fabric endpoints (`listen` entries
-    /// efa-rdm/efa-dgram/shm, the [fabric] table, the preference list) the
-    /// bench clients offer the broker, as for the other client commands.
-    /// With `--via route`: the fabric endpoints both brokers listen on.
+    /// With --server: the bench clients' config, as for the other client
+    /// commands (their fabric endpoints, secret, [tls], limits). With
+    /// `--via route`: the fabric endpoints both brokers listen on.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
     /// Latency: the responder answers with `respond` (the far broker's

@@ -173,8 +173,11 @@ pub struct ClientArgs {
         conflicts_with = "user"
     )]
     pub token: Option<String>,
-    /// Config whose fabric endpoints (`listen` entries efa-rdm/efa-dgram/shm,
-    /// the [fabric] table, the preference list) the client offers the broker.
+    /// Config the client takes what applies to a client from: its fabric
+    /// endpoints (`listen` entries efa-rdm/efa-dgram/shm, the [fabric]
+    /// table, the preference list), auth.secret, [tls] (a cert and key
+    /// there are the client's certificate), limits, heartbeats and the
+    /// slow-consumer policy. Give a client a file of its own.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
     /// Say on stderr which path the connection negotiated (and why not
