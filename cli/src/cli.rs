@@ -311,6 +311,15 @@ impl From<ConfigError> for Failure {
             matches!(&err, ConfigError::Invalid { origin, .. } if origin == COMMAND_LINE);
         if from_flags {
             Failure::usage(format!("{err}; fix the option (see `efabus serve --help`)"))
+        } else if let ConfigError::Read { path, .. } = &err {
+            let named_by = match std::env::var_os(efabus_broker::config::CONFIG_ENV) {
+                Some(env) if env == path.as_os_str() => "$EFABUS_CONFIG",
+                _ => "--config",
+            };
+            Failure::usage(format!(
+                "{err}; check the path given with {named_by}, or leave it out for the \
+                 built-in default"
+            ))
         } else {
             Failure::usage(format!(
                 "{err}; fix the file (README \"Configuration\" lists every key with its default)"
@@ -765,8 +774,11 @@ fn serve(args: ServeArgs) -> Result<(), Failure> {
         ))
     })?;
     if args.check {
+        let from_env = std::env::var_os(efabus_broker::config::CONFIG_ENV)
+            .filter(|path| !path.is_empty())
+            .map(|path| format!("{} (from $EFABUS_CONFIG)", PathBuf::from(path).display()));
         let source = args.config.as_ref().map_or_else(
-            || "the built-in default (or $EFABUS_CONFIG)".to_string(),
+            || from_env.unwrap_or_else(|| "the built-in default".to_string()),
             |path| path.display().to_string(),
         );
         let monitor = config

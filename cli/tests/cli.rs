@@ -1192,12 +1192,32 @@ fn serve_check_validates_without_starting() {
         .arg(&good)
         .output()
         .unwrap();
-    let _ = std::fs::remove_file(&good);
     assert!(output.status.success(), "{}", stderr(&output));
     let said = stdout(&output);
     assert!(
         said.starts_with("configuration valid") && said.contains("tcp/127.0.0.1:1"),
         "{said}"
+    );
+    // The file $EFABUS_CONFIG names is said to come from there; one that
+    // cannot be read, likewise.
+    let output = efabus()
+        .args(["serve", "--check"])
+        .env("EFABUS_CONFIG", &good)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&good);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let said = stdout(&output);
+    assert!(said.contains("(from $EFABUS_CONFIG)"), "{said}");
+    let output = efabus()
+        .args(["serve", "--check"])
+        .env("EFABUS_CONFIG", &good)
+        .output()
+        .unwrap();
+    let text = usage_error(&output);
+    assert!(
+        text.contains("cannot read config file") && text.contains("given with $EFABUS_CONFIG"),
+        "{text}"
     );
     let output = run(&[
         "serve",
