@@ -23,7 +23,7 @@ use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::cli::Failure;
+use crate::cli::{check_server, explain, Failure};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BenchMode {
@@ -143,6 +143,7 @@ struct Target {
 impl Target {
     fn open(args: &BenchArgs) -> Result<Target, Failure> {
         if let Some(server) = &args.server {
+            check_server(server)?;
             let base = match &args.config {
                 Some(path) => ClientOptions::from_config(&Config::from_file(path)?),
                 None => ClientOptions::default(),
@@ -301,13 +302,7 @@ impl Target {
                     options,
                     efabus_transports::registry::Registry::with_builtins(),
                 )
-                .map_err(|err| match err {
-                    // Names the endpoint and the reason already.
-                    Error::Unreachable { .. } => Failure::runtime(format!(
-                        "{err}; is a broker running there? start one with `efabus serve`"
-                    )),
-                    other => Failure::runtime(format!("cannot connect to {endpoint}: {other}")),
-                })?;
+                .map_err(|err| explain(err, Some(endpoint)))?;
                 *self.link.lock() = client.link().reliable;
                 Ok(client)
             }
@@ -392,7 +387,10 @@ const STOP_CHECK_EVERY: u64 = 1024;
 const MAX_SIDE_THREADS: usize = 4096;
 
 fn bench_error(err: Error) -> Failure {
-    Failure::runtime(err.to_string())
+    match err {
+        Error::PayloadTooLarge { .. } => Failure::usage(format!("{err}; ask for a smaller --size")),
+        err => Failure::runtime(err.to_string()),
+    }
 }
 
 /// A bench thread the system would not start.

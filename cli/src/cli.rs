@@ -408,7 +408,7 @@ pub(crate) use out;
 
 /// Turn a library error into one line that says what to do. Subjects and
 /// texts from the server are cut to a readable length.
-fn explain(err: Error, server: Option<&str>) -> Failure {
+pub(crate) fn explain(err: Error, server: Option<&str>) -> Failure {
     let server = server.unwrap_or(DEFAULT_SERVER);
     let short = |text: &str| excerpt(text, EXCERPT_CHARS);
     let (message, hint, code) = match &err {
@@ -986,7 +986,7 @@ fn reload(
 
 /// A `tcp/HOST:PORT` server whose address cannot be resolved fails at once,
 /// with the resolver's reason, instead of after the connect timeout.
-fn check_server(server: &str) -> Result<(), Failure> {
+pub(crate) fn check_server(server: &str) -> Result<(), Failure> {
     let Ok(spec) = EndpointSpec::parse(server) else {
         // The client reports a malformed endpoint itself.
         return Ok(());

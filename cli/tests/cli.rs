@@ -1095,6 +1095,30 @@ fn an_empty_secret_is_refused_naming_where_it_came_from() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `bench --server` takes its endpoint as the other client commands do:
+/// an unknown scheme or a port above 65535 is a usage error (status 2).
+#[test]
+fn bench_server_endpoints_are_checked_as_other_clients_are() {
+    for server in ["foo/x", "tcp/127.0.0.1:99999"] {
+        let output = run(&["bench", "--server", server, "-n", "1"]);
+        let text = usage_error(&output);
+        assert!(text.contains(server) || text.contains("foo"), "{text}");
+    }
+    // A --size above the broker's limit too, with what to do.
+    let server = Server::start("[limits]\nmax_payload = 4096\n");
+    let output = run(&[
+        "bench",
+        "--server",
+        &server.endpoint,
+        "--size",
+        "5000",
+        "-n",
+        "1",
+    ]);
+    let text = usage_error(&output);
+    assert!(text.contains("--size"), "{text}");
+}
+
 /// More publishers or subscribers than a bench starts threads for is a
 /// usage error in one line, not a panic once the system refuses a thread.
 #[test]
