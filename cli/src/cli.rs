@@ -162,16 +162,12 @@ pub struct ClientArgs {
     /// Log in as this user of the broker's [[auth.users]]; --secret (or
     /// --secret-file, EFABUS_SECRET) gives its password. Without it the
     /// secret is the broker's shared secret, only proven, never sent.
-    #[arg(long, env = "EFABUS_USER")]
+    /// Without --user or --token, EFABUS_USER is read.
+    #[arg(long)]
     pub user: Option<String>,
     /// Log in with a user's token (sent to the broker: use TLS). Visible
-    /// in `ps`: prefer EFABUS_TOKEN.
-    #[arg(
-        long,
-        env = "EFABUS_TOKEN",
-        hide_env_values = true,
-        conflicts_with = "user"
-    )]
+    /// in `ps`: prefer EFABUS_TOKEN, read without --user or --token.
+    #[arg(long, conflicts_with = "user")]
     pub token: Option<String>,
     /// Config the client takes what applies to a client from: its fabric
     /// endpoints (`listen` entries efa-rdm/efa-dgram/shm, the [fabric]
@@ -986,6 +982,23 @@ fn reload(
 
 /// A `tcp/HOST:PORT` server whose address cannot be resolved fails at once,
 /// with the resolver's reason, instead of after the connect timeout.
+/// The user or token a client command logs in with: `--user` or
+/// `--token` as given (a flag is meant over the environment), else
+/// `$EFABUS_USER` or `$EFABUS_TOKEN`; both variables set, with neither
+/// flag, is a usage error.
+fn login(args: &ClientArgs) -> Result<(Option<String>, Option<String>), Failure> {
+    if args.user.is_some() || args.token.is_some() {
+        return Ok((args.user.clone(), args.token.clone()));
+    }
+    let env = |name: &str| std::env::var(name).ok().filter(|value| !value.is_empty());
+    match (env("EFABUS_USER"), env("EFABUS_TOKEN")) {
+        (Some(_), Some(_)) => Err(Failure::usage(
+            "both EFABUS_USER and EFABUS_TOKEN are set; unset one, or give --user or --token",
+        )),
+        login => Ok(login),
+    }
+}
+
 pub(crate) fn check_server(server: &str) -> Result<(), Failure> {
     let Ok(spec) = EndpointSpec::parse(server) else {
         // The client reports a malformed endpoint itself.
@@ -1025,6 +1038,7 @@ fn connect_with(args: &ClientArgs, reconnect: bool) -> Result<Client, Failure> {
         None => ClientOptions::default(),
     };
     check_server(&args.server)?;
+    let (user, token) = login(args)?;
     let mut tls = base.tls.clone();
     for (flag, key) in [
         (&args.tls_ca, &mut tls.ca),
@@ -1040,8 +1054,8 @@ fn connect_with(args: &ClientArgs, reconnect: bool) -> Result<Client, Failure> {
         name: format!("efabus-cli-{}", std::process::id()),
         credentials: secret_from(&args.secret, &args.secret_file, SECRET_FLAGS)?
             .or(base.credentials.clone()),
-        user: args.user.clone(),
-        token: args.token.clone().or(base.token.clone()),
+        user,
+        token: token.or(base.token.clone()),
         reconnect,
         tls,
         ..base

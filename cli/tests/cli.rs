@@ -1095,6 +1095,35 @@ fn an_empty_secret_is_refused_naming_where_it_came_from() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A login flag is meant over the environment: `$EFABUS_USER` beside
+/// `--token` (or `$EFABUS_TOKEN` beside `--user`) is no conflict; both
+/// variables set with neither flag is a usage error saying so.
+#[test]
+fn login_flags_win_over_the_environment() {
+    let server = Server::start("");
+    for (env, flag) in [
+        ("EFABUS_USER", ["--token", "t0ken"]),
+        ("EFABUS_TOKEN", ["--user", "alice"]),
+    ] {
+        let output = efabus()
+            .args(["pub", "x", "y", "--server", &server.endpoint])
+            .args(flag)
+            .env(env, "from-env")
+            .output()
+            .expect("run efabus");
+        let err = stderr(&output);
+        assert!(!err.contains("cannot be used with"), "{env}: {err}");
+    }
+    let output = efabus()
+        .args(["pub", "x", "y", "--server", &server.endpoint])
+        .env("EFABUS_USER", "alice")
+        .env("EFABUS_TOKEN", "t0ken")
+        .output()
+        .expect("run efabus");
+    let text = usage_error(&output);
+    assert!(text.contains("both EFABUS_USER and EFABUS_TOKEN"), "{text}");
+}
+
 /// `bench --server` takes its endpoint as the other client commands do:
 /// an unknown scheme or a port above 65535 is a usage error (status 2).
 #[test]
