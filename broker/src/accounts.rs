@@ -48,6 +48,35 @@ pub fn certificate_name(der: &[u8]) -> Option<String> {
     name.as_str().ok().map(str::to_string)
 }
 
+/// Most memory (KiB), passes and lanes a user's hash may ask a check
+/// of: each login not remembered runs one on the login thread, and a
+/// hash asking gigabytes or minutes would hold every other up (or the
+/// broker's memory). `efabus passwd` asks 19 MiB, 2 passes, 1 lane.
+const MAX_HASH_MEMORY_KIB: u32 = 256 * 1024;
+const MAX_HASH_PASSES: u32 = 16;
+const MAX_HASH_LANES: u32 = 16;
+
+/// A user's `password` or `token` as configured: an argon2id hash (PHC
+/// string) whose cost is within the bounds above.
+fn check_hash(hash: &str) -> Result<(), String> {
+    let not_ours = "is not an argon2id hash: store what `efabus passwd` prints, never the \
+                    secret itself";
+    let parsed = PasswordHash::new(hash).map_err(|_| not_ours.to_string())?;
+    if parsed.algorithm.as_str() != "argon2id" {
+        return Err(not_ours.to_string());
+    }
+    let params = argon2::Params::try_from(&parsed).map_err(|err| format!("{not_ours} ({err})"))?;
+    let (memory, passes, lanes) = (params.m_cost(), params.t_cost(), params.p_cost());
+    if memory > MAX_HASH_MEMORY_KIB || passes > MAX_HASH_PASSES || lanes > MAX_HASH_LANES {
+        return Err(format!(
+            "asks m={memory} KiB, t={passes}, p={lanes} of every check; at most \
+             m={MAX_HASH_MEMORY_KIB}, t={MAX_HASH_PASSES}, p={MAX_HASH_LANES} (hash again \
+             with `efabus passwd`)"
+        ));
+    }
+    Ok(())
+}
+
 /// A new argon2id hash (PHC string) of `secret`, with a random salt.
 pub fn hash_secret(secret: &str) -> Result<String, String> {
     let salt: [u8; 16] = crate::session::link_auth::random_bytes().map_err(|e| e.to_string())?;
@@ -93,13 +122,7 @@ pub(crate) fn check_users(users: &[User]) -> Result<(), (String, String)> {
         }
         for (field, hash) in [("password", &user.password), ("token", &user.token)] {
             if let Some(hash) = hash {
-                if PasswordHash::new(hash).is_err() {
-                    return Err((
-                        key(field),
-                        "is not a hash: store what `efabus passwd` prints, never the secret itself"
-                            .to_string(),
-                    ));
-                }
+                check_hash(hash).map_err(|message| (key(field), message))?;
             }
         }
         let rules = [
@@ -454,6 +477,34 @@ mod tests {
         Rule {
             allow: allow.iter().map(|s| s.to_string()).collect(),
             deny: deny.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    /// A user's hash is efabus's own kind, argon2id, at a cost a login
+    /// thread can afford per check; anything else is refused when the
+    /// configuration is read, saying why.
+    #[test]
+    fn user_hashes_are_argon2id_within_bounds() {
+        let ours = hash_secret("s3cret").expect("hashes");
+        assert_eq!(check_hash(&ours), Ok(()));
+        let costly = ours.replacen("m=19456", "m=4194304", 1);
+        assert_ne!(costly, ours, "{ours}");
+        let err = check_hash(&costly).unwrap_err();
+        assert!(
+            err.contains("m=4194304") && err.contains("efabus passwd"),
+            "{err}"
+        );
+        for passes in ["t=2,", "t=1000,"] {
+            let hash = ours.replacen("t=2,", passes, 1);
+            assert_eq!(check_hash(&hash).is_ok(), passes == "t=2,", "{hash}");
+        }
+        for other in [
+            "$pbkdf2-sha256$i=1000$c29tZXNhbHQ$aGFzaGhhc2hoYXNoaGFzaA",
+            "$argon2i$v=19$m=19456,t=2,p=1$c29tZXNhbHQ$aGFzaGhhc2hoYXNoaGFzaA",
+            "s3cret",
+        ] {
+            let err = check_hash(other).unwrap_err();
+            assert!(err.contains("not an argon2id hash"), "{other}: {err}");
         }
     }
 
