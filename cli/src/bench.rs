@@ -412,12 +412,15 @@ pub fn run(args: BenchArgs) -> Result<(), Failure> {
         )));
     }
     // Every delivery is counted in a u64.
-    let deliveries = (args.pubs as u64)
-        .checked_mul(args.count)
-        .and_then(|sent| sent.checked_mul(args.subs as u64));
-    if deliveries.is_none() {
+    let deliveries = |per_publisher: u64| {
+        (args.pubs as u64)
+            .checked_mul(per_publisher)
+            .and_then(|sent| sent.checked_mul(args.subs as u64))
+    };
+    if deliveries(args.count).is_none() || deliveries(args.warmup).is_none() {
         return Err(Failure::usage(
-            "--pubs x --count x --subs is too large to count; ask for fewer messages",
+            "--pubs x --count (or --warmup) x --subs is too large to count; ask for fewer \
+             messages",
         ));
     }
     if args.size > MAX_SIZE {

@@ -1159,6 +1159,13 @@ fn bench_refuses_more_threads_than_it_starts() {
         assert_eq!(err.trim().lines().count(), 1, "{err}");
         assert!(err.contains("at most 4096"), "{err}");
     }
+    // Counts past 64 bits are refused before anything runs, the warm-up's
+    // too (it wrapped in a release build).
+    for flag in ["--count", "--warmup"] {
+        let output = run(&["bench", "-S", "2", flag, "18446744073709551615"]);
+        let err = usage_error(&output);
+        assert!(err.contains("too large to count"), "{flag}: {err}");
+    }
 }
 
 /// `efabus bench` counts what it measured: every message of the run and
