@@ -405,9 +405,17 @@ pub(crate) use out;
 /// Turn a library error into one line that says what to do. Subjects and
 /// texts from the server are cut to a readable length.
 pub(crate) fn explain(err: Error, server: Option<&str>) -> Failure {
+    let client = server.is_some();
     let server = server.unwrap_or(DEFAULT_SERVER);
     let short = |text: &str| excerpt(text, EXCERPT_CHARS);
     let (message, hint, code) = match &err {
+        // A client's TLS keys come from its --tls-* flags.
+        Error::Config(config) if client && config.to_string().contains("tls.") => {
+            return Failure::usage(format!(
+                "{err}; a client's tls.ca, tls.cert and tls.key are its --tls-ca, --tls-cert \
+                 and --tls-key (or the [tls] table of its --config)"
+            ))
+        }
         Error::Config(_) => return Failure::usage(err.to_string()),
         Error::Endpoint { endpoint, source } => {
             let (hint, code) = match source {

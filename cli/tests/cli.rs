@@ -1124,6 +1124,18 @@ fn login_flags_win_over_the_environment() {
     assert!(text.contains("both EFABUS_USER and EFABUS_TOKEN"), "{text}");
 }
 
+/// A client's TLS settings refused by name (`tls.ca`) say which flag
+/// sets that name.
+#[test]
+fn a_client_s_tls_settings_are_named_by_their_flags() {
+    let output = run(&["pub", "x", "y", "--tls-cert", "c.pem", "--tls-key", "k.pem"]);
+    let text = usage_error(&output);
+    assert!(
+        text.contains("tls.ca") && text.contains("--tls-ca"),
+        "{text}"
+    );
+}
+
 /// `bench --server` takes its endpoint as the other client commands do:
 /// an unknown scheme or a port above 65535 is a usage error (status 2).
 #[test]
