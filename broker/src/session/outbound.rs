@@ -1043,6 +1043,40 @@ mod tests {
         (endpoints, links)
     }
 
+    /// A best-effort data link over a scripted endpoint that takes every
+    /// piece, frames up to `max_frame` bytes a piece, and what it took.
+    fn best_effort_link_taking_all(max_frame: usize) -> (Vec<Box<dyn Endpoint>>, DataLinks, Taken) {
+        let mut endpoints = wire(usize::MAX, &Arc::default());
+        let (endpoint, link, taken) =
+            scripted_link(true, max_frame, (usize::MAX, None, usize::MAX));
+        endpoints.push(endpoint);
+        let links = DataLinks {
+            best_effort: Some(link),
+            in_use: true,
+            ..DataLinks::default()
+        };
+        (endpoints, links, taken)
+    }
+
+    /// The peer's credit arriving on the best-effort link at `now`.
+    fn best_effort_credit(
+        links: &mut DataLinks,
+        now: std::time::Instant,
+        ack_seq: u64,
+        messages: u32,
+    ) {
+        use super::super::data_link::LinkKind;
+        use efabus_core::frame::{Credit, Frame};
+        let frame = codec::encode(&Frame::Credit(Credit {
+            messages,
+            bytes: 1 << 30,
+            ack_seq,
+        }));
+        links
+            .receive(LinkKind::BestEffort, now, frame.to_bytes(), &mut Vec::new())
+            .expect("a credit is taken");
+    }
+
     /// Frames waiting for credit keep no larger buffer alive: a small body
     /// sliced from a publisher's read buffer is copied (the paced queue
     /// counts frame bytes), but for the first into an empty queue.
@@ -1123,28 +1157,9 @@ mod tests {
     /// up, what it sent unconfirmed counted (not the pings).
     #[test]
     fn a_datagram_link_whose_frames_go_unconfirmed_is_pinged_then_given_up() {
-        use super::super::data_link::{LinkKind, MAX_PROBES};
-        use efabus_core::frame::{Credit, Frame};
-        let mut endpoints = wire(usize::MAX, &Arc::default());
-        let (endpoint, link, fabric) = scripted_link(true, 4096, (usize::MAX, None, usize::MAX));
-        endpoints.push(endpoint);
-        let mut links = DataLinks {
-            best_effort: Some(link),
-            in_use: true,
-            ..DataLinks::default()
-        };
+        use super::super::data_link::MAX_PROBES;
+        let (mut endpoints, mut links, fabric) = best_effort_link_taking_all(4096);
         let sent = |fabric: &Taken| fabric.lock().unwrap().len();
-        let credit = |links: &mut DataLinks, ack_seq: u64, now| {
-            let frame = codec::encode(&Frame::Credit(Credit {
-                messages: 64,
-                bytes: 1 << 20,
-                ack_seq,
-            }));
-            let mut out = Vec::new();
-            links
-                .receive(LinkKind::BestEffort, now, frame.to_bytes(), &mut out)
-                .expect("a credit is taken");
-        };
         assert_eq!(links.best_effort_probe_at(), None, "nothing sent");
         for _ in 0..4 {
             assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
@@ -1157,7 +1172,7 @@ mod tests {
         assert_eq!(sent(&fabric), 4, "no ping before it is due");
         // Two confirmed: the other two wait from this credit on.
         let now = due;
-        credit(&mut links, 2, now);
+        best_effort_credit(&mut links, now, 2, 64);
         let due = links.best_effort_probe_at().expect("two unconfirmed");
         assert!(due > now);
         // A ping, answered: the pings start over from the answer.
@@ -1189,34 +1204,13 @@ mod tests {
     /// A credit that acknowledges a ping stops the pings: the link is live.
     #[test]
     fn a_credit_after_a_ping_keeps_the_datagram_link() {
-        use super::super::data_link::LinkKind;
-        use efabus_core::frame::{Credit, Frame};
-        let mut endpoints = wire(usize::MAX, &Arc::default());
-        let (endpoint, link, fabric) = scripted_link(true, 4096, (usize::MAX, None, usize::MAX));
-        endpoints.push(endpoint);
-        let mut links = DataLinks {
-            best_effort: Some(link),
-            in_use: true,
-            ..DataLinks::default()
-        };
+        let (mut endpoints, mut links, fabric) = best_effort_link_taking_all(4096);
         assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
         links.pace_best_effort(&mut endpoints);
         let due = links.best_effort_probe_at().expect("a frame unconfirmed");
         assert!(links.probe_best_effort(&mut endpoints, due).is_none());
         assert_eq!(fabric.lock().unwrap().len(), 2, "the frame and a ping");
-        let credit = codec::encode(&Frame::Credit(Credit {
-            messages: 64,
-            bytes: 1 << 20,
-            ack_seq: 2,
-        }));
-        links
-            .receive(
-                LinkKind::BestEffort,
-                due,
-                credit.to_bytes(),
-                &mut Vec::new(),
-            )
-            .expect("a credit is taken");
+        best_effort_credit(&mut links, due, 2, 64);
         assert_eq!(links.best_effort_probe_at(), None, "all confirmed");
         assert_eq!(links.take_best_effort_drops(), 0);
     }
@@ -1226,33 +1220,11 @@ mod tests {
     /// the frame behind it once a credit acknowledges it.
     #[test]
     fn a_best_effort_frame_larger_than_the_window_goes_as_credits_allow() {
-        use super::super::data_link::LinkKind;
-        use efabus_core::frame::{Credit, Frame};
-        let mut endpoints = wire(usize::MAX, &Arc::default());
-        let max_frame = codec::FRAGMENT_OVERHEAD + 64;
-        let (endpoint, link, fabric) =
-            scripted_link(true, max_frame, (usize::MAX, None, usize::MAX));
-        endpoints.push(endpoint);
-        let mut links = DataLinks {
-            best_effort: Some(link),
-            in_use: true,
-            ..DataLinks::default()
-        };
+        let (mut endpoints, mut links, fabric) =
+            best_effort_link_taking_all(codec::FRAGMENT_OVERHEAD + 64);
         let sent = |fabric: &Taken| fabric.lock().unwrap().len();
         let credit = |links: &mut DataLinks, ack_seq: u64, messages: u32| {
-            let frame = codec::encode(&Frame::Credit(Credit {
-                messages,
-                bytes: 1 << 30,
-                ack_seq,
-            }));
-            links
-                .receive(
-                    LinkKind::BestEffort,
-                    std::time::Instant::now(),
-                    frame.to_bytes(),
-                    &mut Vec::new(),
-                )
-                .expect("a credit is taken");
+            best_effort_credit(links, std::time::Instant::now(), ack_seq, messages)
         };
         // Far more pieces than any window here.
         assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(512 << 10)))));
@@ -1286,33 +1258,11 @@ mod tests {
     /// it (what the peer holds is of that other message).
     #[test]
     fn a_best_effort_frame_going_as_credits_allow_is_not_cut_off() {
-        use super::super::data_link::LinkKind;
-        use efabus_core::frame::{Credit, Frame};
-        let mut endpoints = wire(usize::MAX, &Arc::default());
-        let max_frame = codec::FRAGMENT_OVERHEAD + 64;
-        let (endpoint, link, fabric) =
-            scripted_link(true, max_frame, (usize::MAX, None, usize::MAX));
-        endpoints.push(endpoint);
-        let mut links = DataLinks {
-            best_effort: Some(link),
-            in_use: true,
-            ..DataLinks::default()
-        };
+        let (mut endpoints, mut links, fabric) =
+            best_effort_link_taking_all(codec::FRAGMENT_OVERHEAD + 64);
         let sent = |fabric: &Taken| fabric.lock().unwrap().len();
         let credit = |links: &mut DataLinks, ack_seq: u64, messages: u32| {
-            let frame = codec::encode(&Frame::Credit(Credit {
-                messages,
-                bytes: 1 << 30,
-                ack_seq,
-            }));
-            links
-                .receive(
-                    LinkKind::BestEffort,
-                    std::time::Instant::now(),
-                    frame.to_bytes(),
-                    &mut Vec::new(),
-                )
-                .expect("a credit is taken");
+            best_effort_credit(links, std::time::Instant::now(), ack_seq, messages)
         };
         // A small frame confirmed first, then one of far more pieces than
         // the window, and one behind it.
