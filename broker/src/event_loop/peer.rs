@@ -762,7 +762,7 @@ impl EventLoop {
         // Authenticated: its frames may now be as large as any peer's.
         let control = session.conn.control;
         self.endpoints[control.endpoint].set_receive_limit(control.peer, None);
-        session.name = hello.name;
+        session.name = name_within_limit(hello.name);
         session.state = SessionState::Ready;
         info!(session = id, remote = %session.remote, name = %session.name, "peer connected");
         let welcome = Frame::Welcome(Welcome {
@@ -998,10 +998,32 @@ impl EventLoop {
     }
 }
 
+/// A peer's name as the broker keeps it: at most
+/// [`crate::config::MAX_NAME_LEN`] bytes (cut at a character). efabus
+/// clients send no longer one, but a hand-made hello or a NATS `CONNECT`
+/// may, and every report copies the names of all sessions.
+pub(super) fn name_within_limit(mut name: String) -> String {
+    let max = crate::config::MAX_NAME_LEN;
+    if name.len() > max {
+        let cut = (0..=max).rev().find(|&at| name.is_char_boundary(at)).unwrap_or(0);
+        name.truncate(cut);
+    }
+    name
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::{MAX_NAME_LEN, MAX_SECRET_LEN};
+
+    #[test]
+    fn a_peer_s_name_is_kept_within_the_limit() {
+        assert_eq!(name_within_limit("svc-1".into()), "svc-1");
+        assert_eq!(name_within_limit("n".repeat(30_000)).len(), MAX_NAME_LEN);
+        // Cut at a character: 'é' is two bytes.
+        let name = name_within_limit(format!("{}é", "n".repeat(MAX_NAME_LEN - 1)));
+        assert_eq!(name.len(), MAX_NAME_LEN - 1);
+    }
     use crate::event_loop::HANDSHAKE_FRAME_MAX;
     use efabus_core::caps::FabricInfo;
 

@@ -859,7 +859,7 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        session.name = welcome.name;
+        session.name = super::peer::name_within_limit(welcome.name);
         session.state = SessionState::Ready;
         let up_by = self.now + self.shared.config.handshake_timeout();
         if let Some(role) = session.route_mut() {
