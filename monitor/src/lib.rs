@@ -672,11 +672,13 @@ fn subsz(broker: &Broker, query: &HashMap<String, String>) -> Result<Answer, Ans
             .map_err(|err| Answer::error(400, err.to_string()))?;
         // Names only: the patterns come with the match.
         let sessions = connections(broker, &[])?;
+        let by_id: HashMap<u64, &ConnectionReport> =
+            sessions.iter().map(|report| (report.id, report)).collect();
         let matches: Vec<Value> = matched
             .remote
             .iter()
             .map(|remote| {
-                let session = sessions.iter().find(|report| report.id == remote.session);
+                let session = by_id.get(&remote.session);
                 json!({
                     "cid": remote.session,
                     "sid": remote.sid,
