@@ -63,6 +63,10 @@ const LOOP_ENDED: &str = "the event loop has ended: it panicked (its message is 
 /// Connections a `/connz` page lists unless asked otherwise, and at most.
 const PAGE_DEFAULT: usize = 1024;
 const PAGE_MAX: usize = 10_000;
+/// Connections a `/connz?subs=1` page lists at most: the loop copies up to
+/// 1,024 subscriptions of each between two rounds, so a page of 10,000
+/// would copy ten million subjects while every peer waits.
+const SUBS_PAGE_MAX: usize = 64;
 /// Orders `/connz` and `/routez` can sort by.
 const SORTS: &[&str] = &[
     "cid",
@@ -531,7 +535,13 @@ fn list(
     kind: ConnectionKind,
 ) -> Result<Answer, Answer> {
     let offset = number(query, "offset", 0)?;
-    let limit = number(query, "limit", PAGE_DEFAULT)?.min(PAGE_MAX);
+    let subs = flag(query, "subs");
+    let most = if subs && kind == ConnectionKind::Client {
+        SUBS_PAGE_MAX
+    } else {
+        PAGE_MAX
+    };
+    let limit = number(query, "limit", PAGE_DEFAULT)?.min(most);
     let sort = query.get("sort").map_or("cid", String::as_str);
     if !SORTS.contains(&sort) {
         return Err(Answer::error(
@@ -539,7 +549,6 @@ fn list(
             format!("sort={sort} is not one of {}", SORTS.join(", ")),
         ));
     }
-    let subs = flag(query, "subs");
     let mut reports: Vec<ConnectionReport> = connections(broker, &[])?
         .into_iter()
         .filter(|report| report.kind == kind)

@@ -514,6 +514,11 @@ fn a_connection_s_subscriptions_are_listed_up_to_a_bound() {
         subsz["test"]["remote"].to_string().contains("many.1099"),
         "{subsz:#}"
     );
+    // A page with subscriptions lists at most 64 connections (each up to
+    // 1,024 subscriptions copied between two rounds); without, 10,000.
+    assert_eq!(get_json(&monitor, "/connz?subs=1&limit=5000")["limit"], 64);
+    assert_eq!(get_json(&monitor, "/connz?limit=5000")["limit"], 5000);
+    assert_eq!(get_json(&monitor, "/connz?limit=50000")["limit"], 10_000);
     drop(subs);
 }
 

@@ -1005,7 +1005,10 @@ impl EventLoop {
 pub(super) fn name_within_limit(mut name: String) -> String {
     let max = crate::config::MAX_NAME_LEN;
     if name.len() > max {
-        let cut = (0..=max).rev().find(|&at| name.is_char_boundary(at)).unwrap_or(0);
+        let cut = (0..=max)
+            .rev()
+            .find(|&at| name.is_char_boundary(at))
+            .unwrap_or(0);
         name.truncate(cut);
     }
     name
