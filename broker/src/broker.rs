@@ -110,8 +110,10 @@ fn warn_of_cleartext_secrets(config: &Config, listening: &[(String, String)]) {
 /// round, also while it holds the commands.
 pub(crate) enum LoopRequest {
     /// A report of every session, with the subscriptions of the sessions
-    /// named.
-    Connections(Vec<u64>, Sender<Vec<ConnectionReport>>),
+    /// named; not made once the flag is set (by an asker that stopped
+    /// waiting: a stalled loop would otherwise make every report asked
+    /// meanwhile, back to back, for nobody).
+    Connections(Vec<u64>, Arc<AtomicBool>, Sender<Vec<ConnectionReport>>),
     /// Read the endpoints' TLS files again, all or none; answers how many
     /// have TLS, or why one could not. Taken only if the flag was not set
     /// first (by an asker that stopped waiting), and it is set when taken.
@@ -1412,9 +1414,17 @@ impl Broker {
             return Err(Error::Closed);
         }
         let (tx, rx) = crossbeam_channel::bounded(1);
-        shared.ask_loop(LoopRequest::Connections(subscriptions_of.to_vec(), tx));
-        rx.recv_timeout(timeout)
-            .map_err(|err| Error::waiting(err, timeout))
+        let abandoned = Arc::new(AtomicBool::new(false));
+        shared.ask_loop(LoopRequest::Connections(
+            subscriptions_of.to_vec(),
+            Arc::clone(&abandoned),
+            tx,
+        ));
+        let answer = rx.recv_timeout(timeout);
+        if answer.is_err() {
+            abandoned.store(true, Ordering::Release);
+        }
+        answer.map_err(|err| Error::waiting(err, timeout))
     }
 
     /// [`connections`](Self::connections) with the subscriptions of every

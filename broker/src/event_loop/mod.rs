@@ -1007,8 +1007,10 @@ impl EventLoop {
         for request in asked {
             // The asker may have given up waiting.
             match request {
-                LoopRequest::Connections(subscriptions_of, answer) => {
-                    let _ = answer.send(self.connection_reports(&subscriptions_of));
+                LoopRequest::Connections(subscriptions_of, abandoned, answer) => {
+                    if !abandoned.load(Ordering::Acquire) {
+                        let _ = answer.send(self.connection_reports(&subscriptions_of));
+                    }
                 }
                 LoopRequest::ReloadTls(taken, answer) => {
                     if !taken.swap(true, Ordering::AcqRel) {
