@@ -383,6 +383,17 @@ fn an_entry_cut_short_is_reported_as_such() {
     assert_eq!(err.expected, "`dest_addrlen` in `fi_info`");
 }
 
+/// A flag list far longer than libfabric has flags is refused on its line
+/// (each name is checked against those before it).
+#[test]
+fn a_flag_list_past_any_real_one_is_refused() {
+    let names: Vec<String> = (0..300).map(|n| format!("FI_X{n}")).collect();
+    let dump = format!("fi_info:\n    caps: [ {} ]\n", names.join(", "));
+    let err = parse_fi_info_dump(&dump).expect_err("300 flags");
+    assert_eq!(err.line, 2, "{err}");
+    assert_eq!(err.expected, "at most 256 flags in `caps`, not 300");
+}
+
 #[test]
 fn an_unterminated_list_is_reported_on_its_line() {
     let err = parse_fi_info_dump("fi_info:\n    caps: [ FI_MSG\n").expect_err("open list");

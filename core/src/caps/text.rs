@@ -669,11 +669,24 @@ impl<'n, 'a> Fields<'n, 'a> {
                 node.text,
             )
         })?;
-        Ok(inner
+        let names: Vec<&'a str> = inner
             .split(',')
             .map(str::trim)
             .filter(|name| !name.is_empty())
-            .collect())
+            .collect();
+        // A flag set holds each name once, checked name by name: a list far
+        // longer than libfabric has flags is no dump's.
+        if names.len() > MAX_FLAG_NAMES {
+            return Err(ParseError::new(
+                node.line,
+                format!(
+                    "at most {MAX_FLAG_NAMES} flags in `{key}`, not {}",
+                    names.len()
+                ),
+                node.text,
+            ));
+        }
+        Ok(names)
     }
 
     fn enum_name(&mut self, key: &str) -> Result<&'a str, ParseError> {
@@ -718,6 +731,10 @@ impl<'n, 'a> Fields<'n, 'a> {
         Ok(extra)
     }
 }
+
+/// Most names one flag list of a dump may hold (libfabric's largest set,
+/// `caps`, has about 40).
+const MAX_FLAG_NAMES: usize = 256;
 
 fn parse_hex(text: &str) -> Option<u64> {
     let digits = text.strip_prefix("0x")?;
