@@ -898,7 +898,11 @@ fn check_offers(kind: FrameKind, offers: &[Offer]) -> Result<(), EncodeError> {
             max: MAX_OFFERS,
         });
     }
-    Ok(())
+    // What the peer would refuse is not sent.
+    offers
+        .iter()
+        .try_for_each(Offer::check_sizes)
+        .map_err(|text| EncodeError::Body { kind, text })
 }
 
 // ---------------------------------------------------------------------------
@@ -1550,7 +1554,13 @@ fn decode_offers<D: bincode::de::Decoder<Context = ()>>(
         });
     }
     (0..count)
-        .map(|_| serde_value::<Offer, D>(kind, de))
+        .map(|_| {
+            let offer = serde_value::<Offer, D>(kind, de)?;
+            offer
+                .check_sizes()
+                .map_err(|text| DecodeError::Body { kind, text })?;
+            Ok(offer)
+        })
         .collect()
 }
 

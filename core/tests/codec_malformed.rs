@@ -263,6 +263,47 @@ fn data_frame_errors_are_reported() {
     ));
 }
 
+/// An offer's text fields are bounded, both ways: a peer's offer whose
+/// orderings (names this build does not know) or provider name pass the
+/// bounds is refused as it is read, and none such is sent.
+#[test]
+fn offers_past_their_bounds_are_refused_both_ways() {
+    use efabus_core::caps::{FabricInfo, MsgOrder, Offer};
+    use efabus_core::frame::Hello;
+    let mut offer = Offer::from_info("efa-rdm", &FabricInfo::tcp(None), vec![1; 16]);
+    let mut orders = MsgOrder::empty();
+    for n in 0..17 {
+        orders.insert_name(&format!("FI_ORDER_FUTURE_{n}"));
+    }
+    offer.msg_order = orders;
+    let mut long_provider = Offer::from_info("efa-rdm", &FabricInfo::tcp(None), vec![1; 16]);
+    long_provider.provider = "p".repeat(65);
+    for (offer, says) in [(offer, "orderings"), (long_provider, "provider")] {
+        let hello = Hello {
+            no_echo: false,
+            no_responders: false,
+            version: PROTOCOL_VERSION,
+            name: "n".into(),
+            credentials: None,
+            user: None,
+            proof: None,
+            offers: vec![offer],
+            link_auth: None,
+        };
+        let body = bincode::serde::encode_to_vec(&hello, bincode::config::standard())
+            .expect("bincode encodes it");
+        match decode(
+            framed(FrameKind::Hello as u8, &body),
+            &CodecLimits::default(),
+        ) {
+            Err(DecodeError::Body { text, .. }) => assert!(text.contains(says), "{text}"),
+            other => panic!("{says}: {other:?}"),
+        }
+        let err = efabus_core::codec::try_encode(&Frame::Hello(hello)).expect_err(says);
+        assert!(err.to_string().contains(says), "{err}");
+    }
+}
+
 #[test]
 fn control_body_limits_hold() {
     let limits = CodecLimits::default();

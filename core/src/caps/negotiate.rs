@@ -115,7 +115,42 @@ pub struct Offer {
     pub provider_eager_limit: u64,
 }
 
+/// Longest scheme, provider name and host identity an offer carries, and
+/// most ordering names this build does not know (a peer's offer is read
+/// before its hello is accepted, and negotiation compares offers field by
+/// field: these bound what one costs).
+const MAX_OFFER_SCHEME: usize = 32;
+const MAX_OFFER_PROVIDER: usize = 64;
+const MAX_OFFER_HOST: usize = 255;
+const MAX_OFFER_UNKNOWN_ORDERS: usize = 16;
+
 impl Offer {
+    /// Whether the offer's text fields are within the bounds above; why
+    /// not, otherwise.
+    pub fn check_sizes(&self) -> Result<(), String> {
+        let texts = [
+            ("scheme", self.scheme.len(), MAX_OFFER_SCHEME),
+            ("provider", self.provider.len(), MAX_OFFER_PROVIDER),
+            ("host", self.host.len(), MAX_OFFER_HOST),
+        ];
+        for (field, len, max) in texts {
+            if len > max {
+                return Err(format!("an offer's {field} of {len} bytes; at most {max}"));
+            }
+        }
+        let unknown = self.msg_order.unknown();
+        if unknown.len() > MAX_OFFER_UNKNOWN_ORDERS
+            || unknown.iter().any(|name| name.len() > MAX_OFFER_PROVIDER)
+        {
+            return Err(format!(
+                "an offer naming {} orderings this build does not know; at most \
+                 {MAX_OFFER_UNKNOWN_ORDERS}, of {MAX_OFFER_PROVIDER} bytes each",
+                unknown.len()
+            ));
+        }
+        Ok(())
+    }
+
     /// The offer for one info of a transport, under its scheme, reachable at
     /// `address`. The prefix counts only when the info requires
     /// `FI_MSG_PREFIX`.
