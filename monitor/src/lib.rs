@@ -22,19 +22,21 @@
 //! a view shows them; `/healthz` only waits for the loop's next round.
 //!
 //! The listener is an HTTP/1.1 server (hyper) on a thread of its own; the
-//! views are built on at most four more. A connection costs the server a
-//! task, not a thread, and each has bounds ([`MonitorOptions`]): time to
-//! send a request's head, time for each write of an answer to make
-//! progress (a client that stops reading loses its connection), and a
-//! number served at once (more wait in the listen backlog).
+//! views are built on at most four more (`/healthz` waits for none of
+//! them). A connection costs the server a task, not a thread, and each
+//! has bounds ([`MonitorOptions`]): time to send a request's head, time
+//! for each write of an answer to make progress (a client that stops
+//! reading loses its connection), time served in all, and a number served
+//! at once (more wait in the listen backlog), from one address fewer
+//! (more are closed at once).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -106,6 +108,13 @@ pub struct MonitorOptions {
     pub write_timeout: Duration,
     /// Connections served at once; more wait in the listen backlog.
     pub max_connections: usize,
+    /// Connections served at once from one address, at most: more are
+    /// closed as they come, so that one client cannot hold every slot.
+    pub max_connections_per_address: usize,
+    /// How long one connection is served: after it, the answer in hand
+    /// goes out and the connection is closed (a client that keeps one
+    /// open with a request now and then would hold its slot for ever).
+    pub max_connection_time: Duration,
 }
 
 impl Default for MonitorOptions {
@@ -114,6 +123,8 @@ impl Default for MonitorOptions {
             read_timeout: Duration::from_secs(10),
             write_timeout: Duration::from_secs(10),
             max_connections: 64,
+            max_connections_per_address: 16,
+            max_connection_time: Duration::from_secs(60),
         }
     }
 }
@@ -219,6 +230,7 @@ async fn listen(
     mut stopped: oneshot::Receiver<()>,
 ) {
     let slots = Arc::new(Semaphore::new(options.max_connections.max(1)));
+    let per_address = Arc::new(Mutex::new(HashMap::new()));
     loop {
         let slot = tokio::select! {
             _ = &mut stopped => return,
@@ -227,10 +239,10 @@ async fn listen(
                 Err(_) => return,
             },
         };
-        let stream = tokio::select! {
+        let (stream, from) = tokio::select! {
             _ = &mut stopped => return,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(err) => {
                     // Out of descriptors, or a connection reset before it
                     // was taken: keep listening, a little later.
@@ -240,22 +252,81 @@ async fn listen(
                 }
             },
         };
+        let Some(held) =
+            AddressHold::take(&per_address, from.ip(), options.max_connections_per_address)
+        else {
+            // Closed at once, its slot free again.
+            tracing::debug!(%from, "monitoring connections from one address at their bound");
+            continue;
+        };
         let views = Arc::clone(&views);
         tokio::spawn(async move {
             let _slot = slot;
+            let _held = held;
             let io = TokioIo::new(WriteDeadline::new(stream, options.write_timeout));
             let service = service_fn(move |request| {
                 let views = Arc::clone(&views);
                 async move { Ok::<_, Infallible>(respond(views, request).await) }
             });
-            let mut connection = http1::Builder::new();
-            connection
+            let mut builder = http1::Builder::new();
+            builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(options.read_timeout);
-            if let Err(err) = connection.serve_connection(io, service).await {
+            let connection = builder.serve_connection(io, service);
+            tokio::pin!(connection);
+            let served = tokio::select! {
+                served = connection.as_mut() => served,
+                _ = tokio::time::sleep(options.max_connection_time) => {
+                    // The answer in hand goes out; no further request is read.
+                    connection.as_mut().graceful_shutdown();
+                    tokio::time::timeout(options.write_timeout, connection.as_mut())
+                        .await
+                        .unwrap_or(Ok(()))
+                }
+            };
+            if let Err(err) = served {
                 tracing::debug!(error = %err, "monitoring connection ended");
             }
         });
+    }
+}
+
+/// One of the connections served from an address, counted while it lives.
+struct AddressHold {
+    counts: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    address: IpAddr,
+}
+
+impl AddressHold {
+    /// A hold for a new connection from `address`, unless `max` are served
+    /// from it already.
+    fn take(
+        counts: &Arc<Mutex<HashMap<IpAddr, usize>>>,
+        address: IpAddr,
+        max: usize,
+    ) -> Option<AddressHold> {
+        let mut held = counts.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = held.entry(address).or_insert(0);
+        if *count >= max.max(1) {
+            return None;
+        }
+        *count += 1;
+        Some(AddressHold {
+            counts: Arc::clone(counts),
+            address,
+        })
+    }
+}
+
+impl Drop for AddressHold {
+    fn drop(&mut self) {
+        let mut held = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = held.get_mut(&self.address) {
+            *count -= 1;
+            if *count == 0 {
+                held.remove(&self.address);
+            }
+        }
     }
 }
 
@@ -267,19 +338,32 @@ async fn respond(views: Arc<Views>, request: Request<Incoming>) -> Response<Full
             .uri()
             .path_and_query()
             .map_or_else(|| "/".to_string(), |target| target.as_str().to_string());
-        match Arc::clone(&views.workers).acquire_owned().await {
-            Ok(worker) => tokio::task::spawn_blocking(move || {
-                let _worker = worker;
-                answer(&target, &views.broker)
-            })
-            .await
-            // A view that fails answers 500; the listener stays.
-            .unwrap_or_else(|_| Answer::error(500, "the view failed; see the broker's log")),
-            Err(_) => Answer::error(503, "the monitor is stopping"),
-        }
+        // A health check waits for no view: probes must not fail because
+        // heavy views hold the workers (it only waits for a loop round).
+        let worker = if target == "/healthz" {
+            None
+        } else {
+            match Arc::clone(&views.workers).acquire_owned().await {
+                Ok(worker) => Some(worker),
+                Err(_) => {
+                    return response(Answer::error(503, "the monitor is stopping"));
+                }
+            }
+        };
+        tokio::task::spawn_blocking(move || {
+            let _worker = worker;
+            answer(&target, &views.broker)
+        })
+        .await
+        // A view that fails answers 500; the listener stays.
+        .unwrap_or_else(|_| Answer::error(500, "the view failed; see the broker's log"))
     } else {
         Answer::error(405, "only GET is served")
     };
+    response(answer)
+}
+
+fn response(answer: Answer) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(Bytes::from(answer.body)));
     *response.status_mut() =
         StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

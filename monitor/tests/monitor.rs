@@ -592,6 +592,72 @@ fn clients_that_stop_reading_lose_their_connection() {
     drop(subs);
 }
 
+/// One client holds no slot for ever: connections from one address past
+/// its share are closed at once, and a connection that keeps asking now
+/// and then is served `max_connection_time`, then closed once its answer
+/// is out.
+#[test]
+fn one_client_holds_no_slot_for_ever() {
+    use std::io::{Read, Write};
+    let broker = start_broker();
+    let options = MonitorOptions {
+        max_connections_per_address: 2,
+        max_connection_time: Duration::from_millis(500),
+        ..MonitorOptions::default()
+    };
+    let monitor =
+        Monitor::start_with(Arc::clone(&broker), "127.0.0.1:0", &options).expect("monitor starts");
+    let mut kept: Vec<std::net::TcpStream> = (0..2).map(|_| raw_connection(&monitor)).collect();
+    // Both taken in before the third comes (each answers a request).
+    for stream in &mut kept {
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: monitor\r\n\r\n")
+            .expect("request sent");
+        stream.set_read_timeout(Some(WAIT)).expect("read timeout");
+        let mut buffer = [0u8; 4096];
+        assert!(stream.read(&mut buffer).expect("an answer") > 0);
+    }
+    let mut third = raw_connection(&monitor);
+    // Closed before it is read: no answer comes.
+    let _ = third.write_all(b"GET /healthz HTTP/1.1\r\nHost: monitor\r\n\r\n");
+    assert_eq!(
+        read_until_closed(&mut third),
+        Some(0),
+        "a third connection from one address was served"
+    );
+    // A request every 100 ms on the first: answered, until the connection
+    // has been served its time.
+    let stream = &mut kept[0];
+    stream
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .expect("read timeout");
+    let started = Instant::now();
+    let mut answers = 0;
+    let mut buffer = [0u8; 4096];
+    let closed = loop {
+        assert!(
+            started.elapsed() < 4 * WAIT / 10,
+            "still served after {:?}",
+            started.elapsed()
+        );
+        let request = b"GET /healthz HTTP/1.1\r\nHost: monitor\r\n\r\n";
+        if stream.write_all(request).is_err() {
+            break true;
+        }
+        match stream.read(&mut buffer) {
+            Ok(0) => break true,
+            Ok(_) => answers += 1,
+            Err(err) if err.kind() == std::io::ErrorKind::ConnectionReset => break true,
+            Err(_) => {}
+        }
+    };
+    assert!(closed && answers > 0, "{answers} answers");
+    // Its slot is free again: a new connection from the address is served.
+    drop(kept);
+    let (status, body) = get(&monitor, "/healthz");
+    assert_eq!(status, 200, "{body}");
+}
+
 /// Connections that send nothing, or half a request, are closed after the
 /// read timeout: with as many as the monitor serves at once, a request on
 /// a new connection waits for that and is answered.
