@@ -45,6 +45,13 @@ pub fn offer_for(endpoint: &dyn Endpoint) -> Option<Offer> {
     if endpoint.scheme() == SHM_SCHEME {
         offer.host = host_identity()?;
     }
+    // A peer refuses an offer past these bounds (and none is sent): one of
+    // ours past them (a long $EFABUS_HOST_ID, an application's scheme) is
+    // left out, saying why.
+    if let Err(reason) = offer.check_sizes() {
+        tracing::warn!(scheme = endpoint.scheme(), %reason, "this data path is not offered");
+        return None;
+    }
     Some(offer)
 }
 
@@ -257,6 +264,61 @@ pub fn with_faults(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An endpoint of any scheme with a fabric's info, offering nothing
+    /// else.
+    struct Named(String);
+
+    impl Endpoint for Named {
+        fn scheme(&self) -> &str {
+            &self.0
+        }
+        fn local_addr(&self) -> Vec<u8> {
+            vec![1; 16]
+        }
+        fn max_frame(&self) -> usize {
+            1 << 16
+        }
+        fn connect(
+            &mut self,
+            _: &str,
+        ) -> Result<efabus_core::transport::PeerId, efabus_core::transport::TransportError>
+        {
+            Ok(efabus_core::transport::PeerId(1))
+        }
+        fn send(
+            &mut self,
+            _: efabus_core::transport::PeerId,
+            _: efabus_core::transport::OutFrame,
+        ) -> Result<(), efabus_core::transport::SendError> {
+            Ok(())
+        }
+        fn poll(
+            &mut self,
+            _: &mut Vec<efabus_core::transport::Event>,
+        ) -> Result<(), efabus_core::transport::TransportError> {
+            Ok(())
+        }
+        fn close(&mut self, _: efabus_core::transport::PeerId) {}
+        fn readiness(&self) -> efabus_core::transport::Readiness {
+            efabus_core::transport::Readiness::MustPoll
+        }
+        fn queued_bytes(&self, _: efabus_core::transport::PeerId) -> usize {
+            0
+        }
+        fn info(&self) -> Option<FabricInfo> {
+            Some(FabricInfo::tcp(None))
+        }
+    }
+
+    /// An offer a peer would refuse (here a scheme past 32 bytes) is left
+    /// out rather than sent: encoding the hello or welcome holding it
+    /// would fail.
+    #[test]
+    fn an_offer_past_its_bounds_is_not_made() {
+        assert!(offer_for(&Named("custom-path".into())).is_some());
+        assert!(offer_for(&Named("x".repeat(33))).is_none());
+    }
 
     #[test]
     fn a_broker_s_fabric_endpoints_land_large_frames_in_huge_pages_and_a_client_s_do_not() {
