@@ -917,7 +917,7 @@ fn a_datagram_link_whose_pings_are_answered_is_kept_without_credits() {
     client.flush(WAIT).unwrap();
     let mut published = 0;
     let started = Instant::now();
-    // Four times the pings' give-up time.
+    // Past the pings' give-up time (half the heartbeat timeout: 2.5 s).
     while started.elapsed() < Duration::from_secs(3) {
         broker.publish("be.data", pattern(published, 64)).unwrap();
         published += 1;

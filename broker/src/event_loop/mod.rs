@@ -2559,8 +2559,11 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
+        // A peer whose loop is held up answers late: half its heartbeat
+        // timeout is given it.
+        let give_up_after = self.shared.config.heartbeat_timeout() / 2;
         let links = &mut session.conn.links;
-        let Some(closed) = links.probe_best_effort(&mut self.endpoints, now) else {
+        let Some(closed) = links.probe_best_effort(&mut self.endpoints, now, give_up_after) else {
             if let Some(at) = links.best_effort_probe_at() {
                 self.schedule(at);
             }

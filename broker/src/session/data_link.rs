@@ -241,9 +241,11 @@ struct Confirmed {
     /// answered ping, if frames were left unconfirmed, or the first send
     /// after it. `None` when all are confirmed.
     waiting_since: Option<Instant>,
-    /// Pings sent since then, the latest one's nonce and time.
+    /// Pings sent since then, the latest one's nonce, and when the first
+    /// and the latest went.
     probes: u32,
     probe_nonce: u64,
+    first_probe: Option<Instant>,
     last_probe: Option<Instant>,
     /// Sequences above `through` that are no messages to count as lost
     /// when the link is given up: the pings, and frames already counted
@@ -947,6 +949,7 @@ impl DataLink {
         let confirmed = &mut self.confirmed;
         confirmed.waiting_since = unconfirmed.then_some(now);
         confirmed.probes = 0;
+        confirmed.first_probe = None;
         confirmed.last_probe = None;
     }
 
@@ -1605,27 +1608,35 @@ impl DataLinks {
     /// The best-effort link, its frames unconfirmed since
     /// [`Self::best_effort_probe_at`]: a numbered ping asks the peer to
     /// show it hears the link (a live one answers it, and acknowledges it,
-    /// settling what it lacks below it). After [`MAX_PROBES`] answered
-    /// neither way, the link is given up (closed, as
-    /// [`Self::close_best_effort`]) with what it sent unconfirmed counted
-    /// in its `unsent`; a peer gone altogether is its heartbeat's to find.
+    /// settling what it lacks below it). Once [`MAX_PROBES`] went answered
+    /// neither way and `give_up_after` has passed since the first (a peer
+    /// whose loop is held up for a while answers late), the link is given
+    /// up (closed, as [`Self::close_best_effort`]) with what it sent
+    /// unconfirmed counted in its `unsent`; a peer gone altogether is its
+    /// heartbeat's to find.
     /// A peer that sends there too (a route's broker), no longer credited,
     /// gives its side up in turn; a client's side stays open, unused.
     pub fn probe_best_effort(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
         now: Instant,
+        give_up_after: Duration,
     ) -> Option<Closed> {
         let link = self.best_effort.as_mut()?;
         if link.probe_at().is_none_or(|at| now < at) {
             return None;
         }
-        if link.confirmed.probes >= MAX_PROBES {
+        let waited = link
+            .confirmed
+            .first_probe
+            .is_some_and(|first| now.saturating_duration_since(first) >= give_up_after);
+        if link.confirmed.probes >= MAX_PROBES && waited {
             link.dropped = link.dropped.saturating_add(link.unconfirmed());
             return self.close_best_effort(endpoints);
         }
         let confirmed = &mut link.confirmed;
         confirmed.probes += 1;
+        confirmed.first_probe.get_or_insert(now);
         confirmed.last_probe = Some(now);
         let endpoint = endpoints[link.endpoint].as_mut();
         // Behind what the endpoint has not taken yet, or not at all: a
@@ -1636,8 +1647,13 @@ impl DataLinks {
                 // of heartbeats carry 0, challenges a random nonce).
                 let seq = link.sender.next_sequence();
                 link.confirmed.probe_nonce = seq;
-                link.confirmed.not_messages.push(seq);
-                let _ = link.transmit(endpoint, codec::encode(&Frame::Ping { nonce: seq }));
+                // A failed send counts it itself (see `failed`).
+                if link
+                    .transmit(endpoint, codec::encode(&Frame::Ping { nonce: seq }))
+                    .is_ok()
+                {
+                    link.confirmed.not_messages.push(seq);
+                }
             }
             Ok(false) => {}
             // The frame whose piece failed is lost (as in pacing).

@@ -1158,6 +1158,10 @@ mod tests {
     #[test]
     fn a_datagram_link_whose_frames_go_unconfirmed_is_pinged_then_given_up() {
         use super::super::data_link::MAX_PROBES;
+        use std::time::Duration;
+        // Pings each 400 ms (four gap timeouts); given up after 1 s.
+        let every = Duration::from_millis(400);
+        let give_up_after = Duration::from_secs(1);
         let (mut endpoints, mut links, fabric) = best_effort_link_taking_all(4096);
         let sent = |fabric: &Taken| fabric.lock().unwrap().len();
         assert_eq!(links.best_effort_probe_at(), None, "nothing sent");
@@ -1167,36 +1171,44 @@ mod tests {
         links.pace_best_effort(&mut endpoints);
         assert_eq!(sent(&fabric), 4);
         let due = links.best_effort_probe_at().expect("frames unconfirmed");
-        let early = due - std::time::Duration::from_millis(1);
-        assert!(links.probe_best_effort(&mut endpoints, early).is_none());
+        let early = due - Duration::from_millis(1);
+        assert!(links
+            .probe_best_effort(&mut endpoints, early, give_up_after)
+            .is_none());
         assert_eq!(sent(&fabric), 4, "no ping before it is due");
         // Two confirmed: the other two wait from this credit on.
         let now = due;
         best_effort_credit(&mut links, now, 2, 64);
         let due = links.best_effort_probe_at().expect("two unconfirmed");
-        assert!(due > now);
-        // A ping, answered: the pings start over from the answer.
-        assert!(links.probe_best_effort(&mut endpoints, due).is_none());
+        assert_eq!(due, now + every);
+        // A ping (sequence 5), and an answer to another: the next ping is
+        // due a while after this one; its own answer starts them over.
+        assert!(links
+            .probe_best_effort(&mut endpoints, due, give_up_after)
+            .is_none());
         assert_eq!(sent(&fabric), 5);
-        links.on_probe_pong(99, due);
-        assert!(links.best_effort_probe_at().expect("still unconfirmed") > due);
-        let answered = due + std::time::Duration::from_millis(5);
+        links.on_probe_pong(99, due + Duration::from_millis(5));
+        assert_eq!(links.best_effort_probe_at(), Some(due + every));
+        let answered = due + Duration::from_millis(5);
         links.on_probe_pong(5, answered);
-        let mut at = links.best_effort_probe_at().expect("still unconfirmed");
-        assert!(at > answered);
-        // Pings unanswered, each a while after the one before.
-        for ping in 1..=MAX_PROBES {
-            assert!(links.probe_best_effort(&mut endpoints, at).is_none());
-            assert_eq!(sent(&fabric), 5 + ping as usize);
-            let next = links.best_effort_probe_at().expect("still unconfirmed");
-            assert!(next > at);
-            at = next;
-        }
-        // Given up: the two data frames it sent unconfirmed counted, not
-        // its four pings.
-        let closed = links
-            .probe_best_effort(&mut endpoints, at)
-            .expect("the link is given up");
+        assert_eq!(links.best_effort_probe_at(), Some(answered + every));
+        // Pings unanswered, each a while after the one before, until
+        // MAX_PROBES went and `give_up_after` passed since the first.
+        let mut at = answered + every;
+        let first = at;
+        let mut pings = 0;
+        let closed = loop {
+            if let Some(closed) = links.probe_best_effort(&mut endpoints, at, give_up_after) {
+                break closed;
+            }
+            pings += 1;
+            assert_eq!(sent(&fabric), 5 + pings);
+            assert_eq!(links.best_effort_probe_at(), Some(at + every));
+            at += every;
+        };
+        assert!(pings >= MAX_PROBES as usize, "{pings} pings");
+        assert!(at >= first + give_up_after && at < first + give_up_after + every);
+        // The two data frames it sent unconfirmed counted, not its pings.
         assert_eq!((closed.unsent, closed.waiting.len()), (2, 0));
         assert!(links.best_effort_link().is_none());
     }
@@ -1208,7 +1220,10 @@ mod tests {
         assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
         links.pace_best_effort(&mut endpoints);
         let due = links.best_effort_probe_at().expect("a frame unconfirmed");
-        assert!(links.probe_best_effort(&mut endpoints, due).is_none());
+        let give_up_after = std::time::Duration::ZERO;
+        assert!(links
+            .probe_best_effort(&mut endpoints, due, give_up_after)
+            .is_none());
         assert_eq!(fabric.lock().unwrap().len(), 2, "the frame and a ping");
         best_effort_credit(&mut links, due, 2, 64);
         assert_eq!(links.best_effort_probe_at(), None, "all confirmed");
