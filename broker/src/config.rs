@@ -1186,32 +1186,41 @@ pub fn locate(text: &str, key: &str) -> Option<usize> {
     Some(text[..start].matches('\n').count() + 1)
 }
 
-/// Why a `peers` entry cannot name a route: routes are dialed over TCP,
-/// to a broker's listening address (their data path is negotiated then).
-/// A listener's endpoint string: TCP and NATS listeners bind `HOST:PORT`
-/// (port 0 picks a free one), checked here so that `serve --check` refuses
-/// what the listener could not open.
+/// A listener's endpoint string: a TCP listener binds `HOST:PORT` (or, as
+/// bare `tcp`, listens nowhere and only dials, for routes), a NATS one
+/// `IP:PORT`; port 0 picks a free one. Checked here so that `serve
+/// --check` refuses what the listener could not open.
 fn check_listen(listen: &str) -> Result<(), String> {
     let spec =
         efabus_transports::registry::EndpointSpec::parse(listen).map_err(|e| e.to_string())?;
     let scheme = spec.scheme();
-    if scheme != tcp::SCHEME && scheme != efabus_transports::nats::SCHEME {
-        return Ok(());
-    }
     let address = spec.address().unwrap_or_default();
-    let valid = address
-        .rsplit_once(':')
-        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    let valid = if scheme == tcp::SCHEME {
+        address.is_empty()
+            || address
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+    } else if scheme == efabus_transports::nats::SCHEME {
+        address.parse::<std::net::SocketAddr>().is_ok()
+    } else {
+        return Ok(());
+    };
     if !valid {
-        let port = if scheme == tcp::SCHEME { 7420 } else { 4222 };
+        let (form, example) = if scheme == tcp::SCHEME {
+            ("HOST:PORT", "0.0.0.0:7420")
+        } else {
+            ("IP:PORT", "0.0.0.0:4222")
+        };
         return Err(format!(
-            "`{listen}` needs the address to bind, `{scheme}/HOST:PORT` (port 0 picks a free \
-             one), e.g. `{scheme}/0.0.0.0:{port}`"
+            "`{listen}` needs the address to bind, `{scheme}/{form}` (port 0 picks a free \
+             one), e.g. `{scheme}/{example}`"
         ));
     }
     Ok(())
 }
 
+/// Why a `peers` entry cannot name a route: routes are dialed over TCP,
+/// to a broker's listening address (their data path is negotiated then).
 pub(crate) fn check_peer(peer: &str) -> Result<(), String> {
     let spec = efabus_transports::registry::EndpointSpec::parse(peer).map_err(|e| e.to_string())?;
     if spec.scheme() != tcp::SCHEME {
@@ -1639,24 +1648,27 @@ mod tests {
         let listen = |entry: &str| {
             Config::from_toml_str(&format!("listen = [\"mem/a\", \"{entry}\"]\n"), "l.toml")
         };
+        // Bare `tcp` listens nowhere: it dials routes.
         for good in [
             "tcp/127.0.0.1:0",
             "tcp/node-1:7420",
+            "tcp",
             "nats/[::1]:4222",
+            "nats/0.0.0.0:4222",
             "efa-rdm",
         ] {
             assert!(listen(good).is_ok(), "{good}");
         }
         for bad in [
-            "tcp",
             "tcp/127.0.0.1",
             "tcp/127.0.0.1:99999",
             "tcp/:7420",
             "nats/host",
+            "nats/localhost:4222",
         ] {
             let err = listen(bad).unwrap_err().to_string();
             assert!(
-                err.contains("line 1: listen[1]") && err.contains("HOST:PORT"),
+                err.contains("line 1: listen[1]") && err.contains(":PORT`"),
                 "{bad}: {err}"
             );
         }
