@@ -23,7 +23,7 @@ use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::cli::{check_server, explain, Failure};
+use crate::cli::{check_server, explain, secret_from, Failure, SECRET_FLAGS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BenchMode {
@@ -152,7 +152,8 @@ impl Target {
                 description: server.clone(),
                 broker: None,
                 endpoint: Some(server.clone()),
-                secret: args.secret.clone().or(base.credentials.clone()),
+                secret: secret_from(&args.secret, &None, SECRET_FLAGS)?
+                    .or(base.credentials.clone()),
                 base,
                 link: parking_lot::Mutex::new(String::new()),
                 far: None,

@@ -596,7 +596,7 @@ fn init_logging(level: &str, format: LogFormat) -> Result<Option<LogReload>, Fai
 }
 
 /// Where a secret comes from, as an error names it.
-const SECRET_FLAGS: &str = "--secret or EFABUS_SECRET";
+pub(crate) const SECRET_FLAGS: &str = "--secret or EFABUS_SECRET";
 
 /// Largest secret file read.
 const SECRET_FILE_MAX: u64 = 64 << 10;
@@ -607,7 +607,7 @@ const SECRET_FILE_MAX: u64 = 64 << 10;
 /// An empty secret is refused here, naming where it came from (an empty
 /// line in an environment file is easily left behind), rather than as the
 /// configuration's `auth.secret`.
-fn secret_from(
+pub(crate) fn secret_from(
     value: &Option<String>,
     file: &Option<PathBuf>,
     names: &str,
@@ -988,8 +988,6 @@ fn reload(
     }
 }
 
-/// A `tcp/HOST:PORT` server whose address cannot be resolved fails at once,
-/// with the resolver's reason, instead of after the connect timeout.
 /// The user or token a client command logs in with: `--user` or
 /// `--token` as given (a flag is meant over the environment), else
 /// `$EFABUS_USER` or `$EFABUS_TOKEN`; both variables set, with neither
@@ -1007,6 +1005,8 @@ fn login(args: &ClientArgs) -> Result<(Option<String>, Option<String>), Failure>
     }
 }
 
+/// A `tcp/HOST:PORT` server whose address cannot be resolved fails at once,
+/// with the resolver's reason, instead of after the connect timeout.
 pub(crate) fn check_server(server: &str) -> Result<(), Failure> {
     let Ok(spec) = EndpointSpec::parse(server) else {
         // The client reports a malformed endpoint itself.

@@ -1073,6 +1073,13 @@ fn an_empty_secret_is_refused_naming_where_it_came_from() {
     assert_eq!(output.status.code(), Some(2), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("EFABUS_SECRET) is empty"), "{err}");
+    let output = efabus()
+        .args(["bench", "--server", "tcp/127.0.0.1:1", "-n", "1"])
+        .env("EFABUS_SECRET", "")
+        .output()
+        .expect("run efabus");
+    let err = usage_error(&output);
+    assert!(err.contains("EFABUS_SECRET) is empty"), "{err}");
     let dir = std::env::temp_dir().join(format!("efabus-empty-secret-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("secret");
