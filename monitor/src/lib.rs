@@ -22,8 +22,7 @@
 //! a view shows them; `/healthz` only waits for the loop's next round.
 //!
 //! The listener is an HTTP/1.1 server (hyper) on a thread of its own; the
-//! views are built on at most four more (`/healthz` waits for none of
-//! them). A connection costs the server a task, not a thread, and each
+//! views are built on at most four more (`/healthz` on two of its own). A connection costs the server a task, not a thread, and each
 //! has bounds ([`MonitorOptions`]): time to send a request's head, time
 //! for each write of an answer to make progress (a client that stops
 //! reading loses its connection), time served in all, and a number served
@@ -93,6 +92,11 @@ pub enum MonitorError {
 
 /// Views built at once; requests beyond wait for one to finish.
 const WORKERS: usize = 4;
+/// Health checks answered at once, apart from the views.
+const HEALTH_WORKERS: usize = 2;
+/// The least time a connection is served, whatever the options say: none
+/// at all would close each before its first request.
+const MIN_CONNECTION_TIME: Duration = Duration::from_millis(100);
 /// How long a stopping listener waits for the views being built.
 const STOP_WAIT: Duration = Duration::from_secs(3);
 
@@ -161,7 +165,7 @@ impl Monitor {
         listener
             .set_nonblocking(true)
             .map_err(|err| bind_error(err.to_string()))?;
-        // The views' semaphore keeps blocking threads to `WORKERS`.
+        // The semaphores keep blocking threads to `WORKERS` and `HEALTH_WORKERS`.
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_io()
             .enable_time()
@@ -176,6 +180,7 @@ impl Monitor {
         let views = Arc::new(Views {
             broker,
             workers: Arc::new(Semaphore::new(WORKERS)),
+            health_workers: Arc::new(Semaphore::new(HEALTH_WORKERS)),
         });
         let (stop, stopped) = oneshot::channel();
         let options = *options;
@@ -219,6 +224,8 @@ struct Views {
     /// is queued, so views queue no further than the workers (a client
     /// that closes while it waits takes its request with it).
     workers: Arc<Semaphore>,
+    /// The same for `/healthz`, apart.
+    health_workers: Arc<Semaphore>,
 }
 
 /// Accept connections until `stopped`, serving at most
@@ -276,7 +283,7 @@ async fn listen(
             tokio::pin!(connection);
             let served = tokio::select! {
                 served = connection.as_mut() => served,
-                _ = tokio::time::sleep(options.max_connection_time) => {
+                _ = tokio::time::sleep(options.max_connection_time.max(MIN_CONNECTION_TIME)) => {
                     // The answer in hand goes out; no further request is read.
                     connection.as_mut().graceful_shutdown();
                     tokio::time::timeout(options.write_timeout, connection.as_mut())
@@ -340,15 +347,15 @@ async fn respond(views: Arc<Views>, request: Request<Incoming>) -> Response<Full
             .map_or_else(|| "/".to_string(), |target| target.as_str().to_string());
         // A health check waits for no view: probes must not fail because
         // heavy views hold the workers (it only waits for a loop round).
-        let worker = if target == "/healthz" {
-            None
+        let path = target.split('?').next().unwrap_or_default();
+        let workers = if path == "/healthz" {
+            &views.health_workers
         } else {
-            match Arc::clone(&views.workers).acquire_owned().await {
-                Ok(worker) => Some(worker),
-                Err(_) => {
-                    return response(Answer::error(503, "the monitor is stopping"));
-                }
-            }
+            &views.workers
+        };
+        let worker = match Arc::clone(workers).acquire_owned().await {
+            Ok(worker) => worker,
+            Err(_) => return response(Answer::error(503, "the monitor is stopping")),
         };
         tokio::task::spawn_blocking(move || {
             let _worker = worker;

@@ -634,7 +634,8 @@ fn one_client_holds_no_slot_for_ever() {
     let started = Instant::now();
     let mut answers = 0;
     let mut buffer = [0u8; 4096];
-    let closed = loop {
+    // Until the server closes it (the loop fails if it does not).
+    loop {
         assert!(
             started.elapsed() < 4 * WAIT / 10,
             "still served after {:?}",
@@ -642,18 +643,17 @@ fn one_client_holds_no_slot_for_ever() {
         );
         let request = b"GET /healthz HTTP/1.1\r\nHost: monitor\r\n\r\n";
         if stream.write_all(request).is_err() {
-            break true;
+            break;
         }
         match stream.read(&mut buffer) {
-            Ok(0) => break true,
+            Ok(0) => break,
             Ok(_) => answers += 1,
-            Err(err) if err.kind() == std::io::ErrorKind::ConnectionReset => break true,
+            Err(err) if err.kind() == std::io::ErrorKind::ConnectionReset => break,
             Err(_) => {}
         }
-    };
-    assert!(closed && answers > 0, "{answers} answers");
-    // Its slot is free again: a new connection from the address is served.
-    drop(kept);
+    }
+    assert!(answers > 0, "no request was answered before the close");
+    // Those connections served their time: a new one from the address is.
     let (status, body) = get(&monitor, "/healthz");
     assert_eq!(status, 200, "{body}");
 }
