@@ -249,9 +249,24 @@ struct Confirmed {
     last_probe: Option<Instant>,
     /// Sequences above `through` that are no messages to count as lost
     /// when the link is given up: the pings, and frames already counted
-    /// as dropped when their send failed.
-    not_messages: Vec<u64>,
+    /// as dropped when their send failed. At most [`NOT_MESSAGES_KEPT`]
+    /// (a peer that answers pings but never credits adds one a ping).
+    not_messages: VecDeque<u64>,
 }
+
+impl Confirmed {
+    /// Sequence `seq` is no message (see `not_messages`); past the bound
+    /// the oldest is forgotten, and would count as a message lost.
+    fn not_a_message(&mut self, seq: u64) {
+        if self.not_messages.len() >= NOT_MESSAGES_KEPT {
+            self.not_messages.pop_front();
+        }
+        self.not_messages.push_back(seq);
+    }
+}
+
+/// Most sequences [`Confirmed`] keeps as no messages.
+const NOT_MESSAGES_KEPT: usize = 1024;
 
 /// Unanswered pings after which [`DataLinks::probe_best_effort`] gives a
 /// datagram link up.
@@ -957,7 +972,7 @@ impl DataLink {
     /// dropped where that failure is handled.
     fn failed(&mut self, seq: u64) {
         if self.lossy {
-            self.confirmed.not_messages.push(seq);
+            self.confirmed.not_a_message(seq);
         }
         if self
             .trickle
@@ -1652,7 +1667,7 @@ impl DataLinks {
                     .transmit(endpoint, codec::encode(&Frame::Ping { nonce: seq }))
                     .is_ok()
                 {
-                    link.confirmed.not_messages.push(seq);
+                    link.confirmed.not_a_message(seq);
                 }
             }
             Ok(false) => {}
