@@ -149,6 +149,28 @@ fn caps_leaves_room_for_the_longest_shm_name() {
     assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
 }
 
+/// A dump whose prefix sizes no provider would report (near 2^64) is
+/// laid out without an overflow (it panicked a debug build).
+#[test]
+fn caps_lays_out_any_prefix_a_dump_gives() {
+    let dump = std::fs::read_to_string(fixture("efa-fi_info-v.txt")).expect("fixture");
+    let crafted = dump
+        .replace(
+            "msg_prefix_size: 176",
+            "msg_prefix_size: 18446744073709551600",
+        )
+        .replace(
+            "msg_prefix_size: 40",
+            "msg_prefix_size: 9223372036854775808",
+        );
+    assert_ne!(crafted, dump);
+    let path = common::temp_path("crafted-dump.txt");
+    std::fs::write(&path, crafted).unwrap();
+    let output = run(&["caps", "-v", "--input", &path.display().to_string()]);
+    let _ = std::fs::remove_file(&path);
+    assert!(output.status.success(), "{}", stderr(&output));
+}
+
 #[test]
 fn caps_reads_a_saved_dump_and_says_what_efabus_would_choose() {
     let dump = fixture("efa-fi_info-v.txt");

@@ -108,12 +108,15 @@ pub fn buffer_memory(
     let (rx_slots, rx_stride) = if multi_recv {
         (
             rx_depth.div_ceil(MULTI_RECV_SLOTS).max(2),
-            stride * MULTI_RECV_SLOTS,
+            stride.saturating_mul(MULTI_RECV_SLOTS),
         )
     } else {
         (rx_depth, stride)
     };
-    let held = rx_slots * rx_stride + tx_depth * stride;
+    // Saturating: `efabus caps` sizes what any dump says.
+    let held = rx_slots
+        .saturating_mul(rx_stride)
+        .saturating_add(tx_depth.saturating_mul(stride));
     BufferMemory {
         held,
         registered: if mr_local { held } else { 0 },

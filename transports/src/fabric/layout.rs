@@ -463,12 +463,15 @@ impl BufferLayout {
 
     /// Bytes from one slot's start to the next.
     pub fn slot_stride(&self) -> usize {
-        (self.prefix + self.payload).div_ceil(SLOT_ALIGN) * SLOT_ALIGN
+        // Saturating: `efabus caps` lays out what any dump says.
+        self.recv_len()
+            .div_ceil(SLOT_ALIGN)
+            .saturating_mul(SLOT_ALIGN)
     }
 
     /// Bytes posted for a receive: the prefix and the whole payload.
     pub fn recv_len(&self) -> usize {
-        self.prefix + self.payload
+        self.prefix.saturating_add(self.payload)
     }
 
     /// Endpoint header bytes for a sender address of `addr_len` bytes.
