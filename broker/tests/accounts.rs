@@ -197,6 +197,40 @@ fn frames_behind_a_hello_being_checked_wait_for_its_verdict() {
     );
 }
 
+/// A frame behind a hello being checked that is larger than what a peer
+/// may send before it is accepted (32 KiB) waits for the verdict, and
+/// then passes: it was refused as too large, the limit still in force
+/// when it was looked at again.
+#[test]
+fn a_large_frame_behind_a_hello_being_checked_passes_once_accepted() {
+    use efabus_core::codec::encode;
+    use efabus_core::frame::Publish;
+    let broker = broker();
+    let sub = broker.subscribe("orders.big").expect("subscribes");
+    let Frame::Hello(mut hello) = raw_common::client_hello("alice") else {
+        unreachable!("a hello")
+    };
+    hello.user = Some("alice".to_string());
+    hello.credentials = Some("alice-password".to_string());
+    let payload = bytes::Bytes::from(vec![7u8; 40 << 10]);
+    let publish = Frame::Publish(Publish {
+        headers: None,
+        subject: "orders.big".into(),
+        reply: None,
+        seq: 0,
+        payload: payload.clone(),
+    });
+    let mut bytes = encode(&Frame::Hello(hello)).to_bytes().to_vec();
+    bytes.extend_from_slice(&encode(&publish).to_bytes());
+    let mut raw = Raw::connect(&broker);
+    std::io::Write::write_all(&mut raw.stream(), &bytes).expect("written");
+    raw.expect("the welcome", |f| matches!(f, Frame::Welcome(_)));
+    let message = sub
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the large publish arrives");
+    assert_eq!(message.payload, payload);
+}
+
 /// `client` was refused once, in an error naming `text`.
 fn one_error_naming(client: &Client, text: &str) {
     let errors = client.take_errors();

@@ -2235,8 +2235,9 @@ impl EventLoop {
         let handshake = self.now + self.shared.config.handshake_timeout();
         for (id, session) in &mut self.sessions {
             // The slow consumers themselves keep being read: they may
-            // only be acknowledging or saying goodbye.
-            if !self.blocking.contains(id) {
+            // only be acknowledging or saying goodbye. A hello being
+            // checked keeps its peer unread until its verdict.
+            if !self.blocking.contains(id) && (paused || !session.checking_hello) {
                 let control = session.conn.control;
                 self.endpoints[control.endpoint].set_read_paused(control.peer, paused);
                 // A handshake left unread gets its whole time once read.

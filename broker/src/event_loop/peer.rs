@@ -673,6 +673,12 @@ impl EventLoop {
             Ok(()) => {
                 if let Some(session) = self.sessions.get_mut(&id) {
                     session.checking_hello = true;
+                    // Nothing more is read from it until the verdict: a
+                    // frame behind the hello above the limit a peer has
+                    // before it is accepted waits for that limit to go,
+                    // rather than being refused.
+                    let control = session.conn.control;
+                    self.endpoints[control.endpoint].set_read_paused(control.peer, true);
                 }
                 return;
             }
@@ -844,7 +850,12 @@ impl EventLoop {
             if !std::mem::take(&mut session.checking_hello) || !awaited {
                 continue;
             }
+            let control = session.conn.control;
             self.on_hello_checked(id, hello, verdict);
+            // Read again, unless the broker holds every reader back.
+            if !self.reads_paused || self.blocking.contains(&id) {
+                self.endpoints[control.endpoint].set_read_paused(control.peer, false);
+            }
         }
     }
 
