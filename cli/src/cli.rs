@@ -410,7 +410,7 @@ pub(crate) fn explain(err: Error, server: Option<&str>) -> Failure {
     let short = |text: &str| excerpt(text, EXCERPT_CHARS);
     let (message, hint, code) = match &err {
         // A client's TLS keys come from its --tls-* flags.
-        Error::Config(config) if client && config.to_string().contains("tls.") => {
+        Error::Config(ConfigError::Invalid { key, .. }) if client && key.starts_with("tls.") => {
             return Failure::usage(format!(
                 "{err}; a client's tls.ca, tls.cert and tls.key are its --tls-ca, --tls-cert \
                  and --tls-key (or the [tls] table of its --config)"
