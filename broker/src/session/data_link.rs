@@ -18,8 +18,8 @@ use efabus_core::caps::{negotiate, Choice, Offer};
 use efabus_core::codec::{self, FrameKind, FRAME_OVERHEAD, PREFIX_LEN};
 use efabus_core::credit::{CreditGrant, CreditWindow, Window};
 use efabus_core::fragment::Fragmenter;
-use efabus_core::frame::Frame;
 use efabus_core::frame::LinkAuth;
+use efabus_core::frame::{Credit, Frame};
 use efabus_core::link::{LinkConfig, LinkError, LinkReceiver, LinkSender, LinkTuning};
 use efabus_core::transport::{
     split_run_slices, Detacher, Endpoint, LinkKeys, OutFrame, PeerId, SendError, TransportError,
@@ -711,20 +711,7 @@ impl DataLink {
                 Ok(Frame::Credit(credit)) => {
                     self.credited = true;
                     if self.lossy {
-                        self.on_confirmed(now, credit.ack_seq);
-                        if let Some(trickle) = self.trickle.as_mut() {
-                            if credit.ack_seq >= trickle.seq {
-                                self.trickle = None;
-                            } else if credit.ack_seq + 1 == trickle.seq
-                                && u64::from(credit.messages) > trickle.granted
-                            {
-                                // What the peer holds is of the message
-                                // after `ack_seq`: this one. Going on, it
-                                // is no stalled window to reset.
-                                trickle.granted = u64::from(credit.messages);
-                                self.stalled_since = None;
-                            }
-                        }
+                        self.on_lossy_credit(now, &credit);
                     }
                     if self.window.on_credit(&credit) {
                         while self
@@ -946,15 +933,28 @@ impl DataLink {
         self.sender.next_sequence().saturating_sub(1)
     }
 
-    /// A credit from the peer acknowledged `ack_seq`: it hears this side
-    /// (a credit older than the window knows shows that too).
-    fn on_confirmed(&mut self, now: Instant, ack_seq: u64) {
+    /// Lossy links: a credit from the peer. It hears this side (a credit
+    /// older than the window knows shows that too), and it may end or
+    /// grant more of a frame sent a window at a time.
+    fn on_lossy_credit(&mut self, now: Instant, credit: &Credit) {
         let numbered = self.numbered();
         let confirmed = &mut self.confirmed;
-        confirmed.through = confirmed.through.max(ack_seq.min(numbered));
+        confirmed.through = confirmed.through.max(credit.ack_seq.min(numbered));
         let through = confirmed.through;
         confirmed.not_messages.retain(|&seq| seq > through);
         self.heard_on_link(now);
+        let Some(trickle) = self.trickle.as_mut() else {
+            return;
+        };
+        if credit.ack_seq >= trickle.seq {
+            self.trickle = None;
+        } else if credit.ack_seq + 1 == trickle.seq && u64::from(credit.messages) > trickle.granted
+        {
+            // What the peer holds is of the message after `ack_seq`: this
+            // one. Going on, it is no stalled window to reset.
+            trickle.granted = u64::from(credit.messages);
+            self.stalled_since = None;
+        }
     }
 
     /// The peer hears this link: the pings start over, from `now` if
