@@ -64,6 +64,16 @@ fn broker_with(extra: &str) -> Broker {
     Broker::start(config).expect("the broker starts")
 }
 
+/// A raw client's hello named `name`, logging in as `user`.
+fn user_hello(name: &str, user: &str, password: &str) -> Frame {
+    let Frame::Hello(mut hello) = raw_common::client_hello(name) else {
+        unreachable!("a hello")
+    };
+    hello.user = Some(user.to_string());
+    hello.credentials = Some(password.to_string());
+    Frame::Hello(hello)
+}
+
 fn login(broker: &Broker, user: Option<&str>, secret: Option<&str>) -> Result<Client, Error> {
     // Without a name, the secret is a token.
     let (credentials, token) = match user {
@@ -138,14 +148,7 @@ fn frames_behind_a_hello_being_checked_wait_for_its_verdict() {
     let broker = broker();
     // Each login a user's first, so that its password is checked on the
     // login thread (one remembered is taken at once).
-    let hello = |user: &str, password: &str| {
-        let Frame::Hello(mut hello) = raw_common::client_hello(user) else {
-            unreachable!("a hello")
-        };
-        hello.user = Some(user.to_string());
-        hello.credentials = Some(password.to_string());
-        Frame::Hello(hello)
-    };
+    let hello = |user: &str, password: &str| user_hello(user, user, password);
     // A hello and the frames behind it, in one write, so that they all
     // arrive before the verdict.
     let pipelined = |hello: &Frame, behind: &[Frame]| {
@@ -207,11 +210,6 @@ fn a_large_frame_behind_a_hello_being_checked_passes_once_accepted() {
     use efabus_core::frame::Publish;
     let broker = broker();
     let sub = broker.subscribe("orders.big").expect("subscribes");
-    let Frame::Hello(mut hello) = raw_common::client_hello("alice") else {
-        unreachable!("a hello")
-    };
-    hello.user = Some("alice".to_string());
-    hello.credentials = Some("alice-password".to_string());
     let payload = bytes::Bytes::from(vec![7u8; 40 << 10]);
     let publish = Frame::Publish(Publish {
         headers: None,
@@ -220,7 +218,8 @@ fn a_large_frame_behind_a_hello_being_checked_passes_once_accepted() {
         seq: 0,
         payload: payload.clone(),
     });
-    let mut bytes = encode(&Frame::Hello(hello)).to_bytes().to_vec();
+    let hello = user_hello("alice", "alice", "alice-password");
+    let mut bytes = encode(&hello).to_bytes().to_vec();
     bytes.extend_from_slice(&encode(&publish).to_bytes());
     let mut raw = Raw::connect(&broker);
     std::io::Write::write_all(&mut raw.stream(), &bytes).expect("written");
@@ -455,12 +454,7 @@ fn a_limit_on_a_subscription_waiting_for_its_inbox_holds_once_it_is_made() {
     let held = first.subscribe("_INBOX.q8.>").unwrap();
     first.flush(WAIT).unwrap();
     let mut raw = Raw::connect(&broker);
-    let Frame::Hello(mut hello) = raw_common::client_hello("waiting") else {
-        unreachable!("a hello")
-    };
-    hello.user = Some("requester".to_string());
-    hello.credentials = Some("requester-password".to_string());
-    raw.send(&Frame::Hello(hello));
+    raw.send(&user_hello("waiting", "requester", "requester-password"));
     raw.expect("the welcome", |f| matches!(f, Frame::Welcome(_)));
     raw.send(&Frame::Subscribe(Subscribe {
         sid: 1,

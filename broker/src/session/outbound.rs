@@ -1058,6 +1058,11 @@ mod tests {
         (endpoints, links, taken)
     }
 
+    /// Pieces the scripted endpoint took so far.
+    fn taken(fabric: &Taken) -> usize {
+        fabric.lock().unwrap().len()
+    }
+
     /// The peer's credit arriving on the best-effort link at `now`.
     fn best_effort_credit(
         links: &mut DataLinks,
@@ -1163,19 +1168,18 @@ mod tests {
         let every = Duration::from_millis(400);
         let give_up_after = Duration::from_secs(1);
         let (mut endpoints, mut links, fabric) = best_effort_link_taking_all(4096);
-        let sent = |fabric: &Taken| fabric.lock().unwrap().len();
         assert_eq!(links.best_effort_probe_at(), None, "nothing sent");
         for _ in 0..4 {
             assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
         }
         links.pace_best_effort(&mut endpoints);
-        assert_eq!(sent(&fabric), 4);
+        assert_eq!(taken(&fabric), 4);
         let due = links.best_effort_probe_at().expect("frames unconfirmed");
         let early = due - Duration::from_millis(1);
         assert!(links
             .probe_best_effort(&mut endpoints, early, give_up_after)
             .is_none());
-        assert_eq!(sent(&fabric), 4, "no ping before it is due");
+        assert_eq!(taken(&fabric), 4, "no ping before it is due");
         // Two confirmed: the other two wait from this credit on.
         let now = due;
         best_effort_credit(&mut links, now, 2, 64);
@@ -1186,7 +1190,7 @@ mod tests {
         assert!(links
             .probe_best_effort(&mut endpoints, due, give_up_after)
             .is_none());
-        assert_eq!(sent(&fabric), 5);
+        assert_eq!(taken(&fabric), 5);
         links.on_probe_pong(99, due + Duration::from_millis(5));
         assert_eq!(links.best_effort_probe_at(), Some(due + every));
         let answered = due + Duration::from_millis(5);
@@ -1202,7 +1206,7 @@ mod tests {
                 break closed;
             }
             pings += 1;
-            assert_eq!(sent(&fabric), 5 + pings);
+            assert_eq!(taken(&fabric), 5 + pings);
             assert_eq!(links.best_effort_probe_at(), Some(at + every));
             at += every;
         };
@@ -1224,7 +1228,7 @@ mod tests {
         assert!(links
             .probe_best_effort(&mut endpoints, due, give_up_after)
             .is_none());
-        assert_eq!(fabric.lock().unwrap().len(), 2, "the frame and a ping");
+        assert_eq!(taken(&fabric), 2, "the frame and a ping");
         best_effort_credit(&mut links, due, 2, 64);
         assert_eq!(links.best_effort_probe_at(), None, "all confirmed");
         assert_eq!(links.take_best_effort_drops(), 0);
@@ -1237,29 +1241,25 @@ mod tests {
     fn a_best_effort_frame_larger_than_the_window_goes_as_credits_allow() {
         let (mut endpoints, mut links, fabric) =
             best_effort_link_taking_all(codec::FRAGMENT_OVERHEAD + 64);
-        let sent = |fabric: &Taken| fabric.lock().unwrap().len();
-        let credit = |links: &mut DataLinks, ack_seq: u64, messages: u32| {
-            best_effort_credit(links, std::time::Instant::now(), ack_seq, messages)
-        };
         // Far more pieces than any window here.
         assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(512 << 10)))));
         assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
         links.pace_best_effort(&mut endpoints);
-        let window = sent(&fabric);
+        let window = taken(&fabric);
         assert!(window > 1 && window < 8000, "{window} pieces went");
         assert!(links.best_effort_waiting());
         links.pace_best_effort(&mut endpoints);
-        assert_eq!(sent(&fabric), window, "nothing more without credit");
+        assert_eq!(taken(&fabric), window, "nothing more without credit");
         // The peer holds ten of them: ten more go.
-        credit(&mut links, 0, window as u32 + 10);
+        best_effort_credit(&mut links, std::time::Instant::now(), 0, window as u32 + 10);
         links.pace_best_effort(&mut endpoints);
-        assert_eq!(sent(&fabric), window + 10);
+        assert_eq!(taken(&fabric), window + 10);
         // The frame acknowledged (taken or given up): the rest of it is
         // not sent, the frame behind it is.
-        credit(&mut links, 1, window as u32);
+        best_effort_credit(&mut links, std::time::Instant::now(), 1, window as u32);
         links.pace_best_effort(&mut endpoints);
         assert_eq!(
-            sent(&fabric),
+            taken(&fabric),
             window + 10 + 2,
             "the next frame's two pieces"
         );
@@ -1275,33 +1275,34 @@ mod tests {
     fn a_best_effort_frame_going_as_credits_allow_is_not_cut_off() {
         let (mut endpoints, mut links, fabric) =
             best_effort_link_taking_all(codec::FRAGMENT_OVERHEAD + 64);
-        let sent = |fabric: &Taken| fabric.lock().unwrap().len();
-        let credit = |links: &mut DataLinks, ack_seq: u64, messages: u32| {
-            best_effort_credit(links, std::time::Instant::now(), ack_seq, messages)
-        };
         // A small frame confirmed first, then one of far more pieces than
         // the window, and one behind it.
         assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
         links.pace_best_effort(&mut endpoints);
-        assert_eq!(sent(&fabric), 2);
-        credit(&mut links, 1, 100);
+        assert_eq!(taken(&fabric), 2);
+        best_effort_credit(&mut links, std::time::Instant::now(), 1, 100);
         assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(512 << 10)))));
         assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
         links.pace_best_effort(&mut endpoints);
-        let window = sent(&fabric) - 2;
+        let window = taken(&fabric) - 2;
         assert_eq!(window, 100, "the window the credit granted");
         // A stale credit, below the frame: it grants nothing of it.
-        credit(&mut links, 0, window as u32 + 100);
+        best_effort_credit(
+            &mut links,
+            std::time::Instant::now(),
+            0,
+            window as u32 + 100,
+        );
         links.pace_best_effort(&mut endpoints);
-        assert_eq!(sent(&fabric), 2 + window);
+        assert_eq!(taken(&fabric), 2 + window);
         // Credits granting more of it, past the stall reset (400 ms).
         let mut granted = window;
         for _ in 0..6 {
             std::thread::sleep(std::time::Duration::from_millis(100));
             granted += 10;
-            credit(&mut links, 1, granted as u32);
+            best_effort_credit(&mut links, std::time::Instant::now(), 1, granted as u32);
             links.pace_best_effort(&mut endpoints);
-            assert_eq!(sent(&fabric), 2 + granted, "the frame was cut off");
+            assert_eq!(taken(&fabric), 2 + granted, "the frame was cut off");
         }
         assert!(links.best_effort_waiting());
         assert_eq!(links.take_best_effort_drops(), 0);
