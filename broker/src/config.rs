@@ -1196,10 +1196,7 @@ fn check_listen(listen: &str) -> Result<(), String> {
     let scheme = spec.scheme();
     let address = spec.address().unwrap_or_default();
     let valid = if scheme == tcp::SCHEME {
-        address.is_empty()
-            || address
-                .rsplit_once(':')
-                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+        address.is_empty() || host_and_port(address).is_some()
     } else if scheme == efabus_transports::nats::SCHEME {
         address.parse::<std::net::SocketAddr>().is_ok()
     } else {
@@ -1238,14 +1235,17 @@ pub(crate) fn check_peer(peer: &str) -> Result<(), String> {
             address.len()
         ));
     }
-    let port = address.rsplit_once(':').and_then(|(host, port)| {
-        let port = port.parse::<u16>().ok().filter(|&p| p != 0)?;
-        (!host.is_empty()).then_some(port)
-    });
-    if port.is_none() {
+    if host_and_port(address).is_none_or(|(_, port)| port == 0) {
         return Err(format!("`{address}` is not HOST:PORT"));
     }
     Ok(())
+}
+
+/// `HOST:PORT` taken apart: a host, and a port from 0 to 65535.
+fn host_and_port(address: &str) -> Option<(&str, u16)> {
+    let (host, port) = address.rsplit_once(':')?;
+    let port = port.parse().ok()?;
+    (!host.is_empty()).then_some((host, port))
 }
 
 /// Longest `HOST:PORT` of a route peer: a full DNS name and a port.
