@@ -2309,11 +2309,32 @@ impl ClientLoop {
         BrokerStats::add_saturating(&self.shared.counters.best_effort_lost, closed.lost);
         let description = &closed.description;
         warn!(link = %description, waited = ?timeout, "no credit came back on the best-effort link; best effort comes over the reliable path");
+        let reason = format!(
+            "best-effort: {description}: no credit came back there within {timeout:?} of its \
+             first ping; carried on the reliable path"
+        );
+        // The broker closes its side too, rather than send there on.
+        self.send(codec::encode(&Frame::best_effort_closed(reason.clone())));
+        let mut report = self.shared.link.lock();
+        report.best_effort = None;
+        report.reasons.push(reason);
+    }
+
+    /// The broker gave the best-effort link up, saying `why`: this side
+    /// is closed too (what was found missing there counted), and best
+    /// effort comes over the reliable path.
+    fn best_effort_closed_by_broker(&mut self, why: &str) {
+        let Some(closed) = self.conn.links.close_best_effort(&mut self.endpoints) else {
+            return;
+        };
+        BrokerStats::add_saturating(&self.shared.counters.best_effort_lost, closed.lost);
+        let description = &closed.description;
+        info!(link = %description, %why, "the broker closed the best-effort link; best effort comes over the reliable path");
         let mut report = self.shared.link.lock();
         report.best_effort = None;
         report.reasons.push(format!(
-            "best-effort: {description}: no credit came back there within {timeout:?} of its \
-             first ping; carried on the reliable path"
+            "best-effort: {description}: the broker closed it ({why}); carried on the reliable \
+             path"
         ));
     }
 
@@ -2898,6 +2919,7 @@ impl ClientLoop {
                     sub.sink.count_dropped_by_broker(dropped.count);
                 }
             }
+            Frame::BestEffortClosed { reason } => self.best_effort_closed_by_broker(&reason),
             other => debug!(frame = ?other, "ignoring unexpected frame"),
         }
     }

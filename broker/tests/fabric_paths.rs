@@ -1055,6 +1055,24 @@ fn a_datagram_link_that_goes_quiet_is_given_up_and_its_losses_counted() {
             .any(|reason| reason.contains("3 pings there went unanswered")),
         "{report:?}"
     );
+    // Told, the client closes its side too, saying why.
+    let deadline = Instant::now() + WAIT;
+    while client.link().best_effort.is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "the client kept the datagram link the broker gave up: {:?}",
+            client.link()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let link = client.link();
+    assert!(
+        link.reasons
+            .iter()
+            .any(|reason| reason.contains("the broker closed it")
+                && reason.contains("3 pings there went unanswered")),
+        "{link:?}"
+    );
     for _ in 0..100 {
         broker.publish("be.data", pattern(published, 64)).unwrap();
         published += 1;
@@ -1234,7 +1252,8 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
     expect_in_order(&sub, 100, "best effort on the reliable link");
     assert_eq!(client.reconnects(), 0);
     assert_eq!(unproven(), 1);
-    // The client gives its side up too, having heard nothing there.
+    // The client closes its side too: told by the broker, or having
+    // heard nothing there itself.
     let deadline = Instant::now() + WAIT;
     while client.link().best_effort.is_some() {
         assert!(
@@ -1248,7 +1267,8 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
     assert!(
         link.reasons
             .iter()
-            .any(|reason| reason.contains("no credit came back there")),
+            .any(|reason| reason.contains("the broker closed it")
+                || reason.contains("no credit came back there")),
         "{link:?}"
     );
     let rdm_only_report = session_named(&broker, "rdm-only");

@@ -12,7 +12,7 @@
 //!
 //! Control frames (`Hello`, `Welcome`, `Subscribe`, `Unsubscribe`,
 //! `UnsubscribeAfter`, `Ping`, `Pong`, `Error`, `Goodbye`, `Route`,
-//! `RoutePeers`, `Dropped`, `Challenge`) carry their struct encoded with bincode 2
+//! `RoutePeers`, `Dropped`, `Challenge`, `BestEffortClosed`) carry their struct encoded with bincode 2
 //! (serde, `config::standard()`: varint integers, little-endian). Their body
 //! is at most [`MAX_CONTROL_BODY`] bytes, a handshake carries at most
 //! [`MAX_OFFERS`] offers, and the decoder runs with a byte limit of sixteen
@@ -62,7 +62,8 @@ use thiserror::Error;
 use crate::caps::Offer;
 use crate::frame::{
     Challenge, Credit, Dropped, ErrorFrame, Fragment, Frame, Goodbye, Hello, LinkAuth, Message,
-    Publish, RouteHello, RoutePeers, SecretProof, Subscribe, Welcome, PROTOCOL_VERSION,
+    Publish, RouteHello, RoutePeers, SecretProof, Subscribe, Welcome, MAX_CLOSE_REASON,
+    PROTOCOL_VERSION,
 };
 use crate::transport::OutFrame;
 
@@ -156,6 +157,8 @@ pub enum FrameKind {
     Challenge = 0x0c,
     /// [`Frame::UnsubscribeAfter`] (control).
     UnsubscribeAfter = 0x0d,
+    /// [`Frame::BestEffortClosed`] (control).
+    BestEffortClosed = 0x0e,
     /// [`Frame::Publish`] (data).
     Publish = 0x10,
     /// [`Frame::Message`] (data).
@@ -190,6 +193,7 @@ impl FrameKind {
             Frame::Challenge(_) => FrameKind::Challenge,
             Frame::Dropped(_) => FrameKind::Dropped,
             Frame::UnsubscribeAfter { .. } => FrameKind::UnsubscribeAfter,
+            Frame::BestEffortClosed { .. } => FrameKind::BestEffortClosed,
         }
     }
 
@@ -209,6 +213,7 @@ impl FrameKind {
             0x0b => FrameKind::RoutePeers,
             0x0c => FrameKind::Challenge,
             0x0d => FrameKind::UnsubscribeAfter,
+            0x0e => FrameKind::BestEffortClosed,
             0x10 => FrameKind::Publish,
             0x11 => FrameKind::Message,
             0x12 => FrameKind::Fragment,
@@ -239,6 +244,7 @@ impl FrameKind {
             FrameKind::RoutePeers => "route peers",
             FrameKind::Challenge => "challenge",
             FrameKind::UnsubscribeAfter => "unsubscribe after",
+            FrameKind::BestEffortClosed => "best-effort closed",
             FrameKind::Publish => "publish",
             FrameKind::Message => "message",
             FrameKind::Fragment => "fragment",
@@ -869,6 +875,11 @@ fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), Encode
         Frame::UnsubscribeAfter { sid, total } => {
             bincode::serde::encode_into_writer((sid, total), writer, config)
         }
+        Frame::BestEffortClosed { reason } => {
+            check_close_reason(kind, reason.len())
+                .map_err(|text| EncodeError::Body { kind, text })?;
+            bincode::serde::encode_into_writer(reason, writer, config)
+        }
         Frame::Publish(_)
         | Frame::Message(_)
         | Frame::Fragment(_)
@@ -903,6 +914,16 @@ fn check_offers(kind: FrameKind, offers: &[Offer]) -> Result<(), EncodeError> {
         .iter()
         .try_for_each(Offer::check_sizes)
         .map_err(|text| EncodeError::Body { kind, text })
+}
+
+/// A [`Frame::BestEffortClosed`]'s reason is within [`MAX_CLOSE_REASON`].
+fn check_close_reason(kind: FrameKind, len: usize) -> Result<(), String> {
+    if len > MAX_CLOSE_REASON {
+        return Err(format!(
+            "{kind}: a reason of {len} bytes, past the limit of {MAX_CLOSE_REASON}"
+        ));
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------
@@ -1513,6 +1534,12 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
             sid: u64::decode(de).map_err(err)?,
             total: u64::decode(de).map_err(err)?,
         },
+        FrameKind::BestEffortClosed => {
+            let reason = String::decode(de).map_err(err)?;
+            check_close_reason(kind, reason.len())
+                .map_err(|text| DecodeError::Body { kind, text })?;
+            Frame::BestEffortClosed { reason }
+        }
         FrameKind::Publish
         | FrameKind::Message
         | FrameKind::Fragment
@@ -1932,6 +1959,10 @@ mod tests {
                 FrameKind::UnsubscribeAfter,
             ),
             (
+                Frame::best_effort_closed("3 pings went unanswered".into()),
+                FrameKind::BestEffortClosed,
+            ),
+            (
                 Frame::Route(RouteHello {
                     broker_id: 1 << 40,
                     advertise: Some("tcp/0.0.0.0:7420".into()),
@@ -1965,5 +1996,37 @@ mod tests {
             let limits = CodecLimits::default();
             assert_eq!(decode(wire, &limits).ok(), Some(frame));
         }
+    }
+
+    #[test]
+    fn a_close_reason_is_cut_to_its_bound_and_refused_past_it() {
+        // Cut at a character: 'é' is two bytes, the bound even.
+        let long = format!("x{}", "é".repeat(MAX_CLOSE_REASON));
+        let Frame::BestEffortClosed { reason } = Frame::best_effort_closed(long) else {
+            unreachable!("the constructor makes that frame");
+        };
+        assert_eq!(reason.len(), MAX_CLOSE_REASON - 1);
+        let over = Frame::BestEffortClosed {
+            reason: "r".repeat(MAX_CLOSE_REASON + 1),
+        };
+        assert!(matches!(try_encode(&over), Err(EncodeError::Body { .. })));
+        // Forged by hand: the kind byte, then the string (varint length).
+        let text = "r".repeat(MAX_CLOSE_REASON + 1);
+        let mut body = vec![FrameKind::BestEffortClosed as u8, 251];
+        body.extend_from_slice(&(text.len() as u16).to_le_bytes());
+        body.extend_from_slice(text.as_bytes());
+        let mut wire = (body.len() as u32).to_le_bytes().to_vec();
+        wire.extend_from_slice(&body);
+        let refused = decode(Bytes::from(wire), &CodecLimits::default());
+        assert!(
+            matches!(
+                refused,
+                Err(DecodeError::Body {
+                    kind: FrameKind::BestEffortClosed,
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
     }
 }

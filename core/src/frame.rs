@@ -13,7 +13,7 @@ use crate::caps::Offer;
 
 /// Version of the wire protocol spoken by this build. A peer whose hello
 /// carries another major version is refused with [`ErrorCode::Version`].
-pub const PROTOCOL_VERSION: u16 = 14;
+pub const PROTOCOL_VERSION: u16 = 15;
 
 /// How a subscription wants its messages carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -308,6 +308,9 @@ pub struct Dropped {
     pub count: u64,
 }
 
+/// Bytes at most of the reason a [`Frame::BestEffortClosed`] carries.
+pub const MAX_CLOSE_REASON: usize = 512;
+
 /// Every frame of the efabus wire protocol.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
@@ -371,4 +374,27 @@ pub enum Frame {
         /// Deliveries in all, from the first such frame.
         total: u64,
     },
+    /// The sender gave its side of the session's datagram (best-effort)
+    /// link up, the session going on: the receiver closes its own side,
+    /// and best effort goes on the reliable path both ways.
+    BestEffortClosed {
+        /// Why, for the receiver's reports: at most [`MAX_CLOSE_REASON`]
+        /// bytes (see [`Frame::best_effort_closed`]).
+        reason: String,
+    },
+}
+
+impl Frame {
+    /// A [`Frame::BestEffortClosed`] saying `reason`, cut (at a character)
+    /// to [`MAX_CLOSE_REASON`] bytes.
+    pub fn best_effort_closed(mut reason: String) -> Frame {
+        if reason.len() > MAX_CLOSE_REASON {
+            let cut = (0..=MAX_CLOSE_REASON)
+                .rev()
+                .find(|&at| reason.is_char_boundary(at))
+                .unwrap_or(0);
+            reason.truncate(cut);
+        }
+        Frame::BestEffortClosed { reason }
+    }
 }

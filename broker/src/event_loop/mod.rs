@@ -1637,6 +1637,9 @@ impl EventLoop {
             }
             (SessionState::Ready, Frame::Ping { nonce }) => self.answer_ping(id, nonce),
             (SessionState::Ready, Frame::Pong { nonce }) => self.on_pong(id, nonce),
+            (SessionState::Ready, Frame::BestEffortClosed { reason }) => {
+                self.best_effort_closed_by_peer(id, &reason);
+            }
             (_, Frame::Goodbye(goodbye)) => {
                 debug!(session = id, reason = %goodbye.reason, "peer said goodbye");
                 if goodbye.reason == route::DUPLICATE_ROUTE {
@@ -2599,8 +2602,36 @@ impl EventLoop {
     }
 
     /// Session `id` closed one of its data links alone, for `reason`: what
-    /// was lost with it counted, the reason logged and reported.
+    /// was lost with it counted, the reason logged and reported. A
+    /// datagram link's peer is told, so that it closes its side too (it
+    /// would go on sending there, to an address this side forgot).
     fn data_link_closed_alone(&mut self, id: u64, closed: Closed, reason: String) {
+        if closed.kind == LinkKind::BestEffort {
+            let notice = Frame::best_effort_closed(reason.clone());
+            self.send(id, codec::encode(&notice), false);
+        }
+        self.forget_closed_link(id, closed, reason);
+    }
+
+    /// The peer of session `id` closed its side of the datagram link,
+    /// saying `why`: this side's is closed too, and best effort goes on
+    /// the reliable link.
+    fn best_effort_closed_by_peer(&mut self, id: u64, why: &str) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some(closed) = session.conn.links.close_best_effort(&mut self.endpoints) else {
+            return;
+        };
+        let reason = format!(
+            "best-effort: {}: the peer closed it ({why}); carried on the reliable link",
+            closed.description
+        );
+        self.forget_closed_link(id, closed, reason);
+    }
+
+    /// What [`Self::data_link_closed_alone`] does on this side.
+    fn forget_closed_link(&mut self, id: u64, closed: Closed, reason: String) {
         // What waited on it for its proof or credit goes the reliable way.
         for frame in closed.waiting {
             self.send(id, frame, true);

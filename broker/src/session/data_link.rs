@@ -1041,8 +1041,10 @@ pub(crate) enum Barrier {
     Awaiting(u64),
 }
 
-/// A link [`DataLinks::close_best_effort`] closed.
+/// A link closed alone ([`DataLinks::close_best_effort`],
+/// [`DataLinks::close_unused`]).
 pub(crate) struct Closed {
+    pub kind: LinkKind,
     pub description: String,
     /// Its `(endpoint, peer)`.
     pub address: (usize, PeerId),
@@ -1629,8 +1631,7 @@ impl DataLinks {
     /// up (closed, as [`Self::close_best_effort`]) with what it sent
     /// unconfirmed counted in its `unsent`; a peer gone altogether is its
     /// heartbeat's to find.
-    /// A peer that sends there too (a route's broker), no longer credited,
-    /// gives its side up in turn; a client's side stays open, unused.
+    /// The owner tells the peer, which closes its side too.
     pub fn probe_best_effort(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
@@ -1802,6 +1803,7 @@ impl DataLinks {
         if let Some(link) = self.reliable.take_if(|link| link.never_heard_from()) {
             endpoints[link.endpoint].close(link.peer);
             closed.push(Closed {
+                kind: LinkKind::Reliable,
                 description: link.description,
                 address: (link.endpoint, link.peer),
                 lost: 0,
@@ -1830,6 +1832,7 @@ impl DataLinks {
         self.announce_again_at = None;
         self.announced_since = None;
         Some(Closed {
+            kind: LinkKind::BestEffort,
             description: link.description,
             address: (link.endpoint, link.peer),
             lost,
