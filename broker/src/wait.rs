@@ -187,19 +187,18 @@ impl Polled {
     }
 }
 
-/// Asks every endpoint that must be polled whether the loop may sleep now
-/// and for how long: `None` when one has work pending, else the longest
-/// sleep they allow (`timeout` at most).
+/// Asks every endpoint that must be polled whether the loop may sleep now,
+/// and every endpoint for how long: `None` when one has work pending, else
+/// the longest sleep they allow (`timeout` at most; a TCP endpoint's
+/// lingering connections and accept retries have no descriptor to wake
+/// the loop).
 pub(crate) fn prepare_wait(
     endpoints: &mut [Box<dyn Endpoint>],
     timeout: Duration,
 ) -> Option<Duration> {
     let mut allowed = timeout;
-    for endpoint in endpoints
-        .iter_mut()
-        .filter(|endpoint| endpoint.readiness().must_poll())
-    {
-        if !endpoint.prepare_wait() {
+    for endpoint in endpoints.iter_mut() {
+        if endpoint.readiness().must_poll() && !endpoint.prepare_wait() {
             return None;
         }
         if let Some(cap) = endpoint.wait_cap() {

@@ -71,6 +71,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use efabus_core::caps::FabricInfo;
 use efabus_core::codec;
 use efabus_core::frame::{ErrorCode, ErrorFrame, Frame};
+use efabus_core::log_limit::LogLimit;
 use efabus_core::transport::{
     CloseReason, DirectSend, Endpoint, EndpointConfig, Event, OutFrame, PeerId, Readiness,
     SendError, Transport, TransportError,
@@ -96,6 +97,16 @@ pub const ACCEPT_BUDGET: usize = 256;
 
 /// How long a locally closed connection may keep flushing and draining.
 pub const LINGER: Duration = Duration::from_secs(5);
+
+/// Locally closed connections left flushing and draining at most: past
+/// it the one closed longest ago goes at once, so a flood of refused
+/// connections cannot hold descriptors without bound.
+pub const MAX_LINGERING: usize = 1024;
+
+/// How long accepting waits after the system refused a connection for
+/// want of descriptors or memory. The listener does not signal again for
+/// connections already waiting in its backlog, so it is asked again then.
+pub const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 
 /// Room a busy connection's read buffer grows by when it must grow.
 const READ_CHUNK: usize = 64 << 10;
@@ -859,6 +870,11 @@ pub struct TcpEndpoint {
     /// order they were closed (so also the order their [`LINGER`] ends);
     /// those dropped since are skipped when their turn comes.
     lingering: VecDeque<(Instant, Token)>,
+    /// When accepting is tried again after the system refused it (see
+    /// [`ACCEPT_RETRY`]).
+    accept_retry_at: Option<Instant>,
+    /// Accept failures logged at a bounded rate.
+    accept_failure_log: LogLimit,
     round: u64,
     /// Connections to service this poll: readable, writable, closed.
     scratch: Vec<(Token, bool, bool, bool)>,
@@ -978,6 +994,8 @@ impl TcpEndpoint {
             dirty: Vec::new(),
             read_more: Vec::new(),
             lingering: VecDeque::new(),
+            accept_retry_at: None,
+            accept_failure_log: LogLimit::new(Duration::from_secs(10)),
             round: 0,
             scratch: Vec::new(),
             tls,
@@ -1236,15 +1254,34 @@ impl TcpEndpoint {
             return;
         };
         self.accept_more = false;
+        self.accept_retry_at = None;
         for _ in 0..ACCEPT_BUDGET {
             let (mut stream, remote) = match listener.accept() {
                 Ok(pair) => pair,
                 Err(err) if err.kind() == io::ErrorKind::WouldBlock => return,
-                Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+                // A connection that died in the backlog: the next may not.
+                Err(err)
+                    if matches!(
+                        err.kind(),
+                        io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+                    ) =>
+                {
+                    continue
+                }
                 Err(err) => {
-                    // Typically out of descriptors or a connection that died
-                    // in the backlog; the listener itself stays usable.
-                    tracing::warn!("tcp: accept on {} failed: {err}", self.local);
+                    // Out of descriptors or memory; the listener itself
+                    // stays usable.
+                    let now = Instant::now();
+                    self.accept_retry_at = Some(now + ACCEPT_RETRY);
+                    if let Some(held_back) = self.accept_failure_log.allow(now) {
+                        tracing::warn!(
+                            held_back,
+                            "tcp: accept on {} failed: {err}; trying again every \
+                             {ACCEPT_RETRY:?} (raise the descriptor limit, `ulimit -n`, \
+                             if this goes on)",
+                            self.local
+                        );
+                    }
                     return;
                 }
             };
@@ -1375,6 +1412,18 @@ impl TcpEndpoint {
         }
     }
 
+    /// Past [`MAX_LINGERING`] connections closed locally, those closed
+    /// longest ago go now (the one just closed is the last to).
+    fn bound_lingering(&mut self) {
+        while self.lingering.len() > MAX_LINGERING {
+            let Some((_, token)) = self.lingering.pop_front() else {
+                break;
+            };
+            // Closed before, so dropping it reports nothing.
+            self.drop_conn(token, CloseReason::Local, &mut Vec::new());
+        }
+    }
+
     /// A peer declared a frame above the limit: tell it why, flush that,
     /// then close as `close` does (the peer reads the error, then EOF),
     /// and report the connection closed with the reason.
@@ -1389,6 +1438,10 @@ impl TcpEndpoint {
         conn.read_more = true;
         conn.read_paused = false;
         self.lingering.push_back((now, token));
+        self.bound_lingering();
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
         let mut out = conn.out.lock();
         // Past the queue bounds if need be: one small frame, and nothing
         // more is queued after it.
@@ -1626,7 +1679,8 @@ impl Endpoint for TcpEndpoint {
         let round = self.round;
         let mut ready = std::mem::take(&mut self.scratch);
         ready.clear();
-        let mut listener_ready = self.accept_more;
+        let retry_due = self.accept_retry_at.is_some_and(|at| Instant::now() >= at);
+        let mut listener_ready = self.accept_more || retry_due;
         for event in self.events.iter() {
             match event.token() {
                 WAKER => {}
@@ -1719,6 +1773,10 @@ impl Endpoint for TcpEndpoint {
         conn.closing = Some(now);
         conn.release_read_buffer();
         self.lingering.push_back((now, token));
+        self.bound_lingering();
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
         let mut out = conn.out.lock();
         out.closing = true;
         // A socket that fails now has nothing left to flush or drain.
@@ -1808,6 +1866,16 @@ impl Endpoint for TcpEndpoint {
             || self.attention.called.load(Ordering::Acquire)
     }
 
+    fn wait_cap(&self) -> Option<Duration> {
+        // Nothing signals these: the caller comes back for them.
+        let lingering_ends = self.lingering.front().map(|&(closed, _)| closed + LINGER);
+        let at = match (self.accept_retry_at, lingering_ends) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(at.saturating_duration_since(Instant::now()))
+    }
+
     fn info(&self) -> Option<FabricInfo> {
         Some(TcpEndpoint::info(self))
     }
@@ -1876,6 +1944,94 @@ mod tests {
     }
 
     /// Poll until the endpoint says it has no work of its own.
+    /// Connections closed locally and left lingering past the bound: the
+    /// ones closed longest ago go at once, the latest linger on.
+    #[test]
+    fn closed_connections_linger_within_a_bound() {
+        let mut ep = listener(Vec::new());
+        let addr = ep.local_socket_addr().unwrap();
+        let count = MAX_LINGERING + 40;
+        // Clients that neither read nor close: their connections linger.
+        // Accepted as they come, within the listener's backlog.
+        let mut events = Vec::new();
+        let clients: Vec<StdStream> = (0..count)
+            .map(|_| {
+                let client = StdStream::connect(addr).unwrap();
+                ep.poll(&mut events).unwrap();
+                client
+            })
+            .collect();
+        poll_until(&mut ep, &mut events, |e| {
+            e.iter()
+                .filter(|e| matches!(e, Event::Accepted { .. }))
+                .count()
+                == count
+        });
+        let peers: Vec<PeerId> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Accepted { peer, .. } => Some(*peer),
+                _ => None,
+            })
+            .collect();
+        for &peer in &peers {
+            ep.close(peer);
+        }
+        assert_eq!(ep.conns.len(), MAX_LINGERING);
+        let last = peers.last().and_then(|&peer| token_of(peer)).unwrap();
+        assert!(ep.conns.contains_key(&last), "the latest closed went");
+        let first = token_of(peers[0]).unwrap();
+        assert!(!ep.conns.contains_key(&first), "the oldest closed lingers");
+        // The loop is called back when the oldest's time is up.
+        let cap = ep.wait_cap().unwrap();
+        assert!(cap > Duration::ZERO && cap <= LINGER, "{cap:?}");
+        drop(clients);
+    }
+
+    /// Set in the child process of the test below, whose descriptors it
+    /// exhausts.
+    const OUT_OF_DESCRIPTORS_CHILD: &str = "EFABUS_TEST_OUT_OF_DESCRIPTORS_CHILD";
+
+    /// A connection waiting in the backlog while the process has no
+    /// descriptor left is accepted once one is free, though no other
+    /// connection comes to make the listener signal again. Run in a child
+    /// process: running out of descriptors would fail the tests beside it.
+    #[test]
+    fn accepting_resumes_once_descriptors_are_free() {
+        let name = "tcp::tests::accepting_resumes_once_descriptors_are_free";
+        if std::env::var_os(OUT_OF_DESCRIPTORS_CHILD).is_none() {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([name, "--exact", "--nocapture", "--test-threads=1"])
+                .env(OUT_OF_DESCRIPTORS_CHILD, "1")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{text}");
+            assert!(text.contains("1 passed"), "the child ran no test: {text}");
+            return;
+        }
+        let mut ep = listener(Vec::new());
+        // The kernel completes its handshake: it waits in the backlog.
+        let _client = StdStream::connect(ep.local_socket_addr().unwrap()).unwrap();
+        let mut fillers = Vec::new();
+        while let Ok(file) = std::fs::File::open("/dev/null") {
+            fillers.push(file);
+            assert!(fillers.len() < 10_000_000, "no descriptor limit");
+        }
+        let mut events = Vec::new();
+        for _ in 0..20 {
+            ep.poll(&mut events).unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(events.is_empty(), "{events:?}");
+        assert!(ep.wait_cap().is_some_and(|cap| cap <= ACCEPT_RETRY));
+        drop(fillers);
+        poll_until(&mut ep, &mut events, |e| {
+            e.iter().any(|e| matches!(e, Event::Accepted { .. }))
+        });
+    }
+
     fn poll_until_quiet(ep: &mut TcpEndpoint) {
         let deadline = Instant::now() + WAIT;
         let mut events = Vec::new();
