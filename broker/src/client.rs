@@ -61,7 +61,7 @@ use crate::drive::{DriveHandle, Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
 use crate::error::Error;
 use crate::round_watch::{LoopStall, RoundWatch, WatchedEndpoint};
-use crate::session::data_link::{open_released, Keying, LinkKind};
+use crate::session::data_link::{open_released, Closed, Keying, LinkKind};
 use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::{self, Control, Queued, SendCounts, RUN_MAX};
 use crate::session::{Connection, Heartbeat, Liveness};
@@ -2306,7 +2306,6 @@ impl ClientLoop {
         else {
             return;
         };
-        BrokerStats::add_saturating(&self.shared.counters.best_effort_lost, closed.lost);
         let description = &closed.description;
         warn!(link = %description, waited = ?timeout, "no credit came back on the best-effort link; best effort comes over the reliable path");
         let reason = format!(
@@ -2314,28 +2313,34 @@ impl ClientLoop {
              first ping; carried on the reliable path"
         );
         // The broker closes its side too, rather than send there on.
-        self.send(codec::encode(&Frame::best_effort_closed(reason.clone())));
-        let mut report = self.shared.link.lock();
-        report.best_effort = None;
-        report.reasons.push(reason);
+        let notice = Frame::best_effort_closed(closed.settled_through, reason.clone());
+        self.send(codec::encode(&notice));
+        self.best_effort_link_gone(&closed, reason);
     }
 
     /// The broker gave the best-effort link up, saying `why`: this side
-    /// is closed too (what was found missing there counted), and best
-    /// effort comes over the reliable path.
+    /// is closed too, and best effort comes over the reliable path. (This
+    /// side sends no messages there, so nothing it sent is left to count.)
     fn best_effort_closed_by_broker(&mut self, why: &str) {
         let Some(closed) = self.conn.links.close_best_effort(&mut self.endpoints) else {
             return;
         };
-        BrokerStats::add_saturating(&self.shared.counters.best_effort_lost, closed.lost);
         let description = &closed.description;
         info!(link = %description, %why, "the broker closed the best-effort link; best effort comes over the reliable path");
-        let mut report = self.shared.link.lock();
-        report.best_effort = None;
-        report.reasons.push(format!(
+        let reason = format!(
             "best-effort: {description}: the broker closed it ({why}); carried on the reliable \
              path"
-        ));
+        );
+        self.best_effort_link_gone(&closed, reason);
+    }
+
+    /// The best-effort link closed: what was found missing there counted,
+    /// and the report says why.
+    fn best_effort_link_gone(&mut self, closed: &Closed, reason: String) {
+        BrokerStats::add_saturating(&self.shared.counters.best_effort_lost, closed.lost);
+        let mut report = self.shared.link.lock();
+        report.best_effort = None;
+        report.reasons.push(reason);
     }
 
     /// Offers `scheme` to this server no more (until `until`, if given),
@@ -2919,7 +2924,7 @@ impl ClientLoop {
                     sub.sink.count_dropped_by_broker(dropped.count);
                 }
             }
-            Frame::BestEffortClosed { reason } => self.best_effort_closed_by_broker(&reason),
+            Frame::BestEffortClosed { reason, .. } => self.best_effort_closed_by_broker(&reason),
             other => debug!(frame = ?other, "ignoring unexpected frame"),
         }
     }

@@ -1185,8 +1185,8 @@ fn best_effort_losses_stay_counted_across_reconnects() {
 /// side would) is given up alone once the broker has asked three times,
 /// saying why; the session stays, and best-effort messages come over the
 /// reliable link, whole and in order. (It ended the session, every few
-/// seconds.) The client, hearing nothing there within its connect
-/// timeout, gives its side up as well, and its link report says so. A
+/// seconds.) Told, the client closes its side too, long before its own
+/// connect timeout would have, and its link report says why. A
 /// client whose preference leaves `efa-dgram` out neither
 /// opens nor offers it, so the broker opens no datagram link for it.
 #[test]
@@ -1213,7 +1213,7 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
         &broker,
         ClientOptions {
             faults: Some(deaf),
-            connect_timeout: Duration::from_secs(2),
+            connect_timeout: WAIT,
             ..fabric_options(&broker, "deaf-datagrams")
         },
     );
@@ -1252,8 +1252,6 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
     expect_in_order(&sub, 100, "best effort on the reliable link");
     assert_eq!(client.reconnects(), 0);
     assert_eq!(unproven(), 1);
-    // The client closes its side too: told by the broker, or having
-    // heard nothing there itself.
     let deadline = Instant::now() + WAIT;
     while client.link().best_effort.is_some() {
         assert!(
@@ -1268,7 +1266,7 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
         link.reasons
             .iter()
             .any(|reason| reason.contains("the broker closed it")
-                || reason.contains("no credit came back there")),
+                && reason.contains("no answer from the peer there")),
         "{link:?}"
     );
     let rdm_only_report = session_named(&broker, "rdm-only");
@@ -1281,6 +1279,63 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
             .any(|reason| reason == "efa-dgram: not in the preference list; not opened"),
         "{link:?}"
     );
+}
+
+/// A client whose datagrams never reach the broker (its datagram
+/// endpoint drops all it sends) gives its datagram link up once no
+/// credit came back there within its connect timeout, and tells the
+/// broker, which closes its side too (it had heard nothing there, and
+/// would have waited for its handshake timeout), saying why; best-effort
+/// messages then come over the reliable link.
+#[test]
+fn a_client_that_gives_its_datagram_link_up_tells_the_broker() {
+    let provider = Provider { rdm: "tcp;ofi_rxm" };
+    let limits = "[limits]\nhandshake_timeout_ms = 60000\n";
+    let Some(broker) = start_broker(provider, true, limits) else {
+        return;
+    };
+    let mute = efabus_broker::config::Faults {
+        scheme: Some("efa-dgram".to_string()),
+        direction: efabus_transports::fault::FaultDirection::Send,
+        drop: 1.0,
+        ..Default::default()
+    };
+    let name = "mute-datagrams";
+    let client = connect_with(
+        &broker,
+        ClientOptions {
+            faults: Some(mute),
+            connect_timeout: Duration::from_secs(1),
+            ..fabric_options(&broker, name)
+        },
+    );
+    let sub = client.subscribe_best_effort("be.>").unwrap();
+    client.flush(WAIT).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while session_named(&broker, name).best_effort.is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "the broker kept the datagram link the client gave up: {:?}",
+            session_named(&broker, name)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let report = session_named(&broker, name);
+    assert!(
+        report
+            .reasons
+            .iter()
+            .any(|reason| reason.contains("the peer closed it")
+                && reason.contains("no credit came back there")),
+        "{report:?}"
+    );
+    assert_eq!(client.link().best_effort, None);
+    for n in 0..100 {
+        broker.publish("be.data", pattern(n, 64)).unwrap();
+    }
+    broker.flush(WAIT).unwrap();
+    expect_in_order(&sub, 100, "best effort on the reliable link");
+    assert_eq!(client.reconnects(), 0);
 }
 
 /// A client whose reliable path is TCP and whose best-effort path is

@@ -773,46 +773,74 @@ fn best_effort_toward_the_dialer_rides_a_datagram_link_beside_tcp() {
 /// A route whose dialing broker receives nothing on its datagram link:
 /// the other, its pings there unanswered, gives that link up alone and
 /// tells the dialer, which closes its side too, long before its own
-/// handshake timeout would have; each says why, and best effort crosses
-/// on the reliable link, both ways; the route stays.
+/// handshake timeout would have. One whose dialer sends nothing there
+/// that arrives: the dialer gives it up once no credit came back within
+/// its handshake timeout, and tells the other, which had heard nothing
+/// there. Each says why, and best effort crosses on the reliable link,
+/// both ways; the route stays.
 #[test]
-fn a_route_s_datagram_link_that_hears_nothing_is_given_up_on_both_sides() {
+fn a_route_s_datagram_link_that_carries_nothing_is_given_up_on_both_sides() {
     let listen = r#"["tcp/127.0.0.1:0", "efa-dgram"]"#;
-    let Some(b) = start_listening("b", listen, &[], "[heartbeat]\ninterval_ms = 100") else {
-        return;
-    };
-    let deaf = "[limits]\nhandshake_timeout_ms = 10000\n\
-                [testing.faults]\nscheme = \"efa-dgram\"\ndirection = \"receive\"\ndrop = 1.0";
-    let Some(a) = start_listening("a", listen, &[tcp(&b)], deaf) else {
-        return;
-    };
-    for (broker, why) in [
-        (&a, "the peer closed it (best-effort: "),
-        (&b, "no answer from the peer"),
-    ] {
-        wait_until("the datagram link given up", || {
-            broker
-                .routes()
-                .first()
-                .is_some_and(|route| route.best_effort.is_none())
-        });
-        let route = the_route(broker);
-        assert!(
-            route.reasons.iter().any(|reason| reason.contains(why)),
-            "{route:?}"
+    let cases = [
+        (
+            "receive",
+            10_000,
+            [
+                "the peer closed it (best-effort: ",
+                "no answer from the peer",
+            ],
+            ["no answer from the peer", "no answer from the peer"],
+        ),
+        (
+            "send",
+            1_000,
+            ["no credit came back there", "no credit came back there"],
+            [
+                "the peer closed it (best-effort: ",
+                "no credit came back there",
+            ],
+        ),
+    ];
+    for (direction, dialer_timeout, a_says, b_says) in cases {
+        let patient = "[heartbeat]\ninterval_ms = 100\n[limits]\nhandshake_timeout_ms = 60000";
+        let Some(b) = start_listening("b", listen, &[], patient) else {
+            return;
+        };
+        let faulty = format!(
+            "[limits]\nhandshake_timeout_ms = {dialer_timeout}\n[testing.faults]\n\
+             scheme = \"efa-dgram\"\ndirection = \"{direction}\"\ndrop = 1.0"
         );
+        let Some(a) = start_listening("a", listen, &[tcp(&b)], &faulty) else {
+            return;
+        };
+        for (broker, says) in [(&a, a_says), (&b, b_says)] {
+            wait_until("the datagram link given up", || {
+                broker
+                    .routes()
+                    .first()
+                    .is_some_and(|route| route.best_effort.is_none())
+            });
+            let route = the_route(broker);
+            assert!(
+                route
+                    .reasons
+                    .iter()
+                    .any(|reason| says.iter().all(|part| reason.contains(part))),
+                "{direction}: {route:?}"
+            );
+        }
+        for (from, to) in [(&b, &a), (&a, &b)] {
+            let client = Client::connect(&tcp(to)).unwrap();
+            let sub = client.subscribe_best_effort("be.>").unwrap();
+            client.flush(WAIT).unwrap();
+            wait_until("the interest across", || from.route_interest_count() == 1);
+            let (got, _) = publish_until_marker(from, &sub, 0, 100);
+            assert_eq!(got, (0..100).collect::<Vec<u64>>());
+            drop(client);
+            wait_until("the interest gone", || from.route_interest_count() == 0);
+        }
+        assert_eq!(a.routes().len(), 1);
     }
-    for (from, to) in [(&b, &a), (&a, &b)] {
-        let client = Client::connect(&tcp(to)).unwrap();
-        let sub = client.subscribe_best_effort("be.>").unwrap();
-        client.flush(WAIT).unwrap();
-        wait_until("the interest across", || from.route_interest_count() == 1);
-        let (got, _) = publish_until_marker(from, &sub, 0, 100);
-        assert_eq!(got, (0..100).collect::<Vec<u64>>());
-        drop(client);
-        wait_until("the interest gone", || from.route_interest_count() == 0);
-    }
-    assert_eq!(a.routes().len(), 1);
 }
 
 /// Three brokers, the second and third given only the first as their

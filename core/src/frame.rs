@@ -378,6 +378,10 @@ pub enum Frame {
     /// link up, the session going on: the receiver closes its own side,
     /// and best effort goes on the reliable path both ways.
     BestEffortClosed {
+        /// The sender has delivered, or counted as lost, every frame the
+        /// receiver numbered on the link up to this sequence: the receiver
+        /// counts those above it it sent unconfirmed.
+        settled_through: u64,
         /// Why, for the receiver's reports: at most [`MAX_CLOSE_REASON`]
         /// bytes (see [`Frame::best_effort_closed`]).
         reason: String,
@@ -387,7 +391,7 @@ pub enum Frame {
 impl Frame {
     /// A [`Frame::BestEffortClosed`] saying `reason`, cut (at a character)
     /// to [`MAX_CLOSE_REASON`] bytes.
-    pub fn best_effort_closed(mut reason: String) -> Frame {
+    pub fn best_effort_closed(settled_through: u64, mut reason: String) -> Frame {
         if reason.len() > MAX_CLOSE_REASON {
             let cut = (0..=MAX_CLOSE_REASON)
                 .rev()
@@ -395,6 +399,9 @@ impl Frame {
                 .unwrap_or(0);
             reason.truncate(cut);
         }
-        Frame::BestEffortClosed { reason }
+        Frame::BestEffortClosed {
+            settled_through,
+            reason,
+        }
     }
 }

@@ -671,6 +671,16 @@ impl LinkReceiver {
         }
     }
 
+    /// Lossy links: the highest sequence through which every one is
+    /// delivered, counted lost, or counted in [`Self::unsettled`]: what a
+    /// sender learns, when the link ends, is accounted for here.
+    pub fn settled_through(&self) -> u64 {
+        let delivered = self
+            .expected_sequence()
+            .map_or(0, |next| next.saturating_sub(1));
+        delivered.max(self.highest_seen)
+    }
+
     /// Sequenced links: pieces taken of the next sequence due while it is
     /// partial, and its pieces in all; `(0, 0)` when it is not.
     pub fn next_partial(&self) -> (u32, u32) {

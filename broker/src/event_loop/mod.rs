@@ -1637,9 +1637,13 @@ impl EventLoop {
             }
             (SessionState::Ready, Frame::Ping { nonce }) => self.answer_ping(id, nonce),
             (SessionState::Ready, Frame::Pong { nonce }) => self.on_pong(id, nonce),
-            (SessionState::Ready, Frame::BestEffortClosed { reason }) => {
-                self.best_effort_closed_by_peer(id, &reason);
-            }
+            (
+                SessionState::Ready,
+                Frame::BestEffortClosed {
+                    settled_through,
+                    reason,
+                },
+            ) => self.best_effort_closed_by_peer(id, settled_through, &reason),
             (_, Frame::Goodbye(goodbye)) => {
                 debug!(session = id, reason = %goodbye.reason, "peer said goodbye");
                 if goodbye.reason == route::DUPLICATE_ROUTE {
@@ -2607,20 +2611,24 @@ impl EventLoop {
     /// would go on sending there, to an address this side forgot).
     fn data_link_closed_alone(&mut self, id: u64, closed: Closed, reason: String) {
         if closed.kind == LinkKind::BestEffort {
-            let notice = Frame::best_effort_closed(reason.clone());
+            let notice = Frame::best_effort_closed(closed.settled_through, reason.clone());
             self.send(id, codec::encode(&notice), false);
         }
         self.forget_closed_link(id, closed, reason);
     }
 
     /// The peer of session `id` closed its side of the datagram link,
-    /// saying `why`: this side's is closed too, and best effort goes on
-    /// the reliable link.
-    fn best_effort_closed_by_peer(&mut self, id: u64, why: &str) {
+    /// saying `why` and that it settled what this side sent there up to
+    /// `settled_through`: this side's is closed too (what it sent beyond
+    /// that counted as dropped), and best effort goes on the reliable
+    /// link.
+    fn best_effort_closed_by_peer(&mut self, id: u64, settled_through: u64, why: &str) {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
-        let Some(closed) = session.conn.links.close_best_effort(&mut self.endpoints) else {
+        let links = &mut session.conn.links;
+        let Some(closed) = links.give_up_best_effort(&mut self.endpoints, Some(settled_through))
+        else {
             return;
         };
         let reason = format!(

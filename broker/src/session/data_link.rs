@@ -937,11 +937,7 @@ impl DataLink {
     /// older than the window knows shows that too), and it may end or
     /// grant more of a frame sent a window at a time.
     fn on_lossy_credit(&mut self, now: Instant, credit: &Credit) {
-        let numbered = self.numbered();
-        let confirmed = &mut self.confirmed;
-        confirmed.through = confirmed.through.max(credit.ack_seq.min(numbered));
-        let through = confirmed.through;
-        confirmed.not_messages.retain(|&seq| seq > through);
+        self.confirm_through(credit.ack_seq);
         self.heard_on_link(now);
         let Some(trickle) = self.trickle.as_mut() else {
             return;
@@ -955,6 +951,16 @@ impl DataLink {
             trickle.granted = u64::from(credit.messages);
             self.stalled_since = None;
         }
+    }
+
+    /// Lossy links: the peer has settled (delivered, or counted lost)
+    /// every frame sent here up to `seq`.
+    fn confirm_through(&mut self, seq: u64) {
+        let numbered = self.numbered();
+        let confirmed = &mut self.confirmed;
+        confirmed.through = confirmed.through.max(seq.min(numbered));
+        let through = confirmed.through;
+        confirmed.not_messages.retain(|&seq| seq > through);
     }
 
     /// The peer hears this link: the pings start over, from `now` if
@@ -1046,6 +1052,9 @@ pub(crate) enum Barrier {
 pub(crate) struct Closed {
     pub kind: LinkKind,
     pub description: String,
+    /// What the peer sent there this side has delivered or counted lost
+    /// (best effort: see [`efabus_core::link::LinkReceiver::settled_through`]).
+    pub settled_through: u64,
     /// Its `(endpoint, peer)`.
     pub address: (usize, PeerId),
     /// Best-effort messages from the peer lost with it (as
@@ -1323,9 +1332,10 @@ impl DataLinks {
     /// this side's frames wait on the link (within its paced bound), so
     /// none goes where the peer may have given the link up, and none is
     /// overtaken by one sent on another path. Again and again: a datagram
-    /// may be lost. No credit within `give_up_after` means the
-    /// peer gave the link up, never heard this side, or this side receives
-    /// nothing there: the peer carries best effort on the reliable path.
+    /// may be lost. No credit within `give_up_after` means the peer never
+    /// heard this side, or this side receives nothing there: the link is
+    /// given up (the owner tells the peer, which closes its side and
+    /// carries best effort on the reliable path).
     pub fn tend_best_effort(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
@@ -1402,8 +1412,8 @@ impl DataLinks {
     /// A link asked `MAX_CHALLENGES` times without an answer does not
     /// reach the peer at the address it gave. A best-effort link is given
     /// up alone, unless the session ends anyway (the peer's datagram
-    /// endpoint may receive nothing, or every ping was lost; the peer
-    /// gives it up as well when nothing comes back there): it is closed
+    /// endpoint may receive nothing, or every ping was lost; the owner
+    /// tells the peer, which closes its side too): it is closed
     /// and handed back (with the frames that waited on it for the proof,
     /// for the owner to send the reliable way), and best-effort traffic
     /// goes on the reliable path.
@@ -1647,8 +1657,7 @@ impl DataLinks {
             .first_probe
             .is_some_and(|first| now.saturating_duration_since(first) >= give_up_after);
         if link.confirmed.probes >= MAX_PROBES && waited {
-            link.dropped = link.dropped.saturating_add(link.unconfirmed());
-            return self.close_best_effort(endpoints);
+            return self.give_up_best_effort(endpoints, None);
         }
         let confirmed = &mut link.confirmed;
         confirmed.probes += 1;
@@ -1805,6 +1814,7 @@ impl DataLinks {
             closed.push(Closed {
                 kind: LinkKind::Reliable,
                 description: link.description,
+                settled_through: 0,
                 address: (link.endpoint, link.peer),
                 lost: 0,
                 unsent: 0,
@@ -1821,9 +1831,28 @@ impl DataLinks {
         closed
     }
 
+    /// Give the best-effort link up, as [`Self::probe_best_effort`] does
+    /// or as the peer did, saying it settled what this side sent there up
+    /// to `peer_settled`: what it sent unconfirmed beyond that is counted
+    /// with its `unsent` (no credit will settle it now), then it is closed
+    /// as [`Self::close_best_effort`].
+    pub fn give_up_best_effort(
+        &mut self,
+        endpoints: &mut [Box<dyn Endpoint>],
+        peer_settled: Option<u64>,
+    ) -> Option<Closed> {
+        let link = self.best_effort.as_mut()?;
+        if let Some(seq) = peer_settled {
+            link.confirm_through(seq);
+        }
+        link.dropped = link.dropped.saturating_add(link.unconfirmed());
+        self.close_best_effort(endpoints)
+    }
+
     /// Close the best-effort link alone and forget it.
     pub fn close_best_effort(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> Option<Closed> {
-        let unsettled = self.best_effort.as_ref()?.receiver.unsettled();
+        let receiver = &self.best_effort.as_ref()?.receiver;
+        let (unsettled, settled_through) = (receiver.unsettled(), receiver.settled_through());
         let lost = self.take_best_effort_lost().saturating_add(unsettled);
         let mut link = self.best_effort.take()?;
         let unsent = link.unsent();
@@ -1834,6 +1863,7 @@ impl DataLinks {
         Some(Closed {
             kind: LinkKind::BestEffort,
             description: link.description,
+            settled_through,
             address: (link.endpoint, link.peer),
             lost,
             unsent,

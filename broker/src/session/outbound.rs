@@ -1217,6 +1217,26 @@ mod tests {
         assert!(links.best_effort_link().is_none());
     }
 
+    /// A datagram link whose peer gave it up, saying it settled what was
+    /// sent there up to a sequence: what went beyond that unconfirmed is
+    /// counted, not what the peer settled though its credits were lost.
+    #[test]
+    fn a_datagram_link_the_peer_gave_up_counts_what_went_beyond_its_settled() {
+        let (mut endpoints, mut links, fabric) = best_effort_link_taking_all(4096);
+        for _ in 0..6 {
+            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        }
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(taken(&fabric), 6);
+        best_effort_credit(&mut links, std::time::Instant::now(), 1, 64);
+        let closed = links
+            .give_up_best_effort(&mut endpoints, Some(4))
+            .expect("the link was open");
+        assert_eq!((closed.unsent, closed.waiting.len()), (2, 0));
+        assert!(links.best_effort_link().is_none());
+        assert!(links.give_up_best_effort(&mut endpoints, Some(4)).is_none());
+    }
+
     /// A credit that acknowledges a ping stops the pings: the link is live.
     #[test]
     fn a_credit_after_a_ping_keeps_the_datagram_link() {
