@@ -1745,7 +1745,8 @@ fn run_loop(session: &Driven<ClientLoop>, shared: &ClientShared, mut poll: Poll)
             continue;
         }
         // Sleep until a descriptor is ready, the outbox has work, or the
-        // next deadline (at least a millisecond: see `wait`).
+        // next deadline (at least a millisecond: see `wait`; endpoints may
+        // cap it below).
         let mut timeout = state
             .poll_timeout()
             .saturating_duration_since(Instant::now())

@@ -237,6 +237,40 @@ mod tests {
         ));
     }
 
+    /// A TCP endpoint has a descriptor, but a connection it closed
+    /// lingers with nothing to wake the loop when its time is up: the
+    /// sleep is capped by it all the same.
+    #[test]
+    fn a_descriptor_endpoint_caps_the_sleep_for_what_it_must_come_back_to() {
+        let endpoint = TcpEndpoint::open(&EndpointConfig {
+            bind: Some("127.0.0.1:0".into()),
+            ..EndpointConfig::default()
+        })
+        .expect("a loopback listener");
+        let addr = endpoint.local_socket_addr().expect("an address");
+        let idle = Duration::from_secs(60);
+        let mut endpoints: Vec<Box<dyn Endpoint>> = vec![Box::new(endpoint)];
+        assert_eq!(prepare_wait(&mut endpoints, idle), Some(idle));
+        let _client = std::net::TcpStream::connect(addr).expect("a connection");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let peer = loop {
+            let mut events = Vec::new();
+            endpoints[0].poll(&mut events).expect("a poll");
+            let accepted = events.iter().find_map(|event| match event {
+                efabus_core::transport::Event::Accepted { peer, .. } => Some(*peer),
+                _ => None,
+            });
+            if let Some(peer) = accepted {
+                break peer;
+            }
+            assert!(Instant::now() < deadline, "never accepted");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        endpoints[0].close(peer);
+        let allowed = prepare_wait(&mut endpoints, idle).expect("nothing pending");
+        assert!(allowed <= efabus_transports::tcp::LINGER, "{allowed:?}");
+    }
+
     fn polled(wakeable: bool) -> Polled {
         Polled {
             must_poll: true,

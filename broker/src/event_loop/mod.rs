@@ -3256,10 +3256,10 @@ pub(crate) fn run_loop(
             continue;
         }
         // Sleep until an fd is ready, a command arrives or the next
-        // session deadline; endpoints that must be polled cap the
-        // sleep. A deadline may be met up to a millisecond late: a
-        // shorter wait for it would be a blind sleep (see `wait`), deaf
-        // to the descriptors.
+        // session deadline; endpoints cap the sleep (those that must be
+        // polled, and any with work no descriptor announces). A deadline
+        // may be met up to a millisecond late: a shorter wait for it would
+        // be a blind sleep (see `wait`), deaf to the descriptors.
         let mut timeout = round
             .timers_at
             .saturating_duration_since(now)
