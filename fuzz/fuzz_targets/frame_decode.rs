@@ -86,6 +86,7 @@ fn bases() -> &'static [Vec<u8>] {
                 sid: 3,
                 count: 1 << 20,
             }),
+            Frame::best_effort_closed(17, "3 pings there went unanswered".into()),
             Frame::Run(Bytes::from(
                 [
                     codec::encode(&Frame::Ping { nonce: 1 }).to_bytes(),
