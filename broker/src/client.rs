@@ -311,7 +311,7 @@ impl ClientOptions {
     /// Options taken from a config file: the name, the shared secret, the
     /// limits and slow-consumer policy, heartbeats, the preference list,
     /// the `[fabric]` table, `[testing.faults]` (a testing aid), and as data
-    /// paths the `efa-rdm`/`efa-dgram` entries of `listen`.
+    /// paths the `efa-rdm`, `efa-dgram` and `shm` entries of `listen`.
     pub fn from_config(config: &crate::Config) -> ClientOptions {
         ClientOptions {
             name: config.name.clone(),

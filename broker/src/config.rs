@@ -108,10 +108,13 @@ pub struct Config {
     /// Name of this node, sent in the handshake and shown in logs (at most
     /// [`MAX_NAME_LEN`] bytes).
     pub name: String,
-    /// Log filter (`error`, `warn`, `info`, `debug`, `trace`, or a tracing
-    /// filter such as `efabus_broker=debug`). `RUST_LOG` overrides it.
+    /// Log filter (`off`, `error`, `warn`, `info`, `debug`, `trace`, or a
+    /// tracing filter such as `efabus_broker=debug`). `RUST_LOG` overrides
+    /// it.
     pub log_level: String,
-    /// Endpoint strings to listen on: `mem/NAME`, `tcp/HOST:PORT`, `efa-rdm`, `efa-dgram`.
+    /// Endpoint strings to listen on: `mem/NAME`, `tcp/HOST:PORT` (or `tcp`
+    /// alone, to dial routes only), `nats/IP:PORT`, `efa-rdm`,
+    /// `efa-dgram`, `shm`.
     pub listen: Vec<String>,
     /// Other brokers to route to, as endpoint strings (`tcp/HOST:PORT`,
     /// their listening address). This broker connects to each (and

@@ -83,7 +83,7 @@ pub struct ServeArgs {
     #[arg(long, short)]
     pub config: Option<PathBuf>,
     /// Endpoint to listen on, replacing the config's list (repeatable):
-    /// tcp/HOST:PORT, nats/HOST:PORT (NATS clients), mem/NAME, efa-rdm,
+    /// tcp/HOST:PORT, nats/IP:PORT (NATS clients), mem/NAME, efa-rdm,
     /// efa-dgram, shm.
     #[arg(long = "listen", short = 'l')]
     pub listen: Vec<String>,

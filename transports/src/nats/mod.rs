@@ -3,7 +3,7 @@
 //! client session like a native one, with the same routing, limits,
 //! permissions, slow-consumer policy, statistics and monitoring.
 //!
-//! The endpoint only listens (`nats/HOST:PORT`, 4222 by convention). Its
+//! The endpoint only listens (`nats/IP:PORT`, 4222 by convention). Its
 //! connections live on an I/O thread of their own ([`worker`]): each gets
 //! the server's `INFO` at once; from then on [`NatsSession`] translates:
 //! the client's protocol lines become efabus frames in [`Event::Frame`]s,
