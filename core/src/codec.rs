@@ -12,10 +12,12 @@
 //!
 //! Control frames (`Hello`, `Welcome`, `Subscribe`, `Unsubscribe`,
 //! `UnsubscribeAfter`, `Ping`, `Pong`, `Error`, `Goodbye`, `Route`,
-//! `RoutePeers`, `Dropped`, `Challenge`, `BestEffortClosed`) carry their struct encoded with bincode 2
-//! (serde, `config::standard()`: varint integers, little-endian). Their body
-//! is at most [`MAX_CONTROL_BODY`] bytes, a handshake carries at most
-//! [`MAX_OFFERS`] offers, and the decoder runs with a byte limit of sixteen
+//! `RoutePeers`, `Dropped`, `Challenge`, `BestEffortClosed`) carry their
+//! struct encoded with bincode 2 (serde, `config::standard()`: varint
+//! integers, little-endian). Their body is at most [`MAX_CONTROL_BODY`]
+//! bytes, a handshake carries at most [`MAX_OFFERS`] offers, a
+//! `BestEffortClosed` a reason of at most [`MAX_CLOSE_REASON`] bytes, and
+//! the decoder runs with a byte limit of sixteen
 //! times the body length (rounded up to a tier: the largest ratio between
 //! memory bincode claims for a value and its varint encoding), so a forged
 //! length inside a body cannot make it allocate beyond that.
