@@ -329,9 +329,11 @@ impl SubscriptionTable {
     /// Fill `targets` for a message that arrived over a route for the
     /// interest this broker announced as `sid`: never other routes (one
     /// hop); for a plain entry every local plain subscription that matches,
-    /// for a queue group one local member of that group. True when the
-    /// answer holds for every message on this subject and `sid` until the
-    /// generation changes: no queue group took part.
+    /// for a queue group one local member of that group (no other group's
+    /// rotation moves: a message for one group must not take another's
+    /// turn, nor a plain one any group's). True when the answer holds for
+    /// every message on this subject and `sid` until the generation
+    /// changes: a plain entry's.
     pub fn lookup_from_route(
         &self,
         subject: &str,
@@ -339,33 +341,20 @@ impl SubscriptionTable {
         targets: &mut Targets,
     ) -> Result<bool, efabus_core::subject::SubjectError> {
         targets.clear();
-        let stable = self
-            .index
-            .match_subject_stable(subject, &mut targets.matches)?;
-        let group = if LocalInterest::is_group_sid(sid) {
+        let stable = if LocalInterest::is_group_sid(sid) {
             // Withdrawn meanwhile, it may have members here again under
             // another id; forgotten, none can be found.
-            match self.interest.group(sid) {
-                Some(group) => Some(group),
-                None => return Ok(false),
-            }
+            let Some((pattern, queue)) = self.interest.group(sid) else {
+                return Ok(false);
+            };
+            self.index
+                .pick_from_group(subject, pattern, queue, &mut targets.matches)?;
+            false
         } else {
-            None
+            self.index.match_plain(subject, &mut targets.matches)?;
+            true
         };
         for key in &targets.matches {
-            let Some(info) = self.index.get(*key) else {
-                continue;
-            };
-            let wanted = match (group, info.queue) {
-                (None, None) => true,
-                (Some((pattern, queue)), Some(member_of)) => {
-                    member_of == queue && info.pattern == pattern
-                }
-                _ => false,
-            };
-            if !wanted {
-                continue;
-            }
             if key.owner == LOCAL_OWNER {
                 if let Some(sink) = self.locals.get(&key.sid) {
                     targets.local.push((key.sid, sink.clone()));

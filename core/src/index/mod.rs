@@ -429,21 +429,71 @@ impl SubscriptionIndex {
     /// The cached match; true when no queue group matched.
     #[inline]
     fn match_cached(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<bool, SubjectError> {
+        self.match_groups_with(subject, out, |groups, out| self.emit(&[], groups, out))
+    }
+
+    /// Like [`match_subject`](Self::match_subject) for the plain
+    /// subscriptions alone: no queue group takes part, and none's rotation
+    /// moves.
+    pub fn match_plain(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<(), SubjectError> {
+        self.match_groups_with(subject, out, |_, _| {}).map(|_| ())
+    }
+
+    /// One member, in its rotation, of the queue group `queue` of
+    /// `pattern`, into the cleared `out`, when `subject` matches `pattern`
+    /// and the group has members; no other group's rotation moves (a
+    /// message meant for one group must not take the others' turns).
+    pub fn pick_from_group(
+        &self,
+        subject: &str,
+        pattern: &str,
+        queue: &str,
+        out: &mut Vec<SubRef>,
+    ) -> Result<(), SubjectError> {
+        let mut member = None;
+        self.match_groups_with(subject, out, |groups, _| {
+            member = groups
+                .iter()
+                .copied()
+                .find(|&gid| {
+                    self.group_key(gid)
+                        .is_some_and(|(p, q)| p == pattern && q == queue)
+                })
+                .and_then(|gid| self.pick(gid));
+        })?;
+        out.clear();
+        out.extend(member);
+        Ok(())
+    }
+
+    /// The cached match: the plain subscriptions into the cleared `out`,
+    /// then the matching groups (not picked) handed to `groups` with it;
+    /// true when no queue group matched.
+    #[inline]
+    fn match_groups_with<F: FnOnce(&[GroupId], &mut Vec<SubRef>)>(
+        &self,
+        subject: &str,
+        out: &mut Vec<SubRef>,
+        groups_found: F,
+    ) -> Result<bool, SubjectError> {
         out.clear();
         // A reply inbox kept would cost an insert and evict a subject that
         // recurs.
-        if !self.cache.enabled() || is_inbox(subject) {
-            return self.match_walk(subject, out);
-        }
-        let hash = self.cache.hash(subject);
-        // Cached subjects were validated when first matched.
-        let mut stable = true;
-        let hit = self.cache.with(hash, subject, |plain, groups| {
-            stable = groups.is_empty();
-            self.emit(plain, groups, out)
-        });
-        if hit {
-            return Ok(stable);
+        let hash = (self.cache.enabled() && !is_inbox(subject)).then(|| self.cache.hash(subject));
+        let mut groups_found = Some(groups_found);
+        if let Some(hash) = hash {
+            // Cached subjects were validated when first matched.
+            let mut stable = true;
+            let hit = self.cache.with(hash, subject, |plain, groups| {
+                out.extend_from_slice(plain);
+                stable = groups.is_empty();
+                if let Some(found) = groups_found.take() {
+                    found(groups, out);
+                }
+            });
+            if hit {
+                return Ok(stable);
+            }
         }
         // Plain subscribers go straight to `out`; groups are collected so
         // the cache can keep them unpicked.
@@ -454,8 +504,12 @@ impl SubscriptionIndex {
                 groups.extend_from_slice(&list.groups);
             })
         })?;
-        self.cache.insert(hash, subject, out, &groups);
-        self.emit(&[], &groups, out);
+        if let Some(hash) = hash {
+            self.cache.insert(hash, subject, out, &groups);
+        }
+        if let Some(found) = groups_found.take() {
+            found(&groups, out);
+        }
         Ok(groups.is_empty())
     }
 

@@ -3,7 +3,7 @@
 
 use super::*;
 use proptest::prelude::*;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 impl SubscriptionIndex {
     /// Every stored position points back at its key, every list entry has an
@@ -164,6 +164,54 @@ fn stability_reports_whether_a_queue_group_matched() {
             assert_eq!(out, [key(1, 1)]);
         }
         assert!(idx.match_subject_stable("a.*", &mut out).is_err());
+    }
+}
+
+/// A message for one group (or for the plain subscriptions) moves no
+/// other group's rotation: two groups on one subject, and plain matches
+/// between, each member of each group takes every other pick.
+#[test]
+fn a_match_for_one_group_leaves_the_others_rotations_alone() {
+    for capacity in [0, IndexConfig::DEFAULT_CACHE_CAPACITY] {
+        let mut idx = SubscriptionIndex::new(IndexConfig {
+            cache_capacity: capacity,
+            ..IndexConfig::default()
+        });
+        idx.insert(">", None, key(1, 1)).unwrap();
+        idx.insert("work", Some("q1"), key(2, 1)).unwrap();
+        idx.insert("work", Some("q1"), key(3, 1)).unwrap();
+        idx.insert("work.*", Some("q1"), key(4, 1)).unwrap();
+        idx.insert("work", Some("q2"), key(5, 1)).unwrap();
+        idx.insert("work", Some("q2"), key(6, 1)).unwrap();
+        let mut out = Vec::new();
+        let mut picked = BTreeMap::<SubRef, usize>::new();
+        for _ in 0..10 {
+            idx.match_plain("work", &mut out).unwrap();
+            assert_eq!(out, [key(1, 1)]);
+            for queue in ["q1", "q2"] {
+                idx.pick_from_group("work", "work", queue, &mut out)
+                    .unwrap();
+                assert_eq!(out.len(), 1, "{queue}: {out:?}");
+                *picked.entry(out[0]).or_default() += 1;
+            }
+        }
+        let expected = [
+            (key(2, 1), 5),
+            (key(3, 1), 5),
+            (key(5, 1), 5),
+            (key(6, 1), 5),
+        ];
+        assert_eq!(picked, BTreeMap::from(expected));
+        // A group of another pattern, or a subject its pattern does not
+        // match, gives none.
+        idx.pick_from_group("work", "work.*", "q1", &mut out)
+            .unwrap();
+        assert!(out.is_empty());
+        idx.pick_from_group("rest", "work", "q1", &mut out).unwrap();
+        assert!(out.is_empty());
+        assert!(idx
+            .pick_from_group("work.*", "work", "q1", &mut out)
+            .is_err());
     }
 }
 
