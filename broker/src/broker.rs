@@ -1251,7 +1251,7 @@ impl Broker {
                     owner: LOCAL_OWNER,
                     sid,
                 },
-                Some(Arc::new(sink)),
+                Some(Arc::new(sink.in_queue_group(queue.is_some()))),
                 DeliveryClass::Reliable,
             )
             .map_err(|source| Error::Subscription {
@@ -1933,7 +1933,14 @@ pub(crate) fn count_delivery(
             BrokerStats::add(&stats.slow_consumer_drops, dropped);
         }
         Delivery::Dropped => BrokerStats::add(&stats.slow_consumer_drops, 1),
-        Delivery::Closed => closed.push((sid, sink.is_cut_off())),
+        Delivery::Closed => {
+            // Picked for a member closing that moment: the group's others
+            // never see it.
+            if sink.is_grouped() {
+                BrokerStats::add(&stats.connection_drops, 1);
+            }
+            closed.push((sid, sink.is_cut_off()));
+        }
         // Held by the caller, counted when it is queued or dropped.
         Delivery::Full => {}
     }
@@ -1973,6 +1980,31 @@ pub(crate) fn unique_seed() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A message picked for a queue group's member as it closes never
+    /// reaches the group's others: it is counted as lost with a
+    /// connection; one for a plain subscription closing is not lost.
+    #[test]
+    fn a_message_for_a_closing_queue_member_is_counted() {
+        let stats = BrokerStats::default();
+        for grouped in [true, false] {
+            let (sink, _reader, _) =
+                LocalSink::new(4, SlowConsumerPolicy::DropOldest, Duration::ZERO);
+            let sink = sink.in_queue_group(grouped);
+            sink.close();
+            let outcome = sink.deliver(Message {
+                subject: Arc::from("jobs"),
+                reply: None,
+                headers: None,
+                payload: Bytes::from_static(b"job"),
+            });
+            assert_eq!(outcome, Delivery::Closed);
+            let mut closed = Vec::new();
+            count_delivery(&stats, 7, &sink, outcome, &mut closed);
+            assert_eq!(closed.len(), 1);
+        }
+        assert_eq!(stats.connection_drops.load(Ordering::Relaxed), 1);
+    }
 
     /// Two peers each claiming a loss of nearly 2^64 leave the total at
     /// its top, not wrapped round to a small number.

@@ -489,6 +489,9 @@ pub(crate) struct LocalSink {
     stats: Arc<SubscriptionStats>,
     /// Set when the disconnect policy cut the subscription off.
     cut_off: AtomicBool,
+    /// A queue group's member: a message picked for it as it closes was
+    /// taken from the group's other members ([`Self::in_queue_group`]).
+    grouped: bool,
     /// Messages the event loop holds for this queue ([`Delivery::Full`]).
     /// While it holds any, producers that may wait do, even with room:
     /// the held ones go first.
@@ -626,10 +629,22 @@ impl LocalSink {
             block_timeout,
             stats: stats.clone(),
             cut_off: AtomicBool::new(false),
+            grouped: false,
             held: AtomicUsize::new(0),
             answer: None,
         };
         (sink, QueueReader { queue }, stats)
+    }
+
+    /// The sink, as a queue group's member when `grouped`.
+    pub(crate) fn in_queue_group(mut self, grouped: bool) -> LocalSink {
+        self.grouped = grouped;
+        self
+    }
+
+    /// Whether the sink is a queue group's member.
+    pub(crate) fn is_grouped(&self) -> bool {
+        self.grouped
     }
 
     /// A responder's sink: every message goes to `answer` on the thread
