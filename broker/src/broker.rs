@@ -1896,7 +1896,7 @@ impl HeldLocal {
             let waited = now.saturating_duration_since(held.since);
             match outcome {
                 Delivery::Full if at_end || waited >= held.sink.block_timeout() => {
-                    held.sink.count_dropped();
+                    held.sink.drop_held();
                     let dropped = Delivery::Dropped;
                     count_delivery(&shared.stats, held.sid, &held.sink, dropped, &mut closed);
                 }

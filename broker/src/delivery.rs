@@ -716,9 +716,12 @@ impl LocalSink {
     }
 
     /// A message held for this queue (see [`Delivery::Full`]) was dropped
-    /// after the block timeout.
-    pub(crate) fn count_dropped(&self) {
+    /// after the block timeout: counted, and the reader taken for stalled
+    /// until it takes one, as [`Self::wait_for_room`] does.
+    pub(crate) fn drop_held(&self) {
         self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        let mut state = self.queue.state.lock();
+        state.stalled_at = Some(self.queue.handed.0.load(Ordering::Acquire));
     }
 
     /// Whether the event loop holds messages for this queue: the next
@@ -1079,7 +1082,16 @@ impl LocalSink {
                 OVERFILLED.set(Some((Arc::downgrade(&self.queue), self.capacity)));
                 Ok(Delivery::Queued)
             }
-            SlowConsumerPolicy::Block if hold => Err(Delivery::Full),
+            // A reader stalled past a timeout already is not waited for
+            // again (the loop's reads would be held with it each time):
+            // dropped at once until it takes one.
+            SlowConsumerPolicy::Block if hold => {
+                if state.stalled_at == Some(queue.handed.0.load(Ordering::Acquire)) {
+                    self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                    return Err(Delivery::Dropped);
+                }
+                Err(Delivery::Full)
+            }
             SlowConsumerPolicy::Block => match self.wait_for_room(state) {
                 Some(refused) => Err(refused),
                 None => Ok(Delivery::Queued),
@@ -1999,13 +2011,30 @@ mod tests {
         assert_eq!(sub.stats().dropped(), 1);
     }
 
+    /// Under `block`, a message the event loop held for the block timeout
+    /// and then dropped leaves the reader taken for stalled: the next are
+    /// dropped at once, not held for the timeout again (the loop's reads
+    /// held with them each time), until it takes one.
+    #[test]
+    fn a_reader_stalled_past_a_held_message_s_timeout_is_not_waited_for_again() {
+        let (sink, sub) = queue(1, SlowConsumerPolicy::Block, Duration::from_millis(20));
+        assert_eq!(sink.offer_held(message(0)), Delivery::Queued);
+        assert_eq!(sink.offer_held(message(1)), Delivery::Full);
+        sink.drop_held();
+        assert_eq!(sink.offer_held(message(2)), Delivery::Dropped);
+        assert_eq!(drain(&sub), vec![0]);
+        assert_eq!(sink.offer_held(message(3)), Delivery::Queued);
+        assert_eq!(sink.offer_held(message(4)), Delivery::Full);
+        assert_eq!(sub.stats().dropped(), 2);
+    }
+
     /// The broker's drop reports carry counts off the network: a huge one
     /// saturates the totals instead of wrapping them (or, in a debug
     /// build, panicking the reader that asks).
     #[test]
     fn drop_counts_from_the_broker_saturate() {
         let (sink, sub) = queue(4, SlowConsumerPolicy::DropOldest, Duration::ZERO);
-        sink.count_dropped();
+        sink.drop_held();
         sink.count_dropped_by_broker(u64::MAX - 1);
         sink.count_dropped_by_broker(5);
         assert_eq!(sub.stats().dropped_by_broker(), u64::MAX);
