@@ -215,6 +215,34 @@ fn a_match_for_one_group_leaves_the_others_rotations_alone() {
     }
 }
 
+/// The deepest subjects a broker may allow (8,192 one-byte tokens in the
+/// largest `limits.max_subject_len`, 16 KiB, `max_subject_tokens` raised
+/// to match) match on a thread of the default stack size: the walk
+/// recurses a level per token, and wildcards at every level make it take
+/// every branch.
+#[test]
+fn the_deepest_subjects_allowed_match_on_a_default_stack() {
+    let tokens = 8192;
+    let handle = std::thread::spawn(move || {
+        let mut idx = SubscriptionIndex::new(IndexConfig {
+            limits: SubjectLimits {
+                max_len: 16 << 10,
+                max_tokens: tokens,
+            },
+            ..IndexConfig::default()
+        });
+        let pattern = vec!["*"; tokens].join(".");
+        let subject = vec!["t"; tokens].join(".");
+        idx.insert(&pattern, None, key(1, 1)).unwrap();
+        idx.insert(&subject, None, key(1, 2)).unwrap();
+        idx.insert(">", None, key(1, 3)).unwrap();
+        let mut out = Vec::new();
+        idx.match_subject(&subject, &mut out).unwrap();
+        out.len()
+    });
+    assert_eq!(handle.join().unwrap(), 3);
+}
+
 #[test]
 fn reply_inboxes_are_matched_but_not_cached() {
     let mut idx = SubscriptionIndex::default();
