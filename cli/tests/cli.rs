@@ -371,6 +371,74 @@ fn pub_sends_a_file_or_sized_payloads() {
     assert!(text.contains("4096"), "{text}");
 }
 
+/// The first connection to `listener` within [`WAIT`].
+fn accept_within_wait(listener: &std::net::TcpListener) -> std::net::TcpStream {
+    listener.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream.set_nonblocking(false).unwrap();
+                return stream;
+            }
+            Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(Instant::now() < deadline, "nobody connected");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(err) => panic!("accept: {err}"),
+        }
+    }
+}
+
+/// A broker that welcomes the client and then answers nothing (its loop
+/// stuck, or holding its publishers back): `sub` does not wait for ever
+/// for the broker to confirm the subscription, and says where to look.
+#[test]
+fn a_broker_that_never_confirms_is_named_with_where_to_look() {
+    use efabus_core::codec;
+    use efabus_core::frame::{Challenge, Frame, Welcome, PROTOCOL_VERSION};
+    use std::io::Write;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp/{}", listener.local_addr().unwrap());
+    let stuck = std::thread::spawn(move || {
+        let mut stream = accept_within_wait(&listener);
+        stream.set_read_timeout(Some(WAIT)).unwrap();
+        let challenge = Frame::Challenge(Challenge { nonce: [7; 32] });
+        stream
+            .write_all(&codec::encode(&challenge).to_bytes())
+            .unwrap();
+        // The hello: its length, then that many bytes.
+        let mut len = [0u8; 4];
+        stream.read_exact(&mut len).unwrap();
+        let mut hello = vec![0; u32::from_le_bytes(len) as usize];
+        stream.read_exact(&mut hello).unwrap();
+        let welcome = Frame::Welcome(Welcome {
+            version: PROTOCOL_VERSION,
+            name: "stuck".into(),
+            offers: Vec::new(),
+            max_payload: 4096,
+            link_auth: None,
+            max_subject_len: 512,
+            max_subject_tokens: 32,
+            proof: None,
+        });
+        stream
+            .write_all(&codec::encode(&welcome).to_bytes())
+            .unwrap();
+        // Reads on, answering nothing, until the client goes.
+        let mut ignored = [0u8; 4096];
+        while matches!(stream.read(&mut ignored), Ok(n) if n > 0) {}
+    });
+    let output = run(&["sub", "jobs", "--server", &endpoint]);
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let text = stderr(&output);
+    assert!(
+        text.contains("did not confirm") && text.contains("efabus stats"),
+        "{text}"
+    );
+    stuck.join().unwrap();
+}
+
 #[test]
 fn sub_count_exits_after_that_many() {
     let server = Server::start("");
