@@ -429,14 +429,22 @@ impl SubscriptionIndex {
     /// The cached match; true when no queue group matched.
     #[inline]
     fn match_cached(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<bool, SubjectError> {
-        self.match_groups_with(subject, out, |groups, out| self.emit(&[], groups, out))
+        if !self.cache.enabled() || is_inbox(subject) {
+            // Picked as the walk goes: nothing to keep unpicked.
+            out.clear();
+            return self.match_walk(subject, out);
+        }
+        self.match_groups_with(subject, true, out, |groups, out| {
+            self.pick_each(groups, out)
+        })
     }
 
     /// Like [`match_subject`](Self::match_subject) for the plain
     /// subscriptions alone: no queue group takes part, and none's rotation
     /// moves.
     pub fn match_plain(&self, subject: &str, out: &mut Vec<SubRef>) -> Result<(), SubjectError> {
-        self.match_groups_with(subject, out, |_, _| {}).map(|_| ())
+        self.match_groups_with(subject, true, out, |_, _| {})
+            .map(|_| ())
     }
 
     /// One member, in its rotation, of the queue group `queue` of
@@ -450,29 +458,37 @@ impl SubscriptionIndex {
         queue: &str,
         out: &mut Vec<SubRef>,
     ) -> Result<(), SubjectError> {
-        let mut member = None;
-        self.match_groups_with(subject, out, |groups, _| {
-            member = groups
+        self.match_groups_with(subject, false, out, |groups, out| {
+            let named = groups
                 .iter()
                 .copied()
-                .find(|&gid| {
-                    self.group_key(gid)
-                        .is_some_and(|(p, q)| p == pattern && q == queue)
-                })
-                .and_then(|gid| self.pick(gid));
-        })?;
-        out.clear();
-        out.extend(member);
-        Ok(())
+                .find(|&gid| self.group_is(gid, pattern, queue));
+            out.extend(named.and_then(|gid| self.pick(gid)));
+        })
+        .map(|_| ())
     }
 
-    /// The cached match: the plain subscriptions into the cleared `out`,
-    /// then the matching groups (not picked) handed to `groups` with it;
-    /// true when no queue group matched.
+    /// Whether group `gid` is the queue group `queue` of `pattern`.
+    fn group_is(&self, gid: GroupId, pattern: &str, queue: &str) -> bool {
+        let Some(group) = self.groups.get(gid as usize).and_then(Option::as_ref) else {
+            return false;
+        };
+        *group.name == *queue
+            && group
+                .members
+                .first()
+                .and_then(|first| self.subs.get(first))
+                .is_some_and(|entry| *entry.pattern == *pattern)
+    }
+
+    /// The cached match: the plain subscriptions into the cleared `out`
+    /// (if `plain`), then the matching groups (not picked) handed to
+    /// `groups_found` with it; true when no queue group matched.
     #[inline]
     fn match_groups_with<F: FnOnce(&[GroupId], &mut Vec<SubRef>)>(
         &self,
         subject: &str,
+        plain: bool,
         out: &mut Vec<SubRef>,
         groups_found: F,
     ) -> Result<bool, SubjectError> {
@@ -484,8 +500,10 @@ impl SubscriptionIndex {
         if let Some(hash) = hash {
             // Cached subjects were validated when first matched.
             let mut stable = true;
-            let hit = self.cache.with(hash, subject, |plain, groups| {
-                out.extend_from_slice(plain);
+            let hit = self.cache.with(hash, subject, |subs, groups| {
+                if plain {
+                    out.extend_from_slice(subs);
+                }
                 stable = groups.is_empty();
                 if let Some(found) = groups_found.take() {
                     found(groups, out);
@@ -506,6 +524,9 @@ impl SubscriptionIndex {
         })?;
         if let Some(hash) = hash {
             self.cache.insert(hash, subject, out, &groups);
+        }
+        if !plain {
+            out.clear();
         }
         if let Some(found) = groups_found.take() {
             found(&groups, out);
@@ -557,9 +578,9 @@ impl SubscriptionIndex {
         Ok(())
     }
 
+    /// One member of each group, in its rotation, into `out`.
     #[inline]
-    fn emit(&self, plain: &[SubRef], groups: &[GroupId], out: &mut Vec<SubRef>) {
-        out.extend_from_slice(plain);
+    fn pick_each(&self, groups: &[GroupId], out: &mut Vec<SubRef>) {
         for &gid in groups {
             if let Some(member) = self.pick(gid) {
                 out.push(member);
