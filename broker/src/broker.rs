@@ -1823,8 +1823,11 @@ impl LocalRuns {
                 payload: message.payload,
             };
             offer_local(shared, held, now, sid, sink, &parts, &mut closed);
-            // The rest would go to a closed queue too.
+            // The rest would go to a closed queue too: lost as that one.
             if !closed.is_empty() {
+                if sink.is_grouped() {
+                    BrokerStats::add(&shared.stats.connection_drops, rest.len() as u64);
+                }
                 break;
             }
         }
@@ -1935,8 +1938,9 @@ pub(crate) fn count_delivery(
         Delivery::Dropped => BrokerStats::add(&stats.slow_consumer_drops, 1),
         Delivery::Closed => {
             // Picked for a member closing that moment: the group's others
-            // never see it.
-            if sink.is_grouped() {
+            // never see it (but for the message that cut it off, counted
+            // in its `dropped`).
+            if sink.is_grouped() && !sink.take_cutting_delivery() {
                 BrokerStats::add(&stats.connection_drops, 1);
             }
             closed.push((sid, sink.is_cut_off()));
@@ -2004,6 +2008,48 @@ mod tests {
             assert_eq!(closed.len(), 1);
         }
         assert_eq!(stats.connection_drops.load(Ordering::Relaxed), 1);
+
+        // The message that cuts a member off under `disconnect` is counted
+        // in its `dropped`, not again; one picked for it after is lost.
+        let stats = BrokerStats::default();
+        let (sink, _reader, sub_stats) =
+            LocalSink::new(1, SlowConsumerPolicy::Disconnect, Duration::ZERO);
+        let sink = sink.in_queue_group(true);
+        let message = || Message {
+            subject: Arc::from("jobs"),
+            reply: None,
+            headers: None,
+            payload: Bytes::from_static(b"job"),
+        };
+        let mut closed = Vec::new();
+        let outcomes: Vec<Delivery> = (0..3).map(|_| sink.deliver(message())).collect();
+        assert_eq!(
+            outcomes,
+            [Delivery::Queued, Delivery::Closed, Delivery::Closed]
+        );
+        for outcome in outcomes {
+            count_delivery(&stats, 7, &sink, outcome, &mut closed);
+        }
+        assert_eq!(sub_stats.dropped(), 1);
+        assert_eq!(stats.connection_drops.load(Ordering::Relaxed), 1);
+    }
+
+    /// In-process queue members and queue responders are marked as group
+    /// members (their messages picked as they close are counted); plain
+    /// subscriptions are not.
+    #[test]
+    fn queue_members_are_marked_grouped() {
+        let broker = Broker::start(Config::default()).expect("an embedded broker");
+        let _plain = broker.subscribe("jobs.a").unwrap();
+        let _member = broker.queue_subscribe("jobs.b", "workers").unwrap();
+        let _responder = broker.queue_respond("jobs.c", "workers", |_| None).unwrap();
+        let table = broker.shared.subscriptions.read();
+        let mut targets = crate::subscriptions::Targets::default();
+        for (subject, grouped) in [("jobs.a", false), ("jobs.b", true), ("jobs.c", true)] {
+            table.lookup(subject, &mut targets).unwrap();
+            assert_eq!(targets.local.len(), 1, "{subject}");
+            assert_eq!(targets.local[0].1.is_grouped(), grouped, "{subject}");
+        }
     }
 
     /// Two peers each claiming a loss of nearly 2^64 leave the total at

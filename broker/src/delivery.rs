@@ -489,6 +489,9 @@ pub(crate) struct LocalSink {
     stats: Arc<SubscriptionStats>,
     /// Set when the disconnect policy cut the subscription off.
     cut_off: AtomicBool,
+    /// Set with `cut_off` until the cutting delivery is counted
+    /// ([`Self::take_cutting_delivery`]).
+    cutting_delivery: AtomicBool,
     /// A queue group's member: a message picked for it as it closes was
     /// taken from the group's other members ([`Self::in_queue_group`]).
     grouped: bool,
@@ -629,6 +632,7 @@ impl LocalSink {
             block_timeout,
             stats: stats.clone(),
             cut_off: AtomicBool::new(false),
+            cutting_delivery: AtomicBool::new(false),
             grouped: false,
             held: AtomicUsize::new(0),
             answer: None,
@@ -645,6 +649,13 @@ impl LocalSink {
     /// Whether the sink is a queue group's member.
     pub(crate) fn is_grouped(&self) -> bool {
         self.grouped
+    }
+
+    /// Whether a `Closed` delivery being counted is the one that cut the
+    /// subscription off (counted in its `dropped` already), the first
+    /// time it is asked after the cut.
+    pub(crate) fn take_cutting_delivery(&self) -> bool {
+        self.cutting_delivery.swap(false, Ordering::Relaxed)
     }
 
     /// A responder's sink: every message goes to `answer` on the thread
@@ -721,7 +732,9 @@ impl LocalSink {
     pub(crate) fn drop_held(&self) {
         self.stats.dropped.fetch_add(1, Ordering::Relaxed);
         let mut state = self.queue.state.lock();
-        state.stalled_at = Some(self.queue.handed.0.load(Ordering::Acquire));
+        // The count that last proved the queue full: a reader that took
+        // one since is not taken for stalled.
+        state.stalled_at = Some(state.handed_seen);
     }
 
     /// Whether the event loop holds messages for this queue: the next
@@ -1103,6 +1116,9 @@ impl LocalSink {
                 state.closed = true;
                 queue.closed.store(true, Ordering::Release);
                 self.cut_off.store(true, Ordering::Relaxed);
+                if self.grouped {
+                    self.cutting_delivery.store(true, Ordering::Relaxed);
+                }
                 self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                 queue.ready.notify_all();
                 queue.room.notify_all();
