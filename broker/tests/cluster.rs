@@ -76,6 +76,25 @@ fn receive(sub: &Subscription, count: usize) -> Vec<String> {
     got
 }
 
+/// The first connection to `listener` within [`WAIT`].
+fn accept_within_wait(listener: &std::net::TcpListener) -> std::net::TcpStream {
+    listener.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream.set_nonblocking(false).unwrap();
+                return stream;
+            }
+            Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(Instant::now() < deadline, "nobody connected");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(err) => panic!("accept: {err}"),
+        }
+    }
+}
+
 fn pair() -> (Broker, Broker) {
     let b = node("b", &[]);
     let a = node("a", &[tcp(&b)]);
@@ -410,6 +429,48 @@ fn a_stream_from_a_route_follows_subscriptions_that_change_under_one_entry() {
     assert_eq!(receive(&second, 500), numbers(1000..1500));
     assert_eq!(a.route_interest_count(), 1);
     assert_eq!(b.stats().value("slow_consumer_drops"), Some(0));
+}
+
+/// A broker dialing a peer takes no frame past a handshake's size (32
+/// KiB) before the peer's welcome: an address that answers with a huge
+/// frame gets `PayloadTooLarge` and is closed at once, having cost the
+/// dialer no more than that (it read on, up to the frame limit, until
+/// its handshake timeout).
+#[test]
+fn a_dialed_peer_sends_no_large_frame_before_its_welcome() {
+    use efabus_core::codec::{self, CodecLimits};
+    use efabus_core::frame::{Challenge, ErrorCode, Frame};
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = format!("tcp/{}", listener.local_addr().unwrap());
+    let patient = "[limits]\nhandshake_timeout_ms = 60000\n";
+    let _a = start("a", "tcp/127.0.0.1:0", &[address], patient);
+    let mut stream = accept_within_wait(&listener);
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    let challenge = Frame::Challenge(Challenge { nonce: [3; 32] });
+    stream
+        .write_all(&codec::encode(&challenge).to_bytes())
+        .unwrap();
+    // A frame declaring 1 MiB, 40 KiB of it sent.
+    let mut huge = ((1u32 << 20) + 1).to_le_bytes().to_vec();
+    huge.push(codec::FrameKind::Publish as u8);
+    huge.resize(huge.len() + (40 << 10), 0);
+    stream.write_all(&huge).unwrap();
+    let refused = loop {
+        let mut len = [0u8; 4];
+        if stream.read_exact(&mut len).is_err() {
+            break None;
+        }
+        let mut body = vec![0; u32::from_le_bytes(len) as usize];
+        stream.read_exact(&mut body).unwrap();
+        let frame = [len.to_vec(), body].concat();
+        if let Ok(Frame::Error(error)) = codec::decode(Bytes::from(frame), &CodecLimits::default())
+        {
+            break Some(error);
+        }
+    };
+    let refused = refused.expect("an error frame before the close");
+    assert_eq!(refused.code, ErrorCode::PayloadTooLarge, "{refused:?}");
 }
 
 /// Messages a route brings for a queue group take turns among its

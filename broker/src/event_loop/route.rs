@@ -54,7 +54,7 @@ use std::sync::Arc;
 use tracing::{debug, info, warn};
 
 use super::peer::{LocalPaths, Role, Session, SessionState};
-use super::{set_route_paths, EventLoop, Payload};
+use super::{set_route_paths, EventLoop, Payload, HANDSHAKE_FRAME_MAX};
 use crate::auth_guard::remote_ip;
 use crate::broker::{BrokerStats, RouteReport, Shared};
 use crate::interest::InterestChange;
@@ -490,6 +490,11 @@ impl EventLoop {
                 return;
             }
         };
+        // Until its welcome, the peer (an address another broker may have
+        // told of) may send no frame past a handshake's size, as a peer
+        // that connected here may not before its hello.
+        let handshake_limit = HANDSHAKE_FRAME_MAX.min(self.shared.config.max_frame());
+        self.endpoints[endpoint].set_receive_limit(peer, Some(handshake_limit));
         let id = self.next_session;
         self.next_session += 1;
         let stats = &self.shared.stats;
@@ -861,6 +866,9 @@ impl EventLoop {
         };
         session.name = super::peer::name_within_limit(welcome.name);
         session.state = SessionState::Ready;
+        // Welcomed: its frames may now be as large as any peer's.
+        let control = session.conn.control;
+        self.endpoints[control.endpoint].set_receive_limit(control.peer, None);
         let up_by = self.now + self.shared.config.handshake_timeout();
         if let Some(role) = session.route_mut() {
             role.up_by = Some(up_by);
