@@ -180,6 +180,11 @@ pub struct Limits {
     /// Most accepted connections from one address still in their
     /// handshake (they have not said hello); more are refused.
     pub max_handshakes_per_address: usize,
+    /// Most accepted connections still in their handshake, all addresses
+    /// together: past it, the one waiting longest for its hello is closed
+    /// to make room (a peer that says hello at once still gets in while
+    /// many addresses hold silent connections).
+    pub max_handshakes: usize,
     /// Most subscriptions one connection may hold.
     pub max_subscriptions_per_peer: usize,
     /// Most interest entries one route may announce: the deduplicated
@@ -205,6 +210,7 @@ impl Default for Limits {
             max_subject_tokens: 32,
             max_connections: 10_000,
             max_handshakes_per_address: 256,
+            max_handshakes: 1024,
             max_subscriptions_per_peer: 100_000,
             max_route_interest: 1_000_000,
             handshake_timeout_ms: 5_000,
@@ -932,6 +938,7 @@ impl Config {
                 "limits.max_handshakes_per_address",
                 self.limits.max_handshakes_per_address,
             ),
+            ("limits.max_handshakes", self.limits.max_handshakes),
             (
                 "limits.max_subscriptions_per_peer",
                 self.limits.max_subscriptions_per_peer,

@@ -1161,6 +1161,39 @@ fn one_address_holds_at_most_256_connections_in_their_handshake() {
     again.hello_as_client("back");
 }
 
+/// Connections that never say hello, all addresses together, hold at
+/// most `limits.max_handshakes` slots: past it, the one waiting longest
+/// for its hello is closed to make room, and a peer that says hello at
+/// once gets in (before, about 40 addresses of 256 silent connections
+/// each filled every slot for the handshake time).
+#[test]
+fn silent_connections_past_the_handshake_bound_make_room_oldest_first() {
+    let text = "listen = [\"tcp/127.0.0.1:0\"]\n[limits]\nmax_handshakes = 4\n\
+                handshake_timeout_ms = 60000\n";
+    let config = Config::from_toml_str(text, "faults test").expect("valid config");
+    let broker = Broker::start(config).expect("broker starts");
+    let connections = || broker.stats().connections.load(Ordering::Relaxed);
+    let mut silent: Vec<raw_common::Raw> = Vec::new();
+    for n in 1..=4 {
+        silent.push(raw_common::Raw::connect(&broker));
+        wait_for("the connection accepted", || connections() == n);
+    }
+    let mut greeted = raw_common::Raw::connect(&broker);
+    greeted.hello_as_client("says-hello");
+    // The first silent one went; the others wait on.
+    let error = match silent[0].expect("its close", |frame| matches!(frame, Frame::Error(_))) {
+        Frame::Error(error) => error,
+        other => panic!("not an error: {other:?}"),
+    };
+    assert_eq!(error.code, ErrorCode::HandshakeTimeout, "{error:?}");
+    assert!(error.text.contains("max_handshakes"), "{error:?}");
+    assert!(silent[0].until_closed().is_empty());
+    wait_for("four connections", || connections() == 4);
+    for raw in &mut silent[1..] {
+        assert!(raw.frames_for(Duration::from_millis(50)).is_empty());
+    }
+}
+
 /// A broker under the block policy with a 64 KiB bound (the rest of its
 /// `[slow_consumer]` section and any section after it in `rest`), a
 /// remote consumer `name` subscribed to `held` that reads nothing, and an

@@ -15,6 +15,7 @@
 mod peer;
 mod route;
 
+use std::collections::VecDeque;
 use std::net::IpAddr;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -193,6 +194,11 @@ pub(crate) struct EventLoop {
     auth_guard: AuthGuard,
     /// Accepted sessions still in their handshake, per peer address.
     handshaking: HashMap<IpAddr, usize>,
+    /// Those sessions, all addresses together, and their ids in the
+    /// order they were accepted (with ids of sessions past their
+    /// handshake since, passed over when they come to the front).
+    handshaking_total: usize,
+    awaiting_hello: VecDeque<u64>,
     /// The endpoints' refused messages as last put in the stats.
     refused: Refused,
     rendezvous: RendezvousCounts,
@@ -570,6 +576,8 @@ impl EventLoop {
             timers_ran: Instant::now(),
             auth_guard: AuthGuard::default(),
             handshaking: HashMap::default(),
+            handshaking_total: 0,
+            awaiting_hello: VecDeque::new(),
             refused: Refused::default(),
             rendezvous: RendezvousCounts::default(),
             fabric: FabricCounts::default(),
@@ -1330,7 +1338,24 @@ impl EventLoop {
             deadline,
         );
         if let Some(ip) = address {
+            if self.handshaking_total >= self.shared.config.limits.max_handshakes {
+                self.close_longest_handshake();
+            }
             *self.handshaking.entry(ip).or_default() += 1;
+            self.handshaking_total += 1;
+            // Those at the front past their handshake go (the front one
+            // still in it ends it within the handshake timeout).
+            while let Some(&front) = self.awaiting_hello.front() {
+                let handshaking = self
+                    .sessions
+                    .get(&front)
+                    .is_some_and(|session| session.handshaking_from.is_some());
+                if handshaking {
+                    break;
+                }
+                self.awaiting_hello.pop_front();
+            }
+            self.awaiting_hello.push_back(id);
             session.handshaking_from = Some(ip);
         }
         // The first frame: what the peer proves a shared secret against.
@@ -2796,6 +2821,28 @@ impl EventLoop {
 
     /// Session `id` is no longer in its handshake: its address counts it
     /// no more.
+    /// [`Limits::max_handshakes`](crate::config::Limits::max_handshakes)
+    /// reached: the session accepted longest ago that still waits for its
+    /// hello is closed, so a peer that says hello at once gets in. One
+    /// whose hello is being checked has said it, and is left alone.
+    fn close_longest_handshake(&mut self) {
+        let max = self.shared.config.limits.max_handshakes;
+        while let Some(id) = self.awaiting_hello.pop_front() {
+            let waits = self.sessions.get(&id).is_some_and(|session| {
+                session.handshaking_from.is_some() && !session.checking_hello
+            });
+            if waits {
+                BrokerStats::add(&self.shared.stats.refused_connections, 1);
+                let text = format!(
+                    "{max} connections are in their handshake (limits.max_handshakes); this \
+                     one, waiting longest for its hello, makes room"
+                );
+                self.fail(id, ErrorCode::HandshakeTimeout, text);
+                return;
+            }
+        }
+    }
+
     fn end_handshake(&mut self, id: u64) {
         let Some(ip) = self
             .sessions
@@ -2804,6 +2851,7 @@ impl EventLoop {
         else {
             return;
         };
+        self.handshaking_total -= 1;
         if let Some(count) = self.handshaking.get_mut(&ip) {
             *count -= 1;
             if *count == 0 {
