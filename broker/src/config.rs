@@ -181,9 +181,11 @@ pub struct Limits {
     /// handshake (they have not said hello); more are refused.
     pub max_handshakes_per_address: usize,
     /// Most accepted connections still in their handshake, all addresses
-    /// together: past it, the one waiting longest for its hello is closed
-    /// to make room (a peer that says hello at once still gets in while
-    /// many addresses hold silent connections).
+    /// together, and never more than half of `max_connections`: past it,
+    /// the one waiting longest for its hello is closed to make room (a
+    /// peer that says hello at once still gets in while many addresses
+    /// hold silent connections), but while publishers are held back (no
+    /// hello is read) the newcomer is refused instead.
     pub max_handshakes: usize,
     /// Most subscriptions one connection may hold.
     pub max_subscriptions_per_peer: usize,

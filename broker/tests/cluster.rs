@@ -434,8 +434,8 @@ fn a_stream_from_a_route_follows_subscriptions_that_change_under_one_entry() {
 /// A broker dialing a peer takes no frame past a handshake's size (32
 /// KiB) before the peer's welcome: an address that answers with a huge
 /// frame gets `PayloadTooLarge` and is closed at once, having cost the
-/// dialer no more than that (it read on, up to the frame limit, until
-/// its handshake timeout).
+/// dialer no more than that (before, the dialer read on, up to the frame
+/// limit, until its handshake timeout).
 #[test]
 fn a_dialed_peer_sends_no_large_frame_before_its_welcome() {
     use efabus_core::codec::{self, CodecLimits};

@@ -1162,15 +1162,25 @@ fn one_address_holds_at_most_256_connections_in_their_handshake() {
 }
 
 /// Connections that never say hello, all addresses together, hold at
-/// most `limits.max_handshakes` slots: past it, the one waiting longest
-/// for its hello is closed to make room, and a peer that says hello at
-/// once gets in (before, about 40 addresses of 256 silent connections
-/// each filled every slot for the handshake time).
+/// most `limits.max_handshakes` slots, and at most half of
+/// `max_connections`: past it, the one waiting longest for its hello is
+/// closed to make room, and a peer that says hello at once gets in
+/// (before, about 40 addresses of 256 silent connections each filled
+/// every slot for the handshake time).
 #[test]
 fn silent_connections_past_the_handshake_bound_make_room_oldest_first() {
-    let text = "listen = [\"tcp/127.0.0.1:0\"]\n[limits]\nmax_handshakes = 4\n\
-                handshake_timeout_ms = 60000\n";
-    let config = Config::from_toml_str(text, "faults test").expect("valid config");
+    for bound in ["max_handshakes = 4", "max_connections = 8"] {
+        silent_connections_make_room(bound);
+    }
+}
+
+/// [`silent_connections_past_the_handshake_bound_make_room_oldest_first`]
+/// under `[limits]` `bound`, which allows four.
+fn silent_connections_make_room(bound: &str) {
+    let text = format!(
+        "listen = [\"tcp/127.0.0.1:0\"]\n[limits]\n{bound}\nhandshake_timeout_ms = 60000\n"
+    );
+    let config = Config::from_toml_str(&text, "faults test").expect("valid config");
     let broker = Broker::start(config).expect("broker starts");
     let connections = || broker.stats().connections.load(Ordering::Relaxed);
     let mut silent: Vec<raw_common::Raw> = Vec::new();
@@ -1192,6 +1202,8 @@ fn silent_connections_past_the_handshake_bound_make_room_oldest_first() {
     for raw in &mut silent[1..] {
         assert!(raw.frames_for(Duration::from_millis(50)).is_empty());
     }
+    let refused = broker.stats().refused_connections.load(Ordering::Relaxed);
+    assert_eq!(refused, 1, "{bound}");
 }
 
 /// A broker under the block policy with a 64 KiB bound (the rest of its

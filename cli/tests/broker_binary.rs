@@ -914,7 +914,7 @@ fn declared_lengths_claim_memory_only_as_bytes_arrive() {
     // them while the test runs.
     let server = Server::start(
         "[limits]\nhandshake_timeout_ms = 30000\nmax_connections = 20000\n\
-         max_handshakes_per_address = 20000\n\
+         max_handshakes_per_address = 20000\nmax_handshakes = 20000\n\
          [heartbeat]\ninterval_ms = 30000\ntimeout_ms = 60000\n",
     );
     let declare = |len: usize, sent: usize| {

@@ -1284,11 +1284,10 @@ impl EventLoop {
 
     fn on_accepted(&mut self, endpoint: usize, peer: PeerId, remote: String) {
         let now = Instant::now();
-        let stats = &self.shared.stats;
         let max_connections = self.shared.live.max_connections();
         let address = remote_ip(&remote);
         let handshaking = address.map_or(0, |ip| self.handshaking.get(&ip).copied().unwrap_or(0));
-        let refuse = if self.shared.shutdown.load(Ordering::Relaxed) {
+        let mut refuse = if self.shared.shutdown.load(Ordering::Relaxed) {
             Some((ErrorCode::Internal, "server is shutting down".to_string()))
         } else if self.sessions.len() >= max_connections {
             Some((
@@ -1308,8 +1307,20 @@ impl EventLoop {
                 .and_then(|ip| self.auth_guard.lockout(ip, now))
                 .map(|text| (ErrorCode::RateLimited, text))
         };
+        let allowed = self.handshakes_allowed();
+        if refuse.is_none() && address.is_some() && self.handshaking_total >= allowed {
+            // Room is made by closing the silent peer waiting longest, but
+            // not while publishers are held back: nobody's hello is read
+            // then.
+            if self.reads_paused || !self.close_longest_handshake(allowed) {
+                refuse = Some((
+                    ErrorCode::TooManyConnections,
+                    format!("{allowed} connections are in their handshake"),
+                ));
+            }
+        }
         if let Some((code, text)) = refuse {
-            BrokerStats::add(&stats.refused_connections, 1);
+            BrokerStats::add(&self.shared.stats.refused_connections, 1);
             // Anyone can open connections: the warning is rate-limited.
             if let Some(held_back) = self.refused_log.allow(Instant::now()) {
                 warn!(%remote, %text, held_back, "connection refused");
@@ -1326,6 +1337,7 @@ impl EventLoop {
         }
         let id = self.next_session;
         self.next_session += 1;
+        let stats = &self.shared.stats;
         BrokerStats::add(&stats.connections, 1);
         BrokerStats::add(&stats.connections_total, 1);
         debug!(session = id, %remote, "accepted");
@@ -1338,23 +1350,8 @@ impl EventLoop {
             deadline,
         );
         if let Some(ip) = address {
-            if self.handshaking_total >= self.shared.config.limits.max_handshakes {
-                self.close_longest_handshake();
-            }
             *self.handshaking.entry(ip).or_default() += 1;
             self.handshaking_total += 1;
-            // Those at the front past their handshake go (the front one
-            // still in it ends it within the handshake timeout).
-            while let Some(&front) = self.awaiting_hello.front() {
-                let handshaking = self
-                    .sessions
-                    .get(&front)
-                    .is_some_and(|session| session.handshaking_from.is_some());
-                if handshaking {
-                    break;
-                }
-                self.awaiting_hello.pop_front();
-            }
             self.awaiting_hello.push_back(id);
             session.handshaking_from = Some(ip);
         }
@@ -2819,30 +2816,43 @@ impl EventLoop {
         }
     }
 
-    /// Session `id` is no longer in its handshake: its address counts it
-    /// no more.
-    /// [`Limits::max_handshakes`](crate::config::Limits::max_handshakes)
-    /// reached: the session accepted longest ago that still waits for its
-    /// hello is closed, so a peer that says hello at once gets in. One
-    /// whose hello is being checked has said it, and is left alone.
-    fn close_longest_handshake(&mut self) {
-        let max = self.shared.config.limits.max_handshakes;
-        while let Some(id) = self.awaiting_hello.pop_front() {
-            let waits = self.sessions.get(&id).is_some_and(|session| {
-                session.handshaking_from.is_some() && !session.checking_hello
-            });
-            if waits {
-                BrokerStats::add(&self.shared.stats.refused_connections, 1);
-                let text = format!(
-                    "{max} connections are in their handshake (limits.max_handshakes); this \
-                     one, waiting longest for its hello, makes room"
-                );
-                self.fail(id, ErrorCode::HandshakeTimeout, text);
-                return;
-            }
-        }
+    /// Connections in their handshake at most, all addresses together:
+    /// `limits.max_handshakes`, and never more than half the connection
+    /// slots (`max_connections` may be lowered by a reload), so silent
+    /// connections cannot fill them all.
+    fn handshakes_allowed(&self) -> usize {
+        let half = self.shared.live.max_connections() / 2;
+        self.shared.config.limits.max_handshakes.min(half).max(1)
     }
 
+    /// [`Self::handshakes_allowed`] reached: the session accepted longest
+    /// ago that still waits for its hello is closed, so a peer that says
+    /// hello at once gets in. One whose hello is being checked has said
+    /// it, and is left alone. False when none could be closed.
+    fn close_longest_handshake(&mut self, allowed: usize) -> bool {
+        while let Some(id) = self.awaiting_hello.pop_front() {
+            let Some(session) = self.sessions.get(&id) else {
+                continue;
+            };
+            if session.handshaking_from.is_none() || session.checking_hello {
+                continue;
+            }
+            BrokerStats::add(&self.shared.stats.refused_connections, 1);
+            if let Some(held_back) = self.refused_log.allow(self.now) {
+                warn!(remote = %session.remote, held_back, "connection in its handshake closed to make room");
+            }
+            let text = format!(
+                "{allowed} connections are in their handshake (limits.max_handshakes); this \
+                 one, waiting longest for its hello, makes room"
+            );
+            self.fail(id, ErrorCode::HandshakeTimeout, text);
+            return true;
+        }
+        false
+    }
+
+    /// Session `id` is no longer in its handshake: its address counts it
+    /// no more.
     fn end_handshake(&mut self, id: u64) {
         let Some(ip) = self
             .sessions
@@ -2852,6 +2862,16 @@ impl EventLoop {
             return;
         };
         self.handshaking_total -= 1;
+        // Ids past their handshake behind one still in it wait in the
+        // queue; many (a hold keeps handshakes alive) are swept out.
+        if self.awaiting_hello.len() > 2 * self.handshaking_total + 64 {
+            let sessions = &self.sessions;
+            self.awaiting_hello.retain(|id| {
+                sessions
+                    .get(id)
+                    .is_some_and(|session| session.handshaking_from.is_some())
+            });
+        }
         if let Some(count) = self.handshaking.get_mut(&ip) {
             *count -= 1;
             if *count == 0 {
