@@ -22,8 +22,10 @@ use super::{GroupId, SubRef};
 use crate::subject::{is_literal, pattern_matches};
 
 /// Results with more entries than this are not cached: their matching cost is
-/// dominated by copying them out anyway, and they would dominate memory.
-pub(super) const MAX_CACHED_RESULT: usize = 1024;
+/// dominated by copying them out anyway, and they would dominate memory (at
+/// 16 bytes an entry, a full cache of the default 4,096 subjects holds at
+/// most 16 MiB).
+pub(super) const MAX_CACHED_RESULT: usize = 256;
 
 /// Upper bound on the number of shards.
 const MAX_SHARDS: usize = 16;
