@@ -308,6 +308,18 @@ pub struct Dropped {
     pub count: u64,
 }
 
+/// Cuts `text` to at most `max` bytes, at a character boundary: the texts
+/// frames carry are bounded, and a cut must leave them valid UTF-8.
+pub fn cut_at_char(text: &mut String, max: usize) {
+    if text.len() > max {
+        let cut = (0..=max)
+            .rev()
+            .find(|&at| text.is_char_boundary(at))
+            .unwrap_or(0);
+        text.truncate(cut);
+    }
+}
+
 /// Bytes at most of the reason a [`Frame::BestEffortClosed`] carries.
 pub const MAX_CLOSE_REASON: usize = 512;
 
@@ -392,13 +404,7 @@ impl Frame {
     /// A [`Frame::BestEffortClosed`] saying `reason`, cut (at a character)
     /// to [`MAX_CLOSE_REASON`] bytes.
     pub fn best_effort_closed(settled_through: u64, mut reason: String) -> Frame {
-        if reason.len() > MAX_CLOSE_REASON {
-            let cut = (0..=MAX_CLOSE_REASON)
-                .rev()
-                .find(|&at| reason.is_char_boundary(at))
-                .unwrap_or(0);
-            reason.truncate(cut);
-        }
+        cut_at_char(&mut reason, MAX_CLOSE_REASON);
         Frame::BestEffortClosed {
             settled_through,
             reason,

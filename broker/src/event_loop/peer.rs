@@ -1014,14 +1014,7 @@ impl EventLoop {
 /// clients send no longer one, but a hand-made hello or a NATS `CONNECT`
 /// may, and every report copies the names of all sessions.
 pub(super) fn name_within_limit(mut name: String) -> String {
-    let max = crate::config::MAX_NAME_LEN;
-    if name.len() > max {
-        let cut = (0..=max)
-            .rev()
-            .find(|&at| name.is_char_boundary(at))
-            .unwrap_or(0);
-        name.truncate(cut);
-    }
+    efabus_core::frame::cut_at_char(&mut name, crate::config::MAX_NAME_LEN);
     name
 }
 

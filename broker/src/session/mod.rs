@@ -154,11 +154,7 @@ const MAX_ERROR_TEXT: usize = 1024;
 /// An encoded error frame, its text cut to [`MAX_ERROR_TEXT`] bytes.
 pub(crate) fn error_frame(code: ErrorCode, mut text: String, fatal: bool) -> OutFrame {
     if text.len() > MAX_ERROR_TEXT {
-        let mut cut = MAX_ERROR_TEXT - '…'.len_utf8();
-        while !text.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        text.truncate(cut);
+        efabus_core::frame::cut_at_char(&mut text, MAX_ERROR_TEXT - '…'.len_utf8());
         text.push('…');
     }
     codec::encode(&Frame::Error(ErrorFrame { code, text, fatal }))
