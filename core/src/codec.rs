@@ -434,8 +434,8 @@ pub fn encode(frame: &Frame) -> OutFrame {
 
 /// Encode a frame as [`encode`] does, or say which field does not fit: a
 /// subject over 65535 bytes, a payload or whole frame over `u32::MAX`
-/// bytes, a control body over [`MAX_CONTROL_BODY`], or more than
-/// [`MAX_OFFERS`] offers.
+/// bytes, a control body over [`MAX_CONTROL_BODY`], more than
+/// [`MAX_OFFERS`] offers, or a close reason over [`MAX_CLOSE_REASON`].
 pub fn try_encode(frame: &Frame) -> Result<OutFrame, EncodeError> {
     let (payload, head_len) = match frame {
         Frame::Publish(p) => (

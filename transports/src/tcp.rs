@@ -56,7 +56,8 @@
 //! blocking, shuts the write side down and keeps draining the socket until
 //! the peer closes too (or [`LINGER`] passes), so the peer reads every frame
 //! and then an orderly close rather than a reset; past [`MAX_LINGERING`]
-//! such connections, the one closed longest ago is dropped at once.
+//! such connections, the one closed longest ago is dropped at once (reset,
+//! if the peer sent what was not read).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice};
