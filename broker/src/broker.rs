@@ -162,6 +162,9 @@ pub struct BrokerStats {
     pub invalid_publishes: AtomicU64,
     pub auth_failures: AtomicU64,
     pub refused_connections: AtomicU64,
+    /// Accepted connections still in their handshake now (a level):
+    /// against `limits.max_handshakes`.
+    pub handshakes: AtomicU64,
     /// Rounds of the event loop that application threads of an embedded
     /// broker ran while they waited for a message or a reply, rather than
     /// the loop thread.
@@ -301,6 +304,7 @@ impl BrokerStats {
     /// The names in [`snapshot`](Self::snapshot) that are levels.
     pub const LEVELS: &'static [&'static str] = &[
         "connections",
+        "handshakes",
         "queued_bytes",
         "routes",
         "fabric_buffer_bytes",
@@ -345,6 +349,7 @@ impl BrokerStats {
             ("invalid_publishes", get(&self.invalid_publishes)),
             ("auth_failures", get(&self.auth_failures)),
             ("refused_connections", get(&self.refused_connections)),
+            ("handshakes", get(&self.handshakes)),
             ("driven_rounds", get(&self.driven_rounds)),
             ("queued_bytes", get(&self.queued_bytes)),
             ("fabric_frames_in", get(&self.fabric_frames_in)),

@@ -1188,6 +1188,8 @@ fn silent_connections_make_room(bound: &str) {
         silent.push(raw_common::Raw::connect(&broker));
         wait_for("the connection accepted", || connections() == n);
     }
+    let handshakes = || broker.stats().handshakes.load(Ordering::Relaxed);
+    assert_eq!(handshakes(), 4, "{bound}");
     let mut greeted = raw_common::Raw::connect(&broker);
     greeted.hello_as_client("says-hello");
     // The first silent one went; the others wait on.
@@ -1204,6 +1206,7 @@ fn silent_connections_make_room(bound: &str) {
     }
     let refused = broker.stats().refused_connections.load(Ordering::Relaxed);
     assert_eq!(refused, 1, "{bound}");
+    assert_eq!(handshakes(), 3, "{bound}");
 }
 
 /// A broker under the block policy with a 64 KiB bound (the rest of its

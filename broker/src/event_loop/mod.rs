@@ -1352,6 +1352,7 @@ impl EventLoop {
         if let Some(ip) = address {
             *self.handshaking.entry(ip).or_default() += 1;
             self.handshaking_total += 1;
+            self.publish_handshakes();
             self.awaiting_hello.push_back(id);
             session.handshaking_from = Some(ip);
         }
@@ -2851,6 +2852,12 @@ impl EventLoop {
         false
     }
 
+    /// The connections in their handshake now, in the statistics.
+    fn publish_handshakes(&self) {
+        let handshakes = &self.shared.stats.handshakes;
+        handshakes.store(self.handshaking_total as u64, Ordering::Relaxed);
+    }
+
     /// Session `id` is no longer in its handshake: its address counts it
     /// no more.
     fn end_handshake(&mut self, id: u64) {
@@ -2862,6 +2869,7 @@ impl EventLoop {
             return;
         };
         self.handshaking_total -= 1;
+        self.publish_handshakes();
         // Ids past their handshake behind one still in it wait in the
         // queue; many (a hold keeps handshakes alive) are swept out.
         if self.awaiting_hello.len() > 2 * self.handshaking_total + 64 {
