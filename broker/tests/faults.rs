@@ -1210,16 +1210,18 @@ fn silent_connections_make_room(bound: &str) {
 }
 
 /// A broker under the block policy with a 64 KiB bound (the rest of its
-/// `[slow_consumer]` section and any section after it in `rest`), a
+/// `[limits]` in `limits`, of its `[slow_consumer]` section and any
+/// section after it in `rest`), a
 /// remote consumer `name` subscribed to `held` that reads nothing, and an
 /// in-process publisher of about 16 MB to it: past the socket buffers and
 /// the bound, so the publisher is held up until the consumer is gone.
 fn a_consumer_holding_up_a_publisher(
     name: &str,
+    limits: &str,
     rest: &str,
 ) -> (Arc<Broker>, raw_common::Raw, thread::JoinHandle<()>) {
     let text = format!(
-        "listen = [\"tcp/127.0.0.1:0\"]\n[limits]\nmax_pending_bytes = 65536\n\
+        "listen = [\"tcp/127.0.0.1:0\"]\n[limits]\nmax_pending_bytes = 65536\n{limits}\
          [slow_consumer]\npolicy = \"block\"\n{rest}"
     );
     let config = Config::from_toml_str(&text, "faults test").expect("valid config");
@@ -1240,6 +1242,41 @@ fn a_consumer_holding_up_a_publisher(
     (broker, raw, publisher)
 }
 
+/// While publishers are held back, no hello is read: a newcomer past the
+/// handshake bound is refused then, rather than the silent connection
+/// waiting longest closed for it (its hello may be waiting unread).
+#[test]
+fn past_the_handshake_bound_during_a_hold_the_newcomer_is_refused() {
+    let (broker, raw, publisher) = a_consumer_holding_up_a_publisher(
+        "holds",
+        "max_handshakes = 2\nhandshake_timeout_ms = 60000\n",
+        "block_timeout_ms = 30000\n",
+    );
+    let stats = broker.stats();
+    wait_for("the consumer over its bound", || {
+        stats.queued_bytes.load(Ordering::Relaxed) > 65_536
+    });
+    let mut silent: Vec<raw_common::Raw> =
+        (0..2).map(|_| raw_common::Raw::connect(&broker)).collect();
+    wait_for("both in their handshake", || {
+        stats.handshakes.load(Ordering::Relaxed) == 2
+    });
+    let mut newcomer = raw_common::Raw::connect(&broker);
+    let error = match newcomer.expect("a refusal", |frame| matches!(frame, Frame::Error(_))) {
+        Frame::Error(error) => error,
+        other => panic!("not an error: {other:?}"),
+    };
+    assert_eq!(error.code, ErrorCode::TooManyConnections, "{error:?}");
+    assert!(error.text.contains("in their handshake"), "{error:?}");
+    for raw in &mut silent {
+        let frames = raw.frames_for(Duration::from_millis(50));
+        assert!(frames.is_empty(), "{frames:?}");
+    }
+    assert_eq!(stats.handshakes.load(Ordering::Relaxed), 2);
+    drop(raw);
+    publisher.join().expect("the publisher goes on");
+}
+
 /// A consumer that says goodbye while over its bound under the block
 /// policy, and then reads nothing, is closed at the block timeout (long
 /// before its drain time) with what it still had queued counted as lost,
@@ -1248,6 +1285,7 @@ fn a_consumer_holding_up_a_publisher(
 fn a_blocking_consumer_that_leaves_is_closed_at_the_block_timeout_not_cut_off() {
     let (broker, mut raw, publisher) = a_consumer_holding_up_a_publisher(
         "leaves",
+        "",
         "block_timeout_ms = 2000\n[shutdown]\ndrain_timeout_ms = 60000\n",
     );
     let stats = broker.stats();
@@ -1276,7 +1314,7 @@ fn a_blocking_consumer_that_leaves_is_closed_at_the_block_timeout_not_cut_off() 
 #[test]
 fn a_consumer_that_takes_nothing_for_the_block_timeout_is_cut_off() {
     let (broker, raw, publisher) =
-        a_consumer_holding_up_a_publisher("takes-nothing", "block_timeout_ms = 300\n");
+        a_consumer_holding_up_a_publisher("takes-nothing", "", "block_timeout_ms = 300\n");
     let stats = broker.stats();
     wait_for("the consumer cut off", || {
         stats.slow_consumer_disconnects.load(Ordering::Relaxed) == 1
