@@ -1453,7 +1453,7 @@ impl Broker {
         let mut targets = crate::subscriptions::Targets::default();
         let table = self.shared.subscriptions.read();
         table
-            .lookup(subject, &mut targets)
+            .lookup_peek(subject, &mut targets)
             .map_err(|source| Error::Subject {
                 subject: subject.to_string(),
                 source,
@@ -2037,6 +2037,25 @@ mod tests {
         }
         assert_eq!(sub_stats.dropped(), 1);
         assert_eq!(stats.connection_drops.load(Ordering::Relaxed), 1);
+    }
+
+    /// Asking which subscriptions a subject reaches (monitoring's
+    /// `/subsz?test=`) moves no queue group's rotation: between two
+    /// messages it would have sent both to the same member.
+    #[test]
+    fn a_match_report_leaves_queue_groups_taking_turns() {
+        let broker = Broker::start(Config::default()).expect("an embedded broker");
+        let members = [
+            broker.queue_subscribe("jobs", "workers").unwrap(),
+            broker.queue_subscribe("jobs", "workers").unwrap(),
+        ];
+        broker.publish("jobs", Bytes::from_static(b"1")).unwrap();
+        assert_eq!(broker.matching("jobs").unwrap().local, 1);
+        broker.publish("jobs", Bytes::from_static(b"2")).unwrap();
+        for member in &members {
+            let message = member.recv_timeout(Duration::from_secs(10));
+            assert!(message.is_ok(), "{message:?}");
+        }
     }
 
     /// In-process queue members and queue responders are marked as group

@@ -377,12 +377,15 @@ impl RemoteInterest {
     /// group.
     /// Returns whether the answer holds for every message on the subject
     /// (no group took part). `scratch` is working space.
+    /// Each group's turn moves on only when `turn` (a report's lookup
+    /// leaves where messages go as it was).
     pub fn lookup(
         &self,
         subject: &str,
         local_group: impl Fn(&str, &str) -> bool,
         scratch: &mut Vec<SubRef>,
         out: &mut Vec<SubRef>,
+        turn: bool,
     ) -> Result<bool, SubjectError> {
         self.index.match_subject(subject, scratch)?;
         if scratch.is_empty() {
@@ -423,9 +426,13 @@ impl RemoteInterest {
                 }
             }
         }
-        for (_, _, turn, routes) in wanted {
-            let turn = turn.fetch_add(1, Ordering::Relaxed);
-            out.push(routes[turn % routes.len()]);
+        for (_, _, next, routes) in wanted {
+            let next = if turn {
+                next.fetch_add(1, Ordering::Relaxed)
+            } else {
+                next.load(Ordering::Relaxed)
+            };
+            out.push(routes[next % routes.len()]);
         }
         Ok(stable)
     }
@@ -506,7 +513,7 @@ mod tests {
             .unwrap();
         let (mut scratch, mut out) = (Vec::new(), Vec::new());
         let stable = routes
-            .lookup("a.b", |_, _| false, &mut scratch, &mut out)
+            .lookup("a.b", |_, _| false, &mut scratch, &mut out, true)
             .unwrap();
         assert!(stable);
         let owners: Vec<u64> = out.iter().map(|key| key.owner).collect();
@@ -514,7 +521,7 @@ mod tests {
         assert_eq!(routes.remove_owner(7), 2);
         out.clear();
         routes
-            .lookup("a.b", |_, _| false, &mut scratch, &mut out)
+            .lookup("a.b", |_, _| false, &mut scratch, &mut out, true)
             .unwrap();
         assert_eq!(out, [SubRef::new(8, 1)]);
     }
@@ -560,7 +567,7 @@ mod tests {
             .unwrap();
         let (mut scratch, mut out) = (Vec::new(), Vec::new());
         routes
-            .lookup("a.b", |_, _| false, &mut scratch, &mut out)
+            .lookup("a.b", |_, _| false, &mut scratch, &mut out, true)
             .unwrap();
         assert_eq!(out, [SubRef::new(7, 2)]);
         routes
@@ -569,13 +576,13 @@ mod tests {
         for _ in 0..3 {
             out.clear();
             routes
-                .lookup("a.b", |_, _| false, &mut scratch, &mut out)
+                .lookup("a.b", |_, _| false, &mut scratch, &mut out, true)
                 .unwrap();
             assert_eq!(out, [SubRef::new(7, 4)], "the reliable entry carries it");
         }
         out.clear();
         routes
-            .lookup("a.c", |_, _| false, &mut scratch, &mut out)
+            .lookup("a.c", |_, _| false, &mut scratch, &mut out, true)
             .unwrap();
         assert_eq!(out, [SubRef::new(7, 2)]);
     }
@@ -607,7 +614,7 @@ mod tests {
         for _ in 0..4 {
             out.clear();
             let stable = routes
-                .lookup("work", |_, _| false, &mut scratch, &mut out)
+                .lookup("work", |_, _| false, &mut scratch, &mut out, true)
                 .unwrap();
             assert!(!stable);
             // Route 8's plain interest, and one route for the group.
@@ -617,6 +624,19 @@ mod tests {
             picked.push(*group[0]);
         }
         assert!(picked.contains(&SubRef::new(7, 1)) && picked.contains(&SubRef::new(8, 4)));
+        // A report's lookup names the route the next message goes to, and
+        // leaves the turn there.
+        let group_route = |out: &Vec<SubRef>| out.iter().copied().find(|k| *k != SubRef::new(8, 5));
+        let mut next = Vec::new();
+        for turn in [false, false, true] {
+            out.clear();
+            routes
+                .lookup("work", |_, _| false, &mut scratch, &mut out, turn)
+                .unwrap();
+            next.push(group_route(&out));
+        }
+        assert_eq!(next[0], next[1]);
+        assert_eq!(next[1], next[2]);
         out.clear();
         routes
             .lookup(
@@ -624,6 +644,7 @@ mod tests {
                 |p, q| (p, q) == ("work", "q"),
                 &mut scratch,
                 &mut out,
+                true,
             )
             .unwrap();
         assert_eq!(out, [SubRef::new(8, 5)]);
@@ -649,7 +670,7 @@ mod tests {
             for _ in 0..4 {
                 out.clear();
                 routes
-                    .lookup("work", |_, _| false, &mut scratch, &mut out)
+                    .lookup("work", |_, _| false, &mut scratch, &mut out, true)
                     .unwrap();
                 assert_eq!(out.len(), 2, "one route per group: {out:?}");
                 owners.extend(out.iter().filter(|k| k.sid == queue_sid).map(|k| k.owner));

@@ -268,7 +268,24 @@ impl SubscriptionTable {
             .match_subject_stable(subject, &mut targets.matches)?;
         let interest = &self.interest;
         let local_group = |pattern: &str, queue: &str| interest.has_group(pattern, queue);
-        Ok(stable & self.add_routes_and_split(subject, targets, local_group)?)
+        Ok(stable & self.add_routes_and_split(subject, targets, local_group, true)?)
+    }
+
+    /// Like [`lookup`](Self::lookup) for a report: each queue group's
+    /// member (or route) is the one its next message goes to, and no
+    /// group's rotation moves.
+    pub fn lookup_peek(
+        &self,
+        subject: &str,
+        targets: &mut Targets,
+    ) -> Result<(), efabus_core::subject::SubjectError> {
+        targets.clear();
+        self.index
+            .match_subject_peek(subject, &mut targets.matches)?;
+        let interest = &self.interest;
+        let local_group = |pattern: &str, queue: &str| interest.has_group(pattern, queue);
+        self.add_routes_and_split(subject, targets, local_group, false)
+            .map(|_| ())
     }
 
     /// Completes a lookup whose local matches are in `targets.matches`:
@@ -281,6 +298,7 @@ impl SubscriptionTable {
         subject: &str,
         targets: &mut Targets,
         local_group: impl Fn(&str, &str) -> bool,
+        turn: bool,
     ) -> Result<bool, efabus_core::subject::SubjectError> {
         let mut stable = true;
         if !self.routes.is_empty() {
@@ -289,6 +307,7 @@ impl SubscriptionTable {
                 local_group,
                 &mut targets.route_matches,
                 &mut targets.remote,
+                turn,
             )?;
         }
         for key in &targets.matches {
@@ -322,7 +341,7 @@ impl SubscriptionTable {
             self.interest.has_group(pattern, queue)
                 && !unserved.iter().any(|(p, q)| p == pattern && q == queue)
         };
-        self.add_routes_and_split(subject, targets, local_group)
+        self.add_routes_and_split(subject, targets, local_group, true)
             .map(|_| ())
     }
 

@@ -638,6 +638,28 @@ impl SubscriptionIndex {
         })
     }
 
+    /// Like [`match_subject`](Self::match_subject), each group's member
+    /// the one its next message goes to, its rotation not moved: for
+    /// reports, which must not change where messages go.
+    pub fn match_subject_peek(
+        &self,
+        subject: &str,
+        out: &mut Vec<SubRef>,
+    ) -> Result<(), SubjectError> {
+        self.match_groups_with(subject, true, out, |groups, out| {
+            out.extend(groups.iter().filter_map(|&gid| self.peek(gid)));
+        })
+        .map(|_| ())
+    }
+
+    /// The member of a group its next message goes to.
+    fn peek(&self, gid: GroupId) -> Option<SubRef> {
+        let group = self.groups.get(gid as usize)?.as_ref()?;
+        let len = group.members.len();
+        let turn = group.cursor.load(Ordering::Relaxed);
+        group.members.get(turn.checked_rem(len)?).copied()
+    }
+
     /// The next member of a group in its rotation.
     #[inline]
     fn pick(&self, gid: GroupId) -> Option<SubRef> {
