@@ -36,9 +36,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use efabus_broker::config::Faults;
 use efabus_broker::{
     Broker, Client, ClientOptions, Config, ConnectionState, Error, Message, Subscription,
 };
+use efabus_transports::fault::FaultDirection;
 use efabus_transports::registry::Registry;
 
 /// Bound on every wait; things normally happen at once.
@@ -133,6 +135,32 @@ fn fabric_options(broker: &Broker, name: &str) -> ClientOptions {
 
 fn tcp_endpoint(broker: &Broker) -> String {
     broker.endpoint("tcp").expect("the broker listens on TCP")
+}
+
+/// A client `name` of `broker` (given `connect_timeout`) whose `efa-dgram`
+/// endpoint loses what goes `direction` as `loss` says, subscribed for
+/// best effort to `be.>`.
+fn datagram_losing_subscriber(
+    broker: &Broker,
+    name: &str,
+    direction: FaultDirection,
+    loss: Faults,
+    connect_timeout: Duration,
+) -> (Client, Subscription) {
+    let faults = Faults {
+        scheme: Some("efa-dgram".to_string()),
+        direction,
+        ..loss
+    };
+    let options = ClientOptions {
+        faults: Some(faults),
+        connect_timeout,
+        ..fabric_options(broker, name)
+    };
+    let client = connect_with(broker, options);
+    let sub = client.subscribe_best_effort("be.>").unwrap();
+    client.flush(WAIT).unwrap();
+    (client, sub)
 }
 
 fn connect_with(broker: &Broker, options: ClientOptions) -> Client {
@@ -899,22 +927,17 @@ fn a_datagram_link_whose_pings_are_answered_is_kept_without_credits() {
     let Some(broker) = start_broker(provider, true, heartbeat) else {
         return;
     };
-    let mute = efabus_broker::config::Faults {
-        scheme: Some("efa-dgram".to_string()),
-        direction: efabus_transports::fault::FaultDirection::Send,
-        drop_after: 5,
-        ..Default::default()
-    };
     let name = "mute-datagrams";
-    let client = connect_with(
+    let (_client, sub) = datagram_losing_subscriber(
         &broker,
-        ClientOptions {
-            faults: Some(mute),
-            ..fabric_options(&broker, name)
+        name,
+        FaultDirection::Send,
+        Faults {
+            drop_after: 5,
+            ..Faults::default()
         },
+        WAIT,
     );
-    let sub = client.subscribe_best_effort("be.>").unwrap();
-    client.flush(WAIT).unwrap();
     let mut published = 0;
     let started = Instant::now();
     // Past the pings' give-up time (half the heartbeat timeout: 2.5 s).
@@ -1016,22 +1039,17 @@ fn a_datagram_link_that_goes_quiet_is_given_up_and_its_losses_counted() {
     let Some(broker) = start_broker(provider, true, heartbeat) else {
         return;
     };
-    let quiet = efabus_broker::config::Faults {
-        scheme: Some("efa-dgram".to_string()),
-        direction: efabus_transports::fault::FaultDirection::Receive,
-        drop_after: 20,
-        ..Default::default()
-    };
     let name = "quiet-datagrams";
-    let client = connect_with(
+    let (client, sub) = datagram_losing_subscriber(
         &broker,
-        ClientOptions {
-            faults: Some(quiet),
-            ..fabric_options(&broker, name)
+        name,
+        FaultDirection::Receive,
+        Faults {
+            drop_after: 20,
+            ..Faults::default()
         },
+        WAIT,
     );
-    let sub = client.subscribe_best_effort("be.>").unwrap();
-    client.flush(WAIT).unwrap();
     let drops_before = best_effort_drops(&broker);
     let mut published = 0;
     let deadline = Instant::now() + WAIT;
@@ -1203,22 +1221,16 @@ fn a_datagram_link_the_peer_never_answers_on_is_given_up_alone() {
             ..fabric_options(&broker, "rdm-only")
         },
     );
-    let deaf = efabus_broker::config::Faults {
-        scheme: Some("efa-dgram".to_string()),
-        direction: efabus_transports::fault::FaultDirection::Receive,
-        drop: 1.0,
-        ..Default::default()
-    };
-    let client = connect_with(
+    let (client, sub) = datagram_losing_subscriber(
         &broker,
-        ClientOptions {
-            faults: Some(deaf),
-            connect_timeout: WAIT,
-            ..fabric_options(&broker, "deaf-datagrams")
+        "deaf-datagrams",
+        FaultDirection::Receive,
+        Faults {
+            drop: 1.0,
+            ..Faults::default()
         },
+        WAIT,
     );
-    let sub = client.subscribe_best_effort("be.>").unwrap();
-    client.flush(WAIT).unwrap();
     let unproven = || {
         broker
             .stats()
@@ -1294,23 +1306,17 @@ fn a_client_that_gives_its_datagram_link_up_tells_the_broker() {
     let Some(broker) = start_broker(provider, true, limits) else {
         return;
     };
-    let mute = efabus_broker::config::Faults {
-        scheme: Some("efa-dgram".to_string()),
-        direction: efabus_transports::fault::FaultDirection::Send,
-        drop: 1.0,
-        ..Default::default()
-    };
     let name = "mute-datagrams";
-    let client = connect_with(
+    let (client, sub) = datagram_losing_subscriber(
         &broker,
-        ClientOptions {
-            faults: Some(mute),
-            connect_timeout: Duration::from_secs(1),
-            ..fabric_options(&broker, name)
+        name,
+        FaultDirection::Send,
+        Faults {
+            drop: 1.0,
+            ..Faults::default()
         },
+        Duration::from_secs(1),
     );
-    let sub = client.subscribe_best_effort("be.>").unwrap();
-    client.flush(WAIT).unwrap();
     let deadline = Instant::now() + WAIT;
     while session_named(&broker, name).best_effort.is_some() {
         assert!(
