@@ -1147,10 +1147,7 @@ fn one_address_holds_at_most_256_connections_in_their_handshake() {
         broker.stats().connections.load(Ordering::Relaxed) == 256
     });
     let mut one_more = raw_common::Raw::connect(&broker);
-    let error = match one_more.expect("a refusal", |frame| matches!(frame, Frame::Error(_))) {
-        Frame::Error(error) => error,
-        other => panic!("not an error: {other:?}"),
-    };
+    let error = one_more.expect_error("a refusal");
     assert_eq!(error.code, ErrorCode::TooManyConnections, "{error:?}");
     assert!(error.text.contains("handshake"), "{error:?}");
     drop(silent);
@@ -1193,10 +1190,7 @@ fn silent_connections_make_room(bound: &str) {
     let mut greeted = raw_common::Raw::connect(&broker);
     greeted.hello_as_client("says-hello");
     // The first silent one went; the others wait on.
-    let error = match silent[0].expect("its close", |frame| matches!(frame, Frame::Error(_))) {
-        Frame::Error(error) => error,
-        other => panic!("not an error: {other:?}"),
-    };
+    let error = silent[0].expect_error("its close");
     assert_eq!(error.code, ErrorCode::HandshakeTimeout, "{error:?}");
     assert!(error.text.contains("max_handshakes"), "{error:?}");
     assert!(silent[0].until_closed().is_empty());
@@ -1262,10 +1256,7 @@ fn past_the_handshake_bound_during_a_hold_the_newcomer_is_refused() {
         stats.handshakes.load(Ordering::Relaxed) == 2
     });
     let mut newcomer = raw_common::Raw::connect(&broker);
-    let error = match newcomer.expect("a refusal", |frame| matches!(frame, Frame::Error(_))) {
-        Frame::Error(error) => error,
-        other => panic!("not an error: {other:?}"),
-    };
+    let error = newcomer.expect_error("a refusal");
     assert_eq!(error.code, ErrorCode::TooManyConnections, "{error:?}");
     assert!(error.text.contains("in their handshake"), "{error:?}");
     for raw in &mut silent {

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use efabus_broker::Broker;
 use efabus_core::codec::{self, CodecLimits, FrameReader};
-use efabus_core::frame::{DeliveryClass, Frame, Hello, RouteLimits, Subscribe, PROTOCOL_VERSION};
+use efabus_core::frame::{
+    DeliveryClass, ErrorFrame, Frame, Hello, RouteLimits, Subscribe, PROTOCOL_VERSION,
+};
 
 /// Longest any wait here takes.
 pub const WAIT: Duration = Duration::from_secs(10);
@@ -156,6 +158,14 @@ impl Raw {
                 Some(_) => {}
                 None => panic!("no {what} within {WAIT:?}"),
             }
+        }
+    }
+
+    /// The first error frame within [`WAIT`], others skipped.
+    pub fn expect_error(&mut self, what: &str) -> ErrorFrame {
+        match self.expect(what, |frame| matches!(frame, Frame::Error(_))) {
+            Frame::Error(error) => error,
+            other => unreachable!("an error frame was asked for, not {other:?}"),
         }
     }
 }
