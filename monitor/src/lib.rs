@@ -22,12 +22,13 @@
 //! a view shows them; `/healthz` only waits for the loop's next round.
 //!
 //! The listener is an HTTP/1.1 server (hyper) on a thread of its own; the
-//! views are built on at most four more (`/healthz` on two of its own). A connection costs the server a task, not a thread, and each
-//! has bounds ([`MonitorOptions`]): time to send a request's head, time
-//! for each write of an answer to make progress (a client that stops
-//! reading loses its connection), time served in all, and a number served
-//! at once (more wait in the listen backlog), from one address fewer
-//! (more are closed at once).
+//! views are built on at most four more (`/healthz` on two of its own).
+//! A connection costs the server a task, not a thread, and each has
+//! bounds ([`MonitorOptions`]): time to send a request's head, time for
+//! each write of an answer to make progress (a client that stops reading
+//! loses its connection), time served in all, and a number served at once
+//! (more wait in the listen backlog), from one address fewer (more are
+//! closed at once).
 
 use std::collections::HashMap;
 use std::convert::Infallible;

@@ -1638,10 +1638,10 @@ impl DataLinks {
     /// settling what it lacks below it). Once [`MAX_PROBES`] went answered
     /// neither way and `give_up_after` has passed since the first (a peer
     /// whose loop is held up for a while answers late), the link is given
-    /// up (closed, as [`Self::close_best_effort`]) with what it sent
-    /// unconfirmed counted in its `unsent`; a peer gone altogether is its
-    /// heartbeat's to find.
-    /// The owner tells the peer, which closes its side too.
+    /// up (as [`Self::give_up_best_effort`]: what it sent unconfirmed
+    /// counted in its `unsent`), and the owner tells the peer, which
+    /// closes its side too; a peer gone altogether is its heartbeat's to
+    /// find.
     pub fn probe_best_effort(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
