@@ -466,6 +466,19 @@ pub struct FaultStats {
 }
 
 impl FaultStats {
+    /// The counts of `direction` (both added up for `Both`).
+    pub fn of(&self, direction: FaultDirection) -> FaultCounts {
+        match direction {
+            FaultDirection::Send => self.send,
+            FaultDirection::Receive => self.receive,
+            FaultDirection::Both => {
+                let mut both = self.receive;
+                both.add(&self.send);
+                both
+            }
+        }
+    }
+
     /// Add another endpoint's counts.
     pub fn add(&mut self, other: &FaultStats) {
         self.receive.add(&other.receive);
@@ -1385,12 +1398,7 @@ mod tests {
             let (mut p, stats) = pair(with(direction, |c| c.drop = 1.0));
             p.send_all(&frames(20));
             assert!(p.frames(4).is_empty(), "{direction:?}");
-            let s = stats.snapshot();
-            let c = if direction == FaultDirection::Send {
-                s.send
-            } else {
-                s.receive
-            };
+            let c = stats.snapshot().of(direction);
             assert_eq!((c.frames, c.dropped), (20, 20), "{direction:?}");
         }
     }
@@ -1401,12 +1409,7 @@ mod tests {
             let (mut p, stats) = pair(with(direction, |c| c.drop_after = 5));
             p.send_all(&frames(20));
             assert_eq!(p.frames(5), frames(5), "{direction:?}");
-            let s = stats.snapshot();
-            let c = if direction == FaultDirection::Send {
-                s.send
-            } else {
-                s.receive
-            };
+            let c = stats.snapshot().of(direction);
             assert_eq!((c.frames, c.dropped), (20, 15), "{direction:?}");
         }
         let options = [("fault_drop_after".to_string(), "7".to_string())];
@@ -1425,12 +1428,7 @@ mod tests {
             let got = p.frames(4);
             let expect: Vec<Bytes> = sent.iter().flat_map(|f| [f.clone(), f.clone()]).collect();
             assert_eq!(got, expect, "{direction:?}");
-            let s = stats.snapshot();
-            let c = if direction == FaultDirection::Send {
-                s.send
-            } else {
-                s.receive
-            };
+            let c = stats.snapshot().of(direction);
             assert_eq!((c.frames, c.duplicated), (10, 10), "{direction:?}");
         }
     }
@@ -1569,12 +1567,7 @@ mod tests {
             let mut numbers: Vec<u32> = got.iter().map(|f| number(f)).collect();
             numbers.sort_unstable();
             assert_eq!(numbers, (0..40).collect::<Vec<_>>(), "{direction:?}");
-            let s = stats.snapshot();
-            let c = if direction == FaultDirection::Send {
-                s.send
-            } else {
-                s.receive
-            };
+            let c = stats.snapshot().of(direction);
             assert_eq!(c.delayed, 40, "{direction:?}");
         }
     }
@@ -1818,12 +1811,7 @@ mod tests {
             let sent = frames(1000);
             p.send_all(&sent);
             let got = p.frames(12);
-            let s = stats.snapshot();
-            let c = if direction == FaultDirection::Send {
-                s.send
-            } else {
-                s.receive
-            };
+            let c = stats.snapshot().of(direction);
             assert_eq!(c.frames, 1000);
             assert_eq!(got.len() as u64, c.frames - c.dropped + c.duplicated);
             assert!(c.dropped > 50 && c.duplicated > 50 && c.reordered > 50 && c.delayed > 30);
