@@ -20,7 +20,7 @@ use efabus_broker::{
 };
 use efabus_transports::{mem, tcp};
 use hdrhistogram::Histogram;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
 use crate::cli::{check_server, explain, secret_from, Failure, SECRET_FLAGS};
@@ -354,6 +354,51 @@ fn progress(total: Option<u64>, json: bool) -> ProgressBar {
             );
             bar
         }
+    }
+}
+
+/// How long a warm-up runs before its bar is drawn: most take less, and
+/// print nothing but the run's report.
+const WARM_UP_BAR_AFTER: Duration = Duration::from_secs(1);
+
+/// A warm-up's progress: `total` messages (or round trips), drawn once it
+/// has run for [`WARM_UP_BAR_AFTER`] (never with `--json`; indicatif draws
+/// on a terminal only), cleared when dropped.
+struct WarmUpBar {
+    bar: ProgressBar,
+    started: Instant,
+    shown: bool,
+    json: bool,
+}
+
+impl WarmUpBar {
+    fn new(total: u64, what: &str, json: bool) -> WarmUpBar {
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::hidden());
+        let template = format!("warm-up {{bar:40}} {{pos}}/{{len}} {what} {{per_sec}} {{eta}}");
+        bar.set_style(
+            ProgressStyle::with_template(&template)
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        WarmUpBar {
+            bar,
+            started: Instant::now(),
+            shown: false,
+            json,
+        }
+    }
+
+    fn update(&mut self, done: u64) {
+        self.bar.set_position(done);
+        if !self.shown && !self.json && self.started.elapsed() >= WARM_UP_BAR_AFTER {
+            self.bar.set_draw_target(ProgressDrawTarget::stderr());
+            self.shown = true;
+        }
+    }
+}
+
+impl Drop for WarmUpBar {
+    fn drop(&mut self) {
+        self.bar.finish_and_clear();
     }
 }
 
@@ -788,6 +833,7 @@ fn warm_up(
     let deadline = Instant::now() + WARMUP_LIMIT;
     let ahead = (WARMUP_IN_FLIGHT / (payload.len() as u64 + 64)).max(WARMUP_MIN_IN_FLIGHT) * copies;
     let arrived = AtomicU64::new(0);
+    let mut bar = WarmUpBar::new(expected, "arrived", args.json);
     std::thread::scope(|scope| {
         let mut publishing = Some(scope.spawn(|| -> Result<(), Failure> {
             let mut sent = 0;
@@ -816,6 +862,7 @@ fn warm_up(
                 }
             }
             arrived.store(received, Ordering::Relaxed);
+            bar.update(received);
             // A publisher's error ends the warm-up as soon as it is known.
             if let Some(handle) = publishing.take_if(|handle| handle.is_finished()) {
                 handle
@@ -890,11 +937,14 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
             }
         });
         let result = with_handle(target, |requester| {
-            for _ in 0..args.warmup {
+            let mut warm_up = WarmUpBar::new(args.warmup, "round trips", args.json);
+            for done in 0..args.warmup {
                 requester
                     .request(&subject, payload.clone(), Duration::from_secs(10))
                     .map_err(bench_error)?;
+                warm_up.update(done + 1);
             }
+            drop(warm_up);
             started = Instant::now();
             let deadline = duration.map(|d| started + d);
             let rounds = if deadline.is_some() {
@@ -975,4 +1025,25 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_warm_up_bar_is_drawn_only_once_the_warm_up_runs_long() {
+        let mut bar = WarmUpBar::new(100, "arrived", false);
+        bar.update(1);
+        assert!(!bar.shown, "a short warm-up draws nothing");
+        bar.started -= WARM_UP_BAR_AFTER;
+        bar.update(2);
+        assert!(bar.shown);
+        assert_eq!(bar.bar.position(), 2);
+
+        let mut quiet = WarmUpBar::new(100, "arrived", true);
+        quiet.started -= WARM_UP_BAR_AFTER;
+        quiet.update(2);
+        assert!(!quiet.shown, "--json prints the report alone");
+    }
 }
