@@ -1001,17 +1001,30 @@ fn best_effort_messages_larger_than_the_window_arrive() {
 /// in bursts of 20,000 (about 1 s in a debug build); in bursts of 3 s,
 /// 15,530 in a debug build (16,554 with nothing dropped) and 33,395 in a
 /// release one: 5,000-11,000 a second of publishing, where a held link
-/// carried about 1,200.
+/// carried about 1,200. On a slower day, 3,100-3,200 a second alone and
+/// 1,700-2,300 among the other tests, against 4,500 alone with nothing
+/// dropped: judged against a burst with nothing dropped run just before.
 #[test]
 fn a_lost_datagram_does_not_hold_the_link() {
+    let Some(clean) = best_effort_burst(4096, "", LARGE_BURST) else {
+        return;
+    };
     let Some(burst) = best_effort_burst(4096, DROP_ONE_DATAGRAM_IN_200, LARGE_BURST) else {
         return;
     };
     assert!(burst.lost > 0, "no datagram was dropped: {burst:?}");
     // Three datagrams a message: about 1.5% of what was carried.
     assert!(burst.lost * 100 <= burst.carried() * 5, "{burst:?}");
-    let per_second = burst.received_per_second();
-    assert!(per_second >= 2_500.0, "losses held the link: {burst:?}");
+    // Against the same burst with nothing dropped, in the same run (the
+    // rate a machine gives varies more than twofold): a held link carried
+    // about 1,200 a second, a quarter of a clean burst or less (the loss
+    // stalls count in time, not in work), one that goes on two thirds or
+    // more of it.
+    let (lossy, whole) = (burst.received_per_second(), clean.received_per_second());
+    assert!(
+        lossy * 2.0 >= whole,
+        "losses held the link: {lossy:.0} a second, {whole:.0} with none dropped: {burst:?}"
+    );
 }
 
 /// The broker's report of the session of the client named `name`.
@@ -1446,6 +1459,12 @@ impl Burst {
 /// thresholds for both.
 fn best_effort_burst(size: usize, extra: &str, at_least: Duration) -> Option<Burst> {
     const COUNT: u64 = 20_000;
+    // One burst at a time: each takes the cores it can get, and what it
+    // carried is judged against a rate.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _alone = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let provider = Provider { rdm: "tcp;ofi_rxm" };
     let broker = start_broker(provider, true, extra)?;
     let client = fabric_client(&broker, provider, "paced");
