@@ -379,16 +379,11 @@ impl DataLink {
         keys: &LinkKeys,
         proof: Proof,
     ) -> Result<DataLink, DataLinkError> {
-        let peer = endpoint
-            .insert_peer(&choice.remote.address, keys)
-            .map_err(|source| DataLinkError::Address {
-                scheme: choice.scheme.clone(),
-                source,
-            })?;
+        let address = &choice.remote.address;
         let choice = endpoints::as_driven(choice);
         let mut config = LinkConfig::from_params(&choice.params, endpoint.max_frame(), tuning);
-        endpoint.set_peer_frame_limit(peer, config.frame_limit);
-        let run_limit = Fragmenter::data_per_fragment(config.frame_limit)
+        let eager_limit = config.frame_limit;
+        let run_limit = Fragmenter::data_per_fragment(eager_limit)
             .unwrap_or(0)
             .saturating_sub(FRAME_OVERHEAD)
             .min(codec::MAX_RUN_LEN);
@@ -397,18 +392,32 @@ impl DataLink {
         let rendezvous = usize::try_from(choice.params.rendezvous_limit)
             .unwrap_or(usize::MAX)
             .min(endpoint.rendezvous_max());
-        if rendezvous > config.frame_limit {
-            endpoint.set_peer_rendezvous(peer, rendezvous);
+        let by_rendezvous = rendezvous > eager_limit;
+        if by_rendezvous {
             config.frame_limit = rendezvous;
+        }
+        // Before the peer's address goes in: parameters that leave the link
+        // layer unusable (a frame limit a peer may offer too small for a
+        // fragment) leave nothing behind in the endpoint.
+        let sender = LinkSender::new(&config).map_err(|source| DataLinkError::Parameters {
+            scheme: choice.scheme.clone(),
+            source,
+        })?;
+        let peer =
+            endpoint
+                .insert_peer(address, keys)
+                .map_err(|source| DataLinkError::Address {
+                    scheme: choice.scheme.clone(),
+                    source,
+                })?;
+        endpoint.set_peer_frame_limit(peer, eager_limit);
+        if by_rendezvous {
+            endpoint.set_peer_rendezvous(peer, rendezvous);
             // A read goes to the address the peer gave: only once proven.
             if proof != Proof::Proven {
                 endpoint.hold_reads(peer, true);
             }
         }
-        let sender = LinkSender::new(&config).map_err(|source| DataLinkError::Parameters {
-            scheme: choice.scheme.clone(),
-            source,
-        })?;
         let (send, grant) = windows(
             &config,
             choice.params.send_window,

@@ -676,6 +676,8 @@ mod tests {
         fail_at: usize,
         calls: usize,
         taken: Arc<Mutex<Vec<Bytes>>>,
+        /// Peers inserted and not closed.
+        peers: Arc<std::sync::atomic::AtomicUsize>,
     }
 
     impl Endpoint for Scripted {
@@ -696,6 +698,8 @@ mod tests {
             _: &[u8],
             _: &efabus_core::transport::LinkKeys,
         ) -> Result<PeerId, efabus_core::transport::TransportError> {
+            self.peers
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             Ok(PeerId(9))
         }
         fn send(&mut self, _: PeerId, frame: OutFrame) -> Result<(), SendError> {
@@ -722,7 +726,10 @@ mod tests {
         ) -> Result<(), efabus_core::transport::TransportError> {
             Ok(())
         }
-        fn close(&mut self, _: PeerId) {}
+        fn close(&mut self, _: PeerId) {
+            self.peers
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
         fn readiness(&self) -> efabus_core::transport::Readiness {
             efabus_core::transport::Readiness::MustPoll
         }
@@ -741,6 +748,7 @@ mod tests {
             fail_at: usize::MAX,
             calls: 0,
             taken: taken.clone(),
+            peers: Arc::default(),
         })]
     }
 
@@ -797,6 +805,7 @@ mod tests {
             fail_at: 1,
             calls: 0,
             taken: Arc::default(),
+            peers: Arc::default(),
         })];
         let mut links = DataLinks::default();
         let mut counts = SendCounts::default();
@@ -886,6 +895,41 @@ mod tests {
         max_frame: usize,
         (fail_at, block_at, room): (usize, Option<usize>, usize),
     ) -> (Box<dyn Endpoint>, DataLink, Taken) {
+        let choice = efa_choice(datagram);
+        let fabric: Taken = Arc::default();
+        let mut endpoint: Box<dyn Endpoint> = Box::new(Scripted {
+            scheme: if datagram { "efa-dgram" } else { "efa-rdm" },
+            max_frame,
+            room,
+            block_at,
+            fail_at,
+            calls: 0,
+            taken: Arc::clone(&fabric),
+            peers: Arc::default(),
+        });
+        let link = DataLink::open(
+            1,
+            endpoint.as_mut(),
+            &choice,
+            &efabus_core::link::LinkTuning::default(),
+            &TEST_KEYS,
+            super::super::data_link::Proof::Proven,
+        )
+        .unwrap_or_else(|_| panic!("the link opens"));
+        (endpoint, link, fabric)
+    }
+
+    /// Keys for links the tests open.
+    const TEST_KEYS: efabus_core::transport::LinkKeys = efabus_core::transport::LinkKeys {
+        send_key: [1; 32],
+        receive_key: [2; 32],
+        local_id: 1,
+        remote_id: 2,
+    };
+
+    /// What two EFA hosts (the fixture's) choose for a datagram link, or
+    /// for a reliable one.
+    fn efa_choice(datagram: bool) -> efabus_core::caps::Choice {
         use efabus_core::caps::{negotiate, parse_fi_info_dump, Offer};
         let infos = parse_fi_info_dump(include_str!(
             "../../../core/tests/fixtures/efa-fi_info-v.txt"
@@ -901,38 +945,61 @@ mod tests {
         };
         let negotiated =
             negotiate(&offer(1), &offer(2), &["efa-rdm", "efa-dgram"]).expect("both offer EFA");
-        let choice = if datagram {
+        if datagram {
             negotiated.best_effort.expect("a datagram link")
         } else {
             negotiated.reliable
-        };
-        let scheme = scheme_of(datagram);
-        let fabric: Taken = Arc::default();
-        let mut endpoint: Box<dyn Endpoint> = Box::new(Scripted {
-            scheme,
-            max_frame,
-            room,
-            block_at,
-            fail_at,
+        }
+    }
+
+    /// A link whose negotiated parameters leave the link layer unusable (a
+    /// frame limit too small for a fragment, as a peer may offer) fails
+    /// before the peer's address goes into the endpoint: nothing is left
+    /// there for a link that never opened.
+    #[test]
+    fn a_link_that_cannot_open_leaves_no_peer_in_the_endpoint() {
+        let peers = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut endpoint = Scripted {
+            scheme: "efa-dgram",
+            max_frame: 1 << 20,
+            room: usize::MAX,
+            block_at: None,
+            fail_at: usize::MAX,
             calls: 0,
-            taken: Arc::clone(&fabric),
-        });
-        let keys = efabus_core::transport::LinkKeys {
-            send_key: [1; 32],
-            receive_key: [2; 32],
-            local_id: 1,
-            remote_id: 2,
+            taken: Arc::default(),
+            peers: Arc::clone(&peers),
         };
-        let link = DataLink::open(
+        let mut choice = efa_choice(true);
+        choice.params.frame_limit = 8;
+        let opened = DataLink::open(
             1,
-            endpoint.as_mut(),
+            &mut endpoint,
             &choice,
             &efabus_core::link::LinkTuning::default(),
-            &keys,
+            &TEST_KEYS,
+            super::super::data_link::Proof::Proven,
+        );
+        assert!(
+            matches!(
+                opened,
+                Err(super::super::data_link::DataLinkError::Parameters { .. })
+            ),
+            "{:?}",
+            opened.err()
+        );
+        assert_eq!(peers.load(std::sync::atomic::Ordering::Relaxed), 0);
+        // The same with a usable limit opens, its peer inserted.
+        choice.params.frame_limit = 4096;
+        assert!(DataLink::open(
+            1,
+            &mut endpoint,
+            &choice,
+            &efabus_core::link::LinkTuning::default(),
+            &TEST_KEYS,
             super::super::data_link::Proof::Proven,
         )
-        .unwrap_or_else(|_| panic!("the link opens"));
-        (endpoint, link, fabric)
+        .is_ok());
+        assert_eq!(peers.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 
     /// A publish of `len` bytes in all, as the broker sends them.
