@@ -8,7 +8,7 @@
 //! round trips recorded in an HDR histogram.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -586,7 +586,7 @@ fn throughput(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         .map(|publisher| target.through(publisher))
         .collect::<Result<_, _>>()?;
     if args.warmup > 0 {
-        warm_up(args, &subject, &payload, &publishers, &subscriptions)?;
+        warm_up(args, &subject, &payload, &publishers, &subscriptions, &stop)?;
     }
     let started = Instant::now();
     let done_at = parking_lot::Mutex::new(started);
@@ -822,6 +822,7 @@ fn warm_up(
     payload: &Bytes,
     publishers: &[&dyn PubSub],
     subscriptions: &[Subscription],
+    stop: &AtomicBool,
 ) -> Result<(), Failure> {
     const WARMUP_LIMIT: Duration = Duration::from_secs(60);
     let copies = if args.queue {
@@ -839,6 +840,9 @@ fn warm_up(
             let mut sent = 0;
             for publisher in publishers {
                 for _ in 0..args.warmup {
+                    if stop.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
                     // Past the deadline the reader reports what is missing.
                     while sent >= arrived.load(Ordering::Relaxed) + ahead
                         && Instant::now() <= deadline
@@ -872,6 +876,9 @@ fn warm_up(
             if received >= expected && publishing.is_none() {
                 return Ok(());
             }
+            if stop.load(Ordering::Relaxed) {
+                return Err(interrupted_in_warm_up(received, expected));
+            }
             if Instant::now() > deadline {
                 return Err(Failure::runtime(format!(
                     "only {received} of {expected} warm-up messages arrived in {WARMUP_LIMIT:?}"
@@ -880,6 +887,14 @@ fn warm_up(
             std::thread::yield_now();
         }
     })
+}
+
+/// Ctrl-C during a warm-up: nothing was measured yet.
+fn interrupted_in_warm_up(done: u64, of: u64) -> Failure {
+    Failure {
+        message: format!("interrupted in the warm-up, {done} of {of} done: nothing measured"),
+        code: 130,
+    }
 }
 
 fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
@@ -939,6 +954,9 @@ fn latency(args: &BenchArgs, target: &Target) -> Result<(), Failure> {
         let result = with_handle(target, |requester| {
             let mut warm_up = WarmUpBar::new(args.warmup, "round trips", args.json);
             for done in 0..args.warmup {
+                if stop.load(Ordering::Relaxed) {
+                    return Err(interrupted_in_warm_up(done, args.warmup));
+                }
                 requester
                     .request(&subject, payload.clone(), Duration::from_secs(10))
                     .map_err(bench_error)?;

@@ -1851,6 +1851,43 @@ fn an_interrupted_bench_reports_what_it_measured() {
     assert!(published > 0 && published < 1_000_000_000, "{said}");
 }
 
+/// Ctrl-C in a warm-up ends it (it did nothing until the warm-up was
+/// over, up to a minute, and a second Ctrl-C left its bar on screen).
+#[test]
+fn a_bench_interrupted_in_its_warm_up_stops_there() {
+    for mode in ["throughput", "latency"] {
+        let mut bench = spawn_piped(&[
+            "bench",
+            "--mode",
+            mode,
+            "--via",
+            "embedded",
+            "--count",
+            "10",
+            "--warmup",
+            "1000000000",
+        ]);
+        std::thread::sleep(Duration::from_millis(1500));
+        let _ = Command::new("kill")
+            .args(["-INT", &bench.0.id().to_string()])
+            .status();
+        assert_eq!(exit_code(&mut bench), Some(130), "{mode}");
+        let mut said = String::new();
+        bench
+            .0
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut said)
+            .unwrap();
+        assert!(
+            said.contains("interrupted in the warm-up"),
+            "{mode}: {said}"
+        );
+        assert!(said.contains("nothing measured"), "{mode}: {said}");
+    }
+}
+
 #[test]
 fn an_interrupted_latency_bench_reports_the_round_trips_it_measured() {
     let mut bench = spawn_piped(&[
