@@ -1995,18 +1995,19 @@ mod tests {
     /// connection; one for a plain subscription closing is not lost.
     #[test]
     fn a_message_for_a_closing_queue_member_is_counted() {
+        let message = || Message {
+            subject: Arc::from("jobs"),
+            reply: None,
+            headers: None,
+            payload: Bytes::from_static(b"job"),
+        };
         let stats = BrokerStats::default();
         for grouped in [true, false] {
             let (sink, _reader, _) =
                 LocalSink::new(4, SlowConsumerPolicy::DropOldest, Duration::ZERO);
             let sink = sink.in_queue_group(grouped);
             sink.close();
-            let outcome = sink.deliver(Message {
-                subject: Arc::from("jobs"),
-                reply: None,
-                headers: None,
-                payload: Bytes::from_static(b"job"),
-            });
+            let outcome = sink.deliver(message());
             assert_eq!(outcome, Delivery::Closed);
             let mut closed = Vec::new();
             count_delivery(&stats, 7, &sink, outcome, &mut closed);
@@ -2020,12 +2021,6 @@ mod tests {
         let (sink, _reader, sub_stats) =
             LocalSink::new(1, SlowConsumerPolicy::Disconnect, Duration::ZERO);
         let sink = sink.in_queue_group(true);
-        let message = || Message {
-            subject: Arc::from("jobs"),
-            reply: None,
-            headers: None,
-            payload: Bytes::from_static(b"job"),
-        };
         let mut closed = Vec::new();
         let outcomes: Vec<Delivery> = (0..3).map(|_| sink.deliver(message())).collect();
         assert_eq!(

@@ -215,13 +215,17 @@ mod tests {
     use efabus_core::transport::EndpointConfig;
     use efabus_transports::tcp::TcpEndpoint;
 
-    #[test]
-    fn a_quiet_descriptor_endpoint_is_put_off_only_while_the_loop_is_busy_polling() {
-        let endpoint = TcpEndpoint::open(&EndpointConfig {
+    fn loopback_listener() -> TcpEndpoint {
+        TcpEndpoint::open(&EndpointConfig {
             bind: Some("127.0.0.1:0".into()),
             ..EndpointConfig::default()
         })
-        .expect("a loopback listener");
+        .expect("a loopback listener")
+    }
+
+    #[test]
+    fn a_quiet_descriptor_endpoint_is_put_off_only_while_the_loop_is_busy_polling() {
+        let endpoint = loopback_listener();
         assert!(!endpoint.has_own_work());
         let quiet = Instant::now();
         let soon = quiet + FD_POLL_GAP / 2;
@@ -242,11 +246,7 @@ mod tests {
     /// sleep is capped by it all the same.
     #[test]
     fn a_descriptor_endpoint_caps_the_sleep_for_what_it_must_come_back_to() {
-        let endpoint = TcpEndpoint::open(&EndpointConfig {
-            bind: Some("127.0.0.1:0".into()),
-            ..EndpointConfig::default()
-        })
-        .expect("a loopback listener");
+        let endpoint = loopback_listener();
         let addr = endpoint.local_socket_addr().expect("an address");
         let idle = Duration::from_secs(60);
         let mut endpoints: Vec<Box<dyn Endpoint>> = vec![Box::new(endpoint)];

@@ -1818,29 +1818,32 @@ fn an_interrupted_pub_says_how_far_it_got() {
     assert!(published > 0 && published < 100_000_000, "{said}");
 }
 
-#[test]
-fn an_interrupted_bench_reports_what_it_measured() {
-    let mut bench = spawn_piped(&["bench", "--via", "embedded", "--count", "1000000000"]);
+/// Runs `efabus bench` with `args`, sends it SIGINT after 1.5 s, and
+/// returns its exit code (`None` if it did not exit in time, and was
+/// killed), standard output and standard error.
+fn interrupted_bench(args: &[&str]) -> (Option<i32>, String, String) {
+    let mut bench = spawn_piped(&[&["bench"], args].concat());
     std::thread::sleep(Duration::from_millis(1500));
     let _ = Command::new("kill")
         .args(["-INT", &bench.0.id().to_string()])
         .status();
-    assert_eq!(exit_code(&mut bench), Some(130));
+    let code = exit_code(&mut bench);
+    if code.is_none() {
+        // Still running: its pipes would not close for the reads below.
+        let _ = bench.0.kill();
+    }
     let (mut report, mut said) = (String::new(), String::new());
-    bench
-        .0
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut report)
-        .unwrap();
-    bench
-        .0
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut said)
-        .unwrap();
+    let mut stdout = bench.0.stdout.take().unwrap();
+    stdout.read_to_string(&mut report).unwrap();
+    let mut stderr = bench.0.stderr.take().unwrap();
+    stderr.read_to_string(&mut said).unwrap();
+    (code, report, said)
+}
+
+#[test]
+fn an_interrupted_bench_reports_what_it_measured() {
+    let (code, report, said) = interrupted_bench(&["--via", "embedded", "--count", "1000000000"]);
+    assert_eq!(code, Some(130));
     assert!(report.contains("msg/s delivered"), "{report}");
     let published: u64 = said
         .split("interrupted: ")
@@ -1856,8 +1859,7 @@ fn an_interrupted_bench_reports_what_it_measured() {
 #[test]
 fn a_bench_interrupted_in_its_warm_up_stops_there() {
     for mode in ["throughput", "latency"] {
-        let mut bench = spawn_piped(&[
-            "bench",
+        let (code, _, said) = interrupted_bench(&[
             "--mode",
             mode,
             "--via",
@@ -1867,19 +1869,7 @@ fn a_bench_interrupted_in_its_warm_up_stops_there() {
             "--warmup",
             "1000000000",
         ]);
-        std::thread::sleep(Duration::from_millis(1500));
-        let _ = Command::new("kill")
-            .args(["-INT", &bench.0.id().to_string()])
-            .status();
-        assert_eq!(exit_code(&mut bench), Some(130), "{mode}");
-        let mut said = String::new();
-        bench
-            .0
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut said)
-            .unwrap();
+        assert_eq!(code, Some(130), "{mode}");
         assert!(
             said.contains("interrupted in the warm-up"),
             "{mode}: {said}"
@@ -1890,8 +1880,7 @@ fn a_bench_interrupted_in_its_warm_up_stops_there() {
 
 #[test]
 fn an_interrupted_latency_bench_reports_the_round_trips_it_measured() {
-    let mut bench = spawn_piped(&[
-        "bench",
+    let (code, report, said) = interrupted_bench(&[
         "--mode",
         "latency",
         "--via",
@@ -1899,16 +1888,7 @@ fn an_interrupted_latency_bench_reports_the_round_trips_it_measured() {
         "--count",
         "1000000000",
     ]);
-    std::thread::sleep(Duration::from_millis(1500));
-    let _ = Command::new("kill")
-        .args(["-INT", &bench.0.id().to_string()])
-        .status();
-    assert_eq!(exit_code(&mut bench), Some(130));
-    let (mut report, mut said) = (String::new(), String::new());
-    let mut stdout = bench.0.stdout.take().unwrap();
-    stdout.read_to_string(&mut report).unwrap();
-    let mut stderr = bench.0.stderr.take().unwrap();
-    stderr.read_to_string(&mut said).unwrap();
+    assert_eq!(code, Some(130));
     assert!(
         report.contains("round trips of") && report.contains("p50"),
         "{report}"

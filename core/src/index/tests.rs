@@ -137,13 +137,18 @@ fn cache_is_filled_and_invalidated() {
     assert_eq!(matched(&idx, "z"), BTreeSet::new());
 }
 
+/// An index whose match cache holds `capacity` subjects (0: none).
+fn index_with_cache(capacity: usize) -> SubscriptionIndex {
+    SubscriptionIndex::new(IndexConfig {
+        cache_capacity: capacity,
+        ..IndexConfig::default()
+    })
+}
+
 #[test]
 fn stability_reports_whether_a_queue_group_matched() {
     for capacity in [0, IndexConfig::DEFAULT_CACHE_CAPACITY] {
-        let mut idx = SubscriptionIndex::new(IndexConfig {
-            cache_capacity: capacity,
-            ..IndexConfig::default()
-        });
+        let mut idx = index_with_cache(capacity);
         idx.insert("a.b", None, key(1, 1)).unwrap();
         idx.insert("a.*", Some("q"), key(1, 2)).unwrap();
         idx.insert("a.*", Some("q"), key(1, 3)).unwrap();
@@ -173,10 +178,7 @@ fn stability_reports_whether_a_queue_group_matched() {
 #[test]
 fn a_match_for_one_group_leaves_the_others_rotations_alone() {
     for capacity in [0, IndexConfig::DEFAULT_CACHE_CAPACITY] {
-        let mut idx = SubscriptionIndex::new(IndexConfig {
-            cache_capacity: capacity,
-            ..IndexConfig::default()
-        });
+        let mut idx = index_with_cache(capacity);
         idx.insert(">", None, key(1, 1)).unwrap();
         idx.insert("work", Some("q1"), key(2, 1)).unwrap();
         idx.insert("work", Some("q1"), key(3, 1)).unwrap();
@@ -341,7 +343,7 @@ proptest! {
         ops in prop::collection::vec(op(), 1..60),
         cache in prop_oneof![Just(0usize), Just(3), Just(4096)],
     ) {
-        let mut idx = SubscriptionIndex::new(IndexConfig { cache_capacity: cache, ..IndexConfig::default() });
+        let mut idx = index_with_cache(cache);
         let mut out = Vec::new();
         for op in ops {
             match op {
