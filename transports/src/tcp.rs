@@ -84,7 +84,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 
 use crate::prefix;
-use crate::tls::{host_of, TlsContext, Wire};
+use crate::tls::{host_of, HandshakeWorkers, TlsContext, Wire};
 
 /// The scheme naming this transport in endpoint strings: the one
 /// negotiation always falls back to ([`TCP_SCHEME`](efabus_core::caps::TCP_SCHEME)).
@@ -334,7 +334,9 @@ impl Out {
 
     /// Write queued parts until done or the socket is full.
     fn flush(&mut self) -> io::Result<()> {
-        if !self.connected {
+        // During a worker's handshake step the session is the worker's; its
+        // call back has the connection serviced, and flushed, again.
+        if !self.connected || self.stream.in_handshake_step() {
             return Ok(());
         }
         while !self.queue.is_empty() {
@@ -978,8 +980,17 @@ impl TcpEndpoint {
     /// Open an endpoint, listening when `config.bind` is set (`host:port`,
     /// port 0 picks a free port; see `local_addr`).
     pub fn open(config: &EndpointConfig) -> Result<Self, TransportError> {
-        let limits = Limits::from_config(config)?;
         let tls = TlsContext::from_config(config, config.bind.is_some())?;
+        Self::open_with_tls(config, tls)
+    }
+
+    /// [`open`](Self::open) with the TLS context given rather than read
+    /// from the options.
+    fn open_with_tls(
+        config: &EndpointConfig,
+        tls: Option<TlsContext>,
+    ) -> Result<Self, TransportError> {
+        let limits = Limits::from_config(config)?;
         let poll = Poll::new()?;
         let waker = Waker::new(poll.registry(), WAKER)?;
         let (listener, local) = match &config.bind {
@@ -1332,8 +1343,15 @@ impl TcpEndpoint {
                     continue;
                 }
             };
+            let mut wire = Wire::new(stream, session);
+            // Without workers, handshakes run here, as they can.
+            if let (true, Some(workers)) = (wire.is_tls(), HandshakeWorkers::shared()) {
+                let attention = Arc::clone(&self.attention);
+                let call_back = Arc::new(move || attention.call(token));
+                wire = wire.with_handshake_workers(workers, call_back);
+            }
             self.next_peer += 1;
-            let mut conn = Conn::new(Wire::new(stream, session), remote.to_string(), true);
+            let mut conn = Conn::new(wire, remote.to_string(), true);
             conn.frame_limit = self.accepted_frame_limit;
             self.conns.insert(token, conn);
             events.push(Event::Accepted {
@@ -1522,7 +1540,8 @@ impl TcpEndpoint {
             drop(out);
             // Drained to `WouldBlock`, the socket signals again when more
             // arrives: it is read again only if the budget stopped it.
-            let read = readable || std::mem::take(&mut conn.read_more);
+            let read =
+                readable || std::mem::take(&mut conn.read_more) || conn.stream.take_stepped();
             let done = read && conn.drain_discard(&limits);
             // A TLS read may have finished the handshake what is queued
             // waited for.
@@ -1534,6 +1553,9 @@ impl TcpEndpoint {
             return;
         }
         drop(out);
+        // A handshake step that ended on a worker left the rest to this
+        // thread: the socket need not signal again.
+        let readable = readable || conn.stream.take_stepped();
         // Read before writing: a peer that sent frames and then went away
         // makes writes fail, and its last frames must not be lost to that.
         if conn.read_paused {
@@ -2071,6 +2093,81 @@ mod tests {
         poll_until(&mut ep, &mut events, |e| {
             e.iter().any(|e| matches!(e, Event::Accepted { .. }))
         });
+    }
+
+    /// A TLS client on a blocking socket, through its handshake.
+    fn tls_client(
+        addr: SocketAddr,
+        config: Arc<rustls::ClientConfig>,
+    ) -> rustls::StreamOwned<rustls::ClientConnection, StdStream> {
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let session = rustls::ClientConnection::new(config, name).unwrap();
+        let mut stream = rustls::StreamOwned::new(session, StdStream::connect(addr).unwrap());
+        while stream.conn.is_handshaking() {
+            stream.conn.complete_io(&mut stream.sock).unwrap();
+        }
+        stream
+    }
+
+    fn has_frame(events: &[Event], payload: &[u8]) -> bool {
+        let framed = framed(payload);
+        events
+            .iter()
+            .any(|e| matches!(e, Event::Frame { frame, .. } if frame[..] == framed[..]))
+    }
+
+    /// A step of an accepted connection's TLS handshake (here the check of
+    /// its client certificate, held) runs beside the endpoint: meanwhile
+    /// the endpoint serves its other connections. On the endpoint's
+    /// thread, the held check held every connection with it.
+    #[test]
+    fn a_tls_handshake_step_holds_up_no_other_connection() {
+        use crate::tls::held;
+        let pki = crate::conformance::pki::shared();
+        let gate = Arc::new(held::Gate::default());
+        let config = EndpointConfig {
+            bind: Some("127.0.0.1:0".into()),
+            ..EndpointConfig::default()
+        };
+        let tls = held::server_context(pki, Arc::clone(&gate));
+        let mut ep = TcpEndpoint::open_with_tls(&config, Some(tls)).unwrap();
+        let addr = ep.local_socket_addr().unwrap();
+        let client_config = held::client_config(pki);
+
+        // One client through its handshake, sending a frame when asked.
+        let (ask, asked) = std::sync::mpsc::channel::<u8>();
+        let config_a = Arc::clone(&client_config);
+        let a = std::thread::spawn(move || {
+            let mut stream = tls_client(addr, config_a);
+            for byte in asked {
+                stream.write_all(&framed(&[byte])).unwrap();
+                stream.flush().unwrap();
+            }
+        });
+        ask.send(1).unwrap();
+        let mut events = Vec::new();
+        poll_until(&mut ep, &mut events, |e| has_frame(e, &[1]));
+
+        // Another, whose certificate check is held.
+        gate.arm();
+        let b = std::thread::spawn(move || {
+            let mut stream = tls_client(addr, client_config);
+            stream.write_all(&framed(b"b")).unwrap();
+            stream.flush().unwrap();
+            // Open until the endpoint has read the frame.
+            let _ = stream.sock.read(&mut [0; 1]);
+        });
+        poll_until(&mut ep, &mut events, |_| gate.holding());
+        ask.send(2).unwrap();
+        poll_until(&mut ep, &mut events, |e| has_frame(e, &[2]));
+        assert!(gate.holding(), "the check ended before the other's frame");
+
+        gate.release();
+        poll_until(&mut ep, &mut events, |e| has_frame(e, b"b"));
+        drop(ask);
+        drop(ep);
+        a.join().unwrap();
+        b.join().unwrap();
     }
 
     /// Poll until the endpoint says it has no work of its own.

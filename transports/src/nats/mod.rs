@@ -513,4 +513,86 @@ mod tests {
         assert_eq!(publishes, COUNT);
         let _client = writer.join().expect("the writer ends");
     }
+
+    /// A NATS client over TLS: reads `INFO` in the clear, goes through its
+    /// handshake, then writes each line `lines` gives it.
+    fn tls_client(
+        addr: SocketAddr,
+        config: Arc<rustls::ClientConfig>,
+        lines: std::sync::mpsc::Receiver<&'static [u8]>,
+    ) {
+        use std::io::{BufRead, BufReader};
+        let socket = std::net::TcpStream::connect(addr).expect("connects");
+        let mut info = String::new();
+        BufReader::new(&socket).read_line(&mut info).expect("INFO");
+        assert!(info.starts_with("INFO "), "{info}");
+        let name = rustls::pki_types::ServerName::try_from("localhost").expect("a name");
+        let session = rustls::ClientConnection::new(config, name).expect("a session");
+        let mut stream = rustls::StreamOwned::new(session, socket);
+        while stream.conn.is_handshaking() {
+            stream
+                .conn
+                .complete_io(&mut stream.sock)
+                .expect("handshake");
+        }
+        for line in lines {
+            stream.write_all(line).expect("a line written");
+            stream.flush().expect("a line sent");
+        }
+    }
+
+    /// A step of a TLS handshake (the client certificate's check, held)
+    /// runs beside the I/O thread: meanwhile it serves its other clients.
+    #[test]
+    fn a_tls_handshake_step_holds_up_no_other_client() {
+        use crate::tls::held;
+        use std::sync::mpsc::channel;
+        let pki = crate::conformance::pki::shared();
+        let gate = Arc::new(held::Gate::default());
+        let mut endpoint = endpoint();
+        *endpoint.shared.tls.lock() = Some(held::server_context(pki, Arc::clone(&gate)));
+        let addr = endpoint.local_socket_addr();
+        let config = held::client_config(pki);
+        let frames_from = |peer: PeerId, count: usize| {
+            move |seen: &[Event]| {
+                seen.iter()
+                    .filter(
+                        |event| matches!(event, Event::Frame { peer: from, .. } if *from == peer),
+                    )
+                    .count()
+                    >= count
+            }
+        };
+
+        // One client in, its handshake over on both sides.
+        let (to_a, a_lines) = channel();
+        let config_a = Arc::clone(&config);
+        let a = std::thread::spawn(move || tls_client(addr, config_a, a_lines));
+        to_a.send(&b"CONNECT {}\r\n"[..])
+            .expect("the first client writes");
+        let mut seen = Vec::new();
+        poll_until(&mut endpoint, &mut seen, frames_from(PeerId(1), 1));
+        let welcome = session::tests::welcome(1 << 20);
+        endpoint
+            .send(PeerId(1), codec::encode(&welcome))
+            .expect("welcomed");
+
+        // Another, whose certificate check is held.
+        gate.arm();
+        let (to_b, b_lines) = channel();
+        let b = std::thread::spawn(move || tls_client(addr, config, b_lines));
+        poll_until(&mut endpoint, &mut seen, |_| gate.holding());
+        to_a.send(&b"SUB orders 1\r\n"[..])
+            .expect("the first client writes");
+        poll_until(&mut endpoint, &mut seen, frames_from(PeerId(1), 2));
+        assert!(gate.holding(), "the check ended before the other's SUB");
+
+        gate.release();
+        to_b.send(&b"CONNECT {}\r\n"[..])
+            .expect("the second client writes");
+        poll_until(&mut endpoint, &mut seen, frames_from(PeerId(2), 1));
+        drop((to_a, to_b));
+        a.join().expect("the first client ends");
+        b.join().expect("the second client ends");
+    }
 }

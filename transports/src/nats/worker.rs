@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
 use super::session::{Fatal, NatsSession, ServerInfo, MAX_CONNECT_LINE};
-use crate::tls::{TlsContext, Wire};
+use crate::tls::{HandshakeWorkers, TlsContext, Wire};
 
 /// Most bytes read from one connection in one round.
 pub const READ_BUDGET: usize = 1 << 20;
@@ -72,6 +72,9 @@ pub(super) enum Command {
     Close(u64),
     /// Stop or resume reading a connection.
     Pause(u64, bool),
+    /// A step of the connection's TLS handshake ended on a worker: read
+    /// it again.
+    Stepped(u64),
     /// Limits a reload changed, for every connection; answered once in
     /// force.
     Limits {
@@ -397,6 +400,12 @@ impl Worker {
                     }
                     let _ = applied.send(());
                 }
+                Command::Stepped(peer) => {
+                    if let Some(conn) = self.conns.get(&peer) {
+                        conn.stream.take_stepped();
+                    }
+                    self.read_later(peer);
+                }
                 Command::Pause(peer, paused) => {
                     if let Some(conn) = self.conns.get_mut(&peer) {
                         conn.paused = paused;
@@ -507,8 +516,15 @@ impl Worker {
             };
             self.next_peer += 1;
             let tls = session.is_some();
+            let mut wire = Wire::new(stream, session);
+            // Without workers, handshakes run here, as they can.
+            if let (true, Some(workers)) = (tls, HandshakeWorkers::shared()) {
+                let shared = Arc::clone(&self.shared);
+                let call_back = Arc::new(move || shared.command(Command::Stepped(peer)));
+                wire = wire.with_handshake_workers(workers, call_back);
+            }
             let mut conn = Conn {
-                stream: Wire::new(stream, session),
+                stream: wire,
                 clear: BytesMut::new(),
                 remote: remote.to_string(),
                 session: NatsSession::new(self.info.clone()),
@@ -787,6 +803,11 @@ impl Worker {
 fn write_out(conn: &mut Conn) -> io::Result<()> {
     let stream = &conn.stream;
     if !drain(&mut conn.clear, |bytes| (&**stream).write(bytes))? {
+        return Ok(());
+    }
+    // The session is a worker's for now; its call back brings a read,
+    // and this write, again.
+    if stream.in_handshake_step() {
         return Ok(());
     }
     // Ciphertext the socket did not take goes first.
