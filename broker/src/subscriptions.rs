@@ -373,6 +373,40 @@ impl SubscriptionTable {
             self.index.match_plain(subject, &mut targets.matches)?;
             true
         };
+        self.split_matches(targets);
+        Ok(stable)
+    }
+
+    /// Fill `targets` with the next member of queue group `queue` on
+    /// `pattern` that `subject` goes to (the group's turn moves), for a
+    /// message picked for a member that has left since; with no member
+    /// here, the route its next message would take (no turn moves).
+    pub fn lookup_group(
+        &self,
+        subject: &str,
+        pattern: &str,
+        queue: &str,
+        targets: &mut Targets,
+    ) -> Result<(), efabus_core::subject::SubjectError> {
+        targets.clear();
+        self.index
+            .pick_from_group(subject, pattern, queue, &mut targets.matches)?;
+        self.split_matches(targets);
+        if targets.local.is_empty() && targets.remote.is_empty() && !self.routes.is_empty() {
+            self.lookup_peek(subject, targets)?;
+            targets.local.clear();
+            targets.remote.retain(|&key| {
+                self.routes.describe(key).is_some_and(|(announced, group)| {
+                    announced == pattern && group.as_deref() == Some(queue)
+                })
+            });
+        }
+        Ok(())
+    }
+
+    /// Sorts the local matches in `targets.matches` into in-process and
+    /// remote targets.
+    fn split_matches(&self, targets: &mut Targets) {
         for key in &targets.matches {
             if key.owner == LOCAL_OWNER {
                 if let Some(sink) = self.locals.get(&key.sid) {
@@ -382,7 +416,6 @@ impl SubscriptionTable {
                 targets.remote.push(*key);
             }
         }
-        Ok(stable)
     }
 }
 

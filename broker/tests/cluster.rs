@@ -14,6 +14,8 @@ use bytes::Bytes;
 use efabus_broker::{Broker, Client, ClientOptions, Config, RecvError, Subscription};
 use efabus_transports::registry::Registry;
 
+mod raw_common;
+
 const WAIT: Duration = Duration::from_secs(10);
 /// How long a subscription is watched for a message that must not come.
 const QUIET: Duration = Duration::from_millis(200);
@@ -497,6 +499,52 @@ fn a_queue_group_fed_over_a_route_shares_its_messages() {
     let each: Vec<u64> = members.iter().map(|m| m.stats().delivered()).collect();
     assert_eq!(each, [100, 100], "the members take turns");
     assert_eq!(receive(&plain, 200).len(), 200);
+}
+
+/// The last member of a queue group on a broker leaves (here at its
+/// delivery limit) while messages an in-process publisher picked it for
+/// still wait for the event loop: they go over the route to the group's
+/// member on the other broker, none lost.
+#[test]
+fn a_leaving_member_s_picks_go_over_the_route_when_none_is_left_here() {
+    use efabus_core::frame::{DeliveryClass, Frame, Subscribe};
+    const SENT: usize = 20_000;
+    const LIMIT: usize = 6;
+    let (a, b) = pair();
+    let remote_member = b.queue_subscribe("work", "g").unwrap();
+    wait_interest(&a, 1);
+    let mut raw = raw_common::Raw::connect(&a);
+    raw.hello_as_client("limited");
+    raw.send(&Frame::Subscribe(Subscribe {
+        sid: 1,
+        pattern: "work".to_string(),
+        queue: Some("g".to_string()),
+        class: DeliveryClass::Reliable,
+    }));
+    raw.send(&Frame::UnsubscribeAfter {
+        sid: 1,
+        total: LIMIT as u64,
+    });
+    raw.send(&Frame::Ping { nonce: 1 });
+    raw.expect("the pong", |f| matches!(f, Frame::Pong { nonce: 1 }));
+
+    for n in 0..SENT {
+        a.publish("work", Bytes::from(n.to_string())).unwrap();
+    }
+    a.flush(WAIT).unwrap();
+    raw.send(&Frame::Ping { nonce: 2 });
+    let mut limited = 0;
+    loop {
+        match raw.next_frame(WAIT) {
+            Some(Frame::Message(_)) => limited += 1,
+            Some(Frame::Pong { nonce: 2 }) => break,
+            Some(_) => {}
+            None => panic!("no answer to the ping"),
+        }
+    }
+    assert_eq!(limited, LIMIT, "the member here took its maximum");
+    assert_eq!(receive(&remote_member, SENT - LIMIT).len(), SENT - LIMIT);
+    assert_eq!(a.stats().value("connection_drops"), Some(0));
 }
 
 /// A route's interest beyond `limits.max_route_interest` is refused and

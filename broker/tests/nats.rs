@@ -418,6 +418,75 @@ async fn a_queue_member_s_maximum_passes_the_rest_to_the_group() {
     assert_eq!(got_limited, 2, "the limited member took its maximum");
 }
 
+/// A queue member that leaves while an in-process publisher's messages
+/// picked for it still wait for the event loop passes them on: here a
+/// member reaching its delivery limit amid 50,000 messages published
+/// in-process. The limited member gets exactly its 6, the group's other
+/// member all the rest (before, those picked for the limited member after
+/// its limit went to it all the same, for its client to drop).
+#[test]
+fn a_queue_member_that_leaves_passes_on_what_was_picked_for_it() {
+    use efabus_core::frame::{DeliveryClass, Frame, Subscribe};
+    const SENT: usize = 50_000;
+    const LIMIT: usize = 6;
+    let broker = start("", "127.0.0.1:0");
+    let mut raw = raw_common::Raw::connect(&broker);
+    raw.hello_as_client("limited");
+    raw.send(&Frame::Subscribe(Subscribe {
+        sid: 1,
+        pattern: "work".to_string(),
+        queue: Some("g".to_string()),
+        class: DeliveryClass::Reliable,
+    }));
+    raw.send(&Frame::UnsubscribeAfter {
+        sid: 1,
+        total: LIMIT as u64,
+    });
+    raw.send(&Frame::Ping { nonce: 1 });
+    raw.expect("the pong", |f| matches!(f, Frame::Pong { nonce: 1 }));
+    let other = native(&broker);
+    let rest = other.queue_subscribe("work", "g").expect("subscribes");
+    other.flush(WAIT).expect("flushed");
+    let counter = std::thread::spawn(move || {
+        let mut got = std::collections::HashSet::new();
+        while got.len() < SENT - LIMIT {
+            let Ok(message) = rest.recv_timeout(WAIT) else {
+                break;
+            };
+            let n = u64::from_le_bytes(message.payload[..].try_into().expect("a number"));
+            assert!(got.insert(n), "message {n} came twice");
+        }
+        // Nothing more comes.
+        assert!(rest.recv_timeout(Duration::from_millis(200)).is_err());
+        got
+    });
+
+    for n in 0..SENT {
+        broker
+            .publish("work", (n as u64).to_le_bytes().to_vec())
+            .expect("published");
+    }
+    broker.flush(WAIT).expect("delivered");
+    raw.send(&Frame::Ping { nonce: 2 });
+    let mut limited = Vec::new();
+    loop {
+        match raw.next_frame(WAIT) {
+            Some(Frame::Message(message)) => limited.push(message.payload),
+            Some(Frame::Pong { nonce: 2 }) => break,
+            Some(_) => {}
+            None => panic!("no answer to the ping"),
+        }
+    }
+    assert_eq!(limited.len(), LIMIT, "the limited member took its maximum");
+    let mut all = counter.join().expect("counted");
+    for payload in limited {
+        let n = u64::from_le_bytes(payload[..].try_into().expect("a number"));
+        assert!(all.insert(n), "message {n} reached both members");
+    }
+    assert_eq!(all.len(), SENT, "each message reached the group once");
+    assert_eq!(broker.stats().value("connection_drops"), Some(0));
+}
+
 /// The limit the listener gives the broker counts deliveries from the
 /// first limit (a NATS queue member's, from its SUB): a total of 6 set
 /// after 4 deliveries lets 2 more through, whatever was on its way to

@@ -60,7 +60,7 @@ use crate::wait::{prepare_wait, puts_off_polling, wait, Polled, SpinWindow};
 
 use crate::monitoring::{ConnectionKind, ConnectionReport, SubscriptionReport};
 pub(crate) use peer::CheckedLogin;
-use peer::{LoginCheck, Role, Session, SessionState, DEFERRED_MAX};
+use peer::{Departed, LoginCheck, Role, Session, SessionState, DEFERRED_MAX, DEPARTED_MAX};
 pub(crate) use route::Cluster;
 
 pub(crate) const WAKER: Token = Token(0);
@@ -144,6 +144,8 @@ pub(crate) struct EventLoop {
     /// Subscriptions whose delivery limit the publish being routed reached
     /// (`Session::limited`), ended once it is routed.
     limits_reached: Vec<SubRef>,
+    /// Queue-group members of clients that left lately (see [`Departed`]).
+    departed: Departed,
     /// Hellos with a password or token hash to check go to the login
     /// thread through this (started at the first).
     login_checks: Option<Sender<Box<LoginCheck>>>,
@@ -552,6 +554,7 @@ impl EventLoop {
             flushes: Vec::new(),
             held_local: HeldLocal::default(),
             limits_reached: Vec::new(),
+            departed: Departed::default(),
             login_checks: None,
             replaying_deferred: false,
             local_runs: LocalRuns::default(),
@@ -1089,6 +1092,7 @@ impl EventLoop {
     /// Delivers up to `max` messages that in-process threads published for
     /// remote subscribers, in publish order; returns how many.
     fn deliver_published(&mut self, max: usize) -> usize {
+        self.departed.forget_expired(self.now);
         let mut runs = std::mem::take(&mut self.published);
         let (mut run_at, mut message_at) = self.published_next;
         let (mut delivered, mut delivered_bytes) = (0, 0);
@@ -1114,7 +1118,14 @@ impl EventLoop {
                 delivered_bytes += message.size();
                 self.encoded_valid = false;
                 for &target in run.targets.iter() {
-                    self.deliver_remote(target, &run.subject, message.reply.as_deref(), payload);
+                    let reply = message.reply.as_deref();
+                    match self.departed.group_of(target) {
+                        Some((pattern, queue)) => {
+                            let (pattern, queue) = (Arc::clone(pattern), Arc::clone(queue));
+                            self.deliver_to_group(&pattern, &queue, &run.subject, reply, payload);
+                        }
+                        None => self.deliver_remote(target, &run.subject, reply, payload),
+                    }
                 }
                 self.end_limited_subscriptions();
             }
@@ -1781,6 +1792,34 @@ impl EventLoop {
         stable.map(|stable| kept.keep(subject, route_sid, looked_up_at, stable, &self.targets))
     }
 
+    /// Deliver a message to the in-process subscriptions among
+    /// `self.targets`.
+    fn deliver_to_locals(&mut self, subject: &str, reply: Option<&str>, payload: Payload<'_>) {
+        if self.targets.local.is_empty() {
+            return;
+        }
+        let (headers, body) = payload.split();
+        let message = MessageParts {
+            subject,
+            shared_subject: std::cell::OnceCell::new(),
+            reply: reply.map(Arc::from),
+            headers,
+            payload: body,
+        };
+        deliver_local(
+            &self.shared,
+            &mut self.targets,
+            message,
+            &mut self.local_runs,
+            &mut self.held_local,
+            self.now,
+        );
+        if !self.held_local.is_empty() {
+            // Publishers wait, as for a remote slow consumer.
+            self.set_reads_paused(true);
+        }
+    }
+
     /// Deliver a message whose subscriptions were looked up into `self.targets`,
     /// or tell the peer why its subject or reply subject is invalid.
     fn deliver_matched(
@@ -1813,28 +1852,7 @@ impl EventLoop {
                 return;
             }
         }
-        if !self.targets.local.is_empty() {
-            let (headers, body) = payload.split();
-            let message = MessageParts {
-                subject,
-                shared_subject: std::cell::OnceCell::new(),
-                reply: reply.map(Arc::from),
-                headers,
-                payload: body,
-            };
-            deliver_local(
-                &self.shared,
-                &mut self.targets,
-                message,
-                &mut self.local_runs,
-                &mut self.held_local,
-                self.now,
-            );
-            if !self.held_local.is_empty() {
-                // Publishers wait, as for a remote slow consumer.
-                self.set_reads_paused(true);
-            }
-        }
+        self.deliver_to_locals(subject, reply, payload);
         self.encoded_valid = false;
         // By index: delivering needs `self`, and the list is not touched
         // until the next publish routes into it.
@@ -1843,6 +1861,38 @@ impl EventLoop {
             self.deliver_remote(target, subject, reply, payload);
         }
         self.end_limited_subscriptions();
+    }
+
+    /// A message an in-process publisher picked a queue-group member for
+    /// on its own thread, that member having left before this loop took
+    /// the message: to the group's next member here instead (an
+    /// in-process one gets it through this loop, so possibly after
+    /// messages its publisher gave it directly later), or with none here
+    /// over the route the group's next message would take; lost with the
+    /// member, counted in `connection_drops`, when there is neither.
+    fn deliver_to_group(
+        &mut self,
+        pattern: &str,
+        queue: &str,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Payload<'_>,
+    ) {
+        let picked = self.shared.subscriptions.read().lookup_group(
+            subject,
+            pattern,
+            queue,
+            &mut self.targets,
+        );
+        if picked.is_err() || (self.targets.local.is_empty() && self.targets.remote.is_empty()) {
+            BrokerStats::add(&self.shared.stats.connection_drops, 1);
+            return;
+        }
+        self.deliver_to_locals(subject, reply, payload);
+        for index in 0..self.targets.remote.len() {
+            let target = self.targets.remote[index];
+            self.deliver_remote(target, subject, reply, payload);
+        }
     }
 
     /// A request that nothing matched, from a session that asked for it:
@@ -2480,6 +2530,12 @@ impl EventLoop {
         if let Some(session) = self.sessions.get_mut(&id) {
             if let Role::Client(subscriptions) = &mut session.role {
                 if !subscriptions.is_empty() {
+                    // No more are kept than the bound.
+                    let grouped = subscriptions.iter().filter(|(_, sub)| sub.queue.is_some());
+                    for (&sid, sub) in grouped.take(DEPARTED_MAX) {
+                        self.departed
+                            .record(SubRef { owner: id, sid }, sub, self.now);
+                    }
                     subscriptions.clear();
                     self.shared.subscriptions.write().remove_owner(id);
                 }

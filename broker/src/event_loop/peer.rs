@@ -6,9 +6,10 @@
 
 use bytes::Bytes;
 use crossbeam_channel::Sender;
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use efabus_core::caps::Offer;
 use efabus_core::codec;
@@ -81,6 +82,90 @@ pub(super) struct ClientSub {
     pub class: DeliveryClass,
     pub pattern: String,
     pub queue: Option<String>,
+}
+
+/// How long a queue-group member that left is remembered with its group.
+const DEPARTED_KEPT_FOR: Duration = Duration::from_secs(10);
+/// Most queue-group members remembered at once (the oldest go first).
+pub(super) const DEPARTED_MAX: usize = 4096;
+
+/// Queue-group members of clients that left lately (unsubscribed, reached
+/// their delivery limit, or their session ended), with their group. An
+/// in-process publisher picks a group's member on its own thread, and its
+/// message may wait for the event loop while that member leaves; the loop
+/// then gives it to another member (`EventLoop::deliver_to_group`) rather
+/// than to nobody, or to a client that no longer wants it.
+#[derive(Default)]
+pub(super) struct Departed {
+    /// Each member's group (pattern, queue) and when it left.
+    groups: HashMap<SubRef, (Instant, Arc<str>, Arc<str>)>,
+    /// The members in the order they left.
+    order: VecDeque<(Instant, SubRef)>,
+}
+
+impl Departed {
+    /// `member` (subscription `sub`) left at `now`; a subscription in no
+    /// queue group is not kept.
+    pub fn record(&mut self, member: SubRef, sub: &ClientSub, now: Instant) {
+        let Some(queue) = &sub.queue else {
+            return;
+        };
+        self.forget_expired(now);
+        if self.order.len() >= DEPARTED_MAX {
+            self.forget_oldest();
+        }
+        self.groups.insert(
+            member,
+            (
+                now,
+                Arc::from(sub.pattern.as_str()),
+                Arc::from(queue.as_str()),
+            ),
+        );
+        self.order.push_back((now, member));
+    }
+
+    /// The group of `member`, if it left lately.
+    #[inline]
+    pub fn group_of(&self, member: SubRef) -> Option<(&Arc<str>, &Arc<str>)> {
+        if self.groups.is_empty() {
+            return None;
+        }
+        self.groups
+            .get(&member)
+            .map(|(_, pattern, queue)| (pattern, queue))
+    }
+
+    /// `member`'s id names a new subscription: it left no more.
+    pub fn returned(&mut self, member: SubRef) {
+        if !self.groups.is_empty() {
+            self.groups.remove(&member);
+        }
+    }
+
+    /// Forgets the members that left more than [`DEPARTED_KEPT_FOR`]
+    /// before `now`.
+    pub fn forget_expired(&mut self, now: Instant) {
+        self.forget_older_than(now.checked_sub(DEPARTED_KEPT_FOR));
+    }
+
+    fn forget_older_than(&mut self, cut: Option<Instant>) {
+        let Some(cut) = cut else {
+            return;
+        };
+        while self.order.front().is_some_and(|&(left, _)| left < cut) {
+            self.forget_oldest();
+        }
+    }
+
+    fn forget_oldest(&mut self) {
+        if let Some((left, member)) = self.order.pop_front() {
+            // Unless it left again since (and is kept from then).
+            if self.groups.get(&member).is_some_and(|(at, ..)| *at == left) {
+                self.groups.remove(&member);
+            }
+        }
+    }
 }
 
 /// Messages the drop-oldest policy discarded for a client's subscriptions
@@ -905,9 +990,15 @@ impl EventLoop {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
+        let member = SubRef {
+            owner: id,
+            sid: subscribe.sid,
+        };
         match session.subscribe(id, subscribe, &self.shared) {
             Err(refusal) => self.report(id, refusal.code, refusal.text),
             Ok(()) => {
+                // An id used again names the new subscription from now on.
+                self.departed.returned(member);
                 if let Some(inbox) = inbox {
                     self.hold_inbox(id, &inbox);
                 }
@@ -956,10 +1047,11 @@ impl EventLoop {
         let mut inbox = None;
         if let Some(session) = self.sessions.get_mut(&id) {
             if let Role::Client(subscriptions) = &session.role {
-                inbox = subscriptions
-                    .get(&sid)
-                    .and_then(|sub| inbox_of(&sub.pattern))
-                    .map(str::to_string);
+                if let Some(sub) = subscriptions.get(&sid) {
+                    inbox = inbox_of(&sub.pattern).map(str::to_string);
+                    self.departed
+                        .record(SubRef { owner: id, sid }, sub, self.now);
+                }
             }
             session.unsubscribe(id, sid, &self.shared);
         }
@@ -1057,5 +1149,61 @@ mod tests {
         });
         let len = codec::encode(&hello).len();
         assert!(len <= HANDSHAKE_FRAME_MAX, "a hello of {len} bytes");
+    }
+    /// Only queue members are kept, for their time and within their
+    /// number; an id subscribed again is no longer taken for the one that
+    /// left, and one that left again keeps its later time.
+    #[test]
+    fn departed_queue_members_are_kept_within_bounds() {
+        let sub = |queue: Option<&str>| ClientSub {
+            class: DeliveryClass::Reliable,
+            pattern: "jobs.>".to_string(),
+            queue: queue.map(str::to_string),
+        };
+        let member = |sid| SubRef { owner: 7, sid };
+        let start = Instant::now();
+        let mut departed = Departed::default();
+        departed.record(member(1), &sub(None), start);
+        assert!(
+            departed.group_of(member(1)).is_none(),
+            "a plain subscription"
+        );
+        departed.record(member(2), &sub(Some("workers")), start);
+        let (pattern, queue) = departed.group_of(member(2)).expect("a queue member");
+        assert_eq!((&**pattern, &**queue), ("jobs.>", "workers"));
+        departed.returned(member(2));
+        assert!(departed.group_of(member(2)).is_none(), "subscribed again");
+
+        // One that left, came back and left again is kept from then.
+        departed.record(member(3), &sub(Some("workers")), start);
+        departed.returned(member(3));
+        let later = start + DEPARTED_KEPT_FOR / 2;
+        departed.record(member(3), &sub(Some("workers")), later);
+        departed.record(
+            member(4),
+            &sub(Some("workers")),
+            start + DEPARTED_KEPT_FOR + Duration::from_millis(1),
+        );
+        assert!(
+            departed.group_of(member(3)).is_some(),
+            "its later departure is kept"
+        );
+        departed.record(
+            member(5),
+            &sub(Some("workers")),
+            later + DEPARTED_KEPT_FOR + Duration::from_millis(1),
+        );
+        assert!(departed.group_of(member(3)).is_none(), "forgotten in time");
+
+        let now = later + DEPARTED_KEPT_FOR + Duration::from_millis(2);
+        for sid in 100..100 + DEPARTED_MAX as u64 {
+            departed.record(member(sid), &sub(Some("workers")), now);
+        }
+        assert_eq!(departed.groups.len(), DEPARTED_MAX);
+        assert!(
+            departed.group_of(member(5)).is_none(),
+            "the oldest gave way"
+        );
+        assert!(departed.group_of(member(100)).is_some());
     }
 }
