@@ -507,7 +507,6 @@ fn a_queue_group_fed_over_a_route_shares_its_messages() {
 /// member on the other broker, none lost.
 #[test]
 fn a_leaving_member_s_picks_go_over_the_route_when_none_is_left_here() {
-    use efabus_core::frame::{DeliveryClass, Frame, Subscribe};
     const SENT: usize = 20_000;
     const LIMIT: usize = 6;
     let (a, b) = pair();
@@ -515,33 +514,13 @@ fn a_leaving_member_s_picks_go_over_the_route_when_none_is_left_here() {
     wait_interest(&a, 1);
     let mut raw = raw_common::Raw::connect(&a);
     raw.hello_as_client("limited");
-    raw.send(&Frame::Subscribe(Subscribe {
-        sid: 1,
-        pattern: "work".to_string(),
-        queue: Some("g".to_string()),
-        class: DeliveryClass::Reliable,
-    }));
-    raw.send(&Frame::UnsubscribeAfter {
-        sid: 1,
-        total: LIMIT as u64,
-    });
-    raw.send(&Frame::Ping { nonce: 1 });
-    raw.expect("the pong", |f| matches!(f, Frame::Pong { nonce: 1 }));
+    raw.queue_subscribe_limited(1, "work", "g", LIMIT as u64);
 
     for n in 0..SENT {
         a.publish("work", Bytes::from(n.to_string())).unwrap();
     }
     a.flush(WAIT).unwrap();
-    raw.send(&Frame::Ping { nonce: 2 });
-    let mut limited = 0;
-    loop {
-        match raw.next_frame(WAIT) {
-            Some(Frame::Message(_)) => limited += 1,
-            Some(Frame::Pong { nonce: 2 }) => break,
-            Some(_) => {}
-            None => panic!("no answer to the ping"),
-        }
-    }
+    let limited = raw.messages_before_pong(2).len();
     assert_eq!(limited, LIMIT, "the member here took its maximum");
     assert_eq!(receive(&remote_member, SENT - LIMIT).len(), SENT - LIMIT);
     assert_eq!(a.stats().value("connection_drops"), Some(0));

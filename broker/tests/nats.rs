@@ -426,24 +426,12 @@ async fn a_queue_member_s_maximum_passes_the_rest_to_the_group() {
 /// its limit went to it all the same, for its client to drop).
 #[test]
 fn a_queue_member_that_leaves_passes_on_what_was_picked_for_it() {
-    use efabus_core::frame::{DeliveryClass, Frame, Subscribe};
     const SENT: usize = 50_000;
     const LIMIT: usize = 6;
     let broker = start("", "127.0.0.1:0");
     let mut raw = raw_common::Raw::connect(&broker);
     raw.hello_as_client("limited");
-    raw.send(&Frame::Subscribe(Subscribe {
-        sid: 1,
-        pattern: "work".to_string(),
-        queue: Some("g".to_string()),
-        class: DeliveryClass::Reliable,
-    }));
-    raw.send(&Frame::UnsubscribeAfter {
-        sid: 1,
-        total: LIMIT as u64,
-    });
-    raw.send(&Frame::Ping { nonce: 1 });
-    raw.expect("the pong", |f| matches!(f, Frame::Pong { nonce: 1 }));
+    raw.queue_subscribe_limited(1, "work", "g", LIMIT as u64);
     let other = native(&broker);
     let rest = other.queue_subscribe("work", "g").expect("subscribes");
     other.flush(WAIT).expect("flushed");
@@ -467,20 +455,11 @@ fn a_queue_member_that_leaves_passes_on_what_was_picked_for_it() {
             .expect("published");
     }
     broker.flush(WAIT).expect("delivered");
-    raw.send(&Frame::Ping { nonce: 2 });
-    let mut limited = Vec::new();
-    loop {
-        match raw.next_frame(WAIT) {
-            Some(Frame::Message(message)) => limited.push(message.payload),
-            Some(Frame::Pong { nonce: 2 }) => break,
-            Some(_) => {}
-            None => panic!("no answer to the ping"),
-        }
-    }
+    let limited = raw.messages_before_pong(2);
     assert_eq!(limited.len(), LIMIT, "the limited member took its maximum");
     let mut all = counter.join().expect("counted");
-    for payload in limited {
-        let n = u64::from_le_bytes(payload[..].try_into().expect("a number"));
+    for message in limited {
+        let n = u64::from_le_bytes(message.payload[..].try_into().expect("a number"));
         assert!(all.insert(n), "message {n} reached both members");
     }
     assert_eq!(all.len(), SENT, "each message reached the group once");
@@ -494,36 +473,13 @@ fn a_queue_member_that_leaves_passes_on_what_was_picked_for_it() {
 /// (published by a client: the broker picks the member as it routes).
 #[test]
 fn a_delivery_limit_counts_from_the_first_limit() {
-    use efabus_core::frame::{DeliveryClass, Frame, Subscribe};
+    use efabus_core::frame::Frame;
     let broker = start("", "127.0.0.1:0");
     let mut raw = raw_common::Raw::connect(&broker);
     raw.hello_as_client("limited");
-    raw.send(&Frame::Subscribe(Subscribe {
-        sid: 1,
-        pattern: "work".to_string(),
-        queue: Some("g".to_string()),
-        class: DeliveryClass::Reliable,
-    }));
-    raw.send(&Frame::UnsubscribeAfter {
-        sid: 1,
-        total: u64::MAX,
-    });
-    raw.send(&Frame::Ping { nonce: 1 });
-    raw.expect("the pong", |f| matches!(f, Frame::Pong { nonce: 1 }));
-    // The messages that reach `raw` before its ping's answer: everything
-    // a publisher that has flushed sent is queued ahead of it.
-    let messages = |raw: &mut raw_common::Raw, nonce: u64| {
-        raw.send(&Frame::Ping { nonce });
-        let mut count = 0;
-        loop {
-            match raw.next_frame(WAIT) {
-                Some(Frame::Message(_)) => count += 1,
-                Some(Frame::Pong { nonce: answered }) if answered == nonce => return count,
-                Some(_) => {}
-                None => panic!("no answer to ping {nonce}"),
-            }
-        }
-    };
+    raw.queue_subscribe_limited(1, "work", "g", u64::MAX);
+    // What a publisher that has flushed sent is queued ahead of the pong.
+    let messages = |raw: &mut raw_common::Raw, nonce: u64| raw.messages_before_pong(nonce).len();
     let publisher = native(&broker);
     for _ in 0..4 {
         publisher.publish("work", &b"alone"[..]).expect("publish");

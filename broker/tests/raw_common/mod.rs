@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use efabus_broker::Broker;
 use efabus_core::codec::{self, CodecLimits, FrameReader};
 use efabus_core::frame::{
-    DeliveryClass, ErrorFrame, Frame, Hello, RouteLimits, Subscribe, PROTOCOL_VERSION,
+    DeliveryClass, ErrorFrame, Frame, Hello, Message, RouteLimits, Subscribe, PROTOCOL_VERSION,
 };
 
 /// Longest any wait here takes.
@@ -157,6 +157,39 @@ impl Raw {
                 Some(frame) if wanted(&frame) => return frame,
                 Some(_) => {}
                 None => panic!("no {what} within {WAIT:?}"),
+            }
+        }
+    }
+
+    /// Subscribes as `sid` to `pattern` in queue group `queue`, ending
+    /// once `total` messages are delivered, and waits until the broker
+    /// has taken both.
+    pub fn queue_subscribe_limited(&mut self, sid: u64, pattern: &str, queue: &str, total: u64) {
+        self.send(&Frame::Subscribe(Subscribe {
+            sid,
+            pattern: pattern.to_string(),
+            queue: Some(queue.to_string()),
+            class: DeliveryClass::Reliable,
+        }));
+        self.send(&Frame::UnsubscribeAfter { sid, total });
+        self.send(&Frame::Ping { nonce: sid });
+        self.expect(
+            "the pong",
+            |f| matches!(f, Frame::Pong { nonce } if *nonce == sid),
+        );
+    }
+
+    /// The messages that arrive before the answer to a ping sent now:
+    /// everything the broker routed to this peer before it took the ping.
+    pub fn messages_before_pong(&mut self, nonce: u64) -> Vec<Message> {
+        self.send(&Frame::Ping { nonce });
+        let mut messages = Vec::new();
+        loop {
+            match self.next_frame(WAIT) {
+                Some(Frame::Message(message)) => messages.push(message),
+                Some(Frame::Pong { nonce: answered }) if answered == nonce => return messages,
+                Some(_) => {}
+                None => panic!("no answer to ping {nonce}"),
             }
         }
     }
