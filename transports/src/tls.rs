@@ -322,7 +322,7 @@ struct Session {
     /// A step ended since the reader last looked: read again (for readers
     /// that learn of the end from this flag rather than the call back).
     stepped: AtomicBool,
-    /// The step failed: the error, for the next read to report.
+    /// The step failed: the error, for the next read or write to report.
     failure: Mutex<Option<rustls::Error>>,
 }
 
