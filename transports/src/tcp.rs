@@ -2170,6 +2170,44 @@ mod tests {
         b.join().unwrap();
     }
 
+    /// Many TLS handshakes at once, their steps queued for the workers
+    /// and called back in any order: every client gets through, and its
+    /// frame arrives (a call back lost would leave one waiting for good).
+    #[test]
+    fn many_tls_handshakes_at_once_all_get_through() {
+        use crate::tls::held;
+        const CLIENTS: u8 = 48;
+        let pki = crate::conformance::pki::shared();
+        let config = EndpointConfig {
+            bind: Some("127.0.0.1:0".into()),
+            ..EndpointConfig::default()
+        };
+        let tls = held::server_context(pki, Arc::new(held::Gate::default()));
+        let mut ep = TcpEndpoint::open_with_tls(&config, Some(tls)).unwrap();
+        let addr = ep.local_socket_addr().unwrap();
+        let client_config = held::client_config(pki);
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|n| {
+                let config = Arc::clone(&client_config);
+                std::thread::spawn(move || {
+                    let mut stream = tls_client(addr, config);
+                    stream.write_all(&framed(&[n])).unwrap();
+                    stream.flush().unwrap();
+                    // Open until the endpoint has read the frame.
+                    let _ = stream.sock.read(&mut [0; 1]);
+                })
+            })
+            .collect();
+        let mut events = Vec::new();
+        poll_until(&mut ep, &mut events, |e| {
+            (0..CLIENTS).all(|n| has_frame(e, &[n]))
+        });
+        drop(ep);
+        for client in clients {
+            client.join().unwrap();
+        }
+    }
+
     /// Poll until the endpoint says it has no work of its own.
     fn poll_until_quiet(ep: &mut TcpEndpoint) {
         let deadline = Instant::now() + WAIT;
