@@ -324,6 +324,65 @@ struct Session {
     stepped: AtomicBool,
     /// The step failed: the error, for the next read or write to report.
     failure: Mutex<Option<rustls::Error>>,
+    /// Where the handshake's records end, while steps go to workers.
+    records: Mutex<RecordScan>,
+}
+
+/// Where the records of a handshake's bytes end: a step goes to a worker
+/// only once a whole record has come (a client that trickles its hello
+/// costs no hand-over per byte; a part of a record is no work).
+#[derive(Debug, Default)]
+struct RecordScan {
+    header: [u8; RECORD_HEADER],
+    header_len: usize,
+    body_left: usize,
+    /// Whole records seen since last asked.
+    whole: usize,
+}
+
+/// A TLS record's header: its type, version and length.
+const RECORD_HEADER: usize = 5;
+
+impl RecordScan {
+    fn scan(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.body_left > 0 {
+                let taken = self.body_left.min(bytes.len());
+                self.body_left -= taken;
+                bytes = &bytes[taken..];
+                self.whole += usize::from(self.body_left == 0);
+                continue;
+            }
+            let taken = (RECORD_HEADER - self.header_len).min(bytes.len());
+            self.header[self.header_len..self.header_len + taken].copy_from_slice(&bytes[..taken]);
+            self.header_len += taken;
+            bytes = &bytes[taken..];
+            if self.header_len == RECORD_HEADER {
+                self.header_len = 0;
+                self.body_left = usize::from(u16::from_be_bytes([self.header[3], self.header[4]]));
+                self.whole += usize::from(self.body_left == 0);
+            }
+        }
+    }
+
+    /// Whether a whole record came since last asked.
+    fn take_whole(&mut self) -> bool {
+        std::mem::take(&mut self.whole) > 0
+    }
+}
+
+/// A socket read that shows its bytes to a [`RecordScan`].
+struct Scanned<'a> {
+    stream: &'a TcpStream,
+    records: &'a mut RecordScan,
+}
+
+impl Read for Scanned<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let read = self.stream.read(buf)?;
+        self.records.scan(&buf[..read]);
+        Ok(read)
+    }
 }
 
 /// A connection's way to the [`HandshakeWorkers`].
@@ -488,6 +547,7 @@ impl Wire {
                     stepping: AtomicBool::new(false),
                     stepped: AtomicBool::new(false),
                     failure: Mutex::new(None),
+                    records: Mutex::new(RecordScan::default()),
                 })
             }),
             steps: None,
@@ -578,10 +638,22 @@ impl Wire {
                 }
                 Err(err) => return Err(err),
             }
-            match session.read_tls(&mut &self.stream) {
+            // While steps go to workers, the records read are scanned.
+            let handing_over = self.steps.is_some() && session.is_handshaking();
+            let read = if handing_over {
+                let mut records = shared.records.lock();
+                session.read_tls(&mut Scanned {
+                    stream: &self.stream,
+                    records: &mut records,
+                })
+            } else {
+                session.read_tls(&mut &self.stream)
+            };
+            match read {
                 Ok(0) => at_end = true,
                 Ok(_) => {
-                    if let (true, Some(steps)) = (session.is_handshaking(), &self.steps) {
+                    let whole = handing_over && shared.records.lock().take_whole();
+                    if let (true, Some(steps)) = (whole, &self.steps) {
                         shared.stepping.store(true, Ordering::Release);
                         drop(session);
                         let step = Step {
@@ -880,6 +952,60 @@ mod tests {
         assert!(
             !wire.in_handshake_step(),
             "the session was left with no worker"
+        );
+    }
+
+    /// A client that sends its hello a byte at a time makes one step, not
+    /// one per byte: parts of a record are no work for a worker.
+    #[test]
+    fn a_hello_trickled_a_byte_at_a_time_is_one_step() {
+        use std::sync::atomic::AtomicUsize;
+        let pki = pki::shared();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        client.set_nodelay(true).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        accepted.set_nonblocking(true).unwrap();
+        let server = held::server_context(pki, Arc::new(held::Gate::default()))
+            .accept()
+            .unwrap();
+        let steps = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&steps);
+        let wire = Wire::new(TcpStream::from_std(accepted), server).with_handshake_workers(
+            HandshakeWorkers::start(1, 16).unwrap(),
+            Arc::new(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+            }),
+        );
+        let name = ServerName::try_from("localhost").unwrap();
+        let mut session = ClientConnection::new(held::client_config(pki), name).unwrap();
+        let mut hello = Vec::new();
+        session.write_tls(&mut hello).unwrap();
+        assert!(hello.len() > 100, "a hello of {} bytes", hello.len());
+
+        // A byte at a time, each read (mostly) before the next is sent.
+        for byte in &hello {
+            client.write_all(&[*byte]).unwrap();
+            std::thread::sleep(Duration::from_micros(200));
+            match wire.read(&mut [0; 64]) {
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
+                other => panic!("no plaintext before the handshake: {other:?}"),
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while steps.load(Ordering::SeqCst) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the hello never went to a worker"
+            );
+            // A last byte that came late is read here.
+            let _ = wire.read(&mut [0; 64]);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            steps.load(Ordering::SeqCst),
+            1,
+            "one step for the whole hello"
         );
     }
 }
