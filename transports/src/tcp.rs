@@ -1348,7 +1348,7 @@ impl TcpEndpoint {
             if let (true, Some(workers)) = (wire.is_tls(), HandshakeWorkers::shared()) {
                 let attention = Arc::clone(&self.attention);
                 let call_back = Arc::new(move || attention.call(token));
-                wire = wire.with_handshake_workers(workers, call_back);
+                wire = wire.with_handshake_workers(workers, remote.ip(), call_back);
             }
             self.next_peer += 1;
             let mut conn = Conn::new(wire, remote.to_string(), true);

@@ -37,18 +37,20 @@
 //! the reader back to go on. A broker's own dials (routes) run their
 //! handshakes on the dialing thread: it starts them itself.
 
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, Read, Write};
+use std::net::IpAddr;
 use std::net::Shutdown;
 use std::ops::Deref;
 use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use efabus_core::transport::{EndpointConfig, TransportError};
 use mio::net::TcpStream;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
@@ -388,6 +390,8 @@ impl Read for Scanned<'_> {
 /// A connection's way to the [`HandshakeWorkers`].
 struct HandshakeSteps {
     workers: HandshakeWorkers,
+    /// The peer's address: steps are taken an address at a time in turn.
+    from: IpAddr,
     /// Calls the connection's reader back once a step has ended.
     call_back: Arc<dyn Fn() + Send + Sync>,
 }
@@ -446,7 +450,65 @@ const START_RETRY: Duration = Duration::from_secs(10);
 /// four, so that a flood of handshakes leaves cores to everything else.
 #[derive(Clone)]
 pub struct HandshakeWorkers {
-    steps: mpsc::SyncSender<Step>,
+    queue: Arc<StepQueue>,
+}
+
+/// The steps waiting for the workers.
+struct StepQueue {
+    waiting: Mutex<TakenInTurn<Step>>,
+    /// Signalled when a step is handed over.
+    handed_over: Condvar,
+}
+
+/// Items waiting by the address they came from, taken one address at a
+/// time in turn: an address with many waiting (a flood) holds each of the
+/// others up by one of its items, not by all of them.
+#[derive(Debug)]
+struct TakenInTurn<T> {
+    by_address: HashMap<IpAddr, VecDeque<T>>,
+    /// Addresses with items waiting, the next to be served first.
+    turns: VecDeque<IpAddr>,
+    len: usize,
+    max: usize,
+}
+
+impl<T> TakenInTurn<T> {
+    fn new(max: usize) -> Self {
+        TakenInTurn {
+            by_address: HashMap::new(),
+            turns: VecDeque::new(),
+            len: 0,
+            max,
+        }
+    }
+
+    /// Queues `item` from `from`; gives it back when `max` wait.
+    fn push(&mut self, from: IpAddr, item: T) -> Result<(), T> {
+        if self.len >= self.max {
+            return Err(item);
+        }
+        let waiting = self.by_address.entry(from).or_default();
+        if waiting.is_empty() {
+            self.turns.push_back(from);
+        }
+        waiting.push_back(item);
+        self.len += 1;
+        Ok(())
+    }
+
+    /// The next item of the address whose turn it is.
+    fn pop(&mut self) -> Option<T> {
+        let from = self.turns.pop_front()?;
+        let waiting = self.by_address.get_mut(&from)?;
+        let item = waiting.pop_front();
+        if waiting.is_empty() {
+            self.by_address.remove(&from);
+        } else {
+            self.turns.push_back(from);
+        }
+        self.len -= usize::from(item.is_some());
+        item
+    }
 }
 
 impl std::fmt::Debug for HandshakeWorkers {
@@ -490,30 +552,36 @@ impl HandshakeWorkers {
     /// Starts `threads` workers, which wait for steps for as long as the
     /// process runs, `waiting_max` steps at most waiting for them.
     fn start(threads: usize, waiting_max: usize) -> io::Result<HandshakeWorkers> {
-        let (steps, waiting) = mpsc::sync_channel::<Step>(waiting_max);
-        let waiting = Arc::new(Mutex::new(waiting));
+        let queue = Arc::new(StepQueue {
+            waiting: Mutex::new(TakenInTurn::new(waiting_max)),
+            handed_over: Condvar::new(),
+        });
         for n in 0..threads {
-            let waiting = Arc::clone(&waiting);
+            let queue = Arc::clone(&queue);
             std::thread::Builder::new()
                 .name(format!("efabus-tls-{n}"))
                 .spawn(move || loop {
-                    // The lock is held while waiting: the other workers
-                    // wait for it instead, and the next step goes to one.
-                    let step = waiting.lock().recv();
-                    match step {
-                        Ok(step) => step.run(),
-                        Err(mpsc::RecvError) => return,
-                    }
+                    let step = {
+                        let mut waiting = queue.waiting.lock();
+                        loop {
+                            match waiting.pop() {
+                                Some(step) => break step,
+                                None => queue.handed_over.wait(&mut waiting),
+                            }
+                        }
+                    };
+                    step.run();
                 })?;
         }
-        Ok(HandshakeWorkers { steps })
+        Ok(HandshakeWorkers { queue })
     }
 
-    /// Hands `step` over; gives it back when [`STEPS_WAITING_MAX`] wait.
-    fn hand_over(&self, step: Step) -> Result<(), Step> {
-        self.steps.try_send(step).map_err(|err| match err {
-            mpsc::TrySendError::Full(step) | mpsc::TrySendError::Disconnected(step) => step,
-        })
+    /// Hands over `step`, from a connection with `from`; gives it back
+    /// when [`STEPS_WAITING_MAX`] wait.
+    fn hand_over(&self, from: IpAddr, step: Step) -> Result<(), Step> {
+        self.queue.waiting.lock().push(from, step)?;
+        self.queue.handed_over.notify_one();
+        Ok(())
     }
 }
 
@@ -554,16 +622,22 @@ impl Wire {
         }
     }
 
-    /// Has this connection's handshake steps run on `workers`, which call
-    /// `call_back` when one ends: the reader should then
-    /// [`read`](Self::read) again (see [`take_stepped`](Self::take_stepped)).
+    /// Has this connection's handshake steps (its peer at `from`) run on
+    /// `workers`, which call `call_back` when one ends: the reader should
+    /// then [`read`](Self::read) again (see
+    /// [`take_stepped`](Self::take_stepped)).
     pub fn with_handshake_workers(
         mut self,
         workers: HandshakeWorkers,
+        from: IpAddr,
         call_back: Arc<dyn Fn() + Send + Sync>,
     ) -> Wire {
         if self.session.is_some() {
-            self.steps = Some(HandshakeSteps { workers, call_back });
+            self.steps = Some(HandshakeSteps {
+                workers,
+                from,
+                call_back,
+            });
         }
         self
     }
@@ -660,7 +734,7 @@ impl Wire {
                             session: Arc::downgrade(shared),
                             call_back: Arc::clone(&steps.call_back),
                         };
-                        if steps.workers.hand_over(step).is_ok() {
+                        if steps.workers.hand_over(steps.from, step).is_ok() {
                             return Err(io::ErrorKind::WouldBlock.into());
                         }
                         shared.stepping.store(false, Ordering::Release);
@@ -919,6 +993,30 @@ mod tests {
     use super::*;
     use crate::conformance::pki;
 
+    const LOOPBACK: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
+    /// An address with many waiting holds each of the others up by one of
+    /// its items; within an address, first come first served; past the
+    /// bound, an item is given back.
+    #[test]
+    fn items_are_taken_one_address_at_a_time() {
+        let flood = IpAddr::from([10, 0, 0, 1]);
+        let (a, b) = (IpAddr::from([10, 0, 0, 2]), IpAddr::from([10, 0, 0, 3]));
+        let mut queue = TakenInTurn::new(8);
+        for n in 0..5 {
+            queue.push(flood, n).unwrap();
+        }
+        queue.push(a, 10).unwrap();
+        queue.push(b, 20).unwrap();
+        queue.push(a, 11).unwrap();
+        assert_eq!(queue.push(b, 21), Err(21), "past the bound");
+        let order: Vec<u32> = std::iter::from_fn(|| queue.pop()).collect();
+        assert_eq!(order, [0, 10, 20, 1, 11, 2, 3, 4]);
+        assert!(queue.by_address.is_empty() && queue.turns.is_empty());
+        queue.push(b, 21).unwrap();
+        assert_eq!(queue.pop(), Some(21));
+    }
+
     /// A step the workers have no room for fails its connection at once,
     /// saying why, rather than wait.
     #[test]
@@ -932,8 +1030,11 @@ mod tests {
         let server = held::server_context(pki, gate).accept().unwrap();
         // No worker, and no room to wait for one.
         let workers = HandshakeWorkers::start(0, 0).unwrap();
-        let wire = Wire::new(TcpStream::from_std(accepted), server)
-            .with_handshake_workers(workers, Arc::new(|| {}));
+        let wire = Wire::new(TcpStream::from_std(accepted), server).with_handshake_workers(
+            workers,
+            LOOPBACK,
+            Arc::new(|| {}),
+        );
         let name = ServerName::try_from("localhost").unwrap();
         let mut hello = ClientConnection::new(held::client_config(pki), name).unwrap();
         hello.write_tls(&mut client).unwrap();
@@ -973,6 +1074,7 @@ mod tests {
         let counted = Arc::clone(&steps);
         let wire = Wire::new(TcpStream::from_std(accepted), server).with_handshake_workers(
             HandshakeWorkers::start(1, 16).unwrap(),
+            LOOPBACK,
             Arc::new(move || {
                 counted.fetch_add(1, Ordering::SeqCst);
             }),

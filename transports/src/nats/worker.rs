@@ -521,7 +521,7 @@ impl Worker {
             if let (true, Some(workers)) = (tls, HandshakeWorkers::shared()) {
                 let shared = Arc::clone(&self.shared);
                 let call_back = Arc::new(move || shared.command(Command::Stepped(peer)));
-                wire = wire.with_handshake_workers(workers, call_back);
+                wire = wire.with_handshake_workers(workers, remote.ip(), call_back);
             }
             let mut conn = Conn {
                 stream: wire,
