@@ -33,15 +33,8 @@ pub(crate) struct AuthGuard {
 /// for TCP): its IPv4 address, or the /64 of its IPv6 address; `None` for
 /// transports without an address (mem).
 pub(crate) fn remote_ip(remote: &str) -> Option<IpAddr> {
-    let ip = remote.parse::<SocketAddr>().ok()?.ip().to_canonical();
-    Some(match ip {
-        IpAddr::V4(_) => ip,
-        IpAddr::V6(v6) => {
-            let mut octets = v6.octets();
-            octets[8..].fill(0);
-            IpAddr::from(octets)
-        }
-    })
+    let address = remote.parse::<SocketAddr>().ok()?;
+    Some(efabus_transports::address_key(address.ip()))
 }
 
 impl AuthGuard {

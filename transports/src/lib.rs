@@ -29,6 +29,21 @@ pub mod tls;
 
 pub use registry::{EndpointSpec, Registry, RegistryError, SpecError};
 
+/// The address a peer is counted under where bounds and turns are kept
+/// per address: an IPv4 address (an IPv4-mapped IPv6 one as that), or the
+/// /64 of an IPv6 one (a host commonly holds a whole /64, and one share
+/// per address would let it take as many as it likes).
+pub fn address_key(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip.to_canonical() {
+        std::net::IpAddr::V6(v6) => {
+            let mut octets = v6.octets();
+            octets[8..].fill(0);
+            std::net::IpAddr::from(octets)
+        }
+        v4 => v4,
+    }
+}
+
 /// The 4-byte little-endian length prefix every frame starts with
 /// ([`PREFIX_LEN`](efabus_core::codec::PREFIX_LEN), defined by the codec),
 /// as the stream and in-process transports check it.

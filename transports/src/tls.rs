@@ -390,7 +390,8 @@ impl Read for Scanned<'_> {
 /// A connection's way to the [`HandshakeWorkers`].
 struct HandshakeSteps {
     workers: HandshakeWorkers,
-    /// The peer's address: steps are taken an address at a time in turn.
+    /// The peer's address ([`crate::address_key`]): steps are taken an
+    /// address at a time in turn.
     from: IpAddr,
     /// Calls the connection's reader back once a step has ended.
     call_back: Arc<dyn Fn() + Send + Sync>,
@@ -635,7 +636,7 @@ impl Wire {
         if self.session.is_some() {
             self.steps = Some(HandshakeSteps {
                 workers,
-                from,
+                from: crate::address_key(from),
                 call_back,
             });
         }
@@ -1015,6 +1016,17 @@ mod tests {
         assert!(queue.by_address.is_empty() && queue.turns.is_empty());
         queue.push(b, 21).unwrap();
         assert_eq!(queue.pop(), Some(21));
+    }
+
+    /// Turns are kept per IPv4 address and per IPv6 /64, an IPv4-mapped
+    /// IPv6 address counting as its IPv4 one.
+    #[test]
+    fn an_ipv6_host_takes_one_turn_for_its_64() {
+        let key = |text: &str| crate::address_key(text.parse().unwrap());
+        assert_eq!(key("2001:db8:1:2::1"), key("2001:db8:1:2:ffff::9"));
+        assert_ne!(key("2001:db8:1:2::1"), key("2001:db8:1:3::1"));
+        assert_eq!(key("::ffff:192.0.2.7"), key("192.0.2.7"));
+        assert_ne!(key("192.0.2.7"), key("192.0.2.8"));
     }
 
     /// A step the workers have no room for fails its connection at once,
