@@ -457,6 +457,8 @@ pub struct HandshakeWorkers {
 /// The steps waiting for the workers.
 struct StepQueue {
     waiting: Mutex<TakenInTurn<Step>>,
+    /// Set when the workers could not all start: those that did end.
+    closed: AtomicBool,
     /// Signalled when a step is handed over.
     handed_over: Condvar,
 }
@@ -555,24 +557,36 @@ impl HandshakeWorkers {
     fn start(threads: usize, waiting_max: usize) -> io::Result<HandshakeWorkers> {
         let queue = Arc::new(StepQueue {
             waiting: Mutex::new(TakenInTurn::new(waiting_max)),
+            closed: AtomicBool::new(false),
             handed_over: Condvar::new(),
         });
         for n in 0..threads {
-            let queue = Arc::clone(&queue);
-            std::thread::Builder::new()
+            let worker = Arc::clone(&queue);
+            let started = std::thread::Builder::new()
                 .name(format!("efabus-tls-{n}"))
                 .spawn(move || loop {
                     let step = {
-                        let mut waiting = queue.waiting.lock();
+                        let mut waiting = worker.waiting.lock();
                         loop {
+                            if worker.closed.load(Ordering::Acquire) {
+                                return;
+                            }
                             match waiting.pop() {
                                 Some(step) => break step,
-                                None => queue.handed_over.wait(&mut waiting),
+                                None => worker.handed_over.wait(&mut waiting),
                             }
                         }
                     };
                     step.run();
-                })?;
+                });
+            if let Err(err) = started {
+                // Set under the lock, so no worker misses it.
+                let waiting = queue.waiting.lock();
+                queue.closed.store(true, Ordering::Release);
+                drop(waiting);
+                queue.handed_over.notify_all();
+                return Err(err);
+            }
         }
         Ok(HandshakeWorkers { queue })
     }
