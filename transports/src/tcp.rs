@@ -2100,13 +2100,7 @@ mod tests {
         addr: SocketAddr,
         config: Arc<rustls::ClientConfig>,
     ) -> rustls::StreamOwned<rustls::ClientConnection, StdStream> {
-        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-        let session = rustls::ClientConnection::new(config, name).unwrap();
-        let mut stream = rustls::StreamOwned::new(session, StdStream::connect(addr).unwrap());
-        while stream.conn.is_handshaking() {
-            stream.conn.complete_io(&mut stream.sock).unwrap();
-        }
-        stream
+        crate::tls::held::client_over(StdStream::connect(addr).unwrap(), config)
     }
 
     fn has_frame(events: &[Event], payload: &[u8]) -> bool {

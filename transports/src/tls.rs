@@ -324,8 +324,9 @@ struct Session {
     /// A step ended since the reader last looked: read again (for readers
     /// that learn of the end from this flag rather than the call back).
     stepped: AtomicBool,
-    /// The step failed: the error, for the next read or write to report.
-    failure: Mutex<Option<rustls::Error>>,
+    /// A step failed: the next read or write reports it (the session
+    /// keeps its error, and gives it again).
+    failed: AtomicBool,
     /// Where the handshake's records end, while steps go to workers.
     records: Mutex<RecordScan>,
 }
@@ -415,17 +416,12 @@ impl Step {
         let Some(session) = self.session.upgrade() else {
             return;
         };
+        // A panic fails the connection; the worker serves the others.
         let stepped = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            session.connection.lock().process_new_packets().map(drop)
+            session.connection.lock().process_new_packets().is_ok()
         }));
-        let failure = match stepped {
-            Ok(Ok(())) => None,
-            Ok(Err(err)) => Some(err),
-            // The connection fails; the worker serves the others.
-            Err(_) => Some(rustls::Error::General("the handshake step failed".into())),
-        };
-        if failure.is_some() {
-            *session.failure.lock() = failure;
+        if !matches!(stepped, Ok(true)) {
+            session.failed.store(true, Ordering::Release);
         }
         // Released before the reader is told, so that a reader that sees
         // `stepped` finds the session free.
@@ -629,7 +625,7 @@ impl Wire {
                     connection: Mutex::new(connection),
                     stepping: AtomicBool::new(false),
                     stepped: AtomicBool::new(false),
-                    failure: Mutex::new(None),
+                    failed: AtomicBool::new(false),
                     records: Mutex::new(RecordScan::default()),
                 })
             }),
@@ -703,10 +699,8 @@ impl Wire {
             return Err(io::ErrorKind::WouldBlock.into());
         }
         let mut session = shared.connection.lock();
-        if let Some(err) = shared.failure.lock().take() {
-            // The alert tells the peer why, where the socket takes it.
-            let _ = session.write_tls(&mut &self.stream);
-            return Err(tls_failure(err));
+        if let Some(err) = self.failed_step(shared, &mut session) {
+            return Err(err);
         }
         // What a worker's step left to send (the answer to a hello). A
         // socket that fails here fails the read below too, once what the
@@ -729,19 +723,19 @@ impl Wire {
             }
             // While steps go to workers, the records read are scanned.
             let handing_over = self.steps.is_some() && session.is_handshaking();
-            let read = if handing_over {
+            let (read, whole) = if handing_over {
                 let mut records = shared.records.lock();
-                session.read_tls(&mut Scanned {
+                let read = session.read_tls(&mut Scanned {
                     stream: &self.stream,
                     records: &mut records,
-                })
+                });
+                (read, records.take_whole())
             } else {
-                session.read_tls(&mut &self.stream)
+                (session.read_tls(&mut &self.stream), false)
             };
             match read {
                 Ok(0) => at_end = true,
                 Ok(_) => {
-                    let whole = handing_over && shared.records.lock().take_whole();
                     if let (true, Some(steps)) = (whole, &self.steps) {
                         shared.stepping.store(true, Ordering::Release);
                         drop(session);
@@ -768,6 +762,20 @@ impl Wire {
             // Handshake messages, and what waited for the handshake.
             Self::push(&mut session, &self.stream)?;
         }
+    }
+
+    /// The error of a step that failed on a worker, the alert sent.
+    fn failed_step(&self, shared: &Session, session: &mut Connection) -> Option<io::Error> {
+        if !shared.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        let err = session
+            .process_new_packets()
+            .err()
+            .unwrap_or_else(|| rustls::Error::General("the handshake step failed".into()));
+        // The alert tells the peer why, where the socket takes it.
+        let _ = session.write_tls(&mut &self.stream);
+        Some(tls_failure(err))
     }
 
     /// Writes ciphertext the session holds until the socket would block.
@@ -801,11 +809,10 @@ impl Wire {
             return (&self.stream).write_vectored(parts);
         };
         let mut session = shared.connection.lock();
-        // A step that failed is reported as the read reports it (the
-        // session's own error would lack the hint), the alert sent.
-        if let Some(err) = shared.failure.lock().clone() {
-            let _ = session.write_tls(&mut &self.stream);
-            return Err(tls_failure(err));
+        // Reported as the read reports it: the session's own error, which
+        // the writer would give, lacks the hint.
+        if let Some(err) = self.failed_step(shared, &mut session) {
+            return Err(err);
         }
         if !Self::push(&mut session, &self.stream)? {
             return Err(io::ErrorKind::WouldBlock.into());
@@ -979,6 +986,24 @@ pub(crate) mod held {
             client: None,
             replaced: None,
         }
+    }
+
+    /// A client session over `socket` (blocking), through its handshake
+    /// with a server named `localhost`.
+    pub fn client_over(
+        socket: std::net::TcpStream,
+        config: Arc<ClientConfig>,
+    ) -> rustls::StreamOwned<ClientConnection, std::net::TcpStream> {
+        let name = ServerName::try_from("localhost").expect("a server name");
+        let session = ClientConnection::new(config, name).expect("a client session");
+        let mut stream = rustls::StreamOwned::new(session, socket);
+        while stream.conn.is_handshaking() {
+            stream
+                .conn
+                .complete_io(&mut stream.sock)
+                .expect("the handshake");
+        }
+        stream
     }
 
     /// A client's configuration with `pki`'s client certificate; each

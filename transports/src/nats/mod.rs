@@ -526,15 +526,7 @@ mod tests {
         let mut info = String::new();
         BufReader::new(&socket).read_line(&mut info).expect("INFO");
         assert!(info.starts_with("INFO "), "{info}");
-        let name = rustls::pki_types::ServerName::try_from("localhost").expect("a name");
-        let session = rustls::ClientConnection::new(config, name).expect("a session");
-        let mut stream = rustls::StreamOwned::new(session, socket);
-        while stream.conn.is_handshaking() {
-            stream
-                .conn
-                .complete_io(&mut stream.sock)
-                .expect("handshake");
-        }
+        let mut stream = crate::tls::held::client_over(socket, config);
         for line in lines {
             stream.write_all(line).expect("a line written");
             stream.flush().expect("a line sent");
