@@ -171,6 +171,11 @@ pub struct FaultConfig {
     /// one is lost, as on a path that went quiet (`fault_drop_after`; 0,
     /// the default, never).
     pub drop_after: u64,
+    /// Once this many milliseconds have passed since the first frame of the
+    /// faulted direction, no frame is faulted any more (the rates and
+    /// `drop_after`), as on a path that came back (`fault_heal_after_ms`;
+    /// 0, the default, never).
+    pub heal_after_ms: u64,
     /// Once this many frames were received, every later poll fails, as an
     /// endpoint whose device went away does (`fault_fail_polls_after`; 0,
     /// the default, never).
@@ -210,6 +215,7 @@ impl Default for FaultConfig {
             truncate: 0.0,
             disconnect: 0.0,
             drop_after: 0,
+            heal_after_ms: 0,
             fail_polls_after: 0,
             stall_after: 0,
             stall_ms: 0,
@@ -236,7 +242,7 @@ pub enum FaultConfigError {
 }
 
 /// The option keys [`FaultConfig::from_options`] reads.
-pub const OPTION_KEYS: [&str; 16] = [
+pub const OPTION_KEYS: [&str; 17] = [
     "fault_seed",
     "fault_direction",
     "fault_drop",
@@ -249,6 +255,7 @@ pub const OPTION_KEYS: [&str; 16] = [
     "fault_truncate",
     "fault_disconnect",
     "fault_drop_after",
+    "fault_heal_after_ms",
     "fault_fail_polls_after",
     "fault_stall_after",
     "fault_stall_ms",
@@ -348,6 +355,9 @@ impl FaultConfig {
                 "fault_drop_after" => {
                     config.drop_after = value.trim().parse().map_err(|_| not_a_number())?;
                 }
+                "fault_heal_after_ms" => {
+                    config.heal_after_ms = value.trim().parse().map_err(|_| not_a_number())?;
+                }
                 "fault_fail_polls_after" => {
                     config.fail_polls_after = value.trim().parse().map_err(|_| not_a_number())?;
                 }
@@ -390,6 +400,10 @@ impl FaultConfig {
                 self.max_delay_polls.to_string(),
             ),
             ("fault_drop_after".to_string(), self.drop_after.to_string()),
+            (
+                "fault_heal_after_ms".to_string(),
+                self.heal_after_ms.to_string(),
+            ),
             (
                 "fault_fail_polls_after".to_string(),
                 self.fail_polls_after.to_string(),
@@ -563,6 +577,8 @@ struct Injector<T> {
     held: Vec<Held<T>>,
     /// Frames planned so far.
     planned: u64,
+    /// When the first was (see `FaultConfig::heal_after_ms`).
+    first_at: Option<std::time::Instant>,
 }
 
 impl<T> Injector<T> {
@@ -571,6 +587,7 @@ impl<T> Injector<T> {
             rng: Rng(seed),
             held: Vec::new(),
             planned: 0,
+            first_at: None,
         }
     }
 
@@ -579,14 +596,22 @@ impl<T> Injector<T> {
     fn plan(&mut self, config: &FaultConfig, len: usize, keep: usize) -> Plan {
         self.planned += 1;
         let quiet = config.drop_after > 0 && self.planned > config.drop_after;
+        let first_at = *self.first_at.get_or_insert_with(std::time::Instant::now);
+        let healed = config.heal_after_ms > 0
+            && first_at.elapsed() >= std::time::Duration::from_millis(config.heal_after_ms);
         let rng = &mut self.rng;
         let mut plan = Plan {
-            disconnect: rng.hit(config.disconnect),
+            disconnect: false,
             drop: false,
             flips: Vec::new(),
             truncate: None,
             copies: Vec::new(),
         };
+        if healed {
+            plan.copies.push(None);
+            return plan;
+        }
+        plan.disconnect = rng.hit(config.disconnect);
         if plan.disconnect {
             return plan;
         }
@@ -1416,6 +1441,27 @@ mod tests {
         let config = FaultConfig::from_options(&options).expect("parses");
         assert_eq!(config.drop_after, 7);
         assert!(config.is_active());
+        assert_eq!(FaultConfig::from_options(&config.to_options()), Ok(config));
+    }
+
+    #[test]
+    fn heal_after_ms_ends_the_faults_that_long_after_the_first_frame() {
+        for direction in BOTH_WAYS {
+            let (mut p, stats) = pair(with(direction, |c| {
+                c.drop = 1.0;
+                c.heal_after_ms = 200;
+            }));
+            p.send_all(&frames(5));
+            assert!(p.frames(1).is_empty(), "{direction:?}: lost before");
+            std::thread::sleep(Duration::from_millis(250));
+            p.send_all(&frames(5));
+            assert_eq!(p.frames(5), frames(5), "{direction:?}: passed after");
+            let c = stats.snapshot().of(direction);
+            assert_eq!((c.frames, c.dropped), (10, 5), "{direction:?}");
+        }
+        let options = [("fault_heal_after_ms".to_string(), "1500".to_string())];
+        let config = FaultConfig::from_options(&options).expect("parses");
+        assert_eq!(config.heal_after_ms, 1500);
         assert_eq!(FaultConfig::from_options(&config.to_options()), Ok(config));
     }
 
