@@ -64,7 +64,7 @@ use crate::round_watch::{LoopStall, RoundWatch, WatchedEndpoint};
 use crate::session::data_link::{open_released, Closed, Keying, LinkKind};
 use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::{self, Control, Queued, SendCounts, RUN_MAX};
-use crate::session::{Connection, Heartbeat, Liveness};
+use crate::session::{push_reason, Connection, Heartbeat, Liveness};
 use crate::wait::{prepare_wait, puts_off_polling, wait, Polled, SpinWindow};
 
 const WAKER: Token = Token(0);
@@ -1997,11 +1997,10 @@ impl ClientLoop {
             LinkState::Down { retry_at } => retry_at,
             LinkState::AwaitWelcome { deadline, .. } => deadline,
             LinkState::Up { .. } => {
-                let best_effort = self
-                    .conn
-                    .links
-                    .best_effort_due(self.now, self.shared.options.connect_timeout);
-                [self.silent_deadline(), best_effort]
+                let timeout = self.shared.options.connect_timeout;
+                let best_effort = self.conn.links.best_effort_due(self.now, timeout);
+                let reopen = self.conn.links.reopen_due(timeout);
+                [self.silent_deadline(), best_effort, reopen]
                     .into_iter()
                     .flatten()
                     .fold(self.conn.poll_timeout(), Instant::min)
@@ -2050,6 +2049,7 @@ impl ClientLoop {
         self.poll_links(now);
         self.check_silent_link(now);
         self.tend_best_effort_link(now);
+        self.reopen_best_effort_link(now);
         // Replies of responders to what came in (from the endpoints or
         // released by the links) go out in this round.
         if crate::delivery::answers_waiting(self.shared.answer_origin) {
@@ -2298,6 +2298,10 @@ impl ClientLoop {
         if !matches!(self.link, LinkState::Up { .. }) {
             return;
         }
+        if self.conn.links.carry_once_credited() {
+            // Opened again and credited: the report names it from now on.
+            self.shared.link.lock().best_effort = self.conn.links.best_effort_path();
+        }
         let timeout = self.shared.options.connect_timeout;
         let heartbeat = self.shared.options.heartbeat_interval;
         let Some(closed) =
@@ -2314,15 +2318,20 @@ impl ClientLoop {
              first ping; carried on the reliable path"
         );
         // The broker closes its side too, rather than send there on.
-        let notice = Frame::best_effort_closed(closed.settled_through, reason.clone());
+        let epoch = self.conn.links.best_effort_epoch();
+        let notice = Frame::best_effort_closed(closed.settled_through, epoch, reason.clone());
         self.send(codec::encode(&notice));
         self.best_effort_link_gone(&closed, reason);
     }
 
-    /// The broker gave the best-effort link up, saying `why`: this side
-    /// is closed too, and best effort comes over the reliable path. (This
-    /// side sends no messages there, so nothing it sent is left to count.)
-    fn best_effort_closed_by_broker(&mut self, why: &str) {
+    /// The broker gave the best-effort link of `epoch` up, saying `why`:
+    /// this side is closed too, and best effort comes over the reliable
+    /// path. (This side sends no messages there, so nothing it sent is
+    /// left to count.) A notice for an earlier epoch's link closes nothing.
+    fn best_effort_closed_by_broker(&mut self, epoch: u32, why: &str) {
+        if epoch != self.conn.links.best_effort_epoch() {
+            return;
+        }
         let Some(closed) = self.conn.links.close_best_effort(&mut self.endpoints) else {
             return;
         };
@@ -2341,7 +2350,53 @@ impl ClientLoop {
         BrokerStats::add_saturating(&self.shared.counters.best_effort_lost, closed.lost);
         let mut report = self.shared.link.lock();
         report.best_effort = None;
-        report.reasons.push(reason);
+        push_reason(&mut report.reasons, reason);
+    }
+
+    /// The best-effort link given up a while ago ([`DataLinks::reopen_due`],
+    /// after the connect timeout, longer after each try that failed):
+    /// opened again, the broker asked to open its side; it then
+    /// proves itself, or is given up again, as after the handshake.
+    ///
+    /// [`DataLinks::reopen_due`]: crate::session::data_link::DataLinks::reopen_due
+    fn reopen_best_effort_link(&mut self, now: Instant) {
+        if !matches!(self.link, LinkState::Up { .. }) {
+            return;
+        }
+        let due = self
+            .conn
+            .links
+            .reopen_due(self.shared.options.connect_timeout);
+        if due.is_none_or(|at| now < at) {
+            return;
+        }
+        let epoch = match self
+            .conn
+            .links
+            .reopen_best_effort(&mut self.endpoints, |_| true, now)
+        {
+            Ok(epoch) => epoch,
+            Err(why) => {
+                debug!(%why, "best-effort link not opened again");
+                return;
+            }
+        };
+        self.send(codec::encode(&Frame::BestEffortReopen { epoch }));
+        let description = self
+            .conn
+            .links
+            .best_effort
+            .as_ref()
+            .map(|link| link.description.clone());
+        let Some(description) = description else {
+            return;
+        };
+        info!(link = %description, epoch, "best-effort link opened again");
+        // The report names it once the broker's first credit came.
+        push_reason(
+            &mut self.shared.link.lock().reasons,
+            format!("best-effort: {description}: opened again (epoch {epoch})"),
+        );
     }
 
     /// Offers `scheme` to this server no more (until `until`, if given),
@@ -2925,7 +2980,9 @@ impl ClientLoop {
                     sub.sink.count_dropped_by_broker(dropped.count);
                 }
             }
-            Frame::BestEffortClosed { reason, .. } => self.best_effort_closed_by_broker(&reason),
+            Frame::BestEffortClosed { epoch, reason, .. } => {
+                self.best_effort_closed_by_broker(epoch, &reason)
+            }
             other => debug!(frame = ?other, "ignoring unexpected frame"),
         }
     }

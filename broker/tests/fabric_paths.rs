@@ -43,6 +43,9 @@ use efabus_broker::{
 use efabus_transports::fault::FaultDirection;
 use efabus_transports::registry::Registry;
 
+mod stream_common;
+use stream_common::stream_until;
+
 /// Bound on every wait; things normally happen at once.
 const WAIT: Duration = Duration::from_secs(10);
 /// The RDM buffer size configured (`[fabric] max_frame`): small enough that
@@ -1408,6 +1411,101 @@ fn a_client_on_tcp_gets_best_effort_over_its_datagram_link() {
             .is_some_and(|path| path.starts_with("efa-dgram")),
         "{report:?}"
     );
+}
+
+/// A datagram link given up opens again, in a new epoch, once the
+/// connect timeout has passed since (longer after each try the broker
+/// does not credit): here the client's datagrams are lost for their first
+/// 3 s, so the link opened at the handshake is given up at 2 s, and the
+/// one opened again at 4 s carries best effort once the broker has its
+/// proof and its switch is done. A message published each millisecond
+/// throughout arrives once and in order, across the outage and both
+/// moves, or is counted lost; once the link carries, the client takes the
+/// messages there (its reliable path is TCP, whose frames it counts).
+#[test]
+fn a_datagram_link_given_up_opens_again_once_the_path_is_back() {
+    let provider = Provider { rdm: "tcp;ofi_rxm" };
+    let Some(broker) = start_broker(provider, true, "") else {
+        return;
+    };
+    let name = "healing-datagrams";
+    let faults = Faults {
+        scheme: Some("efa-dgram".to_string()),
+        direction: FaultDirection::Send,
+        drop: 1.0,
+        heal_after_ms: 3000,
+        ..Faults::default()
+    };
+    let client = connect_with(
+        &broker,
+        ClientOptions {
+            preference: vec!["efa-dgram".to_string(), "tcp".to_string()],
+            faults: Some(faults),
+            connect_timeout: Duration::from_secs(2),
+            ..fabric_options(&broker, name)
+        },
+    );
+    let sub = client.subscribe_best_effort("stream.>").unwrap();
+    client.flush(WAIT).unwrap();
+    let reopened = |reasons: &[String]| {
+        reasons
+            .iter()
+            .any(|reason| reason.contains("opened again (epoch 1)"))
+    };
+    // Until the broker reports the link again; then 100 messages more,
+    // sent before the switch ended maybe; then 200 sent after it.
+    let mut switched_at = None;
+    let mut frames_before = (0, 0);
+    let drops_before = best_effort_drops(&broker);
+    let streamed =
+        stream_until(
+            &broker,
+            &sub,
+            Instant::now() + 3 * WAIT,
+            |received| match switched_at {
+                None if received % 20 == 0 => {
+                    let report = session_named(&broker, name);
+                    if reopened(&report.reasons) && report.best_effort.is_some() {
+                        switched_at = Some(received);
+                    }
+                    false
+                }
+                None => false,
+                Some(at) if received == at + 100 => {
+                    let link = client.link();
+                    frames_before = (link.fabric_frames_in, link.control_frames_in);
+                    false
+                }
+                Some(at) => received >= at + 300,
+            },
+        );
+    let link = client.link();
+    let fabric = link.fabric_frames_in - frames_before.0;
+    let control = link.control_frames_in - frames_before.1;
+    assert!(
+        fabric > 0 && control < 20,
+        "the last 200 messages came in {fabric} fabric messages and {control} frames over TCP"
+    );
+    assert!(
+        link.reasons
+            .iter()
+            .any(|reason| reason.contains("no credit came back there")),
+        "given up first: {link:?}"
+    );
+    assert!(reopened(&link.reasons), "{link:?}");
+    assert!(
+        link.best_effort
+            .as_deref()
+            .is_some_and(|path| path.starts_with("efa-dgram")),
+        "{link:?}"
+    );
+    let counted = link.best_effort_lost + best_effort_drops(&broker) - drops_before;
+    assert_eq!(
+        streamed.received + counted,
+        streamed.published,
+        "{streamed:?}, {counted} counted lost"
+    );
+    assert_eq!(client.reconnects(), 0);
 }
 
 /// Drops one in 200 of the frames the broker sends on its datagram link

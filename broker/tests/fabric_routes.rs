@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use efabus_broker::{Broker, Client, Config, Error, Message, RouteReport, Subscription};
 
+mod stream_common;
+use stream_common::stream_until;
+
 const WAIT: Duration = Duration::from_secs(10);
 
 fn fabric_required() -> bool {
@@ -93,6 +96,10 @@ fn the_route(broker: &Broker) -> RouteReport {
 
 fn fabric_frames_in(broker: &Broker) -> u64 {
     broker.stats().fabric_frames_in.load(Ordering::Relaxed)
+}
+
+fn fabric_frames_out(broker: &Broker) -> u64 {
+    broker.stats().fabric_frames_out.load(Ordering::Relaxed)
 }
 
 /// Payloads of every size class a route carries: small ones packed
@@ -840,6 +847,105 @@ fn a_route_s_datagram_link_that_carries_nothing_is_given_up_on_both_sides() {
             wait_until("the interest gone", || from.route_interest_count() == 0);
         }
         assert_eq!(a.routes().len(), 1);
+    }
+}
+
+/// A route's datagram link given up opens again, in a new epoch, once
+/// the dialer's handshake timeout has passed since: here the dialer's
+/// datagrams are lost for their first 3 s, so the link opened with the
+/// route is given up at 2 s, and the one opened again at 4 s carries best
+/// effort both ways once each side has its proof or credit and its
+/// switch is done. A stream from the dialer, published throughout,
+/// arrives once and in order across the outage and both moves, or is
+/// counted lost; afterwards each side sends on the link (the reliable
+/// path is TCP, so each message it counts as a fabric frame sent went
+/// there, the link staying up).
+#[test]
+fn a_route_s_datagram_link_given_up_opens_again_once_the_path_is_back() {
+    let listen = r#"["tcp/127.0.0.1:0", "efa-dgram"]"#;
+    let patient = "[heartbeat]\ninterval_ms = 100\n[limits]\nhandshake_timeout_ms = 60000";
+    let Some(b) = start_listening("b", listen, &[], patient) else {
+        return;
+    };
+    let client = Client::connect(&tcp(&b)).unwrap();
+    let stream = client.subscribe_best_effort("stream.>").unwrap();
+    client.flush(WAIT).unwrap();
+    let healing = "[limits]\nhandshake_timeout_ms = 2000\n[testing.faults]\n\
+                   scheme = \"efa-dgram\"\ndirection = \"send\"\ndrop = 1.0\n\
+                   heal_after_ms = 3000";
+    let Some(a) = start_listening("a", listen, &[tcp(&b)], healing) else {
+        return;
+    };
+    wait_until("b's interest at a", || a.route_interest_count() == 1);
+    // The route's report names the link once it takes best effort.
+    let reopened = |route: &RouteReport| {
+        route.best_effort.is_some()
+            && route
+                .reasons
+                .iter()
+                .any(|reason| reason.contains("opened again (epoch 1)"))
+    };
+    let mut switched_at = None;
+    let streamed = stream_until(
+        &a,
+        &stream,
+        Instant::now() + 3 * WAIT,
+        |received| match switched_at {
+            None if received % 20 == 0 => {
+                if a.routes().first().is_some_and(reopened) {
+                    switched_at = Some(received);
+                }
+                false
+            }
+            None => false,
+            Some(at) => received >= at + 300,
+        },
+    );
+    let lost = b.stats().value("best_effort_lost").unwrap();
+    let dropped = a.stats().value("best_effort_drops").unwrap();
+    assert_eq!(
+        streamed.received + lost + dropped,
+        streamed.published,
+        "{streamed:?}, {lost} lost, {dropped} dropped"
+    );
+    drop(client);
+    wait_until("the interest gone", || a.route_interest_count() == 0);
+    let route = the_route(&a);
+    assert!(
+        route
+            .reasons
+            .iter()
+            .any(|reason| reason.contains("no credit came back there")),
+        "given up first: {route:?}"
+    );
+    wait_until("b's side opened again", || {
+        b.routes().first().is_some_and(reopened)
+    });
+    const COUNT: usize = 100;
+    for (from, to) in [(&b, &a), (&a, &b)] {
+        let client = Client::connect(&tcp(to)).unwrap();
+        let sub = client.subscribe_best_effort("be.>").unwrap();
+        client.flush(WAIT).unwrap();
+        wait_until("the interest across", || from.route_interest_count() == 1);
+        let before = fabric_frames_out(from);
+        let (got, markers) = publish_until_marker(from, &sub, 0, COUNT);
+        assert_eq!(got, (0..COUNT as u64).collect::<Vec<u64>>());
+        // The loop adds its counts to the statistics as its round ends.
+        wait_until("the messages counted as fabric frames sent", || {
+            fabric_frames_out(from) - before >= COUNT as u64 + markers
+        });
+        drop(client);
+        wait_until("the interest gone", || from.route_interest_count() == 0);
+    }
+    for broker in [&a, &b] {
+        let route = the_route(broker);
+        assert!(reopened(&route), "{route:?}");
+        let closings = route
+            .reasons
+            .iter()
+            .filter(|reason| reason.contains("carried on the reliable"))
+            .count();
+        assert!(closings <= 1, "the link closed again: {route:?}");
     }
 }
 

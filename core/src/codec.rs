@@ -12,7 +12,8 @@
 //!
 //! Control frames (`Hello`, `Welcome`, `Subscribe`, `Unsubscribe`,
 //! `UnsubscribeAfter`, `Ping`, `Pong`, `Error`, `Goodbye`, `Route`,
-//! `RoutePeers`, `Dropped`, `Challenge`, `BestEffortClosed`) carry their
+//! `RoutePeers`, `Dropped`, `Challenge`, `BestEffortClosed`,
+//! `BestEffortReopen`) carry their
 //! struct encoded with bincode 2 (serde, `config::standard()`: varint
 //! integers, little-endian). Their body is at most [`MAX_CONTROL_BODY`]
 //! bytes, a handshake carries at most [`MAX_OFFERS`] offers, a
@@ -161,6 +162,8 @@ pub enum FrameKind {
     UnsubscribeAfter = 0x0d,
     /// [`Frame::BestEffortClosed`] (control).
     BestEffortClosed = 0x0e,
+    /// [`Frame::BestEffortReopen`] (control).
+    BestEffortReopen = 0x0f,
     /// [`Frame::Publish`] (data).
     Publish = 0x10,
     /// [`Frame::Message`] (data).
@@ -196,6 +199,7 @@ impl FrameKind {
             Frame::Dropped(_) => FrameKind::Dropped,
             Frame::UnsubscribeAfter { .. } => FrameKind::UnsubscribeAfter,
             Frame::BestEffortClosed { .. } => FrameKind::BestEffortClosed,
+            Frame::BestEffortReopen { .. } => FrameKind::BestEffortReopen,
         }
     }
 
@@ -216,6 +220,7 @@ impl FrameKind {
             0x0c => FrameKind::Challenge,
             0x0d => FrameKind::UnsubscribeAfter,
             0x0e => FrameKind::BestEffortClosed,
+            0x0f => FrameKind::BestEffortReopen,
             0x10 => FrameKind::Publish,
             0x11 => FrameKind::Message,
             0x12 => FrameKind::Fragment,
@@ -247,6 +252,7 @@ impl FrameKind {
             FrameKind::Challenge => "challenge",
             FrameKind::UnsubscribeAfter => "unsubscribe after",
             FrameKind::BestEffortClosed => "best-effort closed",
+            FrameKind::BestEffortReopen => "best-effort reopen",
             FrameKind::Publish => "publish",
             FrameKind::Message => "message",
             FrameKind::Fragment => "fragment",
@@ -879,11 +885,15 @@ fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), Encode
         }
         Frame::BestEffortClosed {
             settled_through,
+            epoch,
             reason,
         } => {
             check_close_reason(kind, reason.len())
                 .map_err(|text| EncodeError::Body { kind, text })?;
-            bincode::serde::encode_into_writer((settled_through, reason), writer, config)
+            bincode::serde::encode_into_writer((settled_through, epoch, reason), writer, config)
+        }
+        Frame::BestEffortReopen { epoch } => {
+            bincode::serde::encode_into_writer(epoch, writer, config)
         }
         Frame::Publish(_)
         | Frame::Message(_)
@@ -1541,14 +1551,19 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
         },
         FrameKind::BestEffortClosed => {
             let settled_through = u64::decode(de).map_err(err)?;
+            let epoch = u32::decode(de).map_err(err)?;
             let reason = String::decode(de).map_err(err)?;
             check_close_reason(kind, reason.len())
                 .map_err(|text| DecodeError::Body { kind, text })?;
             Frame::BestEffortClosed {
                 settled_through,
+                epoch,
                 reason,
             }
         }
+        FrameKind::BestEffortReopen => Frame::BestEffortReopen {
+            epoch: u32::decode(de).map_err(err)?,
+        },
         FrameKind::Publish
         | FrameKind::Message
         | FrameKind::Fragment
@@ -1968,8 +1983,12 @@ mod tests {
                 FrameKind::UnsubscribeAfter,
             ),
             (
-                Frame::best_effort_closed(41, "3 pings went unanswered".into()),
+                Frame::best_effort_closed(41, 2, "3 pings went unanswered".into()),
                 FrameKind::BestEffortClosed,
+            ),
+            (
+                Frame::BestEffortReopen { epoch: 3 },
+                FrameKind::BestEffortReopen,
             ),
             (
                 Frame::Route(RouteHello {
@@ -2011,19 +2030,20 @@ mod tests {
     fn a_close_reason_is_cut_to_its_bound_and_refused_past_it() {
         // Cut at a character: 'é' is two bytes, the bound even.
         let long = format!("x{}", "é".repeat(MAX_CLOSE_REASON));
-        let Frame::BestEffortClosed { reason, .. } = Frame::best_effort_closed(0, long) else {
+        let Frame::BestEffortClosed { reason, .. } = Frame::best_effort_closed(0, 0, long) else {
             unreachable!("the constructor makes that frame");
         };
         assert_eq!(reason.len(), MAX_CLOSE_REASON - 1);
         let over = Frame::BestEffortClosed {
             settled_through: 0,
+            epoch: 0,
             reason: "r".repeat(MAX_CLOSE_REASON + 1),
         };
         assert!(matches!(try_encode(&over), Err(EncodeError::Body { .. })));
-        // Forged by hand: the kind byte, the sequence and the string
-        // (varints: 0, then 251 and two bytes for the length).
+        // Forged by hand: the kind byte, the sequence, the epoch and the
+        // string (varints: 0, 0, then 251 and two bytes for the length).
         let text = "r".repeat(MAX_CLOSE_REASON + 1);
-        let mut body = vec![FrameKind::BestEffortClosed as u8, 0, 251];
+        let mut body = vec![FrameKind::BestEffortClosed as u8, 0, 0, 251];
         body.extend_from_slice(&(text.len() as u16).to_le_bytes());
         body.extend_from_slice(text.as_bytes());
         let mut wire = (body.len() as u32).to_le_bytes().to_vec();

@@ -13,7 +13,7 @@ use crate::caps::Offer;
 
 /// Version of the wire protocol spoken by this build. A peer whose hello
 /// carries another major version is refused with [`ErrorCode::Version`].
-pub const PROTOCOL_VERSION: u16 = 15;
+pub const PROTOCOL_VERSION: u16 = 16;
 
 /// How a subscription wants its messages carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -394,19 +394,33 @@ pub enum Frame {
         /// receiver numbered on the link up to this sequence: the receiver
         /// counts those above it it sent unconfirmed.
         settled_through: u64,
+        /// The link's epoch (see [`Frame::BestEffortReopen`]): a notice
+        /// that comes after the link was opened again closes nothing.
+        epoch: u32,
         /// Why, for the receiver's reports: at most [`MAX_CLOSE_REASON`]
         /// bytes (see [`Frame::best_effort_closed`]).
         reason: String,
+    },
+    /// The side that dialed opens the session's datagram link again, some
+    /// time after it was given up: the receiver opens its side too, where
+    /// it still has the endpoint, and the link proves itself as at the
+    /// handshake; a receiver that does not is silent, and the dialer gives
+    /// the link up again when no credit comes.
+    BestEffortReopen {
+        /// Whose keys and link ids the link takes: 1 for the first
+        /// reopening, each later one higher (the handshake's link is 0).
+        epoch: u32,
     },
 }
 
 impl Frame {
     /// A [`Frame::BestEffortClosed`] saying `reason`, cut (at a character)
     /// to [`MAX_CLOSE_REASON`] bytes.
-    pub fn best_effort_closed(settled_through: u64, mut reason: String) -> Frame {
+    pub fn best_effort_closed(settled_through: u64, epoch: u32, mut reason: String) -> Frame {
         cut_at_char(&mut reason, MAX_CLOSE_REASON);
         Frame::BestEffortClosed {
             settled_through,
+            epoch,
             reason,
         }
     }

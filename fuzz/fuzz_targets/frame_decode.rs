@@ -86,7 +86,8 @@ fn bases() -> &'static [Vec<u8>] {
                 sid: 3,
                 count: 1 << 20,
             }),
-            Frame::best_effort_closed(17, "3 pings there went unanswered".into()),
+            Frame::best_effort_closed(17, 1, "3 pings there went unanswered".into()),
+            Frame::BestEffortReopen { epoch: 2 },
             Frame::Run(Bytes::from(
                 [
                     codec::encode(&Frame::Ping { nonce: 1 }).to_bytes(),

@@ -54,7 +54,7 @@ use crate::endpoints;
 use crate::published::PublishedRun;
 use crate::session::data_link::{released_frames, Ask, Closed, LinkKind, MAX_PROBES};
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
-use crate::session::{error_frame, Heartbeat, Liveness};
+use crate::session::{error_frame, push_reason, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
 use crate::wait::{prepare_wait, puts_off_polling, wait, Polled, SpinWindow};
 
@@ -377,8 +377,14 @@ fn set_route_paths(report: &mut RouteReport, session: &Session, control: &str) {
         .reliable
         .as_ref()
         .map_or_else(|| control.to_string(), |link| link.description.clone());
-    report.best_effort = links.best_effort.as_ref().map(|l| l.description.clone());
+    report.best_effort = links.best_effort_path();
     report.link_id = links.reliable.as_ref().and(session.link_id);
+}
+
+/// Whether endpoint `index` is in service, from the listeners marked
+/// down.
+fn in_service(down: &[bool]) -> impl Fn(usize) -> bool + '_ {
+    move |index| !down.get(index).copied().unwrap_or(false)
 }
 
 /// A session whose user's permissions restrict it.
@@ -1201,7 +1207,7 @@ impl EventLoop {
                         .reliable
                         .as_ref()
                         .map_or_else(|| control.to_string(), |link| link.description.clone()),
-                    best_effort: links.best_effort.as_ref().map(|l| l.description.clone()),
+                    best_effort: links.best_effort_path(),
                     reasons: session.link_reasons.clone(),
                     counts: session.counts,
                     pending_bytes: session.conn.out.bytes() as u64,
@@ -1436,6 +1442,8 @@ impl EventLoop {
         self.credit_owed.insert(id);
         self.on_released(id, &mut released);
         self.released = released;
+        // A credit may have made a datagram link opened again usable.
+        self.begin_best_effort_switch(id);
         if self
             .sessions
             .get(&id)
@@ -1675,9 +1683,15 @@ impl EventLoop {
                 SessionState::Ready,
                 Frame::BestEffortClosed {
                     settled_through,
+                    epoch,
                     reason,
                 },
-            ) => self.best_effort_closed_by_peer(id, settled_through, &reason),
+            ) => self.best_effort_closed_by_peer(id, settled_through, epoch, &reason),
+            (SessionState::Ready, Frame::BestEffortReopen { epoch }) => {
+                self.best_effort_reopened_by_peer(id, epoch)
+            }
+            // A closing session opens nothing again.
+            (SessionState::Closing { .. }, Frame::BestEffortReopen { .. }) => {}
             (_, Frame::Goodbye(goodbye)) => {
                 debug!(session = id, reason = %goodbye.reason, "peer said goodbye");
                 if goodbye.reason == route::DUPLICATE_ROUTE {
@@ -1989,7 +2003,7 @@ impl EventLoop {
         }
         let links = &mut session.conn.links;
         // The class matters only where a datagram link exists.
-        let best_effort = links.best_effort_link().is_some()
+        let best_effort = links.takes_best_effort()
             && session.class_of(target.sid) == Some(DeliveryClass::BestEffort);
         if !best_effort && payload.bytes.len() <= COPY_MAX {
             // The message is encoded once per publish and copied into each
@@ -2675,9 +2689,13 @@ impl EventLoop {
             return;
         };
         for closed in session.conn.links.close_unused(&mut self.endpoints) {
+            let instead = match closed.kind {
+                LinkKind::Reliable => "the control link",
+                LinkKind::BestEffort => "the reliable path",
+            };
             let reason = format!(
-                "{}: the peer never sent there within {timeout:?} of its welcome; carried on \
-                 the control link",
+                "{}: the peer never sent there within {timeout:?} of its opening; carried on \
+                 {instead}",
                 closed.description
             );
             self.data_link_closed_alone(id, closed, reason);
@@ -2690,22 +2708,29 @@ impl EventLoop {
     /// would go on sending there, to an address this side forgot).
     fn data_link_closed_alone(&mut self, id: u64, closed: Closed, reason: String) {
         if closed.kind == LinkKind::BestEffort {
-            let notice = Frame::best_effort_closed(closed.settled_through, reason.clone());
+            let epoch = self
+                .sessions
+                .get(&id)
+                .map_or(0, |session| session.conn.links.best_effort_epoch());
+            let notice = Frame::best_effort_closed(closed.settled_through, epoch, reason.clone());
             self.send(id, codec::encode(&notice), false);
         }
         self.forget_closed_link(id, closed, reason);
     }
 
-    /// The peer of session `id` closed its side of the datagram link,
-    /// saying `why` and that it settled what this side sent there up to
-    /// `settled_through`: this side's is closed too (what it sent beyond
-    /// that counted as dropped), and best effort goes on the reliable
-    /// link.
-    fn best_effort_closed_by_peer(&mut self, id: u64, settled_through: u64, why: &str) {
+    /// The peer of session `id` closed its side of the datagram link of
+    /// `epoch`, saying `why` and that it settled what this side sent there
+    /// up to `settled_through`: this side's is closed too (what it sent
+    /// beyond that counted as dropped), and best effort goes on the
+    /// reliable link. A notice for an earlier epoch's link closes nothing.
+    fn best_effort_closed_by_peer(&mut self, id: u64, settled_through: u64, epoch: u32, why: &str) {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
         let links = &mut session.conn.links;
+        if epoch != links.best_effort_epoch() {
+            return;
+        }
         let Some(closed) = links.give_up_best_effort(&mut self.endpoints, Some(settled_through))
         else {
             return;
@@ -2715,6 +2740,167 @@ impl EventLoop {
             closed.description
         );
         self.forget_closed_link(id, closed, reason);
+    }
+
+    /// A route this broker dialed, its datagram link given up a while ago
+    /// ([`DataLinks::reopen_due`]): the link opens again and the peer is
+    /// asked to open its side; the link then proves itself, or is given up
+    /// again, as after the handshake.
+    ///
+    /// [`DataLinks::reopen_due`]: crate::session::data_link::DataLinks::reopen_due
+    fn reopen_best_effort_link(&mut self, id: u64, now: Instant) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let in_service = in_service(&self.listener_down);
+        match session
+            .conn
+            .links
+            .reopen_best_effort(&mut self.endpoints, in_service, now)
+        {
+            Ok(epoch) => {
+                let ask = Frame::BestEffortReopen { epoch };
+                self.send(id, codec::encode(&ask), false);
+                self.data_link_reopened(id, epoch);
+            }
+            Err(why) => debug!(session = id, %why, "datagram link not opened again"),
+        }
+        self.schedule_best_effort_timers(id);
+    }
+
+    /// Wakes the loop for what session `id`'s datagram link has due by
+    /// time once changed outside the timer scan: a link opened again (its
+    /// first ping, or its close if the peer never sends there), a switch
+    /// begun (its pong's deadline), a link given up (its reopening).
+    fn schedule_best_effort_timers(&mut self, id: u64) {
+        let Some(session) = self.sessions.get(&id) else {
+            return;
+        };
+        let links = &session.conn.links;
+        let handshake_timeout = self.shared.config.handshake_timeout();
+        let due = [
+            links.best_effort_due(self.now, handshake_timeout),
+            links.switch_deadline(self.shared.config.heartbeat_timeout()),
+            links.reopen_due(handshake_timeout),
+            links.unused_deadline(handshake_timeout),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        if let Some(at) = due {
+            self.schedule(at);
+        }
+    }
+
+    /// The peer of session `id` opened its datagram link again, in
+    /// `epoch`: this side's opens too, and asks the peer's address for its
+    /// proof. Refused (see [`DataLinks::admit_reopen`]) it stays as it is:
+    /// the peer, credited nothing, gives its side up again.
+    ///
+    /// [`DataLinks::admit_reopen`]: crate::session::data_link::DataLinks::admit_reopen
+    fn best_effort_reopened_by_peer(&mut self, id: u64, epoch: u32) {
+        let now = self.now;
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if let Err(why) = session.conn.links.admit_reopen(Some(epoch), now) {
+            debug!(session = id, %why, "peer's datagram link not opened again");
+            return;
+        }
+        // A side still open here is the peer's old one, given up.
+        if let Some(closed) = session
+            .conn
+            .links
+            .give_up_best_effort(&mut self.endpoints, None)
+        {
+            let reason = format!(
+                "best-effort: {}: the peer opened it again",
+                closed.description
+            );
+            self.forget_closed_link(id, closed, reason);
+        }
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let in_service = in_service(&self.listener_down);
+        match session
+            .conn
+            .links
+            .open_again(&mut self.endpoints, in_service, epoch, now)
+        {
+            Ok(()) => self.data_link_reopened(id, epoch),
+            Err(why) => debug!(session = id, %why, "peer's datagram link not opened again"),
+        }
+        self.schedule_best_effort_timers(id);
+    }
+
+    /// Session `id`'s datagram link opened again: its address is the
+    /// session's, and its reports say so.
+    fn data_link_reopened(&mut self, id: u64, epoch: u32) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        for address in session.conn.links.addresses() {
+            self.by_peer.insert(address, id);
+        }
+        let Some(link) = session.conn.links.best_effort.as_ref() else {
+            return;
+        };
+        let reason = format!(
+            "best-effort: {}: opened again (epoch {epoch})",
+            link.description
+        );
+        info!(session = id, %reason, "datagram link opened again");
+        if let Some(report) = self.shared.routes.lock().get_mut(&id) {
+            let control = self.endpoints[session.conn.control.endpoint].scheme();
+            set_route_paths(report, session, control);
+            push_reason(&mut report.reasons, reason.clone());
+        }
+        push_reason(&mut session.link_reasons, reason);
+    }
+
+    /// Session `id`'s datagram link, opened again, has become usable:
+    /// a `Ping` goes the reliable way behind all that best effort sent
+    /// there meanwhile (this round's batch too), and best effort waits on
+    /// the link for its `Pong` (see [`Switch`]).
+    ///
+    /// [`Switch`]: crate::session::data_link::Switch
+    fn begin_best_effort_switch(&mut self, id: u64) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some(nonce) = session.conn.links.switch_due(self.now) else {
+            return;
+        };
+        // Its reports name the link as the best-effort path from now on.
+        if let Some(report) = self.shared.routes.lock().get_mut(&id) {
+            let control = self.endpoints[session.conn.control.endpoint].scheme();
+            set_route_paths(report, session, control);
+        }
+        self.send(id, codec::encode(&Frame::Ping { nonce }), false);
+        self.schedule_best_effort_timers(id);
+    }
+
+    /// Session `id`'s datagram link, opened again, whose switch's `Pong`
+    /// did not come within `timeout`: given up, what waited on it going
+    /// the reliable way behind the ping; it opens again later.
+    fn give_up_unswitched_link(&mut self, id: u64, timeout: Duration) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some(closed) = session
+            .conn
+            .links
+            .give_up_best_effort(&mut self.endpoints, None)
+        else {
+            return;
+        };
+        let reason = format!(
+            "best-effort: {}: the peer did not answer the ping before the move onto it \
+             within {timeout:?}; carried on the reliable link",
+            closed.description
+        );
+        self.data_link_closed_alone(id, closed, reason);
     }
 
     /// What [`Self::data_link_closed_alone`] does on this side.
@@ -2729,6 +2915,7 @@ impl EventLoop {
         BrokerStats::add(&self.shared.stats.best_effort_drops, closed.unsent);
         warn!(session = id, %reason, "data link closed alone");
         self.data_link_given_up(id, reason);
+        self.schedule_best_effort_timers(id);
     }
 
     /// Session `id` gave a data link up: `reason` goes into its connection
@@ -2740,9 +2927,9 @@ impl EventLoop {
         if let Some(report) = self.shared.routes.lock().get_mut(&id) {
             let control = self.endpoints[session.conn.control.endpoint].scheme();
             set_route_paths(report, session, control);
-            report.reasons.push(reason.clone());
+            push_reason(&mut report.reasons, reason.clone());
         }
-        session.link_reasons.push(reason);
+        push_reason(&mut session.link_reasons, reason);
     }
 
     /// A `Pong` that may answer a data link's challenge: the peer receives
@@ -2755,11 +2942,17 @@ impl EventLoop {
             return;
         };
         session.conn.links.on_probe_pong(nonce, self.now);
+        if session.conn.links.on_switch_pong(nonce) {
+            // What waited on the datagram link for the switch goes now.
+            self.flush_session(id);
+            return;
+        }
         let barrier_passed = session.conn.links.on_barrier_pong(nonce);
         let proven = session.conn.links.on_pong(nonce, &mut self.endpoints);
         if proven.is_empty() && !barrier_passed {
             return;
         }
+        self.begin_best_effort_switch(id);
         debug!(
             session = id,
             links = proven.len(),
@@ -2972,6 +3165,8 @@ impl EventLoop {
         let mut unheard = Vec::new();
         let mut unused = Vec::new();
         let mut unconfirmed = Vec::new();
+        let mut reopening = Vec::new();
+        let mut unswitched = Vec::new();
         let bound = self.shared.live.max_pending_bytes();
         let mut queued = 0u64;
         // The next deadline, of the sessions with nothing due now (the
@@ -3058,6 +3253,20 @@ impl EventLoop {
             match session.conn.links.best_effort_due(now, handshake_timeout) {
                 Some(at) if at > now => next = next.min(at),
                 Some(_) => unheard.push(id),
+                None => {}
+            }
+            // A dialed route's datagram link given up, to open again
+            // while the route lasts.
+            let ready = session.state == SessionState::Ready;
+            match session.conn.links.reopen_due(handshake_timeout) {
+                Some(at) if at > now => next = next.min(at),
+                Some(_) if ready => reopening.push(id),
+                _ => {}
+            }
+            // A datagram link opened again whose switch went unanswered.
+            match session.conn.links.switch_deadline(timeout) {
+                Some(at) if at > now => next = next.min(at),
+                Some(_) => unswitched.push(id),
                 None => {}
             }
             // Links of an accepted peer that it has not sent on.
@@ -3175,6 +3384,12 @@ impl EventLoop {
         }
         for &id in &unconfirmed {
             self.probe_best_effort_link(id, now);
+        }
+        for &id in &reopening {
+            self.reopen_best_effort_link(id, now);
+        }
+        for &id in &unswitched {
+            self.give_up_unswitched_link(id, timeout);
         }
         // The sessions seen to above, as they stand now.
         for id in expired

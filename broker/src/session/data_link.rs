@@ -27,7 +27,7 @@ use efabus_core::transport::{
 use thiserror::Error;
 use tracing::warn;
 
-use super::link_auth::{random_u64, HandshakeRole, LinkSecret};
+use super::link_auth::{random_u64, HandshakeRole, LinkSecret, ReopenRoot};
 use super::outbound::Control;
 use crate::endpoints;
 
@@ -203,6 +203,27 @@ pub(crate) struct DataLink {
     /// Lossy links: the rest of a frame of more pieces than the window,
     /// sent a window at a time.
     trickle: Option<Trickle>,
+    /// Whether the session's best effort rides this link yet.
+    pub(crate) switch: Switch,
+}
+
+/// Whether a best-effort link carries the session's best effort. The link
+/// opened with the session does from its opening (its frames wait on it
+/// for its proof or credit, none having gone another way). A link opened
+/// again later finds best effort on the reliable path: it takes none
+/// until it is usable (so a path still dead costs nothing but its
+/// pings), and then none goes on it before what went the reliable way
+/// has arrived (a later message could otherwise overtake an earlier one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Switch {
+    /// It carries best effort.
+    Carrying,
+    /// Opened again, not usable yet: best effort goes the reliable way.
+    Opening,
+    /// Usable: a `Ping` with `nonce` went the reliable way, at `since`,
+    /// behind what best effort sent there, and best effort waits on the
+    /// link (within its paced bound) for its `Pong`.
+    Barrier { nonce: u64, since: Instant },
 }
 
 /// The pieces of a frame larger than a lossy link's window still to send:
@@ -459,6 +480,7 @@ impl DataLink {
             awaits_credit: false,
             confirmed: Confirmed::default(),
             trickle: None,
+            switch: Switch::Carrying,
         })
     }
 
@@ -684,11 +706,12 @@ impl DataLink {
         Ok(true)
     }
 
-    /// Frames with a piece in the backlog.
+    /// Frames whose last pieces wait in the backlog, but for pings (no
+    /// messages, see [`Confirmed`]).
     fn backlog_frames(&self) -> u64 {
         self.backlog
             .iter()
-            .filter(|(_, last)| last.is_some())
+            .filter(|(_, last)| last.is_some_and(|seq| !self.confirmed.not_messages.contains(&seq)))
             .count() as u64
     }
 
@@ -762,24 +785,25 @@ impl DataLink {
     }
 
     /// Whether frames waiting for credit may go: the peer proved its
-    /// address (a dialer's link: the peer's first credit came). Until then
-    /// none goes to an address not proven, and none sent here is overtaken
-    /// by one sent another way meanwhile.
+    /// address (a dialer's link: the peer's first credit came), and a link
+    /// opened again has done its [`Switch`]. Until then none goes to an
+    /// address not proven, and none sent here is overtaken by one sent
+    /// another way meanwhile.
     fn usable(&self) -> bool {
+        self.ready() && self.switch == Switch::Carrying
+    }
+
+    /// Whether the peer proved its address (a dialer's link: the peer's
+    /// first credit came).
+    fn ready(&self) -> bool {
         self.proof == Proof::Proven && (self.credited || !self.awaits_credit)
     }
 
     /// Frames dropped here and not told yet
     /// ([`DataLinks::take_best_effort_drops`]), and those numbered and
-    /// left in the backlog (before the link is usable, only its pings):
-    /// what the link's closing loses.
+    /// left in the backlog: what the link's closing loses.
     pub fn unsent(&self) -> u64 {
-        let backlog = if self.usable() {
-            self.backlog_frames()
-        } else {
-            0
-        };
-        (self.dropped - self.dropped_told).saturating_add(backlog)
+        (self.dropped - self.dropped_told).saturating_add(self.backlog_frames())
     }
 
     /// The frames waiting for credit, taken: a link given up before it
@@ -983,10 +1007,25 @@ impl DataLink {
         confirmed.last_probe = None;
     }
 
+    /// Lossy links: a `Ping` sent ahead of the frames waiting. Its
+    /// sequence is no message: a link given up does not count it as one
+    /// dropped (a failed send counts it itself, see [`Self::failed`]).
+    fn transmit_ping(
+        &mut self,
+        endpoint: &mut dyn Endpoint,
+        nonce: u64,
+    ) -> Result<(), DataLinkError> {
+        let seq = self.sender.next_sequence();
+        self.transmit(endpoint, codec::encode(&Frame::Ping { nonce }))?;
+        self.confirmed.not_a_message(seq);
+        Ok(())
+    }
+
     /// Lossy links: frame `seq`'s send failed, and it is counted as
     /// dropped where that failure is handled.
     fn failed(&mut self, seq: u64) {
-        if self.lossy {
+        // A ping's is no message already.
+        if self.lossy && !self.confirmed.not_messages.contains(&seq) {
             self.confirmed.not_a_message(seq);
         }
         if self
@@ -1105,18 +1144,73 @@ fn open_keyed(
             scheme: choice.scheme.clone(),
             source,
         })?;
-    // The side that accepted checks the address it was given.
-    let proof = match keying.role {
+    let proof = first_proof(keying.role, &choice.scheme)?;
+    DataLink::open(index, endpoint, choice, tuning, &keys, proof)
+}
+
+/// A new link's proof: the side that accepted checks the address it was
+/// given.
+fn first_proof(role: HandshakeRole, scheme: &str) -> Result<Proof, DataLinkError> {
+    Ok(match role {
         HandshakeRole::Dialer => Proof::Proven,
         HandshakeRole::Acceptor => Proof::Awaiting {
             nonce: random_u64().map_err(|source| DataLinkError::Keys {
-                scheme: choice.scheme.clone(),
+                scheme: scheme.to_string(),
                 source,
             })?,
             asked: 0,
         },
-    };
-    DataLink::open(index, endpoint, choice, tuning, &keys, proof)
+    })
+}
+
+/// Most times a dialer's wait to open a given-up datagram link again
+/// doubles ([`DataLinks::reopen_due`]): at most 64 times its first.
+const REOPEN_DOUBLINGS_MAX: u32 = 6;
+
+/// Least time between two reopenings the accepting side does for its
+/// peer ([`DataLinks::admit_reopen`]); a dialer waits its connect (a
+/// route: handshake) timeout or longer, growing while its tries fail.
+pub(crate) const REOPEN_MIN_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How long after a reopening its dialer's first ping goes
+/// ([`DataLinks::tend_best_effort`]).
+const REOPEN_FIRST_PING_AFTER: Duration = Duration::from_millis(50);
+
+/// How far past the last epoch a peer may ask to reopen in: a dialer
+/// counts each of its tries, the accepting side sees those that reached
+/// it.
+const REOPEN_EPOCHS_AHEAD: u32 = 64;
+
+/// What the best-effort link needs to open again after it was given up
+/// ([`DataLinks::reopen_best_effort`]), kept from the handshake.
+pub(crate) struct Reopening {
+    root: ReopenRoot,
+    choice: Choice,
+    tuning: LinkTuning,
+    /// The epoch of the link opened last (0: the handshake's).
+    epoch: u32,
+    /// On the dialing side: since when the link has been closed, and the
+    /// tries since best effort last rode a reopened link.
+    closed_at: Option<Instant>,
+    tries: u32,
+    /// On the accepting side: when the peer last had it opened again.
+    reopened_at: Option<Instant>,
+}
+
+impl Reopening {
+    /// A link negotiated as `choice` with `tuning`, keyed again from
+    /// `root`.
+    pub(crate) fn new(root: ReopenRoot, choice: Choice, tuning: LinkTuning) -> Reopening {
+        Reopening {
+            root,
+            choice,
+            tuning,
+            epoch: 0,
+            closed_at: None,
+            tries: 0,
+            reopened_at: None,
+        }
+    }
 }
 
 /// A session's data links: a reliable one (RDM) and a best-effort one
@@ -1147,6 +1241,9 @@ pub(crate) struct DataLinks {
     /// On the accepting side, when its links opened (see
     /// [`Self::unused_deadline`]).
     pub(crate) opened_at: Option<Instant>,
+    /// How the best-effort link opens again once given up; `None` where
+    /// none was negotiated.
+    pub(crate) reopening: Option<Reopening>,
 }
 
 impl DataLinks {
@@ -1177,6 +1274,7 @@ impl DataLinks {
         self.announce_again_at = None;
         self.announced_since = None;
         self.opened_at = (!self.dialed).then(Instant::now);
+        self.reopening = None;
         // Schemes whose link failed to open here; each pass drops one more,
         // so the passes end.
         let mut unusable: Vec<String> = Vec::new();
@@ -1223,6 +1321,13 @@ impl DataLinks {
                     Ok(link) => {
                         negotiation.opened.push(choice.local.clone());
                         *slot = Some(link);
+                        if kind == LinkKind::BestEffort {
+                            self.reopening = keying
+                                .secret
+                                .reopen_root(keying.role, keying.peer)
+                                .map(|root| Reopening::new(root, choice.clone(), tuning.clone()))
+                                .ok();
+                        }
                     }
                     Err(reason) => {
                         warn!(%reason, "data path unusable; trying the next one in common");
@@ -1319,12 +1424,14 @@ impl DataLinks {
         false
     }
 
-    /// The best-effort link, which takes the session's best-effort
-    /// frames from its opening on: they wait there for the peer's proof of
-    /// its address (on the side that dialed, for the peer's first credit,
-    /// see [`Self::tend_best_effort`]), within the link's paced bound, so
-    /// that none is overtaken by one sent on the reliable path before the
-    /// link was usable. Given up, it counts what waited as dropped.
+    /// The best-effort link. The one opened with the session takes the
+    /// session's best-effort frames from its opening on: they wait there
+    /// for the peer's proof of its address (on the side that dialed, for
+    /// the peer's first credit, see [`Self::tend_best_effort`]), within
+    /// the link's paced bound, so that none is overtaken by one sent on
+    /// the reliable path before the link was usable; given up, it hands
+    /// what waited to the reliable path. One opened again takes them once
+    /// its [`Switch`] begins ([`Self::takes_best_effort`]).
     pub fn best_effort_link(&mut self) -> Option<&mut DataLink> {
         self.best_effort.as_mut()
     }
@@ -1362,10 +1469,9 @@ impl DataLinks {
         }
         if now >= due {
             let link = self.best_effort.as_mut()?;
-            let ping = codec::encode(&Frame::Ping { nonce: 0 });
             // Ahead of the frames waiting for the credit it asks for;
             // refused (a datagram dropped), it goes again in time.
-            let _ = link.transmit(endpoints[link.endpoint].as_mut(), ping);
+            let _ = link.transmit_ping(endpoints[link.endpoint].as_mut(), 0);
             self.announced_since.get_or_insert(now);
             self.announce_again_at = Some(now + every);
         }
@@ -1450,12 +1556,12 @@ impl DataLinks {
                 }
                 continue;
             }
-            let ping = codec::encode(&Frame::Ping { nonce });
             // On a lossy link ahead of the frames that wait for its answer.
             let sent = if link.lossy {
-                link.transmit(endpoints[link.endpoint].as_mut(), ping)
+                link.transmit_ping(endpoints[link.endpoint].as_mut(), nonce)
                     .map(|()| Sent::Accepted)
             } else {
+                let ping = codec::encode(&Frame::Ping { nonce });
                 link.send(endpoints[link.endpoint].as_mut(), ping, 1)
             };
             match sent {
@@ -1625,9 +1731,13 @@ impl DataLinks {
         self.links().filter_map(DataLink::next_deadline).min()
     }
 
-    /// Queue a frame on the best-effort link, once its address is proven,
-    /// for [`pace_best_effort`](Self::pace_best_effort); false without one.
+    /// Queue a frame on the best-effort link for
+    /// [`pace_best_effort`](Self::pace_best_effort); false without one
+    /// that takes best effort ([`Self::takes_best_effort`]).
     pub fn queue_best_effort(&mut self, frame: OutFrame) -> bool {
+        if !self.takes_best_effort() {
+            return false;
+        }
         let Some(link) = self.best_effort_link() else {
             return false;
         };
@@ -1681,13 +1791,7 @@ impl DataLinks {
                 // of heartbeats carry 0, challenges a random nonce).
                 let seq = link.sender.next_sequence();
                 link.confirmed.probe_nonce = seq;
-                // A failed send counts it itself (see `failed`).
-                if link
-                    .transmit(endpoint, codec::encode(&Frame::Ping { nonce: seq }))
-                    .is_ok()
-                {
-                    link.confirmed.not_a_message(seq);
-                }
+                let _ = link.transmit_ping(endpoint, seq);
             }
             Ok(false) => {}
             // The frame whose piece failed is lost (as in pacing).
@@ -1858,6 +1962,254 @@ impl DataLinks {
         self.close_best_effort(endpoints)
     }
 
+    /// On the side that dialed, when the best-effort link, given up, opens
+    /// again ([`Self::reopen_best_effort`]): `base` after it closed,
+    /// doubled for each try since best effort last rode one (at most
+    /// [`REOPEN_DOUBLINGS_MAX`] times). `None` while it is open,
+    /// on the accepting side, and where none was negotiated.
+    pub fn reopen_due(&self, base: Duration) -> Option<Instant> {
+        if !self.dialed || self.best_effort.is_some() {
+            return None;
+        }
+        let reopening = self.reopening.as_ref()?;
+        let doublings = reopening.tries.min(REOPEN_DOUBLINGS_MAX);
+        reopening
+            .closed_at?
+            .checked_add(base.saturating_mul(1 << doublings))
+    }
+
+    /// On the side that dialed, when [`Self::reopen_due`] says: opens the
+    /// best-effort link given up again in the next epoch (see
+    /// [`Self::open_again`]); there it then pings the peer for a credit as
+    /// after the handshake ([`Self::tend_best_effort`]). Returns the epoch
+    /// opened, or why none did (a dialer then waits longer before the next
+    /// try).
+    pub fn reopen_best_effort(
+        &mut self,
+        endpoints: &mut [Box<dyn Endpoint>],
+        in_service: impl Fn(usize) -> bool,
+        now: Instant,
+    ) -> Result<u32, String> {
+        if self.best_effort.is_some() {
+            return Err("the datagram link is open".to_string());
+        }
+        // No epoch goes to a try that cannot reach the peer; the wait
+        // grows all the same.
+        if let Err(why) = self.reopen_endpoint(endpoints, &in_service) {
+            if let Some(reopening) = self.reopening.as_mut() {
+                reopening.tries = reopening.tries.saturating_add(1);
+                reopening.closed_at = Some(now);
+            }
+            return Err(why);
+        }
+        let epoch = self.admit_reopen(None, now)?;
+        self.open_again(endpoints, in_service, epoch, now)?;
+        Ok(epoch)
+    }
+
+    /// The endpoint a reopened best-effort link goes on: the handshake's
+    /// scheme, there and in service (`in_service` says which are not).
+    fn reopen_endpoint(
+        &self,
+        endpoints: &[Box<dyn Endpoint>],
+        in_service: impl Fn(usize) -> bool,
+    ) -> Result<usize, String> {
+        let reopening = self
+            .reopening
+            .as_ref()
+            .ok_or("no datagram link was negotiated")?;
+        let scheme = &reopening.choice.scheme;
+        let index = endpoints
+            .iter()
+            .position(|e| e.scheme() == scheme)
+            .ok_or_else(|| format!("{scheme}: no such endpoint here any more"))?;
+        if !in_service(index) {
+            return Err(format!("{scheme}: the endpoint is out of service"));
+        }
+        Ok(index)
+    }
+
+    /// Whether a reopening in `epoch` (`None`: the one after the last) may
+    /// go ahead, and in which epoch: one was negotiated, the epoch asked
+    /// is past the last one by at most [`REOPEN_EPOCHS_AHEAD`], and on the
+    /// accepting side the peer's last asking is [`REOPEN_MIN_INTERVAL`]
+    /// old. The epoch is taken then, opened or not: an epoch tried is
+    /// never tried again.
+    pub fn admit_reopen(&mut self, epoch: Option<u32>, now: Instant) -> Result<u32, String> {
+        let Some(reopening) = self.reopening.as_mut() else {
+            return Err("no datagram link was negotiated".to_string());
+        };
+        if self.dialed && epoch.is_some() {
+            return Err("the side that dialed reopens; it takes no asking".to_string());
+        }
+        let last = reopening.epoch;
+        let epoch = match epoch {
+            Some(epoch) if epoch > last && epoch - last <= REOPEN_EPOCHS_AHEAD => epoch,
+            Some(epoch) => {
+                return Err(format!(
+                    "epoch {epoch} is not past the last, {last}, by 1 to {REOPEN_EPOCHS_AHEAD}"
+                ))
+            }
+            None => last
+                .checked_add(1)
+                .ok_or("the datagram link's epochs are used up")?,
+        };
+        if self.dialed {
+            reopening.tries = reopening.tries.saturating_add(1);
+            reopening.closed_at = Some(now);
+        } else {
+            // The peer may tear its side down and ask again at will: each
+            // asking costs keys, an open and a report line here.
+            if let Some(at) = reopening.reopened_at {
+                if now < at + REOPEN_MIN_INTERVAL {
+                    return Err(format!(
+                        "asked again within {REOPEN_MIN_INTERVAL:?} of the last time"
+                    ));
+                }
+            }
+            reopening.reopened_at = Some(now);
+        }
+        reopening.epoch = epoch;
+        Ok(epoch)
+    }
+
+    /// Opens the best-effort link again under the keys of `epoch` (from
+    /// [`Self::admit_reopen`]), from the address and parameters of the
+    /// handshake: on the side that dialed through
+    /// [`Self::reopen_best_effort`], on the other when the peer asks
+    /// (`Frame::BestEffortReopen`), where it asks for the address's proof
+    /// again. The link carries no best effort until it is usable
+    /// and its [`Switch`] is done. Fails when a link is open, the endpoint
+    /// is gone or out of service (`in_service` says which are not), or it
+    /// refuses the peer.
+    pub fn open_again(
+        &mut self,
+        endpoints: &mut [Box<dyn Endpoint>],
+        in_service: impl Fn(usize) -> bool,
+        epoch: u32,
+        now: Instant,
+    ) -> Result<(), String> {
+        if self.best_effort.is_some() {
+            return Err("the datagram link is open".to_string());
+        }
+        let index = self.reopen_endpoint(endpoints, in_service)?;
+        let Some(reopening) = self.reopening.as_mut() else {
+            return Err("no datagram link was negotiated".to_string());
+        };
+        let scheme = &reopening.choice.scheme;
+        let role = if self.dialed {
+            HandshakeRole::Dialer
+        } else {
+            HandshakeRole::Acceptor
+        };
+        let keys = reopening.root.keys(scheme, epoch);
+        let proof = first_proof(role, scheme).map_err(|err| err.to_string())?;
+        let (choice, tuning) = (&reopening.choice, &reopening.tuning);
+        let mut link = DataLink::open(
+            index,
+            endpoints[index].as_mut(),
+            choice,
+            tuning,
+            &keys,
+            proof,
+        )
+        .map_err(|err| err.to_string())?;
+        reopening.closed_at = None;
+        link.awaits_credit = self.dialed;
+        link.switch = Switch::Opening;
+        self.best_effort = Some(link);
+        // The peer opens its side once it reads the asking, sent on the
+        // control link: a ping before then would find no link there.
+        self.announce_again_at = self.dialed.then(|| now + REOPEN_FIRST_PING_AFTER);
+        self.announced_since = None;
+        if !self.dialed {
+            self.opened_at = Some(now);
+        }
+        Ok(())
+    }
+
+    /// The epoch of the best-effort link opened last (0: the handshake's),
+    /// which its close notice names.
+    pub fn best_effort_epoch(&self) -> u32 {
+        self.reopening
+            .as_ref()
+            .map_or(0, |reopening| reopening.epoch)
+    }
+
+    /// Whether best-effort frames go on the best-effort link (see
+    /// [`Switch`]): it is open and not [`Switch::Opening`].
+    pub fn takes_best_effort(&self) -> bool {
+        self.best_effort
+            .as_ref()
+            .is_some_and(|link| link.switch != Switch::Opening)
+    }
+
+    /// The best-effort link's description while it takes best effort
+    /// ([`Self::takes_best_effort`]), for reports.
+    pub fn best_effort_path(&self) -> Option<String> {
+        self.best_effort
+            .as_ref()
+            .filter(|_| self.takes_best_effort())
+            .map(|link| link.description.clone())
+    }
+
+    /// A best-effort link opened again that has become usable begins its
+    /// switch: the nonce of the `Ping` the owner sends the reliable way,
+    /// behind all that went there (a broker's batch closed first), whose
+    /// `Pong` ([`Self::on_switch_pong`]) lets best effort go on the link.
+    /// `None` when no switch begins now.
+    pub fn switch_due(&mut self, now: Instant) -> Option<u64> {
+        let epoch = self.best_effort_epoch();
+        let link = self
+            .best_effort
+            .as_mut()
+            .filter(|link| link.switch == Switch::Opening && link.ready())?;
+        // Tells the answer from heartbeats' (0) and probes' (sequences);
+        // the pong comes over the session's own links, so a guess gains
+        // a peer nothing.
+        let nonce = random_u64().unwrap_or(u64::MAX - u64::from(epoch));
+        link.switch = Switch::Barrier { nonce, since: now };
+        Some(nonce)
+    }
+
+    /// A side that sends no best effort (a client) has nothing to move:
+    /// its link opened again carries once the peer's first credit came.
+    /// Whether it did just now.
+    pub fn carry_once_credited(&mut self) -> bool {
+        match self.best_effort.as_mut() {
+            Some(link) if link.switch == Switch::Opening && link.ready() => {
+                link.switch = Switch::Carrying;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// When the switch's `Pong` is overdue: `timeout` after its ping. A
+    /// peer that does not answer (a route reading none of what it is
+    /// sent) would otherwise keep best effort waiting on the link for
+    /// good; the owner gives the link up then, and its frames go the
+    /// reliable way, behind the ping.
+    pub fn switch_deadline(&self, timeout: Duration) -> Option<Instant> {
+        match self.best_effort.as_ref()?.switch {
+            Switch::Barrier { since, .. } => Some(since + timeout),
+            Switch::Carrying | Switch::Opening => None,
+        }
+    }
+
+    /// A `Pong` from the peer: whether it answers the switch's ping, after
+    /// which best effort goes on the best-effort link (what waited there
+    /// meanwhile first).
+    pub fn on_switch_pong(&mut self, nonce: u64) -> bool {
+        match self.best_effort.as_mut() {
+            Some(link) if matches!(link.switch, Switch::Barrier { nonce: n, .. } if n == nonce) => {
+                link.switch = Switch::Carrying;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Close the best-effort link alone and forget it.
     pub fn close_best_effort(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> Option<Closed> {
         let receiver = &self.best_effort.as_ref()?.receiver;
@@ -1869,6 +2221,14 @@ impl DataLinks {
         endpoints[link.endpoint].close(link.peer);
         self.announce_again_at = None;
         self.announced_since = None;
+        if let Some(reopening) = self.reopening.as_mut() {
+            // A reopening counts as done once best effort rode it: a peer
+            // that credits but never answers the switch is no success.
+            if link.credited && link.switch == Switch::Carrying {
+                reopening.tries = 0;
+            }
+            reopening.closed_at = Some(Instant::now());
+        }
         Some(Closed {
             kind: LinkKind::BestEffort,
             description: link.description,

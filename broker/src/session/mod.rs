@@ -26,6 +26,18 @@ use efabus_core::transport::{Endpoint, OutFrame};
 use data_link::DataLinks;
 use outbound::{Control, Outbound, Queued, SendCounts};
 
+/// Reasons a connection's or route's report keeps: a datagram link given
+/// up and opened again over weeks would otherwise add two each time.
+pub(crate) const REASONS_KEPT: usize = 32;
+
+/// Adds `reason` to a report's, the oldest going past [`REASONS_KEPT`].
+pub(crate) fn push_reason(reasons: &mut Vec<String>, reason: String) {
+    if reasons.len() >= REASONS_KEPT {
+        reasons.remove(0);
+    }
+    reasons.push(reason);
+}
+
 /// Heartbeats: when to ping a quiet peer and when to give it up.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Liveness {

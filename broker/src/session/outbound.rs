@@ -1321,6 +1321,222 @@ mod tests {
         assert_eq!(links.take_best_effort_drops(), 0);
     }
 
+    /// A best-effort link that may open again, on the dialing side or
+    /// not, with what the scripted endpoint took.
+    fn reopenable_best_effort_link(dialed: bool) -> (Vec<Box<dyn Endpoint>>, DataLinks, Taken) {
+        use super::super::data_link::Reopening;
+        use super::super::link_auth::{HandshakeRole, LinkSecret};
+        let (endpoints, mut links, taken) = best_effort_link_taking_all(4096);
+        let (ours, theirs) = (LinkSecret::new().unwrap(), LinkSecret::new().unwrap());
+        let role = if dialed {
+            HandshakeRole::Dialer
+        } else {
+            HandshakeRole::Acceptor
+        };
+        let root = ours.reopen_root(role, theirs.auth()).unwrap();
+        let tuning = efabus_core::link::LinkTuning::default();
+        links.reopening = Some(Reopening::new(root, efa_choice(true), tuning));
+        links.dialed = dialed;
+        (endpoints, links, taken)
+    }
+
+    /// The dialing side opens a datagram link given up again once its wait
+    /// is over, each time in the next epoch; the wait doubles while the
+    /// links reopened fail, and starts over once one was credited and its
+    /// switch done (credited alone, it still failed). A try on an endpoint
+    /// out of service opens nothing and takes no epoch, but the wait grows.
+    #[test]
+    fn a_datagram_link_given_up_opens_again_after_a_wait_that_grows_while_it_fails() {
+        use std::time::{Duration, Instant};
+        let base = Duration::from_secs(1);
+        let (mut endpoints, mut links, _) = reopenable_best_effort_link(true);
+        assert_eq!(links.reopen_due(base), None, "open");
+        let mut waits = Vec::new();
+        let mut epochs = Vec::new();
+        // Credited, and with its switch done.
+        for (credited, switched) in [(false, false), (false, false), (true, true), (true, false)] {
+            let before = Instant::now();
+            links
+                .close_best_effort(&mut endpoints)
+                .expect("it was open");
+            let due = links.reopen_due(base).expect("due to open again");
+            waits.push((due - before).as_secs_f64().round() as u32);
+            epochs.push(links.reopen_best_effort(&mut endpoints, |_| true, due));
+            assert_eq!(links.reopen_due(base), None, "open again");
+            if credited {
+                best_effort_credit(&mut links, due, 0, 64);
+                let switch = links.switch_due(due).expect("usable once credited");
+                if switched {
+                    assert!(links.on_switch_pong(switch));
+                } else {
+                    assert!(links.switch_deadline(base).is_some());
+                }
+            }
+        }
+        links
+            .close_best_effort(&mut endpoints)
+            .expect("it was open");
+        let before = Instant::now();
+        let due = links.reopen_due(base).expect("due to open again");
+        waits.push((due - before).as_secs_f64().round() as u32);
+        assert_eq!(waits, [1, 2, 4, 1, 2], "doubled for each failed, reset");
+        assert_eq!(epochs, [Ok(1), Ok(2), Ok(3), Ok(4)]);
+        assert_eq!(
+            links.reopen_best_effort(&mut endpoints, |_| true, due),
+            Ok(5)
+        );
+        assert_eq!(
+            links.best_effort.as_ref().map(|link| link.proof),
+            Some(super::super::data_link::Proof::Proven)
+        );
+        links
+            .close_best_effort(&mut endpoints)
+            .expect("it was open");
+        let due = links.reopen_due(base).expect("due to open again");
+        assert!(links
+            .reopen_best_effort(&mut endpoints, |_| false, due)
+            .is_err());
+        assert!(links.best_effort.is_none());
+        let next = links.reopen_due(base).expect("due to try again");
+        assert!(next >= due + 2 * base, "it waits longer after a failed try");
+        assert_eq!(
+            links.reopen_best_effort(&mut endpoints, |_| true, next),
+            Ok(6),
+            "no epoch went to the try that could not reach the peer"
+        );
+    }
+
+    /// The accepting side opens its datagram link again when the peer asks,
+    /// for epochs just past its last alone, at most once a
+    /// `REOPEN_MIN_INTERVAL`, asks the address's proof again, and never
+    /// reopens by itself.
+    #[test]
+    fn an_accepting_side_opens_its_datagram_link_again_for_new_epochs_only() {
+        use super::super::data_link::REOPEN_MIN_INTERVAL;
+        let now = std::time::Instant::now();
+        let base = std::time::Duration::from_secs(1);
+        let (mut endpoints, mut links, _) = reopenable_best_effort_link(false);
+        let mut ask = |links: &mut DataLinks, epoch: u32, at: std::time::Instant| {
+            links
+                .admit_reopen(Some(epoch), at)
+                .and_then(|epoch| links.open_again(&mut endpoints, |_| true, epoch, at))
+        };
+        links.best_effort = None;
+        assert_eq!(links.reopen_due(base), None, "the peer asks");
+        assert!(ask(&mut links, 0, now).is_err(), "not past the last");
+        assert!(ask(&mut links, 66, now).is_err(), "too far past the last");
+        assert_eq!(ask(&mut links, 3, now), Ok(()));
+        assert_eq!(links.best_effort_epoch(), 3);
+        assert!(matches!(
+            links.best_effort.as_ref().map(|link| link.proof),
+            Some(super::super::data_link::Proof::Awaiting { asked: 0, .. })
+        ));
+        links.best_effort = None;
+        let soon = now + REOPEN_MIN_INTERVAL / 2;
+        assert!(ask(&mut links, 4, soon).is_err(), "asked again too soon");
+        let later = now + REOPEN_MIN_INTERVAL;
+        assert!(ask(&mut links, 3, later).is_err(), "replayed");
+        assert_eq!(ask(&mut links, 4, later), Ok(()));
+    }
+
+    /// A datagram link opened again takes no best effort until the peer
+    /// proved its address there; then a switch begins (once), and what is
+    /// queued on the link waits for the switch's pong before it goes.
+    #[test]
+    fn a_reopened_datagram_link_takes_best_effort_only_after_its_switch() {
+        use super::super::data_link::Proof;
+        let now = std::time::Instant::now();
+        let (mut endpoints, mut links, fabric) = reopenable_best_effort_link(false);
+        best_effort_credit(&mut links, now, 0, 64);
+        links.best_effort = None;
+        let epoch = links.admit_reopen(Some(1), now).expect("a new epoch");
+        links
+            .open_again(&mut endpoints, |_| true, epoch, now)
+            .expect("opens");
+        assert!(!links.takes_best_effort(), "not proven yet");
+        assert!(!links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        assert_eq!(links.switch_due(now), None, "not usable yet");
+        let Some(Proof::Awaiting { nonce, .. }) = links.best_effort.as_ref().map(|l| l.proof)
+        else {
+            panic!("the reopened link asks for its proof");
+        };
+        assert_eq!(links.on_pong(nonce, &mut endpoints).len(), 1);
+        let switch = links
+            .switch_due(now)
+            .expect("the switch begins once proven");
+        assert_eq!(links.switch_due(now), None, "once");
+        assert!(links.takes_best_effort());
+        let timeout = std::time::Duration::from_secs(10);
+        assert_eq!(links.switch_deadline(timeout), Some(now + timeout));
+        let before = taken(&fabric);
+        for _ in 0..3 {
+            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        }
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(taken(&fabric), before, "held for the switch's pong");
+        assert!(!links.on_switch_pong(switch ^ 1));
+        assert!(links.on_switch_pong(switch));
+        assert_eq!(links.switch_deadline(timeout), None);
+        links.pace_best_effort(&mut endpoints);
+        assert_eq!(taken(&fabric), before + 3, "sent once the switch is done");
+    }
+
+    /// The dialing side reopens by itself and takes no asking; its link
+    /// opened again pings for the peer's credit once the peer has had
+    /// time to read the asking, and those pings are no messages: given up
+    /// by the peer, the link counts none of them dropped. Credited, it
+    /// carries (a client sends no best effort to move).
+    #[test]
+    fn a_dialer_s_reopened_link_takes_no_asking_and_counts_no_ping_dropped() {
+        use std::time::Duration;
+        let now = std::time::Instant::now();
+        let (second, give_up) = (Duration::from_secs(1), Duration::from_secs(8));
+        let (mut endpoints, mut links, fabric) = reopenable_best_effort_link(true);
+        links
+            .close_best_effort(&mut endpoints)
+            .expect("it was open");
+        assert!(
+            links.admit_reopen(Some(1), now).is_err(),
+            "a dialer takes no asking"
+        );
+        assert_eq!(
+            links.reopen_best_effort(&mut endpoints, |_| true, now),
+            Ok(1)
+        );
+        let before = taken(&fabric);
+        assert!(links
+            .tend_best_effort(&mut endpoints, now, second, give_up)
+            .is_none());
+        assert_eq!(
+            taken(&fabric),
+            before,
+            "the peer has not read the asking yet"
+        );
+        let mut at = now;
+        for _ in 0..3 {
+            at += second;
+            assert!(links
+                .tend_best_effort(&mut endpoints, at, second, give_up)
+                .is_none());
+        }
+        assert_eq!(taken(&fabric), before + 3, "a ping a heartbeat");
+        let closed = links
+            .give_up_best_effort(&mut endpoints, Some(0))
+            .expect("it was open");
+        assert_eq!(closed.unsent, 0, "pings are no messages");
+
+        let due = links.reopen_due(second).expect("due to open again");
+        assert_eq!(
+            links.reopen_best_effort(&mut endpoints, |_| true, due),
+            Ok(2)
+        );
+        assert!(!links.carry_once_credited(), "not credited yet");
+        assert_eq!(links.best_effort_path(), None);
+        best_effort_credit(&mut links, due, 0, 64);
+        assert!(links.carry_once_credited());
+        assert!(links.best_effort_path().is_some());
+    }
+
     /// A best-effort frame of more pieces than the window goes a window
     /// at a time: more as the peer's credits grant what it holds of it,
     /// the frame behind it once a credit acknowledges it.
