@@ -113,8 +113,9 @@ pub struct MonitorOptions {
     pub write_timeout: Duration,
     /// Connections served at once; more wait in the listen backlog.
     pub max_connections: usize,
-    /// Connections served at once from one address, at most: more are
-    /// closed as they come, so that one client cannot hold every slot.
+    /// Connections served at once from one address (an IPv6 one with its
+    /// /64), at most: more are closed as they come, so that one client
+    /// cannot hold every slot.
     pub max_connections_per_address: usize,
     /// How long one connection is served: after it, the answer in hand
     /// goes out and the connection is closed (a client that keeps one
@@ -307,12 +308,14 @@ struct AddressHold {
 
 impl AddressHold {
     /// A hold for a new connection from `address`, unless `max` are served
-    /// from it already.
+    /// from it already. Counted as the broker counts its peers: an IPv6
+    /// address by its /64, which one host commonly holds whole.
     fn take(
         counts: &Arc<Mutex<HashMap<IpAddr, usize>>>,
         address: IpAddr,
         max: usize,
     ) -> Option<AddressHold> {
+        let address = efabus_transports::address_key(address);
         let mut held = counts.lock().unwrap_or_else(PoisonError::into_inner);
         let count = held.entry(address).or_insert(0);
         if *count >= max.max(1) {
@@ -861,4 +864,27 @@ fn metrics_page(broker: &Broker, started: SystemTime) -> Result<Answer, Answer> 
         content_type: metrics::CONTENT_TYPE,
         body,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Addresses of one IPv6 /64 share one address's connections, as an
+    /// IPv4 address's connections share them; another /64 has its own.
+    #[test]
+    fn an_ipv6_host_s_connections_share_its_64_s_bound() {
+        let counts = Arc::new(Mutex::new(HashMap::new()));
+        let ip = |text: &str| text.parse::<IpAddr>().expect("an address");
+        let first = AddressHold::take(&counts, ip("2001:db8:1:2::1"), 2);
+        let second = AddressHold::take(&counts, ip("2001:db8:1:2:ffff::9"), 2);
+        assert!(first.is_some() && second.is_some());
+        assert!(
+            AddressHold::take(&counts, ip("2001:db8:1:2:abcd::7"), 2).is_none(),
+            "a third address of the same /64 took a connection past the bound"
+        );
+        assert!(AddressHold::take(&counts, ip("2001:db8:1:3::1"), 2).is_some());
+        drop(first);
+        assert!(AddressHold::take(&counts, ip("2001:db8:1:2::5"), 2).is_some());
+    }
 }
