@@ -211,6 +211,12 @@ pub(crate) struct EventLoop {
     listener_down: Vec<bool>,
     /// Failed polls are logged once a second at most.
     poll_error_log: LogLimit,
+    /// Data links closed alone likewise, and datagram links opened again
+    /// (each kind its own): a path that fails under a thousand clients at
+    /// once, or a peer that has its datagram link reopened every second,
+    /// would flood the log (each session's report keeps its own reasons).
+    link_closed_log: LogLimit,
+    link_reopened_log: LogLimit,
     /// Refused connections likewise.
     refused_log: LogLimit,
     /// Route interest refused likewise.
@@ -592,6 +598,8 @@ impl EventLoop {
             fabric: FabricCounts::default(),
             listener_down,
             poll_error_log: LogLimit::new(Duration::from_secs(1)),
+            link_closed_log: LogLimit::new(Duration::from_secs(1)),
+            link_reopened_log: LogLimit::new(Duration::from_secs(1)),
             refused_log: LogLimit::new(Duration::from_secs(1)),
             route_refusal_log: LogLimit::new(Duration::from_secs(1)),
         }
@@ -2850,7 +2858,9 @@ impl EventLoop {
             "best-effort: {}: opened again (epoch {epoch})",
             link.description
         );
-        info!(session = id, %reason, "datagram link opened again");
+        if let Some(held_back) = self.link_reopened_log.allow(self.now) {
+            info!(session = id, %reason, held_back, "datagram link opened again");
+        }
         if let Some(report) = self.shared.routes.lock().get_mut(&id) {
             let control = self.endpoints[session.conn.control.endpoint].scheme();
             set_route_paths(report, session, control);
@@ -2913,7 +2923,9 @@ impl EventLoop {
         self.by_peer.remove(&closed.address);
         self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(closed.lost);
         BrokerStats::add(&self.shared.stats.best_effort_drops, closed.unsent);
-        warn!(session = id, %reason, "data link closed alone");
+        if let Some(held_back) = self.link_closed_log.allow(self.now) {
+            warn!(session = id, %reason, held_back, "data link closed alone");
+        }
         self.data_link_given_up(id, reason);
         self.schedule_best_effort_timers(id);
     }
