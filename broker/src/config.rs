@@ -82,6 +82,13 @@ pub const MAX_SECRET_LEN: usize = 4096;
 /// quarter of the control body is the bound, with room to spare.
 pub const MAX_SUBJECT_LEN_LIMIT: usize = MAX_CONTROL_BODY / 4;
 
+/// Smallest `limits.max_subject_len` and `limits.max_subject_tokens`: a
+/// request's reply inbox, `_INBOX.<16 hex digits>.<n>`, takes up to 44
+/// bytes and 3 tokens (NATS clients' inboxes about as many), and with
+/// lower limits every request would be refused.
+pub const MIN_SUBJECT_LEN: usize = 64;
+pub const MIN_SUBJECT_TOKENS: usize = 3;
+
 /// Level names `log_level` accepts, alone or after `target=`.
 const LOG_LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
 
@@ -985,13 +992,24 @@ impl Config {
                 ),
             ));
         }
-        if self.limits.max_subject_len > MAX_SUBJECT_LEN_LIMIT {
+        if !(MIN_SUBJECT_LEN..=MAX_SUBJECT_LEN_LIMIT).contains(&self.limits.max_subject_len) {
             return Err(invalid(
                 "limits.max_subject_len",
                 format!(
-                    "is {}; the allowed range is 1 to {MAX_SUBJECT_LEN_LIMIT} bytes \
-                     (subjects travel in 16-bit fields and 64 KiB control frames)",
+                    "is {}; the allowed range is {MIN_SUBJECT_LEN} to {MAX_SUBJECT_LEN_LIMIT} \
+                     bytes (request inboxes such as `_INBOX.<16 hex digits>.<n>` must fit; \
+                     subjects travel in 16-bit fields and 64 KiB control frames)",
                     self.limits.max_subject_len
+                ),
+            ));
+        }
+        if self.limits.max_subject_tokens < MIN_SUBJECT_TOKENS {
+            return Err(invalid(
+                "limits.max_subject_tokens",
+                format!(
+                    "is {}; at least {MIN_SUBJECT_TOKENS} (a request inbox, \
+                     `_INBOX.<id>.<n>`, has three tokens)",
+                    self.limits.max_subject_tokens
                 ),
             ));
         }
@@ -1475,7 +1493,7 @@ mod tests {
             "{err}"
         );
         assert!(
-            err.contains(&format!("1 to {MAX_SUBJECT_LEN_LIMIT}")),
+            err.contains(&format!("{MIN_SUBJECT_LEN} to {MAX_SUBJECT_LEN_LIMIT}")),
             "{err}"
         );
         // The codec's own bound on the wire field is never reached.
