@@ -217,6 +217,12 @@ pub struct BrokerStats {
     /// link carried nothing back (their peer is then dialed without the
     /// fabric).
     pub silent_data_links: AtomicU64,
+    /// Datagram (best-effort) links of clients and routes closed alone,
+    /// the session going on (by either side, for any reason), and opened
+    /// again later in their session: a path that keeps failing shows as
+    /// both growing.
+    pub datagram_links_given_up: AtomicU64,
+    pub datagram_links_reopened: AtomicU64,
     /// Interest entries a route announced that this broker refused (over
     /// `limits.max_route_interest`, or a pattern its limits refuse):
     /// their subscribers get nothing published here.
@@ -370,6 +376,14 @@ impl BrokerStats {
             ("fabric_malformed", get(&self.fabric_malformed)),
             ("unproven_addresses", get(&self.unproven_addresses)),
             ("silent_data_links", get(&self.silent_data_links)),
+            (
+                "datagram_links_given_up",
+                get(&self.datagram_links_given_up),
+            ),
+            (
+                "datagram_links_reopened",
+                get(&self.datagram_links_reopened),
+            ),
             ("route_interest_refused", get(&self.route_interest_refused)),
             (
                 "route_group_undelivered",

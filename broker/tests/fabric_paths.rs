@@ -1506,6 +1506,10 @@ fn a_datagram_link_given_up_opens_again_once_the_path_is_back() {
         "{streamed:?}, {counted} counted lost"
     );
     assert_eq!(client.reconnects(), 0);
+    // The broker closed its side, and opened it again.
+    let stat = |name| broker.stats().value(name).unwrap_or_default();
+    assert!(stat("datagram_links_given_up") >= 1);
+    assert!(stat("datagram_links_reopened") >= 1);
 }
 
 /// Drops one in 200 of the frames the broker sends on its datagram link

@@ -938,6 +938,9 @@ fn a_route_s_datagram_link_given_up_opens_again_once_the_path_is_back() {
         wait_until("the interest gone", || from.route_interest_count() == 0);
     }
     for broker in [&a, &b] {
+        let stat = |name| broker.stats().value(name).unwrap_or_default();
+        assert!(stat("datagram_links_given_up") >= 1);
+        assert!(stat("datagram_links_reopened") >= 1);
         let route = the_route(broker);
         assert!(reopened(&route), "{route:?}");
         let closings = route

@@ -2854,6 +2854,7 @@ impl EventLoop {
         let Some(link) = session.conn.links.best_effort.as_ref() else {
             return;
         };
+        BrokerStats::add(&self.shared.stats.datagram_links_reopened, 1);
         let reason = format!(
             "best-effort: {}: opened again (epoch {epoch})",
             link.description
@@ -2921,6 +2922,9 @@ impl EventLoop {
         }
         // Its closing, reported later, is not the session's loss.
         self.by_peer.remove(&closed.address);
+        if closed.kind == LinkKind::BestEffort {
+            BrokerStats::add(&self.shared.stats.datagram_links_given_up, 1);
+        }
         self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(closed.lost);
         BrokerStats::add(&self.shared.stats.best_effort_drops, closed.unsent);
         if let Some(held_back) = self.link_closed_log.allow(self.now) {
