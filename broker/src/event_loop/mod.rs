@@ -217,6 +217,8 @@ pub(crate) struct EventLoop {
     /// would flood the log (each session's report keeps its own reasons).
     link_closed_log: LogLimit,
     link_reopened_log: LogLimit,
+    /// Reliable data links that failed (their sessions end) likewise.
+    link_failed_log: LogLimit,
     /// Refused connections likewise.
     refused_log: LogLimit,
     /// Route interest refused likewise.
@@ -600,6 +602,7 @@ impl EventLoop {
             poll_error_log: LogLimit::new(Duration::from_secs(1)),
             link_closed_log: LogLimit::new(Duration::from_secs(1)),
             link_reopened_log: LogLimit::new(Duration::from_secs(1)),
+            link_failed_log: LogLimit::new(Duration::from_secs(1)),
             refused_log: LogLimit::new(Duration::from_secs(1)),
             route_refusal_log: LogLimit::new(Duration::from_secs(1)),
         }
@@ -1535,7 +1538,9 @@ impl EventLoop {
             }
         };
         if let Some(session) = self.sessions.get(&id) {
-            warn!(session = id, remote = %session.remote, error = %err, "reliable data link failed");
+            if let Some(held_back) = self.link_failed_log.allow(self.now) {
+                warn!(session = id, remote = %session.remote, error = %err, held_back, "reliable data link failed");
+            }
         }
         self.fail(id, code, format!("data link: {err}"));
     }
@@ -2459,7 +2464,9 @@ impl EventLoop {
         }
         let reason = session.conn.links.failure.clone().unwrap_or_default();
         BrokerStats::add(&self.shared.stats.link_send_failures, 1);
-        warn!(session = id, remote = %session.remote, %reason, "reliable data link send failed");
+        if let Some(held_back) = self.link_failed_log.allow(self.now) {
+            warn!(session = id, remote = %session.remote, %reason, held_back, "reliable data link send failed");
+        }
         self.fail(
             id,
             ErrorCode::Internal,

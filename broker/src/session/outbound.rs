@@ -328,12 +328,13 @@ fn send_on(
     match result {
         Ok(Sent::Accepted) => counts.fabric_frames_out += frames,
         Ok(Sent::Blocked(frame)) => return OnLink::Full(frame),
+        // The owner reports the failure, with its session.
         Ok(Sent::Failed(frame, reason)) => {
-            warn!(%reason, "reliable data link send failed");
+            debug!(%reason, "reliable data link send failed");
             return OnLink::FailedBefore(frame, reason.to_string());
         }
         Err(reason) => {
-            warn!(%reason, "reliable data link send failed");
+            debug!(%reason, "reliable data link send failed");
             return OnLink::Failed(reason.to_string());
         }
     }
@@ -509,7 +510,7 @@ impl Outbound {
                 Ok(false) => return false,
                 Err(reason) => {
                     // The piece that failed is lost: nothing may follow it.
-                    warn!(%reason, "reliable data link send failed");
+                    debug!(%reason, "reliable data link send failed");
                     links.failure = Some(reason.to_string());
                     return false;
                 }
