@@ -310,15 +310,7 @@ impl SubscriptionTable {
                 turn,
             )?;
         }
-        for key in &targets.matches {
-            if key.owner == LOCAL_OWNER {
-                if let Some(sink) = self.locals.get(&key.sid) {
-                    targets.local.push((key.sid, sink.clone()));
-                }
-            } else {
-                targets.remote.push(*key);
-            }
-        }
+        self.split_matches(targets);
         Ok(stable)
     }
 

@@ -1344,8 +1344,9 @@ impl TcpEndpoint {
                 }
             };
             let mut wire = Wire::new(stream, session);
-            // Without workers, handshakes run here, as they can.
-            if let (true, Some(workers)) = (wire.is_tls(), HandshakeWorkers::shared()) {
+            // Without workers, handshakes run here, as they can; a plain
+            // connection starts none.
+            if let Some(workers) = wire.is_tls().then(HandshakeWorkers::shared).flatten() {
                 let attention = Arc::clone(&self.attention);
                 let call_back = Arc::new(move || attention.call(token));
                 wire = wire.with_handshake_workers(workers, remote.ip(), call_back);

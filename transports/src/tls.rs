@@ -339,8 +339,8 @@ struct RecordScan {
     header: [u8; RECORD_HEADER],
     header_len: usize,
     body_left: usize,
-    /// Whole records seen since last asked.
-    whole: usize,
+    /// Whether a whole record was seen since last asked.
+    whole: bool,
 }
 
 /// A TLS record's header: its type, version and length.
@@ -353,7 +353,7 @@ impl RecordScan {
                 let taken = self.body_left.min(bytes.len());
                 self.body_left -= taken;
                 bytes = &bytes[taken..];
-                self.whole += usize::from(self.body_left == 0);
+                self.whole |= self.body_left == 0;
                 continue;
             }
             let taken = (RECORD_HEADER - self.header_len).min(bytes.len());
@@ -363,14 +363,14 @@ impl RecordScan {
             if self.header_len == RECORD_HEADER {
                 self.header_len = 0;
                 self.body_left = usize::from(u16::from_be_bytes([self.header[3], self.header[4]]));
-                self.whole += usize::from(self.body_left == 0);
+                self.whole |= self.body_left == 0;
             }
         }
     }
 
     /// Whether a whole record came since last asked.
     fn take_whole(&mut self) -> bool {
-        std::mem::take(&mut self.whole) > 0
+        std::mem::take(&mut self.whole)
     }
 }
 

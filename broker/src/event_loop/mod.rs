@@ -2852,15 +2852,14 @@ impl EventLoop {
     /// Session `id`'s datagram link opened again: its address is the
     /// session's, and its reports say so.
     fn data_link_reopened(&mut self, id: u64, epoch: u32) {
-        let Some(session) = self.sessions.get_mut(&id) else {
+        let Some(link) = self
+            .sessions
+            .get(&id)
+            .and_then(|session| session.conn.links.best_effort.as_ref())
+        else {
             return;
         };
-        for address in session.conn.links.addresses() {
-            self.by_peer.insert(address, id);
-        }
-        let Some(link) = session.conn.links.best_effort.as_ref() else {
-            return;
-        };
+        self.by_peer.insert((link.endpoint, link.peer), id);
         BrokerStats::add(&self.shared.stats.datagram_links_reopened, 1);
         let reason = format!(
             "best-effort: {}: opened again (epoch {epoch})",
@@ -2869,12 +2868,7 @@ impl EventLoop {
         if let Some(held_back) = self.link_reopened_log.allow(self.now) {
             info!(session = id, %reason, held_back, "datagram link opened again");
         }
-        if let Some(report) = self.shared.routes.lock().get_mut(&id) {
-            let control = self.endpoints[session.conn.control.endpoint].scheme();
-            set_route_paths(report, session, control);
-            push_reason(&mut report.reasons, reason.clone());
-        }
-        push_reason(&mut session.link_reasons, reason);
+        self.report_links_changed(id, reason);
     }
 
     /// Session `id`'s datagram link, opened again, has become usable:
@@ -2937,13 +2931,14 @@ impl EventLoop {
         if let Some(held_back) = self.link_closed_log.allow(self.now) {
             warn!(session = id, %reason, held_back, "data link closed alone");
         }
-        self.data_link_given_up(id, reason);
+        self.report_links_changed(id, reason);
         self.schedule_best_effort_timers(id);
     }
 
-    /// Session `id` gave a data link up: `reason` goes into its connection
-    /// report, and its route's shows the links left.
-    fn data_link_given_up(&mut self, id: u64, reason: String) {
+    /// Session `id` gave a data link up or opened one again: `reason`
+    /// goes into its connection report, and its route's shows the links
+    /// it has now.
+    fn report_links_changed(&mut self, id: u64, reason: String) {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };

@@ -172,11 +172,7 @@ impl Raw {
             class: DeliveryClass::Reliable,
         }));
         self.send(&Frame::UnsubscribeAfter { sid, total });
-        self.send(&Frame::Ping { nonce: sid });
-        self.expect(
-            "the pong",
-            |f| matches!(f, Frame::Pong { nonce } if *nonce == sid),
-        );
+        self.messages_before_pong(sid);
     }
 
     /// The messages that arrive before the answer to a ping sent now:

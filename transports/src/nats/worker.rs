@@ -515,10 +515,10 @@ impl Worker {
                 }
             };
             self.next_peer += 1;
-            let tls = session.is_some();
             let mut wire = Wire::new(stream, session);
-            // Without workers, handshakes run here, as they can.
-            if let (true, Some(workers)) = (tls, HandshakeWorkers::shared()) {
+            // Without workers, handshakes run here, as they can; a plain
+            // connection starts none.
+            if let Some(workers) = wire.is_tls().then(HandshakeWorkers::shared).flatten() {
                 let shared = Arc::clone(&self.shared);
                 let call_back = Arc::new(move || shared.command(Command::Stepped(peer)));
                 wire = wire.with_handshake_workers(workers, remote.ip(), call_back);
@@ -548,7 +548,7 @@ impl Worker {
             // With TLS only the INFO line goes in the clear; the client
             // starts the handshake once it has read it. Handshake first,
             // it waits in the session for the handshake to end.
-            if tls && !self.info.handshake_first {
+            if conn.stream.is_tls() && !self.info.handshake_first {
                 conn.clear.extend_from_slice(info.as_bytes());
             } else {
                 conn.output.extend_from_slice(info.as_bytes());
