@@ -223,6 +223,10 @@ pub(crate) struct EventLoop {
     refused_log: LogLimit,
     /// Route interest refused likewise.
     route_refusal_log: LogLimit,
+    /// Sessions closed for an error, at most ten lines a second: a flood
+    /// of peers failing at once (a storm of bad input, a stalled path
+    /// under many slow consumers) is counted, not logged line by line.
+    closing_log: LogLimit,
 }
 
 impl EventLoop {
@@ -605,6 +609,7 @@ impl EventLoop {
             link_failed_log: LogLimit::new(Duration::from_secs(1)),
             refused_log: LogLimit::new(Duration::from_secs(1)),
             route_refusal_log: LogLimit::new(Duration::from_secs(1)),
+            closing_log: LogLimit::new(Duration::from_millis(100)),
         }
     }
 
@@ -2479,7 +2484,9 @@ impl EventLoop {
         let Some(session) = self.sessions.get(&id) else {
             return;
         };
-        info!(session = id, remote = %session.remote, ?code, %text, "closing peer");
+        if let Some(held_back) = self.closing_log.allow(self.now) {
+            info!(session = id, remote = %session.remote, ?code, %text, held_back, "closing peer");
+        }
         let frame = error_frame(code, text, true);
         // A queue behind a failed data link never drains, nor does one
         // held for a data link whose address was never proven (one held
