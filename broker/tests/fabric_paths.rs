@@ -1512,6 +1512,60 @@ fn a_datagram_link_given_up_opens_again_once_the_path_is_back() {
     assert!(stat("datagram_links_reopened") >= 1);
 }
 
+/// A datagram link that goes quiet both ways for about two seconds and
+/// comes back: the broker's frames go unconfirmed, so it probes the link
+/// every 400 ms, and those probes are lost with the messages (the link is
+/// kept: it gives up only after half the heartbeat timeout). A stream of
+/// 16 messages each millisecond throughout arrives once and in order, or
+/// is counted lost, exactly: a lost probe takes no sequence, so the
+/// client counts none lost for it (each used to count as a lost message).
+#[test]
+fn probes_lost_with_a_datagram_link_s_messages_are_not_counted_as_messages() {
+    let provider = Provider { rdm: "tcp;ofi_rxm" };
+    let Some(broker) = start_broker(provider, true, "") else {
+        return;
+    };
+    let name = "quiet-datagrams";
+    // Quiet from the 200th datagram either way, until 2.5 s after the
+    // first (the link's opening).
+    let faults = Faults {
+        scheme: Some("efa-dgram".to_string()),
+        direction: FaultDirection::Both,
+        drop_after: 200,
+        heal_after_ms: 2500,
+        ..Faults::default()
+    };
+    let client = connect_with(
+        &broker,
+        ClientOptions {
+            preference: vec!["efa-dgram".to_string(), "tcp".to_string()],
+            faults: Some(faults),
+            ..fabric_options(&broker, name)
+        },
+    );
+    let sub = client.subscribe_best_effort("stream.>").unwrap();
+    client.flush(WAIT).unwrap();
+    let drops_before = best_effort_drops(&broker);
+    let started = Instant::now();
+    let streamed = stream_until(&broker, &sub, Instant::now() + 3 * WAIT, |_| {
+        started.elapsed() > Duration::from_secs(4)
+    });
+    let link = client.link();
+    let report = session_named(&broker, name);
+    assert!(
+        report.best_effort.is_some() && link.best_effort.is_some(),
+        "the datagram link was given up: {report:?}, {link:?}"
+    );
+    let counted = link.best_effort_lost + best_effort_drops(&broker) - drops_before;
+    assert!(counted > 0, "nothing lost in the outage: {streamed:?}");
+    assert_eq!(
+        streamed.received + counted,
+        streamed.published,
+        "{streamed:?}, {counted} counted lost ({} by the client)",
+        link.best_effort_lost
+    );
+}
+
 /// Drops one in 200 of the frames the broker sends on its datagram link
 /// (seeded, so the same ones each run).
 const DROP_ONE_DATAGRAM_IN_200: &str =

@@ -33,6 +33,7 @@
 //! | `Fragment` (0x12) | msg_id u64, index u32, count u32, total_len u32, data_len u32 | data |
 //! | `Credit` (0x13) | messages u32, bytes u64, ack_seq u64 | nothing |
 //! | `Run` (0x14) | nothing | whole frames, back to back |
+//! | `Probe` (0x15) | nonce u64, sent_through u64 | nothing |
 //!
 //! Flag bit 0 ([`FLAG_REPLY`]) says a reply subject is present (so an empty
 //! reply is distinguishable from none). Flag bit 1 ([`FLAG_HEADERS`]) says
@@ -82,6 +83,8 @@ pub const MESSAGE_HEADER_LEN: usize = 8 + 8 + 1 + 2 + 2 + 4;
 pub const FRAGMENT_HEADER_LEN: usize = 8 + 4 + 4 + 4 + 4;
 /// Body bytes of a `Credit` frame.
 pub const CREDIT_BODY_LEN: usize = 4 + 8 + 8;
+/// Body bytes of a `Probe` frame.
+pub const PROBE_BODY_LEN: usize = 8 + 8;
 /// Encoded size of a `Fragment` frame minus its data: what fragmentation
 /// spends per piece.
 pub const FRAGMENT_OVERHEAD: usize = FRAME_OVERHEAD + FRAGMENT_HEADER_LEN;
@@ -174,6 +177,8 @@ pub enum FrameKind {
     Credit = 0x13,
     /// [`Frame::Run`] (data).
     Run = 0x14,
+    /// [`Frame::Probe`] (data).
+    Probe = 0x15,
 }
 
 impl FrameKind {
@@ -189,6 +194,7 @@ impl FrameKind {
             Frame::Fragment(_) => FrameKind::Fragment,
             Frame::Credit(_) => FrameKind::Credit,
             Frame::Run(_) => FrameKind::Run,
+            Frame::Probe { .. } => FrameKind::Probe,
             Frame::Ping { .. } => FrameKind::Ping,
             Frame::Pong { .. } => FrameKind::Pong,
             Frame::Error(_) => FrameKind::Error,
@@ -226,6 +232,7 @@ impl FrameKind {
             0x12 => FrameKind::Fragment,
             0x13 => FrameKind::Credit,
             0x14 => FrameKind::Run,
+            0x15 => FrameKind::Probe,
             _ => return None,
         })
     }
@@ -258,6 +265,7 @@ impl FrameKind {
             FrameKind::Fragment => "fragment",
             FrameKind::Credit => "credit",
             FrameKind::Run => "run",
+            FrameKind::Probe => "probe",
         }
     }
 }
@@ -525,6 +533,7 @@ pub fn encoded_len(frame: &Frame) -> Result<usize, EncodeError> {
             f.data.len(),
         )?,
         Frame::Credit(_) => FRAME_OVERHEAD + CREDIT_BODY_LEN,
+        Frame::Probe { .. } => FRAME_OVERHEAD + PROBE_BODY_LEN,
         Frame::Run(frames) => {
             check_width(FrameKind::Run, "frames", frames.len(), MAX_RUN_LEN)?;
             FRAME_OVERHEAD + frames.len()
@@ -837,17 +846,26 @@ impl Writer for BufWriter<'_> {
     }
 }
 
-/// Encodes a control frame or `Credit` (anything without a payload).
+/// Encodes a control frame, `Credit` or `Probe` (anything without a
+/// payload).
 fn write_control(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
     let start = out.len();
     out.put_u32_le(0);
     out.put_u8(FrameKind::of(frame) as u8);
-    if let Frame::Credit(c) = frame {
-        out.put_u32_le(c.messages);
-        out.put_u64_le(c.bytes);
-        out.put_u64_le(c.ack_seq);
-    } else {
-        encode_control_body(frame, BufWriter(out))?;
+    match frame {
+        Frame::Credit(c) => {
+            out.put_u32_le(c.messages);
+            out.put_u64_le(c.bytes);
+            out.put_u64_le(c.ack_seq);
+        }
+        Frame::Probe {
+            nonce,
+            sent_through,
+        } => {
+            out.put_u64_le(*nonce);
+            out.put_u64_le(*sent_through);
+        }
+        _ => encode_control_body(frame, BufWriter(out))?,
     }
     let body = out.len() - start - FRAME_OVERHEAD;
     let kind = FrameKind::of(frame);
@@ -899,6 +917,7 @@ fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), Encode
         | Frame::Message(_)
         | Frame::Fragment(_)
         | Frame::Credit(_)
+        | Frame::Probe { .. }
         | Frame::Run(_) => {
             return Err(EncodeError::Body {
                 kind,
@@ -1040,7 +1059,7 @@ pub fn check_run(frames: &[u8]) -> Result<usize, DecodeError> {
         };
         match FrameKind::from_byte(frames[at + PREFIX_LEN]) {
             None => return Err(DecodeError::UnknownKind(frames[at + PREFIX_LEN])),
-            Some(FrameKind::Run | FrameKind::Fragment | FrameKind::Credit) => {
+            Some(FrameKind::Run | FrameKind::Fragment | FrameKind::Credit | FrameKind::Probe) => {
                 return Err(DecodeError::BadRun("it holds a link frame"))
             }
             Some(_) => count += 1,
@@ -1057,6 +1076,7 @@ pub fn decode(frame: Bytes, limits: &CodecLimits) -> Result<Frame, DecodeError> 
         FrameKind::Publish | FrameKind::Message => decode_routed(kind, &frame, limits),
         FrameKind::Fragment => decode_fragment(frame.slice(FRAME_OVERHEAD..)),
         FrameKind::Credit => decode_credit(&frame[FRAME_OVERHEAD..]),
+        FrameKind::Probe => decode_probe(&frame[FRAME_OVERHEAD..]),
         FrameKind::Run => Ok(Frame::Run(frame.slice(FRAME_OVERHEAD..))),
         _ => decode_control(kind, &frame[FRAME_OVERHEAD..]),
     }
@@ -1382,6 +1402,21 @@ fn decode_credit(body: &[u8]) -> Result<Frame, DecodeError> {
     }))
 }
 
+fn decode_probe(body: &[u8]) -> Result<Frame, DecodeError> {
+    let mut fields = Fields::new(body, PROBE_BODY_LEN)?;
+    if body.len() != PROBE_BODY_LEN {
+        return Err(DecodeError::BodyLength {
+            kind: FrameKind::Probe,
+            declared: PROBE_BODY_LEN as u64,
+            actual: body.len(),
+        });
+    }
+    Ok(Frame::Probe {
+        nonce: fields.u64(),
+        sent_through: fields.u64(),
+    })
+}
+
 /// A bincode reader over a body slice that knows how much it consumed.
 struct BodyReader<'a> {
     buf: &'a [u8],
@@ -1568,6 +1603,7 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
         | FrameKind::Message
         | FrameKind::Fragment
         | FrameKind::Credit
+        | FrameKind::Probe
         | FrameKind::Run => {
             return Err(DecodeError::Body {
                 kind,
@@ -1952,6 +1988,11 @@ mod tests {
             ack_seq: 1,
         }))
         .to_bytes();
+        let probe = encode(&Frame::Probe {
+            nonce: 1,
+            sent_through: 1,
+        })
+        .to_bytes();
         let truncated = ping(2).slice(..ping(2).len() - 1);
         let mut zero_length = ping(3).to_vec();
         zero_length.extend_from_slice(&[0, 0, 0, 0]);
@@ -1961,6 +2002,7 @@ mod tests {
             (Bytes::new(), "empty"),
             (Bytes::from([ping(1), run_in_run].concat()), "nested run"),
             (Bytes::from([ping(1), credit].concat()), "credit"),
+            (Bytes::from([ping(1), probe].concat()), "probe"),
             (Bytes::from([ping(1), truncated].concat()), "cut short"),
             (Bytes::from(zero_length), "zero length"),
             (Bytes::from(unknown_kind), "unknown kind"),

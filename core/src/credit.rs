@@ -210,6 +210,9 @@ pub struct CreditGrant {
     /// granted them.
     held: u64,
     last_held: u64,
+    /// The peer asked for a credit since the last one was sent (a probe,
+    /// which takes no sequence: see [`Self::ask`]).
+    asked: bool,
 }
 
 impl CreditGrant {
@@ -224,7 +227,16 @@ impl CreditGrant {
             unrepeated: false,
             held: 0,
             last_held: 0,
+            asked: false,
         }
+    }
+
+    /// The peer asks for a credit (a datagram link's probe): one is owed,
+    /// and due at once, though nothing new may be acknowledged. A sender
+    /// that has had none yet learns so that its frames arrive, one whose
+    /// credits were lost what has been settled.
+    pub fn ask(&mut self) {
+        self.asked = true;
     }
 
     /// Lossy links: the receiver holds `held` of the `count` pieces of
@@ -256,8 +268,12 @@ impl CreditGrant {
     /// The credit to send now, if one is due, given that every sequence up
     /// to `through` has been delivered (or given up). One is due when
     /// `through` moved and a quarter of the window has been received since
-    /// the last credit, or [`CREDIT_DELAY`] has passed.
+    /// the last credit, or [`CREDIT_DELAY`] has passed; and at once when
+    /// the peer asked for one ([`Self::ask`]).
     pub fn due(&self, now: Instant, through: u64) -> Option<Credit> {
+        if self.asked {
+            return Some(self.credit(through.max(self.last_ack)));
+        }
         if through <= self.last_ack {
             return self.held_grew().then(|| self.credit(self.last_ack));
         }
@@ -271,10 +287,11 @@ impl CreditGrant {
     }
 
     /// Whether an acknowledgement is owed at all (`through` moved since the
-    /// last credit, or what is held of a message still arriving grew): the
+    /// last credit, what is held of a message still arriving grew, or the
+    /// peer asked for one): the
     /// caller keeps asking [`Self::due`] until it is not.
     pub fn owes(&self, through: u64) -> bool {
-        through > self.last_ack || self.held_grew()
+        through > self.last_ack || self.held_grew() || self.asked
     }
 
     /// The credit for `through`, due or not: the window beyond it, and
@@ -296,6 +313,7 @@ impl CreditGrant {
         self.pieces_since = 0;
         self.bytes_since = 0;
         self.unrepeated = true;
+        self.asked = false;
     }
 
     /// For a lossy link: the last credit, to send once more, when nothing
@@ -364,6 +382,31 @@ mod tests {
             grant.repeat_due(at + CREDIT_REPEAT_AFTER, 9),
             Some(grant.credit(9))
         );
+    }
+
+    /// A peer's probe asks for a credit: one is owed and due at once,
+    /// with nothing new to acknowledge (the first of all included), and
+    /// once sent, no more is owed.
+    #[test]
+    fn a_credit_asked_for_is_owed_at_once() {
+        let window = Window {
+            pieces: 8,
+            bytes: 1 << 20,
+        };
+        let mut grant = CreditGrant::new(window);
+        let now = Instant::now();
+        assert!(!grant.owes(0));
+        assert_eq!(grant.due(now, 0), None);
+        grant.ask();
+        assert!(grant.owes(0));
+        assert_eq!(grant.due(now, 0), Some(grant.credit(0)));
+        grant.sent(now, &grant.credit(0));
+        assert!(!grant.owes(0));
+        // Later, behind what was acknowledged: the last acknowledgement.
+        grant.sent(now, &grant.credit(6));
+        grant.ask();
+        assert_eq!(grant.due(now, 6), Some(grant.credit(6)));
+        assert_eq!(grant.due(now, 7), Some(grant.credit(7)), "not held back");
     }
 
     #[test]

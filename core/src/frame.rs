@@ -13,7 +13,7 @@ use crate::caps::Offer;
 
 /// Version of the wire protocol spoken by this build. A peer whose hello
 /// carries another major version is refused with [`ErrorCode::Version`].
-pub const PROTOCOL_VERSION: u16 = 16;
+pub const PROTOCOL_VERSION: u16 = 17;
 
 /// How a subscription wants its messages carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -351,6 +351,18 @@ pub enum Frame {
     Run(Bytes),
     /// Flow control and acknowledgement.
     Credit(Credit),
+    /// A datagram link's ping, outside the link's sequence: the receiver
+    /// answers it as a `Ping` (a `Pong` of the same nonce), and learns
+    /// that every sequence up to `sent_through` was sent, so that it
+    /// settles those still missing (counts them lost) after its gap
+    /// timeout though nothing later comes. Carrying no sequence, a probe
+    /// that is lost leaves no gap to be counted as a lost message.
+    Probe {
+        /// Chosen by the sender, echoed in the `Pong`.
+        nonce: u64,
+        /// The highest sequence the sender had sent on the link.
+        sent_through: u64,
+    },
     /// Keepalive probe; the peer answers with a `Pong` of the same nonce.
     Ping {
         /// Chosen by the sender, echoed in the `Pong`.

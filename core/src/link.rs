@@ -69,7 +69,10 @@
 //! given up is counted exactly once in [`ReceiveStats::lost`], so after
 //! the receiver has settled (nothing held, nothing partial) `delivered +
 //! lost` equals the highest sequence any piece arrived for. Sequences after the last piece that
-//! arrived cannot be known and are not counted. The gap timeout should
+//! arrived cannot be known and are not counted, unless the sender's probe
+//! ([`crate::frame::Frame::Probe`], outside the sequence) says they were
+//! sent ([`LinkReceiver::note_sent_through`]): those still missing a gap
+//! timeout later are then settled as any gap is. The gap timeout should
 //! exceed the time one frame's pieces take to arrive, or large frames are
 //! skipped while still arriving; once a frame's last piece has come, a
 //! piece of it reordered further behind than a twentieth of the timeout
@@ -585,6 +588,11 @@ pub struct LinkReceiver {
     far_ahead: Option<(u64, u64, u32)>,
     /// Lossy links: [`LinkConfig::skip_distance`].
     skip_distance: usize,
+    /// Lossy links: [`LinkConfig::gap_timeout`].
+    gap_timeout: Duration,
+    /// Lossy, sequenced links: the highest sequence the sender's probe
+    /// said it sent, beyond any piece seen, and when the probe came.
+    announced: Option<(u64, Instant)>,
     /// Lossy links: the next sequence due and the pieces of later ones
     /// taken since it became due.
     behind_gap: Option<(u64, usize)>,
@@ -637,6 +645,8 @@ impl LinkReceiver {
             marks_released: 0,
             far_ahead: None,
             skip_distance: config.skip_distance.max(1),
+            gap_timeout: config.gap_timeout,
+            announced: None,
             behind_gap: None,
             gap_failure: None,
             gap_deadline: None,
@@ -985,6 +995,7 @@ impl LinkReceiver {
                 reorder.poll(now, &mut self.released);
             }
             self.forget_skipped_partials(given_up);
+            self.take_announced(now);
             self.settle_tail(now);
         }
         self.drain(out);
@@ -1038,15 +1049,57 @@ impl LinkReceiver {
         }
     }
 
+    /// Lossy, sequenced links: the sender's probe says it sent every
+    /// sequence up to `sent_through`. Those beyond the highest seen that
+    /// have not come a gap timeout from `now` are then settled as a gap
+    /// is (counted lost, a gap timeout later still): without it, a link
+    /// whose last frames were lost could not tell them from frames never
+    /// sent. A claim beyond the reorder window (no sender within its
+    /// credit can have sent that far) is ignored.
+    pub fn note_sent_through(&mut self, sent_through: u64, now: Instant) {
+        let Some(reorder) = self.reorder.as_ref().filter(|_| self.lossy) else {
+            return;
+        };
+        let window_end = reorder
+            .expected()
+            .saturating_add(reorder.config().capacity as u64);
+        let pending = self.announced.map_or(0, |(through, _)| through);
+        if sent_through <= self.highest_seen.max(pending) || sent_through >= window_end {
+            return;
+        }
+        self.announced = Some((sent_through, now));
+    }
+
+    /// Lossy links: once a gap timeout has passed since the probe of
+    /// [`Self::note_sent_through`], its sequences count as seen, so that
+    /// [`Self::settle_tail`] gives those still missing up.
+    fn take_announced(&mut self, now: Instant) {
+        let Some((through, at)) = self.announced else {
+            return;
+        };
+        if at
+            .checked_add(self.gap_timeout)
+            .is_some_and(|due| now < due)
+        {
+            return;
+        }
+        self.announced = None;
+        self.highest_seen = self.highest_seen.max(through);
+    }
+
     /// When [`poll`](LinkReceiver::poll) next has something to do; `None`
     /// when nothing is due by time. On a reliable link, the time the gap
     /// frames wait behind fails the link, if nothing fills it first.
     pub fn next_deadline(&self) -> Option<Instant> {
         let gap = self.reorder.as_ref().and_then(ReorderBuffer::next_deadline);
+        let announced = self
+            .announced
+            .and_then(|(_, at)| at.checked_add(self.gap_timeout));
         [
             self.reassembler.next_deadline(),
             gap,
             self.due_partial_deadline(),
+            announced,
         ]
         .into_iter()
         .flatten()

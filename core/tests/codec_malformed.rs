@@ -261,6 +261,12 @@ fn data_frame_errors_are_reported() {
         decode(framed(FrameKind::Credit as u8, &[0; 21]), &limits),
         Err(DecodeError::BodyLength { .. })
     ));
+    for len in [15, 17] {
+        assert!(matches!(
+            decode(framed(FrameKind::Probe as u8, &vec![0; len]), &limits),
+            Err(DecodeError::Truncated { .. } | DecodeError::BodyLength { .. })
+        ));
+    }
 }
 
 /// An offer's text fields are bounded, both ways: a peer's offer whose

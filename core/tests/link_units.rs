@@ -748,6 +748,53 @@ fn a_lossy_link_counts_what_it_holds_unsettled() {
     assert_eq!(reliable.unsettled(), 0);
 }
 
+/// The sender's probe says how far it sent: a lost tail, which no later
+/// frame reveals, is counted lost a gap timeout after the probe (and the
+/// gap's own timeout after that), but a frame of it that comes meanwhile
+/// is delivered; a claim past the window, or behind what came, changes
+/// nothing.
+#[test]
+fn a_probe_settles_the_lost_tail_it_announces() {
+    let gap = ms(10);
+    let cfg = config(1472, true, true, 64, gap, ms(1000));
+    let mut tx = LinkSender::new(&cfg).expect("sender");
+    let mut rx = LinkReceiver::new(&cfg);
+    let wire = wire_frames_sized(&mut tx, 5, |_| 64);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    rx.receive(t0, wire[0][0].clone(), &mut out).unwrap();
+    rx.receive(t0, wire[1][0].clone(), &mut out).unwrap();
+    assert_eq!(out.len(), 2);
+    // Without a probe nothing past sequence 2 is known, nothing is due.
+    rx.poll(t0 + ms(500), &mut out).unwrap();
+    assert_eq!((rx.stats().lost, rx.next_deadline()), (0, None));
+    // Claims the window rules out, or behind what came, are ignored.
+    rx.note_sent_through(2 + 64 + 1, t0);
+    rx.note_sent_through(2, t0);
+    assert_eq!(rx.next_deadline(), None);
+    // Sent through 5: 3 comes before the probe's wait is over, 4 and 5
+    // never do.
+    rx.note_sent_through(5, t0);
+    assert_eq!(rx.next_deadline(), Some(t0 + gap));
+    rx.receive(t0 + ms(5), wire[2][0].clone(), &mut out)
+        .unwrap();
+    assert_eq!(out.len(), 3);
+    rx.poll(t0 + ms(9), &mut out).unwrap();
+    assert_eq!(rx.stats().lost, 0, "not yet");
+    rx.poll(t0 + gap, &mut out).unwrap();
+    let settled_at = rx.next_deadline().expect("the tail's gap is timed");
+    assert!(settled_at <= t0 + gap + gap, "{settled_at:?}");
+    rx.poll(settled_at, &mut out).unwrap();
+    let stats = rx.stats();
+    assert_eq!((out.len(), stats.lost, stats.delivered), (3, 2, 3));
+    assert_eq!(rx.expected_sequence(), Some(6));
+    assert_eq!(rx.unsettled(), 0);
+    // A frame of the tail coming later still is dropped as settled.
+    rx.receive(settled_at + ms(1), wire[4][0].clone(), &mut out)
+        .unwrap();
+    assert_eq!((out.len(), rx.stats().duplicates), (3, 1));
+}
+
 /// A gap given up by its timeout while a piece is being received (not at
 /// a poll) frees the partial message of the missing sequence at once.
 #[test]

@@ -60,6 +60,10 @@ fn bases() -> &'static [Vec<u8>] {
                 class: DeliveryClass::BestEffort,
             }),
             Frame::Unsubscribe { sid: 4 },
+            Frame::Probe {
+                nonce: 12,
+                sent_through: 40,
+            },
             Frame::Ping { nonce: 11 },
             Frame::Error(ErrorFrame {
                 code: ErrorCode::InvalidSubject,

@@ -183,9 +183,10 @@ pub(crate) struct DataLink {
     /// Credits sent to the peer.
     pub credits_out: u64,
     credit_waits_reported: u64,
-    /// Credit frames that did not decode on a lossy link (counted,
-    /// otherwise ignored: the next credit repairs the window).
-    pub bad_credits: u64,
+    /// Credit and probe frames that did not decode on a lossy link
+    /// (counted, otherwise ignored: the next credit repairs the window,
+    /// the next probe asks again).
+    pub bad_link_frames: u64,
     /// Runs that did not open on a lossy link, dropped and counted as lost
     /// (one each: what they held cannot be known).
     bad_runs: u64,
@@ -249,11 +250,12 @@ struct Trickle {
 /// quiet) while its session lives on: the receiver, hearing nothing, sees
 /// no gap to count, and the sender's window, reset when it stays full,
 /// sends into the void again and again. Frames left unconfirmed for a
-/// while are followed by a numbered ping there: a live receiver answers it
-/// (a `Pong`, even while it holds its credits back) and acknowledges it
-/// (counting as lost what it finds missing below it); a link whose pings
-/// go unanswered is given up, and what it sent unconfirmed is counted as
-/// lost ([`DataLinks::probe_best_effort`]).
+/// while are followed by a probe there (a ping outside the sequence,
+/// saying how far this side sent): a live receiver answers it (a `Pong`,
+/// even while it holds its credits back) and settles what it lacks up to
+/// there (counting it lost), which its next credit acknowledges; a link
+/// whose probes go unanswered is given up, and what it sent unconfirmed
+/// is counted as lost ([`DataLinks::probe_best_effort`]).
 #[derive(Debug, Default)]
 struct Confirmed {
     /// Highest sequence a credit acknowledged.
@@ -268,10 +270,9 @@ struct Confirmed {
     probe_nonce: u64,
     first_probe: Option<Instant>,
     last_probe: Option<Instant>,
-    /// Sequences above `through` that are no messages to count as lost
-    /// when the link is given up: the pings, and frames already counted
-    /// as dropped when their send failed. At most [`NOT_MESSAGES_KEPT`]
-    /// (a peer that answers pings but never credits adds one a ping).
+    /// Sequences above `through` not to count as lost when the link is
+    /// given up: frames already counted as dropped when their send
+    /// failed. At most [`NOT_MESSAGES_KEPT`].
     not_messages: VecDeque<u64>,
 }
 
@@ -473,7 +474,7 @@ impl DataLink {
             lost_told: 0,
             credits_out: 0,
             credit_waits_reported: 0,
-            bad_credits: 0,
+            bad_link_frames: 0,
             bad_runs: 0,
             contact: Contact::Unsent,
             credited: false,
@@ -706,12 +707,11 @@ impl DataLink {
         Ok(true)
     }
 
-    /// Frames whose last pieces wait in the backlog, but for pings (no
-    /// messages, see [`Confirmed`]).
+    /// Frames whose last pieces wait in the backlog.
     fn backlog_frames(&self) -> u64 {
         self.backlog
             .iter()
-            .filter(|(_, last)| last.is_some_and(|seq| !self.confirmed.not_messages.contains(&seq)))
+            .filter(|(_, last)| last.is_some())
             .count() as u64
     }
 
@@ -738,6 +738,26 @@ impl DataLink {
         out: &mut Vec<Bytes>,
     ) -> Result<(), LinkError> {
         self.contact = Contact::Heard;
+        if message.get(PREFIX_LEN) == Some(&(FrameKind::Probe as u8)) {
+            return match codec::decode(message, &codec::CodecLimits::default()) {
+                Ok(Frame::Probe {
+                    nonce,
+                    sent_through,
+                }) => {
+                    self.receiver.note_sent_through(sent_through, now);
+                    self.grant.ask();
+                    // The owner answers it as any ping.
+                    out.push(codec::encode(&Frame::Ping { nonce }).to_bytes());
+                    Ok(())
+                }
+                Ok(_) => Ok(()),
+                Err(_) if self.lossy => {
+                    self.bad_link_frames += 1;
+                    Ok(())
+                }
+                Err(err) => Err(err.into()),
+            };
+        }
         if message.get(PREFIX_LEN) == Some(&(FrameKind::Credit as u8)) {
             return match codec::decode(message, &codec::CodecLimits::default()) {
                 Ok(Frame::Credit(credit)) => {
@@ -760,7 +780,7 @@ impl DataLink {
                 // mangled message means the link is broken.
                 Ok(_) => Ok(()),
                 Err(_) if self.lossy => {
-                    self.bad_credits += 1;
+                    self.bad_link_frames += 1;
                     Ok(())
                 }
                 Err(err) => Err(err.into()),
@@ -1007,25 +1027,46 @@ impl DataLink {
         confirmed.last_probe = None;
     }
 
-    /// Lossy links: a `Ping` sent ahead of the frames waiting. Its
-    /// sequence is no message: a link given up does not count it as one
-    /// dropped (a failed send counts it itself, see [`Self::failed`]).
-    fn transmit_ping(
+    /// Lossy links: a ping sent ahead of the frames waiting, as a
+    /// [`Frame::Probe`] outside the link's sequence (the peer answers it
+    /// as a `Ping`): lost, it leaves no gap the peer would count as a lost
+    /// message. It tells the peer how far this side sent, so that the
+    /// peer settles a lost tail that no later frame reveals. Refused by
+    /// the endpoint, it is not sent (each caller pings again in time).
+    fn transmit_probe(
         &mut self,
         endpoint: &mut dyn Endpoint,
         nonce: u64,
     ) -> Result<(), DataLinkError> {
-        let seq = self.sender.next_sequence();
-        self.transmit(endpoint, codec::encode(&Frame::Ping { nonce }))?;
-        self.confirmed.not_a_message(seq);
-        Ok(())
+        if self.contact == Contact::Unsent {
+            self.contact = Contact::SentAt(Instant::now());
+        }
+        let probe = Frame::Probe {
+            nonce,
+            sent_through: self.sent_through(),
+        };
+        endpoint
+            .send(self.peer, codec::encode(&probe))
+            .map_err(|source| self.send_error(source))
+    }
+
+    /// The highest sequence whose frame went to the endpoint whole: those
+    /// numbered but for what waits in the backlog, and a frame still sent
+    /// a window at a time.
+    fn sent_through(&self) -> u64 {
+        let first_waiting = self.backlog.iter().find_map(|&(_, last)| last);
+        let trickling = self.trickle.as_ref().map(|trickle| trickle.seq);
+        [first_waiting, trickling]
+            .into_iter()
+            .flatten()
+            .min()
+            .map_or(self.numbered(), |seq| seq.saturating_sub(1))
     }
 
     /// Lossy links: frame `seq`'s send failed, and it is counted as
     /// dropped where that failure is handled.
     fn failed(&mut self, seq: u64) {
-        // A ping's is no message already.
-        if self.lossy && !self.confirmed.not_messages.contains(&seq) {
+        if self.lossy {
             self.confirmed.not_a_message(seq);
         }
         if self
@@ -1052,9 +1093,9 @@ impl DataLink {
             .checked_add(self.stall_reset)
     }
 
-    /// Frames sent and not confirmed by any credit, but for the pings that
-    /// asked for one, those counted dropped already and what still waits
-    /// in the backlog (counted apart, see [`Self::unsent`]).
+    /// Frames sent and not confirmed by any credit, but for those counted
+    /// dropped already and what still waits in the backlog (counted
+    /// apart, see [`Self::unsent`]).
     fn unconfirmed(&self) -> u64 {
         self.numbered()
             .saturating_sub(self.confirmed.through)
@@ -1471,7 +1512,7 @@ impl DataLinks {
             let link = self.best_effort.as_mut()?;
             // Ahead of the frames waiting for the credit it asks for;
             // refused (a datagram dropped), it goes again in time.
-            let _ = link.transmit_ping(endpoints[link.endpoint].as_mut(), 0);
+            let _ = link.transmit_probe(endpoints[link.endpoint].as_mut(), 0);
             self.announced_since.get_or_insert(now);
             self.announce_again_at = Some(now + every);
         }
@@ -1558,7 +1599,7 @@ impl DataLinks {
             }
             // On a lossy link ahead of the frames that wait for its answer.
             let sent = if link.lossy {
-                link.transmit_ping(endpoints[link.endpoint].as_mut(), nonce)
+                link.transmit_probe(endpoints[link.endpoint].as_mut(), nonce)
                     .map(|()| Sent::Accepted)
             } else {
                 let ping = codec::encode(&Frame::Ping { nonce });
@@ -1752,9 +1793,9 @@ impl DataLinks {
     }
 
     /// The best-effort link, its frames unconfirmed since
-    /// [`Self::best_effort_probe_at`]: a numbered ping asks the peer to
-    /// show it hears the link (a live one answers it, and acknowledges it,
-    /// settling what it lacks below it). Once [`MAX_PROBES`] went answered
+    /// [`Self::best_effort_probe_at`]: a probe asks the peer to
+    /// show it hears the link (a live one answers it, and settles what it
+    /// lacks up to what the probe says was sent). Once [`MAX_PROBES`] went answered
     /// neither way and `give_up_after` has passed since the first (a peer
     /// whose loop is held up for a while answers late), the link is given
     /// up (as [`Self::give_up_best_effort`]: what it sent unconfirmed
@@ -1787,11 +1828,13 @@ impl DataLinks {
         // link that cannot send is as silent as one that is not heard.
         match link.flush(endpoint) {
             Ok(true) => {
-                // Its sequence tells its answer from other pings' (those
-                // of heartbeats carry 0, challenges a random nonce).
+                // The next sequence tells its answer from other pings'
+                // (those of heartbeats carry 0, challenges a random
+                // nonce); an answer to an earlier probe, with no frame
+                // sent since, shows as well that the peer hears the link.
                 let seq = link.sender.next_sequence();
                 link.confirmed.probe_nonce = seq;
-                let _ = link.transmit_ping(endpoint, seq);
+                let _ = link.transmit_probe(endpoint, seq);
             }
             Ok(false) => {}
             // The frame whose piece failed is lost (as in pacing).

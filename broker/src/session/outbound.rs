@@ -1285,6 +1285,72 @@ mod tests {
         assert!(links.best_effort_link().is_none());
     }
 
+    /// A datagram link's probes carry no sequence: the receiver counts
+    /// no message lost for a probe that never came, answers one that
+    /// comes as a ping, and settles the lost tail it announces.
+    #[test]
+    fn a_lost_probe_is_no_lost_message_and_a_probe_settles_a_lost_tail() {
+        use super::super::data_link::LinkKind;
+        use std::time::Duration;
+        let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
+        let (_receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
+        let send = |sender: &mut DataLinks, endpoints: &mut Vec<Box<dyn Endpoint>>, n: usize| {
+            for _ in 0..n {
+                assert!(sender.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+            }
+            sender.pace_best_effort(endpoints);
+        };
+        let datagram = |n: usize| fabric.lock().unwrap()[n].clone();
+        let mut now = std::time::Instant::now();
+        let mut out = Vec::new();
+        let deliver = |receiver: &mut DataLinks, bytes: Bytes, now, out: &mut Vec<Bytes>| {
+            receiver
+                .receive(LinkKind::BestEffort, now, bytes, out)
+                .expect("a datagram is taken");
+        };
+        // Two frames, a probe that is lost, two frames more.
+        send(&mut sender, &mut endpoints, 2);
+        let due = sender.best_effort_probe_at().expect("frames unconfirmed");
+        assert!(sender
+            .probe_best_effort(&mut endpoints, due, Duration::from_secs(10))
+            .is_none());
+        send(&mut sender, &mut endpoints, 2);
+        assert_eq!(taken(&fabric), 5);
+        for n in [0, 1, 3, 4] {
+            deliver(&mut receiver, datagram(n), now, &mut out);
+        }
+        now += Duration::from_secs(1);
+        receiver.poll(now, &endpoints, &mut out).unwrap();
+        assert_eq!(out.len(), 4, "every frame delivered");
+        assert_eq!(receiver.take_best_effort_lost(), 0, "the probe is no loss");
+        // Two frames lost, then a probe: answered as a ping, and the two
+        // counted lost once their wait is over.
+        send(&mut sender, &mut endpoints, 2);
+        let due = sender.best_effort_probe_at().expect("frames unconfirmed");
+        assert!(sender
+            .probe_best_effort(&mut endpoints, due, Duration::from_secs(10))
+            .is_none());
+        assert_eq!(taken(&fabric), 8);
+        out.clear();
+        deliver(&mut receiver, datagram(7), now, &mut out);
+        let nonce = 7; // the sequence the probe's sender would number next
+        assert_eq!(out.len(), 1);
+        assert!(matches!(
+            codec::decode(out[0].clone(), &codec::CodecLimits::default()),
+            Ok(efabus_core::frame::Frame::Ping { nonce: n }) if n == nonce
+        ));
+        let mut at = now;
+        while let Some(next) = receiver
+            .next_deadline()
+            .filter(|_| at < now + Duration::from_secs(1))
+        {
+            at = next;
+            receiver.poll(at, &endpoints, &mut out).unwrap();
+        }
+        assert_eq!(out.len(), 1, "nothing more delivered");
+        assert_eq!(receiver.take_best_effort_lost(), 2, "the lost tail");
+    }
+
     /// A datagram link whose peer gave it up, saying it settled what was
     /// sent there up to a sequence: what went beyond that unconfirmed is
     /// counted, not what the peer settled though its credits were lost.

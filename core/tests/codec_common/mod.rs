@@ -290,6 +290,10 @@ pub fn frame() -> impl Strategy<Value = Frame> {
                 ack_seq,
             })
         }),
+        (any::<u64>(), any::<u64>()).prop_map(|(nonce, sent_through)| Frame::Probe {
+            nonce,
+            sent_through
+        }),
         any::<u64>().prop_map(|nonce| Frame::Ping { nonce }),
         any::<u64>().prop_map(|nonce| Frame::Pong { nonce }),
         (error_code(), text(), any::<bool>())
