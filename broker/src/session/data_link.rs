@@ -270,25 +270,7 @@ struct Confirmed {
     probe_nonce: u64,
     first_probe: Option<Instant>,
     last_probe: Option<Instant>,
-    /// Sequences above `through` not to count as lost when the link is
-    /// given up: frames already counted as dropped when their send
-    /// failed. At most [`NOT_MESSAGES_KEPT`].
-    not_messages: VecDeque<u64>,
 }
-
-impl Confirmed {
-    /// Sequence `seq` is no message (see `not_messages`); past the bound
-    /// the oldest is forgotten, and would count as a message lost.
-    fn not_a_message(&mut self, seq: u64) {
-        if self.not_messages.len() >= NOT_MESSAGES_KEPT {
-            self.not_messages.pop_front();
-        }
-        self.not_messages.push_back(seq);
-    }
-}
-
-/// Most sequences [`Confirmed`] keeps as no messages.
-const NOT_MESSAGES_KEPT: usize = 1024;
 
 /// Unanswered pings after which [`DataLinks::probe_best_effort`] gives a
 /// datagram link up.
@@ -612,12 +594,17 @@ impl DataLink {
         }
         let seq = self.sender.next_sequence();
         let mut wire = Vec::new();
-        self.sender
-            .prepare(frame, &mut wire)
-            .map_err(|source| DataLinkError::Prepare {
+        if let Err(source) = self.sender.prepare(frame, &mut wire) {
+            // Nothing of it went: numbered, it is a gap counted as one lost
+            // on the way (see `failed`); not, it is counted here.
+            if self.lossy && self.sender.next_sequence() == seq {
+                self.dropped += 1;
+            }
+            return Err(DataLinkError::Prepare {
                 scheme: self.scheme.clone(),
                 source,
-            })?;
+            });
+        }
         let bytes = wire.iter().map(|piece| piece.len() as u64).sum();
         self.window.sent(seq, wire.len() as u32, bytes);
         let window = self.window.window().pieces as usize;
@@ -1012,8 +999,6 @@ impl DataLink {
         let numbered = self.numbered();
         let confirmed = &mut self.confirmed;
         confirmed.through = confirmed.through.max(seq.min(numbered));
-        let through = confirmed.through;
-        confirmed.not_messages.retain(|&seq| seq > through);
     }
 
     /// The peer hears this link: the pings start over, from `now` if
@@ -1063,12 +1048,12 @@ impl DataLink {
             .map_or(self.numbered(), |seq| seq.saturating_sub(1))
     }
 
-    /// Lossy links: frame `seq`'s send failed, and it is counted as
-    /// dropped where that failure is handled.
+    /// Frame `seq`'s send failed: what is left of it goes no further. On
+    /// a lossy link it is lost as a datagram lost on the way is, and
+    /// counted once as such: by the peer, when a later frame or a probe
+    /// shows its gap, or else by this side with what went unconfirmed
+    /// when the link is given up (counted here too, it was counted twice).
     fn failed(&mut self, seq: u64) {
-        if self.lossy {
-            self.confirmed.not_a_message(seq);
-        }
         if self
             .trickle
             .as_ref()
@@ -1093,13 +1078,11 @@ impl DataLink {
             .checked_add(self.stall_reset)
     }
 
-    /// Frames sent and not confirmed by any credit, but for those counted
-    /// dropped already and what still waits in the backlog (counted
-    /// apart, see [`Self::unsent`]).
+    /// Frames sent and not confirmed by any credit, but for what still
+    /// waits in the backlog (counted apart, see [`Self::unsent`]).
     fn unconfirmed(&self) -> u64 {
         self.numbered()
             .saturating_sub(self.confirmed.through)
-            .saturating_sub(self.confirmed.not_messages.len() as u64)
             .saturating_sub(self.backlog_frames())
     }
 }
@@ -1837,8 +1820,9 @@ impl DataLinks {
                 let _ = link.transmit_probe(endpoint, seq);
             }
             Ok(false) => {}
-            // The frame whose piece failed is lost (as in pacing).
-            Err(_) => link.dropped += 1,
+            // The frame whose piece failed is lost on the way (see
+            // `DataLink::failed`).
+            Err(_) => {}
         }
         None
     }
@@ -1855,16 +1839,16 @@ impl DataLinks {
     }
 
     /// Send what the best-effort link holds back for credit or for the
-    /// endpoint; returns the credit waits it met. A failure loses those
-    /// frames (counted in its `dropped`) and is logged: best-effort traffic
-    /// never ends the session.
+    /// endpoint; returns the credit waits it met. A failure loses the
+    /// frames still waiting (counted in its `dropped`; the one being sent
+    /// is lost on the way, see `DataLink::failed`) and is logged:
+    /// best-effort traffic never ends the session.
     pub fn pace_best_effort(&mut self, endpoints: &mut [Box<dyn Endpoint>]) -> u64 {
         let Some(link) = self.best_effort_link() else {
             return 0;
         };
         if let Err(reason) = link.pace(endpoints[link.endpoint].as_mut()) {
-            // The frame being sent is lost with those still waiting.
-            link.dropped += (link.paced.len() + 1) as u64;
+            link.dropped += link.paced.len() as u64;
             link.paced.clear();
             link.paced_bytes = 0;
             tracing::debug!(%reason, "best-effort send failed");

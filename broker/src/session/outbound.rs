@@ -1351,6 +1351,44 @@ mod tests {
         assert_eq!(receiver.take_best_effort_lost(), 2, "the lost tail");
     }
 
+    /// A frame whose send fails on a datagram link is lost as a datagram
+    /// lost on the way is: the receiver counts its gap once a later frame
+    /// comes, and the sender does not count it too.
+    #[test]
+    fn a_frame_whose_send_failed_is_counted_once() {
+        use super::super::data_link::LinkKind;
+        let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
+        let (_receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
+        let (mut failing, _, _) = scripted_link(true, 4096, (1, None, usize::MAX));
+        let send = |sender: &mut DataLinks, endpoints: &mut Vec<Box<dyn Endpoint>>| {
+            assert!(sender.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+            sender.pace_best_effort(endpoints);
+        };
+        send(&mut sender, &mut endpoints);
+        std::mem::swap(&mut endpoints[1], &mut failing);
+        send(&mut sender, &mut endpoints);
+        std::mem::swap(&mut endpoints[1], &mut failing);
+        send(&mut sender, &mut endpoints);
+        assert_eq!(taken(&fabric), 2, "the first and the third");
+        assert_eq!(sender.take_best_effort_drops(), 0);
+        let now = std::time::Instant::now();
+        let mut out = Vec::new();
+        for datagram in fabric.lock().unwrap().iter() {
+            receiver
+                .receive(LinkKind::BestEffort, now, datagram.clone(), &mut out)
+                .expect("a datagram is taken");
+        }
+        receiver
+            .poll(
+                now + std::time::Duration::from_secs(1),
+                &endpoints,
+                &mut out,
+            )
+            .unwrap();
+        assert_eq!(out.len(), 2);
+        assert_eq!(receiver.take_best_effort_lost(), 1);
+    }
+
     /// A datagram link whose peer gave it up, saying it settled what was
     /// sent there up to a sequence: what went beyond that unconfirmed is
     /// counted, not what the peer settled though its credits were lost.
@@ -1697,18 +1735,24 @@ mod tests {
     fn a_best_effort_piece_that_fails_takes_the_rest_of_its_frame() {
         // The second frame's second piece is refused, then fails when it
         // is tried again before the third frame: its other pieces go with
-        // it, and it and the frame behind it are counted dropped.
+        // it. The third, never numbered, is counted dropped; the second
+        // is lost on the way, counted by the peer or, as here, with what
+        // went unconfirmed when the link is given up.
         let (mut endpoints, mut links) = with_best_effort_link((8, Some(7), usize::MAX));
         for _ in 0..3 {
             assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(300)))));
         }
         links.pace_best_effort(&mut endpoints);
-        assert_eq!(links.take_best_effort_drops(), 2);
+        assert_eq!(links.take_best_effort_drops(), 1);
         assert!(
             !links.best_effort_waiting(),
             "no piece of the failed frame is left to send"
         );
         assert_eq!(links.best_effort_waiting_frames(), 0);
+        let closed = links
+            .give_up_best_effort(&mut endpoints, None)
+            .expect("the link was open");
+        assert_eq!((closed.unsent, closed.waiting.len()), (2, 0));
     }
 
     #[test]
