@@ -353,9 +353,9 @@ pub enum Frame {
     Credit(Credit),
     /// A datagram link's ping, outside the link's sequence: the receiver
     /// answers it as a `Ping` (a `Pong` of the same nonce), and learns
-    /// that every sequence up to `sent_through` was sent, so that it
-    /// settles those still missing (counts them lost) after its gap
-    /// timeout though nothing later comes. Carrying no sequence, a probe
+    /// that every sequence up to `sent_through` was sent, so that those
+    /// still missing a gap timeout later are settled as any gap is
+    /// (counted lost) though nothing later comes. Carrying no sequence, a probe
     /// that is lost leaves no gap to be counted as a lost message.
     Probe {
         /// Chosen by the sender, echoed in the `Pong`.

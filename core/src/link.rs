@@ -1054,8 +1054,10 @@ impl LinkReceiver {
     /// have not come a gap timeout from `now` are then settled as a gap
     /// is (counted lost, a gap timeout later still): without it, a link
     /// whose last frames were lost could not tell them from frames never
-    /// sent. A claim beyond the reorder window (no sender within its
-    /// credit can have sent that far) is ignored.
+    /// sent. A claim beyond the reorder window is taken to the window's
+    /// end (a sender whose window was reset may have sent further; its
+    /// next probe settles the rest), so a probe settles at most a window
+    /// of sequences.
     pub fn note_sent_through(&mut self, sent_through: u64, now: Instant) {
         let Some(reorder) = self.reorder.as_ref().filter(|_| self.lossy) else {
             return;
@@ -1063,11 +1065,12 @@ impl LinkReceiver {
         let window_end = reorder
             .expected()
             .saturating_add(reorder.config().capacity as u64);
+        let through = sent_through.min(window_end.saturating_sub(1));
         let pending = self.announced.map_or(0, |(through, _)| through);
-        if sent_through <= self.highest_seen.max(pending) || sent_through >= window_end {
+        if through <= self.highest_seen.max(pending) {
             return;
         }
-        self.announced = Some((sent_through, now));
+        self.announced = Some((through, now));
     }
 
     /// Lossy links: once a gap timeout has passed since the probe of

@@ -751,8 +751,8 @@ fn a_lossy_link_counts_what_it_holds_unsettled() {
 /// The sender's probe says how far it sent: a lost tail, which no later
 /// frame reveals, is counted lost a gap timeout after the probe (and the
 /// gap's own timeout after that), but a frame of it that comes meanwhile
-/// is delivered; a claim past the window, or behind what came, changes
-/// nothing.
+/// is delivered; a claim behind what came changes nothing, one past the
+/// window settles the window's sequences.
 #[test]
 fn a_probe_settles_the_lost_tail_it_announces() {
     let gap = ms(10);
@@ -768,8 +768,7 @@ fn a_probe_settles_the_lost_tail_it_announces() {
     // Without a probe nothing past sequence 2 is known, nothing is due.
     rx.poll(t0 + ms(500), &mut out).unwrap();
     assert_eq!((rx.stats().lost, rx.next_deadline()), (0, None));
-    // Claims the window rules out, or behind what came, are ignored.
-    rx.note_sent_through(2 + 64 + 1, t0);
+    // A claim behind what came is ignored.
     rx.note_sent_through(2, t0);
     assert_eq!(rx.next_deadline(), None);
     // Sent through 5: 3 comes before the probe's wait is over, 4 and 5
@@ -793,6 +792,16 @@ fn a_probe_settles_the_lost_tail_it_announces() {
     rx.receive(settled_at + ms(1), wire[4][0].clone(), &mut out)
         .unwrap();
     assert_eq!((out.len(), rx.stats().duplicates), (3, 1));
+    // A claim past the window (of 64, from sequence 6) settles 6 to 69.
+    let t1 = settled_at + ms(2);
+    rx.note_sent_through(u64::MAX, t1);
+    let mut at = t1;
+    while let Some(next) = rx.next_deadline().filter(|_| at < t1 + ms(100)) {
+        at = next;
+        rx.poll(at, &mut out).unwrap();
+    }
+    assert_eq!(rx.stats().lost, 2 + 64);
+    assert_eq!(rx.expected_sequence(), Some(70));
 }
 
 /// A gap given up by its timeout while a piece is being received (not at

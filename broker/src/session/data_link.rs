@@ -725,7 +725,7 @@ impl DataLink {
         out: &mut Vec<Bytes>,
     ) -> Result<(), LinkError> {
         self.contact = Contact::Heard;
-        if message.get(PREFIX_LEN) == Some(&(FrameKind::Probe as u8)) {
+        if self.lossy && message.get(PREFIX_LEN) == Some(&(FrameKind::Probe as u8)) {
             return match codec::decode(message, &codec::CodecLimits::default()) {
                 Ok(Frame::Probe {
                     nonce,
@@ -738,11 +738,10 @@ impl DataLink {
                     Ok(())
                 }
                 Ok(_) => Ok(()),
-                Err(_) if self.lossy => {
+                Err(_) => {
                     self.bad_link_frames += 1;
                     Ok(())
                 }
-                Err(err) => Err(err.into()),
             };
         }
         if message.get(PREFIX_LEN) == Some(&(FrameKind::Credit as u8)) {
@@ -1035,17 +1034,14 @@ impl DataLink {
             .map_err(|source| self.send_error(source))
     }
 
-    /// The highest sequence whose frame went to the endpoint whole: those
-    /// numbered but for what waits in the backlog, and a frame still sent
-    /// a window at a time.
+    /// The highest sequence whose frame went to the endpoint, whole or
+    /// for a first window of it (a frame sent a window at a time): those
+    /// numbered but for what waits in the backlog. A peer that has nothing
+    /// of the frame trickling gives it up, and its credit then ends the
+    /// trickle; one that holds part of it goes on taking it.
     fn sent_through(&self) -> u64 {
         let first_waiting = self.backlog.iter().find_map(|&(_, last)| last);
-        let trickling = self.trickle.as_ref().map(|trickle| trickle.seq);
-        [first_waiting, trickling]
-            .into_iter()
-            .flatten()
-            .min()
-            .map_or(self.numbered(), |seq| seq.saturating_sub(1))
+        first_waiting.map_or(self.numbered(), |seq| seq.saturating_sub(1))
     }
 
     /// Frame `seq`'s send failed: what is left of it goes no further. On

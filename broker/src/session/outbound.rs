@@ -1351,6 +1351,29 @@ mod tests {
         assert_eq!(receiver.take_best_effort_lost(), 2, "the lost tail");
     }
 
+    /// A probe belongs to datagram links: on a reliable (sequenced) one
+    /// it is a frame outside the sequence, which fails the link, not a
+    /// ping to answer.
+    #[test]
+    fn a_probe_on_a_reliable_link_fails_it() {
+        use super::super::data_link::LinkKind;
+        let (_endpoints, mut links, _, _) = with_data_link(usize::MAX, None);
+        let probe = codec::encode(&efabus_core::frame::Frame::Probe {
+            nonce: 1,
+            sent_through: 1,
+        });
+        let mut out = Vec::new();
+        assert!(links
+            .receive(
+                LinkKind::Reliable,
+                std::time::Instant::now(),
+                probe.to_bytes(),
+                &mut out
+            )
+            .is_err());
+        assert!(out.is_empty(), "nothing to answer");
+    }
+
     /// A frame whose send fails on a datagram link is lost as a datagram
     /// lost on the way is: the receiver counts its gap once a later frame
     /// comes, and the sender does not count it too.
@@ -1673,6 +1696,44 @@ mod tests {
         );
         assert!(!links.best_effort_waiting());
         assert_eq!(links.take_best_effort_drops(), 0);
+    }
+
+    /// A frame sent a window at a time whose first window is lost whole:
+    /// the probe counts it as sent, so the peer, holding nothing of it,
+    /// gives it up and counts it lost (its credit then ends the trickle);
+    /// with the probe saying less, the frame would wait for ever.
+    #[test]
+    fn a_probe_settles_a_large_frame_whose_first_window_was_lost() {
+        use super::super::data_link::LinkKind;
+        use std::time::Duration;
+        let max_frame = codec::FRAGMENT_OVERHEAD + 64;
+        let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(max_frame);
+        let (_receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(max_frame);
+        assert!(sender.queue_best_effort(OutFrame::whole(Bytes::from(message(512 << 10)))));
+        sender.pace_best_effort(&mut endpoints);
+        let window = taken(&fabric);
+        let due = sender
+            .best_effort_probe_at()
+            .expect("the frame is unconfirmed");
+        assert!(sender
+            .probe_best_effort(&mut endpoints, due, Duration::from_secs(10))
+            .is_none());
+        assert_eq!(taken(&fabric), window + 1, "the probe");
+        let probe = fabric.lock().unwrap()[window].clone();
+        let now = std::time::Instant::now();
+        let mut out = Vec::new();
+        receiver
+            .receive(LinkKind::BestEffort, now, probe, &mut out)
+            .expect("the probe is taken");
+        let mut at = now;
+        while let Some(next) = receiver
+            .next_deadline()
+            .filter(|_| at < now + Duration::from_secs(1))
+        {
+            at = next;
+            receiver.poll(at, &endpoints, &mut out).unwrap();
+        }
+        assert_eq!(receiver.take_best_effort_lost(), 1);
     }
 
     /// A frame sent a window at a time outlasts the stall reset while
