@@ -3055,9 +3055,9 @@ impl EventLoop {
         if discarded > 0 {
             BrokerStats::add(&self.shared.stats.connection_drops, discarded);
         }
-        let waiting = session.conn.links.best_effort_waiting_frames();
-        if waiting > 0 {
-            BrokerStats::add(&self.shared.stats.best_effort_drops, waiting);
+        let unsent = session.conn.links.best_effort_unsent_frames();
+        if unsent > 0 {
+            BrokerStats::add(&self.shared.stats.best_effort_drops, unsent);
         }
         let unacknowledged = session.conn.links.unacknowledged_frames();
         if unacknowledged > 0 {

@@ -173,8 +173,15 @@ pub(crate) struct DataLink {
     /// with the frames each holds beyond the one the window counts.
     runs_in_flight: VecDeque<(u64, u64)>,
     /// Lossy links: frames dropped on this side (given way while waiting
-    /// for credit, or lost with a failed send).
+    /// for credit, or waiting when a send failed).
     pub dropped: u64,
+    /// Lossy links: frames whose send failed before any piece of them
+    /// went, since a piece of a later one or a probe last went to the
+    /// endpoint: nothing may show the peer their gap, so the link's
+    /// closing counts them (see [`Self::failed`]).
+    failed_at_tail: u64,
+    /// Some pieces of the frame at the head of the backlog went already.
+    head_started: bool,
     /// How many of `dropped` [`DataLinks::take_best_effort_drops`] told.
     dropped_told: u64,
     /// How many of the receiver's lost messages
@@ -457,6 +464,8 @@ impl DataLink {
             credits_out: 0,
             credit_waits_reported: 0,
             bad_link_frames: 0,
+            failed_at_tail: 0,
+            head_started: false,
             bad_runs: 0,
             contact: Contact::Unsent,
             credited: false,
@@ -554,14 +563,18 @@ impl DataLink {
                 break;
             };
             match endpoint.send(self.peer, piece) {
-                Ok(()) => trickle.sent += 1,
+                Ok(()) => {
+                    trickle.sent += 1;
+                    self.failed_at_tail = 0;
+                }
                 Err(SendError::WouldBlock(piece)) => {
                     trickle.pieces.push_front(piece);
                     return Ok(());
                 }
                 Err(source) => {
+                    // Its first window went.
                     let seq = trickle.seq;
-                    self.failed(seq);
+                    self.failed(seq, true);
                     return Err(self.send_error(source));
                 }
             }
@@ -617,11 +630,17 @@ impl DataLink {
                 granted: window as u64,
             });
         }
+        // The backlog is empty here (every caller flushed it first).
         let mut pieces = wire.into_iter();
+        let mut started = false;
         while let Some(piece) = pieces.next() {
             match endpoint.send(self.peer, piece) {
-                Ok(()) => {}
+                Ok(()) => {
+                    started = true;
+                    self.failed_at_tail = 0;
+                }
                 Err(SendError::WouldBlock(piece)) => {
+                    self.head_started = started;
                     self.backlog.push_back((piece, None));
                     self.backlog.extend(pieces.map(|piece| (piece, None)));
                     // The last piece queued is its frame's last.
@@ -631,7 +650,7 @@ impl DataLink {
                     break;
                 }
                 Err(source) => {
-                    self.failed(seq);
+                    self.failed(seq, started);
                     return Err(self.send_error(source));
                 }
             }
@@ -671,12 +690,17 @@ impl DataLink {
     pub fn flush(&mut self, endpoint: &mut dyn Endpoint) -> Result<bool, DataLinkError> {
         while let Some((piece, last)) = self.backlog.pop_front() {
             match endpoint.send(self.peer, piece) {
-                Ok(()) => {}
+                Ok(()) => {
+                    // The next piece starts a frame after this one's last.
+                    self.head_started = last.is_none();
+                    self.failed_at_tail = 0;
+                }
                 Err(SendError::WouldBlock(piece)) => {
                     self.backlog.push_front((piece, last));
                     return Ok(false);
                 }
                 Err(source) => {
+                    let started = std::mem::take(&mut self.head_started);
                     let mut seq = last;
                     while seq.is_none() {
                         let Some((_, last)) = self.backlog.pop_front() else {
@@ -685,7 +709,7 @@ impl DataLink {
                         seq = last;
                     }
                     if let Some(seq) = seq {
-                        self.failed(seq);
+                        self.failed(seq, started);
                     }
                     return Err(self.send_error(source));
                 }
@@ -806,10 +830,13 @@ impl DataLink {
     }
 
     /// Frames dropped here and not told yet
-    /// ([`DataLinks::take_best_effort_drops`]), and those numbered and
-    /// left in the backlog: what the link's closing loses.
+    /// ([`DataLinks::take_best_effort_drops`]), those numbered and left
+    /// in the backlog, and those whose send failed with nothing sent after
+    /// them: what the link's closing loses.
     pub fn unsent(&self) -> u64 {
-        (self.dropped - self.dropped_told).saturating_add(self.backlog_frames())
+        (self.dropped - self.dropped_told)
+            .saturating_add(self.backlog_frames())
+            .saturating_add(self.failed_at_tail)
     }
 
     /// The frames waiting for credit, taken: a link given up before it
@@ -1031,7 +1058,10 @@ impl DataLink {
         };
         endpoint
             .send(self.peer, codec::encode(&probe))
-            .map_err(|source| self.send_error(source))
+            .map_err(|source| self.send_error(source))?;
+        // It shows the peer the gaps of the sends that failed before it.
+        self.failed_at_tail = 0;
+        Ok(())
     }
 
     /// The highest sequence whose frame went to the endpoint, whole or
@@ -1044,12 +1074,18 @@ impl DataLink {
         first_waiting.map_or(self.numbered(), |seq| seq.saturating_sub(1))
     }
 
-    /// Frame `seq`'s send failed: what is left of it goes no further. On
-    /// a lossy link it is lost as a datagram lost on the way is, and
-    /// counted once as such: by the peer, when a later frame or a probe
-    /// shows its gap, or else by this side with what went unconfirmed
-    /// when the link is given up (counted here too, it was counted twice).
-    fn failed(&mut self, seq: u64) {
+    /// Frame `seq`'s send failed, after some of its pieces went if
+    /// `started`: what is left of it goes no further. On a lossy link it
+    /// is lost as a datagram lost on the way is, and counted once as
+    /// such: by the peer, which holds part of it or learns of it from a
+    /// later frame or a probe, else by this side, with what went
+    /// unconfirmed when the link is given up, or when it closes with
+    /// nothing sent after it ([`Self::unsent`]). (Counted as dropped here
+    /// as well, it was counted twice.)
+    fn failed(&mut self, seq: u64, started: bool) {
+        if self.lossy && !started {
+            self.failed_at_tail += 1;
+        }
         if self
             .trickle
             .as_ref()
@@ -1878,12 +1914,13 @@ impl DataLinks {
         })
     }
 
-    /// Best-effort frames waiting for credit or for the endpoint (lost if
-    /// the session ends).
-    pub fn best_effort_waiting_frames(&self) -> u64 {
-        self.best_effort
-            .as_ref()
-            .map_or(0, |link| link.paced.len() as u64 + link.backlog_frames())
+    /// Best-effort frames this side loses if the session ends now: those
+    /// waiting for credit or for the endpoint, and those whose send failed
+    /// with nothing sent after them (nothing shows the peer their gap).
+    pub fn best_effort_unsent_frames(&self) -> u64 {
+        self.best_effort.as_ref().map_or(0, |link| {
+            link.paced.len() as u64 + link.backlog_frames() + link.failed_at_tail
+        })
     }
 
     /// Whether the best-effort link holds frames back.
@@ -1982,6 +2019,8 @@ impl DataLinks {
             link.confirm_through(seq);
         }
         link.dropped = link.dropped.saturating_add(link.unconfirmed());
+        // Those are among the unconfirmed, counted now.
+        link.failed_at_tail = 0;
         self.close_best_effort(endpoints)
     }
 

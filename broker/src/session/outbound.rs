@@ -1179,7 +1179,7 @@ mod tests {
         links.pace_best_effort(&mut endpoints);
         assert!(links.best_effort_waiting());
         assert_eq!(
-            links.best_effort_waiting_frames(),
+            links.best_effort_unsent_frames(),
             2,
             "lost if the session ends now: the refused frame and the one behind it"
         );
@@ -1204,13 +1204,13 @@ mod tests {
         }
         links.pace_best_effort(&mut endpoints);
         assert_eq!(
-            links.best_effort_waiting_frames(),
+            links.best_effort_unsent_frames(),
             3,
             "sent before the proof"
         );
         links.on_pong(3, &mut endpoints);
         links.pace_best_effort(&mut endpoints);
-        assert_eq!(links.best_effort_waiting_frames(), 0);
+        assert_eq!(links.best_effort_unsent_frames(), 0);
         if let Some(link) = links.best_effort.as_mut() {
             link.proof = awaiting;
         }
@@ -1410,6 +1410,23 @@ mod tests {
             .unwrap();
         assert_eq!(out.len(), 2);
         assert_eq!(receiver.take_best_effort_lost(), 1);
+        // One failing last, with nothing after it to show its gap: the
+        // session's end counts it here, as a link given up would.
+        std::mem::swap(&mut endpoints[1], &mut failing);
+        send(&mut sender, &mut endpoints);
+        assert_eq!(sender.best_effort_unsent_frames(), 1);
+        assert_eq!(sender.take_best_effort_drops(), 0);
+        // A probe that goes shows it: the peer counts it from then on.
+        std::mem::swap(&mut endpoints[1], &mut failing);
+        let due = sender.best_effort_probe_at().expect("frames unconfirmed");
+        assert!(sender
+            .probe_best_effort(&mut endpoints, due, std::time::Duration::from_secs(10))
+            .is_none());
+        assert_eq!(sender.best_effort_unsent_frames(), 0);
+        let closed = sender
+            .give_up_best_effort(&mut endpoints, Some(3))
+            .expect("the link was open");
+        assert_eq!(closed.unsent, 1, "the last, beyond what the peer settled");
     }
 
     /// A datagram link whose peer gave it up, saying it settled what was
@@ -1786,7 +1803,7 @@ mod tests {
             assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(300)))));
         }
         links.pace_best_effort(&mut endpoints);
-        assert_eq!(links.best_effort_waiting_frames(), 1);
+        assert_eq!(links.best_effort_unsent_frames(), 1);
         links.pace_best_effort(&mut endpoints);
         assert!(!links.best_effort_waiting());
         assert_eq!(links.take_best_effort_drops(), 0);
@@ -1809,7 +1826,11 @@ mod tests {
             !links.best_effort_waiting(),
             "no piece of the failed frame is left to send"
         );
-        assert_eq!(links.best_effort_waiting_frames(), 0);
+        // The peer holds a piece of the failed frame, and counts it lost
+        // (its partial message expires), so the session's end would not
+        // count it here; given up, the link counts it with the first, as
+        // it counts any frame it sent that went unconfirmed.
+        assert_eq!(links.best_effort_unsent_frames(), 0);
         let closed = links
             .give_up_best_effort(&mut endpoints, None)
             .expect("the link was open");
