@@ -61,7 +61,7 @@ use crate::drive::{DriveHandle, Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
 use crate::error::Error;
 use crate::round_watch::{LoopStall, RoundWatch, WatchedEndpoint};
-use crate::session::data_link::{open_released, Closed, Keying, LinkKind};
+use crate::session::data_link::{open_released, Closed, GiveUp, Keying, LinkKind};
 use crate::session::link_auth::{HandshakeRole, LinkSecret};
 use crate::session::outbound::{self, Control, Queued, SendCounts, RUN_MAX};
 use crate::session::{push_reason, Connection, Heartbeat, Liveness};
@@ -2319,20 +2319,29 @@ impl ClientLoop {
         );
         // The broker closes its side too, rather than send there on.
         let epoch = self.conn.links.best_effort_epoch();
-        let notice = Frame::best_effort_closed(closed.settled_through, epoch, reason.clone());
+        let notice = Frame::best_effort_closed(
+            closed.settled_through,
+            closed.sent_through,
+            epoch,
+            reason.clone(),
+        );
         self.send(codec::encode(&notice));
         self.best_effort_link_gone(&closed, reason);
     }
 
-    /// The broker gave the best-effort link of `epoch` up, saying `why`:
-    /// this side is closed too, and best effort comes over the reliable
-    /// path. (This side sends no messages there, so nothing it sent is
-    /// left to count.) A notice for an earlier epoch's link closes nothing.
-    fn best_effort_closed_by_broker(&mut self, epoch: u32, why: &str) {
+    /// The broker gave the best-effort link of `epoch` up, saying `why`
+    /// and how far it sent there (`told`): this side is closed too (what
+    /// it lacks of that counted as lost), and best effort comes over the
+    /// reliable path. A notice for an earlier epoch's link closes nothing.
+    fn best_effort_closed_by_broker(&mut self, told: GiveUp, epoch: u32, why: &str) {
         if epoch != self.conn.links.best_effort_epoch() {
             return;
         }
-        let Some(closed) = self.conn.links.close_best_effort(&mut self.endpoints) else {
+        let Some(closed) = self
+            .conn
+            .links
+            .give_up_best_effort(&mut self.endpoints, told)
+        else {
             return;
         };
         let description = &closed.description;
@@ -2980,8 +2989,17 @@ impl ClientLoop {
                     sub.sink.count_dropped_by_broker(dropped.count);
                 }
             }
-            Frame::BestEffortClosed { epoch, reason, .. } => {
-                self.best_effort_closed_by_broker(epoch, &reason)
+            Frame::BestEffortClosed {
+                settled_through,
+                sent_through,
+                epoch,
+                reason,
+            } => {
+                let told = GiveUp::Told {
+                    settled_through,
+                    sent_through,
+                };
+                self.best_effort_closed_by_broker(told, epoch, &reason)
             }
             other => debug!(frame = ?other, "ignoring unexpected frame"),
         }

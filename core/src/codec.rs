@@ -903,12 +903,14 @@ fn encode_control_body<W: Writer>(frame: &Frame, writer: W) -> Result<(), Encode
         }
         Frame::BestEffortClosed {
             settled_through,
+            sent_through,
             epoch,
             reason,
         } => {
             check_close_reason(kind, reason.len())
                 .map_err(|text| EncodeError::Body { kind, text })?;
-            bincode::serde::encode_into_writer((settled_through, epoch, reason), writer, config)
+            let fields = (settled_through, sent_through, epoch, reason);
+            bincode::serde::encode_into_writer(fields, writer, config)
         }
         Frame::BestEffortReopen { epoch } => {
             bincode::serde::encode_into_writer(epoch, writer, config)
@@ -1586,12 +1588,14 @@ fn control_body<D: bincode::de::Decoder<Context = ()>>(
         },
         FrameKind::BestEffortClosed => {
             let settled_through = u64::decode(de).map_err(err)?;
+            let sent_through = u64::decode(de).map_err(err)?;
             let epoch = u32::decode(de).map_err(err)?;
             let reason = String::decode(de).map_err(err)?;
             check_close_reason(kind, reason.len())
                 .map_err(|text| DecodeError::Body { kind, text })?;
             Frame::BestEffortClosed {
                 settled_through,
+                sent_through,
                 epoch,
                 reason,
             }
@@ -2025,7 +2029,7 @@ mod tests {
                 FrameKind::UnsubscribeAfter,
             ),
             (
-                Frame::best_effort_closed(41, 2, "3 pings went unanswered".into()),
+                Frame::best_effort_closed(41, 7, 2, "3 pings went unanswered".into()),
                 FrameKind::BestEffortClosed,
             ),
             (
@@ -2072,20 +2076,23 @@ mod tests {
     fn a_close_reason_is_cut_to_its_bound_and_refused_past_it() {
         // Cut at a character: 'é' is two bytes, the bound even.
         let long = format!("x{}", "é".repeat(MAX_CLOSE_REASON));
-        let Frame::BestEffortClosed { reason, .. } = Frame::best_effort_closed(0, 0, long) else {
+        let Frame::BestEffortClosed { reason, .. } = Frame::best_effort_closed(0, 0, 0, long)
+        else {
             unreachable!("the constructor makes that frame");
         };
         assert_eq!(reason.len(), MAX_CLOSE_REASON - 1);
         let over = Frame::BestEffortClosed {
             settled_through: 0,
+            sent_through: 0,
             epoch: 0,
             reason: "r".repeat(MAX_CLOSE_REASON + 1),
         };
         assert!(matches!(try_encode(&over), Err(EncodeError::Body { .. })));
-        // Forged by hand: the kind byte, the sequence, the epoch and the
-        // string (varints: 0, 0, then 251 and two bytes for the length).
+        // Forged by hand: the kind byte, the two sequences, the epoch and
+        // the string (varints: 0, 0, 0, then 251 and two bytes for the
+        // length).
         let text = "r".repeat(MAX_CLOSE_REASON + 1);
-        let mut body = vec![FrameKind::BestEffortClosed as u8, 0, 0, 251];
+        let mut body = vec![FrameKind::BestEffortClosed as u8, 0, 0, 0, 251];
         body.extend_from_slice(&(text.len() as u16).to_le_bytes());
         body.extend_from_slice(text.as_bytes());
         let mut wire = (body.len() as u32).to_le_bytes().to_vec();

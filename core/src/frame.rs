@@ -406,6 +406,10 @@ pub enum Frame {
         /// receiver numbered on the link up to this sequence: the receiver
         /// counts those above it it sent unconfirmed.
         settled_through: u64,
+        /// The sender's frames on the link up to this sequence went: the
+        /// receiver counts those it lacks of them as lost (the sender,
+        /// which cannot know which arrived, counts none of them).
+        sent_through: u64,
         /// The link's epoch (see [`Frame::BestEffortReopen`]): a notice
         /// that comes after the link was opened again closes nothing.
         epoch: u32,
@@ -428,10 +432,16 @@ pub enum Frame {
 impl Frame {
     /// A [`Frame::BestEffortClosed`] saying `reason`, cut (at a character)
     /// to [`MAX_CLOSE_REASON`] bytes.
-    pub fn best_effort_closed(settled_through: u64, epoch: u32, mut reason: String) -> Frame {
+    pub fn best_effort_closed(
+        settled_through: u64,
+        sent_through: u64,
+        epoch: u32,
+        mut reason: String,
+    ) -> Frame {
         cut_at_char(&mut reason, MAX_CLOSE_REASON);
         Frame::BestEffortClosed {
             settled_through,
+            sent_through,
             epoch,
             reason,
         }

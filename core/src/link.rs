@@ -613,6 +613,11 @@ const FAR_AHEAD_WINDOWS: u64 = 4;
 const FAR_AHEAD_MIN: u64 = 1024;
 /// Pieces, close together, that corroborate a far jump.
 const FAR_AHEAD_VOTES: u32 = 3;
+/// Windows past the next sequence due that a closing link takes the
+/// sender's word for (see [`LinkReceiver::settle_at_close`]): a sender
+/// resets a full window after 400 ms, so this covers well over the time
+/// a link goes unanswered before it is given up.
+pub const CLOSE_CLAIM_WINDOWS: u64 = 64;
 
 impl LinkReceiver {
     /// A receiver for `config`. On sequenced links the reassembler
@@ -675,7 +680,7 @@ impl LinkReceiver {
     pub fn unsettled(&self) -> u64 {
         match &self.reorder {
             Some(reorder) if self.lossy && self.highest_seen >= reorder.expected() => {
-                self.highest_seen - reorder.expected() + 1
+                (self.highest_seen - reorder.expected()).saturating_add(1)
             }
             _ => 0,
         }
@@ -1071,6 +1076,25 @@ impl LinkReceiver {
             return;
         }
         self.announced = Some((through, now));
+    }
+
+    /// Lossy, sequenced links closing on the sender's word that it sent
+    /// every sequence up to `sent_through` (see
+    /// [`crate::frame::Frame::BestEffortClosed`]): those beyond the
+    /// highest seen count in [`Self::unsettled`] now, as lost with the
+    /// link. A sender whose window was reset may have sent well past the
+    /// window, and nothing arrives any more to show it, so the claim is
+    /// taken up to [`CLOSE_CLAIM_WINDOWS`] windows past the next sequence
+    /// due: a peer that overstates it inflates this side's count of
+    /// losses by no more than that.
+    pub fn settle_at_close(&mut self, sent_through: u64) {
+        let Some(reorder) = self.reorder.as_ref().filter(|_| self.lossy) else {
+            return;
+        };
+        let span = (reorder.config().capacity as u64).saturating_mul(CLOSE_CLAIM_WINDOWS);
+        let bound = reorder.expected().saturating_add(span);
+        self.highest_seen = self.highest_seen.max(sent_through.min(bound));
+        self.announced = None;
     }
 
     /// Lossy links: once a gap timeout has passed since the probe of

@@ -802,6 +802,13 @@ fn a_probe_settles_the_lost_tail_it_announces() {
     }
     assert_eq!(rx.stats().lost, 2 + 64);
     assert_eq!(rx.expected_sequence(), Some(70));
+    // Closing on the sender's word: what it sent past the window is
+    // unsettled, lost with the link, up to 64 windows (of 64) past the
+    // next sequence due.
+    rx.settle_at_close(100);
+    assert_eq!(rx.unsettled(), 100 - 70 + 1);
+    rx.settle_at_close(u64::MAX);
+    assert_eq!(rx.unsettled(), 64 * 64 + 1);
 }
 
 /// A gap given up by its timeout while a piece is being received (not at

@@ -90,7 +90,7 @@ fn bases() -> &'static [Vec<u8>] {
                 sid: 3,
                 count: 1 << 20,
             }),
-            Frame::best_effort_closed(17, 1, "3 pings there went unanswered".into()),
+            Frame::best_effort_closed(17, 20, 1, "3 pings there went unanswered".into()),
             Frame::BestEffortReopen { epoch: 2 },
             Frame::Run(Bytes::from(
                 [

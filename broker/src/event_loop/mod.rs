@@ -52,7 +52,7 @@ use crate::delivery::LocalSink;
 use crate::drive::{Driven, Rounds, DRIVEN_SLEEP};
 use crate::endpoints;
 use crate::published::PublishedRun;
-use crate::session::data_link::{released_frames, Ask, Closed, LinkKind, MAX_PROBES};
+use crate::session::data_link::{released_frames, Ask, Closed, GiveUp, LinkKind, MAX_PROBES};
 use crate::session::outbound::{Control, Overflow, Queued, SendCounts};
 use crate::session::{error_frame, push_reason, Heartbeat, Liveness};
 use crate::subscriptions::{SubRef, Targets};
@@ -1701,10 +1701,14 @@ impl EventLoop {
                 SessionState::Ready,
                 Frame::BestEffortClosed {
                     settled_through,
+                    sent_through,
                     epoch,
                     reason,
                 },
-            ) => self.best_effort_closed_by_peer(id, settled_through, epoch, &reason),
+            ) => {
+                let told = (settled_through, sent_through);
+                self.best_effort_closed_by_peer(id, told, epoch, &reason)
+            }
             (SessionState::Ready, Frame::BestEffortReopen { epoch }) => {
                 self.best_effort_reopened_by_peer(id, epoch)
             }
@@ -2694,7 +2698,7 @@ impl EventLoop {
         };
         let reason = format!(
             "best-effort: {}: {MAX_PROBES} pings there went unanswered; what it sent \
-             unconfirmed counted as dropped, the rest carried on the reliable link",
+             there is the peer's to count as lost, the rest carried on the reliable link",
             closed.description
         );
         self.data_link_closed_alone(id, closed, reason);
@@ -2734,7 +2738,12 @@ impl EventLoop {
                 .sessions
                 .get(&id)
                 .map_or(0, |session| session.conn.links.best_effort_epoch());
-            let notice = Frame::best_effort_closed(closed.settled_through, epoch, reason.clone());
+            let notice = Frame::best_effort_closed(
+                closed.settled_through,
+                closed.sent_through,
+                epoch,
+                reason.clone(),
+            );
             self.send(id, codec::encode(&notice), false);
         }
         self.forget_closed_link(id, closed, reason);
@@ -2742,19 +2751,34 @@ impl EventLoop {
 
     /// The peer of session `id` closed its side of the datagram link of
     /// `epoch`, saying `why` and that it settled what this side sent there
-    /// up to `settled_through`: this side's is closed too (what it sent
-    /// beyond that counted as dropped), and best effort goes on the
-    /// reliable link. A notice for an earlier epoch's link closes nothing.
-    fn best_effort_closed_by_peer(&mut self, id: u64, settled_through: u64, epoch: u32, why: &str) {
+    /// up to one sequence and sent up to another (`told`): this side's is
+    /// closed too (what it sent beyond the first counted as dropped, what
+    /// it lacks of the peer's up to the second as lost), and best effort
+    /// goes on the reliable link. A notice for an earlier epoch's link
+    /// closes nothing.
+    fn best_effort_closed_by_peer(&mut self, id: u64, told: (u64, u64), epoch: u32, why: &str) {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;
         };
+        let (settled_through, sent_through) = told;
+        // A client sends no best effort: a claim to have sent some would
+        // only inflate the losses counted here.
+        let sent_through = if session.is_route() { sent_through } else { 0 };
         let links = &mut session.conn.links;
+        // Closed here already, this side telling the peer: both sides gave
+        // it up at once (this side may have opened another since).
+        let late = links.late_notice(epoch, settled_through);
+        if late > 0 {
+            BrokerStats::add(&self.shared.stats.best_effort_drops, late);
+        }
         if epoch != links.best_effort_epoch() {
             return;
         }
-        let Some(closed) = links.give_up_best_effort(&mut self.endpoints, Some(settled_through))
-        else {
+        let told = GiveUp::Told {
+            settled_through,
+            sent_through,
+        };
+        let Some(closed) = links.give_up_best_effort(&mut self.endpoints, told) else {
             return;
         };
         let reason = format!(
@@ -2833,7 +2857,7 @@ impl EventLoop {
         if let Some(closed) = session
             .conn
             .links
-            .give_up_best_effort(&mut self.endpoints, None)
+            .give_up_best_effort(&mut self.endpoints, GiveUp::Alone)
         {
             let reason = format!(
                 "best-effort: {}: the peer opened it again",
@@ -2910,7 +2934,7 @@ impl EventLoop {
         let Some(closed) = session
             .conn
             .links
-            .give_up_best_effort(&mut self.endpoints, None)
+            .give_up_best_effort(&mut self.endpoints, GiveUp::Telling)
         else {
             return;
         };

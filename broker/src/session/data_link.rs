@@ -261,8 +261,8 @@ struct Trickle {
 /// saying how far this side sent): a live receiver answers it (a `Pong`,
 /// even while it holds its credits back) and settles what it lacks up to
 /// there (counting it lost), which its next credit acknowledges; a link
-/// whose probes go unanswered is given up, and what it sent unconfirmed
-/// is counted as lost ([`DataLinks::probe_best_effort`]).
+/// whose probes go unanswered is given up, and the peer, told how far
+/// this side sent, counts what it lacks of that ([`GiveUp`]).
 #[derive(Debug, Default)]
 struct Confirmed {
     /// Highest sequence a credit acknowledged.
@@ -718,12 +718,11 @@ impl DataLink {
         Ok(true)
     }
 
-    /// Frames whose last pieces wait in the backlog.
+    /// Frames whose last pieces wait in the backlog, but for one some of
+    /// whose pieces went (the peer counts that one, holding part of it).
     fn backlog_frames(&self) -> u64 {
-        self.backlog
-            .iter()
-            .filter(|(_, last)| last.is_some())
-            .count() as u64
+        let frames = self.backlog.iter().filter(|(_, last)| last.is_some());
+        (frames.count() as u64).saturating_sub(u64::from(self.head_started))
     }
 
     fn send_error(&self, source: SendError) -> DataLinkError {
@@ -1064,22 +1063,27 @@ impl DataLink {
         Ok(())
     }
 
-    /// The highest sequence whose frame went to the endpoint, whole or
-    /// for a first window of it (a frame sent a window at a time): those
-    /// numbered but for what waits in the backlog. A peer that has nothing
-    /// of the frame trickling gives it up, and its credit then ends the
-    /// trickle; one that holds part of it goes on taking it.
+    /// The highest sequence of which some pieces went to the endpoint
+    /// (a frame sent a window at a time, one whose last pieces wait in
+    /// the backlog): those numbered but for the frames wholly in the
+    /// backlog. A peer that has nothing of such a frame gives it up (its
+    /// credit then ends a trickle); one that holds part of it goes on
+    /// taking it.
     fn sent_through(&self) -> u64 {
         let first_waiting = self.backlog.iter().find_map(|&(_, last)| last);
-        first_waiting.map_or(self.numbered(), |seq| seq.saturating_sub(1))
+        match first_waiting {
+            Some(seq) if !self.head_started => seq.saturating_sub(1),
+            Some(seq) => seq,
+            None => self.numbered(),
+        }
     }
 
     /// Frame `seq`'s send failed, after some of its pieces went if
     /// `started`: what is left of it goes no further. On a lossy link it
     /// is lost as a datagram lost on the way is, and counted once as
     /// such: by the peer, which holds part of it or learns of it from a
-    /// later frame or a probe, else by this side, with what went
-    /// unconfirmed when the link is given up, or when it closes with
+    /// later frame, a probe or this side's notice when the link is given
+    /// up ([`GiveUp`]), else by this side when the session ends with
     /// nothing sent after it ([`Self::unsent`]). (Counted as dropped here
     /// as well, it was counted twice.)
     fn failed(&mut self, seq: u64, started: bool) {
@@ -1159,6 +1163,9 @@ pub(crate) struct Closed {
     /// What the peer sent there this side has delivered or counted lost
     /// (best effort: see [`efabus_core::link::LinkReceiver::settled_through`]).
     pub settled_through: u64,
+    /// This side's frames that went there, up to this sequence (best
+    /// effort: the peer, told so, counts those it lacks).
+    pub sent_through: u64,
     /// Its `(endpoint, peer)`.
     pub address: (usize, PeerId),
     /// Best-effort messages from the peer lost with it (as
@@ -1169,6 +1176,28 @@ pub(crate) struct Closed {
     pub unsent: u64,
     /// Frames that waited on it for credit (see [`DataLink::take_waiting`]).
     pub waiting: VecDeque<OutFrame>,
+}
+
+/// Who counts, when a datagram link is given up, the frames each side
+/// sent there that went unconfirmed: some arrived though their credits
+/// did not, and only the side that received them can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GiveUp {
+    /// This side gives up and tells the peer (a `best-effort closed`
+    /// frame) how far it sent ([`Closed::sent_through`]): the peer counts
+    /// what it lacks of that, this side none of it.
+    Telling,
+    /// The peer gave up, saying it settled what this side sent up to
+    /// `settled_through` and sent up to `sent_through`: this side counts
+    /// what it sent beyond the first, and, as lost, what it lacks of the
+    /// peer's up to the second.
+    Told {
+        settled_through: u64,
+        sent_through: u64,
+    },
+    /// The peer's side is gone without a word (the peer opened the link
+    /// again): what this side sent unconfirmed is counted here.
+    Alone,
 }
 
 /// The data links both sides agreed on in one handshake.
@@ -1300,6 +1329,10 @@ pub(crate) struct DataLinks {
     /// How the best-effort link opens again once given up; `None` where
     /// none was negotiated.
     pub(crate) reopening: Option<Reopening>,
+    /// The epoch and `sent_through` of the datagram link this side last
+    /// gave up telling the peer ([`GiveUp::Telling`]), until the peer's
+    /// own notice for it comes (see [`Self::late_notice`]).
+    pub(crate) told_peer: Option<(u32, u64)>,
 }
 
 impl DataLinks {
@@ -1813,10 +1846,9 @@ impl DataLinks {
     /// lacks up to what the probe says was sent). Once [`MAX_PROBES`] went answered
     /// neither way and `give_up_after` has passed since the first (a peer
     /// whose loop is held up for a while answers late), the link is given
-    /// up (as [`Self::give_up_best_effort`]: what it sent unconfirmed
-    /// counted in its `unsent`), and the owner tells the peer, which
-    /// closes its side too; a peer gone altogether is its heartbeat's to
-    /// find.
+    /// up ([`GiveUp::Telling`]), and the owner tells the peer, which
+    /// closes its side too and counts what it lacks of what was sent; a
+    /// peer gone altogether is its heartbeat's to find.
     pub fn probe_best_effort(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
@@ -1832,7 +1864,7 @@ impl DataLinks {
             .first_probe
             .is_some_and(|first| now.saturating_duration_since(first) >= give_up_after);
         if link.confirmed.probes >= MAX_PROBES && waited {
-            return self.give_up_best_effort(endpoints, None);
+            return self.give_up_best_effort(endpoints, GiveUp::Telling);
         }
         let confirmed = &mut link.confirmed;
         confirmed.probes += 1;
@@ -1988,6 +2020,7 @@ impl DataLinks {
                 kind: LinkKind::Reliable,
                 description: link.description,
                 settled_through: 0,
+                sent_through: 0,
                 address: (link.endpoint, link.peer),
                 lost: 0,
                 unsent: 0,
@@ -2004,24 +2037,49 @@ impl DataLinks {
         closed
     }
 
-    /// Give the best-effort link up, as [`Self::probe_best_effort`] does
-    /// or as the peer did, saying it settled what this side sent there up
-    /// to `peer_settled`: what it sent unconfirmed beyond that is counted
-    /// with its `unsent` (no credit will settle it now), then it is closed
-    /// as [`Self::close_best_effort`].
+    /// Give the best-effort link up (see [`GiveUp`] for who counts what
+    /// it sent unconfirmed, which no credit will settle now), then close
+    /// it as [`Self::close_best_effort`].
     pub fn give_up_best_effort(
         &mut self,
         endpoints: &mut [Box<dyn Endpoint>],
-        peer_settled: Option<u64>,
+        how: GiveUp,
     ) -> Option<Closed> {
         let link = self.best_effort.as_mut()?;
-        if let Some(seq) = peer_settled {
-            link.confirm_through(seq);
+        match how {
+            GiveUp::Telling => {}
+            GiveUp::Told {
+                settled_through,
+                sent_through,
+            } => {
+                link.confirm_through(settled_through);
+                link.dropped = link.dropped.saturating_add(link.unconfirmed());
+                link.receiver.settle_at_close(sent_through);
+            }
+            GiveUp::Alone => link.dropped = link.dropped.saturating_add(link.unconfirmed()),
         }
-        link.dropped = link.dropped.saturating_add(link.unconfirmed());
-        // Those are among the unconfirmed, counted now.
+        // Sent as far as the peer knows, so counted by it or just now.
         link.failed_at_tail = 0;
-        self.close_best_effort(endpoints)
+        let epoch = self.best_effort_epoch();
+        let closed = self.close_best_effort(endpoints)?;
+        self.told_peer = (how == GiveUp::Telling).then_some((epoch, closed.sent_through));
+        Some(closed)
+    }
+
+    /// The peer's notice for the datagram link of `epoch`, which this side
+    /// gave up telling the peer, arriving once it is closed: both sides
+    /// gave up at once, each counting on the other for the frames it sent
+    /// unconfirmed. Those this side sent beyond what the peer settled
+    /// (`settled_through`) are counted here after all: returns how many.
+    /// (The peer does the same for its own.)
+    pub fn late_notice(&mut self, epoch: u32, settled_through: u64) -> u64 {
+        match self.told_peer {
+            Some((told, sent_through)) if told == epoch => {
+                self.told_peer = None;
+                sent_through.saturating_sub(settled_through)
+            }
+            _ => 0,
+        }
     }
 
     /// On the side that dialed, when the best-effort link, given up, opens
@@ -2279,6 +2337,7 @@ impl DataLinks {
         let lost = self.take_best_effort_lost().saturating_add(unsettled);
         let mut link = self.best_effort.take()?;
         let unsent = link.unsent();
+        let sent_through = link.sent_through();
         let waiting = link.take_waiting();
         endpoints[link.endpoint].close(link.peer);
         self.announce_again_at = None;
@@ -2295,6 +2354,7 @@ impl DataLinks {
             kind: LinkKind::BestEffort,
             description: link.description,
             settled_through,
+            sent_through,
             address: (link.endpoint, link.peer),
             lost,
             unsent,

@@ -654,6 +654,7 @@ impl Batch {
 
 #[cfg(test)]
 mod tests {
+    use super::super::data_link::GiveUp;
     use super::*;
     use efabus_core::transport::DETACH_MAX;
     use std::sync::{Arc, Mutex};
@@ -1131,6 +1132,15 @@ mod tests {
         fabric.lock().unwrap().len()
     }
 
+    /// The peer's notice that it gave the datagram link up, having settled
+    /// this side's frames up to `settled_through` and sent none there.
+    fn told(settled_through: u64) -> super::super::data_link::GiveUp {
+        super::super::data_link::GiveUp::Told {
+            settled_through,
+            sent_through: 0,
+        }
+    }
+
     /// The peer's credit arriving on the best-effort link at `now`.
     fn best_effort_credit(
         links: &mut DataLinks,
@@ -1178,11 +1188,9 @@ mod tests {
         }
         links.pace_best_effort(&mut endpoints);
         assert!(links.best_effort_waiting());
-        assert_eq!(
-            links.best_effort_unsent_frames(),
-            2,
-            "lost if the session ends now: the refused frame and the one behind it"
-        );
+        // Lost here if the session ends now: the frame behind the refused
+        // one (part of which went, so the peer counts it).
+        assert_eq!(links.best_effort_unsent_frames(), 1);
         assert_eq!(links.take_best_effort_drops(), 0);
     }
 
@@ -1223,11 +1231,11 @@ mod tests {
         );
     }
 
-    /// A datagram link whose frames go unconfirmed sends a numbered ping a
-    /// while after they began to wait, then after each ping; a credit, or
-    /// the `Pong` answering the latest ping (a peer holding its credits
-    /// back), starts that over. Pings answered neither way give the link
-    /// up, what it sent unconfirmed counted (not the pings).
+    /// A datagram link whose frames go unconfirmed sends a probe a while
+    /// after they began to wait, then after each probe; a credit, or the
+    /// `Pong` answering the latest probe (a peer holding its credits
+    /// back), starts that over. Probes answered neither way give the link
+    /// up, what it sent unconfirmed left to the peer to count.
     #[test]
     fn a_datagram_link_whose_frames_go_unconfirmed_is_pinged_then_given_up() {
         use super::super::data_link::MAX_PROBES;
@@ -1280,9 +1288,102 @@ mod tests {
         };
         assert!(pings >= MAX_PROBES as usize, "{pings} pings");
         assert!(at >= first + give_up_after && at < first + give_up_after + every);
-        // The two data frames it sent unconfirmed counted, not its pings.
-        assert_eq!((closed.unsent, closed.waiting.len()), (2, 0));
+        // The peer is told that four frames went (it settled two): the
+        // two it lacks are its to count; nothing is counted here.
+        assert_eq!((closed.unsent, closed.waiting.len()), (0, 0));
+        assert_eq!(closed.sent_through, 4);
         assert!(links.best_effort_link().is_none());
+    }
+
+    /// A side that gives its datagram link up tells the peer how far it
+    /// sent, and counts none of it: frames whose credits were lost may
+    /// have arrived, and only the peer can tell (it counted them too).
+    /// The peer counts what it lacks of them as lost, once.
+    #[test]
+    fn a_link_given_up_leaves_its_unconfirmed_frames_to_the_peer() {
+        use super::super::data_link::LinkKind;
+        use std::time::Duration;
+        for arrived in [4, 2] {
+            let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
+            let (mut receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
+            for _ in 0..4 {
+                assert!(sender.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+            }
+            sender.pace_best_effort(&mut endpoints);
+            let now = std::time::Instant::now();
+            let mut out = Vec::new();
+            for datagram in fabric.lock().unwrap().iter().take(arrived) {
+                receiver
+                    .receive(LinkKind::BestEffort, now, datagram.clone(), &mut out)
+                    .expect("a datagram is taken");
+            }
+            assert_eq!(out.len(), arrived);
+            // No credit comes back, nor an answer: given up.
+            let mut at = sender.best_effort_probe_at().expect("unconfirmed");
+            let closed = loop {
+                if let Some(closed) = sender.probe_best_effort(&mut endpoints, at, Duration::ZERO) {
+                    break closed;
+                }
+                at += Duration::from_secs(1);
+            };
+            assert_eq!((closed.unsent, closed.sent_through), (0, 4));
+            let told = GiveUp::Told {
+                settled_through: closed.settled_through,
+                sent_through: closed.sent_through,
+            };
+            let peer = receiver
+                .give_up_best_effort(&mut receiver_endpoints, told)
+                .expect("the peer's side was open");
+            assert_eq!(
+                (peer.lost, peer.unsent),
+                (4 - arrived as u64, 0),
+                "{arrived} of 4 arrived"
+            );
+        }
+    }
+
+    /// Both sides give the datagram link up at once, each telling the
+    /// other and counting on it: the notice each gets once its own side
+    /// is closed makes it count what it sent beyond what the other
+    /// settled, so every frame is still counted once.
+    #[test]
+    fn datagram_links_given_up_on_both_sides_at_once_count_each_frame_once() {
+        use super::super::data_link::LinkKind;
+        let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
+        let (mut receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
+        for _ in 0..4 {
+            assert!(sender.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        }
+        sender.pace_best_effort(&mut endpoints);
+        let now = std::time::Instant::now();
+        let mut out = Vec::new();
+        for datagram in fabric.lock().unwrap().iter().take(2) {
+            receiver
+                .receive(LinkKind::BestEffort, now, datagram.clone(), &mut out)
+                .expect("a datagram is taken");
+        }
+        let mine = sender
+            .give_up_best_effort(&mut endpoints, GiveUp::Telling)
+            .expect("open");
+        let theirs = receiver
+            .give_up_best_effort(&mut receiver_endpoints, GiveUp::Telling)
+            .expect("open");
+        assert_eq!((mine.unsent, mine.sent_through), (0, 4));
+        assert_eq!((theirs.lost, theirs.settled_through), (0, 2));
+        // Each notice finds the other side closed.
+        let told = |closed: &super::super::data_link::Closed| GiveUp::Told {
+            settled_through: closed.settled_through,
+            sent_through: closed.sent_through,
+        };
+        assert!(sender
+            .give_up_best_effort(&mut endpoints, told(&theirs))
+            .is_none());
+        assert_eq!(sender.late_notice(0, theirs.settled_through), 2);
+        assert_eq!(sender.late_notice(0, theirs.settled_through), 0, "once");
+        assert!(receiver
+            .give_up_best_effort(&mut receiver_endpoints, told(&mine))
+            .is_none());
+        assert_eq!(receiver.late_notice(0, mine.settled_through), 0);
     }
 
     /// A datagram link's probes carry no sequence: the receiver counts
@@ -1424,7 +1525,7 @@ mod tests {
             .is_none());
         assert_eq!(sender.best_effort_unsent_frames(), 0);
         let closed = sender
-            .give_up_best_effort(&mut endpoints, Some(3))
+            .give_up_best_effort(&mut endpoints, told(3))
             .expect("the link was open");
         assert_eq!(closed.unsent, 1, "the last, beyond what the peer settled");
     }
@@ -1442,11 +1543,11 @@ mod tests {
         assert_eq!(taken(&fabric), 6);
         best_effort_credit(&mut links, std::time::Instant::now(), 1, 64);
         let closed = links
-            .give_up_best_effort(&mut endpoints, Some(4))
+            .give_up_best_effort(&mut endpoints, told(4))
             .expect("the link was open");
         assert_eq!((closed.unsent, closed.waiting.len()), (2, 0));
         assert!(links.best_effort_link().is_none());
-        assert!(links.give_up_best_effort(&mut endpoints, Some(4)).is_none());
+        assert!(links.give_up_best_effort(&mut endpoints, told(4)).is_none());
     }
 
     /// A credit that acknowledges a ping stops the pings: the link is live.
@@ -1666,7 +1767,7 @@ mod tests {
         }
         assert_eq!(taken(&fabric), before + 3, "a ping a heartbeat");
         let closed = links
-            .give_up_best_effort(&mut endpoints, Some(0))
+            .give_up_best_effort(&mut endpoints, told(0))
             .expect("it was open");
         assert_eq!(closed.unsent, 0, "pings are no messages");
 
@@ -1794,6 +1895,26 @@ mod tests {
         assert_eq!(links.take_best_effort_drops(), 0);
     }
 
+    /// A frame part of which went, its other pieces refused, counts as
+    /// sent when the link is given up: the peer, holding part of it,
+    /// counts it; this side counts it neither way.
+    #[test]
+    fn a_frame_partly_sent_is_the_peer_s_to_count() {
+        let (mut endpoints, mut links) = with_best_effort_link((usize::MAX, Some(7), usize::MAX));
+        for _ in 0..2 {
+            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(300)))));
+        }
+        links.pace_best_effort(&mut endpoints);
+        assert!(
+            links.best_effort_waiting(),
+            "the second frame's pieces wait"
+        );
+        let closed = links
+            .give_up_best_effort(&mut endpoints, GiveUp::Telling)
+            .expect("the link was open");
+        assert_eq!((closed.sent_through, closed.unsent), (2, 0));
+    }
+
     #[test]
     fn refused_best_effort_pieces_go_with_nothing_queued_behind_them() {
         // The last frame's second piece is refused once: pacing again
@@ -1803,7 +1924,9 @@ mod tests {
             assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(300)))));
         }
         links.pace_best_effort(&mut endpoints);
-        assert_eq!(links.best_effort_unsent_frames(), 1);
+        assert!(links.best_effort_waiting());
+        // Part of it went: the peer's to count if the session ends now.
+        assert_eq!(links.best_effort_unsent_frames(), 0);
         links.pace_best_effort(&mut endpoints);
         assert!(!links.best_effort_waiting());
         assert_eq!(links.take_best_effort_drops(), 0);
@@ -1828,11 +1951,12 @@ mod tests {
         );
         // The peer holds a piece of the failed frame, and counts it lost
         // (its partial message expires), so the session's end would not
-        // count it here; given up, the link counts it with the first, as
-        // it counts any frame it sent that went unconfirmed.
+        // count it here; given up with the peer's side gone without a
+        // word, the link counts it with the first, as it counts any frame
+        // it sent that went unconfirmed.
         assert_eq!(links.best_effort_unsent_frames(), 0);
         let closed = links
-            .give_up_best_effort(&mut endpoints, None)
+            .give_up_best_effort(&mut endpoints, GiveUp::Alone)
             .expect("the link was open");
         assert_eq!((closed.unsent, closed.waiting.len()), (2, 0));
     }

@@ -321,8 +321,11 @@ pub fn frame() -> impl Strategy<Value = Frame> {
             .prop_map(|addresses| Frame::RoutePeers(RoutePeers { addresses })),
         (any::<u64>(), any::<u64>())
             .prop_map(|(sid, count)| Frame::Dropped(Dropped { sid, count })),
-        (any::<u64>(), any::<u32>(), text())
-            .prop_map(|(seq, epoch, reason)| Frame::best_effort_closed(seq, epoch, reason)),
+        (any::<u64>(), any::<u64>(), any::<u32>(), text()).prop_map(
+            |(settled, sent, epoch, reason)| Frame::best_effort_closed(
+                settled, sent, epoch, reason
+            )
+        ),
         any::<u32>().prop_map(|epoch| Frame::BestEffortReopen { epoch }),
         proptest::collection::vec(any::<u8>(), 0..64)
             .prop_map(|frames| Frame::Run(Bytes::from(frames))),
