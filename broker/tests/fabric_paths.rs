@@ -166,6 +166,34 @@ fn datagram_losing_subscriber(
     (client, sub)
 }
 
+/// A client `name` of `broker` (given `connect_timeout`) whose only
+/// fabric path is its `efa-dgram` link (its reliable path is TCP), which
+/// loses what goes `direction` as `loss` says, subscribed for best effort
+/// to `stream.>` (see `stream_common`).
+fn datagram_stream_subscriber(
+    broker: &Broker,
+    name: &str,
+    direction: FaultDirection,
+    loss: Faults,
+    connect_timeout: Duration,
+) -> (Client, Subscription) {
+    let faults = Faults {
+        scheme: Some("efa-dgram".to_string()),
+        direction,
+        ..loss
+    };
+    let options = ClientOptions {
+        preference: vec!["efa-dgram".to_string(), "tcp".to_string()],
+        faults: Some(faults),
+        connect_timeout,
+        ..fabric_options(broker, name)
+    };
+    let client = connect_with(broker, options);
+    let sub = client.subscribe_best_effort("stream.>").unwrap();
+    client.flush(WAIT).unwrap();
+    (client, sub)
+}
+
 fn connect_with(broker: &Broker, options: ClientOptions) -> Client {
     Client::connect_with(&tcp_endpoint(broker), options, Registry::with_builtins())
         .expect("client connects")
@@ -1432,24 +1460,18 @@ fn a_datagram_link_given_up_opens_again_once_the_path_is_back() {
         return;
     };
     let name = "healing-datagrams";
-    let faults = Faults {
-        scheme: Some("efa-dgram".to_string()),
-        direction: FaultDirection::Send,
+    let loss = Faults {
         drop: 1.0,
         heal_after_ms: 3000,
         ..Faults::default()
     };
-    let client = connect_with(
+    let (client, sub) = datagram_stream_subscriber(
         &broker,
-        ClientOptions {
-            preference: vec!["efa-dgram".to_string(), "tcp".to_string()],
-            faults: Some(faults),
-            connect_timeout: Duration::from_secs(2),
-            ..fabric_options(&broker, name)
-        },
+        name,
+        FaultDirection::Send,
+        loss,
+        Duration::from_secs(2),
     );
-    let sub = client.subscribe_best_effort("stream.>").unwrap();
-    client.flush(WAIT).unwrap();
     let reopened = |reasons: &[String]| {
         reasons
             .iter()
@@ -1531,23 +1553,12 @@ fn probes_lost_with_a_datagram_link_s_messages_are_not_counted_as_messages() {
     let name = "quiet-datagrams";
     // Quiet from the 200th datagram either way, until 2.5 s after the
     // first (the link's opening).
-    let faults = Faults {
-        scheme: Some("efa-dgram".to_string()),
-        direction: FaultDirection::Both,
+    let loss = Faults {
         drop_after: 200,
         heal_after_ms: 2500,
         ..Faults::default()
     };
-    let client = connect_with(
-        &broker,
-        ClientOptions {
-            preference: vec!["efa-dgram".to_string(), "tcp".to_string()],
-            faults: Some(faults),
-            ..fabric_options(&broker, name)
-        },
-    );
-    let sub = client.subscribe_best_effort("stream.>").unwrap();
-    client.flush(WAIT).unwrap();
+    let (client, sub) = datagram_stream_subscriber(&broker, name, FaultDirection::Both, loss, WAIT);
     let drops_before = best_effort_drops(&broker);
     let started = Instant::now();
     let streamed = stream_until(&broker, &sub, Instant::now() + 3 * WAIT, |_| {

@@ -654,7 +654,7 @@ impl Batch {
 
 #[cfg(test)]
 mod tests {
-    use super::super::data_link::GiveUp;
+    use super::super::data_link::{GiveUp, LinkKind};
     use super::*;
     use efabus_core::transport::DETACH_MAX;
     use std::sync::{Arc, Mutex};
@@ -1072,7 +1072,6 @@ mod tests {
 
     #[test]
     fn a_malformed_run_fails_a_reliable_link() {
-        use super::super::data_link::LinkKind;
         let (mut endpoints, mut links, _, fabric) = with_data_link(usize::MAX, None);
         // A run whose second frame claims more bytes than the run holds.
         let mut frames = message(20);
@@ -1132,6 +1131,42 @@ mod tests {
         fabric.lock().unwrap().len()
     }
 
+    /// Queue `count` frames of 100 bytes on a datagram link and pace them.
+    fn send_best_effort(links: &mut DataLinks, endpoints: &mut [Box<dyn Endpoint>], count: usize) {
+        for _ in 0..count {
+            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+        }
+        links.pace_best_effort(endpoints);
+    }
+
+    /// Hand `datagrams` to a datagram link's receiving side at `now`.
+    fn receive_datagrams(
+        links: &mut DataLinks,
+        datagrams: impl IntoIterator<Item = Bytes>,
+        now: std::time::Instant,
+        out: &mut Vec<Bytes>,
+    ) {
+        for datagram in datagrams {
+            links
+                .receive(LinkKind::BestEffort, now, datagram, out)
+                .expect("a datagram is taken");
+        }
+    }
+
+    /// Poll a datagram link's receiving side at each of its deadlines
+    /// from `now`, for a second at most.
+    fn poll_until_settled(
+        links: &mut DataLinks,
+        endpoints: &[Box<dyn Endpoint>],
+        now: std::time::Instant,
+        out: &mut Vec<Bytes>,
+    ) {
+        let end = now + std::time::Duration::from_secs(1);
+        while let Some(at) = links.next_deadline().filter(|&at| at < end) {
+            links.poll(at, endpoints, out).unwrap();
+        }
+    }
+
     /// The peer's notice that it gave the datagram link up, having settled
     /// this side's frames up to `settled_through` and sent none there.
     fn told(settled_through: u64) -> super::super::data_link::GiveUp {
@@ -1148,7 +1183,6 @@ mod tests {
         ack_seq: u64,
         messages: u32,
     ) {
-        use super::super::data_link::LinkKind;
         use efabus_core::frame::{Credit, Frame};
         let frame = codec::encode(&Frame::Credit(Credit {
             messages,
@@ -1301,22 +1335,15 @@ mod tests {
     /// The peer counts what it lacks of them as lost, once.
     #[test]
     fn a_link_given_up_leaves_its_unconfirmed_frames_to_the_peer() {
-        use super::super::data_link::LinkKind;
         use std::time::Duration;
         for arrived in [4, 2] {
             let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
             let (mut receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
-            for _ in 0..4 {
-                assert!(sender.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
-            }
-            sender.pace_best_effort(&mut endpoints);
-            let now = std::time::Instant::now();
+            send_best_effort(&mut sender, &mut endpoints, 4);
+            let sent = fabric.lock().unwrap().clone();
             let mut out = Vec::new();
-            for datagram in fabric.lock().unwrap().iter().take(arrived) {
-                receiver
-                    .receive(LinkKind::BestEffort, now, datagram.clone(), &mut out)
-                    .expect("a datagram is taken");
-            }
+            let now = std::time::Instant::now();
+            receive_datagrams(&mut receiver, sent.into_iter().take(arrived), now, &mut out);
             assert_eq!(out.len(), arrived);
             // No credit comes back, nor an answer: given up.
             let mut at = sender.best_effort_probe_at().expect("unconfirmed");
@@ -1348,20 +1375,13 @@ mod tests {
     /// settled, so every frame is still counted once.
     #[test]
     fn datagram_links_given_up_on_both_sides_at_once_count_each_frame_once() {
-        use super::super::data_link::LinkKind;
         let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
         let (mut receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
-        for _ in 0..4 {
-            assert!(sender.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
-        }
-        sender.pace_best_effort(&mut endpoints);
-        let now = std::time::Instant::now();
+        send_best_effort(&mut sender, &mut endpoints, 4);
+        let sent = fabric.lock().unwrap().clone();
         let mut out = Vec::new();
-        for datagram in fabric.lock().unwrap().iter().take(2) {
-            receiver
-                .receive(LinkKind::BestEffort, now, datagram.clone(), &mut out)
-                .expect("a datagram is taken");
-        }
+        let now = std::time::Instant::now();
+        receive_datagrams(&mut receiver, sent.into_iter().take(2), now, &mut out);
         let mine = sender
             .give_up_best_effort(&mut endpoints, GiveUp::Telling)
             .expect("open");
@@ -1391,63 +1411,43 @@ mod tests {
     /// comes as a ping, and settles the lost tail it announces.
     #[test]
     fn a_lost_probe_is_no_lost_message_and_a_probe_settles_a_lost_tail() {
-        use super::super::data_link::LinkKind;
         use std::time::Duration;
         let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
         let (_receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
-        let send = |sender: &mut DataLinks, endpoints: &mut Vec<Box<dyn Endpoint>>, n: usize| {
-            for _ in 0..n {
-                assert!(sender.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
-            }
-            sender.pace_best_effort(endpoints);
-        };
         let datagram = |n: usize| fabric.lock().unwrap()[n].clone();
         let mut now = std::time::Instant::now();
         let mut out = Vec::new();
-        let deliver = |receiver: &mut DataLinks, bytes: Bytes, now, out: &mut Vec<Bytes>| {
-            receiver
-                .receive(LinkKind::BestEffort, now, bytes, out)
-                .expect("a datagram is taken");
-        };
         // Two frames, a probe that is lost, two frames more.
-        send(&mut sender, &mut endpoints, 2);
+        send_best_effort(&mut sender, &mut endpoints, 2);
         let due = sender.best_effort_probe_at().expect("frames unconfirmed");
         assert!(sender
             .probe_best_effort(&mut endpoints, due, Duration::from_secs(10))
             .is_none());
-        send(&mut sender, &mut endpoints, 2);
+        send_best_effort(&mut sender, &mut endpoints, 2);
         assert_eq!(taken(&fabric), 5);
-        for n in [0, 1, 3, 4] {
-            deliver(&mut receiver, datagram(n), now, &mut out);
-        }
+        let arrived = [0, 1, 3, 4].map(datagram);
+        receive_datagrams(&mut receiver, arrived, now, &mut out);
         now += Duration::from_secs(1);
         receiver.poll(now, &endpoints, &mut out).unwrap();
         assert_eq!(out.len(), 4, "every frame delivered");
         assert_eq!(receiver.take_best_effort_lost(), 0, "the probe is no loss");
         // Two frames lost, then a probe: answered as a ping, and the two
         // counted lost once their wait is over.
-        send(&mut sender, &mut endpoints, 2);
+        send_best_effort(&mut sender, &mut endpoints, 2);
         let due = sender.best_effort_probe_at().expect("frames unconfirmed");
         assert!(sender
             .probe_best_effort(&mut endpoints, due, Duration::from_secs(10))
             .is_none());
         assert_eq!(taken(&fabric), 8);
         out.clear();
-        deliver(&mut receiver, datagram(7), now, &mut out);
+        receive_datagrams(&mut receiver, [datagram(7)], now, &mut out);
         let nonce = 7; // the sequence the probe's sender would number next
         assert_eq!(out.len(), 1);
         assert!(matches!(
             codec::decode(out[0].clone(), &codec::CodecLimits::default()),
             Ok(efabus_core::frame::Frame::Ping { nonce: n }) if n == nonce
         ));
-        let mut at = now;
-        while let Some(next) = receiver
-            .next_deadline()
-            .filter(|_| at < now + Duration::from_secs(1))
-        {
-            at = next;
-            receiver.poll(at, &endpoints, &mut out).unwrap();
-        }
+        poll_until_settled(&mut receiver, &endpoints, now, &mut out);
         assert_eq!(out.len(), 1, "nothing more delivered");
         assert_eq!(receiver.take_best_effort_lost(), 2, "the lost tail");
     }
@@ -1457,7 +1457,6 @@ mod tests {
     /// ping to answer.
     #[test]
     fn a_probe_on_a_reliable_link_fails_it() {
-        use super::super::data_link::LinkKind;
         let (_endpoints, mut links, _, _) = with_data_link(usize::MAX, None);
         let probe = codec::encode(&efabus_core::frame::Frame::Probe {
             nonce: 1,
@@ -1480,28 +1479,20 @@ mod tests {
     /// comes, and the sender does not count it too.
     #[test]
     fn a_frame_whose_send_failed_is_counted_once() {
-        use super::super::data_link::LinkKind;
         let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
         let (_receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
         let (mut failing, _, _) = scripted_link(true, 4096, (1, None, usize::MAX));
-        let send = |sender: &mut DataLinks, endpoints: &mut Vec<Box<dyn Endpoint>>| {
-            assert!(sender.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
-            sender.pace_best_effort(endpoints);
-        };
-        send(&mut sender, &mut endpoints);
+        send_best_effort(&mut sender, &mut endpoints, 1);
         std::mem::swap(&mut endpoints[1], &mut failing);
-        send(&mut sender, &mut endpoints);
+        send_best_effort(&mut sender, &mut endpoints, 1);
         std::mem::swap(&mut endpoints[1], &mut failing);
-        send(&mut sender, &mut endpoints);
+        send_best_effort(&mut sender, &mut endpoints, 1);
         assert_eq!(taken(&fabric), 2, "the first and the third");
         assert_eq!(sender.take_best_effort_drops(), 0);
         let now = std::time::Instant::now();
         let mut out = Vec::new();
-        for datagram in fabric.lock().unwrap().iter() {
-            receiver
-                .receive(LinkKind::BestEffort, now, datagram.clone(), &mut out)
-                .expect("a datagram is taken");
-        }
+        let sent = fabric.lock().unwrap().clone();
+        receive_datagrams(&mut receiver, sent, now, &mut out);
         receiver
             .poll(
                 now + std::time::Duration::from_secs(1),
@@ -1514,7 +1505,7 @@ mod tests {
         // One failing last, with nothing after it to show its gap: the
         // session's end counts it here, as a link given up would.
         std::mem::swap(&mut endpoints[1], &mut failing);
-        send(&mut sender, &mut endpoints);
+        send_best_effort(&mut sender, &mut endpoints, 1);
         assert_eq!(sender.best_effort_unsent_frames(), 1);
         assert_eq!(sender.take_best_effort_drops(), 0);
         // A probe that goes shows it: the peer counts it from then on.
@@ -1822,7 +1813,6 @@ mod tests {
     /// with the probe saying less, the frame would wait for ever.
     #[test]
     fn a_probe_settles_a_large_frame_whose_first_window_was_lost() {
-        use super::super::data_link::LinkKind;
         use std::time::Duration;
         let max_frame = codec::FRAGMENT_OVERHEAD + 64;
         let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(max_frame);
@@ -1840,17 +1830,8 @@ mod tests {
         let probe = fabric.lock().unwrap()[window].clone();
         let now = std::time::Instant::now();
         let mut out = Vec::new();
-        receiver
-            .receive(LinkKind::BestEffort, now, probe, &mut out)
-            .expect("the probe is taken");
-        let mut at = now;
-        while let Some(next) = receiver
-            .next_deadline()
-            .filter(|_| at < now + Duration::from_secs(1))
-        {
-            at = next;
-            receiver.poll(at, &endpoints, &mut out).unwrap();
-        }
+        receive_datagrams(&mut receiver, [probe], now, &mut out);
+        poll_until_settled(&mut receiver, &endpoints, now, &mut out);
         assert_eq!(receiver.take_best_effort_lost(), 1);
     }
 
