@@ -3083,7 +3083,8 @@ impl EventLoop {
         if unsent > 0 {
             BrokerStats::add(&self.shared.stats.best_effort_drops, unsent);
         }
-        let unacknowledged = session.conn.links.unacknowledged_frames();
+        let links = &session.conn.links;
+        let unacknowledged = links.unacknowledged_frames() + links.best_effort_unconfirmed_frames();
         if unacknowledged > 0 {
             BrokerStats::add(&self.shared.stats.unacknowledged_at_close, unacknowledged);
         }

@@ -1936,6 +1936,16 @@ impl DataLinks {
         self.reliable.as_ref().map_or(0, DataLink::frames_in_flight)
     }
 
+    /// Frames the best-effort link sent that no credit confirmed, but for
+    /// those counted apart ([`Self::best_effort_unsent_frames`]): if the
+    /// session ends now, the peer may have taken them, counted them lost,
+    /// or never heard of them.
+    pub fn best_effort_unconfirmed_frames(&self) -> u64 {
+        self.best_effort.as_ref().map_or(0, |link| {
+            link.unconfirmed().saturating_sub(link.failed_at_tail)
+        })
+    }
+
     /// Best-effort messages from the peer found missing since last asked.
     pub fn take_best_effort_lost(&mut self) -> u64 {
         self.best_effort.as_mut().map_or(0, |link| {

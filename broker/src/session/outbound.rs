@@ -1508,6 +1508,9 @@ mod tests {
         send_best_effort(&mut sender, &mut endpoints, 1);
         assert_eq!(sender.best_effort_unsent_frames(), 1);
         assert_eq!(sender.take_best_effort_drops(), 0);
+        // The other three, none confirmed, are what the peer may have
+        // taken, counted lost, or never heard of.
+        assert_eq!(sender.best_effort_unconfirmed_frames(), 3);
         // A probe that goes shows it: the peer counts it from then on.
         std::mem::swap(&mut endpoints[1], &mut failing);
         let due = sender.best_effort_probe_at().expect("frames unconfirmed");
