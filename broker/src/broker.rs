@@ -143,10 +143,11 @@ pub struct BrokerStats {
     /// had routed to it that still waited for the event loop when it went.
     pub connection_drops: AtomicU64,
     /// Frames a peer's reliable data link had sent that the peer had not
-    /// acknowledged when its session ended: taken by the peer before it
-    /// went (its credit not sent yet) or lost with it; this side cannot
-    /// tell which. With `connection_drops` it bounds what a failed
-    /// connection or route lost in flight.
+    /// acknowledged when its session ended, and best-effort frames its
+    /// datagram link had sent that no credit confirmed: taken by the peer
+    /// before it went (its credit not sent yet) or lost with it; this
+    /// side cannot tell which. With `connection_drops` it bounds what a
+    /// failed connection or route lost in flight.
     pub unacknowledged_at_close: AtomicU64,
     pub bad_frames: AtomicU64,
     /// Publishes refused for a payload over `limits.max_payload` (a
@@ -177,8 +178,9 @@ pub struct BrokerStats {
     /// Best-effort messages the datagram link could not take.
     pub best_effort_drops: AtomicU64,
     /// Best-effort messages that went missing on their way to this broker
-    /// (over a route's datagram link): counted when a later one arrives
-    /// or the gap times out.
+    /// (over a route's datagram link): counted when a later one, or a
+    /// probe saying it was sent, shows the gap and the gap times out, or
+    /// when the link closes on the peer's word that it was sent.
     pub best_effort_lost: AtomicU64,
     /// Sends to data links that found the peer's credit window full (the
     /// frame waited, or on a datagram link was dropped and counted in

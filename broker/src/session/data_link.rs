@@ -610,7 +610,9 @@ impl DataLink {
         if let Err(source) = self.sender.prepare(frame, &mut wire) {
             // Nothing of it went: numbered, it is a gap counted as one lost
             // on the way (see `failed`); not, it is counted here.
-            if self.lossy && self.sender.next_sequence() == seq {
+            if self.sender.next_sequence() != seq {
+                self.failed(seq, false);
+            } else if self.lossy {
                 self.dropped += 1;
             }
             return Err(DataLinkError::Prepare {
@@ -740,7 +742,9 @@ impl DataLink {
     /// One message from the endpoint: what it completes goes to `out` in
     /// the sender's order, frames and runs of them (checked, and left
     /// whole: [`released_frames`] reads them, [`open_released`] splits
-    /// them). Credits from the peer are taken here and never reach `out`.
+    /// them). Credits from the peer are taken here and never reach `out`;
+    /// a probe (datagram links) goes there at once as the `Ping` the
+    /// owner answers, outside that order.
     pub fn receive(
         &mut self,
         now: Instant,
@@ -1872,21 +1876,17 @@ impl DataLinks {
         confirmed.last_probe = Some(now);
         let endpoint = endpoints[link.endpoint].as_mut();
         // Behind what the endpoint has not taken yet, or not at all: a
-        // link that cannot send is as silent as one that is not heard.
-        match link.flush(endpoint) {
-            Ok(true) => {
-                // The next sequence tells its answer from other pings'
-                // (those of heartbeats carry 0, challenges a random
-                // nonce); an answer to an earlier probe, with no frame
-                // sent since, shows as well that the peer hears the link.
-                let seq = link.sender.next_sequence();
-                link.confirmed.probe_nonce = seq;
-                let _ = link.transmit_probe(endpoint, seq);
-            }
-            Ok(false) => {}
-            // The frame whose piece failed is lost on the way (see
-            // `DataLink::failed`).
-            Err(_) => {}
+        // link that cannot send is as silent as one that is not heard (a
+        // frame whose piece failed is lost on the way, see
+        // `DataLink::failed`).
+        if let Ok(true) = link.flush(endpoint) {
+            // The next sequence tells its answer from other pings' (those
+            // of heartbeats carry 0, challenges a random nonce); an answer
+            // to an earlier probe, with no frame sent since, shows as well
+            // that the peer hears the link.
+            let seq = link.sender.next_sequence();
+            link.confirmed.probe_nonce = seq;
+            let _ = link.transmit_probe(endpoint, seq);
         }
         None
     }
@@ -2056,17 +2056,16 @@ impl DataLinks {
         how: GiveUp,
     ) -> Option<Closed> {
         let link = self.best_effort.as_mut()?;
-        match how {
-            GiveUp::Telling => {}
-            GiveUp::Told {
-                settled_through,
-                sent_through,
-            } => {
-                link.confirm_through(settled_through);
-                link.dropped = link.dropped.saturating_add(link.unconfirmed());
-                link.receiver.settle_at_close(sent_through);
-            }
-            GiveUp::Alone => link.dropped = link.dropped.saturating_add(link.unconfirmed()),
+        if let GiveUp::Told {
+            settled_through,
+            sent_through,
+        } = how
+        {
+            link.confirm_through(settled_through);
+            link.receiver.settle_at_close(sent_through);
+        }
+        if how != GiveUp::Telling {
+            link.dropped = link.dropped.saturating_add(link.unconfirmed());
         }
         // Sent as far as the peer knows, so counted by it or just now.
         link.failed_at_tail = 0;

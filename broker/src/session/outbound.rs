@@ -1162,15 +1162,18 @@ mod tests {
         out: &mut Vec<Bytes>,
     ) {
         let end = now + std::time::Duration::from_secs(1);
+        let mut last = None;
         while let Some(at) = links.next_deadline().filter(|&at| at < end) {
+            assert_ne!(Some(at), last, "polling leaves its deadline due");
+            last = Some(at);
             links.poll(at, endpoints, out).unwrap();
         }
     }
 
     /// The peer's notice that it gave the datagram link up, having settled
     /// this side's frames up to `settled_through` and sent none there.
-    fn told(settled_through: u64) -> super::super::data_link::GiveUp {
-        super::super::data_link::GiveUp::Told {
+    fn told(settled_through: u64) -> GiveUp {
+        GiveUp::Told {
             settled_through,
             sent_through: 0,
         }
@@ -1295,8 +1298,9 @@ mod tests {
         best_effort_credit(&mut links, now, 2, 64);
         let due = links.best_effort_probe_at().expect("two unconfirmed");
         assert_eq!(due, now + every);
-        // A ping (sequence 5), and an answer to another: the next ping is
-        // due a while after this one; its own answer starts them over.
+        // A probe (nonce 5, the next sequence), and an answer to another:
+        // the next probe is due a while after this one; its own answer
+        // starts them over.
         assert!(links
             .probe_best_effort(&mut endpoints, due, give_up_after)
             .is_none());
@@ -1391,17 +1395,17 @@ mod tests {
         assert_eq!((mine.unsent, mine.sent_through), (0, 4));
         assert_eq!((theirs.lost, theirs.settled_through), (0, 2));
         // Each notice finds the other side closed.
-        let told = |closed: &super::super::data_link::Closed| GiveUp::Told {
+        let notice_of = |closed: &super::super::data_link::Closed| GiveUp::Told {
             settled_through: closed.settled_through,
             sent_through: closed.sent_through,
         };
         assert!(sender
-            .give_up_best_effort(&mut endpoints, told(&theirs))
+            .give_up_best_effort(&mut endpoints, notice_of(&theirs))
             .is_none());
         assert_eq!(sender.late_notice(0, theirs.settled_through), 2);
         assert_eq!(sender.late_notice(0, theirs.settled_through), 0, "once");
         assert!(receiver
-            .give_up_best_effort(&mut receiver_endpoints, told(&mine))
+            .give_up_best_effort(&mut receiver_endpoints, notice_of(&mine))
             .is_none());
         assert_eq!(receiver.late_notice(0, mine.settled_through), 0);
     }
