@@ -150,26 +150,15 @@ fn datagram_losing_subscriber(
     loss: Faults,
     connect_timeout: Duration,
 ) -> (Client, Subscription) {
-    let faults = Faults {
-        scheme: Some("efa-dgram".to_string()),
-        direction,
-        ..loss
-    };
     let options = ClientOptions {
-        faults: Some(faults),
         connect_timeout,
         ..fabric_options(broker, name)
     };
-    let client = connect_with(broker, options);
-    let sub = client.subscribe_best_effort("be.>").unwrap();
-    client.flush(WAIT).unwrap();
-    (client, sub)
+    losing_subscriber(broker, options, direction, loss, "be.>")
 }
 
-/// A client `name` of `broker` (given `connect_timeout`) whose only
-/// fabric path is its `efa-dgram` link (its reliable path is TCP), which
-/// loses what goes `direction` as `loss` says, subscribed for best effort
-/// to `stream.>` (see `stream_common`).
+/// The same, but whose only fabric path is its `efa-dgram` link (its
+/// reliable path is TCP), subscribed to `stream.>` (see `stream_common`).
 fn datagram_stream_subscriber(
     broker: &Broker,
     name: &str,
@@ -177,19 +166,36 @@ fn datagram_stream_subscriber(
     loss: Faults,
     connect_timeout: Duration,
 ) -> (Client, Subscription) {
+    let options = ClientOptions {
+        preference: vec!["efa-dgram".to_string(), "tcp".to_string()],
+        connect_timeout,
+        ..fabric_options(broker, name)
+    };
+    losing_subscriber(broker, options, direction, loss, "stream.>")
+}
+
+/// A client with `options` whose `efa-dgram` endpoint loses what goes
+/// `direction` as `loss` says, subscribed for best effort to `pattern`.
+fn losing_subscriber(
+    broker: &Broker,
+    options: ClientOptions,
+    direction: FaultDirection,
+    loss: Faults,
+    pattern: &str,
+) -> (Client, Subscription) {
     let faults = Faults {
         scheme: Some("efa-dgram".to_string()),
         direction,
         ..loss
     };
-    let options = ClientOptions {
-        preference: vec!["efa-dgram".to_string(), "tcp".to_string()],
-        faults: Some(faults),
-        connect_timeout,
-        ..fabric_options(broker, name)
-    };
-    let client = connect_with(broker, options);
-    let sub = client.subscribe_best_effort("stream.>").unwrap();
+    let client = connect_with(
+        broker,
+        ClientOptions {
+            faults: Some(faults),
+            ..options
+        },
+    );
+    let sub = client.subscribe_best_effort(pattern).unwrap();
     client.flush(WAIT).unwrap();
     (client, sub)
 }

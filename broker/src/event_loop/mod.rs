@@ -2799,16 +2799,23 @@ impl EventLoop {
             return;
         };
         let in_service = in_service(&self.listener_down);
-        match session
+        let reopened = session
             .conn
             .links
-            .reopen_best_effort(&mut self.endpoints, in_service, now)
-        {
-            Ok(epoch) => {
-                let ask = Frame::BestEffortReopen { epoch };
-                self.send(id, codec::encode(&ask), false);
-                self.data_link_reopened(id, epoch);
-            }
+            .reopen_best_effort(&mut self.endpoints, in_service, now);
+        if let Ok(epoch) = reopened {
+            let ask = Frame::BestEffortReopen { epoch };
+            self.send(id, codec::encode(&ask), false);
+        }
+        self.after_reopening(id, reopened);
+    }
+
+    /// Session `id`'s datagram link opened again in the epoch `reopened`
+    /// names (reported), or not, for the reason it gives (logged); its
+    /// timers are due again either way.
+    fn after_reopening(&mut self, id: u64, reopened: Result<u32, String>) {
+        match reopened {
+            Ok(epoch) => self.data_link_reopened(id, epoch),
             Err(why) => debug!(session = id, %why, "datagram link not opened again"),
         }
         self.schedule_best_effort_timers(id);
@@ -2869,15 +2876,12 @@ impl EventLoop {
             return;
         };
         let in_service = in_service(&self.listener_down);
-        match session
+        let reopened = session
             .conn
             .links
             .open_again(&mut self.endpoints, in_service, epoch, now)
-        {
-            Ok(()) => self.data_link_reopened(id, epoch),
-            Err(why) => debug!(session = id, %why, "peer's datagram link not opened again"),
-        }
-        self.schedule_best_effort_timers(id);
+            .map(|()| epoch);
+        self.after_reopening(id, reopened);
     }
 
     /// Session `id`'s datagram link opened again: its address is the

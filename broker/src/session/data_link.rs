@@ -826,6 +826,12 @@ impl DataLink {
         self.ready() && self.switch == Switch::Carrying
     }
 
+    /// An opened-again link whose peer has proved it and which takes no
+    /// best effort yet: what it carries is to move onto it.
+    fn ready_to_carry(&self) -> bool {
+        self.switch == Switch::Opening && self.ready()
+    }
+
     /// Whether the peer proved its address (a dialer's link: the peer's
     /// first credit came).
     fn ready(&self) -> bool {
@@ -2278,7 +2284,7 @@ impl DataLinks {
     pub fn best_effort_path(&self) -> Option<String> {
         self.best_effort
             .as_ref()
-            .filter(|_| self.takes_best_effort())
+            .filter(|link| link.switch != Switch::Opening)
             .map(|link| link.description.clone())
     }
 
@@ -2292,7 +2298,7 @@ impl DataLinks {
         let link = self
             .best_effort
             .as_mut()
-            .filter(|link| link.switch == Switch::Opening && link.ready())?;
+            .filter(|link| link.ready_to_carry())?;
         // Tells the answer from heartbeats' (0) and probes' (sequences);
         // the pong comes over the session's own links, so a guess gains
         // a peer nothing.
@@ -2306,7 +2312,7 @@ impl DataLinks {
     /// Whether it did just now.
     pub fn carry_once_credited(&mut self) -> bool {
         match self.best_effort.as_mut() {
-            Some(link) if link.switch == Switch::Opening && link.ready() => {
+            Some(link) if link.ready_to_carry() => {
                 link.switch = Switch::Carrying;
                 true
             }

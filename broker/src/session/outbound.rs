@@ -1131,10 +1131,16 @@ mod tests {
         fabric.lock().unwrap().len()
     }
 
-    /// Queue `count` frames of 100 bytes on a datagram link and pace them.
-    fn send_best_effort(links: &mut DataLinks, endpoints: &mut [Box<dyn Endpoint>], count: usize) {
+    /// Queue `count` frames of `size` bytes on a datagram link and pace
+    /// them.
+    fn send_best_effort(
+        links: &mut DataLinks,
+        endpoints: &mut [Box<dyn Endpoint>],
+        count: usize,
+        size: usize,
+    ) {
         for _ in 0..count {
-            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
+            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(size)))));
         }
         links.pace_best_effort(endpoints);
     }
@@ -1220,10 +1226,7 @@ mod tests {
         // Room for seven pieces: the first frame goes, the second leaves
         // three of its pieces with the link, the third waits behind them.
         let (mut endpoints, mut links) = with_best_effort_link((usize::MAX, None, 7));
-        for _ in 0..3 {
-            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(300)))));
-        }
-        links.pace_best_effort(&mut endpoints);
+        send_best_effort(&mut links, &mut endpoints, 3, 300);
         assert!(links.best_effort_waiting());
         // Lost here if the session ends now: the frame behind the refused
         // one (part of which went, so the peer counts it).
@@ -1244,10 +1247,7 @@ mod tests {
         if let Some(link) = links.best_effort.as_mut() {
             link.proof = awaiting;
         }
-        for _ in 0..3 {
-            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
-        }
-        links.pace_best_effort(&mut endpoints);
+        send_best_effort(&mut links, &mut endpoints, 3, 100);
         assert_eq!(
             links.best_effort_unsent_frames(),
             3,
@@ -1282,10 +1282,7 @@ mod tests {
         let give_up_after = Duration::from_secs(1);
         let (mut endpoints, mut links, fabric) = best_effort_link_taking_all(4096);
         assert_eq!(links.best_effort_probe_at(), None, "nothing sent");
-        for _ in 0..4 {
-            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
-        }
-        links.pace_best_effort(&mut endpoints);
+        send_best_effort(&mut links, &mut endpoints, 4, 100);
         assert_eq!(taken(&fabric), 4);
         let due = links.best_effort_probe_at().expect("frames unconfirmed");
         let early = due - Duration::from_millis(1);
@@ -1343,7 +1340,7 @@ mod tests {
         for arrived in [4, 2] {
             let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
             let (mut receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
-            send_best_effort(&mut sender, &mut endpoints, 4);
+            send_best_effort(&mut sender, &mut endpoints, 4, 100);
             let sent = fabric.lock().unwrap().clone();
             let mut out = Vec::new();
             let now = std::time::Instant::now();
@@ -1381,7 +1378,7 @@ mod tests {
     fn datagram_links_given_up_on_both_sides_at_once_count_each_frame_once() {
         let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
         let (mut receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
-        send_best_effort(&mut sender, &mut endpoints, 4);
+        send_best_effort(&mut sender, &mut endpoints, 4, 100);
         let sent = fabric.lock().unwrap().clone();
         let mut out = Vec::new();
         let now = std::time::Instant::now();
@@ -1422,12 +1419,12 @@ mod tests {
         let mut now = std::time::Instant::now();
         let mut out = Vec::new();
         // Two frames, a probe that is lost, two frames more.
-        send_best_effort(&mut sender, &mut endpoints, 2);
+        send_best_effort(&mut sender, &mut endpoints, 2, 100);
         let due = sender.best_effort_probe_at().expect("frames unconfirmed");
         assert!(sender
             .probe_best_effort(&mut endpoints, due, Duration::from_secs(10))
             .is_none());
-        send_best_effort(&mut sender, &mut endpoints, 2);
+        send_best_effort(&mut sender, &mut endpoints, 2, 100);
         assert_eq!(taken(&fabric), 5);
         let arrived = [0, 1, 3, 4].map(datagram);
         receive_datagrams(&mut receiver, arrived, now, &mut out);
@@ -1437,7 +1434,7 @@ mod tests {
         assert_eq!(receiver.take_best_effort_lost(), 0, "the probe is no loss");
         // Two frames lost, then a probe: answered as a ping, and the two
         // counted lost once their wait is over.
-        send_best_effort(&mut sender, &mut endpoints, 2);
+        send_best_effort(&mut sender, &mut endpoints, 2, 100);
         let due = sender.best_effort_probe_at().expect("frames unconfirmed");
         assert!(sender
             .probe_best_effort(&mut endpoints, due, Duration::from_secs(10))
@@ -1486,11 +1483,11 @@ mod tests {
         let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
         let (_receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
         let (mut failing, _, _) = scripted_link(true, 4096, (1, None, usize::MAX));
-        send_best_effort(&mut sender, &mut endpoints, 1);
+        send_best_effort(&mut sender, &mut endpoints, 1, 100);
         std::mem::swap(&mut endpoints[1], &mut failing);
-        send_best_effort(&mut sender, &mut endpoints, 1);
+        send_best_effort(&mut sender, &mut endpoints, 1, 100);
         std::mem::swap(&mut endpoints[1], &mut failing);
-        send_best_effort(&mut sender, &mut endpoints, 1);
+        send_best_effort(&mut sender, &mut endpoints, 1, 100);
         assert_eq!(taken(&fabric), 2, "the first and the third");
         assert_eq!(sender.take_best_effort_drops(), 0);
         let now = std::time::Instant::now();
@@ -1509,7 +1506,7 @@ mod tests {
         // One failing last, with nothing after it to show its gap: the
         // session's end counts it here, as a link given up would.
         std::mem::swap(&mut endpoints[1], &mut failing);
-        send_best_effort(&mut sender, &mut endpoints, 1);
+        send_best_effort(&mut sender, &mut endpoints, 1, 100);
         assert_eq!(sender.best_effort_unsent_frames(), 1);
         assert_eq!(sender.take_best_effort_drops(), 0);
         // The other three, none confirmed, are what the peer may have
@@ -1534,10 +1531,7 @@ mod tests {
     #[test]
     fn a_datagram_link_the_peer_gave_up_counts_what_went_beyond_its_settled() {
         let (mut endpoints, mut links, fabric) = best_effort_link_taking_all(4096);
-        for _ in 0..6 {
-            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
-        }
-        links.pace_best_effort(&mut endpoints);
+        send_best_effort(&mut links, &mut endpoints, 6, 100);
         assert_eq!(taken(&fabric), 6);
         best_effort_credit(&mut links, std::time::Instant::now(), 1, 64);
         let closed = links
@@ -1713,10 +1707,7 @@ mod tests {
         let timeout = std::time::Duration::from_secs(10);
         assert_eq!(links.switch_deadline(timeout), Some(now + timeout));
         let before = taken(&fabric);
-        for _ in 0..3 {
-            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(100)))));
-        }
-        links.pace_best_effort(&mut endpoints);
+        send_best_effort(&mut links, &mut endpoints, 3, 100);
         assert_eq!(taken(&fabric), before, "held for the switch's pong");
         assert!(!links.on_switch_pong(switch ^ 1));
         assert!(links.on_switch_pong(switch));
@@ -1889,10 +1880,7 @@ mod tests {
     #[test]
     fn a_frame_partly_sent_is_the_peer_s_to_count() {
         let (mut endpoints, mut links) = with_best_effort_link((usize::MAX, Some(7), usize::MAX));
-        for _ in 0..2 {
-            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(300)))));
-        }
-        links.pace_best_effort(&mut endpoints);
+        send_best_effort(&mut links, &mut endpoints, 2, 300);
         assert!(
             links.best_effort_waiting(),
             "the second frame's pieces wait"
@@ -1908,10 +1896,7 @@ mod tests {
         // The last frame's second piece is refused once: pacing again
         // sends the rest though no frame waits for credit.
         let (mut endpoints, mut links) = with_best_effort_link((usize::MAX, Some(7), usize::MAX));
-        for _ in 0..2 {
-            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(300)))));
-        }
-        links.pace_best_effort(&mut endpoints);
+        send_best_effort(&mut links, &mut endpoints, 2, 300);
         assert!(links.best_effort_waiting());
         // Part of it went: the peer's to count if the session ends now.
         assert_eq!(links.best_effort_unsent_frames(), 0);
@@ -1928,10 +1913,7 @@ mod tests {
         // is lost on the way, counted by the peer or, as here, with what
         // went unconfirmed when the link is given up.
         let (mut endpoints, mut links) = with_best_effort_link((8, Some(7), usize::MAX));
-        for _ in 0..3 {
-            assert!(links.queue_best_effort(OutFrame::whole(Bytes::from(message(300)))));
-        }
-        links.pace_best_effort(&mut endpoints);
+        send_best_effort(&mut links, &mut endpoints, 3, 300);
         assert_eq!(links.take_best_effort_drops(), 1);
         assert!(
             !links.best_effort_waiting(),
