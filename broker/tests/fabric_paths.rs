@@ -1167,6 +1167,28 @@ fn a_datagram_link_that_goes_quiet_is_given_up_and_its_losses_counted() {
         "{received} received, {lost} counted lost and {dropped} dropped of {published}"
     );
     assert_eq!(client.reconnects(), 0);
+    // The client answered the ping behind the notice, so the broker knows
+    // the client counted what went unconfirmed there: the session's end
+    // counts none of it again as unacknowledged (it would, at least the
+    // `lost`, had the notice gone unread).
+    let unacknowledged_before = unacknowledged_at_close(&broker);
+    drop(sub);
+    drop(client);
+    let deadline = Instant::now() + WAIT;
+    while broker
+        .connections(&[], WAIT)
+        .unwrap()
+        .iter()
+        .any(|report| report.name == name)
+    {
+        assert!(Instant::now() < deadline, "the session never ended");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let unacknowledged = unacknowledged_at_close(&broker) - unacknowledged_before;
+    assert!(
+        unacknowledged < lost,
+        "{unacknowledged} counted unacknowledged at the end, {lost} lost on the link given up"
+    );
 }
 
 /// Messages of 50 kB (36 datagrams over `udp`, more than half the
@@ -1697,6 +1719,13 @@ fn best_effort_drops(broker: &Broker) -> u64 {
     broker
         .stats()
         .best_effort_drops
+        .load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn unacknowledged_at_close(broker: &Broker) -> u64 {
+    broker
+        .stats()
+        .unacknowledged_at_close
         .load(std::sync::atomic::Ordering::Relaxed)
 }
 

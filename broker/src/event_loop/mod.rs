@@ -2745,6 +2745,13 @@ impl EventLoop {
                 reason.clone(),
             );
             self.send(id, codec::encode(&notice), false);
+            let ping = self
+                .sessions
+                .get_mut(&id)
+                .and_then(|session| session.conn.links.notice_ping());
+            if let Some(nonce) = ping {
+                self.send(id, codec::encode(&Frame::Ping { nonce }), false);
+            }
         }
         self.forget_closed_link(id, closed, reason);
     }
@@ -2995,6 +3002,7 @@ impl EventLoop {
             return;
         };
         session.conn.links.on_probe_pong(nonce, self.now);
+        session.conn.links.on_notice_pong(nonce);
         if session.conn.links.on_switch_pong(nonce) {
             // What waited on the datagram link for the switch goes now.
             self.flush_session(id);
@@ -3088,7 +3096,9 @@ impl EventLoop {
             BrokerStats::add(&self.shared.stats.best_effort_drops, unsent);
         }
         let links = &session.conn.links;
-        let unacknowledged = links.unacknowledged_frames() + links.best_effort_unconfirmed_frames();
+        let unacknowledged = links.unacknowledged_frames()
+            + links.best_effort_unconfirmed_frames()
+            + links.unread_notice_frames();
         if unacknowledged > 0 {
             BrokerStats::add(&self.shared.stats.unacknowledged_at_close, unacknowledged);
         }

@@ -1195,7 +1195,8 @@ pub(crate) struct Closed {
 pub(crate) enum GiveUp {
     /// This side gives up and tells the peer (a `best-effort closed`
     /// frame) how far it sent ([`Closed::sent_through`]): the peer counts
-    /// what it lacks of that, this side none of it.
+    /// what it lacks of that, this side none of it (unless the session
+    /// ends before the peer shows it read the notice: [`UnreadNotice`]).
     Telling,
     /// The peer gave up, saying it settled what this side sent up to
     /// `settled_through` and sent up to `sent_through`: this side counts
@@ -1343,7 +1344,27 @@ pub(crate) struct DataLinks {
     /// gave up telling the peer ([`GiveUp::Telling`]), until the peer's
     /// own notice for it comes (see [`Self::late_notice`]).
     pub(crate) told_peer: Option<(u32, u64)>,
+    /// Notices of datagram links given up ([`GiveUp::Telling`]) not yet
+    /// known read by the peer, oldest first (see [`UnreadNotice`]).
+    pub(crate) unread_notices: VecDeque<UnreadNotice>,
 }
+
+/// A `best-effort closed` notice this side sent, leaving the frames it
+/// sent unconfirmed on that link to the peer to count. A peer gone before
+/// it reads the notice counts none of them, so until a `Pong` answers the
+/// `Ping` sent behind it (on the same ordered path) a session that ends
+/// counts them as unacknowledged, as it does frames in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct UnreadNotice {
+    epoch: u32,
+    unconfirmed: u64,
+    nonce: u64,
+    ping_sent: bool,
+}
+
+/// Notices kept waiting for their proof of reading; past it the two
+/// oldest merge (a peer that answers no ping is soon given up anyway).
+const UNREAD_NOTICES_MAX: usize = 8;
 
 impl DataLinks {
     /// Choose data paths from both sides' offers and open the chosen links
@@ -2062,6 +2083,7 @@ impl DataLinks {
         how: GiveUp,
     ) -> Option<Closed> {
         let link = self.best_effort.as_mut()?;
+        let unconfirmed = link.unconfirmed();
         if let GiveUp::Told {
             settled_through,
             sent_through,
@@ -2078,7 +2100,56 @@ impl DataLinks {
         let epoch = self.best_effort_epoch();
         let closed = self.close_best_effort(endpoints)?;
         self.told_peer = (how == GiveUp::Telling).then_some((epoch, closed.sent_through));
+        if how == GiveUp::Telling && unconfirmed > 0 {
+            self.note_unread_notice(epoch, unconfirmed);
+        }
         Some(closed)
+    }
+
+    /// A notice for the link of `epoch` leaves `unconfirmed` frames to the
+    /// peer to count.
+    pub(crate) fn note_unread_notice(&mut self, epoch: u32, unconfirmed: u64) {
+        if self.unread_notices.len() == UNREAD_NOTICES_MAX {
+            if let Some(oldest) = self.unread_notices.pop_front() {
+                if let Some(next) = self.unread_notices.front_mut() {
+                    next.unconfirmed += oldest.unconfirmed;
+                }
+            }
+        }
+        let nonce = random_u64().unwrap_or(u64::MAX - u64::from(epoch) - 1);
+        self.unread_notices.push_back(UnreadNotice {
+            epoch,
+            unconfirmed,
+            nonce,
+            ping_sent: false,
+        });
+    }
+
+    /// The nonce of the `Ping` the owner sends behind a `best-effort
+    /// closed` notice it just sent, where the peer is to count frames this
+    /// side sent (see [`UnreadNotice`]); once each.
+    pub fn notice_ping(&mut self) -> Option<u64> {
+        let notice = self.unread_notices.back_mut()?;
+        if notice.ping_sent {
+            return None;
+        }
+        notice.ping_sent = true;
+        Some(notice.nonce)
+    }
+
+    /// A `Pong` from the peer: if it answers a notice's ping, that notice
+    /// and those before it were read, and the peer counted their frames.
+    pub fn on_notice_pong(&mut self, nonce: u64) {
+        if let Some(at) = self.unread_notices.iter().position(|n| n.nonce == nonce) {
+            self.unread_notices.drain(..=at);
+        }
+    }
+
+    /// Frames this side sent unconfirmed on datagram links it gave up,
+    /// whose notices the peer is not known to have read: if the session
+    /// ends now, the peer may have counted them or not.
+    pub fn unread_notice_frames(&self) -> u64 {
+        self.unread_notices.iter().map(|n| n.unconfirmed).sum()
     }
 
     /// The peer's notice for the datagram link of `epoch`, which this side
@@ -2091,6 +2162,8 @@ impl DataLinks {
         match self.told_peer {
             Some((told, sent_through)) if told == epoch => {
                 self.told_peer = None;
+                // Counted by the peer up to what it settled, here beyond.
+                self.unread_notices.retain(|n| n.epoch != epoch);
                 sent_through.saturating_sub(settled_through)
             }
             _ => 0,

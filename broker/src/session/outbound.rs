@@ -1367,7 +1367,50 @@ mod tests {
                 (4 - arrived as u64, 0),
                 "{arrived} of 4 arrived"
             );
+            // Until the peer answers the ping sent behind the notice, the
+            // 4 are counted as unacknowledged if the session ends.
+            assert_eq!(sender.unread_notice_frames(), 4);
+            let nonce = sender.notice_ping().expect("a ping behind the notice");
+            assert_eq!(sender.notice_ping(), None, "one ping per notice");
+            sender.on_notice_pong(nonce.wrapping_add(1));
+            assert_eq!(sender.unread_notice_frames(), 4, "another ping's pong");
+            sender.on_notice_pong(nonce);
+            assert_eq!(sender.unread_notice_frames(), 0);
         }
+    }
+
+    /// Notices not yet known read add up; a pong to a later notice's ping
+    /// shows the earlier ones read too (they went the same ordered way),
+    /// and a link given up with every frame confirmed leaves the peer
+    /// nothing to count, so it asks for no proof.
+    #[test]
+    fn notices_of_given_up_links_are_unread_until_a_later_ping_is_answered() {
+        let mut links = DataLinks::default();
+        links.note_unread_notice(0, 3);
+        let first = links.notice_ping().expect("first");
+        links.note_unread_notice(1, 2);
+        let second = links.notice_ping().expect("second");
+        assert_eq!(links.unread_notice_frames(), 5);
+        links.on_notice_pong(second);
+        assert_eq!(links.unread_notice_frames(), 0);
+        links.on_notice_pong(first);
+        assert_eq!(links.unread_notice_frames(), 0);
+        // Bounded: the oldest merge, nothing is forgotten.
+        for epoch in 0..20 {
+            links.note_unread_notice(epoch, 1);
+        }
+        assert_eq!(links.unread_notice_frames(), 20);
+        assert!(links.unread_notices.len() <= 8);
+
+        let (mut endpoints, mut sender, _) = best_effort_link_taking_all(4096);
+        send_best_effort(&mut sender, &mut endpoints, 2, 100);
+        best_effort_credit(&mut sender, std::time::Instant::now(), 2, 64);
+        assert_eq!(sender.best_effort_probe_at(), None, "all confirmed");
+        sender
+            .give_up_best_effort(&mut endpoints, GiveUp::Telling)
+            .expect("open");
+        assert_eq!(sender.unread_notice_frames(), 0);
+        assert_eq!(sender.notice_ping(), None);
     }
 
     /// Both sides give the datagram link up at once, each telling the
@@ -1401,6 +1444,9 @@ mod tests {
             .is_none());
         assert_eq!(sender.late_notice(0, theirs.settled_through), 2);
         assert_eq!(sender.late_notice(0, theirs.settled_through), 0, "once");
+        // Counted now, by the peer up to what it settled and here beyond:
+        // none is left for the session's end.
+        assert_eq!(sender.unread_notice_frames(), 0);
         assert!(receiver
             .give_up_best_effort(&mut receiver_endpoints, notice_of(&mine))
             .is_none());
