@@ -186,6 +186,10 @@ pub struct BrokerStats {
     /// frame waited, or on a datagram link was dropped and counted in
     /// `best_effort_drops`).
     pub credit_waits: AtomicU64,
+    /// Credit and probe frames from peers' datagram links that did not
+    /// decode: ignored (the next credit or probe repairs what it would
+    /// have said), the link going on.
+    pub bad_link_frames: AtomicU64,
     /// Sessions failed because a data link would have held more for
     /// reordering and reassembly than its own bound or, with the other
     /// links, `limits.max_link_memory`.
@@ -365,6 +369,7 @@ impl BrokerStats {
             ("best_effort_drops", get(&self.best_effort_drops)),
             ("best_effort_lost", get(&self.best_effort_lost)),
             ("credit_waits", get(&self.credit_waits)),
+            ("bad_link_frames", get(&self.bad_link_frames)),
             ("link_memory_refusals", get(&self.link_memory_refusals)),
             ("link_gap_failures", get(&self.link_gap_failures)),
             ("link_send_failures", get(&self.link_send_failures)),

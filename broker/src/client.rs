@@ -349,6 +349,7 @@ struct LinkCounters {
     control_in: AtomicU64,
     fabric_out: AtomicU64,
     best_effort_lost: AtomicU64,
+    bad_link_frames: AtomicU64,
     credit_waits: AtomicU64,
     link_memory_refusals: AtomicU64,
     link_gap_failures: AtomicU64,
@@ -378,6 +379,9 @@ pub struct LinkReport {
     /// expiries, and those unsettled when a link closed) since the client
     /// started.
     pub best_effort_lost: u64,
+    /// Credit and probe frames from the broker that did not decode on the
+    /// datagram link (ignored, the link going on).
+    pub bad_link_frames: u64,
     /// Sends that found the broker's credit window full on the reliable
     /// fabric data link (the frame waited in the client).
     pub credit_waits: u64,
@@ -1216,6 +1220,7 @@ impl Client {
             control_frames_in: get(&counters.control_in),
             fabric_frames_out: get(&counters.fabric_out),
             best_effort_lost: get(&counters.best_effort_lost),
+            bad_link_frames: get(&counters.bad_link_frames),
             credit_waits: get(&counters.credit_waits),
             link_memory_refusals: get(&counters.link_memory_refusals),
             link_gap_failures: get(&counters.link_gap_failures),
@@ -3315,10 +3320,15 @@ impl ClientLoop {
                 // its reader.
                 open_released(&mut released, &mut self.released_scratch);
                 if kind == LinkKind::BestEffort {
+                    let counters = &self.shared.counters;
                     BrokerStats::add_saturating(
-                        &self.shared.counters.best_effort_lost,
+                        &counters.best_effort_lost,
                         self.conn.links.take_best_effort_lost(),
                     );
+                    let bad = self.conn.links.take_bad_link_frames();
+                    if bad > 0 {
+                        BrokerStats::add(&counters.bad_link_frames, bad);
+                    }
                 }
                 if !released.is_empty() {
                     let received = released.len() as u64;

@@ -514,6 +514,7 @@ struct Tally {
     route_messages_in: u64,
     route_messages_out: u64,
     best_effort_lost: u64,
+    bad_link_frames: u64,
     fabric_frames_in: u64,
     sent: SendCounts,
 }
@@ -869,6 +870,9 @@ impl EventLoop {
         }
         if tally.best_effort_lost > 0 {
             BrokerStats::add_saturating(&stats.best_effort_lost, tally.best_effort_lost);
+        }
+        if tally.bad_link_frames > 0 {
+            BrokerStats::add(&stats.bad_link_frames, tally.bad_link_frames);
         }
         if tally.route_messages_out > 0 {
             BrokerStats::add(&stats.route_messages_out, tally.route_messages_out);
@@ -1449,6 +1453,7 @@ impl EventLoop {
                 // Saturating: a peer can claim any jump in its sequence.
                 let lost = session.conn.links.take_best_effort_lost();
                 self.tally.best_effort_lost = self.tally.best_effort_lost.saturating_add(lost);
+                self.tally.bad_link_frames += session.conn.links.take_bad_link_frames();
                 session.conn.links.best_effort.as_ref()
             }
         };

@@ -192,8 +192,9 @@ pub(crate) struct DataLink {
     credit_waits_reported: u64,
     /// Credit and probe frames that did not decode on a lossy link
     /// (counted, otherwise ignored: the next credit repairs the window,
-    /// the next probe asks again).
-    pub bad_link_frames: u64,
+    /// the next probe asks again), since [`DataLinks::take_bad_link_frames`]
+    /// last took them.
+    bad_link_frames: u64,
     /// Runs that did not open on a lossy link, dropped and counted as lost
     /// (one each: what they held cannot be known).
     bad_runs: u64,
@@ -1971,6 +1972,14 @@ impl DataLinks {
         self.best_effort.as_ref().map_or(0, |link| {
             link.unconfirmed().saturating_sub(link.failed_at_tail)
         })
+    }
+
+    /// Credit and probe frames from the peer that did not decode on the
+    /// best-effort link since last asked (ignored, the link going on).
+    pub fn take_bad_link_frames(&mut self) -> u64 {
+        self.best_effort
+            .as_mut()
+            .map_or(0, |link| std::mem::take(&mut link.bad_link_frames))
     }
 
     /// Best-effort messages from the peer found missing since last asked.

@@ -1379,6 +1379,37 @@ mod tests {
         }
     }
 
+    /// A credit or probe that does not decode on a datagram link is
+    /// counted and ignored: the link goes on, and the count is reported
+    /// once.
+    #[test]
+    fn a_mangled_credit_or_probe_on_a_datagram_link_is_counted_and_ignored() {
+        use efabus_core::frame::{Credit, Frame};
+        let (_endpoints, mut links, _) = best_effort_link_taking_all(4096);
+        let now = std::time::Instant::now();
+        let credit = Frame::Credit(Credit {
+            messages: 8,
+            bytes: 1 << 20,
+            ack_seq: 0,
+        });
+        let probe = Frame::Probe {
+            nonce: 7,
+            sent_through: 0,
+        };
+        let mut out = Vec::new();
+        for frame in [credit, probe] {
+            let mut mangled = codec::encode(&frame).to_bytes().to_vec();
+            mangled.pop();
+            links
+                .receive(LinkKind::BestEffort, now, Bytes::from(mangled), &mut out)
+                .expect("ignored on a datagram link");
+        }
+        assert!(out.is_empty(), "nothing answered or delivered: {out:?}");
+        assert_eq!(links.take_bad_link_frames(), 2);
+        assert_eq!(links.take_bad_link_frames(), 0, "reported once");
+        assert!(links.best_effort.is_some(), "the link goes on");
+    }
+
     /// Notices not yet known read add up; a pong to a later notice's ping
     /// shows the earlier ones read too (they went the same ordered way),
     /// and a link given up with every frame confirmed leaves the peer
