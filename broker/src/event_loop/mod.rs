@@ -2750,11 +2750,8 @@ impl EventLoop {
                 reason.clone(),
             );
             self.send(id, codec::encode(&notice), false);
-            let ping = self
-                .sessions
-                .get_mut(&id)
-                .and_then(|session| session.conn.links.notice_ping());
-            if let Some(nonce) = ping {
+            if let Some(nonce) = closed.notice_ping {
+                // Its pong shows the peer read the notice (`UnreadNotice`).
                 self.send(id, codec::encode(&Frame::Ping { nonce }), false);
             }
         }

@@ -1187,6 +1187,9 @@ pub(crate) struct Closed {
     pub unsent: u64,
     /// Frames that waited on it for credit (see [`DataLink::take_waiting`]).
     pub waiting: VecDeque<OutFrame>,
+    /// Given up telling the peer ([`GiveUp::Telling`]): the nonce of the
+    /// `Ping` the owner sends behind the notice ([`UnreadNotice`]).
+    pub notice_ping: Option<u64>,
 }
 
 /// Who counts, when a datagram link is given up, the frames each side
@@ -1341,31 +1344,36 @@ pub(crate) struct DataLinks {
     /// How the best-effort link opens again once given up; `None` where
     /// none was negotiated.
     pub(crate) reopening: Option<Reopening>,
-    /// The epoch and `sent_through` of the datagram link this side last
-    /// gave up telling the peer ([`GiveUp::Telling`]), until the peer's
-    /// own notice for it comes (see [`Self::late_notice`]).
-    pub(crate) told_peer: Option<(u32, u64)>,
-    /// Notices of datagram links given up ([`GiveUp::Telling`]) not yet
-    /// known read by the peer, oldest first (see [`UnreadNotice`]).
+    /// Notices of datagram links given up telling the peer
+    /// ([`GiveUp::Telling`]) not yet known read by it, oldest first.
     pub(crate) unread_notices: VecDeque<UnreadNotice>,
 }
 
 /// A `best-effort closed` notice this side sent, leaving the frames it
 /// sent unconfirmed on that link to the peer to count. A peer gone before
 /// it reads the notice counts none of them, so until a `Pong` answers the
-/// `Ping` sent behind it (on the same ordered path) a session that ends
-/// counts them as unacknowledged, as it does frames in flight.
+/// `Ping` sent behind it (on the same ordered path; the peer reads the
+/// notice first) a session that ends counts them as unacknowledged, as it
+/// does frames in flight. A peer that gave its side up at once sends its
+/// own notice before it can read this one, so that comes before the pong
+/// ([`DataLinks::late_notice`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct UnreadNotice {
     epoch: u32,
+    /// How far this side sent there, until a late notice from the peer
+    /// takes it.
+    sent_through: Option<u64>,
+    /// Frames sent there unconfirmed, left to the peer.
     unconfirmed: u64,
+    /// Those of older notices merged into this one (the bound below).
+    carried: u64,
     nonce: u64,
-    ping_sent: bool,
 }
 
-/// Notices kept waiting for their proof of reading; past it the two
-/// oldest merge (a peer that answers no ping is soon given up anyway).
-const UNREAD_NOTICES_MAX: usize = 8;
+/// Notices kept waiting for their proof of reading; past it the oldest
+/// merges into the next (a peer that answers no ping is soon given up
+/// anyway), its late notice then counting nothing.
+pub(crate) const UNREAD_NOTICES_MAX: usize = 8;
 
 impl DataLinks {
     /// Choose data paths from both sides' offers and open the chosen links
@@ -2071,6 +2079,7 @@ impl DataLinks {
                 lost: 0,
                 unsent: 0,
                 waiting: VecDeque::new(),
+                notice_ping: None,
             });
         }
         if self
@@ -2107,43 +2116,40 @@ impl DataLinks {
         // Sent as far as the peer knows, so counted by it or just now.
         link.failed_at_tail = 0;
         let epoch = self.best_effort_epoch();
-        let closed = self.close_best_effort(endpoints)?;
-        self.told_peer = (how == GiveUp::Telling).then_some((epoch, closed.sent_through));
-        if how == GiveUp::Telling && unconfirmed > 0 {
-            self.note_unread_notice(epoch, unconfirmed);
+        let mut closed = self.close_best_effort(endpoints)?;
+        if how == GiveUp::Telling {
+            closed.notice_ping =
+                Some(self.note_unread_notice(epoch, closed.sent_through, unconfirmed));
         }
         Some(closed)
     }
 
-    /// A notice for the link of `epoch` leaves `unconfirmed` frames to the
-    /// peer to count.
-    pub(crate) fn note_unread_notice(&mut self, epoch: u32, unconfirmed: u64) {
+    /// A notice for the link of `epoch`, sent through `sent_through`,
+    /// leaves `unconfirmed` frames to the peer to count: returns the nonce
+    /// of the ping to send behind it.
+    pub(crate) fn note_unread_notice(
+        &mut self,
+        epoch: u32,
+        sent_through: u64,
+        unconfirmed: u64,
+    ) -> u64 {
         if self.unread_notices.len() == UNREAD_NOTICES_MAX {
             if let Some(oldest) = self.unread_notices.pop_front() {
                 if let Some(next) = self.unread_notices.front_mut() {
-                    next.unconfirmed += oldest.unconfirmed;
+                    next.carried += oldest.unconfirmed + oldest.carried;
                 }
             }
         }
-        let nonce = random_u64().unwrap_or(u64::MAX - u64::from(epoch) - 1);
+        // Apart from the switch's fallback nonces (near `u64::MAX`).
+        let nonce = random_u64().unwrap_or(1 << 62 | u64::from(epoch));
         self.unread_notices.push_back(UnreadNotice {
             epoch,
+            sent_through: Some(sent_through),
             unconfirmed,
+            carried: 0,
             nonce,
-            ping_sent: false,
         });
-    }
-
-    /// The nonce of the `Ping` the owner sends behind a `best-effort
-    /// closed` notice it just sent, where the peer is to count frames this
-    /// side sent (see [`UnreadNotice`]); once each.
-    pub fn notice_ping(&mut self) -> Option<u64> {
-        let notice = self.unread_notices.back_mut()?;
-        if notice.ping_sent {
-            return None;
-        }
-        notice.ping_sent = true;
-        Some(notice.nonce)
+        nonce
     }
 
     /// A `Pong` from the peer: if it answers a notice's ping, that notice
@@ -2158,7 +2164,10 @@ impl DataLinks {
     /// whose notices the peer is not known to have read: if the session
     /// ends now, the peer may have counted them or not.
     pub fn unread_notice_frames(&self) -> u64 {
-        self.unread_notices.iter().map(|n| n.unconfirmed).sum()
+        self.unread_notices
+            .iter()
+            .map(|n| n.unconfirmed + n.carried)
+            .sum()
     }
 
     /// The peer's notice for the datagram link of `epoch`, which this side
@@ -2168,15 +2177,15 @@ impl DataLinks {
     /// (`settled_through`) are counted here after all: returns how many.
     /// (The peer does the same for its own.)
     pub fn late_notice(&mut self, epoch: u32, settled_through: u64) -> u64 {
-        match self.told_peer {
-            Some((told, sent_through)) if told == epoch => {
-                self.told_peer = None;
-                // Counted by the peer up to what it settled, here beyond.
-                self.unread_notices.retain(|n| n.epoch != epoch);
-                sent_through.saturating_sub(settled_through)
-            }
-            _ => 0,
-        }
+        let Some(notice) = self.unread_notices.iter_mut().find(|n| n.epoch == epoch) else {
+            return 0;
+        };
+        let Some(sent_through) = notice.sent_through.take() else {
+            return 0;
+        };
+        // Counted by the peer up to what it settled, here beyond.
+        notice.unconfirmed = 0;
+        sent_through.saturating_sub(settled_through)
     }
 
     /// On the side that dialed, when the best-effort link, given up, opens
@@ -2456,6 +2465,7 @@ impl DataLinks {
             lost,
             unsent,
             waiting,
+            notice_ping: None,
         })
     }
 }

@@ -1370,8 +1370,7 @@ mod tests {
             // Until the peer answers the ping sent behind the notice, the
             // 4 are counted as unacknowledged if the session ends.
             assert_eq!(sender.unread_notice_frames(), 4);
-            let nonce = sender.notice_ping().expect("a ping behind the notice");
-            assert_eq!(sender.notice_ping(), None, "one ping per notice");
+            let nonce = closed.notice_ping.expect("a ping behind the notice");
             sender.on_notice_pong(nonce.wrapping_add(1));
             assert_eq!(sender.unread_notice_frames(), 4, "another ping's pong");
             sender.on_notice_pong(nonce);
@@ -1411,37 +1410,44 @@ mod tests {
     }
 
     /// Notices not yet known read add up; a pong to a later notice's ping
-    /// shows the earlier ones read too (they went the same ordered way),
-    /// and a link given up with every frame confirmed leaves the peer
-    /// nothing to count, so it asks for no proof.
+    /// shows the earlier ones read too (they went the same ordered way).
+    /// Past the bound the oldest merge, nothing forgotten, and a late
+    /// notice takes only its own link's frames. A link given up with every
+    /// frame confirmed leaves the peer nothing to count, but its notice is
+    /// kept for a late notice of the peer's.
     #[test]
     fn notices_of_given_up_links_are_unread_until_a_later_ping_is_answered() {
+        use super::super::data_link::UNREAD_NOTICES_MAX;
         let mut links = DataLinks::default();
-        links.note_unread_notice(0, 3);
-        let first = links.notice_ping().expect("first");
-        links.note_unread_notice(1, 2);
-        let second = links.notice_ping().expect("second");
+        let first = links.note_unread_notice(0, 3, 3);
+        let second = links.note_unread_notice(1, 5, 2);
         assert_eq!(links.unread_notice_frames(), 5);
         links.on_notice_pong(second);
         assert_eq!(links.unread_notice_frames(), 0);
         links.on_notice_pong(first);
         assert_eq!(links.unread_notice_frames(), 0);
-        // Bounded: the oldest merge, nothing is forgotten.
         for epoch in 0..20 {
-            links.note_unread_notice(epoch, 1);
+            links.note_unread_notice(epoch, 1, 1);
         }
         assert_eq!(links.unread_notice_frames(), 20);
-        assert!(links.unread_notices.len() <= 8);
+        assert_eq!(links.unread_notices.len(), UNREAD_NOTICES_MAX);
+        // The oldest kept (epoch 12) holds what merged into it.
+        assert_eq!(links.late_notice(12, 0), 1);
+        assert_eq!(links.unread_notice_frames(), 19);
+        assert_eq!(links.late_notice(12, 0), 0, "once");
+        assert_eq!(links.late_notice(3, 0), 0, "merged away: nothing to count");
+        assert_eq!(links.unread_notice_frames(), 19);
 
         let (mut endpoints, mut sender, _) = best_effort_link_taking_all(4096);
         send_best_effort(&mut sender, &mut endpoints, 2, 100);
         best_effort_credit(&mut sender, std::time::Instant::now(), 2, 64);
         assert_eq!(sender.best_effort_probe_at(), None, "all confirmed");
-        sender
+        let closed = sender
             .give_up_best_effort(&mut endpoints, GiveUp::Telling)
             .expect("open");
         assert_eq!(sender.unread_notice_frames(), 0);
-        assert_eq!(sender.notice_ping(), None);
+        assert!(closed.notice_ping.is_some());
+        assert_eq!(sender.late_notice(0, 1), 1, "the peer settled 1 of 2");
     }
 
     /// Both sides give the datagram link up at once, each telling the
