@@ -270,3 +270,123 @@ fn a_killed_broker_comes_back_on_the_fabric() {
         "nothing more: no old message, no duplicate"
     );
 }
+
+/// A route's datagram link towards a broker that hangs (SIGSTOP) is given
+/// up by the broker streaming on it, which leaves what it sent there
+/// unconfirmed to the hung one to count; that one never reads the notice
+/// (it is killed), so the survivor counts those frames when the route
+/// ends, in `unacknowledged_at_close`: every best-effort message routed to
+/// the hung broker is counted, as dropped, unacknowledged or queued.
+/// Before, the frames left to the peer were counted by nobody.
+#[test]
+fn best_effort_left_to_a_hung_broker_is_counted_when_its_route_ends() {
+    let config = |name: &str, peers: &str| {
+        format!(
+            "name = {name:?}\npeers = [{peers}]\nmonitor = \"127.0.0.1:0\"\n\
+             [heartbeat]\ninterval_ms = 100\ntimeout_ms = 5000\n\
+             [fabric]\nprovider = \"tcp;ofi_rxm\"\ndgram_provider = \"udp\"\n\
+             node = \"127.0.0.1\"\n"
+        )
+    };
+    let listen = ["tcp/127.0.0.1:0", "efa-rdm", "efa-dgram"];
+    let mut b = Server::start_listening(&listen, &config("b", ""), &[]);
+    let a = Server::start_listening(&listen, &config("a", &format!("{:?}", b.endpoint)), &[]);
+    let a_monitor = a.monitor.clone().expect("a serves monitoring");
+    let datagram_route = || {
+        let routez = common::monitor_json(&a_monitor, "/routez");
+        routez["routes"][0]["link"]["best_effort"]
+            .as_str()
+            .is_some_and(|link| link.starts_with("efa-dgram via udp"))
+    };
+    if !common::eventually(WAIT, datagram_route) {
+        assert!(
+            !common::fabric_required(),
+            "the route has no datagram link: {}",
+            common::monitor_json(&a_monitor, "/routez")
+        );
+        eprintln!("skipping: efa-dgram via udp cannot open here");
+        return;
+    }
+    let publisher = Client::connect(&a.endpoint).expect("connect a");
+    let on_b = Client::connect(&b.endpoint).expect("connect b");
+    let probe = on_b.subscribe("probe").expect("subscribe");
+    let best_effort = on_b.subscribe_best_effort("be.>").expect("subscribe");
+    wait_for_route(&publisher, &probe);
+    // The datagram link in use and credited: what b takes comes through.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "nothing came on the datagram link"
+        );
+        for _ in 0..20 {
+            publisher
+                .publish("be.data", Bytes::from_static(b"before"))
+                .expect("publish");
+        }
+        if best_effort.recv_timeout(Duration::from_millis(50)).is_ok() {
+            break;
+        }
+    }
+    while best_effort.recv_timeout(Duration::from_millis(200)).is_ok() {}
+    let total = |name: &str| common::varz_total(&a_monitor, name);
+    // What a drops (no credit, or queued when the route ends) and what it
+    // sent that b never acknowledged (b may have taken it or not).
+    let dropped =
+        || total("best_effort_drops") + total("connection_drops") + total("slow_consumer_drops");
+    let (routed_before, dropped_before, unacknowledged_before) = (
+        total("route_messages_out"),
+        dropped(),
+        total("unacknowledged_at_close"),
+    );
+
+    b.stop();
+    // Paced, so that most of it goes out on the datagram link (the
+    // window's worth a credit allows) rather than being dropped at once
+    // for want of credit, and the link is given up (three probes of
+    // 400 ms unanswered, half the heartbeat timeout passed) while the
+    // route still stands.
+    for _ in 0..100 {
+        for _ in 0..10 {
+            publisher
+                .publish("be.data", Bytes::from_static(b"hung"))
+                .expect("publish");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    publisher.flush(WAIT).expect("flush");
+    let routed = || total("route_messages_out") - routed_before;
+    assert!(
+        common::eventually(WAIT, || routed() == 1_000),
+        "a routed {} of the 1,000 published while b hung",
+        routed()
+    );
+    // b is silent past the heartbeat timeout: a ends the route.
+    assert!(
+        common::eventually(WAIT, || common::monitor_json(&a_monitor, "/routez")
+            ["routes"]
+            .as_array()
+            .is_some_and(Vec::is_empty)),
+        "a still reports a route to the hung b"
+    );
+    b.kill();
+    let counts = || {
+        (
+            dropped() - dropped_before,
+            total("unacknowledged_at_close") - unacknowledged_before,
+        )
+    };
+    common::eventually(WAIT, || counts().0 + counts().1 >= 1_000);
+    let (dropped, unacknowledged) = counts();
+    eprintln!(
+        "a routed {} best-effort messages to the hung b: {dropped} dropped, \
+         {unacknowledged} unacknowledged",
+        routed()
+    );
+    assert!(
+        dropped + unacknowledged >= routed(),
+        "{} best-effort messages routed to the hung b, {dropped} counted as dropped and \
+         {unacknowledged} as unacknowledged",
+        routed()
+    );
+}
