@@ -1347,6 +1347,12 @@ pub(crate) struct DataLinks {
     /// Notices of datagram links given up telling the peer
     /// ([`GiveUp::Telling`]) not yet known read by it, oldest first.
     pub(crate) unread_notices: VecDeque<UnreadNotice>,
+    /// The epoch and `sent_through` of the datagram links this side gave
+    /// up telling the peer, latest last, until the peer's own notice for
+    /// one comes ([`Self::late_notice`]). Apart from `unread_notices`: the
+    /// peer answers pings ahead of what it queued, so the pong showing it
+    /// read this side's notice may come before its own notice.
+    pub(crate) told_peer: VecDeque<(u32, u64)>,
 }
 
 /// A `best-effort closed` notice this side sent, leaving the frames it
@@ -1360,9 +1366,6 @@ pub(crate) struct DataLinks {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct UnreadNotice {
     epoch: u32,
-    /// How far this side sent there, until a late notice from the peer
-    /// takes it.
-    sent_through: Option<u64>,
     /// Frames sent there unconfirmed, left to the peer.
     unconfirmed: u64,
     /// Those of older notices merged into this one (the bound below).
@@ -1370,9 +1373,10 @@ pub(crate) struct UnreadNotice {
     nonce: u64,
 }
 
-/// Notices kept waiting for their proof of reading; past it the oldest
-/// merges into the next (a peer that answers no ping is soon given up
-/// anyway), its late notice then counting nothing.
+/// Notices kept waiting for their proof of reading, and links kept for
+/// the peer's late notice; past it the oldest notice merges into the next
+/// and the oldest link is forgotten (a peer that answers no ping is soon
+/// given up anyway).
 pub(crate) const UNREAD_NOTICES_MAX: usize = 8;
 
 impl DataLinks {
@@ -1404,6 +1408,8 @@ impl DataLinks {
         self.announced_since = None;
         self.opened_at = (!self.dialed).then(Instant::now);
         self.reopening = None;
+        self.unread_notices.clear();
+        self.told_peer.clear();
         // Schemes whose link failed to open here; each pass drops one more,
         // so the passes end.
         let mut unusable: Vec<String> = Vec::new();
@@ -2118,21 +2124,18 @@ impl DataLinks {
         let epoch = self.best_effort_epoch();
         let mut closed = self.close_best_effort(endpoints)?;
         if how == GiveUp::Telling {
-            closed.notice_ping =
-                Some(self.note_unread_notice(epoch, closed.sent_through, unconfirmed));
+            if self.told_peer.len() == UNREAD_NOTICES_MAX {
+                self.told_peer.pop_front();
+            }
+            self.told_peer.push_back((epoch, closed.sent_through));
+            closed.notice_ping = Some(self.note_unread_notice(epoch, unconfirmed));
         }
         Some(closed)
     }
 
-    /// A notice for the link of `epoch`, sent through `sent_through`,
-    /// leaves `unconfirmed` frames to the peer to count: returns the nonce
-    /// of the ping to send behind it.
-    pub(crate) fn note_unread_notice(
-        &mut self,
-        epoch: u32,
-        sent_through: u64,
-        unconfirmed: u64,
-    ) -> u64 {
+    /// A notice for the link of `epoch` leaves `unconfirmed` frames to the
+    /// peer to count: returns the nonce of the ping to send behind it.
+    pub(crate) fn note_unread_notice(&mut self, epoch: u32, unconfirmed: u64) -> u64 {
         if self.unread_notices.len() == UNREAD_NOTICES_MAX {
             if let Some(oldest) = self.unread_notices.pop_front() {
                 if let Some(next) = self.unread_notices.front_mut() {
@@ -2144,7 +2147,6 @@ impl DataLinks {
         let nonce = random_u64().unwrap_or(1 << 62 | u64::from(epoch));
         self.unread_notices.push_back(UnreadNotice {
             epoch,
-            sent_through: Some(sent_through),
             unconfirmed,
             carried: 0,
             nonce,
@@ -2177,14 +2179,16 @@ impl DataLinks {
     /// (`settled_through`) are counted here after all: returns how many.
     /// (The peer does the same for its own.)
     pub fn late_notice(&mut self, epoch: u32, settled_through: u64) -> u64 {
-        let Some(notice) = self.unread_notices.iter_mut().find(|n| n.epoch == epoch) else {
+        let Some(at) = self.told_peer.iter().position(|&(told, _)| told == epoch) else {
             return 0;
         };
-        let Some(sent_through) = notice.sent_through.take() else {
+        let Some((_, sent_through)) = self.told_peer.remove(at) else {
             return 0;
         };
         // Counted by the peer up to what it settled, here beyond.
-        notice.unconfirmed = 0;
+        if let Some(notice) = self.unread_notices.iter_mut().find(|n| n.epoch == epoch) {
+            notice.unconfirmed = 0;
+        }
         sent_through.saturating_sub(settled_through)
     }
 
