@@ -334,10 +334,11 @@ fn best_effort_left_to_a_hung_broker_is_counted_when_its_route_ends() {
     // sent that b never acknowledged (b may have taken it or not).
     let dropped =
         || total("best_effort_drops") + total("connection_drops") + total("slow_consumer_drops");
-    let (routed_before, dropped_before, unacknowledged_before) = (
+    let (routed_before, dropped_before, unacknowledged_before, given_up_before) = (
         total("route_messages_out"),
         dropped(),
         total("unacknowledged_at_close"),
+        total("datagram_links_given_up"),
     );
 
     b.stop();
@@ -368,6 +369,12 @@ fn best_effort_left_to_a_hung_broker_is_counted_when_its_route_ends() {
             .as_array()
             .is_some_and(Vec::is_empty)),
         "a still reports a route to the hung b"
+    );
+    // Given up before the route ended (a session's end counts its open
+    // datagram link's frames itself).
+    assert!(
+        total("datagram_links_given_up") > given_up_before,
+        "the datagram link was not given up before the route ended"
     );
     b.kill();
     let counts = || {
