@@ -1360,9 +1360,9 @@ pub(crate) struct DataLinks {
 /// it reads the notice counts none of them, so until a `Pong` answers the
 /// `Ping` sent behind it (on the same ordered path; the peer reads the
 /// notice first) a session that ends counts them as unacknowledged, as it
-/// does frames in flight. A peer that gave its side up at once sends its
-/// own notice before it can read this one, so that comes before the pong
-/// ([`DataLinks::late_notice`]).
+/// does frames in flight. (A peer that gave its side up at once counts
+/// only those it settled; this side counts the rest on the peer's own
+/// notice, [`DataLinks::late_notice`].)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct UnreadNotice {
     epoch: u32,
