@@ -114,6 +114,18 @@ fn the_cluster_secret_from_the_environment_opens_routes() {
     }
 }
 
+/// Whether `ready` comes true within [`WAIT`]; if not, the test fails
+/// where the fabric is required (saying what is `missing`, with the
+/// `report`) and is skipped elsewhere.
+fn fabric_ready(ready: impl FnMut() -> bool, missing: &str, report: impl Fn() -> String) -> bool {
+    if common::eventually(WAIT, ready) {
+        return true;
+    }
+    assert!(!common::fabric_required(), "{missing}: {}", report());
+    eprintln!("skipping: {missing}");
+    false
+}
+
 /// The routes `/routez` of the broker monitored at `monitor` reports, as
 /// (remote, reliable link) pairs.
 fn routes(monitor: &str) -> Vec<(String, String)> {
@@ -149,13 +161,12 @@ fn a_killed_broker_comes_back_on_the_fabric() {
     let on_fabric = |routes: &[(String, String)]| {
         routes.len() == 1 && routes[0].1.starts_with("efa-rdm via tcp;ofi_rxm")
     };
-    if !common::eventually(WAIT, || on_fabric(&routes(&a_monitor))) {
-        assert!(
-            !common::fabric_required(),
-            "the route is not on the fabric: {:?}",
-            routes(&a_monitor)
-        );
-        eprintln!("skipping: tcp;ofi_rxm cannot open here");
+    let route_up = fabric_ready(
+        || on_fabric(&routes(&a_monitor)),
+        "the route is not on tcp;ofi_rxm",
+        || format!("{:?}", routes(&a_monitor)),
+    );
+    if !route_up {
         return;
     }
     let publisher = Client::connect(&a.endpoint).expect("connect a");
@@ -298,13 +309,12 @@ fn best_effort_left_to_a_hung_broker_is_counted_when_its_route_ends() {
             .as_str()
             .is_some_and(|link| link.starts_with("efa-dgram via udp"))
     };
-    if !common::eventually(WAIT, datagram_route) {
-        assert!(
-            !common::fabric_required(),
-            "the route has no datagram link: {}",
-            common::monitor_json(&a_monitor, "/routez")
-        );
-        eprintln!("skipping: efa-dgram via udp cannot open here");
+    let route_up = fabric_ready(
+        datagram_route,
+        "the route has no datagram link over udp",
+        || common::monitor_json(&a_monitor, "/routez").to_string(),
+    );
+    if !route_up {
         return;
     }
     let publisher = Client::connect(&a.endpoint).expect("connect a");
