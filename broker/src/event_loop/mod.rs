@@ -2751,7 +2751,7 @@ impl EventLoop {
             );
             self.send(id, codec::encode(&notice), false);
             if let Some(nonce) = closed.notice_ping {
-                // Its pong shows the peer read the notice (`UnreadNotice`).
+                // Its pong shows the peer read the notice (`GivenUp`).
                 self.send(id, codec::encode(&Frame::Ping { nonce }), false);
             }
         }
@@ -2997,8 +2997,9 @@ impl EventLoop {
     /// A `Pong` that may answer a data link's challenge: the peer receives
     /// at that address, which is now this session's alone. An older
     /// session that held the same address (the same client, reconnected)
-    /// ends. Or the barrier's ping. A closing session hears these too:
-    /// what waits behind them is its to drain.
+    /// ends. Or the barrier's ping, a datagram link's probe or switch, or
+    /// the ping behind a `best-effort closed` notice. A closing session
+    /// hears these too: what waits behind them is its to drain.
     fn on_pong(&mut self, id: u64, nonce: u64) {
         let Some(session) = self.sessions.get_mut(&id) else {
             return;

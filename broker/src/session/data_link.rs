@@ -190,10 +190,9 @@ pub(crate) struct DataLink {
     /// Credits sent to the peer.
     pub credits_out: u64,
     credit_waits_reported: u64,
-    /// Credit and probe frames that did not decode on a lossy link
-    /// (counted, otherwise ignored: the next credit repairs the window,
-    /// the next probe asks again), since [`DataLinks::take_bad_link_frames`]
-    /// last took them.
+    /// Credit and probe frames that did not decode on a lossy link, since
+    /// [`DataLinks::take_bad_link_frames`] last took them: ignored, a later
+    /// credit or probe carrying what they would have said.
     bad_link_frames: u64,
     /// Runs that did not open on a lossy link, dropped and counted as lost
     /// (one each: what they held cannot be known).
@@ -1188,7 +1187,7 @@ pub(crate) struct Closed {
     /// Frames that waited on it for credit (see [`DataLink::take_waiting`]).
     pub waiting: VecDeque<OutFrame>,
     /// Given up telling the peer ([`GiveUp::Telling`]): the nonce of the
-    /// `Ping` the owner sends behind the notice ([`UnreadNotice`]).
+    /// `Ping` the owner sends behind the notice ([`GivenUp::unread`]).
     pub notice_ping: Option<u64>,
 }
 
@@ -1200,7 +1199,7 @@ pub(crate) enum GiveUp {
     /// This side gives up and tells the peer (a `best-effort closed`
     /// frame) how far it sent ([`Closed::sent_through`]): the peer counts
     /// what it lacks of that, this side none of it (unless the session
-    /// ends before the peer shows it read the notice: [`UnreadNotice`]).
+    /// ends before the peer shows it read the notice: [`GivenUp::unread`]).
     Telling,
     /// The peer gave up, saying it settled what this side sent up to
     /// `settled_through` and sent up to `sent_through`: this side counts
@@ -1344,40 +1343,37 @@ pub(crate) struct DataLinks {
     /// How the best-effort link opens again once given up; `None` where
     /// none was negotiated.
     pub(crate) reopening: Option<Reopening>,
-    /// Notices of datagram links given up telling the peer
-    /// ([`GiveUp::Telling`]) not yet known read by it, oldest first.
-    pub(crate) unread_notices: VecDeque<UnreadNotice>,
-    /// The epoch and `sent_through` of the datagram links this side gave
-    /// up telling the peer, latest last, until the peer's own notice for
-    /// one comes ([`Self::late_notice`]). Apart from `unread_notices`: the
-    /// peer answers pings ahead of what it queued, so the pong showing it
-    /// read this side's notice may come before its own notice.
-    pub(crate) told_peer: VecDeque<(u32, u64)>,
+    /// The datagram links this side gave up telling the peer
+    /// ([`GiveUp::Telling`]), oldest first, at most [`GIVEN_UP_KEPT`].
+    pub(super) given_up: VecDeque<GivenUp>,
+    /// Frames left to the peer by notices of links no longer kept, not yet
+    /// known read (see [`GivenUp::unread`]).
+    pub(super) unread_beyond_kept: u64,
 }
 
-/// A `best-effort closed` notice this side sent, leaving the frames it
-/// sent unconfirmed on that link to the peer to count. A peer gone before
-/// it reads the notice counts none of them, so until a `Pong` answers the
-/// `Ping` sent behind it (on the same ordered path; the peer reads the
-/// notice first) a session that ends counts them as unacknowledged, as it
-/// does frames in flight. (A peer that gave its side up at once counts
-/// only those it settled; this side counts the rest on the peer's own
-/// notice, [`DataLinks::late_notice`].)
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct UnreadNotice {
+/// A datagram link this side gave up telling the peer (a `best-effort
+/// closed` notice), leaving the frames it sent there unconfirmed to the
+/// peer to count.
+pub(super) struct GivenUp {
     epoch: u32,
-    /// Frames sent there unconfirmed, left to the peer.
-    unconfirmed: u64,
-    /// Those of older notices merged into this one (the bound below).
-    carried: u64,
+    /// How far this side sent there: where the peer gave its side up at
+    /// the same time, its own notice says what it settled, and this side
+    /// counts the rest ([`DataLinks::late_notice`]).
+    sent_through: u64,
+    /// The frames left to the peer, while it is not known to have read the
+    /// notice: a peer gone before reading it counts none of them, so a
+    /// session that ends counts them as unacknowledged, as it does frames
+    /// in flight. The `Pong` answering the `Ping` sent behind the notice
+    /// (`nonce`; on the same ordered path, so read after it) zeroes this.
+    unread: u64,
     nonce: u64,
 }
 
-/// Notices kept waiting for their proof of reading, and links kept for
-/// the peer's late notice; past it the oldest notice merges into the next
-/// and the oldest link is forgotten (a peer that answers no ping is soon
-/// given up anyway).
-pub(crate) const UNREAD_NOTICES_MAX: usize = 8;
+/// Links given up kept for their proofs of reading and the peer's late
+/// notices (a peer that answers no ping is soon given up anyway): past
+/// it, the oldest one's unread frames still count, its late notice no
+/// more.
+pub(super) const GIVEN_UP_KEPT: usize = 8;
 
 impl DataLinks {
     /// Choose data paths from both sides' offers and open the chosen links
@@ -1408,8 +1404,8 @@ impl DataLinks {
         self.announced_since = None;
         self.opened_at = (!self.dialed).then(Instant::now);
         self.reopening = None;
-        self.unread_notices.clear();
-        self.told_peer.clear();
+        self.given_up.clear();
+        self.unread_beyond_kept = 0;
         // Schemes whose link failed to open here; each pass drops one more,
         // so the passes end.
         let mut unusable: Vec<String> = Vec::new();
@@ -2107,7 +2103,7 @@ impl DataLinks {
         how: GiveUp,
     ) -> Option<Closed> {
         let link = self.best_effort.as_mut()?;
-        let unconfirmed = link.unconfirmed();
+        let left_to_peer = (how == GiveUp::Telling).then(|| link.unconfirmed());
         if let GiveUp::Told {
             settled_through,
             sent_through,
@@ -2123,53 +2119,48 @@ impl DataLinks {
         link.failed_at_tail = 0;
         let epoch = self.best_effort_epoch();
         let mut closed = self.close_best_effort(endpoints)?;
-        if how == GiveUp::Telling {
-            if self.told_peer.len() == UNREAD_NOTICES_MAX {
-                self.told_peer.pop_front();
-            }
-            self.told_peer.push_back((epoch, closed.sent_through));
-            closed.notice_ping = Some(self.note_unread_notice(epoch, unconfirmed));
+        if let Some(unread) = left_to_peer {
+            closed.notice_ping = Some(self.note_given_up(epoch, closed.sent_through, unread));
         }
         Some(closed)
     }
 
-    /// A notice for the link of `epoch` leaves `unconfirmed` frames to the
-    /// peer to count: returns the nonce of the ping to send behind it.
-    pub(crate) fn note_unread_notice(&mut self, epoch: u32, unconfirmed: u64) -> u64 {
-        if self.unread_notices.len() == UNREAD_NOTICES_MAX {
-            if let Some(oldest) = self.unread_notices.pop_front() {
-                if let Some(next) = self.unread_notices.front_mut() {
-                    next.carried += oldest.unconfirmed + oldest.carried;
-                }
+    /// The link of `epoch`, sent through `sent_through`, given up telling
+    /// the peer, which is left `unread` frames to count: returns the nonce
+    /// of the ping to send behind the notice.
+    pub(super) fn note_given_up(&mut self, epoch: u32, sent_through: u64, unread: u64) -> u64 {
+        if self.given_up.len() == GIVEN_UP_KEPT {
+            if let Some(oldest) = self.given_up.pop_front() {
+                self.unread_beyond_kept += oldest.unread;
             }
         }
         // Apart from the switch's fallback nonces (near `u64::MAX`).
-        let nonce = random_u64().unwrap_or(1 << 62 | u64::from(epoch));
-        self.unread_notices.push_back(UnreadNotice {
+        let nonce = random_u64().unwrap_or((1 << 62) | u64::from(epoch));
+        self.given_up.push_back(GivenUp {
             epoch,
-            unconfirmed,
-            carried: 0,
+            sent_through,
+            unread,
             nonce,
         });
         nonce
     }
 
-    /// A `Pong` from the peer: if it answers a notice's ping, that notice
-    /// and those before it were read, and the peer counted their frames.
+    /// A `Pong` from the peer: if it answers the ping behind a notice, the
+    /// peer read that notice and those before it, and counted their frames.
     pub fn on_notice_pong(&mut self, nonce: u64) {
-        if let Some(at) = self.unread_notices.iter().position(|n| n.nonce == nonce) {
-            self.unread_notices.drain(..=at);
+        if let Some(at) = self.given_up.iter().position(|link| link.nonce == nonce) {
+            for link in self.given_up.range_mut(..=at) {
+                link.unread = 0;
+            }
+            self.unread_beyond_kept = 0;
         }
     }
 
-    /// Frames this side sent unconfirmed on datagram links it gave up,
+    /// Frames this side left to the peer on datagram links it gave up,
     /// whose notices the peer is not known to have read: if the session
     /// ends now, the peer may have counted them or not.
     pub fn unread_notice_frames(&self) -> u64 {
-        self.unread_notices
-            .iter()
-            .map(|n| n.unconfirmed + n.carried)
-            .sum()
+        self.given_up.iter().map(|link| link.unread).sum::<u64>() + self.unread_beyond_kept
     }
 
     /// The peer's notice for the datagram link of `epoch`, which this side
@@ -2177,19 +2168,20 @@ impl DataLinks {
     /// gave up at once, each counting on the other for the frames it sent
     /// unconfirmed. Those this side sent beyond what the peer settled
     /// (`settled_through`) are counted here after all: returns how many.
-    /// (The peer does the same for its own.)
+    /// (The peer does the same for its own.) The link's frames then leave
+    /// what a session's end counts ([`GivenUp::unread`]): the peer counted
+    /// those it settled. The peer answers pings ahead of what it queued, so
+    /// this may come after the pong to the ping behind this side's notice.
     pub fn late_notice(&mut self, epoch: u32, settled_through: u64) -> u64 {
-        let Some(at) = self.told_peer.iter().position(|&(told, _)| told == epoch) else {
+        let Some(link) = self
+            .given_up
+            .iter()
+            .position(|link| link.epoch == epoch)
+            .and_then(|at| self.given_up.remove(at))
+        else {
             return 0;
         };
-        let Some((_, sent_through)) = self.told_peer.remove(at) else {
-            return 0;
-        };
-        // Counted by the peer up to what it settled, here beyond.
-        if let Some(notice) = self.unread_notices.iter_mut().find(|n| n.epoch == epoch) {
-            notice.unconfirmed = 0;
-        }
-        sent_through.saturating_sub(settled_through)
+        link.sent_through.saturating_sub(settled_through)
     }
 
     /// On the side that dialed, when the best-effort link, given up, opens

@@ -1410,26 +1410,32 @@ mod tests {
     }
 
     /// Notices not yet known read add up; a pong to a later notice's ping
-    /// shows the earlier ones read too (they went the same ordered way).
-    /// Past the bound the oldest merge, their frames kept. A link given up
-    /// with every frame confirmed leaves the peer nothing to count, but is
-    /// kept for a late notice of the peer's.
+    /// shows the earlier ones read too (they went the same ordered way),
+    /// links kept past the bound included; a late notice still finds its
+    /// link after the pong. A link given up with every frame confirmed
+    /// leaves the peer nothing to count, but is kept for a late notice.
     #[test]
     fn notices_of_given_up_links_are_unread_until_a_later_ping_is_answered() {
-        use super::super::data_link::UNREAD_NOTICES_MAX;
+        use super::super::data_link::GIVEN_UP_KEPT;
         let mut links = DataLinks::default();
-        let first = links.note_unread_notice(0, 3);
-        let second = links.note_unread_notice(1, 2);
+        let first = links.note_given_up(0, 10, 3);
+        let second = links.note_given_up(1, 20, 2);
         assert_eq!(links.unread_notice_frames(), 5);
         links.on_notice_pong(second);
         assert_eq!(links.unread_notice_frames(), 0);
         links.on_notice_pong(first);
         assert_eq!(links.unread_notice_frames(), 0);
-        for epoch in 0..20 {
-            links.note_unread_notice(epoch, 1);
+        assert_eq!(links.late_notice(0, 4), 6, "kept for its late notice");
+        assert_eq!(links.late_notice(0, 4), 0, "once");
+        let mut newest = 0;
+        for epoch in 2..22 {
+            newest = links.note_given_up(epoch, 30, 1);
         }
-        assert_eq!(links.unread_notice_frames(), 20);
-        assert_eq!(links.unread_notices.len(), UNREAD_NOTICES_MAX);
+        assert_eq!(links.unread_notice_frames(), 20, "none forgotten");
+        assert_eq!(links.given_up.len(), GIVEN_UP_KEPT);
+        assert_eq!(links.late_notice(2, 0), 0, "no longer kept");
+        links.on_notice_pong(newest);
+        assert_eq!(links.unread_notice_frames(), 0);
 
         let (mut endpoints, mut sender, _) = best_effort_link_taking_all(4096);
         send_best_effort(&mut sender, &mut endpoints, 2, 100);
@@ -1440,7 +1446,7 @@ mod tests {
             .expect("open");
         assert_eq!(sender.unread_notice_frames(), 0);
         assert!(closed.notice_ping.is_some());
-        assert_eq!(sender.late_notice(0, 2), 0, "the peer settled both");
+        assert_eq!(sender.given_up.len(), 1, "kept for a late notice");
     }
 
     /// Both sides give the datagram link up at once, each telling the
@@ -1449,6 +1455,15 @@ mod tests {
     /// settled, so every frame is still counted once.
     #[test]
     fn datagram_links_given_up_on_both_sides_at_once_count_each_frame_once() {
+        for pong_first in [true, false] {
+            both_sides_give_up_at_once(pong_first);
+        }
+    }
+
+    /// [`datagram_links_given_up_on_both_sides_at_once_count_each_frame_once`],
+    /// the peer's pong to the ping behind this side's notice coming before
+    /// its own notice (it answers pings ahead of what it queued) or after.
+    fn both_sides_give_up_at_once(pong_first: bool) {
         let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
         let (mut receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
         send_best_effort(&mut sender, &mut endpoints, 4, 100);
@@ -1472,13 +1487,17 @@ mod tests {
         assert!(sender
             .give_up_best_effort(&mut endpoints, notice_of(&theirs))
             .is_none());
-        // The peer's pong to the ping behind this side's notice may come
-        // before its own notice (pongs go ahead of what it queued).
-        sender.on_notice_pong(mine.notice_ping.expect("a ping behind the notice"));
+        let pong = mine.notice_ping.expect("a ping behind the notice");
+        assert_eq!(sender.unread_notice_frames(), 4);
+        if pong_first {
+            sender.on_notice_pong(pong);
+        }
         assert_eq!(sender.late_notice(0, theirs.settled_through), 2);
         assert_eq!(sender.late_notice(0, theirs.settled_through), 0, "once");
         // Counted now, by the peer up to what it settled and here beyond:
         // none is left for the session's end.
+        assert_eq!(sender.unread_notice_frames(), 0);
+        sender.on_notice_pong(pong);
         assert_eq!(sender.unread_notice_frames(), 0);
         assert!(receiver
             .give_up_best_effort(&mut receiver_endpoints, notice_of(&mine))
