@@ -187,8 +187,8 @@ pub struct BrokerStats {
     /// `best_effort_drops`).
     pub credit_waits: AtomicU64,
     /// Credit and probe frames from peers' datagram links that did not
-    /// decode: ignored (the next credit or probe repairs what it would
-    /// have said), the link going on.
+    /// decode: ignored, a later credit or probe carrying what they would
+    /// have said, the link going on.
     pub bad_link_frames: AtomicU64,
     /// Sessions failed because a data link would have held more for
     /// reordering and reassembly than its own bound or, with the other

@@ -380,7 +380,8 @@ pub struct LinkReport {
     /// started.
     pub best_effort_lost: u64,
     /// Credit and probe frames from the broker that did not decode on the
-    /// datagram link (ignored, the link going on).
+    /// datagram link since the client started (ignored, a later credit or
+    /// probe carrying what they would have said).
     pub bad_link_frames: u64,
     /// Sends that found the broker's credit window full on the reliable
     /// fabric data link (the frame waited in the client).

@@ -1079,9 +1079,11 @@ fn session_named(broker: &Broker, name: &str) -> efabus_broker::ConnectionReport
 /// no more there, pings for a credit, and with the client still heard on
 /// its reliable link gives the link up alone, saying why. Every message
 /// published meanwhile is delivered or counted: what it sent there
-/// unconfirmed in `best_effort_drops`, what waited for credit carried on
-/// the reliable link with what follows. (The link used to reset its window
-/// every 400 ms and send into the void, counting nothing.)
+/// unconfirmed by the client, told how far it went, in `best_effort_lost`;
+/// what waited for credit carried on the reliable link with what follows.
+/// The client answers the ping behind the notice, so the session's end
+/// counts none of those again. (The link used to reset its window every
+/// 400 ms and send into the void, counting nothing.)
 #[test]
 fn a_datagram_link_that_goes_quiet_is_given_up_and_its_losses_counted() {
     let provider = Provider { rdm: "tcp;ofi_rxm" };
