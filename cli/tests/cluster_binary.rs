@@ -393,17 +393,20 @@ fn best_effort_left_to_a_hung_broker_is_counted_when_its_route_ends() {
             total("unacknowledged_at_close") - unacknowledged_before,
         )
     };
-    common::eventually(WAIT, || counts().0 + counts().1 >= 1_000);
+    let routed = routed();
+    let counted = |(dropped, unacknowledged): (u64, u64)| dropped + unacknowledged >= routed;
+    common::eventually(WAIT, || counted(counts()));
     let (dropped, unacknowledged) = counts();
     eprintln!(
-        "a routed {} best-effort messages to the hung b: {dropped} dropped, \
-         {unacknowledged} unacknowledged",
-        routed()
+        "a routed {routed} best-effort messages to the hung b: {dropped} dropped, \
+         {unacknowledged} unacknowledged"
     );
+    // At most lost: besides the messages, the reliable link's own frames
+    // in flight count (its pings, 10 a second until the route ended, the
+    // notice), well under what the datagram link carried (its window).
     assert!(
-        dropped + unacknowledged >= routed(),
-        "{} best-effort messages routed to the hung b, {dropped} counted as dropped and \
-         {unacknowledged} as unacknowledged",
-        routed()
+        counted((dropped, unacknowledged)) && dropped + unacknowledged <= routed + 200,
+        "{routed} best-effort messages routed to the hung b, {dropped} counted as dropped and \
+         {unacknowledged} as unacknowledged"
     );
 }
