@@ -1199,7 +1199,9 @@ pub(crate) enum GiveUp {
     /// This side gives up and tells the peer (a `best-effort closed`
     /// frame) how far it sent ([`Closed::sent_through`]): the peer counts
     /// what it lacks of that, this side none of it (unless the session
-    /// ends before the peer shows it read the notice: [`GivenUp::unread`]).
+    /// ends before the peer shows it read the notice, [`GivenUp::unread`],
+    /// or the peer gave its side up at the same time,
+    /// [`DataLinks::late_notice`]).
     Telling,
     /// The peer gave up, saying it settled what this side sent up to
     /// `settled_through` and sent up to `sent_through`: this side counts
@@ -1358,8 +1360,9 @@ pub(super) struct GivenUp {
     epoch: u32,
     /// How far this side sent there: where the peer gave its side up at
     /// the same time, its own notice says what it settled, and this side
-    /// counts the rest ([`DataLinks::late_notice`]).
-    sent_through: u64,
+    /// counts the rest ([`DataLinks::late_notice`], which takes it; the
+    /// record stays for its pong).
+    sent_through: Option<u64>,
     /// The frames left to the peer, while it is not known to have read the
     /// notice: a peer gone before reading it counts none of them, so a
     /// session that ends counts them as unacknowledged, as it does frames
@@ -2138,7 +2141,7 @@ impl DataLinks {
         let nonce = random_u64().unwrap_or((1 << 62) | u64::from(epoch));
         self.given_up.push_back(GivenUp {
             epoch,
-            sent_through,
+            sent_through: Some(sent_through),
             unread,
             nonce,
         });
@@ -2173,15 +2176,14 @@ impl DataLinks {
     /// those it settled. The peer answers pings ahead of what it queued, so
     /// this may come after the pong to the ping behind this side's notice.
     pub fn late_notice(&mut self, epoch: u32, settled_through: u64) -> u64 {
-        let Some(link) = self
-            .given_up
-            .iter()
-            .position(|link| link.epoch == epoch)
-            .and_then(|at| self.given_up.remove(at))
-        else {
+        let Some(link) = self.given_up.iter_mut().find(|link| link.epoch == epoch) else {
             return 0;
         };
-        link.sent_through.saturating_sub(settled_through)
+        let Some(sent_through) = link.sent_through.take() else {
+            return 0;
+        };
+        link.unread = 0;
+        sent_through.saturating_sub(settled_through)
     }
 
     /// On the side that dialed, when the best-effort link, given up, opens

@@ -1421,19 +1421,32 @@ mod tests {
         let first = links.note_given_up(0, 10, 3);
         let second = links.note_given_up(1, 20, 2);
         assert_eq!(links.unread_notice_frames(), 5);
+        links.on_notice_pong(first);
+        assert_eq!(
+            links.unread_notice_frames(),
+            2,
+            "the later notice unread still"
+        );
         links.on_notice_pong(second);
         assert_eq!(links.unread_notice_frames(), 0);
-        links.on_notice_pong(first);
+        assert_eq!(links.late_notice(0, 8), 2, "kept for its late notice");
+        assert_eq!(links.late_notice(0, 8), 0, "once");
+        // A late notice before the pong: its frames counted there, and the
+        // pong still shows the notices before it read.
+        let third = links.note_given_up(2, 30, 4);
+        let fourth = links.note_given_up(3, 40, 1);
+        assert_eq!(links.late_notice(3, 39), 1);
+        assert_eq!(links.unread_notice_frames(), 4);
+        links.on_notice_pong(fourth);
         assert_eq!(links.unread_notice_frames(), 0);
-        assert_eq!(links.late_notice(0, 4), 6, "kept for its late notice");
-        assert_eq!(links.late_notice(0, 4), 0, "once");
+        links.on_notice_pong(third);
         let mut newest = 0;
-        for epoch in 2..22 {
+        for epoch in 4..24 {
             newest = links.note_given_up(epoch, 30, 1);
         }
         assert_eq!(links.unread_notice_frames(), 20, "none forgotten");
         assert_eq!(links.given_up.len(), GIVEN_UP_KEPT);
-        assert_eq!(links.late_notice(2, 0), 0, "no longer kept");
+        assert_eq!(links.late_notice(4, 0), 0, "no longer kept");
         links.on_notice_pong(newest);
         assert_eq!(links.unread_notice_frames(), 0);
 
