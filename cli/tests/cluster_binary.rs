@@ -402,8 +402,9 @@ fn best_effort_left_to_a_hung_broker_is_counted_when_its_route_ends() {
          {unacknowledged} unacknowledged"
     );
     // At most lost: besides the messages, the reliable link's own frames
-    // in flight count (its pings, 10 a second until the route ended, the
-    // notice), well under what the datagram link carried (its window).
+    // in flight count (its pings, 10 a second until the route ended 5 s
+    // later: the heartbeat settings above; the notice), well under what
+    // the datagram link carried (its window).
     assert!(
         counted((dropped, unacknowledged)) && dropped + unacknowledged <= routed + 200,
         "{routed} best-effort messages routed to the hung b, {dropped} counted as dropped and \
