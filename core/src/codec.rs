@@ -1101,6 +1101,19 @@ impl<'a> Fields<'a> {
         Ok(Fields { buf, pos: 0 })
     }
 
+    /// [`Self::new`] for a body of `kind` that is `len` bytes exactly.
+    fn exact(buf: &'a [u8], len: usize, kind: FrameKind) -> Result<Self, DecodeError> {
+        let fields = Self::new(buf, len)?;
+        if buf.len() != len {
+            return Err(DecodeError::BodyLength {
+                kind,
+                declared: len as u64,
+                actual: buf.len(),
+            });
+        }
+        Ok(fields)
+    }
+
     // The constructor checked the header length, so the reads below are
     // in bounds; they still go through `get` so nothing here can panic.
     fn array<const N: usize>(&mut self) -> [u8; N] {
@@ -1389,14 +1402,7 @@ fn decode_fragment(body: Bytes) -> Result<Frame, DecodeError> {
 }
 
 fn decode_credit(body: &[u8]) -> Result<Frame, DecodeError> {
-    let mut fields = Fields::new(body, CREDIT_BODY_LEN)?;
-    if body.len() != CREDIT_BODY_LEN {
-        return Err(DecodeError::BodyLength {
-            kind: FrameKind::Credit,
-            declared: CREDIT_BODY_LEN as u64,
-            actual: body.len(),
-        });
-    }
+    let mut fields = Fields::exact(body, CREDIT_BODY_LEN, FrameKind::Credit)?;
     Ok(Frame::Credit(Credit {
         messages: fields.u32(),
         bytes: fields.u64(),
@@ -1405,14 +1411,7 @@ fn decode_credit(body: &[u8]) -> Result<Frame, DecodeError> {
 }
 
 fn decode_probe(body: &[u8]) -> Result<Frame, DecodeError> {
-    let mut fields = Fields::new(body, PROBE_BODY_LEN)?;
-    if body.len() != PROBE_BODY_LEN {
-        return Err(DecodeError::BodyLength {
-            kind: FrameKind::Probe,
-            declared: PROBE_BODY_LEN as u64,
-            actual: body.len(),
-        });
-    }
+    let mut fields = Fields::exact(body, PROBE_BODY_LEN, FrameKind::Probe)?;
     Ok(Frame::Probe {
         nonce: fields.u64(),
         sent_through: fields.u64(),

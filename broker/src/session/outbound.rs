@@ -866,6 +866,7 @@ mod tests {
 
     /// What an endpoint took, in order.
     type Taken = Arc<Mutex<Vec<Bytes>>>;
+    type Endpoints = Vec<Box<dyn Endpoint>>;
 
     /// A control link (endpoint 0, taking everything) and a reliable data
     /// link in use over a scripted fabric endpoint (endpoint 1).
@@ -1330,6 +1331,21 @@ mod tests {
         assert!(links.best_effort_link().is_none());
     }
 
+    /// A sender's and a receiver's datagram links, the sender's 4 frames
+    /// of 100 bytes sent and the first `arrived` of them received:
+    /// `(sender's endpoints, sender, receiver's endpoints, receiver)`.
+    fn four_sent_some_arrived(arrived: usize) -> (Endpoints, DataLinks, Endpoints, DataLinks) {
+        let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
+        let (receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
+        send_best_effort(&mut sender, &mut endpoints, 4, 100);
+        let sent = fabric.lock().unwrap().clone();
+        let mut out = Vec::new();
+        let now = std::time::Instant::now();
+        receive_datagrams(&mut receiver, sent.into_iter().take(arrived), now, &mut out);
+        assert_eq!(out.len(), arrived);
+        (endpoints, sender, receiver_endpoints, receiver)
+    }
+
     /// A side that gives its datagram link up tells the peer how far it
     /// sent, and counts none of it: frames whose credits were lost may
     /// have arrived, and only the peer can tell (it counted them too).
@@ -1338,14 +1354,8 @@ mod tests {
     fn a_link_given_up_leaves_its_unconfirmed_frames_to_the_peer() {
         use std::time::Duration;
         for arrived in [4, 2] {
-            let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
-            let (mut receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
-            send_best_effort(&mut sender, &mut endpoints, 4, 100);
-            let sent = fabric.lock().unwrap().clone();
-            let mut out = Vec::new();
-            let now = std::time::Instant::now();
-            receive_datagrams(&mut receiver, sent.into_iter().take(arrived), now, &mut out);
-            assert_eq!(out.len(), arrived);
+            let (mut endpoints, mut sender, mut receiver_endpoints, mut receiver) =
+                four_sent_some_arrived(arrived);
             // No credit comes back, nor an answer: given up.
             let mut at = sender.best_effort_probe_at().expect("unconfirmed");
             let closed = loop {
@@ -1477,13 +1487,8 @@ mod tests {
     /// the peer's pong to the ping behind this side's notice coming before
     /// its own notice (it answers pings ahead of what it queued) or after.
     fn both_sides_give_up_at_once(pong_first: bool) {
-        let (mut endpoints, mut sender, fabric) = best_effort_link_taking_all(4096);
-        let (mut receiver_endpoints, mut receiver, _) = best_effort_link_taking_all(4096);
-        send_best_effort(&mut sender, &mut endpoints, 4, 100);
-        let sent = fabric.lock().unwrap().clone();
-        let mut out = Vec::new();
-        let now = std::time::Instant::now();
-        receive_datagrams(&mut receiver, sent.into_iter().take(2), now, &mut out);
+        let (mut endpoints, mut sender, mut receiver_endpoints, mut receiver) =
+            four_sent_some_arrived(2);
         let mine = sender
             .give_up_best_effort(&mut endpoints, GiveUp::Telling)
             .expect("open");
